@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU torch wheel (never a multi-GB CUDA build) and install loraweave.
+# Usage: scripts/setup.sh [extra]   e.g. scripts/setup.sh test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra="${1:-diffusers}"
+python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+# Pin the CPU wheel first; the package's own torch requirement is a range this satisfies.
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e ".[${extra}]"

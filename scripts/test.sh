@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install everything from scratch and run the whole test suite plus ruff.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+.venv/bin/ruff check .
+.venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"

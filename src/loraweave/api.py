@@ -1,0 +1,231 @@
+"""Public entry points: `plan` (resolve and report, touch nothing) and `apply` (merge / runtime / auto)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import StrictApplyError
+from .formats.adapter import Adapter, load_adapter
+from .mechanisms.merge import Contribution, MergedModule, merge_blocker, merge_module
+from .mechanisms.runtime import RuntimePath, runtime_blocker
+from .plan.resolve import Plan, PlannedPart, resolve
+from .plan.target import as_components
+from .report import AppliedModule, Report
+
+log = logging.getLogger("loraweave")
+MODES = ("auto", "merge", "runtime")
+AdapterSpec = str | os.PathLike | Adapter | Mapping | tuple
+
+
+def _normalise_adapters(adapters, strength: float) -> list[tuple[Adapter, float]]:
+    if isinstance(adapters, (str, os.PathLike, Adapter, Mapping)) or (
+        isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[1], (int, float))
+    ):
+        adapters = [adapters]
+    out: list[tuple[Adapter, float]] = []
+    seen: Counter = Counter()
+    for item in adapters:
+        own = 1.0
+        if isinstance(item, tuple):
+            item, own = item
+        adapter = load_adapter(item)
+        seen[adapter.name] += 1
+        if seen[adapter.name] > 1:  # two adapters must not share a name: set_strength addresses them by it
+            adapter.name = f"{adapter.name}#{seen[adapter.name]}"
+        out.append((adapter, float(own) * float(strength)))
+    return out
+
+
+def _adapter_summaries(plan: Plan) -> list[dict]:
+    out = []
+    for adapter in plan.adapters:
+        planned = [pp for pp in plan.planned if pp.adapter is adapter]
+        out.append(
+            {
+                "name": adapter.name,
+                "path": adapter.path,
+                "layout": adapter.layout,
+                "families": adapter.families,
+                "alpha_sources": dict(Counter(pp.alpha_source for pp in planned)),
+                "strength": plan.strengths[adapter.name],
+                "keys_total": adapter.keys_total,
+                "keys_applied": sum(len(pp.part.keys) for pp in planned),
+            }
+        )
+    return out
+
+
+def _group_by_module(planned: list[PlannedPart]) -> dict[tuple[str, str], list[Contribution]]:
+    groups: dict[tuple[str, str], list[Contribution]] = {}
+    for pp in planned:
+        for piece in pp.pieces:
+            groups.setdefault((pp.component, piece.module), []).append((pp, piece))
+    return groups
+
+
+def _make_report(plan: Plan, mode: str, applied: list[AppliedModule], unmatched: list[dict], t0: float) -> Report:
+    report = Report(mode=mode, adapters=_adapter_summaries(plan), applied=applied, unmatched=unmatched)
+    report.keys_total = sum(a.keys_total for a in plan.adapters)
+    report.keys_applied = sum(a["keys_applied"] for a in report.adapters)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def plan(target, adapters: Iterable[AdapterSpec] | AdapterSpec, strength: float = 1.0) -> Report:
+    """Resolve every key against `target` and report where it would land; nothing is modified.
+
+    Works on models built on the `meta` device (no weights needed)."""
+    t0 = time.perf_counter()
+    p = resolve(as_components(target), _normalise_adapters(adapters, strength))
+    applied = [
+        AppliedModule(comp, path, "planned", sorted({pp.adapter.name for pp, _ in contribs}))
+        for (comp, path), contribs in _group_by_module(p.planned).items()
+    ]
+    report = _make_report(p, "plan", applied, list(p.unmatched), t0)
+    report.log()
+    return report
+
+
+def _choose(mode: str, module: torch.nn.Module) -> tuple[str | None, str]:
+    """(mechanism or None, why)."""
+    merge_no = merge_blocker(module)
+    runtime_no = runtime_blocker(module)
+    if mode == "merge":
+        return (None, f"cannot merge: {merge_no}; use mode='runtime' or 'auto'") if merge_no else ("merge", "")
+    if mode == "runtime":
+        return (None, f"cannot run at runtime: {runtime_no}; use mode='merge' or 'auto'") if runtime_no else ("runtime", "")
+    if merge_no is None:
+        return "merge", "plain floating weight"
+    if runtime_no is None:
+        return "runtime", merge_no
+    return None, f"neither mechanism fits: {merge_no}; {runtime_no}"
+
+
+class Handle:
+    """What `apply` did; `remove()` undoes it exactly. Usable as a context manager."""
+
+    def __init__(self, plan: Plan, report: Report, merged: list[MergedModule], runtime: list[RuntimePath]) -> None:
+        self._plan = plan
+        self.report = report
+        self._merged = merged
+        self._runtime = runtime
+        self.active = True
+
+    def remove(self) -> None:
+        """Restore merged weights bit-exactly and detach runtime paths. Idempotent."""
+        if not self.active:
+            return
+        for path in self._runtime:
+            path.detach()
+        for merged in reversed(self._merged):
+            merged.restore()
+        self.active = False
+
+    def set_strength(self, name: str, value: float) -> None:
+        """Change one adapter's strength. Runtime: a scale update only. Merge: rewritten from the backup."""
+        if name not in self._plan.strengths:
+            raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
+        if not self.active:
+            raise RuntimeError("handle was removed")
+        self._plan.strengths[name] = float(value)
+        for pp in self._plan.planned:
+            if pp.adapter.name == name:
+                pp.strength = float(value)
+        for path in self._runtime:
+            if name in path.adapters:
+                path.refresh_scales()
+        for merged in self._merged:
+            if name in merged.adapters:
+                merged.write()
+        for summary in self.report.adapters:
+            if summary["name"] == name:
+                summary["strength"] = float(value)
+
+    @property
+    def strengths(self) -> dict[str, float]:
+        return dict(self._plan.strengths)
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"Handle(active={self.active}, {self.report.summary()})"
+
+
+def apply(
+    target,
+    adapters: Iterable[AdapterSpec] | AdapterSpec,
+    mode: str = "auto",
+    strength: float = 1.0,
+    strict: bool = False,
+    progress: bool | None = None,
+) -> Handle:
+    """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
+
+    mode: "merge" (into the weights, undoable), "runtime" (forward hooks, weights untouched), or "auto"
+    (runtime where merging would be lossy or impossible: quantized, offloaded; merge elsewhere).
+    All-or-nothing: if anything raises midway, the model is left exactly as it was."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    t0 = time.perf_counter()
+    p = resolve(as_components(target), _normalise_adapters(adapters, strength))
+    unmatched = list(p.unmatched)
+    groups = _group_by_module(p.planned)
+    work: list[tuple[str, str, torch.nn.Module, str, str, list[Contribution]]] = []
+    rejected_parts: dict[int, str] = {}
+    for (comp, path), contribs in groups.items():
+        module = p.components.modules[comp].get_submodule(path)
+        mechanism, why = _choose(mode, module)
+        if mechanism is None:
+            for pp, _ in contribs:
+                rejected_parts.setdefault(id(pp), f"{why} ({comp}.{path})")
+        work.append((comp, path, module, mechanism, why, contribs))
+    if rejected_parts:
+        # A part split over several modules lands everywhere or nowhere: never half-applied.
+        for pp in p.planned:
+            if id(pp) in rejected_parts:
+                unmatched += [{"adapter": pp.adapter.name, "key": k, "reason": rejected_parts[id(pp)]} for k in pp.part.keys]
+        p.planned = [pp for pp in p.planned if id(pp) not in rejected_parts]
+        work = [
+            (c, path, m, mech, why, [(pp, pc) for pp, pc in contribs if id(pp) not in rejected_parts])
+            for c, path, m, mech, why, contribs in work
+        ]
+        work = [w for w in work if w[5]]
+    if strict and unmatched:
+        report = _make_report(p, mode, [], unmatched, t0)
+        raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.reasons()})", report)
+    merged: list[MergedModule] = []
+    runtime: list[RuntimePath] = []
+    applied: list[AppliedModule] = []
+    show = progress if progress is not None else (len(work) > 200 and sys.stderr.isatty())
+    try:
+        for comp, path, module, mechanism, why, contribs in tqdm(work, desc="loraweave", disable=not show, unit="layer"):
+            if mechanism == "merge":
+                merged.append(merge_module(module, contribs))
+            else:
+                rp = RuntimePath(module, contribs)
+                rp.attach()
+                runtime.append(rp)
+            names = sorted({pp.adapter.name for pp, _ in contribs})
+            applied.append(AppliedModule(comp, path, mechanism, names, why if mode == "auto" else ""))
+    except BaseException:
+        for rp in runtime:
+            rp.detach()
+        for m in reversed(merged):
+            m.restore()
+        log.warning("loraweave apply failed midway; model restored to its state before the call")
+        raise
+    report = _make_report(p, mode, applied, unmatched, t0)
+    report.log()
+    return Handle(p, report, merged, runtime)

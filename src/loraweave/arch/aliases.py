@@ -1,0 +1,61 @@
+"""Per-component alias table built from the live module tree: every spelling a file may use -> pieces."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.keys import underscore_form
+from .flux import FLUX
+from .spec import ArchTable, Piece, expand_alias, out_rows
+from .zimage import ZIMAGE
+
+ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, ZIMAGE)
+AMBIGUOUS = "ambiguous"
+
+
+def _original_names(module: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, ...]]:
+    cls = type(module).__name__
+    out: dict[str, tuple[Piece, ...]] = {}
+    for table in ARCH_TABLES:
+        if cls in table.classes:
+            for alias in table.aliases:
+                out.update(expand_alias(alias, modules))
+    if cls == "UNet2DConditionModel":
+        from .unet_original import unet_original_names
+
+        for original, path in unet_original_names(module).items():
+            rows = out_rows(modules[path])
+            if rows is not None:
+                out[original] = (Piece(path, 0, 0, rows, True),)
+    return out
+
+
+def arch_name(module: torch.nn.Module) -> str:
+    cls = type(module).__name__
+    return next((t.name for t in ARCH_TABLES if cls in t.classes), cls)
+
+
+class AliasTable:
+    """Resolve a file's module path (dotted, underscored, original or diffusers) to pieces of live modules."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.root = module
+        self.modules = {name: mod for name, mod in module.named_modules() if out_rows(mod) is not None}
+        self.exact: dict[str, tuple[Piece, ...]] = {
+            name: (Piece(name, 0, 0, out_rows(mod), True),) for name, mod in self.modules.items()
+        }
+        self.exact.update({k: v for k, v in _original_names(module, self.modules).items() if k not in self.exact})
+        self.underscored: dict[str, tuple[Piece, ...] | str] = {}
+        for name, pieces in self.exact.items():
+            key = underscore_form(name)
+            previous = self.underscored.get(key)
+            if previous is not None and previous != pieces:
+                self.underscored[key] = AMBIGUOUS
+            else:
+                self.underscored[key] = pieces
+
+    def lookup(self, path: str) -> tuple[Piece, ...] | str | None:
+        """Pieces for `path`, AMBIGUOUS when underscores cannot tell two modules apart, None when absent."""
+        if path in self.exact:
+            return self.exact[path]
+        return self.underscored.get(underscore_form(path))

@@ -1,0 +1,51 @@
+"""Flux.1 (and Chroma-like) transformer: BFL/ComfyUI original names -> diffusers modules."""
+
+from __future__ import annotations
+
+from .spec import Alias, ArchTable, Rows
+
+_D = "transformer_blocks.{i}"
+_S = "single_transformer_blocks.{i}"
+
+FLUX = ArchTable(
+    name="flux",
+    classes=("FluxTransformer2DModel",),
+    aliases=(
+        Alias("double_blocks.{i}.img_attn.qkv", (f"{_D}.attn.to_q", f"{_D}.attn.to_k", f"{_D}.attn.to_v")),
+        Alias(
+            "double_blocks.{i}.txt_attn.qkv",
+            (f"{_D}.attn.add_q_proj", f"{_D}.attn.add_k_proj", f"{_D}.attn.add_v_proj"),
+        ),
+        Alias("double_blocks.{i}.img_attn.proj", (f"{_D}.attn.to_out.0",)),
+        Alias("double_blocks.{i}.txt_attn.proj", (f"{_D}.attn.to_add_out",)),
+        Alias("double_blocks.{i}.img_mlp.0", (f"{_D}.ff.net.0.proj",)),
+        Alias("double_blocks.{i}.img_mlp.2", (f"{_D}.ff.net.2",)),
+        Alias("double_blocks.{i}.txt_mlp.0", (f"{_D}.ff_context.net.0.proj",)),
+        Alias("double_blocks.{i}.txt_mlp.2", (f"{_D}.ff_context.net.2",)),
+        # LyCORIS names the double-block MLP linear_in/linear_out.
+        Alias("double_blocks.{i}.img_mlp.linear_in", (f"{_D}.ff.net.0.proj",)),
+        Alias("double_blocks.{i}.img_mlp.linear_out", (f"{_D}.ff.net.2",)),
+        # Modulation chunks (shift, scale, gate) x 2 are in the same order on both sides.
+        Alias("double_blocks.{i}.img_mod.lin", (f"{_D}.norm1.linear",)),
+        Alias("double_blocks.{i}.txt_mod.lin", (f"{_D}.norm1_context.linear",)),
+        # linear1 rows are q | k | v | mlp; widths come from the live modules, not from constants.
+        Alias(
+            "single_blocks.{i}.linear1",
+            (f"{_S}.attn.to_q", f"{_S}.attn.to_k", f"{_S}.attn.to_v", f"{_S}.proj_mlp"),
+        ),
+        Alias("single_blocks.{i}.linear1_qkv", (f"{_S}.attn.to_q", f"{_S}.attn.to_k", f"{_S}.attn.to_v")),
+        Alias("single_blocks.{i}.linear2", (f"{_S}.proj_out",)),
+        Alias("single_blocks.{i}.modulation.lin", (f"{_S}.norm.linear",)),
+        Alias("img_in", ("x_embedder",)),
+        Alias("txt_in", ("context_embedder",)),
+        Alias("time_in.in_layer", ("time_text_embed.timestep_embedder.linear_1",)),
+        Alias("time_in.out_layer", ("time_text_embed.timestep_embedder.linear_2",)),
+        Alias("vector_in.in_layer", ("time_text_embed.text_embedder.linear_1",)),
+        Alias("vector_in.out_layer", ("time_text_embed.text_embedder.linear_2",)),
+        Alias("guidance_in.in_layer", ("time_text_embed.guidance_embedder.linear_1",)),
+        Alias("guidance_in.out_layer", ("time_text_embed.guidance_embedder.linear_2",)),
+        # BFL stores (shift, scale); diffusers' AdaLayerNormContinuous stores (scale, shift): swap the halves.
+        Alias("final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))),
+        Alias("final_layer.linear", ("proj_out",)),
+    ),
+)

@@ -1,0 +1,100 @@
+"""Declarative name maps: an original (fused) module name -> consecutive row ranges of live modules.
+
+A table entry says: the rows of the file's delta for `source`, read top to bottom, land on `targets` in order.
+A target is a whole live module, or `Rows(module, index, count)`: the index-th of `count` equal row chunks of a
+live module. Splitting a fused key over separate modules, addressing rows of a fused live module, and
+reordering chunks (BFL shift/scale vs diffusers scale/shift) are all the same mechanism.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rows:
+    module: str
+    index: int
+    count: int
+
+
+Target = str | Rows
+
+
+@dataclass(frozen=True)
+class Alias:
+    source: str  # original name pattern with `{i}` placeholders, e.g. "double_blocks.{i}.img_attn.qkv"
+    targets: tuple[Target, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Source rows [src_start, src_start+length) of a delta go to rows [dst_start, ...) of `module`."""
+
+    module: str
+    src_start: int
+    dst_start: int
+    length: int
+    whole: bool  # the piece covers every row of the module
+
+
+@dataclass(frozen=True)
+class ArchTable:
+    name: str
+    classes: tuple[str, ...]  # model class names this table applies to
+    aliases: tuple[Alias, ...]
+
+
+def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
+    """Logical weight shape (out, in, *kernel); quantized linears pack their storage, so ask the module first."""
+    if isinstance(getattr(module, "out_features", None), int) and isinstance(getattr(module, "in_features", None), int):
+        return (module.out_features, module.in_features)
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() < 1:
+        return None
+    return tuple(weight.shape)
+
+
+def out_rows(module: torch.nn.Module) -> int | None:
+    shape = module_shape(module)
+    return shape[0] if shape else None
+
+
+def _target_module(target: Target) -> str:
+    return target if isinstance(target, str) else target.module
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+
+
+def expand_alias(alias: Alias, modules: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, ...]]:
+    """Instantiate one table entry against the live module tree: {original name: pieces}."""
+    first = _pattern_regex(_target_module(alias.targets[0]))
+    indices = [m["i"] if "i" in first.groupindex else None for name in modules if (m := first.match(name))]
+    out: dict[str, tuple[Piece, ...]] = {}
+    for i in indices:
+        pieces = []
+        src = 0
+        for target in alias.targets:
+            path = _target_module(target).replace("{i}", i) if i is not None else _target_module(target)
+            rows = out_rows(modules[path]) if path in modules else None
+            if rows is None:
+                pieces = None  # this variant lacks one target: the alias does not exist here
+                break
+            if isinstance(target, Rows):
+                if rows % target.count:
+                    pieces = None
+                    break
+                length = rows // target.count
+                pieces.append(Piece(path, src, target.index * length, length, False))
+            else:
+                length = rows
+                pieces.append(Piece(path, src, 0, rows, True))
+            src += length
+        if pieces:
+            out[alias.source.replace("{i}", i) if i is not None else alias.source] = tuple(pieces)
+    return out

@@ -1,0 +1,31 @@
+"""Typed errors raised by loraweave; every one names the file or key it is about."""
+
+from __future__ import annotations
+
+
+class LoraweaveError(Exception):
+    """Base class of every error loraweave raises on purpose."""
+
+
+class AdapterFileError(LoraweaveError):
+    """The adapter file is malformed: bad header, bad ranges, unknown dtype, truncated data."""
+
+
+class UnsafeFormatError(LoraweaveError):
+    """The file is a pickle (.pt/.ckpt/.bin) and the caller did not opt in to reading it."""
+
+
+class AdapterFormatError(LoraweaveError):
+    """The tensors are readable but do not form an adapter we can interpret."""
+
+
+class TargetError(LoraweaveError):
+    """The apply target is not something we can resolve modules in."""
+
+
+class StrictApplyError(LoraweaveError):
+    """strict=True and some keys did not land; `.report` holds the full report."""
+
+    def __init__(self, message: str, report) -> None:
+        super().__init__(message)
+        self.report = report

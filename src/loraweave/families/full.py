@@ -1,0 +1,55 @@
+"""Full weight difference (`diff`, `diff_b`): ΔW stored as is; runtime is a dense extra product."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import PartRejected, RuntimeTerm, as_float32, check_finite
+
+FAMILY = "full"
+
+
+@dataclass
+class FullFactors:
+    diff: torch.Tensor | None  # (rows, in, *k) fp32
+    diff_b: torch.Tensor | None  # (rows,) fp32
+    rank: int = 0
+    is_conv_kernel: bool = False
+
+    @property
+    def rows(self) -> int:
+        return (self.diff if self.diff is not None else self.diff_b).shape[0]
+
+
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> FullFactors:
+    if "diff" not in tensors and "diff_b" not in tensors:
+        raise PartRejected("incomplete full diff: neither diff nor diff_b")
+    for role, t in tensors.items():
+        check_finite(key_of[role], t)
+    diff = tensors.get("diff")
+    diff_b = tensors.get("diff_b")
+    if diff is not None and diff_b is not None and diff_b.shape != (diff.shape[0],):
+        raise PartRejected(f"shape mismatch: diff_b {tuple(diff_b.shape)} for diff {tuple(diff.shape)}")
+    return FullFactors(None if diff is None else as_float32(diff), None if diff_b is None else as_float32(diff_b))
+
+
+def check_target(f: FullFactors, shape: tuple[int, ...]) -> str | None:
+    if f.diff is not None and tuple(f.diff.shape[1:]) != shape[1:]:
+        return f"shape mismatch: diff {tuple(f.diff.shape)} vs module weight {shape}"
+    return None
+
+
+def add_delta(target_rows: torch.Tensor, f: FullFactors, src: int, length: int, coeff: float) -> None:
+    if f.diff is not None:
+        target_rows.add_(f.diff[src : src + length].reshape(length, -1).to(target_rows.dtype), alpha=coeff)
+
+
+def bias_delta(f: FullFactors, src: int, length: int) -> torch.Tensor | None:
+    return None if f.diff_b is None else f.diff_b[src : src + length]
+
+
+def runtime_term(f: FullFactors, src: int, dst: int, length: int) -> RuntimeTerm:
+    dense = None if f.diff is None else f.diff[src : src + length]
+    return RuntimeTerm(None, None, dense, bias_delta(f, src, length), dst, length)

@@ -1,0 +1,75 @@
+"""LoRA / LoCon (incl. Tucker `lora_mid`): ΔW = up @ (mid ∘) down, runtime y += γ·up(mid(down(x)))."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import PartRejected, RuntimeTerm, as_float32, check_finite
+
+FAMILY = "lora"
+
+
+@dataclass
+class LoraFactors:
+    down: torch.Tensor  # (r, in, *k) with Tucker core folded in; fp32
+    up: torch.Tensor  # (rows, r) fp32
+    up_bias: torch.Tensor | None  # (rows,)
+    rank: int
+    is_conv_kernel: bool  # kernel larger than 1x1: kohya's conv_alpha applies
+
+    @property
+    def rows(self) -> int:
+        return self.up.shape[0]
+
+
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactors:
+    """Validate shapes and values of one part's tensors (role -> tensor) and fold Tucker into `down`."""
+    if "down" not in tensors or "up" not in tensors:
+        missing = "down" if "down" not in tensors else "up"
+        raise PartRejected(f"incomplete LoRA: no {missing} tensor")
+    down, up = tensors["down"], tensors["up"]
+    for role, t in tensors.items():
+        check_finite(key_of[role], t)
+    rank = down.shape[0]
+    if up.dim() < 2 or up.shape[1] != rank or any(d != 1 for d in up.shape[2:]):
+        raise PartRejected(f"shape mismatch: up {tuple(up.shape)} does not pair with down {tuple(down.shape)}")
+    down = as_float32(down)
+    up2d = as_float32(up).flatten(1)
+    mid = tensors.get("mid")
+    if mid is not None:
+        if mid.dim() < 3 or mid.shape[:2] != (rank, rank) or any(d != 1 for d in down.shape[2:]):
+            raise PartRejected(f"shape mismatch: Tucker core {tuple(mid.shape)} with down {tuple(down.shape)}")
+        # Tucker: down is 1x1, the core carries the kernel; compose them into one (r, in, *k) kernel.
+        down = torch.einsum("mn...,nj->mj...", as_float32(mid), down.flatten(1))
+    bias = tensors.get("up_bias")
+    if bias is not None and bias.shape != (up.shape[0],):
+        raise PartRejected(f"shape mismatch: lora_B.bias {tuple(bias.shape)} for {up.shape[0]} rows")
+    conv_kernel = down.dim() > 2 and any(d > 1 for d in down.shape[2:])
+    return LoraFactors(down, up2d, None if bias is None else as_float32(bias), rank, conv_kernel)
+
+
+def check_target(f: LoraFactors, shape: tuple[int, ...]) -> str | None:
+    """Reason the factors cannot land on a module of logical weight shape `shape`, or None."""
+    want = shape[1:]
+    have = tuple(f.down.shape[1:])
+    if have == want:
+        return None
+    # Linear stored as 1x1 conv factors (or the reverse) is the same matrix.
+    if all(d == 1 for d in have[1:]) and all(d == 1 for d in want[1:]) and have[:1] == want[:1]:
+        return None
+    return f"shape mismatch: adapter input {have} vs module {want}"
+
+
+def add_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, coeff: float) -> None:
+    """target_rows (length, in*k), fp32 or the weight's own dtype view: += coeff · up[src:src+length] @ down."""
+    target_rows.addmm_(f.up[src : src + length].to(target_rows.dtype), f.down.flatten(1).to(target_rows.dtype), alpha=coeff)
+
+
+def bias_delta(f: LoraFactors, src: int, length: int) -> torch.Tensor | None:
+    return None if f.up_bias is None else f.up_bias[src : src + length]
+
+
+def runtime_term(f: LoraFactors, src: int, dst: int, length: int) -> RuntimeTerm:
+    return RuntimeTerm(f.down, f.up[src : src + length], None, bias_delta(f, src, length), dst, length)

@@ -1,0 +1,188 @@
+"""`load_adapter`: read a file or state dict into per-module parts, keeping every key accounted for."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import AdapterFileError, UnsafeFormatError
+from .alpha import MetadataAlpha, read_metadata_alpha
+from .keys import ParsedKey, parse_key, split_stem
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+SUPPORTED_FAMILIES = ("lora", "full")
+
+
+class _DictSource:
+    """Tensor source over an in-memory state dict (same interface as SafetensorsFile)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = dict(tensors)
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensors[key].shape)
+
+
+@dataclass
+class AdapterPart:
+    """All keys of one adapter that address one module (or one fused group of rows)."""
+
+    stem: str
+    component: str
+    path: str  # module path as written in the file, component prefix removed
+    layout: str
+    explicit_component: bool
+    family: str  # "lora", "full", or a recognised-but-unsupported family name
+    roles: dict[str, str] = field(default_factory=dict)  # role -> file key
+    keys: list[str] = field(default_factory=list)
+    extra_families: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Adapter:
+    name: str
+    layout: str
+    parts: list[AdapterPart]
+    unparsed: list[dict]  # {key, reason}
+    metadata: dict[str, str]
+    source: object
+    path: str | None = None
+    meta_alpha: MetadataAlpha = field(default_factory=MetadataAlpha)
+
+    @property
+    def families(self) -> dict[str, int]:
+        return dict(Counter(p.family for p in self.parts))
+
+    @property
+    def keys_total(self) -> int:
+        return sum(len(p.keys) for p in self.parts) + len(self.unparsed)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self.source.get(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.source.shape(key))
+
+    def __repr__(self) -> str:
+        return (
+            f"Adapter(name={self.name!r}, layout={self.layout!r}, parts={len(self.parts)}, "
+            f"families={self.families}, unparsed={len(self.unparsed)})"
+        )
+
+
+def _open_source(path: Path, allow_pickle: bool):
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        from ..io.pickle_file import load_pickle_state_dict
+
+        return _DictSource(load_pickle_state_dict(path, allow_pickle=allow_pickle)), {}
+    if path.suffix.lower() != ".safetensors":
+        raise UnsafeFormatError(f"{path}: only .safetensors adapters are read (pickles only with allow_pickle=True)")
+    from ..io.safetensors_file import SafetensorsFile
+
+    sf = SafetensorsFile(path)
+    return sf, dict(sf.metadata)
+
+
+def _resolve_path(path: Path) -> tuple[Path, dict | None]:
+    """A PEFT directory holds adapter_model.safetensors plus adapter_config.json (alpha lives there)."""
+    if not path.is_dir():
+        if not path.exists():
+            raise AdapterFileError(f"{path}: no such file")
+        return path, None
+    for name in ("adapter_model.safetensors", "pytorch_lora_weights.safetensors"):
+        if (path / name).exists():
+            config = path / "adapter_config.json"
+            return path / name, json.loads(config.read_text()) if config.exists() else None
+    raise AdapterFileError(f"{path}: directory holds no adapter_model.safetensors")
+
+
+def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
+    """Group keys by stem into parts; every key lands in a part or in the unparsed list with a reason."""
+    parsed: dict[str, list[ParsedKey]] = {}
+    unparsed: list[dict] = []
+    for key in keys:
+        pk = parse_key(key)
+        if isinstance(pk, str):
+            unparsed.append({"key": key, "reason": pk})
+        else:
+            parsed.setdefault(pk.stem, []).append(pk)
+    # An IA3 `.weight` only shows itself through an `.on_input` sibling: fold such `<stem>.weight` keys in.
+    for item in list(unparsed):
+        if item["key"].endswith(".weight") and item["key"][: -len(".weight")] in parsed:
+            stem = item["key"][: -len(".weight")]
+            if any(p.family == "ia3" for p in parsed[stem]):
+                parsed[stem].append(ParsedKey(item["key"], stem, "ia3", "factor", None))
+                unparsed.remove(item)
+    parts = []
+    for stem, pks in parsed.items():
+        target = split_stem(stem)
+        families = {p.family for p in pks if p.role not in ("alpha", "scale")}
+        # Non-LoRA families decide the part's family; DoRA on top of LoRA makes the whole part DoRA.
+        family = next((f for f in families if f not in ("lora", "full")), None)
+        family = family or ("lora" if "lora" in families else "full" if "full" in families else "lora")
+        hints = [p.layout_hint for p in pks if p.layout_hint]
+        layout = hints[0] if hints and target.layout in ("bare", "diffusers", "comfyui") else target.layout
+        part = AdapterPart(stem, target.component, target.path, layout, target.explicit_component, family)
+        part.extra_families = families - {family}
+        for p in pks:
+            part.keys.append(p.key)
+            if p.role in part.roles and p.role != "factor":
+                unparsed.append({"key": p.key, "reason": f"duplicate {p.role} for {stem} ({part.roles[p.role]})"})
+                part.keys.remove(p.key)
+                continue
+            part.roles.setdefault(p.role, p.key)
+        parts.append(part)
+    return parts, unparsed
+
+
+def _describe_layout(parts: list[AdapterPart], unparsed: list[dict]) -> str:
+    counts = Counter(p.layout for p in parts)
+    if any("cloneofsimo" in u["reason"] for u in unparsed):
+        counts["cloneofsimo"] += 1
+    if not counts:
+        return "unknown"
+    return "+".join(name for name, _ in counts.most_common())
+
+
+def load_adapter(
+    source: str | os.PathLike | Mapping[str, torch.Tensor] | Adapter,
+    name: str | None = None,
+    *,
+    allow_pickle: bool = False,
+) -> Adapter:
+    """Read an adapter (path to .safetensors, PEFT directory, or state dict); tensors stay lazy."""
+    if isinstance(source, Adapter):
+        return source
+    path = None
+    peft_config = None
+    if isinstance(source, Mapping):
+        tensors = _DictSource(source)
+        metadata: dict[str, str] = {}
+    else:
+        path, peft_config = _resolve_path(Path(source))
+        tensors, metadata = _open_source(path, allow_pickle)
+    parts, unparsed = group_parts(tensors.keys())
+    if name is None:
+        name = path.stem if path is not None else "adapter"
+    return Adapter(
+        name=name,
+        layout=_describe_layout(parts, unparsed),
+        parts=parts,
+        unparsed=unparsed,
+        metadata=metadata,
+        source=tensors,
+        path=str(path) if path else None,
+        meta_alpha=read_metadata_alpha(metadata, peft_config),
+    )

@@ -1,0 +1,97 @@
+"""Where a part's scale γ comes from: `.alpha` tensor, then kohya/PEFT metadata, then 1."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MetadataAlpha:
+    """Alpha facts found in a file's `__metadata__` (or a PEFT adapter_config.json)."""
+
+    kohya_alpha: float | None = None
+    kohya_conv_alpha: float | None = None
+    peft: dict | None = None  # flat PEFT LoraConfig fields: r, lora_alpha, alpha_pattern, rank_pattern, use_rslora
+
+    @property
+    def empty(self) -> bool:
+        return self.kohya_alpha is None and self.kohya_conv_alpha is None and self.peft is None
+
+
+def _float_or_none(value) -> float | None:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+def read_metadata_alpha(metadata: dict[str, str], peft_config: dict | None = None) -> MetadataAlpha:
+    kohya_alpha = _float_or_none(metadata.get("ss_network_alpha"))
+    conv_alpha = None
+    args = metadata.get("ss_network_args")
+    if args:
+        try:
+            conv_alpha = _float_or_none(json.loads(args).get("conv_alpha"))
+        except (ValueError, AttributeError):
+            conv_alpha = None
+    peft = peft_config
+    if peft is None and metadata.get("lora_adapter_metadata"):
+        try:
+            peft = json.loads(metadata["lora_adapter_metadata"])
+        except ValueError:
+            peft = None
+    if peft is not None and not isinstance(peft, dict):
+        peft = None
+    return MetadataAlpha(kohya_alpha, conv_alpha, peft)
+
+
+def _peft_field(peft: dict, component_prefix: str, name: str):
+    # diffusers pipeline saves prefix every field with the component name ("transformer.lora_alpha").
+    for key in (f"{component_prefix}.{name}", name):
+        if key in peft:
+            return peft[key]
+    return None
+
+
+def _pattern_value(patterns: dict | None, module_path: str):
+    # PEFT matches pattern keys against the end of the module name (regex `(.*\.)?<key>$`).
+    for pattern, value in (patterns or {}).items():
+        if re.fullmatch(rf"(?:.*\.)?{pattern}", module_path):
+            return value
+    return None
+
+
+def resolve_scale(
+    alpha_tensor: float | None,
+    scale_tensor: float | None,
+    rank: int,
+    is_conv: bool,
+    module_path: str,
+    component_prefix: str,
+    meta: MetadataAlpha,
+) -> tuple[float, str]:
+    """Return (γ, source) for one LoRA part of rank `rank`."""
+    if scale_tensor is not None:
+        return scale_tensor, "tensor:scale"
+    if alpha_tensor is not None:
+        return alpha_tensor / rank, "tensor:alpha"
+    if meta.peft is not None:
+        alpha = _pattern_value(_peft_field(meta.peft, component_prefix, "alpha_pattern"), module_path)
+        r = _pattern_value(_peft_field(meta.peft, component_prefix, "rank_pattern"), module_path)
+        source = "metadata:peft_pattern" if alpha is not None or r is not None else "metadata:peft"
+        alpha = alpha if alpha is not None else _peft_field(meta.peft, component_prefix, "lora_alpha")
+        r = r if r is not None else _peft_field(meta.peft, component_prefix, "r")
+        if alpha is not None:
+            r = int(r) if r else rank
+            if _peft_field(meta.peft, component_prefix, "use_rslora"):
+                return float(alpha) / math.sqrt(r), source + "_rslora"
+            return float(alpha) / r, source
+    if is_conv and meta.kohya_conv_alpha is not None:
+        return meta.kohya_conv_alpha / rank, "metadata:conv_alpha"
+    if meta.kohya_alpha is not None:
+        return meta.kohya_alpha / rank, "metadata:ss_network_alpha"
+    return 1.0, "default:1"

@@ -1,0 +1,119 @@
+"""Split a file key into (layout, component, module path, family, role): pure string work, no tensors."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DENOISER = "denoiser"
+
+# (prefix, component, layout). Longest match wins; order here only matters for equal-length prefixes.
+_PREFIXES: tuple[tuple[str, str, str], ...] = (
+    ("lora_unet_", DENOISER, "kohya"),
+    ("lora_te1_", "text_encoder", "kohya"),
+    ("lora_te2_", "text_encoder_2", "kohya"),
+    ("lora_te3_", "text_encoder_3", "kohya"),
+    ("lora_te_", "text_encoder", "kohya"),
+    ("lora_transformer_", DENOISER, "onetrainer"),
+    ("lycoris_", DENOISER, "lycoris"),
+    ("model.diffusion_model.", DENOISER, "comfyui"),
+    ("diffusion_model.", DENOISER, "comfyui"),
+    ("text_encoders.clip_l.transformer.", "text_encoder", "comfyui"),
+    ("text_encoders.clip_g.transformer.", "text_encoder_2", "comfyui"),
+    ("unet.", DENOISER, "diffusers"),
+    ("transformer.", DENOISER, "diffusers"),
+    ("text_encoder.", "text_encoder", "diffusers"),
+    ("text_encoder_2.", "text_encoder_2", "diffusers"),
+    ("text_encoder_3.", "text_encoder_3", "diffusers"),
+)
+_PREFIXES_BY_LENGTH = sorted(_PREFIXES, key=lambda p: -len(p[0]))
+
+# (suffix regex, family, role, layout hint). The first match wins, so longer/more specific come first.
+# Families other than "lora" and "full" are recognised here and reported as unsupported by the planner.
+_SUFFIXES: tuple[tuple[str, str, str, str | None], ...] = (
+    (r"\.lora_down\.weight", "lora", "down", None),
+    (r"\.lora_up\.weight", "lora", "up", None),
+    (r"\.lora_mid\.weight", "lora", "mid", None),
+    (r"\.lora_A(?:\.[^.]+)?\.weight", "lora", "down", "peft"),
+    (r"\.lora_B(?:\.[^.]+)?\.weight", "lora", "up", "peft"),
+    (r"\.lora_B(?:\.[^.]+)?\.bias", "lora", "up_bias", "peft"),
+    (r"\.lora_A", "lora", "down", "peft"),
+    (r"\.lora_B", "lora", "up", "peft"),
+    (r"\.lora_linear_layer\.down\.weight", "lora", "down", "lora_linear_layer"),
+    (r"\.lora_linear_layer\.up\.weight", "lora", "up", "lora_linear_layer"),
+    (r"\.lora\.down\.weight", "lora", "down", "diffusers_lora_layer"),
+    (r"\.lora\.up\.weight", "lora", "up", "diffusers_lora_layer"),
+    (r"\.alpha", "lora", "alpha", None),
+    (r"\.scale", "lora", "scale", None),
+    (r"\.diff", "full", "diff", None),
+    (r"\.diff_b", "full", "diff_b", None),
+    (r"\.dora_scale", "dora", "dora_scale", None),
+    (r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?", "dora", "dora_scale", "peft"),
+    (r"\.hada_(?:w[12]_[ab]|t[12])", "loha", "factor", None),
+    (r"\.lokr_(?:w[12](?:_[ab])?|t2)", "lokr", "factor", None),
+    (r"\.oft_(?:blocks|diag)", "oft", "factor", None),
+    (r"\.oft_R\.weight", "oft", "factor", "peft"),
+    (r"\.boft_[RsS]", "boft", "factor", "peft"),
+    (r"\.rescale", "oft", "rescale", None),
+    (r"\.(?:a1|a2|b1|b2)\.weight", "glora", "factor", None),
+    (r"\.(?:ia3_l|on_input)", "ia3", "factor", None),
+    (r"\.(?:w_norm|b_norm)", "norm", "factor", None),
+    (r"\.set_weight", "set", "factor", None),
+    (r"\.reshape_weight", "reshape", "factor", None),
+    (r"\.bias_(?:indices|values|size)", "sparse_bias", "factor", None),
+    (r"\.(?:q_layer|p_layer|lambda_layer)", "tlora", "factor", None),
+)
+_SUFFIX_RE = [(re.compile(rf"^(?P<stem>.+?)(?P<suffix>{rx})$"), fam, role, hint) for rx, fam, role, hint in _SUFFIXES]
+
+# Old diffusers attention processors: `attn1.processor.to_out_lora.down.weight` names the module `attn1.to_out.0`.
+_PROCESSOR_RE = re.compile(r"^(?P<stem>.+)\.processor\.(?P<proj>to_q|to_k|to_v|to_out)_lora\.(?P<role>down|up)\.weight$")
+_CLONEOFSIMO_RE = re.compile(r"^(?:unet|text_encoder):\d+:(?:down|up)$")
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    key: str
+    stem: str  # everything before the family suffix: identifies one target module group
+    family: str
+    role: str
+    layout_hint: str | None
+
+
+def parse_key(key: str) -> ParsedKey | str:
+    """Return the parsed key, or a reason string when no layout we know produces this key."""
+    if _CLONEOFSIMO_RE.match(key):
+        return "cloneofsimo positional key (unet:<i>:down): positional layout is not supported yet"
+    m = _PROCESSOR_RE.match(key)
+    if m:
+        proj = "to_out.0" if m["proj"] == "to_out" else m["proj"]
+        return ParsedKey(key, f"{m['stem']}.{proj}", "lora", m["role"], "diffusers_attn_processor")
+    # IA3's `.weight` collides with plain module weights; it is recognised only through its `.on_input` sibling.
+    for rx, family, role, hint in _SUFFIX_RE:
+        m = rx.match(key)
+        if m:
+            return ParsedKey(key, m["stem"], family, role, hint)
+    if "<" in key and ">" in key:
+        return "textual-inversion token embedding, not an adapter weight"
+    return "no known adapter suffix (not a LoRA/LyCORIS key)"
+
+
+@dataclass(frozen=True)
+class StemTarget:
+    component: str
+    path: str  # module path as written in the file (dotted or underscored), prefix removed
+    layout: str
+    explicit_component: bool  # False when no prefix said which component the key is for
+
+
+def split_stem(stem: str) -> StemTarget:
+    """Remove PEFT wrappers and the component prefix from a stem."""
+    stem = stem.replace("base_model.model.", "", 1) if "base_model.model." in stem else stem
+    for prefix, component, layout in _PREFIXES_BY_LENGTH:
+        if stem.startswith(prefix):
+            return StemTarget(component, stem[len(prefix) :], layout, True)
+    return StemTarget(DENOISER, stem, "bare", False)
+
+
+def underscore_form(path: str) -> str:
+    """Normalise a module path for alias lookup: kohya writes `.` as `_`; trainers add stray `_`."""
+    return re.sub(r"_+", "_", path.replace(".", "_")).strip("_")

@@ -1,0 +1,44 @@
+"""Opt-in reader for pickled state dicts (.pt/.ckpt/.bin/.pth)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import torch
+
+from loraweave.errors import AdapterFileError, AdapterFormatError, UnsafeFormatError
+
+
+def load_pickle_state_dict(path: str | os.PathLike, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    """Read a pickled {name: tensor} dict (or {"state_dict": {...}}); refuses unless allow_pickle."""
+    path = Path(path)
+    if not allow_pickle:
+        raise UnsafeFormatError(
+            f"{path}: this is a pickle file (.pt/.ckpt/.bin/.pth), and loading a pickle can run "
+            "arbitrary code. Convert it to .safetensors, or pass allow_pickle=True to read it with "
+            "torch.load(weights_only=True)."
+        )
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except pickle.UnpicklingError as e:
+        raise AdapterFileError(
+            f"{path}: torch.load(weights_only=True) refused it (it holds objects other than "
+            f"tensors and plain containers, or is not a torch pickle): {e}"
+        ) from e
+    except Exception as e:
+        # torch.load surfaces corrupt archives as RuntimeError/EOFError/etc.; give one typed error.
+        raise AdapterFileError(f"{path}: could not be read by torch.load: {type(e).__name__}: {e}") from e
+
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise AdapterFormatError(f"{path}: holds a {type(obj).__name__}, expected a dict of tensors")
+    # Checkpoints often carry optimizer state, step counters, etc. next to the weights.
+    tensors = {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise AdapterFormatError(f"{path}: the dict holds no tensors (keys: {list(obj)[:10]})")
+    return tensors

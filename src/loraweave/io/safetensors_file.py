@@ -1,0 +1,233 @@
+"""Validating, lazy, memory-mapped reader for .safetensors files."""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from loraweave.errors import AdapterFileError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _name, _attr in [
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+]:
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+Header = dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]
+
+
+def _is_int(value: Any) -> bool:
+    # JSON true/false decode to bool, which is an int subclass in Python.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _parse_entry(
+    fail: Callable[[str], NoReturn], key: str, entry: Any
+) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    if not isinstance(entry, dict):
+        fail(f"tensor {key!r}: header entry is {type(entry).__name__}, expected an object")
+    dtype_name = entry.get("dtype")
+    if dtype_name not in _DTYPES:
+        fail(f"tensor {key!r}: unknown dtype {dtype_name!r} (known: {', '.join(_DTYPES)})")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        fail(f"tensor {key!r}: shape {shape!r} is not a list of non-negative integers")
+    offsets = entry.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        fail(f"tensor {key!r}: data_offsets {offsets!r} is not a [begin, end] pair of integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        fail(f"tensor {key!r}: data_offsets [{begin}, {end}] need 0 <= begin <= end")
+    dtype = _DTYPES[dtype_name]
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        fail(
+            f"tensor {key!r}: data_offsets [{begin}, {end}] span {end - begin} bytes but shape "
+            f"{shape} of {dtype_name} needs {expected}"
+        )
+    return dtype, tuple(shape), begin, end
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[Header, dict[str, str], int]:
+    """Validate the header of `path`; return ({key: (dtype, shape, begin, end)}, metadata, data_start).
+
+    begin/end are relative to data_start. Nothing sized by the file's claims is allocated
+    before those claims are checked against the real file size.
+    """
+    path = Path(path)
+
+    def fail(why: str) -> NoReturn:
+        raise AdapterFileError(f"{path}: {why}")
+
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        if file_size < 8:
+            fail(f"file has {file_size} bytes; a safetensors file starts with an 8-byte header length")
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n < 2 or n > MAX_HEADER_BYTES:
+            fail(f"header length {n} is outside [2, {MAX_HEADER_BYTES}]: not a safetensors file?")
+        if 8 + n > file_size:
+            fail(f"header length {n} runs past the end of the file ({file_size} bytes): file truncated?")
+        raw = f.read(n)
+    if len(raw) != n:
+        fail(f"read {len(raw)} of {n} header bytes: file changed while reading?")
+    try:
+        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except UnicodeDecodeError as e:
+        fail(f"header is not valid UTF-8 ({e.reason} at byte {e.start})")
+    except (ValueError, RecursionError) as e:
+        fail(f"header is not valid JSON: {type(e).__name__}: {e}")
+    if not isinstance(parsed, dict):
+        fail(f"header is a JSON {type(parsed).__name__}, expected an object")
+
+    metadata = parsed.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        fail("__metadata__ must be an object mapping strings to strings")
+
+    data_start = 8 + n
+    data_size = file_size - data_start
+    header: Header = {key: _parse_entry(fail, key, entry) for key, entry in parsed.items()}
+
+    beyond = [(k, e[3]) for k, e in header.items() if e[3] > data_size]
+    if beyond:
+        key, end = max(beyond, key=lambda item: item[1])
+        fail(
+            f"tensor {key!r} data ends at byte {data_start + end} but the file has {file_size} bytes "
+            f"({len(beyond)} of {len(header)} tensors lie past the end): file truncated?"
+        )
+
+    prev_key, prev_end = None, 0
+    for key, (_, _, begin, end) in sorted(header.items(), key=lambda item: item[1][2:]):
+        if begin == end:
+            continue  # empty tensors occupy no bytes, so they cannot overlap anything
+        if prev_key is not None and begin < prev_end:
+            fail(f"tensor {key!r} data [{begin}, {end}] overlaps tensor {prev_key!r} ending at {prev_end}")
+        prev_key, prev_end = key, end
+    return header, dict(metadata), data_start
+
+
+class SafetensorsFile:
+    """A validated .safetensors file; tensors are mapped from disk only when `.get` asks for them."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self._path = Path(path)
+        self._header, self._metadata, self._data_start = read_safetensors_header(self._path)
+        self._mmap: mmap.mmap | None = None
+        self._lent = False
+        with open(self._path, "rb") as f:
+            # ACCESS_COPY maps privately: the file is never written, and an in-place edit of a
+            # returned tensor lands in a private page instead of segfaulting on a PROT_READ page.
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if len(self._mmap) < self._data_start + max((e[3] for e in self._header.values()), default=0):
+            self.close()
+            raise AdapterFileError(f"{self._path}: file shrank while it was being opened")
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self._metadata)
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entry(key)[1]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._entry(key)[0]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._header
+
+    def __len__(self) -> int:
+        return len(self._header)
+
+    def __iter__(self):
+        return iter(self._header)
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor stored under `key`.
+
+        Zero-copy when the data is aligned for its dtype: the tensor then views a private
+        copy-on-write mapping, so in-place edits never reach the file but are seen by a later
+        `.get(key)` on this same object. `.clone()` before mutating if that matters.
+        """
+        dtype, shape, begin, end = self._entry(key)
+        if self._mmap is None:
+            raise ValueError(f"{self._path}: file is closed")
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        start = self._data_start + begin
+        if start % dtype.itemsize == 0:
+            flat = torch.frombuffer(self._mmap, dtype=dtype, count=math.prod(shape), offset=start)
+            self._lent = True
+        else:
+            # Unaligned typed access is not safe for every kernel; copy into aligned memory.
+            flat = torch.frombuffer(bytearray(self._mmap[start : self._data_start + end]), dtype=dtype)
+        if dtype == torch.bool and bool((flat.view(torch.uint8) > 1).any()):
+            raise AdapterFileError(f"{self._path}: tensor {key!r} is BOOL but holds bytes other than 0/1")
+        return flat.reshape(shape)
+
+    def close(self) -> None:
+        """Release the mapping; tensors already returned stay valid."""
+        mm, self._mmap = self._mmap, None
+        # torch.frombuffer keeps a reference to the mmap but no buffer export, so mm.close()
+        # would succeed and leave live tensors dangling. Once a zero-copy tensor exists we only
+        # drop our reference and let refcounting unmap after the last tensor dies (no __del__).
+        if mm is not None and not self._lent:
+            mm.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile({str(self._path)!r}, {len(self)} tensors)"
+
+    def _entry(self, key: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        try:
+            return self._header[key]
+        except KeyError:
+            raise KeyError(f"{key!r} is not a tensor in {self._path}") from None

@@ -1,0 +1,100 @@
+"""Merge: add every contribution into the weight, fp32-accumulated and rounded once; undo is bit-exact."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..arch.spec import Piece
+from ..families import FAMILIES
+from ..plan.resolve import PlannedPart
+
+Contribution = tuple[PlannedPart, Piece]
+
+
+def merge_blocker(module: torch.nn.Module) -> str | None:
+    """Why merging into this module's weight would be lossy or impossible, or None when it is exact."""
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return "module has no weight"
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        return f"weight is a {type(weight).__name__} (quantized or wrapped storage)"
+    if not weight.is_floating_point():
+        return f"weight dtype {weight.dtype} is not floating point"
+    if weight.device.type == "meta":
+        return "weight is offloaded (meta device)"
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and (getattr(hook, "offload", False) or getattr(hook, "weights_map", None) is not None):
+        return "accelerate offload hook owns the weight"
+    return None
+
+
+def _coeff(pp: PlannedPart) -> float:
+    return pp.strength * pp.scale
+
+
+@dataclass
+class MergedModule:
+    module: torch.nn.Module
+    contributions: list[Contribution]
+    weight_backup: torch.Tensor
+    bias_backup: torch.Tensor | None = None
+    adapters: set[str] = field(default_factory=set)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            self.module.weight.data.copy_(self.weight_backup)
+            if self.bias_backup is not None:
+                self.module.bias.data.copy_(self.bias_backup)
+
+    def write(self) -> None:
+        """(Re)compute W = backup + Σ coeff·ΔW from the backup, so strength changes stay exact."""
+        weight = self.module.weight.data
+        rows = weight.view(weight.shape[0], -1)
+        with torch.no_grad():
+            if weight.dtype == torch.float32 and len(self.contributions) == 1:
+                rows.copy_(self.weight_backup.view_as(rows))
+                pp, piece = self.contributions[0]
+                target = rows[piece.dst_start : piece.dst_start + piece.length]
+                FAMILIES[pp.part.family].add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
+            else:
+                acc = self.weight_backup.view_as(rows).to(torch.float32, copy=True)
+                for pp, piece in self.contributions:
+                    target = acc[piece.dst_start : piece.dst_start + piece.length]
+                    FAMILIES[pp.part.family].add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
+                rows.copy_(acc)
+            self._write_bias()
+
+    def _write_bias(self) -> None:
+        deltas = []
+        for pp, piece in self.contributions:
+            b = FAMILIES[pp.part.family].bias_delta(pp.factors, piece.src_start, piece.length)
+            if b is not None:
+                deltas.append((piece, b, _coeff(pp)))
+        if not deltas:
+            return
+        bias = self.module.bias
+        if self.bias_backup is None:
+            self.bias_backup = bias.detach().clone()
+        acc = self.bias_backup.to(torch.float32, copy=True)
+        for piece, b, coeff in deltas:
+            acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coeff)
+        bias.data.copy_(acc)
+
+
+def merge_module(module: torch.nn.Module, contributions: list[Contribution]) -> MergedModule:
+    needs_bias = any(
+        FAMILIES[pp.part.family].bias_delta(pp.factors, piece.src_start, piece.length) is not None
+        for pp, piece in contributions
+    )
+    if needs_bias and getattr(module, "bias", None) is None:
+        raise ValueError("adapter carries a bias delta but the module has no bias")
+    merged = MergedModule(module, contributions, module.weight.detach().clone())
+    merged.adapters = {pp.adapter.name for pp, _ in contributions}
+    try:
+        merged.write()
+    except BaseException:
+        merged.restore()
+        raise
+    return merged

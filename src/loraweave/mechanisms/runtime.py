@@ -1,0 +1,139 @@
+"""Runtime: weights untouched; a forward hook adds every adapter's path as one rank-concatenated pair."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..families import FAMILIES
+from .merge import Contribution
+
+_CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
+
+
+def runtime_blocker(module: torch.nn.Module) -> str | None:
+    """Why this module cannot carry a runtime path, or None."""
+    if type(module) in _CONVS or any(isinstance(module, c) for c in _CONVS):
+        if module.groups != 1 or module.padding_mode != "zeros":
+            return "runtime path supports only plain convolutions (groups=1, zero padding)"
+        return None
+    if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
+        return None
+    return f"no runtime path for {type(module).__name__} (only Linear-like and Conv layers)"
+
+
+def _conv_fn(module: torch.nn.Module):
+    return next((fn for cls, fn in _CONVS.items() if isinstance(module, cls)), None)
+
+
+class RuntimePath:
+    """All adapters on one layer: y += B·diag(s)·A(x) (+ dense full diffs and bias deltas)."""
+
+    def __init__(self, module: torch.nn.Module, contributions: list[Contribution]) -> None:
+        self.module = module
+        self.conv = _conv_fn(module)
+        self.out = module.out_channels if self.conv else module.out_features
+        downs, ups, coeffs, owners = [], [], [], []
+        self.dense: list[tuple[str, int, int, torch.Tensor]] = []
+        self.biases: list[tuple[str, int, int, torch.Tensor]] = []
+        self.adapters = set()
+        for pp, piece in contributions:
+            term = FAMILIES[pp.part.family].runtime_term(pp.factors, piece.src_start, piece.dst_start, piece.length)
+            name = pp.adapter.name
+            self.adapters.add(name)
+            if term.down is not None:
+                up = term.up.new_zeros(self.out, term.up.shape[1])
+                up[term.dst_start : term.dst_start + term.length] = term.up
+                rank = term.down.shape[0]
+                down = term.down.reshape(rank, *module.weight.shape[1:]) if self.conv else term.down.flatten(1)
+                downs.append(down)
+                ups.append(up)
+                coeffs.append(torch.full((term.up.shape[1],), 1.0))
+                owners.append((pp, term.up.shape[1]))
+            if term.dense is not None:
+                self.dense.append((pp, term.dst_start, term.length, term.dense))
+            if term.bias is not None:
+                self.biases.append((pp, term.dst_start, term.length, term.bias))
+        self._owners = owners
+        self.down = torch.cat(downs) if downs else None  # (R, in, *k) fp32 master copy
+        self.up = torch.cat(ups, dim=1) if ups else None  # (out, R)
+        self.scale = torch.empty(self.down.shape[0] if downs else 0)
+        self.refresh_scales()
+        self._cache: dict = {}
+        self.hook = None
+
+    def refresh_scales(self) -> None:
+        """Recompute the per-rank scale vector from current strengths: no factor is rebuilt."""
+        start = 0
+        for pp, rank in self._owners:
+            self.scale[start : start + rank] = pp.strength * pp.scale
+            start += rank
+        self._cache = {}
+
+    def _factors(self, device: torch.device, dtype: torch.dtype):
+        key = (device, dtype)
+        if key not in self._cache:
+            self._cache = {key: (self.down.to(device, dtype), self.up.to(device, dtype), self.scale.to(device, dtype))}
+        return self._cache[key]
+
+    def warm(self) -> None:
+        weight = getattr(self.module, "weight", None)
+        if self.down is not None and isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            if weight.device.type != "meta":
+                self._factors(weight.device, weight.dtype)
+
+    def _conv_args(self):
+        m = self.module
+        return {"stride": m.stride, "padding": m.padding, "dilation": m.dilation}
+
+    def __call__(self, module, args, kwargs, output):
+        x = args[0] if args else next(iter(kwargs.values()))
+        if not isinstance(output, torch.Tensor):
+            return output
+        dtype = output.dtype
+        if x.dtype != dtype and x.is_floating_point():
+            x = x.to(dtype)
+        if self.down is not None:
+            down, up, scale = self._factors(output.device, dtype)
+            if self.conv:
+                h = self.conv(x, down, None, **self._conv_args())
+                h = h * scale.view(1, -1, *([1] * (h.dim() - 2)))
+                delta = self.conv(h, up.view(*up.shape, *([1] * (h.dim() - 2))))
+                output = output.add_(delta) if self._inplace_ok(output) else output + delta
+            else:
+                h = F.linear(x, down).mul_(scale)
+                if self._inplace_ok(output) and output.is_contiguous():
+                    output.view(-1, self.out).addmm_(h.view(-1, h.shape[-1]), up.t())
+                else:
+                    output = output + F.linear(h, up)
+        for pp, dst, length, dense in self.dense:
+            d = dense.to(output.device, dtype)
+            part = self.conv(x, d, None, **self._conv_args()) if self.conv else F.linear(x, d)
+            output = self._add_rows(output, part * (pp.strength * pp.scale), dst, length)
+        for pp, dst, length, bias in self.biases:
+            b = bias.to(output.device, dtype) * (pp.strength * pp.scale)
+            if self.conv:
+                b = b.view(-1, *([1] * (output.dim() - 2)))
+            output = self._add_rows(output, b, dst, length)
+        return output
+
+    def _inplace_ok(self, output: torch.Tensor) -> bool:
+        return not (torch.is_grad_enabled() and output.requires_grad)
+
+    def _add_rows(self, output: torch.Tensor, value: torch.Tensor, dst: int, length: int) -> torch.Tensor:
+        out = output if self._inplace_ok(output) else output.clone()
+        rows = slice(dst, dst + length)
+        if self.conv:
+            out[:, rows] += value
+        else:
+            out[..., rows] += value
+        return out
+
+    def attach(self) -> None:
+        self.warm()
+        self.hook = self.module.register_forward_hook(self, with_kwargs=True)
+
+    def detach(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None

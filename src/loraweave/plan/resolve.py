@@ -1,0 +1,114 @@
+"""Resolve every part of every adapter to pieces of live modules, or to a reason it cannot land."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..arch.aliases import AMBIGUOUS, AliasTable
+from ..arch.spec import Piece, module_shape
+from ..families import FAMILIES
+from ..families.base import PartRejected
+from ..formats.adapter import Adapter, AdapterPart
+from ..formats.alpha import resolve_scale
+from .target import Components
+
+
+@dataclass
+class PlannedPart:
+    adapter: Adapter
+    part: AdapterPart
+    component: str
+    pieces: tuple[Piece, ...]
+    factors: object
+    scale: float  # γ from alpha/rank or metadata
+    alpha_source: str
+    strength: float  # per-adapter strength x global strength
+
+
+@dataclass
+class Plan:
+    components: Components
+    adapters: list[Adapter]
+    strengths: dict[str, float]
+    planned: list[PlannedPart] = field(default_factory=list)
+    unmatched: list[dict] = field(default_factory=list)  # {adapter, key, reason}
+
+
+def _scalar(tensor: torch.Tensor, key: str) -> float | None:
+    if tensor.device.type == "meta":
+        return None  # shape-only planning: the value is unknown
+    if tensor.numel() != 1:
+        raise PartRejected(f"bad tensor: {key} should be a scalar, has shape {tuple(tensor.shape)}")
+    value = float(tensor.reshape(()).float())
+    if value != value or value in (float("inf"), float("-inf")):
+        raise PartRejected(f"bad tensor: {key} is not finite")
+    return value
+
+
+def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float) -> PlannedPart:
+    family = FAMILIES.get(part.family)
+    found = table.lookup(part.path)
+    where = f"{comp_name}.{part.path}"
+    if found is None:
+        raise PartRejected(f"no such module: {where}")
+    if found == AMBIGUOUS:
+        raise PartRejected(f"ambiguous module name: {where} matches several modules once '.' is written '_'")
+    if family is None:
+        target = ", ".join(p.module for p in found)
+        raise PartRejected(f"unsupported family: {part.family} (not yet supported; target {comp_name}.{target})")
+    tensors = {role: adapter.tensor(key) for role, key in part.roles.items() if role not in ("alpha", "scale")}
+    factors = family.load(tensors, part.roles)
+    total = sum(p.length for p in found)
+    if factors.rows != total:
+        names = " | ".join(f"{p.module}[{p.dst_start}:{p.dst_start + p.length}]" for p in found)
+        raise PartRejected(f"shape mismatch: adapter has {factors.rows} output rows, target {names} has {total}")
+    for piece in found:
+        reason = family.check_target(factors, module_shape(table.modules[piece.module]))
+        if reason:
+            raise PartRejected(f"{reason} ({comp_name}.{piece.module})")
+    alpha = _scalar(adapter.tensor(part.roles["alpha"]), part.roles["alpha"]) if "alpha" in part.roles else None
+    scale_t = _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
+    if part.family == "full":
+        scale, source = 1.0, "none:full"
+    else:
+        prefix = comp_name if part.explicit_component else ""
+        scale, source = resolve_scale(
+            alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path, prefix, adapter.meta_alpha
+        )
+    return PlannedPart(adapter, part, comp_name, found, factors, scale, source, strength)
+
+
+def resolve(components: Components, adapters: list[tuple[Adapter, float]]) -> Plan:
+    plan = Plan(components, [a for a, _ in adapters], {a.name: s for a, s in adapters})
+    tables = {name: AliasTable(module) for name, module in components}
+    for adapter, strength in adapters:
+        for item in adapter.unparsed:
+            plan.unmatched.append({"adapter": adapter.name, "key": item["key"], "reason": f"not parsed: {item['reason']}"})
+        for part in adapter.parts:
+            comp_name = components.resolve_name(part.component)
+            try:
+                if comp_name is None:
+                    raise PartRejected(
+                        f"no such component: {part.component} (target has {', '.join(components.modules)})"
+                    )
+                try:
+                    planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
+                except PartRejected as first:
+                    # A bare key names no component: try the others before giving up.
+                    others = [n for n in components.modules if n != comp_name] if not part.explicit_component else []
+                    planned = None
+                    for other in others:
+                        try:
+                            planned = _plan_part(adapter, part, other, tables[other], strength)
+                            break
+                        except PartRejected:
+                            continue
+                    if planned is None:
+                        raise first from None
+                plan.planned.append(planned)
+            except PartRejected as rejected:
+                for key in part.keys:
+                    plan.unmatched.append({"adapter": adapter.name, "key": key, "reason": str(rejected)})
+    return plan

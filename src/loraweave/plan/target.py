@@ -1,0 +1,55 @@
+"""Normalise what the user passes as a target (module, mapping, diffusers pipeline) into named components."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import TargetError
+from ..formats.keys import DENOISER
+
+_DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2")
+_COMPONENT_NAMES = (*_DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+class Components:
+    """Named torch modules; `denoiser` is an alias for the pipeline's unet/transformer."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module]) -> None:
+        if not modules:
+            raise TargetError("target holds no torch modules to apply adapters to")
+        self.modules = modules
+        self.denoiser_name = next((n for n in _DENOISER_NAMES if n in modules), None)
+        if self.denoiser_name is None and len(modules) == 1:
+            self.denoiser_name = next(iter(modules))
+
+    def resolve_name(self, component: str) -> str | None:
+        if component == DENOISER:
+            return self.denoiser_name
+        return component if component in self.modules else None
+
+    def __iter__(self):
+        return iter(self.modules.items())
+
+
+def as_components(target) -> Components:
+    if isinstance(target, Components):
+        return target
+    if isinstance(target, torch.nn.Module):
+        # A bare module is the denoiser unless it is clearly a text encoder.
+        name = "text_encoder" if "TextModel" in type(target).__name__ else "transformer"
+        if type(target).__name__.startswith("UNet"):
+            name = "unet"
+        return Components({name: target})
+    if isinstance(target, Mapping):
+        bad = [k for k, v in target.items() if not isinstance(v, torch.nn.Module)]
+        if bad:
+            raise TargetError(f"target mapping values must be torch modules; not modules: {bad}")
+        return Components(dict(target))
+    components = getattr(target, "components", None)
+    if isinstance(components, Mapping):  # a diffusers DiffusionPipeline
+        found = {n: m for n, m in components.items() if n in _COMPONENT_NAMES and isinstance(m, torch.nn.Module)}
+        return Components(found)
+    raise TargetError(f"cannot apply adapters to a {type(target).__name__}: pass a torch module, a mapping of "
+                      "component name -> module, or a diffusers pipeline")

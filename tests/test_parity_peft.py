@@ -1,0 +1,106 @@
+"""Parity with PEFT on tiny real diffusers models: merged weights and runtime outputs.
+
+Tolerances: merged weights rel. error (max|ours-ref| / max|ref|) <= 1e-6 in fp32; runtime outputs <= 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from tiny_models import MODELS
+
+import loraweave
+
+MERGE_TOL = 1e-6
+RUNTIME_TOL = 1e-5
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def _targets(model: torch.nn.Module, with_conv: bool) -> list[str]:
+    kinds = (torch.nn.Linear, torch.nn.Conv2d) if with_conv else (torch.nn.Linear,)
+    return [n for n, m in model.named_modules() if isinstance(m, kinds)]
+
+
+def make_peft_lora(arch: str, tmp_path, seed: int = 3):
+    """Inject a random PEFT LoRA (r=4, alpha=8, with an alpha_pattern) and save it the diffusers way."""
+    build, forward, component = MODELS[arch]
+    base = build()
+    peft_model = copy.deepcopy(base)
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, alpha_pattern={"to_k": 2}, init_lora_weights=False,
+        target_modules=_targets(base, with_conv=arch == "sdxl_unet"),
+    )
+    torch.manual_seed(seed)
+    peft_model.add_adapter(cfg)
+    sd = get_peft_model_state_dict(peft_model)
+    if arch == "sdxl_unet":
+        from diffusers import StableDiffusionXLPipeline as Pipe
+
+        Pipe.save_lora_weights(tmp_path, unet_lora_layers=sd, unet_lora_adapter_metadata=cfg.to_dict())
+    else:
+        from diffusers import FluxPipeline as Pipe
+
+        Pipe.save_lora_weights(tmp_path, transformer_lora_layers=sd, transformer_lora_adapter_metadata=cfg.to_dict())
+    return base, peft_model, tmp_path / "pytorch_lora_weights.safetensors", forward
+
+
+def peft_merged_state(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    merged = copy.deepcopy(peft_model)
+    for module in merged.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    return {k.replace(".base_layer", ""): v for k, v in merged.state_dict().items() if "lora_" not in k}
+
+
+@pytest.mark.parametrize("arch", ["flux", "zimage", "sdxl_unet"])
+def test_merge_equals_peft_merge(arch, tmp_path):
+    base, peft_model, path, _ = make_peft_lora(arch, tmp_path)
+    ref = peft_merged_state(peft_model)
+    ours = copy.deepcopy(base)
+    handle = loraweave.apply(ours, path, mode="merge", strict=True)
+    assert handle.report.keys_applied == handle.report.keys_total > 0
+    assert handle.report.adapters[0]["alpha_sources"].keys() <= {"metadata:peft", "metadata:peft_pattern"}
+    changed = 0
+    for name, tensor in ours.state_dict().items():
+        assert rel_err(tensor, ref[name]) <= MERGE_TOL, name
+        changed += not torch.equal(tensor, base.state_dict()[name])
+    assert changed == len(handle.report.applied)
+    handle.remove()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, base.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("arch", ["flux", "zimage", "sdxl_unet"])
+def test_runtime_equals_peft_forward(arch, tmp_path):
+    base, peft_model, path, forward = make_peft_lora(arch, tmp_path)
+    with torch.no_grad():
+        ref = forward(peft_model)
+        plain = forward(base)
+        ours = copy.deepcopy(base)
+        before = {k: v.clone() for k, v in ours.state_dict().items()}
+        with loraweave.apply(ours, path, mode="runtime", strict=True) as handle:
+            out = forward(ours)
+            assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+            assert {m.mechanism for m in handle.report.applied} == {"runtime"}
+        assert rel_err(out, ref) <= RUNTIME_TOL
+        assert rel_err(plain, ref) > 100 * RUNTIME_TOL  # the LoRA really changes the output
+        assert torch.equal(forward(ours), plain)  # hooks are gone after the context
+
+
+@pytest.mark.parametrize("arch", ["flux", "zimage", "sdxl_unet"])
+def test_auto_merges_plain_weights_and_matches_runtime(arch, tmp_path):
+    base, _, path, forward = make_peft_lora(arch, tmp_path)
+    with torch.no_grad():
+        merged_model = copy.deepcopy(base)
+        runtime_model = copy.deepcopy(base)
+        h_auto = loraweave.apply(merged_model, path, mode="auto")
+        loraweave.apply(runtime_model, path, mode="runtime")
+        assert {m.mechanism for m in h_auto.report.applied} == {"merge"}
+        assert rel_err(forward(merged_model), forward(runtime_model)) <= RUNTIME_TOL
