@@ -11,6 +11,11 @@ from .zimage import ZIMAGE
 
 ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, ZIMAGE)
 AMBIGUOUS = "ambiguous"
+# Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
+PATH_PREFIX_ALIASES: dict[str, str] = {
+    "CLIPTextModel": "text_model.",
+    "CLIPTextModelWithProjection": "text_model.",
+}
 
 
 def _original_names(module: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, ...]]:
@@ -30,6 +35,18 @@ def _original_names(module: torch.nn.Module, modules: dict[str, torch.nn.Module]
     return out
 
 
+# Child registration order of diffusers releases that cloneofsimo-era files enumerated (ff came before attn2).
+LEGACY_CHILD_ORDER: dict[str, tuple[str, ...]] = {"BasicTransformerBlock": ("attn1", "ff", "attn2")}
+
+
+def _legacy_named_modules(module: torch.nn.Module, prefix: str = ""):
+    yield prefix, module
+    children = dict(module.named_children())
+    first = [c for c in LEGACY_CHILD_ORDER.get(type(module).__name__, ()) if c in children]
+    for name in (*first, *(c for c in children if c not in first)):
+        yield from _legacy_named_modules(children[name], f"{prefix}.{name}" if prefix else name)
+
+
 def arch_name(module: torch.nn.Module) -> str:
     cls = type(module).__name__
     return next((t.name for t in ARCH_TABLES if cls in t.classes), cls)
@@ -45,6 +62,10 @@ class AliasTable:
             name: (Piece(name, 0, 0, out_rows(mod), True),) for name, mod in self.modules.items()
         }
         self.exact.update({k: v for k, v in _original_names(module, self.modules).items() if k not in self.exact})
+        prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
+        if prefix and not any(name.startswith(prefix) for name in self.modules):
+            self.exact.update({prefix + k: v for k, v in list(self.exact.items()) if prefix + k not in self.exact})
+        self._positional: dict[tuple[str, ...], list[str]] = {}
         self.underscored: dict[str, tuple[Piece, ...] | str] = {}
         for name, pieces in self.exact.items():
             key = underscore_form(name)
@@ -53,6 +74,18 @@ class AliasTable:
                 self.underscored[key] = AMBIGUOUS
             else:
                 self.underscored[key] = pieces
+
+    def positional(self, ancestor_classes: tuple[str, ...]) -> list[str]:
+        """Linear layers in cloneofsimo's enumeration order: each ancestor of the named classes, then its Linears."""
+        if ancestor_classes not in self._positional:
+            found = []
+            for name, ancestor in _legacy_named_modules(self.root):
+                if type(ancestor).__name__ in ancestor_classes:
+                    for sub, mod in ancestor.named_modules():
+                        if isinstance(mod, torch.nn.Linear):
+                            found.append(f"{name}.{sub}" if name else sub)
+            self._positional[ancestor_classes] = found
+        return self._positional[ancestor_classes]
 
     def lookup(self, path: str) -> tuple[Piece, ...] | str | None:
         """Pieces for `path`, AMBIGUOUS when underscores cannot tell two modules apart, None when absent."""

@@ -149,8 +149,6 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
 
 def _describe_layout(parts: list[AdapterPart], unparsed: list[dict]) -> str:
     counts = Counter(p.layout for p in parts)
-    if any("cloneofsimo" in u["reason"] for u in unparsed):
-        counts["cloneofsimo"] += 1
     if not counts:
         return "unknown"
     return "+".join(name for name, _ in counts.most_common())

@@ -67,7 +67,9 @@ _SUFFIX_RE = [(re.compile(rf"^(?P<stem>.+?)(?P<suffix>{rx})$"), fam, role, hint)
 
 # Old diffusers attention processors: `attn1.processor.to_out_lora.down.weight` names the module `attn1.to_out.0`.
 _PROCESSOR_RE = re.compile(r"^(?P<stem>.+)\.processor\.(?P<proj>to_q|to_k|to_v|to_out)_lora\.(?P<role>down|up)\.weight$")
-_CLONEOFSIMO_RE = re.compile(r"^(?:unet|text_encoder):\d+:(?:down|up)$")
+# cloneofsimo lora_diffusion: `unet:<i>:down`, i = enumeration order of the trainer's injected Linear layers.
+_CLONEOFSIMO_RE = re.compile(r"^(?P<stem>(?:unet|text_encoder):\d+):(?P<role>down|up)$")
+CLONEOFSIMO_STEM_RE = re.compile(r"^(?P<component>unet|text_encoder):(?P<index>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,9 @@ class ParsedKey:
 
 def parse_key(key: str) -> ParsedKey | str:
     """Return the parsed key, or a reason string when no layout we know produces this key."""
-    if _CLONEOFSIMO_RE.match(key):
-        return "cloneofsimo positional key (unet:<i>:down): positional layout is not supported yet"
+    m = _CLONEOFSIMO_RE.match(key)
+    if m:
+        return ParsedKey(key, m["stem"], "lora", m["role"], "cloneofsimo")
     m = _PROCESSOR_RE.match(key)
     if m:
         proj = "to_out.0" if m["proj"] == "to_out" else m["proj"]
@@ -107,6 +110,10 @@ class StemTarget:
 
 def split_stem(stem: str) -> StemTarget:
     """Remove PEFT wrappers and the component prefix from a stem."""
+    m = CLONEOFSIMO_STEM_RE.match(stem)
+    if m:
+        component = DENOISER if m["component"] == "unet" else "text_encoder"
+        return StemTarget(component, stem, "cloneofsimo", True)
     stem = stem.replace("base_model.model.", "", 1) if "base_model.model." in stem else stem
     for prefix, component, layout in _PREFIXES_BY_LENGTH:
         if stem.startswith(prefix):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ from ..families import FAMILIES
 from ..families.base import PartRejected
 from ..formats.adapter import Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
+from ..formats.keys import CLONEOFSIMO_STEM_RE
 from .target import Components
 
 
@@ -47,9 +49,27 @@ def _scalar(tensor: torch.Tensor, key: str) -> float | None:
     return value
 
 
+def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -> tuple[Piece, ...]:
+    """cloneofsimo files name layers by index; the metadata lists the ancestor classes that were enumerated."""
+    m = CLONEOFSIMO_STEM_RE.match(part.path)
+    try:
+        classes = tuple(json.loads(adapter.metadata.get(m["component"], "")))
+    except ValueError:
+        classes = ()
+    # lora_diffusion's default targets predate diffusers' rename of CrossAttention to Attention.
+    classes = classes or (("CrossAttention", "Attention", "GEGLU") if m["component"] == "unet" else ("CLIPAttention",))
+    classes = tuple(dict.fromkeys((*classes, *(("Attention",) if "CrossAttention" in classes else ()))))
+    order = table.positional(classes)
+    index = int(m["index"])
+    if index >= len(order):
+        raise PartRejected(f"no such module: positional index {index} but the model has {len(order)} Linear layers "
+                           f"under {', '.join(classes)}")
+    return table.exact[order[index]]
+
+
 def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float) -> PlannedPart:
     family = FAMILIES.get(part.family)
-    found = table.lookup(part.path)
+    found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path)
     where = f"{comp_name}.{part.path}"
     if found is None:
         raise PartRejected(f"no such module: {where}")
