@@ -48,22 +48,25 @@ class MergedModule:
             if self.bias_backup is not None:
                 self.module.bias.data.copy_(self.bias_backup)
 
-    def write(self) -> None:
-        """(Re)compute W = backup + Σ coeff·ΔW from the backup, so strength changes stay exact."""
+    def write(self, fresh: bool = False) -> None:
+        """(Re)compute W = backup + Σ coeff·ΔW from the backup, so strength changes stay exact.
+
+        fresh: the weight still equals the backup (first write), so the restoring copy is skipped."""
         weight = self.module.weight.data
-        rows = weight.view(weight.shape[0], -1)
         with torch.no_grad():
-            if weight.dtype == torch.float32 and len(self.contributions) == 1:
-                rows.copy_(self.weight_backup.view_as(rows))
+            if weight.dtype == torch.float32 and len(self.contributions) == 1 and weight.is_contiguous():
+                rows = weight.view(weight.shape[0], -1)
+                if not fresh:
+                    rows.copy_(self.weight_backup.view_as(rows))
                 pp, piece = self.contributions[0]
                 target = rows[piece.dst_start : piece.dst_start + piece.length]
                 FAMILIES[pp.part.family].add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
             else:
-                acc = self.weight_backup.view_as(rows).to(torch.float32, copy=True)
+                acc = self.weight_backup.reshape(weight.shape[0], -1).to(torch.float32, copy=True)
                 for pp, piece in self.contributions:
                     target = acc[piece.dst_start : piece.dst_start + piece.length]
                     FAMILIES[pp.part.family].add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
-                rows.copy_(acc)
+                weight.copy_(acc.view(weight.shape))
             self._write_bias()
 
     def _write_bias(self) -> None:
@@ -93,7 +96,7 @@ def merge_module(module: torch.nn.Module, contributions: list[Contribution]) -> 
     merged = MergedModule(module, contributions, module.weight.detach().clone())
     merged.adapters = {pp.adapter.name for pp, _ in contributions}
     try:
-        merged.write()
+        merged.write(fresh=True)
     except BaseException:
         merged.restore()
         raise
