@@ -79,3 +79,21 @@ def test_bad_targets_raise_typed_errors():
         loraweave.plan(object(), {})
     with pytest.raises(TargetError):
         loraweave.plan({"unet": "not a module"}, {})
+
+
+def test_nested_merges_must_be_removed_in_reverse_order():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    before = model[0].weight.detach().clone()
+    sd1: dict[str, torch.Tensor] = {}
+    sd2: dict[str, torch.Tensor] = {}
+    _lora(sd1, "0", 8, 8, 1)
+    _lora(sd2, "0", 8, 8, 2)
+    h1 = loraweave.apply(model, sd1, mode="merge", strict=True)
+    h2 = loraweave.apply(model, sd2, mode="merge", strict=True)
+    with pytest.raises(RuntimeError, match="reverse order"):
+        h1.remove()
+    with pytest.raises(RuntimeError, match="later apply"):
+        h1.set_strength("adapter", 0.5)
+    h2.remove()
+    h1.remove()
+    assert torch.equal(model[0].weight, before)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 import os
 import sys
 import time
@@ -14,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .errors import StrictApplyError
 from .formats.adapter import Adapter, load_adapter
-from .mechanisms.merge import Contribution, MergedModule, merge_blocker, merge_module
+from .mechanisms.merge import Contribution, MergedModule, merge_blocker, merge_module, needs_bias
 from .mechanisms.runtime import RuntimePath, runtime_blocker
 from .plan.resolve import Plan, PlannedPart, resolve
 from .plan.target import as_components
@@ -36,12 +38,19 @@ def _normalise_adapters(adapters, strength: float) -> list[tuple[Adapter, float]
         own = 1.0
         if isinstance(item, tuple):
             item, own = item
-        adapter = load_adapter(item)
+        # A shallow copy per use: the caller's object is never renamed, and one Adapter may be passed twice.
+        adapter = copy.copy(load_adapter(item))
         seen[adapter.name] += 1
         if seen[adapter.name] > 1:  # two adapters must not share a name: set_strength addresses them by it
             adapter.name = f"{adapter.name}#{seen[adapter.name]}"
-        out.append((adapter, float(own) * float(strength)))
+        out.append((adapter, _finite_strength(float(own) * float(strength))))
     return out
+
+
+def _finite_strength(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"strength must be a finite number, got {value}")
+    return value
 
 
 def _adapter_summaries(plan: Plan) -> list[dict]:
@@ -94,9 +103,9 @@ def plan(target, adapters: Iterable[AdapterSpec] | AdapterSpec, strength: float 
     return report
 
 
-def _choose(mode: str, module: torch.nn.Module) -> tuple[str | None, str]:
+def _choose(mode: str, module: torch.nn.Module, contribs: list[Contribution]) -> tuple[str | None, str]:
     """(mechanism or None, why)."""
-    merge_no = merge_blocker(module)
+    merge_no = merge_blocker(module, needs_bias(contribs))
     runtime_no = runtime_blocker(module)
     if mode == "merge":
         return (None, f"cannot merge: {merge_no}; use mode='runtime' or 'auto'") if merge_no else ("merge", "")
@@ -123,6 +132,12 @@ class Handle:
         """Restore merged weights bit-exactly and detach runtime paths. Idempotent."""
         if not self.active:
             return
+        later = [m for m in self._merged if not m.is_top()]
+        if later:
+            raise RuntimeError(
+                f"{len(later)} merged layers were merged again by a later apply; remove that handle first "
+                "(merges undo exactly only in reverse order)"
+            )
         for path in self._runtime:
             path.detach()
         for merged in reversed(self._merged):
@@ -135,7 +150,10 @@ class Handle:
             raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
         if not self.active:
             raise RuntimeError("handle was removed")
-        self._plan.strengths[name] = float(value)
+        if any(name in m.adapters and not m.is_top() for m in self._merged):
+            raise RuntimeError("a later apply merged into the same layers; remove it before changing this strength")
+        value = _finite_strength(float(value))
+        self._plan.strengths[name] = value
         for pp in self._plan.planned:
             if pp.adapter.name == name:
                 pp.strength = float(value)
@@ -186,7 +204,7 @@ def apply(
     rejected_parts: dict[int, str] = {}
     for (comp, path), contribs in groups.items():
         module = p.components.modules[comp].get_submodule(path)
-        mechanism, why = _choose(mode, module)
+        mechanism, why = _choose(mode, module, contribs)
         if mechanism is None:
             for pp, _ in contribs:
                 rejected_parts.setdefault(id(pp), f"{why} ({comp}.{path})")
@@ -212,11 +230,11 @@ def apply(
     try:
         for comp, path, module, mechanism, why, contribs in tqdm(work, desc="loraweave", disable=not show, unit="layer"):
             if mechanism == "merge":
-                merged.append(merge_module(module, contribs))
+                merge_module(module, contribs, merged)
             else:
                 rp = RuntimePath(module, contribs)
+                runtime.append(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
                 rp.attach()
-                runtime.append(rp)
             names = sorted({pp.adapter.name for pp, _ in contribs})
             applied.append(AppliedModule(comp, path, mechanism, names, why if mode == "auto" else ""))
     except BaseException:

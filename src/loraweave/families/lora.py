@@ -32,6 +32,8 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
     down, up = tensors["down"], tensors["up"]
     for role, t in tensors.items():
         check_finite(key_of[role], t)
+    if down.dim() < 2 or down.shape[0] == 0:
+        raise PartRejected(f"shape mismatch: down {tuple(down.shape)} is not a rank>=1 factor")
     rank = down.shape[0]
     if up.dim() < 2 or up.shape[1] != rank or any(d != 1 for d in up.shape[2:]):
         raise PartRejected(f"shape mismatch: up {tuple(up.shape)} does not pair with down {tuple(down.shape)}")

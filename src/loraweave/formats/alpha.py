@@ -60,7 +60,7 @@ def _peft_field(peft: dict, component_prefix: str, name: str):
 def _pattern_value(patterns: dict | None, module_path: str):
     # PEFT matches pattern keys against the end of the module name (regex `(.*\.)?<key>$`).
     for pattern, value in (patterns or {}).items():
-        if re.fullmatch(rf"(?:.*\.)?{pattern}", module_path):
+        if re.fullmatch(rf"(?:.*\.)?(?:{pattern})", module_path):
             return value
     return None
 

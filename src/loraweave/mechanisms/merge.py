@@ -11,13 +11,16 @@ from ..families import FAMILIES
 from ..plan.resolve import PlannedPart
 
 Contribution = tuple[PlannedPart, Piece]
+STACK_ATTR = "_loraweave_merges"  # per-module list of live merges, newest last
 
 
-def merge_blocker(module: torch.nn.Module) -> str | None:
+def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | None:
     """Why merging into this module's weight would be lossy or impossible, or None when it is exact."""
     weight = getattr(module, "weight", None)
     if weight is None:
         return "module has no weight"
+    if needs_bias and getattr(module, "bias", None) is None:
+        return "adapter carries a bias delta but the module has no bias"
     if type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return f"weight is a {type(weight).__name__} (quantized or wrapped storage)"
     if not weight.is_floating_point():
@@ -34,7 +37,7 @@ def _coeff(pp: PlannedPart) -> float:
     return pp.strength * pp.scale
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: instances are compared with `is` on the per-module stack
 class MergedModule:
     module: torch.nn.Module
     contributions: list[Contribution]
@@ -42,7 +45,15 @@ class MergedModule:
     bias_backup: torch.Tensor | None = None
     adapters: set[str] = field(default_factory=set)
 
+    def is_top(self) -> bool:
+        """Only the latest merge on a module can be undone exactly (each backup holds the earlier merges)."""
+        stack = getattr(self.module, STACK_ATTR, [])
+        return bool(stack) and stack[-1] is self
+
     def restore(self) -> None:
+        stack = getattr(self.module, STACK_ATTR, [])
+        if any(m is self for m in stack):
+            stack.remove(self)
         with torch.no_grad():
             self.module.weight.data.copy_(self.weight_backup)
             if self.bias_backup is not None:
@@ -62,7 +73,8 @@ class MergedModule:
                 target = rows[piece.dst_start : piece.dst_start + piece.length]
                 FAMILIES[pp.part.family].add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
             else:
-                acc = self.weight_backup.reshape(weight.shape[0], -1).to(torch.float32, copy=True)
+                acc_dtype = torch.promote_types(weight.dtype, torch.float32)  # fp64 weights keep fp64
+                acc = self.weight_backup.reshape(weight.shape[0], -1).to(acc_dtype, copy=True)
                 for pp, piece in self.contributions:
                     target = acc[piece.dst_start : piece.dst_start + piece.length]
                     FAMILIES[pp.part.family].add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
@@ -80,24 +92,27 @@ class MergedModule:
         bias = self.module.bias
         if self.bias_backup is None:
             self.bias_backup = bias.detach().clone()
-        acc = self.bias_backup.to(torch.float32, copy=True)
+        acc = self.bias_backup.to(torch.promote_types(bias.dtype, torch.float32), copy=True)
         for piece, b, coeff in deltas:
             acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coeff)
         bias.data.copy_(acc)
 
 
-def merge_module(module: torch.nn.Module, contributions: list[Contribution]) -> MergedModule:
-    needs_bias = any(
+def needs_bias(contributions: list[Contribution]) -> bool:
+    return any(
         FAMILIES[pp.part.family].bias_delta(pp.factors, piece.src_start, piece.length) is not None
         for pp, piece in contributions
     )
-    if needs_bias and getattr(module, "bias", None) is None:
+
+
+def merge_module(module: torch.nn.Module, contributions: list[Contribution], record: list[MergedModule]) -> None:
+    """Merge into `module`; the undo record is appended to `record` before the weight is touched."""
+    if needs_bias(contributions) and getattr(module, "bias", None) is None:
         raise ValueError("adapter carries a bias delta but the module has no bias")
     merged = MergedModule(module, contributions, module.weight.detach().clone())
     merged.adapters = {pp.adapter.name for pp, _ in contributions}
-    try:
-        merged.write(fresh=True)
-    except BaseException:
-        merged.restore()
-        raise
-    return merged
+    if not hasattr(module, STACK_ATTR):
+        setattr(module, STACK_ATTR, [])
+    getattr(module, STACK_ATTR).append(merged)
+    record.append(merged)
+    merged.write(fresh=True)

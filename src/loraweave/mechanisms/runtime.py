@@ -91,8 +91,9 @@ class RuntimePath:
         if not isinstance(output, torch.Tensor):
             return output
         dtype = output.dtype
-        if x.dtype != dtype and x.is_floating_point():
-            x = x.to(dtype)
+        # Offload hooks (accelerate) move inputs inside forward; the hook sees them before, so follow the output.
+        if x.device != output.device or (x.dtype != dtype and x.is_floating_point()):
+            x = x.to(output.device, dtype)
         if self.down is not None:
             down, up, scale = self._factors(output.device, dtype)
             if self.conv:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,8 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
         scale, source = resolve_scale(
             alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path, prefix, adapter.meta_alpha
         )
+        if not math.isfinite(scale):
+            raise PartRejected(f"bad tensor: scale from {source} is not finite")
     return PlannedPart(adapter, part, comp_name, found, factors, scale, source, strength)
 
 
