@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..families import FAMILIES
+from ..plan.resolve import PlannedPart
 from .merge import Contribution
 
 _CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
@@ -33,9 +34,9 @@ class RuntimePath:
         self.module = module
         self.conv = _conv_fn(module)
         self.out = module.out_channels if self.conv else module.out_features
-        downs, ups, coeffs, owners = [], [], [], []
-        self.dense: list[tuple[str, int, int, torch.Tensor]] = []
-        self.biases: list[tuple[str, int, int, torch.Tensor]] = []
+        downs, ups, owners = [], [], []
+        self.dense: list[tuple[PlannedPart, int, int, torch.Tensor]] = []  # (part, dst row, rows, ΔW rows)
+        self.biases: list[tuple[PlannedPart, int, int, torch.Tensor]] = []
         self.adapters = set()
         for pp, piece in contributions:
             term = FAMILIES[pp.part.family].runtime_term(pp.factors, piece.src_start, piece.dst_start, piece.length)
@@ -48,7 +49,6 @@ class RuntimePath:
                 down = term.down.reshape(rank, *module.weight.shape[1:]) if self.conv else term.down.flatten(1)
                 downs.append(down)
                 ups.append(up)
-                coeffs.append(torch.full((term.up.shape[1],), 1.0))
                 owners.append((pp, term.up.shape[1]))
             if term.dense is not None:
                 self.dense.append((pp, term.dst_start, term.length, term.dense))
@@ -58,8 +58,9 @@ class RuntimePath:
         self.down = torch.cat(downs) if downs else None  # (R, in, *k) fp32 master copy
         self.up = torch.cat(ups, dim=1) if ups else None  # (out, R)
         self.scale = torch.empty(self.down.shape[0] if downs else 0)
+        self._cache: dict = {}  # (device, dtype) -> (down, up): built once, kept across strength changes
+        self._scale_cache: dict = {}
         self.refresh_scales()
-        self._cache: dict = {}
         self.hook = None
 
     def refresh_scales(self) -> None:
@@ -68,13 +69,15 @@ class RuntimePath:
         for pp, rank in self._owners:
             self.scale[start : start + rank] = pp.strength * pp.scale
             start += rank
-        self._cache = {}
+        self._scale_cache = {}
 
     def _factors(self, device: torch.device, dtype: torch.dtype):
         key = (device, dtype)
         if key not in self._cache:
-            self._cache = {key: (self.down.to(device, dtype), self.up.to(device, dtype), self.scale.to(device, dtype))}
-        return self._cache[key]
+            self._cache = {key: (self.down.to(device, dtype), self.up.to(device, dtype))}
+        if key not in self._scale_cache:
+            self._scale_cache = {key: self.scale.to(device, dtype)}
+        return (*self._cache[key], self._scale_cache[key])
 
     def warm(self) -> None:
         weight = getattr(self.module, "weight", None)
