@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PartRejected, RuntimeTerm, as_float32, check_finite
+from .base import PartRejected, RuntimeTerm, check_factor
 
 FAMILY = "full"
 
 
 @dataclass
 class FullFactors:
-    diff: torch.Tensor | None  # (rows, in, *k) fp32
-    diff_b: torch.Tensor | None  # (rows,) fp32
+    diff: torch.Tensor | None  # (rows, in, *k), stored dtype
+    diff_b: torch.Tensor | None  # (rows,)
     rank: int = 0
     is_conv_kernel: bool = False
 
@@ -27,12 +27,12 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> FullFactor
     if "diff" not in tensors and "diff_b" not in tensors:
         raise PartRejected("incomplete full diff: neither diff nor diff_b")
     for role, t in tensors.items():
-        check_finite(key_of[role], t)
+        check_factor(key_of[role], t)
     diff = tensors.get("diff")
     diff_b = tensors.get("diff_b")
     if diff is not None and diff_b is not None and diff_b.shape != (diff.shape[0],):
         raise PartRejected(f"shape mismatch: diff_b {tuple(diff_b.shape)} for diff {tuple(diff.shape)}")
-    return FullFactors(None if diff is None else as_float32(diff), None if diff_b is None else as_float32(diff_b))
+    return FullFactors(diff, diff_b)
 
 
 def check_target(f: FullFactors, shape: tuple[int, ...]) -> str | None:

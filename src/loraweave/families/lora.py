@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PartRejected, RuntimeTerm, as_float32, check_finite
+from .base import PartRejected, RuntimeTerm, check_factor
 
 FAMILY = "lora"
 
 
 @dataclass
 class LoraFactors:
-    down: torch.Tensor  # (r, in, *k) with Tucker core folded in; fp32
-    up: torch.Tensor  # (rows, r) fp32
+    down: torch.Tensor  # (r, in, *k) with Tucker core folded in; stored dtype
+    up: torch.Tensor  # (rows, r)
     up_bias: torch.Tensor | None  # (rows,)
     rank: int
     is_conv_kernel: bool  # kernel larger than 1x1: kohya's conv_alpha applies
@@ -31,25 +31,25 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
         raise PartRejected(f"incomplete LoRA: no {missing} tensor")
     down, up = tensors["down"], tensors["up"]
     for role, t in tensors.items():
-        check_finite(key_of[role], t)
+        check_factor(key_of[role], t)
     if down.dim() < 2 or down.shape[0] == 0:
         raise PartRejected(f"shape mismatch: down {tuple(down.shape)} is not a rank>=1 factor")
     rank = down.shape[0]
     if up.dim() < 2 or up.shape[1] != rank or any(d != 1 for d in up.shape[2:]):
         raise PartRejected(f"shape mismatch: up {tuple(up.shape)} does not pair with down {tuple(down.shape)}")
-    down = as_float32(down)
-    up2d = as_float32(up).flatten(1)
+    # Factors stay in their stored dtype (plan needs only shapes); merge and runtime cast where they compute.
+    up2d = up.flatten(1)
     mid = tensors.get("mid")
     if mid is not None:
         if mid.dim() < 3 or mid.shape[:2] != (rank, rank) or any(d != 1 for d in down.shape[2:]):
             raise PartRejected(f"shape mismatch: Tucker core {tuple(mid.shape)} with down {tuple(down.shape)}")
         # Tucker: down is 1x1, the core carries the kernel; compose them into one (r, in, *k) kernel.
-        down = torch.einsum("mn...,nj->mj...", as_float32(mid), down.flatten(1))
+        down = torch.einsum("mn...,nj->mj...", mid.float(), down.flatten(1).float())
     bias = tensors.get("up_bias")
     if bias is not None and bias.shape != (up.shape[0],):
         raise PartRejected(f"shape mismatch: lora_B.bias {tuple(bias.shape)} for {up.shape[0]} rows")
     conv_kernel = down.dim() > 2 and any(d > 1 for d in down.shape[2:])
-    return LoraFactors(down, up2d, None if bias is None else as_float32(bias), rank, conv_kernel)
+    return LoraFactors(down, up2d, bias, rank, conv_kernel)
 
 
 def check_target(f: LoraFactors, shape: tuple[int, ...]) -> str | None:

@@ -1,0 +1,288 @@
+"""Shared benchmark plumbing: malloc hygiene (re-exec), thread count, interleaved timing, medians, tables, RSS.
+
+Importing this module re-executes the running script with the glibc malloc settings below when they are not
+already in the environment, so import it before torch (the settings are read once, at process start).
+
+  MALLOC_MMAP_THRESHOLD_=4 GiB   large tensors come from the heap, not from a fresh mmap per allocation
+  MALLOC_TRIM_THRESHOLD_=64 GiB  freed memory is kept, so a re-allocation does not page-fault again
+  MALLOC_TOP_PAD_=1 GiB          the heap grows in big steps
+
+Without them every 36-50 MB temporary is a fresh mmap whose page faults (zeroing) get timed, which adds noise
+and penalises whichever variant allocates more. Set LORAWEAVE_BENCH_NO_REEXEC=1 to keep the current
+environment (used by the memory-measuring child processes, which want glibc's default behaviour).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "4294967296",
+    "MALLOC_TRIM_THRESHOLD_": "68719476736",
+    "MALLOC_TOP_PAD_": "1073741824",
+}
+NO_REEXEC = "LORAWEAVE_BENCH_NO_REEXEC"
+THREADS = 2
+
+
+def ensure_malloc_env() -> None:
+    """Re-exec the current script with MALLOC_ENV unless it is already set (or re-exec is disabled)."""
+    if os.environ.get(NO_REEXEC) == "1":
+        return
+    if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()):
+        return
+    env = {**os.environ, **MALLOC_ENV}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+ensure_malloc_env()
+
+
+def malloc_env_line() -> str:
+    state = "set" if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()) else "NOT set"
+    return "malloc env " + state + ": " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in MALLOC_ENV)
+
+
+def setup_torch():
+    import torch
+
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    return torch
+
+
+def header(title: str) -> None:
+    import platform
+
+    import torch
+
+    print(f"== {title}")
+    print(
+        f"python {platform.python_version()}  torch {torch.__version__}  threads={torch.get_num_threads()}  "
+        f"cpus={os.cpu_count()}"
+    )
+    print(malloc_env_line())
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_mib() -> float:
+    kb = _status_kb("VmRSS")
+    return (kb or 0) / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM, also what getrusage reports) to the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float:
+    kb = _status_kb("VmHWM")
+    if kb is None:
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
+    return kb / 1024
+
+
+class PeakRss:
+    """Peak RSS growth over a block: `with PeakRss() as m: ...; m.delta_mib`.
+
+    Uses /proc/self/clear_refs to reset the peak first; without it (other kernels) the delta is only the
+    growth above the process's previous peak, so it is exact only when the block sets a new peak."""
+
+    def __enter__(self) -> PeakRss:
+        gc.collect()
+        self.reset = reset_peak_rss()
+        self.start = rss_mib()
+        self.start_peak = peak_rss_mib()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end_peak = peak_rss_mib()
+        base = self.start if self.reset else self.start_peak
+        self.delta_mib = max(0.0, self.end_peak - base)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def cpu_steal_s() -> float:
+    """CPU time the hypervisor gave to others (all CPUs, seconds): a direct measure of VM noise."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+LAST_RUN: dict[str, float] = {}
+
+
+@dataclass
+class Variant:
+    """One thing to time. `prepare` and `cleanup` run around every timed `run`, untimed."""
+
+    name: str
+    run: Callable[[], object]
+    prepare: Callable[[], object] | None = None
+    cleanup: Callable[[], object] | None = None
+
+
+def _timed(v: Variant, collect: bool = True) -> float:
+    if v.prepare is not None:
+        v.prepare()
+    if collect:
+        gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        out = v.run()
+        dt = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    del out
+    if v.cleanup is not None:
+        v.cleanup()
+    return dt
+
+
+def interleaved(
+    variants: Sequence[Variant], rounds: int, warmup: int = 1, log: bool = True, collect: bool = True
+) -> dict[str, list[float]]:
+    """Time every variant once per round, round-robin, rotating the order each round (no position bias).
+
+    collect=False skips the full gc.collect() before each sample (the collector is still paused during it):
+    with ~400k tracked objects one full collection costs ~200 ms, far more than a 20 ms sample.
+    Returns {name: [seconds per round]} with index i = round i, so per-round ratios pair up."""
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    n = len(variants)
+    steal0, wall0 = cpu_steal_s(), time.perf_counter()
+    for r in range(-warmup, rounds):
+        for v in [variants[(i + r) % n] for i in range(n)]:
+            dt = _timed(v, collect)
+            if r >= 0:
+                times[v.name].append(dt)
+        if log and r >= 0:
+            done = " ".join(f"{v.name}={times[v.name][-1] * 1e3:.1f}ms" for v in variants)
+            print(f"  round {r + 1}/{rounds}: {done}", file=sys.stderr, flush=True)
+    LAST_RUN.update(wall_s=time.perf_counter() - wall0, steal_s=cpu_steal_s() - steal0)
+    return times
+
+
+@dataclass
+class Sandwich:
+    """Result of `sandwiched`: per-round times, and per-sample ratios to the reference runs either side."""
+
+    times: dict[str, list[float]]
+    ratios: dict[str, list[float]]  # every sample: t / mean(ref before, ref after)
+    quiet: dict[str, list[float]]  # only samples whose two reference neighbours agree within `tol`
+    tol: float
+
+    def ratio(self, name: str) -> float:
+        """Median ratio over quiet samples (all samples when fewer than 3 were quiet)."""
+        use = self.quiet[name] if len(self.quiet[name]) >= 3 else self.ratios[name]
+        return statistics.median(use)
+
+    def quiet_count(self, name: str) -> str:
+        return f"{len(self.quiet[name])}/{len(self.ratios[name])}"
+
+
+def sandwiched(
+    ref: Variant, variants: Sequence[Variant], rounds: int, warmup: int = 1, tol: float = 0.03, log: bool = True
+) -> Sandwich:
+    """Round-robin like `interleaved`, but with the reference timed between every two variants:
+    ref V1 ref V2 ref ... Vn ref (variant order rotated each round).
+
+    Each variant sample is divided by the mean of its two neighbouring reference samples. On a VM whose speed
+    jumps (noisy neighbours: 2x slow-downs lasting seconds are common on shared hosts), a sample counts as quiet
+    when those two neighbours agree within `tol`; the ratio reported is the median over quiet samples."""
+    names = [ref.name, *(v.name for v in variants)]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {v.name: [] for v in variants}
+    quiet: dict[str, list[float]] = {v.name: [] for v in variants}
+    n = len(variants)
+    steal0, wall0 = cpu_steal_s(), time.perf_counter()
+    for r in range(-warmup, rounds):
+        before = _timed(ref)
+        if r >= 0:
+            times[ref.name].append(before)
+        for v in [variants[(i + r) % n] for i in range(n)]:
+            dt = _timed(v)
+            after = _timed(ref)
+            if r >= 0:
+                times[v.name].append(dt)
+                times[ref.name].append(after)
+                ratio = dt / ((before + after) / 2)
+                ratios[v.name].append(ratio)
+                if abs(before - after) <= tol * min(before, after):
+                    quiet[v.name].append(ratio)
+            before = after
+        if log and r >= 0:
+            done = " ".join(f"{name}={times[name][-1] * 1e3:.1f}ms" for name in names)
+            print(f"  round {r + 1}/{rounds}: {done}", file=sys.stderr, flush=True)
+    LAST_RUN.update(wall_s=time.perf_counter() - wall0, steal_s=cpu_steal_s() - steal0)
+    return Sandwich(times, ratios, quiet, tol)
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def ratio_median(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median of per-round ratios num[i]/den[i] (paired, so slow rounds cancel)."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
+
+
+def spread(xs: Sequence[float]) -> float:
+    """Half the inter-quartile range relative to the median (a rough +-)."""
+    if len(xs) < 4:
+        return float("nan")
+    q = statistics.quantiles(xs, n=4)
+    return (q[2] - q[0]) / 2 / statistics.median(xs)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def noise_line() -> str:
+    """One line on how much CPU the hypervisor took during the last `interleaved` run."""
+    if not LAST_RUN:
+        return ""
+    return (
+        f"timing loop: {LAST_RUN['wall_s']:.1f} s wall, CPU steal {LAST_RUN['steal_s']:.2f} s "
+        f"(of {LAST_RUN['wall_s'] * THREADS:.1f} CPU-s; >5% means a noisy host, rerun)"
+    )
