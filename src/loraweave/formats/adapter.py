@@ -133,7 +133,7 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
         family = next((f for f in families if f not in ("lora", "full")), None)
         family = family or ("lora" if "lora" in families else "full" if "full" in families else "lora")
         hints = [p.layout_hint for p in pks if p.layout_hint]
-        layout = hints[0] if hints and target.layout in ("bare", "diffusers", "comfyui") else target.layout
+        layout = hints[0] if hints and target.layout in ("bare", "diffusers") else target.layout
         part = AdapterPart(stem, target.component, target.path, layout, target.explicit_component, family)
         part.extra_families = families - {family}
         for p in pks:
