@@ -1,10 +1,10 @@
-"""Runtime-mode LoRA forward overhead: loraweave's hook vs PEFT's unmerged LoraLayer vs the plain layer.
+"""Runtime-mode LoRA forward overhead: loraweave's runtime path vs PEFT's unmerged LoraLayer vs the plain layer.
 
 One Linear(3072, 3072) fp32, input of 4096 tokens x 3072, rank-16 LoRA (alpha 8, scale 0.5). Variants, each on
 its own copy of the same weights, timed round-robin (order rotated every round) under inference_mode:
 
   base      plain nn.Linear
-  loraweave loraweave.apply(module, state_dict, mode="runtime")  (forward hook on the Linear)
+  loraweave loraweave.apply(module, state_dict, mode="runtime")  (low-rank term fused into the Linear's GEMM)
   peft      peft inject_adapter_in_model(LoraConfig(...)), unmerged LoraLayer forward
   merged    loraweave mode="merge" (the same Linear with W + scale*B@A): must cost what base costs
   lora ops  only the two extra GEMMs any post-forward LoRA path needs (h = x@A^T*s; y += h@B^T on a
