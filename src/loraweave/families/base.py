@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,11 @@ class PartRejected(Exception):
 
 @dataclass
 class RuntimeTerm:
-    """One contribution to a layer's runtime path: y[rows] += coeff * up_rows @ down(x) (or dense)."""
+    """One contribution to a layer's runtime path: y[rows] += coeff · (up_rows @ down(x) | dense(x) | fn(x)).
+
+    Exactly one of (down, up), dense or fn is set, plus an optional bias. `fn(x, conv)` returns the unscaled
+    delta output for input x, rows [dst_start, dst_start+length); `conv` holds the layer's conv function and
+    its stride/padding/dilation (None for Linear). fn casts its own tensors to x's device and dtype."""
 
     down: torch.Tensor | None  # (r, in, *k): LoRA down with any Tucker core folded in
     up: torch.Tensor | None  # (length, r)
@@ -22,6 +27,32 @@ class RuntimeTerm:
     bias: torch.Tensor | None  # (length,)
     dst_start: int
     length: int
+    fn: Callable[[torch.Tensor, ConvSpec | None], torch.Tensor] | None = None
+    cost: str = ""  # what the runtime form costs, for the report ("dense ΔW cached", ...)
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """How the host layer convolves: the function (F.conv1d/2d/3d) and its keyword arguments."""
+
+    fn: Callable
+    kwargs: dict
+
+
+class CastCache:
+    """Tensors cast once per (device, dtype) for the runtime path; strength changes never rebuild them."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+        self._key = None
+        self._cast: tuple[torch.Tensor, ...] = ()
+
+    def get(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        key = (like.device, like.dtype)
+        if key != self._key:
+            self._cast = tuple(t.to(like.device, like.dtype) for t in self.tensors)
+            self._key = key
+        return self._cast
 
 
 def check_factor(name: str, tensor: torch.Tensor) -> None:

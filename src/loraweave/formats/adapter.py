@@ -123,7 +123,7 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
         if item["key"].endswith(".weight") and item["key"][: -len(".weight")] in parsed:
             stem = item["key"][: -len(".weight")]
             if any(p.family == "ia3" for p in parsed[stem]):
-                parsed[stem].append(ParsedKey(item["key"], stem, "ia3", "factor", None))
+                parsed[stem].append(ParsedKey(item["key"], stem, "ia3", "weight", None))
                 unparsed.remove(item)
     parts = []
     for stem, pks in parsed.items():
@@ -138,7 +138,7 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
         part.extra_families = families - {family}
         for p in pks:
             part.keys.append(p.key)
-            if p.role in part.roles and p.role != "factor":
+            if p.role in part.roles:
                 unparsed.append({"key": p.key, "reason": f"duplicate {p.role} for {stem} ({part.roles[p.role]})"})
                 part.keys.remove(p.key)
                 continue

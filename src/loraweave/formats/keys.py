@@ -29,8 +29,9 @@ _PREFIXES: tuple[tuple[str, str, str], ...] = (
 _PREFIXES_BY_LENGTH = sorted(_PREFIXES, key=lambda p: -len(p[0]))
 
 # (suffix regex, family, role, layout hint). The first match wins, so longer/more specific come first.
+# role None: the suffix itself names the role (`hada_w1_a`, `lokr_w2`, `oft_blocks`, `a1`, `on_input`, ...).
 # Families other than "lora" and "full" are recognised here and reported as unsupported by the planner.
-_SUFFIXES: tuple[tuple[str, str, str, str | None], ...] = (
+_SUFFIXES: tuple[tuple[str, str, str | None, str | None], ...] = (
     (r"\.lora_down\.weight", "lora", "down", None),
     (r"\.lora_up\.weight", "lora", "up", None),
     (r"\.lora_mid\.weight", "lora", "mid", None),
@@ -49,19 +50,19 @@ _SUFFIXES: tuple[tuple[str, str, str, str | None], ...] = (
     (r"\.diff_b", "full", "diff_b", None),
     (r"\.dora_scale", "dora", "dora_scale", None),
     (r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?", "dora", "dora_scale", "peft"),
-    (r"\.hada_(?:w[12]_[ab]|t[12])", "loha", "factor", None),
-    (r"\.lokr_(?:w[12](?:_[ab])?|t2)", "lokr", "factor", None),
-    (r"\.oft_(?:blocks|diag)", "oft", "factor", None),
-    (r"\.oft_R\.weight", "oft", "factor", "peft"),
-    (r"\.boft_[RsS]", "boft", "factor", "peft"),
+    (r"\.hada_(?:w[12]_[ab]|t[12])", "loha", None, None),
+    (r"\.lokr_(?:w[12](?:_[ab])?|t2)", "lokr", None, None),
+    (r"\.oft_(?:blocks|diag)", "oft", None, None),
+    (r"\.oft_R\.weight", "oft", None, "peft"),
+    (r"\.boft_[RsS]", "boft", None, "peft"),
     (r"\.rescale", "oft", "rescale", None),
-    (r"\.(?:a1|a2|b1|b2)\.weight", "glora", "factor", None),
-    (r"\.(?:ia3_l|on_input)", "ia3", "factor", None),
-    (r"\.(?:w_norm|b_norm)", "norm", "factor", None),
-    (r"\.set_weight", "set", "factor", None),
-    (r"\.reshape_weight", "reshape", "factor", None),
-    (r"\.bias_(?:indices|values|size)", "sparse_bias", "factor", None),
-    (r"\.(?:q_layer|p_layer|lambda_layer)", "tlora", "factor", None),
+    (r"\.(?:a1|a2|b1|b2)\.weight", "glora", None, None),
+    (r"\.(?:ia3_l|on_input)", "ia3", None, None),
+    (r"\.(?:w_norm|b_norm)", "norm", None, None),
+    (r"\.set_weight", "set", None, None),
+    (r"\.reshape_weight", "reshape", None, None),
+    (r"\.bias_(?:indices|values|size)", "sparse_bias", None, None),
+    (r"\.(?:q_layer|p_layer|lambda_layer)", "tlora", None, None),
 )
 _SUFFIX_RE = [(re.compile(rf"^(?P<stem>.+?)(?P<suffix>{rx})$"), fam, role, hint) for rx, fam, role, hint in _SUFFIXES]
 
@@ -94,7 +95,7 @@ def parse_key(key: str) -> ParsedKey | str:
     for rx, family, role, hint in _SUFFIX_RE:
         m = rx.match(key)
         if m:
-            return ParsedKey(key, m["stem"], family, role, hint)
+            return ParsedKey(key, m["stem"], family, role or m["suffix"][1:].removesuffix(".weight"), hint)
     if "<" in key and ">" in key:
         return "textual-inversion token embedding, not an adapter weight"
     return "no known adapter suffix (not a LoRA/LyCORIS key)"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from ..families import FAMILIES
+from ..families.base import ConvSpec
 from ..plan.resolve import PlannedPart
 from .merge import Contribution
 
@@ -37,6 +40,7 @@ class RuntimePath:
         downs, ups, owners = [], [], []
         self.dense: list[tuple[PlannedPart, int, int, torch.Tensor]] = []  # (part, dst row, rows, ΔW rows)
         self.biases: list[tuple[PlannedPart, int, int, torch.Tensor]] = []
+        self.fns: list[tuple[PlannedPart, int, int, Callable]] = []  # structured families (LoKr, LoHa, ...)
         self.adapters = set()
         for pp, piece in contributions:
             term = FAMILIES[pp.part.family].runtime_term(pp.factors, piece.src_start, piece.dst_start, piece.length)
@@ -52,6 +56,8 @@ class RuntimePath:
                 owners.append((pp, term.up.shape[1]))
             if term.dense is not None:
                 self.dense.append((pp, term.dst_start, term.length, term.dense))
+            if term.fn is not None:
+                self.fns.append((pp, term.dst_start, term.length, term.fn))
             if term.bias is not None:
                 self.biases.append((pp, term.dst_start, term.length, term.bias))
         self._owners = owners
@@ -145,6 +151,9 @@ class RuntimePath:
             d = dense.to(output.device, dtype)
             part = self.conv(x, d, None, **self._conv_args()) if self.conv else F.linear(x, d)
             output = self._add_rows(output, part * (pp.strength * pp.scale), dst, length)
+        spec = ConvSpec(self.conv, self._conv_args()) if self.conv else None
+        for pp, dst, length, fn in self.fns:
+            output = self._add_rows(output, fn(x, spec) * (pp.strength * pp.scale), dst, length)
         for pp, dst, length, bias in self.biases:
             b = bias.to(output.device, dtype) * (pp.strength * pp.scale)
             if self.conv:

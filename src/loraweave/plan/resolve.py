@@ -93,6 +93,8 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     scale_t = _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
     if part.family == "full":
         scale, source = 1.0, "none:full"
+    elif factors.rank is None:  # e.g. LoKr with both factors full: alpha does not apply
+        scale, source = 1.0, "none:full_rank_factors"
     else:
         prefix = comp_name if part.explicit_component else ""
         scale, source = resolve_scale(
