@@ -163,3 +163,32 @@ def test_zimage_original_names_resolve(meta_models):
     qkv = [m for m in report.applied if ".attention.to_" in m.module and m.module.startswith("layers.0.")]
     assert len(qkv) == 4  # fused qkv split onto to_q/to_k/to_v, plus `out` onto to_out.0
     assert report.keys_applied == len(sd)
+
+
+@pytest.mark.parametrize(
+    "yaml_name, config, cls",
+    [
+        ("sd3-comfyui.yaml", "sd3-medium__transformer_config.json", "SD3Transformer2DModel"),
+        ("flux-flux.yaml", "flux1-dev__transformer_config.json", "FluxTransformer2DModel"),
+    ],
+)
+@pytest.mark.parametrize("layout", ["kohya", "comfyui"])
+def test_dit_original_checkpoint_names_resolve(yaml_name, config, cls, layout):
+    """A LoRA on every 2-D/4-D weight of a real original (ComfyUI/BFL) checkpoint resolves on the diffusers model."""
+    import diffusers
+
+    weights = _mecha_weights(yaml_name, "diffuser")
+    assert len(weights) > 200
+    with torch.device("meta"):
+        model = getattr(diffusers, cls).from_config(_config(config))
+    sd = {}
+    for key, shape in weights.items():
+        if len(shape) < 2:
+            continue
+        path = key.removeprefix("model.diffusion_model.")
+        stem = "lora_unet_" + path.replace(".", "_") if layout == "kohya" else f"diffusion_model.{path}"
+        sd[f"{stem}.lora_down.weight"] = torch.empty([4, *shape[1:]], device="meta")
+        sd[f"{stem}.lora_up.weight"] = torch.empty([shape[0], 4] + [1] * (len(shape) - 2), device="meta")
+    report = loraweave.plan(model, sd)
+    assert report.unmatched == [], report.unmatched[:3]
+    assert report.keys_applied == len(sd)

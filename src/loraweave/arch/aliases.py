@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from ..formats.keys import underscore_form
-from .flux import FLUX
+from .flux import CHROMA, FLUX
+from .sd3 import SD3
 from .spec import ArchTable, Piece, expand_alias, out_rows
+from .wan import WAN
 from .zimage import ZIMAGE
 
-ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, ZIMAGE)
+ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, ZIMAGE, SD3, WAN)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
@@ -29,7 +31,7 @@ def _original_names(module: torch.nn.Module, modules: dict[str, torch.nn.Module]
         from .unet_original import unet_original_names
 
         for original, path in unet_original_names(module).items():
-            rows = out_rows(modules[path])
+            rows = out_rows(modules[path]) if path in modules else None
             if rows is not None:
                 out[original] = (Piece(path, 0, 0, rows, True),)
     return out
@@ -57,11 +59,12 @@ class AliasTable:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.root = module
-        self.modules = {name: mod for name, mod in module.named_modules() if out_rows(mod) is not None}
+        every = dict(module.named_modules())
+        self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}
         self.exact: dict[str, tuple[Piece, ...]] = {
             name: (Piece(name, 0, 0, out_rows(mod), True),) for name, mod in self.modules.items()
         }
-        self.exact.update({k: v for k, v in _original_names(module, self.modules).items() if k not in self.exact})
+        self.exact.update({k: v for k, v in _original_names(module, every).items() if k not in self.exact})
         prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
         if prefix and not any(name.startswith(prefix) for name in self.modules):
             self.exact.update({prefix + k: v for k, v in list(self.exact.items()) if prefix + k not in self.exact})

@@ -49,3 +49,15 @@ FLUX = ArchTable(
         Alias("final_layer.linear", ("proj_out",)),
     ),
 )
+
+
+# Chroma: Flux blocks without per-block modulation; an approximator replaces the time/vector embedders.
+CHROMA = ArchTable(
+    name="chroma",
+    classes=("ChromaTransformer2DModel",),
+    aliases=(
+        *(a for a in FLUX.aliases if "_mod." not in a.source and "modulation" not in a.source),
+        Alias("distilled_guidance_layer.layers.{i}.in_layer", ("distilled_guidance_layer.layers.{i}.linear_1",)),
+        Alias("distilled_guidance_layer.layers.{i}.out_layer", ("distilled_guidance_layer.layers.{i}.linear_2",)),
+    ),
+)

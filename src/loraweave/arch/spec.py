@@ -28,6 +28,9 @@ Target = str | Rows
 class Alias:
     source: str  # original name pattern with `{i}` placeholders, e.g. "double_blocks.{i}.img_attn.qkv"
     targets: tuple[Target, ...]
+    # Only where the first target's parent module is of this class (e.g. SD3's last block, whose context
+    # norm is an AdaLayerNormContinuous with (scale, shift) rows instead of the other blocks' zero-norm).
+    when_parent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,17 @@ def _pattern_regex(pattern: str) -> re.Pattern:
 
 
 def expand_alias(alias: Alias, modules: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, ...]]:
+    # `modules` must include parameter-less containers when an alias uses `when_parent`.
     """Instantiate one table entry against the live module tree: {original name: pieces}."""
     first = _pattern_regex(_target_module(alias.targets[0]))
     indices = [m["i"] if "i" in first.groupindex else None for name in modules if (m := first.match(name))]
     out: dict[str, tuple[Piece, ...]] = {}
     for i in indices:
+        if alias.when_parent is not None:
+            first_path = _target_module(alias.targets[0]).replace("{i}", i) if i is not None else _target_module(alias.targets[0])
+            parent = modules.get(first_path.rsplit(".", 1)[0]) if "." in first_path else None
+            if type(parent).__name__ != alias.when_parent:
+                continue
         pieces = []
         src = 0
         for target in alias.targets:

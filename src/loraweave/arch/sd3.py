@@ -1,0 +1,47 @@
+"""SD3 / SD3.5 MMDiT: original (`joint_blocks.N.x_block/context_block`) names -> diffusers modules."""
+
+from __future__ import annotations
+
+from .spec import Alias, ArchTable, Rows
+
+_B = "transformer_blocks.{i}"
+
+
+def _attn(src: str, dst: str, q: str, k: str, v: str, out: str, norm: str) -> tuple[Alias, ...]:
+    return (
+        Alias(f"joint_blocks.{{i}}.{src}.qkv", (f"{_B}.{dst}.{q}", f"{_B}.{dst}.{k}", f"{_B}.{dst}.{v}")),
+        Alias(f"joint_blocks.{{i}}.{src}.proj", (f"{_B}.{dst}.{out}",)),
+        Alias(f"joint_blocks.{{i}}.{src}.ln_q", (f"{_B}.{dst}.{norm}_q",)),
+        Alias(f"joint_blocks.{{i}}.{src}.ln_k", (f"{_B}.{dst}.{norm}_k",)),
+    )
+
+
+SD3 = ArchTable(
+    name="sd3",
+    classes=("SD3Transformer2DModel",),
+    aliases=(
+        *_attn("x_block.attn", "attn", "to_q", "to_k", "to_v", "to_out.0", "norm"),
+        *_attn("x_block.attn2", "attn2", "to_q", "to_k", "to_v", "to_out.0", "norm"),  # SD3.5 dual attention
+        *_attn("context_block.attn", "attn", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added"),
+        Alias("joint_blocks.{i}.x_block.mlp.fc1", (f"{_B}.ff.net.0.proj",)),
+        Alias("joint_blocks.{i}.x_block.mlp.fc2", (f"{_B}.ff.net.2",)),
+        Alias("joint_blocks.{i}.context_block.mlp.fc1", (f"{_B}.ff_context.net.0.proj",)),
+        Alias("joint_blocks.{i}.context_block.mlp.fc2", (f"{_B}.ff_context.net.2",)),
+        # (shift, scale, gate) x 2 in the same order on both sides ...
+        Alias("joint_blocks.{i}.x_block.adaLN_modulation.1", (f"{_B}.norm1.linear",)),
+        Alias("joint_blocks.{i}.context_block.adaLN_modulation.1", (f"{_B}.norm1_context.linear",)),
+        # ... except the last block's context norm: original (shift, scale), diffusers (scale, shift).
+        Alias(
+            "joint_blocks.{i}.context_block.adaLN_modulation.1",
+            (Rows(f"{_B}.norm1_context.linear", 1, 2), Rows(f"{_B}.norm1_context.linear", 0, 2)),
+            when_parent="AdaLayerNormContinuous",
+        ),
+        Alias("x_embedder.proj", ("pos_embed.proj",)),
+        Alias("t_embedder.mlp.0", ("time_text_embed.timestep_embedder.linear_1",)),
+        Alias("t_embedder.mlp.2", ("time_text_embed.timestep_embedder.linear_2",)),
+        Alias("y_embedder.mlp.0", ("time_text_embed.text_embedder.linear_1",)),
+        Alias("y_embedder.mlp.2", ("time_text_embed.text_embedder.linear_2",)),
+        Alias("final_layer.linear", ("proj_out",)),
+        Alias("final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))),
+    ),
+)

@@ -1,0 +1,40 @@
+"""Wan 2.1 / 2.2: original (Wan, musubi, ComfyUI) names -> diffusers WanTransformer3DModel modules."""
+
+from __future__ import annotations
+
+from .spec import Alias, ArchTable
+
+_B = "blocks.{i}"
+
+
+def _attn(src: str, dst: str) -> tuple[Alias, ...]:
+    names = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0", "norm_q": "norm_q", "norm_k": "norm_k"}
+    return tuple(Alias(f"{_B}.{src}.{a}", (f"{_B}.{dst}.{b}",)) for a, b in names.items())
+
+
+WAN = ArchTable(
+    name="wan",
+    classes=("WanTransformer3DModel",),
+    aliases=(
+        *_attn("self_attn", "attn1"),
+        *_attn("cross_attn", "attn2"),
+        # I2V only: on a T2V model these targets do not exist and the keys are reported as such.
+        Alias(f"{_B}.cross_attn.k_img", (f"{_B}.attn2.add_k_proj",)),
+        Alias(f"{_B}.cross_attn.v_img", (f"{_B}.attn2.add_v_proj",)),
+        Alias(f"{_B}.cross_attn.norm_k_img", (f"{_B}.attn2.norm_added_k",)),
+        Alias(f"{_B}.ffn.0", (f"{_B}.ffn.net.0.proj",)),
+        Alias(f"{_B}.ffn.2", (f"{_B}.ffn.net.2",)),
+        # Wan's norm3 (before cross-attention, affine) is diffusers' norm2; Wan's norm2 has no weights.
+        Alias(f"{_B}.norm3", (f"{_B}.norm2",)),
+        Alias("time_embedding.0", ("condition_embedder.time_embedder.linear_1",)),
+        Alias("time_embedding.2", ("condition_embedder.time_embedder.linear_2",)),
+        Alias("text_embedding.0", ("condition_embedder.text_embedder.linear_1",)),
+        Alias("text_embedding.2", ("condition_embedder.text_embedder.linear_2",)),
+        Alias("time_projection.1", ("condition_embedder.time_proj",)),
+        Alias("img_emb.proj.0", ("condition_embedder.image_embedder.norm1",)),
+        Alias("img_emb.proj.1", ("condition_embedder.image_embedder.ff.net.0.proj",)),
+        Alias("img_emb.proj.3", ("condition_embedder.image_embedder.ff.net.2",)),
+        Alias("img_emb.proj.4", ("condition_embedder.image_embedder.norm2",)),
+        Alias("head.head", ("proj_out",)),
+    ),
+)
