@@ -347,14 +347,13 @@ BAD_PARTS = [
         "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": _D,
         "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": _U}, "no such component"),
     ("no_such_component_te2", {"text_encoder_2.fc1.lora_A.weight": _D, "text_encoder_2.fc1.lora_B.weight": _U}, "no such component"),
-    ("lokr", {"fc1.lokr_w1": torch.randn(2, 2), "fc1.lokr_w2": torch.randn(3, 4), "fc1.alpha": torch.tensor(1.0)}, "unsupported family"),
-    ("lokr_lowrank", {
-        "fc1.lokr_w1_a": torch.randn(2, 1), "fc1.lokr_w1_b": torch.randn(1, 2),
-        "fc1.lokr_w2_a": torch.randn(3, 1), "fc1.lokr_w2_b": torch.randn(1, 4)}, "unsupported family"),
-    ("loha", {
-        "fc1.hada_w1_a": torch.randn(6, 2), "fc1.hada_w1_b": torch.randn(2, 8),
-        "fc1.hada_w2_a": torch.randn(6, 2), "fc1.hada_w2_b": torch.randn(2, 8)}, "unsupported family"),
-    ("dora", {"fc1.lora_A.weight": _D, "fc1.lora_B.weight": _U, "fc1.lora_magnitude_vector": torch.ones(6)}, "unsupported family"),
+    ("lokr_shape", {"fc1.lokr_w1": torch.randn(2, 2), "fc1.lokr_w2": torch.randn(3, 5), "fc1.alpha": torch.tensor(1.0)}, "shape mismatch"),
+    ("loha_shape", {
+        "fc1.hada_w1_a": torch.randn(6, 2), "fc1.hada_w1_b": torch.randn(2, 9),
+        "fc1.hada_w2_a": torch.randn(6, 2), "fc1.hada_w2_b": torch.randn(2, 9)}, "shape mismatch"),
+    # TLoRA's base comes from an SVD init that is never saved: not portable, always refused.
+    ("tlora", {"fc1.q_layer": torch.randn(2, 8), "fc1.p_layer": torch.randn(6, 2), "fc1.lambda_layer": torch.randn(1, 2)}, "unsupported family"),
+    ("lora_and_lokr_in_one_part", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.lokr_w1": torch.randn(2, 2)}, "unsupported family"),
     ("unknown_keys", {"fc1.something_else": torch.randn(3), "random_key": torch.randn(2), "fc1.weight": torch.randn(6, 8)}, "not parsed"),
     ("incomplete_lora", {"fc1.lora_down.weight": _D, "fc1.alpha": torch.tensor(2.0)}, "incomplete"),
 ]

@@ -1,5 +1,5 @@
 """Adapter families: one module each with the same shape (load, check_target, add_delta, runtime_term)."""
 
-from . import full, lora
+from . import full, loha, lokr, lora
 
-FAMILIES = {lora.FAMILY: lora, full.FAMILY: full}
+FAMILIES = {m.FAMILY: m for m in (lora, full, loha, lokr)}

@@ -1,4 +1,15 @@
-"""What every family module provides: load + validate factors, add its delta, give its runtime terms."""
+"""What every family module provides: load + validate factors, add its delta, give its runtime terms.
+
+A family module defines FAMILY, load, check_target, add_delta, bias_delta and runtime_term, and optionally:
+- USES_ALPHA_SCALE = False: the planner does not turn alpha into γ = alpha/rank (scale stays 1); the raw
+  `alpha` tensor is handed to `load` (OFT reads it as its constraint).
+- NEEDS_BASE = True: the delta depends on the original weight W (OFT, BOFT, DoRA, IA3, GLoRA).
+  `add_delta(..., base=W_rows)` receives the original rows in fp32, and the runtime term's
+  `fn(x, conv, base_out)` receives the layer's output without bias, before any adapter was added.
+  add_delta also receives `strength=` and `scale=` (coeff = strength·scale) for families not linear in them.
+- runtime_term(f, src, dst, length, module=...) receives the host module when it accepts that keyword.
+Every family contributes ΔW_i computed from the ORIGINAL weight; contributions on one layer are summed
+(the rule a1111/LyCORIS loaders use when several networks touch one layer), so order never matters."""
 
 from __future__ import annotations
 
@@ -27,8 +38,12 @@ class RuntimeTerm:
     bias: torch.Tensor | None  # (length,)
     dst_start: int
     length: int
-    fn: Callable[[torch.Tensor, ConvSpec | None], torch.Tensor] | None = None
+    fn: Callable[..., torch.Tensor] | None = None
     cost: str = ""  # what the runtime form costs, for the report ("dense ΔW cached", ...)
+    needs_base: bool = False  # fn takes a third argument: the base output without bias
+    # False: fn(x, conv, base_out, strength, scale) applies the live strength itself (OFT, DoRA) and the
+    # runtime does not multiply its result by strength·scale.
+    linear_in_strength: bool = True
 
 
 @dataclass(frozen=True)

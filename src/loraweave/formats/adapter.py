@@ -16,7 +16,11 @@ from .alpha import MetadataAlpha, read_metadata_alpha
 from .keys import ParsedKey, parse_key, split_stem
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
-SUPPORTED_FAMILIES = ("lora", "full")
+# When one stem carries keys of several families, the first listed here names the part.
+FAMILY_PRECEDENCE = (
+    "dora", "boft", "oft", "glora", "ia3", "tlora", "set", "reshape", "sparse_bias", "loha", "lokr", "norm",
+    "lora", "full",
+)
 
 
 class _DictSource:
@@ -129,9 +133,8 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
     for stem, pks in parsed.items():
         target = split_stem(stem)
         families = {p.family for p in pks if p.role not in ("alpha", "scale")}
-        # Non-LoRA families decide the part's family; DoRA on top of LoRA makes the whole part DoRA.
-        family = next((f for f in families if f not in ("lora", "full")), None)
-        family = family or ("lora" if "lora" in families else "full" if "full" in families else "lora")
+        # The most specific family names the part: DoRA wraps LoRA/LoHa/LoKr, OFT's `rescale` rides along.
+        family = next((f for f in FAMILY_PRECEDENCE if f in families), "lora")
         hints = [p.layout_hint for p in pks if p.layout_hint]
         layout = hints[0] if hints and target.layout in ("bare", "diffusers") else target.layout
         part = AdapterPart(stem, target.component, target.path, layout, target.explicit_component, family)

@@ -71,15 +71,27 @@ class MergedModule:
                     rows.copy_(self.weight_backup.view_as(rows))
                 pp, piece = self.contributions[0]
                 target = rows[piece.dst_start : piece.dst_start + piece.length]
-                FAMILIES[pp.part.family].add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
+                self._add(target, pp, piece)
             else:
                 acc_dtype = torch.promote_types(weight.dtype, torch.float32)  # fp64 weights keep fp64
                 acc = self.weight_backup.reshape(weight.shape[0], -1).to(acc_dtype, copy=True)
                 for pp, piece in self.contributions:
-                    target = acc[piece.dst_start : piece.dst_start + piece.length]
-                    FAMILIES[pp.part.family].add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
+                    self._add(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece)
                 weight.copy_(acc.view(weight.shape))
             self._write_bias()
+
+    def _add(self, target: torch.Tensor, pp: PlannedPart, piece: Piece) -> None:
+        family = FAMILIES[pp.part.family]
+        if getattr(family, "NEEDS_BASE", False):
+            # The original rows, never the partly merged ones: contributions are independent and summed.
+            base = self.weight_backup.reshape(self.weight_backup.shape[0], -1)
+            base = base[piece.dst_start : piece.dst_start + piece.length].to(target.dtype)
+            family.add_delta(
+                target, pp.factors, piece.src_start, piece.length, _coeff(pp),
+                base=base, strength=pp.strength, scale=pp.scale,
+            )
+        else:
+            family.add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
 
     def _write_bias(self) -> None:
         deltas = []

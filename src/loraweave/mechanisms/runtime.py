@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..arch.spec import out_rows
 from ..families import FAMILIES
 from ..families.base import ConvSpec
 from ..plan.resolve import PlannedPart
 from .merge import Contribution
 
 _CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
+# Norm layers carry only structured terms (e.g. LyCORIS `w_norm`): channels on the last axis or on axis 1.
+_NORMS_CHANNELS_LAST = (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm))
+_NORMS_CHANNELS_FIRST = (torch.nn.GroupNorm,)
 
 
 def runtime_blocker(module: torch.nn.Module) -> str | None:
@@ -23,7 +28,9 @@ def runtime_blocker(module: torch.nn.Module) -> str | None:
         return None
     if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
         return None
-    return f"no runtime path for {type(module).__name__} (only Linear-like and Conv layers)"
+    if isinstance(module, _NORMS_CHANNELS_LAST + _NORMS_CHANNELS_FIRST):
+        return None
+    return f"no runtime path for {type(module).__name__} (only Linear-like, Conv and norm layers)"
 
 
 def _conv_fn(module: torch.nn.Module):
@@ -36,14 +43,20 @@ class RuntimePath:
     def __init__(self, module: torch.nn.Module, contributions: list[Contribution]) -> None:
         self.module = module
         self.conv = _conv_fn(module)
-        self.out = module.out_channels if self.conv else module.out_features
+        self.channels_first = self.conv is not None or isinstance(module, _NORMS_CHANNELS_FIRST)
+        self.out = out_rows(module)
         downs, ups, owners = [], [], []
         self.dense: list[tuple[PlannedPart, int, int, torch.Tensor]] = []  # (part, dst row, rows, ΔW rows)
         self.biases: list[tuple[PlannedPart, int, int, torch.Tensor]] = []
-        self.fns: list[tuple[PlannedPart, int, int, Callable]] = []  # structured families (LoKr, LoHa, ...)
+        # (part, dst row, rows, fn, linear in strength): structured families (LoKr, LoHa, ...) and those that
+        # read the base output (OFT, DoRA, IA3, ...)
+        self.fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
+        self.base_fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
         self.adapters = set()
         for pp, piece in contributions:
-            term = FAMILIES[pp.part.family].runtime_term(pp.factors, piece.src_start, piece.dst_start, piece.length)
+            family = FAMILIES[pp.part.family]
+            extra = {"module": module} if "module" in inspect.signature(family.runtime_term).parameters else {}
+            term = family.runtime_term(pp.factors, piece.src_start, piece.dst_start, piece.length, **extra)
             name = pp.adapter.name
             self.adapters.add(name)
             if term.down is not None:
@@ -57,7 +70,8 @@ class RuntimePath:
             if term.dense is not None:
                 self.dense.append((pp, term.dst_start, term.length, term.dense))
             if term.fn is not None:
-                self.fns.append((pp, term.dst_start, term.length, term.fn))
+                target = self.base_fns if term.needs_base else self.fns
+                target.append((pp, term.dst_start, term.length, term.fn, term.linear_in_strength))
             if term.bias is not None:
                 self.biases.append((pp, term.dst_start, term.length, term.bias))
         self._owners = owners
@@ -106,6 +120,23 @@ class RuntimePath:
             x = x.to(output.device, output.dtype)
         return self.add_path(x, output)
 
+    def _base_terms(self, x: torch.Tensor, output: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+        """Deltas of W-dependent families, computed from the untouched base output (without bias)."""
+        if not self.base_fns:
+            return []
+        base = output
+        bias = getattr(self.module, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            b = bias.to(output.device, output.dtype)
+            base = output - (b.view(-1, *([1] * (output.dim() - 2))) if self.channels_first else b)
+        spec = ConvSpec(self.conv, self._conv_args()) if self.conv else None
+        out = []
+        for pp, dst, n, fn, linear in self.base_fns:
+            rows = base[:, dst : dst + n] if self.channels_first else base[..., dst : dst + n]
+            value = fn(x, spec, rows) * (pp.strength * pp.scale) if linear else fn(x, spec, rows, pp.strength, pp.scale)
+            out.append((value, dst, n))
+        return out
+
     def _fused_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Plain nn.Linear forward with the low-rank path in the GEMM's accumulator: y = (b + s·B·A·x) + W·x.
 
@@ -129,6 +160,9 @@ class RuntimePath:
 
     def add_path(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         dtype = output.dtype
+        base_terms = self._base_terms(x, output)  # before anything is added to the output
+        for value, dst, n in base_terms:
+            output = self._add_rows(output, value, dst, n)
         if self.down is not None:
             down, up, scale = self._factors(output.device, dtype)
             if self.conv:
@@ -152,11 +186,12 @@ class RuntimePath:
             part = self.conv(x, d, None, **self._conv_args()) if self.conv else F.linear(x, d)
             output = self._add_rows(output, part * (pp.strength * pp.scale), dst, length)
         spec = ConvSpec(self.conv, self._conv_args()) if self.conv else None
-        for pp, dst, length, fn in self.fns:
-            output = self._add_rows(output, fn(x, spec) * (pp.strength * pp.scale), dst, length)
+        for pp, dst, length, fn, linear in self.fns:
+            value = fn(x, spec) * (pp.strength * pp.scale) if linear else fn(x, spec, None, pp.strength, pp.scale)
+            output = self._add_rows(output, value, dst, length)
         for pp, dst, length, bias in self.biases:
             b = bias.to(output.device, dtype) * (pp.strength * pp.scale)
-            if self.conv:
+            if self.channels_first:
                 b = b.view(-1, *([1] * (output.dim() - 2)))
             output = self._add_rows(output, b, dst, length)
         return output
@@ -167,7 +202,7 @@ class RuntimePath:
     def _add_rows(self, output: torch.Tensor, value: torch.Tensor, dst: int, length: int) -> torch.Tensor:
         out = output if self._inplace_ok(output) else output.clone()
         rows = slice(dst, dst + length)
-        if self.conv:
+        if self.channels_first:
             out[:, rows] += value
         else:
             out[..., rows] += value
@@ -179,6 +214,7 @@ class RuntimePath:
         return (
             type(m) is torch.nn.Linear
             and self.down is not None
+            and not self.base_fns  # those need the base output on its own
             and "forward" not in m.__dict__  # someone else already replaced forward: stay out of their way
             and getattr(m, "_hf_hook", None) is None
             and type(weight) in (torch.Tensor, torch.nn.Parameter)

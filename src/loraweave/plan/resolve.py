@@ -17,6 +17,10 @@ from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE
 from .target import Components
 
+# Families a part may carry besides its own: DoRA wraps one inner family; `rescale` is filed under OFT.
+ALLOWED_EXTRAS = {"dora": {"lora", "loha", "lokr"}, "boft": {"oft"}}
+NOT_PORTABLE = {"tlora": "its base comes from an SVD initialisation that is never saved"}
+
 
 @dataclass
 class PlannedPart:
@@ -76,10 +80,18 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
         raise PartRejected(f"no such module: {where}")
     if found == AMBIGUOUS:
         raise PartRejected(f"ambiguous module name: {where} matches several modules once '.' is written '_'")
+    target = ", ".join(p.module for p in found)
+    if part.family in NOT_PORTABLE:
+        raise PartRejected(f"unsupported family: {part.family} ({NOT_PORTABLE[part.family]}; target {comp_name}.{target})")
     if family is None:
-        target = ", ".join(p.module for p in found)
         raise PartRejected(f"unsupported family: {part.family} (not yet supported; target {comp_name}.{target})")
-    tensors = {role: adapter.tensor(key) for role, key in part.roles.items() if role not in ("alpha", "scale")}
+    extras = part.extra_families - ALLOWED_EXTRAS.get(part.family, set())
+    if extras:
+        raise PartRejected(f"unsupported family: {'+'.join(sorted(extras))} keys next to {part.family} in one part "
+                           f"(target {comp_name}.{target})")
+    uses_alpha = getattr(family, "USES_ALPHA_SCALE", True)
+    skip = ("alpha", "scale") if uses_alpha else ("scale",)  # OFT & co read alpha themselves
+    tensors = {role: adapter.tensor(key) for role, key in part.roles.items() if role not in skip}
     factors = family.load(tensors, part.roles)
     total = sum(p.length for p in found)
     if factors.rows != total:
@@ -91,7 +103,9 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
             raise PartRejected(f"{reason} ({comp_name}.{piece.module})")
     alpha = _scalar(adapter.tensor(part.roles["alpha"]), part.roles["alpha"]) if "alpha" in part.roles else None
     scale_t = _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
-    if part.family == "full":
+    if not uses_alpha:
+        scale, source = 1.0, f"none:{part.family}"
+    elif part.family == "full":
         scale, source = 1.0, "none:full"
     elif factors.rank is None:  # e.g. LoKr with both factors full: alpha does not apply
         scale, source = 1.0, "none:full_rank_factors"

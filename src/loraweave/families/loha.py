@@ -1,0 +1,137 @@
+"""LoHa (Hadamard product, incl. Tucker `hada_t1/t2`): ΔW = (w1a @ w1b) ⊙ (w2a @ w2b); runtime: cached dense ΔW.
+
+Tucker (conv with kernel > 1): the a-factors are stored transposed, (r, out), and each half is rebuilt as
+einsum('i j ..., j q, i p -> p q ...', t, w_b, w_a) before the Hadamard product. γ = alpha / w1_b.shape[0]."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import ConvSpec, PartRejected, RuntimeTerm, check_factor
+
+FAMILY = "loha"
+_FACTORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+
+
+@dataclass
+class LohaFactors:
+    a1: torch.Tensor  # (rows, r1); Tucker a-factors are stored (r, rows) and kept here as a transposed view
+    b1: torch.Tensor  # (r1, in*k) flattened; Tucker: (r1, in)
+    a2: torch.Tensor  # (rows, r2)
+    b2: torch.Tensor  # (r2, in*k); Tucker: (r2, in)
+    t1: torch.Tensor | None  # Tucker cores (r1, r1, *k); stored dtype throughout
+    t2: torch.Tensor | None
+    rank: int  # w1_b.shape[0], the r of alpha/r (LyCORIS, ComfyUI)
+    in_shape: tuple[int, ...] | None  # (in, *k); None until check_target sees the module when b is stored flat
+
+    @property
+    def rows(self) -> int:
+        return self.a1.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.b1.shape[1] * (math.prod(self.t1.shape[2:]) if self.t1 is not None else 1)
+
+    @property
+    def is_conv_kernel(self) -> bool:
+        return self.in_shape is not None and any(d > 1 for d in self.in_shape[1:])
+
+
+def _a_factor(t: torch.Tensor, tucker: bool) -> torch.Tensor:
+    if tucker:
+        return t.t() if t.dim() == 2 else t
+    return t.flatten(1) if t.dim() >= 2 and all(d == 1 for d in t.shape[2:]) else t
+
+
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LohaFactors:
+    """Validate shapes and values of one part's tensors (role -> tensor); factors keep their stored dtype."""
+    missing = [r for r in _FACTORS if r not in tensors]
+    if missing:
+        raise PartRejected(f"incomplete LoHa: no {', '.join(missing)} tensor")
+    t1, t2 = tensors.get("hada_t1"), tensors.get("hada_t2")
+    if (t1 is None) != (t2 is None):
+        raise PartRejected(f"incomplete LoHa: {'hada_t1' if t1 is not None else 'hada_t2'} without its partner core")
+    for role, t in tensors.items():
+        check_factor(key_of[role], t)
+    tucker = t1 is not None
+    a1, a2 = (_a_factor(tensors[r], tucker) for r in ("hada_w1_a", "hada_w2_a"))
+    b1, b2 = tensors["hada_w1_b"], tensors["hada_w2_b"]
+    shapes = ", ".join(f"{r} {tuple(tensors[r].shape)}" for r in (*_FACTORS, "hada_t1", "hada_t2") if r in tensors)
+    if any(t.dim() != 2 or 0 in t.shape for t in (a1, a2)) or b1.dim() < 2 or b2.dim() < 2:
+        raise PartRejected(f"shape mismatch: LoHa factors {shapes}")
+    in_shape = tuple(b1.shape[1:]) if b1.dim() > 2 else None
+    b1, b2 = b1.flatten(1), b2.flatten(1)
+    ok = a1.shape[1] == b1.shape[0] and a2.shape[1] == b2.shape[0] and a1.shape[0] == a2.shape[0]
+    ok = ok and b1.shape[1] == b2.shape[1]
+    if tucker:
+        k = tuple(t1.shape[2:])
+        ok = ok and in_shape is None and t1.dim() >= 3 and t1.shape[:2] == (a1.shape[1], b1.shape[0])
+        ok = ok and t2.shape == (a2.shape[1], b2.shape[0], *k)
+        in_shape = (b1.shape[1], *k)
+    if not ok:
+        raise PartRejected(f"shape mismatch: LoHa factors do not pair: {shapes}")
+    return LohaFactors(a1, b1, a2, b2, t1, t2, b1.shape[0], in_shape)
+
+
+def check_target(f: LohaFactors, shape: tuple[int, ...] | None) -> str | None:
+    """Reason ΔW cannot land on a module of logical weight shape `shape` (out, in, *k), or None.
+
+    Flat (non-Tucker) factors carry in·k but not the kernel: the first module seen fixes it, which also sets
+    is_conv_kernel (read after check_target by the planner) and the conv kernel of the runtime path."""
+    if shape is None or len(shape) < 2:
+        return f"shape mismatch: LoHa needs a weight of shape (out, in, *k), module has {shape}"
+    want = tuple(shape[1:])
+    if f.in_shape is None and math.prod(want) == f.cols:
+        f.in_shape = want
+    if f.in_shape == want:
+        return None
+    have = f.in_shape if f.in_shape is not None else (f.cols,)
+    return f"shape mismatch: LoHa delta input {have} vs module {want}"
+
+
+def _rows(f: LohaFactors, src: int, length: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Rows [src, src+length) of ΔW, (length, in*k), computed in `dtype` (on `device`, default the factors')."""
+    halves = []
+    for a, b, t in ((f.a1, f.b1, f.t1), (f.a2, f.b2, f.t2)):
+        a, b = a[src : src + length].to(device, dtype), b.to(device, dtype)
+        if t is None:
+            halves.append(a @ b)
+        else:
+            core = torch.einsum("ij...,jq->iq...", t.to(device, dtype), b)  # (r, in, *k)
+            halves.append(a @ core.flatten(1))
+    return halves[0].mul_(halves[1])
+
+
+def add_delta(target_rows: torch.Tensor, f: LohaFactors, src: int, length: int, coeff: float) -> None:
+    """target_rows (length, in*k), fp32/fp64: += coeff · ΔW[src:src+length] (only those rows are built)."""
+    target_rows.add_(_rows(f, src, length, target_rows.dtype, target_rows.device), alpha=coeff)
+
+
+def bias_delta(f: LohaFactors, src: int, length: int) -> None:
+    return None
+
+
+def runtime_term(f: LohaFactors, src: int, dst: int, length: int) -> RuntimeTerm:
+    """Dense form: ΔW rows built once per (device, dtype) in fp32 (fp64 for fp64 inputs), then cast.
+
+    Strength changes reuse them (the runtime path scales fn's output); one cast copy is kept at a time."""
+    cache: dict = {}
+
+    def fn(x: torch.Tensor, conv: ConvSpec | None) -> torch.Tensor:
+        key = (x.device, x.dtype)
+        if key not in cache:
+            cache.clear()
+            acc = torch.promote_types(x.dtype, torch.float32)
+            cache[key] = _rows(f, src, length, acc, x.device).to(x.dtype)
+        delta = cache[key]
+        if conv is None:
+            return F.linear(x, delta)
+        if f.in_shape is None:
+            raise RuntimeError("LoHa conv kernel unknown: check_target was never called for this part")
+        return conv.fn(x, delta.view(length, *f.in_shape), None, **conv.kwargs)
+
+    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=f"dense ΔW ({length}×{f.cols}) cached")

@@ -1,0 +1,262 @@
+"""LoHa (hada_*): merge and runtime against LyCORIS 4.x's own wrapped forward, fused targets, validation.
+
+Reference = the LyCORIS-wrapped layer's forward (not `merge_to`, which applies alpha/rank twice for LoHa).
+Tolerances (rel. error = max|ours - ref| / max|ref|, fp32): <= 1e-5 on the layer outputs and on the adapter's
+share of them (output - base output); merged weights against an fp64 reference <= 1e-6 (fp64 weights: 1e-12).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lycoris  # the reference must be installed: a missing package fails here, it is never skipped
+import pytest
+import torch
+import torch.nn.functional as F
+from lycoris.wrapper import LycorisNetwork
+from safetensors.torch import load_file
+from torch import nn
+
+import loraweave
+from loraweave.families import FAMILIES
+
+TOL = 1e-5
+MULTIPLIERS = (1.0, 0.5, -1.0)
+LAYERS = ("lin", "c1", "c2", "c3", "pw")
+KERNELS = ("c1", "c2", "c3")  # kernel > 1: Tucker when asked (never for Linear or the 1x1 conv)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.detach().double(), ref.detach().double()
+    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(12, 10)
+        self.c1 = nn.Conv1d(4, 6, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 6, 3, stride=2, padding=1)
+        self.c3 = nn.Conv3d(3, 5, 3, padding=1)
+        self.pw = nn.Conv2d(4, 6, 1)  # 1x1 conv: LyCORIS gives it the linear dim/alpha, never Tucker
+
+
+def inputs() -> dict[str, torch.Tensor]:
+    g = gen(1)
+    shapes = {"lin": (2, 3, 12), "c1": (2, 4, 9), "c2": (2, 4, 9, 7), "c3": (1, 3, 5, 4, 6), "pw": (2, 4, 5, 5)}
+    return {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
+
+
+@torch.no_grad()
+def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: model.get_submodule(n)(x) for n, x in xs.items()}
+
+
+# (id, create_lycoris kwargs, rs_lora): alpha != rank everywhere.
+OPTIONS = [
+    ("default", {"linear_dim": 4, "linear_alpha": 2.0}, False),
+    ("conv_dim", {"linear_dim": 4, "linear_alpha": 7.0, "conv_dim": 3, "conv_alpha": 1.5}, False),
+    ("tucker", {"linear_dim": 4, "linear_alpha": 2.0, "conv_dim": 3, "conv_alpha": 5.0, "use_tucker": True}, False),
+    ("rs_lora", {"linear_dim": 4, "linear_alpha": 3.0, "conv_dim": 2, "conv_alpha": 0.5}, True),
+    ("rs_lora_tucker", {"linear_dim": 5, "linear_alpha": 2.0, "conv_dim": 3, "conv_alpha": 4.0, "use_tucker": True},
+     True),
+]
+
+
+def write_preset(path, rs_lora: bool) -> str:
+    classes = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+    text = f"enable_conv = true\ntarget_module = {list(classes)!r}\ntarget_name = []\n".replace("'", '"')
+    if rs_lora:  # create_lycoris does not forward rs_lora; per-class configs reach the module constructor
+        text += "".join(f'[module_algo_map.{c}]\nalgo = "loha"\nrs_lora = true\n' for c in classes)
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture
+def lycoris_state(monkeypatch):
+    """create_lycoris writes presets into LycorisNetwork's class attributes: restore them after each test."""
+    for attr in ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP", "NAME_ALGO_MAP",
+                 "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME"):
+        monkeypatch.setattr(LycorisNetwork, attr, getattr(LycorisNetwork, attr))
+    LycorisNetwork.MODULE_ALGO_MAP = {}
+
+
+@pytest.mark.parametrize("opt_id, kwargs, rs_lora", OPTIONS, ids=[o[0] for o in OPTIONS])
+def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, opt_id, kwargs, rs_lora):
+    pristine = Net()
+    xs = inputs()
+    base = outputs(pristine, xs)
+    wrapped = copy.deepcopy(pristine)
+    net = lycoris.create_lycoris(wrapped, 1.0, algo="loha", preset=write_preset(tmp_path / "p.toml", rs_lora),
+                                 **kwargs)
+    mods = {m.lora_name.removeprefix("lycoris_"): m for m in net.loras}
+    assert sorted(mods) == sorted(LAYERS)
+    tucker = kwargs.get("use_tucker", False)
+    for name, m in mods.items():
+        assert m.rs_lora == rs_lora and m.tucker == (tucker and name in KERNELS) and m.alpha != m.lora_dim, name
+    net.apply_to()  # registers the LyCORIS modules: before this, net.parameters() is empty
+    g = gen(2)
+    params = [p for m in net.loras for p in m.parameters()]
+    assert len(params) == 4 * len(LAYERS) + (2 * len(KERNELS) if tucker else 0)
+    with torch.no_grad():  # LyCORIS zero-inits hada_w2_a: randomise every factor
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    refs = {}
+    for m in MULTIPLIERS:
+        net.set_multiplier(m)
+        refs[m] = outputs(wrapped, xs)
+    path = tmp_path / "loha.safetensors"
+    net.save_weights(str(path), dtype=torch.float32, metadata=None)
+    saved = load_file(str(path))
+    assert any(k.endswith(".hada_t1") for k in saved) == tucker
+
+    for m in MULTIPLIERS:
+        got = {}
+        for mode in ("merge", "runtime"):
+            model = copy.deepcopy(pristine)
+            handle = loraweave.apply(model, str(path), mode=mode, strength=m)
+            report = handle.report
+            assert report.unmatched == [], [(u["key"], u["reason"]) for u in report.unmatched]
+            assert report.keys_applied == report.keys_total == len(saved), sorted(saved)
+            got[mode] = outputs(model, xs)
+            for name in LAYERS:
+                ref, ours = refs[m][name], got[mode][name]
+                effect = float((ref - base[name]).abs().max() / base[name].abs().max())
+                assert effect > 0.05, f"{name}: the adapter has no visible effect ({effect})"
+                assert rel_err(ours, ref) <= TOL, (mode, m, name, rel_err(ours, ref))
+                assert rel_err(ours - base[name], ref - base[name]) <= TOL, (mode, m, name)
+            weights_moved = not torch.equal(model.c2.weight, pristine.c2.weight)
+            assert weights_moved == (mode == "merge")
+            handle.remove()
+            for name, out in outputs(model, xs).items():
+                assert torch.equal(out, base[name]), f"{mode}: remove() did not restore {name}"
+        for name in LAYERS:
+            assert rel_err(got["runtime"][name], got["merge"][name]) <= TOL, (m, name)
+
+
+# ------------------------------------------------------------------------ fused Flux target (row chunks)
+
+
+def loha_sd(stem: str, out: int, inp: int, rank: int, seed: int, alpha: float) -> dict[str, torch.Tensor]:
+    g = gen(seed)
+    sd = {f"{stem}.hada_w{i}_{ab}": torch.randn(*shape, generator=g) * 0.5
+          for i in (1, 2) for ab, shape in (("a", (out, rank)), ("b", (rank, inp)))}
+    sd[f"{stem}.alpha"] = torch.tensor(alpha)
+    return sd
+
+
+def delta64(sd: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
+    w = {k.rsplit(".", 1)[1]: v.double() for k, v in sd.items() if k.startswith(stem + ".")}
+    return (w["hada_w1_a"] @ w["hada_w1_b"]) * (w["hada_w2_a"] @ w["hada_w2_b"])
+
+
+def test_fused_flux_qkv_lands_on_the_right_rows():
+    from tiny_models import flux_forward, tiny_flux
+
+    pristine = tiny_flux()
+    stem = "lora_unet_double_blocks_0_img_attn_qkv"
+    sd = loha_sd(stem, 96, 32, rank=4, seed=3, alpha=3.0)
+    s = 0.8
+    full = s * (3.0 / 4) * delta64(sd, stem)
+    attn = "transformer_blocks.0.attn"
+    targets = {f"{attn}.to_q": full[:32], f"{attn}.to_k": full[32:64], f"{attn}.to_v": full[64:]}
+    x = torch.randn(3, 32, generator=gen(4))
+    outs = {}
+    for mode in ("merge", "runtime"):
+        model = copy.deepcopy(pristine)
+        handle = loraweave.apply(model, (sd, s), mode=mode, strict=True)
+        assert handle.report.keys_applied == handle.report.keys_total == len(sd)
+        for name, rows in targets.items():
+            module, orig = model.get_submodule(name), pristine.get_submodule(name)
+            ref_w = orig.weight.double() + rows
+            if mode == "merge":
+                assert rel_err(module.weight, ref_w) <= 1e-6, name
+            with torch.no_grad():
+                assert rel_err(module(x), F.linear(x.double(), ref_w, orig.bias.double())) <= TOL, (mode, name)
+        for name, module in model.named_modules():  # nothing else moved
+            if name not in targets and isinstance(module, nn.Linear):
+                assert torch.equal(module.weight, pristine.get_submodule(name).weight), name
+        with torch.no_grad():
+            outs[mode] = flux_forward(model)
+    assert rel_err(outs["runtime"], outs["merge"]) <= TOL
+
+
+# ------------------------------------------------------------------------ precision, stacking, validation
+
+
+def test_fp64_merge_and_stacking_with_lora_at_runtime():
+    """fp64 weights stay fp64-exact; a LoHa (fn term) and a LoRA (rank pair) on one layer: runtime == merge."""
+    torch.manual_seed(5)
+    pristine = nn.ModuleDict({"fc": nn.Linear(16, 12).double(), "cv": nn.Conv2d(3, 4, 3, padding=1).double()})
+    loha = {**loha_sd("fc", 12, 16, rank=3, seed=6, alpha=1.0), **loha_sd("cv", 4, 27, rank=2, seed=7, alpha=5.0)}
+    lora = {"fc.lora_down.weight": torch.randn(2, 16, generator=gen(8)),
+            "fc.lora_up.weight": torch.randn(12, 2, generator=gen(9))}
+    model = copy.deepcopy(pristine)
+    handle = loraweave.apply(model, (loha, -0.6), mode="merge", strict=True)
+    ref_fc = pristine.fc.weight + -0.6 * (1.0 / 3) * delta64(loha, "fc")
+    ref_cv = pristine.cv.weight + -0.6 * (5.0 / 2) * delta64(loha, "cv").view(4, 3, 3, 3)
+    assert model.fc.weight.dtype == torch.float64
+    assert rel_err(model.fc.weight, ref_fc) <= 1e-12 and rel_err(model.cv.weight, ref_cv) <= 1e-12
+    handle.remove()
+    xs = {"fc": torch.randn(5, 16, generator=gen(10)).float(), "cv": torch.randn(2, 3, 6, 6, generator=gen(11))}
+    got = {}
+    for mode in ("merge", "runtime"):
+        model = copy.deepcopy(pristine).float()
+        spec = [(loraweave.load_adapter(loha, name="h"), 0.7), (loraweave.load_adapter(lora, name="l"), 0.4)]
+        loraweave.apply(model, spec, mode=mode, strict=True)
+        got[mode] = outputs(model, xs)
+    for name in xs:
+        assert rel_err(got["runtime"][name], got["merge"][name]) <= TOL, name
+
+
+def test_factors_keep_their_dtype_and_tucker_layout():
+    sd = {"hada_w1_a": torch.randn(3, 6), "hada_w1_b": torch.randn(3, 4), "hada_t1": torch.randn(3, 3, 3, 3),
+          "hada_w2_a": torch.randn(3, 6), "hada_w2_b": torch.randn(3, 4), "hada_t2": torch.randn(3, 3, 3, 3)}
+    sd = {k: v.bfloat16() for k, v in sd.items()}
+    f = FAMILIES["loha"].load(sd, {k: k for k in sd})
+    assert f.rows == 6 and f.rank == 3 and f.is_conv_kernel and f.a1.dtype == torch.bfloat16
+    assert FAMILIES["loha"].check_target(f, (6, 4, 3, 3)) is None
+    assert "shape mismatch" in FAMILIES["loha"].check_target(f, (6, 4, 3, 1))
+    d = {k: v.double() for k, v in sd.items()}
+    rebuild = [torch.einsum("ij...,jq,ip->pq...", d[f"hada_t{i}"], d[f"hada_w{i}_b"], d[f"hada_w{i}_a"]) for i in (1, 2)]
+    rows = torch.zeros(2, 36, dtype=torch.float64)
+    FAMILIES["loha"].add_delta(rows, f, 3, 2, 2.0)
+    assert rel_err(rows, 2.0 * (rebuild[0] * rebuild[1])[3:5].flatten(1)) <= 1e-12
+
+
+def _reasons(sd: dict[str, torch.Tensor], model: nn.Module) -> list[str]:
+    report = loraweave.plan(model, sd)
+    assert report.keys_applied == 0 and len(report.unmatched) == len(sd)
+    return sorted({u["reason"] for u in report.unmatched})
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("missing_w2_b", "incomplete LoHa: no hada_w2_b"),
+    ("lonely_t1", "incomplete LoHa: hada_t1"),
+    ("rank_mismatch", "shape mismatch: LoHa factors do not pair"),
+    ("wrong_in", "shape mismatch: LoHa delta input"),
+    ("wrong_out", "shape mismatch: adapter has 10 output rows"),
+    ("nan", "bad tensor: fc.hada_w1_b holds NaN or Inf"),
+])
+def test_bad_parts_are_reported(case, expect):
+    model = nn.ModuleDict({"fc": nn.Linear(12, 8)})
+    sd = loha_sd("fc", 8, 12, rank=2, seed=12, alpha=1.0)
+    if case == "missing_w2_b":
+        del sd["fc.hada_w2_b"]
+    elif case == "lonely_t1":
+        sd["fc.hada_t1"] = torch.randn(2, 2, 3)
+    elif case == "rank_mismatch":
+        sd["fc.hada_w1_b"] = torch.randn(3, 12)
+    elif case == "wrong_in":
+        sd = loha_sd("fc", 8, 11, rank=2, seed=12, alpha=1.0)
+    elif case == "wrong_out":
+        sd = loha_sd("fc", 10, 12, rank=2, seed=12, alpha=1.0)
+    elif case == "nan":
+        sd["fc.hada_w1_b"][0, 0] = float("nan")
+    reasons = _reasons(sd, model)
+    assert len(reasons) == 1 and reasons[0].startswith(expect), reasons
