@@ -133,8 +133,8 @@ class RuntimePath:
         out = []
         for pp, dst, n, fn, linear in self.base_fns:
             rows = base[:, dst : dst + n] if self.channels_first else base[..., dst : dst + n]
-            value = fn(x, spec, rows) * (pp.strength * pp.scale) if linear else fn(x, spec, rows, pp.strength, pp.scale)
-            out.append((value, dst, n))
+            value, alpha = (fn(x, spec, rows), pp.strength * pp.scale) if linear else (fn(x, spec, rows, pp.strength, pp.scale), 1.0)
+            out.append((value, dst, n, alpha))
         return out
 
     def _fused_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,8 +161,8 @@ class RuntimePath:
     def add_path(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         dtype = output.dtype
         base_terms = self._base_terms(x, output)  # before anything is added to the output
-        for value, dst, n in base_terms:
-            output = self._add_rows(output, value, dst, n)
+        for value, dst, n, alpha in base_terms:
+            output = self._add_rows(output, value, dst, n, alpha)
         if self.down is not None:
             down, up, scale = self._factors(output.device, dtype)
             if self.conv:
@@ -184,11 +184,13 @@ class RuntimePath:
         for pp, dst, length, dense in self.dense:
             d = dense.to(output.device, dtype)
             part = self.conv(x, d, None, **self._conv_args()) if self.conv else F.linear(x, d)
-            output = self._add_rows(output, part * (pp.strength * pp.scale), dst, length)
+            output = self._add_rows(output, part, dst, length, pp.strength * pp.scale)
         spec = ConvSpec(self.conv, self._conv_args()) if self.conv else None
         for pp, dst, length, fn, linear in self.fns:
-            value = fn(x, spec) * (pp.strength * pp.scale) if linear else fn(x, spec, None, pp.strength, pp.scale)
-            output = self._add_rows(output, value, dst, length)
+            if linear:
+                output = self._add_rows(output, fn(x, spec), dst, length, pp.strength * pp.scale)
+            else:
+                output = self._add_rows(output, fn(x, spec, None, pp.strength, pp.scale), dst, length)
         for pp, dst, length, bias in self.biases:
             b = bias.to(output.device, dtype) * (pp.strength * pp.scale)
             if self.channels_first:
@@ -199,13 +201,11 @@ class RuntimePath:
     def _inplace_ok(self, output: torch.Tensor) -> bool:
         return not (torch.is_grad_enabled() and output.requires_grad)
 
-    def _add_rows(self, output: torch.Tensor, value: torch.Tensor, dst: int, length: int) -> torch.Tensor:
+    def _add_rows(self, output: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: float = 1.0) -> torch.Tensor:
+        """output[rows] += alpha·value, in place when autograd allows (no output-sized temporary)."""
         out = output if self._inplace_ok(output) else output.clone()
-        rows = slice(dst, dst + length)
-        if self.channels_first:
-            out[:, rows] += value
-        else:
-            out[..., rows] += value
+        rows = slice(dst, dst + n)
+        (out[:, rows] if self.channels_first else out[..., rows]).add_(value, alpha=alpha)
         return out
 
     def _can_fuse(self) -> bool:
