@@ -1,5 +1,5 @@
 """Adapter families: one module each with the same shape (load, check_target, add_delta, runtime_term)."""
 
-from . import full, loha, lokr, lora
+from . import dora, full, loha, lokr, lora
 
-FAMILIES = {m.FAMILY: m for m in (lora, full, loha, lokr)}
+FAMILIES = {m.FAMILY: m for m in (lora, full, loha, lokr, dora)}

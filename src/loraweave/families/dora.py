@@ -1,0 +1,223 @@
+"""DoRA over an inner LoRA / LoHa / LoKr: W' = a ⊙ W_c with W_c = W + c·ΔW and a from ‖W_c‖.
+
+W is always the ORIGINAL weight (never a partly patched one). The magnitude key picks the convention:
+- `dora_scale` (LyCORIS 4.x `weight_decompose`, kohya): c = γ, the file scale, whatever the strength s.
+  g = d / (‖W_c‖ + eps_fp32) and a = s·(g − 1) + 1, so at s = 0 the weight is W_c, not W.
+  Output axis `(out, 1, …)` (`wd_on_out`, the default): the norm is per output row over all input dims.
+  Input axis `(1, in, 1, …)`: the norm is per input channel over (out, *k). It needs every row of the
+  adapter, so a piece holding only some of them (a fused-key adapter split over modules) is refused.
+  A 1-D `dora_scale` is read as the output axis.
+- `lora_magnitude_vector` (PEFT; `(out,)`, conv `(1, out, 1, …)`; always the output axis): c = s·γ and
+  a = d / ‖W_c‖ with no eps. PEFT's `set_scale` puts the strength inside the norm.
+Runtime: y += (a−1)⊙(Wx) + a·c⊙(ΔW x), with ΔW x on the inner family's structured path. The output
+axis is row-local, so fused slices are exact. a is computed from module.weight in row blocks, once per
+(s, c, device, dtype)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import loha, lokr, lora
+from .base import CastCache, ConvSpec, PartRejected, RuntimeTerm, check_factor
+
+FAMILY = "dora"
+NEEDS_BASE = True
+_INNER = {"lora": lora, "loha": loha, "lokr": lokr}
+_EPS = torch.finfo(torch.float32).eps  # LyCORIS adds eps of dora_scale's dtype: fp32 in its modules
+BLOCK = 2**24  # elements of W_c formed at once when the runtime path computes its gain
+
+
+@dataclass
+class DoraFactors:
+    kind: str  # inner family: "lora" | "loha" | "lokr"
+    inner: object  # the inner family's factors
+    magnitude: torch.Tensor  # d flattened: (rows,) on the output axis, (in,) on the input axis
+    on_out: bool
+    peft: bool  # PEFT convention (lora_magnitude_vector) instead of LyCORIS's
+
+    rows = property(lambda self: self.inner.rows)
+    rank = property(lambda self: self.inner.rank)  # the planner's γ = alpha / rank
+    is_conv_kernel = property(lambda self: self.inner.is_conv_kernel)
+
+
+def _kind(role: str) -> str:
+    if role.startswith("hada_"):
+        return "loha"
+    if role.startswith("lokr_"):
+        return "lokr"
+    if role in ("down", "up", "mid", "up_bias"):
+        return "lora"
+    raise PartRejected(f"unsupported family: DoRA over {role} (only LoRA, LoHa, LoKr)")
+
+
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> DoraFactors:
+    """Load the inner family from its roles, then validate `dora_scale` against its rows."""
+    d = tensors.get("dora_scale")
+    if d is None:
+        raise PartRejected("incomplete DoRA: no dora_scale / lora_magnitude_vector tensor")
+    kinds = {_kind(r) for r in tensors if r != "dora_scale"}
+    if len(kinds) != 1:
+        raise PartRejected(f"incomplete DoRA: magnitude with {' + '.join(sorted(kinds)) or 'no factors'}")
+    kind = kinds.pop()
+    if "up_bias" in tensors:
+        raise PartRejected("unsupported family: DoRA with a LoRA bias (lora_B.bias); PEFT refuses it too")
+    check_factor(key_of["dora_scale"], d)
+    inner = _INNER[kind].load({r: t for r, t in tensors.items() if r != "dora_scale"}, key_of)
+    rows, peft = inner.rows, "lora_magnitude_vector" in key_of["dora_scale"]
+    if peft and d.numel() == rows and sum(n != 1 for n in d.shape) <= 1:
+        on_out = True
+    elif not peft and (d.shape == (rows,) or (d.dim() >= 2 and d.shape[0] == rows and d[0].numel() == 1)):
+        on_out = True
+    elif not peft and d.dim() >= 2 and d.shape[0] == 1 and all(n == 1 for n in d.shape[2:]):
+        on_out = False  # (1, in, 1, …): checked against the module's input channels in check_target
+    else:
+        raise PartRejected(f"shape mismatch: {key_of['dora_scale']} {tuple(d.shape)} for {rows} output rows")
+    return DoraFactors(kind, inner, d.reshape(-1), on_out, peft)
+
+
+def check_target(f: DoraFactors, shape: tuple[int, ...] | None) -> str | None:
+    reason = _INNER[f.kind].check_target(f.inner, shape)
+    if reason or f.on_out:
+        return reason
+    if shape[1] != f.magnitude.numel():
+        return f"shape mismatch: input-axis dora_scale has {f.magnitude.numel()} channels, module {shape[1]}"
+    if shape[0] < f.rows:
+        return (f"input-axis DoRA not row-local: its norm spans all {f.rows} adapter rows, this module holds "
+                f"{shape[0]} (a fused-key adapter split over modules)")
+    return None
+
+
+def _whole(f: DoraFactors, length: int) -> None:
+    if not f.on_out and length != f.rows:
+        raise PartRejected(f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows")
+
+
+def _on(inner, device: torch.device):
+    """The inner factors with every tensor on `device` (inner families compute on their factors' device)."""
+    fields = [k.name for k in dataclasses.fields(inner) if k.init]
+    values = {k: getattr(inner, k) for k in fields}
+    flat = [t for v in values.values() for t in (v if isinstance(v, tuple) else (v,))]
+    if all(t.device == device for t in flat if isinstance(t, torch.Tensor)):
+        return inner
+
+    def move(v):
+        if isinstance(v, tuple):
+            return tuple(map(move, v))
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    return dataclasses.replace(inner, **{k: move(v) for k, v in values.items()})
+
+
+def _coeffs(f: DoraFactors, strength: float | None, scale: float | None, coeff: float) -> tuple[float, float]:
+    """(s, c): PEFT needs only c = s·γ (= coeff); LyCORIS needs s and γ apart."""
+    if f.peft:
+        return 1.0, coeff if strength is None or scale is None else strength * scale
+    if strength is None or scale is None:
+        raise TypeError("DoRA (dora_scale) is not linear in strength: add_delta needs strength= and scale=")
+    return strength, scale
+
+
+def _gain(f: DoraFactors, sumsq: torch.Tensor, d: torch.Tensor, s: float) -> torch.Tensor:
+    """a from the squared norms of W_c and the magnitude d, both in the compute dtype."""
+    if f.peft:
+        return d / sumsq.sqrt()
+    g = d / (sumsq.sqrt() + _EPS)
+    return g if s == 1 else (g - 1) * s + 1  # LyCORIS interpolates only when the multiplier is not 1
+
+
+def _sumsq(f: DoraFactors, wc: torch.Tensor) -> torch.Tensor:
+    """Squared norms of W_c (length, in*k): per row (output axis) or this block's share per input channel."""
+    if f.on_out:
+        return wc.square().sum(1)
+    return wc.view(wc.shape[0], f.magnitude.numel(), -1).square().sum((0, 2))
+
+
+def _magnitude(f: DoraFactors, src: int, length: int, like: torch.Tensor) -> torch.Tensor:
+    return (f.magnitude[src : src + length] if f.on_out else f.magnitude).to(like.device, like.dtype)
+
+
+def add_delta(target_rows: torch.Tensor, f: DoraFactors, src: int, length: int, coeff: float, base=None,
+              strength: float | None = None, scale: float | None = None) -> None:
+    """target_rows (length, in*k) += W' − W for rows [src, src+length); W = `base`, the original rows."""
+    if base is None:
+        raise TypeError("DoRA needs the original weight rows: add_delta(..., base=W_rows)")
+    _whole(f, length)
+    s, c = _coeffs(f, strength, scale, coeff)
+    wc = base.to(target_rows.dtype, copy=True)
+    _INNER[f.kind].add_delta(wc, _on(f.inner, wc.device), src, length, c)
+    a = _gain(f, _sumsq(f, wc), _magnitude(f, src, length, wc), s)
+    a = a[:, None] if f.on_out else a.repeat_interleave(wc.shape[1] // a.numel())
+    target_rows.add_(wc.mul_(a).sub_(base.to(wc.dtype)))
+
+
+def bias_delta(f: DoraFactors, src: int, length: int) -> None:
+    return None
+
+
+def _inner_path(f: DoraFactors, src: int, length: int, module):
+    """path(x, conv) = ΔW x for rows [src, src+length), unscaled, on the inner family's runtime path."""
+    term = _INNER[f.kind].runtime_term(f.inner, src, 0, length)
+    if term.fn is not None:
+        return term.fn, term.cost
+    cache = CastCache(term.down, term.up)
+
+    def path(x: torch.Tensor, conv: ConvSpec | None) -> torch.Tensor:
+        down, up = cache.get(x)
+        if conv is None:
+            return F.linear(F.linear(x, down.flatten(1)), up)
+        h = conv.fn(x, down.reshape(down.shape[0], *module.weight.shape[1:]), None, **conv.kwargs)
+        return conv.fn(h, up.view(*up.shape, *([1] * (h.dim() - 2))))
+
+    return path, f"LoRA up(down(x)), rank {term.down.shape[0]}"
+
+
+def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
+    """fn(x, conv, base_out, strength, scale): the DoRA change of rows [dst, dst+length) of module's output.
+
+    The gain reads module.weight (the original: runtime never writes it) lazily, in row blocks."""
+    if module is None:
+        raise TypeError("DoRA runtime needs the host module: runtime_term(..., module=module)")
+    w = getattr(module, "weight", None)
+    if type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.is_floating_point() or w.is_meta:
+        what = "missing" if w is None else "offloaded (meta)" if w.is_meta else f"a {type(w).__name__} {w.dtype}"
+        raise PartRejected(f"DoRA runtime reads the layer's weight for its norm; the weight is {what}")
+    _whole(f, length)
+    path, inner_cost = _inner_path(f, src, length, module)
+    state: dict = {}
+
+    def gains(strength: float, scale: float, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(a, a − 1, a·c), formed in fp32 (fp64 for fp64 weights) and cast once to x's device and dtype."""
+        s, c = _coeffs(f, strength, scale, strength * scale)
+        key = (s, c, like.device, like.dtype)
+        if state.get("key") != key:
+            w = module.weight.detach()
+            w2d, acc = w.reshape(w.shape[0], -1), torch.promote_types(w.dtype, torch.float32)
+            inner, step, sums = _on(f.inner, w.device), max(1, BLOCK // w2d[0].numel()), []
+            for r0 in range(0, length, step):  # W_c in row blocks: bounded temporary memory
+                n = min(step, length - r0)
+                wc = w2d[dst + r0 : dst + r0 + n].to(acc, copy=True)
+                _INNER[f.kind].add_delta(wc, inner, src + r0, n, c)
+                sums.append(_sumsq(f, wc))
+            sumsq = torch.cat(sums) if f.on_out else torch.stack(sums).sum(0)
+            a = _gain(f, sumsq, _magnitude(f, src, length, sumsq), s)
+            state.update(key=key, value=tuple(t.to(like.device, like.dtype) for t in (a, a - 1, a * c)))
+        return state["value"]
+
+    def fn(x: torch.Tensor, conv: ConvSpec | None, base_out: torch.Tensor, strength: float, scale: float):
+        shape = (-1,) if conv is None else (-1, *([1] * (x.dim() - 2)))  # channels last (Linear) or on dim 1
+        a, am1, ac = (t.view(shape) for t in gains(strength, scale, x))
+        if f.on_out:
+            return base_out * am1 + path(x, conv) * ac
+        # Input axis: W' − W = W·diag(a − 1) + c·ΔW·diag(a): scale x's channels before each path.
+        w = module.weight[dst : dst + length].to(x.dtype)
+        xm = x * am1
+        return (F.linear(xm, w) if conv is None else conv.fn(xm, w, None, **conv.kwargs)) + path(x * ac, conv)
+
+    cost = f"DoRA gain ({length if f.on_out else f.magnitude.numel()}) cached per strength + {inner_cost}"
+    cost += "" if f.on_out else " + a GEMM with W (input axis)"
+    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=cost, needs_base=True,
+                       linear_in_strength=False)
