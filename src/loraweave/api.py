@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import StrictApplyError
+from .families.base import PartRejected
 from .formats.adapter import Adapter, load_adapter
 from .mechanisms.merge import Contribution, MergedModule, merge_blocker, merge_module, needs_bias
 from .mechanisms.runtime import RuntimePath, runtime_blocker
@@ -118,6 +119,17 @@ def _choose(mode: str, module: torch.nn.Module, contribs: list[Contribution]) ->
     return None, f"neither mechanism fits: {merge_no}; {runtime_no}"
 
 
+def _check_runtime(mode: str, module: torch.nn.Module, contribs: list[Contribution], why: str) -> tuple[str | None, str]:
+    """Build the runtime path once without attaching it: a family may refuse (e.g. DoRA on a quantized weight)."""
+    try:
+        RuntimePath(module, contribs)
+    except PartRejected as rejected:
+        if mode == "auto" and merge_blocker(module, needs_bias(contribs)) is None:
+            return "merge", f"runtime refused: {rejected}"
+        return None, f"cannot run at runtime: {rejected}"
+    return "runtime", why
+
+
 class Handle:
     """What `apply` did; `remove()` undoes it exactly. Usable as a context manager."""
 
@@ -205,6 +217,8 @@ def apply(
     for (comp, path), contribs in groups.items():
         module = p.components.modules[comp].get_submodule(path)
         mechanism, why = _choose(mode, module, contribs)
+        if mechanism == "runtime":
+            mechanism, why = _check_runtime(mode, module, contribs, why)
         if mechanism is None:
             for pp, _ in contribs:
                 rejected_parts.setdefault(id(pp), f"{why} ({comp}.{path})")

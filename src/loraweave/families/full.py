@@ -9,6 +9,7 @@ import torch
 from .base import PartRejected, RuntimeTerm, check_factor
 
 FAMILY = "full"
+ROLES = ("diff", "diff_b")
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .base import ConvSpec, PartRejected, RuntimeTerm, check_factor
 
 FAMILY = "loha"
+ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
 _FACTORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 
 

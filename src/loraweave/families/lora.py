@@ -9,6 +9,7 @@ import torch
 from .base import PartRejected, RuntimeTerm, check_factor
 
 FAMILY = "lora"
+ROLES = ("down", "up", "mid", "up_bias")
 
 
 @dataclass

@@ -10,6 +10,7 @@ DENOISER = "denoiser"
 # (prefix, component, layout). Longest match wins; order here only matters for equal-length prefixes.
 _PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("lora_unet_", DENOISER, "kohya"),
+    ("oft_unet_", DENOISER, "kohya"),
     ("lora_te1_", "text_encoder", "kohya"),
     ("lora_te2_", "text_encoder_2", "kohya"),
     ("lora_te3_", "text_encoder_3", "kohya"),
@@ -52,7 +53,7 @@ _SUFFIXES: tuple[tuple[str, str, str | None, str | None], ...] = (
     (r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?", "dora", "dora_scale", "peft"),
     (r"\.hada_(?:w[12]_[ab]|t[12])", "loha", None, None),
     (r"\.lokr_(?:w[12](?:_[ab])?|t2)", "lokr", None, None),
-    (r"\.oft_(?:blocks|diag)", "oft", None, None),
+    (r"\.oft_(?:blocks(?:\.\d+)?|diag)", "oft", None, None),  # kohya Flux OFT: oft_blocks.<split>
     (r"\.oft_R\.weight", "oft", None, "peft"),
     (r"\.boft_[RsS]", "boft", None, "peft"),
     (r"\.rescale", "oft", "rescale", None),

@@ -95,8 +95,15 @@ class MergedModule:
 
     def _write_bias(self) -> None:
         deltas = []
+        live = getattr(self.module, "bias", None)
+        original = self.bias_backup if self.bias_backup is not None else live  # before the first write: untouched
         for pp, piece in self.contributions:
-            b = FAMILIES[pp.part.family].bias_delta(pp.factors, piece.src_start, piece.length)
+            family = FAMILIES[pp.part.family]
+            kw = {}
+            if getattr(family, "BIAS_NEEDS_BASE", False) and isinstance(original, torch.Tensor):
+                rows = original.detach()[piece.dst_start : piece.dst_start + piece.length]
+                kw["base"] = rows.to(torch.promote_types(rows.dtype, torch.float32), copy=True)
+            b = family.bias_delta(pp.factors, piece.src_start, piece.length, **kw)
             if b is not None:
                 deltas.append((piece, b, _coeff(pp)))
         if not deltas:

@@ -89,18 +89,23 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     if extras:
         raise PartRejected(f"unsupported family: {'+'.join(sorted(extras))} keys next to {part.family} in one part "
                            f"(target {comp_name}.{target})")
+    known = getattr(family, "ROLES", None)
+    unknown = sorted(set(part.roles) - set(known) - {"alpha", "scale"}) if known is not None else []
+    if unknown:  # never load a part while ignoring some of its keys
+        raise PartRejected(f"unsupported family: {part.family} part also holds {', '.join(unknown)} "
+                           f"(target {comp_name}.{target})")
     uses_alpha = getattr(family, "USES_ALPHA_SCALE", True)
     skip = ("alpha", "scale") if uses_alpha else ("scale",)  # OFT & co read alpha themselves
     tensors = {role: adapter.tensor(key) for role, key in part.roles.items() if role not in skip}
     factors = family.load(tensors, part.roles)
-    total = sum(p.length for p in found)
-    if factors.rows != total:
-        names = " | ".join(f"{p.module}[{p.dst_start}:{p.dst_start + p.length}]" for p in found)
-        raise PartRejected(f"shape mismatch: adapter has {factors.rows} output rows, target {names} has {total}")
-    for piece in found:
+    for piece in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
         reason = family.check_target(factors, module_shape(table.modules[piece.module]))
         if reason:
             raise PartRejected(f"{reason} ({comp_name}.{piece.module})")
+    total = sum(p.length for p in found)
+    if factors.rows is not None and factors.rows != total:  # None: the delta spans any rows (IA3 on the input)
+        names = " | ".join(f"{p.module}[{p.dst_start}:{p.dst_start + p.length}]" for p in found)
+        raise PartRejected(f"shape mismatch: adapter has {factors.rows} output rows, target {names} has {total}")
     alpha = _scalar(adapter.tensor(part.roles["alpha"]), part.roles["alpha"]) if "alpha" in part.roles else None
     scale_t = _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
     if not uses_alpha:

@@ -1,0 +1,189 @@
+"""BOFT (butterfly OFT): m stages of blockwise rotations between butterfly permutations of the rows.
+
+LyCORIS (`oft_blocks` 4-D (m, n, b, b), reached through oft.load; `alpha` = constraint c = α·rows over the whole
+4-D Q; optional `rescale`): stage i (k = 2^i·b/2) views the rows as (−1, 2, k), swaps to (−1, k, 2), replaces each
+run of b rows by R_i[blk]·rows (R, not Rᵀ) and swaps back; W' = rescale ⊙ W_m. Strength interpolates every stage,
+R_i ← s·R_i + (1−s)·I (LyCORIS's multiplier, applied once); rescale as in oft.py. No `alpha` = 0 = unconstrained
+(ComfyUI raises on such files and leaves the weight unpatched: not repeated).
+PEFT (`boft_R` (N, D, H, H) + `boft_s`, one per output row): rotates the INPUT columns, W' = boft_s ⊙ (W·Mᵀ),
+M = B_{N−1}···B_0, B_i = P_i·blockdiag(R_i)·P_iᵀ with PEFT's block-butterfly permutations P_i (rebuilt from the
+shape) and PEFT's Cayley R = (I − S)(I + S)⁻¹, S = (B − Bᵀ)/2. PEFT has no strength; ours interpolates each stage."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .base import PartRejected, RuntimeTerm, check_factor
+from .oft import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
+
+FAMILY = "boft"
+USES_ALPHA_SCALE = False  # alpha is the constraint, not a scale
+NEEDS_BASE = True
+
+
+@dataclass
+class BoftFactors:
+    blocks: torch.Tensor  # (stages, n, b, b), stored dtype
+    constraint: float  # c = α·rows (LyCORIS); 0 = unconstrained
+    rescale: torch.Tensor | None  # (rows,): LyCORIS `rescale` or PEFT `boft_s`
+    peft: bool  # rotates the input columns (PEFT) instead of the output rows (LyCORIS)
+    _rot: dict = field(default_factory=dict)  # (device, dtype) -> R (stages, n, b, b)
+    _dense: dict = field(default_factory=dict)  # PEFT conv runtime: the last strength's ΔW rows
+
+    @property
+    def rows(self) -> int:
+        return self.rescale.numel() if self.peft else self.blocks.shape[1] * self.blocks.shape[2]
+
+    @property
+    def span(self) -> int:  # LyCORIS: the last stage mixes rows within aligned runs of this many
+        return 2 ** (self.blocks.shape[0] - 1) * self.blocks.shape[2]
+
+
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactors:
+    peft = "boft_R" in tensors
+    allowed = {"boft_R", "boft_s"} if peft else {"oft_blocks", "rescale", "alpha"}
+    if set(tensors) - allowed:
+        raise PartRejected(f"unsupported family: BOFT part with {', '.join(sorted(key_of[r] for r in set(tensors) - allowed))}")
+    if not peft and "oft_blocks" not in tensors:
+        raise PartRejected("incomplete BOFT: no oft_blocks or boft_R" + (" (boft_s alone)" if "boft_s" in tensors else ""))
+    if peft and "boft_s" not in tensors:
+        raise PartRejected("incomplete BOFT: PEFT boft_R without boft_s")
+    for role, t in tensors.items():
+        if role != "alpha":
+            check_factor(key_of[role], t)
+    role = "boft_R" if peft else "oft_blocks"
+    blocks = tensors[role]
+    m, n, b = blocks.shape[:3] if blocks.dim() == 4 else (0, 0, 0)
+    # LyCORIS: b even and n a multiple of 2^(m-1), or the stage views do not tile; PEFT checks the same when N > 1.
+    if blocks.dim() != 4 or blocks.shape[3] != b or 0 in blocks.shape or (
+        (m > 1 or not peft) and (b % 2 or n % 2 ** (m - 1))
+    ):
+        raise PartRejected(f"shape mismatch: {key_of[role]} {tuple(blocks.shape)} is not a butterfly (m, n, b, b)")
+    if peft:
+        scale = tensors["boft_s"]
+        return BoftFactors(blocks, 0.0, row_scale(scale, scale.numel(), key_of["boft_s"]), True)
+    alpha = scalar_alpha(tensors, key_of)
+    return BoftFactors(blocks, alpha * n * b, row_scale(tensors.get("rescale"), n * b, key_of.get("rescale")), False)
+
+
+def check_target(f: BoftFactors, shape: tuple[int, ...]) -> str | None:
+    if f.peft:
+        cols = shape[1] * math.prod(shape[2:])
+        n = f.blocks.shape[1] * f.blocks.shape[2]
+        return None if cols == n else f"shape mismatch: PEFT BOFT rotates {n} input columns, module {shape} has {cols}"
+    if shape[0] % f.span:
+        return f"shape mismatch: BOFT butterfly mixes runs of {f.span} rows, module has {shape[0]}"
+    return None
+
+
+def _rotations(f: BoftFactors, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if (device, dtype) not in f._rot:
+        acc = torch.promote_types(acc_dtype(f.blocks), dtype)
+        if f.peft:
+            b = f.blocks.to(acc)
+            s = (b - b.transpose(-1, -2)) / 2
+            eye = torch.eye(b.shape[-1], dtype=acc)
+            r = (eye - s) @ torch.linalg.inv(eye + s)
+        else:
+            r = cayley(f.blocks, f.constraint, acc)
+        f._rot = {(device, dtype): r.to(device, dtype)}
+    return f._rot[(device, dtype)]
+
+
+def _stage(r: torch.Tensor, s: float) -> torch.Tensor:
+    return r * s + (1 - s) * torch.eye(r.shape[-1], dtype=r.dtype, device=r.device)
+
+
+def _butterfly(f: BoftFactors, y: torch.Tensor, src: int, s: float) -> torch.Tensor:
+    """LyCORIS stages on channels-last y holding rows [src, src + y.shape[-1]) (aligned to the span)."""
+    length, (m, _, b) = y.shape[-1], f.blocks.shape[:3]
+    if src % f.span or length % f.span:
+        raise PartRejected(f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
+    rot = _rotations(f, y.device, y.dtype)[:, src // b : (src + length) // b]
+    for i in range(m):
+        k = 2**i * (b // 2)
+        t = y.unflatten(-1, (-1, 2, k)).transpose(-1, -2).flatten(-3).unflatten(-1, (-1, b))
+        t = torch.einsum("kpq,...kq->...kp", _stage(rot[i], s), t)
+        y = t.flatten(-2).unflatten(-1, (-1, k, 2)).transpose(-1, -2).flatten(-3)
+    return y
+
+
+def _peft_perm(n: int, blocks: int, half: int) -> torch.Tensor:
+    """PEFT's block-butterfly permutation: in each run of n/blocks columns, the even half-blocks, then the odd."""
+    chunk = n // blocks
+    sub = torch.arange(chunk).view(-1, half)
+    return (torch.arange(0, n, chunk)[:, None] + torch.cat([sub[0::2], sub[1::2]]).flatten()).flatten()
+
+
+def _peft_rotate(f: BoftFactors, w: torch.Tensor, s: float, transpose: bool) -> torch.Tensor:
+    """M_s·w (or M_sᵀ·w) along the last axis, M = P_{N−1}B_{N−1}P_{N−1}ᵀ···P_0B_0P_0ᵀ."""
+    rot = _rotations(f, w.device, w.dtype)
+    stages, d, h = rot.shape[:3]
+    for i in reversed(range(stages)) if transpose else range(stages):
+        mats = _stage(rot[i], s)
+        perm = _peft_perm(d * h, d // 2**i, h // 2).to(w.device) if stages > 1 else None
+        u = w if perm is None else w[..., torch.argsort(perm)]  # Pᵀw
+        u = torch.einsum("kpq,...kq->...kp", mats.mT if transpose else mats, u.unflatten(-1, (d, h))).flatten(-2)
+        w = u if perm is None else u[..., perm]  # P·u
+    return w
+
+
+def _peft_delta_rows(f: BoftFactors, weight_rows: torch.Tensor, src: int, s: float) -> torch.Tensor:
+    """(length, in·k): boft_s ⊙ (W·M_sᵀ) − W for the given original rows."""
+    w = weight_rows.flatten(1)
+    rot = _peft_rotate(f, w, s, transpose=False)
+    return rescaled((rot - w).mT, w.mT, f.rescale[src : src + w.shape[0]], s).mT
+
+
+def add_delta(target_rows: torch.Tensor, f: BoftFactors, src: int, length: int, coeff: float,
+              base: torch.Tensor, **_) -> None:
+    """target_rows (length, in·k) += ΔW at strength s = coeff, from the original rows `base`."""
+    base = base.to(target_rows.dtype)
+    if f.peft:
+        target_rows.add_(_peft_delta_rows(f, base, src, coeff))
+        return
+    y = base.mT  # LyCORIS rotates rows: they are the channels
+    r = None if f.rescale is None else f.rescale[src : src + length]
+    target_rows.add_(rescaled(_butterfly(f, y, src, coeff) - y, y, r, coeff).mT)
+
+
+def bias_delta(f: BoftFactors, src: int, length: int) -> None:
+    return None
+
+
+def runtime_term(f: BoftFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None) -> RuntimeTerm:
+    if f.peft and module is None:
+        raise PartRejected("unsupported family: PEFT BOFT at runtime needs the host module's weight")
+    if not f.peft and (src % f.span or length % f.span):
+        raise PartRejected(f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
+    r = None if f.rescale is None else f.rescale[src : src + length]
+
+    def fn(x, conv, base, strength=None, scale=1.0):
+        if strength is None:
+            raise RuntimeError("BOFT is not linear in strength: the runtime must pass it")
+        s = strength * scale
+        acc = torch.promote_types(base.dtype, torch.float32)
+        if f.peft and conv is not None:  # the rotation mixes kernel taps with channels: dense ΔW, last strength kept
+            weight = module.weight
+            key = (s, x.device, x.dtype, weight._version)
+            if key not in f._dense:
+                rows = weight.detach()[dst : dst + length].to(x.device, acc)
+                f._dense = {key: _peft_delta_rows(f, rows, src, s).view_as(rows).to(x.dtype)}
+            return conv.fn(x, f._dense[key], None, **conv.kwargs)
+        y = (base if conv is None else base.movedim(1, -1)).to(acc)
+        if f.peft:  # Linear: y' = F.linear(x·M_s, W_rows)
+            weight = module.weight[dst : dst + length]
+            moved = F.linear(_peft_rotate(f, x.to(acc), s, transpose=True).to(weight.dtype), weight).to(acc)
+        else:
+            moved = _butterfly(f, y, src, s)
+        d = rescaled(moved - y, y, r, s).to(base.dtype)
+        return d if conv is None else d.movedim(-1, 1)
+
+    m, n, b = f.blocks.shape[:3]
+    cost = (f"PEFT BOFT input rotation ({m} stages of {n}x{b}) + one extra base GEMM" if f.peft
+            else f"BOFT butterfly on the output ({m} stages of {length // b}x{b}); R cached")
+    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, needs_base=True, linear_in_strength=False, cost=cost)
