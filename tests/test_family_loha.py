@@ -8,6 +8,7 @@ share of them (output - base output); merged weights against an fp64 reference <
 from __future__ import annotations
 
 import copy
+import json
 
 import lycoris  # the reference must be installed: a missing package fails here, it is never skipped
 import pytest
@@ -260,3 +261,14 @@ def test_bad_parts_are_reported(case, expect):
         sd["fc.hada_w1_b"][0, 0] = float("nan")
     reasons = _reasons(sd, model)
     assert len(reasons) == 1 and reasons[0].startswith(expect), reasons
+
+
+def test_report_names_the_dense_runtime_cost():
+    """The issue allows a dense runtime path for LoHa as long as the report says what it costs."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6))
+    g = torch.Generator().manual_seed(5)
+    sd = {f"0.{k}": torch.randn(*s, generator=g) for k, s in
+          {"hada_w1_a": (6, 2), "hada_w1_b": (2, 8), "hada_w2_a": (6, 2), "hada_w2_b": (2, 8)}.items()}
+    handle = loraweave.apply(model, sd, mode="runtime", strict=True)
+    assert "loha: dense" in handle.report.applied[0].cost
+    assert "loha: dense" in json.dumps(handle.report.to_dict())

@@ -243,14 +243,16 @@ def apply(
     show = progress if progress is not None else (len(work) > 200 and sys.stderr.isatty())
     try:
         for comp, path, module, mechanism, why, contribs in tqdm(work, desc="loraweave", disable=not show, unit="layer"):
+            cost = ""
             if mechanism == "merge":
                 merge_module(module, contribs, merged)
             else:
                 rp = RuntimePath(module, contribs)
                 runtime.append(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
                 rp.attach()
+                cost = "; ".join(sorted(rp.costs))
             names = sorted({pp.adapter.name for pp, _ in contribs})
-            applied.append(AppliedModule(comp, path, mechanism, names, why if mode == "auto" else ""))
+            applied.append(AppliedModule(comp, path, mechanism, names, why if mode == "auto" else "", cost))
     except BaseException:
         for rp in runtime:
             rp.detach()

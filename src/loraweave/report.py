@@ -18,6 +18,7 @@ class AppliedModule:
     mechanism: str  # merge | runtime | planned (plan() only)
     adapters: list[str]
     why: str = ""  # for auto: why this mechanism was chosen
+    cost: str = ""  # runtime forms that are not a plain low-rank pair, e.g. "dense ΔW (L×in·k) cached"
 
 
 @dataclass

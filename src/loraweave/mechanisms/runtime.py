@@ -53,10 +53,13 @@ class RuntimePath:
         self.fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
         self.base_fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
         self.adapters = set()
+        self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
         for pp, piece in contributions:
             family = FAMILIES[pp.part.family]
             extra = {"module": module} if "module" in inspect.signature(family.runtime_term).parameters else {}
             term = family.runtime_term(pp.factors, piece.src_start, piece.dst_start, piece.length, **extra)
+            if term.cost:
+                self.costs.add(f"{pp.part.family}: {term.cost}")
             name = pp.adapter.name
             self.adapters.add(name)
             if term.down is not None:
