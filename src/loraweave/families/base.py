@@ -8,6 +8,8 @@ A family module defines FAMILY, load, check_target, add_delta, bias_delta and ru
   `fn(x, conv, base_out)` receives the layer's output without bias, before any adapter was added.
   add_delta also receives `strength=` and `scale=` (coeff = strength·scale) for families not linear in them.
 - runtime_term(f, src, dst, length, module=...) receives the host module when it accepts that keyword.
+- check_piece(f, src, length) -> reason | None: whether rows [src, src+length) of the delta can land on their
+  own (a fused key split over modules); the planner asks before anything is touched.
 Every family contributes ΔW_i computed from the ORIGINAL weight; contributions on one layer are summed
 (the rule a1111/LyCORIS loaders use when several networks touch one layer), so order never matters."""
 

@@ -155,6 +155,12 @@ def bias_delta(f: BoftFactors, src: int, length: int) -> None:
     return None
 
 
+def check_piece(f: BoftFactors, src: int, length: int) -> str | None:
+    if not f.peft and (src % f.span or length % f.span):
+        return f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows"
+    return None
+
+
 def runtime_term(f: BoftFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None) -> RuntimeTerm:
     if f.peft and module is None:
         raise PartRejected("unsupported family: PEFT BOFT at runtime needs the host module's weight")

@@ -91,6 +91,12 @@ def check_target(f: DoraFactors, shape: tuple[int, ...] | None) -> str | None:
     return None
 
 
+def check_piece(f: DoraFactors, src: int, length: int) -> str | None:
+    if not f.on_out and length != f.rows:
+        return f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows"
+    return None
+
+
 def _whole(f: DoraFactors, length: int) -> None:
     if not f.on_out and length != f.rows:
         raise PartRejected(f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows")

@@ -136,6 +136,18 @@ def check_target(f, shape: tuple[int, ...]) -> str | None:
     return None
 
 
+def check_piece(f, src: int, length: int) -> str | None:
+    if isinstance(f, OftFactors):
+        try:
+            _windows(f, src, length)
+        except PartRejected as rejected:
+            return str(rejected)
+        return None
+    from . import boft
+
+    return boft.check_piece(f, src, length)
+
+
 def _windows(f: OftFactors, src: int, length: int):
     """(segment index, first block, block count, offset into the slice) for rows [src, src+length)."""
     out, start = [], 0

@@ -106,6 +106,11 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     if factors.rows is not None and factors.rows != total:  # None: the delta spans any rows (IA3 on the input)
         names = " | ".join(f"{p.module}[{p.dst_start}:{p.dst_start + p.length}]" for p in found)
         raise PartRejected(f"shape mismatch: adapter has {factors.rows} output rows, target {names} has {total}")
+    check_piece = getattr(family, "check_piece", None)  # row-slice rules: OFT blocks must tile a piece, ...
+    for piece in found if check_piece else ():
+        reason = check_piece(factors, piece.src_start, piece.length)
+        if reason:
+            raise PartRejected(f"{reason} ({comp_name}.{piece.module})")
     alpha = _scalar(adapter.tensor(part.roles["alpha"]), part.roles["alpha"]) if "alpha" in part.roles else None
     scale_t = _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
     if not uses_alpha:
