@@ -194,3 +194,52 @@ def test_dit_original_checkpoint_names_resolve(yaml_name, config, cls, layout):
     report = loraweave.plan(model, sd)
     assert report.unmatched == [], report.unmatched[:3]
     assert report.keys_applied == len(sd)
+
+
+def test_qwen_image_key_list_resolves(realdata):
+    import diffusers
+
+    with torch.device("meta"):
+        model = diffusers.QwenImageTransformer2DModel.from_config(_config("qwen-image__transformer_config.json"))
+    report = loraweave.plan(model, _invoke_keys("qwen_image_lora_diffusers_format.json"))
+    assert report.unmatched == [] and report.keys_applied == report.keys_total > 0
+
+
+WAN_NAMES = {  # hand-written from diffusers' Wan converter: original -> diffusers module
+    "self_attn": "attn1", "cross_attn": "attn2", "q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0",
+    "k_img": "add_k_proj", "v_img": "add_v_proj",
+}
+
+
+@pytest.mark.parametrize("variant", ["Wan-T2V-14B", "Wan-I2V-14B-480p"])
+def test_wan_original_names_resolve_on_full_size_models(variant):
+    """musubi (kohya) Wan names on the real full-size configs; I2V-only keys are reported on T2V, never dropped."""
+    import diffusers
+
+    cfg = json.loads((REALDATA / "configs" / "wan__diffusers_transformer_configs.json").read_text())[variant]
+    with torch.device("meta"):
+        model = diffusers.WanTransformer3DModel.from_config(cfg["diffusers_config"])
+    modules = dict(model.named_modules())
+    pairs = {}
+    for i in (0, 39):
+        for attn in ("self_attn", "cross_attn"):
+            for p in ("q", "k", "v", "o", *(("k_img", "v_img") if attn == "cross_attn" else ())):
+                pairs[f"blocks.{i}.{attn}.{p}"] = f"blocks.{i}.{WAN_NAMES[attn]}.{WAN_NAMES[p]}"
+        pairs[f"blocks.{i}.ffn.0"] = f"blocks.{i}.ffn.net.0.proj"
+        pairs[f"blocks.{i}.ffn.2"] = f"blocks.{i}.ffn.net.2"
+    pairs.update({"head.head": "proj_out", "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+                  "time_embedding.2": "condition_embedder.time_embedder.linear_2"})
+    sd = {}
+    for original, diffusers_name in pairs.items():
+        # T2V lacks the image projections: give those keys the shape of the text ones.
+        w = modules.get(diffusers_name, modules[diffusers_name.replace("add_k_proj", "to_k").replace("add_v_proj", "to_v")]).weight
+        stem = "lora_unet_" + original.replace(".", "_")
+        sd[f"{stem}.lora_down.weight"] = torch.empty(4, w.shape[1], device="meta")
+        sd[f"{stem}.lora_up.weight"] = torch.empty(w.shape[0], 4, device="meta")
+    report = loraweave.plan(model, sd)
+    img_keys = {k for k in sd if "_img" in k}
+    if variant.startswith("Wan-I2V"):
+        assert report.unmatched == [] and report.keys_applied == len(sd)
+    else:
+        assert {u["key"] for u in report.unmatched} == img_keys
+        assert all(u["reason"].startswith("no such module") for u in report.unmatched)
