@@ -6,12 +6,15 @@ import torch
 
 from ..formats.keys import underscore_form
 from .flux import CHROMA, FLUX
+from .flux2 import FLUX2
+from .hunyuan_video import HUNYUAN_VIDEO
+from .krea2 import KREA2
 from .sd3 import SD3
 from .spec import ArchTable, Piece, expand_alias, out_rows
 from .wan import WAN
 from .zimage import ZIMAGE
 
-ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, ZIMAGE, SD3, WAN)
+ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
