@@ -71,6 +71,9 @@ class AliasTable:
         prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
         if prefix and not any(name.startswith(prefix) for name in self.modules):
             self.exact.update({prefix + k: v for k, v in list(self.exact.items()) if prefix + k not in self.exact})
+        # LLM text encoders: kohya writes paths under the decoder (`layers_0_...`), the ForCausalLM tree adds `model.`.
+        stripped = {k[len("model."):]: v for k, v in self.exact.items() if k.startswith("model.")}
+        self.exact.update({k: v for k, v in stripped.items() if k not in self.exact})
         self._positional: dict[tuple[str, ...], list[str]] = {}
         self.underscored: dict[str, tuple[Piece, ...] | str] = {}
         for name, pieces in self.exact.items():

@@ -11,6 +11,8 @@ from ..formats.keys import DENOISER
 
 _DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2")
 _COMPONENT_NAMES = (*_DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3")
+# A component a file names but the target lacks -> (component to use instead, required class-name fragment).
+COMPONENT_FALLBACKS: dict[str, tuple[tuple[str, str], ...]] = {"text_encoder_3": (("text_encoder_2", "T5"),)}
 
 
 class Components:
@@ -27,7 +29,13 @@ class Components:
     def resolve_name(self, component: str) -> str | None:
         if component == DENOISER:
             return self.denoiser_name
-        return component if component in self.modules else None
+        if component in self.modules:
+            return component
+        # `lora_te3_` is T5 in SD3 pipelines (text_encoder_3); Flux pipelines hold T5 as text_encoder_2.
+        for other, class_hint in COMPONENT_FALLBACKS.get(component, ()):
+            if other in self.modules and class_hint in type(self.modules[other]).__name__:
+                return other
+        return None
 
     def __iter__(self):
         return iter(self.modules.items())
