@@ -215,3 +215,26 @@ def test_zimage_fused_qkv_and_out_land_on_the_right_rows():
     with torch.no_grad():
         for name in expect:
             assert rel_err(runtime_mods[name](x), merged_mods[name](x)) <= 1e-5, name
+
+
+def test_separate_qkv_keys_land_on_fused_projections():
+    """After diffusers' fuse_qkv_projections() forward uses to_qkv: to_q/to_k/to_v keys must land on its rows."""
+    base = tiny_flux()
+    sd = {}
+    g = torch.Generator().manual_seed(3)
+    for stem in ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_v", "transformer_blocks.1.attn.add_k_proj",
+                 "single_transformer_blocks.0.attn.to_k"):
+        sd[f"transformer.{stem}.lora_A.weight"] = torch.randn(4, 32, generator=g)
+        sd[f"transformer.{stem}.lora_B.weight"] = torch.randn(32, 4, generator=g) * 0.1
+    from tiny_models import flux_forward
+
+    with torch.no_grad():
+        reference = copy.deepcopy(base)
+        loraweave.apply(reference, sd, mode="merge", strict=True)
+        want = flux_forward(reference)
+        for mode in ("merge", "runtime"):
+            fused = copy.deepcopy(base)
+            fused.fuse_qkv_projections()
+            handle = loraweave.apply(fused, sd, mode=mode, strict=True)
+            assert {m.module.rsplit(".", 1)[1] for m in handle.report.applied} <= {"to_qkv", "to_added_qkv"}
+            assert rel_err(flux_forward(fused), want) <= 1e-5, mode

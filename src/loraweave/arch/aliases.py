@@ -40,6 +40,33 @@ def _original_names(module: torch.nn.Module, modules: dict[str, torch.nn.Module]
     return out
 
 
+# diffusers `fuse_qkv_projections()` adds a fused module and makes forward use it instead of the separate ones:
+# after that, keys for the separate projections must land on rows of the fused module, or they do nothing.
+FUSED_PROJECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("to_qkv", ("to_q", "to_k", "to_v")),
+    ("to_kv", ("to_k", "to_v")),
+    ("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
+)
+
+
+def _live_fusions(every: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, ...]]:
+    out: dict[str, tuple[Piece, ...]] = {}
+    for path, module in every.items():
+        if not getattr(module, "fused_projections", False):
+            continue
+        for fused, parts in FUSED_PROJECTIONS:
+            names = [f"{path}.{p}" if path else p for p in parts]
+            target = f"{path}.{fused}" if path else fused
+            if target not in every or not all(n in every for n in names):
+                continue
+            start = 0
+            for name in names:
+                rows = out_rows(every[name])
+                out[name] = (Piece(target, 0, start, rows, False),)
+                start += rows
+    return out
+
+
 # Child registration order of diffusers releases that cloneofsimo-era files enumerated (ff came before attn2).
 LEGACY_CHILD_ORDER: dict[str, tuple[str, ...]] = {"BasicTransformerBlock": ("attn1", "ff", "attn2")}
 
@@ -68,6 +95,7 @@ class AliasTable:
             name: (Piece(name, 0, 0, out_rows(mod), True),) for name, mod in self.modules.items()
         }
         self.exact.update({k: v for k, v in _original_names(module, every).items() if k not in self.exact})
+        self.exact.update(_live_fusions(every))  # overrides: the separate modules are no longer used
         prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
         if prefix and not any(name.startswith(prefix) for name in self.modules):
             self.exact.update({prefix + k: v for k, v in list(self.exact.items()) if prefix + k not in self.exact})
