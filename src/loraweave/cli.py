@@ -47,10 +47,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .formats.adapter import load_adapter
+    from .formats.detect import detect_architecture
 
     adapter = load_adapter(args.file, allow_pickle=args.allow_pickle)
+    detection = detect_architecture(adapter)
     info = {
         "name": adapter.name,
+        "architecture": detection.architecture,
+        "architecture_evidence": detection.evidence,
         "layout": adapter.layout,
         "families": adapter.families,
         "parts": len(adapter.parts),
