@@ -1,7 +1,64 @@
-"""Flux.2 transformer: BFL/ComfyUI original names -> diffusers Flux2Transformer2DModel modules."""
+"""Flux.2 (incl. klein) transformer: BFL/ComfyUI original names -> diffusers Flux2Transformer2DModel modules.
+
+Source: diffusers `convert_flux2_transformer_checkpoint_to_diffusers`. Unlike Flux.1, the single block's fused
+`linear1` (q | k | v | SwiGLU pair) is one module on both sides (`attn.to_qkv_mlp_proj`), as is `linear2`
+(`attn.to_out`); the SwiGLU halves of `img_mlp.0` / `linear1` keep their order (the converter copies them as-is).
+Modulation is global (`double_stream_modulation_img/txt`, `single_stream_modulation`), same chunk order both sides.
+"""
 
 from __future__ import annotations
 
-from .spec import ArchTable
+from .spec import Alias, ArchTable, Rows
 
-FLUX2 = ArchTable(name="flux2", classes=("Flux2Transformer2DModel",), aliases=())
+_D = "transformer_blocks.{i}"
+_S = "single_transformer_blocks.{i}"
+
+
+def _stream(src: str, attn: tuple[str, ...], ff: str) -> tuple[Alias, ...]:
+    b, (q, k, v, out, nq, nk) = f"double_blocks.{{i}}.{src}", attn
+    return (
+        Alias(f"{b}_attn.qkv", (f"{_D}.attn.{q}", f"{_D}.attn.{k}", f"{_D}.attn.{v}")),
+        Alias(f"{b}_attn.proj", (f"{_D}.attn.{out}",)),
+        Alias(f"{b}_attn.norm.query_norm", (f"{_D}.attn.{nq}",)),
+        Alias(f"{b}_attn.norm.key_norm", (f"{_D}.attn.{nk}",)),
+        Alias(f"{b}_mlp.0", (f"{_D}.{ff}.linear_in",)),  # SwiGLU (gate, value) rows, same order both sides
+        Alias(f"{b}_mlp.2", (f"{_D}.{ff}.linear_out",)),
+    )
+
+
+_IMG = ("to_q", "to_k", "to_v", "to_out.0", "norm_q", "norm_k")
+_TXT = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added_q", "norm_added_k")
+
+FLUX2 = ArchTable(
+    name="flux2",
+    classes=("Flux2Transformer2DModel",),
+    aliases=(
+        *_stream("img", _IMG, "ff"),
+        *_stream("txt", _TXT, "ff_context"),
+        # diffusers' own fused spellings (BFL LoKr converted by diffusers lands on `fuse_qkv_projections()` modules);
+        # a live fused module of that name wins over these aliases.
+        Alias(f"{_D}.attn.to_qkv", (f"{_D}.attn.to_q", f"{_D}.attn.to_k", f"{_D}.attn.to_v")),
+        Alias(
+            f"{_D}.attn.to_added_qkv",
+            (f"{_D}.attn.add_q_proj", f"{_D}.attn.add_k_proj", f"{_D}.attn.add_v_proj"),
+        ),
+        Alias("single_blocks.{i}.linear1", (f"{_S}.attn.to_qkv_mlp_proj",)),
+        Alias("single_blocks.{i}.linear2", (f"{_S}.attn.to_out",)),
+        Alias("single_blocks.{i}.norm.query_norm", (f"{_S}.attn.norm_q",)),
+        Alias("single_blocks.{i}.norm.key_norm", (f"{_S}.attn.norm_k",)),
+        Alias("double_stream_modulation_img.lin", ("double_stream_modulation_img.linear",)),
+        Alias("double_stream_modulation_txt.lin", ("double_stream_modulation_txt.linear",)),
+        Alias("single_stream_modulation.lin", ("single_stream_modulation.linear",)),
+        Alias("img_in", ("x_embedder",)),
+        Alias("txt_in", ("context_embedder",)),
+        Alias("time_in.in_layer", ("time_guidance_embed.timestep_embedder.linear_1",)),
+        Alias("time_in.out_layer", ("time_guidance_embed.timestep_embedder.linear_2",)),
+        Alias("guidance_in.in_layer", ("time_guidance_embed.guidance_embedder.linear_1",)),
+        Alias("guidance_in.out_layer", ("time_guidance_embed.guidance_embedder.linear_2",)),
+        # BFL (shift, scale); diffusers AdaLayerNormContinuous (scale, shift): swap the halves.
+        Alias(
+            "final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))
+        ),
+        Alias("final_layer.linear", ("proj_out",)),
+    ),
+)

@@ -1,7 +1,58 @@
-"""Krea2 transformer: original names -> diffusers Krea2Transformer2DModel modules."""
+"""Krea2 transformer: original (krea-ai/krea-2, ComfyUI, AI-Toolkit) names -> diffusers Krea2Transformer2DModel modules.
+
+Source: diffusers `convert_krea2_transformer_checkpoint_to_diffusers` (and the LoRA converter's `standalone_map`).
+Every projection is a separate module on both sides (q/k/v are GQA-sized); the per-block modulation `mod.lin` and
+the final `last.modulation.lin` are bare parameters (`scale_shift_table`), not modules, so no alias can target them.
+SimpleTuner/LyCORIS train a fused `attn.to_qkv` on the diffusers model: rows q | k | v with unequal (GQA) widths,
+which whole-module targets express directly.
+"""
 
 from __future__ import annotations
 
-from .spec import ArchTable
+from .spec import Alias, ArchTable
 
-KREA2 = ArchTable(name="krea2", classes=("Krea2Transformer2DModel",), aliases=())
+_ATTN = {
+    "wq": "to_q",
+    "wk": "to_k",
+    "wv": "to_v",
+    "wo": "to_out.0",
+    "gate": "to_gate",
+    "qknorm.qnorm": "norm_q",
+    "qknorm.knorm": "norm_k",
+}
+_BLOCK = {
+    "mlp.gate": "ff.gate",
+    "mlp.up": "ff.up",
+    "mlp.down": "ff.down",
+    "prenorm": "norm1",
+    "postnorm": "norm2",
+}
+
+
+def _block(src: str, dst: str) -> tuple[Alias, ...]:
+    return (
+        *(Alias(f"{src}.attn.{a}", (f"{dst}.attn.{b}",)) for a, b in _ATTN.items()),
+        *(Alias(f"{src}.{a}", (f"{dst}.{b}",)) for a, b in _BLOCK.items()),
+        Alias(f"{dst}.attn.to_qkv", (f"{dst}.attn.to_q", f"{dst}.attn.to_k", f"{dst}.attn.to_v")),
+    )
+
+
+KREA2 = ArchTable(
+    name="krea2",
+    classes=("Krea2Transformer2DModel",),
+    aliases=(
+        *_block("blocks.{i}", "transformer_blocks.{i}"),
+        *_block("txtfusion.layerwise_blocks.{i}", "text_fusion.layerwise_blocks.{i}"),
+        *_block("txtfusion.refiner_blocks.{i}", "text_fusion.refiner_blocks.{i}"),
+        Alias("txtfusion.projector", ("text_fusion.projector",)),
+        Alias("first", ("img_in",)),
+        Alias("tmlp.0", ("time_embed.linear_1",)),
+        Alias("tmlp.2", ("time_embed.linear_2",)),
+        Alias("tproj.1", ("time_mod_proj",)),
+        Alias("txtmlp.0", ("txt_in.norm",)),
+        Alias("txtmlp.1", ("txt_in.linear_1",)),
+        Alias("txtmlp.3", ("txt_in.linear_2",)),
+        Alias("last.linear", ("final_layer.linear",)),
+        Alias("last.norm", ("final_layer.norm",)),
+    ),
+)
