@@ -420,7 +420,8 @@ def test_rejections_are_reported():
     target = lin_model()
     g = gen(15)
     cases = {
-        "unsupported family": [{"fc.oft_R.weight": torch.randn(6, 6, generator=g)}],  # PEFT OFT: config-dependent form
+        # PEFT OFT with a LyCORIS-only companion key: never half-read
+        "unsupported family": [{"fc.oft_R.weight": torch.randn(5, 6, generator=g), "fc.rescale": torch.ones(24, 1)}],
         "shape mismatch": [
             {"fc.oft_blocks": torch.randn(5, 4, 4, generator=g)},  # 20 rows for a 24-row layer
             {"fc.oft_blocks": torch.randn(6, 4, 3, generator=g)},  # not square

@@ -8,6 +8,9 @@ On-disk forms (formats-and-math §5), one math:
 - kohya COFT (`oft_unet_*`): `oft_blocks` as above (kohya's clamp equals LyCORIS's to 1e-8 for α > 0);
   kohya Flux saves one `oft_blocks.<i>` per output split, each rotated on its own with c_i = α·split_i.
 A 4-D `oft_blocks` is BOFT: load hands it to boft.load and every function here passes BOFT factors on.
+PEFT OFT (`oft_R.weight`, an INPUT rotation whose form depends on adapter_config.json) lives in peft_oft.py:
+load hands `oft_R` parts to it, with the PEFT config when the planner passes one, and every function passes its
+factors on.
 
 Strength s enters once, as LyCORIS's multiplier: R_s = s·R + (1−s)·I (kohya's s(R−I)+I is the same), so s = 0 is
 the identity and s < 0 rotates backwards; without rescale ΔW = s·(Rᵀ−I)W is linear in s. `rescale` is applied in
@@ -91,16 +94,33 @@ def rescaled(delta: torch.Tensor, y: torch.Tensor, rescale: torch.Tensor | None,
     return r * delta + (r - 1) * y
 
 
-def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]):
-    """Validate one part's tensors (role -> tensor); a 4-D `oft_blocks` goes to BOFT."""
+def _other(f):
+    """The module owning factors of another form (BOFT, PEFT OFT), or None for this file's OftFactors."""
+    if isinstance(f, OftFactors):
+        return None
+    from . import peft_oft
+
+    if isinstance(f, peft_oft.PeftOftFactors):
+        return peft_oft
+    from . import boft
+
+    return boft
+
+
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict | None = None):
+    """Validate one part's tensors (role -> tensor); a 4-D `oft_blocks` goes to BOFT, `oft_R` to PEFT OFT.
+
+    config: the adapter's PEFT config fields (adapter_config.json / `lora_adapter_metadata`), read by PEFT OFT
+    only; None means PEFT 0.21's defaults."""
     blocks = tensors.get("oft_blocks")
     if blocks is not None and blocks.dim() == 4:
         from . import boft
 
         return boft.load(tensors, key_of)
     if "oft_R" in tensors:
-        raise PartRejected("unsupported family: PEFT OFT (oft_R): its rotation form (Cayley-Neumann terms, "
-                           "block_share, coft) lives in adapter_config.json, not in the tensors")
+        from . import peft_oft
+
+        return peft_oft.load(tensors, key_of, config)
     splits = sorted((int(m[1]), role) for role in tensors if (m := _SPLIT_ROLE.fullmatch(role)))
     kinds = [k for k in ("oft_blocks", "oft_diag") if k in tensors] + (["oft_blocks.<i>"] if splits else [])
     if len(kinds) != 1:
@@ -126,10 +146,8 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]):
 
 def check_target(f, shape: tuple[int, ...]) -> str | None:
     """The planner checks the total rows; a fused chunk must not cut a block (offsets are checked when applied)."""
-    if not isinstance(f, OftFactors):
-        from . import boft
-
-        return boft.check_target(f, shape)
+    if (other := _other(f)) is not None:
+        return other.check_target(f, shape)
     smallest = min(blocks.shape[1] for blocks, _ in f.segments)
     if shape[0] % smallest:
         return f"shape mismatch: OFT blocks of {smallest} rows do not tile a module of {shape[0]} rows"
@@ -137,15 +155,13 @@ def check_target(f, shape: tuple[int, ...]) -> str | None:
 
 
 def check_piece(f, src: int, length: int) -> str | None:
-    if isinstance(f, OftFactors):
-        try:
-            _windows(f, src, length)
-        except PartRejected as rejected:
-            return str(rejected)
-        return None
-    from . import boft
-
-    return boft.check_piece(f, src, length)
+    if (other := _other(f)) is not None:
+        return other.check_piece(f, src, length)
+    try:
+        _windows(f, src, length)
+    except PartRejected as rejected:
+        return str(rejected)
+    return None
 
 
 def _windows(f: OftFactors, src: int, length: int):
@@ -185,10 +201,8 @@ def _delta(f: OftFactors, y: torch.Tensor, src: int, s: float) -> torch.Tensor:
 
 def add_delta(target_rows: torch.Tensor, f, src: int, length: int, coeff: float, base: torch.Tensor, **_) -> None:
     """target_rows (length, in·k) += rescale ⊙ (R_sᵀ W) − W for the original rows `base` (fp32), s = coeff."""
-    if not isinstance(f, OftFactors):
-        from . import boft
-
-        return boft.add_delta(target_rows, f, src, length, coeff, base)
+    if (other := _other(f)) is not None:
+        return other.add_delta(target_rows, f, src, length, coeff, base)
     y = base.to(target_rows.dtype).mT  # rows are the channels: (in·k, length)
     target_rows.add_(_delta(f, y, src, coeff).mT)
 
@@ -199,10 +213,8 @@ def bias_delta(f, src: int, length: int) -> None:
 
 def runtime_term(f, src: int, dst: int, length: int, module: torch.nn.Module | None = None) -> RuntimeTerm:
     """Rotate the pre-bias output channels: Δy = rescale ⊙ (R_sᵀ y) − y (channel axis last, or 1 for conv)."""
-    if not isinstance(f, OftFactors):
-        from . import boft
-
-        return boft.runtime_term(f, src, dst, length, module)
+    if (other := _other(f)) is not None:
+        return other.runtime_term(f, src, dst, length, module)
     windows = _windows(f, src, length)  # rejects a chunk that cuts a block before anything is attached
     linear = f.rescale is None  # ΔW = s·(Rᵀ − I)W: the runtime scales the s = 1 term itself
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -97,7 +98,9 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     uses_alpha = getattr(family, "USES_ALPHA_SCALE", True)
     skip = ("alpha", "scale") if uses_alpha else ("scale",)  # OFT & co read alpha themselves
     tensors = {role: adapter.tensor(key) for role, key in part.roles.items() if role not in skip}
-    factors = family.load(tensors, part.roles)
+    # Families whose math depends on settings outside the tensors (PEFT OFT) get the adapter's PEFT config.
+    takes_config = "config" in inspect.signature(family.load).parameters
+    factors = family.load(tensors, part.roles, **({"config": adapter.meta_alpha.peft} if takes_config else {}))
     for piece in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
         reason = family.check_target(factors, module_shape(table.modules[piece.module]))
         if reason:
