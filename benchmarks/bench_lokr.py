@@ -24,31 +24,25 @@ default malloc) the peak RSS growth of one steady-state forward plus the persist
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
 import torch.nn.functional as F
-from benchutil import PeakRss, Variant, median, sandwiched, spread, table
+from benchutil import (
+    Variant,
+    inference_forward,
+    linear_model,
+    reference_cells,
+    sandwiched,
+    table,
+    variant_cells,
+)
 
 IN = OUT = 3072
 TOKENS = 4096
 VARIANTS = ("base", "lokr f-1 r16", "lokr f16 full", "dense ΔW", "lycoris bypass")
 STEM = "lora_unet_proj"
-
-
-class Wrap(torch.nn.Module):
-    def __init__(self, lin: torch.nn.Linear) -> None:
-        super().__init__()
-        self.proj = lin
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
 
 
 class DenseDelta(torch.nn.Module):
@@ -88,10 +82,7 @@ def dense_delta(sd: dict[str, torch.Tensor], gamma: float) -> torch.Tensor:
 def build(names: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], torch.Tensor, dict]:
     """Deterministic set-up of the requested variants (each its own copy of the same weights)."""
     g = torch.Generator().manual_seed(0)
-    base = Wrap(torch.nn.Linear(IN, OUT))
-    with torch.no_grad():
-        base.proj.weight.copy_(torch.randn(OUT, IN, generator=g) / IN**0.5)
-        base.proj.bias.copy_(torch.randn(OUT, generator=g) * 0.1)
+    base = linear_model(IN, OUT, g)
     ads = adapters(g)
     x = torch.randn(1, TOKENS, IN, generator=g)
     import loraweave
@@ -125,33 +116,6 @@ def build(names: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], torch.Ten
     return mods, x, {"handles": keep, "adapters": ads}
 
 
-def mem_child(name: str) -> None:
-    """Peak RSS growth of one steady-state forward (after a warm-up forward), printed as JSON."""
-    torch.set_num_threads(benchutil.THREADS)
-    mods, x, _ = build((name,))
-    m = mods[name]
-    with torch.inference_mode():
-        y = m(x)
-        del y
-        with PeakRss() as pk:
-            y = m(x)
-        del y
-    print(json.dumps({"name": name, "peak_mib": pk.delta_mib, "reset": pk.reset}))
-
-
-def measure_memory() -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in benchutil.MALLOC_ENV}
-    env[benchutil.NO_REEXEC] = "1"
-    out = {}
-    for name in VARIANTS:
-        res = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--mem-child", name],
-            env=env, capture_output=True, text=True, check=True,
-        )
-        out[name] = json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
-    return out
-
-
 def extra_macs(sd: dict[str, torch.Tensor]) -> int:
     """Per-token MACs of the structured path as loraweave runs it (w2 first, w2 kept dense below 4x savings)."""
     a, c = sd[f"{STEM}.lokr_w1"].shape
@@ -161,16 +125,11 @@ def extra_macs(sd: dict[str, torch.Tensor]) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="3 rounds instead of 7")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--no-mem", action="store_true", help="skip the peak-RSS child processes")
-    ap.add_argument("--mem-child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = benchutil.parse_args(__doc__, quick=3, full=7, mem=True)
     if args.mem_child:
-        mem_child(args.mem_child)
+        benchutil.forward_peak_child(args.mem_child, build)
         return
-    rounds = args.rounds or (3 if args.quick else 7)
+    rounds = args.rounds
     benchutil.setup_torch()
     benchutil.header("bench_lokr: Linear(3072, 3072) fp32, x (1, 4096, 3072), LoKr runtime mode")
 
@@ -189,29 +148,15 @@ def main() -> None:
     d_lokr = float((refs["lokr f-1 r16"] - outs["base"]).abs().max())
     del outs, refs
 
-    def forward(m: torch.nn.Module):
-        def run():
-            with torch.inference_mode():
-                return m(x)
-
-        return run
-
-    others = [Variant(n, forward(mods[n])) for n in VARIANTS[1:]]
-    res = sandwiched(Variant("base", forward(mods["base"])), others, rounds=rounds, warmup=1)
+    others = [Variant(n, inference_forward(mods[n], x)) for n in VARIANTS[1:]]
+    res = sandwiched(Variant("base", inference_forward(mods["base"], x)), others, rounds=rounds, warmup=1)
 
     macs = {"base": 0, "dense ΔW": IN * OUT, "lycoris bypass": extra_macs(ads["lokr f-1 r16"][0])}
     macs.update({n: extra_macs(sd) for n, (sd, _) in ads.items()})
-    t_base = res.times["base"]
-    rows = [["base", f"{median(t_base) * 1e3:.1f}", f"+-{spread(t_base) * 100:.1f}%", "1.0000", "-", "-", "-", "0"]]
-    for v in others:
-        n, r = v.name, res.ratio(v.name)
-        rows.append([n, f"{median(res.times[n]) * 1e3:.1f}", f"+-{spread(res.times[n]) * 100:.1f}%", f"{r:.4f}",
-                     f"{median(res.ratios[n]):.4f}", res.quiet_count(n), f"{(r - 1) * 100:+.2f}%", str(macs[n])])
+    rows = [["base", *reference_cells(res, "base"), "0"]]
+    rows += [[v.name, *variant_cells(res, v.name), str(macs[v.name])] for v in others]
     print()
-    print(f"rounds={rounds}; every sample divided by the mean of the base runs just before and after it; "
-          f"'ratio' = median over quiet samples (base neighbours within {res.tol * 100:.0f}%), "
-          "'ratio all' = median over all samples")
-    print(benchutil.noise_line())
+    benchutil.print_legend(rounds, res)
     print(table(["variant", "median ms", "IQR/2", "ratio", "ratio all", "quiet", "overhead", "extra MACs/token"],
                 rows))
     print(f"(base GEMM: {IN * OUT} MACs/token)")
@@ -220,7 +165,7 @@ def main() -> None:
     print(table(["pair", "max abs diff"], agree))
     if not args.no_mem:
         print()
-        mem = measure_memory()
+        mem = {n: rec["peak_mib"] for n, rec in benchutil.mem_children(__file__, VARIANTS).items()}
         dense_mib = IN * OUT * 4 / 2**20
         kept = {"base": 0.0, "dense ΔW": dense_mib}
         for n, (sd, _) in ads.items():  # what the runtime path caches: fp32 w1 and w2 (+ w2 factors if kept)

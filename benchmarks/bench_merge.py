@@ -26,7 +26,6 @@ bytes of the weights it touched (the backups alone are 1.0x).
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 
@@ -69,12 +68,10 @@ def make_lora(n: int, path: str) -> tuple[list[torch.Tensor], list[torch.Tensor]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 rounds instead of 7")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--layers", type=int, default=100)
-    args = ap.parse_args()
-    rounds = args.rounds or (2 if args.quick else 7)
+    args = benchutil.parse_args(
+        __doc__, quick=2, full=7, extra=lambda ap: ap.add_argument("--layers", type=int, default=100)
+    )
+    rounds = args.rounds
     n = args.layers
     benchutil.setup_torch()
     benchutil.header(f"bench_merge: {n} x Linear({D}, {D}) fp32, rank-{RANK} kohya LoRA file, merge")
@@ -170,12 +167,7 @@ def main() -> None:
             ]
         )
     print()
-    print(
-        f"rounds={rounds}; every sample divided by the mean of the roofline runs just before and after it; "
-        f"'ratio' = median over quiet samples (roofline neighbours within {res.tol * 100:.0f}%), "
-        f"'ratio all' = median over all samples; weights touched {touched / 2**30:.2f} GiB"
-    )
-    print(benchutil.noise_line())
+    benchutil.print_legend(rounds, res, ref="roofline", extra=f"; weights touched {touched / 2**30:.2f} GiB")
     print(table(["variant", "median ms", "IQR/2", "ratio", "ratio all", "quiet", "ms/layer"], rows))
     print()
     lw = res.ratio("loraweave")

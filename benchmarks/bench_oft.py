@@ -30,17 +30,24 @@ growth of one steady-state forward plus the memory the applied form keeps.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import json
-import os
-import subprocess
-import sys
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
-from benchutil import PeakRss, Variant, median, rss_mib, sandwiched, spread, table
+from benchutil import (
+    PeakRss,
+    Variant,
+    Wrap,
+    inference_forward,
+    linear_model,
+    reference_cells,
+    rss_mib,
+    sandwiched,
+    table,
+    variant_cells,
+)
 
 IN = OUT = 3072
 TOKENS = 4096
@@ -50,15 +57,6 @@ NOISE = 0.01  # std of the random oft_blocks entries (Q = B − Bᵀ): R stays n
 FILES = {"oft b4 (default)": ("diag-oft", 4), "oft b32": ("diag-oft", 32), "boft b24 m8": ("boft", 32)}
 MERGED_OF = "oft b32"
 VARIANTS = ("base", *FILES, "merged")
-
-
-class Wrap(torch.nn.Module):
-    def __init__(self, lin: torch.nn.Linear) -> None:
-        super().__init__()
-        self.proj = lin
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
 
 
 def lycoris_module(algo: str, lora_dim: int, lin: torch.nn.Linear):
@@ -84,10 +82,7 @@ def adapters(base: Wrap, g: torch.Generator) -> dict[str, dict[str, torch.Tensor
 def build(names: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], torch.Tensor, dict]:
     """Deterministic set-up of the requested variants (each its own copy of the same weights)."""
     g = torch.Generator().manual_seed(0)
-    base = Wrap(torch.nn.Linear(IN, OUT))
-    with torch.no_grad():
-        base.proj.weight.copy_(torch.randn(OUT, IN, generator=g) / IN**0.5)
-        base.proj.bias.copy_(torch.randn(OUT, generator=g) * 0.1)
+    base = linear_model(IN, OUT, g)
     ads = adapters(base, g)
     x = torch.randn(1, TOKENS, IN, generator=g)
     mods: dict[str, torch.nn.Module] = {}
@@ -138,19 +133,6 @@ def mem_child(name: str) -> None:
     print(json.dumps({"name": name, "peak_mib": pk.delta_mib, "kept_mib": kept, "reset": pk.reset}))
 
 
-def measure_memory() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in benchutil.MALLOC_ENV}
-    env[benchutil.NO_REEXEC] = "1"
-    out = {}
-    for name in VARIANTS:
-        res = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--mem-child", name],
-            env=env, capture_output=True, text=True, check=True,
-        )
-        out[name] = json.loads(res.stdout.strip().splitlines()[-1])
-    return out
-
-
 @torch.no_grad()
 def lycoris_forward(base: Wrap, name: str, sd: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """LyCORIS 4.x's wrapped forward (not bypass; multiplier 1) with the same blocks: the independent reference."""
@@ -171,16 +153,11 @@ def extra_macs(sd: dict[str, torch.Tensor]) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="3 rounds instead of 7")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--no-mem", action="store_true", help="skip the peak-RSS child processes")
-    ap.add_argument("--mem-child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = benchutil.parse_args(__doc__, quick=3, full=7, mem=True)
     if args.mem_child:
         mem_child(args.mem_child)
         return
-    rounds = args.rounds or (3 if args.quick else 7)
+    rounds = args.rounds
     benchutil.setup_torch()
     benchutil.header("bench_oft: Linear(3072, 3072) fp32, x (1, 4096, 3072), OFT/BOFT runtime vs merge")
     from lycoris.logging import logger as lycoris_logger
@@ -216,32 +193,16 @@ def main() -> None:
         del y_base
     gc.collect()
 
-    def forward(m: torch.nn.Module):
-        def run():
-            with torch.inference_mode():
-                return m(x)
-
-        return run
-
-    others = [Variant(n, forward(mods[n])) for n in VARIANTS[1:]]
-    res = sandwiched(Variant("base", forward(mods["base"])), others, rounds=rounds, warmup=1)
+    others = [Variant(n, inference_forward(mods[n], x)) for n in VARIANTS[1:]]
+    res = sandwiched(Variant("base", inference_forward(mods["base"], x)), others, rounds=rounds, warmup=1)
 
     macs = {"base": 0, "merged": 0, **{n: extra_macs(sd) for n, sd in ads.items()}}
     shapes = {"base": "-", "merged": f"{MERGED_OF}, merged",
               **{n: "x".join(str(d) for d in sd[f"{STEM}.oft_blocks"].shape) for n, sd in ads.items()}}
-    t_base = res.times["base"]
-    rows = [["base", "-", f"{median(t_base) * 1e3:.1f}", f"+-{spread(t_base) * 100:.1f}%", "1.0000", "-", "-", "-",
-             "0"]]
-    for v in others:
-        n, r = v.name, res.ratio(v.name)
-        rows.append([n, shapes[n], f"{median(res.times[n]) * 1e3:.1f}", f"+-{spread(res.times[n]) * 100:.1f}%",
-                     f"{r:.4f}", f"{median(res.ratios[n]):.4f}", res.quiet_count(n), f"{(r - 1) * 100:+.2f}%",
-                     str(macs[n])])
+    rows = [["base", "-", *reference_cells(res, "base"), "0"]]
+    rows += [[v.name, shapes[v.name], *variant_cells(res, v.name), str(macs[v.name])] for v in others]
     print()
-    print(f"rounds={rounds}; every sample divided by the mean of the base runs just before and after it; "
-          f"'ratio' = median over quiet samples (base neighbours within {res.tol * 100:.0f}%), "
-          "'ratio all' = median over all samples")
-    print(benchutil.noise_line())
+    benchutil.print_legend(rounds, res)
     print(table(["variant", "oft_blocks", "median ms", "IQR/2", "ratio", "ratio all", "quiet", "overhead",
                  "extra MACs/token"], rows))
     print(f"(base GEMM: {IN * OUT} MACs/token)")
@@ -250,7 +211,7 @@ def main() -> None:
     print(table(["pair", "max abs diff"], agree))
     if not args.no_mem:
         print()
-        mem = measure_memory()
+        mem = benchutil.mem_children(__file__, VARIANTS)
         print(f"memory: peak RSS growth of one steady-state forward (child process per variant, default glibc "
               f"malloc; the output tensor alone is {TOKENS * OUT * 4 / 2**20:.0f} MiB), and the RSS the applied "
               "form keeps after apply + one forward (runtime: cached R; merge: the weight backup for remove())")

@@ -19,16 +19,20 @@ growth of one forward.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
-from benchutil import PeakRss, Variant, median, sandwiched, spread, table
+from benchutil import (
+    Variant,
+    inference_forward,
+    linear_model,
+    median,
+    reference_cells,
+    sandwiched,
+    spread,
+    table,
+)
 
 IN = OUT = 3072
 TOKENS = 4096
@@ -38,24 +42,10 @@ SCALE = ALPHA / RANK
 VARIANTS = ("base", "loraweave", "peft", "merged")
 
 
-class Wrap(torch.nn.Module):
-    """A one-layer model, so both libraries address the Linear by the name `proj`."""
-
-    def __init__(self, lin: torch.nn.Linear) -> None:
-        super().__init__()
-        self.proj = lin
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
-
-
 def build(names: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], torch.Tensor, dict]:
     """Deterministic set-up of the requested variants (each its own copy of the same weights)."""
     g = torch.Generator().manual_seed(0)
-    base = Wrap(torch.nn.Linear(IN, OUT))
-    with torch.no_grad():
-        base.proj.weight.copy_(torch.randn(OUT, IN, generator=g) / IN**0.5)
-        base.proj.bias.copy_(torch.randn(OUT, generator=g) * 0.1)
+    base = linear_model(IN, OUT, g)
     down = torch.randn(RANK, IN, generator=g) / IN**0.5
     up = torch.randn(OUT, RANK, generator=g) / RANK**0.5
     x = torch.randn(1, TOKENS, IN, generator=g)
@@ -95,45 +85,12 @@ def build(names: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], torch.Ten
     return mods, x, {"handles": keep, "sd": sd}
 
 
-def mem_child(name: str) -> None:
-    """Peak RSS growth of one steady-state forward (after a warm-up forward), printed as JSON."""
-    torch.set_num_threads(benchutil.THREADS)
-    mods, x, _ = build((name,))
-    m = mods[name]
-    with torch.inference_mode():
-        y = m(x)
-        del y
-        with PeakRss() as pk:
-            y = m(x)
-        del y
-    print(json.dumps({"name": name, "peak_mib": pk.delta_mib, "reset": pk.reset}))
-
-
-def measure_memory() -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in benchutil.MALLOC_ENV}
-    env[benchutil.NO_REEXEC] = "1"
-    out = {}
-    for name in VARIANTS:
-        res = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--mem-child", name],
-            env=env, capture_output=True, text=True, check=True,
-        )
-        rec = json.loads(res.stdout.strip().splitlines()[-1])
-        out[name] = rec["peak_mib"]
-    return out
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="5 rounds instead of 15")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--no-mem", action="store_true", help="skip the peak-RSS child processes")
-    ap.add_argument("--mem-child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = benchutil.parse_args(__doc__, quick=5, full=15, mem=True)
     if args.mem_child:
-        mem_child(args.mem_child)
+        benchutil.forward_peak_child(args.mem_child, build)
         return
-    rounds = args.rounds or (5 if args.quick else 15)
+    rounds = args.rounds
     benchutil.setup_torch()
     benchutil.header("bench_runtime: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA, runtime mode")
 
@@ -148,13 +105,6 @@ def main() -> None:
         d_lora = float((outs["loraweave"] - outs["base"]).abs().max())
     del outs, ref
 
-    def forward(m: torch.nn.Module):
-        def run():
-            with torch.inference_mode():
-                return m(x)
-
-        return run
-
     x2 = x.view(-1, IN)
     down_t = _keep["sd"]["lora_unet_proj.lora_down.weight"].t().contiguous()
     up_t = _keep["sd"]["lora_unet_proj.lora_up.weight"].t().contiguous()
@@ -166,12 +116,11 @@ def main() -> None:
             h = torch.mm(x2, down_t).mul_(SCALE)
             return y_buf.addmm_(h, up_t)
 
-    others = [Variant(n, forward(mods[n])) for n in VARIANTS[1:]] + [Variant("lora ops", lora_ops)]
-    res = sandwiched(Variant("base", forward(mods["base"])), others, rounds=rounds, warmup=1)
+    others = [Variant(n, inference_forward(mods[n], x)) for n in VARIANTS[1:]] + [Variant("lora ops", lora_ops)]
+    res = sandwiched(Variant("base", inference_forward(mods["base"], x)), others, rounds=rounds, warmup=1)
 
     flop_ratio = RANK * (IN + OUT) / (IN * OUT)
-    t_base = res.times["base"]
-    rows = [["base", f"{median(t_base) * 1e3:.1f}", f"+-{spread(t_base) * 100:.1f}%", "1.0000", "-", "-", "-", "-"]]
+    rows = [["base", *reference_cells(res, "base"), "-"]]
     ov = {}
     for v in others:
         n = v.name
@@ -229,7 +178,7 @@ def main() -> None:
     )
     if not args.no_mem:
         print()
-        mem = measure_memory()
+        mem = {n: rec["peak_mib"] for n, rec in benchutil.mem_children(__file__, VARIANTS).items()}
         out_mib = TOKENS * OUT * 4 / 2**20
         print("peak RSS growth of one steady-state forward (child process per variant, default glibc malloc;")
         print(f"the output tensor alone is {out_mib:.0f} MiB):")

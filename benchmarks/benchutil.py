@@ -1,7 +1,9 @@
-"""Shared benchmark plumbing: malloc hygiene (re-exec), thread count, interleaved timing, medians, tables, RSS.
+"""Shared benchmark plumbing: malloc hygiene (re-exec), thread count, command line, interleaved timing, medians,
+tables, RSS (and its measurement in child processes), the one-Linear model of the runtime benchmarks.
 
 Importing this module re-executes the running script with the glibc malloc settings below when they are not
-already in the environment, so import it before torch (the settings are read once, at process start).
+already in the environment, so import it before torch (the settings are read once, at process start; this module
+imports torch only after that check).
 
   MALLOC_MMAP_THRESHOLD_=4 GiB   large tensors come from the heap, not from a fresh mmap per allocation
   MALLOC_TRIM_THRESHOLD_=64 GiB  freed memory is kept, so a re-allocation does not page-fault again
@@ -14,10 +16,13 @@ environment (used by the memory-measuring child processes, which want glibc's de
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +51,8 @@ def ensure_malloc_env() -> None:
 
 ensure_malloc_env()
 
+import torch  # noqa: E402  (after the re-exec: glibc reads the malloc settings at process start)
+
 
 def malloc_env_line() -> str:
     state = "set" if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()) else "NOT set"
@@ -53,8 +60,6 @@ def malloc_env_line() -> str:
 
 
 def setup_torch():
-    import torch
-
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
     return torch
@@ -63,14 +68,64 @@ def setup_torch():
 def header(title: str) -> None:
     import platform
 
-    import torch
-
     print(f"== {title}")
     print(
         f"python {platform.python_version()}  torch {torch.__version__}  threads={torch.get_num_threads()}  "
         f"cpus={os.cpu_count()}"
     )
     print(malloc_env_line())
+
+
+def parse_args(
+    doc: str, quick: int, full: int, mem: bool = False, extra: Callable[[argparse.ArgumentParser], object] | None = None
+) -> argparse.Namespace:
+    """The common command line: --quick (`quick` rounds instead of `full`), --rounds N and, with `mem`, --no-mem and
+    the hidden --mem-child NAME (see `mem_children`); `extra(parser)` adds a script's own options.
+    `args.rounds` comes back resolved (--rounds, else quick or full)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"{quick} rounds instead of {full}")
+    ap.add_argument("--rounds", type=int, default=None)
+    if mem:
+        ap.add_argument("--no-mem", action="store_true", help="skip the peak-RSS child processes")
+        ap.add_argument("--mem-child", default=None, help=argparse.SUPPRESS)
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args()
+    args.rounds = args.rounds or (quick if args.quick else full)
+    return args
+
+
+# ---------------------------------------------------------------- the one-Linear model (runtime benchmarks)
+
+
+class Wrap(torch.nn.Module):
+    """A one-layer model, so every library addresses the Linear by the name `proj` (kohya key stem lora_unet_proj)."""
+
+    def __init__(self, lin: torch.nn.Linear) -> None:
+        super().__init__()
+        self.proj = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def linear_model(in_features: int, out_features: int, g: torch.Generator) -> Wrap:
+    """Wrap(Linear(in, out)) with weight ~ N(0, 1/in) and bias ~ N(0, 0.01), drawn from `g` in that order."""
+    base = Wrap(torch.nn.Linear(in_features, out_features))
+    with torch.no_grad():
+        base.proj.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features**0.5)
+        base.proj.bias.copy_(torch.randn(out_features, generator=g) * 0.1)
+    return base
+
+
+def inference_forward(m: torch.nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A Variant `run`: one forward of `m` on `x` under inference_mode."""
+
+    def run():
+        with torch.inference_mode():
+            return m(x)
+
+    return run
 
 
 # ---------------------------------------------------------------- memory
@@ -126,6 +181,36 @@ class PeakRss:
         self.end_peak = peak_rss_mib()
         base = self.start if self.reset else self.start_peak
         self.delta_mib = max(0.0, self.end_peak - base)
+
+
+def mem_children(script: str, names: Sequence[str]) -> dict[str, dict]:
+    """Run `script --mem-child NAME` once per name, each in a fresh process with glibc's default malloc (the
+    settings removed, no re-exec), and return {name: the JSON record the child printed last}."""
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
+    env[NO_REEXEC] = "1"
+    out = {}
+    for name in names:
+        res = subprocess.run(
+            [sys.executable, os.path.abspath(script), "--mem-child", name],
+            env=env, capture_output=True, text=True, check=True,
+        )
+        out[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+def forward_peak_child(name: str, build: Callable[[tuple[str, ...]], tuple]) -> None:
+    """A --mem-child body: peak RSS growth of one steady-state forward (after a warm-up forward) of variant `name`
+    from `build((name,))` -> (modules, input, kept objects), printed as JSON."""
+    torch.set_num_threads(THREADS)
+    mods, x, _ = build((name,))
+    m = mods[name]
+    with torch.inference_mode():
+        y = m(x)
+        del y
+        with PeakRss() as pk:
+            y = m(x)
+        del y
+    print(json.dumps({"name": name, "peak_mib": pk.delta_mib, "reset": pk.reset}))
 
 
 # ---------------------------------------------------------------- timing
@@ -265,6 +350,31 @@ def spread(xs: Sequence[float]) -> float:
         return float("nan")
     q = statistics.quantiles(xs, n=4)
     return (q[2] - q[0]) / 2 / statistics.median(xs)
+
+
+def reference_cells(res: Sandwich, name: str) -> list[str]:
+    """Table cells of a `sandwiched` run's reference: median ms, IQR/2, ratio 1, and "-" for ratio all, quiet,
+    overhead."""
+    t = res.times[name]
+    return [f"{median(t) * 1e3:.1f}", f"+-{spread(t) * 100:.1f}%", "1.0000", "-", "-", "-"]
+
+
+def variant_cells(res: Sandwich, name: str) -> list[str]:
+    """Table cells of one variant of a `sandwiched` run: median ms, IQR/2, ratio (quiet samples), ratio all, quiet,
+    overhead (ratio - 1)."""
+    t, r = res.times[name], res.ratio(name)
+    return [f"{median(t) * 1e3:.1f}", f"+-{spread(t) * 100:.1f}%", f"{r:.4f}", f"{median(res.ratios[name]):.4f}",
+            res.quiet_count(name), f"{(r - 1) * 100:+.2f}%"]
+
+
+def print_legend(rounds: int, res: Sandwich, ref: str = "base", extra: str = "") -> None:
+    """The line that says how a `sandwiched` run's ratios were formed (`extra` appended), then `noise_line()`."""
+    print(
+        f"rounds={rounds}; every sample divided by the mean of the {ref} runs just before and after it; "
+        f"'ratio' = median over quiet samples ({ref} neighbours within {res.tol * 100:.0f}%), "
+        f"'ratio all' = median over all samples{extra}"
+    )
+    print(noise_line())
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

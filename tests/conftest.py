@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny real-architecture models (seeded) and the path to ../shared real data."""
+"""Shared fixtures: the path to ../shared real data, and LyCORIS class state restored after each test.
+
+Plain helper functions live in helpers.py; tiny real-architecture models in tiny_models.py."""
 
 from __future__ import annotations
 
@@ -18,3 +20,25 @@ def realdata() -> Path:
     # Real material must be present: a missing ../shared is a failure, never a skip.
     assert REALDATA.is_dir(), f"missing real test data at {REALDATA}"
     return REALDATA
+
+
+# create_lycoris writes presets into these LycorisNetwork class attributes.
+LYCORIS_CLASS_ATTRS = ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP",
+                       "NAME_ALGO_MAP", "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME")
+
+
+@pytest.fixture
+def lycoris_class_attrs(monkeypatch):
+    """create_lycoris writes presets into LycorisNetwork's class attributes: restore them after each test."""
+    # Imported here, not at the top: only the LyCORIS tests need the package.
+    from lycoris.wrapper import LycorisNetwork
+
+    for attr in LYCORIS_CLASS_ATTRS:
+        monkeypatch.setattr(LycorisNetwork, attr, getattr(LycorisNetwork, attr))
+    return LycorisNetwork
+
+
+@pytest.fixture
+def lycoris_state(lycoris_class_attrs):
+    """lycoris_class_attrs, and the test starts from an empty MODULE_ALGO_MAP."""
+    lycoris_class_attrs.MODULE_ALGO_MAP = {}

@@ -20,6 +20,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import gen, rel_err
 from safetensors.torch import save_file
 from torch import nn
 
@@ -27,15 +28,6 @@ import loraweave
 
 MERGE_TOL = 1e-6
 RUNTIME_TOL = 1e-5
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def container(**modules: nn.Module) -> nn.Module:

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import REALDATA, SHARED
 from diffusers import UNet2DConditionModel
 
 from loraweave.arch.unet_original import unet_original_names
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-REALDATA = SHARED / "realdata"
 UNET_PREFIX = "model.diffusion_model."
 
 # Real config; sd-mecha original checkpoint key list; sd-mecha key list in diffusers naming

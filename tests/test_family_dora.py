@@ -14,7 +14,7 @@ import lycoris  # the reference must be installed: a missing package fails here,
 import pytest
 import torch
 import torch.nn.functional as F
-from lycoris.wrapper import LycorisNetwork
+from helpers import gen, multiplier_outputs, outputs, randn_inputs, rel_err, save_lycoris
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
@@ -29,15 +29,6 @@ MULTIPLIERS = (1.0, 0.5, -1.0)
 LAYERS = ("lin", "conv")
 
 
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -47,21 +38,7 @@ class Net(nn.Module):
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    g = gen(1)
-    return {"lin": torch.randn(2, 3, 64, generator=g), "conv": torch.randn(2, 8, 6, 5, generator=g)}
-
-
-@torch.no_grad()
-def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: model.get_submodule(n)(x) for n, x in xs.items()}
-
-
-@pytest.fixture
-def lycoris_state(monkeypatch):
-    """create_lycoris writes presets into LycorisNetwork's class attributes: restore them after each test."""
-    for attr in ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP",
-                 "NAME_ALGO_MAP", "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME"):
-        monkeypatch.setattr(LycorisNetwork, attr, getattr(LycorisNetwork, attr))
+    return randn_inputs({"lin": (2, 3, 64), "conv": (2, 8, 6, 5)})
 
 
 def check_modes(tmp_path, pristine, source, refs, base, xs, strengths):
@@ -101,7 +78,7 @@ CASES = [(a, o, False) for a in ("lora", "loha", "lokr") for o in (True, False)]
 
 @pytest.mark.parametrize("algo, on_out, tucker", CASES,
                          ids=[f"{a}-{'out' if o else 'in'}{'-tucker' if t else ''}" for a, o, t in CASES])
-def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, algo, on_out, tucker):
+def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_class_attrs, algo, on_out, tucker):
     pristine = Net()
     xs = inputs()
     base = outputs(pristine, xs)
@@ -119,13 +96,9 @@ def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, algo, on_out, 
             for name, p in m.named_parameters():
                 noise = torch.randn(p.shape, generator=g)
                 p.copy_(p * (1 + 0.2 * noise) if name == "dora_scale" else noise * 0.3)
-    refs = {}
-    for s in MULTIPLIERS:
-        net.set_multiplier(s)
-        refs[s] = outputs(wrapped, xs)
+    refs = multiplier_outputs(net, wrapped, xs, MULTIPLIERS)
     path = tmp_path / "dora.safetensors"
-    net.save_weights(str(path), dtype=torch.float32, metadata=None)
-    saved = load_file(str(path))
+    saved = save_lycoris(net, path)
     if tucker:
         assert {"lycoris_conv.lora_mid.weight", "lycoris_conv.hada_t1", "lycoris_conv.lokr_t2"} & set(saved)
     scale_shapes = {k: tuple(v.shape) for k, v in saved.items() if k.endswith(".dora_scale")}

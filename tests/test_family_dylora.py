@@ -23,7 +23,7 @@ import lycoris  # the reference must be installed: a missing package fails here,
 import pytest
 import torch
 import torch.nn.functional as F
-from lycoris.wrapper import LycorisNetwork
+from helpers import gen, outputs, randn_inputs, rel_err, write_preset
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -31,15 +31,6 @@ import loraweave
 
 TOL = 1e-5
 STRENGTHS = (1.0, 0.5, -1.0)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 class Net(nn.Module):
@@ -51,13 +42,7 @@ class Net(nn.Module):
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    g = gen(1)
-    return {"lin": torch.randn(3, 5, 20, generator=g), "conv": torch.randn(2, 6, 9, 7, generator=g)}
-
-
-@torch.no_grad()
-def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: model.get_submodule(n)(x) for n, x in xs.items()}
+    return randn_inputs({"lin": (3, 5, 20), "conv": (2, 6, 9, 7)})
 
 
 @torch.no_grad()
@@ -155,24 +140,14 @@ def test_conv_up_2d_equals_4d():
 # ------------------------------------------------------------------------ LyCORIS-created file, wrapped forward
 
 
-@pytest.fixture
-def lycoris_state(monkeypatch):
-    """create_lycoris writes presets into LycorisNetwork's class attributes: restore them after each test."""
-    for attr in ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP", "NAME_ALGO_MAP",
-                 "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME"):
-        monkeypatch.setattr(LycorisNetwork, attr, getattr(LycorisNetwork, attr))
-    LycorisNetwork.MODULE_ALGO_MAP = {}
-
-
 def lycoris_dylora(tmp_path, block_size: int):
     """(pristine, wrapped model, network, saved path): LyCORIS dylora on lin (r 4, alpha 2) and conv (r 4, alpha 1),
     random blocks (LyCORIS zero-inits up), forward pinned to the full rank (otherwise random on every call)."""
-    preset = tmp_path / "p.toml"
-    preset.write_text('enable_conv = true\ntarget_module = ["Linear", "Conv2d"]\ntarget_name = []\n')
+    preset = write_preset(tmp_path / "p.toml", ("Linear", "Conv2d"))
     pristine = Net()
     wrapped = copy.deepcopy(pristine)
     net = lycoris.create_lycoris(wrapped, 1.0, linear_dim=4, linear_alpha=2.0, conv_dim=4, conv_alpha=1.0,
-                                 algo="dylora", block_size=block_size, preset=str(preset))
+                                 algo="dylora", block_size=block_size, preset=preset)
     assert sorted(m.lora_name for m in net.loras) == ["lycoris_conv", "lycoris_lin"]
     g = gen(3)
     with torch.no_grad():

@@ -15,8 +15,16 @@ import lycoris  # the reference must be installed: a missing package fails here,
 import pytest
 import torch
 import torch.nn.functional as F
-from lycoris.wrapper import LycorisNetwork
-from safetensors.torch import load_file
+from helpers import (
+    gen,
+    multiplier_outputs,
+    outputs,
+    randn_inputs,
+    randomise,
+    rel_err,
+    save_lycoris,
+    write_preset,
+)
 from torch import nn
 
 import loraweave
@@ -25,25 +33,6 @@ from loraweave.families import FAMILIES
 TOL = 1e-5
 WTOL = 1e-6
 MULTIPLIERS = (1.0, 0.5, -1.0)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@torch.no_grad()
-def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: model.get_submodule(n)(x) for n, x in xs.items()}
-
-
-def inputs(shapes: dict[str, tuple[int, ...]], seed: int = 1) -> dict[str, torch.Tensor]:
-    g = gen(seed)
-    return {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
 
 
 def applied(model: nn.Module, adapter, mode: str, strength: float, n_keys: int):
@@ -80,30 +69,14 @@ def check_modes(pristine: nn.Module, adapter, n_keys: int, xs: dict, refs: dict,
                 assert torch.equal(out, base[name]), f"{mode}: remove() did not restore {name}"
 
 
-@pytest.fixture
-def lycoris_state(monkeypatch):
-    """create_lycoris writes presets into LycorisNetwork's class attributes: restore them after each test."""
-    for attr in ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP", "NAME_ALGO_MAP",
-                 "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME"):
-        monkeypatch.setattr(LycorisNetwork, attr, getattr(LycorisNetwork, attr))
-    LycorisNetwork.MODULE_ALGO_MAP = {}
-
-
 def lycoris_refs(pristine: nn.Module, xs: dict, make_net, path, seed: int) -> tuple[dict, dict]:
     """Wrap a copy with LyCORIS, randomise every adapter parameter, record the forward per multiplier, save."""
     wrapped = copy.deepcopy(pristine)
     net = make_net(wrapped)
     net.apply_to()
-    g = gen(seed)
-    with torch.no_grad():  # LyCORIS zero-inits a2/b2, w_norm/b_norm and the IA3 weight: randomise all
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
-    refs = {}
-    for m in MULTIPLIERS:
-        net.set_multiplier(m)
-        refs[m] = outputs(wrapped, xs)
-    net.save_weights(str(path), dtype=torch.float32, metadata=None)
-    return refs, load_file(str(path))
+    randomise(net.parameters(), seed, scale=0.4)  # LyCORIS zero-inits a2/b2, w_norm/b_norm and the IA3 weight
+    refs = multiplier_outputs(net, wrapped, xs, MULTIPLIERS)
+    return refs, save_lycoris(net, path)
 
 
 # ------------------------------------------------------------------------------------------------ GLoRA
@@ -129,7 +102,7 @@ GLORA_X = {"lin": (2, 3, 12), "sq": (4, 8), "c1": (2, 4, 9), "c2": (2, 4, 9, 7),
                                     {"linear_dim": 4, "linear_alpha": 7.0, "conv_dim": 2, "conv_alpha": 0.5}],
                          ids=["same_dims", "conv_dims"])
 def test_glora_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, kwargs):
-    pristine, xs = GloraNet(), inputs(GLORA_X)
+    pristine, xs = GloraNet(), randn_inputs(GLORA_X)
     path = tmp_path / "glora.safetensors"
     refs, saved = lycoris_refs(pristine, xs, lambda m: lycoris.create_lycoris(m, 1.0, algo="glora", **kwargs),
                                path, seed=2)
@@ -174,7 +147,7 @@ def test_glora_old_naming(layer):
     pristine = nn.ModuleDict({"lin": nn.Linear(12, 10), "sq": nn.Linear(8, 8)})
     shapes = {"lin": (10, 12), "sq": (8, 8)}
     new = glora_linear_sd({layer: shapes[layer]}, rank=3, alpha=5.0, seed=3)
-    xs = inputs({layer: (5, shapes[layer][1])})
+    xs = randn_inputs({layer: (5, shapes[layer][1])})
     weights = {s: {layer: glora_ref_weight(pristine[layer].weight, new, layer, s)} for s in MULTIPLIERS}
     refs = {s: {layer: F.linear(xs[layer].double(), weights[s][layer], pristine[layer].bias.double())}
             for s in MULTIPLIERS}
@@ -249,7 +222,7 @@ class NormNet(nn.Module):
 
 
 def test_norm_matches_lycoris_train_norm(tmp_path, lycoris_state):
-    pristine, xs = NormNet(), inputs({"lin": (2, 3, 12), "ln": (2, 3, 10), "gn": (2, 6, 4, 4)})
+    pristine, xs = NormNet(), randn_inputs({"lin": (2, 3, 12), "ln": (2, 3, 10), "gn": (2, 6, 4, 4)})
     path = tmp_path / "norm.safetensors"
     refs, saved = lycoris_refs(pristine, xs, lambda m: lycoris.create_lycoris(
         m, 1.0, linear_dim=2, linear_alpha=1.0, algo="lora", train_norm=True), path, seed=6)
@@ -273,7 +246,7 @@ def test_norm_rmsnorm_and_biasless_layernorm():
     g = gen(7)
     sd = {f"{n}.w_norm": torch.randn(10, generator=g) * 0.4 for n in pristine}
     sd["lnb.b_norm"] = torch.randn(10, generator=g) * 0.4
-    xs = inputs({n: (2, 3, 10) for n in pristine})
+    xs = randn_inputs({n: (2, 3, 10) for n in pristine})
     for s in MULTIPLIERS:
         w = {n: pristine[n].weight.double() + s * sd[f"{n}.w_norm"].double() for n in pristine}
         x = {n: t.double() for n, t in xs.items()}
@@ -340,7 +313,7 @@ def ia3_refs(pristine: nn.Module, xs: dict, vecs: dict, on_input: dict, peft: bo
 
 @pytest.mark.parametrize("on_input", [0, 1])
 def test_ia3_lycoris_hand_fixture(on_input):
-    pristine, xs = Ia3Net(), inputs(IA3_X)
+    pristine, xs = Ia3Net(), randn_inputs(IA3_X)
     g, sd, vecs = gen(8), {}, {}
     for name, m in pristine.named_children():
         n = m.weight.shape[1 if on_input else 0]
@@ -355,13 +328,10 @@ def test_ia3_lycoris_hand_fixture(on_input):
 @pytest.mark.parametrize("train_on_input", [False, True])
 def test_ia3_lycoris_written_file_matches_lycoris_forward(tmp_path, lycoris_state, train_on_input):
     """A file written by LyCORIS itself (never reloaded by LyCORIS: its loader drops on_input)."""
-    preset = tmp_path / "p.toml"
-    preset.write_text('enable_conv = true\ntarget_module = ["Linear", "Conv2d"]\ntarget_name = []\n' + "".join(
-        f'[module_algo_map.{c}]\nalgo = "ia3"\ntrain_on_input = {str(train_on_input).lower()}\n'
-        for c in ("Linear", "Conv2d")))
-    pristine, xs = Ia3Net(), inputs(IA3_X)
+    preset = write_preset(tmp_path / "p.toml", ("Linear", "Conv2d"), {"algo": "ia3", "train_on_input": train_on_input})
+    pristine, xs = Ia3Net(), randn_inputs(IA3_X)
     path = tmp_path / "ia3.safetensors"
-    refs, saved = lycoris_refs(pristine, xs, lambda m: lycoris.create_lycoris(m, 1.0, algo="ia3", preset=str(preset)),
+    refs, saved = lycoris_refs(pristine, xs, lambda m: lycoris.create_lycoris(m, 1.0, algo="ia3", preset=preset),
                                path, seed=9)
     assert all(float(v) == float(train_on_input) for k, v in saved.items() if k.endswith(".on_input"))
     check_modes(pristine, str(path), len(saved), xs, refs)
@@ -371,7 +341,7 @@ def test_ia3_lycoris_written_file_matches_lycoris_forward(tmp_path, lycoris_stat
 def test_ia3_peft_hand_fixture(feedforward):
     """PEFT ia3_l: (out, 1) / (1, in) for Linear, (1, n, 1, 1) for a non-square conv. The output side also scales
     the bias, which merge can only do when the core hands bias_delta the original bias (core change B)."""
-    pristine, xs = Ia3Net(), inputs(IA3_X)
+    pristine, xs = Ia3Net(), randn_inputs(IA3_X)
     g, sd, vecs = gen(10), {}, {}
     for name, m in pristine.named_children():
         n = m.weight.shape[1 if feedforward else 0]
@@ -398,7 +368,7 @@ def test_ia3_peft_matches_peft_forward():
             self.cv, self.cvf = nn.Conv2d(4, 6, 3, padding=1), nn.Conv2d(6, 3, 1)
 
     pristine = Net()
-    xs = inputs({"lin": (2, 12), "ff": (2, 10), "cv": (2, 4, 5, 5), "cvf": (2, 6, 5, 5)})
+    xs = randn_inputs({"lin": (2, 12), "ff": (2, 10), "cv": (2, 4, 5, 5), "cvf": (2, 6, 5, 5)})
     peft_model = get_peft_model(copy.deepcopy(pristine), IA3Config(
         target_modules=["lin", "ff", "cv", "cvf"], feedforward_modules=["ff", "cvf"]))
     g = gen(11)

@@ -9,10 +9,8 @@ import copy
 
 import lycoris  # the reference must be installed: a missing package fails here, it is never skipped
 import pytest
-import torch
-from lycoris.wrapper import LycorisNetwork
-from safetensors.torch import load_file
-from test_family_loha import LAYERS, MULTIPLIERS, TOL, Net, gen, inputs, outputs, rel_err
+from helpers import multiplier_outputs, outputs, randomise, rel_err, save_lycoris, write_preset
+from test_family_loha import LAYERS, MULTIPLIERS, TOL, Net, inputs
 
 import loraweave
 
@@ -22,35 +20,18 @@ OPTIONS = [
 ]
 
 
-@pytest.fixture
-def lycoris_state(monkeypatch):
-    for attr in ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP", "NAME_ALGO_MAP",
-                 "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME"):
-        monkeypatch.setattr(LycorisNetwork, attr, getattr(LycorisNetwork, attr))
-    LycorisNetwork.MODULE_ALGO_MAP = {}
-
-
 @pytest.mark.parametrize("opt_id, kwargs", OPTIONS, ids=[o[0] for o in OPTIONS])
 def test_locon_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, opt_id, kwargs):
     pristine = Net()
     xs = inputs()
     base = outputs(pristine, xs)
     wrapped = copy.deepcopy(pristine)
-    preset = tmp_path / "p.toml"
-    preset.write_text('enable_conv = true\ntarget_module = ["Linear", "Conv1d", "Conv2d", "Conv3d"]\ntarget_name = []\n')
-    net = lycoris.create_lycoris(wrapped, 1.0, algo="locon", preset=str(preset), **kwargs)
+    net = lycoris.create_lycoris(wrapped, 1.0, algo="locon", preset=write_preset(tmp_path / "p.toml"), **kwargs)
     net.apply_to()
-    g = gen(2)
-    with torch.no_grad():  # LyCORIS zero-inits lora_up: randomise every factor
-        for p in (p for m in net.loras for p in m.parameters()):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    refs = {}
-    for m in MULTIPLIERS:
-        net.set_multiplier(m)
-        refs[m] = outputs(wrapped, xs)
+    randomise((p for m in net.loras for p in m.parameters()), seed=2, scale=0.5)  # LyCORIS zero-inits lora_up
+    refs = multiplier_outputs(net, wrapped, xs, MULTIPLIERS)
     path = tmp_path / "locon.safetensors"
-    net.save_weights(str(path), dtype=torch.float32, metadata=None)
-    saved = load_file(str(path))
+    saved = save_lycoris(net, path)
     assert any(k.endswith(".lora_mid.weight") for k in saved) == ("use_tucker" in kwargs)
     for m in MULTIPLIERS:
         got = {}

@@ -13,9 +13,17 @@ import json
 import lycoris  # the reference must be installed: a missing package fails here, it is never skipped
 import pytest
 import torch
-import torch.nn.functional as F
-from lycoris.wrapper import LycorisNetwork
-from safetensors.torch import load_file
+from helpers import (
+    check_fused_flux_qkv,
+    gen,
+    multiplier_outputs,
+    outputs,
+    randn_inputs,
+    randomise,
+    rel_err,
+    save_lycoris,
+    write_preset,
+)
 from torch import nn
 
 import loraweave
@@ -25,15 +33,6 @@ TOL = 1e-5
 MULTIPLIERS = (1.0, 0.5, -1.0)
 LAYERS = ("lin", "c1", "c2", "c3", "pw")
 KERNELS = ("c1", "c2", "c3")  # kernel > 1: Tucker when asked (never for Linear or the 1x1 conv)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 class Net(nn.Module):
@@ -48,14 +47,8 @@ class Net(nn.Module):
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    g = gen(1)
-    shapes = {"lin": (2, 3, 12), "c1": (2, 4, 9), "c2": (2, 4, 9, 7), "c3": (1, 3, 5, 4, 6), "pw": (2, 4, 5, 5)}
-    return {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
-
-
-@torch.no_grad()
-def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: model.get_submodule(n)(x) for n, x in xs.items()}
+    return randn_inputs({"lin": (2, 3, 12), "c1": (2, 4, 9), "c2": (2, 4, 9, 7), "c3": (1, 3, 5, 4, 6),
+                         "pw": (2, 4, 5, 5)})
 
 
 # (id, create_lycoris kwargs, rs_lora): alpha != rank everywhere.
@@ -69,51 +62,26 @@ OPTIONS = [
 ]
 
 
-def write_preset(path, rs_lora: bool) -> str:
-    classes = ("Linear", "Conv1d", "Conv2d", "Conv3d")
-    text = f"enable_conv = true\ntarget_module = {list(classes)!r}\ntarget_name = []\n".replace("'", '"')
-    if rs_lora:  # create_lycoris does not forward rs_lora; per-class configs reach the module constructor
-        text += "".join(f'[module_algo_map.{c}]\nalgo = "loha"\nrs_lora = true\n' for c in classes)
-    path.write_text(text)
-    return str(path)
-
-
-@pytest.fixture
-def lycoris_state(monkeypatch):
-    """create_lycoris writes presets into LycorisNetwork's class attributes: restore them after each test."""
-    for attr in ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP", "NAME_ALGO_MAP",
-                 "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME"):
-        monkeypatch.setattr(LycorisNetwork, attr, getattr(LycorisNetwork, attr))
-    LycorisNetwork.MODULE_ALGO_MAP = {}
-
-
 @pytest.mark.parametrize("opt_id, kwargs, rs_lora", OPTIONS, ids=[o[0] for o in OPTIONS])
 def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, opt_id, kwargs, rs_lora):
     pristine = Net()
     xs = inputs()
     base = outputs(pristine, xs)
     wrapped = copy.deepcopy(pristine)
-    net = lycoris.create_lycoris(wrapped, 1.0, algo="loha", preset=write_preset(tmp_path / "p.toml", rs_lora),
-                                 **kwargs)
+    preset = write_preset(tmp_path / "p.toml", module_algo={"algo": "loha", "rs_lora": True} if rs_lora else None)
+    net = lycoris.create_lycoris(wrapped, 1.0, algo="loha", preset=preset, **kwargs)
     mods = {m.lora_name.removeprefix("lycoris_"): m for m in net.loras}
     assert sorted(mods) == sorted(LAYERS)
     tucker = kwargs.get("use_tucker", False)
     for name, m in mods.items():
         assert m.rs_lora == rs_lora and m.tucker == (tucker and name in KERNELS) and m.alpha != m.lora_dim, name
     net.apply_to()  # registers the LyCORIS modules: before this, net.parameters() is empty
-    g = gen(2)
     params = [p for m in net.loras for p in m.parameters()]
     assert len(params) == 4 * len(LAYERS) + (2 * len(KERNELS) if tucker else 0)
-    with torch.no_grad():  # LyCORIS zero-inits hada_w2_a: randomise every factor
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    refs = {}
-    for m in MULTIPLIERS:
-        net.set_multiplier(m)
-        refs[m] = outputs(wrapped, xs)
+    randomise(params, seed=2, scale=0.5)  # LyCORIS zero-inits hada_w2_a: randomise every factor
+    refs = multiplier_outputs(net, wrapped, xs, MULTIPLIERS)
     path = tmp_path / "loha.safetensors"
-    net.save_weights(str(path), dtype=torch.float32, metadata=None)
-    saved = load_file(str(path))
+    saved = save_lycoris(net, path)
     assert any(k.endswith(".hada_t1") for k in saved) == tucker
 
     for m in MULTIPLIERS:
@@ -157,34 +125,13 @@ def delta64(sd: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
 
 
 def test_fused_flux_qkv_lands_on_the_right_rows():
-    from tiny_models import flux_forward, tiny_flux
+    from tiny_models import tiny_flux
 
     pristine = tiny_flux()
     stem = "lora_unet_double_blocks_0_img_attn_qkv"
     sd = loha_sd(stem, 96, 32, rank=4, seed=3, alpha=3.0)
     s = 0.8
-    full = s * (3.0 / 4) * delta64(sd, stem)
-    attn = "transformer_blocks.0.attn"
-    targets = {f"{attn}.to_q": full[:32], f"{attn}.to_k": full[32:64], f"{attn}.to_v": full[64:]}
-    x = torch.randn(3, 32, generator=gen(4))
-    outs = {}
-    for mode in ("merge", "runtime"):
-        model = copy.deepcopy(pristine)
-        handle = loraweave.apply(model, (sd, s), mode=mode, strict=True)
-        assert handle.report.keys_applied == handle.report.keys_total == len(sd)
-        for name, rows in targets.items():
-            module, orig = model.get_submodule(name), pristine.get_submodule(name)
-            ref_w = orig.weight.double() + rows
-            if mode == "merge":
-                assert rel_err(module.weight, ref_w) <= 1e-6, name
-            with torch.no_grad():
-                assert rel_err(module(x), F.linear(x.double(), ref_w, orig.bias.double())) <= TOL, (mode, name)
-        for name, module in model.named_modules():  # nothing else moved
-            if name not in targets and isinstance(module, nn.Linear):
-                assert torch.equal(module.weight, pristine.get_submodule(name).weight), name
-        with torch.no_grad():
-            outs[mode] = flux_forward(model)
-    assert rel_err(outs["runtime"], outs["merge"]) <= TOL
+    check_fused_flux_qkv(pristine, sd, s, s * (3.0 / 4) * delta64(sd, stem), TOL)
 
 
 # ------------------------------------------------------------------------ precision, stacking, validation

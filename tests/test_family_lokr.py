@@ -9,17 +9,25 @@ share of them (output - base output); merged weights against an fp64 reference <
 from __future__ import annotations
 
 import copy
-import json
 
 import lycoris  # the reference must be installed: a missing package fails here, it is never skipped
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import REALDATA
+from helpers import (
+    check_fused_flux_qkv,
+    gen,
+    multiplier_outputs,
+    outputs,
+    randn_inputs,
+    randomise,
+    real_config,
+    rel_err,
+    save_lycoris,
+    write_preset,
+)
 from lycoris.functional.lokr import diff_weight as lycoris_diff_weight
-from lycoris.wrapper import LycorisNetwork
 from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import nn
 
 import loraweave
@@ -30,15 +38,6 @@ TOL = 1e-5
 MULTIPLIERS = (1.0, 0.5, -1.0)
 LAYERS = ("lin", "blk.proj", "c1", "c2", "c3", "pw")
 FALCON = [REALDATA / "lora" / f"KohakuBlueleaf__LyCORIS__smart_falcon_{n}_lokr.safetensors" for n in (4, 8)]
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 class Net(nn.Module):
@@ -57,15 +56,8 @@ class Net(nn.Module):
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    g = gen(1)
-    shapes = {"lin": (2, 3, 128), "blk.proj": (5, 96), "c1": (2, 48, 11), "c2": (2, 64, 9, 7),
-              "c3": (1, 32, 5, 4, 6), "pw": (2, 64, 5, 5)}
-    return {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
-
-
-@torch.no_grad()
-def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: model.get_submodule(n)(x) for n, x in xs.items()}
+    return randn_inputs({"lin": (2, 3, 128), "blk.proj": (5, 96), "c1": (2, 48, 11), "c2": (2, 64, 9, 7),
+                         "c3": (1, 32, 5, 4, 6), "pw": (2, 64, 5, 5)})
 
 
 # (id, create_lycoris kwargs, rs_lora, expected factor keys somewhere in the file): alpha != rank everywhere.
@@ -82,24 +74,6 @@ OPTIONS = [
 ]
 
 
-def write_preset(path, rs_lora: bool) -> str:
-    classes = ("Linear", "Conv1d", "Conv2d", "Conv3d")
-    text = f"enable_conv = true\ntarget_module = {list(classes)!r}\ntarget_name = []\n".replace("'", '"')
-    if rs_lora:  # create_lycoris does not forward rs_lora; per-class configs reach the module constructor
-        text += "".join(f'[module_algo_map.{c}]\nalgo = "lokr"\nrs_lora = true\n' for c in classes)
-    path.write_text(text)
-    return str(path)
-
-
-@pytest.fixture
-def lycoris_state(monkeypatch):
-    """create_lycoris writes presets into LycorisNetwork's class attributes: restore them after each test."""
-    for attr in ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP", "NAME_ALGO_MAP",
-                 "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME"):
-        monkeypatch.setattr(LycorisNetwork, attr, getattr(LycorisNetwork, attr))
-    LycorisNetwork.MODULE_ALGO_MAP = {}
-
-
 def no_kron(*args, **kwargs):
     raise AssertionError("runtime LoKr must not materialise kron(w1, w2)")
 
@@ -110,8 +84,8 @@ def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, monkeypatch, o
     xs = inputs()
     base = outputs(pristine, xs)
     wrapped = copy.deepcopy(pristine)
-    net = lycoris.create_lycoris(wrapped, 1.0, algo="lokr", preset=write_preset(tmp_path / "p.toml", rs_lora),
-                                 **{**BASE, **kwargs})
+    preset = write_preset(tmp_path / "p.toml", module_algo={"algo": "lokr", "rs_lora": True} if rs_lora else None)
+    net = lycoris.create_lycoris(wrapped, 1.0, algo="lokr", preset=preset, **{**BASE, **kwargs})
     mods = {m.lora_name.removeprefix("lycoris_"): m for m in net.loras}
     assert sorted(mods) == sorted(n.replace(".", "_") for n in LAYERS)
     assert all(m.rs_lora == rs_lora for m in mods.values())
@@ -122,17 +96,10 @@ def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, monkeypatch, o
     net.apply_to()  # registers the LyCORIS modules: net.parameters() is empty before this
     params = [p for m in net.loras for p in m.parameters()]
     assert params and list(net.parameters())
-    g = gen(2)
-    with torch.no_grad():  # LyCORIS zero-inits w2 / w2_b: randomise every factor
-        for p in params:
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    refs = {}
-    for m in MULTIPLIERS:
-        net.set_multiplier(m)
-        refs[m] = outputs(wrapped, xs)
+    randomise(params, seed=2, scale=0.5)  # LyCORIS zero-inits w2 / w2_b: randomise every factor
+    refs = multiplier_outputs(net, wrapped, xs, MULTIPLIERS)
     path = tmp_path / "lokr.safetensors"
-    net.save_weights(str(path), dtype=torch.float32, metadata=None)
-    saved = load_file(str(path))
+    saved = save_lycoris(net, path)
     roles = {k.rsplit(".", 1)[1] for k in saved}
     assert expect <= roles, sorted(roles)
     assert all(k.startswith("lycoris_") for k in saved), sorted(saved)
@@ -184,34 +151,13 @@ def kron64(sd: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
 
 def test_fused_flux_qkv_lands_on_the_right_rows():
     """(96, 32) qkv LoKr with b=24 rows per w1 row: to_q/to_k/to_v chunks of 32 rows cut w1 rows in half."""
-    from tiny_models import flux_forward, tiny_flux
+    from tiny_models import tiny_flux
 
     pristine = tiny_flux()
     stem = "lora_unet_double_blocks_0_img_attn_qkv"
     sd = lokr_sd(stem, 3, alpha=3.0, w1=(4, 4), w2_a=(24, 2), w2_b=(2, 8))
     s = 0.8
-    full = s * (3.0 / 2) * kron64(sd, stem)
-    attn = "transformer_blocks.0.attn"
-    targets = {f"{attn}.to_q": full[:32], f"{attn}.to_k": full[32:64], f"{attn}.to_v": full[64:]}
-    x = torch.randn(3, 32, generator=gen(4))
-    outs = {}
-    for mode in ("merge", "runtime"):
-        model = copy.deepcopy(pristine)
-        handle = loraweave.apply(model, (sd, s), mode=mode, strict=True)
-        assert handle.report.keys_applied == handle.report.keys_total == len(sd)
-        for name, rows in targets.items():
-            module, orig = model.get_submodule(name), pristine.get_submodule(name)
-            ref_w = orig.weight.double() + rows
-            if mode == "merge":
-                assert rel_err(module.weight, ref_w) <= 1e-6, name
-            with torch.no_grad():
-                assert rel_err(module(x), F.linear(x.double(), ref_w, orig.bias.double())) <= TOL, (mode, name)
-        for name, module in model.named_modules():  # nothing else moved
-            if name not in targets and isinstance(module, nn.Linear):
-                assert torch.equal(module.weight, pristine.get_submodule(name).weight), name
-        with torch.no_grad():
-            outs[mode] = flux_forward(model)
-    assert rel_err(outs["runtime"], outs["merge"]) <= TOL
+    check_fused_flux_qkv(pristine, sd, s, s * (3.0 / 2) * kron64(sd, stem), TOL)
 
 
 # ------------------------------------------------------------------------ flat conv layout, stacking, rules
@@ -289,18 +235,14 @@ def test_rank_rule_and_validation():
 # ------------------------------------------------------------------------ real files (kohya names, SD1.x)
 
 
-def _config(name: str) -> dict:
-    return {k: v for k, v in json.loads((REALDATA / "configs" / name).read_text()).items() if not k.startswith("_")}
-
-
 @pytest.fixture(scope="module")
 def sd15_meta(realdata):
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     with torch.device("meta"):
-        return {"unet": UNet2DConditionModel.from_config(_config("sd15__unet_config.json")),
-                "text_encoder": CLIPTextModel(CLIPTextConfig(**_config("sd15__text_encoder_config.json")))}
+        return {"unet": UNet2DConditionModel.from_config(real_config("sd15__unet_config.json")),
+                "text_encoder": CLIPTextModel(CLIPTextConfig(**real_config("sd15__text_encoder_config.json")))}
 
 
 @pytest.mark.parametrize("path", FALCON, ids=lambda p: p.name.split("__")[-1])

@@ -14,7 +14,7 @@ import lycoris  # the reference must be installed: a missing package fails here,
 import pytest
 import torch
 import torch.nn.functional as F
-from lycoris.wrapper import LycorisNetwork
+from helpers import gen, multiplier_outputs, outputs, randn_inputs, rel_err, write_preset
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -25,15 +25,6 @@ from loraweave.families.base import PartRejected
 TOL = 1e-5
 MULTIPLIERS = (1.0, 0.5, -1.0)
 LAYERS = ("lin", "blk.proj", "c1", "c2", "c3")
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.detach().double(), ref.detach().double()
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 class Net(nn.Module):
@@ -51,33 +42,17 @@ class Net(nn.Module):
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    g = gen(1)
-    shapes = {"lin": (2, 3, 40), "blk.proj": (5, 24), "c1": (2, 12, 9), "c2": (2, 16, 7, 6), "c3": (1, 8, 4, 5, 3)}
-    return {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
-
-
-@torch.no_grad()
-def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: model.get_submodule(n)(x) for n, x in xs.items()}
-
-
-@pytest.fixture
-def lycoris_state(monkeypatch):
-    """create_lycoris writes presets into LycorisNetwork's class attributes: restore them after each test."""
-    for attr in ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP", "NAME_ALGO_MAP",
-                 "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME"):
-        monkeypatch.setattr(LycorisNetwork, attr, getattr(LycorisNetwork, attr))
-    LycorisNetwork.MODULE_ALGO_MAP = {}
+    return randn_inputs({"lin": (2, 3, 40), "blk.proj": (5, 24), "c1": (2, 12, 9), "c2": (2, 16, 7, 6),
+                         "c3": (1, 8, 4, 5, 3)})
 
 
 def lycoris_file(tmp_path, algo: str, constraint: float, rescaled: bool, noise: float = 0.1):
     """(pristine model, inputs, base outputs, LyCORIS wrapped-forward outputs per multiplier, saved path)."""
-    preset = tmp_path / "p.toml"
-    preset.write_text('enable_conv = true\ntarget_module = ["Linear", "Conv1d", "Conv2d", "Conv3d"]\ntarget_name = []\n')
+    preset = write_preset(tmp_path / "p.toml")
     pristine, xs = Net(), inputs()
     wrapped = copy.deepcopy(pristine)
     net = lycoris.create_lycoris(wrapped, 1.0, linear_dim=4, linear_alpha=1.0, conv_dim=8, conv_alpha=1.0, algo=algo,
-                                 constraint=constraint, rescaled=rescaled, preset=str(preset))
+                                 constraint=constraint, rescaled=rescaled, preset=preset)
     assert sorted(m.lora_name.removeprefix("lycoris_") for m in net.loras) == sorted(n.replace(".", "_") for n in LAYERS)
     g = gen(2)
     with torch.no_grad():  # LyCORIS zero-inits the blocks (R = I) and ones-inits rescale: perturb both
@@ -85,10 +60,7 @@ def lycoris_file(tmp_path, algo: str, constraint: float, rescaled: bool, noise: 
             for name, p in m.named_parameters():
                 p.add_(torch.randn(p.shape, generator=g) * (noise if name == "oft_blocks" else 0.2))
     net.apply_to()
-    refs = {}
-    for m in MULTIPLIERS:
-        net.set_multiplier(m)
-        refs[m] = outputs(wrapped, xs)
+    refs = multiplier_outputs(net, wrapped, xs, MULTIPLIERS)
     path = tmp_path / f"{algo}.safetensors"
     net.save_weights(str(path), dtype=torch.float32, metadata=None)
     return pristine, xs, outputs(pristine, xs), refs, path, net

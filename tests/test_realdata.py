@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 from conftest import REALDATA
+from helpers import real_config
 
 import loraweave
 
@@ -15,26 +16,22 @@ LORA_DIR = REALDATA / "lora"
 KEYS = REALDATA / "keys"
 
 
-def _config(name: str) -> dict:
-    return {k: v for k, v in json.loads((REALDATA / "configs" / name).read_text()).items() if not k.startswith("_")}
-
-
 @pytest.fixture(scope="module")
 def meta_models(realdata):
     from diffusers import FluxTransformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    sd2 = _config("sd15__unet_config.json")
+    sd2 = real_config("sd15__unet_config.json")
     # No SD2 UNet config is in the shared data; SD2 differs from SD1.5 in exactly these fields.
     sd2.update(cross_attention_dim=1024, attention_head_dim=[5, 10, 20, 20], use_linear_projection=True)
     with torch.device("meta"):
         return {
-            "sd15_unet": UNet2DConditionModel.from_config(_config("sd15__unet_config.json")),
+            "sd15_unet": UNet2DConditionModel.from_config(real_config("sd15__unet_config.json")),
             "sd2_unet": UNet2DConditionModel.from_config(sd2),
-            "sdxl_unet": UNet2DConditionModel.from_config(_config("sdxl-base__unet_config.json")),
-            "sd15_te": CLIPTextModel(CLIPTextConfig(**_config("sd15__text_encoder_config.json"))),
-            "flux": FluxTransformer2DModel.from_config(_config("flux1-dev__transformer_config.json")),
-            "zimage": ZImageTransformer2DModel.from_config(_config("z-image-turbo__transformer_config.json")),
+            "sdxl_unet": UNet2DConditionModel.from_config(real_config("sdxl-base__unet_config.json")),
+            "sd15_te": CLIPTextModel(CLIPTextConfig(**real_config("sd15__text_encoder_config.json"))),
+            "flux": FluxTransformer2DModel.from_config(real_config("flux1-dev__transformer_config.json")),
+            "zimage": ZImageTransformer2DModel.from_config(real_config("z-image-turbo__transformer_config.json")),
         }
 
 
@@ -133,11 +130,8 @@ def _mecha_weights(name: str, component: str) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["kohya", "comfyui"])
-def test_sdxl_original_names_resolve(layout, meta_models):
-    """A LoRA on every 2-D/4-D weight of the real SDXL sgm checkpoint, in kohya and ComfyUI spellings."""
-    weights = _mecha_weights("sdxl-sgm.yaml", "diffuser")
-    assert len(weights) > 500
+def _lora_on_every_weight(weights: dict[str, list[int]], layout: str) -> dict[str, torch.Tensor]:
+    """A rank-4 meta LoRA on every 2-D/4-D weight of an original checkpoint, kohya or ComfyUI spelling."""
     sd = {}
     for key, shape in weights.items():
         if len(shape) < 2:
@@ -146,6 +140,15 @@ def test_sdxl_original_names_resolve(layout, meta_models):
         stem = "lora_unet_" + path.replace(".", "_") if layout == "kohya" else f"diffusion_model.{path}"
         sd[f"{stem}.lora_down.weight"] = torch.empty([4, *shape[1:]], device="meta")
         sd[f"{stem}.lora_up.weight"] = torch.empty([shape[0], 4] + [1] * (len(shape) - 2), device="meta")
+    return sd
+
+
+@pytest.mark.parametrize("layout", ["kohya", "comfyui"])
+def test_sdxl_original_names_resolve(layout, meta_models):
+    """A LoRA on every 2-D/4-D weight of the real SDXL sgm checkpoint, in kohya and ComfyUI spellings."""
+    weights = _mecha_weights("sdxl-sgm.yaml", "diffuser")
+    assert len(weights) > 500
+    sd = _lora_on_every_weight(weights, layout)
     report = loraweave.plan({"unet": meta_models["sdxl_unet"]}, sd)
     assert report.unmatched == []
     assert report.keys_applied == len(sd)
@@ -182,15 +185,8 @@ def test_dit_original_checkpoint_names_resolve(yaml_name, config, cls, layout):
     weights = _mecha_weights(yaml_name, "diffuser")
     assert len(weights) > 200
     with torch.device("meta"):
-        model = getattr(diffusers, cls).from_config(_config(config))
-    sd = {}
-    for key, shape in weights.items():
-        if len(shape) < 2:
-            continue
-        path = key.removeprefix("model.diffusion_model.")
-        stem = "lora_unet_" + path.replace(".", "_") if layout == "kohya" else f"diffusion_model.{path}"
-        sd[f"{stem}.lora_down.weight"] = torch.empty([4, *shape[1:]], device="meta")
-        sd[f"{stem}.lora_up.weight"] = torch.empty([shape[0], 4] + [1] * (len(shape) - 2), device="meta")
+        model = getattr(diffusers, cls).from_config(real_config(config))
+    sd = _lora_on_every_weight(weights, layout)
     report = loraweave.plan(model, sd)
     assert report.unmatched == [], report.unmatched[:3]
     assert report.keys_applied == len(sd)
@@ -200,7 +196,7 @@ def test_qwen_image_key_list_resolves(realdata):
     import diffusers
 
     with torch.device("meta"):
-        model = diffusers.QwenImageTransformer2DModel.from_config(_config("qwen-image__transformer_config.json"))
+        model = diffusers.QwenImageTransformer2DModel.from_config(real_config("qwen-image__transformer_config.json"))
     report = loraweave.plan(model, _invoke_keys("qwen_image_lora_diffusers_format.json"))
     assert report.unmatched == [] and report.keys_applied == report.keys_total > 0
 
