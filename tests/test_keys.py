@@ -74,3 +74,12 @@ def test_underscore_form_normalises_trainer_quirks():
 def test_ia3_weight_is_recognised_only_through_on_input():
     adapter = loraweave.load_adapter({"lora_unet_x.weight": torch.ones(4), "lora_unet_x.on_input": torch.tensor(0)})
     assert adapter.unparsed == [] and adapter.families == {"ia3": 1}
+
+
+def test_lone_scale_key_is_a_norm_replacement_not_a_lora_scale():
+    """BFL control LoRAs carry `*.norm.key_norm.scale` (a replacement weight): reported as the `set` family."""
+    adapter = loraweave.load_adapter({"single_blocks.0.norm.key_norm.scale": torch.ones(128),
+                                      "x.lora_down.weight": torch.zeros(2, 4), "x.lora_up.weight": torch.zeros(4, 2),
+                                      "x.scale": torch.tensor(0.5)})
+    families = {p.path: p.family for p in adapter.parts}
+    assert families == {"single_blocks.0.norm.key_norm": "set", "x": "lora"}

@@ -92,10 +92,10 @@ def runtime_term(f: NormFactors, src: int, dst: int, length: int, module=None) -
     if f.w_norm is None:
         return RuntimeTerm(None, None, None, bias, dst, length, cost="norm bias delta")
     if module is None:
-        raise RuntimeError("norm delta runtime needs the host module (runtime_term(..., module=)) for eps/groups")
+        raise PartRejected("norm delta runtime needs the host module for its eps/groups")
     kind = _kind(module)
     if kind is None:
-        raise RuntimeError(f"norm delta: no runtime form for {type(module).__name__}")
+        raise PartRejected(f"norm delta: no runtime form for {type(module).__name__}")
     w = f.w_norm[src : src + length]
     channels_first = kind == "group"
     cache = CastCache(w)

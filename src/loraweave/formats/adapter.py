@@ -131,6 +131,9 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
                 unparsed.remove(item)
     parts = []
     for stem, pks in parsed.items():
+        # A lone `.scale` is no LoRA scale: BFL control LoRAs store norm weights as `*_norm.scale` (replacements).
+        if len(pks) == 1 and pks[0].role == "scale":
+            pks = [ParsedKey(pks[0].key, stem, "set", "set_weight", "bfl")]
         target = split_stem(stem)
         families = {p.family for p in pks if p.role not in ("alpha", "scale")}
         # The most specific family names the part: DoRA wraps LoRA/LoHa/LoKr, OFT's `rescale` rides along.
