@@ -71,6 +71,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 print(f"unparsed: {len(v)}")
                 for u in v[: args.limit]:
                     print(f"  {u['key']}: {u['reason']}")
+            elif k == "metadata_keys" and len(v) > args.limit:
+                print(f"metadata_keys: {len(v)} ({', '.join(v[: args.limit])}, ...)")
             else:
                 print(f"{k}: {v}")
     return 0
