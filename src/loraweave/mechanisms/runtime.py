@@ -78,7 +78,7 @@ class RuntimePath:
             if term.bias is not None:
                 self.biases.append((pp, term.dst_start, term.length, term.bias))
         self._owners = owners
-        self.down = torch.cat(downs) if downs else None  # (R, in, *k) fp32 master copy
+        self.down = torch.cat(downs) if downs else None  # (R, in, *k) master copy, stored dtype (promoted by cat)
         self.up = torch.cat(ups, dim=1) if ups else None  # (out, R)
         self.scale = torch.empty(self.down.shape[0] if downs else 0)
         self._cache: dict = {}  # (device, dtype) -> (down, up): built once, kept across strength changes
