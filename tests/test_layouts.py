@@ -238,3 +238,36 @@ def test_separate_qkv_keys_land_on_fused_projections():
             handle = loraweave.apply(fused, sd, mode=mode, strict=True)
             assert {m.module.rsplit(".", 1)[1] for m in handle.report.applied} <= {"to_qkv", "to_added_qkv"}
             assert rel_err(flux_forward(fused), want) <= 1e-5, mode
+
+
+def test_flux_fill_widened_x_embedder_takes_a_base_lora():
+    """Flux Fill/Kontext widen x_embedder's input; a LoRA trained on the base touches only the original columns."""
+    from diffusers import FluxTransformer2DModel
+    from tiny_models import tiny_flux
+
+    torch.manual_seed(0)
+    fill = FluxTransformer2DModel(
+        patch_size=1, in_channels=40, out_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6],
+    ).eval()
+    base_in = tiny_flux().x_embedder.in_features
+    g = torch.Generator().manual_seed(4)
+    down, up = torch.randn(4, base_in, generator=g), torch.randn(32, 4, generator=g)
+    sd = {"lora_unet_img_in.lora_down.weight": down, "lora_unet_img_in.lora_up.weight": up,
+          "lora_unet_img_in.alpha": torch.tensor(4.0)}
+    before = fill.x_embedder.weight.detach().clone()
+    merged, runtime = copy.deepcopy(fill), copy.deepcopy(fill)
+    handle = loraweave.apply(merged, sd, mode="merge", strict=True)
+    assert any("zero-padded to 40" in n for n in handle.report.applied[0].notes)
+    want = before.clone()
+    want[:, :base_in] += up @ down
+    assert rel_err(merged.x_embedder.weight, want) <= 1e-6
+    assert torch.equal(merged.x_embedder.weight[:, base_in:], before[:, base_in:])
+    loraweave.apply(runtime, sd, mode="runtime", strict=True)
+    x = torch.randn(3, 40, generator=g)
+    with torch.no_grad():
+        assert rel_err(runtime.x_embedder(x), merged.x_embedder(x)) <= 1e-5
+    # The other direction (a control LoRA wider than the model's x_embedder) would need the model to grow: reported.
+    wide = {k: (v if not k.endswith("down.weight") else torch.randn(4, 60, generator=g)) for k, v in sd.items()}
+    report = loraweave.plan(fill, wide)
+    assert {u["reason"].split(":")[0] for u in report.unmatched} == {"shape mismatch"}

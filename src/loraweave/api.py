@@ -96,7 +96,8 @@ def plan(target, adapters: Iterable[AdapterSpec] | AdapterSpec, strength: float 
     t0 = time.perf_counter()
     p = resolve(as_components(target), _normalise_adapters(adapters, strength))
     applied = [
-        AppliedModule(comp, path, "planned", sorted({pp.adapter.name for pp, _ in contribs}))
+        AppliedModule(comp, path, "planned", sorted({pp.adapter.name for pp, _ in contribs}),
+                      notes=sorted({n for pp, _ in contribs for n in pp.notes}))
         for (comp, path), contribs in _group_by_module(p.planned).items()
     ]
     report = _make_report(p, "plan", applied, list(p.unmatched), t0)
@@ -252,7 +253,8 @@ def apply(
                 rp.attach()
                 cost = "; ".join(sorted(rp.costs))
             names = sorted({pp.adapter.name for pp, _ in contribs})
-            applied.append(AppliedModule(comp, path, mechanism, names, why if mode == "auto" else "", cost))
+            notes = sorted({n for pp, _ in contribs for n in pp.notes})
+            applied.append(AppliedModule(comp, path, mechanism, names, why if mode == "auto" else "", cost, notes))
     except BaseException:
         for rp in runtime:
             rp.detach()

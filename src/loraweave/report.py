@@ -19,6 +19,7 @@ class AppliedModule:
     adapters: list[str]
     why: str = ""  # for auto: why this mechanism was chosen
     cost: str = ""  # runtime forms that are not a plain low-rank pair, e.g. "dense ΔW (L×in·k) cached"
+    notes: list[str] = field(default_factory=list)  # adaptations made to land the adapter (input widening, ...)
 
 
 @dataclass

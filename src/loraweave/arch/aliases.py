@@ -89,6 +89,8 @@ class AliasTable:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.root = module
+        cls = type(module).__name__
+        self.widened_inputs = {m for t in ARCH_TABLES if cls in t.classes for m in t.widened_inputs}
         every = dict(module.named_modules())
         self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}
         self.exact: dict[str, tuple[Piece, ...]] = {

@@ -48,6 +48,7 @@ FLUX = ArchTable(
         Alias("final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))),
         Alias("final_layer.linear", ("proj_out",)),
     ),
+    widened_inputs=("x_embedder",),
 )
 
 

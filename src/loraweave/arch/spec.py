@@ -49,6 +49,9 @@ class ArchTable:
     name: str
     classes: tuple[str, ...]  # model class names this table applies to
     aliases: tuple[Alias, ...]
+    # Modules whose input grows in model variants (Flux Fill/Kontext/control widen `x_embedder`): an adapter
+    # trained on the narrower base gets zero columns for the extra input channels, which it never saw.
+    widened_inputs: tuple[str, ...] = ()
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:

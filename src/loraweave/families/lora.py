@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,6 +51,13 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
         raise PartRejected(f"shape mismatch: lora_B.bias {tuple(bias.shape)} for {up.shape[0]} rows")
     conv_kernel = down.dim() > 2 and any(d > 1 for d in down.shape[2:])
     return LoraFactors(down, up2d, bias, rank, conv_kernel)
+
+
+def widen_input(f: LoraFactors, shape: tuple[int, ...]) -> LoraFactors | None:
+    """Zero columns for input channels the adapter never saw (Linear only); None when not a pure widening."""
+    if f.down.dim() != 2 or len(shape) != 2 or f.down.shape[1] >= shape[1]:
+        return None
+    return replace(f, down=torch.nn.functional.pad(f.down, (0, shape[1] - f.down.shape[1])))
 
 
 def check_target(f: LoraFactors, shape: tuple[int, ...]) -> str | None:

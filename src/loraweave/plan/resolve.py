@@ -33,6 +33,7 @@ class PlannedPart:
     scale: float  # γ from alpha/rank or metadata
     alpha_source: str
     strength: float  # per-adapter strength x global strength
+    notes: list[str] = field(default_factory=list)  # adaptations the report must mention
 
 
 @dataclass
@@ -101,8 +102,15 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     # Families whose math depends on settings outside the tensors (PEFT OFT) get the adapter's PEFT config.
     takes_config = "config" in inspect.signature(family.load).parameters
     factors = family.load(tensors, part.roles, **({"config": adapter.meta_alpha.peft} if takes_config else {}))
+    notes = []
     for piece in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
-        reason = family.check_target(factors, module_shape(table.modules[piece.module]))
+        shape = module_shape(table.modules[piece.module])
+        reason = family.check_target(factors, shape)
+        if reason and piece.module in table.widened_inputs and hasattr(family, "widen_input"):
+            widened = family.widen_input(factors, shape)
+            if widened is not None and family.check_target(widened, shape) is None:
+                notes.append(f"input zero-padded to {shape[1]} columns (model variant with a wider {piece.module})")
+                factors, reason = widened, None
         if reason:
             raise PartRejected(f"{reason} ({comp_name}.{piece.module})")
     total = sum(p.length for p in found)
@@ -129,7 +137,7 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
         )
         if not math.isfinite(scale):
             raise PartRejected(f"bad tensor: scale from {source} is not finite")
-    return PlannedPart(adapter, part, comp_name, found, factors, scale, source, strength)
+    return PlannedPart(adapter, part, comp_name, found, factors, scale, source, strength, notes)
 
 
 def resolve(components: Components, adapters: list[tuple[Adapter, float]]) -> Plan:
