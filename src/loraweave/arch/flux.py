@@ -36,6 +36,13 @@ FLUX = ArchTable(
         Alias("single_blocks.{i}.linear1_qkv", (f"{_S}.attn.to_q", f"{_S}.attn.to_k", f"{_S}.attn.to_v")),
         Alias("single_blocks.{i}.linear2", (f"{_S}.proj_out",)),
         Alias("single_blocks.{i}.modulation.lin", (f"{_S}.norm.linear",)),
+        # q/k RMSNorm weights (BFL control LoRAs replace them through `*.norm.query_norm.scale`).
+        Alias("double_blocks.{i}.img_attn.norm.query_norm", (f"{_D}.attn.norm_q",)),
+        Alias("double_blocks.{i}.img_attn.norm.key_norm", (f"{_D}.attn.norm_k",)),
+        Alias("double_blocks.{i}.txt_attn.norm.query_norm", (f"{_D}.attn.norm_added_q",)),
+        Alias("double_blocks.{i}.txt_attn.norm.key_norm", (f"{_D}.attn.norm_added_k",)),
+        Alias("single_blocks.{i}.norm.query_norm", (f"{_S}.attn.norm_q",)),
+        Alias("single_blocks.{i}.norm.key_norm", (f"{_S}.attn.norm_k",)),
         Alias("img_in", ("x_embedder",)),
         Alias("txt_in", ("context_embedder",)),
         Alias("time_in.in_layer", ("time_text_embed.timestep_embedder.linear_1",)),

@@ -28,8 +28,8 @@ def runtime_blocker(module: torch.nn.Module) -> str | None:
         return None
     if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
         return None
-    if isinstance(module, _NORMS_CHANNELS_LAST + _NORMS_CHANNELS_FIRST):
-        return None
+    if isinstance(module, _NORMS_CHANNELS_LAST + _NORMS_CHANNELS_FIRST) or type(module).__name__ == "RMSNorm":
+        return None  # the last: diffusers' own RMSNorm (channels last)
     return f"no runtime path for {type(module).__name__} (only Linear-like, Conv and norm layers)"
 
 
