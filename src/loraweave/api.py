@@ -120,15 +120,17 @@ def _choose(mode: str, module: torch.nn.Module, contribs: list[Contribution]) ->
     return None, f"neither mechanism fits: {merge_no}; {runtime_no}"
 
 
-def _check_runtime(mode: str, module: torch.nn.Module, contribs: list[Contribution], why: str) -> tuple[str | None, str]:
-    """Build the runtime path once without attaching it: a family may refuse (e.g. DoRA on a quantized weight)."""
+def _check_runtime(
+    mode: str, module: torch.nn.Module, contribs: list[Contribution], why: str
+) -> tuple[str | None, str, RuntimePath | None]:
+    """Build the runtime path without attaching it: a family may refuse (e.g. DoRA on a quantized weight)."""
     try:
-        RuntimePath(module, contribs)
+        path = RuntimePath(module, contribs)
     except PartRejected as rejected:
         if mode == "auto" and merge_blocker(module, needs_bias(contribs)) is None:
-            return "merge", f"runtime refused: {rejected}"
-        return None, f"cannot run at runtime: {rejected}"
-    return "runtime", why
+            return "merge", f"runtime refused: {rejected}", None
+        return None, f"cannot run at runtime: {rejected}", None
+    return "runtime", why, path
 
 
 class Handle:
@@ -215,11 +217,14 @@ def apply(
     groups = _group_by_module(p.planned)
     work: list[tuple[str, str, torch.nn.Module, str, str, list[Contribution]]] = []
     rejected_parts: dict[int, str] = {}
+    prepared: dict[tuple[str, str], RuntimePath] = {}  # built while checking, attached below unless parts drop out
     for (comp, path), contribs in groups.items():
         module = p.components.modules[comp].get_submodule(path)
         mechanism, why = _choose(mode, module, contribs)
         if mechanism == "runtime":
-            mechanism, why = _check_runtime(mode, module, contribs, why)
+            mechanism, why, runtime_path = _check_runtime(mode, module, contribs, why)
+            if runtime_path is not None:
+                prepared[(comp, path)] = runtime_path
         if mechanism is None:
             for pp, _ in contribs:
                 rejected_parts.setdefault(id(pp), f"{why} ({comp}.{path})")
@@ -230,11 +235,14 @@ def apply(
             if id(pp) in rejected_parts:
                 unmatched += [{"adapter": pp.adapter.name, "key": k, "reason": rejected_parts[id(pp)]} for k in pp.part.keys]
         p.planned = [pp for pp in p.planned if id(pp) not in rejected_parts]
-        work = [
-            (c, path, m, mech, why, [(pp, pc) for pp, pc in contribs if id(pp) not in rejected_parts])
-            for c, path, m, mech, why, contribs in work
-        ]
-        work = [w for w in work if w[5]]
+        kept = []
+        for c, path, m, mech, why, contribs in work:
+            remaining = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected_parts]
+            if len(remaining) != len(contribs):
+                prepared.pop((c, path), None)  # its contributions changed: build it again below
+            if remaining:
+                kept.append((c, path, m, mech, why, remaining))
+        work = kept
     if strict and unmatched:
         report = _make_report(p, mode, [], unmatched, t0)
         raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.reasons()})", report)
@@ -248,7 +256,7 @@ def apply(
             if mechanism == "merge":
                 merge_module(module, contribs, merged)
             else:
-                rp = RuntimePath(module, contribs)
+                rp = prepared.get((comp, path)) or RuntimePath(module, contribs)
                 runtime.append(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
                 rp.attach()
                 cost = "; ".join(sorted(rp.costs))

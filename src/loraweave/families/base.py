@@ -15,6 +15,8 @@ Every family contributes ΔW_i computed from the ORIGINAL weight; contributions 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,11 +67,19 @@ class CastCache:
         self._cast: tuple[torch.Tensor, ...] = ()
 
     def get(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        key = (like.device, like.dtype)
-        if key != self._key:
-            self._cast = tuple(t.to(like.device, like.dtype) for t in self.tensors)
-            self._key = key
+        return self.to(like.device, like.dtype)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        if (device, dtype) != self._key:
+            self._cast = tuple(t.to(device, dtype) for t in self.tensors)
+            self._key = (device, dtype)
         return self._cast
+
+
+@functools.cache
+def takes_keyword(fn: Callable, name: str) -> bool:
+    """Whether a family function accepts an optional keyword (checked once per function, not per layer)."""
+    return name in inspect.signature(fn).parameters
 
 
 def check_factor(name: str, tensor: torch.Tensor) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 
 from ..arch.spec import out_rows
 from ..families import FAMILIES
-from ..families.base import ConvSpec
+from ..families.base import CastCache, ConvSpec, takes_keyword
 from ..plan.resolve import PlannedPart
 from .merge import Contribution
 
@@ -56,7 +55,7 @@ class RuntimePath:
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
         for pp, piece in contributions:
             family = FAMILIES[pp.part.family]
-            extra = {"module": module} if "module" in inspect.signature(family.runtime_term).parameters else {}
+            extra = {"module": module} if takes_keyword(family.runtime_term, "module") else {}
             term = family.runtime_term(pp.factors, piece.src_start, piece.dst_start, piece.length, **extra)
             if term.cost:
                 self.costs.add(f"{pp.part.family}: {term.cost}")
@@ -81,8 +80,7 @@ class RuntimePath:
         self.down = torch.cat(downs) if downs else None  # (R, in, *k) master copy, stored dtype (promoted by cat)
         self.up = torch.cat(ups, dim=1) if ups else None  # (out, R)
         self.scale = torch.empty(self.down.shape[0] if downs else 0)
-        self._cache: dict = {}  # (device, dtype) -> (down, up): built once, kept across strength changes
-        self._scale_cache: dict = {}
+        self._factor_cast = CastCache(self.down, self.up) if downs else None  # kept across strength changes
         self.refresh_scales()
         self.hook = None
         self.active = False
@@ -93,15 +91,10 @@ class RuntimePath:
         for pp, rank in self._owners:
             self.scale[start : start + rank] = pp.strength * pp.scale
             start += rank
-        self._scale_cache = {}
+        self._scale_cast = CastCache(self.scale)  # only the scale vector is re-cast after a strength change
 
     def _factors(self, device: torch.device, dtype: torch.dtype):
-        key = (device, dtype)
-        if key not in self._cache:
-            self._cache = {key: (self.down.to(device, dtype), self.up.to(device, dtype))}
-        if key not in self._scale_cache:
-            self._scale_cache = {key: self.scale.to(device, dtype)}
-        return (*self._cache[key], self._scale_cache[key])
+        return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))
 
     def warm(self) -> None:
         weight = getattr(self.module, "weight", None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ import torch
 from ..arch.aliases import AMBIGUOUS, AliasTable
 from ..arch.spec import Piece, module_shape
 from ..families import FAMILIES
-from ..families.base import PartRejected
+from ..families.base import PartRejected, takes_keyword
 from ..formats.adapter import Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE
@@ -100,8 +99,8 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     skip = ("alpha", "scale") if uses_alpha else ("scale",)  # OFT & co read alpha themselves
     tensors = {role: adapter.tensor(key) for role, key in part.roles.items() if role not in skip}
     # Families whose math depends on settings outside the tensors (PEFT OFT) get the adapter's PEFT config.
-    takes_config = "config" in inspect.signature(family.load).parameters
-    factors = family.load(tensors, part.roles, **({"config": adapter.meta_alpha.peft} if takes_config else {}))
+    config = {"config": adapter.meta_alpha.peft} if takes_keyword(family.load, "config") else {}
+    factors = family.load(tensors, part.roles, **config)
     notes = []
     for piece in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
         shape = module_shape(table.modules[piece.module])
