@@ -28,12 +28,15 @@ class _Lenient(dict):
 def original_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     table = AliasTable(model)
     identity = set(table.modules)
-    covered = {p.module for name, pieces in table.exact.items() if name not in identity for p in pieces}
+    covered = {
+        p.module for name, pieces in table.exact.items()
+        if name not in identity and name not in table.fusion_names for p in pieces
+    }
     ckpt: dict[str, torch.Tensor] = {}
     for name, pieces in table.exact.items():
         if name in identity and name in covered:
             continue  # reached through its original name
-        if name.startswith("text_model."):
+        if name.startswith("text_model.") or name in table.fusion_names:
             continue
         for suffix in ("weight", "bias"):
             parts = []

@@ -23,13 +23,17 @@ PATH_PREFIX_ALIASES: dict[str, str] = {
 }
 
 
-def _original_names(module: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, ...]]:
+def _original_names(
+    module: torch.nn.Module, modules: dict[str, torch.nn.Module], runtime_fusions: bool = False
+) -> dict[str, tuple[Piece, ...]]:
     cls = type(module).__name__
     out: dict[str, tuple[Piece, ...]] = {}
     for table in ARCH_TABLES:
         if cls in table.classes:
-            for alias in table.aliases:
+            for alias in table.runtime_fusions if runtime_fusions else table.aliases:
                 out.update(expand_alias(alias, modules))
+    if runtime_fusions:
+        return out
     if cls == "UNet2DConditionModel":
         from .unet_original import unet_original_names
 
@@ -97,6 +101,8 @@ class AliasTable:
             name: (Piece(name, 0, 0, out_rows(mod), True),) for name, mod in self.modules.items()
         }
         self.exact.update({k: v for k, v in _original_names(module, every).items() if k not in self.exact})
+        self.fusion_names = set(_original_names(module, every, runtime_fusions=True)) - set(self.exact)
+        self.exact.update({k: v for k, v in _original_names(module, every, True).items() if k not in self.exact})
         self.exact.update(_live_fusions(every))  # overrides: the separate modules are no longer used
         prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
         if prefix and not any(name.startswith(prefix) for name in self.modules):

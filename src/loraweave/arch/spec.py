@@ -52,6 +52,9 @@ class ArchTable:
     # Modules whose input grows in model variants (Flux Fill/Kontext/control widen `x_embedder`): an adapter
     # trained on the narrower base gets zero columns for the extra input channels, which it never saw.
     widened_inputs: tuple[str, ...] = ()
+    # Spellings of projections that runtimes fuse (not checkpoint names): same mechanism, kept apart so the
+    # checkpoint-layout oracle can tell them from the original names.
+    runtime_fusions: tuple[Alias, ...] = ()
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:

@@ -1,8 +1,16 @@
-"""Z-Image (Lumina2/NextDiT family) transformer: original/ComfyUI names -> diffusers modules."""
+"""Z-Image (Lumina2/NextDiT family) transformer: original/ComfyUI names -> diffusers modules.
+
+Its SwiGLU feed-forward is `w2(silu(w1 x) * w3 x)` with separate w1/w3 in diffusers and the original. Runtimes
+that fuse the pair do so in either row order, and the order is a fact of the fused module's computation:
+- diffusers `FeedForward(activation_fn="swiglu")` (Nunchaku): `net.0` is a SwiGLU whose `proj` rows are
+  [value; gate] = [w3; w1] (it computes `value * silu(gate)` from `proj(x).chunk(2)`);
+- a `w13` projection: [w1; w3] (first half gated, as its name says).
+Both directions are declared: w1/w3 keys onto a live fused module, and fused-module keys onto the separate w1/w3.
+"""
 
 from __future__ import annotations
 
-from .spec import Alias, ArchTable
+from .spec import Alias, ArchTable, Rows
 
 
 def _block_aliases(stack: str) -> tuple[Alias, ...]:
@@ -10,6 +18,23 @@ def _block_aliases(stack: str) -> tuple[Alias, ...]:
     return (
         Alias(f"{b}.qkv", (f"{b}.to_q", f"{b}.to_k", f"{b}.to_v")),
         Alias(f"{b}.out", (f"{b}.to_out.0",)),
+    )
+
+
+def _ffn_fusions(stack: str) -> tuple[Alias, ...]:
+    f = f"{stack}.{{i}}.feed_forward"
+    swiglu = f"{f}.net.0.proj"
+    return (
+        # separate keys -> rows of a live fused projection
+        Alias(f"{f}.w3", (Rows(swiglu, 0, 2),), when_parent="SwiGLU"),
+        Alias(f"{f}.w1", (Rows(swiglu, 1, 2),), when_parent="SwiGLU"),
+        Alias(f"{f}.w2", (f"{f}.net.2",)),
+        Alias(f"{f}.w1", (Rows(f"{f}.w13", 0, 2),)),
+        Alias(f"{f}.w3", (Rows(f"{f}.w13", 1, 2),)),
+        # keys written for a fused projection -> the separate live modules
+        Alias(swiglu, (f"{f}.w3", f"{f}.w1")),
+        Alias(f"{f}.net.2", (f"{f}.w2",)),
+        Alias(f"{f}.w13", (f"{f}.w1", f"{f}.w3")),
     )
 
 
@@ -24,4 +49,5 @@ ZIMAGE = ArchTable(
         Alias("final_layer.linear", ("all_final_layer.2-1.linear",)),
         Alias("final_layer.adaLN_modulation.1", ("all_final_layer.2-1.adaLN_modulation.1",)),
     ),
+    runtime_fusions=(*_ffn_fusions("layers"), *_ffn_fusions("noise_refiner"), *_ffn_fusions("context_refiner")),
 )
