@@ -91,3 +91,35 @@ def test_runtime_on_t5_matches_merge():
         base = t5(input_ids=ids).last_hidden_state
     assert float((a - b).abs().max() / a.abs().max()) <= 1e-5
     assert float((a - base).abs().max()) > 1e-3
+
+
+def tiny_qwen25_vl():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                vocab_size=128, bos_token_id=0, eos_token_id=1, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0])
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).eval()
+
+
+def test_qwen25_vl_text_encoder_spellings():
+    """Qwen-Image's TE: kohya/ComfyUI name decoder paths bare, older transformers had no `language_model.` level."""
+    model = tiny_qwen25_vl()
+    mods = dict(model.named_modules())
+    spellings = {
+        "lora_te_layers_1_self_attn_k_proj": "model.language_model.layers.1.self_attn.k_proj",
+        "text_encoder.model.layers.0.mlp.up_proj": "model.language_model.layers.0.mlp.up_proj",
+        "text_encoder.model.language_model.layers.1.mlp.down_proj": "model.language_model.layers.1.mlp.down_proj",
+        "text_encoder.visual.blocks.0.attn.qkv": "model.visual.blocks.0.attn.qkv",
+    }
+    before = {name: mods[name].weight.detach().clone() for name in spellings.values()}
+    sd: dict[str, torch.Tensor] = {}
+    for i, (stem, name) in enumerate(spellings.items()):
+        _lora(sd, stem, mods[name], 10 + i)
+    handle = loraweave.apply({"transformer": torch.nn.Linear(2, 2), "text_encoder": model}, sd, mode="merge", strict=True)
+    assert handle.report.counts() == {"text_encoder": {"merge": len(spellings)}}
+    for stem, name in spellings.items():
+        assert torch.allclose(mods[name].weight, before[name] + _delta(sd, stem), atol=1e-6), stem
+    handle.remove()
+    assert all(torch.equal(mods[n].weight, before[n]) for n in spellings.values())

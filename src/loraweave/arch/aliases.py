@@ -23,6 +23,18 @@ PATH_PREFIX_ALIASES: dict[str, str] = {
 }
 
 
+# Wrapper levels of LLM text encoders: (prefix in the live tree, prefix files use instead). kohya/ComfyUI write
+# paths under the decoder (`lora_te_layers_0_...`); ForCausalLM adds `model.`; transformers >= 4.52 nests the
+# Qwen2.5-VL decoder and vision tower under `model.language_model.` / `model.visual.` (older files lack that level).
+WRAPPER_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "model."),
+    ("model.language_model.", "language_model."),
+    ("model.language_model.", ""),
+    ("model.visual.", "visual."),
+    ("model.", ""),
+)
+
+
 def _original_names(
     module: torch.nn.Module, modules: dict[str, torch.nn.Module], runtime_fusions: bool = False
 ) -> dict[str, tuple[Piece, ...]]:
@@ -107,9 +119,12 @@ class AliasTable:
         prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
         if prefix and not any(name.startswith(prefix) for name in self.modules):
             self.exact.update({prefix + k: v for k, v in list(self.exact.items()) if prefix + k not in self.exact})
-        # LLM text encoders: kohya writes paths under the decoder (`layers_0_...`), the ForCausalLM tree adds `model.`.
-        stripped = {k[len("model."):]: v for k, v in self.exact.items() if k.startswith("model.")}
-        self.exact.update({k: v for k, v in stripped.items() if k not in self.exact})
+        live = list(self.exact.items())
+        for live_prefix, file_prefix in WRAPPER_PREFIXES:
+            self.exact.update({
+                file_prefix + k[len(live_prefix):]: v
+                for k, v in live if k.startswith(live_prefix) and file_prefix + k[len(live_prefix):] not in self.exact
+            })
         self._positional: dict[tuple[str, ...], list[str]] = {}
         self.underscored: dict[str, tuple[Piece, ...] | str] = {}
         for name, pieces in self.exact.items():
