@@ -60,3 +60,32 @@ def test_inspect_cli_prints_architecture(capsys, realdata):
     assert main(["inspect", "--json", str(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["architecture"] == "flux" and info["keys_total"] == 8
+
+
+def _double_stream_only_file(cls_name: str, config: str) -> dict[str, torch.Tensor]:
+    """A diffusers-named LoRA on the joint (double-stream) blocks only: names SD3 and Flux share."""
+    import diffusers
+    from helpers import real_config
+
+    with torch.device("meta"):
+        model = getattr(diffusers, cls_name).from_config(real_config(config))
+    sd = {}
+    for name, mod in model.named_modules():
+        if name.startswith("transformer_blocks.") and isinstance(mod, torch.nn.Linear):
+            sd[f"transformer.{name}.lora_A.weight"] = torch.empty(4, mod.in_features, device="meta")
+            sd[f"transformer.{name}.lora_B.weight"] = torch.empty(mod.out_features, 4, device="meta")
+    return sd
+
+
+@pytest.mark.parametrize(
+    ("cls_name", "config", "want"),
+    [
+        ("SD3Transformer2DModel", "sd3-medium__transformer_config.json", "sd3"),
+        ("SD3Transformer2DModel", "sd3.5-large__transformer_config.ASSEMBLED.json", "sd3"),
+        ("FluxTransformer2DModel", "flux1-dev__transformer_config.json", "flux"),
+    ],
+)
+def test_sd3_and_flux_diffusers_names_told_apart_by_width(cls_name, config, want):
+    detection = detect_architecture(loraweave.load_adapter(_double_stream_only_file(cls_name, config)))
+    assert detection.architecture == want, detection.evidence
+    assert any("hidden width" in e or "dual attention" in e for e in detection.evidence)
