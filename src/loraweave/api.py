@@ -18,13 +18,16 @@ from .errors import StrictApplyError
 from .families.base import PartRejected
 from .formats.adapter import Adapter, load_adapter
 from .mechanisms.merge import Contribution, MergedModule, merge_blocker, merge_module, needs_bias
+from .mechanisms.quantized import QuantWrite, Route, factorable_reason, route_hook_free
 from .mechanisms.runtime import RuntimePath, runtime_blocker
 from .plan.resolve import Plan, PlannedPart, resolve
 from .plan.target import as_components
+from .quant import QuantBackend, backend_for, broken
 from .report import AppliedModule, Report
 
 log = logging.getLogger("loraweave")
 MODES = ("auto", "merge", "runtime")
+QUANTIZED = ("auto", "host", "requantize")
 AdapterSpec = str | os.PathLike | Adapter | Mapping | tuple
 
 
@@ -121,33 +124,64 @@ def _choose(mode: str, module: torch.nn.Module, contribs: list[Contribution]) ->
 
 
 def _check_runtime(
-    mode: str, module: torch.nn.Module, contribs: list[Contribution], why: str
+    mode: str, module: torch.nn.Module, contribs: list[Contribution], why: str, quantized: bool = False
 ) -> tuple[str | None, str, RuntimePath | None]:
     """Build the runtime path without attaching it: a family may refuse (e.g. DoRA on a quantized weight)."""
     try:
         path = RuntimePath(module, contribs)
     except PartRejected as rejected:
-        if mode == "auto" and merge_blocker(module, needs_bias(contribs)) is None:
+        # Never fall back to a plain merge on a quantized layer: its storage is not the weight (fp8 looks float).
+        if mode == "auto" and not quantized and merge_blocker(module, needs_bias(contribs)) is None:
             return "merge", f"runtime refused: {rejected}", None
         return None, f"cannot run at runtime: {rejected}", None
     return "runtime", why, path
 
 
+def _choose_quantized(
+    mode: str, quantized: str, backend: QuantBackend, module: torch.nn.Module, contribs: list[Contribution],
+    host_rank: int, cache=None, layer: str = "",
+) -> tuple[str | None, str, Route | None]:
+    """(mechanism or None, why, routing result) for a layer a quantization backend owns."""
+    runtime_no = runtime_blocker(module)
+    if mode == "runtime":
+        return (None, f"cannot run at runtime: {runtime_no}", None) if runtime_no else ("runtime", "", None)
+    missing = backend.unavailable()
+    if mode == "merge" or (mode == "auto" and quantized in ("host", "requantize")):
+        if missing:
+            route = Route(None, f"{backend.name} cannot run here: {missing}")
+        else:
+            route = route_hook_free(backend, module, contribs, host_rank, force_requantize=quantized == "requantize",
+                                    cache=cache, layer=layer)
+        if route.mechanism is not None or mode == "merge":
+            return route.mechanism, route.why if route.mechanism else f"cannot merge: {route.why}", route
+        if runtime_no is None:
+            return "runtime", f"hook-free path declined: {route.why}", None
+        return None, f"neither mechanism fits: {route.why}; {runtime_no}", None
+    caps = None if missing else backend.capabilities(module)
+    not_factorable = factorable_reason(module, contribs) or ("bias delta" if needs_bias(contribs) else None)
+    if caps is not None and caps.factor_channel and not_factorable is None:
+        return "factor", f"{backend.name} side channel, exact", Route("factor", "")
+    why = f"{backend.name}: " + (missing or (not_factorable if caps.factor_channel else caps.reason or "no side channel"))
+    return ("runtime", why, None) if runtime_no is None else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
+
+
 class Handle:
     """What `apply` did; `remove()` undoes it exactly. Usable as a context manager."""
 
-    def __init__(self, plan: Plan, report: Report, merged: list[MergedModule], runtime: list[RuntimePath]) -> None:
+    def __init__(self, plan: Plan, report: Report, merged: list[MergedModule], runtime: list[RuntimePath],
+                 quant: list[QuantWrite] | None = None) -> None:
         self._plan = plan
         self.report = report
         self._merged = merged
         self._runtime = runtime
+        self._quant = quant or []
         self.active = True
 
     def remove(self) -> None:
         """Restore merged weights bit-exactly and detach runtime paths. Idempotent."""
         if not self.active:
             return
-        later = [m for m in self._merged if not m.is_top()]
+        later = [m for m in [*self._merged, *self._quant] if not m.is_top()]
         if later:
             raise RuntimeError(
                 f"{len(later)} merged layers were merged again by a later apply; remove that handle first "
@@ -155,6 +189,8 @@ class Handle:
             )
         for path in self._runtime:
             path.detach()
+        for write in reversed(self._quant):
+            write.restore()
         for merged in reversed(self._merged):
             merged.restore()
         self.active = False
@@ -165,7 +201,7 @@ class Handle:
             raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
         if not self.active:
             raise RuntimeError("handle was removed")
-        if any(name in m.adapters and not m.is_top() for m in self._merged):
+        if any(name in m.adapters and not m.is_top() for m in [*self._merged, *self._quant]):
             raise RuntimeError("a later apply merged into the same layers; remove it before changing this strength")
         value = _finite_strength(float(value))
         self._plan.strengths[name] = value
@@ -178,6 +214,11 @@ class Handle:
         for merged in self._merged:
             if name in merged.adapters:
                 merged.write()
+        for write in self._quant:
+            if name in write.adapters:  # rewritten from the layer's original tensors: nothing compounds
+                write.write()
+                if write.entry is not None:
+                    write.entry.retention, write.entry.capture, write.entry.rank = write.retention, write.capture, write.rank
         for summary in self.report.adapters:
             if summary["name"] == name:
                 summary["strength"] = float(value)
@@ -203,14 +244,40 @@ def apply(
     strength: float = 1.0,
     strict: bool = False,
     progress: bool | None = None,
+    quantized: str = "auto",
+    host_rank: int = 256,
+    cache=None,
 ) -> Handle:
     """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
 
     mode: "merge" (into the weights, undoable), "runtime" (forward hooks, weights untouched), or "auto"
     (runtime where merging would be lossy or impossible: quantized, offloaded; merge elsewhere).
-    All-or-nothing: if anything raises midway, the model is left exactly as it was."""
+    All-or-nothing: if anything raises midway, the model is left exactly as it was.
+
+    Quantized layers (SDNQ, bitsandbytes, torchao, optimum-quanto, GGUF; see `loraweave.quant`):
+    - mode="auto": a plain-LoRA set rides the layer's low-rank side channel exactly ("factor": SDNQ svd_up/down,
+      no hook, no backup); anything else gets a runtime path beside the layer's own forward.
+    - mode="runtime": always the runtime path (exact for every family and backend; storage untouched).
+    - mode="merge": hook-free. Plain LoRA -> factor channel; otherwise int8-and-wider layers are requantized
+      (dequantize, add, requantize with the layer's own config) and sub-8-bit layers follow the routing rule:
+      requantize only if rms(ΔW)/grid step > 0.30 and hosting would capture < 0.90 of ΔW, else "hosted".
+    quantized: "auto" (above), "host" (opt-in: in mode="auto", non-plain-LoRA sets take the hook-free route of
+      mode="merge" instead of a hook, for compiled or hook-free deployments), or "requantize" (every hook-free
+      layer is requantized, even plain LoRA; for measurements).
+    host_rank: rank cap of a hosted truncation (randomized SVD, seeded locally: the caller's RNG is untouched);
+      0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
+    cache: a `loraweave.mechanisms.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
+      on disk; a replay is bit-identical to a fresh compute."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if quantized not in QUANTIZED:
+        raise ValueError(f"quantized must be one of {QUANTIZED}, got {quantized!r}")
+    if not isinstance(host_rank, int) or host_rank < 0:
+        raise ValueError(f"host_rank must be an int >= 0, got {host_rank!r}")
+    if cache is not None and not hasattr(cache, "load"):
+        from .mechanisms.factor_cache import FactorCache
+
+        cache = FactorCache(cache)
     t0 = time.perf_counter()
     p = resolve(as_components(target), _normalise_adapters(adapters, strength))
     unmatched = list(p.unmatched)
@@ -218,11 +285,18 @@ def apply(
     work: list[tuple[str, str, torch.nn.Module, str, str, list[Contribution]]] = []
     rejected_parts: dict[int, str] = {}
     prepared: dict[tuple[str, str], RuntimePath] = {}  # built while checking, attached below unless parts drop out
+    routes: dict[tuple[str, str], tuple[QuantBackend, Route | None]] = {}
     for (comp, path), contribs in groups.items():
         module = p.components.modules[comp].get_submodule(path)
-        mechanism, why = _choose(mode, module, contribs)
+        backend = backend_for(module)
+        if backend is not None:
+            mechanism, why, route = _choose_quantized(mode, quantized, backend, module, contribs, host_rank,
+                                                      cache, f"{comp}.{path}")
+            routes[(comp, path)] = (backend, route)
+        else:
+            mechanism, why = _choose(mode, module, contribs)
         if mechanism == "runtime":
-            mechanism, why, runtime_path = _check_runtime(mode, module, contribs, why)
+            mechanism, why, runtime_path = _check_runtime(mode, module, contribs, why, quantized=backend is not None)
             if runtime_path is not None:
                 prepared[(comp, path)] = runtime_path
         if mechanism is None:
@@ -240,6 +314,8 @@ def apply(
             remaining = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected_parts]
             if len(remaining) != len(contribs):
                 prepared.pop((c, path), None)  # its contributions changed: build it again below
+                if (c, path) in routes:
+                    routes[(c, path)] = (routes[(c, path)][0], None)  # routed on other contributions
             if remaining:
                 kept.append((c, path, m, mech, why, remaining))
         work = kept
@@ -248,28 +324,48 @@ def apply(
         raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.reasons()})", report)
     merged: list[MergedModule] = []
     runtime: list[RuntimePath] = []
+    quant: list[QuantWrite] = []
     applied: list[AppliedModule] = []
     show = progress if progress is not None else (len(work) > 200 and sys.stderr.isatty())
     try:
         for comp, path, module, mechanism, why, contribs in tqdm(work, desc="loraweave", disable=not show, unit="layer"):
             cost = ""
+            backend = routes.get((comp, path), (None, None))[0]
+            write = None
             if mechanism == "merge":
                 merge_module(module, contribs, merged)
-            else:
+            elif mechanism == "runtime":
                 rp = prepared.get((comp, path)) or RuntimePath(module, contribs)
                 runtime.append(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
                 rp.attach()
                 cost = "; ".join(sorted(rp.costs))
+            else:
+                write = QuantWrite(module, backend, contribs, mechanism, host_rank=host_rank,
+                                   cache=cache if mechanism == "hosted" else None, layer=f"{comp}.{path}")
+                quant.append(write)  # recorded before the layer is touched: rollback finds it
+                write.apply(routes[(comp, path)][1])
             names = sorted({pp.adapter.name for pp, _ in contribs})
             notes = sorted({n for pp, _ in contribs for n in pp.notes})
-            applied.append(AppliedModule(comp, path, mechanism, names, why if mode == "auto" else "", cost, notes))
+            show_why = why if mode == "auto" or write is not None else ""
+            entry = AppliedModule(comp, path, mechanism, names, show_why, cost, notes,
+                                  backend=backend.name if backend is not None else "")
+            if write is not None:
+                entry.retention, entry.capture, entry.rank = write.retention, write.capture, write.rank
+                entry.cache_hit, write.entry = write.cache_hit, entry
+            applied.append(entry)
     except BaseException:
         for rp in runtime:
             rp.detach()
+        for w in reversed(quant):
+            w.restore()
         for m in reversed(merged):
             m.restore()
         log.warning("loraweave apply failed midway; model restored to its state before the call")
         raise
     report = _make_report(p, mode, applied, unmatched, t0)
+    if routes:  # the backends this model uses (probing others would cost time for nothing) and broken imports
+        used = {b.name: b for b, _ in routes.values()}
+        report.backends_unavailable = {n: why for n, why in broken().items()}
+        report.backends_unavailable |= {n: why for n, b in used.items() if (why := b.unavailable())}
     report.log()
-    return Handle(p, report, merged, runtime)
+    return Handle(p, report, merged, runtime, quant)

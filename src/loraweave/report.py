@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
 log = logging.getLogger("loraweave")
 
-MECHANISMS = ("merge", "runtime", "planned")
+MECHANISMS = ("merge", "runtime", "factor", "hosted", "requantize", "planned")
 
 
 @dataclass
 class AppliedModule:
     component: str
     module: str
-    mechanism: str  # merge | runtime | planned (plan() only)
+    mechanism: str  # merge | runtime | factor | hosted | requantize (quantized layers) | planned (plan() only)
     adapters: list[str]
-    why: str = ""  # for auto: why this mechanism was chosen
+    why: str = ""  # for auto and quantized layers: why this mechanism was chosen
     cost: str = ""  # runtime forms that are not a plain low-rank pair, e.g. "dense ΔW (L×in·k) cached"
     notes: list[str] = field(default_factory=list)  # adaptations made to land the adapter (input widening, ...)
+    backend: str = ""  # quantization backend owning the layer ("" for ordinary layers)
+    retention: float | None = None  # ρ = <applied Δ, intended Δ>/‖intended Δ‖² (factor, hosted, requantize)
+    capture: float | None = None  # hosted: energy fraction of the delta the truncation kept
+    rank: int | None = None  # factor/hosted: rank appended to the side channel (before bucket padding)
+    cache_hit: bool | None = None  # hosted with a factor cache: replayed (True) or computed (False)
 
 
 @dataclass
@@ -31,6 +37,7 @@ class Report:
     keys_total: int = 0
     keys_applied: int = 0
     seconds: float = 0.0
+    backends_unavailable: dict[str, str] = field(default_factory=dict)  # quant backends that cannot run here
 
     @property
     def ok(self) -> bool:
@@ -48,6 +55,29 @@ class Report:
         """Unmatched keys counted by the kind of reason (text before the first ':')."""
         return dict(Counter(u["reason"].split(":", 1)[0] for u in self.unmatched))
 
+    def mechanisms(self) -> dict[str, dict]:
+        """Per mechanism: layers, and for hosted/requantized layers ρ (and capture) median and min."""
+        out: dict[str, dict] = {}
+        for m in self.applied:
+            out.setdefault(m.mechanism, {"layers": 0, "_rho": [], "_cap": [], "_rank": []})
+            entry = out[m.mechanism]
+            entry["layers"] += 1
+            if m.retention is not None:
+                entry["_rho"].append(m.retention)
+            if m.capture is not None:
+                entry["_cap"].append(m.capture)
+            if m.rank:
+                entry["_rank"].append(m.rank)
+        for entry in out.values():
+            for key, name in (("_rho", "retention"), ("_cap", "capture")):
+                values = entry.pop(key)
+                if values:
+                    entry[f"{name}_median"], entry[f"{name}_min"] = statistics.median(values), min(values)
+            ranks = entry.pop("_rank")
+            if ranks:
+                entry["rank_max"] = max(ranks)
+        return out
+
     def to_dict(self) -> dict:
         return {
             "mode": self.mode,
@@ -59,6 +89,8 @@ class Report:
             "applied": [vars(m).copy() for m in self.applied],
             "unmatched": [dict(u) for u in self.unmatched],
             "unmatched_by_reason": self.reasons(),
+            "mechanisms": self.mechanisms(),
+            "backends_unavailable": dict(self.backends_unavailable),
         }
 
     def summary(self) -> str:
@@ -77,6 +109,17 @@ class Report:
 
     def log(self) -> None:
         log.info("loraweave %s", self.summary())
+        if not any(m.backend for m in self.applied):
+            return
+        for name, entry in self.mechanisms().items():  # one line per mechanism on quantized models
+            extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items() if k != "layers")
+            backends = ",".join(sorted({m.backend for m in self.applied if m.mechanism == name and m.backend})) or "-"
+            log.info("loraweave apply=%s layers=%d backend=%s%s", name, entry["layers"], backends, f" {extra}" if extra else "")
+        hits = [m.cache_hit for m in self.applied if m.cache_hit is not None]
+        if hits:
+            log.info("loraweave factor_cache hits=%d misses=%d", sum(hits), len(hits) - sum(hits))
+        for name, why in sorted(self.backends_unavailable.items()):
+            log.info("loraweave backend_unavailable name=%s reason=%r", name, why)
 
     def __str__(self) -> str:
         return self.summary()

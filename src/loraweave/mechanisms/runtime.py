@@ -11,6 +11,7 @@ from ..arch.spec import out_rows
 from ..families import FAMILIES
 from ..families.base import CastCache, ConvSpec, takes_keyword
 from ..plan.resolve import PlannedPart
+from ..quant import backend_for
 from .merge import Contribution
 
 _CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
@@ -32,6 +33,35 @@ def runtime_blocker(module: torch.nn.Module) -> str | None:
     return f"no runtime path for {type(module).__name__} (only Linear-like, Conv and norm layers)"
 
 
+class DequantizedView:
+    """Host seen by families that read W (DoRA, GLoRA, ...) on a quantized layer: the backend's dequantized
+    weight, formed on each access (never the packed storage, never a resident float copy)."""
+
+    def __init__(self, module: torch.nn.Module, backend) -> None:
+        self._module, self._backend = module, backend
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._backend.dequantize(self._module)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def _host(module: torch.nn.Module):
+    backend = backend_for(module)
+    if backend is None or backend.unavailable() or not backend.capabilities(module).dequantize:
+        return module
+    return DequantizedView(module, backend)
+
+
+def _kernel_dims(module: torch.nn.Module) -> tuple[int, ...]:
+    """(in, *k) of a conv weight; packed quantized storage has its own shape, so ask the backend first."""
+    backend = backend_for(module)
+    shape = backend.logical_shape(module) if backend is not None else None
+    return tuple(shape[1:]) if shape else tuple(module.weight.shape[1:])
+
+
 def _conv_fn(module: torch.nn.Module):
     return next((fn for cls, fn in _CONVS.items() if isinstance(module, cls)), None)
 
@@ -45,6 +75,7 @@ class RuntimePath:
         self.channels_first = self.conv is not None or isinstance(module, _NORMS_CHANNELS_FIRST)
         self.out = out_rows(module)
         downs, ups, owners = [], [], []
+        host = None  # built on first need: only families that read W look at it
         self.dense: list[tuple[PlannedPart, int, int, torch.Tensor]] = []  # (part, dst row, rows, ΔW rows)
         self.biases: list[tuple[PlannedPart, int, int, torch.Tensor]] = []
         # (part, dst row, rows, fn, linear in strength): structured families (LoKr, LoHa, ...) and those that
@@ -55,17 +86,23 @@ class RuntimePath:
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
         for pp, piece in contributions:
             family = FAMILIES[pp.part.family]
-            extra = {"module": module} if takes_keyword(family.runtime_term, "module") else {}
+            if takes_keyword(family.runtime_term, "module"):
+                host = _host(module) if host is None else host
+                extra = {"module": host}
+            else:
+                extra = {}
             term = family.runtime_term(pp.factors, piece.src_start, piece.dst_start, piece.length, **extra)
             if term.cost:
                 self.costs.add(f"{pp.part.family}: {term.cost}")
+            if isinstance(extra.get("module"), DequantizedView) and (term.fn is not None and term.needs_base):
+                self.costs.add(f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it")
             name = pp.adapter.name
             self.adapters.add(name)
             if term.down is not None:
                 up = term.up.new_zeros(self.out, term.up.shape[1])
                 up[term.dst_start : term.dst_start + term.length] = term.up
                 rank = term.down.shape[0]
-                down = term.down.reshape(rank, *module.weight.shape[1:]) if self.conv else term.down.flatten(1)
+                down = term.down.reshape(rank, *_kernel_dims(module)) if self.conv else term.down.flatten(1)
                 downs.append(down)
                 ups.append(up)
                 owners.append((pp, term.up.shape[1]))

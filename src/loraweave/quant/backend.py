@@ -1,0 +1,63 @@
+"""What a quantized-weight backend can do: one small module per backend declares it.
+
+A backend module defines one `QuantBackend` subclass instance named BACKEND. The mechanisms in
+`mechanisms/quantized.py` ask it, never the layer's class directly, so a new backend is one new file."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Restore = Callable[[], None]  # undoes a write bit-exactly (original tensors / class put back)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    dequantize: bool
+    requantize: bool
+    factor_channel: bool  # a low-rank side branch (svd_up/svd_down) the adapter's factors can ride
+    reason: str = ""  # what is missing on this machine / for this layer, reported as is
+
+
+class QuantBackend:
+    name: str = "?"
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run on this machine (package missing, no CPU kernels), or None."""
+        return None
+
+    def owns(self, module: torch.nn.Module) -> bool:
+        """Whether `module` is a quantized layer of this backend (cheap: class / attribute checks only)."""
+        raise NotImplementedError
+
+    def capabilities(self, module: torch.nn.Module) -> Capabilities:
+        raise NotImplementedError
+
+    def bits(self, module: torch.nn.Module) -> int:
+        raise NotImplementedError
+
+    def logical_shape(self, module: torch.nn.Module) -> tuple[int, ...] | None:
+        """The weight's logical shape (out, in, *k) when the storage is packed; None: ask the module."""
+        return None
+
+    def has_checkpoint_svd(self, module: torch.nn.Module) -> bool:
+        """Whether the layer's side channel already carries a low-rank part from the checkpoint."""
+        return False
+
+    def grid_step(self, module: torch.nn.Module) -> float:
+        """Mean quantization step of the layer's grid (codebooks: mean gap between adjacent levels)."""
+        raise NotImplementedError
+
+    def dequantize(self, module: torch.nn.Module) -> torch.Tensor:
+        """The float32 weight the layer computes with, logical shape (out, in, *k)."""
+        raise NotImplementedError
+
+    def requantize(self, module: torch.nn.Module, weight: torch.Tensor) -> Restore:
+        """Store `weight` quantized with the layer's own config; returns the bit-exact undo."""
+        raise NotImplementedError
+
+    def append_factors(self, module: torch.nn.Module, down: torch.Tensor, up: torch.Tensor) -> Restore:
+        """Add up @ down (already scaled) to the layer's low-rank side channel; returns the bit-exact undo."""
+        raise NotImplementedError

@@ -1,0 +1,277 @@
+"""SDNQ layers through loraweave.apply: runtime and auto exact for LoRA, LoKr and LoHa; the factor channel exact in
+every side-channel layout; removal bit-exact; set_strength rewrites from the originals.
+
+References are written here: the float layer's change under the same adapter is x·ΔWᵀ with ΔW built in fp64 from
+the adapter tensors (γ = alpha/rank), independent of loraweave's families."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from helpers import gen, rel_err
+from torch import nn
+
+import loraweave
+
+os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
+from sdnq import sdnq_post_load_quant  # noqa: E402
+from sdnq.utils import get_sdnq_params  # noqa: E402
+
+IN, OUT_A, OUT_B = 256, 256, 384
+RUNTIME_TOL = 1e-4  # acceptance: the layer's output change vs the float layer's change
+FACTOR_TOL = 1e-5  # acceptance: the factor channel, every layout
+
+LAYOUTS = {
+    "int8": dict(weights_dtype="int8"),
+    "uint4": dict(weights_dtype="uint4"),
+    "uint4_hadamard": dict(weights_dtype="uint4", use_hadamard=True),
+    "uint4_hadamard_qmatmul": dict(weights_dtype="uint4", use_hadamard=True, use_quantized_matmul=True),
+    "int8_hadamard_qmatmul_svd": dict(weights_dtype="int8", use_hadamard=True, use_quantized_matmul=True,
+                                      use_svd=True, svd_rank=16),
+    "uint4_svd": dict(weights_dtype="uint4", use_svd=True, svd_rank=16),
+    "uint4_codebook": dict(weights_dtype="uint4", use_codebook=True),
+    "int8_qmatmul": dict(weights_dtype="int8", use_quantized_matmul=True),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """2 shared cores: small multi-threaded LAPACK calls (QR in the randomized SVD) stall ~100x under contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def float_model(seed: int = 0) -> nn.Module:
+    root = nn.Module()
+    root.a, root.b = nn.Linear(IN, OUT_A), nn.Linear(IN, OUT_B)
+    g = gen(seed)
+    with torch.no_grad():
+        for m in (root.a, root.b):
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.05)
+            m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.01)
+    return root
+
+
+def quantized(model: nn.Module, layout: str) -> nn.Module:
+    q = copy.deepcopy(model)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)  # svd_lowrank in SVDQuant draws
+        sdnq_post_load_quant(q, add_skip_keys=False, **LAYOUTS[layout])
+    assert type(q.a).__name__ == type(q.b).__name__ == "SDNQLinear", "tiny layers must be large enough to quantize"
+    return q
+
+
+def lora(name: str, out: int, rank: int, seed: int, scale: float = 0.05) -> tuple[dict, torch.Tensor]:
+    g = gen(seed)
+    down, up = torch.randn(rank, IN, generator=g) * scale, torch.randn(out, rank, generator=g) * scale
+    alpha = rank / 2
+    sd = {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": torch.tensor(alpha)}
+    return sd, (alpha / rank) * up.double() @ down.double()
+
+
+def lokr(name: str, out: int, seed: int, scale: float = 0.1) -> tuple[dict, torch.Tensor]:
+    """kron(w1 (16, 16), w2_a @ w2_b (out/16, 16)), alpha = rank: γ = 1."""
+    g = gen(seed)
+    w1 = torch.randn(16, 16, generator=g) * scale
+    w2a, w2b = torch.randn(out // 16, 4, generator=g) * scale, torch.randn(4, IN // 16, generator=g) * scale
+    sd = {f"{name}.lokr_w1": w1, f"{name}.lokr_w2_a": w2a, f"{name}.lokr_w2_b": w2b, f"{name}.alpha": torch.tensor(4.0)}
+    return sd, torch.kron(w1.double(), w2a.double() @ w2b.double())
+
+
+def loha(name: str, out: int, seed: int, rank: int = 4, scale: float = 0.1) -> tuple[dict, torch.Tensor]:
+    g = gen(seed)
+    t = {k: torch.randn(*s, generator=g) * scale for k, s in
+         {"hada_w1_a": (out, rank), "hada_w1_b": (rank, IN), "hada_w2_a": (out, rank), "hada_w2_b": (rank, IN)}.items()}
+    sd = {f"{name}.{k}": v for k, v in t.items()} | {f"{name}.alpha": torch.tensor(float(rank))}
+    d = t["hada_w1_a"].double() @ t["hada_w1_b"].double() * (t["hada_w2_a"].double() @ t["hada_w2_b"].double())
+    return sd, d
+
+
+def adapter(family: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    make = {"lora": lambda n, o, s: lora(n, o, 8, s), "lokr": lokr, "loha": loha}[family]
+    (sa, da), (sb, db) = make("a", OUT_A, 10), make("b", OUT_B, 11)
+    return sa | sb, {"a": da, "b": db}
+
+
+def snapshot(model: nn.Module) -> dict:
+    """Every tensor and attribute object sdnq keeps per layer, plus the class: removal must put back the same."""
+    out = {}
+    for name in ("a", "b"):
+        m = model.get_submodule(name)
+        params = {k: v for k, v in get_sdnq_params(m).items()}
+        out[name] = (type(m), m.sdnq_dequantizer, {k: (v, None if v is None else v.clone()) for k, v in params.items()},
+                     set(m._parameters), m.bias.clone())
+    return out
+
+
+def assert_restored(model: nn.Module, snap: dict) -> None:
+    for name, (cls, deq, params, pnames, bias) in snap.items():
+        m = model.get_submodule(name)
+        assert type(m) is cls and m.sdnq_dequantizer is deq, name
+        assert set(m._parameters) == pnames, name
+        for k, (obj, value) in params.items():
+            now = getattr(m, k, None)
+            assert now is obj, f"{name}.{k} is not the original object"
+            assert value is None or torch.equal(now, value), f"{name}.{k} changed"
+        assert torch.equal(m.bias, bias)
+        assert not m._forward_hooks and "forward" not in m.__dict__, name
+
+
+@torch.no_grad()
+def layer_outputs(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {n: model.get_submodule(n)(x) for n in ("a", "b")}
+
+
+X = torch.randn(64, IN, generator=gen(99))
+
+
+@pytest.mark.parametrize("layout", ["int8", "uint4", "uint4_hadamard_qmatmul", "uint4_svd", "uint4_codebook"])
+@pytest.mark.parametrize("family", ["lora", "lokr", "loha"])
+@pytest.mark.parametrize("mode", ["auto", "runtime"])
+def test_output_change_matches_the_float_layer(layout, family, mode):
+    model = quantized(float_model(), layout)
+    sd, deltas = adapter(family)
+    before, snap = layer_outputs(model, X), snapshot(model)
+    handle = loraweave.apply(model, sd, mode=mode, strict=True)
+    after = layer_outputs(model, X)
+    for name, delta in deltas.items():
+        assert rel_err(after[name] - before[name], X.double() @ delta.t()) <= RUNTIME_TOL, (name, layout, family, mode)
+    expect = "factor" if (mode == "auto" and family == "lora") else "runtime"
+    assert {(m.module, m.mechanism, m.backend) for m in handle.report.applied} == {("a", expect, "sdnq"), ("b", expect, "sdnq")}
+    handle.remove()
+    assert_restored(model, snap)
+    final = layer_outputs(model, X)
+    assert all(torch.equal(final[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_factor_channel_is_exact_in_every_layout(layout):
+    from loraweave.quant.sdnq import BACKEND
+
+    model = quantized(float_model(), layout)
+    (s1, d1), (s2, d2) = lora("a", OUT_A, 8, 20), lora("a", OUT_A, 4, 21)
+    before, snap = layer_outputs(model, X), snapshot(model)
+    w_before = BACKEND.dequantize(model.a).double()
+    handle = loraweave.apply(model, [(s1, 1.0), (s2, -0.7)], mode="auto", strict=True)
+    assert [m.mechanism for m in handle.report.applied] == ["factor"]
+    assert handle.report.applied[0].retention == 1.0 and handle.report.applied[0].rank == 12
+    delta = d1 - 0.7 * d2
+    w_after = BACKEND.dequantize(model.a).double()
+    assert float((w_after - w_before - delta).norm() / delta.norm()) <= FACTOR_TOL, layout
+    after = layer_outputs(model, X)
+    assert rel_err(after["a"] - before["a"], X.double() @ delta.t()) <= FACTOR_TOL, layout
+    assert torch.equal(after["b"], before["b"])
+    # No weight backup and no hook: only the side channel grew.
+    assert not model.a._forward_hooks and "forward" not in model.a.__dict__
+    assert model.a.weight is snap["a"][2]["weight"][0]
+    # Strength changes rewrite from the original side channel.
+    names = [a["name"] for a in handle.report.adapters]
+    handle.set_strength(names[1], 0.25)
+    delta = d1 + 0.25 * d2
+    after = layer_outputs(model, X)
+    assert rel_err(after["a"] - before["a"], X.double() @ delta.t()) <= FACTOR_TOL, layout
+    handle.remove()
+    assert_restored(model, snap)
+    assert torch.equal(layer_outputs(model, X)["a"], before["a"])
+
+
+def test_factor_channel_layout_shapes():
+    """Plain layout: svd_up (out, r), svd_down (r, in); quantized matmul: transposed; Hadamard: down stored as A·H."""
+    from sdnq.quant_utils import get_hadamard
+
+    sd, delta = lora("a", OUT_A, 8, 30)
+    down, up = sd["a.lora_down.weight"], sd["a.lora_up.weight"] * 0.5  # γ = alpha/rank = 0.5
+    for layout, transposed, hadamard in (("uint4", False, False), ("int8_qmatmul", True, False),
+                                         ("uint4_hadamard", False, True)):
+        model = quantized(float_model(), layout)
+        with loraweave.apply(model, sd, strict=True):
+            su, sdown = model.a.svd_up, model.a.svd_down
+            if transposed:
+                su, sdown = su.t(), sdown.t()
+            assert su.shape == (OUT_A, 8) and sdown.shape == (8, IN), layout
+            want = down
+            if hadamard:
+                n = model.a.sdnq_dequantizer.hadamard_group_size
+                want = (down.unflatten(-1, (-1, n)) @ get_hadamard(n)).flatten(-2)
+            assert rel_err(sdown, want) <= 1e-6 and rel_err(su, up) <= 1e-6, layout
+        assert model.a.svd_up is None and model.a.svd_down is None
+
+
+def test_checkpoint_svd_is_kept_and_extended():
+    model = quantized(float_model(), "uint4_svd")
+    orig_up, orig_down = model.a.svd_up, model.a.svd_down
+    sd, _ = lora("a", OUT_A, 8, 31)
+    with loraweave.apply(model, sd, strict=True):
+        assert model.a.svd_up.shape == (OUT_A, 16 + 8)
+        assert torch.equal(model.a.svd_up[:, :16], orig_up) and torch.equal(model.a.svd_down[:16], orig_down)
+        assert isinstance(model.a.svd_up, nn.Parameter)  # stays where sdnq keeps it (state_dict sees it)
+    assert model.a.svd_up is orig_up and model.a.svd_down is orig_down
+
+
+def test_rank_is_padded_to_a_bucket_without_changing_the_product():
+    model = quantized(float_model(), "uint4")
+    sd, delta = lora("a", OUT_A, 5, 32)
+    before = layer_outputs(model, X)["a"]
+    with loraweave.apply(model, sd, strict=True) as handle:
+        assert model.a.svd_up.shape == (OUT_A, 8) and handle.report.applied[0].rank == 5
+        assert torch.count_nonzero(model.a.svd_up[:, 5:]) == 0
+        assert rel_err(layer_outputs(model, X)["a"] - before, X.double() @ delta.t()) <= FACTOR_TOL
+
+
+def test_non_factorable_parts_and_bias_deltas_take_the_runtime_path_in_auto():
+    model = quantized(float_model(), "uint4")
+    g = gen(33)
+    down, up, bias = (torch.randn(4, IN, generator=g) * 0.05, torch.randn(OUT_A, 4, generator=g) * 0.05,
+                      torch.randn(OUT_A, generator=g) * 0.01)
+    peft = {"a.lora_A.weight": down, "a.lora_B.weight": up, "a.lora_B.bias": bias}  # PEFT layout, no alpha: γ = 1
+    sd_k, dk = lokr("a", OUT_A, 34)
+    sd_b, db = lora("b", OUT_B, 8, 35)
+    before = layer_outputs(model, X)
+    handle = loraweave.apply(model, [peft, sd_k, sd_b], strict=True)
+    mech = {m.module: (m.mechanism, m.why) for m in handle.report.applied}
+    assert mech["a"][0] == "runtime" and "lokr" in mech["a"][1], mech
+    assert mech["b"][0] == "factor"
+    after = layer_outputs(model, X)
+    ref_a = X.double() @ (up.double() @ down.double() + dk).t() + bias.double()
+    assert rel_err(after["a"] - before["a"], ref_a) <= RUNTIME_TOL
+    assert rel_err(after["b"] - before["b"], X.double() @ db.t()) <= RUNTIME_TOL
+    handle.remove()
+
+
+@pytest.mark.parametrize("layout", ["int8", "uint4_hadamard"])
+def test_dora_reads_the_dequantized_weight(layout):
+    """DoRA's norm needs W: on a quantized layer it is the backend's dequantized weight (the layer's own W),
+    never the packed storage. Reference: W' = m·(W + γBA)/‖W + γBA‖ (row norms), with W dequantized here."""
+    model = quantized(float_model(), layout)
+    g = gen(36)
+    down, up = torch.randn(4, IN, generator=g) * 0.05, torch.randn(OUT_A, 4, generator=g) * 0.05
+    m = torch.rand(OUT_A, 1, generator=g) + 0.5
+    sd = {"a.lora_down.weight": down, "a.lora_up.weight": up, "a.alpha": torch.tensor(2.0), "a.dora_scale": m}
+    deq = model.a.sdnq_dequantizer
+    w = deq(**get_sdnq_params(model.a), skip_quantized_matmul=deq.use_quantized_matmul, dtype=torch.float32).double()
+    wc = w + 0.5 * up.double() @ down.double()
+    ref = X.double() @ (m.double() * wc / wc.norm(dim=1, keepdim=True) - w).t()
+    before, snap = layer_outputs(model, X), snapshot(model)
+    handle = loraweave.apply(model, sd, mode="auto", strict=True)
+    assert [e.mechanism for e in handle.report.applied] == ["runtime"]
+    assert rel_err(layer_outputs(model, X)["a"] - before["a"], ref) <= RUNTIME_TOL
+    handle.remove()
+    assert_restored(model, snap)
+
+
+def test_two_handles_on_one_layer_undo_in_reverse_only():
+    model = quantized(float_model(), "uint4")
+    (s1, _), (s2, _) = lora("a", OUT_A, 8, 36), lora("a", OUT_A, 8, 37)
+    snap = snapshot(model)
+    h1 = loraweave.apply(model, s1, strict=True)
+    h2 = loraweave.apply(model, s2, strict=True)
+    with pytest.raises(RuntimeError, match="remove that handle first"):
+        h1.remove()
+    h2.remove()
+    h1.remove()
+    assert_restored(model, snap)
