@@ -55,6 +55,9 @@ class ArchTable:
     # Spellings of projections that runtimes fuse (not checkpoint names): same mechanism, kept apart so the
     # checkpoint-layout oracle can tell them from the original names.
     runtime_fusions: tuple[Alias, ...] = ()
+    # Inputs a control adapter may grow (BFL Canny/Depth: `img_in` 64 -> 128 columns): (module, config key that
+    # records the input width). The module gets zero columns for the new channels before the adapter lands.
+    growable_inputs: tuple[tuple[str, str], ...] = ()
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
