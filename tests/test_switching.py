@@ -72,9 +72,9 @@ def test_runtime_drop_gates_without_rebuilding(setup):
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, _specs(files, {"a": 1.0, "b": 0.5}), mode="runtime")
     handle.switch(_specs(files, {"a": 1.0}))
-    assert handle.last_switch == {"kept": 3, "rebuilt": 0, "dropped": 1}  # b alone on the last layer: detached
+    assert handle.last_switch == {"kept": 3, "reattached": 0, "rebuilt": 0, "dropped": 1}  # b alone on the last layer: detached
     handle.switch(_specs(files, {"a": 0.3, "b": 0.5}))  # b comes back: gated layers re-open, the last is rebuilt
-    assert handle.last_switch == {"kept": 3, "rebuilt": 1, "dropped": 0}
+    assert handle.last_switch == {"kept": 3, "reattached": 1, "rebuilt": 0, "dropped": 0}
     fresh = copy.deepcopy(base)
     loraweave.apply(fresh, _specs(files, {"a": 0.3, "b": 0.5}), mode="runtime")
     with torch.no_grad():
@@ -111,3 +111,16 @@ def test_500_layer_runtime_switch_touches_no_weight():
     x = torch.randn(3, 16)
     with torch.no_grad():
         assert torch.equal(model(x), pristine(x))
+
+
+def test_runtime_switch_back_reattaches_previous_paths(setup):
+    base, files = setup
+    model = copy.deepcopy(base)
+    handle = loraweave.apply(model, _specs(files, {"a": 1.0}), mode="runtime")
+    handle.switch(_specs(files, {"c": 1.0}))
+    handle.switch(_specs(files, {"a": 0.5}))  # A's paths come back from the previous switch, rebound at 0.5
+    assert handle.last_switch["rebuilt"] == 0 and handle.last_switch["reattached"] >= 1
+    fresh = copy.deepcopy(base)
+    loraweave.apply(fresh, _specs(files, {"a": 0.5}), mode="runtime")
+    with torch.no_grad():
+        assert rel_err(flux_forward(model), flux_forward(fresh)) <= 1e-6

@@ -33,33 +33,44 @@ MODES = ("auto", "merge", "runtime")
 AdapterSource = str | os.PathLike | Adapter | Mapping | tuple | AdapterSpec
 
 
-def _normalise_adapters(adapters, strength: float) -> list[tuple[Adapter, AdapterWeights]]:
+def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
     if isinstance(adapters, (str, os.PathLike, Adapter, Mapping, AdapterSpec)) or (
         isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[1], (int, float))
     ):
         adapters = [adapters]
-    out: list[tuple[Adapter, AdapterWeights]] = []
-    seen: Counter = Counter()
+    out = []
     for item in adapters:
         if isinstance(item, tuple):
             item = AdapterSpec(item[0], item[1])
         spec = item if isinstance(item, AdapterSpec) else AdapterSpec(item)
+        te = None if spec.te_strength is None else _finite_strength(float(spec.te_strength) * float(strength))
+        out.append((spec, AdapterWeights(_finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights)))
+    return out
+
+
+def _normalise_adapters(specs: list[tuple[AdapterSpec, AdapterWeights]], load=load_adapter) -> list[tuple[Adapter, AdapterWeights]]:
+    out: list[tuple[Adapter, AdapterWeights]] = []
+    seen: Counter = Counter()
+    for spec, weights in specs:
         # A shallow copy per use: the caller's object is never renamed, and one Adapter may be passed twice.
-        adapter = copy.copy(load_adapter(spec.source))
+        adapter = copy.copy(load(spec.source))
         if spec.name:
             adapter.name = spec.name
         seen[adapter.name] += 1
         if seen[adapter.name] > 1:  # two adapters must not share a name: set_strength addresses them by it
             adapter.name = f"{adapter.name}#{seen[adapter.name]}"
-        te = None if spec.te_strength is None else _finite_strength(float(spec.te_strength) * float(strength))
-        weights = AdapterWeights(_finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights)
         out.append((adapter, weights))
     return out
 
 
-def _resolve(target, adapters, strength: float) -> tuple[Plan, dict[str, AdapterWeights]]:
-    items = _normalise_adapters(adapters, strength)
-    p = resolve(as_components(target), [(a, w.strength) for a, w in items])
+def _resolve(target, adapters, strength: float, cache=None) -> tuple[Plan, dict[str, AdapterWeights]]:
+    """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen before."""
+    specs = _specs(adapters, strength)
+    items = _normalise_adapters(specs, cache.load if cache is not None else load_adapter)
+    if cache is not None:
+        p = cache.resolve([(a, w.strength) for a, w in items], [s.source for s, _ in specs])
+    else:
+        p = resolve(as_components(target), [(a, w.strength) for a, w in items])
     settings = {a.name: w for a, w in items}
     assign(p, settings)
     return p, settings
@@ -153,15 +164,18 @@ def _check_runtime(
 Work = list[tuple[str, str, torch.nn.Module, str, str, list[Contribution]]]
 
 
-def _plan_work(p: Plan, groups, mode: str, unmatched: list[dict]) -> tuple[Work, dict[tuple[str, str], RuntimePath]]:
-    """Choose a mechanism per layer; parts some layer refuses are dropped everywhere and added to `unmatched`."""
+def _plan_work(p: Plan, groups, mode: str, unmatched: list[dict],
+               reuse=None) -> tuple[Work, dict[tuple[str, str], RuntimePath]]:
+    """Choose a mechanism per layer; parts some layer refuses are dropped everywhere and added to `unmatched`.
+
+    reuse(module, contribs) -> True: a live runtime path will serve these contributions (switching): not rebuilt."""
     work: Work = []
     rejected_parts: dict[int, str] = {}
     prepared: dict[tuple[str, str], RuntimePath] = {}  # built while checking, attached later unless parts drop out
     for (comp, path), contribs in groups.items():
         module = p.components.modules[comp].get_submodule(path)
         mechanism, why = _choose(mode, module, contribs)
-        if mechanism == "runtime":
+        if mechanism == "runtime" and not (reuse is not None and reuse(module, contribs)):
             mechanism, why, runtime_path = _check_runtime(mode, module, contribs, why)
             if runtime_path is not None:
                 prepared[(comp, path)] = runtime_path

@@ -101,7 +101,11 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     mode = handle.report.mode
     components = handle._plan.components
     api.validate_stack(stack, density)
-    p, settings = api._resolve(components, adapters, strength)
+    if getattr(handle, "_resolve_cache", None) is None:
+        from .plan.cache import ResolveCache
+
+        handle._resolve_cache = ResolveCache(components)
+    p, settings = api._resolve(components, adapters, strength, cache=handle._resolve_cache)
     if handle._grown or any(pp.grow for pp in p.planned):  # a grown input changes the model itself: start over
         handle.remove()
         fresh = api.apply(components, adapters, mode=mode, strength=strength, stack=stack, density=density)
@@ -109,15 +113,25 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
         return
     unmatched = list(p.unmatched)
     groups = api.combine_groups(api._group_by_module(p.planned), components.modules, stack, density)
-    work, prepared = api._plan_work(p, groups, mode, unmatched)
     old_runtime = {id(rp.module): rp for rp in handle._runtime}
+    detached = getattr(handle, "_detached", {})  # paths the previous switch took off, by (module, structure)
+
+    def reuse(module, contribs) -> bool:
+        rp = old_runtime.get(id(module))
+        keys = set(contribution_keys(contribs))
+        if rp is not None and keys <= set(contribution_keys(rp.contributions)):
+            return True
+        return (id(module), structure(contribs)) in detached
+
+    work, prepared = api._plan_work(p, groups, mode, unmatched, reuse=reuse)
     old_merged = {id(m.module): m for m in handle._merged}
     later = [m for m in handle._merged if not m.is_top()]
     if later:
         raise RuntimeError(f"{len(later)} merged layers were merged again by a later apply; remove that handle first")
     runtime: list[RuntimePath] = []
     merged: list[MergedModule] = []
-    applied, counts = [], {"kept": 0, "rebuilt": 0, "dropped": 0}
+    applied, counts = [], {"kept": 0, "reattached": 0, "rebuilt": 0, "dropped": 0}
+    now_detached: dict[tuple[int, tuple], RuntimePath] = {}
     seen: set[int] = set()
     try:
         for comp, path, module, mechanism, why, contribs in work:
@@ -134,19 +148,30 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
                     rp.detach()
                 if rec is not None:
                     rec.restore()
+                if rp is not None:
+                    now_detached[(id(module), structure(rp.contributions))] = rp
                 if mechanism == "merge":
                     merge_module(module, contribs, merged)
+                    counts["rebuilt"] += 1
                 else:
-                    new = prepared.get((comp, path)) or RuntimePath(module, contribs)
+                    new = detached.get((id(module), structure(contribs)))
+                    if new is not None:  # back to a set this layer carried before: re-attach, nothing rebuilt
+                        new.rebind(mapping(new.contributions, contribs))
+                        new.gates.clear()
+                        new.refresh_scales()
+                        counts["reattached"] += 1
+                    else:
+                        new = prepared.get((comp, path)) or RuntimePath(module, contribs)
+                        counts["rebuilt"] += 1
                     runtime.append(new)
                     new.attach()
-                counts["rebuilt"] += 1
             applied.append(api.AppliedModule(comp, path, mechanism, sorted(api.adapter_names(contribs)),
                                              why if mode == "auto" else "", "",
                                              sorted({n for pp, _ in contribs for n in pp.notes})))
         for rp in handle._runtime:
             if id(rp.module) not in seen:
                 rp.detach()
+                now_detached[(id(rp.module), structure(rp.contributions))] = rp
                 counts["dropped"] += 1
         for rec in handle._merged:
             if id(rec.module) not in seen:
@@ -161,8 +186,9 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
         handle.active = False
         raise
     handle._plan, handle._settings, handle._runtime, handle._merged = p, settings, runtime, merged
+    handle._detached = now_detached
     handle.report = api._make_report(p, mode, applied, unmatched, 0.0)
     handle.report.seconds = 0.0
-    api.log.info("loraweave switch layers_kept=%d layers_rebuilt=%d layers_dropped=%d %s", counts["kept"],
-                 counts["rebuilt"], counts["dropped"], handle.report.summary())
+    api.log.info("loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
+                 counts["kept"], counts["reattached"], counts["rebuilt"], counts["dropped"], handle.report.summary())
     handle.last_switch = counts

@@ -176,9 +176,11 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     return PlannedPart(adapter, part, comp_name, found, factors, scale, source, strength, notes, grow)
 
 
-def resolve(components: Components, adapters: list[tuple[Adapter, float]]) -> Plan:
+def resolve(components: Components, adapters: list[tuple[Adapter, float]],
+            tables: dict[str, AliasTable] | None = None) -> Plan:
+    """Plan every part of every adapter; `tables` reuses alias tables built for these components before."""
     plan = Plan(components, [a for a, _ in adapters], {a.name: s for a, s in adapters})
-    tables = {name: AliasTable(module) for name, module in components}
+    tables = tables if tables is not None else {name: AliasTable(module) for name, module in components}
     for adapter, strength in adapters:
         for item in adapter.unparsed:
             plan.unmatched.append({"adapter": adapter.name, "key": item["key"], "reason": f"not parsed: {item['reason']}"})
