@@ -5,11 +5,14 @@ Plain helper functions live in helpers.py; tiny real-architecture models in tiny
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
+# inspect caches architecture skeletons; tests keep theirs out of the user's ~/.cache.
+os.environ.setdefault("LORAWEAVE_CACHE", tempfile.mkdtemp(prefix="loraweave-test-cache-"))
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 REALDATA = SHARED / "realdata"

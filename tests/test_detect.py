@@ -59,7 +59,7 @@ def test_sdxl_by_cross_attention_width():
 def test_inspect_cli_prints_architecture(capsys, realdata):
     assert main(["inspect", "--json", str(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["architecture"] == "flux" and info["keys_total"] == 8
+    assert info["architecture"]["name"] == "flux" and info["keys_total"] == 8
 
 
 def _double_stream_only_file(cls_name: str, config: str) -> dict[str, torch.Tensor]:

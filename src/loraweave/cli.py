@@ -1,4 +1,4 @@
-"""Command line: `loraweave demo | inspect`."""
+"""Command line: `loraweave demo | inspect | bake | convert | extract | resize` (the only place that prints)."""
 
 from __future__ import annotations
 
@@ -46,36 +46,190 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .formats.adapter import load_adapter
-    from .formats.detect import detect_architecture
+    from .tools.inspect import format_table, inspect_adapter
 
-    adapter = load_adapter(args.file, allow_pickle=args.allow_pickle)
-    detection = detect_architecture(adapter)
-    info = {
-        "name": adapter.name,
-        "architecture": detection.architecture,
-        "architecture_evidence": detection.evidence,
-        "layout": adapter.layout,
-        "families": adapter.families,
-        "parts": len(adapter.parts),
-        "keys_total": adapter.keys_total,
-        "components": sorted({p.component for p in adapter.parts}),
-        "unparsed": adapter.unparsed,
-        "metadata_keys": sorted(adapter.metadata),
-    }
+    info = inspect_adapter(args.file, arch=args.arch, model=args.model, allow_pickle=args.allow_pickle,
+                           text_encoders=not args.no_text_encoders, check_values=args.check_values)
+    print(json.dumps(info, indent=2) if args.json else format_table(info, args.limit))
+    return 1 if args.strict and not info["coverage"]["complete"] else 0
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser(
+        "inspect", help="what an adapter file is and how much of it lands on a model",
+        description="Show an adapter's layout, families, ranks, alphas (and where they come from), dtypes, "
+        "metadata and detected architecture with its evidence, then resolve every key against the architecture "
+        "(full size on the meta device: no weights, no download) or a checkpoint, listing unmatched keys and why.",
+        epilog="exit status: 0; 1 with --strict when some key does not land; 2 on a read error. "
+        "JSON (--json) always has layout, families, architecture {name, evidence}, "
+        "coverage {keys_total, keys_applied, unmatched}.",
+    )
+    p.add_argument("file", help=".safetensors adapter file or PEFT directory")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--arch", help="resolve against this architecture instead of the detected one "
+                       "(sd1, sd2, sdxl, sdxl-refiner, flux, flux-schnell, chroma, flux2, sd3, z-image, qwen-image, "
+                       "wan, hunyuan-video)")
+    where.add_argument("--model", help="resolve against a checkpoint: .safetensors file, diffusers component "
+                       "folder (sharded or not) or pipeline folder; only tensor headers are read")
+    p.add_argument("--no-text-encoders", action="store_true", help="with --arch: skip the text encoders")
+    p.add_argument("--check-values", action="store_true", help="also read every factor and reject NaN/Inf "
+                   "(default: names and shapes only, alphas read)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--strict", action="store_true", help="exit 1 when coverage is incomplete")
+    p.add_argument("--limit", type=int, default=20, help="unmatched keys listed in the table (default 20)")
+    p.add_argument("--allow-pickle", action="store_true", help="read .pt/.ckpt with torch.load(weights_only=True)")
+    p.set_defaults(func=_cmd_inspect)
+
+
+def _cmd_bake(args: argparse.Namespace) -> int:
+    from .tools.bake import bake, parse_adapter_arg
+
+    res = bake(args.model, [parse_adapter_arg(a) for a in args.lora], args.output, dtype=args.dtype,
+               strict=args.strict, overwrite=args.force, progress=not args.quiet and sys.stderr.isatty())
     if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        for k, v in info.items():
-            if k == "unparsed":
-                print(f"unparsed: {len(v)}")
-                for u in v[: args.limit]:
-                    print(f"  {u['key']}: {u['reason']}")
-            elif k == "metadata_keys" and len(v) > args.limit:
-                print(f"metadata_keys: {len(v)} ({', '.join(v[: args.limit])}, ...)")
-            else:
-                print(f"{k}: {v}")
+        print(json.dumps(res.to_dict(), indent=2))
+        return 0
+    print(f"baked {len(res.adapters)} adapter(s) into {res.output}: {res.tensors_changed} of {res.tensors} tensors "
+          f"changed, {res.keys_applied}/{res.keys_total} keys applied, {res.bytes_written / 2**20:.1f} MiB written "
+          f"in {res.seconds:.2f}s")
+    for u in res.unmatched[: args.limit]:
+        print(f"  not applied: {u['key']}: {u['reason']}")
+    if len(res.unmatched) > args.limit:
+        print(f"  ... {len(res.unmatched) - args.limit} more not applied (--json lists all)")
     return 0
+
+
+def _print_lowrank(res, args: argparse.Namespace, verb: str) -> int:
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=2))
+        return 0
+    ranks = sorted({la["rank"] for la in res.layers})
+    print(f"{verb} {len(res.layers)} layers into {res.output} (ranks {ranks[0] if ranks else '-'}..."
+          f"{ranks[-1] if ranks else '-'}) in {res.seconds:.2f}s")
+    if res.layers:
+        print(f"captured energy per layer: min {res.energy_min:.6f}, median {res.energy_median:.6f}")
+        worst = sorted(res.layers, key=lambda la: la["energy"])[: args.limit]
+        for la in worst:
+            print(f"  {la['energy']:.6f}  rank {la['rank']:>4}  {la['name']}")
+    for reason, n in res.skipped.items():
+        print(f"skipped {n}: {reason}")
+    return 0
+
+
+def _cmd_extract(args: argparse.Namespace) -> int:
+    from .tools.extract import extract
+
+    res = extract(args.base, args.tuned, args.output, rank=args.rank, energy=args.energy, dtype=args.dtype,
+                  min_rel_diff=args.min_diff, overwrite=args.force)
+    return _print_lowrank(res, args, "extracted")
+
+
+def _cmd_resize(args: argparse.Namespace) -> int:
+    from .tools.extract import resize
+
+    res = resize(args.file, args.output, rank=args.rank, energy=args.energy, dtype=args.dtype, overwrite=args.force,
+                 arch=args.arch, model=args.model)
+    return _print_lowrank(res, args, "resized")
+
+
+def _lowrank_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", required=True, help="output .safetensors file (written atomically)")
+    p.add_argument("--rank", type=int, help="rank per layer (the cap when --energy is also given)")
+    p.add_argument("--energy", type=float, help="per layer, the smallest rank keeping this share of Σσ² "
+                   "(e.g. 0.99)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="factor dtype (default: the input's)")
+    p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
+    p.add_argument("--json", action="store_true", help="print per-layer ranks and energies as JSON")
+    p.add_argument("--limit", type=int, default=10, help="lowest-energy layers to list (default 10)")
+
+
+def _add_lowrank(sub) -> None:
+    p = sub.add_parser(
+        "extract", help="LoRA from the difference of two checkpoints",
+        description="Extract a LoRA from TUNED - BASE, layer by layer (one difference in memory at a time): each "
+        "weight's ΔW is truncated by SVD to --rank, or to the smallest rank keeping --energy of its energy Σσ². "
+        "Reports the captured energy per layer (min / median); 1-D differences (norms, biases) are counted, not "
+        "written. Output keys use the checkpoint's own module names with alpha = rank (scale 1).",
+    )
+    p.add_argument("base", help="base checkpoint (.safetensors file, component or pipeline folder)")
+    p.add_argument("tuned", help="fine-tuned checkpoint with the same tensor names")
+    p.add_argument("--min-diff", type=float, default=0.0, help="skip layers whose |ΔW|/|W| is below this")
+    _lowrank_options(p)
+    p.set_defaults(func=_cmd_extract)
+    p = sub.add_parser(
+        "resize", help="re-rank an adapter: LoRA/LoHa/LoKr/full -> LoRA of rank R",
+        description="Rewrite every LoRA, LoHa, LoKr or full-diff part of an adapter as a LoRA of rank --rank (or "
+        "the smallest rank keeping --energy of Σσ²), with its alpha/rank scale folded in and alpha = rank. LoRA "
+        "parts are truncated through QR of the factors (ΔW is never formed); the others one ΔW at a time. Reports "
+        "captured energy per layer; families that need the base weight (OFT, DoRA, IA3, GLoRA) are refused.",
+    )
+    p.add_argument("file", help="adapter .safetensors file or PEFT folder")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--arch", help="architecture that gives conv kernel shapes flat-stored factors lack "
+                       "(default: detected)")
+    where.add_argument("--model", help="checkpoint that gives those shapes instead")
+    _lowrank_options(p)
+    p.set_defaults(func=_cmd_resize)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .tools.convert import convert
+
+    res = convert(args.file, args.to, args.output, arch=args.arch, model=args.model, overwrite=args.force)
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=2))
+        return 0
+    print(f"converted {res.keys_in} keys to {res.layout} layout: {res.keys_out} keys on {res.targets} targets "
+          f"({res.splits} split, {res.joins} joined) -> {res.output}")
+    for note in res.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert", help="rewrite a LoRA in another trainer layout (kohya, peft, diffusers, comfy)",
+        description="Convert a LoRA between layouts: kohya (lora_unet_/lora_te_, underscored; original names for "
+        "SDXL and DiTs), peft (folder: adapter_model.safetensors + adapter_config.json), diffusers (component-"
+        "prefixed lora_A/lora_B, alpha in lora_adapter_metadata), comfy (diffusion_model.<original names>). Keys "
+        "are resolved against the model (full size on the meta device, from --arch or detection, or --model), so "
+        "fused rows are split (shared down, up rows cut) or joined (shared down when equal, else rank "
+        "concatenation) exactly as the target naming needs; alpha is carried so alpha/rank is unchanged. The "
+        "result is re-resolved before writing. Other families, and keys that do not resolve, are refused.",
+    )
+    p.add_argument("file", help="adapter .safetensors file or PEFT folder")
+    p.add_argument("--to", required=True, choices=["kohya", "peft", "diffusers", "comfy"], help="target layout")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--arch", help="architecture whose module names and fused rows apply (default: detected)")
+    where.add_argument("--model", help="checkpoint (file or folder) to resolve against instead")
+    p.add_argument("-o", "--output", required=True, help="output file (peft: output folder)")
+    p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_cmd_convert)
+
+
+def _add_tools(sub) -> None:
+    p = sub.add_parser(
+        "bake", help="merge adapters into a checkpoint on disk (tensor by tensor)",
+        description="Merge LoRA/LyCORIS adapters into a checkpoint: a single .safetensors file, a (sharded) diffusers "
+        "component folder with its index, or a diffusers pipeline folder. Keys resolve against the checkpoint's own "
+        "tensor names (no model is built); each tensor is read, merged (fp32 accumulation, one rounding, identical "
+        "to apply(mode='merge')) and written alone, so memory stays near the largest tensor. The output is written "
+        "to a temp path next to the target and renamed into place only when complete; it may not overwrite an input. "
+        "Every output file's metadata records the adapters, their sha256, strengths and the tool version.",
+    )
+    p.add_argument("model", help="checkpoint: .safetensors file, component folder or pipeline folder")
+    p.add_argument("lora", nargs="+", help="adapter file, optionally with a strength: FILE[:STRENGTH] (default 1.0)")
+    p.add_argument("-o", "--output", required=True, help="output file (single-file input) or folder")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors of the output")
+    p.add_argument("--strict", action="store_true", help="write nothing unless every key lands")
+    p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--limit", type=int, default=20, help="keys not applied to list (default 20)")
+    p.set_defaults(func=_cmd_bake)
+    _add_convert(sub)
+    _add_lowrank(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,12 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", help="directory for the sample LoRA files (default: a new temp directory)")
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
     demo.set_defaults(func=_cmd_demo)
-    inspect = sub.add_parser("inspect", help="show an adapter file's layout, families and unparsed keys")
-    inspect.add_argument("file", help=".safetensors file or PEFT directory")
-    inspect.add_argument("--json", action="store_true", help="print as JSON")
-    inspect.add_argument("--limit", type=int, default=20, help="unparsed keys to list (default 20)")
-    inspect.add_argument("--allow-pickle", action="store_true", help="read .pt/.ckpt with torch.load(weights_only=True)")
-    inspect.set_defaults(func=_cmd_inspect)
+    _add_inspect(sub)
+    _add_tools(sub)
     return parser
 
 
@@ -103,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s %(message)s")
     try:
         return args.func(args)
-    except LoraweaveError as exc:
+    except (LoraweaveError, ValueError) as exc:  # bad input or a refusal: one line, no traceback
         print(f"loraweave: error: {exc}", file=sys.stderr)
         return 2
 

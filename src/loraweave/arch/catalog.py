@@ -1,0 +1,143 @@
+"""Architecture name -> full-size model skeleton on the `meta` device (no weights), for coverage checks.
+
+Each entry is a diffusers class plus the few config numbers that set its shapes (taken from the released
+configs), and the text encoders a kohya file for that architecture may target (transformers config classes)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("loraweave")
+
+_CLIP_L = ("CLIPTextModel", dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                                 num_hidden_layers=12, projection_dim=768, hidden_act="quick_gelu"))
+_CLIP_H = ("CLIPTextModel", dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
+                                 num_hidden_layers=23, projection_dim=512, hidden_act="gelu"))
+_CLIP_G = ("CLIPTextModelWithProjection", dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=20,
+                                               num_hidden_layers=32, projection_dim=1280, hidden_act="gelu"))
+_T5_XXL = ("T5EncoderModel", dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24,
+                                  feed_forward_proj="gated-gelu", vocab_size=32128))
+
+_SD15_UNET = dict(
+    block_out_channels=[320, 640, 1280, 1280], cross_attention_dim=768, attention_head_dim=8, layers_per_block=2,
+    down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+)
+_SDXL_UNET = dict(
+    block_out_channels=[320, 640, 1280], cross_attention_dim=2048, attention_head_dim=[5, 10, 20],
+    transformer_layers_per_block=[1, 2, 10], use_linear_projection=True, addition_embed_type="text_time",
+    addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816, layers_per_block=2,
+    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+)
+_FLUX = dict(attention_head_dim=128, guidance_embeds=True, in_channels=64, joint_attention_dim=4096,
+             num_attention_heads=24, num_layers=19, num_single_layers=38, patch_size=1, pooled_projection_dim=768)
+
+
+@dataclass(frozen=True)
+class ArchEntry:
+    name: str
+    denoiser: str  # component name diffusers pipelines use ("unet" / "transformer")
+    cls: str  # diffusers class
+    config: dict
+    text_encoders: dict[str, tuple[str, dict]] = field(default_factory=dict)  # component -> (transformers cls, cfg)
+    source: str = ""
+
+
+CATALOG: dict[str, ArchEntry] = {
+    e.name: e
+    for e in (
+        ArchEntry("sd1", "unet", "UNet2DConditionModel", _SD15_UNET, {"text_encoder": _CLIP_L}, "sd15 unet config"),
+        ArchEntry("sd2", "unet", "UNet2DConditionModel",
+                  {**_SD15_UNET, "cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20],
+                   "use_linear_projection": True}, {"text_encoder": _CLIP_H}, "sd15 config with SD2 attention"),
+        ArchEntry("sdxl", "unet", "UNet2DConditionModel", _SDXL_UNET,
+                  {"text_encoder": _CLIP_L, "text_encoder_2": _CLIP_G}, "sdxl-base unet config"),
+        ArchEntry("sdxl-refiner", "unet", "UNet2DConditionModel",
+                  {**_SDXL_UNET, "block_out_channels": [384, 768, 1536, 1536], "cross_attention_dim": 1280,
+                   "attention_head_dim": [6, 12, 24, 24], "transformer_layers_per_block": 4,
+                   "projection_class_embeddings_input_dim": 2560,
+                   "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+                   "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"]},
+                  {"text_encoder_2": _CLIP_G}, "sdxl-refiner unet config"),
+        ArchEntry("flux", "transformer", "FluxTransformer2DModel", _FLUX,
+                  {"text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL}, "flux1-dev transformer config"),
+        ArchEntry("flux-schnell", "transformer", "FluxTransformer2DModel", {**_FLUX, "guidance_embeds": False},
+                  {"text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL}, "flux1-schnell transformer config"),
+        ArchEntry("chroma", "transformer", "ChromaTransformer2DModel",
+                  dict(approximator_hidden_dim=5120, approximator_layers=5,
+                       attention_head_dim=128, axes_dims_rope=[16, 56, 56], in_channels=64, joint_attention_dim=4096,
+                       num_attention_heads=24, num_layers=19, num_single_layers=38, patch_size=1),
+                  {"text_encoder": _T5_XXL}, "chroma transformer config"),
+        ArchEntry("flux2", "transformer", "Flux2Transformer2DModel", {}, {}, "Flux2Transformer2DModel defaults"),
+        ArchEntry("sd3", "transformer", "SD3Transformer2DModel",
+                  dict(attention_head_dim=64, caption_projection_dim=1536, in_channels=16, joint_attention_dim=4096,
+                       num_attention_heads=24, num_layers=24, out_channels=16, patch_size=2,
+                       pooled_projection_dim=2048, pos_embed_max_size=192, sample_size=128),
+                  {"text_encoder": _CLIP_L, "text_encoder_2": _CLIP_G, "text_encoder_3": _T5_XXL},
+                  "sd3-medium transformer config"),
+        ArchEntry("z-image", "transformer", "ZImageTransformer2DModel",
+                  dict(all_f_patch_size=[1], all_patch_size=[2], axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
+                       cap_feat_dim=2560, dim=3840, in_channels=16, n_heads=30, n_kv_heads=30, n_layers=30,
+                       n_refiner_layers=2, qk_norm=True), {}, "z-image-turbo transformer config"),
+        ArchEntry("qwen-image", "transformer", "QwenImageTransformer2DModel",
+                  dict(attention_head_dim=128, axes_dims_rope=[16, 56, 56], guidance_embeds=False, in_channels=64,
+                       joint_attention_dim=3584, num_attention_heads=24, num_layers=60, out_channels=16,
+                       patch_size=2), {}, "qwen-image transformer config"),
+        ArchEntry("wan", "transformer", "WanTransformer3DModel",
+                  dict(added_kv_proj_dim=None, attention_head_dim=128, cross_attn_norm=True, eps=1e-6, ffn_dim=13824,
+                       freq_dim=256, in_channels=16, num_attention_heads=40, num_layers=40, out_channels=16,
+                       patch_size=[1, 2, 2], qk_norm="rms_norm_across_heads", text_dim=4096),
+                  {}, "Wan2.1 T2V 14B config"),
+        ArchEntry("hunyuan-video", "transformer", "HunyuanVideoTransformer3DModel",
+                  dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                       num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                       qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                       rope_theta=256.0, rope_axes_dim=[16, 56, 56]),
+                  {"text_encoder_2": _CLIP_L}, "HunyuanVideo T2V config"),
+    )
+}
+# Names detection or users may give -> catalog name.
+ALIASES = {"unet": "sd1", "sd15": "sd1", "sd1.5": "sd1", "sd21": "sd2", "flux1": "flux", "flux-dev": "flux",
+           "zimage": "z-image", "sd3.5": "sd3", "hunyuan": "hunyuan-video", "qwen": "qwen-image"}
+
+
+def canonical(name: str) -> str:
+    key = name.lower()
+    key = ALIASES.get(key, key)
+    if key not in CATALOG:
+        raise ValueError(f"unknown architecture {name!r}; known: {', '.join(sorted(CATALOG))}")
+    return key
+
+
+def _build_text_encoder(cls_name: str, cfg: dict) -> torch.nn.Module:
+    import transformers
+
+    config_cls = {"CLIPTextModel": "CLIPTextConfig", "CLIPTextModelWithProjection": "CLIPTextConfig",
+                  "T5EncoderModel": "T5Config"}[cls_name]
+    config = getattr(transformers, config_cls)(**cfg)
+    return getattr(transformers, cls_name)(config)
+
+
+def build_meta(name: str, text_encoders: bool = True) -> dict[str, torch.nn.Module]:
+    """{component name: module on the meta device}; full size, no memory for weights."""
+    try:
+        import diffusers
+    except ImportError as exc:  # an optional extra: say how to get it instead of a traceback
+        raise ValueError(f"building the {name} architecture needs diffusers (pip install 'loraweave[diffusers]'); "
+                         "or pass --model CHECKPOINT") from exc
+
+    entry = CATALOG[canonical(name)]
+    t0 = time.perf_counter()
+    out: dict[str, torch.nn.Module] = {}
+    with torch.device("meta"):
+        out[entry.denoiser] = getattr(diffusers, entry.cls).from_config(entry.config)
+        if text_encoders:
+            for comp, (cls_name, cfg) in entry.text_encoders.items():
+                out[comp] = _build_text_encoder(cls_name, cfg)
+    log.info("catalog build arch=%s components=%s seconds=%.3f", entry.name, ",".join(out), time.perf_counter() - t0)
+    return out

@@ -1,0 +1,1 @@
+"""Command implementations behind `loraweave <command>`: library code, no printing."""

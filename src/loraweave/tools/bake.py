@@ -1,0 +1,277 @@
+"""`bake`: merge adapters into a checkpoint on disk, tensor by tensor, without building or loading the model.
+
+Keys resolve against a shadow module tree made from the checkpoint's tensor names and shapes; each changed tensor
+is read alone, merged exactly as `apply(mode="merge")` does (fp32 accumulation, one rounding), and written to a temp
+file (or folder) next to the target, renamed into place only when everything succeeded. Unchanged tensors are
+copied byte for byte. Peak memory: the largest changed tensor (plus its fp32 copy) and the adapters."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..families import FAMILIES
+from ..formats.adapter import load_adapter
+from ..io.safetensors_file import read_safetensors_header
+from ..io.write import StreamingWriter, atomic_path, check_output
+from ..mechanisms.merge import Contribution
+from ..plan.resolve import Plan, resolve
+from ..plan.target import Components
+from .checkpoint import Checkpoint, open_checkpoint, resolution_components
+from .remap import translate
+
+log = logging.getLogger("loraweave")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class BakeResult:
+    output: Path
+    tensors: int = 0
+    tensors_changed: int = 0
+    bytes_written: int = 0
+    keys_total: int = 0
+    keys_applied: int = 0
+    unmatched: list[dict] = field(default_factory=list)
+    adapters: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        out = dict(vars(self))
+        out["output"] = str(self.output)
+        return out
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_adapter_arg(spec: str) -> tuple[str, float]:
+    """`FILE[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':' elsewhere)."""
+    head, sep, tail = spec.rpartition(":")
+    if sep and head:
+        try:
+            return head, float(tail)
+        except ValueError:
+            pass
+    return spec, 1.0
+
+
+def _plan(ckpt: Checkpoint, adapters: list[tuple[str, float]]) -> tuple[Plan, dict[str, dict]]:
+    loaded = []
+    seen: Counter = Counter()
+    for path, strength in adapters:
+        adapter = copy.copy(load_adapter(path))
+        seen[adapter.name] += 1
+        if seen[adapter.name] > 1:
+            adapter.name = f"{adapter.name}#{seen[adapter.name]}"
+        loaded.append((adapter, float(strength)))
+    trees, spans = resolution_components(ckpt)
+    return resolve(Components(trees), loaded), spans
+
+
+def _tensor_plan(ckpt: Checkpoint, plan: Plan, spans: dict[str, dict]) -> dict[str, tuple[str, list[Contribution]]]:
+    """{full tensor name: ("weight" | "bias", contributions)}; parts that cannot merge move to plan.unmatched."""
+    prefix = {c.name: c.prefix for c in ckpt.components}
+    tensors = {name: shard for c in ckpt.components for name, shard in c.tensors.items()}
+    dtypes: dict[str, torch.dtype] = {}
+    for shard in ckpt.files:
+        header, _, _ = read_safetensors_header(shard)
+        dtypes.update({k: v[0] for k, v in header.items()})
+    groups: dict[tuple[str, str], list[Contribution]] = {}
+    for pp in plan.planned:
+        for piece in pp.pieces:  # on a live module; original-named files: the same rows of their own tensors
+            for moved in translate(piece, spans.get(pp.component, {})):
+                groups.setdefault((pp.component, moved.module), []).append((pp, moved))
+    rejected: dict[int, str] = {}
+    for (comp, module), contribs in groups.items():
+        weight = f"{prefix[comp]}{module}.weight"
+        needs_bias = any(FAMILIES[pp.part.family].bias_delta(pp.factors, pc.src_start, pc.length) is not None
+                         for pp, pc in contribs)
+        why = None
+        if weight not in tensors:
+            why = "module has no weight tensor in the checkpoint"
+        elif not dtypes[weight].is_floating_point:
+            why = f"weight dtype {dtypes[weight]} is not floating point (quantized checkpoint)"
+        elif needs_bias and f"{prefix[comp]}{module}.bias" not in tensors:
+            why = "adapter carries a bias delta but the module has no bias"
+        for pp, _ in contribs if why else ():
+            rejected.setdefault(id(pp), f"cannot merge: {why} ({comp}.{module})")
+    for pp in plan.planned:  # a part split over several modules lands everywhere or nowhere
+        if id(pp) in rejected:
+            plan.unmatched += [{"adapter": pp.adapter.name, "key": k, "reason": rejected[id(pp)]} for k in pp.part.keys]
+    plan.planned = [pp for pp in plan.planned if id(pp) not in rejected]
+    out: dict[str, tuple[str, list[Contribution]]] = {}
+    for (comp, module), contribs in groups.items():
+        kept = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected]
+        if kept:
+            out[f"{prefix[comp]}{module}.weight"] = ("weight", kept)
+            if any(FAMILIES[pp.part.family].bias_delta(pp.factors, pc.src_start, pc.length) is not None
+                   for pp, pc in kept):
+                out[f"{prefix[comp]}{module}.bias"] = ("bias", kept)
+    return out
+
+
+def merged_weight(weight: torch.Tensor, contribs: list[Contribution], out_dtype: torch.dtype) -> torch.Tensor:
+    """W + Σ coeff·ΔW, accumulated as `MergedModule.write` does (same ops, same order: bit-identical)."""
+    acc = weight.reshape(weight.shape[0], -1).to(torch.promote_types(weight.dtype, torch.float32), copy=True)
+    base_rows = weight.reshape(weight.shape[0], -1)
+    for pp, piece in contribs:
+        family = FAMILIES[pp.part.family]
+        target = acc[piece.dst_start : piece.dst_start + piece.length]
+        coeff = pp.strength * pp.scale
+        if getattr(family, "NEEDS_BASE", False):
+            base = base_rows[piece.dst_start : piece.dst_start + piece.length].to(target.dtype)
+            family.add_delta(target, pp.factors, piece.src_start, piece.length, coeff,
+                             base=base, strength=pp.strength, scale=pp.scale)
+        else:
+            family.add_delta(target, pp.factors, piece.src_start, piece.length, coeff)
+    return acc.to(out_dtype).view(weight.shape)
+
+
+def merged_bias(bias: torch.Tensor, contribs: list[Contribution], out_dtype: torch.dtype) -> torch.Tensor:
+    acc = bias.to(torch.promote_types(bias.dtype, torch.float32), copy=True)
+    for pp, piece in contribs:
+        family = FAMILIES[pp.part.family]
+        kw = {}
+        if getattr(family, "BIAS_NEEDS_BASE", False):
+            rows = bias[piece.dst_start : piece.dst_start + piece.length]
+            kw["base"] = rows.to(torch.promote_types(rows.dtype, torch.float32), copy=True)
+        b = family.bias_delta(pp.factors, piece.src_start, piece.length, **kw)
+        if b is not None:
+            acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=pp.strength * pp.scale)
+    return acc.to(out_dtype)
+
+
+def _read(fd: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int, length: int) -> torch.Tensor:
+    buf = bytearray(length)
+    view = memoryview(buf)
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"short read at byte {offset + done}")
+        done += n
+    if length == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _bake_shard(src: Path, dst: Path, work: dict, dtype: torch.dtype | None, metadata_extra: dict[str, str],
+                bar, result: BakeResult) -> int:
+    header, metadata, data_start = read_safetensors_header(src)
+
+    def out_dtype(d: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and d.is_floating_point else d
+
+    entries = [(k, out_dtype(d), shape) for k, (d, shape, _, _) in header.items()]
+    writer = StreamingWriter(dst, entries, {**metadata, **metadata_extra})
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        for name, (d, shape, begin, end) in header.items():
+            if name in work or out_dtype(d) != d:
+                t = _read(fd, d, shape, data_start + begin, end - begin)
+                if name in work:
+                    kind, contribs = work[name]
+                    t = (merged_weight if kind == "weight" else merged_bias)(t, contribs, out_dtype(d))
+                    result.tensors_changed += 1
+                writer.write(name, t.to(out_dtype(d)))
+                del t
+            else:
+                writer.copy_raw(name, fd, data_start + begin, end - begin)
+            result.tensors += 1
+            bar.update(end - begin)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        os.close(fd)
+    return writer.bytes_written
+
+
+def _index_with_sizes(index_file: Path, dst: Path, shard_sizes: dict[str, int], extra: dict[str, str]) -> None:
+    data = json.loads(index_file.read_text())
+    data.setdefault("metadata", {})
+    data["metadata"]["total_size"] = sum(shard_sizes.values())
+    data["metadata"].update(extra)
+    dst.write_text(json.dumps(data, indent=2))
+
+
+def bake(model: str | os.PathLike, adapters: list[tuple[str, float]], output: str | os.PathLike,
+         dtype: str | torch.dtype | None = None, strict: bool = False, overwrite: bool = False,
+         progress: bool = False) -> BakeResult:
+    """Merge `adapters` [(path, strength)] into the checkpoint at `model`, writing `output` atomically."""
+    from .. import __version__
+
+    t0 = time.perf_counter()
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    ckpt = open_checkpoint(model)
+    out = check_output(output, [model, *(a for a, _ in adapters)], overwrite=overwrite)
+    try:
+        plan, spans = _plan(ckpt, adapters)
+        work = _tensor_plan(ckpt, plan, spans)
+    finally:
+        ckpt.close()
+    result = BakeResult(out)
+    result.keys_total = sum(a.keys_total for a in plan.adapters)
+    result.keys_applied = sum(len(pp.part.keys) for pp in plan.planned)
+    result.unmatched = list(plan.unmatched)
+    if strict and result.unmatched:
+        from ..errors import StrictApplyError
+
+        raise StrictApplyError(f"strict: {len(result.unmatched)} keys would not land; nothing written", None)
+    for adapter, (path, strength) in zip(plan.adapters, adapters, strict=True):
+        result.adapters.append({"file": Path(path).name, "sha256": file_sha256(adapter.path) if adapter.path else None,
+                                "strength": strength, "keys_total": adapter.keys_total,
+                                "keys_applied": sum(len(pp.part.keys) for pp in plan.planned if pp.adapter is adapter)})
+    record = {"tool": "loraweave", "version": __version__, "base": Path(model).name, "adapters": result.adapters,
+              "dtype": str(dtype).removeprefix("torch.") if dtype else "unchanged",
+              "tensors_changed": len([k for k, (kind, _) in work.items() if kind == "weight"])}
+    extra = {"loraweave.baked": json.dumps(record, sort_keys=True)}
+    total = sum(os.path.getsize(f) for f in ckpt.files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="bake", disable=not progress) as bar:
+        if ckpt.kind == "file":
+            with atomic_path(out) as tmp:
+                _bake_shard(ckpt.root, tmp, work, dtype, extra, bar, result)
+        else:
+            shards = set(ckpt.files)
+            indexes = {c.index_file: c for c in ckpt.components if c.index_file is not None}
+            with atomic_path(out, folder=True) as tmp:
+                sizes: dict[Path, dict[str, int]] = {}
+                for src in sorted(p for p in ckpt.root.rglob("*") if p.is_file()):
+                    rel = src.relative_to(ckpt.root)
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    if src in shards:
+                        written = _bake_shard(src, tmp / rel, work, dtype, extra, bar, result)
+                        sizes.setdefault(src.parent, {})[src.name] = written
+                    elif src not in indexes:
+                        shutil.copy2(src, tmp / rel)
+                for index_file in indexes:
+                    _index_with_sizes(index_file, tmp / index_file.relative_to(ckpt.root),
+                                      sizes.get(index_file.parent, {}), extra)
+    result.bytes_written = sum(p.stat().st_size for p in ([out] if out.is_file() else out.rglob("*")) if p.is_file())
+    result.seconds = time.perf_counter() - t0
+    log.info("bake output=%s tensors=%d changed=%d keys_applied=%d/%d unmatched=%d seconds=%.3f", out,
+             result.tensors, result.tensors_changed, result.keys_applied, result.keys_total, len(result.unmatched),
+             result.seconds)
+    return result

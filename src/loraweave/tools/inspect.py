@@ -1,0 +1,221 @@
+"""`inspect`: what an adapter file is (layout, families, ranks, alphas, dtypes, metadata, architecture with its
+evidence) and how much of it lands on a model: every key resolved against a full-size meta model or a checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from ..formats.adapter import Adapter, load_adapter
+from ..formats.detect import detect_architecture
+
+log = logging.getLogger("loraweave")
+
+# Training metadata that says what the file is; the rest (tag frequencies, bucket info, hashes) is noise here.
+SHOWN_METADATA = (
+    "ss_network_module", "ss_network_dim", "ss_network_alpha", "ss_network_args", "ss_base_model_version",
+    "ss_sd_model_name", "ss_v2", "ss_output_name", "modelspec.architecture", "modelspec.title",
+    "modelspec.implementation", "software", "format", "lora_adapter_metadata", "loraweave.baked",
+    "loraweave.converted", "loraweave.extracted",
+)
+MAX_METADATA_CHARS = 300
+# Role whose first dimension is the rank, per family.
+RANK_ROLES = ("down", "hada_w1_b", "lokr_w1_b", "lokr_w2_b", "a1")
+
+
+def _dtype(adapter: Adapter, key: str) -> str:
+    source = adapter.source
+    dtype = source.dtype(key) if hasattr(source, "dtype") else adapter.tensor(key).dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def _rank(adapter: Adapter, part) -> int | None:
+    for role in RANK_ROLES:
+        if role in part.roles:
+            shape = adapter.shape(part.roles[role])
+            return int(shape[0]) if shape else None
+    return None
+
+
+def _alpha(adapter: Adapter, part) -> float | None:
+    key = part.roles.get("alpha")
+    if key is None:
+        return None
+    t = adapter.tensor(key)
+    return float(t.reshape(-1)[0].float()) if t.numel() >= 1 else None
+
+
+def describe(adapter: Adapter) -> dict:
+    """Shape facts about the file alone (no model needed)."""
+    ranks = Counter(r for p in adapter.parts if (r := _rank(adapter, p)) is not None)
+    alphas = Counter(a for p in adapter.parts if (a := _alpha(adapter, p)) is not None)
+    keys = [k for p in adapter.parts for k in p.keys] + [u["key"] for u in adapter.unparsed]
+    meta = {k: v if len(v) <= MAX_METADATA_CHARS else v[:MAX_METADATA_CHARS] + "..."
+            for k, v in adapter.metadata.items() if k in SHOWN_METADATA}
+    alpha_note = "alpha tensors" if alphas else (
+        "metadata" if not adapter.meta_alpha.empty else "none (scale 1 unless the loader assumes otherwise)")
+    return {
+        "name": adapter.name,
+        "path": adapter.path,
+        "layout": adapter.layout,
+        "families": adapter.families,
+        "parts": len(adapter.parts),
+        "keys_total": adapter.keys_total,
+        "components": sorted({p.component for p in adapter.parts}),
+        "ranks": {str(k): v for k, v in sorted(ranks.items())},
+        "alphas": {f"{k:g}": v for k, v in sorted(alphas.items())},
+        "alpha_from": alpha_note,
+        "dtypes": dict(Counter(_dtype(adapter, k) for k in keys)),
+        "metadata": meta,
+        "metadata_keys": sorted(adapter.metadata),
+        "unparsed": adapter.unparsed,
+    }
+
+
+class _ShapeOnlySource:
+    """Tensors as `meta` (shape and dtype, no data) except scalars (alphas): planning then checks every key's
+    target and shapes without reading or validating the factor values (--check-values does that)."""
+
+    def __init__(self, source) -> None:
+        self._source = source
+
+    def keys(self) -> list[str]:
+        return self._source.keys()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._source.shape(key))
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._source.dtype(key) if hasattr(self._source, "dtype") else self._source.get(key).dtype
+
+    def get(self, key: str) -> torch.Tensor:
+        shape = self.shape(key)
+        if math.prod(shape) <= 1:
+            return self._source.get(key)
+        return torch.empty(shape, dtype=self.dtype(key), device="meta")
+
+
+def _shape_only(adapter: Adapter) -> Adapter:
+    probe = copy.copy(adapter)
+    probe.source = _ShapeOnlySource(adapter.source)
+    return probe
+
+
+def _target(arch: str | None, model: str | None, detected: str, text_encoders: bool):
+    """(components, description) to resolve against, or (None, why not)."""
+    if model is not None:
+        from .checkpoint import open_checkpoint, shadow_components
+
+        ckpt = open_checkpoint(model)
+        try:
+            return shadow_components(ckpt), f"checkpoint {model} ({ckpt.kind}, shadow tree on meta)"
+        finally:
+            ckpt.close()
+    from ..arch.catalog import canonical
+    from .skeleton import skeleton
+
+    name = arch or detected
+    try:
+        name = canonical(name)
+    except ValueError as exc:
+        if arch is not None:
+            raise
+        return None, f"no full-size model for architecture {detected!r} ({exc}); pass --arch or --model"
+    return skeleton(name, text_encoders=text_encoders), f"architecture {name} (full size, meta device)"
+
+
+UNET_CANDIDATES = ("sd1", "sd2", "sdxl")
+
+
+def _unet_by_fit(adapter: Adapter, detection, text_encoders: bool):
+    """Names alone say "a UNet"; shapes say which: the candidate on which the most keys land wins."""
+    from ..api import plan
+    from .skeleton import skeleton
+
+    probe = _shape_only(adapter)
+    fits = {name: plan(skeleton(name, text_encoders), probe).keys_applied for name in UNET_CANDIDATES}
+    best = max(fits, key=lambda n: fits[n])  # ties keep the earlier (older, more common) UNet
+    detection.architecture = best
+    detection.evidence.append("shapes fit " + ", ".join(f"{n}: {k}/{adapter.keys_total} keys land" for n, k in
+                                                        fits.items()) + f" -> {best}")
+    return detection
+
+
+def inspect_adapter(
+    path: str | Path, arch: str | None = None, model: str | None = None, allow_pickle: bool = False,
+    text_encoders: bool = True, check_values: bool = False,
+) -> dict:
+    """Everything `loraweave inspect` shows, as one JSON-ready dict (keys `layout`, `families`, `architecture`,
+    `coverage` are the public contract)."""
+    from ..api import plan
+
+    t0 = time.perf_counter()
+    adapter = load_adapter(path, allow_pickle=allow_pickle)
+    info = describe(adapter)
+    detection = detect_architecture(adapter)
+    info["architecture"] = {"name": detection.architecture, "evidence": detection.evidence,
+                            "scores": detection.scores, "metadata_says": detection.metadata}
+    info["architecture_evidence"] = detection.evidence  # the pre-contract key, kept for older callers
+    if detection.architecture == "unet" and arch is None and model is None:
+        detection = _unet_by_fit(adapter, detection, text_encoders)
+        info["architecture"]["name"] = detection.architecture
+    components, against = _target(arch, model, detection.architecture, text_encoders)
+    if components is None:
+        unmatched = [{"key": k, "reason": f"not resolved: {against}"} for p in adapter.parts for k in p.keys]
+        unmatched += [{"key": u["key"], "reason": f"not parsed: {u['reason']}"} for u in adapter.unparsed]
+        coverage = {"against": None, "keys_total": adapter.keys_total, "keys_applied": 0, "unmatched": unmatched}
+    else:
+        report = plan(components, adapter if check_values else _shape_only(adapter))
+        coverage = {
+            "against": against,
+            "keys_total": report.keys_total,
+            "keys_applied": report.keys_applied,
+            "unmatched": [{"key": u["key"], "reason": u["reason"]} for u in report.unmatched],
+            "modules": dict(Counter(m.component for m in report.applied)),
+            "alpha_sources": report.adapters[0]["alpha_sources"] if report.adapters else {},
+            "values_checked": check_values,
+        }
+    coverage["unmatched_by_reason"] = dict(Counter(u["reason"].split(":", 1)[0] for u in coverage["unmatched"]))
+    coverage["complete"] = not coverage["unmatched"]
+    info["coverage"] = coverage
+    info["seconds"] = round(time.perf_counter() - t0, 3)
+    log.info("inspect file=%s layout=%s arch=%s keys_applied=%d/%d seconds=%.3f", adapter.name, adapter.layout,
+             detection.architecture, coverage["keys_applied"], coverage["keys_total"], info["seconds"])
+    return info
+
+
+def format_table(info: dict, limit: int = 20) -> str:
+    """Readable multi-line summary of `inspect_adapter`'s dict."""
+    cov = info["coverage"]
+    rows = [
+        ("file", info["path"] or info["name"]),
+        ("layout", info["layout"]),
+        ("families", ", ".join(f"{k} x{v}" for k, v in info["families"].items()) or "-"),
+        ("ranks", ", ".join(f"{k} x{v}" for k, v in info["ranks"].items()) or "-"),
+        ("alphas", ", ".join(f"{k} x{v}" for k, v in info["alphas"].items()) or info["alpha_from"]),
+        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items())),
+        ("components", ", ".join(info["components"]) or "-"),
+        ("architecture", info["architecture"]["name"]),
+    ]
+    rows += [("  evidence", e) for e in info["architecture"]["evidence"]]
+    rows += [(f"  {k}", v) for k, v in info["metadata"].items()]
+    rows.append(("coverage", f"{cov['keys_applied']}/{cov['keys_total']} keys land"
+                 + (f" on {cov['against']}" if cov["against"] else "")))
+    if cov.get("alpha_sources"):
+        rows.append(("  alpha from", ", ".join(f"{k} x{v}" for k, v in cov["alpha_sources"].items())))
+    for reason, n in cov["unmatched_by_reason"].items():
+        rows.append(("  unmatched", f"{n} x {reason}"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    for u in cov["unmatched"][:limit]:
+        lines.append(f"    {u['key']}: {u['reason']}")
+    if len(cov["unmatched"]) > limit:
+        lines.append(f"    ... {len(cov['unmatched']) - limit} more (--limit, or --json for all)")
+    return "\n".join(lines)
+

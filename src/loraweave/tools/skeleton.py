@@ -1,0 +1,134 @@
+"""Full-size architecture skeletons from a small on-disk description, so `inspect` does not import diffusers.
+
+The first request builds the real model on `meta` (arch.catalog) and records, per component, every module's path,
+class name and own parameter shapes/dtypes (named_modules order). Later requests rebuild a module tree with the same
+paths, class names, Linear layers and parameter shapes, which is all the planner looks at (alias tables key on
+class names, cloneofsimo enumeration on order and nn.Linear). The cache key holds the loraweave, diffusers and
+transformers versions and the catalog entry, so a library upgrade rebuilds it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from ..arch.catalog import CATALOG, build_meta, canonical
+
+log = logging.getLogger("loraweave")
+CACHE_ENV = "LORAWEAVE_CACHE"  # folder for skeletons; "0" disables the cache
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def cache_dir() -> Path | None:
+    value = os.environ.get(CACHE_ENV)
+    if value == "0":
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "loraweave" / "skeletons"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def _cache_file(name: str) -> Path | None:
+    folder = cache_dir()
+    if folder is None:
+        return None
+    from .. import __version__
+
+    entry = CATALOG[name]
+    key = json.dumps([__version__, _version("diffusers"), _version("transformers"), entry.cls, entry.config,
+                      entry.text_encoders], sort_keys=True, default=str)
+    return folder / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def describe(module: torch.nn.Module) -> dict:
+    config = getattr(module, "config", None)
+    plain = {k: v for k, v in dict(config).items() if isinstance(v, (str, int, float, bool, type(None)))} \
+        if isinstance(config, dict) or hasattr(config, "items") else {}
+    mods = []
+    for path, mod in module.named_modules():
+        params = {n: [list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in mod.named_parameters(recurse=False)}
+        mods.append([path, type(mod).__name__, params])
+    return {"config": plain, "modules": mods}
+
+
+class _Node(torch.nn.Module):
+    """Numbered children iterate like a ModuleList (the UNet name mapping walks down_blocks, resnets, ...)."""
+
+    def __iter__(self):
+        return iter(v for _, v in sorted(self._modules.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1))
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+_TYPES: dict[str, type] = {}
+
+
+def _instance(cls_name: str, params: dict) -> torch.nn.Module:
+    if cls_name == "Linear" and "weight" in params and len(params["weight"][0]) == 2:
+        out_f, in_f = params["weight"][0]
+        dtype = _DTYPES.get(params["weight"][1], torch.float32)
+        return torch.nn.Linear(in_f, out_f, bias="bias" in params, device="meta", dtype=dtype)
+    if cls_name not in _TYPES:  # same class name as the real module: alias tables and positional rules key on it
+        _TYPES[cls_name] = type(cls_name, (_Node,), {"__module__": __name__})
+    mod = _TYPES[cls_name]()
+    for pname, (shape, dtype) in params.items():
+        mod.register_parameter(pname, torch.nn.Parameter(
+            torch.empty(shape, device="meta", dtype=_DTYPES.get(dtype, torch.float32)), requires_grad=False))
+    return mod
+
+
+def rebuild(desc: dict) -> torch.nn.Module:
+    root = None
+    by_path: dict[str, torch.nn.Module] = {}
+    for path, cls_name, params in desc["modules"]:
+        mod = _instance(cls_name, params)
+        by_path[path] = mod
+        if path == "":
+            root = mod
+            continue
+        parent, _, child = path.rpartition(".")
+        by_path[parent].add_module(child, mod)
+    root.config = SimpleNamespace(**desc.get("config", {}))
+    return root
+
+
+def skeleton(name: str, text_encoders: bool = True) -> dict[str, torch.nn.Module]:
+    """Like `arch.catalog.build_meta`, from the cached description when there is one."""
+    name = canonical(name)
+    t0 = time.perf_counter()
+    path = _cache_file(name)
+    if path is not None and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            wanted = [c for c in data if text_encoders or c == CATALOG[name].denoiser]
+            out = {c: rebuild(data[c]) for c in wanted}
+            log.info("skeleton arch=%s source=cache seconds=%.3f", name, time.perf_counter() - t0)
+            return out
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a damaged cache: rebuild it below
+            log.warning("skeleton arch=%s cache=%s unreadable=%s", name, path, exc)
+    modules = build_meta(name, text_encoders=True)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({c: describe(m) for c, m in modules.items()}))
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only home only costs speed
+            log.info("skeleton arch=%s cache_write_failed=%s", name, exc)
+    if not text_encoders:
+        modules = {c: m for c, m in modules.items() if c == CATALOG[name].denoiser}
+    log.info("skeleton arch=%s source=diffusers seconds=%.3f", name, time.perf_counter() - t0)
+    return modules
