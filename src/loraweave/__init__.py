@@ -10,7 +10,9 @@ from .errors import (
     UnsafeFormatError,
 )
 from .formats.adapter import Adapter, AdapterPart, load_adapter
+from .prompt import parse_prompt
 from .report import Report
+from .spec import AdapterSpec
 
 __version__ = "0.1.0"
 
@@ -19,6 +21,7 @@ __all__ = [
     "AdapterFileError",
     "AdapterFormatError",
     "AdapterPart",
+    "AdapterSpec",
     "Handle",
     "LoraweaveError",
     "Report",
@@ -27,5 +30,6 @@ __all__ = [
     "UnsafeFormatError",
     "apply",
     "load_adapter",
+    "parse_prompt",
     "plan",
 ]
