@@ -15,7 +15,6 @@ from tiny_models import tiny_zimage, zimage_forward
 import loraweave
 
 
-
 class W13FeedForward(torch.nn.Module):
     """A runtime's fused SwiGLU: one `w13` projection, first half gated (silu(w1 x) * w3 x)."""
 

@@ -712,8 +712,10 @@ def test_runtime_attach_failing_midway_leaves_no_hook(monkeypatch, mode, nth, ex
 def test_runtime_constructor_failing_midway_leaves_no_hook(monkeypatch, mode):
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
-    real = loraweave.api.RuntimePath
-    monkeypatch.setattr(loraweave.api, "RuntimePath", _fail_on_call(3 if mode == "runtime" else 1, RuntimeError, real))
+    import loraweave.mechanisms.choose as choose  # where apply builds (and checks) runtime paths
+
+    real = choose.RuntimePath
+    monkeypatch.setattr(choose, "RuntimePath", _fail_on_call(3 if mode == "runtime" else 1, RuntimeError, real))
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(True), mode=mode)
     _check_restored(model, before, out_before, conv_before)

@@ -11,13 +11,30 @@ import copy
 
 import pytest
 import torch
+from test_arch_dits2 import TINY as DITS2
 from test_arch_oracle import tiny_sd3, tiny_wan
 from tiny_models import MODELS
 
 import loraweave
 
+
+def _tiny(cls_name: str, **config):
+    import diffusers
+
+    torch.manual_seed(0)
+    return getattr(diffusers, cls_name)(**config).eval()
+
+
+# HunyuanVideo is left out: diffusers' converter forces a 3072-wide model (see test_arch_dits2), too big per cell.
 ARCHS = {
     "flux": MODELS["flux"][0],
+    "chroma": lambda: _tiny("ChromaTransformer2DModel", in_channels=8, num_layers=1, num_single_layers=1,
+                            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
+                            approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1),
+    "qwen-image": lambda: _tiny("QwenImageTransformer2DModel", in_channels=8, out_channels=4, num_layers=2,
+                                attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4)),
+    "flux2": DITS2["flux2"],
+    "krea2": DITS2["krea2"],
     "z-image": MODELS["zimage"][0],
     "sdxl-unet": MODELS["sdxl_unet"][0],
     "sd3": tiny_sd3,

@@ -10,7 +10,10 @@ from .errors import (
     UnsafeFormatError,
 )
 from .formats.adapter import Adapter, AdapterPart, load_adapter
+from .prompt import parse_prompt
 from .report import Report
+from .spec import AdapterSpec
+from .streaming import StreamHandle, stream
 
 __version__ = "0.1.0"
 
@@ -19,13 +22,17 @@ __all__ = [
     "AdapterFileError",
     "AdapterFormatError",
     "AdapterPart",
+    "AdapterSpec",
     "Handle",
     "LoraweaveError",
     "Report",
+    "StreamHandle",
     "StrictApplyError",
     "TargetError",
     "UnsafeFormatError",
     "apply",
     "load_adapter",
+    "parse_prompt",
     "plan",
+    "stream",
 ]

@@ -4,57 +4,77 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-import torch
 from tqdm.auto import tqdm
 
 from .errors import StrictApplyError
-from .families.base import PartRejected
 from .formats.adapter import Adapter, load_adapter
-from .mechanisms.merge import Contribution, MergedModule, merge_blocker, merge_module, needs_bias
-from .mechanisms.quantized import QuantWrite, Route, factorable_reason, route_hook_free
-from .mechanisms.runtime import RuntimePath, runtime_blocker
+from .handle import Handle, finite_strength
+from .mechanisms.choose import QUANTIZED, QuantSettings, plan_work
+from .mechanisms.grow import GrownInput, grow_input
+from .mechanisms.merge import Contribution, MergedModule, merge_module
+from .mechanisms.quantized import QuantWrite
+from .mechanisms.runtime import RuntimePath
 from .plan.resolve import Plan, PlannedPart, resolve
+from .plan.stacking import adapter_names, combine_groups
 from .plan.target import as_components
-from .quant import QuantBackend, backend_for, broken
+from .plan.weights import AdapterWeights, assign
+from .quant import broken
 from .report import AppliedModule, Report
+from .spec import AdapterSpec
+from .stack.combine import SELECT_MODES, validate_stack
 
 log = logging.getLogger("loraweave")
 MODES = ("auto", "merge", "runtime")
-QUANTIZED = ("auto", "host", "requantize")
-AdapterSpec = str | os.PathLike | Adapter | Mapping | tuple
+AdapterSource = str | os.PathLike | Adapter | Mapping | tuple | AdapterSpec
 
 
-def _normalise_adapters(adapters, strength: float) -> list[tuple[Adapter, float]]:
-    if isinstance(adapters, (str, os.PathLike, Adapter, Mapping)) or (
+def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
+    if isinstance(adapters, (str, os.PathLike, Adapter, Mapping, AdapterSpec)) or (
         isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[1], (int, float))
     ):
         adapters = [adapters]
-    out: list[tuple[Adapter, float]] = []
-    seen: Counter = Counter()
+    out = []
     for item in adapters:
-        own = 1.0
         if isinstance(item, tuple):
-            item, own = item
-        # A shallow copy per use: the caller's object is never renamed, and one Adapter may be passed twice.
-        adapter = copy.copy(load_adapter(item))
-        seen[adapter.name] += 1
-        if seen[adapter.name] > 1:  # two adapters must not share a name: set_strength addresses them by it
-            adapter.name = f"{adapter.name}#{seen[adapter.name]}"
-        out.append((adapter, _finite_strength(float(own) * float(strength))))
+            item = AdapterSpec(item[0], item[1])
+        spec = item if isinstance(item, AdapterSpec) else AdapterSpec(item)
+        te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
+        out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights)))
     return out
 
 
-def _finite_strength(value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"strength must be a finite number, got {value}")
-    return value
+def _normalise_adapters(specs: list[tuple[AdapterSpec, AdapterWeights]], load=load_adapter) -> list[tuple[Adapter, AdapterWeights]]:
+    out: list[tuple[Adapter, AdapterWeights]] = []
+    seen: Counter = Counter()
+    for spec, weights in specs:
+        # A shallow copy per use: the caller's object is never renamed, and one Adapter may be passed twice.
+        adapter = copy.copy(load(spec.source))
+        if spec.name:
+            adapter.name = spec.name
+        seen[adapter.name] += 1
+        if seen[adapter.name] > 1:  # two adapters must not share a name: set_strength addresses them by it
+            adapter.name = f"{adapter.name}#{seen[adapter.name]}"
+        out.append((adapter, weights))
+    return out
+
+
+def _resolve(target, adapters, strength: float, cache=None) -> tuple[Plan, dict[str, AdapterWeights]]:
+    """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen before."""
+    specs = _specs(adapters, strength)
+    items = _normalise_adapters(specs, cache.load if cache is not None else load_adapter)
+    if cache is not None:
+        p = cache.resolve([(a, w.strength) for a, w in items], [s.source for s, _ in specs])
+    else:
+        p = resolve(as_components(target), [(a, w.strength) for a, w in items])
+    settings = {a.name: w for a, w in items}
+    assign(p, settings)
+    return p, settings
 
 
 def _adapter_summaries(plan: Plan) -> list[dict]:
@@ -97,9 +117,9 @@ def plan(target, adapters: Iterable[AdapterSpec] | AdapterSpec, strength: float 
 
     Works on models built on the `meta` device (no weights needed)."""
     t0 = time.perf_counter()
-    p = resolve(as_components(target), _normalise_adapters(adapters, strength))
+    p, _ = _resolve(target, adapters, strength)
     applied = [
-        AppliedModule(comp, path, "planned", sorted({pp.adapter.name for pp, _ in contribs}),
+        AppliedModule(comp, path, "planned", sorted(adapter_names(contribs)),
                       notes=sorted({n for pp, _ in contribs for n in pp.notes}))
         for (comp, path), contribs in _group_by_module(p.planned).items()
     ]
@@ -108,133 +128,16 @@ def plan(target, adapters: Iterable[AdapterSpec] | AdapterSpec, strength: float 
     return report
 
 
-def _choose(mode: str, module: torch.nn.Module, contribs: list[Contribution]) -> tuple[str | None, str]:
-    """(mechanism or None, why)."""
-    merge_no = merge_blocker(module, needs_bias(contribs))
-    runtime_no = runtime_blocker(module)
-    if mode == "merge":
-        return (None, f"cannot merge: {merge_no}; use mode='runtime' or 'auto'") if merge_no else ("merge", "")
-    if mode == "runtime":
-        return (None, f"cannot run at runtime: {runtime_no}; use mode='merge' or 'auto'") if runtime_no else ("runtime", "")
-    if merge_no is None:
-        return "merge", "plain floating weight"
-    if runtime_no is None:
-        return "runtime", merge_no
-    return None, f"neither mechanism fits: {merge_no}; {runtime_no}"
-
-
-def _check_runtime(
-    mode: str, module: torch.nn.Module, contribs: list[Contribution], why: str, quantized: bool = False
-) -> tuple[str | None, str, RuntimePath | None]:
-    """Build the runtime path without attaching it: a family may refuse (e.g. DoRA on a quantized weight)."""
-    try:
-        path = RuntimePath(module, contribs)
-    except PartRejected as rejected:
-        # Never fall back to a plain merge on a quantized layer: its storage is not the weight (fp8 looks float).
-        if mode == "auto" and not quantized and merge_blocker(module, needs_bias(contribs)) is None:
-            return "merge", f"runtime refused: {rejected}", None
-        return None, f"cannot run at runtime: {rejected}", None
-    return "runtime", why, path
-
-
-def _choose_quantized(
-    mode: str, quantized: str, backend: QuantBackend, module: torch.nn.Module, contribs: list[Contribution],
-    host_rank: int, cache=None, layer: str = "",
-) -> tuple[str | None, str, Route | None]:
-    """(mechanism or None, why, routing result) for a layer a quantization backend owns."""
-    runtime_no = runtime_blocker(module)
-    if mode == "runtime":
-        return (None, f"cannot run at runtime: {runtime_no}", None) if runtime_no else ("runtime", "", None)
-    missing = backend.unavailable()
-    if mode == "merge" or (mode == "auto" and quantized in ("host", "requantize")):
-        if missing:
-            route = Route(None, f"{backend.name} cannot run here: {missing}")
-        else:
-            route = route_hook_free(backend, module, contribs, host_rank, force_requantize=quantized == "requantize",
-                                    cache=cache, layer=layer)
-        if route.mechanism is not None or mode == "merge":
-            return route.mechanism, route.why if route.mechanism else f"cannot merge: {route.why}", route
-        if runtime_no is None:
-            return "runtime", f"hook-free path declined: {route.why}", None
-        return None, f"neither mechanism fits: {route.why}; {runtime_no}", None
-    caps = None if missing else backend.capabilities(module)
-    not_factorable = factorable_reason(module, contribs) or ("bias delta" if needs_bias(contribs) else None)
-    if caps is not None and caps.factor_channel and not_factorable is None:
-        return "factor", f"{backend.name} side channel, exact", Route("factor", "")
-    why = f"{backend.name}: " + (missing or (not_factorable if caps.factor_channel else caps.reason or "no side channel"))
-    return ("runtime", why, None) if runtime_no is None else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
-
-
-class Handle:
-    """What `apply` did; `remove()` undoes it exactly. Usable as a context manager."""
-
-    def __init__(self, plan: Plan, report: Report, merged: list[MergedModule], runtime: list[RuntimePath],
-                 quant: list[QuantWrite] | None = None) -> None:
-        self._plan = plan
-        self.report = report
-        self._merged = merged
-        self._runtime = runtime
-        self._quant = quant or []
-        self.active = True
-
-    def remove(self) -> None:
-        """Restore merged weights bit-exactly and detach runtime paths. Idempotent."""
-        if not self.active:
-            return
-        later = [m for m in [*self._merged, *self._quant] if not m.is_top()]
-        if later:
-            raise RuntimeError(
-                f"{len(later)} merged layers were merged again by a later apply; remove that handle first "
-                "(merges undo exactly only in reverse order)"
-            )
-        for path in self._runtime:
-            path.detach()
-        for write in reversed(self._quant):
-            write.restore()
-        for merged in reversed(self._merged):
-            merged.restore()
-        self.active = False
-
-    def set_strength(self, name: str, value: float) -> None:
-        """Change one adapter's strength. Runtime: a scale update only. Merge: rewritten from the backup."""
-        if name not in self._plan.strengths:
-            raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
-        if not self.active:
-            raise RuntimeError("handle was removed")
-        if any(name in m.adapters and not m.is_top() for m in [*self._merged, *self._quant]):
-            raise RuntimeError("a later apply merged into the same layers; remove it before changing this strength")
-        value = _finite_strength(float(value))
-        self._plan.strengths[name] = value
-        for pp in self._plan.planned:
-            if pp.adapter.name == name:
-                pp.strength = float(value)
-        for path in self._runtime:
-            if name in path.adapters:
-                path.refresh_scales()
-        for merged in self._merged:
-            if name in merged.adapters:
-                merged.write()
-        for write in self._quant:
-            if name in write.adapters:  # rewritten from the layer's original tensors: nothing compounds
-                write.write()
-                if write.entry is not None:
-                    write.entry.retention, write.entry.capture, write.entry.rank = write.retention, write.capture, write.rank
-        for summary in self.report.adapters:
-            if summary["name"] == name:
-                summary["strength"] = float(value)
-
-    @property
-    def strengths(self) -> dict[str, float]:
-        return dict(self._plan.strengths)
-
-    def __enter__(self) -> Handle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        return f"Handle(active={self.active}, {self.report.summary()})"
+def _growth(p: Plan) -> list[tuple[str, str, int, str]]:
+    """(component, module, width, config key) of every input a planned control adapter grows, once each."""
+    found: dict[tuple[str, str], tuple[int, str]] = {}
+    for pp in p.planned:
+        for module, (width, key) in pp.grow.items():
+            prev = found.get((pp.component, module))
+            if prev is not None and prev[0] != width:
+                raise ValueError(f"adapters ask {pp.component}.{module} to grow to {prev[0]} and {width} columns")
+            found[(pp.component, module)] = (width, key)
+    return [(c, m, w, k) for (c, m), (w, k) in found.items()]
 
 
 def apply(
@@ -244,6 +147,8 @@ def apply(
     strength: float = 1.0,
     strict: bool = False,
     progress: bool | None = None,
+    stack: str = "sum",
+    density: float | None = None,
     quantized: str = "auto",
     host_rank: int = 256,
     cache=None,
@@ -252,6 +157,9 @@ def apply(
 
     mode: "merge" (into the weights, undoable), "runtime" (forward hooks, weights untouched), or "auto"
     (runtime where merging would be lossy or impossible: quantized, offloaded; merge elsewhere).
+    stack: how adapters sharing a layer combine: "sum" (exact), "ties", "dare_ties", "dare_linear",
+    "magnitude_prune" (with `density` in (0, 1]); DARE masks are deterministic per layer, adapters and settings.
+    Items of `adapters` may be `AdapterSpec`s (strength, text-encoder strength, block weights, name).
     All-or-nothing: if anything raises midway, the model is left exactly as it was.
 
     Quantized layers (SDNQ, bitsandbytes, torchao, optimum-quanto, GGUF; see `loraweave.quant`):
@@ -270,6 +178,7 @@ def apply(
       on disk; a replay is bit-identical to a fresh compute."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    validate_stack(stack, density)
     if quantized not in QUANTIZED:
         raise ValueError(f"quantized must be one of {QUANTIZED}, got {quantized!r}")
     if not isinstance(host_rank, int) or host_rank < 0:
@@ -279,46 +188,17 @@ def apply(
 
         cache = FactorCache(cache)
     t0 = time.perf_counter()
-    p = resolve(as_components(target), _normalise_adapters(adapters, strength))
+    p, settings = _resolve(target, adapters, strength)
+    select = stack in SELECT_MODES
+    if select:
+        validate_stack(stack, density, len(p.adapters))
+        if mode == "merge":
+            raise ValueError(f"stack={stack!r} switches layers between adapters per step: use mode='runtime'")
+        mode = "runtime"
     unmatched = list(p.unmatched)
-    groups = _group_by_module(p.planned)
-    work: list[tuple[str, str, torch.nn.Module, str, str, list[Contribution]]] = []
-    rejected_parts: dict[int, str] = {}
-    prepared: dict[tuple[str, str], RuntimePath] = {}  # built while checking, attached below unless parts drop out
-    routes: dict[tuple[str, str], tuple[QuantBackend, Route | None]] = {}
-    for (comp, path), contribs in groups.items():
-        module = p.components.modules[comp].get_submodule(path)
-        backend = backend_for(module)
-        if backend is not None:
-            mechanism, why, route = _choose_quantized(mode, quantized, backend, module, contribs, host_rank,
-                                                      cache, f"{comp}.{path}")
-            routes[(comp, path)] = (backend, route)
-        else:
-            mechanism, why = _choose(mode, module, contribs)
-        if mechanism == "runtime":
-            mechanism, why, runtime_path = _check_runtime(mode, module, contribs, why, quantized=backend is not None)
-            if runtime_path is not None:
-                prepared[(comp, path)] = runtime_path
-        if mechanism is None:
-            for pp, _ in contribs:
-                rejected_parts.setdefault(id(pp), f"{why} ({comp}.{path})")
-        work.append((comp, path, module, mechanism, why, contribs))
-    if rejected_parts:
-        # A part split over several modules lands everywhere or nowhere: never half-applied.
-        for pp in p.planned:
-            if id(pp) in rejected_parts:
-                unmatched += [{"adapter": pp.adapter.name, "key": k, "reason": rejected_parts[id(pp)]} for k in pp.part.keys]
-        p.planned = [pp for pp in p.planned if id(pp) not in rejected_parts]
-        kept = []
-        for c, path, m, mech, why, contribs in work:
-            remaining = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected_parts]
-            if len(remaining) != len(contribs):
-                prepared.pop((c, path), None)  # its contributions changed: build it again below
-                if (c, path) in routes:
-                    routes[(c, path)] = (routes[(c, path)][0], None)  # routed on other contributions
-            if remaining:
-                kept.append((c, path, m, mech, why, remaining))
-        work = kept
+    groups = combine_groups(_group_by_module(p.planned), p.components.modules, stack, density)
+    wp = plan_work(p, groups, mode, unmatched, QuantSettings(quantized, host_rank, cache))
+    work, prepared, routes = wp.work, wp.prepared, wp.routes
     if strict and unmatched:
         report = _make_report(p, mode, [], unmatched, t0)
         raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.reasons()})", report)
@@ -326,8 +206,11 @@ def apply(
     runtime: list[RuntimePath] = []
     quant: list[QuantWrite] = []
     applied: list[AppliedModule] = []
+    grown: list[GrownInput] = []
     show = progress if progress is not None else (len(work) > 200 and sys.stderr.isatty())
     try:
+        for comp, path, width, key in _growth(p):  # control adapters: the wider input exists before they land
+            grown.append(grow_input(p.components.modules[comp], path, width, key))
         for comp, path, module, mechanism, why, contribs in tqdm(work, desc="loraweave", disable=not show, unit="layer"):
             cost = ""
             backend = routes.get((comp, path), (None, None))[0]
@@ -344,7 +227,7 @@ def apply(
                                    cache=cache if mechanism == "hosted" else None, layer=f"{comp}.{path}")
                 quant.append(write)  # recorded before the layer is touched: rollback finds it
                 write.apply(routes[(comp, path)][1])
-            names = sorted({pp.adapter.name for pp, _ in contribs})
+            names = sorted(adapter_names(contribs))
             notes = sorted({n for pp, _ in contribs for n in pp.notes})
             show_why = why if mode == "auto" or write is not None else ""
             entry = AppliedModule(comp, path, mechanism, names, show_why, cost, notes,
@@ -360,6 +243,8 @@ def apply(
             w.restore()
         for m in reversed(merged):
             m.restore()
+        for g in reversed(grown):
+            g.restore()
         log.warning("loraweave apply failed midway; model restored to its state before the call")
         raise
     report = _make_report(p, mode, applied, unmatched, t0)
@@ -368,4 +253,12 @@ def apply(
         report.backends_unavailable = {n: why for n, why in broken().items()}
         report.backends_unavailable |= {n: why for n, b in used.items() if (why := b.unavailable())}
     report.log()
-    return Handle(p, report, merged, runtime, quant)
+    handle = Handle(p, report, merged, runtime, settings, grown, quant)
+    handle.quant_options = {"quantized": quantized, "host_rank": host_rank, "cache": cache}
+    if select:  # every shared layer starts on the subject (step 0 of any schedule)
+        handle._select = (stack, (p.adapters[0].name, p.adapters[1].name))
+        from .mechanisms.select import choose, shared_layers
+
+        for rp in shared_layers(handle._runtime_by_key(), handle._select[1]).values():
+            choose(rp, handle._select[1], 0)
+    return handle

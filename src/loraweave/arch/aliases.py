@@ -107,6 +107,7 @@ class AliasTable:
         self.root = module
         cls = type(module).__name__
         self.widened_inputs = {m for t in ARCH_TABLES if cls in t.classes for m in t.widened_inputs}
+        self.growable_inputs = dict(g for t in ARCH_TABLES if cls in t.classes for g in t.growable_inputs)
         every = dict(module.named_modules())
         self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}
         self.exact: dict[str, tuple[Piece, ...]] = {

@@ -56,6 +56,7 @@ FLUX = ArchTable(
         Alias("final_layer.linear", ("proj_out",)),
     ),
     widened_inputs=("x_embedder",),
+    growable_inputs=(("x_embedder", "in_channels"),),
 )
 
 

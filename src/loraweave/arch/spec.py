@@ -55,6 +55,9 @@ class ArchTable:
     # Spellings of projections that runtimes fuse (not checkpoint names): same mechanism, kept apart so the
     # checkpoint-layout oracle can tell them from the original names.
     runtime_fusions: tuple[Alias, ...] = ()
+    # Inputs a control adapter may grow (BFL Canny/Depth: `img_in` 64 -> 128 columns): (module, config key that
+    # records the input width). The module gets zero columns for the new channels before the adapter lands.
+    growable_inputs: tuple[tuple[str, str], ...] = ()
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
@@ -64,6 +67,13 @@ def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() < 1:
         return None
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter) or not weight.is_floating_point():
+        from ..quant import backend_for  # packed storage (e.g. SDNQ uint4 conv): the backend knows the shape
+
+        backend = backend_for(module)
+        shape = backend.logical_shape(module) if backend is not None else None
+        if shape:
+            return tuple(shape)
     return tuple(weight.shape)
 
 

@@ -36,6 +36,10 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> FullFactor
     return FullFactors(diff, diff_b)
 
 
+def input_width(f: FullFactors) -> int | None:
+    return f.diff.shape[1] if f.diff is not None and f.diff.dim() == 2 else None
+
+
 def check_target(f: FullFactors, shape: tuple[int, ...]) -> str | None:
     if f.diff is not None and tuple(f.diff.shape[1:]) != shape[1:]:
         return f"shape mismatch: diff {tuple(f.diff.shape)} vs module weight {shape}"

@@ -60,6 +60,11 @@ def widen_input(f: LoraFactors, shape: tuple[int, ...]) -> LoraFactors | None:
     return replace(f, down=torch.nn.functional.pad(f.down, (0, shape[1] - f.down.shape[1])))
 
 
+def input_width(f: LoraFactors) -> int | None:
+    """Input columns the adapter was trained on (Linear only): a control LoRA may need the module grown to it."""
+    return f.down.shape[1] if f.down.dim() == 2 else None
+
+
 def check_target(f: LoraFactors, shape: tuple[int, ...]) -> str | None:
     """Reason the factors cannot land on a module of logical weight shape `shape`, or None."""
     want = shape[1:]

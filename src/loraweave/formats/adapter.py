@@ -16,9 +16,11 @@ from .alpha import MetadataAlpha, read_metadata_alpha
 from .keys import ParsedKey, parse_key, split_stem
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+# Roles any family may carry (they name no family): alpha, a scale, a target shape to grow the module to.
+GENERIC_ROLES = ("alpha", "scale", "reshape")
 # When one stem carries keys of several families, the first listed here names the part.
 FAMILY_PRECEDENCE = (
-    "dora", "boft", "oft", "glora", "ia3", "tlora", "set", "reshape", "sparse_bias", "loha", "lokr", "norm",
+    "dora", "boft", "oft", "glora", "ia3", "tlora", "set", "sparse_bias", "loha", "lokr", "norm",
     "lora", "full",
 )
 
@@ -135,7 +137,7 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
         if len(pks) == 1 and pks[0].role == "scale":
             pks = [ParsedKey(pks[0].key, stem, "set", "set_weight", "bfl")]
         target = split_stem(stem)
-        families = {p.family for p in pks if p.role not in ("alpha", "scale")}
+        families = {p.family for p in pks if p.role not in GENERIC_ROLES}
         # The most specific family names the part: DoRA wraps LoRA/LoHa/LoKr, OFT's `rescale` rides along.
         family = next((f for f in FAMILY_PRECEDENCE if f in families), "lora")
         hints = [p.layout_hint for p in pks if p.layout_hint]

@@ -61,7 +61,7 @@ _SUFFIXES: tuple[tuple[str, str, str | None, str | None], ...] = (
     (r"\.(?:ia3_l|on_input)", "ia3", None, None),
     (r"\.(?:w_norm|b_norm)", "norm", None, None),
     (r"\.set_weight", "set", None, None),
-    (r"\.reshape_weight", "reshape", None, None),
+    (r"\.reshape_weight", "lora", "reshape", None),  # BFL control LoRAs: the (out, in) the module must grow to
     (r"\.bias_(?:indices|values|size)", "sparse_bias", None, None),
     (r"\.(?:q_layer|p_layer|lambda_layer)", "tlora", None, None),
 )

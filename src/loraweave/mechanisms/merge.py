@@ -9,6 +9,7 @@ import torch
 from ..arch.spec import Piece
 from ..families import FAMILIES
 from ..plan.resolve import PlannedPart
+from ..plan.stacking import adapter_names
 
 Contribution = tuple[PlannedPart, Piece]
 STACK_ATTR = "_loraweave_merges"  # per-module list of live merges, newest last
@@ -27,6 +28,8 @@ def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | No
         return f"weight dtype {weight.dtype} is not floating point"
     if weight.device.type == "meta":
         return "weight is offloaded (meta device)"
+    if getattr(module, "_loraweave_streamed", False):
+        return "layer is streamed (its weight is copied in per forward; merging would touch only the copy)"
     hook = getattr(module, "_hf_hook", None)
     if hook is not None and (getattr(hook, "offload", False) or getattr(hook, "weights_map", None) is not None):
         return "accelerate offload hook owns the weight"
@@ -129,7 +132,7 @@ def merge_module(module: torch.nn.Module, contributions: list[Contribution], rec
     if needs_bias(contributions) and getattr(module, "bias", None) is None:
         raise ValueError("adapter carries a bias delta but the module has no bias")
     merged = MergedModule(module, contributions, module.weight.detach().clone())
-    merged.adapters = {pp.adapter.name for pp, _ in contributions}
+    merged.adapters = adapter_names(contributions)
     if not hasattr(module, STACK_ATTR):
         setattr(module, STACK_ATTR, [])
     getattr(module, STACK_ATTR).append(merged)

@@ -71,6 +71,7 @@ class RuntimePath:
 
     def __init__(self, module: torch.nn.Module, contributions: list[Contribution]) -> None:
         self.module = module
+        self.contributions = list(contributions)  # kept so a switch can compare and re-point them
         self.conv = _conv_fn(module)
         self.channels_first = self.conv is not None or isinstance(module, _NORMS_CHANNELS_FIRST)
         self.out = out_rows(module)
@@ -114,6 +115,7 @@ class RuntimePath:
             if term.bias is not None:
                 self.biases.append((pp, term.dst_start, term.length, term.bias))
         self._owners = owners
+        self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
         self.down = torch.cat(downs) if downs else None  # (R, in, *k) master copy, stored dtype (promoted by cat)
         self.up = torch.cat(ups, dim=1) if ups else None  # (out, R)
         self.scale = torch.empty(self.down.shape[0] if downs else 0)
@@ -122,11 +124,28 @@ class RuntimePath:
         self.hook = None
         self.active = False
 
+    def _strength(self, pp: PlannedPart) -> float:
+        return pp.strength * self.gates.get(pp.adapter.name, 1.0)
+
+    def set_gate(self, name: str, value: float) -> None:
+        """Scale one adapter on this layer only (select modes; switching gates dropped adapters to 0)."""
+        self.gates[name] = float(value)
+        self.refresh_scales()
+
+    def rebind(self, mapping: dict[int, PlannedPart]) -> None:
+        """Point contributions at new planned parts of identical structure (a switch): strengths follow them."""
+        swap = lambda items: [(mapping.get(id(t[0]), t[0]), *t[1:]) for t in items]  # noqa: E731
+        self._owners = swap(self._owners)
+        self.contributions = swap(self.contributions)
+        self.dense, self.biases, self.fns, self.base_fns = (swap(x) for x in (self.dense, self.biases, self.fns, self.base_fns))
+        self.adapters = {pp.adapter.name for pp, *_ in (*self._owners, *self.dense, *self.biases, *self.fns, *self.base_fns)}
+        self.refresh_scales()
+
     def refresh_scales(self) -> None:
         """Recompute the per-rank scale vector from current strengths: no factor is rebuilt."""
         start = 0
         for pp, rank in self._owners:
-            self.scale[start : start + rank] = pp.strength * pp.scale
+            self.scale[start : start + rank] = self._strength(pp) * pp.scale
             start += rank
         self._scale_cast = CastCache(self.scale)  # only the scale vector is re-cast after a strength change
 
@@ -166,7 +185,8 @@ class RuntimePath:
         out = []
         for pp, dst, n, fn, linear in self.base_fns:
             rows = base[:, dst : dst + n] if self.channels_first else base[..., dst : dst + n]
-            value, alpha = (fn(x, spec, rows), pp.strength * pp.scale) if linear else (fn(x, spec, rows, pp.strength, pp.scale), 1.0)
+            s = self._strength(pp)
+            value, alpha = (fn(x, spec, rows), s * pp.scale) if linear else (fn(x, spec, rows, s, pp.scale), 1.0)
             out.append((value, dst, n, alpha))
         return out
 
@@ -217,15 +237,15 @@ class RuntimePath:
         for pp, dst, length, dense in self.dense:
             d = dense.to(output.device, dtype)
             part = self.conv(x, d, None, **self._conv_args()) if self.conv else F.linear(x, d)
-            output = self._add_rows(output, part, dst, length, pp.strength * pp.scale)
+            output = self._add_rows(output, part, dst, length, self._strength(pp) * pp.scale)
         spec = ConvSpec(self.conv, self._conv_args()) if self.conv else None
         for pp, dst, length, fn, linear in self.fns:
             if linear:
-                output = self._add_rows(output, fn(x, spec), dst, length, pp.strength * pp.scale)
+                output = self._add_rows(output, fn(x, spec), dst, length, self._strength(pp) * pp.scale)
             else:
-                output = self._add_rows(output, fn(x, spec, None, pp.strength, pp.scale), dst, length)
+                output = self._add_rows(output, fn(x, spec, None, self._strength(pp), pp.scale), dst, length)
         for pp, dst, length, bias in self.biases:
-            b = bias.to(output.device, dtype) * (pp.strength * pp.scale)
+            b = bias.to(output.device, dtype) * (self._strength(pp) * pp.scale)
             if self.channels_first:
                 b = b.view(-1, *([1] * (output.dim() - 2)))
             output = self._add_rows(output, b, dst, length)

@@ -12,7 +12,7 @@ from ..arch.aliases import AMBIGUOUS, AliasTable
 from ..arch.spec import Piece, module_shape
 from ..families import FAMILIES
 from ..families.base import PartRejected, takes_keyword
-from ..formats.adapter import Adapter, AdapterPart
+from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE
 from .target import Components
@@ -33,6 +33,8 @@ class PlannedPart:
     alpha_source: str
     strength: float  # per-adapter strength x global strength
     notes: list[str] = field(default_factory=list)  # adaptations the report must mention
+    grow: dict[str, tuple[int, str]] = field(default_factory=dict)  # module -> (new input width, config key)
+    block_weight: float = 1.0  # the adapter's weight for this part's block (strength = adapter strength x this)
 
 
 @dataclass
@@ -73,6 +75,27 @@ def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -
     return table.exact[order[index]]
 
 
+def _reshape_target(adapter: Adapter, part: AdapterPart) -> tuple[int, ...] | None:
+    """The (out, in) a `reshape_weight` tensor asks the module to have; None when absent or shape-only planning."""
+    key = part.roles.get("reshape")
+    if key is None:
+        return None
+    tensor = adapter.tensor(key)
+    if tensor.device.type == "meta":
+        return None
+    values = tensor.flatten().tolist()
+    if len(values) != 2 or any(v != int(v) or v <= 0 for v in values):
+        raise PartRejected(f"bad tensor: {key} should list a positive (out, in) shape, holds {values}")
+    return tuple(int(v) for v in values)
+
+
+def _growth(family, factors, shape: tuple[int, ...], width: int | None, module: str, table: AliasTable) -> int | None:
+    """The wider input a control adapter needs, when the module may grow to it and the adapter then fits."""
+    if width is None or len(shape) != 2 or width <= shape[1] or module not in table.growable_inputs:
+        return None
+    return width if family.check_target(factors, (shape[0], width)) is None else None
+
+
 def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float) -> PlannedPart:
     family = FAMILIES.get(part.family)
     found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path)
@@ -91,20 +114,34 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
         raise PartRejected(f"unsupported family: {'+'.join(sorted(extras))} keys next to {part.family} in one part "
                            f"(target {comp_name}.{target})")
     known = getattr(family, "ROLES", None)
-    unknown = sorted(set(part.roles) - set(known) - {"alpha", "scale"}) if known is not None else []
+    unknown = sorted(set(part.roles) - set(known) - set(GENERIC_ROLES)) if known is not None else []
     if unknown:  # never load a part while ignoring some of its keys
         raise PartRejected(f"unsupported family: {part.family} part also holds {', '.join(unknown)} "
                            f"(target {comp_name}.{target})")
     uses_alpha = getattr(family, "USES_ALPHA_SCALE", True)
-    skip = ("alpha", "scale") if uses_alpha else ("scale",)  # OFT & co read alpha themselves
+    skip = ("alpha", "scale", "reshape") if uses_alpha else ("scale", "reshape")  # OFT & co read alpha themselves
     tensors = {role: adapter.tensor(key) for role, key in part.roles.items() if role not in skip}
     # Families whose math depends on settings outside the tensors (PEFT OFT) get the adapter's PEFT config.
     config = {"config": adapter.meta_alpha.peft} if takes_keyword(family.load, "config") else {}
     factors = family.load(tensors, part.roles, **config)
     notes = []
+    grow: dict[str, tuple[int, str]] = {}
+    reshape = _reshape_target(adapter, part)
     for piece in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
         shape = module_shape(table.modules[piece.module])
         reason = family.check_target(factors, shape)
+        if reshape is not None and reshape != shape:
+            width = _growth(family, factors, shape, reshape[1], piece.module, table) if reshape[0] == shape[0] else None
+            if width is None:
+                raise PartRejected(f"shape mismatch: reshape_weight asks {comp_name}.{piece.module} {shape} to become "
+                                   f"{reshape}; only declared model inputs can grow, and only in columns")
+        if reason and piece.module in table.growable_inputs and hasattr(family, "input_width"):
+            width = _growth(family, factors, shape, family.input_width(factors), piece.module, table)
+            if width is not None:
+                grow[piece.module] = (width, table.growable_inputs[piece.module])
+                notes.append(f"{piece.module} input grown {shape[1]} -> {width} columns (zero weights for the new "
+                             f"channels; config {table.growable_inputs[piece.module]} updated)")
+                reason = None
         if reason and piece.module in table.widened_inputs and hasattr(family, "widen_input"):
             widened = family.widen_input(factors, shape)
             if widened is not None and family.check_target(widened, shape) is None:
@@ -136,12 +173,14 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
         )
         if not math.isfinite(scale):
             raise PartRejected(f"bad tensor: scale from {source} is not finite")
-    return PlannedPart(adapter, part, comp_name, found, factors, scale, source, strength, notes)
+    return PlannedPart(adapter, part, comp_name, found, factors, scale, source, strength, notes, grow)
 
 
-def resolve(components: Components, adapters: list[tuple[Adapter, float]]) -> Plan:
+def resolve(components: Components, adapters: list[tuple[Adapter, float]],
+            tables: dict[str, AliasTable] | None = None) -> Plan:
+    """Plan every part of every adapter; `tables` reuses alias tables built for these components before."""
     plan = Plan(components, [a for a, _ in adapters], {a.name: s for a, s in adapters})
-    tables = {name: AliasTable(module) for name, module in components}
+    tables = tables if tables is not None else {name: AliasTable(module) for name, module in components}
     for adapter, strength in adapters:
         for item in adapter.unparsed:
             plan.unmatched.append({"adapter": adapter.name, "key": item["key"], "reason": f"not parsed: {item['reason']}"})

@@ -1,0 +1,119 @@
+"""Several adapters on one layer combined by a stack mode (TIES, DARE, magnitude prune) into one dense ΔW.
+
+Never read from a file: `apply(stack=...)` builds it for layers that two or more adapters touch. Each adapter
+gives one task delta over the whole module (rows it does not cover are zero). Families linear in strength give
+it at unit strength and weigh it by their strength (PEFT semantics: TIES elects signs before the weights);
+the others (OFT, DoRA, ...) give it at their strength with weight 1. A strength change recomputes on the next
+write (merge) or forward (runtime); the result is cached per strengths, so forwards reuse it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..stack.combine import combine_deltas
+from .base import PartRejected, RuntimeTerm
+
+FAMILY = "combined"
+NEEDS_BASE = True
+ROLES = ()
+
+
+@dataclass(eq=False)
+class CombinedFactors:
+    sources: list  # [(PlannedPart, Piece)] landing on this module
+    mode: str
+    density: float | None
+    key: str  # names layer, adapters and settings: DARE masks derive from it
+    shape: tuple[int, ...]  # the module's logical weight shape
+    rank: int | None = None
+    is_conv_kernel: bool = False
+    _cache: dict = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    def _signature(self) -> tuple:
+        return tuple((pp.strength, pp.scale) for pp, _ in self.sources)
+
+    def delta(self, base: torch.Tensor | None) -> torch.Tensor:
+        """The combined ΔW, (rows, in·k) fp32; `base` = original weight rows (needed by W-dependent families)."""
+        sig = self._signature()
+        if self._cache.get("sig") == sig:
+            return self._cache["delta"]
+        from . import FAMILIES  # the registry imports this module
+
+        by_adapter: dict[str, list] = {}
+        for pp, piece in self.sources:
+            by_adapter.setdefault(pp.adapter.name, []).append((pp, piece))
+        cols = 1
+        for d in self.shape[1:]:
+            cols *= d
+        deltas, weights = [], []
+        for contribs in by_adapter.values():
+            linear = all(not getattr(FAMILIES[pp.part.family], "NEEDS_BASE", False) for pp, _ in contribs)
+            strengths = {pp.strength for pp, _ in contribs}
+            unit = linear and len(strengths) == 1
+            delta = torch.zeros(self.shape[0], cols)
+            for pp, piece in contribs:
+                family = FAMILIES[pp.part.family]
+                rows = delta[piece.dst_start : piece.dst_start + piece.length]
+                coeff = pp.scale if unit else pp.strength * pp.scale
+                if getattr(family, "NEEDS_BASE", False):
+                    if base is None:
+                        raise PartRejected(f"stack={self.mode}: {pp.part.family} needs the layer's float weight")
+                    family.add_delta(rows, pp.factors, piece.src_start, piece.length, coeff,
+                                     base=base[piece.dst_start : piece.dst_start + piece.length].float(),
+                                     strength=pp.strength, scale=pp.scale)
+                else:
+                    family.add_delta(rows, pp.factors, piece.src_start, piece.length, coeff)
+            deltas.append(delta)
+            weights.append(strengths.pop() if unit else 1.0)
+        combined = combine_deltas(deltas, weights, self.mode, self.density, self.key)
+        self._cache = {"sig": sig, "delta": combined}
+        return combined
+
+
+def check_target(f: CombinedFactors, shape: tuple[int, ...]) -> str | None:
+    return None if tuple(shape) == tuple(f.shape) else f"shape mismatch: combined {f.shape} vs module {shape}"
+
+
+def add_delta(target_rows: torch.Tensor, f: CombinedFactors, src: int, length: int, coeff: float,
+              base: torch.Tensor | None = None, strength: float = 1.0, scale: float = 1.0) -> None:
+    target_rows.add_(f.delta(base)[src : src + length].to(target_rows.dtype), alpha=coeff)
+
+
+def bias_delta(f: CombinedFactors, src: int, length: int) -> torch.Tensor | None:
+    """Bias deltas are summed (the stack modes act on weights), each at its strength."""
+    from . import FAMILIES
+
+    total = None
+    for pp, piece in f.sources:
+        b = FAMILIES[pp.part.family].bias_delta(pp.factors, piece.src_start, piece.length)
+        if b is None:
+            continue
+        total = torch.zeros(f.shape[0]) if total is None else total
+        total[piece.dst_start : piece.dst_start + piece.length] += b.float() * (pp.strength * pp.scale)
+    return None if total is None else total[src : src + length]
+
+
+def runtime_term(f: CombinedFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None) -> RuntimeTerm:
+    weight = getattr(module, "weight", None)
+    float_weight = type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_floating_point()
+    cast: dict = {}
+
+    def fn(x, conv, base_out, strength, scale):
+        base = weight.detach().reshape(f.shape[0], -1) if float_weight else None
+        delta = f.delta(base)
+        key = (id(delta), x.device, x.dtype)
+        if cast.get("key") != key:
+            rows = delta[src : src + length]
+            cast.update(key=key, w=(rows.reshape(length, *f.shape[1:]) if conv else rows).to(x.device, x.dtype))
+        w = cast["w"]
+        return conv.fn(x, w, None, **conv.kwargs) if conv else F.linear(x, w)
+
+    return RuntimeTerm(None, None, None, bias_delta(f, src, length), dst, length, fn=fn,
+                       cost=f"stack={f.mode}: dense ΔW cached per strengths", linear_in_strength=False)

@@ -1,0 +1,136 @@
+"""Which mechanism each layer gets (merge, runtime, or a quantized layer's factor/hosted/requantize route).
+
+`plan_work` decides for every layer of a plan; a part some layer refuses is dropped everywhere (a part split
+over several modules lands everywhere or nowhere) and its keys go to the unmatched list with the reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..families.base import PartRejected
+from ..plan.resolve import Plan
+from ..quant import QuantBackend, backend_for
+from .merge import Contribution, merge_blocker, needs_bias
+from .quantized import Route, factorable_reason, route_hook_free
+from .runtime import RuntimePath, runtime_blocker
+
+QUANTIZED = ("auto", "host", "requantize")
+Work = list[tuple[str, str, torch.nn.Module, str | None, str, list[Contribution]]]
+
+
+@dataclass
+class QuantSettings:
+    quantized: str = "auto"
+    host_rank: int = 256
+    cache: object = None
+
+
+@dataclass
+class WorkPlan:
+    work: Work
+    prepared: dict[tuple[str, str], RuntimePath] = field(default_factory=dict)  # built while checking
+    routes: dict[tuple[str, str], tuple[QuantBackend, Route | None]] = field(default_factory=dict)
+
+
+def choose(mode: str, module: torch.nn.Module, contribs: list[Contribution]) -> tuple[str | None, str]:
+    """(mechanism or None, why) for a layer no quantization backend owns."""
+    merge_no = merge_blocker(module, needs_bias(contribs))
+    runtime_no = runtime_blocker(module)
+    if mode == "merge":
+        return (None, f"cannot merge: {merge_no}; use mode='runtime' or 'auto'") if merge_no else ("merge", "")
+    if mode == "runtime":
+        return (None, f"cannot run at runtime: {runtime_no}; use mode='merge' or 'auto'") if runtime_no else ("runtime", "")
+    if merge_no is None:
+        return "merge", "plain floating weight"
+    if runtime_no is None:
+        return "runtime", merge_no
+    return None, f"neither mechanism fits: {merge_no}; {runtime_no}"
+
+
+def check_runtime(
+    mode: str, module: torch.nn.Module, contribs: list[Contribution], why: str, quantized: bool = False
+) -> tuple[str | None, str, RuntimePath | None]:
+    """Build the runtime path without attaching it: a family may refuse (e.g. DoRA on a quantized weight)."""
+    try:
+        path = RuntimePath(module, contribs)
+    except PartRejected as rejected:
+        # Never fall back to a plain merge on a quantized layer: its storage is not the weight (fp8 looks float).
+        if mode == "auto" and not quantized and merge_blocker(module, needs_bias(contribs)) is None:
+            return "merge", f"runtime refused: {rejected}", None
+        return None, f"cannot run at runtime: {rejected}", None
+    return "runtime", why, path
+
+
+def choose_quantized(
+    mode: str, qs: QuantSettings, backend: QuantBackend, module: torch.nn.Module, contribs: list[Contribution],
+    layer: str = "",
+) -> tuple[str | None, str, Route | None]:
+    """(mechanism or None, why, routing result) for a layer a quantization backend owns."""
+    runtime_no = runtime_blocker(module)
+    if mode == "runtime":
+        return (None, f"cannot run at runtime: {runtime_no}", None) if runtime_no else ("runtime", "", None)
+    if getattr(module, "_loraweave_streamed", False):  # side channels and requantize write tensors the streamer copies
+        if mode == "merge":
+            return None, "cannot merge: layer is streamed; use mode='runtime' or 'auto'", None
+        why = "layer is streamed"
+        return ("runtime", why, None) if runtime_no is None else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
+    missing = backend.unavailable()
+    if mode == "merge" or (mode == "auto" and qs.quantized in ("host", "requantize")):
+        if missing:
+            route = Route(None, f"{backend.name} cannot run here: {missing}")
+        else:
+            route = route_hook_free(backend, module, contribs, qs.host_rank,
+                                    force_requantize=qs.quantized == "requantize", cache=qs.cache, layer=layer)
+        if route.mechanism is not None or mode == "merge":
+            return route.mechanism, route.why if route.mechanism else f"cannot merge: {route.why}", route
+        if runtime_no is None:
+            return "runtime", f"hook-free path declined: {route.why}", None
+        return None, f"neither mechanism fits: {route.why}; {runtime_no}", None
+    caps = None if missing else backend.capabilities(module)
+    not_factorable = factorable_reason(module, contribs) or ("bias delta" if needs_bias(contribs) else None)
+    if caps is not None and caps.factor_channel and not_factorable is None:
+        return "factor", f"{backend.name} side channel, exact", Route("factor", "")
+    why = f"{backend.name}: " + (missing or (not_factorable if caps.factor_channel else caps.reason or "no side channel"))
+    return ("runtime", why, None) if runtime_no is None else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
+
+
+def plan_work(p: Plan, groups, mode: str, unmatched: list[dict], qs: QuantSettings | None = None,
+              reuse=None) -> WorkPlan:
+    """A mechanism per layer. reuse(module, contribs) -> True: a live runtime path serves these (switching)."""
+    qs = qs or QuantSettings()
+    plan = WorkPlan([])
+    rejected_parts: dict[int, str] = {}
+    for (comp, path), contribs in groups.items():
+        module = p.components.modules[comp].get_submodule(path)
+        backend = backend_for(module)
+        if backend is not None:
+            mechanism, why, route = choose_quantized(mode, qs, backend, module, contribs, f"{comp}.{path}")
+            plan.routes[(comp, path)] = (backend, route)
+        else:
+            mechanism, why = choose(mode, module, contribs)
+        if mechanism == "runtime" and not (reuse is not None and reuse(module, contribs)):
+            mechanism, why, runtime_path = check_runtime(mode, module, contribs, why, quantized=backend is not None)
+            if runtime_path is not None:
+                plan.prepared[(comp, path)] = runtime_path
+        if mechanism is None:
+            for pp, _ in contribs:
+                rejected_parts.setdefault(id(pp), f"{why} ({comp}.{path})")
+        plan.work.append((comp, path, module, mechanism, why, contribs))
+    if rejected_parts:
+        for pp in p.planned:
+            if id(pp) in rejected_parts:
+                unmatched += [{"adapter": pp.adapter.name, "key": k, "reason": rejected_parts[id(pp)]} for k in pp.part.keys]
+        p.planned = [pp for pp in p.planned if id(pp) not in rejected_parts]
+        kept = []
+        for c, path, m, mech, why, contribs in plan.work:
+            remaining = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected_parts]
+            if len(remaining) != len(contribs):
+                plan.prepared.pop((c, path), None)  # its contributions changed: build it again
+                if (c, path) in plan.routes:
+                    plan.routes[(c, path)] = (plan.routes[(c, path)][0], None)  # routed on other contributions
+            if remaining:
+                kept.append((c, path, m, mech, why, remaining))
+        plan.work = kept
+    return plan

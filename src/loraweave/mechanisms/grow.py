@@ -1,0 +1,62 @@
+"""Growing a model input for control adapters (BFL Canny/Depth: Flux `x_embedder` 64 -> 128 columns).
+
+The module keeps its identity; its weight becomes a zero-padded wider Parameter (new channels start with no
+effect), `in_features` and the model config's input width follow. Undo puts the original Parameter object,
+`in_features` and config values back, so the model is exactly as before."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("loraweave")
+
+
+@dataclass(eq=False)
+class GrownInput:
+    module: torch.nn.Module
+    weight: torch.nn.Parameter  # the original Parameter object
+    in_features: int
+    config_owner: object | None
+    config_before: dict[str, object] = field(default_factory=dict)
+
+    def restore(self) -> None:
+        self.module.weight = self.weight
+        self.module.in_features = self.in_features
+        for key, value in self.config_before.items():
+            _set_config(self.config_owner, key, value)
+
+
+def _set_config(owner: object, key: str, value: object) -> None:
+    register = getattr(owner, "register_to_config", None)
+    if register is not None:  # diffusers models: a frozen config rebuilt by register_to_config
+        register(**{key: value})
+    else:
+        setattr(owner.config, key, value)
+
+
+def grow_input(root: torch.nn.Module, path: str, width: int, config_key: str) -> GrownInput:
+    """Widen Linear `root.<path>` to `width` input columns (zeros), recording how to undo it."""
+    module = root.get_submodule(path)
+    old = module.weight
+    if not isinstance(module, torch.nn.Linear) or width <= old.shape[1]:
+        raise ValueError(f"cannot grow {path} ({type(module).__name__}, weight {tuple(old.shape)}) to {width} columns")
+    config = getattr(root, "config", None)
+    before: dict[str, object] = {}
+    if config is not None and hasattr(config, config_key):
+        before[config_key] = getattr(config, config_key)
+        if hasattr(config, "out_channels") and config.out_channels is None:
+            before["out_channels"] = None  # diffusers derives out_channels from in_channels when unset: pin it
+    grown = GrownInput(module, old, module.in_features, root if before else None, before)
+    wider = torch.zeros(old.shape[0], width, dtype=old.dtype, device=old.device)
+    wider[:, : old.shape[1]] = old.detach()
+    module.weight = torch.nn.Parameter(wider, requires_grad=old.requires_grad)
+    module.in_features = width
+    if before:
+        if "out_channels" in before:
+            _set_config(root, "out_channels", getattr(root, "out_channels", before[config_key]))
+        _set_config(root, config_key, width)
+    log.info("grow module=%s in=%d->%d config=%s", path, old.shape[1], width, config_key if before else "-")
+    return grown

@@ -1,0 +1,82 @@
+"""Layer streaming under a device memory budget: resident prefix, streamed blocks, adapters included.
+
+`stream(model, budget="auto" | bytes, device=..., storage="cpu") -> StreamHandle`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from .handle import STREAMED_ATTR, StreamHandle
+from .ledger import BudgetExceeded, Ledger
+from .planner import BudgetTooSmall, StreamPlan, find_blocks, plan_residency
+from .report import ForwardStats, StreamReport
+
+log = logging.getLogger("loraweave")
+AUTO_MARGIN = 512 * 2**20  # kept free on a CUDA device for activations and the allocator (as sd.cpp does)
+
+__all__ = [
+    "STREAMED_ATTR", "BudgetExceeded", "BudgetTooSmall", "ForwardStats", "Ledger", "StreamHandle", "StreamPlan",
+    "StreamReport", "find_blocks", "plan_residency", "stream",
+]
+
+
+def stream(
+    model: torch.nn.Module,
+    budget: str | int = "auto",
+    device: str | torch.device | None = None,
+    storage: str | torch.device = "cpu",
+    margin: int | None = None,
+    blocks: list[str] | None = None,
+    free_bytes: Callable[[], int] | None = None,
+    trace: bool = False,
+) -> StreamHandle:
+    """Run `model` (inference) with its repeated blocks streamed from `storage` through device slots.
+
+    budget: "auto" (free device memory at each forward, minus `margin`) or bytes the streamer may hold on the
+      device (clamped at each forward to what is free then). The plan keeps the rest of the model, adapter factors
+      and a resident prefix of blocks on the device, and streams the other blocks through two slots (the block
+      computing and the next one, prefetched on a side stream on CUDA).
+    device: compute device (default: CUDA when available, else CPU; CPU = simulation, storage and compute alike).
+    margin: bytes left free for activations; default 512 MiB on CUDA, 0 on CPU.
+    blocks: module paths of the blocks to stream (default: the children of the outermost ModuleLists).
+    free_bytes: how many device bytes are free now (default: asked from CUDA; tests simulate a device with it).
+    trace: keep every ledger event in `handle.report.trace` (tests assert each against the budget).
+
+    Runtime adapters (`loraweave.apply(model, ..., mode="runtime" | "auto")`) may be applied before or after.
+    Factors of layers inside a block travel with it (part of its slot copy, bound to the layer while it computes);
+    the others (the rest of the model, quantized layers) stay on the device; all are counted in the plan. Strength
+    changes and adapter switches between forwards are picked up: slot contents are versioned (block, plan, weight
+    versions, adapter set), so a prefetched copy made before the change is never used. Every weight-holding layer
+    is marked `_loraweave_streamed`, so merging (which would write a copy) is refused and `auto` picks runtime.
+
+    Inference only (forwards under torch.no_grad()); do not move the model (`.to()`) while it streams: close()
+    first (a replaced tensor is detected and refused)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    store = torch.device(storage)
+    if budget == "auto":
+        requested = None
+    elif isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+        requested = budget
+    else:
+        raise ValueError(f"budget must be 'auto' or a positive int of bytes, got {budget!r}")
+    if margin is None:
+        margin = AUTO_MARGIN if dev.type == "cuda" else 0
+    if any(getattr(m, STREAMED_ATTR, False) for m in model.modules()):
+        raise ValueError("model is already streamed; close() its StreamHandle first")
+    if blocks is None:
+        found = find_blocks(model)
+    else:
+        found = [(name, model.get_submodule(name)) for name in blocks]
+        nested = [(a, b) for a in blocks for b in blocks if a != b and b.startswith(a + ".")]
+        if nested:
+            raise ValueError(f"blocks must not contain each other: {nested[0][1]!r} is inside {nested[0][0]!r}")
+    if not found:
+        raise ValueError(f"no repeated blocks found in {type(model).__name__}; pass blocks=[module paths]")
+    handle = StreamHandle(model, found, requested, dev, store, margin, free_bytes, trace=trace)
+    handle.report.log()
+    return handle
