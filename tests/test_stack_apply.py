@@ -148,3 +148,22 @@ def test_block_weights_that_fit_nothing_list_what_would():
     sd = _lora(base, ["transformer_blocks.0.attn.to_q"], 3)
     with pytest.raises(ValueError, match="accepted"):
         loraweave.apply(copy.deepcopy(base), AdapterSpec(sd, 1.0, block_weights=[1.0, 2.0, 3.0]), mode="merge")
+
+
+def test_combined_bias_follows_strength_at_runtime(setup):
+    """lora_B.bias on a shared layer: summed at the live strengths in runtime mode, as merged."""
+    base, sd_a, sd_b = setup
+    g = gen(21)
+    sd_a, sd_b = dict(sd_a), dict(sd_b)
+    for sd in (sd_a, sd_b):
+        for path in SHARED:
+            rows = base.get_submodule(path).weight.shape[0]
+            sd[f"transformer.{path}.lora_B.bias"] = torch.randn(rows, generator=g) * 0.1
+    specs = lambda sa: [AdapterSpec(sd_a, sa, name="a"), AdapterSpec(sd_b, STRENGTHS["b"], name="b")]  # noqa: E731
+    runtime = copy.deepcopy(base)
+    handle = loraweave.apply(runtime, specs(STRENGTHS["a"]), mode="runtime", stack="ties", density=0.5, strict=True)
+    handle.set_strength("a", 0.25)
+    fresh = copy.deepcopy(base)
+    loraweave.apply(fresh, specs(0.25), mode="merge", stack="ties", density=0.5, strict=True)
+    with torch.no_grad():
+        assert rel_err(flux_forward(runtime), flux_forward(fresh)) <= 1e-5

@@ -113,7 +113,12 @@ def runtime_term(f: CombinedFactors, src: int, dst: int, length: int, module: to
             rows = delta[src : src + length]
             cast.update(key=key, w=(rows.reshape(length, *f.shape[1:]) if conv else rows).to(x.device, x.dtype))
         w = cast["w"]
-        return conv.fn(x, w, None, **conv.kwargs) if conv else F.linear(x, w)
+        out = conv.fn(x, w, None, **conv.kwargs) if conv else F.linear(x, w)
+        bias = bias_delta(f, src, length)  # at the live strengths, like the weight part
+        if bias is not None:
+            bias = bias.to(out.device, out.dtype)
+            out = out + (bias.view(-1, *([1] * (out.dim() - 2))) if conv else bias)
+        return out
 
-    return RuntimeTerm(None, None, None, bias_delta(f, src, length), dst, length, fn=fn,
+    return RuntimeTerm(None, None, None, None, dst, length, fn=fn,
                        cost=f"stack={f.mode}: dense ΔW cached per strengths", linear_in_strength=False)
