@@ -69,6 +69,13 @@ class CastCache:
     def get(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.to(like.device, like.dtype)
 
+    def put(self, device: torch.device, dtype: torch.dtype, cast: tuple[torch.Tensor, ...]) -> None:
+        """Use `cast` (tensors someone else owns, e.g. a streaming slot's views) as the (device, dtype) copy."""
+        self._key, self._cast = (device, dtype), tuple(cast)
+
+    def clear(self) -> None:
+        self._key, self._cast = None, ()
+
     def to(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if (device, dtype) != self._key:
             self._cast = tuple(t.to(device, dtype) for t in self.tensors)

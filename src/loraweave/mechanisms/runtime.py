@@ -152,6 +152,16 @@ class RuntimePath:
     def _factors(self, device: torch.device, dtype: torch.dtype):
         return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))
 
+    def bind_factors(self, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor) -> None:
+        """Compute with `down`/`up` already on (device, dtype), e.g. a streamed block's slot views: no cast made."""
+        if self._factor_cast is not None:
+            self._factor_cast.put(device, dtype, (down, up))
+
+    def unbind_factors(self) -> None:
+        """Forget any device copy of the factors (the next forward casts again)."""
+        if self._factor_cast is not None:
+            self._factor_cast.clear()
+
     def warm(self) -> None:
         weight = getattr(self.module, "weight", None)
         if self.down is not None and isinstance(weight, torch.Tensor) and weight.is_floating_point():

@@ -50,15 +50,12 @@ def scale_bytes(path: RuntimePath) -> int:
 
 def bind(path: RuntimePath, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor) -> None:
     """Make the path use `down`/`up` (slot views) as its (device, dtype) cast: no cast of its own is made."""
-    cache = path._factor_cast
-    cache._key, cache._cast = (device, dtype), (down, up)
+    path.bind_factors(device, dtype, down, up)
 
 
 def unbind(path: RuntimePath) -> None:
     """Forget any device cast (a slot view, or the path's own copy while its block was resident)."""
-    cache = path._factor_cast
-    if cache is not None:
-        cache._key, cache._cast = None, ()
+    path.unbind_factors()
 
 
 def recast(module: torch.nn.Module) -> None:
