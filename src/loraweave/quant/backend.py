@@ -5,6 +5,7 @@ A backend module defines one `QuantBackend` subclass instance named BACKEND. The
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,3 +62,35 @@ class QuantBackend:
     def append_factors(self, module: torch.nn.Module, down: torch.Tensor, up: torch.Tensor) -> Restore:
         """Add up @ down (already scaled) to the layer's low-rank side channel; returns the bit-exact undo."""
         raise NotImplementedError
+
+
+Probe = Callable[[], dict[str, "str | None"]]  # {"package": why or None, kind: why or None}
+
+
+def probe_once(run: Probe) -> Probe:
+    """A backend's probe (quantize and run a tiny layer per kind), run once per process on a forked RNG."""
+
+    @functools.cache
+    def probe() -> dict[str, str | None]:
+        with torch.random.fork_rng(devices=[]):  # layer constructors draw from the global RNG: not the caller's
+            return run()
+
+    return probe
+
+
+class KindProbedBackend(QuantBackend):
+    """A backend whose quant kinds are probed on this machine; subclasses set `probe = staticmethod(...)`."""
+
+    probe: Probe
+
+    def unavailable(self) -> str | None:
+        found = self.probe()
+        if found["package"]:
+            return found["package"]
+        kinds = [why for kind, why in found.items() if kind != "package"]
+        return "; ".join(kinds) if kinds and all(kinds) else None  # unusable only when every kind is
+
+    def kind_unavailable(self, kind: str) -> str | None:
+        """Why layers of quant `kind` cannot run here, or None."""
+        found = self.probe()
+        return found["package"] or found.get(kind, f"unknown {self.name} kind {kind!r}")

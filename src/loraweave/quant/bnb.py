@@ -5,20 +5,13 @@ absmax (`quant_state.packing_format_for_cpu`); dequantize reads either layout wi
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from .backend import Capabilities, QuantBackend, Restore
+from .backend import Capabilities, KindProbedBackend, Restore, probe_once
 
 log = logging.getLogger("loraweave")
-
-
-@functools.cache
-def _probe() -> dict[str, str | None]:
-    with torch.random.fork_rng(devices=[]):  # layer constructors draw from the global RNG: not the caller's
-        return _run_probe()
 
 
 def _run_probe() -> dict[str, str | None]:
@@ -102,20 +95,12 @@ def _dequantize_4bit(module: torch.nn.Module) -> torch.Tensor:
     return w.reshape(rows, cols).to(qs.dtype).float()
 
 
-class BitsAndBytesBackend(QuantBackend):
+_probe = probe_once(_run_probe)
+
+
+class BitsAndBytesBackend(KindProbedBackend):
+    probe = staticmethod(_probe)
     name = "bitsandbytes"
-
-    def unavailable(self) -> str | None:
-        probe = _probe()
-        if probe["package"]:
-            return probe["package"]
-        broken = [why for kind, why in probe.items() if kind != "package" and why]
-        return "; ".join(broken) if len(broken) == 3 else None
-
-    def kind_unavailable(self, kind: str) -> str | None:
-        """Why layers of `kind` ("int8", "nf4", "fp4") cannot run here, or None."""
-        probe = _probe()
-        return probe["package"] or probe.get(kind, f"unknown bitsandbytes kind {kind!r}")
 
     def owns(self, module: torch.nn.Module) -> bool:
         return type(module).__name__ in ("Linear8bitLt", "Linear4bit", "LinearNF4", "LinearFP4") and type(

@@ -5,20 +5,13 @@ scale and shift). Requantize runs the layer's own quantizer (its optimizer, qtyp
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from .backend import Capabilities, QuantBackend, Restore
+from .backend import Capabilities, KindProbedBackend, Restore, probe_once
 
 log = logging.getLogger("loraweave")
-
-
-@functools.cache
-def _probe() -> dict[str, str | None]:
-    with torch.random.fork_rng(devices=[]):  # layer constructors draw from the global RNG: not the caller's
-        return _run_probe()
 
 
 def _run_probe() -> dict[str, str | None]:
@@ -48,20 +41,12 @@ def _is_qtensor(t) -> bool:
     return any(c.__name__ == "QTensor" for c in type(t).__mro__)
 
 
-class QuantoBackend(QuantBackend):
+_probe = probe_once(_run_probe)
+
+
+class QuantoBackend(KindProbedBackend):
+    probe = staticmethod(_probe)
     name = "quanto"
-
-    def unavailable(self) -> str | None:
-        probe = _probe()
-        if probe["package"]:
-            return probe["package"]
-        kinds = [why for kind, why in probe.items() if kind != "package"]
-        return "; ".join(kinds) if all(kinds) else None
-
-    def kind_unavailable(self, kind: str) -> str | None:
-        """Why quanto `kind` ("qint8", "qint4") cannot run here, or None."""
-        probe = _probe()
-        return probe["package"] or probe.get(kind, f"unknown quanto kind {kind!r}")
 
     def owns(self, module: torch.nn.Module) -> bool:
         is_qmodule = any(c.__name__ == "QModuleMixin" for c in type(module).__mro__)

@@ -6,12 +6,11 @@ from the layer's own block size, dtype and mapping; other subclasses are dequant
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from .backend import Capabilities, QuantBackend, Restore
+from .backend import Capabilities, KindProbedBackend, Restore, probe_once
 
 log = logging.getLogger("loraweave")
 
@@ -35,12 +34,6 @@ def _configs() -> dict[str, object]:
         "intx-int4": IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
         "float8": Float8WeightOnlyConfig(),
     }
-
-
-@functools.cache
-def _probe() -> dict[str, str | None]:
-    with torch.random.fork_rng(devices=[]):  # layer constructors draw from the global RNG: not the caller's
-        return _run_probe()
 
 
 def _run_probe() -> dict[str, str | None]:
@@ -95,20 +88,12 @@ def _weight(module: torch.nn.Module):
     return getattr(module, "weight", None)
 
 
-class TorchAOBackend(QuantBackend):
+_probe = probe_once(_run_probe)
+
+
+class TorchAOBackend(KindProbedBackend):
+    probe = staticmethod(_probe)
     name = "torchao"
-
-    def unavailable(self) -> str | None:
-        probe = _probe()
-        if probe["package"]:
-            return probe["package"]
-        kinds = [why for kind, why in probe.items() if kind != "package"]
-        return "; ".join(kinds) if all(kinds) else None
-
-    def kind_unavailable(self, kind: str) -> str | None:
-        """Why torchao `kind` ("int8", "int4", "intx-int4") cannot run here, or None."""
-        probe = _probe()
-        return probe["package"] or probe.get(kind, f"unknown torchao kind {kind!r}")
 
     def owns(self, module: torch.nn.Module) -> bool:
         weight = _weight(module)
