@@ -23,81 +23,82 @@ def _has_quantized(p: Plan) -> bool:
                for pp in p.planned for piece in pp.pieces)
 
 
-def part_identity(pp: PlannedPart) -> tuple:
-    """What a part is, independent of strength: its file (path + size + mtime) or its tensors, and its stem."""
-    adapter = pp.adapter
-    if adapter.path:
-        try:
-            st = os.stat(adapter.path)
-            where: tuple = (adapter.path, st.st_size, st.st_mtime_ns)
-        except OSError:
-            where = (adapter.path,)
-    else:
-        where = tuple(id(adapter.tensor(k)) for k in sorted(pp.part.keys))
-    return (*where, pp.part.stem, pp.part.family, pp.scale)
+class Signatures:
+    """Identity keys of contributions for one switch: each file is stat'ed once, each list keyed once."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, tuple] = {}
+        self._lists: dict[int, tuple[list, list[tuple]]] = {}  # id(list) -> (the list, kept alive; its keys)
+
+    def _where(self, pp: PlannedPart) -> tuple:
+        """The part's file (path + size + mtime: an edited file is another adapter) or its tensors."""
+        path = pp.adapter.path
+        if not path:
+            return tuple(id(pp.adapter.tensor(k)) for k in sorted(pp.part.keys))
+        if path not in self._files:
+            try:
+                st = os.stat(path)
+                self._files[path] = (path, st.st_size, st.st_mtime_ns)
+            except OSError:
+                self._files[path] = (path,)
+        return self._files[path]
+
+    def _part(self, pp: PlannedPart) -> tuple:
+        return (*self._where(pp), pp.part.stem, pp.part.family, pp.scale)
+
+    def keys(self, contribs: list) -> list[tuple]:
+        hit = self._lists.get(id(contribs))
+        if hit is not None and hit[0] is contribs:
+            return hit[1]
+        out = []
+        for pp, piece in contribs:
+            sources = getattr(pp.factors, "sources", None) if pp.part.family == "combined" else None
+            if sources:  # a combined part is its sources and settings, strengths included (they change the result)
+                inner = tuple(sorted((*self._part(s), p.src_start, p.dst_start, p.length, s.strength) for s, p in sources))
+                out.append(("combined", pp.factors.mode, pp.factors.density, inner))
+            else:
+                out.append((*self._part(pp), piece.src_start, piece.dst_start, piece.length))
+        self._lists[id(contribs)] = (contribs, out)
+        return out
+
+    def structure(self, contribs: list) -> tuple:
+        return tuple(sorted(self.keys(contribs), key=repr))
+
+    def mapping(self, old_contribs: list, new_contribs: list) -> dict[int, PlannedPart]:
+        """id(old part) -> new part of the same identity, for re-pointing a path or merge record."""
+        new_by_key = dict(zip(self.keys(new_contribs), (pp for pp, _ in new_contribs), strict=True))
+        return {id(pp): new_by_key[k] for k, (pp, _) in zip(self.keys(old_contribs), old_contribs, strict=True)
+                if k in new_by_key}
 
 
-def contribution_keys(contribs) -> list[tuple]:
-    out = []
-    for pp, piece in contribs:
-        sources = getattr(pp.factors, "sources", None) if pp.part.family == "combined" else None
-        if sources:  # a combined part is its sources and settings, strengths included (they change the result)
-            inner = tuple(sorted((*part_identity(s), p.src_start, p.dst_start, p.length, s.strength) for s, p in sources))
-            out.append(("combined", pp.factors.mode, pp.factors.density, inner))
-        else:
-            out.append((*part_identity(pp), piece.src_start, piece.dst_start, piece.length))
-    return out
-
-
-def structure(contribs) -> tuple:
-    return tuple(sorted(contribution_keys(contribs), key=repr))
-
-
-def mapping(old_contribs, new_contribs) -> dict[int, PlannedPart]:
-    """id(old part) -> new part of the same identity, for re-pointing a path or merge record."""
-    new_by_key = dict(zip(contribution_keys(new_contribs), (pp for pp, _ in new_contribs), strict=True))
-    return {id(pp): new_by_key[k] for k, (pp, _) in zip(contribution_keys(old_contribs), old_contribs, strict=True)
-            if k in new_by_key}
-
-
-def switch_runtime(path: RuntimePath, old_contribs, new_contribs) -> bool:
+def switch_runtime(sig: Signatures, path: RuntimePath, new_contribs: list) -> bool:
     """Re-point or gate an existing path; False when the layer must be rebuilt."""
-    old_keys, new_keys = set(contribution_keys(old_contribs)), set(contribution_keys(new_contribs))
-    if not new_keys <= old_keys or any(pp.part.family == "combined" for pp, _ in new_contribs):
+    old_contribs = path.contributions
+    new_keys = set(sig.keys(new_contribs))
+    if not new_keys <= set(sig.keys(old_contribs)) or any(pp.part.family == "combined" for pp, _ in new_contribs):
         return False
-    kept = {id(pp) for k, (pp, _) in zip(contribution_keys(old_contribs), old_contribs, strict=True) if k in new_keys}
-    path.rebind(mapping(old_contribs, new_contribs))
+    remap = sig.mapping(old_contribs, new_contribs)
     live = {pp.adapter.name for pp, _ in new_contribs}
     for pp, _ in old_contribs:
-        if id(pp) not in kept and pp.adapter.name not in live:
+        if id(pp) not in remap and pp.adapter.name not in live:
             path.gates[pp.adapter.name] = 0.0
     for name in live:
         path.gates.pop(name, None)
-    path.refresh_scales()
+    path.rebind(remap)  # refreshes the scales
     return True
 
 
-def switch_merged(record: MergedModule, old_contribs, new_contribs) -> bool:
+def switch_merged(sig: Signatures, record: MergedModule, new_contribs: list) -> bool:
     """Same structure: re-point and rewrite only if a strength changed; False when it must be redone."""
-    if structure(old_contribs) != structure(new_contribs):
+    if sig.structure(record.contributions) != sig.structure(new_contribs):
         return False
-    remap = mapping(old_contribs, new_contribs)
+    remap = sig.mapping(record.contributions, new_contribs)
     before = [(pp.strength, pp.scale) for pp, _ in record.contributions]
     record.contributions = [(remap.get(id(pp), pp), piece) for pp, piece in record.contributions]
     record.adapters = {pp.adapter.name for pp, _ in record.contributions}
     if [(pp.strength, pp.scale) for pp, _ in record.contributions] != before:
         record.write()
     return True
-
-
-def redo_merged(module, record: MergedModule | None, new_contribs, records: list[MergedModule]) -> MergedModule | None:
-    """Undo a layer's old merge (if any) and merge the new contributions (if any)."""
-    if record is not None:
-        record.restore()
-    if not new_contribs:
-        return None
-    merge_module(module, new_contribs, records)
-    return records[-1]
 
 
 def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None) -> None:
@@ -127,13 +128,13 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     groups = api.combine_groups(api._group_by_module(p.planned), components.modules, stack, density)
     old_runtime = {id(rp.module): rp for rp in handle._runtime}
     detached = getattr(handle, "_detached", {})  # paths the previous switch took off, by (module, structure)
+    sig = Signatures()
 
     def reuse(module, contribs) -> bool:
         rp = old_runtime.get(id(module))
-        keys = set(contribution_keys(contribs))
-        if rp is not None and keys <= set(contribution_keys(rp.contributions)):
+        if rp is not None and set(sig.keys(contribs)) <= set(sig.keys(rp.contributions)):
             return True
-        return (id(module), structure(contribs)) in detached
+        return (id(module), sig.structure(contribs)) in detached
 
     wp = plan_work(p, groups, mode, unmatched, reuse=reuse)
     work, prepared = wp.work, wp.prepared
@@ -150,28 +151,26 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
         for comp, path, module, mechanism, why, contribs in work:
             seen.add(id(module))
             rp, rec = old_runtime.get(id(module)), old_merged.get(id(module))
-            if rp is not None and mechanism == "runtime" and switch_runtime(rp, rp.contributions, contribs):
+            if rp is not None and mechanism == "runtime" and switch_runtime(sig, rp, contribs):
                 runtime.append(rp)
                 counts["kept"] += 1
-            elif rec is not None and mechanism == "merge" and switch_merged(rec, rec.contributions, contribs):
+            elif rec is not None and mechanism == "merge" and switch_merged(sig, rec, contribs):
                 merged.append(rec)
                 counts["kept"] += 1
             else:
                 if rp is not None:
                     rp.detach()
+                    now_detached[(id(module), sig.structure(rp.contributions))] = rp
                 if rec is not None:
                     rec.restore()
-                if rp is not None:
-                    now_detached[(id(module), structure(rp.contributions))] = rp
                 if mechanism == "merge":
                     merge_module(module, contribs, merged)
                     counts["rebuilt"] += 1
                 else:
-                    new = detached.get((id(module), structure(contribs)))
+                    new = detached.get((id(module), sig.structure(contribs)))
                     if new is not None:  # back to a set this layer carried before: re-attach, nothing rebuilt
-                        new.rebind(mapping(new.contributions, contribs))
                         new.gates.clear()
-                        new.refresh_scales()
+                        new.rebind(sig.mapping(new.contributions, contribs))
                         counts["reattached"] += 1
                     else:
                         new = prepared.get((comp, path)) or RuntimePath(module, contribs)
@@ -184,7 +183,7 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
         for rp in handle._runtime:
             if id(rp.module) not in seen:
                 rp.detach()
-                now_detached[(id(rp.module), structure(rp.contributions))] = rp
+                now_detached[(id(rp.module), sig.structure(rp.contributions))] = rp
                 counts["dropped"] += 1
         for rec in handle._merged:
             if id(rec.module) not in seen:

@@ -44,14 +44,13 @@ class CombinedFactors:
         sig = self._signature()
         if self._cache.get("sig") == sig:
             return self._cache["delta"]
+        from ..mechanisms.merge import add_contribution
         from . import FAMILIES  # the registry imports this module
 
         by_adapter: dict[str, list] = {}
         for pp, piece in self.sources:
             by_adapter.setdefault(pp.adapter.name, []).append((pp, piece))
-        cols = 1
-        for d in self.shape[1:]:
-            cols *= d
+        cols = int(torch.Size(self.shape[1:]).numel())
         deltas, weights = [], []
         for contribs in by_adapter.values():
             linear = all(not getattr(FAMILIES[pp.part.family], "NEEDS_BASE", False) for pp, _ in contribs)
@@ -59,17 +58,11 @@ class CombinedFactors:
             unit = linear and len(strengths) == 1
             delta = torch.zeros(self.shape[0], cols)
             for pp, piece in contribs:
-                family = FAMILIES[pp.part.family]
-                rows = delta[piece.dst_start : piece.dst_start + piece.length]
                 coeff = pp.scale if unit else pp.strength * pp.scale
-                if getattr(family, "NEEDS_BASE", False):
-                    if base is None:
-                        raise PartRejected(f"stack={self.mode}: {pp.part.family} needs the layer's float weight")
-                    family.add_delta(rows, pp.factors, piece.src_start, piece.length, coeff,
-                                     base=base[piece.dst_start : piece.dst_start + piece.length].float(),
-                                     strength=pp.strength, scale=pp.scale)
-                else:
-                    family.add_delta(rows, pp.factors, piece.src_start, piece.length, coeff)
+                try:
+                    add_contribution(delta[piece.dst_start : piece.dst_start + piece.length], pp, piece, base, coeff)
+                except PartRejected as rejected:
+                    raise PartRejected(f"stack={self.mode}: {rejected}") from None
             deltas.append(delta)
             weights.append(strengths.pop() if unit else 1.0)
         combined = combine_deltas(deltas, weights, self.mode, self.density, self.key)

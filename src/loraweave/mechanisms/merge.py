@@ -8,6 +8,7 @@ import torch
 
 from ..arch.spec import Piece
 from ..families import FAMILIES
+from ..families.base import PartRejected
 from ..plan.resolve import PlannedPart
 from ..plan.stacking import adapter_names
 
@@ -38,6 +39,23 @@ def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | No
 
 def _coeff(pp: PlannedPart) -> float:
     return pp.strength * pp.scale
+
+
+def add_contribution(target_rows: torch.Tensor, pp: PlannedPart, piece: Piece, base: torch.Tensor | None,
+                     coeff: float | None = None) -> None:
+    """target_rows += coeff·ΔW (rows of `piece`), coeff = strength·scale unless given.
+
+    base: the ORIGINAL weight as (out, in·k), read (its piece rows, in target's dtype) by W-dependent families."""
+    family = FAMILIES[pp.part.family]
+    coeff = _coeff(pp) if coeff is None else coeff
+    if getattr(family, "NEEDS_BASE", False):
+        if base is None:
+            raise PartRejected(f"{pp.part.family} needs the layer's float weight")
+        rows = base[piece.dst_start : piece.dst_start + piece.length].to(target_rows.dtype)
+        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff,
+                         base=rows, strength=pp.strength, scale=pp.scale)
+    else:
+        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff)
 
 
 @dataclass(eq=False)  # identity semantics: instances are compared with `is` on the per-module stack
@@ -84,17 +102,8 @@ class MergedModule:
             self._write_bias()
 
     def _add(self, target: torch.Tensor, pp: PlannedPart, piece: Piece) -> None:
-        family = FAMILIES[pp.part.family]
-        if getattr(family, "NEEDS_BASE", False):
-            # The original rows, never the partly merged ones: contributions are independent and summed.
-            base = self.weight_backup.reshape(self.weight_backup.shape[0], -1)
-            base = base[piece.dst_start : piece.dst_start + piece.length].to(target.dtype)
-            family.add_delta(
-                target, pp.factors, piece.src_start, piece.length, _coeff(pp),
-                base=base, strength=pp.strength, scale=pp.scale,
-            )
-        else:
-            family.add_delta(target, pp.factors, piece.src_start, piece.length, _coeff(pp))
+        # The original rows, never the partly merged ones: contributions are independent and summed.
+        add_contribution(target, pp, piece, self.weight_backup.reshape(self.weight_backup.shape[0], -1))
 
     def _write_bias(self) -> None:
         deltas = []

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..arch.spec import module_shape
-from ..families import FAMILIES
 from ..quant.backend import QuantBackend, Restore
 from .hosted import Truncation, truncate
-from .merge import Contribution, needs_bias
+from .merge import Contribution, add_contribution, needs_bias
 
 log = logging.getLogger("loraweave")
 
@@ -60,15 +59,9 @@ def intended_delta(contribs: list[Contribution], shape: tuple[int, ...], base: t
     """Σ coeff·ΔW of the contributions, fp32 (out, in·k), each from the ORIGINAL weight `base` where it needs one."""
     device = base.device if base is not None else None  # factors are cast into the rows by each family
     acc = torch.zeros(shape[0], int(torch.Size(shape[1:]).numel()), dtype=torch.float32, device=device)
+    base2d = base.reshape(shape[0], -1) if base is not None else None
     for pp, piece in contribs:
-        family = FAMILIES[pp.part.family]
-        rows = acc[piece.dst_start : piece.dst_start + piece.length]
-        if getattr(family, "NEEDS_BASE", False):
-            b = base.reshape(shape[0], -1)[piece.dst_start : piece.dst_start + piece.length].float()
-            family.add_delta(rows, pp.factors, piece.src_start, piece.length, _coeff(pp),
-                             base=b, strength=pp.strength, scale=pp.scale)
-        else:
-            family.add_delta(rows, pp.factors, piece.src_start, piece.length, _coeff(pp))
+        add_contribution(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece, base2d)
     return acc
 
 

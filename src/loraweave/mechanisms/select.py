@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..families import FAMILIES
 from ..stack.select import SelectSchedule
+from .quantized import intended_delta
 from .runtime import RuntimePath
 
 
@@ -23,22 +23,11 @@ def shared_layers(paths: dict[str, RuntimePath], names: tuple[str, str]) -> dict
 def _dense(rp: RuntimePath, name: str) -> tuple[torch.Tensor, int]:
     """One adapter's ΔW on a layer at its strength (fp32, rows x in·k), and its rank (0 when not low-rank)."""
     weight = rp.module.weight.detach()
-    base = weight.reshape(weight.shape[0], -1).float() if weight.is_floating_point() else None
-    delta = torch.zeros(rp.out, weight[0].numel() if base is None else base.shape[1])
-    rank = 0
-    for pp, piece in rp.contributions:
-        if pp.adapter.name != name:
-            continue
-        family = FAMILIES[pp.part.family]
-        rows = delta[piece.dst_start : piece.dst_start + piece.length]
-        coeff = pp.strength * pp.scale
-        if getattr(family, "NEEDS_BASE", False):
-            family.add_delta(rows, pp.factors, piece.src_start, piece.length, coeff,
-                             base=base[piece.dst_start : piece.dst_start + piece.length], strength=pp.strength, scale=pp.scale)
-        else:
-            family.add_delta(rows, pp.factors, piece.src_start, piece.length, coeff)
-        rank = max(rank, getattr(pp.factors, "rank", 0) or 0)
-    return delta, rank
+    mine = [(pp, piece) for pp, piece in rp.contributions if pp.adapter.name == name]
+    shape = (rp.out, *weight.shape[1:])
+    base = weight if weight.is_floating_point() else None
+    rank = max((getattr(pp.factors, "rank", 0) or 0 for pp, _ in mine), default=0)
+    return intended_delta(mine, shape, base), rank
 
 
 def build_schedule(mode: str, paths: dict[str, RuntimePath], names: tuple[str, str], total_steps: int,
