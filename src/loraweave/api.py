@@ -31,6 +31,7 @@ from .stack.combine import SELECT_MODES, validate_stack
 
 log = logging.getLogger("loraweave")
 MODES = ("auto", "merge", "runtime")
+# What `adapters` may hold: a path, an Adapter, a state dict, (source, strength) or an AdapterSpec.
 AdapterSource = str | os.PathLike | Adapter | Mapping | tuple | AdapterSpec
 
 
@@ -112,7 +113,7 @@ def _make_report(plan: Plan, mode: str, applied: list[AppliedModule], unmatched:
     return report
 
 
-def plan(target, adapters: Iterable[AdapterSpec] | AdapterSpec, strength: float = 1.0) -> Report:
+def plan(target, adapters: Iterable[AdapterSource] | AdapterSource, strength: float = 1.0) -> Report:
     """Resolve every key against `target` and report where it would land; nothing is modified.
 
     Works on models built on the `meta` device (no weights needed)."""
@@ -142,7 +143,7 @@ def _growth(p: Plan) -> list[tuple[str, str, int, str]]:
 
 def apply(
     target,
-    adapters: Iterable[AdapterSpec] | AdapterSpec,
+    adapters: Iterable[AdapterSource] | AdapterSource,
     mode: str = "auto",
     strength: float = 1.0,
     strict: bool = False,

@@ -33,6 +33,10 @@ class Handle:
         self._settings = settings or {name: AdapterWeights(s) for name, s in plan.strengths.items()}
         self._grown = grown or []
         self._select: tuple[str, tuple[str, str]] | None = None  # (mode, (subject, style)) for select modes
+        self.quant_options: dict = {}  # apply's quantized/host_rank/cache, reused when a switch starts over
+        self._resolve_cache = None  # switching: loads and resolutions per source (plan.cache.ResolveCache)
+        self._detached: dict = {}  # switching: paths the last switch took off, by (module id, structure)
+        self.last_switch: dict[str, int] | None = None  # kept / reattached / rebuilt / dropped layers
         self.active = True
 
     def remove(self) -> None:

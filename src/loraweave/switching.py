@@ -9,6 +9,7 @@ Per layer, a structure signature (which parts of which files land on which rows,
 from __future__ import annotations
 
 import os
+import time
 
 from .mechanisms.choose import plan_work
 from .mechanisms.merge import MergedModule, merge_module
@@ -107,27 +108,27 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
 
     if not handle.active:
         raise RuntimeError("handle was removed")
+    t0 = time.perf_counter()
     mode = handle.report.mode
     components = handle._plan.components
     api.validate_stack(stack, density)
-    if getattr(handle, "_resolve_cache", None) is None:
+    if handle._resolve_cache is None:
         from .plan.cache import ResolveCache
 
         handle._resolve_cache = ResolveCache(components)
     p, settings = api._resolve(components, adapters, strength, cache=handle._resolve_cache)
-    quant_options = getattr(handle, "quant_options", {})
     if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p):
         # Grown inputs change the model itself and quantized writes own their layers' storage: start over.
         handle.remove()
         fresh = api.apply(components, adapters, mode=mode, strength=strength, stack=stack, density=density,
-                          **quant_options)
+                          **handle.quant_options)
         handle.__dict__.update(fresh.__dict__)
         handle.last_switch = {"kept": 0, "reattached": 0, "rebuilt": len(handle.report.applied), "dropped": 0}
         return
     unmatched = list(p.unmatched)
     groups = api.combine_groups(api._group_by_module(p.planned), components.modules, stack, density)
     old_runtime = {id(rp.module): rp for rp in handle._runtime}
-    detached = getattr(handle, "_detached", {})  # paths the previous switch took off, by (module, structure)
+    detached = handle._detached
     sig = Signatures()
 
     def reuse(module, contribs) -> bool:
@@ -199,8 +200,7 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
         raise
     handle._plan, handle._settings, handle._runtime, handle._merged = p, settings, runtime, merged
     handle._detached = now_detached
-    handle.report = api._make_report(p, mode, applied, unmatched, 0.0)
-    handle.report.seconds = 0.0
+    handle.report = api._make_report(p, mode, applied, unmatched, t0)
     api.log.info("loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
                  counts["kept"], counts["reattached"], counts["rebuilt"], counts["dropped"], handle.report.summary())
     handle.last_switch = counts
