@@ -409,3 +409,22 @@ def test_auto_on_a_streamed_quantized_layer_goes_runtime_not_into_the_side_chann
     finally:
         h.remove()
         s.close()
+
+
+def test_gpu_benchmark_script_runs_end_to_end_on_a_tiny_cpu_stack(tmp_path):
+    """benchmarks/stream_gpu.py must run in one command on a CUDA machine; its --tiny CPU mode runs the same code
+    (build, LoRA, budgets 100/50/25 %, strength change) so a broken script is found here, not on the device."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "stream_gpu.py"
+    out = tmp_path / "stream.json"
+    run = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--steps", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["settings"]
+    assert [r["budget_fraction"] for r in rows] == [1.0, 0.5, 0.25]
+    assert all(r["bit_equal"] and r["bit_equal_after_strength_change"] for r in rows)
+    assert rows[0]["streamed_blocks"] == 0 and rows[2]["streamed_blocks"] > rows[1]["streamed_blocks"] > 0

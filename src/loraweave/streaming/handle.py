@@ -139,7 +139,7 @@ class StreamHandle:
         buf = max((u.slot_layout_bytes for u in streamed), default=0)
         for k in range(plan.n_slots):
             self.ledger.book(f"slot{k}", plan.slot_bytes)
-            self.slots.append(Slot(buf, self.device, self.copier.cuda))
+            self.slots.append(Slot(buf, self.device, self.copier))
         self.plan = plan
         self._resident_units = new
         self.epoch += 1
@@ -148,7 +148,8 @@ class StreamHandle:
         if first is not None and self._active is None:  # the next forward's first streamed block, ahead of time
             self._fill(self.slots[0], first, prefetch=True)
         if self.report is None:
-            self.report = StreamReport(str(self.device), str(self.storage), plan, trace=self.ledger.trace)
+            self.report = StreamReport(str(self.device), str(self.storage), plan, trace=self.ledger.trace,
+                                       asynchronous=self.copier.asynchronous)
         else:
             self.report.plan = plan
             self.report.replans += 1
@@ -303,7 +304,7 @@ class StreamHandle:
                 self.copier.wait(slot, self._stats, 0.0)
             slot.prefetched = False
         slot.busy = True
-        self.units[i].point_to(slot.views, self.device)
+        self._stats.bytes_copied += self.units[i].point_to(slot.views, self.device)
         self._active = (i, slot)
         self.ledger.note(f"compute {self.units[i].name}")
         nxt = self._next_streamed(i)

@@ -38,6 +38,7 @@ class StreamReport:
     replans: int = 0
     releases: int = 0
     trace: list[tuple[str, int]] | None = None  # ledger events when tracing (tests: asserted against the budget)
+    asynchronous: bool = False  # copies run beside compute (CUDA side stream)
 
     @property
     def blocks(self) -> list[dict]:
@@ -57,7 +58,7 @@ class StreamReport:
         t = self.total
         if t.copy_seconds <= 0:
             return None
-        if self.device.startswith("cpu"):
+        if not self.asynchronous:
             return 0.0  # synchronous copies: nothing overlaps (an unused wrap-around prefetch is not overlap)
         return max(0.0, min(1.0, 1.0 - t.stall_seconds / t.copy_seconds))
 

@@ -16,21 +16,18 @@ class Slot:
     `tag` says which block, at which version, under which plan epoch the contents are; a slot whose tag no longer
     matches (weights written, plan changed) is never used: it is copied again."""
 
-    def __init__(self, nbytes: int, device: torch.device, cuda: bool) -> None:
+    def __init__(self, nbytes: int, device: torch.device, copier: Copier) -> None:
         self.buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         self.index: int | None = None  # block held
         self.tag: tuple | None = None
-        self.views: list[torch.Tensor] | None = None
+        self.views: list[torch.Tensor | None] | None = None
         self.busy = False  # a block is computing from it
         self.prefetched = False  # filled ahead of use (counted when it is used)
         self.copy_s = 0.0  # wall time of its last copy (CPU: all of it is compute waiting)
         # ready: copy finished (compute waits on it); freed: compute finished with it (the next copy waits on it)
-        self.ready = torch.cuda.Event() if cuda else None
-        self.freed = torch.cuda.Event() if cuda else None
+        self.ready = self.freed = None
         self.freed_recorded = False
-        if cuda:  # the buffer may reuse memory compute kernels still read: the first copy waits for them
-            self.freed.record(torch.cuda.current_stream(device))
-            self.freed_recorded = True
+        copier.attach(self)
 
 
 class Copier:
@@ -41,28 +38,36 @@ class Copier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.asynchronous = self.cuda  # copies overlap compute (the report's overlap is meaningful)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._pending_copy: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._pending_stall: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
+    def attach(self, slot: Slot) -> None:
+        """Give a new slot its ordering events."""
+        if self.cuda:
+            slot.ready, slot.freed = torch.cuda.Event(), torch.cuda.Event()
+            # The buffer may reuse memory compute kernels still read: the first copy waits for them.
+            slot.freed.record(torch.cuda.current_stream(self.device))
+            slot.freed_recorded = True
+
     def fill(self, slot: Slot, unit: Unit, stats: ForwardStats) -> None:
-        nbytes = unit.nbytes
+        slot.views = unit.slot_views(slot.buf)
         if self.cuda:
             with torch.cuda.stream(self.stream):
                 if slot.freed_recorded:  # the block computing from this slot must be done before we overwrite it
                     self.stream.wait_event(slot.freed)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(self.stream)
-                slot.views = unit.copy_into(slot.buf, self.device)
+                unit.copy_to(slot.views)
                 end.record(self.stream)
                 slot.ready.record(self.stream)
             self._pending_copy.append((start, end))
         else:
             t0 = time.perf_counter()
-            slot.views = unit.copy_into(slot.buf, self.device)
-            dt = time.perf_counter() - t0
-            stats.copy_seconds += dt
-        stats.bytes_copied += nbytes
+            unit.copy_to(slot.views)
+            stats.copy_seconds += time.perf_counter() - t0
+        stats.bytes_copied += unit.slot_layout_bytes
         stats.copies += 1
 
     def wait(self, slot: Slot, stats: ForwardStats, waited_copy_s: float = 0.0) -> None:

@@ -51,11 +51,12 @@ class Unit:
             data = t.data
             on_storage = data.device == storage
             host = data if on_storage else data.to(storage)
-            if pin and host.device.type == "cpu" and not host.is_pinned():
-                # The pinned copy replaces the original (no second host copy); close() restores it in place.
+            plain = _plain(t)
+            if pin and plain and host.device.type == "cpu" and not host.is_pinned():
+                # The pinned copy replaces the original (no second host copy); close() restores pageable memory.
+                # Tensor subclasses are not pinned (pin_memory is not defined for most): they copy synchronously.
                 host = host.pin_memory()
                 on_storage = False
-            plain = _plain(t)
             self.entries.append(Entry(owner, kind, tname, data if on_storage else None, data.device, host,
                                       offset if plain else -1, plain, t))
             if plain:
@@ -107,33 +108,44 @@ class Unit:
         self.place = "host"
 
     # -- slots -----------------------------------------------------------------------------------------------
-    def copy_into(self, buf: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-        """Copy host values into views of `buf` (on the current stream) and return the views, entry order.
-
-        Non-plain tensors (tensor subclasses) get their own device copy beside the slot."""
-        views = []
+    def slot_views(self, buf: torch.Tensor) -> list[torch.Tensor | None]:
+        """Views of `buf` for every plain entry and travelling factor (entry order, then down/up per factor);
+        None for tensor subclasses, which get their own device copy when the block is pointed at the slot."""
+        views: list[torch.Tensor | None] = []
         for e in self.entries:
-            if e.plain:
-                n = tensor_bytes(e.host)
-                v = buf[e.offset : e.offset + n].view(e.host.dtype).view(e.host.shape)
-                v.copy_(e.host, non_blocking=True)
-            else:
-                v = e.host.to(device, non_blocking=True)
-            views.append(v)
+            views.append(buf[e.offset : e.offset + tensor_bytes(e.host)].view(e.host.dtype).view(e.host.shape)
+                         if e.plain else None)
         for _, _, down, d_off, up, u_off in self.factors:
             for t, off in ((down, d_off), (up, u_off)):
-                v = buf[off : off + tensor_bytes(t)].view(t.dtype).view(t.shape)
-                v.copy_(t, non_blocking=True)
-                views.append(v)
+                views.append(buf[off : off + tensor_bytes(t)].view(t.dtype).view(t.shape))
         return views
 
-    def point_to(self, views: list[torch.Tensor], device: torch.device) -> None:
-        n = len(self.entries)
+    def host_sources(self) -> list[torch.Tensor | None]:
+        """The host tensor behind each of `slot_views`' entries (None where the view is None)."""
+        out: list[torch.Tensor | None] = [e.host if e.plain else None for e in self.entries]
+        for _, _, down, _, up, _ in self.factors:
+            out += [down, up]
+        return out
+
+    def copy_to(self, views: list[torch.Tensor | None]) -> None:
+        """Copy host values into `views` on the current stream (asynchronous from pinned memory)."""
+        for v, src in zip(views, self.host_sources(), strict=True):
+            if v is not None:
+                v.copy_(src, non_blocking=True)
+
+    def point_to(self, views: list[torch.Tensor | None], device: torch.device) -> int:
+        """Compute from the slot's views; returns the bytes of tensor subclasses copied here, on the compute
+        stream (a copy made on the side stream would be freed into that stream's pool while compute reads it)."""
+        n, side = len(self.entries), 0
         for e, v in zip(self.entries, views[:n], strict=True):
+            if v is None:
+                v = e.host.to(device)
+                side += tensor_bytes(e.host) if v is not e.host else 0
             e.point(v)
         for k, (path, dtype, *_) in enumerate(self.factors):
             factors.bind(path, device, dtype, views[n + 2 * k], views[n + 2 * k + 1])
         self.place = "slot"
+        return side
 
     def version(self) -> tuple:
         """Changes whenever a tensor is written in place through its Parameter/buffer, or its storage replaced."""
@@ -154,7 +166,12 @@ class Unit:
     def restore(self) -> None:
         """Back to what the model held before streaming: same objects, devices, values."""
         for e in self.entries:
-            e.point(e.orig if e.orig is not None else e.host.to(e.orig_device))
+            if e.orig is not None:
+                e.point(e.orig)
+            elif e.orig_device.type == "cpu" and e.host.device.type == "cpu":  # pinned by us: back to pageable
+                e.point(torch.empty(e.host.shape, dtype=e.host.dtype).copy_(e.host))
+            else:
+                e.point(e.host.to(e.orig_device))
         self._device = None
         self.place = "orig"
 
