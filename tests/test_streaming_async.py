@@ -20,7 +20,7 @@ from test_streaming import flux_batch2, flux_deep, lora_sd, min_budget, one_thre
 
 import loraweave
 from loraweave.streaming import handle as handle_module
-from loraweave.streaming import stream
+from loraweave.streaming import hostmem, stream
 from loraweave.streaming.slots import Copier
 
 DELAY_S = 0.004  # worker delay before each copy: far longer than the main thread needs to reach a wrong read
@@ -57,7 +57,7 @@ class ThreadCopier(Copier):
     def fill(self, slot, unit, stats) -> None:
         assert not slot.busy, "a copy was issued into the slot a block is computing from"
         slot.views = unit.slot_views(slot.buf)
-        pairs = [(v, s) for v, s in zip(slot.views, unit.host_sources(), strict=True) if v is not None]
+        pairs = unit.copy_pairs(slot.buf)
         slot.ready = threading.Event()  # a new copy: compute must wait for this one
         slot.buf.fill_(0xFF)  # NaN in every float dtype until the worker writes the real values
         self.jobs.put((pairs, slot.ready))
@@ -102,7 +102,11 @@ def streamed_pair(seed: int):
     return plain, model, sd
 
 
-def test_async_copies_stay_exact_with_runtime_lora_strength_changes_and_a_switch(threaded):
+@pytest.mark.parametrize("packed", [False, True], ids=["per-tensor", "packed-runs"])
+def test_async_copies_stay_exact_with_runtime_lora_strength_changes_and_a_switch(threaded, packed, monkeypatch):
+    if packed:  # host copies grouped as for CUDA (pinned rounding), in unpinned memory
+        monkeypatch.setattr(hostmem, "pins", lambda device, storage: True)
+        monkeypatch.setattr(hostmem, "host_buffer", lambda n, storage, pin: torch.empty(n, dtype=torch.uint8))
     plain, model, sd = streamed_pair(seed=1)
     other = lora_sd(plain, seed=99)
     ref = loraweave.apply(plain, sd, mode="runtime")

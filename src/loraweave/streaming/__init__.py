@@ -15,7 +15,9 @@ from .planner import BudgetTooSmall, StreamPlan, find_blocks, plan_residency
 from .report import ForwardStats, StreamReport
 
 log = logging.getLogger("loraweave")
-AUTO_MARGIN = 512 * 2**20  # kept free on a CUDA device for activations and the allocator (as sd.cpp does)
+# Kept free on a CUDA device for activations, workspaces and the allocator. sd.cpp keeps 512 MiB; a Flux 1024²
+# CFG forward peaks at ~0.9 GiB of activations with flash attention (meta-device trace), so 512 MiB would OOM.
+AUTO_MARGIN = 2 * 2**30
 
 __all__ = [
     "STREAMED_ATTR", "BudgetExceeded", "BudgetTooSmall", "ForwardStats", "Ledger", "StreamHandle", "StreamPlan",
@@ -40,7 +42,8 @@ def stream(
       and a resident prefix of blocks on the device, and streams the other blocks through two slots (the block
       computing and the next one, prefetched on a side stream on CUDA).
     device: compute device (default: CUDA when available, else CPU; CPU = simulation, storage and compute alike).
-    margin: bytes left free for activations; default 512 MiB on CUDA, 0 on CPU.
+    margin: bytes of the budget left free for activations; default 2 GiB on CUDA (raise it for large video or
+      high-resolution activations), 0 on CPU.
     blocks: module paths of the blocks to stream (default: the children of the outermost ModuleLists).
     free_bytes: how many device bytes are free now (default: asked from CUDA; tests simulate a device with it).
     trace: keep every ledger event in `handle.report.trace` (tests assert each against the budget).
@@ -58,6 +61,8 @@ def stream(
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     store = torch.device(storage)
+    if store.type == "cuda" and store.index is None:
+        store = torch.device("cuda", torch.cuda.current_device())
     if budget == "auto":
         requested = None
     elif isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import factors
+from . import factors, hostmem, outside
 from .ledger import Ledger
 from .planner import StreamPlan, plan_residency
 from .report import ForwardStats, StreamReport
@@ -28,10 +28,11 @@ class StreamHandle:
                  device: torch.device, storage: torch.device, margin: int,
                  free_bytes: Callable[[], int] | None, trace: bool = False) -> None:
         self.model, self.device, self.storage = model, device, storage
+        self._outside = outside.resident_outside_bytes(model, device)  # refuses unstreamable layers, moves nothing
         self._requested = budget  # None: "auto" (free memory at each forward)
         self._free_bytes = free_bytes
         self.margin = margin
-        pin = device.type == "cuda" and storage.type == "cpu"
+        pin = hostmem.pins(device, storage)
         seen: set[int] = set()
         skip = frozenset(id(m) for _, m in blocks)
         self.rest = Unit("rest", model, seen, storage, pin, skip)  # first: tensors tied to the rest stay resident
@@ -47,7 +48,7 @@ class StreamHandle:
         self._params = list(model.parameters())
         self._owner = {id(m): k for k, u in enumerate(self.units) for m in u.module.modules()}
         self._adapters: tuple = ()
-        self._extra = 0  # adapter factor bytes that stay on the device (not travelling with a block)
+        self._extra = self._outside  # bytes that stay on the device: adapter factors not travelling, quant state
         self._refresh_adapters()
         self.ledger = Ledger(0, trace=[] if trace else None)
         self.plan: StreamPlan | None = None
@@ -63,6 +64,7 @@ class StreamHandle:
                 if not getattr(m, STREAMED_ATTR, False):
                     setattr(m, STREAMED_ATTR, True)
                     self.marked.append(m)
+        self._slot_buffer = 0
         self._hooks = [
             model.register_forward_pre_hook(self._begin_forward),
             model.register_forward_hook(self._end_forward, always_call=True),
@@ -135,8 +137,7 @@ class StreamHandle:
         for i in sorted(new - old):
             self.ledger.book(f"block:{self.units[i].name}", self.units[i].nbytes)
             self.units[i].to_device(self.device)
-        streamed = [self.units[i] for i in range(len(self.units)) if i not in new]
-        buf = max((u.slot_layout_bytes for u in streamed), default=0)
+        buf = self._slot_buffer = self._slot_buffer_bytes(plan)
         for k in range(plan.n_slots):
             self.ledger.book(f"slot{k}", plan.slot_bytes)
             self.slots.append(Slot(buf, self.device, self.copier))
@@ -156,6 +157,11 @@ class StreamHandle:
         self.report.peak_bytes = self.ledger.peak
         log.info("loraweave stream plan: %s", " ".join(f"{k}={v}" for k, v in plan.summary().items()))
 
+    def _slot_buffer_bytes(self, plan: StreamPlan) -> int:
+        """A slot's flat buffer: the largest slot layout among the blocks `plan` streams."""
+        resident = self._resident(plan)
+        return max((u.slot_layout_bytes for i, u in enumerate(self.units) if i not in resident), default=0)
+
     def _acquire(self) -> None:
         self._install(self._new_plan(self._effective_budget()))
 
@@ -167,7 +173,7 @@ class StreamHandle:
             return False
         self._adapters = signature
         travel: dict[int, list] = {}
-        self._extra = 0
+        self._extra = self._outside  # quantization state kept on the device (counted like kept factors)
         for p in paths:
             k = self._owner.get(id(p.module))
             if k is not None and factors.travel_dtype(p) is not None:
@@ -197,8 +203,12 @@ class StreamHandle:
         budget = self._effective_budget()
         if changed or budget < self.plan.budget:
             plan = self._new_plan(budget)
-            same = (plan.resident, plan.n_slots, plan.slot_bytes, plan.extra_bytes) == (
-                self.plan.resident, self.plan.n_slots, self.plan.slot_bytes, self.plan.extra_bytes)
+            # Same residency, slots and sizes: keep the slots and their prefetched contents. (Block sizes count:
+            # a resident block's booking or a slot buffer must grow when its adapters do.)
+            same = (plan.resident, plan.n_slots, plan.slot_bytes, plan.extra_bytes, plan.block_bytes,
+                    self._slot_buffer_bytes(plan)) == (
+                self.plan.resident, self.plan.n_slots, self.plan.slot_bytes, self.plan.extra_bytes,
+                self.plan.block_bytes, self._slot_buffer)
             if same:  # a little less free memory, same plan: keep slots and their prefetched contents
                 self.plan.budget = plan.budget
                 self.ledger.limit = plan.budget - plan.margin
@@ -351,8 +361,12 @@ class StreamHandle:
         self.slots = []
         for unit in [self.rest, *self.units]:
             unit.restore()
+            if unit.pin:  # pinned host copies freed by restore go back to the OS, one unit at a time
+                hostmem.empty_host_cache()
         for unit in self.units:
             unit.set_factors([])  # unbinds every travelling path and drops the host copies of its factors
+        if self.rest.pin:
+            hostmem.empty_host_cache()
         self._adapters = ()
         for m in self.marked:
             if STREAMED_ATTR in m.__dict__:

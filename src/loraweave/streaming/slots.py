@@ -59,13 +59,15 @@ class Copier:
                     self.stream.wait_event(slot.freed)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(self.stream)
-                unit.copy_to(slot.views)
+                for dst, src in unit.copy_pairs(slot.buf):
+                    dst.copy_(src, non_blocking=True)
                 end.record(self.stream)
                 slot.ready.record(self.stream)
             self._pending_copy.append((start, end))
         else:
             t0 = time.perf_counter()
-            unit.copy_to(slot.views)
+            for dst, src in unit.copy_pairs(slot.buf):
+                dst.copy_(src)
             stats.copy_seconds += time.perf_counter() - t0
         stats.bytes_copied += unit.slot_layout_bytes
         stats.copies += 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mechanisms.runtime import RuntimePath
-from . import factors
+from . import factors, hostmem
 from .planner import aligned, module_tensors, tensor_bytes
 
 
@@ -18,7 +18,7 @@ class Entry:
     name: str
     orig: torch.Tensor | None  # the tensor the model held before streaming, kept when it costs no device memory
     orig_device: torch.device
-    host: torch.Tensor  # the values on the storage device (pinned when the compute device is CUDA)
+    host: torch.Tensor | None  # the values on the storage device (packed, pinned for CUDA); None after close
     offset: int  # byte offset in a slot (plain tensors only)
     plain: bool  # a dense torch.Tensor: it can live as a view of a slot's flat buffer
     obj: torch.Tensor | None = None  # the Parameter / buffer object streaming took over
@@ -39,32 +39,42 @@ def _plain(t: torch.Tensor) -> bool:
 
 class Unit:
     """A block (or the rest): its tensors, where they live now ("host" | "device" | "slot" | "orig" after close),
-    its slot layout, and the runtime adapter factors that travel with it."""
+    its slot layout, and the runtime adapter factors that travel with it.
+
+    Host copies: a model already on the storage device, unpinned, is used in place (no copy). Otherwise (pinned
+    for CUDA, or held elsewhere) the plain tensors are packed at their slot offsets into a few runs (hostmem)."""
 
     def __init__(self, name: str, module: torch.nn.Module, seen: set[int], storage: torch.device, pin: bool,
                  skip: frozenset[int] = frozenset()) -> None:
         self.name, self.module = name, module
+        self.storage, self.pin = storage, pin
         self.entries: list[Entry] = []
         offset = 0
         for owner, kind, tname in module_tensors(module, seen, skip):
             t = (owner._parameters if kind == "param" else owner._buffers)[tname]
-            data = t.data
-            on_storage = data.device == storage
-            host = data if on_storage else data.to(storage)
-            plain = _plain(t)
-            if pin and plain and host.device.type == "cpu" and not host.is_pinned():
-                # The pinned copy replaces the original (no second host copy); close() restores pageable memory.
-                # Tensor subclasses are not pinned (pin_memory is not defined for most): they copy synchronously.
-                host = host.pin_memory()
-                on_storage = False
-            self.entries.append(Entry(owner, kind, tname, data if on_storage else None, data.device, host,
-                                      offset if plain else -1, plain, t))
+            data, plain = t.data, _plain(t)
+            self.entries.append(Entry(owner, kind, tname, None, data.device, data, offset if plain else -1, plain, t))
             if plain:
                 offset += aligned(tensor_bytes(data))
         self.weight_layout_bytes = offset
-        self.side_bytes = sum(tensor_bytes(e.host) for e in self.entries if not e.plain)
-        self.storage, self.pin = storage, pin
+        plain = [e for e in self.entries if e.plain]
+        self.runs: list[hostmem.Run] = []
+        packed = pin or any(e.host.device != storage for e in plain)
+        if packed:
+            # Packed copies replace the originals (no second host copy); close() restores unpinned tensors.
+            self.runs, views = hostmem.pack([(e.offset, e.host) for e in plain], storage, pin)
+            for e, v in zip(plain, views, strict=True):
+                e.host = v
+        for e in self.entries:
+            if e.plain and packed:
+                continue
+            if e.host.device == storage:
+                e.orig = e.host  # used in place: restored as the same tensor
+            else:
+                e.host = e.host.to(storage)  # tensor subclasses are copied as they are (never pinned)
+        self.side_bytes = sum(aligned(hostmem.storage_bytes(e.host)) for e in self.entries if not e.plain)
         self.factors: list[tuple[RuntimePath, torch.dtype, torch.Tensor, int, torch.Tensor, int]] = []
+        self.factor_runs: list[hostmem.Run] = []
         self.factor_version = 0  # bumped whenever the set of travelling adapter factors changes
         self.set_factors([])
         self._device: list[torch.Tensor] | None = None
@@ -74,27 +84,51 @@ class Unit:
 
     def set_factors(self, paths: list[RuntimePath]) -> None:
         """Runtime adapter paths on this block's layers: their factors join the slot layout (host copies already
-        in the compute dtype, pinned on CUDA, so a copy is a plain transfer)."""
+        in the compute dtype, packed and pinned like the weights, so a copy is a plain transfer)."""
         offset = self.weight_layout_bytes
         for path, *_ in self.factors:
             factors.unbind(path)  # a path leaving (adapter removed) must not keep a slot view
-        self.factors = []
+        layout, casts = [], []
         for path in paths:
             factors.unbind(path)  # a cast made before (e.g. warmed on the device at apply) is not ours to keep
             dtype = factors.travel_dtype(path)
-            down, up = (t.detach().to(self.storage, dtype).contiguous() for t in (path.down, path.up))
-            if self.pin:
-                down, up = down.pin_memory(), up.pin_memory()
-            self.factors.append((path, dtype, down, offset, up, offset + aligned(tensor_bytes(down))))
+            down, up = (t.detach().to(dtype) for t in (path.down, path.up))
+            layout.append((path, dtype, offset, offset + aligned(tensor_bytes(down))))
+            casts += [(offset, down), (offset + aligned(tensor_bytes(down)), up)]
             offset += aligned(tensor_bytes(down)) + aligned(tensor_bytes(up))
+        self.factor_runs, views = hostmem.pack(casts, self.storage, self.pin) if casts else ([], [])
+        self.factors = [(path, dtype, views[2 * k], d_off, views[2 * k + 1], u_off)
+                        for k, (path, dtype, d_off, u_off) in enumerate(layout)]
         self.slot_layout_bytes = offset
-        self.nbytes = offset + aligned(self.side_bytes)  # what it takes on the device, as a slot or resident
+        self.nbytes = offset + self.side_bytes  # what it takes on the device, as a slot or resident
         self.factor_version += 1
+
+    # -- copies ----------------------------------------------------------------------------------------------
+    def copy_pairs(self, buf: torch.Tensor, upto: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination in `buf`, host source) per transfer filling `buf` with this unit's slot layout (only its
+        weights when `upto` = weight_layout_bytes): one per packed run, else one per tensor."""
+        upto = self.slot_layout_bytes if upto is None else upto
+        if self.runs:
+            pairs = [(buf[r.start : r.end], r.host) for r in self.runs]
+        else:
+            pairs = [(buf[e.offset : e.offset + tensor_bytes(e.host)].view(e.host.dtype).view(e.host.shape), e.host)
+                     for e in self.entries if e.plain]
+        pairs += [(buf[r.start : r.end], r.host) for r in self.factor_runs if r.end <= upto]
+        return pairs
 
     # -- residency -------------------------------------------------------------------------------------------
     def to_device(self, device: torch.device) -> None:
-        """Resident: a device copy of every tensor (the host tensor itself when storage is the device)."""
-        self._device = [e.host if e.host.device == device else e.host.to(device) for e in self.entries]
+        """Resident: the host tensors themselves when storage is the device, else one device buffer (its weights
+        copied run by run) with every plain tensor a view of it; tensor subclasses get their own copy."""
+        if self.storage == device:
+            self._device = [e.host for e in self.entries]
+        else:
+            buf = torch.empty(max(self.weight_layout_bytes, 1), dtype=torch.uint8, device=device)
+            for dst, src in self.copy_pairs(buf, upto=self.weight_layout_bytes):
+                dst.copy_(src, non_blocking=True)
+            views = self.slot_views(buf)
+            self._device = [v if e.plain else e.host.to(device)
+                            for e, v in zip(self.entries, views[: len(self.entries)], strict=True)]
         for e, d in zip(self.entries, self._device, strict=True):
             e.point(d)
         self.place = "device"
@@ -120,19 +154,6 @@ class Unit:
                 views.append(buf[off : off + tensor_bytes(t)].view(t.dtype).view(t.shape))
         return views
 
-    def host_sources(self) -> list[torch.Tensor | None]:
-        """The host tensor behind each of `slot_views`' entries (None where the view is None)."""
-        out: list[torch.Tensor | None] = [e.host if e.plain else None for e in self.entries]
-        for _, _, down, _, up, _ in self.factors:
-            out += [down, up]
-        return out
-
-    def copy_to(self, views: list[torch.Tensor | None]) -> None:
-        """Copy host values into `views` on the current stream (asynchronous from pinned memory)."""
-        for v, src in zip(views, self.host_sources(), strict=True):
-            if v is not None:
-                v.copy_(src, non_blocking=True)
-
     def point_to(self, views: list[torch.Tensor | None], device: torch.device) -> int:
         """Compute from the slot's views; returns the bytes of tensor subclasses copied here, on the compute
         stream (a copy made on the side stream would be freed into that stream's pool while compute reads it)."""
@@ -140,7 +161,7 @@ class Unit:
         for e, v in zip(self.entries, views[:n], strict=True):
             if v is None:
                 v = e.host.to(device)
-                side += tensor_bytes(e.host) if v is not e.host else 0
+                side += hostmem.storage_bytes(e.host) if v is not e.host else 0
             e.point(v)
         for k, (path, dtype, *_) in enumerate(self.factors):
             factors.bind(path, device, dtype, views[n + 2 * k], views[n + 2 * k + 1])
@@ -164,14 +185,17 @@ class Unit:
         return None
 
     def restore(self) -> None:
-        """Back to what the model held before streaming: same objects, devices, values."""
+        """Back to what the model held before streaming: same objects, devices, values. Host copies are dropped
+        (pinned memory goes back to torch's host cache: the handle empties it)."""
         for e in self.entries:
             if e.orig is not None:
                 e.point(e.orig)
-            elif e.orig_device.type == "cpu" and e.host.device.type == "cpu":  # pinned by us: back to pageable
-                e.point(torch.empty(e.host.shape, dtype=e.host.dtype).copy_(e.host))
+            elif e.host.device == e.orig_device:  # a packed (pinned) copy on the original device: an unpinned one
+                e.point(torch.empty(e.host.shape, dtype=e.host.dtype, device=e.orig_device).copy_(e.host))
             else:
                 e.point(e.host.to(e.orig_device))
+            e.host = e.orig = None
+        self.runs = []  # the factors' host copies go with set_factors([]), which also unbinds their paths
         self._device = None
         self.place = "orig"
 
