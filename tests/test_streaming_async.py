@@ -102,15 +102,17 @@ def streamed_pair(seed: int):
     return plain, model, sd
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["per-tensor", "packed-runs"])
-def test_async_copies_stay_exact_with_runtime_lora_strength_changes_and_a_switch(threaded, packed, monkeypatch):
+@pytest.mark.parametrize(("packed", "placement"), [(False, "prefix"), (True, "prefix"), (True, "spread")],
+                         ids=["per-tensor", "packed-runs", "packed-spread"])
+def test_async_copies_stay_exact_with_runtime_lora_strength_changes_and_a_switch(threaded, packed, placement,
+                                                                                  monkeypatch):
     if packed:  # host copies grouped as for CUDA (pinned rounding), in unpinned memory
         monkeypatch.setattr(hostmem, "pins", lambda device, storage: True)
         monkeypatch.setattr(hostmem, "host_buffer", lambda n, storage, pin: torch.empty(n, dtype=torch.uint8))
     plain, model, sd = streamed_pair(seed=1)
     other = lora_sd(plain, seed=99)
     ref = loraweave.apply(plain, sd, mode="runtime")
-    s = stream(model, budget=min_budget(model, lora=True, resident=1), device="cpu", trace=True)
+    s = stream(model, budget=min_budget(model, lora=True, resident=1), device="cpu", trace=True, placement=placement)
     h = loraweave.apply(model, sd, mode="runtime")
     name, ref_name = next(iter(h.strengths)), next(iter(ref.strengths))
     assert len(s.plan.streamed) >= 4  # enough streamed blocks that prefetch and wrap-around both happen

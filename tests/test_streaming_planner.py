@@ -98,6 +98,36 @@ def test_plan_matches_brute_force_on_every_budget(margin):
         assert plan.slot_bytes == max(blocks[want:], default=0)
 
 
+@pytest.mark.parametrize("margin", [0, 1000])
+def test_spread_plan_keeps_the_most_blocks_that_fit_and_never_streams_two_in_a_row_when_half_fit(margin):
+    model = Stack()
+    blocks = [_bytes(b) for b in model.blocks]
+    rest = _bytes(model.embed) + _bytes(model.head)
+    total = rest + sum(blocks)
+    n = len(blocks)
+    for budget in range(rest + 2 * max(blocks) + margin, total + margin + 1, 1499):
+        plan = plan_residency([str(i) for i in range(n)], blocks, rest, budget, margin, placement="spread")
+        streamed = [i for i, r in enumerate(plan.resident) if not r]
+        assert plan.device_bytes + margin <= budget
+        assert plan.slot_bytes == max((blocks[i] for i in streamed), default=0)
+        # Recount: no spread set with more resident blocks fits (evenly spaced positions, as documented).
+        m = len(streamed)
+        fits = [k for k in range(n + 1) if _spread_fits(blocks, rest, budget - margin, n - k)]
+        assert n - m == max(fits)
+        if 0 < m <= n // 2:
+            assert all(b - a >= 2 for a, b in zip(streamed, streamed[1:], strict=False)), streamed
+    with pytest.raises(ValueError, match="placement"):
+        plan_residency(["a"], [1], 0, 10, placement="middle")
+
+
+def _spread_fits(blocks: list[int], rest: int, usable: int, m: int) -> bool:
+    """Whether `m` streamed blocks at evenly spaced positions fit (written here from the documented rule)."""
+    n = len(blocks)
+    streamed = {int((j + 0.5) * n / m) for j in range(m)} if m else set()
+    slot = max((blocks[i] for i in streamed), default=0)
+    return rest + sum(b for i, b in enumerate(blocks) if i not in streamed) + min(2, m) * slot <= usable
+
+
 def test_plan_counts_adapter_bytes():
     blocks = [1000] * 5
     plan = plan_residency(list("abcde"), blocks, 300, 300 + 5000)
@@ -124,17 +154,20 @@ def _device_bytes_now(model: Stack, handle, streamed: set[int]) -> tuple[int, li
     return _bytes(model.embed) + _bytes(model.head) + resident + slots, in_slot
 
 
+@pytest.mark.parametrize("placement", ["prefix", "spread"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
-def test_stack_streams_bit_identical_and_within_budget_at_every_block(fraction):
+def test_stack_streams_bit_identical_and_within_budget_at_every_block(fraction, placement):
     model = Stack().eval()
     x = torch.randn(2, 7, 8, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = model(x)
     total = _bytes(model)
     budget = int(total * fraction)
-    handle = stream(model, budget=budget, device="cpu", trace=True)
+    handle = stream(model, budget=budget, device="cpu", trace=True, placement=placement)
     streamed = {i for i, r in enumerate(handle.plan.resident) if not r}
     assert (len(streamed) == 0) == (fraction == 1.0)
+    if placement == "prefix":
+        assert streamed == set(range(min(streamed, default=50), 50))
     checked = []
 
     def check(i):

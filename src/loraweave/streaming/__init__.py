@@ -11,7 +11,7 @@ import torch
 
 from .handle import STREAMED_ATTR, StreamHandle
 from .ledger import BudgetExceeded, Ledger
-from .planner import BudgetTooSmall, StreamPlan, find_blocks, plan_residency
+from .planner import PLACEMENTS, BudgetTooSmall, StreamPlan, find_blocks, plan_residency
 from .report import ForwardStats, StreamReport
 
 log = logging.getLogger("loraweave")
@@ -34,6 +34,7 @@ def stream(
     blocks: list[str] | None = None,
     free_bytes: Callable[[], int] | None = None,
     trace: bool = False,
+    placement: str = "prefix",
 ) -> StreamHandle:
     """Run `model` (inference) with its repeated blocks streamed from `storage` through device slots.
 
@@ -47,6 +48,9 @@ def stream(
     blocks: module paths of the blocks to stream (default: the children of the outermost ModuleLists).
     free_bytes: how many device bytes are free now (default: asked from CUDA; tests simulate a device with it).
     trace: keep every ledger event in `handle.report.trace` (tests assert each against the budget).
+    placement: "prefix" keeps the first blocks resident (sd.cpp's rule); "spread" spreads the streamed blocks among
+      the resident ones, so each copy can hide behind several blocks' compute (for when a block copies slower
+      than it computes). The same number of bytes stays resident either way, give or take the slot size.
 
     Runtime adapters (`loraweave.apply(model, ..., mode="runtime" | "auto")`) may be applied before or after.
     Factors of layers inside a block travel with it (part of its slot copy, bound to the layer while it computes);
@@ -69,6 +73,8 @@ def stream(
         requested = budget
     else:
         raise ValueError(f"budget must be 'auto' or a positive int of bytes, got {budget!r}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if margin is None:
         margin = AUTO_MARGIN if dev.type == "cuda" else 0
     if any(getattr(m, STREAMED_ATTR, False) for m in model.modules()):
@@ -82,6 +88,6 @@ def stream(
             raise ValueError(f"blocks must not contain each other: {nested[0][1]!r} is inside {nested[0][0]!r}")
     if not found:
         raise ValueError(f"no repeated blocks found in {type(model).__name__}; pass blocks=[module paths]")
-    handle = StreamHandle(model, found, requested, dev, store, margin, free_bytes, trace=trace)
+    handle = StreamHandle(model, found, requested, dev, store, margin, free_bytes, trace=trace, placement=placement)
     handle.report.log()
     return handle

@@ -26,12 +26,12 @@ class StreamHandle:
 
     def __init__(self, model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]], budget: int | None,
                  device: torch.device, storage: torch.device, margin: int,
-                 free_bytes: Callable[[], int] | None, trace: bool = False) -> None:
+                 free_bytes: Callable[[], int] | None, trace: bool = False, placement: str = "prefix") -> None:
         self.model, self.device, self.storage = model, device, storage
         self._outside = outside.resident_outside_bytes(model, device)  # refuses unstreamable layers, moves nothing
         self._requested = budget  # None: "auto" (free memory at each forward)
         self._free_bytes = free_bytes
-        self.margin = margin
+        self.margin, self.placement = margin, placement
         pin = hostmem.pins(device, storage)
         seen: set[int] = set()
         skip = frozenset(id(m) for _, m in blocks)
@@ -108,7 +108,7 @@ class StreamHandle:
     def _new_plan(self, budget: int) -> StreamPlan:
         order = self.order
         return plan_residency([self.units[i].name for i in order], [self.units[i].nbytes for i in order],
-                              self.rest.nbytes, budget, self.margin, self._extra)
+                              self.rest.nbytes, budget, self.margin, self._extra, self.placement)
 
     def _resident(self, plan: StreamPlan) -> set[int]:
         """Unit indices `plan` keeps resident (it was made along the current execution order)."""

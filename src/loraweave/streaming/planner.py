@@ -73,6 +73,7 @@ class StreamPlan:
     n_slots: int  # 0 (all resident), 1 (one streamed block: it stays in its slot) or 2 (current + prefetch)
     slot_bytes: int  # size of each slot: the largest streamed block
     notes: list[str] = field(default_factory=list)
+    placement: str = "prefix"  # where the resident blocks sit in execution order ("prefix" | "spread")
 
     @property
     def resident_bytes(self) -> int:
@@ -89,7 +90,7 @@ class StreamPlan:
 
     def summary(self) -> dict:
         return {
-            "budget": self.budget, "margin": self.margin, "device_bytes": self.device_bytes,
+            "placement": self.placement, "budget": self.budget, "margin": self.margin, "device_bytes": self.device_bytes,
             "rest_bytes": self.rest_bytes, "adapter_bytes": self.extra_bytes,
             "resident_blocks": sum(self.resident), "streamed_blocks": len(self.resident) - sum(self.resident),
             "resident_bytes": self.resident_bytes, "slots": self.n_slots, "slot_bytes": self.slot_bytes,
@@ -100,39 +101,47 @@ class BudgetTooSmall(ValueError):
     """The budget cannot hold the rest of the model plus the slots for the largest block."""
 
 
+PLACEMENTS = ("prefix", "spread")
+
+
+def spread_streamed(n: int, m: int) -> set[int]:
+    """`m` of `n` positions spread evenly: between two streamed blocks there are as many resident ones as can be,
+    so each prefetch overlaps more than one block's compute."""
+    return {int((j + 0.5) * n / m) for j in range(m)} if m else set()
+
+
 def plan_residency(
     names: list[str], block_bytes: list[int], rest_bytes: int, budget: int, margin: int = 0, extra_bytes: int = 0,
+    placement: str = "prefix",
 ) -> StreamPlan:
-    """Greedy resident prefix in execution order.
+    """Most resident blocks that fit, in execution order.
 
-    The first k blocks are resident for the largest k with rest + extra + prefix + slots(streamed) <= budget -
-    margin, where slots = 2 x largest streamed block (the block computing and the one being prefetched), or 1 x
-    when a single block is streamed (it simply stays in its slot)."""
+    "prefix": the first k blocks are resident, for the largest k with rest + extra + prefix + slots(streamed) <=
+    budget - margin, where slots = 2 x largest streamed block (the block computing and the one being prefetched),
+    or 1 x when a single block is streamed (it simply stays in its slot).
+    "spread": the same count rule, with the streamed blocks spread evenly among the resident ones: a block's copy
+    then has the compute of the resident blocks before it to hide behind, not only the previous streamed block's."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     n = len(block_bytes)
     usable = budget - margin
-    # suffix_max[k] = largest block among k..n-1 (the streamed set when the prefix is k blocks long)
-    suffix_max = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        suffix_max[i] = max(block_bytes[i], suffix_max[i + 1])
-    prefix = 0
     best = None
     for k in range(n + 1):
-        if k:
-            prefix += block_bytes[k - 1]
-        streamed = n - k
-        slots = min(2, streamed)
-        need = rest_bytes + extra_bytes + prefix + slots * suffix_max[k]
-        if need <= usable:
-            best = (k, slots, suffix_max[k])
+        streamed = set(range(k, n)) if placement == "prefix" else spread_streamed(n, n - k)
+        slots = min(2, len(streamed))
+        slot_bytes = max((block_bytes[i] for i in streamed), default=0)
+        held = sum(b for i, b in enumerate(block_bytes) if i not in streamed)
+        if rest_bytes + extra_bytes + held + slots * slot_bytes <= usable:
+            best = (streamed, slots, slot_bytes)
     if best is None:
         need = rest_bytes + extra_bytes + min(2, n) * (max(block_bytes) if n else 0)
         raise BudgetTooSmall(
             f"budget {budget} B minus margin {margin} B cannot hold the rest of the model ({rest_bytes} B), "
             f"adapter factors ({extra_bytes} B) and the streaming slots; at least {need + margin} B are needed"
         )
-    k, slots, slot_bytes = best
+    streamed, slots, slot_bytes = best
     plan = StreamPlan(budget, margin, rest_bytes, extra_bytes, list(names), list(block_bytes),
-                      [i < k for i in range(n)], slots, slot_bytes)
-    log.debug("loraweave stream plan: resident=%d streamed=%d device_bytes=%d budget=%d", k, n - k,
-              plan.device_bytes, budget)
+                      [i not in streamed for i in range(n)], slots, slot_bytes, placement=placement)
+    log.debug("loraweave stream plan: placement=%s resident=%d streamed=%d device_bytes=%d budget=%d", placement,
+              n - len(streamed), len(streamed), plan.device_bytes, budget)
     return plan

@@ -67,7 +67,8 @@ class StreamReport:
         bw = self.copy_bandwidth
         ov = self.overlap
         return (
-            f"stream device={self.device} storage={self.storage} budget={p.budget} margin={p.margin} "
+            f"stream device={self.device} storage={self.storage} placement={p.placement} budget={p.budget} "
+            f"margin={p.margin} "
             f"resident={sum(p.resident)} streamed={len(p.resident) - sum(p.resident)} "
             f"device_bytes={p.device_bytes} peak_bytes={self.peak_bytes} adapter_bytes={p.extra_bytes} "
             f"forwards={self.forwards} bytes_per_forward={self.last.bytes_copied} "
