@@ -323,6 +323,29 @@ def test_runtime_set_strength_is_a_scale_update_equal_to_a_fresh_apply():
         handle.set_strength("a", 1.0)
 
 
+def test_runtime_set_strength_on_a_bf16_layer_rewrites_the_cast_scale_in_place_bit_equal_to_fresh():
+    """A bf16 layer computes with a bf16 copy of the per-rank scale: a strength change writes the new values into
+    that copy (no new allocation, no host sync on an accelerator) and equals a fresh apply bit for bit."""
+    base = _two_adapter_model().to(torch.bfloat16)
+    ad_a, ad_b, _, _ = _two_adapters()
+    x = torch.randn(5, 16, generator=gen(25)).to(torch.bfloat16)
+    model = copy.deepcopy(base)
+    handle = loraweave.apply(model, [(ad_a, 1.0), (ad_b, 0.5)], mode="runtime", strict=True)
+    fc_path = {id(rp.module): rp for rp in handle._runtime}[id(model.fc)]
+    with torch.no_grad():
+        model.fc(x)
+    (cast,) = fc_path._scale_cast._cast
+    assert cast.dtype == torch.bfloat16 and cast is not fc_path.scale
+    for value in (-0.4, 0.3, 2.5):
+        handle.set_strength("a", value)
+        assert fc_path._scale_cast._cast[0] is cast
+        assert torch.equal(cast, fc_path.scale.to(torch.bfloat16))
+        fresh = copy.deepcopy(base)
+        with torch.no_grad(), loraweave.apply(fresh, [(ad_a, value), (ad_b, 0.5)], mode="runtime", strict=True):
+            assert torch.equal(model.fc(x), fresh.fc(x))
+    handle.remove()
+
+
 def test_merge_set_strength_equals_a_fresh_merge_bit_exactly():
     torch.manual_seed(25)
     base = container(

@@ -78,9 +78,22 @@ class CastCache:
 
     def to(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if (device, dtype) != self._key:
-            self._cast = tuple(t.to(device, dtype) for t in self.tensors)
+            self._cast = tuple(t.to(device, dtype, non_blocking=_staged(t, device)) for t in self.tensors)
             self._key = (device, dtype)
         return self._cast
+
+    def refresh(self) -> None:
+        """The source tensors changed in place (a strength change): write them into the existing cast, ordered
+        on the current stream after the kernels still reading it, without allocating or synchronizing."""
+        for cast, t in zip(self._cast, self.tensors, strict=True):
+            if cast is not t:
+                cast.copy_(t, non_blocking=_staged(t, cast.device))
+
+
+def _staged(t: torch.Tensor, device: torch.device) -> bool:
+    """A host-to-accelerator copy can be issued without waiting: pageable memory is staged at once (only a copy
+    towards the host must block, as its values are read right after)."""
+    return t.device.type == "cpu" and device.type != "cpu"
 
 
 @functools.cache
