@@ -10,6 +10,7 @@ import itertools
 import os
 
 import pytest
+import test_quant_backends
 import torch
 from test_streaming import flux_batch2, flux_deep, lora_sd, min_budget, one_thread  # noqa: F401 (fixture)
 from torch import nn
@@ -189,3 +190,52 @@ def test_bitsandbytes_4bit_quant_state_is_counted_as_resident_bytes():
         assert torch.equal(model(x), want)
     assert max(held for _, held in s.report.trace) <= kept + 2 * block
     s.close()
+
+
+QUANT_CASES = sorted(test_quant_backends.CASES)
+
+
+def quantized_chain(backend: str, kind: str) -> nn.Sequential:
+    """Three quantized layers 256->256->256->128 from two of test_quant_backends' quantized pairs: with three
+    blocks, streaming through two slots holds less than keeping them all."""
+    a, b = test_quant_backends.quantized(backend, kind), test_quant_backends.quantized(backend, kind)
+    return nn.Sequential(a[0], b[0], a[1])
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=["-".join(c) for c in QUANT_CASES])
+def test_every_quantized_backend_streams_bit_identical_with_a_runtime_lora_or_is_refused(case):
+    """All three quantized layers streamed through two slots (storage and compute on CPU), a runtime LoRA on each:
+    outputs equal the same model unstreamed. bitsandbytes int8 is refused (it computes from its own CB copy)."""
+    backend, kind = case
+    blocker = test_quant_backends.kind_blocker(backend, kind)
+    if blocker:
+        pytest.skip(blocker)  # reported by test_quant_backends.test_every_case_runs_here_or_is_reported
+    plain, model = quantized_chain(backend, kind), quantized_chain(backend, kind)
+    names = ["0", "1", "2"]
+    g = torch.Generator().manual_seed(5)
+    sd = {}
+    for name in names:
+        layer = plain.get_submodule(name)
+        sd[f"{name}.lora_A.weight"] = torch.randn(4, layer.in_features, generator=g) * 0.05
+        sd[f"{name}.lora_B.weight"] = torch.randn(layer.out_features, 4, generator=g) * 0.05
+    if "int8" in kind and backend == "bitsandbytes":
+        with pytest.raises(ValueError, match="bitsandbytes int8"):
+            stream(model, budget=10**8, device="cpu", blocks=names)
+        return
+    loraweave.apply(plain, sd, mode="runtime")
+    loraweave.apply(model, sd, mode="runtime")
+    probe = stream(model, budget=10**8, device="cpu", blocks=names)
+    fixed, sizes = probe.plan.rest_bytes + probe.plan.extra_bytes, [u.nbytes for u in probe.units]
+    probe.close()
+    budget = fixed + 2 * max(sizes)
+    s = stream(model, budget=budget, device="cpu", blocks=names, trace=True)
+    x = torch.randn(3, test_quant_backends.IN, generator=g)
+    with torch.no_grad():
+        want = plain(x)
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+    assert len(s.plan.streamed) == 3 and s.report.last.copies == 3
+    assert max(held for _, held in s.report.trace) <= budget
+    s.close()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)

@@ -85,6 +85,8 @@ class CastCache:
     def refresh(self) -> None:
         """The source tensors changed in place (a strength change): write them into the existing cast, ordered
         on the current stream after the kernels still reading it, without allocating or synchronizing."""
+        if not self._cast:
+            return  # nothing cast yet: the next forward casts the current values
         for cast, t in zip(self._cast, self.tensors, strict=True):
             if cast is not t:
                 cast.copy_(t, non_blocking=_staged(t, cast.device))
