@@ -21,6 +21,7 @@ from test_streaming import flux_batch2, flux_deep, lora_sd, min_budget, one_thre
 import loraweave
 from loraweave.streaming import handle as handle_module
 from loraweave.streaming import hostmem, stream
+from loraweave.streaming.clock import ClockCopier
 from loraweave.streaming.slots import Copier
 
 DELAY_S = 0.004  # worker delay before each copy: far longer than the main thread needs to reach a wrong read
@@ -159,4 +160,28 @@ def test_harness_catches_a_copy_into_the_busy_slot(threaded, monkeypatch):
     out = flux_batch2(model)
     assert not torch.equal(out, flux_batch2(plain))
     monkeypatch.undo()
+    s.close()
+
+
+@pytest.mark.parametrize(("copy_s", "stalls"), [(0.9, False), (1.0, False), (1.5, True)])
+def test_prefetch_runs_one_block_ahead_so_copies_no_slower_than_compute_never_stall(monkeypatch, copy_s, stalls):
+    """Every block computes in 1 s of virtual time. Each streamed block's copy is issued when the previous one
+    starts computing (its slot freed by the one before), so copies of <= 1 s hide completely, the first streamed
+    block of a forward included (prefetched at the end of the previous one); slower copies show up as stalls."""
+    clocks: list[ClockCopier] = []
+    monkeypatch.setattr(handle_module, "Copier",
+                        lambda device: clocks.append(ClockCopier(device, lambda unit: copy_s)) or clocks[-1])
+    plain, model, _ = streamed_pair(seed=4)
+    s = stream(model, budget=min_budget(model), device="cpu")
+    assert len(s.plan.streamed) == len(s.units)
+    hooks = [u.module.register_forward_hook(lambda *a: clocks[-1].advance(1.0), prepend=True) for u in s.units]
+    for _ in range(2):  # the first forward learns the order (and starts cold)
+        flux_batch2(model)
+    clock = clocks[-1]
+    t0, stall0 = clock.now, clock.stall
+    assert torch.equal(flux_batch2(model), flux_batch2(plain))
+    assert (clock.stall - stall0 > 0) == stalls
+    assert clock.now - t0 == pytest.approx(len(s.units) + (clock.stall - stall0))
+    for h in hooks:
+        h.remove()
     s.close()
