@@ -93,9 +93,10 @@ class CastCache:
 
 
 def _staged(t: torch.Tensor, device: torch.device) -> bool:
-    """A host-to-accelerator copy can be issued without waiting: pageable memory is staged at once (only a copy
-    towards the host must block, as its values are read right after)."""
-    return t.device.type == "cpu" and device.type != "cpu"
+    """A copy from pageable host memory to an accelerator can be issued without waiting: the driver stages the
+    source at once, so it may change right after (a pinned source is read later: wait; a copy towards the host
+    must block, its values are read right after)."""
+    return device.type not in ("cpu", "meta") and t.device.type == "cpu" and not t.is_pinned()
 
 
 @functools.cache

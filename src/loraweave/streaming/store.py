@@ -104,17 +104,15 @@ class Unit:
         self.factor_version += 1
 
     # -- copies ----------------------------------------------------------------------------------------------
-    def copy_pairs(self, buf: torch.Tensor, upto: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(destination in `buf`, host source) per transfer filling `buf` with this unit's slot layout (only its
-        weights when `upto` = weight_layout_bytes): one per packed run, else one per tensor."""
-        upto = self.slot_layout_bytes if upto is None else upto
+    def copy_pairs(self, buf: torch.Tensor, with_factors: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination in `buf`, host source) per transfer filling `buf` with this unit's slot layout (its weights,
+        then its travelling factors): one per packed run, else one per tensor."""
         if self.runs:
             pairs = [(buf[r.start : r.end], r.host) for r in self.runs]
         else:
             pairs = [(buf[e.offset : e.offset + tensor_bytes(e.host)].view(e.host.dtype).view(e.host.shape), e.host)
                      for e in self.entries if e.plain]
-        pairs += [(buf[r.start : r.end], r.host) for r in self.factor_runs if r.end <= upto]
-        return pairs
+        return pairs + ([(buf[r.start : r.end], r.host) for r in self.factor_runs] if with_factors else [])
 
     # -- residency -------------------------------------------------------------------------------------------
     def to_device(self, device: torch.device) -> None:
@@ -124,7 +122,7 @@ class Unit:
             self._device = [e.host for e in self.entries]
         else:
             buf = torch.empty(max(self.weight_layout_bytes, 1), dtype=torch.uint8, device=device)
-            for dst, src in self.copy_pairs(buf, upto=self.weight_layout_bytes):
+            for dst, src in self.copy_pairs(buf, with_factors=False):  # resident paths cast their own
                 dst.copy_(src, non_blocking=True)
             views = self.slot_views(buf)
             self._device = [v if e.plain else e.host.to(device)
