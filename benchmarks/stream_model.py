@@ -112,7 +112,7 @@ def main() -> None:
               guidance=torch.tensor([3.5, 3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3),
               return_dict=False)
 
-    real_set_factors = Unit.set_factors
+    real_set_factors, real_copier = Unit.set_factors, handle_module.Copier
 
     def set_factors_real_bytes(self, paths):  # the planner and ledger count Flux.1-width bytes (rest included)
         real_set_factors(self, paths)
@@ -149,7 +149,7 @@ def main() -> None:
                 for h in hooks:
                     h.remove()
                 s.close()
-    Unit.set_factors = real_set_factors
+    Unit.set_factors, handle_module.Copier = real_set_factors, real_copier
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ import time
 import pytest
 import torch
 from test_streaming import flux_batch2, flux_deep, lora_sd, min_budget, one_thread  # noqa: F401 (fixture)
+from test_streaming_hostmem import pack_like_cuda
 
 import loraweave
 from loraweave.streaming import handle as handle_module
-from loraweave.streaming import hostmem, stream
+from loraweave.streaming import stream
 from loraweave.streaming.clock import ClockCopier
 from loraweave.streaming.slots import Copier
 
@@ -107,9 +108,8 @@ def streamed_pair(seed: int):
                          ids=["per-tensor", "packed-runs", "packed-spread"])
 def test_async_copies_stay_exact_with_runtime_lora_strength_changes_and_a_switch(threaded, packed, placement,
                                                                                   monkeypatch):
-    if packed:  # host copies grouped as for CUDA (pinned rounding), in unpinned memory
-        monkeypatch.setattr(hostmem, "pins", lambda device, storage: True)
-        monkeypatch.setattr(hostmem, "host_buffer", lambda n, storage, pin: torch.empty(n, dtype=torch.uint8))
+    if packed:
+        pack_like_cuda(monkeypatch)
     plain, model, sd = streamed_pair(seed=1)
     other = lora_sd(plain, seed=99)
     ref = loraweave.apply(plain, sd, mode="runtime")

@@ -17,7 +17,7 @@ from torch import nn
 
 import loraweave
 from loraweave.streaming import hostmem, outside, stream
-from loraweave.streaming.planner import aligned
+from loraweave.streaming.planner import aligned, tensor_bytes
 
 os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
 
@@ -91,11 +91,15 @@ def test_pinned_copy_of_a_flux_width_block_costs_under_1_1x_its_bytes(part):
     assert packed / used < 1.1, packed / used
 
 
-@pytest.fixture
-def packed_like_cuda(monkeypatch):
+def pack_like_cuda(monkeypatch) -> None:
     """Host copies packed and grouped as for a CUDA device (pinned rounding), in unpinned CPU memory."""
     monkeypatch.setattr(hostmem, "pins", lambda device, storage: True)
     monkeypatch.setattr(hostmem, "host_buffer", lambda n, storage, pin: torch.empty(n, dtype=torch.uint8))
+
+
+@pytest.fixture
+def packed_like_cuda(monkeypatch):
+    pack_like_cuda(monkeypatch)
 
 
 def test_packed_host_copies_stream_bit_identical_and_close_restores_values_and_objects(packed_like_cuda):
@@ -139,7 +143,7 @@ def test_torchao_blocks_are_sized_by_their_inner_tensors_and_stream_bit_identica
     weight = model.blocks[0][0].weight
     names, _ = weight.__tensor_flatten__()
     inner = sum(getattr(weight, n).numel() * getattr(weight, n).element_size() for n in names)
-    assert hostmem.storage_bytes(weight) == inner < weight.numel() * weight.element_size()
+    assert tensor_bytes(weight) == inner < weight.numel() * weight.element_size()
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = plain(x)

@@ -120,7 +120,7 @@ class RuntimePath:
         self.up = torch.cat(ups, dim=1) if ups else None  # (out, R)
         self.scale = torch.empty(self.down.shape[0] if downs else 0)
         self._factor_cast = CastCache(self.down, self.up) if downs else None  # kept across strength changes
-        self._scale_cast: CastCache | None = None
+        self._scale_cast = CastCache(self.scale)  # rewritten in place by refresh_scales, never rebuilt
         self.refresh_scales()
         self.hook = None
         self.active = False
@@ -148,10 +148,7 @@ class RuntimePath:
         for pp, rank in self._owners:
             self.scale[start : start + rank] = self._strength(pp) * pp.scale
             start += rank
-        if self._scale_cast is None:
-            self._scale_cast = CastCache(self.scale)
-        else:
-            self._scale_cast.refresh()  # only the scale vector is re-written after a strength change, in place
+        self._scale_cast.refresh()  # only the scale vector's device copy is rewritten after a strength change
 
     def _factors(self, device: torch.device, dtype: torch.dtype):
         return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))

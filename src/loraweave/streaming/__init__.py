@@ -11,7 +11,7 @@ import torch
 
 from .handle import STREAMED_ATTR, StreamHandle
 from .ledger import BudgetExceeded, Ledger
-from .planner import PLACEMENTS, BudgetTooSmall, StreamPlan, find_blocks, plan_residency
+from .planner import BudgetTooSmall, StreamPlan, check_placement, find_blocks, plan_residency
 from .report import ForwardStats, StreamReport
 
 log = logging.getLogger("loraweave")
@@ -73,8 +73,7 @@ def stream(
         requested = budget
     else:
         raise ValueError(f"budget must be 'auto' or a positive int of bytes, got {budget!r}")
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    check_placement(placement)  # before anything is copied or pinned
     if margin is None:
         margin = AUTO_MARGIN if dev.type == "cuda" else 0
     if any(getattr(m, STREAMED_ATTR, False) for m in model.modules()):

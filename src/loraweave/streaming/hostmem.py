@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .planner import tensor_bytes, typed_view
+
 MAX_RUN = 1 << 30  # no single pinned allocation above 1 GiB (a request of 1 GiB + 1 B would pin 2 GiB)
 
 
@@ -71,13 +73,12 @@ class Run:
 
     def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like `like` at layout byte `offset` (inside this run)."""
-        lo = offset - self.start
-        return self.host[lo : lo + storage_bytes(like)].view(like.dtype).view(like.shape)
+        return typed_view(self.host, offset - self.start, like)
 
 
 def pack(items: list[tuple[int, torch.Tensor]], storage: torch.device, pin: bool) -> tuple[list[Run], list[torch.Tensor]]:
     """Copy tensors placed at layout `offset`s into packed runs; returns the runs and each tensor's host view."""
-    spans = [(off, off + storage_bytes(t)) for off, t in items]
+    spans = [(off, off + tensor_bytes(t)) for off, t in items]
     runs = [Run(a, b, host_buffer(b - a, storage, pin)) for a, b in group_runs(spans, pin)]
     views, k = [], 0
     for off, t in items:
@@ -87,11 +88,3 @@ def pack(items: list[tuple[int, torch.Tensor]], storage: torch.device, pin: bool
         v.copy_(t)
         views.append(v)
     return runs, views
-
-
-def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor really holds: a tensor subclass (torchao) counts its inner tensors, not its logical shape."""
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(storage_bytes(getattr(t, n)) for n in names if isinstance(getattr(t, n, None), torch.Tensor))
-    return t.numel() * t.element_size()

@@ -17,7 +17,21 @@ def aligned(nbytes: int) -> int:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor really holds: a tensor subclass (torchao) counts its inner tensors, not its logical shape."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names if isinstance(getattr(t, n, None), torch.Tensor))
     return t.numel() * t.element_size()
+
+
+def typed_view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A view of flat uint8 `buf` at byte `offset` with `like`'s dtype and shape (a plain tensor)."""
+    return buf[offset : offset + tensor_bytes(like)].view(like.dtype).view(like.shape)
+
+
+def check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
 
 def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -121,8 +135,7 @@ def plan_residency(
     or 1 x when a single block is streamed (it simply stays in its slot).
     "spread": the same count rule, with the streamed blocks spread evenly among the resident ones: a block's copy
     then has the compute of the resident blocks before it to hide behind, not only the previous streamed block's."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    check_placement(placement)
     n = len(block_bytes)
     usable = budget - margin
     best = None

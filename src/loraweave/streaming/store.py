@@ -8,7 +8,7 @@ import torch
 
 from ..mechanisms.runtime import RuntimePath
 from . import factors, hostmem
-from .planner import aligned, module_tensors, tensor_bytes
+from .planner import aligned, module_tensors, tensor_bytes, typed_view
 
 
 @dataclass(eq=False)
@@ -72,7 +72,7 @@ class Unit:
                 e.orig = e.host  # used in place: restored as the same tensor
             else:
                 e.host = e.host.to(storage)  # tensor subclasses are copied as they are (never pinned)
-        self.side_bytes = sum(aligned(hostmem.storage_bytes(e.host)) for e in self.entries if not e.plain)
+        self.side_bytes = sum(aligned(tensor_bytes(e.host)) for e in self.entries if not e.plain)
         self.factors: list[tuple[RuntimePath, torch.dtype, torch.Tensor, int, torch.Tensor, int]] = []
         self.factor_runs: list[hostmem.Run] = []
         self.factor_version = 0  # bumped whenever the set of travelling adapter factors changes
@@ -110,8 +110,7 @@ class Unit:
         if self.runs:
             pairs = [(buf[r.start : r.end], r.host) for r in self.runs]
         else:
-            pairs = [(buf[e.offset : e.offset + tensor_bytes(e.host)].view(e.host.dtype).view(e.host.shape), e.host)
-                     for e in self.entries if e.plain]
+            pairs = [(typed_view(buf, e.offset, e.host), e.host) for e in self.entries if e.plain]
         return pairs + ([(buf[r.start : r.end], r.host) for r in self.factor_runs] if with_factors else [])
 
     # -- residency -------------------------------------------------------------------------------------------
@@ -145,11 +144,10 @@ class Unit:
         None for tensor subclasses, which get their own device copy when the block is pointed at the slot."""
         views: list[torch.Tensor | None] = []
         for e in self.entries:
-            views.append(buf[e.offset : e.offset + tensor_bytes(e.host)].view(e.host.dtype).view(e.host.shape)
-                         if e.plain else None)
+            views.append(typed_view(buf, e.offset, e.host) if e.plain else None)
         for _, _, down, d_off, up, u_off in self.factors:
             for t, off in ((down, d_off), (up, u_off)):
-                views.append(buf[off : off + tensor_bytes(t)].view(t.dtype).view(t.shape))
+                views.append(typed_view(buf, off, t))
         return views
 
     def point_to(self, views: list[torch.Tensor | None], device: torch.device) -> int:
@@ -159,7 +157,7 @@ class Unit:
         for e, v in zip(self.entries, views[:n], strict=True):
             if v is None:
                 v = e.host.to(device)
-                side += hostmem.storage_bytes(e.host) if v is not e.host else 0
+                side += tensor_bytes(e.host) if v is not e.host else 0
             e.point(v)
         for k, (path, dtype, *_) in enumerate(self.factors):
             factors.bind(path, device, dtype, views[n + 2 * k], views[n + 2 * k + 1])
