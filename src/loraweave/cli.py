@@ -1,4 +1,4 @@
-"""Command line: `loraweave demo | inspect | bake | convert | extract | resize` (the only place that prints)."""
+"""Command line: `loraweave demo | inspect | bake | convert | extract | resize | generate` (the only place that prints)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .cli_generate import add_generate
 from .errors import LoraweaveError
 
 
@@ -245,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
     _add_inspect(sub)
     _add_tools(sub)
+    add_generate(sub)
     return parser
 
 

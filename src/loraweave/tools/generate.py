@@ -1,0 +1,335 @@
+"""`loraweave generate`: prompt (with `<lora:name:w[:te]>` tags) -> image, stable-diffusion.cpp style.
+
+Load a diffusers pipeline (folder, or a single-file checkpoint with its architecture), optionally quantize the
+denoiser (SDNQ), apply the prompt's and the command line's adapters with loraweave (merge / runtime / auto, one
+report), optionally stream the denoiser under a memory budget, sample, and write a PNG whose `parameters` text
+chunk is A1111's infotext plus a `loraweave` chunk with the report, and a JSON sidecar beside it."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import math
+import random
+import re
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import LoraweaveError
+from ..spec import AdapterSpec
+from . import infotext as it
+
+log = logging.getLogger("loraweave")
+
+DTYPES = ("fp32", "fp16", "bf16")
+APPLY_MODES = ("auto", "merge", "runtime")
+# --quantize value -> sdnq_post_load_quant keyword arguments (backends that run on CPU and CUDA alike).
+QUANTIZE = {"sdnq-int8": {"weights_dtype": "int8"}, "sdnq-uint4": {"weights_dtype": "uint4"}}
+# --arch -> diffusers pipeline class for a single-file checkpoint.
+SINGLE_FILE_PIPELINES = {
+    "sd1": "StableDiffusionPipeline", "sd2": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
+    "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "flux-schnell": "FluxPipeline",
+    "chroma": "ChromaPipeline", "z-image": "ZImagePipeline", "qwen-image": "QwenImagePipeline",
+}
+# Scheduler class -> A1111 sampler name (others are shown by class name).
+SAMPLERS = {
+    "EulerDiscreteScheduler": "Euler", "EulerAncestralDiscreteScheduler": "Euler a",
+    "FlowMatchEulerDiscreteScheduler": "Euler", "DDIMScheduler": "DDIM", "PNDMScheduler": "PLMS",
+    "DPMSolverMultistepScheduler": "DPM++ 2M", "LMSDiscreteScheduler": "LMS", "HeunDiscreteScheduler": "Heun",
+    "LCMScheduler": "LCM", "UniPCMultistepScheduler": "UniPC",
+}
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
+
+
+class GenerateError(LoraweaveError, ValueError):
+    """A generate request that cannot run: bad argument, missing or unreadable model, failed sampling."""
+
+
+@dataclass
+class GenerateRequest:
+    model: str
+    prompt: str
+    output: str = "output.png"
+    negative: str = ""
+    lora_dir: str | None = None
+    loras: list[tuple[str, float]] = field(default_factory=list)
+    apply_mode: str = "auto"
+    quantize: str | None = None
+    budget: str | None = None
+    steps: int = 20
+    cfg: float = 7.0
+    seed: int = 42
+    width: int = 512
+    height: int = 512
+    device: str = "cpu"
+    dtype: str = "fp32"
+    arch: str | None = None
+    config: str | None = None
+    strict: bool = False
+    progress: bool = False
+
+
+@dataclass
+class GenerateResult:
+    output: str
+    sidecar: str
+    seed: int
+    prompt: str  # what the text encoders saw (tags stripped)
+    parameters: str  # the infotext written into the PNG
+    report: dict | None  # loraweave apply report (None: no adapter)
+    seconds: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_budget(text: str | None) -> int | str | None:
+    """"auto", bytes, or a size with a unit (512M, 4G, 4GB); None stays None."""
+    if text is None:
+        return None
+    if text == "auto":
+        return "auto"
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise GenerateError(f"--budget must be 'auto' or a positive size like 512M or 4G, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def validate(req: GenerateRequest) -> None:
+    """Every argument checked before anything heavy is loaded; GenerateError names the flag."""
+    checks = [
+        (req.steps >= 1, f"--steps must be >= 1, got {req.steps}"),
+        (math.isfinite(req.cfg) and req.cfg >= 0, f"--cfg must be a finite number >= 0, got {req.cfg}"),
+        (req.width > 0 and req.width % 8 == 0, f"-W must be a positive multiple of 8, got {req.width}"),
+        (req.height > 0 and req.height % 8 == 0, f"-H must be a positive multiple of 8, got {req.height}"),
+        (req.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {req.dtype!r}"),
+        (req.apply_mode in APPLY_MODES, f"--lora-apply-mode must be one of {APPLY_MODES}, got {req.apply_mode!r}"),
+        (req.quantize in (None, *QUANTIZE), f"--quantize must be one of {tuple(QUANTIZE)}, got {req.quantize!r}"),
+        (req.arch is None or req.arch in SINGLE_FILE_PIPELINES,
+         f"--arch must be one of {tuple(SINGLE_FILE_PIPELINES)}, got {req.arch!r}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise GenerateError(message)
+    for path, strength in req.loras:
+        if not math.isfinite(strength):
+            raise GenerateError(f"--lora {path}: strength must be finite, got {strength}")
+        if not Path(path).exists():
+            raise GenerateError(f"--lora {path}: no such file")
+    if "<lora:" in req.prompt.lower() or "<lyco:" in req.prompt.lower():
+        if req.lora_dir is None:
+            raise GenerateError("the prompt has <lora:...> tags: pass --lora-dir, the folder their names are in")
+    parse_budget(req.budget)
+    model = Path(req.model)
+    if not model.exists():
+        raise GenerateError(f"--model {req.model}: no such file or folder")
+    if model.is_dir() and not (model / "model_index.json").is_file():
+        raise GenerateError(f"--model {req.model}: not a diffusers pipeline folder (no model_index.json)")
+    if model.is_file() and req.arch is None:
+        raise GenerateError(f"--model {req.model} is a single file: say which architecture it is with --arch")
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def _device(name: str):
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise GenerateError(f"--device {name!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GenerateError(f"--device {name}: CUDA is not available here")
+    return device
+
+
+@contextlib.contextmanager
+def _loading_bars(show: bool):
+    """diffusers' and transformers' loading bars follow `show` (they ignore whether stderr is a terminal)."""
+    from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    before = (dlog.is_progress_bar_enabled(), tlog.is_progress_bar_enabled())
+    for lib in (dlog, tlog):
+        lib.enable_progress_bar() if show else lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib, was in zip((dlog, tlog), before, strict=True):
+            lib.enable_progress_bar() if was else lib.disable_progress_bar()
+
+
+def load_pipeline(req: GenerateRequest):
+    """The diffusers pipeline of `--model` (offline: nothing is downloaded)."""
+    import diffusers
+
+    dtype = _torch_dtype(req.dtype)
+    try:
+        with _loading_bars(req.progress), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated", category=FutureWarning)
+            if Path(req.model).is_dir():
+                return diffusers.DiffusionPipeline.from_pretrained(req.model, torch_dtype=dtype, local_files_only=True)
+            cls = getattr(diffusers, SINGLE_FILE_PIPELINES[req.arch])
+            extra = {"config": req.config} if req.config else {}
+            return cls.from_single_file(req.model, torch_dtype=dtype, local_files_only=True, **extra)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        hint = "" if req.config or Path(req.model).is_dir() else " (single files need --config FOLDER offline)"
+        raise GenerateError(f"--model {req.model}: cannot load the pipeline{hint}: {type(exc).__name__}: {exc}") from None
+
+
+def adapter_specs(req: GenerateRequest) -> tuple[str, list[AdapterSpec]]:
+    """(prompt without tags, adapters): the prompt's tags (resolved in --lora-dir) then each --lora."""
+    from ..prompt import parse_prompt
+
+    if req.lora_dir is not None:
+        clean, specs = parse_prompt(req.prompt, req.lora_dir)
+    else:
+        clean, specs = req.prompt, []
+    specs += [AdapterSpec(source=Path(p).resolve(), strength=s, name=Path(p).stem) for p, s in req.loras]
+    return clean, specs
+
+
+def denoiser_of(pipe):
+    """The pipeline's UNet or transformer."""
+    for name in ("transformer", "unet"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            return module
+    raise GenerateError(f"{type(pipe).__name__} has no unet or transformer to quantize or stream")
+
+
+def quantize(pipe, kind: str) -> int:
+    """Quantize the denoiser's Linear/Conv layers in place with SDNQ (its own size floor applies: layers under
+    16384 weights stay float); returns how many layers were quantized."""
+    from sdnq import sdnq_post_load_quant
+
+    sdnq_post_load_quant(denoiser_of(pipe), add_skip_keys=False, **QUANTIZE[kind])
+    layers = sum(type(m).__name__.startswith("SDNQ") for m in denoiser_of(pipe).modules())
+    log.info("generate quantize=%s layers=%d", kind, layers)
+    return layers
+
+
+def _call_kwargs(pipe, req: GenerateRequest, prompt: str, generator) -> dict:
+    wanted = {"prompt": prompt, "negative_prompt": req.negative or None, "num_inference_steps": req.steps,
+              "guidance_scale": req.cfg, "height": req.height, "width": req.width, "generator": generator}
+    accepted = inspect.signature(pipe.__call__).parameters
+    dropped = [k for k, v in wanted.items() if k not in accepted and v is not None]
+    if dropped:
+        log.info("generate pipeline=%s ignores=%s", type(pipe).__name__, dropped)
+    return {k: v for k, v in wanted.items() if k in accepted}
+
+
+def sample(pipe, req: GenerateRequest, prompt: str, seed: int):
+    """One image (PIL) from the pipeline with a seeded CPU generator (same seed, same image on any device)."""
+    import torch
+
+    pipe.set_progress_bar_config(disable=not req.progress, desc="steps", unit="step")
+    generator = torch.Generator("cpu").manual_seed(seed)
+    try:
+        return pipe(**_call_kwargs(pipe, req, prompt, generator)).images[0]
+    except (ValueError, RuntimeError, TypeError) as exc:
+        raise GenerateError(f"sampling failed in {type(pipe).__name__}: {type(exc).__name__}: {exc}") from None
+
+
+def _adapter_hashes(specs: list[AdapterSpec]) -> list[tuple[str, str | None]]:
+    from ..formats.adapter import load_adapter
+
+    out = []
+    for spec in specs:
+        path = Path(spec.source)
+        try:
+            metadata = load_adapter(path).metadata
+        except LoraweaveError:
+            metadata = {}
+        out.append((spec.name or path.stem, it.addnet_hash(path, metadata)))
+    return out
+
+
+def parameters(req: GenerateRequest, pipe, seed: int, specs: list[AdapterSpec], report) -> str:
+    """The A1111 infotext for this image, with the loraweave report summary as an extra parameter."""
+    from .. import __version__
+
+    sampler = type(pipe.scheduler).__name__
+    params = {
+        "Steps": req.steps, "Sampler": SAMPLERS.get(sampler, sampler), "CFG scale": req.cfg, "Seed": seed,
+        "Size": f"{req.width}x{req.height}", "Model hash": it.model_hash(req.model), "Model": Path(req.model).stem,
+        "Lora hashes": it.lora_hashes(_adapter_hashes(specs)),
+        "Loraweave": report.summary() if report is not None else None,
+        "Version": f"loraweave {__version__}",
+    }
+    return it.infotext(req.prompt, req.negative, params)
+
+
+def write_outputs(image, out: Path, text: str, sidecar: dict) -> Path:
+    """PNG with `parameters` (infotext) and `loraweave` (JSON) text chunks, and `<out>.json` beside it."""
+    from PIL.PngImagePlugin import PngInfo
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    info = PngInfo()
+    info.add_text("parameters", text)  # tEXt when latin-1 encodable, otherwise iTXt (as A1111)
+    info.add_text("loraweave", json.dumps(sidecar.get("report"), separators=(",", ":")))
+    image.save(out, pnginfo=info)
+    side = out.with_suffix(".json")
+    side.write_text(json.dumps(sidecar, indent=2))
+    return side
+
+
+def generate(req: GenerateRequest) -> GenerateResult:
+    """Run one request end to end. Raises GenerateError (bad input), PromptAdapterError (unknown tag name) or
+    StrictApplyError (--strict and some key did not land: nothing is written)."""
+    from ..api import apply
+
+    validate(req)
+    device = _device(req.device)
+    budget = parse_budget(req.budget)
+    clean, specs = adapter_specs(req)
+    seed = req.seed if req.seed >= 0 else random.randrange(2**32)
+    t = {"start": time.perf_counter()}
+    pipe = load_pipeline(req)
+    t["load"] = time.perf_counter()
+    quantized = quantize(pipe, req.quantize) if req.quantize else 0
+    t["quantize"] = time.perf_counter()
+    if budget is None:
+        pipe.to(device)
+    handle = apply(pipe, specs, mode=req.apply_mode, strict=req.strict, progress=False) if specs else None
+    report = handle.report if handle is not None else None
+    t["apply"] = time.perf_counter()
+    streamer = None
+    if budget is not None:
+        from ..streaming import stream
+
+        for module in pipe.components.values():  # everything but the denoiser goes to the device whole
+            if hasattr(module, "to") and module is not denoiser_of(pipe):
+                module.to(device)
+        streamer = stream(denoiser_of(pipe), budget=budget, device=device)
+    try:
+        image = sample(pipe, req, clean, seed)
+    finally:
+        if streamer is not None:
+            streamer.close()
+    streaming = None if streamer is None else {
+        "summary": streamer.report.summary(), "blocks": streamer.report.blocks, "forwards": streamer.report.forwards,
+        "peak_bytes": streamer.report.peak_bytes, "bytes_copied": streamer.report.total.bytes_copied}
+    t["sample"] = time.perf_counter()
+    text = parameters(req, pipe, seed, specs, report)
+    seconds = {k: round(t[k] - t[p], 4) for p, k in zip(("start", "load", "quantize", "apply"),
+                                                          ("load", "quantize", "apply", "sample"), strict=True)}
+    out = Path(req.output)
+    sidecar = {"parameters": text, "request": asdict(req), "seed": seed, "prompt_encoded": clean,
+               "adapters": [{"name": s.name, "path": str(s.source), "strength": s.strength,
+                             "te_strength": s.te_strength} for s in specs],
+               "report": report.to_dict() if report is not None else None, "streaming": streaming,
+               "quantized_layers": quantized,
+               "seconds": seconds}
+    side = write_outputs(image, out, text, sidecar)
+    seconds["write"] = round(time.perf_counter() - t["sample"], 4)
+    log.info("generate output=%s seed=%d adapters=%d seconds=%s", out, seed, len(specs), seconds)
+    return GenerateResult(str(out), str(side), seed, clean, text, sidecar["report"], seconds)
