@@ -65,14 +65,15 @@ def _normalise_adapters(specs: list[tuple[AdapterSpec, AdapterWeights]], load=lo
     return out
 
 
-def _resolve(target, adapters, strength: float, cache=None) -> tuple[Plan, dict[str, AdapterWeights]]:
-    """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen before."""
+def _resolve(target, adapters, strength: float, cache=None, tables=None) -> tuple[Plan, dict[str, AdapterWeights]]:
+    """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen before;
+    `tables` reuses alias tables built for this target before."""
     specs = _specs(adapters, strength)
     items = _normalise_adapters(specs, cache.load if cache is not None else load_adapter)
     if cache is not None:
         p = cache.resolve([(a, w.strength) for a, w in items], [s.source for s, _ in specs])
     else:
-        p = resolve(as_components(target), [(a, w.strength) for a, w in items])
+        p = resolve(as_components(target), [(a, w.strength) for a, w in items], tables)
     settings = {a.name: w for a, w in items}
     assign(p, settings)
     return p, settings
@@ -113,12 +114,13 @@ def _make_report(plan: Plan, mode: str, applied: list[AppliedModule], unmatched:
     return report
 
 
-def plan(target, adapters: Iterable[AdapterSource] | AdapterSource, strength: float = 1.0) -> Report:
+def plan(target, adapters: Iterable[AdapterSource] | AdapterSource, strength: float = 1.0, tables=None) -> Report:
     """Resolve every key against `target` and report where it would land; nothing is modified.
 
-    Works on models built on the `meta` device (no weights needed)."""
+    Works on models built on the `meta` device (no weights needed). `tables`: alias tables of `target` built
+    before (`tools.skeleton.alias_tables`), when planning many adapters against one model."""
     t0 = time.perf_counter()
-    p, _ = _resolve(target, adapters, strength)
+    p, _ = _resolve(target, adapters, strength, tables=tables)
     applied = [
         AppliedModule(comp, path, "planned", sorted(adapter_names(contribs)),
                       notes=sorted({n for pp, _ in contribs for n in pp.notes}))

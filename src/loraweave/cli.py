@@ -47,10 +47,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if Path(args.file).is_dir() and not (Path(args.file) / "adapter_config.json").is_file():
+        from .cli_pictures import inspect_folder
+
+        return inspect_folder(args)
     from .tools.inspect import format_table, inspect_adapter
 
     info = inspect_adapter(args.file, arch=args.arch, model=args.model, allow_pickle=args.allow_pickle,
                            text_encoders=not args.no_text_encoders, check_values=args.check_values)
+    if args.plot:
+        from .cli_pictures import plot_into
+
+        info["plot"] = plot_into(args)
     print(json.dumps(info, indent=2) if args.json else format_table(info, args.limit))
     return 1 if args.strict and not info["coverage"]["complete"] else 0
 
@@ -65,7 +73,10 @@ def _add_inspect(sub) -> None:
         "JSON (--json) always has layout, families, architecture {name, evidence}, "
         "coverage {keys_total, keys_applied, unmatched}.",
     )
-    p.add_argument("file", help=".safetensors adapter file or PEFT directory")
+    p.add_argument("file", help=".safetensors adapter file, PEFT directory, or a folder of adapters (one row each)")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw a heatmap of ‖ΔW‖ per block × module kind")
+    p.add_argument("--metric", choices=["norm", "energy"], default="norm", help="--plot cell value: ‖ΔW‖_F "
+                   "(default) or share of the total Σ‖ΔW‖²")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--arch", help="resolve against this architecture instead of the detected one "
                        "(sd1, sd2, sdxl, sdxl-refiner, flux, flux-schnell, chroma, flux2, sd3, z-image, qwen-image, "

@@ -136,10 +136,13 @@ UNET_CANDIDATES = ("sd1", "sd2", "sdxl")
 def _unet_by_fit(adapter: Adapter, detection, text_encoders: bool):
     """Names alone say "a UNet"; shapes say which: the candidate on which the most keys land wins."""
     from ..api import plan
-    from .skeleton import skeleton
+    from .skeleton import alias_tables, skeleton
 
     probe = _shape_only(adapter)
-    fits = {name: plan(skeleton(name, text_encoders), probe).keys_applied for name in UNET_CANDIDATES}
+    fits = {}
+    for name in UNET_CANDIDATES:
+        skel = skeleton(name, text_encoders)
+        fits[name] = plan(skel, probe, tables=alias_tables(skel)).keys_applied
     best = max(fits, key=lambda n: fits[n])  # ties keep the earlier (older, more common) UNet
     detection.architecture = best
     detection.evidence.append("shapes fit " + ", ".join(f"{n}: {k}/{adapter.keys_total} keys land" for n, k in
@@ -171,7 +174,10 @@ def inspect_adapter(
         unmatched += [{"key": u["key"], "reason": f"not parsed: {u['reason']}"} for u in adapter.unparsed]
         coverage = {"against": None, "keys_total": adapter.keys_total, "keys_applied": 0, "unmatched": unmatched}
     else:
-        report = plan(components, adapter if check_values else _shape_only(adapter))
+        from .skeleton import alias_tables
+
+        tables = alias_tables(components) if model is None else None
+        report = plan(components, adapter if check_values else _shape_only(adapter), tables=tables)
         coverage = {
             "against": against,
             "keys_total": report.keys_total,

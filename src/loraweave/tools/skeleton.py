@@ -8,6 +8,7 @@ transformers versions and the catalog entry, so a library upgrade rebuilds it.""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -105,9 +106,47 @@ def rebuild(desc: dict) -> torch.nn.Module:
     return root
 
 
+_REUSE: dict | None = None  # (name, text_encoders) -> modules, and id(modules) -> alias tables, inside reuse()
+
+
+@contextlib.contextmanager
+def reuse():
+    """Inside this block `skeleton()` hands back the same modules per architecture and `alias_tables()` their
+    tables, built once: one process inspecting a folder pays for each architecture once. Callers only read them
+    (meta modules, planning only)."""
+    global _REUSE
+    outer = _REUSE
+    _REUSE = outer if outer is not None else {}
+    try:
+        yield
+    finally:
+        _REUSE = outer
+
+
+def alias_tables(modules: dict[str, torch.nn.Module]):
+    """Alias tables of skeleton `modules`, built once inside `reuse()`; None outside it (the planner builds)."""
+    if _REUSE is None:
+        return None
+    from ..arch.aliases import AliasTable
+
+    held = _REUSE.get(id(modules))
+    if held is None or held[0] is not modules:
+        held = (modules, {c: AliasTable(m) for c, m in modules.items()})
+        _REUSE[id(modules)] = held
+    return held[1]
+
+
 def skeleton(name: str, text_encoders: bool = True) -> dict[str, torch.nn.Module]:
     """Like `arch.catalog.build_meta`, from the cached description when there is one."""
     name = canonical(name)
+    if _REUSE is not None:
+        if (name, text_encoders) not in _REUSE:
+            _REUSE[(name, text_encoders)] = _skeleton(name, text_encoders)
+        return _REUSE[(name, text_encoders)]
+    return _skeleton(name, text_encoders)
+
+
+def _skeleton(name: str, text_encoders: bool) -> dict[str, torch.nn.Module]:
     t0 = time.perf_counter()
     path = _cache_file(name)
     if path is not None and path.exists():

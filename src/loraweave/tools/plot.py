@@ -1,0 +1,182 @@
+"""Per block × module kind ‖ΔW‖ (or energy share) of an adapter, on the architecture's own block order.
+
+Every key is resolved against the full-size architecture (meta device, as `inspect` does) or a checkpoint's
+shadow tree; each landed part gives ΔW at strength 1 (alpha/rank scale included) on its rows of its module.
+A cell's value is sqrt(Σ‖ΔW‖²) over the modules in it ("norm") or Σ‖ΔW‖² / total ("energy"). Rows: the
+block slots of `loraweave.arch.blocks` (BASE, IN00.., M00, OUT00.. on UNets; D00.., S00.. on Flux, ...), then
+text-encoder layers; architectures without a slot table group by their first `name.N` container."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("loraweave")
+
+METRICS = ("norm", "energy")
+# catalog architecture -> block-slot table (arch/blocks.py); SD2 has SD1's block layout.
+BLOCK_ARCH = {"sd1": "sd1", "sd2": "sd1", "sdxl": "sdxl", "flux": "flux", "flux-schnell": "flux",
+              "chroma": "chroma", "z-image": "zimage", "sd3": "sd3", "wan": "wan", "qwen-image": "qwen_image"}
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|block)\.(\d+)\.")
+
+
+@dataclass
+class BlockGrid:
+    """values[r][c] is None where no module of that kind in that block was touched."""
+
+    file: str
+    architecture: str
+    metric: str
+    rows: list[str]
+    columns: list[str]
+    values: list[list[float | None]]
+    skipped: list[dict] = field(default_factory=list)  # {key, reason}: parts whose ΔW is not drawn
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "architecture": self.architecture, "metric": self.metric, "rows": self.rows,
+                "columns": self.columns, "values": self.values, "skipped": self.skipped}
+
+
+def module_kind(path: str) -> str:
+    """`down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q` -> `attn1.to_q`; `...resnets.1.conv1` ->
+    `conv1`: the path after its last container index, leading `name.N` wrappers dropped."""
+    parts = path.split(".")
+    numeric = [i for i, p in enumerate(parts) if p.isdigit()]
+    cut = next((i for i in reversed(numeric) if len(parts) - i > 2), None)
+    if cut is None:
+        cut = next((i for i in reversed(numeric) if len(parts) - i > 1), -1)
+    rest = parts[cut + 1:]
+    while len(rest) > 2 and rest[1].isdigit():
+        rest = rest[2:]
+    return ".".join(rest)
+
+
+def _squared_norm(pp, piece, cols: int) -> float:
+    """‖ΔW rows of `piece`‖² at strength 1: LoRA through its factors' Gram matrices (ΔW never formed)."""
+    import torch
+
+    from ..families import FAMILIES
+    from ..mechanisms.merge import add_contribution
+
+    f = pp.factors
+    if pp.part.family == "lora" and getattr(f, "down", None) is not None:
+        up = f.up[piece.src_start:piece.src_start + piece.length].double()
+        down = f.down.flatten(1).double()
+        sq = float(((up.T @ up) * (down @ down.T)).sum()) * pp.scale**2
+        if f.up_bias is not None:
+            sq += float(f.up_bias[piece.src_start:piece.src_start + piece.length].double().square().sum()) * pp.scale**2
+        return sq
+    if getattr(FAMILIES[pp.part.family], "NEEDS_BASE", False):
+        raise ValueError(f"{pp.part.family} ΔW depends on the base weight")
+    target = torch.zeros(piece.length, cols, dtype=torch.float32)
+    add_contribution(target, pp, piece, None, coeff=pp.scale)
+    return float(target.double().square().sum())
+
+
+def _cols(module) -> int:
+    import math
+
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        raise ValueError(f"{type(module).__name__} has no weight")
+    return math.prod(weight.shape[1:]) if weight.dim() > 1 else 1
+
+
+def _row_of(component: str, path: str, denoiser: str | None, slots: dict[str, str | None]) -> str:
+    if component == denoiser and slots.get(path):
+        return slots[path]
+    if component != denoiser:
+        m = _LAYER.search("." + path + ".")
+        return f"{component}.L{int(m.group(1)):02d}" if m else f"{component}.other"
+    m = re.match(r"^(.*?\.\d+)(\.|$)", path)  # no slot table: the first indexed container
+    return m.group(1) if m else "BASE"
+
+
+def _row_order(components, denoiser: str | None, arch: str | None, used: set[str]) -> list[str]:
+    """Slots in the architecture's order (every slot, so untouched blocks show), then the other rows in module
+    order (text-encoder layers, containers of slot-less architectures)."""
+    from ..arch.blocks import chain_lengths, slot_names
+
+    order: list[str] = []
+    if arch is not None and denoiser is not None:
+        names = [n for n, _ in components.modules[denoiser].named_modules()]
+        order = slot_names(arch, chain_lengths(arch, names) or None)
+    for comp, model in components.modules.items():
+        slots = {}
+        for name, _ in model.named_modules():
+            row = _row_of(comp, name, denoiser, slots)
+            if row in used and row not in order:
+                order.append(row)
+    return order + sorted(used - set(order))
+
+
+def _components(adapter, arch: str | None, model: str | None, text_encoders: bool):
+    """(Components, architecture name) the adapter resolves against, as `inspect` chooses them."""
+    from ..formats.detect import detect_architecture
+    from ..plan.target import as_components
+    from .inspect import _target, _unet_by_fit
+
+    detection = detect_architecture(adapter)
+    if detection.architecture == "unet" and arch is None and model is None:
+        detection = _unet_by_fit(adapter, detection, text_encoders)
+    components, against = _target(arch, model, detection.architecture, text_encoders)
+    if components is None:
+        raise ValueError(against)
+    name = arch or (detection.architecture if model is None else "checkpoint")
+    return as_components(components), name
+
+
+def block_grid(path: str | Path, arch: str | None = None, model: str | None = None, metric: str = "norm",
+               allow_pickle: bool = False, text_encoders: bool = True) -> BlockGrid:
+    """The heatmap data of one adapter file (see the module docstring)."""
+    from ..arch.blocks import block_slots
+    from ..arch.catalog import canonical
+    from ..formats.adapter import load_adapter
+    from ..plan.resolve import resolve
+
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    adapter = load_adapter(path, allow_pickle=allow_pickle)
+    components, name = _components(adapter, arch, model, text_encoders)
+    plan = resolve(components, [(adapter, 1.0)])
+    block_arch = BLOCK_ARCH.get(canonical(name)) if model is None else None
+    denoiser = components.denoiser_name
+    per_module: dict[tuple[str, str], float] = {}
+    skipped = [{"key": u["key"], "reason": u["reason"]} for u in plan.unmatched]
+    for pp in plan.planned:
+        for piece in pp.pieces:
+            module = components.modules[pp.component].get_submodule(piece.module)
+            try:
+                sq = _squared_norm(pp, piece, _cols(module))
+            except (ValueError, RuntimeError) as exc:
+                skipped += [{"key": k, "reason": f"not drawn: {exc}"} for k in pp.part.keys]
+                continue
+            key = (pp.component, piece.module)
+            per_module[key] = per_module.get(key, 0.0) + sq
+    den_paths = [p for c, p in per_module if c == denoiser]
+    slots = block_slots(block_arch, den_paths) if block_arch else {}
+    cells: dict[tuple[str, str], float] = {}
+    for (comp, mpath), sq in per_module.items():
+        cell = (_row_of(comp, mpath, denoiser, slots), module_kind(mpath))
+        cells[cell] = cells.get(cell, 0.0) + sq
+    rows = _row_order(components, denoiser, block_arch, {r for r, _ in cells})
+    columns = _column_order(components, {k for _, k in cells})
+    total = sum(cells.values()) or 1.0
+    value = (lambda sq: sq**0.5) if metric == "norm" else (lambda sq: sq / total)
+    values = [[value(cells[(r, c)]) if (r, c) in cells else None for c in columns] for r in rows]
+    log.info("plot file=%s arch=%s rows=%d columns=%d modules=%d skipped=%d", adapter.name, name, len(rows),
+             len(columns), len(per_module), len(skipped))
+    return BlockGrid(str(path), name, metric, rows, columns, values, skipped)
+
+
+def _column_order(components, kinds: set[str]) -> list[str]:
+    """Module kinds in the order the model first uses them."""
+    order: list[str] = []
+    for model in components.modules.values():
+        for name, _ in model.named_modules():
+            kind = module_kind(name)
+            if kind in kinds and kind not in order:
+                order.append(kind)
+    return order + sorted(kinds - set(order))
