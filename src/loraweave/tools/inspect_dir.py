@@ -89,12 +89,15 @@ def inspect_one(path: Path, root: Path, **kwargs) -> dict:
     from .inspect import inspect_adapter
 
     rel = str(path.relative_to(root))
+    t0 = time.perf_counter()
     try:
         info = inspect_adapter(path, **kwargs)
         metadata = load_adapter(path, allow_pickle=kwargs.get("allow_pickle", False)).metadata
     except (LoraweaveError, ValueError, OSError) as exc:
         return {"file": rel, "path": str(path), "error": f"{type(exc).__name__}: {exc}"}
-    return {"file": rel, **info, "rank": _main_rank(info["ranks"]), "trigger_words": trigger_words(metadata)}
+    seconds = round(time.perf_counter() - t0, 3)  # the whole row, trigger words included
+    return {"file": rel, **info, "rank": _main_rank(info["ranks"]), "trigger_words": trigger_words(metadata),
+            "seconds": seconds}
 
 
 def inspect_folder(folder: str | Path, progress: bool = False, **kwargs) -> tuple[list[dict], list[dict]]:
