@@ -184,6 +184,8 @@ def test_progress_bar_on_a_terminal_only(tmp_path, pipe_dir, capsys):
     (["--budget", "lots"], "--budget must be"),
     (["-p", "a <lora:nope:1>"], "pass --lora-dir"),
     (["--lora", "/nonexistent.safetensors:0.5"], "no such file"),
+    (["--device", "no-such-device"], "--device 'no-such-device'"),
+    (["--arch", "sd9"], "--arch must be one of"),
 ])
 def test_bad_arguments_exit_2(tmp_path, pipe_dir, capsys, args, message):
     argv = ["generate", "--model", str(pipe_dir), "-p", "a cat", "-o", str(tmp_path / "x.png"), *args]
@@ -205,6 +207,17 @@ def test_unknown_tag_name_and_bad_folder_exit_2(tmp_path, pipe_dir, lora_dir, ca
     assert not out.exists()
 
 
+def test_single_file_model_needs_arch_and_loads_offline_or_says_why(tmp_path, capsys):
+    ckpt = tmp_path / "model.safetensors"
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4, 4, 3, 3)}, ckpt)
+    out = tmp_path / "x.png"
+    assert main(["generate", "--model", str(ckpt), "-p", "a", "-o", str(out)]) == 2
+    assert "single file: say which architecture it is with --arch" in capsys.readouterr().err
+    assert main(["generate", "--model", str(ckpt), "--arch", "sd1", "-p", "a", "-o", str(out)]) == 2
+    assert "cannot load the pipeline (single files need --config FOLDER offline)" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_strict_refuses_when_keys_miss(tmp_path, pipe_dir, capsys):
     extra = {"lora_unet_no_such_layer.lora_down.weight": torch.zeros(4, 8),
              "lora_unet_no_such_layer.lora_up.weight": torch.zeros(8, 4)}
@@ -217,7 +230,7 @@ def test_strict_refuses_when_keys_miss(tmp_path, pipe_dir, capsys):
     assert rc == 0 and out.exists() and "2 keys did not land" in capsys.readouterr().err
 
 
-def test_runtime_streamed_and_quantized(tmp_path, pipe_dir, lora_dir, monkeypatch):
+def test_runtime_streamed_and_quantized(tmp_path, pipe_dir, lora_dir, monkeypatch, capsys):
     """Runtime mode and a streamed denoiser (CPU simulation) give the merged image; SDNQ int8 runs the LoRA."""
     from loraweave.tools import generate
 
@@ -232,8 +245,11 @@ def test_runtime_streamed_and_quantized(tmp_path, pipe_dir, lora_dir, monkeypatc
     blocks = json.loads(streamed.with_suffix(".json").read_text())["streaming"]["blocks"]
     assert any(not b["resident"] for b in blocks)  # some blocks really streamed through slots
     assert np.abs(_pixels(merged) - _pixels(streamed)).max() <= 1  # merge rounds once, runtime adds in fp32
+    capsys.readouterr()
     rc, quant = _generate(tmp_path, pipe_dir, "quant", *tag, "--quantize", "sdnq-int8", "--json")
     assert rc == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["output"] == str(quant) and printed["seed"] == 7 and printed["prompt"] == "a cat"
     side = json.loads(quant.with_suffix(".json").read_text())
     report = side["report"]
     assert side["quantized_layers"] > 20
