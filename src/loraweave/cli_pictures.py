@@ -32,7 +32,8 @@ def inspect_folder(args: argparse.Namespace) -> int:
 
     if args.plot:
         raise LoraweaveError("--plot draws one adapter: pass a file, not a folder")
-    rows, left_out = run(args.file, progress=not args.json and sys.stderr.isatty(), arch=args.arch,
+    show = not args.json and not getattr(args, "quiet", False) and sys.stderr.isatty()
+    rows, left_out = run(args.file, progress=show, arch=args.arch,
                          model=args.model, allow_pickle=args.allow_pickle, text_encoders=not args.no_text_encoders,
                          check_values=args.check_values)
     print(json.dumps(rows, indent=2) if args.json else format_folder(rows, left_out))
