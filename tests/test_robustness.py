@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import loraweave
-import loraweave.api
+import loraweave.applying
 import loraweave.mechanisms.merge
 import loraweave.mechanisms.runtime
 from loraweave import (
@@ -664,8 +664,8 @@ def test_merge_module_failing_midway_restores_everything(monkeypatch, mode, nth,
     quant = mode == "auto"
     model = Net(quant=quant)
     before, out_before, conv_before = _snapshot(model)
-    wrapper = _fail_on_call(nth, exc, loraweave.api.merge_module)
-    monkeypatch.setattr(loraweave.api, "merge_module", wrapper)
+    wrapper = _fail_on_call(nth, exc, loraweave.applying.merge_module)
+    monkeypatch.setattr(loraweave.applying, "merge_module", wrapper)
     with pytest.raises(exc, match="injected"):
         loraweave.apply(model, _full_adapter(quant), mode=mode)
     _check_restored(model, before, out_before, conv_before)
@@ -679,8 +679,7 @@ def test_failure_inside_the_weight_update_restores_weight_and_bias(monkeypatch, 
     model = Net()
     before, out_before, conv_before = _snapshot(model)
     if target == "add_delta":
-        import loraweave.families.lora as fam
-
+        fam = loraweave.families.FAMILIES["lora"]
         monkeypatch.setattr(fam, "add_delta", _fail_on_call(3, RuntimeError, fam.add_delta, after=True))
     else:
         cls = loraweave.mechanisms.merge.MergedModule
@@ -712,10 +711,10 @@ def test_runtime_attach_failing_midway_leaves_no_hook(monkeypatch, mode, nth, ex
 def test_runtime_constructor_failing_midway_leaves_no_hook(monkeypatch, mode):
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
-    import loraweave.mechanisms.choose as choose  # where apply builds (and checks) runtime paths
+    import loraweave.applying as applying  # where apply builds runtime paths (the planner builds none)
 
-    real = choose.RuntimePath
-    monkeypatch.setattr(choose, "RuntimePath", _fail_on_call(3 if mode == "runtime" else 1, RuntimeError, real))
+    real = applying.RuntimePath
+    monkeypatch.setattr(applying, "RuntimePath", _fail_on_call(3 if mode == "runtime" else 1, RuntimeError, real))
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(True), mode=mode)
     _check_restored(model, before, out_before, conv_before)
@@ -726,7 +725,8 @@ def test_auto_failure_after_merges_and_hooks_restores_both(monkeypatch):
     (building the report) after both kinds were applied."""
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
-    monkeypatch.setattr(loraweave.api, "AppliedModule", _fail_on_call(N_MODULES + 1, KeyboardInterrupt, loraweave.api.AppliedModule))
+    monkeypatch.setattr(loraweave.applying, "AppliedModule",
+                        _fail_on_call(N_MODULES + 1, KeyboardInterrupt, loraweave.applying.AppliedModule))
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(True), mode="auto")
     _check_restored(model, before, out_before, conv_before)
@@ -749,7 +749,7 @@ def test_interrupt_landing_right_after_a_merge_is_written_restores_it(monkeypatc
     """Same window for merge: merge_module returned (weights written) but apply had not recorded it yet."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
-    monkeypatch.setattr(loraweave.api, "merge_module", _fail_on_call(2, KeyboardInterrupt, loraweave.api.merge_module, after=True))
+    monkeypatch.setattr(loraweave.applying, "merge_module", _fail_on_call(2, KeyboardInterrupt, loraweave.applying.merge_module, after=True))
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(False), mode="merge")
     _check_restored(model, before, out_before, conv_before)
