@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from .errors import NonFiniteResultError
 from .formats.adapter import Adapter, load_adapter
 from .journal import Journal
 from .mechanisms.choose import QUANTIZED, QuantSettings, WorkPlan, plan_work
@@ -183,7 +184,10 @@ def install_layer(journal: Journal, item, mode: str, wp: WorkPlan, options: Opti
     backend = wp.routes.get((comp, path), (None, None))[0]
     write = None
     if mechanism == "merge":
-        merge_module(module, contribs, journal.record)
+        try:
+            merge_module(module, contribs, journal.record)
+        except NonFiniteResultError as exc:
+            raise NonFiniteResultError(f"{comp}.{path}: {exc}") from None
     elif mechanism == "runtime":
         rp = (path_for(module, contribs) if path_for is not None else None) or RuntimePath(module, contribs)
         journal.record(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind

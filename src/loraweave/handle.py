@@ -89,19 +89,25 @@ class Handle:
             value = finite_strength(float(value))
             te = None if te is None else finite_strength(float(te))
             self.check_undoable({name})
-            self._plan.strengths[name] = value
-            self._settings[name].strength = value
-            if te is not None:
-                self._settings[name].te_strength = te
-            for pp in self._plan.planned:
-                if pp.adapter.name == name:
-                    pp.strength = part_strength(pp, self._settings[name])
-            for entry in self.journal.entries:
-                if name in getattr(entry, "adapters", ()):
-                    _rewrite(entry)
+            before = (self._settings[name].strength, self._settings[name].te_strength)
+            try:
+                self._set_weights(name, value, te if te is not None else before[1])
+            except BaseException:  # e.g. a merge that would overflow: every layer back at the old strengths
+                self._set_weights(name, *before)
+                raise
             for summary in self.report.adapters:
                 if summary["name"] == name:
                     summary["strength"] = float(value)
+
+    def _set_weights(self, name: str, strength: float, te: float | None) -> None:
+        self._plan.strengths[name] = strength
+        self._settings[name].strength, self._settings[name].te_strength = strength, te
+        for pp in self._plan.planned:
+            if pp.adapter.name == name:
+                pp.strength = part_strength(pp, self._settings[name])
+        for entry in self.journal.entries:
+            if name in getattr(entry, "adapters", ()):
+                _rewrite(entry)
 
     def select_schedule(self, total_steps: int, **kwargs: float):
         """For stack="klora"/"estlora": the per-layer subject->style schedule over `total_steps` sampling steps.

@@ -177,7 +177,7 @@ def check_factor(name: str, tensor: torch.Tensor) -> None:
         # NaN and ±Inf propagate into min/max: one pass, no bool temporary (isfinite().all() is ~8x slower).
         lo, hi = torch.aminmax(tensor)
         finite = math.isfinite(lo.item()) and math.isfinite(hi.item())
-    except RuntimeError:  # dtypes without aminmax on this device (float8)
-        finite = bool(torch.isfinite(tensor).all())
+    except (RuntimeError, NotImplementedError):  # dtypes without aminmax/isfinite here (float8): check in fp32
+        finite = bool(torch.isfinite(tensor.float()).all())
     if not finite:
         raise PartRejected("non_finite", f"bad tensor: {name} holds NaN or Inf")

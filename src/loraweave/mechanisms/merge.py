@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..arch.spec import Piece
 from ..contribution import add_contribution, bias_of, coefficient
+from ..errors import NonFiniteResultError
 from ..plan.resolve import PlannedPart
 from ..plan.stacking import adapter_names
 
@@ -79,6 +81,7 @@ class MergedModule:
                 for pp, piece in self.contributions:
                     self._add(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece)
                 weight.copy_(acc.view(weight.shape))
+            refuse_non_finite(weight, self.weight_backup, self.adapters)
             self._write_bias()
 
     def _add(self, target: torch.Tensor, pp: PlannedPart, piece: Piece) -> None:
@@ -102,6 +105,21 @@ class MergedModule:
         for piece, b, coeff in deltas:
             acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coeff)
         bias.data.copy_(acc)
+
+
+def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: set[str]) -> None:
+    """Raise when the merge made values non-finite that were finite (an overflowing product of finite factors)."""
+    try:
+        lo, hi = torch.aminmax(written)
+        if math.isfinite(lo.item()) and math.isfinite(hi.item()):
+            return
+    except (RuntimeError, NotImplementedError):  # dtypes without aminmax here: the elementwise test below
+        pass
+    new = ~torch.isfinite(written.float()) & torch.isfinite(original.view_as(written).float())
+    if bool(new.any()):
+        raise NonFiniteResultError(
+            f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite values in a "
+            f"{tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is left as it was")
 
 
 def needs_bias(contributions: list[Contribution]) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ from ..families.base import Family, PartRejected
 from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE
+from ..formats.metadata import cloneofsimo_classes
 from ..miss import Miss, Unmatched
 from .target import Components
 
@@ -62,10 +62,7 @@ def _scalar(tensor: torch.Tensor, key: str) -> float | None:
 def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -> tuple[Piece, ...]:
     """cloneofsimo files name layers by index; the metadata lists the ancestor classes that were enumerated."""
     m = CLONEOFSIMO_STEM_RE.match(part.path)
-    try:
-        classes = tuple(json.loads(adapter.metadata.get(m["component"], "")))
-    except ValueError:
-        classes = ()
+    classes = cloneofsimo_classes(adapter.metadata, m["component"], adapter.path or adapter.name) or ()
     # lora_diffusion's default targets predate diffusers' rename of CrossAttention to Attention.
     classes = classes or (("CrossAttention", "Attention", "GEGLU") if m["component"] == "unet" else ("CLIPAttention",))
     classes = tuple(dict.fromkeys((*classes, *(("Attention",) if "CrossAttention" in classes else ()))))

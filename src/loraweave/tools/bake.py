@@ -108,7 +108,7 @@ def _tensor_plan(ckpt: Checkpoint, plan: Plan, spans: dict[str, dict]) -> dict[s
         why = None
         if weight not in tensors:
             why = "module has no weight tensor in the checkpoint"
-        elif not dtypes[weight].is_floating_point:
+        elif not isinstance(dtypes[weight], torch.dtype) or not dtypes[weight].is_floating_point:
             why = f"weight dtype {dtypes[weight]} is not floating point (quantized checkpoint)"
         elif needs_bias and f"{prefix[comp]}{module}.bias" not in tensors:
             why = "adapter carries a bias delta but the module has no bias"
