@@ -40,7 +40,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(f"wrote {res.output} (seed {res.seed}, {landed}; sidecar {res.sidecar}) in "
           f"{sum(res.seconds.values()):.2f}s")
     if rep and rep["unmatched"]:
-        print(f"loraweave: warning: {len(rep['unmatched'])} keys did not land: {rep['unmatched_by_reason']}",
+        print(f"loraweave: warning: {len(rep['unmatched'])} keys did not land: {rep['unmatched_by_kind']}",
               file=sys.stderr)
     return 0
 
