@@ -12,6 +12,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import random
 import re
 import time
@@ -276,10 +277,37 @@ def write_outputs(image, out: Path, text: str, sidecar: dict) -> Path:
     info = PngInfo()
     info.add_text("parameters", text)  # tEXt when latin-1 encodable, otherwise iTXt (as A1111)
     info.add_text("loraweave", json.dumps(sidecar.get("report"), separators=(",", ":")))
-    image.save(out, pnginfo=info)
     side = out.with_suffix(".json")
-    side.write_text(json.dumps(sidecar, indent=2))
+    tmp_png, tmp_side = out.with_name(f".{out.name}.tmp"), side.with_name(f".{side.name}.tmp")
+    try:  # both written aside, then renamed: a reader never sees half a file
+        image.save(tmp_png, format="PNG", pnginfo=info)
+        tmp_side.write_text(json.dumps(sidecar, indent=2))
+        os.replace(tmp_png, out)
+        os.replace(tmp_side, side)
+    finally:
+        tmp_png.unlink(missing_ok=True)
+        tmp_side.unlink(missing_ok=True)
     return side
+
+
+def _sample_maybe_streamed(pipe, req: GenerateRequest, prompt: str, seed: int, device, budget):
+    """(image, streaming summary or None): with a budget the denoiser streams its blocks, the rest is moved whole."""
+    if budget is None:
+        return sample(pipe, req, prompt, seed), None
+    from ..streaming import stream
+
+    denoiser = denoiser_of(pipe)
+    for module in pipe.components.values():
+        if hasattr(module, "to") and module is not denoiser:
+            module.to(device)
+    streamer = stream(denoiser, budget=budget, device=device)
+    try:
+        image = sample(pipe, req, prompt, seed)
+    finally:
+        streamer.close()
+    rep = streamer.report
+    return image, {"summary": rep.summary(), "blocks": rep.blocks, "forwards": rep.forwards,
+                   "peak_bytes": rep.peak_bytes, "bytes_copied": rep.total.bytes_copied}
 
 
 def generate(req: GenerateRequest) -> GenerateResult:
@@ -302,22 +330,7 @@ def generate(req: GenerateRequest) -> GenerateResult:
     handle = apply(pipe, specs, mode=req.apply_mode, strict=req.strict, progress=False) if specs else None
     report = handle.report if handle is not None else None
     t["apply"] = time.perf_counter()
-    streamer = None
-    if budget is not None:
-        from ..streaming import stream
-
-        for module in pipe.components.values():  # everything but the denoiser goes to the device whole
-            if hasattr(module, "to") and module is not denoiser_of(pipe):
-                module.to(device)
-        streamer = stream(denoiser_of(pipe), budget=budget, device=device)
-    try:
-        image = sample(pipe, req, clean, seed)
-    finally:
-        if streamer is not None:
-            streamer.close()
-    streaming = None if streamer is None else {
-        "summary": streamer.report.summary(), "blocks": streamer.report.blocks, "forwards": streamer.report.forwards,
-        "peak_bytes": streamer.report.peak_bytes, "bytes_copied": streamer.report.total.bytes_copied}
+    image, streaming = _sample_maybe_streamed(pipe, req, clean, seed, device, budget)
     t["sample"] = time.perf_counter()
     text = parameters(req, pipe, seed, specs, report)
     seconds = {k: round(t[k] - t[p], 4) for p, k in zip(("start", "load", "quantize", "apply"),

@@ -135,19 +135,25 @@ UNET_CANDIDATES = ("sd1", "sd2", "sdxl")
 
 def _unet_by_fit(adapter: Adapter, detection, text_encoders: bool):
     """Names alone say "a UNet"; shapes say which: the candidate on which the most keys land wins."""
+    return _unet_fit(adapter, detection, text_encoders)[0]
+
+
+def _unet_fit(adapter: Adapter, detection, text_encoders: bool):
+    """(`_unet_by_fit`'s detection, the winner's shape-only plan report, which is the coverage plan too)."""
     from ..api import plan
     from .skeleton import alias_tables, skeleton
 
     probe = _shape_only(adapter)
-    fits = {}
+    reports = {}
     for name in UNET_CANDIDATES:
         skel = skeleton(name, text_encoders)
-        fits[name] = plan(skel, probe, tables=alias_tables(skel)).keys_applied
+        reports[name] = plan(skel, probe, tables=alias_tables(skel))
+    fits = {name: r.keys_applied for name, r in reports.items()}
     best = max(fits, key=lambda n: fits[n])  # ties keep the earlier (older, more common) UNet
     detection.architecture = best
     detection.evidence.append("shapes fit " + ", ".join(f"{n}: {k}/{adapter.keys_total} keys land" for n, k in
                                                         fits.items()) + f" -> {best}")
-    return detection
+    return detection, reports[best]
 
 
 def inspect_adapter(
@@ -165,8 +171,9 @@ def inspect_adapter(
     info["architecture"] = {"name": detection.architecture, "evidence": detection.evidence,
                             "scores": detection.scores, "metadata_says": detection.metadata}
     info["architecture_evidence"] = detection.evidence  # the pre-contract key, kept for older callers
+    fit_report = None
     if detection.architecture == "unet" and arch is None and model is None:
-        detection = _unet_by_fit(adapter, detection, text_encoders)
+        detection, fit_report = _unet_fit(adapter, detection, text_encoders)
         info["architecture"]["name"] = detection.architecture
     components, against = _target(arch, model, detection.architecture, text_encoders)
     if components is None:
@@ -179,7 +186,10 @@ def inspect_adapter(
         from .skeleton import alias_tables
 
         tables = alias_tables(components) if model is None else None
-        report = plan(components, adapter if check_values else _shape_only(adapter), tables=tables)
+        if fit_report is not None and not check_values:  # the same shape-only plan on the same skeleton
+            report = fit_report
+        else:
+            report = plan(components, adapter if check_values else _shape_only(adapter), tables=tables)
         coverage = {
             "against": against,
             "keys_total": report.keys_total,

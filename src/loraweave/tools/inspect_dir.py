@@ -83,16 +83,25 @@ def _main_rank(ranks: dict[str, int]) -> int | None:
     return int(max(ranks.items(), key=lambda kv: (kv[1], int(kv[0])))[0])
 
 
+def _metadata(path: Path, allow_pickle: bool) -> dict[str, str]:
+    """The file's metadata; a .safetensors file's header only (the adapter was parsed once already)."""
+    from ..formats.adapter import load_adapter
+    from ..io.safetensors_file import read_safetensors_header
+
+    if path.is_file() and path.suffix.lower() == ".safetensors":
+        return read_safetensors_header(path)[1]
+    return load_adapter(path, allow_pickle=allow_pickle).metadata
+
+
 def inspect_one(path: Path, root: Path, **kwargs) -> dict:
     """The `inspect FILE --json` object plus `file`, `rank`, `trigger_words`; or {file, path, error}."""
-    from ..formats.adapter import load_adapter
     from .inspect import inspect_adapter
 
     rel = str(path.relative_to(root))
     t0 = time.perf_counter()
     try:
         info = inspect_adapter(path, **kwargs)
-        metadata = load_adapter(path, allow_pickle=kwargs.get("allow_pickle", False)).metadata
+        metadata = _metadata(path, kwargs.get("allow_pickle", False))
     except (LoraweaveError, ValueError, OSError) as exc:
         return {"file": rel, "path": str(path), "error": f"{type(exc).__name__}: {exc}"}
     seconds = round(time.perf_counter() - t0, 3)  # the whole row, trigger words included
