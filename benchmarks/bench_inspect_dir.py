@@ -8,6 +8,7 @@ child process (`python -m loraweave inspect DIR --json`); the skeleton cache is 
   first file      in-process seconds of the first file (builds that architecture's skeleton and alias tables)
   per file after  the other 49 files' in-process seconds: mean and median (target < 0.2 s each)
   one process     `inspect FILE --json` as its own process, median over the 8 real files (what a shell loop pays)
+  CPU s           user + system CPU seconds of those child processes (robust to a busy machine)
 
     .venv/bin/python benchmarks/bench_inspect_dir.py [--rounds 3]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,13 +44,19 @@ def build_folder(folder: Path) -> list[Path]:
     return real
 
 
-def run(cmd: list[str]) -> tuple[float, str]:
-    t0 = time.perf_counter()
+def _child_cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def run(cmd: list[str]) -> tuple[float, str, float]:
+    """(wall seconds, stdout, CPU seconds of the child: user + system, which a busy machine does not inflate)."""
+    t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _child_cpu() - c0
     if proc.returncode not in (0, 1):
         raise RuntimeError(proc.stderr[-2000:])
-    return wall, proc.stdout
+    return wall, proc.stdout, cpu
 
 
 def main() -> None:
@@ -63,18 +71,22 @@ def main() -> None:
         real = build_folder(adapters)
         py = sys.executable
         folder_cmd = [py, "-m", "loraweave", "inspect", str(adapters), "--json"]
-        totals, firsts, after_mean, after_median, singles = [], [], [], [], []
+        totals, firsts, after_mean, after_median, singles, cpu_dir, cpu_single = [], [], [], [], [], [], []
         for r in range(args.rounds + 1):  # round 0 fills the skeleton cache and page cache: discarded
-            wall, out = run(folder_cmd)
+            wall, out, cpu = run(folder_cmd)
             rows = json.loads(out)
             assert len(rows) == 50 and not any("error" in x for x in rows), "every file must inspect"
             secs = [x["seconds"] for x in rows]
             if r:
                 totals.append(wall)
+                cpu_dir.append(cpu)
                 firsts.append(secs[0])
                 after_mean.append(statistics.mean(secs[1:]))
                 after_median.append(statistics.median(secs[1:]))
-                singles += [run([py, "-m", "loraweave", "inspect", str(p), "--json"])[0] for p in real]
+                for p in real:
+                    wall1, _, cpu1 = run([py, "-m", "loraweave", "inspect", str(p), "--json"])
+                    singles.append(wall1)
+                    cpu_single.append(cpu1)
             print(f"round {r} done", file=sys.stderr)
         med = statistics.median
         print(f"{'measure':<34} {'median s':>9}")
@@ -83,6 +95,8 @@ def main() -> None:
         print(f"{'  per file after the first, mean':<34} {med(after_mean):>9.3f}")
         print(f"{'  per file after the first, median':<34} {med(after_median):>9.3f}")
         print(f"{'inspect FILE, one process per file':<34} {med(singles):>9.2f}")
+        print(f"{'CPU s, inspect DIR 50 files':<34} {med(cpu_dir):>9.2f}")
+        print(f"{'CPU s, inspect FILE process':<34} {med(cpu_single):>9.2f}")
         print(f"per file after the first: {med(after_mean):.3f} s (target < {TARGET_S} s); the folder in one process "
               f"costs {med(totals) / (50 * med(singles)):.3f}x of 50 separate processes "
               f"({50 * med(singles):.0f} s estimated)")
