@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+from .mechanisms import merge as merge_mechanism
+from .mechanisms import quantized as quant_mechanism
 from .mechanisms.grow import GrownInput
 from .mechanisms.merge import MergedModule
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
-from .plan.resolve import Plan
+from .plan.resolve import Plan, PlannedPart
 from .plan.weights import AdapterWeights, part_strength
 from .report import Report
 
@@ -92,6 +95,45 @@ class Handle:
             if summary["name"] == name:
                 summary["strength"] = float(value)
 
+    @property
+    def planned(self) -> list[PlannedPart]:
+        """Every planned part (adapter part, component, pieces, strength): read it, change it via the setters."""
+        return self._plan.planned
+
+    def runtime_layers(self) -> dict[tuple[str, str], RuntimePath]:
+        """{(component, module path): runtime path}; `RuntimePath.set_gate` scales one adapter on one layer."""
+        modules = {id(m): (c, n) for c, root in self._plan.components for n, m in root.named_modules()}
+        return {modules[id(rp.module)]: rp for rp in self._runtime}
+
+    def set_part_strengths(self, strength_of: Callable[[PlannedPart], float]) -> None:
+        """Set each planned part's strength to `strength_of(part)` (a caller's own per-module rule, e.g. the
+        diffusers drop-in) and rewrite what reads it: runtime scales, merged layers from their backups."""
+        if not self.active:
+            raise RuntimeError("handle was removed")
+        if any(not m.is_top() for m in [*self._merged, *self._quant]):
+            raise RuntimeError("a later apply merged into the same layers; remove it before changing strengths")
+        for pp in self._plan.planned:
+            pp.strength = finite_strength(float(strength_of(pp)))
+        for path in self._runtime:
+            path.refresh_scales()
+        for record in [*self._merged, *self._quant]:
+            record.write()
+
+    def keep(self) -> None:
+        """Make the merges permanent (diffusers' unload after a fuse): backups are freed, runtime paths detached,
+        and the handle can no longer undo. Only the newest merge on each layer can be kept."""
+        if not self.active:
+            return
+        if any(not m.is_top() for m in [*self._merged, *self._quant]):
+            raise RuntimeError("a later apply merged into the same layers; keep or remove it first")
+        for path in self._runtime:
+            path.detach()
+        for records, attr in ((self._merged, merge_mechanism.STACK_ATTR), (self._quant, quant_mechanism.STACK_ATTR)):
+            for record in records:
+                getattr(record.module, attr).remove(record)
+            records.clear()
+        self.active = False
+
     def select_schedule(self, total_steps: int, **kwargs: float):
         """For stack="klora"/"estlora": the per-layer subject->style schedule over `total_steps` sampling steps.
 
@@ -115,8 +157,7 @@ class Handle:
         choose(paths[layer_key], self._select[1], index)
 
     def _runtime_by_key(self) -> dict[str, RuntimePath]:
-        modules = {id(m): f"{c}.{n}" for c, root in self._plan.components for n, m in root.named_modules()}
-        return {modules[id(rp.module)]: rp for rp in self._runtime}
+        return {f"{c}.{n}": rp for (c, n), rp in self.runtime_layers().items()}
 
     def switch(self, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None) -> None:
         """Replace the applied set with a new one, touching only layers whose contributions changed.

@@ -1,0 +1,98 @@
+"""diffusers drop-in: `enable(pipe)` routes the pipeline's own LoRA methods through loraweave; no PEFT needed.
+
+After `loraweave.diffusers.enable(pipe)`: `load_lora_weights`, `set_adapters`, `get_active_adapters`,
+`get_list_adapters`, `delete_adapters`, `enable_lora`, `disable_lora`, `fuse_lora`, `unfuse_lora`,
+`unload_lora_weights` and per-call `joint_attention_kwargs={"scale": s}` / `cross_attention_kwargs` follow
+diffusers 0.42.1's semantics and errors (same ValueError messages, as `DropInError`), with any layout or family
+loraweave reads (LoHa, LoKr everywhere, full diffs, kohya/ComfyUI/ai-toolkit names, ...). Each load's report is
+`pipe.loraweave_reports[name]`. `disable(pipe)` unloads the adapters and puts diffusers' methods back.
+
+Deliberate differences from diffusers, where diffusers is defective:
+- unfuse_lora restores the weights bit-exactly (diffusers subtracts ΔW at the current scaling: drift after a
+  set_adapters or in half precision);
+- fuse_lora(lora_scale=s) scales only the fused weights (diffusers leaves every active adapter scaled by s);
+- fusing some adapters keeps the other active adapters running (PEFT skips every unfused adapter on a layer
+  that holds a merged one);
+- a per-call scale of 0 restores the weights set before the call (diffusers resets them to 1);
+- a block-weight dict never raises IndexError on short module names (they get 1.0);
+- disable_lora unfuses at once and says so in `fused_loras` (PEFT unmerges lazily, on the next forward).
+Unsupported (raise `UnsupportedError`): hotswap loads, `enable_lora_hotswap`, `set_lora_device`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+from .errors import DropInError, NotLoraPipelineError, UnsupportedError
+from .scale import hook_denoiser, wrap_encode_prompt
+from .state import DropIn
+
+log = logging.getLogger("loraweave")
+ATTR = "_loraweave_dropin"
+METHODS = ("load_lora_weights", "set_adapters", "get_active_adapters", "get_list_adapters", "delete_adapters",
+           "enable_lora", "disable_lora", "fuse_lora", "unfuse_lora", "unload_lora_weights", "enable_lora_hotswap",
+           "set_lora_device")
+
+__all__ = ["DropInError", "NotLoraPipelineError", "UnsupportedError", "disable", "enable"]
+
+
+def _default(pipe, method: str) -> list[str] | None:
+    params = inspect.signature(getattr(type(pipe), method)).parameters
+    value = params["components"].default if "components" in params else None
+    return None if value is inspect.Parameter.empty else value
+
+
+def _peft_layers(pipe, loadable: list[str]) -> list[str]:
+    found = []
+    for component in loadable:
+        model = getattr(pipe, component, None)
+        if isinstance(model, torch.nn.Module):
+            found += [f"{component}.{n}" for n, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    return found
+
+
+def enable(pipe):
+    """Route `pipe`'s LoRA methods through loraweave; returns `pipe`. Idempotent."""
+    if getattr(pipe, ATTR, None) is not None:
+        return pipe
+    loadable = list(getattr(type(pipe), "_lora_loadable_modules", None) or [])
+    if not loadable or not callable(getattr(type(pipe), "load_lora_weights", None)):
+        raise NotLoraPipelineError(f"{type(pipe).__name__} is not a diffusers pipeline with LoRA loading")
+    peft = _peft_layers(pipe, loadable)
+    if peft:
+        raise NotLoraPipelineError(f"{type(pipe).__name__} already holds {len(peft)} PEFT LoRA layers "
+                                   f"(e.g. {peft[0]}): call pipe.unload_lora_weights() before enable()")
+    dropin = DropIn(pipe, _default(pipe, "fuse_lora"), _default(pipe, "unfuse_lora"))
+    hooks = []
+    for component, model in dropin.models().items():
+        if not component.startswith("text_encoder"):
+            hooks += hook_denoiser(dropin, component, model)
+    dropin.hooks = hooks
+    for name in METHODS:
+        setattr(pipe, name, getattr(dropin, name))
+    encode = wrap_encode_prompt(dropin, pipe)
+    dropin.wrapped_encode = encode is not None
+    if encode is not None:
+        pipe.encode_prompt = encode
+    pipe.loraweave_reports = dropin.reports
+    setattr(pipe, ATTR, dropin)
+    log.info("loraweave.diffusers enabled pipeline=%s components=%s", type(pipe).__name__, ",".join(loadable))
+    return pipe
+
+
+def disable(pipe):
+    """Unload loraweave's adapters (fused deltas stay, as with diffusers' unload) and restore diffusers' methods."""
+    dropin = getattr(pipe, ATTR, None)
+    if dropin is None:
+        return pipe
+    dropin.unload_lora_weights()
+    for hook in dropin.hooks:
+        hook.remove()
+    names = [*METHODS, "loraweave_reports", ATTR] + (["encode_prompt"] if dropin.wrapped_encode else [])
+    for name in names:
+        pipe.__dict__.pop(name, None)
+    log.info("loraweave.diffusers disabled pipeline=%s", type(pipe).__name__)
+    return pipe

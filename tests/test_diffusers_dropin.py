@@ -1,0 +1,265 @@
+"""loraweave.diffusers: the same LoRA calls on a PEFT pipeline (diffusers' own path) and a loraweave one.
+
+Tiny Flux, SDXL (UNet) and Z-Image pipelines. After every call the denoiser outputs agree within 1e-5 relative
+(max|ours - ref| / max|ref|), the adapter lists and active sets are equal, and no PEFT layer exists in ours."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from tiny_models import MODELS
+
+import loraweave.diffusers as lwd
+from loraweave.diffusers import DropInError, NotLoraPipelineError, UnsupportedError
+
+TOL = 1e-5
+PIPES = {"flux": "FluxPipeline", "zimage": "ZImagePipeline", "sdxl_unet": "StableDiffusionXLPipeline"}
+SCALE_KW = {"flux": "joint_attention_kwargs", "zimage": "joint_attention_kwargs", "sdxl_unet": "cross_attention_kwargs"}
+# SDXL: every block-scale form diffusers accepts (scalar part, per-block list of layers+1 for up).
+BLOCK_DICT = {"unet": {"down": 0.6, "mid": 0.3, "up": {"block_0": [0.2, 0.5, 0.8]}}}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models: one thread is ~10x faster than two on a loaded 2-core machine (spin-waiting workers).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.detach().double(), ref.detach().double()
+    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def make_pipe(arch: str, denoiser: torch.nn.Module):
+    import diffusers
+
+    cls = getattr(diffusers, PIPES[arch])
+    names = [n for n in cls._get_signature_keys(cls)[0]]
+    kwargs = {n: None for n in names}
+    kwargs[MODELS[arch][2]] = denoiser
+    return cls(**kwargs)
+
+
+def _targets(model: torch.nn.Module, arch: str, every: int, offset: int) -> list[str]:
+    kinds = (torch.nn.Linear, torch.nn.Conv2d) if arch == "sdxl_unet" else (torch.nn.Linear,)
+    names = [n for n, m in model.named_modules() if isinstance(m, kinds)]
+    if arch == "sdxl_unet":  # block dicts address only down/mid/up blocks (diffusers raises IndexError elsewhere)
+        names = [n for n in names if n.split(".")[0] in ("down_blocks", "mid_block", "up_blocks")]
+    return names[offset::every]
+
+
+def save_adapter(arch: str, base: torch.nn.Module, folder, seed: int, every: int, offset: int):
+    """A PEFT LoRA (r=4, alpha 8, to_k alpha 2) saved the diffusers way; `every`/`offset` pick its layers."""
+    model = copy.deepcopy(base)
+    cfg = LoraConfig(r=4, lora_alpha=8, alpha_pattern={"to_k": 2}, init_lora_weights=False,
+                     target_modules=_targets(base, arch, every, offset))
+    torch.manual_seed(seed)
+    model.add_adapter(cfg)
+    sd = get_peft_model_state_dict(model)
+    component = MODELS[arch][2]
+    pipe_cls = type(make_pipe(arch, base))
+    pipe_cls.save_lora_weights(folder, **{f"{component}_lora_layers": sd,
+                                          f"{component}_lora_adapter_metadata": cfg.to_dict()})
+    return folder / "pytorch_lora_weights.safetensors"
+
+
+class Pair:
+    """A PEFT pipeline and a loraweave one built from the same seeded denoiser."""
+
+    def __init__(self, arch: str) -> None:
+        build, self.forward, self.component = MODELS[arch]
+        self.arch = arch
+        self.base = build()
+        self.pristine = {k: v.clone() for k, v in self.base.state_dict().items()}
+        self.peft = make_pipe(arch, copy.deepcopy(self.base))
+        self.ours = lwd.enable(make_pipe(arch, copy.deepcopy(self.base)))
+
+    def both(self, method: str, *args, **kwargs) -> None:
+        getattr(self.peft, method)(*args, **kwargs)
+        getattr(self.ours, method)(*args, **kwargs)
+
+    @torch.no_grad()
+    def outputs(self, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        extra = {} if scale is None else {SCALE_KW[self.arch]: {"scale": scale}}
+        return (self.forward(getattr(self.peft, self.component), **extra),
+                self.forward(getattr(self.ours, self.component), **extra))
+
+    def check(self, step: str, scale: float | None = None) -> torch.Tensor:
+        ref, ours = self.outputs(scale)
+        assert rel_err(ours, ref) <= TOL, step
+        assert self.ours.get_active_adapters() == self.peft.get_active_adapters(), step
+        assert self.ours.get_list_adapters() == self.peft.get_list_adapters(), step
+        denoiser = getattr(self.ours, self.component)
+        assert not any(isinstance(m, BaseTunerLayer) for m in denoiser.modules()), step
+        return ours
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in getattr(self.ours, self.component).state_dict().items()}
+
+
+def _silence_peft_warnings():
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+
+
+@pytest.mark.parametrize("arch", ["flux", "zimage", "sdxl_unet"])
+def test_dropin_matches_diffusers_peft(arch, tmp_path):
+    _silence_peft_warnings()
+    pair = Pair(arch)
+    base_out = pair.outputs()[1]
+    a = save_adapter(arch, pair.base, tmp_path / "a", seed=3, every=1, offset=0)
+    b = save_adapter(arch, pair.base, tmp_path / "b", seed=4, every=3, offset=1)
+
+    pair.both("load_lora_weights", a, adapter_name="a")
+    pair.check("load a")
+    assert set(pair.ours.loraweave_reports) == {"a"}
+    pair.both("load_lora_weights", str(b.parent), weight_name=b.name, adapter_name="b")
+    assert pair.check("load b: only b active") is not None and pair.ours.get_active_adapters() == ["b"]
+    assert pair.ours.loraweave_reports["b"].keys_applied == pair.ours.loraweave_reports["b"].keys_total > 0
+
+    pair.both("set_adapters", ["a", "b"], [0.7, 0.4])
+    pair.check("set_adapters floats")
+    pair.check("per-call scale", scale=0.5)
+    pair.check("after per-call scale")
+    pair.both("set_adapters", ["a", "b"], [{pair.component: 0.5}, 0.9])
+    pair.check("set_adapters per-component dict")
+    if arch == "sdxl_unet":
+        pair.both("set_adapters", ["a", "b"], [BLOCK_DICT, 0.8])
+        pair.check("set_adapters nested block dict")
+    pair.both("set_adapters", "a")
+    pair.check("set_adapters one name")
+
+    before_fuse = pair.weights()
+    runtime_out = pair.check("before fuse")
+    pair.both("set_adapters", ["a", "b"], [0.6, 1.1])
+    pair.both("fuse_lora")
+    fused_out = pair.check("fuse_lora")
+    assert pair.ours.num_fused_loras == pair.peft.num_fused_loras == 2
+    assert any(not torch.equal(w, before_fuse[k]) for k, w in pair.weights().items()), "fuse_lora merged nothing"
+    pair.both("unfuse_lora")
+    assert rel_err(pair.check("unfuse_lora"), fused_out) <= TOL
+    assert all(torch.equal(w, before_fuse[k]) for k, w in pair.weights().items()), "unfuse is not bit-exact"
+    pair.both("fuse_lora", lora_scale=0.7, adapter_names=["a", "b"])
+    pair.check("fuse_lora lora_scale=0.7")
+    pair.both("unfuse_lora")
+    pair.both("set_adapters", ["a", "b"], [0.6, 1.1])  # PEFT kept the 0.7 in its scalings; reset both
+    pair.check("after unfuse, weights set again")
+    assert not torch.equal(runtime_out, fused_out)
+
+    pair.both("disable_lora")
+    assert rel_err(pair.check("disable_lora"), base_out) == 0.0
+    pair.both("enable_lora")
+    pair.check("enable_lora")
+
+    pair.both("delete_adapters", ["a", "not-there"])
+    pair.check("delete a")
+    pair.both("load_lora_weights", a)  # unnamed: default_{n}
+    pair.check("load unnamed")
+    assert pair.ours.get_list_adapters()[pair.component][-1] == "default_0"  # its first layer held only a
+
+    pair.both("unload_lora_weights")
+    out = pair.check("unload_lora_weights")
+    assert torch.equal(out, base_out)
+    for k, w in pair.weights().items():
+        assert torch.equal(w, pair.pristine[k]), k
+    assert pair.ours.loraweave_reports == {}
+
+
+def test_dropin_errors_match_diffusers(tmp_path):
+    _silence_peft_warnings()
+    pair = Pair("flux")
+    a = save_adapter("flux", pair.base, tmp_path / "a", seed=3, every=2, offset=0)
+    pair.both("load_lora_weights", a, adapter_name="a")
+    cases = [
+        ("load_lora_weights", (a,), {"adapter_name": "a"}),
+        ("set_adapters", (["a", "nope"],), {}),
+        ("set_adapters", (["a"], [0.5, 0.5]), {}),
+        ("fuse_lora", (), {"components": []}),
+        ("fuse_lora", (), {"components": ["unet"]}),
+        ("unfuse_lora", (), {"components": ["vae"]}),
+    ]
+    for method, args, kwargs in cases:
+        with pytest.raises(ValueError) as ref:
+            getattr(pair.peft, method)(*args, **kwargs)
+        with pytest.raises(DropInError) as ours:
+            getattr(pair.ours, method)(*args, **kwargs)
+        assert str(ours.value) == str(ref.value), method
+    pair.check("after the errors: nothing changed")
+    for method, args in (("enable_lora_hotswap", ()), ("set_lora_device", (["a"], "cpu"))):
+        with pytest.raises(UnsupportedError):
+            getattr(pair.ours, method)(*args)
+    with pytest.raises(UnsupportedError):
+        pair.ours.load_lora_weights(a, adapter_name="a", hotswap=True)
+    with pytest.raises(NotLoraPipelineError):
+        lwd.enable(pair.peft)  # holds PEFT layers
+    with pytest.raises(NotLoraPipelineError):
+        lwd.enable(object())
+
+
+def _loha_state_dict(unet: torch.nn.Module, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """kohya LoHa on two UNet attention projections, and the fp64 ΔW each should get (alpha 2, rank 2)."""
+    g = torch.Generator().manual_seed(seed)
+    sd, deltas = {}, {}
+    for path in ("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
+                 "up_blocks.0.attentions.1.transformer_blocks.0.attn2.to_out.0"):
+        w = unet.get_submodule(path).weight
+        key = "lora_unet_" + path.replace(".", "_")
+        t = {n: torch.randn(shape, generator=g) * 0.3 for n, shape in
+             (("hada_w1_a", (w.shape[0], 2)), ("hada_w1_b", (2, w.shape[1])),
+              ("hada_w2_a", (w.shape[0], 2)), ("hada_w2_b", (2, w.shape[1])))}
+        sd |= {f"{key}.{n}": v for n, v in t.items()} | {f"{key}.alpha": torch.tensor(2.0)}
+        d = {n: v.double() for n, v in t.items()}
+        deltas[path] = (d["hada_w1_a"] @ d["hada_w1_b"]) * (d["hada_w2_a"] @ d["hada_w2_b"]) * (2.0 / 2)
+    return sd, deltas
+
+
+def test_loha_that_diffusers_rejects_loads(tmp_path):
+    _silence_peft_warnings()
+    pair = Pair("sdxl_unet")
+    sd, deltas = _loha_state_dict(pair.base, seed=5)
+    with pytest.raises(ValueError):
+        pair.peft.load_lora_weights(dict(sd), adapter_name="loha")
+    pair.ours.load_lora_weights(sd, adapter_name="loha")
+    report = pair.ours.loraweave_reports["loha"]
+    assert report.keys_applied == report.keys_total == len(sd)
+    assert pair.ours.get_list_adapters() == {"unet": ["loha"]}
+    x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for path, delta in deltas.items():
+            layer = pair.ours.unet.get_submodule(path)
+            xin = x[..., : layer.in_features]
+            bias = None if layer.bias is None else layer.bias.double()
+            ref = torch.nn.functional.linear(xin.double(), layer.weight.double() + delta, bias)
+            assert rel_err(layer(xin), ref) <= TOL, path
+    pair.ours.fuse_lora(components=["unet"])
+    for path, delta in deltas.items():
+        weight = pair.ours.unet.get_submodule(path).weight
+        assert rel_err(weight, pair.base.get_submodule(path).weight.double() + delta) <= 1e-6, path
+    pair.ours.unfuse_lora(components=["unet"])
+    pair.ours.unload_lora_weights()
+    for k, w in pair.ours.unet.state_dict().items():
+        assert torch.equal(w, pair.pristine[k]), k
+
+
+def test_disable_restores_diffusers_methods(tmp_path, caplog):
+    _silence_peft_warnings()
+    pair = Pair("zimage")
+    a = save_adapter("zimage", pair.base, tmp_path / "a", seed=3, every=2, offset=0)
+    with caplog.at_level(logging.INFO, logger="loraweave"):
+        pair.ours.load_lora_weights(a, adapter_name="a")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loraweave.diffusers load")]
+    assert len(lines) == 1 and "adapter=a" in lines[0] and "keys_applied=" in lines[0]
+    lwd.disable(pair.ours)
+    assert "load_lora_weights" not in pair.ours.__dict__ and not hasattr(pair.ours, "loraweave_reports")
+    for k, w in pair.ours.transformer.state_dict().items():
+        assert torch.equal(w, pair.pristine[k]), k
+    pair.both("load_lora_weights", a, adapter_name="a")  # diffusers' own path again, on both
+    ref, ours = pair.outputs()
+    assert torch.equal(ours, ref)
