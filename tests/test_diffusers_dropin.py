@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model_state_dict
+from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from tiny_models import MODELS
 
@@ -38,14 +38,23 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def make_pipe(arch: str, denoiser: torch.nn.Module):
+def make_pipe(arch: str, denoiser: torch.nn.Module, **components):
+    """The arch's pipeline holding `denoiser` and `components` (e.g. text encoders); everything else None."""
     import diffusers
 
     cls = getattr(diffusers, PIPES[arch])
-    names = [n for n in cls._get_signature_keys(cls)[0]]
-    kwargs = {n: None for n in names}
-    kwargs[MODELS[arch][2]] = denoiser
-    return cls(**kwargs)
+    kwargs = dict.fromkeys(cls._get_signature_keys(cls)[0])
+    return cls(**kwargs | {MODELS[arch][2]: denoiser} | components)
+
+
+def tiny_clip_encoders(seed: int = 0) -> dict[str, torch.nn.Module]:
+    """SDXL's two text encoder classes at toy size (seeded)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=77, projection_dim=32)
+    torch.manual_seed(seed)
+    return {"text_encoder": CLIPTextModel(cfg).eval(), "text_encoder_2": CLIPTextModelWithProjection(cfg).eval()}
 
 
 def _targets(model: torch.nn.Module, arch: str, every: int, offset: int) -> list[str]:
@@ -56,31 +65,37 @@ def _targets(model: torch.nn.Module, arch: str, every: int, offset: int) -> list
     return names[offset::every]
 
 
-def save_adapter(arch: str, base: torch.nn.Module, folder, seed: int, every: int, offset: int):
-    """A PEFT LoRA (r=4, alpha 8, to_k alpha 2) saved the diffusers way; `every`/`offset` pick its layers."""
-    model = copy.deepcopy(base)
-    cfg = LoraConfig(r=4, lora_alpha=8, alpha_pattern={"to_k": 2}, init_lora_weights=False,
-                     target_modules=_targets(base, arch, every, offset))
+def lora_layers(model: torch.nn.Module, targets: list[str], seed: int) -> tuple[dict, LoraConfig]:
+    """A random PEFT LoRA (r=4, alpha 8, to_k alpha 2) on `targets` of a copy of `model`: (state dict, config)."""
+    cfg = LoraConfig(r=4, lora_alpha=8, alpha_pattern={"to_k": 2}, init_lora_weights=False, target_modules=targets)
     torch.manual_seed(seed)
-    model.add_adapter(cfg)
-    sd = get_peft_model_state_dict(model)
+    model = inject_adapter_in_model(cfg, copy.deepcopy(model))
+    return {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}, cfg
+
+
+def save_adapter(arch: str, base: torch.nn.Module, folder, seed: int, every: int, offset: int, **encoders):
+    """lora_layers on `every`-th layer from `offset`, saved the diffusers way; `encoders`: name -> (module, seed)."""
+    sd, cfg = lora_layers(base, _targets(base, arch, every, offset), seed)
     component = MODELS[arch][2]
-    pipe_cls = type(make_pipe(arch, base))
-    pipe_cls.save_lora_weights(folder, **{f"{component}_lora_layers": sd,
-                                          f"{component}_lora_adapter_metadata": cfg.to_dict()})
+    layers = {f"{component}_lora_layers": sd, f"{component}_lora_adapter_metadata": cfg.to_dict()}
+    for name, (encoder, te_seed) in encoders.items():
+        targets = [n for n, m in encoder.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n]
+        te_sd, te_cfg = lora_layers(encoder, targets, te_seed)
+        layers |= {f"{name}_lora_layers": te_sd, f"{name}_lora_adapter_metadata": te_cfg.to_dict()}
+    type(make_pipe(arch, base)).save_lora_weights(folder, **layers)
     return folder / "pytorch_lora_weights.safetensors"
 
 
 class Pair:
     """A PEFT pipeline and a loraweave one built from the same seeded denoiser."""
 
-    def __init__(self, arch: str) -> None:
+    def __init__(self, arch: str, **encoders) -> None:
         build, self.forward, self.component = MODELS[arch]
         self.arch = arch
         self.base = build()
         self.pristine = {k: v.clone() for k, v in self.base.state_dict().items()}
-        self.peft = make_pipe(arch, copy.deepcopy(self.base))
-        self.ours = lwd.enable(make_pipe(arch, copy.deepcopy(self.base)))
+        self.peft = make_pipe(arch, copy.deepcopy(self.base), **copy.deepcopy(encoders))
+        self.ours = lwd.enable(make_pipe(arch, copy.deepcopy(self.base), **copy.deepcopy(encoders)))
 
     def both(self, method: str, *args, **kwargs) -> None:
         getattr(self.peft, method)(*args, **kwargs)
@@ -263,3 +278,117 @@ def test_disable_restores_diffusers_methods(tmp_path, caplog):
     pair.both("load_lora_weights", a, adapter_name="a")  # diffusers' own path again, on both
     ref, ours = pair.outputs()
     assert torch.equal(ours, ref)
+
+
+@torch.no_grad()
+def _encoder_outputs(pipe) -> list[torch.Tensor]:
+    ids = torch.tensor([[0, 5, 17, 42, 98, 1]])
+    return [pipe.text_encoder(ids)[0], pipe.text_encoder_2(ids)[0]]
+
+
+def test_dropin_text_encoders_match_diffusers_peft(tmp_path):
+    """SDXL with both text encoders: TE LoRAs, per-component weights, default fuse components (unet + TEs)."""
+    _silence_peft_warnings()
+    encoders = tiny_clip_encoders()
+    pair = Pair("sdxl_unet", **encoders)
+    pristine_te = {n: copy.deepcopy(m.state_dict()) for n, m in encoders.items()}
+    base_te = _encoder_outputs(pair.ours)
+    a = save_adapter("sdxl_unet", pair.base, tmp_path / "a", seed=3, every=2, offset=0,
+                     text_encoder=(encoders["text_encoder"], 7), text_encoder_2=(encoders["text_encoder_2"], 8))
+    b = save_adapter("sdxl_unet", pair.base, tmp_path / "b", seed=4, every=3, offset=1)
+
+    def check(step: str) -> list[torch.Tensor]:
+        pair.check(step)
+        ours = _encoder_outputs(pair.ours)
+        for ref_out, our_out in zip(_encoder_outputs(pair.peft), ours, strict=True):
+            assert rel_err(our_out, ref_out) <= TOL, step
+        for name in encoders:
+            assert not any(isinstance(m, BaseTunerLayer) for m in getattr(pair.ours, name).modules()), step
+        return ours
+
+    pair.both("load_lora_weights", a, adapter_name="a")
+    assert rel_err(check("load a")[0], base_te[0]) > 1e-3  # the TE LoRA does something
+    pair.both("load_lora_weights", b, adapter_name="b")  # unet only: the TEs keep `a` active (diffusers)
+    check("load b")
+    pair.both("set_adapters", ["a", "b"], [{"unet": 0.5, "text_encoder": 0.3, "text_encoder_2": 0.8}, 0.9])
+    check("per-component dict with text encoders")
+    pair.both("set_adapters", ["a", "b"], [0.6, 1.2])
+    pair.both("fuse_lora")
+    fused = check("fuse_lora, default components")
+    pair.both("unfuse_lora", components=["text_encoder_2"])
+    check("unfuse text_encoder_2 only")
+    pair.both("unfuse_lora")
+    assert rel_err(check("unfuse_lora")[0], fused[0]) <= TOL
+    pair.both("disable_lora")
+    assert all(torch.equal(o, r) for o, r in zip(check("disable_lora"), base_te, strict=True))
+    pair.both("enable_lora")
+    check("enable_lora")
+    pair.both("delete_adapters", "a")
+    check("delete a")
+    pair.both("unload_lora_weights")
+    check("unload")
+    for name, state in pristine_te.items():
+        for k, w in getattr(pair.ours, name).state_dict().items():
+            assert torch.equal(w, state[k]), (name, k)
+
+
+def tiny_clip_tokenizer(folder) -> object:
+    """A CLIP tokenizer written offline: the two special tokens and a few whole-word tokens, no merges."""
+    import json
+
+    from transformers import CLIPTokenizer
+
+    words = ["a", "b", "cat", "dog"]
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1} | {f"{w}</w>": i + 2 for i, w in enumerate(words)}
+    vocab |= {c: len(vocab) + i for i, c in enumerate(sorted({c for w in words for c in w}))}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77)
+
+
+def test_encode_prompt_lora_scale_matches_diffusers_peft(tmp_path):
+    """pipe.encode_prompt(lora_scale=s) scales the text encoders' adapters for that call only, as diffusers does."""
+    _silence_peft_warnings()
+    encoders = tiny_clip_encoders()
+    tokenizer = tiny_clip_tokenizer(tmp_path / "tok")
+    pair = Pair("sdxl_unet", **encoders, tokenizer=tokenizer, tokenizer_2=tokenizer)
+    a = save_adapter("sdxl_unet", pair.base, tmp_path / "a", seed=3, every=4, offset=0,
+                     text_encoder=(encoders["text_encoder"], 7), text_encoder_2=(encoders["text_encoder_2"], 8))
+    pair.both("load_lora_weights", a, adapter_name="a")
+    pair.both("set_adapters", "a", 0.8)
+
+    def encode(pipe, scale):
+        with torch.no_grad():
+            embeds, _, pooled, _ = pipe.encode_prompt("a cat", device="cpu", do_classifier_free_guidance=False,
+                                                      lora_scale=scale)
+        return embeds, pooled
+
+    plain = encode(pair.ours, None)
+    for scale in (0.5, None):
+        for ours, ref in zip(encode(pair.ours, scale), encode(pair.peft, scale), strict=True):
+            assert rel_err(ours, ref) <= TOL, scale
+    assert rel_err(encode(pair.ours, 0.5)[0], plain[0]) > 1e-4  # the scale acts
+    assert torch.equal(encode(pair.ours, None)[0], plain[0])  # and is gone after the call
+
+
+def test_kohya_layout_matches_diffusers_conversion():
+    """A kohya-named SDXL LoRA (lora_unet_*, lora_down/lora_up/alpha) lands as diffusers' converter puts it."""
+    _silence_peft_warnings()
+    pair = Pair("sdxl_unet")
+    g = torch.Generator().manual_seed(9)
+    sd = {}
+    for path in _targets(pair.base, "sdxl_unet", every=5, offset=2):
+        layer = pair.base.get_submodule(path)
+        if not isinstance(layer, torch.nn.Linear):
+            continue
+        key = "lora_unet_" + path.replace(".", "_")
+        sd[f"{key}.lora_down.weight"] = torch.randn(4, layer.in_features, generator=g)
+        sd[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, 4, generator=g)
+        sd[f"{key}.alpha"] = torch.tensor(2.0)
+    pair.both("load_lora_weights", dict(sd), adapter_name="kohya")
+    pair.check("kohya load")
+    assert pair.ours.loraweave_reports["kohya"].keys_applied == len(sd)
+    pair.both("set_adapters", "kohya", 0.6)
+    pair.both("fuse_lora", components=["unet"])
+    pair.check("kohya fused")
