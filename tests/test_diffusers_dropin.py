@@ -12,9 +12,11 @@ import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors.torch import load_file
 from tiny_models import MODELS
 
 import loraweave.diffusers as lwd
+from loraweave import LoraweaveError
 from loraweave.diffusers import DropInError, NotLoraPipelineError, UnsupportedError
 
 TOL = 1e-5
@@ -148,6 +150,13 @@ def test_dropin_matches_diffusers_peft(arch, tmp_path):
     if arch == "sdxl_unet":
         pair.both("set_adapters", ["a", "b"], [BLOCK_DICT, 0.8])
         pair.check("set_adapters nested block dict")
+        bad = {"unet": {"up": {"block_0": [1.0, 2.0]}}}  # up blocks take layers_per_block + 1 scales
+        with pytest.raises(ValueError) as ref:
+            pair.peft.set_adapters("a", bad)
+        with pytest.raises(DropInError) as ours:
+            pair.ours.set_adapters("a", bad)
+        assert str(ours.value) == str(ref.value)
+        pair.check("after a rejected block dict")
     pair.both("set_adapters", "a")
     pair.check("set_adapters one name")
 
@@ -392,3 +401,45 @@ def test_kohya_layout_matches_diffusers_conversion():
     pair.both("set_adapters", "kohya", 0.6)
     pair.both("fuse_lora", components=["unet"])
     pair.check("kohya fused")
+
+
+def test_fused_deltas_outlive_delete_and_unload_as_in_diffusers(tmp_path):
+    """diffusers' load -> fuse -> unload (or delete) pattern leaves a fused model with no adapter layers."""
+    _silence_peft_warnings()
+    pair = Pair("zimage")
+    a = save_adapter("zimage", pair.base, tmp_path / "a", seed=3, every=2, offset=0)
+    b = save_adapter("zimage", pair.base, tmp_path / "b", seed=4, every=3, offset=1)
+    pair.both("load_lora_weights", a, adapter_name="a")
+    pair.both("fuse_lora", lora_scale=0.5)
+    pair.both("delete_adapters", "a")
+    fused = pair.check("fused a deleted: its delta stays")
+    pair.both("load_lora_weights", b, adapter_name="b")
+    pair.both("fuse_lora")
+    pair.both("unload_lora_weights")
+    assert rel_err(pair.check("fused b unloaded: its delta stays"), fused) > 1e-4
+    assert pair.ours.fused_loras == pair.peft.fused_loras
+
+
+def test_failed_calls_leave_the_pipeline_unchanged(tmp_path):
+    pair = Pair("flux")
+    ours = pair.ours
+    with pytest.raises(LoraweaveError):
+        ours.load_lora_weights(tmp_path / "missing.safetensors", adapter_name="x")
+    with pytest.raises(DropInError, match="none of the 2 keys landed"):
+        ours.load_lora_weights({"transformer.nowhere.lora_A.weight": torch.ones(2, 4),
+                                "transformer.nowhere.lora_B.weight": torch.ones(4, 2)}, adapter_name="x")
+    a = save_adapter("flux", pair.base, tmp_path / "a", seed=3, every=4, offset=0)
+    ours.load_lora_weights(a, adapter_name="a")
+    before = pair.weights()
+    for bad in ([[0.5]], float("nan"), {"transformer": "x"}, {"transformer": {"transformer_blocks.0": None}}):
+        with pytest.raises(DropInError, match="must be a finite number"):
+            ours.set_adapters("a", bad)
+    # finite factors whose product overflows fp32: loraweave reads them, the fused weights turn inf
+    nan = {k: torch.full_like(v, 1e20) if ".lora_" in k else v for k, v in load_file(a).items()}
+    ours.load_lora_weights(nan, adapter_name="nan")
+    with pytest.raises(DropInError, match="NaNs detected"):
+        ours.fuse_lora(adapter_names=["nan"], safe_fusing=True)
+    assert ours.get_list_adapters() == {"transformer": ["a", "nan"]} and ours.num_fused_loras == 0
+    assert all(torch.equal(w, before[k]) for k, w in pair.weights().items())
+    ours.unload_lora_weights()
+    assert all(torch.equal(w, pair.pristine[k]) for k, w in pair.weights().items())

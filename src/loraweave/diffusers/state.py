@@ -74,6 +74,7 @@ class DropIn:
         self.weights: dict[str, dict[str, Any]] = {}  # component -> adapter -> weight (float or expanded dict)
         self.enabled = True
         self.fused: list[Fused] = []  # fuse order
+        self.baked: set[str] = set()  # fused, then deleted/unloaded: the delta stays and diffusers still lists it
         self.call_scale: dict[str, float] = {}  # component -> per-call scale while its forward/encode runs
         self.reports: dict = {}
         self.wrapped: dict[str, set[str]] = {}  # component -> layers ever given an adapter since the last unload
@@ -124,7 +125,7 @@ class DropIn:
         return list(components)
 
     def _sync_merged(self) -> None:
-        self.pipe._merged_adapters = {f.name for f in self.fused}
+        self.pipe._merged_adapters = self.baked | {f.name for f in self.fused}
 
     # ------------------------------------------------------------------ loading and listing
 
@@ -187,6 +188,7 @@ class DropIn:
             for f in [f for f in reversed(self.fused) if f.name == name]:
                 f.handle.keep()  # raises (nothing changed yet) if a later fuse sits on top of it
                 self.fused.remove(f)
+                self.baked.add(name)
             loaded.handle.remove()
             del self.loaded[name]
             self.reports.pop(name, None)
@@ -204,7 +206,9 @@ class DropIn:
         """Remove every adapter. Unfused layers are bit-exactly as before the loads; fused deltas stay (diffusers)."""
         for f in reversed(self.fused):
             f.handle.keep()
+            self.baked.add(f.name)
         self.fused.clear()
+        self._sync_merged()
         for loaded in reversed(self.loaded.values()):
             loaded.handle.remove()
         self.loaded.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Any
 
 from .errors import DropInError
@@ -67,8 +68,21 @@ def component_weights(names: list[str], weights: Any, models: dict, loadable: li
                 per_adapter = _expansion(model)(model, per_adapter)
             except ValueError as err:  # diffusers' block-scale errors, typed
                 raise DropInError(str(err)) from err
+        for name, w in zip(names, per_adapter, strict=True):
+            _check_weight(name, component, w)
         out[component] = dict(zip(names, per_adapter, strict=True))
     return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_weight(name: str, component: str, weight: Any) -> None:
+    values = weight.values() if isinstance(weight, dict) else [weight]
+    if not all(_number(v) for v in values):
+        raise DropInError(f"set_adapters: the weight of adapter {name!r} on {component} must be a finite number "
+                          f"(or, for UNets, a block-scale dict), got {weight!r}")
 
 
 def module_weight(weight: Any, module_name: str) -> float:
