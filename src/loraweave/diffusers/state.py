@@ -235,6 +235,9 @@ class DropIn:
         lora_scale scales only the fused weights; diffusers also leaves every active adapter's scaling
         multiplied by it after an unfuse."""
         components = self._components_arg(components, self.fuse_default)
+        if not self.enabled:  # PEFT merges, then unmerges at the next forward while disabled: nothing lasts
+            log.warning("loraweave.diffusers fuse_lora ignored: LoRA is disabled (call enable_lora() first)")
+            return
         names_arg = [adapter_names] if isinstance(adapter_names, str) else adapter_names
         models = self.models()
         for component in components:
