@@ -225,6 +225,8 @@ def test_dropin_errors_match_diffusers(tmp_path):
             getattr(pair.ours, method)(*args)
     with pytest.raises(UnsupportedError):
         pair.ours.load_lora_weights(a, adapter_name="a", hotswap=True)
+    with pytest.raises(UnsupportedError, match="pipe.set_adapters"):
+        pair.ours.transformer.set_adapters("a")  # model level: would silently do nothing without PEFT layers
     with pytest.raises(NotLoraPipelineError):
         lwd.enable(pair.peft)  # holds PEFT layers
     with pytest.raises(NotLoraPipelineError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import TypeVar
 
 import torch
 
@@ -35,6 +36,12 @@ ATTR = "_loraweave_dropin"
 METHODS = ("load_lora_weights", "set_adapters", "get_active_adapters", "get_list_adapters", "delete_adapters",
            "enable_lora", "disable_lora", "fuse_lora", "unfuse_lora", "unload_lora_weights", "enable_lora_hotswap",
            "set_lora_device")
+
+# diffusers' model-level LoRA methods: with PEFT installed and no PEFT layers they would silently do nothing.
+MODEL_METHODS = ("load_lora_adapter", "set_adapters", "set_adapter", "add_adapter", "fuse_lora", "unfuse_lora",
+                 "unload_lora", "enable_lora", "disable_lora", "delete_adapters", "enable_adapters",
+                 "disable_adapters", "enable_lora_hotswap")
+Pipe = TypeVar("Pipe")
 
 __all__ = ["DropInError", "NotLoraPipelineError", "UnsupportedError", "disable", "enable"]
 
@@ -50,11 +57,28 @@ def _peft_layers(pipe, loadable: list[str]) -> list[str]:
     for component in loadable:
         model = getattr(pipe, component, None)
         if isinstance(model, torch.nn.Module):
-            found += [f"{component}.{n}" for n, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+            found += [f"{component}.{n}" for n, m in model.named_modules() if type(m).__module__.startswith("peft.")]
     return found
 
 
-def enable(pipe):
+def _model_method_guard(component: str, method: str):
+    def refuse(*args, **kwargs):
+        raise UnsupportedError(f"pipe.{component}.{method}() bypasses loraweave.diffusers: call pipe.{method}() "
+                               "(pipeline level) or use loraweave.apply on the model")
+    return refuse
+
+
+def _guard_models(dropin: DropIn) -> list[tuple[torch.nn.Module, str]]:
+    guarded = []
+    for component, model in dropin.models().items():
+        for method in MODEL_METHODS:
+            if callable(getattr(type(model), method, None)):
+                model.__dict__[method] = _model_method_guard(component, method)
+                guarded.append((model, method))
+    return guarded
+
+
+def enable(pipe: Pipe) -> Pipe:
     """Route `pipe`'s LoRA methods through loraweave; returns `pipe`. Idempotent."""
     if getattr(pipe, ATTR, None) is not None:
         return pipe
@@ -71,6 +95,7 @@ def enable(pipe):
         if not component.startswith("text_encoder"):
             hooks += hook_denoiser(dropin, component, model)
     dropin.hooks = hooks
+    dropin.guarded = _guard_models(dropin)
     for name in METHODS:
         setattr(pipe, name, getattr(dropin, name))
     encode = wrap_encode_prompt(dropin, pipe)
@@ -83,7 +108,7 @@ def enable(pipe):
     return pipe
 
 
-def disable(pipe):
+def disable(pipe: Pipe) -> Pipe:
     """Unload loraweave's adapters (fused deltas stay, as with diffusers' unload) and restore diffusers' methods."""
     dropin = getattr(pipe, ATTR, None)
     if dropin is None:
@@ -91,6 +116,8 @@ def disable(pipe):
     dropin.unload_lora_weights()
     for hook in dropin.hooks:
         hook.remove()
+    for model, method in dropin.guarded:
+        model.__dict__.pop(method, None)
     names = [*METHODS, "loraweave_reports", ATTR] + (["encode_prompt"] if dropin.wrapped_encode else [])
     for name in names:
         pipe.__dict__.pop(name, None)

@@ -78,6 +78,9 @@ class DropIn:
         self.call_scale: dict[str, float] = {}  # component -> per-call scale while its forward/encode runs
         self.reports: dict = {}
         self.wrapped: dict[str, set[str]] = {}  # component -> layers ever given an adapter since the last unload
+        self.hooks: list = []  # enable(): per-call scale hooks on the denoisers
+        self.guarded: list[tuple[torch.nn.Module, str]] = []  # enable(): model-level LoRA methods refused
+        self.wrapped_encode = False  # enable(): pipe.encode_prompt wrapped for lora_scale
 
     # ------------------------------------------------------------------ helpers
 
