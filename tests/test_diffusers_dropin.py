@@ -506,3 +506,41 @@ def test_unfuse_after_a_weight_change_is_exact_where_diffusers_drifts(tmp_path):
     drift = max(float((peft_weights[k] - w).abs().max()) for k, w in pair.pristine.items())
     assert drift > 1e-3  # diffusers' defect, still present in 0.42.1
     assert all(torch.equal(w, pair.pristine[k]) for k, w in pair.weights().items())
+
+
+def test_fuse_on_an_sdnq_quantized_transformer(tmp_path):
+    """diffusers' fuse_lora fails on SDNQ layers; the drop-in fuses through loraweave's quantized mechanisms (the
+    factor channel for plain LoRA), matches its own runtime output and unfuses to the same stored tensors."""
+    import os
+
+    os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
+    from diffusers import FluxTransformer2DModel
+    from sdnq import sdnq_post_load_quant
+    from tiny_models import flux_forward
+
+    _silence_peft_warnings()
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=64, num_attention_heads=4, joint_attention_dim=32,
+                                   pooled_projection_dim=32, axes_dims_rope=[16, 24, 24], guidance_embeds=True).eval()
+    targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "blocks" in n]
+    sd, _ = lora_layers(model, targets, seed=3)
+    sd = {f"transformer.{k}": v * 0.2 for k, v in sd.items()}
+    sdnq_post_load_quant(model, weights_dtype="int8", add_skip_keys=False)
+    assert type(model.get_submodule(targets[0])).__name__ == "SDNQLinear"
+    stored = {k: v.clone() for k, v in model.state_dict().items()}
+    peft, ours = (make_pipe("flux", copy.deepcopy(model)) for _ in range(2))
+    peft.load_lora_weights(dict(sd), adapter_name="a")
+    with pytest.raises(RuntimeError):
+        peft.fuse_lora()
+    lwd.enable(ours).load_lora_weights(sd, adapter_name="a")
+    with torch.no_grad():
+        base = flux_forward(model)
+        runtime = flux_forward(ours.transformer)
+        ours.fuse_lora()
+        fused = flux_forward(ours.transformer)
+    assert rel_err(runtime, base) > 1e-3 and rel_err(fused, runtime) <= 1e-4
+    ours.unfuse_lora()
+    ours.unload_lora_weights()
+    for k, v in ours.transformer.state_dict().items():
+        assert torch.equal(v, stored[k]), k
