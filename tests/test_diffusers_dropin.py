@@ -152,6 +152,10 @@ def test_dropin_matches_diffusers_peft(arch, tmp_path):
     if arch == "sdxl_unet":
         pair.both("set_adapters", ["a", "b"], [BLOCK_DICT, 0.8])
         pair.check("set_adapters nested block dict")
+        pair.both("fuse_lora", components=["unet"])  # per-module scales fused (Handle.set_part_strengths)
+        pair.check("fuse_lora under a block dict")
+        pair.both("unfuse_lora", components=["unet"])
+        pair.check("unfuse_lora under a block dict")
         bad = {"unet": {"up": {"block_0": [1.0, 2.0]}}}  # up blocks take layers_per_block + 1 scales
         with pytest.raises(ValueError) as ref:
             pair.peft.set_adapters("a", bad)
@@ -420,7 +424,11 @@ def test_fused_deltas_outlive_delete_and_unload_as_in_diffusers(tmp_path):
     pair.both("delete_adapters", "a")
     fused = pair.check("fused a deleted: its delta stays")
     pair.both("load_lora_weights", b, adapter_name="b")
+    pair.both("load_lora_weights", a, adapter_name="a2")
+    pair.both("set_adapters", ["b", "a2"])
     pair.both("fuse_lora")
+    with pytest.raises(DropInError, match="fused together with"):  # diffusers allows it; our undo could not
+        pair.ours.delete_adapters("a2")
     pair.both("unload_lora_weights")
     assert rel_err(pair.check("fused b unloaded: its delta stays"), fused) > 1e-4
     assert pair.ours.fused_loras == pair.peft.fused_loras

@@ -121,7 +121,8 @@ class Handle:
 
     def keep(self) -> None:
         """Make the merges permanent (diffusers' unload after a fuse): backups are freed, runtime paths detached,
-        and the handle can no longer undo. Only the newest merge on each layer can be kept."""
+        and the handle can no longer undo. Only the newest merge on each layer can be kept, and earlier merges
+        on those layers should be kept too: their undo restores backups taken before this delta."""
         if not self.active:
             return
         if any(not m.is_top() for m in [*self._merged, *self._quant]):

@@ -16,7 +16,16 @@ Deliberate differences from diffusers, where diffusers is defective:
 - a per-call scale of 0 restores the weights set before the call (diffusers resets them to 1);
 - a block-weight dict never raises IndexError on short module names (they get 1.0);
 - disable_lora unfuses at once and says so in `fused_loras` (PEFT unmerges lazily, on the next forward).
-Unsupported (raise `UnsupportedError`): hotswap loads, `enable_lora_hotswap`, `set_lora_device`.
+Unsupported (raise `UnsupportedError`): hotswap loads, `enable_lora_hotswap`, `set_lora_device`, and the
+model-level LoRA methods (`pipe.unet.set_adapters`, ...), which would otherwise silently do nothing.
+
+Simplifications (diffusers' per-layer bookkeeping kept per component): an unnamed load's `default_{n}` is
+counted in the first component holding LoRA layers (diffusers counts per component, so a text-encoder-only
+adapter may get another name there); after deleting an active adapter the first remaining one in that component
+becomes active (PEFT decides per layer); an adapter name may not be reused in any component; under a block-scale
+dict a fused kohya part spanning several modules (e.g. a fused qkv) takes its first module's weight; deleting a
+fused adapter while other adapters are fused in the same component raises `DropInError` (unfuse first, or
+unload to keep every fused delta), since undoing the others would also drop its kept delta.
 """
 
 from __future__ import annotations

@@ -188,8 +188,13 @@ class DropIn:
             loaded = self.loaded.get(name)
             if loaded is None:
                 continue
-            for f in [f for f in reversed(self.fused) if f.name == name]:
-                f.handle.keep()  # raises (nothing changed yet) if a later fuse sits on top of it
+            mine = [f for f in self.fused if f.name == name]
+            under = sorted({o.name for f in mine for o in self.fused if o.component == f.component and o.name != name})
+            if under:  # their undo would restore backups without this adapter's kept delta
+                raise DropInError(f"delete_adapters: {name!r} is fused together with {under}; call unfuse_lora() "
+                                  "first, or unload_lora_weights() to keep every fused delta")
+            for f in reversed(mine):
+                f.handle.keep()
                 self.fused.remove(f)
                 self.baked.add(name)
             loaded.handle.remove()
