@@ -184,31 +184,31 @@ class DropIn:
     def delete_adapters(self, adapter_names: list[str] | str) -> None:
         """Unknown names are ignored (diffusers). A fused adapter's delta stays in the weights, as in diffusers."""
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
-        for name in names:
-            loaded = self.loaded.get(name)
-            if loaded is None:
-                continue
-            mine = [f for f in self.fused if f.name == name]
-            under = sorted({o.name for f in mine for o in self.fused if o.component == f.component and o.name != name})
-            if under:  # their undo would restore backups without this adapter's kept delta
-                raise DropInError(f"delete_adapters: {name!r} is fused together with {under}; call unfuse_lora() "
-                                  "first, or unload_lora_weights() to keep every fused delta")
-            for f in reversed(mine):
-                f.handle.keep()
-                self.fused.remove(f)
-                self.baked.add(name)
-            loaded.handle.remove()
-            del self.loaded[name]
-            self.reports.pop(name, None)
-            for c in loaded.components:
-                self.weights.get(c, {}).pop(name, None)
-                active = self.active.get(c, [])
-                if name in active:
-                    active.remove(name)
-                    if not active:  # PEFT: the first remaining adapter takes over
-                        active.extend([n for n, lo in self.loaded.items() if c in lo.components][:1])
+        doomed = [n for n in dict.fromkeys(names) if n in self.loaded]
+        fused = [f for f in self.fused if f.name in doomed]
+        others = sorted({o.name for f in fused for o in self.fused if o.component == f.component and o.name not in doomed})
+        if others:  # checked before anything changes: their undo would restore backups without the kept delta
+            raise DropInError(f"delete_adapters: {sorted({f.name for f in fused})} fused together with {others}; "
+                              "call unfuse_lora() first, or unload_lora_weights() to keep every fused delta")
+        for f in reversed(fused):
+            f.handle.keep()
+            self.fused.remove(f)
+            self.baked.add(f.name)
+        for name in doomed:
+            self._forget(self.loaded.pop(name))
         self._sync_merged()
         self.refresh()
+
+    def _forget(self, loaded: Loaded) -> None:
+        loaded.handle.remove()
+        self.reports.pop(loaded.name, None)
+        for c in loaded.components:
+            self.weights.get(c, {}).pop(loaded.name, None)
+            active = self.active.get(c, [])
+            if loaded.name in active:
+                active.remove(loaded.name)
+                if not active:  # PEFT: the first remaining adapter takes over
+                    active.extend([n for n, lo in self.loaded.items() if c in lo.components][:1])
 
     def unload_lora_weights(self) -> None:
         """Remove every adapter. Unfused layers are bit-exactly as before the loads; fused deltas stay (diffusers)."""
@@ -248,16 +248,16 @@ class DropIn:
             return
         names_arg = [adapter_names] if isinstance(adapter_names, str) else adapter_names
         models = self.models()
-        for component in components:
-            if component not in models:
-                continue
-            for name in (names_arg if names_arg is not None else list(self.active.get(component, []))):
-                loaded = self.loaded.get(name)
-                if loaded is None or component not in loaded.components or self._is_fused(name, component):
-                    continue
-                self.fused.append(Fused(name, component, self._merge(loaded, component, lora_scale, safe_fusing)))
-        self._sync_merged()
-        self.refresh(set(components))
+        try:
+            for component in [c for c in components if c in models]:
+                for name in (names_arg if names_arg is not None else list(self.active.get(component, []))):
+                    loaded = self.loaded.get(name)
+                    if loaded is None or component not in loaded.components or self._is_fused(name, component):
+                        continue
+                    self.fused.append(Fused(name, component, self._merge(loaded, component, lora_scale, safe_fusing)))
+        finally:  # a failed fuse (safe_fusing) leaves the earlier ones fused and their runtime paths off
+            self._sync_merged()
+            self.refresh(set(components))
 
     def _merge(self, loaded: Loaded, component: str, lora_scale: float, safe_fusing: bool) -> Handle:
         seen: dict[int, Any] = {}
