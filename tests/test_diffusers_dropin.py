@@ -552,3 +552,20 @@ def test_fuse_on_an_sdnq_quantized_transformer(tmp_path):
     ours.unload_lora_weights()
     for k, v in ours.transformer.state_dict().items():
         assert torch.equal(v, stored[k]), k
+
+
+def test_per_call_scale_zero_keeps_the_weights(tmp_path):
+    """Deliberate difference: after a call with scale 0, diffusers resets set_adapters weights to 1; ours stay."""
+    _silence_peft_warnings()
+    pair = Pair("zimage")
+    a = save_adapter("zimage", pair.base, tmp_path / "a", seed=3, every=2, offset=0)
+    pair.both("load_lora_weights", a, adapter_name="a")
+    pair.both("set_adapters", "a", 0.5)
+    before = pair.check("weight 0.5")
+    base = pair.forward(pair.base)
+    ref, ours = pair.outputs(scale=0.0)
+    assert torch.equal(ours, base) and rel_err(ref, base) <= TOL
+    ref, ours = pair.outputs()
+    assert torch.equal(ours, before) and rel_err(ref, before) > 1e-3  # PEFT came back at weight 1
+    pair.both("set_adapters", "a", 1.0)
+    assert rel_err(pair.outputs()[1], ref) <= TOL
