@@ -13,6 +13,7 @@ Deliberate differences from diffusers, where diffusers is defective:
 - fuse_lora(lora_scale=s) scales only the fused weights (diffusers leaves every active adapter scaled by s);
 - fusing some adapters keeps the other active adapters running (PEFT skips every unfused adapter on a layer
   that holds a merged one);
+- fusing never writes non-finite weights (`safe_fusing` is always on; the layer is left as it was);
 - a per-call scale of 0 restores the weights set before the call (diffusers resets them to 1);
 - a block-weight dict never raises IndexError on short module names (they get 1.0);
 - disable_lora unfuses at once and says so in `fused_loras` (PEFT unmerges lazily, on the next forward).

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..api import apply
+from ..errors import NonFiniteResultError
 from ..formats.adapter import Adapter, load_adapter
 from ..handle import Handle
 from ..mechanisms.runtime import RuntimePath
@@ -239,9 +240,9 @@ class DropIn:
 
     def fuse_lora(self, components: list[str] | None = None, lora_scale: float = 1.0, safe_fusing: bool = False,
                   adapter_names: list[str] | None = None, **kwargs) -> None:
-        """Merge the active (or named) adapters at their current weights x lora_scale. Deliberate difference:
-        lora_scale scales only the fused weights; diffusers also leaves every active adapter's scaling
-        multiplied by it after an unfuse."""
+        """Merge the active (or named) adapters at their current weights x lora_scale. Deliberate differences:
+        lora_scale scales only the fused weights (diffusers also leaves every active adapter's scaling multiplied
+        by it after an unfuse), and a non-finite result is always refused, whatever `safe_fusing` says."""
         components = self._components_arg(components, self.fuse_default)
         if not self.enabled:  # PEFT merges, then unmerges at the next forward while disabled: nothing lasts
             log.warning("loraweave.diffusers fuse_lora ignored: LoRA is disabled (call enable_lora() first)")
@@ -254,12 +255,12 @@ class DropIn:
                     loaded = self.loaded.get(name)
                     if loaded is None or component not in loaded.components or self._is_fused(name, component):
                         continue
-                    self.fused.append(Fused(name, component, self._merge(loaded, component, lora_scale, safe_fusing)))
-        finally:  # a failed fuse (safe_fusing) leaves the earlier ones fused and their runtime paths off
+                    self.fused.append(Fused(name, component, self._merge(loaded, component, lora_scale)))
+        finally:  # a failed fuse (non-finite result) leaves the earlier ones fused and their runtime paths off
             self._sync_merged()
             self.refresh(set(components))
 
-    def _merge(self, loaded: Loaded, component: str, lora_scale: float, safe_fusing: bool) -> Handle:
+    def _merge(self, loaded: Loaded, component: str, lora_scale: float) -> Handle:
         seen: dict[int, Any] = {}
         for pp in loaded.handle.planned:
             if pp.component == component:
@@ -268,12 +269,18 @@ class DropIn:
         weight = self.weights.get(component, {}).get(loaded.name, 1.0)
         flat = not isinstance(weight, dict)
         strength = (float(weight) if flat else 1.0) * float(lora_scale)
-        handle = apply(self.models(), AdapterSpec(only_here, strength=strength, name=loaded.name), mode="auto")
-        if not flat:  # per-module weights (block-scale dicts): each part at its first module's weight
-            handle.set_part_strengths(lambda pp: module_weight(weight, pp.pieces[0].module) * float(lora_scale))
-        if safe_fusing and not _finite(self.models()[component], handle):
-            handle.remove()
-            raise DropInError(f"NaNs detected in the merged weights. The adapter {loaded.name} seems to be broken")
+        spec = AdapterSpec(only_here, strength=strength, name=loaded.name)
+        try:  # loraweave never merges non-finite values: safe_fusing is always on, and the layer is left as it was
+            handle = apply(self.models(), spec, mode="auto")
+            if not flat:  # per-module weights (block-scale dicts): each part at its first module's weight
+                try:
+                    handle.set_part_strengths(lambda pp: module_weight(weight, pp.pieces[0].module) * float(lora_scale))
+                except BaseException:
+                    handle.remove()
+                    raise
+        except NonFiniteResultError as exc:
+            raise DropInError(f"NaNs detected in the merged weights. The adapter {loaded.name} seems to be broken "
+                              f"({exc})") from exc
         return handle
 
     def unfuse_lora(self, components: list[str] | None = None, **kwargs) -> None:
@@ -308,11 +315,3 @@ def _set_gate(path: RuntimePath, name: str, gate: float) -> None:
         path.set_gate(name, gate)
     if not path.active:
         path.attach()
-
-
-def _finite(model: torch.nn.Module, handle: Handle) -> bool:
-    for entry in handle.report.applied:
-        weight = getattr(model.get_submodule(entry.module), "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.is_floating_point() and not torch.isfinite(weight).all():
-            return False
-    return True
