@@ -4,13 +4,16 @@ from .api import Handle, apply, plan
 from .errors import (
     AdapterFileError,
     AdapterFormatError,
+    ArgumentError,
+    EmptyOutputError,
     LoraweaveError,
+    NoKeysLandedError,
     StrictApplyError,
     TargetError,
     UnsafeFormatError,
 )
 from .formats.adapter import Adapter, AdapterPart, load_adapter
-from .prompt import parse_prompt
+from .prompt import PromptAdapterError, parse_prompt
 from .report import Report
 from .spec import AdapterSpec
 from .streaming import StreamHandle, stream
@@ -23,8 +26,12 @@ __all__ = [
     "AdapterFormatError",
     "AdapterPart",
     "AdapterSpec",
+    "ArgumentError",
+    "EmptyOutputError",
     "Handle",
     "LoraweaveError",
+    "NoKeysLandedError",
+    "PromptAdapterError",
     "Report",
     "StreamHandle",
     "StrictApplyError",

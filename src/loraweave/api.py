@@ -12,7 +12,10 @@ from collections.abc import Iterable, Mapping
 
 from tqdm.auto import tqdm
 
-from .errors import StrictApplyError
+from .adapter_list import check_names, check_source
+from .arguments import strength as check_strength
+from .coverage import refuse_empty, warn_incomplete
+from .errors import ArgumentError, StrictApplyError
 from .formats.adapter import Adapter, load_adapter
 from .handle import Handle, finite_strength
 from .mechanisms.choose import QUANTIZED, QuantSettings, plan_work
@@ -36,15 +39,22 @@ AdapterSource = str | os.PathLike | Adapter | Mapping | tuple | AdapterSpec
 
 
 def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
+    strength = check_strength(strength)
     if isinstance(adapters, (str, os.PathLike, Adapter, Mapping, AdapterSpec)) or (
         isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[1], (int, float))
     ):
         adapters = [adapters]
+    if adapters is None or not isinstance(adapters, Iterable):
+        raise ArgumentError(f"adapters must be a path, Adapter, state dict, (source, strength) or AdapterSpec, "
+                            f"or a list of them; got {adapters!r}")
     out = []
     for item in adapters:
         if isinstance(item, tuple):
+            if len(item) != 2:
+                raise ArgumentError(f"an adapter tuple is (source, strength), got {len(item)} items")
             item = AdapterSpec(item[0], item[1])
         spec = item if isinstance(item, AdapterSpec) else AdapterSpec(item)
+        check_source(spec.source)
         te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
         out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights)))
     return out
@@ -53,6 +63,7 @@ def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]
 def _normalise_adapters(specs: list[tuple[AdapterSpec, AdapterWeights]], load=load_adapter) -> list[tuple[Adapter, AdapterWeights]]:
     out: list[tuple[Adapter, AdapterWeights]] = []
     seen: Counter = Counter()
+    check_names(specs)
     for spec, weights in specs:
         # A shallow copy per use: the caller's object is never renamed, and one Adapter may be passed twice.
         adapter = copy.copy(load(spec.source))
@@ -153,6 +164,7 @@ def apply(
     quantized: str = "auto",
     host_rank: int = 256,
     cache=None,
+    allow_empty: bool = False,
 ) -> Handle:
     """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
 
@@ -176,7 +188,11 @@ def apply(
     host_rank: rank cap of a hosted truncation (randomized SVD, seeded locally: the caller's RNG is untouched);
       0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
     cache: a `loraweave.mechanisms.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
-      on disk; a replay is bit-identical to a fresh compute."""
+      on disk; a replay is bit-identical to a fresh compute.
+
+    Coverage is loud: an adapter whose keys did not all land gets one WARNING line (landed/total, top miss kinds,
+    an example key). When not one key of an adapter lands, `NoKeysLandedError` (carrying the report) is raised and
+    nothing changes, unless `allow_empty=True`. `strict=True` raises `StrictApplyError` unless every key lands."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     validate_stack(stack, density)
@@ -203,6 +219,7 @@ def apply(
     if strict and unmatched:
         report = _make_report(p, mode, [], unmatched, t0)
         raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.reasons()})", report)
+    refuse_empty(_make_report(p, mode, [], unmatched, t0), allow_empty)
     merged: list[MergedModule] = []
     runtime: list[RuntimePath] = []
     quant: list[QuantWrite] = []
@@ -254,6 +271,7 @@ def apply(
         report.backends_unavailable = {n: why for n, why in broken().items()}
         report.backends_unavailable |= {n: why for n, b in used.items() if (why := b.unavailable())}
     report.log()
+    warn_incomplete(report)
     handle = Handle(p, report, merged, runtime, settings, grown, quant)
     handle.quant_options = {"quantized": quantized, "host_rank": host_rank, "cache": cache}
     if select:  # every shared layer starts on the subject (step 0 of any schedule)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
+from .arguments import strength as check_strength
 from .mechanisms.grow import GrownInput
 from .mechanisms.merge import MergedModule
 from .mechanisms.quantized import QuantWrite
@@ -14,9 +13,7 @@ from .report import Report
 
 
 def finite_strength(value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"strength must be a finite number, got {value}")
-    return value
+    return check_strength(value)
 
 
 class Handle:
@@ -58,22 +55,31 @@ class Handle:
         for grown in reversed(self._grown):
             grown.restore()
         self.active = False
+        self._release()
+
+    def _release(self) -> None:
+        """Drop every undo record, runtime path, cast copy and plan: a removed handle holds only its report."""
+        self._removed_strengths = dict(self._plan.strengths)
+        self._plan = None
+        self._merged, self._runtime, self._quant, self._grown = [], [], [], []
+        self._settings, self._detached, self._resolve_cache, self._select = {}, {}, None, None
+        self.quant_options = {}
 
     def set_strength(self, name: str, value: float, te: float | None = None) -> None:
         """Change one adapter's strength (and, with `te`, its text-encoder strength; else text encoders keep
         theirs when it was set apart, or follow). Runtime: a scale update only. Merge: rewritten from the backup.
         Block weights stay."""
-        if name not in self._plan.strengths:
-            raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
         if not self.active:
             raise RuntimeError("handle was removed")
+        if name not in self._plan.strengths:
+            raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
         if any(name in m.adapters and not m.is_top() for m in [*self._merged, *self._quant]):
             raise RuntimeError("a later apply merged into the same layers; remove it before changing this strength")
-        value = finite_strength(float(value))
+        value = finite_strength(value)
         self._plan.strengths[name] = value
         self._settings[name].strength = value
         if te is not None:
-            self._settings[name].te_strength = finite_strength(float(te))
+            self._settings[name].te_strength = finite_strength(te)
         for pp in self._plan.planned:
             if pp.adapter.name == name:
                 pp.strength = part_strength(pp, self._settings[name])
@@ -130,7 +136,7 @@ class Handle:
 
     @property
     def strengths(self) -> dict[str, float]:
-        return dict(self._plan.strengths)
+        return dict(self._plan.strengths) if self._plan is not None else dict(self._removed_strengths)
 
     def __enter__(self) -> Handle:
         return self

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+from .coverage import warn_incomplete
 from .mechanisms.choose import plan_work
 from .mechanisms.merge import MergedModule, merge_module
 from .mechanisms.runtime import RuntimePath
@@ -119,9 +120,10 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     p, settings = api._resolve(components, adapters, strength, cache=handle._resolve_cache)
     if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p):
         # Grown inputs change the model itself and quantized writes own their layers' storage: start over.
+        options = handle.quant_options  # remove() releases everything the handle holds
         handle.remove()
         fresh = api.apply(components, adapters, mode=mode, strength=strength, stack=stack, density=density,
-                          **handle.quant_options)
+                          **options)
         handle.__dict__.update(fresh.__dict__)
         handle.last_switch = {"kept": 0, "reattached": 0, "rebuilt": len(handle.report.applied), "dropped": 0}
         return
@@ -197,6 +199,7 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
         for rec in reversed([*merged, *[m for m in handle._merged if m not in merged]]):
             rec.restore()
         handle.active = False
+        handle._release()
         raise
     handle._plan, handle._settings, handle._runtime, handle._merged = p, settings, runtime, merged
     handle._detached = now_detached
@@ -204,3 +207,4 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     api.log.info("loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
                  counts["kept"], counts["reattached"], counts["rebuilt"], counts["dropped"], handle.report.summary())
     handle.last_switch = counts
+    warn_incomplete(handle.report)
