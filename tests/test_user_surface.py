@@ -375,6 +375,11 @@ def test_item10_duplicate_names_refused_and_doubled_file_warned(tmp_path, caplog
     line = next(r.getMessage() for r in caplog.records if "duplicate_adapter" in r.getMessage())
     assert "times=2" in line and "add up" in line and str(path.resolve()) in line
     handle.remove()
+    caplog.clear()
+    ckpt, _ = _flux_checkpoint_and_lora(tmp_path)  # bake warns the same way
+    with caplog.at_level(logging.WARNING, logger="loraweave"):
+        bake(ckpt, [(str(path), 1.0), (str(path), 0.5)], tmp_path / "twice.safetensors")
+    assert any("duplicate_adapter" in r.getMessage() and "times=2" in r.getMessage() for r in caplog.records)
 
 
 def test_item10_stream_budget_accepts_size_strings():
@@ -405,6 +410,11 @@ def test_item11_progress_bars_only_when_asked(tmp_path, capsys, monkeypatch):
     assert "extract" in capsys.readouterr().err
     extract(ckpt, tuned, tmp_path / "b.safetensors", rank=2, progress=False)
     assert capsys.readouterr().err == ""
+    model = tiny_flux()
+    loraweave.apply(model, load_file(tmp_path / "a.safetensors"), progress=True).remove()
+    assert "loraweave apply" in capsys.readouterr().err
+    loraweave.apply(model, load_file(tmp_path / "a.safetensors")).remove()  # 1 layer: under the threshold
+    assert "loraweave apply" not in capsys.readouterr().err
     # The CLI: on a terminal a bar; never under --json or --quiet, nor off a terminal.
     from loraweave.cli_support import progress_wanted
 

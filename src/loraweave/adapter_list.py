@@ -37,9 +37,14 @@ def check_names(specs) -> None:
     if twice:
         raise ArgumentError(f"adapter name(s) {', '.join(map(repr, twice))} given to more than one adapter; "
                             "names address adapters in set_strength and the report, so each must be unique")
+    warn_repeated([(spec.source, weights.strength) for spec, weights in specs])
+
+
+def warn_repeated(sources: list[tuple[object, float]]) -> None:
+    """A WARNING per source given more than once: each use applies it again, so the effects add up."""
     by_source: dict[object, list] = {}
-    for spec, weights in specs:
-        by_source.setdefault(_identity(spec.source), []).append(weights.strength)
+    for source, strength in sources:
+        by_source.setdefault(_identity(source), []).append(strength)
     for (kind, ident), strengths in by_source.items():
         if len(strengths) > 1:
             shown = ident if kind == "path" else "one Adapter/state dict object"

@@ -5,12 +5,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-
-from tqdm.auto import tqdm
 
 from .adapter_list import check_names, check_source
 from .arguments import strength as check_strength
@@ -27,6 +24,7 @@ from .plan.resolve import Plan, PlannedPart, resolve
 from .plan.stacking import adapter_names, combine_groups
 from .plan.target import as_components
 from .plan.weights import AdapterWeights, assign
+from .progress import PROGRESS_LAYERS, bar, on_terminal
 from .quant import broken
 from .report import AppliedModule, Report
 from .spec import AdapterSpec
@@ -225,11 +223,12 @@ def apply(
     quant: list[QuantWrite] = []
     applied: list[AppliedModule] = []
     grown: list[GrownInput] = []
-    show = progress if progress is not None else (len(work) > 200 and sys.stderr.isatty())
+    show = progress if progress is not None else (len(work) > PROGRESS_LAYERS and on_terminal())
     try:
         for comp, path, width, key in _growth(p):  # control adapters: the wider input exists before they land
             grown.append(grow_input(p.components.modules[comp], path, width, key))
-        for comp, path, module, mechanism, why, contribs in tqdm(work, desc="loraweave", disable=not show, unit="layer"):
+        for comp, path, module, mechanism, why, contribs in bar(work, desc="loraweave apply", unit="layer",
+                                                                         enabled=show):
             cost = ""
             backend = routes.get((comp, path), (None, None))[0]
             write = None

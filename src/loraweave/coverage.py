@@ -14,14 +14,22 @@ log = logging.getLogger("loraweave")
 TOP_KINDS = 3  # miss kinds named per WARNING line
 
 
-def miss_kind(miss: dict) -> str:
-    """The kind of a miss: its typed `kind` when present, else the reason's text before the first ':'."""
-    kind = miss.get("kind")
-    return str(kind) if kind else str(miss.get("reason", "")).split(":", 1)[0]
+def miss_kind(miss) -> str:
+    """The kind of a miss: its typed `kind` when it has one, else the reason's text before the first ':'.
+    (`miss` is an unmatched entry: a dict or a typed record, both read by `miss[field]`.)"""
+    kind = getattr(miss, "kind", None) or (miss.get("kind") if isinstance(miss, dict) else None)
+    return str(kind) if kind else str(miss["reason"]).split(":", 1)[0]
 
 
-def adapter_misses(report, name: str) -> list[dict]:
-    return [u for u in report.unmatched if u.get("adapter") == name]
+def _field(miss, name: str) -> str:
+    try:
+        return miss[name]
+    except KeyError:
+        return ""
+
+
+def adapter_misses(report, name: str) -> list:
+    return [u for u in report.unmatched if _field(u, "adapter") == name]
 
 
 def coverage_line(summary: dict, misses: list[dict]) -> str:
@@ -30,7 +38,7 @@ def coverage_line(summary: dict, misses: list[dict]) -> str:
     shown = ",".join(f"{k.replace(' ', '_')}x{n}" for k, n in kinds[:TOP_KINDS])
     if len(kinds) > TOP_KINDS:
         shown += f",+{len(kinds) - TOP_KINDS}_more_kinds"
-    example = f" example={misses[0]['key']!r} ({misses[0].get('reason', '')})" if misses else ""
+    example = f" example={misses[0]['key']!r} ({misses[0]['reason']})" if misses else ""
     return (f"adapter={summary['name']!r} landed={summary['keys_applied']}/{summary['keys_total']} "
             f"misses={shown or '-'}{example}")
 

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 
 from tqdm.auto import tqdm
 
+PROGRESS_LAYERS = 200  # apply shows a bar (on a terminal) above this many layers: ~2 s of merging on a CPU
+
 
 def on_terminal() -> bool:
     return sys.stderr.isatty()

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..adapter_list import warn_repeated
 from ..arguments import strength as check_strength
 from ..errors import ArgumentError, EmptyOutputError
 from ..families import FAMILIES
@@ -241,6 +242,7 @@ def bake(model: str | os.PathLike, adapters: list[tuple[str, float]], output: st
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     adapters = [(a, check_strength(s, f"strength of {a}")) for a, s in adapters]
+    warn_repeated(adapters)
     ckpt = open_checkpoint(model)
     out = check_output(output, [model, *(a for a, _ in adapters)], overwrite=overwrite)
     try:
