@@ -395,6 +395,8 @@ def test_item10_stream_budget_accepts_size_strings():
     handle.close()
     with pytest.raises(ArgumentError):
         loraweave.stream(model, budget="lots", device="cpu")
+    with pytest.raises(ArgumentError):
+        loraweave.stream(model, budget="1GB", margin=-1, device="cpu")
 
 
 # ----------------------------------------------------------------------------------------- 11. progress bars

@@ -55,8 +55,9 @@ def non_negative(value: object, label: str) -> float:
     return value
 
 
-def byte_size(value: object, label: str) -> int:
-    """Bytes from an int or a string: "1GB" / "1G" (10^9), "1GiB" (2^30), "512MiB", "2e9"."""
+def byte_size(value: object, label: str, allow_zero: bool = False) -> int:
+    """Bytes from an int or a string: "1GB" / "1G" (10^9), "1GiB" (2^30), "512MiB", "2e9"; > 0 unless
+    `allow_zero`."""
     if isinstance(value, str):
         m = _SIZE.match(value)
         if m is None:
@@ -66,6 +67,7 @@ def byte_size(value: object, label: str) -> int:
         if not math.isfinite(value):
             raise ArgumentError(f"{label} must be a finite size, got {value!r}")
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
-        raise ArgumentError(f"{label} must be a positive number of bytes, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0 or (value == 0 and not allow_zero):
+        raise ArgumentError(f"{label} must be a {'non-negative' if allow_zero else 'positive'} number of bytes, "
+                            f"got {value!r}")
     return int(value)

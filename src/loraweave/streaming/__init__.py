@@ -73,6 +73,7 @@ def stream(
     check_placement(placement)  # before anything is copied or pinned
     if margin is None:
         margin = AUTO_MARGIN if dev.type == "cuda" else 0
+    margin = byte_size(margin, "margin", allow_zero=True)
     if any(getattr(m, STREAMED_ATTR, False) for m in model.modules()):
         raise ValueError("model is already streamed; close() its StreamHandle first")
     if blocks is None:
