@@ -451,10 +451,30 @@ def test_item12_version_and_quiet_optional_packages():
     assert "loraweave loraweave" not in verbose.stderr
 
 
-def test_item12_demo_and_test_cache_leave_no_temp_dirs(tmp_path):
-    run = _cli("demo", "--json", env={"TMPDIR": str(tmp_path)})
-    assert run.returncode == 0, run.stderr
-    assert list(tmp_path.iterdir()) == []
+def test_item12_demo_and_test_cache_leave_no_temp_dirs(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    import loraweave.demo as demo_mod
+
+    seen = []
+
+    def fake_demo(out_dir: Path) -> dict:  # the CLI's temp handling, without the minute-long demo run
+        seen.append(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "demo_lora_kohya.safetensors").write_bytes(b"x")
+        return {"files": {"kohya": str(out_dir / "demo_lora_kohya.safetensors")}, "runs": {}}
+
+    monkeypatch.setattr(demo_mod, "run_demo", fake_demo)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["demo", "--json"]) == 0
+    assert seen and seen[0].parent == tmp_path and list(tmp_path.iterdir()) == []
+    assert "temporary, removed" in json.loads(capsys.readouterr().out)["files"]["kohya"]
+    keep = tmp_path / "keep"
+    assert main(["demo", "--json", "--out", str(keep)]) == 0
+    assert (keep / "demo_lora_kohya.safetensors").is_file()
+    keep.joinpath("demo_lora_kohya.safetensors").unlink()
+    keep.rmdir()
+    # The test suite's skeleton cache: made at conftest import, removed when that process ends.
     probe = subprocess.run([sys.executable, "-c", "import conftest, os; print(os.environ['LORAWEAVE_CACHE'])"],
                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent,
                            env={k: v for k, v in {**os.environ, "TMPDIR": str(tmp_path)}.items()
