@@ -6,11 +6,36 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from .errors import ArgumentError
+from .formats.adapter import Adapter
+from .spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
+
+
+def as_specs(adapters) -> list[AdapterSpec]:
+    """What `apply`'s `adapters` may be (a path, Adapter, state dict, (source, strength), AdapterSpec, or a list of
+    them) as AdapterSpecs, each strength checked by AdapterSpec's rule; ArgumentError for anything else."""
+    if isinstance(adapters, (str, os.PathLike, Adapter, Mapping, AdapterSpec)) or (
+        isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[1], (int, float))
+    ):
+        adapters = [adapters]
+    if adapters is None or not isinstance(adapters, Iterable):
+        raise ArgumentError(f"adapters must be a path, Adapter, state dict, (source, strength) or AdapterSpec, "
+                            f"or a list of them; got {adapters!r}")
+    out = []
+    for item in adapters:
+        if isinstance(item, tuple):
+            if len(item) != 2:
+                raise ArgumentError(f"an adapter tuple is (source, strength), got {len(item)} items")
+            item = AdapterSpec(item[0], item[1])
+        spec = item if isinstance(item, AdapterSpec) else AdapterSpec(item)
+        check_source(spec.source)
+        out.append(spec)
+    return out
 
 
 def check_source(source: object) -> None:

@@ -9,10 +9,10 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-from .adapter_list import check_names, check_source
+from .adapter_list import as_specs, check_names
 from .arguments import strength as check_strength
 from .coverage import refuse_empty, warn_incomplete
-from .errors import ArgumentError, StrictApplyError
+from .errors import StrictApplyError
 from .formats.adapter import Adapter, load_adapter
 from .handle import Handle, finite_strength
 from .mechanisms.choose import QUANTIZED, QuantSettings, plan_work
@@ -38,21 +38,8 @@ AdapterSource = str | os.PathLike | Adapter | Mapping | tuple | AdapterSpec
 
 def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
     strength = check_strength(strength)
-    if isinstance(adapters, (str, os.PathLike, Adapter, Mapping, AdapterSpec)) or (
-        isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[1], (int, float))
-    ):
-        adapters = [adapters]
-    if adapters is None or not isinstance(adapters, Iterable):
-        raise ArgumentError(f"adapters must be a path, Adapter, state dict, (source, strength) or AdapterSpec, "
-                            f"or a list of them; got {adapters!r}")
     out = []
-    for item in adapters:
-        if isinstance(item, tuple):
-            if len(item) != 2:
-                raise ArgumentError(f"an adapter tuple is (source, strength), got {len(item)} items")
-            item = AdapterSpec(item[0], item[1])
-        spec = item if isinstance(item, AdapterSpec) else AdapterSpec(item)
-        check_source(spec.source)
+    for spec in as_specs(adapters):
         te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
         out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights)))
     return out
