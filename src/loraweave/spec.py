@@ -33,3 +33,8 @@ class AdapterSpec:
     def text_encoder_strength(self) -> float:
         """The strength the text encoders get."""
         return float(self.strength if self.te_strength is None else self.te_strength)
+
+
+def finite_strength(value: float) -> float:
+    """A strength by AdapterSpec's rule (finite, |s| <= 1e4, not a string or bool); ArgumentError otherwise."""
+    return check_strength(value)
