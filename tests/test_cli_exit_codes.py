@@ -93,3 +93,16 @@ def test_system_errors_bugs_and_interrupts(raised, code, monkeypatch, capsys, tm
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("loraweave: error:")
     assert ("Traceback" in err) == (code == 4)  # a traceback only for bugs
+
+
+def test_a_command_added_later_gets_the_table_too():
+    import argparse
+
+    from loraweave.cli_support import with_exit_status
+
+    parser = argparse.ArgumentParser(prog="x")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("new", epilog="A long paragraph of the command's own that should still be wrapped " * 3)
+    with_exit_status(parser, sub)
+    text = sub.choices["new"].format_help()
+    assert EXIT_STATUS.splitlines()[1] in text and max(len(line) for line in text.splitlines()) <= 120

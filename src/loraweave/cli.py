@@ -11,8 +11,6 @@ import tempfile
 from pathlib import Path
 
 from .cli_support import (
-    EXIT_STATUS,
-    Formatter,
     add_common,
     configure_logging,
     energy_arg,
@@ -21,6 +19,7 @@ from .cli_support import (
     non_negative_arg,
     progress_wanted,
     rank_arg,
+    with_exit_status,
 )
 
 
@@ -78,8 +77,7 @@ def _add_inspect(sub) -> None:
         "metadata and detected architecture with its evidence, then resolve every key against the architecture "
         "(full size on the meta device: no weights, no download) or a checkpoint, listing unmatched keys and why.",
         epilog="JSON (--json) always has layout, families, architecture {name, evidence}, "
-        "coverage {keys_total, keys_applied, unmatched}.\n\n" + EXIT_STATUS,
-        formatter_class=Formatter,
+        "coverage {keys_total, keys_applied, unmatched}.",
     )
     p.add_argument("file", help=".safetensors adapter file or PEFT directory")
     where = p.add_mutually_exclusive_group()
@@ -174,7 +172,6 @@ def _add_lowrank(sub) -> None:
         "written. Output keys use the checkpoint's own module names: diffusers-named weights in diffusers' layout "
         "(unet./transformer./text_encoder. + lora_A/lora_B, which its loader reads), original (ldm/BFL) names in "
         "ComfyUI's (diffusion_model. + lora_down/lora_up, alpha = rank); scale 1 either way.",
-        epilog=EXIT_STATUS, formatter_class=Formatter,
     )
     p.add_argument("base", help="base checkpoint (.safetensors file, component or pipeline folder)")
     p.add_argument("tuned", help="fine-tuned checkpoint with the same tensor names")
@@ -190,7 +187,6 @@ def _add_lowrank(sub) -> None:
         "captured energy per layer; families that need the base weight (OFT, DoRA, IA3, GLoRA) are refused. "
         "Positional (cloneofsimo) files are named on the architecture they fit (or --arch) and written in the "
         "diffusers layout.",
-        epilog=EXIT_STATUS, formatter_class=Formatter,
     )
     p.add_argument("file", help="adapter .safetensors file or PEFT folder")
     where = p.add_mutually_exclusive_group()
@@ -226,7 +222,6 @@ def _add_convert(sub) -> None:
         "fused rows are split (shared down, up rows cut) or joined (shared down when equal, else rank "
         "concatenation) exactly as the target naming needs; alpha is carried so alpha/rank is unchanged. The "
         "result is re-resolved before writing. Other families, and keys that do not resolve, are refused.",
-        epilog=EXIT_STATUS, formatter_class=Formatter,
     )
     p.add_argument("file", help="adapter .safetensors file or PEFT folder")
     p.add_argument("--to", required=True, choices=["kohya", "peft", "diffusers", "comfy"], help="target layout")
@@ -251,7 +246,6 @@ def _add_tools(sub) -> None:
         "Every output file's metadata records the adapters, their sha256, strengths and the tool version. "
         "Strengths follow AdapterSpec's rule: finite, |s| <= 1e4. Positional (cloneofsimo) files are named on the "
         "architecture they fit, by the resolver apply uses.",
-        epilog=EXIT_STATUS, formatter_class=Formatter,
     )
     p.add_argument("model", help="checkpoint: .safetensors file, component folder or pipeline folder")
     p.add_argument("lora", nargs="+", help="adapter file, optionally with a strength: FILE[:STRENGTH] (default 1.0)")
@@ -273,20 +267,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loraweave",
         description="Apply LoRA/LyCORIS adapters to diffusion models: every key lands or is reported.",
-        epilog=EXIT_STATUS, formatter_class=Formatter,
     )
     parser.add_argument("--version", action="version", version=f"loraweave {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log key=value summaries at INFO (and the "
                         "optional quantization packages' own warnings)")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the embedded demo (small seeded Z-Image model, sample LoRAs)",
-                          epilog=EXIT_STATUS, formatter_class=Formatter)
+    demo = sub.add_parser("demo", help="run the embedded demo (small seeded Z-Image model, sample LoRAs)")
     demo.add_argument("--out", help="directory for the sample LoRA files (default: a temp directory, removed at "
                       "the end)")
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
     demo.set_defaults(func=_cmd_demo)
     _add_inspect(sub)
     _add_tools(sub)
+    with_exit_status(parser, sub)
     return parser
 
 

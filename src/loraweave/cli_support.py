@@ -39,12 +39,19 @@ QUIET_ENV = {"DIFFUSERS_VERBOSITY": "error", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 class Formatter(argparse.HelpFormatter):
-    """Wraps descriptions as usual but keeps a text with line breaks (the exit-status table) as written."""
+    """Wraps paragraphs as usual but keeps a paragraph with line breaks (the exit-status table) as written."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        if "\n" in text:
-            return "".join(indent + line for line in text.splitlines(keepends=True))
-        return super()._fill_text(text, width, indent)
+        return "\n\n".join("".join(indent + line for line in para.splitlines(keepends=True)) if "\n" in para
+                             else super(Formatter, self)._fill_text(para, width, indent) for para in text.split("\n\n"))
+
+
+def with_exit_status(parser: argparse.ArgumentParser, sub) -> None:
+    """Every command's --help (and the top one) ends with the exit-status table, whoever added the command."""
+    for p in (parser, *sub.choices.values()):
+        if EXIT_STATUS not in (p.epilog or ""):
+            p.epilog = f"{p.epilog}\n\n{EXIT_STATUS}" if p.epilog else EXIT_STATUS
+        p.formatter_class = Formatter
 
 
 class _Prefixed(logging.Formatter):
