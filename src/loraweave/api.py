@@ -17,6 +17,7 @@ from .applying import (
     plan_layers,
     resolve_set,
 )
+from .coverage import refuse_empty, warn_incomplete
 from .errors import StrictApplyError
 from .handle import Handle
 from .journal import Journal, model_lock
@@ -55,6 +56,7 @@ def apply(
     quantized: str = "auto",
     host_rank: int = 256,
     cache=None,
+    allow_empty: bool = False,
 ) -> Handle:
     """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
 
@@ -78,7 +80,11 @@ def apply(
     host_rank: rank cap of a hosted truncation (randomized SVD, seeded locally: the caller's RNG is untouched);
       0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
     cache: a `loraweave.mechanisms.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
-      on disk; a replay is bit-identical to a fresh compute."""
+      on disk; a replay is bit-identical to a fresh compute.
+
+    Coverage is loud: an adapter whose keys did not all land gets one WARNING line (landed/total, top miss kinds,
+    an example key). When not one key of an adapter lands, `NoKeysLandedError` (carrying the report) is raised and
+    nothing changes, unless `allow_empty=True`. `strict=True` raises `StrictApplyError` unless every key lands."""
     options = Options(mode, stack, density, quantized, host_rank, cache)
     options.check()
     if cache is not None and not hasattr(cache, "load"):
@@ -94,11 +100,13 @@ def apply(
         if strict and unmatched:
             report = make_report(p, mode, [], unmatched, t0)
             raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.kinds()})", report)
+        refuse_empty(make_report(p, mode, [], unmatched, t0), allow_empty)
         journal = Journal()
         with journal.transaction():
             applied = install(journal, p, wp, mode, options, progress)
         report = finish_report(p, mode, applied, unmatched, wp, t0)
         report.log()
+        warn_incomplete(report)
         handle = Handle(p, report, journal, settings, options)
         handle.start_selection()
     return handle

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
-
+from .adapter_list import as_specs, check_names
 from .errors import NonFiniteResultError
 from .formats.adapter import Adapter, load_adapter
 from .journal import Journal
@@ -26,6 +24,7 @@ from .plan.resolve import Plan, PlannedPart, resolve
 from .plan.stacking import adapter_names, combine_groups
 from .plan.target import as_components
 from .plan.weights import AdapterWeights, assign
+from .progress import PROGRESS_LAYERS, bar, on_terminal
 from .quant import broken
 from .report import AppliedModule, Report
 from .spec import AdapterSpec, finite_strength
@@ -74,15 +73,9 @@ class Options:
 
 
 def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
-    if isinstance(adapters, (str, os.PathLike, Adapter, Mapping, AdapterSpec)) or (
-        isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[1], (int, float))
-    ):
-        adapters = [adapters]
+    strength = finite_strength(strength)
     out = []
-    for item in adapters:
-        if isinstance(item, tuple):
-            item = AdapterSpec(item[0], item[1])
-        spec = item if isinstance(item, AdapterSpec) else AdapterSpec(item)
+    for spec in as_specs(adapters):
         te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
         out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights)))
     return out
@@ -91,6 +84,7 @@ def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]
 def _normalise_adapters(specs: list[tuple[AdapterSpec, AdapterWeights]], load=load_adapter) -> list[tuple[Adapter, AdapterWeights]]:
     out: list[tuple[Adapter, AdapterWeights]] = []
     seen: Counter = Counter()
+    check_names(specs)
     for spec, weights in specs:
         # A shallow copy per use: the caller's object is never renamed, and one Adapter may be passed twice.
         adapter = copy.copy(load(spec.source))
@@ -212,9 +206,9 @@ def install(journal: Journal, p: Plan, wp: WorkPlan, mode: str, options: Options
     """Grow inputs, then install every layer; the caller holds a journal transaction (all or nothing)."""
     for comp, path, width, key in growth(p):  # control adapters: the wider input exists before they land
         grow_input(p.components.modules[comp], path, width, key, record=journal.record)
-    show = progress if progress is not None else (len(wp.work) > 200 and sys.stderr.isatty())
+    show = progress if progress is not None else (len(wp.work) > PROGRESS_LAYERS and on_terminal())
     return [install_layer(journal, item, mode, wp, options)
-            for item in tqdm(wp.work, desc="loraweave", disable=not show, unit="layer")]
+            for item in bar(wp.work, desc="loraweave apply", unit="layer", enabled=show)]
 
 
 def finish_report(p: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], wp: WorkPlan,

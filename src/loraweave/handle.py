@@ -6,6 +6,7 @@ it and write it, under the model's lock."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 from .applying import Options
 from .journal import Journal, model_lock
@@ -59,7 +60,10 @@ class Handle:
         return {"quantized": self.options.quantized, "host_rank": self.options.host_rank, "cache": self.options.cache}
 
     def lock(self):
-        """The model's lock: held by every change this handle makes (other threads wait)."""
+        """The model's lock: held by every change this handle makes (other threads wait); a removed handle no
+        longer knows the model (it holds only its report), so it has none."""
+        if self._plan is None:
+            return nullcontext()
         return model_lock(self._plan.components.modules.values())
 
     def check_undoable(self, names: set[str] | None = None) -> None:
@@ -80,18 +84,27 @@ class Handle:
             self.journal.undo()
             self._detached.clear()
             self.active = False
+        self._release()
+
+    def _release(self) -> None:
+        """Drop the plan (factors, model), settings, caches and options: a removed handle holds only its report."""
+        if self._plan is not None:
+            self._removed_strengths = dict(self._plan.strengths)
+        self._plan, self._settings, self._resolve_cache, self._select = None, {}, None, None
+        self._detached = {}
+        self.options = Options(mode=self.options.mode)
 
     def set_strength(self, name: str, value: float, te: float | None = None) -> None:
         """Change one adapter's strength (and, with `te`, its text-encoder strength; else text encoders keep
         theirs when it was set apart, or follow). Runtime: a scale update only. Merge: rewritten from the backup.
         Block weights stay."""
         with self.lock():
-            if name not in self._plan.strengths:
-                raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
             if not self.active:
                 raise RuntimeError("handle was removed")
-            value = finite_strength(float(value))
-            te = None if te is None else finite_strength(float(te))
+            if name not in self._plan.strengths:
+                raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
+            value = finite_strength(value)  # no float() first: "0.5" and True are refused, as AdapterSpec does
+            te = None if te is None else finite_strength(te)
             self.check_undoable({name})
             before = (self._settings[name].strength, self._settings[name].te_strength)
             try:
@@ -204,7 +217,7 @@ class Handle:
 
     @property
     def strengths(self) -> dict[str, float]:
-        return dict(self._plan.strengths)
+        return dict(self._plan.strengths) if self._plan is not None else dict(self._removed_strengths)
 
     def __enter__(self) -> Handle:
         return self

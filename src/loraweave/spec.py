@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from .arguments import strength as check_strength
 
 
 @dataclass
@@ -26,8 +27,7 @@ class AdapterSpec:
         for label, value in (("strength", self.strength), ("te_strength", self.te_strength)):
             if value is None and label == "te_strength":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"AdapterSpec {label} must be a finite number, got {value!r}")
+            check_strength(value, f"AdapterSpec {label}")
 
     @property
     def text_encoder_strength(self) -> float:
@@ -36,6 +36,5 @@ class AdapterSpec:
 
 
 def finite_strength(value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"strength must be a finite number, got {value}")
-    return value
+    """A strength by AdapterSpec's rule (finite, |s| <= 1e4, not a string or bool); ArgumentError otherwise."""
+    return check_strength(value)
