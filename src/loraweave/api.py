@@ -22,10 +22,10 @@ from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
 from .plan.resolve import Plan, PlannedPart, resolve
 from .plan.stacking import adapter_names, combine_groups
-from .plan.target import as_components
+from .plan.target import as_components, experts
 from .plan.weights import AdapterWeights, assign
 from .quant import broken
-from .report import AppliedModule, Report
+from .report import AppliedModule, Report, failures
 from .spec import AdapterSpec
 from .stack.combine import SELECT_MODES, validate_stack
 
@@ -46,7 +46,8 @@ def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]
             item = AdapterSpec(item[0], item[1])
         spec = item if isinstance(item, AdapterSpec) else AdapterSpec(item)
         te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
-        out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights)))
+        out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights,
+                                         spec.component_strengths)))
     return out
 
 
@@ -69,10 +70,12 @@ def _resolve(target, adapters, strength: float, cache=None) -> tuple[Plan, dict[
     """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen before."""
     specs = _specs(adapters, strength)
     items = _normalise_adapters(specs, cache.load if cache is not None else load_adapter)
+    components = cache.components if cache is not None else as_components(target)
+    fan = experts(components, {a.name: w for a, w in items})
     if cache is not None:
-        p = cache.resolve([(a, w.strength) for a, w in items], [s.source for s, _ in specs])
+        p = cache.resolve([(a, w.strength) for a, w in items], [s.source for s, _ in specs], fan)
     else:
-        p = resolve(as_components(target), [(a, w.strength) for a, w in items])
+        p = resolve(components, [(a, w.strength) for a, w in items], experts=fan)
     settings = {a.name: w for a, w in items}
     assign(p, settings)
     return p, settings
@@ -91,7 +94,7 @@ def _adapter_summaries(plan: Plan) -> list[dict]:
                 "alpha_sources": dict(Counter(pp.alpha_source for pp in planned)),
                 "strength": plan.strengths[adapter.name],
                 "keys_total": adapter.keys_total,
-                "keys_applied": sum(len(pp.part.keys) for pp in planned),
+                "keys_applied": sum(len(part.keys) for part in {id(pp.part): pp.part for pp in planned}.values()),
             }
         )
     return out
@@ -200,9 +203,9 @@ def apply(
     groups = combine_groups(_group_by_module(p.planned), p.components.modules, stack, density)
     wp = plan_work(p, groups, mode, unmatched, QuantSettings(quantized, host_rank, cache))
     work, prepared, routes = wp.work, wp.prepared, wp.routes
-    if strict and unmatched:
+    if strict and failures(unmatched):
         report = _make_report(p, mode, [], unmatched, t0)
-        raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.reasons()})", report)
+        raise StrictApplyError(f"strict: {len(failures(unmatched))} keys did not land ({report.reasons()})", report)
     merged: list[MergedModule] = []
     runtime: list[RuntimePath] = []
     quant: list[QuantWrite] = []

@@ -10,7 +10,7 @@ from .flux2 import FLUX2
 from .hunyuan_video import HUNYUAN_VIDEO
 from .krea2 import KREA2
 from .sd3 import SD3
-from .spec import ArchTable, Piece, expand_alias, out_rows
+from .spec import ArchTable, Piece, expand_alias, expand_variant_only, out_rows
 from .wan import WAN
 from .zimage import ZIMAGE
 
@@ -53,6 +53,15 @@ def _original_names(
             rows = out_rows(modules[path]) if path in modules else None
             if rows is not None:
                 out[original] = (Piece(path, 0, 0, rows, True),)
+    return out
+
+
+def _variant_only(cls: str, every: dict[str, torch.nn.Module], exact: dict) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for table in ARCH_TABLES:
+        if cls in table.classes:
+            for entry in table.variant_only:
+                out.update({k: v for k, v in expand_variant_only(entry, every).items() if k not in exact})
     return out
 
 
@@ -127,6 +136,8 @@ class AliasTable:
                 for k, v in live if k.startswith(live_prefix) and file_prefix + k[len(live_prefix):] not in self.exact
             })
         self._positional: dict[tuple[str, ...], list[str]] = {}
+        self.absent = _variant_only(cls, every, self.exact)
+        self.absent.update({underscore_form(k): v for k, v in list(self.absent.items())})
         self.underscored: dict[str, tuple[Piece, ...] | str] = {}
         for name, pieces in self.exact.items():
             key = underscore_form(name)
@@ -135,6 +146,10 @@ class AliasTable:
                 self.underscored[key] = AMBIGUOUS
             else:
                 self.underscored[key] = pieces
+
+    def expected_absent(self, path: str) -> str | None:
+        """Why `path` names a module only a sibling variant of this architecture has; None when it does not."""
+        return self.absent.get(path) or self.absent.get(underscore_form(path))
 
     def positional(self, ancestor_classes: tuple[str, ...]) -> list[str]:
         """Linear layers in cloneofsimo's enumeration order: each ancestor of the named classes, then its Linears."""

@@ -34,6 +34,18 @@ class Alias:
 
 
 @dataclass(frozen=True)
+class VariantOnly:
+    """Module names that exist only in some variants of an architecture (Wan 2.1 I2V's image cross-attention).
+
+    On a variant without them, keys for `names` are reported as expected absent, not as unknown modules. `anchor`
+    is a module every variant has; its `{i}` values are the blocks the names are registered for."""
+
+    names: tuple[str, ...]  # patterns with `{i}`, original and diffusers spellings
+    anchor: str
+    why: str
+
+
+@dataclass(frozen=True)
 class Piece:
     """Source rows [src_start, src_start+length) of a delta go to rows [dst_start, ...) of `module`."""
 
@@ -58,6 +70,8 @@ class ArchTable:
     # Inputs a control adapter may grow (BFL Canny/Depth: `img_in` 64 -> 128 columns): (module, config key that
     # records the input width). The module gets zero columns for the new channels before the adapter lands.
     growable_inputs: tuple[tuple[str, str], ...] = ()
+    # Modules only sibling variants have: their keys are expected absent on this one.
+    variant_only: tuple[VariantOnly, ...] = ()
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
@@ -123,3 +137,10 @@ def expand_alias(alias: Alias, modules: dict[str, torch.nn.Module]) -> dict[str,
         if pieces:
             out[alias.source.replace("{i}", i) if i is not None else alias.source] = tuple(pieces)
     return out
+
+
+def expand_variant_only(entry: VariantOnly, modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """{name: why} for every name of `entry` at every block the live anchor has."""
+    anchor = _pattern_regex(entry.anchor)
+    indices = {m["i"] if "i" in anchor.groupindex else None for name in modules if (m := anchor.match(name))}
+    return {n.replace("{i}", i) if i is not None else n: entry.why for i in indices for n in entry.names}

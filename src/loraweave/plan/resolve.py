@@ -14,11 +14,18 @@ from ..families import FAMILIES
 from ..families.base import PartRejected, takes_keyword
 from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
-from ..formats.keys import CLONEOFSIMO_STEM_RE
+from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
 from .target import Components
 
 # Families a part may carry besides its own: DoRA wraps one inner family; `rescale` is filed under OFT.
 ALLOWED_EXTRAS = {"dora": {"lora", "loha", "lokr"}, "boft": {"oft"}}
+EXPECTED_ABSENT = "expected_absent"  # miss kind: the key targets a module only a sibling variant has
+
+
+class ExpectedAbsent(PartRejected):
+    """The part names a module that only a sibling variant of this architecture has (not a failure)."""
+
+
 NOT_PORTABLE = {"tlora": "its base comes from an SVD initialisation that is never saved"}
 
 
@@ -101,6 +108,9 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path)
     where = f"{comp_name}.{part.path}"
     if found is None:
+        why = table.expected_absent(part.path)
+        if why is not None:
+            raise ExpectedAbsent(f"expected absent: {where} ({why})")
         raise PartRejected(f"no such module: {where}")
     if found == AMBIGUOUS:
         raise PartRejected(f"ambiguous module name: {where} matches several modules once '.' is written '_'")
@@ -176,37 +186,53 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     return PlannedPart(adapter, part, comp_name, found, factors, scale, source, strength, notes, grow)
 
 
+def _plan_with_fallback(adapter: Adapter, part: AdapterPart, comp_name: str, components: Components,
+                        tables: dict[str, AliasTable], strength: float) -> PlannedPart:
+    try:
+        return _plan_part(adapter, part, comp_name, tables[comp_name], strength)
+    except PartRejected as first:
+        # A bare key names no component: try the others before giving up.
+        others = [n for n in components.modules if n != comp_name] if not part.explicit_component else []
+        for other in others:
+            try:
+                return _plan_part(adapter, part, other, tables[other], strength)
+            except PartRejected:
+                continue
+        raise first from None
+
+
+def _miss(adapter: Adapter, key: str, rejected: PartRejected) -> dict:
+    entry = {"adapter": adapter.name, "key": key, "reason": str(rejected)}
+    if isinstance(rejected, ExpectedAbsent):
+        entry["kind"] = EXPECTED_ABSENT
+    return entry
+
+
 def resolve(components: Components, adapters: list[tuple[Adapter, float]],
-            tables: dict[str, AliasTable] | None = None) -> Plan:
-    """Plan every part of every adapter; `tables` reuses alias tables built for these components before."""
+            tables: dict[str, AliasTable] | None = None,
+            experts: dict[str, tuple[str, ...]] | None = None) -> Plan:
+    """Plan every part of every adapter; `tables` reuses alias tables built for these components before.
+
+    `experts`: adapter name -> the denoiser components its denoiser keys land on, each (Wan 2.2's `transformer`
+    and `transformer_2` take one file); default: the pipeline's denoiser only."""
     plan = Plan(components, [a for a, _ in adapters], {a.name: s for a, s in adapters})
     tables = tables if tables is not None else {name: AliasTable(module) for name, module in components}
     for adapter, strength in adapters:
         for item in adapter.unparsed:
             plan.unmatched.append({"adapter": adapter.name, "key": item["key"], "reason": f"not parsed: {item['reason']}"})
+        fan = (experts or {}).get(adapter.name)
         for part in adapter.parts:
-            comp_name = components.resolve_name(part.component)
-            try:
-                if comp_name is None:
-                    raise PartRejected(
-                        f"no such component: {part.component} (target has {', '.join(components.modules)})"
-                    )
+            names = fan if fan and part.component == DENOISER else (components.resolve_name(part.component),)
+            for comp_name in names:
                 try:
-                    planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
-                except PartRejected as first:
-                    # A bare key names no component: try the others before giving up.
-                    others = [n for n in components.modules if n != comp_name] if not part.explicit_component else []
-                    planned = None
-                    for other in others:
-                        try:
-                            planned = _plan_part(adapter, part, other, tables[other], strength)
-                            break
-                        except PartRejected:
-                            continue
-                    if planned is None:
-                        raise first from None
-                plan.planned.append(planned)
-            except PartRejected as rejected:
-                for key in part.keys:
-                    plan.unmatched.append({"adapter": adapter.name, "key": key, "reason": str(rejected)})
+                    if comp_name is None:
+                        raise PartRejected(
+                            f"no such component: {part.component} (target has {', '.join(components.modules)})"
+                        )
+                    if fan and part.component == DENOISER:  # each expert gets the part, none is a fallback
+                        plan.planned.append(_plan_part(adapter, part, comp_name, tables[comp_name], strength))
+                    else:
+                        plan.planned.append(_plan_with_fallback(adapter, part, comp_name, components, tables, strength))
+                except PartRejected as rejected:
+                    plan.unmatched += [_miss(adapter, key, rejected) for key in part.keys]
     return plan
