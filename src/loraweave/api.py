@@ -18,6 +18,7 @@ from .handle import Handle, finite_strength
 from .mechanisms.choose import QUANTIZED, QuantSettings, plan_work
 from .mechanisms.grow import GrownInput, grow_input
 from .mechanisms.merge import Contribution, MergedModule, merge_module
+from .mechanisms.params import apply_params
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
 from .plan.resolve import Plan, PlannedPart, resolve
@@ -84,7 +85,7 @@ def _resolve(target, adapters, strength: float, cache=None) -> tuple[Plan, dict[
 def _adapter_summaries(plan: Plan) -> list[dict]:
     out = []
     for adapter in plan.adapters:
-        planned = [pp for pp in plan.planned if pp.adapter is adapter]
+        planned = [pp for pp in (*plan.planned, *plan.params) if pp.adapter is adapter]
         out.append(
             {
                 "name": adapter.name,
@@ -127,6 +128,7 @@ def plan(target, adapters: Iterable[AdapterSource] | AdapterSource, strength: fl
                       notes=sorted({n for pp, _ in contribs for n in pp.notes}))
         for (comp, path), contribs in _group_by_module(p.planned).items()
     ]
+    applied += [AppliedModule(pp.component, pp.path, "planned", [pp.adapter.name], notes=list(pp.notes)) for pp in p.params]
     report = _make_report(p, "plan", applied, list(p.unmatched), t0)
     report.log()
     return report
@@ -240,6 +242,7 @@ def apply(
                 entry.retention, entry.capture, entry.rank = write.retention, write.capture, write.rank
                 entry.cache_hit, write.entry = write.cache_hit, entry
             applied.append(entry)
+        applied += [AppliedModule(**row) for row in apply_params(p.params, p.components.modules, mode, merged, runtime)]
     except BaseException:
         for rp in runtime:
             rp.detach()

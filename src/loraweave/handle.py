@@ -74,7 +74,7 @@ class Handle:
         self._settings[name].strength = value
         if te is not None:
             self._settings[name].te_strength = finite_strength(float(te))
-        for pp in self._plan.planned:
+        for pp in (*self._plan.planned, *self._plan.params):
             if pp.adapter.name == name:
                 pp.strength = part_strength(pp, self._settings[name])
         for path in self._runtime:

@@ -117,8 +117,10 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
 
         handle._resolve_cache = ResolveCache(components)
     p, settings = api._resolve(components, adapters, strength, cache=handle._resolve_cache)
-    if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p):
-        # Grown inputs change the model itself and quantized writes own their layers' storage: start over.
+    if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p) \
+            or handle._plan.params or p.params:
+        # Grown inputs change the model itself, quantized writes own their layers' storage, and parameter
+        # patches are not per-layer records: start over.
         handle.remove()
         fresh = api.apply(components, adapters, mode=mode, strength=strength, stack=stack, density=density,
                           **handle.quant_options)

@@ -10,7 +10,7 @@ from .flux2 import FLUX2
 from .hunyuan_video import HUNYUAN_VIDEO
 from .krea2 import KREA2
 from .sd3 import SD3
-from .spec import ArchTable, Piece, expand_alias, expand_variant_only, out_rows
+from .spec import ArchTable, Piece, expand_alias, expand_param_alias, expand_variant_only, out_rows
 from .wan import WAN
 from .zimage import ZIMAGE
 
@@ -53,6 +53,18 @@ def _original_names(
             rows = out_rows(modules[path]) if path in modules else None
             if rows is not None:
                 out[original] = (Piece(path, 0, 0, rows, True),)
+    return out
+
+
+def _bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[str, tuple[str, bool]]:
+    """Parameters that are not a module's weight/bias (modulation tables), by live and original name."""
+    live = {name: p for name, p in module.named_parameters()
+            if name.rpartition(".")[0] not in modules or name.rpartition(".")[2] not in ("weight", "bias")}
+    out: dict[str, tuple[str, bool]] = {name: (name, False) for name in live}
+    for table in ARCH_TABLES:
+        if cls in table.classes:
+            for alias in table.parameters:
+                out.update(expand_param_alias(alias, live))
     return out
 
 
@@ -136,6 +148,8 @@ class AliasTable:
                 for k, v in live if k.startswith(live_prefix) and file_prefix + k[len(live_prefix):] not in self.exact
             })
         self._positional: dict[tuple[str, ...], list[str]] = {}
+        self.params = _bare_parameters(module, cls, self.modules)
+        self.params.update({underscore_form(k): v for k, v in list(self.params.items()) if underscore_form(k) not in self.params})
         self.absent = _variant_only(cls, every, self.exact)
         self.absent.update({underscore_form(k): v for k, v in list(self.absent.items())})
         self.underscored: dict[str, tuple[Piece, ...] | str] = {}
@@ -146,6 +160,12 @@ class AliasTable:
                 self.underscored[key] = AMBIGUOUS
             else:
                 self.underscored[key] = pieces
+
+    def param(self, path: str) -> tuple[str, bool] | None:
+        """(live parameter path, reshape) for a bare parameter named `path` in any spelling; None when none."""
+        if path in self.exact:
+            return None
+        return self.params.get(path) or self.params.get(underscore_form(path))
 
     def expected_absent(self, path: str) -> str | None:
         """Why `path` names a module only a sibling variant of this architecture has; None when it does not."""

@@ -46,6 +46,18 @@ class VariantOnly:
 
 
 @dataclass(frozen=True)
+class ParamAlias:
+    """An original name of a bare parameter (not a module weight) -> the live parameter `target` (`module.name`).
+
+    reshape: the original stores it with another shape of the same size, row-major (Krea2 flattens its (6, h)
+    modulation table), so a delta is reshaped to the live shape."""
+
+    source: str
+    target: str
+    reshape: bool = False
+
+
+@dataclass(frozen=True)
 class Piece:
     """Source rows [src_start, src_start+length) of a delta go to rows [dst_start, ...) of `module`."""
 
@@ -72,6 +84,8 @@ class ArchTable:
     growable_inputs: tuple[tuple[str, str], ...] = ()
     # Modules only sibling variants have: their keys are expected absent on this one.
     variant_only: tuple[VariantOnly, ...] = ()
+    # Original names of bare parameters (modulation tables): full-difference keys can patch them.
+    parameters: tuple[ParamAlias, ...] = ()
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
@@ -144,3 +158,15 @@ def expand_variant_only(entry: VariantOnly, modules: dict[str, torch.nn.Module])
     anchor = _pattern_regex(entry.anchor)
     indices = {m["i"] if "i" in anchor.groupindex else None for name in modules if (m := anchor.match(name))}
     return {n.replace("{i}", i) if i is not None else n: entry.why for i in indices for n in entry.names}
+
+
+def expand_param_alias(alias: ParamAlias, params: dict[str, torch.Tensor]) -> dict[str, tuple[str, bool]]:
+    """{original name: (live parameter path, reshape)} for every block the live model has."""
+    target = _pattern_regex(alias.target)
+    out = {}
+    for name in params:
+        m = target.match(name)
+        if m:
+            i = m["i"] if "i" in target.groupindex else None
+            out[alias.source.replace("{i}", i) if i is not None else alias.source] = (name, alias.reshape)
+    return out

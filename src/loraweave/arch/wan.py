@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .spec import Alias, ArchTable, VariantOnly
+from .spec import Alias, ArchTable, ParamAlias, VariantOnly
 
 _B = "blocks.{i}"
 
@@ -36,6 +36,11 @@ WAN = ArchTable(
         Alias("img_emb.proj.3", ("condition_embedder.image_embedder.ff.net.2",)),
         Alias("img_emb.proj.4", ("condition_embedder.image_embedder.norm2",)),
         Alias("head.head", ("proj_out",)),
+    ),
+    # convert_wan_transformer_to_diffusers: `modulation` -> `scale_shift_table`, same (1, 6|2, dim) layout.
+    parameters=(
+        ParamAlias(f"{_B}.modulation", f"{_B}.scale_shift_table"),
+        ParamAlias("head.modulation", "scale_shift_table"),
     ),
     variant_only=(
         VariantOnly(

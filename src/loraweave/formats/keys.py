@@ -49,6 +49,7 @@ _SUFFIXES: tuple[tuple[str, str, str | None, str | None], ...] = (
     (r"\.scale", "lora", "scale", None),
     (r"\.diff", "full", "diff", None),
     (r"\.diff_b", "full", "diff_b", None),
+    (r"\.diff_m", "full", "diff_m", None),  # lightx2v Wan: delta of the module's `modulation` parameter
     (r"\.dora_scale", "dora", "dora_scale", None),
     (r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?", "dora", "dora_scale", "peft"),
     (r"\.hada_(?:w[12]_[ab]|t[12])", "loha", None, None),

@@ -64,5 +64,7 @@ class ResolveCache:
                 dataclasses.replace(pp, adapter=adapter, strength=strength, notes=list(pp.notes), grow=dict(pp.grow))
                 for pp in sub.planned
             ]
+            plan.params += [dataclasses.replace(pp, adapter=adapter, strength=strength, notes=list(pp.notes))
+                            for pp in sub.params]
             plan.unmatched += [dict(u, adapter=adapter.name) for u in sub.unmatched]
         return plan

@@ -15,6 +15,7 @@ from ..families.base import PartRejected, takes_keyword
 from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
+from .params import PlannedParam, param_target, plan_param
 from .target import Components
 
 # Families a part may carry besides its own: DoRA wraps one inner family; `rescale` is filed under OFT.
@@ -51,6 +52,7 @@ class Plan:
     strengths: dict[str, float]
     planned: list[PlannedPart] = field(default_factory=list)
     unmatched: list[dict] = field(default_factory=list)  # {adapter, key, reason}
+    params: list[PlannedParam] = field(default_factory=list)  # patches of bare parameters (plan/params.py)
 
 
 def _scalar(tensor: torch.Tensor, key: str) -> float | None:
@@ -103,7 +105,11 @@ def _growth(family, factors, shape: tuple[int, ...], width: int | None, module: 
     return width if family.check_target(factors, (shape[0], width)) is None else None
 
 
-def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float) -> PlannedPart:
+def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable,
+               strength: float) -> PlannedPart | PlannedParam:
+    param = param_target(part, table)
+    if param is not None:
+        return plan_param(adapter, part, comp_name, table, param, strength)
     family = FAMILIES.get(part.family)
     found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path)
     where = f"{comp_name}.{part.path}"
@@ -187,7 +193,7 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
 
 
 def _plan_with_fallback(adapter: Adapter, part: AdapterPart, comp_name: str, components: Components,
-                        tables: dict[str, AliasTable], strength: float) -> PlannedPart:
+                        tables: dict[str, AliasTable], strength: float) -> PlannedPart | PlannedParam:
     try:
         return _plan_part(adapter, part, comp_name, tables[comp_name], strength)
     except PartRejected as first:
@@ -230,9 +236,10 @@ def resolve(components: Components, adapters: list[tuple[Adapter, float]],
                             f"no such component: {part.component} (target has {', '.join(components.modules)})"
                         )
                     if fan and part.component == DENOISER:  # each expert gets the part, none is a fallback
-                        plan.planned.append(_plan_part(adapter, part, comp_name, tables[comp_name], strength))
+                        planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
                     else:
-                        plan.planned.append(_plan_with_fallback(adapter, part, comp_name, components, tables, strength))
+                        planned = _plan_with_fallback(adapter, part, comp_name, components, tables, strength)
+                    (plan.params if isinstance(planned, PlannedParam) else plan.planned).append(planned)
                 except PartRejected as rejected:
                     plan.unmatched += [_miss(adapter, key, rejected) for key in part.keys]
     return plan

@@ -35,7 +35,7 @@ def assign(plan: Plan, settings: dict[str, AdapterWeights]) -> None:
 
     A block-weight value that fits nothing raises ValueError listing what would fit."""
     tables: dict[tuple[str, str], dict[str, float | None]] = {}
-    for pp in plan.planned:
+    for pp in (*plan.planned, *plan.params):
         w = settings[pp.adapter.name]
         pp.block_weight = 1.0
         if w.block_weights is not None:
