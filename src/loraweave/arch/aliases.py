@@ -9,12 +9,21 @@ from .flux import CHROMA, FLUX
 from .flux2 import FLUX2
 from .hunyuan_video import HUNYUAN_VIDEO
 from .krea2 import KREA2
+from .ltx import LTX2, LTX2_CONNECTORS
 from .sd3 import SD3
-from .spec import ArchTable, Piece, expand_alias, expand_param_alias, expand_variant_only, out_rows
+from .spec import (
+    ArchTable,
+    Piece,
+    apply_renames,
+    expand_alias,
+    expand_param_alias,
+    expand_variant_only,
+    out_rows,
+)
 from .wan import WAN
 from .zimage import ZIMAGE
 
-ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2)
+ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2, LTX2, LTX2_CONNECTORS)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
@@ -148,6 +157,8 @@ class AliasTable:
                 for k, v in live if k.startswith(live_prefix) and file_prefix + k[len(live_prefix):] not in self.exact
             })
         self._positional: dict[tuple[str, ...], list[str]] = {}
+        tables = [t for t in ARCH_TABLES if cls in t.classes and (t.renames or t.prefix_renames)]
+        self.renames = (tuple(r for t in tables for r in t.renames), tuple(r for t in tables for r in t.prefix_renames))
         self.params = _bare_parameters(module, cls, self.modules)
         self.params.update({underscore_form(k): v for k, v in list(self.params.items()) if underscore_form(k) not in self.params})
         self.absent = _variant_only(cls, every, self.exact)
@@ -165,7 +176,10 @@ class AliasTable:
         """(live parameter path, reshape) for a bare parameter named `path` in any spelling; None when none."""
         if path in self.exact:
             return None
-        return self.params.get(path) or self.params.get(underscore_form(path))
+        found = self.params.get(path) or self.params.get(underscore_form(path))
+        if found is None and any(self.renames):
+            found = self.params.get(apply_renames(path, *self.renames))
+        return found
 
     def expected_absent(self, path: str) -> str | None:
         """Why `path` names a module only a sibling variant of this architecture has; None when it does not."""
@@ -187,4 +201,10 @@ class AliasTable:
         """Pieces for `path`, AMBIGUOUS when underscores cannot tell two modules apart, None when absent."""
         if path in self.exact:
             return self.exact[path]
-        return self.underscored.get(underscore_form(path))
+        found = self.underscored.get(underscore_form(path))
+        if found is None and any(self.renames):  # original names that differ by the converter's renames
+            renamed = apply_renames(path, *self.renames)
+            found = self.exact.get(renamed) or self.underscored.get(underscore_form(renamed))
+            if found is None:
+                found = self.underscored.get(apply_renames(underscore_form(path), *self.renames, sep="_"))
+        return found

@@ -86,6 +86,10 @@ class ArchTable:
     variant_only: tuple[VariantOnly, ...] = ()
     # Original names of bare parameters (modulation tables): full-difference keys can patch them.
     parameters: tuple[ParamAlias, ...] = ()
+    # Original names that differ from the live ones by the converter's substring renames, in its order:
+    # (original substring, live substring), and renames applied only at the start of a name.
+    renames: tuple[tuple[str, str], ...] = ()
+    prefix_renames: tuple[tuple[str, str], ...] = ()
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
@@ -170,3 +174,15 @@ def expand_param_alias(alias: ParamAlias, params: dict[str, torch.Tensor]) -> di
             i = m["i"] if "i" in target.groupindex else None
             out[alias.source.replace("{i}", i) if i is not None else alias.source] = (name, alias.reshape)
     return out
+
+
+def apply_renames(path: str, renames: tuple[tuple[str, str], ...], prefix_renames: tuple[tuple[str, str], ...],
+                  sep: str = ".") -> str:
+    """An original module path -> the live one by a converter's rename rules (sep "_": kohya-flattened paths)."""
+    for old, new in renames:
+        path = path.replace(old.replace(".", sep), new.replace(".", sep))
+    for old, new in prefix_renames:
+        old, new = old.replace(".", sep), new.replace(".", sep)
+        if path.startswith(old):
+            return new + path[len(old):]
+    return path
