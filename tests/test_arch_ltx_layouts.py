@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 from helpers import rel_err
+from tiny_models import tiny_flux
 
 import loraweave
 from loraweave.arch import aliases as arch_aliases
@@ -164,3 +165,166 @@ def test_ltx2_connectors_original_prefix():
     assert set(targets.values()) == set(modules)
     report = loraweave.plan({"transformer": _ltx2(True, num_layers=1), "connectors": connectors}, sd)
     assert report.unmatched == [] and {m.component for m in report.applied} == {"connectors"}
+
+
+FLUX_BFL = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"), "img_attn.proj": ("attn.to_out.0",),
+            "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "txt_attn.proj": ("attn.to_add_out",)}
+
+
+def xlabs_file(model, seed: int = 5) -> dict[str, torch.Tensor]:
+    """XLabs' processor LoRA: per double block qkv/proj for lora1 and lora2, per single block qkv."""
+    g = torch.Generator().manual_seed(seed)
+    mods = dict(model.named_modules())
+    sd = {}
+    for i in range(len(model.transformer_blocks)):
+        for name, n in (("qkv_lora1", "to_q"), ("qkv_lora2", "add_q_proj"), ("proj_lora1", "to_out.0"), ("proj_lora2", "to_add_out")):
+            m = mods[f"transformer_blocks.{i}.attn.{n}"]
+            rows = 3 * m.out_features if name.startswith("qkv") else m.out_features
+            sd[f"double_blocks.{i}.processor.{name}.down.weight"] = torch.randn(2, m.in_features, generator=g)
+            sd[f"double_blocks.{i}.processor.{name}.up.weight"] = torch.randn(rows, 2, generator=g) * 0.1
+    for i in range(len(model.single_transformer_blocks)):
+        m = mods[f"single_transformer_blocks.{i}.attn.to_q"]
+        sd[f"single_blocks.{i}.processor.qkv_lora.down.weight"] = torch.randn(2, m.in_features, generator=g)
+        sd[f"single_blocks.{i}.processor.qkv_lora.up.weight"] = torch.randn(3 * m.out_features, 2, generator=g) * 0.1
+    return sd
+
+
+def test_xlabs_flux_matches_diffusers_and_peft():
+    from diffusers.loaders.lora_conversion_utils import _convert_xlabs_flux_lora_to_diffusers
+
+    model = tiny_flux()
+    sd = xlabs_file(model)
+    report = loraweave.plan(model, sd)
+    assert report.unmatched == [] and report.adapters[0]["layout"] == "xlabs"
+    assert_matches_peft(model, sd, _convert_xlabs_flux_lora_to_diffusers(dict(sd)))
+    with_prefix = {f"diffusion_model.{k}": v for k, v in sd.items()}
+    assert loraweave.plan(model, with_prefix).keys_applied == len(sd)
+
+
+def test_xlabs_lora1_is_the_image_stream():
+    """Negative control: lora1 on the text stream (swapped) gives other outputs than diffusers' converter."""
+    from diffusers.loaders.lora_conversion_utils import _convert_xlabs_flux_lora_to_diffusers
+
+    model = tiny_flux()
+    sd = xlabs_file(model)
+    swapped = {k.replace("lora1", "lora#").replace("lora2", "lora1").replace("lora#", "lora2"): v for k, v in sd.items()}
+    with pytest.raises(AssertionError):
+        assert_matches_peft(model, swapped, _convert_xlabs_flux_lora_to_diffusers(dict(sd)))
+
+
+def bfl_flux_file(model, prefix: str, seed: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mods = dict(model.named_modules())
+    sd = {}
+    for i in range(len(model.transformer_blocks)):
+        for bfl, parts in FLUX_BFL.items():
+            m = mods[f"transformer_blocks.{i}.{parts[0]}"]
+            sd[f"{prefix}double_blocks.{i}.{bfl}.lora_A.weight"] = torch.randn(2, m.in_features, generator=g)
+            sd[f"{prefix}double_blocks.{i}.{bfl}.lora_B.weight"] = torch.randn(len(parts) * m.out_features, 2, generator=g) * 0.1
+        for bfl, live in (("img_mod.lin", "norm1.linear"), ("txt_mod.lin", "norm1_context.linear"), ("img_mlp.0", "ff.net.0.proj"),
+                          ("img_mlp.2", "ff.net.2"), ("txt_mlp.0", "ff_context.net.0.proj"), ("txt_mlp.2", "ff_context.net.2")):
+            m = mods[f"transformer_blocks.{i}.{live}"]
+            sd[f"{prefix}double_blocks.{i}.{bfl}.lora_A.weight"] = torch.randn(2, m.in_features, generator=g)
+            sd[f"{prefix}double_blocks.{i}.{bfl}.lora_B.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.1
+    for i in range(len(model.single_transformer_blocks)):
+        b = f"single_transformer_blocks.{i}"
+        h, mlp = mods[f"{b}.attn.to_q"].out_features, mods[f"{b}.proj_mlp"].out_features
+        for bfl, rows, inp in (("linear1", 3 * h + mlp, h), ("linear2", h, mods[f"{b}.proj_out"].in_features), ("modulation.lin", 3 * h, h)):
+            sd[f"{prefix}single_blocks.{i}.{bfl}.lora_A.weight"] = torch.randn(2, inp, generator=g)
+            sd[f"{prefix}single_blocks.{i}.{bfl}.lora_B.weight"] = torch.randn(rows, 2, generator=g) * 0.1
+    sd[f"{prefix}final_layer.linear.lora_A.weight"] = torch.randn(2, model.proj_out.in_features, generator=g)
+    sd[f"{prefix}final_layer.linear.lora_B.weight"] = torch.randn(model.proj_out.out_features, 2, generator=g) * 0.1
+    return sd
+
+
+def test_fal_kontext_matches_diffusers_and_peft(monkeypatch):
+    """fal's Kontext trainer: `base_model.model.` + BFL names. diffusers' converter hard-codes 19/38 blocks of width
+    3072, so the tiny model is checked through it with the block counts and widths it expects patched out."""
+    from diffusers.loaders import lora_conversion_utils as lcu
+
+    model = tiny_flux()
+    sd = bfl_flux_file(model, "base_model.model.")
+    report = loraweave.plan(model, sd)
+    assert report.unmatched == [] and report.keys_applied == len(sd)
+    converted = _fal_convert(lcu, model, sd)
+    assert_matches_peft(model, sd, converted)
+
+
+def _fal_convert(lcu, model, sd):
+    """Run diffusers' fal Kontext converter on a tiny Flux: its constants (19, 38, 3072) are the only change."""
+    import inspect
+
+    source = inspect.getsource(lcu._convert_fal_kontext_lora_to_diffusers)
+    h = model.config.num_attention_heads * model.config.attention_head_dim
+    for old, new in (("num_layers = 19", len(model.transformer_blocks)), ("inner_dim = 3072", h),
+                     ("num_single_layers = 38", len(model.single_transformer_blocks))):
+        assert old in source
+        source = source.replace(old, f"{old.split(' = ')[0]} = {new}")
+    namespace = dict(vars(lcu))
+    exec(source, namespace)  # noqa: S102 - the library's own function with the tiny model's sizes
+    return namespace["_convert_fal_kontext_lora_to_diffusers"](dict(sd))
+
+
+@pytest.mark.parametrize("form", ["default", "default_0", "comfy"])
+def test_peft_adapter_names(form):
+    """DiffSynth / PEFT adapter names (`lora_A.default.weight`, `lora_A.default_0.weight`) and ComfyUI's
+    `<module>.weight.lora_B.default.weight` land where the plain PEFT names land, with the same numbers."""
+    model = tiny_flux()
+    plain = lora_file(linears(model), lambda n: f"transformer.{n}")
+    if form == "comfy":
+        sd = {k.replace(".lora_A.weight", ".weight.lora_A.default.weight").replace(".lora_B.weight", ".weight.lora_B.default.weight"): v
+              for k, v in plain.items()}
+    else:
+        sd = {k.replace(".weight", f".{form}.weight"): v for k, v in plain.items()}
+    assert_matches_peft(model, sd, plain)
+
+
+WAN_ORIGINAL = {"attn1": "self_attn", "attn2": "cross_attn", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o",
+                "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+
+
+def wan_original(live: str) -> str:
+    for new, old in WAN_ORIGINAL.items():
+        live = live.replace(new, old)
+    return live
+
+
+def _wan_block_linears(model):
+    return {n: m for n, m in linears(model).items() if n.startswith("blocks.")}
+
+
+def test_musubi_wan_matches_diffusers_and_peft():
+    """musubi-tuner: kohya-flattened Wan names with alpha (here alpha/rank = 0.5, which the converter folds)."""
+    from diffusers.loaders.lora_conversion_utils import _convert_musubi_wan_lora_to_diffusers
+    from test_arch_oracle import tiny_wan
+
+    model = tiny_wan(False)
+    sd = {}
+    for k, v in lora_file(_wan_block_linears(model), lambda n: "lora_unet_" + wan_original(n).replace(".", "_")).items():
+        sd[k.replace("lora_A", "lora_down").replace("lora_B", "lora_up")] = v
+        sd[k.split(".lora_")[0] + ".alpha"] = torch.tensor(1.0)
+    assert_matches_peft(model, sd, _convert_musubi_wan_lora_to_diffusers(dict(sd)))
+
+
+def test_diffusion_pipe_wan_matches_diffusers_and_peft():
+    """diffusion-pipe saves Wan LoRAs in ComfyUI form: `diffusion_model.<Wan name>.lora_A.weight`, no alpha."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
+    from test_arch_oracle import tiny_wan
+
+    model = tiny_wan(True)
+    sd = lora_file(_wan_block_linears(model), lambda n: "diffusion_model." + wan_original(n)
+                   .replace("add_k_proj", "k_img").replace("add_v_proj", "v_img"))
+    assert any(".k_img." in k for k in sd)
+    assert_matches_peft(model, sd, _convert_non_diffusers_wan_lora_to_diffusers(dict(sd)))
+
+
+def test_stand_in_is_parsed_resolved_and_refused_with_its_reason():
+    from test_arch_oracle import tiny_wan
+
+    model = tiny_wan(False)
+    sd = {f"{p}blocks.0.self_attn.{x}_loras.{r}.weight": torch.zeros(2 if r == "down" else 32, 32 if r == "down" else 2)
+          for p in ("", "diffusion_model.") for x in "qkv" for r in ("down", "up")}
+    report = loraweave.plan(model, sd)
+    assert report.keys_applied == 0 and len(report.unmatched) == len(sd)
+    assert all(u["reason"].startswith("unsupported family: standin (Stand-In LoRAs act only on the reference-image")
+               and "blocks.0.attn1.to_" in u["reason"] for u in report.unmatched)

@@ -79,6 +79,8 @@ _XLABS_RE = re.compile(r"^(?P<block>(?:.*\.)?(?P<kind>double|single)_blocks\.\d+
 _XLABS_NAMES = {("double", "qkv", "1"): "img_attn.qkv", ("double", "qkv", "2"): "txt_attn.qkv",
                 ("double", "proj", "1"): "img_attn.proj", ("double", "proj", "2"): "txt_attn.proj",
                 ("single", "qkv", ""): "linear1_qkv", ("single", "proj", ""): "linear2"}
+# Wan Stand-In (WeChatCV): identity LoRAs on self-attention q/k/v, `blocks.N.self_attn.q_loras.down.weight`.
+_STANDIN_RE = re.compile(r"^(?P<stem>.+\.self_attn\.[qkv])_loras\.(?P<role>down|up)\.weight$")
 # cloneofsimo lora_diffusion: `unet:<i>:down`, i = enumeration order of the trainer's injected Linear layers.
 _CLONEOFSIMO_RE = re.compile(r"^(?P<stem>(?:unet|text_encoder):\d+):(?P<role>down|up)$")
 CLONEOFSIMO_STEM_RE = re.compile(r"^(?P<component>unet|text_encoder):(?P<index>\d+)$")
@@ -98,6 +100,9 @@ def parse_key(key: str) -> ParsedKey | str:
     m = _CLONEOFSIMO_RE.match(key)
     if m:
         return ParsedKey(key, m["stem"], "lora", m["role"], "cloneofsimo")
+    m = _STANDIN_RE.match(key)
+    if m:
+        return ParsedKey(key, m["stem"], "standin", m["role"], "stand-in")
     m = _XLABS_RE.match(key)
     if m and (m["kind"], m["proj"], m["n"]) in _XLABS_NAMES:
         return ParsedKey(key, f"{m['block']}.{_XLABS_NAMES[m['kind'], m['proj'], m['n']]}", "lora", m["role"], "xlabs")
@@ -130,6 +135,8 @@ def split_stem(stem: str) -> StemTarget:
         component = DENOISER if m["component"] == "unet" else "text_encoder"
         return StemTarget(component, stem, "cloneofsimo", True)
     stem = stem.replace("base_model.model.", "", 1) if "base_model.model." in stem else stem
+    # ComfyUI's PEFT form names the parameter: `<module>.weight.lora_B.default.weight`.
+    stem = stem.removesuffix(".weight")
     for prefix, component, layout in _PREFIXES_BY_LENGTH:
         if stem.startswith(prefix):
             return StemTarget(component, stem[len(prefix) :], layout, True)

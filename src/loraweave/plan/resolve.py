@@ -27,7 +27,12 @@ class ExpectedAbsent(PartRejected):
     """The part names a module that only a sibling variant of this architecture has (not a failure)."""
 
 
-NOT_PORTABLE = {"tlora": "its base comes from an SVD initialisation that is never saved"}
+NOT_PORTABLE = {
+    "tlora": "its base comes from an SVD initialisation that is never saved",
+    # Stand-In's pipeline appends reference-image tokens and runs these LoRAs on those tokens only.
+    "standin": "Stand-In LoRAs act only on the reference-image tokens its own pipeline appends; on every token "
+               "they would change the whole video",
+}
 
 
 @dataclass
