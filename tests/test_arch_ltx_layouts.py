@@ -328,3 +328,91 @@ def test_stand_in_is_parsed_resolved_and_refused_with_its_reason():
     assert report.keys_applied == 0 and len(report.unmatched) == len(sd)
     assert all(u["reason"].startswith("unsupported family: standin (Stand-In LoRAs act only on the reference-image")
                and "blocks.0.attn1.to_" in u["reason"] for u in report.unmatched)
+
+
+def lumina2_lora_names(model) -> dict[str, tuple[int, int]]:
+    """{original stem: (rows, in)} in the order and spelling of diffusers' Lumina2 LoRA converter."""
+    mods, out = dict(model.named_modules()), {}
+    for stack, n, modulated in (("noise_refiner", len(model.noise_refiner), True),
+                                ("context_refiner", len(model.context_refiner), False), ("layers", len(model.layers), True)):
+        for i in range(n):
+            b = f"{stack}.{i}"
+            out[f"{b}.attention.qkv"] = (sum(mods[f"{b}.attn.to_{x}"].out_features for x in "qkv"), mods[f"{b}.attn.to_q"].in_features)
+            out[f"{b}.attention.out"] = tuple(mods[f"{b}.attn.to_out.0"].weight.shape)
+            out.update({f"{b}.feed_forward.w{j}": tuple(mods[f"{b}.feed_forward.linear_{j}"].weight.shape) for j in (1, 2, 3)})
+            if modulated:
+                out[f"{b}.adaLN_modulation.1"] = tuple(mods[f"{b}.norm1.linear"].weight.shape)
+    return out
+
+
+def _lora_from_shapes(shapes: dict, prefix: str, meta: bool, seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for stem, (rows, inp) in shapes.items():
+        a = torch.empty(2, inp, device="meta") if meta else torch.randn(2, inp, generator=g)
+        b = torch.empty(rows, 2, device="meta") if meta else torch.randn(rows, 2, generator=g) * 0.1
+        sd[f"{prefix}{stem}.lora_A.weight"], sd[f"{prefix}{stem}.lora_B.weight"] = a, b
+    return sd
+
+
+def _lumina2_lora_converter(q: int, kv: int):
+    import inspect
+
+    from diffusers.loaders import lora_conversion_utils as lcu
+
+    source = inspect.getsource(lcu._convert_non_diffusers_lumina2_lora_to_diffusers)
+    assert "[2304, 768, 768]" in source
+    namespace = dict(vars(lcu))
+    exec(source.replace("[2304, 768, 768]", f"[{q}, {kv}, {kv}]"), namespace)  # noqa: S102 - only the widths change
+    return namespace["_convert_non_diffusers_lumina2_lora_to_diffusers"]
+
+
+def test_lumina2_full_size_lands_where_the_converter_says():
+    import diffusers
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_lumina2_lora_to_diffusers as convert,
+    )
+
+    with torch.device("meta"):
+        model = diffusers.Lumina2Transformer2DModel()
+    sd = _lora_from_shapes(lumina2_lora_names(model), "diffusion_model.", meta=True)
+    converted = convert(dict(sd))  # raises on anything it does not consume
+    assert {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in converted} == {
+        n for n, m in model.named_modules() if type(m) is torch.nn.Linear} - {
+        "x_embedder", "norm_out.linear_1", "norm_out.linear_2", "time_caption_embed.caption_embedder.1",
+        "time_caption_embed.timestep_embedder.linear_1", "time_caption_embed.timestep_embedder.linear_2"}
+    report = loraweave.plan(model, sd)
+    assert report.unmatched == [] and report.keys_applied == len(sd)
+
+
+def test_lumina2_matches_diffusers_and_peft():
+    from test_arch_oracle import tiny_lumina2
+
+    model = tiny_lumina2().eval()
+    sd = _lora_from_shapes(lumina2_lora_names(model), "diffusion_model.", meta=False)
+    assert_matches_peft(model, sd, _lumina2_lora_converter(64, 32)(dict(sd)))
+
+
+@pytest.mark.parametrize("cls, config", [
+    # HiDream-I1 config; MoE experts and the shared expert are plain modules.
+    ("HiDreamImageTransformer2DModel", dict(patch_size=2, in_channels=16, out_channels=16, caption_channels=[4096, 4096],
+                                            axes_dims_rope=(64, 32, 32), llama_layers=list(range(48)))),
+    ("LTXVideoTransformer3DModel", {}),
+])
+def test_prefix_only_layouts_full_size(cls, config):
+    """HiDream and LTX-Video LoRAs use the diffusers module names behind `diffusion_model.` (the converters only
+    swap that prefix for `transformer.`): every Linear of the full-size model resolves."""
+    import diffusers
+    from diffusers.loaders import lora_conversion_utils as lcu
+
+    convert = {"HiDreamImageTransformer2DModel": lcu._convert_non_diffusers_hidream_lora_to_diffusers,
+               "LTXVideoTransformer3DModel": lcu._convert_non_diffusers_ltxv_lora_to_diffusers}[cls]
+    with torch.device("meta"):
+        model = getattr(diffusers, cls)(**config)
+    modules = linears(model)
+    sd = lora_file(modules, lambda n: f"diffusion_model.{n}", meta=True)
+    targets = converter_targets(lambda s: convert(dict(s)), sd)
+    assert set(targets.values()) == set(modules)
+    if cls.startswith("HiDream"):
+        assert any(".experts." in n for n in modules) and any("shared_experts" in n for n in modules)
+    assert_lands_where_the_converter_says(model, sd, targets)

@@ -10,6 +10,7 @@ from .flux2 import FLUX2
 from .hunyuan_video import HUNYUAN_VIDEO
 from .krea2 import KREA2
 from .ltx import LTX2, LTX2_CONNECTORS
+from .lumina2 import LUMINA2
 from .sd3 import SD3
 from .spec import (
     ArchTable,
@@ -23,7 +24,8 @@ from .spec import (
 from .wan import WAN
 from .zimage import ZIMAGE
 
-ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2, LTX2, LTX2_CONNECTORS)
+ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2, LTX2, LTX2_CONNECTORS,
+                                      LUMINA2)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
