@@ -416,3 +416,63 @@ def test_prefix_only_layouts_full_size(cls, config):
     if cls.startswith("HiDream"):
         assert any(".experts." in n for n in modules) and any("shared_experts" in n for n in modules)
     assert_lands_where_the_converter_says(model, sd, targets)
+
+
+def flux3_original(live: str) -> str:
+    """A live Flux3 name as BFL writes it (the test's inverse of the converter's renames)."""
+    if live.startswith("mode_blocks."):
+        live = "content_" + live
+    live = live.replace("single_transformer_blocks.", "single_blocks.")
+    for new, old in ((".attn.to_q", ".q_proj"), (".attn.to_k", ".k_proj"), (".attn.to_v", ".v_proj"),
+                     (".attn.to_out.0", ".attn_out"), (".ff.linear_in", ".mlp_in"), (".ff.linear_out", ".mlp_out")):
+        live = live.replace(new, old)
+    return live
+
+
+def _flux3_convert(sd):
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_flux3_lora_to_diffusers
+
+    return _convert_non_diffusers_flux3_lora_to_diffusers(dict(sd))
+
+
+def test_flux3_original_names_full_size():
+    import diffusers
+
+    with torch.device("meta"):
+        model = diffusers.Flux3Transformer2DModel()
+    modules = linears(model)
+    sd = lora_file(modules, lambda n: f"diffusion_model.{flux3_original(n)}", meta=True)
+    assert any("content_mode_blocks" in k for k in sd) and any(".mlp_in." in k for k in sd)
+    targets = converter_targets(_flux3_convert, sd)
+    assert set(targets.values()) == set(modules)
+    assert_lands_where_the_converter_says(model, sd, targets)
+    kohya = {"lora_unet_" + k.split(".", 1)[1].rsplit(".lora_", 1)[0].replace(".", "_") + ".lora_" + k.rsplit(".lora_", 1)[1]: v
+             for k, v in sd.items()}
+    assert loraweave.plan(model, kohya).unmatched == []
+
+
+def test_flux3_swapped_rename_row_is_caught(monkeypatch):
+    def swap(t):
+        r = [(".q_proj.", ".attn.to_k.") if o == ".q_proj." else (".k_proj.", ".attn.to_q.") if o == ".k_proj." else (o, n)
+             for o, n in t.renames]
+        return dataclasses.replace(t, renames=tuple(r))
+
+    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(swap(t) if t.name == "flux3" else t for t in arch_aliases.ARCH_TABLES))
+    import diffusers
+
+    with torch.device("meta"):
+        model = diffusers.Flux3Transformer2DModel(num_layers=1, num_single_layers=1)
+    sd = lora_file(linears(model), lambda n: f"diffusion_model.{flux3_original(n)}", meta=True)
+    with pytest.raises(AssertionError):
+        assert_lands_where_the_converter_says(model, sd, converter_targets(_flux3_convert, sd))
+
+
+def test_flux3_matches_diffusers_and_peft():
+    import diffusers
+
+    torch.manual_seed(0)
+    model = diffusers.Flux3Transformer2DModel(in_channels=8, cond_in_channels=8, num_layers=1, num_single_layers=1,
+                                              attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                              timestep_channels=16, axes_dims_rope=(2, 2, 2, 2)).eval()
+    sd = lora_file(linears(model), lambda n: f"diffusion_model.{flux3_original(n)}")
+    assert_matches_peft(model, sd, _flux3_convert(sd))

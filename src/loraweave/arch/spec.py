@@ -178,11 +178,15 @@ def expand_param_alias(alias: ParamAlias, params: dict[str, torch.Tensor]) -> di
 
 def apply_renames(path: str, renames: tuple[tuple[str, str], ...], prefix_renames: tuple[tuple[str, str], ...],
                   sep: str = ".") -> str:
-    """An original module path -> the live one by a converter's rename rules (sep "_": kohya-flattened paths)."""
+    """An original module path -> the live one by a converter's rename rules (sep "_": kohya-flattened paths).
+
+    Converters rename whole keys, so a rule may end in the separator that follows the module path: it is added."""
+    path += sep
     for old, new in renames:
         path = path.replace(old.replace(".", sep), new.replace(".", sep))
     for old, new in prefix_renames:
         old, new = old.replace(".", sep), new.replace(".", sep)
         if path.startswith(old):
-            return new + path[len(old):]
-    return path
+            path = new + path[len(old):]
+            break
+    return path[: -len(sep)]
