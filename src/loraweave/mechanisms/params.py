@@ -43,7 +43,7 @@ class ParamPatch:
     # merge --------------------------------------------------------------------------------------------
     def merge(self) -> None:
         param = getattr(self.module, self.name)
-        self.backup = param.detach().clone()
+        self.backup = param.detach().clone()  # set first: from here on, undo restores
         stacks = self.module.__dict__.setdefault(STACK_ATTR, {})
         stacks.setdefault(self.name, []).append(self)
         self.write()
@@ -83,6 +83,18 @@ class ParamPatch:
     def refresh_scales(self) -> None:
         """Strengths are read at every forward: nothing is cached."""
 
+    # journal ------------------------------------------------------------------------------------------
+    def rewrite(self) -> None:
+        """Bring the patch to the current strengths (merge: from the backup; runtime: read at each forward)."""
+        if self.backup is not None:
+            self.write()
+
+    def undo(self) -> None:
+        if self.backup is not None:
+            self.restore()
+        else:
+            self.detach()
+
     def detach(self) -> None:
         for hook in self._hooks:
             hook.remove()
@@ -92,9 +104,9 @@ class ParamPatch:
 
 
 def apply_params(parts: list[PlannedParam], modules: dict[str, torch.nn.Module], mode: str,
-                 merged: list, runtime: list) -> list[dict]:
-    """Patch every planned parameter (one patch per parameter, all its adapters summed); records go into
-    `merged` / `runtime` before the parameter is touched, so a caller's rollback finds them. Returns the
+                 record) -> list[dict]:
+    """Patch every planned parameter (one patch per parameter, all its adapters summed); each patch goes to
+    `record` (the handle's journal) before the parameter is touched, so a rollback finds it. Returns the
     report rows (AppliedModule fields), one per parameter."""
     groups: dict[tuple[str, str], list[PlannedParam]] = {}
     for pp in parts:
@@ -107,11 +119,10 @@ def apply_params(parts: list[PlannedParam], modules: dict[str, torch.nn.Module],
         mechanism = "runtime" if mode == "runtime" or (mode == "auto" and blocker) else "merge"
         if mechanism == "merge" and blocker:
             raise ValueError(f"cannot merge into {component}.{path}: {blocker}")
+        record(patch)
         if mechanism == "merge":
-            merged.append(patch)
             patch.merge()
         else:
-            runtime.append(patch)
             patch.attach()
         why = f"parameter: {blocker}" if mode == "auto" and blocker else ""
         applied.append({"component": component, "module": path, "mechanism": mechanism,

@@ -66,5 +66,5 @@ class ResolveCache:
             ]
             plan.params += [dataclasses.replace(pp, adapter=adapter, strength=strength, notes=list(pp.notes))
                             for pp in sub.params]
-            plan.unmatched += [dict(u, adapter=adapter.name) for u in sub.unmatched]
+            plan.unmatched += [dataclasses.replace(u, adapter=adapter.name) for u in sub.unmatched]
         return plan

@@ -75,7 +75,7 @@ def plan_param(adapter: Adapter, part: AdapterPart, component: str, table: Alias
     notes = [f"parameter {live}"]
     if tuple(delta.shape) != tuple(param.shape):
         if not reshape or delta.numel() != param.numel():
-            raise PartRejected(f"shape mismatch: {key} {tuple(delta.shape)} vs parameter {component}.{live} "
+            raise PartRejected("shape_mismatch", f"shape mismatch: {key} {tuple(delta.shape)} vs parameter {component}.{live} "
                                f"{tuple(param.shape)}")
         notes.append(f"delta reshaped {tuple(delta.shape)} -> {tuple(param.shape)} (original stores it flat)")
         delta = delta.reshape(param.shape)
