@@ -88,8 +88,8 @@ NOT_MAPPED = (
     ("Sana", "single-file converter exists; table not written"),
     ("Wan Animate", "converter exists (face adapter, motion encoder); table not written"),
     ("ERNIE-Image", "no converter: base_model.model./diffusion_model. + diffusers names (prefix only), not tested here"),
-    ("HunyuanVideo 1.5, HunyuanImage 2.1, Kandinsky 5", "no converter and no real original-name file layout found: "
-     "diffusers names only"),
+    ("HunyuanVideo 1.5, HunyuanImage 2.1, Kandinsky 5", "no diffusers converter (Kandinsky 5's loader takes diffusers "
+     "names as they are); no original-name file layout was checked here: diffusers names only"),
     ("Wan Stand-In", "parsed and resolved, refused with its reason: token-selective (reference tokens of its own pipeline)"),
 )
 
