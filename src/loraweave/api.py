@@ -23,7 +23,7 @@ from .handle import Handle
 from .journal import Journal, model_lock
 from .plan.stacking import adapter_names
 from .plan.target import as_components
-from .report import AppliedModule, Report
+from .report import AppliedModule, Report, failures
 
 log = logging.getLogger("loraweave")
 __all__ = ["AdapterSource", "Handle", "apply", "plan"]
@@ -39,6 +39,7 @@ def plan(target, adapters: Iterable[AdapterSource] | AdapterSource, strength: fl
         AppliedModule(comp, path, "planned", sorted(adapter_names(contribs)), notes=notes_of(contribs))
         for (comp, path), contribs in group_by_module(p.planned).items()
     ]
+    applied += [AppliedModule(pp.component, pp.path, "planned", [pp.adapter.name], notes=list(pp.notes)) for pp in p.params]
     report = make_report(p, "plan", applied, list(p.unmatched), t0)
     report.log()
     return report
@@ -97,9 +98,9 @@ def apply(
         p, settings = resolve_set(components, adapters, strength)
         mode = options.layer_mode(len(p.adapters))
         wp, unmatched = plan_layers(p, options, mode)
-        if strict and unmatched:
+        if strict and failures(unmatched):
             report = make_report(p, mode, [], unmatched, t0)
-            raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.kinds()})", report)
+            raise StrictApplyError(f"strict: {len(failures(unmatched))} keys did not land ({report.kinds()})", report)
         refuse_empty(make_report(p, mode, [], unmatched, t0), allow_empty)
         journal = Journal()
         with journal.transaction():

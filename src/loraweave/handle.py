@@ -14,6 +14,7 @@ from .mechanisms import merge as merge_mechanism
 from .mechanisms import quantized as quant_mechanism
 from .mechanisms.grow import GrownInput
 from .mechanisms.merge import MergedModule
+from .mechanisms.params import ParamPatch
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
 from .plan.resolve import Plan, PlannedPart
@@ -119,7 +120,7 @@ class Handle:
     def _set_weights(self, name: str, strength: float, te: float | None) -> None:
         self._plan.strengths[name] = strength
         self._settings[name].strength, self._settings[name].te_strength = strength, te
-        for pp in self._plan.planned:
+        for pp in (*self._plan.planned, *self._plan.params):
             if pp.adapter.name == name:
                 pp.strength = part_strength(pp, self._settings[name])
         for entry in self.journal.entries:
@@ -235,6 +236,8 @@ def _rewrite(entry) -> None:
         entry.refresh_scales()
     elif isinstance(entry, MergedModule):
         entry.write()
+    elif isinstance(entry, ParamPatch):
+        entry.rewrite()
     elif isinstance(entry, QuantWrite):  # rewritten from the layer's original tensors: nothing compounds
         entry.write()
         if entry.entry is not None:

@@ -153,7 +153,9 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     mode = options.layer_mode(len(p.adapters))  # the same refusals as apply, before anything changes
     handle.check_undoable()
     wp, unmatched = plan_layers(p, options, mode)
-    if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p):
+    # Parameter patches are not per-layer records either: start over, like grown inputs and quantized writes.
+    if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p) \
+            or handle._plan.params or p.params:
         return _start_over(handle, p, settings, options, mode, wp, unmatched, t0)
     journal = handle.journal
     old_runtime, old_merged = journal.by_module(RuntimePath), journal.by_module(MergedModule)

@@ -21,7 +21,7 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 GENERIC_ROLES = ("alpha", "scale", "reshape")
 # When one stem carries keys of several families, the first listed here names the part.
 FAMILY_PRECEDENCE = (
-    "dora", "boft", "oft", "glora", "ia3", "tlora", "set", "sparse_bias", "loha", "lokr", "norm",
+    "dora", "boft", "oft", "glora", "ia3", "tlora", "standin", "set", "sparse_bias", "loha", "lokr", "norm",
     "lora", "full",
 )
 
