@@ -1,4 +1,4 @@
-"""`python -m loraweave ...` runs the command line."""
+"""`python -m loraweave`: the command line."""
 
 import sys
 
