@@ -54,8 +54,8 @@ def add_generate(sub) -> None:
         "`parameters` text chunk as A1111 writes it (prompt with its tags, Negative prompt, Steps, Sampler, CFG "
         "scale, Seed, Size, Model hash, Model, Lora hashes, Loraweave summary, Version), a `loraweave` chunk with "
         "the full report (JSON), and OUT.json beside it with the request, report and timings.",
-        epilog="exit status: 0 image written; 1 with --strict when some adapter key does not land (nothing "
-        "written); 2 on bad arguments, a missing/unreadable model or adapter, or an unknown <lora:> name.",
+        epilog="for generate: 0 = image written; 1 = --strict and some adapter key does not land (nothing "
+        "written); 2 = bad arguments, a missing or unreadable model or adapter, or an unknown <lora:> name.",
     )
     p.add_argument("--model", "-m", required=True, help="diffusers pipeline folder, or a single-file checkpoint "
                    "with --arch (and --config offline)")
