@@ -368,3 +368,31 @@ def test_cli_json_is_valid_for_keys_with_lone_surrogates(tmp_path):
     json.loads(res.stdout)
     assert "\\ud800" in res.stdout  # the key survives, escaped
     assert "Traceback" not in res.stderr
+
+
+def test_dora_strength_zero_is_what_the_readme_says():
+    """dora_scale: s = 0 gives W + γΔW; PEFT lora_magnitude_vector: s = 0 gives m ⊙ W / ‖W‖ (per row)."""
+    sd = dora(7)
+    up, down, m = sd["fc2.lora_up.weight"].double(), sd["fc2.lora_down.weight"].double(), sd["fc2.dora_scale"].double()
+    for mode in ("merge", "runtime"):
+        model = Net()
+        w = model.fc2.weight.detach().double().clone()
+        handle = loraweave.apply(model, sd, mode=mode, strict=True)
+        handle.set_strength(handle.report.adapters[0]["name"], 0.0)
+        x = torch.randn(3, 8, dtype=torch.float64)
+        with torch.no_grad():
+            got = model.fc2.double()(x) if mode == "runtime" else None
+        model.fc2.float()
+        expect = w + up @ down  # γ = 1 (no alpha): W_c = W + ΔW
+        if mode == "merge":
+            assert rel_err(model.fc2.weight.double(), expect) <= 1e-6
+        else:
+            assert rel_err(got, x @ expect.t() + model.fc2.bias.double()) <= 1e-6
+        handle.remove()
+    peft = {"fc2.lora_A.weight": down.float(), "fc2.lora_B.weight": up.float(), "fc2.lora_magnitude_vector": m.flatten().float()}
+    model = Net()
+    w = model.fc2.weight.detach().double().clone()
+    handle = loraweave.apply(model, peft, mode="merge", strict=True)
+    handle.set_strength(handle.report.adapters[0]["name"], 0.0)
+    assert rel_err(model.fc2.weight.double(), m * w / w.norm(dim=1, keepdim=True)) <= 1e-6
+    handle.remove()
