@@ -69,10 +69,12 @@ def tensors(header: dict) -> list[str]:
     return [k for k in header if k != "__metadata__"]
 
 
-def mutate(raw: bytes, rng: random.Random, hot: list[str]) -> tuple[bytes, str]:
+KINDS = ["header_length", "json", "dtype", "offsets", "shape", "values", "metadata", "keys"]
+
+
+def mutate(raw: bytes, rng: random.Random, hot: list[str], kind: str) -> tuple[bytes, str]:
     """One seeded mutation of a safetensors file; `hot` are keys landing on real layers (values go there)."""
     header, data = split(raw)
-    kind = rng.choice(["header_length", "json", "dtype", "offsets", "shape", "values", "values", "metadata", "keys"])
     key = rng.choice(tensors(header))
     entry = header[key]
     if kind == "header_length":
@@ -92,7 +94,7 @@ def mutate(raw: bytes, rng: random.Random, hot: list[str]) -> tuple[bytes, str]:
             text[pos:pos] = rng.choice([b"{", b"]", b'"', b",", b"\\u", b"\xff", b'"__metadata__": 1,'])
         return struct.pack("<Q", len(text)) + bytes(text) + data, f"{kind} {how}@{pos}"
     if kind == "dtype":
-        entry["dtype"] = rng.choice([*DTYPES, ["F32"], 7, None, "F9", "f32"])
+        entry["dtype"] = rng.choice([rng.choice(DTYPES), ["F32"], 7, None, "F9", {"F32": 1}])
         return join(header, data), f"{kind} {key} {entry['dtype']!r}"
     if kind == "offsets":
         b, e = entry["data_offsets"]
@@ -103,7 +105,7 @@ def mutate(raw: bytes, rng: random.Random, hot: list[str]) -> tuple[bytes, str]:
     if kind == "shape":
         shape = list(entry["shape"])
         entry["shape"] = rng.choice([shape + [1], shape[:-1], [0] + shape, [10**30, 0], [-1] + shape[1:],
-                                     [float(d) for d in shape], shape[::-1], [shape[0] * 2] + shape[1:], "x", None])
+                                     [float(d) for d in shape], shape[::-1], [(shape[0] if shape else 1) * 2] + shape[1:], "x", None])
         return join(header, data), f"{kind} {key} {entry['shape']!r}"
     if kind == "values":
         key = rng.choice(hot or tensors(header))
@@ -173,7 +175,7 @@ def no_hooks(sd15) -> bool:
 def run_case(sd15, raw: bytes, case: int, tmp_path: Path, layers, hot: list[str], mode: str,
              rng: random.Random) -> str | None:
     """One mutated file through apply; returns a failure description or None."""
-    mutated, what = mutate(raw, rng, hot)
+    mutated, what = mutate(raw, rng, hot, KINDS[case % len(KINDS)])
     path = tmp_path / f"case{case}.safetensors"
     path.write_bytes(mutated)
     snap = snapshot(layers)

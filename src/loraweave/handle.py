@@ -106,7 +106,7 @@ class Handle:
             if pp.adapter.name == name:
                 pp.strength = part_strength(pp, self._settings[name])
         for entry in self.journal.entries:
-            if name in getattr(entry, "adapters", ()):
+            if name in entry.adapters:
                 _rewrite(entry)
 
     def select_schedule(self, total_steps: int, **kwargs: float):
