@@ -2,7 +2,8 @@
 shapes, tensor values, metadata and key names. For every mutated file, in merge, runtime and auto mode:
 - only loraweave's typed errors (LoraweaveError) escape, never a crash;
 - no non-finite value is merged silently (weights finite before stay finite, or a typed error is raised);
-- after an error the model is bit-identical and hook-free; after a success, remove() makes it so.
+- after an error the model is bit-identical and hook-free; after a success, remove() makes it so;
+- `loraweave inspect FILE --json` prints valid JSON or one error line, never a traceback.
 
 The target is the full-size SD1.5 UNet and text encoder on the meta device with a few of the layers each file
 touches made real (seeded weights, fp32 or fp16): every other layer stays on meta and reports a miss.
@@ -10,6 +11,8 @@ LORAWEAVE_FUZZ_CASES sets the number of cases (CI: a small count; e.g. 3000 on d
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -25,6 +28,7 @@ from helpers import real_config
 import loraweave
 from loraweave import LoraweaveError
 from loraweave.applying import resolve_set
+from loraweave.cli import main as cli_main
 
 CASES = int(os.environ.get("LORAWEAVE_FUZZ_CASES", "24"))
 FILES = [  # SD1.5 files: diffusers/PEFT-named LoRA, cloneofsimo (metadata-driven), LyCORIS LoKr (kohya ss_*)
@@ -172,12 +176,33 @@ def no_hooks(sd15) -> bool:
     return all(not m._forward_hooks and "forward" not in m.__dict__ for root in sd15.values() for m in root.modules())
 
 
+def inspect_case(path: Path, label: str) -> str | None:
+    """`loraweave inspect FILE --json`: a typed error is one line and exit code 2; otherwise valid JSON."""
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli_main(["inspect", str(path), "--json"])
+    except Exception:  # noqa: BLE001  a crash is what this test looks for
+        return f"{label}: inspect crashed\n{traceback.format_exc(limit=6)}"
+    if code == 0:
+        try:
+            json.loads(out.getvalue())
+        except ValueError as exc:
+            return f"{label}: inspect --json printed invalid JSON ({exc})"
+    elif len(err.getvalue().strip().splitlines()) != 1:
+        return f"{label}: inspect failed with {err.getvalue()!r}, not one line"
+    return None
+
+
 def run_case(sd15, raw: bytes, case: int, tmp_path: Path, layers, hot: list[str], mode: str,
              rng: random.Random) -> str | None:
     """One mutated file through apply; returns a failure description or None."""
     mutated, what = mutate(raw, rng, hot, KINDS[case % len(KINDS)])
     path = tmp_path / f"case{case}.safetensors"
     path.write_bytes(mutated)
+    failure = inspect_case(path, f"case {case} ({what})")
+    if failure:
+        return failure
     snap = snapshot(layers)
     finite = [{k: torch.isfinite(v.float()) for k, v in s.items()} for s in snap]
     try:
