@@ -191,6 +191,8 @@ def test_every_format_dtype_reads_or_is_refused_typed(tmp_path):
         model, before = Net(), state(Net())
         try:
             handle = loraweave.apply(model, str(path), mode="merge")
+        except loraweave.errors.NoKeysLandedError:
+            pass  # read, then reported as misses: nothing landed, so apply refuses (typed) and changes nothing
         except LoraweaveError as exc:
             assert str(path) in str(exc)
         else:
