@@ -21,6 +21,7 @@ from .mechanisms.merge import Contribution, MergedModule, merge_module
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
 from .plan.resolve import Plan, PlannedPart, resolve
+from .plan.schedule import step_window
 from .plan.stacking import adapter_names, combine_groups
 from .plan.target import as_components
 from .plan.weights import AdapterWeights, assign
@@ -46,7 +47,9 @@ def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]
             item = AdapterSpec(item[0], item[1])
         spec = item if isinstance(item, AdapterSpec) else AdapterSpec(item)
         te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
-        out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights)))
+        window = step_window(spec.steps, spec.ramp, spec.ramp_strengths, float(strength))
+        out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights,
+                                         window)))
     return out
 
 

@@ -29,3 +29,11 @@ class StrictApplyError(LoraweaveError):
     def __init__(self, message: str, report) -> None:
         super().__init__(message)
         self.report = report
+
+
+class BatchError(LoraweaveError, ValueError):
+    """A per-sample batch (`Handle.batch`) is malformed, or a layer's rows cannot be mapped to its samples."""
+
+
+class RegionError(LoraweaveError, ValueError):
+    """A regional mask (`Handle.set_region`) is malformed, or a layer's tokens cannot be placed on the image."""

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .plan.schedule import check_window
+
 
 @dataclass
 class AdapterSpec:
@@ -21,8 +23,12 @@ class AdapterSpec:
     te_strength: float | None = None
     block_weights: Any = None
     name: str | None = None
+    steps: tuple[float, float] | None = None
+    ramp: str | None = None
+    ramp_strengths: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
+        check_window(self.steps, self.ramp, self.ramp_strengths)
         for label, value in (("strength", self.strength), ("te_strength", self.te_strength)):
             if value is None and label == "te_strength":
                 continue

@@ -124,6 +124,7 @@ class RuntimePath:
         self.refresh_scales()
         self.hook = None
         self.active = False
+        self.mix = None  # per-sample sets / regions (mechanisms/mix.py): while set, it computes the adapter terms
 
     def _strength(self, pp: PlannedPart) -> float:
         return pp.strength * self.gates.get(pp.adapter.name, 1.0)
@@ -208,6 +209,7 @@ class RuntimePath:
         m, w = self.module, self.module.weight
         plain = (
             not self.active
+            or self.mix is not None
             or x.dtype != w.dtype
             or x.device != w.device
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
@@ -223,6 +225,8 @@ class RuntimePath:
         return self._add_extras(x, y.view(*x.shape[:-1], self.out))
 
     def add_path(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if self.mix is not None:
+            return self.mix.add(self, x, output)
         dtype = output.dtype
         base_terms = self._base_terms(x, output)  # before anything is added to the output
         for value, dst, n, alpha in base_terms:

@@ -17,6 +17,7 @@ class AdapterWeights:
     strength: float
     te_strength: float | None = None  # None: text encoders follow `strength`
     block_weights: Any = None  # scalar, vector, slot dict or preset name; None: every block at 1
+    window: Any = None  # plan.schedule.StepWindow: the sampling steps it acts on (Handle.step_schedule)
 
 
 def is_text_encoder(component: str) -> bool:
