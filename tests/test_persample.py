@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from batch_inputs import ARCHS, batch_inputs, cat, run, take
+from batch_inputs import ARCHS, MORE, batch_inputs, cat, run, take
 from helpers import rel_err
 from test_support_matrix import factors
 
@@ -36,8 +36,8 @@ def adapter(model: torch.nn.Module, family: str, seed: int) -> dict[str, torch.T
     return sd
 
 
-def adapters(model) -> dict[str, dict]:
-    return {name: adapter(model, fam, seed) for seed, (name, fam) in enumerate(FAMILY.items(), start=1)}
+def adapters(model, families: dict[str, str] = FAMILY) -> dict[str, dict]:
+    return {name: adapter(model, fam, seed) for seed, (name, fam) in enumerate(families.items(), start=1)}
 
 
 def separate(arch: str, base, ads: dict, inputs: dict, pairs: bool = False) -> list[torch.Tensor]:
@@ -66,10 +66,11 @@ def applied(base, ads):
     return model, loraweave.apply(model, specs, mode="runtime", strict=True)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", sorted(ARCHS) + sorted(MORE))
 def test_batch_equals_separate_runs(arch):
-    base = ARCHS[arch]()
-    ads = adapters(base)
+    """The 4 acceptance models with LoRA, LoKr and LoHa; the rest of the support matrix (the row mapping) with LoRA."""
+    base = (ARCHS.get(arch) or MORE[arch])()
+    ads = adapters(base, FAMILY if arch in ARCHS else dict.fromkeys(FAMILY, "lora"))
     pos, neg = batch_inputs(arch, 4, seed=1), batch_inputs(arch, 4, seed=2)
     model, handle = applied(base, ads)
     plain = run(arch, model, pos)

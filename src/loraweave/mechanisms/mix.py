@@ -105,13 +105,24 @@ class Mix:
     def add(self, path, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """RuntimePath.add_path while this mix is set: every term, per run of rows and per token."""
         out = output if path._inplace_ok(output) else output.clone()
+        self._each(path, x, out, fresh=False)
+        return out
+
+    def fused_linear(self, path, x: torch.Tensor) -> torch.Tensor:
+        """A plain Linear's forward with each run's low-rank term in the GEMM's accumulator, as the fused path does:
+        out[run] = bias + h_run·Uₛᵀ (written once), then out += x·Wᵀ (one pass over the output fewer)."""
+        out = x.new_empty(*x.shape[:-1], path.out)
+        self._each(path, x, out, fresh=True)
+        out.view(-1, path.out).addmm_(x.reshape(-1, x.shape[-1]), path.module.weight.t())
+        return out
+
+    def _each(self, path, x: torch.Tensor, out: torch.Tensor, fresh: bool) -> None:
         runs = [(slice(None), None)] if self.keys is None else self._runs_for(path, x.shape[0])
         for rows, key in runs:
-            if key == ():
+            if key == () and not fresh:
                 continue  # a sample without adapters: the base output as it is
-            xs, outs = x[rows], out[rows]
-            _terms(self, path, xs, outs, key, self._weights_for(path, outs))
-        return out
+            outs = out[rows]
+            _terms(self, path, x[rows], outs, key, self._weights_for(path, outs) if key != () else {}, fresh)
 
 
 def _put(path, out: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: float, weight) -> None:
@@ -122,7 +133,10 @@ def _put(path, out: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: 
     (out[:, rows] if path.channels_first else out[..., rows]).add_(value, alpha=alpha)
 
 
-def _terms(mix: Mix, path, x: torch.Tensor, out: torch.Tensor, key: SampleKey | None, weights: dict) -> None:
+def _terms(mix: Mix, path, x: torch.Tensor, out: torch.Tensor, key: SampleKey | None, weights: dict,
+           fresh: bool = False) -> None:
+    """Add the set's terms to `out`; `fresh`: `out` is uninitialised and gets bias + low-rank term first (a fused
+    plain Linear, whose paths have no terms that read the base output)."""
     strength = lambda pp: part_strength_for(path, pp, key, mix.settings)  # noqa: E731
     spec = ConvSpec(path.conv, path._conv_args()) if path.conv else None
     if path.base_fns:  # computed from the base output before anything is added to these rows
@@ -141,8 +155,12 @@ def _terms(mix: Mix, path, x: torch.Tensor, out: torch.Tensor, key: SampleKey | 
             found.append((pp, value, dst, n, alpha))
         for pp, value, dst, n, alpha in found:
             _put(path, out, value, dst, n, alpha, weights.get(pp.adapter.name))
-    pair = mix._pair(path, key, out)
-    if pair is not None:
+    pair = mix._pair(path, key, out) if key != () else None
+    if fresh:
+        _init_linear(path, x, out, pair, weights)
+        if key == ():
+            return
+    elif pair is not None:
         _add_pair(path, x, out, pair, weights)
     for pp, dst, n, dense in path.dense:
         s = strength(pp)
@@ -177,6 +195,18 @@ def _add_pair(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors, weigh
         out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), pair.up.t())
     else:
         out.add_(F.linear(h, pair.up))
+
+
+def _init_linear(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors | None, weights: dict) -> None:
+    """out = bias + (x·Dᵀ·diag(scale) ⊙ weights)·Uᵀ, written in one GEMM (out: a contiguous run, uninitialised)."""
+    bias, o2 = path.module.bias, out.view(-1, out.shape[-1])
+    if pair is None:
+        o2.copy_(bias.expand_as(o2)) if bias is not None else o2.zero_()
+        return
+    h = F.linear(x, pair.down).mul_(pair.scale)
+    _weigh(h, pair, weights, channels_first=False)
+    h2 = h.reshape(-1, h.shape[-1])
+    torch.addmm(bias, h2, pair.up.t(), out=o2) if bias is not None else torch.mm(h2, pair.up.t(), out=o2)
 
 
 def _weigh(h: torch.Tensor, pair: PairFactors, weights: dict, channels_first: bool) -> None:

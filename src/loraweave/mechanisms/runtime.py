@@ -209,7 +209,6 @@ class RuntimePath:
         m, w = self.module, self.module.weight
         plain = (
             not self.active
-            or self.mix is not None
             or x.dtype != w.dtype
             or x.device != w.device
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
@@ -217,6 +216,8 @@ class RuntimePath:
         if plain:
             out = F.linear(x, w, m.bias)
             return self.add_path(x, out) if self.active else out
+        if self.mix is not None:
+            return self.mix.fused_linear(self, x)
         down, up, scale = self._factors(w.device, w.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         h = (x2 @ down.t()).mul_(scale)
