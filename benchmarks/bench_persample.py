@@ -10,8 +10,9 @@ different rank-16 LoRAs (one per sample). Variants, timed round-robin under infe
   bmm         hand-written alternative: per-sample factors gathered (8, in, 16), two bmm (S-LoRA/Punica BGMV form)
 
 Then the regional overhead: x (1, 4096, 3072) read as a 64×64 token grid, one adapter at runtime, plain vs with a
-half mask (`set_region`). Prints median ms and the median of per-round ratios to the reference; outputs are checked
-against each other first.
+half mask (`set_region`). Each variant is timed between two runs of the reference (benchutil.sandwiched): the
+ratio is the median over samples whose two reference neighbours agree (a quiet host). Outputs are checked against
+the sequential runs first.
 
     .venv/bin/python benchmarks/bench_persample.py [--quick] [--rounds N] [--layers N] [--tokens N]
 """
@@ -23,7 +24,7 @@ import copy
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
 import torch.nn.functional as F
-from benchutil import Variant, inference_forward, interleaved, median, ratio_median, spread, table
+from benchutil import Variant, inference_forward, reference_cells, sandwiched, table, variant_cells
 
 DIM, RANK, SAMPLES = 3072, 16, 8
 
@@ -147,12 +148,11 @@ def region_variants(layers: int, tokens: int):
     return [Variant("plain runtime", inference_forward(plain, x)), Variant("region", inference_forward(masked, x))], keep
 
 
-def report(times: dict[str, list[float]], ref: str, extra: dict[str, str] | None = None) -> str:
-    rows = []
-    for name, t in times.items():
-        r = ratio_median(t, times[ref])
-        rows.append([name, f"{median(t) * 1e3:.1f}", f"+-{spread(t) * 100:.1f}%", f"{r:.4f}", (extra or {}).get(name, "-")])
-    return table(["variant", "median ms", "IQR/2", f"ratio to {ref}", "max rel diff to sequential"], rows)
+def report(res, ref: str, diffs: dict[str, str]) -> str:
+    rows = [[ref, *reference_cells(res, ref), "-"]]
+    rows += [[name, *variant_cells(res, name), diffs.get(name, "-")] for name in res.times if name != ref]
+    return table(["variant", "median ms", "IQR/2", f"ratio to {ref}", "ratio all", "quiet", "overhead",
+                  "max rel diff"], rows)
 
 
 def main() -> None:
@@ -165,14 +165,15 @@ def main() -> None:
     benchutil.header(f"bench_persample: {args.layers} x Linear({DIM}, {DIM}) fp32, {SAMPLES} samples x {args.tokens} "
                      f"tokens, rank {RANK}")
     variants, errors, _keep = batch_variants(args.layers, args.tokens)
-    times = interleaved(variants, rounds=args.rounds, warmup=1)
-    print(report(times, "shared", {n: f"{e:.1e}" for n, e in errors.items()}))
-    print(benchutil.noise_line())
+    res = sandwiched(variants[0], variants[1:], rounds=args.rounds, warmup=1)
+    print(report(res, "shared", {n: f"{e:.1e} vs sequential" for n, e in errors.items()}))
+    benchutil.print_legend(args.rounds, res, "shared")
     del variants, _keep
     variants, _keep = region_variants(args.layers, args.tokens)
-    times = interleaved(variants, rounds=max(args.rounds * 3, 5), warmup=1)
-    print(report(times, "plain runtime"))
-    print(benchutil.noise_line())
+    rounds = max(args.rounds * 4, 8)
+    res = sandwiched(variants[0], variants[1:], rounds=rounds, warmup=1)
+    print(report(res, "plain runtime", {}))
+    benchutil.print_legend(rounds, res, "plain runtime")
 
 
 if __name__ == "__main__":

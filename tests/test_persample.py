@@ -1,6 +1,7 @@
 """Per-sample adapter sets (Handle.batch): one forward over 4 samples, each with its own set, equals the 4 separate
 runtime runs, on tiny Flux, SDXL-UNet, Z-Image and Wan (fp32, rel 1e-5), with and without guidance duplication
-(`cat([uncond, cond])`), with LoRA, LoKr and LoHa, on fused q/k/v and on an SDNQ-quantized model.
+(`cat([uncond, cond])`), with LoRA, LoKr, LoHa and DoRA, on fused q/k/v and on an SDNQ-quantized model; the row
+mapping also on the rest of the support matrix.
 
 References are independent applies: each sample's set alone on a fresh copy of the model (the empty set: the
 untouched model), its inputs alone."""
@@ -18,11 +19,12 @@ from test_support_matrix import factors
 
 import loraweave
 from loraweave.errors import BatchError
+from loraweave.mechanisms import mix
 
 TOL = 1e-5
 SETS = [["a"], ["b", "c"], [], ["a", "d"]]
 STRENGTHS = [[0.7], [1.0, -0.5], [], [1.2, 0.4]]
-FAMILY = {"a": "lora", "b": "lokr", "c": "loha", "d": "lora"}
+FAMILY = {"a": "lora", "b": "lokr", "c": "loha", "d": "dora"}  # DoRA: a term that reads the base output
 
 
 def adapter(model: torch.nn.Module, family: str, seed: int) -> dict[str, torch.Tensor]:
@@ -67,19 +69,23 @@ def applied(base, ads):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS) + sorted(MORE))
-def test_batch_equals_separate_runs(arch):
+def test_batch_equals_separate_runs(arch, monkeypatch):
     """The 4 acceptance models with LoRA, LoKr and LoHa; the rest of the support matrix (the row mapping) with LoRA."""
     base = (ARCHS.get(arch) or MORE[arch])()
     ads = adapters(base, FAMILY if arch in ARCHS else dict.fromkeys(FAMILY, "lora"))
     pos, neg = batch_inputs(arch, 4, seed=1), batch_inputs(arch, 4, seed=2)
     model, handle = applied(base, ads)
     plain = run(arch, model, pos)
-    with handle.batch(SETS, STRENGTHS):
-        got = run(arch, model, pos)
-        got_cfg = run(arch, model, cat(neg, pos))  # 8 rows: sample i at rows i and 4 + i
     refs = separate(arch, base, ads, cat(neg, pos), pairs=True)  # sample i alone: its [uncond, cond] rows
-    check(got, [r[1:] for r in refs], lambda i: slice(i, i + 1))
-    check(got_cfg, refs, lambda i: [i, 4 + i])
+    # both formulations: short runs gate the whole pair per row (the default on these tiny models), long runs
+    # compute each set's own ranks on its rows (forced here with a threshold of 0)
+    for limit in (mix.GATED_MAX_TOKEN_RANKS, 0):
+        monkeypatch.setattr(mix, "GATED_MAX_TOKEN_RANKS", limit)
+        with handle.batch(SETS, STRENGTHS):
+            got = run(arch, model, pos)
+            got_cfg = run(arch, model, cat(neg, pos))  # 8 rows: sample i at rows i and 4 + i
+        check(got, [r[1:] for r in refs], lambda i: slice(i, i + 1))
+        check(got_cfg, refs, lambda i: [i, 4 + i])
     assert all(rp.mix is None for rp in handle._runtime)  # the block closed: plain runtime again
     assert torch.equal(run(arch, model, pos), plain)
 

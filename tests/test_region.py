@@ -160,3 +160,20 @@ def test_region_refusals(flux):
     merged = loraweave.apply(copy.deepcopy(base), [loraweave.AdapterSpec(ads["a"], name="a")], mode="merge")
     with pytest.raises(RegionError, match="merged into"):
         merged.set_region("a", torch.ones(4, 4))
+
+
+def test_region_inside_a_per_sample_batch(flux):
+    """Regions apply to every sample of a batch: each row equals that sample alone with the region."""
+    from batch_inputs import batch_inputs, run, take
+
+    base, ads, model, handle = flux
+    x, sets = batch_inputs("flux", 2), [["a"], ["a", "b"]]
+    handle.set_region("a", mask(LEFT))
+    with handle.batch(sets):
+        got = run("flux", model, x)
+    handle.clear_region("a")
+    for i, names in enumerate(sets):
+        alone = copy.deepcopy(base)
+        h = loraweave.apply(alone, [loraweave.AdapterSpec(ads[n], name=n) for n in names], mode="runtime")
+        h.set_region("a", mask(LEFT))
+        assert rel_err(got[i : i + 1], run("flux", alone, take(x, [i]))) <= 1e-5

@@ -8,6 +8,7 @@ structured terms) by a weight per output token (region.py)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,9 +17,12 @@ import torch.nn.functional as F
 
 from ..errors import BatchError, RegionError
 from ..families.base import ConvSpec
-from .persample import PairFactors, SampleKey, pair_for, part_strength_for, sample_keys
+from .persample import PairFactors, SampleKey, pair_for, part_strength_for, row_gates, sample_keys
 from .region import check_mask, token_weights
 from .rows import RootProbe, sample_runs
+
+# Below this many (tokens per run x total rank), per-row gating of the whole pair replaces per-run GEMMs.
+GATED_MAX_TOKEN_RANKS = 16384
 
 
 class Mix:
@@ -34,6 +38,7 @@ class Mix:
         self._pairs: dict[tuple, PairFactors | None] = {}
         self._runs: dict[tuple, list[tuple[slice, SampleKey]]] = {}
         self._weights: dict[tuple, torch.Tensor | float] = {}
+        self._gates: dict[tuple, torch.Tensor] = {}
 
     def set_batch(self, assignments, strengths, known: dict[str, float]) -> None:
         self.keys = sample_keys(assignments, strengths, known)
@@ -44,6 +49,7 @@ class Mix:
         self.keys = None
         self._pairs.clear()
         self._runs.clear()
+        self._gates.clear()
 
     def set_region(self, name: str, mask: torch.Tensor) -> None:
         self.regions[name] = mask  # checked by check_mask
@@ -118,11 +124,35 @@ class Mix:
 
     def _each(self, path, x: torch.Tensor, out: torch.Tensor, fresh: bool) -> None:
         runs = [(slice(None), None)] if self.keys is None else self._runs_for(path, x.shape[0])
+        gated = self._gated(path, x, out, runs, fresh)
         for rows, key in runs:
-            if key == () and not fresh:
+            if key == () and (gated or not fresh):
                 continue  # a sample without adapters: the base output as it is
             outs = out[rows]
-            _terms(self, path, x[rows], outs, key, self._weights_for(path, outs) if key != () else {}, fresh)
+            weights = self._weights_for(path, outs) if key != () else {}
+            _terms(self, path, x[rows], outs, key, weights, fresh and not gated, pair_done=gated)
+
+    def _gated(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> bool:
+        """Short runs (modulation inputs (B, C), few tokens): one pass of the whole rank-concatenated pair with a
+        per-row gate beats a few small GEMMs per run. Returns whether it ran (then only other terms remain)."""
+        if len(runs) < 2 or path.conv or path.down is None or path.base_fns or out.dim() < 2:
+            return False  # terms that read the base output must see it before any pair is added
+        tokens = (runs[0][0].stop - runs[0][0].start) * math.prod(x.shape[1:-1])
+        if tokens * path.down.shape[0] >= GATED_MAX_TOKEN_RANKS:
+            return False
+        cache = (id(path), runs[0][0].stop, x.shape[0], out.device, out.dtype)
+        if cache not in self._gates:
+            self._gates[cache] = row_gates(path, runs, self.settings, x.shape[0], out.device, out.dtype)
+        down, up, _ = path._factors(out.device, out.dtype)
+        h = F.linear(x, down)
+        h.view(x.shape[0], -1, h.shape[-1]).mul_(self._gates[cache][:, None, :])
+        pair = pair_for(path, None, self.settings, out.device, out.dtype)
+        _weigh(h, pair, self._weights_for(path, out), channels_first=False)
+        if fresh:
+            _init_linear(path, x, out, PairFactors(down, up, None, []), {}, h=h)
+        else:
+            out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), up.t())
+        return True
 
 
 def _put(path, out: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: float, weight) -> None:
@@ -134,9 +164,9 @@ def _put(path, out: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: 
 
 
 def _terms(mix: Mix, path, x: torch.Tensor, out: torch.Tensor, key: SampleKey | None, weights: dict,
-           fresh: bool = False) -> None:
+           fresh: bool = False, pair_done: bool = False) -> None:
     """Add the set's terms to `out`; `fresh`: `out` is uninitialised and gets bias + low-rank term first (a fused
-    plain Linear, whose paths have no terms that read the base output)."""
+    plain Linear, whose paths have no terms that read the base output); `pair_done`: the low-rank pair is in."""
     strength = lambda pp: part_strength_for(path, pp, key, mix.settings)  # noqa: E731
     spec = ConvSpec(path.conv, path._conv_args()) if path.conv else None
     if path.base_fns:  # computed from the base output before anything is added to these rows
@@ -155,7 +185,7 @@ def _terms(mix: Mix, path, x: torch.Tensor, out: torch.Tensor, key: SampleKey | 
             found.append((pp, value, dst, n, alpha))
         for pp, value, dst, n, alpha in found:
             _put(path, out, value, dst, n, alpha, weights.get(pp.adapter.name))
-    pair = mix._pair(path, key, out) if key != () else None
+    pair = mix._pair(path, key, out) if key != () and not pair_done else None
     if fresh:
         _init_linear(path, x, out, pair, weights)
         if key == ():
@@ -197,14 +227,17 @@ def _add_pair(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors, weigh
         out.add_(F.linear(h, pair.up))
 
 
-def _init_linear(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors | None, weights: dict) -> None:
-    """out = bias + (x·Dᵀ·diag(scale) ⊙ weights)·Uᵀ, written in one GEMM (out: a contiguous run, uninitialised)."""
+def _init_linear(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors | None, weights: dict,
+                 h: torch.Tensor | None = None) -> None:
+    """out = bias + (x·Dᵀ·diag(scale) ⊙ weights)·Uᵀ, written in one GEMM (out: a contiguous run, uninitialised);
+    `h` given: the weighted x·Dᵀ already formed."""
     bias, o2 = path.module.bias, out.view(-1, out.shape[-1])
     if pair is None:
         o2.copy_(bias.expand_as(o2)) if bias is not None else o2.zero_()
         return
-    h = F.linear(x, pair.down).mul_(pair.scale)
-    _weigh(h, pair, weights, channels_first=False)
+    if h is None:
+        h = F.linear(x, pair.down).mul_(pair.scale)
+        _weigh(h, pair, weights, channels_first=False)
     h2 = h.reshape(-1, h.shape[-1])
     torch.addmm(bias, h2, pair.up.t(), out=o2) if bias is not None else torch.mm(h2, pair.up.t(), out=o2)
 

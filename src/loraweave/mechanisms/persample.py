@@ -103,3 +103,15 @@ def pair_for(path, key: SampleKey | None, settings, device: torch.device, dtype:
         index = torch.cat([torch.arange(a, b, device=device) for a, b in keep])
         d, u = down.index_select(0, index), up.index_select(1, index)
     return PairFactors(d, u, torch.cat(coeffs), segments)
+
+
+def row_gates(path, runs: list, settings, rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, R): each row's coefficient for every rank of the layer's whole pair (0 outside its sample's set)."""
+    per_key: dict = {}
+    gates = torch.zeros(rows, path.down.shape[0], dtype=torch.float32)
+    for run, key in runs:
+        if key not in per_key:
+            per_key[key] = torch.tensor([part_strength_for(path, pp, key, settings) * pp.scale
+                                         for pp, rank in path._owners for _ in range(rank)])
+        gates[run] = per_key[key]
+    return gates.to(device, dtype)
