@@ -177,3 +177,23 @@ def test_region_inside_a_per_sample_batch(flux):
         h = loraweave.apply(alone, [loraweave.AdapterSpec(ads[n], name=n) for n in names], mode="runtime")
         h.set_region("a", mask(LEFT))
         assert rel_err(got[i : i + 1], run("flux", alone, take(x, [i]))) <= 1e-5
+
+
+def test_region_follows_a_switch():
+    base = tiny_flux()
+    ads = {"a": adapter(base, "lora", 1), "b": adapter(base, "lokr", 2)}
+    specs = {n: loraweave.AdapterSpec(sd, name=n) for n, sd in ads.items()}
+    model = copy.deepcopy(base)
+    handle = loraweave.apply(model, [specs["a"]], mode="runtime")
+    handle.set_region("a", torch.zeros(4, 4))
+    handle.switch([specs["a"], specs["b"]])  # b's layers are new paths: they must defer to the regions too
+    only_b = copy.deepcopy(base)
+    loraweave.apply(only_b, [specs["b"]], mode="runtime")
+    assert rel_err(flux_forward(model), flux_forward(only_b)) <= 1e-6
+    handle.switch([specs["b"]])
+    handle.clear_region("a")
+    handle.switch([specs["a"]])  # a's paths come back from the detached set: plain again
+    assert all(rp.mix is None for rp in handle._runtime)
+    plain = copy.deepcopy(base)
+    loraweave.apply(plain, [specs["a"]], mode="runtime")
+    assert rel_err(flux_forward(model), flux_forward(plain)) <= 1e-6

@@ -130,6 +130,10 @@ class Handle:
         from .switching import switch
 
         switch(self, adapters, strength, stack, density)
+        if getattr(self, "_mix", None) is not None and self.active:  # open batch / regions follow the new paths
+            from .mechanisms.mix import mix_for
+
+            mix_for(self)
 
     def batch(self, assignments: list[list[str]], strengths: list | None = None):
         """Context manager: inside it, sample i of each forward uses only the adapters `assignments[i]` (runtime).

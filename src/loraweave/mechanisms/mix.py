@@ -266,6 +266,10 @@ def mix_for(handle) -> Mix:
         names = {id(rp): key for key, rp in handle._runtime_by_key().items()}
         mix = Mix(dict(handle._plan.components), names, handle._settings)
         handle._mix = mix
+    else:  # paths may have changed (a switch): per-path caches are keyed by id and would be stale
+        mix.names = {id(rp): key for key, rp in handle._runtime_by_key().items()}
+        for cache in (mix._pairs, mix._runs, mix._gates):
+            cache.clear()
     mix.settings = handle._settings
     for rp in handle._runtime:
         rp.mix = mix
@@ -276,7 +280,7 @@ def release(handle) -> None:
     """Detach the handle's Mix once it has neither a batch nor a region: paths return to their plain forward."""
     mix = getattr(handle, "_mix", None)
     if mix is not None and (mix.idle or not handle.active):
-        for rp in handle._runtime:
+        for rp in [*handle._runtime, *getattr(handle, "_detached", {}).values()]:  # a switch may re-attach the latter
             rp.mix = None
         mix.remove()
         handle._mix = None
