@@ -37,3 +37,16 @@ class BatchError(LoraweaveError, ValueError):
 
 class RegionError(LoraweaveError, ValueError):
     """A regional mask (`Handle.set_region`) is malformed, or a layer's tokens cannot be placed on the image."""
+
+
+class NonFiniteResultError(LoraweaveError):
+    """Finite factors whose merged result is not finite (the product overflows the weight's dtype); the layer is
+    left as it was."""
+
+
+class AdapterMetadataError(AdapterFormatError):
+    """A metadata field (PEFT `lora_adapter_metadata`, kohya `ss_*`, cloneofsimo) is malformed; names file and field."""
+
+    def __init__(self, source: str, field: str, why: str) -> None:
+        super().__init__(f"{source}: metadata field {field!r} {why}")
+        self.source, self.field = source, field

@@ -16,7 +16,11 @@ class AdapterSpec:
 
     `strength` scales the denoiser; `te_strength` the text encoders (None: same as `strength`).
     `block_weights` is anything `loraweave.arch.blocks.block_weights` accepts (scalar, vector, dict, preset
-    name); None means every block at 1. `name` is how reports and set_strength address it."""
+    name); None means every block at 1. `name` is how reports and set_strength address it.
+
+    `steps=(start, end)`: the adapter acts on the denoiser only on sampling steps i with start <= i/N < end
+    (fractions of the N steps; `Handle.step_schedule`). `ramp="linear"` with `ramp_strengths=(first, last)`: the
+    strength goes linearly from `first` on the window's first step to `last` on its last (mode="runtime")."""
 
     source: str | os.PathLike | Any
     strength: float = 1.0
@@ -39,3 +43,9 @@ class AdapterSpec:
     def text_encoder_strength(self) -> float:
         """The strength the text encoders get."""
         return float(self.strength if self.te_strength is None else self.te_strength)
+
+
+def finite_strength(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"strength must be a finite number, got {value}")
+    return value
