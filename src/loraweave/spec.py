@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .arguments import strength as check_strength
 from .plan.schedule import check_window
 
 
@@ -17,6 +18,9 @@ class AdapterSpec:
     `strength` scales the denoiser; `te_strength` the text encoders (None: same as `strength`).
     `block_weights` is anything `loraweave.arch.blocks.block_weights` accepts (scalar, vector, dict, preset
     name); None means every block at 1. `name` is how reports and set_strength address it.
+    `component_strengths` multiplies the strength per component, e.g. {"transformer": 1.0, "transformer_2": 0.5}
+    for Wan 2.2's two experts: the file's denoiser keys land on every denoiser named here (default: the
+    pipeline's one denoiser). Text encoders named here are scaled likewise.
 
     `steps=(start, end)`: the adapter acts on the denoiser only on sampling steps i with start <= i/N < end
     (fractions of the N steps; `Handle.step_schedule`). `ramp="linear"` with `ramp_strengths=(first, last)`: the
@@ -27,6 +31,7 @@ class AdapterSpec:
     te_strength: float | None = None
     block_weights: Any = None
     name: str | None = None
+    component_strengths: dict[str, float] | None = None
     steps: tuple[float, float] | None = None
     ramp: str | None = None
     ramp_strengths: tuple[float, float] | None = None
@@ -36,8 +41,15 @@ class AdapterSpec:
         for label, value in (("strength", self.strength), ("te_strength", self.te_strength)):
             if value is None and label == "te_strength":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"AdapterSpec {label} must be a finite number, got {value!r}")
+            check_strength(value, f"AdapterSpec {label}")
+
+        if self.component_strengths is not None and not isinstance(self.component_strengths, dict):
+            raise ValueError(f"AdapterSpec component_strengths must be a dict, got {self.component_strengths!r}")
+        for component, value in (self.component_strengths or {}).items():
+            if not isinstance(component, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"AdapterSpec component_strengths must map component names to finite numbers, "
+                                 f"got {component!r}: {value!r}")
 
     @property
     def text_encoder_strength(self) -> float:
@@ -46,6 +58,5 @@ class AdapterSpec:
 
 
 def finite_strength(value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"strength must be a finite number, got {value}")
-    return value
+    """A strength by AdapterSpec's rule (finite, |s| <= 1e4, not a string or bool); ArgumentError otherwise."""
+    return check_strength(value)

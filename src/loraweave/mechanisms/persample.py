@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -63,7 +64,7 @@ def part_strength_for(path, pp, key: SampleKey | None, settings: Mapping[str, Ad
     if value is None:
         return 0.0
     w = settings[pp.adapter.name]
-    return part_strength(pp, AdapterWeights(value, w.te_strength, w.block_weights)) * path.gates.get(pp.adapter.name, 1.0)
+    return part_strength(pp, replace(w, strength=value)) * path.gates.get(pp.adapter.name, 1.0)
 
 
 class PairFactors:

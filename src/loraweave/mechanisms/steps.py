@@ -7,9 +7,10 @@ Only the denoiser follows a window: text encoders run once before the first step
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
-from ..plan.weights import AdapterWeights, is_text_encoder, part_strength
+from ..plan.weights import is_text_encoder, part_strength
 
 log = logging.getLogger("loraweave")
 
@@ -56,7 +57,7 @@ class StepSchedule:
         if self._current[name] == value:
             return  # unchanged between steps: nothing rewritten
         w = self._settings[name]
-        weights = AdapterWeights(value, w.te_strength, w.block_weights)
+        weights = replace(w, strength=value)  # block weights, component strengths and the rest stay
         for pp in self._parts[name]:
             pp.strength = part_strength(pp, weights)
         for rp in self._paths[name]:
