@@ -45,6 +45,13 @@ def test_lbw_named_items_and_lyco(lora_dir):
     assert subj.block_weights == [1.0, 0.0, 0.5] and subj.strength == 1.0
 
 
+def test_step_window_keys(lora_dir):
+    _, (a, b, c, d) = parse_prompt("<lora:subject:0.7:start=0.0:end=0.3> <lora:ink:start=0.5> <lora:subject:end=0.25> "
+                                   "<lora:ink:1:0.5>", lora_dir)
+    assert (a.strength, a.steps) == (0.7, (0.0, 0.3))
+    assert (b.steps, c.steps, d.steps) == ((0.5, 1.0), (0.0, 0.25), None)
+
+
 def test_no_tags(lora_dir):
     assert parse_prompt("just a prompt", lora_dir) == ("just a prompt", [])
 
@@ -113,6 +120,10 @@ def test_ambiguous_stem(lora_dir):
         ("<lora:subject:lbw=OUTS:1>", "after a named"),
         ("<lora:subject:1:lbw=>", "empty"),
         ("<lora:subject:1:lbw=1,x>", "not a number"),
+        ("<lora:subject:1:start=0.5:end=0.5>", "start < end"),
+        ("<lora:subject:1:start=0.5:start=0.1>", "given twice"),
+        ("<lora:subject:1:end=1.5>", "start < end"),
+        ("<lora:subject:1:end=x>", "not a number"),
     ],
 )
 def test_bad_syntax(lora_dir, tag, match):

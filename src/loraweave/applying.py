@@ -22,6 +22,7 @@ from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
 from .miss import Unmatched
 from .plan.resolve import Plan, PlannedPart, resolve
+from .plan.schedule import step_window
 from .plan.stacking import adapter_names, combine_groups
 from .plan.target import as_components, experts
 from .plan.weights import AdapterWeights, assign
@@ -78,8 +79,9 @@ def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]
     out = []
     for spec in as_specs(adapters):
         te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
+        window = step_window(spec.steps, spec.ramp, spec.ramp_strengths, float(strength))
         out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights,
-                                         spec.component_strengths)))
+                                         spec.component_strengths, window)))
     return out
 
 

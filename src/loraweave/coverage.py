@@ -16,10 +16,8 @@ TOP_KINDS = 3  # miss kinds named per WARNING line
 
 
 def miss_kind(miss) -> str:
-    """The kind of a miss: its typed `kind` when it has one, else the reason's text before the first ':'.
-    (`miss` is an unmatched entry: a dict or a typed record, both read by `miss[field]`.)"""
-    kind = getattr(miss, "kind", None) or (miss.get("kind") if isinstance(miss, dict) else None)
-    return str(kind) if kind else str(miss["reason"]).split(":", 1)[0]
+    """The kind of a miss (an Unmatched, or inspect's dict with the same fields): typed where it was made."""
+    return miss["kind"]
 
 
 def _field(miss, name: str) -> str:

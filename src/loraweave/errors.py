@@ -37,6 +37,14 @@ class StrictApplyError(LoraweaveError):
         self.report = report
 
 
+class BatchError(LoraweaveError, ValueError):
+    """A per-sample batch (`Handle.batch`) is malformed, or a layer's rows cannot be mapped to its samples."""
+
+
+class RegionError(LoraweaveError, ValueError):
+    """A regional mask (`Handle.set_region`) is malformed, or a layer's tokens cannot be placed on the image."""
+
+
 class ArgumentError(LoraweaveError, ValueError):
     """An argument is out of range or of the wrong kind (strength, rank, energy, budget, adapter list)."""
 

@@ -83,6 +83,9 @@ class Handle:
                 return
             self.check_undoable()
             self.journal.undo()
+            if getattr(self, "_mix", None) is not None:  # per-sample / regional state: its root hooks go too
+                self._mix.remove()
+                self._mix = None
             self._detached.clear()
             self.active = False
         self._release()
@@ -124,7 +127,7 @@ class Handle:
             if pp.adapter.name == name:
                 pp.strength = part_strength(pp, self._settings[name])
         for entry in self.journal.entries:
-            if name in getattr(entry, "adapters", ()):
+            if name in entry.adapters:
                 _rewrite(entry)
 
     @property
@@ -213,8 +216,45 @@ class Handle:
         removed and the error raised."""
         from .switching import switch
 
-        with self.lock():
-            switch(self, adapters, strength, stack, density)
+        try:
+            with self.lock():
+                switch(self, adapters, strength, stack, density)
+        finally:
+            if getattr(self, "_mix", None) is not None:  # open batch / regions follow the new paths (or go with them)
+                from .mechanisms.mix import mix_for, release
+
+                mix_for(self) if self.active else release(self)
+
+    def batch(self, assignments: list[list[str]], strengths: list | None = None):
+        """Context manager: inside it, sample i of each forward uses only the adapters `assignments[i]` (runtime).
+
+        `strengths[i]` (optional) is a list aligned with `assignments[i]` or a {name: strength} mapping; default: the
+        adapters' current strengths. A model batch of k·B rows for B samples is read as k guidance copies
+        (`cat([uncond, cond])`); rows are mapped to samples through the model's own input (see mechanisms/rows.py)
+        and a layer whose rows cannot be mapped raises BatchError."""
+        from .mechanisms.mix import batch
+
+        return batch(self, assignments, strengths)
+
+    def set_region(self, name: str, mask) -> None:
+        """Confine a runtime adapter to an image-space mask (H×W, 0..1), per image token (mechanisms/region.py)."""
+        from .mechanisms.mix import set_region
+
+        set_region(self, name, mask)
+
+    def clear_region(self, name: str) -> None:
+        """Apply the adapter everywhere again."""
+        from .mechanisms.mix import clear_region
+
+        clear_region(self, name)
+
+    def step_schedule(self, total_steps: int):
+        """Strengths per sampling step from the adapters' `steps=` windows and ramps (mechanisms/steps.py).
+
+        Sets step 0 at once; pass the result as `callback_on_step_end=` to a diffusers pipeline call."""
+        from .mechanisms.steps import StepSchedule
+
+        return StepSchedule(self, total_steps)
 
     @property
     def strengths(self) -> dict[str, float]:

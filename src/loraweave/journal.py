@@ -21,7 +21,8 @@ log = logging.getLogger("loraweave")
 
 
 class Installed(Protocol):
-    module: object
+    module: object  # the module the change is on
+    adapters: set[str] | frozenset[str]  # adapters whose strength the entry follows
 
     def undo(self) -> None: ...
 

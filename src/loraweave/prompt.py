@@ -2,7 +2,8 @@
 
 Positional numbers are the denoiser strength, then the text-encoder strength (default: the denoiser's).
 Named items: `te=`, `unet=` / `dit=` / `model=` (denoiser), `lbw=` (block weights: a preset name or a
-comma-separated vector). Names resolve to `.safetensors` files inside `lora_dir` only: by relative path
+comma-separated vector), `start=` / `end=` (the step window as fractions of the schedule, `AdapterSpec.steps`;
+a missing end is 1, a missing start 0). Names resolve to `.safetensors` files inside `lora_dir` only: by relative path
 (`styles/ink`) or by file stem anywhere below it. `..`, absolute paths, NUL bytes, and symlinks whose
 target leaves the folder are refused."""
 
@@ -115,8 +116,8 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
         if "=" in item:
             key, _, value = item.partition("=")
             key = key.strip().lower()
-            if key not in ("te", "lbw", *_DENOISER_KEYS):
-                raise PromptAdapterError(f"{tag}: unknown item {key!r}; known: te=, unet=/dit=/model=, lbw=")
+            if key not in ("te", "lbw", "start", "end", *_DENOISER_KEYS):
+                raise PromptAdapterError(f"{tag}: unknown item {key!r}; known: te=, unet=/dit=/model=, lbw=, start=, end=")
             if key in named or (key in _DENOISER_KEYS and any(k in named for k in _DENOISER_KEYS)):
                 raise PromptAdapterError(f"{tag}: {key}= given twice")
             named[key] = value.strip()
@@ -143,8 +144,20 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
         if not raw:
             raise PromptAdapterError(f"{tag}: lbw= is empty")
         lbw = [_number(x, tag, "lbw value") for x in raw.split(",")] if "," in raw or _is_number(raw) else raw
+    steps = _window(named, tag)
     path = resolve_adapter_name(name, lora_dir)
-    return AdapterSpec(source=path, strength=strength, te_strength=te, block_weights=lbw, name=name)
+    return AdapterSpec(source=path, strength=strength, te_strength=te, block_weights=lbw, name=name, steps=steps)
+
+
+def _window(named: dict[str, str], tag: str) -> tuple[float, float] | None:
+    """`start=` / `end=` as a checked step window, or None when neither is given."""
+    if "start" not in named and "end" not in named:
+        return None
+    start = _number(named["start"], tag, "start=") if "start" in named else 0.0
+    end = _number(named["end"], tag, "end=") if "end" in named else 1.0
+    if not 0.0 <= start < end <= 1.0:
+        raise PromptAdapterError(f"{tag}: start= and end= must satisfy 0 <= start < end <= 1, got {start} and {end}")
+    return start, end
 
 
 def _is_number(text: str) -> bool:

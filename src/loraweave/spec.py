@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .arguments import strength as check_strength
+from .plan.schedule import check_window
 
 
 @dataclass
@@ -19,7 +20,11 @@ class AdapterSpec:
     name); None means every block at 1. `name` is how reports and set_strength address it.
     `component_strengths` multiplies the strength per component, e.g. {"transformer": 1.0, "transformer_2": 0.5}
     for Wan 2.2's two experts: the file's denoiser keys land on every denoiser named here (default: the
-    pipeline's one denoiser). Text encoders named here are scaled likewise."""
+    pipeline's one denoiser). Text encoders named here are scaled likewise.
+
+    `steps=(start, end)`: the adapter acts on the denoiser only on sampling steps i with start <= i/N < end
+    (fractions of the N steps; `Handle.step_schedule`). `ramp="linear"` with `ramp_strengths=(first, last)`: the
+    strength goes linearly from `first` on the window's first step to `last` on its last (mode="runtime")."""
 
     source: str | os.PathLike | Any
     strength: float = 1.0
@@ -27,8 +32,12 @@ class AdapterSpec:
     block_weights: Any = None
     name: str | None = None
     component_strengths: dict[str, float] | None = None
+    steps: tuple[float, float] | None = None
+    ramp: str | None = None
+    ramp_strengths: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
+        check_window(self.steps, self.ramp, self.ramp_strengths)
         for label, value in (("strength", self.strength), ("te_strength", self.te_strength)):
             if value is None and label == "te_strength":
                 continue

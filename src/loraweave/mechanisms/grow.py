@@ -21,6 +21,7 @@ class GrownInput:
     in_features: int
     config_owner: object | None
     config_before: dict[str, object] = field(default_factory=dict)
+    adapters: frozenset[str] = frozenset()  # a journal entry's adapters: growth belongs to none (strengths skip it)
 
     def restore(self) -> None:
         self.module.weight = self.weight

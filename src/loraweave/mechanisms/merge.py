@@ -105,6 +105,7 @@ class MergedModule:
         for piece, b, coeff in deltas:
             acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coeff)
         bias.data.copy_(acc)
+        refuse_non_finite(bias.data, self.bias_backup, self.adapters)
 
 
 def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: set[str]) -> None:

@@ -13,7 +13,7 @@ import torch
 from ..arch.spec import module_shape
 from ..quant.backend import QuantBackend, Restore
 from .hosted import Truncation, truncate
-from .merge import Contribution, add_contribution, needs_bias
+from .merge import Contribution, add_contribution, needs_bias, refuse_non_finite
 
 log = logging.getLogger("loraweave")
 
@@ -220,7 +220,9 @@ class QuantWrite:
         shape = module_shape(self.module)
         base = self.backend.dequantize(self.module)
         delta = intended_delta(self.contributions, shape, base)
-        self._undo = self.backend.requantize(self.module, base + delta.view(base.shape))
+        target = base + delta.view(base.shape)
+        refuse_non_finite(target, base, self.adapters)  # before the storage is touched
+        self._undo = self.backend.requantize(self.module, target)
         after = self.backend.dequantize(self.module)
         self.retention = retention(after - base, delta.view(base.shape))
 

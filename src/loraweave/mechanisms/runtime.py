@@ -121,6 +121,7 @@ class RuntimePath:
         self.refresh_scales()
         self.hook = None
         self.active = False
+        self.mix = None  # per-sample sets / regions (mechanisms/mix.py): while set, it computes the adapter terms
 
     def _strength(self, pp: PlannedPart) -> float:
         return pp.strength * self.gates.get(pp.adapter.name, 1.0)
@@ -217,6 +218,8 @@ class RuntimePath:
         if plain:
             out = F.linear(x, w, m.bias)
             return self.add_path(x, out) if self.active else out
+        if self.mix is not None:
+            return self.mix.fused_linear(self, x)
         down, up, scale = self._factors(w.device, w.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         h = (x2 @ down.t()).mul_(scale)
@@ -225,6 +228,8 @@ class RuntimePath:
         return self._add_extras(x, y.view(*x.shape[:-1], self.out))
 
     def add_path(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if self.mix is not None:
+            return self.mix.add(self, x, output)
         dtype = output.dtype
         base_terms = self._base_terms(x, output)  # before anything is added to the output
         for value, dst, n, alpha in base_terms:

@@ -18,6 +18,7 @@ class AdapterWeights:
     te_strength: float | None = None  # None: text encoders follow `strength`
     block_weights: Any = None  # scalar, vector, slot dict or preset name; None: every block at 1
     component_strengths: dict[str, float] | None = None  # component -> factor (Wan 2.2 experts); absent: 1
+    window: Any = None  # plan.schedule.StepWindow: the sampling steps it acts on (Handle.step_schedule)
 
 
 def is_text_encoder(component: str) -> bool:
