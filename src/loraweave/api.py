@@ -16,6 +16,7 @@ from .errors import StrictApplyError
 from .formats.adapter import Adapter, load_adapter
 from .handle import Handle, finite_strength
 from .mechanisms.choose import QUANTIZED, QuantSettings, plan_work
+from .mechanisms.compiled import compile_options, prepare
 from .mechanisms.grow import GrownInput, grow_input
 from .mechanisms.merge import Contribution, MergedModule, merge_module
 from .mechanisms.quantized import QuantWrite
@@ -153,6 +154,8 @@ def apply(
     quantized: str = "auto",
     host_rank: int = 256,
     cache=None,
+    compile_friendly: bool = False,
+    rank_buckets: Iterable[int] | None = None,
 ) -> Handle:
     """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
 
@@ -176,10 +179,14 @@ def apply(
     host_rank: rank cap of a hosted truncation (randomized SVD, seeded locally: the caller's RNG is untouched);
       0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
     cache: a `loraweave.mechanisms.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
-      on disk; a replay is bit-identical to a fresh compute."""
+      on disk; a replay is bit-identical to a fresh compute.
+    compile_friendly: runtime paths ready for `torch.compile`: ranks zero-padded to `rank_buckets` (default
+      8/16/32/64/128; costs the padded FLOPs), strengths in tensors, hooks fixed for the handle's life, so strength
+      changes, `disable`/`enable` and switches within a bucket never recompile (see mechanisms/compiled.py)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     validate_stack(stack, density)
+    copts = compile_options(compile_friendly, rank_buckets, stack)
     if quantized not in QUANTIZED:
         raise ValueError(f"quantized must be one of {QUANTIZED}, got {quantized!r}")
     if not isinstance(host_rank, int) or host_rank < 0:
@@ -220,6 +227,8 @@ def apply(
                 merge_module(module, contribs, merged)
             elif mechanism == "runtime":
                 rp = prepared.get((comp, path)) or RuntimePath(module, contribs)
+                if copts is not None:
+                    prepare(rp, copts)
                 runtime.append(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
                 rp.attach()
                 cost = "; ".join(sorted(rp.costs))
@@ -256,6 +265,7 @@ def apply(
     report.log()
     handle = Handle(p, report, merged, runtime, settings, grown, quant)
     handle.quant_options = {"quantized": quantized, "host_rank": host_rank, "cache": cache}
+    handle.compile_options = copts
     if select:  # every shared layer starts on the subject (step 0 of any schedule)
         handle._select = (stack, (p.adapters[0].name, p.adapters[1].name))
         from .mechanisms.select import choose, shared_layers

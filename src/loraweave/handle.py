@@ -34,6 +34,8 @@ class Handle:
         self._grown = grown or []
         self._select: tuple[str, tuple[str, str]] | None = None  # (mode, (subject, style)) for select modes
         self.quant_options: dict = {}  # apply's quantized/host_rank/cache, reused when a switch starts over
+        self.compile_options = None  # apply's compile_friendly settings (mechanisms.compiled.CompileOptions)
+        self._disabled: dict[str, tuple[float, float | None]] = {}  # name -> (strength, te strength) to restore
         self._resolve_cache = None  # switching: loads and resolutions per source (plan.cache.ResolveCache)
         self._detached: dict = {}  # switching: paths the last switch took off, by (module id, structure)
         self.last_switch: dict[str, int] | None = None  # kept / reattached / rebuilt / dropped layers
@@ -70,6 +72,7 @@ class Handle:
         if any(name in m.adapters and not m.is_top() for m in [*self._merged, *self._quant]):
             raise RuntimeError("a later apply merged into the same layers; remove it before changing this strength")
         value = finite_strength(float(value))
+        self._disabled.pop(name, None)  # an explicit strength ends a `disable`
         self._plan.strengths[name] = value
         self._settings[name].strength = value
         if te is not None:
@@ -91,6 +94,28 @@ class Handle:
         for summary in self.report.adapters:
             if summary["name"] == name:
                 summary["strength"] = float(value)
+
+    def disable(self, name: str | None = None) -> None:
+        """Switch an adapter (None: all) off without removing anything: its strength goes to 0 (runtime: a scale
+        write, so a compiled model does not recompile) and `enable` brings the previous strengths back."""
+        for n in self._names(name):
+            if n not in self._disabled:
+                w = self._settings[n]
+                saved = (w.strength, w.te_strength)
+                self.set_strength(n, 0.0, te=None if w.te_strength is None else 0.0)
+                self._disabled[n] = saved  # after: set_strength forgets a disabled state
+
+    def enable(self, name: str | None = None) -> None:
+        """Undo `disable` (None: every disabled adapter)."""
+        for n in self._names(name):
+            if n in self._disabled:
+                strength, te = self._disabled.pop(n)
+                self.set_strength(n, strength, te=te)
+
+    def _names(self, name: str | None) -> list[str]:
+        if name is not None and name not in self._plan.strengths:
+            raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
+        return list(self._plan.strengths) if name is None else [name]
 
     def select_schedule(self, total_steps: int, **kwargs: float):
         """For stack="klora"/"estlora": the per-layer subject->style schedule over `total_steps` sampling steps.

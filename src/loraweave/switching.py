@@ -12,6 +12,7 @@ import os
 import time
 
 from .mechanisms.choose import plan_work
+from .mechanisms.compiled import compile_options, prepare
 from .mechanisms.merge import MergedModule, merge_module
 from .mechanisms.runtime import RuntimePath
 from .plan.resolve import Plan, PlannedPart
@@ -112,6 +113,8 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     mode = handle.report.mode
     components = handle._plan.components
     api.validate_stack(stack, density)
+    if handle.compile_options is not None:  # a stack mode that breaks the graph is refused here too
+        compile_options(True, handle.compile_options.buckets, stack)
     if handle._resolve_cache is None:
         from .plan.cache import ResolveCache
 
@@ -120,7 +123,9 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p):
         # Grown inputs change the model itself and quantized writes own their layers' storage: start over.
         handle.remove()
+        copts = handle.compile_options
         fresh = api.apply(components, adapters, mode=mode, strength=strength, stack=stack, density=density,
+                          compile_friendly=copts is not None, rank_buckets=copts and copts.buckets,
                           **handle.quant_options)
         handle.__dict__.update(fresh.__dict__)
         handle.last_switch = {"kept": 0, "reattached": 0, "rebuilt": len(handle.report.applied), "dropped": 0}
@@ -175,6 +180,8 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
                         counts["reattached"] += 1
                     else:
                         new = prepared.get((comp, path)) or RuntimePath(module, contribs)
+                        if handle.compile_options is not None:
+                            prepare(new, handle.compile_options, previous=rp)
                         counts["rebuilt"] += 1
                     runtime.append(new)
                     new.attach()
@@ -200,6 +207,7 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
         raise
     handle._plan, handle._settings, handle._runtime, handle._merged = p, settings, runtime, merged
     handle._detached = now_detached
+    handle._disabled = {}  # the new set comes with its own strengths
     handle.report = api._make_report(p, mode, applied, unmatched, t0)
     api.log.info("loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
                  counts["kept"], counts["reattached"], counts["rebuilt"], counts["dropped"], handle.report.summary())
