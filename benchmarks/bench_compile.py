@@ -20,7 +20,7 @@ import time
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
-from benchutil import Variant, inference_forward, linear_model, median, sandwiched, table
+from benchutil import Variant, inference_forward, linear_lora, median, sandwiched, table
 
 IN = OUT = 3072
 TOKENS = 4096
@@ -33,12 +33,7 @@ def main() -> None:
     benchutil.header("bench_compile: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA, eager vs inductor")
     import loraweave
 
-    g = torch.Generator().manual_seed(0)
-    base = linear_model(IN, OUT, g)
-    sd = {"lora_unet_proj.lora_down.weight": torch.randn(RANK, IN, generator=g) / IN**0.5,
-          "lora_unet_proj.lora_up.weight": torch.randn(OUT, RANK, generator=g) / RANK**0.5,
-          "lora_unet_proj.alpha": torch.tensor(8.0)}
-    x = torch.randn(1, TOKENS, IN, generator=g)
+    base, sd, x = linear_lora(IN, OUT, TOKENS, RANK, alpha=8.0)
     keep, models = [], {}
     for name, kw in {"r16": {}, "r16->32": {"compile_friendly": True, "rank_buckets": (32,)},
                      "cf r16": {"compile_friendly": True, "rank_buckets": (16,)}}.items():

@@ -22,7 +22,7 @@ import copy
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
-from benchutil import Variant, inference_forward, linear_model, median, sandwiched, spread, table
+from benchutil import Variant, inference_forward, linear_lora, median, sandwiched, spread, table
 
 IN = OUT = 3072
 TOKENS = 4096
@@ -54,13 +54,8 @@ def main() -> None:
 
     import loraweave
 
-    g = torch.Generator().manual_seed(0)
-    base = linear_model(IN, OUT, g)
-    down = torch.randn(RANK, IN, generator=g) / IN**0.5
-    up = torch.randn(OUT, RANK, generator=g) / RANK**0.5
-    x = torch.randn(1, TOKENS, IN, generator=g)
-    sd = {"lora_unet_proj.lora_down.weight": down, "lora_unet_proj.lora_up.weight": up,
-          "lora_unet_proj.alpha": torch.tensor(SCALE * RANK)}
+    base, sd, x = linear_lora(IN, OUT, TOKENS, RANK, alpha=SCALE * RANK)
+    down, up = sd["lora_unet_proj.lora_down.weight"], sd["lora_unet_proj.lora_up.weight"]
     lw = copy.deepcopy(base)
     keep = loraweave.apply(lw, sd, mode="runtime", strict=True)
     peft = inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=SCALE * RANK, target_modules=["proj"]),

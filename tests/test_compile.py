@@ -213,3 +213,28 @@ def test_inductor_whole_model_agrees_with_eager(name):
     loraweave.apply(model, AdapterSpec(_lora(base, _layers(base), 8, seed=9), 1.0), mode="runtime",
                     compile_friendly=True, rank_buckets=(16,))
     assert rel_err(_run(forward, torch.compile(model, backend="inductor")), _run(forward, model)) <= TOL
+
+
+@pytest.mark.parametrize("mode", ["runtime", "merge"])
+def test_disable_enable(mode):
+    base = tiny_flux()
+    layers = _layers(base, every=4)
+    model = copy.deepcopy(base)
+    handle = loraweave.apply(model, [AdapterSpec(_lora(base, layers, 4, seed=10), 0.6, name="a"),
+                                     AdapterSpec(_lora(base, layers, 4, seed=11), 0.9, name="b")], mode=mode)
+    both, plain = _run(flux_forward, model), _run(flux_forward, base)
+    handle.disable()
+    assert rel_err(_run(flux_forward, model), plain) <= TOL and handle.strengths == {"a": 0.0, "b": 0.0}
+    handle.enable("a")
+    handle.enable("a")  # already on: nothing to do
+    only_a = copy.deepcopy(base)
+    loraweave.apply(only_a, AdapterSpec(_lora(base, layers, 4, seed=10), 0.6, name="a"), mode=mode)
+    assert rel_err(_run(flux_forward, model), _run(flux_forward, only_a)) <= TOL
+    handle.set_strength("b", 0.9)  # an explicit strength ends b's disable
+    handle.enable()
+    assert rel_err(_run(flux_forward, model), both) <= TOL and handle.strengths == {"a": 0.6, "b": 0.9}
+    with pytest.raises(KeyError, match="no adapter named 'c'"):
+        handle.disable("c")
+    handle.remove()
+    with pytest.raises(RuntimeError, match="removed"):
+        handle.disable()

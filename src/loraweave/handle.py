@@ -113,6 +113,8 @@ class Handle:
                 self.set_strength(n, strength, te=te)
 
     def _names(self, name: str | None) -> list[str]:
+        if not self.active:
+            raise RuntimeError("handle was removed")
         if name is not None and name not in self._plan.strengths:
             raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
         return list(self._plan.strengths) if name is None else [name]
