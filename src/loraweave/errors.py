@@ -29,3 +29,16 @@ class StrictApplyError(LoraweaveError):
     def __init__(self, message: str, report) -> None:
         super().__init__(message)
         self.report = report
+
+
+class NonFiniteResultError(LoraweaveError):
+    """Finite factors whose merged result is not finite (the product overflows the weight's dtype); the layer is
+    left as it was."""
+
+
+class AdapterMetadataError(AdapterFormatError):
+    """A metadata field (PEFT `lora_adapter_metadata`, kohya `ss_*`, cloneofsimo) is malformed; names file and field."""
+
+    def __init__(self, source: str, field: str, why: str) -> None:
+        super().__init__(f"{source}: metadata field {field!r} {why}")
+        self.source, self.field = source, field

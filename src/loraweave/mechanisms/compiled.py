@@ -60,13 +60,13 @@ def compile_options(compile_friendly: bool, rank_buckets, stack: str) -> Compile
     return CompileOptions(buckets)
 
 
-def prepare(path: RuntimePath, options: CompileOptions, previous: RuntimePath | None = None) -> None:
-    """Pad the path's rank to its bucket (never below the padded rank of `previous`, the path it replaces on the
-    layer: a switch down in rank keeps the shapes) and name any term whose strength is a Python float."""
+def prepare(path: RuntimePath, options: CompileOptions, floors: dict[int, int]) -> None:
+    """Pad the path's rank to its bucket, never below the rank this layer was padded to before in the handle
+    (`floors`, by module id: a switch down in rank keeps the shapes); name any term whose strength is a float."""
     if path.down is not None:
         rank = path.down.shape[0]
-        floor = previous.down.shape[0] if previous is not None and previous.down is not None else 0
-        path.pad_rank(max(options.bucket(rank), floor))
+        path.pad_rank(max(options.bucket(rank), floors.get(id(path.module), 0)))
+        floors[id(path.module)] = path.down.shape[0]
         log.debug("compile_friendly rank=%d bucket=%d", rank, path.down.shape[0])
     if path.dense or path.fns or path.base_fns or path.biases:
         path.costs.add(FLOAT_STRENGTH_COST)

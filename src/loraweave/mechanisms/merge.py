@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..arch.spec import Piece
-from ..families import FAMILIES
-from ..families.base import PartRejected
+from ..contribution import add_contribution, bias_of, coefficient
+from ..errors import NonFiniteResultError
 from ..plan.resolve import PlannedPart
 from ..plan.stacking import adapter_names
 
@@ -37,27 +38,6 @@ def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | No
     return None
 
 
-def _coeff(pp: PlannedPart) -> float:
-    return pp.strength * pp.scale
-
-
-def add_contribution(target_rows: torch.Tensor, pp: PlannedPart, piece: Piece, base: torch.Tensor | None,
-                     coeff: float | None = None) -> None:
-    """target_rows += coeff·ΔW (rows of `piece`), coeff = strength·scale unless given.
-
-    base: the ORIGINAL weight as (out, in·k), read (its piece rows, in target's dtype) by W-dependent families."""
-    family = FAMILIES[pp.part.family]
-    coeff = _coeff(pp) if coeff is None else coeff
-    if getattr(family, "NEEDS_BASE", False):
-        if base is None:
-            raise PartRejected(f"{pp.part.family} needs the layer's float weight")
-        rows = base[piece.dst_start : piece.dst_start + piece.length].to(target_rows.dtype)
-        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff,
-                         base=rows, strength=pp.strength, scale=pp.scale)
-    else:
-        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff)
-
-
 @dataclass(eq=False)  # identity semantics: instances are compared with `is` on the per-module stack
 class MergedModule:
     module: torch.nn.Module
@@ -80,6 +60,8 @@ class MergedModule:
             if self.bias_backup is not None:
                 self.module.bias.data.copy_(self.bias_backup)
 
+    undo = restore  # a journal entry
+
     def write(self, fresh: bool = False) -> None:
         """(Re)compute W = backup + Σ coeff·ΔW from the backup, so strength changes stay exact.
 
@@ -99,6 +81,7 @@ class MergedModule:
                 for pp, piece in self.contributions:
                     self._add(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece)
                 weight.copy_(acc.view(weight.shape))
+            refuse_non_finite(weight, self.weight_backup, self.adapters)
             self._write_bias()
 
     def _add(self, target: torch.Tensor, pp: PlannedPart, piece: Piece) -> None:
@@ -110,14 +93,9 @@ class MergedModule:
         live = getattr(self.module, "bias", None)
         original = self.bias_backup if self.bias_backup is not None else live  # before the first write: untouched
         for pp, piece in self.contributions:
-            family = FAMILIES[pp.part.family]
-            kw = {}
-            if getattr(family, "BIAS_NEEDS_BASE", False) and isinstance(original, torch.Tensor):
-                rows = original.detach()[piece.dst_start : piece.dst_start + piece.length]
-                kw["base"] = rows.to(torch.promote_types(rows.dtype, torch.float32), copy=True)
-            b = family.bias_delta(pp.factors, piece.src_start, piece.length, **kw)
+            b = bias_of(pp, piece, original)
             if b is not None:
-                deltas.append((piece, b, _coeff(pp)))
+                deltas.append((piece, b, coefficient(pp)))
         if not deltas:
             return
         bias = self.module.bias
@@ -129,15 +107,28 @@ class MergedModule:
         bias.data.copy_(acc)
 
 
+def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: set[str]) -> None:
+    """Raise when the merge made values non-finite that were finite (an overflowing product of finite factors)."""
+    try:
+        lo, hi = torch.aminmax(written)
+        if math.isfinite(lo.item()) and math.isfinite(hi.item()):
+            return
+    except (RuntimeError, NotImplementedError):  # dtypes without aminmax here: the elementwise test below
+        pass
+    new = ~torch.isfinite(written.float()) & torch.isfinite(original.view_as(written).float())
+    if bool(new.any()):
+        raise NonFiniteResultError(
+            f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite values in a "
+            f"{tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is left as it was")
+
+
 def needs_bias(contributions: list[Contribution]) -> bool:
-    return any(
-        FAMILIES[pp.part.family].bias_delta(pp.factors, piece.src_start, piece.length) is not None
-        for pp, piece in contributions
-    )
+    return any(bias_of(pp, piece) is not None for pp, piece in contributions)
 
 
-def merge_module(module: torch.nn.Module, contributions: list[Contribution], record: list[MergedModule]) -> None:
-    """Merge into `module`; the undo record is appended to `record` before the weight is touched."""
+def merge_module(module: torch.nn.Module, contributions: list[Contribution], record) -> MergedModule:
+    """Merge into `module`; the undo record goes to `record` (a list's append, or a journal's record) before the
+    weight is touched."""
     if needs_bias(contributions) and getattr(module, "bias", None) is None:
         raise ValueError("adapter carries a bias delta but the module has no bias")
     merged = MergedModule(module, contributions, module.weight.detach().clone())
@@ -145,5 +136,6 @@ def merge_module(module: torch.nn.Module, contributions: list[Contribution], rec
     if not hasattr(module, STACK_ATTR):
         setattr(module, STACK_ATTR, [])
     getattr(module, STACK_ATTR).append(merged)
-    record.append(merged)
+    (record.append if isinstance(record, list) else record)(merged)
     merged.write(fresh=True)
+    return merged
