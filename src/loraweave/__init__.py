@@ -11,13 +11,16 @@ from .errors import (
     AdapterFileError,
     AdapterFormatError,
     AdapterMetadataError,
+    ArgumentError,
+    EmptyOutputError,
     LoraweaveError,
+    NoKeysLandedError,
     NonFiniteResultError,
     StrictApplyError,
     TargetError,
     UnsafeFormatError,
 )
-from .prompt import parse_prompt
+from .prompt import PromptAdapterError, parse_prompt
 from .spec import AdapterSpec
 
 __version__ = "0.1.0"
@@ -73,9 +76,13 @@ __all__ = [
     "AdapterMetadataError",
     "AdapterPart",
     "AdapterSpec",
+    "ArgumentError",
+    "EmptyOutputError",
     "Handle",
     "LoraweaveError",
+    "NoKeysLandedError",
     "NonFiniteResultError",
+    "PromptAdapterError",
     "Report",
     "StreamHandle",
     "StrictApplyError",

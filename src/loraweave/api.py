@@ -17,12 +17,13 @@ from .applying import (
     plan_layers,
     resolve_set,
 )
+from .coverage import refuse_empty, warn_incomplete
 from .errors import StrictApplyError
 from .handle import Handle
 from .journal import Journal, model_lock
 from .plan.stacking import adapter_names
 from .plan.target import as_components
-from .report import AppliedModule, Report
+from .report import AppliedModule, Report, failures
 
 log = logging.getLogger("loraweave")
 __all__ = ["AdapterSource", "Handle", "apply", "plan"]
@@ -38,6 +39,7 @@ def plan(target, adapters: Iterable[AdapterSource] | AdapterSource, strength: fl
         AppliedModule(comp, path, "planned", sorted(adapter_names(contribs)), notes=notes_of(contribs))
         for (comp, path), contribs in group_by_module(p.planned).items()
     ]
+    applied += [AppliedModule(pp.component, pp.path, "planned", [pp.adapter.name], notes=list(pp.notes)) for pp in p.params]
     report = make_report(p, "plan", applied, list(p.unmatched), t0)
     report.log()
     return report
@@ -55,6 +57,7 @@ def apply(
     quantized: str = "auto",
     host_rank: int = 256,
     cache=None,
+    allow_empty: bool = False,
     compile_friendly: bool = False,
     rank_buckets: Iterable[int] | None = None,
 ) -> Handle:
@@ -81,10 +84,16 @@ def apply(
       0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
     cache: a `loraweave.mechanisms.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
       on disk; a replay is bit-identical to a fresh compute.
+
+    Coverage is loud: an adapter whose keys did not all land gets one WARNING line (landed/total, top miss kinds,
+    an example key). When not one key of an adapter lands, `NoKeysLandedError` (carrying the report) is raised and
+    nothing changes, unless `allow_empty=True`. `strict=True` raises `StrictApplyError` unless every key lands.
+
     compile_friendly: runtime paths ready for `torch.compile`: ranks zero-padded to `rank_buckets` (default
       8/16/32/64/128; costs the padded FLOPs), strengths in tensors, hooks fixed for the handle's life, so strength
       changes, `disable`/`enable` and switches within a bucket never recompile (see mechanisms/compiled.py)."""
     options = Options(mode, stack, density, quantized, host_rank, cache, compile_friendly, rank_buckets)
+
     options.check()
     if cache is not None and not hasattr(cache, "load"):
         from .mechanisms.factor_cache import FactorCache
@@ -96,14 +105,16 @@ def apply(
         p, settings = resolve_set(components, adapters, strength)
         mode = options.layer_mode(len(p.adapters))
         wp, unmatched = plan_layers(p, options, mode)
-        if strict and unmatched:
+        if strict and failures(unmatched):
             report = make_report(p, mode, [], unmatched, t0)
-            raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.kinds()})", report)
+            raise StrictApplyError(f"strict: {len(failures(unmatched))} keys did not land ({report.kinds()})", report)
+        refuse_empty(make_report(p, mode, [], unmatched, t0), allow_empty)
         journal = Journal()
         with journal.transaction():
             applied = install(journal, p, wp, mode, options, progress)
         report = finish_report(p, mode, applied, unmatched, wp, t0)
         report.log()
+        warn_incomplete(report)
         handle = Handle(p, report, journal, settings, options)
         handle.start_selection()
     return handle

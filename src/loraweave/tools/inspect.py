@@ -11,8 +11,10 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..arch.variants import variant_fit
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.detect import detect_architecture
+from ..report import failures
 
 if TYPE_CHECKING:
     import torch
@@ -170,6 +172,7 @@ def inspect_adapter(
     info["architecture"] = {"name": detection.architecture, "evidence": detection.evidence,
                             "scores": detection.scores, "metadata_says": detection.metadata}
     info["architecture_evidence"] = detection.evidence  # the pre-contract key, kept for older callers
+    info["variant"] = variant_fit(adapter)
     if not coverage:
         info["coverage"] = {"checked": False, "against": None, "keys_total": adapter.keys_total, "keys_applied": None,
                             "unmatched": [], "complete": None}
@@ -199,7 +202,7 @@ def inspect_adapter(
             "values_checked": check_values,
         }
     coverage["unmatched_by_kind"] = dict(Counter(u["kind"] for u in coverage["unmatched"]))
-    coverage["complete"] = not coverage["unmatched"]
+    coverage["complete"] = not failures(coverage["unmatched"])
     coverage["checked"] = True
     info["coverage"] = coverage
     info["seconds"] = round(time.perf_counter() - t0, 3)
@@ -222,6 +225,11 @@ def format_table(info: dict, limit: int = 20) -> str:
         ("architecture", info["architecture"]["name"]),
     ]
     rows += [("  evidence", e) for e in info["architecture"]["evidence"]]
+    variant = info.get("variant") or {}
+    if variant.get("blocks"):
+        blocks = ", ".join(f"{n} {c}" for c, n in variant["blocks"].items())
+        fits = variant["likely"] or (", ".join(variant["fits"]) if variant["fits"] else "no known variant")
+        rows.append(("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']})"))
     rows += [(f"  {k}", v) for k, v in info["metadata"].items()]
     if not cov.get("checked", True):
         rows.append(("coverage", f"not checked ({cov['keys_total']} keys; drop --no-coverage to resolve them)"))
