@@ -144,7 +144,7 @@ class DropIn:
         name = self._default_name() if adapter_name is None else adapter_name
         if name in self.loaded:
             raise DropInError(f"Adapter name {name} already in use in the model - please select a new adapter name.")
-        handle = apply(self.models(), AdapterSpec(adapter, name=name), mode="runtime")
+        handle = apply(self.models(), AdapterSpec(adapter, name=name), mode="runtime", allow_empty=True)  # refused below as diffusers would
         report = handle.report
         if report.keys_applied == 0:
             handle.remove()
