@@ -11,6 +11,8 @@ architecture skeleton cache (in the temp folder), so the timed rounds measure th
   inspect --arch   python -m loraweave.cli inspect FILE --arch flux --json   (Flux transformer + CLIP-L + T5)
   inspect, no TE   the same with --no-text-encoders
   inspect detect   python -m loraweave.cli inspect FILE --json  (architecture from the keys)
+  import loraweave python -c "import loraweave"  (no torch)
+  inspect no cov   python -m loraweave.cli inspect FILE --no-coverage --json  (the file alone, no torch)
 
     .venv/bin/python benchmarks/bench_inspect.py [--rounds 5]
 """
@@ -75,6 +77,8 @@ def main() -> None:
         variants = {
             "python start": [py, "-c", "pass"],
             "import": [py, "-c", "import loraweave.tools.inspect"],
+            "import loraweave": [py, "-c", "import loraweave"],
+            "inspect no cov": [py, "-m", "loraweave.cli", "inspect", str(path), "--no-coverage", "--json"],
             "inspect --arch": [py, "-m", "loraweave.cli", "inspect", str(path), "--arch", "flux", "--json"],
             "inspect, no TE": [py, "-m", "loraweave.cli", "inspect", str(path), "--arch", "flux", "--json",
                                "--no-text-encoders"],

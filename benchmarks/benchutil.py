@@ -118,6 +118,16 @@ def linear_model(in_features: int, out_features: int, g: torch.Generator) -> Wra
     return base
 
 
+def linear_lora(in_features: int, out_features: int, tokens: int, rank: int, alpha: float):
+    """(Wrap(Linear), kohya state dict of a rank-`rank` LoRA on it, x of `tokens` tokens), seeded with 0."""
+    g = torch.Generator().manual_seed(0)
+    base = linear_model(in_features, out_features, g)
+    sd = {"lora_unet_proj.lora_down.weight": torch.randn(rank, in_features, generator=g) / in_features**0.5,
+          "lora_unet_proj.lora_up.weight": torch.randn(out_features, rank, generator=g) / rank**0.5,
+          "lora_unet_proj.alpha": torch.tensor(float(alpha))}
+    return base, sd, torch.randn(1, tokens, in_features, generator=g)
+
+
 def inference_forward(m: torch.nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     """A Variant `run`: one forward of `m` on `x` under inference_mode."""
 

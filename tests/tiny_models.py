@@ -16,14 +16,14 @@ def tiny_flux(seed: int = 0):
     ).eval()
 
 
-def flux_forward(model, seed: int = 1, **extra):
+def flux_forward(model, seed: int = 1, device: str = "cpu", **extra):
     g = torch.Generator().manual_seed(seed)
-    return model(
+    inputs = dict(
         hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
         pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
-        guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3), return_dict=False,
-        **extra,
-    )[0]
+        guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3),
+    )
+    return model(**{k: v.to(device) for k, v in inputs.items()}, return_dict=False, **extra)[0]
 
 
 def tiny_zimage(seed: int = 0):

@@ -1,6 +1,12 @@
-"""loraweave: apply LoRA/LyCORIS adapters to diffusion models, merged or at runtime, with a full report."""
+"""loraweave: apply LoRA/LyCORIS adapters to diffusion models, merged or at runtime, with a full report.
 
-from .api import Handle, apply, plan
+Names that need torch are imported on first use (PEP 562), so `import loraweave` and `loraweave inspect FILE`
+without coverage start without loading torch."""
+
+import sys
+import types
+from importlib import import_module
+
 from .errors import (
     AdapterFileError,
     AdapterFormatError,
@@ -14,13 +20,54 @@ from .errors import (
     TargetError,
     UnsafeFormatError,
 )
-from .formats.adapter import Adapter, AdapterPart, load_adapter
 from .prompt import PromptAdapterError, parse_prompt
-from .report import Report
 from .spec import AdapterSpec
-from .streaming import StreamHandle, stream
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it (imported when the name is first read)
+_LAZY = {
+    "Handle": ".api", "apply": ".api",
+    "Adapter": ".formats.adapter", "AdapterPart": ".formats.adapter", "load_adapter": ".formats.adapter",
+    "Report": ".report",
+    "StreamHandle": ".streaming", "stream": ".streaming",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later reads skip this function
+        return value
+    try:  # `loraweave.api` etc. without importing them first (they were imported eagerly before)
+        return import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise  # the submodule exists but one of its own imports is missing
+        raise AttributeError(f"module 'loraweave' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY, "plan"])
+
+
+class _Package(types.ModuleType):
+    """`loraweave.plan` is the function although a subpackage has the same name: importing the subpackage sets
+    the parent's attribute, which this property ignores (the eager `from .api import plan` used to rebind it)."""
+
+    @property
+    def plan(self):
+        from .api import plan
+
+        return plan
+
+    @plan.setter
+    def plan(self, value) -> None:
+        pass  # the import system recording loraweave.plan (the subpackage); sys.modules still has it
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "Adapter",

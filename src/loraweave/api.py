@@ -59,6 +59,8 @@ def apply(
     host_rank: int = 256,
     cache=None,
     allow_empty: bool = False,
+    compile_friendly: bool = False,
+    rank_buckets: Iterable[int] | None = None,
 ) -> Handle:
     """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
 
@@ -86,8 +88,13 @@ def apply(
 
     Coverage is loud: an adapter whose keys did not all land gets one WARNING line (landed/total, top miss kinds,
     an example key). When not one key of an adapter lands, `NoKeysLandedError` (carrying the report) is raised and
-    nothing changes, unless `allow_empty=True`. `strict=True` raises `StrictApplyError` unless every key lands."""
-    options = Options(mode, stack, density, quantized, host_rank, cache)
+    nothing changes, unless `allow_empty=True`. `strict=True` raises `StrictApplyError` unless every key lands.
+
+    compile_friendly: runtime paths ready for `torch.compile`: ranks zero-padded to `rank_buckets` (default
+      8/16/32/64/128; costs the padded FLOPs), strengths in tensors, hooks fixed for the handle's life, so strength
+      changes, `disable`/`enable` and switches within a bucket never recompile (see mechanisms/compiled.py)."""
+    options = Options(mode, stack, density, quantized, host_rank, cache, compile_friendly, rank_buckets)
+
     options.check()
     if cache is not None and not hasattr(cache, "load"):
         from .mechanisms.factor_cache import FactorCache

@@ -8,13 +8,14 @@ import os
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .adapter_list import as_specs, check_names
 from .errors import NonFiniteResultError
 from .formats.adapter import Adapter, load_adapter
 from .journal import Journal
 from .mechanisms.choose import QUANTIZED, QuantSettings, WorkPlan, plan_work
+from .mechanisms.compiled import CompileOptions, compile_options, prepare
 from .mechanisms.grow import grow_input
 from .mechanisms.merge import Contribution, merge_module
 from .mechanisms.params import apply_params
@@ -47,6 +48,10 @@ class Options:
     quantized: str = "auto"
     host_rank: int = 256
     cache: object = None
+    compile_friendly: bool = False
+    rank_buckets: object = None  # ints, validated by check()
+    # compile_friendly: each layer's padded rank so far (id(module) -> rank); a switch never shrinks it
+    bucket_floors: dict = field(default_factory=dict, compare=False, repr=False)
 
     def check(self) -> None:
         if self.mode not in MODES:
@@ -56,6 +61,11 @@ class Options:
             raise ValueError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")
         if not isinstance(self.host_rank, int) or self.host_rank < 0:
             raise ValueError(f"host_rank must be an int >= 0, got {self.host_rank!r}")
+        self.compiled()
+
+    def compiled(self) -> CompileOptions | None:
+        """The validated compile_friendly settings, or None when not asked for."""
+        return compile_options(self.compile_friendly, self.rank_buckets, self.stack)
 
     @property
     def select(self) -> bool:
@@ -191,6 +201,8 @@ def install_layer(journal: Journal, item, mode: str, wp: WorkPlan, options: Opti
             raise NonFiniteResultError(f"{comp}.{path}: {exc}") from None
     elif mechanism == "runtime":
         rp = (path_for(module, contribs) if path_for is not None else None) or RuntimePath(module, contribs)
+        if options.compile_friendly:
+            prepare(rp, options.compiled(), options.bucket_floors)
         journal.record(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
         rp.attach()
         cost = "; ".join(sorted(rp.costs))

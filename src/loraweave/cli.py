@@ -69,15 +69,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return inspect_folder(args)
     from .tools.inspect import format_table, inspect_adapter
 
+    if args.strict and args.no_coverage:
+        print("loraweave inspect: --strict needs coverage; drop --no-coverage", file=sys.stderr)
+        return 2
     info = inspect_adapter(args.file, arch=args.arch, model=args.model, allow_pickle=args.allow_pickle,
-                           text_encoders=not args.no_text_encoders, check_values=args.check_values)
+                           text_encoders=not args.no_text_encoders, check_values=args.check_values,
+                           coverage=not args.no_coverage)
     if args.plot:
         from .cli_pictures import plot_into
 
         info["plot"] = plot_into(args)
     print(json.dumps(info, indent=2) if args.json else format_table(info, args.limit))
     cov = info["coverage"]
-    return 1 if args.strict and (not cov["complete"] or cov["keys_total"] == 0) else 0
+    return 1 if args.strict and (cov["complete"] is False or cov["keys_total"] == 0) else 0
 
 
 def _add_inspect(sub) -> None:
@@ -103,6 +107,9 @@ def _add_inspect(sub) -> None:
     p.add_argument("--check-values", action="store_true", help="also read every factor and reject NaN/Inf "
                    "(default: names and shapes only, alphas read)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-coverage", action="store_true", help="describe the file alone: no model is built and "
+                   "no key resolved (fast: torch is not imported; a UNet file is not told apart as sd1/sd2/sdxl, which takes "
+                   "fitting); JSON coverage has checked=false")
     p.add_argument("--strict", action="store_true", help="exit 1 when coverage is incomplete (or the file is empty)")
     p.add_argument("--limit", type=limit_arg, default=20, help="unmatched keys listed in the table (default 20)")
     add_common(p, pickle=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from .families.base import PartRejected
-
 
 def coefficient(pp) -> float:
     """coeff = strength · scale (γ from alpha/rank or metadata)."""
@@ -21,6 +19,8 @@ def add_contribution(target_rows: torch.Tensor, pp, piece, base: torch.Tensor | 
     coeff = coefficient(pp) if coeff is None else coeff
     if family.needs_base:
         if base is None:
+            from .families.base import PartRejected  # here: families.combined imports this module
+
             raise PartRejected("unsupported", f"unsupported: {pp.part.family} needs the layer's float weight")
         rows = base[piece.dst_start : piece.dst_start + piece.length].to(target_rows.dtype)
         family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff,

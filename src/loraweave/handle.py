@@ -37,6 +37,7 @@ class Handle:
         self._resolve_cache = None  # switching: loads and resolutions per source (plan.cache.ResolveCache)
         self._detached: dict = {}  # switching: paths the last switch took off, by (module id, structure)
         self.last_switch: dict[str, int] | None = None  # kept / reattached / rebuilt / dropped layers
+        self._disabled: dict[str, tuple[float, float | None]] = {}  # name -> (strength, te strength) to restore
         self.active = True
 
     # Views of the journal by kind of change (read-only lists).
@@ -116,9 +117,34 @@ class Handle:
             except BaseException:  # e.g. a merge that would overflow: every layer back at the old strengths
                 self._set_weights(name, *before)
                 raise
+            self._disabled.pop(name, None)  # an explicit strength ends a `disable`
             for summary in self.report.adapters:
                 if summary["name"] == name:
                     summary["strength"] = float(value)
+
+    def disable(self, name: str | None = None) -> None:
+        """Switch an adapter (None: all) off without removing anything: its strength goes to 0 (runtime: a scale
+        write, so a compiled model does not recompile) and `enable` brings the previous strengths back."""
+        for n in self._names(name):
+            if n not in self._disabled:
+                w = self._settings[n]
+                saved = (w.strength, w.te_strength)
+                self.set_strength(n, 0.0, te=None if w.te_strength is None else 0.0)
+                self._disabled[n] = saved  # after: set_strength forgets a disabled state
+
+    def enable(self, name: str | None = None) -> None:
+        """Undo `disable` (None: every disabled adapter)."""
+        for n in self._names(name):
+            if n in self._disabled:
+                strength, te = self._disabled.pop(n)
+                self.set_strength(n, strength, te=te)
+
+    def _names(self, name: str | None) -> list[str]:
+        if not self.active:
+            raise RuntimeError("handle was removed")
+        if name is not None and name not in self._plan.strengths:
+            raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
+        return list(self._plan.strengths) if name is None else [name]
 
     def _set_weights(self, name: str, strength: float, te: float | None) -> None:
         self._plan.strengths[name] = strength

@@ -129,6 +129,7 @@ def _start_over(handle, p: Plan, settings, options: Options, mode: str, wp, unma
 
 def _commit(handle, p: Plan, settings, options: Options, report, counts: dict[str, int]) -> None:
     handle._plan, handle._settings, handle.options, handle.report = p, settings, options, report
+    handle._disabled = {}  # the new set comes with its own strengths
     warn_incomplete(report)
     handle.start_selection()  # a select mode starts on the subject; any other mode drops the old selection
     handle.last_switch = counts
@@ -141,9 +142,10 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     if not handle.active:
         raise RuntimeError("handle was removed")
     t0 = time.perf_counter()
-    options = Options(handle.options.mode, stack, density, handle.options.quantized, handle.options.host_rank,
-                      handle.options.cache)
-    options.check()
+    old = handle.options
+    options = Options(old.mode, stack, density, old.quantized, old.host_rank, old.cache, old.compile_friendly,
+                      old.rank_buckets, old.bucket_floors)
+    options.check()  # compile_friendly: a stack mode that breaks the graph is refused here too
     components = handle._plan.components
     if handle._resolve_cache is None:
         from .plan.cache import ResolveCache

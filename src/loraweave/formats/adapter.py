@@ -8,13 +8,15 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import AdapterFileError, AdapterMetadataError, UnsafeFormatError
 from .alpha import MetadataAlpha, read_metadata_alpha
 from .keys import ParsedKey, parse_key, split_stem
 from .metadata import cloneofsimo_classes
+
+if TYPE_CHECKING:
+    import torch
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 # Roles any family may carry (they name no family): alpha, a scale, a target shape to grow the module to.

@@ -9,42 +9,42 @@ import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
-
-import torch
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from loraweave.errors import AdapterFileError
 
+if TYPE_CHECKING:
+    import torch
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+# safetensors dtype -> (torch attribute, item size): validated without importing torch (`inspect` start-up).
+_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1), "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
+    "C64": ("complex64", 8),
 }
-for _name, _attr in [
-    ("U16", "uint16"),
-    ("U32", "uint32"),
-    ("U64", "uint64"),
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-    ("F8_E8M0", "float8_e8m0fnu"),
-    ("C64", "complex64"),
-]:
-    if hasattr(torch, _attr):
-        _DTYPES[_name] = getattr(torch, _attr)
+# Scalars read straight from the bytes (alphas), as struct formats; BF16 is widened to F32 by hand.
+_SCALAR_FORMATS = {"F64": "<d", "F32": "<f", "F16": "<e", "I64": "<q", "I32": "<i", "I16": "<h", "I8": "<b",
+                   "U8": "<B", "U16": "<H", "U32": "<I", "U64": "<Q"}
+
+
+def torch_dtype(name: str) -> torch.dtype | str:
+    """The torch dtype of a safetensors dtype name; a packed sub-byte dtype stays its name."""
+    if name not in _DTYPES:
+        return name
+    import torch
+
+    return getattr(torch, _DTYPES[name][0])
+
+
 # Sub-byte dtypes of the format: sized in bits, no torch element type (F4 packs two values per byte).
 _PACKED_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 _MAX_ELEMENTS = 2**63 - 1  # the format's sizes are 64-bit; larger claims cannot describe real data
 
-Header = dict[str, tuple[torch.dtype | str, tuple[int, ...], int, int]]  # a packed dtype stays its name
+Header = dict[str, tuple["torch.dtype | str", tuple[int, ...], int, int]]  # a packed dtype stays its name
 
 
 def _is_int(value: Any) -> bool:
@@ -63,7 +63,7 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _parse_entry(
     fail: Callable[[str], NoReturn], key: str, entry: Any
-) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+) -> tuple[str, tuple[int, ...], int, int]:
     if not isinstance(entry, dict):
         fail(f"tensor {key!r}: header entry is {type(entry).__name__}, expected an object")
     extra = sorted(set(entry) - {"dtype", "shape", "data_offsets"})
@@ -83,8 +83,7 @@ def _parse_entry(
     begin, end = offsets
     if not 0 <= begin <= end:
         fail(f"tensor {key!r}: data_offsets [{begin}, {end}] need 0 <= begin <= end")
-    dtype = _DTYPES.get(dtype_name, dtype_name)
-    bits = math.prod(shape) * (_PACKED_BITS[dtype_name] if dtype_name in _PACKED_BITS else 8 * dtype.itemsize)
+    bits = math.prod(shape) * (_PACKED_BITS[dtype_name] if dtype_name in _PACKED_BITS else 8 * _DTYPES[dtype_name][1])
     if bits % 8:
         fail(f"tensor {key!r}: shape {shape} of {dtype_name} is not a whole number of bytes")
     expected = bits // 8
@@ -93,10 +92,10 @@ def _parse_entry(
             f"tensor {key!r}: data_offsets [{begin}, {end}] span {end - begin} bytes but shape "
             f"{shape} of {dtype_name} needs {expected}"
         )
-    return dtype, tuple(shape), begin, end
+    return dtype_name, tuple(shape), begin, end
 
 
-def read_safetensors_header(path: str | os.PathLike) -> tuple[Header, dict[str, str], int]:
+def read_safetensors_header(path: str | os.PathLike, names: bool = False) -> tuple[Header, dict[str, str], int]:
     """Validate the header of `path`; return ({key: (dtype, shape, begin, end)}, metadata, data_start).
 
     begin/end are relative to data_start. Nothing sized by the file's claims is allocated
@@ -147,6 +146,8 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[Header, dict[str, 
         )
 
     _check_coverage(fail, header, data_size)
+    if not names:  # torch dtypes for callers that compute; names=True keeps torch unimported (inspect)
+        header = {key: (torch_dtype(e[0]), *e[1:]) for key, e in header.items()}
     return header, dict(metadata), data_start
 
 
@@ -172,7 +173,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self._path = Path(path)
-        self._header, self._metadata, self._data_start = read_safetensors_header(self._path)
+        self._header, self._metadata, self._data_start = read_safetensors_header(self._path, names=True)
         self._mmap: mmap.mmap | None = None
         self._lent = False
         with open(self._path, "rb") as f:
@@ -198,7 +199,22 @@ class SafetensorsFile:
         return self._entry(key)[1]
 
     def dtype(self, key: str) -> torch.dtype | str:
-        return self._entry(key)[0]
+        return torch_dtype(self._entry(key)[0])
+
+    def dtype_name(self, key: str) -> str:
+        """The dtype as torch names it ("float32", ...; a packed dtype: its safetensors name), without torch."""
+        name = self._entry(key)[0]
+        return _DTYPES[name][0] if name in _DTYPES else name
+
+    def scalar(self, key: str) -> float | None:
+        """The value of a one-element tensor (an alpha) read from its bytes without torch; None otherwise."""
+        name, shape, begin, end = self._entry(key)
+        if math.prod(shape) != 1 or self._mmap is None or (name not in _SCALAR_FORMATS and name != "BF16"):
+            return None
+        raw = self._mmap[self._data_start + begin : self._data_start + end]
+        if name == "BF16":
+            return struct.unpack("<f", b"\x00\x00" + raw)[0]
+        return float(struct.unpack(_SCALAR_FORMATS[name], raw)[0])
 
     def __contains__(self, key: object) -> bool:
         return key in self._header
@@ -216,7 +232,10 @@ class SafetensorsFile:
         copy-on-write mapping, so in-place edits never reach the file but are seen by a later
         `.get(key)` on this same object. `.clone()` before mutating if that matters.
         """
-        dtype, shape, begin, end = self._entry(key)
+        import torch
+
+        name, shape, begin, end = self._entry(key)
+        dtype = torch_dtype(name)
         if self._mmap is None:
             raise ValueError(f"{self._path}: file is closed")
         if isinstance(dtype, str):
@@ -253,7 +272,7 @@ class SafetensorsFile:
     def __repr__(self) -> str:
         return f"SafetensorsFile({str(self._path)!r}, {len(self)} tensors)"
 
-    def _entry(self, key: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    def _entry(self, key: str) -> tuple[str, tuple[int, ...], int, int]:
         try:
             return self._header[key]
         except KeyError:

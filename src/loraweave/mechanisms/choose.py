@@ -13,6 +13,7 @@ from ..miss import Miss, Unmatched
 from ..plan.resolve import Plan
 from ..quant import QuantBackend, backend_for
 from .merge import Contribution, merge_blocker, needs_bias
+from .offload import weight_copies
 from .quantized import Route, factorable_reason, route_hook_free
 from .runtime import runtime_blocker, runtime_host
 
@@ -33,9 +34,10 @@ class WorkPlan:
     routes: dict[tuple[str, str], tuple[QuantBackend, Route | None]] = field(default_factory=dict)
 
 
-def choose(mode: str, module: torch.nn.Module, contribs: list[Contribution]) -> tuple[str | None, str]:
-    """(mechanism or None, why) for a layer no quantization backend owns."""
-    merge_no = merge_blocker(module, needs_bias(contribs))
+def choose(mode: str, module: torch.nn.Module, contribs: list[Contribution],
+           copy_reason: str | None = None) -> tuple[str | None, str]:
+    """(mechanism or None, why) for a layer no quantization backend owns; copy_reason: an offload group owns it."""
+    merge_no = copy_reason or merge_blocker(module, needs_bias(contribs))
     runtime_no = runtime_blocker(module)
     if mode == "merge":
         return (None, f"cannot merge: {merge_no}; use mode='runtime' or 'auto'") if merge_no else ("merge", "")
@@ -112,6 +114,7 @@ def plan_work(p: Plan, groups, mode: str, unmatched: list[Unmatched], qs: QuantS
     qs = qs or QuantSettings()
     plan = WorkPlan([])
     rejected_parts: dict[int, Miss] = {}
+    copies = weight_copies(p.components.modules.values())
     for (comp, path), contribs in groups.items():
         module = p.components.modules[comp].get_submodule(path)
         backend = backend_for(module)
@@ -119,7 +122,7 @@ def plan_work(p: Plan, groups, mode: str, unmatched: list[Unmatched], qs: QuantS
             mechanism, why, route = choose_quantized(mode, qs, backend, module, contribs, f"{comp}.{path}")
             plan.routes[(comp, path)] = (backend, route)
         else:
-            mechanism, why = choose(mode, module, contribs)
+            mechanism, why = choose(mode, module, contribs, copies.get(id(module)))
         kind = "no_mechanism"
         if mechanism == "runtime":
             mechanism, why, refused_kind = check_runtime(mode, module, contribs, why, quantized=backend is not None)

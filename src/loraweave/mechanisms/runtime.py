@@ -161,6 +161,17 @@ class RuntimePath:
         if self._factor_cast is not None:
             self._factor_cast.put(device, dtype, (down, up))
 
+    def pad_rank(self, rank: int) -> None:
+        """Zero-pad the rank-concatenated pair to `rank` (torch.compile buckets): the same product, fixed shapes."""
+        if self.down is None or rank <= self.down.shape[0]:
+            return
+        extra = rank - self.down.shape[0]
+        self.down = torch.cat([self.down, self.down.new_zeros(extra, *self.down.shape[1:])])
+        self.up = torch.cat([self.up, self.up.new_zeros(self.up.shape[0], extra)], dim=1)
+        self.scale = torch.zeros(rank)  # the padded tail stays 0: refresh_scales writes only the real ranks
+        self._factor_cast, self._scale_cast = CastCache(self.down, self.up), CastCache(self.scale)
+        self.refresh_scales()
+
     def unbind_factors(self) -> None:
         """Forget any device copy of the factors (the next forward casts again)."""
         if self._factor_cast is not None:
@@ -311,3 +322,5 @@ class RuntimePath:
             self.hook = None
         if self.module.__dict__.get("forward") == self._fused_linear_forward:
             del self.module.forward
+        self.unbind_factors()  # no device copy outlives the hook (a re-attach casts again)
+        self._scale_cast.clear()

@@ -9,13 +9,15 @@ import math
 import time
 from collections import Counter
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..arch.variants import variant_fit
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.detect import detect_architecture
 from ..report import failures
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("loraweave")
 
@@ -33,6 +35,8 @@ RANK_ROLES = ("down", "hada_w1_b", "lokr_w1_b", "lokr_w2_b", "a1")
 
 def _dtype(adapter: Adapter, key: str) -> str:
     source = adapter.source
+    if hasattr(source, "dtype_name"):  # from the header: no torch import
+        return source.dtype_name(key)
     dtype = source.dtype(key) if hasattr(source, "dtype") else adapter.tensor(key).dtype
     return str(dtype).removeprefix("torch.")
 
@@ -49,6 +53,9 @@ def _alpha(adapter: Adapter, part) -> float | None:
     key = part.roles.get("alpha")
     if key is None:
         return None
+    value = adapter.source.scalar(key) if hasattr(adapter.source, "scalar") else None  # from the bytes: no torch
+    if value is not None:
+        return value
     t = adapter.tensor(key)
     return float(t.reshape(-1)[0].float()) if t.numel() >= 1 else None
 
@@ -100,6 +107,8 @@ class _ShapeOnlySource:
         shape = self.shape(key)
         if math.prod(shape) <= 1:
             return self._source.get(key)
+        import torch
+
         return torch.empty(shape, dtype=self.dtype(key), device="meta")
 
 
@@ -160,12 +169,11 @@ def _unet_fit(adapter: Adapter, detection, text_encoders: bool):
 
 def inspect_adapter(
     path: str | Path, arch: str | None = None, model: str | None = None, allow_pickle: bool = False,
-    text_encoders: bool = True, check_values: bool = False,
+    text_encoders: bool = True, check_values: bool = False, coverage: bool = True,
 ) -> dict:
     """Everything `loraweave inspect` shows, as one JSON-ready dict (keys `layout`, `families`, `architecture`,
-    `coverage` are the public contract)."""
-    from ..api import plan
-
+    `coverage` are the public contract). coverage=False: the file alone (no model, no torch import);
+    `coverage` then says `checked: false` and has no counts of landed keys."""
     t0 = time.perf_counter()
     adapter = load_adapter(path, allow_pickle=allow_pickle)
     info = describe(adapter)
@@ -174,6 +182,11 @@ def inspect_adapter(
                             "scores": detection.scores, "metadata_says": detection.metadata}
     info["architecture_evidence"] = detection.evidence  # the pre-contract key, kept for older callers
     info["variant"] = variant_fit(adapter)
+    if not coverage:
+        info["coverage"] = {"checked": False, "against": None, "keys_total": adapter.keys_total, "keys_applied": None,
+                            "unmatched": [], "complete": None}
+        info["seconds"] = round(time.perf_counter() - t0, 3)
+        return info
     fit_report = None
     if detection.architecture == "unet" and arch is None and model is None:
         detection, fit_report = _unet_fit(adapter, detection, text_encoders)
@@ -186,6 +199,7 @@ def inspect_adapter(
                       for u in adapter.unparsed]
         coverage = {"against": None, "keys_total": adapter.keys_total, "keys_applied": 0, "unmatched": unmatched}
     else:
+        from ..api import plan
         from .skeleton import alias_tables
 
         tables = alias_tables(components) if model is None else None
@@ -204,6 +218,7 @@ def inspect_adapter(
         }
     coverage["unmatched_by_kind"] = dict(Counter(u["kind"] for u in coverage["unmatched"]))
     coverage["complete"] = not failures(coverage["unmatched"])
+    coverage["checked"] = True
     info["coverage"] = coverage
     info["seconds"] = round(time.perf_counter() - t0, 3)
     log.info("inspect file=%s layout=%s arch=%s keys_applied=%d/%d seconds=%.3f", adapter.name, adapter.layout,
@@ -231,11 +246,14 @@ def format_table(info: dict, limit: int = 20) -> str:
         fits = variant["likely"] or (", ".join(variant["fits"]) if variant["fits"] else "no known variant")
         rows.append(("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']})"))
     rows += [(f"  {k}", v) for k, v in info["metadata"].items()]
-    rows.append(("coverage", f"{cov['keys_applied']}/{cov['keys_total']} keys land"
-                 + (f" on {cov['against']}" if cov["against"] else "")))
+    if not cov.get("checked", True):
+        rows.append(("coverage", f"not checked ({cov['keys_total']} keys; drop --no-coverage to resolve them)"))
+    else:
+        rows.append(("coverage", f"{cov['keys_applied']}/{cov['keys_total']} keys land"
+                     + (f" on {cov['against']}" if cov["against"] else "")))
     if cov.get("alpha_sources"):
         rows.append(("  alpha from", ", ".join(f"{k} x{v}" for k, v in cov["alpha_sources"].items())))
-    for reason, n in cov["unmatched_by_kind"].items():
+    for reason, n in cov.get("unmatched_by_kind", {}).items():
         rows.append(("  unmatched", f"{n} x {reason}"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
