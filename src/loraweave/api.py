@@ -17,7 +17,7 @@ from .formats.adapter import Adapter, load_adapter
 from .handle import Handle, finite_strength
 from .mechanisms.choose import QUANTIZED, QuantSettings, plan_work
 from .mechanisms.grow import GrownInput, grow_input
-from .mechanisms.merge import Contribution, MergedModule, merge_module
+from .mechanisms.merge import Contribution, MergedModule, merge_module, undo_settings
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
 from .plan.resolve import Plan, PlannedPart, resolve
@@ -153,6 +153,9 @@ def apply(
     quantized: str = "auto",
     host_rank: int = 256,
     cache=None,
+    undo: str = "auto",
+    undo_source=None,
+    undo_on_device: bool = False,
 ) -> Handle:
     """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
 
@@ -176,7 +179,12 @@ def apply(
     host_rank: rank cap of a hosted truncation (randomized SVD, seeded locally: the caller's RNG is untouched);
       0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
     cache: a `loraweave.mechanisms.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
-      on disk; a replay is bit-identical to a fresh compute."""
+      on disk; a replay is bit-identical to a fresh compute.
+    undo: how a merged layer comes back bit-exactly (mechanisms/undo.py): "auto" (per layer, the smaller of
+      "compact" and "copy"), "compact" (only the elements round(W' - ΔW) misses), "copy" (a full copy), "source"
+      (re-read from the model's safetensors files: `undo_source` = a file, a directory or {component: path},
+      else diffusers' config._name_or_path; refused on undo if a file changed) or "none" (a permanent fuse:
+      remove() leaves those weights merged). Records live in host memory unless `undo_on_device`."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     validate_stack(stack, density)
@@ -190,6 +198,7 @@ def apply(
         cache = FactorCache(cache)
     t0 = time.perf_counter()
     p, settings = _resolve(target, adapters, strength)
+    undo_with = undo_settings(undo, p.components.modules, undo_source, undo_on_device)
     select = stack in SELECT_MODES
     if select:
         validate_stack(stack, density, len(p.adapters))
@@ -217,7 +226,7 @@ def apply(
             backend = routes.get((comp, path), (None, None))[0]
             write = None
             if mechanism == "merge":
-                merge_module(module, contribs, merged)
+                merge_module(module, contribs, merged, undo_with, (comp, path))
             elif mechanism == "runtime":
                 rp = prepared.get((comp, path)) or RuntimePath(module, contribs)
                 runtime.append(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
@@ -236,7 +245,13 @@ def apply(
             if write is not None:
                 entry.retention, entry.capture, entry.rank = write.retention, write.capture, write.rank
                 entry.cache_hit, write.entry = write.cache_hit, entry
+            if mechanism == "merge":
+                merged[-1].entry = entry
+                merged[-1]._report()
             applied.append(entry)
+        if undo == "none":  # a permanent fuse: the records kept the apply all-or-nothing until here
+            for m in merged:
+                m.fuse()
     except BaseException:
         for rp in runtime:
             rp.detach()
@@ -256,6 +271,8 @@ def apply(
     report.log()
     handle = Handle(p, report, merged, runtime, settings, grown, quant)
     handle.quant_options = {"quantized": quantized, "host_rank": host_rank, "cache": cache}
+    handle.undo_options = {"undo": undo, "undo_source": undo_source, "undo_on_device": undo_on_device}
+    handle.undo_with = undo_with
     if select:  # every shared layer starts on the subject (step 0 of any schedule)
         handle._select = (stack, (p.adapters[0].name, p.adapters[1].name))
         from .mechanisms.select import choose, shared_layers

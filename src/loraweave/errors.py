@@ -29,3 +29,7 @@ class StrictApplyError(LoraweaveError):
     def __init__(self, message: str, report) -> None:
         super().__init__(message)
         self.report = report
+
+
+class UndoError(LoraweaveError):
+    """A merge cannot be undone as recorded: its source file changed, or its record does not fit the weight."""

@@ -34,6 +34,8 @@ class Handle:
         self._grown = grown or []
         self._select: tuple[str, tuple[str, str]] | None = None  # (mode, (subject, style)) for select modes
         self.quant_options: dict = {}  # apply's quantized/host_rank/cache, reused when a switch starts over
+        self.undo_options: dict = {}  # apply's undo/undo_source/undo_on_device, likewise
+        self.undo_with = None  # apply's checked undo settings (mechanisms.merge.UndoSettings): switches reuse them
         self._resolve_cache = None  # switching: loads and resolutions per source (plan.cache.ResolveCache)
         self._detached: dict = {}  # switching: paths the last switch took off, by (module id, structure)
         self.last_switch: dict[str, int] | None = None  # kept / reattached / rebuilt / dropped layers
@@ -49,6 +51,8 @@ class Handle:
                 f"{len(later)} merged layers were merged again by a later apply; remove that handle first "
                 "(merges undo exactly only in reverse order)"
             )
+        for merged in self._merged:  # a source file that changed is refused before anything is touched
+            merged.check_undo()
         for path in self._runtime:
             path.detach()
         for write in reversed(self._quant):
@@ -70,6 +74,9 @@ class Handle:
         if any(name in m.adapters and not m.is_top() for m in [*self._merged, *self._quant]):
             raise RuntimeError("a later apply merged into the same layers; remove it before changing this strength")
         value = finite_strength(float(value))
+        for merged in self._merged:
+            if name in merged.adapters:
+                merged.check_undo(rewrite=True)  # fused (undo='none') or a changed source file: refuse first
         self._plan.strengths[name] = value
         self._settings[name].strength = value
         if te is not None:

@@ -26,6 +26,8 @@ class AppliedModule:
     capture: float | None = None  # hosted: energy fraction of the delta the truncation kept
     rank: int | None = None  # factor/hosted: rank appended to the side channel (before bucket padding)
     cache_hit: bool | None = None  # hosted with a factor cache: replayed (True) or computed (False)
+    undo: str = ""  # merged layers: the undo record's kind (compact | copy | source | none)
+    undo_bytes: int = 0  # merged layers: bytes the undo record holds
 
 
 @dataclass
@@ -78,6 +80,10 @@ class Report:
                 entry["rank_max"] = max(ranks)
         return out
 
+    def undo_bytes(self) -> int:
+        """Bytes held to undo merged layers (the kinds per layer are in `applied[i].undo`)."""
+        return sum(m.undo_bytes for m in self.applied)
+
     def to_dict(self) -> dict:
         return {
             "mode": self.mode,
@@ -91,6 +97,7 @@ class Report:
             "unmatched_by_reason": self.reasons(),
             "mechanisms": self.mechanisms(),
             "backends_unavailable": dict(self.backends_unavailable),
+            "undo_bytes": self.undo_bytes(),
         }
 
     def summary(self) -> str:
@@ -104,6 +111,8 @@ class Report:
             f"unmatched={len(self.unmatched)}",
         ]
         parts += [f"miss_{reason.replace(' ', '_')}={n}" for reason, n in sorted(self.reasons().items())]
+        if any(m.undo for m in self.applied):
+            parts.append(f"undo_bytes={self.undo_bytes()}")
         parts.append(f"seconds={self.seconds:.3f}")
         return " ".join(parts)
 

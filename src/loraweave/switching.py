@@ -108,6 +108,8 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
 
     if not handle.active:
         raise RuntimeError("handle was removed")
+    for rec in handle._merged:  # fused (undo='none') or a changed source file: refuse before anything changes
+        rec.check_undo(rewrite=True)
     t0 = time.perf_counter()
     mode = handle.report.mode
     components = handle._plan.components
@@ -121,7 +123,7 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
         # Grown inputs change the model itself and quantized writes own their layers' storage: start over.
         handle.remove()
         fresh = api.apply(components, adapters, mode=mode, strength=strength, stack=stack, density=density,
-                          **handle.quant_options)
+                          **handle.quant_options, **handle.undo_options)
         handle.__dict__.update(fresh.__dict__)
         handle.last_switch = {"kept": 0, "reattached": 0, "rebuilt": len(handle.report.applied), "dropped": 0}
         return
@@ -165,7 +167,7 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
                 if rec is not None:
                     rec.restore()
                 if mechanism == "merge":
-                    merge_module(module, contribs, merged)
+                    merge_module(module, contribs, merged, handle.undo_with, (comp, path))
                     counts["rebuilt"] += 1
                 else:
                     new = detached.get((id(module), sig.structure(contribs)))
@@ -178,9 +180,12 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
                         counts["rebuilt"] += 1
                     runtime.append(new)
                     new.attach()
-            applied.append(AppliedModule(comp, path, mechanism, sorted(api.adapter_names(contribs)),
-                                             why if mode == "auto" else "", "",
-                                             sorted({n for pp, _ in contribs for n in pp.notes})))
+            entry = AppliedModule(comp, path, mechanism, sorted(api.adapter_names(contribs)),
+                                  why if mode == "auto" else "", "", sorted({n for pp, _ in contribs for n in pp.notes}))
+            if mechanism == "merge":
+                merged[-1].entry = entry
+                merged[-1]._report()
+            applied.append(entry)
         for rp in handle._runtime:
             if id(rp.module) not in seen:
                 rp.detach()
