@@ -21,6 +21,7 @@ from .undo import (
     acc_dtype,
     host_copy,
     merge_with_record,
+    recorded_threads,
     tensor_bytes,
 )
 from .undo_source import SourceFiles, SourceRecord
@@ -146,6 +147,7 @@ class MergedModule:
                 self.module.bias.data.copy_(self.bias_backup)
         if any(m is self for m in stack):
             stack.remove(self)
+        self.record, self.terms, self.bias_backup = None, [], None  # undone: the record's memory is released
 
     def fuse(self) -> None:
         """undo="none": keep the merge for good and release the record."""
@@ -166,32 +168,39 @@ class MergedModule:
             raise UndoError("this merge was fused permanently (undo='none'): it cannot be rewritten")
         weight = self.module.weight.data
         with torch.no_grad():
-            if not fresh:
-                self._restore_weight()
             rows = weight.view(weight.shape[0], -1) if weight.is_contiguous() else weight.reshape(weight.shape[0], -1)
             terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
-            record, merged = self._merge(rows, terms)
+            record, merged = self._merge(rows, terms, None if fresh else self.record)
             self.record, self.terms = record, terms
             weight.copy_(merged.view(weight.shape))
             del merged
             self._write_bias()
         self._report()
 
-    def _merge(self, rows: torch.Tensor, terms: list[Term]) -> tuple[Record, torch.Tensor]:
-        kind, source = self.undo.kind, None
-        if kind == "source" and self.undo.sources is not None:
-            source = self.undo.sources.record(*self.layer, rows)
-        if kind in ("source", "none"):
-            kind = "auto"  # "none" keeps a record until apply has finished; "source" without a 1:1 tensor
+    def _merge(self, rows: torch.Tensor, terms: list[Term], old: Record | None) -> tuple[Record, torch.Tensor]:
+        """W' and its record; `old` (a rewrite): the record W comes back from first (the weight holds W')."""
+        # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
+        kind = "auto" if self.undo.kind in ("source", "none") else self.undo.kind
         families = {pp.part.family for pp, _ in self.contributions}
-        if source is not None or "combined" in families:  # ties/dare inner strengths live in their sources
+        if "combined" in families:  # ties/dare inner strengths live in their sources: only a copy is safe
             kind = "copy"
         needs_base = any(getattr(FAMILIES[f], "NEEDS_BASE", False) for f in families)
         chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
-        merged, record = merge_with_record(rows, lambda base, r0, r1: self._delta(base, terms, r0, r1),
-                                           "none" if source is not None else kind, chunk, needs_base,
-                                           self.undo.on_device)
-        return (source if source is not None else record), merged
+        prior, base, keep = None, rows, None
+        if isinstance(old, CompactRecord) and rows.is_contiguous():  # W rebuilt block by block beside W'
+            old_terms = self.terms
+            prior = (old, rows, lambda b, r0, r1: self._delta(b, old_terms, r0, r1))
+            base = torch.empty_like(rows)
+        elif old is not None:
+            self._restore_weight()  # W back in place from its copy or its file; those records stay valid
+            keep = old if isinstance(old, SourceRecord) or (isinstance(old, CopyRecord) and kind == "copy") else None
+        elif self.undo.kind == "source" and self.undo.sources is not None:
+            keep = self.undo.sources.record(*self.layer, rows)  # checked against the file's bytes
+        with recorded_threads(old.threads if prior is not None else torch.get_num_threads()):
+            merged, record = merge_with_record(base, lambda b, r0, r1: self._delta(b, terms, r0, r1),
+                                               "none" if keep is not None else kind, chunk, needs_base,
+                                               self.undo.on_device, prior)
+        return (keep if keep is not None else record), merged
 
     @staticmethod
     def _delta(base: torch.Tensor, terms: list[Term], r0: int, r1: int) -> torch.Tensor:

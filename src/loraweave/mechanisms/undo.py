@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -128,31 +129,61 @@ class CompactRecord:
     def restore(self, weight: torch.Tensor, delta_fn: DeltaFn) -> None:
         work = weight if weight.device == self.device else weight.to(self.device)
         rows = work.view(work.shape[0], -1)
-        wb = bits(rows).view(-1)
-        if not self.written(wb):
+        if not self.written(bits(rows).view(-1)):
             return
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(self.threads)  # ΔW must be recomputed exactly as it was at the merge
+        with recorded_threads(self.threads):
+            fill = self.rebuild(rows, rows, delta_fn)
             for r0 in range(0, rows.shape[0], self.chunk_rows):
-                r1 = min(rows.shape[0], r0 + self.chunk_rows)
-                acc = rows[r0:r1].to(acc_dtype(rows.dtype), copy=True)
-                acc -= delta_fn(rows, r0, r1)
-                rows[r0:r1] = acc
-        finally:
-            torch.set_num_threads(threads)
-        wb[self._positions(wb.numel(), wb.device)] = self.values.to(wb.device)
-        if not torch.equal(wb[_witness_positions(wb.numel()).to(wb.device)].cpu(), self.witness.cpu()):
-            raise UndoError("compact undo did not reproduce the original weight: ΔW recomputed differently than at "
-                            "the merge (device, thread count or kernels changed)")
+                fill(r0, min(rows.shape[0], r0 + self.chunk_rows))
+        self.verify(rows)
         if work is not weight:
             weight.copy_(work)
+
+    def rebuild(self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn) -> Callable[[int, int], None]:
+        """fill(r0, r1) writes W's rows [r0, r1) into `out` (which may be `merged` itself), from W' and ΔW; blocks
+        of `chunk_rows`, under the recorded thread count."""
+        pos = self._positions(out.numel(), out.device)
+        values = self.values.to(out.device)
+        ob, cols = bits(out).view(-1), out[0].numel()
+
+        def fill(r0: int, r1: int) -> None:
+            out[r0:r1] = combine(merged[r0:r1], delta_fn(merged, r0, r1), -1)
+            lo, hi = torch.searchsorted(pos, torch.tensor([r0 * cols, r1 * cols], device=pos.device)).tolist()
+            ob[pos[lo:hi]] = values[lo:hi]
+
+        return fill
+
+    def verify(self, out: torch.Tensor) -> None:
+        ob = bits(out).reshape(-1)
+        if not torch.equal(ob[_witness_positions(ob.numel()).to(ob.device)].cpu(), self.witness.cpu()):
+            raise UndoError("compact undo did not reproduce the original weight: ΔW recomputed differently than at "
+                            "the merge (device, thread count or kernels changed)")
 
     def _positions(self, numel: int, device: torch.device) -> torch.Tensor:
         p = self.positions.to(device)
         if self.encoding == "gaps":
             return p.to(torch.int64).cumsum(0) - 1
-        return _unpack_mask(p, numel)
+        return _unpack_mask(p, numel).nonzero().squeeze(1)
+
+
+def combine(w: torch.Tensor, delta: torch.Tensor, sign: int) -> torch.Tensor:
+    """w ± delta in delta's dtype (fp32, or fp64), one rounding; merge and undo both compute it this way."""
+    if w.element_size() == 1:  # fp8 does not take part in type promotion
+        w = w.to(delta.dtype)
+    return torch.add(w, delta, alpha=sign)
+
+
+@contextmanager
+def recorded_threads(n: int):
+    """Run with the thread count a record was made with: ΔW must be recomputed exactly as it was."""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
 
 
 def compact_sizes(numel: int, misses: int, itemsize: int) -> dict[str, int]:
@@ -199,30 +230,37 @@ def _compact(rows: torch.Tensor, merged: torch.Tensor, misses: torch.Tensor, chu
                          torch.get_num_threads(), rows.device)
 
 
-def merge_with_record(rows: torch.Tensor, delta_fn: DeltaFn, kind: str, chunk_rows: int,
-                      needs_base: bool = False, on_device: bool = False,
+def merge_with_record(rows: torch.Tensor, delta_fn: DeltaFn, kind: str, chunk_rows: int, needs_base: bool = False,
+                      on_device: bool = False, prior: tuple[CompactRecord, torch.Tensor, DeltaFn] | None = None,
                       ) -> tuple[torch.Tensor, CopyRecord | CompactRecord | None]:
     """W' = round(W + ΔW) for the (out, in·k) rows of W, block by block of rows (temporaries stay small), and
     the record of `kind` ("compact", "copy", "auto": the smaller, or "none": no record). W is read, never written.
 
-    needs_base: ΔW reads W (one block only): a compact record recomputes it from W', as an undo will."""
+    needs_base: ΔW reads W (one block only): a compact record recomputes it from W', as an undo will.
+    prior: (record, W' rows, its ΔW): `rows` is an empty buffer that each block of W is first rebuilt into
+    from the prior compact record (a strength change: W never has to be written back to the weight)."""
     compact = kind in ("auto", "compact") and rows.is_contiguous()
     merged = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    fill = prior[0].rebuild(prior[1], rows, prior[2]) if prior is not None else None
+    if prior is not None and prior[0].chunk_rows != chunk_rows:  # other blocks: rebuild W whole first
+        for r0 in range(0, rows.shape[0], prior[0].chunk_rows):
+            fill(r0, min(rows.shape[0], r0 + prior[0].chunk_rows))
+        fill = None
     wb, misses = bits(rows), []
     for r0 in range(0, rows.shape[0], chunk_rows):
         r1 = min(rows.shape[0], r0 + chunk_rows)
+        if fill is not None:
+            fill(r0, r1)
         delta = delta_fn(rows, r0, r1)
-        acc = rows[r0:r1].to(acc_dtype(rows.dtype), copy=True)
-        acc += delta
-        merged[r0:r1] = acc
+        merged[r0:r1] = combine(rows[r0:r1], delta, 1)
         if compact:  # the guess an undo computes: round(W' - ΔW), where it misses W
             if needs_base:
                 delta = delta_fn(merged, r0, r1)
-            acc.copy_(merged[r0:r1])
-            acc -= delta
-            guess = acc.to(rows.dtype)
+            guess = combine(merged[r0:r1], delta, -1).to(rows.dtype)
             miss = (bits(guess) != wb[r0:r1]).view(-1).nonzero().squeeze(1)
             misses.append(miss + r0 * rows[0].numel())
+    if prior is not None:
+        prior[0].verify(rows)  # before anything is written
     if kind == "none":  # the caller holds another record (a source file)
         return merged, None
     record = _compact(rows, merged, torch.cat(misses), chunk_rows, on_device, kind == "compact") if compact else None
