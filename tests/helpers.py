@@ -117,3 +117,10 @@ def check_fused_flux_qkv(pristine: nn.Module, sd: dict[str, torch.Tensor], s: fl
         with torch.no_grad():
             outs[mode] = flux_forward(model)
     assert rel_err(outs["runtime"], outs["merge"]) <= tol
+
+
+def reason_prefixes(report) -> dict[str, int]:
+    """Unmatched keys counted by the readable prefix of their reason ("shape mismatch", "bad tensor", ...)."""
+    from collections import Counter
+
+    return dict(Counter(u.reason.split(":", 1)[0] for u in report.unmatched))

@@ -67,7 +67,7 @@ def test_check_values_rejects_nan(tmp_path):
     save_file(sd, tmp_path / "nan.safetensors")
     assert inspect_adapter(tmp_path / "nan.safetensors")["coverage"]["keys_applied"] == 8  # shapes only
     cov = inspect_adapter(tmp_path / "nan.safetensors", check_values=True)["coverage"]
-    assert cov["keys_applied"] == 6 and cov["unmatched_by_reason"] == {"bad tensor": 2}
+    assert cov["keys_applied"] == 6 and cov["unmatched_by_kind"] == {"non_finite": 2}
 
 
 def test_every_real_file_is_listed():
@@ -115,7 +115,7 @@ def test_arch_override_reports_reasons_and_strict_exit(capsys):
     info = json.loads(capsys.readouterr().out)
     cov = info["coverage"]
     assert cov["keys_applied"] + len(cov["unmatched"]) == cov["keys_total"] == 256
-    assert cov["keys_applied"] < 256 and set(cov["unmatched_by_reason"]) <= {"no such module", "shape mismatch"}
+    assert cov["keys_applied"] < 256 and set(cov["unmatched_by_kind"]) <= {"no_such_module", "shape_mismatch"}
     assert main(["inspect", "--strict", "--arch", "sdxl", "--no-text-encoders", str(path)]) == 1
 
 
@@ -140,7 +140,7 @@ def test_model_checkpoint_coverage(tmp_path, capsys):
     reasons = {u["key"]: u["reason"] for u in cov["unmatched"]}
     assert reasons["transformer.single_transformer_blocks.0.proj_out.lora_A.weight"].startswith("shape mismatch")
     assert reasons["transformer.single_transformer_blocks.9.proj_out.lora_B.weight"].startswith("no such module")
-    assert cov["unmatched_by_reason"] == {"shape mismatch": 2, "no such module": 2}
+    assert cov["unmatched_by_kind"] == {"shape_mismatch": 2, "no_such_module": 2}
 
 
 def test_unknown_architecture_still_reports_coverage(tmp_path, capsys):

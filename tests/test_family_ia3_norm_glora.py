@@ -159,20 +159,22 @@ def test_glora_naming_from_shapes():
     x, y = 8, 3
     ambiguous = {"a1": torch.randn(x, y), "a2": torch.randn(y, x), "b1": torch.randn(x, y), "b2": torch.randn(y, x)}
     roles = {r: r for r in ambiguous}
-    f = glora.load(ambiguous, roles)
-    assert glora.check_target(f, (x, x)) is None and not f.old_naming and f.rank == y and f.rows == x
-    f = glora.load(ambiguous, roles)
-    assert glora.check_target(f, (y, y)) is None and f.old_naming and f.rank == x and f.rows == y
+    loaded = glora.load(ambiguous, roles)
+    f, miss = glora.fit(loaded, (x, x))
+    assert miss is None and not f.old_naming and f.rank == y and f.rows == x
+    f, miss = glora.fit(loaded, (y, y))  # settling never changes the loaded factors
+    assert miss is None and f.old_naming and f.rank == x and f.rows == y
+    assert loaded.other is not None and not loaded.old_naming
     full = {r: torch.randn(4, 4) for r in roles}  # r == in == out: the current (LyCORIS >= 3) naming
-    f = glora.load(full, roles)
-    assert glora.check_target(f, (4, 4)) is None and not f.old_naming
+    f, miss = glora.fit(glora.load(full, roles), (4, 4))
+    assert miss is None and not f.old_naming
     with pytest.raises(Exception, match="incomplete GLoRA: no b2.weight"):
         glora.load({r: t for r, t in ambiguous.items() if r != "b2"}, roles)
     conv = {"a1": torch.randn(4, 2, 1, 1), "a2": torch.randn(2, 4, 1, 1), "b1": torch.randn(6, 2, 1, 1),
             "b2": torch.randn(2, 4, 3, 3)}
     f = glora.load(conv, {r: r for r in conv})
     assert f.is_conv_kernel and glora.check_target(f, (6, 4, 3, 3)) is None
-    assert "shape mismatch" in glora.check_target(glora.load(conv, {r: r for r in conv}), (6, 4, 3, 1))
+    assert glora.check_target(glora.load(conv, {r: r for r in conv}), (6, 4, 3, 1)).kind == "shape_mismatch"
 
 
 def test_glora_fused_flux_qkv_rows():

@@ -23,6 +23,7 @@ import peft  # noqa: F401  the reference must be installed: a missing package fa
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import reason_prefixes
 from torch import nn
 
 import loraweave
@@ -119,7 +120,7 @@ def family_apply(target: nn.Module, path, mode: str, strength: float = 1.0, conf
     """The family's merge / runtime forms driven directly (what the planner does, with the config passed)."""
     from safetensors.torch import load_file
 
-    family = FAMILIES["oft"]
+    family = FAMILIES["peft_oft"]
     config = config_of(path) if config is None else config
     hooks = []
     for key, tensor in load_file(str(path / "adapter_model.safetensors")).items():
@@ -305,25 +306,25 @@ def test_legacy_neumann_series_before_peft_018():
         cfg = {"peft_type": "OFT", "oft_block_size": 4, "use_cayley_neumann": True, "num_cayley_neumann_terms": terms}
         if version:
             cfg["peft_version"] = version
-        f = FAMILIES["oft"].load({"oft_R": vec}, {"oft_R": "x.oft_R.weight"}, config=cfg)
+        f = FAMILIES["peft_oft"].load({"oft_R": vec}, {"oft_R": "x.oft_R.weight"}, config=cfg)
         assert f.legacy_series and "PEFT < 0.18" in f.form
         out = w.clone()
-        FAMILIES["oft"].add_delta(out, f, 0, 5, 1.0, base=w.clone())
+        FAMILIES["peft_oft"].add_delta(out, f, 0, 5, 1.0, base=w.clone())
         assert rel_err(out, ref) <= TOL, terms
     cfg |= {"peft_version": "0.18.0"}
-    assert not FAMILIES["oft"].load({"oft_R": vec}, {"oft_R": "k"}, config=cfg).legacy_series
+    assert not FAMILIES["peft_oft"].load({"oft_R": vec}, {"oft_R": "k"}, config=cfg).legacy_series
 
 
 def test_row_pieces_land_independently():
     """The input rotation is row-local: any slice of output rows (a fused key split over modules) is exact."""
     g = torch.Generator().manual_seed(4)
-    f = FAMILIES["oft"].load({"oft_R": torch.randn(6, 6, generator=g)}, {"oft_R": "k"})
+    f = FAMILIES["peft_oft"].load({"oft_R": torch.randn(6, 6, generator=g)}, {"oft_R": "k"})
     w = torch.randn(10, 24, generator=g)
     full = w.clone()
-    FAMILIES["oft"].add_delta(full, f, 0, 10, 0.7, base=w)
-    assert FAMILIES["oft"].check_piece(f, 3, 5) is None and f.rows is None
+    FAMILIES["peft_oft"].add_delta(full, f, 0, 10, 0.7, base=w)
+    assert FAMILIES["peft_oft"].check_piece(f, 3, 5) is None and f.rows is None
     part = w[3:8].clone()
-    FAMILIES["oft"].add_delta(part, f, 3, 5, 0.7, base=w[3:8])
+    FAMILIES["peft_oft"].add_delta(part, f, 3, 5, 0.7, base=w[3:8])
     assert rel_err(part, full[3:8]) <= 1e-7
 
 
@@ -343,10 +344,10 @@ def test_rejections_and_config_handling():
     for kind, sds in cases.items():
         for sd in sds:
             report = loraweave.plan(target, sd)
-            assert report.reasons() == {kind: len(sd)}, (kind, sorted(sd), report.unmatched)
+            assert reason_prefixes(report) == {kind: len(sd)}, (kind, sorted(sd), report.unmatched)
     shared = loraweave.plan(target, {"c3.oft_R.weight": torch.randn(1, 6, generator=g)})  # one block, 9 uses
     assert shared.unmatched == [] and shared.keys_applied == 1
-    load, key = FAMILIES["oft"].load, {"oft_R": "x.oft_R.weight"}
+    load, key = FAMILIES["peft_oft"].load, {"oft_R": "x.oft_R.weight"}
     vec = {"oft_R": torch.randn(6, 6, generator=g)}
     with pytest.raises(peft_oft.PartRejected, match="before PEFT 0.14"):
         load(vec, key, config={"peft_type": "OFT", "r": 8})
@@ -368,11 +369,11 @@ def test_meta_planning_and_runtime_refusals(tmp_path):
         meta = Net()
     report = loraweave.plan(meta, str(path))
     assert report.unmatched == [] and report.keys_applied == len(LAYERS)
-    f = FAMILIES["oft"].load({"oft_R": torch.zeros(6, 6)}, {"oft_R": "k"})
+    f = FAMILIES["peft_oft"].load({"oft_R": torch.zeros(6, 6)}, {"oft_R": "k"})
     with pytest.raises(peft_oft.PartRejected, match="offloaded"):
-        FAMILIES["oft"].runtime_term(f, 0, 0, 20, module=meta.lin)
+        FAMILIES["peft_oft"].runtime_term(f, 0, 0, 20, module=meta.lin)
     with pytest.raises(peft_oft.PartRejected, match="host module"):
-        FAMILIES["oft"].runtime_term(f, 0, 0, 20)
+        FAMILIES["peft_oft"].runtime_term(f, 0, 0, 20)
 
 
 def test_runtime_dtype_and_cost(tmp_path):

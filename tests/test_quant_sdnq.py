@@ -22,7 +22,9 @@ from sdnq.utils import get_sdnq_params  # noqa: E402
 
 IN, OUT_A, OUT_B = 256, 256, 384
 RUNTIME_TOL = 1e-4  # acceptance: the layer's output change vs the float layer's change
-FACTOR_TOL = 1e-5  # acceptance: the factor channel, every layout
+FACTOR_TOL = 1e-5  # acceptance: the factor channel, every layout (checked on the dequantized weight)
+# Output-level checks subtract two fp32 outputs: cancellation costs ~eps32·|y|/|Δy| (1.3e-5 seen on AVX-less hosts).
+FACTOR_OUT_TOL = 5e-5
 
 LAYOUTS = {
     "int8": dict(weights_dtype="int8"),
@@ -164,7 +166,7 @@ def test_factor_channel_is_exact_in_every_layout(layout):
     w_after = BACKEND.dequantize(model.a).double()
     assert float((w_after - w_before - delta).norm() / delta.norm()) <= FACTOR_TOL, layout
     after = layer_outputs(model, X)
-    assert rel_err(after["a"] - before["a"], X.double() @ delta.t()) <= FACTOR_TOL, layout
+    assert rel_err(after["a"] - before["a"], X.double() @ delta.t()) <= FACTOR_OUT_TOL, layout
     assert torch.equal(after["b"], before["b"])
     # No weight backup and no hook: only the side channel grew.
     assert not model.a._forward_hooks and "forward" not in model.a.__dict__
@@ -174,7 +176,7 @@ def test_factor_channel_is_exact_in_every_layout(layout):
     handle.set_strength(names[1], 0.25)
     delta = d1 + 0.25 * d2
     after = layer_outputs(model, X)
-    assert rel_err(after["a"] - before["a"], X.double() @ delta.t()) <= FACTOR_TOL, layout
+    assert rel_err(after["a"] - before["a"], X.double() @ delta.t()) <= FACTOR_OUT_TOL, layout
     handle.remove()
     assert_restored(model, snap)
     assert torch.equal(layer_outputs(model, X)["a"], before["a"])
@@ -220,7 +222,7 @@ def test_rank_is_padded_to_a_bucket_without_changing_the_product():
     with loraweave.apply(model, sd, strict=True) as handle:
         assert model.a.svd_up.shape == (OUT_A, 8) and handle.report.applied[0].rank == 5
         assert torch.count_nonzero(model.a.svd_up[:, 5:]) == 0
-        assert rel_err(layer_outputs(model, X)["a"] - before, X.double() @ delta.t()) <= FACTOR_TOL
+        assert rel_err(layer_outputs(model, X)["a"] - before, X.double() @ delta.t()) <= FACTOR_OUT_TOL
 
 
 def test_non_factorable_parts_and_bias_deltas_take_the_runtime_path_in_auto():

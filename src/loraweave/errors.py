@@ -31,5 +31,18 @@ class StrictApplyError(LoraweaveError):
         self.report = report
 
 
+class NonFiniteResultError(LoraweaveError):
+    """Finite factors whose merged result is not finite (the product overflows the weight's dtype); the layer is
+    left as it was."""
+
+
+class AdapterMetadataError(AdapterFormatError):
+    """A metadata field (PEFT `lora_adapter_metadata`, kohya `ss_*`, cloneofsimo) is malformed; names file and field."""
+
+    def __init__(self, source: str, field: str, why: str) -> None:
+        super().__init__(f"{source}: metadata field {field!r} {why}")
+        self.source, self.field = source, field
+
+
 class UndoError(LoraweaveError):
     """A merge cannot be undone as recorded: its source file changed, or its record does not fit the weight."""

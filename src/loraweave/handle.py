@@ -1,9 +1,12 @@
-"""What `apply` returns: undo (`remove`), strength changes, switching to another set, select-mode layer choices."""
+"""What `apply` returns: undo (`remove`), strength changes, switching to another set, select-mode layer choices.
+
+Everything the handle changed in the model is in its journal (journal.py); remove, set_strength and switch read
+it and write it, under the model's lock."""
 
 from __future__ import annotations
 
-import math
-
+from .applying import Options
+from .journal import Journal, model_lock
 from .mechanisms.grow import GrownInput
 from .mechanisms.merge import MergedModule
 from .mechanisms.quantized import QuantWrite
@@ -11,93 +14,105 @@ from .mechanisms.runtime import RuntimePath
 from .plan.resolve import Plan
 from .plan.weights import AdapterWeights, part_strength
 from .report import Report
-
-
-def finite_strength(value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"strength must be a finite number, got {value}")
-    return value
+from .spec import finite_strength
 
 
 class Handle:
     """What `apply` did; `remove()` undoes it exactly. Usable as a context manager."""
 
-    def __init__(self, plan: Plan, report: Report, merged: list[MergedModule], runtime: list[RuntimePath],
-                 settings: dict[str, AdapterWeights] | None = None, grown: list[GrownInput] | None = None,
-                 quant: list[QuantWrite] | None = None) -> None:
+    def __init__(self, plan: Plan, report: Report, journal: Journal, settings: dict[str, AdapterWeights] | None = None,
+                 options: Options | None = None) -> None:
         self._plan = plan
         self.report = report
-        self._merged = merged
-        self._runtime = runtime
-        self._quant = quant or []  # factor-channel, hosted and requantized layers
+        self.journal = journal
         self._settings = settings or {name: AdapterWeights(s) for name, s in plan.strengths.items()}
-        self._grown = grown or []
+        self.options = options or Options(mode=report.mode)
         self._select: tuple[str, tuple[str, str]] | None = None  # (mode, (subject, style)) for select modes
-        self.quant_options: dict = {}  # apply's quantized/host_rank/cache, reused when a switch starts over
-        self.undo_options: dict = {}  # apply's undo/undo_source/undo_on_device, likewise
-        self.undo_with = None  # apply's checked undo settings (mechanisms.merge.UndoSettings): switches reuse them
         self._resolve_cache = None  # switching: loads and resolutions per source (plan.cache.ResolveCache)
         self._detached: dict = {}  # switching: paths the last switch took off, by (module id, structure)
         self.last_switch: dict[str, int] | None = None  # kept / reattached / rebuilt / dropped layers
         self.active = True
 
-    def remove(self) -> None:
-        """Restore merged weights bit-exactly and detach runtime paths. Idempotent."""
-        if not self.active:
-            return
-        later = [m for m in [*self._merged, *self._quant] if not m.is_top()]
-        if later:
+    # Views of the journal by kind of change (read-only lists).
+    @property
+    def _merged(self) -> list[MergedModule]:
+        return self.journal.of(MergedModule)
+
+    @property
+    def _runtime(self) -> list[RuntimePath]:
+        return self.journal.of(RuntimePath)
+
+    @property
+    def _quant(self) -> list[QuantWrite]:
+        return self.journal.of(QuantWrite)
+
+    @property
+    def _grown(self) -> list[GrownInput]:
+        return self.journal.of(GrownInput)
+
+    @property
+    def quant_options(self) -> dict:
+        return {"quantized": self.options.quantized, "host_rank": self.options.host_rank, "cache": self.options.cache}
+
+    def lock(self):
+        """The model's lock: held by every change this handle makes (other threads wait)."""
+        return model_lock(self._plan.components.modules.values())
+
+    def check_undoable(self, names: set[str] | None = None) -> None:
+        """Refuse when a later apply merged over this handle's layers (of adapters `names`, default any)."""
+        buried = [e for e in self.journal.buried() if names is None or names & e.adapters]
+        if buried:
             raise RuntimeError(
-                f"{len(later)} merged layers were merged again by a later apply; remove that handle first "
+                f"{len(buried)} merged layers were merged again by a later apply; remove that handle first "
                 "(merges undo exactly only in reverse order)"
             )
-        for merged in self._merged:  # a source file that changed is refused before anything is touched
-            merged.check_undo()
-        for path in self._runtime:
-            path.detach()
-        for write in reversed(self._quant):
-            write.restore()
-        for merged in reversed(self._merged):
-            merged.restore()
-        for grown in reversed(self._grown):
-            grown.restore()
-        self.active = False
+
+    def remove(self) -> None:
+        """Restore merged weights bit-exactly and detach runtime paths. Idempotent."""
+        with self.lock():
+            if not self.active:
+                return
+            self.check_undoable()
+            for merged in self._merged:  # a source file that changed is refused before anything is touched
+                merged.check_undo()
+            self.journal.undo()
+            self._detached.clear()
+            self.active = False
 
     def set_strength(self, name: str, value: float, te: float | None = None) -> None:
         """Change one adapter's strength (and, with `te`, its text-encoder strength; else text encoders keep
         theirs when it was set apart, or follow). Runtime: a scale update only. Merge: rewritten from the backup.
         Block weights stay."""
-        if name not in self._plan.strengths:
-            raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
-        if not self.active:
-            raise RuntimeError("handle was removed")
-        if any(name in m.adapters and not m.is_top() for m in [*self._merged, *self._quant]):
-            raise RuntimeError("a later apply merged into the same layers; remove it before changing this strength")
-        value = finite_strength(float(value))
-        for merged in self._merged:
-            if name in merged.adapters:
-                merged.check_undo(rewrite=True)  # fused (undo='none') or a changed source file: refuse first
-        self._plan.strengths[name] = value
-        self._settings[name].strength = value
-        if te is not None:
-            self._settings[name].te_strength = finite_strength(float(te))
+        with self.lock():
+            if name not in self._plan.strengths:
+                raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
+            if not self.active:
+                raise RuntimeError("handle was removed")
+            value = finite_strength(float(value))
+            te = None if te is None else finite_strength(float(te))
+            self.check_undoable({name})
+            for merged in self._merged:  # fused (undo='none') or a changed source file: refused first
+                if name in merged.adapters:
+                    merged.check_undo(rewrite=True)
+            before = (self._settings[name].strength, self._settings[name].te_strength)
+            try:
+                self._set_weights(name, value, te if te is not None else before[1])
+            except BaseException:  # e.g. a merge that would overflow: every layer back at the old strengths
+                self._set_weights(name, *before)
+                raise
+            for summary in self.report.adapters:
+                if summary["name"] == name:
+                    summary["strength"] = float(value)
+
+    def _set_weights(self, name: str, strength: float, te: float | None) -> None:
+        self._plan.strengths[name] = strength
+        self._settings[name].strength, self._settings[name].te_strength = strength, te
         for pp in self._plan.planned:
             if pp.adapter.name == name:
                 pp.strength = part_strength(pp, self._settings[name])
-        for path in self._runtime:
-            if name in path.adapters:
-                path.refresh_scales()
-        for merged in self._merged:
-            if name in merged.adapters:
-                merged.write()
-        for write in self._quant:
-            if name in write.adapters:  # rewritten from the layer's original tensors: nothing compounds
-                write.write()
-                if write.entry is not None:
-                    write.entry.retention, write.entry.capture, write.entry.rank = write.retention, write.capture, write.rank
-        for summary in self.report.adapters:
-            if summary["name"] == name:
-                summary["strength"] = float(value)
+        for entry in self.journal.entries:
+            if name in getattr(entry, "adapters", ()):
+                _rewrite(entry)
 
     def select_schedule(self, total_steps: int, **kwargs: float):
         """For stack="klora"/"estlora": the per-layer subject->style schedule over `total_steps` sampling steps.
@@ -125,15 +140,30 @@ class Handle:
         modules = {id(m): f"{c}.{n}" for c, root in self._plan.components for n, m in root.named_modules()}
         return {modules[id(rp.module)]: rp for rp in self._runtime}
 
+    def start_selection(self) -> None:
+        """Select modes: remember the pair and start every shared layer on the subject (step 0 of any schedule);
+        other modes: no selection."""
+        if not self.options.select:
+            self._select = None
+            return
+        from .mechanisms.select import choose, shared_layers
+
+        self._select = (self.options.stack, (self._plan.adapters[0].name, self._plan.adapters[1].name))
+        for rp in shared_layers(self._runtime_by_key(), self._select[1]).values():
+            choose(rp, self._select[1], 0)
+
     def switch(self, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None) -> None:
         """Replace the applied set with a new one, touching only layers whose contributions changed.
 
-        Same structure on a layer: re-pointed (runtime: scale update; merge: rewritten only if a strength
-        changed). Runtime layers that only lose adapters gate them to 0 (no allocation). `last_switch` counts
-        kept / rebuilt / dropped layers. If it fails midway, every adapter is removed and the error raised."""
+        Checked like apply (same options rules, before anything changes). Same structure on a layer: re-pointed
+        (runtime: scale update; merge: rewritten only if a strength changed). Runtime layers that only lose
+        adapters whose terms vanish at strength 0 gate them to 0 (no allocation); others are rebuilt.
+        `last_switch` counts kept / reattached / rebuilt / dropped layers. If it fails midway, every adapter is
+        removed and the error raised."""
         from .switching import switch
 
-        switch(self, adapters, strength, stack, density)
+        with self.lock():
+            switch(self, adapters, strength, stack, density)
 
     @property
     def strengths(self) -> dict[str, float]:
@@ -147,3 +177,15 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"Handle(active={self.active}, {self.report.summary()})"
+
+
+def _rewrite(entry) -> None:
+    """Bring one journal entry to the current strengths."""
+    if isinstance(entry, RuntimePath):
+        entry.refresh_scales()
+    elif isinstance(entry, MergedModule):
+        entry.write()
+    elif isinstance(entry, QuantWrite):  # rewritten from the layer's original tensors: nothing compounds
+        entry.write()
+        if entry.entry is not None:
+            entry.entry.retention, entry.entry.capture, entry.entry.rank = entry.retention, entry.capture, entry.rank

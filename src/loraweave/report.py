@@ -7,6 +7,8 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .miss import Unmatched
+
 log = logging.getLogger("loraweave")
 
 MECHANISMS = ("merge", "runtime", "factor", "hosted", "requantize", "planned")
@@ -35,7 +37,7 @@ class Report:
     mode: str
     adapters: list[dict] = field(default_factory=list)  # name, layout, families, alpha_sources, keys_total, ...
     applied: list[AppliedModule] = field(default_factory=list)
-    unmatched: list[dict] = field(default_factory=list)  # {adapter, key, reason}
+    unmatched: list[Unmatched] = field(default_factory=list)  # adapter, key, miss (kind + reason)
     keys_total: int = 0
     keys_applied: int = 0
     seconds: float = 0.0
@@ -53,9 +55,11 @@ class Report:
             out[m.component][m.mechanism] += 1
         return out
 
-    def reasons(self) -> dict[str, int]:
-        """Unmatched keys counted by the kind of reason (text before the first ':')."""
-        return dict(Counter(u["reason"].split(":", 1)[0] for u in self.unmatched))
+    def kinds(self) -> dict[str, int]:
+        """Unmatched keys counted by miss kind (miss.MISS_KINDS)."""
+        return dict(Counter(u.kind for u in self.unmatched))
+
+    reasons = kinds  # the name reports had before misses were typed
 
     def mechanisms(self) -> dict[str, dict]:
         """Per mechanism: layers, and for hosted/requantized layers ρ (and capture) median and min."""
@@ -93,8 +97,8 @@ class Report:
             "adapters": self.adapters,
             "counts": self.counts(),
             "applied": [vars(m).copy() for m in self.applied],
-            "unmatched": [dict(u) for u in self.unmatched],
-            "unmatched_by_reason": self.reasons(),
+            "unmatched": [u.to_dict() for u in self.unmatched],
+            "unmatched_by_kind": self.kinds(),
             "mechanisms": self.mechanisms(),
             "backends_unavailable": dict(self.backends_unavailable),
             "undo_bytes": self.undo_bytes(),
@@ -110,7 +114,7 @@ class Report:
             f"components={','.join(sorted(self.counts())) or '-'}",
             f"unmatched={len(self.unmatched)}",
         ]
-        parts += [f"miss_{reason.replace(' ', '_')}={n}" for reason, n in sorted(self.reasons().items())]
+        parts += [f"miss_{kind}={n}" for kind, n in sorted(self.kinds().items())]
         if any(m.undo for m in self.applied):
             parts.append(f"undo_bytes={self.undo_bytes()}")
         parts.append(f"seconds={self.seconds:.3f}")

@@ -33,3 +33,9 @@ class AdapterSpec:
     def text_encoder_strength(self) -> float:
         """The strength the text encoders get."""
         return float(self.strength if self.te_strength is None else self.te_strength)
+
+
+def finite_strength(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"strength must be a finite number, got {value}")
+    return value

@@ -1,22 +1,29 @@
-"""Switching a live handle to a new adapter set: only layers whose contributions changed are touched.
+"""Switching a live handle to a new adapter set: plan the new set (checked like apply), diff it against the
+handle's journal, apply the difference. Only layers whose contributions changed are touched.
 
-Per layer, a structure signature (which parts of which files land on which rows, stack settings) decides:
+Per layer, a structure signature (which parts of which adapters land on which rows, stack settings) decides:
 - unchanged structure: the runtime path or merge record is re-pointed at the new parts; strengths follow
   (runtime: a scale update; merge: rewritten from the backup only when a strength changed);
-- runtime layers that only lost adapters: those adapters are gated to 0 on the layer (no allocation);
-- anything else: the layer's old contribution is undone and the new one applied."""
+- runtime layers that only lost adapters whose terms vanish at strength 0: those are gated to 0 (no allocation);
+- anything else: the layer's old entry is undone and the new one installed.
+Grown inputs and quantized writes own the model's structure or storage: a switch involving them starts over."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
-from .mechanisms.choose import plan_work
-from .mechanisms.merge import MergedModule, merge_module
+from .applying import Options, finish_report, install, install_layer, notes_of, plan_layers, resolve_set
+from .families.combined import CombinedFactors
+from .mechanisms.merge import MergedModule
 from .mechanisms.runtime import RuntimePath
 from .plan.resolve import Plan, PlannedPart
+from .plan.stacking import adapter_names
 from .quant import backend_for
 from .report import AppliedModule
+
+log = logging.getLogger("loraweave")
 
 
 def _has_quantized(p: Plan) -> bool:
@@ -45,7 +52,8 @@ class Signatures:
         return self._files[path]
 
     def _part(self, pp: PlannedPart) -> tuple:
-        return (*self._where(pp), pp.part.stem, pp.part.family, pp.scale)
+        # The adapter's name too: one file given twice ("f", "f#2") is two adapters with their own strengths.
+        return (pp.adapter.name, *self._where(pp), pp.part.stem, pp.part.family, pp.scale)
 
     def keys(self, contribs: list) -> list[tuple]:
         hit = self._lists.get(id(contribs))
@@ -53,7 +61,7 @@ class Signatures:
             return hit[1]
         out = []
         for pp, piece in contribs:
-            sources = getattr(pp.factors, "sources", None) if pp.part.family == "combined" else None
+            sources = pp.factors.sources if isinstance(pp.factors, CombinedFactors) else None
             if sources:  # a combined part is its sources and settings, strengths included (they change the result)
                 inner = tuple(sorted((*self._part(s), p.src_start, p.dst_start, p.length, s.strength) for s, p in sources))
                 out.append(("combined", pp.factors.mode, pp.factors.density, inner))
@@ -76,13 +84,15 @@ def switch_runtime(sig: Signatures, path: RuntimePath, new_contribs: list) -> bo
     """Re-point or gate an existing path; False when the layer must be rebuilt."""
     old_contribs = path.contributions
     new_keys = set(sig.keys(new_contribs))
-    if not new_keys <= set(sig.keys(old_contribs)) or any(pp.part.family == "combined" for pp, _ in new_contribs):
+    if not new_keys <= set(sig.keys(old_contribs)) or any(isinstance(pp.factors, CombinedFactors) for pp, _ in new_contribs):
         return False
     remap = sig.mapping(old_contribs, new_contribs)
     live = {pp.adapter.name for pp, _ in new_contribs}
-    for pp, _ in old_contribs:
-        if id(pp) not in remap and pp.adapter.name not in live:
-            path.gates[pp.adapter.name] = 0.0
+    dropped = {pp.adapter.name for pp, _ in old_contribs if id(pp) not in remap and pp.adapter.name not in live}
+    if not all(path.vanishes_at_zero(name) for name in dropped):
+        return False  # strength 0 is not "absent" for it (DoRA magnitude, OFT rescale): rebuild without it
+    for name in dropped:
+        path.gates[name] = 0.0
     for name in live:
         path.gates.pop(name, None)
     path.rebind(remap)  # refreshes the scales
@@ -102,110 +112,98 @@ def switch_merged(sig: Signatures, record: MergedModule, new_contribs: list) -> 
     return True
 
 
-def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None) -> None:
-    """Make `handle` represent a new adapter set on the same target, touching only layers that changed."""
-    from . import api  # api imports this module lazily: no cycle at import time
+def _start_over(handle, p: Plan, settings, options: Options, mode: str, wp, unmatched, t0: float) -> None:
+    """Undo everything, then install the new set into the same journal (it is empty in between)."""
+    handle.journal.undo()
+    handle._detached.clear()
+    try:
+        with handle.journal.transaction():
+            applied = install(handle.journal, p, wp, mode, options)
+    except BaseException:
+        handle.active = False
+        raise
+    _commit(handle, p, settings, options, finish_report(p, mode, applied, unmatched, wp, t0),
+            {"kept": 0, "reattached": 0, "rebuilt": len(applied), "dropped": 0})
 
+
+def _commit(handle, p: Plan, settings, options: Options, report, counts: dict[str, int]) -> None:
+    handle._plan, handle._settings, handle.options, handle.report = p, settings, options, report
+    handle.start_selection()  # a select mode starts on the subject; any other mode drops the old selection
+    handle.last_switch = counts
+    log.info("loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
+             counts["kept"], counts["reattached"], counts["rebuilt"], counts["dropped"], report.summary())
+
+
+def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None) -> None:
+    """Make `handle` represent a new adapter set on the same target (the caller holds the model's lock)."""
     if not handle.active:
         raise RuntimeError("handle was removed")
-    for rec in handle._merged:  # fused (undo='none') or a changed source file: refuse before anything changes
-        rec.check_undo(rewrite=True)
     t0 = time.perf_counter()
-    mode = handle.report.mode
+    o = handle.options
+    options = Options(o.mode, stack, density, o.quantized, o.host_rank, o.cache, o.undo, o.undo_source,
+                      o.undo_on_device, o.undo_with)
+    options.check()
     components = handle._plan.components
-    api.validate_stack(stack, density)
     if handle._resolve_cache is None:
         from .plan.cache import ResolveCache
 
         handle._resolve_cache = ResolveCache(components)
-    p, settings = api._resolve(components, adapters, strength, cache=handle._resolve_cache)
+    p, settings = resolve_set(components, adapters, strength, cache=handle._resolve_cache)
+    mode = options.layer_mode(len(p.adapters))  # the same refusals as apply, before anything changes
+    handle.check_undoable()
+    for rec in handle._merged:  # fused (undo='none') or a changed source file: refused before anything changes
+        rec.check_undo(rewrite=True)
+    wp, unmatched = plan_layers(p, options, mode)
     if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p):
-        # Grown inputs change the model itself and quantized writes own their layers' storage: start over.
-        handle.remove()
-        fresh = api.apply(components, adapters, mode=mode, strength=strength, stack=stack, density=density,
-                          **handle.quant_options, **handle.undo_options)
-        handle.__dict__.update(fresh.__dict__)
-        handle.last_switch = {"kept": 0, "reattached": 0, "rebuilt": len(handle.report.applied), "dropped": 0}
-        return
-    unmatched = list(p.unmatched)
-    groups = api.combine_groups(api._group_by_module(p.planned), components.modules, stack, density)
-    old_runtime = {id(rp.module): rp for rp in handle._runtime}
-    detached = handle._detached
+        return _start_over(handle, p, settings, options, mode, wp, unmatched, t0)
+    journal = handle.journal
+    old_runtime, old_merged = journal.by_module(RuntimePath), journal.by_module(MergedModule)
+    detached, now_detached = handle._detached, {}
     sig = Signatures()
-
-    def reuse(module, contribs) -> bool:
-        rp = old_runtime.get(id(module))
-        if rp is not None and set(sig.keys(contribs)) <= set(sig.keys(rp.contributions)):
-            return True
-        return (id(module), sig.structure(contribs)) in detached
-
-    wp = plan_work(p, groups, mode, unmatched, reuse=reuse)
-    work, prepared = wp.work, wp.prepared
-    old_merged = {id(m.module): m for m in handle._merged}
-    later = [m for m in handle._merged if not m.is_top()]
-    if later:
-        raise RuntimeError(f"{len(later)} merged layers were merged again by a later apply; remove that handle first")
-    runtime: list[RuntimePath] = []
-    merged: list[MergedModule] = []
-    applied, counts = [], {"kept": 0, "reattached": 0, "rebuilt": 0, "dropped": 0}
-    now_detached: dict[tuple[int, tuple], RuntimePath] = {}
+    applied: list[AppliedModule] = []
+    counts = {"kept": 0, "reattached": 0, "rebuilt": 0, "dropped": 0}
     seen: set[int] = set()
+
+    def reattach(module, contribs):
+        """Back to a set this layer carried before: re-attach its path, nothing rebuilt."""
+        rp = detached.get((id(module), sig.structure(contribs)))
+        if rp is not None:
+            rp.gates.clear()
+            rp.rebind(sig.mapping(rp.contributions, contribs))
+            counts["reattached"] += 1
+        return rp
+
     try:
-        for comp, path, module, mechanism, why, contribs in work:
+        for item in wp.work:
+            comp, path, module, mechanism, why, contribs = item
             seen.add(id(module))
             rp, rec = old_runtime.get(id(module)), old_merged.get(id(module))
-            if rp is not None and mechanism == "runtime" and switch_runtime(sig, rp, contribs):
-                runtime.append(rp)
+            if (rp is not None and mechanism == "runtime" and switch_runtime(sig, rp, contribs)) or (
+                    rec is not None and mechanism == "merge" and switch_merged(sig, rec, contribs)):
                 counts["kept"] += 1
-            elif rec is not None and mechanism == "merge" and switch_merged(sig, rec, contribs):
-                merged.append(rec)
-                counts["kept"] += 1
-            else:
-                if rp is not None:
-                    rp.detach()
-                    now_detached[(id(module), sig.structure(rp.contributions))] = rp
-                if rec is not None:
-                    rec.restore()
+                applied.append(AppliedModule(comp, path, mechanism, sorted(adapter_names(contribs)),
+                                             why if mode == "auto" else "", "", notes_of(contribs)))
                 if mechanism == "merge":
-                    merge_module(module, contribs, merged, handle.undo_with, (comp, path))
-                    counts["rebuilt"] += 1
-                else:
-                    new = detached.get((id(module), sig.structure(contribs)))
-                    if new is not None:  # back to a set this layer carried before: re-attach, nothing rebuilt
-                        new.gates.clear()
-                        new.rebind(sig.mapping(new.contributions, contribs))
-                        counts["reattached"] += 1
-                    else:
-                        new = prepared.get((comp, path)) or RuntimePath(module, contribs)
-                        counts["rebuilt"] += 1
-                    runtime.append(new)
-                    new.attach()
-            entry = AppliedModule(comp, path, mechanism, sorted(api.adapter_names(contribs)),
-                                  why if mode == "auto" else "", "", sorted({n for pp, _ in contribs for n in pp.notes}))
-            if mechanism == "merge":
-                merged[-1].entry = entry
-                merged[-1]._report()
-            applied.append(entry)
-        for rp in handle._runtime:
-            if id(rp.module) not in seen:
-                rp.detach()
+                    rec.entry = applied[-1]
+                    rec._report()
+                continue
+            if rp is not None:
+                now_detached[(id(module), sig.structure(rp.contributions))] = rp
+            journal.undo([e for e in (rp, rec) if e is not None])
+            before = counts["reattached"]
+            applied.append(install_layer(journal, item, mode, wp, options, path_for=reattach))
+            counts["rebuilt"] += counts["reattached"] == before
+        gone = [e for e in journal.entries if isinstance(e, (RuntimePath, MergedModule)) and id(e.module) not in seen]
+        for rp in gone:
+            if isinstance(rp, RuntimePath):
                 now_detached[(id(rp.module), sig.structure(rp.contributions))] = rp
-                counts["dropped"] += 1
-        for rec in handle._merged:
-            if id(rec.module) not in seen:
-                rec.restore()
-                counts["dropped"] += 1
+        counts["dropped"] += len(gone)
+        journal.undo(gone)
     except BaseException:
         # Old and new layers are mixed at this point: leave the model clean (no adapters) rather than half-switched.
-        for rp in (*runtime, *handle._runtime):
-            rp.detach()
-        for rec in reversed([*merged, *[m for m in handle._merged if m not in merged]]):
-            rec.restore()
+        journal.undo()
+        handle._detached.clear()
         handle.active = False
         raise
-    handle._plan, handle._settings, handle._runtime, handle._merged = p, settings, runtime, merged
     handle._detached = now_detached
-    handle.report = api._make_report(p, mode, applied, unmatched, t0)
-    api.log.info("loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
-                 counts["kept"], counts["reattached"], counts["rebuilt"], counts["dropped"], handle.report.summary())
-    handle.last_switch = counts
+    _commit(handle, p, settings, options, finish_report(p, mode, applied, unmatched, wp, t0), counts)

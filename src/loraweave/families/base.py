@@ -1,31 +1,99 @@
-"""What every family module provides: load + validate factors, add its delta, give its runtime terms.
+"""What every family provides: load + validate factors, add its delta, give its runtime terms.
 
-A family module defines FAMILY, load, check_target, add_delta, bias_delta and runtime_term, and optionally:
-- USES_ALPHA_SCALE = False: the planner does not turn alpha into γ = alpha/rank (scale stays 1); the raw
-  `alpha` tensor is handed to `load` (OFT reads it as its constraint).
-- NEEDS_BASE = True: the delta depends on the original weight W (OFT, BOFT, DoRA, IA3, GLoRA).
-  `add_delta(..., base=W_rows)` receives the original rows in fp32, and the runtime term's
-  `fn(x, conv, base_out)` receives the layer's output without bias, before any adapter was added.
-  add_delta also receives `strength=` and `scale=` (coeff = strength·scale) for families not linear in them.
-- runtime_term(f, src, dst, length, module=...) receives the host module when it accepts that keyword.
-- check_piece(f, src, length) -> reason | None: whether rows [src, src+length) of the delta can land on their
-  own (a fused key split over modules); the planner asks before anything is touched.
-Every family contributes ΔW_i computed from the ORIGINAL weight; contributions on one layer are summed
+Each family module declares one `Family` (below) named SPEC: its functions and abilities, every ability with a
+default, so nothing is discovered by probing attributes or signatures. Every family contributes ΔW_i computed from the ORIGINAL weight; contributions on one layer are summed
 (the rule a1111/LyCORIS loaders use when several networks touch one layer), so order never matters."""
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..miss import Miss
+
 
 class PartRejected(Exception):
-    """A part cannot be applied; the message is the reason written into the report."""
+    """A part cannot be applied; `.miss` (kind + readable reason) goes into the report."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        self.miss = Miss(kind, detail)
+        super().__init__(detail)
+
+    @classmethod
+    def of(cls, miss: Miss) -> PartRejected:
+        return cls(miss.kind, miss.detail)
+
+
+def _same(f, shape):
+    return f
+
+
+def _any_piece(f, src: int, length: int) -> None:
+    return None
+
+
+def _no_width(f) -> None:
+    return None
+
+
+def _no_widening(f, shape) -> None:
+    return None
+
+
+def _runtime_ok(f, module) -> None:
+    return None
+
+
+@dataclass(eq=False)
+class Family:
+    """One adapter family: its functions and what it can do. Defaults describe a plain low-rank family.
+
+    - load(tensors, key_of[, config]) -> factors: validate one part's tensors (role -> tensor);
+      `takes_config`: also receives the adapter's PEFT config fields (None = PEFT's defaults).
+    - settle(f, shape) -> f: the factors fixed on a module shape (kernel, IA3 side, GLoRA naming); a new object,
+      `f` itself untouched. check_target(f, shape) -> Miss | None judges settled factors and changes nothing.
+    - check_piece(f, src, length) -> Miss | None: whether rows [src, src+length) land on their own (fused keys).
+    - add_delta(target_rows, f, src, length, coeff[, base=, strength=, scale=]): `needs_base` families get the
+      ORIGINAL rows and the strength and scale (they may not be linear in them); runtime terms of those get the
+      layer's output without bias. `bias_needs_base`: bias_delta(..., base=original bias rows).
+    - runtime_term(f, src, dst, length[, module=]): `runtime_takes_module` families read the host module;
+      runtime_refusal(f, module) -> Miss | None says beforehand whether they will refuse it.
+    - roles: every role a part may hold (None: load checks); uses_alpha_scale=False: alpha is not alpha/rank
+      (the raw `alpha` tensor goes to load). input_width(f) / widen_input(f, shape): control-adapter growth."""
+
+    name: str
+    load: Callable
+    check_target: Callable
+    add_delta: Callable
+    bias_delta: Callable
+    runtime_term: Callable
+    roles: tuple[str, ...] | None = None
+    uses_alpha_scale: bool = True
+    needs_base: bool = False
+    bias_needs_base: bool = False
+    takes_config: bool = False
+    runtime_takes_module: bool = False
+    settle: Callable = _same
+    check_piece: Callable = _any_piece
+    input_width: Callable = _no_width
+    widen_input: Callable = _no_widening
+    runtime_refusal: Callable = _runtime_ok
+
+    def load_part(self, tensors: dict, key_of: dict, config: dict | None):
+        return self.load(tensors, key_of, config) if self.takes_config else self.load(tensors, key_of)
+
+    def fit(self, f, shape: tuple[int, ...]):
+        """(factors settled on `shape`, Miss or None)."""
+        settled = self.settle(f, shape)
+        return settled, self.check_target(settled, shape)
+
+    def term(self, f, src: int, dst: int, length: int, module) -> RuntimeTerm:
+        if self.runtime_takes_module:
+            return self.runtime_term(f, src, dst, length, module=module)
+        return self.runtime_term(f, src, dst, length)
 
 
 @dataclass
@@ -99,23 +167,17 @@ def _staged(t: torch.Tensor, device: torch.device) -> bool:
     return device.type not in ("cpu", "meta") and t.device.type == "cpu" and not t.is_pinned()
 
 
-@functools.cache
-def takes_keyword(fn: Callable, name: str) -> bool:
-    """Whether a family function accepts an optional keyword (checked once per function, not per layer)."""
-    return name in inspect.signature(fn).parameters
-
-
 def check_factor(name: str, tensor: torch.Tensor) -> None:
     """Factors must be floating point and finite (meta tensors: shape-only planning, values unknown)."""
     if not tensor.is_floating_point():
-        raise PartRejected(f"bad tensor: {name} has dtype {tensor.dtype}, expected floating point")
+        raise PartRejected("bad_tensor", f"bad tensor: {name} has dtype {tensor.dtype}, expected floating point")
     if tensor.device.type == "meta" or tensor.numel() == 0:
         return
     try:
         # NaN and ±Inf propagate into min/max: one pass, no bool temporary (isfinite().all() is ~8x slower).
         lo, hi = torch.aminmax(tensor)
         finite = math.isfinite(lo.item()) and math.isfinite(hi.item())
-    except RuntimeError:  # dtypes without aminmax on this device (float8)
-        finite = bool(torch.isfinite(tensor).all())
+    except (RuntimeError, NotImplementedError):  # dtypes without aminmax/isfinite here (float8): check in fp32
+        finite = bool(torch.isfinite(tensor.float()).all())
     if not finite:
-        raise PartRejected(f"bad tensor: {name} holds NaN or Inf")
+        raise PartRejected("non_finite", f"bad tensor: {name} holds NaN or Inf")

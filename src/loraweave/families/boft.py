@@ -17,12 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .base import PartRejected, RuntimeTerm, check_factor
-from .oft import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
-
-FAMILY = "boft"
-USES_ALPHA_SCALE = False  # alpha is the constraint, not a scale
-NEEDS_BASE = True
+from ..miss import Miss
+from .base import Family, PartRejected, RuntimeTerm, check_factor
+from .oft_common import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
 
 
 @dataclass
@@ -47,11 +44,11 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactor
     peft = "boft_R" in tensors
     allowed = {"boft_R", "boft_s"} if peft else {"oft_blocks", "rescale", "alpha"}
     if set(tensors) - allowed:
-        raise PartRejected(f"unsupported family: BOFT part with {', '.join(sorted(key_of[r] for r in set(tensors) - allowed))}")
+        raise PartRejected("unsupported", f"unsupported family: BOFT part with {', '.join(sorted(key_of[r] for r in set(tensors) - allowed))}")
     if not peft and "oft_blocks" not in tensors:
-        raise PartRejected("incomplete BOFT: no oft_blocks or boft_R" + (" (boft_s alone)" if "boft_s" in tensors else ""))
+        raise PartRejected("incomplete", "incomplete BOFT: no oft_blocks or boft_R" + (" (boft_s alone)" if "boft_s" in tensors else ""))
     if peft and "boft_s" not in tensors:
-        raise PartRejected("incomplete BOFT: PEFT boft_R without boft_s")
+        raise PartRejected("incomplete", "incomplete BOFT: PEFT boft_R without boft_s")
     for role, t in tensors.items():
         if role != "alpha":
             check_factor(key_of[role], t)
@@ -62,7 +59,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactor
     if blocks.dim() != 4 or blocks.shape[3] != b or 0 in blocks.shape or (
         (m > 1 or not peft) and (b % 2 or n % 2 ** (m - 1))
     ):
-        raise PartRejected(f"shape mismatch: {key_of[role]} {tuple(blocks.shape)} is not a butterfly (m, n, b, b)")
+        raise PartRejected("shape_mismatch", f"shape mismatch: {key_of[role]} {tuple(blocks.shape)} is not a butterfly (m, n, b, b)")
     if peft:
         scale = tensors["boft_s"]
         return BoftFactors(blocks, 0.0, row_scale(scale, scale.numel(), key_of["boft_s"]), True)
@@ -70,13 +67,15 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactor
     return BoftFactors(blocks, alpha * n * b, row_scale(tensors.get("rescale"), n * b, key_of.get("rescale")), False)
 
 
-def check_target(f: BoftFactors, shape: tuple[int, ...]) -> str | None:
+def check_target(f: BoftFactors, shape: tuple[int, ...]) -> Miss | None:
     if f.peft:
         cols = shape[1] * math.prod(shape[2:])
         n = f.blocks.shape[1] * f.blocks.shape[2]
-        return None if cols == n else f"shape mismatch: PEFT BOFT rotates {n} input columns, module {shape} has {cols}"
+        if cols != n:
+            return Miss("shape_mismatch", f"shape mismatch: PEFT BOFT rotates {n} input columns, module {shape} has {cols}")
+        return None
     if shape[0] % f.span:
-        return f"shape mismatch: BOFT butterfly mixes runs of {f.span} rows, module has {shape[0]}"
+        return Miss("shape_mismatch", f"shape mismatch: BOFT butterfly mixes runs of {f.span} rows, module has {shape[0]}")
     return None
 
 
@@ -102,7 +101,7 @@ def _butterfly(f: BoftFactors, y: torch.Tensor, src: int, s: float) -> torch.Ten
     """LyCORIS stages on channels-last y holding rows [src, src + y.shape[-1]) (aligned to the span)."""
     length, (m, _, b) = y.shape[-1], f.blocks.shape[:3]
     if src % f.span or length % f.span:
-        raise PartRejected(f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
+        raise PartRejected("shape_mismatch", f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
     rot = _rotations(f, y.device, y.dtype)[:, src // b : (src + length) // b]
     for i in range(m):
         k = 2**i * (b // 2)
@@ -155,17 +154,17 @@ def bias_delta(f: BoftFactors, src: int, length: int) -> None:
     return None
 
 
-def check_piece(f: BoftFactors, src: int, length: int) -> str | None:
+def check_piece(f: BoftFactors, src: int, length: int) -> Miss | None:
     if not f.peft and (src % f.span or length % f.span):
-        return f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows"
+        return Miss("shape_mismatch", f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
     return None
 
 
 def runtime_term(f: BoftFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None) -> RuntimeTerm:
     if f.peft and module is None:
-        raise PartRejected("unsupported family: PEFT BOFT at runtime needs the host module's weight")
+        raise PartRejected("unsupported", "unsupported family: PEFT BOFT at runtime needs the host module's weight")
     if not f.peft and (src % f.span or length % f.span):
-        raise PartRejected(f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
+        raise PartRejected("shape_mismatch", f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
     r = None if f.rescale is None else f.rescale[src : src + length]
 
     def fn(x, conv, base, strength=None, scale=1.0):
@@ -193,3 +192,8 @@ def runtime_term(f: BoftFactors, src: int, dst: int, length: int, module: torch.
     cost = (f"PEFT BOFT input rotation ({m} stages of {n}x{b}) + one extra base GEMM" if f.peft
             else f"BOFT butterfly on the output ({m} stages of {length // b}x{b}); R cached")
     return RuntimeTerm(None, None, None, None, dst, length, fn=fn, needs_base=True, linear_in_strength=False, cost=cost)
+
+
+# alpha is the constraint, not a scale
+SPEC = Family("boft", load, check_target, add_delta, bias_delta, runtime_term, uses_alpha_scale=False,
+              needs_base=True, runtime_takes_module=True, check_piece=check_piece)

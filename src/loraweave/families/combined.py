@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..contribution import add_contribution
+from ..miss import Miss
 from ..stack.combine import combine_deltas
-from .base import PartRejected, RuntimeTerm
-
-FAMILY = "combined"
-NEEDS_BASE = True
-ROLES = ()
+from .base import Family, PartRejected, RuntimeTerm
 
 
 @dataclass(eq=False)
@@ -44,16 +42,13 @@ class CombinedFactors:
         sig = self._signature()
         if self._cache.get("sig") == sig:
             return self._cache["delta"]
-        from ..mechanisms.merge import add_contribution
-        from . import FAMILIES  # the registry imports this module
-
         by_adapter: dict[str, list] = {}
         for pp, piece in self.sources:
             by_adapter.setdefault(pp.adapter.name, []).append((pp, piece))
         cols = int(torch.Size(self.shape[1:]).numel())
         deltas, weights = [], []
         for contribs in by_adapter.values():
-            linear = all(not getattr(FAMILIES[pp.part.family], "NEEDS_BASE", False) for pp, _ in contribs)
+            linear = all(not pp.family.needs_base for pp, _ in contribs)
             strengths = {pp.strength for pp, _ in contribs}
             unit = linear and len(strengths) == 1
             delta = torch.zeros(self.shape[0], cols)
@@ -62,7 +57,7 @@ class CombinedFactors:
                 try:
                     add_contribution(delta[piece.dst_start : piece.dst_start + piece.length], pp, piece, base, coeff)
                 except PartRejected as rejected:
-                    raise PartRejected(f"stack={self.mode}: {rejected}") from None
+                    raise PartRejected(rejected.miss.kind, f"stack={self.mode}: {rejected}") from None
             deltas.append(delta)
             weights.append(strengths.pop() if unit else 1.0)
         combined = combine_deltas(deltas, weights, self.mode, self.density, self.key)
@@ -70,8 +65,14 @@ class CombinedFactors:
         return combined
 
 
-def check_target(f: CombinedFactors, shape: tuple[int, ...]) -> str | None:
-    return None if tuple(shape) == tuple(f.shape) else f"shape mismatch: combined {f.shape} vs module {shape}"
+def load(tensors: dict, key_of: dict) -> CombinedFactors:
+    raise PartRejected("unsupported", "unsupported family: combined parts are built by apply(stack=...), never read")
+
+
+def check_target(f: CombinedFactors, shape: tuple[int, ...]) -> Miss | None:
+    if tuple(shape) == tuple(f.shape):
+        return None
+    return Miss("shape_mismatch", f"shape mismatch: combined {f.shape} vs module {shape}")
 
 
 def add_delta(target_rows: torch.Tensor, f: CombinedFactors, src: int, length: int, coeff: float,
@@ -81,11 +82,9 @@ def add_delta(target_rows: torch.Tensor, f: CombinedFactors, src: int, length: i
 
 def bias_delta(f: CombinedFactors, src: int, length: int) -> torch.Tensor | None:
     """Bias deltas are summed (the stack modes act on weights), each at its strength."""
-    from . import FAMILIES
-
     total = None
     for pp, piece in f.sources:
-        b = FAMILIES[pp.part.family].bias_delta(pp.factors, piece.src_start, piece.length)
+        b = pp.family.bias_delta(pp.factors, piece.src_start, piece.length)
         if b is None:
             continue
         total = torch.zeros(f.shape[0]) if total is None else total
@@ -115,3 +114,7 @@ def runtime_term(f: CombinedFactors, src: int, dst: int, length: int, module: to
 
     return RuntimeTerm(None, None, None, None, dst, length, fn=fn,
                        cost=f"stack={f.mode}: dense ΔW cached per strengths", linear_in_strength=False)
+
+
+SPEC = Family("combined", load, check_target, add_delta, bias_delta, runtime_term, roles=(), needs_base=True,
+              runtime_takes_module=True)

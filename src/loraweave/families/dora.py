@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..miss import Miss
 from . import loha, lokr, lora
-from .base import CastCache, ConvSpec, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 
-FAMILY = "dora"
-NEEDS_BASE = True
 _INNER = {"lora": lora, "loha": loha, "lokr": lokr}
 _EPS = torch.finfo(torch.float32).eps  # LyCORIS adds eps of dora_scale's dtype: fp32 in its modules
 BLOCK = 2**24  # elements of W_c formed at once when the runtime path computes its gain
@@ -51,20 +50,20 @@ def _kind(role: str) -> str:
         return "lokr"
     if role in ("down", "up", "mid", "up_bias"):
         return "lora"
-    raise PartRejected(f"unsupported family: DoRA over {role} (only LoRA, LoHa, LoKr)")
+    raise PartRejected("unsupported", f"unsupported family: DoRA over {role} (only LoRA, LoHa, LoKr)")
 
 
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> DoraFactors:
     """Load the inner family from its roles, then validate `dora_scale` against its rows."""
     d = tensors.get("dora_scale")
     if d is None:
-        raise PartRejected("incomplete DoRA: no dora_scale / lora_magnitude_vector tensor")
+        raise PartRejected("incomplete", "incomplete DoRA: no dora_scale / lora_magnitude_vector tensor")
     kinds = {_kind(r) for r in tensors if r != "dora_scale"}
     if len(kinds) != 1:
-        raise PartRejected(f"incomplete DoRA: magnitude with {' + '.join(sorted(kinds)) or 'no factors'}")
+        raise PartRejected("incomplete", f"incomplete DoRA: magnitude with {' + '.join(sorted(kinds)) or 'no factors'}")
     kind = kinds.pop()
     if "up_bias" in tensors:
-        raise PartRejected("unsupported family: DoRA with a LoRA bias (lora_B.bias); PEFT refuses it too")
+        raise PartRejected("unsupported", "unsupported family: DoRA with a LoRA bias (lora_B.bias); PEFT refuses it too")
     check_factor(key_of["dora_scale"], d)
     inner = _INNER[kind].load({r: t for r, t in tensors.items() if r != "dora_scale"}, key_of)
     rows, peft = inner.rows, "lora_magnitude_vector" in key_of["dora_scale"]
@@ -75,31 +74,45 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> DoraFactor
     elif not peft and d.dim() >= 2 and d.shape[0] == 1 and all(n == 1 for n in d.shape[2:]):
         on_out = False  # (1, in, 1, …): checked against the module's input channels in check_target
     else:
-        raise PartRejected(f"shape mismatch: {key_of['dora_scale']} {tuple(d.shape)} for {rows} output rows")
+        raise PartRejected("shape_mismatch", f"shape mismatch: {key_of['dora_scale']} {tuple(d.shape)} for {rows} output rows")
     return DoraFactors(kind, inner, d.reshape(-1), on_out, peft)
 
 
-def check_target(f: DoraFactors, shape: tuple[int, ...] | None) -> str | None:
-    reason = _INNER[f.kind].check_target(f.inner, shape)
+def check_target(f: DoraFactors, shape: tuple[int, ...] | None) -> Miss | None:
+    reason = _INNER[f.kind].SPEC.check_target(f.inner, shape)
     if reason or f.on_out:
         return reason
     if shape[1] != f.magnitude.numel():
-        return f"shape mismatch: input-axis dora_scale has {f.magnitude.numel()} channels, module {shape[1]}"
+        return Miss("shape_mismatch", f"shape mismatch: input-axis dora_scale has {f.magnitude.numel()} channels, module {shape[1]}")
     if shape[0] < f.rows:
-        return (f"input-axis DoRA not row-local: its norm spans all {f.rows} adapter rows, this module holds "
+        return Miss("unsupported", f"input-axis DoRA not row-local: its norm spans all {f.rows} adapter rows, this module holds "
                 f"{shape[0]} (a fused-key adapter split over modules)")
     return None
 
 
-def check_piece(f: DoraFactors, src: int, length: int) -> str | None:
+def settle(f: DoraFactors, shape: tuple[int, ...] | None) -> DoraFactors:
+    inner = _INNER[f.kind].SPEC.settle(f.inner, shape)
+    return f if inner is f.inner else dataclasses.replace(f, inner=inner)
+
+
+def runtime_refusal(f: DoraFactors, module) -> Miss | None:
+    """DoRA's runtime gain reads the layer's plain floating weight for its norm."""
+    w = getattr(module, "weight", None)
+    if type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.is_floating_point() or w.is_meta:
+        what = "missing" if w is None else "offloaded (meta)" if w.is_meta else f"a {type(w).__name__} {w.dtype}"
+        return Miss("unsupported", f"DoRA runtime reads the layer's weight for its norm; the weight is {what}")
+    return None
+
+
+def check_piece(f: DoraFactors, src: int, length: int) -> Miss | None:
     if not f.on_out and length != f.rows:
-        return f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows"
+        return Miss("unsupported", f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows")
     return None
 
 
 def _whole(f: DoraFactors, length: int) -> None:
     if not f.on_out and length != f.rows:
-        raise PartRejected(f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows")
+        raise PartRejected("unsupported", f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows")
 
 
 def _on(inner, device: torch.device):
@@ -187,10 +200,9 @@ def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -
     The gain reads module.weight (the original: runtime never writes it) lazily, in row blocks."""
     if module is None:
         raise TypeError("DoRA runtime needs the host module: runtime_term(..., module=module)")
-    w = getattr(module, "weight", None)
-    if type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.is_floating_point() or w.is_meta:
-        what = "missing" if w is None else "offloaded (meta)" if w.is_meta else f"a {type(w).__name__} {w.dtype}"
-        raise PartRejected(f"DoRA runtime reads the layer's weight for its norm; the weight is {what}")
+    refused = runtime_refusal(f, module)
+    if refused is not None:
+        raise PartRejected.of(refused)
     _whole(f, length)
     path, inner_cost = _inner_path(f, src, length, module)
     state: dict = {}
@@ -227,3 +239,7 @@ def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -
     cost += "" if f.on_out else " + a GEMM with W (input axis)"
     return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=cost, needs_base=True,
                        linear_in_strength=False)
+
+
+SPEC = Family("dora", load, check_target, add_delta, bias_delta, runtime_term, needs_base=True, settle=settle,
+              runtime_takes_module=True, check_piece=check_piece, runtime_refusal=runtime_refusal)

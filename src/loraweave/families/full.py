@@ -6,10 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PartRejected, RuntimeTerm, check_factor
-
-FAMILY = "full"
-ROLES = ("diff", "diff_b")
+from ..miss import Miss
+from .base import Family, PartRejected, RuntimeTerm, check_factor
 
 
 @dataclass
@@ -26,13 +24,13 @@ class FullFactors:
 
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> FullFactors:
     if "diff" not in tensors and "diff_b" not in tensors:
-        raise PartRejected("incomplete full diff: neither diff nor diff_b")
+        raise PartRejected("incomplete", "incomplete full diff: neither diff nor diff_b")
     for role, t in tensors.items():
         check_factor(key_of[role], t)
     diff = tensors.get("diff")
     diff_b = tensors.get("diff_b")
     if diff is not None and diff_b is not None and diff_b.shape != (diff.shape[0],):
-        raise PartRejected(f"shape mismatch: diff_b {tuple(diff_b.shape)} for diff {tuple(diff.shape)}")
+        raise PartRejected("shape_mismatch", f"shape mismatch: diff_b {tuple(diff_b.shape)} for diff {tuple(diff.shape)}")
     return FullFactors(diff, diff_b)
 
 
@@ -40,9 +38,9 @@ def input_width(f: FullFactors) -> int | None:
     return f.diff.shape[1] if f.diff is not None and f.diff.dim() == 2 else None
 
 
-def check_target(f: FullFactors, shape: tuple[int, ...]) -> str | None:
+def check_target(f: FullFactors, shape: tuple[int, ...]) -> Miss | None:
     if f.diff is not None and tuple(f.diff.shape[1:]) != shape[1:]:
-        return f"shape mismatch: diff {tuple(f.diff.shape)} vs module weight {shape}"
+        return Miss("shape_mismatch", f"shape mismatch: diff {tuple(f.diff.shape)} vs module weight {shape}")
     return None
 
 
@@ -58,3 +56,7 @@ def bias_delta(f: FullFactors, src: int, length: int) -> torch.Tensor | None:
 def runtime_term(f: FullFactors, src: int, dst: int, length: int) -> RuntimeTerm:
     dense = None if f.diff is None else f.diff[src : src + length]
     return RuntimeTerm(None, None, dense, bias_delta(f, src, length), dst, length)
+
+
+SPEC = Family("full", load, check_target, add_delta, bias_delta, runtime_term, roles=("diff", "diff_b"),
+              input_width=input_width)

@@ -10,16 +10,16 @@ conv: y += W∗(a1·a2·x) + b1·(b2∗x), the first product by the layer's own 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .base import CastCache, ConvSpec, PartRejected, RuntimeTerm, check_factor
+from ..miss import Miss
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 
-FAMILY = "glora"
-NEEDS_BASE = True
 _ROLES = ("a1", "a2", "b1", "b2")
 
 
@@ -55,38 +55,43 @@ def _fits(a_in, a_out, b_up, b_down) -> bool:
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> GloraFactors:
     missing = [r for r in _ROLES if r not in tensors]
     if missing:
-        raise PartRejected(f"incomplete GLoRA: no {', '.join(f'{r}.weight' for r in missing)} tensor")
+        raise PartRejected("incomplete", f"incomplete GLoRA: no {', '.join(f'{r}.weight' for r in missing)} tensor")
     extra = sorted(set(tensors) - set(_ROLES))
     if extra:  # e.g. a Tucker `bm` or a `dora_scale`: applying the rest alone would be wrong
-        raise PartRejected(f"unsupported: GLoRA with {', '.join(key_of[r] for r in extra)}")
+        raise PartRejected("unsupported", f"unsupported: GLoRA with {', '.join(key_of[r] for r in extra)}")
     for role, t in tensors.items():
         check_factor(key_of[role], t)
     a1, a2, b1, b2 = (tensors[r] for r in _ROLES)
     if any(t.dim() < 2 for t in (a1, a2, b1, b2)):
-        raise PartRejected("shape mismatch: GLoRA factors must be at least 2-D")
+        raise PartRejected("shape_mismatch", "shape mismatch: GLoRA factors must be at least 2-D")
     new = (a1, a2, b1, b2) if _fits(a1, a2, b1, b2) else None
     old = (a2, a1, b2, b1) if _fits(a2, a1, b2, b1) else None
     if new is None and old is None:
         shapes = ", ".join(f"{r} {tuple(t.shape)}" for r, t in zip(_ROLES, (a1, a2, b1, b2), strict=True))
-        raise PartRejected(f"shape mismatch: GLoRA factors do not pair in either naming ({shapes})")
+        raise PartRejected("shape_mismatch", f"shape mismatch: GLoRA factors do not pair in either naming ({shapes})")
     first = new or old
     return GloraFactors(*first, new is None, old if new is not None and old is not None else None)
 
 
-def check_target(f: GloraFactors, shape: tuple[int, ...]) -> str | None:
+def check_target(f: GloraFactors, shape: tuple[int, ...]) -> Miss | None:
     if len(shape) < 2:
-        return f"shape mismatch: GLoRA needs a Linear or Conv weight, module weight is {shape}"
-    if f.other is not None:  # square layer, both namings fit: the module's input width decides
-        if f.a_in.shape[0] != shape[1] and f.other[0].shape[0] == shape[1]:
-            f.a_in, f.a_out, f.b_up, f.b_down = f.other
-            f.old_naming = True
-        f.other = None
+        return Miss("shape_mismatch", f"shape mismatch: GLoRA needs a Linear or Conv weight, module weight is {shape}")
     if f.a_in.shape[0] != shape[1] or f.b_down[0].numel() != math.prod(shape[1:]):
-        return (f"shape mismatch: GLoRA input (a {f.a_in.shape[0]}, b {tuple(f.b_down.shape[1:])}) vs module "
+        return Miss("shape_mismatch", f"shape mismatch: GLoRA input (a {f.a_in.shape[0]}, b {tuple(f.b_down.shape[1:])}) vs module "
                 f"{shape[1:]}")
     if f.old_naming and math.prod(shape[2:]) > 1:
-        return "unsupported: pre-3.0 GLoRA naming on a conv with a kernel > 1 (no producer known)"
+        return Miss("unsupported", "unsupported: pre-3.0 GLoRA naming on a conv with a kernel > 1 (no producer known)")
     return None
+
+
+def settle(f: GloraFactors, shape: tuple[int, ...]) -> GloraFactors:
+    """Square layer, both namings fit the tensors: the module's input width decides."""
+    if f.other is None or len(shape) < 2:
+        return f
+    if f.a_in.shape[0] != shape[1] and f.other[0].shape[0] == shape[1]:
+        return dataclasses.replace(f, a_in=f.other[0], a_out=f.other[1], b_up=f.other[2], b_down=f.other[3],
+                                   old_naming=True, other=None)
+    return dataclasses.replace(f, other=None)
 
 
 def _a_delta(base: torch.Tensor, f: GloraFactors) -> torch.Tensor:
@@ -161,3 +166,7 @@ def runtime_term(f: GloraFactors, src: int, dst: int, length: int, module=None) 
         return layer_product(module, mixed, conv, dst, length) + conv.fn(hb, bu.view(*bu.shape, *[1] * len(kernel)))
 
     return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost="GLoRA conv: extra layer conv on a1·a2·x")
+
+
+SPEC = Family("glora", load, check_target, add_delta, bias_delta, runtime_term, needs_base=True, settle=settle,
+              runtime_takes_module=True)

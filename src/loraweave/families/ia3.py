@@ -12,17 +12,14 @@ the layer's own weight (an input pre-hook would be cheaper; the runtime has none
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from .base import CastCache, ConvSpec, PartRejected, RuntimeTerm, check_factor
+from ..miss import Miss
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 from .glora import layer_product
-
-FAMILY = "ia3"
-USES_ALPHA_SCALE = False
-NEEDS_BASE = True
-BIAS_NEEDS_BASE = True  # PEFT output side: bias_delta(..., base=original bias rows)
 
 
 @dataclass
@@ -42,7 +39,7 @@ class Ia3Factors:
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> Ia3Factors:
     if "ia3_l" in tensors:
         if "weight" in tensors or "on_input" in tensors:
-            raise PartRejected("bad part: PEFT ia3_l mixed with LyCORIS weight/on_input")
+            raise PartRejected("bad_tensor", "bad part: PEFT ia3_l mixed with LyCORIS weight/on_input")
         t = tensors["ia3_l"]
         check_factor(key_of["ia3_l"], t)
         if t.dim() == 2 and 1 in t.shape:
@@ -50,32 +47,42 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> Ia3Factors
         elif t.dim() >= 3 and t.shape[0] == 1 and all(d == 1 for d in t.shape[2:]):
             on_input = None  # conv (1, n, 1..): PEFT uses one layout for both sides
         else:
-            raise PartRejected(f"shape mismatch: ia3_l {tuple(t.shape)} is not (out, 1), (1, in) or (1, n, 1..)")
+            raise PartRejected("shape_mismatch", f"shape mismatch: ia3_l {tuple(t.shape)} is not (out, 1), (1, in) or (1, n, 1..)")
         return Ia3Factors(t.flatten(), True, on_input, t.device.type == "meta")
     if "weight" not in tensors or "on_input" not in tensors:
-        raise PartRejected(f"incomplete IA3: no {'weight' if 'weight' not in tensors else 'on_input'} tensor")
+        raise PartRejected("incomplete", f"incomplete IA3: no {'weight' if 'weight' not in tensors else 'on_input'} tensor")
     w, flag = tensors["weight"], tensors["on_input"]
     check_factor(key_of["weight"], w)
     if flag.numel() != 1:
-        raise PartRejected(f"bad tensor: {key_of['on_input']} should be a scalar, has shape {tuple(flag.shape)}")
+        raise PartRejected("bad_tensor", f"bad tensor: {key_of['on_input']} should be a scalar, has shape {tuple(flag.shape)}")
     if not (w.dim() == 1 or (w.dim() >= 3 and w.shape[0] == 1 and all(d == 1 for d in w.shape[2:]))):
-        raise PartRejected(f"shape mismatch: IA3 weight {tuple(w.shape)} is not (n,) or (1, n, 1..)")
+        raise PartRejected("shape_mismatch", f"shape mismatch: IA3 weight {tuple(w.shape)} is not (n,) or (1, n, 1..)")
     meta = flag.device.type == "meta"
     return Ia3Factors(w.flatten(), False, None if meta else bool(flag.reshape(()).item()), meta)
 
 
-def check_target(f: Ia3Factors, shape: tuple[int, ...]) -> str | None:
+def check_target(f: Ia3Factors, shape: tuple[int, ...]) -> Miss | None:
     if len(shape) < 2:
-        return f"shape mismatch: IA3 needs a Linear or Conv weight, module weight is {shape}"
+        return Miss("shape_mismatch", f"shape mismatch: IA3 needs a Linear or Conv weight, module weight is {shape}")
     n, fits_in, fits_out = f.w.numel(), f.w.numel() == shape[1], f.w.numel() == shape[0]
     if f.on_input is None:
         if fits_in and fits_out and not f.ambiguous_ok:
-            return (f"ambiguous: IA3 vector of {n} on a square {shape} layer, input or output side unknown "
+            return Miss("ambiguous", f"ambiguous: IA3 vector of {n} on a square {shape} layer, input or output side unknown "
                     "(PEFT conv ia3_l)")
-        f.on_input = fits_in and not fits_out
-    if f.on_input and not fits_in:
-        return f"shape mismatch: IA3 input vector of {n} vs module input {shape[1]}"
+    on_input = f.on_input if f.on_input is not None else fits_in and not fits_out
+    if on_input and not fits_in:
+        return Miss("shape_mismatch", f"shape mismatch: IA3 input vector of {n} vs module input {shape[1]}")
     return None
+
+
+def settle(f: Ia3Factors, shape: tuple[int, ...]) -> Ia3Factors:
+    """A PEFT conv vector names no side: the module's shape decides (a square layer stays undecided)."""
+    if f.on_input is not None or len(shape) < 2:
+        return f
+    fits_in, fits_out = f.w.numel() == shape[1], f.w.numel() == shape[0]
+    if fits_in and fits_out and not f.ambiguous_ok:
+        return f
+    return dataclasses.replace(f, on_input=fits_in and not fits_out)
 
 
 def _vector(f: Ia3Factors, dtype: torch.dtype) -> torch.Tensor:
@@ -130,3 +137,7 @@ def runtime_term(f: Ia3Factors, src: int, dst: int, length: int, module=None) ->
         return layer_product(module, x * (v.view(-1, *[1] * (x.dim() - 2)) if conv is not None else v), conv, dst, length)
 
     return RuntimeTerm(None, None, None, None, dst, length, fn=scale_in, cost="IA3 input scale: one extra W product")
+
+
+SPEC = Family("ia3", load, check_target, add_delta, bias_delta, runtime_term, uses_alpha_scale=False,
+              needs_base=True, bias_needs_base=True, runtime_takes_module=True, settle=settle)

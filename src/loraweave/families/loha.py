@@ -5,16 +5,16 @@ einsum('i j ..., j q, i p -> p q ...', t, w_b, w_a) before the Hadamard product.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .base import ConvSpec, PartRejected, RuntimeTerm, check_factor
+from ..miss import Miss
+from .base import ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 
-FAMILY = "loha"
-ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
 _FACTORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 
 
@@ -52,10 +52,10 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LohaFactor
     """Validate shapes and values of one part's tensors (role -> tensor); factors keep their stored dtype."""
     missing = [r for r in _FACTORS if r not in tensors]
     if missing:
-        raise PartRejected(f"incomplete LoHa: no {', '.join(missing)} tensor")
+        raise PartRejected("incomplete", f"incomplete LoHa: no {', '.join(missing)} tensor")
     t1, t2 = tensors.get("hada_t1"), tensors.get("hada_t2")
     if (t1 is None) != (t2 is None):
-        raise PartRejected(f"incomplete LoHa: {'hada_t1' if t1 is not None else 'hada_t2'} without its partner core")
+        raise PartRejected("incomplete", f"incomplete LoHa: {'hada_t1' if t1 is not None else 'hada_t2'} without its partner core")
     for role, t in tensors.items():
         check_factor(key_of[role], t)
     tucker = t1 is not None
@@ -63,7 +63,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LohaFactor
     b1, b2 = tensors["hada_w1_b"], tensors["hada_w2_b"]
     shapes = ", ".join(f"{r} {tuple(tensors[r].shape)}" for r in (*_FACTORS, "hada_t1", "hada_t2") if r in tensors)
     if any(t.dim() != 2 or 0 in t.shape for t in (a1, a2)) or b1.dim() < 2 or b2.dim() < 2:
-        raise PartRejected(f"shape mismatch: LoHa factors {shapes}")
+        raise PartRejected("shape_mismatch", f"shape mismatch: LoHa factors {shapes}")
     in_shape = tuple(b1.shape[1:]) if b1.dim() > 2 else None
     b1, b2 = b1.flatten(1), b2.flatten(1)
     ok = a1.shape[1] == b1.shape[0] and a2.shape[1] == b2.shape[0] and a1.shape[0] == a2.shape[0]
@@ -74,24 +74,29 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LohaFactor
         ok = ok and t2.shape == (a2.shape[1], b2.shape[0], *k)
         in_shape = (b1.shape[1], *k)
     if not ok:
-        raise PartRejected(f"shape mismatch: LoHa factors do not pair: {shapes}")
+        raise PartRejected("shape_mismatch", f"shape mismatch: LoHa factors do not pair: {shapes}")
     return LohaFactors(a1, b1, a2, b2, t1, t2, b1.shape[0], in_shape)
 
 
-def check_target(f: LohaFactors, shape: tuple[int, ...] | None) -> str | None:
+def check_target(f: LohaFactors, shape: tuple[int, ...] | None) -> Miss | None:
     """Reason ΔW cannot land on a module of logical weight shape `shape` (out, in, *k), or None.
 
     Flat (non-Tucker) factors carry in·k but not the kernel: the first module seen fixes it, which also sets
     is_conv_kernel (read after check_target by the planner) and the conv kernel of the runtime path."""
     if shape is None or len(shape) < 2:
-        return f"shape mismatch: LoHa needs a weight of shape (out, in, *k), module has {shape}"
+        return Miss("shape_mismatch", f"shape mismatch: LoHa needs a weight of shape (out, in, *k), module has {shape}")
     want = tuple(shape[1:])
-    if f.in_shape is None and math.prod(want) == f.cols:
-        f.in_shape = want
-    if f.in_shape == want:
+    if f.in_shape == want or (f.in_shape is None and math.prod(want) == f.cols):
         return None
     have = f.in_shape if f.in_shape is not None else (f.cols,)
-    return f"shape mismatch: LoHa delta input {have} vs module {want}"
+    return Miss("shape_mismatch", f"shape mismatch: LoHa delta input {have} vs module {want}")
+
+
+def settle(f: LohaFactors, shape: tuple[int, ...] | None) -> LohaFactors:
+    """Flat factors take the kernel of the first module they fit (sets is_conv_kernel and the runtime kernel)."""
+    if f.in_shape is None and shape is not None and len(shape) >= 2 and math.prod(shape[1:]) == f.cols:
+        return dataclasses.replace(f, in_shape=tuple(shape[1:]))
+    return f
 
 
 def _rows(f: LohaFactors, src: int, length: int, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -136,3 +141,7 @@ def runtime_term(f: LohaFactors, src: int, dst: int, length: int) -> RuntimeTerm
         return conv.fn(x, delta.view(length, *f.in_shape), None, **conv.kwargs)
 
     return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=f"dense ΔW ({length}×{f.cols}) cached")
+
+
+SPEC = Family("loha", load, check_target, add_delta, bias_delta, runtime_term, settle=settle,
+              roles=("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"))

@@ -6,14 +6,15 @@ is w1[i] ⊗ w2[k], so a row chunk of a fused module needs only the w1 rows it s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from .base import CastCache, ConvSpec, PartRejected, RuntimeTerm, check_factor
+from ..miss import Miss
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 
-FAMILY = "lokr"
 ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
 
@@ -41,14 +42,14 @@ class LokrFactors:
 def _half(tensors: dict[str, torch.Tensor], side: str) -> tuple[torch.Tensor, ...]:
     full, fa, fb = (tensors.get(f"lokr_{side}{s}") for s in ("", "_a", "_b"))
     if full is not None and (fa is not None or fb is not None):
-        raise PartRejected(f"shape mismatch: both lokr_{side} and lokr_{side}_a/_b given")
+        raise PartRejected("shape_mismatch", f"shape mismatch: both lokr_{side} and lokr_{side}_a/_b given")
     if full is not None:
         return (full,)
     if fa is None and fb is None:
-        raise PartRejected(f"incomplete LoKr: no lokr_{side} (or lokr_{side}_a + lokr_{side}_b)")
+        raise PartRejected("incomplete", f"incomplete LoKr: no lokr_{side} (or lokr_{side}_a + lokr_{side}_b)")
     if fa is None or fb is None:
         have, miss = ("a", "b") if fb is None else ("b", "a")
-        raise PartRejected(f"incomplete LoKr: lokr_{side}_{have} without lokr_{side}_{miss}")
+        raise PartRejected("incomplete", f"incomplete LoKr: lokr_{side}_{have} without lokr_{side}_{miss}")
     return fa, fb
 
 
@@ -56,12 +57,12 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LokrFactor
     """Validate shapes and values of one part's tensors (role -> tensor); factors stay in their stored dtype."""
     other = sorted(set(tensors) - set(ROLES))
     if other:  # e.g. dora_scale: dropping it would silently change the result
-        raise PartRejected(f"unsupported family: {', '.join(other)} on a LoKr part (not yet supported with LoKr)")
+        raise PartRejected("unsupported", f"unsupported family: {', '.join(other)} on a LoKr part (not yet supported with LoKr)")
     for role, t in tensors.items():
         check_factor(key_of[role], t)
     w1, w2, t2 = _half(tensors, "w1"), _half(tensors, "w2"), tensors.get("lokr_t2")
     shapes = ", ".join(f"{role} {tuple(t.shape)}" for role, t in sorted(tensors.items()))
-    bad = PartRejected(f"shape mismatch: LoKr factors do not pair ({shapes})")
+    bad = PartRejected("shape_mismatch", f"shape mismatch: LoKr factors do not pair ({shapes})")
     if any(t.numel() == 0 for t in tensors.values()):
         raise bad
     r1 = None
@@ -91,19 +92,23 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LokrFactor
     return LokrFactors(w1, w2, a, c, b, d * math.prod(kernel), rank, kernel or None)
 
 
-def check_target(f: LokrFactors, shape: tuple[int, ...]) -> str | None:
+def check_target(f: LokrFactors, shape: tuple[int, ...]) -> Miss | None:
     """Reason the factors cannot land on a module of logical weight shape `shape`, or None (rows: the planner)."""
     kernel = tuple(shape[2:])
     cols = shape[1] * math.prod(kernel)
     if f.c * f.n != cols:
-        return f"shape mismatch: LoKr kron(({f.a}, {f.c}), ({f.b}, {f.n})) has {f.c * f.n} input columns, module {tuple(shape)} has {cols}"
+        return Miss("shape_mismatch", f"shape mismatch: LoKr kron(({f.a}, {f.c}), ({f.b}, {f.n})) has {f.c * f.n} input columns, module {tuple(shape)} has {cols}")
     ones = all(k == 1 for k in kernel) and all(k == 1 for k in f.kernel or ())
     if f.kernel is not None and f.kernel != kernel and not ones:
-        return f"shape mismatch: LoKr kernel {f.kernel} vs module kernel {kernel}"
+        return Miss("shape_mismatch", f"shape mismatch: LoKr kernel {f.kernel} vs module kernel {kernel}")
     if f.target_kernel is not None and f.target_kernel != kernel:
-        return f"shape mismatch: LoKr already planned on a kernel {f.target_kernel}, this module has {kernel}"
-    f.target_kernel = kernel  # a 2-D w2 on a conv names no kernel: the runtime form needs the host's
+        return Miss("shape_mismatch", f"shape mismatch: LoKr already planned on a kernel {f.target_kernel}, this module has {kernel}")
     return None
+
+
+def settle(f: LokrFactors, shape: tuple[int, ...]) -> LokrFactors:
+    """A 2-D w2 on a conv names no kernel: the runtime form needs the host's, recorded here."""
+    return f if f.target_kernel is not None else dataclasses.replace(f, target_kernel=tuple(shape[2:]))
 
 
 def _w1(f: LokrFactors, dtype: torch.dtype) -> torch.Tensor:
@@ -204,3 +209,6 @@ def runtime_term(f: LokrFactors, src: int, dst: int, length: int) -> RuntimeTerm
         return y if (off, length) == (0, y.shape[1]) else y[:, off : off + length]
 
     return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=cost)
+
+
+SPEC = Family("lokr", load, check_target, add_delta, bias_delta, runtime_term, settle=settle, roles=ROLES)

@@ -6,10 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .base import PartRejected, RuntimeTerm, check_factor
-
-FAMILY = "lora"
-ROLES = ("down", "up", "mid", "up_bias")
+from ..miss import Miss
+from .base import Family, PartRejected, RuntimeTerm, check_factor
 
 
 @dataclass
@@ -29,26 +27,26 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
     """Validate shapes and values of one part's tensors (role -> tensor) and fold Tucker into `down`."""
     if "down" not in tensors or "up" not in tensors:
         missing = "down" if "down" not in tensors else "up"
-        raise PartRejected(f"incomplete LoRA: no {missing} tensor")
+        raise PartRejected("incomplete", f"incomplete LoRA: no {missing} tensor")
     down, up = tensors["down"], tensors["up"]
     for role, t in tensors.items():
         check_factor(key_of[role], t)
     if down.dim() < 2 or down.shape[0] == 0:
-        raise PartRejected(f"shape mismatch: down {tuple(down.shape)} is not a rank>=1 factor")
+        raise PartRejected("shape_mismatch", f"shape mismatch: down {tuple(down.shape)} is not a rank>=1 factor")
     rank = down.shape[0]
     if up.dim() < 2 or up.shape[1] != rank or any(d != 1 for d in up.shape[2:]):
-        raise PartRejected(f"shape mismatch: up {tuple(up.shape)} does not pair with down {tuple(down.shape)}")
+        raise PartRejected("shape_mismatch", f"shape mismatch: up {tuple(up.shape)} does not pair with down {tuple(down.shape)}")
     # Factors stay in their stored dtype (plan needs only shapes); merge and runtime cast where they compute.
     up2d = up.flatten(1)
     mid = tensors.get("mid")
     if mid is not None:
         if mid.dim() < 3 or mid.shape[:2] != (rank, rank) or any(d != 1 for d in down.shape[2:]):
-            raise PartRejected(f"shape mismatch: Tucker core {tuple(mid.shape)} with down {tuple(down.shape)}")
+            raise PartRejected("shape_mismatch", f"shape mismatch: Tucker core {tuple(mid.shape)} with down {tuple(down.shape)}")
         # Tucker: down is 1x1, the core carries the kernel; compose them into one (r, in, *k) kernel.
         down = torch.einsum("mn...,nj->mj...", mid.float(), down.flatten(1).float())
     bias = tensors.get("up_bias")
     if bias is not None and bias.shape != (up.shape[0],):
-        raise PartRejected(f"shape mismatch: lora_B.bias {tuple(bias.shape)} for {up.shape[0]} rows")
+        raise PartRejected("shape_mismatch", f"shape mismatch: lora_B.bias {tuple(bias.shape)} for {up.shape[0]} rows")
     conv_kernel = down.dim() > 2 and any(d > 1 for d in down.shape[2:])
     return LoraFactors(down, up2d, bias, rank, conv_kernel)
 
@@ -65,7 +63,7 @@ def input_width(f: LoraFactors) -> int | None:
     return f.down.shape[1] if f.down.dim() == 2 else None
 
 
-def check_target(f: LoraFactors, shape: tuple[int, ...]) -> str | None:
+def check_target(f: LoraFactors, shape: tuple[int, ...]) -> Miss | None:
     """Reason the factors cannot land on a module of logical weight shape `shape`, or None."""
     want = shape[1:]
     have = tuple(f.down.shape[1:])
@@ -74,7 +72,7 @@ def check_target(f: LoraFactors, shape: tuple[int, ...]) -> str | None:
     # Linear stored as 1x1 conv factors (or the reverse) is the same matrix.
     if all(d == 1 for d in have[1:]) and all(d == 1 for d in want[1:]) and have[:1] == want[:1]:
         return None
-    return f"shape mismatch: adapter input {have} vs module {want}"
+    return Miss("shape_mismatch", f"shape mismatch: adapter input {have} vs module {want}")
 
 
 def add_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, coeff: float) -> None:
@@ -88,3 +86,7 @@ def bias_delta(f: LoraFactors, src: int, length: int) -> torch.Tensor | None:
 
 def runtime_term(f: LoraFactors, src: int, dst: int, length: int) -> RuntimeTerm:
     return RuntimeTerm(f.down, f.up[src : src + length], None, bias_delta(f, src, length), dst, length)
+
+
+SPEC = Family("lora", load, check_target, add_delta, bias_delta, runtime_term,
+              roles=("down", "up", "mid", "up_bias"), input_width=input_width, widen_input=widen_input)

@@ -12,10 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import CastCache, ConvSpec, PartRejected, RuntimeTerm, check_factor
-
-FAMILY = "norm"
-USES_ALPHA_SCALE = False
+from ..miss import Miss
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 
 
 @dataclass
@@ -33,23 +31,23 @@ class NormFactors:
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> NormFactors:
     extra = sorted(set(tensors) - {"w_norm", "b_norm", "alpha"})
     if extra:
-        raise PartRejected(f"unsupported: norm delta with {', '.join(key_of[r] for r in extra)}")
+        raise PartRejected("unsupported", f"unsupported: norm delta with {', '.join(key_of[r] for r in extra)}")
     w, b = tensors.get("w_norm"), tensors.get("b_norm")
     if w is None and b is None:
-        raise PartRejected("incomplete norm delta: neither w_norm nor b_norm")
+        raise PartRejected("incomplete", "incomplete norm delta: neither w_norm nor b_norm")
     for role in ("w_norm", "b_norm"):
         if role in tensors:
             check_factor(key_of[role], tensors[role])
             if tensors[role].dim() != 1:
-                raise PartRejected(f"shape mismatch: {role} {tuple(tensors[role].shape)} is not 1-D")
+                raise PartRejected("shape_mismatch", f"shape mismatch: {role} {tuple(tensors[role].shape)} is not 1-D")
     if w is not None and b is not None and w.shape != b.shape:
-        raise PartRejected(f"shape mismatch: w_norm {tuple(w.shape)} vs b_norm {tuple(b.shape)}")
+        raise PartRejected("shape_mismatch", f"shape mismatch: w_norm {tuple(w.shape)} vs b_norm {tuple(b.shape)}")
     return NormFactors(w, b)  # a LyCORIS `alpha` (none is written for norms) would be ignored: no scale
 
 
-def check_target(f: NormFactors, shape: tuple[int, ...]) -> str | None:
+def check_target(f: NormFactors, shape: tuple[int, ...]) -> Miss | None:
     if len(shape) != 1:
-        return f"shape mismatch: norm delta needs a 1-D norm weight, module weight is {shape}"
+        return Miss("shape_mismatch", f"shape mismatch: norm delta needs a 1-D norm weight, module weight is {shape}")
     return None
 
 
@@ -87,15 +85,21 @@ def normalised(kind: str, module: torch.nn.Module, x: torch.Tensor) -> torch.Ten
     return (x * torch.rsqrt(variance + module.eps)).to(x.dtype)
 
 
+def runtime_refusal(f: NormFactors, module) -> Miss | None:
+    """A scale delta recomputes the norm without its affine: only norms loraweave knows how to recompute."""
+    if f.w_norm is not None and (module is None or _kind(module) is None):
+        return Miss("unsupported", f"norm delta: no runtime form for {type(module).__name__}")
+    return None
+
+
 def runtime_term(f: NormFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
     bias = bias_delta(f, src, length)
     if f.w_norm is None:
         return RuntimeTerm(None, None, None, bias, dst, length, cost="norm bias delta")
-    if module is None:
-        raise PartRejected("norm delta runtime needs the host module for its eps/groups")
+    refused = runtime_refusal(f, module)
+    if refused is not None:
+        raise PartRejected.of(refused)
     kind = _kind(module)
-    if kind is None:
-        raise PartRejected(f"norm delta: no runtime form for {type(module).__name__}")
     w = f.w_norm[src : src + length]
     channels_first = kind == "group"
     cache = CastCache(w)
@@ -108,3 +112,7 @@ def runtime_term(f: NormFactors, src: int, dst: int, length: int, module=None) -
         return xn[..., dst : dst + length] * v
 
     return RuntimeTerm(None, None, None, bias, dst, length, fn=fn, cost="norm recomputed without affine")
+
+
+SPEC = Family("norm", load, check_target, add_delta, bias_delta, runtime_term, uses_alpha_scale=False,
+              runtime_takes_module=True, runtime_refusal=runtime_refusal)

@@ -7,10 +7,8 @@ On-disk forms (formats-and-math §5), one math:
 - LyCORIS 2.x `oft_diag` (n, b, b): R itself (rescale folded in); no Cayley, no constraint.
 - kohya COFT (`oft_unet_*`): `oft_blocks` as above (kohya's clamp equals LyCORIS's to 1e-8 for α > 0);
   kohya Flux saves one `oft_blocks.<i>` per output split, each rotated on its own with c_i = α·split_i.
-A 4-D `oft_blocks` is BOFT: load hands it to boft.load and every function here passes BOFT factors on.
-PEFT OFT (`oft_R.weight`, an INPUT rotation whose form depends on adapter_config.json) lives in peft_oft.py:
-load hands `oft_R` parts to it, with the PEFT config when the planner passes one, and every function passes its
-factors on.
+A 4-D `oft_blocks` is BOFT (boft.py); PEFT OFT (`oft_R.weight`, an INPUT rotation whose form depends on
+adapter_config.json) is peft_oft.py. The planner picks the variant from the keys and shapes (families.family_for).
 
 Strength s enters once, as LyCORIS's multiplier: R_s = s·R + (1−s)·I (kohya's s(R−I)+I is the same), so s = 0 is
 the identity and s < 0 rotates backwards; without rescale ΔW = s·(Rᵀ−I)W is linear in s. `rescale` is applied in
@@ -25,12 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import PartRejected, RuntimeTerm, check_factor
+from ..miss import Miss
+from .base import Family, PartRejected, RuntimeTerm, check_factor
+from .oft_common import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
 
-FAMILY = "oft"
-USES_ALPHA_SCALE = False  # alpha is the constraint, not a scale
-NEEDS_BASE = True
-RESCALE_FOLLOWS_STRENGTH = False  # False: LyCORIS (rescale in full at any strength); True: 1 + s·(rescale − 1)
 _SPLIT_ROLE = re.compile(r"oft_blocks\.(\d+)")
 
 
@@ -46,89 +42,18 @@ class OftFactors:
         return sum(blocks.shape[0] * blocks.shape[1] for blocks, _ in self.segments)
 
 
-def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def cayley(blocks: torch.Tensor, constraint: float, dtype: torch.dtype) -> torch.Tensor:
-    """LyCORIS's R = (I + Q)(I − Q)⁻¹ for Q = B − Bᵀ, Q scaled onto the sphere ‖Q‖ = c when c > 0 and it lies outside."""
-    b = blocks.to(dtype)
-    q = b - b.transpose(-1, -2)
-    if constraint > 0:
-        norm = float(torch.linalg.vector_norm(q)) + 1e-8
-        if norm > constraint:
-            q = q * (constraint / norm)
-    eye = torch.eye(q.shape[-1], dtype=dtype)
-    return (eye + q) @ torch.linalg.inv(eye - q)
-
-
-def scalar_alpha(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> float:
-    """The constraint α from the `alpha` tensor; missing (or meta, shape-only planning) reads as 0 = unconstrained."""
-    alpha = tensors.get("alpha")
-    if alpha is None:
-        return 0.0
-    if alpha.numel() != 1:
-        raise PartRejected(f"shape mismatch: {key_of['alpha']} should be a scalar, has shape {tuple(alpha.shape)}")
-    value = 0.0 if alpha.device.type == "meta" else float(alpha.reshape(()).double())  # int/fp64 alphas too
-    if value != value or value in (float("inf"), float("-inf")):
-        raise PartRejected(f"bad tensor: {key_of['alpha']} is not finite")
-    return value
-
-
-def row_scale(rescale: torch.Tensor | None, rows: int, key: str) -> torch.Tensor | None:
-    """rescale / boft_s: one factor per output row, stored (rows, 1[, 1…]) or (1, rows); flattened to (rows,)."""
-    if rescale is None:
-        return None
-    if rescale.numel() != rows or max(rescale.shape, default=0) != rows:
-        raise PartRejected(f"shape mismatch: {key} {tuple(rescale.shape)} is not one factor per row of {rows}")
-    return rescale.reshape(rows)
-
-
-def rescaled(delta: torch.Tensor, y: torch.Tensor, rescale: torch.Tensor | None, s: float) -> torch.Tensor:
-    """rescale ⊙ (y + delta) − y, channels last; the rescale at strength s per RESCALE_FOLLOWS_STRENGTH."""
-    if rescale is None:
-        return delta
-    r = rescale.to(y.device, y.dtype)
-    if RESCALE_FOLLOWS_STRENGTH:
-        r = 1 + s * (r - 1)
-    return r * delta + (r - 1) * y
-
-
-def _other(f):
-    """The module owning factors of another form (BOFT, PEFT OFT), or None for this file's OftFactors."""
-    if isinstance(f, OftFactors):
-        return None
-    from . import peft_oft
-
-    if isinstance(f, peft_oft.PeftOftFactors):
-        return peft_oft
-    from . import boft
-
-    return boft
-
-
-def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict | None = None):
-    """Validate one part's tensors (role -> tensor); a 4-D `oft_blocks` goes to BOFT, `oft_R` to PEFT OFT.
-
-    config: the adapter's PEFT config fields (adapter_config.json / `lora_adapter_metadata`), read by PEFT OFT
-    only; None means PEFT 0.21's defaults."""
-    blocks = tensors.get("oft_blocks")
-    if blocks is not None and blocks.dim() == 4:
-        from . import boft
-
-        return boft.load(tensors, key_of)
-    if "oft_R" in tensors:
-        from . import peft_oft
-
-        return peft_oft.load(tensors, key_of, config)
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> OftFactors:
+    """Validate one part's tensors (role -> tensor). 4-D `oft_blocks` (BOFT) and `oft_R` (PEFT OFT) parts are
+    sent to their own families by the planner (families.family_for)."""
     splits = sorted((int(m[1]), role) for role in tensors if (m := _SPLIT_ROLE.fullmatch(role)))
     kinds = [k for k in ("oft_blocks", "oft_diag") if k in tensors] + (["oft_blocks.<i>"] if splits else [])
     if len(kinds) != 1:
-        raise PartRejected("incomplete OFT: no oft_blocks or oft_diag" if not kinds
-                           else f"shape mismatch: OFT part holds both {' and '.join(kinds)}")
+        if not kinds:
+            raise PartRejected("incomplete", "incomplete OFT: no oft_blocks or oft_diag")
+        raise PartRejected("shape_mismatch", f"shape mismatch: OFT part holds both {' and '.join(kinds)}")
     extra = set(tensors) - {"oft_blocks", "oft_diag", "rescale", "alpha", *(r for _, r in splits)}
     if extra:
-        raise PartRejected(f"unsupported family: OFT part with {', '.join(sorted(key_of[r] for r in extra))}")
+        raise PartRejected("unsupported", f"unsupported family: OFT part with {', '.join(sorted(key_of[r] for r in extra))}")
     for role, t in tensors.items():
         if role != "alpha":
             check_factor(key_of[role], t)
@@ -136,7 +61,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict 
     for role in roles:
         t = tensors[role]
         if t.dim() != 3 or t.shape[1] != t.shape[2] or 0 in t.shape:
-            raise PartRejected(f"shape mismatch: {key_of[role]} {tuple(t.shape)} is not (blocks, b, b)")
+            raise PartRejected("shape_mismatch", f"shape mismatch: {key_of[role]} {tuple(t.shape)} is not (blocks, b, b)")
     alpha = scalar_alpha(tensors, key_of)
     # c = α·(rows the blocks rotate): the module's out_dim, or one split's width for kohya Flux.
     segments = [(tensors[r], alpha * tensors[r].shape[0] * tensors[r].shape[1]) for r in roles]
@@ -144,23 +69,19 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict 
     return OftFactors(segments, "oft_diag" not in tensors, row_scale(tensors.get("rescale"), rows, key_of.get("rescale")))
 
 
-def check_target(f, shape: tuple[int, ...]) -> str | None:
+def check_target(f: OftFactors, shape: tuple[int, ...]) -> Miss | None:
     """The planner checks the total rows; a fused chunk must not cut a block (offsets are checked when applied)."""
-    if (other := _other(f)) is not None:
-        return other.check_target(f, shape)
     smallest = min(blocks.shape[1] for blocks, _ in f.segments)
     if shape[0] % smallest:
-        return f"shape mismatch: OFT blocks of {smallest} rows do not tile a module of {shape[0]} rows"
+        return Miss("shape_mismatch", f"shape mismatch: OFT blocks of {smallest} rows do not tile a module of {shape[0]} rows")
     return None
 
 
-def check_piece(f, src: int, length: int) -> str | None:
-    if (other := _other(f)) is not None:
-        return other.check_piece(f, src, length)
+def check_piece(f: OftFactors, src: int, length: int) -> Miss | None:
     try:
         _windows(f, src, length)
     except PartRejected as rejected:
-        return str(rejected)
+        return rejected.miss
     return None
 
 
@@ -172,7 +93,7 @@ def _windows(f: OftFactors, src: int, length: int):
         lo, hi = max(src, start), min(src + length, start + n * b)
         if lo < hi:
             if (lo - start) % b or (hi - start) % b:
-                raise PartRejected(f"shape mismatch: rows [{src}, {src + length}) cut an OFT block of {b} rows")
+                raise PartRejected("shape_mismatch", f"shape mismatch: rows [{src}, {src + length}) cut an OFT block of {b} rows")
             out.append((i, (lo - start) // b, (hi - lo) // b, lo - src))
         start += n * b
     return out
@@ -199,22 +120,19 @@ def _delta(f: OftFactors, y: torch.Tensor, src: int, s: float) -> torch.Tensor:
     return rescaled(delta, y, None if f.rescale is None else f.rescale[src : src + y.shape[-1]], s)
 
 
-def add_delta(target_rows: torch.Tensor, f, src: int, length: int, coeff: float, base: torch.Tensor, **_) -> None:
+def add_delta(target_rows: torch.Tensor, f: OftFactors, src: int, length: int, coeff: float, base: torch.Tensor,
+              **_) -> None:
     """target_rows (length, in·k) += rescale ⊙ (R_sᵀ W) − W for the original rows `base` (fp32), s = coeff."""
-    if (other := _other(f)) is not None:
-        return other.add_delta(target_rows, f, src, length, coeff, base)
     y = base.to(target_rows.dtype).mT  # rows are the channels: (in·k, length)
     target_rows.add_(_delta(f, y, src, coeff).mT)
 
 
-def bias_delta(f, src: int, length: int) -> None:
+def bias_delta(f: OftFactors, src: int, length: int) -> None:
     return None  # the rotation acts on the weight only; the bias is untouched (LyCORIS, kohya)
 
 
-def runtime_term(f, src: int, dst: int, length: int, module: torch.nn.Module | None = None) -> RuntimeTerm:
+def runtime_term(f: OftFactors, src: int, dst: int, length: int) -> RuntimeTerm:
     """Rotate the pre-bias output channels: Δy = rescale ⊙ (R_sᵀ y) − y (channel axis last, or 1 for conv)."""
-    if (other := _other(f)) is not None:
-        return other.runtime_term(f, src, dst, length, module)
     windows = _windows(f, src, length)  # rejects a chunk that cuts a block before anything is attached
     linear = f.rescale is None  # ΔW = s·(Rᵀ − I)W: the runtime scales the s = 1 term itself
 
@@ -230,3 +148,8 @@ def runtime_term(f, src: int, dst: int, length: int, module: torch.nn.Module | N
     sizes = ", ".join(f"{count}x{f.segments[i][0].shape[-1]}" for i, _, count, _ in windows)
     return RuntimeTerm(None, None, None, None, dst, length, fn=fn, needs_base=True, linear_in_strength=linear,
                        cost=f"OFT blockwise rotation of the output ({sizes} blocks); R cached")
+
+
+# alpha is the constraint, not a scale
+SPEC = Family("oft", load, check_target, add_delta, bias_delta, runtime_term, uses_alpha_scale=False,
+              needs_base=True, check_piece=check_piece)

@@ -11,13 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import ConvSpec, PartRejected, RuntimeTerm, check_factor
+from ..miss import Miss
+from .base import ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 from .norm import _kind, normalised
-
-FAMILY = "set"
-ROLES = ("set_weight",)
-USES_ALPHA_SCALE = False
-NEEDS_BASE = True
 
 
 @dataclass
@@ -33,16 +29,16 @@ class SetFactors:
 
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> SetFactors:
     if "set_weight" not in tensors:
-        raise PartRejected("incomplete replacement: no set_weight tensor")
+        raise PartRejected("incomplete", "incomplete replacement: no set_weight tensor")
     check_factor(key_of["set_weight"], tensors["set_weight"])
     if tensors["set_weight"].dim() == 0:
-        raise PartRejected(f"shape mismatch: {key_of['set_weight']} is a scalar")
+        raise PartRejected("shape_mismatch", f"shape mismatch: {key_of['set_weight']} is a scalar")
     return SetFactors(tensors["set_weight"])
 
 
-def check_target(f: SetFactors, shape: tuple[int, ...]) -> str | None:
+def check_target(f: SetFactors, shape: tuple[int, ...]) -> Miss | None:
     if tuple(f.weight.shape[1:]) != tuple(shape[1:]):
-        return f"shape mismatch: replacement {tuple(f.weight.shape)} vs module weight {shape}"
+        return Miss("shape_mismatch", f"shape mismatch: replacement {tuple(f.weight.shape)} vs module weight {shape}")
     return None
 
 
@@ -58,13 +54,21 @@ def bias_delta(f: SetFactors, src: int, length: int) -> None:
     return None
 
 
-def runtime_term(f: SetFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
+def runtime_refusal(f: SetFactors, module) -> Miss | None:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.device.type == "meta":
-        raise PartRejected("weight replacement at runtime reads the layer's plain floating weight")
+        return Miss("unsupported", "weight replacement at runtime reads the layer's plain floating weight")
+    if weight.dim() == 1 and _kind(module) is None:
+        return Miss("unsupported", f"weight replacement: no runtime form for {type(module).__name__}")
+    return None
+
+
+def runtime_term(f: SetFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
+    refused = runtime_refusal(f, module)
+    if refused is not None:
+        raise PartRejected.of(refused)
+    weight = module.weight
     kind = _kind(module) if weight.dim() == 1 else None
-    if weight.dim() == 1 and kind is None:
-        raise PartRejected(f"weight replacement: no runtime form for {type(module).__name__}")
     new = f.weight[src : src + length]
 
     def fn(x: torch.Tensor, conv: ConvSpec | None, base=None, strength=None, scale=None) -> torch.Tensor:
@@ -81,3 +85,7 @@ def runtime_term(f: SetFactors, src: int, dst: int, length: int, module=None) ->
 
     return RuntimeTerm(None, None, None, None, dst, length, fn=fn, linear_in_strength=False,
                        cost="replacement: strength ignored, dense (t − W) product")
+
+
+SPEC = Family("set", load, check_target, add_delta, bias_delta, runtime_term, roles=("set_weight",),
+              uses_alpha_scale=False, needs_base=True, runtime_takes_module=True, runtime_refusal=runtime_refusal)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import AdapterFileError, UnsafeFormatError
+from ..errors import AdapterFileError, AdapterMetadataError, UnsafeFormatError
 from .alpha import MetadataAlpha, read_metadata_alpha
 from .keys import ParsedKey, parse_key, split_stem
+from .metadata import cloneofsimo_classes
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 # Roles any family may carry (they name no family): alpha, a scale, a target shape to grow the module to.
@@ -110,7 +111,12 @@ def _resolve_path(path: Path) -> tuple[Path, dict | None]:
     for name in ("adapter_model.safetensors", "pytorch_lora_weights.safetensors"):
         if (path / name).exists():
             config = path / "adapter_config.json"
-            return path / name, json.loads(config.read_text()) if config.exists() else None
+            if not config.exists():
+                return path / name, None
+            try:
+                return path / name, json.loads(config.read_text())
+            except (ValueError, RecursionError):
+                raise AdapterMetadataError(str(config), "adapter_config.json", "is not valid JSON") from None
     raise AdapterFileError(f"{path}: directory holds no adapter_model.safetensors")
 
 
@@ -180,6 +186,8 @@ def load_adapter(
         path, peft_config = _resolve_path(Path(source))
         tensors, metadata = _open_source(path, allow_pickle)
     parts, unparsed = group_parts(tensors.keys())
+    for component in sorted({p.component for p in parts if p.layout == "cloneofsimo"}):
+        cloneofsimo_classes(metadata, component, str(path) if path else "adapter")
     if name is None:
         name = path.stem if path is not None else "adapter"
     return Adapter(
@@ -190,5 +198,5 @@ def load_adapter(
         metadata=metadata,
         source=tensors,
         path=str(path) if path else None,
-        meta_alpha=read_metadata_alpha(metadata, peft_config),
+        meta_alpha=read_metadata_alpha(metadata, peft_config, source=str(path) if path else name),
     )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
+
+from .metadata import kohya_args, kohya_number
+from .metadata import peft_config as peft_config_of
 
 
 @dataclass(frozen=True)
@@ -21,32 +23,13 @@ class MetadataAlpha:
         return self.kohya_alpha is None and self.kohya_conv_alpha is None and self.peft is None
 
 
-def _float_or_none(value) -> float | None:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return None
-    return out if math.isfinite(out) else None
-
-
-def read_metadata_alpha(metadata: dict[str, str], peft_config: dict | None = None) -> MetadataAlpha:
-    kohya_alpha = _float_or_none(metadata.get("ss_network_alpha"))
-    conv_alpha = None
-    args = metadata.get("ss_network_args")
-    if args:
-        try:
-            conv_alpha = _float_or_none(json.loads(args).get("conv_alpha"))
-        except (ValueError, AttributeError):
-            conv_alpha = None
-    peft = peft_config
-    if peft is None and metadata.get("lora_adapter_metadata"):
-        try:
-            peft = json.loads(metadata["lora_adapter_metadata"])
-        except ValueError:
-            peft = None
-    if peft is not None and not isinstance(peft, dict):
-        peft = None
-    return MetadataAlpha(kohya_alpha, conv_alpha, peft)
+def read_metadata_alpha(metadata: dict[str, str], peft_config: dict | None = None,
+                        source: str = "adapter") -> MetadataAlpha:
+    """Alpha facts of a file's metadata; a malformed field raises AdapterMetadataError naming `source` and it."""
+    kohya_alpha = kohya_number(metadata, "ss_network_alpha", source)
+    args = kohya_args(metadata, source)
+    conv_alpha = kohya_number(metadata, "ss_network_args: conv_alpha", source, args.get("conv_alpha"))
+    return MetadataAlpha(kohya_alpha, conv_alpha, peft_config_of(metadata, peft_config, source))
 
 
 def _peft_field(peft: dict, component_prefix: str, name: str):

@@ -35,11 +35,16 @@ for _name, _attr in [
     ("U64", "uint64"),
     ("F8_E4M3", "float8_e4m3fn"),
     ("F8_E5M2", "float8_e5m2"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+    ("C64", "complex64"),
 ]:
     if hasattr(torch, _attr):
         _DTYPES[_name] = getattr(torch, _attr)
+# Sub-byte dtypes of the format: sized in bits, no torch element type (F4 packs two values per byte).
+_PACKED_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+_MAX_ELEMENTS = 2**63 - 1  # the format's sizes are 64-bit; larger claims cannot describe real data
 
-Header = dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]
+Header = dict[str, tuple[torch.dtype | str, tuple[int, ...], int, int]]  # a packed dtype stays its name
 
 
 def _is_int(value: Any) -> bool:
@@ -61,20 +66,28 @@ def _parse_entry(
 ) -> tuple[torch.dtype, tuple[int, ...], int, int]:
     if not isinstance(entry, dict):
         fail(f"tensor {key!r}: header entry is {type(entry).__name__}, expected an object")
+    extra = sorted(set(entry) - {"dtype", "shape", "data_offsets"})
+    if extra:
+        fail(f"tensor {key!r}: unknown header fields {extra}")
     dtype_name = entry.get("dtype")
-    if dtype_name not in _DTYPES:
-        fail(f"tensor {key!r}: unknown dtype {dtype_name!r} (known: {', '.join(_DTYPES)})")
+    if not isinstance(dtype_name, str) or (dtype_name not in _DTYPES and dtype_name not in _PACKED_BITS):
+        fail(f"tensor {key!r}: unknown dtype {dtype_name!r} (known: {', '.join([*_DTYPES, *_PACKED_BITS])})")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         fail(f"tensor {key!r}: shape {shape!r} is not a list of non-negative integers")
+    if math.prod(d for d in shape if d) > _MAX_ELEMENTS:
+        fail(f"tensor {key!r}: shape {shape} is too large for the format (over 2^63 elements)")
     offsets = entry.get("data_offsets")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
         fail(f"tensor {key!r}: data_offsets {offsets!r} is not a [begin, end] pair of integers")
     begin, end = offsets
     if not 0 <= begin <= end:
         fail(f"tensor {key!r}: data_offsets [{begin}, {end}] need 0 <= begin <= end")
-    dtype = _DTYPES[dtype_name]
-    expected = math.prod(shape) * dtype.itemsize
+    dtype = _DTYPES.get(dtype_name, dtype_name)
+    bits = math.prod(shape) * (_PACKED_BITS[dtype_name] if dtype_name in _PACKED_BITS else 8 * dtype.itemsize)
+    if bits % 8:
+        fail(f"tensor {key!r}: shape {shape} of {dtype_name} is not a whole number of bytes")
+    expected = bits // 8
     if end - begin != expected:
         fail(
             f"tensor {key!r}: data_offsets [{begin}, {end}] span {end - begin} bytes but shape "
@@ -133,14 +146,25 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[Header, dict[str, 
             f"({len(beyond)} of {len(header)} tensors lie past the end): file truncated?"
         )
 
+    _check_coverage(fail, header, data_size)
+    return header, dict(metadata), data_start
+
+
+def _check_coverage(fail: Callable[[str], NoReturn], header: Header, data_size: int) -> None:
+    """The tensors' byte ranges tile the data section exactly, as the safetensors reader requires: no gap, no
+    overlap, no trailing byte. (A header length one byte off shows up here as a gap or a trailing byte.)"""
     prev_key, prev_end = None, 0
     for key, (_, _, begin, end) in sorted(header.items(), key=lambda item: item[1][2:]):
-        if begin == end:
-            continue  # empty tensors occupy no bytes, so they cannot overlap anything
-        if prev_key is not None and begin < prev_end:
+        if begin < prev_end:
             fail(f"tensor {key!r} data [{begin}, {end}] overlaps tensor {prev_key!r} ending at {prev_end}")
+        if begin > prev_end:
+            after = f"after tensor {prev_key!r}" if prev_key is not None else "at the start of the data"
+            fail(f"{begin - prev_end} bytes {after} belong to no tensor (tensor {key!r} starts at {begin}): "
+                 "wrong header length or offsets?")
         prev_key, prev_end = key, end
-    return header, dict(metadata), data_start
+    if prev_end != data_size:
+        fail(f"{data_size - prev_end} trailing bytes after the last tensor (data section {data_size} bytes, "
+             f"tensors cover {prev_end}): wrong header length or offsets?")
 
 
 class SafetensorsFile:
@@ -173,7 +197,7 @@ class SafetensorsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._entry(key)[1]
 
-    def dtype(self, key: str) -> torch.dtype:
+    def dtype(self, key: str) -> torch.dtype | str:
         return self._entry(key)[0]
 
     def __contains__(self, key: object) -> bool:
@@ -195,6 +219,9 @@ class SafetensorsFile:
         dtype, shape, begin, end = self._entry(key)
         if self._mmap is None:
             raise ValueError(f"{self._path}: file is closed")
+        if isinstance(dtype, str):
+            raise AdapterFileError(f"{self._path}: tensor {key!r} is {dtype}, a packed sub-byte dtype loraweave "
+                                   "cannot compute with")
         if begin == end:
             return torch.empty(shape, dtype=dtype)
         start = self._data_start + begin

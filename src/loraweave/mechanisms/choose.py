@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..families.base import PartRejected
+from ..miss import Miss, Unmatched
 from ..plan.resolve import Plan
 from ..quant import QuantBackend, backend_for
 from .merge import Contribution, merge_blocker, needs_bias
 from .quantized import Route, factorable_reason, route_hook_free
-from .runtime import RuntimePath, runtime_blocker
+from .runtime import runtime_blocker, runtime_host
 
 QUANTIZED = ("auto", "host", "requantize")
 Work = list[tuple[str, str, torch.nn.Module, str | None, str, list[Contribution]]]
@@ -30,7 +30,6 @@ class QuantSettings:
 @dataclass
 class WorkPlan:
     work: Work
-    prepared: dict[tuple[str, str], RuntimePath] = field(default_factory=dict)  # built while checking
     routes: dict[tuple[str, str], tuple[QuantBackend, Route | None]] = field(default_factory=dict)
 
 
@@ -49,18 +48,30 @@ def choose(mode: str, module: torch.nn.Module, contribs: list[Contribution]) -> 
     return None, f"neither mechanism fits: {merge_no}; {runtime_no}"
 
 
+def runtime_refusal(module: torch.nn.Module, contribs: list[Contribution]) -> Miss | None:
+    """Whether a family will refuse this layer at runtime (e.g. DoRA on a quantized weight), asked of the
+    families' declared abilities: nothing is built."""
+    host = None
+    for pp, _ in contribs:
+        if pp.family.runtime_takes_module and host is None:
+            host = runtime_host(module)
+        refused = pp.family.runtime_refusal(pp.factors, host if pp.family.runtime_takes_module else None)
+        if refused is not None:
+            return refused
+    return None
+
+
 def check_runtime(
     mode: str, module: torch.nn.Module, contribs: list[Contribution], why: str, quantized: bool = False
-) -> tuple[str | None, str, RuntimePath | None]:
-    """Build the runtime path without attaching it: a family may refuse (e.g. DoRA on a quantized weight)."""
-    try:
-        path = RuntimePath(module, contribs)
-    except PartRejected as rejected:
-        # Never fall back to a plain merge on a quantized layer: its storage is not the weight (fp8 looks float).
-        if mode == "auto" and not quantized and merge_blocker(module, needs_bias(contribs)) is None:
-            return "merge", f"runtime refused: {rejected}", None
-        return None, f"cannot run at runtime: {rejected}", None
-    return "runtime", why, path
+) -> tuple[str | None, str, str]:
+    """(mechanism, why, miss kind) once the families had their say on the runtime form."""
+    refused = runtime_refusal(module, contribs)
+    if refused is None:
+        return "runtime", why, ""
+    # Never fall back to a plain merge on a quantized layer: its storage is not the weight (fp8 looks float).
+    if mode == "auto" and not quantized and merge_blocker(module, needs_bias(contribs)) is None:
+        return "merge", f"runtime refused: {refused}", ""
+    return None, f"cannot run at runtime: {refused}", refused.kind
 
 
 def choose_quantized(
@@ -96,12 +107,11 @@ def choose_quantized(
     return ("runtime", why, None) if runtime_no is None else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
 
 
-def plan_work(p: Plan, groups, mode: str, unmatched: list[dict], qs: QuantSettings | None = None,
-              reuse=None) -> WorkPlan:
-    """A mechanism per layer. reuse(module, contribs) -> True: a live runtime path serves these (switching)."""
+def plan_work(p: Plan, groups, mode: str, unmatched: list[Unmatched], qs: QuantSettings | None = None) -> WorkPlan:
+    """A mechanism per layer, decided from the layers and the families' declared abilities (nothing built)."""
     qs = qs or QuantSettings()
     plan = WorkPlan([])
-    rejected_parts: dict[int, str] = {}
+    rejected_parts: dict[int, Miss] = {}
     for (comp, path), contribs in groups.items():
         module = p.components.modules[comp].get_submodule(path)
         backend = backend_for(module)
@@ -110,24 +120,23 @@ def plan_work(p: Plan, groups, mode: str, unmatched: list[dict], qs: QuantSettin
             plan.routes[(comp, path)] = (backend, route)
         else:
             mechanism, why = choose(mode, module, contribs)
-        if mechanism == "runtime" and not (reuse is not None and reuse(module, contribs)):
-            mechanism, why, runtime_path = check_runtime(mode, module, contribs, why, quantized=backend is not None)
-            if runtime_path is not None:
-                plan.prepared[(comp, path)] = runtime_path
+        kind = "no_mechanism"
+        if mechanism == "runtime":
+            mechanism, why, refused_kind = check_runtime(mode, module, contribs, why, quantized=backend is not None)
+            kind = refused_kind or kind
         if mechanism is None:
             for pp, _ in contribs:
-                rejected_parts.setdefault(id(pp), f"{why} ({comp}.{path})")
+                rejected_parts.setdefault(id(pp), Miss(kind, f"{why} ({comp}.{path})"))
         plan.work.append((comp, path, module, mechanism, why, contribs))
     if rejected_parts:
         for pp in p.planned:
             if id(pp) in rejected_parts:
-                unmatched += [{"adapter": pp.adapter.name, "key": k, "reason": rejected_parts[id(pp)]} for k in pp.part.keys]
+                unmatched += [Unmatched(pp.adapter.name, k, rejected_parts[id(pp)]) for k in pp.part.keys]
         p.planned = [pp for pp in p.planned if id(pp) not in rejected_parts]
         kept = []
         for c, path, m, mech, why, contribs in plan.work:
             remaining = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected_parts]
             if len(remaining) != len(contribs):
-                plan.prepared.pop((c, path), None)  # its contributions changed: build it again
                 if (c, path) in plan.routes:
                     plan.routes[(c, path)] = (plan.routes[(c, path)][0], None)  # routed on other contributions
             if remaining:

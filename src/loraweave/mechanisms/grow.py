@@ -28,6 +28,8 @@ class GrownInput:
         for key, value in self.config_before.items():
             _set_config(self.config_owner, key, value)
 
+    undo = restore  # a journal entry
+
 
 def _set_config(owner: object, key: str, value: object) -> None:
     register = getattr(owner, "register_to_config", None)
@@ -37,8 +39,9 @@ def _set_config(owner: object, key: str, value: object) -> None:
         setattr(owner.config, key, value)
 
 
-def grow_input(root: torch.nn.Module, path: str, width: int, config_key: str) -> GrownInput:
-    """Widen Linear `root.<path>` to `width` input columns (zeros), recording how to undo it."""
+def grow_input(root: torch.nn.Module, path: str, width: int, config_key: str, record=None) -> GrownInput:
+    """Widen Linear `root.<path>` to `width` input columns (zeros); `record(entry)` gets the undo record before
+    anything changes."""
     module = root.get_submodule(path)
     old = module.weight
     if not isinstance(module, torch.nn.Linear) or width <= old.shape[1]:
@@ -50,6 +53,8 @@ def grow_input(root: torch.nn.Module, path: str, width: int, config_key: str) ->
         if hasattr(config, "out_channels") and config.out_channels is None:
             before["out_channels"] = None  # diffusers derives out_channels from in_channels when unset: pin it
     grown = GrownInput(module, old, module.in_features, root if before else None, before)
+    if record is not None:
+        record(grown)
     wider = torch.zeros(old.shape[0], width, dtype=old.dtype, device=old.device)
     wider[:, : old.shape[1]] = old.detach()
     module.weight = torch.nn.Parameter(wider, requires_grad=old.requires_grad)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..arch.spec import Piece
-from ..errors import UndoError
-from ..families import FAMILIES
-from ..families.base import PartRejected
+from ..contribution import add_contribution, bias_of, coefficient
+from ..errors import NonFiniteResultError, UndoError
 from ..plan.resolve import PlannedPart
 from ..plan.stacking import adapter_names
 from .undo import (
@@ -54,30 +54,6 @@ def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | No
     return None
 
 
-def _coeff(pp: PlannedPart) -> float:
-    return pp.strength * pp.scale
-
-
-def add_contribution(target_rows: torch.Tensor, pp: PlannedPart, piece: Piece, base: torch.Tensor | None,
-                     coeff: float | None = None, strength: float | None = None, scale: float | None = None) -> None:
-    """target_rows += coeff·ΔW (rows of `piece`), coeff = strength·scale unless given.
-
-    base: the ORIGINAL weight as (out, in·k), read (its piece rows, in target's dtype) by W-dependent families.
-    strength/scale: the part's own unless given (an undo record recomputes ΔW at the strength it was merged at)."""
-    family = FAMILIES[pp.part.family]
-    strength = pp.strength if strength is None else strength
-    scale = pp.scale if scale is None else scale
-    coeff = strength * scale if coeff is None else coeff
-    if getattr(family, "NEEDS_BASE", False):
-        if base is None:
-            raise PartRejected(f"{pp.part.family} needs the layer's float weight")
-        rows = base[piece.dst_start : piece.dst_start + piece.length].to(target_rows.dtype)
-        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff,
-                         base=rows, strength=strength, scale=scale)
-    else:
-        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff)
-
-
 @dataclass
 class UndoSettings:
     """apply(undo=...): the record kind, where "source" records read from, and whether records may stay on the
@@ -88,13 +64,17 @@ class UndoSettings:
     on_device: bool = False
 
 
-def undo_settings(kind: str, components: dict[str, torch.nn.Module], source=None,
-                  on_device: bool = False) -> UndoSettings:
-    """Check apply's undo arguments before anything is touched (a "source" with no file found is refused)."""
+def check_undo_arguments(kind: str, source=None) -> None:
     if kind not in UNDO_KINDS:
         raise ValueError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
     if source is not None and kind != "source":
         raise ValueError(f"undo_source is read only with undo='source' (got undo={kind!r})")
+
+
+def undo_settings(kind: str, components: dict[str, torch.nn.Module], source=None,
+                  on_device: bool = False) -> UndoSettings:
+    """Check apply's undo arguments before anything is touched (a "source" with no file found is refused)."""
+    check_undo_arguments(kind, source)
     sources = None
     if kind == "source":
         sources = SourceFiles(components, source)
@@ -110,7 +90,7 @@ def undo_settings(kind: str, components: dict[str, torch.nn.Module], source=None
 class MergedModule:
     module: torch.nn.Module
     contributions: list[Contribution]
-    undo: UndoSettings = field(default_factory=UndoSettings)
+    undo_with: UndoSettings = field(default_factory=UndoSettings)
     layer: tuple[str, str] = ("", "")  # (component, module path): where a source record looks
     record: Record | None = None  # None: the weight was never written
     terms: list[Term] = field(default_factory=list)  # the contributions and strengths the record was made at
@@ -149,6 +129,8 @@ class MergedModule:
             stack.remove(self)
         self.record, self.terms, self.bias_backup = None, [], None  # undone: the record's memory is released
 
+    undo = restore  # a journal entry
+
     def fuse(self) -> None:
         """undo="none": keep the merge for good and release the record."""
         self.record, self.bias_backup = FusedRecord(), None
@@ -170,21 +152,23 @@ class MergedModule:
         with torch.no_grad():
             rows = weight.view(weight.shape[0], -1) if weight.is_contiguous() else weight.reshape(weight.shape[0], -1)
             terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
-            record, merged = self._merge(rows, terms, None if fresh else self.record)
+            record, merged, original = self._merge(rows, terms, None if fresh else self.record)
+            refuse_non_finite(merged, original, self.adapters)  # before the weight is touched
+            del original
             self.record, self.terms = record, terms
             weight.copy_(merged.view(weight.shape))
             del merged
             self._write_bias()
         self._report()
 
-    def _merge(self, rows: torch.Tensor, terms: list[Term], old: Record | None) -> tuple[Record, torch.Tensor]:
-        """W' and its record; `old` (a rewrite): the record W comes back from first (the weight holds W')."""
+    def _merge(self, rows: torch.Tensor, terms: list[Term], old: Record | None,
+               ) -> tuple[Record, torch.Tensor, torch.Tensor]:
+        """W', its record and W; `old` (a rewrite): the record W comes back from first (the weight holds W')."""
         # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
-        kind = "auto" if self.undo.kind in ("source", "none") else self.undo.kind
-        families = {pp.part.family for pp, _ in self.contributions}
-        if "combined" in families:  # ties/dare inner strengths live in their sources: only a copy is safe
-            kind = "copy"
-        needs_base = any(getattr(FAMILIES[f], "NEEDS_BASE", False) for f in families)
+        kind = "auto" if self.undo_with.kind in ("source", "none") else self.undo_with.kind
+        if any(pp.part.family == "combined" for pp, _ in self.contributions):  # ties/dare: inner strengths live
+            kind = "copy"  # in their sources, which a strength change rewrites: only a copy is safe
+        needs_base = any(pp.family.needs_base for pp, _ in self.contributions)
         chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
         prior, base, keep = None, rows, None
         if isinstance(old, CompactRecord) and rows.is_contiguous():  # W rebuilt block by block beside W'
@@ -194,13 +178,13 @@ class MergedModule:
         elif old is not None:
             self._restore_weight()  # W back in place from its copy or its file; those records stay valid
             keep = old if isinstance(old, SourceRecord) or (isinstance(old, CopyRecord) and kind == "copy") else None
-        elif self.undo.kind == "source" and self.undo.sources is not None:
-            keep = self.undo.sources.record(*self.layer, rows)  # checked against the file's bytes
+        elif self.undo_with.kind == "source" and self.undo_with.sources is not None:
+            keep = self.undo_with.sources.record(*self.layer, rows)  # checked against the file's bytes
         with recorded_threads(old.threads if prior is not None else torch.get_num_threads()):
             merged, record = merge_with_record(base, lambda b, r0, r1: self._delta(b, terms, r0, r1),
                                                "none" if keep is not None else kind, chunk, needs_base,
-                                               self.undo.on_device, prior)
-        return (keep if keep is not None else record), merged
+                                               self.undo_with.on_device, prior)
+        return (keep if keep is not None else record), merged, base
 
     @staticmethod
     def _delta(base: torch.Tensor, terms: list[Term], r0: int, r1: int) -> torch.Tensor:
@@ -225,35 +209,43 @@ class MergedModule:
         live = getattr(self.module, "bias", None)
         original = self.bias_backup if self.bias_backup is not None else live  # before the first write: untouched
         for pp, piece in self.contributions:
-            family = FAMILIES[pp.part.family]
-            kw = {}
-            if getattr(family, "BIAS_NEEDS_BASE", False) and isinstance(original, torch.Tensor):
-                rows = original.detach()[piece.dst_start : piece.dst_start + piece.length]
-                kw["base"] = rows.to(torch.promote_types(rows.dtype, torch.float32), copy=True)
-            b = family.bias_delta(pp.factors, piece.src_start, piece.length, **kw)
+            b = bias_of(pp, piece, original)
             if b is not None:
-                deltas.append((piece, b, _coeff(pp)))
+                deltas.append((piece, b, coefficient(pp)))
         if not deltas:
             return
         bias = self.module.bias
         if self.bias_backup is None:
-            self.bias_backup = host_copy(bias, self.undo.on_device)
+            self.bias_backup = host_copy(bias, self.undo_with.on_device)
         acc = self.bias_backup.to(bias.device, acc_dtype(bias.dtype), copy=True)
         for piece, b, coeff in deltas:
             acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coeff)
         bias.data.copy_(acc)
 
 
+def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: set[str]) -> None:
+    """Raise when the merge made values non-finite that were finite (an overflowing product of finite factors)."""
+    try:
+        lo, hi = torch.aminmax(written)
+        if math.isfinite(lo.item()) and math.isfinite(hi.item()):
+            return
+    except (RuntimeError, NotImplementedError):  # dtypes without aminmax here: the elementwise test below
+        pass
+    new = ~torch.isfinite(written.float()) & torch.isfinite(original.view_as(written).float())
+    if bool(new.any()):
+        raise NonFiniteResultError(
+            f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite values in a "
+            f"{tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is left as it was")
+
+
 def needs_bias(contributions: list[Contribution]) -> bool:
-    return any(
-        FAMILIES[pp.part.family].bias_delta(pp.factors, piece.src_start, piece.length) is not None
-        for pp, piece in contributions
-    )
+    return any(bias_of(pp, piece) is not None for pp, piece in contributions)
 
 
-def merge_module(module: torch.nn.Module, contributions: list[Contribution], record: list[MergedModule],
+def merge_module(module: torch.nn.Module, contributions: list[Contribution], record,
                  undo: UndoSettings | None = None, layer: tuple[str, str] = ("", "")) -> MergedModule:
-    """Merge into `module`; the merge is appended to `record` before the weight is touched."""
+    """Merge into `module`; the undo record goes to `record` (a list's append, or a journal's record) before the
+    weight is touched. undo: the record kind (apply's `undo`); layer: (component, path), where a source is."""
     if needs_bias(contributions) and getattr(module, "bias", None) is None:
         raise ValueError("adapter carries a bias delta but the module has no bias")
     merged = MergedModule(module, contributions, undo or UndoSettings(), layer)
@@ -261,6 +253,6 @@ def merge_module(module: torch.nn.Module, contributions: list[Contribution], rec
     if not hasattr(module, STACK_ATTR):
         setattr(module, STACK_ATTR, [])
     getattr(module, STACK_ATTR).append(merged)
-    record.append(merged)
+    (record.append if isinstance(record, list) else record)(merged)
     merged.write(fresh=True)
     return merged

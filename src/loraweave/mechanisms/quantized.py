@@ -224,6 +224,9 @@ class QuantWrite:
         after = self.backend.dequantize(self.module)
         self.retention = retention(after - base, delta.view(base.shape))
 
+    def undo(self) -> None:  # a journal entry
+        self.restore()
+
     def restore(self) -> None:
         stack = getattr(self.module, STACK_ATTR, [])
         if any(w is self for w in stack):

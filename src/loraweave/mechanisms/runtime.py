@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.spec import out_rows
-from ..families import FAMILIES
-from ..families.base import CastCache, ConvSpec, takes_keyword
+from ..families.base import CastCache, ConvSpec
 from ..plan.resolve import PlannedPart
 from ..quant import backend_for
 from .merge import Contribution
@@ -48,7 +47,8 @@ class DequantizedView:
         return getattr(self._module, name)
 
 
-def _host(module: torch.nn.Module):
+def runtime_host(module: torch.nn.Module):
+    """What families that read the host module see: the module, or a dequantized view of a quantized one."""
     backend = backend_for(module)
     if backend is None or backend.unavailable() or not backend.capabilities(module).dequantize:
         return module
@@ -86,16 +86,13 @@ class RuntimePath:
         self.adapters = set()
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
         for pp, piece in contributions:
-            family = FAMILIES[pp.part.family]
-            if takes_keyword(family.runtime_term, "module"):
-                host = _host(module) if host is None else host
-                extra = {"module": host}
-            else:
-                extra = {}
-            term = family.runtime_term(pp.factors, piece.src_start, piece.dst_start, piece.length, **extra)
+            if pp.family.runtime_takes_module and host is None:
+                host = runtime_host(module)
+            term = pp.family.term(pp.factors, piece.src_start, piece.dst_start, piece.length, host)
             if term.cost:
                 self.costs.add(f"{pp.part.family}: {term.cost}")
-            if isinstance(extra.get("module"), DequantizedView) and (term.fn is not None and term.needs_base):
+            if pp.family.runtime_takes_module and isinstance(host, DequantizedView) and term.fn is not None \
+                    and term.needs_base:
                 self.costs.add(f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it")
             name = pp.adapter.name
             self.adapters.add(name)
@@ -132,6 +129,11 @@ class RuntimePath:
         """Scale one adapter on this layer only (select modes; switching gates dropped adapters to 0)."""
         self.gates[name] = float(value)
         self.refresh_scales()
+
+    def vanishes_at_zero(self, name: str) -> bool:
+        """Whether adapter `name`'s terms here are all zero at strength 0, so gating it equals removing it (DoRA's
+        magnitude, OFT's rescale are not: those layers are rebuilt without it)."""
+        return all(linear for pp, *_, linear in (*self.fns, *self.base_fns) if pp.adapter.name == name)
 
     def rebind(self, mapping: dict[int, PlannedPart]) -> None:
         """Point contributions at new planned parts of identical structure (a switch): strengths follow them."""
@@ -293,6 +295,9 @@ class RuntimePath:
         else:
             # First in line, so every observer hook sees the layer's output with the adapters, as when fused.
             self.hook = self.module.register_forward_hook(self, with_kwargs=True, prepend=True)
+
+    def undo(self) -> None:  # a journal entry
+        self.detach()
 
     def detach(self) -> None:
         self.active = False  # a wrapper installed over our forward later now passes straight through

@@ -61,5 +61,5 @@ class ResolveCache:
                 dataclasses.replace(pp, adapter=adapter, strength=strength, notes=list(pp.notes), grow=dict(pp.grow))
                 for pp in sub.planned
             ]
-            plan.unmatched += [dict(u, adapter=adapter.name) for u in sub.unmatched]
+            plan.unmatched += [dataclasses.replace(u, adapter=adapter.name) for u in sub.unmatched]
         return plan

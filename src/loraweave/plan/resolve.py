@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -10,11 +9,13 @@ import torch
 
 from ..arch.aliases import AMBIGUOUS, AliasTable
 from ..arch.spec import Piece, module_shape
-from ..families import FAMILIES
-from ..families.base import PartRejected, takes_keyword
+from ..families import family_for
+from ..families.base import Family, PartRejected
 from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE
+from ..formats.metadata import cloneofsimo_classes
+from ..miss import Miss, Unmatched
 from .target import Components
 
 # Families a part may carry besides its own: DoRA wraps one inner family; `rescale` is filed under OFT.
@@ -26,6 +27,7 @@ NOT_PORTABLE = {"tlora": "its base comes from an SVD initialisation that is neve
 class PlannedPart:
     adapter: Adapter
     part: AdapterPart
+    family: Family  # chosen from the part's keys and shapes (families.family_for)
     component: str
     pieces: tuple[Piece, ...]
     factors: object
@@ -43,34 +45,31 @@ class Plan:
     adapters: list[Adapter]
     strengths: dict[str, float]
     planned: list[PlannedPart] = field(default_factory=list)
-    unmatched: list[dict] = field(default_factory=list)  # {adapter, key, reason}
+    unmatched: list[Unmatched] = field(default_factory=list)
 
 
 def _scalar(tensor: torch.Tensor, key: str) -> float | None:
     if tensor.device.type == "meta":
         return None  # shape-only planning: the value is unknown
     if tensor.numel() != 1:
-        raise PartRejected(f"bad tensor: {key} should be a scalar, has shape {tuple(tensor.shape)}")
+        raise PartRejected("bad_tensor", f"bad tensor: {key} should be a scalar, has shape {tuple(tensor.shape)}")
     value = float(tensor.reshape(()).float())
     if value != value or value in (float("inf"), float("-inf")):
-        raise PartRejected(f"bad tensor: {key} is not finite")
+        raise PartRejected("non_finite", f"bad tensor: {key} is not finite")
     return value
 
 
 def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -> tuple[Piece, ...]:
     """cloneofsimo files name layers by index; the metadata lists the ancestor classes that were enumerated."""
     m = CLONEOFSIMO_STEM_RE.match(part.path)
-    try:
-        classes = tuple(json.loads(adapter.metadata.get(m["component"], "")))
-    except ValueError:
-        classes = ()
+    classes = cloneofsimo_classes(adapter.metadata, m["component"], adapter.path or adapter.name) or ()
     # lora_diffusion's default targets predate diffusers' rename of CrossAttention to Attention.
     classes = classes or (("CrossAttention", "Attention", "GEGLU") if m["component"] == "unet" else ("CLIPAttention",))
     classes = tuple(dict.fromkeys((*classes, *(("Attention",) if "CrossAttention" in classes else ()))))
     order = table.positional(classes)
     index = int(m["index"])
     if index >= len(order):
-        raise PartRejected(f"no such module: positional index {index} but the model has {len(order)} Linear layers "
+        raise PartRejected("no_such_module", f"no such module: positional index {index} but the model has {len(order)} Linear layers "
                            f"under {', '.join(classes)}")
     return table.exact[order[index]]
 
@@ -85,79 +84,80 @@ def _reshape_target(adapter: Adapter, part: AdapterPart) -> tuple[int, ...] | No
         return None
     values = tensor.flatten().tolist()
     if len(values) != 2 or any(v != int(v) or v <= 0 for v in values):
-        raise PartRejected(f"bad tensor: {key} should list a positive (out, in) shape, holds {values}")
+        raise PartRejected("bad_tensor", f"bad tensor: {key} should list a positive (out, in) shape, holds {values}")
     return tuple(int(v) for v in values)
 
 
-def _growth(family, factors, shape: tuple[int, ...], width: int | None, module: str, table: AliasTable) -> int | None:
+def _growth(family: Family, factors, shape: tuple[int, ...], width: int | None, module: str,
+            table: AliasTable) -> int | None:
     """The wider input a control adapter needs, when the module may grow to it and the adapter then fits."""
     if width is None or len(shape) != 2 or width <= shape[1] or module not in table.growable_inputs:
         return None
-    return width if family.check_target(factors, (shape[0], width)) is None else None
+    return width if family.fit(factors, (shape[0], width))[1] is None else None
 
 
 def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float) -> PlannedPart:
-    family = FAMILIES.get(part.family)
     found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path)
     where = f"{comp_name}.{part.path}"
     if found is None:
-        raise PartRejected(f"no such module: {where}")
+        raise PartRejected("no_such_module", f"no such module: {where}")
     if found == AMBIGUOUS:
-        raise PartRejected(f"ambiguous module name: {where} matches several modules once '.' is written '_'")
+        raise PartRejected("ambiguous_module", f"ambiguous module name: {where} matches several modules once '.' is written '_'")
     target = ", ".join(p.module for p in found)
+    tensors = {role: adapter.tensor(key) for role, key in part.roles.items()}
+    family = family_for(part.family, tensors)
     if part.family in NOT_PORTABLE:
-        raise PartRejected(f"unsupported family: {part.family} ({NOT_PORTABLE[part.family]}; target {comp_name}.{target})")
+        raise PartRejected("unsupported", f"unsupported family: {part.family} ({NOT_PORTABLE[part.family]}; target {comp_name}.{target})")
     if family is None:
-        raise PartRejected(f"unsupported family: {part.family} (not yet supported; target {comp_name}.{target})")
+        raise PartRejected("unsupported", f"unsupported family: {part.family} (not yet supported; target {comp_name}.{target})")
     extras = part.extra_families - ALLOWED_EXTRAS.get(part.family, set())
     if extras:
-        raise PartRejected(f"unsupported family: {'+'.join(sorted(extras))} keys next to {part.family} in one part "
+        raise PartRejected("unsupported", f"unsupported family: {'+'.join(sorted(extras))} keys next to {part.family} in one part "
                            f"(target {comp_name}.{target})")
-    known = getattr(family, "ROLES", None)
+    known = family.roles
     unknown = sorted(set(part.roles) - set(known) - set(GENERIC_ROLES)) if known is not None else []
     if unknown:  # never load a part while ignoring some of its keys
-        raise PartRejected(f"unsupported family: {part.family} part also holds {', '.join(unknown)} "
+        raise PartRejected("unsupported", f"unsupported family: {part.family} part also holds {', '.join(unknown)} "
                            f"(target {comp_name}.{target})")
-    uses_alpha = getattr(family, "USES_ALPHA_SCALE", True)
+    uses_alpha = family.uses_alpha_scale
     skip = ("alpha", "scale", "reshape") if uses_alpha else ("scale", "reshape")  # OFT & co read alpha themselves
-    tensors = {role: adapter.tensor(key) for role, key in part.roles.items() if role not in skip}
     # Families whose math depends on settings outside the tensors (PEFT OFT) get the adapter's PEFT config.
-    config = {"config": adapter.meta_alpha.peft} if takes_keyword(family.load, "config") else {}
-    factors = family.load(tensors, part.roles, **config)
+    factors = family.load_part({r: t for r, t in tensors.items() if r not in skip}, part.roles, adapter.meta_alpha.peft)
     notes = []
     grow: dict[str, tuple[int, str]] = {}
     reshape = _reshape_target(adapter, part)
     for piece in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
         shape = module_shape(table.modules[piece.module])
-        reason = family.check_target(factors, shape)
+        factors, reason = family.fit(factors, shape)
         if reshape is not None and reshape != shape:
             width = _growth(family, factors, shape, reshape[1], piece.module, table) if reshape[0] == shape[0] else None
             if width is None:
-                raise PartRejected(f"shape mismatch: reshape_weight asks {comp_name}.{piece.module} {shape} to become "
+                raise PartRejected("shape_mismatch", f"shape mismatch: reshape_weight asks {comp_name}.{piece.module} {shape} to become "
                                    f"{reshape}; only declared model inputs can grow, and only in columns")
-        if reason and piece.module in table.growable_inputs and hasattr(family, "input_width"):
+        if reason and piece.module in table.growable_inputs:
             width = _growth(family, factors, shape, family.input_width(factors), piece.module, table)
             if width is not None:
+                factors = family.settle(factors, (shape[0], width))
                 grow[piece.module] = (width, table.growable_inputs[piece.module])
                 notes.append(f"{piece.module} input grown {shape[1]} -> {width} columns (zero weights for the new "
                              f"channels; config {table.growable_inputs[piece.module]} updated)")
                 reason = None
-        if reason and piece.module in table.widened_inputs and hasattr(family, "widen_input"):
+        if reason and piece.module in table.widened_inputs:
             widened = family.widen_input(factors, shape)
-            if widened is not None and family.check_target(widened, shape) is None:
+            fitted = family.fit(widened, shape) if widened is not None else (None, reason)
+            if fitted[1] is None:
                 notes.append(f"input zero-padded to {shape[1]} columns (model variant with a wider {piece.module})")
-                factors, reason = widened, None
+                factors, reason = fitted[0], None
         if reason:
-            raise PartRejected(f"{reason} ({comp_name}.{piece.module})")
+            raise PartRejected.of(reason.where(f"{comp_name}.{piece.module}"))
     total = sum(p.length for p in found)
     if factors.rows is not None and factors.rows != total:  # None: the delta spans any rows (IA3 on the input)
         names = " | ".join(f"{p.module}[{p.dst_start}:{p.dst_start + p.length}]" for p in found)
-        raise PartRejected(f"shape mismatch: adapter has {factors.rows} output rows, target {names} has {total}")
-    check_piece = getattr(family, "check_piece", None)  # row-slice rules: OFT blocks must tile a piece, ...
-    for piece in found if check_piece else ():
-        reason = check_piece(factors, piece.src_start, piece.length)
+        raise PartRejected("shape_mismatch", f"shape mismatch: adapter has {factors.rows} output rows, target {names} has {total}")
+    for piece in found:  # row-slice rules: OFT blocks must tile a piece, ...
+        reason = family.check_piece(factors, piece.src_start, piece.length)
         if reason:
-            raise PartRejected(f"{reason} ({comp_name}.{piece.module})")
+            raise PartRejected.of(reason.where(f"{comp_name}.{piece.module}"))
     alpha = _scalar(adapter.tensor(part.roles["alpha"]), part.roles["alpha"]) if "alpha" in part.roles else None
     scale_t = _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
     if not uses_alpha:
@@ -172,8 +172,8 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
             alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path, prefix, adapter.meta_alpha
         )
         if not math.isfinite(scale):
-            raise PartRejected(f"bad tensor: scale from {source} is not finite")
-    return PlannedPart(adapter, part, comp_name, found, factors, scale, source, strength, notes, grow)
+            raise PartRejected("non_finite", f"bad tensor: scale from {source} is not finite")
+    return PlannedPart(adapter, part, family, comp_name, found, factors, scale, source, strength, notes, grow)
 
 
 def resolve(components: Components, adapters: list[tuple[Adapter, float]],
@@ -183,13 +183,13 @@ def resolve(components: Components, adapters: list[tuple[Adapter, float]],
     tables = tables if tables is not None else {name: AliasTable(module) for name, module in components}
     for adapter, strength in adapters:
         for item in adapter.unparsed:
-            plan.unmatched.append({"adapter": adapter.name, "key": item["key"], "reason": f"not parsed: {item['reason']}"})
+            plan.unmatched.append(Unmatched(adapter.name, item["key"], Miss("not_parsed", f"not parsed: {item['reason']}")))
         for part in adapter.parts:
             comp_name = components.resolve_name(part.component)
             try:
                 if comp_name is None:
                     raise PartRejected(
-                        f"no such component: {part.component} (target has {', '.join(components.modules)})"
+                        "no_such_component", f"no such component: {part.component} (target has {', '.join(components.modules)})"
                     )
                 try:
                     planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
@@ -208,5 +208,5 @@ def resolve(components: Components, adapters: list[tuple[Adapter, float]],
                 plan.planned.append(planned)
             except PartRejected as rejected:
                 for key in part.keys:
-                    plan.unmatched.append({"adapter": adapter.name, "key": key, "reason": str(rejected)})
+                    plan.unmatched.append(Unmatched(adapter.name, key, rejected.miss))
     return plan

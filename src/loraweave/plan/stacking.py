@@ -7,6 +7,7 @@ touches are left alone."""
 from __future__ import annotations
 
 from ..arch.spec import Piece, module_shape
+from ..families import combined
 from ..families.combined import CombinedFactors
 from ..formats.adapter import AdapterPart
 from ..stack.combine import DENSE_MODES, SELECT_MODES, validate_stack
@@ -24,7 +25,7 @@ def adapter_names(contributions: list[Contribution]) -> set[str]:
     """Adapters behind contributions, looking through combined parts."""
     names: set[str] = set()
     for pp, _ in contributions:
-        sources = getattr(pp.factors, "sources", None) if pp.part.family == "combined" else None
+        sources = pp.factors.sources if isinstance(pp.factors, CombinedFactors) else None
         names |= {s.adapter.name for s, _ in sources} if sources else {pp.adapter.name}
     return names
 
@@ -45,7 +46,7 @@ def combine_groups(groups: dict[tuple[str, str], list[Contribution]], modules: d
         shape = module_shape(modules[comp].get_submodule(path))
         factors = CombinedFactors(list(contribs), mode, density, stack_key(comp, path, names), tuple(shape))
         part = AdapterPart(f"stack:{comp}.{path}", comp, path, "stack", True, "combined")
-        pp = PlannedPart(contribs[0][0].adapter, part, comp, (Piece(path, 0, 0, shape[0], True),), factors, 1.0,
+        pp = PlannedPart(contribs[0][0].adapter, part, combined.SPEC, comp, (Piece(path, 0, 0, shape[0], True),), factors, 1.0,
                          "none:combined", 1.0, [f"stack={mode} of {', '.join(names)}"])
         out[(comp, path)] = [(pp, pp.pieces[0])]
     return out

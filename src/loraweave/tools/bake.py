@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..families import FAMILIES
+from ..contribution import add_contribution, bias_of, coefficient
 from ..formats.adapter import load_adapter
 from ..io.safetensors_file import read_safetensors_header
 from ..io.write import StreamingWriter, atomic_path, check_output
 from ..mechanisms.merge import Contribution
+from ..miss import Miss, Unmatched
 from ..plan.resolve import Plan, resolve
 from ..plan.target import Components
 from .checkpoint import Checkpoint, open_checkpoint, resolution_components
@@ -44,13 +45,14 @@ class BakeResult:
     bytes_written: int = 0
     keys_total: int = 0
     keys_applied: int = 0
-    unmatched: list[dict] = field(default_factory=list)
+    unmatched: list[Unmatched] = field(default_factory=list)
     adapters: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
         out = dict(vars(self))
         out["output"] = str(self.output)
+        out["unmatched"] = [u.to_dict() for u in self.unmatched]
         return out
 
 
@@ -99,31 +101,29 @@ def _tensor_plan(ckpt: Checkpoint, plan: Plan, spans: dict[str, dict]) -> dict[s
         for piece in pp.pieces:  # on a live module; original-named files: the same rows of their own tensors
             for moved in translate(piece, spans.get(pp.component, {})):
                 groups.setdefault((pp.component, moved.module), []).append((pp, moved))
-    rejected: dict[int, str] = {}
+    rejected: dict[int, Miss] = {}
     for (comp, module), contribs in groups.items():
         weight = f"{prefix[comp]}{module}.weight"
-        needs_bias = any(FAMILIES[pp.part.family].bias_delta(pp.factors, pc.src_start, pc.length) is not None
-                         for pp, pc in contribs)
+        needs_bias = any(bias_of(pp, pc) is not None for pp, pc in contribs)
         why = None
         if weight not in tensors:
             why = "module has no weight tensor in the checkpoint"
-        elif not dtypes[weight].is_floating_point:
+        elif not isinstance(dtypes[weight], torch.dtype) or not dtypes[weight].is_floating_point:
             why = f"weight dtype {dtypes[weight]} is not floating point (quantized checkpoint)"
         elif needs_bias and f"{prefix[comp]}{module}.bias" not in tensors:
             why = "adapter carries a bias delta but the module has no bias"
         for pp, _ in contribs if why else ():
-            rejected.setdefault(id(pp), f"cannot merge: {why} ({comp}.{module})")
+            rejected.setdefault(id(pp), Miss("no_mechanism", f"cannot merge: {why} ({comp}.{module})"))
     for pp in plan.planned:  # a part split over several modules lands everywhere or nowhere
         if id(pp) in rejected:
-            plan.unmatched += [{"adapter": pp.adapter.name, "key": k, "reason": rejected[id(pp)]} for k in pp.part.keys]
+            plan.unmatched += [Unmatched(pp.adapter.name, k, rejected[id(pp)]) for k in pp.part.keys]
     plan.planned = [pp for pp in plan.planned if id(pp) not in rejected]
     out: dict[str, tuple[str, list[Contribution]]] = {}
     for (comp, module), contribs in groups.items():
         kept = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected]
         if kept:
             out[f"{prefix[comp]}{module}.weight"] = ("weight", kept)
-            if any(FAMILIES[pp.part.family].bias_delta(pp.factors, pc.src_start, pc.length) is not None
-                   for pp, pc in kept):
+            if any(bias_of(pp, pc) is not None for pp, pc in kept):
                 out[f"{prefix[comp]}{module}.bias"] = ("bias", kept)
     return out
 
@@ -133,29 +133,16 @@ def merged_weight(weight: torch.Tensor, contribs: list[Contribution], out_dtype:
     acc = weight.reshape(weight.shape[0], -1).to(torch.promote_types(weight.dtype, torch.float32), copy=True)
     base_rows = weight.reshape(weight.shape[0], -1)
     for pp, piece in contribs:
-        family = FAMILIES[pp.part.family]
-        target = acc[piece.dst_start : piece.dst_start + piece.length]
-        coeff = pp.strength * pp.scale
-        if getattr(family, "NEEDS_BASE", False):
-            base = base_rows[piece.dst_start : piece.dst_start + piece.length].to(target.dtype)
-            family.add_delta(target, pp.factors, piece.src_start, piece.length, coeff,
-                             base=base, strength=pp.strength, scale=pp.scale)
-        else:
-            family.add_delta(target, pp.factors, piece.src_start, piece.length, coeff)
+        add_contribution(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece, base_rows)
     return acc.to(out_dtype).view(weight.shape)
 
 
 def merged_bias(bias: torch.Tensor, contribs: list[Contribution], out_dtype: torch.dtype) -> torch.Tensor:
     acc = bias.to(torch.promote_types(bias.dtype, torch.float32), copy=True)
     for pp, piece in contribs:
-        family = FAMILIES[pp.part.family]
-        kw = {}
-        if getattr(family, "BIAS_NEEDS_BASE", False):
-            rows = bias[piece.dst_start : piece.dst_start + piece.length]
-            kw["base"] = rows.to(torch.promote_types(rows.dtype, torch.float32), copy=True)
-        b = family.bias_delta(pp.factors, piece.src_start, piece.length, **kw)
+        b = bias_of(pp, piece, bias)
         if b is not None:
-            acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=pp.strength * pp.scale)
+            acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coefficient(pp))
     return acc.to(out_dtype)
 
 

@@ -167,8 +167,10 @@ def inspect_adapter(
         info["architecture"]["name"] = detection.architecture
     components, against = _target(arch, model, detection.architecture, text_encoders)
     if components is None:
-        unmatched = [{"key": k, "reason": f"not resolved: {against}"} for p in adapter.parts for k in p.keys]
-        unmatched += [{"key": u["key"], "reason": f"not parsed: {u['reason']}"} for u in adapter.unparsed]
+        unmatched = [{"key": k, "reason": f"not resolved: {against}", "kind": "not_resolved"}
+                     for p in adapter.parts for k in p.keys]
+        unmatched += [{"key": u["key"], "reason": f"not parsed: {u['reason']}", "kind": "not_parsed"}
+                      for u in adapter.unparsed]
         coverage = {"against": None, "keys_total": adapter.keys_total, "keys_applied": 0, "unmatched": unmatched}
     else:
         report = plan(components, adapter if check_values else _shape_only(adapter))
@@ -176,12 +178,12 @@ def inspect_adapter(
             "against": against,
             "keys_total": report.keys_total,
             "keys_applied": report.keys_applied,
-            "unmatched": [{"key": u["key"], "reason": u["reason"]} for u in report.unmatched],
+            "unmatched": [{"key": u.key, "reason": u.reason, "kind": u.kind} for u in report.unmatched],
             "modules": dict(Counter(m.component for m in report.applied)),
             "alpha_sources": report.adapters[0]["alpha_sources"] if report.adapters else {},
             "values_checked": check_values,
         }
-    coverage["unmatched_by_reason"] = dict(Counter(u["reason"].split(":", 1)[0] for u in coverage["unmatched"]))
+    coverage["unmatched_by_kind"] = dict(Counter(u["kind"] for u in coverage["unmatched"]))
     coverage["complete"] = not coverage["unmatched"]
     info["coverage"] = coverage
     info["seconds"] = round(time.perf_counter() - t0, 3)
@@ -209,7 +211,7 @@ def format_table(info: dict, limit: int = 20) -> str:
                  + (f" on {cov['against']}" if cov["against"] else "")))
     if cov.get("alpha_sources"):
         rows.append(("  alpha from", ", ".join(f"{k} x{v}" for k, v in cov["alpha_sources"].items())))
-    for reason, n in cov["unmatched_by_reason"].items():
+    for reason, n in cov["unmatched_by_kind"].items():
         rows.append(("  unmatched", f"{n} x {reason}"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
