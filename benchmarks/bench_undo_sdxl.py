@@ -104,7 +104,7 @@ def child(variant: str, folder: str) -> None:
     torch.set_num_threads(2)
     kind, _, strength = variant.partition("@")
     strength = float(strength or 1.0)
-    unet = UNet2DConditionModel.from_pretrained(folder, torch_dtype=torch.float16)
+    unet = UNet2DConditionModel.from_pretrained(folder, torch_dtype=torch.float16, low_cpu_mem_usage=True)
     sd = lora_for(unet)
     names = sorted({k.rsplit(".lora_", 1)[0] for k in sd})
     touched = [unet.get_submodule(n).weight for n in names]
@@ -143,7 +143,8 @@ def run_child(variant: str, folder: str) -> dict:
     res = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", variant, "--dir", folder],
                          env=env, capture_output=True, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"{variant} failed:\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"{variant} failed (returncode {res.returncode}; -9: killed, out of memory?):\n"
+                           f"{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -166,7 +167,11 @@ def main() -> None:
             print(f"prepared {folder} in {time.perf_counter() - t0:.0f} s")
         results = {}
         for v in args.variants.split(","):
-            results[v] = run_child(v, folder)
+            try:
+                results[v] = run_child(v, folder)
+            except RuntimeError as exc:  # one variant out of memory on a shared machine: report the others
+                print(f"variant {v}: {exc}", flush=True)
+                continue
             print(json.dumps(results[v]), flush=True)
     finally:
         if not args.keep and not args.dir:

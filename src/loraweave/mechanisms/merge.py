@@ -164,6 +164,8 @@ class MergedModule:
     def _merge(self, rows: torch.Tensor, terms: list[Term], old: Record | None,
                ) -> tuple[Record, torch.Tensor, torch.Tensor]:
         """W', its record and W; `old` (a rewrite): the record W comes back from first (the weight holds W')."""
+        if any(pp.part.family == "set" for pp, _ in self.contributions):
+            return self._merge_over(rows, terms, old)
         # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
         kind = "auto" if self.undo_with.kind in ("source", "none") else self.undo_with.kind
         if any(pp.part.family == "combined" for pp, _ in self.contributions):  # ties/dare: inner strengths live
@@ -185,6 +187,18 @@ class MergedModule:
                                                "none" if keep is not None else kind, chunk, needs_base,
                                                self.undo_with.on_device, prior)
         return (keep if keep is not None else record), merged, base
+
+    def _merge_over(self, rows: torch.Tensor, terms: list[Term], old: Record | None,
+                    ) -> tuple[Record, torch.Tensor, torch.Tensor]:
+        """Weight replacement reads W in its target (to write t itself, not W + (t - W)): added over W, copied."""
+        if old is not None:
+            self._restore_weight()
+        acc = rows.to(acc_dtype(rows.dtype), copy=True)
+        for pp, piece, strength, scale in terms:
+            add_contribution(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece, rows,
+                             strength=strength, scale=scale)
+        record = old if isinstance(old, (CopyRecord, SourceRecord)) else CopyRecord(host_copy(rows, self.undo_with.on_device))
+        return record, acc.to(rows.dtype), rows
 
     @staticmethod
     def _delta(base: torch.Tensor, terms: list[Term], r0: int, r1: int) -> torch.Tensor:
