@@ -4,7 +4,9 @@ Plain helper functions live in helpers.py; tiny real-architecture models in tiny
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -12,7 +14,9 @@ import pytest
 
 os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
 # inspect caches architecture skeletons; tests keep theirs out of the user's ~/.cache.
-os.environ.setdefault("LORAWEAVE_CACHE", tempfile.mkdtemp(prefix="loraweave-test-cache-"))
+if "LORAWEAVE_CACHE" not in os.environ:  # made here (subprocesses inherit it), removed when the session ends
+    os.environ["LORAWEAVE_CACHE"] = tempfile.mkdtemp(prefix="loraweave-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LORAWEAVE_CACHE"], True)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 REALDATA = SHARED / "realdata"

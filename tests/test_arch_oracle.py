@@ -73,10 +73,53 @@ def tiny_wan(i2v: bool):
     )
 
 
+def tiny_wan_vace():
+    from diffusers import WanVACETransformer3DModel
+
+    torch.manual_seed(0)
+    return WanVACETransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=24, freq_dim=16, ffn_dim=64, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        vace_layers=[0, 2], vace_in_channels=8,
+    )
+
+
+def tiny_lumina2():
+    from diffusers import Lumina2Transformer2DModel
+
+    torch.manual_seed(0)
+    return Lumina2Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, hidden_size=64, num_layers=2, num_refiner_layers=1,
+        num_attention_heads=4, num_kv_heads=2, multiple_of=16, axes_dim_rope=(4, 6, 6), axes_lens=(16, 16, 16),
+        cap_feat_dim=16,
+    )
+
+
+def patched_converter(name: str, **constants):
+    """diffusers' converter `name` with its hard-coded widths (e.g. Lumina2's q_dim = 2304) set for a tiny model;
+    nothing else of its code changes."""
+    import inspect
+
+    from diffusers.loaders import single_file_utils
+
+    source = inspect.getsource(getattr(single_file_utils, name))
+    for old, new in constants.items():
+        assert old in source, old
+        source = source.replace(old, new)
+    namespace = dict(vars(single_file_utils))
+    exec(source, namespace)  # noqa: S102 - the library's own function, constants replaced
+    return namespace[name]
+
+
 CASES = {
     "sd3": (tiny_sd3, "convert_sd3_transformer_checkpoint_to_diffusers"),
     "wan_t2v": (lambda: tiny_wan(False), "convert_wan_transformer_to_diffusers"),
     "wan_i2v": (lambda: tiny_wan(True), "convert_wan_transformer_to_diffusers"),
+    "wan_vace": (tiny_wan_vace, "convert_wan_transformer_to_diffusers"),
+    # q/k/v widths hard-coded (2304/768/768); its prefix stripping re-keys the dict but then pops the old keys,
+    # so it gets unprefixed names.
+    "lumina2": (tiny_lumina2, lambda: patched_converter("convert_lumina2_to_diffusers", **{
+        "q_dim = 2304": "q_dim = 64", "k_dim = v_dim = 768": "k_dim = v_dim = 32"}), ""),
     "zimage": (tiny_zimage, "convert_z_image_transformer_checkpoint_to_diffusers"),
 }
 
@@ -85,11 +128,13 @@ CASES = {
 def test_tables_round_trip_through_the_diffusers_converter(arch):
     from diffusers.loaders import single_file_utils
 
-    build, converter = CASES[arch]
+    build, converter, *prefix = CASES[arch]
+    prefix = prefix[0] if prefix else "model.diffusion_model."
     model = build()
     ckpt = original_checkpoint(model)
     assert ckpt, "no original names for this architecture"
-    converted = getattr(single_file_utils, converter)(_Lenient({f"model.diffusion_model.{k}": v for k, v in ckpt.items()}))
+    convert = getattr(single_file_utils, converter) if isinstance(converter, str) else converter()
+    converted = convert(_Lenient({f"{prefix}{k}": v for k, v in ckpt.items()}))
     state = model.state_dict()
     checked = 0
     for key, value in converted.items():
@@ -101,3 +146,22 @@ def test_tables_round_trip_through_the_diffusers_converter(arch):
     missing = {m for m in AliasTable(model).modules if m not in produced}
     assert not missing, sorted(missing)[:10]
     assert checked >= len(ckpt)
+
+
+@pytest.mark.parametrize("arch, source, fn", [
+    ("lumina2", "layers.{i}.attention.qkv", lambda t: (t[0], t[2], t[1])),
+    ("wan_vace", "vace_blocks.{i}.before_proj", lambda t: (t[0].replace("proj_in", "proj_out"),)),
+])
+def test_round_trip_catches_a_swapped_row(arch, source, fn, monkeypatch):
+    import dataclasses
+
+    from loraweave.arch import aliases
+
+    def mutate(table):
+        return dataclasses.replace(table, aliases=tuple(
+            dataclasses.replace(a, targets=fn(a.targets)) if a.source == source else a for a in table.aliases))
+
+    monkeypatch.setattr(aliases, "ARCH_TABLES", tuple(
+        mutate(t) if any(a.source == source for a in t.aliases) else t for t in aliases.ARCH_TABLES))
+    with pytest.raises(AssertionError):
+        test_tables_round_trip_through_the_diffusers_converter(arch)

@@ -238,4 +238,4 @@ def test_wan_original_names_resolve_on_full_size_models(variant):
         assert report.unmatched == [] and report.keys_applied == len(sd)
     else:
         assert {u["key"] for u in report.unmatched} == img_keys
-        assert all(u["reason"].startswith("no such module") for u in report.unmatched)
+        assert all(u["reason"].startswith("expected absent:") and u["kind"] == "expected_absent" for u in report.unmatched)

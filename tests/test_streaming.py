@@ -242,9 +242,12 @@ def test_merge_is_refused_on_a_streamed_model_and_auto_goes_runtime():
     model = tiny_flux(seed=5)
     sd = lora_sd(model, seed=9)
     s = stream(model, budget=min_budget(model, lora=True), device="cpu")
-    merged = loraweave.apply(model, sd, mode="merge")
+    with pytest.raises(loraweave.NoKeysLandedError) as refused:  # nothing can merge: a typed refusal
+        loraweave.apply(model, sd, mode="merge")
+    assert refused.value.report.keys_applied == 0
+    assert all("streamed" in u["reason"] for u in refused.value.report.unmatched)
+    merged = loraweave.apply(model, sd, mode="merge", allow_empty=True)
     assert merged.report.keys_applied == 0
-    assert all("streamed" in u["reason"] for u in merged.report.unmatched)
     merged.remove()
     auto = loraweave.apply(model, sd, mode="auto")
     assert auto.report.counts() == {"transformer": {"runtime": len(sd) // 2}}

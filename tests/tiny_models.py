@@ -16,12 +16,13 @@ def tiny_flux(seed: int = 0):
     ).eval()
 
 
-def flux_forward(model, seed: int = 1):
+def flux_forward(model, seed: int = 1, **extra):
     g = torch.Generator().manual_seed(seed)
     return model(
         hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
         pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
         guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3), return_dict=False,
+        **extra,
     )[0]
 
 
@@ -35,11 +36,11 @@ def tiny_zimage(seed: int = 0):
     ).eval()
 
 
-def zimage_forward(model, seed: int = 1):
+def zimage_forward(model, seed: int = 1, **extra):
     g = torch.Generator().manual_seed(seed)
     x = [torch.randn(4, 1, 8, 8, generator=g)]
     cap = [torch.randn(7, 32, generator=g)]
-    return model(x, torch.tensor([0.5]), cap, return_dict=False)[0][0]
+    return model(x, torch.tensor([0.5]), cap, return_dict=False, **extra)[0][0]
 
 
 def tiny_sdxl_unet(seed: int = 0):
@@ -55,12 +56,12 @@ def tiny_sdxl_unet(seed: int = 0):
     ).eval()
 
 
-def unet_forward(model, seed: int = 1):
+def unet_forward(model, seed: int = 1, **extra):
     g = torch.Generator().manual_seed(seed)
     added = {"text_embeds": torch.randn(1, 32, generator=g), "time_ids": torch.randn(1, 6, generator=g)}
     return model(
         torch.randn(1, 4, 16, 16, generator=g), torch.tensor([10]), torch.randn(1, 5, 32, generator=g),
-        added_cond_kwargs=added, return_dict=False,
+        added_cond_kwargs=added, return_dict=False, **extra,
     )[0]
 
 

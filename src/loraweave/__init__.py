@@ -5,14 +5,17 @@ from .errors import (
     AdapterFileError,
     AdapterFormatError,
     AdapterMetadataError,
+    ArgumentError,
+    EmptyOutputError,
     LoraweaveError,
+    NoKeysLandedError,
     NonFiniteResultError,
     StrictApplyError,
     TargetError,
     UnsafeFormatError,
 )
 from .formats.adapter import Adapter, AdapterPart, load_adapter
-from .prompt import parse_prompt
+from .prompt import PromptAdapterError, parse_prompt
 from .report import Report
 from .spec import AdapterSpec
 from .streaming import StreamHandle, stream
@@ -26,9 +29,13 @@ __all__ = [
     "AdapterMetadataError",
     "AdapterPart",
     "AdapterSpec",
+    "ArgumentError",
+    "EmptyOutputError",
     "Handle",
     "LoraweaveError",
+    "NoKeysLandedError",
     "NonFiniteResultError",
+    "PromptAdapterError",
     "Report",
     "StreamHandle",
     "StrictApplyError",

@@ -17,13 +17,14 @@ from .applying import (
     plan_layers,
     resolve_set,
 )
+from .coverage import refuse_empty, warn_incomplete
 from .errors import StrictApplyError
 from .handle import Handle
 from .journal import Journal, model_lock
 from .mechanisms.merge import undo_settings
 from .plan.stacking import adapter_names
 from .plan.target import as_components
-from .report import AppliedModule, Report
+from .report import AppliedModule, Report, failures
 
 log = logging.getLogger("loraweave")
 __all__ = ["AdapterSource", "Handle", "apply", "plan"]
@@ -39,6 +40,7 @@ def plan(target, adapters: Iterable[AdapterSource] | AdapterSource, strength: fl
         AppliedModule(comp, path, "planned", sorted(adapter_names(contribs)), notes=notes_of(contribs))
         for (comp, path), contribs in group_by_module(p.planned).items()
     ]
+    applied += [AppliedModule(pp.component, pp.path, "planned", [pp.adapter.name], notes=list(pp.notes)) for pp in p.params]
     report = make_report(p, "plan", applied, list(p.unmatched), t0)
     report.log()
     return report
@@ -59,6 +61,7 @@ def apply(
     undo: str = "auto",
     undo_source=None,
     undo_on_device: bool = False,
+    allow_empty: bool = False,
 ) -> Handle:
     """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
 
@@ -87,7 +90,11 @@ def apply(
       "compact" and "copy"), "compact" (only the elements round(W' - ΔW) misses), "copy" (a full copy), "source"
       (re-read from the model's safetensors files: `undo_source` = a file, a directory or {component: path},
       else diffusers' config._name_or_path; refused on undo if a file changed) or "none" (a permanent fuse:
-      remove() leaves those weights merged). Records live in host memory unless `undo_on_device`."""
+      remove() leaves those weights merged). Records live in host memory unless `undo_on_device`.
+
+    Coverage is loud: an adapter whose keys did not all land gets one WARNING line (landed/total, top miss kinds,
+    an example key). When not one key of an adapter lands, `NoKeysLandedError` (carrying the report) is raised and
+    nothing changes, unless `allow_empty=True`. `strict=True` raises `StrictApplyError` unless every key lands."""
     options = Options(mode, stack, density, quantized, host_rank, cache, undo, undo_source, undo_on_device)
     options.check()
     if cache is not None and not hasattr(cache, "load"):
@@ -101,14 +108,16 @@ def apply(
         p, settings = resolve_set(components, adapters, strength)
         mode = options.layer_mode(len(p.adapters))
         wp, unmatched = plan_layers(p, options, mode)
-        if strict and unmatched:
+        if strict and failures(unmatched):
             report = make_report(p, mode, [], unmatched, t0)
-            raise StrictApplyError(f"strict: {len(unmatched)} keys did not land ({report.kinds()})", report)
+            raise StrictApplyError(f"strict: {len(failures(unmatched))} keys did not land ({report.kinds()})", report)
+        refuse_empty(make_report(p, mode, [], unmatched, t0), allow_empty)
         journal = Journal()
         with journal.transaction():
             applied = install(journal, p, wp, mode, options, progress)
         report = finish_report(p, mode, applied, unmatched, wp, t0)
         report.log()
+        warn_incomplete(report)
         handle = Handle(p, report, journal, settings, options)
         handle.start_selection()
     return handle

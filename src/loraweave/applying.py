@@ -5,27 +5,27 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
-
+from .adapter_list import as_specs, check_names
 from .errors import NonFiniteResultError
 from .formats.adapter import Adapter, load_adapter
 from .journal import Journal
 from .mechanisms.choose import QUANTIZED, QuantSettings, WorkPlan, plan_work
 from .mechanisms.grow import grow_input
 from .mechanisms.merge import Contribution, MergedModule, check_undo_arguments, merge_module
+from .mechanisms.params import apply_params
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
 from .miss import Unmatched
 from .plan.resolve import Plan, PlannedPart, resolve
 from .plan.stacking import adapter_names, combine_groups
-from .plan.target import as_components
+from .plan.target import as_components, experts
 from .plan.weights import AdapterWeights, assign
+from .progress import PROGRESS_LAYERS, bar, on_terminal
 from .quant import broken
 from .report import AppliedModule, Report
 from .spec import AdapterSpec, finite_strength
@@ -79,23 +79,19 @@ class Options:
 
 
 def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
-    if isinstance(adapters, (str, os.PathLike, Adapter, Mapping, AdapterSpec)) or (
-        isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[1], (int, float))
-    ):
-        adapters = [adapters]
+    strength = finite_strength(strength)
     out = []
-    for item in adapters:
-        if isinstance(item, tuple):
-            item = AdapterSpec(item[0], item[1])
-        spec = item if isinstance(item, AdapterSpec) else AdapterSpec(item)
+    for spec in as_specs(adapters):
         te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
-        out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights)))
+        out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights,
+                                         spec.component_strengths)))
     return out
 
 
 def _normalise_adapters(specs: list[tuple[AdapterSpec, AdapterWeights]], load=load_adapter) -> list[tuple[Adapter, AdapterWeights]]:
     out: list[tuple[Adapter, AdapterWeights]] = []
     seen: Counter = Counter()
+    check_names(specs)
     for spec, weights in specs:
         # A shallow copy per use: the caller's object is never renamed, and one Adapter may be passed twice.
         adapter = copy.copy(load(spec.source))
@@ -112,10 +108,12 @@ def resolve_set(target, adapters, strength: float, cache=None) -> tuple[Plan, di
     """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen before."""
     specs = _specs(adapters, strength)
     items = _normalise_adapters(specs, cache.load if cache is not None else load_adapter)
+    components = cache.components if cache is not None else as_components(target)
+    fan = experts(components, {a.name: w for a, w in items})
     if cache is not None:
-        p = cache.resolve([(a, w.strength) for a, w in items], [s.source for s, _ in specs])
+        p = cache.resolve([(a, w.strength) for a, w in items], [s.source for s, _ in specs], fan)
     else:
-        p = resolve(as_components(target), [(a, w.strength) for a, w in items])
+        p = resolve(components, [(a, w.strength) for a, w in items], experts=fan)
     settings = {a.name: w for a, w in items}
     assign(p, settings)
     return p, settings
@@ -124,7 +122,7 @@ def resolve_set(target, adapters, strength: float, cache=None) -> tuple[Plan, di
 def adapter_summaries(plan: Plan) -> list[dict]:
     out = []
     for adapter in plan.adapters:
-        planned = [pp for pp in plan.planned if pp.adapter is adapter]
+        planned = [pp for pp in (*plan.planned, *plan.params) if pp.adapter is adapter]
         out.append(
             {
                 "name": adapter.name,
@@ -134,7 +132,7 @@ def adapter_summaries(plan: Plan) -> list[dict]:
                 "alpha_sources": dict(Counter(pp.alpha_source for pp in planned)),
                 "strength": plan.strengths[adapter.name],
                 "keys_total": adapter.keys_total,
-                "keys_applied": sum(len(pp.part.keys) for pp in planned),
+                "keys_applied": sum(len(part.keys) for part in {id(pp.part): pp.part for pp in planned}.values()),
             }
         )
     return out
@@ -220,9 +218,10 @@ def install(journal: Journal, p: Plan, wp: WorkPlan, mode: str, options: Options
     """Grow inputs, then install every layer; the caller holds a journal transaction (all or nothing)."""
     for comp, path, width, key in growth(p):  # control adapters: the wider input exists before they land
         grow_input(p.components.modules[comp], path, width, key, record=journal.record)
-    show = progress if progress is not None else (len(wp.work) > 200 and sys.stderr.isatty())
+    show = progress if progress is not None else (len(wp.work) > PROGRESS_LAYERS and on_terminal())
     applied = [install_layer(journal, item, mode, wp, options)
-               for item in tqdm(wp.work, desc="loraweave", disable=not show, unit="layer")]
+               for item in bar(wp.work, desc="loraweave apply", unit="layer", enabled=show)]
+    applied += [AppliedModule(**row) for row in apply_params(p.params, p.components.modules, mode, journal.record)]
     if options.undo == "none":  # a permanent fuse: the records kept this all-or-nothing until here
         for merged in journal.of(MergedModule):
             merged.fuse()

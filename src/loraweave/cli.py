@@ -1,22 +1,37 @@
-"""Command line: `loraweave demo | inspect | bake | convert | extract | resize` (the only place that prints)."""
+"""Command line: `loraweave demo | inspect | bake | convert | extract | resize` (the only place that prints).
+
+Every command shares one exit-code table (EXIT_STATUS, printed in each --help and in the README)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import tempfile
 from pathlib import Path
 
-from .errors import LoraweaveError
+from .cli_support import (
+    add_common,
+    configure_logging,
+    energy_arg,
+    exit_code,
+    limit_arg,
+    non_negative_arg,
+    progress_wanted,
+    rank_arg,
+    with_exit_status,
+)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="loraweave-demo-"))
-    res = run_demo(out_dir)
+    if args.out:
+        res = run_demo(Path(args.out))
+    else:  # sample files live only for the run: nothing is left behind in the temp folder
+        with tempfile.TemporaryDirectory(prefix="loraweave-demo-") as tmp:
+            res = run_demo(Path(tmp))
+        res["files"] = {k: f"{v} (temporary, removed; --out DIR keeps them)" for k, v in res["files"].items()}
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -51,7 +66,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     info = inspect_adapter(args.file, arch=args.arch, model=args.model, allow_pickle=args.allow_pickle,
                            text_encoders=not args.no_text_encoders, check_values=args.check_values)
     print(json.dumps(info, indent=2) if args.json else format_table(info, args.limit))
-    return 1 if args.strict and not info["coverage"]["complete"] else 0
+    cov = info["coverage"]
+    return 1 if args.strict and (not cov["complete"] or cov["keys_total"] == 0) else 0
 
 
 def _add_inspect(sub) -> None:
@@ -60,24 +76,23 @@ def _add_inspect(sub) -> None:
         description="Show an adapter's layout, families, ranks, alphas (and where they come from), dtypes, "
         "metadata and detected architecture with its evidence, then resolve every key against the architecture "
         "(full size on the meta device: no weights, no download) or a checkpoint, listing unmatched keys and why.",
-        epilog="exit status: 0; 1 with --strict when some key does not land; 2 on a read error. "
-        "JSON (--json) always has layout, families, architecture {name, evidence}, "
+        epilog="JSON (--json) always has layout, families, architecture {name, evidence}, "
         "coverage {keys_total, keys_applied, unmatched}.",
     )
     p.add_argument("file", help=".safetensors adapter file or PEFT directory")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--arch", help="resolve against this architecture instead of the detected one "
                        "(sd1, sd2, sdxl, sdxl-refiner, flux, flux-schnell, chroma, flux2, sd3, z-image, qwen-image, "
-                       "wan, hunyuan-video)")
+                       "wan, hunyuan-video, krea2)")
     where.add_argument("--model", help="resolve against a checkpoint: .safetensors file, diffusers component "
                        "folder (sharded or not) or pipeline folder; only tensor headers are read")
     p.add_argument("--no-text-encoders", action="store_true", help="with --arch: skip the text encoders")
     p.add_argument("--check-values", action="store_true", help="also read every factor and reject NaN/Inf "
                    "(default: names and shapes only, alphas read)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--strict", action="store_true", help="exit 1 when coverage is incomplete")
-    p.add_argument("--limit", type=int, default=20, help="unmatched keys listed in the table (default 20)")
-    p.add_argument("--allow-pickle", action="store_true", help="read .pt/.ckpt with torch.load(weights_only=True)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when coverage is incomplete (or the file is empty)")
+    p.add_argument("--limit", type=limit_arg, default=20, help="unmatched keys listed in the table (default 20)")
+    add_common(p, pickle=True)
     p.set_defaults(func=_cmd_inspect)
 
 
@@ -85,7 +100,8 @@ def _cmd_bake(args: argparse.Namespace) -> int:
     from .tools.bake import bake, parse_adapter_arg
 
     res = bake(args.model, [parse_adapter_arg(a) for a in args.lora], args.output, dtype=args.dtype,
-               strict=args.strict, overwrite=args.force, progress=not args.quiet and sys.stderr.isatty())
+               strict=args.strict, overwrite=args.force, progress=progress_wanted(args),
+               allow_empty=args.allow_empty, allow_pickle=args.allow_pickle)
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
         return 0
@@ -120,7 +136,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     from .tools.extract import extract
 
     res = extract(args.base, args.tuned, args.output, rank=args.rank, energy=args.energy, dtype=args.dtype,
-                  min_rel_diff=args.min_diff, overwrite=args.force)
+                  min_rel_diff=args.min_diff, overwrite=args.force, allow_empty=args.allow_empty,
+                  progress=progress_wanted(args))
     return _print_lowrank(res, args, "extracted")
 
 
@@ -128,19 +145,22 @@ def _cmd_resize(args: argparse.Namespace) -> int:
     from .tools.extract import resize
 
     res = resize(args.file, args.output, rank=args.rank, energy=args.energy, dtype=args.dtype, overwrite=args.force,
-                 arch=args.arch, model=args.model)
+                 arch=args.arch, model=args.model, allow_empty=args.allow_empty, progress=progress_wanted(args),
+                 allow_pickle=args.allow_pickle)
     return _print_lowrank(res, args, "resized")
 
 
-def _lowrank_options(p: argparse.ArgumentParser) -> None:
+def _lowrank_options(p: argparse.ArgumentParser, pickle: bool) -> None:
     p.add_argument("-o", "--output", required=True, help="output .safetensors file (written atomically)")
-    p.add_argument("--rank", type=int, help="rank per layer (the cap when --energy is also given)")
-    p.add_argument("--energy", type=float, help="per layer, the smallest rank keeping this share of Σσ² "
-                   "(e.g. 0.99)")
+    p.add_argument("--rank", type=rank_arg, help="rank per layer, an integer >= 1 (the cap when --energy is also "
+                   "given)")
+    p.add_argument("--energy", type=energy_arg, help="per layer, the smallest rank keeping this share of Σσ², in "
+                   "(0, 1] (e.g. 0.99)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="factor dtype (default: the input's)")
     p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
     p.add_argument("--json", action="store_true", help="print per-layer ranks and energies as JSON")
-    p.add_argument("--limit", type=int, default=10, help="lowest-energy layers to list (default 10)")
+    p.add_argument("--limit", type=limit_arg, default=10, help="lowest-energy layers to list (default 10)")
+    add_common(p, pickle=pickle, empty=True)
 
 
 def _add_lowrank(sub) -> None:
@@ -149,33 +169,39 @@ def _add_lowrank(sub) -> None:
         description="Extract a LoRA from TUNED - BASE, layer by layer (one difference in memory at a time): each "
         "weight's ΔW is truncated by SVD to --rank, or to the smallest rank keeping --energy of its energy Σσ². "
         "Reports the captured energy per layer (min / median); 1-D differences (norms, biases) are counted, not "
-        "written. Output keys use the checkpoint's own module names with alpha = rank (scale 1).",
+        "written. Output keys use the checkpoint's own module names: diffusers-named weights in diffusers' layout "
+        "(unet./transformer./text_encoder. + lora_A/lora_B, which its loader reads), original (ldm/BFL) names in "
+        "ComfyUI's (diffusion_model. + lora_down/lora_up, alpha = rank); scale 1 either way.",
     )
     p.add_argument("base", help="base checkpoint (.safetensors file, component or pipeline folder)")
     p.add_argument("tuned", help="fine-tuned checkpoint with the same tensor names")
-    p.add_argument("--min-diff", type=float, default=0.0, help="skip layers whose |ΔW|/|W| is below this")
-    _lowrank_options(p)
+    p.add_argument("--min-diff", type=non_negative_arg, default=0.0, help="skip layers whose |ΔW|/|W| is below "
+                   "this (>= 0)")
+    _lowrank_options(p, pickle=False)
     p.set_defaults(func=_cmd_extract)
     p = sub.add_parser(
         "resize", help="re-rank an adapter: LoRA/LoHa/LoKr/full -> LoRA of rank R",
         description="Rewrite every LoRA, LoHa, LoKr or full-diff part of an adapter as a LoRA of rank --rank (or "
         "the smallest rank keeping --energy of Σσ²), with its alpha/rank scale folded in and alpha = rank. LoRA "
         "parts are truncated through QR of the factors (ΔW is never formed); the others one ΔW at a time. Reports "
-        "captured energy per layer; families that need the base weight (OFT, DoRA, IA3, GLoRA) are refused.",
+        "captured energy per layer; families that need the base weight (OFT, DoRA, IA3, GLoRA) are refused. "
+        "Positional (cloneofsimo) files are named on the architecture they fit (or --arch) and written in the "
+        "diffusers layout.",
     )
     p.add_argument("file", help="adapter .safetensors file or PEFT folder")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--arch", help="architecture that gives conv kernel shapes flat-stored factors lack "
                        "(default: detected)")
     where.add_argument("--model", help="checkpoint that gives those shapes instead")
-    _lowrank_options(p)
+    _lowrank_options(p, pickle=True)
     p.set_defaults(func=_cmd_resize)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .tools.convert import convert
 
-    res = convert(args.file, args.to, args.output, arch=args.arch, model=args.model, overwrite=args.force)
+    res = convert(args.file, args.to, args.output, arch=args.arch, model=args.model, overwrite=args.force,
+                  allow_empty=args.allow_empty, progress=progress_wanted(args), allow_pickle=args.allow_pickle)
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
         return 0
@@ -205,6 +231,7 @@ def _add_convert(sub) -> None:
     p.add_argument("-o", "--output", required=True, help="output file (peft: output folder)")
     p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_common(p, pickle=True, empty=True)
     p.set_defaults(func=_cmd_convert)
 
 
@@ -216,46 +243,59 @@ def _add_tools(sub) -> None:
         "tensor names (no model is built); each tensor is read, merged (fp32 accumulation, one rounding, identical "
         "to apply(mode='merge')) and written alone, so memory stays near the largest tensor. The output is written "
         "to a temp path next to the target and renamed into place only when complete; it may not overwrite an input. "
-        "Every output file's metadata records the adapters, their sha256, strengths and the tool version.",
+        "Every output file's metadata records the adapters, their sha256, strengths and the tool version. "
+        "Strengths follow AdapterSpec's rule: finite, |s| <= 1e4. Positional (cloneofsimo) files are named on the "
+        "architecture they fit, by the resolver apply uses.",
     )
     p.add_argument("model", help="checkpoint: .safetensors file, component folder or pipeline folder")
     p.add_argument("lora", nargs="+", help="adapter file, optionally with a strength: FILE[:STRENGTH] (default 1.0)")
     p.add_argument("-o", "--output", required=True, help="output file (single-file input) or folder")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors of the output")
-    p.add_argument("--strict", action="store_true", help="write nothing unless every key lands")
+    p.add_argument("--strict", action="store_true", help="write nothing unless every key lands (else exit 1)")
     p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--limit", type=int, default=20, help="keys not applied to list (default 20)")
+    p.add_argument("--limit", type=limit_arg, default=20, help="keys not applied to list (default 20)")
+    add_common(p, pickle=True, empty=True)
     p.set_defaults(func=_cmd_bake)
     _add_convert(sub)
     _add_lowrank(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="loraweave",
         description="Apply LoRA/LyCORIS adapters to diffusion models: every key lands or is reported.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log key=value summaries at INFO")
+    parser.add_argument("--version", action="version", version=f"loraweave {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log key=value summaries at INFO (and the "
+                        "optional quantization packages' own warnings)")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the embedded demo (small seeded Z-Image model, sample LoRAs)")
-    demo.add_argument("--out", help="directory for the sample LoRA files (default: a new temp directory)")
+    demo.add_argument("--out", help="directory for the sample LoRA files (default: a temp directory, removed at "
+                      "the end)")
     demo.add_argument("--json", action="store_true", help="print the results as JSON")
     demo.set_defaults(func=_cmd_demo)
     _add_inspect(sub)
     _add_tools(sub)
+    with_exit_status(parser, sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s %(message)s")
+    restore = configure_logging(args.verbose)
     try:
         return args.func(args)
-    except (LoraweaveError, ValueError) as exc:  # bad input or a refusal: one line, no traceback
-        print(f"loraweave: error: {exc}", file=sys.stderr)
-        return 2
+    except SystemExit:
+        raise
+    except BaseException as exc:  # every failure: one line (a traceback only for bugs), the table's code
+        code, message = exit_code(exc, args)
+        print(f"loraweave: error: {message}", file=sys.stderr)
+        return code
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,13 @@ class AdapterFileError(LoraweaveError):
 
 
 class UnsafeFormatError(LoraweaveError):
-    """The file is a pickle (.pt/.ckpt/.bin) and the caller did not opt in to reading it."""
+    """The file is a pickle (.pt/.ckpt/.bin) and the caller did not opt in to reading it.
+
+    The opt-in is `load_adapter(path, allow_pickle=True)` (then pass the Adapter on); the CLI's `--allow-pickle`."""
+
+    def __init__(self, message: str, path=None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class AdapterFormatError(LoraweaveError):
@@ -29,6 +35,30 @@ class StrictApplyError(LoraweaveError):
     def __init__(self, message: str, report) -> None:
         super().__init__(message)
         self.report = report
+
+
+class ArgumentError(LoraweaveError, ValueError):
+    """An argument is out of range or of the wrong kind (strength, rank, energy, budget, adapter list)."""
+
+
+class NoKeysLandedError(LoraweaveError):
+    """Not one key of an adapter landed; nothing was changed. `.report` holds the full report.
+
+    Pass `allow_empty=True` to `apply` to get a handle (and a WARNING) instead."""
+
+    def __init__(self, message: str, report) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class EmptyOutputError(LoraweaveError):
+    """A tool would write an output with no effect (no key applied, no layer extracted); nothing was written.
+
+    `.result` holds what the tool found; the CLI's `--allow-empty` (the tools' `allow_empty=True`) writes it."""
+
+    def __init__(self, message: str, result=None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class NonFiniteResultError(LoraweaveError):

@@ -5,13 +5,19 @@ it and write it, under the model's lock."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
+
 from .applying import Options
 from .journal import Journal, model_lock
+from .mechanisms import merge as merge_mechanism
+from .mechanisms import quantized as quant_mechanism
 from .mechanisms.grow import GrownInput
 from .mechanisms.merge import MergedModule
+from .mechanisms.params import ParamPatch
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
-from .plan.resolve import Plan
+from .plan.resolve import Plan, PlannedPart
 from .plan.weights import AdapterWeights, part_strength
 from .report import Report
 from .spec import finite_strength
@@ -55,7 +61,10 @@ class Handle:
         return {"quantized": self.options.quantized, "host_rank": self.options.host_rank, "cache": self.options.cache}
 
     def lock(self):
-        """The model's lock: held by every change this handle makes (other threads wait)."""
+        """The model's lock: held by every change this handle makes (other threads wait); a removed handle no
+        longer knows the model (it holds only its report), so it has none."""
+        if self._plan is None:
+            return nullcontext()
         return model_lock(self._plan.components.modules.values())
 
     def check_undoable(self, names: set[str] | None = None) -> None:
@@ -78,18 +87,27 @@ class Handle:
             self.journal.undo()
             self._detached.clear()
             self.active = False
+        self._release()
+
+    def _release(self) -> None:
+        """Drop the plan (factors, model), settings, caches and options: a removed handle holds only its report."""
+        if self._plan is not None:
+            self._removed_strengths = dict(self._plan.strengths)
+        self._plan, self._settings, self._resolve_cache, self._select = None, {}, None, None
+        self._detached = {}
+        self.options = Options(mode=self.options.mode)
 
     def set_strength(self, name: str, value: float, te: float | None = None) -> None:
         """Change one adapter's strength (and, with `te`, its text-encoder strength; else text encoders keep
         theirs when it was set apart, or follow). Runtime: a scale update only. Merge: rewritten from the backup.
         Block weights stay."""
         with self.lock():
-            if name not in self._plan.strengths:
-                raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
             if not self.active:
                 raise RuntimeError("handle was removed")
-            value = finite_strength(float(value))
-            te = None if te is None else finite_strength(float(te))
+            if name not in self._plan.strengths:
+                raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
+            value = finite_strength(value)  # no float() first: "0.5" and True are refused, as AdapterSpec does
+            te = None if te is None else finite_strength(te)
             self.check_undoable({name})
             for merged in self._merged:  # fused (undo='none') or a changed source file: refused first
                 if name in merged.adapters:
@@ -107,12 +125,51 @@ class Handle:
     def _set_weights(self, name: str, strength: float, te: float | None) -> None:
         self._plan.strengths[name] = strength
         self._settings[name].strength, self._settings[name].te_strength = strength, te
-        for pp in self._plan.planned:
+        for pp in (*self._plan.planned, *self._plan.params):
             if pp.adapter.name == name:
                 pp.strength = part_strength(pp, self._settings[name])
         for entry in self.journal.entries:
             if name in getattr(entry, "adapters", ()):
                 _rewrite(entry)
+
+    @property
+    def planned(self) -> list[PlannedPart]:
+        """Every planned part (adapter part, component, pieces, strength): read it, change it via the setters."""
+        return self._plan.planned
+
+    def runtime_layers(self) -> dict[tuple[str, str], RuntimePath]:
+        """{(component, module path): runtime path}; `RuntimePath.set_gate` scales one adapter on one layer."""
+        modules = {id(m): (c, n) for c, root in self._plan.components for n, m in root.named_modules()}
+        return {modules[id(rp.module)]: rp for rp in self._runtime}
+
+    def set_part_strengths(self, strength_of: Callable[[PlannedPart], float]) -> None:
+        """Set each planned part's strength to `strength_of(part)` (a caller's own per-module rule, e.g. the
+        diffusers drop-in) and rewrite what reads it: runtime scales, merged layers from their backups."""
+        with self.lock():
+            if not self.active:
+                raise RuntimeError("handle was removed")
+            self.check_undoable()
+            for pp in self._plan.planned:
+                pp.strength = finite_strength(float(strength_of(pp)))
+            for entry in self.journal.entries:
+                _rewrite(entry)
+
+    def keep(self) -> None:
+        """Make the merges permanent (diffusers' unload after a fuse): backups are freed, runtime paths detached,
+        and the handle can no longer undo. Only the newest merge on each layer can be kept, and earlier merges
+        on those layers should be kept too: their undo restores backups taken before this delta."""
+        with self.lock():
+            if not self.active:
+                return
+            self.check_undoable()
+            for entry in self.journal.entries:
+                if isinstance(entry, RuntimePath):
+                    entry.undo()
+                for cls, attr in ((MergedModule, merge_mechanism.STACK_ATTR), (QuantWrite, quant_mechanism.STACK_ATTR)):
+                    if isinstance(entry, cls):
+                        getattr(entry.module, attr).remove(entry)
+            self.journal.forget(list(self.journal.entries))
+            self.active = False
 
     def select_schedule(self, total_steps: int, **kwargs: float):
         """For stack="klora"/"estlora": the per-layer subject->style schedule over `total_steps` sampling steps.
@@ -137,8 +194,7 @@ class Handle:
         choose(paths[layer_key], self._select[1], index)
 
     def _runtime_by_key(self) -> dict[str, RuntimePath]:
-        modules = {id(m): f"{c}.{n}" for c, root in self._plan.components for n, m in root.named_modules()}
-        return {modules[id(rp.module)]: rp for rp in self._runtime}
+        return {f"{c}.{n}": rp for (c, n), rp in self.runtime_layers().items()}
 
     def start_selection(self) -> None:
         """Select modes: remember the pair and start every shared layer on the subject (step 0 of any schedule);
@@ -167,7 +223,7 @@ class Handle:
 
     @property
     def strengths(self) -> dict[str, float]:
-        return dict(self._plan.strengths)
+        return dict(self._plan.strengths) if self._plan is not None else dict(self._removed_strengths)
 
     def __enter__(self) -> Handle:
         return self
@@ -185,6 +241,8 @@ def _rewrite(entry) -> None:
         entry.refresh_scales()
     elif isinstance(entry, MergedModule):
         entry.write()
+    elif isinstance(entry, ParamPatch):
+        entry.rewrite()
     elif isinstance(entry, QuantWrite):  # rewritten from the layer's original tensors: nothing compounds
         entry.write()
         if entry.entry is not None:

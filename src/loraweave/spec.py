@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .arguments import strength as check_strength
+
 
 @dataclass
 class AdapterSpec:
@@ -14,20 +16,31 @@ class AdapterSpec:
 
     `strength` scales the denoiser; `te_strength` the text encoders (None: same as `strength`).
     `block_weights` is anything `loraweave.arch.blocks.block_weights` accepts (scalar, vector, dict, preset
-    name); None means every block at 1. `name` is how reports and set_strength address it."""
+    name); None means every block at 1. `name` is how reports and set_strength address it.
+    `component_strengths` multiplies the strength per component, e.g. {"transformer": 1.0, "transformer_2": 0.5}
+    for Wan 2.2's two experts: the file's denoiser keys land on every denoiser named here (default: the
+    pipeline's one denoiser). Text encoders named here are scaled likewise."""
 
     source: str | os.PathLike | Any
     strength: float = 1.0
     te_strength: float | None = None
     block_weights: Any = None
     name: str | None = None
+    component_strengths: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         for label, value in (("strength", self.strength), ("te_strength", self.te_strength)):
             if value is None and label == "te_strength":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"AdapterSpec {label} must be a finite number, got {value!r}")
+            check_strength(value, f"AdapterSpec {label}")
+
+        if self.component_strengths is not None and not isinstance(self.component_strengths, dict):
+            raise ValueError(f"AdapterSpec component_strengths must be a dict, got {self.component_strengths!r}")
+        for component, value in (self.component_strengths or {}).items():
+            if not isinstance(component, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"AdapterSpec component_strengths must map component names to finite numbers, "
+                                 f"got {component!r}: {value!r}")
 
     @property
     def text_encoder_strength(self) -> float:
@@ -36,6 +49,5 @@ class AdapterSpec:
 
 
 def finite_strength(value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"strength must be a finite number, got {value}")
-    return value
+    """A strength by AdapterSpec's rule (finite, |s| <= 1e4, not a string or bool); ArgumentError otherwise."""
+    return check_strength(value)

@@ -15,6 +15,7 @@ import os
 import time
 
 from .applying import Options, finish_report, install, install_layer, notes_of, plan_layers, resolve_set
+from .coverage import warn_incomplete
 from .families.combined import CombinedFactors
 from .mechanisms.merge import MergedModule
 from .mechanisms.runtime import RuntimePath
@@ -128,6 +129,7 @@ def _start_over(handle, p: Plan, settings, options: Options, mode: str, wp, unma
 
 def _commit(handle, p: Plan, settings, options: Options, report, counts: dict[str, int]) -> None:
     handle._plan, handle._settings, handle.options, handle.report = p, settings, options, report
+    warn_incomplete(report)
     handle.start_selection()  # a select mode starts on the subject; any other mode drops the old selection
     handle.last_switch = counts
     log.info("loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
@@ -154,7 +156,9 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     for rec in handle._merged:  # fused (undo='none') or a changed source file: refused before anything changes
         rec.check_undo(rewrite=True)
     wp, unmatched = plan_layers(p, options, mode)
-    if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p):
+    # Parameter patches are not per-layer records either: start over, like grown inputs and quantized writes.
+    if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p) \
+            or handle._plan.params or p.params:
         return _start_over(handle, p, settings, options, mode, wp, unmatched, t0)
     journal = handle.journal
     old_runtime, old_merged = journal.by_module(RuntimePath), journal.by_module(MergedModule)

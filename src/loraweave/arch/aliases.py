@@ -7,14 +7,26 @@ import torch
 from ..formats.keys import underscore_form
 from .flux import CHROMA, FLUX
 from .flux2 import FLUX2
+from .flux3 import FLUX3
 from .hunyuan_video import HUNYUAN_VIDEO
 from .krea2 import KREA2
+from .ltx import LTX2, LTX2_CONNECTORS
+from .lumina2 import LUMINA2
 from .sd3 import SD3
-from .spec import ArchTable, Piece, expand_alias, out_rows
+from .spec import (
+    ArchTable,
+    Piece,
+    apply_renames,
+    expand_alias,
+    expand_param_alias,
+    expand_variant_only,
+    out_rows,
+)
 from .wan import WAN
 from .zimage import ZIMAGE
 
-ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2)
+ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2, LTX2, LTX2_CONNECTORS,
+                                      LUMINA2, FLUX3)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
@@ -53,6 +65,27 @@ def _original_names(
             rows = out_rows(modules[path]) if path in modules else None
             if rows is not None:
                 out[original] = (Piece(path, 0, 0, rows, True),)
+    return out
+
+
+def _bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[str, tuple[str, bool]]:
+    """Parameters that are not a module's weight/bias (modulation tables), by live and original name."""
+    live = {name: p for name, p in module.named_parameters()
+            if name.rpartition(".")[0] not in modules or name.rpartition(".")[2] not in ("weight", "bias")}
+    out: dict[str, tuple[str, bool]] = {name: (name, False) for name in live}
+    for table in ARCH_TABLES:
+        if cls in table.classes:
+            for alias in table.parameters:
+                out.update(expand_param_alias(alias, live))
+    return out
+
+
+def _variant_only(cls: str, every: dict[str, torch.nn.Module], exact: dict) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for table in ARCH_TABLES:
+        if cls in table.classes:
+            for entry in table.variant_only:
+                out.update({k: v for k, v in expand_variant_only(entry, every).items() if k not in exact})
     return out
 
 
@@ -127,6 +160,12 @@ class AliasTable:
                 for k, v in live if k.startswith(live_prefix) and file_prefix + k[len(live_prefix):] not in self.exact
             })
         self._positional: dict[tuple[str, ...], list[str]] = {}
+        tables = [t for t in ARCH_TABLES if cls in t.classes and (t.renames or t.prefix_renames)]
+        self.renames = (tuple(r for t in tables for r in t.renames), tuple(r for t in tables for r in t.prefix_renames))
+        self.params = _bare_parameters(module, cls, self.modules)
+        self.params.update({underscore_form(k): v for k, v in list(self.params.items()) if underscore_form(k) not in self.params})
+        self.absent = _variant_only(cls, every, self.exact)
+        self.absent.update({underscore_form(k): v for k, v in list(self.absent.items())})
         self.underscored: dict[str, tuple[Piece, ...] | str] = {}
         for name, pieces in self.exact.items():
             key = underscore_form(name)
@@ -135,6 +174,19 @@ class AliasTable:
                 self.underscored[key] = AMBIGUOUS
             else:
                 self.underscored[key] = pieces
+
+    def param(self, path: str) -> tuple[str, bool] | None:
+        """(live parameter path, reshape) for a bare parameter named `path` in any spelling; None when none."""
+        if path in self.exact:
+            return None
+        found = self.params.get(path) or self.params.get(underscore_form(path))
+        if found is None and any(self.renames):
+            found = self.params.get(apply_renames(path, *self.renames))
+        return found
+
+    def expected_absent(self, path: str) -> str | None:
+        """Why `path` names a module only a sibling variant of this architecture has; None when it does not."""
+        return self.absent.get(path) or self.absent.get(underscore_form(path))
 
     def positional(self, ancestor_classes: tuple[str, ...]) -> list[str]:
         """Linear layers in cloneofsimo's enumeration order: each ancestor of the named classes, then its Linears."""
@@ -152,4 +204,10 @@ class AliasTable:
         """Pieces for `path`, AMBIGUOUS when underscores cannot tell two modules apart, None when absent."""
         if path in self.exact:
             return self.exact[path]
-        return self.underscored.get(underscore_form(path))
+        found = self.underscored.get(underscore_form(path))
+        if found is None and any(self.renames):  # original names that differ by the converter's renames
+            renamed = apply_renames(path, *self.renames)
+            found = self.exact.get(renamed) or self.underscored.get(underscore_form(renamed))
+            if found is None:
+                found = self.underscored.get(apply_renames(underscore_form(path), *self.renames, sep="_"))
+        return found

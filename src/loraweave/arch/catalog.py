@@ -99,11 +99,13 @@ CATALOG: dict[str, ArchEntry] = {
                        qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
                        rope_theta=256.0, rope_axes_dim=[16, 56, 56]),
                   {"text_encoder_2": _CLIP_L}, "HunyuanVideo T2V config"),
+        ArchEntry("krea2", "transformer", "Krea2Transformer2DModel", {}, {}, "Krea2Transformer2DModel defaults"),
     )
 }
 # Names detection or users may give -> catalog name.
 ALIASES = {"unet": "sd1", "sd15": "sd1", "sd1.5": "sd1", "sd21": "sd2", "flux1": "flux", "flux-dev": "flux",
-           "zimage": "z-image", "sd3.5": "sd3", "hunyuan": "hunyuan-video", "qwen": "qwen-image"}
+           "zimage": "z-image", "sd3.5": "sd3", "hunyuan": "hunyuan-video", "qwen": "qwen-image",
+           "krea-2": "krea2", "krea": "krea2"}
 
 
 def canonical(name: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .spec import Alias, ArchTable, Rows
+from .spec import Alias, ArchTable, Rows, VariantOnly
 
 _D = "transformer_blocks.{i}"
 _S = "single_transformer_blocks.{i}"
@@ -57,6 +57,14 @@ FLUX = ArchTable(
     ),
     widened_inputs=("x_embedder",),
     growable_inputs=(("x_embedder", "in_channels"),),
+    variant_only=(
+        VariantOnly(
+            ("guidance_in.in_layer", "guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_1",
+             "time_text_embed.guidance_embedder.linear_2"),
+            "time_text_embed.timestep_embedder.linear_1",
+            "the guidance embedder exists only in guidance-distilled Flux (dev, Fill, Kontext); this one (schnell) has none",
+        ),
+    ),
 )
 
 

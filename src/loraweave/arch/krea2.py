@@ -2,14 +2,15 @@
 
 Source: diffusers `convert_krea2_transformer_checkpoint_to_diffusers` (and the LoRA converter's `standalone_map`).
 Every projection is a separate module on both sides (q/k/v are GQA-sized); the per-block modulation `mod.lin` and
-the final `last.modulation.lin` are bare parameters (`scale_shift_table`), not modules, so no alias can target them.
+the final `last.modulation.lin` are bare parameters (`scale_shift_table`), not modules: full-difference keys reach
+them through parameter aliases (the block table is stored flat, (6h,), and reshaped to (6, h) as the converter does).
 SimpleTuner/LyCORIS train a fused `attn.to_qkv` on the diffusers model: rows q | k | v with unequal (GQA) widths,
 which whole-module targets express directly.
 """
 
 from __future__ import annotations
 
-from .spec import Alias, ArchTable
+from .spec import Alias, ArchTable, ParamAlias
 
 _ATTN = {
     "wq": "to_q",
@@ -54,5 +55,9 @@ KREA2 = ArchTable(
         Alias("txtmlp.3", ("txt_in.linear_2",)),
         Alias("last.linear", ("final_layer.linear",)),
         Alias("last.norm", ("final_layer.norm",)),
+    ),
+    parameters=(
+        ParamAlias("blocks.{i}.mod.lin", "transformer_blocks.{i}.scale_shift_table", reshape=True),
+        ParamAlias("last.modulation.lin", "final_layer.scale_shift_table"),
     ),
 )

@@ -34,6 +34,30 @@ class Alias:
 
 
 @dataclass(frozen=True)
+class VariantOnly:
+    """Module names that exist only in some variants of an architecture (Wan 2.1 I2V's image cross-attention).
+
+    On a variant without them, keys for `names` are reported as expected absent, not as unknown modules. `anchor`
+    is a module every variant has; its `{i}` values are the blocks the names are registered for."""
+
+    names: tuple[str, ...]  # patterns with `{i}`, original and diffusers spellings
+    anchor: str
+    why: str
+
+
+@dataclass(frozen=True)
+class ParamAlias:
+    """An original name of a bare parameter (not a module weight) -> the live parameter `target` (`module.name`).
+
+    reshape: the original stores it with another shape of the same size, row-major (Krea2 flattens its (6, h)
+    modulation table), so a delta is reshaped to the live shape."""
+
+    source: str
+    target: str
+    reshape: bool = False
+
+
+@dataclass(frozen=True)
 class Piece:
     """Source rows [src_start, src_start+length) of a delta go to rows [dst_start, ...) of `module`."""
 
@@ -58,6 +82,14 @@ class ArchTable:
     # Inputs a control adapter may grow (BFL Canny/Depth: `img_in` 64 -> 128 columns): (module, config key that
     # records the input width). The module gets zero columns for the new channels before the adapter lands.
     growable_inputs: tuple[tuple[str, str], ...] = ()
+    # Modules only sibling variants have: their keys are expected absent on this one.
+    variant_only: tuple[VariantOnly, ...] = ()
+    # Original names of bare parameters (modulation tables): full-difference keys can patch them.
+    parameters: tuple[ParamAlias, ...] = ()
+    # Original names that differ from the live ones by the converter's substring renames, in its order:
+    # (original substring, live substring), and renames applied only at the start of a name.
+    renames: tuple[tuple[str, str], ...] = ()
+    prefix_renames: tuple[tuple[str, str], ...] = ()
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
@@ -123,3 +155,38 @@ def expand_alias(alias: Alias, modules: dict[str, torch.nn.Module]) -> dict[str,
         if pieces:
             out[alias.source.replace("{i}", i) if i is not None else alias.source] = tuple(pieces)
     return out
+
+
+def expand_variant_only(entry: VariantOnly, modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """{name: why} for every name of `entry` at every block the live anchor has."""
+    anchor = _pattern_regex(entry.anchor)
+    indices = {m["i"] if "i" in anchor.groupindex else None for name in modules if (m := anchor.match(name))}
+    return {n.replace("{i}", i) if i is not None else n: entry.why for i in indices for n in entry.names}
+
+
+def expand_param_alias(alias: ParamAlias, params: dict[str, torch.Tensor]) -> dict[str, tuple[str, bool]]:
+    """{original name: (live parameter path, reshape)} for every block the live model has."""
+    target = _pattern_regex(alias.target)
+    out = {}
+    for name in params:
+        m = target.match(name)
+        if m:
+            i = m["i"] if "i" in target.groupindex else None
+            out[alias.source.replace("{i}", i) if i is not None else alias.source] = (name, alias.reshape)
+    return out
+
+
+def apply_renames(path: str, renames: tuple[tuple[str, str], ...], prefix_renames: tuple[tuple[str, str], ...],
+                  sep: str = ".") -> str:
+    """An original module path -> the live one by a converter's rename rules (sep "_": kohya-flattened paths).
+
+    Converters rename whole keys, so a rule may end in the separator that follows the module path: it is added."""
+    path += sep
+    for old, new in renames:
+        path = path.replace(old.replace(".", sep), new.replace(".", sep))
+    for old, new in prefix_renames:
+        old, new = old.replace(".", sep), new.replace(".", sep)
+        if path.startswith(old):
+            path = new + path[len(old):]
+            break
+    return path[: -len(sep)]

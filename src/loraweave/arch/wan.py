@@ -2,30 +2,42 @@
 
 from __future__ import annotations
 
-from .spec import Alias, ArchTable
+from .spec import Alias, ArchTable, ParamAlias, VariantOnly
 
 _B = "blocks.{i}"
 
 
-def _attn(src: str, dst: str) -> tuple[Alias, ...]:
+def _attn(block: str, src: str, dst: str) -> tuple[Alias, ...]:
     names = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0", "norm_q": "norm_q", "norm_k": "norm_k"}
-    return tuple(Alias(f"{_B}.{src}.{a}", (f"{_B}.{dst}.{b}",)) for a, b in names.items())
+    return tuple(Alias(f"{block}.{src}.{a}", (f"{block}.{dst}.{b}",)) for a, b in names.items())
 
+
+def _block(b: str) -> tuple[Alias, ...]:
+    return (
+        *_attn(b, "self_attn", "attn1"),
+        *_attn(b, "cross_attn", "attn2"),
+        Alias(f"{b}.ffn.0", (f"{b}.ffn.net.0.proj",)),
+        Alias(f"{b}.ffn.2", (f"{b}.ffn.net.2",)),
+        # Wan's norm3 (before cross-attention, affine) is diffusers' norm2; Wan's norm2 has no weights.
+        Alias(f"{b}.norm3", (f"{b}.norm2",)),
+    )
+
+
+_V = "vace_blocks.{i}"
 
 WAN = ArchTable(
     name="wan",
-    classes=("WanTransformer3DModel",),
+    classes=("WanTransformer3DModel", "WanVACETransformer3DModel"),
     aliases=(
-        *_attn("self_attn", "attn1"),
-        *_attn("cross_attn", "attn2"),
+        *_block(_B),
         # I2V only: on a T2V model these targets do not exist and the keys are reported as such.
         Alias(f"{_B}.cross_attn.k_img", (f"{_B}.attn2.add_k_proj",)),
         Alias(f"{_B}.cross_attn.v_img", (f"{_B}.attn2.add_v_proj",)),
         Alias(f"{_B}.cross_attn.norm_k_img", (f"{_B}.attn2.norm_added_k",)),
-        Alias(f"{_B}.ffn.0", (f"{_B}.ffn.net.0.proj",)),
-        Alias(f"{_B}.ffn.2", (f"{_B}.ffn.net.2",)),
-        # Wan's norm3 (before cross-attention, affine) is diffusers' norm2; Wan's norm2 has no weights.
-        Alias(f"{_B}.norm3", (f"{_B}.norm2",)),
+        # VACE: control blocks with the same layout plus their in/out projections (the converter's renames).
+        *_block(_V),
+        Alias(f"{_V}.before_proj", (f"{_V}.proj_in",)),
+        Alias(f"{_V}.after_proj", (f"{_V}.proj_out",)),
         Alias("time_embedding.0", ("condition_embedder.time_embedder.linear_1",)),
         Alias("time_embedding.2", ("condition_embedder.time_embedder.linear_2",)),
         Alias("text_embedding.0", ("condition_embedder.text_embedder.linear_1",)),
@@ -36,5 +48,25 @@ WAN = ArchTable(
         Alias("img_emb.proj.3", ("condition_embedder.image_embedder.ff.net.2",)),
         Alias("img_emb.proj.4", ("condition_embedder.image_embedder.norm2",)),
         Alias("head.head", ("proj_out",)),
+    ),
+    # convert_wan_transformer_to_diffusers: `modulation` -> `scale_shift_table`, same (1, 6|2, dim) layout.
+    parameters=(
+        ParamAlias(f"{_B}.modulation", f"{_B}.scale_shift_table"),
+        ParamAlias("head.modulation", "scale_shift_table"),
+        ParamAlias(f"{_V}.modulation", f"{_V}.scale_shift_table"),
+    ),
+    variant_only=(
+        VariantOnly(
+            tuple(f"{_B}.{n}" for n in ("cross_attn.k_img", "cross_attn.v_img", "cross_attn.norm_k_img",
+                                        "attn2.add_k_proj", "attn2.add_v_proj", "attn2.norm_added_k")),
+            f"{_B}.attn2.to_k",
+            "image cross-attention exists only in Wan 2.1 I2V/FLF2V; this variant (T2V, or Wan 2.2) has none",
+        ),
+        VariantOnly(
+            (*(f"img_emb.proj.{n}" for n in (0, 1, 3, 4)),
+             *(f"condition_embedder.image_embedder.{n}" for n in ("norm1", "ff.net.0.proj", "ff.net.2", "norm2"))),
+            "condition_embedder.time_embedder.linear_1",
+            "the CLIP image embedder exists only in Wan 2.1 I2V/FLF2V; this variant (T2V, or Wan 2.2) has none",
+        ),
     ),
 )

@@ -21,7 +21,7 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 GENERIC_ROLES = ("alpha", "scale", "reshape")
 # When one stem carries keys of several families, the first listed here names the part.
 FAMILY_PRECEDENCE = (
-    "dora", "boft", "oft", "glora", "ia3", "tlora", "set", "sparse_bias", "loha", "lokr", "norm",
+    "dora", "boft", "oft", "glora", "ia3", "tlora", "standin", "set", "sparse_bias", "loha", "lokr", "norm",
     "lora", "full",
 )
 
@@ -95,7 +95,8 @@ def _open_source(path: Path, allow_pickle: bool):
 
         return _DictSource(load_pickle_state_dict(path, allow_pickle=allow_pickle)), {}
     if path.suffix.lower() != ".safetensors":
-        raise UnsafeFormatError(f"{path}: only .safetensors adapters are read (pickles only with allow_pickle=True)")
+        raise UnsafeFormatError(f"{path}: only .safetensors adapters are read (pickles .pt/.ckpt/.bin/.pth only with "
+                                "loraweave.load_adapter(path, allow_pickle=True))", path=path)
     from ..io.safetensors_file import SafetensorsFile
 
     sf = SafetensorsFile(path)

@@ -26,6 +26,8 @@ _PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("text_encoder.", "text_encoder", "diffusers"),
     ("text_encoder_2.", "text_encoder_2", "diffusers"),
     ("text_encoder_3.", "text_encoder_3", "diffusers"),
+    ("connectors.", "connectors", "diffusers"),  # LTX-2 text connectors
+    ("text_embedding_projection.", "connectors", "comfyui"),  # LTX-2 original name of the connectors
 )
 _PREFIXES_BY_LENGTH = sorted(_PREFIXES, key=lambda p: -len(p[0]))
 
@@ -49,6 +51,7 @@ _SUFFIXES: tuple[tuple[str, str, str | None, str | None], ...] = (
     (r"\.scale", "lora", "scale", None),
     (r"\.diff", "full", "diff", None),
     (r"\.diff_b", "full", "diff_b", None),
+    (r"\.diff_m", "full", "diff_m", None),  # lightx2v Wan: delta of the module's `modulation` parameter
     (r"\.dora_scale", "dora", "dora_scale", None),
     (r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?", "dora", "dora_scale", "peft"),
     (r"\.hada_(?:w[12]_[ab]|t[12])", "loha", None, None),
@@ -69,6 +72,15 @@ _SUFFIX_RE = [(re.compile(rf"^(?P<stem>.+?)(?P<suffix>{rx})$"), fam, role, hint)
 
 # Old diffusers attention processors: `attn1.processor.to_out_lora.down.weight` names the module `attn1.to_out.0`.
 _PROCESSOR_RE = re.compile(r"^(?P<stem>.+)\.processor\.(?P<proj>to_q|to_k|to_v|to_out)_lora\.(?P<role>down|up)\.weight$")
+# XLabs Flux: attention-processor LoRAs named by block; lora1 is the image stream, lora2 the text stream (diffusers'
+# `_convert_xlabs_flux_lora_to_diffusers`). The stem becomes the BFL module name the Flux table knows.
+_XLABS_RE = re.compile(r"^(?P<block>(?:.*\.)?(?P<kind>double|single)_blocks\.\d+)\.processor\."
+                       r"(?P<proj>qkv|proj)_lora(?P<n>[12]?)\.(?P<role>down|up)\.weight$")
+_XLABS_NAMES = {("double", "qkv", "1"): "img_attn.qkv", ("double", "qkv", "2"): "txt_attn.qkv",
+                ("double", "proj", "1"): "img_attn.proj", ("double", "proj", "2"): "txt_attn.proj",
+                ("single", "qkv", ""): "linear1_qkv", ("single", "proj", ""): "linear2"}
+# Wan Stand-In (WeChatCV): identity LoRAs on self-attention q/k/v, `blocks.N.self_attn.q_loras.down.weight`.
+_STANDIN_RE = re.compile(r"^(?P<stem>.+\.self_attn\.[qkv])_loras\.(?P<role>down|up)\.weight$")
 # cloneofsimo lora_diffusion: `unet:<i>:down`, i = enumeration order of the trainer's injected Linear layers.
 _CLONEOFSIMO_RE = re.compile(r"^(?P<stem>(?:unet|text_encoder):\d+):(?P<role>down|up)$")
 CLONEOFSIMO_STEM_RE = re.compile(r"^(?P<component>unet|text_encoder):(?P<index>\d+)$")
@@ -88,6 +100,12 @@ def parse_key(key: str) -> ParsedKey | str:
     m = _CLONEOFSIMO_RE.match(key)
     if m:
         return ParsedKey(key, m["stem"], "lora", m["role"], "cloneofsimo")
+    m = _STANDIN_RE.match(key)
+    if m:
+        return ParsedKey(key, m["stem"], "standin", m["role"], "stand-in")
+    m = _XLABS_RE.match(key)
+    if m and (m["kind"], m["proj"], m["n"]) in _XLABS_NAMES:
+        return ParsedKey(key, f"{m['block']}.{_XLABS_NAMES[m['kind'], m['proj'], m['n']]}", "lora", m["role"], "xlabs")
     m = _PROCESSOR_RE.match(key)
     if m:
         proj = "to_out.0" if m["proj"] == "to_out" else m["proj"]
@@ -117,6 +135,8 @@ def split_stem(stem: str) -> StemTarget:
         component = DENOISER if m["component"] == "unet" else "text_encoder"
         return StemTarget(component, stem, "cloneofsimo", True)
     stem = stem.replace("base_model.model.", "", 1) if "base_model.model." in stem else stem
+    # ComfyUI's PEFT form names the parameter: `<module>.weight.lora_B.default.weight`.
+    stem = stem.removesuffix(".weight")
     for prefix, component, layout in _PREFIXES_BY_LENGTH:
         if stem.startswith(prefix):
             return StemTarget(component, stem[len(prefix) :], layout, True)

@@ -13,14 +13,20 @@ from ..families import family_for
 from ..families.base import Family, PartRejected
 from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
-from ..formats.keys import CLONEOFSIMO_STEM_RE
+from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
 from ..formats.metadata import cloneofsimo_classes
 from ..miss import Miss, Unmatched
+from .params import PlannedParam, param_target, plan_param
 from .target import Components
 
 # Families a part may carry besides its own: DoRA wraps one inner family; `rescale` is filed under OFT.
 ALLOWED_EXTRAS = {"dora": {"lora", "loha", "lokr"}, "boft": {"oft"}}
-NOT_PORTABLE = {"tlora": "its base comes from an SVD initialisation that is never saved"}
+NOT_PORTABLE = {
+    "tlora": "its base comes from an SVD initialisation that is never saved",
+    # Stand-In's pipeline appends reference-image tokens and runs these LoRAs on those tokens only.
+    "standin": "Stand-In LoRAs act only on the reference-image tokens its own pipeline appends; on every token "
+               "they would change the whole video",
+}
 
 
 @dataclass
@@ -46,6 +52,7 @@ class Plan:
     strengths: dict[str, float]
     planned: list[PlannedPart] = field(default_factory=list)
     unmatched: list[Unmatched] = field(default_factory=list)
+    params: list[PlannedParam] = field(default_factory=list)  # patches of bare parameters (plan/params.py)
 
 
 def _scalar(tensor: torch.Tensor, key: str) -> float | None:
@@ -96,10 +103,17 @@ def _growth(family: Family, factors, shape: tuple[int, ...], width: int | None, 
     return width if family.fit(factors, (shape[0], width))[1] is None else None
 
 
-def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float) -> PlannedPart:
+def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable,
+               strength: float) -> PlannedPart | PlannedParam:
+    param = param_target(part, table)
+    if param is not None:
+        return plan_param(adapter, part, comp_name, table, param, strength)
     found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path)
     where = f"{comp_name}.{part.path}"
     if found is None:
+        why = table.expected_absent(part.path)
+        if why is not None:  # a module only a sibling variant has: not a failure
+            raise PartRejected("expected_absent", f"expected absent: {where} ({why})")
         raise PartRejected("no_such_module", f"no such module: {where}")
     if found == AMBIGUOUS:
         raise PartRejected("ambiguous_module", f"ambiguous module name: {where} matches several modules once '.' is written '_'")
@@ -176,37 +190,46 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     return PlannedPart(adapter, part, family, comp_name, found, factors, scale, source, strength, notes, grow)
 
 
+def _plan_with_fallback(adapter: Adapter, part: AdapterPart, comp_name: str, components: Components,
+                        tables: dict[str, AliasTable], strength: float) -> PlannedPart | PlannedParam:
+    try:
+        return _plan_part(adapter, part, comp_name, tables[comp_name], strength)
+    except PartRejected as first:
+        # A bare key names no component: try the others before giving up.
+        others = [n for n in components.modules if n != comp_name] if not part.explicit_component else []
+        for other in others:
+            try:
+                return _plan_part(adapter, part, other, tables[other], strength)
+            except PartRejected:
+                continue
+        raise first from None
+
+
 def resolve(components: Components, adapters: list[tuple[Adapter, float]],
-            tables: dict[str, AliasTable] | None = None) -> Plan:
-    """Plan every part of every adapter; `tables` reuses alias tables built for these components before."""
+            tables: dict[str, AliasTable] | None = None,
+            experts: dict[str, tuple[str, ...]] | None = None) -> Plan:
+    """Plan every part of every adapter; `tables` reuses alias tables built for these components before.
+
+    `experts`: adapter name -> the denoiser components its denoiser keys land on, each (Wan 2.2's `transformer`
+    and `transformer_2` take one file); default: the pipeline's denoiser only."""
     plan = Plan(components, [a for a, _ in adapters], {a.name: s for a, s in adapters})
     tables = tables if tables is not None else {name: AliasTable(module) for name, module in components}
     for adapter, strength in adapters:
         for item in adapter.unparsed:
             plan.unmatched.append(Unmatched(adapter.name, item["key"], Miss("not_parsed", f"not parsed: {item['reason']}")))
+        fan = (experts or {}).get(adapter.name)
         for part in adapter.parts:
-            comp_name = components.resolve_name(part.component)
-            try:
-                if comp_name is None:
-                    raise PartRejected(
-                        "no_such_component", f"no such component: {part.component} (target has {', '.join(components.modules)})"
-                    )
+            names = fan if fan and part.component == DENOISER else (components.resolve_name(part.component),)
+            for comp_name in names:
                 try:
-                    planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
-                except PartRejected as first:
-                    # A bare key names no component: try the others before giving up.
-                    others = [n for n in components.modules if n != comp_name] if not part.explicit_component else []
-                    planned = None
-                    for other in others:
-                        try:
-                            planned = _plan_part(adapter, part, other, tables[other], strength)
-                            break
-                        except PartRejected:
-                            continue
-                    if planned is None:
-                        raise first from None
-                plan.planned.append(planned)
-            except PartRejected as rejected:
-                for key in part.keys:
-                    plan.unmatched.append(Unmatched(adapter.name, key, rejected.miss))
+                    if comp_name is None:
+                        raise PartRejected("no_such_component", f"no such component: {part.component} "
+                                                                f"(target has {', '.join(components.modules)})")
+                    if fan and part.component == DENOISER:  # each expert gets the part, none is a fallback
+                        planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
+                    else:
+                        planned = _plan_with_fallback(adapter, part, comp_name, components, tables, strength)
+                    (plan.params if isinstance(planned, PlannedParam) else plan.planned).append(planned)
+                except PartRejected as rejected:
+                    plan.unmatched += [Unmatched(adapter.name, key, rejected.miss) for key in part.keys]
     return plan

@@ -10,7 +10,7 @@ from ..errors import TargetError
 from ..formats.keys import DENOISER
 
 _DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2")
-_COMPONENT_NAMES = (*_DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3")
+_COMPONENT_NAMES = (*_DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3", "connectors")
 # A component a file names but the target lacks -> (component to use instead, required class-name fragment).
 COMPONENT_FALLBACKS: dict[str, tuple[tuple[str, str], ...]] = {"text_encoder_3": (("text_encoder_2", "T5"),)}
 
@@ -61,3 +61,20 @@ def as_components(target) -> Components:
         return Components(found)
     raise TargetError(f"cannot apply adapters to a {type(target).__name__}: pass a torch module, a mapping of "
                       "component name -> module, or a diffusers pipeline")
+
+
+def experts(components: Components, weights: Mapping[str, object]) -> dict[str, tuple[str, ...]]:
+    """Adapter name -> denoiser components its denoiser keys land on, from each adapter's `component_strengths`.
+
+    Every component named there must exist in the target (a typo must not silently apply nothing)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name, w in weights.items():
+        named = getattr(w, "component_strengths", None) or {}
+        missing = sorted(set(named) - set(components.modules))
+        if missing:
+            raise TargetError(f"component_strengths of {name!r} names {missing}; the target has "
+                              f"{sorted(components.modules)}")
+        denoisers = tuple(c for c in named if c in _DENOISER_NAMES)
+        if denoisers:
+            out[name] = denoisers
+    return out

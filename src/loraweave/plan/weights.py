@@ -17,6 +17,7 @@ class AdapterWeights:
     strength: float
     te_strength: float | None = None  # None: text encoders follow `strength`
     block_weights: Any = None  # scalar, vector, slot dict or preset name; None: every block at 1
+    component_strengths: dict[str, float] | None = None  # component -> factor (Wan 2.2 experts); absent: 1
 
 
 def is_text_encoder(component: str) -> bool:
@@ -25,7 +26,8 @@ def is_text_encoder(component: str) -> bool:
 
 def part_strength(pp: PlannedPart, weights: AdapterWeights) -> float:
     te = is_text_encoder(pp.component) and weights.te_strength is not None
-    return (weights.te_strength if te else weights.strength) * pp.block_weight
+    component = (weights.component_strengths or {}).get(pp.component, 1.0)
+    return (weights.te_strength if te else weights.strength) * pp.block_weight * component
 
 
 def assign(plan: Plan, settings: dict[str, AdapterWeights]) -> None:
@@ -33,7 +35,7 @@ def assign(plan: Plan, settings: dict[str, AdapterWeights]) -> None:
 
     A block-weight value that fits nothing raises ValueError listing what would fit."""
     tables: dict[tuple[str, str], dict[str, float | None]] = {}
-    for pp in plan.planned:
+    for pp in (*plan.planned, *plan.params):
         w = settings[pp.adapter.name]
         pp.block_weight = 1.0
         if w.block_weights is not None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..arguments import byte_size
 from .handle import STREAMED_ATTR, StreamHandle
 from .ledger import BudgetExceeded, Ledger
 from .planner import BudgetTooSmall, StreamPlan, check_placement, find_blocks, plan_residency
@@ -38,7 +39,8 @@ def stream(
 ) -> StreamHandle:
     """Run `model` (inference) with its repeated blocks streamed from `storage` through device slots.
 
-    budget: "auto" (free device memory at each forward, minus `margin`) or bytes the streamer may hold on the
+    budget: "auto" (free device memory at each forward, minus `margin`) or bytes (an int, or a size string such as
+      "24GB" = 24·10⁹ or "20GiB" = 20·2³⁰) the streamer may hold on the
       device (clamped at each forward to what is free then). The plan keeps the rest of the model, adapter factors
       and a resident prefix of blocks on the device, and streams the other blocks through two slots (the block
       computing and the next one, prefetched on a side stream on CUDA).
@@ -67,15 +69,11 @@ def stream(
     store = torch.device(storage)
     if store.type == "cuda" and store.index is None:
         store = torch.device("cuda", torch.cuda.current_device())
-    if budget == "auto":
-        requested = None
-    elif isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-        requested = budget
-    else:
-        raise ValueError(f"budget must be 'auto' or a positive int of bytes, got {budget!r}")
+    requested = None if budget == "auto" else byte_size(budget, "budget")  # bytes, or "24GB", "512MiB"
     check_placement(placement)  # before anything is copied or pinned
     if margin is None:
         margin = AUTO_MARGIN if dev.type == "cuda" else 0
+    margin = byte_size(margin, "margin", allow_zero=True)
     if any(getattr(m, STREAMED_ATTR, False) for m in model.modules()):
         raise ValueError("model is already streamed; close() its StreamHandle first")
     if blocks is None:

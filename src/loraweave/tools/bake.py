@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -21,7 +22,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..adapter_list import warn_repeated
+from ..arguments import strength as check_strength
 from ..contribution import add_contribution, bias_of, coefficient
+from ..coverage import miss_kind
+from ..errors import ArgumentError, EmptyOutputError
 from ..formats.adapter import load_adapter
 from ..io.safetensors_file import read_safetensors_header
 from ..io.write import StreamingWriter, atomic_path, check_output
@@ -30,6 +35,7 @@ from ..miss import Miss, Unmatched
 from ..plan.resolve import Plan, resolve
 from ..plan.target import Components
 from .checkpoint import Checkpoint, open_checkpoint, resolution_components
+from .positional import name_positional
 from .remap import translate
 
 log = logging.getLogger("loraweave")
@@ -65,21 +71,25 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def parse_adapter_arg(spec: str) -> tuple[str, float]:
-    """`FILE[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':' elsewhere)."""
+    """`FILE[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':' elsewhere). The strength
+    follows AdapterSpec's rule (finite, |s| <= 1e4): `:nan`, `:inf`, `:1e400` are refused."""
     head, sep, tail = spec.rpartition(":")
     if sep and head:
         try:
-            return head, float(tail)
+            value = float(tail)
         except ValueError:
-            pass
+            return spec, 1.0
+        if not math.isfinite(value):  # float() overflows '1e400' to inf: name the text the user wrote
+            raise ArgumentError(f"strength of {head} must be a finite number, got {tail!r}")
+        return head, check_strength(value, f"strength of {head}")
     return spec, 1.0
 
 
-def _plan(ckpt: Checkpoint, adapters: list[tuple[str, float]]) -> tuple[Plan, dict[str, dict]]:
+def _plan(ckpt: Checkpoint, adapters: list[tuple[str, float]], allow_pickle: bool = False) -> tuple[Plan, dict[str, dict]]:
     loaded = []
     seen: Counter = Counter()
     for path, strength in adapters:
-        adapter = copy.copy(load_adapter(path))
+        adapter = name_positional(copy.copy(load_adapter(path, allow_pickle=allow_pickle)))
         seen[adapter.name] += 1
         if seen[adapter.name] > 1:
             adapter.name = f"{adapter.name}#{seen[adapter.name]}"
@@ -126,6 +136,11 @@ def _tensor_plan(ckpt: Checkpoint, plan: Plan, spans: dict[str, dict]) -> dict[s
             if any(bias_of(pp, pc) is not None for pp, pc in kept):
                 out[f"{prefix[comp]}{module}.bias"] = ("bias", kept)
     return out
+
+
+def _reasons(unmatched: list) -> str:
+    kinds = Counter(miss_kind(u) for u in unmatched).most_common(3)
+    return ", ".join(f"{n} x {k}" for k, n in kinds) or "no keys"
 
 
 def merged_weight(weight: torch.Tensor, contribs: list[Contribution], out_dtype: torch.dtype) -> torch.Tensor:
@@ -203,8 +218,10 @@ def _index_with_sizes(index_file: Path, dst: Path, shard_sizes: dict[str, int], 
 
 def bake(model: str | os.PathLike, adapters: list[tuple[str, float]], output: str | os.PathLike,
          dtype: str | torch.dtype | None = None, strict: bool = False, overwrite: bool = False,
-         progress: bool = False) -> BakeResult:
-    """Merge `adapters` [(path, strength)] into the checkpoint at `model`, writing `output` atomically."""
+         progress: bool = False, allow_empty: bool = False, allow_pickle: bool = False) -> BakeResult:
+    """Merge `adapters` [(path, strength)] into the checkpoint at `model`, writing `output` atomically.
+
+    Refuses (EmptyOutputError, nothing written) when no tensor would change, unless `allow_empty`."""
     from .. import __version__
 
     t0 = time.perf_counter()
@@ -212,10 +229,12 @@ def bake(model: str | os.PathLike, adapters: list[tuple[str, float]], output: st
         if dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
+    adapters = [(a, check_strength(s, f"strength of {a}")) for a, s in adapters]
+    warn_repeated(adapters)
     ckpt = open_checkpoint(model)
     out = check_output(output, [model, *(a for a, _ in adapters)], overwrite=overwrite)
     try:
-        plan, spans = _plan(ckpt, adapters)
+        plan, spans = _plan(ckpt, adapters, allow_pickle)
         work = _tensor_plan(ckpt, plan, spans)
     finally:
         ckpt.close()
@@ -227,6 +246,10 @@ def bake(model: str | os.PathLike, adapters: list[tuple[str, float]], output: st
         from ..errors import StrictApplyError
 
         raise StrictApplyError(f"strict: {len(result.unmatched)} keys would not land; nothing written", None)
+    if not work and not allow_empty:
+        raise EmptyOutputError(f"no key of the adapters lands on {model} ({result.keys_applied}/{result.keys_total} "
+                               f"keys; {_reasons(result.unmatched)}): the output would be an unchanged copy; nothing "
+                               "written (--allow-empty writes it anyway)", result)
     for adapter, (path, strength) in zip(plan.adapters, adapters, strict=True):
         result.adapters.append({"file": Path(path).name, "sha256": file_sha256(adapter.path) if adapter.path else None,
                                 "strength": strength, "keys_total": adapter.keys_total,

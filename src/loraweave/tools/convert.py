@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LoraweaveError
+from ..errors import EmptyOutputError, LoraweaveError
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
 from ..io.write import check_output, save_file
 from ..plan.resolve import PlannedPart, resolve
 from ..plan.target import Components, as_components
+from ..progress import bar
 from .remap import Spans, original_spans
 
 log = logging.getLogger("loraweave")
@@ -190,13 +191,19 @@ def _target_components(adapter: Adapter, target, arch: str | None, model: str | 
 
 
 def convert(path, to: str, output: str | os.PathLike, target=None, arch: str | None = None,
-            model: str | None = None, overwrite: bool = False) -> ConvertResult:
-    """Write the adapter at `path` in layout `to`; `target` (module / mapping) overrides `arch` / `model`."""
+            model: str | None = None, overwrite: bool = False, allow_empty: bool = False,
+            progress: bool = False, allow_pickle: bool = False) -> ConvertResult:
+    """Write the adapter at `path` in layout `to`; `target` (module / mapping) overrides `arch` / `model`.
+
+    An adapter with no key is refused (EmptyOutputError, nothing written) unless `allow_empty`."""
     if to not in LAYOUTS:
         raise ValueError(f"--to must be one of {LAYOUTS}")
     inputs = [path] if isinstance(path, (str, os.PathLike)) else []
     out = check_output(output, inputs, overwrite=overwrite)
-    adapter = load_adapter(path)
+    adapter = load_adapter(path, allow_pickle=allow_pickle)
+    if not adapter.keys_total and not allow_empty:
+        raise EmptyOutputError(f"{path}: the adapter holds no key; the output would be empty; nothing written "
+                               "(--allow-empty writes it anyway)")
     components = _target_components(adapter, target, arch, model)
     plan = resolve(components, [(adapter, 1.0)])
     if plan.unmatched:
@@ -212,7 +219,9 @@ def convert(path, to: str, output: str | os.PathLike, target=None, arch: str | N
     result = ConvertResult(out, to, keys_in=adapter.keys_total)
     tensors: dict[str, torch.Tensor] = {}
     patterns: dict[str, dict] = {}
-    for (comp, name), (rows, pieces) in _regroup(plan, to).items():
+    groups = _regroup(plan, to)
+    for (comp, name), (rows, pieces) in bar(groups.items(), total=len(groups), desc="convert", unit="module",
+                                            enabled=progress):
         down, up, alpha = _assemble(rows, pieces, result)
         denoiser = comp == components.denoiser_name
         stem = _stem(to, comp, name, denoiser, components)

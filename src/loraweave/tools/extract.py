@@ -17,14 +17,19 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import fraction, non_negative, positive_int
+from ..errors import ArgumentError, EmptyOutputError
 from ..families import FAMILIES
 from ..families.base import PartRejected
 from ..formats.adapter import load_adapter
 from ..formats.alpha import resolve_scale
+from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
 from ..io.safetensors_file import read_safetensors_header
 from ..io.write import check_output, save_file
+from ..progress import bar
 from .bake import _read
 from .checkpoint import open_checkpoint
+from .positional import name_positional
 
 log = logging.getLogger("loraweave")
 RESIZABLE = ("lora", "loha", "lokr", "full")
@@ -76,30 +81,57 @@ def lora_truncate(up: torch.Tensor, down: torch.Tensor, rank: int | None,
 
 
 def _write_pair(out: dict, stem: str, up: torch.Tensor, down: torch.Tensor, in_shape: tuple[int, ...],
-                dtype: torch.dtype, peft: bool) -> None:
+                dtype: torch.dtype, peft: bool, alpha: bool = True) -> None:
     r = down.shape[0]
     names = (".lora_B.weight", ".lora_A.weight") if peft else (".lora_up.weight", ".lora_down.weight")
     kernel = in_shape[1:]
     out[stem + names[1]] = down.reshape(r, *in_shape).to(dtype).contiguous()
     out[stem + names[0]] = up.reshape(up.shape[0], r, *([1] * len(kernel))).to(dtype).contiguous()
-    out[stem + ".alpha"] = torch.tensor(float(r))  # alpha = rank: scale 1 in every loader
+    if alpha:  # alpha = rank: scale 1 in every loader (diffusers-layout files leave it out: PEFT's default)
+        out[stem + ".alpha"] = torch.tensor(float(r))
+
+
+def check_lowrank_args(rank: int | None, energy: float | None) -> None:
+    """--rank an int >= 1, --energy in (0, 1]; at least one of them."""
+    if rank is None and energy is None:
+        raise ArgumentError("give --rank, --energy, or both")
+    if rank is not None:
+        positive_int(rank, "rank")
+    if energy is not None:
+        fraction(energy, "energy")
+
+
+def _refuse_empty(result: LowRankResult, what: str, allow_empty: bool) -> None:
+    if not result.layers and not allow_empty:
+        skipped = ", ".join(f"{n} x {k}" for k, n in result.skipped.items()) or "nothing to read"
+        raise EmptyOutputError(f"{what}: no layer to write ({skipped}); the output would be an empty adapter; "
+                               "nothing written (--allow-empty writes it anyway)", result)
 
 
 def _component_prefix(comp) -> str:
+    """Output key prefix: diffusers' component names for diffusers-named weights (its loader reads them), ComfyUI's
+    `diffusion_model.` for original (ldm/BFL) names and for models that are neither."""
     if comp.prefix == "model.diffusion_model.":
         return "diffusion_model."
     if comp.name == "denoiser":
         cls = comp.class_name or ""
-        return "unet." if cls.startswith("UNet") else "transformer." if cls else "diffusion_model."
+        if cls:
+            return "unet." if cls.startswith("UNet") else "transformer."
+        names = {n.split(".", 1)[0] for n in comp.tensors}
+        if {"down_blocks", "mid_block", "up_blocks"} <= names:
+            return "unet."
+        return "transformer." if "transformer_blocks" in names else "diffusion_model."
     return f"{comp.name}."
 
 
 def extract(base: str | os.PathLike, tuned: str | os.PathLike, output: str | os.PathLike, rank: int | None = None,
             energy: float | None = None, dtype: str | None = None, min_rel_diff: float = 0.0,
-            overwrite: bool = False) -> LowRankResult:
-    """LoRA of TUNED - BASE for every ≥2-D floating weight whose shapes agree; 1-D differences are reported."""
-    if rank is None and energy is None:
-        raise ValueError("give --rank, --energy, or both")
+            overwrite: bool = False, allow_empty: bool = False, progress: bool = False) -> LowRankResult:
+    """LoRA of TUNED - BASE for every ≥2-D floating weight whose shapes agree; 1-D differences are reported.
+
+    Refuses (EmptyOutputError, nothing written) when no layer differs, unless `allow_empty`."""
+    check_lowrank_args(rank, energy)
+    non_negative(min_rel_diff, "min_diff")
     t0 = time.perf_counter()
     out = check_output(output, [base, tuned], overwrite=overwrite)
     b_ckpt, t_ckpt = open_checkpoint(base), open_checkpoint(tuned)
@@ -116,10 +148,13 @@ def extract(base: str | os.PathLike, tuned: str | os.PathLike, output: str | os.
     result = LowRankResult(out)
     skipped: Counter = Counter()
     tensors: dict[str, torch.Tensor] = {}
+    steps = bar(total=sum(len(c.tensors) for c in b_ckpt.components), desc="extract", unit="tensor",
+                enabled=progress)
     try:
         for comp in b_ckpt.components:
             prefix = _component_prefix(comp)
             for name, shard in comp.tensors.items():
+                steps.update(1)
                 if name not in tuned_where:
                     skipped["missing in tuned"] += 1
                     continue
@@ -140,14 +175,18 @@ def extract(base: str | os.PathLike, tuned: str | os.PathLike, output: str | os.
                 up, down, captured = truncate(delta.flatten(1), rank, energy)
                 stem = prefix + name[len(comp.prefix):-len(".weight")]
                 out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, wt.dtype)
-                _write_pair(tensors, stem, up, down, tuple(wb.shape[1:]), out_dtype, peft=False)
+                diffusers = prefix != "diffusion_model."  # diffusers layout: lora_A/lora_B, no alpha (scale 1)
+                _write_pair(tensors, stem, up, down, tuple(wb.shape[1:]), out_dtype, peft=diffusers,
+                            alpha=not diffusers)
                 result.layers.append({"name": stem, "rank": down.shape[0], "energy": captured})
     finally:
+        steps.close()
         for _, _, fd in headers.values():
             os.close(fd)
         b_ckpt.close()
         t_ckpt.close()
     result.skipped = dict(skipped)
+    _refuse_empty(result, f"extract {base} -> {tuned}", allow_empty)
     meta = {"loraweave.extracted": json.dumps({"base": Path(base).name, "tuned": Path(tuned).name, "rank": rank,
                                                "energy": energy, "layers": len(result.layers)})}
     save_file(tensors, out, meta, inputs=[base, tuned], overwrite=overwrite)
@@ -243,20 +282,22 @@ def _target_shapes(adapter, arch: str | None, model: str | None) -> dict[str, tu
 
 def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None = None, energy: float | None = None,
            dtype: str | None = None, overwrite: bool = False, arch: str | None = None,
-           model: str | None = None) -> LowRankResult:
+           model: str | None = None, allow_empty: bool = False, progress: bool = False,
+           allow_pickle: bool = False) -> LowRankResult:
     """Rewrite every LoRA/LoHa/LoKr/full part as a LoRA of rank ≤ R (its scale folded in, alpha = rank).
 
-    Conv kernels the factors do not carry come from the target (`arch`, `model`, or the detected architecture)."""
-    if rank is None and energy is None:
-        raise ValueError("give --rank, --energy, or both")
+    Conv kernels the factors do not carry come from the target (`arch`, `model`, or the detected architecture).
+    Positional (cloneofsimo) parts are named by the resolver `apply` uses, on `arch` (or the UNet they fit).
+    Refuses (EmptyOutputError, nothing written) when no part can be resized, unless `allow_empty`."""
+    check_lowrank_args(rank, energy)
     t0 = time.perf_counter()
     out = check_output(output, [path], overwrite=overwrite)
-    adapter = load_adapter(path)
+    adapter = name_positional(load_adapter(path, allow_pickle=allow_pickle), arch)
     targets = _target_shapes(adapter, arch, model)
     result = LowRankResult(out)
     skipped: Counter = Counter()
     tensors: dict[str, torch.Tensor] = {}
-    for part in adapter.parts:
+    for part in bar(adapter.parts, desc="resize", unit="part", enabled=progress):
         if part.family not in RESIZABLE or part.layout == "cloneofsimo":
             skipped[f"{part.family} ({part.layout}) cannot be resized without the base weight or a model"] += \
                 len(part.keys)
@@ -295,9 +336,12 @@ def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None 
             in_shape = want  # same columns, kernel known from the module
         stored = next(iter(roles.values())).dtype if roles else torch.float32
         out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, stored)
-        _write_pair(tensors, part.stem, up, down, in_shape, out_dtype, peft=part.layout == "peft")
-        result.layers.append({"name": part.stem, "rank": down.shape[0], "energy": captured})
+        positional = CLONEOFSIMO_STEM_RE.match(part.stem) is not None  # named above: written in diffusers layout
+        stem = f"{'unet' if part.component == DENOISER else part.component}.{part.path}" if positional else part.stem
+        _write_pair(tensors, stem, up, down, in_shape, out_dtype, peft=part.layout == "peft" or positional)
+        result.layers.append({"name": stem, "rank": down.shape[0], "energy": captured})
     result.skipped = dict(skipped)
+    _refuse_empty(result, f"resize {path}", allow_empty)
     meta = {k: v for k, v in adapter.metadata.items() if k not in ("ss_network_alpha", "lora_adapter_metadata")}
     meta["loraweave.resized"] = json.dumps({"source": Path(path).name, "rank": rank, "energy": energy,
                                             "layers": len(result.layers)})

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 
+from ..arch.variants import variant_fit
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.detect import detect_architecture
+from ..report import failures
 
 log = logging.getLogger("loraweave")
 
@@ -162,6 +164,7 @@ def inspect_adapter(
     info["architecture"] = {"name": detection.architecture, "evidence": detection.evidence,
                             "scores": detection.scores, "metadata_says": detection.metadata}
     info["architecture_evidence"] = detection.evidence  # the pre-contract key, kept for older callers
+    info["variant"] = variant_fit(adapter)
     if detection.architecture == "unet" and arch is None and model is None:
         detection = _unet_by_fit(adapter, detection, text_encoders)
         info["architecture"]["name"] = detection.architecture
@@ -184,7 +187,7 @@ def inspect_adapter(
             "values_checked": check_values,
         }
     coverage["unmatched_by_kind"] = dict(Counter(u["kind"] for u in coverage["unmatched"]))
-    coverage["complete"] = not coverage["unmatched"]
+    coverage["complete"] = not failures(coverage["unmatched"])
     info["coverage"] = coverage
     info["seconds"] = round(time.perf_counter() - t0, 3)
     log.info("inspect file=%s layout=%s arch=%s keys_applied=%d/%d seconds=%.3f", adapter.name, adapter.layout,
@@ -206,6 +209,11 @@ def format_table(info: dict, limit: int = 20) -> str:
         ("architecture", info["architecture"]["name"]),
     ]
     rows += [("  evidence", e) for e in info["architecture"]["evidence"]]
+    variant = info.get("variant") or {}
+    if variant.get("blocks"):
+        blocks = ", ".join(f"{n} {c}" for c, n in variant["blocks"].items())
+        fits = variant["likely"] or (", ".join(variant["fits"]) if variant["fits"] else "no known variant")
+        rows.append(("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']})"))
     rows += [(f"  {k}", v) for k, v in info["metadata"].items()]
     rows.append(("coverage", f"{cov['keys_applied']}/{cov['keys_total']} keys land"
                  + (f" on {cov['against']}" if cov["against"] else "")))

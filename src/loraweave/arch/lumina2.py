@@ -1,0 +1,43 @@
+"""Lumina-Image 2.0: original (Alpha-VLLM, ComfyUI) names -> diffusers Lumina2Transformer2DModel modules.
+
+Sources: diffusers `convert_lumina2_to_diffusers` and `_convert_non_diffusers_lumina2_lora_to_diffusers`. The fused
+`attention.qkv` is q | k | v with GQA widths (diffusers hard-codes [2304, 768, 768]; here the live modules give
+them). The context refiner has no modulation, so its `attention_norm1` is a plain norm (`norm1`), elsewhere the
+norm inside the zero-init modulation (`norm1.norm`).
+"""
+
+from __future__ import annotations
+
+from .spec import Alias, ArchTable
+
+_STACKS = ("layers.{i}", "noise_refiner.{i}", "context_refiner.{i}")
+
+
+def _block(b: str) -> tuple[Alias, ...]:
+    modulated = not b.startswith("context_refiner")
+    return (
+        Alias(f"{b}.attention.qkv", (f"{b}.attn.to_q", f"{b}.attn.to_k", f"{b}.attn.to_v")),
+        Alias(f"{b}.attention.out", (f"{b}.attn.to_out.0",)),
+        Alias(f"{b}.attention.q_norm", (f"{b}.attn.norm_q",)),
+        Alias(f"{b}.attention.k_norm", (f"{b}.attn.norm_k",)),
+        *(Alias(f"{b}.feed_forward.w{n}", (f"{b}.feed_forward.linear_{n}",)) for n in (1, 2, 3)),
+        Alias(f"{b}.attention_norm1", (f"{b}.norm1.norm" if modulated else f"{b}.norm1",)),
+        Alias(f"{b}.attention_norm2", (f"{b}.norm2",)),
+        *((Alias(f"{b}.adaLN_modulation.1", (f"{b}.norm1.linear",)),) if modulated else ()),
+    )
+
+
+LUMINA2 = ArchTable(
+    name="lumina2",
+    classes=("Lumina2Transformer2DModel",),
+    aliases=(
+        *(a for b in _STACKS for a in _block(b)),
+        Alias("cap_embedder.0", ("time_caption_embed.caption_embedder.0",)),
+        Alias("cap_embedder.1", ("time_caption_embed.caption_embedder.1",)),
+        Alias("t_embedder.mlp.0", ("time_caption_embed.timestep_embedder.linear_1",)),
+        Alias("t_embedder.mlp.2", ("time_caption_embed.timestep_embedder.linear_2",)),
+        # Scale only (no shift): nothing to swap.
+        Alias("final_layer.adaLN_modulation.1", ("norm_out.linear_1",)),
+        Alias("final_layer.linear", ("norm_out.linear_2",)),
+    ),
+)

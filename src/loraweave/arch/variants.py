@@ -1,0 +1,73 @@
+"""Which released variant of an architecture an adapter file was trained on, from the file alone.
+
+Block counts come from the highest block index per chain the file names (a file need not train every block, so
+a variant fits when it has at least that many blocks; one with exactly that many is the likely one). The width is
+the most common input width of the low-rank `down` factors, which for these transformers is the hidden size."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from ..formats.adapter import Adapter
+
+# Chains of numbered blocks, original and diffusers spellings (`.` or `_` separated).
+CHAINS: dict[str, re.Pattern] = {
+    "double": re.compile(r"(?:^|[._])(?:double_blocks|transformer_blocks)[._](\d+)(?:[._]|$)"),
+    "single": re.compile(r"(?:^|[._])(?:single_blocks|single_transformer_blocks)[._](\d+)(?:[._]|$)"),
+    "blocks": re.compile(r"^blocks[._](\d+)(?:[._]|$)"),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    arch: str
+    name: str
+    chains: dict[str, int]
+    hidden: int
+
+
+# From the released configs (realdata/configs for Flux.1 and Wan; Flux.2 from BFL's released model configs).
+VARIANTS: tuple[Variant, ...] = (
+    Variant("flux", "flux1 (dev, schnell, Fill, Kontext)", {"double": 19, "single": 38}, 3072),
+    Variant("flux2", "flux2-dev", {"double": 8, "single": 48}, 6144),
+    Variant("flux2", "flux2-klein-9b", {"double": 8, "single": 24}, 4096),
+    Variant("flux2", "flux2-klein-4b", {"double": 5, "single": 20}, 3072),
+    Variant("wan", "wan-14b (2.1 T2V/I2V/FLF2V/VACE, 2.2 A14B/Animate)", {"blocks": 40}, 5120),
+    Variant("wan", "wan-1.3b (2.1 T2V/VACE)", {"blocks": 30}, 1536),
+    Variant("wan", "wan2.2-ti2v-5b", {"blocks": 30}, 3072),
+    Variant("hunyuan-video", "hunyuan-video (T2V, I2V)", {"double": 20, "single": 40}, 3072),
+)
+
+
+def block_counts(paths: list[str]) -> dict[str, int]:
+    """{chain: highest block index named + 1} over module paths as written in a file."""
+    out: dict[str, int] = {}
+    for path in paths:
+        for chain, rx in CHAINS.items():
+            m = rx.search(path)
+            if m:
+                out[chain] = max(out.get(chain, 0), int(m[1]) + 1)
+                break
+    return out
+
+
+def _hidden(adapter: Adapter) -> int | None:
+    widths = Counter(adapter.shape(p.roles["down"])[1] for p in adapter.parts
+                     if "down" in p.roles and len(adapter.shape(p.roles["down"])) == 2)
+    return widths.most_common(1)[0][0] if widths else None
+
+
+def variant_fit(adapter: Adapter) -> dict:
+    """Block counts and width read from the file, the variants that can take it, and the likeliest one."""
+    counts = block_counts([p.path for p in adapter.parts])
+    hidden = _hidden(adapter)
+    if not counts:
+        return {"blocks": {}, "hidden": hidden, "fits": [], "likely": None}
+    fits = [v for v in VARIANTS if set(counts) <= set(v.chains) and all(n <= v.chains[c] for c, n in counts.items())
+            and (hidden is None or hidden == v.hidden)]
+    exact = [v for v in fits if all(v.chains[c] == n for c, n in counts.items()) and set(counts) == set(v.chains)]
+    likely = exact[0] if len(exact) == 1 else (fits[0] if len(fits) == 1 else None)
+    return {"blocks": counts, "hidden": hidden, "fits": [v.name for v in fits],
+            "likely": likely.name if likely else None}

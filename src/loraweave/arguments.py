@@ -1,0 +1,73 @@
+"""Rules for numeric arguments, shared by the API, `AdapterSpec` and the CLI so each gives the same message.
+
+Every rule returns the checked value or raises `ArgumentError` (a `ValueError`) naming the argument."""
+
+from __future__ import annotations
+
+import math
+import re
+from numbers import Integral, Real
+
+from .errors import ArgumentError
+
+MAX_STRENGTH = 1e4  # far above any useful strength, far below fp32 overflow of strength x scale x ΔW
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def number(value: object, label: str) -> float:
+    """A real number that is finite (bools and strings are refused: `"0.5"` and `True` are mistakes)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ArgumentError(f"{label} must be a finite number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ArgumentError(f"{label} must be a finite number, got {value!r}")
+    return value
+
+
+def strength(value: object, label: str = "strength") -> float:
+    """A finite number with |value| <= MAX_STRENGTH."""
+    value = number(value, label)
+    if abs(value) > MAX_STRENGTH:
+        raise ArgumentError(f"{label} must be a finite number of absolute value <= {MAX_STRENGTH:g}, got {value!r}")
+    return value
+
+
+def positive_int(value: object, label: str, minimum: int = 1) -> int:
+    """An int >= minimum (bools and floats refused)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise ArgumentError(f"{label} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def fraction(value: object, label: str, low_open: bool = True) -> float:
+    """A finite number in (0, 1] (or [0, 1] when `low_open` is False)."""
+    value = number(value, label)
+    if value > 1 or value < 0 or (low_open and value == 0):
+        raise ArgumentError(f"{label} must be in {'(' if low_open else '['}0, 1], got {value!r}")
+    return value
+
+
+def non_negative(value: object, label: str) -> float:
+    value = number(value, label)
+    if value < 0:
+        raise ArgumentError(f"{label} must be >= 0, got {value!r}")
+    return value
+
+
+def byte_size(value: object, label: str, allow_zero: bool = False) -> int:
+    """Bytes from an int or a string: "1GB" / "1G" (10^9), "1GiB" (2^30), "512MiB", "2e9"; > 0 unless
+    `allow_zero`."""
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m is None:
+            raise ArgumentError(f"{label} must be bytes (an int) or a size such as '8GB', '512MiB', got {value!r}")
+        base = 1024 if m[3] else 1000
+        value = float(m[1]) * base ** _POWERS[m[2].lower()]
+        if not math.isfinite(value):
+            raise ArgumentError(f"{label} must be a finite size, got {value!r}")
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0 or (value == 0 and not allow_zero):
+        raise ArgumentError(f"{label} must be a {'non-negative' if allow_zero else 'positive'} number of bytes, "
+                            f"got {value!r}")
+    return int(value)
