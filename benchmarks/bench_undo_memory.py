@@ -5,7 +5,8 @@ Per kind: merge time, peak RSS growth during the merge (/proc/self/clear_refs + 
 the merge (gc + malloc_trim(0)), undo time; ratios against undo="copy" (a full copy of every touched weight,
 the record loraweave kept before compact records) measured in the same run. Each kind runs `--repeats` times
 (medians). Issue-15 targets: resident growth <= 10 % of touched bytes, peak growth <= largest layer + 10 % of
-touched bytes, merge time <= 1.3x the full-copy path. (The full-size SDXL version is bench_undo_sdxl.py.)
+touched bytes, merge time <= 1.3x the full-copy path. Children run with a fixed
+MALLOC_MMAP_THRESHOLD_ so that freed temporaries leave the resident set at once. (The full-size SDXL version is bench_undo_sdxl.py.)
 
     .venv/bin/python benchmarks/bench_undo_memory.py [--layers 40] [--repeats 3] [--kinds copy,auto,compact]
 """
@@ -80,7 +81,9 @@ def main() -> None:
     if args.child:
         return child(args.child, args.layers)
     kinds = args.kinds.split(",")
-    env = {**os.environ, "PYTHONPATH": SRC, "SDNQ_USE_TORCH_COMPILE": "0"}
+    # A fixed mmap threshold: freed large blocks go back to the OS at once, so VmHWM is the live peak, not
+    # glibc's heap keeping freed temporaries (its dynamic threshold otherwise rises to 32 MiB after the first free).
+    env = {**os.environ, "PYTHONPATH": SRC, "SDNQ_USE_TORCH_COMPILE": "0", "MALLOC_MMAP_THRESHOLD_": "131072"}
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     for _ in range(args.repeats):  # interleaved, so load changes hit every kind alike
         for kind in kinds:
