@@ -21,6 +21,7 @@ from .coverage import refuse_empty, warn_incomplete
 from .errors import StrictApplyError
 from .handle import Handle
 from .journal import Journal, model_lock
+from .mechanisms.merge import undo_settings
 from .plan.stacking import adapter_names
 from .plan.target import as_components
 from .report import AppliedModule, Report, failures
@@ -58,6 +59,9 @@ def apply(
     quantized: str = "auto",
     host_rank: int = 256,
     cache=None,
+    undo: str = "auto",
+    undo_source=None,
+    undo_on_device: bool = False,
     allow_empty: bool = False,
     compile_friendly: bool = False,
     rank_buckets: Iterable[int] | None = None,
@@ -85,6 +89,11 @@ def apply(
       0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
     cache: a `loraweave.mechanisms.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
       on disk; a replay is bit-identical to a fresh compute.
+    undo: how a merged layer comes back bit-exactly (mechanisms/undo.py): "auto" (per layer, the smaller of
+      "compact" and "copy"), "compact" (only the elements round(W' - ΔW) misses), "copy" (a full copy), "source"
+      (re-read from the model's safetensors files: `undo_source` = a file, a directory or {component: path},
+      else diffusers' config._name_or_path; refused on undo if a file changed) or "none" (a permanent fuse:
+      remove() leaves those weights merged). Records live in host memory unless `undo_on_device`.
 
     Coverage is loud: an adapter whose keys did not all land gets one WARNING line (landed/total, top miss kinds,
     an example key). When not one key of an adapter lands, `NoKeysLandedError` (carrying the report) is raised and
@@ -93,7 +102,8 @@ def apply(
     compile_friendly: runtime paths ready for `torch.compile`: ranks zero-padded to `rank_buckets` (default
       8/16/32/64/128; costs the padded FLOPs), strengths in tensors, hooks fixed for the handle's life, so strength
       changes, `disable`/`enable` and switches within a bucket never recompile (see mechanisms/compiled.py)."""
-    options = Options(mode, stack, density, quantized, host_rank, cache, compile_friendly, rank_buckets)
+    options = Options(mode, stack, density, quantized, host_rank, cache, compile_friendly=compile_friendly,
+                      rank_buckets=rank_buckets, undo=undo, undo_source=undo_source, undo_on_device=undo_on_device)
 
     options.check()
     if cache is not None and not hasattr(cache, "load"):
@@ -103,6 +113,7 @@ def apply(
     t0 = time.perf_counter()
     components = as_components(target)
     with model_lock(components.modules.values()):
+        options.undo_with = undo_settings(undo, components.modules, undo_source, undo_on_device)
         p, settings = resolve_set(components, adapters, strength)
         mode = options.layer_mode(len(p.adapters))
         wp, unmatched = plan_layers(p, options, mode)

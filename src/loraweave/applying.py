@@ -17,7 +17,7 @@ from .journal import Journal
 from .mechanisms.choose import QUANTIZED, QuantSettings, WorkPlan, plan_work
 from .mechanisms.compiled import CompileOptions, compile_options, prepare
 from .mechanisms.grow import grow_input
-from .mechanisms.merge import Contribution, merge_module
+from .mechanisms.merge import Contribution, MergedModule, check_undo_arguments, merge_module
 from .mechanisms.params import apply_params
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
@@ -52,6 +52,10 @@ class Options:
     rank_buckets: object = None  # ints, validated by check()
     # compile_friendly: each layer's padded rank so far (id(module) -> rank); a switch never shrinks it
     bucket_floors: dict = field(default_factory=dict, compare=False, repr=False)
+    undo: str = "auto"  # merge undo records (mechanisms/undo.py)
+    undo_source: object = None
+    undo_on_device: bool = False
+    undo_with: object = None  # the checked UndoSettings (undo_settings: source files found before any change)
 
     def check(self) -> None:
         if self.mode not in MODES:
@@ -61,6 +65,7 @@ class Options:
             raise ValueError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")
         if not isinstance(self.host_rank, int) or self.host_rank < 0:
             raise ValueError(f"host_rank must be an int >= 0, got {self.host_rank!r}")
+        check_undo_arguments(self.undo, self.undo_source)
         self.compiled()
 
     def compiled(self) -> CompileOptions | None:
@@ -196,7 +201,7 @@ def install_layer(journal: Journal, item, mode: str, wp: WorkPlan, options: Opti
     write = None
     if mechanism == "merge":
         try:
-            merge_module(module, contribs, journal.record)
+            merged = merge_module(module, contribs, journal.record, options.undo_with, (comp, path))
         except NonFiniteResultError as exc:
             raise NonFiniteResultError(f"{comp}.{path}: {exc}") from None
     elif mechanism == "runtime":
@@ -214,6 +219,9 @@ def install_layer(journal: Journal, item, mode: str, wp: WorkPlan, options: Opti
     show_why = why if mode == "auto" or write is not None else ""
     entry = AppliedModule(comp, path, mechanism, sorted(adapter_names(contribs)), show_why, cost, notes_of(contribs),
                           backend=backend.name if backend is not None else "")
+    if mechanism == "merge":
+        merged.entry = entry  # the report follows the undo record (kind, bytes) through strength changes
+        merged._report()
     if write is not None:
         entry.retention, entry.capture, entry.rank = write.retention, write.capture, write.rank
         entry.cache_hit, write.entry = write.cache_hit, entry
@@ -228,7 +236,11 @@ def install(journal: Journal, p: Plan, wp: WorkPlan, mode: str, options: Options
     show = progress if progress is not None else (len(wp.work) > PROGRESS_LAYERS and on_terminal())
     applied = [install_layer(journal, item, mode, wp, options)
                for item in bar(wp.work, desc="loraweave apply", unit="layer", enabled=show)]
-    return applied + [AppliedModule(**row) for row in apply_params(p.params, p.components.modules, mode, journal.record)]
+    applied += [AppliedModule(**row) for row in apply_params(p.params, p.components.modules, mode, journal.record)]
+    if options.undo == "none":  # a permanent fuse: the records kept this all-or-nothing until here
+        for merged in journal.of(MergedModule):
+            merged.fuse()
+    return applied
 
 
 def finish_report(p: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], wp: WorkPlan,

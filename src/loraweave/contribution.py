@@ -11,12 +11,16 @@ def coefficient(pp) -> float:
     return pp.strength * pp.scale
 
 
-def add_contribution(target_rows: torch.Tensor, pp, piece, base: torch.Tensor | None, coeff: float | None = None) -> None:
+def add_contribution(target_rows: torch.Tensor, pp, piece, base: torch.Tensor | None, coeff: float | None = None,
+                     strength: float | None = None, scale: float | None = None) -> None:
     """target_rows += coeff·ΔW (rows of `piece`), coeff = strength·scale unless given.
 
-    base: the ORIGINAL weight as (out, in·k), read (its piece rows, in target's dtype) by W-dependent families."""
+    base: the ORIGINAL weight as (out, in·k), read (its piece rows, in target's dtype) by W-dependent families.
+    strength/scale: the part's own unless given (an undo record recomputes ΔW at the strength it was merged at)."""
     family = pp.family
-    coeff = coefficient(pp) if coeff is None else coeff
+    strength = pp.strength if strength is None else strength
+    scale = pp.scale if scale is None else scale
+    coeff = strength * scale if coeff is None else coeff
     if family.needs_base:
         if base is None:
             from .families.base import PartRejected  # here: families.combined imports this module
@@ -24,7 +28,7 @@ def add_contribution(target_rows: torch.Tensor, pp, piece, base: torch.Tensor | 
             raise PartRejected("unsupported", f"unsupported: {pp.part.family} needs the layer's float weight")
         rows = base[piece.dst_start : piece.dst_start + piece.length].to(target_rows.dtype)
         family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff,
-                         base=rows, strength=pp.strength, scale=pp.scale)
+                         base=rows, strength=strength, scale=scale)
     else:
         family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff)
 

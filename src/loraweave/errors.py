@@ -80,3 +80,7 @@ class AdapterMetadataError(AdapterFormatError):
     def __init__(self, source: str, field: str, why: str) -> None:
         super().__init__(f"{source}: metadata field {field!r} {why}")
         self.source, self.field = source, field
+
+
+class UndoError(LoraweaveError):
+    """A merge cannot be undone as recorded: its source file changed, or its record does not fit the weight."""

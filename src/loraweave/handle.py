@@ -83,6 +83,8 @@ class Handle:
             if not self.active:
                 return
             self.check_undoable()
+            for merged in self._merged:  # a source file that changed is refused before anything is touched
+                merged.check_undo()
             self.journal.undo()
             if getattr(self, "_mix", None) is not None:  # per-sample / regional state: its root hooks go too
                 self._mix.remove()
@@ -111,6 +113,9 @@ class Handle:
             value = finite_strength(value)  # no float() first: "0.5" and True are refused, as AdapterSpec does
             te = None if te is None else finite_strength(te)
             self.check_undoable({name})
+            for merged in self._merged:  # fused (undo='none') or a changed source file: refused first
+                if name in merged.adapters:
+                    merged.check_undo(rewrite=True)
             before = (self._settings[name].strength, self._settings[name].te_strength)
             try:
                 self._set_weights(name, value, te if te is not None else before[1])

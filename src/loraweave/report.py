@@ -36,6 +36,8 @@ class AppliedModule:
     capture: float | None = None  # hosted: energy fraction of the delta the truncation kept
     rank: int | None = None  # factor/hosted: rank appended to the side channel (before bucket padding)
     cache_hit: bool | None = None  # hosted with a factor cache: replayed (True) or computed (False)
+    undo: str = ""  # merged layers: the undo record's kind (compact | copy | source | none)
+    undo_bytes: int = 0  # merged layers: bytes the undo record holds
 
 
 @dataclass
@@ -90,6 +92,10 @@ class Report:
                 entry["rank_max"] = max(ranks)
         return out
 
+    def undo_bytes(self) -> int:
+        """Bytes held to undo merged layers (the kinds per layer are in `applied[i].undo`)."""
+        return sum(m.undo_bytes for m in self.applied)
+
     def to_dict(self) -> dict:
         return {
             "mode": self.mode,
@@ -103,6 +109,7 @@ class Report:
             "unmatched_by_kind": self.kinds(),
             "mechanisms": self.mechanisms(),
             "backends_unavailable": dict(self.backends_unavailable),
+            "undo_bytes": self.undo_bytes(),
         }
 
     def summary(self) -> str:
@@ -116,6 +123,8 @@ class Report:
             f"unmatched={len(self.unmatched)}",
         ]
         parts += [f"miss_{kind}={n}" for kind, n in sorted(self.kinds().items())]
+        if any(m.undo for m in self.applied):
+            parts.append(f"undo_bytes={self.undo_bytes()}")
         parts.append(f"seconds={self.seconds:.3f}")
         return " ".join(parts)
 

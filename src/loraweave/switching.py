@@ -10,6 +10,7 @@ Grown inputs and quantized writes own the model's structure or storage: a switch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -143,8 +144,8 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
         raise RuntimeError("handle was removed")
     t0 = time.perf_counter()
     old = handle.options
-    options = Options(old.mode, stack, density, old.quantized, old.host_rank, old.cache, old.compile_friendly,
-                      old.rank_buckets, old.bucket_floors)
+    # Same settings but the stack (compile buckets and undo settings carried over; bucket floors shared).
+    options = dataclasses.replace(old, stack=stack, density=density)
     options.check()  # compile_friendly: a stack mode that breaks the graph is refused here too
     components = handle._plan.components
     if handle._resolve_cache is None:
@@ -154,6 +155,8 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     p, settings = resolve_set(components, adapters, strength, cache=handle._resolve_cache)
     mode = options.layer_mode(len(p.adapters))  # the same refusals as apply, before anything changes
     handle.check_undoable()
+    for rec in handle._merged:  # fused (undo='none') or a changed source file: refused before anything changes
+        rec.check_undo(rewrite=True)
     wp, unmatched = plan_layers(p, options, mode)
     # Parameter patches are not per-layer records either: start over, like grown inputs and quantized writes.
     if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p) \
@@ -186,6 +189,9 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
                 counts["kept"] += 1
                 applied.append(AppliedModule(comp, path, mechanism, sorted(adapter_names(contribs)),
                                              why if mode == "auto" else "", "", notes_of(contribs)))
+                if mechanism == "merge":
+                    rec.entry = applied[-1]
+                    rec._report()
                 continue
             if rp is not None:
                 now_detached[(id(module), sig.structure(rp.contributions))] = rp

@@ -1,17 +1,33 @@
-"""Merge: add every contribution into the weight, fp32-accumulated and rounded once; undo is bit-exact."""
+"""Merge: add every contribution into the weight, fp32-accumulated and rounded once; undo is bit-exact (undo.py)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..arch.spec import Piece
 from ..contribution import add_contribution, bias_of, coefficient
-from ..errors import NonFiniteResultError
+from ..errors import NonFiniteResultError, UndoError
 from ..plan.resolve import PlannedPart
 from ..plan.stacking import adapter_names
+from .undo import (
+    CHUNK_ELEMENTS,
+    UNDO_KINDS,
+    CompactRecord,
+    CopyRecord,
+    FusedRecord,
+    acc_dtype,
+    host_copy,
+    merge_with_record,
+    recorded_threads,
+    tensor_bytes,
+)
+from .undo_source import SourceFiles, SourceRecord
+
+Record = CopyRecord | CompactRecord | SourceRecord | FusedRecord
+Term = tuple[PlannedPart, Piece, float, float]  # part, piece, strength, scale
 
 Contribution = tuple[PlannedPart, Piece]
 STACK_ATTR = "_loraweave_merges"  # per-module list of live merges, newest last
@@ -38,55 +54,169 @@ def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | No
     return None
 
 
+@dataclass
+class UndoSettings:
+    """apply(undo=...): the record kind, where "source" records read from, and whether records may stay on the
+    accelerator (never by default)."""
+
+    kind: str = "auto"
+    sources: SourceFiles | None = None
+    on_device: bool = False
+
+
+def check_undo_arguments(kind: str, source=None) -> None:
+    if kind not in UNDO_KINDS:
+        raise ValueError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
+    if source is not None and kind != "source":
+        raise ValueError(f"undo_source is read only with undo='source' (got undo={kind!r})")
+
+
+def undo_settings(kind: str, components: dict[str, torch.nn.Module], source=None,
+                  on_device: bool = False) -> UndoSettings:
+    """Check apply's undo arguments before anything is touched (a "source" with no file found is refused)."""
+    check_undo_arguments(kind, source)
+    sources = None
+    if kind == "source":
+        sources = SourceFiles(components, source)
+        if not sources.found_any():
+            where = f"undo_source={source!r}" if source is not None else "config._name_or_path of " + ", ".join(
+                f"{c}={getattr(getattr(m, 'config', None), '_name_or_path', None)!r}" for c, m in components.items())
+            raise UndoError(f"undo='source' found no safetensors file to re-read weights from ({where}); pass "
+                            "undo_source=<file, directory or {component: path}> or use undo='auto'")
+    return UndoSettings(kind, sources, bool(on_device))
+
+
 @dataclass(eq=False)  # identity semantics: instances are compared with `is` on the per-module stack
 class MergedModule:
     module: torch.nn.Module
     contributions: list[Contribution]
-    weight_backup: torch.Tensor
+    undo_with: UndoSettings = field(default_factory=UndoSettings)
+    layer: tuple[str, str] = ("", "")  # (component, module path): where a source record looks
+    record: Record | None = None  # None: the weight was never written
+    terms: list[Term] = field(default_factory=list)  # the contributions and strengths the record was made at
     bias_backup: torch.Tensor | None = None
     adapters: set[str] = field(default_factory=set)
+    entry: object = None  # the report's AppliedModule: undo kind and bytes follow strength changes
 
     def is_top(self) -> bool:
-        """Only the latest merge on a module can be undone exactly (each backup holds the earlier merges)."""
+        """Only the latest merge on a module can be undone exactly (each record restores the earlier merges)."""
         stack = getattr(self.module, STACK_ATTR, [])
         return bool(stack) and stack[-1] is self
 
+    @property
+    def undo_kind(self) -> str:
+        return self.record.kind if self.record is not None else "-"
+
+    @property
+    def undo_bytes(self) -> int:
+        return (self.record.nbytes if self.record is not None else 0) + tensor_bytes(self.bias_backup)
+
+    def check_undo(self, rewrite: bool = False) -> None:
+        """Raise (UndoError) before anything is touched when this merge cannot be undone as recorded (or, with
+        `rewrite`, rewritten at another strength: a fused merge cannot)."""
+        if isinstance(self.record, SourceRecord):
+            self.record.check()
+        if rewrite and isinstance(self.record, FusedRecord):
+            raise UndoError("this merge was fused permanently (undo='none'): its strength cannot change")
+
     def restore(self) -> None:
         stack = getattr(self.module, STACK_ATTR, [])
+        with torch.no_grad():
+            self._restore_weight()
+            if self.bias_backup is not None and not isinstance(self.record, FusedRecord):
+                self.module.bias.data.copy_(self.bias_backup)
         if any(m is self for m in stack):
             stack.remove(self)
-        with torch.no_grad():
-            self.module.weight.data.copy_(self.weight_backup)
-            if self.bias_backup is not None:
-                self.module.bias.data.copy_(self.bias_backup)
+        self.record, self.terms, self.bias_backup = None, [], None  # undone: the record's memory is released
 
     undo = restore  # a journal entry
 
-    def write(self, fresh: bool = False) -> None:
-        """(Re)compute W = backup + Σ coeff·ΔW from the backup, so strength changes stay exact.
+    def fuse(self) -> None:
+        """undo="none": keep the merge for good and release the record."""
+        self.record, self.bias_backup = FusedRecord(), None
+        self._report()
 
-        fresh: the weight still equals the backup (first write), so the restoring copy is skipped."""
+    def _restore_weight(self) -> None:
+        if self.record is not None:  # ΔW as it was merged: parts may have been re-pointed or re-strengthened since
+            terms = self.terms
+            self.record.restore(self.module.weight.data, lambda base, r0, r1: self._delta(base, terms, r0, r1))
+
+    def write(self, fresh: bool = False) -> None:
+        """(Re)compute W' = W + Σ coeff·ΔW from W, the weight before this merge, and record how to undo it.
+
+        Not fresh: W is first restored from the current record (bit-exact), so strength changes never drift.
+        The new record is complete before the weight is written: an interruption leaves a restorable state."""
+        if isinstance(self.record, FusedRecord):
+            raise UndoError("this merge was fused permanently (undo='none'): it cannot be rewritten")
         weight = self.module.weight.data
         with torch.no_grad():
-            if weight.dtype == torch.float32 and len(self.contributions) == 1 and weight.is_contiguous():
-                rows = weight.view(weight.shape[0], -1)
-                if not fresh:
-                    rows.copy_(self.weight_backup.view_as(rows))
-                pp, piece = self.contributions[0]
-                target = rows[piece.dst_start : piece.dst_start + piece.length]
-                self._add(target, pp, piece)
-            else:
-                acc_dtype = torch.promote_types(weight.dtype, torch.float32)  # fp64 weights keep fp64
-                acc = self.weight_backup.reshape(weight.shape[0], -1).to(acc_dtype, copy=True)
-                for pp, piece in self.contributions:
-                    self._add(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece)
-                weight.copy_(acc.view(weight.shape))
-            refuse_non_finite(weight, self.weight_backup, self.adapters)
+            rows = weight.view(weight.shape[0], -1) if weight.is_contiguous() else weight.reshape(weight.shape[0], -1)
+            terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
+            record, merged, original = self._merge(rows, terms, None if fresh else self.record)
+            refuse_non_finite(merged, original, self.adapters)  # before the weight is touched
+            del original
+            self.record, self.terms = record, terms
+            weight.copy_(merged.view(weight.shape))
+            del merged
             self._write_bias()
+        self._report()
 
-    def _add(self, target: torch.Tensor, pp: PlannedPart, piece: Piece) -> None:
-        # The original rows, never the partly merged ones: contributions are independent and summed.
-        add_contribution(target, pp, piece, self.weight_backup.reshape(self.weight_backup.shape[0], -1))
+    def _merge(self, rows: torch.Tensor, terms: list[Term], old: Record | None,
+               ) -> tuple[Record, torch.Tensor, torch.Tensor]:
+        """W', its record and W; `old` (a rewrite): the record W comes back from first (the weight holds W')."""
+        if any(pp.part.family == "set" for pp, _ in self.contributions):
+            return self._merge_over(rows, terms, old)
+        # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
+        kind = "auto" if self.undo_with.kind in ("source", "none") else self.undo_with.kind
+        if any(pp.part.family == "combined" for pp, _ in self.contributions):  # ties/dare: inner strengths live
+            kind = "copy"  # in their sources, which a strength change rewrites: only a copy is safe
+        needs_base = any(pp.family.needs_base for pp, _ in self.contributions)
+        chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
+        prior, base, keep = None, rows, None
+        if isinstance(old, CompactRecord) and rows.is_contiguous():  # W rebuilt block by block beside W'
+            old_terms = self.terms
+            prior = (old, rows, lambda b, r0, r1: self._delta(b, old_terms, r0, r1))
+            base = torch.empty_like(rows)
+        elif old is not None:
+            self._restore_weight()  # W back in place from its copy or its file; those records stay valid
+            keep = old if isinstance(old, SourceRecord) or (isinstance(old, CopyRecord) and kind == "copy") else None
+        elif self.undo_with.kind == "source" and self.undo_with.sources is not None:
+            keep = self.undo_with.sources.record(*self.layer, rows)  # checked against the file's bytes
+        with recorded_threads(old.threads if prior is not None else torch.get_num_threads()):
+            merged, record = merge_with_record(base, lambda b, r0, r1: self._delta(b, terms, r0, r1),
+                                               "none" if keep is not None else kind, chunk, needs_base,
+                                               self.undo_with.on_device, prior)
+        return (keep if keep is not None else record), merged, base
+
+    def _merge_over(self, rows: torch.Tensor, terms: list[Term], old: Record | None,
+                    ) -> tuple[Record, torch.Tensor, torch.Tensor]:
+        """Weight replacement reads W in its target (to write t itself, not W + (t - W)): added over W, copied."""
+        if old is not None:
+            self._restore_weight()
+        acc = rows.to(acc_dtype(rows.dtype), copy=True)
+        for pp, piece, strength, scale in terms:
+            add_contribution(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece, rows,
+                             strength=strength, scale=scale)
+        record = old if isinstance(old, (CopyRecord, SourceRecord)) else CopyRecord(host_copy(rows, self.undo_with.on_device))
+        return record, acc.to(rows.dtype), rows
+
+    @staticmethod
+    def _delta(base: torch.Tensor, terms: list[Term], r0: int, r1: int) -> torch.Tensor:
+        """Σ coeff·ΔW of rows [r0, r1) (fp32; fp64 weights: fp64); `base` (out, in·k) is what W-dependent families
+        read. Contributions are independent and summed; the same call undoes a compact record."""
+        delta = torch.zeros((r1 - r0, *base.shape[1:]), dtype=acc_dtype(base.dtype), device=base.device)
+        for pp, piece, strength, scale in terms:
+            lo, hi = max(r0, piece.dst_start), min(r1, piece.dst_start + piece.length)
+            if lo >= hi:
+                continue
+            part = piece if (lo, hi) == (piece.dst_start, piece.dst_start + piece.length) else replace(
+                piece, src_start=piece.src_start + lo - piece.dst_start, dst_start=lo, length=hi - lo)
+            add_contribution(delta[lo - r0 : hi - r0], pp, part, base, strength=strength, scale=scale)
+        return delta
+
+    def _report(self) -> None:
+        if self.entry is not None:
+            self.entry.undo, self.entry.undo_bytes = self.undo_kind, self.undo_bytes
 
     def _write_bias(self) -> None:
         deltas = []
@@ -100,8 +230,8 @@ class MergedModule:
             return
         bias = self.module.bias
         if self.bias_backup is None:
-            self.bias_backup = bias.detach().clone()
-        acc = self.bias_backup.to(torch.promote_types(bias.dtype, torch.float32), copy=True)
+            self.bias_backup = host_copy(bias, self.undo_with.on_device)
+        acc = self.bias_backup.to(bias.device, acc_dtype(bias.dtype), copy=True)
         for piece, b, coeff in deltas:
             acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coeff)
         bias.data.copy_(acc)
@@ -127,12 +257,13 @@ def needs_bias(contributions: list[Contribution]) -> bool:
     return any(bias_of(pp, piece) is not None for pp, piece in contributions)
 
 
-def merge_module(module: torch.nn.Module, contributions: list[Contribution], record) -> MergedModule:
+def merge_module(module: torch.nn.Module, contributions: list[Contribution], record,
+                 undo: UndoSettings | None = None, layer: tuple[str, str] = ("", "")) -> MergedModule:
     """Merge into `module`; the undo record goes to `record` (a list's append, or a journal's record) before the
-    weight is touched."""
+    weight is touched. undo: the record kind (apply's `undo`); layer: (component, path), where a source is."""
     if needs_bias(contributions) and getattr(module, "bias", None) is None:
         raise ValueError("adapter carries a bias delta but the module has no bias")
-    merged = MergedModule(module, contributions, module.weight.detach().clone())
+    merged = MergedModule(module, contributions, undo or UndoSettings(), layer)
     merged.adapters = adapter_names(contributions)
     if not hasattr(module, STACK_ATTR):
         setattr(module, STACK_ATTR, [])

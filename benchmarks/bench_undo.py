@@ -1,0 +1,78 @@
+"""Undo records of merges (apply(undo=...)): merge, strength change and undo time, full copy vs compact record.
+
+Model: bench_switch's Flux-shaped stack, 500 x Linear(1024, 1024) fp32 (2 GiB), built twice (same seed).
+Adapter: bench_switch's rank-16 LoRA on every layer (‖ΔW‖ ≈ 2 % of ‖W‖). One model is merged with
+undo="copy" (a full copy of every touched weight: the record loraweave kept before compact records), the other
+with undo="auto" (per layer the smaller of compact and copy; here every layer is compact). Timed:
+
+  strength      handle.set_strength("A", s) on each live merge (alternating 0.5 / 1.5), round-robin with the
+                order rotated per round (medians)
+  apply/remove  the merge and the undo of each model, once (single samples: each is seconds long)
+
+Undo bytes are printed too. Target: a merge-mode strength change with compact records no slower than with
+full copies. Memory: two models and one set of copies (~6 GiB).
+
+    .venv/bin/python benchmarks/bench_undo.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import benchutil  # first: re-execs with the malloc settings before torch is loaded
+from bench_switch import BLOCKS, PER_BLOCK, WIDTH, build, lora
+from benchutil import Variant, interleaved, median, table
+
+KINDS = ("copy", "auto")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="3 rounds instead of 9")
+    rounds = 3 if ap.parse_args().quick else 9
+    benchutil.setup_torch()
+    benchutil.header(f"bench_undo: {BLOCKS * PER_BLOCK} layers {WIDTH}x{WIDTH} fp32, rank-16 LoRA, merge mode")
+    import time
+
+    import loraweave
+    from loraweave.spec import AdapterSpec
+
+    models = {kind: build() for kind in KINDS}
+    spec = AdapterSpec(lora(models["copy"], 1), name="A")
+    handles, once = {}, {}
+    for kind in KINDS:
+        t0 = time.perf_counter()
+        handles[kind] = loraweave.apply(models[kind], spec, mode="merge", undo=kind)
+        once[f"apply {kind}"] = time.perf_counter() - t0
+    state = {kind: 0.5 for kind in KINDS}
+
+    def strength(kind):
+        def run():
+            state[kind] = 2.0 - state[kind]
+            handles[kind].set_strength("A", state[kind])
+        return run
+
+    variants = [Variant(f"strength {kind}", strength(kind)) for kind in KINDS]
+    times = interleaved(variants, rounds=rounds, warmup=1, log=False, collect=False)
+    touched = sum(m.weight.numel() * m.weight.element_size() for m in models["copy"].modules() if hasattr(m, "weight"))
+    undo_bytes = {kind: handles[kind].report.undo_bytes() for kind in KINDS}
+    for kind in KINDS:
+        t0 = time.perf_counter()
+        handles[kind].remove()
+        once[f"remove {kind}"] = time.perf_counter() - t0
+    rows = []
+    for op in ("apply", "strength", "remove"):
+        ref = median(times["strength copy"]) if op == "strength" else once[f"{op} copy"]
+        for kind in KINDS:
+            med = median(times[f"strength {kind}"]) if op == "strength" else once[f"{op} {kind}"]
+            rows.append([op, kind, f"{med * 1e3:.0f}", f"{med / ref:.2f}x"])
+    print(benchutil.noise_line())
+    print(table(["operation", "undo", "ms (strength: median)", "vs copy"], rows))
+    for kind in KINDS:
+        print(f"undo bytes {kind}: {undo_bytes[kind] / 2**20:.1f} MiB = {undo_bytes[kind] / touched:.3f} of touched weights")
+    ratio = median(times["strength auto"]) / median(times["strength copy"])
+    print(f"target: strength change with compact records <= full-copy path: {ratio:.2f}x {'PASS' if ratio <= 1 else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""Undo records of merged layers (mechanisms/undo.py): every kind restores the weight bit for bit.
+
+Compared bitwise (integer views: -0.0 vs 0.0 and fp8 count), across dtypes, strengths, families, fused-row
+targets and a grown input; strength changes and switches reuse the records without drift; `undo="source"`
+re-reads the model's safetensors file and refuses a file that changed."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+
+import pytest
+import torch
+from helpers import gen, rel_err
+from safetensors.torch import save_file
+from test_family_dora import dora_sd
+from test_family_lokr import lokr_sd
+from test_family_oft import lin_model, oft_sd
+from torch import nn
+
+import loraweave
+from loraweave.errors import UndoError
+from loraweave.io.safetensors_file import read_safetensors_header
+from loraweave.mechanisms import undo as undo_mod
+from loraweave.mechanisms.undo import bits
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+STRENGTHS = [0.1, 1.0, 4.0, -1.0]
+KINDS = ["compact", "copy", "auto", "source"]
+
+
+def state_bits(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: bits(v.detach()).clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def assert_same_bits(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    now = state_bits(model)
+    assert now.keys() == before.keys()
+    for k, v in now.items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), f"{k} differs bitwise"
+
+
+def differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(v, b[k]) for k, v in a.items())
+
+
+def net(dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """Linear layers of one dtype, wide enough for compact records to pay; a signed zero in the weight."""
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"a": nn.Linear(96, 80), "b": nn.Linear(80, 64, bias=False)}).to(dtype)
+    with torch.no_grad():
+        model.a.weight[0, :4] = torch.tensor([-0.0, 0.0, -0.0, 0.0])
+    return model
+
+
+def lora_sd(model: nn.Module, rel: float = 0.02, seed: int = 1, rank: int = 4) -> dict[str, torch.Tensor]:
+    """A LoRA with ‖ΔW‖ ≈ rel·‖W‖ on every Linear (a typical trained LoRA's order of magnitude)."""
+    g = gen(seed)
+    sd = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            a = torch.randn(rank, m.in_features, generator=g)
+            b = torch.randn(m.out_features, rank, generator=g)
+            b *= rel * m.weight.float().norm() / (b @ a).norm()
+            sd[f"{name}.lora_A.weight"], sd[f"{name}.lora_B.weight"] = a, b
+    return sd
+
+
+def source_of(model: nn.Module, tmp_path, name: str = "model.safetensors") -> str:
+    path = tmp_path / name
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return str(path)
+
+
+def apply(model, sd, kind, tmp_path, strength=1.0, **kw):
+    extra = {"undo_source": source_of(model, tmp_path)} if kind == "source" else {}
+    return loraweave.apply(model, (sd, strength), mode="merge", undo=kind, **extra, **kw)
+
+
+def kinds_of(handle) -> set[str]:
+    return {m.undo for m in handle.report.applied if m.mechanism == "merge"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("strength", STRENGTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_kind_restores_bit_for_bit(tmp_path, kind, strength, dtype):
+    model = net(dtype)
+    before = state_bits(model)
+    sd = lora_sd(model)
+    ref = copy.deepcopy(model)
+    handle = apply(model, sd, kind, tmp_path, strength)
+    if kind != "auto":
+        assert kinds_of(handle) == {kind}
+    else:
+        assert kinds_of(handle) <= {"compact", "copy"}
+    loraweave.apply(ref, (sd, strength), mode="merge", undo="copy")
+    assert_same_bits(model, state_bits(ref))  # the record kind never changes the merged weights
+    w = ref.a.weight.double()
+    expect = net(dtype).a.weight.double() + strength * (sd["a.lora_B.weight"] @ sd["a.lora_A.weight"]).double()
+    assert rel_err(w, expect) <= (1e-2 if dtype != torch.float32 else 1e-6)
+    handle.remove()
+    assert_same_bits(model, before)
+
+
+def test_compact_is_small_at_typical_strength(tmp_path):
+    """At ‖ΔW‖ ≈ 2% of ‖W‖ a compact fp16 record is a few percent of a copy; report and summary show it."""
+    model = net(torch.float16)
+    handle = apply(model, lora_sd(model), "auto", tmp_path)
+    assert kinds_of(handle) == {"compact"}
+    weight_bytes = sum(m.weight.numel() * 2 for m in (model.a, model.b))
+    assert 0 < handle.report.undo_bytes() <= 0.15 * weight_bytes
+    assert f"undo_bytes={handle.report.undo_bytes()}" in handle.report.summary()
+    assert handle.report.to_dict()["undo_bytes"] == handle.report.undo_bytes()
+    assert all(m.undo_bytes > 0 for m in handle.report.applied)
+    copy_handle = apply(net(torch.float16), lora_sd(model), "copy", tmp_path)
+    assert copy_handle.report.undo_bytes() >= weight_bytes
+
+
+def test_fp8_storage_layer(tmp_path):
+    model = net(torch.float32)
+    with torch.no_grad():
+        model.b.weight.data = model.b.weight.data.to(torch.float8_e4m3fn)
+    before = state_bits(model)
+    sd = lora_sd(net(torch.float32), rel=0.2)
+    for kind in KINDS:
+        for s in STRENGTHS:
+            handle = apply(model, sd, kind, tmp_path, s)
+            assert model.b.weight.dtype == torch.float8_e4m3fn
+            assert not torch.equal(bits(model.b.weight), before["b.weight"])
+            handle.remove()
+            assert_same_bits(model, before)
+
+
+def _family_cases():
+    model = lin_model()  # fc Linear(20, 24), cv Conv2d(8, 16, 3)
+    g = gen(9)
+    stacked_b = {"fc.lora_down.weight": torch.randn(3, 20, generator=g) * 0.1,
+                 "fc.lora_up.weight": torch.randn(24, 3, generator=g) * 0.1,
+                 "cv.lora_down.weight": torch.randn(2, 8, 3, 3, generator=g) * 0.1,
+                 "cv.lora_up.weight": torch.randn(16, 2, 1, 1, generator=g) * 0.1}
+    stacked_a = {"fc.lora_down.weight": torch.randn(2, 20, generator=g) * 0.2, "fc.lora_up.weight": torch.randn(24, 2, generator=g) * 0.2}
+    return {
+        "lokr": (model, [lokr_sd("fc", 3, alpha=None, w1=(4, 4), w2=(6, 5))]),
+        "dora": (nn.ModuleDict({"lin": nn.Linear(24, 32)}), [dora_sd(True)]),
+        "oft": (model, [oft_sd(2, alpha=None)]),
+        "stacked": (model, [stacked_a, stacked_b]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["compact", "copy", "auto", "source"])
+@pytest.mark.parametrize("family", ["lokr", "dora", "oft", "stacked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_families_restore_bit_for_bit(tmp_path, family, kind, dtype):
+    pristine, sds = _family_cases()[family]
+    model = copy.deepcopy(pristine).to(dtype)
+    before = state_bits(model)
+    for s in STRENGTHS:
+        items = [loraweave.load_adapter(sd, name=f"{family}{i}") for i, sd in enumerate(sds)]
+        extra = {"undo_source": source_of(model, tmp_path)} if kind == "source" else {}
+        handle = loraweave.apply(model, [(a, s) for a in items], mode="merge", undo=kind, strict=True, **extra)
+        assert len(handle.report.applied) >= 1
+        if kind != "auto":
+            assert kinds_of(handle) == {kind}
+        assert differs(state_bits(model), before)
+        handle.set_strength(items[0].name, -s / 2)  # rewritten from the record
+        handle.remove()
+        assert_same_bits(model, before)
+
+
+@pytest.mark.parametrize("kind", ["compact", "auto"])
+def test_chunked_delta_rows_restore(monkeypatch, tmp_path, kind):
+    """ΔW computed in blocks of a few rows (the big-layer path), fused-row pieces crossing block edges."""
+    from tiny_models import flux_forward, tiny_flux
+
+    monkeypatch.setattr(undo_mod, "CHUNK_ELEMENTS", 100)
+    import loraweave.mechanisms.merge as merge_mod
+
+    monkeypatch.setattr(merge_mod, "CHUNK_ELEMENTS", 100)
+    model = tiny_flux()
+    before = state_bits(model)
+    with torch.no_grad():
+        out_before = flux_forward(model)
+    g = gen(0)
+    stem = "diffusion_model.double_blocks.0.img_attn.qkv"
+    sd = {f"{stem}.lora_down.weight": torch.randn(4, 32, generator=g) * 0.05,
+          f"{stem}.lora_up.weight": torch.randn(96, 4, generator=g) * 0.05,
+          f"{stem}.alpha": torch.tensor(4.0)}
+    fresh = copy.deepcopy(model)
+    monkeypatch.setattr(merge_mod, "CHUNK_ELEMENTS", 1 << 18)
+    loraweave.apply(fresh, sd, mode="merge", undo="copy")
+    monkeypatch.setattr(merge_mod, "CHUNK_ELEMENTS", 100)
+    handle = loraweave.apply(model, sd, mode="merge", undo=kind, strict=True)
+    assert len(handle.report.applied) == 3  # to_q, to_k, to_v: row pieces of one fused key
+    for name in ("to_q", "to_k", "to_v"):
+        path = f"transformer_blocks.0.attn.{name}.weight"
+        assert rel_err(model.state_dict()[path], fresh.state_dict()[path]) <= 1e-6
+    for s in (0.1, 4.0, -1.0):
+        handle.set_strength(handle.report.adapters[0]["name"], s)
+    handle.remove()
+    assert_same_bits(model, before)
+    with torch.no_grad():
+        assert torch.equal(flux_forward(model), out_before)
+
+
+@pytest.mark.parametrize("kind", ["compact", "auto", "copy"])
+def test_grown_input_restores(kind):
+    from test_control_lora import _control_lora
+    from tiny_models import tiny_flux
+
+    model = tiny_flux()
+    before = state_bits(model)
+    weight_obj = model.x_embedder.weight
+    handle = loraweave.apply(model, _control_lora(model, False), mode="merge", undo=kind, strict=True)
+    grown = [m for m in handle.report.applied if m.module == "x_embedder"]
+    assert grown and model.x_embedder.weight.shape[1] == 2 * weight_obj.shape[1]
+    if kind != "auto":
+        assert grown[0].undo == kind
+    handle.set_strength(handle.report.adapters[0]["name"], 4.0)
+    handle.remove()
+    assert model.x_embedder.weight is weight_obj
+    assert_same_bits(model, before)
+
+
+def test_thousand_strength_changes_do_not_drift():
+    """1,000 random strength changes on two stacked adapters, then: merged bits equal a fresh merge at the last
+    strengths, and remove() gives back the original bits."""
+    n = int(os.environ.get("LORAWEAVE_UNDO_CHANGES", "1000"))
+    model = nn.ModuleDict({"f32": net(torch.float32), "bf16": net(torch.bfloat16, 1), "f16": net(torch.float16, 2)})
+    before = state_bits(model)
+    a = loraweave.load_adapter(lora_sd(model, seed=3), name="a")
+    b = loraweave.load_adapter(lora_sd(model, rel=0.1, seed=4), name="b")
+    handle = loraweave.apply(model, [a, b], mode="merge", undo="auto")
+    rng = random.Random(5)
+    last = {"a": 1.0, "b": 1.0}
+    for _ in range(n):
+        name = rng.choice("ab")
+        last[name] = rng.uniform(-4, 4)
+        handle.set_strength(name, last[name])
+    fresh = nn.ModuleDict({"f32": net(torch.float32), "bf16": net(torch.bfloat16, 1), "f16": net(torch.float16, 2)})
+    loraweave.apply(fresh, [(a, last["a"]), (b, last["b"])], mode="merge", undo="copy")
+    assert_same_bits(model, state_bits(fresh))
+    handle.remove()
+    assert_same_bits(model, before)
+
+
+def test_switch_in_merge_mode_uses_the_records():
+    model = net(torch.bfloat16)
+    before = state_bits(model)
+    a = loraweave.load_adapter(lora_sd(model, seed=3), name="a")
+    b = loraweave.load_adapter(lora_sd(model, seed=4), name="b")
+    handle = loraweave.apply(model, a, mode="merge", undo="compact")
+    handle.switch([(a, 0.5)])  # same structure, new strength: rewritten from the compact record
+    assert handle.last_switch["kept"] == 2 and kinds_of(handle) == {"compact"}
+    handle.switch([b])  # rebuilt: a undone from its record, b merged with a new one
+    assert kinds_of(handle) == {"compact"}
+    fresh = net(torch.bfloat16)
+    loraweave.apply(fresh, b, mode="merge")
+    assert_same_bits(model, state_bits(fresh))
+    handle.remove()
+    assert_same_bits(model, before)
+
+
+# ----------------------------------------------------------------------------------------- undo="source"
+
+
+def _saved_unet(tmp_path):
+    from diffusers import UNet2DConditionModel
+    from tiny_models import tiny_sdxl_unet
+
+    tiny_sdxl_unet().save_pretrained(tmp_path / "unet")
+    return UNet2DConditionModel.from_pretrained(str(tmp_path / "unet")), tmp_path / "unet"
+
+
+def _saved_state(before: dict[str, torch.Tensor], unet) -> dict[str, torch.Tensor]:
+    """The state as saved (before the merge), from its bits."""
+    return {k: b.view(unet.state_dict()[k].dtype).contiguous() for k, b in before.items()}
+
+
+def _unet_lora(unet) -> dict[str, torch.Tensor]:
+    g = gen(2)
+    sd = {}
+    for name, m in unet.named_modules():
+        if isinstance(m, nn.Linear) and ".attn1." in name:
+            sd[f"{name}.lora_A.weight"] = torch.randn(2, m.in_features, generator=g) * 0.1
+            sd[f"{name}.lora_B.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.1
+    return sd
+
+
+def test_source_found_from_from_pretrained(tmp_path):
+    unet, _ = _saved_unet(tmp_path)
+    before = state_bits(unet)
+    handle = loraweave.apply(unet, _unet_lora(unet), mode="merge", undo="source", strict=True)
+    assert kinds_of(handle) == {"source"} and handle.report.undo_bytes() == 0
+    handle.remove()
+    assert_same_bits(unet, before)
+
+
+@pytest.mark.parametrize("change", ["rewritten", "same_size_and_mtime"])
+def test_source_refuses_a_changed_file(tmp_path, change):
+    unet, folder = _saved_unet(tmp_path)
+    before = state_bits(unet)
+    handle = loraweave.apply(unet, _unet_lora(unet), mode="merge", undo="source", strict=True)
+    merged = state_bits(unet)
+    (path,) = folder.glob("*.safetensors")
+    st = os.stat(path)
+    if change == "rewritten":  # one weight fine-tuned and saved again: the one undone last, so the stat check
+        first = handle._merged[0].record.name  # must refuse before the others are restored
+        sd = {k: v + 1 if k == first else v for k, v in unet.state_dict().items()}
+        sd.update({k: v for k, v in _saved_state(before, unet).items() if k != first})
+        save_file(sd, str(path), metadata={"format": "pt"})  # same header size: only that tensor's bytes move
+        with pytest.raises(UndoError, match="changed since the merge"):
+            handle.remove()
+        assert_same_bits(unet, merged)  # refused before anything was touched
+        assert handle.active
+    else:  # bytes of a merged tensor edited in place, size and mtime put back: the tensor hash catches it
+        header, _, start = read_safetensors_header(path)
+        key = next(k for k in sorted(header) if ".attn1.to_q.weight" in k)
+        begin = start + header[key][2]
+        data = bytearray(path.read_bytes())
+        data[begin : begin + 8] = bytes(x ^ 0xFF for x in data[begin : begin + 8])
+        path.write_bytes(bytes(data))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(UndoError, match=f"{key}.*changed since the merge"):
+            handle.remove()
+    assert differs(before, merged)
+
+
+def test_source_without_files_is_refused_before_touching():
+    model = net(torch.float16)
+    before = state_bits(model)
+    with pytest.raises(UndoError, match="undo='source' found no safetensors file"):
+        loraweave.apply(model, lora_sd(model), mode="merge", undo="source")
+    assert_same_bits(model, before)
+
+
+def test_source_falls_back_where_the_file_holds_another_weight(tmp_path):
+    """A layer whose file tensor is not its weight (edited after load) gets the smallest other record."""
+    model = net(torch.float16)
+    path = source_of(model, tmp_path)
+    with torch.no_grad():
+        model.b.weight.mul_(2)
+    before = state_bits(model)
+    handle = loraweave.apply(model, lora_sd(model), mode="merge", undo="source", undo_source=path)
+    kinds = {m.module: m.undo for m in handle.report.applied}
+    assert kinds["a"] == "source" and kinds["b"] in ("compact", "copy")
+    handle.remove()
+    assert_same_bits(model, before)
+
+
+# ------------------------------------------------------------------------------------------- undo="none"
+
+
+def test_none_is_a_permanent_fuse():
+    model = net(torch.float16)
+    before = state_bits(model)
+    handle = loraweave.apply(model, lora_sd(model), mode="merge", undo="none")
+    fused = state_bits(model)
+    assert differs(fused, before)
+    assert kinds_of(handle) == {"none"} and handle.report.undo_bytes() == 0
+    with pytest.raises(UndoError, match="fused permanently"):
+        handle.set_strength(handle.report.adapters[0]["name"], 0.5)
+    assert_same_bits(model, fused)
+    handle.remove()
+    assert_same_bits(model, fused)  # the merge stays
+
+
+def test_bad_undo_arguments():
+    model = net(torch.float32)
+    with pytest.raises(ValueError, match="undo must be one of"):
+        loraweave.apply(model, lora_sd(model), mode="merge", undo="maybe")
+    with pytest.raises(ValueError, match="undo_source is read only with undo='source'"):
+        loraweave.apply(model, lora_sd(model), mode="merge", undo="auto", undo_source="x.safetensors")
+
+
+# ------------------------------------------------------------------------------ negative controls: records
+
+
+def test_compact_record_detects_a_different_delta():
+    """Negative control: restoring with another ΔW than the merge used is caught by the witnesses."""
+    model = net(torch.float16)
+    handle = loraweave.apply(model, lora_sd(model, rel=0.3), mode="merge", undo="compact")
+    rec = handle._merged[0]
+    rec.terms = [(pp, piece, strength * 1.5, scale) for pp, piece, strength, scale in rec.terms]
+    with pytest.raises(UndoError, match="did not reproduce the original weight"):
+        rec.restore()
+
+
+def test_compact_record_refuses_a_weight_edited_outside():
+    model = net(torch.float16)
+    handle = loraweave.apply(model, lora_sd(model, rel=0.3), mode="merge", undo="compact")
+    with torch.no_grad():
+        model.a.weight.add_(1)
+    with pytest.raises(UndoError, match="changed outside loraweave"):
+        handle.remove()
+
+
+# --------------------------------------------------------------------------------- transactional apply
+
+from test_robustness import N_MODULES, Net, _check_restored, _fail_on_call, _full_adapter, _snapshot  # noqa: E402
+
+
+def _net_source(model, tmp_path):
+    return {"undo_source": source_of(model, tmp_path)}
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before_write", "after_write"])
+@pytest.mark.parametrize("nth", [1, 3, N_MODULES])
+@pytest.mark.parametrize("kind", ["compact", "copy", "auto", "source", "none"])
+def test_fault_at_any_layer_restores_every_record_kind(monkeypatch, tmp_path, kind, nth, after):
+    model = Net()
+    before, out_before, conv_before = _snapshot(model)
+    extra = _net_source(model, tmp_path) if kind == "source" else {}
+    cls = loraweave.mechanisms.merge.MergedModule
+    monkeypatch.setattr(cls, "write", _fail_on_call(nth, RuntimeError, cls.write, after=after))
+    with pytest.raises(RuntimeError, match="injected"):
+        loraweave.apply(model, _full_adapter(False), mode="merge", undo=kind, **extra)
+    _check_restored(model, before, out_before, conv_before)
+
+
+@pytest.mark.parametrize("kind", ["compact", "auto", "none"])
+@pytest.mark.parametrize("nth", [1, 2, 4])
+def test_fault_while_building_a_compact_record(monkeypatch, kind, nth):
+    """The failure lands while the record is being encoded (the weight is not written yet)."""
+    model = Net()
+    before, out_before, conv_before = _snapshot(model)
+    monkeypatch.setattr(undo_mod, "_compact", _fail_on_call(nth, KeyboardInterrupt, undo_mod._compact))
+    with pytest.raises(KeyboardInterrupt):
+        loraweave.apply(model, _full_adapter(False), mode="merge", undo=kind)
+    _check_restored(model, before, out_before, conv_before)
+
+
+def test_fault_on_the_fusing_step_restores(monkeypatch):
+    """undo="none" drops the records only after every layer landed; a failure before that restores."""
+    model = Net()
+    before, out_before, conv_before = _snapshot(model)
+    cls = loraweave.mechanisms.merge.MergedModule
+    monkeypatch.setattr(cls, "fuse", _fail_on_call(1, RuntimeError, cls.fuse))
+    with pytest.raises(RuntimeError, match="injected"):
+        loraweave.apply(model, _full_adapter(False), mode="merge", undo="none")
+    _check_restored(model, before, out_before, conv_before)
