@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from .cli_generate import add_generate
+from .cli_serve import add_serve
 from .cli_support import (
     add_common,
     configure_logging,
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_tools(sub)
     add_generate(sub)
+    add_serve(sub)
     with_exit_status(parser, sub)
     return parser
 

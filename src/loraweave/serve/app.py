@@ -1,0 +1,153 @@
+"""The Ray Serve application: an HTTP ingress that checks requests, and renderer replicas that multiplex adapters.
+
+The ingress resolves adapter names in the folder (unknown names and paths outside it are refused there, 4xx) and
+sends each request to the renderers with its adapter set as the `multiplexed_model_id`, so Ray routes it to a
+replica that already holds those adapters. A renderer loads a set through `@serve.multiplexed` (LRU) and renders
+the requests `@serve.batch` gathers in one pipeline call, each sample with its own adapters (`Handle.batch`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .engine import AdapterFolder, Engine, ServeRequest, ServeRequestError, parse_request
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    lora_dir: str
+    replicas: int = 1
+    max_adapters_per_replica: int = 8
+    max_batch: int = 8
+    batch_wait_s: float = 0.05
+    threads: int = 1  # torch threads per replica
+    cpus_per_replica: float = 1.0
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Renderer:
+    def __init__(self, options: ServeOptions) -> None:
+        import torch
+
+        torch.set_num_threads(options.threads)
+        self.engine = Engine(options.model, options.lora_dir, options.max_adapters_per_replica)
+        self.lock = threading.Lock()  # one thread touches the pipeline at a time (loads and renders)
+        self.loaded: dict[str, int] = {}  # adapter set -> times loaded on this replica
+        self.replica = _replica_id()
+        self.render_batch.set_max_batch_size(options.max_batch)
+        self.render_batch.set_batch_wait_timeout_s(options.batch_wait_s)
+
+        async def load(adapter_set: str) -> str:  # a closure: Ray keeps its LRU on the function object
+            return await self._load(adapter_set)
+
+        # Wired at init so that the LRU size is the configured one (Ray detects instance attributes too).
+        self.get_adapters = serve.multiplexed(max_num_models_per_replica=options.max_adapters_per_replica)(load)
+
+    def _ensure(self, names: list[str]) -> bool:
+        with self.lock:
+            return all(self.engine.store.ensure(names))
+
+    async def _load(self, adapter_set: str) -> str:
+        names = adapter_set.split("+") if adapter_set else []
+        await asyncio.to_thread(self._ensure, names)
+        self.loaded[adapter_set] = self.loaded.get(adapter_set, 0) + 1
+        return adapter_set
+
+    async def render(self, req: ServeRequest) -> dict:
+        adapter_set = serve.get_multiplexed_model_id()  # "" (not multiplexed) for a request without adapters
+        load = "none"
+        if adapter_set:
+            before = self.loaded.get(adapter_set, 0)
+            try:
+                await self.get_adapters(adapter_set)
+            except ServeRequestError as exc:  # does not fit the model, or too many adapters at once
+                return {"error": str(exc), "status": 422}
+            load = "hit" if self.loaded.get(adapter_set, 0) == before else "miss"
+        with _any_adapter_batch():
+            result = await self.render_batch(req)
+        result["metrics"] |= {"adapter_load": load, "replica": self.replica}
+        return result
+
+    def _run(self, reqs: list[ServeRequest]) -> list[dict]:
+        with self.lock:
+            return self.engine.run(reqs)
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
+    async def render_batch(self, reqs: list[ServeRequest]) -> list[dict]:
+        started = time.time()
+        results = await asyncio.to_thread(self._run, reqs)
+        seconds = time.time() - started
+        for req, res in zip(reqs, results, strict=True):
+            res["metrics"] = {"queue_s": round(started - req.received, 4), "batch_size": res.pop("batch_size"),
+                              "batch_sets": res.pop("batch_sets"),
+                              "render_s": round(seconds, 4), "batch_requests": len(reqs)}
+        return results
+
+    def health(self) -> dict:
+        store = self.engine.store
+        return {"replica": self.replica, "resident": list(store.resident), "capacity": store.capacity,
+                "adapter_loads": store.loads}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Ingress:
+    def __init__(self, renderer, lora_dir: str) -> None:
+        self.renderer = renderer
+        self.folder = AdapterFolder(lora_dir)
+
+    async def __call__(self, request: Request) -> JSONResponse:
+        if request.url.path.rstrip("/").endswith("/health"):
+            replica = await self.renderer.health.remote()
+            return JSONResponse({"status": "ok", "replica": replica})
+        received = time.time()
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "the request body must be JSON"}, status_code=400)
+        try:
+            req = parse_request(body, self.folder)
+        except ServeRequestError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        req.received = received
+        renderer = self.renderer.options(multiplexed_model_id=req.adapter_set) if req.adapter_set else self.renderer
+        result = await renderer.render.remote(req)
+        if "error" in result:
+            return JSONResponse({"error": result["error"]}, status_code=result.get("status", 422))
+        return JSONResponse(result)
+
+
+@contextlib.contextmanager
+def _any_adapter_batch():
+    """Ray Serve splits `@serve.batch` batches by multiplexed model id; loraweave's per-sample batches mix adapter
+    sets exactly, so the batch call is made without the id (routing and the adapter LRU still used it)."""
+    from ray.serve import context as serve_context
+
+    current = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(dataclasses.replace(current, multiplexed_model_id=""))
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
+
+
+def _replica_id() -> str:
+    context = serve.get_replica_context()
+    replica = getattr(context, "replica_id", None)
+    return getattr(replica, "unique_id", None) or str(getattr(context, "replica_tag", "?"))
+
+
+def application(options: ServeOptions):
+    """The bound application (ingress + renderers) for `serve.run`."""
+    renderer = Renderer.options(
+        num_replicas=options.replicas, ray_actor_options={"num_cpus": options.cpus_per_replica},
+    )
+    return Ingress.bind(renderer.bind(options), options.lora_dir)
