@@ -5,8 +5,8 @@ Per kind: merge time, peak RSS growth during the merge (/proc/self/clear_refs + 
 the merge (gc + malloc_trim(0)), undo time; ratios against undo="copy" (a full copy of every touched weight,
 the record loraweave kept before compact records) measured in the same run. Each kind runs `--repeats` times
 (medians). Issue-15 targets: resident growth <= 10 % of touched bytes, peak growth <= largest layer + 10 % of
-touched bytes, merge time <= 1.3x the full-copy path. Children run with a fixed
-MALLOC_MMAP_THRESHOLD_ so that freed temporaries leave the resident set at once. (The full-size SDXL version is bench_undo_sdxl.py.)
+touched bytes, merge time <= 1.3x the full-copy path. Memory is measured in children with a fixed
+MALLOC_MMAP_THRESHOLD_ (freed temporaries leave the resident set at once), times in children with glibc's defaults. (The full-size SDXL version is bench_undo_sdxl.py.)
 
     .venv/bin/python benchmarks/bench_undo_memory.py [--layers 40] [--repeats 3] [--kinds copy,auto,compact]
 """
@@ -81,18 +81,23 @@ def main() -> None:
     if args.child:
         return child(args.child, args.layers)
     kinds = args.kinds.split(",")
-    # A fixed mmap threshold: freed large blocks go back to the OS at once, so VmHWM is the live peak, not
-    # glibc's heap keeping freed temporaries (its dynamic threshold otherwise rises to 32 MiB after the first free).
-    env = {**os.environ, "PYTHONPATH": SRC, "SDNQ_USE_TORCH_COMPILE": "0", "MALLOC_MMAP_THRESHOLD_": "131072"}
-    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    base_env = {**os.environ, "PYTHONPATH": SRC, "SDNQ_USE_TORCH_COMPILE": "0"}
+    # Memory pass: a fixed mmap threshold returns freed large blocks to the OS at once, so VmHWM is the live peak
+    # (glibc's dynamic threshold otherwise rises to 32 MiB and keeps freed temporaries resident). Timing pass:
+    # glibc's defaults, since the fixed threshold page-faults every temporary and would bias the times.
+    passes = {"memory": {**base_env, "MALLOC_MMAP_THRESHOLD_": "131072"}, "timing": base_env}
+    runs: dict[str, dict[str, list[dict]]] = {p: {k: [] for k in kinds} for p in passes}
     for _ in range(args.repeats):  # interleaved, so load changes hit every kind alike
-        for kind in kinds:
-            out = subprocess.run([sys.executable, __file__, "--child", kind, "--layers", str(args.layers)],
-                                 env=env, capture_output=True, text=True, check=True).stdout
-            runs[kind].append(json.loads(out.strip().splitlines()[-1]))
+        for name, env in passes.items():
+            for kind in kinds:
+                out = subprocess.run([sys.executable, __file__, "--child", kind, "--layers", str(args.layers)],
+                                     env=env, capture_output=True, text=True, check=True).stdout
+                runs[name][kind].append(json.loads(out.strip().splitlines()[-1]))
     touched = args.layers * WIDTH * WIDTH * 2 / 2**20
     largest = WIDTH * WIDTH * 2 / 2**20
-    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
+    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs["memory"].items()}
+    for k, v in runs["timing"].items():  # times from the timing pass
+        med[k].update({f: statistics.median(r[f] for r in v) for f in ("merge_s", "undo_s")})
     base = med.get("copy")
     print(f"bench_undo_memory: {args.layers} x Linear({WIDTH}^2) fp16, rank {RANK}, touched {touched:.0f} MiB, "
           f"largest layer {largest:.0f} MiB, medians of {args.repeats}")
