@@ -124,3 +124,20 @@ def reason_prefixes(report) -> dict[str, int]:
     from collections import Counter
 
     return dict(Counter(u.reason.split(":", 1)[0] for u in report.unmatched))
+
+
+def fail_on_call(n: int, exc: type[BaseException], real, after: bool = False):
+    """`real` wrapped to raise `exc` on its n-th call (before it runs, or after with `after`): fault injection."""
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n and not after:
+            raise exc(f"injected failure on call {n}")
+        out = real(*args, **kwargs)
+        if calls["n"] == n and after:
+            raise exc(f"injected failure after call {n}")
+        return out
+
+    wrapper.calls = calls
+    return wrapper

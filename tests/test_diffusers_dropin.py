@@ -28,13 +28,7 @@ SCALE_KW = {"flux": "joint_attention_kwargs", "zimage": "joint_attention_kwargs"
 BLOCK_DICT = {"unet": {"down": 0.6, "mid": 0.3, "up": {"block_0": [0.2, 0.5, 0.8]}}}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models: one thread is ~10x faster than two on a loaded 2-core machine (spin-waiting workers).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

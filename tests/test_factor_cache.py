@@ -9,10 +9,12 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_quant_sdnq import OUT_A, OUT_B, float_model, lokr, one_thread, quantized  # noqa: F401 - autouse fixture
+from test_quant_sdnq import OUT_A, OUT_B, float_model, lokr, quantized
 
 import loraweave
 from loraweave.mechanisms.factor_cache import FactorCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
 

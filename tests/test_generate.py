@@ -25,13 +25,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 COMMON = ["--steps", "3", "-W", "32", "-H", "32", "--cfg", "5", "-s", "7", "-n", "blurry"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """2 shared cores: tiny models run ~10x slower and noisier with more than one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

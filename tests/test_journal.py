@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import fail_on_call
 from test_hostile import Net, lora, no_hooks, same, state
 
 import loraweave
@@ -14,22 +15,6 @@ import loraweave.mechanisms.runtime
 from loraweave.journal import Journal
 
 A, B, C = lora(["fc1", "fc2"], 1), lora(["fc2", "fc3"], 2), lora(["fc1", "fc3"], 3)
-
-
-def fail_on_call(n: int, exc: type[BaseException], real, after: bool = False):
-    calls = {"n": 0}
-
-    def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n and not after:
-            raise exc(f"injected failure on call {n}")
-        out = real(*args, **kwargs)
-        if calls["n"] == n and after:
-            raise exc(f"injected failure after call {n}")
-        return out
-
-    wrapper.calls = calls
-    return wrapper
 
 
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])

@@ -20,7 +20,6 @@ from test_quant_sdnq import (
     layer_outputs,
     lokr,
     lora,
-    one_thread,  # noqa: F401 - autouse fixture
     quantized,
     snapshot,
 )
@@ -29,6 +28,8 @@ import loraweave
 
 os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
 from sdnq.utils import get_sdnq_params  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def dequantized(layer) -> torch.Tensor:

@@ -39,13 +39,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """2 shared cores: small multi-threaded LAPACK calls (QR in the randomized SVD) stall ~100x under contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def float_model(seed: int = 0) -> nn.Module:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import fail_on_call
 from safetensors.torch import save_file
 from torch import nn
 
@@ -599,22 +600,6 @@ def _full_adapter(quant: bool) -> dict[str, torch.Tensor]:
 N_MODULES = 5  # fc1, fc2, fp16, conv, block.proj (+ q when quant)
 
 
-def _fail_on_call(n: int, exc: type[BaseException], real, after: bool = False):
-    calls = {"n": 0}
-
-    def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n and not after:
-            raise exc(f"injected failure on call {n}")
-        out = real(*args, **kwargs)
-        if calls["n"] == n and after:
-            raise exc(f"injected failure after call {n}")
-        return out
-
-    wrapper.calls = calls
-    return wrapper
-
-
 def _check_restored(model: nn.Module, before: nn.Module, out_before: torch.Tensor, conv_before: torch.Tensor) -> None:
     assert_untouched(model, before)
     with torch.no_grad():
@@ -644,7 +629,7 @@ def test_merge_write_failing_midway_restores_everything(monkeypatch, mode, nth, 
     model = Net(quant=quant)
     before, out_before, conv_before = _snapshot(model)
     real = loraweave.mechanisms.merge.MergedModule.write
-    wrapper = _fail_on_call(nth, exc, real, after=after)
+    wrapper = fail_on_call(nth, exc, real, after=after)
     monkeypatch.setattr(loraweave.mechanisms.merge.MergedModule, "write", wrapper)
     with pytest.raises(exc, match="injected"):
         loraweave.apply(model, _full_adapter(quant), mode=mode)
@@ -661,7 +646,7 @@ def test_merge_module_failing_midway_restores_everything(monkeypatch, mode, nth,
     quant = mode == "auto"
     model = Net(quant=quant)
     before, out_before, conv_before = _snapshot(model)
-    wrapper = _fail_on_call(nth, exc, loraweave.applying.merge_module)
+    wrapper = fail_on_call(nth, exc, loraweave.applying.merge_module)
     monkeypatch.setattr(loraweave.applying, "merge_module", wrapper)
     with pytest.raises(exc, match="injected"):
         loraweave.apply(model, _full_adapter(quant), mode=mode)
@@ -677,10 +662,10 @@ def test_failure_inside_the_weight_update_restores_weight_and_bias(monkeypatch, 
     before, out_before, conv_before = _snapshot(model)
     if target == "add_delta":
         fam = loraweave.families.FAMILIES["lora"]
-        monkeypatch.setattr(fam, "add_delta", _fail_on_call(3, RuntimeError, fam.add_delta, after=True))
+        monkeypatch.setattr(fam, "add_delta", fail_on_call(3, RuntimeError, fam.add_delta, after=True))
     else:
         cls = loraweave.mechanisms.merge.MergedModule
-        monkeypatch.setattr(cls, "_write_bias", _fail_on_call(2, RuntimeError, cls._write_bias, after=True))
+        monkeypatch.setattr(cls, "_write_bias", fail_on_call(2, RuntimeError, cls._write_bias, after=True))
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(False), mode="merge")
     _check_restored(model, before, out_before, conv_before)
@@ -695,7 +680,7 @@ def test_runtime_attach_failing_midway_leaves_no_hook(monkeypatch, mode, nth, ex
     before, out_before, conv_before = _snapshot(model)
     real = loraweave.mechanisms.runtime.RuntimePath.attach
     n_runtime = N_MODULES + 1 if mode == "runtime" else 1
-    wrapper = _fail_on_call(min(nth, n_runtime), exc, real)
+    wrapper = fail_on_call(min(nth, n_runtime), exc, real)
     monkeypatch.setattr(loraweave.mechanisms.runtime.RuntimePath, "attach", wrapper)
     with pytest.raises(exc, match="injected"):
         loraweave.apply(model, _full_adapter(quant), mode=mode)
@@ -711,7 +696,7 @@ def test_runtime_constructor_failing_midway_leaves_no_hook(monkeypatch, mode):
     import loraweave.applying as applying  # where apply builds runtime paths (the planner builds none)
 
     real = applying.RuntimePath
-    monkeypatch.setattr(applying, "RuntimePath", _fail_on_call(3 if mode == "runtime" else 1, RuntimeError, real))
+    monkeypatch.setattr(applying, "RuntimePath", fail_on_call(3 if mode == "runtime" else 1, RuntimeError, real))
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(True), mode=mode)
     _check_restored(model, before, out_before, conv_before)
@@ -723,7 +708,7 @@ def test_auto_failure_after_merges_and_hooks_restores_both(monkeypatch):
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
     monkeypatch.setattr(loraweave.applying, "AppliedModule",
-                        _fail_on_call(N_MODULES + 1, KeyboardInterrupt, loraweave.applying.AppliedModule))
+                        fail_on_call(N_MODULES + 1, KeyboardInterrupt, loraweave.applying.AppliedModule))
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(True), mode="auto")
     _check_restored(model, before, out_before, conv_before)
@@ -736,7 +721,7 @@ def test_interrupt_landing_right_after_a_hook_is_registered_leaves_no_hook(monke
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
     real = loraweave.mechanisms.runtime.RuntimePath.attach
-    monkeypatch.setattr(loraweave.mechanisms.runtime.RuntimePath, "attach", _fail_on_call(1, KeyboardInterrupt, real, after=True))
+    monkeypatch.setattr(loraweave.mechanisms.runtime.RuntimePath, "attach", fail_on_call(1, KeyboardInterrupt, real, after=True))
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(True), mode=mode)
     _check_restored(model, before, out_before, conv_before)
@@ -746,7 +731,7 @@ def test_interrupt_landing_right_after_a_merge_is_written_restores_it(monkeypatc
     """Same window for merge: merge_module returned (weights written) but apply had not recorded it yet."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
-    monkeypatch.setattr(loraweave.applying, "merge_module", _fail_on_call(2, KeyboardInterrupt, loraweave.applying.merge_module, after=True))
+    monkeypatch.setattr(loraweave.applying, "merge_module", fail_on_call(2, KeyboardInterrupt, loraweave.applying.merge_module, after=True))
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(False), mode="merge")
     _check_restored(model, before, out_before, conv_before)
@@ -765,7 +750,7 @@ def test_nested_apply_failing_midway_keeps_the_outer_merge(monkeypatch, same_ada
     inner_adapter = outer_adapter if same_adapter else loraweave.load_adapter(_full_adapter(False), name="inner")
     cls = loraweave.mechanisms.merge.MergedModule
     with monkeypatch.context() as mp:
-        mp.setattr(cls, "write", _fail_on_call(3, exc, cls.write))
+        mp.setattr(cls, "write", fail_on_call(3, exc, cls.write))
         with pytest.raises(exc, match="injected"):
             loraweave.apply(model, (inner_adapter, 0.5), mode="merge")
     for k, v in model.state_dict().items():
@@ -817,7 +802,7 @@ def test_fused_flux_part_failing_on_its_second_module_restores_the_first(monkeyp
     for mode, cls, attr in [("merge", loraweave.mechanisms.merge.MergedModule, "write"),
                             ("runtime", loraweave.mechanisms.runtime.RuntimePath, "attach")]:
         with monkeypatch.context() as mp:
-            mp.setattr(cls, attr, _fail_on_call(2, RuntimeError, getattr(cls, attr)))
+            mp.setattr(cls, attr, fail_on_call(2, RuntimeError, getattr(cls, attr)))
             with pytest.raises(RuntimeError, match="injected"):
                 loraweave.apply(model, sd, mode=mode)
         assert_untouched(model, before)

@@ -24,15 +24,7 @@ REQUESTS = int(os.environ.get("LORAWEAVE_SERVE_REQUESTS", "20"))
 TIMEOUT_S = 120
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Replicas run torch on one thread; `generate` here must too (thread count changes float summation order)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

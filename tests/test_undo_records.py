@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from helpers import gen, rel_err
+from helpers import fail_on_call, gen, rel_err
 from safetensors.torch import save_file
 from test_family_dora import dora_sd
 from test_family_lokr import lokr_sd
@@ -398,7 +398,7 @@ def test_compact_record_refuses_a_weight_edited_outside():
 
 # --------------------------------------------------------------------------------- transactional apply
 
-from test_robustness import N_MODULES, Net, _check_restored, _fail_on_call, _full_adapter, _snapshot  # noqa: E402
+from test_robustness import N_MODULES, Net, _check_restored, _full_adapter, _snapshot  # noqa: E402
 
 
 def _net_source(model, tmp_path):
@@ -413,7 +413,7 @@ def test_fault_at_any_layer_restores_every_record_kind(monkeypatch, tmp_path, ki
     before, out_before, conv_before = _snapshot(model)
     extra = _net_source(model, tmp_path) if kind == "source" else {}
     cls = loraweave.mechanisms.merge.MergedModule
-    monkeypatch.setattr(cls, "write", _fail_on_call(nth, RuntimeError, cls.write, after=after))
+    monkeypatch.setattr(cls, "write", fail_on_call(nth, RuntimeError, cls.write, after=after))
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(False), mode="merge", undo=kind, **extra)
     _check_restored(model, before, out_before, conv_before)
@@ -425,7 +425,7 @@ def test_fault_while_building_a_compact_record(monkeypatch, kind, nth):
     """The failure lands while the record is being encoded (the weight is not written yet)."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
-    monkeypatch.setattr(undo_mod, "_compact", _fail_on_call(nth, KeyboardInterrupt, undo_mod._compact))
+    monkeypatch.setattr(undo_mod, "_compact", fail_on_call(nth, KeyboardInterrupt, undo_mod._compact))
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(False), mode="merge", undo=kind)
     _check_restored(model, before, out_before, conv_before)
@@ -436,7 +436,7 @@ def test_fault_on_the_fusing_step_restores(monkeypatch):
     model = Net()
     before, out_before, conv_before = _snapshot(model)
     cls = loraweave.mechanisms.merge.MergedModule
-    monkeypatch.setattr(cls, "fuse", _fail_on_call(1, RuntimeError, cls.fuse))
+    monkeypatch.setattr(cls, "fuse", fail_on_call(1, RuntimeError, cls.fuse))
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(False), mode="merge", undo="none")
     _check_restored(model, before, out_before, conv_before)

@@ -178,13 +178,9 @@ def _stem(layout: str, comp: str, name: str, denoiser: bool, components: Compone
 def _target_components(adapter: Adapter, target, arch: str | None, model: str | None) -> Components:
     if target is not None:
         return as_components(target)
-    from ..formats.detect import detect_architecture
-    from .inspect import _target, _unet_by_fit
+    from .inspect import adapter_target
 
-    detection = detect_architecture(adapter)
-    if detection.architecture == "unet" and arch is None and model is None:
-        detection = _unet_by_fit(adapter, detection, True)
-    components, why = _target(arch, model, detection.architecture, True)
+    components, why, _ = adapter_target(adapter, arch, model)
     if components is None:
         raise ConvertError(f"cannot convert without a model: {why}")
     return Components(components)

@@ -260,15 +260,11 @@ def _target_shapes(adapter, arch: str | None, model: str | None) -> dict[str, tu
     """{part stem: (in, *kernel) of the module it lands on}. Flat-stored conv factors (old LoHa/LoKr) do not say
     their kernel; the model does. Architecture: given, or detected (nothing when unknown)."""
     from ..arch.spec import module_shape
-    from ..formats.detect import detect_architecture
     from ..plan.resolve import resolve
     from ..plan.target import Components
-    from .inspect import _target, _unet_by_fit
+    from .inspect import adapter_target
 
-    detection = detect_architecture(adapter)
-    if detection.architecture == "unet" and arch is None and model is None:
-        detection = _unet_by_fit(adapter, detection, True)
-    components, _ = _target(arch, model, detection.architecture, True)
+    components, _, _ = adapter_target(adapter, arch, model)
     if components is None:
         return {}
     plan = resolve(Components(components), [(adapter, 1.0)])

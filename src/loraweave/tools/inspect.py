@@ -144,6 +144,16 @@ def _target(arch: str | None, model: str | None, detected: str, text_encoders: b
 UNET_CANDIDATES = ("sd1", "sd2", "sdxl")
 
 
+def adapter_target(adapter: Adapter, arch: str | None, model: str | None, text_encoders: bool = True):
+    """(components or None, what they are or why none, detected architecture) as `inspect` chooses them: the
+    architecture the file names, a UNet file told apart by fit, unless `arch` or `model` says otherwise."""
+    detection = detect_architecture(adapter)
+    if detection.architecture == "unet" and arch is None and model is None:
+        detection = _unet_by_fit(adapter, detection, text_encoders)
+    components, against = _target(arch, model, detection.architecture, text_encoders)
+    return components, against, detection.architecture
+
+
 def _unet_by_fit(adapter: Adapter, detection, text_encoders: bool):
     """Names alone say "a UNet"; shapes say which: the candidate on which the most keys land wins."""
     return _unet_fit(adapter, detection, text_encoders)[0]

@@ -114,17 +114,13 @@ def _row_order(components, denoiser: str | None, arch: str | None, used: set[str
 
 def _components(adapter, arch: str | None, model: str | None, text_encoders: bool):
     """(Components, architecture name) the adapter resolves against, as `inspect` chooses them."""
-    from ..formats.detect import detect_architecture
     from ..plan.target import as_components
-    from .inspect import _target, _unet_by_fit
+    from .inspect import adapter_target
 
-    detection = detect_architecture(adapter)
-    if detection.architecture == "unet" and arch is None and model is None:
-        detection = _unet_by_fit(adapter, detection, text_encoders)
-    components, against = _target(arch, model, detection.architecture, text_encoders)
+    components, against, detected = adapter_target(adapter, arch, model, text_encoders)
     if components is None:
         raise ValueError(against)
-    name = arch or (detection.architecture if model is None else "checkpoint")
+    name = arch or (detected if model is None else "checkpoint")
     return as_components(components), name
 
 

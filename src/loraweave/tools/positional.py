@@ -24,15 +24,11 @@ def name_positional(adapter: Adapter, arch: str | None = None) -> Adapter:
     UNet the file's shapes fit best); parts that do not resolve stay positional and are reported as misses."""
     if not has_positional(adapter):
         return adapter
-    from ..formats.detect import detect_architecture
     from ..plan.resolve import resolve
     from ..plan.target import Components
-    from .inspect import _shape_only, _target, _unet_by_fit
+    from .inspect import _shape_only, adapter_target
 
-    detection = detect_architecture(adapter)
-    if arch is None and detection.architecture == "unet":
-        detection = _unet_by_fit(adapter, detection, True)
-    components, against = _target(arch, None, detection.architecture, True)
+    components, against, _ = adapter_target(adapter, arch, None)
     if components is None:
         return adapter
     plan = resolve(Components(components), [(_shape_only(adapter), 1.0)])
