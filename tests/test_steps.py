@@ -12,6 +12,7 @@ from test_persample import adapter
 from tiny_models import tiny_flux
 
 import loraweave
+from loraweave.errors import ArgumentError
 from loraweave.plan.schedule import StepWindow
 
 STEPS = 6
@@ -91,7 +92,7 @@ def test_window_rule_and_validation():
                          ({"steps": (0, float("nan"))}, "finite"), ({"steps": 0.5}, "pair"),
                          ({"ramp": "cosine", "ramp_strengths": (0, 1)}, "one of"), ({"ramp": "linear"}, "needs ramp_strengths"),
                          ({"ramp_strengths": (0, 1)}, "needs ramp='linear'")]:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ArgumentError, match=message):
             loraweave.AdapterSpec({}, **bad)
 
 
@@ -105,5 +106,5 @@ def test_schedule_refusals():
     with pytest.raises(ValueError, match="merged"):
         merged.step_schedule(6)
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="total_steps"):
+        with pytest.raises(ArgumentError, match="total_steps"):
             merged.step_schedule(bad)

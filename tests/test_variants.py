@@ -10,7 +10,7 @@ from test_arch_oracle import tiny_wan
 
 import loraweave
 from loraweave import AdapterSpec
-from loraweave.errors import StrictApplyError, TargetError
+from loraweave.errors import ArgumentError, StrictApplyError, TargetError
 
 
 def _lora(model: torch.nn.Module, names: dict[str, str], seed: int = 3, rank: int = 2) -> dict[str, torch.Tensor]:
@@ -83,8 +83,9 @@ def test_default_is_the_first_expert_only_and_names_must_exist():
     assert {m.component for m in only_low.applied} == {"transformer_2"}
     with pytest.raises(TargetError, match="transformer_3"):
         loraweave.plan({"transformer": high}, AdapterSpec(sd, component_strengths={"transformer_3": 1.0}))
-    with pytest.raises(ValueError, match="component_strengths"):
-        AdapterSpec(sd, component_strengths={"transformer": float("nan")})
+    for bad in ({"transformer": float("nan")}, {"transformer": "1"}, {"transformer": True}, ["transformer"]):
+        with pytest.raises(ArgumentError, match="component_strengths"):
+            AdapterSpec(sd, component_strengths=bad)
 
 
 def test_strict_ignores_expected_absent_but_not_other_misses():

@@ -10,6 +10,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from ..errors import ArgumentError
 from ..plan.weights import is_text_encoder, part_strength
 
 log = logging.getLogger("loraweave")
@@ -21,7 +22,7 @@ class StepSchedule:
 
     def __init__(self, handle, total_steps: int) -> None:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+            raise ArgumentError(f"total_steps must be an int >= 1, got {total_steps!r}")
         if not handle.active:
             raise RuntimeError("handle was removed")
         settings = handle._settings

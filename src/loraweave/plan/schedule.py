@@ -6,8 +6,10 @@ window's first step to `last` on its last one (a one-step window gets `first`)."
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from ..arguments import number
+from ..errors import ArgumentError
 
 RAMPS = ("linear",)
 
@@ -32,30 +34,28 @@ class StepWindow:
 
 
 def _finite(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"AdapterSpec {what} must be a finite number, got {value!r}")
-    return float(value)
+    return number(value, f"AdapterSpec {what}")
 
 
 def _pair(value, what: str) -> tuple[float, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"AdapterSpec {what} must be a pair (start, end), got {value!r}")
+        raise ArgumentError(f"AdapterSpec {what} must be a pair (start, end), got {value!r}")
     return _finite(value[0], what), _finite(value[1], what)
 
 
 def check_window(steps, ramp, ramp_strengths) -> None:
-    """ValueError unless the window is valid: 0 <= start < end <= 1; a ramp is 'linear' with two strengths."""
+    """ArgumentError (a ValueError) unless the window is valid: 0 <= start < end <= 1; a ramp is 'linear' with two strengths."""
     if steps is not None:
         start, end = _pair(steps, "steps")
         if not 0.0 <= start < end <= 1.0:
-            raise ValueError(f"AdapterSpec steps must satisfy 0 <= start < end <= 1, got {tuple(steps)}")
+            raise ArgumentError(f"AdapterSpec steps must satisfy 0 <= start < end <= 1, got {tuple(steps)}")
     if ramp is not None and ramp not in RAMPS:
-        raise ValueError(f"AdapterSpec ramp must be one of {RAMPS} or None, got {ramp!r}")
+        raise ArgumentError(f"AdapterSpec ramp must be one of {RAMPS} or None, got {ramp!r}")
     if ramp is not None and ramp_strengths is None:
-        raise ValueError("AdapterSpec ramp='linear' needs ramp_strengths=(first, last)")
+        raise ArgumentError("AdapterSpec ramp='linear' needs ramp_strengths=(first, last)")
     if ramp_strengths is not None:
         if ramp is None:
-            raise ValueError("AdapterSpec ramp_strengths needs ramp='linear'")
+            raise ArgumentError("AdapterSpec ramp_strengths needs ramp='linear'")
         _pair(ramp_strengths, "ramp_strengths")
 
 
