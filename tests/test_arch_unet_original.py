@@ -184,3 +184,34 @@ def test_agrees_with_ai_toolkit_keymaps(model: str) -> None:
     disagree = {o: (d, mapping.get(o)) for o, d in pairs.items() if mapping.get(o) != d}
     assert not disagree, f"{len(disagree)} disagreements, e.g. {list(disagree.items())[:5]}"
     assert set(pairs) == set(mapping)
+
+
+def test_nonstandard_unet_leaves_original_names_unmapped(caplog):
+    """A UNet2DConditionModel whose blocks lack `resnets` (a partial folder) used to crash with an
+    AttributeError; now original names stay unmapped (typed misses) and diffusers names still land."""
+    from safetensors.torch import save_file
+    from tiny_models import tiny_sdxl_unet
+
+    import loraweave
+
+    unet = tiny_sdxl_unet()
+    del unet.down_blocks[0].resnets
+    from loraweave.arch.unet_original import _TOP_LEVEL
+
+    assert set(unet_original_names(unet)) <= set(_TOP_LEVEL)  # only names outside the blocks
+    assert "unet_original=skipped" in caplog.text
+    g = torch.Generator().manual_seed(0)
+    rows = {"lora_unet_input_blocks_4_1_proj_in": (32, 32), "lora_unet_time_embed_0": (64, 16)}
+    sd = {}
+    for name, (out_f, in_f) in rows.items():
+        sd[f"{name}.lora_down.weight"] = torch.randn(4, in_f, generator=g)
+        sd[f"{name}.lora_up.weight"] = torch.randn(out_f, 4, generator=g)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ldm.safetensors"
+        save_file(sd, str(path))
+        report = loraweave.apply(unet, str(path), mode="merge", strict=False).report
+    unmatched = {m["key"] for m in report.to_dict()["unmatched"]}
+    assert any("input_blocks_4_1_proj_in" in k for k in unmatched)
+    assert report.keys_applied == 2  # time_embed.0 is a top-level name and still lands

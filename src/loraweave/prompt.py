@@ -9,7 +9,6 @@ target leaves the folder are refused."""
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
 import os
@@ -91,6 +90,8 @@ def resolve_adapter_name(name: str, lora_dir: str | os.PathLike) -> Path:
         listing = ", ".join(sorted(str(p.relative_to(root)) for p in candidates))
         raise PromptAdapterError(f"adapter name {name!r} is ambiguous in {root}: {listing}; use the subfolder path")
     if not candidates:
+        import difflib  # only on the error path: keeps it out of `import loraweave`
+
         known = sorted({str(p.relative_to(root))[: -len(_SUFFIX)] for ps in catalogue.values() for p in ps}
                        | set(catalogue))
         close = difflib.get_close_matches(rel, known, n=5, cutoff=0.5)

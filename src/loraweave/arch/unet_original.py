@@ -9,9 +9,12 @@ without a resampler fall out naturally.  Only module names are used (meta models
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Modules outside the blocks.  ldm has a single ``label_emb``: SDXL's is diffusers'
 # ``add_embedding``; class-conditioned models (e.g. stable unCLIP) use ``class_embedding``.
@@ -116,7 +119,14 @@ def unet_original_names(unet: torch.nn.Module) -> dict[str, str]:
         if _has_params(module):
             mapping[original] = diffusers_name
 
-    for original_prefix, diffusers_prefix, renames in _block_pairs(unet):
+    try:
+        pairs = list(_block_pairs(unet))
+    except (AttributeError, TypeError) as exc:
+        # a non-standard UNet (blocks without resnets, a partial folder): the numbering cannot be
+        # recovered, so original names stay unmapped (reported as misses) rather than misnamed
+        log.warning("unet_original=skipped reason=%r", f"{type(exc).__name__}: {exc}")
+        return mapping
+    for original_prefix, diffusers_prefix, renames in pairs:
         for sub, module in unet.get_submodule(diffusers_prefix).named_modules():
             if not sub or not _has_params(module):
                 continue
