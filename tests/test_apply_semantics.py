@@ -555,6 +555,24 @@ def test_alpha_source_kohya_metadata_and_conv_alpha(tmp_path):
     _check_merge(model, base, sd, {"blocks.0.fc1": 2.0 / 4, "blocks.0.conv": 2.0 / 2})
 
 
+def test_alpha_zero_means_rank_as_kohya_and_lycoris_read_it(tmp_path):
+    """An `.alpha` of 0 (or ss_network_alpha 0) is alpha = rank: the scale LyCORIS's own module gives it."""
+    from lycoris.modules.locon import LoConModule
+
+    peer = LoConModule("x", nn.Linear(12, 10), multiplier=1.0, lora_dim=4, alpha=0)
+    assert peer.scale == 1.0  # the peer's reading, checked here so the reference cannot drift unseen
+    base = Blocks()
+    sd = {**lora_sd("blocks.0.fc1", 10, 12, rank=4, seed=66, alpha=0.0),
+          **lora_sd("lora_unet_blocks_0_fc2", 10, 10, rank=2, seed=67)}
+    path = tmp_path / "zero.safetensors"
+    save_file(sd, str(path), metadata={"ss_network_alpha": "0"})
+    model = copy.deepcopy(base)
+    handle = loraweave.apply(model, path, mode="merge", strict=True)
+    assert handle.report.adapters[0]["alpha_sources"] == {"tensor:alpha=0_as_rank": 1,
+                                                          "metadata:ss_network_alpha=0_as_rank": 1}
+    _check_merge(model, base, sd, {"blocks.0.fc1": peer.scale, "blocks.0.fc2": peer.scale})
+
+
 def _peft_sd() -> dict[str, torch.Tensor]:
     return {**lora_sd("blocks.0.fc1", 10, 12, rank=4, seed=64, peft=True),
             **lora_sd("blocks.0.fc2", 10, 10, rank=4, seed=65, peft=True),

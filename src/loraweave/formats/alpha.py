@@ -48,6 +48,11 @@ def _pattern_value(patterns: dict | None, module_path: str):
     return None
 
 
+def _kohya_scale(alpha: float, rank: int, source: str) -> tuple[float, str]:
+    # kohya's network init turns alpha 0 (or unset) into alpha = rank before it trains or saves.
+    return (1.0, source + "=0_as_rank") if alpha == 0 else (alpha / rank, source)
+
+
 def resolve_scale(
     alpha_tensor: float | None,
     scale_tensor: float | None,
@@ -61,7 +66,8 @@ def resolve_scale(
     if scale_tensor is not None:
         return scale_tensor, "tensor:scale"
     if alpha_tensor is not None:
-        return alpha_tensor / rank, "tensor:alpha"
+        # kohya and LyCORIS, which write `.alpha`, read 0 as "alpha = rank" (no scaling); a literal 0 trains nothing.
+        return (1.0, "tensor:alpha=0_as_rank") if alpha_tensor == 0 else (alpha_tensor / rank, "tensor:alpha")
     if meta.peft is not None:
         alpha = _pattern_value(_peft_field(meta.peft, component_prefix, "alpha_pattern"), module_path)
         r = _pattern_value(_peft_field(meta.peft, component_prefix, "rank_pattern"), module_path)
@@ -74,7 +80,7 @@ def resolve_scale(
                 return float(alpha) / math.sqrt(r), source + "_rslora"
             return float(alpha) / r, source
     if is_conv and meta.kohya_conv_alpha is not None:
-        return meta.kohya_conv_alpha / rank, "metadata:conv_alpha"
+        return _kohya_scale(meta.kohya_conv_alpha, rank, "metadata:conv_alpha")
     if meta.kohya_alpha is not None:
-        return meta.kohya_alpha / rank, "metadata:ss_network_alpha"
+        return _kohya_scale(meta.kohya_alpha, rank, "metadata:ss_network_alpha")
     return 1.0, "default:1"
