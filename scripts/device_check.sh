@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The CUDA checks of layer streaming, in one command for a GPU machine (issue 8): the CUDA tests, then
-# benchmarks/stream_gpu.py (step time vs resident at 100/50/25 % budgets, prefix and spread placements).
+# The CUDA checks, in one command for a GPU machine: streaming (issue 8), offload with streams and CUDA devices
+# (issue 17), undo records in pinned host memory (issue 15), then benchmarks/stream_gpu.py (step time vs resident
+# at 100/50/25 % budgets, prefix and spread placements), then whole-model inductor compiles (LORAWEAVE_SLOW=1).
 #
 # Uses the machine's own python3 with CUDA torch; loraweave runs from src/ (pure Python). Packages the machine
 # lacks travel as wheels in .whl/ (ignored by git; on this workplace's H200 image: diffusers, importlib_metadata):
@@ -18,9 +19,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD/src:$PWD/tests:${PYTHONPATH:-} SDNQ_USE_TORCH_COMPILE=0 PYTHONUNBUFFERED=1
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
-"$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_streaming_cuda.py 2>&1 | tee "$OUT/cuda_tests.log"
+"$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_streaming_cuda.py tests/test_undo_cuda.py \
+    tests/test_offload.py 2>&1 | tee "$OUT/cuda_tests.log"
 tests=$?
 "$PY" benchmarks/stream_gpu.py --out "$OUT/stream_gpu.json" 2>&1 | tee "$OUT/stream_gpu.log"
 bench=$?
-echo "cuda tests rc=$tests  benchmark rc=$bench"
-exit $(( tests || bench ))
+LORAWEAVE_SLOW=1 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_compile.py 2>&1 \
+    | tee "$OUT/compile_tests.log"
+compiled=$?
+echo "cuda tests rc=$tests  benchmark rc=$bench  compile rc=$compiled"
+exit $(( tests || bench || compiled ))
