@@ -113,19 +113,24 @@ def module_inputs(parts: dict, seed: int = 9) -> dict[tuple[str, str], torch.Ten
 
 def assert_components_match_peft(parts: dict, sd: dict, converted: dict):
     """Every Linear/1x1 conv output: ours (merge, runtime) vs the converted keys loaded by PEFT per component."""
-    xs = module_inputs(parts)
     refs = {}
     for name, model in parts.items():
         refs[name] = copy.deepcopy(model)
         if any(k.startswith(f"{name}.") for k in converted):
             refs[name].load_lora_adapter(converted, prefix=name, adapter_name="ref")
+    assert_outputs_match(parts, sd, refs, {c for c in parts if any(k.startswith(f"{c}.") for k in converted)})
+
+
+def assert_outputs_match(parts: dict, sd: dict, refs: dict, changed: set[str], wrap=dict):
+    """Ours (merge, runtime; applied to `wrap(copy of parts)`) vs reference components, module by module."""
+    xs = module_inputs(parts)
     with torch.no_grad():
         expected = {(c, n): refs[c].get_submodule(n)(x) for (c, n), x in xs.items()}
-        changed = {c for (c, n), x in xs.items() if not torch.equal(expected[c, n], parts[c].get_submodule(n)(x))}
-    assert changed == {c for c in parts if any(k.startswith(f"{c}.") for k in converted)}
+        assert changed == {c for (c, n), x in xs.items() if not torch.equal(expected[c, n], parts[c].get_submodule(n)(x))}
     for mode in ("merge", "runtime"):
         ours = copy.deepcopy(parts)
-        loraweave.apply(ours, sd, mode=mode, strict=True)
+        report = loraweave.apply(wrap(ours), sd, mode=mode, strict=True).report
+        assert {m.component for m in report.applied} == changed
         with torch.no_grad():
             worst = max(rel_err(ours[c].get_submodule(n)(x), expected[c, n]) for (c, n), x in xs.items())
         assert worst <= 1e-5, (mode, worst)
@@ -163,6 +168,25 @@ def test_anima_matches_diffusers_and_peft():
     converted = _anima_convert(sd)
     assert_components_match_peft(parts, sd, converted)
     assert_components_match_peft(parts, kohya_form(sd), converted)
+
+
+def _anima_pipeline(parts: dict):
+    from diffusers.modular_pipelines import AnimaAutoBlocks
+
+    pipe = AnimaAutoBlocks().init_pipeline()
+    pipe.update_components(**parts)
+    return pipe
+
+
+def test_anima_pipeline_matches_load_lora_weights():
+    """One file, DiT + LLM adapter, on diffusers' Anima pipeline: ours lands on its transformer and text_conditioner
+    as the pipeline's own load_lora_weights (AnimaLoraLoaderMixin) does."""
+    parts = _anima(False, ANIMA_DIT_TINY, ANIMA_CONDITIONER_TINY)
+    sd = anima_file(parts, meta=False)
+    reference = _anima_pipeline(copy.deepcopy(parts))
+    reference.load_lora_weights(dict(sd), adapter_name="ref")
+    refs = {c: getattr(reference, c) for c in parts}
+    assert_outputs_match(parts, sd, refs, set(parts), wrap=_anima_pipeline)
 
 
 def test_anima_swapped_rename_row_is_caught(monkeypatch):
@@ -387,3 +411,49 @@ def test_sana_full_diffs_match_the_converter():
     assert set(expected) == set(before)
     worst = max(rel_err(after[k] - before[k], expected[k]) for k in expected)
     assert worst <= 1e-6, worst
+
+
+ERNIE_TINY = dict(hidden_size=16, num_attention_heads=2, num_layers=2, ffn_hidden_size=32, in_channels=4, out_channels=4,
+                  text_in_dim=8, rope_axes_dim=(2, 2, 4))
+
+
+def _ernie(meta: bool, **config):
+    import diffusers
+
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        return diffusers.ErnieImageTransformer2DModel(**config).eval()
+
+
+def _ernie_convert(sd):
+    from diffusers.loaders.lora_pipeline import ErnieImageLoraLoaderMixin
+
+    return ErnieImageLoraLoaderMixin.lora_state_dict(dict(sd))
+
+
+@pytest.mark.parametrize("prefix", ["diffusion_model.", "base_model.model."])
+def test_ernie_image_prefix_only_full_size(prefix):
+    """ERNIE-Image LoRAs (AI-Toolkit, PEFT) use the diffusers module names behind a prefix: ErnieImageLoraLoaderMixin
+    only swaps it for `transformer.`. Every Linear of the default-config model lands."""
+    parts = {"transformer": _ernie(True)}
+    sd = lora_file(linears(parts["transformer"]), lambda n: f"{prefix}{n}", meta=True)
+    targets = component_targets(_ernie_convert, sd)
+    assert {m for _, m in targets.values()} == set(linears(parts["transformer"]))
+    assert_lands_on_components(parts, sd, targets)
+
+
+def test_ernie_image_matches_diffusers_and_peft():
+    model = _ernie(False, **ERNIE_TINY)
+    for prefix in ("diffusion_model.", "base_model.model."):
+        sd = lora_file(linears(model), lambda n, p=prefix: f"{p}{n}")
+        assert_components_match_peft({"transformer": model}, sd, _ernie_convert(sd))
+
+
+def test_ernie_image_without_the_prefix_row_is_caught(monkeypatch):
+    from loraweave.formats import keys
+
+    monkeypatch.setattr(keys, "_PREFIXES_BY_LENGTH", tuple(p for p in keys._PREFIXES_BY_LENGTH if p[0] != "diffusion_model."))
+    parts = {"transformer": _ernie(True, num_layers=1)}
+    sd = lora_file(linears(parts["transformer"]), lambda n: f"diffusion_model.{n}", meta=True)
+    with pytest.raises(AssertionError):
+        assert_lands_on_components(parts, sd, component_targets(_ernie_convert, sd))
