@@ -74,6 +74,13 @@ ORIGINAL = (
      "test_arch_oracle.py, test_arch_ltx_layouts.py::test_lumina2_*"),
     ("flux3", "BFL names (content_mode_blocks, q/k/v_proj, attn_out, mlp_in/out), kohya-flattened",
      "_convert_non_diffusers_flux3_lora_to_diffusers", "test_arch_ltx_layouts.py::test_flux3_*"),
+    ("anima (Cosmos-Predict2 + LLM adapter)", "Anima/ComfyUI names (diffusion_model.; llm_adapter. -> text_conditioner "
+     "component), kohya lora_unet_ (+ llm_adapter) and lora_te_ (Qwen3), sd-scripts' text_encoder.qwen3.",
+     "_convert_non_diffusers_anima_lora_to_diffusers", "test_arch_anima_sana.py::test_anima_*"),
+    ("sana", "NVlabs/ComfyUI names (fused qkv, kv_linear, GLU convs, scale_shift_table parameters)",
+     "convert_sana_transformer_to_diffusers (diffusers has no Sana LoRA converter)", "test_arch_anima_sana.py::test_sana_*"),
+    ("ernie-image", "diffusers names behind diffusion_model. / base_model.model. (prefix only)",
+     "ErnieImageLoraLoaderMixin.lora_state_dict", "test_arch_anima_sana.py::test_ernie_image_*"),
     ("hidream, ltx-video", "diffusers names behind diffusion_model. (prefix only)", "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers",
      "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size"),
     ("any diffusers model", "diffusers/PEFT (incl. .default / .default_0 adapter names, ComfyUI <module>.weight.lora_B.default), "
@@ -81,13 +88,10 @@ ORIGINAL = (
 )
 # Original layouts not mapped yet: their keys resolve only where they already use diffusers module names.
 NOT_MAPPED = (
-    ("Anima / Cosmos-Predict2", "converter exists (_convert_non_diffusers_anima_lora_to_diffusers); table not written"),
     ("MiniMax-H3", "converter exists (QKV de-interleave, swapped fc1 halves); table not written"),
     ("Ideogram4", "converter exists (_convert_non_diffusers_ideogram4_lora_to_diffusers); table not written"),
     ("Qwen-Image 2.1", "single-file converter exists; original LoRA names not mapped (DiffSynth default. names resolve)"),
-    ("Sana", "single-file converter exists; table not written"),
     ("Wan Animate", "converter exists (face adapter, motion encoder); table not written"),
-    ("ERNIE-Image", "no converter: base_model.model./diffusion_model. + diffusers names (prefix only), not tested here"),
     ("HunyuanVideo 1.5, HunyuanImage 2.1, Kandinsky 5", "no diffusers converter (Kandinsky 5's loader takes diffusers "
      "names as they are); no original-name file layout was checked here: diffusers names only"),
     ("Wan Stand-In", "parsed and resolved, refused with its reason: token-selective (reference tokens of its own pipeline)"),

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from test_arch_anima_sana import ANIMA_DIT_TINY, ERNIE_TINY, SANA_TINY
 from test_arch_dits2 import TINY as DITS2
 from test_arch_ltx_layouts import LTX2_TINY
 from test_arch_oracle import tiny_lumina2, tiny_sd3, tiny_wan, tiny_wan_vace
@@ -44,6 +45,9 @@ ARCHS = {
     "wan-vace": tiny_wan_vace,
     "ltx2": lambda: _tiny("LTX2VideoTransformer3DModel", **LTX2_TINY),
     "lumina2": tiny_lumina2,
+    "anima": lambda: _tiny("CosmosTransformer3DModel", **ANIMA_DIT_TINY),
+    "sana": lambda: _tiny("SanaTransformer2DModel", **SANA_TINY),
+    "ernie-image": lambda: _tiny("ErnieImageTransformer2DModel", **ERNIE_TINY),
 }
 LAYOUTS = {
     "diffusers": lambda path: f"transformer.{path}.",
@@ -112,7 +116,7 @@ def probe(model: torch.nn.Module, seed: int = 3) -> torch.Tensor:
 
 # Architectures added later run two families per layout unless LORAWEAVE_FULL_MATRIX=1 (the matrix script sets it):
 # the other families exercise the same resolution and mechanisms, and CI time is bounded.
-LATER = ("wan-vace", "ltx2", "lumina2")
+LATER = ("wan-vace", "ltx2", "lumina2", "anima", "sana", "ernie-image")
 CELLS = [(a, lay, f) for a in sorted(ARCHS) for lay in sorted(LAYOUTS) for f in FAMILIES
          if a not in LATER or f in ("lora", "full") or os.environ.get("LORAWEAVE_FULL_MATRIX") == "1"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.keys import underscore_form
+from .anima import ANIMA
 from .flux import CHROMA, FLUX
 from .flux2 import FLUX2
 from .flux3 import FLUX3
@@ -12,6 +13,7 @@ from .hunyuan_video import HUNYUAN_VIDEO
 from .krea2 import KREA2
 from .ltx import LTX2, LTX2_CONNECTORS
 from .lumina2 import LUMINA2
+from .sana import SANA
 from .sd3 import SD3
 from .spec import (
     ArchTable,
@@ -26,7 +28,7 @@ from .wan import WAN
 from .zimage import ZIMAGE
 
 ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2, LTX2, LTX2_CONNECTORS,
-                                      LUMINA2, FLUX3)
+                                      LUMINA2, FLUX3, ANIMA, SANA)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {

@@ -28,6 +28,11 @@ _PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("text_encoder_3.", "text_encoder_3", "diffusers"),
     ("connectors.", "connectors", "diffusers"),  # LTX-2 text connectors
     ("text_embedding_projection.", "connectors", "comfyui"),  # LTX-2 original name of the connectors
+    # Anima: the DiT's `llm_adapter` is the pipeline's `text_conditioner` (same module names below the prefix).
+    ("text_conditioner.", "text_conditioner", "diffusers"),
+    ("diffusion_model.llm_adapter.", "text_conditioner", "comfyui"),
+    ("lora_unet_llm_adapter_", "text_conditioner", "kohya"),
+    ("text_encoder.qwen3.", "text_encoder", "comfyui"),  # sd-scripts' convert_anima_lora_to_comfy: the Qwen3 encoder
 )
 _PREFIXES_BY_LENGTH = sorted(_PREFIXES, key=lambda p: -len(p[0]))
 

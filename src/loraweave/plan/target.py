@@ -10,7 +10,8 @@ from ..errors import TargetError
 from ..formats.keys import DENOISER
 
 _DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2")
-_COMPONENT_NAMES = (*_DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3", "connectors")
+_COMPONENT_NAMES = (*_DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3", "connectors",
+                    "text_conditioner")
 # A component a file names but the target lacks -> (component to use instead, required class-name fragment).
 COMPONENT_FALLBACKS: dict[str, tuple[tuple[str, str], ...]] = {"text_encoder_3": (("text_encoder_2", "T5"),)}
 

@@ -1,0 +1,43 @@
+"""Anima (Cosmos-Predict2 DiT + LLM adapter): original (circlestone-labs, ComfyUI, kohya) names -> diffusers modules.
+
+Source: diffusers `_convert_non_diffusers_anima_lora_to_diffusers` (substring renames, in its order, on the
+CosmosTransformer3DModel names). Its `llm_adapter.` modules are a pipeline component of their own
+(`text_conditioner`, an AnimaTextConditioner) whose module names are the original ones: only the prefix differs,
+which the key parser routes (`diffusion_model.llm_adapter.`, kohya `lora_unet_llm_adapter_`). kohya files name
+the Qwen3 text encoder under `lora_te_` with Qwen3Model's own module names.
+"""
+
+from __future__ import annotations
+
+from .spec import ArchTable
+
+ANIMA = ArchTable(
+    name="anima",
+    classes=("CosmosTransformer3DModel",),
+    aliases=(),
+    renames=(
+        ("blocks.", "transformer_blocks."),
+        ("adaln_modulation_self_attn.1", "norm1.linear_1"),
+        ("adaln_modulation_self_attn.2", "norm1.linear_2"),
+        ("adaln_modulation_cross_attn.1", "norm2.linear_1"),
+        ("adaln_modulation_cross_attn.2", "norm2.linear_2"),
+        ("adaln_modulation_mlp.1", "norm3.linear_1"),
+        ("adaln_modulation_mlp.2", "norm3.linear_2"),
+        ("self_attn.q_proj", "attn1.to_q"),
+        ("self_attn.k_proj", "attn1.to_k"),
+        ("self_attn.v_proj", "attn1.to_v"),
+        ("self_attn.output_proj", "attn1.to_out.0"),
+        ("cross_attn.q_proj", "attn2.to_q"),
+        ("cross_attn.k_proj", "attn2.to_k"),
+        ("cross_attn.v_proj", "attn2.to_v"),
+        ("cross_attn.output_proj", "attn2.to_out.0"),
+        ("mlp.layer1", "ff.net.0.proj"),
+        ("mlp.layer2", "ff.net.2"),
+        ("final_layer.adaln_modulation.1", "norm_out.linear_1"),
+        ("final_layer.adaln_modulation.2", "norm_out.linear_2"),
+        ("final_layer.linear", "proj_out"),
+        ("t_embedder.1", "time_embed.t_embedder"),
+        ("t_embedding_norm", "time_embed.norm"),
+        ("x_embedder.proj.1", "patch_embed.proj"),
+    ),
+)
