@@ -74,6 +74,15 @@ ORIGINAL = (
      "test_arch_oracle.py, test_arch_ltx_layouts.py::test_lumina2_*"),
     ("flux3", "BFL names (content_mode_blocks, q/k/v_proj, attn_out, mlp_in/out), kohya-flattened",
      "_convert_non_diffusers_flux3_lora_to_diffusers", "test_arch_ltx_layouts.py::test_flux3_*"),
+    ("minimax-h3", "MiniMaxAI/ComfyUI names (bare, diffusion_model.), musubi-tuner (lora_unet_), DiffSynth-Studio "
+     "(.default., per-head interleaved QKV); fc1 halves swapped; .alpha, __metadata__ alpha; transformer_ref partition",
+     "_convert_non_diffusers_minimax_h3_lora_to_diffusers, MiniMaxH3LoraLoaderMixin.lora_state_dict",
+     "test_arch_minimax_ideogram_qwen21.py::test_minimax_h3_*"),
+    ("ideogram4", "original names (attention.qkv/o) behind diffusion_model./conditional_transformer./none, kohya "
+     "lora_down/up + alpha", "_convert_non_diffusers_ideogram4_lora_to_diffusers",
+     "test_arch_minimax_ideogram_qwen21.py::test_ideogram4_*"),
+    ("qwen-image 2.1", "ComfyUI names (fused img_mlp.gate_up), DiffSynth default. names",
+     "convert_qwen_image21_transformer_checkpoint_to_diffusers (on lora_B)", "test_arch_minimax_ideogram_qwen21.py::test_qwen21_*"),
     ("hidream, ltx-video", "diffusers names behind diffusion_model. (prefix only)", "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers",
      "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size"),
     ("any diffusers model", "diffusers/PEFT (incl. .default / .default_0 adapter names, ComfyUI <module>.weight.lora_B.default), "
@@ -82,9 +91,6 @@ ORIGINAL = (
 # Original layouts not mapped yet: their keys resolve only where they already use diffusers module names.
 NOT_MAPPED = (
     ("Anima / Cosmos-Predict2", "converter exists (_convert_non_diffusers_anima_lora_to_diffusers); table not written"),
-    ("MiniMax-H3", "converter exists (QKV de-interleave, swapped fc1 halves); table not written"),
-    ("Ideogram4", "converter exists (_convert_non_diffusers_ideogram4_lora_to_diffusers); table not written"),
-    ("Qwen-Image 2.1", "single-file converter exists; original LoRA names not mapped (DiffSynth default. names resolve)"),
     ("Sana", "single-file converter exists; table not written"),
     ("Wan Animate", "converter exists (face adapter, motion encoder); table not written"),
     ("ERNIE-Image", "no converter: base_model.model./diffusion_model. + diffusers names (prefix only), not tested here"),
