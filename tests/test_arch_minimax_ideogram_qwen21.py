@@ -143,6 +143,19 @@ def test_minimax_h3_matches_diffusers_and_peft(form):
     assert_matches_peft(model, sd, _h3_convert(sd))
 
 
+def test_minimax_h3_runtime_holds_one_pair_per_part():
+    """DiffSynth's QKV lands as one row chunk per head (and fc1 as two halves); the runtime path still holds the
+    file's rank-r pair once per layer, not once per chunk (heads x r)."""
+    from loraweave.streaming.factors import runtime_paths
+
+    model = _model("MiniMaxH3Transformer3DModel", False, **dict(H3_TINY, num_attention_heads=4))
+    sd = lora_from_shapes(h3_lora_names(model), lambda s: s, infix=".default")
+    loraweave.apply(model, sd, mode="runtime", strict=True)
+    ranks = {id(p.module): p.down.shape[0] for p in runtime_paths(model)}
+    for name in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_v", "transformer_blocks.0.ff.net.0.proj"):
+        assert ranks[id(model.get_submodule(name))] == 2, name
+
+
 def test_minimax_h3_alpha_tensors_fold_as_the_converter():
     """Kohya `.alpha` (musubi-tuner) is alpha / rank, which the converter folds into the factors."""
     model = _model("MiniMaxH3Transformer3DModel", False, **H3_TINY)
