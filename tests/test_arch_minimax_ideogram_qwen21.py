@@ -358,6 +358,11 @@ def test_qwen21_full_size_rows_match_the_converter(form):
     sd = row_index_file(qwen21_lora_names(model), lambda s: prefix + s, infix=".default" if form == "diffsynth" else "")
     assert any(".gate_up." in k for k in sd)
     assert_rows_match_converter(model, sd, _qwen21_convert(sd), set(linears(model)))
+    if form == "diffusion_model.":  # kohya-flattened too (no converter reads this form)
+        kohya = {"lora_unet_" + k.removeprefix(form).split(".lora_")[0].replace(".", "_") + ".lora_" + k.split(".lora_")[1]: v
+                 for k, v in sd.items()}
+        ours, flat = table_rows(model, sd), table_rows(model, kohya)
+        assert flat.keys() == ours.keys() and all(torch.equal(flat[m], ours[m]) for m in ours)
 
 
 @pytest.mark.parametrize("form", ["comfy", "diffsynth"])

@@ -3,7 +3,8 @@
 A table entry says: the rows of the file's delta for `source`, read top to bottom, land on `targets` in order.
 A target is a whole live module, or `Rows(module, index, count)`: the index-th of `count` equal row chunks of a
 live module. Splitting a fused key over separate modules, addressing rows of a fused live module, and
-reordering chunks (BFL shift/scale vs diffusers scale/shift) are all the same mechanism.
+reordering chunks (BFL shift/scale vs diffusers scale/shift) are all the same mechanism. An alias may interleave
+its targets in fixed-size chunks (per-head fused QKV) and may apply only to files with a trait (DiffSynth).
 """
 
 from __future__ import annotations
