@@ -81,6 +81,15 @@ ORIGINAL = (
      "convert_sana_transformer_to_diffusers (diffusers has no Sana LoRA converter)", "test_arch_anima_sana.py::test_sana_*"),
     ("ernie-image", "diffusers names behind diffusion_model. / base_model.model. (prefix only)",
      "ErnieImageLoraLoaderMixin.lora_state_dict", "test_arch_anima_sana.py::test_ernie_image_*"),
+    ("minimax-h3", "MiniMaxAI/ComfyUI names (bare, diffusion_model.), musubi-tuner (lora_unet_), DiffSynth-Studio "
+     "(.default., per-head interleaved QKV); fc1 halves swapped; .alpha, __metadata__ alpha; transformer_ref partition",
+     "_convert_non_diffusers_minimax_h3_lora_to_diffusers, MiniMaxH3LoraLoaderMixin.lora_state_dict",
+     "test_arch_minimax_ideogram_qwen21.py::test_minimax_h3_*"),
+    ("ideogram4", "original names (attention.qkv/o) behind diffusion_model./conditional_transformer./none, kohya "
+     "lora_down/up + alpha", "_convert_non_diffusers_ideogram4_lora_to_diffusers",
+     "test_arch_minimax_ideogram_qwen21.py::test_ideogram4_*"),
+    ("qwen-image 2.1", "ComfyUI names (fused img_mlp.gate_up), DiffSynth default. names",
+     "convert_qwen_image21_transformer_checkpoint_to_diffusers (on lora_B)", "test_arch_minimax_ideogram_qwen21.py::test_qwen21_*"),
     ("hidream, ltx-video", "diffusers names behind diffusion_model. (prefix only)", "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers",
      "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size"),
     ("any diffusers model", "diffusers/PEFT (incl. .default / .default_0 adapter names, ComfyUI <module>.weight.lora_B.default), "
@@ -88,9 +97,6 @@ ORIGINAL = (
 )
 # Original layouts not mapped yet: their keys resolve only where they already use diffusers module names.
 NOT_MAPPED = (
-    ("MiniMax-H3", "converter exists (QKV de-interleave, swapped fc1 halves); table not written"),
-    ("Ideogram4", "converter exists (_convert_non_diffusers_ideogram4_lora_to_diffusers); table not written"),
-    ("Qwen-Image 2.1", "single-file converter exists; original LoRA names not mapped (DiffSynth default. names resolve)"),
     ("Wan Animate", "converter exists (face adapter, motion encoder); table not written"),
     ("HunyuanVideo 1.5, HunyuanImage 2.1, Kandinsky 5", "no diffusers converter (Kandinsky 5's loader takes diffusers "
      "names as they are); no original-name file layout was checked here: diffusers names only"),

@@ -10,9 +10,12 @@ from .flux import CHROMA, FLUX
 from .flux2 import FLUX2
 from .flux3 import FLUX3
 from .hunyuan_video import HUNYUAN_VIDEO
+from .ideogram4 import IDEOGRAM4
 from .krea2 import KREA2
 from .ltx import LTX2, LTX2_CONNECTORS
 from .lumina2 import LUMINA2
+from .minimax_h3 import MINIMAX_H3
+from .qwenimage21 import QWENIMAGE21
 from .sana import SANA
 from .sd3 import SD3
 from .spec import (
@@ -28,7 +31,7 @@ from .wan import WAN
 from .zimage import ZIMAGE
 
 ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2, LTX2, LTX2_CONNECTORS,
-                                      LUMINA2, FLUX3, ANIMA, SANA)
+                                      LUMINA2, FLUX3, ANIMA, SANA, MINIMAX_H3, IDEOGRAM4, QWENIMAGE21)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
@@ -50,15 +53,18 @@ WRAPPER_PREFIXES: tuple[tuple[str, str], ...] = (
 
 
 def _original_names(
-    module: torch.nn.Module, modules: dict[str, torch.nn.Module], runtime_fusions: bool = False
+    module: torch.nn.Module, modules: dict[str, torch.nn.Module], runtime_fusions: bool = False,
+    trait: str | None = None,
 ) -> dict[str, tuple[Piece, ...]]:
+    """Original names of the tables for this class; `trait`: only the aliases for files with that trait."""
     cls = type(module).__name__
     out: dict[str, tuple[Piece, ...]] = {}
     for table in ARCH_TABLES:
         if cls in table.classes:
             for alias in table.runtime_fusions if runtime_fusions else table.aliases:
-                out.update(expand_alias(alias, modules))
-    if runtime_fusions:
+                if alias.when_file == trait:
+                    out.update(expand_alias(alias, modules))
+    if runtime_fusions or trait is not None:
         return out
     if cls == "UNet2DConditionModel":
         from .unet_original import unet_original_names
@@ -143,6 +149,7 @@ class AliasTable:
         cls = type(module).__name__
         self.widened_inputs = {m for t in ARCH_TABLES if cls in t.classes for m in t.widened_inputs}
         self.growable_inputs = dict(g for t in ARCH_TABLES if cls in t.classes for g in t.growable_inputs)
+        self.metadata_alpha = next((t.metadata_alpha for t in ARCH_TABLES if cls in t.classes and t.metadata_alpha), None)
         every = dict(module.named_modules())
         self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}
         self.exact: dict[str, tuple[Piece, ...]] = {
@@ -166,6 +173,10 @@ class AliasTable:
         self.renames = (tuple(r for t in tables for r in t.renames), tuple(r for t in tables for r in t.prefix_renames))
         self.params = _bare_parameters(module, cls, self.modules)
         self.params.update({underscore_form(k): v for k, v in list(self.params.items()) if underscore_form(k) not in self.params})
+        traits = {a.when_file for t in ARCH_TABLES if cls in t.classes for a in t.aliases if a.when_file}
+        # Names whose rows some producers order differently: {trait: {name in both spellings: pieces}}.
+        self.by_trait = {trait: {form: pieces for name, pieces in _original_names(module, every, trait=trait).items()
+                                 for form in (name, underscore_form(name))} for trait in traits}
         self.absent = _variant_only(cls, every, self.exact)
         self.absent.update({underscore_form(k): v for k, v in list(self.absent.items())})
         self.underscored: dict[str, tuple[Piece, ...] | str] = {}
@@ -202,8 +213,14 @@ class AliasTable:
             self._positional[ancestor_classes] = found
         return self._positional[ancestor_classes]
 
-    def lookup(self, path: str) -> tuple[Piece, ...] | str | None:
-        """Pieces for `path`, AMBIGUOUS when underscores cannot tell two modules apart, None when absent."""
+    def lookup(self, path: str, traits: frozenset[str] = frozenset()) -> tuple[Piece, ...] | str | None:
+        """Pieces for `path`, AMBIGUOUS when underscores cannot tell two modules apart, None when absent.
+
+        traits: the file's (formats.adapter.FILE_TRAITS); a name some of them map otherwise is looked up there."""
+        for trait in traits & self.by_trait.keys():
+            found = self.by_trait[trait].get(path) or self.by_trait[trait].get(underscore_form(path))
+            if found is not None:
+                return found
         if path in self.exact:
             return self.exact[path]
         found = self.underscored.get(underscore_form(path))

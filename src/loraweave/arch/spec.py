@@ -3,7 +3,8 @@
 A table entry says: the rows of the file's delta for `source`, read top to bottom, land on `targets` in order.
 A target is a whole live module, or `Rows(module, index, count)`: the index-th of `count` equal row chunks of a
 live module. Splitting a fused key over separate modules, addressing rows of a fused live module, and
-reordering chunks (BFL shift/scale vs diffusers scale/shift) are all the same mechanism.
+reordering chunks (BFL shift/scale vs diffusers scale/shift) are all the same mechanism. An alias may interleave
+its targets in fixed-size chunks (per-head fused QKV) and may apply only to files with a trait (DiffSynth).
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ class Alias:
     # Only where the first target's parent module is of this class (e.g. SD3's last block, whose context
     # norm is an AdaLayerNormContinuous with (scale, shift) rows instead of the other blocks' zero-norm).
     when_parent: str | None = None
+    # The source interleaves its targets in chunks of this many rows (DiffSynth's MiniMax-H3 QKV, per head:
+    # [head 0: q k v, head 1: q k v, ...]): chunk h of every target, in target order, for h = 0, 1, ...
+    interleave: int | None = None
+    # Only for files with this trait (formats.adapter.FILE_TRAITS), over the alias without it: one original name
+    # whose rows two producers order differently, told apart only by the file's spelling.
+    when_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,9 @@ class ArchTable:
     # (original substring, live substring), and renames applied only at the start of a name.
     renames: tuple[tuple[str, str], ...] = ()
     prefix_renames: tuple[tuple[str, str], ...] = ()
+    # A `__metadata__` entry in which this architecture's trainers record one network alpha for every module
+    # (MiniMax-H3: lightx2v's `alpha`): γ = alpha / rank where the file has no `.alpha` tensor and no PEFT config.
+    metadata_alpha: str | None = None
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
@@ -122,6 +132,37 @@ def _pattern_regex(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
 
 
+def _interleaved(alias: Alias, paths: list[str], rows: list[int]) -> list[Piece] | None:
+    """Pieces of an interleaved alias: chunk h of each target in turn; None when the targets do not tile."""
+    k = alias.interleave
+    if any(isinstance(t, Rows) for t in alias.targets) or len(set(rows)) != 1 or rows[0] % k:
+        return None
+    return [Piece(path, (h * len(paths) + n) * k, h * k, k, False)
+            for h in range(rows[0] // k) for n, path in enumerate(paths)]
+
+
+def _pieces(alias: Alias, i: str | None, modules: dict[str, torch.nn.Module]) -> list[Piece] | None:
+    """One table entry at block `i`; None when this variant lacks a target or its rows do not split."""
+    paths = [_target_module(t).replace("{i}", i) if i is not None else _target_module(t) for t in alias.targets]
+    rows = [out_rows(modules[p]) if p in modules else None for p in paths]
+    if None in rows:
+        return None  # this variant lacks one target: the alias does not exist here
+    if alias.interleave:
+        return _interleaved(alias, paths, rows)
+    pieces, src = [], 0
+    for target, path, n in zip(alias.targets, paths, rows, strict=True):
+        if isinstance(target, Rows):
+            if n % target.count:
+                return None
+            length = n // target.count
+            pieces.append(Piece(path, src, target.index * length, length, False))
+        else:
+            length = n
+            pieces.append(Piece(path, src, 0, n, True))
+        src += length
+    return pieces
+
+
 def expand_alias(alias: Alias, modules: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, ...]]:
     # `modules` must include parameter-less containers when an alias uses `when_parent`.
     """Instantiate one table entry against the live module tree: {original name: pieces}."""
@@ -134,24 +175,7 @@ def expand_alias(alias: Alias, modules: dict[str, torch.nn.Module]) -> dict[str,
             parent = modules.get(first_path.rsplit(".", 1)[0]) if "." in first_path else None
             if type(parent).__name__ != alias.when_parent:
                 continue
-        pieces = []
-        src = 0
-        for target in alias.targets:
-            path = _target_module(target).replace("{i}", i) if i is not None else _target_module(target)
-            rows = out_rows(modules[path]) if path in modules else None
-            if rows is None:
-                pieces = None  # this variant lacks one target: the alias does not exist here
-                break
-            if isinstance(target, Rows):
-                if rows % target.count:
-                    pieces = None
-                    break
-                length = rows // target.count
-                pieces.append(Piece(path, src, target.index * length, length, False))
-            else:
-                length = rows
-                pieces.append(Piece(path, src, 0, rows, True))
-            src += length
+        pieces = _pieces(alias, i, modules)
         if pieces:
             out[alias.source.replace("{i}", i) if i is not None else alias.source] = tuple(pieces)
     return out

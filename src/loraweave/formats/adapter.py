@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +28,10 @@ FAMILY_PRECEDENCE = (
     "dora", "boft", "oft", "glora", "ia3", "tlora", "standin", "set", "sparse_bias", "loha", "lokr", "norm",
     "lora", "full",
 )
+
+# File-wide spellings that change where names land (arch `Alias.when_file`). "diffsynth": some key carries peft's
+# `default` adapter name on lora_A/B, which is how diffusers tells DiffSynth-Studio's MiniMax-H3 files.
+FILE_TRAITS: dict[str, re.Pattern] = {"diffsynth": re.compile(r"\.lora_[AB]\.default\.weight$")}
 
 
 class _DictSource:
@@ -69,6 +75,14 @@ class Adapter:
     source: object
     path: str | None = None
     meta_alpha: MetadataAlpha = field(default_factory=MetadataAlpha)
+
+    @cached_property
+    def traits(self) -> frozenset[str]:
+        return frozenset(t for t, rx in FILE_TRAITS.items() if any(rx.search(k) for p in self.parts for k in p.keys))
+
+    @cached_property
+    def has_alpha_tensors(self) -> bool:
+        return any("alpha" in p.roles for p in self.parts)
 
     @property
     def families(self) -> dict[str, int]:

@@ -61,8 +61,12 @@ def resolve_scale(
     module_path: str,
     component_prefix: str,
     meta: MetadataAlpha,
+    network_alpha: float | None = None,
 ) -> tuple[float, str]:
-    """Return (γ, source) for one LoRA part of rank `rank`."""
+    """Return (γ, source) for one LoRA part of rank `rank`.
+
+    network_alpha: one alpha for every module that the architecture's trainers record in `__metadata__` (read
+    after PEFT's config, before kohya's, as diffusers' MiniMax-H3 loader does)."""
     if scale_tensor is not None:
         return scale_tensor, "tensor:scale"
     if alpha_tensor is not None:
@@ -79,6 +83,8 @@ def resolve_scale(
             if _peft_field(meta.peft, component_prefix, "use_rslora"):
                 return float(alpha) / math.sqrt(r), source + "_rslora"
             return float(alpha) / r, source
+    if network_alpha is not None:
+        return network_alpha / rank, "metadata:alpha"
     if is_conv and meta.kohya_conv_alpha is not None:
         return _kohya_scale(meta.kohya_conv_alpha, rank, "metadata:conv_alpha")
     if meta.kohya_alpha is not None:

@@ -23,6 +23,7 @@ _PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("text_encoders.clip_g.transformer.", "text_encoder_2", "comfyui"),
     ("unet.", DENOISER, "diffusers"),
     ("transformer.", DENOISER, "diffusers"),
+    ("transformer_ref.", "transformer_ref", "diffusers"),  # MiniMax-H3's second partition
     ("text_encoder.", "text_encoder", "diffusers"),
     ("text_encoder_2.", "text_encoder_2", "diffusers"),
     ("text_encoder_3.", "text_encoder_3", "diffusers"),

@@ -85,6 +85,7 @@ class RuntimePath:
         self.base_fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
         self.adapters = set()
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
+        last_down = None
         for pp, piece in contributions:
             if pp.family.runtime_takes_module and host is None:
                 host = runtime_host(module)
@@ -96,7 +97,12 @@ class RuntimePath:
                 self.costs.add(f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it")
             name = pp.adapter.name
             self.adapters.add(name)
-            if term.down is not None:
+            if term.down is not None and owners and owners[-1][0] is pp and term.down is last_down:
+                # Another row chunk of the same part (split or per-head interleaved fused keys): one pair, not
+                # one pair per chunk (DiffSynth's H3 QKV would otherwise hold its down once per head).
+                ups[-1][term.dst_start : term.dst_start + term.length] = term.up
+            elif term.down is not None:
+                last_down = term.down
                 up = term.up.new_zeros(self.out, term.up.shape[1])
                 up[term.dst_start : term.dst_start + term.length] = term.up
                 rank = term.down.shape[0]

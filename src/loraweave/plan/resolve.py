@@ -14,7 +14,7 @@ from ..families.base import Family, PartRejected
 from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
-from ..formats.metadata import cloneofsimo_classes
+from ..formats.metadata import cloneofsimo_classes, kohya_number
 from ..miss import Miss, Unmatched
 from .params import PlannedParam, param_target, plan_param
 from .target import Components
@@ -66,6 +66,13 @@ def _scalar(tensor: torch.Tensor, key: str) -> float | None:
     return value
 
 
+def _network_alpha(adapter: Adapter, table: AliasTable) -> float | None:
+    """The architecture's `__metadata__` network alpha (MiniMax-H3); as diffusers, only when no key is `.alpha`."""
+    if table.metadata_alpha is None or adapter.has_alpha_tensors:
+        return None
+    return kohya_number(adapter.metadata, table.metadata_alpha, adapter.path or adapter.name)
+
+
 def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -> tuple[Piece, ...]:
     """cloneofsimo files name layers by index; the metadata lists the ancestor classes that were enumerated."""
     m = CLONEOFSIMO_STEM_RE.match(part.path)
@@ -108,7 +115,7 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     param = param_target(part, table)
     if param is not None:
         return plan_param(adapter, part, comp_name, table, param, strength)
-    found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path)
+    found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path, adapter.traits)
     where = f"{comp_name}.{part.path}"
     if found is None:
         why = table.expected_absent(part.path)
@@ -183,7 +190,8 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     else:
         prefix = comp_name if part.explicit_component else ""
         scale, source = resolve_scale(
-            alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path, prefix, adapter.meta_alpha
+            alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path, prefix, adapter.meta_alpha,
+            _network_alpha(adapter, table),
         )
         if not math.isfinite(scale):
             raise PartRejected("non_finite", f"bad tensor: scale from {source} is not finite")

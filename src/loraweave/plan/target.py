@@ -9,7 +9,8 @@ import torch
 from ..errors import TargetError
 from ..formats.keys import DENOISER
 
-_DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2")
+# MiniMax-H3 pipelines hold a second denoiser partition, `transformer_ref` (its `ref2va` workflow).
+_DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2", "transformer_ref")
 _COMPONENT_NAMES = (*_DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3", "connectors",
                     "text_conditioner")
 # A component a file names but the target lacks -> (component to use instead, required class-name fragment).
