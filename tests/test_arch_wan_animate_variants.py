@@ -1,0 +1,272 @@
+"""Wan Animate original names (face adapter, face encoder, motion encoder), checked against diffusers' converter.
+
+1. names: the test's own inverse of `convert_wan_transformer_to_diffusers` writes every parameter of the
+   full-size (released config) model in original spelling; the converter must give the live state dict back,
+   which makes the key list converter-derived. Every original module and bare parameter must then resolve to
+   exactly the modules / rows the converter sends it to (100 %, on `meta`).
+2. numbers: a LoRA on every Linear, in original names, merged and at runtime equals the converter's keys loaded
+   by PEFT (fp32, 1e-5 relative); a full-difference file over every parameter (convolutions, motion encoder
+   biases stored (1, C, 1, 1), `dec.direction`) changes each parameter exactly as the converter maps it.
+3. negative control: the face adapter's `linear1_kv` halves swapped in the table make (1) fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from test_arch_ltx_layouts import assert_matches_peft, linears
+
+import loraweave
+from loraweave.arch import aliases as arch_aliases
+from loraweave.arch.aliases import AliasTable
+
+# Wan2.2-Animate-14B transformer config (diffusers' conversion script / the Diffusers repo config).
+ANIMATE_14B = dict(added_kv_proj_dim=5120, image_dim=1280, in_channels=36, num_attention_heads=40, num_layers=40,
+                   ffn_dim=13824, text_dim=4096, inject_face_latents_blocks=5)
+TINY_CHANNELS = {str(2 ** k): 4 for k in range(2, 10)}
+ANIMATE_TINY = dict(num_attention_heads=2, attention_head_dim=16, in_channels=12, latent_channels=4, out_channels=4,
+                    text_dim=24, freq_dim=16, ffn_dim=64, num_layers=2, image_dim=24, added_kv_proj_dim=32,
+                    motion_encoder_channel_sizes=TINY_CHANNELS, motion_style_dim=16, motion_dim=4,
+                    motion_encoder_dim=16, face_encoder_hidden_dim=8, face_encoder_num_heads=2,
+                    inject_face_latents_blocks=1)
+
+_ME = "motion_encoder.enc.net_app.convs"
+# live -> original, applied in order (the converter's renames read backwards; `\1` keeps block numbers).
+_INVERSE = (
+    (r"^face_adapter\.(\d+)\.to_q\.", r"face_adapter.fuser_blocks.\1.linear1_q."),
+    (r"^face_adapter\.(\d+)\.to_[kv]\.", r"face_adapter.fuser_blocks.\1.linear1_kv."),
+    (r"^face_adapter\.(\d+)\.to_out\.", r"face_adapter.fuser_blocks.\1.linear2."),
+    (r"^face_adapter\.(\d+)\.norm_([qk])\.", r"face_adapter.fuser_blocks.\1.\2_norm."),
+    (r"^face_encoder\.(conv1_local|conv2|conv3)\.", r"face_encoder.\1.conv."),
+    (r"^motion_encoder\.conv_in\.act_fn\.bias$", f"{_ME}.0.1.bias"),
+    (r"^motion_encoder\.conv_in\.", f"{_ME}.0.0."),
+    (r"^motion_encoder\.conv_out\.", f"{_ME}.8."),
+    (r"^motion_encoder\.motion_network\.", "motion_encoder.enc.fc."),
+    (r"^motion_encoder\.motion_synthesis_weight$", "motion_encoder.dec.direction.weight"),
+    (r"^blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation"),
+    (r"^scale_shift_table$", "head.modulation"),
+    (r"^proj_out\.", "head.head."),
+    (r"^condition_embedder\.time_embedder\.linear_([12])\.", lambda m: f"time_embedding.{2 * int(m[1]) - 2}."),
+    (r"^condition_embedder\.text_embedder\.linear_([12])\.", lambda m: f"text_embedding.{2 * int(m[1]) - 2}."),
+    (r"^condition_embedder\.time_proj\.", "time_projection.1."),
+    (r"^condition_embedder\.image_embedder\.norm1\.", "img_emb.proj.0."),
+    (r"^condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", "img_emb.proj.1."),
+    (r"^condition_embedder\.image_embedder\.ff\.net\.2\.", "img_emb.proj.3."),
+    (r"^condition_embedder\.image_embedder\.norm2\.", "img_emb.proj.4."),
+)
+_BLOCK = ((".attn1.", ".self_attn."), (".attn2.", ".cross_attn."), (".to_q.", ".q."), (".to_k.", ".k."),
+          (".to_v.", ".v."), (".to_out.0.", ".o."), (".add_k_proj.", ".k_img."), (".add_v_proj.", ".v_img."),
+          (".norm_added_k.", ".norm_k_img."), (".ffn.net.0.proj.", ".ffn.0."), (".ffn.net.2.", ".ffn.2."),
+          (".norm2.", ".norm#."), (".norm3.", ".norm2."), (".norm#.", ".norm3."))
+
+
+def animate_original(key: str) -> str:
+    """A live state-dict key as the original Wan Animate checkpoint writes it (the test's own inverse)."""
+    m = re.match(r"^motion_encoder\.res_blocks\.(\d+)\.(conv1|conv2|conv_skip)\.(act_fn\.bias|weight)$", key)
+    if m:
+        n, conv, what = int(m[1]) + 1, m[2], m[3]
+        index = {"conv1": (0, 1), "conv2": (1, 2), "conv_skip": (1, None)}[conv][what != "weight"]
+        return f"{_ME}.{n}.{'skip' if conv == 'conv_skip' else conv}.{index}.{'bias' if what != 'weight' else 'weight'}"
+    for live, original in _INVERSE:
+        if re.search(live, key):
+            return re.sub(live, original, key)
+    if key.startswith("blocks."):
+        for new, old in _BLOCK:
+            key = key.replace(new, old)
+    return key
+
+
+def _build(meta: bool, config: dict):
+    import diffusers
+
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return diffusers.WanAnimateTransformer3DModel(**config)
+    return diffusers.WanAnimateTransformer3DModel(**config).eval()
+
+
+# The converter turns its face adapter / motion encoder renames on only when the file has such keys: converting
+# one key at a time, these probes (dropped from the result) stand for the rest of a full checkpoint.
+_PROBES = ("face_adapter._probe", "motion_encoder._probe")
+
+
+def _convert(sd: dict) -> dict:
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    ckpt = {f"model.diffusion_model.{k}": v for k, v in sd.items()}
+    ckpt.update({f"model.diffusion_model.{p}": torch.zeros(1) for p in _PROBES})
+    return {k: v for k, v in convert_wan_transformer_to_diffusers(ckpt).items() if k not in _PROBES}
+
+
+def original_state(model) -> dict[str, torch.Tensor]:
+    """The model's parameters under original names and shapes (fused k|v, (1, C, 1, 1) activation biases)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for key, value in model.state_dict().items():
+        if ".act_fn.bias" in key:
+            value = value.reshape(1, -1, 1, 1)
+        out.setdefault(animate_original(key), []).append(value)
+    return {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in out.items()}
+
+
+def converter_map(model) -> dict[str, list[str]]:
+    """{original parameter: live parameters in row order}, each original key converted on its own."""
+    out = {}
+    for key, value in original_state(model).items():
+        converted = _convert({key: value})
+        out[key] = list(converted)
+    return out
+
+
+def test_inverse_is_the_converters_full_size():
+    """The converter turns the test's original key list back into exactly the live state dict, shapes included."""
+    model = _build(True, ANIMATE_14B)
+    state = model.state_dict()
+    converted = _convert(original_state(model))
+    assert set(converted) == set(state)
+    assert all(converted[k].shape == state[k].shape for k in state)
+    assert len(model.face_adapter) == 8 and len(model.motion_encoder.res_blocks) == 7
+
+
+def assert_resolves_as_the_converter_says(model):
+    table = AliasTable(model)
+    wrong, checked = {}, 0
+    for original, live in converter_map(model).items():
+        owner, _, leaf = original.rpartition(".")
+        modules = [k.rsplit(".", 1)[0] for k in live]
+        if all(m in table.modules for m in modules) and leaf in ("weight", "bias"):
+            found = table.lookup(owner)
+            got = [p.module for p in found] if isinstance(found, tuple) else found
+            rows = [p.src_start for p in found] if isinstance(found, tuple) else []
+            if got != modules or rows != sorted(rows):
+                wrong[original] = (got, modules)
+        else:  # a bare parameter (modulation tables, motion encoder biases, dec.direction)
+            (target,) = live
+            found = table.param(original)
+            if found is None or found[0] != target:
+                wrong[original] = (found, target)
+        checked += 1
+    assert not wrong, list(wrong.items())[:3]
+    return checked
+
+
+def test_every_original_name_resolves_full_size():
+    model = _build(True, ANIMATE_14B)
+    checked = assert_resolves_as_the_converter_says(model)
+    assert checked == len(original_state(model))
+    names = set(converter_map(model))
+    assert {"face_adapter.fuser_blocks.7.linear1_kv.weight", "motion_encoder.enc.net_app.convs.8.weight",
+            "motion_encoder.enc.net_app.convs.7.skip.1.weight", "motion_encoder.dec.direction.weight",
+            "face_encoder.conv1_local.conv.weight", "blocks.39.cross_attn.k_img.weight"} <= names
+
+
+def test_full_size_lora_file_resolves_completely():
+    """A kohya/ComfyUI-style LoRA on every weighted module (Linear, conv, motion layers) in original names."""
+    model = _build(True, ANIMATE_14B)
+    table = AliasTable(model)
+    sd = {}
+    for original in original_state(model):
+        owner, _, leaf = original.rpartition(".")
+        found = table.lookup(owner)
+        if leaf != "weight" or not isinstance(found, tuple):
+            continue
+        shape = dict(model.named_parameters())[f"{found[0].module}.weight"].shape
+        if len(shape) < 2:
+            continue
+        rows = sum(p.length for p in found)
+        sd[f"diffusion_model.{owner}.lora_down.weight"] = torch.empty(2, *shape[1:], device="meta")
+        sd[f"diffusion_model.{owner}.lora_up.weight"] = torch.empty(rows, 2, *([1] * (len(shape) - 2)), device="meta")
+    report = loraweave.plan(model, sd)
+    assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd)
+    assert any("motion_encoder.enc.fc" in k for k in sd) and any("linear1_kv" in k for k in sd)
+
+
+def _converted_lora(sd: dict) -> dict:
+    """The converter on each lora_B (its rows follow the weight's), lora_A copied to every piece."""
+    out = {}
+    for key, b in sd.items():
+        if not key.endswith(".lora_B.weight"):
+            continue
+        a = sd[key.replace("lora_B", "lora_A")]
+        for live, part in _convert({key.removeprefix("diffusion_model."): b}).items():
+            out[f"transformer.{live}"] = part
+            out[f"transformer.{live.replace('lora_B', 'lora_A')}"] = a
+    return out
+
+
+def _module_original(live: str) -> str:
+    return animate_original(f"{live}.weight").removesuffix(".weight")
+
+
+def animate_lora(model, seed: int = 4) -> dict[str, torch.Tensor]:
+    """A LoRA on every Linear in original names (fused linear1_kv once per face block)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for live, m in linears(model).items():
+        stem = f"diffusion_model.{_module_original(live)}"
+        if f"{stem}.lora_A.weight" in sd:  # to_v: second half of linear1_kv
+            sd[f"{stem}.lora_B.weight"] = torch.cat([sd[f"{stem}.lora_B.weight"], torch.randn(m.out_features, 2, generator=g) * 0.1])
+            continue
+        sd[f"{stem}.lora_A.weight"] = torch.randn(2, m.in_features, generator=g)
+        sd[f"{stem}.lora_B.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.1
+    return sd
+
+
+def test_tiny_lora_matches_diffusers_converter_and_peft():
+    model = _build(False, ANIMATE_TINY)
+    sd = animate_lora(model)
+    assert any(".linear1_kv." in k for k in sd) and any("face_encoder.out_proj" in k for k in sd)
+    assert any(".k_img." in k for k in sd) and any("head.head" in k for k in sd)
+    assert_matches_peft(model, sd, _converted_lora(sd))
+
+
+def test_tiny_full_differences_land_as_the_converter_maps_them():
+    """`.diff` / `.diff_b` on every module and `<parameter>.diff` on bare ones (merge): each live parameter moves
+    by the converter's rendering of the original deltas; convolutions and the motion encoder included."""
+    model = _build(False, ANIMATE_TINY)
+    table = AliasTable(model)
+    g = torch.Generator().manual_seed(7)
+    deltas = {k: torch.randn(v.shape, generator=g) * 0.01 for k, v in original_state(model).items()}
+    sd = {}
+    for original, delta in deltas.items():
+        owner, _, leaf = original.rpartition(".")
+        if isinstance(table.lookup(owner), tuple) and leaf in ("weight", "bias"):
+            sd[f"diffusion_model.{owner}.{'diff' if leaf == 'weight' else 'diff_b'}"] = delta
+        else:
+            sd[f"diffusion_model.{original}.diff"] = delta
+    expected = _convert(dict(deltas))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    h = loraweave.apply(model, sd, mode="merge", strict=True)
+    assert h.report.unmatched == []
+    after = model.state_dict()
+    worst = max(float((after[k] - before[k] - expected[k]).abs().max()) for k in expected)
+    assert set(expected) == set(before) and worst <= 1e-6, worst
+    h.remove()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_swapped_kv_halves_are_caught(monkeypatch):
+    def swap(t):
+        return dataclasses.replace(t, aliases=tuple(
+            dataclasses.replace(a, targets=a.targets[::-1]) if a.source.endswith("linear1_kv") else a for a in t.aliases))
+
+    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(
+        swap(t) if t.name == "wan-animate" else t for t in arch_aliases.ARCH_TABLES))
+    with pytest.raises(AssertionError, match="linear1_kv"):
+        assert_resolves_as_the_converter_says(_build(True, {**ANIMATE_14B, "num_layers": 5}))
+
+
+def test_detection_names_wan_animate_and_the_catalog_builds_it():
+    from loraweave.arch.catalog import build_meta
+    from loraweave.formats.adapter import load_adapter
+    from loraweave.formats.detect import detect_architecture
+
+    model = build_meta("wan-animate")["transformer"]
+    assert type(model).__name__ == "WanAnimateTransformer3DModel" and len(model.blocks) == 40
+    sd = animate_lora(_build(False, ANIMATE_TINY))
+    assert detect_architecture(load_adapter(sd)).architecture == "wan-animate"
+    blocks_only = {k: v for k, v in sd.items() if k.startswith("diffusion_model.blocks.")}
+    assert detect_architecture(load_adapter(blocks_only)).architecture == "wan"  # nothing Animate-only: plain Wan
