@@ -17,7 +17,7 @@ import re
 
 import pytest
 import torch
-from test_arch_ltx_layouts import assert_matches_peft, linears
+from test_arch_ltx_layouts import assert_matches_peft, linears, lora_file
 
 import loraweave
 from loraweave.arch import aliases as arch_aliases
@@ -270,3 +270,23 @@ def test_detection_names_wan_animate_and_the_catalog_builds_it():
     assert detect_architecture(load_adapter(sd)).architecture == "wan-animate"
     blocks_only = {k: v for k, v in sd.items() if k.startswith("diffusion_model.blocks.")}
     assert detect_architecture(load_adapter(blocks_only)).architecture == "wan"  # nothing Animate-only: plain Wan
+
+
+@pytest.mark.parametrize("cls", ["HunyuanVideo15Transformer3DModel", "HunyuanImageTransformer2DModel",
+                                 "Kandinsky5Transformer3DModel", "WanAnimateTransformer3DModel"])
+@pytest.mark.parametrize("form", ["peft", "kohya"])
+def test_diffusers_names_resolve_on_the_full_size_model(cls, form):
+    """No original-name table for HunyuanVideo 1.5 / HunyuanImage 2.1 / Kandinsky 5 (no converter in diffusers'
+    loaders): files in diffusers module names (PEFT `transformer.` or kohya-flattened) must still land 100 %
+    on the class-default (released-size) model."""
+    import diffusers
+
+    config = ANIMATE_14B if cls.startswith("WanAnimate") else {}
+    with torch.device("meta"):
+        model = getattr(diffusers, cls)(**config)
+    modules = linears(model)
+    name = (lambda n: f"transformer.{n}") if form == "peft" else (lambda n: "lora_unet_" + n.replace(".", "_"))
+    sd = lora_file(modules, name, meta=True)
+    report = loraweave.plan(model, sd)
+    assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd)
+    assert {m["module"] if isinstance(m, dict) else m.module for m in report.applied} == set(modules)
