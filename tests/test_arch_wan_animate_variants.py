@@ -290,3 +290,55 @@ def test_diffusers_names_resolve_on_the_full_size_model(cls, form):
     report = loraweave.plan(model, sd)
     assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd)
     assert {m["module"] if isinstance(m, dict) else m.module for m in report.applied} == set(modules)
+
+
+# Flux.1 variants: dev/schnell/Kontext take 64 input channels, Fill 384 (latents, masked-image latents, mask);
+# Kontext has no module of its own. A LoRA trained on Fill carries an x_embedder 384 columns wide.
+def _flux(in_channels: int):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=in_channels, out_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6],
+        guidance_embeds=True).eval()
+
+
+def _flux_lora(x_in: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"diffusion_model.img_in.lora_A.weight": torch.randn(2, x_in, generator=g),
+            "diffusion_model.img_in.lora_B.weight": torch.randn(32, 2, generator=g) * 0.1,
+            "diffusion_model.double_blocks.0.img_attn.proj.lora_A.weight": torch.randn(2, 32, generator=g),
+            "diffusion_model.double_blocks.0.img_attn.proj.lora_B.weight": torch.randn(32, 2, generator=g) * 0.1}
+
+
+@pytest.mark.parametrize("mode", ["merge", "runtime"])
+def test_fill_x_embedder_is_expected_absent_on_dev(mode):
+    dev = _flux(64)
+    before = {k: v.clone() for k, v in dev.state_dict().items()}
+    sd = _flux_lora(384)
+    h = loraweave.apply(dev, sd, mode=mode, strict=True)  # strict: the Fill-only key does not count
+    misses = h.report.to_dict()["unmatched"]
+    assert {u["key"] for u in misses} == {k for k in sd if ".img_in." in k} and h.report.keys_applied == 2
+    assert all(u["kind"] == "expected_absent" and u["reason"].startswith("expected absent: transformer.img_in")
+               and "Flux Fill" in u["reason"] for u in misses)
+    assert dev.x_embedder.in_features == 64 and dev.config.in_channels == 64  # never grown into a Fill shape
+    assert torch.equal(dev.x_embedder.weight, before["x_embedder.weight"])
+    h.remove()
+    assert all(torch.equal(v, before[k]) for k, v in dev.state_dict().items())
+
+
+def test_fill_lora_lands_whole_on_fill_and_control_growth_is_unchanged():
+    assert loraweave.plan(_flux(384), _flux_lora(384)).unmatched == []
+    dev_on_fill = loraweave.plan(_flux(384), _flux_lora(64))  # a dev LoRA on Fill: zero columns for the extra inputs
+    assert dev_on_fill.unmatched == [] and any("zero-padded to 384" in n for m in dev_on_fill.applied for n in m.notes)
+    control = loraweave.plan(_flux(64), _flux_lora(128))  # BFL Canny/Depth: 128 columns, a control input that grows
+    assert control.unmatched == [] and any("input grown 64 -> 128" in n for m in control.applied for n in m.notes)
+
+
+def test_without_the_fill_row_the_key_would_grow_dev(monkeypatch):
+    """Negative control: with the table's Fill width removed, the same file grows dev's x_embedder to 384."""
+    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(
+        dataclasses.replace(t, variant_inputs=()) if t.name == "flux" else t for t in arch_aliases.ARCH_TABLES))
+    with pytest.raises(AssertionError):
+        test_fill_x_embedder_is_expected_absent_on_dev("merge")
