@@ -342,3 +342,58 @@ def test_without_the_fill_row_the_key_would_grow_dev(monkeypatch):
         dataclasses.replace(t, variant_inputs=()) if t.name == "flux" else t for t in arch_aliases.ARCH_TABLES))
     with pytest.raises(AssertionError):
         test_fill_x_embedder_is_expected_absent_on_dev("merge")
+
+
+# Flux.2 klein, from the released transformer configs (DiffSynth-Studio's model_configs.py lists them):
+# klein-4B 5 double / 20 single blocks, 24 heads x 128 = 3072; klein-9B 8 / 24, 32 x 128 = 4096.
+@pytest.mark.parametrize("name, double, single, hidden", [
+    ("flux2-klein-4b", 5, 20, 3072), ("flux2-klein-9b", 8, 24, 4096), ("flux2", 8, 48, 6144)])
+def test_klein_catalog_matches_the_variant_table(name, double, single, hidden):
+    from loraweave.arch.catalog import build_meta
+    from loraweave.arch.variants import VARIANTS
+
+    model = build_meta(name)["transformer"]
+    assert (len(model.transformer_blocks), len(model.single_transformer_blocks), model.inner_dim) == (double, single, hidden)
+    (variant,) = [v for v in VARIANTS if v.catalog == name]
+    assert variant.chains == {"double": double, "single": single} and variant.hidden == hidden
+    fused = model.single_transformer_blocks[0].attn.to_qkv_mlp_proj
+    assert fused.out_features == variant.single_rows * hidden
+
+
+def _bfl_flux2_lora(double: int, single: int, hidden: int, single_rows: int) -> dict[str, torch.Tensor]:
+    """BFL-named LoRA (rank 1, zeros) on every double-block qkv and single-block linear1, real row counts."""
+    sd = {}
+    for stem, n, rows in (("double_blocks.{}.img_attn.qkv", double, 3), ("single_blocks.{}.linear1", single, single_rows)):
+        for i in range(n):
+            sd[f"diffusion_model.{stem.format(i)}.lora_A.weight"] = torch.zeros(1, hidden)
+            sd[f"diffusion_model.{stem.format(i)}.lora_B.weight"] = torch.zeros(rows * hidden, 1)
+    return sd
+
+
+@pytest.mark.parametrize("name, double, single, hidden", [("flux2-klein-4b", 5, 20, 3072), ("flux2-klein-9b", 8, 24, 4096)])
+def test_inspect_names_klein_and_checks_against_its_skeleton(tmp_path, name, double, single, hidden):
+    """BFL names are shared with Flux.1 (detection alone says `flux`); block counts, width and the fused linear1
+    rows (9 x hidden: SwiGLU) name the klein variant, and coverage is checked on that variant's full-size model."""
+    from safetensors.torch import save_file
+
+    from loraweave.tools.inspect import format_table, inspect_adapter
+
+    save_file(_bfl_flux2_lora(double, single, hidden, 9), tmp_path / "klein.safetensors")
+    info = inspect_adapter(tmp_path / "klein.safetensors")
+    assert info["variant"]["likely"] == name and info["architecture"]["name"] == name
+    assert any(f"-> {name}" in e for e in info["architecture"]["evidence"])
+    assert info["coverage"]["complete"] and info["coverage"]["keys_applied"] == info["coverage"]["keys_total"]
+    table = format_table(info)
+    assert f"architecture  {name}\n" in table and f"on architecture {name} (full size" in table
+
+
+def test_flux1_file_with_few_blocks_is_not_taken_for_klein():
+    """Negative: the same block counts at Flux.1's linear1 rows (7 x hidden) fit Flux.1, not klein-4B."""
+    from loraweave.arch.variants import variant_fit
+    from loraweave.formats.adapter import load_adapter
+
+    flux1 = variant_fit(load_adapter(_bfl_flux2_lora(5, 20, 3072, 7)))
+    assert "flux2-klein-4b" not in flux1["fits"] and "flux1 (dev, schnell, Fill, Kontext)" in flux1["fits"]
+    assert flux1["catalog"] is None
+    klein = variant_fit(load_adapter(_bfl_flux2_lora(5, 20, 3072, 9)))
+    assert klein["fits"] == ["flux2-klein-4b"] and klein["catalog"] == "flux2-klein-4b"
