@@ -70,6 +70,8 @@ ORIGINAL = (
     ("wan 2.2 animate", "Wan names (blocks, condition embedder), face adapter (fuser_blocks, fused linear1_kv halves), face "
      "encoder (convN.conv), motion encoder (enc.net_app.convs, enc.fc, dec.direction, (1, C, 1, 1) biases)",
      "convert_wan_transformer_to_diffusers", "test_arch_wan_animate_variants.py"),
+    ("wan animate 2", "official names (blocks.N.block. wrapper, q/k/v/o, k_img/v_img), kohya-flattened",
+     "convert_wan_animate_2_transformer_to_diffusers", "test_arch_wan_animate_variants.py::test_animate2_*"),
     ("hunyuan-video", "Tencent names, ComfyUI renames, diffusion-pipe", "convert_hunyuan_video_transformer_to_diffusers", "test_arch_dits2.py"),
     ("krea2", "krea-ai names, SimpleTuner fused to_qkv, mod.lin modulation tables", "convert_krea2_transformer_checkpoint_to_diffusers",
      "test_arch_dits2.py, test_param_patches.py"),
@@ -91,8 +93,6 @@ NOT_MAPPED = (
     ("Ideogram4", "converter exists (_convert_non_diffusers_ideogram4_lora_to_diffusers); table not written"),
     ("Qwen-Image 2.1", "single-file converter exists; original LoRA names not mapped (DiffSynth default. names resolve)"),
     ("Sana", "single-file converter exists; table not written"),
-    ("Wan Animate 2", "converter exists (convert_wan_animate_2_transformer_to_diffusers: blocks.N.block. wrapper, "
-     "attention renames); table not written"),
     ("ERNIE-Image", "no converter: base_model.model./diffusion_model. + diffusers names (prefix only), not tested here"),
     ("HunyuanVideo 1.5, HunyuanImage 2.1", "no converter in diffusers 0.42.1's loaders (single_file_utils and "
      "lora_conversion_utils have none; their pipelines have no LoRA loader). diffusers' repo scripts "

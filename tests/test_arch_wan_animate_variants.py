@@ -79,14 +79,14 @@ def animate_original(key: str) -> str:
     return key
 
 
-def _build(meta: bool, config: dict):
+def _build(meta: bool, config: dict, cls: str = "WanAnimateTransformer3DModel"):
     import diffusers
 
     torch.manual_seed(0)
     if meta:
         with torch.device("meta"):
-            return diffusers.WanAnimateTransformer3DModel(**config)
-    return diffusers.WanAnimateTransformer3DModel(**config).eval()
+            return getattr(diffusers, cls)(**config)
+    return getattr(diffusers, cls)(**config).eval()
 
 
 # The converter turns its face adapter / motion encoder renames on only when the file has such keys: converting
@@ -112,13 +112,10 @@ def original_state(model) -> dict[str, torch.Tensor]:
     return {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in out.items()}
 
 
-def converter_map(model) -> dict[str, list[str]]:
+def converter_map(model, state=None, convert=None) -> dict[str, list[str]]:
     """{original parameter: live parameters in row order}, each original key converted on its own."""
-    out = {}
-    for key, value in original_state(model).items():
-        converted = _convert({key: value})
-        out[key] = list(converted)
-    return out
+    state, convert = state or original_state, convert or _convert
+    return {key: list(convert({key: value})) for key, value in state(model).items()}
 
 
 def test_inverse_is_the_converters_full_size():
@@ -131,10 +128,10 @@ def test_inverse_is_the_converters_full_size():
     assert len(model.face_adapter) == 8 and len(model.motion_encoder.res_blocks) == 7
 
 
-def assert_resolves_as_the_converter_says(model):
+def assert_resolves_as_the_converter_says(model, state=None, convert=None):
     table = AliasTable(model)
     wrong, checked = {}, 0
-    for original, live in converter_map(model).items():
+    for original, live in converter_map(model, state, convert).items():
         owner, _, leaf = original.rpartition(".")
         modules = [k.rsplit(".", 1)[0] for k in live]
         if all(m in table.modules for m in modules) and leaf in ("weight", "bias"):
@@ -397,3 +394,66 @@ def test_flux1_file_with_few_blocks_is_not_taken_for_klein():
     assert flux1["catalog"] is None
     klein = variant_fit(load_adapter(_bfl_flux2_lora(5, 20, 3072, 9)))
     assert klein["fits"] == ["flux2-klein-4b"] and klein["catalog"] == "flux2-klein-4b"
+
+
+# Wan-Animate-2: the official checkpoint wraps each block (`blocks.N.block.X`); attention uses q/k/v/o.
+_A2_ATTN = ((".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".to_out.0.", ".o."), (".add_k_proj.", ".k_img."),
+            (".add_v_proj.", ".v_img."), (".norm_added_k.", ".norm_k_img."))
+ANIMATE2_TINY = dict(in_dim=12, dim=32, ffn_dim=64, freq_dim=16, text_dim=24, out_dim=4, num_heads=2, num_layers=2)
+
+
+def animate2_original(key: str) -> str:
+    """A live WanAnimate2 state-dict key as the official checkpoint writes it (the test's own inverse)."""
+    if key.startswith("blocks."):
+        n, rest = key.split(".", 2)[1:]
+        key = f"blocks.{n}.block.{rest}"
+        for new, old in _A2_ATTN:
+            key = key.replace(new, old)
+    return key
+
+
+def animate2_state(model) -> dict[str, torch.Tensor]:
+    return {animate2_original(k): v for k, v in model.state_dict().items()}
+
+
+def _convert2(sd: dict) -> dict:
+    from diffusers.loaders.single_file_utils import convert_wan_animate_2_transformer_to_diffusers
+
+    return convert_wan_animate_2_transformer_to_diffusers({f"model.diffusion_model.{k}": v for k, v in sd.items()})
+
+
+def _animate2(meta: bool, **config):
+    return _build(meta, config, "WanAnimate2Transformer3DModel")
+
+
+def test_animate2_original_names_full_size():
+    model = _animate2(True)
+    state = model.state_dict()
+    converted = _convert2(animate2_state(model))
+    assert set(converted) == set(state)  # the inverse is the converter's
+    assert "blocks.39.block.cross_attn.k_img.weight" in animate2_state(model)
+    assert assert_resolves_as_the_converter_says(model, animate2_state, _convert2) == len(state)
+    modules = linears(model)
+    for name in (lambda n: "diffusion_model." + animate2_original(f"{n}.weight").removesuffix(".weight"),
+                 lambda n: "lora_unet_" + animate2_original(f"{n}.weight").removesuffix(".weight").replace(".", "_")):
+        report = loraweave.plan(model, lora_file(modules, name, meta=True))
+        assert report.unmatched == [] and report.keys_applied == report.keys_total == 2 * len(modules)
+
+
+def test_animate2_matches_diffusers_converter_and_peft():
+    model = _animate2(False, **ANIMATE2_TINY)
+    sd = lora_file(linears(model), lambda n: "diffusion_model." + animate2_original(f"{n}.weight").removesuffix(".weight"))
+    assert any(".block.cross_attn.k_img." in k for k in sd)
+    converted = {f"transformer.{k}": v for k, v in _convert2({k.removeprefix("diffusion_model."): v for k, v in sd.items()}).items()}
+    assert_matches_peft(model, sd, converted)
+
+
+def test_animate2_swapped_rename_is_caught(monkeypatch):
+    def swap(t):
+        table = {".self_attn.q.": ".self_attn.to_k.", ".self_attn.k.": ".self_attn.to_q."}
+        return dataclasses.replace(t, renames=tuple((o, table.get(o, n)) for o, n in t.renames))
+
+    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(
+        swap(t) if t.name == "wan-animate-2" else t for t in arch_aliases.ARCH_TABLES))
+    with pytest.raises(AssertionError, match="self_attn"):
+        assert_resolves_as_the_converter_says(_animate2(True, num_layers=2), animate2_state, _convert2)

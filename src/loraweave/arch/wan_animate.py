@@ -56,3 +56,21 @@ WAN_ANIMATE = ArchTable(
         ParamAlias(f"{_ME}.dec.direction", f"{_ME}.motion_synthesis_weight"),
     ),
 )
+
+
+# Wan-Animate-2: `convert_wan_animate_2_transformer_to_diffusers` drops the in-context wrapper level of the
+# official checkpoint (`blocks.N.block.X` -> `blocks.N.X`) and renames q/k/v/o (+ image k/v) inside attention;
+# every other name (ffn.0, norm3, modulation, head.head, img_emb, ...) is the original one.
+# Longer names first: kohya-flattened `_cross_attn_k_img_` also contains `_cross_attn_k_`.
+_ATTN2 = (("k_img", "add_k_proj"), ("v_img", "add_v_proj"), ("norm_k_img", "norm_added_k"), ("q", "to_q"),
+          ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))
+
+WAN_ANIMATE_2 = ArchTable(
+    name="wan-animate-2",
+    classes=("WanAnimate2Transformer3DModel",),
+    aliases=(),
+    renames=(
+        (".block.", "."),
+        *((f".{attn}.{old}.", f".{attn}.{new}.") for attn in ("self_attn", "cross_attn") for old, new in _ATTN2),
+    ),
+)
