@@ -160,8 +160,10 @@ def test_every_original_name_resolves_full_size():
             "face_encoder.conv1_local.conv.weight", "blocks.39.cross_attn.k_img.weight"} <= names
 
 
-def test_full_size_lora_file_resolves_completely():
-    """A kohya/ComfyUI-style LoRA on every weighted module (Linear, conv, motion layers) in original names."""
+@pytest.mark.parametrize("flat", [False, True])
+def test_full_size_lora_file_resolves_completely(flat):
+    """A ComfyUI-style (or kohya-flattened) LoRA on every weighted module (Linear, conv, motion layers) in
+    original names."""
     model = _build(True, ANIMATE_14B)
     table = AliasTable(model)
     sd = {}
@@ -174,11 +176,13 @@ def test_full_size_lora_file_resolves_completely():
         if len(shape) < 2:
             continue
         rows = sum(p.length for p in found)
-        sd[f"diffusion_model.{owner}.lora_down.weight"] = torch.empty(2, *shape[1:], device="meta")
-        sd[f"diffusion_model.{owner}.lora_up.weight"] = torch.empty(rows, 2, *([1] * (len(shape) - 2)), device="meta")
+        owner = "lora_unet_" + owner.replace(".", "_") if flat else f"diffusion_model.{owner}"
+        sd[f"{owner}.lora_down.weight"] = torch.empty(2, *shape[1:], device="meta")
+        sd[f"{owner}.lora_up.weight"] = torch.empty(rows, 2, *([1] * (len(shape) - 2)), device="meta")
     report = loraweave.plan(model, sd)
     assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd)
-    assert any("motion_encoder.enc.fc" in k for k in sd) and any("linear1_kv" in k for k in sd)
+    flat_keys = [k.replace(".", "_") for k in sd]
+    assert any("motion_encoder_enc_fc" in k for k in flat_keys) and any("linear1_kv" in k for k in flat_keys)
 
 
 def _converted_lora(sd: dict) -> dict:
@@ -267,6 +271,10 @@ def test_detection_names_wan_animate_and_the_catalog_builds_it():
     assert detect_architecture(load_adapter(sd)).architecture == "wan-animate"
     blocks_only = {k: v for k, v in sd.items() if k.startswith("diffusion_model.blocks.")}
     assert detect_architecture(load_adapter(blocks_only)).architecture == "wan"  # nothing Animate-only: plain Wan
+    assert type(build_meta("wan-animate-2")["transformer"]).__name__ == "WanAnimate2Transformer3DModel"
+    a2 = lora_file(linears(_animate2(False, **ANIMATE2_TINY)),
+                   lambda n: "diffusion_model." + animate2_original(f"{n}.weight").removesuffix(".weight"))
+    assert detect_architecture(load_adapter(a2)).architecture == "wan-animate-2"
 
 
 @pytest.mark.parametrize("cls", ["HunyuanVideo15Transformer3DModel", "HunyuanImageTransformer2DModel",

@@ -103,6 +103,8 @@ CATALOG: dict[str, ArchEntry] = {
                   dict(added_kv_proj_dim=5120, image_dim=1280, in_channels=36, num_attention_heads=40, num_layers=40,
                        ffn_dim=13824, text_dim=4096, inject_face_latents_blocks=5),
                   {}, "Wan2.2-Animate-14B config (diffusers conversion script)"),
+        ArchEntry("wan-animate-2", "transformer", "WanAnimate2Transformer3DModel", {}, {},
+                  "WanAnimate2Transformer3DModel defaults (14B: dim 5120, 40 blocks)"),
         ArchEntry("hunyuan-video", "transformer", "HunyuanVideoTransformer3DModel",
                   dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
                        num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,

@@ -24,6 +24,8 @@ SIGNATURES: tuple[tuple[str, str], ...] = (
     ("anima", r"^blocks_\d+_(self_attn|cross_attn)_[qkvo]_proj|^blocks_\d+_mlp_layer"),
     # Wan Animate: Wan blocks plus the face adapter / face and motion encoders (original or diffusers names).
     ("wan-animate", r"^face_adapter_(fuser_blocks_)?\d+_|^(motion|face)_encoder_"),
+    # Wan-Animate-2's official checkpoint wraps every block: `blocks.N.block.self_attn.q`.
+    ("wan-animate-2", r"^blocks_\d+_block_(self_attn|cross_attn|ffn|norm3)"),
     ("wan", r"^blocks_\d+_(self_attn|cross_attn|attn1|attn2|ffn)"),
     ("unet", r"^(down_blocks|up_blocks|input_blocks|output_blocks|mid_block|middle_block)_"),
 )
