@@ -260,6 +260,42 @@ def test_swapped_kv_halves_are_caught(monkeypatch):
         assert_resolves_as_the_converter_says(_build(True, {**ANIMATE_14B, "num_layers": 5}))
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_animate_only_keys_are_expected_absent_on_other_wan(flat):
+    """An Animate LoRA on Wan 2.1 I2V (same blocks, no face adapter / motion encoder): the block keys land with
+    the numbers the Animate model gets, the Animate-only keys are expected absent and strict mode passes."""
+    from test_arch_oracle import tiny_wan
+
+    animate, i2v = _build(False, ANIMATE_TINY), tiny_wan(True)
+    sd = animate_lora(animate)
+    if flat:
+        sd = {"lora_unet_" + k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0].replace(".", "_") + ".lora_"
+              + k.rsplit(".lora_", 1)[1]: v for k, v in sd.items()}
+    h = loraweave.apply(i2v, sd, strict=True)
+    misses = h.report.to_dict()["unmatched"]
+    only = [k for k in sd if re.search(r"face_adapter|face_encoder", k)]
+    assert sorted(u["key"] for u in misses) == sorted(only) and only
+    assert all(u["kind"] == "expected_absent" and "exist only in Wan 2.2 Animate" in u["reason"] for u in misses)
+    assert h.report.keys_applied == len(sd) - len(only)
+    h.remove()
+    diffs = {"diffusion_model.motion_encoder.enc.fc.0.diff": torch.zeros(4, 4),
+             "diffusion_model.motion_encoder.enc.net_app.convs.0.1.bias.diff": torch.zeros(1, 4, 1, 1),
+             "diffusion_model.pose_patch_embedding.diff": torch.zeros(32, 4, 1, 2, 2)}
+    assert loraweave.plan(i2v, diffs).kinds() == {"expected_absent": 3}
+    assert loraweave.plan(i2v, {"diffusion_model.face_adapter.fuser_blocks.0.linear7.diff": torch.zeros(4, 4)}
+                          ).kinds() == {"no_such_module": 1}  # a name Animate does not have either: a real miss
+
+
+def test_without_the_animate_only_table_they_are_plain_misses(monkeypatch):
+    """Negative control: without WAN_ANIMATE_ONLY the same keys are unknown modules and strict mode raises."""
+    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(
+        t for t in arch_aliases.ARCH_TABLES if t.name != "wan-animate-only"))
+    from loraweave.errors import StrictApplyError
+
+    with pytest.raises(StrictApplyError, match="no_such_module"):
+        test_animate_only_keys_are_expected_absent_on_other_wan(False)
+
+
 def test_detection_names_wan_animate_and_the_catalog_builds_it():
     from loraweave.arch.catalog import build_meta
     from loraweave.formats.adapter import load_adapter

@@ -24,11 +24,12 @@ from .spec import (
     out_rows,
 )
 from .wan import WAN
-from .wan_animate import WAN_ANIMATE, WAN_ANIMATE_2
+from .wan_animate import WAN_ANIMATE, WAN_ANIMATE_2, WAN_ANIMATE_ONLY
 from .zimage import ZIMAGE
 
 ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2, LTX2, LTX2_CONNECTORS,
-                                      LUMINA2, FLUX3, WAN_ANIMATE, WAN_ANIMATE_2)
+                                      LUMINA2, FLUX3, WAN_ANIMATE, WAN_ANIMATE_2,
+                                      WAN_ANIMATE_ONLY)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {

@@ -10,7 +10,7 @@ adds the face adapter (`face_adapter.fuser_blocks.N`: `linear1_q`, fused `linear
 
 from __future__ import annotations
 
-from .spec import Alias, ArchTable, ParamAlias
+from .spec import Alias, ArchTable, ParamAlias, VariantOnly
 from .wan import WAN
 
 _F, _LF = "face_adapter.fuser_blocks.{i}", "face_adapter.{i}"
@@ -57,6 +57,25 @@ WAN_ANIMATE = ArchTable(
     ),
 )
 
+
+
+def _animate_only() -> tuple[str, ...]:
+    """Every spelling (original and diffusers) of the modules and parameters only Wan Animate has."""
+    extra = [a for a in WAN_ANIMATE.aliases if a not in WAN.aliases]
+    names = {a.source for a in extra} | {t if isinstance(t, str) else t.module for a in extra for t in a.targets}
+    names |= {p.source for p in WAN_ANIMATE.parameters if p not in WAN.parameters}
+    return tuple(sorted(names | {"face_encoder.out_proj", "pose_patch_embedding"}))
+
+
+# On the other Wan transformers, an Animate file's face adapter / encoder and motion encoder keys are expected
+# absent (the blocks still land). Kept apart from WAN because these names come from the Animate table.
+WAN_ANIMATE_ONLY = ArchTable(
+    name="wan-animate-only",
+    classes=WAN.classes,
+    aliases=(),
+    variant_only=(VariantOnly(_animate_only(), "blocks.{i}.attn1.to_q",
+                              "the face adapter, face encoder and motion encoder exist only in Wan 2.2 Animate"),),
+)
 
 # Wan-Animate-2: `convert_wan_animate_2_transformer_to_diffusers` drops the in-context wrapper level of the
 # official checkpoint (`blocks.N.block.X` -> `blocks.N.X`) and renames q/k/v/o (+ image k/v) inside attention;
