@@ -58,7 +58,6 @@ WAN_ANIMATE = ArchTable(
 )
 
 
-
 def _animate_only() -> tuple[str, ...]:
     """Every spelling (original and diffusers) of the modules and parameters only Wan Animate has."""
     extra = [a for a in WAN_ANIMATE.aliases if a not in WAN.aliases]

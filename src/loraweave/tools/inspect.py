@@ -161,7 +161,7 @@ def _by_variant(detection, fit: dict, arch: str | None, model: str | None):
     catalog = fit.get("catalog")
     if arch is None and model is None and catalog and detection.architecture in BFL_NAMED \
             and catalog != detection.architecture:
-        detection.evidence.append(f"block counts and widths fit {fit['likely']} only -> {catalog}")
+        detection.evidence.append(f"block counts and widths name {fit['likely']} -> {catalog}")
         detection.architecture = catalog
     return detection
 
