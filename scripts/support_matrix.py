@@ -56,15 +56,23 @@ def main() -> int:
 # Original (non-diffusers) layouts per architecture: what each table covers and which converter checks it. The
 # tables themselves live in src/loraweave/arch/; the tests named here fail when a row is wrong.
 ORIGINAL = (
-    ("flux / flux-schnell / chroma", "BFL/ComfyUI names, kohya, XLabs processor LoRAs, fal Kontext (base_model.model.)",
+    ("flux / flux-schnell / chroma", "BFL/ComfyUI names, kohya, XLabs processor LoRAs, fal Kontext (base_model.model.); "
+     "a Fill-trained x_embedder (384 inputs) is expected_absent on other input widths (Kontext has no module of its own)",
      "convert_flux_transformer_checkpoint_to_diffusers, _convert_xlabs_flux_lora_to_diffusers, _convert_fal_kontext_lora_to_diffusers",
-     "test_layouts.py, test_arch_ltx_layouts.py::test_xlabs_*, ::test_fal_kontext_*"),
-    ("flux2 (dev, klein)", "BFL/ComfyUI names, BFL LoKr", "convert_flux2_transformer_checkpoint_to_diffusers", "test_arch_dits2.py"),
+     "test_layouts.py, test_arch_ltx_layouts.py::test_xlabs_*, ::test_fal_kontext_*, test_arch_wan_animate_variants.py::test_fill_*"),
+    ("flux2 (dev, klein)", "BFL/ComfyUI names, BFL LoKr; klein 4B/9B told apart by block counts, width and linear1 rows",
+     "convert_flux2_transformer_checkpoint_to_diffusers", "test_arch_dits2.py, test_arch_wan_animate_variants.py::test_*klein*"),
     ("sd3", "original MMDiT names", "convert_sd3_transformer_checkpoint_to_diffusers", "test_arch_oracle.py"),
     ("z-image", "original/ComfyUI names, fused w13 runtimes", "convert_z_image_transformer_checkpoint_to_diffusers", "test_arch_oracle.py"),
     ("wan 2.1 / 2.2 (+VACE)", "Wan/ComfyUI names, musubi-tuner (lora_unet_), diffusion-pipe (diffusion_model.), lightx2v diff/diff_b/diff_m, VACE blocks",
      "convert_wan_transformer_to_diffusers, _convert_musubi_wan_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffusers",
      "test_arch_oracle.py, test_arch_ltx_layouts.py::test_*wan*, test_param_patches.py"),
+    ("wan 2.2 animate", "Wan names (blocks, condition embedder), face adapter (fuser_blocks, fused linear1_kv halves), face "
+     "encoder (convN.conv), motion encoder (enc.net_app.convs, enc.fc, dec.direction, (1, C, 1, 1) biases); "
+     "those keys are expected_absent on the other Wan transformers",
+     "convert_wan_transformer_to_diffusers", "test_arch_wan_animate_variants.py"),
+    ("wan animate 2", "official names (blocks.N.block. wrapper, q/k/v/o, k_img/v_img), kohya-flattened",
+     "convert_wan_animate_2_transformer_to_diffusers", "test_arch_wan_animate_variants.py::test_animate2_*"),
     ("hunyuan-video", "Tencent names, ComfyUI renames, diffusion-pipe", "convert_hunyuan_video_transformer_to_diffusers", "test_arch_dits2.py"),
     ("krea2", "krea-ai names, SimpleTuner fused to_qkv, mod.lin modulation tables", "convert_krea2_transformer_checkpoint_to_diffusers",
      "test_arch_dits2.py, test_param_patches.py"),
@@ -97,9 +105,14 @@ ORIGINAL = (
 )
 # Original layouts not mapped yet: their keys resolve only where they already use diffusers module names.
 NOT_MAPPED = (
-    ("Wan Animate", "converter exists (face adapter, motion encoder); table not written"),
-    ("HunyuanVideo 1.5, HunyuanImage 2.1, Kandinsky 5", "no diffusers converter (Kandinsky 5's loader takes diffusers "
-     "names as they are); no original-name file layout was checked here: diffusers names only"),
+    ("HunyuanVideo 1.5, HunyuanImage 2.1", "no converter in diffusers 0.42.1's loaders (single_file_utils and "
+     "lora_conversion_utils have none; their pipelines have no LoRA loader). diffusers' repo scripts "
+     "convert_hunyuan_video1_5_to_diffusers.py / convert_hunyuanimage_to_diffusers.py name the original checkpoint "
+     "keys but are not installed, so there is no oracle here: no table. diffusers/PEFT and kohya-flattened names "
+     "resolve 100 % on the full-size models (test_arch_wan_animate_variants.py::test_diffusers_names_*)"),
+    ("Kandinsky 5", "no converter: the diffusers port keeps the original module names (text_modulation, "
+     "self_attention, visual_embeddings, ...) and KandinskyLoraLoaderMixin converts nothing; diffusers/PEFT and "
+     "kohya-flattened names resolve 100 % on the full-size (Lite) model (test_arch_wan_animate_variants.py)"),
     ("Wan Stand-In", "parsed and resolved, refused with its reason: token-selective (reference tokens of its own pipeline)"),
 )
 

@@ -25,13 +25,16 @@ from .spec import (
     expand_alias,
     expand_param_alias,
     expand_variant_only,
+    module_shape,
     out_rows,
 )
 from .wan import WAN
+from .wan_animate import WAN_ANIMATE, WAN_ANIMATE_2, WAN_ANIMATE_ONLY
 from .zimage import ZIMAGE
 
 ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2, LTX2, LTX2_CONNECTORS,
-                                      LUMINA2, FLUX3, ANIMA, SANA, MINIMAX_H3, IDEOGRAM4, QWENIMAGE21)
+                                      LUMINA2, FLUX3, ANIMA, SANA, MINIMAX_H3, IDEOGRAM4, QWENIMAGE21,
+                                      WAN_ANIMATE, WAN_ANIMATE_2, WAN_ANIMATE_ONLY)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
@@ -150,6 +153,7 @@ class AliasTable:
         self.widened_inputs = {m for t in ARCH_TABLES if cls in t.classes for m in t.widened_inputs}
         self.growable_inputs = dict(g for t in ARCH_TABLES if cls in t.classes for g in t.growable_inputs)
         self.metadata_alpha = next((t.metadata_alpha for t in ARCH_TABLES if cls in t.classes and t.metadata_alpha), None)
+        self.variant_inputs = {(v.module, v.width): v.why for t in ARCH_TABLES if cls in t.classes for v in t.variant_inputs}
         every = dict(module.named_modules())
         self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}
         self.exact: dict[str, tuple[Piece, ...]] = {
@@ -200,6 +204,13 @@ class AliasTable:
     def expected_absent(self, path: str) -> str | None:
         """Why `path` names a module only a sibling variant of this architecture has; None when it does not."""
         return self.absent.get(path) or self.absent.get(underscore_form(path))
+
+    def variant_input(self, module: str, width: int | None) -> str | None:
+        """Why an adapter trained on `width` input columns of `module` belongs to a sibling variant; None if not."""
+        live = module_shape(self.modules[module]) if module in self.modules else None
+        if width is None or live is None or len(live) != 2 or live[1] == width:
+            return None
+        return self.variant_inputs.get((module, width))
 
     def positional(self, ancestor_classes: tuple[str, ...]) -> list[str]:
         """Linear layers in cloneofsimo's enumeration order: each ancestor of the named classes, then its Linears."""

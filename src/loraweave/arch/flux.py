@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .spec import Alias, ArchTable, Rows, VariantOnly
+from .spec import Alias, ArchTable, Rows, VariantInput, VariantOnly
 
 _D = "transformer_blocks.{i}"
 _S = "single_transformer_blocks.{i}"
@@ -57,6 +57,10 @@ FLUX = ArchTable(
     ),
     widened_inputs=("x_embedder",),
     growable_inputs=(("x_embedder", "in_channels"),),
+    # Flux.1 Fill (in_channels 384: latents | masked-image latents | mask) vs 64 for dev/schnell/Kontext; Kontext
+    # adds no module (its reference image is more tokens). BFL Canny/Depth (128) are control adapters: they grow.
+    variant_inputs=(VariantInput("x_embedder", 384, "x_embedder takes 384 input channels only in Flux Fill "
+                                 "(latents, masked-image latents, mask); this model's takes another width"),),
     variant_only=(
         VariantOnly(
             ("guidance_in.in_layer", "guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_1",

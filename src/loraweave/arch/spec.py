@@ -53,6 +53,18 @@ class VariantOnly:
 
 
 @dataclass(frozen=True)
+class VariantInput:
+    """An input width only a sibling variant's `module` has (Flux Fill's `x_embedder` takes 384 channels).
+
+    A key for `module` trained on that width does not fit a model whose module is narrower or wider: it is
+    reported as expected absent (the rest of the file applies), never grown into (that is for control adapters)."""
+
+    module: str
+    width: int
+    why: str
+
+
+@dataclass(frozen=True)
 class ParamAlias:
     """An original name of a bare parameter (not a module weight) -> the live parameter `target` (`module.name`).
 
@@ -91,6 +103,8 @@ class ArchTable:
     growable_inputs: tuple[tuple[str, str], ...] = ()
     # Modules only sibling variants have: their keys are expected absent on this one.
     variant_only: tuple[VariantOnly, ...] = ()
+    # Input widths only sibling variants have: keys trained on them are expected absent on this one.
+    variant_inputs: tuple[VariantInput, ...] = ()
     # Original names of bare parameters (modulation tables): full-difference keys can patch them.
     parameters: tuple[ParamAlias, ...] = ()
     # Original names that differ from the live ones by the converter's substring renames, in its order:

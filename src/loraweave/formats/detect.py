@@ -22,6 +22,10 @@ SIGNATURES: tuple[tuple[str, str], ...] = (
     ("mmdit", r"^transformer_blocks_\d+_(attn_(add_[qkv]_proj|to_add_out|to_[qkv]|to_out)|attn2_|ff_context|ff_net|norm1)"),
     ("z-image", r"^(layers|noise_refiner|context_refiner)_\d+_(attention|feed_forward|adaLN)"),
     ("anima", r"^blocks_\d+_(self_attn|cross_attn)_[qkvo]_proj|^blocks_\d+_mlp_layer"),
+    # Wan Animate: Wan blocks plus the face adapter / face and motion encoders (original or diffusers names).
+    ("wan-animate", r"^face_adapter_(fuser_blocks_)?\d+_|^(motion|face)_encoder_"),
+    # Wan-Animate-2's official checkpoint wraps every block: `blocks.N.block.self_attn.q`.
+    ("wan-animate-2", r"^blocks_\d+_block_(self_attn|cross_attn|ffn|norm3)"),
     ("wan", r"^blocks_\d+_(self_attn|cross_attn|attn1|attn2|ffn)"),
     ("unet", r"^(down_blocks|up_blocks|input_blocks|output_blocks|mid_block|middle_block)_"),
 )
@@ -95,6 +99,8 @@ def detect_architecture(adapter: Adapter) -> Detection:
         name = kind[0] if kind else ("flux" if "flux" in scores else "sd3-or-flux")
         scores[name] = scores.get(name, 0) + scores.pop("mmdit")
         first.setdefault(name, first.pop("mmdit"))
+    if "wan-animate" in scores and "wan" in scores:  # Animate's transformer blocks are Wan's
+        scores["wan-animate"] += scores.pop("wan")
     arch = max(scores, key=lambda a: (scores[a], -_order(a)))
     evidence = [f"{scores[arch]} of {len(adapter.parts)} parts match {arch} names, e.g. {first[arch]}"]
     if arch in ("sd3", "flux", "sd3-or-flux") and (kind := _mmdit_kind(adapter)):

@@ -150,6 +150,8 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     for piece in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
         shape = module_shape(table.modules[piece.module])
         factors, reason = family.fit(factors, shape)
+        if reason and (why := table.variant_input(piece.module, family.input_width(factors))):
+            raise PartRejected("expected_absent", f"expected absent: {where} ({why})")  # before growth: not a control input
         if reshape is not None and reshape != shape:
             width = _growth(family, factors, shape, reshape[1], piece.module, table) if reshape[0] == shape[0] else None
             if width is None:

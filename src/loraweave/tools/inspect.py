@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..arch.variants import variant_fit
+from ..arch.variants import BFL_NAMED, variant_fit
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.detect import detect_architecture
 from ..report import failures
@@ -150,8 +150,20 @@ def adapter_target(adapter: Adapter, arch: str | None, model: str | None, text_e
     detection = detect_architecture(adapter)
     if detection.architecture == "unet" and arch is None and model is None:
         detection = _unet_by_fit(adapter, detection, text_encoders)
+    detection = _by_variant(detection, variant_fit(adapter), arch, model)
     components, against = _target(arch, model, detection.architecture, text_encoders)
     return components, against, detection.architecture
+
+
+def _by_variant(detection, fit: dict, arch: str | None, model: str | None):
+    """A Flux-family file whose block counts and widths name one variant with its own skeleton (Flux.2 klein,
+    or Flux.2 written in BFL names that Flux.1 shares) is checked against that skeleton."""
+    catalog = fit.get("catalog")
+    if arch is None and model is None and catalog and detection.architecture in BFL_NAMED \
+            and catalog != detection.architecture:
+        detection.evidence.append(f"block counts and widths name {fit['likely']} -> {catalog}")
+        detection.architecture = catalog
+    return detection
 
 
 def _unet_by_fit(adapter: Adapter, detection, text_encoders: bool):
@@ -192,6 +204,8 @@ def inspect_adapter(
                             "scores": detection.scores, "metadata_says": detection.metadata}
     info["architecture_evidence"] = detection.evidence  # the pre-contract key, kept for older callers
     info["variant"] = variant_fit(adapter)
+    detection = _by_variant(detection, info["variant"], arch, model)
+    info["architecture"]["name"] = detection.architecture
     if not coverage:
         info["coverage"] = {"checked": False, "against": None, "keys_total": adapter.keys_total, "keys_applied": None,
                             "unmatched": [], "complete": None}

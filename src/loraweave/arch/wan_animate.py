@@ -1,0 +1,94 @@
+"""Wan 2.2 Animate: original (Wan) names -> diffusers WanAnimateTransformer3DModel modules.
+
+Source: diffusers `convert_wan_transformer_to_diffusers` (the single-file converter WanAnimateTransformer3DModel
+uses). The 40 transformer blocks and the condition embedder are Wan's, with Wan's names (the `wan` table). Animate
+adds the face adapter (`face_adapter.fuser_blocks.N`: `linear1_q`, fused `linear1_kv` = k | v halves, `linear2`,
+`q_norm`/`k_norm`), the face encoder (convolutions wrapped as `convN.conv`) and the motion encoder (StyleGAN-style
+`enc.net_app.convs.N`, `enc.fc.N`, `dec.direction`). The converter writes the motion encoder for the released
+512 px encoder: convs.0 is the input conv, convs.1..7 the seven residual blocks, convs.8 the output conv.
+"""
+
+from __future__ import annotations
+
+from .spec import Alias, ArchTable, ParamAlias, VariantOnly
+from .wan import WAN
+
+_F, _LF = "face_adapter.fuser_blocks.{i}", "face_adapter.{i}"
+_ENC, _ME = "motion_encoder.enc.net_app.convs", "motion_encoder"
+RES_BLOCKS = 7  # the converter's count (log2(512) - 2 residual blocks)
+
+
+def _motion_res_block(i: int) -> tuple[Alias, ...]:
+    c, r = f"{_ENC}.{i + 1}", f"{_ME}.res_blocks.{i}"  # original convs are numbered from the input conv
+    return (Alias(f"{c}.conv1.0", (f"{r}.conv1",)), Alias(f"{c}.conv2.1", (f"{r}.conv2",)),
+            Alias(f"{c}.skip.1", (f"{r}.conv_skip",)))
+
+
+def _motion_biases(i: int) -> tuple[ParamAlias, ...]:
+    # The activation's channel bias is stored (1, C, 1, 1) in the original, (C,) live: the converter reshapes it.
+    c, r = f"{_ENC}.{i + 1}", f"{_ME}.res_blocks.{i}"
+    return (ParamAlias(f"{c}.conv1.1.bias", f"{r}.conv1.act_fn.bias", reshape=True),
+            ParamAlias(f"{c}.conv2.2.bias", f"{r}.conv2.act_fn.bias", reshape=True))
+
+
+WAN_ANIMATE = ArchTable(
+    name="wan-animate",
+    classes=("WanAnimateTransformer3DModel",),
+    aliases=(
+        *WAN.aliases,  # blocks, condition embedder (VACE rows find no targets here)
+        Alias(f"{_F}.linear1_q", (f"{_LF}.to_q",)),
+        Alias(f"{_F}.linear1_kv", (f"{_LF}.to_k", f"{_LF}.to_v")),  # the converter splits the rows in halves
+        Alias(f"{_F}.linear2", (f"{_LF}.to_out",)),
+        Alias(f"{_F}.q_norm", (f"{_LF}.norm_q",)),
+        Alias(f"{_F}.k_norm", (f"{_LF}.norm_k",)),
+        *(Alias(f"face_encoder.{c}.conv", (f"face_encoder.{c}",)) for c in ("conv1_local", "conv2", "conv3")),
+        Alias(f"{_ENC}.0.0", (f"{_ME}.conv_in",)),
+        *(a for i in range(RES_BLOCKS) for a in _motion_res_block(i)),
+        Alias(f"{_ENC}.{RES_BLOCKS + 1}", (f"{_ME}.conv_out",)),
+        Alias(f"{_ME}.enc.fc.{{i}}", (f"{_ME}.motion_network.{{i}}",)),
+    ),
+    parameters=(
+        *(p for p in WAN.parameters if not p.source.startswith("vace_")),
+        ParamAlias(f"{_ENC}.0.1.bias", f"{_ME}.conv_in.act_fn.bias", reshape=True),
+        *(p for i in range(RES_BLOCKS) for p in _motion_biases(i)),
+        # `dec.direction` is a bare weight in the original; a full diff may name the module or the parameter.
+        ParamAlias(f"{_ME}.dec.direction.weight", f"{_ME}.motion_synthesis_weight"),
+        ParamAlias(f"{_ME}.dec.direction", f"{_ME}.motion_synthesis_weight"),
+    ),
+)
+
+
+def _animate_only() -> tuple[str, ...]:
+    """Every spelling (original and diffusers) of the modules and parameters only Wan Animate has."""
+    extra = [a for a in WAN_ANIMATE.aliases if a not in WAN.aliases]
+    names = {a.source for a in extra} | {t if isinstance(t, str) else t.module for a in extra for t in a.targets}
+    names |= {p.source for p in WAN_ANIMATE.parameters if p not in WAN.parameters}
+    return tuple(sorted(names | {"face_encoder.out_proj", "pose_patch_embedding"}))
+
+
+# On the other Wan transformers, an Animate file's face adapter / encoder and motion encoder keys are expected
+# absent (the blocks still land). Kept apart from WAN because these names come from the Animate table.
+WAN_ANIMATE_ONLY = ArchTable(
+    name="wan-animate-only",
+    classes=WAN.classes,
+    aliases=(),
+    variant_only=(VariantOnly(_animate_only(), "blocks.{i}.attn1.to_q",
+                              "the face adapter, face encoder and motion encoder exist only in Wan 2.2 Animate"),),
+)
+
+# Wan-Animate-2: `convert_wan_animate_2_transformer_to_diffusers` drops the in-context wrapper level of the
+# official checkpoint (`blocks.N.block.X` -> `blocks.N.X`) and renames q/k/v/o (+ image k/v) inside attention;
+# every other name (ffn.0, norm3, modulation, head.head, img_emb, ...) is the original one.
+# Longer names first: kohya-flattened `_cross_attn_k_img_` also contains `_cross_attn_k_`.
+_ATTN2 = (("k_img", "add_k_proj"), ("v_img", "add_v_proj"), ("norm_k_img", "norm_added_k"), ("q", "to_q"),
+          ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))
+
+WAN_ANIMATE_2 = ArchTable(
+    name="wan-animate-2",
+    classes=("WanAnimate2Transformer3DModel",),
+    aliases=(),
+    renames=(
+        (".block.", "."),
+        *((f".{attn}.{old}.", f".{attn}.{new}.") for attn in ("self_attn", "cross_attn") for old, new in _ATTN2),
+    ),
+)
