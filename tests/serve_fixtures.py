@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,8 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 from tiny_pipelines import tiny_sd15
+
+from loraweave.serve.engine import Engine
 
 SETTINGS = {"steps": 3, "cfg": 5.0, "width": 32, "height": 32, "negative": "blurry"}
 
@@ -68,3 +71,40 @@ def generated(pipe_dir: Path, loras: Path, prompt: str, seed: int, out: Path, mo
                           seed=seed, width=SETTINGS["width"], height=SETTINGS["height"])
     generate(req)
     return pixels(out)
+
+
+def rendered(pipe_dir: Path, loras: Path, prompt: str, seed: int, copies: int = 1, floats: bool = False) -> np.ndarray:
+    """The image `loraweave generate --lora-apply-mode runtime` makes with SETTINGS (its loading, tag resolution and
+    apply), from one pipeline call of `copies` identical samples: the batch size a served image came from (CPU
+    kernels round by batch size: a conv of N=1 vs N>=2, a GEMM of M<4 rows vs more; never by what other rows hold).
+    `floats`: the decoded float image (H, W, 3) in [0, 1] instead of the 8-bit one."""
+    from loraweave.api import apply
+    from loraweave.tools.generate import GenerateRequest, adapter_specs, load_pipeline
+
+    req = GenerateRequest(model=str(pipe_dir), prompt=prompt, lora_dir=str(loras))
+    pipe = load_pipeline(req)
+    pipe.set_progress_bar_config(disable=True)
+    clean, specs = adapter_specs(req)
+    if specs:
+        apply(pipe, specs, mode="runtime", strict=True, progress=False)
+    images = pipe(prompt=[clean] * copies, negative_prompt=[SETTINGS["negative"]] * copies,
+                  generator=[torch.Generator("cpu").manual_seed(seed) for _ in range(copies)],
+                  num_inference_steps=SETTINGS["steps"], guidance_scale=SETTINGS["cfg"], width=SETTINGS["width"],
+                  height=SETTINGS["height"], output_type="np" if floats else "pil").images
+    return images[0] if floats else np.asarray(images[0].convert("RGB")).astype(np.int16)
+
+
+class FaultyEngine(Engine):
+    """An Engine whose process dies (os._exit, as an OOM kill does) inside the UNet's first forward of a render that
+    holds a prompt with `CRASH`, while `<lora_dir>/../crash.arm` exists; the file holds the deaths left."""
+
+    def _render(self, reqs):
+        arm = self.store.root.parent / "crash.arm"
+        if any("CRASH" in r.prompt for r in reqs) and arm.exists():
+            left = int(arm.read_text()) - 1
+            if left > 0:
+                arm.write_text(str(left))
+            else:
+                arm.unlink()
+            self.pipe.unet.register_forward_pre_hook(lambda *_: os._exit(1))
+        return super()._render(reqs)

@@ -34,19 +34,22 @@ class Mix:
         self.names = names  # id(path) -> "component.module", for messages
         self.settings = settings  # the handle's AdapterWeights by adapter name (live)
         self.keys: list[SampleKey] | None = None
+        self.exact = False  # per-run own-set GEMMs only (no gated short-run form): see `batch`
         self.regions: dict[str, torch.Tensor] = {}
         self._pairs: dict[tuple, PairFactors | None] = {}
         self._runs: dict[tuple, list[tuple[slice, SampleKey]]] = {}
         self._weights: dict[tuple, torch.Tensor | float] = {}
         self._gates: dict[tuple, torch.Tensor] = {}
 
-    def set_batch(self, assignments, strengths, known: dict[str, float]) -> None:
+    def set_batch(self, assignments, strengths, known: dict[str, float], exact: bool = False) -> None:
         self.keys = sample_keys(assignments, strengths, known)
+        self.exact = bool(exact)
         self._pairs.clear()
         self._runs.clear()
 
     def clear_batch(self) -> None:
         self.keys = None
+        self.exact = False
         self._pairs.clear()
         self._runs.clear()
         self._gates.clear()
@@ -135,7 +138,7 @@ class Mix:
     def _gated(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> bool:
         """Short runs (modulation inputs (B, C), few tokens): one pass of the whole rank-concatenated pair with a
         per-row gate beats a few small GEMMs per run. Returns whether it ran (then only other terms remain)."""
-        if len(runs) < 2 or path.conv or path.down is None or path.base_fns or out.dim() < 2:
+        if self.exact or len(runs) < 2 or path.conv or path.down is None or path.base_fns or out.dim() < 2:
             return False  # terms that read the base output must see it before any pair is added
         tokens = (runs[0][0].stop - runs[0][0].start) * math.prod(x.shape[1:-1])
         if tokens * path.down.shape[0] >= GATED_MAX_TOKEN_RANKS:
@@ -287,7 +290,7 @@ def release(handle) -> None:
 
 
 @contextmanager
-def batch(handle, assignments, strengths=None) -> Iterator[None]:
+def batch(handle, assignments, strengths=None, exact: bool = False) -> Iterator[None]:
     """Handle.batch: per-sample adapter sets for the forwards run inside the block."""
     if not handle.active:
         raise BatchError("handle was removed")
@@ -296,7 +299,7 @@ def batch(handle, assignments, strengths=None) -> Iterator[None]:
     known = {name: w.strength for name, w in handle._settings.items()}
     mix = mix_for(handle)
     try:
-        mix.set_batch(assignments, strengths, known)
+        mix.set_batch(assignments, strengths, known, exact)
         require_runtime(handle, {n for key in mix.keys for n, _ in key}, BatchError, "batch")
         yield
     finally:
