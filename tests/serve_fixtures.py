@@ -35,6 +35,21 @@ def lora_file(pipe, path: Path, seed: int, te: bool = True) -> Path:
     return path
 
 
+def locon_file(pipe, path: Path, seed: int) -> Path:
+    """A kohya LoCon (rank 4, alpha 2) on the UNet resnets' 3x3 convolutions: a conv-only adapter."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, module in pipe.unet.named_modules():
+        if isinstance(module, torch.nn.Conv2d) and "resnets" in name and module.kernel_size == (3, 3):
+            stem = "lora_unet_" + name.replace(".", "_")
+            sd[f"{stem}.lora_down.weight"] = torch.randn(4, module.in_channels, 3, 3, generator=g) * 0.1
+            sd[f"{stem}.lora_up.weight"] = torch.randn(module.out_channels, 4, 1, 1, generator=g) * 0.1
+            sd[f"{stem}.alpha"] = torch.tensor(2.0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, path, metadata={"ss_network_module": "networks.lora"})
+    return path
+
+
 def wrong_arch_file(path: Path) -> Path:
     """An SDXL-shaped LoRA: its keys name layers the tiny SD1.5 UNet does not have."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -44,7 +59,7 @@ def wrong_arch_file(path: Path) -> Path:
 
 
 def build(root: Path, adapters: int = 5) -> tuple[Path, Path]:
-    """(pipeline folder, LoRA folder with a0..a{n-1}, te-less `styles/u`, and `bad/sdxl`)."""
+    """(pipeline folder, LoRA folder with a0..a{n-1}, te-less `styles/u`, conv-only `conv/c`, and `bad/sdxl`)."""
     from diffusers import StableDiffusionPipeline
 
     pipe_dir = tiny_sd15(root / "pipe")
@@ -53,6 +68,7 @@ def build(root: Path, adapters: int = 5) -> tuple[Path, Path]:
     for i in range(adapters):
         lora_file(pipe, loras / f"a{i}.safetensors", seed=10 + i)
     lora_file(pipe, loras / "styles" / "u.safetensors", seed=99, te=False)
+    locon_file(pipe, loras / "conv" / "c.safetensors", seed=98)
     wrong_arch_file(loras / "bad" / "sdxl.safetensors")
     return pipe_dir, loras
 

@@ -154,17 +154,17 @@ def test_mixed_batch_is_formed_and_exact(server):
 
 
 def test_engine_mixed_batch_is_row_independent(files, monkeypatch):
-    """Without Ray: a batch of three different adapter sets (one of two adapters, not in resident order). Each sample
-    is bit-equal, as floats and as PNG, to generate's arithmetic at batch size 3, whatever its companions; a lone
-    request equals generate itself. Negative controls: another strength; the gated short-run form (exact=False), and
-    the sum in resident order (measured: both off by ~1e-6 in floats, seen by the float comparison only)."""
-    from loraweave.mechanisms import persample
+    """Without Ray: a batch of three different adapter sets (two adapters not in resident order; a conv-only LoCon).
+    Each sample is bit-equal, as floats and as PNG, to generate's arithmetic at batch size 3, whatever its
+    companions; a lone request equals generate itself. Negative controls (floats): another strength, the sum in
+    resident order, and Handle.batch's non-exact forms (gated whole pair; per-run GEMMs): each ~1e-6 off."""
+    from loraweave.mechanisms import mix, persample
     from loraweave.serve import Engine
 
     pipe_dir, loras, root = files
-    engine = Engine(str(pipe_dir), str(loras), max_adapters=4)
+    engine = Engine(str(pipe_dir), str(loras), max_adapters=5)
     engine.store.ensure(["styles/u", "a3", "a1"])  # resident order u, a3, a1: not request 0's tag order
-    prompts = ["a dog <lora:a1:1> <lora:u:0.5>", "a cat <lora:a3:0.3>", "a house <lora:a0:0.8>", "a tree"]
+    prompts = ["a dog <lora:a1:1> <lora:u:0.5>", "a cat <lora:a3:0.3> <lora:c:0.6>", "a house <lora:a0:0.8>", "a tree"]
     reqs = [engine.parse({**SETTINGS, "prompt": p, "seed": 300 + i}) for i, p in enumerate(prompts)]
     run = lambda batch: [pixels(base64.b64decode(r["png_b64"])) for r in engine.run(batch)]  # noqa: E731
     floats = engine._render(reqs[:3], output_type="np")
@@ -173,13 +173,15 @@ def test_engine_mixed_batch_is_row_independent(files, monkeypatch):
     got = run(reqs[:3])
     for i in range(3):
         assert np.array_equal(got[i], rendered(pipe_dir, loras, prompts[i], 300 + i, copies=3)), i
-    assert np.array_equal(run([reqs[0], reqs[3], reqs[2]])[0], got[0])  # other companions: the same image
-    lone = run([reqs[0]])[0]
-    assert np.array_equal(lone, generated(pipe_dir, loras, prompts[0], 300, root / "lone.png", mode="runtime"))
+    assert np.array_equal(run([reqs[0], reqs[3], reqs[1]])[2], got[1])  # other companions, place: the same image
+    lone = run([reqs[1]])[0]
+    assert np.array_equal(lone, generated(pipe_dir, loras, prompts[1], 301, root / "lone.png", mode="runtime"))
     near = engine.parse({**SETTINGS, "prompt": "a dog <lora:a1:1.05> <lora:u:0.5>", "seed": 300})
     assert not np.array_equal(run([near, reqs[1], reqs[2]])[0], got[0])
     engine.exact = False
-    assert not np.array_equal(engine._render(reqs[:3], output_type="np")[0], floats[0])
+    assert not np.array_equal(engine._render(reqs[:3], output_type="np")[1], floats[1])  # gated
+    monkeypatch.setattr(mix, "GATED_MAX_TOKEN_RANKS", 0)
+    assert not np.array_equal(engine._render(reqs[:3], output_type="np")[1], floats[1])  # per-run GEMMs (the conv)
     engine.exact = True
     ordered = persample._one_sample  # u first, as resident: request 0 summed in the store's order, not its tags'
     monkeypatch.setattr(persample, "_one_sample", lambda *a: tuple(sorted(ordered(*a), key=lambda kv: kv[0] != "styles/u")))

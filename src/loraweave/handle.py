@@ -264,10 +264,11 @@ class Handle:
         (`cat([uncond, cond])`); rows are mapped to samples through the model's own input (see mechanisms/rows.py)
         and a layer whose rows cannot be mapped raises BatchError. A sample's terms are summed in its list's order.
 
-        exact: every run of rows gets its own set's ranks only, never the gated whole-pair form short runs use
-        otherwise (faster there, but it sums over every resident rank): a sample's output is then bit-equal to a
-        lone runtime `apply` of its list at the same batch shape, whatever the other samples use (Linear layers
-        whose runs have >= 4 rows; smaller GEMMs and N=1 convolutions round by batch size in CPU BLAS/oneDNN)."""
+        exact: each set's terms are computed over every row, as a lone runtime `apply` of its list computes them,
+        and kept on its samples' rows (a low-rank pass per set, and an output-sized buffer, on layers where several
+        sets meet): a sample's output is then bit-equal to that lone apply's at the same batch shape, whatever the
+        other samples use (low-rank pairs; CPU BLAS and oneDNN round by row count, so the per-run GEMMs and the
+        gated whole-pair form short runs use by default differ from it by float rounding)."""
         from .mechanisms.mix import batch
 
         return batch(self, assignments, strengths, exact)

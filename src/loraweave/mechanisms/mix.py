@@ -127,6 +127,9 @@ class Mix:
 
     def _each(self, path, x: torch.Tensor, out: torch.Tensor, fresh: bool) -> None:
         runs = [(slice(None), None)] if self.keys is None else self._runs_for(path, x.shape[0])
+        if self.exact and len({key for _, key in runs}) > 1:
+            self._each_set(path, x, out, runs, fresh)
+            return
         gated = self._gated(path, x, out, runs, fresh)
         for rows, key in runs:
             if key == () and (gated or not fresh):
@@ -134,6 +137,21 @@ class Mix:
             outs = out[rows]
             weights = self._weights_for(path, outs) if key != () else {}
             _terms(self, path, x[rows], outs, key, weights, fresh and not gated, pair_done=gated)
+
+    def _each_set(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> None:
+        """`exact`, several sets: each set's terms over every row, as a lone apply of it computes them (the same
+        shapes, so the same CPU kernels: BLAS and oneDNN round by row count), kept on that set's rows only. Costs a
+        low-rank pass over all rows per set (the gated form's FLOPs) and one output-sized buffer."""
+        base = None if fresh else out.clone()
+        buffer = out.new_empty(out.shape) if fresh else None
+        for key in dict.fromkeys(key for _, key in runs):
+            if key == () and not fresh:
+                continue  # a sample without adapters: the base output as it is
+            buffer = buffer if fresh else base.clone()
+            _terms(self, path, x, buffer, key, self._weights_for(path, buffer) if key != () else {}, fresh)
+            for rows, mine in runs:
+                if mine == key:
+                    out[rows] = buffer[rows]
 
     def _gated(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> bool:
         """Short runs (modulation inputs (B, C), few tokens): one pass of the whole rank-concatenated pair with a
@@ -238,8 +256,8 @@ def _init_linear(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors | N
     if pair is None:
         o2.copy_(bias.expand_as(o2)) if bias is not None else o2.zero_()
         return
-    if h is None:
-        h = F.linear(x, pair.down).mul_(pair.scale)
+    if h is None:  # as RuntimePath's fused forward forms it (x flattened first: a strided x rounds otherwise)
+        h = (x.reshape(-1, x.shape[-1]) @ pair.down.t()).mul_(pair.scale).view(*x.shape[:-1], pair.down.shape[0])
         _weigh(h, pair, weights, channels_first=False)
     h2 = h.reshape(-1, h.shape[-1])
     torch.addmm(bias, h2, pair.up.t(), out=o2) if bias is not None else torch.mm(h2, pair.up.t(), out=o2)
