@@ -5,6 +5,7 @@ different rank-16 LoRAs (one per sample). Variants, timed round-robin under infe
 
   shared      (c) the same batch with one shared adapter at runtime: the reference
   ours        (a) loraweave, 8 adapters at runtime, inside `handle.batch([[a0], ..., [a7]])`: one forward
+  exact       the same with `handle.batch(..., exact=True)`: each set over all rows as its lone apply (serving)
   sequential  (b) 8 forwards of one sample each, each on its own copy with its adapter at runtime
   concat      hand-written alternative: one rank-128 pair over all rows, h gated per row (x·Dcatᵀ ⊙ G[row])·Ucatᵀ
   bmm         hand-written alternative: per-sample factors gathered (8, in, 16), two bmm (S-LoRA/Punica BGMV form)
@@ -102,6 +103,10 @@ def batch_variants(layers: int, tokens: int):
     h = loraweave.apply(ours, [loraweave.AdapterSpec(sd, name=n) for n, sd in zip(names, sds, strict=True)],
                         mode="runtime", strict=True)
     keep.append(h)
+    exact = copy.deepcopy(base)
+    he = loraweave.apply(exact, [loraweave.AdapterSpec(sd, name=n) for n, sd in zip(names, sds, strict=True)],
+                         mode="runtime", strict=True)
+    keep.append(he)
     copies = []
     for sd in sds:
         m = copy.deepcopy(base)
@@ -111,10 +116,17 @@ def batch_variants(layers: int, tokens: int):
     batch = h.batch([[n] for n in names])
     batch.__enter__()  # once, as a server would for a whole denoising loop; closed when the handle goes
     keep.append(batch)
+    exact_batch = he.batch([[n] for n in names], exact=True)
+    exact_batch.__enter__()
+    keep.append(exact_batch)
 
     def run_ours():
         with torch.inference_mode():
             return ours(x)
+
+    def run_exact():
+        with torch.inference_mode():
+            return exact(x)
 
     def run_sequential():
         with torch.inference_mode():
@@ -124,8 +136,8 @@ def batch_variants(layers: int, tokens: int):
     ref = run_sequential()
     scale = float(ref.abs().max())
     errors = {n: float((f() - ref).abs().max()) / scale for n, f in
-              (("ours", run_ours), ("concat", lambda: concat(x)), ("bmm", lambda: bmm(x)))}
-    variants = [Variant("shared", inference_forward(shared, x)), Variant("ours", run_ours),
+              (("ours", run_ours), ("exact", run_exact), ("concat", lambda: concat(x)), ("bmm", lambda: bmm(x)))}
+    variants = [Variant("shared", inference_forward(shared, x)), Variant("ours", run_ours), Variant("exact", run_exact),
                 Variant("sequential", run_sequential), Variant("concat", lambda: concat(x)), Variant("bmm", lambda: bmm(x))]
     return variants, errors, keep
 

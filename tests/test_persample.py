@@ -90,6 +90,34 @@ def test_batch_equals_separate_runs(arch, monkeypatch):
     assert torch.equal(run(arch, model, pos), plain)
 
 
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_exact_batch_is_a_lone_apply_at_the_batch_shape(arch):
+    """exact=True, LoRA sets: sample i's rows are bit-equal (torch.equal) to a runtime apply of its set alone on a
+    fresh copy, run on the same whole batch (guidance layout), whatever the other samples use. Negative control:
+    the default forms (gated pair, per-run GEMMs) are off by float rounding on some samples. Measured, not asserted:
+    with a W-reading adapter (DoRA) resident on a layer, that layer runs as a hook, not fused, so a LoRA-only sample
+    there is not bit-equal to its lone (fused) apply."""
+    base = ARCHS[arch]()
+    ads = adapters(base, dict.fromkeys(FAMILY, "lora"))
+    x = cat(batch_inputs(arch, 4, seed=2), batch_inputs(arch, 4, seed=1))  # 8 rows: sample i at rows i and 4 + i
+    model, handle = applied(base, ads)
+    refs = []
+    for names, values in zip(SETS, STRENGTHS, strict=True):
+        lone = copy.deepcopy(base)
+        if names:
+            loraweave.apply(lone, [loraweave.AdapterSpec(ads[n], strength=v, name=n)
+                                   for n, v in zip(names, values, strict=True)], mode="runtime")
+        refs.append(run(arch, lone, x))
+    with handle.batch(SETS, STRENGTHS, exact=True):
+        got = run(arch, model, x)
+    assert all(torch.equal(got[[i, 4 + i]], refs[i][[i, 4 + i]]) for i in range(4))
+    with handle.batch(SETS, STRENGTHS):
+        default = run(arch, model, x)
+    assert not all(torch.equal(default[[i, 4 + i]], refs[i][[i, 4 + i]]) for i in range(4))
+    check(default, [r[[i, 4 + i]] for i, r in enumerate(refs)], lambda i: [i, 4 + i])
+
+
 def test_batch_on_fused_qkv():
     """Separate to_q/to_k/to_v keys landing on row ranges of fuse_qkv_projections()' to_qkv."""
     base = ARCHS["flux"]()

@@ -256,16 +256,22 @@ class Handle:
 
                 mix_for(self) if self.active else release(self)
 
-    def batch(self, assignments: list[list[str]], strengths: list | None = None):
+    def batch(self, assignments: list[list[str]], strengths: list | None = None, exact: bool = False):
         """Context manager: inside it, sample i of each forward uses only the adapters `assignments[i]` (runtime).
 
         `strengths[i]` (optional) is a list aligned with `assignments[i]` or a {name: strength} mapping; default: the
         adapters' current strengths. A model batch of k·B rows for B samples is read as k guidance copies
         (`cat([uncond, cond])`); rows are mapped to samples through the model's own input (see mechanisms/rows.py)
-        and a layer whose rows cannot be mapped raises BatchError."""
+        and a layer whose rows cannot be mapped raises BatchError. A sample's terms are summed in its list's order.
+
+        exact: each set's terms are computed over every row, as a lone runtime `apply` of its list computes them,
+        and kept on its samples' rows (a low-rank pass per set, and an output-sized buffer, on layers where several
+        sets meet): a sample's output is then bit-equal to that lone apply's at the same batch shape, whatever the
+        other samples use (low-rank pairs; CPU BLAS and oneDNN round by row count, so the per-run GEMMs and the
+        gated whole-pair form short runs use by default differ from it by float rounding)."""
         from .mechanisms.mix import batch
 
-        return batch(self, assignments, strengths)
+        return batch(self, assignments, strengths, exact)
 
     def set_region(self, name: str, mask) -> None:
         """Confine a runtime adapter to an image-space mask (H×W, 0..1), per image token (mechanisms/region.py)."""

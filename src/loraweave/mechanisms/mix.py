@@ -34,19 +34,22 @@ class Mix:
         self.names = names  # id(path) -> "component.module", for messages
         self.settings = settings  # the handle's AdapterWeights by adapter name (live)
         self.keys: list[SampleKey] | None = None
+        self.exact = False  # per-run own-set GEMMs only (no gated short-run form): see `batch`
         self.regions: dict[str, torch.Tensor] = {}
         self._pairs: dict[tuple, PairFactors | None] = {}
         self._runs: dict[tuple, list[tuple[slice, SampleKey]]] = {}
         self._weights: dict[tuple, torch.Tensor | float] = {}
         self._gates: dict[tuple, torch.Tensor] = {}
 
-    def set_batch(self, assignments, strengths, known: dict[str, float]) -> None:
+    def set_batch(self, assignments, strengths, known: dict[str, float], exact: bool = False) -> None:
         self.keys = sample_keys(assignments, strengths, known)
+        self.exact = bool(exact)
         self._pairs.clear()
         self._runs.clear()
 
     def clear_batch(self) -> None:
         self.keys = None
+        self.exact = False
         self._pairs.clear()
         self._runs.clear()
         self._gates.clear()
@@ -124,6 +127,9 @@ class Mix:
 
     def _each(self, path, x: torch.Tensor, out: torch.Tensor, fresh: bool) -> None:
         runs = [(slice(None), None)] if self.keys is None else self._runs_for(path, x.shape[0])
+        if self.exact and len({key for _, key in runs}) > 1:
+            self._each_set(path, x, out, runs, fresh)
+            return
         gated = self._gated(path, x, out, runs, fresh)
         for rows, key in runs:
             if key == () and (gated or not fresh):
@@ -132,10 +138,25 @@ class Mix:
             weights = self._weights_for(path, outs) if key != () else {}
             _terms(self, path, x[rows], outs, key, weights, fresh and not gated, pair_done=gated)
 
+    def _each_set(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> None:
+        """`exact`, several sets: each set's terms over every row, as a lone apply of it computes them (the same
+        shapes, so the same CPU kernels: BLAS and oneDNN round by row count), kept on that set's rows only. Costs a
+        low-rank pass over all rows per set (the gated form's FLOPs) and one output-sized buffer."""
+        base = None if fresh else out.clone()
+        buffer = out.new_empty(out.shape) if fresh else None
+        for key in dict.fromkeys(key for _, key in runs):
+            if key == () and not fresh:
+                continue  # a sample without adapters: the base output as it is
+            buffer = buffer if fresh else base.clone()
+            _terms(self, path, x, buffer, key, self._weights_for(path, buffer) if key != () else {}, fresh)
+            for rows, mine in runs:
+                if mine == key:
+                    out[rows] = buffer[rows]
+
     def _gated(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> bool:
         """Short runs (modulation inputs (B, C), few tokens): one pass of the whole rank-concatenated pair with a
         per-row gate beats a few small GEMMs per run. Returns whether it ran (then only other terms remain)."""
-        if len(runs) < 2 or path.conv or path.down is None or path.base_fns or out.dim() < 2:
+        if self.exact or len(runs) < 2 or path.conv or path.down is None or path.base_fns or out.dim() < 2:
             return False  # terms that read the base output must see it before any pair is added
         tokens = (runs[0][0].stop - runs[0][0].start) * math.prod(x.shape[1:-1])
         if tokens * path.down.shape[0] >= GATED_MAX_TOKEN_RANKS:
@@ -235,8 +256,8 @@ def _init_linear(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors | N
     if pair is None:
         o2.copy_(bias.expand_as(o2)) if bias is not None else o2.zero_()
         return
-    if h is None:
-        h = F.linear(x, pair.down).mul_(pair.scale)
+    if h is None:  # as RuntimePath's fused forward forms it (x flattened first: a strided x rounds otherwise)
+        h = (x.reshape(-1, x.shape[-1]) @ pair.down.t()).mul_(pair.scale).view(*x.shape[:-1], pair.down.shape[0])
         _weigh(h, pair, weights, channels_first=False)
     h2 = h.reshape(-1, h.shape[-1])
     torch.addmm(bias, h2, pair.up.t(), out=o2) if bias is not None else torch.mm(h2, pair.up.t(), out=o2)
@@ -287,7 +308,7 @@ def release(handle) -> None:
 
 
 @contextmanager
-def batch(handle, assignments, strengths=None) -> Iterator[None]:
+def batch(handle, assignments, strengths=None, exact: bool = False) -> Iterator[None]:
     """Handle.batch: per-sample adapter sets for the forwards run inside the block."""
     if not handle.active:
         raise BatchError("handle was removed")
@@ -296,7 +317,7 @@ def batch(handle, assignments, strengths=None) -> Iterator[None]:
     known = {name: w.strength for name, w in handle._settings.items()}
     mix = mix_for(handle)
     try:
-        mix.set_batch(assignments, strengths, known)
+        mix.set_batch(assignments, strengths, known, exact)
         require_runtime(handle, {n for key in mix.keys for n, _ in key}, BatchError, "batch")
         yield
     finally:

@@ -43,7 +43,9 @@ def _one_sample(i: int, names, strengths, known: Mapping[str, float]) -> SampleK
         values = list(strengths)
     else:
         raise BatchError(f"sample {i}: strengths must be a mapping or a list of {len(names)} numbers, got {strengths!r}")
-    return tuple(sorted((n, _strength(v, f"sample {i} adapter {n!r}")) for n, v in zip(names, values, strict=True)))
+    # In the caller's order: a set's terms are summed in it (as `apply` sums adapters in list order), so a sample's
+    # float result is the one a lone apply of the same list gives (cache keys differ only by that order).
+    return tuple((n, _strength(v, f"sample {i} adapter {n!r}")) for n, v in zip(names, values, strict=True))
 
 
 def sample_keys(assignments, strengths, known: Mapping[str, float]) -> list[SampleKey]:
@@ -86,17 +88,23 @@ def pair_for(path, key: SampleKey | None, settings, device: torch.device, dtype:
             segments.append((start, start + rank, pp.adapter.name))
             start += rank
         return PairFactors(down, up, scale, segments)
-    keep, coeffs, segments, start, width = [], [], [], 0, 0
+    order = {name: i for i, (name, _) in enumerate(key)}
+    found, start = [], 0
     for pp, rank in path._owners:
         coeff = part_strength_for(path, pp, key, settings) * pp.scale
         if coeff != 0.0:
-            keep.append((start, start + rank))
-            coeffs.append(torch.full((rank,), coeff, dtype=dtype, device=device))
-            segments.append((width, width + rank, pp.adapter.name))
-            width += rank
+            found.append((order[pp.adapter.name], start, rank, coeff, pp.adapter.name))
         start += rank
-    if not keep:
+    if not found:
         return None
+    # Rank segments in the set's own order (stable within an adapter): the rank sum then runs as in a lone apply.
+    found.sort(key=lambda f: f[0])
+    keep, coeffs, segments, width = [], [], [], 0
+    for _, begin, rank, coeff, name in found:
+        keep.append((begin, begin + rank))
+        coeffs.append(torch.full((rank,), coeff, dtype=dtype, device=device))
+        segments.append((width, width + rank, name))
+        width += rank
     if all(a[1] == b[0] for a, b in zip(keep, keep[1:], strict=False)):  # contiguous: views, nothing copied
         rows = slice(keep[0][0], keep[-1][1])
         d, u = down[rows], up[:, rows]

@@ -10,16 +10,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 from ray import serve
+from ray.exceptions import RayActorError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .engine import AdapterFolder, Engine, ServeRequest, ServeRequestError, parse_request
 
+log = logging.getLogger("loraweave")
+RENDER_ATTEMPTS = 2  # a replica that dies mid-render: once more on another, then HTTP 503
 
 @dataclass
 class ServeOptions:
@@ -31,6 +36,7 @@ class ServeOptions:
     batch_wait_s: float = 0.05
     threads: int = 1  # torch threads per replica
     cpus_per_replica: float = 1.0
+    engine: str = "loraweave.serve.engine:Engine"  # "module:Class" replicas build (an Engine subclass of yours)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -39,7 +45,7 @@ class Renderer:
         import torch
 
         torch.set_num_threads(options.threads)
-        self.engine = Engine(options.model, options.lora_dir, options.max_adapters_per_replica)
+        self.engine = engine_class(options.engine)(options.model, options.lora_dir, options.max_adapters_per_replica)
         self.lock = threading.Lock()  # one thread touches the pipeline at a time (loads and renders)
         self.loaded: dict[str, int] = {}  # adapter set -> times loaded on this replica
         self.replica = _replica_id()
@@ -118,11 +124,23 @@ class Ingress:
         except ServeRequestError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         req.received = received
-        renderer = self.renderer.options(multiplexed_model_id=req.adapter_set) if req.adapter_set else self.renderer
-        result = await renderer.render.remote(req)
+        result = await self._render(req)
         if "error" in result:
             return JSONResponse({"error": result["error"]}, status_code=result.get("status", 422))
         return JSONResponse(result)
+
+
+    async def _render(self, req: ServeRequest) -> dict:
+        """The replica's answer; a replica that died mid-render (a crash, an OOM kill) yields no image, so the request
+        is rendered again from scratch on another replica (renders are deterministic: the same image), then a 503."""
+        renderer = self.renderer.options(multiplexed_model_id=req.adapter_set) if req.adapter_set else self.renderer
+        for attempt in range(1, RENDER_ATTEMPTS + 1):
+            try:
+                return await renderer.render.remote(req)
+            except RayActorError as exc:
+                log.warning("serve replica_died attempt=%d/%d error=%s", attempt, RENDER_ATTEMPTS, type(exc).__name__)
+        return {"error": f"the renderer replica died while rendering this request ({RENDER_ATTEMPTS} attempts); "
+                         "no image was produced, retry later", "status": 503}
 
 
 @contextlib.contextmanager
@@ -137,6 +155,18 @@ def _any_adapter_batch():
         yield
     finally:
         serve_context._serve_request_context.reset(token)
+
+
+def engine_class(path: str) -> type[Engine]:
+    """The Engine (sub)class named "module:Class"."""
+    module, _, name = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name, None) if name else None
+    except ImportError:
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        raise ServeRequestError(f"engine {path!r}: expected 'module:Class' naming a loraweave.serve Engine subclass")
+    return cls
 
 
 def _replica_id() -> str:

@@ -198,6 +198,9 @@ class Engine:
         self.pipe.to(device)
         self.pipe.set_progress_bar_config(disable=True)
         self.store = AdapterStore(self.pipe, lora_dir, max_adapters)
+        # Each sample's rows computed with its own set's ranks in its tag order: bit-equal to generate's runtime
+        # arithmetic at the batch's size, whatever the companions (False: Handle.batch's gated short-run form).
+        self.exact = True
 
     def parse(self, body) -> ServeRequest:
         return parse_request(body, self.store)
@@ -240,7 +243,7 @@ class Engine:
         return {"png_b64": base64.b64encode(png_bytes(image)).decode("ascii"), **sizes,
                 "report": {name: self.store.reports[name] for name, _ in req.adapters}}
 
-    def _render(self, reqs: list[ServeRequest]):
+    def _render(self, reqs: list[ServeRequest], output_type: str = "pil"):
         import contextlib
 
         import torch
@@ -250,12 +253,13 @@ class Engine:
         first = reqs[0]
         kwargs = {"prompt": [r.prompt for r in reqs], "negative_prompt": [r.negative for r in reqs],
                   "num_inference_steps": first.steps, "guidance_scale": first.cfg, "width": first.width,
-                  "height": first.height, "generator": [torch.Generator("cpu").manual_seed(r.seed) for r in reqs]}
+                  "height": first.height, "generator": [torch.Generator("cpu").manual_seed(r.seed) for r in reqs],
+                  "output_type": output_type}
         handle = self.store.handle
         context = contextlib.nullcontext()
         if handle is not None:
             assign = [[n for n, _ in r.adapters] for r in reqs]
-            context = handle.batch(assign, [[s for _, s in r.adapters] for r in reqs])
+            context = handle.batch(assign, [[s for _, s in r.adapters] for r in reqs], exact=self.exact)
         started = time.perf_counter()
         with context:
             images = self.pipe(**kwargs).images
