@@ -15,6 +15,7 @@ from test_arch_ltx_layouts import LTX2_FULL, linears, lora_file, ltx2_original, 
 from test_arch_minimax_ideogram_qwen21 import h3_lora_names, ideogram4_lora_names, qwen21_lora_names
 
 import loraweave
+from loraweave.arch.catalog import CATALOG
 from loraweave.formats import detect
 from loraweave.formats.detect import detect_architecture
 from loraweave.tools.inspect import inspect_adapter
@@ -73,7 +74,22 @@ FILES = {
     "ernie-image": lambda: _diffusers_names("ErnieImageTransformer2DModel", "diffusion_model."),
     "kandinsky5": lambda: _diffusers_names("Kandinsky5Transformer3DModel"),
     "hunyuan-video-1.5": lambda: _diffusers_names("HunyuanVideo15Transformer3DModel"),
+    "hunyuan-image-2.1": lambda: _diffusers_names("HunyuanImageTransformer2DModel"),
+    # Its MMDiT attention names no longer outvote its own img/txt mlp and mod names (was "flux" by width 3072).
+    "qwen-image": lambda: lora_file(linears(_model("QwenImageTransformer2DModel", **CATALOG["qwen-image"].config)),
+                                    lambda n: f"transformer.{n}", meta=True),
 }
+KOHYA = ("minimax-h3", "ideogram4", "qwen-image-2.1", "lumina2", "sana", "ltx2.3", "kandinsky5")
+
+
+def kohya(sd: dict) -> dict[str, torch.Tensor]:
+    """kohya/musubi spelling: `lora_unet_` + the dotted path flattened, lora_down/lora_up."""
+    out = {}
+    for key, v in sd.items():
+        stem, _, role = key.partition(".lora_")
+        stem = stem.removeprefix("diffusion_model.").removeprefix("transformer.")
+        out[f"lora_unet_{stem.replace('.', '_')}.lora_{'down' if role.startswith('A') else 'up'}.weight"] = v
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +113,12 @@ def test_detected_and_fully_covered(arch, files):
     assert info["architecture"]["name"] == arch
     assert cov["against"] == f"architecture {arch} (full size, meta device)"
     assert cov["unmatched"] == [] and cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][:3]
+
+
+@pytest.mark.parametrize("arch", KOHYA)
+def test_kohya_flattened_names_detected_the_same(arch, files):
+    sd = kohya(_file(files, arch))
+    assert detect_architecture(loraweave.load_adapter(sd)).architecture == arch
 
 
 def test_anima_llm_adapter_keys_land_on_the_text_conditioner(files):
@@ -140,3 +162,11 @@ def test_without_the_new_signature_it_is_misread(monkeypatch, files, arch, witho
     monkeypatch.setattr(detect, "SIGNATURES", tuple(s for s in detect.SIGNATURES if s[0] not in without))
     monkeypatch.setattr(detect, "BY_WIDTH", {})
     assert detect_architecture(loraweave.load_adapter(_file(files, arch))).architecture == misread
+
+
+def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
+    """Negative control: without SHARED_NAMES' MMDiT owners a full Qwen-Image file is called flux (by width 3072)
+    and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention)."""
+    monkeypatch.setattr(detect, "SHARED_NAMES", {k: v for k, v in detect.SHARED_NAMES.items() if k != "mmdit"})
+    assert detect_architecture(loraweave.load_adapter(_file(files, "qwen-image"))).architecture == "flux"
+    assert "sd3" in detect_architecture(loraweave.load_adapter(_file(files, "ltx2"))).scores

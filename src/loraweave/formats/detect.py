@@ -54,13 +54,14 @@ SHARED_NAMES: dict[str, tuple[str, ...]] = {
     "ltx2": ("ltx2.3",),
     "z-image": ("ideogram4", "lumina2"),
     "wan": ("wan-animate",),
+    "flux": ("hunyuan-image-2.1",),  # diffusers single-block names; the owner comes from the MMDiT width below
 }
 
 # UNet families told apart by the cross-attention width (attn2 to_k/to_v input columns).
 UNET_BY_CONTEXT = {768: "sd1", 1024: "sd2", 2048: "sdxl", 1280: "sdxl-refiner"}
 # diffusers MMDiT files by hidden width (input columns of attn.to_q): SD3 medium / SD3.5 large / Flux.1 /
-# HunyuanVideo 1.5 (16 heads x 128, double-stream blocks only).
-MMDIT_BY_WIDTH = {1536: "sd3", 2432: "sd3", 3072: "flux", 2048: "hunyuan-video-1.5"}
+# HunyuanVideo 1.5 (16 heads x 128, double-stream blocks only) / HunyuanImage 2.1 (28 heads x 128).
+MMDIT_BY_WIDTH = {1536: "sd3", 2432: "sd3", 3072: "flux", 2048: "hunyuan-video-1.5", 3584: "hunyuan-image-2.1"}
 # Shared names no owner claimed, told apart by the hidden width (input columns of a part the pattern names), from
 # the released configs: Z-Image dim 3840, Lumina-Image-2.0 hidden 2304, Ideogram4 18 heads x 256.
 BY_WIDTH: dict[str, tuple[str, dict[int, str]]] = {
@@ -162,6 +163,7 @@ def detect_architecture(adapter: Adapter) -> Detection:
         name = kind[0] if kind else ("flux" if "flux" in scores else "sd3-or-flux")
         scores[name] = scores.get(name, 0) + scores.pop("mmdit")
         first.setdefault(name, first.pop("mmdit"))
+        folded += _fold_shared(adapter, scores, first)  # owners the width named
     arch = max(scores, key=lambda a: (scores[a], -_order(a)))
     evidence = [f"{scores[arch]} of {len(adapter.parts)} parts match {arch} names, e.g. {first[arch]}"]
     if arch in (*MMDIT_BY_WIDTH.values(), "sd3-or-flux") and (kind := _mmdit_kind(adapter)):
