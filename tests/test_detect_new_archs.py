@@ -8,6 +8,8 @@ and without the new signatures the names are misdetected.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_arch_anima_sana import ANIMA_DIT, _anima, anima_file, sana_original
@@ -170,3 +172,27 @@ def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
     monkeypatch.setattr(detect, "SHARED_NAMES", {k: v for k, v in detect.SHARED_NAMES.items() if k != "mmdit"})
     assert detect_architecture(loraweave.load_adapter(_file(files, "qwen-image"))).architecture == "flux"
     assert "sd3" in detect_architecture(loraweave.load_adapter(_file(files, "ltx2"))).scores
+
+
+@pytest.mark.parametrize("cls", ["Kandinsky6Transformer3DModel", "Kandinsky6SRTransformer3DModel"])
+def test_kandinsky6_is_not_called_kandinsky5(cls):
+    """Kandinsky 6 shares Kandinsky 5's block names; its own (`attn.`, `feed_forward.net`, audio tower) decide.
+    No catalog entry: inspect says there is no full-size model instead of checking it against Kandinsky 5's."""
+    sd = _diffusers_names(cls)
+    assert detect_architecture(loraweave.load_adapter(sd)).architecture == "kandinsky6"
+    assert inspect_adapter(sd, text_encoders=False)["coverage"]["against"] is None
+
+
+@pytest.mark.parametrize("arch", ["ideogram4", "lumina2"])
+def test_cli_inspect_json_on_a_file(tmp_path, capsys, files, arch):
+    """The CLI on a real safetensors file (bf16 zeros in the key list's shapes): named and 100 % with --strict."""
+    from safetensors.torch import save_file
+
+    from loraweave.cli import main
+
+    path = tmp_path / f"{arch}.safetensors"
+    save_file({k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in _file(files, arch).items()}, str(path))
+    assert main(["inspect", "--json", "--strict", "--no-text-encoders", str(path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"]["name"] == arch
+    assert info["coverage"]["complete"] and info["coverage"]["keys_applied"] == info["coverage"]["keys_total"] > 0

@@ -56,7 +56,8 @@ class ArchEntry:
     components: dict[str, tuple[str, dict]] = field(default_factory=dict)
 
 
-# Architectures whose diffusers class defaults are the released size (no config file here to read instead).
+# Architectures built from their diffusers class defaults (no released config in realdata/configs to read instead;
+# the defaults are the sizes the table tests check, e.g. Lumina-Image-2.0's 2304 hidden, Sana 1600M).
 _DEFAULTS_ENTRIES = tuple(
     ArchEntry(name, "transformer", cls, {}, {}, f"{cls} defaults ({what})")
     for name, cls, what in (

@@ -27,6 +27,8 @@ SIGNATURES: tuple[tuple[str, str], ...] = (
     # Qwen-Image 2.1's SwiGLU (`gate_layer` / `proj` / `out`, ComfyUI's fused `gate_up`) vs Qwen-Image's `net.0.proj`.
     ("qwen-image-2.1", r"^transformer_blocks_\d+_img_mlp_(gate_up|gate_layer|proj|out)$"),
     ("qwen-image", r"^transformer_blocks_\d+_(img|txt)_(mlp|mod)"),
+    # Kandinsky 6 (audio tower, `attn.`, FeedForward `net`) shares Kandinsky 5's block names otherwise.
+    ("kandinsky6", r"^(audio_)?(visual|text)_transformer_blocks_\d+_(attn_|feed_forward_net_)|^audio_text_transformer_blocks_"),
     ("kandinsky5", r"^(visual|text)_transformer_blocks_\d+_"),
     ("ernie-image", r"^layers_\d+_(self_attention_(to_[qkv]|to_out_0)|mlp_(gate_proj|up_proj|linear_fc2))$"),
     # diffusers double-stream (MMDiT) names are shared by SD3 and Flux: told apart by width below.
@@ -54,6 +56,7 @@ SHARED_NAMES: dict[str, tuple[str, ...]] = {
     "ltx2": ("ltx2.3",),
     "z-image": ("ideogram4", "lumina2"),
     "wan": ("wan-animate",),
+    "kandinsky5": ("kandinsky6",),
     "flux": ("hunyuan-image-2.1",),  # diffusers single-block names; the owner comes from the MMDiT width below
 }
 
