@@ -63,10 +63,11 @@ SHARED_NAMES: dict[str, tuple[str, ...]] = {
 # UNet families told apart by the cross-attention width (attn2 to_k/to_v input columns).
 UNET_BY_CONTEXT = {768: "sd1", 1024: "sd2", 2048: "sdxl", 1280: "sdxl-refiner"}
 # diffusers MMDiT files by hidden width (input columns of attn.to_q): SD3 medium / SD3.5 large / Flux.1 /
-# HunyuanVideo 1.5 (16 heads x 128, double-stream blocks only) / HunyuanImage 2.1 (28 heads x 128).
+# HunyuanVideo 1.5 (16 heads x 128, double-stream blocks only) / HunyuanImage 2.1 (28 heads x 128), class defaults.
 MMDIT_BY_WIDTH = {1536: "sd3", 2432: "sd3", 3072: "flux", 2048: "hunyuan-video-1.5", 3584: "hunyuan-image-2.1"}
-# Shared names no owner claimed, told apart by the hidden width (input columns of a part the pattern names), from
-# the released configs: Z-Image dim 3840, Lumina-Image-2.0 hidden 2304, Ideogram4 18 heads x 256.
+# Shared names no owner claimed, told apart by the hidden width (input columns of a part the pattern names):
+# Z-Image dim 3840 (z-image-turbo config), Lumina-Image-2.0 hidden 2304 (the q width diffusers' Lumina2 LoRA
+# converter hard-codes), Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
 BY_WIDTH: dict[str, tuple[str, dict[int, str]]] = {
     "z-image": (r"^(layers|noise_refiner|context_refiner)_\d+_attention_(qkv|to_q)$",
                 {3840: "z-image", 2304: "lumina2", 4608: "ideogram4"}),
