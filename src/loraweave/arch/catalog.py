@@ -37,6 +37,12 @@ _SDXL_UNET = dict(
 _FLUX = dict(attention_head_dim=128, guidance_embeds=True, in_channels=64, joint_attention_dim=4096,
              num_attention_heads=24, num_layers=19, num_single_layers=38, patch_size=1, pooled_projection_dim=768)
 
+# Cosmos-Predict2-2B, the DiT Anima reuses (hidden 2048, 28 blocks, 1024-wide text embeddings, no learnable pos).
+_ANIMA_DIT = dict(num_attention_heads=16, attention_head_dim=128, num_layers=28, text_embed_dim=1024,
+                  rope_scale=[1.0, 4.0, 4.0], extra_pos_embed_type=None)
+_QWEN3_06B = ("Qwen3Model", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128))
+
 
 @dataclass(frozen=True)
 class ArchEntry:
@@ -46,7 +52,27 @@ class ArchEntry:
     config: dict
     text_encoders: dict[str, tuple[str, dict]] = field(default_factory=dict)  # component -> (transformers cls, cfg)
     source: str = ""
+    # Other diffusers components the file's denoiser keys may target (Anima's LLM adapter): component -> (cls, cfg).
+    components: dict[str, tuple[str, dict]] = field(default_factory=dict)
 
+
+# Architectures built from their diffusers class defaults (no released config in realdata/configs to read instead;
+# the defaults are the sizes the table tests check, e.g. Lumina-Image-2.0's 2304 hidden, Sana 1600M).
+_DEFAULTS_ENTRIES = tuple(
+    ArchEntry(name, "transformer", cls, {}, {}, f"{cls} defaults ({what})")
+    for name, cls, what in (
+        ("minimax-h3", "MiniMaxH3Transformer3DModel", "50 blocks, hidden 5376, 2 refiner blocks"),
+        ("ideogram4", "Ideogram4Transformer2DModel", "34 layers, 18 heads x 256"),
+        ("qwen-image-2.1", "QwenImage21Transformer2DModel", "32 blocks, 32 heads x 128"),
+        ("lumina2", "Lumina2Transformer2DModel", "Lumina-Image-2.0: 26 layers, hidden 2304"),
+        ("sana", "SanaTransformer2DModel", "Sana 1600M: 20 blocks, hidden 2240"),
+        ("ltx2", "LTX2VideoTransformer3DModel", "LTX-2: 48 blocks, hidden 4096, audio tower"),
+        ("ernie-image", "ErnieImageTransformer2DModel", "24 layers, hidden 3072"),
+        ("kandinsky5", "Kandinsky5Transformer3DModel", "32 visual / 2 text blocks, dim 2048"),
+        ("hunyuan-video-1.5", "HunyuanVideo15Transformer3DModel", "54 blocks, 16 heads x 128"),
+        ("hunyuan-image-2.1", "HunyuanImageTransformer2DModel", "20 double / 40 single blocks, 28 heads x 128"),
+    )
+)
 
 CATALOG: dict[str, ArchEntry] = {
     e.name: e
@@ -112,12 +138,22 @@ CATALOG: dict[str, ArchEntry] = {
                        rope_theta=256.0, rope_axes_dim=[16, 56, 56]),
                   {"text_encoder_2": _CLIP_L}, "HunyuanVideo T2V config"),
         ArchEntry("krea2", "transformer", "Krea2Transformer2DModel", {}, {}, "Krea2Transformer2DModel defaults"),
+        *_DEFAULTS_ENTRIES,
+        ArchEntry("ltx2.3", "transformer", "LTX2VideoTransformer3DModel",
+                  dict(gated_attn=True, audio_gated_attn=True, cross_attn_mod=True, audio_cross_attn_mod=True), {},
+                  "LTX2VideoTransformer3DModel defaults plus LTX-2.3's attention gates and cross-attention modulation"),
+        ArchEntry("anima", "transformer", "CosmosTransformer3DModel", _ANIMA_DIT, {"text_encoder": _QWEN3_06B},
+                  "Cosmos-Predict2-2B DiT config (Anima's), AnimaTextConditioner defaults, Qwen3-0.6B encoder",
+                  {"text_conditioner": ("AnimaTextConditioner", {})}),
     )
 }
 # Names detection or users may give -> catalog name.
 ALIASES = {"unet": "sd1", "sd15": "sd1", "sd1.5": "sd1", "sd21": "sd2", "flux1": "flux", "flux-dev": "flux",
            "zimage": "z-image", "sd3.5": "sd3", "hunyuan": "hunyuan-video", "qwen": "qwen-image",
-           "krea-2": "krea2", "krea": "krea2"}
+           "krea-2": "krea2", "krea": "krea2", "minimax": "minimax-h3", "qwen-image-21": "qwen-image-2.1",
+           "qwenimage21": "qwen-image-2.1", "lumina": "lumina2", "ltx-2": "ltx2", "ltx-2.3": "ltx2.3",
+           "ernie": "ernie-image", "kandinsky-5": "kandinsky5", "hunyuanvideo-1.5": "hunyuan-video-1.5",
+           "hunyuanimage-2.1": "hunyuan-image-2.1"}
 
 
 def canonical(name: str) -> str:
@@ -132,7 +168,7 @@ def _build_text_encoder(cls_name: str, cfg: dict) -> torch.nn.Module:
     import transformers
 
     config_cls = {"CLIPTextModel": "CLIPTextConfig", "CLIPTextModelWithProjection": "CLIPTextConfig",
-                  "T5EncoderModel": "T5Config"}[cls_name]
+                  "T5EncoderModel": "T5Config", "Qwen3Model": "Qwen3Config"}[cls_name]
     config = getattr(transformers, config_cls)(**cfg)
     return getattr(transformers, cls_name)(config)
 
@@ -150,6 +186,8 @@ def build_meta(name: str, text_encoders: bool = True) -> dict[str, torch.nn.Modu
     out: dict[str, torch.nn.Module] = {}
     with torch.device("meta"):
         out[entry.denoiser] = getattr(diffusers, entry.cls).from_config(entry.config)
+        for comp, (cls_name, cfg) in entry.components.items():
+            out[comp] = getattr(diffusers, cls_name).from_config(cfg)
         if text_encoders:
             for comp, (cls_name, cfg) in entry.text_encoders.items():
                 out[comp] = _build_text_encoder(cls_name, cfg)

@@ -13,15 +13,34 @@ from .adapter import Adapter
 SIGNATURES: tuple[tuple[str, str], ...] = (
     ("flux2", r"double_stream_modulation|single_stream_modulation|to_qkv_mlp_proj"),
     ("sd3", r"^joint_blocks_\d+_(x|context)_block"),
+    # LTX-2.3 adds attention gates and prompt modulation to LTX-2; both add an audio tower to MMDiT-like blocks.
+    ("ltx2.3", r"_to_gate_logits$|^(audio_)?prompt_adaln(_single)?_"),
+    ("ltx2", r"^transformer_blocks_\d+_(audio_(attn[12]|ff)|audio_to_video_attn|video_to_audio_attn)_"
+             r"|^audio_adaln_single_|^av_ca_|^av_cross_attn_|^(audio_)?patchify_proj$|^audio_caption_projection_"),
     # HunyuanVideo's `img_mod.linear` / `modulation.linear` / `mlp.fc1` vs Flux's `img_mod.lin` / `img_mlp.0`.
     ("hunyuan-video", r"^(double|single)_blocks_\d+_.*(mod_linear|modulation_linear|mlp_fc[12])$|individual_token_refiner|token_refiner_refiner_blocks"),
+    # MiniMax-H3 original names: fused `attn.qkv_proj`, `mlp.fc1/2`, a refiner under `token_refiner.blocks`.
+    ("minimax-h3", r"^(token_refiner_)?blocks_\d+_(attn_(qkv|out)_proj|mlp_fc[12]|adaln_proj_linear)$"
+                   r"|^(condition_proj|video_patch_proj|audio_patch_proj)$"),
     ("chroma", r"^distilled_guidance_layer"),
     ("flux", r"^double_blocks_\d+_(img|txt)_|^single_blocks_\d+_linear[12]|^single_transformer_blocks_\d+_"),
+    # Qwen-Image 2.1's SwiGLU (`gate_layer` / `proj` / `out`, ComfyUI's fused `gate_up`) vs Qwen-Image's `net.0.proj`.
+    ("qwen-image-2.1", r"^transformer_blocks_\d+_img_mlp_(gate_up|gate_layer|proj|out)$"),
     ("qwen-image", r"^transformer_blocks_\d+_(img|txt)_(mlp|mod)"),
+    # Kandinsky 6 (audio tower, `attn.`, FeedForward `net`) shares Kandinsky 5's block names otherwise.
+    ("kandinsky6", r"^(audio_)?(visual|text)_transformer_blocks_\d+_(attn_|feed_forward_net_)|^audio_text_transformer_blocks_"),
+    ("kandinsky5", r"^(visual|text)_transformer_blocks_\d+_"),
+    ("ernie-image", r"^layers_\d+_(self_attention_(to_[qkv]|to_out_0)|mlp_(gate_proj|up_proj|linear_fc2))$"),
     # diffusers double-stream (MMDiT) names are shared by SD3 and Flux: told apart by width below.
     ("mmdit", r"^transformer_blocks_\d+_(attn_(add_[qkv]_proj|to_add_out|to_[qkv]|to_out)|attn2_|ff_context|ff_net|norm1)"),
+    # Ideogram4's own original names; its fused `attention.qkv` and `feed_forward.w1-3` are Z-Image's (shared below).
+    ("ideogram4", r"^layers_\d+_(attention_o|adaln_modulation)$"),
+    ("lumina2", r"^(layers|noise_refiner|context_refiner)_\d+_(attn_(to_[qkv]|to_out_0)|feed_forward_linear_[123]|norm1_linear)$"),
+    # Z-Image and Lumina2 original (NextDiT) names are the same: told apart by width below.
     ("z-image", r"^(layers|noise_refiner|context_refiner)_\d+_(attention|feed_forward|adaLN)"),
     ("anima", r"^blocks_\d+_(self_attn|cross_attn)_[qkvo]_proj|^blocks_\d+_mlp_layer"),
+    # Sana original names; its `cross_attn` would otherwise count as Wan's.
+    ("sana", r"^blocks_\d+_(attn_(qkv|proj)|cross_attn_(q_linear|kv_linear|proj)|mlp_(inverted|depth|point)_conv_conv)$"),
     # Wan Animate: Wan blocks plus the face adapter / face and motion encoders (original or diffusers names).
     ("wan-animate", r"^face_adapter_(fuser_blocks_)?\d+_|^(motion|face)_encoder_"),
     # Wan-Animate-2's official checkpoint wraps every block: `blocks.N.block.self_attn.q`.
@@ -29,11 +48,30 @@ SIGNATURES: tuple[tuple[str, str], ...] = (
     ("wan", r"^blocks_\d+_(self_attn|cross_attn|attn1|attn2|ffn)"),
     ("unet", r"^(down_blocks|up_blocks|input_blocks|output_blocks|mid_block|middle_block)_"),
 )
+# Names several architectures share -> the architectures that own them, most specific first: when one of those
+# scored (its own names are in the file), the shared names count for it.
+SHARED_NAMES: dict[str, tuple[str, ...]] = {
+    "mmdit": ("ltx2.3", "ltx2", "qwen-image-2.1", "qwen-image"),
+    "qwen-image": ("qwen-image-2.1",),
+    "ltx2": ("ltx2.3",),
+    "z-image": ("ideogram4", "lumina2"),
+    "wan": ("wan-animate",),
+    "kandinsky5": ("kandinsky6",),
+    "flux": ("hunyuan-image-2.1",),  # diffusers single-block names; the owner comes from the MMDiT width below
+}
 
 # UNet families told apart by the cross-attention width (attn2 to_k/to_v input columns).
 UNET_BY_CONTEXT = {768: "sd1", 1024: "sd2", 2048: "sdxl", 1280: "sdxl-refiner"}
-# diffusers MMDiT files by hidden width (input columns of attn.to_q): SD3 medium / SD3.5 large / Flux.1.
-MMDIT_BY_WIDTH = {1536: "sd3", 2432: "sd3", 3072: "flux"}
+# diffusers MMDiT files by hidden width (input columns of attn.to_q): SD3 medium / SD3.5 large / Flux.1 /
+# HunyuanVideo 1.5 (16 heads x 128, double-stream blocks only) / HunyuanImage 2.1 (28 heads x 128), class defaults.
+MMDIT_BY_WIDTH = {1536: "sd3", 2432: "sd3", 3072: "flux", 2048: "hunyuan-video-1.5", 3584: "hunyuan-image-2.1"}
+# Shared names no owner claimed, told apart by the hidden width (input columns of a part the pattern names):
+# Z-Image dim 3840 (z-image-turbo config), Lumina-Image-2.0 hidden 2304 (the q width diffusers' Lumina2 LoRA
+# converter hard-codes), Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
+BY_WIDTH: dict[str, tuple[str, dict[int, str]]] = {
+    "z-image": (r"^(layers|noise_refiner|context_refiner)_\d+_attention_(qkv|to_q)$",
+                {3840: "z-image", 2304: "lumina2", 4608: "ideogram4"}),
+}
 METADATA_KEYS = ("modelspec.architecture", "ss_base_model_version", "ss_sd_model_name")
 
 
@@ -76,6 +114,35 @@ def _mmdit_kind(adapter: Adapter) -> tuple[str, str] | None:
     return None
 
 
+def _width_of(adapter: Adapter, pattern: str) -> tuple[int, str] | None:
+    """(input width, part) of the first part whose path matches `pattern` and has a 2-D `down` factor."""
+    for part in adapter.parts:
+        if re.search(pattern, part.path.replace(".", "_")) and "down" in part.roles:
+            shape = adapter.shape(part.roles["down"])
+            if len(shape) == 2:
+                return int(shape[1]), part.stem
+    return None
+
+
+def _fold_shared(adapter: Adapter, scores: dict[str, int], first: dict[str, str]) -> list[tuple[str, str]]:
+    """Shared names count for the owner whose own names the file has, else for the one their width names.
+    Returns (architecture, why) for the evidence."""
+    out = []
+    for shared, owners in SHARED_NAMES.items():
+        owner = next((o for o in owners if o in scores), None)
+        why = f"{shared} names shared with {owner}'s own names" if owner else ""
+        if owner is None and shared in scores and shared in BY_WIDTH:
+            pattern, by_width = BY_WIDTH[shared]
+            found = _width_of(adapter, pattern)
+            owner = by_width.get(found[0]) if found else None
+            why = f"hidden width {found[0]} ({found[1]})" if found else why
+        if owner not in (None, shared) and shared in scores:
+            scores[owner] = scores.get(owner, 0) + scores.pop(shared)
+            first.setdefault(owner, first.pop(shared))
+            out.append((owner, why))
+    return out
+
+
 def detect_architecture(adapter: Adapter) -> Detection:
     scores: dict[str, int] = {}
     first: dict[str, str] = {}
@@ -93,18 +160,19 @@ def detect_architecture(adapter: Adapter) -> Detection:
         return Detection("unet", ["cloneofsimo positional keys (unet:<i>): an SD1.x/SD2.x UNet"], {}, meta)
     if not scores:
         return Detection("unknown", ["no key matched a known architecture signature"], scores, meta)
+    folded = _fold_shared(adapter, scores, first)
     if "mmdit" in scores:
         kind = _mmdit_kind(adapter)
         # Flux files also have single blocks; an SD3/Flux width fact decides where the shared names count.
         name = kind[0] if kind else ("flux" if "flux" in scores else "sd3-or-flux")
         scores[name] = scores.get(name, 0) + scores.pop("mmdit")
         first.setdefault(name, first.pop("mmdit"))
-    if "wan-animate" in scores and "wan" in scores:  # Animate's transformer blocks are Wan's
-        scores["wan-animate"] += scores.pop("wan")
+        folded += _fold_shared(adapter, scores, first)  # owners the width named
     arch = max(scores, key=lambda a: (scores[a], -_order(a)))
     evidence = [f"{scores[arch]} of {len(adapter.parts)} parts match {arch} names, e.g. {first[arch]}"]
-    if arch in ("sd3", "flux", "sd3-or-flux") and (kind := _mmdit_kind(adapter)):
+    if arch in (*MMDIT_BY_WIDTH.values(), "sd3-or-flux") and (kind := _mmdit_kind(adapter)):
         evidence.append(kind[1])
+    evidence += [why for owner, why in folded if owner == arch]
     if arch == "unet":
         kind = _unet_kind(adapter)
         if kind:

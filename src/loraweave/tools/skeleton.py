@@ -49,7 +49,7 @@ def _cache_file(name: str) -> Path | None:
 
     entry = CATALOG[name]
     key = json.dumps([__version__, _version("diffusers"), _version("transformers"), entry.cls, entry.config,
-                      entry.text_encoders], sort_keys=True, default=str)
+                      entry.text_encoders, entry.components], sort_keys=True, default=str)
     return folder / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -152,7 +152,7 @@ def _skeleton(name: str, text_encoders: bool) -> dict[str, torch.nn.Module]:
     if path is not None and path.exists():
         try:
             data = json.loads(path.read_text())
-            wanted = [c for c in data if text_encoders or c == CATALOG[name].denoiser]
+            wanted = [c for c in data if text_encoders or c not in CATALOG[name].text_encoders]
             out = {c: rebuild(data[c]) for c in wanted}
             log.info("skeleton arch=%s source=cache seconds=%.3f", name, time.perf_counter() - t0)
             return out
@@ -168,6 +168,6 @@ def _skeleton(name: str, text_encoders: bool) -> dict[str, torch.nn.Module]:
         except OSError as exc:  # a read-only home only costs speed
             log.info("skeleton arch=%s cache_write_failed=%s", name, exc)
     if not text_encoders:
-        modules = {c: m for c, m in modules.items() if c == CATALOG[name].denoiser}
+        modules = {c: m for c, m in modules.items() if c not in CATALOG[name].text_encoders}
     log.info("skeleton arch=%s source=diffusers seconds=%.3f", name, time.perf_counter() - t0)
     return modules

@@ -1,0 +1,198 @@
+"""Detection and full-size coverage of the architectures whose original-name tables landed last.
+
+For each: the converter-derived key list of the full-size model (the table tests' own helpers, original names) is
+detected as that architecture, and `inspect` (the API the CLI prints) lands 100 % of its keys on the catalog's
+full-size meta skeleton. Negative controls: the same names at another width are not called the same architecture,
+and without the new signatures the names are misdetected.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_arch_anima_sana import ANIMA_DIT, _anima, anima_file, sana_original
+from test_arch_ltx_layouts import LTX2_FULL, linears, lora_file, ltx2_original, lumina2_lora_names
+from test_arch_minimax_ideogram_qwen21 import h3_lora_names, ideogram4_lora_names, qwen21_lora_names
+
+import loraweave
+from loraweave.arch.catalog import CATALOG
+from loraweave.formats import detect
+from loraweave.formats.detect import detect_architecture
+from loraweave.tools.inspect import inspect_adapter
+
+
+def _model(cls: str, **config):
+    import diffusers
+
+    with torch.device("meta"):
+        return getattr(diffusers, cls)(**config)
+
+
+def from_shapes(shapes: dict[str, tuple[int, int]], prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
+    """A rank-2 LoRA (meta tensors: names and shapes only) on every {stem: (rows, in)}."""
+    sd = {}
+    for stem, (rows, inp) in shapes.items():
+        sd[f"{prefix}{stem}.lora_A.weight"] = torch.empty(2, inp, device="meta")
+        sd[f"{prefix}{stem}.lora_B.weight"] = torch.empty(rows, 2, device="meta")
+    return sd
+
+
+def _sana_shapes(model) -> dict[str, tuple]:
+    """Every Linear / conv weight of Sana's original checkpoint (the converter's input names), as LoRA shapes."""
+    weights = sana_original(model, lambda n, s: torch.empty(s, device="meta"))
+    return {k.removesuffix(".weight"): (v.shape[0], v.shape[1]) for k, v in weights.items()
+            if k.endswith(".weight") and v.dim() == 2}
+
+
+def _sana_file(model) -> dict[str, torch.Tensor]:
+    sd = from_shapes(_sana_shapes(model))
+    weights = sana_original(model, lambda n, s: torch.empty(s, device="meta"))
+    for k, v in weights.items():  # the convs: LoCon-style lora_A (rank, in, kh, kw) / lora_B (out, rank, 1, 1)
+        if k.endswith(".weight") and v.dim() == 4:
+            stem = k.removesuffix(".weight")
+            sd[f"diffusion_model.{stem}.lora_A.weight"] = torch.empty(2, *v.shape[1:], device="meta")
+            sd[f"diffusion_model.{stem}.lora_B.weight"] = torch.empty(v.shape[0], 2, 1, 1, device="meta")
+    return sd
+
+
+def _diffusers_names(cls: str, prefix: str = "transformer.") -> dict[str, torch.Tensor]:
+    return lora_file(linears(_model(cls)), lambda n: f"{prefix}{n}", meta=True)
+
+
+# architecture -> builder of its full-size key list (original names where a table exists).
+FILES = {
+    "minimax-h3": lambda: from_shapes(h3_lora_names(_model("MiniMaxH3Transformer3DModel"))),
+    "ideogram4": lambda: from_shapes(ideogram4_lora_names(_model("Ideogram4Transformer2DModel"))),
+    "qwen-image-2.1": lambda: from_shapes(qwen21_lora_names(_model("QwenImage21Transformer2DModel"))),
+    "lumina2": lambda: from_shapes(lumina2_lora_names(_model("Lumina2Transformer2DModel"))),
+    "sana": lambda: _sana_file(_model("SanaTransformer2DModel")),
+    "anima": lambda: anima_file(_anima(True, ANIMA_DIT, {}), meta=True),
+    "ltx2": lambda: lora_file(linears(_model("LTX2VideoTransformer3DModel")),
+                              lambda n: f"diffusion_model.{ltx2_original(n)}", meta=True),
+    "ltx2.3": lambda: lora_file(linears(_model("LTX2VideoTransformer3DModel", **LTX2_FULL)),
+                                lambda n: f"diffusion_model.{ltx2_original(n)}", meta=True),
+    "ernie-image": lambda: _diffusers_names("ErnieImageTransformer2DModel", "diffusion_model."),
+    "kandinsky5": lambda: _diffusers_names("Kandinsky5Transformer3DModel"),
+    "hunyuan-video-1.5": lambda: _diffusers_names("HunyuanVideo15Transformer3DModel"),
+    "hunyuan-image-2.1": lambda: _diffusers_names("HunyuanImageTransformer2DModel"),
+    # Its MMDiT attention names no longer outvote its own img/txt mlp and mod names (was "flux" by width 3072).
+    "qwen-image": lambda: lora_file(linears(_model("QwenImageTransformer2DModel", **CATALOG["qwen-image"].config)),
+                                    lambda n: f"transformer.{n}", meta=True),
+}
+KOHYA = ("minimax-h3", "ideogram4", "qwen-image-2.1", "lumina2", "sana", "ltx2.3", "kandinsky5")
+
+
+def kohya(sd: dict) -> dict[str, torch.Tensor]:
+    """kohya/musubi spelling: `lora_unet_` + the dotted path flattened, lora_down/lora_up."""
+    out = {}
+    for key, v in sd.items():
+        stem, _, role = key.partition(".lora_")
+        stem = stem.removeprefix("diffusion_model.").removeprefix("transformer.")
+        out[f"lora_unet_{stem.replace('.', '_')}.lora_{'down' if role.startswith('A') else 'up'}.weight"] = v
+    return out
+
+
+@pytest.fixture(scope="module")
+def files():
+    return {}
+
+
+def _file(files: dict, arch: str) -> dict[str, torch.Tensor]:
+    if arch not in files:
+        files[arch] = FILES[arch]()
+    return files[arch]
+
+
+@pytest.mark.parametrize("arch", sorted(FILES))
+def test_detected_and_fully_covered(arch, files):
+    sd = _file(files, arch)
+    detection = detect_architecture(loraweave.load_adapter(sd))
+    assert detection.architecture == arch, (detection.scores, detection.evidence)
+    info = inspect_adapter(sd, text_encoders=False)
+    cov = info["coverage"]
+    assert info["architecture"]["name"] == arch
+    assert cov["against"] == f"architecture {arch} (full size, meta device)"
+    assert cov["unmatched"] == [] and cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][:3]
+
+
+@pytest.mark.parametrize("arch", KOHYA)
+def test_kohya_flattened_names_detected_the_same(arch, files):
+    sd = kohya(_file(files, arch))
+    assert detect_architecture(loraweave.load_adapter(sd)).architecture == arch
+
+
+def test_anima_llm_adapter_keys_land_on_the_text_conditioner(files):
+    """The catalog's Anima skeleton carries the pipeline's `text_conditioner`: the file's llm_adapter keys land."""
+    info = inspect_adapter(_file(files, "anima"), text_encoders=False)
+    assert set(info["coverage"]["modules"]) == {"transformer", "text_conditioner"}
+
+
+def _rescaled(sd: dict, old: int, new: int) -> dict[str, torch.Tensor]:
+    """The same names with every `old`-wide dimension made `new` wide: a file of the same layout at another width."""
+    return {k: torch.empty([new if d == old else d for d in v.shape], device="meta") for k, v in sd.items()}
+
+
+def test_width_tells_lumina2_from_z_image(files):
+    """Lumina2 and Z-Image original names are the same; the hidden width decides. Negative control: the Lumina2
+    file at Z-Image's width (3840) is z-image, not lumina2."""
+    sd = _file(files, "lumina2")
+    at_zimage = _rescaled(sd, 2304, 3840)
+    detection = detect_architecture(loraweave.load_adapter(at_zimage))
+    assert detection.architecture == "z-image" != "lumina2"
+    odd = detect_architecture(loraweave.load_adapter(_rescaled(sd, 2304, 1000)))
+    assert odd.architecture == "z-image"  # a width no release has: the names' first owner, as before
+
+
+def test_ideogram4_shared_names_alone_by_width(files):
+    """An Ideogram4 file of only the names Z-Image shares (qkv, w1-3) is named by its width (4608)."""
+    shared = {k: v for k, v in _file(files, "ideogram4").items() if ".attention.qkv." in k or ".feed_forward." in k}
+    detection = detect_architecture(loraweave.load_adapter(shared))
+    assert detection.architecture == "ideogram4" and any("hidden width 4608" in e for e in detection.evidence)
+    assert detect_architecture(loraweave.load_adapter(_rescaled(shared, 4608, 3840))).architecture == "z-image"
+
+
+@pytest.mark.parametrize("arch, without, misread", [
+    ("minimax-h3", ("minimax-h3",), "unknown"),
+    ("ideogram4", ("ideogram4",), "z-image"),
+    ("qwen-image-2.1", ("qwen-image-2.1",), "qwen-image"),
+    ("sana", ("sana",), "wan"),
+])
+def test_without_the_new_signature_it_is_misread(monkeypatch, files, arch, without, misread):
+    """Negative control: dropping the architecture's signature (and the width rule) gives the old (wrong) answer."""
+    monkeypatch.setattr(detect, "SIGNATURES", tuple(s for s in detect.SIGNATURES if s[0] not in without))
+    monkeypatch.setattr(detect, "BY_WIDTH", {})
+    assert detect_architecture(loraweave.load_adapter(_file(files, arch))).architecture == misread
+
+
+def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
+    """Negative control: without SHARED_NAMES' MMDiT owners a full Qwen-Image file is called flux (by width 3072)
+    and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention)."""
+    monkeypatch.setattr(detect, "SHARED_NAMES", {k: v for k, v in detect.SHARED_NAMES.items() if k != "mmdit"})
+    assert detect_architecture(loraweave.load_adapter(_file(files, "qwen-image"))).architecture == "flux"
+    assert "sd3" in detect_architecture(loraweave.load_adapter(_file(files, "ltx2"))).scores
+
+
+@pytest.mark.parametrize("cls", ["Kandinsky6Transformer3DModel", "Kandinsky6SRTransformer3DModel"])
+def test_kandinsky6_is_not_called_kandinsky5(cls):
+    """Kandinsky 6 shares Kandinsky 5's block names; its own (`attn.`, `feed_forward.net`, audio tower) decide.
+    No catalog entry: inspect says there is no full-size model instead of checking it against Kandinsky 5's."""
+    sd = _diffusers_names(cls)
+    assert detect_architecture(loraweave.load_adapter(sd)).architecture == "kandinsky6"
+    assert inspect_adapter(sd, text_encoders=False)["coverage"]["against"] is None
+
+
+@pytest.mark.parametrize("arch", ["ideogram4", "lumina2"])
+def test_cli_inspect_json_on_a_file(tmp_path, capsys, files, arch):
+    """The CLI on a real safetensors file (bf16 zeros in the key list's shapes): named and 100 % with --strict."""
+    from safetensors.torch import save_file
+
+    from loraweave.cli import main
+
+    path = tmp_path / f"{arch}.safetensors"
+    save_file({k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in _file(files, arch).items()}, str(path))
+    assert main(["inspect", "--json", "--strict", "--no-text-encoders", str(path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"]["name"] == arch
+    assert info["coverage"]["complete"] and info["coverage"]["keys_applied"] == info["coverage"]["keys_total"] > 0
