@@ -8,11 +8,13 @@ Two measurements in one run:
    a descheduled process does not accrue: on the shared 2-core host wall time with 2 threads swings by 5-30% and
    cannot resolve a 2% target. `--threads 2 --clock wall` gives the old-style measurement.
 
-   loraweave       today's runtime path: h = x·Aᵀ·s, y = b + h·Bᵀ, y += x·Wᵀ (low-rank term in the GEMM accumulator)
-   base-first      y = b + x·Wᵀ, then y += h·Bᵀ in place (no second output-sized temporary)
-   contig A^T B^T  today's formula with Aᵀ and Bᵀ stored contiguous (the layouts the skinny kernels read)
-   out= buffers    today's formula writing into preallocated h and y (no allocation, no page faults)
-   r padded 32     today's formula with the rank zero-padded to 32 (wider skinny GEMMs)
+   loraweave       the library's runtime path: h = x·Aᵀ·s, y = b + h·Bᵀ, y += x·Wᵀ (low-rank term in the GEMM
+                   accumulator), the two thin GEMMs on oneDNN (mechanisms/skinny.py)
+   mkl (before)    the same formula, every GEMM on MKL's sgemm (torch.mm/addmm): the path before skinny.py
+   base-first      y = b + x·Wᵀ, then y += h·Bᵀ in place (no second output-sized temporary); MKL
+   contig A^T B^T  the MKL formula with Aᵀ and Bᵀ stored contiguous (the layouts the skinny kernels read)
+   out= buffers    the MKL formula writing into preallocated h and y (no allocation, no page faults)
+   r padded 32     the MKL formula with the rank zero-padded to 32 (wider skinny GEMMs)
    stacked         S = [W; A] (W would be the view S[:out]: memory unchanged); z = [b, 0] + x·Sᵀ in ONE GEMM,
                    y = z[:, :out] += (s·z[:, out:])·Bᵀ: the down GEMM rides in the base GEMM; y is a strided view
    stacked+contig  the same, the up GEMM writing a fresh contiguous y (what a next layer needs)
@@ -20,9 +22,9 @@ Two measurements in one run:
    lora ops        the two bare skinny GEMMs only (into a preallocated y): the floor of any post-forward path
 
 2. Components: the small kernels those paths are made of, timed many times each (interleaved) against the base
-   GEMM's median. Today's path costs over the base GEMM: down + scale + up(with bias) - the bias broadcast that
+   GEMM's median. The path costs over the base GEMM: down + scale + up(with bias) - the bias broadcast that
    addmm does anyway; the table shows each kernel's share next to its FLOP share, i.e. how far below the base
-   GEMM's efficiency it runs.
+   GEMM's efficiency it runs (MKL's sgemm vs oneDNN for the same product).
 
     .venv/bin/python benchmarks/bench_floor.py [--quick] [--rounds N] [--threads 1] [--clock cpu|wall]
 """
@@ -36,6 +38,8 @@ import time
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
 from benchutil import Variant, inference_forward, linear_lora, median, sandwiched, spread, table
+
+from loraweave.mechanisms.skinny import skinny_linear
 
 IN = OUT = 3072
 TOKENS = 4096
@@ -66,6 +70,10 @@ def formulations(f: Factors) -> dict:
     """name -> forward on the (tokens, in) input, each under inference_mode (same arithmetic a library would run)."""
     x, w = f.x2, f.w
 
+    def mkl():
+        h = torch.mm(x, f.down.t()).mul_(f.s)
+        return torch.addmm(f.b, h, f.up.t()).addmm_(x, w.t())
+
     def base_first():
         y = torch.addmm(f.b, x, w.t())
         return y.addmm_(torch.mm(x, f.down.t()).mul_(f.s), f.up.t())
@@ -90,7 +98,7 @@ def formulations(f: Factors) -> dict:
         z = torch.addmm(f.bias0, x, f.stack.t())
         return torch.addmm(z[:, :OUT], z[:, OUT:].mul_(f.s), f.up.t())
 
-    return {"base-first": base_first, "contig A^T B^T": contig, "out= buffers": out_buffers, "r padded 32": padded,
+    return {"mkl (before)": mkl, "base-first": base_first, "contig A^T B^T": contig, "out= buffers": out_buffers, "r padded 32": padded,
             "stacked": stacked, "stacked+contig": stacked_contig}
 
 
@@ -107,11 +115,13 @@ def components(f: Factors, base, clock) -> list[list[str]]:
     x, h = f.x2, torch.mm(f.x2, f.down.t())
     kernels = {
         "bias broadcast (addmm's copy of b)": (lambda: f.y_buf.copy_(f.b.expand(TOKENS, OUT)), 0.0),
-        "down: x·Aᵀ": (lambda: torch.mm(x, f.down.t()), RANK * IN / (IN * OUT)),
-        "down, Aᵀ contiguous": (lambda: torch.mm(x, f.down_t), RANK * IN / (IN * OUT)),
+        "down: x·Aᵀ, MKL": (lambda: torch.mm(x, f.down.t()), RANK * IN / (IN * OUT)),
+        "down, Aᵀ contiguous, MKL": (lambda: torch.mm(x, f.down_t), RANK * IN / (IN * OUT)),
+        "down: x·Aᵀ, oneDNN": (lambda: skinny_linear(x, f.down), RANK * IN / (IN * OUT)),
         "scale h by s": (lambda: h.mul_(f.s), 0.0),
-        "up: b + h·Bᵀ (new y)": (lambda: torch.addmm(f.b, h, f.up.t()), RANK * OUT / (IN * OUT)),
-        "up: y += h·Bᵀ in place": (lambda: f.y_buf.addmm_(h, f.up.t()), RANK * OUT / (IN * OUT)),
+        "up: b + h·Bᵀ (new y), MKL": (lambda: torch.addmm(f.b, h, f.up.t()), RANK * OUT / (IN * OUT)),
+        "up: b + h·Bᵀ (new y), oneDNN": (lambda: skinny_linear(h, f.up, f.b), RANK * OUT / (IN * OUT)),
+        "up: y += h·Bᵀ in place, MKL": (lambda: f.y_buf.addmm_(h, f.up.t()), RANK * OUT / (IN * OUT)),
         "one pass over y (copy)": (lambda: f.y_buf.copy_(x), 0.0),
     }
     times = {n: [] for n in kernels}
@@ -134,13 +144,16 @@ def components(f: Factors, base, clock) -> list[list[str]]:
     rows = [[n, f"{statistics.median(times[n]) * 1e3:.2f}", f"{share[n] * 100:.2f}%",
              f"{flops * 100:.2f}%" if flops else "-", f"{share[n] / flops:.1f}x" if flops else "-"]
             for n, (_, flops) in kernels.items()]
-    today = share["down: x·Aᵀ"] + share["scale h by s"] + share["up: b + h·Bᵀ (new y)"] - \
-        share["bias broadcast (addmm's copy of b)"]
-    bare = share["down: x·Aᵀ"] + share["scale h by s"] + share["up: y += h·Bᵀ in place"]
-    rows.append(["=> today's path: down + scale + up(b) - broadcast", "", f"{today * 100:.2f}%", f"{FLOOR * 100:.2f}%",
-                 f"{today / FLOOR:.2f}x"])
-    rows.append(["=> bare skinny GEMMs: down + scale + up in place", "", f"{bare * 100:.2f}%", f"{FLOOR * 100:.2f}%",
-                 f"{bare / FLOOR:.2f}x"])
+    bcast, scale = share["bias broadcast (addmm's copy of b)"], share["scale h by s"]
+    sums = {
+        "=> loraweave: down + scale + up(b) - broadcast, oneDNN":
+            share["down: x·Aᵀ, oneDNN"] + scale + share["up: b + h·Bᵀ (new y), oneDNN"] - bcast,
+        "=> before: the same on MKL":
+            share["down: x·Aᵀ, MKL"] + scale + share["up: b + h·Bᵀ (new y), MKL"] - bcast,
+        "=> bare skinny GEMMs on MKL: down + scale + up in place":
+            share["down: x·Aᵀ, MKL"] + scale + share["up: y += h·Bᵀ in place, MKL"],
+    }
+    rows += [[n, "", f"{v * 100:.2f}%", f"{FLOOR * 100:.2f}%", f"{v / FLOOR:.2f}x"] for n, v in sums.items()]
     print(f"components: base forward median {mb * 1e3:.1f} ms over {len(base_times)} samples; "
           f"{COMPONENT_REPS} samples per kernel")
     return rows
