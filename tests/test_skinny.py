@@ -30,6 +30,10 @@ def spy(monkeypatch):
     return calls
 
 
+class _Sub(torch.Tensor):
+    pass
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -55,6 +59,7 @@ def test_falls_back_where_it_does_not_apply(spy):
         "bfloat16": (x.bfloat16(), w.bfloat16()),
         "strided input": (x.t().contiguous().t(), w),
         "strided weight": (x, w.t().contiguous().t()),
+        "tensor subclass": (x.as_subclass(_Sub), w),
     }
     for name, (a, b) in cases.items():
         assert torch.equal(skinny.skinny_linear(a, b), F.linear(a, b)), name

@@ -38,6 +38,8 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """The oneDNN op when it may run this product, else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return None
+    if type(x) is not torch.Tensor:  # a tensor subclass expects its own F.linear (__torch_function__)
+        return None
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return None  # the op has no autograd formula; the compiler picks its own kernels
     if not (x.is_contiguous() and weight.is_contiguous() and weight.dim() == 2):
