@@ -1,55 +1,174 @@
-"""The FLOP floor on a plain nn.Linear: is x·Aᵀ cheaper inside the base GEMM, with W stored as a view into [W; A]?
+"""The FLOP floor on a plain nn.Linear: how close does a runtime LoRA get to r(in+out)/(in*out) of the base cost?
 
-One Linear(3072, 3072) fp32, x of 4096 tokens, rank-16 LoRA (scale 0.5). Variants, each on its own copy of the
-same weights, timed sandwiched between base runs (benchutil.sandwiched; medians of per-sample ratios):
+One Linear(3072, 3072) fp32, x of 4096 tokens, rank-16 LoRA (scale 0.5); floor 1.04%, target <= 2x (2.08%).
+Two measurements in one run:
 
-  base       plain nn.Linear
-  loraweave  today's runtime path: h = x·Aᵀ·s, y = b + h·Bᵀ, y += x·Wᵀ (the low-rank term in the GEMM accumulator)
-  stacked    the prototype: S = [W; A] (out + r rows; W is the view S[:out], so memory stays W + A); one GEMM
-             z = x·Sᵀ (tokens x (out + r)), then y = z[:, :out] + b, y += (s·z[:, out:])·Bᵀ: one skinny GEMM left.
-             y is a strided view of z (row stride out + r); the copy that makes it contiguous is timed too
-             ("stacked+contig"), since most next layers need a contiguous input
-  peft       PEFT's unmerged LoraLayer
-  lora ops   only the two skinny GEMMs (h = x·Aᵀ·s; y += h·Bᵀ into a preallocated y): the floor of any
-             post-forward path
+1. End to end: every formulation below, each sandwiched between base runs (benchutil.sandwiched; medians of
+   per-sample ratios). Default clock: CPU seconds of this process with ONE torch thread (time.process_time), which
+   a descheduled process does not accrue: on the shared 2-core host wall time with 2 threads swings by 5-30% and
+   cannot resolve a 2% target. `--threads 2 --clock wall` gives the old-style measurement.
 
-    .venv/bin/python benchmarks/bench_floor.py [--quick] [--rounds N]
+   loraweave       the library's runtime path: h = x·Aᵀ·s, y = b + h·Bᵀ, y += x·Wᵀ (low-rank term in the GEMM
+                   accumulator), the two thin GEMMs on oneDNN (mechanisms/skinny.py)
+   mkl (before)    the same formula, every GEMM on MKL's sgemm (torch.mm/addmm): the path before skinny.py
+   base-first      y = b + x·Wᵀ, then y += h·Bᵀ in place (no second output-sized temporary); MKL
+   contig A^T B^T  the MKL formula with Aᵀ and Bᵀ stored contiguous (the layouts the skinny kernels read)
+   out= buffers    the MKL formula writing into preallocated h and y (no allocation, no page faults)
+   r padded 32     the MKL formula with the rank zero-padded to 32 (wider skinny GEMMs)
+   stacked         S = [W; A] (W would be the view S[:out]: memory unchanged); z = [b, 0] + x·Sᵀ in ONE GEMM,
+                   y = z[:, :out] += (s·z[:, out:])·Bᵀ: the down GEMM rides in the base GEMM; y is a strided view
+   stacked+contig  the same, the up GEMM writing a fresh contiguous y (what a next layer needs)
+   peft            PEFT's unmerged LoraLayer
+   lora ops        the two bare skinny GEMMs only (into a preallocated y): the floor of any post-forward path
+
+2. Components: the small kernels those paths are made of, timed many times each (interleaved) against the base
+   GEMM's median. The path costs over the base GEMM: down + scale + up(with bias) - the bias broadcast that
+   addmm does anyway; the table shows each kernel's share next to its FLOP share, i.e. how far below the base
+   GEMM's efficiency it runs (MKL's sgemm vs oneDNN for the same product).
+
+    .venv/bin/python benchmarks/bench_floor.py [--quick] [--rounds N] [--threads 1] [--clock cpu|wall]
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
 from benchutil import Variant, inference_forward, linear_lora, median, sandwiched, spread, table
 
+from loraweave.mechanisms.skinny import skinny_linear
+
 IN = OUT = 3072
 TOKENS = 4096
 RANK = 16
 SCALE = 0.5
+FLOOR = RANK * (IN + OUT) / (IN * OUT)
+COMPONENT_REPS = 31
 
 
-def _stacked(lin: torch.nn.Linear, down: torch.Tensor, up: torch.Tensor, contiguous: bool):
-    """The [W; A] prototype as a forward function (the same arithmetic a library path would run)."""
-    stack = torch.cat([lin.weight.detach(), down])  # W would then be re-pointed at stack[:OUT]: no extra memory
-    bias, up_t = lin.bias.detach(), up.t().contiguous()
+class Factors:
+    """The dense tensors of the one Linear and its LoRA, in every layout the formulations want."""
 
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, lin: torch.nn.Linear, down: torch.Tensor, up: torch.Tensor, x: torch.Tensor) -> None:
+        self.w, self.b = lin.weight.detach(), lin.bias.detach()
+        self.down, self.up, self.s = down, up, torch.full((RANK,), SCALE)
+        self.x2 = x.view(-1, IN)
+        self.down_t, self.up_t = down.t().contiguous(), up.t().contiguous()
+        pad = 32 - RANK
+        self.down32 = torch.cat([down, down.new_zeros(pad, IN)])
+        self.up32 = torch.cat([up, up.new_zeros(OUT, pad)], dim=1)
+        self.s32 = torch.cat([self.s, self.s.new_zeros(pad)])
+        self.stack = torch.cat([self.w, down])  # a library would re-point W at stack[:OUT]
+        self.bias0 = torch.cat([self.b, self.b.new_zeros(RANK)])
+        self.h_buf, self.y_buf = torch.empty(TOKENS, RANK), torch.empty(TOKENS, OUT)
+
+
+def formulations(f: Factors) -> dict:
+    """name -> forward on the (tokens, in) input, each under inference_mode (same arithmetic a library would run)."""
+    x, w = f.x2, f.w
+
+    def mkl():
+        h = torch.mm(x, f.down.t()).mul_(f.s)
+        return torch.addmm(f.b, h, f.up.t()).addmm_(x, w.t())
+
+    def base_first():
+        y = torch.addmm(f.b, x, w.t())
+        return y.addmm_(torch.mm(x, f.down.t()).mul_(f.s), f.up.t())
+
+    def contig():
+        h = torch.mm(x, f.down_t).mul_(f.s)
+        return torch.addmm(f.b, h, f.up_t).addmm_(x, w.t())
+
+    def out_buffers():
+        torch.mm(x, f.down.t(), out=f.h_buf).mul_(f.s)
+        return torch.addmm(f.b, f.h_buf, f.up.t(), out=f.y_buf).addmm_(x, w.t())
+
+    def padded():
+        h = torch.mm(x, f.down32.t()).mul_(f.s32)
+        return torch.addmm(f.b, h, f.up32.t()).addmm_(x, w.t())
+
+    def stacked():
+        z = torch.addmm(f.bias0, x, f.stack.t())
+        return z[:, :OUT].addmm_(z[:, OUT:].mul_(f.s), f.up.t())
+
+    def stacked_contig():
+        z = torch.addmm(f.bias0, x, f.stack.t())
+        return torch.addmm(z[:, :OUT], z[:, OUT:].mul_(f.s), f.up.t())
+
+    return {"mkl (before)": mkl, "base-first": base_first, "contig A^T B^T": contig, "out= buffers": out_buffers, "r padded 32": padded,
+            "stacked": stacked, "stacked+contig": stacked_contig}
+
+
+def _inference(fn):
+    def run():
         with torch.inference_mode():
-            x2 = x.view(-1, IN)
-            z = torch.mm(x2, stack.t())
-            y, h = z[:, :OUT], z[:, OUT:].mul_(SCALE)
-            y.add_(bias).addmm_(h, up_t)
-            return y.contiguous() if contiguous else y
+            return fn()
 
     return run
 
 
+def components(f: Factors, base, clock) -> list[list[str]]:
+    """Each small kernel's median share of the base forward, timed interleaved COMPONENT_REPS times."""
+    x, h = f.x2, torch.mm(f.x2, f.down.t())
+    kernels = {
+        "bias broadcast (addmm's copy of b)": (lambda: f.y_buf.copy_(f.b.expand(TOKENS, OUT)), 0.0),
+        "down: x·Aᵀ, MKL": (lambda: torch.mm(x, f.down.t()), RANK * IN / (IN * OUT)),
+        "down, Aᵀ contiguous, MKL": (lambda: torch.mm(x, f.down_t), RANK * IN / (IN * OUT)),
+        "down: x·Aᵀ, oneDNN": (lambda: skinny_linear(x, f.down), RANK * IN / (IN * OUT)),
+        "scale h by s": (lambda: h.mul_(f.s), 0.0),
+        "up: b + h·Bᵀ (new y), MKL": (lambda: torch.addmm(f.b, h, f.up.t()), RANK * OUT / (IN * OUT)),
+        "up: b + h·Bᵀ (new y), oneDNN": (lambda: skinny_linear(h, f.up, f.b), RANK * OUT / (IN * OUT)),
+        "up: y += h·Bᵀ in place, MKL": (lambda: f.y_buf.addmm_(h, f.up.t()), RANK * OUT / (IN * OUT)),
+        "one pass over y (copy)": (lambda: f.y_buf.copy_(x), 0.0),
+    }
+    times = {n: [] for n in kernels}
+    base_times = []
+    names = list(kernels)
+    with torch.inference_mode():
+        for r in range(-1, COMPONENT_REPS):
+            if r % 6 == 0 or r == -1:
+                t0 = clock()
+                base()
+                if r >= 0:
+                    base_times.append(clock() - t0)
+            for n in names[r % len(names):] + names[: r % len(names)]:
+                t0 = clock()
+                kernels[n][0]()
+                if r >= 0:
+                    times[n].append(clock() - t0)
+    mb = statistics.median(base_times)
+    share = {n: statistics.median(v) / mb for n, v in times.items()}
+    rows = [[n, f"{statistics.median(times[n]) * 1e3:.2f}", f"{share[n] * 100:.2f}%",
+             f"{flops * 100:.2f}%" if flops else "-", f"{share[n] / flops:.1f}x" if flops else "-"]
+            for n, (_, flops) in kernels.items()]
+    bcast, scale = share["bias broadcast (addmm's copy of b)"], share["scale h by s"]
+    sums = {
+        "=> loraweave: down + scale + up(b) - broadcast, oneDNN":
+            share["down: x·Aᵀ, oneDNN"] + scale + share["up: b + h·Bᵀ (new y), oneDNN"] - bcast,
+        "=> before: the same on MKL":
+            share["down: x·Aᵀ, MKL"] + scale + share["up: b + h·Bᵀ (new y), MKL"] - bcast,
+        "=> bare skinny GEMMs on MKL: down + scale + up in place":
+            share["down: x·Aᵀ, MKL"] + scale + share["up: y += h·Bᵀ in place, MKL"],
+    }
+    rows += [[n, "", f"{v * 100:.2f}%", f"{FLOOR * 100:.2f}%", f"{v / FLOOR:.2f}x"] for n, v in sums.items()]
+    print(f"components: base forward median {mb * 1e3:.1f} ms over {len(base_times)} samples; "
+          f"{COMPONENT_REPS} samples per kernel")
+    return rows
+
+
 def main() -> None:
-    args = benchutil.parse_args(__doc__, quick=5, full=11)
+    def extra(ap):
+        ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: see the docstring)")
+        ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+
+    args = benchutil.parse_args(__doc__, quick=5, full=11, extra=extra)
     benchutil.setup_torch()
-    benchutil.header("bench_floor: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA")
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    benchutil.header(f"bench_floor: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA; clock={args.clock}")
     from peft import LoraConfig, inject_adapter_in_model
 
     import loraweave
@@ -63,34 +182,37 @@ def main() -> None:
     with torch.no_grad():
         peft.proj.lora_A["default"].weight.copy_(down)
         peft.proj.lora_B["default"].weight.copy_(up)
-    stacked, stacked_c = _stacked(base.proj, down, up, False), _stacked(base.proj, down, up, True)
-
-    with torch.inference_mode():
-        ref = lw(x).view(-1, OUT)
-        agree = {"stacked vs loraweave": float((stacked(x) - ref).abs().max()),
-                 "peft vs loraweave": float((peft(x).view(-1, OUT) - ref).abs().max())}
-        x2, down_t, up_t = x.view(-1, IN), down.t().contiguous(), up.t().contiguous()
-        y_buf = base(x).view(-1, OUT)
+    f = Factors(base.proj, down, up, x)
+    forms = {name: _inference(fn) for name, fn in formulations(f).items()}
 
     def lora_ops():
         with torch.inference_mode():
-            return y_buf.addmm_(torch.mm(x2, down_t).mul_(SCALE), up_t)
+            return f.y_buf.addmm_(torch.mm(f.x2, f.down.t()).mul_(f.s), f.up.t())
 
-    others = [Variant("loraweave", inference_forward(lw, x)), Variant("stacked", lambda: stacked(x)),
-              Variant("stacked+contig", lambda: stacked_c(x)), Variant("peft", inference_forward(peft, x)),
-              Variant("lora ops", lora_ops)]
-    res = sandwiched(Variant("base", inference_forward(base, x)), others, rounds=args.rounds, warmup=1)
-    floor = RANK * (IN + OUT) / (IN * OUT)
+    with torch.inference_mode():
+        ref = lw(x).view(-1, OUT)
+        scale = float(ref.abs().max())
+        agree = {name: float((fn() - ref).abs().max()) / scale for name, fn in forms.items()}
+        agree["peft"] = float((peft(x).view(-1, OUT) - ref).abs().max()) / scale
+        f.y_buf.copy_(base(x).view(-1, OUT))
+
+    others = [Variant("loraweave", inference_forward(lw, x)), *(Variant(n, fn) for n, fn in forms.items()),
+              Variant("peft", inference_forward(peft, x)), Variant("lora ops", lora_ops)]
+    base_run = inference_forward(base, x)
+    res = sandwiched(Variant("base", base_run), others, rounds=args.rounds, warmup=1, clock=clock)
     rows = []
     for v in others:
         r = res.ratio(v.name)
         over = r if v.name == "lora ops" else r - 1
         rows.append([v.name, f"{median(res.times[v.name]) * 1e3:.1f}", f"+-{spread(res.times[v.name]) * 100:.1f}%",
-                     res.quiet_count(v.name), f"{over * 100:+.2f}%", f"{over / floor:.2f}x"])
+                     res.quiet_count(v.name), f"{over * 100:+.2f}%", f"{over / FLOOR:.2f}x"])
     print(f"rounds={args.rounds}; base median {median(res.times['base']) * 1e3:.1f} ms; {benchutil.noise_line()}")
     print(table(["variant", "median ms", "IQR/2", "quiet", "overhead vs base", "x FLOP floor"], rows))
-    print(f"FLOP floor r(in+out)/(in*out) = {floor * 100:.3f}%; target <= 2x ({2 * floor * 100:.2f}%)")
-    print("output agreement (max abs diff): " + ", ".join(f"{k} {v:.2e}" for k, v in agree.items()))
+    print(f"FLOP floor r(in+out)/(in*out) = {FLOOR * 100:.3f}%; target <= 2x ({2 * FLOOR * 100:.2f}%)")
+    print("output agreement vs loraweave (max abs diff / max |y|): "
+          + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()))
+    print(table(["kernel", "median ms", "share of base", "FLOP share", "x its FLOP share"],
+                components(f, base_run, clock)))
     del keep
 
 

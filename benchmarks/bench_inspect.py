@@ -12,6 +12,8 @@ architecture skeleton cache (in the temp folder), so the timed rounds measure th
   inspect, no TE   the same with --no-text-encoders
   inspect detect   python -m loraweave.cli inspect FILE --json  (architecture from the keys)
   import loraweave python -c "import loraweave"  (no torch)
+  import torch     python -c "import torch"  (the floor of every path that imports torch: coverage does today)
+Each row gives the wall median and the children's CPU seconds (user + system; less inflated by a busy host).
   inspect no cov   python -m loraweave.cli inspect FILE --no-coverage --json  (the file alone, no torch)
 
     .venv/bin/python benchmarks/bench_inspect.py [--rounds 5]
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -56,13 +59,19 @@ def make_file(folder: Path) -> Path:
     return path
 
 
-def run(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
-    t0 = time.perf_counter()
+def _child_cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def run(cmd: list[str], env: dict | None = None) -> tuple[float, str, float]:
+    """(wall seconds, stdout, CPU seconds of the child: user + system, which a busy host does not inflate much)."""
+    t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _child_cpu() - c0
     if proc.returncode not in (0, 1):
         raise RuntimeError(proc.stderr[-2000:])
-    return wall, proc.stdout
+    return wall, proc.stdout, cpu
 
 
 def main() -> None:
@@ -78,6 +87,7 @@ def main() -> None:
             "python start": [py, "-c", "pass"],
             "import": [py, "-c", "import loraweave.tools.inspect"],
             "import loraweave": [py, "-c", "import loraweave"],
+            "import torch": [py, "-c", "import torch"],
             "inspect no cov": [py, "-m", "loraweave.cli", "inspect", str(path), "--no-coverage", "--json"],
             "inspect --arch": [py, "-m", "loraweave.cli", "inspect", str(path), "--arch", "flux", "--json"],
             "inspect, no TE": [py, "-m", "loraweave.cli", "inspect", str(path), "--arch", "flux", "--json",
@@ -85,23 +95,27 @@ def main() -> None:
             "inspect detect": [py, "-m", "loraweave.cli", "inspect", str(path), "--json"],
         }
         times: dict[str, list[float]] = {k: [] for k in variants}
+        cpus: dict[str, list[float]] = {k: [] for k in variants}
         last = ""
+        load0 = f"{os.getloadavg()[0]:.2f}"
         for r in range(args.rounds + 1):  # round 0 warms the page cache and .pyc files: discarded
             names = list(variants)
             names = names[r % len(names):] + names[: r % len(names)]
             for name in names:
-                wall, out = run(variants[name])
+                wall, out, cpu = run(variants[name])
                 if r:
                     times[name].append(wall)
+                    cpus[name].append(cpu)
                 if name == "inspect --arch":
                     last = out
             print(f"round {r} done", file=sys.stderr)
         cov = json.loads(last)["coverage"]
         cold = run([py, "-m", "loraweave.cli", "inspect", str(path), "--arch", "flux", "--json"],
                    {**os.environ, "LORAWEAVE_CACHE": "0"})[0]
-        print(f"{'variant':<16} {'median s':>9} {'min s':>7}")
+        print(f"load average before/after: {load0} / {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
+        print(f"{'variant':<16} {'median s':>9} {'min s':>7} {'median CPU s':>13}")
         for name, ts in times.items():
-            print(f"{name:<16} {statistics.median(ts):>9.2f} {min(ts):>7.2f}")
+            print(f"{name:<16} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {statistics.median(cpus[name]):>13.2f}")
         print(f"coverage: {cov['keys_applied']}/{cov['keys_total']} keys land on {cov['against']}; "
               f"in-process inspect time {json.loads(last)['seconds']:.2f}s; target end to end < {TARGET_S} s")
         print(f"without the skeleton cache (builds Flux + CLIP + T5 through diffusers/transformers): {cold:.2f}s")

@@ -249,16 +249,17 @@ class Variant:
     cleanup: Callable[[], object] | None = None
 
 
-def _timed(v: Variant, collect: bool = True) -> float:
+def _timed(v: Variant, collect: bool = True, clock: Callable[[], float] = time.perf_counter) -> float:
+    """One sample of `v` in seconds of `clock` (wall by default; time.process_time: CPU time of this process)."""
     if v.prepare is not None:
         v.prepare()
     if collect:
         gc.collect()
     gc.disable()
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         out = v.run()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
     finally:
         gc.enable()
     del out
@@ -309,14 +310,16 @@ class Sandwich:
 
 
 def sandwiched(
-    ref: Variant, variants: Sequence[Variant], rounds: int, warmup: int = 1, tol: float = 0.03, log: bool = True
+    ref: Variant, variants: Sequence[Variant], rounds: int, warmup: int = 1, tol: float = 0.03, log: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Sandwich:
     """Round-robin like `interleaved`, but with the reference timed between every two variants:
     ref V1 ref V2 ref ... Vn ref (variant order rotated each round).
 
     Each variant sample is divided by the mean of its two neighbouring reference samples. On a VM whose speed
     jumps (noisy neighbours: 2x slow-downs lasting seconds are common on shared hosts), a sample counts as quiet
-    when those two neighbours agree within `tol`; the ratio reported is the median over quiet samples."""
+    when those two neighbours agree within `tol`; the ratio reported is the median over quiet samples.
+    `clock=time.process_time` times CPU seconds instead of wall (with one thread: immune to being descheduled)."""
     names = [ref.name, *(v.name for v in variants)]
     times: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {v.name: [] for v in variants}
@@ -324,12 +327,12 @@ def sandwiched(
     n = len(variants)
     steal0, wall0 = cpu_steal_s(), time.perf_counter()
     for r in range(-warmup, rounds):
-        before = _timed(ref)
+        before = _timed(ref, clock=clock)
         if r >= 0:
             times[ref.name].append(before)
         for v in [variants[(i + r) % n] for i in range(n)]:
-            dt = _timed(v)
-            after = _timed(ref)
+            dt = _timed(v, clock=clock)
+            after = _timed(ref, clock=clock)
             if r >= 0:
                 times[v.name].append(dt)
                 times[ref.name].append(after)

@@ -44,6 +44,23 @@ def _skeleton_cache(tmp_path_factory):
     os.environ.pop(CACHE_ENV) if old is None else os.environ.__setitem__(CACHE_ENV, old)
 
 
+def _same_linears(real: torch.nn.Module, rebuilt: torch.nn.Module) -> None:
+    """Every plain nn.Linear comes back as one (built without its constructor): same features, parameters, repr."""
+    got = dict(rebuilt.named_modules())
+    linears = [(p, m) for p, m in real.named_modules() if type(m) is torch.nn.Linear]
+    assert linears
+    for path, m in linears:
+        r = got[path]
+        assert type(r) is torch.nn.Linear and repr(r) == repr(m), path
+        assert (r.in_features, r.out_features) == (m.in_features, m.out_features), path
+        for name in ("weight", "bias"):
+            a, b = getattr(m, name), getattr(r, name)
+            assert (a is None) == (b is None), (path, name)
+            if a is not None:
+                assert (b.shape, b.dtype, b.device.type, b.requires_grad) == (a.shape, a.dtype, "meta",
+                                                                               a.requires_grad), (path, name)
+
+
 @pytest.mark.parametrize("arch", ["sd1", "flux", "sd3"])
 def test_skeleton_resolves_like_the_real_model(arch):
     """The cached description rebuilds a tree the planner cannot tell from the diffusers model."""
@@ -54,6 +71,7 @@ def test_skeleton_resolves_like_the_real_model(arch):
         assert a.exact == b.exact and a.underscored == b.underscored, comp
         classes = ("CrossAttention", "Attention", "GEGLU", "CLIPAttention")
         assert a.positional(classes) == b.positional(classes), comp
+        _same_linears(real[comp], rebuilt[comp])
     assert skeleton(arch).keys() == real.keys()  # first call writes the cache
     cached = skeleton(arch)  # second call reads it
     assert AliasTable(cached[next(iter(cached))]).exact == AliasTable(real[next(iter(real))]).exact

@@ -77,17 +77,30 @@ class _Node(torch.nn.Module):
 _TYPES: dict[str, type] = {}
 
 
+def _meta(shape, dtype: str, requires_grad: bool) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(shape, device="meta", dtype=_DTYPES.get(dtype, torch.float32)),
+                              requires_grad=requires_grad)
+
+
+def _linear(params: dict) -> torch.nn.Linear:
+    """A real nn.Linear on meta without its constructor: reset_parameters' init kernels on meta tensors were half
+    of a cached rebuild (and their first call pays torch's lazy meta-kernel set-up)."""
+    lin = torch.nn.Linear.__new__(torch.nn.Linear)
+    torch.nn.Module.__init__(lin)
+    lin.out_features, lin.in_features = params["weight"][0]
+    lin.weight = _meta(*params["weight"], requires_grad=True)  # what nn.Linear(..., device="meta") holds
+    lin.register_parameter("bias", _meta(*params["bias"], requires_grad=True) if "bias" in params else None)
+    return lin
+
+
 def _instance(cls_name: str, params: dict) -> torch.nn.Module:
     if cls_name == "Linear" and "weight" in params and len(params["weight"][0]) == 2:
-        out_f, in_f = params["weight"][0]
-        dtype = _DTYPES.get(params["weight"][1], torch.float32)
-        return torch.nn.Linear(in_f, out_f, bias="bias" in params, device="meta", dtype=dtype)
+        return _linear(params)
     if cls_name not in _TYPES:  # same class name as the real module: alias tables and positional rules key on it
         _TYPES[cls_name] = type(cls_name, (_Node,), {"__module__": __name__})
     mod = _TYPES[cls_name]()
     for pname, (shape, dtype) in params.items():
-        mod.register_parameter(pname, torch.nn.Parameter(
-            torch.empty(shape, device="meta", dtype=_DTYPES.get(dtype, torch.float32)), requires_grad=False))
+        mod.register_parameter(pname, _meta(shape, dtype, requires_grad=False))
     return mod
 
 

@@ -1,0 +1,58 @@
+"""The thin GEMMs of a runtime low-rank pair (x·Aᵀ with r outputs, h·Bᵀ with r inputs) on CPU fp32.
+
+MKL's sgemm runs them at ~40% of the base GEMM's efficiency; oneDNN's matmul (the kernel torch.compile's CPU
+backend emits for linear layers) runs them about twice as fast (benchmarks/bench_floor.py, "components"). It is
+reached through a private op, so it is probed once against addmm and used only where it is exact to fp32
+rounding; anything else (other dtypes or devices, autograd, torch.compile tracing) takes F.linear as before."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("loraweave")
+_PROBED: list = []  # [the oneDNN linear op, or None when absent or wrong], filled on first use
+
+
+def _probe():
+    op = None
+    if torch.backends.mkldnn.is_available():
+        op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is not None:
+        g = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(*s, generator=g) for s in ((5, 40), (3, 40), (3,)))
+        try:
+            with torch.inference_mode():
+                ok = torch.allclose(op(x, w, b, "none", [], ""), torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-6)
+        except (RuntimeError, TypeError) as exc:  # a torch build whose private op changed: stay on F.linear
+            log.info("skinny_gemm onednn=unusable reason=%s", exc)
+            ok = False
+        op = op if ok else None
+    log.info("skinny_gemm onednn=%s", op is not None)
+    return op
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The oneDNN op when it may run this product, else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return None
+    if type(x) is not torch.Tensor:  # a tensor subclass expects its own F.linear (__torch_function__)
+        return None
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return None  # the op has no autograd formula; the compiler picks its own kernels
+    if not (x.is_contiguous() and weight.is_contiguous() and weight.dim() == 2):
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                             or (torch.is_grad_enabled() and bias.requires_grad)):
+        return None
+    if not _PROBED:
+        _PROBED.append(_probe())
+    return _PROBED[0]
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·weightᵀ (+ bias), as F.linear, on the faster kernel where it applies (a fresh contiguous tensor)."""
+    op = _onednn(x, weight, bias)
+    return op(x, weight, bias, "none", [], "") if op is not None else F.linear(x, weight, bias)
