@@ -95,7 +95,7 @@ def test_batch_equals_separate_runs(arch, monkeypatch):
 def test_exact_batch_is_a_lone_apply_at_the_batch_shape(arch):
     """exact=True, LoRA sets: sample i's rows are bit-equal (torch.equal) to a runtime apply of its set alone on a
     fresh copy, run on the same whole batch (guidance layout), whatever the other samples use. Negative control:
-    the default forms (gated pair, per-run GEMMs) are off by float rounding on some samples. Measured, not asserted:
+    a lone apply of a two-adapter set in the other order is not bit-equal. Measured, not asserted:
     with a W-reading adapter (DoRA) resident on a layer, that layer runs as a hook, not fused, so a LoRA-only sample
     there is not bit-equal to its lone (fused) apply."""
     base = ARCHS[arch]()
@@ -112,9 +112,15 @@ def test_exact_batch_is_a_lone_apply_at_the_batch_shape(arch):
     with handle.batch(SETS, STRENGTHS, exact=True):
         got = run(arch, model, x)
     assert all(torch.equal(got[[i, 4 + i]], refs[i][[i, 4 + i]]) for i in range(4))
-    with handle.batch(SETS, STRENGTHS):
+    # Negative control: the same set applied alone in the other order rounds differently, so torch.equal here sees
+    # a change of term order (the thing `exact` keeps), not just a wrong delta.
+    i, names, values = next((i, n, v) for i, (n, v) in enumerate(zip(SETS, STRENGTHS, strict=True)) if len(n) > 1)
+    flipped = copy.deepcopy(base)
+    loraweave.apply(flipped, [loraweave.AdapterSpec(ads[n], strength=v, name=n)
+                              for n, v in reversed(list(zip(names, values, strict=True)))], mode="runtime")
+    assert not torch.equal(got[[i, 4 + i]], run(arch, flipped, x)[[i, 4 + i]])
+    with handle.batch(SETS, STRENGTHS):  # the default forms: within float tolerance (bit-equal on some models)
         default = run(arch, model, x)
-    assert not all(torch.equal(default[[i, 4 + i]], refs[i][[i, 4 + i]]) for i in range(4))
     check(default, [r[[i, 4 + i]] for i, r in enumerate(refs)], lambda i: [i, 4 + i])
 
 

@@ -20,6 +20,7 @@ from ..families.base import ConvSpec
 from .persample import PairFactors, SampleKey, pair_for, part_strength_for, row_gates, sample_keys
 from .region import check_mask, token_weights
 from .rows import RootProbe, sample_runs
+from .skinny import skinny_linear
 
 # Below this many (tokens per run x total rank), per-row gating of the whole pair replaces per-run GEMMs.
 GATED_MAX_TOKEN_RANKS = 16384
@@ -165,7 +166,7 @@ class Mix:
         if cache not in self._gates:
             self._gates[cache] = row_gates(path, runs, self.settings, x.shape[0], out.device, out.dtype)
         down, up, _ = path._factors(out.device, out.dtype)
-        h = F.linear(x, down)
+        h = skinny_linear(x, down)
         h.view(x.shape[0], -1, h.shape[-1]).mul_(self._gates[cache][:, None, :])
         pair = pair_for(path, None, self.settings, out.device, out.dtype)
         _weigh(h, pair, self._weights_for(path, out), channels_first=False)
@@ -240,7 +241,7 @@ def _add_pair(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors, weigh
         _weigh(h, pair, weights, channels_first=True)
         out.add_(path.conv(h, pair.up.reshape(*pair.up.shape, *([1] * (h.dim() - 2)))))
         return
-    h = F.linear(x, pair.down).mul_(pair.scale)
+    h = skinny_linear(x, pair.down).mul_(pair.scale)  # the kernel RuntimePath.add_path uses (same rounding)
     _weigh(h, pair, weights, channels_first=False)
     if out.is_contiguous():
         out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), pair.up.t())
@@ -257,10 +258,9 @@ def _init_linear(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors | N
         o2.copy_(bias.expand_as(o2)) if bias is not None else o2.zero_()
         return
     if h is None:  # as RuntimePath's fused forward forms it (x flattened first: a strided x rounds otherwise)
-        h = (x.reshape(-1, x.shape[-1]) @ pair.down.t()).mul_(pair.scale).view(*x.shape[:-1], pair.down.shape[0])
+        h = skinny_linear(x.reshape(-1, x.shape[-1]), pair.down).mul_(pair.scale).view(*x.shape[:-1], pair.down.shape[0])
         _weigh(h, pair, weights, channels_first=False)
-    h2 = h.reshape(-1, h.shape[-1])
-    torch.addmm(bias, h2, pair.up.t(), out=o2) if bias is not None else torch.mm(h2, pair.up.t(), out=o2)
+    o2.copy_(skinny_linear(h.reshape(-1, h.shape[-1]), pair.up, bias))  # RuntimePath's fused kernels, for exactness
 
 
 def _weigh(h: torch.Tensor, pair: PairFactors, weights: dict, channels_first: bool) -> None:

@@ -107,7 +107,8 @@ def pair_for(path, key: SampleKey | None, settings, device: torch.device, dtype:
         width += rank
     if all(a[1] == b[0] for a, b in zip(keep, keep[1:], strict=False)):  # contiguous: views, nothing copied
         rows = slice(keep[0][0], keep[-1][1])
-        d, u = down[rows], up[:, rows]
+        # up's column slice made contiguous: the thin-GEMM kernel (mechanisms/skinny.py) takes contiguous factors only
+        d, u = down[rows], up[:, rows].contiguous()
     else:
         index = torch.cat([torch.arange(a, b, device=device) for a, b in keep])
         d, u = down.index_select(0, index), up.index_select(1, index)
