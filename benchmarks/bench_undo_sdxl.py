@@ -61,14 +61,13 @@ def prepare(folder: str) -> None:
     with open(CONFIG) as f:
         config = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
     with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(config)
+        unet = UNet2DConditionModel.from_config(config).half()  # fp16 before any memory exists: 4.8 GiB, not 10
     unet.to_empty(device="cpu")
-    unet.half()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in unet.parameters():
             p.uniform_(-0.04, 0.04, generator=g)
-    unet.save_pretrained(folder, max_shard_size="20GB")
+    unet.save_pretrained(folder, max_shard_size="1GB")  # shards: saving holds one shard's bytes at a time
 
 
 def lora_for(unet) -> dict:
@@ -80,7 +79,8 @@ def lora_for(unet) -> dict:
         if isinstance(m, torch.nn.Linear) and name.endswith(TARGETS) and (".attn" in name or ".ff." in name):
             a = torch.randn(RANK, m.in_features, generator=g)
             b = torch.randn(m.out_features, RANK, generator=g)
-            b *= REL * m.weight.float().norm() / (b @ a).norm()
+            with torch.no_grad():  # under autograd each factor's graph kept an fp32 copy of W (9 GB in all)
+                b *= REL * m.weight.float().norm() / (b @ a).norm()
             sd[f"{name}.lora_A.weight"], sd[f"{name}.lora_B.weight"] = a.half(), b.half()
     return sd
 
