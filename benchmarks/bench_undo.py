@@ -12,7 +12,7 @@ with undo="auto" (per layer the smaller of compact and copy; here every layer is
 Undo bytes are printed too. Target: a merge-mode strength change with compact records no slower than with
 full copies. Memory: two models and one set of copies (~6 GiB).
 
-    .venv/bin/python benchmarks/bench_undo.py [--quick]
+    .venv/bin/python benchmarks/bench_undo.py [--quick] [--threads N]
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ KINDS = ("copy", "auto")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 rounds instead of 9")
-    rounds = 3 if ap.parse_args().quick else 9
+    ap.add_argument("--threads", type=int, default=benchutil.THREADS,
+                    help="torch threads (on a host with more runnable processes than cores, 1 is steadier)")
+    args = ap.parse_args()
+    rounds = 3 if args.quick else 9
+    benchutil.THREADS = args.threads
     benchutil.setup_torch()
     benchutil.header(f"bench_undo: {BLOCKS * PER_BLOCK} layers {WIDTH}x{WIDTH} fp32, rank-16 LoRA, merge mode")
     import time
@@ -39,17 +43,19 @@ def main() -> None:
 
     models = {kind: build() for kind in KINDS}
     spec = AdapterSpec(lora(models["copy"], 1), name="A")
-    handles, once = {}, {}
+    handles, once, cpu = {}, {}, {kind: [] for kind in KINDS}
     for kind in KINDS:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         handles[kind] = loraweave.apply(models[kind], spec, mode="merge", undo=kind)
-        once[f"apply {kind}"] = time.perf_counter() - t0
+        once[f"apply {kind}"], once[f"apply {kind} cpu"] = time.perf_counter() - t0, time.process_time() - c0
     state = {kind: 0.5 for kind in KINDS}
 
     def strength(kind):
         def run():
             state[kind] = 2.0 - state[kind]
+            c0 = time.process_time()
             handles[kind].set_strength("A", state[kind])
+            cpu[kind].append(time.process_time() - c0)  # CPU seconds: steadier than wall time on a loaded host
         return run
 
     variants = [Variant(f"strength {kind}", strength(kind)) for kind in KINDS]
@@ -57,21 +63,29 @@ def main() -> None:
     touched = sum(m.weight.numel() * m.weight.element_size() for m in models["copy"].modules() if hasattr(m, "weight"))
     undo_bytes = {kind: handles[kind].report.undo_bytes() for kind in KINDS}
     for kind in KINDS:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         handles[kind].remove()
-        once[f"remove {kind}"] = time.perf_counter() - t0
+        once[f"remove {kind}"], once[f"remove {kind} cpu"] = time.perf_counter() - t0, time.process_time() - c0
     rows = []
+    def wall(op, kind):
+        return median(times[f"strength {kind}"]) if op == "strength" else once[f"{op} {kind}"]
+
+    def cpu_s(op, kind):
+        return median(cpu[kind][1:]) if op == "strength" else once[f"{op} {kind} cpu"]  # [1:]: the warm-up
+
     for op in ("apply", "strength", "remove"):
-        ref = median(times["strength copy"]) if op == "strength" else once[f"{op} copy"]
         for kind in KINDS:
-            med = median(times[f"strength {kind}"]) if op == "strength" else once[f"{op} {kind}"]
-            rows.append([op, kind, f"{med * 1e3:.0f}", f"{med / ref:.2f}x"])
+            rows.append([op, kind, f"{wall(op, kind) * 1e3:.0f}", f"{wall(op, kind) / wall(op, 'copy'):.2f}x",
+                         f"{cpu_s(op, kind) * 1e3:.0f}", f"{cpu_s(op, kind) / cpu_s(op, 'copy'):.2f}x"])
     print(benchutil.noise_line())
-    print(table(["operation", "undo", "ms (strength: median)", "vs copy"], rows))
+    print(f"torch threads: {args.threads}")
+    print(table(["operation", "undo", "wall ms (strength: median)", "vs copy", "cpu ms", "cpu vs copy"], rows))
     for kind in KINDS:
         print(f"undo bytes {kind}: {undo_bytes[kind] / 2**20:.1f} MiB = {undo_bytes[kind] / touched:.3f} of touched weights")
     ratio = median(times["strength auto"]) / median(times["strength copy"])
-    print(f"target: strength change with compact records <= full-copy path: {ratio:.2f}x {'PASS' if ratio <= 1 else 'FAIL'}")
+    cratio = median(cpu["auto"][1:]) / median(cpu["copy"][1:])
+    print(f"target: strength change with compact records <= full-copy path: wall {ratio:.2f}x "
+          f"{'PASS' if ratio <= 1 else 'FAIL'}, cpu {cratio:.2f}x {'PASS' if cratio <= 1 else 'FAIL'}")
 
 
 if __name__ == "__main__":

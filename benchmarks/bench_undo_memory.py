@@ -42,7 +42,8 @@ def child(kind: str, layers: int) -> None:
     sd = {}
     for name, m in model.items():
         a, b = torch.randn(RANK, WIDTH, generator=g), torch.randn(WIDTH, RANK, generator=g)
-        b *= REL * m.weight.float().norm() / (b @ a).norm()
+        with torch.no_grad():  # under autograd each factor's graph would keep an fp32 copy of W
+            b *= REL * m.weight.float().norm() / (b @ a).norm()
         sd[f"{name}.lora_A.weight"], sd[f"{name}.lora_B.weight"] = a.half(), b.half()
     libc = ctypes.CDLL("libc.so.6")
 

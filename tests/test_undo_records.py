@@ -440,3 +440,85 @@ def test_fault_on_the_fusing_step_restores(monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(False), mode="merge", undo="none")
     _check_restored(model, before, out_before, conv_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_word_scan_finds_every_miss(dtype):
+    """The compact merge compares 8 bytes at a time and splits only differing words: it must find exactly the
+    element-wise differences (signed zeros, NaN payloads), at any length and any block offset."""
+    g = gen(3)
+    rows = torch.randn(7, 45, generator=g).to(dtype)
+    blocks = undo_mod._Blocks(rows, 7, compact=True)
+    for start, length in ((0, 315), (1, 100), (2, 37), (4, 64), (3, 1), (0, 0)):
+        b = rows.clone().view(-1)[start : start + length]
+        a = b.clone()
+        flip = torch.randperm(length, generator=g)[: length // 5]
+        bits(a)[flip] ^= 1  # one-ulp changes
+        if length > 8:
+            a[5], b[5] = -0.0, 0.0  # signed zeros differ bitwise
+            a[6] = float("nan")
+            a[7] = -b[7]  # the sign bit only
+        expect = (bits(a) != bits(b)).nonzero().squeeze(1)
+        assert torch.equal(blocks._differ(a, b), expect), (start, length)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_odd_widths_in_blocks_restore(monkeypatch, dtype):
+    """Blocks whose first element is not on a word boundary (odd widths, a few rows per block) restore exactly."""
+    monkeypatch.setattr(undo_mod, "CHUNK_ELEMENTS", 150)
+    import loraweave.mechanisms.merge as merge_mod
+
+    monkeypatch.setattr(merge_mod, "CHUNK_ELEMENTS", 150)
+    torch.manual_seed(5)
+    model = nn.ModuleDict({"a": nn.Linear(37, 83), "b": nn.Linear(83, 29, bias=False)}).to(dtype)
+    before = state_bits(model)
+    sd = lora_sd(model, rel=0.3)
+    handle = loraweave.apply(model, (sd, 4.0), mode="merge", undo="compact")
+    assert kinds_of(handle) == {"compact"}
+    assert any(m.record.positions.numel() for m in handle._merged)  # there were misses to restore
+    handle.set_strength(handle.report.adapters[0]["name"], -1.0)
+    handle.remove()
+    assert_same_bits(model, before)
+
+
+def _reachable_tensor_bytes(root, skip: set[int]) -> int:
+    """Bytes of the distinct tensor storages reachable from `root` through plain objects (modules' and
+    functions' globals not followed), storages in `skip` (data pointers) left out."""
+    import gc
+    import types
+
+    seen, storages, todo = set(), {}, [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            if st.data_ptr() not in skip and obj.device.type != "meta":
+                storages[st.data_ptr()] = st.nbytes()
+            continue
+        todo.extend(gc.get_referents(obj))
+    return sum(storages.values())
+
+
+def test_merge_keeps_only_its_records():
+    """After apply(undo="auto"): the handle holds the records and the adapter's factors, nothing layer-sized
+    besides (no scratch buffer, no copy beside a compact record); reused buffers are released."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({f"l{i}": nn.Linear(512, 512, bias=False) for i in range(4)}).half()
+    with torch.no_grad():
+        sd = lora_sd(model)
+    factor_bytes = sum(v.numel() * v.element_size() for v in sd.values())
+    model_ptrs = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    layer = 512 * 512 * 2
+    handle = loraweave.apply(model, sd, mode="merge", undo="auto")
+    for _ in ("after apply", "after a strength change"):
+        assert kinds_of(handle) == {"compact"}
+        assert undo_mod._POOL.get() is None
+        record = handle.report.undo_bytes()
+        assert record <= 0.1 * 4 * layer
+        held = _reachable_tensor_bytes(handle, model_ptrs)
+        assert held <= record + 2 * factor_bytes + 64 * 1024, (held, record, factor_bytes)
+        assert held < record + layer / 2  # any layer-sized buffer kept breaks this
+        handle.set_strength(handle.report.adapters[0]["name"], 1.5)

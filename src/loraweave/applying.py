@@ -21,6 +21,7 @@ from .mechanisms.merge import Contribution, MergedModule, check_undo_arguments, 
 from .mechanisms.params import apply_params
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
+from .mechanisms.undo import reused_buffers
 from .miss import Unmatched
 from .plan.resolve import Plan, PlannedPart, resolve
 from .plan.schedule import step_window
@@ -234,8 +235,9 @@ def install(journal: Journal, p: Plan, wp: WorkPlan, mode: str, options: Options
     for comp, path, width, key in growth(p):  # control adapters: the wider input exists before they land
         grow_input(p.components.modules[comp], path, width, key, record=journal.record)
     show = progress if progress is not None else (len(wp.work) > PROGRESS_LAYERS and on_terminal())
-    applied = [install_layer(journal, item, mode, wp, options)
-               for item in bar(wp.work, desc="loraweave apply", unit="layer", enabled=show)]
+    with reused_buffers():  # one W' buffer and one set of block temporaries for every merged layer
+        applied = [install_layer(journal, item, mode, wp, options)
+                   for item in bar(wp.work, desc="loraweave apply", unit="layer", enabled=show)]
     applied += [AppliedModule(**row) for row in apply_params(p.params, p.components.modules, mode, journal.record)]
     if options.undo == "none":  # a permanent fuse: the records kept this all-or-nothing until here
         for merged in journal.of(MergedModule):

@@ -17,6 +17,7 @@ from .mechanisms.merge import MergedModule
 from .mechanisms.params import ParamPatch
 from .mechanisms.quantized import QuantWrite
 from .mechanisms.runtime import RuntimePath
+from .mechanisms.undo import reused_buffers
 from .plan.resolve import Plan, PlannedPart
 from .plan.weights import AdapterWeights, part_strength
 from .report import Report
@@ -157,9 +158,10 @@ class Handle:
         for pp in (*self._plan.planned, *self._plan.params):
             if pp.adapter.name == name:
                 pp.strength = part_strength(pp, self._settings[name])
-        for entry in self.journal.entries:
-            if name in entry.adapters:
-                _rewrite(entry)
+        with reused_buffers():  # merged layers rewritten one after another share their scratch buffers
+            for entry in self.journal.entries:
+                if name in entry.adapters:
+                    _rewrite(entry)
 
     @property
     def planned(self) -> list[PlannedPart]:
@@ -180,8 +182,9 @@ class Handle:
             self.check_undoable()
             for pp in self._plan.planned:
                 pp.strength = finite_strength(float(strength_of(pp)))
-            for entry in self.journal.entries:
-                _rewrite(entry)
+            with reused_buffers():
+                for entry in self.journal.entries:
+                    _rewrite(entry)
 
     def keep(self) -> None:
         """Make the merges permanent (diffusers' unload after a fuse): backups are freed, runtime paths detached,

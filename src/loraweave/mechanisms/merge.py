@@ -17,11 +17,13 @@ from .undo import (
     UNDO_KINDS,
     CompactRecord,
     CopyRecord,
+    DeltaFn,
     FusedRecord,
     acc_dtype,
     host_copy,
     merge_with_record,
     recorded_threads,
+    scratch,
     tensor_bytes,
 )
 from .undo_source import SourceFiles, SourceRecord
@@ -139,7 +141,7 @@ class MergedModule:
     def _restore_weight(self) -> None:
         if self.record is not None:  # ΔW as it was merged: parts may have been re-pointed or re-strengthened since
             terms = self.terms
-            self.record.restore(self.module.weight.data, lambda base, r0, r1: self._delta(base, terms, r0, r1))
+            self.record.restore(self.module.weight.data, self._delta_fn(terms))
 
     def write(self, fresh: bool = False) -> None:
         """(Re)compute W' = W + Σ coeff·ΔW from W, the weight before this merge, and record how to undo it.
@@ -174,16 +176,15 @@ class MergedModule:
         chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
         prior, base, keep = None, rows, None
         if isinstance(old, CompactRecord) and rows.is_contiguous():  # W rebuilt block by block beside W'
-            old_terms = self.terms
-            prior = (old, rows, lambda b, r0, r1: self._delta(b, old_terms, r0, r1))
-            base = torch.empty_like(rows)
+            prior = (old, rows, self._delta_fn(self.terms))
+            base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
         elif old is not None:
             self._restore_weight()  # W back in place from its copy or its file; those records stay valid
             keep = old if isinstance(old, SourceRecord) or (isinstance(old, CopyRecord) and kind == "copy") else None
         elif self.undo_with.kind == "source" and self.undo_with.sources is not None:
             keep = self.undo_with.sources.record(*self.layer, rows)  # checked against the file's bytes
         with recorded_threads(old.threads if prior is not None else torch.get_num_threads()):
-            merged, record = merge_with_record(base, lambda b, r0, r1: self._delta(b, terms, r0, r1),
+            merged, record = merge_with_record(base, self._delta_fn(terms),
                                                "none" if keep is not None else kind, chunk, needs_base,
                                                self.undo_with.on_device, prior)
         return (keep if keep is not None else record), merged, base
@@ -200,11 +201,20 @@ class MergedModule:
         record = old if isinstance(old, (CopyRecord, SourceRecord)) else CopyRecord(host_copy(rows, self.undo_with.on_device))
         return record, acc.to(rows.dtype), rows
 
+    def _delta_fn(self, terms: list[Term]) -> DeltaFn:
+        return lambda base, r0, r1, out=None: self._delta(base, terms, r0, r1, out)
+
     @staticmethod
-    def _delta(base: torch.Tensor, terms: list[Term], r0: int, r1: int) -> torch.Tensor:
-        """Σ coeff·ΔW of rows [r0, r1) (fp32; fp64 weights: fp64); `base` (out, in·k) is what W-dependent families
-        read. Contributions are independent and summed; the same call undoes a compact record."""
-        delta = torch.zeros((r1 - r0, *base.shape[1:]), dtype=acc_dtype(base.dtype), device=base.device)
+    def _delta(base: torch.Tensor, terms: list[Term], r0: int, r1: int, out: torch.Tensor | None = None,
+               ) -> torch.Tensor:
+        """Σ coeff·ΔW of rows [r0, r1) (fp32; fp64 weights: fp64), in `out` (a flat scratch buffer) when given;
+        `base` (out, in·k) is what W-dependent families read. Contributions are independent and summed; the same
+        call undoes a compact record."""
+        shape = (r1 - r0, *base.shape[1:])
+        if out is None:
+            delta = torch.zeros(shape, dtype=acc_dtype(base.dtype), device=base.device)
+        else:
+            delta = out.view(shape).zero_()
         for pp, piece, strength, scale in terms:
             lo, hi = max(r0, piece.dst_start), min(r1, piece.dst_start + piece.length)
             if lo >= hi:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,34 @@ WITNESSES = 256  # evenly spaced elements checked after a compact restore (catch
 GUARDS = 8  # elements where W' differs from W: tell a written weight from one never written
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-# (weight rows (out, in·k) that W-dependent families read, r0, r1) -> Σ coeff·ΔW of rows [r0, r1), fp32
-DeltaFn = Callable[[torch.Tensor, int, int], torch.Tensor]
+# (weight rows (out, in·k) that W-dependent families read, r0, r1, out) -> Σ coeff·ΔW of rows [r0, r1), fp32;
+# out: None or a flat fp32 buffer of at least (r1 - r0)·in·k elements the result may be written to
+DeltaFn = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], torch.Tensor]
+_POOL: ContextVar[dict | None] = ContextVar("loraweave_merge_buffers", default=None)
+
+
+@contextmanager
+def reused_buffers():
+    """Within: a merge's W' buffer and block temporaries are kept and reused layer after layer (each fresh
+    allocation of the same size costs page faults again); all of it is released on exit."""
+    token = _POOL.set({})
+    try:
+        yield
+    finally:
+        _POOL.reset(token)
+
+
+def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of `numel` elements: from the pool (grown to the largest size asked) within reused_buffers."""
+    pool = _POOL.get()
+    if pool is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    key = (name, dtype, device)
+    buf = pool.get(key)
+    if buf is None or buf.numel() < numel:
+        pool.pop(key, None)  # the smaller one goes before the larger is allocated
+        pool[key] = buf = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -145,9 +172,13 @@ class CompactRecord:
         pos = self._positions(out.numel(), out.device)
         values = self.values.to(out.device)
         ob, cols = bits(out).view(-1), out[0].numel()
+        block = min(out.shape[0], self.chunk_rows) * cols
+        dbuf, acc = (scratch(n, block, acc_dtype(out.dtype), out.device) for n in ("undo_delta", "undo_acc"))
 
         def fill(r0: int, r1: int) -> None:
-            out[r0:r1] = combine(merged[r0:r1], delta_fn(merged, r0, r1), -1)
+            n = (r1 - r0) * cols
+            delta = delta_fn(merged, r0, r1, dbuf[:n])
+            combine_into(out[r0:r1], merged[r0:r1], delta, -1, acc[:n].view(delta.shape))
             lo, hi = torch.searchsorted(pos, torch.tensor([r0 * cols, r1 * cols], device=pos.device)).tolist()
             ob[pos[lo:hi]] = values[lo:hi]
 
@@ -166,11 +197,21 @@ class CompactRecord:
         return _unpack_mask(p, numel).nonzero().squeeze(1)
 
 
-def combine(w: torch.Tensor, delta: torch.Tensor, sign: int) -> torch.Tensor:
-    """w ± delta in delta's dtype (fp32, or fp64), one rounding; merge and undo both compute it this way."""
+def combine(w: torch.Tensor, delta: torch.Tensor, sign: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """w ± delta in delta's dtype (fp32, or fp64), one rounding; merge and undo both compute it this way (into
+    `out`, delta's dtype and shape, when given: the same elementwise kernel, the same bits)."""
     if w.element_size() == 1:  # fp8 does not take part in type promotion
         w = w.to(delta.dtype)
-    return torch.add(w, delta, alpha=sign)
+    return torch.add(w, delta, alpha=sign) if out is None else torch.add(w, delta, alpha=sign, out=out)
+
+
+def combine_into(dst: torch.Tensor, w: torch.Tensor, delta: torch.Tensor, sign: int, acc: torch.Tensor) -> None:
+    """dst = round(w ± delta): computed in delta's dtype and rounded once to dst's, in one pass (the same bits as
+    combine then a cast); fp8 goes through `acc` (a buffer of delta's dtype and shape)."""
+    if w.element_size() == 1 or dst.element_size() == 1:
+        dst.copy_(combine(w, delta, sign, acc))
+    else:
+        torch.add(w, delta, alpha=sign, out=dst)
 
 
 @contextmanager
@@ -204,9 +245,10 @@ def _guard_positions(wb: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64, device=wb.device)
 
 
-def _compact(rows: torch.Tensor, merged: torch.Tensor, misses: torch.Tensor, chunk_rows: int, on_device: bool,
+def _compact(rows: torch.Tensor, merged: torch.Tensor, blocks: _Blocks, chunk_rows: int, on_device: bool,
              force: bool) -> CompactRecord | None:
-    """The smaller encoding of the misses (sorted flat positions); None when a copy is smaller, unless `force`."""
+    """The smaller encoding of the misses (from blocks); None when a copy is smaller, unless `force`."""
+    misses = blocks.misses()
     wb, mb = bits(rows).reshape(-1), bits(merged).reshape(-1)
     sizes = compact_sizes(wb.numel(), misses.numel(), rows.element_size())
     encoding = min(sizes, key=sizes.get)
@@ -235,33 +277,73 @@ def merge_with_record(rows: torch.Tensor, delta_fn: DeltaFn, kind: str, chunk_ro
                       ) -> tuple[torch.Tensor, CopyRecord | CompactRecord | None]:
     """W' = round(W + ΔW) for the (out, in·k) rows of W, block by block of rows (temporaries stay small), and
     the record of `kind` ("compact", "copy", "auto": the smaller, or "none": no record). W is read, never written.
+    W' is a scratch buffer (reused by the next layer within reused_buffers): copy it out before the next merge.
 
     needs_base: ΔW reads W (one block only): a compact record recomputes it from W', as an undo will.
     prior: (record, W' rows, its ΔW): `rows` is an empty buffer that each block of W is first rebuilt into
     from the prior compact record (a strength change: W never has to be written back to the weight)."""
     compact = kind in ("auto", "compact") and rows.is_contiguous()
-    merged = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    merged = scratch("merged", rows.numel(), rows.dtype, rows.device).view(rows.shape)
     fill = prior[0].rebuild(prior[1], rows, prior[2]) if prior is not None else None
     if prior is not None and prior[0].chunk_rows != chunk_rows:  # other blocks: rebuild W whole first
         for r0 in range(0, rows.shape[0], prior[0].chunk_rows):
             fill(r0, min(rows.shape[0], r0 + prior[0].chunk_rows))
         fill = None
-    wb, misses = bits(rows), []
+    blocks = _Blocks(rows, chunk_rows, compact)
     for r0 in range(0, rows.shape[0], chunk_rows):
         r1 = min(rows.shape[0], r0 + chunk_rows)
         if fill is not None:
             fill(r0, r1)
-        delta = delta_fn(rows, r0, r1)
-        merged[r0:r1] = combine(rows[r0:r1], delta, 1)
-        if compact:  # the guess an undo computes: round(W' - ΔW), where it misses W
-            if needs_base:
-                delta = delta_fn(merged, r0, r1)
-            guess = combine(merged[r0:r1], delta, -1).to(rows.dtype)
-            miss = (bits(guess) != wb[r0:r1]).view(-1).nonzero().squeeze(1)
-            misses.append(miss + r0 * rows[0].numel())
+        blocks.merge(merged, delta_fn, r0, r1, needs_base)
     if prior is not None:
         prior[0].verify(rows)  # before anything is written
     if kind == "none":  # the caller holds another record (a source file)
         return merged, None
-    record = _compact(rows, merged, torch.cat(misses), chunk_rows, on_device, kind == "compact") if compact else None
+    record = _compact(rows, merged, blocks, chunk_rows, on_device, kind == "compact") if compact else None
     return merged, record if record is not None else CopyRecord(host_copy(rows, on_device))
+
+
+class _Blocks:
+    """One merge's block temporaries (allocated once per layer, or reused across layers) and the misses found.
+
+    Misses are found 8 bytes at a time (4 fp16 elements per int64 word): the compare and the nonzero scan run on a
+    quarter of the elements, and only words that differ are split into elements."""
+
+    def __init__(self, rows: torch.Tensor, chunk_rows: int, compact: bool) -> None:
+        self.rows, self.cols, self.compact, self.found = rows, rows[0].numel(), compact, []
+        block = min(rows.shape[0], chunk_rows) * self.cols
+        self.delta, self.acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
+        self.per_word = 8 // rows.element_size()
+        if compact:
+            self.guess = scratch("guess", block, rows.dtype, rows.device)
+            self.mask = scratch("miss", block, torch.bool, rows.device)
+
+    def merge(self, merged: torch.Tensor, delta_fn: DeltaFn, r0: int, r1: int, needs_base: bool) -> None:
+        """merged[r0:r1] = round(W + ΔW); compact: the flat positions where round(W' - ΔW), what an undo
+        computes, misses W."""
+        n, w = (r1 - r0) * self.cols, self.rows[r0:r1]
+        delta = delta_fn(self.rows, r0, r1, self.delta[:n])
+        acc = self.acc[:n].view(delta.shape)
+        combine_into(merged[r0:r1], w, delta, 1, acc)
+        if not self.compact:
+            return
+        if needs_base:  # ΔW read from W', as an undo reads it
+            delta = delta_fn(merged, r0, r1, self.delta[:n])
+        guess = self.guess[:n].view(w.shape)
+        combine_into(guess, merged[r0:r1], delta, -1, acc)
+        miss = self._differ(guess.view(-1), w.reshape(-1))
+        if miss.numel():
+            self.found.append(miss + r0 * self.cols)
+
+    def _differ(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Ascending positions where a and b differ bitwise."""
+        k = self.per_word
+        if k == 1 or a.numel() % k or b.storage_offset() % k:  # not whole aligned words: element by element
+            return torch.ne(bits(a), bits(b), out=self.mask[: a.numel()]).nonzero().squeeze(1)
+        wa, wb = a.view(torch.int64), b.view(torch.int64)
+        words = torch.ne(wa, wb, out=self.mask[: wa.numel()]).nonzero().squeeze(1)
+        j = (bits(wa[words].view(a.dtype)) != bits(wb[words].view(b.dtype))).view(-1, k).nonzero()
+        return words[j[:, 0]] * k + j[:, 1]
+
+    def misses(self) -> torch.Tensor:
+        return torch.cat(self.found) if self.found else torch.zeros(0, dtype=torch.int64, device=self.rows.device)
