@@ -177,7 +177,9 @@ def _replica_id() -> str:
 
 def application(options: ServeOptions):
     """The bound application (ingress + renderers) for `serve.run`."""
+    # Serve's default of 5 ongoing requests per replica would cap every batch below a larger max_batch.
     renderer = Renderer.options(
         num_replicas=options.replicas, ray_actor_options={"num_cpus": options.cpus_per_replica},
+        max_ongoing_requests=max(5, options.max_batch),
     )
     return Ingress.bind(renderer.bind(options), options.lora_dir)
