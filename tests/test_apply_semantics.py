@@ -768,3 +768,22 @@ def test_merge_on_an_int8_layer_is_reported():
     with loraweave.apply(model, sd, mode="runtime", strict=True) as handle:
         assert {m.mechanism for m in handle.report.applied} == {"runtime"}
     assert_no_loraweave_hooks(model)
+
+
+@pytest.mark.parametrize("mode", ["merge", "runtime"])
+def test_factors_with_an_autograd_graph_do_not_keep_it_alive(mode):
+    """A state dict whose factors were computed with grad (e.g. scaled by a weight's norm) holds that graph;
+    the handle keeps the factors but not the graph, so the tensors behind it are freed with the caller's refs."""
+    import gc
+    import weakref
+
+    model = container(fc=linear(48, 40, seed=1))
+    source = torch.randn(4, 48, requires_grad=True)
+    probe = weakref.ref(source)
+    sd = lora_sd("fc", 40, 48, rank=4, seed=2)
+    sd["fc.lora_down.weight"] = source * 0.5  # carries a graph back to `source`
+    handle = loraweave.apply(model, sd, mode=mode, strict=True)
+    del sd, source
+    gc.collect()
+    assert probe() is None, "the handle keeps the caller's autograd graph alive"
+    handle.remove()

@@ -38,7 +38,10 @@ class _DictSource:
     """Tensor source over an in-memory state dict (same interface as SafetensorsFile)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._tensors = dict(tensors)
+        import torch  # a caller holding tensors has imported it already (module level stays torch-free)
+
+        # Detached: a handle holds the factors; a caller's autograd graph behind them must not live as long.
+        self._tensors = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
 
     def keys(self) -> list[str]:
         return list(self._tensors)
