@@ -41,7 +41,8 @@ class _DictSource:
         import torch  # a caller holding tensors has imported it already (module level stays torch-free)
 
         # Detached: a handle holds the factors; a caller's autograd graph behind them must not live as long.
-        self._tensors = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+        self._tensors = {k: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v
+                         for k, v in tensors.items()}  # others kept as given: switch tells sets apart by identity
 
     def keys(self) -> list[str]:
         return list(self._tensors)
