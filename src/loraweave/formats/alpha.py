@@ -49,7 +49,8 @@ def _pattern_value(patterns: dict | None, module_path: str):
 
 
 def _kohya_scale(alpha: float, rank: int, source: str) -> tuple[float, str]:
-    # kohya's network init turns alpha 0 (or unset) into alpha = rank before it trains or saves.
+    # kohya's and LyCORIS's network init turn alpha 0 (or unset) into alpha = rank (no scaling); the `.alpha` they
+    # write and `ss_network_alpha` mean the same. A literal 0 would train nothing.
     return (1.0, source + "=0_as_rank") if alpha == 0 else (alpha / rank, source)
 
 
@@ -70,8 +71,7 @@ def resolve_scale(
     if scale_tensor is not None:
         return scale_tensor, "tensor:scale"
     if alpha_tensor is not None:
-        # kohya and LyCORIS, which write `.alpha`, read 0 as "alpha = rank" (no scaling); a literal 0 trains nothing.
-        return (1.0, "tensor:alpha=0_as_rank") if alpha_tensor == 0 else (alpha_tensor / rank, "tensor:alpha")
+        return _kohya_scale(alpha_tensor, rank, "tensor:alpha")
     if meta.peft is not None:
         alpha = _pattern_value(_peft_field(meta.peft, component_prefix, "alpha_pattern"), module_path)
         r = _pattern_value(_peft_field(meta.peft, component_prefix, "rank_pattern"), module_path)

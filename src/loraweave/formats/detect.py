@@ -93,13 +93,8 @@ def _order(arch: str) -> int:
 
 
 def _unet_kind(adapter: Adapter) -> tuple[str, str] | None:
-    for part in adapter.parts:
-        if re.search(r"attn2_to_[kv]$", part.path.replace(".", "_")) and "down" in part.roles:
-            width = adapter.shape(part.roles["down"])[1]
-            kind = UNET_BY_CONTEXT.get(width)
-            if kind:
-                return kind, f"cross-attention input width {width} ({part.stem})"
-    return None
+    found = _width_of(adapter, r"attn2_to_[kv]$", UNET_BY_CONTEXT)
+    return (UNET_BY_CONTEXT[found[0]], f"cross-attention input width {found[0]} ({found[1]})") if found else None
 
 
 def _mmdit_kind(adapter: Adapter) -> tuple[str, str] | None:
@@ -114,12 +109,13 @@ def _mmdit_kind(adapter: Adapter) -> tuple[str, str] | None:
     return None
 
 
-def _width_of(adapter: Adapter, pattern: str) -> tuple[int, str] | None:
-    """(input width, part) of the first part whose path matches `pattern` and has a 2-D `down` factor."""
+def _width_of(adapter: Adapter, pattern: str, known=None) -> tuple[int, str] | None:
+    """(input width, part) of the first part whose path matches `pattern` and has a 2-D `down` factor (whose
+    width is in `known`, when given)."""
     for part in adapter.parts:
         if re.search(pattern, part.path.replace(".", "_")) and "down" in part.roles:
             shape = adapter.shape(part.roles["down"])
-            if len(shape) == 2:
+            if len(shape) == 2 and (known is None or shape[1] in known):
                 return int(shape[1]), part.stem
     return None
 
