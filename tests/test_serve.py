@@ -245,3 +245,16 @@ def test_nothing_outside_serve_imports_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(SRC)}, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("bad", ["", "loraweave.serve.engine", "no_such_module:Engine", "os:path",
+                                 "loraweave.serve.engine:NoSuchClass", "loraweave.serve.engine:ServeRequest"])
+def test_engine_option_names_an_engine_class_or_is_refused(bad):
+    """ServeOptions.engine (the replicas' "module:Class"): anything but an Engine subclass is a typed error naming
+    the option and the value, before a replica builds anything."""
+    from loraweave.serve.app import engine_class
+    from loraweave.serve.engine import Engine, ServeRequestError
+
+    assert engine_class("loraweave.serve.engine:Engine") is Engine
+    with pytest.raises(ServeRequestError, match=r"engine .*expected 'module:Class'"):
+        engine_class(bad)
