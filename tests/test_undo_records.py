@@ -443,9 +443,9 @@ def test_fault_on_the_fusing_step_restores(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
-def test_word_scan_finds_every_miss(dtype):
-    """The compact merge compares 8 bytes at a time and splits only differing words: it must find exactly the
-    element-wise differences (signed zeros, NaN payloads), at any length and any block offset."""
+def test_block_scan_finds_every_miss(dtype):
+    """The compact merge's scan of a block must find exactly the element-wise bit differences (signed zeros, NaN
+    payloads), at any length and any block offset."""
     g = gen(3)
     rows = torch.randn(7, 45, generator=g).to(dtype)
     blocks = undo_mod._Blocks(rows, 7, compact=True)

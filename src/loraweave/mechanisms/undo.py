@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UndoError
+from .bitscan import differ, pack_positions, put, unpack_positions
 
 UNDO_KINDS = ("auto", "compact", "copy", "source", "none")
 GAP_MAX = 65535  # uint16 gaps; a regular grid of filler entries (W's own bits) keeps every gap below it
@@ -110,17 +111,6 @@ def _witness_positions(numel: int) -> torch.Tensor:
     return torch.linspace(0, numel - 1, min(WITNESSES, numel)).round().long()
 
 
-def _pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    pad = (-mask.numel()) % 8
-    m = torch.nn.functional.pad(mask.view(-1).to(torch.uint8), (0, pad)).view(-1, 8)
-    return (m << torch.arange(8, dtype=torch.uint8, device=m.device)).sum(1, dtype=torch.uint8)
-
-
-def _unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:numel].bool()
-
-
 @dataclass(eq=False)
 class CompactRecord:
     """W = round(W' - ΔW) corrected at the stored positions; see the module docstring."""
@@ -180,7 +170,7 @@ class CompactRecord:
             delta = delta_fn(merged, r0, r1, dbuf[:n])
             combine_into(out[r0:r1], merged[r0:r1], delta, -1, acc[:n].view(delta.shape))
             lo, hi = torch.searchsorted(pos, torch.tensor([r0 * cols, r1 * cols], device=pos.device)).tolist()
-            ob[pos[lo:hi]] = values[lo:hi]
+            put(ob, pos[lo:hi], values[lo:hi])
 
         return fill
 
@@ -194,7 +184,7 @@ class CompactRecord:
         p = self.positions.to(device)
         if self.encoding == "gaps":
             return p.to(torch.int64).cumsum(0) - 1
-        return _unpack_mask(p, numel).nonzero().squeeze(1)
+        return unpack_positions(p, numel)
 
 
 def combine(w: torch.Tensor, delta: torch.Tensor, sign: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,9 +252,7 @@ def _compact(rows: torch.Tensor, merged: torch.Tensor, blocks: _Blocks, chunk_ro
             gaps = torch.diff(misses, prepend=misses.new_full((1,), -1))
         positions = gaps.to(torch.uint16)
     else:
-        mask = torch.zeros(wb.numel(), dtype=torch.bool, device=wb.device)
-        mask[misses] = True
-        positions = _pack_mask(mask)
+        positions = pack_positions(misses, wb.numel())
     guard = _guard_positions(wb, mb)
     return CompactRecord(encoding, host_copy(positions, on_device), host_copy(wb[misses], on_device),
                          host_copy(wb[_witness_positions(wb.numel()).to(wb.device)], on_device),
@@ -304,16 +292,12 @@ def merge_with_record(rows: torch.Tensor, delta_fn: DeltaFn, kind: str, chunk_ro
 
 
 class _Blocks:
-    """One merge's block temporaries (allocated once per layer, or reused across layers) and the misses found.
-
-    Misses are found 8 bytes at a time (4 fp16 elements per int64 word): the compare and the nonzero scan run on a
-    quarter of the elements, and only words that differ are split into elements."""
+    """One merge's block temporaries (allocated once per layer, or reused across layers) and the misses found."""
 
     def __init__(self, rows: torch.Tensor, chunk_rows: int, compact: bool) -> None:
         self.rows, self.cols, self.compact, self.found = rows, rows[0].numel(), compact, []
         block = min(rows.shape[0], chunk_rows) * self.cols
         self.delta, self.acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
-        self.per_word = 8 // rows.element_size()
         if compact:
             self.guess = scratch("guess", block, rows.dtype, rows.device)
             self.mask = scratch("miss", block, torch.bool, rows.device)
@@ -337,13 +321,7 @@ class _Blocks:
 
     def _differ(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Ascending positions where a and b differ bitwise."""
-        k = self.per_word
-        if k == 1 or a.numel() % k or b.storage_offset() % k:  # not whole aligned words: element by element
-            return torch.ne(bits(a), bits(b), out=self.mask[: a.numel()]).nonzero().squeeze(1)
-        wa, wb = a.view(torch.int64), b.view(torch.int64)
-        words = torch.ne(wa, wb, out=self.mask[: wa.numel()]).nonzero().squeeze(1)
-        j = (bits(wa[words].view(a.dtype)) != bits(wb[words].view(b.dtype))).view(-1, k).nonzero()
-        return words[j[:, 0]] * k + j[:, 1]
+        return differ(bits(a), bits(b), self.mask[: a.numel()])
 
     def misses(self) -> torch.Tensor:
         return torch.cat(self.found) if self.found else torch.zeros(0, dtype=torch.int64, device=self.rows.device)
