@@ -176,6 +176,10 @@ def test_batch_refusals_leave_the_handle_as_it_was():
     for sets, strengths, message in bad:
         with pytest.raises(BatchError, match=message), handle.batch(sets, strengths):
             pass
+    for exact in ("false", 1, None):  # a truthy string must not pick the exact form
+        with pytest.raises(BatchError, match=r"exact=\.\.\.\) must be True or False"), \
+                handle.batch([["a"], ["b"]], exact=exact):
+            pass
     # rows that cannot be mapped: 3 model rows for 2 samples; samples of unequal size packed into one axis
     with pytest.raises(BatchError, match="not a multiple"), handle.batch([["a"], ["b"]]):
         run("zimage", model, batch_inputs("zimage", 3))

@@ -312,6 +312,8 @@ def batch(handle, assignments, strengths=None, exact: bool = False) -> Iterator[
     """Handle.batch: per-sample adapter sets for the forwards run inside the block."""
     if not handle.active:
         raise BatchError("handle was removed")
+    if not isinstance(exact, bool):  # a truthy string or array must not silently pick the exact form
+        raise BatchError(f"batch(exact=...) must be True or False, got {type(exact).__name__} {exact!r}")
     if getattr(handle, "_mix", None) is not None and handle._mix.keys is not None:
         raise BatchError("a per-sample batch is already open on this handle")
     known = {name: w.strength for name, w in handle._settings.items()}
