@@ -308,6 +308,16 @@ class Sandwich:
     def quiet_count(self, name: str) -> str:
         return f"{len(self.quiet[name])}/{len(self.ratios[name])}"
 
+    def interval(self, name: str, level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
+        """A percentile-bootstrap interval of `ratio(name)` (the same samples): how far the median could move."""
+        import random
+
+        use = self.quiet[name] if len(self.quiet[name]) >= 3 else self.ratios[name]
+        rng = random.Random(0)
+        meds = sorted(statistics.median(rng.choices(use, k=len(use))) for _ in range(resamples))
+        lo = int((1 - level) / 2 * resamples)
+        return meds[lo], meds[resamples - 1 - lo]
+
 
 def sandwiched(
     ref: Variant, variants: Sequence[Variant], rounds: int, warmup: int = 1, tol: float = 0.03, log: bool = True,
