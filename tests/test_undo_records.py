@@ -522,3 +522,19 @@ def test_merge_keeps_only_its_records():
         assert held <= record + 2 * factor_bytes + 64 * 1024, (held, record, factor_bytes)
         assert held < record + layer / 2  # any layer-sized buffer kept breaks this
         handle.set_strength(handle.report.adapters[0]["name"], 1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_half_combine_has_the_bits_of_one_mixed_add(dtype, sign):
+    """combine_into runs fp16/bf16 weights as upcast, add, round (three vectorized passes): the same bits as one
+    mixed-dtype torch.add rounded once, specials included (signed zeros, subnormals, inf, NaN, overflow)."""
+    g = gen(11)
+    w = (torch.randn(64, 96, generator=g) * 0.05).to(dtype)
+    delta = torch.randn(64, 96, generator=g) * 0.002
+    w.view(-1)[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 6e-8]).to(dtype)
+    delta.view(-1)[6:9] = torch.tensor([0.0, -0.0, 1e6])  # 1e6: overflows fp16 to inf
+    expect = torch.add(w, delta, alpha=sign).to(dtype)
+    got, acc = torch.empty_like(w), torch.empty_like(delta)
+    undo_mod.combine_into(got, w, delta, sign, acc)
+    assert torch.equal(bits(got), bits(expect))
