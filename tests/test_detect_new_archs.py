@@ -77,11 +77,15 @@ FILES = {
     "kandinsky5": lambda: _diffusers_names("Kandinsky5Transformer3DModel"),
     "hunyuan-video-1.5": lambda: _diffusers_names("HunyuanVideo15Transformer3DModel"),
     "hunyuan-image-2.1": lambda: _diffusers_names("HunyuanImageTransformer2DModel"),
+    # HunyuanVideo 1.0's diffusers names are Flux's at Flux's width: its own refiner names and its depth decide.
+    "hunyuan-video": lambda: lora_file(linears(_model("HunyuanVideoTransformer3DModel",
+                                                      **CATALOG["hunyuan-video"].config)),
+                                       lambda n: f"transformer.{n}", meta=True),
     # Its MMDiT attention names no longer outvote its own img/txt mlp and mod names (was "flux" by width 3072).
     "qwen-image": lambda: lora_file(linears(_model("QwenImageTransformer2DModel", **CATALOG["qwen-image"].config)),
                                     lambda n: f"transformer.{n}", meta=True),
 }
-KOHYA = ("minimax-h3", "ideogram4", "qwen-image-2.1", "lumina2", "sana", "ltx2.3", "kandinsky5")
+KOHYA = ("minimax-h3", "ideogram4", "qwen-image-2.1", "lumina2", "sana", "ltx2.3", "kandinsky5", "hunyuan-video")
 
 
 def kohya(sd: dict) -> dict[str, torch.Tensor]:
@@ -170,6 +174,7 @@ def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
     """Negative control: without SHARED_NAMES' MMDiT owners a full Qwen-Image file is called flux (by width 3072)
     and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention)."""
     monkeypatch.setattr(detect, "SHARED_NAMES", {k: v for k, v in detect.SHARED_NAMES.items() if k != "mmdit"})
+    monkeypatch.setattr(detect, "BY_DEPTH", {})  # which would name it by its 60 double-stream blocks
     assert detect_architecture(loraweave.load_adapter(_file(files, "qwen-image"))).architecture == "flux"
     assert "sd3" in detect_architecture(loraweave.load_adapter(_file(files, "ltx2"))).scores
 
@@ -196,3 +201,43 @@ def test_cli_inspect_json_on_a_file(tmp_path, capsys, files, arch):
     info = json.loads(capsys.readouterr().out)
     assert info["architecture"]["name"] == arch
     assert info["coverage"]["complete"] and info["coverage"]["keys_applied"] == info["coverage"]["keys_total"] > 0
+
+
+def _blocks_only(sd: dict, doubles: int | None = None, singles: int | None = None) -> dict[str, torch.Tensor]:
+    """The file's transformer-block keys only (what most trained LoRAs hold), optionally the first blocks only."""
+    import re
+
+    out = {}
+    for k, v in sd.items():
+        m = re.match(r"transformer\.(single_)?transformer_blocks\.(\d+)\.", k)
+        limit = (singles if m and m[1] else doubles) if m else None
+        if m and (limit is None or int(m[2]) < limit):
+            out[k] = v
+    return out
+
+
+def test_hunyuan_video_blocks_told_from_flux_by_depth(monkeypatch, files):
+    """A HunyuanVideo LoRA on its blocks only has nothing but Flux's names at Flux's width: its 20th double-stream
+    and 39th-40th single-stream blocks, which Flux.1 does not have, decide. Negative control: without BY_DEPTH it
+    is flux. A file that stops before block 19 / 38 cannot be told apart and stays flux (the more common)."""
+    blocks = _blocks_only(_file(files, "hunyuan-video"))
+    detection = detect_architecture(loraweave.load_adapter(blocks))
+    assert detection.architecture == "hunyuan-video", (detection.scores, detection.evidence)
+    assert any("double-stream block 19" in e for e in detection.evidence)
+    info = inspect_adapter(blocks, text_encoders=False)
+    assert info["coverage"]["keys_applied"] == info["coverage"]["keys_total"] == len(blocks)
+    singles_only = {k: v for k, v in blocks.items() if ".single_transformer_blocks." in k}
+    assert detect_architecture(loraweave.load_adapter(singles_only)).architecture == "hunyuan-video"
+    shallow = _blocks_only(_file(files, "hunyuan-video"), doubles=19, singles=38)
+    assert detect_architecture(loraweave.load_adapter(shallow)).architecture == "flux"
+    monkeypatch.setattr(detect, "BY_DEPTH", {})
+    assert detect_architecture(loraweave.load_adapter(blocks)).architecture == "flux"
+
+
+def test_qwen_image_attention_only_is_not_flux(monkeypatch, files):
+    """A Qwen-Image LoRA on attention only (Flux's MMDiT names, width 3072) indexes 60 double-stream blocks and no
+    single-stream one: Qwen-Image. Negative control: without BY_DEPTH it was flux."""
+    attn = {k: v for k, v in _file(files, "qwen-image").items() if ".attn." in k}
+    assert detect_architecture(loraweave.load_adapter(attn)).architecture == "qwen-image"
+    monkeypatch.setattr(detect, "BY_DEPTH", {})
+    assert detect_architecture(loraweave.load_adapter(attn)).architecture == "flux"

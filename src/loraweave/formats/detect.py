@@ -57,8 +57,17 @@ SHARED_NAMES: dict[str, tuple[str, ...]] = {
     "z-image": ("ideogram4", "lumina2"),
     "wan": ("wan-animate",),
     "kandinsky5": ("kandinsky6",),
-    "flux": ("hunyuan-image-2.1",),  # diffusers single-block names; the owner comes from the MMDiT width below
+    "flux": ("hunyuan-video", "hunyuan-image-2.1"),  # diffusers single-block names; else by MMDiT width below
 }
+# Architectures that share block names at one width, told apart by how many blocks the file indexes: the first
+# whose (double-stream, single-stream) block counts hold the file's highest indices. Flux.1 (and Chroma) have
+# 19 / 38, HunyuanVideo 20 / 40 (both 24 heads x 128), Qwen-Image 60 double-stream blocks only (its attention names
+# are Flux's); a file that stops early keeps the shallowest.
+BY_DEPTH: dict[str, tuple[tuple[str, int, int], ...]] = {
+    "flux": (("flux", 19, 38), ("hunyuan-video", 20, 40), ("qwen-image", 60, 0)),
+}
+_DOUBLE_INDEX = r"^(?:transformer_blocks|double_blocks)_(\d+)_"
+_SINGLE_INDEX = r"^(?:single_transformer_blocks|single_blocks)_(\d+)_"
 
 # UNet families told apart by the cross-attention width (attn2 to_k/to_v input columns).
 UNET_BY_CONTEXT = {768: "sd1", 1024: "sd2", 2048: "sdxl", 1280: "sdxl-refiner"}
@@ -120,6 +129,23 @@ def _width_of(adapter: Adapter, pattern: str, known=None) -> tuple[int, str] | N
     return None
 
 
+def _deeper(adapter: Adapter, arch: str) -> tuple[str, str] | None:
+    """(architecture, why) when the file indexes blocks `arch` does not have and a BY_DEPTH sibling does."""
+    top = {"double": (-1, ""), "single": (-1, "")}
+    for part in adapter.parts:
+        path = part.path.replace(".", "_")
+        for kind, pattern in (("double", _DOUBLE_INDEX), ("single", _SINGLE_INDEX)):
+            m = re.search(pattern, path)
+            if m and int(m[1]) > top[kind][0]:
+                top[kind] = (int(m[1]), part.stem)
+    fits = [name for name, doubles, singles in BY_DEPTH[arch]
+            if top["double"][0] < doubles and top["single"][0] < singles]
+    if not fits or fits[0] == arch:
+        return None
+    kind = "double" if top["double"][0] >= next(d for n, d, _ in BY_DEPTH[arch] if n == arch) else "single"
+    return fits[0], f"{kind}-stream block {top[kind][0]} ({top[kind][1]}): more blocks than {arch} has"
+
+
 def _fold_shared(adapter: Adapter, scores: dict[str, int], first: dict[str, str]) -> list[tuple[str, str]]:
     """Shared names count for the owner whose own names the file has, else for the one their width names.
     Returns (architecture, why) for the evidence."""
@@ -165,6 +191,12 @@ def detect_architecture(adapter: Adapter) -> Detection:
         first.setdefault(name, first.pop("mmdit"))
         folded += _fold_shared(adapter, scores, first)  # owners the width named
     arch = max(scores, key=lambda a: (scores[a], -_order(a)))
+    deeper = _deeper(adapter, arch) if arch in BY_DEPTH else None
+    if deeper:
+        scores[deeper[0]] = scores.get(deeper[0], 0) + scores.pop(arch)
+        first.setdefault(deeper[0], first.pop(arch))
+        arch = deeper[0]
+        folded.append(deeper)
     evidence = [f"{scores[arch]} of {len(adapter.parts)} parts match {arch} names, e.g. {first[arch]}"]
     if arch in (*MMDIT_BY_WIDTH.values(), "sd3-or-flux") and (kind := _mmdit_kind(adapter)):
         evidence.append(kind[1])
