@@ -160,3 +160,25 @@ def test_inspect_names_the_variant(tmp_path):
     info = inspect_adapter(tmp_path / "klein.safetensors", arch="flux2")
     assert info["variant"]["blocks"] == {"double": 8, "single": 24} and info["variant"]["fits"] == []
     assert "no known variant (file: 8 double, 24 single blocks, width 64)" in format_table(info)
+
+
+@pytest.mark.parametrize("style", ["diffusers", "kohya"])
+def test_diffusers_single_blocks_are_not_counted_as_double(style):
+    """`single_transformer_blocks` ends in the double chain's `transformer_blocks`: a diffusers or kohya-flattened
+    Flux.1 file is 19 double + 38 single blocks, not 38 double (it was, before the single chain was tried first)."""
+    from loraweave.arch.variants import block_counts, variant_fit
+    from loraweave.formats.adapter import load_adapter
+
+    sd = {}
+    for stem, n in (("transformer_blocks.{}.attn.to_q", 19), ("single_transformer_blocks.{}.attn.to_q", 38)):
+        for i in range(n):
+            name = f"transformer.{stem.format(i)}"
+            if style == "kohya":
+                name = "lora_unet_" + stem.format(i).replace(".", "_")
+            ab = ("lora_A", "lora_B") if style == "diffusers" else ("lora_down", "lora_up")
+            sd[f"{name}.{ab[0]}.weight"] = torch.empty(4, 3072, device="meta")
+            sd[f"{name}.{ab[1]}.weight"] = torch.empty(3072, 4, device="meta")
+    assert block_counts(["single_transformer_blocks.37.attn.to_q"]) == {"single": 38}
+    fit = variant_fit(load_adapter(sd))
+    assert fit["blocks"] == {"double": 19, "single": 38}
+    assert fit["likely"] == "flux1 (dev, schnell, Fill, Kontext)"

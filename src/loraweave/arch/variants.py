@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 from ..formats.adapter import Adapter
 
-# Chains of numbered blocks, original and diffusers spellings (`.` or `_` separated).
+# Chains of numbered blocks, original and diffusers spellings (`.` or `_` separated). Single first: diffusers'
+# `single_transformer_blocks` also ends in `_transformer_blocks`, the double chain's diffusers name.
 CHAINS: dict[str, re.Pattern] = {
-    "double": re.compile(r"(?:^|[._])(?:double_blocks|transformer_blocks)[._](\d+)(?:[._]|$)"),
     "single": re.compile(r"(?:^|[._])(?:single_blocks|single_transformer_blocks)[._](\d+)(?:[._]|$)"),
+    "double": re.compile(r"(?:^|[._])(?:double_blocks|transformer_blocks)[._](\d+)(?:[._]|$)"),
     "blocks": re.compile(r"^blocks[._](\d+)(?:[._]|$)"),
 }
 
