@@ -11,14 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..formats.adapter import Adapter
-
-# Chains of numbered blocks, original and diffusers spellings (`.` or `_` separated). Single first: diffusers'
-# `single_transformer_blocks` also ends in `_transformer_blocks`, the double chain's diffusers name.
-CHAINS: dict[str, re.Pattern] = {
-    "single": re.compile(r"(?:^|[._])(?:single_blocks|single_transformer_blocks)[._](\d+)(?:[._]|$)"),
-    "double": re.compile(r"(?:^|[._])(?:double_blocks|transformer_blocks)[._](\d+)(?:[._]|$)"),
-    "blocks": re.compile(r"^blocks[._](\d+)(?:[._]|$)"),
-}
+from ..formats.blocks import block_counts
 
 
 @dataclass(frozen=True)
@@ -48,18 +41,6 @@ VARIANTS: tuple[Variant, ...] = (
 )
 BFL_NAMED = ("flux", "flux2")  # architectures whose files share BFL block names (double_blocks / single_blocks)
 SINGLE_FUSED = re.compile(r"(?:^|[._])single_blocks[._]\d+[._]linear1$|[._]to_qkv_mlp_proj$")
-
-
-def block_counts(paths: list[str]) -> dict[str, int]:
-    """{chain: highest block index named + 1} over module paths as written in a file."""
-    out: dict[str, int] = {}
-    for path in paths:
-        for chain, rx in CHAINS.items():
-            m = rx.search(path)
-            if m:
-                out[chain] = max(out.get(chain, 0), int(m[1]) + 1)
-                break
-    return out
 
 
 def _hidden(adapter: Adapter) -> int | None:

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from .adapter import Adapter
+from .blocks import highest_blocks
 
 # (architecture, key-name signature). Every part path is matched in underscore form, so one pattern covers
 # dotted, kohya and ComfyUI spellings. The most specific architectures come first.
@@ -59,15 +60,14 @@ SHARED_NAMES: dict[str, tuple[str, ...]] = {
     "kandinsky5": ("kandinsky6",),
     "flux": ("hunyuan-video", "hunyuan-image-2.1"),  # diffusers single-block names; else by MMDiT width below
 }
-# Architectures that share block names at one width, told apart by how many blocks the file indexes: the first
-# whose (double-stream, single-stream) block counts hold the file's highest indices. Flux.1 (and Chroma) have
-# 19 / 38, HunyuanVideo 20 / 40 (both 24 heads x 128), Qwen-Image 60 double-stream blocks only (its attention names
-# are Flux's); a file that stops early keeps the shallowest.
-BY_DEPTH: dict[str, tuple[tuple[str, int, int], ...]] = {
-    "flux": (("flux", 19, 38), ("hunyuan-video", 20, 40), ("qwen-image", 60, 0)),
+# Architectures that share block names at one width, told apart by how deep the file goes: the first whose block
+# counts per chain (formats.blocks) hold the file's. Flux.1 (and Chroma) have 19 double / 38 single blocks,
+# HunyuanVideo 20 / 40 (both 24 heads x 128; arch.variants lists the same releases), Qwen-Image 60 double-stream
+# blocks only (its attention names are Flux's); a file that stops early keeps the shallowest.
+BY_DEPTH: dict[str, tuple[tuple[str, dict[str, int]], ...]] = {
+    "flux": (("flux", {"double": 19, "single": 38}), ("hunyuan-video", {"double": 20, "single": 40}),
+             ("qwen-image", {"double": 60})),
 }
-_DOUBLE_INDEX = r"^(?:transformer_blocks|double_blocks)_(\d+)_"
-_SINGLE_INDEX = r"^(?:single_transformer_blocks|single_blocks)_(\d+)_"
 
 # UNet families told apart by the cross-attention width (attn2 to_k/to_v input columns).
 UNET_BY_CONTEXT = {768: "sd1", 1024: "sd2", 2048: "sdxl", 1280: "sdxl-refiner"}
@@ -131,19 +131,13 @@ def _width_of(adapter: Adapter, pattern: str, known=None) -> tuple[int, str] | N
 
 def _deeper(adapter: Adapter, arch: str) -> tuple[str, str] | None:
     """(architecture, why) when the file indexes blocks `arch` does not have and a BY_DEPTH sibling does."""
-    top = {"double": (-1, ""), "single": (-1, "")}
-    for part in adapter.parts:
-        path = part.path.replace(".", "_")
-        for kind, pattern in (("double", _DOUBLE_INDEX), ("single", _SINGLE_INDEX)):
-            m = re.search(pattern, path)
-            if m and int(m[1]) > top[kind][0]:
-                top[kind] = (int(m[1]), part.stem)
-    fits = [name for name, doubles, singles in BY_DEPTH[arch]
-            if top["double"][0] < doubles and top["single"][0] < singles]
+    tops = highest_blocks([p.path for p in adapter.parts])
+    fits = [name for name, chains in BY_DEPTH[arch] if all(top < chains.get(c, 0) for c, (top, _) in tops.items())]
     if not fits or fits[0] == arch:
         return None
-    kind = "double" if top["double"][0] >= next(d for n, d, _ in BY_DEPTH[arch] if n == arch) else "single"
-    return fits[0], f"{kind}-stream block {top[kind][0]} ({top[kind][1]}): more blocks than {arch} has"
+    own = dict(BY_DEPTH[arch])[arch]
+    chain, (top, at) = next((c, t) for c, t in tops.items() if t[0] >= own.get(c, 0))
+    return fits[0], f"{chain}-stream block {top} ({adapter.parts[at].stem}): more blocks than {arch} has"
 
 
 def _fold_shared(adapter: Adapter, scores: dict[str, int], first: dict[str, str]) -> list[tuple[str, str]]:

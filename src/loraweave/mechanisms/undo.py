@@ -162,14 +162,18 @@ class CompactRecord:
         pos = self._positions(out.numel(), out.device)
         values = self.values.to(out.device)
         ob, cols = bits(out).view(-1), out[0].numel()
-        block = min(out.shape[0], self.chunk_rows) * cols
-        dbuf, acc = (scratch(n, block, acc_dtype(out.dtype), out.device) for n in ("undo_delta", "undo_acc"))
+        rows, chunk = out.shape[0], self.chunk_rows
+        dbuf, acc = (scratch(n, min(rows, chunk) * cols, acc_dtype(out.dtype), out.device)
+                     for n in ("undo_delta", "undo_acc"))
+        # where each block's corrections start in `pos`, found once (fill runs per block of chunk_rows)
+        edges = torch.arange(0, rows + chunk, chunk, device=pos.device).clamp_(max=rows) * cols
+        bounds = torch.searchsorted(pos, edges).tolist()
 
         def fill(r0: int, r1: int) -> None:
             n = (r1 - r0) * cols
             delta = delta_fn(merged, r0, r1, dbuf[:n])
             combine_into(out[r0:r1], merged[r0:r1], delta, -1, acc[:n].view(delta.shape))
-            lo, hi = torch.searchsorted(pos, torch.tensor([r0 * cols, r1 * cols], device=pos.device)).tolist()
+            lo, hi = bounds[r0 // chunk], bounds[-(-r1 // chunk)]
             put(ob, pos[lo:hi], values[lo:hi])
 
         return fill
@@ -187,12 +191,11 @@ class CompactRecord:
         return unpack_positions(p, numel)
 
 
-def combine(w: torch.Tensor, delta: torch.Tensor, sign: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """w ± delta in delta's dtype (fp32, or fp64), one rounding; merge and undo both compute it this way (into
-    `out`, delta's dtype and shape, when given: the same elementwise kernel, the same bits)."""
+def combine(w: torch.Tensor, delta: torch.Tensor, sign: int, out: torch.Tensor) -> torch.Tensor:
+    """out = w ± delta in delta's dtype (fp32, or fp64; `out` has delta's dtype and shape), one rounding."""
     if w.element_size() == 1:  # fp8 does not take part in type promotion
         w = w.to(delta.dtype)
-    return torch.add(w, delta, alpha=sign) if out is None else torch.add(w, delta, alpha=sign, out=out)
+    return torch.add(w, delta, alpha=sign, out=out)
 
 
 def combine_into(dst: torch.Tensor, w: torch.Tensor, delta: torch.Tensor, sign: int, acc: torch.Tensor) -> None:
