@@ -18,13 +18,14 @@ Two measurements in one run:
    stacked         S = [W; A] (W would be the view S[:out]: memory unchanged); z = [b, 0] + x·Sᵀ in ONE GEMM,
                    y = z[:, :out] += (s·z[:, out:])·Bᵀ: the down GEMM rides in the base GEMM; y is a strided view
    stacked+contig  the same, the up GEMM writing a fresh contiguous y (what a next layer needs)
+   fold            ΔW folded into W on every forward: W_eff = W + B·(s·A) into a reused buffer, then one GEMM
    peft            PEFT's unmerged LoraLayer
    lora ops        the two bare skinny GEMMs only (into a preallocated y): the floor of any post-forward path
 
 2. Components: the small kernels those paths are made of, timed many times each (interleaved) against the base
    GEMM's median. The fused path costs over the base GEMM: down + scale + up(with bias) + what the base GEMM
-   costs more when it accumulates into that y than with its own bias (measured: the bias costs nothing in the
-   kernel, so no broadcast pass is saved); the table shows each kernel's share next to its FLOP share, i.e. how
+   costs more when it accumulates into that y than with its own bias (both timed, and the base GEMM without a
+   bias beside them, rather than a stand-in broadcast kernel); the table shows each kernel's share next to its FLOP share, i.e. how
    far below the base GEMM's efficiency it runs (MKL's sgemm vs oneDNN for the same product).
 
     .venv/bin/python benchmarks/bench_floor.py [--quick] [--rounds N] [--threads 1] [--clock cpu|wall]
@@ -66,6 +67,7 @@ class Factors:
         self.stack = torch.cat([self.w, down])  # a library would re-point W at stack[:OUT]
         self.bias0 = torch.cat([self.b, self.b.new_zeros(RANK)])
         self.h_buf, self.y_buf = torch.empty(TOKENS, RANK), torch.empty(TOKENS, OUT)
+        self.w_buf = torch.empty_like(self.w)
 
 
 def formulations(f: Factors) -> dict:
@@ -100,8 +102,12 @@ def formulations(f: Factors) -> dict:
         z = torch.addmm(f.bias0, x, f.stack.t())
         return torch.addmm(z[:, :OUT], z[:, OUT:].mul_(f.s), f.up.t())
 
+    def fold():
+        w_eff = torch.addmm(w, f.up * f.s, f.down, out=f.w_buf)  # into a reused buffer: no page faults
+        return torch.addmm(f.b, x, w_eff.t())
+
     return {"mkl (before)": mkl, "base-first": base_first, "contig A^T B^T": contig, "out= buffers": out_buffers, "r padded 32": padded,
-            "stacked": stacked, "stacked+contig": stacked_contig}
+            "stacked": stacked, "stacked+contig": stacked_contig, "fold": fold}
 
 
 def _inference(fn):
@@ -118,6 +124,7 @@ def components(f: Factors, base, clock) -> list[list[str]]:
     kernels = {
         "base GEMM with its bias: addmm(b, x, Wᵀ)": (lambda: torch.addmm(f.b, x, f.w.t()), 1.0),
         "base GEMM into y: y.addmm_(x, Wᵀ)": (lambda: f.y_buf.addmm_(x, f.w.t()), 1.0),
+        "base GEMM without bias: mm(x, Wᵀ)": (lambda: torch.mm(x, f.w.t()), 1.0),
         "down: x·Aᵀ, MKL": (lambda: torch.mm(x, f.down.t()), RANK * IN / (IN * OUT)),
         "down, Aᵀ contiguous, MKL": (lambda: torch.mm(x, f.down_t), RANK * IN / (IN * OUT)),
         "down: x·Aᵀ, oneDNN": (lambda: skinny_linear(x, f.down), RANK * IN / (IN * OUT)),
@@ -148,7 +155,7 @@ def components(f: Factors, base, clock) -> list[list[str]]:
              f"{flops * 100:.2f}%" if flops else "-", f"{share[n] / flops:.1f}x" if flops else "-"]
             for n, (_, flops) in kernels.items()]
     # what the base GEMM costs more (or less) when it accumulates into the y the up GEMM wrote than with its bias
-    # (the bias costs nothing measurable in the kernel: a separate broadcast pass is NOT saved by the fused form)
+    # (negative: accumulating skips the bias the base GEMM applies, which the up GEMM's output already holds)
     accumulate = share["base GEMM into y: y.addmm_(x, Wᵀ)"] - share["base GEMM with its bias: addmm(b, x, Wᵀ)"]
     scale = share["scale h by s"]
     sums = {
