@@ -21,6 +21,7 @@ Two measurements in one run:
    fold            ΔW folded into W on every forward: W_eff = W + B·(s·A) into a reused buffer, then one GEMM
    peft            PEFT's unmerged LoraLayer
    lora ops        the two bare skinny GEMMs only (into a preallocated y): the floor of any post-forward path
+   lora ops onednn the same two GEMMs on the kernels the library uses (mechanisms/skinny.py), into a fresh y
 
 2. Components: the small kernels those paths are made of, timed many times each (interleaved) against the base
    GEMM's median. The fused path costs over the base GEMM: down + scale + up(with bias) + what the base GEMM
@@ -28,8 +29,16 @@ Two measurements in one run:
    bias beside them, rather than a stand-in broadcast kernel); the table shows each kernel's share next to its FLOP share, i.e. how
    far below the base GEMM's efficiency it runs (MKL's sgemm vs oneDNN for the same product).
 
+3. `--base-kernel onednn`: the same question against a FASTER base GEMM. The ratio to the floor depends on how fast
+   the base GEMM runs next to the memory-bound thin GEMMs: torch's fp32 Linear is MKL's sgemm, which on AMD CPUs
+   runs well below oneDNN's matmul (90 vs 199 GF/s on the session-7 EPYC host). Here the base forward is oneDNN's
+   linear and the formulations use it for their base GEMM (the low-rank term added by its binary post-op), so the
+   ratios show what a host with a fast sgemm would see. The library does not run this form (nn.Linear's own
+   kernel stays the base GEMM); no PEFT row and no components table in this mode.
+
     .venv/bin/python benchmarks/bench_floor.py [--quick] [--rounds N] [--threads 1] [--clock cpu|wall]
-        [--only "loraweave,peft,lora ops"] [--no-components]   (fewer variants: more rounds in the same time)
+        [--only "loraweave,peft,lora ops"] [--no-components] [--base-kernel torch|onednn]
+        (fewer variants: more rounds in the same time)
 """
 
 from __future__ import annotations
@@ -110,6 +119,31 @@ def formulations(f: Factors) -> dict:
             "stacked": stacked, "stacked+contig": stacked_contig, "fold": fold}
 
 
+def _onednn_linear():
+    """oneDNN's linear op (what skinny.py probes), or exit with the reason when this torch build lacks it."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    if op is None:
+        raise SystemExit("--base-kernel onednn: this torch build has no oneDNN linear (torch.ops.mkldnn)")
+    return op
+
+
+def onednn_formulations(f: Factors, op) -> dict:
+    """--base-kernel onednn: name -> forward whose base GEMM is oneDNN's linear (op), like the base it is timed
+    against; `loraweave formula` is the library's arithmetic with that base GEMM, the low-rank term entering as
+    the GEMM's binary-add post-op (oneDNN's form of an accumulator)."""
+    x, w = f.x2, f.w
+
+    def formula():
+        y = skinny_linear(skinny_linear(x, f.down).mul_(f.s), f.up, f.b)
+        return op.binary(x, y, w, None, "add")
+
+    def stacked():
+        z = op(x, f.stack, f.bias0, "none", [], "")
+        return z[:, :OUT].addmm_(z[:, OUT:].mul_(f.s), f.up.t())
+
+    return {"loraweave formula": formula, "stacked": stacked}
+
+
 def _inference(fn):
     def run():
         with torch.inference_mode():
@@ -179,6 +213,9 @@ def main() -> None:
         ap.add_argument("--only", default="", help="comma-separated variants to time end to end (default: all); "
                         "e.g. 'loraweave,peft,lora ops' for more rounds in the same time")
         ap.add_argument("--no-components", action="store_true", help="skip the per-kernel table")
+        ap.add_argument("--base-kernel", choices=("torch", "onednn"), default="torch",
+                        help="the base GEMM: torch's nn.Linear (default; MKL sgemm) or oneDNN's linear (a fast-GEMM "
+                        "host's view, see 3. in the docstring)")
 
     args = benchutil.parse_args(__doc__, quick=5, full=11, extra=extra)
     benchutil.setup_torch()
@@ -199,43 +236,55 @@ def main() -> None:
         peft.proj.lora_A["default"].weight.copy_(down)
         peft.proj.lora_B["default"].weight.copy_(up)
     f = Factors(base.proj, down, up, x)
-    forms = {name: _inference(fn) for name, fn in formulations(f).items()}
+    onednn = args.base_kernel == "onednn"
+    op = _onednn_linear() if onednn else None
+    forms = {name: _inference(fn) for name, fn in (onednn_formulations(f, op) if onednn else formulations(f)).items()}
 
     def lora_ops():
         with torch.inference_mode():
             return f.y_buf.addmm_(torch.mm(f.x2, f.down.t()).mul_(f.s), f.up.t())
 
+    def lora_ops_onednn():
+        with torch.inference_mode():
+            return skinny_linear(skinny_linear(f.x2, f.down).mul_(f.s), f.up)
+
     with torch.inference_mode():
         ref = lw(x).view(-1, OUT)
         scale = float(ref.abs().max())
         agree = {name: float((fn() - ref).abs().max()) / scale for name, fn in forms.items()}
-        agree["peft"] = float((peft(x).view(-1, OUT) - ref).abs().max()) / scale
+        if not onednn:
+            agree["peft"] = float((peft(x).view(-1, OUT) - ref).abs().max()) / scale
         f.y_buf.copy_(base(x).view(-1, OUT))
 
-    others = [Variant("loraweave", inference_forward(lw, x)), *(Variant(n, fn) for n, fn in forms.items()),
-              Variant("peft", inference_forward(peft, x)), Variant("lora ops", lora_ops)]
+    library = [] if onednn else [Variant("loraweave", inference_forward(lw, x))]
+    others = [*library, *(Variant(n, fn) for n, fn in forms.items()),
+              *([] if onednn else [Variant("peft", inference_forward(peft, x))]), Variant("lora ops", lora_ops),
+              Variant("lora ops onednn", lora_ops_onednn)]
     only = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(only) - {v.name for v in others})
     if unknown:
         raise SystemExit(f"--only: no variant {', '.join(unknown)}; have {', '.join(v.name for v in others)}")
     others = [v for v in others if not only or v.name in only]
-    base_run = inference_forward(base, x)
+    base_run = _inference(lambda: op(f.x2, f.w, f.b, "none", [], "")) if onednn else inference_forward(base, x)
     res = sandwiched(Variant("base", base_run), others, rounds=args.rounds, warmup=1, clock=clock)
     rows = []
     for v in others:
         r = res.ratio(v.name)
-        over = r if v.name == "lora ops" else r - 1
-        lo, hi = (b - (0 if v.name == "lora ops" else 1) for b in res.interval(v.name))
+        bare = v.name.startswith("lora ops")  # timed alone: its ratio to the base is its overhead
+        over = r if bare else r - 1
+        lo, hi = (b - (0 if bare else 1) for b in res.interval(v.name))
         rows.append([v.name, f"{median(res.times[v.name]) * 1e3:.1f}", f"+-{spread(res.times[v.name]) * 100:.1f}%",
                      res.quiet_count(v.name), f"{over * 100:+.2f}%", f"{lo * 100:+.2f}% .. {hi * 100:+.2f}%",
                      f"{over / FLOOR:.2f}x"])
-    print(f"rounds={args.rounds}; base median {median(res.times['base']) * 1e3:.1f} ms; {benchutil.noise_line()}")
+    base_ms = median(res.times["base"]) * 1e3
+    print(f"rounds={args.rounds}; base ({'oneDNN linear' if onednn else 'nn.Linear'}) median {base_ms:.1f} ms = "
+          f"{2 * TOKENS * IN * OUT / base_ms / 1e6:.0f} GF/s; {benchutil.noise_line()}")
     print(table(["variant", "median ms", "IQR/2", "quiet", "overhead vs base", "90% interval", "x FLOP floor"],
                 rows))
     print(f"FLOP floor r(in+out)/(in*out) = {FLOOR * 100:.3f}%; target <= 2x ({2 * FLOOR * 100:.2f}%)")
     print("output agreement vs loraweave (max abs diff / max |y|): "
           + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()))
-    if not args.no_components:
+    if not args.no_components and not onednn:
         print(table(["kernel", "median ms", "share of base", "FLOP share", "x its FLOP share"],
                     components(f, base_run, clock)))
     del keep

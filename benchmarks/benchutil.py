@@ -65,13 +65,27 @@ def setup_torch():
     return torch
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo): GEMM speeds, and so every ratio to a base GEMM, depend on it."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def header(title: str) -> None:
     import platform
 
     print(f"== {title}")
     print(
         f"python {platform.python_version()}  torch {torch.__version__}  threads={torch.get_num_threads()}  "
-        f"cpus={os.cpu_count()}"
+        f"cpus={os.cpu_count()}  cpu={cpu_model()!r}  isa={torch.backends.cpu.get_cpu_capability()}"
     )
     print(malloc_env_line())
 

@@ -226,7 +226,8 @@ class RuntimePath:
         """Plain nn.Linear forward with the low-rank path in the GEMM's accumulator: y = (b + s·B·A·x) + W·x.
 
         One pass over the output fewer than base-then-add; the two thin GEMMs on oneDNN where it applies
-        (mechanisms/skinny.py): 2.05-2.76x the FLOP floor end to end at r=16, 3072², 4096 tokens (bench_floor.py)."""
+        (mechanisms/skinny.py). At r=16, 3072², 4096 tokens (bench_floor.py) 0.33x the FLOP floor over a 91 GF/s
+        sgemm, 2.05-2.76x over a 160 GF/s one: the thin GEMMs cost the same milliseconds on either."""
         m, w = self.module, self.module.weight
         plain = (
             not self.active
