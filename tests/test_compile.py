@@ -2,14 +2,13 @@
 changes, disable/enable and switches within a rank bucket compile nothing new (a backend that counts compilations).
 
 Compiles run on CPU. The counting tests use dynamo + AOT autograd without inductor codegen ("aot_eager": every
-graph dynamo captures still goes through the counting backend); the agreement test runs inductor on one adapted
-block per model (a whole tiny model takes minutes to codegen on 2 shared cores): set LORAWEAVE_SLOW=1 to also run
-inductor on the whole models."""
+graph dynamo captures still goes through the counting backend); the agreement tests run inductor on one adapted
+block per model (before and after a strength change) and on each whole tiny model (about a minute of codegen each
+on 2 cores)."""
 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -204,7 +203,6 @@ def test_inductor_block_agrees_with_eager(name):
         assert rel_err(got, want) <= TOL
 
 
-@pytest.mark.skipif(os.environ.get("LORAWEAVE_SLOW") != "1", reason="whole-model inductor compile: LORAWEAVE_SLOW=1")
 @pytest.mark.parametrize("name", MODELS)
 def test_inductor_whole_model_agrees_with_eager(name):
     make, forward, _ = MODELS[name]
