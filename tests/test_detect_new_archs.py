@@ -172,10 +172,13 @@ def test_without_the_new_signature_it_is_misread(monkeypatch, files, arch, witho
 
 def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
     """Negative control: without SHARED_NAMES' MMDiT owners a full Qwen-Image file is called flux (by width 3072)
-    and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention)."""
+    and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention) once the cross-dit
+    rule, which also hands them to LTX-2 (its attn1 names), is dropped too."""
     monkeypatch.setattr(detect, "SHARED_NAMES", {k: v for k, v in detect.SHARED_NAMES.items() if k != "mmdit"})
     monkeypatch.setattr(detect, "BY_DEPTH", {})  # which would name it by its 60 double-stream blocks
     assert detect_architecture(loraweave.load_adapter(_file(files, "qwen-image"))).architecture == "flux"
+    assert "sd3" not in detect_architecture(loraweave.load_adapter(_file(files, "ltx2"))).scores
+    monkeypatch.setattr(detect, "SIGNATURES", tuple(s for s in detect.SIGNATURES if s[0] != "cross-dit"))
     assert "sd3" in detect_architecture(loraweave.load_adapter(_file(files, "ltx2"))).scores
 
 
@@ -241,3 +244,64 @@ def test_qwen_image_attention_only_is_not_flux(monkeypatch, files):
     assert detect_architecture(loraweave.load_adapter(attn)).architecture == "qwen-image"
     monkeypatch.setattr(detect, "BY_DEPTH", {})
     assert detect_architecture(loraweave.load_adapter(attn)).architecture == "flux"
+
+
+# Cross-attention DiTs in diffusers names (self-attention attn1, cross-attention attn2, ff.net): class defaults.
+CROSS_DITS = {"ltx-video": "LTXVideoTransformer3DModel", "pixart": "PixArtTransformer2DModel",
+              "sana": "SanaTransformer2DModel"}
+
+
+def _ltx2_video_only(prefix: str) -> dict[str, torch.Tensor]:
+    """The LoRA most LTX-2 trainers write: the video tower's attention and feed-forward only, no audio names."""
+    keep = {n: m for n, m in linears(_model("LTX2VideoTransformer3DModel")).items()
+            if n.split(".")[0] == "transformer_blocks" and n.split(".")[2] in ("attn1", "attn2", "ff")}
+    return lora_file(keep, lambda n: f"{prefix}{n}", meta=True)
+
+
+@pytest.mark.parametrize("arch", sorted(CROSS_DITS))
+def test_cross_attention_dits_in_diffusers_names_are_not_sd3(arch):
+    """attn2 next to attn1 is a cross-attention DiT, not SD3.5's dual attention (which these files were called).
+    Sana has a catalog entry (every key lands); LTX-Video 0.9 and PixArt have none (inspect says so)."""
+    sd = _diffusers_names(CROSS_DITS[arch])
+    detection = detect_architecture(loraweave.load_adapter(sd))
+    assert detection.architecture == arch, (detection.scores, detection.evidence)
+    cov = inspect_adapter(sd, text_encoders=False)["coverage"]
+    if arch == "sana":
+        assert cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][:3]
+    else:
+        assert cov["against"] is None
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", "diffusion_model."])
+def test_ltx2_video_only_file_is_ltx2_and_fully_covered(prefix):
+    """No audio names: the width (4096) names LTX-2, and every key lands on its full-size skeleton."""
+    sd = _ltx2_video_only(prefix)
+    detection = detect_architecture(loraweave.load_adapter(sd))
+    assert detection.architecture == "ltx2", (detection.scores, detection.evidence)
+    assert any("hidden width 4096" in e for e in detection.evidence)
+    cov = inspect_adapter(sd, text_encoders=False)["coverage"]
+    assert cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][:3]
+
+
+def test_sd35_dual_attention_is_still_sd3():
+    """SD3.5 Medium (attn + attn2 in its first 13 blocks, hidden 1536) is still sd3, and a file of its attn2 names
+    alone is too, by the dual-attention rule."""
+    model = _model("SD3Transformer2DModel", **{**CATALOG["sd3"].config, "dual_attention_layers": tuple(range(13)),
+                                               "qk_norm": "rms_norm"})
+    sd = lora_file(linears(model), lambda n: f"transformer.{n}", meta=True)
+    assert any(".attn2." in k for k in sd)
+    assert detect_architecture(loraweave.load_adapter(sd)).architecture == "sd3"
+    # attn2 without attn1 is still SD3.5's dual attention (the rule the cross-dit names now bypass)
+    detection = detect_architecture(loraweave.load_adapter({k: v for k, v in sd.items() if ".attn2." in k}))
+    assert detection.architecture == "sd3" and any("dual attention" in e for e in detection.evidence)
+
+
+def test_negative_control_without_the_cross_dit_rule_they_read_as_sd3(monkeypatch):
+    """Without the cross-dit signature (and Sana's diffusers ff names) these files are sd3, as they were."""
+    monkeypatch.setattr(detect, "SIGNATURES", tuple(s for s in detect.SIGNATURES
+                                                    if s[0] != "cross-dit" and "ff_conv" not in s[1]))
+    for sd in (_ltx2_video_only("transformer."), *(_diffusers_names(c) for c in CROSS_DITS.values())):
+        assert detect_architecture(loraweave.load_adapter(sd)).architecture == "sd3"
+    # attn2 without attn1 is still SD3.5's dual attention (the rule the cross-dit names now bypass)
+    detection = detect_architecture(loraweave.load_adapter({k: v for k, v in sd.items() if ".attn2." in k}))
+    assert detection.architecture == "sd3" and any("dual attention" in e for e in detection.evidence)

@@ -32,6 +32,11 @@ SIGNATURES: tuple[tuple[str, str], ...] = (
     ("kandinsky6", r"^(audio_)?(visual|text)_transformer_blocks_\d+_(attn_|feed_forward_net_)|^audio_text_transformer_blocks_"),
     ("kandinsky5", r"^(visual|text)_transformer_blocks_\d+_"),
     ("ernie-image", r"^layers_\d+_(self_attention_(to_[qkv]|to_out_0)|mlp_(gate_proj|up_proj|linear_fc2))$"),
+    # Sana's GLUMBConv feed-forward in diffusers names (its attention names are the cross-attention DiTs' below).
+    ("sana", r"^transformer_blocks_\d+_ff_conv_(inverted|depth|point)$"),
+    # diffusers self-attention `attn1` next to cross-attention `attn2`: the cross-attention DiTs (LTX-Video,
+    # LTX-2's video tower, PixArt, Sana); SD3.5's dual attention pairs `attn2` with the joint `attn`, never `attn1`.
+    ("cross-dit", r"^transformer_blocks_\d+_attn1_"),
     # diffusers double-stream (MMDiT) names are shared by SD3 and Flux: told apart by width below.
     ("mmdit", r"^transformer_blocks_\d+_(attn_(add_[qkv]_proj|to_add_out|to_[qkv]|to_out)|attn2_|ff_context|ff_net|norm1)"),
     # Ideogram4's own original names; its fused `attention.qkv` and `feed_forward.w1-3` are Z-Image's (shared below).
@@ -59,6 +64,7 @@ SHARED_NAMES: dict[str, tuple[str, ...]] = {
     "wan": ("wan-animate",),
     "kandinsky5": ("kandinsky6",),
     "flux": ("hunyuan-video", "hunyuan-image-2.1"),  # diffusers single-block names; else by MMDiT width below
+    "cross-dit": ("ltx2.3", "ltx2", "sana"),  # else by the hidden width (BY_WIDTH)
 }
 # Architectures that share block names at one width, told apart by how deep the file goes: the first whose block
 # counts per chain (formats.blocks) hold the file's. Flux.1 (and Chroma) have 19 double / 38 single blocks,
@@ -77,10 +83,17 @@ MMDIT_BY_WIDTH = {1536: "sd3", 2432: "sd3", 3072: "flux", 2048: "hunyuan-video-1
 # Shared names no owner claimed, told apart by the hidden width (input columns of a part the pattern names):
 # Z-Image dim 3840 (z-image-turbo config), Lumina-Image-2.0 hidden 2304 (the q width diffusers' Lumina2 LoRA
 # converter hard-codes), Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
+# Cross-attention DiTs by attn1.to_q's input width (class defaults): LTX-2 (32 heads x 128; a video-only file has
+# no audio names), LTX-Video 0.9 (32 x 64), PixArt-alpha/Sigma (16 x 72; Sana 600M shares the width, its own
+# ff_conv names claim it first), Sana 1600M. Another width stays "cross-dit": a family, no release named.
 BY_WIDTH: dict[str, tuple[str, dict[int, str]]] = {
     "z-image": (r"^(layers|noise_refiner|context_refiner)_\d+_attention_(qkv|to_q)$",
                 {3840: "z-image", 2304: "lumina2", 4608: "ideogram4"}),
+    "cross-dit": (r"^transformer_blocks_\d+_attn1_to_q$", {4096: "ltx2", 2048: "ltx-video", 1152: "pixart", 2240: "sana"}),
 }
+# Where the cross-attention DiTs' names went (their owner or "cross-dit"), the MMDiT names they share (attn2, ff.net)
+# go too: read as MMDiT, a file's attn2 would be SD3.5's dual attention.
+CROSS_DIT_NAMES = ("cross-dit", "ltx2.3", *BY_WIDTH["cross-dit"][1].values())
 METADATA_KEYS = ("modelspec.architecture", "ss_base_model_version", "ss_sd_model_name")
 
 
@@ -176,7 +189,12 @@ def detect_architecture(adapter: Adapter) -> Detection:
         return Detection("unet", ["cloneofsimo positional keys (unet:<i>): an SD1.x/SD2.x UNet"], {}, meta)
     if not scores:
         return Detection("unknown", ["no key matched a known architecture signature"], scores, meta)
+    had_cross = "cross-dit" in scores
     folded = _fold_shared(adapter, scores, first)
+    cross = next((o for o in CROSS_DIT_NAMES if o in scores), None) if had_cross else None
+    if "mmdit" in scores and cross is not None:
+        scores[cross] = scores.get(cross, 0) + scores.pop("mmdit")
+        first.setdefault(cross, first.pop("mmdit"))
     if "mmdit" in scores:
         kind = _mmdit_kind(adapter)
         # Flux files also have single blocks; an SD3/Flux width fact decides where the shared names count.
