@@ -197,6 +197,27 @@ def test_minimax_h3_metadata_alpha_as_diffusers_loader(tmp_path, metadata):
     assert report.keys_applied == report.keys_total and worst <= 1e-5, worst
 
 
+def test_minimax_h3_resize_keeps_the_metadata_alpha(tmp_path):
+    """resize folds γ = alpha / rank from `__metadata__["alpha"]` (it wrote γ = 1: the resized file was 2/rank off).
+    Full rank (4, the file's highest), so the resized file must merge to what the original merges to."""
+    from safetensors.torch import save_file
+
+    from loraweave.tools.extract import resize
+
+    model = _model("MiniMaxH3Transformer3DModel", False, **H3_TINY)
+    path, out = tmp_path / "h3.safetensors", tmp_path / "resized.safetensors"
+    save_file(_mixed_rank_file(model), str(path), metadata={"alpha": "2"})
+    resize(path, out, rank=4)
+    merged = {}
+    for name, source in (("original", path), ("resized", out)):
+        merged[name] = copy.deepcopy(model)
+        report = loraweave.apply(merged[name], str(source), mode="merge", strict=True).report
+        assert report.keys_applied == report.keys_total
+    for n, layer in linears(model).items():
+        want, got = merged["original"].get_submodule(n).weight, merged["resized"].get_submodule(n).weight
+        assert rel_err(got - layer.weight, want - layer.weight) <= 1e-5, n
+
+
 def test_minimax_h3_metadata_alpha_not_a_number_is_refused(tmp_path):
     from safetensors.torch import save_file
 

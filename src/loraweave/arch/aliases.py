@@ -139,6 +139,12 @@ def _legacy_named_modules(module: torch.nn.Module, prefix: str = ""):
         yield from _legacy_named_modules(children[name], f"{prefix}.{name}" if prefix else name)
 
 
+def metadata_alpha_field(arch: str | None) -> str | None:
+    """The `__metadata__` field in which the trainers of architecture `arch` (a table name) record one network
+    alpha for every module (MiniMax-H3: `alpha`); None for the rest."""
+    return next((t.metadata_alpha for t in ARCH_TABLES if t.name == arch and t.metadata_alpha), None)
+
+
 def arch_name(module: torch.nn.Module) -> str:
     cls = type(module).__name__
     return next((t.name for t in ARCH_TABLES if cls in t.classes), cls)

@@ -66,11 +66,12 @@ def _scalar(tensor: torch.Tensor, key: str) -> float | None:
     return value
 
 
-def _network_alpha(adapter: Adapter, table: AliasTable) -> float | None:
-    """The architecture's `__metadata__` network alpha (MiniMax-H3); as diffusers, only when no key is `.alpha`."""
-    if table.metadata_alpha is None or adapter.has_alpha_tensors:
+def network_alpha(adapter: Adapter, metadata_field: str | None) -> float | None:
+    """The architecture's `__metadata__` network alpha (MiniMax-H3: the table's `metadata_alpha` field); as
+    diffusers, only when no key is `.alpha`. resize reads it the same way, so a resized file keeps its scale."""
+    if metadata_field is None or adapter.has_alpha_tensors:
         return None
-    return kohya_number(adapter.metadata, table.metadata_alpha, adapter.path or adapter.name)
+    return kohya_number(adapter.metadata, metadata_field, adapter.path or adapter.name)
 
 
 def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -> tuple[Piece, ...]:
@@ -193,7 +194,7 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
         prefix = comp_name if part.explicit_component else ""
         scale, source = resolve_scale(
             alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path, prefix, adapter.meta_alpha,
-            _network_alpha(adapter, table),
+            network_alpha(adapter, table.metadata_alpha),
         )
         if not math.isfinite(scale):
             raise PartRejected("non_finite", f"bad tensor: scale from {source} is not finite")

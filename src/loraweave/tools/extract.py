@@ -256,24 +256,27 @@ def _in_shape(part, factors) -> tuple[int, ...]:
     return in_shape
 
 
-def _target_shapes(adapter, arch: str | None, model: str | None) -> dict[str, tuple[int, ...]]:
-    """{part stem: (in, *kernel) of the module it lands on}. Flat-stored conv factors (old LoHa/LoKr) do not say
-    their kernel; the model does. Architecture: given, or detected (nothing when unknown)."""
+def _targets(adapter, arch: str | None, model: str | None) -> tuple[dict[str, tuple[int, ...]], float | None]:
+    """({part stem: (in, *kernel) of the module it lands on}, the architecture's metadata network alpha). Flat-stored
+    conv factors (old LoHa/LoKr) do not say their kernel; the model does. Architecture: given, or detected
+    (no shapes when unknown)."""
+    from ..arch.aliases import metadata_alpha_field
     from ..arch.spec import module_shape
-    from ..plan.resolve import resolve
+    from ..plan.resolve import network_alpha, resolve
     from ..plan.target import Components
     from .inspect import adapter_target
 
-    components, _, _ = adapter_target(adapter, arch, model)
+    components, _, detected = adapter_target(adapter, arch, model)
+    alpha = network_alpha(adapter, metadata_alpha_field(arch or detected))
     if components is None:
-        return {}
+        return {}, alpha
     plan = resolve(Components(components), [(adapter, 1.0)])
     out = {}
     for pp in plan.planned:
         shape = module_shape(components[pp.component].get_submodule(pp.pieces[0].module))
         if shape is not None and len(shape) >= 2:
             out[pp.part.stem] = tuple(shape[1:])
-    return out
+    return out, alpha
 
 
 def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None = None, energy: float | None = None,
@@ -289,7 +292,7 @@ def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None 
     t0 = time.perf_counter()
     out = check_output(output, [path], overwrite=overwrite)
     adapter = name_positional(load_adapter(path, allow_pickle=allow_pickle), arch)
-    targets = _target_shapes(adapter, arch, model)
+    targets, metadata_alpha = _targets(adapter, arch, model)
     result = LowRankResult(out)
     skipped: Counter = Counter()
     tensors: dict[str, torch.Tensor] = {}
@@ -308,7 +311,8 @@ def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None 
                 scale = 1.0
             else:
                 scale, _ = resolve_scale(alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path,
-                                         part.component if part.explicit_component else "", adapter.meta_alpha)
+                                         part.component if part.explicit_component else "", adapter.meta_alpha,
+                                         metadata_alpha)
         except PartRejected as exc:
             skipped[f"unreadable part: {exc}"] += len(part.keys)
             continue
