@@ -477,3 +477,29 @@ def test_ernie_image_without_the_prefix_row_is_caught(monkeypatch):
     sd = lora_file(linears(parts["transformer"]), lambda n: f"diffusion_model.{n}", meta=True)
     with pytest.raises(AssertionError):
         assert_lands_on_components(parts, sd, component_targets(_ernie_convert, sd))
+
+
+@pytest.mark.parametrize("to", ["kohya", "comfy", "diffusers"])
+def test_anima_convert_keeps_the_text_conditioner(tmp_path, to):
+    """convert wrote the text_conditioner's keys under the text encoder's kohya prefix (`lora_te_`, read back as the
+    text encoder) and refused them in comfy; now each layout's own prefix (the DiT's llm_adapter), and the converted
+    file merges to what the original merges to, on both components."""
+    from safetensors.torch import save_file
+
+    from loraweave.tools.convert import convert
+
+    parts = _anima(False, ANIMA_DIT_TINY, ANIMA_CONDITIONER_TINY)
+    src, out = tmp_path / "anima.safetensors", tmp_path / f"{to}.safetensors"
+    save_file(anima_file(parts, meta=False), str(src))
+    convert(src, to, out, target=parts)
+    merged = []
+    for path in (src, out):
+        ours = copy.deepcopy(parts)
+        report = loraweave.apply(ours, str(path), mode="merge", strict=True).report
+        assert {m.component for m in report.applied} == {"transformer", "text_conditioner"}
+        merged.append(ours)
+    for c, model in parts.items():
+        for n in linears(model):
+            base = model.get_submodule(n).weight
+            got, want = (m[c].get_submodule(n).weight - base for m in merged)
+            assert rel_err(got, want) <= 1e-6, (c, n)

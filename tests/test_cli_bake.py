@@ -304,3 +304,17 @@ def test_bake_ldm_single_file_with_prefix(tmp_path):
     assert set(baked) == set(expected)
     for k, v in expected.items():
         assert torch.equal(baked[k], v), k
+
+
+@pytest.mark.parametrize("folder, cls", [("text_conditioner", "AnimaTextConditioner"),
+                                         ("connectors", "LTX2TextConnectors"), ("transformer", "FluxTransformer2DModel")])
+def test_a_component_folder_is_named_by_its_folder(tmp_path, folder, cls):
+    """A component folder given alone: Anima's text_conditioner and LTX-2's connectors were named "transformer" by
+    their class (not a UNet, not a text model), so the file's keys for them could not land."""
+    from loraweave.tools.checkpoint import open_checkpoint
+
+    root = tmp_path / folder
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"_class_name": cls}))
+    save_file({"proj.weight": torch.zeros(2, 2)}, root / "diffusion_pytorch_model.safetensors")
+    assert [c.name for c in open_checkpoint(root).components] == [folder]

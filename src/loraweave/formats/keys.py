@@ -6,6 +6,10 @@ import re
 from dataclasses import dataclass
 
 DENOISER = "denoiser"
+# Pipeline component names. MiniMax-H3 pipelines hold a second denoiser partition, `transformer_ref` (ref2va).
+DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2", "transformer_ref")
+COMPONENT_NAMES = (*DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3", "connectors",
+                   "text_conditioner")
 
 # (prefix, component, layout). Longest match wins; order here only matters for equal-length prefixes.
 _PREFIXES: tuple[tuple[str, str, str], ...] = (
@@ -36,6 +40,11 @@ _PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("text_encoder.qwen3.", "text_encoder", "comfyui"),  # sd-scripts' convert_anima_lora_to_comfy: the Qwen3 encoder
 )
 _PREFIXES_BY_LENGTH = sorted(_PREFIXES, key=lambda p: -len(p[0]))
+
+
+def component_prefix(component: str, layout: str) -> str | None:
+    """The key prefix `layout` (kohya, comfyui, ...) writes for a pipeline component (first listed), or None."""
+    return next((p for p, comp, hint in _PREFIXES if comp == component and hint == layout), None)
 
 # (suffix regex, family, role, layout hint). The first match wins, so longer/more specific come first.
 # role None: the suffix itself names the role (`hada_w1_a`, `lokr_w2`, `oft_blocks`, `a1`, `on_input`, ...).

@@ -7,12 +7,8 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import TargetError
-from ..formats.keys import DENOISER
+from ..formats.keys import COMPONENT_NAMES, DENOISER, DENOISER_NAMES
 
-# MiniMax-H3 pipelines hold a second denoiser partition, `transformer_ref` (its `ref2va` workflow).
-_DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2", "transformer_ref")
-_COMPONENT_NAMES = (*_DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3", "connectors",
-                    "text_conditioner")
 # A component a file names but the target lacks -> (component to use instead, required class-name fragment).
 COMPONENT_FALLBACKS: dict[str, tuple[tuple[str, str], ...]] = {"text_encoder_3": (("text_encoder_2", "T5"),)}
 
@@ -24,7 +20,7 @@ class Components:
         if not modules:
             raise TargetError("target holds no torch modules to apply adapters to")
         self.modules = modules
-        self.denoiser_name = next((n for n in _DENOISER_NAMES if n in modules), None)
+        self.denoiser_name = next((n for n in DENOISER_NAMES if n in modules), None)
         if self.denoiser_name is None and len(modules) == 1:
             self.denoiser_name = next(iter(modules))
 
@@ -59,7 +55,7 @@ def as_components(target) -> Components:
         return Components(dict(target))
     components = getattr(target, "components", None)
     if isinstance(components, Mapping):  # a diffusers DiffusionPipeline
-        found = {n: m for n, m in components.items() if n in _COMPONENT_NAMES and isinstance(m, torch.nn.Module)}
+        found = {n: m for n, m in components.items() if n in COMPONENT_NAMES and isinstance(m, torch.nn.Module)}
         return Components(found)
     raise TargetError(f"cannot apply adapters to a {type(target).__name__}: pass a torch module, a mapping of "
                       "component name -> module, or a diffusers pipeline")
@@ -76,7 +72,7 @@ def experts(components: Components, weights: Mapping[str, object]) -> dict[str, 
         if missing:
             raise TargetError(f"component_strengths of {name!r} names {missing}; the target has "
                               f"{sorted(components.modules)}")
-        denoisers = tuple(c for c in named if c in _DENOISER_NAMES)
+        denoisers = tuple(c for c in named if c in DENOISER_NAMES)
         if denoisers:
             out[name] = denoisers
     return out

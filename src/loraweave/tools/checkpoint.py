@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LoraweaveError
+from ..formats.keys import COMPONENT_NAMES
 from ..io.safetensors_file import SafetensorsFile
 
 log = logging.getLogger("loraweave")
@@ -23,7 +24,6 @@ SINGLE_FILE_PREFIXES: tuple[tuple[str, str], ...] = (
     ("conditioner.embedders.0.transformer.", "text_encoder"),
     ("text_encoders.clip_l.transformer.", "text_encoder"),
 )
-_DENOISER_DIRS = ("transformer", "unet", "prior", "transformer_2")
 
 
 class CheckpointError(LoraweaveError):
@@ -71,7 +71,7 @@ def _config_class(folder: Path) -> str | None:
 
 
 def _component_name(folder: Path, class_name: str | None) -> str:
-    if folder.name in (*_DENOISER_DIRS, "text_encoder", "text_encoder_2", "text_encoder_3"):
+    if folder.name in COMPONENT_NAMES:  # Anima's text_conditioner, LTX-2's connectors: not "transformer" by class
         return folder.name
     if class_name and class_name.startswith("UNet"):
         return "unet"

@@ -18,6 +18,7 @@ import torch
 from ..errors import EmptyOutputError, LoraweaveError
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
+from ..formats.keys import component_prefix
 from ..io.write import check_output, save_file
 from ..plan.resolve import PlannedPart, resolve
 from ..plan.target import Components, as_components
@@ -161,15 +162,23 @@ def _assemble(rows: int, pieces: list[_Piece], result: ConvertResult) -> tuple[t
 
 def _stem(layout: str, comp: str, name: str, denoiser: bool, components: Components) -> str:
     if layout == "kohya":
-        prefix = "lora_unet_" if denoiser else KOHYA_TE.get(comp, "lora_te1_" if "text_encoder_2" in
-                                                            components.modules else "lora_te_")
+        if denoiser:
+            prefix = "lora_unet_"
+        elif comp == "text_encoder":
+            prefix = "lora_te1_" if "text_encoder_2" in components.modules else "lora_te_"
+        else:
+            # the parser's own table: Anima's text_conditioner is the DiT's llm_adapter (lora_unet_llm_adapter_)
+            prefix = KOHYA_TE.get(comp) or component_prefix(comp, "kohya")
+        if prefix is None:
+            raise ConvertError(f"kohya layout has no prefix for component {comp}")
         return prefix + name.replace(".", "_")
     if layout == "comfy":
         if denoiser:
             return "diffusion_model." + name
-        if comp not in COMFY_TE:
+        prefix = COMFY_TE.get(comp) or component_prefix(comp, "comfyui")
+        if prefix is None:
             raise ConvertError(f"comfy layout has no prefix for component {comp}")
-        return COMFY_TE[comp] + name
+        return prefix + name
     if layout == "peft":
         return "base_model.model." + name
     return f"{comp}.{name}"
