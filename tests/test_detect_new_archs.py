@@ -20,7 +20,7 @@ import loraweave
 from loraweave.arch.catalog import CATALOG
 from loraweave.formats import detect
 from loraweave.formats.detect import detect_architecture
-from loraweave.tools.inspect import inspect_adapter
+from loraweave.tools.inspect import format_table, inspect_adapter
 
 
 def _model(cls: str, **config):
@@ -260,16 +260,14 @@ def _ltx2_video_only(prefix: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("arch", sorted(CROSS_DITS))
 def test_cross_attention_dits_in_diffusers_names_are_not_sd3(arch):
-    """attn2 next to attn1 is a cross-attention DiT, not SD3.5's dual attention (which these files were called).
-    Sana has a catalog entry (every key lands); LTX-Video 0.9 and PixArt have none (inspect says so)."""
+    """attn2 next to attn1 is a cross-attention DiT, not SD3.5's dual attention (which these files were called),
+    and every key lands on the architecture's full-size skeleton."""
     sd = _diffusers_names(CROSS_DITS[arch])
     detection = detect_architecture(loraweave.load_adapter(sd))
     assert detection.architecture == arch, (detection.scores, detection.evidence)
     cov = inspect_adapter(sd, text_encoders=False)["coverage"]
-    if arch == "sana":
-        assert cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][:3]
-    else:
-        assert cov["against"] is None
+    assert cov["against"] == f"architecture {arch} (full size, meta device)"
+    assert cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][:3]
 
 
 @pytest.mark.parametrize("prefix", ["transformer.", "diffusion_model."])
@@ -279,8 +277,10 @@ def test_ltx2_video_only_file_is_ltx2_and_fully_covered(prefix):
     detection = detect_architecture(loraweave.load_adapter(sd))
     assert detection.architecture == "ltx2", (detection.scores, detection.evidence)
     assert any("hidden width 4096" in e for e in detection.evidence)
-    cov = inspect_adapter(sd, text_encoders=False)["coverage"]
+    info = inspect_adapter(sd, text_encoders=False)
+    cov = info["coverage"]
     assert cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][:3]
+    assert "variant" not in format_table(info)  # arch.variants lists no LTX-2 release: no "no known variant" row
 
 
 def test_sd35_dual_attention_is_still_sd3():

@@ -67,6 +67,8 @@ _DEFAULTS_ENTRIES = tuple(
         ("lumina2", "Lumina2Transformer2DModel", "Lumina-Image-2.0: 26 layers, hidden 2304"),
         ("sana", "SanaTransformer2DModel", "Sana 1600M: 20 blocks, hidden 2240"),
         ("ltx2", "LTX2VideoTransformer3DModel", "LTX-2: 48 blocks, hidden 4096, audio tower"),
+        ("ltx-video", "LTXVideoTransformer3DModel", "LTX-Video 0.9 2B: 28 blocks, hidden 2048"),
+        ("pixart", "PixArtTransformer2DModel", "PixArt-alpha/Sigma: 28 blocks, hidden 1152"),
         ("ernie-image", "ErnieImageTransformer2DModel", "24 layers, hidden 3072"),
         ("kandinsky5", "Kandinsky5Transformer3DModel", "32 visual / 2 text blocks, dim 2048"),
         ("hunyuan-video-1.5", "HunyuanVideo15Transformer3DModel", "54 blocks, 16 heads x 128"),
@@ -153,7 +155,8 @@ ALIASES = {"unet": "sd1", "sd15": "sd1", "sd1.5": "sd1", "sd21": "sd2", "flux1":
            "krea-2": "krea2", "krea": "krea2", "minimax": "minimax-h3", "qwen-image-21": "qwen-image-2.1",
            "qwenimage21": "qwen-image-2.1", "lumina": "lumina2", "ltx-2": "ltx2", "ltx-2.3": "ltx2.3",
            "ernie": "ernie-image", "kandinsky-5": "kandinsky5", "hunyuanvideo-1.5": "hunyuan-video-1.5",
-           "hunyuanimage-2.1": "hunyuan-image-2.1"}
+           "hunyuanimage-2.1": "hunyuan-image-2.1", "ltxv": "ltx-video", "ltx-video-2b": "ltx-video",
+           "pixart-sigma": "pixart", "pixart-alpha": "pixart"}
 
 
 def canonical(name: str) -> str:

@@ -84,8 +84,9 @@ MMDIT_BY_WIDTH = {1536: "sd3", 2432: "sd3", 3072: "flux", 2048: "hunyuan-video-1
 # Z-Image dim 3840 (z-image-turbo config), Lumina-Image-2.0 hidden 2304 (the q width diffusers' Lumina2 LoRA
 # converter hard-codes), Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
 # Cross-attention DiTs by attn1.to_q's input width (class defaults): LTX-2 (32 heads x 128; a video-only file has
-# no audio names), LTX-Video 0.9 (32 x 64), PixArt-alpha/Sigma (16 x 72; Sana 600M shares the width, its own
-# ff_conv names claim it first), Sana 1600M. Another width stays "cross-dit": a family, no release named.
+# no audio names; LTX-Video 13B has the same names and sizes, and lands the same), LTX-Video 0.9 2B (32 x 64),
+# PixArt-alpha/Sigma (16 x 72; Sana 600M shares the width, its own ff_conv names claim it first), Sana 1600M.
+# Another width stays "cross-dit": a family, no release named.
 BY_WIDTH: dict[str, tuple[str, dict[int, str]]] = {
     "z-image": (r"^(layers|noise_refiner|context_refiner)_\d+_attention_(qkv|to_q)$",
                 {3840: "z-image", 2304: "lumina2", 4608: "ideogram4"}),

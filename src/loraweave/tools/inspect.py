@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..arch.variants import BFL_NAMED, variant_fit
+from ..arch.variants import BFL_NAMED, VARIANTS, variant_fit
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.detect import detect_architecture
 from ..report import failures
@@ -265,7 +265,9 @@ def format_table(info: dict, limit: int = 20) -> str:
     ]
     rows += [("  evidence", e) for e in info["architecture"]["evidence"]]
     variant = info.get("variant") or {}
-    if variant.get("blocks"):
+    # "no known variant" only says something for the families arch.variants lists (not SD3's or LTX-2's blocks)
+    varied = variant.get("fits") or any(info["architecture"]["name"].startswith(v.arch) for v in VARIANTS)
+    if variant.get("blocks") and varied:
         blocks = ", ".join(f"{n} {c}" for c, n in variant["blocks"].items())
         fits = variant["likely"] or (", ".join(variant["fits"]) if variant["fits"] else "no known variant")
         rows.append(("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']})"))
