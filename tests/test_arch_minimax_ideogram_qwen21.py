@@ -229,6 +229,12 @@ def test_minimax_h3_metadata_alpha_not_a_number_is_refused(tmp_path):
         loraweave.apply(model, str(path), mode="merge")
     assert str(path) in str(err.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    from loraweave.tools.extract import resize
+
+    out = tmp_path / "resized.safetensors"
+    with pytest.raises(loraweave.errors.AdapterMetadataError, match="'alpha'"):  # resize reads it the same way
+        resize(path, out, rank=2)
+    assert not out.exists()
 
 
 def test_minimax_h3_partitions():
