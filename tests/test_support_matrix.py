@@ -48,6 +48,10 @@ ARCHS = {
     "anima": lambda: _tiny("CosmosTransformer3DModel", **ANIMA_DIT_TINY),
     "sana": lambda: _tiny("SanaTransformer2DModel", **SANA_TINY),
     "ernie-image": lambda: _tiny("ErnieImageTransformer2DModel", **ERNIE_TINY),
+    "ltx-video": lambda: _tiny("LTXVideoTransformer3DModel", in_channels=8, out_channels=8, num_attention_heads=2,
+                               attention_head_dim=8, cross_attention_dim=16, num_layers=1, caption_channels=16),
+    "pixart": lambda: _tiny("PixArtTransformer2DModel", num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                            out_channels=8, num_layers=1, cross_attention_dim=16, sample_size=8, caption_channels=16),
 }
 LAYOUTS = {
     "diffusers": lambda path: f"transformer.{path}.",
@@ -116,7 +120,7 @@ def probe(model: torch.nn.Module, seed: int = 3) -> torch.Tensor:
 
 # Architectures added later run two families per layout unless LORAWEAVE_FULL_MATRIX=1 (the matrix script sets it):
 # the other families exercise the same resolution and mechanisms, and CI time is bounded.
-LATER = ("wan-vace", "ltx2", "lumina2", "anima", "sana", "ernie-image")
+LATER = ("wan-vace", "ltx2", "lumina2", "anima", "sana", "ernie-image", "ltx-video", "pixart")
 CELLS = [(a, lay, f) for a in sorted(ARCHS) for lay in sorted(LAYOUTS) for f in FAMILIES
          if a not in LATER or f in ("lora", "full") or os.environ.get("LORAWEAVE_FULL_MATRIX") == "1"]
 
