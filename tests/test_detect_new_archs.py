@@ -305,3 +305,14 @@ def test_negative_control_without_the_cross_dit_rule_they_read_as_sd3(monkeypatc
     # attn2 without attn1 is still SD3.5's dual attention (the rule the cross-dit names now bypass)
     detection = detect_architecture(loraweave.load_adapter({k: v for k, v in sd.items() if ".attn2." in k}))
     assert detection.architecture == "sd3" and any("dual attention" in e for e in detection.evidence)
+
+
+def test_cosmos_diffusers_names_are_a_cross_dit_not_ltx_video():
+    """Cosmos-Predict2 2B has LTX-Video 0.9's hidden width (2048) and names, but reads 1024-wide text in attn2: it
+    is named only as the family. Negative control: without the same-width rule it is called ltx-video."""
+    sd = lora_file(linears(_model("CosmosTransformer3DModel", **CATALOG["anima"].config)), lambda n: f"transformer.{n}",
+                   meta=True)
+    assert detect_architecture(loraweave.load_adapter(sd)).architecture == "cross-dit"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(detect, "SAME_WIDTH", {})
+        assert detect_architecture(loraweave.load_adapter(sd)).architecture == "ltx-video"

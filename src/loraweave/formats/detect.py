@@ -94,6 +94,9 @@ BY_WIDTH: dict[str, tuple[str, dict[int, str]]] = {
 }
 # Where the cross-attention DiTs' names went (their owner or "cross-dit"), the MMDiT names they share (attn2, ff.net)
 # go too: read as MMDiT, a file's attn2 would be SD3.5's dual attention.
+# ... and read their text at the hidden width (cross_attention_dim = hidden in all four): a file whose attn2 keys
+# take another width (diffusers-named Cosmos-Predict2: 1024 at 2048) is none of them and stays "cross-dit".
+SAME_WIDTH = {"cross-dit": r"^transformer_blocks_\d+_attn2_to_k$"}
 CROSS_DIT_NAMES = ("cross-dit", "ltx2.3", *BY_WIDTH["cross-dit"][1].values())
 METADATA_KEYS = ("modelspec.architecture", "ss_base_model_version", "ss_sd_model_name")
 
@@ -166,6 +169,8 @@ def _fold_shared(adapter: Adapter, scores: dict[str, int], first: dict[str, str]
             found = _width_of(adapter, pattern)
             owner = by_width.get(found[0]) if found else None
             why = f"hidden width {found[0]} ({found[1]})" if found else why
+            other = _width_of(adapter, SAME_WIDTH[shared]) if found and shared in SAME_WIDTH else None
+            owner = None if other and other[0] != found[0] else owner  # e.g. Cosmos: 1024-wide text at 2048
         if owner not in (None, shared) and shared in scores:
             scores[owner] = scores.get(owner, 0) + scores.pop(shared)
             first.setdefault(owner, first.pop(shared))
