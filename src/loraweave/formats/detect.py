@@ -92,11 +92,12 @@ BY_WIDTH: dict[str, tuple[str, dict[int, str]]] = {
                 {3840: "z-image", 2304: "lumina2", 4608: "ideogram4"}),
     "cross-dit": (r"^transformer_blocks_\d+_attn1_to_q$", {4096: "ltx2", 2048: "ltx-video", 1152: "pixart", 2240: "sana"}),
 }
+# The releases BY_WIDTH names for the cross-attention DiTs read their text at the hidden width (cross_attention_dim
+# = hidden in all four): a file whose attn2 keys take another width (diffusers-named Cosmos-Predict2: 1024-wide text
+# at 2048) is none of them and stays "cross-dit".
+SAME_WIDTH = {"cross-dit": r"^transformer_blocks_\d+_attn2_to_k$"}
 # Where the cross-attention DiTs' names went (their owner or "cross-dit"), the MMDiT names they share (attn2, ff.net)
 # go too: read as MMDiT, a file's attn2 would be SD3.5's dual attention.
-# ... and read their text at the hidden width (cross_attention_dim = hidden in all four): a file whose attn2 keys
-# take another width (diffusers-named Cosmos-Predict2: 1024 at 2048) is none of them and stays "cross-dit".
-SAME_WIDTH = {"cross-dit": r"^transformer_blocks_\d+_attn2_to_k$"}
 CROSS_DIT_NAMES = ("cross-dit", "ltx2.3", *BY_WIDTH["cross-dit"][1].values())
 METADATA_KEYS = ("modelspec.architecture", "ss_base_model_version", "ss_sd_model_name")
 
