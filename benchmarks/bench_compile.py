@@ -10,7 +10,10 @@ ratios:
   compiled r16      the same as eager r16 with compile_friendly=True, rank_buckets=(16,), under torch.compile
   compiled r16->32  bucket 32, under torch.compile
 
-    .venv/bin/python benchmarks/bench_compile.py [--quick] [--rounds N]
+Default clock: CPU seconds of this process with one torch thread, as bench_floor.py (`--threads 2 --clock wall`
+for the old style, which the shared 2-core host cannot resolve at these percentages).
+
+    .venv/bin/python benchmarks/bench_compile.py [--quick] [--rounds N] [--threads 1] [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ RANK = 16
 
 
 def main() -> None:
-    args = benchutil.parse_args(__doc__, quick=5, full=9)
+    args = benchutil.parse_args(__doc__, quick=5, full=9, extra=benchutil.add_clock_args)
     benchutil.setup_torch()
-    benchutil.header("bench_compile: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA, eager vs inductor")
+    clock = benchutil.use_clock_args(args)
+    benchutil.header("bench_compile: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA, eager vs inductor; "
+                     f"clock={args.clock}")
     import loraweave
 
     base, sd, x = linear_lora(IN, OUT, TOKENS, RANK, alpha=8.0)
@@ -59,14 +64,15 @@ def main() -> None:
          [Variant("r16", inference_forward(compiled["r16"], x)),
           Variant("r16->32", inference_forward(compiled["r16->32"], x))]),
     ):
-        res = sandwiched(ref, others, rounds=args.rounds, warmup=1)
+        res = sandwiched(ref, others, rounds=args.rounds, warmup=1, clock=clock)
         for v in others:
+            lo, hi = res.interval(v.name)
             rows.append([f"{label} {v.name}", f"{median(res.times['base']) * 1e3:.1f}",
                          f"{median(res.times[v.name]) * 1e3:.1f}", res.quiet_count(v.name),
-                         f"{(res.ratio(v.name) - 1) * 100:+.2f}%"])
+                         f"{(res.ratio(v.name) - 1) * 100:+.2f}%", f"{(lo - 1) * 100:+.2f}% .. {(hi - 1) * 100:+.2f}%"])
     floor = RANK * (IN + OUT) / (IN * OUT)
     print(f"rounds={args.rounds}; {benchutil.noise_line()}")
-    print(table(["variant", "its base ms", "median ms", "quiet", "overhead vs its base"], rows))
+    print(table(["variant", "its base ms", "median ms", "quiet", "overhead vs its base", "90% interval"], rows))
     print(f"FLOP share of the LoRA pair: r16 {floor * 100:.2f}%, padded to 32 {2 * floor * 100:.2f}% of the base GEMM")
     print("first compiled call (compile) s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
     print("max abs diff vs eager: " + ", ".join(f"{k} {v:.2e}" for k, v in agree.items()))

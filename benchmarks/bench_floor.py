@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
@@ -208,8 +207,7 @@ def components(f: Factors, base, clock) -> list[list[str]]:
 
 def main() -> None:
     def extra(ap):
-        ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: see the docstring)")
-        ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+        benchutil.add_clock_args(ap)
         ap.add_argument("--only", default="", help="comma-separated variants to time end to end (default: all); "
                         "e.g. 'loraweave,peft,lora ops' for more rounds in the same time")
         ap.add_argument("--no-components", action="store_true", help="skip the per-kernel table")
@@ -219,8 +217,7 @@ def main() -> None:
 
     args = benchutil.parse_args(__doc__, quick=5, full=11, extra=extra)
     benchutil.setup_torch()
-    torch.set_num_threads(args.threads)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = benchutil.use_clock_args(args)
     benchutil.header(f"bench_floor: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA; clock={args.clock}")
     from peft import LoraConfig, inject_adapter_in_model
 

@@ -65,6 +65,21 @@ def setup_torch():
     return torch
 
 
+def add_clock_args(ap: argparse.ArgumentParser) -> None:
+    """--threads / --clock for benchmarks whose target is a few percent: one thread on the CPU-time clock by default
+    (a descheduled process accrues no CPU time; wall time with 2 threads on the shared host swings by 5-30%)."""
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: CPU time then ignores "
+                    "descheduling)")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: time.process_time (default); "
+                    "wall: time.perf_counter")
+
+
+def use_clock_args(args: argparse.Namespace) -> Callable[[], float]:
+    """Set torch's thread count from `add_clock_args`' options and return the clock they name."""
+    torch.set_num_threads(args.threads)
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo): GEMM speeds, and so every ratio to a base GEMM, depend on it."""
     try:
