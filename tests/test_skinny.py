@@ -94,3 +94,54 @@ def test_runtime_linear_uses_it_and_matches_the_mkl_formula(spy):
         merged = F.linear(x, lin.weight + 0.5 * up @ down, lin.bias)
     assert _rel(got, merged) < 1e-5  # and the adapter really is in it
     assert _rel(F.linear(x, lin.weight, lin.bias), merged) > 1e-3
+
+
+def _compiled_targets(fn, *args):
+    """(output, every call target in the graph dynamo captured) of torch.compile(fn) on args."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    with torch.inference_mode():
+        out = torch.compile(fn, backend=record)(*args)
+    torch._dynamo.reset()
+    return out, targets
+
+
+def _adapted_linear(seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(96, 64)
+    sd = {"lora_unet_proj.lora_down.weight": torch.randn(8, 96, generator=g) / 10,
+          "lora_unet_proj.lora_up.weight": torch.randn(64, 8, generator=g) / 4,
+          "lora_unet_proj.alpha": torch.tensor(4.0)}
+    return model, sd, torch.randn(2, 50, 96, generator=g)
+
+
+def test_compiled_runtime_linear_calls_the_onednn_custom_op():
+    """Under torch.compile the thin GEMMs are `loraweave::onednn_linear` calls (inductor would lower F.linear to
+    MKL's mm: benchmarks/bench_compile.py), probed at apply, not inside the trace; outputs equal eager."""
+    skinny._PROBED.clear()
+    model, sd, x = _adapted_linear()
+    loraweave.apply(model, sd, mode="runtime", strict=True, compile_friendly=True, rank_buckets=(8,))
+    assert skinny._PROBED and skinny._PROBED[0] is not None  # attach ran the probe
+    got, targets = _compiled_targets(model.proj, x)
+    assert targets.count(torch.ops.loraweave.onednn_linear.default) == 2, targets
+    with torch.inference_mode():
+        want = model.proj(x)
+    assert _rel(got, want) <= 1e-6
+
+
+def test_no_probe_inside_a_trace(monkeypatch):
+    """Compiled before any probe: F.linear, and the probe does not run while tracing (its ops would be traced)."""
+    monkeypatch.setattr(skinny, "_PROBED", [])
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(40, 32, generator=g), torch.randn(8, 32, generator=g)
+    got, targets = _compiled_targets(skinny.skinny_linear, x, w)
+    assert torch.ops.loraweave.onednn_linear.default not in targets and skinny._PROBED == []
+    assert torch.equal(got, F.linear(x, w))

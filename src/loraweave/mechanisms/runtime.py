@@ -12,7 +12,7 @@ from ..families.base import CastCache, ConvSpec
 from ..plan.resolve import PlannedPart
 from ..quant import backend_for
 from .merge import Contribution
-from .skinny import skinny_linear
+from .skinny import probe, skinny_linear
 
 _CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
 # Norm layers carry only structured terms (e.g. LyCORIS `w_norm`): channels on the last axis or on axis 1.
@@ -189,6 +189,8 @@ class RuntimePath:
         if self.down is not None and isinstance(weight, torch.Tensor) and weight.is_floating_point():
             if weight.device.type != "meta":
                 self._factors(weight.device, weight.dtype)
+            if weight.device.type == "cpu" and weight.dtype == torch.float32:
+                probe()  # now, so a later torch.compile trace can use the oneDNN kernels (skinny.py)
 
     def _conv_args(self):
         m = self.module

@@ -3,7 +3,9 @@
 MKL's sgemm runs them at ~40% of the base GEMM's efficiency; oneDNN's matmul (the kernel torch.compile's CPU
 backend emits for linear layers) runs them about twice as fast (benchmarks/bench_floor.py, "components"). It is
 reached through a private op, so it is probed once against addmm and used only where it is exact to fp32
-rounding; anything else (other dtypes or devices, autograd, torch.compile tracing) takes F.linear as before."""
+rounding; anything else (other dtypes or devices, autograd) takes F.linear as before. Under torch.compile the op
+is called through a custom op (`loraweave::onednn_linear`, opaque to inductor, which would lower F.linear to
+MKL's mm): only once the probe has run outside the trace (`probe()`, at attach), never from inside it."""
 
 from __future__ import annotations
 
@@ -34,25 +36,45 @@ def _probe():
     return op
 
 
+def probe() -> bool:
+    """Run the one-time probe now (outside any trace); True when the oneDNN op is usable."""
+    if not _PROBED:
+        _PROBED.append(_probe())
+    return _PROBED[0] is not None
+
+
+@torch.library.custom_op("loraweave::onednn_linear", mutates_args=())
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The probed oneDNN op as one opaque call in a compiled graph (chosen only after a successful probe)."""
+    return _PROBED[0](x, weight, bias, "none", [], "")
+
+
+@_onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """The oneDNN op when it may run this product, else None."""
+    """The oneDNN op (or, while compiling, its custom-op wrapper) when it may run this product, else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return None
     if type(x) is not torch.Tensor:  # a tensor subclass expects its own F.linear (__torch_function__)
         return None
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return None  # the op has no autograd formula; the compiler picks its own kernels
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None  # the op has no autograd formula
     if not (x.is_contiguous() and weight.is_contiguous() and weight.dim() == 2):
         return None
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
                              or (torch.is_grad_enabled() and bias.requires_grad)):
         return None
-    if not _PROBED:
-        _PROBED.append(_probe())
-    return _PROBED[0]
+    if torch.compiler.is_compiling():  # no probe inside a trace: its ops would be traced
+        return _onednn_linear if _PROBED and _PROBED[0] is not None else None
+    return _PROBED[0] if probe() else None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·weightᵀ (+ bias), as F.linear, on the faster kernel where it applies (a fresh contiguous tensor)."""
     op = _onednn(x, weight, bias)
-    return op(x, weight, bias, "none", [], "") if op is not None else F.linear(x, weight, bias)
+    if op is None:
+        return F.linear(x, weight, bias)
+    return op(x, weight, bias) if op is _onednn_linear else op(x, weight, bias, "none", [], "")
