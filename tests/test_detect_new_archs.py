@@ -316,3 +316,10 @@ def test_cosmos_diffusers_names_are_a_cross_dit_not_ltx_video():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(detect, "SAME_WIDTH", {})
         assert detect_architecture(loraweave.load_adapter(sd)).architecture == "ltx-video"
+
+
+@pytest.mark.parametrize("arch", [*sorted(CROSS_DITS), "ltx2 video-only"])
+def test_cross_attention_dits_in_kohya_names(arch):
+    """musubi/kohya spelling (lora_unet_ + flattened names) of the same files: the same answers."""
+    sd = kohya(_ltx2_video_only("diffusion_model.") if arch == "ltx2 video-only" else _diffusers_names(CROSS_DITS[arch]))
+    assert detect_architecture(loraweave.load_adapter(sd)).architecture == arch.split()[0]
