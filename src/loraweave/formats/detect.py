@@ -57,7 +57,8 @@ SIGNATURES: tuple[tuple[str, str], ...] = (
 # Names several architectures share -> the architectures that own them, most specific first: when one of those
 # scored (its own names are in the file), the shared names count for it.
 SHARED_NAMES: dict[str, tuple[str, ...]] = {
-    "mmdit": ("ltx2.3", "ltx2", "qwen-image-2.1", "qwen-image"),
+    # cross-dit: a cross-attention DiT's attn2 / ff.net names go where its attn1 names go (below), not to SD3.5
+    "mmdit": ("ltx2.3", "ltx2", "qwen-image-2.1", "qwen-image", "cross-dit"),
     "qwen-image": ("qwen-image-2.1",),
     "ltx2": ("ltx2.3",),
     "z-image": ("ideogram4", "lumina2"),
@@ -96,9 +97,6 @@ BY_WIDTH: dict[str, tuple[str, dict[int, str]]] = {
 # = hidden in all four): a file whose attn2 keys take another width (diffusers-named Cosmos-Predict2: 1024-wide text
 # at 2048) is none of them and stays "cross-dit".
 SAME_WIDTH = {"cross-dit": r"^transformer_blocks_\d+_attn2_to_k$"}
-# Where the cross-attention DiTs' names went (their owner or "cross-dit"), the MMDiT names they share (attn2, ff.net)
-# go too: read as MMDiT, a file's attn2 would be SD3.5's dual attention.
-CROSS_DIT_NAMES = ("cross-dit", "ltx2.3", *BY_WIDTH["cross-dit"][1].values())
 METADATA_KEYS = ("modelspec.architecture", "ss_base_model_version", "ss_sd_model_name")
 
 
@@ -196,12 +194,7 @@ def detect_architecture(adapter: Adapter) -> Detection:
         return Detection("unet", ["cloneofsimo positional keys (unet:<i>): an SD1.x/SD2.x UNet"], {}, meta)
     if not scores:
         return Detection("unknown", ["no key matched a known architecture signature"], scores, meta)
-    had_cross = "cross-dit" in scores
     folded = _fold_shared(adapter, scores, first)
-    cross = next((o for o in CROSS_DIT_NAMES if o in scores), None) if had_cross else None
-    if "mmdit" in scores and cross is not None:
-        scores[cross] = scores.get(cross, 0) + scores.pop("mmdit")
-        first.setdefault(cross, first.pop("mmdit"))
     if "mmdit" in scores:
         kind = _mmdit_kind(adapter)
         # Flux files also have single blocks; an SD3/Flux width fact decides where the shared names count.

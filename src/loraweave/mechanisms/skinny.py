@@ -43,10 +43,15 @@ def probe() -> bool:
     return _PROBED[0] is not None
 
 
+def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The probed oneDNN op (chosen only after a successful probe)."""
+    return _PROBED[0](x, weight, bias, "none", [], "")
+
+
 @torch.library.custom_op("loraweave::onednn_linear", mutates_args=())
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The probed oneDNN op as one opaque call in a compiled graph (chosen only after a successful probe)."""
-    return _PROBED[0](x, weight, bias, "none", [], "")
+    """`_eager` as one opaque call in a compiled graph."""
+    return _eager(x, weight, bias)
 
 
 @_onednn_linear.register_fake
@@ -55,7 +60,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """The oneDNN op (or, while compiling, its custom-op wrapper) when it may run this product, else None."""
+    """A (x, weight, bias) callable on the oneDNN op (while compiling, its custom op) when it may run this
+    product, else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return None
     if type(x) is not torch.Tensor:  # a tensor subclass expects its own F.linear (__torch_function__)
@@ -69,12 +75,10 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         return None
     if torch.compiler.is_compiling():  # no probe inside a trace: its ops would be traced
         return _onednn_linear if _PROBED and _PROBED[0] is not None else None
-    return _PROBED[0] if probe() else None
+    return _eager if probe() else None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·weightᵀ (+ bias), as F.linear, on the faster kernel where it applies (a fresh contiguous tensor)."""
     op = _onednn(x, weight, bias)
-    if op is None:
-        return F.linear(x, weight, bias)
-    return op(x, weight, bias) if op is _onednn_linear else op(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias) if op is None else op(x, weight, bias)

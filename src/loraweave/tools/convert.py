@@ -27,8 +27,6 @@ from .remap import Spans, original_spans
 
 log = logging.getLogger("loraweave")
 LAYOUTS = ("kohya", "peft", "diffusers", "comfy")
-KOHYA_TE = {"text_encoder_2": "lora_te2_", "text_encoder_3": "lora_te3_"}
-COMFY_TE = {"text_encoder": "text_encoders.clip_l.transformer.", "text_encoder_2": "text_encoders.clip_g.transformer."}
 
 
 class ConvertError(LoraweaveError):
@@ -166,16 +164,15 @@ def _stem(layout: str, comp: str, name: str, denoiser: bool, components: Compone
             prefix = "lora_unet_"
         elif comp == "text_encoder":
             prefix = "lora_te1_" if "text_encoder_2" in components.modules else "lora_te_"
-        else:
-            # the parser's own table: Anima's text_conditioner is the DiT's llm_adapter (lora_unet_llm_adapter_)
-            prefix = KOHYA_TE.get(comp) or component_prefix(comp, "kohya")
+        else:  # the parser's own table: lora_te2_, lora_te3_; Anima's text_conditioner -> lora_unet_llm_adapter_
+            prefix = component_prefix(comp, "kohya")
         if prefix is None:
             raise ConvertError(f"kohya layout has no prefix for component {comp}")
         return prefix + name.replace(".", "_")
     if layout == "comfy":
         if denoiser:
             return "diffusion_model." + name
-        prefix = COMFY_TE.get(comp) or component_prefix(comp, "comfyui")
+        prefix = component_prefix(comp, "comfyui")  # text_encoders.clip_l/clip_g.transformer., llm_adapter, ...
         if prefix is None:
             raise ConvertError(f"comfy layout has no prefix for component {comp}")
         return prefix + name
