@@ -197,8 +197,10 @@ def test_minimax_h3_metadata_alpha_as_diffusers_loader(tmp_path, metadata):
     assert report.keys_applied == report.keys_total and worst <= 1e-5, worst
 
 
-def test_minimax_h3_resize_keeps_the_metadata_alpha(tmp_path):
-    """resize folds γ = alpha / rank from `__metadata__["alpha"]` (it wrote γ = 1: the resized file was 2/rank off).
+@pytest.mark.parametrize("arch", [None, "minimax"])
+def test_minimax_h3_resize_keeps_the_metadata_alpha(tmp_path, arch):
+    """resize folds γ = alpha / rank from `__metadata__["alpha"]` (it wrote γ = 1: the resized file was 2/rank off),
+    with the architecture detected or given by a catalog alias (read by name, "minimax" missed the table).
     Full rank (4, the file's highest), so the resized file must merge to what the original merges to."""
     from safetensors.torch import save_file
 
@@ -207,7 +209,7 @@ def test_minimax_h3_resize_keeps_the_metadata_alpha(tmp_path):
     model = _model("MiniMaxH3Transformer3DModel", False, **H3_TINY)
     path, out = tmp_path / "h3.safetensors", tmp_path / "resized.safetensors"
     save_file(_mixed_rank_file(model), str(path), metadata={"alpha": "2"})
-    resize(path, out, rank=4)
+    resize(path, out, rank=4, arch=arch)
     merged = {}
     for name, source in (("original", path), ("resized", out)):
         merged[name] = copy.deepcopy(model)

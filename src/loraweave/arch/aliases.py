@@ -139,10 +139,11 @@ def _legacy_named_modules(module: torch.nn.Module, prefix: str = ""):
         yield from _legacy_named_modules(children[name], f"{prefix}.{name}" if prefix else name)
 
 
-def metadata_alpha_field(arch: str | None) -> str | None:
-    """The `__metadata__` field in which the trainers of architecture `arch` (a table name) record one network
-    alpha for every module (MiniMax-H3: `alpha`); None for the rest."""
-    return next((t.metadata_alpha for t in ARCH_TABLES if t.name == arch and t.metadata_alpha), None)
+def metadata_alpha_of(module: torch.nn.Module) -> str | None:
+    """The `__metadata__` field in which the trainers of this model's architecture record one network alpha for
+    every module (MiniMax-H3: `alpha`); None for the rest."""
+    cls = type(module).__name__
+    return next((t.metadata_alpha for t in ARCH_TABLES if cls in t.classes and t.metadata_alpha), None)
 
 
 def arch_name(module: torch.nn.Module) -> str:
@@ -158,7 +159,7 @@ class AliasTable:
         cls = type(module).__name__
         self.widened_inputs = {m for t in ARCH_TABLES if cls in t.classes for m in t.widened_inputs}
         self.growable_inputs = dict(g for t in ARCH_TABLES if cls in t.classes for g in t.growable_inputs)
-        self.metadata_alpha = next((t.metadata_alpha for t in ARCH_TABLES if cls in t.classes and t.metadata_alpha), None)
+        self.metadata_alpha = metadata_alpha_of(module)
         self.variant_inputs = {(v.module, v.width): v.why for t in ARCH_TABLES if cls in t.classes for v in t.variant_inputs}
         every = dict(module.named_modules())
         self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}

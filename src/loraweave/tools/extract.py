@@ -256,27 +256,33 @@ def _in_shape(part, factors) -> tuple[int, ...]:
     return in_shape
 
 
-def _targets(adapter, arch: str | None, model: str | None) -> tuple[dict[str, tuple[int, ...]], float | None]:
-    """({part stem: (in, *kernel) of the module it lands on}, the architecture's metadata network alpha). Flat-stored
-    conv factors (old LoHa/LoKr) do not say their kernel; the model does. Architecture: given, or detected
-    (no shapes when unknown)."""
-    from ..arch.aliases import metadata_alpha_field
+def _targets(adapter, arch: str | None, model: str | None) -> tuple[dict[str, tuple[int, ...]], dict[str, float]]:
+    """({part stem: (in, *kernel) of the module it lands on}, {component as the file names it: the metadata network
+    alpha its model's trainers record}). Flat-stored conv factors (old LoHa/LoKr) do not say their kernel; the
+    model does. Architecture: given, or detected (nothing when unknown)."""
+    from ..arch.aliases import metadata_alpha_of
     from ..arch.spec import module_shape
     from ..plan.resolve import network_alpha, resolve
     from ..plan.target import Components
     from .inspect import adapter_target
 
-    components, _, detected = adapter_target(adapter, arch, model)
-    alpha = network_alpha(adapter, metadata_alpha_field(arch or detected))
+    components, _, _ = adapter_target(adapter, arch, model)
     if components is None:
-        return {}, alpha
-    plan = resolve(Components(components), [(adapter, 1.0)])
+        return {}, {}
+    comps = Components(components)
+    alphas = {}
+    for name in {p.component for p in adapter.parts}:
+        target = comps.resolve_name(name)  # the model's class, as apply's alias table reads it
+        alpha = network_alpha(adapter, metadata_alpha_of(components[target])) if target else None
+        if alpha is not None:
+            alphas[name] = alpha
+    plan = resolve(comps, [(adapter, 1.0)])
     out = {}
     for pp in plan.planned:
         shape = module_shape(components[pp.component].get_submodule(pp.pieces[0].module))
         if shape is not None and len(shape) >= 2:
             out[pp.part.stem] = tuple(shape[1:])
-    return out, alpha
+    return out, alphas
 
 
 def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None = None, energy: float | None = None,
@@ -292,7 +298,7 @@ def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None 
     t0 = time.perf_counter()
     out = check_output(output, [path], overwrite=overwrite)
     adapter = name_positional(load_adapter(path, allow_pickle=allow_pickle), arch)
-    targets, metadata_alpha = _targets(adapter, arch, model)
+    targets, metadata_alphas = _targets(adapter, arch, model)
     result = LowRankResult(out)
     skipped: Counter = Counter()
     tensors: dict[str, torch.Tensor] = {}
@@ -312,7 +318,7 @@ def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None 
             else:
                 scale, _ = resolve_scale(alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path,
                                          part.component if part.explicit_component else "", adapter.meta_alpha,
-                                         metadata_alpha)
+                                         metadata_alphas.get(part.component))
         except PartRejected as exc:
             skipped[f"unreadable part: {exc}"] += len(part.keys)
             continue
