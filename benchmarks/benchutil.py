@@ -65,10 +65,16 @@ def setup_torch():
     return torch
 
 
+def _threads(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def add_clock_args(ap: argparse.ArgumentParser) -> None:
     """--threads / --clock for benchmarks whose target is a few percent: one thread on the CPU-time clock by default
     (a descheduled process accrues no CPU time; wall time with 2 threads on the shared host swings by 5-30%)."""
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: CPU time then ignores "
+    ap.add_argument("--threads", type=_threads, default=1, help="torch threads (default 1: CPU time then ignores "
                     "descheduling)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: time.process_time (default); "
                     "wall: time.perf_counter")

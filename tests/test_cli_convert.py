@@ -180,3 +180,21 @@ def test_real_files_convert_on_full_size_models(tmp_path):
     names = load_file(comfy)
     assert any(k.startswith("diffusion_model.input_blocks.1.1.") for k in names)
     assert inspect_adapter(comfy, arch="sd1")["coverage"]["unmatched"] == []
+
+
+@pytest.mark.parametrize("to", ["kohya", "comfy"])
+def test_a_component_the_layout_has_no_prefix_for_is_refused_by_name(tmp_path, to):
+    """MiniMax-H3's second partition (`transformer_ref`) has no kohya or comfy prefix: a typed ConvertError naming
+    the file and the component, nothing written, the target untouched (was lora_te_, read back as a text encoder)."""
+    parts = {"transformer": tiny_flux(seed=2), "transformer_ref": tiny_flux(seed=3)}
+    before = {c: copy.deepcopy(m.state_dict()) for c, m in parts.items()}
+    layer = parts["transformer_ref"].transformer_blocks[0].attn.to_q
+    g = torch.Generator().manual_seed(5)
+    src, out = tmp_path / "ref.safetensors", tmp_path / f"{to}.safetensors"
+    save_file({"transformer_ref.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(2, layer.in_features, generator=g),
+               "transformer_ref.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(layer.out_features, 2, generator=g)},
+              src)
+    with pytest.raises(ConvertError, match="no prefix for component transformer_ref") as err:
+        convert(src, to, out, target=parts)
+    assert str(src) in str(err.value) and not out.exists()
+    assert all(torch.equal(before[c][k], v) for c, m in parts.items() for k, v in m.state_dict().items())

@@ -158,7 +158,7 @@ def _assemble(rows: int, pieces: list[_Piece], result: ConvertResult) -> tuple[t
     return down, up, (gammas.pop() * total_rank) if len(gammas) == 1 else float(total_rank)
 
 
-def _stem(layout: str, comp: str, name: str, denoiser: bool, components: Components) -> str:
+def _stem(layout: str, comp: str, name: str, denoiser: bool, components: Components, source: object = "") -> str:
     if layout == "kohya":
         if denoiser:
             prefix = "lora_unet_"
@@ -167,14 +167,14 @@ def _stem(layout: str, comp: str, name: str, denoiser: bool, components: Compone
         else:  # the parser's own table: lora_te2_, lora_te3_; Anima's text_conditioner -> lora_unet_llm_adapter_
             prefix = component_prefix(comp, "kohya")
         if prefix is None:
-            raise ConvertError(f"kohya layout has no prefix for component {comp}")
+            raise ConvertError(f"{source}: kohya layout has no prefix for component {comp}; nothing written")
         return prefix + name.replace(".", "_")
     if layout == "comfy":
         if denoiser:
             return "diffusion_model." + name
         prefix = component_prefix(comp, "comfyui")  # text_encoders.clip_l/clip_g.transformer., llm_adapter, ...
         if prefix is None:
-            raise ConvertError(f"comfy layout has no prefix for component {comp}")
+            raise ConvertError(f"{source}: comfy layout has no prefix for component {comp}; nothing written")
         return prefix + name
     if layout == "peft":
         return "base_model.model." + name
@@ -226,7 +226,7 @@ def convert(path, to: str, output: str | os.PathLike, target=None, arch: str | N
                                             enabled=progress):
         down, up, alpha = _assemble(rows, pieces, result)
         denoiser = comp == components.denoiser_name
-        stem = _stem(to, comp, name, denoiser, components)
+        stem = _stem(to, comp, name, denoiser, components, source=path if inputs else adapter.name)
         rank = down.shape[0]
         up = up.reshape(up.shape[0], rank, *([1] * (down.dim() - 2)))
         if to in ("kohya", "comfy"):
