@@ -1,5 +1,5 @@
 """`loraweave generate` overhead (load, prompt parsing, apply, PNG + metadata + sidecar) vs the plain diffusers
-pipeline on the same tiny SD1.5 model (tests/tiny_pipelines.py: 2-level UNet, 2-layer CLIP, 64x64, 8 steps).
+pipeline on the same tiny SD1.5 model (tests/helpers/tiny_pipelines.py: 2-level UNet, 2-layer CLIP, 64x64, 8 steps).
 
 Variants run round-robin in one process (one torch thread: the machine's 2 cores are shared), medians reported:
 
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny_pipelines import tiny_sd15  # noqa: E402
+from helpers.tiny_pipelines import tiny_sd15  # noqa: E402
 
 STEPS, SIZE, SEED = 8, 64, 7
 

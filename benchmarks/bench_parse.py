@@ -8,7 +8,7 @@ Variants, timed round-robin (order rotated every round) with the garbage collect
 
   alias table        loraweave.arch.aliases.AliasTable(model): the module-name table resolve() builds first
   load_adapter       loraweave.load_adapter(state_dict): key parsing and grouping only
-  resolve            loraweave.plan.resolve.resolve(components, [(adapter, 1.0)]) incl. its alias table build
+  resolve            loraweave.resolve.planner.resolve(components, [(adapter, 1.0)]) incl. its alias table build
   resolve, no table  the same with AliasTable pre-built (patched in this process only): matching parts alone
   plan (end to end)  loraweave.plan(model, state_dict): load_adapter + resolve + report
   plan, bf16 tensors the same with real CPU tensors (random bf16 values, the file's shapes) instead of meta
@@ -78,8 +78,8 @@ def main() -> None:
 
     import loraweave
     from loraweave.arch.aliases import AliasTable
-    from loraweave.plan import resolve as resolve_mod
-    from loraweave.plan.target import as_components
+    from loraweave.resolve import planner as resolve_mod
+    from loraweave.resolve.target import as_components
 
     # Cold: the first plan() in this process, garbage collector on, as a user's first call would run.
     gc_pauses: list[float] = []

@@ -62,8 +62,8 @@ def main() -> None:
 
     import loraweave
     from loraweave.arch.aliases import AliasTable
-    from loraweave.plan import resolve as resolve_mod
-    from loraweave.plan.target import as_components
+    from loraweave.resolve import planner as resolve_mod
+    from loraweave.resolve.target import as_components
 
     with torch.device("meta"):
         model = diffusers.LTX2VideoTransformer3DModel(**CONFIG)

@@ -69,8 +69,8 @@ def main() -> None:
     benchutil.header("bench_resolve_pipeline: largest real Flux key lists vs full-size Flux components on meta")
     import loraweave
     from loraweave.arch.aliases import AliasTable
-    from loraweave.plan import resolve as resolve_mod
-    from loraweave.plan.target import as_components
+    from loraweave.resolve import planner as resolve_mod
+    from loraweave.resolve.target import as_components
 
     comps = build_components()
     cases = {

@@ -1,4 +1,4 @@
-"""`loraweave serve` throughput: 32 requests over 8 adapters on the tiny SD1.5 pipeline (tests/serve_fixtures.py),
+"""`loraweave serve` throughput: 32 requests over 8 adapters on the tiny SD1.5 pipeline (tests/helpers/serve_fixtures.py),
 8 steps, 64x64, one torch thread per replica, 2 replicas on local Ray, measured side by side in one run:
 
   generate (sequential)   loraweave.tools.generate.generate per request (loads the pipeline each time, as the CLI)
@@ -28,7 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from serve_fixtures import build  # noqa: E402
+from helpers.serve_fixtures import build  # noqa: E402
 
 ADAPTERS, CLIENTS = 8, 8
 SETTINGS = {"steps": 8, "cfg": 5.0, "width": 64, "height": 64, "negative": "blurry"}

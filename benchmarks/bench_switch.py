@@ -48,7 +48,7 @@ def main() -> None:
     benchutil.setup_torch()
     benchutil.header(f"bench_switch: {BLOCKS * PER_BLOCK} layers {WIDTH}x{WIDTH}, rank {RANK}")
     import loraweave
-    from loraweave.spec import AdapterSpec
+    from loraweave.request.spec import AdapterSpec
 
     model = build()
     sets = {"A": lora(model, 1), "B": lora(model, 2)}

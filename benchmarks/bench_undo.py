@@ -39,7 +39,7 @@ def main() -> None:
     import time
 
     import loraweave
-    from loraweave.spec import AdapterSpec
+    from loraweave.request.spec import AdapterSpec
 
     models = {kind: build() for kind in KINDS}
     spec = AdapterSpec(lora(models["copy"], 1), name="A")

@@ -1,6 +1,6 @@
 """Shared fixtures: the path to ../shared real data, and LyCORIS class state restored after each test.
 
-Plain helper functions live in helpers.py; tiny real-architecture models in tiny_models.py."""
+Plain helper functions live in helpers/common.py; tiny real-architecture models in helpers/tiny_models.py."""
 
 from __future__ import annotations
 

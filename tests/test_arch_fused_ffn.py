@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention import FeedForward
-from helpers import gen, rel_err
-from tiny_models import tiny_zimage, zimage_forward
+from helpers.common import gen, rel_err
+from helpers.tiny_models import tiny_zimage, zimage_forward
 
 import loraweave
 

@@ -15,8 +15,8 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import rel_err
-from tiny_models import tiny_flux
+from helpers.common import rel_err
+from helpers.tiny_models import tiny_flux
 
 import loraweave
 from loraweave.arch import aliases as arch_aliases

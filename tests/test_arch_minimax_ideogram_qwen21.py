@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers.common import rel_err
 from test_arch_ltx_layouts import assert_matches_peft, linears
 
 import loraweave

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_zimage
+from helpers.tiny_models import tiny_zimage
 
 from loraweave.arch.aliases import AliasTable
 

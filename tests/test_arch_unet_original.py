@@ -189,8 +189,8 @@ def test_agrees_with_ai_toolkit_keymaps(model: str) -> None:
 def test_nonstandard_unet_leaves_original_names_unmapped(caplog):
     """A UNet2DConditionModel whose blocks lack `resnets` (a partial folder) used to crash with an
     AttributeError; now original names stay unmapped (typed misses) and diffusers names still land."""
+    from helpers.tiny_models import tiny_sdxl_unet
     from safetensors.torch import save_file
-    from tiny_models import tiny_sdxl_unet
 
     import loraweave
 

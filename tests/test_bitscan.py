@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from loraweave.mechanisms.merge.layer.undo import bits
 
-from loraweave.mechanisms import bitscan
-from loraweave.mechanisms.undo import bits
+from loraweave.mechanisms.merge.layer import bitscan
 
 
 @pytest.fixture(params=["numpy", "torch"])

@@ -19,7 +19,7 @@ from loraweave.tools import bake as bake_mod
 from loraweave.tools.bake import bake, parse_adapter_arg
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import tiny_flux  # noqa: E402
+from helpers.tiny_models import tiny_flux  # noqa: E402
 
 
 def flux_lora(seed: int, rank: int = 4, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -268,7 +268,7 @@ def test_bake_original_named_single_file(tmp_path):
 def test_bake_ldm_single_file_with_prefix(tmp_path):
     """An ldm/sgm single file (`model.diffusion_model.input_blocks...`): diffusers-named and sgm-named keys land;
     tensors outside the UNet (here a VAE one) pass through untouched."""
-    from tiny_models import tiny_sdxl_unet
+    from helpers.tiny_models import tiny_sdxl_unet
 
     from loraweave.arch.unet_original import unet_original_names
 

@@ -18,7 +18,7 @@ from loraweave.tools.convert import ConvertError, convert
 from loraweave.tools.skeleton import CACHE_ENV
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import tiny_flux  # noqa: E402
+from helpers.tiny_models import tiny_flux  # noqa: E402
 
 REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
 H = 32  # tiny Flux hidden size

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from loraweave.cli import build_parser, main
-from loraweave.cli_support import EXIT_STATUS
+from loraweave.cli.support import EXIT_STATUS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_system_errors_bugs_and_interrupts(raised, code, monkeypatch, capsys, tm
 def test_a_command_added_later_gets_the_table_too():
     import argparse
 
-    from loraweave.cli_support import with_exit_status
+    from loraweave.cli.support import with_exit_status
 
     parser = argparse.ArgumentParser(prog="x")
     sub = parser.add_subparsers(dest="command")

@@ -18,7 +18,7 @@ from loraweave.tools.inspect import inspect_adapter
 from loraweave.tools.skeleton import CACHE_ENV, describe, rebuild, skeleton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import tiny_flux  # noqa: E402
+from helpers.tiny_models import tiny_flux  # noqa: E402
 
 REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
 # file -> (layout, architecture), from realdata/lora/README.md (what each file is).

@@ -13,12 +13,12 @@ import copy
 import pytest
 import torch
 import torch._dynamo
-from helpers import gen, rel_err
-from tiny_models import flux_forward, tiny_flux, tiny_sdxl_unet, unet_forward
+from helpers.common import gen, rel_err
+from helpers.tiny_models import flux_forward, tiny_flux, tiny_sdxl_unet, unet_forward
 from torch._dynamo.testing import CompileCounter
 
 import loraweave
-from loraweave.spec import AdapterSpec
+from loraweave.request.spec import AdapterSpec
 
 TOL = 1e-5
 MODELS = {"flux": (tiny_flux, flux_forward, "transformer_blocks.0"),

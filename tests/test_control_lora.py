@@ -9,8 +9,8 @@ import copy
 
 import pytest
 import torch
-from helpers import gen, rel_err
-from tiny_models import tiny_flux
+from helpers.common import gen, rel_err
+from helpers.tiny_models import tiny_flux
 
 import loraweave
 

@@ -65,7 +65,7 @@ def test_inspect_cli_prints_architecture(capsys, realdata):
 def _double_stream_only_file(cls_name: str, config: str) -> dict[str, torch.Tensor]:
     """A diffusers-named LoRA on the joint (double-stream) blocks only: names SD3 and Flux share."""
     import diffusers
-    from helpers import real_config
+    from helpers.common import real_config
 
     with torch.device("meta"):
         model = getattr(diffusers, cls_name).from_config(real_config(config))

@@ -11,11 +11,11 @@ import logging
 import pytest
 import torch
 from conftest import REALDATA
+from helpers.tiny_models import MODELS
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 from test_realdata import REAL_FILES
-from tiny_models import MODELS
 
 import loraweave.diffusers as lwd
 from loraweave import LoraweaveError
@@ -458,7 +458,7 @@ def test_failed_calls_leave_the_pipeline_unchanged(tmp_path):
 def meta_pipes(realdata):
     """Full-size SD1.5, SD2 (UNet + text encoder) and Flux.1 pipelines on the meta device, drop-in enabled."""
     from diffusers import FluxPipeline, FluxTransformer2DModel, StableDiffusionPipeline, UNet2DConditionModel
-    from helpers import real_config
+    from helpers.common import real_config
     from transformers import CLIPTextConfig, CLIPTextModel
 
     sd2 = real_config("sd15__unet_config.json")  # as in test_realdata: SD2 differs from SD1.5 in these fields
@@ -518,8 +518,8 @@ def test_fuse_on_an_sdnq_quantized_transformer(tmp_path):
 
     os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
     from diffusers import FluxTransformer2DModel
+    from helpers.tiny_models import flux_forward
     from sdnq import sdnq_post_load_quant
-    from tiny_models import flux_forward
 
     _silence_peft_warnings()
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import lycoris  # the reference must be installed: a missing package fails here,
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import gen, multiplier_outputs, outputs, randn_inputs, rel_err, save_lycoris
+from helpers.common import gen, multiplier_outputs, outputs, randn_inputs, rel_err, save_lycoris
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
@@ -197,7 +197,7 @@ def test_norm_of_original_plus_delta_on_the_right_axis(on_out, monkeypatch):
 def test_fused_flux_qkv_split_over_modules():
     """kohya Flux `img_attn.qkv` (96 rows) lands on to_q/to_k/to_v: the output axis is row-local (exact per
     module, merge and runtime), the input axis needs all 96 rows at once and is refused with a reason."""
-    from tiny_models import flux_forward, tiny_flux
+    from helpers.tiny_models import flux_forward, tiny_flux
 
     pristine = tiny_flux()
     stem = "lora_unet_double_blocks_0_img_attn_qkv"

@@ -23,7 +23,7 @@ import lycoris  # the reference must be installed: a missing package fails here,
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import gen, outputs, randn_inputs, rel_err, write_preset
+from helpers.common import gen, outputs, randn_inputs, rel_err, write_preset
 from safetensors.torch import load_file, save_file
 from torch import nn
 

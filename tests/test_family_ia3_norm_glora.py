@@ -15,7 +15,7 @@ import lycoris  # the reference must be installed: a missing package fails here,
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (
+from helpers.common import (
     gen,
     multiplier_outputs,
     outputs,
@@ -179,7 +179,7 @@ def test_glora_naming_from_shapes():
 
 def test_glora_fused_flux_qkv_rows():
     """A fused qkv GLoRA lands on to_q/to_k/to_v: the W·a1·a2 half reads each module's own rows."""
-    from tiny_models import flux_forward, tiny_flux
+    from helpers.tiny_models import flux_forward, tiny_flux
 
     pristine = tiny_flux()
     stem = "lora_unet_double_blocks_0_img_attn_qkv"
@@ -387,7 +387,7 @@ def test_ia3_peft_matches_peft_forward():
 def test_ia3_fused_flux_qkv_rows():
     """LyCORIS IA3 on a fused qkv: the output side lands row-chunked, the input side scales every module.
     The input side has no rows of its own (rows None: core change C)."""
-    from tiny_models import tiny_flux
+    from helpers.tiny_models import tiny_flux
 
     pristine = tiny_flux()
     attn = "transformer_blocks.0.attn"

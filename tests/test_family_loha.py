@@ -13,7 +13,7 @@ import json
 import lycoris  # the reference must be installed: a missing package fails here, it is never skipped
 import pytest
 import torch
-from helpers import (
+from helpers.common import (
     check_fused_flux_qkv,
     gen,
     multiplier_outputs,
@@ -125,7 +125,7 @@ def delta64(sd: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
 
 
 def test_fused_flux_qkv_lands_on_the_right_rows():
-    from tiny_models import tiny_flux
+    from helpers.tiny_models import tiny_flux
 
     pristine = tiny_flux()
     stem = "lora_unet_double_blocks_0_img_attn_qkv"

@@ -14,7 +14,7 @@ import lycoris  # the reference must be installed: a missing package fails here,
 import pytest
 import torch
 from conftest import REALDATA
-from helpers import (
+from helpers.common import (
     check_fused_flux_qkv,
     gen,
     multiplier_outputs,
@@ -152,7 +152,7 @@ def kron64(sd: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
 
 def test_fused_flux_qkv_lands_on_the_right_rows():
     """(96, 32) qkv LoKr with b=24 rows per w1 row: to_q/to_k/to_v chunks of 32 rows cut w1 rows in half."""
-    from tiny_models import tiny_flux
+    from helpers.tiny_models import tiny_flux
 
     pristine = tiny_flux()
     stem = "lora_unet_double_blocks_0_img_attn_qkv"

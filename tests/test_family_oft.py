@@ -14,7 +14,15 @@ import lycoris  # the reference must be installed: a missing package fails here,
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import gen, multiplier_outputs, outputs, randn_inputs, reason_prefixes, rel_err, write_preset
+from helpers.common import (
+    gen,
+    multiplier_outputs,
+    outputs,
+    randn_inputs,
+    reason_prefixes,
+    rel_err,
+    write_preset,
+)
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -291,7 +299,7 @@ def test_kohya_flux_splits_rotate_each_split():
 def test_fused_flux_qkv_rows():
     """OFT on a fused BFL qkv (96 rows -> to_q/to_k/to_v): blocks of 8 tile each 32-row chunk; merge equals the
     fp64 rotation of the stacked weight, runtime equals merge. Blocks that cut a chunk are refused, never guessed."""
-    from tiny_models import flux_forward, tiny_flux
+    from helpers.tiny_models import flux_forward, tiny_flux
 
     pristine = tiny_flux()
     stem = "lora_unet_double_blocks_0_img_attn_qkv"

@@ -23,7 +23,7 @@ import peft  # noqa: F401  the reference must be installed: a missing package fa
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import reason_prefixes
+from helpers.common import reason_prefixes
 from torch import nn
 
 import loraweave
@@ -152,8 +152,8 @@ def family_apply(target: nn.Module, path, mode: str, strength: float = 1.0, conf
 def core_passes_config() -> bool:
     """Whether the planner hands the adapter's PEFT config to the family's load (the proposed core change)."""
     from loraweave.formats.adapter import load_adapter
-    from loraweave.plan.resolve import resolve
-    from loraweave.plan.target import as_components
+    from loraweave.resolve.planner import resolve
+    from loraweave.resolve.target import as_components
 
     model = nn.ModuleDict({"lin": nn.Linear(4, 2)})
     adapter = load_adapter({"lin.oft_R.weight": torch.zeros(1, 6)})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from helpers import rel_err
-from tiny_models import flux_forward, tiny_flux
+from helpers.common import rel_err
+from helpers.tiny_models import flux_forward, tiny_flux
 
 import loraweave
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REALDATA
-from helpers import real_config
+from helpers.common import real_config
 
 import loraweave
 from loraweave import LoraweaveError
-from loraweave.applying import resolve_set
 from loraweave.cli import main as cli_main
+from loraweave.engine.install import resolve_set
 
 CASES = int(os.environ.get("LORAWEAVE_FUZZ_CASES", "24"))
 FILES = [  # SD1.5 files: diffusers/PEFT-named LoRA, cloneofsimo (metadata-driven), LyCORIS LoKr (kohya ss_*)

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.tiny_pipelines import tiny_sd15
 from PIL import Image
 from safetensors.torch import save_file
-from tiny_pipelines import tiny_sd15
 
 import loraweave
 from loraweave.cli import main

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers.common import rel_err
 from safetensors.torch import save_file
 from torch import nn
 

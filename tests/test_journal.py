@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fail_on_call
+from helpers.common import fail_on_call
 from test_hostile import Net, lora, no_hooks, same, state
 
 import loraweave
-import loraweave.applying
-import loraweave.mechanisms.merge
-import loraweave.mechanisms.runtime
-from loraweave.journal import Journal
+import loraweave.engine.install
+import loraweave.mechanisms.merge.layer
+import loraweave.mechanisms.runtime.path
+from loraweave.engine.journal import Journal
 
 A, B, C = lora(["fc1", "fc2"], 1), lora(["fc2", "fc3"], 2), lora(["fc1", "fc3"], 3)
 
@@ -24,7 +24,7 @@ def test_switch_merge_failing_midway_leaves_the_model_clean(monkeypatch, exc, nt
     pristine = state(Net())
     model = Net()
     handle = loraweave.apply(model, [(A, 1.0), (B, 0.5)], mode="merge")
-    cls = loraweave.mechanisms.merge.MergedModule
+    cls = loraweave.mechanisms.merge.layer.MergedModule
     wrapper = fail_on_call(nth, exc, cls.write, after=after)
     monkeypatch.setattr(cls, "write", wrapper)
     with pytest.raises(exc, match="injected"):
@@ -44,11 +44,11 @@ def test_switch_runtime_failing_midway_leaves_no_hook(monkeypatch, exc, nth, tar
     model = Net()
     handle = loraweave.apply(model, [(A, 1.0)], mode="runtime")
     if target == "attach":
-        cls = loraweave.mechanisms.runtime.RuntimePath
+        cls = loraweave.mechanisms.runtime.path.RuntimePath
         monkeypatch.setattr(cls, "attach", fail_on_call(nth, exc, cls.attach, after=True))
     else:
-        real = loraweave.applying.RuntimePath
-        monkeypatch.setattr(loraweave.applying, "RuntimePath", fail_on_call(nth, exc, real))
+        real = loraweave.engine.install.RuntimePath
+        monkeypatch.setattr(loraweave.engine.install, "RuntimePath", fail_on_call(nth, exc, real))
     with pytest.raises(exc, match="injected"):
         handle.switch([(B, 1.0), (C, 1.0)])  # every layer rebuilt
     assert same(model, pristine) and no_hooks(model) and not handle.active
@@ -63,7 +63,7 @@ def test_set_strength_failing_midway_keeps_the_old_strength_everywhere(monkeypat
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         before_out, before = model(x), state(model)
-    cls = loraweave.mechanisms.merge.MergedModule if mode == "merge" else loraweave.mechanisms.runtime.RuntimePath
+    cls = loraweave.mechanisms.merge.layer.MergedModule if mode == "merge" else loraweave.mechanisms.runtime.path.RuntimePath
     method = "write" if mode == "merge" else "refresh_scales"
     monkeypatch.setattr(cls, method, fail_on_call(nth, RuntimeError, getattr(cls, method), after=True))
     with pytest.raises(RuntimeError, match="injected"):

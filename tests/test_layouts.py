@@ -10,9 +10,9 @@ import copy
 
 import pytest
 import torch
+from helpers.tiny_models import tiny_flux, tiny_zimage
 from safetensors.torch import load_file
 from test_parity_peft import make_peft_lora, rel_err
-from tiny_models import tiny_flux, tiny_zimage
 
 import loraweave
 from loraweave.arch.unet_original import unet_original_names
@@ -226,7 +226,7 @@ def test_separate_qkv_keys_land_on_fused_projections():
                  "single_transformer_blocks.0.attn.to_k"):
         sd[f"transformer.{stem}.lora_A.weight"] = torch.randn(4, 32, generator=g)
         sd[f"transformer.{stem}.lora_B.weight"] = torch.randn(32, 4, generator=g) * 0.1
-    from tiny_models import flux_forward
+    from helpers.tiny_models import flux_forward
 
     with torch.no_grad():
         reference = copy.deepcopy(base)
@@ -243,7 +243,7 @@ def test_separate_qkv_keys_land_on_fused_projections():
 def test_flux_fill_widened_x_embedder_takes_a_base_lora():
     """Flux Fill/Kontext widen x_embedder's input; a LoRA trained on the base touches only the original columns."""
     from diffusers import FluxTransformer2DModel
-    from tiny_models import tiny_flux
+    from helpers.tiny_models import tiny_flux
 
     torch.manual_seed(0)
     fill = FluxTransformer2DModel(

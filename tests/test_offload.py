@@ -14,12 +14,12 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.hooks import apply_group_offloading
+from helpers.tiny_models import flux_forward, tiny_flux
+from loraweave.mechanisms.runtime.path.path import RuntimePath
 from test_switching import LAYERS, _lora
-from tiny_models import flux_forward, tiny_flux
 
 import loraweave
 from loraweave.errors import StrictApplyError
-from loraweave.mechanisms.runtime import RuntimePath
 
 TOL = 1e-5
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]

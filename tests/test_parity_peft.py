@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
+from helpers.tiny_models import MODELS
 from peft import LoraConfig, get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
-from tiny_models import MODELS
 
 import loraweave
 

@@ -13,13 +13,13 @@ import os
 
 import pytest
 import torch
-from batch_inputs import ARCHS, MORE, batch_inputs, cat, run, take
-from helpers import rel_err
+from helpers.batch_inputs import ARCHS, MORE, batch_inputs, cat, run, take
+from helpers.common import rel_err
 from test_support_matrix import factors
 
 import loraweave
 from loraweave.errors import BatchError
-from loraweave.mechanisms import mix
+from loraweave.mechanisms.sampling import mix
 
 TOL = 1e-5
 SETS = [["a"], ["b", "c"], [], ["a", "d"]]

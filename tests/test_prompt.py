@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from loraweave.prompt import PromptAdapterError, parse_prompt, resolve_adapter_name
-from loraweave.spec import AdapterSpec
+from loraweave.request.prompt import PromptAdapterError, parse_prompt, resolve_adapter_name
+from loraweave.request.spec import AdapterSpec
 
 
 @pytest.fixture

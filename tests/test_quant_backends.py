@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import gen, rel_err
+from helpers.common import gen, rel_err
 from safetensors.torch import save_file
 from torch import nn
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from helpers import gen, rel_err
+from helpers.common import gen, rel_err
 from test_quant_sdnq import (
     IN,
     OUT_A,

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from helpers import gen, rel_err
+from helpers.common import gen, rel_err
 from torch import nn
 
 import loraweave

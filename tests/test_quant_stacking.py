@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers.common import rel_err
 from test_quant_sdnq import IN, OUT_A, OUT_B, float_model, lora, quantized
 
 import loraweave
-from loraweave.spec import AdapterSpec
+from loraweave.request.spec import AdapterSpec
 
 
 def _two_loras():

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers.common import rel_err
 from safetensors.torch import save_file
 from torch import nn
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from conftest import REALDATA
-from helpers import real_config, reason_prefixes
+from helpers.common import real_config, reason_prefixes
 
 import loraweave
 

@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers.common import rel_err
+from helpers.tiny_models import flux_forward, tiny_flux, tiny_sdxl_unet, unet_forward
 from test_persample import adapter
-from tiny_models import flux_forward, tiny_flux, tiny_sdxl_unet, unet_forward
 
 import loraweave
 from loraweave.errors import RegionError
@@ -164,7 +164,7 @@ def test_region_refusals(flux):
 
 def test_region_inside_a_per_sample_batch(flux):
     """Regions apply to every sample of a batch: each row equals that sample alone with the region."""
-    from batch_inputs import batch_inputs, run, take
+    from helpers.batch_inputs import batch_inputs, run, take
 
     base, ads, model, handle = flux
     x, sets = batch_inputs("flux", 2), [["a"], ["a", "b"]]

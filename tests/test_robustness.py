@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import fail_on_call
+from helpers.common import fail_on_call
 from safetensors.torch import save_file
 from torch import nn
 
 import loraweave
-import loraweave.applying
-import loraweave.mechanisms.merge
-import loraweave.mechanisms.runtime
+import loraweave.engine.install
+import loraweave.mechanisms.merge.layer
+import loraweave.mechanisms.runtime.path
 from loraweave import (
     AdapterFileError,
     AdapterFormatError,
@@ -628,9 +628,9 @@ def test_merge_write_failing_midway_restores_everything(monkeypatch, mode, nth, 
     quant = mode == "auto"
     model = Net(quant=quant)
     before, out_before, conv_before = _snapshot(model)
-    real = loraweave.mechanisms.merge.MergedModule.write
+    real = loraweave.mechanisms.merge.layer.MergedModule.write
     wrapper = fail_on_call(nth, exc, real, after=after)
-    monkeypatch.setattr(loraweave.mechanisms.merge.MergedModule, "write", wrapper)
+    monkeypatch.setattr(loraweave.mechanisms.merge.layer.MergedModule, "write", wrapper)
     with pytest.raises(exc, match="injected"):
         loraweave.apply(model, _full_adapter(quant), mode=mode)
     assert wrapper.calls["n"] == nth
@@ -646,8 +646,8 @@ def test_merge_module_failing_midway_restores_everything(monkeypatch, mode, nth,
     quant = mode == "auto"
     model = Net(quant=quant)
     before, out_before, conv_before = _snapshot(model)
-    wrapper = fail_on_call(nth, exc, loraweave.applying.merge_module)
-    monkeypatch.setattr(loraweave.applying, "merge_module", wrapper)
+    wrapper = fail_on_call(nth, exc, loraweave.engine.install.merge_module)
+    monkeypatch.setattr(loraweave.engine.install, "merge_module", wrapper)
     with pytest.raises(exc, match="injected"):
         loraweave.apply(model, _full_adapter(quant), mode=mode)
     _check_restored(model, before, out_before, conv_before)
@@ -664,7 +664,7 @@ def test_failure_inside_the_weight_update_restores_weight_and_bias(monkeypatch, 
         fam = loraweave.families.FAMILIES["lora"]
         monkeypatch.setattr(fam, "add_delta", fail_on_call(3, RuntimeError, fam.add_delta, after=True))
     else:
-        cls = loraweave.mechanisms.merge.MergedModule
+        cls = loraweave.mechanisms.merge.layer.MergedModule
         monkeypatch.setattr(cls, "_write_bias", fail_on_call(2, RuntimeError, cls._write_bias, after=True))
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(False), mode="merge")
@@ -678,10 +678,10 @@ def test_runtime_attach_failing_midway_leaves_no_hook(monkeypatch, mode, nth, ex
     quant = True
     model = Net(quant=quant)
     before, out_before, conv_before = _snapshot(model)
-    real = loraweave.mechanisms.runtime.RuntimePath.attach
+    real = loraweave.mechanisms.runtime.path.RuntimePath.attach
     n_runtime = N_MODULES + 1 if mode == "runtime" else 1
     wrapper = fail_on_call(min(nth, n_runtime), exc, real)
-    monkeypatch.setattr(loraweave.mechanisms.runtime.RuntimePath, "attach", wrapper)
+    monkeypatch.setattr(loraweave.mechanisms.runtime.path.RuntimePath, "attach", wrapper)
     with pytest.raises(exc, match="injected"):
         loraweave.apply(model, _full_adapter(quant), mode=mode)
     _check_restored(model, before, out_before, conv_before)
@@ -693,7 +693,7 @@ def test_runtime_attach_failing_midway_leaves_no_hook(monkeypatch, mode, nth, ex
 def test_runtime_constructor_failing_midway_leaves_no_hook(monkeypatch, mode):
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
-    import loraweave.applying as applying  # where apply builds runtime paths (the planner builds none)
+    import loraweave.engine.install as applying  # where apply builds runtime paths (the planner builds none)
 
     real = applying.RuntimePath
     monkeypatch.setattr(applying, "RuntimePath", fail_on_call(3 if mode == "runtime" else 1, RuntimeError, real))
@@ -707,8 +707,8 @@ def test_auto_failure_after_merges_and_hooks_restores_both(monkeypatch):
     (building the report) after both kinds were applied."""
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
-    monkeypatch.setattr(loraweave.applying, "AppliedModule",
-                        fail_on_call(N_MODULES + 1, KeyboardInterrupt, loraweave.applying.AppliedModule))
+    monkeypatch.setattr(loraweave.engine.install, "AppliedModule",
+                        fail_on_call(N_MODULES + 1, KeyboardInterrupt, loraweave.engine.install.AppliedModule))
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(True), mode="auto")
     _check_restored(model, before, out_before, conv_before)
@@ -720,8 +720,8 @@ def test_interrupt_landing_right_after_a_hook_is_registered_leaves_no_hook(monke
     the path) must still leave no hook: apply promises all-or-nothing for any exception."""
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
-    real = loraweave.mechanisms.runtime.RuntimePath.attach
-    monkeypatch.setattr(loraweave.mechanisms.runtime.RuntimePath, "attach", fail_on_call(1, KeyboardInterrupt, real, after=True))
+    real = loraweave.mechanisms.runtime.path.RuntimePath.attach
+    monkeypatch.setattr(loraweave.mechanisms.runtime.path.RuntimePath, "attach", fail_on_call(1, KeyboardInterrupt, real, after=True))
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(True), mode=mode)
     _check_restored(model, before, out_before, conv_before)
@@ -731,7 +731,7 @@ def test_interrupt_landing_right_after_a_merge_is_written_restores_it(monkeypatc
     """Same window for merge: merge_module returned (weights written) but apply had not recorded it yet."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
-    monkeypatch.setattr(loraweave.applying, "merge_module", fail_on_call(2, KeyboardInterrupt, loraweave.applying.merge_module, after=True))
+    monkeypatch.setattr(loraweave.engine.install, "merge_module", fail_on_call(2, KeyboardInterrupt, loraweave.engine.install.merge_module, after=True))
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(False), mode="merge")
     _check_restored(model, before, out_before, conv_before)
@@ -748,7 +748,7 @@ def test_nested_apply_failing_midway_keeps_the_outer_merge(monkeypatch, same_ada
     outer = loraweave.apply(model, outer_adapter, mode="merge")
     merged_state = {k: v.clone() for k, v in model.state_dict().items()}
     inner_adapter = outer_adapter if same_adapter else loraweave.load_adapter(_full_adapter(False), name="inner")
-    cls = loraweave.mechanisms.merge.MergedModule
+    cls = loraweave.mechanisms.merge.layer.MergedModule
     with monkeypatch.context() as mp:
         mp.setattr(cls, "write", fail_on_call(3, exc, cls.write))
         with pytest.raises(exc, match="injected"):
@@ -785,7 +785,7 @@ def test_nested_merges_removed_in_any_order_end_exact(same_adapter):
 
 def test_fused_flux_part_failing_on_its_second_module_restores_the_first(monkeypatch):
     """A fused original key (img_attn.qkv) splits over to_q/to_k/to_v: a failure on to_k undoes to_q."""
-    from tiny_models import flux_forward, tiny_flux
+    from helpers.tiny_models import flux_forward, tiny_flux
 
     model = tiny_flux()
     before = copy.deepcopy(model)
@@ -799,8 +799,8 @@ def test_fused_flux_part_failing_on_its_second_module_restores_the_first(monkeyp
     }
     plan = check_report(loraweave.plan(model, sd))
     assert plan["keys_applied"] == 3
-    for mode, cls, attr in [("merge", loraweave.mechanisms.merge.MergedModule, "write"),
-                            ("runtime", loraweave.mechanisms.runtime.RuntimePath, "attach")]:
+    for mode, cls, attr in [("merge", loraweave.mechanisms.merge.layer.MergedModule, "write"),
+                            ("runtime", loraweave.mechanisms.runtime.path.RuntimePath, "attach")]:
         with monkeypatch.context() as mp:
             mp.setattr(cls, attr, fail_on_call(2, RuntimeError, getattr(cls, attr)))
             with pytest.raises(RuntimeError, match="injected"):

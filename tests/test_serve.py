@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_fixtures import SETTINGS, build, generated, pixels, rendered
+from helpers.serve_fixtures import SETTINGS, build, generated, pixels, rendered
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'loraweave[serve]')")
 
@@ -51,7 +51,7 @@ def server(files):
     path = os.pathsep.join((str(SRC), str(TESTS)))  # replicas import serve_fixtures' FaultyEngine
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     options = ServeOptions(str(pipe_dir), str(loras), replicas=2, max_adapters_per_replica=4, max_batch=8,
-                           batch_wait_s=0.3, engine="serve_fixtures:FaultyEngine")
+                           batch_wait_s=0.3, engine="helpers.serve_fixtures:FaultyEngine")
     try:
         _, url = start(options, port=8765)
         yield url, pipe_dir, loras, root
@@ -116,7 +116,7 @@ def test_one_at_a_time_equals_generate(server):
 
 
 def _names(body: dict, loras: Path):
-    from loraweave.prompt import parse_prompt
+    from loraweave.request.prompt import parse_prompt
 
     _, specs = parse_prompt(_as_tags(body), loras)
     return [(Path(s.source).relative_to(loras.resolve()).with_suffix("").as_posix(), s.strength) for s in specs]
@@ -158,7 +158,7 @@ def test_engine_mixed_batch_is_row_independent(files, monkeypatch):
     Each sample is bit-equal, as floats and as PNG, to generate's arithmetic at batch size 3, whatever its
     companions; a lone request equals generate itself. Negative controls (floats): another strength, the sum in
     resident order, and Handle.batch's non-exact forms (gated whole pair; per-run GEMMs): each ~1e-6 off."""
-    from loraweave.mechanisms import mix, persample
+    from loraweave.mechanisms.sampling import mix, persample
     from loraweave.serve import Engine
 
     pipe_dir, loras, root = files

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from serve_fixtures import SETTINGS, build
+from helpers.serve_fixtures import SETTINGS, build
 
 from loraweave.cli import main
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import loraweave
-from loraweave.mechanisms import skinny
+from loraweave.mechanisms.runtime.path import skinny
 
 
 @pytest.fixture

@@ -10,13 +10,13 @@ import copy
 
 import pytest
 import torch
-from helpers import gen, rel_err
+from helpers.common import gen, rel_err
+from helpers.tiny_models import flux_forward, tiny_flux
 from peft.utils import merge_utils as peft_merge
-from tiny_models import flux_forward, tiny_flux
 
 import loraweave
-from loraweave.plan.stacking import stack_key
-from loraweave.spec import AdapterSpec
+from loraweave.request.spec import AdapterSpec
+from loraweave.resolve.stacking import stack_key
 from loraweave.stack.combine import mask_seed
 
 SHARED = ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.net.2", "single_transformer_blocks.0.proj_out"]

@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers.common import rel_err
+from helpers.tiny_models import flux_forward, tiny_flux
 from test_switching import LAYERS, _lora
-from tiny_models import flux_forward, tiny_flux
 
 import loraweave
-from loraweave.spec import AdapterSpec
+from loraweave.request.spec import AdapterSpec
 
 STEPS = 8
 

@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
+from helpers.tiny_models import tiny_flux
 from test_persample import adapter
-from tiny_models import tiny_flux
 
 import loraweave
 from loraweave.errors import ArgumentError
-from loraweave.plan.schedule import StepWindow
+from loraweave.resolve.schedule import StepWindow
 
 STEPS = 6
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from tiny_models import tiny_flux, tiny_sdxl_unet, unet_forward
+from helpers.tiny_models import tiny_flux, tiny_sdxl_unet, unet_forward
 
 import loraweave
 from loraweave.streaming import find_blocks, stream

@@ -12,11 +12,11 @@ import os
 
 import pytest
 import torch
+from helpers.tiny_models import MODELS
 from test_arch_anima_sana import ANIMA_DIT_TINY, ERNIE_TINY, SANA_TINY
 from test_arch_dits2 import TINY as DITS2
 from test_arch_ltx_layouts import LTX2_TINY
 from test_arch_oracle import tiny_lumina2, tiny_sd3, tiny_wan, tiny_wan_vace
-from tiny_models import MODELS
 
 import loraweave
 

@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
-from helpers import gen, rel_err
-from tiny_models import flux_forward, tiny_flux
+from helpers.common import gen, rel_err
+from helpers.tiny_models import flux_forward, tiny_flux
 
 import loraweave
-from loraweave.spec import AdapterSpec
+from loraweave.request.spec import AdapterSpec
 
 LAYERS = ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.net.2", "single_transformer_blocks.0.proj_out",
           "single_transformer_blocks.1.proj_mlp"]

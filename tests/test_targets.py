@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import tiny_sdxl_unet
+from helpers.tiny_models import tiny_sdxl_unet
 
 import loraweave
 from loraweave.errors import TargetError

@@ -12,7 +12,8 @@ import random
 
 import pytest
 import torch
-from helpers import fail_on_call, gen, rel_err
+from helpers.common import fail_on_call, gen, rel_err
+from loraweave.mechanisms.merge.layer.undo import bits
 from safetensors.torch import save_file
 from test_family_dora import dora_sd
 from test_family_lokr import lokr_sd
@@ -22,8 +23,7 @@ from torch import nn
 import loraweave
 from loraweave.errors import UndoError
 from loraweave.io.safetensors_file import read_safetensors_header
-from loraweave.mechanisms import undo as undo_mod
-from loraweave.mechanisms.undo import bits
+from loraweave.mechanisms.merge.layer import undo as undo_mod
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STRENGTHS = [0.1, 1.0, 4.0, -1.0]
@@ -172,10 +172,10 @@ def test_families_restore_bit_for_bit(tmp_path, family, kind, dtype):
 @pytest.mark.parametrize("kind", ["compact", "auto"])
 def test_chunked_delta_rows_restore(monkeypatch, tmp_path, kind):
     """ΔW computed in blocks of a few rows (the big-layer path), fused-row pieces crossing block edges."""
-    from tiny_models import flux_forward, tiny_flux
+    from helpers.tiny_models import flux_forward, tiny_flux
 
     monkeypatch.setattr(undo_mod, "CHUNK_ELEMENTS", 100)
-    import loraweave.mechanisms.merge as merge_mod
+    import loraweave.mechanisms.merge.layer as merge_mod
 
     monkeypatch.setattr(merge_mod, "CHUNK_ELEMENTS", 100)
     model = tiny_flux()
@@ -206,8 +206,8 @@ def test_chunked_delta_rows_restore(monkeypatch, tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["compact", "auto", "copy"])
 def test_grown_input_restores(kind):
+    from helpers.tiny_models import tiny_flux
     from test_control_lora import _control_lora
-    from tiny_models import tiny_flux
 
     model = tiny_flux()
     before = state_bits(model)
@@ -267,7 +267,7 @@ def test_switch_in_merge_mode_uses_the_records():
 
 def _saved_unet(tmp_path):
     from diffusers import UNet2DConditionModel
-    from tiny_models import tiny_sdxl_unet
+    from helpers.tiny_models import tiny_sdxl_unet
 
     tiny_sdxl_unet().save_pretrained(tmp_path / "unet")
     return UNet2DConditionModel.from_pretrained(str(tmp_path / "unet")), tmp_path / "unet"
@@ -412,7 +412,7 @@ def test_fault_at_any_layer_restores_every_record_kind(monkeypatch, tmp_path, ki
     model = Net()
     before, out_before, conv_before = _snapshot(model)
     extra = _net_source(model, tmp_path) if kind == "source" else {}
-    cls = loraweave.mechanisms.merge.MergedModule
+    cls = loraweave.mechanisms.merge.layer.MergedModule
     monkeypatch.setattr(cls, "write", fail_on_call(nth, RuntimeError, cls.write, after=after))
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(False), mode="merge", undo=kind, **extra)
@@ -435,7 +435,7 @@ def test_fault_on_the_fusing_step_restores(monkeypatch):
     """undo="none" drops the records only after every layer landed; a failure before that restores."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
-    cls = loraweave.mechanisms.merge.MergedModule
+    cls = loraweave.mechanisms.merge.layer.MergedModule
     monkeypatch.setattr(cls, "fuse", fail_on_call(1, RuntimeError, cls.fuse))
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(False), mode="merge", undo="none")
@@ -466,7 +466,7 @@ def test_block_scan_finds_every_miss(dtype):
 def test_odd_widths_in_blocks_restore(monkeypatch, dtype):
     """Blocks whose first element is not on a word boundary (odd widths, a few rows per block) restore exactly."""
     monkeypatch.setattr(undo_mod, "CHUNK_ELEMENTS", 150)
-    import loraweave.mechanisms.merge as merge_mod
+    import loraweave.mechanisms.merge.layer as merge_mod
 
     monkeypatch.setattr(merge_mod, "CHUNK_ELEMENTS", 150)
     torch.manual_seed(5)

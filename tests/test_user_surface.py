@@ -24,7 +24,7 @@ from loraweave.tools.bake import bake, parse_adapter_arg
 from loraweave.tools.extract import extract, resize
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import tiny_flux, tiny_sdxl_unet  # noqa: E402
+from helpers.tiny_models import tiny_flux, tiny_sdxl_unet  # noqa: E402
 
 SRC = str(Path(loraweave.__file__).resolve().parents[1])
 CLONEOFSIMO = REALDATA / "lora" / "cloneofsimo__lora__analog_svd_rank4.safetensors"
@@ -418,7 +418,7 @@ def test_item11_progress_bars_only_when_asked(tmp_path, capsys, monkeypatch):
     loraweave.apply(model, load_file(tmp_path / "a.safetensors")).remove()  # 1 layer: under the threshold
     assert "loraweave apply" not in capsys.readouterr().err
     # The CLI: on a terminal a bar; never under --json or --quiet, nor off a terminal.
-    from loraweave.cli_support import progress_wanted
+    from loraweave.cli.support import progress_wanted
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     from argparse import Namespace
@@ -454,7 +454,7 @@ def test_item12_version_and_quiet_optional_packages():
 def test_item12_demo_and_test_cache_leave_no_temp_dirs(tmp_path, monkeypatch, capsys):
     import tempfile
 
-    import loraweave.demo as demo_mod
+    import loraweave.cli.demo as demo_mod
 
     seen = []
 
@@ -486,7 +486,7 @@ def test_item12_demo_and_test_cache_leave_no_temp_dirs(tmp_path, monkeypatch, ca
 def test_item12_packaging_and_docs():
     root = Path(__file__).resolve().parents[1]
     assert (Path(loraweave.__file__).parent / "py.typed").is_file()
-    assert loraweave.PromptAdapterError is loraweave.prompt.PromptAdapterError
+    assert loraweave.PromptAdapterError is loraweave.request.prompt.PromptAdapterError
     assert "PromptAdapterError" in loraweave.__all__ and "NoKeysLandedError" in loraweave.__all__
     readme = (root / "README.md").read_text()
     assert ".venv/bin/loraweave" in readme and "allow_empty=True" in readme

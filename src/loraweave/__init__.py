@@ -3,8 +3,6 @@
 Names that need torch are imported on first use (PEP 562), so `import loraweave` and `loraweave inspect FILE`
 without coverage start without loading torch."""
 
-import sys
-import types
 from importlib import import_module
 
 from .errors import (
@@ -20,16 +18,16 @@ from .errors import (
     TargetError,
     UnsafeFormatError,
 )
-from .prompt import PromptAdapterError, parse_prompt
-from .spec import AdapterSpec
+from .request.prompt import PromptAdapterError, parse_prompt
+from .request.spec import AdapterSpec
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it (imported when the name is first read)
 _LAZY = {
-    "Handle": ".api", "apply": ".api",
+    "Handle": ".api", "apply": ".api", "plan": ".api",
     "Adapter": ".formats.adapter", "AdapterPart": ".formats.adapter", "load_adapter": ".formats.adapter",
-    "Report": ".report",
+    "Report": ".report.report",
     "StreamHandle": ".streaming", "stream": ".streaming",
 }
 
@@ -48,25 +46,9 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY, "plan"])
+    return sorted([*globals(), *_LAZY])
 
 
-class _Package(types.ModuleType):
-    """`loraweave.plan` is the function although a subpackage has the same name: importing the subpackage sets
-    the parent's attribute, which this property ignores (the eager `from .api import plan` used to rebind it)."""
-
-    @property
-    def plan(self):
-        from .api import plan
-
-        return plan
-
-    @plan.setter
-    def plan(self, value) -> None:
-        pass  # the import system recording loraweave.plan (the subpackage); sys.modules still has it
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

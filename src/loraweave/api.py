@@ -6,7 +6,8 @@ import logging
 import time
 from collections.abc import Iterable
 
-from .applying import (
+from .engine.handle import Handle
+from .engine.install import (
     AdapterSource,
     Options,
     finish_report,
@@ -17,14 +18,13 @@ from .applying import (
     plan_layers,
     resolve_set,
 )
-from .coverage import refuse_empty, warn_incomplete
+from .engine.journal import Journal, model_lock
 from .errors import StrictApplyError
-from .handle import Handle
-from .journal import Journal, model_lock
-from .mechanisms.merge import undo_settings
-from .plan.stacking import adapter_names
-from .plan.target import as_components
-from .report import AppliedModule, Report, failures
+from .mechanisms.merge.layer import undo_settings
+from .report.coverage import refuse_empty, warn_incomplete
+from .report.report import AppliedModule, Report, failures
+from .resolve.stacking import adapter_names
+from .resolve.target import as_components
 
 log = logging.getLogger("loraweave")
 __all__ = ["AdapterSource", "Handle", "apply", "plan"]
@@ -87,7 +87,7 @@ def apply(
       layer is requantized, even plain LoRA; for measurements).
     host_rank: rank cap of a hosted truncation (randomized SVD, seeded locally: the caller's RNG is untouched);
       0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
-    cache: a `loraweave.mechanisms.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
+    cache: a `loraweave.mechanisms.runtime.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
       on disk; a replay is bit-identical to a fresh compute.
     undo: how a merged layer comes back bit-exactly (mechanisms/undo.py): "auto" (per layer, the smaller of
       "compact" and "copy"), "compact" (only the elements round(W' - ΔW) misses), "copy" (a full copy), "source"
@@ -107,7 +107,7 @@ def apply(
 
     options.check()
     if cache is not None and not hasattr(cache, "load"):
-        from .mechanisms.factor_cache import FactorCache
+        from .mechanisms.runtime.factor_cache import FactorCache
 
         options.cache = FactorCache(cache)
     t0 = time.perf_counter()

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from ..api import apply
+from ..engine.handle import Handle
 from ..errors import NonFiniteResultError
 from ..formats.adapter import Adapter, load_adapter
-from ..handle import Handle
-from ..mechanisms.runtime import RuntimePath
-from ..spec import AdapterSpec
+from ..mechanisms.runtime.path import RuntimePath
+from ..request.spec import AdapterSpec
 from .errors import DropInError, UnsupportedError
 from .weights import component_weights, module_weight
 

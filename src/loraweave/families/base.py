@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..miss import Miss
+from ..report.miss import Miss
 
 
 class PartRejected(Exception):

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..contribution import add_contribution
-from ..miss import Miss
+from ..report.miss import Miss
 from ..stack.combine import combine_deltas
 from .base import Family, PartRejected, RuntimeTerm
+from .contribution import add_contribution
 
 
 @dataclass(eq=False)

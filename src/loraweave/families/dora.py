@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..miss import Miss
+from ..report.miss import Miss
 from . import loha, lokr, lora
 from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..miss import Miss
+from ..report.miss import Miss
 from .base import Family, PartRejected, RuntimeTerm, check_factor
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..miss import Miss
+from ..report.miss import Miss
 from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 
 _ROLES = ("a1", "a2", "b1", "b2")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..miss import Miss
+from ..report.miss import Miss
 from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 from .glora import layer_product
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..miss import Miss
+from ..report.miss import Miss
 from .base import ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 
 _FACTORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..miss import Miss
+from ..report.miss import Miss
 from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 
 ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")

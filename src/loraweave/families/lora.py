@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..miss import Miss
+from ..report.miss import Miss
 from .base import Family, PartRejected, RuntimeTerm, check_factor
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..miss import Miss
+from ..report.miss import Miss
 from .base import Family, PartRejected, RuntimeTerm, check_factor
 from .oft_common import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
 

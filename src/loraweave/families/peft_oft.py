@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..miss import Miss
+from ..report.miss import Miss
 from .base import Family, PartRejected, RuntimeTerm, check_factor
 from .oft_common import acc_dtype
 

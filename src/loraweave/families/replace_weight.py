@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..miss import Miss
+from ..report.miss import Miss
 from .base import ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 from .norm import _kind, normalised
 

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..miss import Miss, Unmatched
-from ..plan.resolve import Plan
 from ..quant import QuantBackend, backend_for
-from .merge import Contribution, merge_blocker, needs_bias
-from .offload import weight_copies
-from .quantized import Route, factorable_reason, route_hook_free
-from .runtime import runtime_blocker, runtime_host
+from ..report.miss import Miss, Unmatched
+from ..resolve.planner import Plan
+from .merge.layer import Contribution, merge_blocker, needs_bias
+from .quantized.write import Route, factorable_reason, route_hook_free
+from .runtime.offload import weight_copies
+from .runtime.path import runtime_blocker, runtime_host
 
 QUANTIZED = ("auto", "host", "requantize")
 Work = list[tuple[str, str, torch.nn.Module, str | None, str, list[Contribution]]]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LoraweaveError
-from ..spec import AdapterSpec
+from ..request.spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
 _SUFFIX = ".safetensors"
@@ -58,7 +58,7 @@ def _number(body: dict, key: str, kind, default):
 
 def parse_request(body, store: AdapterFolder) -> ServeRequest:
     """A JSON request body -> ServeRequest: tags in the prompt and the explicit `adapters` list resolved in the store."""
-    from ..prompt import parse_prompt
+    from ..request.prompt import parse_prompt
 
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
         raise ServeRequestError("the request must be a JSON object with a string field 'prompt'")
@@ -106,7 +106,7 @@ class AdapterFolder:
             raise ServeRequestError(f"adapter folder {root}: no such folder") from None
 
     def resolve(self, name: str) -> Path:
-        from ..prompt import resolve_adapter_name
+        from ..request.prompt import resolve_adapter_name
 
         try:
             return resolve_adapter_name(name, self.root)

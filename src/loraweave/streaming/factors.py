@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..mechanisms.runtime import RuntimePath
+from ..mechanisms.runtime.path import RuntimePath
 
 
 def runtime_paths(module: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> list[RuntimePath]:

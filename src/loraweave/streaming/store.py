@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..mechanisms.runtime import RuntimePath
+from ..mechanisms.runtime.path import RuntimePath
 from . import factors, hostmem
 from .planner import aligned, module_tensors, tensor_bytes, typed_view
 

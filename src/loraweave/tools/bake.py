@@ -22,18 +22,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..adapter_list import warn_repeated
 from ..arguments import strength as check_strength
-from ..contribution import add_contribution, bias_of, coefficient
-from ..coverage import miss_kind
 from ..errors import ArgumentError, EmptyOutputError
+from ..families.contribution import add_contribution, bias_of, coefficient
 from ..formats.adapter import load_adapter
 from ..io.safetensors_file import read_safetensors_header
 from ..io.write import StreamingWriter, atomic_path, check_output
-from ..mechanisms.merge import Contribution
-from ..miss import Miss, Unmatched
-from ..plan.resolve import Plan, resolve
-from ..plan.target import Components
+from ..mechanisms.merge.layer import Contribution
+from ..report.coverage import miss_kind
+from ..report.miss import Miss, Unmatched
+from ..request.adapters import warn_repeated
+from ..resolve.planner import Plan, resolve
+from ..resolve.target import Components
 from .checkpoint import Checkpoint, open_checkpoint, resolution_components
 from .positional import name_positional
 from .remap import translate

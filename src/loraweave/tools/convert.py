@@ -20,9 +20,9 @@ from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
 from ..formats.keys import component_prefix
 from ..io.write import check_output, save_file
-from ..plan.resolve import PlannedPart, resolve
-from ..plan.target import Components, as_components
 from ..progress import bar
+from ..resolve.planner import PlannedPart, resolve
+from ..resolve.target import Components, as_components
 from .remap import Spans, original_spans
 
 log = logging.getLogger("loraweave")

@@ -262,8 +262,8 @@ def _targets(adapter, arch: str | None, model: str | None) -> tuple[dict[str, tu
     model does. Architecture: given, or detected (nothing when unknown)."""
     from ..arch.aliases import metadata_alpha_of
     from ..arch.spec import module_shape
-    from ..plan.resolve import network_alpha, resolve
-    from ..plan.target import Components
+    from ..resolve.planner import network_alpha, resolve
+    from ..resolve.target import Components
     from .inspect import adapter_target
 
     components, _, _ = adapter_target(adapter, arch, model)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import LoraweaveError
-from ..spec import AdapterSpec
+from ..request.spec import AdapterSpec
 from . import infotext as it
 
 log = logging.getLogger("loraweave")
@@ -188,7 +188,7 @@ def load_pipeline(req: GenerateRequest):
 
 def adapter_specs(req: GenerateRequest) -> tuple[str, list[AdapterSpec]]:
     """(prompt without tags, adapters): the prompt's tags (resolved in --lora-dir) then each --lora."""
-    from ..prompt import parse_prompt
+    from ..request.prompt import parse_prompt
 
     if req.lora_dir is not None:
         clean, specs = parse_prompt(req.prompt, req.lora_dir)

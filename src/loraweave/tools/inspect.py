@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..arch.variants import BFL_NAMED, VARIANTS, variant_fit
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.detect import detect_architecture
-from ..report import failures
+from ..report.report import failures
 
 if TYPE_CHECKING:
     import torch

@@ -58,7 +58,7 @@ def _squared_norm(pp, piece, cols: int) -> float:
     import torch
 
     from ..families import FAMILIES
-    from ..mechanisms.merge import add_contribution
+    from ..mechanisms.merge.layer import add_contribution
 
     f = pp.factors
     if pp.part.family == "lora" and getattr(f, "down", None) is not None:
@@ -114,7 +114,7 @@ def _row_order(components, denoiser: str | None, arch: str | None, used: set[str
 
 def _components(adapter, arch: str | None, model: str | None, text_encoders: bool):
     """(Components, architecture name) the adapter resolves against, as `inspect` chooses them."""
-    from ..plan.target import as_components
+    from ..resolve.target import as_components
     from .inspect import adapter_target
 
     components, against, detected = adapter_target(adapter, arch, model, text_encoders)
@@ -130,7 +130,7 @@ def block_grid(path: str | Path, arch: str | None = None, model: str | None = No
     from ..arch.blocks import block_slots
     from ..arch.catalog import canonical
     from ..formats.adapter import load_adapter
-    from ..plan.resolve import resolve
+    from ..resolve.planner import resolve
 
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")

@@ -24,8 +24,8 @@ def name_positional(adapter: Adapter, arch: str | None = None) -> Adapter:
     UNet the file's shapes fit best); parts that do not resolve stay positional and are reported as misses."""
     if not has_positional(adapter):
         return adapter
-    from ..plan.resolve import resolve
-    from ..plan.target import Components
+    from ..resolve.planner import resolve
+    from ..resolve.target import Components
     from .inspect import _shape_only, adapter_target
 
     components, against, _ = adapter_target(adapter, arch, None)

@@ -1,0 +1,156 @@
+"""What every CLI command shares: the exit-code table, argument types with the API's rules, logging set-up
+(one `loraweave` prefix, optional packages quiet), progress policy and the common flags."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+import warnings
+
+from .. import arguments
+from ..errors import (
+    ArgumentError,
+    EmptyOutputError,
+    LoraweaveError,
+    NoKeysLandedError,
+    StrictApplyError,
+    UnsafeFormatError,
+)
+
+EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_INPUT, EXIT_SYSTEM, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+EXIT_STATUS = """exit status (the same for every command):
+  0    did what was asked
+  1    completed but incomplete: with --strict some key does not land (nothing written), or nothing to do:
+       the output would have no effect (no key lands, no layer differs) and --allow-empty was not given
+  2    bad input or usage: a bad argument (out of range, not finite), an unreadable or malformed file, a pickle
+       without --allow-pickle, an output that exists (no --force) or would overwrite an input
+  3    system error: reading or writing failed (disk full, permission denied)
+  4    internal error: a bug in loraweave (the traceback is printed; please report it)
+  130  interrupted (Ctrl-C); outputs are written atomically, so nothing half-written is left"""
+# Optional quantization packages (and what imports them) log import-time warnings about kernels this machine
+# lacks; the CLI shows them only under -v.
+NOISY_LOGGERS = ("bitsandbytes", "torchao", "torch.utils._pytree", "diffusers", "transformers", "optimum",
+                 "sdnq", "gguf")
+
+QUIET_ENV = {"DIFFUSERS_VERBOSITY": "error", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+class Formatter(argparse.HelpFormatter):
+    """Wraps paragraphs as usual but keeps a paragraph with line breaks (the exit-status table) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join("".join(indent + line for line in para.splitlines(keepends=True)) if "\n" in para
+                             else super(Formatter, self)._fill_text(para, width, indent) for para in text.split("\n\n"))
+
+
+def with_exit_status(parser: argparse.ArgumentParser, sub) -> None:
+    """Every command's --help (and the top one) ends with the exit-status table, whoever added the command."""
+    for p in (parser, *sub.choices.values()):
+        if EXIT_STATUS not in (p.epilog or ""):
+            p.epilog = f"{p.epilog}\n\n{EXIT_STATUS}" if p.epilog else EXIT_STATUS
+        p.formatter_class = Formatter
+
+
+class _Prefixed(logging.Formatter):
+    """`loraweave key=value ...`: messages that already start with the logger's name are not prefixed twice."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno >= logging.WARNING and not message.startswith("loraweave"):
+            return f"loraweave {record.levelname.lower()}: {message}"
+        return message if message.startswith("loraweave") else f"loraweave {message}"
+
+
+def configure_logging(verbose: bool):
+    """One handler on the `loraweave` logger; returns a function that undoes every change (tests call main())."""
+    log = logging.getLogger("loraweave")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Prefixed())
+    old = (log.level, log.propagate)
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if verbose else logging.WARNING)
+    log.propagate = False
+    quieted = {}
+    env = {k: os.environ.get(k) for k in QUIET_ENV}
+    if not verbose:
+        for k, v in QUIET_ENV.items():  # diffusers/transformers reset their loggers' level on first import
+            os.environ.setdefault(k, v)
+        for name in NOISY_LOGGERS:
+            quieted[name] = logging.getLogger(name).level
+            logging.getLogger(name).setLevel(logging.ERROR)
+    catcher = warnings.catch_warnings()
+    catcher.__enter__()
+    if not verbose:
+        warnings.simplefilter("ignore")
+
+    def restore() -> None:
+        catcher.__exit__(None, None, None)
+        for k, v in env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        for name, level in quieted.items():
+            logging.getLogger(name).setLevel(level)
+        log.removeHandler(handler)
+        log.setLevel(old[0])
+        log.propagate = old[1]
+
+    return restore
+
+
+def _typed(rule, *rest):
+    def parse(text: str):
+        try:
+            value = float(text) if rule is not arguments.positive_int else int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        try:
+            return rule(value, *rest)
+        except ArgumentError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
+rank_arg = _typed(arguments.positive_int, "rank")
+energy_arg = _typed(arguments.fraction, "energy")
+non_negative_arg = _typed(arguments.non_negative, "min_diff")
+limit_arg = _typed(arguments.positive_int, "limit", 0)
+
+
+def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:
+    """--quiet (no progress bar) everywhere; --allow-pickle where adapters are read; --allow-empty where written."""
+    p.add_argument("--quiet", action="store_true", help="no progress bar (bars show only on a terminal, never "
+                   "under --json)")
+    if pickle:
+        p.add_argument("--allow-pickle", action="store_true", help="read .pt/.ckpt/.bin/.pth adapters with "
+                       "torch.load(weights_only=True) (a pickle can run code: only for files you trust)")
+    if empty:
+        p.add_argument("--allow-empty", action="store_true", help="write the output even when it would have no "
+                       "effect (default: refuse with exit status 1)")
+
+
+def progress_wanted(args: argparse.Namespace) -> bool:
+    return not getattr(args, "json", False) and not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
+def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
+    """(exit status from EXIT_STATUS, one-line message) for an exception a command raised."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted"
+    if isinstance(exc, (StrictApplyError, NoKeysLandedError, EmptyOutputError)):
+        return EXIT_INCOMPLETE, str(exc)
+    if isinstance(exc, UnsafeFormatError):
+        where = exc.path or "adapter"
+        if hasattr(args, "allow_pickle"):
+            return EXIT_BAD_INPUT, (f"{where}: a pickle file (.pt/.ckpt/.bin/.pth) can run arbitrary code when "
+                                    "loaded; convert it to .safetensors, or pass --allow-pickle to read it with "
+                                    "torch.load(weights_only=True)")
+        return EXIT_BAD_INPUT, f"{where}: only .safetensors is read here; convert the pickle to .safetensors first"
+    if isinstance(exc, (LoraweaveError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                        FileExistsError)):
+        return EXIT_BAD_INPUT, str(exc)
+    if isinstance(exc, OSError):
+        return EXIT_SYSTEM, f"{type(exc).__name__}: {exc}"
+    traceback.print_exception(exc, file=sys.stderr)
+    return EXIT_BUG, f"internal error {type(exc).__name__}: {exc} (a bug in loraweave; please report it)"

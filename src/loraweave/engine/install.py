@@ -1,0 +1,255 @@
+"""The machinery `apply` and `switch` share: options checked once, adapter sets resolved, layers installed into
+a journal, reports built. Imports neither api nor handle (they sit on top of it)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..errors import NonFiniteResultError
+from ..formats.adapter import Adapter, load_adapter
+from ..mechanisms.choose import QUANTIZED, QuantSettings, WorkPlan, plan_work
+from ..mechanisms.merge.grow import grow_input
+from ..mechanisms.merge.layer import Contribution, MergedModule, check_undo_arguments, merge_module
+from ..mechanisms.merge.params import apply_params
+from ..mechanisms.merge.undo import reused_buffers
+from ..mechanisms.quantized.write import QuantWrite
+from ..mechanisms.runtime.compiled import CompileOptions, compile_options, prepare
+from ..mechanisms.runtime.path import RuntimePath
+from ..progress import PROGRESS_LAYERS, bar, on_terminal
+from ..quant import broken
+from ..report.miss import Unmatched
+from ..report.report import AppliedModule, Report
+from ..request.adapters import as_specs, check_names
+from ..request.spec import AdapterSpec, finite_strength
+from ..resolve.planner import Plan, PlannedPart, resolve
+from ..resolve.schedule import step_window
+from ..resolve.stacking import adapter_names, combine_groups
+from ..resolve.target import as_components, experts
+from ..resolve.weights import AdapterWeights, assign
+from ..stack.combine import SELECT_MODES, validate_stack
+from .journal import Journal
+
+MODES = ("auto", "merge", "runtime")
+# What `adapters` may hold: a path, an Adapter, a state dict, (source, strength) or an AdapterSpec.
+AdapterSource = str | os.PathLike | Adapter | Mapping | tuple | AdapterSpec
+
+
+@dataclass
+class Options:
+    """How a set is applied; apply and switch check them with the same rules (`check`, `layer_mode`)."""
+
+    mode: str = "auto"
+    stack: str = "sum"
+    density: float | None = None
+    quantized: str = "auto"
+    host_rank: int = 256
+    cache: object = None
+    compile_friendly: bool = False
+    rank_buckets: object = None  # ints, validated by check()
+    # compile_friendly: each layer's padded rank so far (id(module) -> rank); a switch never shrinks it
+    bucket_floors: dict = field(default_factory=dict, compare=False, repr=False)
+    undo: str = "auto"  # merge undo records (mechanisms/undo.py)
+    undo_source: object = None
+    undo_on_device: bool = False
+    undo_with: object = None  # the checked UndoSettings (undo_settings: source files found before any change)
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        validate_stack(self.stack, self.density)
+        if self.quantized not in QUANTIZED:
+            raise ValueError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")
+        if not isinstance(self.host_rank, int) or self.host_rank < 0:
+            raise ValueError(f"host_rank must be an int >= 0, got {self.host_rank!r}")
+        check_undo_arguments(self.undo, self.undo_source)
+        self.compiled()
+
+    def compiled(self) -> CompileOptions | None:
+        """The validated compile_friendly settings, or None when not asked for."""
+        return compile_options(self.compile_friendly, self.rank_buckets, self.stack)
+
+    @property
+    def select(self) -> bool:
+        return self.stack in SELECT_MODES
+
+    def layer_mode(self, n_adapters: int) -> str:
+        """The mode layers get for a set of `n_adapters`: select modes need runtime and exactly two adapters."""
+        if not self.select:
+            return self.mode
+        validate_stack(self.stack, self.density, n_adapters)
+        if self.mode == "merge":
+            raise ValueError(f"stack={self.stack!r} switches layers between adapters per step: use mode='runtime'")
+        return "runtime"
+
+    def quant_settings(self) -> QuantSettings:
+        return QuantSettings(self.quantized, self.host_rank, self.cache)
+
+
+def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
+    strength = finite_strength(strength)
+    out = []
+    for spec in as_specs(adapters):
+        te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
+        window = step_window(spec.steps, spec.ramp, spec.ramp_strengths, float(strength))
+        out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights,
+                                         spec.component_strengths, window)))
+    return out
+
+
+def _normalise_adapters(specs: list[tuple[AdapterSpec, AdapterWeights]], load=load_adapter) -> list[tuple[Adapter, AdapterWeights]]:
+    out: list[tuple[Adapter, AdapterWeights]] = []
+    seen: Counter = Counter()
+    check_names(specs)
+    for spec, weights in specs:
+        # A shallow copy per use: the caller's object is never renamed, and one Adapter may be passed twice.
+        adapter = copy.copy(load(spec.source))
+        if spec.name:
+            adapter.name = spec.name
+        seen[adapter.name] += 1
+        if seen[adapter.name] > 1:  # two adapters must not share a name: set_strength addresses them by it
+            adapter.name = f"{adapter.name}#{seen[adapter.name]}"
+        out.append((adapter, weights))
+    return out
+
+
+def resolve_set(target, adapters, strength: float, cache=None, tables=None) -> tuple[Plan, dict[str, AdapterWeights]]:
+    """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen before;
+    `tables` reuses alias tables built for this target before."""
+    specs = _specs(adapters, strength)
+    items = _normalise_adapters(specs, cache.load if cache is not None else load_adapter)
+    components = cache.components if cache is not None else as_components(target)
+    fan = experts(components, {a.name: w for a, w in items})
+    if cache is not None:
+        p = cache.resolve([(a, w.strength) for a, w in items], [s.source for s, _ in specs], fan)
+    else:
+        p = resolve(components, [(a, w.strength) for a, w in items], tables, experts=fan)
+    settings = {a.name: w for a, w in items}
+    assign(p, settings)
+    return p, settings
+
+
+def adapter_summaries(plan: Plan) -> list[dict]:
+    out = []
+    for adapter in plan.adapters:
+        planned = [pp for pp in (*plan.planned, *plan.params) if pp.adapter is adapter]
+        out.append(
+            {
+                "name": adapter.name,
+                "path": adapter.path,
+                "layout": adapter.layout,
+                "families": adapter.families,
+                "alpha_sources": dict(Counter(pp.alpha_source for pp in planned)),
+                "strength": plan.strengths[adapter.name],
+                "keys_total": adapter.keys_total,
+                "keys_applied": sum(len(part.keys) for part in {id(pp.part): pp.part for pp in planned}.values()),
+            }
+        )
+    return out
+
+
+def group_by_module(planned: list[PlannedPart]) -> dict[tuple[str, str], list[Contribution]]:
+    groups: dict[tuple[str, str], list[Contribution]] = {}
+    for pp in planned:
+        for piece in pp.pieces:
+            groups.setdefault((pp.component, piece.module), []).append((pp, piece))
+    return groups
+
+
+def make_report(plan: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], t0: float) -> Report:
+    report = Report(mode=mode, adapters=adapter_summaries(plan), applied=applied, unmatched=unmatched)
+    report.keys_total = sum(a.keys_total for a in plan.adapters)
+    report.keys_applied = sum(a["keys_applied"] for a in report.adapters)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def growth(p: Plan) -> list[tuple[str, str, int, str]]:
+    """(component, module, width, config key) of every input a planned control adapter grows, once each."""
+    found: dict[tuple[str, str], tuple[int, str]] = {}
+    for pp in p.planned:
+        for module, (width, key) in pp.grow.items():
+            prev = found.get((pp.component, module))
+            if prev is not None and prev[0] != width:
+                raise ValueError(f"adapters ask {pp.component}.{module} to grow to {prev[0]} and {width} columns")
+            found[(pp.component, module)] = (width, key)
+    return [(c, m, w, k) for (c, m), (w, k) in found.items()]
+
+
+def plan_layers(p: Plan, options: Options, mode: str) -> tuple[WorkPlan, list[Unmatched]]:
+    """Stack groups and a mechanism per layer; parts no layer takes move to the returned unmatched list."""
+    unmatched = list(p.unmatched)
+    groups = combine_groups(group_by_module(p.planned), p.components.modules, options.stack, options.density)
+    return plan_work(p, groups, mode, unmatched, options.quant_settings()), unmatched
+
+
+def notes_of(contribs: list[Contribution]) -> list[str]:
+    return sorted({n for pp, _ in contribs for n in pp.notes})
+
+
+def install_layer(journal: Journal, item, mode: str, wp: WorkPlan, options: Options,
+                  path_for=None) -> AppliedModule:
+    """Install one planned layer (merge, runtime path or quantized write), recorded in `journal` first.
+
+    path_for(module, contribs) -> RuntimePath | None: a path to re-use instead of building one (switching)."""
+    comp, path, module, mechanism, why, contribs = item
+    cost = ""
+    backend = wp.routes.get((comp, path), (None, None))[0]
+    write = None
+    if mechanism == "merge":
+        try:
+            merged = merge_module(module, contribs, journal.record, options.undo_with, (comp, path))
+        except NonFiniteResultError as exc:
+            raise NonFiniteResultError(f"{comp}.{path}: {exc}") from None
+    elif mechanism == "runtime":
+        rp = (path_for(module, contribs) if path_for is not None else None) or RuntimePath(module, contribs)
+        if options.compile_friendly:
+            prepare(rp, options.compiled(), options.bucket_floors)
+        journal.record(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
+        rp.attach()
+        cost = "; ".join(sorted(rp.costs))
+    else:
+        write = QuantWrite(module, backend, contribs, mechanism, host_rank=options.host_rank,
+                           cache=options.cache if mechanism == "hosted" else None, layer=f"{comp}.{path}")
+        journal.record(write)  # recorded before the layer is touched: rollback finds it
+        write.apply(wp.routes[(comp, path)][1])
+    show_why = why if mode == "auto" or write is not None else ""
+    entry = AppliedModule(comp, path, mechanism, sorted(adapter_names(contribs)), show_why, cost, notes_of(contribs),
+                          backend=backend.name if backend is not None else "")
+    if mechanism == "merge":
+        merged.entry = entry  # the report follows the undo record (kind, bytes) through strength changes
+        merged._report()
+    if write is not None:
+        entry.retention, entry.capture, entry.rank = write.retention, write.capture, write.rank
+        entry.cache_hit, write.entry = write.cache_hit, entry
+    return entry
+
+
+def install(journal: Journal, p: Plan, wp: WorkPlan, mode: str, options: Options,
+            progress: bool | None = None) -> list[AppliedModule]:
+    """Grow inputs, then install every layer; the caller holds a journal transaction (all or nothing)."""
+    for comp, path, width, key in growth(p):  # control adapters: the wider input exists before they land
+        grow_input(p.components.modules[comp], path, width, key, record=journal.record)
+    show = progress if progress is not None else (len(wp.work) > PROGRESS_LAYERS and on_terminal())
+    with reused_buffers():  # one W' buffer and one set of block temporaries for every merged layer
+        applied = [install_layer(journal, item, mode, wp, options)
+                   for item in bar(wp.work, desc="loraweave apply", unit="layer", enabled=show)]
+    applied += [AppliedModule(**row) for row in apply_params(p.params, p.components.modules, mode, journal.record)]
+    if options.undo == "none":  # a permanent fuse: the records kept this all-or-nothing until here
+        for merged in journal.of(MergedModule):
+            merged.fuse()
+    return applied
+
+
+def finish_report(p: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], wp: WorkPlan,
+                  t0: float) -> Report:
+    report = make_report(p, mode, applied, unmatched, t0)
+    if wp.routes:  # the backends this model uses (probing others would cost time for nothing) and broken imports
+        used = {b.name: b for b, _ in wp.routes.values()}
+        report.backends_unavailable = {n: why for n, why in broken().items()}
+        report.backends_unavailable |= {n: why for n, b in used.items() if (why := b.unavailable())}
+    return report

@@ -1,0 +1,42 @@
+"""One contribution's delta added into weight rows: the coefficient rule, shared by merge, the stack modes
+(families/combined) and bake. Below both families and mechanisms: reads the part's `family` (a Family)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def coefficient(pp) -> float:
+    """coeff = strength · scale (γ from alpha/rank or metadata)."""
+    return pp.strength * pp.scale
+
+
+def add_contribution(target_rows: torch.Tensor, pp, piece, base: torch.Tensor | None, coeff: float | None = None,
+                     strength: float | None = None, scale: float | None = None) -> None:
+    """target_rows += coeff·ΔW (rows of `piece`), coeff = strength·scale unless given.
+
+    base: the ORIGINAL weight as (out, in·k), read (its piece rows, in target's dtype) by W-dependent families.
+    strength/scale: the part's own unless given (an undo record recomputes ΔW at the strength it was merged at)."""
+    family = pp.family
+    strength = pp.strength if strength is None else strength
+    scale = pp.scale if scale is None else scale
+    coeff = strength * scale if coeff is None else coeff
+    if family.needs_base:
+        if base is None:
+            from .base import PartRejected  # here: families.combined imports this module
+
+            raise PartRejected("unsupported", f"unsupported: {pp.part.family} needs the layer's float weight")
+        rows = base[piece.dst_start : piece.dst_start + piece.length].to(target_rows.dtype)
+        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff,
+                         base=rows, strength=strength, scale=scale)
+    else:
+        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff)
+
+
+def bias_of(pp, piece, original: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The part's unscaled bias delta for `piece` (None if it has none); `original`: the layer's original bias."""
+    kw = {}
+    if pp.family.bias_needs_base and isinstance(original, torch.Tensor):
+        rows = original.detach()[piece.dst_start : piece.dst_start + piece.length]
+        kw["base"] = rows.to(torch.promote_types(rows.dtype, torch.float32), copy=True)
+    return pp.family.bias_delta(pp.factors, piece.src_start, piece.length, **kw)

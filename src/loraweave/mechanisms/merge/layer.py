@@ -1,0 +1,283 @@
+"""Merge: add every contribution into the weight, fp32-accumulated and rounded once; undo is bit-exact (undo.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ...arch.spec import Piece
+from ...errors import NonFiniteResultError, UndoError
+from ...families.contribution import add_contribution, bias_of, coefficient
+from ...resolve.planner import PlannedPart
+from ...resolve.stacking import adapter_names
+from .undo import (
+    CHUNK_ELEMENTS,
+    UNDO_KINDS,
+    CompactRecord,
+    CopyRecord,
+    DeltaFn,
+    FusedRecord,
+    acc_dtype,
+    host_copy,
+    merge_with_record,
+    recorded_threads,
+    scratch,
+    tensor_bytes,
+)
+from .undo_source import SourceFiles, SourceRecord
+
+Record = CopyRecord | CompactRecord | SourceRecord | FusedRecord
+Term = tuple[PlannedPart, Piece, float, float]  # part, piece, strength, scale
+
+Contribution = tuple[PlannedPart, Piece]
+STACK_ATTR = "_loraweave_merges"  # per-module list of live merges, newest last
+
+
+def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | None:
+    """Why merging into this module's weight would be lossy or impossible, or None when it is exact."""
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return "module has no weight"
+    if needs_bias and getattr(module, "bias", None) is None:
+        return "adapter carries a bias delta but the module has no bias"
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        return f"weight is a {type(weight).__name__} (quantized or wrapped storage)"
+    if not weight.is_floating_point():
+        return f"weight dtype {weight.dtype} is not floating point"
+    if weight.device.type == "meta":
+        return "weight is offloaded (meta device)"
+    if getattr(module, "_loraweave_streamed", False):
+        return "layer is streamed (its weight is copied in per forward; merging would touch only the copy)"
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and (getattr(hook, "offload", False) or getattr(hook, "weights_map", None) is not None):
+        return "accelerate offload hook owns the weight"
+    return None
+
+
+@dataclass
+class UndoSettings:
+    """apply(undo=...): the record kind, where "source" records read from, and whether records may stay on the
+    accelerator (never by default)."""
+
+    kind: str = "auto"
+    sources: SourceFiles | None = None
+    on_device: bool = False
+
+
+def check_undo_arguments(kind: str, source=None) -> None:
+    if kind not in UNDO_KINDS:
+        raise ValueError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
+    if source is not None and kind != "source":
+        raise ValueError(f"undo_source is read only with undo='source' (got undo={kind!r})")
+
+
+def undo_settings(kind: str, components: dict[str, torch.nn.Module], source=None,
+                  on_device: bool = False) -> UndoSettings:
+    """Check apply's undo arguments before anything is touched (a "source" with no file found is refused)."""
+    check_undo_arguments(kind, source)
+    sources = None
+    if kind == "source":
+        sources = SourceFiles(components, source)
+        if not sources.found_any():
+            where = f"undo_source={source!r}" if source is not None else "config._name_or_path of " + ", ".join(
+                f"{c}={getattr(getattr(m, 'config', None), '_name_or_path', None)!r}" for c, m in components.items())
+            raise UndoError(f"undo='source' found no safetensors file to re-read weights from ({where}); pass "
+                            "undo_source=<file, directory or {component: path}> or use undo='auto'")
+    return UndoSettings(kind, sources, bool(on_device))
+
+
+@dataclass(eq=False)  # identity semantics: instances are compared with `is` on the per-module stack
+class MergedModule:
+    module: torch.nn.Module
+    contributions: list[Contribution]
+    undo_with: UndoSettings = field(default_factory=UndoSettings)
+    layer: tuple[str, str] = ("", "")  # (component, module path): where a source record looks
+    record: Record | None = None  # None: the weight was never written
+    terms: list[Term] = field(default_factory=list)  # the contributions and strengths the record was made at
+    bias_backup: torch.Tensor | None = None
+    adapters: set[str] = field(default_factory=set)
+    entry: object = None  # the report's AppliedModule: undo kind and bytes follow strength changes
+
+    def is_top(self) -> bool:
+        """Only the latest merge on a module can be undone exactly (each record restores the earlier merges)."""
+        stack = getattr(self.module, STACK_ATTR, [])
+        return bool(stack) and stack[-1] is self
+
+    @property
+    def undo_kind(self) -> str:
+        return self.record.kind if self.record is not None else "-"
+
+    @property
+    def undo_bytes(self) -> int:
+        return (self.record.nbytes if self.record is not None else 0) + tensor_bytes(self.bias_backup)
+
+    def check_undo(self, rewrite: bool = False) -> None:
+        """Raise (UndoError) before anything is touched when this merge cannot be undone as recorded (or, with
+        `rewrite`, rewritten at another strength: a fused merge cannot)."""
+        if isinstance(self.record, SourceRecord):
+            self.record.check()
+        if rewrite and isinstance(self.record, FusedRecord):
+            raise UndoError("this merge was fused permanently (undo='none'): its strength cannot change")
+
+    def restore(self) -> None:
+        stack = getattr(self.module, STACK_ATTR, [])
+        with torch.no_grad():
+            self._restore_weight()
+            if self.bias_backup is not None and not isinstance(self.record, FusedRecord):
+                self.module.bias.data.copy_(self.bias_backup)
+        if any(m is self for m in stack):
+            stack.remove(self)
+        self.record, self.terms, self.bias_backup = None, [], None  # undone: the record's memory is released
+
+    undo = restore  # a journal entry
+
+    def fuse(self) -> None:
+        """undo="none": keep the merge for good and release the record."""
+        self.record, self.bias_backup = FusedRecord(), None
+        self._report()
+
+    def _restore_weight(self) -> None:
+        if self.record is not None:  # ΔW as it was merged: parts may have been re-pointed or re-strengthened since
+            terms = self.terms
+            self.record.restore(self.module.weight.data, self._delta_fn(terms))
+
+    def write(self, fresh: bool = False) -> None:
+        """(Re)compute W' = W + Σ coeff·ΔW from W, the weight before this merge, and record how to undo it.
+
+        Not fresh: W is first restored from the current record (bit-exact), so strength changes never drift.
+        The new record is complete before the weight is written: an interruption leaves a restorable state."""
+        if isinstance(self.record, FusedRecord):
+            raise UndoError("this merge was fused permanently (undo='none'): it cannot be rewritten")
+        weight = self.module.weight.data
+        with torch.no_grad():
+            rows = weight.view(weight.shape[0], -1) if weight.is_contiguous() else weight.reshape(weight.shape[0], -1)
+            terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
+            record, merged, original = self._merge(rows, terms, None if fresh else self.record)
+            refuse_non_finite(merged, original, self.adapters)  # before the weight is touched
+            del original
+            self.record, self.terms = record, terms
+            weight.copy_(merged.view(weight.shape))
+            del merged
+            self._write_bias()
+        self._report()
+
+    def _merge(self, rows: torch.Tensor, terms: list[Term], old: Record | None,
+               ) -> tuple[Record, torch.Tensor, torch.Tensor]:
+        """W', its record and W; `old` (a rewrite): the record W comes back from first (the weight holds W')."""
+        if any(pp.part.family == "set" for pp, _ in self.contributions):
+            return self._merge_over(rows, terms, old)
+        # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
+        kind = "auto" if self.undo_with.kind in ("source", "none") else self.undo_with.kind
+        if any(pp.part.family == "combined" for pp, _ in self.contributions):  # ties/dare: inner strengths live
+            kind = "copy"  # in their sources, which a strength change rewrites: only a copy is safe
+        needs_base = any(pp.family.needs_base for pp, _ in self.contributions)
+        chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
+        prior, base, keep = None, rows, None
+        if isinstance(old, CompactRecord) and rows.is_contiguous():  # W rebuilt block by block beside W'
+            prior = (old, rows, self._delta_fn(self.terms))
+            base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
+        elif old is not None:
+            self._restore_weight()  # W back in place from its copy or its file; those records stay valid
+            keep = old if isinstance(old, SourceRecord) or (isinstance(old, CopyRecord) and kind == "copy") else None
+        elif self.undo_with.kind == "source" and self.undo_with.sources is not None:
+            keep = self.undo_with.sources.record(*self.layer, rows)  # checked against the file's bytes
+        with recorded_threads(old.threads if prior is not None else torch.get_num_threads()):
+            merged, record = merge_with_record(base, self._delta_fn(terms),
+                                               "none" if keep is not None else kind, chunk, needs_base,
+                                               self.undo_with.on_device, prior)
+        return (keep if keep is not None else record), merged, base
+
+    def _merge_over(self, rows: torch.Tensor, terms: list[Term], old: Record | None,
+                    ) -> tuple[Record, torch.Tensor, torch.Tensor]:
+        """Weight replacement reads W in its target (to write t itself, not W + (t - W)): added over W, copied."""
+        if old is not None:
+            self._restore_weight()
+        acc = rows.to(acc_dtype(rows.dtype), copy=True)
+        for pp, piece, strength, scale in terms:
+            add_contribution(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece, rows,
+                             strength=strength, scale=scale)
+        record = old if isinstance(old, (CopyRecord, SourceRecord)) else CopyRecord(host_copy(rows, self.undo_with.on_device))
+        return record, acc.to(rows.dtype), rows
+
+    def _delta_fn(self, terms: list[Term]) -> DeltaFn:
+        return lambda base, r0, r1, out=None: self._delta(base, terms, r0, r1, out)
+
+    @staticmethod
+    def _delta(base: torch.Tensor, terms: list[Term], r0: int, r1: int, out: torch.Tensor | None = None,
+               ) -> torch.Tensor:
+        """Σ coeff·ΔW of rows [r0, r1) (fp32; fp64 weights: fp64), in `out` (a flat scratch buffer) when given;
+        `base` (out, in·k) is what W-dependent families read. Contributions are independent and summed; the same
+        call undoes a compact record."""
+        shape = (r1 - r0, *base.shape[1:])
+        if out is None:
+            delta = torch.zeros(shape, dtype=acc_dtype(base.dtype), device=base.device)
+        else:
+            delta = out.view(shape).zero_()
+        for pp, piece, strength, scale in terms:
+            lo, hi = max(r0, piece.dst_start), min(r1, piece.dst_start + piece.length)
+            if lo >= hi:
+                continue
+            part = piece if (lo, hi) == (piece.dst_start, piece.dst_start + piece.length) else replace(
+                piece, src_start=piece.src_start + lo - piece.dst_start, dst_start=lo, length=hi - lo)
+            add_contribution(delta[lo - r0 : hi - r0], pp, part, base, strength=strength, scale=scale)
+        return delta
+
+    def _report(self) -> None:
+        if self.entry is not None:
+            self.entry.undo, self.entry.undo_bytes = self.undo_kind, self.undo_bytes
+
+    def _write_bias(self) -> None:
+        deltas = []
+        live = getattr(self.module, "bias", None)
+        original = self.bias_backup if self.bias_backup is not None else live  # before the first write: untouched
+        for pp, piece in self.contributions:
+            b = bias_of(pp, piece, original)
+            if b is not None:
+                deltas.append((piece, b, coefficient(pp)))
+        if not deltas:
+            return
+        bias = self.module.bias
+        if self.bias_backup is None:
+            self.bias_backup = host_copy(bias, self.undo_with.on_device)
+        acc = self.bias_backup.to(bias.device, acc_dtype(bias.dtype), copy=True)
+        for piece, b, coeff in deltas:
+            acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coeff)
+        bias.data.copy_(acc)
+        refuse_non_finite(bias.data, self.bias_backup, self.adapters)
+
+
+def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: set[str]) -> None:
+    """Raise when the merge made values non-finite that were finite (an overflowing product of finite factors)."""
+    try:
+        lo, hi = torch.aminmax(written)
+        if math.isfinite(lo.item()) and math.isfinite(hi.item()):
+            return
+    except (RuntimeError, NotImplementedError):  # dtypes without aminmax here: the elementwise test below
+        pass
+    new = ~torch.isfinite(written.float()) & torch.isfinite(original.view_as(written).float())
+    if bool(new.any()):
+        raise NonFiniteResultError(
+            f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite values in a "
+            f"{tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is left as it was")
+
+
+def needs_bias(contributions: list[Contribution]) -> bool:
+    return any(bias_of(pp, piece) is not None for pp, piece in contributions)
+
+
+def merge_module(module: torch.nn.Module, contributions: list[Contribution], record,
+                 undo: UndoSettings | None = None, layer: tuple[str, str] = ("", "")) -> MergedModule:
+    """Merge into `module`; the undo record goes to `record` (a list's append, or a journal's record) before the
+    weight is touched. undo: the record kind (apply's `undo`); layer: (component, path), where a source is."""
+    if needs_bias(contributions) and getattr(module, "bias", None) is None:
+        raise ValueError("adapter carries a bias delta but the module has no bias")
+    merged = MergedModule(module, contributions, undo or UndoSettings(), layer)
+    merged.adapters = adapter_names(contributions)
+    if not hasattr(module, STACK_ATTR):
+        setattr(module, STACK_ATTR, [])
+    getattr(module, STACK_ATTR).append(merged)
+    (record.append if isinstance(record, list) else record)(merged)
+    merged.write(fresh=True)
+    return merged

@@ -1,0 +1,334 @@
+"""Undo records of a merged weight: how the weight before a merge (W) comes back, bit for bit.
+
+Kinds (chosen per layer by `apply(undo=...)`, smallest first under "auto"):
+- compact: W is recomputed as round(W' - ΔW) from the merged weight W' and the adapter's own factors (the same
+  fp32 ΔW computation, on the same device with the same thread count as the merge); the record keeps W's bits
+  only where that recomputation misses, positions packed as uint16 gaps or as a bitmask, whichever is smaller.
+- copy: a full copy of W (where a compact record would be larger).
+- source: W is re-read from the safetensors file the model came from (see `undo_source`).
+- none: a permanent fuse; nothing is kept once apply has finished.
+
+A record of an accelerator weight lives in host memory (pinned when CUDA is there), unless asked otherwise."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import UndoError
+from .bitscan import differ, pack_positions, put, unpack_positions
+
+UNDO_KINDS = ("auto", "compact", "copy", "source", "none")
+GAP_MAX = 65535  # uint16 gaps; a regular grid of filler entries (W's own bits) keeps every gap below it
+CHUNK_ELEMENTS = 1 << 18  # rows per block of a merge: its fp32 temporaries stay in cache
+WITNESSES = 256  # evenly spaced elements checked after a compact restore (catches a non-deterministic ΔW)
+GUARDS = 8  # elements where W' differs from W: tell a written weight from one never written
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# (weight rows (out, in·k) that W-dependent families read, r0, r1, out) -> Σ coeff·ΔW of rows [r0, r1), fp32;
+# out: None or a flat fp32 buffer of at least (r1 - r0)·in·k elements the result may be written to
+DeltaFn = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], torch.Tensor]
+_POOL: ContextVar[dict | None] = ContextVar("loraweave_merge_buffers", default=None)
+
+
+@contextmanager
+def reused_buffers():
+    """Within: a merge's W' buffer and block temporaries are kept and reused layer after layer (each fresh
+    allocation of the same size costs page faults again); all of it is released on exit."""
+    token = _POOL.set({})
+    try:
+        yield
+    finally:
+        _POOL.reset(token)
+
+
+def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of `numel` elements: from the pool (grown to the largest size asked) within reused_buffers."""
+    pool = _POOL.get()
+    if pool is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    key = (name, dtype, device)
+    buf = pool.get(key)
+    if buf is None or buf.numel() < numel:
+        pool.pop(key, None)  # the smaller one goes before the larger is allocated
+        pool[key] = buf = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit pattern as integers: comparisons are bitwise (-0.0 vs 0.0, NaN payloads, fp8)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32  # fp64 weights keep fp64; fp8 does not promote
+
+
+def host_copy(t: torch.Tensor, on_device: bool = False) -> torch.Tensor:
+    """A real copy (never an alias: `.to("cpu")` of a CPU tensor is the same tensor), on the host unless asked."""
+    t = t.detach()
+    if t.device.type in ("cpu", "meta") or on_device:
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    out.copy_(t)
+    return out
+
+
+def tensor_bytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+@dataclass(eq=False)
+class CopyRecord:
+    backup: torch.Tensor
+    kind: str = "copy"
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.backup)
+
+    def restore(self, weight: torch.Tensor, delta_fn: DeltaFn) -> None:
+        weight.copy_(self.backup.view(weight.shape))
+
+
+@dataclass(eq=False)
+class FusedRecord:
+    """undo="none": the merge is permanent; restore leaves the weight merged."""
+
+    kind: str = "none"
+    nbytes: int = 0
+
+    def restore(self, weight: torch.Tensor, delta_fn: DeltaFn) -> None:
+        return None
+
+
+def _witness_positions(numel: int) -> torch.Tensor:
+    return torch.linspace(0, numel - 1, min(WITNESSES, numel)).round().long()
+
+
+@dataclass(eq=False)
+class CompactRecord:
+    """W = round(W' - ΔW) corrected at the stored positions; see the module docstring."""
+
+    encoding: str  # "gaps": uint16 gaps to the next position; "bitmask": one bit per element
+    positions: torch.Tensor
+    values: torch.Tensor  # W's bits at the positions (integer view of the weight dtype)
+    witness: torch.Tensor  # W's bits at _witness_positions(numel)
+    guard_pos: torch.Tensor  # where W' and W differ (a few), with both bit patterns
+    guard_w: torch.Tensor
+    guard_merged: torch.Tensor
+    chunk_rows: int  # ΔW is recomputed in blocks of rows exactly as it was computed at the merge
+    threads: int
+    device: torch.device
+    kind: str = "compact"
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.positions, self.values, self.witness, self.guard_pos, self.guard_w, self.guard_merged)
+
+    def written(self, wb: torch.Tensor) -> bool:
+        """False when the weight still holds W (the merge never reached it): nothing to undo."""
+        if not self.guard_pos.numel():
+            return True  # W' == W everywhere: restoring recomputes W exactly either way
+        now = wb[self.guard_pos.to(wb.device)].cpu()
+        if torch.equal(now, self.guard_merged):
+            return True
+        if torch.equal(now, self.guard_w):
+            return False
+        raise UndoError("the merged weight was changed outside loraweave since the merge: a compact undo record "
+                        "cannot restore it (use undo='copy' or 'source' for weights edited in place)")
+
+    def restore(self, weight: torch.Tensor, delta_fn: DeltaFn) -> None:
+        work = weight if weight.device == self.device else weight.to(self.device)
+        rows = work.view(work.shape[0], -1)
+        if not self.written(bits(rows).view(-1)):
+            return
+        with recorded_threads(self.threads):
+            fill = self.rebuild(rows, rows, delta_fn)
+            for r0 in range(0, rows.shape[0], self.chunk_rows):
+                fill(r0, min(rows.shape[0], r0 + self.chunk_rows))
+        self.verify(rows)
+        if work is not weight:
+            weight.copy_(work)
+
+    def rebuild(self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn) -> Callable[[int, int], None]:
+        """fill(r0, r1) writes W's rows [r0, r1) into `out` (which may be `merged` itself), from W' and ΔW; blocks
+        of `chunk_rows`, under the recorded thread count."""
+        pos = self._positions(out.numel(), out.device)
+        values = self.values.to(out.device)
+        ob, cols = bits(out).view(-1), out[0].numel()
+        rows, chunk = out.shape[0], self.chunk_rows
+        dbuf, acc = (scratch(n, min(rows, chunk) * cols, acc_dtype(out.dtype), out.device)
+                     for n in ("undo_delta", "undo_acc"))
+        # where each block's corrections start in `pos`, found once (fill runs per block of chunk_rows)
+        edges = torch.arange(0, rows + chunk, chunk, device=pos.device).clamp_(max=rows) * cols
+        bounds = torch.searchsorted(pos, edges).tolist()
+
+        def fill(r0: int, r1: int) -> None:
+            n = (r1 - r0) * cols
+            delta = delta_fn(merged, r0, r1, dbuf[:n])
+            combine_into(out[r0:r1], merged[r0:r1], delta, -1, acc[:n].view(delta.shape))
+            lo, hi = bounds[r0 // chunk], bounds[-(-r1 // chunk)]
+            put(ob, pos[lo:hi], values[lo:hi])
+
+        return fill
+
+    def verify(self, out: torch.Tensor) -> None:
+        ob = bits(out).reshape(-1)
+        if not torch.equal(ob[_witness_positions(ob.numel()).to(ob.device)].cpu(), self.witness.cpu()):
+            raise UndoError("compact undo did not reproduce the original weight: ΔW recomputed differently than at "
+                            "the merge (device, thread count or kernels changed)")
+
+    def _positions(self, numel: int, device: torch.device) -> torch.Tensor:
+        p = self.positions.to(device)
+        if self.encoding == "gaps":
+            return p.to(torch.int64).cumsum(0) - 1
+        return unpack_positions(p, numel)
+
+
+def combine(w: torch.Tensor, delta: torch.Tensor, sign: int, out: torch.Tensor) -> torch.Tensor:
+    """out = w ± delta in delta's dtype (fp32, or fp64; `out` has delta's dtype and shape), one rounding."""
+    if w.element_size() == 1:  # fp8 does not take part in type promotion
+        w = w.to(delta.dtype)
+    return torch.add(w, delta, alpha=sign, out=out)
+
+
+def combine_into(dst: torch.Tensor, w: torch.Tensor, delta: torch.Tensor, sign: int, acc: torch.Tensor) -> None:
+    """dst = round(w ± delta): computed in delta's dtype and rounded once to dst's, in one pass (the same bits as
+    combine then a cast); fp8 goes through `acc` (a buffer of delta's dtype and shape)."""
+    if w.element_size() == 1 or dst.element_size() == 1:
+        dst.copy_(combine(w, delta, sign, acc))
+    elif w.dtype != delta.dtype:  # fp16/bf16: a mixed-dtype add casts element by element (~1.7x slower on CPU);
+        acc.copy_(w)  # the exact upcast, the add and the one rounding as three vectorized passes: the same bits
+        acc.add_(delta, alpha=sign)
+        dst.copy_(acc)
+    else:
+        torch.add(w, delta, alpha=sign, out=dst)
+
+
+@contextmanager
+def recorded_threads(n: int):
+    """Run with the thread count a record was made with: ΔW must be recomputed exactly as it was."""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
+
+
+def compact_sizes(numel: int, misses: int, itemsize: int) -> dict[str, int]:
+    """Bytes of each encoding for `misses` corrected elements (fillers and witnesses included)."""
+    fixed = min(WITNESSES, numel) * itemsize + GUARDS * (8 + 2 * itemsize)
+    fillers = numel // GAP_MAX
+    return {"gaps": (misses + fillers) * (2 + itemsize) + fixed,
+            "bitmask": math.ceil(numel / 8) + misses * itemsize + fixed}
+
+
+def _guard_positions(wb: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+    """Up to GUARDS positions where W' and W differ, scanning from the start chunk by chunk."""
+    chunk = 1 << 16
+    for start in range(0, wb.numel(), chunk):
+        idx = (wb[start : start + chunk] != mb[start : start + chunk]).nonzero().squeeze(1)
+        if idx.numel():
+            return idx[:GUARDS] + start
+    return torch.zeros(0, dtype=torch.int64, device=wb.device)
+
+
+def _compact(rows: torch.Tensor, merged: torch.Tensor, blocks: _Blocks, chunk_rows: int, on_device: bool,
+             force: bool) -> CompactRecord | None:
+    """The smaller encoding of the misses (from blocks); None when a copy is smaller, unless `force`."""
+    misses = blocks.misses()
+    wb, mb = bits(rows).reshape(-1), bits(merged).reshape(-1)
+    sizes = compact_sizes(wb.numel(), misses.numel(), rows.element_size())
+    encoding = min(sizes, key=sizes.get)
+    if sizes[encoding] >= tensor_bytes(rows) and not force:
+        return None
+    if encoding == "gaps":
+        gaps = torch.diff(misses, prepend=misses.new_full((1,), -1))
+        if misses.numel() and int(gaps.max()) > GAP_MAX:  # fillers (W's own bits) keep every gap in uint16
+            grid = torch.arange(GAP_MAX - 1, wb.numel(), GAP_MAX, device=misses.device)
+            misses = torch.unique(torch.cat([misses, grid]))
+            gaps = torch.diff(misses, prepend=misses.new_full((1,), -1))
+        positions = gaps.to(torch.uint16)
+    else:
+        positions = pack_positions(misses, wb.numel())
+    guard = _guard_positions(wb, mb)
+    return CompactRecord(encoding, host_copy(positions, on_device), host_copy(wb[misses], on_device),
+                         host_copy(wb[_witness_positions(wb.numel()).to(wb.device)], on_device),
+                         guard.cpu(), host_copy(wb[guard]), host_copy(mb[guard]), chunk_rows,
+                         torch.get_num_threads(), rows.device)
+
+
+def merge_with_record(rows: torch.Tensor, delta_fn: DeltaFn, kind: str, chunk_rows: int, needs_base: bool = False,
+                      on_device: bool = False, prior: tuple[CompactRecord, torch.Tensor, DeltaFn] | None = None,
+                      ) -> tuple[torch.Tensor, CopyRecord | CompactRecord | None]:
+    """W' = round(W + ΔW) for the (out, in·k) rows of W, block by block of rows (temporaries stay small), and
+    the record of `kind` ("compact", "copy", "auto": the smaller, or "none": no record). W is read, never written.
+    W' is a scratch buffer (reused by the next layer within reused_buffers): copy it out before the next merge.
+
+    needs_base: ΔW reads W (one block only): a compact record recomputes it from W', as an undo will.
+    prior: (record, W' rows, its ΔW): `rows` is an empty buffer that each block of W is first rebuilt into
+    from the prior compact record (a strength change: W never has to be written back to the weight)."""
+    compact = kind in ("auto", "compact") and rows.is_contiguous()
+    merged = scratch("merged", rows.numel(), rows.dtype, rows.device).view(rows.shape)
+    fill = prior[0].rebuild(prior[1], rows, prior[2]) if prior is not None else None
+    if prior is not None and prior[0].chunk_rows != chunk_rows:  # other blocks: rebuild W whole first
+        for r0 in range(0, rows.shape[0], prior[0].chunk_rows):
+            fill(r0, min(rows.shape[0], r0 + prior[0].chunk_rows))
+        fill = None
+    blocks = _Blocks(rows, chunk_rows, compact)
+    for r0 in range(0, rows.shape[0], chunk_rows):
+        r1 = min(rows.shape[0], r0 + chunk_rows)
+        if fill is not None:
+            fill(r0, r1)
+        blocks.merge(merged, delta_fn, r0, r1, needs_base)
+    if prior is not None:
+        prior[0].verify(rows)  # before anything is written
+    if kind == "none":  # the caller holds another record (a source file)
+        return merged, None
+    record = _compact(rows, merged, blocks, chunk_rows, on_device, kind == "compact") if compact else None
+    return merged, record if record is not None else CopyRecord(host_copy(rows, on_device))
+
+
+class _Blocks:
+    """One merge's block temporaries (allocated once per layer, or reused across layers) and the misses found."""
+
+    def __init__(self, rows: torch.Tensor, chunk_rows: int, compact: bool) -> None:
+        self.rows, self.cols, self.compact, self.found = rows, rows[0].numel(), compact, []
+        block = min(rows.shape[0], chunk_rows) * self.cols
+        self.delta, self.acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
+        if compact:
+            self.guess = scratch("guess", block, rows.dtype, rows.device)
+            self.mask = scratch("miss", block, torch.bool, rows.device)
+
+    def merge(self, merged: torch.Tensor, delta_fn: DeltaFn, r0: int, r1: int, needs_base: bool) -> None:
+        """merged[r0:r1] = round(W + ΔW); compact: the flat positions where round(W' - ΔW), what an undo
+        computes, misses W."""
+        n, w = (r1 - r0) * self.cols, self.rows[r0:r1]
+        delta = delta_fn(self.rows, r0, r1, self.delta[:n])
+        acc = self.acc[:n].view(delta.shape)
+        combine_into(merged[r0:r1], w, delta, 1, acc)
+        if not self.compact:
+            return
+        if needs_base:  # ΔW read from W', as an undo reads it
+            delta = delta_fn(merged, r0, r1, self.delta[:n])
+        guess = self.guess[:n].view(w.shape)
+        combine_into(guess, merged[r0:r1], delta, -1, acc)
+        miss = self._differ(guess.view(-1), w.reshape(-1))
+        if miss.numel():
+            self.found.append(miss + r0 * self.cols)
+
+    def _differ(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Ascending positions where a and b differ bitwise."""
+        return differ(bits(a), bits(b), self.mask[: a.numel()])
+
+    def misses(self) -> torch.Tensor:
+        return torch.cat(self.found) if self.found else torch.zeros(0, dtype=torch.int64, device=self.rows.device)

@@ -1,0 +1,337 @@
+"""Runtime: weights untouched; a forward hook adds every adapter's path as one rank-concatenated pair."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ...arch.spec import out_rows
+from ...families.base import CastCache, ConvSpec
+from ...quant import backend_for
+from ...resolve.planner import PlannedPart
+from ..merge.layer import Contribution
+from .skinny import probe, skinny_linear
+
+_CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
+# Norm layers carry only structured terms (e.g. LyCORIS `w_norm`): channels on the last axis or on axis 1.
+_NORMS_CHANNELS_LAST = (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm))
+_NORMS_CHANNELS_FIRST = (torch.nn.GroupNorm,)
+
+
+def runtime_blocker(module: torch.nn.Module) -> str | None:
+    """Why this module cannot carry a runtime path, or None."""
+    if type(module) in _CONVS or any(isinstance(module, c) for c in _CONVS):
+        if module.groups != 1 or module.padding_mode != "zeros":
+            return "runtime path supports only plain convolutions (groups=1, zero padding)"
+        return None
+    if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
+        return None
+    if isinstance(module, _NORMS_CHANNELS_LAST + _NORMS_CHANNELS_FIRST) or type(module).__name__ == "RMSNorm":
+        return None  # the last: diffusers' own RMSNorm (channels last)
+    return f"no runtime path for {type(module).__name__} (only Linear-like, Conv and norm layers)"
+
+
+class DequantizedView:
+    """Host seen by families that read W (DoRA, GLoRA, ...) on a quantized layer: the backend's dequantized
+    weight, formed on each access (never the packed storage, never a resident float copy)."""
+
+    def __init__(self, module: torch.nn.Module, backend) -> None:
+        self._module, self._backend = module, backend
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._backend.dequantize(self._module)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def runtime_host(module: torch.nn.Module):
+    """What families that read the host module see: the module, or a dequantized view of a quantized one."""
+    backend = backend_for(module)
+    if backend is None or backend.unavailable() or not backend.capabilities(module).dequantize:
+        return module
+    return DequantizedView(module, backend)
+
+
+def _kernel_dims(module: torch.nn.Module) -> tuple[int, ...]:
+    """(in, *k) of a conv weight; packed quantized storage has its own shape, so ask the backend first."""
+    backend = backend_for(module)
+    shape = backend.logical_shape(module) if backend is not None else None
+    return tuple(shape[1:]) if shape else tuple(module.weight.shape[1:])
+
+
+def _conv_fn(module: torch.nn.Module):
+    return next((fn for cls, fn in _CONVS.items() if isinstance(module, cls)), None)
+
+
+class RuntimePath:
+    """All adapters on one layer: y += B·diag(s)·A(x) (+ dense full diffs and bias deltas)."""
+
+    def __init__(self, module: torch.nn.Module, contributions: list[Contribution]) -> None:
+        self.module = module
+        self.contributions = list(contributions)  # kept so a switch can compare and re-point them
+        self.conv = _conv_fn(module)
+        self.channels_first = self.conv is not None or isinstance(module, _NORMS_CHANNELS_FIRST)
+        self.out = out_rows(module)
+        downs, ups, owners = [], [], []
+        host = None  # built on first need: only families that read W look at it
+        self.dense: list[tuple[PlannedPart, int, int, torch.Tensor]] = []  # (part, dst row, rows, ΔW rows)
+        self.biases: list[tuple[PlannedPart, int, int, torch.Tensor]] = []
+        # (part, dst row, rows, fn, linear in strength): structured families (LoKr, LoHa, ...) and those that
+        # read the base output (OFT, DoRA, IA3, ...)
+        self.fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
+        self.base_fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
+        self.adapters = set()
+        self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
+        last_down = None
+        for pp, piece in contributions:
+            if pp.family.runtime_takes_module and host is None:
+                host = runtime_host(module)
+            term = pp.family.term(pp.factors, piece.src_start, piece.dst_start, piece.length, host)
+            if term.cost:
+                self.costs.add(f"{pp.part.family}: {term.cost}")
+            if pp.family.runtime_takes_module and isinstance(host, DequantizedView) and term.fn is not None \
+                    and term.needs_base:
+                self.costs.add(f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it")
+            name = pp.adapter.name
+            self.adapters.add(name)
+            if term.down is not None and owners and owners[-1][0] is pp and term.down is last_down:
+                # Another row chunk of the same part (split or per-head interleaved fused keys): one pair, not
+                # one pair per chunk (DiffSynth's H3 QKV would otherwise hold its down once per head).
+                ups[-1][term.dst_start : term.dst_start + term.length] = term.up
+            elif term.down is not None:
+                last_down = term.down
+                up = term.up.new_zeros(self.out, term.up.shape[1])
+                up[term.dst_start : term.dst_start + term.length] = term.up
+                rank = term.down.shape[0]
+                down = term.down.reshape(rank, *_kernel_dims(module)) if self.conv else term.down.flatten(1)
+                downs.append(down)
+                ups.append(up)
+                owners.append((pp, term.up.shape[1]))
+            if term.dense is not None:
+                self.dense.append((pp, term.dst_start, term.length, term.dense))
+            if term.fn is not None:
+                target = self.base_fns if term.needs_base else self.fns
+                target.append((pp, term.dst_start, term.length, term.fn, term.linear_in_strength))
+            if term.bias is not None:
+                self.biases.append((pp, term.dst_start, term.length, term.bias))
+        self._owners = owners
+        self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
+        self.down = torch.cat(downs) if downs else None  # (R, in, *k) master copy, stored dtype (promoted by cat)
+        self.up = torch.cat(ups, dim=1) if ups else None  # (out, R)
+        self.scale = torch.empty(self.down.shape[0] if downs else 0)
+        self._factor_cast = CastCache(self.down, self.up) if downs else None  # kept across strength changes
+        self._scale_cast = CastCache(self.scale)  # rewritten in place by refresh_scales, never rebuilt
+        self.refresh_scales()
+        self.hook = None
+        self.active = False
+        self.mix = None  # per-sample sets / regions (mechanisms/mix.py): while set, it computes the adapter terms
+
+    def _strength(self, pp: PlannedPart) -> float:
+        return pp.strength * self.gates.get(pp.adapter.name, 1.0)
+
+    def set_gate(self, name: str, value: float) -> None:
+        """Scale one adapter on this layer only (select modes; switching gates dropped adapters to 0)."""
+        self.gates[name] = float(value)
+        self.refresh_scales()
+
+    def vanishes_at_zero(self, name: str) -> bool:
+        """Whether adapter `name`'s terms here are all zero at strength 0, so gating it equals removing it (DoRA's
+        magnitude, OFT's rescale are not: those layers are rebuilt without it)."""
+        return all(linear for pp, *_, linear in (*self.fns, *self.base_fns) if pp.adapter.name == name)
+
+    def rebind(self, mapping: dict[int, PlannedPart]) -> None:
+        """Point contributions at new planned parts of identical structure (a switch): strengths follow them."""
+        swap = lambda items: [(mapping.get(id(t[0]), t[0]), *t[1:]) for t in items]  # noqa: E731
+        self._owners = swap(self._owners)
+        self.contributions = swap(self.contributions)
+        self.dense, self.biases, self.fns, self.base_fns = (swap(x) for x in (self.dense, self.biases, self.fns, self.base_fns))
+        self.adapters = {pp.adapter.name for pp, *_ in (*self._owners, *self.dense, *self.biases, *self.fns, *self.base_fns)}
+        self.refresh_scales()
+
+    def refresh_scales(self) -> None:
+        """Recompute the per-rank scale vector from current strengths: no factor is rebuilt."""
+        start = 0
+        for pp, rank in self._owners:
+            self.scale[start : start + rank] = self._strength(pp) * pp.scale
+            start += rank
+        self._scale_cast.refresh()  # only the scale vector's device copy is rewritten after a strength change
+
+    def _factors(self, device: torch.device, dtype: torch.dtype):
+        return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))
+
+    def bind_factors(self, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor) -> None:
+        """Compute with `down`/`up` already on (device, dtype), e.g. a streamed block's slot views: no cast made."""
+        if self._factor_cast is not None:
+            self._factor_cast.put(device, dtype, (down, up))
+
+    def pad_rank(self, rank: int) -> None:
+        """Zero-pad the rank-concatenated pair to `rank` (torch.compile buckets): the same product, fixed shapes."""
+        if self.down is None or rank <= self.down.shape[0]:
+            return
+        extra = rank - self.down.shape[0]
+        self.down = torch.cat([self.down, self.down.new_zeros(extra, *self.down.shape[1:])])
+        self.up = torch.cat([self.up, self.up.new_zeros(self.up.shape[0], extra)], dim=1)
+        self.scale = torch.zeros(rank)  # the padded tail stays 0: refresh_scales writes only the real ranks
+        self._factor_cast, self._scale_cast = CastCache(self.down, self.up), CastCache(self.scale)
+        self.refresh_scales()
+
+    def unbind_factors(self) -> None:
+        """Forget any device copy of the factors (the next forward casts again)."""
+        if self._factor_cast is not None:
+            self._factor_cast.clear()
+
+    def warm(self) -> None:
+        weight = getattr(self.module, "weight", None)
+        if self.down is not None and isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            if weight.device.type != "meta":
+                self._factors(weight.device, weight.dtype)
+            if weight.device.type == "cpu" and weight.dtype == torch.float32:
+                probe()  # now, so a later torch.compile trace can use the oneDNN kernels (skinny.py)
+
+    def _conv_args(self):
+        m = self.module
+        return {"stride": m.stride, "padding": m.padding, "dilation": m.dilation}
+
+    def __call__(self, module, args, kwargs, output):
+        """Forward hook: add every adapter's path to the layer's output."""
+        x = args[0] if args else next(iter(kwargs.values()))
+        if not isinstance(output, torch.Tensor):
+            return output
+        # Offload hooks (accelerate) move inputs inside forward; the hook sees them before, so follow the output.
+        if x.device != output.device or (x.dtype != output.dtype and x.is_floating_point()):
+            x = x.to(output.device, output.dtype)
+        return self.add_path(x, output)
+
+    def _base_terms(self, x: torch.Tensor, output: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+        """Deltas of W-dependent families, computed from the untouched base output (without bias)."""
+        if not self.base_fns:
+            return []
+        base = output
+        bias = getattr(self.module, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            b = bias.to(output.device, output.dtype)
+            base = output - (b.view(-1, *([1] * (output.dim() - 2))) if self.channels_first else b)
+        spec = ConvSpec(self.conv, self._conv_args()) if self.conv else None
+        out = []
+        for pp, dst, n, fn, linear in self.base_fns:
+            rows = base[:, dst : dst + n] if self.channels_first else base[..., dst : dst + n]
+            s = self._strength(pp)
+            value, alpha = (fn(x, spec, rows), s * pp.scale) if linear else (fn(x, spec, rows, s, pp.scale), 1.0)
+            out.append((value, dst, n, alpha))
+        return out
+
+    def _fused_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Plain nn.Linear forward with the low-rank path in the GEMM's accumulator: y = (b + s·B·A·x) + W·x.
+
+        One pass over the output fewer than base-then-add; the two thin GEMMs on oneDNN where it applies
+        (mechanisms/skinny.py). At r=16, 3072², 4096 tokens (bench_floor.py) 0.33x the FLOP floor over a 91 GF/s
+        sgemm, 2.05-2.76x over a 160 GF/s one: the thin GEMMs cost the same milliseconds on either."""
+        m, w = self.module, self.module.weight
+        plain = (
+            not self.active
+            or x.dtype != w.dtype
+            or x.device != w.device
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        )
+        if plain:
+            out = F.linear(x, w, m.bias)
+            return self.add_path(x, out) if self.active else out
+        if self.mix is not None:
+            return self.mix.fused_linear(self, x)
+        down, up, scale = self._factors(w.device, w.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        h = skinny_linear(x2, down).mul_(scale)
+        y = skinny_linear(h, up, m.bias)
+        y.addmm_(x2, w.t())
+        return self._add_extras(x, y.view(*x.shape[:-1], self.out))
+
+    def add_path(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if self.mix is not None:
+            return self.mix.add(self, x, output)
+        dtype = output.dtype
+        base_terms = self._base_terms(x, output)  # before anything is added to the output
+        for value, dst, n, alpha in base_terms:
+            output = self._add_rows(output, value, dst, n, alpha)
+        if self.down is not None:
+            down, up, scale = self._factors(output.device, dtype)
+            if self.conv:
+                h = self.conv(x, down, None, **self._conv_args())
+                h = h * scale.view(1, -1, *([1] * (h.dim() - 2)))
+                delta = self.conv(h, up.view(*up.shape, *([1] * (h.dim() - 2))))
+                output = output.add_(delta) if self._inplace_ok(output) else output + delta
+            else:
+                h = skinny_linear(x, down).mul_(scale)
+                if self._inplace_ok(output) and output.is_contiguous():
+                    output.view(-1, self.out).addmm_(h.view(-1, h.shape[-1]), up.t())
+                else:
+                    output = output + F.linear(h, up)
+        return self._add_extras(x, output)
+
+    def _add_extras(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """Dense full diffs and bias deltas (rare; not part of the rank-concatenated pair)."""
+        dtype = output.dtype
+        for pp, dst, length, dense in self.dense:
+            d = dense.to(output.device, dtype)
+            part = self.conv(x, d, None, **self._conv_args()) if self.conv else F.linear(x, d)
+            output = self._add_rows(output, part, dst, length, self._strength(pp) * pp.scale)
+        spec = ConvSpec(self.conv, self._conv_args()) if self.conv else None
+        for pp, dst, length, fn, linear in self.fns:
+            if linear:
+                output = self._add_rows(output, fn(x, spec), dst, length, self._strength(pp) * pp.scale)
+            else:
+                output = self._add_rows(output, fn(x, spec, None, self._strength(pp), pp.scale), dst, length)
+        for pp, dst, length, bias in self.biases:
+            b = bias.to(output.device, dtype) * (self._strength(pp) * pp.scale)
+            if self.channels_first:
+                b = b.view(-1, *([1] * (output.dim() - 2)))
+            output = self._add_rows(output, b, dst, length)
+        return output
+
+    def _inplace_ok(self, output: torch.Tensor) -> bool:
+        return not (torch.is_grad_enabled() and output.requires_grad)
+
+    def _add_rows(self, output: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: float = 1.0) -> torch.Tensor:
+        """output[rows] += alpha·value, in place when autograd allows (no output-sized temporary)."""
+        out = output if self._inplace_ok(output) else output.clone()
+        rows = slice(dst, dst + n)
+        (out[:, rows] if self.channels_first else out[..., rows]).add_(value, alpha=alpha)
+        return out
+
+    def _can_fuse(self) -> bool:
+        m = self.module
+        weight = getattr(m, "weight", None)
+        return (
+            type(m) is torch.nn.Linear
+            and self.down is not None
+            and not self.base_fns  # those need the base output on its own
+            and "forward" not in m.__dict__  # someone else already replaced forward: stay out of their way
+            and getattr(m, "_hf_hook", None) is None
+            and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and weight.device.type != "meta"
+        )
+
+    def attach(self) -> None:
+        self.warm()
+        self.active = True
+        if self._can_fuse():
+            self.module.forward = self._fused_linear_forward
+        else:
+            # First in line, so every observer hook sees the layer's output with the adapters, as when fused.
+            self.hook = self.module.register_forward_hook(self, with_kwargs=True, prepend=True)
+
+    def undo(self) -> None:  # a journal entry
+        self.detach()
+
+    def detach(self) -> None:
+        self.active = False  # a wrapper installed over our forward later now passes straight through
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        if self.module.__dict__.get("forward") == self._fused_linear_forward:
+            del self.module.forward
+        self.unbind_factors()  # no device copy outlives the hook (a re-attach casts again)
+        self._scale_cast.clear()

@@ -1,0 +1,246 @@
+"""Resolve every part of every adapter to pieces of live modules, or to a reason it cannot land."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..arch.aliases import AMBIGUOUS, AliasTable
+from ..arch.spec import Piece, module_shape
+from ..families import family_for
+from ..families.base import Family, PartRejected
+from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
+from ..formats.alpha import resolve_scale
+from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
+from ..formats.metadata import cloneofsimo_classes, kohya_number
+from ..report.miss import Miss, Unmatched
+from .params import PlannedParam, param_target, plan_param
+from .target import Components
+
+# Families a part may carry besides its own: DoRA wraps one inner family; `rescale` is filed under OFT.
+ALLOWED_EXTRAS = {"dora": {"lora", "loha", "lokr"}, "boft": {"oft"}}
+NOT_PORTABLE = {
+    "tlora": "its base comes from an SVD initialisation that is never saved",
+    # Stand-In's pipeline appends reference-image tokens and runs these LoRAs on those tokens only.
+    "standin": "Stand-In LoRAs act only on the reference-image tokens its own pipeline appends; on every token "
+               "they would change the whole video",
+}
+
+
+@dataclass
+class PlannedPart:
+    adapter: Adapter
+    part: AdapterPart
+    family: Family  # chosen from the part's keys and shapes (families.family_for)
+    component: str
+    pieces: tuple[Piece, ...]
+    factors: object
+    scale: float  # γ from alpha/rank or metadata
+    alpha_source: str
+    strength: float  # per-adapter strength x global strength
+    notes: list[str] = field(default_factory=list)  # adaptations the report must mention
+    grow: dict[str, tuple[int, str]] = field(default_factory=dict)  # module -> (new input width, config key)
+    block_weight: float = 1.0  # the adapter's weight for this part's block (strength = adapter strength x this)
+
+
+@dataclass
+class Plan:
+    components: Components
+    adapters: list[Adapter]
+    strengths: dict[str, float]
+    planned: list[PlannedPart] = field(default_factory=list)
+    unmatched: list[Unmatched] = field(default_factory=list)
+    params: list[PlannedParam] = field(default_factory=list)  # patches of bare parameters (plan/params.py)
+
+
+def _scalar(tensor: torch.Tensor, key: str) -> float | None:
+    if tensor.device.type == "meta":
+        return None  # shape-only planning: the value is unknown
+    if tensor.numel() != 1:
+        raise PartRejected("bad_tensor", f"bad tensor: {key} should be a scalar, has shape {tuple(tensor.shape)}")
+    value = float(tensor.reshape(()).float())
+    if value != value or value in (float("inf"), float("-inf")):
+        raise PartRejected("non_finite", f"bad tensor: {key} is not finite")
+    return value
+
+
+def network_alpha(adapter: Adapter, metadata_field: str | None) -> float | None:
+    """The architecture's `__metadata__` network alpha (MiniMax-H3: the table's `metadata_alpha` field); as
+    diffusers, only when no key is `.alpha`. resize reads it the same way, so a resized file keeps its scale."""
+    if metadata_field is None or adapter.has_alpha_tensors:
+        return None
+    return kohya_number(adapter.metadata, metadata_field, adapter.path or adapter.name)
+
+
+def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -> tuple[Piece, ...]:
+    """cloneofsimo files name layers by index; the metadata lists the ancestor classes that were enumerated."""
+    m = CLONEOFSIMO_STEM_RE.match(part.path)
+    classes = cloneofsimo_classes(adapter.metadata, m["component"], adapter.path or adapter.name) or ()
+    # lora_diffusion's default targets predate diffusers' rename of CrossAttention to Attention.
+    classes = classes or (("CrossAttention", "Attention", "GEGLU") if m["component"] == "unet" else ("CLIPAttention",))
+    classes = tuple(dict.fromkeys((*classes, *(("Attention",) if "CrossAttention" in classes else ()))))
+    order = table.positional(classes)
+    index = int(m["index"])
+    if index >= len(order):
+        raise PartRejected("no_such_module", f"no such module: positional index {index} but the model has {len(order)} Linear layers "
+                           f"under {', '.join(classes)}")
+    return table.exact[order[index]]
+
+
+def _reshape_target(adapter: Adapter, part: AdapterPart) -> tuple[int, ...] | None:
+    """The (out, in) a `reshape_weight` tensor asks the module to have; None when absent or shape-only planning."""
+    key = part.roles.get("reshape")
+    if key is None:
+        return None
+    tensor = adapter.tensor(key)
+    if tensor.device.type == "meta":
+        return None
+    values = tensor.flatten().tolist()
+    if len(values) != 2 or any(v != int(v) or v <= 0 for v in values):
+        raise PartRejected("bad_tensor", f"bad tensor: {key} should list a positive (out, in) shape, holds {values}")
+    return tuple(int(v) for v in values)
+
+
+def _growth(family: Family, factors, shape: tuple[int, ...], width: int | None, module: str,
+            table: AliasTable) -> int | None:
+    """The wider input a control adapter needs, when the module may grow to it and the adapter then fits."""
+    if width is None or len(shape) != 2 or width <= shape[1] or module not in table.growable_inputs:
+        return None
+    return width if family.fit(factors, (shape[0], width))[1] is None else None
+
+
+def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable,
+               strength: float) -> PlannedPart | PlannedParam:
+    param = param_target(part, table)
+    if param is not None:
+        return plan_param(adapter, part, comp_name, table, param, strength)
+    found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path, adapter.traits)
+    where = f"{comp_name}.{part.path}"
+    if found is None:
+        why = table.expected_absent(part.path)
+        if why is not None:  # a module only a sibling variant has: not a failure
+            raise PartRejected("expected_absent", f"expected absent: {where} ({why})")
+        raise PartRejected("no_such_module", f"no such module: {where}")
+    if found == AMBIGUOUS:
+        raise PartRejected("ambiguous_module", f"ambiguous module name: {where} matches several modules once '.' is written '_'")
+    target = ", ".join(p.module for p in found)
+    tensors = {role: adapter.tensor(key) for role, key in part.roles.items()}
+    family = family_for(part.family, tensors)
+    if part.family in NOT_PORTABLE:
+        raise PartRejected("unsupported", f"unsupported family: {part.family} ({NOT_PORTABLE[part.family]}; target {comp_name}.{target})")
+    if family is None:
+        raise PartRejected("unsupported", f"unsupported family: {part.family} (not yet supported; target {comp_name}.{target})")
+    extras = part.extra_families - ALLOWED_EXTRAS.get(part.family, set())
+    if extras:
+        raise PartRejected("unsupported", f"unsupported family: {'+'.join(sorted(extras))} keys next to {part.family} in one part "
+                           f"(target {comp_name}.{target})")
+    known = family.roles
+    unknown = sorted(set(part.roles) - set(known) - set(GENERIC_ROLES)) if known is not None else []
+    if unknown:  # never load a part while ignoring some of its keys
+        raise PartRejected("unsupported", f"unsupported family: {part.family} part also holds {', '.join(unknown)} "
+                           f"(target {comp_name}.{target})")
+    uses_alpha = family.uses_alpha_scale
+    skip = ("alpha", "scale", "reshape") if uses_alpha else ("scale", "reshape")  # OFT & co read alpha themselves
+    # Families whose math depends on settings outside the tensors (PEFT OFT) get the adapter's PEFT config.
+    factors = family.load_part({r: t for r, t in tensors.items() if r not in skip}, part.roles, adapter.meta_alpha.peft)
+    notes = []
+    grow: dict[str, tuple[int, str]] = {}
+    reshape = _reshape_target(adapter, part)
+    for piece in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
+        shape = module_shape(table.modules[piece.module])
+        factors, reason = family.fit(factors, shape)
+        if reason and (why := table.variant_input(piece.module, family.input_width(factors))):
+            raise PartRejected("expected_absent", f"expected absent: {where} ({why})")  # before growth: not a control input
+        if reshape is not None and reshape != shape:
+            width = _growth(family, factors, shape, reshape[1], piece.module, table) if reshape[0] == shape[0] else None
+            if width is None:
+                raise PartRejected("shape_mismatch", f"shape mismatch: reshape_weight asks {comp_name}.{piece.module} {shape} to become "
+                                   f"{reshape}; only declared model inputs can grow, and only in columns")
+        if reason and piece.module in table.growable_inputs:
+            width = _growth(family, factors, shape, family.input_width(factors), piece.module, table)
+            if width is not None:
+                factors = family.settle(factors, (shape[0], width))
+                grow[piece.module] = (width, table.growable_inputs[piece.module])
+                notes.append(f"{piece.module} input grown {shape[1]} -> {width} columns (zero weights for the new "
+                             f"channels; config {table.growable_inputs[piece.module]} updated)")
+                reason = None
+        if reason and piece.module in table.widened_inputs:
+            widened = family.widen_input(factors, shape)
+            fitted = family.fit(widened, shape) if widened is not None else (None, reason)
+            if fitted[1] is None:
+                notes.append(f"input zero-padded to {shape[1]} columns (model variant with a wider {piece.module})")
+                factors, reason = fitted[0], None
+        if reason:
+            raise PartRejected.of(reason.where(f"{comp_name}.{piece.module}"))
+    total = sum(p.length for p in found)
+    if factors.rows is not None and factors.rows != total:  # None: the delta spans any rows (IA3 on the input)
+        names = " | ".join(f"{p.module}[{p.dst_start}:{p.dst_start + p.length}]" for p in found)
+        raise PartRejected("shape_mismatch", f"shape mismatch: adapter has {factors.rows} output rows, target {names} has {total}")
+    for piece in found:  # row-slice rules: OFT blocks must tile a piece, ...
+        reason = family.check_piece(factors, piece.src_start, piece.length)
+        if reason:
+            raise PartRejected.of(reason.where(f"{comp_name}.{piece.module}"))
+    alpha = _scalar(adapter.tensor(part.roles["alpha"]), part.roles["alpha"]) if "alpha" in part.roles else None
+    scale_t = _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
+    if not uses_alpha:
+        scale, source = 1.0, f"none:{part.family}"
+    elif part.family == "full":
+        scale, source = 1.0, "none:full"
+    elif factors.rank is None:  # e.g. LoKr with both factors full: alpha does not apply
+        scale, source = 1.0, "none:full_rank_factors"
+    else:
+        prefix = comp_name if part.explicit_component else ""
+        scale, source = resolve_scale(
+            alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path, prefix, adapter.meta_alpha,
+            network_alpha(adapter, table.metadata_alpha),
+        )
+        if not math.isfinite(scale):
+            raise PartRejected("non_finite", f"bad tensor: scale from {source} is not finite")
+    return PlannedPart(adapter, part, family, comp_name, found, factors, scale, source, strength, notes, grow)
+
+
+def _plan_with_fallback(adapter: Adapter, part: AdapterPart, comp_name: str, components: Components,
+                        tables: dict[str, AliasTable], strength: float) -> PlannedPart | PlannedParam:
+    try:
+        return _plan_part(adapter, part, comp_name, tables[comp_name], strength)
+    except PartRejected as first:
+        # A bare key names no component: try the others before giving up.
+        others = [n for n in components.modules if n != comp_name] if not part.explicit_component else []
+        for other in others:
+            try:
+                return _plan_part(adapter, part, other, tables[other], strength)
+            except PartRejected:
+                continue
+        raise first from None
+
+
+def resolve(components: Components, adapters: list[tuple[Adapter, float]],
+            tables: dict[str, AliasTable] | None = None,
+            experts: dict[str, tuple[str, ...]] | None = None) -> Plan:
+    """Plan every part of every adapter; `tables` reuses alias tables built for these components before.
+
+    `experts`: adapter name -> the denoiser components its denoiser keys land on, each (Wan 2.2's `transformer`
+    and `transformer_2` take one file); default: the pipeline's denoiser only."""
+    plan = Plan(components, [a for a, _ in adapters], {a.name: s for a, s in adapters})
+    tables = tables if tables is not None else {name: AliasTable(module) for name, module in components}
+    for adapter, strength in adapters:
+        for item in adapter.unparsed:
+            plan.unmatched.append(Unmatched(adapter.name, item["key"], Miss("not_parsed", f"not parsed: {item['reason']}")))
+        fan = (experts or {}).get(adapter.name)
+        for part in adapter.parts:
+            names = fan if fan and part.component == DENOISER else (components.resolve_name(part.component),)
+            for comp_name in names:
+                try:
+                    if comp_name is None:
+                        raise PartRejected("no_such_component", f"no such component: {part.component} "
+                                                                f"(target has {', '.join(components.modules)})")
+                    if fan and part.component == DENOISER:  # each expert gets the part, none is a fallback
+                        planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
+                    else:
+                        planned = _plan_with_fallback(adapter, part, comp_name, components, tables, strength)
+                    (plan.params if isinstance(planned, PlannedParam) else plan.planned).append(planned)
+                except PartRejected as rejected:
+                    plan.unmatched += [Unmatched(adapter.name, key, rejected.miss) for key in part.keys]
+    return plan

@@ -1,0 +1,64 @@
+"""Per-part strength: the adapter's strength (its text-encoder strength on text encoders) x its block weight.
+
+Block weights are looked up per module through the architecture's block-slot table (`arch/blocks.py`); text
+encoders take the BASE slot, as the A1111 LoRA Block Weight extension does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..arch.blocks import block_weights, chain_lengths, detect_block_arch, weights_for_modules
+from .planner import Plan, PlannedPart
+
+
+@dataclass
+class AdapterWeights:
+    strength: float
+    te_strength: float | None = None  # None: text encoders follow `strength`
+    block_weights: Any = None  # scalar, vector, slot dict or preset name; None: every block at 1
+    component_strengths: dict[str, float] | None = None  # component -> factor (Wan 2.2 experts); absent: 1
+    window: Any = None  # plan.schedule.StepWindow: the sampling steps it acts on (Handle.step_schedule)
+
+
+def is_text_encoder(component: str) -> bool:
+    return component.startswith("text_encoder")
+
+
+def part_strength(pp: PlannedPart, weights: AdapterWeights) -> float:
+    te = is_text_encoder(pp.component) and weights.te_strength is not None
+    component = (weights.component_strengths or {}).get(pp.component, 1.0)
+    return (weights.te_strength if te else weights.strength) * pp.block_weight * component
+
+
+def assign(plan: Plan, settings: dict[str, AdapterWeights]) -> None:
+    """Set every planned part's block weight and strength from its adapter's settings.
+
+    A block-weight value that fits nothing raises ValueError listing what would fit."""
+    tables: dict[tuple[str, str], dict[str, float | None]] = {}
+    for pp in (*plan.planned, *plan.params):
+        w = settings[pp.adapter.name]
+        pp.block_weight = 1.0
+        if w.block_weights is not None:
+            denoiser = plan.components.denoiser_name
+            if denoiser is None:
+                raise ValueError("block weights need a denoiser (unet/transformer) in the target")
+            key = (pp.adapter.name, pp.component)
+            if key not in tables:
+                tables[key] = _component_weights(plan, denoiser, pp.component, w.block_weights)
+            table = tables[key]
+            pp.block_weight = table.get(pp.pieces[0].module, table.get("", 1.0)) if not is_text_encoder(pp.component) \
+                else table[""]
+        pp.strength = part_strength(pp, w)
+
+
+def _component_weights(plan: Plan, denoiser: str, component: str, value: Any) -> dict[str, float | None]:
+    model = plan.components.modules[denoiser]
+    arch = detect_block_arch(model)
+    names = [n for n, _ in model.named_modules()]
+    chains = chain_lengths(arch, names)
+    base = block_weights(arch, value, chains=chains).get("BASE", 1.0)
+    if component != denoiser:
+        return {"": base}
+    table = weights_for_modules(arch, names, value, chains=chains)
+    return {**{k: (base if v is None else v) for k, v in table.items()}, "": base}

@@ -1,0 +1,1 @@
+"""Test helpers: seeded tiny real-architecture models and pipelines, shared checks."""
