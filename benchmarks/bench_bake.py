@@ -81,19 +81,39 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         ckpt, lora, total, largest = make_checkpoint(folder, args.size_gb)
-        print(f"checkpoint {total / 2**30:.2f} GiB bf16, largest tensor {largest / 2**20:.0f} MiB, "
-              f"LoRA {lora.stat().st_size / 2**20:.0f} MiB; built in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        print(
+            f"checkpoint {total / 2**30:.2f} GiB bf16, largest tensor {largest / 2**20:.0f} MiB, "
+            f"LoRA {lora.stat().st_size / 2**20:.0f} MiB; built in {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+        )
         py = sys.executable
-        copy_cmd = [py, "-c", f"import shutil; shutil.copyfile({str(ckpt)!r}, {str(folder / 'copy.safetensors')!r})"]
-        bake_cmd = [py, "-m", "loraweave.cli", "bake", str(ckpt), str(lora), "-o", str(folder / "baked.safetensors"),
-                    "--quiet", "--force"]
+        copy_cmd = [
+            py,
+            "-c",
+            f"import shutil; shutil.copyfile({str(ckpt)!r}, {str(folder / 'copy.safetensors')!r})",
+        ]
+        bake_cmd = [
+            py,
+            "-m",
+            "loraweave.cli",
+            "bake",
+            str(ckpt),
+            str(lora),
+            "-o",
+            str(folder / "baked.safetensors"),
+            "--quiet",
+            "--force",
+        ]
         start_cmd = [py, "-c", "import loraweave.tools.bake"]
         results: dict[str, list[tuple[float, float]]] = {"copy": [], "bake": [], "bake start": []}
         for r in range(args.rounds):
             order = [("copy", copy_cmd), ("bake", bake_cmd), ("bake start", start_cmd)]
             for name, cmd in order if r % 2 == 0 else order[::-1]:
                 results[name].append(timed(cmd))
-                print(f"round {r} {name}: {results[name][-1][0]:.2f}s {results[name][-1][1]:.0f} MiB", file=sys.stderr)
+                print(
+                    f"round {r} {name}: {results[name][-1][0]:.2f}s {results[name][-1][1]:.0f} MiB",
+                    file=sys.stderr,
+                )
                 for f in ("copy.safetensors", "baked.safetensors"):
                     (folder / f).unlink(missing_ok=True)
         print(f"{'variant':<12} {'wall s (median)':>16} {'peak RSS MiB':>13}")
@@ -101,8 +121,10 @@ def main() -> None:
         for k, (w, m) in med.items():
             print(f"{k:<12} {w:>16.2f} {m:>13.0f}")
         over = med["bake"][1] - largest / 2**20
-        print(f"bake / copy wall: {med['bake'][0] / med['copy'][0]:.2f}x; bake peak RSS - largest tensor: "
-              f"{over:.0f} MiB (target < 1024); of which start-up: {med['bake start'][1]:.0f} MiB")
+        print(
+            f"bake / copy wall: {med['bake'][0] / med['copy'][0]:.2f}x; bake peak RSS - largest tensor: "
+            f"{over:.0f} MiB (target < 1024); of which start-up: {med['bake start'][1]:.0f} MiB"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)

@@ -34,14 +34,19 @@ def main() -> None:
     args = benchutil.parse_args(__doc__, quick=5, full=9, extra=benchutil.add_clock_args)
     benchutil.setup_torch()
     clock = benchutil.use_clock_args(args)
-    benchutil.header("bench_compile: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA, eager vs inductor; "
-                     f"clock={args.clock}")
+    benchutil.header(
+        "bench_compile: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA, eager vs inductor; "
+        f"clock={args.clock}"
+    )
     import loraweave
 
     base, sd, x = linear_lora(IN, OUT, TOKENS, RANK, alpha=8.0)
     keep, models = [], {}
-    for name, kw in {"r16": {}, "r16->32": {"compile_friendly": True, "rank_buckets": (32,)},
-                     "cf r16": {"compile_friendly": True, "rank_buckets": (16,)}}.items():
+    for name, kw in {
+        "r16": {},
+        "r16->32": {"compile_friendly": True, "rank_buckets": (32,)},
+        "cf r16": {"compile_friendly": True, "rank_buckets": (16,)},
+    }.items():
         m = copy.deepcopy(base)
         keep.append(loraweave.apply(m, sd, mode="runtime", strict=True, **kw))
         models[name] = m
@@ -54,26 +59,50 @@ def main() -> None:
         compile_s[name], compiled[name] = time.perf_counter() - t0, c
     with torch.inference_mode():
         want = models["r16"](x)
-        agree = {n: float((c(x) - (base(x) if n == "base" else want)).abs().max()) for n, c in compiled.items()}
+        agree = {
+            n: float((c(x) - (base(x) if n == "base" else want)).abs().max()) for n, c in compiled.items()
+        }
         agree["eager r16->32"] = float((models["r16->32"](x) - want).abs().max())
     rows = []
     for label, ref, others in (
-        ("eager", Variant("base", inference_forward(base, x)),
-         [Variant("r16", inference_forward(models["r16"], x)), Variant("r16->32", inference_forward(models["r16->32"], x))]),
-        ("compiled", Variant("base", inference_forward(compiled["base"], x)),
-         [Variant("r16", inference_forward(compiled["r16"], x)),
-          Variant("r16->32", inference_forward(compiled["r16->32"], x))]),
+        (
+            "eager",
+            Variant("base", inference_forward(base, x)),
+            [
+                Variant("r16", inference_forward(models["r16"], x)),
+                Variant("r16->32", inference_forward(models["r16->32"], x)),
+            ],
+        ),
+        (
+            "compiled",
+            Variant("base", inference_forward(compiled["base"], x)),
+            [
+                Variant("r16", inference_forward(compiled["r16"], x)),
+                Variant("r16->32", inference_forward(compiled["r16->32"], x)),
+            ],
+        ),
     ):
         res = sandwiched(ref, others, rounds=args.rounds, warmup=1, clock=clock)
         for v in others:
             lo, hi = res.interval(v.name)
-            rows.append([f"{label} {v.name}", f"{median(res.times['base']) * 1e3:.1f}",
-                         f"{median(res.times[v.name]) * 1e3:.1f}", res.quiet_count(v.name),
-                         f"{(res.ratio(v.name) - 1) * 100:+.2f}%", f"{(lo - 1) * 100:+.2f}% .. {(hi - 1) * 100:+.2f}%"])
+            rows.append(
+                [
+                    f"{label} {v.name}",
+                    f"{median(res.times['base']) * 1e3:.1f}",
+                    f"{median(res.times[v.name]) * 1e3:.1f}",
+                    res.quiet_count(v.name),
+                    f"{(res.ratio(v.name) - 1) * 100:+.2f}%",
+                    f"{(lo - 1) * 100:+.2f}% .. {(hi - 1) * 100:+.2f}%",
+                ]
+            )
     floor = RANK * (IN + OUT) / (IN * OUT)
     print(f"rounds={args.rounds}; {benchutil.noise_line()}")
-    print(table(["variant", "its base ms", "median ms", "quiet", "overhead vs its base", "90% interval"], rows))
-    print(f"FLOP share of the LoRA pair: r16 {floor * 100:.2f}%, padded to 32 {2 * floor * 100:.2f}% of the base GEMM")
+    print(
+        table(["variant", "its base ms", "median ms", "quiet", "overhead vs its base", "90% interval"], rows)
+    )
+    print(
+        f"FLOP share of the LoRA pair: r16 {floor * 100:.2f}%, padded to 32 {2 * floor * 100:.2f}% of the base GEMM"
+    )
     print("first compiled call (compile) s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
     print("max abs diff vs eager: " + ", ".join(f"{k} {v:.2e}" for k, v in agree.items()))
     del keep

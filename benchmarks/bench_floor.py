@@ -113,13 +113,23 @@ def formulations(f: Factors) -> dict:
         w_eff = torch.addmm(w, f.up * f.s, f.down, out=f.w_buf)  # into a reused buffer: no page faults
         return torch.addmm(f.b, x, w_eff.t())
 
-    return {"mkl (before)": mkl, "base-first": base_first, "contig A^T B^T": contig, "out= buffers": out_buffers, "r padded 32": padded,
-            "stacked": stacked, "stacked+contig": stacked_contig, "fold": fold}
+    return {
+        "mkl (before)": mkl,
+        "base-first": base_first,
+        "contig A^T B^T": contig,
+        "out= buffers": out_buffers,
+        "r padded 32": padded,
+        "stacked": stacked,
+        "stacked+contig": stacked_contig,
+        "fold": fold,
+    }
 
 
 def _onednn_linear():
     """oneDNN's linear op (what skinny.py probes), or exit with the reason when this torch build lacks it."""
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    op = (
+        getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    )
     if op is None:
         raise SystemExit("--base-kernel onednn: this torch build has no oneDNN linear (torch.ops.mkldnn)")
     return op
@@ -176,48 +186,74 @@ def components(f: Factors, base, clock) -> list[list[str]]:
                 base()
                 if r >= 0:
                     base_times.append(clock() - t0)
-            for n in names[r % len(names):] + names[: r % len(names)]:
+            for n in names[r % len(names) :] + names[: r % len(names)]:
                 t0 = clock()
                 kernels[n][0]()
                 if r >= 0:
                     times[n].append(clock() - t0)
     mb = statistics.median(base_times)
     share = {n: statistics.median(v) / mb for n, v in times.items()}
-    rows = [[n, f"{statistics.median(times[n]) * 1e3:.2f}", f"{share[n] * 100:.2f}%",
-             f"{flops * 100:.2f}%" if flops else "-", f"{share[n] / flops:.1f}x" if flops else "-"]
-            for n, (_, flops) in kernels.items()]
+    rows = [
+        [
+            n,
+            f"{statistics.median(times[n]) * 1e3:.2f}",
+            f"{share[n] * 100:.2f}%",
+            f"{flops * 100:.2f}%" if flops else "-",
+            f"{share[n] / flops:.1f}x" if flops else "-",
+        ]
+        for n, (_, flops) in kernels.items()
+    ]
     # what the base GEMM costs more (or less) when it accumulates into the y the up GEMM wrote than with its bias
     # (negative: accumulating skips the bias the base GEMM applies, which the up GEMM's output already holds)
-    accumulate = share["base GEMM into y: y.addmm_(x, Wᵀ)"] - share["base GEMM with its bias: addmm(b, x, Wᵀ)"]
+    accumulate = (
+        share["base GEMM into y: y.addmm_(x, Wᵀ)"] - share["base GEMM with its bias: addmm(b, x, Wᵀ)"]
+    )
     scale = share["scale h by s"]
     sums = {
-        "=> loraweave: down + scale + up(b) + (accumulate - bias), oneDNN":
-            share["down: x·Aᵀ, oneDNN"] + scale + share["up: b + h·Bᵀ (new y), oneDNN"] + accumulate,
-        "=> before: the same on MKL":
-            share["down: x·Aᵀ, MKL"] + scale + share["up: b + h·Bᵀ (new y), MKL"] + accumulate,
-        "=> bare skinny GEMMs on MKL: down + scale + up in place":
-            share["down: x·Aᵀ, MKL"] + scale + share["up: y += h·Bᵀ in place, MKL"],
+        "=> loraweave: down + scale + up(b) + (accumulate - bias), oneDNN": share["down: x·Aᵀ, oneDNN"]
+        + scale
+        + share["up: b + h·Bᵀ (new y), oneDNN"]
+        + accumulate,
+        "=> before: the same on MKL": share["down: x·Aᵀ, MKL"]
+        + scale
+        + share["up: b + h·Bᵀ (new y), MKL"]
+        + accumulate,
+        "=> bare skinny GEMMs on MKL: down + scale + up in place": share["down: x·Aᵀ, MKL"]
+        + scale
+        + share["up: y += h·Bᵀ in place, MKL"],
     }
     rows += [[n, "", f"{v * 100:.2f}%", f"{FLOOR * 100:.2f}%", f"{v / FLOOR:.2f}x"] for n, v in sums.items()]
-    print(f"components: base forward median {mb * 1e3:.1f} ms over {len(base_times)} samples; "
-          f"{COMPONENT_REPS} samples per kernel")
+    print(
+        f"components: base forward median {mb * 1e3:.1f} ms over {len(base_times)} samples; "
+        f"{COMPONENT_REPS} samples per kernel"
+    )
     return rows
 
 
 def main() -> None:
     def extra(ap):
         benchutil.add_clock_args(ap)
-        ap.add_argument("--only", default="", help="comma-separated variants to time end to end (default: all); "
-                        "e.g. 'loraweave,peft,lora ops' for more rounds in the same time")
+        ap.add_argument(
+            "--only",
+            default="",
+            help="comma-separated variants to time end to end (default: all); "
+            "e.g. 'loraweave,peft,lora ops' for more rounds in the same time",
+        )
         ap.add_argument("--no-components", action="store_true", help="skip the per-kernel table")
-        ap.add_argument("--base-kernel", choices=("torch", "onednn"), default="torch",
-                        help="the base GEMM: torch's nn.Linear (default; MKL sgemm) or oneDNN's linear (a fast-GEMM "
-                        "host's view, see 3. in the docstring)")
+        ap.add_argument(
+            "--base-kernel",
+            choices=("torch", "onednn"),
+            default="torch",
+            help="the base GEMM: torch's nn.Linear (default; MKL sgemm) or oneDNN's linear (a fast-GEMM "
+            "host's view, see 3. in the docstring)",
+        )
 
     args = benchutil.parse_args(__doc__, quick=5, full=11, extra=extra)
     benchutil.setup_torch()
     clock = benchutil.use_clock_args(args)
-    benchutil.header(f"bench_floor: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA; clock={args.clock}")
+    benchutil.header(
+        f"bench_floor: Linear(3072, 3072) fp32, x (1, 4096, 3072), rank-16 LoRA; clock={args.clock}"
+    )
     from peft import LoraConfig, inject_adapter_in_model
 
     import loraweave
@@ -226,15 +262,19 @@ def main() -> None:
     down, up = sd["lora_unet_proj.lora_down.weight"], sd["lora_unet_proj.lora_up.weight"]
     lw = copy.deepcopy(base)
     keep = loraweave.apply(lw, sd, mode="runtime", strict=True)
-    peft = inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=SCALE * RANK, target_modules=["proj"]),
-                                   copy.deepcopy(base))
+    peft = inject_adapter_in_model(
+        LoraConfig(r=RANK, lora_alpha=SCALE * RANK, target_modules=["proj"]), copy.deepcopy(base)
+    )
     with torch.no_grad():
         peft.proj.lora_A["default"].weight.copy_(down)
         peft.proj.lora_B["default"].weight.copy_(up)
     f = Factors(base.proj, down, up, x)
     onednn = args.base_kernel == "onednn"
     op = _onednn_linear() if onednn else None
-    forms = {name: _inference(fn) for name, fn in (onednn_formulations(f, op) if onednn else formulations(f)).items()}
+    forms = {
+        name: _inference(fn)
+        for name, fn in (onednn_formulations(f, op) if onednn else formulations(f)).items()
+    }
 
     def lora_ops():
         with torch.inference_mode():
@@ -253,15 +293,21 @@ def main() -> None:
         f.y_buf.copy_(base(x).view(-1, OUT))
 
     library = [] if onednn else [Variant("loraweave", inference_forward(lw, x))]
-    others = [*library, *(Variant(n, fn) for n, fn in forms.items()),
-              *([] if onednn else [Variant("peft", inference_forward(peft, x))]), Variant("lora ops", lora_ops),
-              Variant("lora ops onednn", lora_ops_onednn)]
+    others = [
+        *library,
+        *(Variant(n, fn) for n, fn in forms.items()),
+        *([] if onednn else [Variant("peft", inference_forward(peft, x))]),
+        Variant("lora ops", lora_ops),
+        Variant("lora ops onednn", lora_ops_onednn),
+    ]
     only = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(only) - {v.name for v in others})
     if unknown:
         raise SystemExit(f"--only: no variant {', '.join(unknown)}; have {', '.join(v.name for v in others)}")
     others = [v for v in others if not only or v.name in only]
-    base_run = _inference(lambda: op(f.x2, f.w, f.b, "none", [], "")) if onednn else inference_forward(base, x)
+    base_run = (
+        _inference(lambda: op(f.x2, f.w, f.b, "none", [], "")) if onednn else inference_forward(base, x)
+    )
     res = sandwiched(Variant("base", base_run), others, rounds=args.rounds, warmup=1, clock=clock)
     rows = []
     for v in others:
@@ -269,20 +315,40 @@ def main() -> None:
         bare = v.name.startswith("lora ops")  # timed alone: its ratio to the base is its overhead
         over = r if bare else r - 1
         lo, hi = (b - (0 if bare else 1) for b in res.interval(v.name))
-        rows.append([v.name, f"{median(res.times[v.name]) * 1e3:.1f}", f"+-{spread(res.times[v.name]) * 100:.1f}%",
-                     res.quiet_count(v.name), f"{over * 100:+.2f}%", f"{lo * 100:+.2f}% .. {hi * 100:+.2f}%",
-                     f"{over / FLOOR:.2f}x"])
+        rows.append(
+            [
+                v.name,
+                f"{median(res.times[v.name]) * 1e3:.1f}",
+                f"+-{spread(res.times[v.name]) * 100:.1f}%",
+                res.quiet_count(v.name),
+                f"{over * 100:+.2f}%",
+                f"{lo * 100:+.2f}% .. {hi * 100:+.2f}%",
+                f"{over / FLOOR:.2f}x",
+            ]
+        )
     base_ms = median(res.times["base"]) * 1e3
-    print(f"rounds={args.rounds}; base ({'oneDNN linear' if onednn else 'nn.Linear'}) median {base_ms:.1f} ms = "
-          f"{2 * TOKENS * IN * OUT / base_ms / 1e6:.0f} GF/s; {benchutil.noise_line()}")
-    print(table(["variant", "median ms", "IQR/2", "quiet", "overhead vs base", "90% interval", "x FLOP floor"],
-                rows))
+    print(
+        f"rounds={args.rounds}; base ({'oneDNN linear' if onednn else 'nn.Linear'}) median {base_ms:.1f} ms = "
+        f"{2 * TOKENS * IN * OUT / base_ms / 1e6:.0f} GF/s; {benchutil.noise_line()}"
+    )
+    print(
+        table(
+            ["variant", "median ms", "IQR/2", "quiet", "overhead vs base", "90% interval", "x FLOP floor"],
+            rows,
+        )
+    )
     print(f"FLOP floor r(in+out)/(in*out) = {FLOOR * 100:.3f}%; target <= 2x ({2 * FLOOR * 100:.2f}%)")
-    print("output agreement vs loraweave (max abs diff / max |y|): "
-          + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()))
+    print(
+        "output agreement vs loraweave (max abs diff / max |y|): "
+        + ", ".join(f"{k} {v:.1e}" for k, v in agree.items())
+    )
     if not args.no_components and not onednn:
-        print(table(["kernel", "median ms", "share of base", "FLOP share", "x its FLOP share"],
-                    components(f, base_run, clock)))
+        print(
+            table(
+                ["kernel", "median ms", "share of base", "FLOP share", "x its FLOP share"],
+                components(f, base_run, clock),
+            )
+        )
     del keep
 
 

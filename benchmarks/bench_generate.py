@@ -37,8 +37,11 @@ def make_lora(pipe_dir: Path, path: Path) -> None:
     pipe = StableDiffusionPipeline.from_pretrained(pipe_dir, local_files_only=True)
     g = torch.Generator().manual_seed(3)
     sd = {}
-    named = [("lora_unet_", n, m) for n, m in pipe.unet.named_modules()
-             if isinstance(m, torch.nn.Linear) and "attentions" in n]
+    named = [
+        ("lora_unet_", n, m)
+        for n, m in pipe.unet.named_modules()
+        if isinstance(m, torch.nn.Linear) and "attentions" in n
+    ]
     for prefix, name, module in named:
         stem = prefix + name.replace(".", "_")
         sd[f"{stem}.lora_down.weight"] = torch.randn(4, module.in_features, generator=g) * 0.1
@@ -56,8 +59,15 @@ def plain(pipe_dir: Path, out: Path, lora: Path | None = None) -> float:
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
-    image = pipe(prompt="a cat", negative_prompt="blurry", num_inference_steps=STEPS, guidance_scale=5.0,
-                 height=SIZE, width=SIZE, generator=torch.Generator().manual_seed(SEED)).images[0]
+    image = pipe(
+        prompt="a cat",
+        negative_prompt="blurry",
+        num_inference_steps=STEPS,
+        guidance_scale=5.0,
+        height=SIZE,
+        width=SIZE,
+        generator=torch.Generator().manual_seed(SEED),
+    ).images[0]
     image.save(out)
     return time.perf_counter() - t0
 
@@ -66,8 +76,18 @@ def ours(pipe_dir: Path, out: Path, lora_dir: Path | None = None) -> tuple[float
     from loraweave.tools.generate import GenerateRequest, generate
 
     prompt = "a cat <lora:x:1>" if lora_dir else "a cat"
-    req = GenerateRequest(model=str(pipe_dir), prompt=prompt, negative="blurry", lora_dir=str(lora_dir) if lora_dir
-                          else None, steps=STEPS, cfg=5.0, seed=SEED, width=SIZE, height=SIZE, output=str(out))
+    req = GenerateRequest(
+        model=str(pipe_dir),
+        prompt=prompt,
+        negative="blurry",
+        lora_dir=str(lora_dir) if lora_dir else None,
+        steps=STEPS,
+        cfg=5.0,
+        seed=SEED,
+        width=SIZE,
+        height=SIZE,
+        output=str(out),
+    )
     t0 = time.perf_counter()
     res = generate(req)
     return time.perf_counter() - t0, res.seconds
@@ -96,7 +116,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(args.rounds + 1):  # round 0 warms imports and caches: discarded
         names = list(variants)
-        names = names[r % len(names):] + names[: r % len(names)]
+        names = names[r % len(names) :] + names[: r % len(names)]
         for name in names:
             seconds = variants[name]()
             if r:
@@ -109,7 +129,9 @@ def main() -> None:
         print(f"{name:<22} {statistics.median(ts):>9.3f} {statistics.median(ts) / base:>12.2f}x")
     print(f"generate <lora:x:1> phases (one run): {phases}")
     overhead = statistics.median(times["generate <lora:x:1>"]) - statistics.median(times["diffusers + PEFT"])
-    print(f"generate with the LoRA vs diffusers + PEFT with the same file: {overhead * 1000:+.0f} ms per image")
+    print(
+        f"generate with the LoRA vs diffusers + PEFT with the same file: {overhead * 1000:+.0f} ms per image"
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,10 @@ def make_file(folder: Path) -> Path:
     shapes = json.loads(KEYS.read_text())
     shapes = shapes.get("keys", shapes)
     g = torch.Generator().manual_seed(0)
-    sd = {k: (torch.randn(v, generator=g) * 0.01).to(torch.bfloat16) if v else torch.tensor(16.0)
-          for k, v in shapes.items()}
+    sd = {
+        k: (torch.randn(v, generator=g) * 0.01).to(torch.bfloat16) if v else torch.tensor(16.0)
+        for k, v in shapes.items()
+    }
     for layer in range(11):
         for proj in TE_PROJ:
             stem = f"lora_te1_text_model_encoder_layers_{layer}_{proj}"
@@ -90,8 +92,17 @@ def main() -> None:
             "import torch": [py, "-c", "import torch"],
             "inspect no cov": [py, "-m", "loraweave.cli", "inspect", str(path), "--no-coverage", "--json"],
             "inspect --arch": [py, "-m", "loraweave.cli", "inspect", str(path), "--arch", "flux", "--json"],
-            "inspect, no TE": [py, "-m", "loraweave.cli", "inspect", str(path), "--arch", "flux", "--json",
-                               "--no-text-encoders"],
+            "inspect, no TE": [
+                py,
+                "-m",
+                "loraweave.cli",
+                "inspect",
+                str(path),
+                "--arch",
+                "flux",
+                "--json",
+                "--no-text-encoders",
+            ],
             "inspect detect": [py, "-m", "loraweave.cli", "inspect", str(path), "--json"],
         }
         times: dict[str, list[float]] = {k: [] for k in variants}
@@ -100,7 +111,7 @@ def main() -> None:
         load0 = f"{os.getloadavg()[0]:.2f}"
         for r in range(args.rounds + 1):  # round 0 warms the page cache and .pyc files: discarded
             names = list(variants)
-            names = names[r % len(names):] + names[: r % len(names)]
+            names = names[r % len(names) :] + names[: r % len(names)]
             for name in names:
                 wall, out, cpu = run(variants[name])
                 if r:
@@ -110,15 +121,23 @@ def main() -> None:
                     last = out
             print(f"round {r} done", file=sys.stderr)
         cov = json.loads(last)["coverage"]
-        cold = run([py, "-m", "loraweave.cli", "inspect", str(path), "--arch", "flux", "--json"],
-                   {**os.environ, "LORAWEAVE_CACHE": "0"})[0]
+        cold = run(
+            [py, "-m", "loraweave.cli", "inspect", str(path), "--arch", "flux", "--json"],
+            {**os.environ, "LORAWEAVE_CACHE": "0"},
+        )[0]
         print(f"load average before/after: {load0} / {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
         print(f"{'variant':<16} {'median s':>9} {'min s':>7} {'median CPU s':>13}")
         for name, ts in times.items():
-            print(f"{name:<16} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {statistics.median(cpus[name]):>13.2f}")
-        print(f"coverage: {cov['keys_applied']}/{cov['keys_total']} keys land on {cov['against']}; "
-              f"in-process inspect time {json.loads(last)['seconds']:.2f}s; target end to end < {TARGET_S} s")
-        print(f"without the skeleton cache (builds Flux + CLIP + T5 through diffusers/transformers): {cold:.2f}s")
+            print(
+                f"{name:<16} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {statistics.median(cpus[name]):>13.2f}"
+            )
+        print(
+            f"coverage: {cov['keys_applied']}/{cov['keys_total']} keys land on {cov['against']}; "
+            f"in-process inspect time {json.loads(last)['seconds']:.2f}s; target end to end < {TARGET_S} s"
+        )
+        print(
+            f"without the skeleton cache (builds Flux + CLIP + T5 through diffusers/transformers): {cold:.2f}s"
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -97,9 +97,11 @@ def main() -> None:
         print(f"{'inspect FILE, one process per file':<34} {med(singles):>9.2f}")
         print(f"{'CPU s, inspect DIR 50 files':<34} {med(cpu_dir):>9.2f}")
         print(f"{'CPU s, inspect FILE process':<34} {med(cpu_single):>9.2f}")
-        print(f"per file after the first: {med(after_mean):.3f} s (target < {TARGET_S} s); the folder in one process "
-              f"costs {med(totals) / (50 * med(singles)):.3f}x of 50 separate processes "
-              f"({50 * med(singles):.0f} s estimated)")
+        print(
+            f"per file after the first: {med(after_mean):.3f} s (target < {TARGET_S} s); the folder in one process "
+            f"costs {med(totals) / (50 * med(singles)):.3f}x of 50 separate processes "
+            f"({50 * med(singles):.0f} s estimated)"
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -105,7 +105,9 @@ def build(names: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], torch.Ten
 
             m = copy.deepcopy(base)
             sd = ads["lokr f-1 r16"][0]
-            lyco = LokrModule("lycoris_proj", m.proj, multiplier=1.0, lora_dim=16, alpha=8.0, bypass_mode=True)
+            lyco = LokrModule(
+                "lycoris_proj", m.proj, multiplier=1.0, lora_dim=16, alpha=8.0, bypass_mode=True
+            )
             assert lyco.use_w1 and not lyco.use_w2 and lyco.scale == 0.5
             with torch.no_grad():
                 for role in ("lokr_w1", "lokr_w2_a", "lokr_w2_b"):
@@ -120,7 +122,9 @@ def extra_macs(sd: dict[str, torch.Tensor]) -> int:
     """Per-token MACs of the structured path as loraweave runs it (w2 first, w2 kept dense below 4x savings)."""
     a, c = sd[f"{STEM}.lokr_w1"].shape
     w2 = sd.get(f"{STEM}.lokr_w2")
-    b, n = w2.shape if w2 is not None else (sd[f"{STEM}.lokr_w2_a"].shape[0], sd[f"{STEM}.lokr_w2_b"].shape[1])
+    b, n = (
+        w2.shape if w2 is not None else (sd[f"{STEM}.lokr_w2_a"].shape[0], sd[f"{STEM}.lokr_w2_b"].shape[1])
+    )
     return c * b * n + a * c * b
 
 
@@ -137,12 +141,21 @@ def main() -> None:
     ads = keep["adapters"]
     with torch.inference_mode():
         outs = {n: m(x) for n, m in mods.items()}
-        refs = {n: F.linear(x, mods["base"].proj.weight + dense_delta(*ads[n]), mods["base"].proj.bias) for n in ads}
+        refs = {
+            n: F.linear(x, mods["base"].proj.weight + dense_delta(*ads[n]), mods["base"].proj.bias)
+            for n in ads
+        }
     agree = [
         ["lokr f-1 r16 vs W+ΔW", f"{float((outs['lokr f-1 r16'] - refs['lokr f-1 r16']).abs().max()):.3e}"],
-        ["lokr f16 full vs W+ΔW", f"{float((outs['lokr f16 full'] - refs['lokr f16 full']).abs().max()):.3e}"],
+        [
+            "lokr f16 full vs W+ΔW",
+            f"{float((outs['lokr f16 full'] - refs['lokr f16 full']).abs().max()):.3e}",
+        ],
         ["dense ΔW vs W+ΔW (f-1 r16)", f"{float((outs['dense ΔW'] - refs['lokr f-1 r16']).abs().max()):.3e}"],
-        ["lycoris bypass vs W+ΔW (f-1 r16)", f"{float((outs['lycoris bypass'] - refs['lokr f-1 r16']).abs().max()):.3e}"],
+        [
+            "lycoris bypass vs W+ΔW (f-1 r16)",
+            f"{float((outs['lycoris bypass'] - refs['lokr f-1 r16']).abs().max()):.3e}",
+        ],
     ]
     scale_y = float(refs["lokr f-1 r16"].abs().max())
     d_lokr = float((refs["lokr f-1 r16"] - outs["base"]).abs().max())
@@ -157,8 +170,12 @@ def main() -> None:
     rows += [[v.name, *variant_cells(res, v.name), str(macs[v.name])] for v in others]
     print()
     benchutil.print_legend(rounds, res)
-    print(table(["variant", "median ms", "IQR/2", "ratio", "ratio all", "quiet", "overhead", "extra MACs/token"],
-                rows))
+    print(
+        table(
+            ["variant", "median ms", "IQR/2", "ratio", "ratio all", "quiet", "overhead", "extra MACs/token"],
+            rows,
+        )
+    )
     print(f"(base GEMM: {IN * OUT} MACs/token)")
     print()
     print(f"output agreement (max |y| = {scale_y:.3f}; the LoKr changes y by up to {d_lokr:.3f}):")
@@ -172,12 +189,27 @@ def main() -> None:
             w2 = sd.get(f"{STEM}.lokr_w2")
             w2n = w2.numel() if w2 is not None else 64 * 64
             kept[n] = (sd[f"{STEM}.lokr_w1"].numel() + w2n) * 4 / 2**20
-        kept["lycoris bypass"] = sum(t.numel() for k, t in ads["lokr f-1 r16"][0].items() if "lokr" in k) * 4 / 2**20
-        print(f"memory: peak RSS growth of one steady-state forward (child process per variant, default glibc "
-              f"malloc; the output tensor alone is {TOKENS * OUT * 4 / 2**20:.0f} MiB), and what the form keeps")
-        print(table(["variant", "peak delta MiB", "vs base", "kept MiB"],
-                    [[n, f"{mem[n]:.1f}", f"{mem[n] / mem['base']:.2f}x" if mem["base"] else "-",
-                      f"{kept[n]:.3f}"] for n in VARIANTS]))
+        kept["lycoris bypass"] = (
+            sum(t.numel() for k, t in ads["lokr f-1 r16"][0].items() if "lokr" in k) * 4 / 2**20
+        )
+        print(
+            f"memory: peak RSS growth of one steady-state forward (child process per variant, default glibc "
+            f"malloc; the output tensor alone is {TOKENS * OUT * 4 / 2**20:.0f} MiB), and what the form keeps"
+        )
+        print(
+            table(
+                ["variant", "peak delta MiB", "vs base", "kept MiB"],
+                [
+                    [
+                        n,
+                        f"{mem[n]:.1f}",
+                        f"{mem[n] / mem['base']:.2f}x" if mem["base"] else "-",
+                        f"{kept[n]:.3f}",
+                    ]
+                    for n in VARIANTS
+                ],
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -151,8 +151,17 @@ def main() -> None:
         )
 
     t_roof = res.times["roofline"]
-    rows = [["roofline", f"{median(t_roof) * 1e3:.0f}", f"+-{spread(t_roof) * 100:.1f}%", "1.000", "-", "-",
-             f"{median(t_roof) * 1e3 / n:.2f}"]]
+    rows = [
+        [
+            "roofline",
+            f"{median(t_roof) * 1e3:.0f}",
+            f"+-{spread(t_roof) * 100:.1f}%",
+            "1.000",
+            "-",
+            "-",
+            f"{median(t_roof) * 1e3 / n:.2f}",
+        ]
+    ]
     for v in others:
         t = res.times[v.name]
         rows.append(

@@ -65,7 +65,9 @@ def lycoris_module(algo: str, lora_dim: int, lin: torch.nn.Linear):
     from lycoris.modules.diag_oft import DiagOFTModule
 
     cls = DiagOFTModule if algo == "diag-oft" else ButterflyOFTModule
-    return cls("lycoris_proj", lin, multiplier=1.0, lora_dim=lora_dim, alpha=1.0, constraint=0.0, rescaled=False)
+    return cls(
+        "lycoris_proj", lin, multiplier=1.0, lora_dim=lora_dim, alpha=1.0, constraint=0.0, rescaled=False
+    )
 
 
 def adapters(base: Wrap, g: torch.Generator) -> dict[str, dict[str, torch.Tensor]]:
@@ -197,14 +199,31 @@ def main() -> None:
     res = sandwiched(Variant("base", inference_forward(mods["base"], x)), others, rounds=rounds, warmup=1)
 
     macs = {"base": 0, "merged": 0, **{n: extra_macs(sd) for n, sd in ads.items()}}
-    shapes = {"base": "-", "merged": f"{MERGED_OF}, merged",
-              **{n: "x".join(str(d) for d in sd[f"{STEM}.oft_blocks"].shape) for n, sd in ads.items()}}
+    shapes = {
+        "base": "-",
+        "merged": f"{MERGED_OF}, merged",
+        **{n: "x".join(str(d) for d in sd[f"{STEM}.oft_blocks"].shape) for n, sd in ads.items()},
+    }
     rows = [["base", "-", *reference_cells(res, "base"), "0"]]
     rows += [[v.name, shapes[v.name], *variant_cells(res, v.name), str(macs[v.name])] for v in others]
     print()
     benchutil.print_legend(rounds, res)
-    print(table(["variant", "oft_blocks", "median ms", "IQR/2", "ratio", "ratio all", "quiet", "overhead",
-                 "extra MACs/token"], rows))
+    print(
+        table(
+            [
+                "variant",
+                "oft_blocks",
+                "median ms",
+                "IQR/2",
+                "ratio",
+                "ratio all",
+                "quiet",
+                "overhead",
+                "extra MACs/token",
+            ],
+            rows,
+        )
+    )
     print(f"(base GEMM: {IN * OUT} MACs/token)")
     print()
     print(f"output agreement (max |y| = {scale_y:.3f}; the adapters change y by up to {d_max:.3f}):")
@@ -212,13 +231,26 @@ def main() -> None:
     if not args.no_mem:
         print()
         mem = benchutil.mem_children(__file__, VARIANTS)
-        print(f"memory: peak RSS growth of one steady-state forward (child process per variant, default glibc "
-              f"malloc; the output tensor alone is {TOKENS * OUT * 4 / 2**20:.0f} MiB), and the RSS the applied "
-              "form keeps after apply + one forward (runtime: cached R; merge: the weight backup for remove())")
+        print(
+            f"memory: peak RSS growth of one steady-state forward (child process per variant, default glibc "
+            f"malloc; the output tensor alone is {TOKENS * OUT * 4 / 2**20:.0f} MiB), and the RSS the applied "
+            "form keeps after apply + one forward (runtime: cached R; merge: the weight backup for remove())"
+        )
         b = mem["base"]["peak_mib"]
-        print(table(["variant", "peak delta MiB", "vs base", "kept MiB"],
-                    [[n, f"{mem[n]['peak_mib']:.1f}", f"{mem[n]['peak_mib'] / b:.2f}x" if b else "-",
-                      "-" if n == "base" else f"{mem[n]['kept_mib']:.1f}"] for n in VARIANTS]))
+        print(
+            table(
+                ["variant", "peak delta MiB", "vs base", "kept MiB"],
+                [
+                    [
+                        n,
+                        f"{mem[n]['peak_mib']:.1f}",
+                        f"{mem[n]['peak_mib'] / b:.2f}x" if b else "-",
+                        "-" if n == "base" else f"{mem[n]['kept_mib']:.1f}",
+                    ]
+                    for n in VARIANTS
+                ],
+            )
+        )
 
 
 if __name__ == "__main__":

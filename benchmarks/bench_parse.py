@@ -54,7 +54,9 @@ def build_state_dict(device: str = "meta", dtype: torch.dtype = torch.float32) -
         return {name: torch.empty(tuple(shape), device="meta") for name, shape in keys.items()}
     g = torch.Generator().manual_seed(0)
     return {
-        name: torch.tensor(16.0, dtype=dtype) if not shape else (torch.randn(tuple(shape), generator=g) * 0.01).to(dtype)
+        name: torch.tensor(16.0, dtype=dtype)
+        if not shape
+        else (torch.randn(tuple(shape), generator=g) * 0.01).to(dtype)
         for name, shape in keys.items()
     }
 
@@ -129,8 +131,12 @@ def main() -> None:
         Variant("alias table", lambda: AliasTable(model)),
         Variant("load_adapter", lambda: loraweave.load_adapter(sd)),
         Variant("resolve", lambda: resolve_mod.resolve(components, [(adapter, 1.0)])),
-        Variant("resolve, no table", lambda: resolve_mod.resolve(components, [(adapter, 1.0)]),
-                prepare=no_table_prepare, cleanup=no_table_cleanup),
+        Variant(
+            "resolve, no table",
+            lambda: resolve_mod.resolve(components, [(adapter, 1.0)]),
+            prepare=no_table_prepare,
+            cleanup=no_table_cleanup,
+        ),
         Variant("plan (end to end)", lambda: loraweave.plan(model, sd)),
         Variant("plan, bf16 tensors", lambda: loraweave.plan(model, sd_real)),
     ]
@@ -148,30 +154,63 @@ def main() -> None:
 
     plan_ms = median(times["plan (end to end)"]) * 1e3
     rows = [
-        [v.name, f"{median(times[v.name]) * 1e3:.2f}", f"{min(times[v.name]) * 1e3:.2f}",
-         f"+-{spread(times[v.name]) * 100:.1f}%", f"{median(times[v.name]) * 1e3 / plan_ms:.2f}"]
+        [
+            v.name,
+            f"{median(times[v.name]) * 1e3:.2f}",
+            f"{min(times[v.name]) * 1e3:.2f}",
+            f"+-{spread(times[v.name]) * 100:.1f}%",
+            f"{median(times[v.name]) * 1e3 / plan_ms:.2f}",
+        ]
         for v in variants
     ]
-    rows.append(["plan, gc on (back to back)", f"{median(with_gc) * 1e3:.2f}", f"{min(with_gc) * 1e3:.2f}",
-                 f"max {max(with_gc) * 1e3:.0f} ms", f"{median(with_gc) * 1e3 / plan_ms:.2f}"])
-    rows.append(["plan, first call (cold, gc on)", f"{cold_s * 1e3:.2f}", "-", "1 sample", f"{cold_s * 1e3 / plan_ms:.2f}"])
+    rows.append(
+        [
+            "plan, gc on (back to back)",
+            f"{median(with_gc) * 1e3:.2f}",
+            f"{min(with_gc) * 1e3:.2f}",
+            f"max {max(with_gc) * 1e3:.0f} ms",
+            f"{median(with_gc) * 1e3 / plan_ms:.2f}",
+        ]
+    )
+    rows.append(
+        [
+            "plan, first call (cold, gc on)",
+            f"{cold_s * 1e3:.2f}",
+            "-",
+            "1 sample",
+            f"{cold_s * 1e3 / plan_ms:.2f}",
+        ]
+    )
     rows.append(["  of which gc pauses", f"{cold_gc_s * 1e3:.2f}", "-", f"{len(gc_pauses)} collections", "-"])
-    rows.append(["  first call minus gc", f"{(cold_s - cold_gc_s) * 1e3:.2f}", "-", "-",
-                 f"{(cold_s - cold_gc_s) * 1e3 / plan_ms:.2f}"])
+    rows.append(
+        [
+            "  first call minus gc",
+            f"{(cold_s - cold_gc_s) * 1e3:.2f}",
+            "-",
+            "-",
+            f"{(cold_s - cold_gc_s) * 1e3 / plan_ms:.2f}",
+        ]
+    )
     print()
-    print(f"model: {n_modules} modules, built on meta in {build_s * 1e3:.0f} ms; adapter: {len(sd)} keys "
-          f"({real_mib:.0f} MiB as bf16); gc-tracked objects: {len(gc.get_objects())}; rounds={rounds}")
+    print(
+        f"model: {n_modules} modules, built on meta in {build_s * 1e3:.0f} ms; adapter: {len(sd)} keys "
+        f"({real_mib:.0f} MiB as bf16); gc-tracked objects: {len(gc.get_objects())}; rounds={rounds}"
+    )
     print(benchutil.noise_line())
     print(table(["phase", "median ms", "min ms", "IQR/2", "vs plan"], rows))
     print()
     print(f"plan report: {report.summary()}")
     print(f"keys applied: {report.keys_applied}/{report.keys_total}")
     ok = plan_ms < TARGET_MS
-    print(f"target: parse + resolve (plan end to end, median of {rounds}) {plan_ms:.1f} ms < {TARGET_MS:.0f} ms: "
-          f"{'PASS' if ok else 'FAIL'}")
+    print(
+        f"target: parse + resolve (plan end to end, median of {rounds}) {plan_ms:.1f} ms < {TARGET_MS:.0f} ms: "
+        f"{'PASS' if ok else 'FAIL'}"
+    )
     real_ms = median(times["plan, bf16 tensors"]) * 1e3
-    print(f"same with real bf16 tensors (values checked): {real_ms:.1f} ms < {TARGET_MS:.0f} ms: "
-          f"{'PASS' if real_ms < TARGET_MS else 'FAIL'}")
+    print(
+        f"same with real bf16 tensors (values checked): {real_ms:.1f} ms < {TARGET_MS:.0f} ms: "
+        f"{'PASS' if real_ms < TARGET_MS else 'FAIL'}"
+    )
 
 
 if __name__ == "__main__":

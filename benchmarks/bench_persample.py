@@ -57,7 +57,10 @@ def lora(layers: int, g: torch.Generator) -> dict[str, torch.Tensor]:
 def hand_concat(model: Stack, sds: list[dict], layers: int):
     """One rank-(8·16) pair; each row keeps its sample's 16 ranks through a 0/1 gate."""
     downs = [torch.cat([sd[f"blocks.{i}.lora_down.weight"] for sd in sds]) for i in range(layers)]
-    ups = [torch.cat([sd[f"blocks.{i}.lora_up.weight"] for sd in sds], dim=1).t().contiguous() for i in range(layers)]
+    ups = [
+        torch.cat([sd[f"blocks.{i}.lora_up.weight"] for sd in sds], dim=1).t().contiguous()
+        for i in range(layers)
+    ]
     gate = torch.block_diag(*[torch.ones(1, RANK)] * SAMPLES)  # (8, 128)
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -98,14 +101,24 @@ def batch_variants(layers: int, tokens: int):
     keep = []
 
     shared = copy.deepcopy(base)
-    keep.append(loraweave.apply(shared, loraweave.AdapterSpec(sds[0], name="a0"), mode="runtime", strict=True))
+    keep.append(
+        loraweave.apply(shared, loraweave.AdapterSpec(sds[0], name="a0"), mode="runtime", strict=True)
+    )
     ours = copy.deepcopy(base)
-    h = loraweave.apply(ours, [loraweave.AdapterSpec(sd, name=n) for n, sd in zip(names, sds, strict=True)],
-                        mode="runtime", strict=True)
+    h = loraweave.apply(
+        ours,
+        [loraweave.AdapterSpec(sd, name=n) for n, sd in zip(names, sds, strict=True)],
+        mode="runtime",
+        strict=True,
+    )
     keep.append(h)
     exact = copy.deepcopy(base)
-    he = loraweave.apply(exact, [loraweave.AdapterSpec(sd, name=n) for n, sd in zip(names, sds, strict=True)],
-                         mode="runtime", strict=True)
+    he = loraweave.apply(
+        exact,
+        [loraweave.AdapterSpec(sd, name=n) for n, sd in zip(names, sds, strict=True)],
+        mode="runtime",
+        strict=True,
+    )
     keep.append(he)
     copies = []
     for sd in sds:
@@ -135,10 +148,23 @@ def batch_variants(layers: int, tokens: int):
     concat, bmm = hand_concat(base, sds, layers), hand_bmm(base, sds, layers)
     ref = run_sequential()
     scale = float(ref.abs().max())
-    errors = {n: float((f() - ref).abs().max()) / scale for n, f in
-              (("ours", run_ours), ("exact", run_exact), ("concat", lambda: concat(x)), ("bmm", lambda: bmm(x)))}
-    variants = [Variant("shared", inference_forward(shared, x)), Variant("ours", run_ours), Variant("exact", run_exact),
-                Variant("sequential", run_sequential), Variant("concat", lambda: concat(x)), Variant("bmm", lambda: bmm(x))]
+    errors = {
+        n: float((f() - ref).abs().max()) / scale
+        for n, f in (
+            ("ours", run_ours),
+            ("exact", run_exact),
+            ("concat", lambda: concat(x)),
+            ("bmm", lambda: bmm(x)),
+        )
+    }
+    variants = [
+        Variant("shared", inference_forward(shared, x)),
+        Variant("ours", run_ours),
+        Variant("exact", run_exact),
+        Variant("sequential", run_sequential),
+        Variant("concat", lambda: concat(x)),
+        Variant("bmm", lambda: bmm(x)),
+    ]
     return variants, errors, keep
 
 
@@ -157,14 +183,28 @@ def region_variants(layers: int, tokens: int):
     mask[:, : side // 2] = 1.0
     h.set_region("a", mask)
     keep.append(h)
-    return [Variant("plain runtime", inference_forward(plain, x)), Variant("region", inference_forward(masked, x))], keep
+    return [
+        Variant("plain runtime", inference_forward(plain, x)),
+        Variant("region", inference_forward(masked, x)),
+    ], keep
 
 
 def report(res, ref: str, diffs: dict[str, str]) -> str:
     rows = [[ref, *reference_cells(res, ref), "-"]]
     rows += [[name, *variant_cells(res, name), diffs.get(name, "-")] for name in res.times if name != ref]
-    return table(["variant", "median ms", "IQR/2", f"ratio to {ref}", "ratio all", "quiet", "overhead",
-                  "max rel diff"], rows)
+    return table(
+        [
+            "variant",
+            "median ms",
+            "IQR/2",
+            f"ratio to {ref}",
+            "ratio all",
+            "quiet",
+            "overhead",
+            "max rel diff",
+        ],
+        rows,
+    )
 
 
 def main() -> None:
@@ -174,8 +214,10 @@ def main() -> None:
 
     args = benchutil.parse_args(__doc__, quick=2, full=4, extra=extra)
     benchutil.setup_torch()
-    benchutil.header(f"bench_persample: {args.layers} x Linear({DIM}, {DIM}) fp32, {SAMPLES} samples x {args.tokens} "
-                     f"tokens, rank {RANK}")
+    benchutil.header(
+        f"bench_persample: {args.layers} x Linear({DIM}, {DIM}) fp32, {SAMPLES} samples x {args.tokens} "
+        f"tokens, rank {RANK}"
+    )
     variants, errors, _keep = batch_variants(args.layers, args.tokens)
     res = sandwiched(variants[0], variants[1:], rounds=args.rounds, warmup=1)
     print(report(res, "shared", {n: f"{e:.1e} vs sequential" for n, e in errors.items()}))

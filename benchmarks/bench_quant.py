@@ -80,13 +80,17 @@ WEAKREFS = (weakref.ref, weakref.ProxyType, weakref.CallableProxyType)
 
 
 def adapters(g: torch.Generator, name: str, dim: int) -> tuple[dict, dict]:
-    lora = {f"{name}.lora_down.weight": torch.randn(RANK, dim, generator=g) / dim**0.5,
-            f"{name}.lora_up.weight": torch.randn(dim, RANK, generator=g) * 0.01,
-            f"{name}.alpha": torch.tensor(float(RANK))}
+    lora = {
+        f"{name}.lora_down.weight": torch.randn(RANK, dim, generator=g) / dim**0.5,
+        f"{name}.lora_up.weight": torch.randn(dim, RANK, generator=g) * 0.01,
+        f"{name}.alpha": torch.tensor(float(RANK)),
+    }
     side = int(round(dim**0.5))
     side = next(s for s in range(side, 0, -1) if dim % s == 0)
-    lokr = {f"{name}.lokr_w1": torch.randn(side, side, generator=g) * 0.05,
-            f"{name}.lokr_w2": torch.randn(dim // side, dim // side, generator=g) * 0.05 / side}
+    lokr = {
+        f"{name}.lokr_w1": torch.randn(side, side, generator=g) * 0.05,
+        f"{name}.lokr_w2": torch.randn(dim // side, dim // side, generator=g) * 0.05 / side,
+    }
     return lora, lokr
 
 
@@ -94,9 +98,12 @@ def requests(backend: str, lora: dict, lokr: dict) -> list[tuple[str, dict, dict
     """(label, adapter, apply kwargs) per mechanism request for `backend`."""
     out = [("runtime", lora, dict(mode="runtime"))]
     if backend == "sdnq":
-        out += [("auto", lora, dict(mode="auto")), ("runtime lokr", lokr, dict(mode="runtime")),
-                ("host lokr", lokr, dict(mode="auto", quantized="host", host_rank=64)),
-                ("requantize", lora, dict(mode="merge", quantized="requantize"))]
+        out += [
+            ("auto", lora, dict(mode="auto")),
+            ("runtime lokr", lokr, dict(mode="runtime")),
+            ("host lokr", lokr, dict(mode="auto", quantized="host", host_rank=64)),
+            ("requantize", lora, dict(mode="merge", quantized="requantize")),
+        ]
     else:
         out.append(("merge", lora, dict(mode="merge")))
     return out
@@ -111,8 +118,20 @@ def storages(roots) -> dict[tuple[int, int], int]:
     out: dict[tuple[int, int], int] = {}
     seen: set[int] = set()
     stack = list(roots)
-    skip = (type, types.ModuleType, types.CodeType, str, bytes, int, float, bool, type(None), torch.dtype,
-            torch.device, torch.Size)
+    skip = (
+        type,
+        types.ModuleType,
+        types.CodeType,
+        str,
+        bytes,
+        int,
+        float,
+        bool,
+        type(None),
+        torch.dtype,
+        torch.device,
+        torch.Size,
+    )
     while stack:
         o = stack.pop()
         if id(o) in seen:
@@ -177,8 +196,18 @@ def time_apply(model, sd, kw, rounds: int):
     loraweave.apply(model, sd, strict=True, **kw).remove()
     n = rounds if time.perf_counter() - t0 < 0.5 else min(2, rounds)
     live: list = []
-    res = interleaved([Variant("apply", lambda: live.append(loraweave.apply(model, sd, strict=True, **kw)),
-                               cleanup=lambda: live.pop().remove())], n, warmup=0, log=False)
+    res = interleaved(
+        [
+            Variant(
+                "apply",
+                lambda: live.append(loraweave.apply(model, sd, strict=True, **kw)),
+                cleanup=lambda: live.pop().remove(),
+            )
+        ],
+        n,
+        warmup=0,
+        log=False,
+    )
     return median(res["apply"]), loraweave.apply(model, sd, strict=True, **kw)
 
 
@@ -204,8 +233,12 @@ def run_kind(backend: str, kind: str, base, lora, lokr, x, rounds: int, requant_
     # gets one forward before apply, so that neither the extra bytes nor a timing include it
     first_forward_work = set(storages([alone[0]])) != layer0
     caps = BACKENDS[backend].capabilities(alone[0])
-    print(f"{backend} {kind}: {type(alone[0]).__name__}, weight {type(alone[0].weight).__name__}, "
-          f"first-forward work: {first_forward_work}", file=sys.stderr, flush=True)
+    print(
+        f"{backend} {kind}: {type(alone[0]).__name__}, weight {type(alone[0].weight).__name__}, "
+        f"first-forward work: {first_forward_work}",
+        file=sys.stderr,
+        flush=True,
+    )
     variants, slots, handles = [], [], []
     for label, sd, kw in requests(backend, lora, lokr):
         model = quantbuild.build(backend, kind, copy.deepcopy(base))
@@ -224,12 +257,31 @@ def run_kind(backend: str, kind: str, base, lora, lokr, x, rounds: int, requant_
         after = storages([layer, sd, handle._runtime, handle._quant])
         extra = sum(v for k, v in after.items() if k not in before)
         entry = handle.report.applied[0]
-        ret = "exact" if entry.mechanism == "runtime" else "-" if entry.retention is None else f"{entry.retention:.4f}"
+        ret = (
+            "exact"
+            if entry.mechanism == "runtime"
+            else "-"
+            if entry.retention is None
+            else f"{entry.retention:.4f}"
+        )
         cap = "-" if entry.capture is None else f"{entry.capture:.4f}"
         if entry.mechanism != "requantize" or requant_steps:
             variants.append(Variant(label, fwd(model, x)))
-        slots.append((label, [backend, kind, f"{label} -> {entry.mechanism}", f"{apply_s * 1e3:.1f}", mib(extra),
-                              ret, cap, one_line(entry.why or entry.cost or "")]))
+        slots.append(
+            (
+                label,
+                [
+                    backend,
+                    kind,
+                    f"{label} -> {entry.mechanism}",
+                    f"{apply_s * 1e3:.1f}",
+                    mib(extra),
+                    ret,
+                    cap,
+                    one_line(entry.why or entry.cost or ""),
+                ],
+            )
+        )
     # every model has run a forward since its last change: no warm-up round
     res = sandwiched(Variant("alone", fwd(alone, x)), variants, rounds, warmup=0, log=True)
     alone_ms = f"{median(res.times['alone']) * 1e3:.0f}"
@@ -242,8 +294,16 @@ def run_kind(backend: str, kind: str, base, lora, lokr, x, rounds: int, requant_
             rows.append([*cells[:-1], "-", "-", "-", alone_ms, cells[-1]])
             continue
         r = res.ratio(label)
-        rows.append([*cells[:-1], f"{r:.3f}", f"{median(res.ratios[label]):.3f}", res.quiet_count(label), alone_ms,
-                     cells[-1]])
+        rows.append(
+            [
+                *cells[:-1],
+                f"{r:.3f}",
+                f"{median(res.ratios[label]):.3f}",
+                res.quiet_count(label),
+                alone_ms,
+                cells[-1],
+            ]
+        )
     for h in handles:
         h.remove()
     print(f"  {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -264,7 +324,10 @@ def part1(rounds: int, requant_steps: bool) -> None:
     wall0, steal0 = time.perf_counter(), cpu_steal_s()
     # every probe first: they import the packages before sdnq's import sets up logging on stdout
     blockers = {(b, k): quantbuild.blocker(b, k) for b, kinds in quantbuild.KINDS.items() for k in kinds}
-    for module in ("sdnq", "diffusers.models.model_loading_utils"):  # slow imports, not part of any measurement
+    for module in (
+        "sdnq",
+        "diffusers.models.model_loading_utils",
+    ):  # slow imports, not part of any measurement
         try:
             importlib.import_module(module)
         except ImportError:
@@ -289,23 +352,45 @@ def part1(rounds: int, requant_steps: bool) -> None:
             rows += kind_rows
             caps = caps or kind_caps
         if caps is not None and not caps.factor_channel:
-            rows.append([backend, "all", "factor, hosted", *"-" * 8,
-                         one_line(f"no side channel ({caps.reason}): auto -> runtime, merge -> requantize")])
+            rows.append(
+                [
+                    backend,
+                    "all",
+                    "factor, hosted",
+                    *"-" * 8,
+                    one_line(f"no side channel ({caps.reason}): auto -> runtime, merge -> requantize"),
+                ]
+            )
     module_names = {"bnb": "bitsandbytes"}
     for module, why in broken().items():  # backend modules loraweave itself could not import
         if module_names.get(module, module) not in quantbuild.KINDS:
             rows.append([module, "-", "(not run)", *"-" * 8, one_line(why)])
     wall, steal = time.perf_counter() - wall0, cpu_steal_s() - steal0
-    headers = ["backend", "type", "mechanism", "apply ms", "extra MiB", "retention", "capture", "step x", "x all",
-               "quiet", "alone ms"]
+    headers = [
+        "backend",
+        "type",
+        "mechanism",
+        "apply ms",
+        "extra MiB",
+        "retention",
+        "capture",
+        "step x",
+        "x all",
+        "quiet",
+        "alone ms",
+    ]
     lines = table(headers, [r[:-1] for r in rows]).split("\n")
     notes = ["note", "----", *(r[-1] for r in rows)]
-    print(f"\nLinear({IN}, {OUT}) + bias, {TOKENS} tokens, LoRA rank {RANK}; rounds={rounds}; every forward divided by "
-          f"the mean of the `alone` forwards just before and after it; 'step x' = median over quiet samples (`alone` "
-          f"neighbours within 3%), 'x all' = median over all samples")
+    print(
+        f"\nLinear({IN}, {OUT}) + bias, {TOKENS} tokens, LoRA rank {RANK}; rounds={rounds}; every forward divided by "
+        f"the mean of the `alone` forwards just before and after it; 'step x' = median over quiet samples (`alone` "
+        f"neighbours within 3%), 'x all' = median over all samples"
+    )
     print("\n".join(f"{a}  {b}" for a, b in zip(lines, notes, strict=True)))
-    print(f"part 1: {wall:.0f} s wall, CPU steal {steal:.2f} s (of {wall * THREADS:.0f} CPU-s; >5% means a noisy host, "
-          f"rerun)")
+    print(
+        f"part 1: {wall:.0f} s wall, CPU steal {steal:.2f} s (of {wall * THREADS:.0f} CPU-s; >5% means a noisy host, "
+        f"rerun)"
+    )
 
 
 # ---------------------------------------------------------------- part 2
@@ -330,18 +415,24 @@ def part2(layers: int, dim: int) -> None:
     for i in range(layers):
         sd |= adapters(g, str(i), dim)[1]
     root = tempfile.mkdtemp(prefix="loraweave-factor-cache-")
-    print(f"\nhosted LoKr on {layers} SDNQ uint4 Linear({dim}, {dim}) layers, mode='merge', host_rank=64, FactorCache")
+    print(
+        f"\nhosted LoKr on {layers} SDNQ uint4 Linear({dim}, {dim}) layers, mode='merge', host_rank=64, FactorCache"
+    )
     try:
         out = {}
         for label in ("fresh", "replay"):
             t0 = time.perf_counter()
-            handle = loraweave.apply(model, sd, mode="merge", host_rank=64, cache=FactorCache(root), strict=True)
+            handle = loraweave.apply(
+                model, sd, mode="merge", host_rank=64, cache=FactorCache(root), strict=True
+            )
             dt = time.perf_counter() - t0
             hits = sum(bool(m.cache_hit) for m in handle.report.applied)
             mech = handle.report.mechanisms()["hosted"]
             out[label] = [torch.cat([m.svd_up.flatten(), m.svd_down.flatten()]) for m in model]
-            print(f"{label}: {dt:.2f} s for {layers} hosted layers ({dim}x{dim}), cache hits {hits}/{layers}, "
-                  f"capture median {mech['capture_median']:.4f} min {mech['capture_min']:.4f}")
+            print(
+                f"{label}: {dt:.2f} s for {layers} hosted layers ({dim}x{dim}), cache hits {hits}/{layers}, "
+                f"capture median {mech['capture_median']:.4f} min {mech['capture_min']:.4f}"
+            )
             handle.remove()
         same = all(torch.equal(a, b) for a, b in zip(out["fresh"], out["replay"], strict=True))
         size = sum(os.path.getsize(os.path.join(root, f)) for f in os.listdir(root))
@@ -351,9 +442,18 @@ def part2(layers: int, dim: int) -> None:
 
 
 def main() -> None:
-    args = parse_args(__doc__, quick=1, full=5, extra=lambda ap: (
-        ap.add_argument("--layers", type=int, default=60), ap.add_argument("--dim", type=int, default=1024),
-        ap.add_argument("--requant-steps", action="store_true", help="also time the forwards of requantized layers")))
+    args = parse_args(
+        __doc__,
+        quick=1,
+        full=5,
+        extra=lambda ap: (
+            ap.add_argument("--layers", type=int, default=60),
+            ap.add_argument("--dim", type=int, default=1024),
+            ap.add_argument(
+                "--requant-steps", action="store_true", help="also time the forwards of requantized layers"
+            ),
+        ),
+    )
     benchutil.setup_torch()
     header("loraweave on quantized layers: every backend that runs here")
     t0 = time.perf_counter()

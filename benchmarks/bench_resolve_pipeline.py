@@ -29,7 +29,11 @@ KEYS = REALDATA / "keys/invokeai"
 
 
 def _config(name: str) -> dict:
-    return {k: v for k, v in json.loads((REALDATA / "configs" / name).read_text()).items() if not k.startswith("_")}
+    return {
+        k: v
+        for k, v in json.loads((REALDATA / "configs" / name).read_text()).items()
+        if not k.startswith("_")
+    }
 
 
 def build_components() -> dict[str, torch.nn.Module]:
@@ -40,8 +44,17 @@ def build_components() -> dict[str, torch.nn.Module]:
         return {
             "transformer": FluxTransformer2DModel(**_config("flux1-dev__transformer_config.json")),
             "text_encoder": CLIPTextModel(CLIPTextConfig(**_config("sd15__text_encoder_config.json"))),
-            "text_encoder_2": T5EncoderModel(T5Config(d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
-                                                      feed_forward_proj="gated-gelu", vocab_size=32128)),
+            "text_encoder_2": T5EncoderModel(
+                T5Config(
+                    d_model=4096,
+                    d_ff=10240,
+                    d_kv=64,
+                    num_layers=24,
+                    num_heads=64,
+                    feed_forward_proj="gated-gelu",
+                    vocab_size=32128,
+                )
+            ),
         }
 
 
@@ -66,7 +79,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="5 rounds instead of 20")
     rounds = 5 if ap.parse_args().quick else 20
     benchutil.setup_torch()
-    benchutil.header("bench_resolve_pipeline: largest real Flux key lists vs full-size Flux components on meta")
+    benchutil.header(
+        "bench_resolve_pipeline: largest real Flux key lists vs full-size Flux components on meta"
+    )
     import loraweave
     from loraweave.arch.aliases import AliasTable
     from loraweave.resolve import planner as resolve_mod
@@ -74,8 +89,14 @@ def main() -> None:
 
     comps = build_components()
     cases = {
-        "diffusers 1008 keys": ({"transformer": comps["transformer"]}, key_list("flux_lora_diffusers_with_norm_out_format.json")),
-        "kohya 912 + CLIP-L 216": (comps, {**key_list("flux_lora_kohya_format.json"), **clip_te_keys(comps["text_encoder"])}),
+        "diffusers 1008 keys": (
+            {"transformer": comps["transformer"]},
+            key_list("flux_lora_diffusers_with_norm_out_format.json"),
+        ),
+        "kohya 912 + CLIP-L 216": (
+            comps,
+            {**key_list("flux_lora_kohya_format.json"), **clip_te_keys(comps["text_encoder"])},
+        ),
     }
     rows, verdicts = [], []
     for label, (target, sd) in cases.items():
@@ -95,18 +116,33 @@ def main() -> None:
 
         variants = [
             Variant("name index", lambda c=components: [AliasTable(m) for _, m in c]),
-            Variant("resolve only", lambda c=components, a=adapter: resolve_mod.resolve(c, [(a, 1.0)]),
-                    prepare=prebuilt, cleanup=restore),
+            Variant(
+                "resolve only",
+                lambda c=components, a=adapter: resolve_mod.resolve(c, [(a, 1.0)]),
+                prepare=prebuilt,
+                cleanup=restore,
+            ),
             Variant("plan", lambda t=target, s=sd: loraweave.plan(t, s)),
         ]
         times = interleaved(variants, rounds=rounds, warmup=2, log=False, collect=False)
         for v in variants:
-            rows.append([label, v.name, f"{median(times[v.name]) * 1e3:.1f}", f"{min(times[v.name]) * 1e3:.1f}"])
-        rows.append([label, "keys applied", f"{report.keys_applied}/{report.keys_total}", f"unmatched {len(report.unmatched)}"])
+            rows.append(
+                [label, v.name, f"{median(times[v.name]) * 1e3:.1f}", f"{min(times[v.name]) * 1e3:.1f}"]
+            )
+        rows.append(
+            [
+                label,
+                "keys applied",
+                f"{report.keys_applied}/{report.keys_total}",
+                f"unmatched {len(report.unmatched)}",
+            ]
+        )
         index_ms, resolve_ms = median(times["name index"]) * 1e3, median(times["resolve only"]) * 1e3
-        verdicts.append(f"{label}: index {index_ms:.0f} ms < 1000 ms {'PASS' if index_ms < 1000 else 'FAIL'}; "
-                        f"resolve {resolve_ms:.1f} ms < 100 ms {'PASS' if resolve_ms < 100 else 'FAIL'}; "
-                        f"all keys applied: {'PASS' if report.ok else 'FAIL'}")
+        verdicts.append(
+            f"{label}: index {index_ms:.0f} ms < 1000 ms {'PASS' if index_ms < 1000 else 'FAIL'}; "
+            f"resolve {resolve_ms:.1f} ms < 100 ms {'PASS' if resolve_ms < 100 else 'FAIL'}; "
+            f"all keys applied: {'PASS' if report.ok else 'FAIL'}"
+        )
     print(benchutil.noise_line())
     print(table(["key list", "phase", "median ms", "min ms"], rows))
     print()

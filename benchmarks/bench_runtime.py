@@ -116,7 +116,9 @@ def main() -> None:
             h = torch.mm(x2, down_t).mul_(SCALE)
             return y_buf.addmm_(h, up_t)
 
-    others = [Variant(n, inference_forward(mods[n], x)) for n in VARIANTS[1:]] + [Variant("lora ops", lora_ops)]
+    others = [Variant(n, inference_forward(mods[n], x)) for n in VARIANTS[1:]] + [
+        Variant("lora ops", lora_ops)
+    ]
     res = sandwiched(Variant("base", inference_forward(mods["base"], x)), others, rounds=rounds, warmup=1)
 
     flop_ratio = RANK * (IN + OUT) / (IN * OUT)
@@ -150,7 +152,16 @@ def main() -> None:
     print(benchutil.noise_line())
     print(
         table(
-            ["variant", "median ms", "IQR/2", "ratio", "ratio all", "quiet", "overhead", "overhead/FLOP ratio"],
+            [
+                "variant",
+                "median ms",
+                "IQR/2",
+                "ratio",
+                "ratio all",
+                "quiet",
+                "overhead",
+                "overhead/FLOP ratio",
+            ],
             rows,
         )
     )
@@ -185,7 +196,10 @@ def main() -> None:
         print(
             table(
                 ["variant", "peak delta MiB", "vs base"],
-                [[n, f"{mem[n]:.1f}", f"{mem[n] / mem['base']:.2f}x" if mem["base"] else "-"] for n in VARIANTS],
+                [
+                    [n, f"{mem[n]:.1f}", f"{mem[n] / mem['base']:.2f}x" if mem["base"] else "-"]
+                    for n in VARIANTS
+                ],
             )
         )
 

@@ -35,14 +35,20 @@ SETTINGS = {"steps": 8, "cfg": 5.0, "width": 64, "height": 64, "negative": "blur
 
 
 def bodies(n: int) -> list[dict]:
-    return [{**SETTINGS, "prompt": f"request {i} <lora:a{i % ADAPTERS}:{0.5 + (i % 5) / 10}>", "seed": i}
-            for i in range(n)]
+    return [
+        {**SETTINGS, "prompt": f"request {i} <lora:a{i % ADAPTERS}:{0.5 + (i % 5) / 10}>", "seed": i}
+        for i in range(n)
+    ]
 
 
 def summary(name: str, latencies: list[float], wall: float) -> dict:
     q = statistics.quantiles(latencies, n=20)
-    row = {"variant": name, "requests_per_s": round(len(latencies) / wall, 2),
-           "p50_s": round(statistics.median(latencies), 4), "p95_s": round(q[18], 4)}
+    row = {
+        "variant": name,
+        "requests_per_s": round(len(latencies) / wall, 2),
+        "p50_s": round(statistics.median(latencies), 4),
+        "p95_s": round(q[18], 4),
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -60,8 +66,9 @@ def timed(fn, items, clients: int = 1) -> tuple[list[float], float]:
 
 
 def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url + "/", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as answer:
         return json.loads(answer.read())
 
@@ -84,9 +91,20 @@ def main() -> None:
     rows = []
 
     def gen(body):
-        generate(GenerateRequest(model=str(pipe_dir), prompt=body["prompt"], output=str(tmp / "g.png"),
-                                 negative=body["negative"], lora_dir=str(loras), steps=body["steps"],
-                                 cfg=body["cfg"], seed=body["seed"], width=body["width"], height=body["height"]))
+        generate(
+            GenerateRequest(
+                model=str(pipe_dir),
+                prompt=body["prompt"],
+                output=str(tmp / "g.png"),
+                negative=body["negative"],
+                lora_dir=str(loras),
+                steps=body["steps"],
+                cfg=body["cfg"],
+                seed=body["seed"],
+                width=body["width"],
+                height=body["height"],
+            )
+        )
 
     rows.append(summary("generate (sequential)", *timed(gen, work)))
     engine = Engine(str(pipe_dir), str(loras), max_adapters=ADAPTERS)
@@ -95,8 +113,14 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "src")}})
     try:
         for batch in (8, 1):
-            options = ServeOptions(str(pipe_dir), str(loras), replicas=2, max_adapters_per_replica=ADAPTERS,
-                                   max_batch=batch, batch_wait_s=0.05)
+            options = ServeOptions(
+                str(pipe_dir),
+                str(loras),
+                replicas=2,
+                max_adapters_per_replica=ADAPTERS,
+                max_batch=batch,
+                batch_wait_s=0.05,
+            )
             _, url = start(options, port=8799)
             timed(lambda b, u=url: post(u, b), work[:ADAPTERS], CLIENTS)  # warm-up: every adapter loaded
             lat, wall = timed(lambda b, u=url: post(u, b), work, CLIENTS)
@@ -105,9 +129,15 @@ def main() -> None:
         rows.append(summary("serve one at a time", lat, wall))
         overhead = statistics.median(lat) - statistics.median(engine_lat)
         rate = [row["requests_per_s"] for row in rows]
-        print(json.dumps({"ray_overhead_per_request_s": round(overhead, 4),
-                          "batch8_vs_batch1_throughput": round(rate[2] / rate[3], 2),
-                          "batch8_vs_generate_throughput": round(rate[2] / rate[0], 2)}))
+        print(
+            json.dumps(
+                {
+                    "ray_overhead_per_request_s": round(overhead, 4),
+                    "batch8_vs_batch1_throughput": round(rate[2] / rate[3], 2),
+                    "batch8_vs_generate_throughput": round(rate[2] / rate[0], 2),
+                }
+            )
+        )
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -27,8 +27,12 @@ BLOCKS, PER_BLOCK, WIDTH, RANK = 50, 10, 1024, 16
 
 def build() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(PER_BLOCK)])
-                                 for _ in range(BLOCKS)])
+    return torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(PER_BLOCK)])
+            for _ in range(BLOCKS)
+        ]
+    )
 
 
 def lora(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -64,6 +68,7 @@ def main() -> None:
         def to_set(names, st=state):
             def run():
                 st["handle"].switch([AdapterSpec(sets[n], name=n) for n in names])
+
             return run
 
         def reapply(st=state, mode=mode):
@@ -91,7 +96,9 @@ def main() -> None:
     print(table(["mode", "operation", "median ms", "faster than re-apply"], rows))
     ms = median(results["runtime"]["strength change"]) * 1e3
     print()
-    print(f"target: runtime strength change for {BLOCKS * PER_BLOCK} layers {ms:.2f} ms < 5 ms: {'PASS' if ms < 5 else 'FAIL'}")
+    print(
+        f"target: runtime strength change for {BLOCKS * PER_BLOCK} layers {ms:.2f} ms < 5 ms: {'PASS' if ms < 5 else 'FAIL'}"
+    )
 
 
 if __name__ == "__main__":

@@ -29,13 +29,19 @@ KINDS = ("copy", "auto")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 rounds instead of 9")
-    ap.add_argument("--threads", type=int, default=benchutil.THREADS,
-                    help="torch threads (on a host with more runnable processes than cores, 1 is steadier)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=benchutil.THREADS,
+        help="torch threads (on a host with more runnable processes than cores, 1 is steadier)",
+    )
     args = ap.parse_args()
     rounds = 3 if args.quick else 9
     benchutil.THREADS = args.threads
     benchutil.setup_torch()
-    benchutil.header(f"bench_undo: {BLOCKS * PER_BLOCK} layers {WIDTH}x{WIDTH} fp32, rank-16 LoRA, merge mode")
+    benchutil.header(
+        f"bench_undo: {BLOCKS * PER_BLOCK} layers {WIDTH}x{WIDTH} fp32, rank-16 LoRA, merge mode"
+    )
     import time
 
     import loraweave
@@ -55,18 +61,27 @@ def main() -> None:
             state[kind] = 2.0 - state[kind]
             c0 = time.process_time()
             handles[kind].set_strength("A", state[kind])
-            cpu[kind].append(time.process_time() - c0)  # CPU seconds: steadier than wall time on a loaded host
+            cpu[kind].append(
+                time.process_time() - c0
+            )  # CPU seconds: steadier than wall time on a loaded host
+
         return run
 
     variants = [Variant(f"strength {kind}", strength(kind)) for kind in KINDS]
     times = interleaved(variants, rounds=rounds, warmup=1, log=False, collect=False)
-    touched = sum(m.weight.numel() * m.weight.element_size() for m in models["copy"].modules() if hasattr(m, "weight"))
+    touched = sum(
+        m.weight.numel() * m.weight.element_size() for m in models["copy"].modules() if hasattr(m, "weight")
+    )
     undo_bytes = {kind: handles[kind].report.undo_bytes() for kind in KINDS}
     for kind in KINDS:
         t0, c0 = time.perf_counter(), time.process_time()
         handles[kind].remove()
-        once[f"remove {kind}"], once[f"remove {kind} cpu"] = time.perf_counter() - t0, time.process_time() - c0
+        once[f"remove {kind}"], once[f"remove {kind} cpu"] = (
+            time.perf_counter() - t0,
+            time.process_time() - c0,
+        )
     rows = []
+
     def wall(op, kind):
         return median(times[f"strength {kind}"]) if op == "strength" else once[f"{op} {kind}"]
 
@@ -75,17 +90,31 @@ def main() -> None:
 
     for op in ("apply", "strength", "remove"):
         for kind in KINDS:
-            rows.append([op, kind, f"{wall(op, kind) * 1e3:.0f}", f"{wall(op, kind) / wall(op, 'copy'):.2f}x",
-                         f"{cpu_s(op, kind) * 1e3:.0f}", f"{cpu_s(op, kind) / cpu_s(op, 'copy'):.2f}x"])
+            rows.append(
+                [
+                    op,
+                    kind,
+                    f"{wall(op, kind) * 1e3:.0f}",
+                    f"{wall(op, kind) / wall(op, 'copy'):.2f}x",
+                    f"{cpu_s(op, kind) * 1e3:.0f}",
+                    f"{cpu_s(op, kind) / cpu_s(op, 'copy'):.2f}x",
+                ]
+            )
     print(benchutil.noise_line())
     print(f"torch threads: {args.threads}")
-    print(table(["operation", "undo", "wall ms (strength: median)", "vs copy", "cpu ms", "cpu vs copy"], rows))
+    print(
+        table(["operation", "undo", "wall ms (strength: median)", "vs copy", "cpu ms", "cpu vs copy"], rows)
+    )
     for kind in KINDS:
-        print(f"undo bytes {kind}: {undo_bytes[kind] / 2**20:.1f} MiB = {undo_bytes[kind] / touched:.3f} of touched weights")
+        print(
+            f"undo bytes {kind}: {undo_bytes[kind] / 2**20:.1f} MiB = {undo_bytes[kind] / touched:.3f} of touched weights"
+        )
     ratio = median(times["strength auto"]) / median(times["strength copy"])
     cratio = median(cpu["auto"][1:]) / median(cpu["copy"][1:])
-    print(f"target: strength change with compact records <= full-copy path: wall {ratio:.2f}x "
-          f"{'PASS' if ratio <= 1 else 'FAIL'}, cpu {cratio:.2f}x {'PASS' if cratio <= 1 else 'FAIL'}")
+    print(
+        f"target: strength change with compact records <= full-copy path: wall {ratio:.2f}x "
+        f"{'PASS' if ratio <= 1 else 'FAIL'}, cpu {cratio:.2f}x {'PASS' if cratio <= 1 else 'FAIL'}"
+    )
 
 
 if __name__ == "__main__":

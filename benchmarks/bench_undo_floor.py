@@ -38,7 +38,9 @@ def main() -> None:
     args = ap.parse_args()
     benchutil.THREADS = 1
     benchutil.setup_torch()
-    benchutil.header(f"bench_undo_floor: {args.layers} layers {WIDTH}x{WIDTH} fp32, rank {RANK}, blocks of {ROWS} rows")
+    benchutil.header(
+        f"bench_undo_floor: {args.layers} layers {WIDTH}x{WIDTH} fp32, rank {RANK}, blocks of {ROWS} rows"
+    )
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(WIDTH, WIDTH, generator=g) * 0.03 for _ in range(args.layers)]
     backups = [w.clone() for w in ws]
@@ -50,7 +52,9 @@ def main() -> None:
     found = []
 
     def misses(w_new, r0, c):
-        torch.add(w_new, delta[:ROWS], alpha=-c, out=guess) if c else torch.sub(w_new, delta[:ROWS], out=guess)
+        torch.add(w_new, delta[:ROWS], alpha=-c, out=guess) if c else torch.sub(
+            w_new, delta[:ROWS], out=guess
+        )
         pos = differ(guess.view(-1).view(torch.int32), base.view(-1).view(torch.int32), mask)
         found.append(base.view(-1).view(torch.int32)[pos])
         return pos
@@ -97,7 +101,10 @@ def main() -> None:
             if r:
                 times[name].append((time.process_time() - c0) / args.layers)
     copy = benchutil.median(times["copy"])
-    rows = [[name, f"{benchutil.median(t) * 1e3:.2f}", f"{benchutil.median(t) / copy:.2f}x"] for name, t in times.items()]
+    rows = [
+        [name, f"{benchutil.median(t) * 1e3:.2f}", f"{benchutil.median(t) / copy:.2f}x"]
+        for name, t in times.items()
+    ]
     print(benchutil.table(["form", "CPU ms per layer per change (median)", "vs copy"], rows))
 
 

@@ -68,8 +68,17 @@ def child(kind: str, layers: int) -> None:
     t = time.perf_counter()
     handle.remove()
     undo_s = time.perf_counter() - t
-    print(json.dumps({"merge_s": merge_s, "undo_s": undo_s, "peak_mib": peak, "resident_mib": grown,
-                      "record_mib": record}))
+    print(
+        json.dumps(
+            {
+                "merge_s": merge_s,
+                "undo_s": undo_s,
+                "peak_mib": peak,
+                "resident_mib": grown,
+                "record_mib": record,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -91,8 +100,13 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved, so load changes hit every kind alike
         for name, env in passes.items():
             for kind in kinds:
-                out = subprocess.run([sys.executable, __file__, "--child", kind, "--layers", str(args.layers)],
-                                     env=env, capture_output=True, text=True, check=True).stdout
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", kind, "--layers", str(args.layers)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
                 runs[name][kind].append(json.loads(out.strip().splitlines()[-1]))
     touched = args.layers * WIDTH * WIDTH * 2 / 2**20
     largest = WIDTH * WIDTH * 2 / 2**20
@@ -100,16 +114,24 @@ def main() -> None:
     for k, v in runs["timing"].items():  # times from the timing pass
         med[k].update({f: statistics.median(r[f] for r in v) for f in ("merge_s", "undo_s")})
     base = med.get("copy")
-    print(f"bench_undo_memory: {args.layers} x Linear({WIDTH}^2) fp16, rank {RANK}, touched {touched:.0f} MiB, "
-          f"largest layer {largest:.0f} MiB, medians of {args.repeats}")
-    print(f"{'kind':8s} {'merge s':>8s} {'x copy':>7s} {'undo s':>7s} {'peak MiB':>9s} {'% touched':>9s} "
-          f"{'resident MiB':>12s} {'% touched':>9s} {'record MiB':>10s}")
+    print(
+        f"bench_undo_memory: {args.layers} x Linear({WIDTH}^2) fp16, rank {RANK}, touched {touched:.0f} MiB, "
+        f"largest layer {largest:.0f} MiB, medians of {args.repeats}"
+    )
+    print(
+        f"{'kind':8s} {'merge s':>8s} {'x copy':>7s} {'undo s':>7s} {'peak MiB':>9s} {'% touched':>9s} "
+        f"{'resident MiB':>12s} {'% touched':>9s} {'record MiB':>10s}"
+    )
     for k, m in med.items():
         ratio = f"{m['merge_s'] / base['merge_s']:.2f}" if base else "-"
-        print(f"{k:8s} {m['merge_s']:8.2f} {ratio:>7s} {m['undo_s']:7.2f} {m['peak_mib']:9.0f} "
-              f"{100 * m['peak_mib'] / touched:8.1f}% {m['resident_mib']:12.0f} {100 * m['resident_mib'] / touched:8.1f}% "
-              f"{m['record_mib']:10.1f}")
-    print(f"targets: resident <= {0.1 * touched:.0f} MiB, peak <= {largest + 0.1 * touched:.0f} MiB, merge <= 1.3x copy")
+        print(
+            f"{k:8s} {m['merge_s']:8.2f} {ratio:>7s} {m['undo_s']:7.2f} {m['peak_mib']:9.0f} "
+            f"{100 * m['peak_mib'] / touched:8.1f}% {m['resident_mib']:12.0f} {100 * m['resident_mib'] / touched:8.1f}% "
+            f"{m['record_mib']:10.1f}"
+        )
+    print(
+        f"targets: resident <= {0.1 * touched:.0f} MiB, peak <= {largest + 0.1 * touched:.0f} MiB, merge <= 1.3x copy"
+    )
 
 
 if __name__ == "__main__":

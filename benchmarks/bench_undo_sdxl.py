@@ -66,7 +66,9 @@ def prepare(folder: str) -> None:
     with open(CONFIG) as f:
         config = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
     with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(config).half()  # fp16 before any memory exists: 4.8 GiB, not 10
+        unet = UNet2DConditionModel.from_config(
+            config
+        ).half()  # fp16 before any memory exists: 4.8 GiB, not 10
     unet.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -134,19 +136,38 @@ def child(variant: str, folder: str, threads: int) -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     handle.remove()
     undo_s, undo_cpu = time.perf_counter() - t0, time.process_time() - c0
-    exact = all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(_fingerprints(unet, names).values(),
-                                                                         before.values(), strict=True))
-    print(json.dumps({"variant": variant, "layers": len(names), "touched_mib": touched_bytes / 2**20,
-                      "largest_mib": largest / 2**20, "merge_s": merge_s, "merge_cpu": merge_cpu, "undo_s": undo_s,
-                      "undo_cpu": undo_cpu, "peak_mib": peak,
-                      "resident_mib": resident, "undo_mib": undo_bytes / 2**20, "kinds": kinds, "exact": exact}))
+    exact = all(
+        a[0] == b[0] and torch.equal(a[1], b[1])
+        for a, b in zip(_fingerprints(unet, names).values(), before.values(), strict=True)
+    )
+    print(
+        json.dumps(
+            {
+                "variant": variant,
+                "layers": len(names),
+                "touched_mib": touched_bytes / 2**20,
+                "largest_mib": largest / 2**20,
+                "merge_s": merge_s,
+                "merge_cpu": merge_cpu,
+                "undo_s": undo_s,
+                "undo_cpu": undo_cpu,
+                "peak_mib": peak,
+                "resident_mib": resident,
+                "undo_mib": undo_bytes / 2**20,
+                "kinds": kinds,
+                "exact": exact,
+            }
+        )
+    )
 
 
 def pre15_src(tmp: str) -> str:
     """The src/ of commit PRE15, extracted under `tmp` (never committed: a baseline read at run time)."""
     out = os.path.join(tmp, "pre15")
     os.makedirs(out, exist_ok=True)
-    archive = subprocess.run(["git", "-C", os.path.dirname(HERE), "archive", PRE15, "src"], capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", os.path.dirname(HERE), "archive", PRE15, "src"], capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
     return os.path.join(out, "src")
 
@@ -155,14 +176,27 @@ def run_child(variant: str, folder: str, src: str, threads: int, max_rss_gib: fl
     env = dict(os.environ, PYTHONPATH=src, SDNQ_USE_TORCH_COMPILE="0")
     for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
         env.pop(k, None)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--dir", folder, "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        variant,
+        "--dir",
+        folder,
+        "--threads",
+        str(threads),
+    ]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
         killed = _watch(proc, max_rss_gib)
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
     if killed or proc.returncode != 0:
-        why = f"killed at {max_rss_gib} GiB RSS" if killed else f"returncode {proc.returncode}; -9: out of memory?"
+        why = (
+            f"killed at {max_rss_gib} GiB RSS"
+            if killed
+            else f"returncode {proc.returncode}; -9: out of memory?"
+        )
         raise RuntimeError(f"{variant} failed ({why}):\n{stderr[-3000:]}")
     return json.loads(stdout.strip().splitlines()[-1])
 
@@ -200,8 +234,15 @@ def main() -> None:
     try:
         if not os.path.exists(os.path.join(folder, "config.json")):
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); "
-                            f"import bench_undo_sdxl as b; b.prepare({folder!r})"], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    f"import sys; sys.path.insert(0, {HERE!r}); "
+                    f"import bench_undo_sdxl as b; b.prepare({folder!r})",
+                ],
+                check=True,
+            )
             print(f"prepared {folder} in {time.perf_counter() - t0:.0f} s")
         results = {}
         print(f"threads per child: {args.threads}", flush=True)
@@ -228,25 +269,37 @@ def report(results: dict) -> None:
     def ratio(r: dict, ref: dict | None, key: str) -> str:
         return f"{r[key] / ref[key]:.2f}x" if ref else "-"
 
-    print(f"\nSDXL UNet fp16: {any_r['layers']} touched layers, {touched:.0f} MiB touched, largest {largest:.1f} MiB")
-    print(f"{'variant':<8} {'merge s':>7} {'cpu s':>6} {'wall/main':>9} {'cpu/main':>8} {'wall/copy':>9} {'cpu/copy':>8} "
-          f"{'undo s':>6} {'undo cpu':>8} {'peak MiB':>8} {'resident MiB':>12} {'res/touched':>11} {'record MiB':>10} "
-          "exact kinds")
+    print(
+        f"\nSDXL UNet fp16: {any_r['layers']} touched layers, {touched:.0f} MiB touched, largest {largest:.1f} MiB"
+    )
+    print(
+        f"{'variant':<8} {'merge s':>7} {'cpu s':>6} {'wall/main':>9} {'cpu/main':>8} {'wall/copy':>9} {'cpu/copy':>8} "
+        f"{'undo s':>6} {'undo cpu':>8} {'peak MiB':>8} {'resident MiB':>12} {'res/touched':>11} {'record MiB':>10} "
+        "exact kinds"
+    )
     for v, r in results.items():
-        print(f"{v:<8} {r['merge_s']:7.1f} {r['merge_cpu']:6.1f} {ratio(r, base, 'merge_s'):>9} "
-              f"{ratio(r, base, 'merge_cpu'):>8} {ratio(r, copy, 'merge_s'):>9} {ratio(r, copy, 'merge_cpu'):>8} "
-              f"{r['undo_s']:6.1f} {r['undo_cpu']:8.1f} {r['peak_mib']:8.0f} {r['resident_mib']:12.0f} "
-              f"{r['resident_mib'] / touched:11.3f} {r['undo_mib']:10.0f} {r['exact']} {r['kinds']}")
+        print(
+            f"{v:<8} {r['merge_s']:7.1f} {r['merge_cpu']:6.1f} {ratio(r, base, 'merge_s'):>9} "
+            f"{ratio(r, base, 'merge_cpu'):>8} {ratio(r, copy, 'merge_s'):>9} {ratio(r, copy, 'merge_cpu'):>8} "
+            f"{r['undo_s']:6.1f} {r['undo_cpu']:8.1f} {r['peak_mib']:8.0f} {r['resident_mib']:12.0f} "
+            f"{r['resident_mib'] / touched:11.3f} {r['undo_mib']:10.0f} {r['exact']} {r['kinds']}"
+        )
     checks = []
     if "auto" in results:
         a = results["auto"]
         checks.append(("resident growth auto <= 10% touched", a["resident_mib"] <= 0.10 * touched))
-        checks.append(("peak growth auto <= largest + 10% touched", a["peak_mib"] <= largest + 0.10 * touched))
+        checks.append(
+            ("peak growth auto <= largest + 10% touched", a["peak_mib"] <= largest + 0.10 * touched)
+        )
         for name, ref in (("main", base), ("copy", copy)):
             for key in ("merge_s", "merge_cpu") if ref else ():
-                checks.append((f"merge {key} auto <= 1.3x {name} ({a[key] / ref[key]:.2f}x)", a[key] <= 1.3 * ref[key]))
+                checks.append(
+                    (f"merge {key} auto <= 1.3x {name} ({a[key] / ref[key]:.2f}x)", a[key] <= 1.3 * ref[key])
+                )
     if "source" in results:
-        checks.append(("resident growth source <= 1% touched", results["source"]["resident_mib"] <= 0.01 * touched))
+        checks.append(
+            ("resident growth source <= 1% touched", results["source"]["resident_mib"] <= 0.01 * touched)
+        )
     for name, ok in checks:
         print(f"target: {name}: {'PASS' if ok else 'FAIL'}")
 

@@ -74,10 +74,18 @@ def _threads(text: str) -> int:
 def add_clock_args(ap: argparse.ArgumentParser) -> None:
     """--threads / --clock for benchmarks whose target is a few percent: one thread on the CPU-time clock by default
     (a descheduled process accrues no CPU time; wall time with 2 threads on the shared host swings by 5-30%)."""
-    ap.add_argument("--threads", type=_threads, default=1, help="torch threads (default 1: CPU time then ignores "
-                    "descheduling)")
-    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="cpu: time.process_time (default); "
-                    "wall: time.perf_counter")
+    ap.add_argument(
+        "--threads",
+        type=_threads,
+        default=1,
+        help="torch threads (default 1: CPU time then ignores descheduling)",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu: time.process_time (default); wall: time.perf_counter",
+    )
 
 
 def use_clock_args(args: argparse.Namespace) -> Callable[[], float]:
@@ -112,7 +120,11 @@ def header(title: str) -> None:
 
 
 def parse_args(
-    doc: str, quick: int, full: int, mem: bool = False, extra: Callable[[argparse.ArgumentParser], object] | None = None
+    doc: str,
+    quick: int,
+    full: int,
+    mem: bool = False,
+    extra: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> argparse.Namespace:
     """The common command line: --quick (`quick` rounds instead of `full`), --rounds N and, with `mem`, --no-mem and
     the hidden --mem-child NAME (see `mem_children`); `extra(parser)` adds a script's own options.
@@ -157,9 +169,11 @@ def linear_lora(in_features: int, out_features: int, tokens: int, rank: int, alp
     """(Wrap(Linear), kohya state dict of a rank-`rank` LoRA on it, x of `tokens` tokens), seeded with 0."""
     g = torch.Generator().manual_seed(0)
     base = linear_model(in_features, out_features, g)
-    sd = {"lora_unet_proj.lora_down.weight": torch.randn(rank, in_features, generator=g) / in_features**0.5,
-          "lora_unet_proj.lora_up.weight": torch.randn(out_features, rank, generator=g) / rank**0.5,
-          "lora_unet_proj.alpha": torch.tensor(float(alpha))}
+    sd = {
+        "lora_unet_proj.lora_down.weight": torch.randn(rank, in_features, generator=g) / in_features**0.5,
+        "lora_unet_proj.lora_up.weight": torch.randn(out_features, rank, generator=g) / rank**0.5,
+        "lora_unet_proj.alpha": torch.tensor(float(alpha)),
+    }
     return base, sd, torch.randn(1, tokens, in_features, generator=g)
 
 
@@ -237,7 +251,10 @@ def mem_children(script: str, names: Sequence[str]) -> dict[str, dict]:
     for name in names:
         res = subprocess.run(
             [sys.executable, os.path.abspath(script), "--mem-child", name],
-            env=env, capture_output=True, text=True, check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         out[name] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
@@ -355,7 +372,12 @@ class Sandwich:
 
 
 def sandwiched(
-    ref: Variant, variants: Sequence[Variant], rounds: int, warmup: int = 1, tol: float = 0.03, log: bool = True,
+    ref: Variant,
+    variants: Sequence[Variant],
+    rounds: int,
+    warmup: int = 1,
+    tol: float = 0.03,
+    log: bool = True,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Sandwich:
     """Round-robin like `interleaved`, but with the reference timed between every two variants:
@@ -421,8 +443,14 @@ def variant_cells(res: Sandwich, name: str) -> list[str]:
     """Table cells of one variant of a `sandwiched` run: median ms, IQR/2, ratio (quiet samples), ratio all, quiet,
     overhead (ratio - 1)."""
     t, r = res.times[name], res.ratio(name)
-    return [f"{median(t) * 1e3:.1f}", f"+-{spread(t) * 100:.1f}%", f"{r:.4f}", f"{median(res.ratios[name]):.4f}",
-            res.quiet_count(name), f"{(r - 1) * 100:+.2f}%"]
+    return [
+        f"{median(t) * 1e3:.1f}",
+        f"+-{spread(t) * 100:.1f}%",
+        f"{r:.4f}",
+        f"{median(res.ratios[name]):.4f}",
+        res.quiet_count(name),
+        f"{(r - 1) * 100:+.2f}%",
+    ]
 
 
 def print_legend(rounds: int, res: Sandwich, ref: str = "base", extra: str = "") -> None:
@@ -440,7 +468,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(r: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])

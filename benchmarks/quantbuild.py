@@ -47,7 +47,9 @@ def _bnb(kind: str, model: nn.Module) -> nn.Module:
         if kind == "int8":
             q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, has_fp16_weights=False, threshold=0.0)
         else:
-            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, quant_type=kind, compute_dtype=torch.float32)
+            q = bnb.nn.Linear4bit(
+                lin.in_features, lin.out_features, quant_type=kind, compute_dtype=torch.float32
+            )
         q.load_state_dict(lin.state_dict())
         model._modules[name] = q.to("cpu")  # bitsandbytes quantizes on the device move
     return model.eval()

@@ -30,8 +30,16 @@ def realdata() -> Path:
 
 
 # create_lycoris writes presets into these LycorisNetwork class attributes.
-LYCORIS_CLASS_ATTRS = ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP",
-                       "NAME_ALGO_MAP", "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME")
+LYCORIS_CLASS_ATTRS = (
+    "ENABLE_CONV",
+    "TARGET_REPLACE_MODULE",
+    "TARGET_REPLACE_NAME",
+    "MODULE_ALGO_MAP",
+    "NAME_ALGO_MAP",
+    "LORA_PREFIX",
+    "USE_FNMATCH",
+    "TARGET_EXCLUDE_NAME",
+)
 
 
 @pytest.fixture

@@ -40,15 +40,26 @@ def container(**modules: nn.Module) -> nn.Module:
 def linear(inp: int, out: int, seed: int, dtype=torch.float32, bias: bool = True) -> nn.Linear:
     torch.manual_seed(seed)
     layer = nn.Linear(inp, out, bias=bias).to(dtype)
-    with torch.no_grad():  # drawn in fp64 and rounded once into the layer's dtype (fp64 layers hold full values)
+    with (
+        torch.no_grad()
+    ):  # drawn in fp64 and rounded once into the layer's dtype (fp64 layers hold full values)
         layer.weight.copy_(torch.randn(out, inp, generator=gen(seed), dtype=torch.float64) * 0.5)
         if bias:
             layer.bias.copy_(torch.randn(out, generator=gen(seed + 10_000), dtype=torch.float64) * 0.1)
     return layer
 
 
-def lora_sd(name: str, out: int, inp: int, rank: int, seed: int, alpha: float | None = None, dtype=torch.float32,
-            peft: bool = False, kernel: int | None = None) -> dict[str, torch.Tensor]:
+def lora_sd(
+    name: str,
+    out: int,
+    inp: int,
+    rank: int,
+    seed: int,
+    alpha: float | None = None,
+    dtype=torch.float32,
+    peft: bool = False,
+    kernel: int | None = None,
+) -> dict[str, torch.Tensor]:
     g = gen(seed)
     if kernel is None:
         down = torch.randn(rank, inp, generator=g)
@@ -77,14 +88,16 @@ def delta_of(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 def ulp(t: torch.Tensor) -> torch.Tensor:
     a = t.abs()
-    return (torch.nextafter(a, torch.full_like(a, float("inf"))).double() - a.double())
+    return torch.nextafter(a, torch.full_like(a, float("inf"))).double() - a.double()
 
 
 def assert_rounded_once(merged: torch.Tensor, ref64: torch.Tensor) -> None:
     expected = ref64.to(merged.dtype)
     differ = merged != expected
     n = int(differ.sum())
-    assert n <= max(1, merged.numel() // 1000), f"{n} of {merged.numel()} elements differ from the rounded reference"
+    assert n <= max(1, merged.numel() // 1000), (
+        f"{n} of {merged.numel()} elements differ from the rounded reference"
+    )
     if n:
         gap = (merged.double() - expected.double()).abs()[differ]
         assert bool((gap <= ulp(expected)[differ]).all()), "a merged element is more than one ulp off"
@@ -135,10 +148,18 @@ def test_merge_fp32_with_several_adapters_matches_fp64_reference():
     a = lora_sd("fc", 24, 32, rank=2, seed=4, alpha=1.0)
     b = lora_sd("fc", 24, 32, rank=6, seed=5, dtype=torch.float16, peft=True)
     c = {"fc.diff": torch.randn(24, 32, generator=gen(6)) * 0.05}
-    spec = [(loraweave.load_adapter(a, name="a"), 0.5), (loraweave.load_adapter(b, name="b"), -1.25),
-            (loraweave.load_adapter(c, name="c"), 2.0)]
+    spec = [
+        (loraweave.load_adapter(a, name="a"), 0.5),
+        (loraweave.load_adapter(b, name="b"), -1.25),
+        (loraweave.load_adapter(c, name="c"), 2.0),
+    ]
     handle = loraweave.apply(model, spec, mode="merge", strict=True)
-    ref = before["fc.weight"].double() + 0.5 * 0.5 * delta_of(a, "fc") - 1.25 * delta_of(b, "fc") + 2.0 * c["fc.diff"].double()
+    ref = (
+        before["fc.weight"].double()
+        + 0.5 * 0.5 * delta_of(a, "fc")
+        - 1.25 * delta_of(b, "fc")
+        + 2.0 * c["fc.diff"].double()
+    )
     assert rel_err(model.fc.weight, ref) <= MERGE_TOL
     handle.remove()
     assert_state_equal(model, before)
@@ -164,10 +185,15 @@ def test_merge_fp64_weight_keeps_fp64_precision():
 def test_merge_low_precision_weight_rounds_once(dtype, n_adapters):
     model = container(fc=linear(96, 64, seed=9, dtype=dtype))
     before = state(model)
-    sds = [lora_sd("fc", 64, 96, rank=4, seed=10, alpha=2.0, dtype=dtype),
-           lora_sd("fc", 64, 96, rank=8, seed=11, dtype=torch.float32, peft=True)][:n_adapters]
+    sds = [
+        lora_sd("fc", 64, 96, rank=4, seed=10, alpha=2.0, dtype=dtype),
+        lora_sd("fc", 64, 96, rank=8, seed=11, dtype=torch.float32, peft=True),
+    ][:n_adapters]
     strengths = [0.3, -0.05][:n_adapters]
-    spec = [(loraweave.load_adapter(sd, name=f"a{i}"), s) for i, (sd, s) in enumerate(zip(sds, strengths, strict=True))]
+    spec = [
+        (loraweave.load_adapter(sd, name=f"a{i}"), s)
+        for i, (sd, s) in enumerate(zip(sds, strengths, strict=True))
+    ]
     handle = loraweave.apply(model, spec, mode="merge", strict=True)
     scales = [0.5, 1.0]
     ref = before["fc.weight"].double()
@@ -235,7 +261,9 @@ def test_conv_merge_and_runtime_match_independent_references(tucker, geo):
     x = torch.randn(2, 4, 9, 9, generator=gen(14))
     ref_w = before["conv.weight"].double() + coeff * delta_of(sd, "conv")
     ref_out = F.conv2d(x.double(), ref_w, before["conv.bias"].double(), **geo)
-    assert rel_err(_sequential_conv_reference(x, model.conv, sd, coeff, geo), ref_out) <= 1e-12  # the references agree
+    assert (
+        rel_err(_sequential_conv_reference(x, model.conv, sd, coeff, geo), ref_out) <= 1e-12
+    )  # the references agree
 
     handle = loraweave.apply(model, (sd, s), mode="merge", strict=True)
     assert rel_err(model.conv.weight, ref_w) <= MERGE_TOL
@@ -250,7 +278,9 @@ def test_conv_merge_and_runtime_match_independent_references(tucker, geo):
         out = model.conv(x)
         assert_state_equal(model, before)
     assert rel_err(out, ref_out) <= RUNTIME_TOL
-    assert rel_err(out, F.conv2d(x, ref_w.float(), before["conv.bias"], **geo)) <= RUNTIME_TOL  # F.conv2d of merged weight
+    assert (
+        rel_err(out, F.conv2d(x, ref_w.float(), before["conv.bias"], **geo)) <= RUNTIME_TOL
+    )  # F.conv2d of merged weight
     assert rel_err(merged_out, out) <= RUNTIME_TOL
     assert_no_loraweave_hooks(model)
     with torch.no_grad():
@@ -280,8 +310,14 @@ def _two_adapter_model():
 
 
 def _two_adapters():
-    a = {**lora_sd("fc", 12, 16, rank=2, seed=19, alpha=4.0), **lora_sd("conv", 4, 3, rank=2, seed=20, alpha=1.0, kernel=3)}
-    b = {**lora_sd("fc", 12, 16, rank=3, seed=21, peft=True), "conv.diff": torch.randn(4, 3, 3, 3, generator=gen(22)) * 0.1}
+    a = {
+        **lora_sd("fc", 12, 16, rank=2, seed=19, alpha=4.0),
+        **lora_sd("conv", 4, 3, rank=2, seed=20, alpha=1.0, kernel=3),
+    }
+    b = {
+        **lora_sd("fc", 12, 16, rank=3, seed=21, peft=True),
+        "conv.diff": torch.randn(4, 3, 3, 3, generator=gen(22)) * 0.1,
+    }
     return loraweave.load_adapter(a, name="a"), loraweave.load_adapter(b, name="b"), a, b
 
 
@@ -314,8 +350,11 @@ def test_runtime_set_strength_is_a_scale_update_equal_to_a_fresh_apply():
         assert rel_err(out_conv, fresh_conv) <= 1e-6
         ref_w = base.fc.weight.double() + value * 2.0 * delta_of(a, "fc") + 0.5 * delta_of(b, "fc")
         assert rel_err(out_fc, F.linear(x.double(), ref_w, base.fc.bias.double())) <= RUNTIME_TOL
-        ref_c = (base.conv.weight.double() + value * 0.5 * delta_of(a, "conv") + 0.5 * b["conv.diff"].double())
-        assert rel_err(out_conv, F.conv2d(img.double(), ref_c, base.conv.bias.double(), padding=1)) <= RUNTIME_TOL
+        ref_c = base.conv.weight.double() + value * 0.5 * delta_of(a, "conv") + 0.5 * b["conv.diff"].double()
+        assert (
+            rel_err(out_conv, F.conv2d(img.double(), ref_c, base.conv.bias.double(), padding=1))
+            <= RUNTIME_TOL
+        )
     handle.remove()
     assert_state_equal(model, state(base))
     assert_no_loraweave_hooks(model)
@@ -341,7 +380,10 @@ def test_runtime_set_strength_on_a_bf16_layer_rewrites_the_cast_scale_in_place_b
         assert fc_path._scale_cast._cast[0] is cast
         assert torch.equal(cast, fc_path.scale.to(torch.bfloat16))
         fresh = copy.deepcopy(base)
-        with torch.no_grad(), loraweave.apply(fresh, [(ad_a, value), (ad_b, 0.5)], mode="runtime", strict=True):
+        with (
+            torch.no_grad(),
+            loraweave.apply(fresh, [(ad_a, value), (ad_b, 0.5)], mode="runtime", strict=True),
+        ):
             assert torch.equal(model.fc(x), fresh.fc(x))
     handle.remove()
 
@@ -349,14 +391,25 @@ def test_runtime_set_strength_on_a_bf16_layer_rewrites_the_cast_scale_in_place_b
 def test_merge_set_strength_equals_a_fresh_merge_bit_exactly():
     torch.manual_seed(25)
     base = container(
-        f32=linear(16, 12, seed=25), multi=linear(16, 12, seed=26), f16=linear(16, 8, seed=27, dtype=torch.float16),
-        bf16=linear(16, 8, seed=28, dtype=torch.bfloat16), conv=nn.Conv2d(3, 4, 3, padding=1),
+        f32=linear(16, 12, seed=25),
+        multi=linear(16, 12, seed=26),
+        f16=linear(16, 8, seed=27, dtype=torch.float16),
+        bf16=linear(16, 8, seed=28, dtype=torch.bfloat16),
+        conv=nn.Conv2d(3, 4, 3, padding=1),
     )
-    a = {**lora_sd("f32", 12, 16, rank=2, seed=29, alpha=1.0), **lora_sd("multi", 12, 16, rank=4, seed=30, peft=True),
-         "multi.lora_B.bias": torch.randn(12, generator=gen(31)), **lora_sd("f16", 8, 16, rank=2, seed=32, dtype=torch.float16),
-         **lora_sd("bf16", 8, 16, rank=2, seed=33, alpha=8.0), **lora_sd("conv", 4, 3, rank=2, seed=34, kernel=3)}
-    b = {**lora_sd("multi", 12, 16, rank=3, seed=35), "f16.diff": torch.randn(8, 16, generator=gen(36)) * 0.1,
-         "f16.diff_b": torch.randn(8, generator=gen(37))}
+    a = {
+        **lora_sd("f32", 12, 16, rank=2, seed=29, alpha=1.0),
+        **lora_sd("multi", 12, 16, rank=4, seed=30, peft=True),
+        "multi.lora_B.bias": torch.randn(12, generator=gen(31)),
+        **lora_sd("f16", 8, 16, rank=2, seed=32, dtype=torch.float16),
+        **lora_sd("bf16", 8, 16, rank=2, seed=33, alpha=8.0),
+        **lora_sd("conv", 4, 3, rank=2, seed=34, kernel=3),
+    }
+    b = {
+        **lora_sd("multi", 12, 16, rank=3, seed=35),
+        "f16.diff": torch.randn(8, 16, generator=gen(36)) * 0.1,
+        "f16.diff_b": torch.randn(8, generator=gen(37)),
+    }
     ad_a, ad_b = loraweave.load_adapter(a, name="a"), loraweave.load_adapter(b, name="b")
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, [(ad_a, 1.0), (ad_b, 0.75)], mode="merge", strict=True)
@@ -413,7 +466,10 @@ def test_runtime_under_autograd_matches_and_backpropagates():
 
 def test_lora_b_bias_delta_merged_and_at_runtime():
     base = container(fc=linear(10, 8, seed=45))
-    sd = {**lora_sd("fc", 8, 10, rank=2, seed=46, peft=True), "fc.lora_B.bias": torch.randn(8, generator=gen(47))}
+    sd = {
+        **lora_sd("fc", 8, 10, rank=2, seed=46, peft=True),
+        "fc.lora_B.bias": torch.randn(8, generator=gen(47)),
+    }
     sd["fc.alpha"] = torch.tensor(4.0)
     s, coeff = 0.9, 0.9 * 2.0
     ref_w = base.fc.weight.double() + coeff * delta_of(sd, "fc")
@@ -454,8 +510,11 @@ def test_lora_b_bias_matches_peft(tmp_path):
     sd = get_peft_model_state_dict(peft_model)
     assert any(k.endswith("lora_B.bias") for k in sd)
     path = tmp_path / "peft_bias.safetensors"
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(path),
-              metadata={"lora_adapter_metadata": json.dumps({"r": 2, "lora_alpha": 6})})
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()},
+        str(path),
+        metadata={"lora_adapter_metadata": json.dumps({"r": 2, "lora_alpha": 6})},
+    )
     x = torch.randn(3, 10, generator=gen(52))
     with torch.no_grad():
         ref = peft_model(x)
@@ -484,13 +543,16 @@ def test_full_diff_and_diff_b_merged_and_at_runtime(kind):
 
         def fwd(w, b, inp):
             return F.conv2d(inp, w, b, padding=1)
+
     diff_b = torch.randn(diff.shape[0], generator=gen(56))
     s = -0.6
     ref_w = base.m.weight.double() + s * diff.double()
     ref_b = base.m.bias.double() + s * diff_b.double()
-    for sd, w, b in [({"m.diff": diff, "m.diff_b": diff_b}, ref_w, ref_b),
-                     ({"m.diff": diff}, ref_w, base.m.bias.double()),
-                     ({"m.diff_b": diff_b}, base.m.weight.double(), ref_b)]:
+    for sd, w, b in [
+        ({"m.diff": diff, "m.diff_b": diff_b}, ref_w, ref_b),
+        ({"m.diff": diff}, ref_w, base.m.bias.double()),
+        ({"m.diff_b": diff_b}, base.m.weight.double(), ref_b),
+    ]:
         model = copy.deepcopy(base)
         with loraweave.apply(model, (sd, s), mode="merge", strict=True) as handle:
             assert handle.report.adapters[0]["alpha_sources"] == {"none:full": 1}
@@ -517,7 +579,9 @@ class Blocks(nn.Module):
         self.blocks[0].conv = nn.Conv2d(3, 4, 3, padding=1)
 
 
-def _check_merge(model: nn.Module, base: nn.Module, sd: dict, scales: dict[str, float], strength: float = 1.0) -> None:
+def _check_merge(
+    model: nn.Module, base: nn.Module, sd: dict, scales: dict[str, float], strength: float = 1.0
+) -> None:
     for name, scale in scales.items():
         key = name.replace(".", "_")
         stem = next(k for k in (f"lora_unet_{key}", name) if any(s.startswith(k + ".") for s in sd))
@@ -527,7 +591,10 @@ def _check_merge(model: nn.Module, base: nn.Module, sd: dict, scales: dict[str, 
 
 def test_alpha_source_alpha_tensor_wins_over_metadata(tmp_path):
     base = Blocks()
-    sd = {**lora_sd("blocks.0.fc1", 10, 12, rank=4, seed=60, alpha=2.0), **lora_sd("blocks.0.fc2", 10, 10, rank=2, seed=61)}
+    sd = {
+        **lora_sd("blocks.0.fc1", 10, 12, rank=4, seed=60, alpha=2.0),
+        **lora_sd("blocks.0.fc2", 10, 10, rank=2, seed=61),
+    }
     path = tmp_path / "a.safetensors"
     save_file(sd, str(path), metadata={"ss_network_alpha": "8"})
     model = copy.deepcopy(base)
@@ -538,13 +605,20 @@ def test_alpha_source_alpha_tensor_wins_over_metadata(tmp_path):
 
 def test_alpha_source_kohya_metadata_and_conv_alpha(tmp_path):
     base = Blocks()
-    sd = {**lora_sd("lora_unet_blocks_0_fc1", 10, 12, rank=4, seed=62),
-          **lora_sd("lora_unet_blocks_0_conv", 4, 3, rank=2, seed=63, kernel=3)}
+    sd = {
+        **lora_sd("lora_unet_blocks_0_fc1", 10, 12, rank=4, seed=62),
+        **lora_sd("lora_unet_blocks_0_conv", 4, 3, rank=2, seed=63, kernel=3),
+    }
     path = tmp_path / "kohya.safetensors"
-    save_file(sd, str(path), metadata={"ss_network_alpha": "2", "ss_network_args": json.dumps({"conv_alpha": 1})})
+    save_file(
+        sd, str(path), metadata={"ss_network_alpha": "2", "ss_network_args": json.dumps({"conv_alpha": 1})}
+    )
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, (path, 0.5), mode="merge", strict=True)
-    assert handle.report.adapters[0]["alpha_sources"] == {"metadata:ss_network_alpha": 1, "metadata:conv_alpha": 1}
+    assert handle.report.adapters[0]["alpha_sources"] == {
+        "metadata:ss_network_alpha": 1,
+        "metadata:conv_alpha": 1,
+    }
     _check_merge(model, base, sd, {"blocks.0.fc1": 2.0 / 4, "blocks.0.conv": 1.0 / 2}, strength=0.5)
     # without conv_alpha, the conv takes ss_network_alpha
     path2 = tmp_path / "kohya2.safetensors"
@@ -562,43 +636,65 @@ def test_alpha_zero_means_rank_as_kohya_and_lycoris_read_it(tmp_path):
     peer = LoConModule("x", nn.Linear(12, 10), multiplier=1.0, lora_dim=4, alpha=0)
     assert peer.scale == 1.0  # the peer's reading, checked here so the reference cannot drift unseen
     base = Blocks()
-    sd = {**lora_sd("blocks.0.fc1", 10, 12, rank=4, seed=66, alpha=0.0),
-          **lora_sd("lora_unet_blocks_0_fc2", 10, 10, rank=2, seed=67)}
+    sd = {
+        **lora_sd("blocks.0.fc1", 10, 12, rank=4, seed=66, alpha=0.0),
+        **lora_sd("lora_unet_blocks_0_fc2", 10, 10, rank=2, seed=67),
+    }
     path = tmp_path / "zero.safetensors"
     save_file(sd, str(path), metadata={"ss_network_alpha": "0"})
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, path, mode="merge", strict=True)
-    assert handle.report.adapters[0]["alpha_sources"] == {"tensor:alpha=0_as_rank": 1,
-                                                          "metadata:ss_network_alpha=0_as_rank": 1}
+    assert handle.report.adapters[0]["alpha_sources"] == {
+        "tensor:alpha=0_as_rank": 1,
+        "metadata:ss_network_alpha=0_as_rank": 1,
+    }
     _check_merge(model, base, sd, {"blocks.0.fc1": peer.scale, "blocks.0.fc2": peer.scale})
 
 
 def _peft_sd() -> dict[str, torch.Tensor]:
-    return {**lora_sd("blocks.0.fc1", 10, 12, rank=4, seed=64, peft=True),
-            **lora_sd("blocks.0.fc2", 10, 10, rank=4, seed=65, peft=True),
-            **lora_sd("blocks.0.fc3", 6, 10, rank=2, seed=66, peft=True)}
+    return {
+        **lora_sd("blocks.0.fc1", 10, 12, rank=4, seed=64, peft=True),
+        **lora_sd("blocks.0.fc2", 10, 10, rank=4, seed=65, peft=True),
+        **lora_sd("blocks.0.fc3", 6, 10, rank=2, seed=66, peft=True),
+    }
 
 
 @pytest.mark.parametrize("rslora", [False, True])
 def test_alpha_source_peft_metadata_with_patterns(tmp_path, rslora):
     base = Blocks()
     sd = _peft_sd()
-    meta = {"r": 4, "lora_alpha": 8, "alpha_pattern": {"fc2": 2}, "rank_pattern": {"fc3": 2}, "use_rslora": rslora}
+    meta = {
+        "r": 4,
+        "lora_alpha": 8,
+        "alpha_pattern": {"fc2": 2},
+        "rank_pattern": {"fc3": 2},
+        "use_rslora": rslora,
+    }
     path = tmp_path / "peft.safetensors"
     save_file(sd, str(path), metadata={"lora_adapter_metadata": json.dumps(meta)})
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, path, mode="merge", strict=True)
     root = (lambda r: math.sqrt(r)) if rslora else (lambda r: r)
     suffix = "_rslora" if rslora else ""
-    assert handle.report.adapters[0]["alpha_sources"] == {f"metadata:peft{suffix}": 1, f"metadata:peft_pattern{suffix}": 2}
-    _check_merge(model, base, sd, {"blocks.0.fc1": 8 / root(4), "blocks.0.fc2": 2 / root(4), "blocks.0.fc3": 8 / root(2)})
+    assert handle.report.adapters[0]["alpha_sources"] == {
+        f"metadata:peft{suffix}": 1,
+        f"metadata:peft_pattern{suffix}": 2,
+    }
+    _check_merge(
+        model,
+        base,
+        sd,
+        {"blocks.0.fc1": 8 / root(4), "blocks.0.fc2": 2 / root(4), "blocks.0.fc3": 8 / root(2)},
+    )
 
 
 def test_alpha_source_peft_directory_with_adapter_config(tmp_path):
     base = Blocks()
     sd = _peft_sd()
     save_file(sd, str(tmp_path / "adapter_model.safetensors"))
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 2, "rank_pattern": {"fc3": 2}}))
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"r": 4, "lora_alpha": 2, "rank_pattern": {"fc3": 2}})
+    )
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, tmp_path, mode="merge", strict=True)
     assert handle.report.adapters[0]["alpha_sources"] == {"metadata:peft": 2, "metadata:peft_pattern": 1}
@@ -618,7 +714,8 @@ def test_alpha_source_none_means_scale_one(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "pattern", ["fc2", "0.fc2", r"blocks\.0\.fc2", "blocks.0.fc2", "fc1|fc2", "fc[23]", ".*fc2", "c2"],
+    "pattern",
+    ["fc2", "0.fc2", r"blocks\.0\.fc2", "blocks.0.fc2", "fc1|fc2", "fc[23]", ".*fc2", "c2"],
 )
 def test_peft_alpha_pattern_matches_like_peft(tmp_path, pattern):
     """alpha_pattern keys are regexes matched the way PEFT matches them (peft.utils.other.get_pattern_key)."""
@@ -633,7 +730,9 @@ def test_peft_alpha_pattern_matches_like_peft(tmp_path, pattern):
     loraweave.apply(model, path, mode="merge", strict=True)
     expected = {}
     for name in ("blocks.0.fc1", "blocks.0.fc2", "blocks.0.fc3"):
-        alpha = meta["alpha_pattern"].get(get_pattern_key(meta["alpha_pattern"].keys(), name), meta["lora_alpha"])
+        alpha = meta["alpha_pattern"].get(
+            get_pattern_key(meta["alpha_pattern"].keys(), name), meta["lora_alpha"]
+        )
         r = meta["rank_pattern"].get(get_pattern_key(meta["rank_pattern"].keys(), name), meta["r"])
         expected[name] = alpha / r
     _check_merge(model, base, sd, expected)
@@ -667,8 +766,12 @@ def test_runtime_on_a_module_with_foreign_hooks():
 
 def test_runtime_with_accelerate_hooks():
     import accelerate.hooks as hooks
+
     base = container(fc=linear(10, 8, seed=70), conv=nn.Conv2d(3, 4, 3, padding=1))
-    sd = {**lora_sd("fc", 8, 10, rank=2, seed=71, alpha=1.0), **lora_sd("conv", 4, 3, rank=2, seed=72, kernel=3)}
+    sd = {
+        **lora_sd("fc", 8, 10, rank=2, seed=71, alpha=1.0),
+        **lora_sd("conv", 4, 3, rank=2, seed=72, kernel=3),
+    }
     x, img = torch.randn(3, 10, generator=gen(73)), torch.randn(1, 3, 5, 5, generator=gen(74))
     ref_w = base.fc.weight.double() + 0.5 * delta_of(sd, "fc")
     ref_c = base.conv.weight.double() + delta_of(sd, "conv")
@@ -715,7 +818,9 @@ class Int8Linear(nn.Module):
         g = gen(seed)
         self.in_features = in_features
         self.out_features = out_features
-        self.register_buffer("weight", torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8))
+        self.register_buffer(
+            "weight", torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+        )
         self.register_buffer("scale", torch.rand(out_features, generator=g) * 0.02 + 0.001)
         self.bias = nn.Parameter(torch.randn(out_features, generator=g) * 0.1)
 
@@ -739,7 +844,11 @@ def test_auto_on_an_int8_layer_chooses_runtime():
         assert mech["q"].mechanism == "runtime" and "int8" in mech["q"].why
         assert mech["fc"].mechanism == "merge"
         out = model.q(x)
-        lora_path = 0.8 * 0.5 * (x.double() @ sd["q.lora_down.weight"].double().t() @ sd["q.lora_up.weight"].double().t())
+        lora_path = (
+            0.8
+            * 0.5
+            * (x.double() @ sd["q.lora_down.weight"].double().t() @ sd["q.lora_up.weight"].double().t())
+        )
         assert rel_err(out, base_out.double() + lora_path) <= RUNTIME_TOL
         ref = F.linear(x.double(), base.q.dequantised() + 0.8 * 0.5 * delta_of(sd, "q"), base.q.bias.double())
         assert rel_err(out, ref) <= RUNTIME_TOL

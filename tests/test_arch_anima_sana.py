@@ -24,21 +24,44 @@ from loraweave.arch.aliases import AliasTable
 from loraweave.formats.keys import DENOISER, parse_key, split_stem, underscore_form
 
 # Cosmos-Predict2-2B, the DiT Anima reuses (hidden 2048, 28 blocks, 1024-wide text embeddings, no learnable pos).
-ANIMA_DIT = dict(num_attention_heads=16, attention_head_dim=128, num_layers=28, text_embed_dim=1024,
-                 rope_scale=(1.0, 4.0, 4.0), extra_pos_embed_type=None)
-ANIMA_DIT_TINY = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=2,
-                      text_embed_dim=12, adaln_lora_dim=4, max_size=(4, 8, 8), extra_pos_embed_type=None)
-ANIMA_CONDITIONER_TINY = dict(source_dim=8, target_dim=12, model_dim=16, num_layers=2, num_attention_heads=2,
-                              target_vocab_size=32)
+ANIMA_DIT = dict(
+    num_attention_heads=16,
+    attention_head_dim=128,
+    num_layers=28,
+    text_embed_dim=1024,
+    rope_scale=(1.0, 4.0, 4.0),
+    extra_pos_embed_type=None,
+)
+ANIMA_DIT_TINY = dict(
+    in_channels=4,
+    out_channels=4,
+    num_attention_heads=2,
+    attention_head_dim=12,
+    num_layers=2,
+    text_embed_dim=12,
+    adaln_lora_dim=4,
+    max_size=(4, 8, 8),
+    extra_pos_embed_type=None,
+)
+ANIMA_CONDITIONER_TINY = dict(
+    source_dim=8, target_dim=12, model_dim=16, num_layers=2, num_attention_heads=2, target_vocab_size=32
+)
 # Live Cosmos name -> original (the test's own inverse of the converter's renames; the converter checks it).
 ANIMA_ORIGINAL = (
-    ("attn1.to_out.0", "self_attn.output_proj"), ("attn2.to_out.0", "cross_attn.output_proj"),
+    ("attn1.to_out.0", "self_attn.output_proj"),
+    ("attn2.to_out.0", "cross_attn.output_proj"),
     *((f"attn{n}.to_{x}", f"{a}.{x}_proj") for n, a in ((1, "self_attn"), (2, "cross_attn")) for x in "qkv"),
-    *((f"norm{n}.linear_{j}", f"adaln_modulation_{a}.{j}") for n, a in ((1, "self_attn"), (2, "cross_attn"), (3, "mlp"))
-      for j in (1, 2)),
-    ("ff.net.0.proj", "mlp.layer1"), ("ff.net.2", "mlp.layer2"),
-    ("norm_out.linear_", "final_layer.adaln_modulation."), ("proj_out", "final_layer.linear"),
-    ("time_embed.t_embedder", "t_embedder.1"), ("patch_embed.proj", "x_embedder.proj.1"),
+    *(
+        (f"norm{n}.linear_{j}", f"adaln_modulation_{a}.{j}")
+        for n, a in ((1, "self_attn"), (2, "cross_attn"), (3, "mlp"))
+        for j in (1, 2)
+    ),
+    ("ff.net.0.proj", "mlp.layer1"),
+    ("ff.net.2", "mlp.layer2"),
+    ("norm_out.linear_", "final_layer.adaln_modulation."),
+    ("proj_out", "final_layer.linear"),
+    ("time_embed.t_embedder", "t_embedder.1"),
+    ("patch_embed.proj", "x_embedder.proj.1"),
     ("transformer_blocks.", "blocks."),
 )
 
@@ -54,15 +77,26 @@ def _anima(meta: bool, dit: dict, conditioner: dict) -> dict[str, torch.nn.Modul
 
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
-        parts = {"transformer": diffusers.CosmosTransformer3DModel(**dit),
-                 "text_conditioner": diffusers.AnimaTextConditioner(**conditioner)}
+        parts = {
+            "transformer": diffusers.CosmosTransformer3DModel(**dit),
+            "text_conditioner": diffusers.AnimaTextConditioner(**conditioner),
+        }
     return {n: m.eval() for n, m in parts.items()}
 
 
 def anima_file(parts: dict, meta: bool) -> dict[str, torch.Tensor]:
     """ComfyUI/diffusion-pipe form: every Linear of the DiT by its original name, the adapter under llm_adapter."""
-    return {**lora_file(linears(parts["transformer"]), lambda n: f"diffusion_model.{anima_original(n)}", meta=meta),
-            **lora_file(linears(parts["text_conditioner"]), lambda n: f"diffusion_model.llm_adapter.{n}", meta=meta, seed=8)}
+    return {
+        **lora_file(
+            linears(parts["transformer"]), lambda n: f"diffusion_model.{anima_original(n)}", meta=meta
+        ),
+        **lora_file(
+            linears(parts["text_conditioner"]),
+            lambda n: f"diffusion_model.llm_adapter.{n}",
+            meta=meta,
+            seed=8,
+        ),
+    }
 
 
 def _anima_convert(sd):
@@ -98,8 +132,11 @@ def assert_lands_on_components(parts: dict, sd: dict, targets: dict[str, tuple[s
     report = loraweave.plan(parts, sd)
     assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd)
     tables = alias_tables(parts)
-    wrong = {stem: (found, want) for stem, want in targets.items()
-             if (found := landed(tables, stem)) != (want[0], [want[1]])}
+    wrong = {
+        stem: (found, want)
+        for stem, want in targets.items()
+        if (found := landed(tables, stem)) != (want[0], [want[1]])
+    }
     assert not wrong, list(wrong.items())[:3]
 
 
@@ -131,7 +168,9 @@ def assert_outputs_match(parts: dict, sd: dict, refs: dict, changed: set[str], w
     xs = module_inputs(parts)
     with torch.no_grad():
         expected = {(c, n): refs[c].get_submodule(n)(x) for (c, n), x in xs.items()}
-        assert changed == {c for (c, n), x in xs.items() if not torch.equal(expected[c, n], parts[c].get_submodule(n)(x))}
+        assert changed == {
+            c for (c, n), x in xs.items() if not torch.equal(expected[c, n], parts[c].get_submodule(n)(x))
+        }
     for mode in ("merge", "runtime"):
         ours = copy.deepcopy(parts)
         report = loraweave.apply(wrap(ours), sd, mode=mode, strict=True).report
@@ -160,15 +199,19 @@ def test_anima_full_size_lands_where_the_converter_says():
     # kohya (sd-scripts) spelling of the same file: same modules.
     kohya = kohya_form(sd)
     report = loraweave.plan(parts, kohya)
-    assert report.unmatched == [] and {m.component for m in report.applied} == {"transformer", "text_conditioner"}
+    assert report.unmatched == [] and {m.component for m in report.applied} == {
+        "transformer",
+        "text_conditioner",
+    }
     flat = {f"lora_unet_{underscore_form(s.removeprefix('diffusion_model.'))}": t for s, t in targets.items()}
     tables = alias_tables(parts)
     wrong = {s: found for s, t in flat.items() if (found := landed(tables, s)) != (t[0], [t[1]])}
     assert not wrong, list(wrong.items())[:3]
     # The converter's only non-Linear rename, a norm: a full diff on it lands where the converter says.
     (norm,) = _anima_convert({"diffusion_model.t_embedding_norm.diff": torch.empty(2048, device="meta")})
-    assert norm == "transformer.time_embed.norm.diff" and landed(tables, "diffusion_model.t_embedding_norm") == (
-        "transformer", ["time_embed.norm"])
+    assert norm == "transformer.time_embed.norm.diff" and landed(
+        tables, "diffusion_model.t_embedding_norm"
+    ) == ("transformer", ["time_embed.norm"])
     # The DiT alone (no text_conditioner component): its keys land, the adapter's are typed misses.
     report = loraweave.plan(parts["transformer"], sd)
     assert {u["key"] for u in report.unmatched} == {k for k in sd if ".llm_adapter." in k}
@@ -206,11 +249,21 @@ def test_anima_pipeline_matches_load_lora_weights():
 
 def test_anima_swapped_rename_row_is_caught(monkeypatch):
     def swap(t):
-        r = [("self_attn.q_proj", "attn1.to_k") if o == "self_attn.q_proj" else
-             ("self_attn.k_proj", "attn1.to_q") if o == "self_attn.k_proj" else (o, n) for o, n in t.renames]
+        r = [
+            ("self_attn.q_proj", "attn1.to_k")
+            if o == "self_attn.q_proj"
+            else ("self_attn.k_proj", "attn1.to_q")
+            if o == "self_attn.k_proj"
+            else (o, n)
+            for o, n in t.renames
+        ]
         return dataclasses.replace(t, renames=tuple(r))
 
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(swap(t) if t.name == "anima" else t for t in arch_aliases.ARCH_TABLES))
+    monkeypatch.setattr(
+        arch_aliases,
+        "ARCH_TABLES",
+        tuple(swap(t) if t.name == "anima" else t for t in arch_aliases.ARCH_TABLES),
+    )
     parts = _anima(True, dict(ANIMA_DIT, num_layers=1), dict(num_layers=1))
     sd = anima_file(parts, meta=True)
     with pytest.raises(AssertionError):
@@ -221,12 +274,28 @@ def _qwen3_06b():
     from transformers import Qwen3Config, Qwen3Model
 
     with torch.device("meta"):  # Qwen3-0.6B, Anima's text encoder
-        return Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                      num_attention_heads=16, num_key_value_heads=8, head_dim=128))
+        return Qwen3Model(
+            Qwen3Config(
+                vocab_size=151936,
+                hidden_size=1024,
+                intermediate_size=3072,
+                num_hidden_layers=28,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+                head_dim=128,
+            )
+        )
 
 
-@pytest.mark.parametrize("name", ["anima_lora_peft_format.json", "anima_lora_kohya_format.json",
-                                  "anima_lora_kohya_with_te_format.json", "anima_lora_lokr_format.json"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "anima_lora_peft_format.json",
+        "anima_lora_kohya_format.json",
+        "anima_lora_kohya_with_te_format.json",
+        "anima_lora_lokr_format.json",
+    ],
+)
 def test_anima_real_key_names(name, realdata):
     """InvokeAI's Anima key lists (PEFT, kohya, kohya + Qwen3 encoder, LoKr + DoRA): every name lands on the module
     the converter (DiT) or Qwen3Model's own name (encoder) says. The files' shapes are hand-made, so only the
@@ -234,8 +303,11 @@ def test_anima_real_key_names(name, realdata):
     parts = {**_anima(True, ANIMA_DIT, {}), "text_encoder": _qwen3_06b()}
     keys = json.loads((realdata / "keys" / "invokeai" / name).read_text())["keys"]
     dotted = component_targets(_anima_convert, anima_file(parts, meta=True))
-    expected = {**{f"lora_unet_{underscore_form(s.removeprefix('diffusion_model.'))}": t for s, t in dotted.items()},
-                **dotted, **{f"lora_te_{underscore_form(n)}": ("text_encoder", n) for n in linears(parts["text_encoder"])}}
+    expected = {
+        **{f"lora_unet_{underscore_form(s.removeprefix('diffusion_model.'))}": t for s, t in dotted.items()},
+        **dotted,
+        **{f"lora_te_{underscore_form(n)}": ("text_encoder", n) for n in linears(parts["text_encoder"])},
+    }
     stems = {parse_key(k).stem for k in keys}
     assert stems <= set(expected), sorted(stems - set(expected))[:3]
     tables = alias_tables(parts)
@@ -250,34 +322,79 @@ def test_anima_qwen3_comfy_prefix_matches_kohya():
     from transformers import Qwen3Config, Qwen3Model
 
     torch.manual_seed(0)
-    te = Qwen3Model(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=1, head_dim=8)).eval()
+    te = Qwen3Model(
+        Qwen3Config(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+        )
+    ).eval()
     comfy = lora_file(linears(te), lambda n: f"text_encoder.qwen3.{n}")
-    kohya = {f"lora_te_{k.removeprefix('text_encoder.qwen3.').rsplit('.lora_', 1)[0].replace('.', '_')}.lora_"
-             f"{k.rsplit('.lora_', 1)[1].replace('A.', 'down.').replace('B.', 'up.')}": v for k, v in comfy.items()}
+    kohya = {
+        f"lora_te_{k.removeprefix('text_encoder.qwen3.').rsplit('.lora_', 1)[0].replace('.', '_')}.lora_"
+        f"{k.rsplit('.lora_', 1)[1].replace('A.', 'down.').replace('B.', 'up.')}": v
+        for k, v in comfy.items()
+    }
     results = []
     for sd in (comfy, kohya):
         model = copy.deepcopy(te)
-        report = loraweave.apply({"transformer": torch.nn.Linear(2, 2), "text_encoder": model}, sd, strict=True).report
+        report = loraweave.apply(
+            {"transformer": torch.nn.Linear(2, 2), "text_encoder": model}, sd, strict=True
+        ).report
         assert report.counts() == {"text_encoder": {"merge": len(linears(te))}}
         results.append(model.state_dict())
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
-    delta = comfy["text_encoder.qwen3.layers.0.mlp.up_proj.lora_B.weight"] @ comfy["text_encoder.qwen3.layers.0.mlp.up_proj.lora_A.weight"]
-    assert rel_err(results[0]["layers.0.mlp.up_proj.weight"] - te.state_dict()["layers.0.mlp.up_proj.weight"], delta) <= 1e-6
+    delta = (
+        comfy["text_encoder.qwen3.layers.0.mlp.up_proj.lora_B.weight"]
+        @ comfy["text_encoder.qwen3.layers.0.mlp.up_proj.lora_A.weight"]
+    )
+    assert (
+        rel_err(
+            results[0]["layers.0.mlp.up_proj.weight"] - te.state_dict()["layers.0.mlp.up_proj.weight"], delta
+        )
+        <= 1e-6
+    )
 
 
-SANA_TINY = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
-                 num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=8,
-                 sample_size=8)
+SANA_TINY = dict(
+    in_channels=4,
+    out_channels=4,
+    num_attention_heads=2,
+    attention_head_dim=8,
+    num_layers=2,
+    num_cross_attention_heads=2,
+    cross_attention_head_dim=8,
+    cross_attention_dim=16,
+    caption_channels=8,
+    sample_size=8,
+)
 # Original weight -> diffusers module, one-to-one (the test's own inverse of the converter; the fused ones below).
-SANA_TOP = {"x_embedder.proj": "patch_embed.proj", "t_embedder.mlp.0": "time_embed.emb.timestep_embedder.linear_1",
-            "t_embedder.mlp.2": "time_embed.emb.timestep_embedder.linear_2", "t_block.1": "time_embed.linear",
-            "y_embedder.y_proj.fc1": "caption_projection.linear_1", "y_embedder.y_proj.fc2": "caption_projection.linear_2",
-            "attention_y_norm": "caption_norm", "final_layer.linear": "proj_out"}
-SANA_BLOCK = {"attn.proj": "attn1.to_out.0", "cross_attn.q_linear": "attn2.to_q", "cross_attn.proj": "attn2.to_out.0",
-              "mlp.inverted_conv.conv": "ff.conv_inverted", "mlp.depth_conv.conv": "ff.conv_depth",
-              "mlp.point_conv.conv": "ff.conv_point"}
-SANA_FUSED = {"attn.qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"), "cross_attn.kv_linear": ("attn2.to_k", "attn2.to_v")}
+SANA_TOP = {
+    "x_embedder.proj": "patch_embed.proj",
+    "t_embedder.mlp.0": "time_embed.emb.timestep_embedder.linear_1",
+    "t_embedder.mlp.2": "time_embed.emb.timestep_embedder.linear_2",
+    "t_block.1": "time_embed.linear",
+    "y_embedder.y_proj.fc1": "caption_projection.linear_1",
+    "y_embedder.y_proj.fc2": "caption_projection.linear_2",
+    "attention_y_norm": "caption_norm",
+    "final_layer.linear": "proj_out",
+}
+SANA_BLOCK = {
+    "attn.proj": "attn1.to_out.0",
+    "cross_attn.q_linear": "attn2.to_q",
+    "cross_attn.proj": "attn2.to_out.0",
+    "mlp.inverted_conv.conv": "ff.conv_inverted",
+    "mlp.depth_conv.conv": "ff.conv_depth",
+    "mlp.point_conv.conv": "ff.conv_point",
+}
+SANA_FUSED = {
+    "attn.qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+    "cross_attn.kv_linear": ("attn2.to_k", "attn2.to_v"),
+}
 
 
 def _sana(meta: bool, **config):
@@ -291,9 +408,18 @@ def _sana(meta: bool, **config):
 def sana_original(model, make) -> dict[str, torch.Tensor]:
     """The original (NVlabs) checkpoint of `model`: {name: make(name, shape)}, every key the converter reads."""
     live = dict(model.named_parameters())
-    pairs = {**SANA_TOP, **{f"blocks.{i}.{o}": f"transformer_blocks.{i}.{n}" for i in range(len(model.transformer_blocks))
-                            for o, n in SANA_BLOCK.items()}}
-    out = {"pos_embed": make("pos_embed", (1,)), "y_embedder.y_embedding": make("y_embedder.y_embedding", (1,))}
+    pairs = {
+        **SANA_TOP,
+        **{
+            f"blocks.{i}.{o}": f"transformer_blocks.{i}.{n}"
+            for i in range(len(model.transformer_blocks))
+            for o, n in SANA_BLOCK.items()
+        },
+    }
+    out = {
+        "pos_embed": make("pos_embed", (1,)),
+        "y_embedder.y_embedding": make("y_embedder.y_embedding", (1,)),
+    }
     for old, new in pairs.items():
         for p in ("weight", "bias"):
             if f"{new}.{p}" in live:
@@ -305,8 +431,12 @@ def sana_original(model, make) -> dict[str, torch.Tensor]:
                 if parts[0] is not None:
                     shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
                     out[f"blocks.{i}.{old}.{p}"] = make(f"blocks.{i}.{old}.{p}", shape)
-        out[f"blocks.{i}.scale_shift_table"] = make(f"blocks.{i}.scale_shift_table", tuple(live[f"transformer_blocks.{i}.scale_shift_table"].shape))
-    out["final_layer.scale_shift_table"] = make("final_layer.scale_shift_table", tuple(live["scale_shift_table"].shape))
+        out[f"blocks.{i}.scale_shift_table"] = make(
+            f"blocks.{i}.scale_shift_table", tuple(live[f"transformer_blocks.{i}.scale_shift_table"].shape)
+        )
+    out["final_layer.scale_shift_table"] = make(
+        "final_layer.scale_shift_table", tuple(live["scale_shift_table"].shape)
+    )
     return out
 
 
@@ -326,7 +456,9 @@ def sana_row_map(model) -> dict[str, list[tuple[str, int, int, int]]]:
         return torch.arange(shape[0], dtype=torch.float64) + 1e6 * len(names)
 
     converted = _sana_convert(sana_original(model, tag))
-    assert {k: tuple(v.shape[:1]) for k, v in converted.items()} == {k: tuple(v.shape[:1]) for k, v in model.state_dict().items()}
+    assert {k: tuple(v.shape[:1]) for k, v in converted.items()} == {
+        k: tuple(v.shape[:1]) for k, v in model.state_dict().items()
+    }
     out: dict[str, list] = {}
     for new, rows in converted.items():
         src = names[int(rows[0] // 1e6) - 1]
@@ -374,11 +506,20 @@ def test_sana_swapped_row_is_caught(monkeypatch, swap):
             elif swap == "kv" and a.source.endswith(".kv_linear"):
                 a = dataclasses.replace(a, targets=a.targets[::-1])
             elif swap == "conv" and a.source.endswith((".inverted_conv.conv", ".point_conv.conv")):
-                a = dataclasses.replace(a, source=a.source.replace("inverted", "#").replace("point", "inverted").replace("#", "point"))
+                a = dataclasses.replace(
+                    a,
+                    source=a.source.replace("inverted", "#")
+                    .replace("point", "inverted")
+                    .replace("#", "point"),
+                )
             aliases.append(a)
         return dataclasses.replace(t, aliases=tuple(aliases))
 
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(swapped(t) if t.name == "sana" else t for t in arch_aliases.ARCH_TABLES))
+    monkeypatch.setattr(
+        arch_aliases,
+        "ARCH_TABLES",
+        tuple(swapped(t) if t.name == "sana" else t for t in arch_aliases.ARCH_TABLES),
+    )
     with pytest.raises(AssertionError):
         assert_sana_rows_are_the_converters(_sana(False, **SANA_TINY))
 
@@ -387,10 +528,16 @@ def sana_lora(model, seed: int = 3) -> tuple[dict, dict]:
     """(original-name LoRA on every Linear and 1x1 conv, its diffusers form). diffusers has no Sana LoRA converter:
     the reference gives each target the source's lora_A and the rows of lora_B the weight converter gives it."""
     g = torch.Generator().manual_seed(seed)
-    weights = {k: v for k, v in sana_original(model, lambda n, s: torch.empty(s)).items() if k.endswith(".weight")}
+    weights = {
+        k: v for k, v in sana_original(model, lambda n, s: torch.empty(s)).items() if k.endswith(".weight")
+    }
     sd, converted = {}, {}
     for src, runs in sana_row_map(model).items():
-        if src not in weights or weights[src].dim() == 1 or (weights[src].dim() == 4 and weights[src].shape[1:] != weights[src].shape[1:2] + (1, 1)):
+        if (
+            src not in weights
+            or weights[src].dim() == 1
+            or (weights[src].dim() == 4 and weights[src].shape[1:] != weights[src].shape[1:2] + (1, 1))
+        ):
             continue  # norms and the depthwise 3x3 conv: no PEFT LoRA for them (full diffs cover them below)
         shape = weights[src].shape
         a = torch.randn(2, *shape[1:], generator=g)
@@ -400,7 +547,7 @@ def sana_lora(model, seed: int = 3) -> tuple[dict, dict]:
         for new, start, _, length in runs:
             target = new.removesuffix(".weight")
             converted[f"transformer.{target}.lora_A.weight"] = a
-            converted[f"transformer.{target}.lora_B.weight"] = b[start:start + length]
+            converted[f"transformer.{target}.lora_B.weight"] = b[start : start + length]
     return sd, converted
 
 
@@ -423,7 +570,11 @@ def test_sana_full_diffs_match_the_converter():
         stem, _, p = name.rpartition(".")
         if name in ("pos_embed", "y_embedder.y_embedding"):
             continue  # the converter drops them: no diffusers tensor
-        key = f"diffusion_model.{name}.diff" if p == "scale_shift_table" else f"diffusion_model.{stem}.{'diff_b' if p == 'bias' else 'diff'}"
+        key = (
+            f"diffusion_model.{name}.diff"
+            if p == "scale_shift_table"
+            else f"diffusion_model.{stem}.{'diff_b' if p == 'bias' else 'diff'}"
+        )
         sd[key] = value
     before = {k: v.clone() for k, v in model.state_dict().items()}
     loraweave.apply(model, sd, mode="merge", strict=True)
@@ -433,8 +584,16 @@ def test_sana_full_diffs_match_the_converter():
     assert worst <= 1e-6, worst
 
 
-ERNIE_TINY = dict(hidden_size=16, num_attention_heads=2, num_layers=2, ffn_hidden_size=32, in_channels=4, out_channels=4,
-                  text_in_dim=8, rope_axes_dim=(2, 2, 4))
+ERNIE_TINY = dict(
+    hidden_size=16,
+    num_attention_heads=2,
+    num_layers=2,
+    ffn_hidden_size=32,
+    in_channels=4,
+    out_channels=4,
+    text_in_dim=8,
+    rope_axes_dim=(2, 2, 4),
+)
 
 
 def _ernie(meta: bool, **config):
@@ -472,7 +631,9 @@ def test_ernie_image_matches_diffusers_and_peft():
 def test_ernie_image_without_the_prefix_row_is_caught(monkeypatch):
     from loraweave.formats import keys
 
-    monkeypatch.setattr(keys, "_PREFIXES_BY_LENGTH", tuple(p for p in keys._PREFIXES_BY_LENGTH if p[0] != "diffusion_model."))
+    monkeypatch.setattr(
+        keys, "_PREFIXES_BY_LENGTH", tuple(p for p in keys._PREFIXES_BY_LENGTH if p[0] != "diffusion_model.")
+    )
     parts = {"transformer": _ernie(True, num_layers=1)}
     sd = lora_file(linears(parts["transformer"]), lambda n: f"diffusion_model.{n}", meta=True)
     with pytest.raises(AssertionError):

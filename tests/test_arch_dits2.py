@@ -31,7 +31,11 @@ CONVERTERS = {
     "hunyuan": "convert_hunyuan_video_transformer_to_diffusers",
     "krea2": "convert_krea2_transformer_checkpoint_to_diffusers",
 }
-CLASSES = {"flux2": "Flux2Transformer2DModel", "hunyuan": "HunyuanVideoTransformer3DModel", "krea2": "Krea2Transformer2DModel"}
+CLASSES = {
+    "flux2": "Flux2Transformer2DModel",
+    "hunyuan": "HunyuanVideoTransformer3DModel",
+    "krea2": "Krea2Transformer2DModel",
+}
 # Parameters that are not module weights (Krea2's per-block modulation tables): no alias can reach them.
 NOT_MODULES = {"krea2": re.compile(r"(transformer_blocks\.\d+|final_layer)\.scale_shift_table$")}
 
@@ -52,24 +56,56 @@ def _build(arch: str, dtype=torch.float32, **config):
     with torch.no_grad():  # distinct rows everywhere (cheaper than a full randn at HunyuanVideo's 3072 width)
         for p in model.parameters():
             rows = torch.randn(p.shape[0], *[1] * (p.dim() - 1), generator=g)
-            p.copy_(rows + torch.randn(1, *p.shape[1:], generator=g) if p.dim() > 1 else torch.randn(p.shape, generator=g))
+            p.copy_(
+                rows + torch.randn(1, *p.shape[1:], generator=g)
+                if p.dim() > 1
+                else torch.randn(p.shape, generator=g)
+            )
     return model
 
 
 TINY = {
     "flux2": lambda: _build(
-        "flux2", patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=16, axes_dims_rope=(2, 2, 2, 2),
+        "flux2",
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        timestep_guidance_channels=16,
+        axes_dims_rope=(2, 2, 2, 2),
     ),
     # The converter hard-codes hidden_size 3072 for single-block linear1: the smallest model it accepts is 3072 wide.
     "hunyuan": lambda: _build(
-        "hunyuan", torch.bfloat16, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1,
-        num_refiner_layers=1, mlp_ratio=0.25, text_embed_dim=16, pooled_projection_dim=16,
+        "hunyuan",
+        torch.bfloat16,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        mlp_ratio=0.25,
+        text_embed_dim=16,
+        pooled_projection_dim=16,
     ),
     "krea2": lambda: _build(
-        "krea2", in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, timestep_embed_dim=16, text_hidden_dim=16, num_text_layers=3, text_num_attention_heads=2,
-        text_num_key_value_heads=1, text_intermediate_size=24, num_layerwise_text_blocks=2, num_refiner_text_blocks=1,
+        "krea2",
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        timestep_embed_dim=16,
+        text_hidden_dim=16,
+        num_text_layers=3,
+        text_num_attention_heads=2,
+        text_num_key_value_heads=1,
+        text_intermediate_size=24,
+        num_layerwise_text_blocks=2,
+        num_refiner_text_blocks=1,
         axes_dims_rope=(2, 2, 4),
     ),
 }
@@ -77,12 +113,20 @@ TINY = {
 
 def comfy_hunyuan_key(k: str) -> str:
     """ComfyUI `HunyuanVideo.process_unet_state_dict`: Tencent checkpoint key -> ComfyUI's internal key."""
-    k = k.replace("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer.").replace("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer.")
-    k = k.replace("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer.").replace("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer.")
+    k = k.replace("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer.").replace(
+        "txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."
+    )
+    k = k.replace("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer.").replace(
+        "txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."
+    )
     k = k.replace("_mod.linear.", "_mod.lin.").replace("_attn_qkv.", "_attn.qkv.")
     k = k.replace("mlp.fc1.", "mlp.0.").replace("mlp.fc2.", "mlp.2.")
-    k = k.replace("_attn_q_norm.weight", "_attn.norm.query_norm.scale").replace("_attn_k_norm.weight", "_attn.norm.key_norm.scale")
-    k = k.replace(".q_norm.weight", ".norm.query_norm.scale").replace(".k_norm.weight", ".norm.key_norm.scale")
+    k = k.replace("_attn_q_norm.weight", "_attn.norm.query_norm.scale").replace(
+        "_attn_k_norm.weight", "_attn.norm.key_norm.scale"
+    )
+    k = k.replace(".q_norm.weight", ".norm.query_norm.scale").replace(
+        ".k_norm.weight", ".norm.key_norm.scale"
+    )
     k = k.replace("_attn_proj.", "_attn.proj.").replace(".modulation.linear.", ".modulation.lin.")
     return k.replace("_in.mlp.2.", "_in.out_layer.").replace("_in.mlp.0.", "_in.in_layer.")
 
@@ -101,7 +145,9 @@ def oracle(model, arch: str) -> list[str]:
                 continue
             rms = "RMSNorm" in type(table.modules[pieces[0].module]).__name__
             key = f"{name}.{'scale' if suffix == 'weight' and rms and arch != 'hunyuan' else suffix}"
-            entry[key] = torch.cat([t.detach()[p.dst_start : p.dst_start + p.length] for t, p in zip(parts, pieces, strict=True)])
+            entry[key] = torch.cat(
+                [t.detach()[p.dst_start : p.dst_start + p.length] for t, p in zip(parts, pieces, strict=True)]
+            )
         out = convert(dict(entry))
         if not out or not out.keys() <= state.keys():
             extra[name] = entry
@@ -112,7 +158,9 @@ def oracle(model, arch: str) -> list[str]:
     for key in state.keys() - produced:
         if not (arch in NOT_MODULES and NOT_MODULES[arch].search(key)):
             problems.append(f"not produced: {key}")
-    comfy = {comfy_hunyuan_key(f"{n}.weight").rsplit(".", 1)[0]: n for n in known} if arch == "hunyuan" else {}
+    comfy = (
+        {comfy_hunyuan_key(f"{n}.weight").rsplit(".", 1)[0]: n for n in known} if arch == "hunyuan" else {}
+    )
     fused = {}
     if any(n.endswith(("attn.to_qkv", "attn.to_added_qkv")) for n in extra):
         clone = copy.deepcopy(model)
@@ -154,7 +202,9 @@ def test_table_round_trips_through_the_diffusers_converter(arch, tiny):
 
 
 def _mutate(table, source: str, fn):
-    aliases = tuple(dataclasses.replace(a, targets=fn(a.targets)) if a.source == source else a for a in table.aliases)
+    aliases = tuple(
+        dataclasses.replace(a, targets=fn(a.targets)) if a.source == source else a for a in table.aliases
+    )
     assert aliases != table.aliases
     return dataclasses.replace(table, aliases=aliases)
 
@@ -163,7 +213,11 @@ def _mutate(table, source: str, fn):
     "arch, source, fn",
     [
         ("flux2", "double_blocks.{i}.txt_attn.qkv", lambda t: (t[0], t[2], t[1])),
-        ("flux2", "final_layer.adaLN_modulation.1", lambda t: (Rows(t[0].module, 0, 2), Rows(t[0].module, 1, 2))),
+        (
+            "flux2",
+            "final_layer.adaLN_modulation.1",
+            lambda t: (Rows(t[0].module, 0, 2), Rows(t[0].module, 1, 2)),
+        ),
         ("krea2", "transformer_blocks.{i}.attn.to_qkv", lambda t: (t[0], t[2], t[1])),
         ("krea2", "blocks.{i}.mlp.gate", lambda t: (t[0].replace("gate", "up"),)),
     ],
@@ -187,38 +241,103 @@ def test_hunyuan_both_spellings_share_pieces(tiny):
 # (`guidance_embeds`: 0 or 1).
 ORIGINAL = {
     "flux2": {
-        None: ["img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "double_stream_modulation_img.lin", "double_stream_modulation_txt.lin", "single_stream_modulation.lin",
-               "final_layer.linear", "final_layer.adaLN_modulation.1"],
+        None: [
+            "img_in",
+            "txt_in",
+            "time_in.in_layer",
+            "time_in.out_layer",
+            "double_stream_modulation_img.lin",
+            "double_stream_modulation_txt.lin",
+            "single_stream_modulation.lin",
+            "final_layer.linear",
+            "final_layer.adaLN_modulation.1",
+        ],
         "guidance_embeds": ["guidance_in.in_layer", "guidance_in.out_layer"],
-        "num_layers": [f"double_blocks.{{i}}.{s}_{m}" for s in ("img", "txt") for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")],
+        "num_layers": [
+            f"double_blocks.{{i}}.{s}_{m}"
+            for s in ("img", "txt")
+            for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+        ],
         "num_single_layers": ["single_blocks.{i}.linear1", "single_blocks.{i}.linear2"],
     },
     "hunyuan": {
-        None: ["img_in.proj", "time_in.mlp.0", "time_in.mlp.2", "vector_in.in_layer", "vector_in.out_layer", "final_layer.linear", "final_layer.adaLN_modulation.1",
-               "txt_in.input_embedder", "txt_in.t_embedder.mlp.0", "txt_in.t_embedder.mlp.2",
-               "txt_in.c_embedder.linear_1", "txt_in.c_embedder.linear_2"],
+        None: [
+            "img_in.proj",
+            "time_in.mlp.0",
+            "time_in.mlp.2",
+            "vector_in.in_layer",
+            "vector_in.out_layer",
+            "final_layer.linear",
+            "final_layer.adaLN_modulation.1",
+            "txt_in.input_embedder",
+            "txt_in.t_embedder.mlp.0",
+            "txt_in.t_embedder.mlp.2",
+            "txt_in.c_embedder.linear_1",
+            "txt_in.c_embedder.linear_2",
+        ],
         "guidance_embeds": ["guidance_in.mlp.0", "guidance_in.mlp.2"],
-        "num_layers": [f"double_blocks.{{i}}.{s}_{m}" for s in ("img", "txt")
-                       for m in ("attn_qkv", "attn_proj", "mod.linear", "mlp.fc1", "mlp.fc2")],
-        "num_single_layers": ["single_blocks.{i}.linear1", "single_blocks.{i}.linear2", "single_blocks.{i}.modulation.linear"],
-        "num_refiner_layers": [f"txt_in.individual_token_refiner.blocks.{{i}}.{m}"
-                               for m in ("self_attn_qkv", "self_attn_proj", "mlp.fc1", "mlp.fc2", "adaLN_modulation.1")],
+        "num_layers": [
+            f"double_blocks.{{i}}.{s}_{m}"
+            for s in ("img", "txt")
+            for m in ("attn_qkv", "attn_proj", "mod.linear", "mlp.fc1", "mlp.fc2")
+        ],
+        "num_single_layers": [
+            "single_blocks.{i}.linear1",
+            "single_blocks.{i}.linear2",
+            "single_blocks.{i}.modulation.linear",
+        ],
+        "num_refiner_layers": [
+            f"txt_in.individual_token_refiner.blocks.{{i}}.{m}"
+            for m in ("self_attn_qkv", "self_attn_proj", "mlp.fc1", "mlp.fc2", "adaLN_modulation.1")
+        ],
     },
     "krea2": {
-        None: ["first", "tmlp.0", "tmlp.2", "tproj.1", "txtmlp.1", "txtmlp.3", "txtfusion.projector", "last.linear"],
-        **{n: [f"{b}.{{i}}.{m}" for m in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "attn.gate", "mlp.gate", "mlp.up", "mlp.down")]
-           for n, b in (("num_layers", "blocks"), ("num_layerwise_text_blocks", "txtfusion.layerwise_blocks"),
-                        ("num_refiner_text_blocks", "txtfusion.refiner_blocks"))},
+        None: [
+            "first",
+            "tmlp.0",
+            "tmlp.2",
+            "tproj.1",
+            "txtmlp.1",
+            "txtmlp.3",
+            "txtfusion.projector",
+            "last.linear",
+        ],
+        **{
+            n: [
+                f"{b}.{{i}}.{m}"
+                for m in (
+                    "attn.wq",
+                    "attn.wk",
+                    "attn.wv",
+                    "attn.wo",
+                    "attn.gate",
+                    "mlp.gate",
+                    "mlp.up",
+                    "mlp.down",
+                )
+            ]
+            for n, b in (
+                ("num_layers", "blocks"),
+                ("num_layerwise_text_blocks", "txtfusion.layerwise_blocks"),
+                ("num_refiner_text_blocks", "txtfusion.refiner_blocks"),
+            )
+        },
     },
 }
 
 
 def _hunyuan_configs():
-    configs = json.loads((REALDATA / "configs" / "hunyuanvideo__diffusers_transformer_configs.json").read_text())
+    configs = json.loads(
+        (REALDATA / "configs" / "hunyuanvideo__diffusers_transformer_configs.json").read_text()
+    )
     return [pytest.param("hunyuan", c, id=f"hunyuan-{name}") for name, c in configs.items()]
 
 
-FULL = [pytest.param("flux2", {}, id="flux2-defaults"), *_hunyuan_configs(), pytest.param("krea2", {}, id="krea2-defaults")]
+FULL = [
+    pytest.param("flux2", {}, id="flux2-defaults"),
+    *_hunyuan_configs(),
+    pytest.param("krea2", {}, id="krea2-defaults"),
+]
 
 
 @pytest.mark.parametrize("arch, config", FULL)
@@ -236,18 +355,26 @@ def test_every_original_weight_resolves_on_the_full_size_model(arch, config, rea
                 assert out and all(k in state for k in out), (name, out)
                 shapes[name] = (sum(state[k].shape[0] for k in out), *state[out[0]].shape[1:])
                 landed |= set(out)
-    weights = {f"{n}.weight" for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+    weights = {
+        f"{n}.weight"
+        for n, m in model.named_modules()
+        if isinstance(getattr(m, "weight", None), torch.Tensor)
+    }
     weights = {w for w in weights if state[w].dim() >= 2}
     assert weights <= landed, sorted(weights - landed)[:5]
     spellings = [shapes]
     if arch == "hunyuan":  # ComfyUI's internal (Flux-style) names, as diffusion-pipe-era loaders rename them
-        spellings.append({comfy_hunyuan_key(f"{n}.weight").removesuffix(".weight"): s for n, s in shapes.items()})
+        spellings.append(
+            {comfy_hunyuan_key(f"{n}.weight").removesuffix(".weight"): s for n, s in shapes.items()}
+        )
         assert spellings[1].keys() != shapes.keys()
     for names in spellings:
         for layout in ("kohya", "comfyui"):
             sd = {}
             for name, shape in names.items():
-                stem = "lora_unet_" + name.replace(".", "_") if layout == "kohya" else f"diffusion_model.{name}"
+                stem = (
+                    "lora_unet_" + name.replace(".", "_") if layout == "kohya" else f"diffusion_model.{name}"
+                )
                 down, up = ("lora_down", "lora_up") if layout == "kohya" else ("lora_A", "lora_B")
                 sd[f"{stem}.{down}.weight"] = torch.empty([4, *shape[1:]], device="meta")
                 sd[f"{stem}.{up}.weight"] = torch.empty([shape[0], 4] + [1] * (len(shape) - 2), device="meta")

@@ -33,7 +33,9 @@ class W13FeedForward(torch.nn.Module):
 
 def _swiglu_feedforward(w1, w2, w3) -> FeedForward:
     """diffusers FeedForward(swiglu) as Nunchaku builds it: net.0.proj rows are [w3; w1]."""
-    ff = FeedForward(w1.shape[1], dim_out=w2.shape[0], inner_dim=w1.shape[0], activation_fn="swiglu", bias=False)
+    ff = FeedForward(
+        w1.shape[1], dim_out=w2.shape[0], inner_dim=w1.shape[0], activation_fn="swiglu", bias=False
+    )
     with torch.no_grad():
         ff.net[0].proj.weight.copy_(torch.cat([w3, w1]))
         ff.net[2].weight.copy_(w2)
@@ -44,8 +46,11 @@ FUSERS = {"swiglu_net0": _swiglu_feedforward, "w13": W13FeedForward}
 
 
 def _blocks(model):
-    return [(f"{stack}.{i}", blk) for stack in ("layers", "noise_refiner", "context_refiner")
-            for i, blk in enumerate(getattr(model, stack))]
+    return [
+        (f"{stack}.{i}", blk)
+        for stack in ("layers", "noise_refiner", "context_refiner")
+        for i, blk in enumerate(getattr(model, stack))
+    ]
 
 
 def _fused(model, kind: str):
@@ -62,8 +67,12 @@ def _ffn_lora(model, prefix: str = "transformer.") -> dict[str, torch.Tensor]:
     for stem, blk in _blocks(model):
         for proj in ("w1", "w2", "w3"):
             w = getattr(blk.feed_forward, proj).weight
-            sd[f"{prefix}{stem}.feed_forward.{proj}.lora_A.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.3
-            sd[f"{prefix}{stem}.feed_forward.{proj}.lora_B.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.3
+            sd[f"{prefix}{stem}.feed_forward.{proj}.lora_A.weight"] = (
+                torch.randn(4, w.shape[1], generator=g) * 0.3
+            )
+            sd[f"{prefix}{stem}.feed_forward.{proj}.lora_B.weight"] = (
+                torch.randn(w.shape[0], 4, generator=g) * 0.3
+            )
     return sd
 
 
@@ -107,8 +116,12 @@ def test_fused_module_keys_split_onto_separate_w1_w3(base, kind):
     for stem, blk in _blocks(fused):
         for proj in (name, out_name):
             w = blk.feed_forward.get_submodule(proj).weight
-            sd[f"diffusion_model.{stem}.feed_forward.{proj}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.3
-            sd[f"diffusion_model.{stem}.feed_forward.{proj}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.3
+            sd[f"diffusion_model.{stem}.feed_forward.{proj}.lora_down.weight"] = (
+                torch.randn(4, w.shape[1], generator=g) * 0.3
+            )
+            sd[f"diffusion_model.{stem}.feed_forward.{proj}.lora_up.weight"] = (
+                torch.randn(w.shape[0], 4, generator=g) * 0.3
+            )
     ref = copy.deepcopy(fused)
     loraweave.apply(ref, sd, mode="merge", strict=True)
     unfused = copy.deepcopy(base)

@@ -23,9 +23,21 @@ from loraweave.arch import aliases as arch_aliases
 from loraweave.arch.aliases import AliasTable
 
 LTX2_FULL = dict(gated_attn=True, audio_gated_attn=True, cross_attn_mod=True, audio_cross_attn_mod=True)
-LTX2_TINY = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
-                 audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2, audio_attention_head_dim=4,
-                 audio_cross_attention_dim=8, num_layers=2, caption_channels=12, **LTX2_FULL)
+LTX2_TINY = dict(
+    in_channels=8,
+    out_channels=8,
+    num_attention_heads=2,
+    attention_head_dim=8,
+    cross_attention_dim=16,
+    audio_in_channels=8,
+    audio_out_channels=8,
+    audio_num_attention_heads=2,
+    audio_attention_head_dim=4,
+    audio_cross_attention_dim=8,
+    num_layers=2,
+    caption_channels=12,
+    **LTX2_FULL,
+)
 
 
 def linears(model) -> dict[str, torch.nn.Module]:
@@ -34,16 +46,20 @@ def linears(model) -> dict[str, torch.nn.Module]:
 
 def ltx2_original(live: str) -> str:
     """Write a live LTX-2 name the way the original checkpoint does (the test's own inverse of the renames)."""
-    for new, old in (("prompt_adaln", "prompt_adaln_single"), ("norm_k", "k_norm"), ("norm_q", "q_norm"),
-                     ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
-                     ("av_cross_attn_audio_scale_shift", "av_ca_audio_scale_shift_adaln_single"),
-                     ("av_cross_attn_video_a2v_gate", "av_ca_a2v_gate_adaln_single"),
-                     ("av_cross_attn_video_scale_shift", "av_ca_video_scale_shift_adaln_single"),
-                     ("proj_in", "patchify_proj")):
+    for new, old in (
+        ("prompt_adaln", "prompt_adaln_single"),
+        ("norm_k", "k_norm"),
+        ("norm_q", "q_norm"),
+        ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
+        ("av_cross_attn_audio_scale_shift", "av_ca_audio_scale_shift_adaln_single"),
+        ("av_cross_attn_video_a2v_gate", "av_ca_a2v_gate_adaln_single"),
+        ("av_cross_attn_video_scale_shift", "av_ca_video_scale_shift_adaln_single"),
+        ("proj_in", "patchify_proj"),
+    ):
         live = live.replace(new, old)
     for new, old in (("time_embed.", "adaln_single."), ("audio_time_embed.", "audio_adaln_single.")):
         if live.startswith(new):
-            live = old + live[len(new):]
+            live = old + live[len(new) :]
     return live
 
 
@@ -69,7 +85,9 @@ def converter_targets(convert, sd: dict, prefix: str = "transformer.") -> dict[s
     for key in sd:
         if key.endswith(".lora_A.weight"):
             (converted,) = convert({key: sd[key]})
-            out[key.removesuffix(".lora_A.weight")] = converted.removeprefix(prefix).removesuffix(".lora_A.weight")
+            out[key.removesuffix(".lora_A.weight")] = converted.removeprefix(prefix).removesuffix(
+                ".lora_A.weight"
+            )
     return out
 
 
@@ -77,8 +95,11 @@ def assert_lands_where_the_converter_says(model, sd: dict, targets: dict[str, st
     report = loraweave.plan(model, sd)
     assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd)
     table = AliasTable(model)
-    wrong = {stem: (found, live) for stem, live in targets.items()
-             if (found := [p.module for p in table.lookup(stem.split(".", 1)[1])]) != [live]}
+    wrong = {
+        stem: (found, live)
+        for stem, live in targets.items()
+        if (found := [p.module for p in table.lookup(stem.split(".", 1)[1])]) != [live]
+    }
     assert not wrong, list(wrong.items())[:3]
 
 
@@ -138,12 +159,18 @@ def test_ltx2_original_names_match_diffusers_and_peft():
 def test_ltx2_swapped_rename_row_is_caught(monkeypatch):
     def swap(t):
         r = list(t.renames)
-        i, j = r.index(("av_ca_a2v_gate_adaln_single", "av_cross_attn_video_a2v_gate")), r.index(
-            ("av_ca_v2a_gate_adaln_single", "av_cross_attn_audio_v2a_gate"))
+        i, j = (
+            r.index(("av_ca_a2v_gate_adaln_single", "av_cross_attn_video_a2v_gate")),
+            r.index(("av_ca_v2a_gate_adaln_single", "av_cross_attn_audio_v2a_gate")),
+        )
         r[i], r[j] = (r[i][0], r[j][1]), (r[j][0], r[i][1])
         return dataclasses.replace(t, renames=tuple(r))
 
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(swap(t) if t.name == "ltx2" else t for t in arch_aliases.ARCH_TABLES))
+    monkeypatch.setattr(
+        arch_aliases,
+        "ARCH_TABLES",
+        tuple(swap(t) if t.name == "ltx2" else t for t in arch_aliases.ARCH_TABLES),
+    )
     model = _ltx2(True, **LTX2_FULL)
     sd = lora_file(linears(model), lambda n: f"diffusion_model.{ltx2_original(n)}", meta=True)
     with pytest.raises(AssertionError):
@@ -156,19 +183,29 @@ def test_ltx2_connectors_original_prefix():
     with torch.device("meta"):
         connectors = LTX2TextConnectors()
     modules = {n: m for n, m in linears(connectors).items()}
-    sd = lora_file(modules, lambda n: f"text_embedding_projection.{n.replace('text_proj_in', 'aggregate_embed')}", meta=True)
+    sd = lora_file(
+        modules,
+        lambda n: f"text_embedding_projection.{n.replace('text_proj_in', 'aggregate_embed')}",
+        meta=True,
+    )
     from diffusers.loaders.lora_conversion_utils import (
         _convert_non_diffusers_ltx2_lora_to_diffusers as convert,
     )
 
-    targets = converter_targets(lambda s: convert(dict(s), "text_embedding_projection"), sd, prefix="connectors.")
+    targets = converter_targets(
+        lambda s: convert(dict(s), "text_embedding_projection"), sd, prefix="connectors."
+    )
     assert set(targets.values()) == set(modules)
     report = loraweave.plan({"transformer": _ltx2(True, num_layers=1), "connectors": connectors}, sd)
     assert report.unmatched == [] and {m.component for m in report.applied} == {"connectors"}
 
 
-FLUX_BFL = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"), "img_attn.proj": ("attn.to_out.0",),
-            "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "txt_attn.proj": ("attn.to_add_out",)}
+FLUX_BFL = {
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "img_attn.proj": ("attn.to_out.0",),
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "txt_attn.proj": ("attn.to_add_out",),
+}
 
 
 def xlabs_file(model, seed: int = 5) -> dict[str, torch.Tensor]:
@@ -177,7 +214,12 @@ def xlabs_file(model, seed: int = 5) -> dict[str, torch.Tensor]:
     mods = dict(model.named_modules())
     sd = {}
     for i in range(len(model.transformer_blocks)):
-        for name, n in (("qkv_lora1", "to_q"), ("qkv_lora2", "add_q_proj"), ("proj_lora1", "to_out.0"), ("proj_lora2", "to_add_out")):
+        for name, n in (
+            ("qkv_lora1", "to_q"),
+            ("qkv_lora2", "add_q_proj"),
+            ("proj_lora1", "to_out.0"),
+            ("proj_lora2", "to_add_out"),
+        ):
             m = mods[f"transformer_blocks.{i}.attn.{n}"]
             rows = 3 * m.out_features if name.startswith("qkv") else m.out_features
             sd[f"double_blocks.{i}.processor.{name}.down.weight"] = torch.randn(2, m.in_features, generator=g)
@@ -185,7 +227,9 @@ def xlabs_file(model, seed: int = 5) -> dict[str, torch.Tensor]:
     for i in range(len(model.single_transformer_blocks)):
         m = mods[f"single_transformer_blocks.{i}.attn.to_q"]
         sd[f"single_blocks.{i}.processor.qkv_lora.down.weight"] = torch.randn(2, m.in_features, generator=g)
-        sd[f"single_blocks.{i}.processor.qkv_lora.up.weight"] = torch.randn(3 * m.out_features, 2, generator=g) * 0.1
+        sd[f"single_blocks.{i}.processor.qkv_lora.up.weight"] = (
+            torch.randn(3 * m.out_features, 2, generator=g) * 0.1
+        )
     return sd
 
 
@@ -207,7 +251,10 @@ def test_xlabs_lora1_is_the_image_stream():
 
     model = tiny_flux()
     sd = xlabs_file(model)
-    swapped = {k.replace("lora1", "lora#").replace("lora2", "lora1").replace("lora#", "lora2"): v for k, v in sd.items()}
+    swapped = {
+        k.replace("lora1", "lora#").replace("lora2", "lora1").replace("lora#", "lora2"): v
+        for k, v in sd.items()
+    }
     with pytest.raises(AssertionError):
         assert_matches_peft(model, swapped, _convert_xlabs_flux_lora_to_diffusers(dict(sd)))
 
@@ -220,20 +267,36 @@ def bfl_flux_file(model, prefix: str, seed: int = 6) -> dict[str, torch.Tensor]:
         for bfl, parts in FLUX_BFL.items():
             m = mods[f"transformer_blocks.{i}.{parts[0]}"]
             sd[f"{prefix}double_blocks.{i}.{bfl}.lora_A.weight"] = torch.randn(2, m.in_features, generator=g)
-            sd[f"{prefix}double_blocks.{i}.{bfl}.lora_B.weight"] = torch.randn(len(parts) * m.out_features, 2, generator=g) * 0.1
-        for bfl, live in (("img_mod.lin", "norm1.linear"), ("txt_mod.lin", "norm1_context.linear"), ("img_mlp.0", "ff.net.0.proj"),
-                          ("img_mlp.2", "ff.net.2"), ("txt_mlp.0", "ff_context.net.0.proj"), ("txt_mlp.2", "ff_context.net.2")):
+            sd[f"{prefix}double_blocks.{i}.{bfl}.lora_B.weight"] = (
+                torch.randn(len(parts) * m.out_features, 2, generator=g) * 0.1
+            )
+        for bfl, live in (
+            ("img_mod.lin", "norm1.linear"),
+            ("txt_mod.lin", "norm1_context.linear"),
+            ("img_mlp.0", "ff.net.0.proj"),
+            ("img_mlp.2", "ff.net.2"),
+            ("txt_mlp.0", "ff_context.net.0.proj"),
+            ("txt_mlp.2", "ff_context.net.2"),
+        ):
             m = mods[f"transformer_blocks.{i}.{live}"]
             sd[f"{prefix}double_blocks.{i}.{bfl}.lora_A.weight"] = torch.randn(2, m.in_features, generator=g)
-            sd[f"{prefix}double_blocks.{i}.{bfl}.lora_B.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.1
+            sd[f"{prefix}double_blocks.{i}.{bfl}.lora_B.weight"] = (
+                torch.randn(m.out_features, 2, generator=g) * 0.1
+            )
     for i in range(len(model.single_transformer_blocks)):
         b = f"single_transformer_blocks.{i}"
         h, mlp = mods[f"{b}.attn.to_q"].out_features, mods[f"{b}.proj_mlp"].out_features
-        for bfl, rows, inp in (("linear1", 3 * h + mlp, h), ("linear2", h, mods[f"{b}.proj_out"].in_features), ("modulation.lin", 3 * h, h)):
+        for bfl, rows, inp in (
+            ("linear1", 3 * h + mlp, h),
+            ("linear2", h, mods[f"{b}.proj_out"].in_features),
+            ("modulation.lin", 3 * h, h),
+        ):
             sd[f"{prefix}single_blocks.{i}.{bfl}.lora_A.weight"] = torch.randn(2, inp, generator=g)
             sd[f"{prefix}single_blocks.{i}.{bfl}.lora_B.weight"] = torch.randn(rows, 2, generator=g) * 0.1
     sd[f"{prefix}final_layer.linear.lora_A.weight"] = torch.randn(2, model.proj_out.in_features, generator=g)
-    sd[f"{prefix}final_layer.linear.lora_B.weight"] = torch.randn(model.proj_out.out_features, 2, generator=g) * 0.1
+    sd[f"{prefix}final_layer.linear.lora_B.weight"] = (
+        torch.randn(model.proj_out.out_features, 2, generator=g) * 0.1
+    )
     return sd
 
 
@@ -256,8 +319,11 @@ def _fal_convert(lcu, model, sd):
 
     source = inspect.getsource(lcu._convert_fal_kontext_lora_to_diffusers)
     h = model.config.num_attention_heads * model.config.attention_head_dim
-    for old, new in (("num_layers = 19", len(model.transformer_blocks)), ("inner_dim = 3072", h),
-                     ("num_single_layers = 38", len(model.single_transformer_blocks))):
+    for old, new in (
+        ("num_layers = 19", len(model.transformer_blocks)),
+        ("inner_dim = 3072", h),
+        ("num_single_layers = 38", len(model.single_transformer_blocks)),
+    ):
         assert old in source
         source = source.replace(old, f"{old.split(' = ')[0]} = {new}")
     namespace = dict(vars(lcu))
@@ -272,15 +338,27 @@ def test_peft_adapter_names(form):
     model = tiny_flux()
     plain = lora_file(linears(model), lambda n: f"transformer.{n}")
     if form == "comfy":
-        sd = {k.replace(".lora_A.weight", ".weight.lora_A.default.weight").replace(".lora_B.weight", ".weight.lora_B.default.weight"): v
-              for k, v in plain.items()}
+        sd = {
+            k.replace(".lora_A.weight", ".weight.lora_A.default.weight").replace(
+                ".lora_B.weight", ".weight.lora_B.default.weight"
+            ): v
+            for k, v in plain.items()
+        }
     else:
         sd = {k.replace(".weight", f".{form}.weight"): v for k, v in plain.items()}
     assert_matches_peft(model, sd, plain)
 
 
-WAN_ORIGINAL = {"attn1": "self_attn", "attn2": "cross_attn", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o",
-                "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+WAN_ORIGINAL = {
+    "attn1": "self_attn",
+    "attn2": "cross_attn",
+    "to_q": "q",
+    "to_k": "k",
+    "to_v": "v",
+    "to_out.0": "o",
+    "ffn.net.0.proj": "ffn.0",
+    "ffn.net.2": "ffn.2",
+}
 
 
 def wan_original(live: str) -> str:
@@ -300,7 +378,9 @@ def test_musubi_wan_matches_diffusers_and_peft():
 
     model = tiny_wan(False)
     sd = {}
-    for k, v in lora_file(_wan_block_linears(model), lambda n: "lora_unet_" + wan_original(n).replace(".", "_")).items():
+    for k, v in lora_file(
+        _wan_block_linears(model), lambda n: "lora_unet_" + wan_original(n).replace(".", "_")
+    ).items():
         sd[k.replace("lora_A", "lora_down").replace("lora_B", "lora_up")] = v
         sd[k.split(".lora_")[0] + ".alpha"] = torch.tensor(1.0)
     assert_matches_peft(model, sd, _convert_musubi_wan_lora_to_diffusers(dict(sd)))
@@ -312,8 +392,12 @@ def test_diffusion_pipe_wan_matches_diffusers_and_peft():
     from test_arch_oracle import tiny_wan
 
     model = tiny_wan(True)
-    sd = lora_file(_wan_block_linears(model), lambda n: "diffusion_model." + wan_original(n)
-                   .replace("add_k_proj", "k_img").replace("add_v_proj", "v_img"))
+    sd = lora_file(
+        _wan_block_linears(model),
+        lambda n: (
+            "diffusion_model." + wan_original(n).replace("add_k_proj", "k_img").replace("add_v_proj", "v_img")
+        ),
+    )
     assert any(".k_img." in k for k in sd)
     assert_matches_peft(model, sd, _convert_non_diffusers_wan_lora_to_diffusers(dict(sd)))
 
@@ -322,24 +406,44 @@ def test_stand_in_is_parsed_resolved_and_refused_with_its_reason():
     from test_arch_oracle import tiny_wan
 
     model = tiny_wan(False)
-    sd = {f"{p}blocks.0.self_attn.{x}_loras.{r}.weight": torch.zeros(2 if r == "down" else 32, 32 if r == "down" else 2)
-          for p in ("", "diffusion_model.") for x in "qkv" for r in ("down", "up")}
+    sd = {
+        f"{p}blocks.0.self_attn.{x}_loras.{r}.weight": torch.zeros(
+            2 if r == "down" else 32, 32 if r == "down" else 2
+        )
+        for p in ("", "diffusion_model.")
+        for x in "qkv"
+        for r in ("down", "up")
+    }
     report = loraweave.plan(model, sd)
     assert report.keys_applied == 0 and len(report.unmatched) == len(sd)
-    assert all(u["reason"].startswith("unsupported family: standin (Stand-In LoRAs act only on the reference-image")
-               and "blocks.0.attn1.to_" in u["reason"] for u in report.unmatched)
+    assert all(
+        u["reason"].startswith("unsupported family: standin (Stand-In LoRAs act only on the reference-image")
+        and "blocks.0.attn1.to_" in u["reason"]
+        for u in report.unmatched
+    )
 
 
 def lumina2_lora_names(model) -> dict[str, tuple[int, int]]:
     """{original stem: (rows, in)} in the order and spelling of diffusers' Lumina2 LoRA converter."""
     mods, out = dict(model.named_modules()), {}
-    for stack, n, modulated in (("noise_refiner", len(model.noise_refiner), True),
-                                ("context_refiner", len(model.context_refiner), False), ("layers", len(model.layers), True)):
+    for stack, n, modulated in (
+        ("noise_refiner", len(model.noise_refiner), True),
+        ("context_refiner", len(model.context_refiner), False),
+        ("layers", len(model.layers), True),
+    ):
         for i in range(n):
             b = f"{stack}.{i}"
-            out[f"{b}.attention.qkv"] = (sum(mods[f"{b}.attn.to_{x}"].out_features for x in "qkv"), mods[f"{b}.attn.to_q"].in_features)
+            out[f"{b}.attention.qkv"] = (
+                sum(mods[f"{b}.attn.to_{x}"].out_features for x in "qkv"),
+                mods[f"{b}.attn.to_q"].in_features,
+            )
             out[f"{b}.attention.out"] = tuple(mods[f"{b}.attn.to_out.0"].weight.shape)
-            out.update({f"{b}.feed_forward.w{j}": tuple(mods[f"{b}.feed_forward.linear_{j}"].weight.shape) for j in (1, 2, 3)})
+            out.update(
+                {
+                    f"{b}.feed_forward.w{j}": tuple(mods[f"{b}.feed_forward.linear_{j}"].weight.shape)
+                    for j in (1, 2, 3)
+                }
+            )
             if modulated:
                 out[f"{b}.adaLN_modulation.1"] = tuple(mods[f"{b}.norm1.linear"].weight.shape)
     return out
@@ -378,9 +482,15 @@ def test_lumina2_full_size_lands_where_the_converter_says():
     sd = _lora_from_shapes(lumina2_lora_names(model), "diffusion_model.", meta=True)
     converted = convert(dict(sd))  # raises on anything it does not consume
     assert {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in converted} == {
-        n for n, m in model.named_modules() if type(m) is torch.nn.Linear} - {
-        "x_embedder", "norm_out.linear_1", "norm_out.linear_2", "time_caption_embed.caption_embedder.1",
-        "time_caption_embed.timestep_embedder.linear_1", "time_caption_embed.timestep_embedder.linear_2"}
+        n for n, m in model.named_modules() if type(m) is torch.nn.Linear
+    } - {
+        "x_embedder",
+        "norm_out.linear_1",
+        "norm_out.linear_2",
+        "time_caption_embed.caption_embedder.1",
+        "time_caption_embed.timestep_embedder.linear_1",
+        "time_caption_embed.timestep_embedder.linear_2",
+    }
     report = loraweave.plan(model, sd)
     assert report.unmatched == [] and report.keys_applied == len(sd)
 
@@ -393,20 +503,34 @@ def test_lumina2_matches_diffusers_and_peft():
     assert_matches_peft(model, sd, _lumina2_lora_converter(64, 32)(dict(sd)))
 
 
-@pytest.mark.parametrize("cls, config", [
-    # HiDream-I1 config; MoE experts and the shared expert are plain modules.
-    ("HiDreamImageTransformer2DModel", dict(patch_size=2, in_channels=16, out_channels=16, caption_channels=[4096, 4096],
-                                            axes_dims_rope=(64, 32, 32), llama_layers=list(range(48)))),
-    ("LTXVideoTransformer3DModel", {}),
-])
+@pytest.mark.parametrize(
+    "cls, config",
+    [
+        # HiDream-I1 config; MoE experts and the shared expert are plain modules.
+        (
+            "HiDreamImageTransformer2DModel",
+            dict(
+                patch_size=2,
+                in_channels=16,
+                out_channels=16,
+                caption_channels=[4096, 4096],
+                axes_dims_rope=(64, 32, 32),
+                llama_layers=list(range(48)),
+            ),
+        ),
+        ("LTXVideoTransformer3DModel", {}),
+    ],
+)
 def test_prefix_only_layouts_full_size(cls, config):
     """HiDream and LTX-Video LoRAs use the diffusers module names behind `diffusion_model.` (the converters only
     swap that prefix for `transformer.`): every Linear of the full-size model resolves."""
     import diffusers
     from diffusers.loaders import lora_conversion_utils as lcu
 
-    convert = {"HiDreamImageTransformer2DModel": lcu._convert_non_diffusers_hidream_lora_to_diffusers,
-               "LTXVideoTransformer3DModel": lcu._convert_non_diffusers_ltxv_lora_to_diffusers}[cls]
+    convert = {
+        "HiDreamImageTransformer2DModel": lcu._convert_non_diffusers_hidream_lora_to_diffusers,
+        "LTXVideoTransformer3DModel": lcu._convert_non_diffusers_ltxv_lora_to_diffusers,
+    }[cls]
     with torch.device("meta"):
         model = getattr(diffusers, cls)(**config)
     modules = linears(model)
@@ -423,8 +547,14 @@ def flux3_original(live: str) -> str:
     if live.startswith("mode_blocks."):
         live = "content_" + live
     live = live.replace("single_transformer_blocks.", "single_blocks.")
-    for new, old in ((".attn.to_q", ".q_proj"), (".attn.to_k", ".k_proj"), (".attn.to_v", ".v_proj"),
-                     (".attn.to_out.0", ".attn_out"), (".ff.linear_in", ".mlp_in"), (".ff.linear_out", ".mlp_out")):
+    for new, old in (
+        (".attn.to_q", ".q_proj"),
+        (".attn.to_k", ".k_proj"),
+        (".attn.to_v", ".v_proj"),
+        (".attn.to_out.0", ".attn_out"),
+        (".ff.linear_in", ".mlp_in"),
+        (".ff.linear_out", ".mlp_out"),
+    ):
         live = live.replace(new, old)
     return live
 
@@ -446,18 +576,33 @@ def test_flux3_original_names_full_size():
     targets = converter_targets(_flux3_convert, sd)
     assert set(targets.values()) == set(modules)
     assert_lands_where_the_converter_says(model, sd, targets)
-    kohya = {"lora_unet_" + k.split(".", 1)[1].rsplit(".lora_", 1)[0].replace(".", "_") + ".lora_" + k.rsplit(".lora_", 1)[1]: v
-             for k, v in sd.items()}
+    kohya = {
+        "lora_unet_"
+        + k.split(".", 1)[1].rsplit(".lora_", 1)[0].replace(".", "_")
+        + ".lora_"
+        + k.rsplit(".lora_", 1)[1]: v
+        for k, v in sd.items()
+    }
     assert loraweave.plan(model, kohya).unmatched == []
 
 
 def test_flux3_swapped_rename_row_is_caught(monkeypatch):
     def swap(t):
-        r = [(".q_proj.", ".attn.to_k.") if o == ".q_proj." else (".k_proj.", ".attn.to_q.") if o == ".k_proj." else (o, n)
-             for o, n in t.renames]
+        r = [
+            (".q_proj.", ".attn.to_k.")
+            if o == ".q_proj."
+            else (".k_proj.", ".attn.to_q.")
+            if o == ".k_proj."
+            else (o, n)
+            for o, n in t.renames
+        ]
         return dataclasses.replace(t, renames=tuple(r))
 
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(swap(t) if t.name == "flux3" else t for t in arch_aliases.ARCH_TABLES))
+    monkeypatch.setattr(
+        arch_aliases,
+        "ARCH_TABLES",
+        tuple(swap(t) if t.name == "flux3" else t for t in arch_aliases.ARCH_TABLES),
+    )
     import diffusers
 
     with torch.device("meta"):
@@ -471,8 +616,16 @@ def test_flux3_matches_diffusers_and_peft():
     import diffusers
 
     torch.manual_seed(0)
-    model = diffusers.Flux3Transformer2DModel(in_channels=8, cond_in_channels=8, num_layers=1, num_single_layers=1,
-                                              attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                              timestep_channels=16, axes_dims_rope=(2, 2, 2, 2)).eval()
+    model = diffusers.Flux3Transformer2DModel(
+        in_channels=8,
+        cond_in_channels=8,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        timestep_channels=16,
+        axes_dims_rope=(2, 2, 2, 2),
+    ).eval()
     sd = lora_file(linears(model), lambda n: f"diffusion_model.{flux3_original(n)}")
     assert_matches_peft(model, sd, _flux3_convert(sd))

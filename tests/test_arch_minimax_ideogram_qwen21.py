@@ -45,15 +45,23 @@ def lora_from_shapes(shapes: dict, name_of, rank: int = 2, seed: int = 3, infix:
 
 def row_index_file(shapes: dict, name_of, infix: str = "") -> dict:
     """Rank-1 LoRAs whose `lora_B` row r holds r: where a row lands says which source row it was."""
-    return {k: v for stem, (rows, inp) in shapes.items() for k, v in (
-        (f"{name_of(stem)}.lora_A{infix}.weight", torch.zeros(1, inp)),
-        (f"{name_of(stem)}.lora_B{infix}.weight", torch.arange(rows, dtype=torch.float32)[:, None]))}
+    return {
+        k: v
+        for stem, (rows, inp) in shapes.items()
+        for k, v in (
+            (f"{name_of(stem)}.lora_A{infix}.weight", torch.zeros(1, inp)),
+            (f"{name_of(stem)}.lora_B{infix}.weight", torch.arange(rows, dtype=torch.float32)[:, None]),
+        )
+    }
 
 
 def converter_rows(converted: dict, prefix: str = "transformer.") -> dict[str, torch.Tensor]:
     """{live module: source row of each of its rows} from a converted row-index file."""
-    return {k.removeprefix(prefix).removesuffix(".lora_B.weight"): v[:, 0] for k, v in converted.items()
-            if k.endswith(".lora_B.weight")}
+    return {
+        k.removeprefix(prefix).removesuffix(".lora_B.weight"): v[:, 0]
+        for k, v in converted.items()
+        if k.endswith(".lora_B.weight")
+    }
 
 
 def table_rows(model, sd: dict) -> dict[str, torch.Tensor]:
@@ -64,7 +72,7 @@ def table_rows(model, sd: dict) -> dict[str, torch.Tensor]:
     for part in adapter.parts:
         for p in table.lookup(part.path, adapter.traits):
             rows = out.setdefault(p.module, torch.full((table.modules[p.module].out_features,), -1.0))
-            rows[p.dst_start:p.dst_start + p.length] = torch.arange(p.src_start, p.src_start + p.length)
+            rows[p.dst_start : p.dst_start + p.length] = torch.arange(p.src_start, p.src_start + p.length)
     return out
 
 
@@ -79,34 +87,59 @@ def assert_rows_match_converter(model, sd: dict, converted: dict, modules: set[s
 
 
 def swap_in_table(monkeypatch, name: str, swap):
-    tables = tuple(dataclasses.replace(t, aliases=tuple(swap(a) for a in t.aliases)) if t.name == name else t
-                   for t in arch_aliases.ARCH_TABLES)
+    tables = tuple(
+        dataclasses.replace(t, aliases=tuple(swap(a) for a in t.aliases)) if t.name == name else t
+        for t in arch_aliases.ARCH_TABLES
+    )
     monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tables)
 
 
 # --- MiniMax-H3 -------------------------------------------------------------------------------------------------
 
-H3_TINY = dict(num_attention_heads=2, attention_head_dim=128, hidden_size=32, num_layers=2, num_refiner_layers=1,
-               ffn_dim=16, in_channels=4, audio_in_channels=4, text_dim=24, freq_dim=16, time_embed_hidden_dim=32,
-               time_embed_dim=16)
-H3_STANDALONE = {"video_patch_proj": "proj_in", "audio_patch_proj": "audio_proj_in", "condition_proj": "context_embedder",
-                 "time_embedder.proj_in": "time_embedder.linear_1", "time_embedder.proj_out": "time_embedder.linear_2",
-                 "final_layer.adaln_proj.linear": "norm_out.linear", "final_layer.video_out": "proj_out",
-                 "final_layer.audio_out": "audio_proj_out"}
+H3_TINY = dict(
+    num_attention_heads=2,
+    attention_head_dim=128,
+    hidden_size=32,
+    num_layers=2,
+    num_refiner_layers=1,
+    ffn_dim=16,
+    in_channels=4,
+    audio_in_channels=4,
+    text_dim=24,
+    freq_dim=16,
+    time_embed_hidden_dim=32,
+    time_embed_dim=16,
+)
+H3_STANDALONE = {
+    "video_patch_proj": "proj_in",
+    "audio_patch_proj": "audio_proj_in",
+    "condition_proj": "context_embedder",
+    "time_embedder.proj_in": "time_embedder.linear_1",
+    "time_embedder.proj_out": "time_embedder.linear_2",
+    "final_layer.adaln_proj.linear": "norm_out.linear",
+    "final_layer.video_out": "proj_out",
+    "final_layer.audio_out": "audio_proj_out",
+}
 
 
 def h3_lora_names(model) -> dict[str, tuple[int, int]]:
     """{original stem: (rows, in)}: every Linear of the model under its original MiniMax-H3 name."""
     mods = dict(model.named_modules())
     out = {src: tuple(mods[live].weight.shape) for src, live in H3_STANDALONE.items()}
-    for src, dst, n in (("blocks", "transformer_blocks", len(model.transformer_blocks)),
-                        ("token_refiner.blocks", "token_refiner.refiner_blocks", len(model.token_refiner.refiner_blocks))):
+    for src, dst, n in (
+        ("blocks", "transformer_blocks", len(model.transformer_blocks)),
+        ("token_refiner.blocks", "token_refiner.refiner_blocks", len(model.token_refiner.refiner_blocks)),
+    ):
         for i in range(n):
             s, d = f"{src}.{i}", f"{dst}.{i}"
             q = mods[f"{d}.attn.to_q"]
             out[f"{s}.attn.qkv_proj"] = (3 * q.out_features, q.in_features)
-            for o, live in (("attn.out_proj", "attn.to_out.0"), ("mlp.fc1", "ff.net.0.proj"), ("mlp.fc2", "ff.net.2"),
-                            ("adaln_proj.linear", "adaln_proj.linear")):
+            for o, live in (
+                ("attn.out_proj", "attn.to_out.0"),
+                ("mlp.fc1", "ff.net.0.proj"),
+                ("mlp.fc2", "ff.net.2"),
+                ("adaln_proj.linear", "adaln_proj.linear"),
+            ):
                 if f"{d}.{live}" in mods:
                     out[f"{s}.{o}"] = tuple(mods[f"{d}.{live}"].weight.shape)
     return out
@@ -120,8 +153,12 @@ def _h3_convert(sd):
 
 def musubi(sd: dict) -> dict:
     """musubi-tuner: `lora_unet_` + the dotted path flattened, lora_down/lora_up."""
-    return {"lora_unet_" + k.split(".lora_")[0].replace(".", "_") + {"A": ".lora_down.weight", "B": ".lora_up.weight"}[
-        k.split(".lora_")[1][0]]: v for k, v in sd.items()}
+    return {
+        "lora_unet_"
+        + k.split(".lora_")[0].replace(".", "_")
+        + {"A": ".lora_down.weight", "B": ".lora_up.weight"}[k.split(".lora_")[1][0]]: v
+        for k, v in sd.items()
+    }
 
 
 @pytest.mark.parametrize("form", ["bare", "diffusion_model", "musubi", "diffsynth"])
@@ -130,7 +167,9 @@ def test_minimax_h3_full_size_rows_match_the_converter(form):
     spelling; DiffSynth's per-head interleaved QKV lands de-interleaved, fc1's halves swapped."""
     model = _model("MiniMaxH3Transformer3DModel", True)
     prefix = "diffusion_model." if form == "diffusion_model" else ""
-    sd = row_index_file(h3_lora_names(model), lambda s: prefix + s, infix=".default" if form == "diffsynth" else "")
+    sd = row_index_file(
+        h3_lora_names(model), lambda s: prefix + s, infix=".default" if form == "diffsynth" else ""
+    )
     sd = musubi(sd) if form == "musubi" else sd
     assert (loraweave.load_adapter(sd).traits == {"diffsynth"}) == (form == "diffsynth")
     assert_rows_match_converter(model, sd, _h3_convert(sd), set(linears(model)))
@@ -152,7 +191,11 @@ def test_minimax_h3_runtime_holds_one_pair_per_part():
     sd = lora_from_shapes(h3_lora_names(model), lambda s: s, infix=".default")
     loraweave.apply(model, sd, mode="runtime", strict=True)
     ranks = {id(p.module): p.down.shape[0] for p in runtime_paths(model)}
-    for name in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_v", "transformer_blocks.0.ff.net.0.proj"):
+    for name in (
+        "transformer_blocks.0.attn.to_q",
+        "transformer_blocks.1.attn.to_v",
+        "transformer_blocks.0.ff.net.0.proj",
+    ):
         assert ranks[id(model.get_submodule(name))] == 2, name
 
 
@@ -160,7 +203,13 @@ def test_minimax_h3_alpha_tensors_fold_as_the_converter():
     """Kohya `.alpha` (musubi-tuner) is alpha / rank, which the converter folds into the factors."""
     model = _model("MiniMaxH3Transformer3DModel", False, **H3_TINY)
     sd = musubi(lora_from_shapes(h3_lora_names(model), lambda s: s, rank=4))
-    sd.update({k.split(".lora_")[0] + ".alpha": torch.tensor(2.0) for k in list(sd) if k.endswith("lora_down.weight")})
+    sd.update(
+        {
+            k.split(".lora_")[0] + ".alpha": torch.tensor(2.0)
+            for k in list(sd)
+            if k.endswith("lora_down.weight")
+        }
+    )
     assert_matches_peft(model, sd, _h3_convert(sd))
 
 
@@ -168,7 +217,9 @@ def _mixed_rank_file(model) -> dict:
     """Rank 4 on attention/FFN, rank 2 on the AdaLN projections (published H3 LoRAs mix ranks like this)."""
     shapes = h3_lora_names(model)
     sd = lora_from_shapes({s: v for s, v in shapes.items() if "adaln" not in s}, lambda s: s, rank=4)
-    sd.update(lora_from_shapes({s: v for s, v in shapes.items() if "adaln" in s}, lambda s: s, rank=2, seed=8))
+    sd.update(
+        lora_from_shapes({s: v for s, v in shapes.items() if "adaln" in s}, lambda s: s, rank=2, seed=8)
+    )
     return sd
 
 
@@ -191,7 +242,9 @@ def test_minimax_h3_metadata_alpha_as_diffusers_loader(tmp_path, metadata):
     xs = {n: torch.randn(3, linears(model)[n].in_features, generator=g) for n in names}
     ours = copy.deepcopy(model)
     report = loraweave.apply(ours, str(path), mode="merge", strict=True).report
-    assert report.adapters[0]["alpha_sources"] == {"metadata:alpha" if metadata else "default:1": len(h3_lora_names(model))}
+    assert report.adapters[0]["alpha_sources"] == {
+        "metadata:alpha" if metadata else "default:1": len(h3_lora_names(model))
+    }
     with torch.no_grad():
         worst = max(rel_err(ours.get_submodule(n)(xs[n]), ref.get_submodule(n)(xs[n])) for n in names)
     assert report.keys_applied == report.keys_total and worst <= 1e-5, worst
@@ -234,7 +287,9 @@ def test_minimax_h3_metadata_alpha_not_a_number_is_refused(tmp_path):
     from loraweave.tools.extract import resize
 
     out = tmp_path / "resized.safetensors"
-    with pytest.raises(loraweave.errors.AdapterMetadataError, match="'alpha'") as err:  # resize reads it alike
+    with pytest.raises(
+        loraweave.errors.AdapterMetadataError, match="'alpha'"
+    ) as err:  # resize reads it alike
         resize(path, out, rank=2)
     assert str(path) in str(err.value) and not out.exists()
 
@@ -251,12 +306,16 @@ def test_minimax_h3_partitions():
 
     def landed(target, adapter):
         report = loraweave.plan(target, adapter)
-        assert report.unmatched == [] and report.keys_applied == report.keys_total == len(adapter_keys(adapter))
+        assert report.unmatched == [] and report.keys_applied == report.keys_total == len(
+            adapter_keys(adapter)
+        )
         return {m.component for m in report.applied}
 
     assert landed(both, sd) == {"transformer"}
     assert landed({"transformer_ref": ref}, sd) == {"transformer_ref"}
-    assert landed(both, loraweave.AdapterSpec(sd, component_strengths={"transformer_ref": 1.0})) == {"transformer_ref"}
+    assert landed(both, loraweave.AdapterSpec(sd, component_strengths={"transformer_ref": 1.0})) == {
+        "transformer_ref"
+    }
     converted = {k.replace("transformer.", "transformer_ref.", 1): v for k, v in _h3_convert(sd).items()}
     assert landed(both, converted) == {"transformer_ref"}
 
@@ -267,20 +326,33 @@ def test_minimax_h3_swapped_rows_are_caught(monkeypatch):
     sd = row_index_file(h3_lora_names(model), lambda s: s)
     diffsynth = row_index_file(h3_lora_names(model), lambda s: s, infix=".default")
     with monkeypatch.context() as m:
-        swap_in_table(m, "minimax-h3", lambda a: dataclasses.replace(a, targets=a.targets[::-1])
-                      if a.source.endswith("mlp.fc1") else a)
+        swap_in_table(
+            m,
+            "minimax-h3",
+            lambda a: dataclasses.replace(a, targets=a.targets[::-1]) if a.source.endswith("mlp.fc1") else a,
+        )
         with pytest.raises(AssertionError):
             assert_rows_match_converter(model, sd, _h3_convert(sd), set(linears(model)))
     with monkeypatch.context() as m:
-        swap_in_table(m, "minimax-h3", lambda a: dataclasses.replace(a, interleave=None) if a.interleave else a)
+        swap_in_table(
+            m, "minimax-h3", lambda a: dataclasses.replace(a, interleave=None) if a.interleave else a
+        )
         with pytest.raises(AssertionError):
             assert_rows_match_converter(model, diffsynth, _h3_convert(diffsynth), set(linears(model)))
 
 
 # --- Ideogram4 --------------------------------------------------------------------------------------------------
 
-IDEOGRAM4_TINY = dict(in_channels=8, num_layers=2, attention_head_dim=8, num_attention_heads=2, intermediate_size=32,
-                      adaln_dim=16, llm_features_dim=24, mrope_section=(2, 1, 1))
+IDEOGRAM4_TINY = dict(
+    in_channels=8,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    intermediate_size=32,
+    adaln_dim=16,
+    llm_features_dim=24,
+    mrope_section=(2, 1, 1),
+)
 
 
 def ideogram4_lora_names(model) -> dict[str, tuple[int, int]]:
@@ -305,8 +377,13 @@ def _ideogram4_convert(sd):
 def kohya_dotted(sd: dict) -> dict:
     """The converter's kohya form: dotted original names, lora_down/lora_up, `.alpha` (here alpha / rank = 0.5)."""
     out = {k.replace(".lora_A.", ".lora_down.").replace(".lora_B.", ".lora_up."): v for k, v in sd.items()}
-    out.update({k.split(".lora_A.")[0] + ".alpha": torch.tensor(float(v.shape[0]) / 2) for k, v in sd.items()
-                if ".lora_A." in k})
+    out.update(
+        {
+            k.split(".lora_A.")[0] + ".alpha": torch.tensor(float(v.shape[0]) / 2)
+            for k, v in sd.items()
+            if ".lora_A." in k
+        }
+    )
     return out
 
 
@@ -319,8 +396,13 @@ def test_ideogram4_full_size_rows_match_the_converter(prefix):
     model = _model("Ideogram4Transformer2DModel", True)
     sd = row_index_file(ideogram4_lora_names(model), lambda s: prefix + s)
     assert_rows_match_converter(model, sd, _ideogram4_convert(sd), _ideogram4_blocks(model))
-    kohya = {"lora_unet_" + k.removeprefix(prefix).split(".lora_")[0].replace(".", "_") + ".lora_" + k.split(".lora_")[1]: v
-             for k, v in sd.items()}
+    kohya = {
+        "lora_unet_"
+        + k.removeprefix(prefix).split(".lora_")[0].replace(".", "_")
+        + ".lora_"
+        + k.split(".lora_")[1]: v
+        for k, v in sd.items()
+    }
     assert loraweave.plan(model, kohya).unmatched == []  # flattened too (no converter reads this form)
 
 
@@ -335,16 +417,30 @@ def test_ideogram4_matches_diffusers_and_peft(kohya):
 def test_ideogram4_swapped_row_is_caught(monkeypatch):
     model = _model("Ideogram4Transformer2DModel", True, num_layers=2)
     sd = row_index_file(ideogram4_lora_names(model), lambda s: f"diffusion_model.{s}")
-    swap_in_table(monkeypatch, "ideogram4", lambda a: dataclasses.replace(
-        a, targets=(a.targets[1], a.targets[0], a.targets[2])) if a.source.endswith(".qkv") else a)
+    swap_in_table(
+        monkeypatch,
+        "ideogram4",
+        lambda a: (
+            dataclasses.replace(a, targets=(a.targets[1], a.targets[0], a.targets[2]))
+            if a.source.endswith(".qkv")
+            else a
+        ),
+    )
     with pytest.raises(AssertionError):
         assert_rows_match_converter(model, sd, _ideogram4_convert(sd), _ideogram4_blocks(model))
 
 
 # --- Qwen-Image 2.1 ---------------------------------------------------------------------------------------------
 
-QWEN21_TINY = dict(in_channels=8, out_channels=8, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-                   context_in_dim=16, axes_dims_rope=(2, 2, 4))
+QWEN21_TINY = dict(
+    in_channels=8,
+    out_channels=8,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    context_in_dim=16,
+    axes_dims_rope=(2, 2, 4),
+)
 
 
 def qwen21_lora_names(model) -> dict[str, tuple[int, int]]:
@@ -366,15 +462,19 @@ def _qwen21_convert(sd: dict) -> dict:
     from diffusers.loaders.single_file_utils import (
         convert_qwen_image21_transformer_checkpoint_to_diffusers as convert,
     )
+
     out = {}
     for key, value in sd.items():
         module, _, role = key.partition(".lora_")
-        module, role = module.removeprefix("model.").removeprefix("diffusion_model."), role.replace(".default", "")
+        module, role = (
+            module.removeprefix("model.").removeprefix("diffusion_model."),
+            role.replace(".default", ""),
+        )
         if role.startswith("B"):
             for live, v in convert({f"{module}.weight": value}).items():
                 out[f"transformer.{live.removesuffix('.weight')}.lora_B.weight"] = v
         else:
-            for live in (("gate_layer", "proj") if module.endswith("gate_up") else (None,)):
+            for live in ("gate_layer", "proj") if module.endswith("gate_up") else (None,):
                 stem = module.replace("gate_up", live) if live else module
                 out[f"transformer.{stem}.lora_A.weight"] = value
     return out
@@ -384,12 +484,19 @@ def _qwen21_convert(sd: dict) -> dict:
 def test_qwen21_full_size_rows_match_the_converter(form):
     model = _model("QwenImage21Transformer2DModel", True)
     prefix = "" if form == "diffsynth" else form
-    sd = row_index_file(qwen21_lora_names(model), lambda s: prefix + s, infix=".default" if form == "diffsynth" else "")
+    sd = row_index_file(
+        qwen21_lora_names(model), lambda s: prefix + s, infix=".default" if form == "diffsynth" else ""
+    )
     assert any(".gate_up." in k for k in sd)
     assert_rows_match_converter(model, sd, _qwen21_convert(sd), set(linears(model)))
     if form == "diffusion_model.":  # kohya-flattened too (no converter reads this form)
-        kohya = {"lora_unet_" + k.removeprefix(form).split(".lora_")[0].replace(".", "_") + ".lora_" + k.split(".lora_")[1]: v
-                 for k, v in sd.items()}
+        kohya = {
+            "lora_unet_"
+            + k.removeprefix(form).split(".lora_")[0].replace(".", "_")
+            + ".lora_"
+            + k.split(".lora_")[1]: v
+            for k, v in sd.items()
+        }
         ours, flat = table_rows(model, sd), table_rows(model, kohya)
         assert flat.keys() == ours.keys() and all(torch.equal(flat[m], ours[m]) for m in ours)
 
@@ -400,8 +507,9 @@ def test_qwen21_matches_diffusers_and_peft(form):
     if form == "comfy":
         sd = lora_from_shapes(qwen21_lora_names(model), lambda s: f"diffusion_model.{s}")
     else:  # DiffSynth: diffusers names, peft's `default` adapter name, no prefix
-        sd = lora_from_shapes({n: tuple(m.weight.shape) for n, m in linears(model).items()}, lambda s: s,
-                              infix=".default")
+        sd = lora_from_shapes(
+            {n: tuple(m.weight.shape) for n, m in linears(model).items()}, lambda s: s, infix=".default"
+        )
     assert_matches_peft(model, sd, _qwen21_convert(sd))
 
 
@@ -411,4 +519,3 @@ def test_qwen21_swapped_row_is_caught(monkeypatch):
     swap_in_table(monkeypatch, "qwenimage21", lambda a: dataclasses.replace(a, targets=a.targets[::-1]))
     with pytest.raises(AssertionError):
         assert_rows_match_converter(model, sd, _qwen21_convert(sd), set(linears(model)))
-

@@ -29,8 +29,10 @@ def original_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     table = AliasTable(model)
     identity = set(table.modules)
     covered = {
-        p.module for name, pieces in table.exact.items()
-        if name not in identity and name not in table.fusion_names for p in pieces
+        p.module
+        for name, pieces in table.exact.items()
+        if name not in identity and name not in table.fusion_names
+        for p in pieces
     }
     ckpt: dict[str, torch.Tensor] = {}
     for name, pieces in table.exact.items():
@@ -55,9 +57,19 @@ def tiny_sd3():
 
     torch.manual_seed(0)
     return SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8, num_attention_heads=4,
-        joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
-        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm",
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=16,
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",
     )
 
 
@@ -67,8 +79,17 @@ def tiny_wan(i2v: bool):
     torch.manual_seed(0)
     extra = {"image_dim": 24, "added_kv_proj_dim": 32} if i2v else {}
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=24, freq_dim=16, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=24,
+        freq_dim=16,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
         **extra,
     )
 
@@ -78,9 +99,19 @@ def tiny_wan_vace():
 
     torch.manual_seed(0)
     return WanVACETransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=24, freq_dim=16, ffn_dim=64, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        vace_layers=[0, 2], vace_in_channels=8,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=24,
+        freq_dim=16,
+        ffn_dim=64,
+        num_layers=3,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        vace_layers=[0, 2],
+        vace_in_channels=8,
     )
 
 
@@ -89,8 +120,17 @@ def tiny_lumina2():
 
     torch.manual_seed(0)
     return Lumina2Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, hidden_size=64, num_layers=2, num_refiner_layers=1,
-        num_attention_heads=4, num_kv_heads=2, multiple_of=16, axes_dim_rope=(4, 6, 6), axes_lens=(16, 16, 16),
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=64,
+        num_layers=2,
+        num_refiner_layers=1,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        multiple_of=16,
+        axes_dim_rope=(4, 6, 6),
+        axes_lens=(16, 16, 16),
         cap_feat_dim=16,
     )
 
@@ -118,8 +158,14 @@ CASES = {
     "wan_vace": (tiny_wan_vace, "convert_wan_transformer_to_diffusers"),
     # q/k/v widths hard-coded (2304/768/768); its prefix stripping re-keys the dict but then pops the old keys,
     # so it gets unprefixed names.
-    "lumina2": (tiny_lumina2, lambda: patched_converter("convert_lumina2_to_diffusers", **{
-        "q_dim = 2304": "q_dim = 64", "k_dim = v_dim = 768": "k_dim = v_dim = 32"}), ""),
+    "lumina2": (
+        tiny_lumina2,
+        lambda: patched_converter(
+            "convert_lumina2_to_diffusers",
+            **{"q_dim = 2304": "q_dim = 64", "k_dim = v_dim = 768": "k_dim = v_dim = 32"},
+        ),
+        "",
+    ),
     "zimage": (tiny_zimage, "convert_z_image_transformer_checkpoint_to_diffusers"),
 }
 
@@ -148,20 +194,31 @@ def test_tables_round_trip_through_the_diffusers_converter(arch):
     assert checked >= len(ckpt)
 
 
-@pytest.mark.parametrize("arch, source, fn", [
-    ("lumina2", "layers.{i}.attention.qkv", lambda t: (t[0], t[2], t[1])),
-    ("wan_vace", "vace_blocks.{i}.before_proj", lambda t: (t[0].replace("proj_in", "proj_out"),)),
-])
+@pytest.mark.parametrize(
+    "arch, source, fn",
+    [
+        ("lumina2", "layers.{i}.attention.qkv", lambda t: (t[0], t[2], t[1])),
+        ("wan_vace", "vace_blocks.{i}.before_proj", lambda t: (t[0].replace("proj_in", "proj_out"),)),
+    ],
+)
 def test_round_trip_catches_a_swapped_row(arch, source, fn, monkeypatch):
     import dataclasses
 
     from loraweave.arch import aliases
 
     def mutate(table):
-        return dataclasses.replace(table, aliases=tuple(
-            dataclasses.replace(a, targets=fn(a.targets)) if a.source == source else a for a in table.aliases))
+        return dataclasses.replace(
+            table,
+            aliases=tuple(
+                dataclasses.replace(a, targets=fn(a.targets)) if a.source == source else a
+                for a in table.aliases
+            ),
+        )
 
-    monkeypatch.setattr(aliases, "ARCH_TABLES", tuple(
-        mutate(t) if any(a.source == source for a in t.aliases) else t for t in aliases.ARCH_TABLES))
+    monkeypatch.setattr(
+        aliases,
+        "ARCH_TABLES",
+        tuple(mutate(t) if any(a.source == source for a in t.aliases) else t for t in aliases.ARCH_TABLES),
+    )
     with pytest.raises(AssertionError):
         test_tables_round_trip_through_the_diffusers_converter(arch)

@@ -24,14 +24,37 @@ from loraweave.arch import aliases as arch_aliases
 from loraweave.arch.aliases import AliasTable
 
 # Wan2.2-Animate-14B transformer config (diffusers' conversion script / the Diffusers repo config).
-ANIMATE_14B = dict(added_kv_proj_dim=5120, image_dim=1280, in_channels=36, num_attention_heads=40, num_layers=40,
-                   ffn_dim=13824, text_dim=4096, inject_face_latents_blocks=5)
-TINY_CHANNELS = {str(2 ** k): 4 for k in range(2, 10)}
-ANIMATE_TINY = dict(num_attention_heads=2, attention_head_dim=16, in_channels=12, latent_channels=4, out_channels=4,
-                    text_dim=24, freq_dim=16, ffn_dim=64, num_layers=2, image_dim=24, added_kv_proj_dim=32,
-                    motion_encoder_channel_sizes=TINY_CHANNELS, motion_style_dim=16, motion_dim=4,
-                    motion_encoder_dim=16, face_encoder_hidden_dim=8, face_encoder_num_heads=2,
-                    inject_face_latents_blocks=1)
+ANIMATE_14B = dict(
+    added_kv_proj_dim=5120,
+    image_dim=1280,
+    in_channels=36,
+    num_attention_heads=40,
+    num_layers=40,
+    ffn_dim=13824,
+    text_dim=4096,
+    inject_face_latents_blocks=5,
+)
+TINY_CHANNELS = {str(2**k): 4 for k in range(2, 10)}
+ANIMATE_TINY = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=12,
+    latent_channels=4,
+    out_channels=4,
+    text_dim=24,
+    freq_dim=16,
+    ffn_dim=64,
+    num_layers=2,
+    image_dim=24,
+    added_kv_proj_dim=32,
+    motion_encoder_channel_sizes=TINY_CHANNELS,
+    motion_style_dim=16,
+    motion_dim=4,
+    motion_encoder_dim=16,
+    face_encoder_hidden_dim=8,
+    face_encoder_num_heads=2,
+    inject_face_latents_blocks=1,
+)
 
 _ME = "motion_encoder.enc.net_app.convs"
 # live -> original, applied in order (the converter's renames read backwards; `\1` keeps block numbers).
@@ -49,18 +72,36 @@ _INVERSE = (
     (r"^blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation"),
     (r"^scale_shift_table$", "head.modulation"),
     (r"^proj_out\.", "head.head."),
-    (r"^condition_embedder\.time_embedder\.linear_([12])\.", lambda m: f"time_embedding.{2 * int(m[1]) - 2}."),
-    (r"^condition_embedder\.text_embedder\.linear_([12])\.", lambda m: f"text_embedding.{2 * int(m[1]) - 2}."),
+    (
+        r"^condition_embedder\.time_embedder\.linear_([12])\.",
+        lambda m: f"time_embedding.{2 * int(m[1]) - 2}.",
+    ),
+    (
+        r"^condition_embedder\.text_embedder\.linear_([12])\.",
+        lambda m: f"text_embedding.{2 * int(m[1]) - 2}.",
+    ),
     (r"^condition_embedder\.time_proj\.", "time_projection.1."),
     (r"^condition_embedder\.image_embedder\.norm1\.", "img_emb.proj.0."),
     (r"^condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", "img_emb.proj.1."),
     (r"^condition_embedder\.image_embedder\.ff\.net\.2\.", "img_emb.proj.3."),
     (r"^condition_embedder\.image_embedder\.norm2\.", "img_emb.proj.4."),
 )
-_BLOCK = ((".attn1.", ".self_attn."), (".attn2.", ".cross_attn."), (".to_q.", ".q."), (".to_k.", ".k."),
-          (".to_v.", ".v."), (".to_out.0.", ".o."), (".add_k_proj.", ".k_img."), (".add_v_proj.", ".v_img."),
-          (".norm_added_k.", ".norm_k_img."), (".ffn.net.0.proj.", ".ffn.0."), (".ffn.net.2.", ".ffn.2."),
-          (".norm2.", ".norm#."), (".norm3.", ".norm2."), (".norm#.", ".norm3."))
+_BLOCK = (
+    (".attn1.", ".self_attn."),
+    (".attn2.", ".cross_attn."),
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    (".to_out.0.", ".o."),
+    (".add_k_proj.", ".k_img."),
+    (".add_v_proj.", ".v_img."),
+    (".norm_added_k.", ".norm_k_img."),
+    (".ffn.net.0.proj.", ".ffn.0."),
+    (".ffn.net.2.", ".ffn.2."),
+    (".norm2.", ".norm#."),
+    (".norm3.", ".norm2."),
+    (".norm#.", ".norm3."),
+)
 
 
 def animate_original(key: str) -> str:
@@ -155,9 +196,14 @@ def test_every_original_name_resolves_full_size():
     checked = assert_resolves_as_the_converter_says(model)
     assert checked == len(original_state(model))
     names = set(converter_map(model))
-    assert {"face_adapter.fuser_blocks.7.linear1_kv.weight", "motion_encoder.enc.net_app.convs.8.weight",
-            "motion_encoder.enc.net_app.convs.7.skip.1.weight", "motion_encoder.dec.direction.weight",
-            "face_encoder.conv1_local.conv.weight", "blocks.39.cross_attn.k_img.weight"} <= names
+    assert {
+        "face_adapter.fuser_blocks.7.linear1_kv.weight",
+        "motion_encoder.enc.net_app.convs.8.weight",
+        "motion_encoder.enc.net_app.convs.7.skip.1.weight",
+        "motion_encoder.dec.direction.weight",
+        "face_encoder.conv1_local.conv.weight",
+        "blocks.39.cross_attn.k_img.weight",
+    } <= names
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -209,7 +255,9 @@ def animate_lora(model, seed: int = 4) -> dict[str, torch.Tensor]:
     for live, m in linears(model).items():
         stem = f"diffusion_model.{_module_original(live)}"
         if f"{stem}.lora_A.weight" in sd:  # to_v: second half of linear1_kv
-            sd[f"{stem}.lora_B.weight"] = torch.cat([sd[f"{stem}.lora_B.weight"], torch.randn(m.out_features, 2, generator=g) * 0.1])
+            sd[f"{stem}.lora_B.weight"] = torch.cat(
+                [sd[f"{stem}.lora_B.weight"], torch.randn(m.out_features, 2, generator=g) * 0.1]
+            )
             continue
         sd[f"{stem}.lora_A.weight"] = torch.randn(2, m.in_features, generator=g)
         sd[f"{stem}.lora_B.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.1
@@ -251,11 +299,19 @@ def test_tiny_full_differences_land_as_the_converter_maps_them():
 
 def test_swapped_kv_halves_are_caught(monkeypatch):
     def swap(t):
-        return dataclasses.replace(t, aliases=tuple(
-            dataclasses.replace(a, targets=a.targets[::-1]) if a.source.endswith("linear1_kv") else a for a in t.aliases))
+        return dataclasses.replace(
+            t,
+            aliases=tuple(
+                dataclasses.replace(a, targets=a.targets[::-1]) if a.source.endswith("linear1_kv") else a
+                for a in t.aliases
+            ),
+        )
 
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(
-        swap(t) if t.name == "wan-animate" else t for t in arch_aliases.ARCH_TABLES))
+    monkeypatch.setattr(
+        arch_aliases,
+        "ARCH_TABLES",
+        tuple(swap(t) if t.name == "wan-animate" else t for t in arch_aliases.ARCH_TABLES),
+    )
     with pytest.raises(AssertionError, match="linear1_kv"):
         assert_resolves_as_the_converter_says(_build(True, {**ANIMATE_14B, "num_layers": 5}))
 
@@ -269,27 +325,40 @@ def test_animate_only_keys_are_expected_absent_on_other_wan(flat):
     animate, i2v = _build(False, ANIMATE_TINY), tiny_wan(True)
     sd = animate_lora(animate)
     if flat:
-        sd = {"lora_unet_" + k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0].replace(".", "_") + ".lora_"
-              + k.rsplit(".lora_", 1)[1]: v for k, v in sd.items()}
+        sd = {
+            "lora_unet_"
+            + k.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0].replace(".", "_")
+            + ".lora_"
+            + k.rsplit(".lora_", 1)[1]: v
+            for k, v in sd.items()
+        }
     h = loraweave.apply(i2v, sd, strict=True)
     misses = h.report.to_dict()["unmatched"]
     only = [k for k in sd if re.search(r"face_adapter|face_encoder", k)]
     assert sorted(u["key"] for u in misses) == sorted(only) and only
-    assert all(u["kind"] == "expected_absent" and "exist only in Wan 2.2 Animate" in u["reason"] for u in misses)
+    assert all(
+        u["kind"] == "expected_absent" and "exist only in Wan 2.2 Animate" in u["reason"] for u in misses
+    )
     assert h.report.keys_applied == len(sd) - len(only)
     h.remove()
-    diffs = {"diffusion_model.motion_encoder.enc.fc.0.diff": torch.zeros(4, 4),
-             "diffusion_model.motion_encoder.enc.net_app.convs.0.1.bias.diff": torch.zeros(1, 4, 1, 1),
-             "diffusion_model.pose_patch_embedding.diff": torch.zeros(32, 4, 1, 2, 2)}
+    diffs = {
+        "diffusion_model.motion_encoder.enc.fc.0.diff": torch.zeros(4, 4),
+        "diffusion_model.motion_encoder.enc.net_app.convs.0.1.bias.diff": torch.zeros(1, 4, 1, 1),
+        "diffusion_model.pose_patch_embedding.diff": torch.zeros(32, 4, 1, 2, 2),
+    }
     assert loraweave.plan(i2v, diffs).kinds() == {"expected_absent": 3}
-    assert loraweave.plan(i2v, {"diffusion_model.face_adapter.fuser_blocks.0.linear7.diff": torch.zeros(4, 4)}
-                          ).kinds() == {"no_such_module": 1}  # a name Animate does not have either: a real miss
+    assert loraweave.plan(
+        i2v, {"diffusion_model.face_adapter.fuser_blocks.0.linear7.diff": torch.zeros(4, 4)}
+    ).kinds() == {"no_such_module": 1}  # a name Animate does not have either: a real miss
 
 
 def test_without_the_animate_only_table_they_are_plain_misses(monkeypatch):
     """Negative control: without WAN_ANIMATE_ONLY the same keys are unknown modules and strict mode raises."""
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(
-        t for t in arch_aliases.ARCH_TABLES if t.name != "wan-animate-only"))
+    monkeypatch.setattr(
+        arch_aliases,
+        "ARCH_TABLES",
+        tuple(t for t in arch_aliases.ARCH_TABLES if t.name != "wan-animate-only"),
+    )
     from loraweave.errors import StrictApplyError
 
     with pytest.raises(StrictApplyError, match="no_such_module"):
@@ -306,15 +375,26 @@ def test_detection_names_wan_animate_and_the_catalog_builds_it():
     sd = animate_lora(_build(False, ANIMATE_TINY))
     assert detect_architecture(load_adapter(sd)).architecture == "wan-animate"
     blocks_only = {k: v for k, v in sd.items() if k.startswith("diffusion_model.blocks.")}
-    assert detect_architecture(load_adapter(blocks_only)).architecture == "wan"  # nothing Animate-only: plain Wan
+    assert (
+        detect_architecture(load_adapter(blocks_only)).architecture == "wan"
+    )  # nothing Animate-only: plain Wan
     assert type(build_meta("wan-animate-2")["transformer"]).__name__ == "WanAnimate2Transformer3DModel"
-    a2 = lora_file(linears(_animate2(False, **ANIMATE2_TINY)),
-                   lambda n: "diffusion_model." + animate2_original(f"{n}.weight").removesuffix(".weight"))
+    a2 = lora_file(
+        linears(_animate2(False, **ANIMATE2_TINY)),
+        lambda n: "diffusion_model." + animate2_original(f"{n}.weight").removesuffix(".weight"),
+    )
     assert detect_architecture(load_adapter(a2)).architecture == "wan-animate-2"
 
 
-@pytest.mark.parametrize("cls", ["HunyuanVideo15Transformer3DModel", "HunyuanImageTransformer2DModel",
-                                 "Kandinsky5Transformer3DModel", "WanAnimateTransformer3DModel"])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        "HunyuanVideo15Transformer3DModel",
+        "HunyuanImageTransformer2DModel",
+        "Kandinsky5Transformer3DModel",
+        "WanAnimateTransformer3DModel",
+    ],
+)
 @pytest.mark.parametrize("form", ["peft", "kohya"])
 def test_diffusers_names_resolve_on_the_full_size_model(cls, form):
     """No original-name table for HunyuanVideo 1.5 / HunyuanImage 2.1 / Kandinsky 5 (no converter in diffusers'
@@ -326,7 +406,9 @@ def test_diffusers_names_resolve_on_the_full_size_model(cls, form):
     with torch.device("meta"):
         model = getattr(diffusers, cls)(**config)
     modules = linears(model)
-    name = (lambda n: f"transformer.{n}") if form == "peft" else (lambda n: "lora_unet_" + n.replace(".", "_"))
+    name = (
+        (lambda n: f"transformer.{n}") if form == "peft" else (lambda n: "lora_unet_" + n.replace(".", "_"))
+    )
     sd = lora_file(modules, name, meta=True)
     report = loraweave.plan(model, sd)
     assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd)
@@ -340,17 +422,28 @@ def _flux(in_channels: int):
 
     torch.manual_seed(0)
     return FluxTransformer2DModel(
-        patch_size=1, in_channels=in_channels, out_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6],
-        guidance_embeds=True).eval()
+        patch_size=1,
+        in_channels=in_channels,
+        out_channels=64,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 6, 6],
+        guidance_embeds=True,
+    ).eval()
 
 
 def _flux_lora(x_in: int, seed: int = 3) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"diffusion_model.img_in.lora_A.weight": torch.randn(2, x_in, generator=g),
-            "diffusion_model.img_in.lora_B.weight": torch.randn(32, 2, generator=g) * 0.1,
-            "diffusion_model.double_blocks.0.img_attn.proj.lora_A.weight": torch.randn(2, 32, generator=g),
-            "diffusion_model.double_blocks.0.img_attn.proj.lora_B.weight": torch.randn(32, 2, generator=g) * 0.1}
+    return {
+        "diffusion_model.img_in.lora_A.weight": torch.randn(2, x_in, generator=g),
+        "diffusion_model.img_in.lora_B.weight": torch.randn(32, 2, generator=g) * 0.1,
+        "diffusion_model.double_blocks.0.img_attn.proj.lora_A.weight": torch.randn(2, 32, generator=g),
+        "diffusion_model.double_blocks.0.img_attn.proj.lora_B.weight": torch.randn(32, 2, generator=g) * 0.1,
+    }
 
 
 @pytest.mark.parametrize("mode", ["merge", "runtime"])
@@ -361,8 +454,12 @@ def test_fill_x_embedder_is_expected_absent_on_dev(mode):
     h = loraweave.apply(dev, sd, mode=mode, strict=True)  # strict: the Fill-only key does not count
     misses = h.report.to_dict()["unmatched"]
     assert {u["key"] for u in misses} == {k for k in sd if ".img_in." in k} and h.report.keys_applied == 2
-    assert all(u["kind"] == "expected_absent" and u["reason"].startswith("expected absent: transformer.img_in")
-               and "Flux Fill" in u["reason"] for u in misses)
+    assert all(
+        u["kind"] == "expected_absent"
+        and u["reason"].startswith("expected absent: transformer.img_in")
+        and "Flux Fill" in u["reason"]
+        for u in misses
+    )
     assert dev.x_embedder.in_features == 64 and dev.config.in_channels == 64  # never grown into a Fill shape
     assert torch.equal(dev.x_embedder.weight, before["x_embedder.weight"])
     h.remove()
@@ -371,30 +468,50 @@ def test_fill_x_embedder_is_expected_absent_on_dev(mode):
 
 def test_fill_lora_lands_whole_on_fill_and_control_growth_is_unchanged():
     assert loraweave.plan(_flux(384), _flux_lora(384)).unmatched == []
-    dev_on_fill = loraweave.plan(_flux(384), _flux_lora(64))  # a dev LoRA on Fill: zero columns for the extra inputs
-    assert dev_on_fill.unmatched == [] and any("zero-padded to 384" in n for m in dev_on_fill.applied for n in m.notes)
-    control = loraweave.plan(_flux(64), _flux_lora(128))  # BFL Canny/Depth: 128 columns, a control input that grows
-    assert control.unmatched == [] and any("input grown 64 -> 128" in n for m in control.applied for n in m.notes)
+    dev_on_fill = loraweave.plan(
+        _flux(384), _flux_lora(64)
+    )  # a dev LoRA on Fill: zero columns for the extra inputs
+    assert dev_on_fill.unmatched == [] and any(
+        "zero-padded to 384" in n for m in dev_on_fill.applied for n in m.notes
+    )
+    control = loraweave.plan(
+        _flux(64), _flux_lora(128)
+    )  # BFL Canny/Depth: 128 columns, a control input that grows
+    assert control.unmatched == [] and any(
+        "input grown 64 -> 128" in n for m in control.applied for n in m.notes
+    )
 
 
 def test_without_the_fill_row_the_key_would_grow_dev(monkeypatch):
     """Negative control: with the table's Fill width removed, the same file grows dev's x_embedder to 384."""
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(
-        dataclasses.replace(t, variant_inputs=()) if t.name == "flux" else t for t in arch_aliases.ARCH_TABLES))
+    monkeypatch.setattr(
+        arch_aliases,
+        "ARCH_TABLES",
+        tuple(
+            dataclasses.replace(t, variant_inputs=()) if t.name == "flux" else t
+            for t in arch_aliases.ARCH_TABLES
+        ),
+    )
     with pytest.raises(AssertionError):
         test_fill_x_embedder_is_expected_absent_on_dev("merge")
 
 
 # Flux.2 klein, from the released transformer configs (DiffSynth-Studio's model_configs.py lists them):
 # klein-4B 5 double / 20 single blocks, 24 heads x 128 = 3072; klein-9B 8 / 24, 32 x 128 = 4096.
-@pytest.mark.parametrize("name, double, single, hidden", [
-    ("flux2-klein-4b", 5, 20, 3072), ("flux2-klein-9b", 8, 24, 4096), ("flux2", 8, 48, 6144)])
+@pytest.mark.parametrize(
+    "name, double, single, hidden",
+    [("flux2-klein-4b", 5, 20, 3072), ("flux2-klein-9b", 8, 24, 4096), ("flux2", 8, 48, 6144)],
+)
 def test_klein_catalog_matches_the_variant_table(name, double, single, hidden):
     from loraweave.arch.catalog import build_meta
     from loraweave.arch.variants import VARIANTS
 
     model = build_meta(name)["transformer"]
-    assert (len(model.transformer_blocks), len(model.single_transformer_blocks), model.inner_dim) == (double, single, hidden)
+    assert (len(model.transformer_blocks), len(model.single_transformer_blocks), model.inner_dim) == (
+        double,
+        single,
+        hidden,
+    )
     (variant,) = [v for v in VARIANTS if v.catalog == name]
     assert variant.chains == {"double": double, "single": single} and variant.hidden == hidden
     fused = model.single_transformer_blocks[0].attn.to_qkv_mlp_proj
@@ -404,14 +521,19 @@ def test_klein_catalog_matches_the_variant_table(name, double, single, hidden):
 def _bfl_flux2_lora(double: int, single: int, hidden: int, single_rows: int) -> dict[str, torch.Tensor]:
     """BFL-named LoRA (rank 1, zeros) on every double-block qkv and single-block linear1, real row counts."""
     sd = {}
-    for stem, n, rows in (("double_blocks.{}.img_attn.qkv", double, 3), ("single_blocks.{}.linear1", single, single_rows)):
+    for stem, n, rows in (
+        ("double_blocks.{}.img_attn.qkv", double, 3),
+        ("single_blocks.{}.linear1", single, single_rows),
+    ):
         for i in range(n):
             sd[f"diffusion_model.{stem.format(i)}.lora_A.weight"] = torch.zeros(1, hidden)
             sd[f"diffusion_model.{stem.format(i)}.lora_B.weight"] = torch.zeros(rows * hidden, 1)
     return sd
 
 
-@pytest.mark.parametrize("name, double, single, hidden", [("flux2-klein-4b", 5, 20, 3072), ("flux2-klein-9b", 8, 24, 4096)])
+@pytest.mark.parametrize(
+    "name, double, single, hidden", [("flux2-klein-4b", 5, 20, 3072), ("flux2-klein-9b", 8, 24, 4096)]
+)
 def test_inspect_names_klein_and_checks_against_its_skeleton(tmp_path, name, double, single, hidden):
     """BFL names are shared with Flux.1 (detection alone says `flux`); block counts, width and the fused linear1
     rows (9 x hidden: SwiGLU) name the klein variant, and coverage is checked on that variant's full-size model."""
@@ -441,9 +563,18 @@ def test_flux1_file_with_few_blocks_is_not_taken_for_klein():
 
 
 # Wan-Animate-2: the official checkpoint wraps each block (`blocks.N.block.X`); attention uses q/k/v/o.
-_A2_ATTN = ((".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), (".to_out.0.", ".o."), (".add_k_proj.", ".k_img."),
-            (".add_v_proj.", ".v_img."), (".norm_added_k.", ".norm_k_img."))
-ANIMATE2_TINY = dict(in_dim=12, dim=32, ffn_dim=64, freq_dim=16, text_dim=24, out_dim=4, num_heads=2, num_layers=2)
+_A2_ATTN = (
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    (".to_out.0.", ".o."),
+    (".add_k_proj.", ".k_img."),
+    (".add_v_proj.", ".v_img."),
+    (".norm_added_k.", ".norm_k_img."),
+)
+ANIMATE2_TINY = dict(
+    in_dim=12, dim=32, ffn_dim=64, freq_dim=16, text_dim=24, out_dim=4, num_heads=2, num_layers=2
+)
 
 
 def animate2_original(key: str) -> str:
@@ -463,7 +594,9 @@ def animate2_state(model) -> dict[str, torch.Tensor]:
 def _convert2(sd: dict) -> dict:
     from diffusers.loaders.single_file_utils import convert_wan_animate_2_transformer_to_diffusers
 
-    return convert_wan_animate_2_transformer_to_diffusers({f"model.diffusion_model.{k}": v for k, v in sd.items()})
+    return convert_wan_animate_2_transformer_to_diffusers(
+        {f"model.diffusion_model.{k}": v for k, v in sd.items()}
+    )
 
 
 def _animate2(meta: bool, **config):
@@ -478,17 +611,25 @@ def test_animate2_original_names_full_size():
     assert "blocks.39.block.cross_attn.k_img.weight" in animate2_state(model)
     assert assert_resolves_as_the_converter_says(model, animate2_state, _convert2) == len(state)
     modules = linears(model)
-    for name in (lambda n: "diffusion_model." + animate2_original(f"{n}.weight").removesuffix(".weight"),
-                 lambda n: "lora_unet_" + animate2_original(f"{n}.weight").removesuffix(".weight").replace(".", "_")):
+    for name in (
+        lambda n: "diffusion_model." + animate2_original(f"{n}.weight").removesuffix(".weight"),
+        lambda n: "lora_unet_" + animate2_original(f"{n}.weight").removesuffix(".weight").replace(".", "_"),
+    ):
         report = loraweave.plan(model, lora_file(modules, name, meta=True))
         assert report.unmatched == [] and report.keys_applied == report.keys_total == 2 * len(modules)
 
 
 def test_animate2_matches_diffusers_converter_and_peft():
     model = _animate2(False, **ANIMATE2_TINY)
-    sd = lora_file(linears(model), lambda n: "diffusion_model." + animate2_original(f"{n}.weight").removesuffix(".weight"))
+    sd = lora_file(
+        linears(model),
+        lambda n: "diffusion_model." + animate2_original(f"{n}.weight").removesuffix(".weight"),
+    )
     assert any(".block.cross_attn.k_img." in k for k in sd)
-    converted = {f"transformer.{k}": v for k, v in _convert2({k.removeprefix("diffusion_model."): v for k, v in sd.items()}).items()}
+    converted = {
+        f"transformer.{k}": v
+        for k, v in _convert2({k.removeprefix("diffusion_model."): v for k, v in sd.items()}).items()
+    }
     assert_matches_peft(model, sd, converted)
 
 
@@ -497,7 +638,10 @@ def test_animate2_swapped_rename_is_caught(monkeypatch):
         table = {".self_attn.q.": ".self_attn.to_k.", ".self_attn.k.": ".self_attn.to_q."}
         return dataclasses.replace(t, renames=tuple((o, table.get(o, n)) for o, n in t.renames))
 
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tuple(
-        swap(t) if t.name == "wan-animate-2" else t for t in arch_aliases.ARCH_TABLES))
+    monkeypatch.setattr(
+        arch_aliases,
+        "ARCH_TABLES",
+        tuple(swap(t) if t.name == "wan-animate-2" else t for t in arch_aliases.ARCH_TABLES),
+    )
     with pytest.raises(AssertionError, match="self_attn"):
         assert_resolves_as_the_converter_says(_animate2(True, num_layers=2), animate2_state, _convert2)

@@ -32,7 +32,9 @@ def test_differ_pack_unpack_put(form, dtype, numel):
 
     packed = bitscan.pack_positions(found, numel)
     assert packed.dtype == torch.uint8 and packed.numel() == (numel + 7) // 8
-    reference = sum(1 << (int(p) % 8) for p in found if int(p) < 8) if numel else 0  # bit i of byte 0 = element i
+    reference = (
+        sum(1 << (int(p) % 8) for p in found if int(p) < 8) if numel else 0
+    )  # bit i of byte 0 = element i
     assert (int(packed[0]) if numel else 0) == reference
     assert torch.equal(bitscan.unpack_positions(packed, numel), expect)
 

@@ -60,15 +60,30 @@ def test_sd15_module_to_slot_counts(sd15):
     expected = {
         "BASE": 3,  # time_embedding.linear_1/2, conv_out
         "IN00": 1,  # conv_in
-        "IN01": RES + a, "IN02": RES + a, "IN03": 1,
-        "IN04": RES_SC + a, "IN05": RES + a, "IN06": 1,
-        "IN07": RES_SC + a, "IN08": RES + a, "IN09": 1,
-        "IN10": RES, "IN11": RES,
+        "IN01": RES + a,
+        "IN02": RES + a,
+        "IN03": 1,
+        "IN04": RES_SC + a,
+        "IN05": RES + a,
+        "IN06": 1,
+        "IN07": RES_SC + a,
+        "IN08": RES + a,
+        "IN09": 1,
+        "IN10": RES,
+        "IN11": RES,
         "M00": 2 * RES + a,
-        "OUT00": RES_SC, "OUT01": RES_SC, "OUT02": RES_SC + 1,
-        "OUT03": RES_SC + a, "OUT04": RES_SC + a, "OUT05": RES_SC + a + 1,
-        "OUT06": RES_SC + a, "OUT07": RES_SC + a, "OUT08": RES_SC + a + 1,
-        "OUT09": RES_SC + a, "OUT10": RES_SC + a, "OUT11": RES_SC + a,
+        "OUT00": RES_SC,
+        "OUT01": RES_SC,
+        "OUT02": RES_SC + 1,
+        "OUT03": RES_SC + a,
+        "OUT04": RES_SC + a,
+        "OUT05": RES_SC + a + 1,
+        "OUT06": RES_SC + a,
+        "OUT07": RES_SC + a,
+        "OUT08": RES_SC + a + 1,
+        "OUT09": RES_SC + a,
+        "OUT10": RES_SC + a,
+        "OUT11": RES_SC + a,
     }
     assert dict(counts) == expected
     assert sum(expected.values()) == len(paths) == 282
@@ -88,13 +103,25 @@ def test_sdxl_module_to_slot_counts(sdxl):
     a2, a10 = _attn(2), _attn(10)
     expected = {
         "BASE": 5,  # time_embedding ×2, add_embedding ×2, conv_out
-        "IN00": 1, "IN01": RES, "IN02": RES, "IN03": 1,
-        "IN04": RES_SC + a2, "IN05": RES + a2, "IN06": 1,
-        "IN07": RES_SC + a10, "IN08": RES + a10,
+        "IN00": 1,
+        "IN01": RES,
+        "IN02": RES,
+        "IN03": 1,
+        "IN04": RES_SC + a2,
+        "IN05": RES + a2,
+        "IN06": 1,
+        "IN07": RES_SC + a10,
+        "IN08": RES + a10,
         "M00": 2 * RES + a10,
-        "OUT00": RES_SC + a10, "OUT01": RES_SC + a10, "OUT02": RES_SC + a10 + 1,
-        "OUT03": RES_SC + a2, "OUT04": RES_SC + a2, "OUT05": RES_SC + a2 + 1,
-        "OUT06": RES_SC, "OUT07": RES_SC, "OUT08": RES_SC,
+        "OUT00": RES_SC + a10,
+        "OUT01": RES_SC + a10,
+        "OUT02": RES_SC + a10 + 1,
+        "OUT03": RES_SC + a2,
+        "OUT04": RES_SC + a2,
+        "OUT05": RES_SC + a2 + 1,
+        "OUT06": RES_SC,
+        "OUT07": RES_SC,
+        "OUT08": RES_SC,
     }
     assert dict(counts) == expected
     assert sum(expected.values()) == len(paths) == 794
@@ -115,8 +142,12 @@ def test_flux_module_to_slot_counts(realdata):
     # time/guidance/text embedders (6), context_embedder, x_embedder, norm_out.linear, proj_out
     assert counts["BASE"] == 10
     assert slots["single_transformer_blocks.37.proj_out"] == "S37"
-    assert block_slots("flux", ["transformer.transformer_blocks.3.attn.to_q"])[
-        "transformer.transformer_blocks.3.attn.to_q"] == "D03"
+    assert (
+        block_slots("flux", ["transformer.transformer_blocks.3.attn.to_q"])[
+            "transformer.transformer_blocks.3.attn.to_q"
+        ]
+        == "D03"
+    )
 
 
 def test_zimage_module_to_slot_counts(realdata):
@@ -136,6 +167,7 @@ def test_text_encoder_paths_are_left_to_the_caller():
 
 
 # --- values ---------------------------------------------------------------------------------------------
+
 
 def test_unet_presets_restricted_to_17_equal_published_lbw_vectors():
     short = UNET_ARCHS["sd1"][1]
@@ -169,8 +201,9 @@ def test_sd15_preset_selects_modules(sd15):
     # BASE 3 + OUT07 16 + OUT08 17 + OUT09..11 16 each
     assert len(active) == 3 + 16 + 17 + 3 * 16
     assert all(p.startswith(("up_blocks.2", "up_blocks.3", "time_embedding", "conv_out")) for p in active)
-    assert not any(p.startswith("up_blocks.2.resnets.0") or p.startswith("up_blocks.2.attentions.0")
-                   for p in active)
+    assert not any(
+        p.startswith("up_blocks.2.resnets.0") or p.startswith("up_blocks.2.attentions.0") for p in active
+    )
 
 
 def test_vectors_scalar_dict_and_text():
@@ -197,7 +230,10 @@ def test_dit_presets_stretch_to_block_count():
     assert {s for s, v in w.items() if v and s != "BASE"} == expected_on
     assert len(expected_on) == 57 - (11 * 57 + 15) // 16  # first k with floor(16k/57) >= 11 is ceil(11·57/16)
     z = block_weights("zimage", "INALL")
-    assert {s for s, v in z.items() if v} == {"BASE", *(f"J{i:02d}" for i in range(12))}  # 6 IN entries of 16: 16k//30 < 6
+    assert {s for s, v in z.items() if v} == {
+        "BASE",
+        *(f"J{i:02d}" for i in range(12)),
+    }  # 6 IN entries of 16: 16k//30 < 6
     dbl = block_weights("chroma", "DOUBLE")
     assert {s for s, v in dbl.items() if v} == {"BASE", *(f"D{i:02d}" for i in range(19))}
     # a smaller model: chains from its paths
@@ -238,8 +274,10 @@ def test_weights_for_modules_uses_model_chains():
     from loraweave.arch.blocks import weights_for_modules
 
     # an adapter touching only the first 10 single blocks of Flux: the preset still stretches over all 57
-    paths = [f"single_transformer_blocks.{i}.proj_out" for i in range(10)] + ["transformer_blocks.18.attn.to_q",
-                                                                               "text_encoder.x.fc1"]
+    paths = [f"single_transformer_blocks.{i}.proj_out" for i in range(10)] + [
+        "transformer_blocks.18.attn.to_q",
+        "text_encoder.x.fc1",
+    ]
     model_chains = {"transformer_blocks": 19, "single_transformer_blocks": 38}
     w = weights_for_modules("flux", paths, "OUTD", chains=model_chains)
     full = block_weights("flux", "OUTD", chains=model_chains)
@@ -247,4 +285,6 @@ def test_weights_for_modules_uses_model_chains():
     assert all(w[p] == full[f"S{int(p.split('.')[1]):02d}"] for p in paths[:10])
     assert w["transformer_blocks.18.attn.to_q"] == full["D18"]
     with pytest.raises(ValueError, match="beyond"):
-        weights_for_modules("flux", paths, 1.0, chains={"transformer_blocks": 5, "single_transformer_blocks": 38})
+        weights_for_modules(
+            "flux", paths, 1.0, chains={"transformer_blocks": 5, "single_transformer_blocks": 38}
+        )

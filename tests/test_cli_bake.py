@@ -80,7 +80,10 @@ def test_bake_sharded_equals_apply_merge(sharded, tmp_path):
     with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:  # every shard's header holds the record
         meta = json.loads(f.metadata()["loraweave.baked"])
     assert [a["strength"] for a in meta["adapters"]] == [0.7, -1.25]
-    assert meta["adapters"][0]["sha256"] == bake_mod.file_sha256(lora_a) and meta["version"] == loraweave.__version__
+    assert (
+        meta["adapters"][0]["sha256"] == bake_mod.file_sha256(lora_a)
+        and meta["version"] == loraweave.__version__
+    )
     index = json.loads(next(out.glob("*.index.json")).read_text())
     assert index["weight_map"] == json.loads(next(folder.glob("*.index.json")).read_text())["weight_map"]
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in baked.values())
@@ -90,7 +93,9 @@ def test_bake_single_file_and_dtype(tmp_path):
     model = tiny_flux(seed=4)
     ckpt = tmp_path / "model.safetensors"
     save_file(model.state_dict(), ckpt)
-    (tmp_path / "config.json").write_text(json.dumps(dict(model.config) | {"_class_name": "FluxTransformer2DModel"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(dict(model.config) | {"_class_name": "FluxTransformer2DModel"})
+    )
     lora = tmp_path / "l.safetensors"
     save_file(flux_lora(5), lora)
     out = tmp_path / "out" / "baked.safetensors"
@@ -125,7 +130,9 @@ def test_interrupted_bake_leaves_nothing(sharded, tmp_path, monkeypatch):
     assert set(os.listdir(tmp_path)) == before  # no output, no temp folder left behind
     single = tmp_path / "one.safetensors"
     save_file(tiny_flux(seed=1).state_dict(), single)
-    (tmp_path / "config.json").write_text((folder / "config.json").read_text())  # names the class: BFL keys resolve
+    (tmp_path / "config.json").write_text(
+        (folder / "config.json").read_text()
+    )  # names the class: BFL keys resolve
     before = set(os.listdir(tmp_path))
     calls["n"] = 0
     with pytest.raises(KeyboardInterrupt):
@@ -156,7 +163,9 @@ def test_bake_strict_and_unmatched(sharded, tmp_path):
     assert not (tmp_path / "strict").exists()
     res = bake(folder, [(str(lora), 1.0)], tmp_path / "loose")
     assert res.keys_applied == 8 and [u["key"] for u in res.unmatched] == [
-        "lora_unet_no_such_module.lora_down.weight", "lora_unet_no_such_module.lora_up.weight"]
+        "lora_unet_no_such_module.lora_down.weight",
+        "lora_unet_no_such_module.lora_up.weight",
+    ]
 
 
 def test_adapter_argument_strength():
@@ -229,8 +238,11 @@ def _to_bfl(sd: dict[str, torch.Tensor], double: int = 2, single: int = 2) -> di
     put("final_layer.linear", "proj_out")
     put("img_in", "x_embedder")
     put("txt_in", "context_embedder")
-    for emb, bfl in (("timestep_embedder", "time_in"), ("guidance_embedder", "guidance_in"),
-                     ("text_embedder", "vector_in")):
+    for emb, bfl in (
+        ("timestep_embedder", "time_in"),
+        ("guidance_embedder", "guidance_in"),
+        ("text_embedder", "vector_in"),
+    ):
         put(f"{bfl}.in_layer", f"time_text_embed.{emb}.linear_1")
         put(f"{bfl}.out_layer", f"time_text_embed.{emb}.linear_2")
     out.update({k: v for k, v in sd.items() if k not in used})  # q/k norms etc. keep their names here
@@ -261,8 +273,10 @@ def test_bake_original_named_single_file(tmp_path):
     assert set(baked) == set(expected)
     for k, v in expected.items():
         assert torch.equal(baked[k], v), k
-    assert not torch.equal(baked["final_layer.adaLN_modulation.1.weight"],
-                           _to_bfl(model.state_dict())["final_layer.adaLN_modulation.1.weight"])
+    assert not torch.equal(
+        baked["final_layer.adaLN_modulation.1.weight"],
+        _to_bfl(model.state_dict())["final_layer.adaLN_modulation.1.weight"],
+    )
 
 
 def test_bake_ldm_single_file_with_prefix(tmp_path):
@@ -273,7 +287,9 @@ def test_bake_ldm_single_file_with_prefix(tmp_path):
     from loraweave.arch.unet_original import unet_original_names
 
     model = tiny_sdxl_unet(seed=5)
-    rename = {f"{d}.{s}": f"{o}.{s}" for o, d in unet_original_names(model).items() for s in ("weight", "bias")}
+    rename = {
+        f"{d}.{s}": f"{o}.{s}" for o, d in unet_original_names(model).items() for s in ("weight", "bias")
+    }
 
     def to_ldm(sd):
         out = {"model.diffusion_model." + rename.get(k, k): v for k, v in sd.items()}
@@ -306,8 +322,14 @@ def test_bake_ldm_single_file_with_prefix(tmp_path):
         assert torch.equal(baked[k], v), k
 
 
-@pytest.mark.parametrize("folder, cls", [("text_conditioner", "AnimaTextConditioner"),
-                                         ("connectors", "LTX2TextConnectors"), ("transformer", "FluxTransformer2DModel")])
+@pytest.mark.parametrize(
+    "folder, cls",
+    [
+        ("text_conditioner", "AnimaTextConditioner"),
+        ("connectors", "LTX2TextConnectors"),
+        ("transformer", "FluxTransformer2DModel"),
+    ],
+)
 def test_a_component_folder_is_named_by_its_folder(tmp_path, folder, cls):
     """A component folder given alone: Anima's text_conditioner and LTX-2's connectors were named "transformer" by
     their class (not a UNet, not a text model), so the file's keys for them could not land."""

@@ -33,8 +33,16 @@ def _skeleton_cache(tmp_path_factory):
     os.environ.pop(CACHE_ENV) if old is None else os.environ.__setitem__(CACHE_ENV, old)
 
 
-def _pair(sd: dict, stem: str, rows: int, cols: int, g, rank: int = 4, alpha: float | None = None,
-          names=(".lora_down.weight", ".lora_up.weight")) -> None:
+def _pair(
+    sd: dict,
+    stem: str,
+    rows: int,
+    cols: int,
+    g,
+    rank: int = 4,
+    alpha: float | None = None,
+    names=(".lora_down.weight", ".lora_up.weight"),
+) -> None:
     sd[stem + names[0]] = torch.randn(rank, cols, generator=g) * 0.2
     sd[stem + names[1]] = torch.randn(rows, rank, generator=g) * 0.2
     if alpha is not None:
@@ -111,7 +119,9 @@ def test_diffusers_comfy_diffusers_round_trip(model, tmp_path, capsys):
     original = diffusers_flux()
     save_file(original, src)
     comfy = tmp_path / "comfy.safetensors"
-    assert main(["convert", str(src), "--to", "comfy", "-o", str(comfy), "--json"]) == 2  # no model: arch needed
+    assert (
+        main(["convert", str(src), "--to", "comfy", "-o", str(comfy), "--json"]) == 2
+    )  # no model: arch needed
     capsys.readouterr()
     res = convert(src, "comfy", comfy, target=model)
     assert res.joins == 2  # img qkv of block 1, linear1 of single block 1 (rank concatenation)
@@ -135,7 +145,9 @@ def test_diffusers_comfy_diffusers_round_trip(model, tmp_path, capsys):
 def test_swap_scale_shift_rows(model, tmp_path):
     """final_layer.adaLN_modulation.1 rows are (shift, scale); diffusers norm_out.linear holds (scale, shift)."""
     sd = {}
-    _pair(sd, "lora_unet_final_layer_adaLN_modulation_1", 2 * H, H, torch.Generator().manual_seed(5), alpha=4.0)
+    _pair(
+        sd, "lora_unet_final_layer_adaLN_modulation_1", 2 * H, H, torch.Generator().manual_seed(5), alpha=4.0
+    )
     save_file(sd, tmp_path / "k.safetensors")
     convert(tmp_path / "k.safetensors", "diffusers", tmp_path / "d.safetensors", target=model)
     out = load_file(tmp_path / "d.safetensors")
@@ -145,8 +157,10 @@ def test_swap_scale_shift_rows(model, tmp_path):
 
 
 def test_refusals(model, tmp_path):
-    lokr = {"lora_unet_double_blocks_0_img_attn_proj.lokr_w1": torch.randn(4, 4),
-            "lora_unet_double_blocks_0_img_attn_proj.lokr_w2": torch.randn(8, 8)}
+    lokr = {
+        "lora_unet_double_blocks_0_img_attn_proj.lokr_w1": torch.randn(4, 4),
+        "lora_unet_double_blocks_0_img_attn_proj.lokr_w2": torch.randn(8, 8),
+    }
     save_file(lokr, tmp_path / "lokr.safetensors")
     with pytest.raises(ConvertError, match="lokr"):
         convert(tmp_path / "lokr.safetensors", "kohya", tmp_path / "o1.safetensors", target=model)
@@ -165,8 +179,13 @@ def test_real_files_convert_on_full_size_models(tmp_path):
     out = tmp_path / "kohya.safetensors"
     assert main(["convert", str(src), "--to", "kohya", "--arch", "sd1", "-o", str(out)]) == 0
     keys, source = load_file(out), load_file(src)
-    for new, old in (("lora_unet_", "unet:"), ("lora_te_", "text_encoder:")):  # down, up, alpha per positional layer
-        assert sum(k.startswith(new) for k in keys) == 3 * sum(k.startswith(old) and k.endswith(":down") for k in source)
+    for new, old in (
+        ("lora_unet_", "unet:"),
+        ("lora_te_", "text_encoder:"),
+    ):  # down, up, alpha per positional layer
+        assert sum(k.startswith(new) for k in keys) == 3 * sum(
+            k.startswith(old) and k.endswith(":down") for k in source
+        )
     with pytest.raises(ConvertError, match="one model"):
         convert(src, "peft", tmp_path / "p", arch="sd1")
     from loraweave.tools.inspect import inspect_adapter
@@ -191,9 +210,17 @@ def test_a_component_the_layout_has_no_prefix_for_is_refused_by_name(tmp_path, t
     layer = parts["transformer_ref"].transformer_blocks[0].attn.to_q
     g = torch.Generator().manual_seed(5)
     src, out = tmp_path / "ref.safetensors", tmp_path / f"{to}.safetensors"
-    save_file({"transformer_ref.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(2, layer.in_features, generator=g),
-               "transformer_ref.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(layer.out_features, 2, generator=g)},
-              src)
+    save_file(
+        {
+            "transformer_ref.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(
+                2, layer.in_features, generator=g
+            ),
+            "transformer_ref.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(
+                layer.out_features, 2, generator=g
+            ),
+        },
+        src,
+    )
     with pytest.raises(ConvertError, match="no prefix for component transformer_ref") as err:
         convert(src, to, out, target=parts)
     assert str(src) in str(err.value) and not out.exists()

@@ -29,7 +29,7 @@ def test_table_is_the_same_in_readme_and_code():
     table = _codes(EXIT_STATUS)
     assert table == {0, 1, 2, 3, 4, 130}
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("| status | meaning |"):]
+    section = readme[readme.index("| status | meaning |") :]
     section = section[: section.index("\n\n")]
     assert _codes(section) == table
 
@@ -76,12 +76,15 @@ def test_every_command_refuses_an_invalid_argument(command, tmp_path, capsys):
     assert _run([command, "--no-such-option"]) == 2
 
 
-@pytest.mark.parametrize("raised, code", [
-    (OSError(errno.ENOSPC, "No space left on device"), 3),
-    (PermissionError(errno.EACCES, "Permission denied"), 3),
-    (RuntimeError("boom"), 4),
-    (KeyboardInterrupt(), 130),
-])
+@pytest.mark.parametrize(
+    "raised, code",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), 3),
+        (PermissionError(errno.EACCES, "Permission denied"), 3),
+        (RuntimeError("boom"), 4),
+        (KeyboardInterrupt(), 130),
+    ],
+)
 def test_system_errors_bugs_and_interrupts(raised, code, monkeypatch, capsys, tmp_path):
     import loraweave.tools.inspect as inspect_mod
 

@@ -26,8 +26,11 @@ def _skeleton_cache(tmp_path_factory):
 
 def _lowrank(rows: int, cols: int, rank: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, rank, generator=g, dtype=torch.float64) @ torch.randn(rank, cols, generator=g,
-                                                                                     dtype=torch.float64) * 0.05
+    return (
+        torch.randn(rows, rank, generator=g, dtype=torch.float64)
+        @ torch.randn(rank, cols, generator=g, dtype=torch.float64)
+        * 0.05
+    )
 
 
 class Tiny(torch.nn.Module):
@@ -56,8 +59,21 @@ def checkpoints(tmp_path):
 def test_extract_known_rank8_difference(checkpoints, capsys):
     root, base, tuned = checkpoints
     out = root / "lora.safetensors"
-    assert main(["extract", str(root / "base.safetensors"), str(root / "tuned.safetensors"), "--rank", "8",
-                 "-o", str(out), "--json"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                str(root / "base.safetensors"),
+                str(root / "tuned.safetensors"),
+                "--rank",
+                "8",
+                "-o",
+                str(out),
+                "--json",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out)
     assert [la["name"] for la in res["layers"]] == ["diffusion_model.a", "diffusion_model.b"]
     assert res["energy_min"] >= 0.999999 and all(la["rank"] == 8 for la in res["layers"])
@@ -84,12 +100,21 @@ def test_extract_energy_threshold_picks_rank(tmp_path):
     for energy in (0.9, 0.99, 0.999):
         share = torch.cumsum(s**2, 0) / (s**2).sum()
         want = int((share < energy).sum()) + 1  # smallest r with share[r-1] >= energy
-        res = extract(tmp_path / "b.safetensors", tmp_path / "t.safetensors", tmp_path / f"{energy}.safetensors",
-                      energy=energy)
+        res = extract(
+            tmp_path / "b.safetensors",
+            tmp_path / "t.safetensors",
+            tmp_path / f"{energy}.safetensors",
+            energy=energy,
+        )
         assert res.layers[0]["rank"] == want
         assert res.layers[0]["energy"] == pytest.approx(float(share[want - 1]), abs=1e-6)
-    capped = extract(tmp_path / "b.safetensors", tmp_path / "t.safetensors", tmp_path / "c.safetensors",
-                     energy=0.999, rank=2)
+    capped = extract(
+        tmp_path / "b.safetensors",
+        tmp_path / "t.safetensors",
+        tmp_path / "c.safetensors",
+        energy=0.999,
+        rank=2,
+    )
     assert capped.layers[0]["rank"] == 2
 
 
@@ -108,11 +133,18 @@ def test_resize_lokr_matches_best_rank_r(tmp_path, capsys):
     g = torch.Generator().manual_seed(4)
     w1 = torch.randn(4, 4, generator=g)
     w2a, w2b = torch.randn(16, 6, generator=g), torch.randn(6, 12, generator=g)
-    lokr = {"lora_unet_x.lokr_w1": w1, "lora_unet_x.lokr_w2_a": w2a, "lora_unet_x.lokr_w2_b": w2b,
-            "lora_unet_x.alpha": torch.tensor(3.0)}
+    lokr = {
+        "lora_unet_x.lokr_w1": w1,
+        "lora_unet_x.lokr_w2_a": w2a,
+        "lora_unet_x.lokr_w2_b": w2b,
+        "lora_unet_x.alpha": torch.tensor(3.0),
+    }
     # LoRA of rank 16 and a full diff, resized in the same file.
-    lora = {"lora_unet_y.lora_down.weight": torch.randn(16, 20, generator=g),
-            "lora_unet_y.lora_up.weight": torch.randn(24, 16, generator=g), "lora_unet_y.alpha": torch.tensor(8.0)}
+    lora = {
+        "lora_unet_y.lora_down.weight": torch.randn(16, 20, generator=g),
+        "lora_unet_y.lora_up.weight": torch.randn(24, 16, generator=g),
+        "lora_unet_y.alpha": torch.tensor(8.0),
+    }
     full = {"lora_unet_z.diff": torch.randn(10, 12, generator=g)}
     save_file({**lokr, **lora, **full}, tmp_path / "in.safetensors")
     out = tmp_path / "out.safetensors"
@@ -120,8 +152,10 @@ def test_resize_lokr_matches_best_rank_r(tmp_path, capsys):
     assert "captured energy per layer: min" in capsys.readouterr().out
     sd = load_file(out)
     references = {
-        "lora_unet_x": torch.kron(w1.double(), w2a.double() @ w2b.double()) * (3.0 / 6),  # γ = alpha / w2 rank
-        "lora_unet_y": lora["lora_unet_y.lora_up.weight"].double() @ lora["lora_unet_y.lora_down.weight"].double()
+        "lora_unet_x": torch.kron(w1.double(), w2a.double() @ w2b.double())
+        * (3.0 / 6),  # γ = alpha / w2 rank
+        "lora_unet_y": lora["lora_unet_y.lora_up.weight"].double()
+        @ lora["lora_unet_y.lora_down.weight"].double()
         * (8.0 / 16),
         "lora_unet_z": full["lora_unet_z.diff"].double(),
     }
@@ -133,8 +167,12 @@ def test_resize_lokr_matches_best_rank_r(tmp_path, capsys):
 
 
 def test_resize_refuses_families_needing_base(tmp_path):
-    sd = {"lora_unet_x.oft_blocks": torch.zeros(2, 4, 4), "lora_unet_x.alpha": torch.tensor(0.0),
-          "lora_unet_y.lora_down.weight": torch.randn(4, 8), "lora_unet_y.lora_up.weight": torch.randn(8, 4)}
+    sd = {
+        "lora_unet_x.oft_blocks": torch.zeros(2, 4, 4),
+        "lora_unet_x.alpha": torch.tensor(0.0),
+        "lora_unet_y.lora_down.weight": torch.randn(4, 8),
+        "lora_unet_y.lora_up.weight": torch.randn(8, 4),
+    }
     save_file(sd, tmp_path / "in.safetensors")
     res = resize(tmp_path / "in.safetensors", tmp_path / "out.safetensors", rank=2)
     assert [la["name"] for la in res.layers] == ["lora_unet_y"]
@@ -142,9 +180,15 @@ def test_resize_refuses_families_needing_base(tmp_path):
 
 
 def test_resize_real_lokr_lands_on_sd1(tmp_path):
-    src = loraweave.load_adapter.__globals__["Path"](__file__).resolve().parents[2] / "shared" / "realdata" / "lora"
-    res = resize(src / "KohakuBlueleaf__LyCORIS__smart_falcon_4_lokr.safetensors", tmp_path / "r.safetensors",
-                 rank=4)
+    src = (
+        loraweave.load_adapter.__globals__["Path"](__file__).resolve().parents[2]
+        / "shared"
+        / "realdata"
+        / "lora"
+    )
+    res = resize(
+        src / "KohakuBlueleaf__LyCORIS__smart_falcon_4_lokr.safetensors", tmp_path / "r.safetensors", rank=4
+    )
     assert len(res.layers) == 350 and not res.skipped and 0 < res.energy_min <= res.energy_median <= 1
     from loraweave.tools.inspect import inspect_adapter
 

@@ -23,12 +23,17 @@ from helpers.tiny_models import tiny_flux  # noqa: E402
 REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
 # file -> (layout, architecture), from realdata/lora/README.md (what each file is).
 EXPECTED = {
-    "Haseebae__Synthetic_dataset_generator_with_stable_diffusion__pytorch_lora_weights.safetensors":
-        ("diffusers_attn_processor", "sd1"),
+    "Haseebae__Synthetic_dataset_generator_with_stable_diffusion__pytorch_lora_weights.safetensors": (
+        "diffusers_attn_processor",
+        "sd1",
+    ),
     "JustinJiangNext__lora-2.0__pytorch_lora_weights.safetensors": ("diffusers_lora_layer", "sd2"),
     "KohakuBlueleaf__LyCORIS__smart_falcon_4_lokr.safetensors": ("kohya", "sd1"),
     "KohakuBlueleaf__LyCORIS__smart_falcon_8_lokr.safetensors": ("kohya", "sd1"),
-    "catundchat__stable-diffusion-v1.5-lora__pytorch_lora_weights.safetensors": ("diffusers_attn_processor", "sd1"),
+    "catundchat__stable-diffusion-v1.5-lora__pytorch_lora_weights.safetensors": (
+        "diffusers_attn_processor",
+        "sd1",
+    ),
     "cloneofsimo__lora__analog_svd_rank4.safetensors": ("cloneofsimo", "sd1"),
     "leighwoods__public-loras__lora.safetensors": ("peft", "flux"),
     "timohavdk__sd-lora__2100-lora.safetensors": ("diffusers_lora_layer", "sd1"),
@@ -57,8 +62,12 @@ def _same_linears(real: torch.nn.Module, rebuilt: torch.nn.Module) -> None:
             a, b = getattr(m, name), getattr(r, name)
             assert (a is None) == (b is None), (path, name)
             if a is not None:
-                assert (b.shape, b.dtype, b.device.type, b.requires_grad) == (a.shape, a.dtype, "meta",
-                                                                               a.requires_grad), (path, name)
+                assert (b.shape, b.dtype, b.device.type, b.requires_grad) == (
+                    a.shape,
+                    a.dtype,
+                    "meta",
+                    a.requires_grad,
+                ), (path, name)
 
 
 @pytest.mark.parametrize("arch", ["sd1", "flux", "sd3"])
@@ -100,7 +109,9 @@ def test_inspect_real_file(name, capsys):
     layout, arch = EXPECTED[name]
     assert info["layout"] == layout
     assert info["architecture"]["name"] == arch and info["architecture"]["evidence"]
-    header_keys = len(json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])) - 1
+    header_keys = (
+        len(json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])) - 1
+    )
     cov = info["coverage"]
     assert cov["keys_total"] == header_keys == cov["keys_applied"] and cov["unmatched"] == []
     assert sum(info["families"].values()) == info["parts"] > 0
@@ -152,28 +163,43 @@ def test_model_checkpoint_coverage(tmp_path, capsys):
         "transformer.single_transformer_blocks.9.proj_out.lora_B.weight": torch.randn(32, 4, generator=g),
     }
     save_file(lora, tmp_path / "l.safetensors")
-    assert main(["inspect", "--json", "--model", str(tmp_path / "transformer"), str(tmp_path / "l.safetensors")]) == 0
+    assert (
+        main(["inspect", "--json", "--model", str(tmp_path / "transformer"), str(tmp_path / "l.safetensors")])
+        == 0
+    )
     cov = json.loads(capsys.readouterr().out)["coverage"]
     assert cov["keys_total"] == 7 and cov["keys_applied"] == 3
     reasons = {u["key"]: u["reason"] for u in cov["unmatched"]}
-    assert reasons["transformer.single_transformer_blocks.0.proj_out.lora_A.weight"].startswith("shape mismatch")
-    assert reasons["transformer.single_transformer_blocks.9.proj_out.lora_B.weight"].startswith("no such module")
+    assert reasons["transformer.single_transformer_blocks.0.proj_out.lora_A.weight"].startswith(
+        "shape mismatch"
+    )
+    assert reasons["transformer.single_transformer_blocks.9.proj_out.lora_B.weight"].startswith(
+        "no such module"
+    )
     assert cov["unmatched_by_kind"] == {"shape_mismatch": 2, "no_such_module": 2}
 
 
 def test_unknown_architecture_still_reports_coverage(tmp_path, capsys):
-    save_file({"foo.bar.lora_down.weight": torch.zeros(2, 3), "foo.bar.lora_up.weight": torch.zeros(3, 2)},
-              tmp_path / "x.safetensors")
+    save_file(
+        {"foo.bar.lora_down.weight": torch.zeros(2, 3), "foo.bar.lora_up.weight": torch.zeros(3, 2)},
+        tmp_path / "x.safetensors",
+    )
     assert main(["inspect", "--json", "--strict", str(tmp_path / "x.safetensors")]) == 1
     info = json.loads(capsys.readouterr().out)
     assert info["architecture"]["name"] == "unknown" and info["coverage"]["keys_applied"] == 0
     assert len(info["coverage"]["unmatched"]) == 2 and "--arch" in info["coverage"]["unmatched"][0]["reason"]
 
 
-@pytest.mark.parametrize("cmd,phrase", [
-    ("inspect", "coverage {keys_total, keys_applied, unmatched}"), ("bake", "renamed into place"),
-    ("convert", "rank concatenation"), ("extract", "captured energy per layer"), ("resize", "QR of the factors"),
-])
+@pytest.mark.parametrize(
+    "cmd,phrase",
+    [
+        ("inspect", "coverage {keys_total, keys_applied, unmatched}"),
+        ("bake", "renamed into place"),
+        ("convert", "rank concatenation"),
+        ("extract", "captured energy per layer"),
+        ("resize", "QR of the factors"),
+    ],
+)
 def test_help_texts(cmd, phrase, capsys):
     with pytest.raises(SystemExit) as exc:
         main([cmd, "--help"])
@@ -182,7 +208,12 @@ def test_help_texts(cmd, phrase, capsys):
 
 
 def test_truncated_real_file_is_a_clean_error(capsys):
-    path = REALDATA / "lora" / "broken" / "Srikanth1408__Stable_Diffusion-Hackathon__pytorch_lora_weights__TRUNCATED.safetensors"
+    path = (
+        REALDATA
+        / "lora"
+        / "broken"
+        / "Srikanth1408__Stable_Diffusion-Hackathon__pytorch_lora_weights__TRUNCATED.safetensors"
+    )
     assert main(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("loraweave: error:") and "truncated" in err
@@ -192,5 +223,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     path = REALDATA / "lora" / "leighwoods__public-loras__lora.safetensors"
     assert main(["inspect", "--arch", "nope", str(path)]) == 2
     assert "unknown architecture 'nope'" in capsys.readouterr().err
-    assert main(["resize", str(path), "-o", str(tmp_path / "r.safetensors")]) == 2  # neither --rank nor --energy
+    assert (
+        main(["resize", str(path), "-o", str(tmp_path / "r.safetensors")]) == 2
+    )  # neither --rank nor --energy
     assert "--rank" in capsys.readouterr().err and not (tmp_path / "r.safetensors").exists()

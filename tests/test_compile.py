@@ -21,8 +21,10 @@ import loraweave
 from loraweave.request.spec import AdapterSpec
 
 TOL = 1e-5
-MODELS = {"flux": (tiny_flux, flux_forward, "transformer_blocks.0"),
-          "sdxl_unet": (tiny_sdxl_unet, unet_forward, "down_blocks.1.attentions.0")}
+MODELS = {
+    "flux": (tiny_flux, flux_forward, "transformer_blocks.0"),
+    "sdxl_unet": (tiny_sdxl_unet, unet_forward, "down_blocks.1.attentions.0"),
+}
 
 
 def _layers(model: torch.nn.Module, every: int = 2, start: int = 0) -> list[str]:
@@ -58,8 +60,14 @@ def test_no_recompile_on_strength_disable_and_switch_within_a_bucket(name):
     layers = _layers(base)
     a, b = _lora(base, layers, 8, seed=1), _lora(base, layers, 16, seed=2)
     model = copy.deepcopy(base)
-    handle = loraweave.apply(model, AdapterSpec(a, 1.0, name="a"), mode="runtime", strict=True,
-                             compile_friendly=True, rank_buckets=(16, 64))
+    handle = loraweave.apply(
+        model,
+        AdapterSpec(a, 1.0, name="a"),
+        mode="runtime",
+        strict=True,
+        compile_friendly=True,
+        rank_buckets=(16, 64),
+    )
     assert {m.mechanism for m in handle.report.applied} == {"runtime"}
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
@@ -117,8 +125,9 @@ def test_bucket_never_shrinks_on_a_switch_down():
     layers = _layers(base)
     a, b = _lora(base, layers, 8, seed=1), _lora(base, layers, 16, seed=2)
     model = copy.deepcopy(base)
-    handle = loraweave.apply(model, AdapterSpec(b, 1.0, name="b"), mode="runtime", compile_friendly=True,
-                             rank_buckets=(8, 16))
+    handle = loraweave.apply(
+        model, AdapterSpec(b, 1.0, name="b"), mode="runtime", compile_friendly=True, rank_buckets=(8, 16)
+    )
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
     _run(flux_forward, compiled)
@@ -133,8 +142,12 @@ def test_select_mode_layer_choices_do_not_recompile():
     layers = _layers(base, every=3)
     subject, style = _lora(base, layers, 8, seed=3), _lora(base, layers, 8, seed=4)
     model = copy.deepcopy(base)
-    handle = loraweave.apply(model, [AdapterSpec(subject, 1.0, name="subject"), AdapterSpec(style, 1.0, name="style")],
-                             stack="klora", compile_friendly=True)
+    handle = loraweave.apply(
+        model,
+        [AdapterSpec(subject, 1.0, name="subject"), AdapterSpec(style, 1.0, name="style")],
+        stack="klora",
+        compile_friendly=True,
+    )
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
     _run(flux_forward, compiled)
@@ -190,8 +203,14 @@ def test_inductor_block_agrees_with_eager(name):
     model = copy.deepcopy(base)
     prefix = block_path + "."
     layers = [n for n in _layers(base, every=1) if n.startswith(prefix)]
-    handle = loraweave.apply(model, AdapterSpec(_lora(base, layers, 8, seed=8), 1.0, name="a"), mode="runtime",
-                             strict=True, compile_friendly=True, rank_buckets=(16,))
+    handle = loraweave.apply(
+        model,
+        AdapterSpec(_lora(base, layers, 8, seed=8), 1.0, name="a"),
+        mode="runtime",
+        strict=True,
+        compile_friendly=True,
+        rank_buckets=(16,),
+    )
     block, args, kwargs = _block_call(model, forward, block_path)
     compiled = torch.compile(block, backend="inductor")
     with torch.no_grad():
@@ -208,8 +227,13 @@ def test_inductor_whole_model_agrees_with_eager(name):
     make, forward, _ = MODELS[name]
     base = make()
     model = copy.deepcopy(base)
-    loraweave.apply(model, AdapterSpec(_lora(base, _layers(base), 8, seed=9), 1.0), mode="runtime",
-                    compile_friendly=True, rank_buckets=(16,))
+    loraweave.apply(
+        model,
+        AdapterSpec(_lora(base, _layers(base), 8, seed=9), 1.0),
+        mode="runtime",
+        compile_friendly=True,
+        rank_buckets=(16,),
+    )
     assert rel_err(_run(forward, torch.compile(model, backend="inductor")), _run(forward, model)) <= TOL
 
 
@@ -218,8 +242,14 @@ def test_disable_enable(mode):
     base = tiny_flux()
     layers = _layers(base, every=4)
     model = copy.deepcopy(base)
-    handle = loraweave.apply(model, [AdapterSpec(_lora(base, layers, 4, seed=10), 0.6, name="a"),
-                                     AdapterSpec(_lora(base, layers, 4, seed=11), 0.9, name="b")], mode=mode)
+    handle = loraweave.apply(
+        model,
+        [
+            AdapterSpec(_lora(base, layers, 4, seed=10), 0.6, name="a"),
+            AdapterSpec(_lora(base, layers, 4, seed=11), 0.9, name="b"),
+        ],
+        mode=mode,
+    )
     both, plain = _run(flux_forward, model), _run(flux_forward, base)
     handle.disable()
     assert rel_err(_run(flux_forward, model), plain) <= TOL and handle.strengths == {"a": 0.0, "b": 0.0}

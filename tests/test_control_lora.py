@@ -18,9 +18,14 @@ import loraweave
 def _forward(model, channels: int, seed: int = 1):
     g = gen(seed)
     return model(
-        hidden_states=torch.randn(1, 16, channels, generator=g), encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
-        pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
-        guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3), return_dict=False,
+        hidden_states=torch.randn(1, 16, channels, generator=g),
+        encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g),
+        timestep=torch.tensor([0.5]),
+        guidance=torch.tensor([3.5]),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(5, 3),
+        return_dict=False,
     )[0]
 
 
@@ -51,7 +56,11 @@ def _reference(base, sd):
     state["x_embedder.weight"] += sd["img_in.lora_B.weight"] @ sd["img_in.lora_A.weight"]
     state["x_embedder.bias"] = state["x_embedder.bias"] + sd["img_in.lora_B.bias"]
     proj = "transformer_blocks.0.attn.to_out.0.weight"
-    state[proj] = state[proj] + sd["double_blocks.0.img_attn.proj.lora_B.weight"] @ sd["double_blocks.0.img_attn.proj.lora_A.weight"]
+    state[proj] = (
+        state[proj]
+        + sd["double_blocks.0.img_attn.proj.lora_B.weight"]
+        @ sd["double_blocks.0.img_attn.proj.lora_A.weight"]
+    )
     ref.load_state_dict(state)
     return ref
 

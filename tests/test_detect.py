@@ -38,7 +38,9 @@ def test_real_files(name, realdata):
 
 
 def test_flux_file_whose_metadata_claims_sd15(realdata):
-    detection = detect_architecture(loraweave.load_adapter(realdata / "lora" / "leighwoods__public-loras__lora.safetensors"))
+    detection = detect_architecture(
+        loraweave.load_adapter(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")
+    )
     assert detection.metadata == {"ss_base_model_version": "sd_1.5"}
     assert any("disagrees; keys win" in e for e in detection.evidence)
 
@@ -51,13 +53,18 @@ def test_real_key_lists(name):
 
 
 def test_sdxl_by_cross_attention_width():
-    header = json.loads((REALDATA / "keys" / "sdxl_lora_diffusers_attnproc__Srikanth1408_header.json").read_text())["keys"]
+    header = json.loads(
+        (REALDATA / "keys" / "sdxl_lora_diffusers_attnproc__Srikanth1408_header.json").read_text()
+    )["keys"]
     adapter = loraweave.load_adapter({k: torch.empty(v["shape"], device="meta") for k, v in header.items()})
     assert detect_architecture(adapter).architecture == "sdxl"
 
 
 def test_inspect_cli_prints_architecture(capsys, realdata):
-    assert main(["inspect", "--json", str(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")]) == 0
+    assert (
+        main(["inspect", "--json", str(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")])
+        == 0
+    )
     info = json.loads(capsys.readouterr().out)
     assert info["architecture"]["name"] == "flux" and info["keys_total"] == 8
 

@@ -30,7 +30,9 @@ def _model(cls: str, **config):
         return getattr(diffusers, cls)(**config)
 
 
-def from_shapes(shapes: dict[str, tuple[int, int]], prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
+def from_shapes(
+    shapes: dict[str, tuple[int, int]], prefix: str = "diffusion_model."
+) -> dict[str, torch.Tensor]:
     """A rank-2 LoRA (meta tensors: names and shapes only) on every {stem: (rows, in)}."""
     sd = {}
     for stem, (rows, inp) in shapes.items():
@@ -42,14 +44,20 @@ def from_shapes(shapes: dict[str, tuple[int, int]], prefix: str = "diffusion_mod
 def _sana_shapes(model) -> dict[str, tuple]:
     """Every Linear / conv weight of Sana's original checkpoint (the converter's input names), as LoRA shapes."""
     weights = sana_original(model, lambda n, s: torch.empty(s, device="meta"))
-    return {k.removesuffix(".weight"): (v.shape[0], v.shape[1]) for k, v in weights.items()
-            if k.endswith(".weight") and v.dim() == 2}
+    return {
+        k.removesuffix(".weight"): (v.shape[0], v.shape[1])
+        for k, v in weights.items()
+        if k.endswith(".weight") and v.dim() == 2
+    }
 
 
 def _sana_file(model) -> dict[str, torch.Tensor]:
     sd = from_shapes(_sana_shapes(model))
     weights = sana_original(model, lambda n, s: torch.empty(s, device="meta"))
-    for k, v in weights.items():  # the convs: LoCon-style lora_A (rank, in, kh, kw) / lora_B (out, rank, 1, 1)
+    for (
+        k,
+        v,
+    ) in weights.items():  # the convs: LoCon-style lora_A (rank, in, kh, kw) / lora_B (out, rank, 1, 1)
         if k.endswith(".weight") and v.dim() == 4:
             stem = k.removesuffix(".weight")
             sd[f"diffusion_model.{stem}.lora_A.weight"] = torch.empty(2, *v.shape[1:], device="meta")
@@ -69,23 +77,43 @@ FILES = {
     "lumina2": lambda: from_shapes(lumina2_lora_names(_model("Lumina2Transformer2DModel"))),
     "sana": lambda: _sana_file(_model("SanaTransformer2DModel")),
     "anima": lambda: anima_file(_anima(True, ANIMA_DIT, {}), meta=True),
-    "ltx2": lambda: lora_file(linears(_model("LTX2VideoTransformer3DModel")),
-                              lambda n: f"diffusion_model.{ltx2_original(n)}", meta=True),
-    "ltx2.3": lambda: lora_file(linears(_model("LTX2VideoTransformer3DModel", **LTX2_FULL)),
-                                lambda n: f"diffusion_model.{ltx2_original(n)}", meta=True),
+    "ltx2": lambda: lora_file(
+        linears(_model("LTX2VideoTransformer3DModel")),
+        lambda n: f"diffusion_model.{ltx2_original(n)}",
+        meta=True,
+    ),
+    "ltx2.3": lambda: lora_file(
+        linears(_model("LTX2VideoTransformer3DModel", **LTX2_FULL)),
+        lambda n: f"diffusion_model.{ltx2_original(n)}",
+        meta=True,
+    ),
     "ernie-image": lambda: _diffusers_names("ErnieImageTransformer2DModel", "diffusion_model."),
     "kandinsky5": lambda: _diffusers_names("Kandinsky5Transformer3DModel"),
     "hunyuan-video-1.5": lambda: _diffusers_names("HunyuanVideo15Transformer3DModel"),
     "hunyuan-image-2.1": lambda: _diffusers_names("HunyuanImageTransformer2DModel"),
     # HunyuanVideo 1.0's diffusers names are Flux's at Flux's width: its own refiner names and its depth decide.
-    "hunyuan-video": lambda: lora_file(linears(_model("HunyuanVideoTransformer3DModel",
-                                                      **CATALOG["hunyuan-video"].config)),
-                                       lambda n: f"transformer.{n}", meta=True),
+    "hunyuan-video": lambda: lora_file(
+        linears(_model("HunyuanVideoTransformer3DModel", **CATALOG["hunyuan-video"].config)),
+        lambda n: f"transformer.{n}",
+        meta=True,
+    ),
     # Its MMDiT attention names no longer outvote its own img/txt mlp and mod names (was "flux" by width 3072).
-    "qwen-image": lambda: lora_file(linears(_model("QwenImageTransformer2DModel", **CATALOG["qwen-image"].config)),
-                                    lambda n: f"transformer.{n}", meta=True),
+    "qwen-image": lambda: lora_file(
+        linears(_model("QwenImageTransformer2DModel", **CATALOG["qwen-image"].config)),
+        lambda n: f"transformer.{n}",
+        meta=True,
+    ),
 }
-KOHYA = ("minimax-h3", "ideogram4", "qwen-image-2.1", "lumina2", "sana", "ltx2.3", "kandinsky5", "hunyuan-video")
+KOHYA = (
+    "minimax-h3",
+    "ideogram4",
+    "qwen-image-2.1",
+    "lumina2",
+    "sana",
+    "ltx2.3",
+    "kandinsky5",
+    "hunyuan-video",
+)
 
 
 def kohya(sd: dict) -> dict[str, torch.Tensor]:
@@ -118,7 +146,9 @@ def test_detected_and_fully_covered(arch, files):
     cov = info["coverage"]
     assert info["architecture"]["name"] == arch
     assert cov["against"] == f"architecture {arch} (full size, meta device)"
-    assert cov["unmatched"] == [] and cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][:3]
+    assert cov["unmatched"] == [] and cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][
+        :3
+    ]
 
 
 @pytest.mark.parametrize("arch", KOHYA)
@@ -151,18 +181,25 @@ def test_width_tells_lumina2_from_z_image(files):
 
 def test_ideogram4_shared_names_alone_by_width(files):
     """An Ideogram4 file of only the names Z-Image shares (qkv, w1-3) is named by its width (4608)."""
-    shared = {k: v for k, v in _file(files, "ideogram4").items() if ".attention.qkv." in k or ".feed_forward." in k}
+    shared = {
+        k: v for k, v in _file(files, "ideogram4").items() if ".attention.qkv." in k or ".feed_forward." in k
+    }
     detection = detect_architecture(loraweave.load_adapter(shared))
     assert detection.architecture == "ideogram4" and any("hidden width 4608" in e for e in detection.evidence)
-    assert detect_architecture(loraweave.load_adapter(_rescaled(shared, 4608, 3840))).architecture == "z-image"
+    assert (
+        detect_architecture(loraweave.load_adapter(_rescaled(shared, 4608, 3840))).architecture == "z-image"
+    )
 
 
-@pytest.mark.parametrize("arch, without, misread", [
-    ("minimax-h3", ("minimax-h3",), "unknown"),
-    ("ideogram4", ("ideogram4",), "z-image"),
-    ("qwen-image-2.1", ("qwen-image-2.1",), "qwen-image"),
-    ("sana", ("sana",), "wan"),
-])
+@pytest.mark.parametrize(
+    "arch, without, misread",
+    [
+        ("minimax-h3", ("minimax-h3",), "unknown"),
+        ("ideogram4", ("ideogram4",), "z-image"),
+        ("qwen-image-2.1", ("qwen-image-2.1",), "qwen-image"),
+        ("sana", ("sana",), "wan"),
+    ],
+)
 def test_without_the_new_signature_it_is_misread(monkeypatch, files, arch, without, misread):
     """Negative control: dropping the architecture's signature (and the width rule) gives the old (wrong) answer."""
     monkeypatch.setattr(detect, "SIGNATURES", tuple(s for s in detect.SIGNATURES if s[0] not in without))
@@ -173,7 +210,9 @@ def test_without_the_new_signature_it_is_misread(monkeypatch, files, arch, witho
 def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
     """Negative control: without SHARED_NAMES' MMDiT owners a full Qwen-Image file is called flux (by width 3072)
     and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention)."""
-    monkeypatch.setattr(detect, "SHARED_NAMES", {k: v for k, v in detect.SHARED_NAMES.items() if k != "mmdit"})
+    monkeypatch.setattr(
+        detect, "SHARED_NAMES", {k: v for k, v in detect.SHARED_NAMES.items() if k != "mmdit"}
+    )
     monkeypatch.setattr(detect, "BY_DEPTH", {})  # which would name it by its 60 double-stream blocks
     assert detect_architecture(loraweave.load_adapter(_file(files, "qwen-image"))).architecture == "flux"
     assert "sd3" in detect_architecture(loraweave.load_adapter(_file(files, "ltx2"))).scores
@@ -196,11 +235,16 @@ def test_cli_inspect_json_on_a_file(tmp_path, capsys, files, arch):
     from loraweave.cli import main
 
     path = tmp_path / f"{arch}.safetensors"
-    save_file({k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in _file(files, arch).items()}, str(path))
+    save_file(
+        {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in _file(files, arch).items()}, str(path)
+    )
     assert main(["inspect", "--json", "--strict", "--no-text-encoders", str(path)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["architecture"]["name"] == arch
-    assert info["coverage"]["complete"] and info["coverage"]["keys_applied"] == info["coverage"]["keys_total"] > 0
+    assert (
+        info["coverage"]["complete"]
+        and info["coverage"]["keys_applied"] == info["coverage"]["keys_total"] > 0
+    )
 
 
 def _blocks_only(sd: dict, doubles: int | None = None, singles: int | None = None) -> dict[str, torch.Tensor]:
@@ -244,14 +288,20 @@ def test_qwen_image_attention_only_is_not_flux(monkeypatch, files):
 
 
 # Cross-attention DiTs in diffusers names (self-attention attn1, cross-attention attn2, ff.net): class defaults.
-CROSS_DITS = {"ltx-video": "LTXVideoTransformer3DModel", "pixart": "PixArtTransformer2DModel",
-              "sana": "SanaTransformer2DModel"}
+CROSS_DITS = {
+    "ltx-video": "LTXVideoTransformer3DModel",
+    "pixart": "PixArtTransformer2DModel",
+    "sana": "SanaTransformer2DModel",
+}
 
 
 def _ltx2_video_only(prefix: str) -> dict[str, torch.Tensor]:
     """The LoRA most LTX-2 trainers write: the video tower's attention and feed-forward only, no audio names."""
-    keep = {n: m for n, m in linears(_model("LTX2VideoTransformer3DModel")).items()
-            if n.split(".")[0] == "transformer_blocks" and n.split(".")[2] in ("attn1", "attn2", "ff")}
+    keep = {
+        n: m
+        for n, m in linears(_model("LTX2VideoTransformer3DModel")).items()
+        if n.split(".")[0] == "transformer_blocks" and n.split(".")[2] in ("attn1", "attn2", "ff")
+    }
     return lora_file(keep, lambda n: f"{prefix}{n}", meta=True)
 
 
@@ -277,14 +327,18 @@ def test_ltx2_video_only_file_is_ltx2_and_fully_covered(prefix):
     info = inspect_adapter(sd, text_encoders=False)
     cov = info["coverage"]
     assert cov["keys_applied"] == cov["keys_total"] == len(sd), cov["unmatched"][:3]
-    assert "variant" not in format_table(info)  # arch.variants lists no LTX-2 release: no "no known variant" row
+    assert "variant" not in format_table(
+        info
+    )  # arch.variants lists no LTX-2 release: no "no known variant" row
 
 
 def test_sd35_dual_attention_is_still_sd3():
     """SD3.5 Medium (attn + attn2 in its first 13 blocks, hidden 1536) is still sd3, and a file of its attn2 names
     alone is too, by the dual-attention rule."""
-    model = _model("SD3Transformer2DModel", **{**CATALOG["sd3"].config, "dual_attention_layers": tuple(range(13)),
-                                               "qk_norm": "rms_norm"})
+    model = _model(
+        "SD3Transformer2DModel",
+        **{**CATALOG["sd3"].config, "dual_attention_layers": tuple(range(13)), "qk_norm": "rms_norm"},
+    )
     sd = lora_file(linears(model), lambda n: f"transformer.{n}", meta=True)
     assert any(".attn2." in k for k in sd)
     assert detect_architecture(loraweave.load_adapter(sd)).architecture == "sd3"
@@ -295,8 +349,11 @@ def test_sd35_dual_attention_is_still_sd3():
 
 def test_negative_control_without_the_cross_dit_rule_they_read_as_sd3(monkeypatch):
     """Without the cross-dit signature (and Sana's diffusers ff names) these files are sd3, as they were."""
-    monkeypatch.setattr(detect, "SIGNATURES", tuple(s for s in detect.SIGNATURES
-                                                    if s[0] != "cross-dit" and "ff_conv" not in s[1]))
+    monkeypatch.setattr(
+        detect,
+        "SIGNATURES",
+        tuple(s for s in detect.SIGNATURES if s[0] != "cross-dit" and "ff_conv" not in s[1]),
+    )
     for sd in (_ltx2_video_only("transformer."), *(_diffusers_names(c) for c in CROSS_DITS.values())):
         assert detect_architecture(loraweave.load_adapter(sd)).architecture == "sd3"
     # attn2 without attn1 is still SD3.5's dual attention (the rule the cross-dit names now bypass)
@@ -307,8 +364,11 @@ def test_negative_control_without_the_cross_dit_rule_they_read_as_sd3(monkeypatc
 def test_cosmos_diffusers_names_are_a_cross_dit_not_ltx_video():
     """Cosmos-Predict2 2B has LTX-Video 0.9's hidden width (2048) and names, but reads 1024-wide text in attn2: it
     is named only as the family. Negative control: without the same-width rule it is called ltx-video."""
-    sd = lora_file(linears(_model("CosmosTransformer3DModel", **CATALOG["anima"].config)), lambda n: f"transformer.{n}",
-                   meta=True)
+    sd = lora_file(
+        linears(_model("CosmosTransformer3DModel", **CATALOG["anima"].config)),
+        lambda n: f"transformer.{n}",
+        meta=True,
+    )
     assert detect_architecture(loraweave.load_adapter(sd)).architecture == "cross-dit"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(detect, "SAME_WIDTH", {})
@@ -318,5 +378,9 @@ def test_cosmos_diffusers_names_are_a_cross_dit_not_ltx_video():
 @pytest.mark.parametrize("arch", [*sorted(CROSS_DITS), "ltx2 video-only"])
 def test_cross_attention_dits_in_kohya_names(arch):
     """musubi/kohya spelling (lora_unet_ + flattened names) of the same files: the same answers."""
-    sd = kohya(_ltx2_video_only("diffusion_model.") if arch == "ltx2 video-only" else _diffusers_names(CROSS_DITS[arch]))
+    sd = kohya(
+        _ltx2_video_only("diffusion_model.")
+        if arch == "ltx2 video-only"
+        else _diffusers_names(CROSS_DITS[arch])
+    )
     assert detect_architecture(loraweave.load_adapter(sd)).architecture == arch.split()[0]

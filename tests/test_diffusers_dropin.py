@@ -23,7 +23,11 @@ from loraweave.diffusers import DropInError, NotLoraPipelineError, UnsupportedEr
 
 TOL = 1e-5
 PIPES = {"flux": "FluxPipeline", "zimage": "ZImagePipeline", "sdxl_unet": "StableDiffusionXLPipeline"}
-SCALE_KW = {"flux": "joint_attention_kwargs", "zimage": "joint_attention_kwargs", "sdxl_unet": "cross_attention_kwargs"}
+SCALE_KW = {
+    "flux": "joint_attention_kwargs",
+    "zimage": "joint_attention_kwargs",
+    "sdxl_unet": "cross_attention_kwargs",
+}
 # SDXL: every block-scale form diffusers accepts (scalar part, per-block list of layers+1 for up).
 BLOCK_DICT = {"unet": {"down": 0.6, "mid": 0.3, "up": {"block_0": [0.2, 0.5, 0.8]}}}
 
@@ -49,23 +53,37 @@ def tiny_clip_encoders(seed: int = 0) -> dict[str, torch.nn.Module]:
     """SDXL's two text encoder classes at toy size (seeded)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    cfg = CLIPTextConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=77, projection_dim=32)
+    cfg = CLIPTextConfig(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        projection_dim=32,
+    )
     torch.manual_seed(seed)
-    return {"text_encoder": CLIPTextModel(cfg).eval(), "text_encoder_2": CLIPTextModelWithProjection(cfg).eval()}
+    return {
+        "text_encoder": CLIPTextModel(cfg).eval(),
+        "text_encoder_2": CLIPTextModelWithProjection(cfg).eval(),
+    }
 
 
 def _targets(model: torch.nn.Module, arch: str, every: int, offset: int) -> list[str]:
     kinds = (torch.nn.Linear, torch.nn.Conv2d) if arch == "sdxl_unet" else (torch.nn.Linear,)
     names = [n for n, m in model.named_modules() if isinstance(m, kinds)]
-    if arch == "sdxl_unet":  # block dicts address only down/mid/up blocks (diffusers raises IndexError elsewhere)
+    if (
+        arch == "sdxl_unet"
+    ):  # block dicts address only down/mid/up blocks (diffusers raises IndexError elsewhere)
         names = [n for n in names if n.split(".")[0] in ("down_blocks", "mid_block", "up_blocks")]
     return names[offset::every]
 
 
 def lora_layers(model: torch.nn.Module, targets: list[str], seed: int) -> tuple[dict, LoraConfig]:
     """A random PEFT LoRA (r=4, alpha 8, to_k alpha 2) on `targets` of a copy of `model`: (state dict, config)."""
-    cfg = LoraConfig(r=4, lora_alpha=8, alpha_pattern={"to_k": 2}, init_lora_weights=False, target_modules=targets)
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, alpha_pattern={"to_k": 2}, init_lora_weights=False, target_modules=targets
+    )
     torch.manual_seed(seed)
     model = inject_adapter_in_model(cfg, copy.deepcopy(model))
     return {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}, cfg
@@ -102,8 +120,10 @@ class Pair:
     @torch.no_grad()
     def outputs(self, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         extra = {} if scale is None else {SCALE_KW[self.arch]: {"scale": scale}}
-        return (self.forward(getattr(self.peft, self.component), **extra),
-                self.forward(getattr(self.ours, self.component), **extra))
+        return (
+            self.forward(getattr(self.peft, self.component), **extra),
+            self.forward(getattr(self.ours, self.component), **extra),
+        )
 
     def check(self, step: str, scale: float | None = None) -> torch.Tensor:
         ref, ours = self.outputs(scale)
@@ -166,7 +186,9 @@ def test_dropin_matches_diffusers_peft(arch, tmp_path):
     pair.both("fuse_lora")
     fused_out = pair.check("fuse_lora")
     assert pair.ours.num_fused_loras == pair.peft.num_fused_loras == 2
-    assert any(not torch.equal(w, before_fuse[k]) for k, w in pair.weights().items()), "fuse_lora merged nothing"
+    assert any(not torch.equal(w, before_fuse[k]) for k, w in pair.weights().items()), (
+        "fuse_lora merged nothing"
+    )
     pair.both("unfuse_lora")
     assert rel_err(pair.check("unfuse_lora"), fused_out) <= TOL
     assert all(torch.equal(w, before_fuse[k]) for k, w in pair.weights().items()), "unfuse is not bit-exact"
@@ -231,17 +253,27 @@ def test_dropin_errors_match_diffusers(tmp_path):
         lwd.enable(object())
 
 
-def _loha_state_dict(unet: torch.nn.Module, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _loha_state_dict(
+    unet: torch.nn.Module, seed: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """kohya LoHa on two UNet attention projections, and the fp64 ΔW each should get (alpha 2, rank 2)."""
     g = torch.Generator().manual_seed(seed)
     sd, deltas = {}, {}
-    for path in ("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
-                 "up_blocks.0.attentions.1.transformer_blocks.0.attn2.to_out.0"):
+    for path in (
+        "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
+        "up_blocks.0.attentions.1.transformer_blocks.0.attn2.to_out.0",
+    ):
         w = unet.get_submodule(path).weight
         key = "lora_unet_" + path.replace(".", "_")
-        t = {n: torch.randn(shape, generator=g) * 0.3 for n, shape in
-             (("hada_w1_a", (w.shape[0], 2)), ("hada_w1_b", (2, w.shape[1])),
-              ("hada_w2_a", (w.shape[0], 2)), ("hada_w2_b", (2, w.shape[1])))}
+        t = {
+            n: torch.randn(shape, generator=g) * 0.3
+            for n, shape in (
+                ("hada_w1_a", (w.shape[0], 2)),
+                ("hada_w1_b", (2, w.shape[1])),
+                ("hada_w2_a", (w.shape[0], 2)),
+                ("hada_w2_b", (2, w.shape[1])),
+            )
+        }
         sd |= {f"{key}.{n}": v for n, v in t.items()} | {f"{key}.alpha": torch.tensor(2.0)}
         d = {n: v.double() for n, v in t.items()}
         deltas[path] = (d["hada_w1_a"] @ d["hada_w1_b"]) * (d["hada_w2_a"] @ d["hada_w2_b"]) * (2.0 / 2)
@@ -306,8 +338,16 @@ def test_dropin_text_encoders_match_diffusers_peft(tmp_path):
     pair = Pair("sdxl_unet", **encoders)
     pristine_te = {n: copy.deepcopy(m.state_dict()) for n, m in encoders.items()}
     base_te = _encoder_outputs(pair.ours)
-    a = save_adapter("sdxl_unet", pair.base, tmp_path / "a", seed=3, every=2, offset=0,
-                     text_encoder=(encoders["text_encoder"], 7), text_encoder_2=(encoders["text_encoder_2"], 8))
+    a = save_adapter(
+        "sdxl_unet",
+        pair.base,
+        tmp_path / "a",
+        seed=3,
+        every=2,
+        offset=0,
+        text_encoder=(encoders["text_encoder"], 7),
+        text_encoder_2=(encoders["text_encoder_2"], 8),
+    )
     b = save_adapter("sdxl_unet", pair.base, tmp_path / "b", seed=4, every=3, offset=1)
 
     def check(step: str) -> list[torch.Tensor]:
@@ -366,15 +406,24 @@ def test_encode_prompt_lora_scale_matches_diffusers_peft(tmp_path):
     encoders = tiny_clip_encoders()
     tokenizer = tiny_clip_tokenizer(tmp_path / "tok")
     pair = Pair("sdxl_unet", **encoders, tokenizer=tokenizer, tokenizer_2=tokenizer)
-    a = save_adapter("sdxl_unet", pair.base, tmp_path / "a", seed=3, every=4, offset=0,
-                     text_encoder=(encoders["text_encoder"], 7), text_encoder_2=(encoders["text_encoder_2"], 8))
+    a = save_adapter(
+        "sdxl_unet",
+        pair.base,
+        tmp_path / "a",
+        seed=3,
+        every=4,
+        offset=0,
+        text_encoder=(encoders["text_encoder"], 7),
+        text_encoder_2=(encoders["text_encoder_2"], 8),
+    )
     pair.both("load_lora_weights", a, adapter_name="a")
     pair.both("set_adapters", "a", 0.8)
 
     def encode(pipe, scale):
         with torch.no_grad():
-            embeds, _, pooled, _ = pipe.encode_prompt("a cat", device="cpu", do_classifier_free_guidance=False,
-                                                      lora_scale=scale)
+            embeds, _, pooled, _ = pipe.encode_prompt(
+                "a cat", device="cpu", do_classifier_free_guidance=False, lora_scale=scale
+            )
         return embeds, pooled
 
     plain = encode(pair.ours, None)
@@ -434,8 +483,13 @@ def test_failed_calls_leave_the_pipeline_unchanged(tmp_path):
     with pytest.raises(LoraweaveError):
         ours.load_lora_weights(tmp_path / "missing.safetensors", adapter_name="x")
     with pytest.raises(DropInError, match="none of the 2 keys landed"):
-        ours.load_lora_weights({"transformer.nowhere.lora_A.weight": torch.ones(2, 4),
-                                "transformer.nowhere.lora_B.weight": torch.ones(4, 2)}, adapter_name="x")
+        ours.load_lora_weights(
+            {
+                "transformer.nowhere.lora_A.weight": torch.ones(2, 4),
+                "transformer.nowhere.lora_B.weight": torch.ones(4, 2),
+            },
+            adapter_name="x",
+        )
     a = save_adapter("flux", pair.base, tmp_path / "a", seed=3, every=4, offset=0)
     ours.load_lora_weights(a, adapter_name="a")
     before = pair.weights()
@@ -469,8 +523,9 @@ def meta_pipes(realdata):
         for kind, config in (("sd15", real_config("sd15__unet_config.json")), ("sd2", sd2)):
             kwargs = dict.fromkeys(StableDiffusionPipeline._get_signature_keys(StableDiffusionPipeline)[0])
             unet = UNet2DConditionModel.from_config(config)
-            pipes[kind] = StableDiffusionPipeline(**kwargs | {"unet": unet, "text_encoder": te,
-                                                              "requires_safety_checker": False})
+            pipes[kind] = StableDiffusionPipeline(
+                **kwargs | {"unet": unet, "text_encoder": te, "requires_safety_checker": False}
+            )
         flux = FluxTransformer2DModel.from_config(real_config("flux1-dev__transformer_config.json"))
     kwargs = dict.fromkeys(FluxPipeline._get_signature_keys(FluxPipeline)[0])
     pipes["flux"] = FluxPipeline(**kwargs | {"transformer": flux})
@@ -504,8 +559,11 @@ def test_unfuse_after_a_weight_change_is_exact_where_diffusers_drifts(tmp_path):
     pair.both("fuse_lora")
     pair.both("set_adapters", "a", 0.3)
     pair.both("unfuse_lora")
-    peft_weights = {k.replace(".base_layer", ""): v for k, v in pair.peft.transformer.state_dict().items()
-                    if "lora_" not in k}
+    peft_weights = {
+        k.replace(".base_layer", ""): v
+        for k, v in pair.peft.transformer.state_dict().items()
+        if "lora_" not in k
+    }
     drift = max(float((peft_weights[k] - w).abs().max()) for k, w in pair.pristine.items())
     assert drift > 1e-3  # diffusers' defect, still present in 0.42.1
     assert all(torch.equal(w, pair.pristine[k]) for k, w in pair.weights().items())
@@ -523,9 +581,18 @@ def test_fuse_on_an_sdnq_quantized_transformer(tmp_path):
 
     _silence_peft_warnings()
     torch.manual_seed(0)
-    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=64, num_attention_heads=4, joint_attention_dim=32,
-                                   pooled_projection_dim=32, axes_dims_rope=[16, 24, 24], guidance_embeds=True).eval()
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=64,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[16, 24, 24],
+        guidance_embeds=True,
+    ).eval()
     targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "blocks" in n]
     sd, _ = lora_layers(model, targets, seed=3)
     sd = {f"transformer.{k}": v * 0.2 for k, v in sd.items()}

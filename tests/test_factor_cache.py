@@ -27,11 +27,16 @@ def adapters() -> dict:
 
 
 def side_channel(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {n: (model.get_submodule(n).svd_up.clone(), model.get_submodule(n).svd_down.clone()) for n in ("a", "b")}
+    return {
+        n: (model.get_submodule(n).svd_up.clone(), model.get_submodule(n).svd_down.clone())
+        for n in ("a", "b")
+    }
 
 
 def hosted(model, cache, strength: float = 1.0):
-    handle = loraweave.apply(model, (adapters(), strength), mode="merge", host_rank=RANK, cache=cache, strict=True)
+    handle = loraweave.apply(
+        model, (adapters(), strength), mode="merge", host_rank=RANK, cache=cache, strict=True
+    )
     assert {m.mechanism for m in handle.report.applied} == {"hosted"}
     return handle
 

@@ -73,11 +73,15 @@ def check_modes(tmp_path, pristine, source, refs, base, xs, strengths):
 
 # (algo, wd_on_output, use_tucker): Tucker puts the conv kernel in lora_mid / hada_t1,t2 / lokr_t2.
 CASES = [(a, o, False) for a in ("lora", "loha", "lokr") for o in (True, False)] + [
-    (a, True, True) for a in ("lora", "loha", "lokr")]
+    (a, True, True) for a in ("lora", "loha", "lokr")
+]
 
 
-@pytest.mark.parametrize("algo, on_out, tucker", CASES,
-                         ids=[f"{a}-{'out' if o else 'in'}{'-tucker' if t else ''}" for a, o, t in CASES])
+@pytest.mark.parametrize(
+    "algo, on_out, tucker",
+    CASES,
+    ids=[f"{a}-{'out' if o else 'in'}{'-tucker' if t else ''}" for a, o, t in CASES],
+)
 def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_class_attrs, algo, on_out, tucker):
     pristine = Net()
     xs = inputs()
@@ -85,8 +89,17 @@ def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_class_attrs, algo, on
     wrapped = copy.deepcopy(pristine)
     # Tucker: conv rank 1, so LoKr factors its w2 too. alpha != rank everywhere.
     conv = {"conv_dim": 1, "conv_alpha": 0.75} if tucker else {"conv_dim": 2, "conv_alpha": 1.5}
-    net = lycoris.create_lycoris(wrapped, 1.0, linear_dim=4, linear_alpha=3.0, **conv, algo=algo,
-                                 dora_wd=True, wd_on_output=on_out, use_tucker=tucker)
+    net = lycoris.create_lycoris(
+        wrapped,
+        1.0,
+        linear_dim=4,
+        linear_alpha=3.0,
+        **conv,
+        algo=algo,
+        dora_wd=True,
+        wd_on_output=on_out,
+        use_tucker=tucker,
+    )
     assert sorted(m.lora_name for m in net.loras) == ["lycoris_conv", "lycoris_lin"]
     assert all(m.wd and m.wd_on_out == on_out for m in net.loras)
     net.apply_to()
@@ -118,8 +131,9 @@ def test_matches_peft_dora(tmp_path):
     pristine = PeftNet()
     xs = inputs()
     base = outputs(pristine, xs)
-    peft_model = get_peft_model(copy.deepcopy(pristine),
-                                LoraConfig(r=4, lora_alpha=3, target_modules=list(LAYERS), use_dora=True))
+    peft_model = get_peft_model(
+        copy.deepcopy(pristine), LoraConfig(r=4, lora_alpha=3, target_modules=list(LAYERS), use_dora=True)
+    )
     g = gen(3)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -131,7 +145,8 @@ def test_matches_peft_dora(tmp_path):
     saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     assert {k: tuple(v.shape) for k, v in saved.items() if "magnitude" in k} == {
         "base_model.model.lin.lora_magnitude_vector": (128,),
-        "base_model.model.conv.lora_magnitude_vector": (1, 12, 1, 1)}
+        "base_model.model.conv.lora_magnitude_vector": (1, 12, 1, 1),
+    }
     layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
     refs = {}
     for s in MULTIPLIERS:
@@ -151,9 +166,12 @@ def test_matches_peft_dora(tmp_path):
 def dora_sd(on_out: bool, seed: int = 4) -> dict[str, torch.Tensor]:
     g = gen(seed)
     d = torch.rand(32, 1, generator=g) + 0.5 if on_out else torch.rand(1, 24, generator=g) + 0.5
-    return {"lin.lora_down.weight": torch.randn(4, 24, generator=g) * 0.3,
-            "lin.lora_up.weight": torch.randn(32, 4, generator=g) * 0.3,
-            "lin.alpha": torch.tensor(2.0), "lin.dora_scale": d}
+    return {
+        "lin.lora_down.weight": torch.randn(4, 24, generator=g) * 0.3,
+        "lin.lora_up.weight": torch.randn(32, 4, generator=g) * 0.3,
+        "lin.alpha": torch.tensor(2.0),
+        "lin.dora_scale": d,
+    }
 
 
 @pytest.mark.parametrize("on_out", (True, False), ids=("out_axis", "in_axis"))
@@ -177,20 +195,26 @@ def test_norm_of_original_plus_delta_on_the_right_axis(on_out, monkeypatch):
             comfy = wc * d / w.norm(dim=axis, keepdim=True)  # the defect: ‖W‖, not ‖W + γΔW‖
             assert rel_err(comfy, ref) > 1e-2
         handle.remove()
-        monkeypatch.setattr(loraweave.families.dora, "BLOCK", 5 * 24)  # runtime gain over W_c in blocks of 5 rows
+        monkeypatch.setattr(
+            loraweave.families.dora, "BLOCK", 5 * 24
+        )  # runtime gain over W_c in blocks of 5 rows
         handle = loraweave.apply(model, (sd, s), mode="runtime", strict=True)
         x = torch.randn(7, 24, generator=gen(8))
         with torch.no_grad():
             assert rel_err(model.lin(x), F.linear(x.double(), ref, model.lin.bias.double())) <= TOL, s
         handle.remove()
     # Stacked with a plain LoRA on the same layer: DoRA still reads the original W, order-free.
-    other = {"lin.lora_down.weight": torch.randn(2, 24, generator=gen(9)),
-             "lin.lora_up.weight": torch.randn(32, 2, generator=gen(10))}
+    other = {
+        "lin.lora_down.weight": torch.randn(2, 24, generator=gen(9)),
+        "lin.lora_up.weight": torch.randn(32, 2, generator=gen(10)),
+    }
     for adapters in ([(sd, 1.0), (other, 1.0)], [(other, 1.0), (sd, 1.0)]):
         model = copy.deepcopy(pristine)
         loraweave.apply(model, adapters, mode="merge", strict=True)
-        ref = wc * d / wc.norm(dim=axis, keepdim=True) + other["lin.lora_up.weight"].double() @ other[
-            "lin.lora_down.weight"].double()
+        ref = (
+            wc * d / wc.norm(dim=axis, keepdim=True)
+            + other["lin.lora_up.weight"].double() @ other["lin.lora_down.weight"].double()
+        )
         assert rel_err(model.lin.weight, ref) <= 1e-6
 
 
@@ -203,8 +227,12 @@ def test_fused_flux_qkv_split_over_modules():
     stem = "lora_unet_double_blocks_0_img_attn_qkv"
     g = gen(5)
     down, up = torch.randn(4, 32, generator=g) * 0.3, torch.randn(96, 4, generator=g) * 0.3
-    sd = {f"{stem}.lora_down.weight": down, f"{stem}.lora_up.weight": up, f"{stem}.alpha": torch.tensor(2.0),
-          f"{stem}.dora_scale": torch.rand(96, 1, generator=g) + 0.5}
+    sd = {
+        f"{stem}.lora_down.weight": down,
+        f"{stem}.lora_up.weight": up,
+        f"{stem}.alpha": torch.tensor(2.0),
+        f"{stem}.dora_scale": torch.rand(96, 1, generator=g) + 0.5,
+    }
     attn = "transformer_blocks.0.attn"
     names = [f"{attn}.to_q", f"{attn}.to_k", f"{attn}.to_v"]
     w = torch.cat([pristine.get_submodule(n).weight.double() for n in names])
@@ -248,18 +276,28 @@ def test_load_validation():
     assert check(f, (32, 24)) is None
     f = factors(**lora_t, dora_scale=torch.ones(1, 24))
     assert not f.on_out and check(f, (32, 24)) is None and check(f, (32, 25)).kind == "shape_mismatch"
-    f = factors(hada_w1_a=torch.randn(12, 2), hada_w1_b=torch.randn(2, 72), hada_w2_a=torch.randn(12, 2),
-                hada_w2_b=torch.randn(2, 72), dora_scale=torch.ones(12, 1, 1, 1))
+    f = factors(
+        hada_w1_a=torch.randn(12, 2),
+        hada_w1_b=torch.randn(2, 72),
+        hada_w2_a=torch.randn(12, 2),
+        hada_w2_b=torch.randn(2, 72),
+        dora_scale=torch.ones(12, 1, 1, 1),
+    )
     f, miss = FAMILIES["dora"].fit(f, (12, 8, 3, 3))
     assert f.kind == "loha" and miss is None and f.is_conv_kernel
     peft_keys = {"down": "a", "up": "b", "dora_scale": "m.lora_magnitude_vector"}
     f = load({**lora_t, "dora_scale": torch.ones(1, 32, 1, 1)}, peft_keys)
     assert f.peft and f.on_out
     bad = {
-        "shape mismatch": [dict(**lora_t, dora_scale=torch.ones(31, 1)), dict(**lora_t, dora_scale=torch.ones(24)),
-                           dict(**lora_t, dora_scale=torch.ones(2, 24))],
-        "incomplete DoRA": [dict(dora_scale=torch.ones(32, 1)),
-                            dict(**lora_t, lokr_w1=torch.ones(4, 4), dora_scale=torch.ones(32, 1))],
+        "shape mismatch": [
+            dict(**lora_t, dora_scale=torch.ones(31, 1)),
+            dict(**lora_t, dora_scale=torch.ones(24)),
+            dict(**lora_t, dora_scale=torch.ones(2, 24)),
+        ],
+        "incomplete DoRA": [
+            dict(dora_scale=torch.ones(32, 1)),
+            dict(**lora_t, lokr_w1=torch.ones(4, 4), dora_scale=torch.ones(32, 1)),
+        ],
         "bad tensor": [dict(**lora_t, dora_scale=torch.full((32, 1), float("nan")))],
         "unsupported family": [dict(**lora_t, up_bias=torch.ones(32), dora_scale=torch.ones(32, 1))],
     }

@@ -58,7 +58,11 @@ def reference(pristine: Net, sd: dict[str, torch.Tensor], s: float, xs: dict[str
         w = module.weight.double()
         weights[name] = w + s * gamma * (up.reshape(up.shape[0], rank) @ down.reshape(rank, -1)).view_as(w)
         x, b = xs[name].double(), module.bias.double()
-        outs[name] = F.linear(x, weights[name], b) if name == "lin" else F.conv2d(x, weights[name], b, stride=2, padding=1)
+        outs[name] = (
+            F.linear(x, weights[name], b)
+            if name == "lin"
+            else F.conv2d(x, weights[name], b, stride=2, padding=1)
+        )
     return weights, outs
 
 
@@ -79,7 +83,9 @@ def check(pristine: Net, source, sd: dict[str, torch.Tensor], refs=None, strengt
             got[mode] = outputs(model, xs)
             for name in xs:
                 ours = got[mode][name]
-                assert rel_err(ref[name] - base[name], base[name]) > 0.05, f"{name}: adapter has no visible effect"
+                assert rel_err(ref[name] - base[name], base[name]) > 0.05, (
+                    f"{name}: adapter has no visible effect"
+                )
                 assert rel_err(ours, ref[name]) <= TOL, (mode, s, name, rel_err(ours, ref[name]))
                 assert rel_err(ours - base[name], ref[name] - base[name]) <= TOL, (mode, s, name)
                 if refs is not None:
@@ -146,8 +152,17 @@ def lycoris_dylora(tmp_path, block_size: int):
     preset = write_preset(tmp_path / "p.toml", ("Linear", "Conv2d"))
     pristine = Net()
     wrapped = copy.deepcopy(pristine)
-    net = lycoris.create_lycoris(wrapped, 1.0, linear_dim=4, linear_alpha=2.0, conv_dim=4, conv_alpha=1.0,
-                                 algo="dylora", block_size=block_size, preset=preset)
+    net = lycoris.create_lycoris(
+        wrapped,
+        1.0,
+        linear_dim=4,
+        linear_alpha=2.0,
+        conv_dim=4,
+        conv_alpha=1.0,
+        algo="dylora",
+        block_size=block_size,
+        preset=preset,
+    )
     assert sorted(m.lora_name for m in net.loras) == ["lycoris_conv", "lycoris_lin"]
     g = gen(3)
     with torch.no_grad():
@@ -179,8 +194,9 @@ def lycoris_outputs(wrapped: nn.Module, net, xs) -> dict[float, dict[str, torch.
 def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state):
     pristine, wrapped, net, path = lycoris_dylora(tmp_path, block_size=1)
     sd = load_file(str(path))
-    assert sorted(sd) == sorted(f"lycoris_{n}.{r}" for n in ("lin", "conv")
-                                for r in ("alpha", "lora_down.weight", "lora_up.weight"))
+    assert sorted(sd) == sorted(
+        f"lycoris_{n}.{r}" for n in ("lin", "conv") for r in ("alpha", "lora_down.weight", "lora_up.weight")
+    )
     assert sd["lycoris_conv.lora_up.weight"].shape == (10, 4)  # 2-D for the 3x3 conv
     assert sd["lycoris_conv.lora_down.weight"].shape == (4, 6, 3, 3)
     refs = lycoris_outputs(wrapped, net, inputs())

@@ -44,8 +44,15 @@ def applied(model: nn.Module, adapter, mode: str, strength: float, n_keys: int):
     return handle
 
 
-def check_modes(pristine: nn.Module, adapter, n_keys: int, xs: dict, refs: dict, weights: dict | None = None,
-                modes: tuple[str, ...] = ("merge", "runtime")) -> None:
+def check_modes(
+    pristine: nn.Module,
+    adapter,
+    n_keys: int,
+    xs: dict,
+    refs: dict,
+    weights: dict | None = None,
+    modes: tuple[str, ...] = ("merge", "runtime"),
+) -> None:
     """refs: strength -> {layer: reference output}; weights: strength -> {layer: reference weight (merge)}."""
     base = outputs(pristine, xs)
     refs = {s: {n: t.detach() for n, t in ref.items()} for s, ref in refs.items()}
@@ -63,7 +70,9 @@ def check_modes(pristine: nn.Module, adapter, n_keys: int, xs: dict, refs: dict,
                     w = model.get_submodule(name).weight
                     assert rel_err(w, weights[s][name]) <= WTOL, (s, name)
             if mode == "runtime":
-                assert all(torch.equal(model.get_submodule(n).weight, pristine.get_submodule(n).weight) for n in xs)
+                assert all(
+                    torch.equal(model.get_submodule(n).weight, pristine.get_submodule(n).weight) for n in xs
+                )
             handle.remove()
             for name, out in outputs(model, xs).items():
                 assert torch.equal(out, base[name]), f"{mode}: remove() did not restore {name}"
@@ -94,27 +103,47 @@ class GloraNet(nn.Module):
         self.pw = nn.Conv2d(4, 6, 1)
 
 
-GLORA_X = {"lin": (2, 3, 12), "sq": (4, 8), "c1": (2, 4, 9), "c2": (2, 4, 9, 7), "c3": (1, 3, 5, 4, 6),
-           "pw": (2, 4, 5, 5)}
+GLORA_X = {
+    "lin": (2, 3, 12),
+    "sq": (4, 8),
+    "c1": (2, 4, 9),
+    "c2": (2, 4, 9, 7),
+    "c3": (1, 3, 5, 4, 6),
+    "pw": (2, 4, 5, 5),
+}
 
 
-@pytest.mark.parametrize("kwargs", [{"linear_dim": 3, "linear_alpha": 2.0},
-                                    {"linear_dim": 4, "linear_alpha": 7.0, "conv_dim": 2, "conv_alpha": 0.5}],
-                         ids=["same_dims", "conv_dims"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"linear_dim": 3, "linear_alpha": 2.0},
+        {"linear_dim": 4, "linear_alpha": 7.0, "conv_dim": 2, "conv_alpha": 0.5},
+    ],
+    ids=["same_dims", "conv_dims"],
+)
 def test_glora_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, kwargs):
     pristine, xs = GloraNet(), randn_inputs(GLORA_X)
     path = tmp_path / "glora.safetensors"
-    refs, saved = lycoris_refs(pristine, xs, lambda m: lycoris.create_lycoris(m, 1.0, algo="glora", **kwargs),
-                               path, seed=2)
+    refs, saved = lycoris_refs(
+        pristine, xs, lambda m: lycoris.create_lycoris(m, 1.0, algo="glora", **kwargs), path, seed=2
+    )
     assert sorted({k.split(".")[0] for k in saved}) == sorted(f"lycoris_{n}" for n in GLORA_X)
-    assert all(float(v) != saved[k.replace("alpha", "a2.weight")].shape[0] for k, v in saved.items()
-               if k.endswith(".alpha"))  # alpha != rank everywhere
+    assert all(
+        float(v) != saved[k.replace("alpha", "a2.weight")].shape[0]
+        for k, v in saved.items()
+        if k.endswith(".alpha")
+    )  # alpha != rank everywhere
     check_modes(pristine, str(path), len(saved), xs, refs)
 
 
 def old_naming(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Pre-3.0 names for the same adapter: a1 <-> a2 and b1 <-> b2 swap (old ΔW = b2·b1 + W·a2·a1)."""
-    swap = {"a1.weight": "a2.weight", "a2.weight": "a1.weight", "b1.weight": "b2.weight", "b2.weight": "b1.weight"}
+    swap = {
+        "a1.weight": "a2.weight",
+        "a2.weight": "a1.weight",
+        "b1.weight": "b2.weight",
+        "b2.weight": "b1.weight",
+    }
     out = {}
     for key, value in sd.items():
         stem, _, role = key.partition(".")
@@ -125,7 +154,12 @@ def old_naming(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def glora_linear_sd(layers: dict[str, tuple[int, int]], rank: int, alpha: float, seed: int) -> dict:
     g, sd = gen(seed), {}
     for name, (out, inp) in layers.items():
-        for role, shape in (("a1", (inp, rank)), ("a2", (rank, inp)), ("b1", (out, rank)), ("b2", (rank, inp))):
+        for role, shape in (
+            ("a1", (inp, rank)),
+            ("a2", (rank, inp)),
+            ("b1", (out, rank)),
+            ("b2", (rank, inp)),
+        ):
             sd[f"{name}.{role}.weight"] = torch.randn(*shape, generator=g) * 0.4
         sd[f"{name}.alpha"] = torch.tensor(alpha)
     return sd
@@ -149,15 +183,22 @@ def test_glora_old_naming(layer):
     new = glora_linear_sd({layer: shapes[layer]}, rank=3, alpha=5.0, seed=3)
     xs = randn_inputs({layer: (5, shapes[layer][1])})
     weights = {s: {layer: glora_ref_weight(pristine[layer].weight, new, layer, s)} for s in MULTIPLIERS}
-    refs = {s: {layer: F.linear(xs[layer].double(), weights[s][layer], pristine[layer].bias.double())}
-            for s in MULTIPLIERS}
+    refs = {
+        s: {layer: F.linear(xs[layer].double(), weights[s][layer], pristine[layer].bias.double())}
+        for s in MULTIPLIERS
+    }
     check_modes(pristine, old_naming(new), len(new), xs, refs, weights)
 
 
 def test_glora_naming_from_shapes():
     glora = FAMILIES["glora"]
     x, y = 8, 3
-    ambiguous = {"a1": torch.randn(x, y), "a2": torch.randn(y, x), "b1": torch.randn(x, y), "b2": torch.randn(y, x)}
+    ambiguous = {
+        "a1": torch.randn(x, y),
+        "a2": torch.randn(y, x),
+        "b1": torch.randn(x, y),
+        "b2": torch.randn(y, x),
+    }
     roles = {r: r for r in ambiguous}
     loaded = glora.load(ambiguous, roles)
     f, miss = glora.fit(loaded, (x, x))
@@ -170,8 +211,12 @@ def test_glora_naming_from_shapes():
     assert miss is None and not f.old_naming
     with pytest.raises(Exception, match="incomplete GLoRA: no b2.weight"):
         glora.load({r: t for r, t in ambiguous.items() if r != "b2"}, roles)
-    conv = {"a1": torch.randn(4, 2, 1, 1), "a2": torch.randn(2, 4, 1, 1), "b1": torch.randn(6, 2, 1, 1),
-            "b2": torch.randn(2, 4, 3, 3)}
+    conv = {
+        "a1": torch.randn(4, 2, 1, 1),
+        "a2": torch.randn(2, 4, 1, 1),
+        "b1": torch.randn(6, 2, 1, 1),
+        "b2": torch.randn(2, 4, 3, 3),
+    }
     f = glora.load(conv, {r: r for r in conv})
     assert f.is_conv_kernel and glora.check_target(f, (6, 4, 3, 3)) is None
     assert glora.check_target(glora.load(conv, {r: r for r in conv}), (6, 4, 3, 1)).kind == "shape_mismatch"
@@ -226,11 +271,23 @@ class NormNet(nn.Module):
 def test_norm_matches_lycoris_train_norm(tmp_path, lycoris_state):
     pristine, xs = NormNet(), randn_inputs({"lin": (2, 3, 12), "ln": (2, 3, 10), "gn": (2, 6, 4, 4)})
     path = tmp_path / "norm.safetensors"
-    refs, saved = lycoris_refs(pristine, xs, lambda m: lycoris.create_lycoris(
-        m, 1.0, linear_dim=2, linear_alpha=1.0, algo="lora", train_norm=True), path, seed=6)
+    refs, saved = lycoris_refs(
+        pristine,
+        xs,
+        lambda m: lycoris.create_lycoris(
+            m, 1.0, linear_dim=2, linear_alpha=1.0, algo="lora", train_norm=True
+        ),
+        path,
+        seed=6,
+    )
     assert {"lycoris_ln.w_norm", "lycoris_ln.b_norm", "lycoris_gn.w_norm", "lycoris_gn.b_norm"} <= set(saved)
-    weights = {s: {n: pristine.get_submodule(n).weight.double() + s * saved[f"lycoris_{n}.w_norm"].double()
-                   for n in ("ln", "gn")} for s in MULTIPLIERS}
+    weights = {
+        s: {
+            n: pristine.get_submodule(n).weight.double() + s * saved[f"lycoris_{n}.w_norm"].double()
+            for n in ("ln", "gn")
+        }
+        for s in MULTIPLIERS
+    }
     check_modes(pristine, str(path), len(saved), xs, refs, weights)
 
 
@@ -240,8 +297,13 @@ def test_norm_rmsnorm_and_biasless_layernorm():
     from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
     torch.manual_seed(1)
-    pristine = nn.ModuleDict({"rms": nn.RMSNorm(10, eps=1e-5), "drms": DiffusersRMSNorm(10, eps=1e-6),
-                              "lnb": nn.LayerNorm(10, bias=False)})
+    pristine = nn.ModuleDict(
+        {
+            "rms": nn.RMSNorm(10, eps=1e-5),
+            "drms": DiffusersRMSNorm(10, eps=1e-6),
+            "lnb": nn.LayerNorm(10, bias=False),
+        }
+    )
     with torch.no_grad():
         for m in pristine.values():
             m.weight.copy_(torch.rand(10) + 0.5)
@@ -258,11 +320,23 @@ def test_norm_rmsnorm_and_biasless_layernorm():
             "lnb": F.layer_norm(x["lnb"], (10,), w["lnb"], s * sd["lnb.b_norm"].double(), 1e-5),
         }
         merge_ok = {"rms", "drms"}
-        check_modes(pristine, {k: v for k, v in sd.items() if k.split(".")[0] in merge_ok}, 2,
-                    {n: xs[n] for n in merge_ok}, {s: {n: ref[n] for n in merge_ok}},
-                    {s: {n: w[n] for n in merge_ok}}, modes=("merge",))
-        check_modes(pristine, {k: v for k, v in sd.items() if k.startswith("rms.")}, 1, {"rms": xs["rms"]},
-                    {s: {"rms": ref["rms"]}}, modes=("runtime",))
+        check_modes(
+            pristine,
+            {k: v for k, v in sd.items() if k.split(".")[0] in merge_ok},
+            2,
+            {n: xs[n] for n in merge_ok},
+            {s: {n: ref[n] for n in merge_ok}},
+            {s: {n: w[n] for n in merge_ok}},
+            modes=("merge",),
+        )
+        check_modes(
+            pristine,
+            {k: v for k, v in sd.items() if k.startswith("rms.")},
+            1,
+            {"rms": xs["rms"]},
+            {s: {"rms": ref["rms"]}},
+            modes=("runtime",),
+        )
         model = copy.deepcopy(pristine)
         lnb = {k: v for k, v in sd.items() if k.startswith("lnb.")}
         handle = applied(model, lnb, "auto", s, 2)
@@ -330,11 +404,14 @@ def test_ia3_lycoris_hand_fixture(on_input):
 @pytest.mark.parametrize("train_on_input", [False, True])
 def test_ia3_lycoris_written_file_matches_lycoris_forward(tmp_path, lycoris_state, train_on_input):
     """A file written by LyCORIS itself (never reloaded by LyCORIS: its loader drops on_input)."""
-    preset = write_preset(tmp_path / "p.toml", ("Linear", "Conv2d"), {"algo": "ia3", "train_on_input": train_on_input})
+    preset = write_preset(
+        tmp_path / "p.toml", ("Linear", "Conv2d"), {"algo": "ia3", "train_on_input": train_on_input}
+    )
     pristine, xs = Ia3Net(), randn_inputs(IA3_X)
     path = tmp_path / "ia3.safetensors"
-    refs, saved = lycoris_refs(pristine, xs, lambda m: lycoris.create_lycoris(m, 1.0, algo="ia3", preset=preset),
-                               path, seed=9)
+    refs, saved = lycoris_refs(
+        pristine, xs, lambda m: lycoris.create_lycoris(m, 1.0, algo="ia3", preset=preset), path, seed=9
+    )
     assert all(float(v) == float(train_on_input) for k, v in saved.items() if k.endswith(".on_input"))
     check_modes(pristine, str(path), len(saved), xs, refs)
 
@@ -371,8 +448,10 @@ def test_ia3_peft_matches_peft_forward():
 
     pristine = Net()
     xs = randn_inputs({"lin": (2, 12), "ff": (2, 10), "cv": (2, 4, 5, 5), "cvf": (2, 6, 5, 5)})
-    peft_model = get_peft_model(copy.deepcopy(pristine), IA3Config(
-        target_modules=["lin", "ff", "cv", "cvf"], feedforward_modules=["ff", "cvf"]))
+    peft_model = get_peft_model(
+        copy.deepcopy(pristine),
+        IA3Config(target_modules=["lin", "ff", "cv", "cvf"], feedforward_modules=["ff", "cvf"]),
+    )
     g = gen(11)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -415,8 +494,11 @@ def test_ia3_fused_flux_qkv_rows():
 
 def test_ia3_bad_parts_are_reported():
     model = nn.ModuleDict({"sqc": nn.Conv2d(4, 4, 3), "lin": nn.Linear(12, 10)})
-    sd = {"sqc.ia3_l": torch.ones(1, 4, 1, 1),  # PEFT conv on a square conv: input or output side unknown
-          "lin.weight": torch.ones(7), "lin.on_input": torch.tensor(1)}  # 7 fits neither side
+    sd = {
+        "sqc.ia3_l": torch.ones(1, 4, 1, 1),  # PEFT conv on a square conv: input or output side unknown
+        "lin.weight": torch.ones(7),
+        "lin.on_input": torch.tensor(1),
+    }  # 7 fits neither side
     report = loraweave.plan(model, sd)
     reasons = {u["key"]: u["reason"] for u in report.unmatched}
     assert report.keys_applied == 0 and set(reasons) == set(sd), reasons

@@ -26,7 +26,9 @@ def test_locon_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, opt_id, 
     xs = inputs()
     base = outputs(pristine, xs)
     wrapped = copy.deepcopy(pristine)
-    net = lycoris.create_lycoris(wrapped, 1.0, algo="locon", preset=write_preset(tmp_path / "p.toml"), **kwargs)
+    net = lycoris.create_lycoris(
+        wrapped, 1.0, algo="locon", preset=write_preset(tmp_path / "p.toml"), **kwargs
+    )
     net.apply_to()
     randomise((p for m in net.loras for p in m.parameters()), seed=2, scale=0.5)  # LyCORIS zero-inits lora_up
     refs = multiplier_outputs(net, wrapped, xs, MULTIPLIERS)

@@ -47,18 +47,26 @@ class Net(nn.Module):
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    return randn_inputs({"lin": (2, 3, 12), "c1": (2, 4, 9), "c2": (2, 4, 9, 7), "c3": (1, 3, 5, 4, 6),
-                         "pw": (2, 4, 5, 5)})
+    return randn_inputs(
+        {"lin": (2, 3, 12), "c1": (2, 4, 9), "c2": (2, 4, 9, 7), "c3": (1, 3, 5, 4, 6), "pw": (2, 4, 5, 5)}
+    )
 
 
 # (id, create_lycoris kwargs, rs_lora): alpha != rank everywhere.
 OPTIONS = [
     ("default", {"linear_dim": 4, "linear_alpha": 2.0}, False),
     ("conv_dim", {"linear_dim": 4, "linear_alpha": 7.0, "conv_dim": 3, "conv_alpha": 1.5}, False),
-    ("tucker", {"linear_dim": 4, "linear_alpha": 2.0, "conv_dim": 3, "conv_alpha": 5.0, "use_tucker": True}, False),
+    (
+        "tucker",
+        {"linear_dim": 4, "linear_alpha": 2.0, "conv_dim": 3, "conv_alpha": 5.0, "use_tucker": True},
+        False,
+    ),
     ("rs_lora", {"linear_dim": 4, "linear_alpha": 3.0, "conv_dim": 2, "conv_alpha": 0.5}, True),
-    ("rs_lora_tucker", {"linear_dim": 5, "linear_alpha": 2.0, "conv_dim": 3, "conv_alpha": 4.0, "use_tucker": True},
-     True),
+    (
+        "rs_lora_tucker",
+        {"linear_dim": 5, "linear_alpha": 2.0, "conv_dim": 3, "conv_alpha": 4.0, "use_tucker": True},
+        True,
+    ),
 ]
 
 
@@ -68,13 +76,17 @@ def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, opt_id, kwargs
     xs = inputs()
     base = outputs(pristine, xs)
     wrapped = copy.deepcopy(pristine)
-    preset = write_preset(tmp_path / "p.toml", module_algo={"algo": "loha", "rs_lora": True} if rs_lora else None)
+    preset = write_preset(
+        tmp_path / "p.toml", module_algo={"algo": "loha", "rs_lora": True} if rs_lora else None
+    )
     net = lycoris.create_lycoris(wrapped, 1.0, algo="loha", preset=preset, **kwargs)
     mods = {m.lora_name.removeprefix("lycoris_"): m for m in net.loras}
     assert sorted(mods) == sorted(LAYERS)
     tucker = kwargs.get("use_tucker", False)
     for name, m in mods.items():
-        assert m.rs_lora == rs_lora and m.tucker == (tucker and name in KERNELS) and m.alpha != m.lora_dim, name
+        assert m.rs_lora == rs_lora and m.tucker == (tucker and name in KERNELS) and m.alpha != m.lora_dim, (
+            name
+        )
     net.apply_to()  # registers the LyCORIS modules: before this, net.parameters() is empty
     params = [p for m in net.loras for p in m.parameters()]
     assert len(params) == 4 * len(LAYERS) + (2 * len(KERNELS) if tucker else 0)
@@ -113,8 +125,11 @@ def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, opt_id, kwargs
 
 def loha_sd(stem: str, out: int, inp: int, rank: int, seed: int, alpha: float) -> dict[str, torch.Tensor]:
     g = gen(seed)
-    sd = {f"{stem}.hada_w{i}_{ab}": torch.randn(*shape, generator=g) * 0.5
-          for i in (1, 2) for ab, shape in (("a", (out, rank)), ("b", (rank, inp)))}
+    sd = {
+        f"{stem}.hada_w{i}_{ab}": torch.randn(*shape, generator=g) * 0.5
+        for i in (1, 2)
+        for ab, shape in (("a", (out, rank)), ("b", (rank, inp)))
+    }
     sd[f"{stem}.alpha"] = torch.tensor(alpha)
     return sd
 
@@ -141,9 +156,14 @@ def test_fp64_merge_and_stacking_with_lora_at_runtime():
     """fp64 weights stay fp64-exact; a LoHa (fn term) and a LoRA (rank pair) on one layer: runtime == merge."""
     torch.manual_seed(5)
     pristine = nn.ModuleDict({"fc": nn.Linear(16, 12).double(), "cv": nn.Conv2d(3, 4, 3, padding=1).double()})
-    loha = {**loha_sd("fc", 12, 16, rank=3, seed=6, alpha=1.0), **loha_sd("cv", 4, 27, rank=2, seed=7, alpha=5.0)}
-    lora = {"fc.lora_down.weight": torch.randn(2, 16, generator=gen(8)),
-            "fc.lora_up.weight": torch.randn(12, 2, generator=gen(9))}
+    loha = {
+        **loha_sd("fc", 12, 16, rank=3, seed=6, alpha=1.0),
+        **loha_sd("cv", 4, 27, rank=2, seed=7, alpha=5.0),
+    }
+    lora = {
+        "fc.lora_down.weight": torch.randn(2, 16, generator=gen(8)),
+        "fc.lora_up.weight": torch.randn(12, 2, generator=gen(9)),
+    }
     model = copy.deepcopy(pristine)
     handle = loraweave.apply(model, (loha, -0.6), mode="merge", strict=True)
     ref_fc = pristine.fc.weight + -0.6 * (1.0 / 3) * delta64(loha, "fc")
@@ -151,7 +171,10 @@ def test_fp64_merge_and_stacking_with_lora_at_runtime():
     assert model.fc.weight.dtype == torch.float64
     assert rel_err(model.fc.weight, ref_fc) <= 1e-12 and rel_err(model.cv.weight, ref_cv) <= 1e-12
     handle.remove()
-    xs = {"fc": torch.randn(5, 16, generator=gen(10)).float(), "cv": torch.randn(2, 3, 6, 6, generator=gen(11))}
+    xs = {
+        "fc": torch.randn(5, 16, generator=gen(10)).float(),
+        "cv": torch.randn(2, 3, 6, 6, generator=gen(11)),
+    }
     got = {}
     for mode in ("merge", "runtime"):
         model = copy.deepcopy(pristine).float()
@@ -163,15 +186,24 @@ def test_fp64_merge_and_stacking_with_lora_at_runtime():
 
 
 def test_factors_keep_their_dtype_and_tucker_layout():
-    sd = {"hada_w1_a": torch.randn(3, 6), "hada_w1_b": torch.randn(3, 4), "hada_t1": torch.randn(3, 3, 3, 3),
-          "hada_w2_a": torch.randn(3, 6), "hada_w2_b": torch.randn(3, 4), "hada_t2": torch.randn(3, 3, 3, 3)}
+    sd = {
+        "hada_w1_a": torch.randn(3, 6),
+        "hada_w1_b": torch.randn(3, 4),
+        "hada_t1": torch.randn(3, 3, 3, 3),
+        "hada_w2_a": torch.randn(3, 6),
+        "hada_w2_b": torch.randn(3, 4),
+        "hada_t2": torch.randn(3, 3, 3, 3),
+    }
     sd = {k: v.bfloat16() for k, v in sd.items()}
     f = FAMILIES["loha"].load(sd, {k: k for k in sd})
     assert f.rows == 6 and f.rank == 3 and f.is_conv_kernel and f.a1.dtype == torch.bfloat16
     assert FAMILIES["loha"].check_target(f, (6, 4, 3, 3)) is None
     assert FAMILIES["loha"].check_target(f, (6, 4, 3, 1)).kind == "shape_mismatch"
     d = {k: v.double() for k, v in sd.items()}
-    rebuild = [torch.einsum("ij...,jq,ip->pq...", d[f"hada_t{i}"], d[f"hada_w{i}_b"], d[f"hada_w{i}_a"]) for i in (1, 2)]
+    rebuild = [
+        torch.einsum("ij...,jq,ip->pq...", d[f"hada_t{i}"], d[f"hada_w{i}_b"], d[f"hada_w{i}_a"])
+        for i in (1, 2)
+    ]
     rows = torch.zeros(2, 36, dtype=torch.float64)
     FAMILIES["loha"].add_delta(rows, f, 3, 2, 2.0)
     assert rel_err(rows, 2.0 * (rebuild[0] * rebuild[1])[3:5].flatten(1)) <= 1e-12
@@ -183,14 +215,17 @@ def _reasons(sd: dict[str, torch.Tensor], model: nn.Module) -> list[str]:
     return sorted({u["reason"] for u in report.unmatched})
 
 
-@pytest.mark.parametrize("case, expect", [
-    ("missing_w2_b", "incomplete LoHa: no hada_w2_b"),
-    ("lonely_t1", "incomplete LoHa: hada_t1"),
-    ("rank_mismatch", "shape mismatch: LoHa factors do not pair"),
-    ("wrong_in", "shape mismatch: LoHa delta input"),
-    ("wrong_out", "shape mismatch: adapter has 10 output rows"),
-    ("nan", "bad tensor: fc.hada_w1_b holds NaN or Inf"),
-])
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("missing_w2_b", "incomplete LoHa: no hada_w2_b"),
+        ("lonely_t1", "incomplete LoHa: hada_t1"),
+        ("rank_mismatch", "shape mismatch: LoHa factors do not pair"),
+        ("wrong_in", "shape mismatch: LoHa delta input"),
+        ("wrong_out", "shape mismatch: adapter has 10 output rows"),
+        ("nan", "bad tensor: fc.hada_w1_b holds NaN or Inf"),
+    ],
+)
 def test_bad_parts_are_reported(case, expect):
     model = nn.ModuleDict({"fc": nn.Linear(12, 8)})
     sd = loha_sd("fc", 8, 12, rank=2, seed=12, alpha=1.0)
@@ -214,8 +249,15 @@ def test_report_names_the_dense_runtime_cost():
     """The issue allows a dense runtime path for LoHa as long as the report says what it costs."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 6))
     g = torch.Generator().manual_seed(5)
-    sd = {f"0.{k}": torch.randn(*s, generator=g) for k, s in
-          {"hada_w1_a": (6, 2), "hada_w1_b": (2, 8), "hada_w2_a": (6, 2), "hada_w2_b": (2, 8)}.items()}
+    sd = {
+        f"0.{k}": torch.randn(*s, generator=g)
+        for k, s in {
+            "hada_w1_a": (6, 2),
+            "hada_w1_b": (2, 8),
+            "hada_w2_a": (6, 2),
+            "hada_w2_b": (2, 8),
+        }.items()
+    }
     handle = loraweave.apply(model, sd, mode="runtime", strict=True)
     assert "loha: dense" in handle.report.applied[0].cost
     assert "loha: dense" in json.dumps(handle.report.to_dict())

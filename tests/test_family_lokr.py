@@ -57,8 +57,16 @@ class Net(nn.Module):
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    return randn_inputs({"lin": (2, 3, 128), "blk.proj": (5, 96), "c1": (2, 48, 11), "c2": (2, 64, 9, 7),
-                         "c3": (1, 32, 5, 4, 6), "pw": (2, 64, 5, 5)})
+    return randn_inputs(
+        {
+            "lin": (2, 3, 128),
+            "blk.proj": (5, 96),
+            "c1": (2, 48, 11),
+            "c2": (2, 64, 9, 7),
+            "c3": (1, 32, 5, 4, 6),
+            "pw": (2, 64, 5, 5),
+        }
+    )
 
 
 # (id, create_lycoris kwargs, rs_lora, expected factor keys somewhere in the file): alpha != rank everywhere.
@@ -80,12 +88,16 @@ def no_kron(*args, **kwargs):
 
 
 @pytest.mark.parametrize("opt_id, kwargs, rs_lora, expect", OPTIONS, ids=[o[0] for o in OPTIONS])
-def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, monkeypatch, opt_id, kwargs, rs_lora, expect):
+def test_matches_lycoris_wrapped_forward(
+    tmp_path, lycoris_state, monkeypatch, opt_id, kwargs, rs_lora, expect
+):
     pristine = Net()
     xs = inputs()
     base = outputs(pristine, xs)
     wrapped = copy.deepcopy(pristine)
-    preset = write_preset(tmp_path / "p.toml", module_algo={"algo": "lokr", "rs_lora": True} if rs_lora else None)
+    preset = write_preset(
+        tmp_path / "p.toml", module_algo={"algo": "lokr", "rs_lora": True} if rs_lora else None
+    )
     net = lycoris.create_lycoris(wrapped, 1.0, algo="lokr", preset=preset, **{**BASE, **kwargs})
     mods = {m.lora_name.removeprefix("lycoris_"): m for m in net.loras}
     assert sorted(mods) == sorted(n.replace(".", "_") for n in LAYERS)
@@ -169,14 +181,20 @@ def test_flat_conv_layout_and_stacking_with_lora():
     plus a LoRA on the same layers: merge == fp64 reference, runtime == merge, no kron at runtime."""
     torch.manual_seed(5)
     pristine = nn.ModuleDict({"cv": nn.Conv2d(10, 12, 3, padding=1), "fc": nn.Linear(30, 12)})
-    sd = {**lokr_sd("cv", 6, alpha=1.0, w1_a=(3, 2), w1_b=(2, 6), w2_a=(4, 2), w2_b=(2, 15)),  # 10*9 = 6*15
-          **lokr_sd("fc", 7, alpha=5.0, w1=(2, 5), w2=(6, 6))}  # both full: alpha ignored, γ = 1
-    lora = {"fc.lora_down.weight": torch.randn(2, 30, generator=gen(8)),
-            "fc.lora_up.weight": torch.randn(12, 2, generator=gen(9))}
+    sd = {
+        **lokr_sd("cv", 6, alpha=1.0, w1_a=(3, 2), w1_b=(2, 6), w2_a=(4, 2), w2_b=(2, 15)),  # 10*9 = 6*15
+        **lokr_sd("fc", 7, alpha=5.0, w1=(2, 5), w2=(6, 6)),
+    }  # both full: alpha ignored, γ = 1
+    lora = {
+        "fc.lora_down.weight": torch.randn(2, 30, generator=gen(8)),
+        "fc.lora_up.weight": torch.randn(12, 2, generator=gen(9)),
+    }
     s = -0.6
-    ref = {"cv": pristine.cv.weight.double() + s * 0.5 * kron64(sd, "cv").view(12, 10, 3, 3),
-           "fc": pristine.fc.weight.double() + s * (kron64(sd, "fc") + lora["fc.lora_up.weight"].double()
-                                                    @ lora["fc.lora_down.weight"].double())}
+    ref = {
+        "cv": pristine.cv.weight.double() + s * 0.5 * kron64(sd, "cv").view(12, 10, 3, 3),
+        "fc": pristine.fc.weight.double()
+        + s * (kron64(sd, "fc") + lora["fc.lora_up.weight"].double() @ lora["fc.lora_down.weight"].double()),
+    }
     adapters = [(sd, s), (lora, s)]
     xs = {"cv": torch.randn(2, 10, 7, 6, generator=gen(10)), "fc": torch.randn(4, 30, generator=gen(11))}
     model = copy.deepcopy(pristine)
@@ -212,17 +230,23 @@ def test_rank_rule_and_validation():
     assert FAMILIES["lokr"].check_target(tucker, (24, 31, 3, 3)).kind == "shape_mismatch"
     bad = {
         "incomplete LoKr": [dict(w1=(4, 4)), dict(w1_a=(4, 2), w2=(6, 8)), dict(w2=(6, 8))],
-        "shape mismatch": [dict(w1_a=(4, 2), w1_b=(3, 4), w2=(6, 8)), dict(w1=(4, 4), w1_a=(4, 2), w1_b=(2, 4), w2=(6, 8)),
-                           dict(w1=(4, 4), w2=(6, 8), t2=(2, 2, 3, 3)), dict(w1=(4, 4), w2_a=(6, 3), w2_b=(2, 8)),
-                           dict(w1=(4, 4, 3), w2=(6, 8))],
+        "shape mismatch": [
+            dict(w1_a=(4, 2), w1_b=(3, 4), w2=(6, 8)),
+            dict(w1=(4, 4), w1_a=(4, 2), w1_b=(2, 4), w2=(6, 8)),
+            dict(w1=(4, 4), w2=(6, 8), t2=(2, 2, 3, 3)),
+            dict(w1=(4, 4), w2_a=(6, 3), w2_b=(2, 8)),
+            dict(w1=(4, 4, 3), w2=(6, 8)),
+        ],
     }
     for reason, cases in bad.items():
         for case in cases:
             with pytest.raises(PartRejected, match=reason):
                 factors(**case)
     with pytest.raises(PartRejected, match="unsupported family: dora_scale"):  # never dropped silently
-        load({"lokr_w1": torch.ones(4, 4), "lokr_w2": torch.ones(6, 8), "dora_scale": torch.ones(24, 1)},
-             {"lokr_w1": "a", "lokr_w2": "b", "dora_scale": "c"})
+        load(
+            {"lokr_w1": torch.ones(4, 4), "lokr_w2": torch.ones(6, 8), "dora_scale": torch.ones(24, 1)},
+            {"lokr_w1": "a", "lokr_w2": "b", "dora_scale": "c"},
+        )
     # through the planner: NaN, wrong target width, every key reported with its reason
     target = nn.ModuleDict({"fc": nn.Linear(32, 24)})
     nan = lokr_sd("fc", 1, alpha=1.0, w1=(4, 4), w2=(6, 8))
@@ -242,8 +266,10 @@ def sd15_meta(realdata):
     from transformers import CLIPTextConfig, CLIPTextModel
 
     with torch.device("meta"):
-        return {"unet": UNet2DConditionModel.from_config(real_config("sd15__unet_config.json")),
-                "text_encoder": CLIPTextModel(CLIPTextConfig(**real_config("sd15__text_encoder_config.json")))}
+        return {
+            "unet": UNet2DConditionModel.from_config(real_config("sd15__unet_config.json")),
+            "text_encoder": CLIPTextModel(CLIPTextConfig(**real_config("sd15__text_encoder_config.json"))),
+        }
 
 
 @pytest.mark.parametrize("path", FALCON, ids=lambda p: p.name.split("__")[-1])
@@ -263,15 +289,34 @@ def test_real_file_plans_fully_and_attaches_at_runtime(path, sd15_meta):
 
 # stem -> (module path, real-size module): a flat-layout 3x3 conv, a strided one, 1x1 convs, Linears, the TE
 REAL_LAYERS = {
-    "lora_unet_down_blocks_0_resnets_0_conv1": ("down_blocks.0.resnets.0.conv1", lambda: nn.Conv2d(320, 320, 3, padding=1)),
-    "lora_unet_down_blocks_0_downsamplers_0_conv":
-        ("down_blocks.0.downsamplers.0.conv", lambda: nn.Conv2d(320, 320, 3, stride=2, padding=1)),
-    "lora_unet_up_blocks_0_resnets_0_conv_shortcut": ("up_blocks.0.resnets.0.conv_shortcut", lambda: nn.Conv2d(2560, 1280, 1)),
-    "lora_unet_down_blocks_0_attentions_0_proj_in": ("down_blocks.0.attentions.0.proj_in", lambda: nn.Conv2d(320, 320, 1)),
-    "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn2_to_k":
-        ("down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k", lambda: nn.Linear(768, 320, bias=False)),
-    "lora_unet_down_blocks_0_resnets_0_time_emb_proj": ("down_blocks.0.resnets.0.time_emb_proj", lambda: nn.Linear(1280, 320)),
-    "lora_te_text_model_encoder_layers_0_mlp_fc1": ("text_model.encoder.layers.0.mlp.fc1", lambda: nn.Linear(768, 3072)),
+    "lora_unet_down_blocks_0_resnets_0_conv1": (
+        "down_blocks.0.resnets.0.conv1",
+        lambda: nn.Conv2d(320, 320, 3, padding=1),
+    ),
+    "lora_unet_down_blocks_0_downsamplers_0_conv": (
+        "down_blocks.0.downsamplers.0.conv",
+        lambda: nn.Conv2d(320, 320, 3, stride=2, padding=1),
+    ),
+    "lora_unet_up_blocks_0_resnets_0_conv_shortcut": (
+        "up_blocks.0.resnets.0.conv_shortcut",
+        lambda: nn.Conv2d(2560, 1280, 1),
+    ),
+    "lora_unet_down_blocks_0_attentions_0_proj_in": (
+        "down_blocks.0.attentions.0.proj_in",
+        lambda: nn.Conv2d(320, 320, 1),
+    ),
+    "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn2_to_k": (
+        "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k",
+        lambda: nn.Linear(768, 320, bias=False),
+    ),
+    "lora_unet_down_blocks_0_resnets_0_time_emb_proj": (
+        "down_blocks.0.resnets.0.time_emb_proj",
+        lambda: nn.Linear(1280, 320),
+    ),
+    "lora_te_text_model_encoder_layers_0_mlp_fc1": (
+        "text_model.encoder.layers.0.mlp.fc1",
+        lambda: nn.Linear(768, 3072),
+    ),
 }
 
 
@@ -301,12 +346,23 @@ def test_real_file_layers_match_lycoris(path, realdata):
     refs, xs = {}, {}
     for stem, (_, module) in layers.items():
         w = {k.rsplit(".", 1)[1]: v.double() for k, v in sd.items() if k.startswith(stem + ".")}
-        delta = lycoris_diff_weight(None, w["lokr_w1_a"], w["lokr_w1_b"], None, w["lokr_w2_a"], w["lokr_w2_b"], None,
-                                    gamma=float(w["alpha"]))
+        delta = lycoris_diff_weight(
+            None,
+            w["lokr_w1_a"],
+            w["lokr_w1_b"],
+            None,
+            w["lokr_w2_a"],
+            w["lokr_w2_b"],
+            None,
+            gamma=float(w["alpha"]),
+        )
         refs[stem] = module.weight.double() + s * delta.view(module.weight.shape)
         in_dim = module.weight.shape[1]
-        xs[stem] = torch.randn(2, in_dim, 12, 10, generator=gen(1)) if module.weight.dim() == 4 else torch.randn(
-            3, in_dim, generator=gen(1))
+        xs[stem] = (
+            torch.randn(2, in_dim, 12, 10, generator=gen(1))
+            if module.weight.dim() == 4
+            else torch.randn(3, in_dim, generator=gen(1))
+        )
     target = {"unet": unet, "text_encoder": te}
 
     def run() -> dict[str, torch.Tensor]:

@@ -50,8 +50,9 @@ class Net(nn.Module):
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    return randn_inputs({"lin": (2, 3, 40), "blk.proj": (5, 24), "c1": (2, 12, 9), "c2": (2, 16, 7, 6),
-                         "c3": (1, 8, 4, 5, 3)})
+    return randn_inputs(
+        {"lin": (2, 3, 40), "blk.proj": (5, 24), "c1": (2, 12, 9), "c2": (2, 16, 7, 6), "c3": (1, 8, 4, 5, 3)}
+    )
 
 
 def lycoris_file(tmp_path, algo: str, constraint: float, rescaled: bool, noise: float = 0.1):
@@ -59,9 +60,21 @@ def lycoris_file(tmp_path, algo: str, constraint: float, rescaled: bool, noise: 
     preset = write_preset(tmp_path / "p.toml")
     pristine, xs = Net(), inputs()
     wrapped = copy.deepcopy(pristine)
-    net = lycoris.create_lycoris(wrapped, 1.0, linear_dim=4, linear_alpha=1.0, conv_dim=8, conv_alpha=1.0, algo=algo,
-                                 constraint=constraint, rescaled=rescaled, preset=preset)
-    assert sorted(m.lora_name.removeprefix("lycoris_") for m in net.loras) == sorted(n.replace(".", "_") for n in LAYERS)
+    net = lycoris.create_lycoris(
+        wrapped,
+        1.0,
+        linear_dim=4,
+        linear_alpha=1.0,
+        conv_dim=8,
+        conv_alpha=1.0,
+        algo=algo,
+        constraint=constraint,
+        rescaled=rescaled,
+        preset=preset,
+    )
+    assert sorted(m.lora_name.removeprefix("lycoris_") for m in net.loras) == sorted(
+        n.replace(".", "_") for n in LAYERS
+    )
     g = gen(2)
     with torch.no_grad():  # LyCORIS zero-inits the blocks (R = I) and ones-inits rescale: perturb both
         for m in net.loras:
@@ -86,7 +99,9 @@ def check_apply(pristine, xs, base, refs, source, expect_keys: int, strengths=MU
             assert report.keys_applied == report.keys_total == expect_keys
             for name in xs:
                 ref, ours = refs[s][name], got[mode][name]
-                assert rel_err(ref - base[name], base[name]) > effect, f"{name}: adapter has no visible effect"
+                assert rel_err(ref - base[name], base[name]) > effect, (
+                    f"{name}: adapter has no visible effect"
+                )
                 assert rel_err(ours, ref) <= TOL, (mode, s, name, rel_err(ours, ref))
                 assert rel_err(ours - base[name], ref - base[name]) <= TOL, (mode, s, name)
             handle.remove()
@@ -99,7 +114,9 @@ def check_apply(pristine, xs, base, refs, source, expect_keys: int, strengths=MU
 CASES = [(algo, c, r) for algo in ("diag-oft", "boft") for c in (0.0, 0.02) for r in (False, True)]
 
 
-@pytest.mark.parametrize("algo, constraint, rescaled", CASES, ids=[f"{a}-c{c}-{'rescaled' if r else 'plain'}" for a, c, r in CASES])
+@pytest.mark.parametrize(
+    "algo, constraint, rescaled", CASES, ids=[f"{a}-c{c}-{'rescaled' if r else 'plain'}" for a, c, r in CASES]
+)
 def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, algo, constraint, rescaled):
     pristine, xs, base, refs, path, net = lycoris_file(tmp_path, algo, constraint, rescaled)
     saved = load_file(str(path))
@@ -108,7 +125,12 @@ def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, algo, constrai
     ndim = {saved[k].dim() for k in saved if k.endswith(".oft_blocks")}
     assert ndim == ({3} if algo == "diag-oft" else {4})  # BOFT files are told apart by 4-D blocks only
     if constraint > 0:  # the constraint really clamps (c = α·out_dim, norm over all blocks)
-        clamped = [m for m in net.loras if float(torch.linalg.vector_norm(m.oft_blocks.detach() - m.oft_blocks.detach().mT)) > m.constraint]
+        clamped = [
+            m
+            for m in net.loras
+            if float(torch.linalg.vector_norm(m.oft_blocks.detach() - m.oft_blocks.detach().mT))
+            > m.constraint
+        ]
         assert len(clamped) == len(LAYERS)
     check_apply(pristine, xs, base, refs, str(path), len(saved))
 
@@ -125,13 +147,21 @@ def lin_inputs() -> dict[str, torch.Tensor]:
     return {"fc": torch.randn(4, 20, generator=gen(4)), "cv": torch.randn(2, 8, 5, 5, generator=gen(5))}
 
 
-def oft_sd(seed: int, noise: float = 0.2, alpha: float | None = 0.0, rescale: bool = False) -> dict[str, torch.Tensor]:
+def oft_sd(
+    seed: int, noise: float = 0.2, alpha: float | None = 0.0, rescale: bool = False
+) -> dict[str, torch.Tensor]:
     g = gen(seed)
-    sd = {"fc.oft_blocks": torch.randn(6, 4, 4, generator=g) * noise, "cv.oft_blocks": torch.randn(4, 4, 4, generator=g) * noise}
+    sd = {
+        "fc.oft_blocks": torch.randn(6, 4, 4, generator=g) * noise,
+        "cv.oft_blocks": torch.randn(4, 4, 4, generator=g) * noise,
+    }
     if alpha is not None:
         sd |= {"fc.alpha": torch.tensor(alpha), "cv.alpha": torch.tensor(alpha)}
     if rescale:
-        sd |= {"fc.rescale": 1 + 0.3 * torch.randn(24, 1, generator=g), "cv.rescale": 1 + 0.3 * torch.randn(16, 1, 1, 1, generator=g)}
+        sd |= {
+            "fc.rescale": 1 + 0.3 * torch.randn(24, 1, generator=g),
+            "cv.rescale": 1 + 0.3 * torch.randn(16, 1, 1, 1, generator=g),
+        }
     return sd
 
 
@@ -201,7 +231,9 @@ def test_constraint_zero_means_unconstrained(tmp_path, lycoris_state):
 
 def blockdiag_rotation(mats: list[torch.Tensor], s: float) -> torch.Tensor:
     """Dense fp64 blockdiag(R_s) with R_s = s·R + (1−s)·I: an independent reference (no einsum, no views)."""
-    return torch.block_diag(*[s * r.double() + (1 - s) * torch.eye(r.shape[0], dtype=torch.float64) for r in mats])
+    return torch.block_diag(
+        *[s * r.double() + (1 - s) * torch.eye(r.shape[0], dtype=torch.float64) for r in mats]
+    )
 
 
 def kohya_rotations(blocks: torch.Tensor, alpha: float, rows: int) -> list[torch.Tensor]:
@@ -237,8 +269,11 @@ def check_dense_reference(sd: dict, rotation: dict):
 def test_lycoris2_oft_diag_is_the_rotation_itself():
     """LyCORIS 2.x saved R itself as `oft_diag` (rescale folded in): no Cayley, no constraint, alpha ignored."""
     g = gen(8)
-    sd = {"fc.oft_diag": torch.eye(4) + 0.3 * torch.randn(6, 4, 4, generator=g),
-          "cv.oft_diag": torch.eye(8) + 0.3 * torch.randn(2, 8, 8, generator=g), "cv.alpha": torch.tensor(1e-9)}
+    sd = {
+        "fc.oft_diag": torch.eye(4) + 0.3 * torch.randn(6, 4, 4, generator=g),
+        "cv.oft_diag": torch.eye(8) + 0.3 * torch.randn(2, 8, 8, generator=g),
+        "cv.alpha": torch.tensor(1e-9),
+    }
     rotation = {n: (lambda s, n=n: blockdiag_rotation(list(sd[f"{n}.oft_diag"]), s)) for n in ("fc", "cv")}
     check_dense_reference(sd, rotation)
 
@@ -248,12 +283,18 @@ def test_kohya_coft_math(alpha):
     """kohya COFT: `oft_blocks` (dim, out/dim, out/dim) + `alpha`; Q always clamped to α·out_dim; R_s = s(R−I)+I.
     Keys without the `oft_unet_` prefix here (see test_kohya_prefix_routes for the real names)."""
     g = gen(9)
-    sd = {"fc.oft_blocks": torch.randn(4, 6, 6, generator=g) * 0.2, "fc.alpha": torch.tensor(alpha),
-          "cv.oft_blocks": torch.randn(2, 8, 8, generator=g) * 0.2, "cv.alpha": torch.tensor(alpha)}
+    sd = {
+        "fc.oft_blocks": torch.randn(4, 6, 6, generator=g) * 0.2,
+        "fc.alpha": torch.tensor(alpha),
+        "cv.oft_blocks": torch.randn(2, 8, 8, generator=g) * 0.2,
+        "cv.alpha": torch.tensor(alpha),
+    }
     rots = {n: kohya_rotations(sd[f"{n}.oft_blocks"], alpha, rows) for n, rows in (("fc", 24), ("cv", 16))}
     if alpha < 1:
         q = {n: sd[f"{n}.oft_blocks"] - sd[f"{n}.oft_blocks"].mT for n in ("fc", "cv")}
-        assert all(float(torch.linalg.vector_norm(q[n])) > alpha * rows for n, rows in (("fc", 24), ("cv", 16)))
+        assert all(
+            float(torch.linalg.vector_norm(q[n])) > alpha * rows for n, rows in (("fc", 24), ("cv", 16))
+        )
     check_dense_reference(sd, {n: (lambda s, n=n: blockdiag_rotation(rots[n], s)) for n in rots})
 
 
@@ -269,10 +310,21 @@ def test_kohya_flux_splits_rotate_each_split():
     fp64; the 1e-7 budget is kohya's clamp (c+1e-8)/(‖Q‖+1e-8) vs LyCORIS's c/(‖Q‖+1e-8) at c = 0.064. Through the family API: formats/keys.py does not yet parse `.oft_blocks.<i>` keys (see the report)."""
     fam = FAMILIES["oft"]
     g = gen(11)
-    alpha, splits = 2e-3, {"oft_blocks.0": (4, 8), "oft_blocks.1": (4, 8), "oft_blocks.2": (4, 4)}  # rows 32, 32, 16
-    tensors = {r: torch.randn(n, b, b, generator=g) * 0.2 for r, (n, b) in splits.items()} | {"alpha": torch.tensor(alpha)}
-    parsed = loraweave.load_adapter({f"oft_unet_x.{r}": t for r, t in tensors.items()})  # the key parser routes splits
-    assert parsed.unparsed == [] and set(parsed.parts[0].roles) == set(tensors) and parsed.parts[0].family == "oft"
+    alpha, splits = (
+        2e-3,
+        {"oft_blocks.0": (4, 8), "oft_blocks.1": (4, 8), "oft_blocks.2": (4, 4)},
+    )  # rows 32, 32, 16
+    tensors = {r: torch.randn(n, b, b, generator=g) * 0.2 for r, (n, b) in splits.items()} | {
+        "alpha": torch.tensor(alpha)
+    }
+    parsed = loraweave.load_adapter(
+        {f"oft_unet_x.{r}": t for r, t in tensors.items()}
+    )  # the key parser routes splits
+    assert (
+        parsed.unparsed == []
+        and set(parsed.parts[0].roles) == set(tensors)
+        and parsed.parts[0].family == "oft"
+    )
     f = fam.load(tensors, {r: f"oft_unet_x.{r}" for r in tensors})
     assert f.rows == 80 and fam.check_target(f, (80, 12)) is None
     rots = [r for role, (n, b) in splits.items() for r in kohya_rotations(tensors[role], alpha, n * b)]
@@ -289,7 +341,9 @@ def test_kohya_flux_splits_rotate_each_split():
         assert rel_err(target, ref[32:]) <= 1e-7, s
         term = fam.runtime_term(f, 32, 0, 48)
         base_out = x @ w[32:].mT
-        value = term.fn(x, None, base_out) * s if term.linear_in_strength else term.fn(x, None, base_out, s, 1.0)
+        value = (
+            term.fn(x, None, base_out) * s if term.linear_in_strength else term.fn(x, None, base_out, s, 1.0)
+        )
         assert rel_err(base_out + value, x @ ref[32:].mT) <= 1e-7, s
 
 
@@ -304,8 +358,11 @@ def test_fused_flux_qkv_rows():
     pristine = tiny_flux()
     stem = "lora_unet_double_blocks_0_img_attn_qkv"
     g = gen(12)
-    sd = {f"{stem}.oft_blocks": torch.randn(12, 8, 8, generator=g) * 0.3, f"{stem}.alpha": torch.tensor(0.0),
-          f"{stem}.rescale": 1 + 0.2 * torch.randn(96, 1, generator=g)}
+    sd = {
+        f"{stem}.oft_blocks": torch.randn(12, 8, 8, generator=g) * 0.3,
+        f"{stem}.alpha": torch.tensor(0.0),
+        f"{stem}.rescale": 1 + 0.2 * torch.randn(96, 1, generator=g),
+    }
     attn = "transformer_blocks.0.attn"
     names = [f"{attn}.to_q", f"{attn}.to_k", f"{attn}.to_v"]
     s = 0.7
@@ -328,7 +385,11 @@ def test_fused_flux_qkv_rows():
         with torch.no_grad():
             outs[mode] = flux_forward(model)
     assert rel_err(outs["runtime"], outs["merge"]) <= TOL
-    for blocks in (torch.zeros(8, 12, 12), torch.zeros(2, 48, 48), torch.zeros(3, 16, 6, 6)):  # cut 32-row chunks
+    for blocks in (
+        torch.zeros(8, 12, 12),
+        torch.zeros(2, 48, 48),
+        torch.zeros(3, 16, 6, 6),
+    ):  # cut 32-row chunks
         report = loraweave.plan(pristine, {f"{stem}.oft_blocks": blocks})
         assert reason_prefixes(report) == {"shape mismatch": 1}, report.unmatched
 
@@ -345,7 +406,9 @@ def peft_boft(monkeypatch, butterfly: int):
     monkeypatch.setattr(boft_layer, "get_fbd_cuda", lambda: object() if butterfly > 1 else None)
     pristine = lin_model()
     torch.manual_seed(14)
-    cfg = BOFTConfig(target_modules=["fc", "cv"], boft_block_size=2, boft_n_butterfly_factor=butterfly, init_weights=False)
+    cfg = BOFTConfig(
+        target_modules=["fc", "cv"], boft_block_size=2, boft_n_butterfly_factor=butterfly, init_weights=False
+    )
     peft_model = get_peft_model(copy.deepcopy(pristine), cfg).eval()
     sd = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
     return pristine, peft_model, sd
@@ -354,7 +417,10 @@ def peft_boft(monkeypatch, butterfly: int):
 @pytest.mark.parametrize("butterfly", [1, 2])
 def test_peft_boft(monkeypatch, butterfly):
     pristine, peft_model, sd = peft_boft(monkeypatch, butterfly)
-    assert {tuple(v.shape) for k, v in sd.items() if k.endswith("boft_R")} == {(butterfly, 10, 2, 2), (butterfly, 36, 2, 2)}
+    assert {tuple(v.shape) for k, v in sd.items() if k.endswith("boft_R")} == {
+        (butterfly, 10, 2, 2),
+        (butterfly, 36, 2, 2),
+    }
     xs = lin_inputs()
     refs = {}
     for name, module in pristine.items():
@@ -369,7 +435,9 @@ def test_peft_boft(monkeypatch, butterfly):
         m = torch.eye(p.shape[-1], dtype=torch.float64)
         for i in range(r.shape[0]):
             m = p[i] @ torch.block_diag(*rot[i]) @ p[i].mT @ m
-        w = layer.boft_s["default"].detach().double().reshape(-1, 1) * (module.weight.double().flatten(1) @ m.mT)
+        w = layer.boft_s["default"].detach().double().reshape(-1, 1) * (
+            module.weight.double().flatten(1) @ m.mT
+        )
         w = w.view_as(module.weight)
         op = F.linear if name == "fc" else lambda x, w_, b: F.conv2d(x, w_, b, padding=1)
         refs[name] = op(xs[name].double(), w, module.bias.double())
@@ -382,7 +450,11 @@ def test_peft_boft(monkeypatch, butterfly):
         got[mode] = outputs(model, xs)
         for name in xs:
             assert rel_err(refs[name] - base[name], base[name]) > 0.05
-            assert rel_err(got[mode][name], refs[name]) <= TOL, (mode, name, rel_err(got[mode][name], refs[name]))
+            assert rel_err(got[mode][name], refs[name]) <= TOL, (
+                mode,
+                name,
+                rel_err(got[mode][name], refs[name]),
+            )
         if mode == "runtime":  # a live strength change on the runtime path
             handle.set_strength(handle.report.adapters[0]["name"], 0.5)
             half_runtime = outputs(model, xs)
@@ -401,26 +473,39 @@ def test_rejections_are_reported():
     g = gen(15)
     cases = {
         # PEFT OFT with a LyCORIS-only companion key: never half-read
-        "unsupported family": [{"fc.oft_R.weight": torch.randn(5, 6, generator=g), "fc.rescale": torch.ones(24, 1)}],
+        "unsupported family": [
+            {"fc.oft_R.weight": torch.randn(5, 6, generator=g), "fc.rescale": torch.ones(24, 1)}
+        ],
         "shape mismatch": [
             {"fc.oft_blocks": torch.randn(5, 4, 4, generator=g)},  # 20 rows for a 24-row layer
             {"fc.oft_blocks": torch.randn(6, 4, 3, generator=g)},  # not square
-            {"fc.oft_blocks": torch.randn(6, 4, 4, generator=g), "fc.oft_diag": torch.randn(6, 4, 4, generator=g)},
+            {
+                "fc.oft_blocks": torch.randn(6, 4, 4, generator=g),
+                "fc.oft_diag": torch.randn(6, 4, 4, generator=g),
+            },
             {"fc.oft_blocks": torch.randn(6, 4, 4, generator=g), "fc.rescale": torch.ones(12, 1)},
             {"fc.oft_blocks": torch.randn(6, 4, 4, generator=g), "fc.alpha": torch.ones(2)},
             {"fc.oft_blocks": torch.randn(3, 3, 3, 3, generator=g)},  # BOFT block size must be even
-            {"fc.boft_R": torch.randn(1, 4, 4, 4, generator=g), "fc.boft_s": torch.ones(24, 1)},  # 16 input columns
+            {
+                "fc.boft_R": torch.randn(1, 4, 4, 4, generator=g),
+                "fc.boft_s": torch.ones(24, 1),
+            },  # 16 input columns
         ],
         "incomplete OFT": [{"fc.rescale": torch.ones(24, 1)}],
         "incomplete BOFT": [{"fc.boft_R": torch.randn(1, 10, 2, 2, generator=g)}],
-        "bad tensor": [{"fc.oft_blocks": torch.full((6, 4, 4), float("nan"))},
-                       {"fc.oft_blocks": torch.randn(6, 4, 4, generator=g), "fc.alpha": torch.tensor(float("inf"))}],
+        "bad tensor": [
+            {"fc.oft_blocks": torch.full((6, 4, 4), float("nan"))},
+            {"fc.oft_blocks": torch.randn(6, 4, 4, generator=g), "fc.alpha": torch.tensor(float("inf"))},
+        ],
     }
     for kind, sds in cases.items():
         for sd in sds:
             report = loraweave.plan(target, sd)
             assert reason_prefixes(report) == {kind: len(sd)}, (kind, sorted(sd), report.unmatched)
-    int_alpha = {"oft_blocks": torch.zeros(6, 4, 4), "alpha": torch.tensor(2)}  # kohya/numpy alphas: any dtype
+    int_alpha = {
+        "oft_blocks": torch.zeros(6, 4, 4),
+        "alpha": torch.tensor(2),
+    }  # kohya/numpy alphas: any dtype
     assert FAMILIES["oft"].load(int_alpha, {r: f"x.{r}" for r in int_alpha}).segments[0][1] == 2 * 24
     f = FAMILIES["boft"].load({"oft_blocks": torch.zeros(2, 4, 4, 4)}, {"oft_blocks": "x.oft_blocks"})
     assert type(f).__module__.endswith("boft") and f.rows == 16  # 4-D blocks: BOFT, detected before OFT

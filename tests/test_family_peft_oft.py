@@ -56,7 +56,13 @@ class Net(nn.Module):
 
 def inputs() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    shapes = {"lin": (3, 5, 24), "blk.proj": (4, 24), "c1": (2, 12, 5, 5), "c3": (2, 4, 6, 6), "c3s": (1, 8, 7, 7)}
+    shapes = {
+        "lin": (3, 5, 24),
+        "blk.proj": (4, 24),
+        "c1": (2, 12, 5, 5),
+        "c3": (2, 4, 6, 6),
+        "c3s": (1, 8, 7, 7),
+    }
     return {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
 
 
@@ -104,12 +110,24 @@ def check_against_peft(pristine, model, xs, apply_fn):
         assert handle.report.keys_applied == handle.report.keys_total == len(LAYERS)
         got = outputs(target, xs)
         for name in xs:
-            assert rel_err(merged_out[name] - base[name], base[name]) > 0.05, name  # the adapter does something
-            assert rel_err(got[name], merged_out[name]) <= TOL, (mode, name, rel_err(got[name], merged_out[name]))
+            assert rel_err(merged_out[name] - base[name], base[name]) > 0.05, (
+                name
+            )  # the adapter does something
+            assert rel_err(got[name], merged_out[name]) <= TOL, (
+                mode,
+                name,
+                rel_err(got[name], merged_out[name]),
+            )
             if name in forward:
-                assert rel_err(got[name], forward[name]) <= TOL, (mode, name, rel_err(got[name], forward[name]))
+                assert rel_err(got[name], forward[name]) <= TOL, (
+                    mode,
+                    name,
+                    rel_err(got[name], forward[name]),
+                )
         handle.remove()
-        assert all(torch.equal(a, b) for a, b in zip(outputs(target, xs).values(), base.values(), strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(outputs(target, xs).values(), base.values(), strict=True)
+        )
 
 
 def config_of(path) -> dict:
@@ -140,7 +158,9 @@ def family_apply(target: nn.Module, path, mode: str, strength: float = 1.0, conf
         if isinstance(module, nn.Conv2d):
             from loraweave.families.base import ConvSpec
 
-            spec = ConvSpec(F.conv2d, {"stride": module.stride, "padding": module.padding, "dilation": module.dilation})
+            spec = ConvSpec(
+                F.conv2d, {"stride": module.stride, "padding": module.padding, "dilation": module.dilation}
+            )
 
         def hook(mod, args, out, fn=term.fn, spec=spec):
             return out + strength * fn(args[0], spec)
@@ -165,7 +185,8 @@ def core_passes_config() -> bool:
 
 CORE_PASSES_CONFIG = core_passes_config()
 needs_core_config = pytest.mark.xfail(
-    not CORE_PASSES_CONFIG, strict=True,
+    not CORE_PASSES_CONFIG,
+    strict=True,
     reason="plan/resolve.py does not yet pass adapter.meta_alpha.peft to family.load(..., config=)",
 )
 
@@ -196,7 +217,9 @@ def test_family_matches_peft(tmp_path, name):
             self.hooks = family_apply(target, path, mode)
             self.target, self.mode = target, mode
             self.report = type("R", (), {"keys_applied": len(LAYERS), "keys_total": len(LAYERS)})
-            self.backup = {n: m.weight.detach().clone() for n, m in pristine.named_modules() if hasattr(m, "weight")}
+            self.backup = {
+                n: m.weight.detach().clone() for n, m in pristine.named_modules() if hasattr(m, "weight")
+            }
 
         def remove(self):
             for h in self.hooks:
@@ -211,14 +234,18 @@ def test_family_matches_peft(tmp_path, name):
 def test_directory_with_default_config(tmp_path):
     """loraweave.apply(model, PEFT directory): adapter_model.safetensors keys land; PEFT's default form."""
     pristine, model, path = make_peft(tmp_path)
-    check_against_peft(pristine, model, inputs(), lambda m, mode: loraweave.apply(m, str(path), mode=mode, strict=True))
+    check_against_peft(
+        pristine, model, inputs(), lambda m, mode: loraweave.apply(m, str(path), mode=mode, strict=True)
+    )
 
 
 @needs_core_config
 @pytest.mark.parametrize("name", ["exact_r6", "neumann3", "block_share_exact", "coft"])
 def test_directory_config_reaches_the_family(tmp_path, name):
     pristine, model, path = make_peft(tmp_path, **CONFIGS[name])
-    check_against_peft(pristine, model, inputs(), lambda m, mode: loraweave.apply(m, str(path), mode=mode, strict=True))
+    check_against_peft(
+        pristine, model, inputs(), lambda m, mode: loraweave.apply(m, str(path), mode=mode, strict=True)
+    )
 
 
 def test_inject_adapter_state_dict_without_config():
@@ -229,8 +256,10 @@ def test_inject_adapter_state_dict_without_config():
     torch.manual_seed(8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = inject_adapter_in_model(OFTConfig(target_modules=["lin", "c1"], oft_block_size=4, r=0,
-                                                  init_weights=False), copy.deepcopy(pristine))
+        model = inject_adapter_in_model(
+            OFTConfig(target_modules=["lin", "c1"], oft_block_size=4, r=0, init_weights=False),
+            copy.deepcopy(pristine),
+        )
     sd = {k: v.detach() * 3 for k, v in get_peft_model_state_dict(model).items()}
     assert set(sd) == {"lin.oft_R.weight", "c1.oft_R.weight"}
     model.load_state_dict({k.replace(".oft_R.", ".oft_R.default."): v for k, v in sd.items()}, strict=False)
@@ -253,20 +282,29 @@ def test_strength_interpolates_the_rotation(tmp_path, strength):
     for name in LAYERS:
         layer = model.base_model.model.get_submodule(name)
         m = layer.get_delta_weight("default").double()
-        m_s = torch.eye(m.shape[0], dtype=torch.float64) + strength * (m - torch.eye(m.shape[0], dtype=torch.float64))
+        m_s = torch.eye(m.shape[0], dtype=torch.float64) + strength * (
+            m - torch.eye(m.shape[0], dtype=torch.float64)
+        )
         base = pristine.get_submodule(name)
         w = (base.weight.double().flatten(1) @ m_s.mT).view_as(base.weight)
         bias = None if base.bias is None else base.bias.double()
         x = xs[name].double()
-        refs[name] = (F.linear(x, w, bias) if isinstance(base, nn.Linear)
-                      else F.conv2d(x, w, bias, stride=base.stride, padding=base.padding))
+        refs[name] = (
+            F.linear(x, w, bias)
+            if isinstance(base, nn.Linear)
+            else F.conv2d(x, w, bias, stride=base.stride, padding=base.padding)
+        )
     got = {}
     for mode in ("merge", "runtime"):
         target = copy.deepcopy(pristine)
         handle = loraweave.apply(target, str(path), mode=mode, strength=strength, strict=True)
         got[mode] = outputs(target, xs)
         for name in LAYERS:
-            assert rel_err(got[mode][name], refs[name]) <= TOL, (mode, name, rel_err(got[mode][name], refs[name]))
+            assert rel_err(got[mode][name], refs[name]) <= TOL, (
+                mode,
+                name,
+                rel_err(got[mode][name], refs[name]),
+            )
         if mode == "runtime":  # a live strength change on the runtime path: back to PEFT at s = 1
             handle.set_strength(handle.report.adapters[0]["name"], 1.0)
             forward, _, _ = peft_refs(model, xs)
@@ -284,7 +322,9 @@ def test_peft_conv_forward_disagrees_with_its_merge():
     x = torch.randn(2, 4, 7, 7, generator=torch.Generator().manual_seed(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = get_peft_model(copy.deepcopy(pristine), OFTConfig(target_modules=["0"], oft_block_size=4, r=0))
+        model = get_peft_model(
+            copy.deepcopy(pristine), OFTConfig(target_modules=["0"], oft_block_size=4, r=0)
+        )
     with torch.no_grad():
         assert rel_err(model(x), pristine(x)) > 0.5  # identity init, yet the output changes
         assert rel_err(copy.deepcopy(model).merge_and_unload()(x), pristine(x)) <= TOL
@@ -303,7 +343,12 @@ def test_legacy_neumann_series_before_peft_018():
     for terms, version in ((5, "0.17.1"), (4, None), (3, "0.15.0")):
         r = eye + sum(2 * torch.linalg.matrix_power(q, k) for k in range(1, terms))
         ref = w.double() @ torch.block_diag(*r).mT
-        cfg = {"peft_type": "OFT", "oft_block_size": 4, "use_cayley_neumann": True, "num_cayley_neumann_terms": terms}
+        cfg = {
+            "peft_type": "OFT",
+            "oft_block_size": 4,
+            "use_cayley_neumann": True,
+            "num_cayley_neumann_terms": terms,
+        }
         if version:
             cfg["peft_version"] = version
         f = FAMILIES["peft_oft"].load({"oft_R": vec}, {"oft_R": "x.oft_R.weight"}, config=cfg)
@@ -335,10 +380,14 @@ def test_rejections_and_config_handling():
         "shape mismatch": [
             {"lin.oft_R.weight": torch.randn(5, 6, generator=g)},  # 5 blocks of 4 = 20 columns, layer has 24
             {"lin.oft_R.weight": torch.randn(6, 5, generator=g)},  # 5 is not b(b-1)/2
-            {"lin.oft_R.weight": torch.randn(1, 10, generator=g)},  # shared block of 5 does not tile 24 columns
+            {
+                "lin.oft_R.weight": torch.randn(1, 10, generator=g)
+            },  # shared block of 5 does not tile 24 columns
             {"lin.oft_R.weight": torch.randn(6, 6, 1, generator=g)},
         ],
-        "unsupported family": [{"lin.oft_R.weight": torch.randn(6, 6, generator=g), "lin.rescale": torch.ones(20, 1)}],
+        "unsupported family": [
+            {"lin.oft_R.weight": torch.randn(6, 6, generator=g), "lin.rescale": torch.ones(20, 1)}
+        ],
         "bad tensor": [{"lin.oft_R.weight": torch.full((6, 6), float("nan"))}],
     }
     for kind, sds in cases.items():
@@ -355,7 +404,9 @@ def test_rejections_and_config_handling():
         load(vec, key, config={"peft_type": "OFT", "oft_block_size": 4, "block_share": True})
     with pytest.raises(peft_oft.PartRejected, match="components disagree"):
         load(vec, key, config={"unet.use_cayley_neumann": True, "text_encoder.use_cayley_neumann": False})
-    prefixed = load(vec, key, config={"transformer.use_cayley_neumann": False, "transformer.peft_version": "0.21.0"})
+    prefixed = load(
+        vec, key, config={"transformer.use_cayley_neumann": False, "transformer.peft_version": "0.21.0"}
+    )
     assert prefixed.neumann_terms is None  # diffusers-style component prefixes are read
     lora_cfg = load(vec, key, config={"peft_type": "LORA", "r": 4, "lora_alpha": 4})
     assert lora_cfg.neumann_terms == 5 and "defaults" in lora_cfg.form and not lora_cfg.legacy_series

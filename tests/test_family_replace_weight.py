@@ -14,18 +14,25 @@ import loraweave
 def test_bfl_norm_scale_replaces_the_rms_norm_weight_merge_and_runtime():
     base = tiny_flux()
     g = torch.Generator().manual_seed(2)
-    sd = {"single_blocks.1.norm.key_norm.scale": 1 + torch.randn(16, generator=g) * 0.3,
-          "double_blocks.0.txt_attn.norm.query_norm.scale": 1 + torch.randn(16, generator=g) * 0.3}
+    sd = {
+        "single_blocks.1.norm.key_norm.scale": 1 + torch.randn(16, generator=g) * 0.3,
+        "double_blocks.0.txt_attn.norm.query_norm.scale": 1 + torch.randn(16, generator=g) * 0.3,
+    }
     with torch.no_grad():
         plain = flux_forward(base)
         outs = {}
         for mode, strength in (("merge", 1.0), ("runtime", 1.0), ("merge", 0.5)):
             model = copy.deepcopy(base)
             handle = loraweave.apply(model, sd, mode=mode, strength=strength, strict=True)
-            assert {m.module for m in handle.report.applied} == {"single_transformer_blocks.1.attn.norm_k",
-                                                                 "transformer_blocks.0.attn.norm_added_q"}
+            assert {m.module for m in handle.report.applied} == {
+                "single_transformer_blocks.1.attn.norm_k",
+                "transformer_blocks.0.attn.norm_added_q",
+            }
             if mode == "merge":  # replaced outright, whatever the strength
-                assert torch.equal(model.single_transformer_blocks[1].attn.norm_k.weight, sd["single_blocks.1.norm.key_norm.scale"])
+                assert torch.equal(
+                    model.single_transformer_blocks[1].attn.norm_k.weight,
+                    sd["single_blocks.1.norm.key_norm.scale"],
+                )
             outs[(mode, strength)] = flux_forward(model)
             handle.remove()
             assert torch.equal(flux_forward(model), plain)

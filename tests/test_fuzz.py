@@ -39,13 +39,51 @@ FILES = [  # SD1.5 files: diffusers/PEFT-named LoRA, cloneofsimo (metadata-drive
     "KohakuBlueleaf__LyCORIS__smart_falcon_4_lokr.safetensors",
     "KohakuBlueleaf__LyCORIS__smart_falcon_8_lokr.safetensors",
 ]
-DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "U16", "U32", "U64", "F8_E4M3",
-          "F8_E5M2", "F8_E8M0", "C64", "F4", "F6_E2M3", "F6_E3M2"]
-JUNK = ['{"r": [4], "lora_alpha": 4}', '{"r": 4, "lora_alpha": [1]}', '{"r": 1e400, "lora_alpha": 4}',
-        '{"r": 4, "lora_alpha": 4, "alpha_pattern": {"(": 2}}', '{"r": 4, "rank_pattern": {"down": "x"}}',
-        '{"r": -3, "lora_alpha": 4}', '{"lora_alpha": NaN}', '{"use_rslora": "yes", "lora_alpha": 1}', "[1, 2]",
-        '{"a":', "nan", "1e999", "-0", "", "None", "\ud800", '["CLIPAttention", 3]', "7", '{"conv_alpha": "x"}',
-        '{"r": 4, "lora_alpha": 1e30}', '{"r": 1, "lora_alpha": 1e-30}']
+DTYPES = [
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U8",
+    "BOOL",
+    "U16",
+    "U32",
+    "U64",
+    "F8_E4M3",
+    "F8_E5M2",
+    "F8_E8M0",
+    "C64",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+]
+JUNK = [
+    '{"r": [4], "lora_alpha": 4}',
+    '{"r": 4, "lora_alpha": [1]}',
+    '{"r": 1e400, "lora_alpha": 4}',
+    '{"r": 4, "lora_alpha": 4, "alpha_pattern": {"(": 2}}',
+    '{"r": 4, "rank_pattern": {"down": "x"}}',
+    '{"r": -3, "lora_alpha": 4}',
+    '{"lora_alpha": NaN}',
+    '{"use_rslora": "yes", "lora_alpha": 1}',
+    "[1, 2]",
+    '{"a":',
+    "nan",
+    "1e999",
+    "-0",
+    "",
+    "None",
+    "\ud800",
+    '["CLIPAttention", 3]',
+    "7",
+    '{"conv_alpha": "x"}',
+    '{"r": 4, "lora_alpha": 1e30}',
+    '{"r": 1, "lora_alpha": 1e-30}',
+]
 META_FIELDS = ["lora_adapter_metadata", "ss_network_alpha", "ss_network_args", "unet", "text_encoder"]
 
 
@@ -55,8 +93,10 @@ def sd15(realdata):
     from transformers import CLIPTextConfig, CLIPTextModel
 
     with torch.device("meta"):
-        return {"unet": UNet2DConditionModel.from_config(real_config("sd15__unet_config.json")),
-                "text_encoder": CLIPTextModel(CLIPTextConfig(**real_config("sd15__text_encoder_config.json")))}
+        return {
+            "unet": UNet2DConditionModel.from_config(real_config("sd15__unet_config.json")),
+            "text_encoder": CLIPTextModel(CLIPTextConfig(**real_config("sd15__text_encoder_config.json"))),
+        }
 
 
 def split(raw: bytes) -> tuple[dict, bytes]:
@@ -103,13 +143,37 @@ def mutate(raw: bytes, rng: random.Random, hot: list[str], kind: str) -> tuple[b
     if kind == "offsets":
         b, e = entry["data_offsets"]
         other = header[rng.choice(tensors(header))]["data_offsets"]
-        entry["data_offsets"] = rng.choice([[b + 1, e + 1], [e, b], [b, e + 4], [-1, e], [float(b), float(e)],
-                                            "x", [b], [b, e, e], list(other), [b - 2, e - 2]])
+        entry["data_offsets"] = rng.choice(
+            [
+                [b + 1, e + 1],
+                [e, b],
+                [b, e + 4],
+                [-1, e],
+                [float(b), float(e)],
+                "x",
+                [b],
+                [b, e, e],
+                list(other),
+                [b - 2, e - 2],
+            ]
+        )
         return join(header, data), f"{kind} {key} {entry['data_offsets']!r}"
     if kind == "shape":
         shape = list(entry["shape"])
-        entry["shape"] = rng.choice([shape + [1], shape[:-1], [0] + shape, [10**30, 0], [-1] + shape[1:],
-                                     [float(d) for d in shape], shape[::-1], [(shape[0] if shape else 1) * 2] + shape[1:], "x", None])
+        entry["shape"] = rng.choice(
+            [
+                shape + [1],
+                shape[:-1],
+                [0] + shape,
+                [10**30, 0],
+                [-1] + shape[1:],
+                [float(d) for d in shape],
+                shape[::-1],
+                [(shape[0] if shape else 1) * 2] + shape[1:],
+                "x",
+                None,
+            ]
+        )
         return join(header, data), f"{kind} {key} {entry['shape']!r}"
     if kind == "values":
         key = rng.choice(hot or tensors(header))
@@ -134,8 +198,16 @@ def mutate(raw: bytes, rng: random.Random, hot: list[str], kind: str) -> tuple[b
         meta[rng.choice(META_FIELDS)] = rng.choice(JUNK)
         header["__metadata__"] = rng.choice([meta, meta, {"x": 1}, [], "s"])
         return join(header, data), f"{kind} {header['__metadata__']!r:.120}"
-    new = rng.choice([key + "\ud800", key.replace(".", "_", 1), key + ".alpha", key.replace("weight", "w"),
-                      "lora_te_" + key, key.upper()])
+    new = rng.choice(
+        [
+            key + "\ud800",
+            key.replace(".", "_", 1),
+            key + ".alpha",
+            key.replace("weight", "w"),
+            "lora_te_" + key,
+            key.upper(),
+        ]
+    )
     header[new] = header.pop(key)
     return join(header, data), f"keys {key!r} -> {new!r}"
 
@@ -168,12 +240,16 @@ def snapshot(layers) -> list[dict[str, torch.Tensor]]:
 
 
 def unchanged(layers, snap) -> bool:
-    return all(m.state_dict().keys() == s.keys() and all(torch.equal(m.state_dict()[k], s[k]) for k in s)
-               for (_, m), s in zip(layers, snap, strict=True))
+    return all(
+        m.state_dict().keys() == s.keys() and all(torch.equal(m.state_dict()[k], s[k]) for k in s)
+        for (_, m), s in zip(layers, snap, strict=True)
+    )
 
 
 def no_hooks(sd15) -> bool:
-    return all(not m._forward_hooks and "forward" not in m.__dict__ for root in sd15.values() for m in root.modules())
+    return all(
+        not m._forward_hooks and "forward" not in m.__dict__ for root in sd15.values() for m in root.modules()
+    )
 
 
 def inspect_case(path: Path, label: str) -> str | None:
@@ -194,8 +270,9 @@ def inspect_case(path: Path, label: str) -> str | None:
     return None
 
 
-def run_case(sd15, raw: bytes, case: int, tmp_path: Path, layers, hot: list[str], mode: str,
-             rng: random.Random) -> str | None:
+def run_case(
+    sd15, raw: bytes, case: int, tmp_path: Path, layers, hot: list[str], mode: str, rng: random.Random
+) -> str | None:
     """One mutated file through apply; returns a failure description or None."""
     mutated, what = mutate(raw, rng, hot, KINDS[case % len(KINDS)])
     path = tmp_path / f"case{case}.safetensors"
@@ -241,4 +318,6 @@ def test_fuzz_real_files(sd15, tmp_path):
             failure = run_case(sd15, raw, index * per_file + case, tmp_path, layers, hot, mode, rng)
             if failure:
                 failures.append(failure)
-    assert not failures, f"{len(failures)} of {per_file * len(FILES)} cases failed:\n" + "\n".join(failures[:10])
+    assert not failures, f"{len(failures)} of {per_file * len(FILES)} cases failed:\n" + "\n".join(
+        failures[:10]
+    )

@@ -40,9 +40,14 @@ def _lora(pipe_dir: Path, path: Path, extra: dict | None = None) -> Path:
     pipe = StableDiffusionPipeline.from_pretrained(pipe_dir, local_files_only=True)
     g = torch.Generator().manual_seed(3)
     sd = {}
-    targets = [("lora_unet_", n, m) for n, m in pipe.unet.named_modules()
-               if isinstance(m, torch.nn.Linear) and "attentions" in n]
-    targets += [("lora_te_", n, m) for n, m in pipe.text_encoder.named_modules() if n.endswith(("q_proj", "v_proj"))]
+    targets = [
+        ("lora_unet_", n, m)
+        for n, m in pipe.unet.named_modules()
+        if isinstance(m, torch.nn.Linear) and "attentions" in n
+    ]
+    targets += [
+        ("lora_te_", n, m) for n, m in pipe.text_encoder.named_modules() if n.endswith(("q_proj", "v_proj"))
+    ]
     for prefix, name, module in targets:
         stem = prefix + name.replace(".", "_")
         sd[f"{stem}.lora_down.weight"] = torch.randn(4, module.in_features, generator=g) * 0.3
@@ -78,13 +83,22 @@ def _by_hand(pipe_dir: Path, adapters, prompt: str = "a cat") -> np.ndarray:
     pipe.set_progress_bar_config(disable=True)
     if adapters:
         loraweave.apply(pipe, adapters)
-    image = pipe(prompt=prompt, negative_prompt="blurry", num_inference_steps=3, guidance_scale=5.0, height=32,
-                 width=32, generator=torch.Generator().manual_seed(7)).images[0]
+    image = pipe(
+        prompt=prompt,
+        negative_prompt="blurry",
+        num_inference_steps=3,
+        guidance_scale=5.0,
+        height=32,
+        width=32,
+        generator=torch.Generator().manual_seed(7),
+    ).images[0]
     return np.asarray(image.convert("RGB")).astype(np.int16)
 
 
 def test_tag_equals_apply_by_hand_and_changes_the_image(tmp_path, pipe_dir, lora_dir):
-    rc, tagged = _generate(tmp_path, pipe_dir, "tagged", "-p", "a cat <lora:x:1>", "--lora-dir", str(lora_dir))
+    rc, tagged = _generate(
+        tmp_path, pipe_dir, "tagged", "-p", "a cat <lora:x:1>", "--lora-dir", str(lora_dir)
+    )
     assert rc == 0
     rc, plain = _generate(tmp_path, pipe_dir, "plain", "-p", "a cat")
     assert rc == 0
@@ -97,10 +111,13 @@ def test_tag_equals_apply_by_hand_and_changes_the_image(tmp_path, pipe_dir, lora
 def test_strengths_from_tag_and_flag(tmp_path, pipe_dir, lora_dir):
     """`<lora:x:0.5:0>` (text encoder off) and `--lora FILE:0.5` match apply() with the same strengths."""
     path = lora_dir / "styles" / "x.safetensors"
-    rc, te_off = _generate(tmp_path, pipe_dir, "te_off", "-p", "a cat <lora:styles/x:0.5:0>", "--lora-dir",
-                           str(lora_dir))
+    rc, te_off = _generate(
+        tmp_path, pipe_dir, "te_off", "-p", "a cat <lora:styles/x:0.5:0>", "--lora-dir", str(lora_dir)
+    )
     assert rc == 0
-    assert np.array_equal(_pixels(te_off), _by_hand(pipe_dir, [loraweave.AdapterSpec(path, 0.5, te_strength=0.0)]))
+    assert np.array_equal(
+        _pixels(te_off), _by_hand(pipe_dir, [loraweave.AdapterSpec(path, 0.5, te_strength=0.0)])
+    )
     rc, flag = _generate(tmp_path, pipe_dir, "flag", "-p", "a cat", "--lora", f"{path}:0.5")
     assert rc == 0
     assert np.array_equal(_pixels(flag), _by_hand(pipe_dir, [(path, 0.5)]))
@@ -111,8 +128,8 @@ def _png_chunks(path: Path) -> list[tuple[bytes, bytes]]:
     data = path.read_bytes()
     pos, out = 8, []
     while pos < len(data):
-        n = struct.unpack(">I", data[pos:pos + 4])[0]
-        out.append((data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]))
+        n = struct.unpack(">I", data[pos : pos + 4])[0]
+        out.append((data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]))
         pos += 12 + n
     return out
 
@@ -132,7 +149,7 @@ def test_metadata_a1111_infotext_report_and_sidecar(tmp_path, pipe_dir, lora_dir
     assert params["Size"] == "32x32" and params["Sampler"] == "Euler" and params["Model"] == "pipe"
     assert "Model hash" not in params  # a folder has no file hash (A1111 hashes single files)
     raw = (lora_dir / "styles" / "x.safetensors").read_bytes()
-    addnet = hashlib.sha256(raw[8 + struct.unpack("<Q", raw[:8])[0]:]).hexdigest()[:12]
+    addnet = hashlib.sha256(raw[8 + struct.unpack("<Q", raw[:8])[0] :]).hexdigest()[:12]
     assert params["Lora hashes"] == f"x: {addnet}"
     assert params["Version"].startswith("loraweave ")
     report = json.loads(text[b"loraweave"])
@@ -151,11 +168,29 @@ def test_progress_bar_on_a_terminal_only(tmp_path, pipe_dir, capsys):
     import termios
 
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # tqdm draws nothing at 0 columns
+    fcntl.ioctl(
+        slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0)
+    )  # tqdm draws nothing at 0 columns
     env = {**os.environ, "PYTHONPATH": str(SRC), "SDNQ_USE_TORCH_COMPILE": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "loraweave", "generate", "--model", str(pipe_dir), "-p", "a cat",
-                           "-o", str(tmp_path / "tty.png"), *COMMON], stdout=subprocess.PIPE, stderr=slave, env=env,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loraweave",
+            "generate",
+            "--model",
+            str(pipe_dir),
+            "-p",
+            "a cat",
+            "-o",
+            str(tmp_path / "tty.png"),
+            *COMMON,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=env,
+        timeout=300,
+    )
     os.close(slave)
     err = b""
     while True:
@@ -171,16 +206,19 @@ def test_progress_bar_on_a_terminal_only(tmp_path, pipe_dir, capsys):
     assert b"steps: 100%" in err and b"3/3" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "/nonexistent/model"], "no such file or folder"),
-    (["-W", "30"], "-W must be a positive multiple of 8"),
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--budget", "lots"], "--budget must be"),
-    (["-p", "a <lora:nope:1>"], "pass --lora-dir"),
-    (["--lora", "/nonexistent.safetensors:0.5"], "no such file"),
-    (["--device", "no-such-device"], "--device 'no-such-device'"),
-    (["--arch", "sd9"], "--arch must be one of"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent/model"], "no such file or folder"),
+        (["-W", "30"], "-W must be a positive multiple of 8"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--budget", "lots"], "--budget must be"),
+        (["-p", "a <lora:nope:1>"], "pass --lora-dir"),
+        (["--lora", "/nonexistent.safetensors:0.5"], "no such file"),
+        (["--device", "no-such-device"], "--device 'no-such-device'"),
+        (["--arch", "sd9"], "--arch must be one of"),
+    ],
+)
 def test_bad_arguments_exit_2(tmp_path, pipe_dir, capsys, args, message):
     argv = ["generate", "--model", str(pipe_dir), "-p", "a cat", "-o", str(tmp_path / "x.png"), *args]
     assert main(argv) == 2
@@ -190,8 +228,22 @@ def test_bad_arguments_exit_2(tmp_path, pipe_dir, capsys, args, message):
 
 def test_unknown_tag_name_and_bad_folder_exit_2(tmp_path, pipe_dir, lora_dir, capsys):
     out = tmp_path / "x.png"
-    assert main(["generate", "--model", str(pipe_dir), "-p", "<lora:missing:1>", "--lora-dir", str(lora_dir),
-                 "-o", str(out)]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(pipe_dir),
+                "-p",
+                "<lora:missing:1>",
+                "--lora-dir",
+                str(lora_dir),
+                "-o",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "no adapter 'missing'" in capsys.readouterr().err
     assert main(["generate", "--model", str(lora_dir), "-p", "a", "-o", str(out)]) == 2
     assert "no model_index.json" in capsys.readouterr().err
@@ -213,8 +265,10 @@ def test_single_file_model_needs_arch_and_loads_offline_or_says_why(tmp_path, ca
 
 
 def test_strict_refuses_when_keys_miss(tmp_path, pipe_dir, capsys):
-    extra = {"lora_unet_no_such_layer.lora_down.weight": torch.zeros(4, 8),
-             "lora_unet_no_such_layer.lora_up.weight": torch.zeros(8, 4)}
+    extra = {
+        "lora_unet_no_such_layer.lora_down.weight": torch.zeros(4, 8),
+        "lora_unet_no_such_layer.lora_up.weight": torch.zeros(8, 4),
+    }
     path = _lora(pipe_dir, tmp_path / "partial.safetensors", extra)
     rc, out = _generate(tmp_path, pipe_dir, "strict", "-p", "a cat", "--lora", str(path), "--strict")
     err = capsys.readouterr().err
@@ -233,8 +287,9 @@ def test_runtime_streamed_and_quantized(tmp_path, pipe_dir, lora_dir, monkeypatc
     tag = ["-p", "a cat <lora:x:1>", "--lora-dir", str(lora_dir)]
     rc, merged = _generate(tmp_path, pipe_dir, "merged", *tag, "--lora-apply-mode", "merge")
     assert rc == 0
-    rc, streamed = _generate(tmp_path, pipe_dir, "streamed", *tag, "--lora-apply-mode", "runtime",
-                             "--budget", "700K")
+    rc, streamed = _generate(
+        tmp_path, pipe_dir, "streamed", *tag, "--lora-apply-mode", "runtime", "--budget", "700K"
+    )
     assert rc == 0
     blocks = json.loads(streamed.with_suffix(".json").read_text())["streaming"]["blocks"]
     assert any(not b["resident"] for b in blocks)  # some blocks really streamed through slots

@@ -73,13 +73,18 @@ def refused_cleanly(path, match: str, mode: str = "merge") -> LoraweaveError:
 
 # ---------------------------------------------------------------- metadata: typed errors naming file and field
 
-@pytest.mark.parametrize("meta, field", [
-    ({"r": 2, "lora_alpha": 2, "alpha_pattern": {"fc1(": 4}}, "alpha_pattern"),  # re.error on main
-    ({"r": [4], "lora_alpha": 2}, "r"),  # TypeError
-    ({"r": 2, "lora_alpha": [1]}, "lora_alpha"),  # TypeError
-    ({"r": "1e400", "lora_alpha": 2}, "r"),
-    ({"lora_alpha": 2, "r": None, "rank_pattern": {"fc1": 1e400}}, "rank_pattern"),
-], ids=["bad_regex", "r_list", "alpha_list", "r_string", "rank_pattern_inf"])
+
+@pytest.mark.parametrize(
+    "meta, field",
+    [
+        ({"r": 2, "lora_alpha": 2, "alpha_pattern": {"fc1(": 4}}, "alpha_pattern"),  # re.error on main
+        ({"r": [4], "lora_alpha": 2}, "r"),  # TypeError
+        ({"r": 2, "lora_alpha": [1]}, "lora_alpha"),  # TypeError
+        ({"r": "1e400", "lora_alpha": 2}, "r"),
+        ({"lora_alpha": 2, "r": None, "rank_pattern": {"fc1": 1e400}}, "rank_pattern"),
+    ],
+    ids=["bad_regex", "r_list", "alpha_list", "r_string", "rank_pattern_inf"],
+)
 def test_bad_peft_metadata_is_a_typed_error(tmp_path, meta, field):
     path = tmp_path / "peft.safetensors"
     save_file(lora(["fc1"], 1), str(path), metadata={"lora_adapter_metadata": json.dumps(meta)})
@@ -90,13 +95,18 @@ def test_bad_peft_metadata_is_a_typed_error(tmp_path, meta, field):
 def test_peft_r_1e400_is_a_typed_error(tmp_path):
     """JSON 1e400 reads as inf: int(inf) raised OverflowError."""
     path = tmp_path / "peft.safetensors"
-    save_file(lora(["fc1"], 1), str(path), metadata={"lora_adapter_metadata": '{"r": 1e400, "lora_alpha": 4}'})
+    save_file(
+        lora(["fc1"], 1), str(path), metadata={"lora_adapter_metadata": '{"r": 1e400, "lora_alpha": 4}'}
+    )
     refused_cleanly(path, "'lora_adapter_metadata: r'")
 
 
 @pytest.mark.parametrize("value", ["7", '{"a": 1}', "[1, 2]", "not json"])
 def test_bad_cloneofsimo_metadata_is_a_typed_error(tmp_path, value):
-    sd = {"text_encoder:0:down": torch.randn(2, 8, generator=torch.Generator().manual_seed(9)), "text_encoder:0:up": torch.randn(8, 2)}
+    sd = {
+        "text_encoder:0:down": torch.randn(2, 8, generator=torch.Generator().manual_seed(9)),
+        "text_encoder:0:up": torch.randn(8, 2),
+    }
     path = tmp_path / "cos.safetensors"
     save_file(sd, str(path), metadata={"text_encoder": value})
     with pytest.raises(loraweave.AdapterMetadataError, match="'text_encoder'") as exc:
@@ -113,6 +123,7 @@ def test_bad_kohya_alpha_is_a_typed_error(tmp_path):
 
 # ---------------------------------------------------------------- the reader
 
+
 def raw_file(path: Path, header: dict, data: bytes, length_delta: int = 0, pad: int = 0) -> Path:
     text = json.dumps(header).encode() + b" " * pad
     path.write_bytes(struct.pack("<Q", len(text) + length_delta) + text + data)
@@ -127,7 +138,10 @@ def lora_header(down_dtype="F32") -> tuple[dict, bytes]:
     down = torch.full((2, 8), 0.25)
     up = torch.full((8, 2), 0.5)
     data = down.numpy().tobytes() + up.numpy().tobytes()
-    return {"fc1.lora_A.weight": entry(down_dtype, [2, 8], 0, 64), "fc1.lora_B.weight": entry("F32", [8, 2], 64, 128)}, data
+    return {
+        "fc1.lora_A.weight": entry(down_dtype, [2, 8], 0, 64),
+        "fc1.lora_B.weight": entry("F32", [8, 2], 64, 128),
+    }, data
 
 
 def test_header_dtype_given_as_a_list(tmp_path):
@@ -145,7 +159,9 @@ def test_zero_size_tensor_with_a_huge_dimension(tmp_path):
 def test_header_length_one_byte_short_is_refused(tmp_path):
     """Padding spaces keep the shortened header valid JSON; every tensor would be read one byte off."""
     header, data = lora_header()
-    refused_cleanly(raw_file(tmp_path / "f.safetensors", header, data, length_delta=-1, pad=8), "trailing bytes")
+    refused_cleanly(
+        raw_file(tmp_path / "f.safetensors", header, data, length_delta=-1, pad=8), "trailing bytes"
+    )
 
 
 @pytest.mark.parametrize("case", ["gap", "trailing", "empty_inside", "overlap_start"])
@@ -162,7 +178,9 @@ def test_ranges_must_tile_the_data_exactly(tmp_path, case):
         header["fc1.lora_A.weight"]["data_offsets"] = [0, 64]
         header["fc1.lora_B.weight"]["data_offsets"] = [60, 124]
         data = data[:124]
-    refused_cleanly(raw_file(tmp_path / "f.safetensors", header, data), "belong to no tensor|trailing|overlaps")
+    refused_cleanly(
+        raw_file(tmp_path / "f.safetensors", header, data), "belong to no tensor|trailing|overlaps"
+    )
 
 
 @pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2"])
@@ -184,8 +202,17 @@ def test_float8_factors_merge_like_their_fp32_values(tmp_path, dtype, mode):
 
 def test_every_format_dtype_reads_or_is_refused_typed(tmp_path):
     """Every dtype the safetensors format names; sub-byte ones are sized in bits and refused on use."""
-    for dtype, nbytes in [("F8_E8M0", 16), ("C64", 128), ("U16", 32), ("U32", 64), ("U64", 128), ("I16", 32),
-                          ("F4", 8), ("F6_E2M3", 12), ("F6_E3M2", 12)]:
+    for dtype, nbytes in [
+        ("F8_E8M0", 16),
+        ("C64", 128),
+        ("U16", 32),
+        ("U32", 64),
+        ("U64", 128),
+        ("I16", 32),
+        ("F4", 8),
+        ("F6_E2M3", 12),
+        ("F6_E3M2", 12),
+    ]:
         header = {"fc1.lora_A.weight": entry(dtype, [2, 8], 0, nbytes)}
         path = raw_file(tmp_path / f"{dtype}.safetensors", header, b"\x01" * nbytes)
         model, before = Net(), state(Net())
@@ -201,6 +228,7 @@ def test_every_format_dtype_reads_or_is_refused_typed(tmp_path):
 
 
 # ---------------------------------------------------------------- no silent non-finite merge
+
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_finite_factors_whose_product_overflows_never_merge_inf(tmp_path, dtype):
@@ -225,6 +253,7 @@ def test_set_strength_that_would_overflow_keeps_the_old_strength():
 
 
 # ---------------------------------------------------------------- switch agrees with apply
+
 
 def test_switch_refuses_klora_on_a_merge_handle_like_apply():
     a, b = lora(["fc1", "fc2"], 1), lora(["fc1", "fc2"], 2)
@@ -274,9 +303,11 @@ def test_switch_to_the_same_file_twice_sums_both_strengths(tmp_path, mode):
 
 def dora(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"fc2.lora_down.weight": torch.randn(2, 8, generator=g) * 0.3,
-            "fc2.lora_up.weight": torch.randn(8, 2, generator=g) * 0.3,
-            "fc2.dora_scale": torch.rand(8, 1, generator=g) + 0.5}
+    return {
+        "fc2.lora_down.weight": torch.randn(2, 8, generator=g) * 0.3,
+        "fc2.lora_up.weight": torch.randn(8, 2, generator=g) * 0.3,
+        "fc2.dora_scale": torch.rand(8, 1, generator=g) + 0.5,
+    }
 
 
 @pytest.mark.parametrize("mode", ["runtime", "merge"])
@@ -295,6 +326,7 @@ def test_switch_dropping_a_dora_adapter_removes_it(mode):
 
 # ---------------------------------------------------------------- threads
 
+
 class Wide(nn.Module):
     """Layers large enough that two threads' merges overlap in time (torch releases the GIL in its kernels)."""
 
@@ -309,9 +341,14 @@ class Wide(nn.Module):
 
 def wide_lora(layers, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {k: v for i in layers for k, v in (
-        (f"layers.{i}.lora_A.weight", torch.randn(32, 384, generator=g) * 0.1),
-        (f"layers.{i}.lora_B.weight", torch.randn(384, 32, generator=g) * 0.1))}
+    return {
+        k: v
+        for i in layers
+        for k, v in (
+            (f"layers.{i}.lora_A.weight", torch.randn(32, 384, generator=g) * 0.1),
+            (f"layers.{i}.lora_B.weight", torch.randn(384, 32, generator=g) * 0.1),
+        )
+    }
 
 
 @pytest.mark.parametrize("mode", ["merge", "runtime"])
@@ -348,10 +385,12 @@ def test_two_threads_on_overlapping_layers_stay_reversible(mode):
 
 # ---------------------------------------------------------------- CLI: one line, valid JSON
 
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8"}
-    return subprocess.run([sys.executable, "-m", "loraweave.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "loraweave.cli", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_cli_bad_metadata_is_one_line_without_traceback(tmp_path):
@@ -375,7 +414,11 @@ def test_cli_json_is_valid_for_keys_with_lone_surrogates(tmp_path):
 def test_dora_strength_zero_is_what_the_readme_says():
     """dora_scale: s = 0 gives W + γΔW; PEFT lora_magnitude_vector: s = 0 gives m ⊙ W / ‖W‖ (per row)."""
     sd = dora(7)
-    up, down, m = sd["fc2.lora_up.weight"].double(), sd["fc2.lora_down.weight"].double(), sd["fc2.dora_scale"].double()
+    up, down, m = (
+        sd["fc2.lora_up.weight"].double(),
+        sd["fc2.lora_down.weight"].double(),
+        sd["fc2.dora_scale"].double(),
+    )
     for mode in ("merge", "runtime"):
         model = Net()
         w = model.fc2.weight.detach().double().clone()
@@ -391,7 +434,11 @@ def test_dora_strength_zero_is_what_the_readme_says():
         else:
             assert rel_err(got, x @ expect.t() + model.fc2.bias.double()) <= 1e-6
         handle.remove()
-    peft = {"fc2.lora_A.weight": down.float(), "fc2.lora_B.weight": up.float(), "fc2.lora_magnitude_vector": m.flatten().float()}
+    peft = {
+        "fc2.lora_A.weight": down.float(),
+        "fc2.lora_B.weight": up.float(),
+        "fc2.lora_magnitude_vector": m.flatten().float(),
+    }
     model = Net()
     w = model.fc2.weight.detach().double().clone()
     handle = loraweave.apply(model, peft, mode="merge", strict=True)

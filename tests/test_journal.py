@@ -63,7 +63,11 @@ def test_set_strength_failing_midway_keeps_the_old_strength_everywhere(monkeypat
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         before_out, before = model(x), state(model)
-    cls = loraweave.mechanisms.merge.layer.MergedModule if mode == "merge" else loraweave.mechanisms.runtime.path.RuntimePath
+    cls = (
+        loraweave.mechanisms.merge.layer.MergedModule
+        if mode == "merge"
+        else loraweave.mechanisms.runtime.path.RuntimePath
+    )
     method = "write" if mode == "merge" else "refresh_scales"
     monkeypatch.setattr(cls, method, fail_on_call(nth, RuntimeError, getattr(cls, method), after=True))
     with pytest.raises(RuntimeError, match="injected"):

@@ -25,7 +25,11 @@ def _flux_original(i_d: int, i_s: int) -> dict[str, tuple[str, ...]]:
     d, s = f"transformer_blocks.{i_d}", f"single_transformer_blocks.{i_s}"
     return {
         f"double_blocks.{i_d}.img_attn.qkv": (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"),
-        f"double_blocks.{i_d}.txt_attn.qkv": (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj"),
+        f"double_blocks.{i_d}.txt_attn.qkv": (
+            f"{d}.attn.add_q_proj",
+            f"{d}.attn.add_k_proj",
+            f"{d}.attn.add_v_proj",
+        ),
         f"double_blocks.{i_d}.img_attn.proj": (f"{d}.attn.to_out.0",),
         f"double_blocks.{i_d}.txt_attn.proj": (f"{d}.attn.to_add_out",),
         f"double_blocks.{i_d}.img_mlp.0": (f"{d}.ff.net.0.proj",),
@@ -34,7 +38,12 @@ def _flux_original(i_d: int, i_s: int) -> dict[str, tuple[str, ...]]:
         f"double_blocks.{i_d}.txt_mlp.2": (f"{d}.ff_context.net.2",),
         f"double_blocks.{i_d}.img_mod.lin": (f"{d}.norm1.linear",),
         f"double_blocks.{i_d}.txt_mod.lin": (f"{d}.norm1_context.linear",),
-        f"single_blocks.{i_s}.linear1": (f"{s}.attn.to_q", f"{s}.attn.to_k", f"{s}.attn.to_v", f"{s}.proj_mlp"),
+        f"single_blocks.{i_s}.linear1": (
+            f"{s}.attn.to_q",
+            f"{s}.attn.to_k",
+            f"{s}.attn.to_v",
+            f"{s}.proj_mlp",
+        ),
         f"single_blocks.{i_s}.linear2": (f"{s}.proj_out",),
         f"single_blocks.{i_s}.modulation.lin": (f"{s}.norm.linear",),
     }
@@ -172,7 +181,10 @@ def test_flux_fused_rows_land_on_the_right_rows():
         "single_transformer_blocks.1.proj_mlp": delta("single_blocks.1.linear1", slice(3 * h, 3 * h + mlp)),
         # BFL (shift, scale) -> diffusers (scale, shift)
         "norm_out.linear": torch.cat(
-            [delta("final_layer.adaLN_modulation.1", slice(h, 2 * h)), delta("final_layer.adaLN_modulation.1", slice(0, h))]
+            [
+                delta("final_layer.adaLN_modulation.1", slice(h, 2 * h)),
+                delta("final_layer.adaLN_modulation.1", slice(0, h)),
+            ]
         ),
     }
     for name, mod in model.named_modules():
@@ -222,8 +234,12 @@ def test_separate_qkv_keys_land_on_fused_projections():
     base = tiny_flux()
     sd = {}
     g = torch.Generator().manual_seed(3)
-    for stem in ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_v", "transformer_blocks.1.attn.add_k_proj",
-                 "single_transformer_blocks.0.attn.to_k"):
+    for stem in (
+        "transformer_blocks.0.attn.to_q",
+        "transformer_blocks.0.attn.to_v",
+        "transformer_blocks.1.attn.add_k_proj",
+        "single_transformer_blocks.0.attn.to_k",
+    ):
         sd[f"transformer.{stem}.lora_A.weight"] = torch.randn(4, 32, generator=g)
         sd[f"transformer.{stem}.lora_B.weight"] = torch.randn(32, 4, generator=g) * 0.1
     from helpers.tiny_models import flux_forward
@@ -247,14 +263,25 @@ def test_flux_fill_widened_x_embedder_takes_a_base_lora():
 
     torch.manual_seed(0)
     fill = FluxTransformer2DModel(
-        patch_size=1, in_channels=40, out_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6],
+        patch_size=1,
+        in_channels=40,
+        out_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 6, 6],
     ).eval()
     base_in = tiny_flux().x_embedder.in_features
     g = torch.Generator().manual_seed(4)
     down, up = torch.randn(4, base_in, generator=g), torch.randn(32, 4, generator=g)
-    sd = {"lora_unet_img_in.lora_down.weight": down, "lora_unet_img_in.lora_up.weight": up,
-          "lora_unet_img_in.alpha": torch.tensor(4.0)}
+    sd = {
+        "lora_unet_img_in.lora_down.weight": down,
+        "lora_unet_img_in.lora_up.weight": up,
+        "lora_unet_img_in.alpha": torch.tensor(4.0),
+    }
     before = fill.x_embedder.weight.detach().clone()
     merged, runtime = copy.deepcopy(fill), copy.deepcopy(fill)
     handle = loraweave.apply(merged, sd, mode="merge", strict=True)
@@ -268,6 +295,8 @@ def test_flux_fill_widened_x_embedder_takes_a_base_lora():
     with torch.no_grad():
         assert rel_err(runtime.x_embedder(x), merged.x_embedder(x)) <= 1e-5
     # The other direction (a control LoRA wider than the model's x_embedder) grows the model (test_control_lora.py).
-    wide = {k: (v if not k.endswith("down.weight") else torch.randn(4, 60, generator=g)) for k, v in sd.items()}
+    wide = {
+        k: (v if not k.endswith("down.weight") else torch.randn(4, 60, generator=g)) for k, v in sd.items()
+    }
     report = loraweave.plan(fill, wide)
     assert report.ok and any("input grown 40 -> 60" in n for n in report.applied[0].notes)

@@ -22,7 +22,10 @@ import loraweave
 from loraweave.errors import StrictApplyError
 
 TOL = 1e-5
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
 
 
 class TinyPipe(DiffusionPipeline):
@@ -34,8 +37,12 @@ class TinyPipe(DiffusionPipeline):
 
 
 def _dispatch(model, device, tmp):
-    device_map = {n: "disk" if n == "single_transformer_blocks" else device for n, _ in model.named_children()}
-    accelerate.dispatch_model(model, device_map=device_map, main_device=device, offload_dir=str(tmp / "dispatch"))
+    device_map = {
+        n: "disk" if n == "single_transformer_blocks" else device for n, _ in model.named_children()
+    }
+    accelerate.dispatch_model(
+        model, device_map=device_map, main_device=device, offload_dir=str(tmp / "dispatch")
+    )
     return model
 
 
@@ -53,15 +60,29 @@ def _pipe(model, device, how):
 # form -> (offload(model, device, tmp) -> apply target, what merge does: "merge" | "refuse" | "partial")
 FORMS = {
     "cpu_offload": (lambda m, d, t: accelerate.cpu_offload(m, execution_device=d), "refuse"),
-    "disk_offload": (lambda m, d, t: accelerate.disk_offload(m, offload_dir=str(t / "disk"), execution_device=d),
-                     "refuse"),
+    "disk_offload": (
+        lambda m, d, t: accelerate.disk_offload(m, offload_dir=str(t / "disk"), execution_device=d),
+        "refuse",
+    ),
     "dispatch_cpu_disk": (_dispatch, "partial"),
     "pipe_sequential": (lambda m, d, t: _pipe(m, d, "enable_sequential_cpu_offload"), "refuse"),
     "pipe_model": (lambda m, d, t: _pipe(m, d, "enable_model_cpu_offload"), "merge"),
-    "group_block": (lambda m, d, t: _group(m, d, t, offload_type="block_level", num_blocks_per_group=1), "merge"),
+    "group_block": (
+        lambda m, d, t: _group(m, d, t, offload_type="block_level", num_blocks_per_group=1),
+        "merge",
+    ),
     "group_leaf": (lambda m, d, t: _group(m, d, t, offload_type="leaf_level"), "merge"),
-    "group_block_disk": (lambda m, d, t: _group(m, d, t, offload_type="block_level", num_blocks_per_group=1,
-                                                 offload_to_disk_path=str(t / "groups")), "refuse"),
+    "group_block_disk": (
+        lambda m, d, t: _group(
+            m,
+            d,
+            t,
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            offload_to_disk_path=str(t / "groups"),
+        ),
+        "refuse",
+    ),
 }
 
 
@@ -79,6 +100,7 @@ def _runner(device):
     def run(model):
         with torch.no_grad():
             return flux_forward(model, device=device).cpu()
+
     return run
 
 
@@ -115,9 +137,11 @@ def test_offload_forms(setup, tmp_path, form, mode, device):
         with pytest.raises(StrictApplyError, match="did not land") as info:
             loraweave.apply(target, sd, mode="merge", strict=True)
         reasons = {u["reason"].split(";")[0] for u in info.value.report.unmatched}
-        assert reasons <= {"cannot merge: weight is offloaded (meta device)",
-                           "cannot merge: diffusers group offloading reloads the weight from disk on every onload "
-                           "(a merge would be lost)"}, reasons
+        assert reasons <= {
+            "cannot merge: weight is offloaded (meta device)",
+            "cannot merge: diffusers group offloading reloads the weight from disk on every onload "
+            "(a merge would be lost)",
+        }, reasons
         assert _hooks(model) == before and torch.equal(run(model), plain_offloaded)  # nothing half-applied
         return
     handle = loraweave.apply(target, sd, mode=mode, strict=merge_does != "partial" or mode != "merge")
@@ -129,11 +153,20 @@ def test_offload_forms(setup, tmp_path, form, mode, device):
         out = run(model)
         assert (out - want).abs().max() <= TOL * want.abs().max()
         if mode == "auto":
-            assert mechanisms == ({"merge"} if merge_does == "merge" else
-                                  {"merge", "runtime"} if merge_does == "partial" else {"runtime"})
-        for rp in handle._runtime:  # one cast copy, on the layer's execution device (on CPU: the factors themselves)
+            assert mechanisms == (
+                {"merge"}
+                if merge_does == "merge"
+                else {"merge", "runtime"}
+                if merge_does == "partial"
+                else {"runtime"}
+            )
+        for rp in (
+            handle._runtime
+        ):  # one cast copy, on the layer's execution device (on CPU: the factors themselves)
             assert rp._factor_cast._key[0].type == device and rp._factor_cast._key[1] == torch.float32
-            assert device != "cpu" or (rp._factor_cast._cast[0] is rp.down and rp._factor_cast._cast[1] is rp.up)
+            assert device != "cpu" or (
+                rp._factor_cast._cast[0] is rp.down and rp._factor_cast._cast[1] is rp.up
+            )
     paths = list(handle._runtime)
     handle.remove()
     _check_removed(model, before, paths)
@@ -145,7 +178,9 @@ def test_merge_refused_under_stream_groups_names_the_reason(setup, monkeypatch):
     auto then takes the runtime path (the real stream form runs in test_offload_forms on a GPU machine)."""
     base, sd, want, _ = setup
     model = copy.deepcopy(base)
-    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
+    apply_group_offloading(
+        model, onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1
+    )
     block = model.transformer_blocks[0]
     monkeypatch.setattr(block._diffusers_hook.hooks["group_offloading"].group, "stream", object())
     with pytest.raises(StrictApplyError) as info:
@@ -161,13 +196,20 @@ def test_merge_refused_under_stream_groups_names_the_reason(setup, monkeypatch):
     handle.remove()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="diffusers group offloading with streams needs CUDA")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="diffusers group offloading with streams needs CUDA"
+)
 @pytest.mark.parametrize("mode", ["runtime", "auto"])
 def test_group_offload_with_streams_cuda(setup, mode):
     base, sd, want, plain = setup
     model = copy.deepcopy(base)
-    apply_group_offloading(model, onload_device=torch.device("cuda"), offload_type="block_level",
-                           num_blocks_per_group=1, use_stream=True)
+    apply_group_offloading(
+        model,
+        onload_device=torch.device("cuda"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+        use_stream=True,
+    )
     before = _hooks(model)
     handle = loraweave.apply(model, sd, mode=mode, strict=True)
     assert {a.mechanism for a in handle.report.applied} == {"runtime"}

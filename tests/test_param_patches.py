@@ -21,9 +21,11 @@ import loraweave
 def wan_inputs(model):
     g = torch.Generator().manual_seed(5)
     cfg = model.config
-    xs = {"hidden_states": torch.randn(1, cfg.in_channels, 2, 4, 4, generator=g),
-          "timestep": torch.tensor([500.0]),
-          "encoder_hidden_states": torch.randn(1, 512 if cfg.image_dim else 5, cfg.text_dim, generator=g)}
+    xs = {
+        "hidden_states": torch.randn(1, cfg.in_channels, 2, 4, 4, generator=g),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": torch.randn(1, 512 if cfg.image_dim else 5, cfg.text_dim, generator=g),
+    }
     if cfg.image_dim:
         xs["encoder_hidden_states_image"] = torch.randn(1, 3, cfg.image_dim, generator=g)
     return xs
@@ -36,9 +38,12 @@ def krea2_inputs(model):
     pos = torch.zeros(text + image, 3)
     pos[text:, 1] = torch.arange(image) // 2
     pos[text:, 2] = torch.arange(image) % 2
-    return {"hidden_states": torch.randn(1, image, cfg.in_channels, generator=g),
-            "encoder_hidden_states": torch.randn(1, text, cfg.num_text_layers, cfg.text_hidden_dim, generator=g),
-            "timestep": torch.tensor([0.5]), "position_ids": pos}
+    return {
+        "hidden_states": torch.randn(1, image, cfg.in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(1, text, cfg.num_text_layers, cfg.text_hidden_dim, generator=g),
+        "timestep": torch.tensor([0.5]),
+        "position_ids": pos,
+    }
 
 
 def run(model, xs):
@@ -56,13 +61,23 @@ def lightx2v_file(model, modules: bool = False) -> tuple[dict, dict]:
     state = model.state_dict()
     sd, live = {}, {}
     for i in range(model.config.num_layers):
-        sd[f"diffusion_model.blocks.{i}.diff_m"] = live[f"blocks.{i}.scale_shift_table"] = _rnd(g, 1, 6, model.config.num_attention_heads * model.config.attention_head_dim)
-    sd["diffusion_model.head.modulation.diff"] = live["scale_shift_table"] = _rnd(g, *state["scale_shift_table"].shape)
+        sd[f"diffusion_model.blocks.{i}.diff_m"] = live[f"blocks.{i}.scale_shift_table"] = _rnd(
+            g, 1, 6, model.config.num_attention_heads * model.config.attention_head_dim
+        )
+    sd["diffusion_model.head.modulation.diff"] = live["scale_shift_table"] = _rnd(
+        g, *state["scale_shift_table"].shape
+    )
     if model.config.image_dim:  # I2V only
-        sd["diffusion_model.blocks.0.cross_attn.norm_k_img.diff"] = live["blocks.0.attn2.norm_added_k.weight"] = _rnd(g, *state["blocks.0.attn2.norm_added_k.weight"].shape)
+        sd["diffusion_model.blocks.0.cross_attn.norm_k_img.diff"] = live[
+            "blocks.0.attn2.norm_added_k.weight"
+        ] = _rnd(g, *state["blocks.0.attn2.norm_added_k.weight"].shape)
     if modules:  # module diffs lightx2v files also carry (bias and weight deltas: dense runtime terms)
-        sd["diffusion_model.blocks.1.self_attn.q.diff_b"] = live["blocks.1.attn1.to_q.bias"] = _rnd(g, *state["blocks.1.attn1.to_q.bias"].shape)
-        sd["diffusion_model.head.head.diff"] = live["proj_out.weight"] = _rnd(g, *state["proj_out.weight"].shape)
+        sd["diffusion_model.blocks.1.self_attn.q.diff_b"] = live["blocks.1.attn1.to_q.bias"] = _rnd(
+            g, *state["blocks.1.attn1.to_q.bias"].shape
+        )
+        sd["diffusion_model.head.head.diff"] = live["proj_out.weight"] = _rnd(
+            g, *state["proj_out.weight"].shape
+        )
     return sd, live
 
 
@@ -74,7 +89,9 @@ def krea2_file(model, modules: bool = False) -> tuple[dict, dict]:
         delta = _rnd(g, *state[f"transformer_blocks.{i}.scale_shift_table"].shape)
         sd[f"diffusion_model.blocks.{i}.mod.lin.diff"] = delta.flatten()  # the original stores it flat
         live[f"transformer_blocks.{i}.scale_shift_table"] = delta
-    sd["diffusion_model.last.modulation.lin.diff"] = live["final_layer.scale_shift_table"] = _rnd(g, *state["final_layer.scale_shift_table"].shape)
+    sd["diffusion_model.last.modulation.lin.diff"] = live["final_layer.scale_shift_table"] = _rnd(
+        g, *state["final_layer.scale_shift_table"].shape
+    )
     return sd, live
 
 
@@ -156,7 +173,10 @@ def test_shape_mismatch_is_reported_and_the_model_untouched():
     base = tiny_wan(False)
     before = {k: v.clone() for k, v in base.state_dict().items()}
     rep = loraweave.plan(base, {"diffusion_model.blocks.0.diff_m": torch.zeros(1, 5, 32)})
-    assert rep.unmatched[0]["reason"].startswith("shape mismatch") and "blocks.0.scale_shift_table" in rep.unmatched[0]["reason"]
+    assert (
+        rep.unmatched[0]["reason"].startswith("shape mismatch")
+        and "blocks.0.scale_shift_table" in rep.unmatched[0]["reason"]
+    )
     assert all(torch.equal(v, before[k]) for k, v in base.state_dict().items())
 
 

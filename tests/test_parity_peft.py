@@ -35,7 +35,10 @@ def make_peft_lora(arch: str, tmp_path, seed: int = 3):
     base = build()
     peft_model = copy.deepcopy(base)
     cfg = LoraConfig(
-        r=4, lora_alpha=8, alpha_pattern={"to_k": 2}, init_lora_weights=False,
+        r=4,
+        lora_alpha=8,
+        alpha_pattern={"to_k": 2},
+        init_lora_weights=False,
         target_modules=_targets(base, with_conv=arch == "sdxl_unet"),
     )
     torch.manual_seed(seed)
@@ -48,7 +51,9 @@ def make_peft_lora(arch: str, tmp_path, seed: int = 3):
     else:
         from diffusers import FluxPipeline as Pipe
 
-        Pipe.save_lora_weights(tmp_path, transformer_lora_layers=sd, transformer_lora_adapter_metadata=cfg.to_dict())
+        Pipe.save_lora_weights(
+            tmp_path, transformer_lora_layers=sd, transformer_lora_adapter_metadata=cfg.to_dict()
+        )
     return base, peft_model, tmp_path / "pytorch_lora_weights.safetensors", forward
 
 

@@ -47,7 +47,9 @@ def separate(arch: str, base, ads: dict, inputs: dict, pairs: bool = False) -> l
     refs = []
     for i, (names, values) in enumerate(zip(SETS, STRENGTHS, strict=True)):
         model = copy.deepcopy(base)
-        specs = [loraweave.AdapterSpec(ads[n], strength=v, name=n) for n, v in zip(names, values, strict=True)]
+        specs = [
+            loraweave.AdapterSpec(ads[n], strength=v, name=n) for n, v in zip(names, values, strict=True)
+        ]
         handle = loraweave.apply(model, specs, mode="runtime") if specs else None
         refs.append(run(arch, model, take(inputs, [i, 4 + i] if pairs else [i])))
         if handle is not None:
@@ -90,7 +92,6 @@ def test_batch_equals_separate_runs(arch, monkeypatch):
     assert torch.equal(run(arch, model, pos), plain)
 
 
-
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_exact_batch_is_a_lone_apply_at_the_batch_shape(arch):
     """exact=True, LoRA sets: sample i's rows are bit-equal (torch.equal) to a runtime apply of its set alone on a
@@ -100,26 +101,44 @@ def test_exact_batch_is_a_lone_apply_at_the_batch_shape(arch):
     there is not bit-equal to its lone (fused) apply."""
     base = ARCHS[arch]()
     ads = adapters(base, dict.fromkeys(FAMILY, "lora"))
-    x = cat(batch_inputs(arch, 4, seed=2), batch_inputs(arch, 4, seed=1))  # 8 rows: sample i at rows i and 4 + i
+    x = cat(
+        batch_inputs(arch, 4, seed=2), batch_inputs(arch, 4, seed=1)
+    )  # 8 rows: sample i at rows i and 4 + i
     model, handle = applied(base, ads)
     refs = []
     for names, values in zip(SETS, STRENGTHS, strict=True):
         lone = copy.deepcopy(base)
         if names:
-            loraweave.apply(lone, [loraweave.AdapterSpec(ads[n], strength=v, name=n)
-                                   for n, v in zip(names, values, strict=True)], mode="runtime")
+            loraweave.apply(
+                lone,
+                [
+                    loraweave.AdapterSpec(ads[n], strength=v, name=n)
+                    for n, v in zip(names, values, strict=True)
+                ],
+                mode="runtime",
+            )
         refs.append(run(arch, lone, x))
     with handle.batch(SETS, STRENGTHS, exact=True):
         got = run(arch, model, x)
     assert all(torch.equal(got[[i, 4 + i]], refs[i][[i, 4 + i]]) for i in range(4))
     # Negative control: the same set applied alone in the other order rounds differently, so torch.equal here sees
     # a change of term order (the thing `exact` keeps), not just a wrong delta.
-    i, names, values = next((i, n, v) for i, (n, v) in enumerate(zip(SETS, STRENGTHS, strict=True)) if len(n) > 1)
+    i, names, values = next(
+        (i, n, v) for i, (n, v) in enumerate(zip(SETS, STRENGTHS, strict=True)) if len(n) > 1
+    )
     flipped = copy.deepcopy(base)
-    loraweave.apply(flipped, [loraweave.AdapterSpec(ads[n], strength=v, name=n)
-                              for n, v in reversed(list(zip(names, values, strict=True)))], mode="runtime")
+    loraweave.apply(
+        flipped,
+        [
+            loraweave.AdapterSpec(ads[n], strength=v, name=n)
+            for n, v in reversed(list(zip(names, values, strict=True)))
+        ],
+        mode="runtime",
+    )
     assert not torch.equal(got[[i, 4 + i]], run(arch, flipped, x)[[i, 4 + i]])
-    with handle.batch(SETS, STRENGTHS):  # the default forms: within float tolerance (bit-equal on some models)
+    with handle.batch(
+        SETS, STRENGTHS
+    ):  # the default forms: within float tolerance (bit-equal on some models)
         default = run(arch, model, x)
     check(default, [r[[i, 4 + i]] for i, r in enumerate(refs)], lambda i: [i, 4 + i])
 
@@ -133,7 +152,9 @@ def test_batch_on_fused_qkv():
     assert any(n.endswith("to_qkv") for n, _ in fused.named_modules())
     x = batch_inputs("flux", 4)
     model, handle = applied(fused, ads)
-    assert any(rp.module is m for rp in handle._runtime for n, m in model.named_modules() if n.endswith("to_qkv"))
+    assert any(
+        rp.module is m for rp in handle._runtime for n, m in model.named_modules() if n.endswith("to_qkv")
+    )
     with handle.batch(SETS, STRENGTHS):
         got = run("flux", model, x)
     check(got, separate("flux", fused, ads, x), lambda i: slice(i, i + 1))
@@ -146,8 +167,13 @@ def test_batch_on_sdnq_quantized():
     base = ARCHS["flux"]()
     with torch.random.fork_rng():
         torch.manual_seed(1)
-        sdnq_post_load_quant(base, add_skip_keys=False, weights_dtype="int8", minimum_allowed_numel=0,
-                             minimum_allowed_channel_size=0)
+        sdnq_post_load_quant(
+            base,
+            add_skip_keys=False,
+            weights_dtype="int8",
+            minimum_allowed_numel=0,
+            minimum_allowed_channel_size=0,
+        )
     assert {type(m).__name__ for m in base.modules() if "Linear" in type(m).__name__} == {"SDNQLinear"}
     ads = adapters(ARCHS["flux"]())  # keys from the float model: same paths
     x = batch_inputs("flux", 4)
@@ -177,8 +203,10 @@ def test_batch_refusals_leave_the_handle_as_it_was():
         with pytest.raises(BatchError, match=message), handle.batch(sets, strengths):
             pass
     for exact in ("false", 1, None):  # a truthy string must not pick the exact form
-        with pytest.raises(BatchError, match=r"exact=\.\.\.\) must be True or False"), \
-                handle.batch([["a"], ["b"]], exact=exact):
+        with (
+            pytest.raises(BatchError, match=r"exact=\.\.\.\) must be True or False"),
+            handle.batch([["a"], ["b"]], exact=exact),
+        ):
             pass
     # rows that cannot be mapped: 3 model rows for 2 samples; samples of unequal size packed into one axis
     with pytest.raises(BatchError, match="not a multiple"), handle.batch([["a"], ["b"]]):

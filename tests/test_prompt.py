@@ -15,8 +15,12 @@ def lora_dir(tmp_path):
     root = tmp_path / "loras"
     (root / "styles").mkdir(parents=True)
     (root / "chars" / "deep").mkdir(parents=True)
-    for rel in ("subject.safetensors", "styles/ink.safetensors", "chars/deep/alice_v1.5.safetensors",
-                "styles/notes.txt"):
+    for rel in (
+        "subject.safetensors",
+        "styles/ink.safetensors",
+        "chars/deep/alice_v1.5.safetensors",
+        "styles/notes.txt",
+    ):
         (root / rel).write_bytes(b"x")
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -35,8 +39,10 @@ def test_plain_and_two_strengths(lora_dir):
 
 
 def test_lbw_named_items_and_lyco(lora_dir):
-    clean, specs = parse_prompt("<lyco:styles/ink:1:lbw=OUTALL> x <lora:alice_v1.5:te=0.25:unet=0.6> "
-                                "<lora:subject:lbw=1,0,0.5>", lora_dir)
+    clean, specs = parse_prompt(
+        "<lyco:styles/ink:1:lbw=OUTALL> x <lora:alice_v1.5:te=0.25:unet=0.6> <lora:subject:lbw=1,0,0.5>",
+        lora_dir,
+    )
     assert clean == "x"
     ink, alice, subj = specs
     assert isinstance(ink, AdapterSpec) and ink.block_weights == "OUTALL" and ink.strength == 1.0
@@ -46,8 +52,10 @@ def test_lbw_named_items_and_lyco(lora_dir):
 
 
 def test_step_window_keys(lora_dir):
-    _, (a, b, c, d) = parse_prompt("<lora:subject:0.7:start=0.0:end=0.3> <lora:ink:start=0.5> <lora:subject:end=0.25> "
-                                   "<lora:ink:1:0.5>", lora_dir)
+    _, (a, b, c, d) = parse_prompt(
+        "<lora:subject:0.7:start=0.0:end=0.3> <lora:ink:start=0.5> <lora:subject:end=0.25> <lora:ink:1:0.5>",
+        lora_dir,
+    )
     assert (a.strength, a.steps) == (0.7, (0.0, 0.3))
     assert (b.steps, c.steps, d.steps) == ((0.5, 1.0), (0.0, 0.25), None)
 
@@ -57,7 +65,10 @@ def test_no_tags(lora_dir):
 
 
 def test_name_with_extension_and_backslash(lora_dir):
-    assert resolve_adapter_name("styles\\ink.safetensors", lora_dir) == (lora_dir / "styles/ink.safetensors").resolve()
+    assert (
+        resolve_adapter_name("styles\\ink.safetensors", lora_dir)
+        == (lora_dir / "styles/ink.safetensors").resolve()
+    )
 
 
 @pytest.mark.parametrize(
@@ -92,7 +103,9 @@ def test_symlink_escape_refused(lora_dir):
         parse_prompt("<lora:linkdir/evil:1>", lora_dir)
     # a symlink that stays inside the folder is fine
     os.symlink(lora_dir / "subject.safetensors", lora_dir / "styles" / "alias.safetensors")
-    assert parse_prompt("<lora:alias:1>", lora_dir)[1][0].source == (lora_dir / "subject.safetensors").resolve()
+    assert (
+        parse_prompt("<lora:alias:1>", lora_dir)[1][0].source == (lora_dir / "subject.safetensors").resolve()
+    )
 
 
 def test_unknown_name_lists_close_matches(lora_dir):

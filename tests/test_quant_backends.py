@@ -55,9 +55,13 @@ def _bnb(kind: str, threshold: float = 0.0) -> Callable[[nn.Module], nn.Module]:
         for name in LAYERS:
             lin = model.get_submodule(name)
             if kind == "int8":
-                q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, has_fp16_weights=False, threshold=threshold)
+                q = bnb.nn.Linear8bitLt(
+                    lin.in_features, lin.out_features, has_fp16_weights=False, threshold=threshold
+                )
             else:
-                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, quant_type=kind, compute_dtype=torch.float32)
+                q = bnb.nn.Linear4bit(
+                    lin.in_features, lin.out_features, quant_type=kind, compute_dtype=torch.float32
+                )
             q.load_state_dict(lin.state_dict())
             model._modules[name] = q.to("cpu")  # bitsandbytes quantizes on the device move
         return model
@@ -126,7 +130,9 @@ def _gguf(kind: str):
         _replace_with_gguf_linear(model, torch.float32, sd)
         for key, value in sd.items():
             owner, attr = key.rsplit(".", 1)
-            setattr(model.get_submodule(owner), attr, value if attr == "weight" else nn.Parameter(value, False))
+            setattr(
+                model.get_submodule(owner), attr, value if attr == "weight" else nn.Parameter(value, False)
+            )
         return model
 
     return build
@@ -160,12 +166,18 @@ BACKENDS = {"bitsandbytes": BNB, "torchao": TORCHAO, "quanto": QUANTO, "gguf": G
 
 def kind_blocker(backend: str, kind: str) -> str | None:
     b = BACKENDS[backend]
-    return b.unavailable() if backend == "gguf" else b.kind_unavailable(kind.removesuffix("-train").removesuffix("-outlier"))
+    return (
+        b.unavailable()
+        if backend == "gguf"
+        else b.kind_unavailable(kind.removesuffix("-train").removesuffix("-outlier"))
+    )
 
 
 def quantized(backend: str, kind: str) -> nn.Module:
     model = CASES[(backend, kind)][0](float_model()).train(kind.endswith("-train"))
-    with torch.no_grad():  # the layers' own first-forward work (bnb moves CB/SCB, repacks 4-bit for the CPU kernel)
+    with (
+        torch.no_grad()
+    ):  # the layers' own first-forward work (bnb moves CB/SCB, repacks 4-bit for the CPU kernel)
         for name, x in inputs().items():
             model.get_submodule(name)(x)
     return model
@@ -195,8 +207,17 @@ def _flat(prefix: str, t, out: dict) -> None:
             _flat(f"{prefix}.qs", t.quant_state, out)
         return
     if type(t).__name__ == "QuantState":
-        for attr in ("absmax", "code", "offset", "state2", "shape", "dtype", "blocksize", "quant_type",
-                     "packing_format_for_cpu"):
+        for attr in (
+            "absmax",
+            "code",
+            "offset",
+            "state2",
+            "shape",
+            "dtype",
+            "blocksize",
+            "quant_type",
+            "packing_format_for_cpu",
+        ):
             _flat(f"{prefix}.{attr}", getattr(t, attr, None), out)
         return
     out[prefix] = repr(t)
@@ -237,16 +258,30 @@ def adapter_files(tmp_path: Path) -> dict[str, tuple[str, dict[str, torch.Tensor
     for name, (o, i) in shapes.items():
         r, alpha = 4, 2.0
         down, up = torch.randn(r, i, generator=g) * 0.2, torch.randn(o, r, generator=g) * 0.2
-        lora |= {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": torch.tensor(alpha)}
+        lora |= {
+            f"{name}.lora_down.weight": down,
+            f"{name}.lora_up.weight": up,
+            f"{name}.alpha": torch.tensor(alpha),
+        }
         d_lora[name] = up.double() @ down.double() * (alpha / r)
         w1, w2 = torch.randn(4, 8, generator=g) * 0.3, torch.randn(o // 4, i // 8, generator=g) * 0.3
         lokr |= {f"{name}.lokr_w1": w1, f"{name}.lokr_w2": w2}  # full factors, no alpha: scale 1
         d_lokr[name] = torch.kron(w1.double(), w2.double())
-        hd = {k: torch.randn(*s, generator=g) * 0.3 for k, s in
-              {"hada_w1_a": (o, r), "hada_w1_b": (r, i), "hada_w2_a": (o, r), "hada_w2_b": (r, i)}.items()}
+        hd = {
+            k: torch.randn(*s, generator=g) * 0.3
+            for k, s in {
+                "hada_w1_a": (o, r),
+                "hada_w1_b": (r, i),
+                "hada_w2_a": (o, r),
+                "hada_w2_b": (r, i),
+            }.items()
+        }
         loha |= {f"{name}.{k}": v for k, v in hd.items()} | {f"{name}.alpha": torch.tensor(alpha)}
-        d_loha[name] = ((hd["hada_w1_a"].double() @ hd["hada_w1_b"].double())
-                        * (hd["hada_w2_a"].double() @ hd["hada_w2_b"].double()) * (alpha / r))
+        d_loha[name] = (
+            (hd["hada_w1_a"].double() @ hd["hada_w1_b"].double())
+            * (hd["hada_w2_a"].double() @ hd["hada_w2_b"].double())
+            * (alpha / r)
+        )
     for family, sd, deltas in (("lora", lora, d_lora), ("lokr", lokr, d_lokr), ("loha", loha, d_loha)):
         path = tmp_path / f"{family}.safetensors"
         save_file(sd, str(path))
@@ -307,7 +342,9 @@ def test_dequantize_requantize_restore(case):
     pristine = float_model()
     for name, x in inputs().items():
         layer = model.get_submodule(name)
-        assert [b for b, be in BACKENDS.items() if be.owns(layer)] == [case[0]]  # exactly one backend claims it
+        assert [b for b, be in BACKENDS.items() if be.owns(layer)] == [
+            case[0]
+        ]  # exactly one backend claims it
         assert backend_for(layer) is backend  # and the registry (SDNQ included) routes the layer to it
         caps = backend.capabilities(layer)
         assert caps.dequantize and not caps.factor_channel and caps.reason
@@ -332,7 +369,9 @@ def test_dequantize_requantize_restore(case):
             y = layer(x)
         restore = backend.requantize(layer, w)
         with torch.no_grad():
-            layer(x)  # the requantized layer runs (and bnb 4-bit repacks it for the CPU kernel, as it did the original)
+            layer(
+                x
+            )  # the requantized layer runs (and bnb 4-bit repacks it for the CPU kernel, as it did the original)
         w2 = backend.dequantize(layer)
         if exact_rt:
             assert torch.equal(w2, w), float((w2 - w).abs().max())
@@ -354,7 +393,9 @@ def _max_step(case, layer, w) -> float:
         return float((levels[1:] - levels[:-1]).max() * w.abs().max())
     if case[0] == "torchao":
         return float(layer.weight.scale.abs().max())
-    blocks = layer.weight.as_tensor().view(torch.uint8).reshape(-1, {"Q8_0": 34, "Q4_0": 18, "Q5_1": 24}[case[1]])
+    blocks = (
+        layer.weight.as_tensor().view(torch.uint8).reshape(-1, {"Q8_0": 34, "Q4_0": 18, "Q5_1": 24}[case[1]])
+    )
     return float(blocks[:, :2].contiguous().view(torch.float16).float().abs().max())
 
 
@@ -381,7 +422,9 @@ def test_grid_steps_match_the_formats():
     # Q4_K: each 32-value sub-block sits on d·sc·q - dmin·m; random codes hit adjacent levels, so the smallest
     # gap between distinct values in a sub-block is its step (0 where sc = 0).
     q4k = quantized("gguf", "Q4_K").get_submodule("0")
-    vals = np.sort(quants.dequantize(q4k.weight.as_tensor().numpy(), GGMLQuantizationType.Q4_K).reshape(-1, 32), 1)
+    vals = np.sort(
+        quants.dequantize(q4k.weight.as_tensor().numpy(), GGMLQuantizationType.Q4_K).reshape(-1, 32), 1
+    )
     gaps = np.diff(vals, axis=1)
     steps = np.where(gaps > 1e-9, gaps, np.inf).min(1)
     steps[~np.isfinite(steps)] = 0.0

@@ -34,7 +34,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 def dequantized(layer) -> torch.Tensor:
     deq = layer.sdnq_dequantizer
-    return deq(**get_sdnq_params(layer), skip_quantized_matmul=deq.use_quantized_matmul, dtype=torch.float32).double()
+    return deq(
+        **get_sdnq_params(layer), skip_quantized_matmul=deq.use_quantized_matmul, dtype=torch.float32
+    ).double()
 
 
 def rho(before: torch.Tensor, after: torch.Tensor, delta: torch.Tensor) -> float:
@@ -73,7 +75,9 @@ def test_requantize_retention(layout, bound):
         assert expected < 4 * 2 / 64, expected
     else:
         assert expected > 0.5, expected
-    assert type(model.a).__name__ == "SDNQLinear" and model.a.original_class is torch.nn.Linear  # never re-wrapped
+    assert (
+        type(model.a).__name__ == "SDNQLinear" and model.a.original_class is torch.nn.Linear
+    )  # never re-wrapped
     handle.remove()
     assert_restored(model, snap)
 
@@ -82,8 +86,15 @@ def test_hosted_low_rank_delta_rides_whole():
     """A LoHa with rank-2 halves has rank <= 4: hosting captures all of it and the output change is exact."""
     model = quantized(float_model(), "uint4")
     g = gen(41)
-    t = {k: torch.randn(*s, generator=g) * 0.1 for k, s in
-         {"hada_w1_a": (OUT_A, 2), "hada_w1_b": (2, IN), "hada_w2_a": (OUT_A, 2), "hada_w2_b": (2, IN)}.items()}
+    t = {
+        k: torch.randn(*s, generator=g) * 0.1
+        for k, s in {
+            "hada_w1_a": (OUT_A, 2),
+            "hada_w1_b": (2, IN),
+            "hada_w2_a": (OUT_A, 2),
+            "hada_w2_b": (2, IN),
+        }.items()
+    }
     sd = {f"a.{k}": v for k, v in t.items()} | {"a.alpha": torch.tensor(2.0)}
     delta = (t["hada_w1_a"] @ t["hada_w1_b"]).double() * (t["hada_w2_a"] @ t["hada_w2_b"]).double()
     before, snap = layer_outputs(model, X), snapshot(model)
@@ -117,7 +128,9 @@ def test_hosted_random_lokr_reports_its_capture_and_keeps_the_callers_rng():
     assert abs(entry.retention - applied_rho) <= 1e-5 and abs(applied_rho - expected_capture) <= 1e-4
     first = (model.a.svd_up.clone(), model.a.svd_down.clone())
     handle.remove()
-    again = loraweave.apply(model, sd, mode="merge", host_rank=rank, strict=True)  # deterministic: same factors
+    again = loraweave.apply(
+        model, sd, mode="merge", host_rank=rank, strict=True
+    )  # deterministic: same factors
     assert torch.equal(model.a.svd_up, first[0]) and torch.equal(model.a.svd_down, first[1])
     again.remove()
 
@@ -166,7 +179,9 @@ def test_codebook_grid_step_is_the_gap_between_levels():
     levels = model.a.scale.double().reshape(-1, model.a.scale.shape[-1])
     gap = float(levels.sort(dim=-1).values.diff(dim=-1).mean())
     assert abs(BACKEND.grid_step(model.a) - gap) <= 1e-6 * gap
-    assert abs(BACKEND.grid_step(model.a) - float(levels.mean())) > 10 * gap or float(levels.mean()) < 0.1 * gap
+    assert (
+        abs(BACKEND.grid_step(model.a) - float(levels.mean())) > 10 * gap or float(levels.mean()) < 0.1 * gap
+    )
     # Affine layers: the step is the scale itself.
     affine = quantized(float_model(), "uint4")
     assert abs(BACKEND.grid_step(affine.a) - affine_step(affine.a)) <= 1e-6 * affine_step(affine.a)
@@ -201,7 +216,14 @@ def test_one_log_line_per_mechanism(caplog):
     lines = [r.getMessage() for r in caplog.records if "apply=" in r.getMessage()]
     assert sorted(line.split()[1] for line in lines) == ["apply=factor", "apply=hosted"], lines
     hosted = next(line for line in lines if "apply=hosted" in line)
-    for field in ("layers=1", "rank_max=16", "capture_median=", "capture_min=", "retention_median=", "retention_min="):
+    for field in (
+        "layers=1",
+        "rank_max=16",
+        "capture_median=",
+        "capture_min=",
+        "retention_median=",
+        "retention_min=",
+    ):
         assert field in hosted, hosted
     mech = handle.report.to_dict()["mechanisms"]
     assert mech["hosted"]["retention_min"] == handle.report.applied[0].retention

@@ -31,8 +31,9 @@ LAYOUTS = {
     "uint4": dict(weights_dtype="uint4"),
     "uint4_hadamard": dict(weights_dtype="uint4", use_hadamard=True),
     "uint4_hadamard_qmatmul": dict(weights_dtype="uint4", use_hadamard=True, use_quantized_matmul=True),
-    "int8_hadamard_qmatmul_svd": dict(weights_dtype="int8", use_hadamard=True, use_quantized_matmul=True,
-                                      use_svd=True, svd_rank=16),
+    "int8_hadamard_qmatmul_svd": dict(
+        weights_dtype="int8", use_hadamard=True, use_quantized_matmul=True, use_svd=True, svd_rank=16
+    ),
     "uint4_svd": dict(weights_dtype="uint4", use_svd=True, svd_rank=16),
     "uint4_codebook": dict(weights_dtype="uint4", use_codebook=True),
     "int8_qmatmul": dict(weights_dtype="int8", use_quantized_matmul=True),
@@ -58,7 +59,9 @@ def quantized(model: nn.Module, layout: str) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(1)  # svd_lowrank in SVDQuant draws
         sdnq_post_load_quant(q, add_skip_keys=False, **LAYOUTS[layout])
-    assert type(q.a).__name__ == type(q.b).__name__ == "SDNQLinear", "tiny layers must be large enough to quantize"
+    assert type(q.a).__name__ == type(q.b).__name__ == "SDNQLinear", (
+        "tiny layers must be large enough to quantize"
+    )
     return q
 
 
@@ -66,7 +69,11 @@ def lora(name: str, out: int, rank: int, seed: int, scale: float = 0.05) -> tupl
     g = gen(seed)
     down, up = torch.randn(rank, IN, generator=g) * scale, torch.randn(out, rank, generator=g) * scale
     alpha = rank / 2
-    sd = {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": torch.tensor(alpha)}
+    sd = {
+        f"{name}.lora_down.weight": down,
+        f"{name}.lora_up.weight": up,
+        f"{name}.alpha": torch.tensor(alpha),
+    }
     return sd, (alpha / rank) * up.double() @ down.double()
 
 
@@ -75,16 +82,32 @@ def lokr(name: str, out: int, seed: int, scale: float = 0.1) -> tuple[dict, torc
     g = gen(seed)
     w1 = torch.randn(16, 16, generator=g) * scale
     w2a, w2b = torch.randn(out // 16, 4, generator=g) * scale, torch.randn(4, IN // 16, generator=g) * scale
-    sd = {f"{name}.lokr_w1": w1, f"{name}.lokr_w2_a": w2a, f"{name}.lokr_w2_b": w2b, f"{name}.alpha": torch.tensor(4.0)}
+    sd = {
+        f"{name}.lokr_w1": w1,
+        f"{name}.lokr_w2_a": w2a,
+        f"{name}.lokr_w2_b": w2b,
+        f"{name}.alpha": torch.tensor(4.0),
+    }
     return sd, torch.kron(w1.double(), w2a.double() @ w2b.double())
 
 
 def loha(name: str, out: int, seed: int, rank: int = 4, scale: float = 0.1) -> tuple[dict, torch.Tensor]:
     g = gen(seed)
-    t = {k: torch.randn(*s, generator=g) * scale for k, s in
-         {"hada_w1_a": (out, rank), "hada_w1_b": (rank, IN), "hada_w2_a": (out, rank), "hada_w2_b": (rank, IN)}.items()}
+    t = {
+        k: torch.randn(*s, generator=g) * scale
+        for k, s in {
+            "hada_w1_a": (out, rank),
+            "hada_w1_b": (rank, IN),
+            "hada_w2_a": (out, rank),
+            "hada_w2_b": (rank, IN),
+        }.items()
+    }
     sd = {f"{name}.{k}": v for k, v in t.items()} | {f"{name}.alpha": torch.tensor(float(rank))}
-    d = t["hada_w1_a"].double() @ t["hada_w1_b"].double() * (t["hada_w2_a"].double() @ t["hada_w2_b"].double())
+    d = (
+        t["hada_w1_a"].double()
+        @ t["hada_w1_b"].double()
+        * (t["hada_w2_a"].double() @ t["hada_w2_b"].double())
+    )
     return sd, d
 
 
@@ -100,8 +123,13 @@ def snapshot(model: nn.Module) -> dict:
     for name in ("a", "b"):
         m = model.get_submodule(name)
         params = {k: v for k, v in get_sdnq_params(m).items()}
-        out[name] = (type(m), m.sdnq_dequantizer, {k: (v, None if v is None else v.clone()) for k, v in params.items()},
-                     set(m._parameters), m.bias.clone())
+        out[name] = (
+            type(m),
+            m.sdnq_dequantizer,
+            {k: (v, None if v is None else v.clone()) for k, v in params.items()},
+            set(m._parameters),
+            m.bias.clone(),
+        )
     return out
 
 
@@ -136,9 +164,17 @@ def test_output_change_matches_the_float_layer(layout, family, mode):
     handle = loraweave.apply(model, sd, mode=mode, strict=True)
     after = layer_outputs(model, X)
     for name, delta in deltas.items():
-        assert rel_err(after[name] - before[name], X.double() @ delta.t()) <= RUNTIME_TOL, (name, layout, family, mode)
+        assert rel_err(after[name] - before[name], X.double() @ delta.t()) <= RUNTIME_TOL, (
+            name,
+            layout,
+            family,
+            mode,
+        )
     expect = "factor" if (mode == "auto" and family == "lora") else "runtime"
-    assert {(m.module, m.mechanism, m.backend) for m in handle.report.applied} == {("a", expect, "sdnq"), ("b", expect, "sdnq")}
+    assert {(m.module, m.mechanism, m.backend) for m in handle.report.applied} == {
+        ("a", expect, "sdnq"),
+        ("b", expect, "sdnq"),
+    }
     handle.remove()
     assert_restored(model, snap)
     final = layer_outputs(model, X)
@@ -182,8 +218,11 @@ def test_factor_channel_layout_shapes():
 
     sd, delta = lora("a", OUT_A, 8, 30)
     down, up = sd["a.lora_down.weight"], sd["a.lora_up.weight"] * 0.5  # γ = alpha/rank = 0.5
-    for layout, transposed, hadamard in (("uint4", False, False), ("int8_qmatmul", True, False),
-                                         ("uint4_hadamard", False, True)):
+    for layout, transposed, hadamard in (
+        ("uint4", False, False),
+        ("int8_qmatmul", True, False),
+        ("uint4_hadamard", False, True),
+    ):
         model = quantized(float_model(), layout)
         with loraweave.apply(model, sd, strict=True):
             su, sdown = model.a.svd_up, model.a.svd_down
@@ -222,9 +261,16 @@ def test_rank_is_padded_to_a_bucket_without_changing_the_product():
 def test_non_factorable_parts_and_bias_deltas_take_the_runtime_path_in_auto():
     model = quantized(float_model(), "uint4")
     g = gen(33)
-    down, up, bias = (torch.randn(4, IN, generator=g) * 0.05, torch.randn(OUT_A, 4, generator=g) * 0.05,
-                      torch.randn(OUT_A, generator=g) * 0.01)
-    peft = {"a.lora_A.weight": down, "a.lora_B.weight": up, "a.lora_B.bias": bias}  # PEFT layout, no alpha: γ = 1
+    down, up, bias = (
+        torch.randn(4, IN, generator=g) * 0.05,
+        torch.randn(OUT_A, 4, generator=g) * 0.05,
+        torch.randn(OUT_A, generator=g) * 0.01,
+    )
+    peft = {
+        "a.lora_A.weight": down,
+        "a.lora_B.weight": up,
+        "a.lora_B.bias": bias,
+    }  # PEFT layout, no alpha: γ = 1
     sd_k, dk = lokr("a", OUT_A, 34)
     sd_b, db = lora("b", OUT_B, 8, 35)
     before = layer_outputs(model, X)
@@ -249,7 +295,9 @@ def test_dora_reads_the_dequantized_weight(layout):
     m = torch.rand(OUT_A, 1, generator=g) + 0.5
     sd = {"a.lora_down.weight": down, "a.lora_up.weight": up, "a.alpha": torch.tensor(2.0), "a.dora_scale": m}
     deq = model.a.sdnq_dequantizer
-    w = deq(**get_sdnq_params(model.a), skip_quantized_matmul=deq.use_quantized_matmul, dtype=torch.float32).double()
+    w = deq(
+        **get_sdnq_params(model.a), skip_quantized_matmul=deq.use_quantized_matmul, dtype=torch.float32
+    ).double()
     wc = w + 0.5 * up.double() @ down.double()
     ref = X.double() @ (m.double() * wc / wc.norm(dim=1, keepdim=True) - w).t()
     before, snap = layer_outputs(model, X), snapshot(model)

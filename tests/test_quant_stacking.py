@@ -25,7 +25,9 @@ def _outputs(model, x):
         return {n: model.get_submodule(n)(x) for n in ("a", "b")}
 
 
-@pytest.mark.parametrize(("mode", "quant", "mechanism"), [("runtime", "auto", "runtime"), ("auto", "host", "hosted")])
+@pytest.mark.parametrize(
+    ("mode", "quant", "mechanism"), [("runtime", "auto", "runtime"), ("auto", "host", "hosted")]
+)
 def test_ties_on_sdnq_matches_the_float_layer(mode, quant, mechanism):
     base = float_model()
     x = torch.randn(5, IN, generator=torch.Generator().manual_seed(9))

@@ -44,18 +44,40 @@ def family_sd(family: str, seed: int) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=g) * s
 
     if family == "lora":
-        return {"fc1.lora_down.weight": r(2, 8), "fc1.lora_up.weight": r(8, 2), "fc2.lora_down.weight": r(2, 8),
-                "fc2.lora_up.weight": r(8, 2), "conv.lora_down.weight": r(2, 4, 3, 3),
-                "conv.lora_up.weight": r(4, 2, 1, 1)}
+        return {
+            "fc1.lora_down.weight": r(2, 8),
+            "fc1.lora_up.weight": r(8, 2),
+            "fc2.lora_down.weight": r(2, 8),
+            "fc2.lora_up.weight": r(8, 2),
+            "conv.lora_down.weight": r(2, 4, 3, 3),
+            "conv.lora_up.weight": r(4, 2, 1, 1),
+        }
     if family == "loha":
-        return {f"{m}.{k}": r(*s) for m in ("fc2", "fc3") for k, s in
-                (("hada_w1_a", (8, 2)), ("hada_w1_b", (2, 8)), ("hada_w2_a", (8, 2)), ("hada_w2_b", (2, 8)))}
+        return {
+            f"{m}.{k}": r(*s)
+            for m in ("fc2", "fc3")
+            for k, s in (
+                ("hada_w1_a", (8, 2)),
+                ("hada_w1_b", (2, 8)),
+                ("hada_w2_a", (8, 2)),
+                ("hada_w2_b", (2, 8)),
+            )
+        }
     if family == "lokr":
-        return {"fc1.lokr_w1": r(2, 2), "fc1.lokr_w2": r(4, 4), "fc3.lokr_w1": r(2, 2), "fc3.lokr_w2": r(4, 4)}
+        return {
+            "fc1.lokr_w1": r(2, 2),
+            "fc1.lokr_w2": r(4, 4),
+            "fc3.lokr_w1": r(2, 2),
+            "fc3.lokr_w2": r(4, 4),
+        }
     if family == "full":
         return {"fc2.diff": r(8, 8, s=0.05), "fc2.diff_b": r(8, s=0.05)}
     if family == "dora":
-        return {"fc1.lora_down.weight": r(2, 8), "fc1.lora_up.weight": r(8, 2), "fc1.dora_scale": r(8, 1).abs() + 0.5}
+        return {
+            "fc1.lora_down.weight": r(2, 8),
+            "fc1.lora_up.weight": r(8, 2),
+            "fc1.dora_scale": r(8, 1).abs() + 0.5,
+        }
     assert family == "oft"
     return {"fc3.oft_blocks": r(2, 4, 4), "fc3.alpha": torch.tensor(0.0)}
 
@@ -116,7 +138,9 @@ def test_random_operation_sequences(files, seed):
         op = rng.choice(["apply", "apply", "set_strength", "switch", "remove", "remove", "check"])
         if op == "apply" and len(live) < 3:
             items, mode = random_set(rng), rng.choice(["merge", "runtime"])
-            live.append(Live(loraweave.apply(model, [(files[f], s) for f, s in items], mode=mode), items, mode))
+            live.append(
+                Live(loraweave.apply(model, [(files[f], s) for f, s in items], mode=mode), items, mode)
+            )
         elif op == "set_strength" and live:
             entry = rng.choice(live)
             names = [a["name"] for a in entry.handle.report.adapters]

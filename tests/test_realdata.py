@@ -31,13 +31,19 @@ def meta_models(realdata):
             "sdxl_unet": UNet2DConditionModel.from_config(real_config("sdxl-base__unet_config.json")),
             "sd15_te": CLIPTextModel(CLIPTextConfig(**real_config("sd15__text_encoder_config.json"))),
             "flux": FluxTransformer2DModel.from_config(real_config("flux1-dev__transformer_config.json")),
-            "zimage": ZImageTransformer2DModel.from_config(real_config("z-image-turbo__transformer_config.json")),
+            "zimage": ZImageTransformer2DModel.from_config(
+                real_config("z-image-turbo__transformer_config.json")
+            ),
         }
 
 
 # file -> (target components, expected families, expected reason kinds for what does not land)
 REAL_FILES = {
-    "Haseebae__Synthetic_dataset_generator_with_stable_diffusion__pytorch_lora_weights.safetensors": ("sd15", {"lora": 128}, {}),
+    "Haseebae__Synthetic_dataset_generator_with_stable_diffusion__pytorch_lora_weights.safetensors": (
+        "sd15",
+        {"lora": 128},
+        {},
+    ),
     "JustinJiangNext__lora-2.0__pytorch_lora_weights.safetensors": ("sd2", {"lora": 128}, {}),
     "catundchat__stable-diffusion-v1.5-lora__pytorch_lora_weights.safetensors": ("sd15", {"lora": 128}, {}),
     "timohavdk__sd-lora__2100-lora.safetensors": ("sd15", {"lora": 128}, {}),
@@ -76,7 +82,9 @@ def test_real_file_parses_and_resolves(name, meta_models):
 def test_cloneofsimo_positions_follow_the_trainer_order(meta_models):
     """Index i is the i-th Linear under the trainer's target classes; shapes prove the order (q/k/v in attn2
     take 768-wide text input, GEGLU proj has 8x rows)."""
-    report = loraweave.plan(_target("sd15", meta_models), LORA_DIR / "cloneofsimo__lora__analog_svd_rank4.safetensors")
+    report = loraweave.plan(
+        _target("sd15", meta_models), LORA_DIR / "cloneofsimo__lora__analog_svd_rank4.safetensors"
+    )
     modules = {m.module for m in report.applied}
     assert len(modules) == 192
     assert "down_blocks.0.attentions.0.transformer_blocks.0.ff.net.0.proj" in modules
@@ -156,7 +164,9 @@ def test_sdxl_original_names_resolve(layout, meta_models):
 
 def test_zimage_original_names_resolve(meta_models):
     """Every 2-D weight of the real Z-Image ComfyUI checkpoint subset, as a `diffusion_model.` LoRA."""
-    keys = json.loads((KEYS / "invokeai" / "z_image_transformer_comfyui_keys__base_model_subset.json").read_text())["keys"]
+    keys = json.loads(
+        (KEYS / "invokeai" / "z_image_transformer_comfyui_keys__base_model_subset.json").read_text()
+    )["keys"]
     sd = {}
     for key, shape in keys.items():
         if key.endswith(".weight") and len(shape) == 2:
@@ -196,14 +206,22 @@ def test_qwen_image_key_list_resolves(realdata):
     import diffusers
 
     with torch.device("meta"):
-        model = diffusers.QwenImageTransformer2DModel.from_config(real_config("qwen-image__transformer_config.json"))
+        model = diffusers.QwenImageTransformer2DModel.from_config(
+            real_config("qwen-image__transformer_config.json")
+        )
     report = loraweave.plan(model, _invoke_keys("qwen_image_lora_diffusers_format.json"))
     assert report.unmatched == [] and report.keys_applied == report.keys_total > 0
 
 
 WAN_NAMES = {  # hand-written from diffusers' Wan converter: original -> diffusers module
-    "self_attn": "attn1", "cross_attn": "attn2", "q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0",
-    "k_img": "add_k_proj", "v_img": "add_v_proj",
+    "self_attn": "attn1",
+    "cross_attn": "attn2",
+    "q": "to_q",
+    "k": "to_k",
+    "v": "to_v",
+    "o": "to_out.0",
+    "k_img": "add_k_proj",
+    "v_img": "add_v_proj",
 }
 
 
@@ -223,12 +241,20 @@ def test_wan_original_names_resolve_on_full_size_models(variant):
                 pairs[f"blocks.{i}.{attn}.{p}"] = f"blocks.{i}.{WAN_NAMES[attn]}.{WAN_NAMES[p]}"
         pairs[f"blocks.{i}.ffn.0"] = f"blocks.{i}.ffn.net.0.proj"
         pairs[f"blocks.{i}.ffn.2"] = f"blocks.{i}.ffn.net.2"
-    pairs.update({"head.head": "proj_out", "text_embedding.0": "condition_embedder.text_embedder.linear_1",
-                  "time_embedding.2": "condition_embedder.time_embedder.linear_2"})
+    pairs.update(
+        {
+            "head.head": "proj_out",
+            "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+            "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+        }
+    )
     sd = {}
     for original, diffusers_name in pairs.items():
         # T2V lacks the image projections: give those keys the shape of the text ones.
-        w = modules.get(diffusers_name, modules[diffusers_name.replace("add_k_proj", "to_k").replace("add_v_proj", "to_v")]).weight
+        w = modules.get(
+            diffusers_name,
+            modules[diffusers_name.replace("add_k_proj", "to_k").replace("add_v_proj", "to_v")],
+        ).weight
         stem = "lora_unet_" + original.replace(".", "_")
         sd[f"{stem}.lora_down.weight"] = torch.empty(4, w.shape[1], device="meta")
         sd[f"{stem}.lora_up.weight"] = torch.empty(w.shape[0], 4, device="meta")
@@ -238,4 +264,7 @@ def test_wan_original_names_resolve_on_full_size_models(variant):
         assert report.unmatched == [] and report.keys_applied == len(sd)
     else:
         assert {u["key"] for u in report.unmatched} == img_keys
-        assert all(u["reason"].startswith("expected absent:") and u["kind"] == "expected_absent" for u in report.unmatched)
+        assert all(
+            u["reason"].startswith("expected absent:") and u["kind"] == "expected_absent"
+            for u in report.unmatched
+        )

@@ -58,12 +58,18 @@ def token_weight(fn, shape, channels_first: bool, text: int) -> torch.Tensor | f
     return torch.cat([torch.ones(tokens - image), w]).view(tokens, 1)
 
 
-def layer_errors(model, handle, forward, masks: dict, text: int, expected: dict | None = None) -> tuple[float, int]:
+def layer_errors(
+    model, handle, forward, masks: dict, text: int, expected: dict | None = None
+) -> tuple[float, int]:
     """Largest rel. error of any layer against base + Σ w·Δ (w from `expected`, default `masks`), and how many layers
     had both weighted and free tokens."""
     seen = []
-    hooks = [rp.module.register_forward_hook(lambda m, a, out, rp=rp: seen.append((rp, a[0], out.detach().clone())))
-             for rp in handle._runtime]
+    hooks = [
+        rp.module.register_forward_hook(
+            lambda m, a, out, rp=rp: seen.append((rp, a[0], out.detach().clone()))
+        )
+        for rp in handle._runtime
+    ]
     for name, fn in masks.items():
         handle.set_region(name, mask(fn))
     forward(model)
@@ -87,7 +93,9 @@ def layer_errors(model, handle, forward, masks: dict, text: int, expected: dict 
             fn = (masks if expected is None else expected).get(name)
             w = 1.0 if fn is None else token_weight(fn, tuple(got.shape), rp.channels_first, text)
             want += delta * w
-            mixed += isinstance(w, torch.Tensor) and bool((w == 0).any() and (w == 1).any() and delta.abs().max() > 0)
+            mixed += isinstance(w, torch.Tensor) and bool(
+                (w == 0).any() and (w == 1).any() and delta.abs().max() > 0
+            )
         worst = max(worst, rel_err(got, want))
     return worst, mixed
 
@@ -97,7 +105,9 @@ def flux():
     base = tiny_flux()
     ads = {"a": adapter(base, "lora", 1), "b": adapter(base, "lokr", 2)}
     model = copy.deepcopy(base)
-    handle = loraweave.apply(model, [loraweave.AdapterSpec(sd, name=n) for n, sd in ads.items()], mode="runtime")
+    handle = loraweave.apply(
+        model, [loraweave.AdapterSpec(sd, name=n) for n, sd in ads.items()], mode="runtime"
+    )
     return base, ads, model, handle
 
 
@@ -108,7 +118,9 @@ def test_dit_half_and_overlapping_masks_per_token(flux):
     err, mixed = layer_errors(model, handle, flux_forward, {"a": LEFT, "b": TOP}, text=5)
     assert err <= 1e-5 and mixed > 10, (err, mixed)
     # negative control: a library following the other half would fail this check
-    wrong, _ = layer_errors(model, handle, flux_forward, {"a": lambda u, v: 1.0 - LEFT(u, v)}, text=5, expected={"a": LEFT})
+    wrong, _ = layer_errors(
+        model, handle, flux_forward, {"a": lambda u, v: 1.0 - LEFT(u, v)}, text=5, expected={"a": LEFT}
+    )
     assert wrong > 1e-2
 
 
@@ -147,8 +159,12 @@ def test_unet_half_mask_per_feature_map_pixel():
 
 def test_region_refusals(flux):
     base, ads, model, handle = flux
-    for bad, message in [(torch.ones(3), "2-D"), (torch.full((4, 4), 1.5), "within"), (torch.full((4, 4), float("nan")), "finite"),
-                         ("mask", "H×W tensor")]:
+    for bad, message in [
+        (torch.ones(3), "2-D"),
+        (torch.full((4, 4), 1.5), "within"),
+        (torch.full((4, 4), float("nan")), "finite"),
+        ("mask", "H×W tensor"),
+    ]:
         with pytest.raises(RegionError, match=message):
             handle.set_region("a", bad)
     with pytest.raises(RegionError, match="no adapter named"):

@@ -12,11 +12,23 @@ MARKER = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
 
 def test_no_conflict_markers_in_tracked_files():
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
-    files = listed.stdout.split() if listed.returncode == 0 else [  # not a git checkout: the project's own folders
-        str(p.relative_to(ROOT)) for d in ("src", "tests", "benchmarks", "scripts", "docs") for p in (ROOT / d).rglob("*")
-        if p.is_file()] + ["README.md", "pyproject.toml"]
-    hits = [f for f in files if f.endswith((".py", ".md", ".toml", ".sh", ".txt", ".cfg"))
-            and MARKER.search((ROOT / f).read_text(encoding="utf-8", errors="replace"))]
+    files = (
+        listed.stdout.split()
+        if listed.returncode == 0
+        else [  # not a git checkout: the project's own folders
+            str(p.relative_to(ROOT))
+            for d in ("src", "tests", "benchmarks", "scripts", "docs")
+            for p in (ROOT / d).rglob("*")
+            if p.is_file()
+        ]
+        + ["README.md", "pyproject.toml"]
+    )
+    hits = [
+        f
+        for f in files
+        if f.endswith((".py", ".md", ".toml", ".sh", ".txt", ".cfg"))
+        and MARKER.search((ROOT / f).read_text(encoding="utf-8", errors="replace"))
+    ]
     assert hits == []
 
 

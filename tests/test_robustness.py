@@ -51,7 +51,9 @@ class Int8Linear(nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.in_features = in_features
         self.out_features = out_features
-        self.register_buffer("weight", torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8))
+        self.register_buffer(
+            "weight", torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+        )
         self.register_buffer("scale", torch.rand(out_features, generator=g) * 0.01 + 0.001)
         self.bias = nn.Parameter(torch.randn(out_features, generator=g))
 
@@ -102,7 +104,11 @@ def lora(out: int, inp: int, rank: int = 2, seed: int = 0, dtype=torch.float32, 
 
 def good_part(prefix: str = "fc1", out: int = 6, inp: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
     d, u = lora(out, inp, seed=seed)
-    return {f"{prefix}.lora_down.weight": d, f"{prefix}.lora_up.weight": u, f"{prefix}.alpha": torch.tensor(1.0)}
+    return {
+        f"{prefix}.lora_down.weight": d,
+        f"{prefix}.lora_up.weight": u,
+        f"{prefix}.alpha": torch.tensor(1.0),
+    }
 
 
 def all_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -156,7 +162,9 @@ def write_raw(path: Path, header: bytes | dict, data: bytes = b"", header_len: i
 
 
 def test_real_truncated_file_raises_adapter_file_error():
-    assert TRUNCATED.is_file(), f"missing real test file {TRUNCATED}"  # a missing file is a failure, not a skip
+    assert TRUNCATED.is_file(), (
+        f"missing real test file {TRUNCATED}"
+    )  # a missing file is a failure, not a skip
     model = Net()
     before = copy.deepcopy(model)
     for mode in MODES:
@@ -314,49 +322,169 @@ _CD, _CU = lora(5, 3, rank=2, seed=12, kernel=3)
 
 # (id, state dict, expected reason prefix). Every case carries only bad keys: nothing may land.
 BAD_PARTS = [
-    ("down_wrong_in", {"fc1.lora_down.weight": torch.randn(2, 7), "fc1.lora_up.weight": _U}, "shape mismatch"),
+    (
+        "down_wrong_in",
+        {"fc1.lora_down.weight": torch.randn(2, 7), "fc1.lora_up.weight": _U},
+        "shape mismatch",
+    ),
     ("up_wrong_out", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": torch.randn(5, 2)}, "shape mismatch"),
-    ("conv_down_wrong_kernel", {"conv.lora_down.weight": torch.randn(2, 3, 1, 1), "conv.lora_up.weight": _CU}, "shape mismatch"),
-    ("conv_on_linear", {"fc1.lora_down.weight": torch.randn(2, 8, 3, 3), "fc1.lora_up.weight": torch.randn(6, 2, 1, 1)}, "shape mismatch"),
-    ("rank_mismatch", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": torch.randn(6, 3)}, "shape mismatch"),
-    ("rank_mismatch_conv", {"conv.lora_down.weight": _CD, "conv.lora_up.weight": torch.randn(5, 4, 1, 1)}, "shape mismatch"),
-    ("up_not_1x1", {"conv.lora_down.weight": _CD, "conv.lora_up.weight": torch.randn(5, 2, 3, 3)}, "shape mismatch"),
-    ("tucker_bad_core", {
-        "conv.lora_down.weight": torch.randn(2, 3, 1, 1), "conv.lora_mid.weight": torch.randn(3, 2, 3, 3),
-        "conv.lora_up.weight": torch.randn(5, 2, 1, 1)}, "shape mismatch"),
+    (
+        "conv_down_wrong_kernel",
+        {"conv.lora_down.weight": torch.randn(2, 3, 1, 1), "conv.lora_up.weight": _CU},
+        "shape mismatch",
+    ),
+    (
+        "conv_on_linear",
+        {"fc1.lora_down.weight": torch.randn(2, 8, 3, 3), "fc1.lora_up.weight": torch.randn(6, 2, 1, 1)},
+        "shape mismatch",
+    ),
+    (
+        "rank_mismatch",
+        {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": torch.randn(6, 3)},
+        "shape mismatch",
+    ),
+    (
+        "rank_mismatch_conv",
+        {"conv.lora_down.weight": _CD, "conv.lora_up.weight": torch.randn(5, 4, 1, 1)},
+        "shape mismatch",
+    ),
+    (
+        "up_not_1x1",
+        {"conv.lora_down.weight": _CD, "conv.lora_up.weight": torch.randn(5, 2, 3, 3)},
+        "shape mismatch",
+    ),
+    (
+        "tucker_bad_core",
+        {
+            "conv.lora_down.weight": torch.randn(2, 3, 1, 1),
+            "conv.lora_mid.weight": torch.randn(3, 2, 3, 3),
+            "conv.lora_up.weight": torch.randn(5, 2, 1, 1),
+        },
+        "shape mismatch",
+    ),
     ("up_1d", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": torch.randn(6)}, "shape mismatch"),
-    ("down_0d", {"fc1.lora_down.weight": torch.tensor(1.0), "fc1.lora_up.weight": torch.randn(6, 1)}, "shape mismatch"),
-    ("bias_wrong_len", {"fc1.lora_A.weight": _D, "fc1.lora_B.weight": _U, "fc1.lora_B.bias": torch.randn(5)}, "shape mismatch"),
+    (
+        "down_0d",
+        {"fc1.lora_down.weight": torch.tensor(1.0), "fc1.lora_up.weight": torch.randn(6, 1)},
+        "shape mismatch",
+    ),
+    (
+        "bias_wrong_len",
+        {"fc1.lora_A.weight": _D, "fc1.lora_B.weight": _U, "fc1.lora_B.bias": torch.randn(5)},
+        "shape mismatch",
+    ),
     ("diff_wrong_shape", {"fc1.diff": torch.randn(6, 7)}, "shape mismatch"),
     ("diff_wrong_rows", {"fc1.diff": torch.randn(4, 8)}, "shape mismatch"),
     ("nan_down", {"fc1.lora_down.weight": _nan(_D), "fc1.lora_up.weight": _U}, "bad tensor"),
-    ("nan_up_fp16", {"fc1.lora_down.weight": _D.half(), "fc1.lora_up.weight": _nan(_U.half(), (5, 1))}, "bad tensor"),
+    (
+        "nan_up_fp16",
+        {"fc1.lora_down.weight": _D.half(), "fc1.lora_up.weight": _nan(_U.half(), (5, 1))},
+        "bad tensor",
+    ),
     ("inf_up", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _inf(_U)}, "bad tensor"),
-    ("neg_inf_down_bf16", {"fc1.lora_down.weight": _inf(_D.bfloat16(), (1, 3), -1.0), "fc1.lora_up.weight": _U}, "bad tensor"),
-    ("nan_mid", {
-        "conv.lora_down.weight": torch.randn(2, 3, 1, 1), "conv.lora_mid.weight": _nan(torch.randn(2, 2, 3, 3), (0, 0, 1, 1)),
-        "conv.lora_up.weight": torch.randn(5, 2, 1, 1)}, "bad tensor"),
-    ("nan_bias", {"fc1.lora_A.weight": _D, "fc1.lora_B.weight": _U, "fc1.lora_B.bias": _nan(torch.randn(6), (2,))}, "bad tensor"),
+    (
+        "neg_inf_down_bf16",
+        {"fc1.lora_down.weight": _inf(_D.bfloat16(), (1, 3), -1.0), "fc1.lora_up.weight": _U},
+        "bad tensor",
+    ),
+    (
+        "nan_mid",
+        {
+            "conv.lora_down.weight": torch.randn(2, 3, 1, 1),
+            "conv.lora_mid.weight": _nan(torch.randn(2, 2, 3, 3), (0, 0, 1, 1)),
+            "conv.lora_up.weight": torch.randn(5, 2, 1, 1),
+        },
+        "bad tensor",
+    ),
+    (
+        "nan_bias",
+        {"fc1.lora_A.weight": _D, "fc1.lora_B.weight": _U, "fc1.lora_B.bias": _nan(torch.randn(6), (2,))},
+        "bad tensor",
+    ),
     ("nan_diff", {"fc1.diff": _nan(torch.randn(6, 8))}, "bad tensor"),
     ("inf_diff_b", {"fc1.diff_b": _inf(torch.randn(6), (0,))}, "bad tensor"),
-    ("nan_alpha", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.alpha": torch.tensor(float("nan"))}, "bad tensor"),
-    ("inf_alpha", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.alpha": torch.tensor(float("inf"))}, "bad tensor"),
-    ("nan_alpha_fp16", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.alpha": torch.tensor(float("nan")).half()}, "bad tensor"),
-    ("alpha_not_scalar", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.alpha": torch.ones(2)}, "bad tensor"),
-    ("no_such_module", {"nosuch.lora_down.weight": _D, "nosuch.lora_up.weight": _U, "nosuch.alpha": torch.tensor(1.0)}, "no such module"),
-    ("no_such_module_kohya", {"lora_unet_block_nope.lora_down.weight": _D, "lora_unet_block_nope.lora_up.weight": _U}, "no such module"),
-    ("no_such_component", {
-        "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": _D,
-        "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": _U}, "no such component"),
-    ("no_such_component_te2", {"text_encoder_2.fc1.lora_A.weight": _D, "text_encoder_2.fc1.lora_B.weight": _U}, "no such component"),
-    ("lokr_shape", {"fc1.lokr_w1": torch.randn(2, 2), "fc1.lokr_w2": torch.randn(3, 5), "fc1.alpha": torch.tensor(1.0)}, "shape mismatch"),
-    ("loha_shape", {
-        "fc1.hada_w1_a": torch.randn(6, 2), "fc1.hada_w1_b": torch.randn(2, 9),
-        "fc1.hada_w2_a": torch.randn(6, 2), "fc1.hada_w2_b": torch.randn(2, 9)}, "shape mismatch"),
+    (
+        "nan_alpha",
+        {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.alpha": torch.tensor(float("nan"))},
+        "bad tensor",
+    ),
+    (
+        "inf_alpha",
+        {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.alpha": torch.tensor(float("inf"))},
+        "bad tensor",
+    ),
+    (
+        "nan_alpha_fp16",
+        {
+            "fc1.lora_down.weight": _D,
+            "fc1.lora_up.weight": _U,
+            "fc1.alpha": torch.tensor(float("nan")).half(),
+        },
+        "bad tensor",
+    ),
+    (
+        "alpha_not_scalar",
+        {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.alpha": torch.ones(2)},
+        "bad tensor",
+    ),
+    (
+        "no_such_module",
+        {"nosuch.lora_down.weight": _D, "nosuch.lora_up.weight": _U, "nosuch.alpha": torch.tensor(1.0)},
+        "no such module",
+    ),
+    (
+        "no_such_module_kohya",
+        {"lora_unet_block_nope.lora_down.weight": _D, "lora_unet_block_nope.lora_up.weight": _U},
+        "no such module",
+    ),
+    (
+        "no_such_component",
+        {
+            "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": _D,
+            "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": _U,
+        },
+        "no such component",
+    ),
+    (
+        "no_such_component_te2",
+        {"text_encoder_2.fc1.lora_A.weight": _D, "text_encoder_2.fc1.lora_B.weight": _U},
+        "no such component",
+    ),
+    (
+        "lokr_shape",
+        {"fc1.lokr_w1": torch.randn(2, 2), "fc1.lokr_w2": torch.randn(3, 5), "fc1.alpha": torch.tensor(1.0)},
+        "shape mismatch",
+    ),
+    (
+        "loha_shape",
+        {
+            "fc1.hada_w1_a": torch.randn(6, 2),
+            "fc1.hada_w1_b": torch.randn(2, 9),
+            "fc1.hada_w2_a": torch.randn(6, 2),
+            "fc1.hada_w2_b": torch.randn(2, 9),
+        },
+        "shape mismatch",
+    ),
     # TLoRA's base comes from an SVD init that is never saved: not portable, always refused.
-    ("tlora", {"fc1.q_layer": torch.randn(2, 8), "fc1.p_layer": torch.randn(6, 2), "fc1.lambda_layer": torch.randn(1, 2)}, "unsupported family"),
-    ("lora_and_lokr_in_one_part", {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.lokr_w1": torch.randn(2, 2)}, "unsupported family"),
-    ("unknown_keys", {"fc1.something_else": torch.randn(3), "random_key": torch.randn(2), "fc1.weight": torch.randn(6, 8)}, "not parsed"),
+    (
+        "tlora",
+        {
+            "fc1.q_layer": torch.randn(2, 8),
+            "fc1.p_layer": torch.randn(6, 2),
+            "fc1.lambda_layer": torch.randn(1, 2),
+        },
+        "unsupported family",
+    ),
+    (
+        "lora_and_lokr_in_one_part",
+        {"fc1.lora_down.weight": _D, "fc1.lora_up.weight": _U, "fc1.lokr_w1": torch.randn(2, 2)},
+        "unsupported family",
+    ),
+    (
+        "unknown_keys",
+        {"fc1.something_else": torch.randn(3), "random_key": torch.randn(2), "fc1.weight": torch.randn(6, 8)},
+        "not parsed",
+    ),
     ("incomplete_lora", {"fc1.lora_down.weight": _D, "fc1.alpha": torch.tensor(2.0)}, "incomplete"),
 ]
 
@@ -415,7 +543,11 @@ def test_bad_parts_next_to_good_ones_only_the_good_land(mode):
 
 def test_rank_zero_lora_is_a_reported_shape_mismatch():
     """A degenerate rank-0 LoRA (empty factors) with an alpha is reported, never a ZeroDivisionError."""
-    sd = {"fc1.lora_down.weight": torch.zeros(0, 8), "fc1.lora_up.weight": torch.zeros(6, 0), "fc1.alpha": torch.tensor(4.0)}
+    sd = {
+        "fc1.lora_down.weight": torch.zeros(0, 8),
+        "fc1.lora_up.weight": torch.zeros(6, 0),
+        "fc1.alpha": torch.tensor(4.0),
+    }
     for mode in MODES:
         model = Net()
         before = copy.deepcopy(model)
@@ -430,7 +562,11 @@ def test_rank_zero_lora_is_a_reported_shape_mismatch():
 @pytest.mark.parametrize(
     "sd",
     [
-        {"fc2.lora_A.weight": torch.randn(2, 6), "fc2.lora_B.weight": torch.randn(6, 2), "fc2.lora_B.bias": torch.randn(6)},
+        {
+            "fc2.lora_A.weight": torch.randn(2, 6),
+            "fc2.lora_B.weight": torch.randn(6, 2),
+            "fc2.lora_B.bias": torch.randn(6),
+        },
         {"fc2.diff_b": torch.randn(6)},
     ],
     ids=["lora_B.bias", "diff_b"],
@@ -441,7 +577,9 @@ def test_bias_delta_for_a_module_without_bias_is_typed_or_reported(sd, mode):
     model = Net()
     before = copy.deepcopy(model)
     good = loraweave.load_adapter(good_part(), name="good")
-    handle = loraweave.apply(model, [good, loraweave.load_adapter(sd, name="biased")], mode=mode, allow_empty=True)
+    handle = loraweave.apply(
+        model, [good, loraweave.load_adapter(sd, name="biased")], mode=mode, allow_empty=True
+    )
     d = check_report(handle.report)
     missed = {m["key"] for m in d["unmatched"]}
     landed = [m for m in handle.report.applied if m.module == "fc2"]
@@ -461,8 +599,11 @@ def test_peft_metadata_with_non_finite_lora_alpha_never_poisons_weights(tmp_path
     d, u = lora(6, 8, seed=3)
     for value in ("NaN", "Infinity", "-Infinity"):
         path = tmp_path / f"peft_{value}.safetensors"
-        save_file({"fc1.lora_A.weight": d, "fc1.lora_B.weight": u}, str(path),
-                  metadata={"lora_adapter_metadata": f'{{"r": 2, "lora_alpha": {value}}}'})
+        save_file(
+            {"fc1.lora_A.weight": d, "fc1.lora_B.weight": u},
+            str(path),
+            metadata={"lora_adapter_metadata": f'{{"r": 2, "lora_alpha": {value}}}'},
+        )
         for mode in MODES:
             model = Net()
             before = copy.deepcopy(model)
@@ -526,8 +667,15 @@ def test_report_of_a_real_lora_is_json_and_complete():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_strict_raises_with_report_and_touches_nothing(mode):
-    sd = {**good_part(), **good_part("block.proj", 6, 6, seed=1), "nosuch.lora_down.weight": _D, "nosuch.lora_up.weight": _U}
-    sd.update({"fp16.lora_down.weight": torch.randn(2, 5), "fp16.lora_up.weight": torch.randn(4, 2)})  # shape mismatch
+    sd = {
+        **good_part(),
+        **good_part("block.proj", 6, 6, seed=1),
+        "nosuch.lora_down.weight": _D,
+        "nosuch.lora_up.weight": _U,
+    }
+    sd.update(
+        {"fp16.lora_down.weight": torch.randn(2, 5), "fp16.lora_up.weight": torch.randn(4, 2)}
+    )  # shape mismatch
     model = Net()
     before = copy.deepcopy(model)
     with pytest.raises(StrictApplyError) as info:
@@ -536,7 +684,12 @@ def test_strict_raises_with_report_and_touches_nothing(mode):
     assert isinstance(err, LoraweaveError)
     d = check_report(err.report)
     reasons = {m["key"]: m["reason"] for m in d["unmatched"]}
-    assert reasons.keys() == {"nosuch.lora_down.weight", "nosuch.lora_up.weight", "fp16.lora_down.weight", "fp16.lora_up.weight"}
+    assert reasons.keys() == {
+        "nosuch.lora_down.weight",
+        "nosuch.lora_up.weight",
+        "fp16.lora_down.weight",
+        "fp16.lora_up.weight",
+    }
     assert reasons["nosuch.lora_down.weight"].startswith("no such module")
     assert reasons["fp16.lora_down.weight"].startswith("shape mismatch")
     assert_untouched(model, before)
@@ -600,7 +753,9 @@ def _full_adapter(quant: bool) -> dict[str, torch.Tensor]:
 N_MODULES = 5  # fc1, fc2, fp16, conv, block.proj (+ q when quant)
 
 
-def _check_restored(model: nn.Module, before: nn.Module, out_before: torch.Tensor, conv_before: torch.Tensor) -> None:
+def _check_restored(
+    model: nn.Module, before: nn.Module, out_before: torch.Tensor, conv_before: torch.Tensor
+) -> None:
     assert_untouched(model, before)
     with torch.no_grad():
         assert torch.equal(model(*inputs()), out_before)
@@ -696,7 +851,9 @@ def test_runtime_constructor_failing_midway_leaves_no_hook(monkeypatch, mode):
     import loraweave.engine.install as applying  # where apply builds runtime paths (the planner builds none)
 
     real = applying.RuntimePath
-    monkeypatch.setattr(applying, "RuntimePath", fail_on_call(3 if mode == "runtime" else 1, RuntimeError, real))
+    monkeypatch.setattr(
+        applying, "RuntimePath", fail_on_call(3 if mode == "runtime" else 1, RuntimeError, real)
+    )
     with pytest.raises(RuntimeError, match="injected"):
         loraweave.apply(model, _full_adapter(True), mode=mode)
     _check_restored(model, before, out_before, conv_before)
@@ -707,8 +864,11 @@ def test_auto_failure_after_merges_and_hooks_restores_both(monkeypatch):
     (building the report) after both kinds were applied."""
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
-    monkeypatch.setattr(loraweave.engine.install, "AppliedModule",
-                        fail_on_call(N_MODULES + 1, KeyboardInterrupt, loraweave.engine.install.AppliedModule))
+    monkeypatch.setattr(
+        loraweave.engine.install,
+        "AppliedModule",
+        fail_on_call(N_MODULES + 1, KeyboardInterrupt, loraweave.engine.install.AppliedModule),
+    )
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(True), mode="auto")
     _check_restored(model, before, out_before, conv_before)
@@ -721,7 +881,11 @@ def test_interrupt_landing_right_after_a_hook_is_registered_leaves_no_hook(monke
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
     real = loraweave.mechanisms.runtime.path.RuntimePath.attach
-    monkeypatch.setattr(loraweave.mechanisms.runtime.path.RuntimePath, "attach", fail_on_call(1, KeyboardInterrupt, real, after=True))
+    monkeypatch.setattr(
+        loraweave.mechanisms.runtime.path.RuntimePath,
+        "attach",
+        fail_on_call(1, KeyboardInterrupt, real, after=True),
+    )
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(True), mode=mode)
     _check_restored(model, before, out_before, conv_before)
@@ -731,7 +895,11 @@ def test_interrupt_landing_right_after_a_merge_is_written_restores_it(monkeypatc
     """Same window for merge: merge_module returned (weights written) but apply had not recorded it yet."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
-    monkeypatch.setattr(loraweave.engine.install, "merge_module", fail_on_call(2, KeyboardInterrupt, loraweave.engine.install.merge_module, after=True))
+    monkeypatch.setattr(
+        loraweave.engine.install,
+        "merge_module",
+        fail_on_call(2, KeyboardInterrupt, loraweave.engine.install.merge_module, after=True),
+    )
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(False), mode="merge")
     _check_restored(model, before, out_before, conv_before)
@@ -747,7 +915,9 @@ def test_nested_apply_failing_midway_keeps_the_outer_merge(monkeypatch, same_ada
     outer_adapter = loraweave.load_adapter(_full_adapter(False), name="outer")
     outer = loraweave.apply(model, outer_adapter, mode="merge")
     merged_state = {k: v.clone() for k, v in model.state_dict().items()}
-    inner_adapter = outer_adapter if same_adapter else loraweave.load_adapter(_full_adapter(False), name="inner")
+    inner_adapter = (
+        outer_adapter if same_adapter else loraweave.load_adapter(_full_adapter(False), name="inner")
+    )
     cls = loraweave.mechanisms.merge.layer.MergedModule
     with monkeypatch.context() as mp:
         mp.setattr(cls, "write", fail_on_call(3, exc, cls.write))
@@ -768,7 +938,9 @@ def test_nested_merges_removed_in_any_order_end_exact(same_adapter):
     before, out_before, conv_before = _snapshot(model)
     outer_adapter = loraweave.load_adapter(_full_adapter(False), name="outer")
     outer = loraweave.apply(model, outer_adapter, mode="merge")
-    inner_adapter = outer_adapter if same_adapter else loraweave.load_adapter(_full_adapter(False), name="inner")
+    inner_adapter = (
+        outer_adapter if same_adapter else loraweave.load_adapter(_full_adapter(False), name="inner")
+    )
     inner = loraweave.apply(model, (inner_adapter, -0.5), mode="merge")
     both = {k: v.clone() for k, v in model.state_dict().items()}
     try:
@@ -799,8 +971,10 @@ def test_fused_flux_part_failing_on_its_second_module_restores_the_first(monkeyp
     }
     plan = check_report(loraweave.plan(model, sd))
     assert plan["keys_applied"] == 3
-    for mode, cls, attr in [("merge", loraweave.mechanisms.merge.layer.MergedModule, "write"),
-                            ("runtime", loraweave.mechanisms.runtime.path.RuntimePath, "attach")]:
+    for mode, cls, attr in [
+        ("merge", loraweave.mechanisms.merge.layer.MergedModule, "write"),
+        ("runtime", loraweave.mechanisms.runtime.path.RuntimePath, "attach"),
+    ]:
         with monkeypatch.context() as mp:
             mp.setattr(cls, attr, fail_on_call(2, RuntimeError, getattr(cls, attr)))
             with pytest.raises(RuntimeError, match="injected"):
@@ -854,7 +1028,9 @@ def _random_lora(rng: random.Random, idx: int, model: nn.Module) -> loraweave.Ad
             if module.bias is not None and rng.random() < 0.3:
                 sd[f"{name}.lora_B.bias"] = torch.randn(out, generator=g).to(fdtype)
         if rng.random() < 0.5 and f"{name}.diff" not in sd:
-            sd[f"{name}.alpha"] = torch.tensor(float(rng.choice([1, 2, 4, 0.5, 16]))).to(rng.choice([torch.float32, torch.float16]))
+            sd[f"{name}.alpha"] = torch.tensor(float(rng.choice([1, 2, 4, 0.5, 16]))).to(
+                rng.choice([torch.float32, torch.float16])
+            )
     return loraweave.load_adapter(sd, name=f"lora{idx}")
 
 
@@ -884,8 +1060,9 @@ def test_200_random_merge_cycles_restore_bit_exactly():
         if rng.random() < 0.25:
             nested_cycles += 1
             inner_before = {k: v.clone() for k, v in model.state_dict().items()}
-            inner = loraweave.apply(model, [(a, rng.uniform(-1, 1)) for a in rng.sample(pool, rng.randint(1, 3))],
-                                    mode="merge")
+            inner = loraweave.apply(
+                model, [(a, rng.uniform(-1, 1)) for a in rng.sample(pool, rng.randint(1, 3))], mode="merge"
+            )
             inner.remove()
             for k, v in model.state_dict().items():
                 assert torch.equal(v, inner_before[k]), f"cycle {cycle}: inner remove {k}"

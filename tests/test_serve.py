@@ -50,8 +50,15 @@ def server(files):
     pipe_dir, loras, root = files
     path = os.pathsep.join((str(SRC), str(TESTS)))  # replicas import serve_fixtures' FaultyEngine
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    options = ServeOptions(str(pipe_dir), str(loras), replicas=2, max_adapters_per_replica=4, max_batch=8,
-                           batch_wait_s=0.3, engine="helpers.serve_fixtures:FaultyEngine")
+    options = ServeOptions(
+        str(pipe_dir),
+        str(loras),
+        replicas=2,
+        max_adapters_per_replica=4,
+        max_batch=8,
+        batch_wait_s=0.3,
+        engine="helpers.serve_fixtures:FaultyEngine",
+    )
     try:
         _, url = start(options, port=8765)
         yield url, pipe_dir, loras, root
@@ -61,8 +68,9 @@ def server(files):
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url + "/", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
             return answer.status, json.loads(answer.read())
@@ -76,8 +84,12 @@ def _image(result: dict) -> np.ndarray:
 
 def _mixed(i: int) -> dict:
     """Request i: no adapter, one, two (one of them text-encoder-less), by tag or by the explicit list."""
-    kinds = [f"a cat <lora:a{i % 5}:0.8>", f"a dog <lora:a{(i + 1) % 5}:1> <lora:u:0.5>", "a house",
-             f"a tree <lora:a{(i + 2) % 5}:0.4>"]
+    kinds = [
+        f"a cat <lora:a{i % 5}:0.8>",
+        f"a dog <lora:a{(i + 1) % 5}:1> <lora:u:0.5>",
+        "a house",
+        f"a tree <lora:a{(i + 2) % 5}:0.4>",
+    ]
     body = {**SETTINGS, "prompt": kinds[i % 4], "seed": 100 + i}
     if i % 8 == 7:  # the explicit list instead of a tag
         body |= {"prompt": "a tree", "adapters": [{"name": f"a{(i + 2) % 5}", "strength": 0.4}]}
@@ -101,17 +113,22 @@ def test_one_at_a_time_equals_generate(server):
         body = _mixed(i)
         code, result = post(url, body)
         assert code == 200, result
-        expected = generated(pipe_dir, loras, _as_tags(body), body["seed"], root / f"g{i}.png", mode="runtime")
+        expected = generated(
+            pipe_dir, loras, _as_tags(body), body["seed"], root / f"g{i}.png", mode="runtime"
+        )
         assert result["metrics"]["batch_size"] == 1
         assert np.array_equal(_image(result), expected), (i, body, np.abs(_image(result) - expected).max())
         names = _names(body, loras)
         if i < 2:  # negative control: one strength 0.05 off gives another image
-            other = body["prompt"].split(" <")[0] + "".join(f" <lora:{n}:{s + 0.05 * (j == 0)}>"
-                                                            for j, (n, s) in enumerate(names))
+            other = body["prompt"].split(" <")[0] + "".join(
+                f" <lora:{n}:{s + 0.05 * (j == 0)}>" for j, (n, s) in enumerate(names)
+            )
             near = generated(pipe_dir, loras, other, body["seed"], root / "near.png", mode="runtime")
             assert not np.array_equal(_image(result), near)
         metrics = result["metrics"]
-        assert set(metrics) >= {"queue_s", "batch_size", "adapter_load", "replica"} and metrics["queue_s"] >= 0
+        assert (
+            set(metrics) >= {"queue_s", "batch_size", "adapter_load", "replica"} and metrics["queue_s"] >= 0
+        )
         assert sorted(result["report"]) == sorted({n for n, _ in names})
 
 
@@ -119,7 +136,9 @@ def _names(body: dict, loras: Path):
     from loraweave.request.prompt import parse_prompt
 
     _, specs = parse_prompt(_as_tags(body), loras)
-    return [(Path(s.source).relative_to(loras.resolve()).with_suffix("").as_posix(), s.strength) for s in specs]
+    return [
+        (Path(s.source).relative_to(loras.resolve()).with_suffix("").as_posix(), s.strength) for s in specs
+    ]
 
 
 def test_same_adapters_hit_after_the_first(server):
@@ -135,7 +154,10 @@ def test_mixed_batch_is_formed_and_exact(server):
     rounding of generate's image."""
     url, pipe_dir, loras, root = server
     names = ["a0", "a1", "a2", "a3", "a4", "u"]  # six sets on two replicas: one holds three at least
-    bodies = [{**SETTINGS, "prompt": f"a bird <lora:{n}:{0.5 + i / 10}>", "seed": 200 + i} for i, n in enumerate(names)]
+    bodies = [
+        {**SETTINGS, "prompt": f"a bird <lora:{n}:{0.5 + i / 10}>", "seed": 200 + i}
+        for i, n in enumerate(names)
+    ]
     seen = 0
     for _ in range(3):  # bounded: batching depends on arrival times
         with ThreadPoolExecutor(len(bodies)) as pool:
@@ -144,8 +166,13 @@ def test_mixed_batch_is_formed_and_exact(server):
         mixed = [(b, r) for b, (_, r) in zip(bodies, answers, strict=True) if r["metrics"]["batch_sets"] >= 3]
         for body, result in mixed:
             got, size = _image(result), result["metrics"]["batch_size"]
-            assert np.array_equal(got, rendered(pipe_dir, loras, body["prompt"], body["seed"], size)), (body, size)
-            expected = generated(pipe_dir, loras, body["prompt"], body["seed"], root / "batch.png", mode="runtime")
+            assert np.array_equal(got, rendered(pipe_dir, loras, body["prompt"], body["seed"], size)), (
+                body,
+                size,
+            )
+            expected = generated(
+                pipe_dir, loras, body["prompt"], body["seed"], root / "batch.png", mode="runtime"
+            )
             assert_generate_bound(got, expected, body)
         seen += len(mixed)
         if seen:
@@ -164,35 +191,55 @@ def test_engine_mixed_batch_is_row_independent(files, monkeypatch):
     pipe_dir, loras, root = files
     engine = Engine(str(pipe_dir), str(loras), max_adapters=5)
     engine.store.ensure(["styles/u", "a3", "a1"])  # resident order u, a3, a1: not request 0's tag order
-    prompts = ["a dog <lora:a1:1> <lora:u:0.5>", "a cat <lora:a3:0.3> <lora:c:0.6>", "a house <lora:a0:0.8>", "a tree"]
+    prompts = [
+        "a dog <lora:a1:1> <lora:u:0.5>",
+        "a cat <lora:a3:0.3> <lora:c:0.6>",
+        "a house <lora:a0:0.8>",
+        "a tree",
+    ]
     reqs = [engine.parse({**SETTINGS, "prompt": p, "seed": 300 + i}) for i, p in enumerate(prompts)]
     run = lambda batch: [pixels(base64.b64decode(r["png_b64"])) for r in engine.run(batch)]  # noqa: E731
     floats = engine._render(reqs[:3], output_type="np")
     for i in range(3):
-        assert np.array_equal(floats[i], rendered(pipe_dir, loras, prompts[i], 300 + i, copies=3, floats=True)), i
+        assert np.array_equal(
+            floats[i], rendered(pipe_dir, loras, prompts[i], 300 + i, copies=3, floats=True)
+        ), i
     got = run(reqs[:3])
     for i in range(3):
         assert np.array_equal(got[i], rendered(pipe_dir, loras, prompts[i], 300 + i, copies=3)), i
-    assert np.array_equal(run([reqs[0], reqs[3], reqs[1]])[2], got[1])  # other companions, place: the same image
+    assert np.array_equal(
+        run([reqs[0], reqs[3], reqs[1]])[2], got[1]
+    )  # other companions, place: the same image
     lone = run([reqs[1]])[0]
-    assert np.array_equal(lone, generated(pipe_dir, loras, prompts[1], 301, root / "lone.png", mode="runtime"))
+    assert np.array_equal(
+        lone, generated(pipe_dir, loras, prompts[1], 301, root / "lone.png", mode="runtime")
+    )
     near = engine.parse({**SETTINGS, "prompt": "a dog <lora:a1:1.05> <lora:u:0.5>", "seed": 300})
     assert not np.array_equal(run([near, reqs[1], reqs[2]])[0], got[0])
     engine.exact = False
     assert not np.array_equal(engine._render(reqs[:3], output_type="np")[1], floats[1])  # gated
     monkeypatch.setattr(mix, "GATED_MAX_TOKEN_RANKS", 0)
-    assert not np.array_equal(engine._render(reqs[:3], output_type="np")[1], floats[1])  # per-run GEMMs (the conv)
+    assert not np.array_equal(
+        engine._render(reqs[:3], output_type="np")[1], floats[1]
+    )  # per-run GEMMs (the conv)
     engine.exact = True
-    ordered = persample._one_sample  # u first, as resident: request 0 summed in the store's order, not its tags'
-    monkeypatch.setattr(persample, "_one_sample", lambda *a: tuple(sorted(ordered(*a), key=lambda kv: kv[0] != "styles/u")))
+    ordered = (
+        persample._one_sample
+    )  # u first, as resident: request 0 summed in the store's order, not its tags'
+    monkeypatch.setattr(
+        persample, "_one_sample", lambda *a: tuple(sorted(ordered(*a), key=lambda kv: kv[0] != "styles/u"))
+    )
     assert not np.array_equal(engine._render(reqs[:3], output_type="np")[0], floats[0])
 
 
-@pytest.mark.parametrize(("prompt", "code", "message"), [
-    ("x <lora:nope:1>", 400, "no adapter 'nope'"),
-    ("x <lora:../a0:1>", 400, "must stay inside"),
-    ("x <lora:bad/sdxl:1>", 422, "does not fit this model: 0/2 keys land"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "code", "message"),
+    [
+        ("x <lora:nope:1>", 400, "no adapter 'nope'"),
+        ("x <lora:../a0:1>", 400, "must stay inside"),
+        ("x <lora:bad/sdxl:1>", 422, "does not fit this model: 0/2 keys land"),
+    ],
+)
 def test_bad_requests_are_4xx_and_the_server_keeps_serving(server, prompt, code, message):
     url = server[0]
     status, result = post(url, {**SETTINGS, "prompt": prompt})
@@ -235,20 +282,38 @@ def test_replica_dying_mid_render_gives_the_image_or_an_error(server):
             break
         time.sleep(2)
     assert code == 200, result
-    assert np.array_equal(_image(result), generated(pipe_dir, loras, after["prompt"], 401, root / "after.png",
-                                                    mode="runtime"))
+    assert np.array_equal(
+        _image(result), generated(pipe_dir, loras, after["prompt"], 401, root / "after.png", mode="runtime")
+    )
 
 
 def test_nothing_outside_serve_imports_ray():
-    code = ("import sys, loraweave, loraweave.cli, loraweave.serve, loraweave.tools.generate; "
-            "print('ray' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(SRC)}, check=True)
+    code = (
+        "import sys, loraweave, loraweave.cli, loraweave.serve, loraweave.tools.generate; "
+        "print('ray' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        check=True,
+    )
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("bad", ["", "loraweave.serve.engine", "no_such_module:Engine", "os:path",
-                                 "loraweave.serve.engine:NoSuchClass", "loraweave.serve.engine:ServeRequest"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "loraweave.serve.engine",
+        "no_such_module:Engine",
+        "os:path",
+        "loraweave.serve.engine:NoSuchClass",
+        "loraweave.serve.engine:ServeRequest",
+    ],
+)
 def test_engine_option_names_an_engine_class_or_is_refused(bad):
     """ServeOptions.engine (the replicas' "module:Class"): anything but an Engine subclass is a typed error naming
     the option and the value, before a replica builds anything."""

@@ -19,7 +19,9 @@ def spy(monkeypatch):
     skinny._PROBED.clear()
     x = torch.randn(4, 8)
     skinny.skinny_linear(x, torch.randn(2, 8))
-    assert torch.backends.mkldnn.is_available() and skinny._PROBED[0] is not None  # else the tests below prove nothing
+    assert (
+        torch.backends.mkldnn.is_available() and skinny._PROBED[0] is not None
+    )  # else the tests below prove nothing
     real, calls = skinny._PROBED[0], []
 
     def counted(*args):
@@ -77,8 +79,11 @@ def test_runtime_linear_uses_it_and_matches_the_mkl_formula(spy):
     g = torch.Generator().manual_seed(2)
     lin = torch.nn.Linear(384, 256)
     down, up = torch.randn(16, 384, generator=g) / 20, torch.randn(256, 16, generator=g) / 4
-    sd = {"lora_unet_proj.lora_down.weight": down, "lora_unet_proj.lora_up.weight": up,
-          "lora_unet_proj.alpha": torch.tensor(8.0)}
+    sd = {
+        "lora_unet_proj.lora_down.weight": down,
+        "lora_unet_proj.lora_up.weight": up,
+        "lora_unet_proj.alpha": torch.tensor(8.0),
+    }
     model = torch.nn.Module()
     model.proj = copy.deepcopy(lin)
     loraweave.apply(model, sd, mode="runtime", strict=True)
@@ -117,9 +122,11 @@ def _adapted_linear(seed: int = 3):
     g = torch.Generator().manual_seed(seed)
     model = torch.nn.Module()
     model.proj = torch.nn.Linear(96, 64)
-    sd = {"lora_unet_proj.lora_down.weight": torch.randn(8, 96, generator=g) / 10,
-          "lora_unet_proj.lora_up.weight": torch.randn(64, 8, generator=g) / 4,
-          "lora_unet_proj.alpha": torch.tensor(4.0)}
+    sd = {
+        "lora_unet_proj.lora_down.weight": torch.randn(8, 96, generator=g) / 10,
+        "lora_unet_proj.lora_up.weight": torch.randn(64, 8, generator=g) / 4,
+        "lora_unet_proj.alpha": torch.tensor(4.0),
+    }
     return model, sd, torch.randn(2, 50, 96, generator=g)
 
 

@@ -19,7 +19,11 @@ from loraweave.request.spec import AdapterSpec
 from loraweave.resolve.stacking import stack_key
 from loraweave.stack.combine import mask_seed
 
-SHARED = ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.net.2", "single_transformer_blocks.0.proj_out"]
+SHARED = [
+    "transformer_blocks.0.attn.to_q",
+    "transformer_blocks.1.ff.net.2",
+    "single_transformer_blocks.0.proj_out",
+]
 ONLY_A = ["transformer_blocks.0.attn.to_k"]
 STRENGTHS = {"a": 0.8, "b": -0.6}
 
@@ -64,8 +68,13 @@ def test_stack_modes_merge_equals_peft_combination(setup, mode):
     specs = [AdapterSpec(sd_a, STRENGTHS["a"], name="a"), AdapterSpec(sd_b, STRENGTHS["b"], name="b")]
     handle = loraweave.apply(model, specs, mode="merge", stack=mode, density=0.5, strict=True)
     for path in SHARED:
-        want = _peft_combine(mode, [_delta(sd_a, path), _delta(sd_b, path)], [STRENGTHS["a"], STRENGTHS["b"]], 0.5,
-                             stack_key("transformer", path, ["a", "b"]))
+        want = _peft_combine(
+            mode,
+            [_delta(sd_a, path), _delta(sd_b, path)],
+            [STRENGTHS["a"], STRENGTHS["b"]],
+            0.5,
+            stack_key("transformer", path, ["a", "b"]),
+        )
         got = model.get_submodule(path).weight - base.get_submodule(path).weight
         assert rel_err(got, want) <= 1e-5, path
     for path in ONLY_A:
@@ -74,7 +83,10 @@ def test_stack_modes_merge_equals_peft_combination(setup, mode):
     notes = {m.module: m.notes for m in handle.report.applied}
     assert all(any(f"stack={mode}" in n for n in notes[p]) for p in SHARED)
     handle.remove()
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), base.state_dict().values(), strict=True)
+    )
 
 
 @pytest.mark.parametrize("mode", ["ties", "dare_linear"])
@@ -90,7 +102,10 @@ def test_stack_runtime_matches_merge_and_follows_strength(setup, mode):
         hr.set_strength("a", 0.3)
         fresh = copy.deepcopy(base)
         loraweave.apply(fresh, specs(0.3), mode="merge", stack=mode, density=0.5, strict=True)
-        assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), fresh.state_dict().values(), strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(merged.state_dict().values(), fresh.state_dict().values(), strict=True)
+        )
         assert rel_err(flux_forward(runtime), flux_forward(fresh)) <= 1e-5
 
 
@@ -99,8 +114,13 @@ def test_same_set_twice_is_bit_identical(setup):
     results = []
     for _ in range(2):
         model = copy.deepcopy(base)
-        loraweave.apply(model, [AdapterSpec(sd_a, 0.7, name="a"), AdapterSpec(sd_b, 0.9, name="b")], mode="merge",
-                        stack="dare_ties", density=0.3)
+        loraweave.apply(
+            model,
+            [AdapterSpec(sd_a, 0.7, name="a"), AdapterSpec(sd_b, 0.9, name="b")],
+            mode="merge",
+            stack="dare_ties",
+            density=0.3,
+        )
         results.append(model.state_dict())
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
@@ -119,10 +139,21 @@ def test_block_weights_and_text_encoder_strength():
     from test_text_encoders import tiny_clip
 
     base, clip = tiny_flux(), tiny_clip()
-    sd = _lora(base, ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_q",
-                      "single_transformer_blocks.1.proj_out", "x_embedder"], 3)
-    q = dict(clip.named_modules())["text_model.encoder.layers.0.self_attn.q_proj"] if hasattr(clip, "text_model") else \
-        dict(clip.named_modules())["encoder.layers.0.self_attn.q_proj"]
+    sd = _lora(
+        base,
+        [
+            "transformer_blocks.0.attn.to_q",
+            "transformer_blocks.1.attn.to_q",
+            "single_transformer_blocks.1.proj_out",
+            "x_embedder",
+        ],
+        3,
+    )
+    q = (
+        dict(clip.named_modules())["text_model.encoder.layers.0.self_attn.q_proj"]
+        if hasattr(clip, "text_model")
+        else dict(clip.named_modules())["encoder.layers.0.self_attn.q_proj"]
+    )
     te_before = q.weight.detach().clone()
     te_lora(sd, "lora_te1_text_model_encoder_layers_0_self_attn_q_proj", q, 9)
     model = copy.deepcopy(base)
@@ -130,11 +161,17 @@ def test_block_weights_and_text_encoder_strength():
     weights = {"BASE": 0.5, "D00": 1.0, "D01": 0.0, "S00": 1.0, "S01": 2.0}
     spec = AdapterSpec(sd, 0.8, te_strength=0.25, block_weights=weights, name="a")
     handle = loraweave.apply({"transformer": model, "text_encoder": clip}, spec, mode="merge", strict=True)
-    expect = {"transformer_blocks.0.attn.to_q": 0.8, "transformer_blocks.1.attn.to_q": 0.0,
-              "single_transformer_blocks.1.proj_out": 1.6, "x_embedder": 0.4}
+    expect = {
+        "transformer_blocks.0.attn.to_q": 0.8,
+        "transformer_blocks.1.attn.to_q": 0.0,
+        "single_transformer_blocks.1.proj_out": 1.6,
+        "x_embedder": 0.4,
+    }
     for path, s in expect.items():
         got = model.get_submodule(path).weight - base.get_submodule(path).weight
-        assert rel_err(got, s * _delta(sd, path)) <= 1e-5 if s else torch.equal(got, torch.zeros_like(got)), path
+        assert rel_err(got, s * _delta(sd, path)) <= 1e-5 if s else torch.equal(got, torch.zeros_like(got)), (
+            path
+        )
     # text encoders: their own strength x the BASE weight
     stem = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
     assert torch.allclose(q.weight, te_before + 0.25 * 0.5 * te_delta(sd, stem), atol=1e-6)
@@ -147,7 +184,9 @@ def test_block_weights_that_fit_nothing_list_what_would():
     base = tiny_flux()
     sd = _lora(base, ["transformer_blocks.0.attn.to_q"], 3)
     with pytest.raises(ValueError, match="accepted"):
-        loraweave.apply(copy.deepcopy(base), AdapterSpec(sd, 1.0, block_weights=[1.0, 2.0, 3.0]), mode="merge")
+        loraweave.apply(
+            copy.deepcopy(base), AdapterSpec(sd, 1.0, block_weights=[1.0, 2.0, 3.0]), mode="merge"
+        )
 
 
 def test_combined_bias_follows_strength_at_runtime(setup):
@@ -161,7 +200,9 @@ def test_combined_bias_follows_strength_at_runtime(setup):
             sd[f"transformer.{path}.lora_B.bias"] = torch.randn(rows, generator=g) * 0.1
     specs = lambda sa: [AdapterSpec(sd_a, sa, name="a"), AdapterSpec(sd_b, STRENGTHS["b"], name="b")]  # noqa: E731
     runtime = copy.deepcopy(base)
-    handle = loraweave.apply(runtime, specs(STRENGTHS["a"]), mode="runtime", stack="ties", density=0.5, strict=True)
+    handle = loraweave.apply(
+        runtime, specs(STRENGTHS["a"]), mode="runtime", stack="ties", density=0.5, strict=True
+    )
     handle.set_strength("a", 0.25)
     fresh = copy.deepcopy(base)
     loraweave.apply(fresh, specs(0.25), mode="merge", stack="ties", density=0.5, strict=True)

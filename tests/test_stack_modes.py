@@ -19,6 +19,7 @@ def _deltas(seed: int = 0, n: int = 3, shape=SHAPE) -> list[torch.Tensor]:
 
 # --- independent references, written here from the published definitions -------------------------------
 
+
 def _ref_trim(delta: torch.Tensor, density: float) -> torch.Tensor:
     """Keep the int(density·n) largest magnitudes: threshold at the k-th largest |value| (no ties in randn)."""
     k = int(density * delta.numel())
@@ -51,6 +52,7 @@ def _ref_dare(deltas, masks, density):
 
 
 # --- PEFT equality --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("density", [0.2, 0.5, 1.0])
 def test_ties_and_magnitude_prune_equal_peft(density):
@@ -93,6 +95,7 @@ def test_dare_equal_peft_on_same_stream(mode, density):
 
 
 # --- independent references ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("density", [0.25, 0.6, 1.0])
 def test_ties_matches_independent_reference(density):
@@ -139,10 +142,13 @@ def test_dare_ties_matches_independent_reference():
     density = 0.5
     masks = dare_masks((10, 9), 3, density, "kk", "dare_ties")
     ours = combine_deltas(deltas, WEIGHTS, "dare_ties", density, "kk")
-    torch.testing.assert_close(ours, _ref_ties(_ref_dare(deltas, masks, density), WEIGHTS), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        ours, _ref_ties(_ref_dare(deltas, masks, density), WEIGHTS), rtol=1e-6, atol=1e-6
+    )
 
 
 # --- determinism and RNG hygiene -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", ["dare_linear", "dare_ties", "ties", "magnitude_prune", "sum"])
 def test_bit_identical_reapply_and_global_rng_untouched(mode):

@@ -47,8 +47,11 @@ def _ref_flip(mode, scores, steps, alpha=1.5, beta=0.5, disc=0.5):
         out[key] = None
         for step in range(steps):
             t = step / (steps - 1)
-            wins = (s.s1 * rho * (alpha * t + beta) > s.s0) if mode == "klora" else \
-                (s.s0 < (alpha * t + 1 - disc) * s.s1 * rho)
+            wins = (
+                (s.s1 * rho * (alpha * t + beta) > s.s0)
+                if mode == "klora"
+                else (s.s0 < (alpha * t + 1 - disc) * s.s1 * rho)
+            )
             if wins:
                 out[key] = step
                 break
@@ -58,8 +61,10 @@ def _ref_flip(mode, scores, steps, alpha=1.5, beta=0.5, disc=0.5):
 @pytest.mark.parametrize("mode", ["klora", "estlora"])
 def test_schedule_matches_reference_and_hands_over_during_sampling(mode):
     # 12 layers; the style adapter's per-layer magnitude grows across layers, the subject's shrinks.
-    deltas = {f"blk{i}": (_lowrank(10 + i, 24, 20, 4, 1.0 - 0.06 * i), _lowrank(50 + i, 24, 20, 4, 0.1 + 0.08 * i))
-              for i in range(12)}
+    deltas = {
+        f"blk{i}": (_lowrank(10 + i, 24, 20, 4, 1.0 - 0.06 * i), _lowrank(50 + i, 24, 20, 4, 0.1 + 0.08 * i))
+        for i in range(12)
+    }
     steps = 20
     sched = SelectSchedule.from_deltas(mode, deltas, steps, ranks=(4, 4))
     scores = {k: layer_score(mode, d0, d1, k=16) for k, (d0, d1) in deltas.items()}
@@ -75,7 +80,9 @@ def test_schedule_matches_reference_and_hands_over_during_sampling(mode):
 
 def test_magnitude_balance_is_scale_invariant():
     # Scaling the style adapter by 10 must not change any decision: ρ absorbs global magnitude.
-    deltas = {f"l{i}": (_lowrank(i, 8, 8, 2, 1.0), _lowrank(100 + i, 8, 8, 2, 0.3 + 0.2 * i)) for i in range(6)}
+    deltas = {
+        f"l{i}": (_lowrank(i, 8, 8, 2, 1.0), _lowrank(100 + i, 8, 8, 2, 0.3 + 0.2 * i)) for i in range(6)
+    }
     scaled = {k: (a, 10 * b) for k, (a, b) in deltas.items()}
     for mode in ("klora", "estlora"):
         a = SelectSchedule.from_deltas(mode, deltas, 10, ranks=(2, 2)).flip_step
@@ -84,16 +91,22 @@ def test_magnitude_balance_is_scale_invariant():
 
 
 def test_one_sided_layers():
-    scores = {"subject_only": LayerScore(5.0, 0.0, 5.0, 0.0), "style_only": LayerScore(0.0, 3.0, 0.0, 3.0),
-              "both": LayerScore(2.0, 2.0, 2.0, 2.0)}
+    scores = {
+        "subject_only": LayerScore(5.0, 0.0, 5.0, 0.0),
+        "style_only": LayerScore(0.0, 3.0, 0.0, 3.0),
+        "both": LayerScore(2.0, 2.0, 2.0, 2.0),
+    }
     sched = SelectSchedule("klora", scores, 8)
     assert [sched.active("subject_only", s) for s in range(8)] == [0] * 8
     assert [sched.active("style_only", s) for s in range(8)] == [1] * 8
 
 
 def test_callback_sets_next_step_choices_only_on_change():
-    scores = {"a": LayerScore(1.0, 1.0, 1.0, 1.0), "b": LayerScore(3.0, 1.0, 3.0, 1.0),
-              "c": LayerScore(0.2, 1.0, 0.2, 1.0)}
+    scores = {
+        "a": LayerScore(1.0, 1.0, 1.0, 1.0),
+        "b": LayerScore(3.0, 1.0, 3.0, 1.0),
+        "c": LayerScore(0.2, 1.0, 0.2, 1.0),
+    }
     sched = SelectSchedule("estlora", scores, 6)
     # by hand: ρ = 4.2/3 = 1.4; a flips once 1 < (1.5t + 0.5)·1.4, i.e. t > 0.143 -> step 1 (t = 0.2);
     # b would need 1.5t + 0.5 > 2.14 (never); c already wins at t = 0

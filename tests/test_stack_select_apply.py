@@ -25,8 +25,9 @@ def test_each_step_runs_the_scheduled_adapter(mode):
     base = tiny_flux()
     subject, style = _lora(base, LAYERS[:3], 1), _lora(base, LAYERS[1:], 2)
     model = copy.deepcopy(base)
-    handle = loraweave.apply(model, [AdapterSpec(subject, 1.0, name="subject"), AdapterSpec(style, 2.0, name="style")],
-                             stack=mode)
+    handle = loraweave.apply(
+        model, [AdapterSpec(subject, 1.0, name="subject"), AdapterSpec(style, 2.0, name="style")], stack=mode
+    )
     assert handle.report.mode == "runtime"
     schedule = handle.select_schedule(STEPS)
     schedule.prime(handle)
@@ -40,15 +41,21 @@ def test_each_step_runs_the_scheduled_adapter(mode):
         expected = copy.deepcopy(base)
         keep_subject = [LAYERS[0]] + [la for la in shared if choice[la] == 0]
         keep_style = [LAYERS[3]] + [la for la in shared if choice[la] == 1]
-        loraweave.apply(expected, [AdapterSpec(_only(subject, keep_subject), 1.0),
-                                   AdapterSpec(_only(style, keep_style), 2.0)], mode="merge")
+        loraweave.apply(
+            expected,
+            [AdapterSpec(_only(subject, keep_subject), 1.0), AdapterSpec(_only(style, keep_style), 2.0)],
+            mode="merge",
+        )
         with torch.no_grad():
             assert rel_err(flux_forward(model), flux_forward(expected)) <= 1e-5, (step, choice)
         callback(None, step, None, {})
     for seq in history.values():  # at most one flip, always subject -> style
         assert seq == sorted(seq)
     handle.remove()
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), base.state_dict().values(), strict=True)
+    )
 
 
 def test_select_modes_refuse_merge_and_need_two_adapters():

@@ -17,8 +17,20 @@ import loraweave
 from loraweave.io.safetensors_file import SafetensorsFile
 
 SRC = str(Path(loraweave.__file__).resolve().parents[1])
-DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool]
+DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.bool,
+]
 
 
 def _python(code: str) -> str:
@@ -29,9 +41,11 @@ def _python(code: str) -> str:
 
 
 def test_import_loraweave_does_not_import_torch():
-    out = _python("import sys, loraweave; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'));"
-                  "loraweave.parse_prompt; loraweave.AdapterSpec; print('torch' in sys.modules);"
-                  "loraweave.apply; print('torch' in sys.modules)")
+    out = _python(
+        "import sys, loraweave; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'));"
+        "loraweave.parse_prompt; loraweave.AdapterSpec; print('torch' in sys.modules);"
+        "loraweave.apply; print('torch' in sys.modules)"
+    )
     assert out.split("\n")[:3] == ["[]", "False", "True"]  # a torch name read later imports it (lazily)
 
 
@@ -49,10 +63,12 @@ def _lora_file(path: Path) -> Path:
 
 def test_inspect_without_coverage_does_not_import_torch(tmp_path):
     path = _lora_file(tmp_path / "lora.safetensors")
-    code = ("import sys, io, contextlib\nfrom loraweave import cli\nbuf = io.StringIO()\n"
-            f"sys.argv = ['loraweave', 'inspect', {str(path)!r}, '--no-coverage', '--json']\n"
-            "with contextlib.redirect_stdout(buf):\n    rc = cli.main()\n"
-            "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules, 'info': json.loads(buf.getvalue())}))")
+    code = (
+        "import sys, io, contextlib\nfrom loraweave import cli\nbuf = io.StringIO()\n"
+        f"sys.argv = ['loraweave', 'inspect', {str(path)!r}, '--no-coverage', '--json']\n"
+        "with contextlib.redirect_stdout(buf):\n    rc = cli.main()\n"
+        "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules, 'info': json.loads(buf.getvalue())}))"
+    )
     res = json.loads(_python("import json\n" + code))
     assert res["rc"] in (0, None) and res["torch"] is False
     info = res["info"]
@@ -72,8 +88,13 @@ def test_inspect_without_coverage_does_not_import_torch(tmp_path):
 def test_inspect_strict_needs_coverage(tmp_path):
     path = _lora_file(tmp_path / "lora.safetensors")
     env = {**os.environ, "PYTHONPATH": SRC}
-    proc = subprocess.run([sys.executable, "-m", "loraweave.cli", "inspect", str(path), "--no-coverage", "--strict"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loraweave.cli", "inspect", str(path), "--no-coverage", "--strict"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--strict needs coverage" in proc.stderr
 
 

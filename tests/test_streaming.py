@@ -34,8 +34,15 @@ def flux_deep(seed: int):
 
     torch.manual_seed(seed)
     return FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=6, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6],
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=6,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 6, 6],
         guidance_embeds=True,
     ).eval()
 
@@ -45,9 +52,14 @@ def flux_batch2(model, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         return model(
-            hidden_states=torch.randn(2, 16, 16, generator=g), encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
-            pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([0.5, 0.5]),
-            guidance=torch.tensor([3.5, 3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3), return_dict=False,
+            hidden_states=torch.randn(2, 16, 16, generator=g),
+            encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
+            pooled_projections=torch.randn(2, 32, generator=g),
+            timestep=torch.tensor([0.5, 0.5]),
+            guidance=torch.tensor([3.5, 3.5]),
+            img_ids=torch.zeros(16, 3),
+            txt_ids=torch.zeros(5, 3),
+            return_dict=False,
         )[0]
 
 
@@ -76,16 +88,22 @@ def flux_blocks(model) -> list[torch.nn.Module]:
 
 def travelling_bytes(block: torch.nn.Module) -> int:
     """A block's LoRA factors in its slot: down (r×in) and up (out×r) per Linear, fp32, each 256-aligned."""
-    return sum(_aligned(RANK * m.in_features * 4) + _aligned(m.out_features * RANK * 4)
-               for m in block.modules() if isinstance(m, torch.nn.Linear))
+    return sum(
+        _aligned(RANK * m.in_features * 4) + _aligned(m.out_features * RANK * 4)
+        for m in block.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
 
 
 def kept_factor_bytes(model) -> int:
     """Factor bytes that stay on the device: the whole LoRA (down, up, scale) of layers outside the blocks, and
     the per-rank scale vector of every layer inside them."""
     inside = {id(m) for b in flux_blocks(model) for m in b.modules()}
-    return sum((RANK * m.in_features + m.out_features * RANK + RANK) * 4 if id(m) not in inside else RANK * 4
-               for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return sum(
+        (RANK * m.in_features + m.out_features * RANK + RANK) * 4 if id(m) not in inside else RANK * 4
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
 
 
 def footprint(block: torch.nn.Module, lora: bool) -> int:
@@ -100,8 +118,12 @@ def min_budget(model, lora: bool = False, resident: int = 0) -> int:
     """Rest (+ kept factors) + the first `resident` blocks + two slots of the largest streamed block, recounted
     from the model: the least that plan needs."""
     sizes = [footprint(b, lora) for b in flux_blocks(model)]
-    return (rest_bytes(model) + (kept_factor_bytes(model) if lora else 0) + sum(sizes[:resident])
-            + 2 * max(sizes[resident:]))
+    return (
+        rest_bytes(model)
+        + (kept_factor_bytes(model) if lora else 0)
+        + sum(sizes[:resident])
+        + 2 * max(sizes[resident:])
+    )
 
 
 def assert_within(handle, budget: int) -> None:
@@ -118,8 +140,12 @@ def watch_device_bytes(model, handle, budget: int, lora: bool) -> tuple[list, li
     calls = []
 
     def factor_casts(block):
-        return [t for m in block.modules() if isinstance(m, torch.nn.Linear)
-                for t in m.__dict__["forward"].__self__._factor_cast._cast]
+        return [
+            t
+            for m in block.modules()
+            if isinstance(m, torch.nn.Linear)
+            for t in m.__dict__["forward"].__self__._factor_cast._cast
+        ]
 
     def hook(index):
         def check(module, args):
@@ -129,14 +155,19 @@ def watch_device_bytes(model, handle, budget: int, lora: bool) -> tuple[list, li
             in_slot = [i for i in streamed if all(inside(p) for p in blocks[i].parameters())]
             assert in_slot == ([index] if index in streamed else [])
             if lora:
-                for i in streamed:  # the computing block's factors are slot views; no other streamed block holds any
+                for i in (
+                    streamed
+                ):  # the computing block's factors are slot views; no other streamed block holds any
                     casts = factor_casts(blocks[i])
                     assert (len(casts) > 0 and all(inside(t) for t in casts)) if i == index else casts == []
-            resident = rest_bytes(model) + sum(footprint(b, lora) for i, b in enumerate(blocks) if i not in streamed)
+            resident = rest_bytes(model) + sum(
+                footprint(b, lora) for i, b in enumerate(blocks) if i not in streamed
+            )
             used = resident + sum(_aligned(sl.buf.numel()) for sl in handle.slots)
             used += kept_factor_bytes(model) if lora else 0
             assert used <= budget, (used, budget)
             calls.append(index)
+
         return check
 
     hooks = [b.register_forward_pre_hook(hook(i)) for i, b in enumerate(blocks)]
@@ -144,8 +175,10 @@ def watch_device_bytes(model, handle, budget: int, lora: bool) -> tuple[list, li
 
 
 def snapshot(model: torch.nn.Module) -> dict:
-    return {n: (id(t), t.data_ptr(), t.device, t.detach().clone()) for n, t in
-            [*model.named_parameters(), *model.named_buffers()]}
+    return {
+        n: (id(t), t.data_ptr(), t.device, t.detach().clone())
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+    }
 
 
 def assert_restored(model: torch.nn.Module, snap: dict) -> None:
@@ -184,7 +217,10 @@ def test_flux_streamed_bit_identical_with_runtime_lora_and_strength_changes(when
     assert s.plan.extra_bytes == kept_factor_bytes(model)
     assert s.plan.block_bytes == [footprint(b, True) for b in flux_blocks(model)]
     assert s.plan.resident == [True] * resident + [False] * (8 - resident)
-    for value in (0.3, -1.25):  # strength changes between calls, with the next forward's first block prefetched
+    for value in (
+        0.3,
+        -1.25,
+    ):  # strength changes between calls, with the next forward's first block prefetched
         ref_handle.set_strength(sd_name(ref_handle), value)
         handle.set_strength(sd_name(handle), value)
         want = flux_batch2(plain)
@@ -292,9 +328,16 @@ def test_grad_enabled_forward_is_refused():
     s = stream(model, budget=min_budget(model), device="cpu")
     g = torch.Generator().manual_seed(0)
     with pytest.raises(RuntimeError, match="inference-only"):
-        model(hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 5, 32),
-              pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
-              img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3), return_dict=False)
+        model(
+            hidden_states=torch.randn(1, 16, 16, generator=g),
+            encoder_hidden_states=torch.randn(1, 5, 32),
+            pooled_projections=torch.randn(1, 32),
+            timestep=torch.tensor([0.5]),
+            guidance=torch.tensor([3.5]),
+            img_ids=torch.zeros(16, 3),
+            txt_ids=torch.zeros(5, 3),
+            return_dict=False,
+        )
     s.close()
 
 
@@ -313,8 +356,12 @@ def test_unet_blocks_stream_bit_identical_and_learn_the_call_order():
         assert torch.equal(unet_forward(model), want)
         # The mid block (resnet, attention's two blocks, resnet) runs between the down and up blocks: the first
         # forward taught the call order, and the plan was re-made along it.
-        mid = ["mid_block.resnets.0", "mid_block.attentions.0.transformer_blocks.0",
-               "mid_block.attentions.0.transformer_blocks.1", "mid_block.resnets.1"]
+        mid = [
+            "mid_block.resnets.0",
+            "mid_block.attentions.0.transformer_blocks.0",
+            "mid_block.attentions.0.transformer_blocks.1",
+            "mid_block.resnets.1",
+        ]
         assert sorted(names[4:]) == sorted(mid)
         assert s.plan.block_names == names[:2] + mid + names[2:4]
         assert torch.equal(unet_forward(model), want)
@@ -330,8 +377,9 @@ def test_sdnq_quantized_blocks_stream_bit_identical_with_runtime_lora():
     def build() -> nn.Module:
         torch.manual_seed(0)
         root = nn.Module()
-        root.blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
-                                    for _ in range(6))
+        root.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)) for _ in range(6)
+        )
         sdnq.sdnq_post_load_quant(root, add_skip_keys=False, weights_dtype="uint4", torch_dtype=torch.float32)
         assert type(root.blocks[0][0]).__name__ == "SDNQLinear"
         return root
@@ -403,11 +451,20 @@ def test_gpu_benchmark_script_runs_end_to_end_on_a_tiny_cpu_stack(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "stream_gpu.py"
     out = tmp_path / "stream.json"
-    run = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--steps", "1", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--device", "cpu", "--steps", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["settings"]
     assert [(r["budget_fraction"], r["placement"]) for r in rows] == [
-        (1.0, "prefix"), (0.5, "prefix"), (0.5, "spread"), (0.25, "prefix"), (0.25, "spread")]
+        (1.0, "prefix"),
+        (0.5, "prefix"),
+        (0.5, "spread"),
+        (0.25, "prefix"),
+        (0.25, "spread"),
+    ]
     assert all(r["bit_equal"] and r["bit_equal_after_strength_change"] for r in rows)
     assert rows[0]["streamed_blocks"] == 0 and rows[3]["streamed_blocks"] > rows[1]["streamed_blocks"] > 0

@@ -104,16 +104,22 @@ def streamed_pair(seed: int):
     return plain, model, sd
 
 
-@pytest.mark.parametrize(("packed", "placement"), [(False, "prefix"), (True, "prefix"), (True, "spread")],
-                         ids=["per-tensor", "packed-runs", "packed-spread"])
-def test_async_copies_stay_exact_with_runtime_lora_strength_changes_and_a_switch(threaded, packed, placement,
-                                                                                  monkeypatch):
+@pytest.mark.parametrize(
+    ("packed", "placement"),
+    [(False, "prefix"), (True, "prefix"), (True, "spread")],
+    ids=["per-tensor", "packed-runs", "packed-spread"],
+)
+def test_async_copies_stay_exact_with_runtime_lora_strength_changes_and_a_switch(
+    threaded, packed, placement, monkeypatch
+):
     if packed:
         pack_like_cuda(monkeypatch)
     plain, model, sd = streamed_pair(seed=1)
     other = lora_sd(plain, seed=99)
     ref = loraweave.apply(plain, sd, mode="runtime")
-    s = stream(model, budget=min_budget(model, lora=True, resident=1), device="cpu", trace=True, placement=placement)
+    s = stream(
+        model, budget=min_budget(model, lora=True, resident=1), device="cpu", trace=True, placement=placement
+    )
     h = loraweave.apply(model, sd, mode="runtime")
     name, ref_name = next(iter(h.strengths)), next(iter(ref.strengths))
     assert len(s.plan.streamed) >= 4  # enough streamed blocks that prefetch and wrap-around both happen
@@ -164,17 +170,24 @@ def test_harness_catches_a_copy_into_the_busy_slot(threaded, monkeypatch):
 
 
 @pytest.mark.parametrize(("copy_s", "stalls"), [(0.9, False), (1.0, False), (1.5, True)])
-def test_prefetch_runs_one_block_ahead_so_copies_no_slower_than_compute_never_stall(monkeypatch, copy_s, stalls):
+def test_prefetch_runs_one_block_ahead_so_copies_no_slower_than_compute_never_stall(
+    monkeypatch, copy_s, stalls
+):
     """Every block computes in 1 s of virtual time. Each streamed block's copy is issued when the previous one
     starts computing (its slot freed by the one before), so copies of <= 1 s hide completely, the first streamed
     block of a forward included (prefetched at the end of the previous one); slower copies show up as stalls."""
     clocks: list[ClockCopier] = []
-    monkeypatch.setattr(handle_module, "Copier",
-                        lambda device: clocks.append(ClockCopier(device, lambda unit: copy_s)) or clocks[-1])
+    monkeypatch.setattr(
+        handle_module,
+        "Copier",
+        lambda device: clocks.append(ClockCopier(device, lambda unit: copy_s)) or clocks[-1],
+    )
     plain, model, _ = streamed_pair(seed=4)
     s = stream(model, budget=min_budget(model), device="cpu")
     assert len(s.plan.streamed) == len(s.units)
-    hooks = [u.module.register_forward_hook(lambda *a: clocks[-1].advance(1.0), prepend=True) for u in s.units]
+    hooks = [
+        u.module.register_forward_hook(lambda *a: clocks[-1].advance(1.0), prepend=True) for u in s.units
+    ]
     for _ in range(2):  # the first forward learns the order (and starts cold)
         flux_batch2(model)
     clock = clocks[-1]

@@ -19,10 +19,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path
 
 def inputs(device: str) -> dict:
     g = torch.Generator().manual_seed(1)
-    kw = dict(hidden_states=torch.randn(2, 16, 16, generator=g), encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
-              pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([0.5, 0.5]),
-              guidance=torch.tensor([3.5, 3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3),
-              return_dict=False)
+    kw = dict(
+        hidden_states=torch.randn(2, 16, 16, generator=g),
+        encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
+        pooled_projections=torch.randn(2, 32, generator=g),
+        timestep=torch.tensor([0.5, 0.5]),
+        guidance=torch.tensor([3.5, 3.5]),
+        img_ids=torch.zeros(16, 3),
+        txt_ids=torch.zeros(5, 3),
+        return_dict=False,
+    )
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
 
@@ -42,9 +48,13 @@ def test_cpu_held_model_streams_to_cuda_bit_identical_and_close_restores_it_on_t
     before = {n: (id(p), p.detach().clone()) for n, p in model.named_parameters()}
     h = loraweave.apply(model, sd, mode="runtime")
     fixed, sizes = least_budget(model)
-    budget = fixed + 2 * max(sizes) + 2 * min(sizes)  # prefix: both double blocks resident; spread: one single
+    budget = (
+        fixed + 2 * max(sizes) + 2 * min(sizes)
+    )  # prefix: both double blocks resident; spread: one single
     s = stream(model, budget=budget, device="cuda", margin=0, trace=True, placement=placement)
-    assert s.plan.resident == ([True, True] + [False] * 6 if placement == "prefix" else [False] * 3 + [True] + [False] * 4)
+    assert s.plan.resident == (
+        [True, True] + [False] * 6 if placement == "prefix" else [False] * 3 + [True] + [False] * 4
+    )
     assert all(r.host.is_pinned() for u in s.units for r in u.runs)
     kw = inputs("cuda")
     name, ref_name = next(iter(h.strengths)), next(iter(ref.strengths))

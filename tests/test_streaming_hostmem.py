@@ -78,8 +78,15 @@ def test_pinned_copy_of_a_flux_width_block_costs_under_1_1x_its_bytes(part):
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(
-            patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
-            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, axes_dims_rope=[16, 56, 56],
+            patch_size=1,
+            in_channels=64,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            axes_dims_rope=[16, 56, 56],
             guidance_embeds=True,
         ).to(torch.bfloat16)
     block = model.transformer_blocks[0] if part == "double" else model.single_transformer_blocks[0]
@@ -111,8 +118,11 @@ def test_packed_host_copies_stream_bit_identical_and_close_restores_values_and_o
     h = loraweave.apply(model, sd, mode="runtime")
     streamed = [u for u in s.units if u.name in s.plan.streamed]
     assert streamed and all(u.runs for u in streamed)
-    assert all(len(u.copy_pairs(torch.empty(u.slot_layout_bytes, dtype=torch.uint8)))
-               == len(u.runs) + len(u.factor_runs) for u in streamed)  # one transfer per run, not per tensor
+    assert all(
+        len(u.copy_pairs(torch.empty(u.slot_layout_bytes, dtype=torch.uint8)))
+        == len(u.runs) + len(u.factor_runs)
+        for u in streamed
+    )  # one transfer per run, not per tensor
     for strength in (1.0, 0.4):
         h.set_strength(next(iter(h.strengths)), strength)
         ref.set_strength(next(iter(ref.strengths)), strength)
@@ -133,8 +143,9 @@ def test_torchao_blocks_are_sized_by_their_inner_tensors_and_stream_bit_identica
     def build():
         torch.manual_seed(0)
         root = nn.Module()
-        root.blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
-                                    for _ in range(4))
+        root.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)) for _ in range(4)
+        )
         quantize_(root, Int8WeightOnlyConfig())
         root.forward = lambda x: [x := b(x) for b in root.blocks][-1]
         return root
@@ -159,7 +170,9 @@ def test_torchao_blocks_are_sized_by_their_inner_tensors_and_stream_bit_identica
 def test_bitsandbytes_int8_layers_are_refused_and_the_model_is_left_untouched():
     bnb = pytest.importorskip("bitsandbytes")
     root = nn.Module()
-    root.blocks = nn.ModuleList(bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=False) for _ in range(3)).to("cpu")
+    root.blocks = nn.ModuleList(bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=False) for _ in range(3)).to(
+        "cpu"
+    )
     data = [(id(b.weight), b.weight.data_ptr()) for b in root.blocks]
     with pytest.raises(ValueError, match="bitsandbytes int8"):
         stream(root, budget=10**6, device="cpu")
@@ -173,8 +186,9 @@ def test_bitsandbytes_4bit_quant_state_is_counted_as_resident_bytes():
     def build():
         torch.manual_seed(0)
         root = nn.Module()
-        root.blocks = nn.ModuleList(bnb.nn.Linear4bit(128, 128, quant_type="nf4", compute_dtype=torch.float32)
-                                    for _ in range(3)).to("cpu")
+        root.blocks = nn.ModuleList(
+            bnb.nn.Linear4bit(128, 128, quant_type="nf4", compute_dtype=torch.float32) for _ in range(3)
+        ).to("cpu")
         root.forward = lambda x: [x := b(x) for b in root.blocks][-1]
         return root.eval()
 
@@ -183,12 +197,15 @@ def test_bitsandbytes_4bit_quant_state_is_counted_as_resident_bytes():
     with torch.no_grad():
         want, _ = plain(x), model(x)  # the first eval forward may repack the weight for the CPU kernel
     state = model.blocks[0].weight.quant_state
-    expected = 3 * sum(t.numel() * t.element_size() for t in (state.absmax, state.code)
-                       if isinstance(t, torch.Tensor))
+    expected = 3 * sum(
+        t.numel() * t.element_size() for t in (state.absmax, state.code) if isinstance(t, torch.Tensor)
+    )
     kept = outside.resident_outside_bytes(model, torch.device("cpu"))
     assert kept >= expected
     block = aligned(128 * 64) + aligned(128 * 4)  # packed nf4 weight (uint8) + fp32 bias
-    s = stream(model, budget=kept + 2 * block, device="cpu", trace=True)  # fits only with the state counted once
+    s = stream(
+        model, budget=kept + 2 * block, device="cpu", trace=True
+    )  # fits only with the state counted once
     assert s.plan.extra_bytes == kept and len(s.plan.streamed) == 3
     with torch.no_grad():
         assert torch.equal(model(x), want)

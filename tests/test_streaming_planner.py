@@ -84,8 +84,16 @@ def test_plan_matches_brute_force_on_every_budget(margin):
     total = rest + sum(blocks)
     big, small = max(blocks), min(blocks)
     assert big > small  # the stack has two block sizes: the slot size depends on what is streamed
-    budgets = sorted({rest + 2 * big + margin, rest + 2 * big + margin - 1, total + margin, total // 2, total // 4,
-                      *range(rest + 2 * small, total + 3 * big, 997)})
+    budgets = sorted(
+        {
+            rest + 2 * big + margin,
+            rest + 2 * big + margin - 1,
+            total + margin,
+            total // 2,
+            total // 4,
+            *range(rest + 2 * small, total + 3 * big, 997),
+        }
+    )
     for budget in budgets:
         want = _brute_force(blocks, rest, budget, margin)
         if want is None:
@@ -176,6 +184,7 @@ def test_stack_streams_bit_identical_and_within_budget_at_every_block(fraction, 
             assert used <= budget
             assert in_slot == ([i] if i in streamed else [])  # only the computing block points into a slot
             checked.append(i)
+
         return hook
 
     hooks = [b.register_forward_pre_hook(check(i)) for i, b in enumerate(model.blocks)]

@@ -13,8 +13,12 @@ from helpers.tiny_models import flux_forward, tiny_flux
 import loraweave
 from loraweave.request.spec import AdapterSpec
 
-LAYERS = ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.net.2", "single_transformer_blocks.0.proj_out",
-          "single_transformer_blocks.1.proj_mlp"]
+LAYERS = [
+    "transformer_blocks.0.attn.to_q",
+    "transformer_blocks.1.ff.net.2",
+    "single_transformer_blocks.0.proj_out",
+    "single_transformer_blocks.1.proj_mlp",
+]
 
 
 def _lora(model, modules, seed: int) -> dict[str, torch.Tensor]:
@@ -30,7 +34,11 @@ def _lora(model, modules, seed: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def setup():
     base = tiny_flux()
-    files = {"a": _lora(base, LAYERS[:3], 1), "b": _lora(base, LAYERS[1:], 2), "c": _lora(base, LAYERS[2:], 3)}
+    files = {
+        "a": _lora(base, LAYERS[:3], 1),
+        "b": _lora(base, LAYERS[1:], 2),
+        "c": _lora(base, LAYERS[2:], 3),
+    }
     return base, files
 
 
@@ -62,9 +70,14 @@ def test_switch_sequence_equals_fresh_apply(setup, mode):
             else:
                 assert rel_err(flux_forward(model), flux_forward(fresh)) <= 1e-6, strengths
                 after = _weights_state(model)
-                assert all(after[n][:2] == before[n][:2] and torch.equal(after[n][2], before[n][2]) for n in before)
+                assert all(
+                    after[n][:2] == before[n][:2] and torch.equal(after[n][2], before[n][2]) for n in before
+                )
     handle.remove()
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), base.state_dict().values(), strict=True)
+    )
 
 
 def test_runtime_drop_gates_without_rebuilding(setup):
@@ -72,8 +85,15 @@ def test_runtime_drop_gates_without_rebuilding(setup):
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, _specs(files, {"a": 1.0, "b": 0.5}), mode="runtime")
     handle.switch(_specs(files, {"a": 1.0}))
-    assert handle.last_switch == {"kept": 3, "reattached": 0, "rebuilt": 0, "dropped": 1}  # b alone on the last layer: detached
-    handle.switch(_specs(files, {"a": 0.3, "b": 0.5}))  # b comes back: gated layers re-open, the last is rebuilt
+    assert handle.last_switch == {
+        "kept": 3,
+        "reattached": 0,
+        "rebuilt": 0,
+        "dropped": 1,
+    }  # b alone on the last layer: detached
+    handle.switch(
+        _specs(files, {"a": 0.3, "b": 0.5})
+    )  # b comes back: gated layers re-open, the last is rebuilt
     assert handle.last_switch == {"kept": 3, "reattached": 1, "rebuilt": 0, "dropped": 0}
     fresh = copy.deepcopy(base)
     loraweave.apply(fresh, _specs(files, {"a": 0.3, "b": 0.5}), mode="runtime")
@@ -98,8 +118,10 @@ def test_500_layer_runtime_switch_touches_no_weight():
     sets = []
     for seed in (1, 2):
         g = gen(seed)
-        sets.append({f"{i}.lora_A.weight": torch.randn(2, 16, generator=g) for i in range(0, 500, seed)}
-                    | {f"{i}.lora_B.weight": torch.randn(16, 2, generator=g) * 0.01 for i in range(0, 500, seed)})
+        sets.append(
+            {f"{i}.lora_A.weight": torch.randn(2, 16, generator=g) for i in range(0, 500, seed)}
+            | {f"{i}.lora_B.weight": torch.randn(16, 2, generator=g) * 0.01 for i in range(0, 500, seed)}
+        )
     pristine = copy.deepcopy(model)
     handle = loraweave.apply(model, sets[0], mode="runtime", strict=True)
     state = {n: (p.data_ptr(), p._version) for n, p in model.named_parameters()}

@@ -16,8 +16,14 @@ def tiny_clip(seed: int = 0):
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(seed)
-    cfg = CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         vocab_size=100, max_position_embeddings=16)
+    cfg = CLIPTextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=100,
+        max_position_embeddings=16,
+    )
     return CLIPTextModel(cfg).eval()
 
 
@@ -38,7 +44,9 @@ def _lora(sd: dict, stem: str, out_rows: int, in_dim: int, seed: int, alpha: flo
 
 def test_pipeline_components_with_kohya_unet_and_text_encoder():
     unet, te = tiny_sdxl_unet(), tiny_clip()
-    pipe = FakePipeline(unet=copy.deepcopy(unet), text_encoder=copy.deepcopy(te), tokenizer=None, scheduler=object())
+    pipe = FakePipeline(
+        unet=copy.deepcopy(unet), text_encoder=copy.deepcopy(te), tokenizer=None, scheduler=object()
+    )
     sd: dict[str, torch.Tensor] = {}
     _lora(sd, "lora_te_text_model_encoder_layers_1_self_attn_q_proj", 32, 32, 1, alpha=2.0)
     _lora(sd, "lora_te_text_model_encoder_layers_0_mlp_fc1", 64, 32, 2, alpha=8.0)
@@ -48,7 +56,10 @@ def test_pipeline_components_with_kohya_unet_and_text_encoder():
     assert handle.report.counts() == {"text_encoder": {"merge": 2}, "unet": {"merge": 1}}
     assert {u["reason"].split(":")[0] for u in handle.report.unmatched} == {"no such component"}
     assert len(handle.report.unmatched) == 2
-    te_mods, unet_mods = dict(pipe.components["text_encoder"].named_modules()), dict(pipe.components["unet"].named_modules())
+    te_mods, unet_mods = (
+        dict(pipe.components["text_encoder"].named_modules()),
+        dict(pipe.components["unet"].named_modules()),
+    )
     ref_te, ref_unet = dict(te.named_modules()), dict(unet.named_modules())
 
     def check(mods, refs, path, stem, gamma):
@@ -57,10 +68,27 @@ def test_pipeline_components_with_kohya_unet_and_text_encoder():
         assert torch.allclose(mods[path].weight, want, rtol=0, atol=1e-6), path
 
     prefix = "text_model." if "text_model.encoder.layers.1.self_attn.q_proj" in te_mods else ""
-    check(te_mods, ref_te, f"{prefix}encoder.layers.1.self_attn.q_proj", "lora_te_text_model_encoder_layers_1_self_attn_q_proj", 0.5)
-    check(te_mods, ref_te, f"{prefix}encoder.layers.0.mlp.fc1", "lora_te_text_model_encoder_layers_0_mlp_fc1", 2.0)
-    check(unet_mods, ref_unet, "down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k",
-          "lora_unet_input_blocks_4_1_transformer_blocks_0_attn2_to_k", 1.0)
+    check(
+        te_mods,
+        ref_te,
+        f"{prefix}encoder.layers.1.self_attn.q_proj",
+        "lora_te_text_model_encoder_layers_1_self_attn_q_proj",
+        0.5,
+    )
+    check(
+        te_mods,
+        ref_te,
+        f"{prefix}encoder.layers.0.mlp.fc1",
+        "lora_te_text_model_encoder_layers_0_mlp_fc1",
+        2.0,
+    )
+    check(
+        unet_mods,
+        ref_unet,
+        "down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k",
+        "lora_unet_input_blocks_4_1_transformer_blocks_0_attn2_to_k",
+        1.0,
+    )
     handle.remove()
     for a, b in zip(pipe.components["unet"].parameters(), unet.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -23,15 +23,25 @@ def tiny_t5():
     from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(0)
-    return T5EncoderModel(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4)).eval()
+    return T5EncoderModel(
+        T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4)
+    ).eval()
 
 
 def tiny_clip():
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(0)
-    return CLIPTextModel(CLIPTextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, vocab_size=64, max_position_embeddings=8)).eval()
+    return CLIPTextModel(
+        CLIPTextConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            vocab_size=64,
+            max_position_embeddings=8,
+        )
+    ).eval()
 
 
 def test_flux_pipeline_t5_under_te2_and_te3_spellings():
@@ -44,19 +54,34 @@ def test_flux_pipeline_t5_under_te2_and_te3_spellings():
     sd: dict[str, torch.Tensor] = {}
     _lora(sd, "lora_te2_encoder_block_1_layer_0_SelfAttention_q", q, 1)
     _lora(sd, "lora_te3_encoder_block_0_layer_1_DenseReluDense_wi", wi, 2)
-    handle = loraweave.apply({"transformer": torch.nn.Linear(2, 2), "text_encoder": clip, "text_encoder_2": t5},
-                             sd, mode="merge", strict=True)
+    handle = loraweave.apply(
+        {"transformer": torch.nn.Linear(2, 2), "text_encoder": clip, "text_encoder_2": t5},
+        sd,
+        mode="merge",
+        strict=True,
+    )
     assert handle.report.counts() == {"text_encoder_2": {"merge": 2}}
-    assert torch.allclose(q.weight, before_q + _delta(sd, "lora_te2_encoder_block_1_layer_0_SelfAttention_q"), atol=1e-6)
-    assert torch.allclose(wi.weight, before_wi + _delta(sd, "lora_te3_encoder_block_0_layer_1_DenseReluDense_wi"), atol=1e-6)
+    assert torch.allclose(
+        q.weight, before_q + _delta(sd, "lora_te2_encoder_block_1_layer_0_SelfAttention_q"), atol=1e-6
+    )
+    assert torch.allclose(
+        wi.weight, before_wi + _delta(sd, "lora_te3_encoder_block_0_layer_1_DenseReluDense_wi"), atol=1e-6
+    )
 
 
 def test_qwen3_text_encoder_under_lora_te():
     """kohya Anima files name Qwen3 layers without the `model.` level that ForCausalLM adds."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
-    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     for cls in (Qwen3Model, Qwen3ForCausalLM):
         torch.manual_seed(0)
         model = cls(cfg).eval()
@@ -65,10 +90,17 @@ def test_qwen3_text_encoder_under_lora_te():
         before = mods[name].weight.detach().clone()
         sd: dict[str, torch.Tensor] = {}
         _lora(sd, "lora_te_layers_1_self_attn_k_proj", mods[name], 3)
-        _lora(sd, "lora_te_layers_0_mlp_gate_proj", mods[name.replace("1.self_attn.k_proj", "0.mlp.gate_proj")], 4)
+        _lora(
+            sd,
+            "lora_te_layers_0_mlp_gate_proj",
+            mods[name.replace("1.self_attn.k_proj", "0.mlp.gate_proj")],
+            4,
+        )
         handle = loraweave.apply({"text_encoder": model}, sd, mode="merge", strict=True)
         assert handle.report.keys_applied == len(sd)
-        assert torch.allclose(mods[name].weight, before + _delta(sd, "lora_te_layers_1_self_attn_k_proj"), atol=1e-6)
+        assert torch.allclose(
+            mods[name].weight, before + _delta(sd, "lora_te_layers_1_self_attn_k_proj"), atol=1e-6
+        )
         with torch.no_grad():
             handle.remove()
         assert torch.equal(mods[name].weight, before)
@@ -97,9 +129,25 @@ def tiny_qwen25_vl():
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
-    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                vocab_size=128, bos_token_id=0, eos_token_id=1, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0])
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=128,
+        bos_token_id=0,
+        eos_token_id=1,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        fullatt_block_indexes=[0],
+    )
     return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).eval()
 
 
@@ -117,7 +165,9 @@ def test_qwen25_vl_text_encoder_spellings():
     sd: dict[str, torch.Tensor] = {}
     for i, (stem, name) in enumerate(spellings.items()):
         _lora(sd, stem, mods[name], 10 + i)
-    handle = loraweave.apply({"transformer": torch.nn.Linear(2, 2), "text_encoder": model}, sd, mode="merge", strict=True)
+    handle = loraweave.apply(
+        {"transformer": torch.nn.Linear(2, 2), "text_encoder": model}, sd, mode="merge", strict=True
+    )
     assert handle.report.counts() == {"text_encoder": {"merge": len(spellings)}}
     for stem, name in spellings.items():
         assert torch.allclose(mods[name].weight, before[name] + _delta(sd, stem), atol=1e-6), stem

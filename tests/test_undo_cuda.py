@@ -25,7 +25,9 @@ def test_cuda_records_placement_and_exact_undo(dtype, kind, on_device):
     model = net(dtype).cuda()
     before = state_bits(model)
     free_before = torch.cuda.memory_allocated()
-    handle = loraweave.apply(model, (lora_sd(net(dtype)), 1.0), mode="merge", undo=kind, undo_on_device=on_device)
+    handle = loraweave.apply(
+        model, (lora_sd(net(dtype)), 1.0), mode="merge", undo=kind, undo_on_device=on_device
+    )
     assert kinds_of(handle) <= {"compact", "copy"}
     tensors = [t for m in handle._merged for t in _record_tensors(m.record)]
     assert tensors, "no record tensors to check"

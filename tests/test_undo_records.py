@@ -98,7 +98,9 @@ def test_each_kind_restores_bit_for_bit(tmp_path, kind, strength, dtype):
     loraweave.apply(ref, (sd, strength), mode="merge", undo="copy")
     assert_same_bits(model, state_bits(ref))  # the record kind never changes the merged weights
     w = ref.a.weight.double()
-    expect = net(dtype).a.weight.double() + strength * (sd["a.lora_B.weight"] @ sd["a.lora_A.weight"]).double()
+    expect = (
+        net(dtype).a.weight.double() + strength * (sd["a.lora_B.weight"] @ sd["a.lora_A.weight"]).double()
+    )
     assert rel_err(w, expect) <= (1e-2 if dtype != torch.float32 else 1e-6)
     handle.remove()
     assert_same_bits(model, before)
@@ -136,11 +138,16 @@ def test_fp8_storage_layer(tmp_path):
 def _family_cases():
     model = lin_model()  # fc Linear(20, 24), cv Conv2d(8, 16, 3)
     g = gen(9)
-    stacked_b = {"fc.lora_down.weight": torch.randn(3, 20, generator=g) * 0.1,
-                 "fc.lora_up.weight": torch.randn(24, 3, generator=g) * 0.1,
-                 "cv.lora_down.weight": torch.randn(2, 8, 3, 3, generator=g) * 0.1,
-                 "cv.lora_up.weight": torch.randn(16, 2, 1, 1, generator=g) * 0.1}
-    stacked_a = {"fc.lora_down.weight": torch.randn(2, 20, generator=g) * 0.2, "fc.lora_up.weight": torch.randn(24, 2, generator=g) * 0.2}
+    stacked_b = {
+        "fc.lora_down.weight": torch.randn(3, 20, generator=g) * 0.1,
+        "fc.lora_up.weight": torch.randn(24, 3, generator=g) * 0.1,
+        "cv.lora_down.weight": torch.randn(2, 8, 3, 3, generator=g) * 0.1,
+        "cv.lora_up.weight": torch.randn(16, 2, 1, 1, generator=g) * 0.1,
+    }
+    stacked_a = {
+        "fc.lora_down.weight": torch.randn(2, 20, generator=g) * 0.2,
+        "fc.lora_up.weight": torch.randn(24, 2, generator=g) * 0.2,
+    }
     return {
         "lokr": (model, [lokr_sd("fc", 3, alpha=None, w1=(4, 4), w2=(6, 5))]),
         "dora": (nn.ModuleDict({"lin": nn.Linear(24, 32)}), [dora_sd(True)]),
@@ -159,7 +166,9 @@ def test_families_restore_bit_for_bit(tmp_path, family, kind, dtype):
     for s in STRENGTHS:
         items = [loraweave.load_adapter(sd, name=f"{family}{i}") for i, sd in enumerate(sds)]
         extra = {"undo_source": source_of(model, tmp_path)} if kind == "source" else {}
-        handle = loraweave.apply(model, [(a, s) for a in items], mode="merge", undo=kind, strict=True, **extra)
+        handle = loraweave.apply(
+            model, [(a, s) for a in items], mode="merge", undo=kind, strict=True, **extra
+        )
         assert len(handle.report.applied) >= 1
         if kind != "auto":
             assert kinds_of(handle) == {kind}
@@ -184,9 +193,11 @@ def test_chunked_delta_rows_restore(monkeypatch, tmp_path, kind):
         out_before = flux_forward(model)
     g = gen(0)
     stem = "diffusion_model.double_blocks.0.img_attn.qkv"
-    sd = {f"{stem}.lora_down.weight": torch.randn(4, 32, generator=g) * 0.05,
-          f"{stem}.lora_up.weight": torch.randn(96, 4, generator=g) * 0.05,
-          f"{stem}.alpha": torch.tensor(4.0)}
+    sd = {
+        f"{stem}.lora_down.weight": torch.randn(4, 32, generator=g) * 0.05,
+        f"{stem}.lora_up.weight": torch.randn(96, 4, generator=g) * 0.05,
+        f"{stem}.alpha": torch.tensor(4.0),
+    }
     fresh = copy.deepcopy(model)
     monkeypatch.setattr(merge_mod, "CHUNK_ELEMENTS", 1 << 18)
     loraweave.apply(fresh, sd, mode="merge", undo="copy")
@@ -227,7 +238,9 @@ def test_thousand_strength_changes_do_not_drift():
     """1,000 random strength changes on two stacked adapters, then: merged bits equal a fresh merge at the last
     strengths, and remove() gives back the original bits."""
     n = int(os.environ.get("LORAWEAVE_UNDO_CHANGES", "1000"))
-    model = nn.ModuleDict({"f32": net(torch.float32), "bf16": net(torch.bfloat16, 1), "f16": net(torch.float16, 2)})
+    model = nn.ModuleDict(
+        {"f32": net(torch.float32), "bf16": net(torch.bfloat16, 1), "f16": net(torch.float16, 2)}
+    )
     before = state_bits(model)
     a = loraweave.load_adapter(lora_sd(model, seed=3), name="a")
     b = loraweave.load_adapter(lora_sd(model, rel=0.1, seed=4), name="b")
@@ -238,7 +251,9 @@ def test_thousand_strength_changes_do_not_drift():
         name = rng.choice("ab")
         last[name] = rng.uniform(-4, 4)
         handle.set_strength(name, last[name])
-    fresh = nn.ModuleDict({"f32": net(torch.float32), "bf16": net(torch.bfloat16, 1), "f16": net(torch.float16, 2)})
+    fresh = nn.ModuleDict(
+        {"f32": net(torch.float32), "bf16": net(torch.bfloat16, 1), "f16": net(torch.float16, 2)}
+    )
     loraweave.apply(fresh, [(a, last["a"]), (b, last["b"])], mode="merge", undo="copy")
     assert_same_bits(model, state_bits(fresh))
     handle.remove()
@@ -490,7 +505,9 @@ def _reachable_tensor_bytes(root, skip: set[int]) -> int:
     seen, storages, todo = set(), {}, [root]
     while todo:
         obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
+        if id(obj) in seen or isinstance(
+            obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+        ):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):

@@ -81,7 +81,11 @@ def test_item1_no_key_landed_raises_typed_error_and_touches_nothing(caplog):
     # The explicit opt-out: a handle, and the WARNING line.
     with caplog.at_level(logging.WARNING, logger="loraweave"):
         handle = loraweave.apply(model, sd15_named_lora(), allow_empty=True)
-    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "incomplete" in r.getMessage()]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "incomplete" in r.getMessage()
+    ]
     assert len(lines) == 1 and "landed=0/4" in lines[0] and "no_such_modulex4" in lines[0]
     handle.remove()
     assert _unchanged(model, before)
@@ -177,10 +181,18 @@ def _sd15_first_block(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     (a partial UNet2DConditionModel folder trips the original-name table, which wants every resnet)."""
     g = torch.Generator().manual_seed(11)
     stem = "down_blocks.0.attentions.0.transformer_blocks.0"
-    shapes = {"attn1.to_q": (320, 320), "attn1.to_k": (320, 320), "attn1.to_v": (320, 320),
-              "attn1.to_out.0": (320, 320), "ff.net.0.proj": (2560, 320), "ff.net.2": (320, 1280),
-              "attn2.to_q": (320, 320), "attn2.to_k": (320, 768), "attn2.to_v": (320, 768),
-              "attn2.to_out.0": (320, 320)}
+    shapes = {
+        "attn1.to_q": (320, 320),
+        "attn1.to_k": (320, 320),
+        "attn1.to_v": (320, 320),
+        "attn1.to_out.0": (320, 320),
+        "ff.net.0.proj": (2560, 320),
+        "ff.net.2": (320, 1280),
+        "attn2.to_q": (320, 320),
+        "attn2.to_k": (320, 768),
+        "attn2.to_v": (320, 768),
+        "attn2.to_out.0": (320, 320),
+    }
     sd = {f"{stem}.{name}.weight": torch.randn(*shape, generator=g) for name, shape in shapes.items()}
     folder = tmp_path / "unet"
     folder.mkdir()
@@ -195,8 +207,17 @@ def test_item4_bake_resolves_cloneofsimo_positions(tmp_path):
     # The trainer's order (lora_diffusion: CrossAttention/Attention/GEGLU ancestors, in the old child order
     # attn1, ff, attn2): unet:0-3 = attn1 q/k/v/out, unet:4 = the GEGLU proj, unet:5-8 = attn2 q/k/v/out.
     # The shapes prove it independently: 2560 rows for the GEGLU proj, 768 columns for attn2's k/v.
-    order = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj",
-             "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]
+    order = [
+        "attn1.to_q",
+        "attn1.to_k",
+        "attn1.to_v",
+        "attn1.to_out.0",
+        "ff.net.0.proj",
+        "attn2.to_q",
+        "attn2.to_k",
+        "attn2.to_v",
+        "attn2.to_out.0",
+    ]
     lora = load_file(CLONEOFSIMO)
     merged = load_file(out / "diffusion_pytorch_model.safetensors")
     assert res.keys_applied == 2 * len(order)
@@ -205,15 +226,19 @@ def test_item4_bake_resolves_cloneofsimo_positions(tmp_path):
         delta = lora[f"unet:{i}:up"].double() @ lora[f"unet:{i}:down"].double()  # no alpha: scale 1
         want = (base[key].double() + delta).float()
         assert torch.allclose(merged[key], want, atol=1e-6, rtol=0), name
-    assert torch.equal(merged["down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2.weight"],
-                       base["down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2.weight"])
+    assert torch.equal(
+        merged["down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2.weight"],
+        base["down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2.weight"],
+    )
 
 
 def test_item4_resize_names_cloneofsimo_parts(tmp_path):
     out = tmp_path / "r.safetensors"
     res = resize(CLONEOFSIMO, out, rank=2)
     assert len(res.layers) == 192 and not res.skipped
-    assert "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q" in {la["name"] for la in res.layers}
+    assert "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q" in {
+        la["name"] for la in res.layers
+    }
     from loraweave.tools.skeleton import skeleton
 
     report = loraweave.plan(skeleton("sd1"), str(out))
@@ -223,12 +248,19 @@ def test_item4_resize_names_cloneofsimo_parts(tmp_path):
 # ------------------------------------------------------------------------------- 5. numeric argument checks
 
 
-@pytest.mark.parametrize("argv", [
-    ["resize", "F", "-o", "O", "--rank", "0"], ["resize", "F", "-o", "O", "--rank", "-3"],
-    ["resize", "F", "-o", "O", "--energy", "1.5"], ["resize", "F", "-o", "O", "--energy", "0"],
-    ["resize", "F", "-o", "O", "--energy", "nan"], ["extract", "B", "T", "-o", "O", "--rank", "0"],
-    ["extract", "B", "T", "-o", "O", "--rank", "4", "--min-diff", "-1"], ["inspect", "F", "--limit", "-1"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["resize", "F", "-o", "O", "--rank", "0"],
+        ["resize", "F", "-o", "O", "--rank", "-3"],
+        ["resize", "F", "-o", "O", "--energy", "1.5"],
+        ["resize", "F", "-o", "O", "--energy", "0"],
+        ["resize", "F", "-o", "O", "--energy", "nan"],
+        ["extract", "B", "T", "-o", "O", "--rank", "0"],
+        ["extract", "B", "T", "-o", "O", "--rank", "4", "--min-diff", "-1"],
+        ["inspect", "F", "--limit", "-1"],
+    ],
+)
 def test_item5_cli_numeric_arguments_are_validated(argv, tmp_path, capsys):
     argv = [str(tmp_path / a) if a in ("F", "O", "B", "T") else a for a in argv]
     with pytest.raises(SystemExit) as exc:
@@ -435,8 +467,9 @@ def test_item11_progress_bars_only_when_asked(tmp_path, capsys, monkeypatch):
 
 def _cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": SRC, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "loraweave", *argv], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "loraweave", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_item12_version_and_quiet_optional_packages():
@@ -475,10 +508,14 @@ def test_item12_demo_and_test_cache_leave_no_temp_dirs(tmp_path, monkeypatch, ca
     keep.joinpath("demo_lora_kohya.safetensors").unlink()
     keep.rmdir()
     # The test suite's skeleton cache: made at conftest import, removed when that process ends.
-    probe = subprocess.run([sys.executable, "-c", "import conftest, os; print(os.environ['LORAWEAVE_CACHE'])"],
-                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent,
-                           env={k: v for k, v in {**os.environ, "TMPDIR": str(tmp_path)}.items()
-                                if k != "LORAWEAVE_CACHE"})
+    probe = subprocess.run(
+        [sys.executable, "-c", "import conftest, os; print(os.environ['LORAWEAVE_CACHE'])"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent,
+        env={k: v for k, v in {**os.environ, "TMPDIR": str(tmp_path)}.items() if k != "LORAWEAVE_CACHE"},
+    )
     assert probe.returncode == 0 and probe.stdout.strip().startswith(str(tmp_path))
     assert list(tmp_path.iterdir()) == []
 

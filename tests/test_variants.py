@@ -13,7 +13,9 @@ from loraweave import AdapterSpec
 from loraweave.errors import ArgumentError, StrictApplyError, TargetError
 
 
-def _lora(model: torch.nn.Module, names: dict[str, str], seed: int = 3, rank: int = 2) -> dict[str, torch.Tensor]:
+def _lora(
+    model: torch.nn.Module, names: dict[str, str], seed: int = 3, rank: int = 2
+) -> dict[str, torch.Tensor]:
     """A kohya/musubi-style LoRA: {file name: live module} -> lora_down/up with alpha = rank."""
     g = torch.Generator().manual_seed(seed)
     modules = dict(model.named_modules())
@@ -25,8 +27,12 @@ def _lora(model: torch.nn.Module, names: dict[str, str], seed: int = 3, rank: in
     return sd
 
 
-WAN_KEYS = {"blocks.0.self_attn.q": "blocks.0.attn1.to_q", "blocks.1.ffn.2": "blocks.1.ffn.net.2",
-            "blocks.0.cross_attn.k_img": "blocks.0.attn2.add_k_proj", "blocks.1.cross_attn.v_img": "blocks.1.attn2.add_v_proj"}
+WAN_KEYS = {
+    "blocks.0.self_attn.q": "blocks.0.attn1.to_q",
+    "blocks.1.ffn.2": "blocks.1.ffn.net.2",
+    "blocks.0.cross_attn.k_img": "blocks.0.attn2.add_k_proj",
+    "blocks.1.cross_attn.v_img": "blocks.1.attn2.add_v_proj",
+}
 
 
 def _delta(sd, stem):
@@ -52,7 +58,10 @@ def test_one_file_two_experts_with_their_own_strengths(mode):
     assert {u["reason"].split()[2].split(".")[0] for u in absent} == {"transformer", "transformer_2"}
     assert rep["keys_applied"] == 4 and rep["keys_total"] == 8 and h.report.ok
     assert {(m["component"], m["module"]) for m in rep["applied"]} == {
-        (c, m) for c in ("transformer", "transformer_2") for m in ("blocks.0.attn1.to_q", "blocks.1.ffn.net.2")}
+        (c, m)
+        for c in ("transformer", "transformer_2")
+        for m in ("blocks.0.attn1.to_q", "blocks.1.ffn.net.2")
+    }
     q = _delta(sd, "blocks.0.self_attn.q")
 
     def effective(model, name):
@@ -61,13 +70,25 @@ def test_one_file_two_experts_with_their_own_strengths(mode):
         return module(eye).T - module.bias[:, None] if mode == "runtime" else module.weight.detach()
 
     with torch.no_grad():
-        assert torch.allclose(effective(high, "blocks.0.attn1.to_q"), before["high"]["blocks.0.attn1.to_q.weight"] + q,
-                              rtol=1e-5, atol=1e-6)
-        assert torch.allclose(effective(low, "blocks.0.attn1.to_q"), before["low"]["blocks.0.attn1.to_q.weight"] + 0.5 * q,
-                              rtol=1e-5, atol=1e-6)
+        assert torch.allclose(
+            effective(high, "blocks.0.attn1.to_q"),
+            before["high"]["blocks.0.attn1.to_q.weight"] + q,
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        assert torch.allclose(
+            effective(low, "blocks.0.attn1.to_q"),
+            before["low"]["blocks.0.attn1.to_q.weight"] + 0.5 * q,
+            rtol=1e-5,
+            atol=1e-6,
+        )
         h.set_strength(next(iter(h.strengths)), 2.0)
-        assert torch.allclose(effective(low, "blocks.0.attn1.to_q"), before["low"]["blocks.0.attn1.to_q.weight"] + q,
-                              rtol=1e-5, atol=1e-6)
+        assert torch.allclose(
+            effective(low, "blocks.0.attn1.to_q"),
+            before["low"]["blocks.0.attn1.to_q.weight"] + q,
+            rtol=1e-5,
+            atol=1e-6,
+        )
     h.remove()
     for name, model in (("high", high), ("low", low)):
         assert all(torch.equal(v, before[name][k]) for k, v in model.state_dict().items())
@@ -78,8 +99,10 @@ def test_default_is_the_first_expert_only_and_names_must_exist():
     sd = _lora(high, {k: v for k, v in WAN_KEYS.items() if "img" not in k})
     rep = loraweave.plan({"transformer": high, "transformer_2": low}, sd)
     assert {m.component for m in rep.applied} == {"transformer"}
-    only_low = loraweave.plan({"transformer": high, "transformer_2": low},
-                              AdapterSpec(sd, component_strengths={"transformer_2": 1.0}))
+    only_low = loraweave.plan(
+        {"transformer": high, "transformer_2": low},
+        AdapterSpec(sd, component_strengths={"transformer_2": 1.0}),
+    )
     assert {m.component for m in only_low.applied} == {"transformer_2"}
     with pytest.raises(TargetError, match="transformer_3"):
         loraweave.plan({"transformer": high}, AdapterSpec(sd, component_strengths={"transformer_3": 1.0}))
@@ -94,8 +117,12 @@ def test_strict_ignores_expected_absent_but_not_other_misses():
     h = loraweave.apply(t2v, sd, strict=True)
     assert h.report.kinds() == {"expected_absent": 4}
     h.remove()
-    sd["diffusion_model.blocks.7.self_attn.q.lora_down.weight"] = sd["diffusion_model.blocks.0.self_attn.q.lora_down.weight"]
-    sd["diffusion_model.blocks.7.self_attn.q.lora_up.weight"] = sd["diffusion_model.blocks.0.self_attn.q.lora_up.weight"]
+    sd["diffusion_model.blocks.7.self_attn.q.lora_down.weight"] = sd[
+        "diffusion_model.blocks.0.self_attn.q.lora_down.weight"
+    ]
+    sd["diffusion_model.blocks.7.self_attn.q.lora_up.weight"] = sd[
+        "diffusion_model.blocks.0.self_attn.q.lora_up.weight"
+    ]
     with pytest.raises(StrictApplyError) as err:  # block 7 is in no Wan variant of 2 blocks: a real miss
         loraweave.apply(t2v, sd, strict=True)
     kinds = [u.kind for u in err.value.report.unmatched]
@@ -111,13 +138,26 @@ def test_same_keys_land_on_the_variant_that_has_them():
 def test_flux_guidance_keys_are_expected_absent_on_schnell():
     import diffusers
 
-    cfg = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
-               num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4))
+    cfg = dict(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )
     with torch.device("meta"):
         schnell = diffusers.FluxTransformer2DModel(**cfg, guidance_embeds=False)
         dev = diffusers.FluxTransformer2DModel(**cfg, guidance_embeds=True)
     sd = {}
-    for stem, shape in (("guidance_in.in_layer", (16, 256)), ("guidance_in.out_layer", (16, 16)), ("img_in", (16, 4))):
+    for stem, shape in (
+        ("guidance_in.in_layer", (16, 256)),
+        ("guidance_in.out_layer", (16, 16)),
+        ("img_in", (16, 4)),
+    ):
         sd[f"diffusion_model.{stem}.lora_A.weight"] = torch.empty(2, shape[1], device="meta")
         sd[f"diffusion_model.{stem}.lora_B.weight"] = torch.empty(shape[0], 2, device="meta")
     rep = loraweave.plan(schnell, sd)
@@ -135,10 +175,15 @@ def _bfl_lora(double: int, single: int, hidden: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-@pytest.mark.parametrize("double, single, hidden, likely", [
-    (8, 24, 4096, "flux2-klein-9b"), (5, 20, 3072, "flux2-klein-4b"), (8, 48, 6144, "flux2-dev"),
-    (19, 38, 3072, "flux1 (dev, schnell, Fill, Kontext)"),
-])
+@pytest.mark.parametrize(
+    "double, single, hidden, likely",
+    [
+        (8, 24, 4096, "flux2-klein-9b"),
+        (5, 20, 3072, "flux2-klein-4b"),
+        (8, 48, 6144, "flux2-dev"),
+        (19, 38, 3072, "flux1 (dev, schnell, Fill, Kontext)"),
+    ],
+)
 def test_block_counts_and_width_say_which_variant_fits(double, single, hidden, likely):
     from loraweave.arch.variants import variant_fit
     from loraweave.formats.adapter import load_adapter
@@ -146,8 +191,14 @@ def test_block_counts_and_width_say_which_variant_fits(double, single, hidden, l
     fit = variant_fit(load_adapter(_bfl_lora(double, single, hidden)))
     assert fit["blocks"] == {"double": double, "single": single} and fit["hidden"] == hidden
     assert fit["likely"] == likely
-    partial = variant_fit(load_adapter(_bfl_lora(3, 10, 3072)))  # trains a few blocks: several variants can take it
-    assert partial["likely"] is None and "flux2-klein-4b" in partial["fits"] and "flux2-dev" not in partial["fits"]
+    partial = variant_fit(
+        load_adapter(_bfl_lora(3, 10, 3072))
+    )  # trains a few blocks: several variants can take it
+    assert (
+        partial["likely"] is None
+        and "flux2-klein-4b" in partial["fits"]
+        and "flux2-dev" not in partial["fits"]
+    )
 
 
 def test_inspect_names_the_variant(tmp_path):

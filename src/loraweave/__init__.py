@@ -25,10 +25,15 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (imported when the name is first read)
 _LAZY = {
-    "Handle": ".api", "apply": ".api", "plan": ".api",
-    "Adapter": ".formats.adapter", "AdapterPart": ".formats.adapter", "load_adapter": ".formats.adapter",
+    "Handle": ".api",
+    "apply": ".api",
+    "plan": ".api",
+    "Adapter": ".formats.adapter",
+    "AdapterPart": ".formats.adapter",
+    "load_adapter": ".formats.adapter",
     "Report": ".report.report",
-    "StreamHandle": ".streaming", "stream": ".streaming",
+    "StreamHandle": ".streaming",
+    "stream": ".streaming",
 }
 
 
@@ -47,8 +52,6 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
-
-
 
 
 __all__ = [

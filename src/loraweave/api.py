@@ -30,7 +30,9 @@ log = logging.getLogger("loraweave")
 __all__ = ["AdapterSource", "Handle", "apply", "plan"]
 
 
-def plan(target, adapters: Iterable[AdapterSource] | AdapterSource, strength: float = 1.0, tables=None) -> Report:
+def plan(
+    target, adapters: Iterable[AdapterSource] | AdapterSource, strength: float = 1.0, tables=None
+) -> Report:
     """Resolve every key against `target` and report where it would land; nothing is modified.
 
     Works on models built on the `meta` device (no weights needed). `tables`: alias tables of `target` built
@@ -41,7 +43,10 @@ def plan(target, adapters: Iterable[AdapterSource] | AdapterSource, strength: fl
         AppliedModule(comp, path, "planned", sorted(adapter_names(contribs)), notes=notes_of(contribs))
         for (comp, path), contribs in group_by_module(p.planned).items()
     ]
-    applied += [AppliedModule(pp.component, pp.path, "planned", [pp.adapter.name], notes=list(pp.notes)) for pp in p.params]
+    applied += [
+        AppliedModule(pp.component, pp.path, "planned", [pp.adapter.name], notes=list(pp.notes))
+        for pp in p.params
+    ]
     report = make_report(p, "plan", applied, list(p.unmatched), t0)
     report.log()
     return report
@@ -102,8 +107,19 @@ def apply(
     compile_friendly: runtime paths ready for `torch.compile`: ranks zero-padded to `rank_buckets` (default
       8/16/32/64/128; costs the padded FLOPs), strengths in tensors, hooks fixed for the handle's life, so strength
       changes, `disable`/`enable` and switches within a bucket never recompile (see mechanisms/compiled.py)."""
-    options = Options(mode, stack, density, quantized, host_rank, cache, compile_friendly=compile_friendly,
-                      rank_buckets=rank_buckets, undo=undo, undo_source=undo_source, undo_on_device=undo_on_device)
+    options = Options(
+        mode,
+        stack,
+        density,
+        quantized,
+        host_rank,
+        cache,
+        compile_friendly=compile_friendly,
+        rank_buckets=rank_buckets,
+        undo=undo,
+        undo_source=undo_source,
+        undo_on_device=undo_on_device,
+    )
 
     options.check()
     if cache is not None and not hasattr(cache, "load"):
@@ -119,7 +135,9 @@ def apply(
         wp, unmatched = plan_layers(p, options, mode)
         if strict and failures(unmatched):
             report = make_report(p, mode, [], unmatched, t0)
-            raise StrictApplyError(f"strict: {len(failures(unmatched))} keys did not land ({report.kinds()})", report)
+            raise StrictApplyError(
+                f"strict: {len(failures(unmatched))} keys did not land ({report.kinds()})", report
+            )
         refuse_empty(make_report(p, mode, [], unmatched, t0), allow_empty)
         journal = Journal()
         with journal.transaction():

@@ -29,7 +29,9 @@ def strength(value: object, label: str = "strength") -> float:
     """A finite number with |value| <= MAX_STRENGTH."""
     value = number(value, label)
     if abs(value) > MAX_STRENGTH:
-        raise ArgumentError(f"{label} must be a finite number of absolute value <= {MAX_STRENGTH:g}, got {value!r}")
+        raise ArgumentError(
+            f"{label} must be a finite number of absolute value <= {MAX_STRENGTH:g}, got {value!r}"
+        )
     return value
 
 
@@ -61,13 +63,21 @@ def byte_size(value: object, label: str, allow_zero: bool = False) -> int:
     if isinstance(value, str):
         m = _SIZE.match(value)
         if m is None:
-            raise ArgumentError(f"{label} must be bytes (an int) or a size such as '8GB', '512MiB', got {value!r}")
+            raise ArgumentError(
+                f"{label} must be bytes (an int) or a size such as '8GB', '512MiB', got {value!r}"
+            )
         base = 1024 if m[3] else 1000
         value = float(m[1]) * base ** _POWERS[m[2].lower()]
         if not math.isfinite(value):
             raise ArgumentError(f"{label} must be a finite size, got {value!r}")
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0 or (value == 0 and not allow_zero):
-        raise ArgumentError(f"{label} must be a {'non-negative' if allow_zero else 'positive'} number of bytes, "
-                            f"got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, Integral)
+        or value < 0
+        or (value == 0 and not allow_zero)
+    ):
+        raise ArgumentError(
+            f"{label} must be a {'non-negative' if allow_zero else 'positive'} number of bytes, got {value!r}"
+        )
     return int(value)

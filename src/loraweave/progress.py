@@ -16,8 +16,16 @@ def on_terminal() -> bool:
     return sys.stderr.isatty()
 
 
-def bar(iterable: Iterable | None = None, total: int | None = None, desc: str = "loraweave", unit: str = "it",
-        enabled: bool | None = False, **kw):
+def bar(
+    iterable: Iterable | None = None,
+    total: int | None = None,
+    desc: str = "loraweave",
+    unit: str = "it",
+    enabled: bool | None = False,
+    **kw,
+):
     """A tqdm bar on stderr, disabled unless `enabled` (None: when stderr is a terminal)."""
     show = on_terminal() if enabled is None else enabled
-    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not show, leave=False, file=sys.stderr, **kw)
+    return tqdm(
+        iterable, total=total, desc=desc, unit=unit, disable=not show, leave=False, file=sys.stderr, **kw
+    )

@@ -44,7 +44,11 @@ def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 def real_config(name: str) -> dict:
     """A diffusers/transformers config from the shared real data, without its `_`-prefixed bookkeeping keys."""
-    return {k: v for k, v in json.loads((REALDATA / "configs" / name).read_text()).items() if not k.startswith("_")}
+    return {
+        k: v
+        for k, v in json.loads((REALDATA / "configs" / name).read_text()).items()
+        if not k.startswith("_")
+    }
 
 
 # ------------------------------------------------------------------------ LyCORIS references
@@ -89,8 +93,9 @@ def save_lycoris(net, path: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------ fused Flux target (row chunks)
 
 
-def check_fused_flux_qkv(pristine: nn.Module, sd: dict[str, torch.Tensor], s: float, full: torch.Tensor,
-                         tol: float) -> None:
+def check_fused_flux_qkv(
+    pristine: nn.Module, sd: dict[str, torch.Tensor], s: float, full: torch.Tensor, tol: float
+) -> None:
     """`sd` at strength `s` on the tiny Flux's fused `img_attn.qkv` (96 rows): to_q, to_k and to_v get rows
     [0, 32), [32, 64) and [64, 96) of the fp64 ΔW `full`. Merged weights <= 1e-6, layer outputs <= tol (merge and
     runtime), no other Linear moves, and the whole model's runtime output equals merge's within tol."""
@@ -110,7 +115,10 @@ def check_fused_flux_qkv(pristine: nn.Module, sd: dict[str, torch.Tensor], s: fl
             if mode == "merge":
                 assert rel_err(module.weight, ref_w) <= 1e-6, name
             with torch.no_grad():
-                assert rel_err(module(x), F.linear(x.double(), ref_w, orig.bias.double())) <= tol, (mode, name)
+                assert rel_err(module(x), F.linear(x.double(), ref_w, orig.bias.double())) <= tol, (
+                    mode,
+                    name,
+                )
         for name, module in model.named_modules():  # nothing else moved
             if name not in targets and isinstance(module, nn.Linear):
                 assert torch.equal(module.weight, pristine.get_submodule(name).weight), name

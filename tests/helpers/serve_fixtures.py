@@ -20,10 +20,17 @@ SETTINGS = {"steps": 3, "cfg": 5.0, "width": 32, "height": 32, "negative": "blur
 def lora_file(pipe, path: Path, seed: int, te: bool = True) -> Path:
     """A kohya LoRA (rank 4, alpha 2) on the UNet's attention Linears (and the TE's q/v projections)."""
     g = torch.Generator().manual_seed(seed)
-    targets = [("lora_unet_", n, m) for n, m in pipe.unet.named_modules()
-               if isinstance(m, torch.nn.Linear) and "attentions" in n]
+    targets = [
+        ("lora_unet_", n, m)
+        for n, m in pipe.unet.named_modules()
+        if isinstance(m, torch.nn.Linear) and "attentions" in n
+    ]
     if te:
-        targets += [("lora_te_", n, m) for n, m in pipe.text_encoder.named_modules() if n.endswith(("q_proj", "v_proj"))]
+        targets += [
+            ("lora_te_", n, m)
+            for n, m in pipe.text_encoder.named_modules()
+            if n.endswith(("q_proj", "v_proj"))
+        ]
     sd = {}
     for prefix, name, module in targets:
         stem = prefix + name.replace(".", "_")
@@ -54,7 +61,9 @@ def wrong_arch_file(path: Path) -> Path:
     """An SDXL-shaped LoRA: its keys name layers the tiny SD1.5 UNet does not have."""
     path.parent.mkdir(parents=True, exist_ok=True)
     stem = "lora_unet_output_blocks_5_1_transformer_blocks_9_attn2_to_k"
-    save_file({f"{stem}.lora_down.weight": torch.ones(4, 2048), f"{stem}.lora_up.weight": torch.ones(640, 4)}, path)
+    save_file(
+        {f"{stem}.lora_down.weight": torch.ones(4, 2048), f"{stem}.lora_up.weight": torch.ones(640, 4)}, path
+    )
     return path
 
 
@@ -78,18 +87,32 @@ def pixels(png: bytes | Path) -> np.ndarray:
     return np.asarray(Image.open(source).convert("RGB")).astype(np.int16)
 
 
-def generated(pipe_dir: Path, loras: Path, prompt: str, seed: int, out: Path, mode: str = "auto") -> np.ndarray:
+def generated(
+    pipe_dir: Path, loras: Path, prompt: str, seed: int, out: Path, mode: str = "auto"
+) -> np.ndarray:
     """The image `loraweave generate` makes with SETTINGS (its own freshly loaded pipeline)."""
     from loraweave.tools.generate import GenerateRequest, generate
 
-    req = GenerateRequest(model=str(pipe_dir), prompt=prompt, output=str(out), negative=SETTINGS["negative"],
-                          lora_dir=str(loras), apply_mode=mode, steps=SETTINGS["steps"], cfg=SETTINGS["cfg"],
-                          seed=seed, width=SETTINGS["width"], height=SETTINGS["height"])
+    req = GenerateRequest(
+        model=str(pipe_dir),
+        prompt=prompt,
+        output=str(out),
+        negative=SETTINGS["negative"],
+        lora_dir=str(loras),
+        apply_mode=mode,
+        steps=SETTINGS["steps"],
+        cfg=SETTINGS["cfg"],
+        seed=seed,
+        width=SETTINGS["width"],
+        height=SETTINGS["height"],
+    )
     generate(req)
     return pixels(out)
 
 
-def rendered(pipe_dir: Path, loras: Path, prompt: str, seed: int, copies: int = 1, floats: bool = False) -> np.ndarray:
+def rendered(
+    pipe_dir: Path, loras: Path, prompt: str, seed: int, copies: int = 1, floats: bool = False
+) -> np.ndarray:
     """The image `loraweave generate --lora-apply-mode runtime` makes with SETTINGS (its loading, tag resolution and
     apply), from one pipeline call of `copies` identical samples: the batch size a served image came from (CPU
     kernels round by batch size: a conv of N=1 vs N>=2, a GEMM of M<4 rows vs more; never by what other rows hold).
@@ -103,10 +126,16 @@ def rendered(pipe_dir: Path, loras: Path, prompt: str, seed: int, copies: int = 
     clean, specs = adapter_specs(req)
     if specs:
         apply(pipe, specs, mode="runtime", strict=True, progress=False)
-    images = pipe(prompt=[clean] * copies, negative_prompt=[SETTINGS["negative"]] * copies,
-                  generator=[torch.Generator("cpu").manual_seed(seed) for _ in range(copies)],
-                  num_inference_steps=SETTINGS["steps"], guidance_scale=SETTINGS["cfg"], width=SETTINGS["width"],
-                  height=SETTINGS["height"], output_type="np" if floats else "pil").images
+    images = pipe(
+        prompt=[clean] * copies,
+        negative_prompt=[SETTINGS["negative"]] * copies,
+        generator=[torch.Generator("cpu").manual_seed(seed) for _ in range(copies)],
+        num_inference_steps=SETTINGS["steps"],
+        guidance_scale=SETTINGS["cfg"],
+        width=SETTINGS["width"],
+        height=SETTINGS["height"],
+        output_type="np" if floats else "pil",
+    ).images
     return images[0] if floats else np.asarray(images[0].convert("RGB")).astype(np.int16)
 
 

@@ -32,9 +32,28 @@ from .wan import WAN
 from .wan_animate import WAN_ANIMATE, WAN_ANIMATE_2, WAN_ANIMATE_ONLY
 from .zimage import ZIMAGE
 
-ARCH_TABLES: tuple[ArchTable, ...] = (FLUX, CHROMA, FLUX2, ZIMAGE, SD3, WAN, HUNYUAN_VIDEO, KREA2, LTX2, LTX2_CONNECTORS,
-                                      LUMINA2, FLUX3, ANIMA, SANA, MINIMAX_H3, IDEOGRAM4, QWENIMAGE21,
-                                      WAN_ANIMATE, WAN_ANIMATE_2, WAN_ANIMATE_ONLY)
+ARCH_TABLES: tuple[ArchTable, ...] = (
+    FLUX,
+    CHROMA,
+    FLUX2,
+    ZIMAGE,
+    SD3,
+    WAN,
+    HUNYUAN_VIDEO,
+    KREA2,
+    LTX2,
+    LTX2_CONNECTORS,
+    LUMINA2,
+    FLUX3,
+    ANIMA,
+    SANA,
+    MINIMAX_H3,
+    IDEOGRAM4,
+    QWENIMAGE21,
+    WAN_ANIMATE,
+    WAN_ANIMATE_2,
+    WAN_ANIMATE_ONLY,
+)
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
@@ -56,7 +75,9 @@ WRAPPER_PREFIXES: tuple[tuple[str, str], ...] = (
 
 
 def _original_names(
-    module: torch.nn.Module, modules: dict[str, torch.nn.Module], runtime_fusions: bool = False,
+    module: torch.nn.Module,
+    modules: dict[str, torch.nn.Module],
+    runtime_fusions: bool = False,
     trait: str | None = None,
 ) -> dict[str, tuple[Piece, ...]]:
     """Original names of the tables for this class; `trait`: only the aliases for files with that trait."""
@@ -81,8 +102,11 @@ def _original_names(
 
 def _bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[str, tuple[str, bool]]:
     """Parameters that are not a module's weight/bias (modulation tables), by live and original name."""
-    live = {name: p for name, p in module.named_parameters()
-            if name.rpartition(".")[0] not in modules or name.rpartition(".")[2] not in ("weight", "bias")}
+    live = {
+        name: p
+        for name, p in module.named_parameters()
+        if name.rpartition(".")[0] not in modules or name.rpartition(".")[2] not in ("weight", "bias")
+    }
     out: dict[str, tuple[str, bool]] = {name: (name, False) for name in live}
     for table in ARCH_TABLES:
         if cls in table.classes:
@@ -160,7 +184,9 @@ class AliasTable:
         self.widened_inputs = {m for t in ARCH_TABLES if cls in t.classes for m in t.widened_inputs}
         self.growable_inputs = dict(g for t in ARCH_TABLES if cls in t.classes for g in t.growable_inputs)
         self.metadata_alpha = metadata_alpha_of(module)
-        self.variant_inputs = {(v.module, v.width): v.why for t in ARCH_TABLES if cls in t.classes for v in t.variant_inputs}
+        self.variant_inputs = {
+            (v.module, v.width): v.why for t in ARCH_TABLES if cls in t.classes for v in t.variant_inputs
+        }
         every = dict(module.named_modules())
         self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}
         self.exact: dict[str, tuple[Piece, ...]] = {
@@ -168,26 +194,48 @@ class AliasTable:
         }
         self.exact.update({k: v for k, v in _original_names(module, every).items() if k not in self.exact})
         self.fusion_names = set(_original_names(module, every, runtime_fusions=True)) - set(self.exact)
-        self.exact.update({k: v for k, v in _original_names(module, every, True).items() if k not in self.exact})
+        self.exact.update(
+            {k: v for k, v in _original_names(module, every, True).items() if k not in self.exact}
+        )
         self.exact.update(_live_fusions(every))  # overrides: the separate modules are no longer used
         prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
         if prefix and not any(name.startswith(prefix) for name in self.modules):
-            self.exact.update({prefix + k: v for k, v in list(self.exact.items()) if prefix + k not in self.exact})
+            self.exact.update(
+                {prefix + k: v for k, v in list(self.exact.items()) if prefix + k not in self.exact}
+            )
         live = list(self.exact.items())
         for live_prefix, file_prefix in WRAPPER_PREFIXES:
-            self.exact.update({
-                file_prefix + k[len(live_prefix):]: v
-                for k, v in live if k.startswith(live_prefix) and file_prefix + k[len(live_prefix):] not in self.exact
-            })
+            self.exact.update(
+                {
+                    file_prefix + k[len(live_prefix) :]: v
+                    for k, v in live
+                    if k.startswith(live_prefix) and file_prefix + k[len(live_prefix) :] not in self.exact
+                }
+            )
         self._positional: dict[tuple[str, ...], list[str]] = {}
         tables = [t for t in ARCH_TABLES if cls in t.classes and (t.renames or t.prefix_renames)]
-        self.renames = (tuple(r for t in tables for r in t.renames), tuple(r for t in tables for r in t.prefix_renames))
+        self.renames = (
+            tuple(r for t in tables for r in t.renames),
+            tuple(r for t in tables for r in t.prefix_renames),
+        )
         self.params = _bare_parameters(module, cls, self.modules)
-        self.params.update({underscore_form(k): v for k, v in list(self.params.items()) if underscore_form(k) not in self.params})
+        self.params.update(
+            {
+                underscore_form(k): v
+                for k, v in list(self.params.items())
+                if underscore_form(k) not in self.params
+            }
+        )
         traits = {a.when_file for t in ARCH_TABLES if cls in t.classes for a in t.aliases if a.when_file}
         # Names whose rows some producers order differently: {trait: {name in both spellings: pieces}}.
-        self.by_trait = {trait: {form: pieces for name, pieces in _original_names(module, every, trait=trait).items()
-                                 for form in (name, underscore_form(name))} for trait in traits}
+        self.by_trait = {
+            trait: {
+                form: pieces
+                for name, pieces in _original_names(module, every, trait=trait).items()
+                for form in (name, underscore_form(name))
+            }
+            for trait in traits
+        }
         self.absent = _variant_only(cls, every, self.exact)
         self.absent.update({underscore_form(k): v for k, v in list(self.absent.items())})
         self.underscored: dict[str, tuple[Piece, ...] | str] = {}

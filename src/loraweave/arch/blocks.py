@@ -22,10 +22,32 @@ from typing import Any
 # (number of down blocks = up blocks, LBW short layout) per UNet arch; every supported UNet has 2 layers per
 # down block (3 per up block), so input index = 1 + 3·block + layer and output index = 3·block + layer.
 UNET_ARCHS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "sd1": (4, ("BASE", "IN01", "IN02", "IN04", "IN05", "IN07", "IN08", "M00",
-                "OUT03", "OUT04", "OUT05", "OUT06", "OUT07", "OUT08", "OUT09", "OUT10", "OUT11")),
-    "sdxl": (3, ("BASE", "IN04", "IN05", "IN07", "IN08", "M00",
-                 "OUT00", "OUT01", "OUT02", "OUT03", "OUT04", "OUT05")),
+    "sd1": (
+        4,
+        (
+            "BASE",
+            "IN01",
+            "IN02",
+            "IN04",
+            "IN05",
+            "IN07",
+            "IN08",
+            "M00",
+            "OUT03",
+            "OUT04",
+            "OUT05",
+            "OUT06",
+            "OUT07",
+            "OUT08",
+            "OUT09",
+            "OUT10",
+            "OUT11",
+        ),
+    ),
+    "sdxl": (
+        3,
+        ("BASE", "IN04", "IN05", "IN07", "IN08", "M00", "OUT00", "OUT01", "OUT02", "OUT03", "OUT04", "OUT05"),
+    ),
 }
 
 # Preset groups per UNet slot: the last shallow input / first shallow output index per arch. A downsampler
@@ -138,7 +160,7 @@ def chain_lengths(arch: str, module_paths: Iterable[str]) -> dict[str, int]:
 def _strip_component(path: str) -> str:
     for prefix in _COMPONENT_PREFIXES:
         if path.startswith(prefix):
-            return path[len(prefix):]
+            return path[len(prefix) :]
     return path
 
 
@@ -237,7 +259,9 @@ def _fits(arch: str, slots: list[str]) -> str:
     n = len(slots)
     forms = [f"a number; a list of {n} values (BASE first) or {n - 1} (BASE = 1)"]
     if arch in UNET_ARCHS:
-        forms.append(f"the A1111 LBW {len(UNET_ARCHS[arch][1])}-value layout ({', '.join(UNET_ARCHS[arch][1])})")
+        forms.append(
+            f"the A1111 LBW {len(UNET_ARCHS[arch][1])}-value layout ({', '.join(UNET_ARCHS[arch][1])})"
+        )
     else:
         forms.append("a 17-value A1111 LBW vector (stretched over the blocks)")
     presets = list(LBW_PRESETS_17) + (list(_CHAIN_PRESETS) if len(DIT_ARCHS.get(arch, ())) == 2 else [])
@@ -266,12 +290,16 @@ def block_weights(
         try:
             value = [float(x) for x in text.split(",")]
         except ValueError:
-            raise ValueError(f"block weights {value!r} for {arch}: not a preset or number list; "
-                             f"accepted: {_fits(arch, slots)}") from None
+            raise ValueError(
+                f"block weights {value!r} for {arch}: not a preset or number list; "
+                f"accepted: {_fits(arch, slots)}"
+            ) from None
     if isinstance(value, Mapping):
         unknown = [k for k in value if k not in slots]
         if unknown:
-            raise ValueError(f"block weights for {arch}: unknown slots {unknown}; accepted: {_fits(arch, slots)}")
+            raise ValueError(
+                f"block weights for {arch}: unknown slots {unknown}; accepted: {_fits(arch, slots)}"
+            )
         given = dict(zip(value.keys(), _numbers(list(value.values()), arch), strict=True))
         return {s: given.get(s, 1.0) for s in slots}
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -287,9 +315,12 @@ def block_weights(
             return {s: short.get(s, 1.0) for s in slots}
         if arch in DIT_ARCHS and len(values) == 17:
             return _stretch(values, slots)
-        raise ValueError(f"block weights for {arch}: {len(values)} values fit no layout; "
-                         f"accepted: {_fits(arch, slots)}")
-    raise ValueError(f"block weights for {arch}: cannot use {type(value).__name__}; accepted: {_fits(arch, slots)}")
+        raise ValueError(
+            f"block weights for {arch}: {len(values)} values fit no layout; accepted: {_fits(arch, slots)}"
+        )
+    raise ValueError(
+        f"block weights for {arch}: cannot use {type(value).__name__}; accepted: {_fits(arch, slots)}"
+    )
 
 
 def weights_for_modules(
@@ -304,7 +335,9 @@ def weights_for_modules(
     slots = block_slots(arch, paths)
     missing = sorted({s for s in slots.values() if s is not None and s not in weights})
     if missing:
-        raise ValueError(f"module paths reach slots {missing[:5]} beyond the {arch} layout given by chains={chains}")
+        raise ValueError(
+            f"module paths reach slots {missing[:5]} beyond the {arch} layout given by chains={chains}"
+        )
     return {p: (None if slot is None else weights[slot]) for p, slot in slots.items()}
 
 

@@ -52,19 +52,31 @@ FLUX = ArchTable(
         Alias("guidance_in.in_layer", ("time_text_embed.guidance_embedder.linear_1",)),
         Alias("guidance_in.out_layer", ("time_text_embed.guidance_embedder.linear_2",)),
         # BFL stores (shift, scale); diffusers' AdaLayerNormContinuous stores (scale, shift): swap the halves.
-        Alias("final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))),
+        Alias(
+            "final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))
+        ),
         Alias("final_layer.linear", ("proj_out",)),
     ),
     widened_inputs=("x_embedder",),
     growable_inputs=(("x_embedder", "in_channels"),),
     # Flux.1 Fill (in_channels 384: latents | masked-image latents | mask) vs 64 for dev/schnell/Kontext; Kontext
     # adds no module (its reference image is more tokens). BFL Canny/Depth (128) are control adapters: they grow.
-    variant_inputs=(VariantInput("x_embedder", 384, "x_embedder takes 384 input channels only in Flux Fill "
-                                 "(latents, masked-image latents, mask); this model's takes another width"),),
+    variant_inputs=(
+        VariantInput(
+            "x_embedder",
+            384,
+            "x_embedder takes 384 input channels only in Flux Fill "
+            "(latents, masked-image latents, mask); this model's takes another width",
+        ),
+    ),
     variant_only=(
         VariantOnly(
-            ("guidance_in.in_layer", "guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_1",
-             "time_text_embed.guidance_embedder.linear_2"),
+            (
+                "guidance_in.in_layer",
+                "guidance_in.out_layer",
+                "time_text_embed.guidance_embedder.linear_1",
+                "time_text_embed.guidance_embedder.linear_2",
+            ),
             "time_text_embed.timestep_embedder.linear_1",
             "the guidance embedder exists only in guidance-distilled Flux (dev, Fill, Kontext); this one (schnell) has none",
         ),
@@ -78,7 +90,11 @@ CHROMA = ArchTable(
     classes=("ChromaTransformer2DModel",),
     aliases=(
         *(a for a in FLUX.aliases if "_mod." not in a.source and "modulation" not in a.source),
-        Alias("distilled_guidance_layer.layers.{i}.in_layer", ("distilled_guidance_layer.layers.{i}.linear_1",)),
-        Alias("distilled_guidance_layer.layers.{i}.out_layer", ("distilled_guidance_layer.layers.{i}.linear_2",)),
+        Alias(
+            "distilled_guidance_layer.layers.{i}.in_layer", ("distilled_guidance_layer.layers.{i}.linear_1",)
+        ),
+        Alias(
+            "distilled_guidance_layer.layers.{i}.out_layer", ("distilled_guidance_layer.layers.{i}.linear_2",)
+        ),
     ),
 )

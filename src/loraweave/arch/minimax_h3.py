@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from .spec import Alias, ArchTable, Rows
 
-HEAD_ROWS = 128  # every released MiniMax-H3 partition; the converter reads the head count off the rows with it
+HEAD_ROWS = (
+    128  # every released MiniMax-H3 partition; the converter reads the head count off the rows with it
+)
 
 
 def _block(src: str, dst: str, adaln: bool) -> tuple[Alias, ...]:

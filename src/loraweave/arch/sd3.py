@@ -22,7 +22,9 @@ SD3 = ArchTable(
     aliases=(
         *_attn("x_block.attn", "attn", "to_q", "to_k", "to_v", "to_out.0", "norm"),
         *_attn("x_block.attn2", "attn2", "to_q", "to_k", "to_v", "to_out.0", "norm"),  # SD3.5 dual attention
-        *_attn("context_block.attn", "attn", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added"),
+        *_attn(
+            "context_block.attn", "attn", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added"
+        ),
         Alias("joint_blocks.{i}.x_block.mlp.fc1", (f"{_B}.ff.net.0.proj",)),
         Alias("joint_blocks.{i}.x_block.mlp.fc2", (f"{_B}.ff.net.2",)),
         Alias("joint_blocks.{i}.context_block.mlp.fc1", (f"{_B}.ff_context.net.0.proj",)),
@@ -42,6 +44,8 @@ SD3 = ArchTable(
         Alias("y_embedder.mlp.0", ("time_text_embed.text_embedder.linear_1",)),
         Alias("y_embedder.mlp.2", ("time_text_embed.text_embedder.linear_2",)),
         Alias("final_layer.linear", ("proj_out",)),
-        Alias("final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))),
+        Alias(
+            "final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))
+        ),
     ),
 )

@@ -118,7 +118,9 @@ class ArchTable:
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
     """Logical weight shape (out, in, *kernel); quantized linears pack their storage, so ask the module first."""
-    if isinstance(getattr(module, "out_features", None), int) and isinstance(getattr(module, "in_features", None), int):
+    if isinstance(getattr(module, "out_features", None), int) and isinstance(
+        getattr(module, "in_features", None), int
+    ):
         return (module.out_features, module.in_features)
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() < 1:
@@ -151,13 +153,18 @@ def _interleaved(alias: Alias, paths: list[str], rows: list[int]) -> list[Piece]
     k = alias.interleave
     if any(isinstance(t, Rows) for t in alias.targets) or len(set(rows)) != 1 or rows[0] % k:
         return None
-    return [Piece(path, (h * len(paths) + n) * k, h * k, k, False)
-            for h in range(rows[0] // k) for n, path in enumerate(paths)]
+    return [
+        Piece(path, (h * len(paths) + n) * k, h * k, k, False)
+        for h in range(rows[0] // k)
+        for n, path in enumerate(paths)
+    ]
 
 
 def _pieces(alias: Alias, i: str | None, modules: dict[str, torch.nn.Module]) -> list[Piece] | None:
     """One table entry at block `i`; None when this variant lacks a target or its rows do not split."""
-    paths = [_target_module(t).replace("{i}", i) if i is not None else _target_module(t) for t in alias.targets]
+    paths = [
+        _target_module(t).replace("{i}", i) if i is not None else _target_module(t) for t in alias.targets
+    ]
     rows = [out_rows(modules[p]) if p in modules else None for p in paths]
     if None in rows:
         return None  # this variant lacks one target: the alias does not exist here
@@ -185,7 +192,11 @@ def expand_alias(alias: Alias, modules: dict[str, torch.nn.Module]) -> dict[str,
     out: dict[str, tuple[Piece, ...]] = {}
     for i in indices:
         if alias.when_parent is not None:
-            first_path = _target_module(alias.targets[0]).replace("{i}", i) if i is not None else _target_module(alias.targets[0])
+            first_path = (
+                _target_module(alias.targets[0]).replace("{i}", i)
+                if i is not None
+                else _target_module(alias.targets[0])
+            )
             parent = modules.get(first_path.rsplit(".", 1)[0]) if "." in first_path else None
             if type(parent).__name__ != alias.when_parent:
                 continue
@@ -214,8 +225,12 @@ def expand_param_alias(alias: ParamAlias, params: dict[str, torch.Tensor]) -> di
     return out
 
 
-def apply_renames(path: str, renames: tuple[tuple[str, str], ...], prefix_renames: tuple[tuple[str, str], ...],
-                  sep: str = ".") -> str:
+def apply_renames(
+    path: str,
+    renames: tuple[tuple[str, str], ...],
+    prefix_renames: tuple[tuple[str, str], ...],
+    sep: str = ".",
+) -> str:
     """An original module path -> the live one by a converter's rename rules (sep "_": kohya-flattened paths).
 
     Converters rename whole keys, so a rule may end in the separator that follows the module path: it is added."""
@@ -225,6 +240,6 @@ def apply_renames(path: str, renames: tuple[tuple[str, str], ...], prefix_rename
     for old, new in prefix_renames:
         old, new = old.replace(".", sep), new.replace(".", sep)
         if path.startswith(old):
-            path = new + path[len(old):]
+            path = new + path[len(old) :]
             break
     return path[: -len(sep)]

@@ -39,13 +39,19 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("wan", "wan2.2-ti2v-5b", {"blocks": 30}, 3072),
     Variant("hunyuan-video", "hunyuan-video (T2V, I2V)", {"double": 20, "single": 40}, 3072, 7),
 )
-BFL_NAMED = ("flux", "flux2")  # architectures whose files share BFL block names (double_blocks / single_blocks)
+BFL_NAMED = (
+    "flux",
+    "flux2",
+)  # architectures whose files share BFL block names (double_blocks / single_blocks)
 SINGLE_FUSED = re.compile(r"(?:^|[._])single_blocks[._]\d+[._]linear1$|[._]to_qkv_mlp_proj$")
 
 
 def _hidden(adapter: Adapter) -> int | None:
-    widths = Counter(adapter.shape(p.roles["down"])[1] for p in adapter.parts
-                     if "down" in p.roles and len(adapter.shape(p.roles["down"])) == 2)
+    widths = Counter(
+        adapter.shape(p.roles["down"])[1]
+        for p in adapter.parts
+        if "down" in p.roles and len(adapter.shape(p.roles["down"])) == 2
+    )
     return widths.most_common(1)[0][0] if widths else None
 
 
@@ -55,7 +61,9 @@ def _single_rows(adapter: Adapter, hidden: int | None) -> int | None:
         if hidden and "up" in p.roles and SINGLE_FUSED.search(p.path):
             rows, rest = divmod(adapter.shape(p.roles["up"])[0], hidden)
             known = {v.single_rows for v in VARIANTS}
-            return rows if not rest and rows in known else None  # another ratio (a hand-made file) says nothing
+            return (
+                rows if not rest and rows in known else None
+            )  # another ratio (a hand-made file) says nothing
     return None
 
 
@@ -66,9 +74,22 @@ def variant_fit(adapter: Adapter) -> dict:
     if not counts:
         return {"blocks": {}, "hidden": hidden, "fits": [], "likely": None, "catalog": None}
     ratio = _single_rows(adapter, hidden)
-    fits = [v for v in VARIANTS if set(counts) <= set(v.chains) and all(n <= v.chains[c] for c, n in counts.items())
-            and (hidden is None or hidden == v.hidden) and (ratio is None or v.single_rows in (None, ratio))]
-    exact = [v for v in fits if all(v.chains[c] == n for c, n in counts.items()) and set(counts) == set(v.chains)]
+    fits = [
+        v
+        for v in VARIANTS
+        if set(counts) <= set(v.chains)
+        and all(n <= v.chains[c] for c, n in counts.items())
+        and (hidden is None or hidden == v.hidden)
+        and (ratio is None or v.single_rows in (None, ratio))
+    ]
+    exact = [
+        v for v in fits if all(v.chains[c] == n for c, n in counts.items()) and set(counts) == set(v.chains)
+    ]
     likely = exact[0] if len(exact) == 1 else (fits[0] if len(fits) == 1 else None)
-    return {"blocks": counts, "hidden": hidden, "fits": [v.name for v in fits],
-            "likely": likely.name if likely else None, "catalog": likely.catalog if likely else None}
+    return {
+        "blocks": counts,
+        "hidden": hidden,
+        "fits": [v.name for v in fits],
+        "likely": likely.name if likely else None,
+        "catalog": likely.catalog if likely else None,
+    }

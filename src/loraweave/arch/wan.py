@@ -57,14 +57,28 @@ WAN = ArchTable(
     ),
     variant_only=(
         VariantOnly(
-            tuple(f"{_B}.{n}" for n in ("cross_attn.k_img", "cross_attn.v_img", "cross_attn.norm_k_img",
-                                        "attn2.add_k_proj", "attn2.add_v_proj", "attn2.norm_added_k")),
+            tuple(
+                f"{_B}.{n}"
+                for n in (
+                    "cross_attn.k_img",
+                    "cross_attn.v_img",
+                    "cross_attn.norm_k_img",
+                    "attn2.add_k_proj",
+                    "attn2.add_v_proj",
+                    "attn2.norm_added_k",
+                )
+            ),
             f"{_B}.attn2.to_k",
             "image cross-attention exists only in Wan 2.1 I2V/FLF2V; this variant (T2V, or Wan 2.2) has none",
         ),
         VariantOnly(
-            (*(f"img_emb.proj.{n}" for n in (0, 1, 3, 4)),
-             *(f"condition_embedder.image_embedder.{n}" for n in ("norm1", "ff.net.0.proj", "ff.net.2", "norm2"))),
+            (
+                *(f"img_emb.proj.{n}" for n in (0, 1, 3, 4)),
+                *(
+                    f"condition_embedder.image_embedder.{n}"
+                    for n in ("norm1", "ff.net.0.proj", "ff.net.2", "norm2")
+                ),
+            ),
             "condition_embedder.time_embedder.linear_1",
             "the CLIP image embedder exists only in Wan 2.1 I2V/FLF2V; this variant (T2V, or Wan 2.2) has none",
         ),

@@ -20,15 +20,20 @@ RES_BLOCKS = 7  # the converter's count (log2(512) - 2 residual blocks)
 
 def _motion_res_block(i: int) -> tuple[Alias, ...]:
     c, r = f"{_ENC}.{i + 1}", f"{_ME}.res_blocks.{i}"  # original convs are numbered from the input conv
-    return (Alias(f"{c}.conv1.0", (f"{r}.conv1",)), Alias(f"{c}.conv2.1", (f"{r}.conv2",)),
-            Alias(f"{c}.skip.1", (f"{r}.conv_skip",)))
+    return (
+        Alias(f"{c}.conv1.0", (f"{r}.conv1",)),
+        Alias(f"{c}.conv2.1", (f"{r}.conv2",)),
+        Alias(f"{c}.skip.1", (f"{r}.conv_skip",)),
+    )
 
 
 def _motion_biases(i: int) -> tuple[ParamAlias, ...]:
     # The activation's channel bias is stored (1, C, 1, 1) in the original, (C,) live: the converter reshapes it.
     c, r = f"{_ENC}.{i + 1}", f"{_ME}.res_blocks.{i}"
-    return (ParamAlias(f"{c}.conv1.1.bias", f"{r}.conv1.act_fn.bias", reshape=True),
-            ParamAlias(f"{c}.conv2.2.bias", f"{r}.conv2.act_fn.bias", reshape=True))
+    return (
+        ParamAlias(f"{c}.conv1.1.bias", f"{r}.conv1.act_fn.bias", reshape=True),
+        ParamAlias(f"{c}.conv2.2.bias", f"{r}.conv2.act_fn.bias", reshape=True),
+    )
 
 
 WAN_ANIMATE = ArchTable(
@@ -61,7 +66,9 @@ WAN_ANIMATE = ArchTable(
 def _animate_only() -> tuple[str, ...]:
     """Every spelling (original and diffusers) of the modules and parameters only Wan Animate has."""
     extra = [a for a in WAN_ANIMATE.aliases if a not in WAN.aliases]
-    names = {a.source for a in extra} | {t if isinstance(t, str) else t.module for a in extra for t in a.targets}
+    names = {a.source for a in extra} | {
+        t if isinstance(t, str) else t.module for a in extra for t in a.targets
+    }
     names |= {p.source for p in WAN_ANIMATE.parameters if p not in WAN.parameters}
     return tuple(sorted(names | {"face_encoder.out_proj", "pose_patch_embedding"}))
 
@@ -72,16 +79,28 @@ WAN_ANIMATE_ONLY = ArchTable(
     name="wan-animate-only",
     classes=WAN.classes,
     aliases=(),
-    variant_only=(VariantOnly(_animate_only(), "blocks.{i}.attn1.to_q",
-                              "the face adapter, face encoder and motion encoder exist only in Wan 2.2 Animate"),),
+    variant_only=(
+        VariantOnly(
+            _animate_only(),
+            "blocks.{i}.attn1.to_q",
+            "the face adapter, face encoder and motion encoder exist only in Wan 2.2 Animate",
+        ),
+    ),
 )
 
 # Wan-Animate-2: `convert_wan_animate_2_transformer_to_diffusers` drops the in-context wrapper level of the
 # official checkpoint (`blocks.N.block.X` -> `blocks.N.X`) and renames q/k/v/o (+ image k/v) inside attention;
 # every other name (ffn.0, norm3, modulation, head.head, img_emb, ...) is the original one.
 # Longer names first: kohya-flattened `_cross_attn_k_img_` also contains `_cross_attn_k_`.
-_ATTN2 = (("k_img", "add_k_proj"), ("v_img", "add_v_proj"), ("norm_k_img", "norm_added_k"), ("q", "to_q"),
-          ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))
+_ATTN2 = (
+    ("k_img", "add_k_proj"),
+    ("v_img", "add_v_proj"),
+    ("norm_k_img", "norm_added_k"),
+    ("q", "to_q"),
+    ("k", "to_k"),
+    ("v", "to_v"),
+    ("o", "to_out.0"),
+)
 
 WAN_ANIMATE_2 = ArchTable(
     name="wan-animate-2",
@@ -89,6 +108,10 @@ WAN_ANIMATE_2 = ArchTable(
     aliases=(),
     renames=(
         (".block.", "."),
-        *((f".{attn}.{old}.", f".{attn}.{new}.") for attn in ("self_attn", "cross_attn") for old, new in _ATTN2),
+        *(
+            (f".{attn}.{old}.", f".{attn}.{new}.")
+            for attn in ("self_attn", "cross_attn")
+            for old, new in _ATTN2
+        ),
     ),
 )

@@ -49,5 +49,9 @@ ZIMAGE = ArchTable(
         Alias("final_layer.linear", ("all_final_layer.2-1.linear",)),
         Alias("final_layer.adaLN_modulation.1", ("all_final_layer.2-1.adaLN_modulation.1",)),
     ),
-    runtime_fusions=(*_ffn_fusions("layers"), *_ffn_fusions("noise_refiner"), *_ffn_fusions("context_refiner")),
+    runtime_fusions=(
+        *_ffn_fusions("layers"),
+        *_ffn_fusions("noise_refiner"),
+        *_ffn_fusions("context_refiner"),
+    ),
 )

@@ -23,8 +23,17 @@ def build_model(seed: int = 0) -> torch.nn.Module:
         raise SystemExit("the demo needs diffusers: pip install 'loraweave[diffusers]'") from exc
     torch.manual_seed(seed)
     return ZImageTransformer2DModel(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=256, n_layers=4, n_refiner_layers=1,
-        n_heads=4, n_kv_heads=4, cap_feat_dim=64, axes_dims=[16, 24, 24], axes_lens=[256, 64, 64],
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=256,
+        n_layers=4,
+        n_refiner_layers=1,
+        n_heads=4,
+        n_kv_heads=4,
+        cap_feat_dim=64,
+        axes_dims=[16, 24, 24],
+        axes_lens=[256, 64, 64],
     ).eval()
 
 
@@ -95,7 +104,10 @@ def run_demo(out_dir: Path) -> dict:
             out = forward(m)
             forward_s = time.perf_counter() - t
             handle.remove()
-            restored = all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), model.state_dict().values(), strict=True))
+            restored = all(
+                torch.equal(a, b)
+                for a, b in zip(m.state_dict().values(), model.state_dict().values(), strict=True)
+            )
             outputs[(layout, mode)] = out
             results["runs"][f"{layout}/{mode}"] = {
                 "summary": handle.report.summary(),

@@ -19,10 +19,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ..tools.generate import GenerateRequest, generate
 
     req = GenerateRequest(
-        model=args.model, prompt=args.prompt, output=args.output, negative=args.negative, lora_dir=args.lora_dir,
-        loras=args.lora, apply_mode=args.lora_apply_mode, quantize=args.quantize, budget=args.budget,
-        steps=args.steps, cfg=args.cfg, seed=args.seed, width=args.width, height=args.height, device=args.device,
-        dtype=args.dtype, arch=args.arch, config=args.config, strict=args.strict,
+        model=args.model,
+        prompt=args.prompt,
+        output=args.output,
+        negative=args.negative,
+        lora_dir=args.lora_dir,
+        loras=args.lora,
+        apply_mode=args.lora_apply_mode,
+        quantize=args.quantize,
+        budget=args.budget,
+        steps=args.steps,
+        cfg=args.cfg,
+        seed=args.seed,
+        width=args.width,
+        height=args.height,
+        device=args.device,
+        dtype=args.dtype,
+        arch=args.arch,
+        config=args.config,
+        strict=args.strict,
         progress=not args.json and not args.quiet and sys.stderr.isatty(),
     )
     try:
@@ -36,18 +51,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(res.to_dict(), indent=2))
         return 0
     rep = res.report
-    landed = f"{rep['keys_applied']}/{rep['keys_total']} adapter keys landed ({rep['mode']})" if rep else "no adapter"
-    print(f"wrote {res.output} (seed {res.seed}, {landed}; sidecar {res.sidecar}) in "
-          f"{sum(res.seconds.values()):.2f}s")
+    landed = (
+        f"{rep['keys_applied']}/{rep['keys_total']} adapter keys landed ({rep['mode']})"
+        if rep
+        else "no adapter"
+    )
+    print(
+        f"wrote {res.output} (seed {res.seed}, {landed}; sidecar {res.sidecar}) in "
+        f"{sum(res.seconds.values()):.2f}s"
+    )
     if rep and rep["unmatched"]:
-        print(f"loraweave: warning: {len(rep['unmatched'])} keys did not land: {rep['unmatched_by_kind']}",
-              file=sys.stderr)
+        print(
+            f"loraweave: warning: {len(rep['unmatched'])} keys did not land: {rep['unmatched_by_kind']}",
+            file=sys.stderr,
+        )
     return 0
 
 
 def add_generate(sub) -> None:
     p = sub.add_parser(
-        "generate", help="prompt with <lora:name:w> tags -> image (stable-diffusion.cpp style)",
+        "generate",
+        help="prompt with <lora:name:w> tags -> image (stable-diffusion.cpp style)",
         description="Generate one image with a diffusers pipeline. `<lora:NAME:W[:TE]>` tags in the prompt name "
         ".safetensors files in --lora-dir (by stem or relative path) and are stripped before encoding; --lora adds "
         "files directly. Adapters are applied by loraweave (every key lands or is reported). The PNG gets a "
@@ -57,33 +81,75 @@ def add_generate(sub) -> None:
         epilog="for generate: 0 = image written; 1 = --strict and some adapter key does not land (nothing "
         "written); 2 = bad arguments, a missing or unreadable model or adapter, or an unknown <lora:> name.",
     )
-    p.add_argument("--model", "-m", required=True, help="diffusers pipeline folder, or a single-file checkpoint "
-                   "with --arch (and --config offline)")
-    p.add_argument("-p", "--prompt", required=True, help="prompt; may hold <lora:NAME:W[:TE]> / <lyco:...> tags")
+    p.add_argument(
+        "--model",
+        "-m",
+        required=True,
+        help="diffusers pipeline folder, or a single-file checkpoint with --arch (and --config offline)",
+    )
+    p.add_argument(
+        "-p", "--prompt", required=True, help="prompt; may hold <lora:NAME:W[:TE]> / <lyco:...> tags"
+    )
     p.add_argument("-n", "--negative", default="", help="negative prompt (default: none)")
-    p.add_argument("--lora-dir", "--lora-model-dir", dest="lora_dir", help="folder the prompt's <lora:NAME> "
-                   "tags are looked up in (recursively)")
-    p.add_argument("--lora", action="append", default=[], type=_lora_arg, metavar="FILE[:S]",
-                   help="adapter file with an optional strength (default 1.0); repeatable")
-    p.add_argument("--lora-apply-mode", choices=["auto", "merge", "runtime"], default="auto",
-                   help="merge into the weights, add at runtime, or auto (runtime where merging is lossy: "
-                   "quantized or streamed layers)")
-    p.add_argument("--quantize", choices=["sdnq-int8", "sdnq-uint4"], help="quantize the denoiser with SDNQ first")
-    p.add_argument("--budget", help="stream the denoiser's blocks under this device memory budget: 'auto' or a "
-                   "size (512M, 4G); adapters follow their layers")
+    p.add_argument(
+        "--lora-dir",
+        "--lora-model-dir",
+        dest="lora_dir",
+        help="folder the prompt's <lora:NAME> tags are looked up in (recursively)",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        type=_lora_arg,
+        metavar="FILE[:S]",
+        help="adapter file with an optional strength (default 1.0); repeatable",
+    )
+    p.add_argument(
+        "--lora-apply-mode",
+        choices=["auto", "merge", "runtime"],
+        default="auto",
+        help="merge into the weights, add at runtime, or auto (runtime where merging is lossy: "
+        "quantized or streamed layers)",
+    )
+    p.add_argument(
+        "--quantize", choices=["sdnq-int8", "sdnq-uint4"], help="quantize the denoiser with SDNQ first"
+    )
+    p.add_argument(
+        "--budget",
+        help="stream the denoiser's blocks under this device memory budget: 'auto' or a "
+        "size (512M, 4G); adapters follow their layers",
+    )
     p.add_argument("--steps", type=int, default=20, help="sampling steps (default 20)")
-    p.add_argument("--cfg", "--cfg-scale", dest="cfg", type=float, default=7.0, help="guidance scale (default 7.0)")
+    p.add_argument(
+        "--cfg", "--cfg-scale", dest="cfg", type=float, default=7.0, help="guidance scale (default 7.0)"
+    )
     p.add_argument("-s", "--seed", type=int, default=42, help="seed (default 42; < 0: random)")
     p.add_argument("-W", "--width", type=int, default=512, help="width in pixels (default 512)")
     p.add_argument("-H", "--height", type=int, default=512, help="height in pixels (default 512)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights dtype (default fp32)")
-    p.add_argument("--arch", help="architecture of a single-file --model (sd1, sd2, sdxl, sd3, flux, "
-                   "flux-schnell, chroma, z-image, qwen-image)")
-    p.add_argument("--config", help="with a single-file --model: local diffusers folder with the pipeline configs")
-    p.add_argument("-o", "--output", default="output.png", help="output PNG (default output.png); OUT.json beside it")
-    p.add_argument("--strict", action="store_true", help="refuse (exit 1, nothing written) unless every key lands")
+    p.add_argument(
+        "--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights dtype (default fp32)"
+    )
+    p.add_argument(
+        "--arch",
+        help="architecture of a single-file --model (sd1, sd2, sdxl, sd3, flux, "
+        "flux-schnell, chroma, z-image, qwen-image)",
+    )
+    p.add_argument(
+        "--config", help="with a single-file --model: local diffusers folder with the pipeline configs"
+    )
+    p.add_argument(
+        "-o", "--output", default="output.png", help="output PNG (default output.png); OUT.json beside it"
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="refuse (exit 1, nothing written) unless every key lands"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the result (paths, seed, report, timings) as JSON")
-    p.add_argument("--limit", type=int, default=20, help="keys not applied to list under --strict (default 20)")
+    p.add_argument(
+        "--json", action="store_true", help="print the result (paths, seed, report, timings) as JSON"
+    )
+    p.add_argument(
+        "--limit", type=int, default=20, help="keys not applied to list under --strict (default 20)"
+    )
     p.set_defaults(func=_cmd_generate)

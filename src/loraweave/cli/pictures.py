@@ -15,12 +15,21 @@ def plot_into(args: argparse.Namespace) -> dict:
     from ..tools.heatmap import render
     from ..tools.plot import block_grid
 
-    grid = block_grid(args.file, arch=args.arch, model=args.model, metric=args.metric,
-                      allow_pickle=args.allow_pickle, text_encoders=not args.no_text_encoders)
+    grid = block_grid(
+        args.file,
+        arch=args.arch,
+        model=args.model,
+        metric=args.metric,
+        allow_pickle=args.allow_pickle,
+        text_encoders=not args.no_text_encoders,
+    )
     render(grid, args.plot)
     if not args.json:
-        print(f"plot: {args.plot} ({len(grid.rows)} blocks x {len(grid.columns)} module kinds, {args.metric}"
-              + (f"; {len(grid.skipped)} keys not drawn" if grid.skipped else "") + ")")
+        print(
+            f"plot: {args.plot} ({len(grid.rows)} blocks x {len(grid.columns)} module kinds, {args.metric}"
+            + (f"; {len(grid.skipped)} keys not drawn" if grid.skipped else "")
+            + ")"
+        )
     return {"file": args.plot, **grid.to_dict()}
 
 
@@ -33,9 +42,15 @@ def inspect_folder(args: argparse.Namespace) -> int:
     if args.plot:
         raise LoraweaveError("--plot draws one adapter: pass a file, not a folder")
     show = not args.json and not getattr(args, "quiet", False) and sys.stderr.isatty()
-    rows, left_out = run(args.file, progress=show, arch=args.arch,
-                         model=args.model, allow_pickle=args.allow_pickle, text_encoders=not args.no_text_encoders,
-                         check_values=args.check_values)
+    rows, left_out = run(
+        args.file,
+        progress=show,
+        arch=args.arch,
+        model=args.model,
+        allow_pickle=args.allow_pickle,
+        text_encoders=not args.no_text_encoders,
+        check_values=args.check_values,
+    )
     print(json.dumps(rows, indent=2) if args.json else format_folder(rows, left_out))
     if left_out and args.json:
         for x in left_out:

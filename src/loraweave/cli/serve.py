@@ -34,7 +34,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if not Path(args.lora_dir).is_dir():
         raise ArgumentError(f"--lora-dir {args.lora_dir}: no such folder")
-    validate(GenerateRequest(model=args.model, prompt=""))  # a missing or non-pipeline --model fails here, not in Ray
+    validate(
+        GenerateRequest(model=args.model, prompt="")
+    )  # a missing or non-pipeline --model fails here, not in Ray
     try:
         import ray
         from ray import serve
@@ -42,10 +44,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from ..serve import start
         from ..serve.app import ServeOptions
     except ImportError as exc:
-        raise ArgumentError(f"loraweave serve needs Ray Serve: pip install 'loraweave[serve]' ({exc})") from None
-    options = ServeOptions(model=args.model, lora_dir=args.lora_dir, replicas=args.replicas,
-                           max_adapters_per_replica=args.max_adapters_per_replica, max_batch=args.max_batch,
-                           batch_wait_s=args.batch_wait_ms / 1000, threads=args.threads)
+        raise ArgumentError(
+            f"loraweave serve needs Ray Serve: pip install 'loraweave[serve]' ({exc})"
+        ) from None
+    options = ServeOptions(
+        model=args.model,
+        lora_dir=args.lora_dir,
+        replicas=args.replicas,
+        max_adapters_per_replica=args.max_adapters_per_replica,
+        max_batch=args.max_batch,
+        batch_wait_s=args.batch_wait_ms / 1000,
+        threads=args.threads,
+    )
     _, url = start(options, address=args.address, port=args.port)
     print(f"serving on {url}/ (POST JSON requests; GET {url}/health); Ctrl-C stops", flush=True)
     try:
@@ -60,7 +70,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def add_serve(sub) -> None:
     p = sub.add_parser(
-        "serve", help="serve a pipeline with many adapters over HTTP (Ray Serve; pip install loraweave[serve])",
+        "serve",
+        help="serve a pipeline with many adapters over HTTP (Ray Serve; pip install loraweave[serve])",
         description="Deploy a diffusers pipeline and a folder of LoRAs with Ray Serve. POST a JSON object "
         "{prompt (may hold <lora:NAME:W> tags), negative, adapters: [{name, strength}], steps, cfg, seed, width, "
         "height}; the answer is {png_b64, report (per adapter), metrics (queue_s, batch_size, adapter_load hit/miss, "
@@ -71,13 +82,25 @@ def add_serve(sub) -> None:
         "2 = bad arguments, a missing model or folder, or Ray Serve not installed.",
     )
     p.add_argument("--model", "-m", required=True, help="diffusers pipeline folder")
-    p.add_argument("--lora-dir", required=True, help="folder of .safetensors adapters (names as in <lora:NAME> tags)")
+    p.add_argument(
+        "--lora-dir", required=True, help="folder of .safetensors adapters (names as in <lora:NAME> tags)"
+    )
     p.add_argument("--replicas", type=_positive, default=1, help="renderer replicas (default 1)")
     p.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--max-adapters-per-replica", type=_positive, default=8,
-                   help="adapters resident per replica (LRU; default 8)")
-    p.add_argument("--max-batch", type=_positive, default=8, help="requests per batch (default 8; 1: no batching)")
-    p.add_argument("--batch-wait-ms", type=_positive, default=50, help="how long a batch waits to fill (default 50)")
+    p.add_argument(
+        "--max-adapters-per-replica",
+        type=_positive,
+        default=8,
+        help="adapters resident per replica (LRU; default 8)",
+    )
+    p.add_argument(
+        "--max-batch", type=_positive, default=8, help="requests per batch (default 8; 1: no batching)"
+    )
+    p.add_argument(
+        "--batch-wait-ms", type=_positive, default=50, help="how long a batch waits to fill (default 50)"
+    )
     p.add_argument("--threads", type=_positive, default=1, help="torch threads per replica (default 1)")
-    p.add_argument("--address", help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting one")
+    p.add_argument(
+        "--address", help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting one"
+    )
     p.set_defaults(func=_cmd_serve)

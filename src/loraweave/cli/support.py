@@ -32,8 +32,16 @@ EXIT_STATUS = """exit status (the same for every command):
   130  interrupted (Ctrl-C); outputs are written atomically, so nothing half-written is left"""
 # Optional quantization packages (and what imports them) log import-time warnings about kernels this machine
 # lacks; the CLI shows them only under -v.
-NOISY_LOGGERS = ("bitsandbytes", "torchao", "torch.utils._pytree", "diffusers", "transformers", "optimum",
-                 "sdnq", "gguf")
+NOISY_LOGGERS = (
+    "bitsandbytes",
+    "torchao",
+    "torch.utils._pytree",
+    "diffusers",
+    "transformers",
+    "optimum",
+    "sdnq",
+    "gguf",
+)
 
 QUIET_ENV = {"DIFFUSERS_VERBOSITY": "error", "TRANSFORMERS_VERBOSITY": "error"}
 
@@ -42,8 +50,12 @@ class Formatter(argparse.HelpFormatter):
     """Wraps paragraphs as usual but keeps a paragraph with line breaks (the exit-status table) as written."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "\n\n".join("".join(indent + line for line in para.splitlines(keepends=True)) if "\n" in para
-                             else super(Formatter, self)._fill_text(para, width, indent) for para in text.split("\n\n"))
+        return "\n\n".join(
+            "".join(indent + line for line in para.splitlines(keepends=True))
+            if "\n" in para
+            else super(Formatter, self)._fill_text(para, width, indent)
+            for para in text.split("\n\n")
+        )
 
 
 def with_exit_status(parser: argparse.ArgumentParser, sub) -> None:
@@ -109,6 +121,7 @@ def _typed(rule, *rest):
             return rule(value, *rest)
         except ArgumentError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+
     return parse
 
 
@@ -120,14 +133,24 @@ limit_arg = _typed(arguments.positive_int, "limit", 0)
 
 def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:
     """--quiet (no progress bar) everywhere; --allow-pickle where adapters are read; --allow-empty where written."""
-    p.add_argument("--quiet", action="store_true", help="no progress bar (bars show only on a terminal, never "
-                   "under --json)")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar (bars show only on a terminal, never under --json)",
+    )
     if pickle:
-        p.add_argument("--allow-pickle", action="store_true", help="read .pt/.ckpt/.bin/.pth adapters with "
-                       "torch.load(weights_only=True) (a pickle can run code: only for files you trust)")
+        p.add_argument(
+            "--allow-pickle",
+            action="store_true",
+            help="read .pt/.ckpt/.bin/.pth adapters with "
+            "torch.load(weights_only=True) (a pickle can run code: only for files you trust)",
+        )
     if empty:
-        p.add_argument("--allow-empty", action="store_true", help="write the output even when it would have no "
-                       "effect (default: refuse with exit status 1)")
+        p.add_argument(
+            "--allow-empty",
+            action="store_true",
+            help="write the output even when it would have no effect (default: refuse with exit status 1)",
+        )
 
 
 def progress_wanted(args: argparse.Namespace) -> bool:
@@ -143,12 +166,26 @@ def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
     if isinstance(exc, UnsafeFormatError):
         where = exc.path or "adapter"
         if hasattr(args, "allow_pickle"):
-            return EXIT_BAD_INPUT, (f"{where}: a pickle file (.pt/.ckpt/.bin/.pth) can run arbitrary code when "
-                                    "loaded; convert it to .safetensors, or pass --allow-pickle to read it with "
-                                    "torch.load(weights_only=True)")
-        return EXIT_BAD_INPUT, f"{where}: only .safetensors is read here; convert the pickle to .safetensors first"
-    if isinstance(exc, (LoraweaveError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-                        FileExistsError)):
+            return EXIT_BAD_INPUT, (
+                f"{where}: a pickle file (.pt/.ckpt/.bin/.pth) can run arbitrary code when "
+                "loaded; convert it to .safetensors, or pass --allow-pickle to read it with "
+                "torch.load(weights_only=True)"
+            )
+        return (
+            EXIT_BAD_INPUT,
+            f"{where}: only .safetensors is read here; convert the pickle to .safetensors first",
+        )
+    if isinstance(
+        exc,
+        (
+            LoraweaveError,
+            ValueError,
+            FileNotFoundError,
+            IsADirectoryError,
+            NotADirectoryError,
+            FileExistsError,
+        ),
+    ):
         return EXIT_BAD_INPUT, str(exc)
     if isinstance(exc, OSError):
         return EXIT_SYSTEM, f"{type(exc).__name__}: {exc}"

@@ -43,14 +43,37 @@ from .state import DropIn
 
 log = logging.getLogger("loraweave")
 ATTR = "_loraweave_dropin"
-METHODS = ("load_lora_weights", "set_adapters", "get_active_adapters", "get_list_adapters", "delete_adapters",
-           "enable_lora", "disable_lora", "fuse_lora", "unfuse_lora", "unload_lora_weights", "enable_lora_hotswap",
-           "set_lora_device")
+METHODS = (
+    "load_lora_weights",
+    "set_adapters",
+    "get_active_adapters",
+    "get_list_adapters",
+    "delete_adapters",
+    "enable_lora",
+    "disable_lora",
+    "fuse_lora",
+    "unfuse_lora",
+    "unload_lora_weights",
+    "enable_lora_hotswap",
+    "set_lora_device",
+)
 
 # diffusers' model-level LoRA methods: with PEFT installed and no PEFT layers they would silently do nothing.
-MODEL_METHODS = ("load_lora_adapter", "set_adapters", "set_adapter", "add_adapter", "fuse_lora", "unfuse_lora",
-                 "unload_lora", "enable_lora", "disable_lora", "delete_adapters", "enable_adapters",
-                 "disable_adapters", "enable_lora_hotswap")
+MODEL_METHODS = (
+    "load_lora_adapter",
+    "set_adapters",
+    "set_adapter",
+    "add_adapter",
+    "fuse_lora",
+    "unfuse_lora",
+    "unload_lora",
+    "enable_lora",
+    "disable_lora",
+    "delete_adapters",
+    "enable_adapters",
+    "disable_adapters",
+    "enable_lora_hotswap",
+)
 Pipe = TypeVar("Pipe")
 
 __all__ = ["DropInError", "NotLoraPipelineError", "UnsupportedError", "disable", "enable"]
@@ -67,14 +90,19 @@ def _peft_layers(pipe, loadable: list[str]) -> list[str]:
     for component in loadable:
         model = getattr(pipe, component, None)
         if isinstance(model, torch.nn.Module):
-            found += [f"{component}.{n}" for n, m in model.named_modules() if type(m).__module__.startswith("peft.")]
+            found += [
+                f"{component}.{n}" for n, m in model.named_modules() if type(m).__module__.startswith("peft.")
+            ]
     return found
 
 
 def _model_method_guard(component: str, method: str):
     def refuse(*args, **kwargs):
-        raise UnsupportedError(f"pipe.{component}.{method}() bypasses loraweave.diffusers: call pipe.{method}() "
-                               "(pipeline level) or use loraweave.apply on the model")
+        raise UnsupportedError(
+            f"pipe.{component}.{method}() bypasses loraweave.diffusers: call pipe.{method}() "
+            "(pipeline level) or use loraweave.apply on the model"
+        )
+
     return refuse
 
 
@@ -97,8 +125,10 @@ def enable(pipe: Pipe) -> Pipe:
         raise NotLoraPipelineError(f"{type(pipe).__name__} is not a diffusers pipeline with LoRA loading")
     peft = _peft_layers(pipe, loadable)
     if peft:
-        raise NotLoraPipelineError(f"{type(pipe).__name__} already holds {len(peft)} PEFT LoRA layers "
-                                   f"(e.g. {peft[0]}): call pipe.unload_lora_weights() before enable()")
+        raise NotLoraPipelineError(
+            f"{type(pipe).__name__} already holds {len(peft)} PEFT LoRA layers "
+            f"(e.g. {peft[0]}): call pipe.unload_lora_weights() before enable()"
+        )
     dropin = DropIn(pipe, _default(pipe, "fuse_lora"), _default(pipe, "unfuse_lora"))
     hooks = []
     for component, model in dropin.models().items():

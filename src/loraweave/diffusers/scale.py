@@ -34,8 +34,10 @@ def hook_denoiser(dropin, component: str, model) -> list:
         if dropin.call_scale.get(component, 1.0) != 1.0:
             dropin.set_call_scale([component], 1.0)
 
-    return [model.register_forward_pre_hook(before, with_kwargs=True),
-            model.register_forward_hook(after, always_call=True)]
+    return [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, always_call=True),
+    ]
 
 
 def wrap_encode_prompt(dropin, pipe):

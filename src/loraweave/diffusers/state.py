@@ -72,13 +72,19 @@ class DropIn:
         self.unfuse_default = list(unfuse_default or [])
         self.loaded: dict[str, Loaded] = {}  # load order
         self.active: dict[str, list[str]] = {}  # component -> active adapter names
-        self.weights: dict[str, dict[str, Any]] = {}  # component -> adapter -> weight (float or expanded dict)
+        self.weights: dict[
+            str, dict[str, Any]
+        ] = {}  # component -> adapter -> weight (float or expanded dict)
         self.enabled = True
         self.fused: list[Fused] = []  # fuse order
-        self.baked: set[str] = set()  # fused, then deleted/unloaded: the delta stays and diffusers still lists it
+        self.baked: set[str] = (
+            set()
+        )  # fused, then deleted/unloaded: the delta stays and diffusers still lists it
         self.call_scale: dict[str, float] = {}  # component -> per-call scale while its forward/encode runs
         self.reports: dict = {}
-        self.wrapped: dict[str, set[str]] = {}  # component -> layers ever given an adapter since the last unload
+        self.wrapped: dict[
+            str, set[str]
+        ] = {}  # component -> layers ever given an adapter since the last unload
         self.hooks: list = []  # enable(): per-call scale hooks on the denoisers
         self.guarded: list[tuple[torch.nn.Module, str]] = []  # enable(): model-level LoRA methods refused
         self.wrapped_encode = False  # enable(): pipe.encode_prompt wrapped for lora_scale
@@ -133,25 +139,42 @@ class DropIn:
 
     # ------------------------------------------------------------------ loading and listing
 
-    def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name: str | None = None,
-                          hotswap: bool = False, **kwargs) -> None:
+    def load_lora_weights(
+        self,
+        pretrained_model_name_or_path_or_dict,
+        adapter_name: str | None = None,
+        hotswap: bool = False,
+        **kwargs,
+    ) -> None:
         """diffusers' load_lora_weights through loraweave: every layout and family loraweave reads."""
         if hotswap:
-            raise UnsupportedError("load_lora_weights(hotswap=True) is not supported by loraweave.diffusers; "
-                                   "load under a new name or delete the old adapter first")
-        adapter = load_adapter(_source(pretrained_model_name_or_path_or_dict, kwargs),
-                               allow_pickle=bool(kwargs.get("allow_pickle", False)))
+            raise UnsupportedError(
+                "load_lora_weights(hotswap=True) is not supported by loraweave.diffusers; "
+                "load under a new name or delete the old adapter first"
+            )
+        adapter = load_adapter(
+            _source(pretrained_model_name_or_path_or_dict, kwargs),
+            allow_pickle=bool(kwargs.get("allow_pickle", False)),
+        )
         name = self._default_name() if adapter_name is None else adapter_name
         if name in self.loaded:
-            raise DropInError(f"Adapter name {name} already in use in the model - please select a new adapter name.")
-        handle = apply(self.models(), AdapterSpec(adapter, name=name), mode="runtime", allow_empty=True)  # refused below as diffusers would
+            raise DropInError(
+                f"Adapter name {name} already in use in the model - please select a new adapter name."
+            )
+        handle = apply(
+            self.models(), AdapterSpec(adapter, name=name), mode="runtime", allow_empty=True
+        )  # refused below as diffusers would
         report = handle.report
         if report.keys_applied == 0:
             handle.remove()
-            raise DropInError(f"{adapter.path or 'state dict'}: none of the {report.keys_total} keys landed on "
-                              f"{sorted(self.models())} ({report.reasons() or 'no adapter keys'})")
+            raise DropInError(
+                f"{adapter.path or 'state dict'}: none of the {report.keys_total} keys landed on "
+                f"{sorted(self.models())} ({report.reasons() or 'no adapter keys'})"
+            )
         landed = {entry.component for entry in report.applied}
-        loaded = Loaded(name, adapter, handle, [c for c in self.loadable if c in landed], handle.runtime_layers())
+        loaded = Loaded(
+            name, adapter, handle, [c for c in self.loadable if c in landed], handle.runtime_layers()
+        )
         self.loaded[name] = loaded
         for component, module in loaded.layers:
             self.wrapped.setdefault(component, set()).add(module)
@@ -187,10 +210,14 @@ class DropIn:
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         doomed = [n for n in dict.fromkeys(names) if n in self.loaded]
         fused = [f for f in self.fused if f.name in doomed]
-        others = sorted({o.name for f in fused for o in self.fused if o.component == f.component and o.name not in doomed})
+        others = sorted(
+            {o.name for f in fused for o in self.fused if o.component == f.component and o.name not in doomed}
+        )
         if others:  # checked before anything changes: their undo would restore backups without the kept delta
-            raise DropInError(f"delete_adapters: {sorted({f.name for f in fused})} fused together with {others}; "
-                              "call unfuse_lora() first, or unload_lora_weights() to keep every fused delta")
+            raise DropInError(
+                f"delete_adapters: {sorted({f.name for f in fused})} fused together with {others}; "
+                "call unfuse_lora() first, or unload_lora_weights() to keep every fused delta"
+            )
         for f in reversed(fused):
             f.handle.keep()
             self.fused.remove(f)
@@ -238,8 +265,14 @@ class DropIn:
         self.enabled = False
         self.refresh()
 
-    def fuse_lora(self, components: list[str] | None = None, lora_scale: float = 1.0, safe_fusing: bool = False,
-                  adapter_names: list[str] | None = None, **kwargs) -> None:
+    def fuse_lora(
+        self,
+        components: list[str] | None = None,
+        lora_scale: float = 1.0,
+        safe_fusing: bool = False,
+        adapter_names: list[str] | None = None,
+        **kwargs,
+    ) -> None:
         """Merge the active (or named) adapters at their current weights x lora_scale. Deliberate differences:
         lora_scale scales only the fused weights (diffusers also leaves every active adapter's scaling multiplied
         by it after an unfuse), and a non-finite result is always refused, whatever `safe_fusing` says."""
@@ -251,9 +284,13 @@ class DropIn:
         models = self.models()
         try:
             for component in [c for c in components if c in models]:
-                for name in (names_arg if names_arg is not None else list(self.active.get(component, []))):
+                for name in names_arg if names_arg is not None else list(self.active.get(component, [])):
                     loaded = self.loaded.get(name)
-                    if loaded is None or component not in loaded.components or self._is_fused(name, component):
+                    if (
+                        loaded is None
+                        or component not in loaded.components
+                        or self._is_fused(name, component)
+                    ):
                         continue
                     self.fused.append(Fused(name, component, self._merge(loaded, component, lora_scale)))
         finally:  # a failed fuse (non-finite result) leaves the earlier ones fused and their runtime paths off
@@ -274,13 +311,16 @@ class DropIn:
             handle = apply(self.models(), spec, mode="auto")
             if not flat:  # per-module weights (block-scale dicts): each part at its first module's weight
                 try:
-                    handle.set_part_strengths(lambda pp: module_weight(weight, pp.pieces[0].module) * float(lora_scale))
+                    handle.set_part_strengths(
+                        lambda pp: module_weight(weight, pp.pieces[0].module) * float(lora_scale)
+                    )
                 except BaseException:
                     handle.remove()
                     raise
         except NonFiniteResultError as exc:
-            raise DropInError(f"NaNs detected in the merged weights. The adapter {loaded.name} seems to be broken "
-                              f"({exc})") from exc
+            raise DropInError(
+                f"NaNs detected in the merged weights. The adapter {loaded.name} seems to be broken ({exc})"
+            ) from exc
         return handle
 
     def unfuse_lora(self, components: list[str] | None = None, **kwargs) -> None:
@@ -298,12 +338,16 @@ class DropIn:
     # ------------------------------------------------------------------ unsupported
 
     def enable_lora_hotswap(self, **kwargs) -> None:
-        raise UnsupportedError("enable_lora_hotswap is not supported by loraweave.diffusers: strength changes and "
-                               "set_adapters never rebuild layers; load new adapters under new names")
+        raise UnsupportedError(
+            "enable_lora_hotswap is not supported by loraweave.diffusers: strength changes and "
+            "set_adapters never rebuild layers; load new adapters under new names"
+        )
 
     def set_lora_device(self, adapter_names, device) -> None:
-        raise UnsupportedError("set_lora_device is not supported by loraweave.diffusers: adapter factors follow "
-                               "their layer's device and dtype at forward time")
+        raise UnsupportedError(
+            "set_lora_device is not supported by loraweave.diffusers: adapter factors follow "
+            "their layer's device and dtype at forward time"
+        )
 
 
 def _set_gate(path: RuntimePath, name: str, gate: float) -> None:

@@ -29,13 +29,17 @@ def _expansion(model) -> Any:
 def _drop_unknown_components(weights: dict, loadable: list[str]) -> dict:
     invalid = sorted(set(weights) - set(loadable))
     if invalid:
-        log.warning("loraweave.diffusers set_adapters ignores components=%s (not LoRA-loadable; loadable=%s)",
-                    invalid, loadable)
+        log.warning(
+            "loraweave.diffusers set_adapters ignores components=%s (not LoRA-loadable; loadable=%s)",
+            invalid,
+            loadable,
+        )
     return {k: v for k, v in weights.items() if k not in invalid}
 
 
-def component_weights(names: list[str], weights: Any, models: dict, loadable: list[str],
-                      components_of: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+def component_weights(
+    names: list[str], weights: Any, models: dict, loadable: list[str], components_of: dict[str, list[str]]
+) -> dict[str, dict[str, Any]]:
     """{component: {adapter: weight}} for every present loadable component; raises diffusers' errors.
 
     models: the present loadable components (name -> module); components_of: adapter -> its components."""
@@ -45,7 +49,9 @@ def component_weights(names: list[str], weights: Any, models: dict, loadable: li
     if not isinstance(weights, list):
         weights = [weights] * len(names)
     if len(names) != len(weights):
-        raise DropInError(f"Length of adapter names {len(names)} is not equal to the length of the weights {len(weights)}")
+        raise DropInError(
+            f"Length of adapter names {len(names)} is not equal to the length of the weights {len(weights)}"
+        )
     present = set(components_of)
     missing = set(names) - present
     if missing:
@@ -60,8 +66,12 @@ def component_weights(names: list[str], weights: Any, models: dict, loadable: li
             if isinstance(w, dict):
                 w = w.pop(component, None)
                 if w is not None and component not in components_of[name]:
-                    log.warning("loraweave.diffusers set_adapters adapter=%s has no weights for component=%s: "
-                                "its weight there is ignored", name, component)
+                    log.warning(
+                        "loraweave.diffusers set_adapters adapter=%s has no weights for component=%s: "
+                        "its weight there is ignored",
+                        name,
+                        component,
+                    )
             per_adapter.append(1.0 if w is None else w)
         if not component.startswith("text_encoder"):
             try:
@@ -81,8 +91,10 @@ def _number(value: Any) -> bool:
 def _check_weight(name: str, component: str, weight: Any) -> None:
     values = weight.values() if isinstance(weight, dict) else [weight]
     if not all(_number(v) for v in values):
-        raise DropInError(f"set_adapters: the weight of adapter {name!r} on {component} must be a finite number "
-                          f"(or, for UNets, a block-scale dict), got {weight!r}")
+        raise DropInError(
+            f"set_adapters: the weight of adapter {name!r} on {component} must be a finite number "
+            f"(or, for UNets, a block-scale dict), got {weight!r}"
+        )
 
 
 def module_weight(weight: Any, module_name: str) -> float:

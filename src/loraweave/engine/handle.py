@@ -27,8 +27,14 @@ from .journal import Journal, model_lock
 class Handle:
     """What `apply` did; `remove()` undoes it exactly. Usable as a context manager."""
 
-    def __init__(self, plan: Plan, report: Report, journal: Journal, settings: dict[str, AdapterWeights] | None = None,
-                 options: Options | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        report: Report,
+        journal: Journal,
+        settings: dict[str, AdapterWeights] | None = None,
+        options: Options | None = None,
+    ) -> None:
         self._plan = plan
         self.report = report
         self.journal = journal
@@ -38,7 +44,9 @@ class Handle:
         self._resolve_cache = None  # switching: loads and resolutions per source (plan.cache.ResolveCache)
         self._detached: dict = {}  # switching: paths the last switch took off, by (module id, structure)
         self.last_switch: dict[str, int] | None = None  # kept / reattached / rebuilt / dropped layers
-        self._disabled: dict[str, tuple[float, float | None]] = {}  # name -> (strength, te strength) to restore
+        self._disabled: dict[
+            str, tuple[float, float | None]
+        ] = {}  # name -> (strength, te strength) to restore
         self.active = True
 
     # Views of the journal by kind of change (read-only lists).
@@ -60,7 +68,11 @@ class Handle:
 
     @property
     def quant_options(self) -> dict:
-        return {"quantized": self.options.quantized, "host_rank": self.options.host_rank, "cache": self.options.cache}
+        return {
+            "quantized": self.options.quantized,
+            "host_rank": self.options.host_rank,
+            "cache": self.options.cache,
+        }
 
     def lock(self):
         """The model's lock: held by every change this handle makes (other threads wait); a removed handle no
@@ -111,7 +123,9 @@ class Handle:
                 raise RuntimeError("handle was removed")
             if name not in self._plan.strengths:
                 raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
-            value = finite_strength(value)  # no float() first: "0.5" and True are refused, as AdapterSpec does
+            value = finite_strength(
+                value
+            )  # no float() first: "0.5" and True are refused, as AdapterSpec does
             te = None if te is None else finite_strength(te)
             self.check_undoable({name})
             for merged in self._merged:  # fused (undo='none') or a changed source file: refused first
@@ -197,7 +211,10 @@ class Handle:
             for entry in self.journal.entries:
                 if isinstance(entry, RuntimePath):
                     entry.undo()
-                for cls, attr in ((MergedModule, merge_mechanism.STACK_ATTR), (QuantWrite, quant_mechanism.STACK_ATTR)):
+                for cls, attr in (
+                    (MergedModule, merge_mechanism.STACK_ATTR),
+                    (QuantWrite, quant_mechanism.STACK_ATTR),
+                ):
                     if isinstance(entry, cls):
                         getattr(entry.module, attr).remove(entry)
             self.journal.forget(list(self.journal.entries))
@@ -240,7 +257,9 @@ class Handle:
         for rp in shared_layers(self._runtime_by_key(), self._select[1]).values():
             choose(rp, self._select[1], 0)
 
-    def switch(self, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None) -> None:
+    def switch(
+        self, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None
+    ) -> None:
         """Replace the applied set with a new one, touching only layers whose contributions changed.
 
         Checked like apply (same options rules, before anything changes). Same structure on a layer: re-pointed
@@ -254,7 +273,9 @@ class Handle:
             with self.lock():
                 switch(self, adapters, strength, stack, density)
         finally:
-            if getattr(self, "_mix", None) is not None:  # open batch / regions follow the new paths (or go with them)
+            if (
+                getattr(self, "_mix", None) is not None
+            ):  # open batch / regions follow the new paths (or go with them)
                 from ..mechanisms.sampling.mix import mix_for, release
 
                 mix_for(self) if self.active else release(self)
@@ -321,4 +342,8 @@ def _rewrite(entry) -> None:
     elif isinstance(entry, QuantWrite):  # rewritten from the layer's original tensors: nothing compounds
         entry.write()
         if entry.entry is not None:
-            entry.entry.retention, entry.entry.capture, entry.entry.rank = entry.retention, entry.capture, entry.rank
+            entry.entry.retention, entry.entry.capture, entry.entry.rank = (
+                entry.retention,
+                entry.capture,
+                entry.rank,
+            )

@@ -83,7 +83,9 @@ class Options:
             return self.mode
         validate_stack(self.stack, self.density, n_adapters)
         if self.mode == "merge":
-            raise ValueError(f"stack={self.stack!r} switches layers between adapters per step: use mode='runtime'")
+            raise ValueError(
+                f"stack={self.stack!r} switches layers between adapters per step: use mode='runtime'"
+            )
         return "runtime"
 
     def quant_settings(self) -> QuantSettings:
@@ -96,12 +98,24 @@ def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]
     for spec in as_specs(adapters):
         te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
         window = step_window(spec.steps, spec.ramp, spec.ramp_strengths, float(strength))
-        out.append((spec, AdapterWeights(finite_strength(float(spec.strength) * float(strength)), te, spec.block_weights,
-                                         spec.component_strengths, window)))
+        out.append(
+            (
+                spec,
+                AdapterWeights(
+                    finite_strength(float(spec.strength) * float(strength)),
+                    te,
+                    spec.block_weights,
+                    spec.component_strengths,
+                    window,
+                ),
+            )
+        )
     return out
 
 
-def _normalise_adapters(specs: list[tuple[AdapterSpec, AdapterWeights]], load=load_adapter) -> list[tuple[Adapter, AdapterWeights]]:
+def _normalise_adapters(
+    specs: list[tuple[AdapterSpec, AdapterWeights]], load=load_adapter
+) -> list[tuple[Adapter, AdapterWeights]]:
     out: list[tuple[Adapter, AdapterWeights]] = []
     seen: Counter = Counter()
     check_names(specs)
@@ -117,7 +131,9 @@ def _normalise_adapters(specs: list[tuple[AdapterSpec, AdapterWeights]], load=lo
     return out
 
 
-def resolve_set(target, adapters, strength: float, cache=None, tables=None) -> tuple[Plan, dict[str, AdapterWeights]]:
+def resolve_set(
+    target, adapters, strength: float, cache=None, tables=None
+) -> tuple[Plan, dict[str, AdapterWeights]]:
     """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen before;
     `tables` reuses alias tables built for this target before."""
     specs = _specs(adapters, strength)
@@ -146,7 +162,9 @@ def adapter_summaries(plan: Plan) -> list[dict]:
                 "alpha_sources": dict(Counter(pp.alpha_source for pp in planned)),
                 "strength": plan.strengths[adapter.name],
                 "keys_total": adapter.keys_total,
-                "keys_applied": sum(len(part.keys) for part in {id(pp.part): pp.part for pp in planned}.values()),
+                "keys_applied": sum(
+                    len(part.keys) for part in {id(pp.part): pp.part for pp in planned}.values()
+                ),
             }
         )
     return out
@@ -160,7 +178,9 @@ def group_by_module(planned: list[PlannedPart]) -> dict[tuple[str, str], list[Co
     return groups
 
 
-def make_report(plan: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], t0: float) -> Report:
+def make_report(
+    plan: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], t0: float
+) -> Report:
     report = Report(mode=mode, adapters=adapter_summaries(plan), applied=applied, unmatched=unmatched)
     report.keys_total = sum(a.keys_total for a in plan.adapters)
     report.keys_applied = sum(a["keys_applied"] for a in report.adapters)
@@ -175,7 +195,9 @@ def growth(p: Plan) -> list[tuple[str, str, int, str]]:
         for module, (width, key) in pp.grow.items():
             prev = found.get((pp.component, module))
             if prev is not None and prev[0] != width:
-                raise ValueError(f"adapters ask {pp.component}.{module} to grow to {prev[0]} and {width} columns")
+                raise ValueError(
+                    f"adapters ask {pp.component}.{module} to grow to {prev[0]} and {width} columns"
+                )
             found[(pp.component, module)] = (width, key)
     return [(c, m, w, k) for (c, m), (w, k) in found.items()]
 
@@ -191,8 +213,9 @@ def notes_of(contribs: list[Contribution]) -> list[str]:
     return sorted({n for pp, _ in contribs for n in pp.notes})
 
 
-def install_layer(journal: Journal, item, mode: str, wp: WorkPlan, options: Options,
-                  path_for=None) -> AppliedModule:
+def install_layer(
+    journal: Journal, item, mode: str, wp: WorkPlan, options: Options, path_for=None
+) -> AppliedModule:
     """Install one planned layer (merge, runtime path or quantized write), recorded in `journal` first.
 
     path_for(module, contribs) -> RuntimePath | None: a path to re-use instead of building one (switching)."""
@@ -213,13 +236,28 @@ def install_layer(journal: Journal, item, mode: str, wp: WorkPlan, options: Opti
         rp.attach()
         cost = "; ".join(sorted(rp.costs))
     else:
-        write = QuantWrite(module, backend, contribs, mechanism, host_rank=options.host_rank,
-                           cache=options.cache if mechanism == "hosted" else None, layer=f"{comp}.{path}")
+        write = QuantWrite(
+            module,
+            backend,
+            contribs,
+            mechanism,
+            host_rank=options.host_rank,
+            cache=options.cache if mechanism == "hosted" else None,
+            layer=f"{comp}.{path}",
+        )
         journal.record(write)  # recorded before the layer is touched: rollback finds it
         write.apply(wp.routes[(comp, path)][1])
     show_why = why if mode == "auto" or write is not None else ""
-    entry = AppliedModule(comp, path, mechanism, sorted(adapter_names(contribs)), show_why, cost, notes_of(contribs),
-                          backend=backend.name if backend is not None else "")
+    entry = AppliedModule(
+        comp,
+        path,
+        mechanism,
+        sorted(adapter_names(contribs)),
+        show_why,
+        cost,
+        notes_of(contribs),
+        backend=backend.name if backend is not None else "",
+    )
     if mechanism == "merge":
         merged.entry = entry  # the report follows the undo record (kind, bytes) through strength changes
         merged._report()
@@ -229,26 +267,34 @@ def install_layer(journal: Journal, item, mode: str, wp: WorkPlan, options: Opti
     return entry
 
 
-def install(journal: Journal, p: Plan, wp: WorkPlan, mode: str, options: Options,
-            progress: bool | None = None) -> list[AppliedModule]:
+def install(
+    journal: Journal, p: Plan, wp: WorkPlan, mode: str, options: Options, progress: bool | None = None
+) -> list[AppliedModule]:
     """Grow inputs, then install every layer; the caller holds a journal transaction (all or nothing)."""
     for comp, path, width, key in growth(p):  # control adapters: the wider input exists before they land
         grow_input(p.components.modules[comp], path, width, key, record=journal.record)
     show = progress if progress is not None else (len(wp.work) > PROGRESS_LAYERS and on_terminal())
     with reused_buffers():  # one W' buffer and one set of block temporaries for every merged layer
-        applied = [install_layer(journal, item, mode, wp, options)
-                   for item in bar(wp.work, desc="loraweave apply", unit="layer", enabled=show)]
-    applied += [AppliedModule(**row) for row in apply_params(p.params, p.components.modules, mode, journal.record)]
+        applied = [
+            install_layer(journal, item, mode, wp, options)
+            for item in bar(wp.work, desc="loraweave apply", unit="layer", enabled=show)
+        ]
+    applied += [
+        AppliedModule(**row) for row in apply_params(p.params, p.components.modules, mode, journal.record)
+    ]
     if options.undo == "none":  # a permanent fuse: the records kept this all-or-nothing until here
         for merged in journal.of(MergedModule):
             merged.fuse()
     return applied
 
 
-def finish_report(p: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], wp: WorkPlan,
-                  t0: float) -> Report:
+def finish_report(
+    p: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], wp: WorkPlan, t0: float
+) -> Report:
     report = make_report(p, mode, applied, unmatched, t0)
-    if wp.routes:  # the backends this model uses (probing others would cost time for nothing) and broken imports
+    if (
+        wp.routes
+    ):  # the backends this model uses (probing others would cost time for nothing) and broken imports
         used = {b.name: b for b, _ in wp.routes.values()}
         report.backends_unavailable = {n: why for n, why in broken().items()}
         report.backends_unavailable |= {n: why for n, b in used.items() if (why := b.unavailable())}

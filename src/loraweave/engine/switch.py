@@ -29,8 +29,11 @@ log = logging.getLogger("loraweave")
 
 
 def _has_quantized(p: Plan) -> bool:
-    return any(backend_for(p.components.modules[pp.component].get_submodule(piece.module)) is not None
-               for pp in p.planned for piece in pp.pieces)
+    return any(
+        backend_for(p.components.modules[pp.component].get_submodule(piece.module)) is not None
+        for pp in p.planned
+        for piece in pp.pieces
+    )
 
 
 class Signatures:
@@ -64,8 +67,14 @@ class Signatures:
         out = []
         for pp, piece in contribs:
             sources = pp.factors.sources if isinstance(pp.factors, CombinedFactors) else None
-            if sources:  # a combined part is its sources and settings, strengths included (they change the result)
-                inner = tuple(sorted((*self._part(s), p.src_start, p.dst_start, p.length, s.strength) for s, p in sources))
+            if (
+                sources
+            ):  # a combined part is its sources and settings, strengths included (they change the result)
+                inner = tuple(
+                    sorted(
+                        (*self._part(s), p.src_start, p.dst_start, p.length, s.strength) for s, p in sources
+                    )
+                )
                 out.append(("combined", pp.factors.mode, pp.factors.density, inner))
             else:
                 out.append((*self._part(pp), piece.src_start, piece.dst_start, piece.length))
@@ -78,19 +87,26 @@ class Signatures:
     def mapping(self, old_contribs: list, new_contribs: list) -> dict[int, PlannedPart]:
         """id(old part) -> new part of the same identity, for re-pointing a path or merge record."""
         new_by_key = dict(zip(self.keys(new_contribs), (pp for pp, _ in new_contribs), strict=True))
-        return {id(pp): new_by_key[k] for k, (pp, _) in zip(self.keys(old_contribs), old_contribs, strict=True)
-                if k in new_by_key}
+        return {
+            id(pp): new_by_key[k]
+            for k, (pp, _) in zip(self.keys(old_contribs), old_contribs, strict=True)
+            if k in new_by_key
+        }
 
 
 def switch_runtime(sig: Signatures, path: RuntimePath, new_contribs: list) -> bool:
     """Re-point or gate an existing path; False when the layer must be rebuilt."""
     old_contribs = path.contributions
     new_keys = set(sig.keys(new_contribs))
-    if not new_keys <= set(sig.keys(old_contribs)) or any(isinstance(pp.factors, CombinedFactors) for pp, _ in new_contribs):
+    if not new_keys <= set(sig.keys(old_contribs)) or any(
+        isinstance(pp.factors, CombinedFactors) for pp, _ in new_contribs
+    ):
         return False
     remap = sig.mapping(old_contribs, new_contribs)
     live = {pp.adapter.name for pp, _ in new_contribs}
-    dropped = {pp.adapter.name for pp, _ in old_contribs if id(pp) not in remap and pp.adapter.name not in live}
+    dropped = {
+        pp.adapter.name for pp, _ in old_contribs if id(pp) not in remap and pp.adapter.name not in live
+    }
     if not all(path.vanishes_at_zero(name) for name in dropped):
         return False  # strength 0 is not "absent" for it (DoRA magnitude, OFT rescale): rebuild without it
     for name in dropped:
@@ -124,8 +140,14 @@ def _start_over(handle, p: Plan, settings, options: Options, mode: str, wp, unma
     except BaseException:
         handle.active = False
         raise
-    _commit(handle, p, settings, options, finish_report(p, mode, applied, unmatched, wp, t0),
-            {"kept": 0, "reattached": 0, "rebuilt": len(applied), "dropped": 0})
+    _commit(
+        handle,
+        p,
+        settings,
+        options,
+        finish_report(p, mode, applied, unmatched, wp, t0),
+        {"kept": 0, "reattached": 0, "rebuilt": len(applied), "dropped": 0},
+    )
 
 
 def _commit(handle, p: Plan, settings, options: Options, report, counts: dict[str, int]) -> None:
@@ -134,8 +156,14 @@ def _commit(handle, p: Plan, settings, options: Options, report, counts: dict[st
     warn_incomplete(report)
     handle.start_selection()  # a select mode starts on the subject; any other mode drops the old selection
     handle.last_switch = counts
-    log.info("loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
-             counts["kept"], counts["reattached"], counts["rebuilt"], counts["dropped"], report.summary())
+    log.info(
+        "loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
+        counts["kept"],
+        counts["reattached"],
+        counts["rebuilt"],
+        counts["dropped"],
+        report.summary(),
+    )
 
 
 def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None) -> None:
@@ -155,12 +183,20 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
     p, settings = resolve_set(components, adapters, strength, cache=handle._resolve_cache)
     mode = options.layer_mode(len(p.adapters))  # the same refusals as apply, before anything changes
     handle.check_undoable()
-    for rec in handle._merged:  # fused (undo='none') or a changed source file: refused before anything changes
+    for (
+        rec
+    ) in handle._merged:  # fused (undo='none') or a changed source file: refused before anything changes
         rec.check_undo(rewrite=True)
     wp, unmatched = plan_layers(p, options, mode)
     # Parameter patches are not per-layer records either: start over, like grown inputs and quantized writes.
-    if handle._grown or handle._quant or any(pp.grow for pp in p.planned) or _has_quantized(p) \
-            or handle._plan.params or p.params:
+    if (
+        handle._grown
+        or handle._quant
+        or any(pp.grow for pp in p.planned)
+        or _has_quantized(p)
+        or handle._plan.params
+        or p.params
+    ):
         return _start_over(handle, p, settings, options, mode, wp, unmatched, t0)
     journal = handle.journal
     old_runtime, old_merged = journal.by_module(RuntimePath), journal.by_module(MergedModule)
@@ -185,10 +221,20 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
             seen.add(id(module))
             rp, rec = old_runtime.get(id(module)), old_merged.get(id(module))
             if (rp is not None and mechanism == "runtime" and switch_runtime(sig, rp, contribs)) or (
-                    rec is not None and mechanism == "merge" and switch_merged(sig, rec, contribs)):
+                rec is not None and mechanism == "merge" and switch_merged(sig, rec, contribs)
+            ):
                 counts["kept"] += 1
-                applied.append(AppliedModule(comp, path, mechanism, sorted(adapter_names(contribs)),
-                                             why if mode == "auto" else "", "", notes_of(contribs)))
+                applied.append(
+                    AppliedModule(
+                        comp,
+                        path,
+                        mechanism,
+                        sorted(adapter_names(contribs)),
+                        why if mode == "auto" else "",
+                        "",
+                        notes_of(contribs),
+                    )
+                )
                 if mechanism == "merge":
                     rec.entry = applied[-1]
                     rec._report()
@@ -199,7 +245,11 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
             before = counts["reattached"]
             applied.append(install_layer(journal, item, mode, wp, options, path_for=reattach))
             counts["rebuilt"] += counts["reattached"] == before
-        gone = [e for e in journal.entries if isinstance(e, (RuntimePath, MergedModule)) and id(e.module) not in seen]
+        gone = [
+            e
+            for e in journal.entries
+            if isinstance(e, (RuntimePath, MergedModule)) and id(e.module) not in seen
+        ]
         for rp in gone:
             if isinstance(rp, RuntimePath):
                 now_detached[(id(rp.module), sig.structure(rp.contributions))] = rp

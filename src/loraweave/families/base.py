@@ -170,14 +170,19 @@ def _staged(t: torch.Tensor, device: torch.device) -> bool:
 def check_factor(name: str, tensor: torch.Tensor) -> None:
     """Factors must be floating point and finite (meta tensors: shape-only planning, values unknown)."""
     if not tensor.is_floating_point():
-        raise PartRejected("bad_tensor", f"bad tensor: {name} has dtype {tensor.dtype}, expected floating point")
+        raise PartRejected(
+            "bad_tensor", f"bad tensor: {name} has dtype {tensor.dtype}, expected floating point"
+        )
     if tensor.device.type == "meta" or tensor.numel() == 0:
         return
     try:
         # NaN and ±Inf propagate into min/max: one pass, no bool temporary (isfinite().all() is ~8x slower).
         lo, hi = torch.aminmax(tensor)
         finite = math.isfinite(lo.item()) and math.isfinite(hi.item())
-    except (RuntimeError, NotImplementedError):  # dtypes without aminmax/isfinite here (float8): check in fp32
+    except (
+        RuntimeError,
+        NotImplementedError,
+    ):  # dtypes without aminmax/isfinite here (float8): check in fp32
         finite = bool(torch.isfinite(tensor.float()).all())
     if not finite:
         raise PartRejected("non_finite", f"bad tensor: {name} holds NaN or Inf")

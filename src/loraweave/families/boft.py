@@ -44,9 +44,15 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactor
     peft = "boft_R" in tensors
     allowed = {"boft_R", "boft_s"} if peft else {"oft_blocks", "rescale", "alpha"}
     if set(tensors) - allowed:
-        raise PartRejected("unsupported", f"unsupported family: BOFT part with {', '.join(sorted(key_of[r] for r in set(tensors) - allowed))}")
+        raise PartRejected(
+            "unsupported",
+            f"unsupported family: BOFT part with {', '.join(sorted(key_of[r] for r in set(tensors) - allowed))}",
+        )
     if not peft and "oft_blocks" not in tensors:
-        raise PartRejected("incomplete", "incomplete BOFT: no oft_blocks or boft_R" + (" (boft_s alone)" if "boft_s" in tensors else ""))
+        raise PartRejected(
+            "incomplete",
+            "incomplete BOFT: no oft_blocks or boft_R" + (" (boft_s alone)" if "boft_s" in tensors else ""),
+        )
     if peft and "boft_s" not in tensors:
         raise PartRejected("incomplete", "incomplete BOFT: PEFT boft_R without boft_s")
     for role, t in tensors.items():
@@ -56,15 +62,23 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactor
     blocks = tensors[role]
     m, n, b = blocks.shape[:3] if blocks.dim() == 4 else (0, 0, 0)
     # LyCORIS: b even and n a multiple of 2^(m-1), or the stage views do not tile; PEFT checks the same when N > 1.
-    if blocks.dim() != 4 or blocks.shape[3] != b or 0 in blocks.shape or (
-        (m > 1 or not peft) and (b % 2 or n % 2 ** (m - 1))
+    if (
+        blocks.dim() != 4
+        or blocks.shape[3] != b
+        or 0 in blocks.shape
+        or ((m > 1 or not peft) and (b % 2 or n % 2 ** (m - 1)))
     ):
-        raise PartRejected("shape_mismatch", f"shape mismatch: {key_of[role]} {tuple(blocks.shape)} is not a butterfly (m, n, b, b)")
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: {key_of[role]} {tuple(blocks.shape)} is not a butterfly (m, n, b, b)",
+        )
     if peft:
         scale = tensors["boft_s"]
         return BoftFactors(blocks, 0.0, row_scale(scale, scale.numel(), key_of["boft_s"]), True)
     alpha = scalar_alpha(tensors, key_of)
-    return BoftFactors(blocks, alpha * n * b, row_scale(tensors.get("rescale"), n * b, key_of.get("rescale")), False)
+    return BoftFactors(
+        blocks, alpha * n * b, row_scale(tensors.get("rescale"), n * b, key_of.get("rescale")), False
+    )
 
 
 def check_target(f: BoftFactors, shape: tuple[int, ...]) -> Miss | None:
@@ -72,10 +86,16 @@ def check_target(f: BoftFactors, shape: tuple[int, ...]) -> Miss | None:
         cols = shape[1] * math.prod(shape[2:])
         n = f.blocks.shape[1] * f.blocks.shape[2]
         if cols != n:
-            return Miss("shape_mismatch", f"shape mismatch: PEFT BOFT rotates {n} input columns, module {shape} has {cols}")
+            return Miss(
+                "shape_mismatch",
+                f"shape mismatch: PEFT BOFT rotates {n} input columns, module {shape} has {cols}",
+            )
         return None
     if shape[0] % f.span:
-        return Miss("shape_mismatch", f"shape mismatch: BOFT butterfly mixes runs of {f.span} rows, module has {shape[0]}")
+        return Miss(
+            "shape_mismatch",
+            f"shape mismatch: BOFT butterfly mixes runs of {f.span} rows, module has {shape[0]}",
+        )
     return None
 
 
@@ -101,7 +121,10 @@ def _butterfly(f: BoftFactors, y: torch.Tensor, src: int, s: float) -> torch.Ten
     """LyCORIS stages on channels-last y holding rows [src, src + y.shape[-1]) (aligned to the span)."""
     length, (m, _, b) = y.shape[-1], f.blocks.shape[:3]
     if src % f.span or length % f.span:
-        raise PartRejected("shape_mismatch", f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows",
+        )
     rot = _rotations(f, y.device, y.dtype)[:, src // b : (src + length) // b]
     for i in range(m):
         k = 2**i * (b // 2)
@@ -126,7 +149,9 @@ def _peft_rotate(f: BoftFactors, w: torch.Tensor, s: float, transpose: bool) -> 
         mats = _stage(rot[i], s)
         perm = _peft_perm(d * h, d // 2**i, h // 2).to(w.device) if stages > 1 else None
         u = w if perm is None else w[..., torch.argsort(perm)]  # Pᵀw
-        u = torch.einsum("kpq,...kq->...kp", mats.mT if transpose else mats, u.unflatten(-1, (d, h))).flatten(-2)
+        u = torch.einsum("kpq,...kq->...kp", mats.mT if transpose else mats, u.unflatten(-1, (d, h))).flatten(
+            -2
+        )
         w = u if perm is None else u[..., perm]  # P·u
     return w
 
@@ -138,8 +163,9 @@ def _peft_delta_rows(f: BoftFactors, weight_rows: torch.Tensor, src: int, s: flo
     return rescaled((rot - w).mT, w.mT, f.rescale[src : src + w.shape[0]], s).mT
 
 
-def add_delta(target_rows: torch.Tensor, f: BoftFactors, src: int, length: int, coeff: float,
-              base: torch.Tensor, **_) -> None:
+def add_delta(
+    target_rows: torch.Tensor, f: BoftFactors, src: int, length: int, coeff: float, base: torch.Tensor, **_
+) -> None:
     """target_rows (length, in·k) += ΔW at strength s = coeff, from the original rows `base`."""
     base = base.to(target_rows.dtype)
     if f.peft:
@@ -156,15 +182,25 @@ def bias_delta(f: BoftFactors, src: int, length: int) -> None:
 
 def check_piece(f: BoftFactors, src: int, length: int) -> Miss | None:
     if not f.peft and (src % f.span or length % f.span):
-        return Miss("shape_mismatch", f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
+        return Miss(
+            "shape_mismatch",
+            f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows",
+        )
     return None
 
 
-def runtime_term(f: BoftFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None) -> RuntimeTerm:
+def runtime_term(
+    f: BoftFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None
+) -> RuntimeTerm:
     if f.peft and module is None:
-        raise PartRejected("unsupported", "unsupported family: PEFT BOFT at runtime needs the host module's weight")
+        raise PartRejected(
+            "unsupported", "unsupported family: PEFT BOFT at runtime needs the host module's weight"
+        )
     if not f.peft and (src % f.span or length % f.span):
-        raise PartRejected("shape_mismatch", f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows")
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows",
+        )
     r = None if f.rescale is None else f.rescale[src : src + length]
 
     def fn(x, conv, base, strength=None, scale=1.0):
@@ -172,7 +208,9 @@ def runtime_term(f: BoftFactors, src: int, dst: int, length: int, module: torch.
             raise RuntimeError("BOFT is not linear in strength: the runtime must pass it")
         s = strength * scale
         acc = torch.promote_types(base.dtype, torch.float32)
-        if f.peft and conv is not None:  # the rotation mixes kernel taps with channels: dense ΔW, last strength kept
+        if (
+            f.peft and conv is not None
+        ):  # the rotation mixes kernel taps with channels: dense ΔW, last strength kept
             weight = module.weight
             key = (s, x.device, x.dtype, weight._version)
             if key not in f._dense:
@@ -189,11 +227,26 @@ def runtime_term(f: BoftFactors, src: int, dst: int, length: int, module: torch.
         return d if conv is None else d.movedim(-1, 1)
 
     m, n, b = f.blocks.shape[:3]
-    cost = (f"PEFT BOFT input rotation ({m} stages of {n}x{b}) + one extra base GEMM" if f.peft
-            else f"BOFT butterfly on the output ({m} stages of {length // b}x{b}); R cached")
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, needs_base=True, linear_in_strength=False, cost=cost)
+    cost = (
+        f"PEFT BOFT input rotation ({m} stages of {n}x{b}) + one extra base GEMM"
+        if f.peft
+        else f"BOFT butterfly on the output ({m} stages of {length // b}x{b}); R cached"
+    )
+    return RuntimeTerm(
+        None, None, None, None, dst, length, fn=fn, needs_base=True, linear_in_strength=False, cost=cost
+    )
 
 
 # alpha is the constraint, not a scale
-SPEC = Family("boft", load, check_target, add_delta, bias_delta, runtime_term, uses_alpha_scale=False,
-              needs_base=True, runtime_takes_module=True, check_piece=check_piece)
+SPEC = Family(
+    "boft",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    uses_alpha_scale=False,
+    needs_base=True,
+    runtime_takes_module=True,
+    check_piece=check_piece,
+)

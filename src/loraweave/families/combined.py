@@ -55,7 +55,9 @@ class CombinedFactors:
             for pp, piece in contribs:
                 coeff = pp.scale if unit else pp.strength * pp.scale
                 try:
-                    add_contribution(delta[piece.dst_start : piece.dst_start + piece.length], pp, piece, base, coeff)
+                    add_contribution(
+                        delta[piece.dst_start : piece.dst_start + piece.length], pp, piece, base, coeff
+                    )
                 except PartRejected as rejected:
                     raise PartRejected(rejected.miss.kind, f"stack={self.mode}: {rejected}") from None
             deltas.append(delta)
@@ -66,7 +68,9 @@ class CombinedFactors:
 
 
 def load(tensors: dict, key_of: dict) -> CombinedFactors:
-    raise PartRejected("unsupported", "unsupported family: combined parts are built by apply(stack=...), never read")
+    raise PartRejected(
+        "unsupported", "unsupported family: combined parts are built by apply(stack=...), never read"
+    )
 
 
 def check_target(f: CombinedFactors, shape: tuple[int, ...]) -> Miss | None:
@@ -75,8 +79,16 @@ def check_target(f: CombinedFactors, shape: tuple[int, ...]) -> Miss | None:
     return Miss("shape_mismatch", f"shape mismatch: combined {f.shape} vs module {shape}")
 
 
-def add_delta(target_rows: torch.Tensor, f: CombinedFactors, src: int, length: int, coeff: float,
-              base: torch.Tensor | None = None, strength: float = 1.0, scale: float = 1.0) -> None:
+def add_delta(
+    target_rows: torch.Tensor,
+    f: CombinedFactors,
+    src: int,
+    length: int,
+    coeff: float,
+    base: torch.Tensor | None = None,
+    strength: float = 1.0,
+    scale: float = 1.0,
+) -> None:
     target_rows.add_(f.delta(base)[src : src + length].to(target_rows.dtype), alpha=coeff)
 
 
@@ -92,7 +104,9 @@ def bias_delta(f: CombinedFactors, src: int, length: int) -> torch.Tensor | None
     return None if total is None else total[src : src + length]
 
 
-def runtime_term(f: CombinedFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None) -> RuntimeTerm:
+def runtime_term(
+    f: CombinedFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None
+) -> RuntimeTerm:
     weight = getattr(module, "weight", None)
     float_weight = type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_floating_point()
     cast: dict = {}
@@ -103,7 +117,9 @@ def runtime_term(f: CombinedFactors, src: int, dst: int, length: int, module: to
         key = (id(delta), x.device, x.dtype)
         if cast.get("key") != key:
             rows = delta[src : src + length]
-            cast.update(key=key, w=(rows.reshape(length, *f.shape[1:]) if conv else rows).to(x.device, x.dtype))
+            cast.update(
+                key=key, w=(rows.reshape(length, *f.shape[1:]) if conv else rows).to(x.device, x.dtype)
+            )
         w = cast["w"]
         out = conv.fn(x, w, None, **conv.kwargs) if conv else F.linear(x, w)
         bias = bias_delta(f, src, length)  # at the live strengths, like the weight part
@@ -112,9 +128,27 @@ def runtime_term(f: CombinedFactors, src: int, dst: int, length: int, module: to
             out = out + (bias.view(-1, *([1] * (out.dim() - 2))) if conv else bias)
         return out
 
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn,
-                       cost=f"stack={f.mode}: dense ΔW cached per strengths", linear_in_strength=False)
+    return RuntimeTerm(
+        None,
+        None,
+        None,
+        None,
+        dst,
+        length,
+        fn=fn,
+        cost=f"stack={f.mode}: dense ΔW cached per strengths",
+        linear_in_strength=False,
+    )
 
 
-SPEC = Family("combined", load, check_target, add_delta, bias_delta, runtime_term, roles=(), needs_base=True,
-              runtime_takes_module=True)
+SPEC = Family(
+    "combined",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    roles=(),
+    needs_base=True,
+    runtime_takes_module=True,
+)

@@ -11,8 +11,15 @@ def coefficient(pp) -> float:
     return pp.strength * pp.scale
 
 
-def add_contribution(target_rows: torch.Tensor, pp, piece, base: torch.Tensor | None, coeff: float | None = None,
-                     strength: float | None = None, scale: float | None = None) -> None:
+def add_contribution(
+    target_rows: torch.Tensor,
+    pp,
+    piece,
+    base: torch.Tensor | None,
+    coeff: float | None = None,
+    strength: float | None = None,
+    scale: float | None = None,
+) -> None:
     """target_rows += coeff·ΔW (rows of `piece`), coeff = strength·scale unless given.
 
     base: the ORIGINAL weight as (out, in·k), read (its piece rows, in target's dtype) by W-dependent families.
@@ -27,8 +34,16 @@ def add_contribution(target_rows: torch.Tensor, pp, piece, base: torch.Tensor | 
 
             raise PartRejected("unsupported", f"unsupported: {pp.part.family} needs the layer's float weight")
         rows = base[piece.dst_start : piece.dst_start + piece.length].to(target_rows.dtype)
-        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff,
-                         base=rows, strength=strength, scale=scale)
+        family.add_delta(
+            target_rows,
+            pp.factors,
+            piece.src_start,
+            piece.length,
+            coeff,
+            base=rows,
+            strength=strength,
+            scale=scale,
+        )
     else:
         family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff)
 

@@ -60,10 +60,14 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> DoraFactor
         raise PartRejected("incomplete", "incomplete DoRA: no dora_scale / lora_magnitude_vector tensor")
     kinds = {_kind(r) for r in tensors if r != "dora_scale"}
     if len(kinds) != 1:
-        raise PartRejected("incomplete", f"incomplete DoRA: magnitude with {' + '.join(sorted(kinds)) or 'no factors'}")
+        raise PartRejected(
+            "incomplete", f"incomplete DoRA: magnitude with {' + '.join(sorted(kinds)) or 'no factors'}"
+        )
     kind = kinds.pop()
     if "up_bias" in tensors:
-        raise PartRejected("unsupported", "unsupported family: DoRA with a LoRA bias (lora_B.bias); PEFT refuses it too")
+        raise PartRejected(
+            "unsupported", "unsupported family: DoRA with a LoRA bias (lora_B.bias); PEFT refuses it too"
+        )
     check_factor(key_of["dora_scale"], d)
     inner = _INNER[kind].load({r: t for r, t in tensors.items() if r != "dora_scale"}, key_of)
     rows, peft = inner.rows, "lora_magnitude_vector" in key_of["dora_scale"]
@@ -74,7 +78,10 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> DoraFactor
     elif not peft and d.dim() >= 2 and d.shape[0] == 1 and all(n == 1 for n in d.shape[2:]):
         on_out = False  # (1, in, 1, …): checked against the module's input channels in check_target
     else:
-        raise PartRejected("shape_mismatch", f"shape mismatch: {key_of['dora_scale']} {tuple(d.shape)} for {rows} output rows")
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: {key_of['dora_scale']} {tuple(d.shape)} for {rows} output rows",
+        )
     return DoraFactors(kind, inner, d.reshape(-1), on_out, peft)
 
 
@@ -83,10 +90,16 @@ def check_target(f: DoraFactors, shape: tuple[int, ...] | None) -> Miss | None:
     if reason or f.on_out:
         return reason
     if shape[1] != f.magnitude.numel():
-        return Miss("shape_mismatch", f"shape mismatch: input-axis dora_scale has {f.magnitude.numel()} channels, module {shape[1]}")
+        return Miss(
+            "shape_mismatch",
+            f"shape mismatch: input-axis dora_scale has {f.magnitude.numel()} channels, module {shape[1]}",
+        )
     if shape[0] < f.rows:
-        return Miss("unsupported", f"input-axis DoRA not row-local: its norm spans all {f.rows} adapter rows, this module holds "
-                f"{shape[0]} (a fused-key adapter split over modules)")
+        return Miss(
+            "unsupported",
+            f"input-axis DoRA not row-local: its norm spans all {f.rows} adapter rows, this module holds "
+            f"{shape[0]} (a fused-key adapter split over modules)",
+        )
     return None
 
 
@@ -99,20 +112,28 @@ def runtime_refusal(f: DoraFactors, module) -> Miss | None:
     """DoRA's runtime gain reads the layer's plain floating weight for its norm."""
     w = getattr(module, "weight", None)
     if type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.is_floating_point() or w.is_meta:
-        what = "missing" if w is None else "offloaded (meta)" if w.is_meta else f"a {type(w).__name__} {w.dtype}"
-        return Miss("unsupported", f"DoRA runtime reads the layer's weight for its norm; the weight is {what}")
+        what = (
+            "missing" if w is None else "offloaded (meta)" if w.is_meta else f"a {type(w).__name__} {w.dtype}"
+        )
+        return Miss(
+            "unsupported", f"DoRA runtime reads the layer's weight for its norm; the weight is {what}"
+        )
     return None
 
 
 def check_piece(f: DoraFactors, src: int, length: int) -> Miss | None:
     if not f.on_out and length != f.rows:
-        return Miss("unsupported", f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows")
+        return Miss(
+            "unsupported", f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows"
+        )
     return None
 
 
 def _whole(f: DoraFactors, length: int) -> None:
     if not f.on_out and length != f.rows:
-        raise PartRejected("unsupported", f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows")
+        raise PartRejected(
+            "unsupported", f"input-axis DoRA not row-local: a piece of {length} of {f.rows} adapter rows"
+        )
 
 
 def _on(inner, device: torch.device):
@@ -159,8 +180,16 @@ def _magnitude(f: DoraFactors, src: int, length: int, like: torch.Tensor) -> tor
     return (f.magnitude[src : src + length] if f.on_out else f.magnitude).to(like.device, like.dtype)
 
 
-def add_delta(target_rows: torch.Tensor, f: DoraFactors, src: int, length: int, coeff: float, base=None,
-              strength: float | None = None, scale: float | None = None) -> None:
+def add_delta(
+    target_rows: torch.Tensor,
+    f: DoraFactors,
+    src: int,
+    length: int,
+    coeff: float,
+    base=None,
+    strength: float | None = None,
+    scale: float | None = None,
+) -> None:
     """target_rows (length, in*k) += W' − W for rows [src, src+length); W = `base`, the original rows."""
     if base is None:
         raise TypeError("DoRA needs the original weight rows: add_delta(..., base=W_rows)")
@@ -237,9 +266,21 @@ def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -
 
     cost = f"DoRA gain ({length if f.on_out else f.magnitude.numel()}) cached per strength + {inner_cost}"
     cost += "" if f.on_out else " + a GEMM with W (input axis)"
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=cost, needs_base=True,
-                       linear_in_strength=False)
+    return RuntimeTerm(
+        None, None, None, None, dst, length, fn=fn, cost=cost, needs_base=True, linear_in_strength=False
+    )
 
 
-SPEC = Family("dora", load, check_target, add_delta, bias_delta, runtime_term, needs_base=True, settle=settle,
-              runtime_takes_module=True, check_piece=check_piece, runtime_refusal=runtime_refusal)
+SPEC = Family(
+    "dora",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    needs_base=True,
+    settle=settle,
+    runtime_takes_module=True,
+    check_piece=check_piece,
+    runtime_refusal=runtime_refusal,
+)

@@ -30,7 +30,9 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> FullFactor
     diff = tensors.get("diff")
     diff_b = tensors.get("diff_b")
     if diff is not None and diff_b is not None and diff_b.shape != (diff.shape[0],):
-        raise PartRejected("shape_mismatch", f"shape mismatch: diff_b {tuple(diff_b.shape)} for diff {tuple(diff.shape)}")
+        raise PartRejected(
+            "shape_mismatch", f"shape mismatch: diff_b {tuple(diff_b.shape)} for diff {tuple(diff.shape)}"
+        )
     return FullFactors(diff, diff_b)
 
 
@@ -58,5 +60,13 @@ def runtime_term(f: FullFactors, src: int, dst: int, length: int) -> RuntimeTerm
     return RuntimeTerm(None, None, dense, bias_delta(f, src, length), dst, length)
 
 
-SPEC = Family("full", load, check_target, add_delta, bias_delta, runtime_term, roles=("diff", "diff_b"),
-              input_width=input_width)
+SPEC = Family(
+    "full",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    roles=("diff", "diff_b"),
+    input_width=input_width,
+)

@@ -55,7 +55,9 @@ def _fits(a_in, a_out, b_up, b_down) -> bool:
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> GloraFactors:
     missing = [r for r in _ROLES if r not in tensors]
     if missing:
-        raise PartRejected("incomplete", f"incomplete GLoRA: no {', '.join(f'{r}.weight' for r in missing)} tensor")
+        raise PartRejected(
+            "incomplete", f"incomplete GLoRA: no {', '.join(f'{r}.weight' for r in missing)} tensor"
+        )
     extra = sorted(set(tensors) - set(_ROLES))
     if extra:  # e.g. a Tucker `bm` or a `dora_scale`: applying the rest alone would be wrong
         raise PartRejected("unsupported", f"unsupported: GLoRA with {', '.join(key_of[r] for r in extra)}")
@@ -68,19 +70,28 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> GloraFacto
     old = (a2, a1, b2, b1) if _fits(a2, a1, b2, b1) else None
     if new is None and old is None:
         shapes = ", ".join(f"{r} {tuple(t.shape)}" for r, t in zip(_ROLES, (a1, a2, b1, b2), strict=True))
-        raise PartRejected("shape_mismatch", f"shape mismatch: GLoRA factors do not pair in either naming ({shapes})")
+        raise PartRejected(
+            "shape_mismatch", f"shape mismatch: GLoRA factors do not pair in either naming ({shapes})"
+        )
     first = new or old
     return GloraFactors(*first, new is None, old if new is not None and old is not None else None)
 
 
 def check_target(f: GloraFactors, shape: tuple[int, ...]) -> Miss | None:
     if len(shape) < 2:
-        return Miss("shape_mismatch", f"shape mismatch: GLoRA needs a Linear or Conv weight, module weight is {shape}")
+        return Miss(
+            "shape_mismatch", f"shape mismatch: GLoRA needs a Linear or Conv weight, module weight is {shape}"
+        )
     if f.a_in.shape[0] != shape[1] or f.b_down[0].numel() != math.prod(shape[1:]):
-        return Miss("shape_mismatch", f"shape mismatch: GLoRA input (a {f.a_in.shape[0]}, b {tuple(f.b_down.shape[1:])}) vs module "
-                f"{shape[1:]}")
+        return Miss(
+            "shape_mismatch",
+            f"shape mismatch: GLoRA input (a {f.a_in.shape[0]}, b {tuple(f.b_down.shape[1:])}) vs module "
+            f"{shape[1:]}",
+        )
     if f.old_naming and math.prod(shape[2:]) > 1:
-        return Miss("unsupported", "unsupported: pre-3.0 GLoRA naming on a conv with a kernel > 1 (no producer known)")
+        return Miss(
+            "unsupported", "unsupported: pre-3.0 GLoRA naming on a conv with a kernel > 1 (no producer known)"
+        )
     return None
 
 
@@ -89,8 +100,15 @@ def settle(f: GloraFactors, shape: tuple[int, ...]) -> GloraFactors:
     if f.other is None or len(shape) < 2:
         return f
     if f.a_in.shape[0] != shape[1] and f.other[0].shape[0] == shape[1]:
-        return dataclasses.replace(f, a_in=f.other[0], a_out=f.other[1], b_up=f.other[2], b_down=f.other[3],
-                                   old_naming=True, other=None)
+        return dataclasses.replace(
+            f,
+            a_in=f.other[0],
+            a_out=f.other[1],
+            b_up=f.other[2],
+            b_down=f.other[3],
+            old_naming=True,
+            other=None,
+        )
     return dataclasses.replace(f, other=None)
 
 
@@ -104,8 +122,15 @@ def _a_delta(base: torch.Tensor, f: GloraFactors) -> torch.Tensor:
     return (per_tap @ a_in @ a_out).transpose(1, 2).reshape(base.shape[0], -1)
 
 
-def add_delta(target_rows: torch.Tensor, f: GloraFactors, src: int, length: int, coeff: float,
-              base: torch.Tensor | None = None, **_) -> None:
+def add_delta(
+    target_rows: torch.Tensor,
+    f: GloraFactors,
+    src: int,
+    length: int,
+    coeff: float,
+    base: torch.Tensor | None = None,
+    **_,
+) -> None:
     """target_rows (length, in*k) += coeff · (W_rows·a_in·a_out + b_up[src:src+length]·b_down); base = W_rows."""
     if base is None:
         raise ValueError("GLoRA reads the original weight: add_delta needs base=")
@@ -121,7 +146,9 @@ def bias_delta(f: GloraFactors, src: int, length: int) -> None:
 def plain_weight(module: torch.nn.Module | None) -> torch.Tensor | None:
     """The module's weight when it is an ordinary floating tensor (not quantized, not offloaded), else None."""
     w = getattr(module, "weight", None)
-    plain = type(w) in (torch.Tensor, torch.nn.Parameter) and w.is_floating_point() and w.device.type != "meta"
+    plain = (
+        type(w) in (torch.Tensor, torch.nn.Parameter) and w.is_floating_point() and w.device.type != "meta"
+    )
     return w if plain else None
 
 
@@ -141,7 +168,9 @@ def layer_product(module: torch.nn.Module, h: torch.Tensor, conv: ConvSpec | Non
 
 def runtime_term(f: GloraFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
     if module is None:
-        raise RuntimeError("GLoRA runtime needs the host module (runtime_term(..., module=)): W·a1·a2·x reads W")
+        raise RuntimeError(
+            "GLoRA runtime needs the host module (runtime_term(..., module=)): W·a1·a2·x reads W"
+        )
     acc = torch.float64 if f.a_in.dtype == torch.float64 else torch.float32
     a_in, a_out = f.a_in.flatten(1).to(acc), f.a_out.flatten(1).to(acc)
     b_up = f.b_up[src : src + length].flatten(1).to(acc)
@@ -163,10 +192,23 @@ def runtime_term(f: GloraFactors, src: int, dst: int, length: int, module=None) 
         ai, ao, bu, bd = cache.get(x)
         mixed = torch.movedim(torch.movedim(x, 1, -1) @ ao.t() @ ai.t(), -1, 1)
         hb = conv.fn(x, bd, None, **conv.kwargs)
-        return layer_product(module, mixed, conv, dst, length) + conv.fn(hb, bu.view(*bu.shape, *[1] * len(kernel)))
+        return layer_product(module, mixed, conv, dst, length) + conv.fn(
+            hb, bu.view(*bu.shape, *[1] * len(kernel))
+        )
 
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost="GLoRA conv: extra layer conv on a1·a2·x")
+    return RuntimeTerm(
+        None, None, None, None, dst, length, fn=fn, cost="GLoRA conv: extra layer conv on a1·a2·x"
+    )
 
 
-SPEC = Family("glora", load, check_target, add_delta, bias_delta, runtime_term, needs_base=True, settle=settle,
-              runtime_takes_module=True)
+SPEC = Family(
+    "glora",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    needs_base=True,
+    settle=settle,
+    runtime_takes_module=True,
+)

@@ -27,7 +27,9 @@ class Ia3Factors:
     w: torch.Tensor  # (n,) flat, stored dtype: LyCORIS `weight` or PEFT `ia3_l`
     peft: bool  # effective vector is l − 1; output side scales the bias too
     on_input: bool | None  # None: decided by check_target from the module's shape
-    ambiguous_ok: bool = False  # values unknown (meta planning): an undecidable square layer is planned as output
+    ambiguous_ok: bool = (
+        False  # values unknown (meta planning): an undecidable square layer is planned as output
+    )
     rank: None = None
     is_conv_kernel: bool = False
 
@@ -47,28 +49,43 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> Ia3Factors
         elif t.dim() >= 3 and t.shape[0] == 1 and all(d == 1 for d in t.shape[2:]):
             on_input = None  # conv (1, n, 1..): PEFT uses one layout for both sides
         else:
-            raise PartRejected("shape_mismatch", f"shape mismatch: ia3_l {tuple(t.shape)} is not (out, 1), (1, in) or (1, n, 1..)")
+            raise PartRejected(
+                "shape_mismatch",
+                f"shape mismatch: ia3_l {tuple(t.shape)} is not (out, 1), (1, in) or (1, n, 1..)",
+            )
         return Ia3Factors(t.flatten(), True, on_input, t.device.type == "meta")
     if "weight" not in tensors or "on_input" not in tensors:
-        raise PartRejected("incomplete", f"incomplete IA3: no {'weight' if 'weight' not in tensors else 'on_input'} tensor")
+        raise PartRejected(
+            "incomplete", f"incomplete IA3: no {'weight' if 'weight' not in tensors else 'on_input'} tensor"
+        )
     w, flag = tensors["weight"], tensors["on_input"]
     check_factor(key_of["weight"], w)
     if flag.numel() != 1:
-        raise PartRejected("bad_tensor", f"bad tensor: {key_of['on_input']} should be a scalar, has shape {tuple(flag.shape)}")
+        raise PartRejected(
+            "bad_tensor",
+            f"bad tensor: {key_of['on_input']} should be a scalar, has shape {tuple(flag.shape)}",
+        )
     if not (w.dim() == 1 or (w.dim() >= 3 and w.shape[0] == 1 and all(d == 1 for d in w.shape[2:]))):
-        raise PartRejected("shape_mismatch", f"shape mismatch: IA3 weight {tuple(w.shape)} is not (n,) or (1, n, 1..)")
+        raise PartRejected(
+            "shape_mismatch", f"shape mismatch: IA3 weight {tuple(w.shape)} is not (n,) or (1, n, 1..)"
+        )
     meta = flag.device.type == "meta"
     return Ia3Factors(w.flatten(), False, None if meta else bool(flag.reshape(()).item()), meta)
 
 
 def check_target(f: Ia3Factors, shape: tuple[int, ...]) -> Miss | None:
     if len(shape) < 2:
-        return Miss("shape_mismatch", f"shape mismatch: IA3 needs a Linear or Conv weight, module weight is {shape}")
+        return Miss(
+            "shape_mismatch", f"shape mismatch: IA3 needs a Linear or Conv weight, module weight is {shape}"
+        )
     n, fits_in, fits_out = f.w.numel(), f.w.numel() == shape[1], f.w.numel() == shape[0]
     if f.on_input is None:
         if fits_in and fits_out and not f.ambiguous_ok:
-            return Miss("ambiguous", f"ambiguous: IA3 vector of {n} on a square {shape} layer, input or output side unknown "
-                    "(PEFT conv ia3_l)")
+            return Miss(
+                "ambiguous",
+                f"ambiguous: IA3 vector of {n} on a square {shape} layer, input or output side unknown "
+                "(PEFT conv ia3_l)",
+            )
     on_input = f.on_input if f.on_input is not None else fits_in and not fits_out
     if on_input and not fits_in:
         return Miss("shape_mismatch", f"shape mismatch: IA3 input vector of {n} vs module input {shape[1]}")
@@ -90,8 +107,15 @@ def _vector(f: Ia3Factors, dtype: torch.dtype) -> torch.Tensor:
     return w - 1 if f.peft else w
 
 
-def add_delta(target_rows: torch.Tensor, f: Ia3Factors, src: int, length: int, coeff: float,
-              base: torch.Tensor | None = None, **_) -> None:
+def add_delta(
+    target_rows: torch.Tensor,
+    f: Ia3Factors,
+    src: int,
+    length: int,
+    coeff: float,
+    base: torch.Tensor | None = None,
+    **_,
+) -> None:
     """target_rows (length, in*k) += coeff · W_rows ⊙ w (w along rows, or along input channels)."""
     if base is None:
         raise ValueError("IA3 scales the original weight: add_delta needs base=")
@@ -127,17 +151,34 @@ def runtime_term(f: Ia3Factors, src: int, dst: int, length: int, module=None) ->
             (v,) = out_cache.get(base_out)
             return base_out * (v.view(-1, *[1] * (base_out.dim() - 2)) if conv is not None else v)
 
-        return RuntimeTerm(None, None, None, bias, dst, length, fn=scale_out, cost="IA3 output scale", needs_base=True)
+        return RuntimeTerm(
+            None, None, None, bias, dst, length, fn=scale_out, cost="IA3 output scale", needs_base=True
+        )
     if module is None:
         raise RuntimeError("IA3 on the input reads W: runtime_term needs the host module (module=)")
     in_cache = CastCache(w)
 
     def scale_in(x: torch.Tensor, conv: ConvSpec | None) -> torch.Tensor:
         (v,) = in_cache.get(x)
-        return layer_product(module, x * (v.view(-1, *[1] * (x.dim() - 2)) if conv is not None else v), conv, dst, length)
+        return layer_product(
+            module, x * (v.view(-1, *[1] * (x.dim() - 2)) if conv is not None else v), conv, dst, length
+        )
 
-    return RuntimeTerm(None, None, None, None, dst, length, fn=scale_in, cost="IA3 input scale: one extra W product")
+    return RuntimeTerm(
+        None, None, None, None, dst, length, fn=scale_in, cost="IA3 input scale: one extra W product"
+    )
 
 
-SPEC = Family("ia3", load, check_target, add_delta, bias_delta, runtime_term, uses_alpha_scale=False,
-              needs_base=True, bias_needs_base=True, runtime_takes_module=True, settle=settle)
+SPEC = Family(
+    "ia3",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    uses_alpha_scale=False,
+    needs_base=True,
+    bias_needs_base=True,
+    runtime_takes_module=True,
+    settle=settle,
+)

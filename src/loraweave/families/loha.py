@@ -27,7 +27,9 @@ class LohaFactors:
     t1: torch.Tensor | None  # Tucker cores (r1, r1, *k); stored dtype throughout
     t2: torch.Tensor | None
     rank: int  # w1_b.shape[0], the r of alpha/r (LyCORIS, ComfyUI)
-    in_shape: tuple[int, ...] | None  # (in, *k); None until check_target sees the module when b is stored flat
+    in_shape: (
+        tuple[int, ...] | None
+    )  # (in, *k); None until check_target sees the module when b is stored flat
 
     @property
     def rows(self) -> int:
@@ -55,13 +57,18 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LohaFactor
         raise PartRejected("incomplete", f"incomplete LoHa: no {', '.join(missing)} tensor")
     t1, t2 = tensors.get("hada_t1"), tensors.get("hada_t2")
     if (t1 is None) != (t2 is None):
-        raise PartRejected("incomplete", f"incomplete LoHa: {'hada_t1' if t1 is not None else 'hada_t2'} without its partner core")
+        raise PartRejected(
+            "incomplete",
+            f"incomplete LoHa: {'hada_t1' if t1 is not None else 'hada_t2'} without its partner core",
+        )
     for role, t in tensors.items():
         check_factor(key_of[role], t)
     tucker = t1 is not None
     a1, a2 = (_a_factor(tensors[r], tucker) for r in ("hada_w1_a", "hada_w2_a"))
     b1, b2 = tensors["hada_w1_b"], tensors["hada_w2_b"]
-    shapes = ", ".join(f"{r} {tuple(tensors[r].shape)}" for r in (*_FACTORS, "hada_t1", "hada_t2") if r in tensors)
+    shapes = ", ".join(
+        f"{r} {tuple(tensors[r].shape)}" for r in (*_FACTORS, "hada_t1", "hada_t2") if r in tensors
+    )
     if any(t.dim() != 2 or 0 in t.shape for t in (a1, a2)) or b1.dim() < 2 or b2.dim() < 2:
         raise PartRejected("shape_mismatch", f"shape mismatch: LoHa factors {shapes}")
     in_shape = tuple(b1.shape[1:]) if b1.dim() > 2 else None
@@ -84,7 +91,10 @@ def check_target(f: LohaFactors, shape: tuple[int, ...] | None) -> Miss | None:
     Flat (non-Tucker) factors carry in·k but not the kernel: the first module seen fixes it, which also sets
     is_conv_kernel (read after check_target by the planner) and the conv kernel of the runtime path."""
     if shape is None or len(shape) < 2:
-        return Miss("shape_mismatch", f"shape mismatch: LoHa needs a weight of shape (out, in, *k), module has {shape}")
+        return Miss(
+            "shape_mismatch",
+            f"shape mismatch: LoHa needs a weight of shape (out, in, *k), module has {shape}",
+        )
     want = tuple(shape[1:])
     if f.in_shape == want or (f.in_shape is None and math.prod(want) == f.cols):
         return None
@@ -140,8 +150,18 @@ def runtime_term(f: LohaFactors, src: int, dst: int, length: int) -> RuntimeTerm
             raise RuntimeError("LoHa conv kernel unknown: check_target was never called for this part")
         return conv.fn(x, delta.view(length, *f.in_shape), None, **conv.kwargs)
 
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=f"dense ΔW ({length}×{f.cols}) cached")
+    return RuntimeTerm(
+        None, None, None, None, dst, length, fn=fn, cost=f"dense ΔW ({length}×{f.cols}) cached"
+    )
 
 
-SPEC = Family("loha", load, check_target, add_delta, bias_delta, runtime_term, settle=settle,
-              roles=("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"))
+SPEC = Family(
+    "loha",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    settle=settle,
+    roles=("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"),
+)

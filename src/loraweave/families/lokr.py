@@ -21,12 +21,16 @@ ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b
 @dataclass
 class LokrFactors:
     w1: tuple[torch.Tensor, ...]  # (w1 (a, c),) or (w1_a (a, r), w1_b (r, c)); stored dtype
-    w2: tuple[torch.Tensor, ...]  # (w2 (b, d, *k),) | (w2_a (b, r), w2_b (r, d·k | d, *k)) | (t2, w2_a (r, b), w2_b (r, d))
+    w2: tuple[
+        torch.Tensor, ...
+    ]  # (w2 (b, d, *k),) | (w2_a (b, r), w2_b (r, d·k | d, *k)) | (t2, w2_a (r, b), w2_b (r, d))
     a: int
     c: int
     b: int
     n: int  # columns of the flattened w2 (d·k)
-    rank: int | None  # rank of the factored half (w1's first, as LyCORIS); None when both halves are full: γ = 1
+    rank: (
+        int | None
+    )  # rank of the factored half (w1's first, as LyCORIS); None when both halves are full: γ = 1
     kernel: tuple[int, ...] | None  # kernel dims the factors carry (None: 2-D w2, known only from the target)
     target_kernel: tuple[int, ...] | None = None  # the host module's kernel dims, recorded by check_target
 
@@ -46,7 +50,9 @@ def _half(tensors: dict[str, torch.Tensor], side: str) -> tuple[torch.Tensor, ..
     if full is not None:
         return (full,)
     if fa is None and fb is None:
-        raise PartRejected("incomplete", f"incomplete LoKr: no lokr_{side} (or lokr_{side}_a + lokr_{side}_b)")
+        raise PartRejected(
+            "incomplete", f"incomplete LoKr: no lokr_{side} (or lokr_{side}_a + lokr_{side}_b)"
+        )
     if fa is None or fb is None:
         have, miss = ("a", "b") if fb is None else ("b", "a")
         raise PartRejected("incomplete", f"incomplete LoKr: lokr_{side}_{have} without lokr_{side}_{miss}")
@@ -57,7 +63,10 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LokrFactor
     """Validate shapes and values of one part's tensors (role -> tensor); factors stay in their stored dtype."""
     other = sorted(set(tensors) - set(ROLES))
     if other:  # e.g. dora_scale: dropping it would silently change the result
-        raise PartRejected("unsupported", f"unsupported family: {', '.join(other)} on a LoKr part (not yet supported with LoKr)")
+        raise PartRejected(
+            "unsupported",
+            f"unsupported family: {', '.join(other)} on a LoKr part (not yet supported with LoKr)",
+        )
     for role, t in tensors.items():
         check_factor(key_of[role], t)
     w1, w2, t2 = _half(tensors, "w1"), _half(tensors, "w2"), tensors.get("lokr_t2")
@@ -76,7 +85,13 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LokrFactor
         (a, r1), c = w1[0].shape, w1[1].shape[1]
     if t2 is not None:  # Tucker: w2[p, q, ...] = Σ t2[i, j, ...] · w2_a[i, p] · w2_b[j, q]
         wa, wb = w2 if len(w2) == 2 else (None, None)
-        if wa is None or t2.dim() < 3 or wa.dim() != 2 or wb.dim() != 2 or t2.shape[:2] != (wa.shape[0], wb.shape[0]):
+        if (
+            wa is None
+            or t2.dim() < 3
+            or wa.dim() != 2
+            or wb.dim() != 2
+            or t2.shape[:2] != (wa.shape[0], wb.shape[0])
+        ):
             raise bad
         w2, b, d, kernel, r2 = (t2, wa, wb), wa.shape[1], wb.shape[1], tuple(t2.shape[2:]), wb.shape[0]
     elif len(w2) == 1:
@@ -97,12 +112,18 @@ def check_target(f: LokrFactors, shape: tuple[int, ...]) -> Miss | None:
     kernel = tuple(shape[2:])
     cols = shape[1] * math.prod(kernel)
     if f.c * f.n != cols:
-        return Miss("shape_mismatch", f"shape mismatch: LoKr kron(({f.a}, {f.c}), ({f.b}, {f.n})) has {f.c * f.n} input columns, module {tuple(shape)} has {cols}")
+        return Miss(
+            "shape_mismatch",
+            f"shape mismatch: LoKr kron(({f.a}, {f.c}), ({f.b}, {f.n})) has {f.c * f.n} input columns, module {tuple(shape)} has {cols}",
+        )
     ones = all(k == 1 for k in kernel) and all(k == 1 for k in f.kernel or ())
     if f.kernel is not None and f.kernel != kernel and not ones:
         return Miss("shape_mismatch", f"shape mismatch: LoKr kernel {f.kernel} vs module kernel {kernel}")
     if f.target_kernel is not None and f.target_kernel != kernel:
-        return Miss("shape_mismatch", f"shape mismatch: LoKr already planned on a kernel {f.target_kernel}, this module has {kernel}")
+        return Miss(
+            "shape_mismatch",
+            f"shape mismatch: LoKr already planned on a kernel {f.target_kernel}, this module has {kernel}",
+        )
     return None
 
 
@@ -191,11 +212,17 @@ def runtime_term(f: LokrFactors, src: int, dst: int, length: int) -> RuntimeTerm
         w1c, w2c, *more = cache.get(x)
         if conv is None:
             xs = x.reshape(*x.shape[:-1], f.c, f.n)
-            y = torch.matmul(w1c, mul_w2(xs, w2c, more)) if w2_first else mul_w2(torch.matmul(w1c, xs), w2c, more)
+            y = (
+                torch.matmul(w1c, mul_w2(xs, w2c, more))
+                if w2_first
+                else mul_w2(torch.matmul(w1c, xs), w2c, more)
+            )
             y = y.flatten(-2)
             return y if (off, length) == (0, y.shape[-1]) else y[..., off : off + length]
         if not kernel:
-            raise RuntimeError("LoKr with a 2-D w2 on a conv: kernel unknown (plan it with check_target first)")
+            raise RuntimeError(
+                "LoKr with a 2-D w2 on a conv: kernel unknown (plan it with check_target first)"
+            )
         n, spatial = x.shape[0], x.shape[2:]
         if aligned:  # channels j·d..(j+1)·d form group j: fold the groups into the batch
             d = f.n // size

@@ -32,21 +32,31 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
     for role, t in tensors.items():
         check_factor(key_of[role], t)
     if down.dim() < 2 or down.shape[0] == 0:
-        raise PartRejected("shape_mismatch", f"shape mismatch: down {tuple(down.shape)} is not a rank>=1 factor")
+        raise PartRejected(
+            "shape_mismatch", f"shape mismatch: down {tuple(down.shape)} is not a rank>=1 factor"
+        )
     rank = down.shape[0]
     if up.dim() < 2 or up.shape[1] != rank or any(d != 1 for d in up.shape[2:]):
-        raise PartRejected("shape_mismatch", f"shape mismatch: up {tuple(up.shape)} does not pair with down {tuple(down.shape)}")
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: up {tuple(up.shape)} does not pair with down {tuple(down.shape)}",
+        )
     # Factors stay in their stored dtype (plan needs only shapes); merge and runtime cast where they compute.
     up2d = up.flatten(1)
     mid = tensors.get("mid")
     if mid is not None:
         if mid.dim() < 3 or mid.shape[:2] != (rank, rank) or any(d != 1 for d in down.shape[2:]):
-            raise PartRejected("shape_mismatch", f"shape mismatch: Tucker core {tuple(mid.shape)} with down {tuple(down.shape)}")
+            raise PartRejected(
+                "shape_mismatch",
+                f"shape mismatch: Tucker core {tuple(mid.shape)} with down {tuple(down.shape)}",
+            )
         # Tucker: down is 1x1, the core carries the kernel; compose them into one (r, in, *k) kernel.
         down = torch.einsum("mn...,nj->mj...", mid.float(), down.flatten(1).float())
     bias = tensors.get("up_bias")
     if bias is not None and bias.shape != (up.shape[0],):
-        raise PartRejected("shape_mismatch", f"shape mismatch: lora_B.bias {tuple(bias.shape)} for {up.shape[0]} rows")
+        raise PartRejected(
+            "shape_mismatch", f"shape mismatch: lora_B.bias {tuple(bias.shape)} for {up.shape[0]} rows"
+        )
     conv_kernel = down.dim() > 2 and any(d > 1 for d in down.shape[2:])
     return LoraFactors(down, up2d, bias, rank, conv_kernel)
 
@@ -77,7 +87,9 @@ def check_target(f: LoraFactors, shape: tuple[int, ...]) -> Miss | None:
 
 def add_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, coeff: float) -> None:
     """target_rows (length, in*k), fp32 or the weight's own dtype view: += coeff · up[src:src+length] @ down."""
-    target_rows.addmm_(f.up[src : src + length].to(target_rows.dtype), f.down.flatten(1).to(target_rows.dtype), alpha=coeff)
+    target_rows.addmm_(
+        f.up[src : src + length].to(target_rows.dtype), f.down.flatten(1).to(target_rows.dtype), alpha=coeff
+    )
 
 
 def bias_delta(f: LoraFactors, src: int, length: int) -> torch.Tensor | None:
@@ -88,5 +100,14 @@ def runtime_term(f: LoraFactors, src: int, dst: int, length: int) -> RuntimeTerm
     return RuntimeTerm(f.down, f.up[src : src + length], None, bias_delta(f, src, length), dst, length)
 
 
-SPEC = Family("lora", load, check_target, add_delta, bias_delta, runtime_term,
-              roles=("down", "up", "mid", "up_bias"), input_width=input_width, widen_input=widen_input)
+SPEC = Family(
+    "lora",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    roles=("down", "up", "mid", "up_bias"),
+    input_width=input_width,
+    widen_input=widen_input,
+)

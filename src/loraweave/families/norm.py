@@ -31,7 +31,9 @@ class NormFactors:
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> NormFactors:
     extra = sorted(set(tensors) - {"w_norm", "b_norm", "alpha"})
     if extra:
-        raise PartRejected("unsupported", f"unsupported: norm delta with {', '.join(key_of[r] for r in extra)}")
+        raise PartRejected(
+            "unsupported", f"unsupported: norm delta with {', '.join(key_of[r] for r in extra)}"
+        )
     w, b = tensors.get("w_norm"), tensors.get("b_norm")
     if w is None and b is None:
         raise PartRejected("incomplete", "incomplete norm delta: neither w_norm nor b_norm")
@@ -39,15 +41,21 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> NormFactor
         if role in tensors:
             check_factor(key_of[role], tensors[role])
             if tensors[role].dim() != 1:
-                raise PartRejected("shape_mismatch", f"shape mismatch: {role} {tuple(tensors[role].shape)} is not 1-D")
+                raise PartRejected(
+                    "shape_mismatch", f"shape mismatch: {role} {tuple(tensors[role].shape)} is not 1-D"
+                )
     if w is not None and b is not None and w.shape != b.shape:
-        raise PartRejected("shape_mismatch", f"shape mismatch: w_norm {tuple(w.shape)} vs b_norm {tuple(b.shape)}")
+        raise PartRejected(
+            "shape_mismatch", f"shape mismatch: w_norm {tuple(w.shape)} vs b_norm {tuple(b.shape)}"
+        )
     return NormFactors(w, b)  # a LyCORIS `alpha` (none is written for norms) would be ignored: no scale
 
 
 def check_target(f: NormFactors, shape: tuple[int, ...]) -> Miss | None:
     if len(shape) != 1:
-        return Miss("shape_mismatch", f"shape mismatch: norm delta needs a 1-D norm weight, module weight is {shape}")
+        return Miss(
+            "shape_mismatch", f"shape mismatch: norm delta needs a 1-D norm weight, module weight is {shape}"
+        )
     return None
 
 
@@ -114,5 +122,14 @@ def runtime_term(f: NormFactors, src: int, dst: int, length: int, module=None) -
     return RuntimeTerm(None, None, None, bias, dst, length, fn=fn, cost="norm recomputed without affine")
 
 
-SPEC = Family("norm", load, check_target, add_delta, bias_delta, runtime_term, uses_alpha_scale=False,
-              runtime_takes_module=True, runtime_refusal=runtime_refusal)
+SPEC = Family(
+    "norm",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    uses_alpha_scale=False,
+    runtime_takes_module=True,
+    runtime_refusal=runtime_refusal,
+)

@@ -32,7 +32,9 @@ _SPLIT_ROLE = re.compile(r"oft_blocks\.(\d+)")
 
 @dataclass
 class OftFactors:
-    segments: list[tuple[torch.Tensor, float]]  # per output split, top to bottom: (blocks (n, b, b), constraint)
+    segments: list[
+        tuple[torch.Tensor, float]
+    ]  # per output split, top to bottom: (blocks (n, b, b), constraint)
     cayley: bool  # False: the blocks are R itself (LyCORIS 2.x oft_diag)
     rescale: torch.Tensor | None  # (rows,), stored dtype
     _minus_i: dict = field(default_factory=dict)  # device -> [R − I per segment], built on first use
@@ -53,7 +55,9 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> OftFactors
         raise PartRejected("shape_mismatch", f"shape mismatch: OFT part holds both {' and '.join(kinds)}")
     extra = set(tensors) - {"oft_blocks", "oft_diag", "rescale", "alpha", *(r for _, r in splits)}
     if extra:
-        raise PartRejected("unsupported", f"unsupported family: OFT part with {', '.join(sorted(key_of[r] for r in extra))}")
+        raise PartRejected(
+            "unsupported", f"unsupported family: OFT part with {', '.join(sorted(key_of[r] for r in extra))}"
+        )
     for role, t in tensors.items():
         if role != "alpha":
             check_factor(key_of[role], t)
@@ -61,19 +65,26 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> OftFactors
     for role in roles:
         t = tensors[role]
         if t.dim() != 3 or t.shape[1] != t.shape[2] or 0 in t.shape:
-            raise PartRejected("shape_mismatch", f"shape mismatch: {key_of[role]} {tuple(t.shape)} is not (blocks, b, b)")
+            raise PartRejected(
+                "shape_mismatch", f"shape mismatch: {key_of[role]} {tuple(t.shape)} is not (blocks, b, b)"
+            )
     alpha = scalar_alpha(tensors, key_of)
     # c = α·(rows the blocks rotate): the module's out_dim, or one split's width for kohya Flux.
     segments = [(tensors[r], alpha * tensors[r].shape[0] * tensors[r].shape[1]) for r in roles]
     rows = sum(t.shape[0] * t.shape[1] for t, _ in segments)
-    return OftFactors(segments, "oft_diag" not in tensors, row_scale(tensors.get("rescale"), rows, key_of.get("rescale")))
+    return OftFactors(
+        segments, "oft_diag" not in tensors, row_scale(tensors.get("rescale"), rows, key_of.get("rescale"))
+    )
 
 
 def check_target(f: OftFactors, shape: tuple[int, ...]) -> Miss | None:
     """The planner checks the total rows; a fused chunk must not cut a block (offsets are checked when applied)."""
     smallest = min(blocks.shape[1] for blocks, _ in f.segments)
     if shape[0] % smallest:
-        return Miss("shape_mismatch", f"shape mismatch: OFT blocks of {smallest} rows do not tile a module of {shape[0]} rows")
+        return Miss(
+            "shape_mismatch",
+            f"shape mismatch: OFT blocks of {smallest} rows do not tile a module of {shape[0]} rows",
+        )
     return None
 
 
@@ -93,7 +104,10 @@ def _windows(f: OftFactors, src: int, length: int):
         lo, hi = max(src, start), min(src + length, start + n * b)
         if lo < hi:
             if (lo - start) % b or (hi - start) % b:
-                raise PartRejected("shape_mismatch", f"shape mismatch: rows [{src}, {src + length}) cut an OFT block of {b} rows")
+                raise PartRejected(
+                    "shape_mismatch",
+                    f"shape mismatch: rows [{src}, {src + length}) cut an OFT block of {b} rows",
+                )
             out.append((i, (lo - start) // b, (hi - lo) // b, lo - src))
         start += n * b
     return out
@@ -120,8 +134,9 @@ def _delta(f: OftFactors, y: torch.Tensor, src: int, s: float) -> torch.Tensor:
     return rescaled(delta, y, None if f.rescale is None else f.rescale[src : src + y.shape[-1]], s)
 
 
-def add_delta(target_rows: torch.Tensor, f: OftFactors, src: int, length: int, coeff: float, base: torch.Tensor,
-              **_) -> None:
+def add_delta(
+    target_rows: torch.Tensor, f: OftFactors, src: int, length: int, coeff: float, base: torch.Tensor, **_
+) -> None:
     """target_rows (length, in·k) += rescale ⊙ (R_sᵀ W) − W for the original rows `base` (fp32), s = coeff."""
     y = base.to(target_rows.dtype).mT  # rows are the channels: (in·k, length)
     target_rows.add_(_delta(f, y, src, coeff).mT)
@@ -146,10 +161,29 @@ def runtime_term(f: OftFactors, src: int, dst: int, length: int) -> RuntimeTerm:
         return d if conv is None else d.movedim(-1, 1)
 
     sizes = ", ".join(f"{count}x{f.segments[i][0].shape[-1]}" for i, _, count, _ in windows)
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, needs_base=True, linear_in_strength=linear,
-                       cost=f"OFT blockwise rotation of the output ({sizes} blocks); R cached")
+    return RuntimeTerm(
+        None,
+        None,
+        None,
+        None,
+        dst,
+        length,
+        fn=fn,
+        needs_base=True,
+        linear_in_strength=linear,
+        cost=f"OFT blockwise rotation of the output ({sizes} blocks); R cached",
+    )
 
 
 # alpha is the constraint, not a scale
-SPEC = Family("oft", load, check_target, add_delta, bias_delta, runtime_term, uses_alpha_scale=False,
-              needs_base=True, check_piece=check_piece)
+SPEC = Family(
+    "oft",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    uses_alpha_scale=False,
+    needs_base=True,
+    check_piece=check_piece,
+)

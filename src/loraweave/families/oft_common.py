@@ -9,7 +9,9 @@ import torch
 
 from .base import PartRejected
 
-RESCALE_FOLLOWS_STRENGTH = False  # False: LyCORIS (rescale in full at any strength); True: 1 + s·(rescale − 1)
+RESCALE_FOLLOWS_STRENGTH = (
+    False  # False: LyCORIS (rescale in full at any strength); True: 1 + s·(rescale − 1)
+)
 
 
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -34,7 +36,10 @@ def scalar_alpha(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> fl
     if alpha is None:
         return 0.0
     if alpha.numel() != 1:
-        raise PartRejected("shape_mismatch", f"shape mismatch: {key_of['alpha']} should be a scalar, has shape {tuple(alpha.shape)}")
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: {key_of['alpha']} should be a scalar, has shape {tuple(alpha.shape)}",
+        )
     value = 0.0 if alpha.device.type == "meta" else float(alpha.reshape(()).double())  # int/fp64 alphas too
     if value != value or value in (float("inf"), float("-inf")):
         raise PartRejected("non_finite", f"bad tensor: {key_of['alpha']} is not finite")
@@ -46,7 +51,10 @@ def row_scale(rescale: torch.Tensor | None, rows: int, key: str) -> torch.Tensor
     if rescale is None:
         return None
     if rescale.numel() != rows or max(rescale.shape, default=0) != rows:
-        raise PartRejected("shape_mismatch", f"shape mismatch: {key} {tuple(rescale.shape)} is not one factor per row of {rows}")
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: {key} {tuple(rescale.shape)} is not one factor per row of {rows}",
+        )
     return rescale.reshape(rows)
 
 

@@ -33,7 +33,12 @@ from ..report.miss import Miss
 from .base import Family, PartRejected, RuntimeTerm, check_factor
 from .oft_common import acc_dtype
 
-DEFAULTS = {"use_cayley_neumann": True, "num_cayley_neumann_terms": 5, "coft": False, "eps": 6e-5}  # PEFT 0.21
+DEFAULTS = {
+    "use_cayley_neumann": True,
+    "num_cayley_neumann_terms": 5,
+    "coft": False,
+    "eps": 6e-5,
+}  # PEFT 0.21
 _OFT_FIELDS = ("oft_block_size", "use_cayley_neumann", "num_cayley_neumann_terms", "coft", "block_share")
 
 
@@ -63,7 +68,9 @@ def _field(config: dict, name: str):
         return config[name]
     found = {repr(v): v for k, v in config.items() if isinstance(k, str) and k.endswith("." + name)}
     if len(found) > 1:
-        raise PartRejected("ambiguous", f"ambiguous PEFT OFT config: components disagree on {name} ({', '.join(found)})")
+        raise PartRejected(
+            "ambiguous", f"ambiguous PEFT OFT config: components disagree on {name} ({', '.join(found)})"
+        )
     return next(iter(found.values()), None)
 
 
@@ -76,11 +83,17 @@ def _settings(config: dict | None) -> tuple[int | None, bool, float | None, bool
     """(Neumann terms or None, legacy series, coft eps or None, block_share, source) from an adapter config."""
     peft_type = None if config is None else _field(config, "peft_type")
     is_oft = config is not None and (
-        str(peft_type).upper() == "OFT" or (peft_type is None and any(_field(config, n) is not None for n in _OFT_FIELDS))
+        str(peft_type).upper() == "OFT"
+        or (peft_type is None and any(_field(config, n) is not None for n in _OFT_FIELDS))
     )
     if not is_oft:
-        why = ("no adapter config" if config is None
-               else f"adapter config is {peft_type}, not OFT" if peft_type else "adapter config has no OFT fields")
+        why = (
+            "no adapter config"
+            if config is None
+            else f"adapter config is {peft_type}, not OFT"
+            if peft_type
+            else "adapter config has no OFT fields"
+        )
         source = f"PEFT 0.21 defaults ({why})"
         return DEFAULTS["num_cayley_neumann_terms"], False, None, None, source
 
@@ -89,38 +102,65 @@ def _settings(config: dict | None) -> tuple[int | None, bool, float | None, bool
         return DEFAULTS[name] if value is None else value
 
     if str(peft_type).upper() == "OFT" and _field(config, "oft_block_size") is None:
-        raise PartRejected("unsupported", "unsupported family: PEFT OFT from before PEFT 0.14 (config has no oft_block_size)")
+        raise PartRejected(
+            "unsupported", "unsupported family: PEFT OFT from before PEFT 0.14 (config has no oft_block_size)"
+        )
     try:
-        neumann, terms, coft, eps = (bool(get("use_cayley_neumann")), int(get("num_cayley_neumann_terms")),
-                                     bool(get("coft")), float(get("eps")))
+        neumann, terms, coft, eps = (
+            bool(get("use_cayley_neumann")),
+            int(get("num_cayley_neumann_terms")),
+            bool(get("coft")),
+            float(get("eps")),
+        )
     except (TypeError, ValueError) as exc:
-        raise PartRejected("bad_tensor", f"bad tensor: PEFT OFT config field is not a number ({exc})") from None
+        raise PartRejected(
+            "bad_tensor", f"bad tensor: PEFT OFT config field is not a number ({exc})"
+        ) from None
     if coft and not math.isfinite(eps):
         raise PartRejected("non_finite", "bad tensor: PEFT OFT config eps is not finite")
     share = _field(config, "block_share")
     version = _field(config, "peft_version")
     legacy = neumann and str(peft_type).upper() == "OFT" and _version_below(version, 0, 18)
-    return (terms if neumann else None), legacy, (eps if coft else None), (None if share is None else bool(share)), (
-        f"adapter config (peft_version {version or 'missing: < 0.18'})")
+    return (
+        (terms if neumann else None),
+        legacy,
+        (eps if coft else None),
+        (None if share is None else bool(share)),
+        (f"adapter config (peft_version {version or 'missing: < 0.18'})"),
+    )
 
 
-def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict | None = None) -> PeftOftFactors:
+def load(
+    tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict | None = None
+) -> PeftOftFactors:
     extra = set(tensors) - {"oft_R"}
     if extra:
-        raise PartRejected("unsupported", f"unsupported family: PEFT OFT part with {', '.join(sorted(key_of[r] for r in extra))}")
+        raise PartRejected(
+            "unsupported",
+            f"unsupported family: PEFT OFT part with {', '.join(sorted(key_of[r] for r in extra))}",
+        )
     vec = tensors["oft_R"]
     check_factor(key_of["oft_R"], vec)
     n = vec.shape[1] if vec.dim() == 2 else -1
     root = math.isqrt(8 * n + 1) if n >= 0 else 0
     if vec.dim() != 2 or vec.shape[0] == 0 or root * root != 8 * n + 1:
-        raise PartRejected("shape_mismatch", f"shape mismatch: {key_of['oft_R']} {tuple(vec.shape)} is not (blocks, b(b−1)/2)")
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: {key_of['oft_R']} {tuple(vec.shape)} is not (blocks, b(b−1)/2)",
+        )
     block = (root + 1) // 2
     terms, legacy, eps, share, source = _settings(config)
     if share and vec.shape[0] != 1:
-        raise PartRejected("shape_mismatch", f"shape mismatch: {key_of['oft_R']} {tuple(vec.shape)} has several rows but the config "
-                           "says block_share (PEFT then stores one)")
-    kind = ("exact Cayley" if terms is None
-            else f"Cayley-Neumann, {terms} terms" + (" (PEFT < 0.18 series)" if legacy else ""))
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: {key_of['oft_R']} {tuple(vec.shape)} has several rows but the config "
+            "says block_share (PEFT then stores one)",
+        )
+    kind = (
+        "exact Cayley"
+        if terms is None
+        else f"Cayley-Neumann, {terms} terms" + (" (PEFT < 0.18 series)" if legacy else "")
+    )
     form = f"{kind}{f', coft eps {eps:g}' if eps is not None else ''}; {source}"
     return PeftOftFactors(vec, block, terms, legacy, eps, share, form)
 
@@ -135,7 +175,10 @@ def check_target(f: PeftOftFactors, shape: tuple[int, ...]) -> Miss | None:
     if stored * b == cols or (f.shared and f.block_share is not False and cols and cols % b == 0):
         return None
     shared = f" (or a multiple of {b}, shared)" if f.shared else ""
-    return Miss("shape_mismatch", f"shape mismatch: PEFT OFT rotates {stored * b}{shared} input columns, module {tuple(shape)} has {cols}")
+    return Miss(
+        "shape_mismatch",
+        f"shape mismatch: PEFT OFT rotates {stored * b}{shared} input columns, module {tuple(shape)} has {cols}",
+    )
 
 
 def check_piece(f: PeftOftFactors, src: int, length: int) -> Miss | None:
@@ -200,8 +243,9 @@ def delta_rows(f: PeftOftFactors, w: torch.Tensor) -> torch.Tensor:
     return _blockwise(d, w, "okn,kmn->okm")
 
 
-def add_delta(target_rows: torch.Tensor, f: PeftOftFactors, src: int, length: int, coeff: float,
-              base: torch.Tensor, **_) -> None:
+def add_delta(
+    target_rows: torch.Tensor, f: PeftOftFactors, src: int, length: int, coeff: float, base: torch.Tensor, **_
+) -> None:
     """target_rows (length, in·k) += s·W·(blockdiag(R)ᵀ − I) for the original rows `base`, s = coeff."""
     target_rows.add_(delta_rows(f, base.to(target_rows.dtype).flatten(1)), alpha=coeff)
 
@@ -226,8 +270,9 @@ def runtime_refusal(f: PeftOftFactors, module) -> Miss | None:
     return Miss("unsupported", f"unsupported family: PEFT OFT at runtime {why}") if why else None
 
 
-def runtime_term(f: PeftOftFactors, src: int, dst: int, length: int,
-                 module: torch.nn.Module | None = None) -> RuntimeTerm:
+def runtime_term(
+    f: PeftOftFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None
+) -> RuntimeTerm:
     """Δy = W_rows·(R_sᵀ − I)·x at s = 1 (the runtime scales it by the strength: ΔW is linear in s)."""
     refused = runtime_refusal(f, module)
     if refused is not None:
@@ -255,12 +300,37 @@ def runtime_term(f: PeftOftFactors, src: int, dst: int, length: int,
 
     cols = math.prod(module.weight.shape[1:])
     blocks = f"{_blocks(f, cols)}x{f.block}{' shared' if f.shared else ''}"
-    how = "dense ΔW cached (k×k conv)" if taps > 1 else f"input rotation ({blocks} blocks) + one extra base GEMM"
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, needs_base=False, linear_in_strength=True,
-                       cost=f"PEFT OFT {how}; R: {f.form}")
+    how = (
+        "dense ΔW cached (k×k conv)"
+        if taps > 1
+        else f"input rotation ({blocks} blocks) + one extra base GEMM"
+    )
+    return RuntimeTerm(
+        None,
+        None,
+        None,
+        None,
+        dst,
+        length,
+        fn=fn,
+        needs_base=False,
+        linear_in_strength=True,
+        cost=f"PEFT OFT {how}; R: {f.form}",
+    )
 
 
 # An "oft" part holding oft_R; alpha is not a scale, the PEFT config sets the form.
-SPEC = Family("peft_oft", load, check_target, add_delta, bias_delta, runtime_term, uses_alpha_scale=False,
-              needs_base=True, takes_config=True, runtime_takes_module=True, check_piece=check_piece,
-              runtime_refusal=runtime_refusal)
+SPEC = Family(
+    "peft_oft",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    uses_alpha_scale=False,
+    needs_base=True,
+    takes_config=True,
+    runtime_takes_module=True,
+    check_piece=check_piece,
+    runtime_refusal=runtime_refusal,
+)

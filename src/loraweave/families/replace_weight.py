@@ -38,11 +38,15 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> SetFactors
 
 def check_target(f: SetFactors, shape: tuple[int, ...]) -> Miss | None:
     if tuple(f.weight.shape[1:]) != tuple(shape[1:]):
-        return Miss("shape_mismatch", f"shape mismatch: replacement {tuple(f.weight.shape)} vs module weight {shape}")
+        return Miss(
+            "shape_mismatch", f"shape mismatch: replacement {tuple(f.weight.shape)} vs module weight {shape}"
+        )
     return None
 
 
-def add_delta(target_rows, f: SetFactors, src: int, length: int, coeff: float, base=None, strength=None, scale=None):
+def add_delta(
+    target_rows, f: SetFactors, src: int, length: int, coeff: float, base=None, strength=None, scale=None
+):
     new = f.weight[src : src + length].reshape(length, -1).to(target_rows.dtype)
     if torch.equal(target_rows, base):  # alone on these rows: write t itself (W + (t − W) is not exactly t)
         target_rows.copy_(new)
@@ -83,9 +87,29 @@ def runtime_term(f: SetFactors, src: int, dst: int, length: int, module=None) ->
             return conv.fn(x, diff, None, **conv.kwargs)
         return F.linear(x, diff)
 
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, linear_in_strength=False,
-                       cost="replacement: strength ignored, dense (t − W) product")
+    return RuntimeTerm(
+        None,
+        None,
+        None,
+        None,
+        dst,
+        length,
+        fn=fn,
+        linear_in_strength=False,
+        cost="replacement: strength ignored, dense (t − W) product",
+    )
 
 
-SPEC = Family("set", load, check_target, add_delta, bias_delta, runtime_term, roles=("set_weight",),
-              uses_alpha_scale=False, needs_base=True, runtime_takes_module=True, runtime_refusal=runtime_refusal)
+SPEC = Family(
+    "set",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    roles=("set_weight",),
+    uses_alpha_scale=False,
+    needs_base=True,
+    runtime_takes_module=True,
+    runtime_refusal=runtime_refusal,
+)

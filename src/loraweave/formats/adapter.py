@@ -25,8 +25,20 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 GENERIC_ROLES = ("alpha", "scale", "reshape")
 # When one stem carries keys of several families, the first listed here names the part.
 FAMILY_PRECEDENCE = (
-    "dora", "boft", "oft", "glora", "ia3", "tlora", "standin", "set", "sparse_bias", "loha", "lokr", "norm",
-    "lora", "full",
+    "dora",
+    "boft",
+    "oft",
+    "glora",
+    "ia3",
+    "tlora",
+    "standin",
+    "set",
+    "sparse_bias",
+    "loha",
+    "lokr",
+    "norm",
+    "lora",
+    "full",
 )
 
 # File-wide spellings that change where names land (arch `Alias.when_file`). "diffsynth": some key carries peft's
@@ -41,8 +53,10 @@ class _DictSource:
         import torch  # a caller holding tensors has imported it already (module level stays torch-free)
 
         # Detached: a handle holds the factors; a caller's autograd graph behind them must not live as long.
-        self._tensors = {k: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v
-                         for k, v in tensors.items()}  # others kept as given: switch tells sets apart by identity
+        self._tensors = {
+            k: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v
+            for k, v in tensors.items()
+        }  # others kept as given: switch tells sets apart by identity
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -82,7 +96,9 @@ class Adapter:
 
     @cached_property
     def traits(self) -> frozenset[str]:
-        return frozenset(t for t, rx in FILE_TRAITS.items() if any(rx.search(k) for p in self.parts for k in p.keys))
+        return frozenset(
+            t for t, rx in FILE_TRAITS.items() if any(rx.search(k) for p in self.parts for k in p.keys)
+        )
 
     @cached_property
     def has_alpha_tensors(self) -> bool:
@@ -115,8 +131,11 @@ def _open_source(path: Path, allow_pickle: bool):
 
         return _DictSource(load_pickle_state_dict(path, allow_pickle=allow_pickle)), {}
     if path.suffix.lower() != ".safetensors":
-        raise UnsafeFormatError(f"{path}: only .safetensors adapters are read (pickles .pt/.ckpt/.bin/.pth only with "
-                                "loraweave.load_adapter(path, allow_pickle=True))", path=path)
+        raise UnsafeFormatError(
+            f"{path}: only .safetensors adapters are read (pickles .pt/.ckpt/.bin/.pth only with "
+            "loraweave.load_adapter(path, allow_pickle=True))",
+            path=path,
+        )
     from ..io.safetensors_file import SafetensorsFile
 
     sf = SafetensorsFile(path)
@@ -174,7 +193,9 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
         for p in pks:
             part.keys.append(p.key)
             if p.role in part.roles:
-                unparsed.append({"key": p.key, "reason": f"duplicate {p.role} for {stem} ({part.roles[p.role]})"})
+                unparsed.append(
+                    {"key": p.key, "reason": f"duplicate {p.role} for {stem} ({part.roles[p.role]})"}
+                )
                 part.keys.remove(p.key)
                 continue
             part.roles.setdefault(p.role, p.key)

@@ -16,15 +16,18 @@ class MetadataAlpha:
 
     kohya_alpha: float | None = None
     kohya_conv_alpha: float | None = None
-    peft: dict | None = None  # flat PEFT LoraConfig fields: r, lora_alpha, alpha_pattern, rank_pattern, use_rslora
+    peft: dict | None = (
+        None  # flat PEFT LoraConfig fields: r, lora_alpha, alpha_pattern, rank_pattern, use_rslora
+    )
 
     @property
     def empty(self) -> bool:
         return self.kohya_alpha is None and self.kohya_conv_alpha is None and self.peft is None
 
 
-def read_metadata_alpha(metadata: dict[str, str], peft_config: dict | None = None,
-                        source: str = "adapter") -> MetadataAlpha:
+def read_metadata_alpha(
+    metadata: dict[str, str], peft_config: dict | None = None, source: str = "adapter"
+) -> MetadataAlpha:
     """Alpha facts of a file's metadata; a malformed field raises AdapterMetadataError naming `source` and it."""
     kohya_alpha = kohya_number(metadata, "ss_network_alpha", source)
     args = kohya_args(metadata, source)

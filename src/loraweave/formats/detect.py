@@ -16,20 +16,32 @@ SIGNATURES: tuple[tuple[str, str], ...] = (
     ("sd3", r"^joint_blocks_\d+_(x|context)_block"),
     # LTX-2.3 adds attention gates and prompt modulation to LTX-2; both add an audio tower to MMDiT-like blocks.
     ("ltx2.3", r"_to_gate_logits$|^(audio_)?prompt_adaln(_single)?_"),
-    ("ltx2", r"^transformer_blocks_\d+_(audio_(attn[12]|ff)|audio_to_video_attn|video_to_audio_attn)_"
-             r"|^audio_adaln_single_|^av_ca_|^av_cross_attn_|^(audio_)?patchify_proj$|^audio_caption_projection_"),
+    (
+        "ltx2",
+        r"^transformer_blocks_\d+_(audio_(attn[12]|ff)|audio_to_video_attn|video_to_audio_attn)_"
+        r"|^audio_adaln_single_|^av_ca_|^av_cross_attn_|^(audio_)?patchify_proj$|^audio_caption_projection_",
+    ),
     # HunyuanVideo's `img_mod.linear` / `modulation.linear` / `mlp.fc1` vs Flux's `img_mod.lin` / `img_mlp.0`.
-    ("hunyuan-video", r"^(double|single)_blocks_\d+_.*(mod_linear|modulation_linear|mlp_fc[12])$|individual_token_refiner|token_refiner_refiner_blocks"),
+    (
+        "hunyuan-video",
+        r"^(double|single)_blocks_\d+_.*(mod_linear|modulation_linear|mlp_fc[12])$|individual_token_refiner|token_refiner_refiner_blocks",
+    ),
     # MiniMax-H3 original names: fused `attn.qkv_proj`, `mlp.fc1/2`, a refiner under `token_refiner.blocks`.
-    ("minimax-h3", r"^(token_refiner_)?blocks_\d+_(attn_(qkv|out)_proj|mlp_fc[12]|adaln_proj_linear)$"
-                   r"|^(condition_proj|video_patch_proj|audio_patch_proj)$"),
+    (
+        "minimax-h3",
+        r"^(token_refiner_)?blocks_\d+_(attn_(qkv|out)_proj|mlp_fc[12]|adaln_proj_linear)$"
+        r"|^(condition_proj|video_patch_proj|audio_patch_proj)$",
+    ),
     ("chroma", r"^distilled_guidance_layer"),
     ("flux", r"^double_blocks_\d+_(img|txt)_|^single_blocks_\d+_linear[12]|^single_transformer_blocks_\d+_"),
     # Qwen-Image 2.1's SwiGLU (`gate_layer` / `proj` / `out`, ComfyUI's fused `gate_up`) vs Qwen-Image's `net.0.proj`.
     ("qwen-image-2.1", r"^transformer_blocks_\d+_img_mlp_(gate_up|gate_layer|proj|out)$"),
     ("qwen-image", r"^transformer_blocks_\d+_(img|txt)_(mlp|mod)"),
     # Kandinsky 6 (audio tower, `attn.`, FeedForward `net`) shares Kandinsky 5's block names otherwise.
-    ("kandinsky6", r"^(audio_)?(visual|text)_transformer_blocks_\d+_(attn_|feed_forward_net_)|^audio_text_transformer_blocks_"),
+    (
+        "kandinsky6",
+        r"^(audio_)?(visual|text)_transformer_blocks_\d+_(attn_|feed_forward_net_)|^audio_text_transformer_blocks_",
+    ),
     ("kandinsky5", r"^(visual|text)_transformer_blocks_\d+_"),
     ("ernie-image", r"^layers_\d+_(self_attention_(to_[qkv]|to_out_0)|mlp_(gate_proj|up_proj|linear_fc2))$"),
     # Sana's GLUMBConv feed-forward in diffusers names (its attention names are the cross-attention DiTs' below).
@@ -38,15 +50,24 @@ SIGNATURES: tuple[tuple[str, str], ...] = (
     # LTX-2's video tower, PixArt, Sana); SD3.5's dual attention pairs `attn2` with the joint `attn`, never `attn1`.
     ("cross-dit", r"^transformer_blocks_\d+_attn1_"),
     # diffusers double-stream (MMDiT) names are shared by SD3 and Flux: told apart by width below.
-    ("mmdit", r"^transformer_blocks_\d+_(attn_(add_[qkv]_proj|to_add_out|to_[qkv]|to_out)|attn2_|ff_context|ff_net|norm1)"),
+    (
+        "mmdit",
+        r"^transformer_blocks_\d+_(attn_(add_[qkv]_proj|to_add_out|to_[qkv]|to_out)|attn2_|ff_context|ff_net|norm1)",
+    ),
     # Ideogram4's own original names; its fused `attention.qkv` and `feed_forward.w1-3` are Z-Image's (shared below).
     ("ideogram4", r"^layers_\d+_(attention_o|adaln_modulation)$"),
-    ("lumina2", r"^(layers|noise_refiner|context_refiner)_\d+_(attn_(to_[qkv]|to_out_0)|feed_forward_linear_[123]|norm1_linear)$"),
+    (
+        "lumina2",
+        r"^(layers|noise_refiner|context_refiner)_\d+_(attn_(to_[qkv]|to_out_0)|feed_forward_linear_[123]|norm1_linear)$",
+    ),
     # Z-Image and Lumina2 original (NextDiT) names are the same: told apart by width below.
     ("z-image", r"^(layers|noise_refiner|context_refiner)_\d+_(attention|feed_forward|adaLN)"),
     ("anima", r"^blocks_\d+_(self_attn|cross_attn)_[qkvo]_proj|^blocks_\d+_mlp_layer"),
     # Sana original names; its `cross_attn` would otherwise count as Wan's.
-    ("sana", r"^blocks_\d+_(attn_(qkv|proj)|cross_attn_(q_linear|kv_linear|proj)|mlp_(inverted|depth|point)_conv_conv)$"),
+    (
+        "sana",
+        r"^blocks_\d+_(attn_(qkv|proj)|cross_attn_(q_linear|kv_linear|proj)|mlp_(inverted|depth|point)_conv_conv)$",
+    ),
     # Wan Animate: Wan blocks plus the face adapter / face and motion encoders (original or diffusers names).
     ("wan-animate", r"^face_adapter_(fuser_blocks_)?\d+_|^(motion|face)_encoder_"),
     # Wan-Animate-2's official checkpoint wraps every block: `blocks.N.block.self_attn.q`.
@@ -72,15 +93,24 @@ SHARED_NAMES: dict[str, tuple[str, ...]] = {
 # HunyuanVideo 20 / 40 (both 24 heads x 128; arch.variants lists the same releases), Qwen-Image 60 double-stream
 # blocks only (its attention names are Flux's); a file that stops early keeps the shallowest.
 BY_DEPTH: dict[str, tuple[tuple[str, dict[str, int]], ...]] = {
-    "flux": (("flux", {"double": 19, "single": 38}), ("hunyuan-video", {"double": 20, "single": 40}),
-             ("qwen-image", {"double": 60})),
+    "flux": (
+        ("flux", {"double": 19, "single": 38}),
+        ("hunyuan-video", {"double": 20, "single": 40}),
+        ("qwen-image", {"double": 60}),
+    ),
 }
 
 # UNet families told apart by the cross-attention width (attn2 to_k/to_v input columns).
 UNET_BY_CONTEXT = {768: "sd1", 1024: "sd2", 2048: "sdxl", 1280: "sdxl-refiner"}
 # diffusers MMDiT files by hidden width (input columns of attn.to_q): SD3 medium / SD3.5 large / Flux.1 /
 # HunyuanVideo 1.5 (16 heads x 128, double-stream blocks only) / HunyuanImage 2.1 (28 heads x 128), class defaults.
-MMDIT_BY_WIDTH = {1536: "sd3", 2432: "sd3", 3072: "flux", 2048: "hunyuan-video-1.5", 3584: "hunyuan-image-2.1"}
+MMDIT_BY_WIDTH = {
+    1536: "sd3",
+    2432: "sd3",
+    3072: "flux",
+    2048: "hunyuan-video-1.5",
+    3584: "hunyuan-image-2.1",
+}
 # Shared names no owner claimed, told apart by the hidden width (input columns of a part the pattern names):
 # Z-Image dim 3840 (z-image-turbo config), Lumina-Image-2.0 hidden 2304 (the q width diffusers' Lumina2 LoRA
 # converter hard-codes), Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
@@ -89,9 +119,14 @@ MMDIT_BY_WIDTH = {1536: "sd3", 2432: "sd3", 3072: "flux", 2048: "hunyuan-video-1
 # PixArt-alpha/Sigma (16 x 72; Sana 600M shares the width, its own ff_conv names claim it first), Sana 1600M.
 # Another width stays "cross-dit": a family, no release named.
 BY_WIDTH: dict[str, tuple[str, dict[int, str]]] = {
-    "z-image": (r"^(layers|noise_refiner|context_refiner)_\d+_attention_(qkv|to_q)$",
-                {3840: "z-image", 2304: "lumina2", 4608: "ideogram4"}),
-    "cross-dit": (r"^transformer_blocks_\d+_attn1_to_q$", {4096: "ltx2", 2048: "ltx-video", 1152: "pixart", 2240: "sana"}),
+    "z-image": (
+        r"^(layers|noise_refiner|context_refiner)_\d+_attention_(qkv|to_q)$",
+        {3840: "z-image", 2304: "lumina2", 4608: "ideogram4"},
+    ),
+    "cross-dit": (
+        r"^transformer_blocks_\d+_attn1_to_q$",
+        {4096: "ltx2", 2048: "ltx-video", 1152: "pixart", 2240: "sana"},
+    ),
 }
 # The releases BY_WIDTH names for the cross-attention DiTs read their text at the hidden width (cross_attention_dim
 # = hidden in all four): a file whose attn2 keys take another width (diffusers-named Cosmos-Predict2: 1024-wide text
@@ -108,8 +143,12 @@ class Detection:
     metadata: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"architecture": self.architecture, "evidence": self.evidence, "scores": self.scores,
-                "metadata": self.metadata}
+        return {
+            "architecture": self.architecture,
+            "evidence": self.evidence,
+            "scores": self.scores,
+            "metadata": self.metadata,
+        }
 
 
 def _order(arch: str) -> int:
@@ -119,7 +158,9 @@ def _order(arch: str) -> int:
 
 def _unet_kind(adapter: Adapter) -> tuple[str, str] | None:
     found = _width_of(adapter, r"attn2_to_[kv]$", UNET_BY_CONTEXT)
-    return (UNET_BY_CONTEXT[found[0]], f"cross-attention input width {found[0]} ({found[1]})") if found else None
+    return (
+        (UNET_BY_CONTEXT[found[0]], f"cross-attention input width {found[0]} ({found[1]})") if found else None
+    )
 
 
 def _mmdit_kind(adapter: Adapter) -> tuple[str, str] | None:
@@ -148,7 +189,9 @@ def _width_of(adapter: Adapter, pattern: str, known=None) -> tuple[int, str] | N
 def _deeper(adapter: Adapter, arch: str) -> tuple[str, str] | None:
     """(architecture, why) when the file indexes blocks `arch` does not have and a BY_DEPTH sibling does."""
     tops = highest_blocks([p.path for p in adapter.parts])
-    fits = [name for name, chains in BY_DEPTH[arch] if all(top < chains.get(c, 0) for c, (top, _) in tops.items())]
+    fits = [
+        name for name, chains in BY_DEPTH[arch] if all(top < chains.get(c, 0) for c, (top, _) in tops.items())
+    ]
     if not fits or fits[0] == arch:
         return None
     own = dict(BY_DEPTH[arch])[arch]

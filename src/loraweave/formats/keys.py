@@ -8,8 +8,14 @@ from dataclasses import dataclass
 DENOISER = "denoiser"
 # Pipeline component names. MiniMax-H3 pipelines hold a second denoiser partition, `transformer_ref` (ref2va).
 DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2", "transformer_ref")
-COMPONENT_NAMES = (*DENOISER_NAMES, "text_encoder", "text_encoder_2", "text_encoder_3", "connectors",
-                   "text_conditioner")
+COMPONENT_NAMES = (
+    *DENOISER_NAMES,
+    "text_encoder",
+    "text_encoder_2",
+    "text_encoder_3",
+    "connectors",
+    "text_conditioner",
+)
 
 # (prefix, component, layout). Longest match wins; order here only matters for equal-length prefixes.
 _PREFIXES: tuple[tuple[str, str, str], ...] = (
@@ -37,7 +43,11 @@ _PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("text_conditioner.", "text_conditioner", "diffusers"),
     ("diffusion_model.llm_adapter.", "text_conditioner", "comfyui"),
     ("lora_unet_llm_adapter_", "text_conditioner", "kohya"),
-    ("text_encoder.qwen3.", "text_encoder", "comfyui"),  # sd-scripts' convert_anima_lora_to_comfy: the Qwen3 encoder
+    (
+        "text_encoder.qwen3.",
+        "text_encoder",
+        "comfyui",
+    ),  # sd-scripts' convert_anima_lora_to_comfy: the Qwen3 encoder
 )
 _PREFIXES_BY_LENGTH = sorted(_PREFIXES, key=lambda p: -len(p[0]))
 
@@ -45,6 +55,7 @@ _PREFIXES_BY_LENGTH = sorted(_PREFIXES, key=lambda p: -len(p[0]))
 def component_prefix(component: str, layout: str) -> str | None:
     """The key prefix `layout` (kohya, comfyui, ...) writes for a pipeline component (first listed), or None."""
     return next((p for p, comp, hint in _PREFIXES if comp == component and hint == layout), None)
+
 
 # (suffix regex, family, role, layout hint). The first match wins, so longer/more specific come first.
 # role None: the suffix itself names the role (`hada_w1_a`, `lokr_w2`, `oft_blocks`, `a1`, `on_input`, ...).
@@ -79,21 +90,37 @@ _SUFFIXES: tuple[tuple[str, str, str | None, str | None], ...] = (
     (r"\.(?:ia3_l|on_input)", "ia3", None, None),
     (r"\.(?:w_norm|b_norm)", "norm", None, None),
     (r"\.set_weight", "set", None, None),
-    (r"\.reshape_weight", "lora", "reshape", None),  # BFL control LoRAs: the (out, in) the module must grow to
+    (
+        r"\.reshape_weight",
+        "lora",
+        "reshape",
+        None,
+    ),  # BFL control LoRAs: the (out, in) the module must grow to
     (r"\.bias_(?:indices|values|size)", "sparse_bias", None, None),
     (r"\.(?:q_layer|p_layer|lambda_layer)", "tlora", None, None),
 )
-_SUFFIX_RE = [(re.compile(rf"^(?P<stem>.+?)(?P<suffix>{rx})$"), fam, role, hint) for rx, fam, role, hint in _SUFFIXES]
+_SUFFIX_RE = [
+    (re.compile(rf"^(?P<stem>.+?)(?P<suffix>{rx})$"), fam, role, hint) for rx, fam, role, hint in _SUFFIXES
+]
 
 # Old diffusers attention processors: `attn1.processor.to_out_lora.down.weight` names the module `attn1.to_out.0`.
-_PROCESSOR_RE = re.compile(r"^(?P<stem>.+)\.processor\.(?P<proj>to_q|to_k|to_v|to_out)_lora\.(?P<role>down|up)\.weight$")
+_PROCESSOR_RE = re.compile(
+    r"^(?P<stem>.+)\.processor\.(?P<proj>to_q|to_k|to_v|to_out)_lora\.(?P<role>down|up)\.weight$"
+)
 # XLabs Flux: attention-processor LoRAs named by block; lora1 is the image stream, lora2 the text stream (diffusers'
 # `_convert_xlabs_flux_lora_to_diffusers`). The stem becomes the BFL module name the Flux table knows.
-_XLABS_RE = re.compile(r"^(?P<block>(?:.*\.)?(?P<kind>double|single)_blocks\.\d+)\.processor\."
-                       r"(?P<proj>qkv|proj)_lora(?P<n>[12]?)\.(?P<role>down|up)\.weight$")
-_XLABS_NAMES = {("double", "qkv", "1"): "img_attn.qkv", ("double", "qkv", "2"): "txt_attn.qkv",
-                ("double", "proj", "1"): "img_attn.proj", ("double", "proj", "2"): "txt_attn.proj",
-                ("single", "qkv", ""): "linear1_qkv", ("single", "proj", ""): "linear2"}
+_XLABS_RE = re.compile(
+    r"^(?P<block>(?:.*\.)?(?P<kind>double|single)_blocks\.\d+)\.processor\."
+    r"(?P<proj>qkv|proj)_lora(?P<n>[12]?)\.(?P<role>down|up)\.weight$"
+)
+_XLABS_NAMES = {
+    ("double", "qkv", "1"): "img_attn.qkv",
+    ("double", "qkv", "2"): "txt_attn.qkv",
+    ("double", "proj", "1"): "img_attn.proj",
+    ("double", "proj", "2"): "txt_attn.proj",
+    ("single", "qkv", ""): "linear1_qkv",
+    ("single", "proj", ""): "linear2",
+}
 # Wan Stand-In (WeChatCV): identity LoRAs on self-attention q/k/v, `blocks.N.self_attn.q_loras.down.weight`.
 _STANDIN_RE = re.compile(r"^(?P<stem>.+\.self_attn\.[qkv])_loras\.(?P<role>down|up)\.weight$")
 # cloneofsimo lora_diffusion: `unet:<i>:down`, i = enumeration order of the trainer's injected Linear layers.
@@ -120,7 +147,9 @@ def parse_key(key: str) -> ParsedKey | str:
         return ParsedKey(key, m["stem"], "standin", m["role"], "stand-in")
     m = _XLABS_RE.match(key)
     if m and (m["kind"], m["proj"], m["n"]) in _XLABS_NAMES:
-        return ParsedKey(key, f"{m['block']}.{_XLABS_NAMES[m['kind'], m['proj'], m['n']]}", "lora", m["role"], "xlabs")
+        return ParsedKey(
+            key, f"{m['block']}.{_XLABS_NAMES[m['kind'], m['proj'], m['n']]}", "lora", m["role"], "xlabs"
+        )
     m = _PROCESSOR_RE.match(key)
     if m:
         proj = "to_out.0" if m["proj"] == "to_out" else m["proj"]

@@ -50,7 +50,9 @@ def kohya_args(metadata: dict[str, str], source: str) -> dict:
     except (ValueError, RecursionError):
         raise AdapterMetadataError(source, "ss_network_args", "is not valid JSON") from None
     if not isinstance(args, dict):
-        raise AdapterMetadataError(source, "ss_network_args", f"is a JSON {type(args).__name__}, expected an object")
+        raise AdapterMetadataError(
+            source, "ss_network_args", f"is a JSON {type(args).__name__}, expected an object"
+        )
     return args
 
 
@@ -72,7 +74,9 @@ def peft_config(metadata: dict[str, str], given: object, source: str) -> dict | 
         name = key.rsplit(".", 1)[-1]  # diffusers prefixes fields with the component ("transformer.r")
         where = f"{field}: {key}"
         if name in PEFT_NUMBERS and value is not None and _number(value, integral=name == "r") is None:
-            raise AdapterMetadataError(source, where, f"is {value!r}, not a finite {'count' if name == 'r' else 'number'}")
+            raise AdapterMetadataError(
+                source, where, f"is {value!r}, not a finite {'count' if name == 'r' else 'number'}"
+            )
         if name == "use_rslora" and value is not None and not isinstance(value, bool):
             raise AdapterMetadataError(source, where, f"is {value!r}, not true/false")
         if name in PEFT_PATTERNS and value is not None:
@@ -82,12 +86,16 @@ def peft_config(metadata: dict[str, str], given: object, source: str) -> dict | 
 
 def _check_patterns(value: object, name: str, source: str, where: str) -> None:
     if not isinstance(value, dict):
-        raise AdapterMetadataError(source, where, f"is a {type(value).__name__}, expected an object of pattern: value")
+        raise AdapterMetadataError(
+            source, where, f"is a {type(value).__name__}, expected an object of pattern: value"
+        )
     for pattern, number in value.items():
         try:
             re.compile(rf"(?:.*\.)?(?:{pattern})")
         except (re.error, RecursionError, OverflowError) as exc:
-            raise AdapterMetadataError(source, where, f"holds an invalid regular expression {pattern!r} ({exc})") from None
+            raise AdapterMetadataError(
+                source, where, f"holds an invalid regular expression {pattern!r} ({exc})"
+            ) from None
         if _number(number, integral=name == "rank_pattern") is None:
             raise AdapterMetadataError(source, f"{where}.{pattern}", f"is {number!r}, not a finite number")
 

@@ -19,7 +19,8 @@ def load_pickle_state_dict(path: str | os.PathLike, allow_pickle: bool) -> dict[
             f"{path}: this is a pickle file (.pt/.ckpt/.bin/.pth), and loading a pickle can run "
             "arbitrary code. Convert it to .safetensors, or opt in: "
             "loraweave.load_adapter(path, allow_pickle=True) reads it with torch.load(weights_only=True); "
-            "pass that Adapter to apply().", path=path
+            "pass that Adapter to apply().",
+            path=path,
         )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)

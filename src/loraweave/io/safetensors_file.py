@@ -20,15 +20,38 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 # safetensors dtype -> (torch attribute, item size): validated without importing torch (`inspect` start-up).
 _DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
-    "BOOL": ("bool", 1), "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "U16": ("uint16", 2),
+    "U32": ("uint32", 4),
+    "U64": ("uint64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
     "C64": ("complex64", 8),
 }
 # Scalars read straight from the bytes (alphas), as struct formats; BF16 is widened to F32 by hand.
-_SCALAR_FORMATS = {"F64": "<d", "F32": "<f", "F16": "<e", "I64": "<q", "I32": "<i", "I16": "<h", "I8": "<b",
-                   "U8": "<B", "U16": "<H", "U32": "<I", "U64": "<Q"}
+_SCALAR_FORMATS = {
+    "F64": "<d",
+    "F32": "<f",
+    "F16": "<e",
+    "I64": "<q",
+    "I32": "<i",
+    "I16": "<h",
+    "I8": "<b",
+    "U8": "<B",
+    "U16": "<H",
+    "U32": "<I",
+    "U64": "<Q",
+}
 
 
 def torch_dtype(name: str) -> torch.dtype | str:
@@ -83,7 +106,9 @@ def _parse_entry(
     begin, end = offsets
     if not 0 <= begin <= end:
         fail(f"tensor {key!r}: data_offsets [{begin}, {end}] need 0 <= begin <= end")
-    bits = math.prod(shape) * (_PACKED_BITS[dtype_name] if dtype_name in _PACKED_BITS else 8 * _DTYPES[dtype_name][1])
+    bits = math.prod(shape) * (
+        _PACKED_BITS[dtype_name] if dtype_name in _PACKED_BITS else 8 * _DTYPES[dtype_name][1]
+    )
     if bits % 8:
         fail(f"tensor {key!r}: shape {shape} of {dtype_name} is not a whole number of bytes")
     expected = bits // 8
@@ -95,7 +120,9 @@ def _parse_entry(
     return dtype_name, tuple(shape), begin, end
 
 
-def read_safetensors_header(path: str | os.PathLike, names: bool = False) -> tuple[Header, dict[str, str], int]:
+def read_safetensors_header(
+    path: str | os.PathLike, names: bool = False
+) -> tuple[Header, dict[str, str], int]:
     """Validate the header of `path`; return ({key: (dtype, shape, begin, end)}, metadata, data_start).
 
     begin/end are relative to data_start. Nothing sized by the file's claims is allocated
@@ -160,12 +187,16 @@ def _check_coverage(fail: Callable[[str], NoReturn], header: Header, data_size: 
             fail(f"tensor {key!r} data [{begin}, {end}] overlaps tensor {prev_key!r} ending at {prev_end}")
         if begin > prev_end:
             after = f"after tensor {prev_key!r}" if prev_key is not None else "at the start of the data"
-            fail(f"{begin - prev_end} bytes {after} belong to no tensor (tensor {key!r} starts at {begin}): "
-                 "wrong header length or offsets?")
+            fail(
+                f"{begin - prev_end} bytes {after} belong to no tensor (tensor {key!r} starts at {begin}): "
+                "wrong header length or offsets?"
+            )
         prev_key, prev_end = key, end
     if prev_end != data_size:
-        fail(f"{data_size - prev_end} trailing bytes after the last tensor (data section {data_size} bytes, "
-             f"tensors cover {prev_end}): wrong header length or offsets?")
+        fail(
+            f"{data_size - prev_end} trailing bytes after the last tensor (data section {data_size} bytes, "
+            f"tensors cover {prev_end}): wrong header length or offsets?"
+        )
 
 
 class SafetensorsFile:
@@ -239,8 +270,10 @@ class SafetensorsFile:
         if self._mmap is None:
             raise ValueError(f"{self._path}: file is closed")
         if isinstance(dtype, str):
-            raise AdapterFileError(f"{self._path}: tensor {key!r} is {dtype}, a packed sub-byte dtype loraweave "
-                                   "cannot compute with")
+            raise AdapterFileError(
+                f"{self._path}: tensor {key!r} is {dtype}, a packed sub-byte dtype loraweave "
+                "cannot compute with"
+            )
         if begin == end:
             return torch.empty(shape, dtype=dtype)
         start = self._data_start + begin

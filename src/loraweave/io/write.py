@@ -21,12 +21,24 @@ from ..errors import LoraweaveError
 log = logging.getLogger("loraweave")
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-for _attr, _name in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e4m3fn", "F8_E4M3"),
-                     ("float8_e5m2", "F8_E5M2")):
+for _attr, _name in (
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+):
     if hasattr(torch, _attr):
         DTYPE_NAMES[getattr(torch, _attr)] = _name
 COPY_CHUNK = 64 * 1024 * 1024  # bytes per read/write when copying raw tensor data between files
@@ -49,7 +61,9 @@ def check_output(target: str | os.PathLike, inputs: list[str | os.PathLike], ove
 
 
 def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the rename is still atomic
+    with contextlib.suppress(
+        OSError
+    ):  # some filesystems cannot fsync a directory; the rename is still atomic
         fd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -85,7 +99,9 @@ def atomic_path(target: str | os.PathLike, folder: bool = False) -> Iterator[Pat
         raise
 
 
-def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
+def build_header(
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> bytes:
     """Header bytes (length prefix included) for tensors written back to back in `entries` order."""
     header: dict = {}
     if metadata:
@@ -97,7 +113,11 @@ def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metada
         size = dtype.itemsize
         for d in shape:
             size *= d
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, so readers can view it in place
@@ -107,8 +127,12 @@ def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metada
 class StreamingWriter:
     """Write tensors in header order, one at a time; `close()` fsyncs. Use inside `atomic_path`."""
 
-    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         self.entries = entries
         self._next = 0
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close(), which callers reach through `with`
@@ -125,7 +149,9 @@ class StreamingWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         _, dtype, shape = self._expect(name)
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise WriteError(f"tensor {name!r}: got {tensor.dtype} {tuple(tensor.shape)}, header says {dtype} {shape}")
+            raise WriteError(
+                f"tensor {name!r}: got {tensor.dtype} {tuple(tensor.shape)}, header says {dtype} {shape}"
+            )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._file.write(data.numpy().data)
         self.bytes_written += data.numel()
@@ -164,8 +190,13 @@ class StreamingWriter:
         self._file.close()
 
 
-def save_file(tensors: dict[str, torch.Tensor], target: str | os.PathLike, metadata: dict[str, str] | None = None,
-              inputs: list[str | os.PathLike] = (), overwrite: bool = True) -> Path:
+def save_file(
+    tensors: dict[str, torch.Tensor],
+    target: str | os.PathLike,
+    metadata: dict[str, str] | None = None,
+    inputs: list[str | os.PathLike] = (),
+    overwrite: bool = True,
+) -> Path:
     """Write a small state dict atomically (adapters: convert, extract, resize)."""
     out = check_output(target, list(inputs), overwrite=overwrite)
     entries = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]

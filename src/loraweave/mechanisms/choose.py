@@ -34,15 +34,22 @@ class WorkPlan:
     routes: dict[tuple[str, str], tuple[QuantBackend, Route | None]] = field(default_factory=dict)
 
 
-def choose(mode: str, module: torch.nn.Module, contribs: list[Contribution],
-           copy_reason: str | None = None) -> tuple[str | None, str]:
+def choose(
+    mode: str, module: torch.nn.Module, contribs: list[Contribution], copy_reason: str | None = None
+) -> tuple[str | None, str]:
     """(mechanism or None, why) for a layer no quantization backend owns; copy_reason: an offload group owns it."""
     merge_no = copy_reason or merge_blocker(module, needs_bias(contribs))
     runtime_no = runtime_blocker(module)
     if mode == "merge":
-        return (None, f"cannot merge: {merge_no}; use mode='runtime' or 'auto'") if merge_no else ("merge", "")
+        return (
+            (None, f"cannot merge: {merge_no}; use mode='runtime' or 'auto'") if merge_no else ("merge", "")
+        )
     if mode == "runtime":
-        return (None, f"cannot run at runtime: {runtime_no}; use mode='merge' or 'auto'") if runtime_no else ("runtime", "")
+        return (
+            (None, f"cannot run at runtime: {runtime_no}; use mode='merge' or 'auto'")
+            if runtime_no
+            else ("runtime", "")
+        )
     if merge_no is None:
         return "merge", "plain floating weight"
     if runtime_no is None:
@@ -77,25 +84,42 @@ def check_runtime(
 
 
 def choose_quantized(
-    mode: str, qs: QuantSettings, backend: QuantBackend, module: torch.nn.Module, contribs: list[Contribution],
+    mode: str,
+    qs: QuantSettings,
+    backend: QuantBackend,
+    module: torch.nn.Module,
+    contribs: list[Contribution],
     layer: str = "",
 ) -> tuple[str | None, str, Route | None]:
     """(mechanism or None, why, routing result) for a layer a quantization backend owns."""
     runtime_no = runtime_blocker(module)
     if mode == "runtime":
         return (None, f"cannot run at runtime: {runtime_no}", None) if runtime_no else ("runtime", "", None)
-    if getattr(module, "_loraweave_streamed", False):  # side channels and requantize write tensors the streamer copies
+    if getattr(
+        module, "_loraweave_streamed", False
+    ):  # side channels and requantize write tensors the streamer copies
         if mode == "merge":
             return None, "cannot merge: layer is streamed; use mode='runtime' or 'auto'", None
         why = "layer is streamed"
-        return ("runtime", why, None) if runtime_no is None else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
+        return (
+            ("runtime", why, None)
+            if runtime_no is None
+            else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
+        )
     missing = backend.unavailable()
     if mode == "merge" or (mode == "auto" and qs.quantized in ("host", "requantize")):
         if missing:
             route = Route(None, f"{backend.name} cannot run here: {missing}")
         else:
-            route = route_hook_free(backend, module, contribs, qs.host_rank,
-                                    force_requantize=qs.quantized == "requantize", cache=qs.cache, layer=layer)
+            route = route_hook_free(
+                backend,
+                module,
+                contribs,
+                qs.host_rank,
+                force_requantize=qs.quantized == "requantize",
+                cache=qs.cache,
+                layer=layer,
+            )
         if route.mechanism is not None or mode == "merge":
             return route.mechanism, route.why if route.mechanism else f"cannot merge: {route.why}", route
         if runtime_no is None:
@@ -105,11 +129,19 @@ def choose_quantized(
     not_factorable = factorable_reason(module, contribs) or ("bias delta" if needs_bias(contribs) else None)
     if caps is not None and caps.factor_channel and not_factorable is None:
         return "factor", f"{backend.name} side channel, exact", Route("factor", "")
-    why = f"{backend.name}: " + (missing or (not_factorable if caps.factor_channel else caps.reason or "no side channel"))
-    return ("runtime", why, None) if runtime_no is None else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
+    why = f"{backend.name}: " + (
+        missing or (not_factorable if caps.factor_channel else caps.reason or "no side channel")
+    )
+    return (
+        ("runtime", why, None)
+        if runtime_no is None
+        else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
+    )
 
 
-def plan_work(p: Plan, groups, mode: str, unmatched: list[Unmatched], qs: QuantSettings | None = None) -> WorkPlan:
+def plan_work(
+    p: Plan, groups, mode: str, unmatched: list[Unmatched], qs: QuantSettings | None = None
+) -> WorkPlan:
     """A mechanism per layer, decided from the layers and the families' declared abilities (nothing built)."""
     qs = qs or QuantSettings()
     plan = WorkPlan([])
@@ -125,7 +157,9 @@ def plan_work(p: Plan, groups, mode: str, unmatched: list[Unmatched], qs: QuantS
             mechanism, why = choose(mode, module, contribs, copies.get(id(module)))
         kind = "no_mechanism"
         if mechanism == "runtime":
-            mechanism, why, refused_kind = check_runtime(mode, module, contribs, why, quantized=backend is not None)
+            mechanism, why, refused_kind = check_runtime(
+                mode, module, contribs, why, quantized=backend is not None
+            )
             kind = refused_kind or kind
         if mechanism is None:
             for pp, _ in contribs:
@@ -141,7 +175,10 @@ def plan_work(p: Plan, groups, mode: str, unmatched: list[Unmatched], qs: QuantS
             remaining = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected_parts]
             if len(remaining) != len(contribs):
                 if (c, path) in plan.routes:
-                    plan.routes[(c, path)] = (plan.routes[(c, path)][0], None)  # routed on other contributions
+                    plan.routes[(c, path)] = (
+                        plan.routes[(c, path)][0],
+                        None,
+                    )  # routed on other contributions
             if remaining:
                 kept.append((c, path, m, mech, why, remaining))
         plan.work = kept

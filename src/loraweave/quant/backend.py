@@ -72,7 +72,9 @@ def probe_once(run: Probe) -> Probe:
 
     @functools.cache
     def probe() -> dict[str, str | None]:
-        with torch.random.fork_rng(devices=[]):  # layer constructors draw from the global RNG: not the caller's
+        with torch.random.fork_rng(
+            devices=[]
+        ):  # layer constructors draw from the global RNG: not the caller's
             return run()
 
     return probe

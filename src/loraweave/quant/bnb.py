@@ -31,7 +31,10 @@ def _run_probe() -> dict[str, str | None]:
             layer.load_state_dict({"weight": torch.full((32, 64), 0.5)})
             layer = layer.to("cpu")
             out[kind] = None
-            for training in (True, False):  # train: dequantize + matmul; eval: int8 matmul / packed 4-bit kernel
+            for training in (
+                True,
+                False,
+            ):  # train: dequantize + matmul; eval: int8 matmul / packed 4-bit kernel
                 with torch.no_grad():
                     y = layer.train(training)(x)
                 if not torch.allclose(y, torch.full_like(y, 32.0), rtol=0.05):
@@ -56,7 +59,9 @@ def _int8_state(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     if cb is None:
         cb = weight.data
     if scb is None:
-        raise ValueError("bitsandbytes int8 layer has no SCB: it was never quantized (call .to(device) first)")
+        raise ValueError(
+            "bitsandbytes int8 layer has no SCB: it was never quantized (call .to(device) first)"
+        )
     return cb, scb
 
 
@@ -112,8 +117,12 @@ class BitsAndBytesBackend(KindProbedBackend):
         if why:
             return Capabilities(dequantize=False, requantize=False, factor_channel=False, reason=why)
         if getattr(module.weight, "has_fp16_weights", False):
-            return Capabilities(False, False, False, "int8 layer keeps fp16 weights (training mode): not quantized")
-        return Capabilities(dequantize=True, requantize=True, factor_channel=False, reason="no low-rank side branch")
+            return Capabilities(
+                False, False, False, "int8 layer keeps fp16 weights (training mode): not quantized"
+            )
+        return Capabilities(
+            dequantize=True, requantize=True, factor_channel=False, reason="no low-rank side branch"
+        )
 
     def bits(self, module: torch.nn.Module) -> int:
         return 8 if _kind(module) == "int8" else 4
@@ -159,8 +168,15 @@ class BitsAndBytesBackend(KindProbedBackend):
                 quant_storage=old_param.quant_storage,
             )
             new = bnb.nn.Params4bit(
-                data, requires_grad=False, quant_state=new_qs, blocksize=qs.blocksize, compress_statistics=nested,
-                quant_type=qs.quant_type, quant_storage=old_param.quant_storage, module=module, bnb_quantized=True,
+                data,
+                requires_grad=False,
+                quant_state=new_qs,
+                blocksize=qs.blocksize,
+                compress_statistics=nested,
+                quant_type=qs.quant_type,
+                quant_storage=old_param.quant_storage,
+                module=module,
+                bnb_quantized=True,
             )
             module.__dict__["quant_state"] = new_qs
         module._parameters["weight"] = new

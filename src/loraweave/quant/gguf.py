@@ -31,7 +31,9 @@ def _probe() -> str | None:
     try:
         data = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
         blocks = quants.quantize(data, GGMLQuantizationType.Q8_0)
-        ours = dequantize_gguf_tensor(GGUFParameter(torch.from_numpy(blocks), quant_type=GGMLQuantizationType.Q8_0))
+        ours = dequantize_gguf_tensor(
+            GGUFParameter(torch.from_numpy(blocks), quant_type=GGMLQuantizationType.Q8_0)
+        )
         ref = quants.dequantize(blocks, GGMLQuantizationType.Q8_0)
         if float(np.abs(ours.float().numpy() - ref).max()) > 1e-3:
             return "diffusers' GGUF dequantize disagrees with the gguf package on Q8_0"
@@ -48,7 +50,9 @@ def _quantize_blocker(qtype: int) -> str | None:
 
     block = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
     try:
-        quants.quantize(np.linspace(-1, 1, max(block, 256), dtype=np.float32).reshape(1, -1), GGMLQuantizationType(qtype))
+        quants.quantize(
+            np.linspace(-1, 1, max(block, 256), dtype=np.float32).reshape(1, -1), GGMLQuantizationType(qtype)
+        )
     except Exception as exc:  # NotImplementedError for K-quants / IQ types in the Python package
         return f"gguf package cannot quantize {GGMLQuantizationType(qtype).name}: {type(exc).__name__}"
     return None
@@ -149,7 +153,9 @@ class GGUFBackend(QuantBackend):
             raise NotImplementedError(blocker)
         blocks = quants.quantize(weight.detach().float().cpu().numpy(), qtype)
         data = torch.from_numpy(blocks).to(old_param.device)
-        module._parameters["weight"] = GGUFParameter(data, requires_grad=False, quant_type=old_param.quant_type)
+        module._parameters["weight"] = GGUFParameter(
+            data, requires_grad=False, quant_type=old_param.quant_type
+        )
         log.debug("requantize backend=gguf type=%s shape=%s", qtype.name, tuple(weight.shape))
 
         def restore() -> None:

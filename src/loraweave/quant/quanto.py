@@ -53,13 +53,17 @@ class QuantoBackend(KindProbedBackend):
         return is_qmodule and getattr(module, "weight_qtype", None) is not None
 
     def capabilities(self, module: torch.nn.Module) -> Capabilities:
-        probe = _probe()  # qtypes the probe did not try (qint2, qfloat8) are taken as working: the layer exists
+        probe = (
+            _probe()
+        )  # qtypes the probe did not try (qint2, qfloat8) are taken as working: the layer exists
         why = probe["package"] or probe.get(module.weight_qtype.name)
         if why:
             return Capabilities(False, False, False, why)
         if not _is_qtensor(module.weight):
             # Not frozen: the float weight is the storage and forward quantizes it on the fly.
-            return Capabilities(True, False, False, "quanto layer not frozen: its float weight is the storage")
+            return Capabilities(
+                True, False, False, "quanto layer not frozen: its float weight is the storage"
+            )
         note = "; forward also quantizes activations" if module.activation_qtype is not None else ""
         return Capabilities(True, True, False, "no low-rank side branch" + note)
 
@@ -78,13 +82,17 @@ class QuantoBackend(KindProbedBackend):
         if not _is_qtensor(old_param):
             raise NotImplementedError("quanto layer not frozen: write its float weight instead")
         # The layer's own quantizer reads a float `weight`: give it one, then store the result frozen.
-        module._parameters["weight"] = torch.nn.Parameter(weight.detach().to(old_param.dtype), requires_grad=False)
+        module._parameters["weight"] = torch.nn.Parameter(
+            weight.detach().to(old_param.dtype), requires_grad=False
+        )
         try:
             qweight = module.qweight
         finally:
             module._parameters["weight"] = old_param
         module._parameters["weight"] = torch.nn.Parameter(qweight, requires_grad=old_param.requires_grad)
-        log.debug("requantize backend=quanto qtype=%s shape=%s", module.weight_qtype.name, tuple(weight.shape))
+        log.debug(
+            "requantize backend=quanto qtype=%s shape=%s", module.weight_qtype.name, tuple(weight.shape)
+        )
 
         def restore() -> None:
             module._parameters["weight"] = old_param

@@ -12,8 +12,17 @@ import torch
 
 from .backend import Capabilities, QuantBackend, Restore
 
-_KEYS = ("weight", "scale", "scale_2", "scale_zero_point", "zero_point", "zero_point_scale", "zero_point_2",
-         "svd_up", "svd_down")
+_KEYS = (
+    "weight",
+    "scale",
+    "scale_2",
+    "scale_zero_point",
+    "zero_point",
+    "zero_point_scale",
+    "zero_point_2",
+    "svd_up",
+    "svd_down",
+)
 _MISSING = object()
 
 
@@ -62,15 +71,24 @@ class SdnqBackend(QuantBackend):
 
     def owns(self, module: torch.nn.Module) -> bool:
         # Class-name check: importing sdnq is heavy and must not happen for float models.
-        return hasattr(module, "sdnq_dequantizer") and any(c.__name__ == "SDNQLayer" for c in type(module).__mro__)
+        return hasattr(module, "sdnq_dequantizer") and any(
+            c.__name__ == "SDNQLayer" for c in type(module).__mro__
+        )
 
     def _linear(self, module: torch.nn.Module) -> bool:
-        return module.sdnq_dequantizer.layer_class_name == "Linear" and len(module.sdnq_dequantizer.original_shape) == 2
+        return (
+            module.sdnq_dequantizer.layer_class_name == "Linear"
+            and len(module.sdnq_dequantizer.original_shape) == 2
+        )
 
     def capabilities(self, module: torch.nn.Module) -> Capabilities:
         linear = self._linear(module)
-        return Capabilities(dequantize=True, requantize=True, factor_channel=linear,
-                            reason="" if linear else "sdnq side channel is used only on Linear layers here")
+        return Capabilities(
+            dequantize=True,
+            requantize=True,
+            factor_channel=linear,
+            reason="" if linear else "sdnq side channel is used only on Linear layers here",
+        )
 
     def bits(self, module: torch.nn.Module) -> int:
         from sdnq.common import dtype_dict
@@ -106,7 +124,9 @@ class SdnqBackend(QuantBackend):
 
         deq = module.sdnq_dequantizer
         with torch.no_grad():
-            w = deq(**get_sdnq_params(module), skip_quantized_matmul=deq.use_quantized_matmul, dtype=torch.float32)
+            w = deq(
+                **get_sdnq_params(module), skip_quantized_matmul=deq.use_quantized_matmul, dtype=torch.float32
+            )
         return w.reshape(deq.original_shape).float()
 
     def requantize(self, module: torch.nn.Module, weight: torch.Tensor) -> Restore:
@@ -116,20 +136,34 @@ class SdnqBackend(QuantBackend):
 
         deq = module.sdnq_dequantizer
         svd_up = getattr(module, "svd_up", None)
-        svd_rank = (svd_up.shape[0] if deq.use_quantized_matmul else svd_up.shape[1]) if svd_up is not None else deq.svd_rank
+        svd_rank = (
+            (svd_up.shape[0] if deq.use_quantized_matmul else svd_up.shape[1])
+            if svd_up is not None
+            else deq.svd_rank
+        )
         scale = getattr(module, "scale", None)
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # svd_lowrank and stochastic rounding draw: keep the caller's RNG untouched
             new_deq, tensors = sdnq_quantize_layer_weight(
                 weight.detach().reshape(deq.original_shape).to(deq.result_dtype),
-                layer_class_name=deq.layer_class_name, weights_dtype=deq.weights_dtype,
-                scale_dtype=deq.scale_dtype, zero_point_dtype=deq.zero_point_dtype,
-                quantized_matmul_dtype=deq.quantized_matmul_dtype, group_size=deq.group_size,
-                hadamard_group_size=deq.hadamard_group_size, svd_rank=svd_rank, svd_steps=deq.svd_steps,
-                codebook_steps=deq.codebook_steps, use_svd=svd_up is not None, use_hadamard=deq.use_hadamard,
-                use_codebook=deq.use_codebook, use_codebook_scale=deq.use_codebook_scale,
-                use_quantized_matmul=deq.use_quantized_matmul, use_stochastic_rounding=deq.use_stochastic_rounding,
-                dequantize_fp32=scale is not None and scale.dtype == torch.float32, torch_dtype=deq.result_dtype,
+                layer_class_name=deq.layer_class_name,
+                weights_dtype=deq.weights_dtype,
+                scale_dtype=deq.scale_dtype,
+                zero_point_dtype=deq.zero_point_dtype,
+                quantized_matmul_dtype=deq.quantized_matmul_dtype,
+                group_size=deq.group_size,
+                hadamard_group_size=deq.hadamard_group_size,
+                svd_rank=svd_rank,
+                svd_steps=deq.svd_steps,
+                codebook_steps=deq.codebook_steps,
+                use_svd=svd_up is not None,
+                use_hadamard=deq.use_hadamard,
+                use_codebook=deq.use_codebook,
+                use_codebook_scale=deq.use_codebook_scale,
+                use_quantized_matmul=deq.use_quantized_matmul,
+                use_stochastic_rounding=deq.use_stochastic_rounding,
+                dequantize_fp32=scale is not None and scale.dtype == torch.float32,
+                torch_dtype=deq.result_dtype,
             )
         restore = _stash(module, (*_KEYS, "sdnq_dequantizer"))
         device = module.weight.device
@@ -148,8 +182,12 @@ class SdnqBackend(QuantBackend):
         device = module.weight.device
         with torch.no_grad():
             down = down.detach().to(device, torch.float32)
-            if deq.use_hadamard:  # the dequantized sum is rotated by H afterwards: store A·H so that (B·A·H)·H = B·A
-                down = rotate_hadamard(down, hadamard=get_hadamard(deq.hadamard_group_size, torch.float32, device))
+            if (
+                deq.use_hadamard
+            ):  # the dequantized sum is rotated by H afterwards: store A·H so that (B·A·H)·H = B·A
+                down = rotate_hadamard(
+                    down, hadamard=get_hadamard(deq.hadamard_group_size, torch.float32, device)
+                )
             down, up = down.to(dtype), up.detach().to(device, dtype)
             if deq.use_quantized_matmul:  # transposed layout: svd_up (r, out), svd_down (in, r)
                 new_up = up.t() if old_up is None else torch.cat([old_up, up.t()], 0)

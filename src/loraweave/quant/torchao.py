@@ -14,9 +14,21 @@ from .backend import Capabilities, KindProbedBackend, Restore, probe_once
 
 log = logging.getLogger("loraweave")
 
-_REQUANT = ("Int8Tensor", "IntxUnpackedToInt8Tensor", "Float8Tensor")  # the subclasses rebuilt from a float weight
-_BITS = {"Int4Tensor": 4, "Int4PreshuffledTensor": 4, "Int4PlainInt32Tensor": 4, "Int4TilePackedTo4dTensor": 4,
-         "IntxOpaqueTensor": 4, "NF4Tensor": 4, "Float8Tensor": 8, "Int8Tensor": 8}
+_REQUANT = (
+    "Int8Tensor",
+    "IntxUnpackedToInt8Tensor",
+    "Float8Tensor",
+)  # the subclasses rebuilt from a float weight
+_BITS = {
+    "Int4Tensor": 4,
+    "Int4PreshuffledTensor": 4,
+    "Int4PlainInt32Tensor": 4,
+    "Int4TilePackedTo4dTensor": 4,
+    "IntxOpaqueTensor": 4,
+    "NF4Tensor": 4,
+    "Float8Tensor": 8,
+    "Int8Tensor": 8,
+}
 
 
 def _configs() -> dict[str, object]:
@@ -146,16 +158,26 @@ class TorchAOBackend(KindProbedBackend):
         mapping = MappingType.ASYMMETRIC if asym else MappingType.SYMMETRIC
         if type(old).__name__ == "Float8Tensor":
             return Float8Tensor.from_hp(
-                hp, float8_dtype=old.qdata.dtype, granularity=_granularity(old), mm_config=old.mm_config,
-                kernel_preference=old.kernel_preference, act_quant_kwargs=old.act_quant_kwargs,
+                hp,
+                float8_dtype=old.qdata.dtype,
+                granularity=_granularity(old),
+                mm_config=old.mm_config,
+                kernel_preference=old.kernel_preference,
+                act_quant_kwargs=old.act_quant_kwargs,
             )
         if type(old).__name__ == "Int8Tensor":
             return Int8Tensor.from_hp(
-                hp, PerBlock(tuple(old.block_size)), mapping_type=mapping,
-                act_quant_kwargs=old.act_quant_kwargs, reduce_range=bool(getattr(old, "reduce_range", False)),
+                hp,
+                PerBlock(tuple(old.block_size)),
+                mapping_type=mapping,
+                act_quant_kwargs=old.act_quant_kwargs,
+                reduce_range=bool(getattr(old, "reduce_range", False)),
             )
         return IntxUnpackedToInt8Tensor.from_hp(
-            hp, tuple(old.block_size), old.target_dtype, mapping_type=mapping,
+            hp,
+            tuple(old.block_size),
+            old.target_dtype,
+            mapping_type=mapping,
             activation_quantization=old.activation_quantization,
         )
 
@@ -166,7 +188,9 @@ class TorchAOBackend(KindProbedBackend):
         module._parameters["weight"] = torch.nn.Parameter(
             self._rebuild(old_param, weight), requires_grad=old_param.requires_grad
         )
-        log.debug("requantize backend=torchao kind=%s shape=%s", type(old_param).__name__, tuple(weight.shape))
+        log.debug(
+            "requantize backend=torchao kind=%s shape=%s", type(old_param).__name__, tuple(weight.shape)
+        )
 
         def restore() -> None:
             module._parameters["weight"] = old_param

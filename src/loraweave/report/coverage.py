@@ -38,8 +38,10 @@ def coverage_line(summary: dict, misses: list[dict]) -> str:
     if len(kinds) > TOP_KINDS:
         shown += f",+{len(kinds) - TOP_KINDS}_more_kinds"
     example = f" example={misses[0]['key']!r} ({misses[0]['reason']})" if misses else ""
-    return (f"adapter={summary['name']!r} landed={summary['keys_applied']}/{summary['keys_total']} "
-            f"misses={shown or '-'}{example}")
+    return (
+        f"adapter={summary['name']!r} landed={summary['keys_applied']}/{summary['keys_total']} "
+        f"misses={shown or '-'}{example}"
+    )
 
 
 def _short(summary: dict) -> bool:
@@ -48,16 +50,25 @@ def _short(summary: dict) -> bool:
 
 def refuse_empty(report, allow_empty: bool = False) -> None:
     """NoKeysLandedError (carrying `report`) when some adapter landed no key, unless `allow_empty`."""
-    empty = [coverage_line(s, adapter_misses(report, s["name"])) for s in report.adapters
-             if s["keys_applied"] == 0 and not allow_empty]
+    empty = [
+        coverage_line(s, adapter_misses(report, s["name"]))
+        for s in report.adapters
+        if s["keys_applied"] == 0 and not allow_empty
+    ]
     if empty:
         raise NoKeysLandedError(
             f"no key landed for {len(empty)} adapter(s), nothing was changed: {'; '.join(empty)}. Wrong base "
-            "model? Pass allow_empty=True to apply anyway (the report lists every miss).", report)
+            "model? Pass allow_empty=True to apply anyway (the report lists every miss).",
+            report,
+        )
 
 
 def warn_incomplete(report) -> None:
     """One WARNING line per adapter that did not fully land (keys expected absent on this variant do not count)."""
     for summary in report.adapters:
-        if _short(summary) and (summary["keys_total"] == 0 or failures(adapter_misses(report, summary["name"]))):
-            log.warning("loraweave incomplete %s", coverage_line(summary, adapter_misses(report, summary["name"])))
+        if _short(summary) and (
+            summary["keys_total"] == 0 or failures(adapter_misses(report, summary["name"]))
+        ):
+            log.warning(
+                "loraweave incomplete %s", coverage_line(summary, adapter_misses(report, summary["name"]))
+            )

@@ -16,7 +16,9 @@ EXPECTED_ABSENT = "expected_absent"  # miss kind for keys only a sibling variant
 
 def failures(unmatched: list) -> list:
     """Misses that count against strict mode: all but keys expected absent on this variant."""
-    return [u for u in unmatched if u["kind"] != EXPECTED_ABSENT]  # Unmatched or inspect's dicts: both have a kind
+    return [
+        u for u in unmatched if u["kind"] != EXPECTED_ABSENT
+    ]  # Unmatched or inspect's dicts: both have a kind
 
 
 MECHANISMS = ("merge", "runtime", "factor", "hosted", "requantize", "planned")
@@ -26,11 +28,15 @@ MECHANISMS = ("merge", "runtime", "factor", "hosted", "requantize", "planned")
 class AppliedModule:
     component: str
     module: str
-    mechanism: str  # merge | runtime | factor | hosted | requantize (quantized layers) | planned (plan() only)
+    mechanism: (
+        str  # merge | runtime | factor | hosted | requantize (quantized layers) | planned (plan() only)
+    )
     adapters: list[str]
     why: str = ""  # for auto and quantized layers: why this mechanism was chosen
     cost: str = ""  # runtime forms that are not a plain low-rank pair, e.g. "dense ΔW (L×in·k) cached"
-    notes: list[str] = field(default_factory=list)  # adaptations made to land the adapter (input widening, ...)
+    notes: list[str] = field(
+        default_factory=list
+    )  # adaptations made to land the adapter (input widening, ...)
     backend: str = ""  # quantization backend owning the layer ("" for ordinary layers)
     retention: float | None = None  # ρ = <applied Δ, intended Δ>/‖intended Δ‖² (factor, hosted, requantize)
     capture: float | None = None  # hosted: energy fraction of the delta the truncation kept
@@ -43,7 +49,9 @@ class AppliedModule:
 @dataclass
 class Report:
     mode: str
-    adapters: list[dict] = field(default_factory=list)  # name, layout, families, alpha_sources, keys_total, ...
+    adapters: list[dict] = field(
+        default_factory=list
+    )  # name, layout, families, alpha_sources, keys_total, ...
     applied: list[AppliedModule] = field(default_factory=list)
     unmatched: list[Unmatched] = field(default_factory=list)  # adapter, key, miss (kind + reason)
     keys_total: int = 0
@@ -133,9 +141,22 @@ class Report:
         if not any(m.backend for m in self.applied):
             return
         for name, entry in self.mechanisms().items():  # one line per mechanism on quantized models
-            extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items() if k != "layers")
-            backends = ",".join(sorted({m.backend for m in self.applied if m.mechanism == name and m.backend})) or "-"
-            log.info("loraweave apply=%s layers=%d backend=%s%s", name, entry["layers"], backends, f" {extra}" if extra else "")
+            extra = " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in entry.items()
+                if k != "layers"
+            )
+            backends = (
+                ",".join(sorted({m.backend for m in self.applied if m.mechanism == name and m.backend}))
+                or "-"
+            )
+            log.info(
+                "loraweave apply=%s layers=%d backend=%s%s",
+                name,
+                entry["layers"],
+                backends,
+                f" {extra}" if extra else "",
+            )
         hits = [m.cache_hit for m in self.applied if m.cache_hit is not None]
         if hits:
             log.info("loraweave factor_cache hits=%d misses=%d", sum(hits), len(hits) - sum(hits))

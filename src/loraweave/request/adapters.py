@@ -24,8 +24,10 @@ def as_specs(adapters) -> list[AdapterSpec]:
     ):
         adapters = [adapters]
     if adapters is None or not isinstance(adapters, Iterable):
-        raise ArgumentError(f"adapters must be a path, Adapter, state dict, (source, strength) or AdapterSpec, "
-                            f"or a list of them; got {adapters!r}")
+        raise ArgumentError(
+            f"adapters must be a path, Adapter, state dict, (source, strength) or AdapterSpec, "
+            f"or a list of them; got {adapters!r}"
+        )
     out = []
     for item in adapters:
         if isinstance(item, tuple):
@@ -60,8 +62,10 @@ def check_names(specs) -> None:
     names = Counter(spec.name for spec, _ in specs if spec.name)
     twice = sorted(n for n, c in names.items() if c > 1)
     if twice:
-        raise ArgumentError(f"adapter name(s) {', '.join(map(repr, twice))} given to more than one adapter; "
-                            "names address adapters in set_strength and the report, so each must be unique")
+        raise ArgumentError(
+            f"adapter name(s) {', '.join(map(repr, twice))} given to more than one adapter; "
+            "names address adapters in set_strength and the report, so each must be unique"
+        )
     warn_repeated([(spec.source, weights.strength) for spec, weights in specs])
 
 
@@ -73,6 +77,11 @@ def warn_repeated(sources: list[tuple[object, float]]) -> None:
     for (kind, ident), strengths in by_source.items():
         if len(strengths) > 1:
             shown = ident if kind == "path" else "one Adapter/state dict object"
-            log.warning("loraweave duplicate_adapter source=%s times=%d strengths=%s: their effects add up "
-                        "(total strength %g); pass it once with the summed strength if this is not intended",
-                        shown, len(strengths), strengths, sum(strengths))
+            log.warning(
+                "loraweave duplicate_adapter source=%s times=%d strengths=%s: their effects add up "
+                "(total strength %g); pass it once with the summed strength if this is not intended",
+                shown,
+                len(strengths),
+                strengths,
+                sum(strengths),
+            )

@@ -88,12 +88,16 @@ def resolve_adapter_name(name: str, lora_dir: str | os.PathLike) -> Path:
         candidates = catalogue.get(rel, [])
     if len(candidates) > 1:
         listing = ", ".join(sorted(str(p.relative_to(root)) for p in candidates))
-        raise PromptAdapterError(f"adapter name {name!r} is ambiguous in {root}: {listing}; use the subfolder path")
+        raise PromptAdapterError(
+            f"adapter name {name!r} is ambiguous in {root}: {listing}; use the subfolder path"
+        )
     if not candidates:
         import difflib  # only on the error path: keeps it out of `import loraweave`
 
-        known = sorted({str(p.relative_to(root))[: -len(_SUFFIX)] for ps in catalogue.values() for p in ps}
-                       | set(catalogue))
+        known = sorted(
+            {str(p.relative_to(root))[: -len(_SUFFIX)] for ps in catalogue.values() for p in ps}
+            | set(catalogue)
+        )
         close = difflib.get_close_matches(rel, known, n=5, cutoff=0.5)
         hint = f"; close matches: {', '.join(close)}" if close else f"; {len(known)} adapters in the folder"
         raise PromptAdapterError(f"no adapter {name!r} in {root}{hint}")
@@ -118,7 +122,9 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
             key, _, value = item.partition("=")
             key = key.strip().lower()
             if key not in ("te", "lbw", "start", "end", *_DENOISER_KEYS):
-                raise PromptAdapterError(f"{tag}: unknown item {key!r}; known: te=, unet=/dit=/model=, lbw=, start=, end=")
+                raise PromptAdapterError(
+                    f"{tag}: unknown item {key!r}; known: te=, unet=/dit=/model=, lbw=, start=, end="
+                )
             if key in named or (key in _DENOISER_KEYS and any(k in named for k in _DENOISER_KEYS)):
                 raise PromptAdapterError(f"{tag}: {key}= given twice")
             named[key] = value.strip()
@@ -127,7 +133,9 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
         else:
             positional.append(_number(item, tag, "strength"))
     if len(positional) > 2:
-        raise PromptAdapterError(f"{tag}: at most two strengths (denoiser, text encoder), got {len(positional)}")
+        raise PromptAdapterError(
+            f"{tag}: at most two strengths (denoiser, text encoder), got {len(positional)}"
+        )
     strength = positional[0] if positional else 1.0
     te = positional[1] if len(positional) > 1 else None
     for key in _DENOISER_KEYS:
@@ -147,7 +155,9 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
         lbw = [_number(x, tag, "lbw value") for x in raw.split(",")] if "," in raw or _is_number(raw) else raw
     steps = _window(named, tag)
     path = resolve_adapter_name(name, lora_dir)
-    return AdapterSpec(source=path, strength=strength, te_strength=te, block_weights=lbw, name=name, steps=steps)
+    return AdapterSpec(
+        source=path, strength=strength, te_strength=te, block_weights=lbw, name=name, steps=steps
+    )
 
 
 def _window(named: dict[str, str], tag: str) -> tuple[float, float] | None:
@@ -157,7 +167,9 @@ def _window(named: dict[str, str], tag: str) -> tuple[float, float] | None:
     start = _number(named["start"], tag, "start=") if "start" in named else 0.0
     end = _number(named["end"], tag, "end=") if "end" in named else 1.0
     if not 0.0 <= start < end <= 1.0:
-        raise PromptAdapterError(f"{tag}: start= and end= must satisfy 0 <= start < end <= 1, got {start} and {end}")
+        raise PromptAdapterError(
+            f"{tag}: start= and end= must satisfy 0 <= start < end <= 1, got {start} and {end}"
+        )
     return start, end
 
 

@@ -45,12 +45,20 @@ class AdapterSpec:
             check_strength(value, f"AdapterSpec {label}")
 
         if self.component_strengths is not None and not isinstance(self.component_strengths, dict):
-            raise ArgumentError(f"AdapterSpec component_strengths must be a dict, got {self.component_strengths!r}")
+            raise ArgumentError(
+                f"AdapterSpec component_strengths must be a dict, got {self.component_strengths!r}"
+            )
         for component, value in (self.component_strengths or {}).items():
-            if not isinstance(component, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
-                raise ArgumentError(f"AdapterSpec component_strengths must map component names to finite numbers, "
-                                 f"got {component!r}: {value!r}")
+            if (
+                not isinstance(component, str)
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
+                raise ArgumentError(
+                    f"AdapterSpec component_strengths must map component names to finite numbers, "
+                    f"got {component!r}: {value!r}"
+                )
 
     @property
     def text_encoder_strength(self) -> float:

@@ -48,8 +48,12 @@ class ResolveCache:
             self._planned.pop(old, None)
         return hit[1]
 
-    def resolve(self, items: list[tuple[Adapter, float]], sources: list[object],
-                experts: dict[str, tuple[str, ...]] | None = None) -> Plan:
+    def resolve(
+        self,
+        items: list[tuple[Adapter, float]],
+        sources: list[object],
+        experts: dict[str, tuple[str, ...]] | None = None,
+    ) -> Plan:
         """Like plan.resolve.resolve, with each adapter's parts resolved once per source (and expert set)."""
         plan = Plan(self.components, [a for a, _ in items], {a.name: s for a, s in items})
         for (adapter, strength), source in zip(items, sources, strict=True):
@@ -57,14 +61,22 @@ class ResolveCache:
             by_fan = self._planned.setdefault(source_key(source), {})
             sub = by_fan.get(fan)
             if sub is None:
-                sub = resolve(self.components, [(adapter, 1.0)], tables=self.tables,
-                              experts={adapter.name: fan} if fan else None)
+                sub = resolve(
+                    self.components,
+                    [(adapter, 1.0)],
+                    tables=self.tables,
+                    experts={adapter.name: fan} if fan else None,
+                )
                 by_fan[fan] = sub
             plan.planned += [
-                dataclasses.replace(pp, adapter=adapter, strength=strength, notes=list(pp.notes), grow=dict(pp.grow))
+                dataclasses.replace(
+                    pp, adapter=adapter, strength=strength, notes=list(pp.notes), grow=dict(pp.grow)
+                )
                 for pp in sub.planned
             ]
-            plan.params += [dataclasses.replace(pp, adapter=adapter, strength=strength, notes=list(pp.notes))
-                            for pp in sub.params]
+            plan.params += [
+                dataclasses.replace(pp, adapter=adapter, strength=strength, notes=list(pp.notes))
+                for pp in sub.params
+            ]
             plan.unmatched += [dataclasses.replace(u, adapter=adapter.name) for u in sub.unmatched]
         return plan

@@ -66,8 +66,14 @@ def param_target(part: AdapterPart, table: AliasTable) -> tuple[str, bool] | Non
     return table.param(path)
 
 
-def plan_param(adapter: Adapter, part: AdapterPart, component: str, table: AliasTable,
-               target: tuple[str, bool], strength: float) -> PlannedParam:
+def plan_param(
+    adapter: Adapter,
+    part: AdapterPart,
+    component: str,
+    table: AliasTable,
+    target: tuple[str, bool],
+    strength: float,
+) -> PlannedParam:
     live, reshape = target
     param = table.root.get_parameter(live)
     key = next(iter(part.roles.values()))
@@ -75,8 +81,11 @@ def plan_param(adapter: Adapter, part: AdapterPart, component: str, table: Alias
     notes = [f"parameter {live}"]
     if tuple(delta.shape) != tuple(param.shape):
         if not reshape or delta.numel() != param.numel():
-            raise PartRejected("shape_mismatch", f"shape mismatch: {key} {tuple(delta.shape)} vs parameter {component}.{live} "
-                               f"{tuple(param.shape)}")
+            raise PartRejected(
+                "shape_mismatch",
+                f"shape mismatch: {key} {tuple(delta.shape)} vs parameter {component}.{live} "
+                f"{tuple(param.shape)}",
+            )
         notes.append(f"delta reshaped {tuple(delta.shape)} -> {tuple(param.shape)} (original stores it flat)")
         delta = delta.reshape(param.shape)
     check_factor(key, delta)

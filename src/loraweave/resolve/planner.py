@@ -25,7 +25,7 @@ NOT_PORTABLE = {
     "tlora": "its base comes from an SVD initialisation that is never saved",
     # Stand-In's pipeline appends reference-image tokens and runs these LoRAs on those tokens only.
     "standin": "Stand-In LoRAs act only on the reference-image tokens its own pipeline appends; on every token "
-               "they would change the whole video",
+    "they would change the whole video",
 }
 
 
@@ -42,7 +42,9 @@ class PlannedPart:
     strength: float  # per-adapter strength x global strength
     notes: list[str] = field(default_factory=list)  # adaptations the report must mention
     grow: dict[str, tuple[int, str]] = field(default_factory=dict)  # module -> (new input width, config key)
-    block_weight: float = 1.0  # the adapter's weight for this part's block (strength = adapter strength x this)
+    block_weight: float = (
+        1.0  # the adapter's weight for this part's block (strength = adapter strength x this)
+    )
 
 
 @dataclass
@@ -59,7 +61,9 @@ def _scalar(tensor: torch.Tensor, key: str) -> float | None:
     if tensor.device.type == "meta":
         return None  # shape-only planning: the value is unknown
     if tensor.numel() != 1:
-        raise PartRejected("bad_tensor", f"bad tensor: {key} should be a scalar, has shape {tuple(tensor.shape)}")
+        raise PartRejected(
+            "bad_tensor", f"bad tensor: {key} should be a scalar, has shape {tuple(tensor.shape)}"
+        )
     value = float(tensor.reshape(()).float())
     if value != value or value in (float("inf"), float("-inf")):
         raise PartRejected("non_finite", f"bad tensor: {key} is not finite")
@@ -79,13 +83,18 @@ def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -
     m = CLONEOFSIMO_STEM_RE.match(part.path)
     classes = cloneofsimo_classes(adapter.metadata, m["component"], adapter.path or adapter.name) or ()
     # lora_diffusion's default targets predate diffusers' rename of CrossAttention to Attention.
-    classes = classes or (("CrossAttention", "Attention", "GEGLU") if m["component"] == "unet" else ("CLIPAttention",))
+    classes = classes or (
+        ("CrossAttention", "Attention", "GEGLU") if m["component"] == "unet" else ("CLIPAttention",)
+    )
     classes = tuple(dict.fromkeys((*classes, *(("Attention",) if "CrossAttention" in classes else ()))))
     order = table.positional(classes)
     index = int(m["index"])
     if index >= len(order):
-        raise PartRejected("no_such_module", f"no such module: positional index {index} but the model has {len(order)} Linear layers "
-                           f"under {', '.join(classes)}")
+        raise PartRejected(
+            "no_such_module",
+            f"no such module: positional index {index} but the model has {len(order)} Linear layers "
+            f"under {', '.join(classes)}",
+        )
     return table.exact[order[index]]
 
 
@@ -99,24 +108,32 @@ def _reshape_target(adapter: Adapter, part: AdapterPart) -> tuple[int, ...] | No
         return None
     values = tensor.flatten().tolist()
     if len(values) != 2 or any(v != int(v) or v <= 0 for v in values):
-        raise PartRejected("bad_tensor", f"bad tensor: {key} should list a positive (out, in) shape, holds {values}")
+        raise PartRejected(
+            "bad_tensor", f"bad tensor: {key} should list a positive (out, in) shape, holds {values}"
+        )
     return tuple(int(v) for v in values)
 
 
-def _growth(family: Family, factors, shape: tuple[int, ...], width: int | None, module: str,
-            table: AliasTable) -> int | None:
+def _growth(
+    family: Family, factors, shape: tuple[int, ...], width: int | None, module: str, table: AliasTable
+) -> int | None:
     """The wider input a control adapter needs, when the module may grow to it and the adapter then fits."""
     if width is None or len(shape) != 2 or width <= shape[1] or module not in table.growable_inputs:
         return None
     return width if family.fit(factors, (shape[0], width))[1] is None else None
 
 
-def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable,
-               strength: float) -> PlannedPart | PlannedParam:
+def _plan_part(
+    adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float
+) -> PlannedPart | PlannedParam:
     param = param_target(part, table)
     if param is not None:
         return plan_param(adapter, part, comp_name, table, param, strength)
-    found = _positional_lookup(adapter, part, table) if part.layout == "cloneofsimo" else table.lookup(part.path, adapter.traits)
+    found = (
+        _positional_lookup(adapter, part, table)
+        if part.layout == "cloneofsimo"
+        else table.lookup(part.path, adapter.traits)
+    )
     where = f"{comp_name}.{part.path}"
     if found is None:
         why = table.expected_absent(part.path)
@@ -124,66 +141,109 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
             raise PartRejected("expected_absent", f"expected absent: {where} ({why})")
         raise PartRejected("no_such_module", f"no such module: {where}")
     if found == AMBIGUOUS:
-        raise PartRejected("ambiguous_module", f"ambiguous module name: {where} matches several modules once '.' is written '_'")
+        raise PartRejected(
+            "ambiguous_module",
+            f"ambiguous module name: {where} matches several modules once '.' is written '_'",
+        )
     target = ", ".join(p.module for p in found)
     tensors = {role: adapter.tensor(key) for role, key in part.roles.items()}
     family = family_for(part.family, tensors)
     if part.family in NOT_PORTABLE:
-        raise PartRejected("unsupported", f"unsupported family: {part.family} ({NOT_PORTABLE[part.family]}; target {comp_name}.{target})")
+        raise PartRejected(
+            "unsupported",
+            f"unsupported family: {part.family} ({NOT_PORTABLE[part.family]}; target {comp_name}.{target})",
+        )
     if family is None:
-        raise PartRejected("unsupported", f"unsupported family: {part.family} (not yet supported; target {comp_name}.{target})")
+        raise PartRejected(
+            "unsupported",
+            f"unsupported family: {part.family} (not yet supported; target {comp_name}.{target})",
+        )
     extras = part.extra_families - ALLOWED_EXTRAS.get(part.family, set())
     if extras:
-        raise PartRejected("unsupported", f"unsupported family: {'+'.join(sorted(extras))} keys next to {part.family} in one part "
-                           f"(target {comp_name}.{target})")
+        raise PartRejected(
+            "unsupported",
+            f"unsupported family: {'+'.join(sorted(extras))} keys next to {part.family} in one part "
+            f"(target {comp_name}.{target})",
+        )
     known = family.roles
     unknown = sorted(set(part.roles) - set(known) - set(GENERIC_ROLES)) if known is not None else []
     if unknown:  # never load a part while ignoring some of its keys
-        raise PartRejected("unsupported", f"unsupported family: {part.family} part also holds {', '.join(unknown)} "
-                           f"(target {comp_name}.{target})")
+        raise PartRejected(
+            "unsupported",
+            f"unsupported family: {part.family} part also holds {', '.join(unknown)} "
+            f"(target {comp_name}.{target})",
+        )
     uses_alpha = family.uses_alpha_scale
-    skip = ("alpha", "scale", "reshape") if uses_alpha else ("scale", "reshape")  # OFT & co read alpha themselves
+    skip = (
+        ("alpha", "scale", "reshape") if uses_alpha else ("scale", "reshape")
+    )  # OFT & co read alpha themselves
     # Families whose math depends on settings outside the tensors (PEFT OFT) get the adapter's PEFT config.
-    factors = family.load_part({r: t for r, t in tensors.items() if r not in skip}, part.roles, adapter.meta_alpha.peft)
+    factors = family.load_part(
+        {r: t for r, t in tensors.items() if r not in skip}, part.roles, adapter.meta_alpha.peft
+    )
     notes = []
     grow: dict[str, tuple[int, str]] = {}
     reshape = _reshape_target(adapter, part)
-    for piece in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
+    for (
+        piece
+    ) in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
         shape = module_shape(table.modules[piece.module])
         factors, reason = family.fit(factors, shape)
         if reason and (why := table.variant_input(piece.module, family.input_width(factors))):
-            raise PartRejected("expected_absent", f"expected absent: {where} ({why})")  # before growth: not a control input
+            raise PartRejected(
+                "expected_absent", f"expected absent: {where} ({why})"
+            )  # before growth: not a control input
         if reshape is not None and reshape != shape:
-            width = _growth(family, factors, shape, reshape[1], piece.module, table) if reshape[0] == shape[0] else None
+            width = (
+                _growth(family, factors, shape, reshape[1], piece.module, table)
+                if reshape[0] == shape[0]
+                else None
+            )
             if width is None:
-                raise PartRejected("shape_mismatch", f"shape mismatch: reshape_weight asks {comp_name}.{piece.module} {shape} to become "
-                                   f"{reshape}; only declared model inputs can grow, and only in columns")
+                raise PartRejected(
+                    "shape_mismatch",
+                    f"shape mismatch: reshape_weight asks {comp_name}.{piece.module} {shape} to become "
+                    f"{reshape}; only declared model inputs can grow, and only in columns",
+                )
         if reason and piece.module in table.growable_inputs:
             width = _growth(family, factors, shape, family.input_width(factors), piece.module, table)
             if width is not None:
                 factors = family.settle(factors, (shape[0], width))
                 grow[piece.module] = (width, table.growable_inputs[piece.module])
-                notes.append(f"{piece.module} input grown {shape[1]} -> {width} columns (zero weights for the new "
-                             f"channels; config {table.growable_inputs[piece.module]} updated)")
+                notes.append(
+                    f"{piece.module} input grown {shape[1]} -> {width} columns (zero weights for the new "
+                    f"channels; config {table.growable_inputs[piece.module]} updated)"
+                )
                 reason = None
         if reason and piece.module in table.widened_inputs:
             widened = family.widen_input(factors, shape)
             fitted = family.fit(widened, shape) if widened is not None else (None, reason)
             if fitted[1] is None:
-                notes.append(f"input zero-padded to {shape[1]} columns (model variant with a wider {piece.module})")
+                notes.append(
+                    f"input zero-padded to {shape[1]} columns (model variant with a wider {piece.module})"
+                )
                 factors, reason = fitted[0], None
         if reason:
             raise PartRejected.of(reason.where(f"{comp_name}.{piece.module}"))
     total = sum(p.length for p in found)
-    if factors.rows is not None and factors.rows != total:  # None: the delta spans any rows (IA3 on the input)
+    if (
+        factors.rows is not None and factors.rows != total
+    ):  # None: the delta spans any rows (IA3 on the input)
         names = " | ".join(f"{p.module}[{p.dst_start}:{p.dst_start + p.length}]" for p in found)
-        raise PartRejected("shape_mismatch", f"shape mismatch: adapter has {factors.rows} output rows, target {names} has {total}")
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: adapter has {factors.rows} output rows, target {names} has {total}",
+        )
     for piece in found:  # row-slice rules: OFT blocks must tile a piece, ...
         reason = family.check_piece(factors, piece.src_start, piece.length)
         if reason:
             raise PartRejected.of(reason.where(f"{comp_name}.{piece.module}"))
-    alpha = _scalar(adapter.tensor(part.roles["alpha"]), part.roles["alpha"]) if "alpha" in part.roles else None
-    scale_t = _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
+    alpha = (
+        _scalar(adapter.tensor(part.roles["alpha"]), part.roles["alpha"]) if "alpha" in part.roles else None
+    )
+    scale_t = (
+        _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
+    )
     if not uses_alpha:
         scale, source = 1.0, f"none:{part.family}"
     elif part.family == "full":
@@ -193,7 +253,13 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     else:
         prefix = comp_name if part.explicit_component else ""
         scale, source = resolve_scale(
-            alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path, prefix, adapter.meta_alpha,
+            alpha,
+            scale_t,
+            factors.rank,
+            factors.is_conv_kernel,
+            part.path,
+            prefix,
+            adapter.meta_alpha,
             network_alpha(adapter, table.metadata_alpha),
         )
         if not math.isfinite(scale):
@@ -201,8 +267,14 @@ def _plan_part(adapter: Adapter, part: AdapterPart, comp_name: str, table: Alias
     return PlannedPart(adapter, part, family, comp_name, found, factors, scale, source, strength, notes, grow)
 
 
-def _plan_with_fallback(adapter: Adapter, part: AdapterPart, comp_name: str, components: Components,
-                        tables: dict[str, AliasTable], strength: float) -> PlannedPart | PlannedParam:
+def _plan_with_fallback(
+    adapter: Adapter,
+    part: AdapterPart,
+    comp_name: str,
+    components: Components,
+    tables: dict[str, AliasTable],
+    strength: float,
+) -> PlannedPart | PlannedParam:
     try:
         return _plan_part(adapter, part, comp_name, tables[comp_name], strength)
     except PartRejected as first:
@@ -216,9 +288,12 @@ def _plan_with_fallback(adapter: Adapter, part: AdapterPart, comp_name: str, com
         raise first from None
 
 
-def resolve(components: Components, adapters: list[tuple[Adapter, float]],
-            tables: dict[str, AliasTable] | None = None,
-            experts: dict[str, tuple[str, ...]] | None = None) -> Plan:
+def resolve(
+    components: Components,
+    adapters: list[tuple[Adapter, float]],
+    tables: dict[str, AliasTable] | None = None,
+    experts: dict[str, tuple[str, ...]] | None = None,
+) -> Plan:
     """Plan every part of every adapter; `tables` reuses alias tables built for these components before.
 
     `experts`: adapter name -> the denoiser components its denoiser keys land on, each (Wan 2.2's `transformer`
@@ -227,15 +302,20 @@ def resolve(components: Components, adapters: list[tuple[Adapter, float]],
     tables = tables if tables is not None else {name: AliasTable(module) for name, module in components}
     for adapter, strength in adapters:
         for item in adapter.unparsed:
-            plan.unmatched.append(Unmatched(adapter.name, item["key"], Miss("not_parsed", f"not parsed: {item['reason']}")))
+            plan.unmatched.append(
+                Unmatched(adapter.name, item["key"], Miss("not_parsed", f"not parsed: {item['reason']}"))
+            )
         fan = (experts or {}).get(adapter.name)
         for part in adapter.parts:
             names = fan if fan and part.component == DENOISER else (components.resolve_name(part.component),)
             for comp_name in names:
                 try:
                     if comp_name is None:
-                        raise PartRejected("no_such_component", f"no such component: {part.component} "
-                                                                f"(target has {', '.join(components.modules)})")
+                        raise PartRejected(
+                            "no_such_component",
+                            f"no such component: {part.component} "
+                            f"(target has {', '.join(components.modules)})",
+                        )
                     if fan and part.component == DENOISER:  # each expert gets the part, none is a fallback
                         planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
                     else:

@@ -18,7 +18,9 @@ RAMPS = ("linear",)
 class StepWindow:
     start: float
     end: float
-    ramp: tuple[float, float] | None = None  # (first, last) strengths of a linear ramp; None: the adapter's strength
+    ramp: tuple[float, float] | None = (
+        None  # (first, last) strengths of a linear ramp; None: the adapter's strength
+    )
 
     def strengths(self, strength: float, total: int) -> list[float]:
         """The adapter's strength on each of `total` steps (0 outside the window)."""
@@ -64,5 +66,7 @@ def step_window(steps, ramp, ramp_strengths, factor: float = 1.0) -> StepWindow 
     if steps is None and ramp is None:
         return None
     start, end = (float(steps[0]), float(steps[1])) if steps is not None else (0.0, 1.0)
-    pair = (float(ramp_strengths[0]) * factor, float(ramp_strengths[1]) * factor) if ramp is not None else None
+    pair = (
+        (float(ramp_strengths[0]) * factor, float(ramp_strengths[1]) * factor) if ramp is not None else None
+    )
     return StepWindow(start, end, pair)

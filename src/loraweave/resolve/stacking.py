@@ -30,8 +30,12 @@ def adapter_names(contributions: list[Contribution]) -> set[str]:
     return names
 
 
-def combine_groups(groups: dict[tuple[str, str], list[Contribution]], modules: dict[str, object], mode: str,
-                   density: float | None) -> dict[tuple[str, str], list[Contribution]]:
+def combine_groups(
+    groups: dict[tuple[str, str], list[Contribution]],
+    modules: dict[str, object],
+    mode: str,
+    density: float | None,
+) -> dict[tuple[str, str], list[Contribution]]:
     """Groups with each shared layer's contributions replaced by one combined part (mode != "sum")."""
     validate_stack(mode, density)
     if mode == "sum" or mode in SELECT_MODES:  # select modes keep both adapters; gates pick one per step
@@ -46,7 +50,17 @@ def combine_groups(groups: dict[tuple[str, str], list[Contribution]], modules: d
         shape = module_shape(modules[comp].get_submodule(path))
         factors = CombinedFactors(list(contribs), mode, density, stack_key(comp, path, names), tuple(shape))
         part = AdapterPart(f"stack:{comp}.{path}", comp, path, "stack", True, "combined")
-        pp = PlannedPart(contribs[0][0].adapter, part, combined.SPEC, comp, (Piece(path, 0, 0, shape[0], True),), factors, 1.0,
-                         "none:combined", 1.0, [f"stack={mode} of {', '.join(names)}"])
+        pp = PlannedPart(
+            contribs[0][0].adapter,
+            part,
+            combined.SPEC,
+            comp,
+            (Piece(path, 0, 0, shape[0], True),),
+            factors,
+            1.0,
+            "none:combined",
+            1.0,
+            [f"stack={mode} of {', '.join(names)}"],
+        )
         out[(comp, path)] = [(pp, pp.pieces[0])]
     return out

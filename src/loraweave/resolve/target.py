@@ -55,10 +55,14 @@ def as_components(target) -> Components:
         return Components(dict(target))
     components = getattr(target, "components", None)
     if isinstance(components, Mapping):  # a diffusers DiffusionPipeline
-        found = {n: m for n, m in components.items() if n in COMPONENT_NAMES and isinstance(m, torch.nn.Module)}
+        found = {
+            n: m for n, m in components.items() if n in COMPONENT_NAMES and isinstance(m, torch.nn.Module)
+        }
         return Components(found)
-    raise TargetError(f"cannot apply adapters to a {type(target).__name__}: pass a torch module, a mapping of "
-                      "component name -> module, or a diffusers pipeline")
+    raise TargetError(
+        f"cannot apply adapters to a {type(target).__name__}: pass a torch module, a mapping of "
+        "component name -> module, or a diffusers pipeline"
+    )
 
 
 def experts(components: Components, weights: Mapping[str, object]) -> dict[str, tuple[str, ...]]:
@@ -70,8 +74,10 @@ def experts(components: Components, weights: Mapping[str, object]) -> dict[str, 
         named = getattr(w, "component_strengths", None) or {}
         missing = sorted(set(named) - set(components.modules))
         if missing:
-            raise TargetError(f"component_strengths of {name!r} names {missing}; the target has "
-                              f"{sorted(components.modules)}")
+            raise TargetError(
+                f"component_strengths of {name!r} names {missing}; the target has "
+                f"{sorted(components.modules)}"
+            )
         denoisers = tuple(c for c in named if c in DENOISER_NAMES)
         if denoisers:
             out[name] = denoisers

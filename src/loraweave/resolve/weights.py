@@ -47,8 +47,11 @@ def assign(plan: Plan, settings: dict[str, AdapterWeights]) -> None:
             if key not in tables:
                 tables[key] = _component_weights(plan, denoiser, pp.component, w.block_weights)
             table = tables[key]
-            pp.block_weight = table.get(pp.pieces[0].module, table.get("", 1.0)) if not is_text_encoder(pp.component) \
+            pp.block_weight = (
+                table.get(pp.pieces[0].module, table.get("", 1.0))
+                if not is_text_encoder(pp.component)
                 else table[""]
+            )
         pp.strength = part_strength(pp, w)
 
 

@@ -5,7 +5,15 @@ Nothing else in loraweave imports Ray; importing this package does not either (t
 
 from .engine import AdapterFolder, AdapterStore, Engine, ServeRequest, ServeRequestError, parse_request
 
-__all__ = ["AdapterFolder", "AdapterStore", "Engine", "ServeRequest", "ServeRequestError", "parse_request", "start"]
+__all__ = [
+    "AdapterFolder",
+    "AdapterStore",
+    "Engine",
+    "ServeRequest",
+    "ServeRequestError",
+    "parse_request",
+    "start",
+]
 
 
 def start(options, address: str | None = None, port: int = 8000, route_prefix: str = "/"):

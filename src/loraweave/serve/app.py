@@ -26,6 +26,7 @@ from .engine import AdapterFolder, Engine, ServeRequest, ServeRequestError, pars
 log = logging.getLogger("loraweave")
 RENDER_ATTEMPTS = 2  # a replica that dies mid-render: once more on another, then HTTP 503
 
+
 @dataclass
 class ServeOptions:
     model: str
@@ -36,7 +37,9 @@ class ServeOptions:
     batch_wait_s: float = 0.05
     threads: int = 1  # torch threads per replica
     cpus_per_replica: float = 1.0
-    engine: str = "loraweave.serve.engine:Engine"  # "module:Class" replicas build (an Engine subclass of yours)
+    engine: str = (
+        "loraweave.serve.engine:Engine"  # "module:Class" replicas build (an Engine subclass of yours)
+    )
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -45,7 +48,9 @@ class Renderer:
         import torch
 
         torch.set_num_threads(options.threads)
-        self.engine = engine_class(options.engine)(options.model, options.lora_dir, options.max_adapters_per_replica)
+        self.engine = engine_class(options.engine)(
+            options.model, options.lora_dir, options.max_adapters_per_replica
+        )
         self.lock = threading.Lock()  # one thread touches the pipeline at a time (loads and renders)
         self.loaded: dict[str, int] = {}  # adapter set -> times loaded on this replica
         self.replica = _replica_id()
@@ -56,7 +61,9 @@ class Renderer:
             return await self._load(adapter_set)
 
         # Wired at init so that the LRU size is the configured one (Ray detects instance attributes too).
-        self.get_adapters = serve.multiplexed(max_num_models_per_replica=options.max_adapters_per_replica)(load)
+        self.get_adapters = serve.multiplexed(max_num_models_per_replica=options.max_adapters_per_replica)(
+            load
+        )
 
     def _ensure(self, names: list[str]) -> bool:
         with self.lock:
@@ -93,15 +100,23 @@ class Renderer:
         results = await asyncio.to_thread(self._run, reqs)
         seconds = time.time() - started
         for req, res in zip(reqs, results, strict=True):
-            res["metrics"] = {"queue_s": round(started - req.received, 4), "batch_size": res.pop("batch_size"),
-                              "batch_sets": res.pop("batch_sets"),
-                              "render_s": round(seconds, 4), "batch_requests": len(reqs)}
+            res["metrics"] = {
+                "queue_s": round(started - req.received, 4),
+                "batch_size": res.pop("batch_size"),
+                "batch_sets": res.pop("batch_sets"),
+                "render_s": round(seconds, 4),
+                "batch_requests": len(reqs),
+            }
         return results
 
     def health(self) -> dict:
         store = self.engine.store
-        return {"replica": self.replica, "resident": list(store.resident), "capacity": store.capacity,
-                "adapter_loads": store.loads}
+        return {
+            "replica": self.replica,
+            "resident": list(store.resident),
+            "capacity": store.capacity,
+            "adapter_loads": store.loads,
+        }
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -129,18 +144,24 @@ class Ingress:
             return JSONResponse({"error": result["error"]}, status_code=result.get("status", 422))
         return JSONResponse(result)
 
-
     async def _render(self, req: ServeRequest) -> dict:
         """The replica's answer; a replica that died mid-render (a crash, an OOM kill) yields no image, so the request
         is rendered again from scratch on another replica (renders are deterministic: the same image), then a 503."""
-        renderer = self.renderer.options(multiplexed_model_id=req.adapter_set) if req.adapter_set else self.renderer
+        renderer = (
+            self.renderer.options(multiplexed_model_id=req.adapter_set) if req.adapter_set else self.renderer
+        )
         for attempt in range(1, RENDER_ATTEMPTS + 1):
             try:
                 return await renderer.render.remote(req)
             except RayActorError as exc:
-                log.warning("serve replica_died attempt=%d/%d error=%s", attempt, RENDER_ATTEMPTS, type(exc).__name__)
-        return {"error": f"the renderer replica died while rendering this request ({RENDER_ATTEMPTS} attempts); "
-                         "no image was produced, retry later", "status": 503}
+                log.warning(
+                    "serve replica_died attempt=%d/%d error=%s", attempt, RENDER_ATTEMPTS, type(exc).__name__
+                )
+        return {
+            "error": f"the renderer replica died while rendering this request ({RENDER_ATTEMPTS} attempts); "
+            "no image was produced, retry later",
+            "status": 503,
+        }
 
 
 @contextlib.contextmanager
@@ -165,7 +186,9 @@ def engine_class(path: str) -> type[Engine]:
     except ImportError:
         cls = None
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
-        raise ServeRequestError(f"engine {path!r}: expected 'module:Class' naming a loraweave.serve Engine subclass")
+        raise ServeRequestError(
+            f"engine {path!r}: expected 'module:Class' naming a loraweave.serve Engine subclass"
+        )
     return cls
 
 
@@ -179,7 +202,8 @@ def application(options: ServeOptions):
     """The bound application (ingress + renderers) for `serve.run`."""
     # Serve's default of 5 ongoing requests per replica would cap every batch below a larger max_batch.
     renderer = Renderer.options(
-        num_replicas=options.replicas, ray_actor_options={"num_cpus": options.cpus_per_replica},
+        num_replicas=options.replicas,
+        ray_actor_options={"num_cpus": options.cpus_per_replica},
         max_ongoing_requests=max(5, options.max_batch),
     )
     return Ingress.bind(renderer.bind(options), options.lora_dir)

@@ -31,7 +31,9 @@ class ServeRequestError(LoraweaveError, ValueError):
 class ServeRequest:
     prompt: str
     negative: str = ""
-    adapters: list[tuple[str, float]] = field(default_factory=list)  # (name in the store, strength), after tags
+    adapters: list[tuple[str, float]] = field(
+        default_factory=list
+    )  # (name in the store, strength), after tags
     steps: int = 20
     cfg: float = 7.0
     seed: int = 42
@@ -51,8 +53,14 @@ class ServeRequest:
 
 def _number(body: dict, key: str, kind, default):
     value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise ServeRequestError(f"field {key!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and value != int(value))
+    ):
+        raise ServeRequestError(
+            f"field {key!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+        )
     return kind(value)
 
 
@@ -62,15 +70,24 @@ def parse_request(body, store: AdapterFolder) -> ServeRequest:
 
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
         raise ServeRequestError("the request must be a JSON object with a string field 'prompt'")
-    req = ServeRequest(prompt=body["prompt"], negative=str(body.get("negative", "") or ""),
-                       steps=_number(body, "steps", int, 20), cfg=_number(body, "cfg", float, 7.0),
-                       seed=_number(body, "seed", int, 42), width=_number(body, "width", int, 512),
-                       height=_number(body, "height", int, 512))
-    checks = [(1 <= req.steps <= 1000, f"'steps' must be in 1..1000, got {req.steps}"),
-              (math.isfinite(req.cfg) and req.cfg >= 0, f"'cfg' must be finite and >= 0, got {req.cfg}"),
-              (0 <= req.seed < 2**63, f"'seed' must be in 0..2**63-1, got {req.seed}"),
-              (all(0 < s <= 4096 and s % 8 == 0 for s in (req.width, req.height)),
-               f"'width' and 'height' must be multiples of 8 in 8..4096, got {req.width}x{req.height}")]
+    req = ServeRequest(
+        prompt=body["prompt"],
+        negative=str(body.get("negative", "") or ""),
+        steps=_number(body, "steps", int, 20),
+        cfg=_number(body, "cfg", float, 7.0),
+        seed=_number(body, "seed", int, 42),
+        width=_number(body, "width", int, 512),
+        height=_number(body, "height", int, 512),
+    )
+    checks = [
+        (1 <= req.steps <= 1000, f"'steps' must be in 1..1000, got {req.steps}"),
+        (math.isfinite(req.cfg) and req.cfg >= 0, f"'cfg' must be finite and >= 0, got {req.cfg}"),
+        (0 <= req.seed < 2**63, f"'seed' must be in 0..2**63-1, got {req.seed}"),
+        (
+            all(0 < s <= 4096 and s % 8 == 0 for s in (req.width, req.height)),
+            f"'width' and 'height' must be multiples of 8 in 8..4096, got {req.width}x{req.height}",
+        ),
+    ]
     for ok, message in checks:
         if not ok:
             raise ServeRequestError(message)
@@ -84,12 +101,18 @@ def parse_request(body, store: AdapterFolder) -> ServeRequest:
         raise ServeRequestError("field 'adapters' must be a list of {'name': ..., 'strength': ...}")
     for item in extra:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ServeRequestError(f"each of 'adapters' must be an object with a string 'name', got {item!r}")
-        pairs.append((store.name_of(store.resolve(item["name"])), _number(item, "strength", float, 1.0), None))
+            raise ServeRequestError(
+                f"each of 'adapters' must be an object with a string 'name', got {item!r}"
+            )
+        pairs.append(
+            (store.name_of(store.resolve(item["name"])), _number(item, "strength", float, 1.0), None)
+        )
     for name, strength, te in pairs:
         if not math.isfinite(strength) or (te is not None and te != strength):
-            raise ServeRequestError(f"adapter {name!r}: strength must be finite and the text-encoder strength the "
-                                    f"same (per-request strengths are one number per adapter), got {strength}/{te}")
+            raise ServeRequestError(
+                f"adapter {name!r}: strength must be finite and the text-encoder strength the "
+                f"same (per-request strengths are one number per adapter), got {strength}/{te}"
+            )
     if len({n for n, _, _ in pairs}) != len(pairs):
         raise ServeRequestError("an adapter is named twice in one request")
     req.adapters = [(n, s) for n, s, _ in pairs]
@@ -141,15 +164,19 @@ class AdapterStore(AdapterFolder):
         except LoraweaveError as exc:
             raise ServeRequestError(f"adapter {name!r}: {exc}") from None
         if report.keys_total == 0 or report.keys_applied < report.keys_total:
-            raise ServeRequestError(f"adapter {name!r} does not fit this model: {report.keys_applied}/"
-                                    f"{report.keys_total} keys land ({report.summary()})")
+            raise ServeRequestError(
+                f"adapter {name!r} does not fit this model: {report.keys_applied}/"
+                f"{report.keys_total} keys land ({report.summary()})"
+            )
         self.reports[name] = report.to_dict()
 
     def ensure(self, names: list[str], pinned: set[str] = frozenset()) -> list[bool]:
         """Make `names` resident (least recently used ones evicted, never `pinned` or `names`); per name: was it a hit."""
         if len(set(names) | set(pinned)) > self.capacity:
-            raise ServeRequestError(f"{len(set(names) | set(pinned))} adapters needed at once on a replica that "
-                                    f"holds {self.capacity}; raise --max-adapters-per-replica")
+            raise ServeRequestError(
+                f"{len(set(names) | set(pinned))} adapters needed at once on a replica that "
+                f"holds {self.capacity}; raise --max-adapters-per-replica"
+            )
         hits = [n in self.resident for n in names]
         missing = [n for n in names if n not in self.resident]
         for name in missing:
@@ -189,7 +216,9 @@ def png_bytes(image) -> bytes:
 class Engine:
     """One pipeline and its adapter store; `run` renders a batch of requests (in groups of equal settings)."""
 
-    def __init__(self, model: str, lora_dir: str, max_adapters: int = 8, device: str = "cpu", dtype: str = "fp32"):
+    def __init__(
+        self, model: str, lora_dir: str, max_adapters: int = 8, device: str = "cpu", dtype: str = "fp32"
+    ):
         from ..tools.generate import GenerateRequest, load_pipeline, validate
 
         gen = GenerateRequest(model=model, prompt="", lora_dir=lora_dir, device=device, dtype=dtype)
@@ -240,8 +269,11 @@ class Engine:
         sizes = {"batch_size": len(chunk), "batch_sets": len({r.adapter_set for r in chunk})}
         if isinstance(image, Exception):
             return {"error": str(image), **sizes}
-        return {"png_b64": base64.b64encode(png_bytes(image)).decode("ascii"), **sizes,
-                "report": {name: self.store.reports[name] for name, _ in req.adapters}}
+        return {
+            "png_b64": base64.b64encode(png_bytes(image)).decode("ascii"),
+            **sizes,
+            "report": {name: self.store.reports[name] for name, _ in req.adapters},
+        }
 
     def _render(self, reqs: list[ServeRequest], output_type: str = "pil"):
         import contextlib
@@ -251,10 +283,16 @@ class Engine:
         names = list(dict.fromkeys(n for r in reqs for n, _ in r.adapters))
         self.store.ensure(names)
         first = reqs[0]
-        kwargs = {"prompt": [r.prompt for r in reqs], "negative_prompt": [r.negative for r in reqs],
-                  "num_inference_steps": first.steps, "guidance_scale": first.cfg, "width": first.width,
-                  "height": first.height, "generator": [torch.Generator("cpu").manual_seed(r.seed) for r in reqs],
-                  "output_type": output_type}
+        kwargs = {
+            "prompt": [r.prompt for r in reqs],
+            "negative_prompt": [r.negative for r in reqs],
+            "num_inference_steps": first.steps,
+            "guidance_scale": first.cfg,
+            "width": first.width,
+            "height": first.height,
+            "generator": [torch.Generator("cpu").manual_seed(r.seed) for r in reqs],
+            "output_type": output_type,
+        }
         handle = self.store.handle
         context = contextlib.nullcontext()
         if handle is not None:
@@ -263,5 +301,7 @@ class Engine:
         started = time.perf_counter()
         with context:
             images = self.pipe(**kwargs).images
-        log.info("serve batch=%d adapters=%d seconds=%.3f", len(reqs), len(names), time.perf_counter() - started)
+        log.info(
+            "serve batch=%d adapters=%d seconds=%.3f", len(reqs), len(names), time.perf_counter() - started
+        )
         return images

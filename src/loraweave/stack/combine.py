@@ -33,7 +33,9 @@ def validate_stack(mode: str, density: float | None, n_adapters: int | None = No
         raise ValueError(f"unknown stack mode {mode!r}; expected one of {', '.join(STACK_MODES)}")
     if mode in DENSE_MODES:
         if density is None:
-            raise ValueError(f"stack={mode!r} needs density= (the fraction of entries kept, 0 < density <= 1)")
+            raise ValueError(
+                f"stack={mode!r} needs density= (the fraction of entries kept, 0 < density <= 1)"
+            )
         if isinstance(density, bool) or not isinstance(density, (int, float)) or not math.isfinite(density):
             raise ValueError(f"density must be a finite number in (0, 1], got {density!r}")
         if not 0.0 < float(density) <= 1.0:
@@ -100,7 +102,9 @@ def _check_inputs(deltas: list[Tensor], weights: list[float]) -> None:
     shape = tuple(deltas[0].shape)
     for i, d in enumerate(deltas):
         if tuple(d.shape) != shape:
-            raise ValueError(f"delta {i} has shape {tuple(d.shape)}, delta 0 has {shape}: one layer, one shape")
+            raise ValueError(
+                f"delta {i} has shape {tuple(d.shape)}, delta 0 has {shape}: one layer, one shape"
+            )
     for w in weights:
         if not math.isfinite(float(w)):
             raise ValueError(f"weights must be finite, got {weights}")
@@ -133,8 +137,10 @@ def combine_deltas(
     w = w.view((-1,) + (1,) * (stacked.dim() - 1))
     if mode in SELECT_MODES:
         if choice not in (0, 1):
-            raise ValueError(f"stack={mode!r} picks one adapter per layer and step: pass choice=0 or 1 "
-                             f"(see SelectSchedule), got {choice!r}")
+            raise ValueError(
+                f"stack={mode!r} picks one adapter per layer and step: pass choice=0 or 1 "
+                f"(see SelectSchedule), got {choice!r}"
+            )
         return stacked[choice] * w[choice]
     assert density is not None  # validate_stack guarantees it
     if mode in ("ties", "magnitude_prune"):

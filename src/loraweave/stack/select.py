@@ -103,8 +103,14 @@ class SelectSchedule:
         self.balance = self._balance()
         self.flip_step: dict[str, int | None] = {key: self._first_flip(sc) for key, sc in self.scores.items()}
         flips = sum(v is not None for v in self.flip_step.values())
-        log.info("select_schedule mode=%s layers=%d steps=%d balance=%.6g flipping_layers=%d",
-                 mode, len(self.scores), total_steps, self.balance, flips)
+        log.info(
+            "select_schedule mode=%s layers=%d steps=%d balance=%.6g flipping_layers=%d",
+            mode,
+            len(self.scores),
+            total_steps,
+            self.balance,
+            flips,
+        )
 
     @classmethod
     def from_deltas(

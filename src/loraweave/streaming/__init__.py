@@ -21,8 +21,17 @@ log = logging.getLogger("loraweave")
 AUTO_MARGIN = 2 * 2**30
 
 __all__ = [
-    "STREAMED_ATTR", "BudgetExceeded", "BudgetTooSmall", "ForwardStats", "Ledger", "StreamHandle", "StreamPlan",
-    "StreamReport", "find_blocks", "plan_residency", "stream",
+    "STREAMED_ATTR",
+    "BudgetExceeded",
+    "BudgetTooSmall",
+    "ForwardStats",
+    "Ledger",
+    "StreamHandle",
+    "StreamPlan",
+    "StreamReport",
+    "find_blocks",
+    "plan_residency",
+    "stream",
 ]
 
 
@@ -63,7 +72,11 @@ def stream(
 
     Inference only (forwards under torch.no_grad()); do not move the model (`.to()`) while it streams: close()
     first (a replaced tensor is detected and refused)."""
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     store = torch.device(storage)
@@ -82,9 +95,13 @@ def stream(
         found = [(name, model.get_submodule(name)) for name in blocks]
         nested = [(a, b) for a in blocks for b in blocks if a != b and b.startswith(a + ".")]
         if nested:
-            raise ValueError(f"blocks must not contain each other: {nested[0][1]!r} is inside {nested[0][0]!r}")
+            raise ValueError(
+                f"blocks must not contain each other: {nested[0][1]!r} is inside {nested[0][0]!r}"
+            )
     if not found:
         raise ValueError(f"no repeated blocks found in {type(model).__name__}; pass blocks=[module paths]")
-    handle = StreamHandle(model, found, requested, dev, store, margin, free_bytes, trace=trace, placement=placement)
+    handle = StreamHandle(
+        model, found, requested, dev, store, margin, free_bytes, trace=trace, placement=placement
+    )
     handle.report.log()
     return handle

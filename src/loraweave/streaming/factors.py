@@ -48,7 +48,9 @@ def scale_bytes(path: RuntimePath) -> int:
     return path.scale.numel() * (torch.empty(0, dtype=dtype).element_size() if dtype is not None else 4)
 
 
-def bind(path: RuntimePath, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor) -> None:
+def bind(
+    path: RuntimePath, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor
+) -> None:
     """Make the path use `down`/`up` (slot views) as its (device, dtype) cast: no cast of its own is made."""
     path.bind_factors(device, dtype, down, up)
 

@@ -24,18 +24,31 @@ class StreamHandle:
     `release()` gives back every device byte (e.g. before a VAE decode; the next forward re-plans against what is
     free then); `close()` restores the model exactly (same parameter objects, devices, values)."""
 
-    def __init__(self, model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]], budget: int | None,
-                 device: torch.device, storage: torch.device, margin: int,
-                 free_bytes: Callable[[], int] | None, trace: bool = False, placement: str = "prefix") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        blocks: list[tuple[str, torch.nn.Module]],
+        budget: int | None,
+        device: torch.device,
+        storage: torch.device,
+        margin: int,
+        free_bytes: Callable[[], int] | None,
+        trace: bool = False,
+        placement: str = "prefix",
+    ) -> None:
         self.model, self.device, self.storage = model, device, storage
-        self._outside = outside.resident_outside_bytes(model, device)  # refuses unstreamable layers, moves nothing
+        self._outside = outside.resident_outside_bytes(
+            model, device
+        )  # refuses unstreamable layers, moves nothing
         self._requested = budget  # None: "auto" (free memory at each forward)
         self._free_bytes = free_bytes
         self.margin, self.placement = margin, placement
         pin = hostmem.pins(device, storage)
         seen: set[int] = set()
         skip = frozenset(id(m) for _, m in blocks)
-        self.rest = Unit("rest", model, seen, storage, pin, skip)  # first: tensors tied to the rest stay resident
+        self.rest = Unit(
+            "rest", model, seen, storage, pin, skip
+        )  # first: tensors tied to the rest stay resident
         self.units = [Unit(name, m, seen, storage, pin) for name, m in blocks]
         self.order = list(range(len(self.units)))  # execution order, learned from the first forward
         self._seen_order: list[int] = []
@@ -48,7 +61,9 @@ class StreamHandle:
         self._params = list(model.parameters())
         self._owner = {id(m): k for k, u in enumerate(self.units) for m in u.module.modules()}
         self._adapters: tuple = ()
-        self._extra = self._outside  # bytes that stay on the device: adapter factors not travelling, quant state
+        self._extra = (
+            self._outside
+        )  # bytes that stay on the device: adapter factors not travelling, quant state
         self._refresh_adapters()
         self.ledger = Ledger(0, trace=[] if trace else None)
         self.plan: StreamPlan | None = None
@@ -107,8 +122,15 @@ class StreamHandle:
 
     def _new_plan(self, budget: int) -> StreamPlan:
         order = self.order
-        return plan_residency([self.units[i].name for i in order], [self.units[i].nbytes for i in order],
-                              self.rest.nbytes, budget, self.margin, self._extra, self.placement)
+        return plan_residency(
+            [self.units[i].name for i in order],
+            [self.units[i].nbytes for i in order],
+            self.rest.nbytes,
+            budget,
+            self.margin,
+            self._extra,
+            self.placement,
+        )
 
     def _resident(self, plan: StreamPlan) -> set[int]:
         """Unit indices `plan` keeps resident (it was made along the current execution order)."""
@@ -146,11 +168,18 @@ class StreamHandle:
         self.epoch += 1
         self._released = False
         first = next((j for j in self.order if j not in new), None)
-        if first is not None and self._active is None:  # the next forward's first streamed block, ahead of time
+        if (
+            first is not None and self._active is None
+        ):  # the next forward's first streamed block, ahead of time
             self._fill(self.slots[0], first, prefetch=True)
         if self.report is None:
-            self.report = StreamReport(str(self.device), str(self.storage), plan, trace=self.ledger.trace,
-                                       asynchronous=self.copier.asynchronous)
+            self.report = StreamReport(
+                str(self.device),
+                str(self.storage),
+                plan,
+                trace=self.ledger.trace,
+                asynchronous=self.copier.asynchronous,
+            )
         else:
             self.report.plan = plan
             self.report.replans += 1
@@ -190,9 +219,11 @@ class StreamHandle:
         for unit in [self.rest, *self.units]:
             what = unit.changed()
             if what is not None:
-                raise RuntimeError(f"a streamed tensor was replaced behind loraweave's back ({what}), e.g. by "
-                                   "module.to() or a new Parameter; close() the StreamHandle before moving or "
-                                   "editing the model's tensors, then stream() again")
+                raise RuntimeError(
+                    f"a streamed tensor was replaced behind loraweave's back ({what}), e.g. by "
+                    "module.to() or a new Parameter; close() the StreamHandle before moving or "
+                    "editing the model's tensors, then stream() again"
+                )
 
     def _maybe_replan(self) -> None:
         self._check_intact()
@@ -205,10 +236,21 @@ class StreamHandle:
             plan = self._new_plan(budget)
             # Same residency, slots and sizes: keep the slots and their prefetched contents. (Block sizes count:
             # a resident block's booking or a slot buffer must grow when its adapters do.)
-            same = (plan.resident, plan.n_slots, plan.slot_bytes, plan.extra_bytes, plan.block_bytes,
-                    self._slot_buffer_bytes(plan)) == (
-                self.plan.resident, self.plan.n_slots, self.plan.slot_bytes, self.plan.extra_bytes,
-                self.plan.block_bytes, self._slot_buffer)
+            same = (
+                plan.resident,
+                plan.n_slots,
+                plan.slot_bytes,
+                plan.extra_bytes,
+                plan.block_bytes,
+                self._slot_buffer_bytes(plan),
+            ) == (
+                self.plan.resident,
+                self.plan.n_slots,
+                self.plan.slot_bytes,
+                self.plan.extra_bytes,
+                self.plan.block_bytes,
+                self._slot_buffer,
+            )
             if same:  # a little less free memory, same plan: keep slots and their prefetched contents
                 self.plan.budget = plan.budget
                 self.ledger.limit = plan.budget - plan.margin
@@ -220,8 +262,10 @@ class StreamHandle:
         if self._in_forward:
             return
         if torch.is_grad_enabled() and any(p.requires_grad for p in self._params):
-            raise RuntimeError("loraweave streaming is inference-only: call the model under torch.no_grad() "
-                               "(slots are reused, so autograd would see overwritten weights)")
+            raise RuntimeError(
+                "loraweave streaming is inference-only: call the model under torch.no_grad() "
+                "(slots are reused, so autograd would see overwritten weights)"
+            )
         self._in_forward = True
         self.copier.resolve(self.report.total)
         self._maybe_replan()
@@ -230,7 +274,9 @@ class StreamHandle:
         if not self._in_forward:
             return
         self._in_forward = False
-        if self._active is not None:  # a block raised: its post-hook ran, but be sure nothing points at a slot
+        if (
+            self._active is not None
+        ):  # a block raised: its post-hook ran, but be sure nothing points at a slot
             self._release_block(*self._active)
         r = self.report
         r.forwards += 1
@@ -254,6 +300,7 @@ class StreamHandle:
             if i in self._resident_units:
                 return
             self._load(i)
+
         return hook
 
     def _post_hook(self, i: int):
@@ -262,6 +309,7 @@ class StreamHandle:
                 self._release_block(*self._active)
             if self._in_forward == "block":
                 self._end_forward(self.model, (), None)
+
         return hook
 
     # -- slots -------------------------------------------------------------------------------------------------

@@ -76,7 +76,9 @@ class Run:
         return typed_view(self.host, offset - self.start, like)
 
 
-def pack(items: list[tuple[int, torch.Tensor]], storage: torch.device, pin: bool) -> tuple[list[Run], list[torch.Tensor]]:
+def pack(
+    items: list[tuple[int, torch.Tensor]], storage: torch.device, pin: bool
+) -> tuple[list[Run], list[torch.Tensor]]:
     """Copy tensors placed at layout `offset`s into packed runs; returns the runs and each tensor's host view."""
     spans = [(off, off + tensor_bytes(t)) for off, t in items]
     runs = [Run(a, b, host_buffer(b - a, storage, pin)) for a, b in group_runs(spans, pin)]

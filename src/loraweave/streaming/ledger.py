@@ -21,7 +21,9 @@ class Ledger:
         """Record `nbytes` now held under `tag` (replacing what the tag held before)."""
         after = self.current - self.held.get(tag, 0) + nbytes
         if after > self.limit:
-            raise BudgetExceeded(f"streaming would hold {after} B on the device, over its limit {self.limit} B ({tag})")
+            raise BudgetExceeded(
+                f"streaming would hold {after} B on the device, over its limit {self.limit} B ({tag})"
+            )
         self.held[tag] = nbytes
         self.current = after
         self.peak = max(self.peak, after)

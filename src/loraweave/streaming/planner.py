@@ -20,7 +20,9 @@ def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor really holds: a tensor subclass (torchao) counts its inner tensors, not its logical shape."""
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names if isinstance(getattr(t, n, None), torch.Tensor))
+        return sum(
+            tensor_bytes(getattr(t, n)) for n in names if isinstance(getattr(t, n, None), torch.Tensor)
+        )
     return t.numel() * t.element_size()
 
 
@@ -45,7 +47,9 @@ def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
             if isinstance(child, torch.nn.ModuleList):
-                members = [(f"{path}.{i}", m) for i, m in enumerate(child) if any(True for _ in m.parameters())]
+                members = [
+                    (f"{path}.{i}", m) for i, m in enumerate(child) if any(True for _ in m.parameters())
+                ]
                 if len(members) >= 2:
                     out.extend(members)
                     continue
@@ -55,8 +59,9 @@ def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def module_tensors(module: torch.nn.Module, seen: set[int], skip: frozenset[int] = frozenset()
-                   ) -> list[tuple[torch.nn.Module, str, str]]:
+def module_tensors(
+    module: torch.nn.Module, seen: set[int], skip: frozenset[int] = frozenset()
+) -> list[tuple[torch.nn.Module, str, str]]:
     """(owner, "param"|"buffer", name) of every tensor under `module` not already in `seen`, not descending into
     modules whose id is in `skip` (tied tensors stay with their first owner)."""
     out = []
@@ -104,10 +109,17 @@ class StreamPlan:
 
     def summary(self) -> dict:
         return {
-            "placement": self.placement, "budget": self.budget, "margin": self.margin, "device_bytes": self.device_bytes,
-            "rest_bytes": self.rest_bytes, "adapter_bytes": self.extra_bytes,
-            "resident_blocks": sum(self.resident), "streamed_blocks": len(self.resident) - sum(self.resident),
-            "resident_bytes": self.resident_bytes, "slots": self.n_slots, "slot_bytes": self.slot_bytes,
+            "placement": self.placement,
+            "budget": self.budget,
+            "margin": self.margin,
+            "device_bytes": self.device_bytes,
+            "rest_bytes": self.rest_bytes,
+            "adapter_bytes": self.extra_bytes,
+            "resident_blocks": sum(self.resident),
+            "streamed_blocks": len(self.resident) - sum(self.resident),
+            "resident_bytes": self.resident_bytes,
+            "slots": self.n_slots,
+            "slot_bytes": self.slot_bytes,
         }
 
 
@@ -125,7 +137,12 @@ def spread_streamed(n: int, m: int) -> set[int]:
 
 
 def plan_residency(
-    names: list[str], block_bytes: list[int], rest_bytes: int, budget: int, margin: int = 0, extra_bytes: int = 0,
+    names: list[str],
+    block_bytes: list[int],
+    rest_bytes: int,
+    budget: int,
+    margin: int = 0,
+    extra_bytes: int = 0,
     placement: str = "prefix",
 ) -> StreamPlan:
     """Most resident blocks that fit, in execution order.
@@ -153,8 +170,24 @@ def plan_residency(
             f"adapter factors ({extra_bytes} B) and the streaming slots; at least {need + margin} B are needed"
         )
     streamed, slots, slot_bytes = best
-    plan = StreamPlan(budget, margin, rest_bytes, extra_bytes, list(names), list(block_bytes),
-                      [i not in streamed for i in range(n)], slots, slot_bytes, placement=placement)
-    log.debug("loraweave stream plan: placement=%s resident=%d streamed=%d device_bytes=%d budget=%d", placement,
-              n - len(streamed), len(streamed), plan.device_bytes, budget)
+    plan = StreamPlan(
+        budget,
+        margin,
+        rest_bytes,
+        extra_bytes,
+        list(names),
+        list(block_bytes),
+        [i not in streamed for i in range(n)],
+        slots,
+        slot_bytes,
+        placement=placement,
+    )
+    log.debug(
+        "loraweave stream plan: placement=%s resident=%d streamed=%d device_bytes=%d budget=%d",
+        placement,
+        n - len(streamed),
+        len(streamed),
+        plan.device_bytes,
+        budget,
+    )
     return plan

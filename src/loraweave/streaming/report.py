@@ -15,7 +15,9 @@ class ForwardStats:
     bytes_copied: int = 0
     copies: int = 0  # block copies into a slot (prefetched or on demand)
     prefetched: int = 0  # streamed blocks whose copy was issued one block ahead (before they were needed)
-    on_demand: int = 0  # streamed blocks copied only when called (first block, mispredicted order, stale slot)
+    on_demand: int = (
+        0  # streamed blocks copied only when called (first block, mispredicted order, stale slot)
+    )
     kept: int = 0  # streamed blocks found still valid in their slot from earlier (no copy at all)
     stale: int = 0  # slot copies thrown away because the block changed since they were made (versioned slots)
     copy_seconds: float = 0.0
@@ -37,14 +39,18 @@ class StreamReport:
     peak_bytes: int = 0  # most device bytes the ledger ever held
     replans: int = 0
     releases: int = 0
-    trace: list[tuple[str, int]] | None = None  # ledger events when tracing (tests: asserted against the budget)
+    trace: list[tuple[str, int]] | None = (
+        None  # ledger events when tracing (tests: asserted against the budget)
+    )
     asynchronous: bool = False  # copies run beside compute (CUDA side stream)
 
     @property
     def blocks(self) -> list[dict]:
         p = self.plan
-        return [{"name": n, "bytes": b, "resident": r}
-                for n, b, r in zip(p.block_names, p.block_bytes, p.resident, strict=True)]
+        return [
+            {"name": n, "bytes": b, "resident": r}
+            for n, b, r in zip(p.block_names, p.block_bytes, p.resident, strict=True)
+        ]
 
     @property
     def copy_bandwidth(self) -> float | None:

@@ -55,7 +55,9 @@ class Copier:
         slot.views = unit.slot_views(slot.buf)
         if self.cuda:
             with torch.cuda.stream(self.stream):
-                if slot.freed_recorded:  # the block computing from this slot must be done before we overwrite it
+                if (
+                    slot.freed_recorded
+                ):  # the block computing from this slot must be done before we overwrite it
                     self.stream.wait_event(slot.freed)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(self.stream)

@@ -16,7 +16,9 @@ class Entry:
     owner: torch.nn.Module
     kind: str  # "param" | "buffer"
     name: str
-    orig: torch.Tensor | None  # the tensor the model held before streaming, kept when it costs no device memory
+    orig: (
+        torch.Tensor | None
+    )  # the tensor the model held before streaming, kept when it costs no device memory
     orig_device: torch.device
     host: torch.Tensor | None  # the values on the storage device (packed, pinned for CUDA); None after close
     offset: int  # byte offset in a slot (plain tensors only)
@@ -44,8 +46,15 @@ class Unit:
     Host copies: a model already on the storage device, unpinned, is used in place (no copy). Otherwise (pinned
     for CUDA, or held elsewhere) the plain tensors are packed at their slot offsets into a few runs (hostmem)."""
 
-    def __init__(self, name: str, module: torch.nn.Module, seen: set[int], storage: torch.device, pin: bool,
-                 skip: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: torch.nn.Module,
+        seen: set[int],
+        storage: torch.device,
+        pin: bool,
+        skip: frozenset[int] = frozenset(),
+    ) -> None:
         self.name, self.module = name, module
         self.storage, self.pin = storage, pin
         self.entries: list[Entry] = []
@@ -53,7 +62,9 @@ class Unit:
         for owner, kind, tname in module_tensors(module, seen, skip):
             t = (owner._parameters if kind == "param" else owner._buffers)[tname]
             data, plain = t.data, _plain(t)
-            self.entries.append(Entry(owner, kind, tname, None, data.device, data, offset if plain else -1, plain, t))
+            self.entries.append(
+                Entry(owner, kind, tname, None, data.device, data, offset if plain else -1, plain, t)
+            )
             if plain:
                 offset += aligned(tensor_bytes(data))
         self.weight_layout_bytes = offset
@@ -90,21 +101,27 @@ class Unit:
             factors.unbind(path)  # a path leaving (adapter removed) must not keep a slot view
         layout, casts = [], []
         for path in paths:
-            factors.unbind(path)  # a cast made before (e.g. warmed on the device at apply) is not ours to keep
+            factors.unbind(
+                path
+            )  # a cast made before (e.g. warmed on the device at apply) is not ours to keep
             dtype = factors.travel_dtype(path)
             down, up = (t.detach().to(dtype) for t in (path.down, path.up))
             layout.append((path, dtype, offset, offset + aligned(tensor_bytes(down))))
             casts += [(offset, down), (offset + aligned(tensor_bytes(down)), up)]
             offset += aligned(tensor_bytes(down)) + aligned(tensor_bytes(up))
         self.factor_runs, views = hostmem.pack(casts, self.storage, self.pin) if casts else ([], [])
-        self.factors = [(path, dtype, views[2 * k], d_off, views[2 * k + 1], u_off)
-                        for k, (path, dtype, d_off, u_off) in enumerate(layout)]
+        self.factors = [
+            (path, dtype, views[2 * k], d_off, views[2 * k + 1], u_off)
+            for k, (path, dtype, d_off, u_off) in enumerate(layout)
+        ]
         self.slot_layout_bytes = offset
         self.nbytes = offset + self.side_bytes  # what it takes on the device, as a slot or resident
         self.factor_version += 1
 
     # -- copies ----------------------------------------------------------------------------------------------
-    def copy_pairs(self, buf: torch.Tensor, with_factors: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def copy_pairs(
+        self, buf: torch.Tensor, with_factors: bool = True
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(destination in `buf`, host source) per transfer filling `buf` with this unit's slot layout (its weights,
         then its travelling factors): one per packed run, else one per tensor."""
         if self.runs:
@@ -124,8 +141,10 @@ class Unit:
             for dst, src in self.copy_pairs(buf, with_factors=False):  # resident paths cast their own
                 dst.copy_(src, non_blocking=True)
             views = self.slot_views(buf)
-            self._device = [v if e.plain else e.host.to(device)
-                            for e, v in zip(self.entries, views[: len(self.entries)], strict=True)]
+            self._device = [
+                v if e.plain else e.host.to(device)
+                for e, v in zip(self.entries, views[: len(self.entries)], strict=True)
+            ]
         for e, d in zip(self.entries, self._device, strict=True):
             e.point(d)
         self.place = "device"
@@ -186,7 +205,9 @@ class Unit:
         for e in self.entries:
             if e.orig is not None:
                 e.point(e.orig)
-            elif e.host.device == e.orig_device:  # a packed (pinned) copy on the original device: an unpinned one
+            elif (
+                e.host.device == e.orig_device
+            ):  # a packed (pinned) copy on the original device: an unpinned one
                 e.point(torch.empty(e.host.shape, dtype=e.host.dtype, device=e.orig_device).copy_(e.host))
             else:
                 e.point(e.host.to(e.orig_device))

@@ -39,8 +39,14 @@ from .positional import name_positional
 from .remap import translate
 
 log = logging.getLogger("loraweave")
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 @dataclass
@@ -85,7 +91,9 @@ def parse_adapter_arg(spec: str) -> tuple[str, float]:
     return spec, 1.0
 
 
-def _plan(ckpt: Checkpoint, adapters: list[tuple[str, float]], allow_pickle: bool = False) -> tuple[Plan, dict[str, dict]]:
+def _plan(
+    ckpt: Checkpoint, adapters: list[tuple[str, float]], allow_pickle: bool = False
+) -> tuple[Plan, dict[str, dict]]:
     loaded = []
     seen: Counter = Counter()
     for path, strength in adapters:
@@ -98,7 +106,9 @@ def _plan(ckpt: Checkpoint, adapters: list[tuple[str, float]], allow_pickle: boo
     return resolve(Components(trees), loaded), spans
 
 
-def _tensor_plan(ckpt: Checkpoint, plan: Plan, spans: dict[str, dict]) -> dict[str, tuple[str, list[Contribution]]]:
+def _tensor_plan(
+    ckpt: Checkpoint, plan: Plan, spans: dict[str, dict]
+) -> dict[str, tuple[str, list[Contribution]]]:
     """{full tensor name: ("weight" | "bias", contributions)}; parts that cannot merge move to plan.unmatched."""
     prefix = {c.name: c.prefix for c in ckpt.components}
     tensors = {name: shard for c in ckpt.components for name, shard in c.tensors.items()}
@@ -175,8 +185,15 @@ def _read(fd: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int, leng
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-def _bake_shard(src: Path, dst: Path, work: dict, dtype: torch.dtype | None, metadata_extra: dict[str, str],
-                bar, result: BakeResult) -> int:
+def _bake_shard(
+    src: Path,
+    dst: Path,
+    work: dict,
+    dtype: torch.dtype | None,
+    metadata_extra: dict[str, str],
+    bar,
+    result: BakeResult,
+) -> int:
     header, metadata, data_start = read_safetensors_header(src)
 
     def out_dtype(d: torch.dtype) -> torch.dtype:
@@ -208,7 +225,9 @@ def _bake_shard(src: Path, dst: Path, work: dict, dtype: torch.dtype | None, met
     return writer.bytes_written
 
 
-def _index_with_sizes(index_file: Path, dst: Path, shard_sizes: dict[str, int], extra: dict[str, str]) -> None:
+def _index_with_sizes(
+    index_file: Path, dst: Path, shard_sizes: dict[str, int], extra: dict[str, str]
+) -> None:
     data = json.loads(index_file.read_text())
     data.setdefault("metadata", {})
     data["metadata"]["total_size"] = sum(shard_sizes.values())
@@ -216,9 +235,17 @@ def _index_with_sizes(index_file: Path, dst: Path, shard_sizes: dict[str, int], 
     dst.write_text(json.dumps(data, indent=2))
 
 
-def bake(model: str | os.PathLike, adapters: list[tuple[str, float]], output: str | os.PathLike,
-         dtype: str | torch.dtype | None = None, strict: bool = False, overwrite: bool = False,
-         progress: bool = False, allow_empty: bool = False, allow_pickle: bool = False) -> BakeResult:
+def bake(
+    model: str | os.PathLike,
+    adapters: list[tuple[str, float]],
+    output: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    strict: bool = False,
+    overwrite: bool = False,
+    progress: bool = False,
+    allow_empty: bool = False,
+    allow_pickle: bool = False,
+) -> BakeResult:
     """Merge `adapters` [(path, strength)] into the checkpoint at `model`, writing `output` atomically.
 
     Refuses (EmptyOutputError, nothing written) when no tensor would change, unless `allow_empty`."""
@@ -247,16 +274,30 @@ def bake(model: str | os.PathLike, adapters: list[tuple[str, float]], output: st
 
         raise StrictApplyError(f"strict: {len(result.unmatched)} keys would not land; nothing written", None)
     if not work and not allow_empty:
-        raise EmptyOutputError(f"no key of the adapters lands on {model} ({result.keys_applied}/{result.keys_total} "
-                               f"keys; {_reasons(result.unmatched)}): the output would be an unchanged copy; nothing "
-                               "written (--allow-empty writes it anyway)", result)
+        raise EmptyOutputError(
+            f"no key of the adapters lands on {model} ({result.keys_applied}/{result.keys_total} "
+            f"keys; {_reasons(result.unmatched)}): the output would be an unchanged copy; nothing "
+            "written (--allow-empty writes it anyway)",
+            result,
+        )
     for adapter, (path, strength) in zip(plan.adapters, adapters, strict=True):
-        result.adapters.append({"file": Path(path).name, "sha256": file_sha256(adapter.path) if adapter.path else None,
-                                "strength": strength, "keys_total": adapter.keys_total,
-                                "keys_applied": sum(len(pp.part.keys) for pp in plan.planned if pp.adapter is adapter)})
-    record = {"tool": "loraweave", "version": __version__, "base": Path(model).name, "adapters": result.adapters,
-              "dtype": str(dtype).removeprefix("torch.") if dtype else "unchanged",
-              "tensors_changed": len([k for k, (kind, _) in work.items() if kind == "weight"])}
+        result.adapters.append(
+            {
+                "file": Path(path).name,
+                "sha256": file_sha256(adapter.path) if adapter.path else None,
+                "strength": strength,
+                "keys_total": adapter.keys_total,
+                "keys_applied": sum(len(pp.part.keys) for pp in plan.planned if pp.adapter is adapter),
+            }
+        )
+    record = {
+        "tool": "loraweave",
+        "version": __version__,
+        "base": Path(model).name,
+        "adapters": result.adapters,
+        "dtype": str(dtype).removeprefix("torch.") if dtype else "unchanged",
+        "tensors_changed": len([k for k, (kind, _) in work.items() if kind == "weight"]),
+    }
     extra = {"loraweave.baked": json.dumps(record, sort_keys=True)}
     total = sum(os.path.getsize(f) for f in ckpt.files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="bake", disable=not progress) as bar:
@@ -277,11 +318,24 @@ def bake(model: str | os.PathLike, adapters: list[tuple[str, float]], output: st
                     elif src not in indexes:
                         shutil.copy2(src, tmp / rel)
                 for index_file in indexes:
-                    _index_with_sizes(index_file, tmp / index_file.relative_to(ckpt.root),
-                                      sizes.get(index_file.parent, {}), extra)
-    result.bytes_written = sum(p.stat().st_size for p in ([out] if out.is_file() else out.rglob("*")) if p.is_file())
+                    _index_with_sizes(
+                        index_file,
+                        tmp / index_file.relative_to(ckpt.root),
+                        sizes.get(index_file.parent, {}),
+                        extra,
+                    )
+    result.bytes_written = sum(
+        p.stat().st_size for p in ([out] if out.is_file() else out.rglob("*")) if p.is_file()
+    )
     result.seconds = time.perf_counter() - t0
-    log.info("bake output=%s tensors=%d changed=%d keys_applied=%d/%d unmatched=%d seconds=%.3f", out,
-             result.tensors, result.tensors_changed, result.keys_applied, result.keys_total, len(result.unmatched),
-             result.seconds)
+    log.info(
+        "bake output=%s tensors=%d changed=%d keys_applied=%d/%d unmatched=%d seconds=%.3f",
+        out,
+        result.tensors,
+        result.tensors_changed,
+        result.keys_applied,
+        result.keys_total,
+        len(result.unmatched),
+        result.seconds,
+    )
     return result

@@ -71,7 +71,9 @@ def _config_class(folder: Path) -> str | None:
 
 
 def _component_name(folder: Path, class_name: str | None) -> str:
-    if folder.name in COMPONENT_NAMES:  # Anima's text_conditioner, LTX-2's connectors: not "transformer" by class
+    if (
+        folder.name in COMPONENT_NAMES
+    ):  # Anima's text_conditioner, LTX-2's connectors: not "transformer" by class
         return folder.name
     if class_name and class_name.startswith("UNet"):
         return "unet"
@@ -113,14 +115,20 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 continue
             comps.setdefault(hit[1], Component(hit[1], None, hit[0])).tensors[name] = root
         if not comps:  # a bare module state dict (diffusers single file, or BFL/ComfyUI weights)
-            comp = Component(_component_name(root.parent, class_name) if class_name else "denoiser", class_name, "")
+            comp = Component(
+                _component_name(root.parent, class_name) if class_name else "denoiser", class_name, ""
+            )
             comp.tensors = dict(passthrough)
             return Checkpoint("file", root, [comp], [root])
         return Checkpoint("file", root, list(comps.values()), [root], passthrough)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such file or folder")
     if (root / "model_index.json").exists():
-        comps_list = [c for sub in sorted(p for p in root.iterdir() if p.is_dir()) if (c := _folder_component(sub, True))]
+        comps_list = [
+            c
+            for sub in sorted(p for p in root.iterdir() if p.is_dir())
+            if (c := _folder_component(sub, True))
+        ]
         if not comps_list:
             raise CheckpointError(f"{root}: pipeline folder holds no .safetensors weights")
         files = sorted({f for c in comps_list for f in c.tensors.values()})
@@ -135,7 +143,9 @@ class _Node(torch.nn.Module):
     """A container whose numbered children iterate like a ModuleList (UNet name mapping walks them)."""
 
     def __iter__(self):
-        return iter(v for _, v in sorted(self._modules.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1))
+        return iter(
+            v for _, v in sorted(self._modules.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1)
+        )
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -153,9 +163,13 @@ def shadow_tree(comp: Component, checkpoint: Checkpoint) -> torch.nn.Module:
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for name, shard in comp.tensors.items():
         sf = checkpoint.source(shard)
-        shapes[name[len(comp.prefix):]] = (sf.dtype(name), sf.shape(name))
+        shapes[name[len(comp.prefix) :]] = (sf.dtype(name), sf.shape(name))
     for name, (dtype, shape) in shapes.items():
-        if not name.endswith(".weight") or not dtype.is_floating_point and dtype not in (torch.int8, torch.uint8):
+        if (
+            not name.endswith(".weight")
+            or not dtype.is_floating_point
+            and dtype not in (torch.int8, torch.uint8)
+        ):
             continue
         path = name[: -len(".weight")]
         parent = root
@@ -169,7 +183,9 @@ def shadow_tree(comp: Component, checkpoint: Checkpoint) -> torch.nn.Module:
         if parts[-1] in parent._modules:  # a module with children and its own weight: keep the children
             leaf = parent._modules[parts[-1]]
         elif len(shape) == 2:
-            leaf = torch.nn.Linear(shape[1], shape[0], bias=f"{path}.bias" in shapes, device="meta", dtype=dtype)
+            leaf = torch.nn.Linear(
+                shape[1], shape[0], bias=f"{path}.bias" in shapes, device="meta", dtype=dtype
+            )
             parent.add_module(parts[-1], leaf)
             continue
         else:
@@ -178,7 +194,9 @@ def shadow_tree(comp: Component, checkpoint: Checkpoint) -> torch.nn.Module:
         leaf.weight = torch.nn.Parameter(torch.empty(shape, device="meta", dtype=dtype), requires_grad=False)
         if f"{path}.bias" in shapes:
             b_dtype, b_shape = shapes[f"{path}.bias"]
-            leaf.bias = torch.nn.Parameter(torch.empty(b_shape, device="meta", dtype=b_dtype), requires_grad=False)
+            leaf.bias = torch.nn.Parameter(
+                torch.empty(b_shape, device="meta", dtype=b_dtype), requires_grad=False
+            )
     return root
 
 
@@ -199,7 +217,7 @@ def resolution_components(checkpoint: Checkpoint) -> tuple[dict[str, torch.nn.Mo
     for comp in checkpoint.components:
         found = None
         if checkpoint.kind == "file" and comp.name in ("denoiser", "transformer", "unet"):
-            shapes = {n[len(comp.prefix):]: checkpoint.source(s).shape(n) for n, s in comp.tensors.items()}
+            shapes = {n[len(comp.prefix) :]: checkpoint.source(s).shape(n) for n, s in comp.tensors.items()}
             found = reference_for(shapes, checkpoint.root.parent)
         if found is not None:
             trees[comp.name], spans[comp.name] = found

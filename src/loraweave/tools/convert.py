@@ -111,7 +111,9 @@ def _regroup(plan, layout: str) -> dict[tuple[str, str], tuple[int, list[_Piece]
                 total = totals.get(name, rows)
                 src = piece.src_start + (lo - piece.dst_start)
                 up = f.up[src : src + hi - lo]
-                if not bool(up.any()) and (f.up_bias is None or not bool(f.up_bias[src : src + hi - lo].any())):
+                if not bool(up.any()) and (
+                    f.up_bias is None or not bool(f.up_bias[src : src + hi - lo].any())
+                ):
                     continue  # rows this part leaves untouched (a zero block of a joined LoRA): nothing to write
                 entry = groups.setdefault((pp.component, name), (total, []))
                 entry[1].append(_Piece(t_start + lo - m_start, hi - lo, f.down, up, _alpha(pp, f.rank), pp))
@@ -127,11 +129,17 @@ def _prune(down: torch.Tensor, up: torch.Tensor, alpha: float) -> tuple[torch.Te
     return down[keep], up[:, keep], alpha / rank * int(keep.sum())
 
 
-def _assemble(rows: int, pieces: list[_Piece], result: ConvertResult) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _assemble(
+    rows: int, pieces: list[_Piece], result: ConvertResult
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One (down, up, alpha) for a target of `rows` rows from its pieces."""
     first = pieces[0]
-    shared = all(p.down.shape == first.down.shape and (p.down is first.down or torch.equal(p.down, first.down))
-                 and p.alpha == first.alpha for p in pieces)
+    shared = all(
+        p.down.shape == first.down.shape
+        and (p.down is first.down or torch.equal(p.down, first.down))
+        and p.alpha == first.alpha
+        for p in pieces
+    )
     if shared:  # one down for all rows: a plain split or a join of a shared-down fused LoRA
         up = first.up.new_zeros(rows, first.down.shape[0])
         for p in pieces:
@@ -158,7 +166,9 @@ def _assemble(rows: int, pieces: list[_Piece], result: ConvertResult) -> tuple[t
     return down, up, (gammas.pop() * total_rank) if len(gammas) == 1 else float(total_rank)
 
 
-def _stem(layout: str, comp: str, name: str, denoiser: bool, components: Components, source: object = "") -> str:
+def _stem(
+    layout: str, comp: str, name: str, denoiser: bool, components: Components, source: object = ""
+) -> str:
     if layout == "kohya":
         if denoiser:
             prefix = "lora_unet_"
@@ -172,7 +182,9 @@ def _stem(layout: str, comp: str, name: str, denoiser: bool, components: Compone
     if layout == "comfy":
         if denoiser:
             return "diffusion_model." + name
-        prefix = component_prefix(comp, "comfyui")  # text_encoders.clip_l/clip_g.transformer., llm_adapter, ...
+        prefix = component_prefix(
+            comp, "comfyui"
+        )  # text_encoders.clip_l/clip_g.transformer., llm_adapter, ...
         if prefix is None:
             raise ConvertError(f"{source}: comfy layout has no prefix for component {comp}; nothing written")
         return prefix + name
@@ -192,9 +204,18 @@ def _target_components(adapter: Adapter, target, arch: str | None, model: str | 
     return Components(components)
 
 
-def convert(path, to: str, output: str | os.PathLike, target=None, arch: str | None = None,
-            model: str | None = None, overwrite: bool = False, allow_empty: bool = False,
-            progress: bool = False, allow_pickle: bool = False) -> ConvertResult:
+def convert(
+    path,
+    to: str,
+    output: str | os.PathLike,
+    target=None,
+    arch: str | None = None,
+    model: str | None = None,
+    overwrite: bool = False,
+    allow_empty: bool = False,
+    progress: bool = False,
+    allow_pickle: bool = False,
+) -> ConvertResult:
     """Write the adapter at `path` in layout `to`; `target` (module / mapping) overrides `arch` / `model`.
 
     An adapter with no key is refused (EmptyOutputError, nothing written) unless `allow_empty`."""
@@ -204,26 +225,33 @@ def convert(path, to: str, output: str | os.PathLike, target=None, arch: str | N
     out = check_output(output, inputs, overwrite=overwrite)
     adapter = load_adapter(path, allow_pickle=allow_pickle)
     if not adapter.keys_total and not allow_empty:
-        raise EmptyOutputError(f"{path}: the adapter holds no key; the output would be empty; nothing written "
-                               "(--allow-empty writes it anyway)")
+        raise EmptyOutputError(
+            f"{path}: the adapter holds no key; the output would be empty; nothing written "
+            "(--allow-empty writes it anyway)"
+        )
     components = _target_components(adapter, target, arch, model)
     plan = resolve(components, [(adapter, 1.0)])
     if plan.unmatched:
         reasons = sorted({u["reason"] for u in plan.unmatched})[:5]
-        raise ConvertError(f"{len(plan.unmatched)} keys do not resolve against the model, so their target names are "
-                           f"unknown: {'; '.join(reasons)}")
+        raise ConvertError(
+            f"{len(plan.unmatched)} keys do not resolve against the model, so their target names are "
+            f"unknown: {'; '.join(reasons)}"
+        )
     other = sorted({pp.part.family for pp in plan.planned if pp.part.family != "lora"})
     if other:
-        raise ConvertError(f"convert handles the LoRA family; this file also holds {', '.join(other)} parts "
-                           "(their factor layouts differ per trainer, so no lossless rename is offered)")
+        raise ConvertError(
+            f"convert handles the LoRA family; this file also holds {', '.join(other)} parts "
+            "(their factor layouts differ per trainer, so no lossless rename is offered)"
+        )
     if any(pp.factors.up_bias is not None for pp in plan.planned) and to in ("kohya", "comfy"):
         raise ConvertError(f"{to} layout has no LoRA bias (lora_B.bias) keys")
     result = ConvertResult(out, to, keys_in=adapter.keys_total)
     tensors: dict[str, torch.Tensor] = {}
     patterns: dict[str, dict] = {}
     groups = _regroup(plan, to)
-    for (comp, name), (rows, pieces) in bar(groups.items(), total=len(groups), desc="convert", unit="module",
-                                            enabled=progress):
+    for (comp, name), (rows, pieces) in bar(
+        groups.items(), total=len(groups), desc="convert", unit="module", enabled=progress
+    ):
         down, up, alpha = _assemble(rows, pieces, result)
         denoiser = comp == components.denoiser_name
         stem = _stem(to, comp, name, denoiser, components, source=path if inputs else adapter.name)
@@ -252,8 +280,15 @@ def convert(path, to: str, output: str | os.PathLike, target=None, arch: str | N
         _write_peft(tensors, config, out, inputs, overwrite)
     else:
         save_file(tensors, out, metadata, inputs=inputs, overwrite=overwrite)
-    log.info("convert to=%s output=%s keys_in=%d keys_out=%d splits=%d joins=%d", to, out, result.keys_in,
-             result.keys_out, result.splits, result.joins)
+    log.info(
+        "convert to=%s output=%s keys_in=%d keys_out=%d splits=%d joins=%d",
+        to,
+        out,
+        result.keys_in,
+        result.keys_out,
+        result.splits,
+        result.joins,
+    )
     return result
 
 
@@ -268,14 +303,19 @@ def _alpha_metadata(to: str, patterns: dict[str, dict], components: Components) 
         # an exact, escaped entry, longest names first, so a short name never captures a longer one's setting.
         uniform = len(set(mods.values())) == 1
         ordered = sorted(mods, key=lambda m: (-len(m), m))
-        cfg = {"r": common[0], "lora_alpha": common[1],
-               "rank_pattern": {} if uniform else {re.escape(m): mods[m][0] for m in ordered},
-               "alpha_pattern": {} if uniform else {re.escape(m): mods[m][1] for m in ordered},
-               "target_modules": sorted(mods)}
+        cfg = {
+            "r": common[0],
+            "lora_alpha": common[1],
+            "rank_pattern": {} if uniform else {re.escape(m): mods[m][0] for m in ordered},
+            "alpha_pattern": {} if uniform else {re.escape(m): mods[m][1] for m in ordered},
+            "target_modules": sorted(mods),
+        }
         if to == "peft":
             if len(patterns) > 1:
-                raise ConvertError(f"peft layout holds one model; this adapter spans {', '.join(sorted(patterns))} "
-                                   "(use --to diffusers)")
+                raise ConvertError(
+                    f"peft layout holds one model; this adapter spans {', '.join(sorted(patterns))} "
+                    "(use --to diffusers)"
+                )
             return {}, {"peft_type": "LORA", **cfg}
         config.update({f"{comp}.{k}": v for k, v in cfg.items()})
     return {"lora_adapter_metadata": json.dumps(config), "loraweave.converted": to}, config
@@ -289,13 +329,21 @@ def _self_check(tensors, metadata, config, components: Components, out: Path, pl
     probe.meta_alpha = read_metadata_alpha({}, config) if peft_file else read_metadata_alpha(probe.metadata)
     check = resolve(components, [(probe, 1.0)])
     if check.unmatched:
-        raise ConvertError(f"converted keys would not land ({check.unmatched[0]['key']}: "
-                           f"{check.unmatched[0]['reason']}); nothing written to {out}")
-    before = {(pp.component, p.module) for pp in plan.planned for p in pp.pieces
-              if bool(pp.factors.up[p.src_start : p.src_start + p.length].any())}
+        raise ConvertError(
+            f"converted keys would not land ({check.unmatched[0]['key']}: "
+            f"{check.unmatched[0]['reason']}); nothing written to {out}"
+        )
+    before = {
+        (pp.component, p.module)
+        for pp in plan.planned
+        for p in pp.pieces
+        if bool(pp.factors.up[p.src_start : p.src_start + p.length].any())
+    }
     after = {(pp.component, p.module) for pp in check.planned for p in pp.pieces}
     if not before <= after:
-        raise ConvertError(f"converted keys would miss {sorted(before - after)[:3]}; nothing written to {out}")
+        raise ConvertError(
+            f"converted keys would miss {sorted(before - after)[:3]}; nothing written to {out}"
+        )
 
 
 def _write_peft(tensors, config, out: Path, inputs, overwrite: bool) -> None:

@@ -51,11 +51,19 @@ class LowRankResult:
         return statistics.median(la["energy"] for la in self.layers) if self.layers else None
 
     def to_dict(self) -> dict:
-        return {"output": str(self.output), "layers": self.layers, "skipped": self.skipped,
-                "energy_min": self.energy_min, "energy_median": self.energy_median, "seconds": self.seconds}
+        return {
+            "output": str(self.output),
+            "layers": self.layers,
+            "skipped": self.skipped,
+            "energy_min": self.energy_min,
+            "energy_median": self.energy_median,
+            "seconds": self.seconds,
+        }
 
 
-def truncate(delta: torch.Tensor, rank: int | None, energy: float | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+def truncate(
+    delta: torch.Tensor, rank: int | None, energy: float | None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Best rank-r factors of a 2-D ΔW: (up (rows, r), down (r, cols), captured energy share).
 
     r = `rank`, or the smallest rank keeping `energy` of Σσ² (capped at `rank` when both are given)."""
@@ -66,13 +74,18 @@ def truncate(delta: torch.Tensor, rank: int | None, energy: float | None) -> tup
         return delta.new_zeros(delta.shape[0], 1), delta.new_zeros(1, delta.shape[1]), 1.0
     cum = torch.cumsum(power, 0) / total
     cap = min(rank or len(s), len(s))
-    r = cap if energy is None else min(int(torch.searchsorted(cum, torch.tensor(energy, dtype=cum.dtype))) + 1, cap)
+    r = (
+        cap
+        if energy is None
+        else min(int(torch.searchsorted(cum, torch.tensor(energy, dtype=cum.dtype))) + 1, cap)
+    )
     root = s[:r].sqrt()  # split σ evenly so neither factor carries the whole dynamic range (fp16 outputs)
     return u[:, :r] * root, root[:, None] * vh[:r], float(cum[r - 1])
 
 
-def lora_truncate(up: torch.Tensor, down: torch.Tensor, rank: int | None,
-                  energy: float | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+def lora_truncate(
+    up: torch.Tensor, down: torch.Tensor, rank: int | None, energy: float | None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """`truncate(up @ down)` without forming ΔW: QR of both factors, SVD of the small r×r core."""
     qu, ru = torch.linalg.qr(up)
     qd, rd = torch.linalg.qr(down.T)
@@ -80,8 +93,16 @@ def lora_truncate(up: torch.Tensor, down: torch.Tensor, rank: int | None,
     return qu @ core_up, core_down @ qd.T, captured
 
 
-def _write_pair(out: dict, stem: str, up: torch.Tensor, down: torch.Tensor, in_shape: tuple[int, ...],
-                dtype: torch.dtype, peft: bool, alpha: bool = True) -> None:
+def _write_pair(
+    out: dict,
+    stem: str,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    in_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    peft: bool,
+    alpha: bool = True,
+) -> None:
     r = down.shape[0]
     names = (".lora_B.weight", ".lora_A.weight") if peft else (".lora_up.weight", ".lora_down.weight")
     kernel = in_shape[1:]
@@ -104,8 +125,11 @@ def check_lowrank_args(rank: int | None, energy: float | None) -> None:
 def _refuse_empty(result: LowRankResult, what: str, allow_empty: bool) -> None:
     if not result.layers and not allow_empty:
         skipped = ", ".join(f"{n} x {k}" for k, n in result.skipped.items()) or "nothing to read"
-        raise EmptyOutputError(f"{what}: no layer to write ({skipped}); the output would be an empty adapter; "
-                               "nothing written (--allow-empty writes it anyway)", result)
+        raise EmptyOutputError(
+            f"{what}: no layer to write ({skipped}); the output would be an empty adapter; "
+            "nothing written (--allow-empty writes it anyway)",
+            result,
+        )
 
 
 def _component_prefix(comp) -> str:
@@ -124,9 +148,18 @@ def _component_prefix(comp) -> str:
     return f"{comp.name}."
 
 
-def extract(base: str | os.PathLike, tuned: str | os.PathLike, output: str | os.PathLike, rank: int | None = None,
-            energy: float | None = None, dtype: str | None = None, min_rel_diff: float = 0.0,
-            overwrite: bool = False, allow_empty: bool = False, progress: bool = False) -> LowRankResult:
+def extract(
+    base: str | os.PathLike,
+    tuned: str | os.PathLike,
+    output: str | os.PathLike,
+    rank: int | None = None,
+    energy: float | None = None,
+    dtype: str | None = None,
+    min_rel_diff: float = 0.0,
+    overwrite: bool = False,
+    allow_empty: bool = False,
+    progress: bool = False,
+) -> LowRankResult:
     """LoRA of TUNED - BASE for every ≥2-D floating weight whose shapes agree; 1-D differences are reported.
 
     Refuses (EmptyOutputError, nothing written) when no layer differs, unless `allow_empty`."""
@@ -148,8 +181,9 @@ def extract(base: str | os.PathLike, tuned: str | os.PathLike, output: str | os.
     result = LowRankResult(out)
     skipped: Counter = Counter()
     tensors: dict[str, torch.Tensor] = {}
-    steps = bar(total=sum(len(c.tensors) for c in b_ckpt.components), desc="extract", unit="tensor",
-                enabled=progress)
+    steps = bar(
+        total=sum(len(c.tensors) for c in b_ckpt.components), desc="extract", unit="tensor", enabled=progress
+    )
     try:
         for comp in b_ckpt.components:
             prefix = _component_prefix(comp)
@@ -162,7 +196,9 @@ def extract(base: str | os.PathLike, tuned: str | os.PathLike, output: str | os.
                 if wb.shape != wt.shape or not wb.is_floating_point():
                     skipped["shape or dtype differs"] += 1
                     continue
-                delta = wt.float() - wb.float()  # exact for fp16/bf16 inputs; fp32 SVD is several times faster
+                delta = (
+                    wt.float() - wb.float()
+                )  # exact for fp16/bf16 inputs; fp32 SVD is several times faster
                 if not bool(delta.any()):
                     skipped["unchanged"] += 1
                     continue
@@ -173,11 +209,23 @@ def extract(base: str | os.PathLike, tuned: str | os.PathLike, output: str | os.
                     skipped["below --min-diff"] += 1
                     continue
                 up, down, captured = truncate(delta.flatten(1), rank, energy)
-                stem = prefix + name[len(comp.prefix):-len(".weight")]
-                out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, wt.dtype)
-                diffusers = prefix != "diffusion_model."  # diffusers layout: lora_A/lora_B, no alpha (scale 1)
-                _write_pair(tensors, stem, up, down, tuple(wb.shape[1:]), out_dtype, peft=diffusers,
-                            alpha=not diffusers)
+                stem = prefix + name[len(comp.prefix) : -len(".weight")]
+                out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(
+                    dtype, wt.dtype
+                )
+                diffusers = (
+                    prefix != "diffusion_model."
+                )  # diffusers layout: lora_A/lora_B, no alpha (scale 1)
+                _write_pair(
+                    tensors,
+                    stem,
+                    up,
+                    down,
+                    tuple(wb.shape[1:]),
+                    out_dtype,
+                    peft=diffusers,
+                    alpha=not diffusers,
+                )
                 result.layers.append({"name": stem, "rank": down.shape[0], "energy": captured})
     finally:
         steps.close()
@@ -187,17 +235,33 @@ def extract(base: str | os.PathLike, tuned: str | os.PathLike, output: str | os.
         t_ckpt.close()
     result.skipped = dict(skipped)
     _refuse_empty(result, f"extract {base} -> {tuned}", allow_empty)
-    meta = {"loraweave.extracted": json.dumps({"base": Path(base).name, "tuned": Path(tuned).name, "rank": rank,
-                                               "energy": energy, "layers": len(result.layers)})}
+    meta = {
+        "loraweave.extracted": json.dumps(
+            {
+                "base": Path(base).name,
+                "tuned": Path(tuned).name,
+                "rank": rank,
+                "energy": energy,
+                "layers": len(result.layers),
+            }
+        )
+    }
     save_file(tensors, out, meta, inputs=[base, tuned], overwrite=overwrite)
     result.seconds = time.perf_counter() - t0
-    log.info("extract output=%s layers=%d energy_min=%s energy_median=%s seconds=%.3f", out, len(result.layers),
-             result.energy_min, result.energy_median, result.seconds)
+    log.info(
+        "extract output=%s layers=%d energy_min=%s energy_median=%s seconds=%.3f",
+        out,
+        len(result.layers),
+        result.energy_min,
+        result.energy_median,
+        result.seconds,
+    )
     return result
 
 
-def kron_truncate(w1: torch.Tensor, w2: torch.Tensor, rank: int | None,
-                  energy: float | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+def kron_truncate(
+    w1: torch.Tensor, w2: torch.Tensor, rank: int | None, energy: float | None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Best rank-r factors of kron(w1, w2) from the two small SVDs: its singular triplets are the pairwise
     (Kronecker) products of theirs, so the (a·b, c·n) ΔW is never formed."""
     u1, s1, v1 = torch.linalg.svd(w1, full_matrices=False)
@@ -210,7 +274,11 @@ def kron_truncate(w1: torch.Tensor, w2: torch.Tensor, rank: int | None,
         return w1.new_zeros(w1.shape[0] * w2.shape[0], 1), w1.new_zeros(1, w1.shape[1] * w2.shape[1]), 1.0
     cum = torch.cumsum(power, 0) / total
     cap = min(rank or len(order), len(order))
-    r = cap if energy is None else min(int(torch.searchsorted(cum, torch.tensor(energy, dtype=cum.dtype))) + 1, cap)
+    r = (
+        cap
+        if energy is None
+        else min(int(torch.searchsorted(cum, torch.tensor(energy, dtype=cum.dtype))) + 1, cap)
+    )
     i, j = order[:r] // len(s2), order[:r] % len(s2)
     root = products[order[:r]].sqrt()
     up = (u1[:, i][:, None, :] * u2[:, j][None, :, :]).reshape(-1, r) * root
@@ -237,7 +305,9 @@ def _structured(part, factors) -> tuple[torch.Tensor, torch.Tensor] | None:
 def _dense(part, factors, family) -> tuple[torch.Tensor, tuple[int, ...]]:
     """(ΔW as (rows, in·k) fp32, (in, *k)) of one part at scale 1."""
     in_shape = _in_shape(part, factors)
-    delta = torch.zeros(factors.rows, math.prod(in_shape), dtype=torch.float32)  # fp32 SVD: several times faster
+    delta = torch.zeros(
+        factors.rows, math.prod(in_shape), dtype=torch.float32
+    )  # fp32 SVD: several times faster
     family.add_delta(delta, factors, 0, factors.rows, 1.0)
     return delta, in_shape
 
@@ -256,7 +326,9 @@ def _in_shape(part, factors) -> tuple[int, ...]:
     return in_shape
 
 
-def _targets(adapter, arch: str | None, model: str | None) -> tuple[dict[str, tuple[int, ...]], dict[str, float]]:
+def _targets(
+    adapter, arch: str | None, model: str | None
+) -> tuple[dict[str, tuple[int, ...]], dict[str, float]]:
     """({part stem: (in, *kernel) of the module it lands on}, {component as the file names it: the metadata network
     alpha its model's trainers record}). Flat-stored conv factors (old LoHa/LoKr) do not say their kernel; the
     model does. Architecture: given, or detected (nothing when unknown)."""
@@ -285,10 +357,19 @@ def _targets(adapter, arch: str | None, model: str | None) -> tuple[dict[str, tu
     return out, alphas
 
 
-def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None = None, energy: float | None = None,
-           dtype: str | None = None, overwrite: bool = False, arch: str | None = None,
-           model: str | None = None, allow_empty: bool = False, progress: bool = False,
-           allow_pickle: bool = False) -> LowRankResult:
+def resize(
+    path: str | os.PathLike,
+    output: str | os.PathLike,
+    rank: int | None = None,
+    energy: float | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    arch: str | None = None,
+    model: str | None = None,
+    allow_empty: bool = False,
+    progress: bool = False,
+    allow_pickle: bool = False,
+) -> LowRankResult:
     """Rewrite every LoRA/LoHa/LoKr/full part as a LoRA of rank ≤ R (its scale folded in, alpha = rank).
 
     Conv kernels the factors do not carry come from the target (`arch`, `model`, or the detected architecture).
@@ -304,8 +385,9 @@ def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None 
     tensors: dict[str, torch.Tensor] = {}
     for part in bar(adapter.parts, desc="resize", unit="part", enabled=progress):
         if part.family not in RESIZABLE or part.layout == "cloneofsimo":
-            skipped[f"{part.family} ({part.layout}) cannot be resized without the base weight or a model"] += \
-                len(part.keys)
+            skipped[
+                f"{part.family} ({part.layout}) cannot be resized without the base weight or a model"
+            ] += len(part.keys)
             continue
         family = FAMILIES[part.family]
         try:
@@ -316,9 +398,16 @@ def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None 
             if part.family == "full" or factors.rank is None:
                 scale = 1.0
             else:
-                scale, _ = resolve_scale(alpha, scale_t, factors.rank, factors.is_conv_kernel, part.path,
-                                         part.component if part.explicit_component else "", adapter.meta_alpha,
-                                         metadata_alphas.get(part.component))
+                scale, _ = resolve_scale(
+                    alpha,
+                    scale_t,
+                    factors.rank,
+                    factors.is_conv_kernel,
+                    part.path,
+                    part.component if part.explicit_component else "",
+                    adapter.meta_alpha,
+                    metadata_alphas.get(part.component),
+                )
         except PartRejected as exc:
             skipped[f"unreadable part: {exc}"] += len(part.keys)
             continue
@@ -328,8 +417,9 @@ def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None 
         structured = _structured(part, factors) if part.family in ("lokr", "loha") else None
         if part.family == "lora":
             in_shape = tuple(factors.down.shape[1:])
-            up, down, captured = lora_truncate(factors.up.double() * scale, factors.down.flatten(1).double(),
-                                               rank, energy)
+            up, down, captured = lora_truncate(
+                factors.up.double() * scale, factors.down.flatten(1).double(), rank, energy
+            )
         elif structured is not None:
             in_shape = _in_shape(part, factors)
             pick = kron_truncate if part.family == "lokr" else lora_truncate
@@ -342,19 +432,34 @@ def resize(path: str | os.PathLike, output: str | os.PathLike, rank: int | None 
             in_shape = want  # same columns, kernel known from the module
         stored = next(iter(roles.values())).dtype if roles else torch.float32
         out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, stored)
-        positional = CLONEOFSIMO_STEM_RE.match(part.stem) is not None  # named above: written in diffusers layout
-        stem = f"{'unet' if part.component == DENOISER else part.component}.{part.path}" if positional else part.stem
+        positional = (
+            CLONEOFSIMO_STEM_RE.match(part.stem) is not None
+        )  # named above: written in diffusers layout
+        stem = (
+            f"{'unet' if part.component == DENOISER else part.component}.{part.path}"
+            if positional
+            else part.stem
+        )
         _write_pair(tensors, stem, up, down, in_shape, out_dtype, peft=part.layout == "peft" or positional)
         result.layers.append({"name": stem, "rank": down.shape[0], "energy": captured})
     result.skipped = dict(skipped)
     _refuse_empty(result, f"resize {path}", allow_empty)
-    meta = {k: v for k, v in adapter.metadata.items() if k not in ("ss_network_alpha", "lora_adapter_metadata")}
-    meta["loraweave.resized"] = json.dumps({"source": Path(path).name, "rank": rank, "energy": energy,
-                                            "layers": len(result.layers)})
+    meta = {
+        k: v for k, v in adapter.metadata.items() if k not in ("ss_network_alpha", "lora_adapter_metadata")
+    }
+    meta["loraweave.resized"] = json.dumps(
+        {"source": Path(path).name, "rank": rank, "energy": energy, "layers": len(result.layers)}
+    )
     if rank is not None:
         meta["ss_network_dim"] = str(rank)
     save_file(tensors, out, meta, inputs=[path], overwrite=overwrite)
     result.seconds = time.perf_counter() - t0
-    log.info("resize output=%s layers=%d energy_min=%s energy_median=%s seconds=%.3f", out, len(result.layers),
-             result.energy_min, result.energy_median, result.seconds)
+    log.info(
+        "resize output=%s layers=%d energy_min=%s energy_median=%s seconds=%.3f",
+        out,
+        len(result.layers),
+        result.energy_min,
+        result.energy_median,
+        result.seconds,
+    )
     return result

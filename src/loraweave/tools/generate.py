@@ -32,16 +32,28 @@ APPLY_MODES = ("auto", "merge", "runtime")
 QUANTIZE = {"sdnq-int8": {"weights_dtype": "int8"}, "sdnq-uint4": {"weights_dtype": "uint4"}}
 # --arch -> diffusers pipeline class for a single-file checkpoint.
 SINGLE_FILE_PIPELINES = {
-    "sd1": "StableDiffusionPipeline", "sd2": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
-    "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "flux-schnell": "FluxPipeline",
-    "chroma": "ChromaPipeline", "z-image": "ZImagePipeline", "qwen-image": "QwenImagePipeline",
+    "sd1": "StableDiffusionPipeline",
+    "sd2": "StableDiffusionPipeline",
+    "sdxl": "StableDiffusionXLPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "flux-schnell": "FluxPipeline",
+    "chroma": "ChromaPipeline",
+    "z-image": "ZImagePipeline",
+    "qwen-image": "QwenImagePipeline",
 }
 # Scheduler class -> A1111 sampler name (others are shown by class name).
 SAMPLERS = {
-    "EulerDiscreteScheduler": "Euler", "EulerAncestralDiscreteScheduler": "Euler a",
-    "FlowMatchEulerDiscreteScheduler": "Euler", "DDIMScheduler": "DDIM", "PNDMScheduler": "PLMS",
-    "DPMSolverMultistepScheduler": "DPM++ 2M", "LMSDiscreteScheduler": "LMS", "HeunDiscreteScheduler": "Heun",
-    "LCMScheduler": "LCM", "UniPCMultistepScheduler": "UniPC",
+    "EulerDiscreteScheduler": "Euler",
+    "EulerAncestralDiscreteScheduler": "Euler a",
+    "FlowMatchEulerDiscreteScheduler": "Euler",
+    "DDIMScheduler": "DDIM",
+    "PNDMScheduler": "PLMS",
+    "DPMSolverMultistepScheduler": "DPM++ 2M",
+    "LMSDiscreteScheduler": "LMS",
+    "HeunDiscreteScheduler": "Heun",
+    "LCMScheduler": "LCM",
+    "UniPCMultistepScheduler": "UniPC",
 }
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
 
@@ -89,7 +101,7 @@ class GenerateResult:
 
 
 def parse_budget(text: str | None) -> int | str | None:
-    """"auto", bytes, or a size with a unit (512M, 4G, 4GB); None stays None."""
+    """ "auto", bytes, or a size with a unit (512M, 4G, 4GB); None stays None."""
     if text is None:
         return None
     if text == "auto":
@@ -108,10 +120,18 @@ def validate(req: GenerateRequest) -> None:
         (req.width > 0 and req.width % 8 == 0, f"-W must be a positive multiple of 8, got {req.width}"),
         (req.height > 0 and req.height % 8 == 0, f"-H must be a positive multiple of 8, got {req.height}"),
         (req.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {req.dtype!r}"),
-        (req.apply_mode in APPLY_MODES, f"--lora-apply-mode must be one of {APPLY_MODES}, got {req.apply_mode!r}"),
-        (req.quantize in (None, *QUANTIZE), f"--quantize must be one of {tuple(QUANTIZE)}, got {req.quantize!r}"),
-        (req.arch is None or req.arch in SINGLE_FILE_PIPELINES,
-         f"--arch must be one of {tuple(SINGLE_FILE_PIPELINES)}, got {req.arch!r}"),
+        (
+            req.apply_mode in APPLY_MODES,
+            f"--lora-apply-mode must be one of {APPLY_MODES}, got {req.apply_mode!r}",
+        ),
+        (
+            req.quantize in (None, *QUANTIZE),
+            f"--quantize must be one of {tuple(QUANTIZE)}, got {req.quantize!r}",
+        ),
+        (
+            req.arch is None or req.arch in SINGLE_FILE_PIPELINES,
+            f"--arch must be one of {tuple(SINGLE_FILE_PIPELINES)}, got {req.arch!r}",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -123,7 +143,9 @@ def validate(req: GenerateRequest) -> None:
             raise GenerateError(f"--lora {path}: no such file")
     if "<lora:" in req.prompt.lower() or "<lyco:" in req.prompt.lower():
         if req.lora_dir is None:
-            raise GenerateError("the prompt has <lora:...> tags: pass --lora-dir, the folder their names are in")
+            raise GenerateError(
+                "the prompt has <lora:...> tags: pass --lora-dir, the folder their names are in"
+            )
     parse_budget(req.budget)
     model = Path(req.model)
     if not model.exists():
@@ -177,13 +199,19 @@ def load_pipeline(req: GenerateRequest):
         with _loading_bars(req.progress), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated", category=FutureWarning)
             if Path(req.model).is_dir():
-                return diffusers.DiffusionPipeline.from_pretrained(req.model, torch_dtype=dtype, local_files_only=True)
+                return diffusers.DiffusionPipeline.from_pretrained(
+                    req.model, torch_dtype=dtype, local_files_only=True
+                )
             cls = getattr(diffusers, SINGLE_FILE_PIPELINES[req.arch])
             extra = {"config": req.config} if req.config else {}
             return cls.from_single_file(req.model, torch_dtype=dtype, local_files_only=True, **extra)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        hint = "" if req.config or Path(req.model).is_dir() else " (single files need --config FOLDER offline)"
-        raise GenerateError(f"--model {req.model}: cannot load the pipeline{hint}: {type(exc).__name__}: {exc}") from None
+        hint = (
+            "" if req.config or Path(req.model).is_dir() else " (single files need --config FOLDER offline)"
+        )
+        raise GenerateError(
+            f"--model {req.model}: cannot load the pipeline{hint}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def adapter_specs(req: GenerateRequest) -> tuple[str, list[AdapterSpec]]:
@@ -219,8 +247,15 @@ def quantize(pipe, kind: str) -> int:
 
 
 def _call_kwargs(pipe, req: GenerateRequest, prompt: str, generator) -> dict:
-    wanted = {"prompt": prompt, "negative_prompt": req.negative or None, "num_inference_steps": req.steps,
-              "guidance_scale": req.cfg, "height": req.height, "width": req.width, "generator": generator}
+    wanted = {
+        "prompt": prompt,
+        "negative_prompt": req.negative or None,
+        "num_inference_steps": req.steps,
+        "guidance_scale": req.cfg,
+        "height": req.height,
+        "width": req.width,
+        "generator": generator,
+    }
     accepted = inspect.signature(pipe.__call__).parameters
     dropped = [k for k, v in wanted.items() if k not in accepted and v is not None]
     if dropped:
@@ -237,7 +272,9 @@ def sample(pipe, req: GenerateRequest, prompt: str, seed: int):
     try:
         return pipe(**_call_kwargs(pipe, req, prompt, generator)).images[0]
     except (ValueError, RuntimeError, TypeError) as exc:
-        raise GenerateError(f"sampling failed in {type(pipe).__name__}: {type(exc).__name__}: {exc}") from None
+        raise GenerateError(
+            f"sampling failed in {type(pipe).__name__}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _adapter_hashes(specs: list[AdapterSpec]) -> list[tuple[str, str | None]]:
@@ -260,8 +297,13 @@ def parameters(req: GenerateRequest, pipe, seed: int, specs: list[AdapterSpec], 
 
     sampler = type(pipe.scheduler).__name__
     params = {
-        "Steps": req.steps, "Sampler": SAMPLERS.get(sampler, sampler), "CFG scale": req.cfg, "Seed": seed,
-        "Size": f"{req.width}x{req.height}", "Model hash": it.model_hash(req.model), "Model": Path(req.model).stem,
+        "Steps": req.steps,
+        "Sampler": SAMPLERS.get(sampler, sampler),
+        "CFG scale": req.cfg,
+        "Seed": seed,
+        "Size": f"{req.width}x{req.height}",
+        "Model hash": it.model_hash(req.model),
+        "Model": Path(req.model).stem,
         "Lora hashes": it.lora_hashes(_adapter_hashes(specs)),
         "Loraweave": report.summary() if report is not None else None,
         "Version": f"loraweave {__version__}",
@@ -306,8 +348,13 @@ def _sample_maybe_streamed(pipe, req: GenerateRequest, prompt: str, seed: int, d
     finally:
         streamer.close()
     rep = streamer.report
-    return image, {"summary": rep.summary(), "blocks": rep.blocks, "forwards": rep.forwards,
-                   "peak_bytes": rep.peak_bytes, "bytes_copied": rep.total.bytes_copied}
+    return image, {
+        "summary": rep.summary(),
+        "blocks": rep.blocks,
+        "forwards": rep.forwards,
+        "peak_bytes": rep.peak_bytes,
+        "bytes_copied": rep.total.bytes_copied,
+    }
 
 
 def generate(req: GenerateRequest) -> GenerateResult:
@@ -333,15 +380,27 @@ def generate(req: GenerateRequest) -> GenerateResult:
     image, streaming = _sample_maybe_streamed(pipe, req, clean, seed, device, budget)
     t["sample"] = time.perf_counter()
     text = parameters(req, pipe, seed, specs, report)
-    seconds = {k: round(t[k] - t[p], 4) for p, k in zip(("start", "load", "quantize", "apply"),
-                                                          ("load", "quantize", "apply", "sample"), strict=True)}
+    seconds = {
+        k: round(t[k] - t[p], 4)
+        for p, k in zip(
+            ("start", "load", "quantize", "apply"), ("load", "quantize", "apply", "sample"), strict=True
+        )
+    }
     out = Path(req.output)
-    sidecar = {"parameters": text, "request": asdict(req), "seed": seed, "prompt_encoded": clean,
-               "adapters": [{"name": s.name, "path": str(s.source), "strength": s.strength,
-                             "te_strength": s.te_strength} for s in specs],
-               "report": report.to_dict() if report is not None else None, "streaming": streaming,
-               "quantized_layers": quantized,
-               "seconds": seconds}
+    sidecar = {
+        "parameters": text,
+        "request": asdict(req),
+        "seed": seed,
+        "prompt_encoded": clean,
+        "adapters": [
+            {"name": s.name, "path": str(s.source), "strength": s.strength, "te_strength": s.te_strength}
+            for s in specs
+        ],
+        "report": report.to_dict() if report is not None else None,
+        "streaming": streaming,
+        "quantized_layers": quantized,
+        "seconds": seconds,
+    }
     side = write_outputs(image, out, text, sidecar)
     seconds["write"] = round(time.perf_counter() - t["sample"], 4)
     log.info("generate output=%s seed=%d adapters=%d seconds=%s", out, seed, len(specs), seconds)

@@ -64,8 +64,10 @@ def render(grid: BlockGrid, out: str | Path) -> dict:
     width = x0 + CELL_W * max(len(grid.columns), 1) + 90
     height = max(y0 + CELL_H * max(len(grid.rows), 1) + PAD, y0 + 160)
     what = "||dW||_F at strength 1" if grid.metric == "norm" else "share of sum ||dW||^2"
-    titles = [(Path(grid.file).name, font), (f"{grid.architecture}: {what} per block x module kind; grey: not "
-                                              "touched", small)]
+    titles = [
+        (Path(grid.file).name, font),
+        (f"{grid.architecture}: {what} per block x module kind; grey: not touched", small),
+    ]
     width = max([width] + [_text_size(probe, t, f)[0] + 2 * PAD for t, f in titles])
     img = Image.new("RGB", (width, height), BACKGROUND)
     draw = ImageDraw.Draw(img)

@@ -70,7 +70,7 @@ def parse_infotext(text: str) -> tuple[str, str, dict[str, str]]:
     params_line = lines.pop() if lines else ""
     negative = ""
     if lines and lines[-1].startswith("Negative prompt: "):
-        negative = lines.pop()[len("Negative prompt: "):]
+        negative = lines.pop()[len("Negative prompt: ") :]
     params: dict[str, str] = {}
     rest = params_line
     while rest:

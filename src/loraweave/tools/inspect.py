@@ -23,10 +23,23 @@ log = logging.getLogger("loraweave")
 
 # Training metadata that says what the file is; the rest (tag frequencies, bucket info, hashes) is noise here.
 SHOWN_METADATA = (
-    "ss_network_module", "ss_network_dim", "ss_network_alpha", "ss_network_args", "ss_base_model_version",
-    "ss_sd_model_name", "ss_v2", "ss_output_name", "modelspec.architecture", "modelspec.title",
-    "modelspec.implementation", "software", "format", "lora_adapter_metadata", "loraweave.baked",
-    "loraweave.converted", "loraweave.extracted",
+    "ss_network_module",
+    "ss_network_dim",
+    "ss_network_alpha",
+    "ss_network_args",
+    "ss_base_model_version",
+    "ss_sd_model_name",
+    "ss_v2",
+    "ss_output_name",
+    "modelspec.architecture",
+    "modelspec.title",
+    "modelspec.implementation",
+    "software",
+    "format",
+    "lora_adapter_metadata",
+    "loraweave.baked",
+    "loraweave.converted",
+    "loraweave.extracted",
 )
 MAX_METADATA_CHARS = 300
 # Role whose first dimension is the rank, per family.
@@ -53,7 +66,9 @@ def _alpha(adapter: Adapter, part) -> float | None:
     key = part.roles.get("alpha")
     if key is None:
         return None
-    value = adapter.source.scalar(key) if hasattr(adapter.source, "scalar") else None  # from the bytes: no torch
+    value = (
+        adapter.source.scalar(key) if hasattr(adapter.source, "scalar") else None
+    )  # from the bytes: no torch
     if value is not None:
         return value
     t = adapter.tensor(key)
@@ -65,10 +80,20 @@ def describe(adapter: Adapter) -> dict:
     ranks = Counter(r for p in adapter.parts if (r := _rank(adapter, p)) is not None)
     alphas = Counter(a for p in adapter.parts if (a := _alpha(adapter, p)) is not None)
     keys = [k for p in adapter.parts for k in p.keys] + [u["key"] for u in adapter.unparsed]
-    meta = {k: v if len(v) <= MAX_METADATA_CHARS else v[:MAX_METADATA_CHARS] + "..."
-            for k, v in adapter.metadata.items() if k in SHOWN_METADATA}
-    alpha_note = "alpha tensors" if alphas else (
-        "metadata" if not adapter.meta_alpha.empty else "none (scale 1 unless the loader assumes otherwise)")
+    meta = {
+        k: v if len(v) <= MAX_METADATA_CHARS else v[:MAX_METADATA_CHARS] + "..."
+        for k, v in adapter.metadata.items()
+        if k in SHOWN_METADATA
+    }
+    alpha_note = (
+        "alpha tensors"
+        if alphas
+        else (
+            "metadata"
+            if not adapter.meta_alpha.empty
+            else "none (scale 1 unless the loader assumes otherwise)"
+        )
+    )
     return {
         "name": adapter.name,
         "path": adapter.path,
@@ -159,8 +184,13 @@ def _by_variant(detection, fit: dict, arch: str | None, model: str | None):
     """A Flux-family file whose block counts and widths name one variant with its own skeleton (Flux.2 klein,
     or Flux.2 written in BFL names that Flux.1 shares) is checked against that skeleton."""
     catalog = fit.get("catalog")
-    if arch is None and model is None and catalog and detection.architecture in BFL_NAMED \
-            and catalog != detection.architecture:
+    if (
+        arch is None
+        and model is None
+        and catalog
+        and detection.architecture in BFL_NAMED
+        and catalog != detection.architecture
+    ):
         detection.evidence.append(f"block counts and widths name {fit['likely']} -> {catalog}")
         detection.architecture = catalog
     return detection
@@ -184,14 +214,22 @@ def _unet_fit(adapter: Adapter, detection, text_encoders: bool):
     fits = {name: r.keys_applied for name, r in reports.items()}
     best = max(fits, key=lambda n: fits[n])  # ties keep the earlier (older, more common) UNet
     detection.architecture = best
-    detection.evidence.append("shapes fit " + ", ".join(f"{n}: {k}/{adapter.keys_total} keys land" for n, k in
-                                                        fits.items()) + f" -> {best}")
+    detection.evidence.append(
+        "shapes fit "
+        + ", ".join(f"{n}: {k}/{adapter.keys_total} keys land" for n, k in fits.items())
+        + f" -> {best}"
+    )
     return detection, reports[best]
 
 
 def inspect_adapter(
-    path: str | Path, arch: str | None = None, model: str | None = None, allow_pickle: bool = False,
-    text_encoders: bool = True, check_values: bool = False, coverage: bool = True,
+    path: str | Path,
+    arch: str | None = None,
+    model: str | None = None,
+    allow_pickle: bool = False,
+    text_encoders: bool = True,
+    check_values: bool = False,
+    coverage: bool = True,
 ) -> dict:
     """Everything `loraweave inspect` shows, as one JSON-ready dict (keys `layout`, `families`, `architecture`,
     `coverage` are the public contract). coverage=False: the file alone (no model, no torch import);
@@ -200,15 +238,25 @@ def inspect_adapter(
     adapter = load_adapter(path, allow_pickle=allow_pickle)
     info = describe(adapter)
     detection = detect_architecture(adapter)
-    info["architecture"] = {"name": detection.architecture, "evidence": detection.evidence,
-                            "scores": detection.scores, "metadata_says": detection.metadata}
+    info["architecture"] = {
+        "name": detection.architecture,
+        "evidence": detection.evidence,
+        "scores": detection.scores,
+        "metadata_says": detection.metadata,
+    }
     info["architecture_evidence"] = detection.evidence  # the pre-contract key, kept for older callers
     info["variant"] = variant_fit(adapter)
     detection = _by_variant(detection, info["variant"], arch, model)
     info["architecture"]["name"] = detection.architecture
     if not coverage:
-        info["coverage"] = {"checked": False, "against": None, "keys_total": adapter.keys_total, "keys_applied": None,
-                            "unmatched": [], "complete": None}
+        info["coverage"] = {
+            "checked": False,
+            "against": None,
+            "keys_total": adapter.keys_total,
+            "keys_applied": None,
+            "unmatched": [],
+            "complete": None,
+        }
         info["seconds"] = round(time.perf_counter() - t0, 3)
         return info
     fit_report = None
@@ -217,11 +265,21 @@ def inspect_adapter(
         info["architecture"]["name"] = detection.architecture
     components, against = _target(arch, model, detection.architecture, text_encoders)
     if components is None:
-        unmatched = [{"key": k, "reason": f"not resolved: {against}", "kind": "not_resolved"}
-                     for p in adapter.parts for k in p.keys]
-        unmatched += [{"key": u["key"], "reason": f"not parsed: {u['reason']}", "kind": "not_parsed"}
-                      for u in adapter.unparsed]
-        coverage = {"against": None, "keys_total": adapter.keys_total, "keys_applied": 0, "unmatched": unmatched}
+        unmatched = [
+            {"key": k, "reason": f"not resolved: {against}", "kind": "not_resolved"}
+            for p in adapter.parts
+            for k in p.keys
+        ]
+        unmatched += [
+            {"key": u["key"], "reason": f"not parsed: {u['reason']}", "kind": "not_parsed"}
+            for u in adapter.unparsed
+        ]
+        coverage = {
+            "against": None,
+            "keys_total": adapter.keys_total,
+            "keys_applied": 0,
+            "unmatched": unmatched,
+        }
     else:
         from ..api import plan
         from .skeleton import alias_tables
@@ -245,8 +303,15 @@ def inspect_adapter(
     coverage["checked"] = True
     info["coverage"] = coverage
     info["seconds"] = round(time.perf_counter() - t0, 3)
-    log.info("inspect file=%s layout=%s arch=%s keys_applied=%d/%d seconds=%.3f", adapter.name, adapter.layout,
-             detection.architecture, coverage["keys_applied"], coverage["keys_total"], info["seconds"])
+    log.info(
+        "inspect file=%s layout=%s arch=%s keys_applied=%d/%d seconds=%.3f",
+        adapter.name,
+        adapter.layout,
+        detection.architecture,
+        coverage["keys_applied"],
+        coverage["keys_total"],
+        info["seconds"],
+    )
     return info
 
 
@@ -273,10 +338,17 @@ def format_table(info: dict, limit: int = 20) -> str:
         rows.append(("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']})"))
     rows += [(f"  {k}", v) for k, v in info["metadata"].items()]
     if not cov.get("checked", True):
-        rows.append(("coverage", f"not checked ({cov['keys_total']} keys; drop --no-coverage to resolve them)"))
+        rows.append(
+            ("coverage", f"not checked ({cov['keys_total']} keys; drop --no-coverage to resolve them)")
+        )
     else:
-        rows.append(("coverage", f"{cov['keys_applied']}/{cov['keys_total']} keys land"
-                     + (f" on {cov['against']}" if cov["against"] else "")))
+        rows.append(
+            (
+                "coverage",
+                f"{cov['keys_applied']}/{cov['keys_total']} keys land"
+                + (f" on {cov['against']}" if cov["against"] else ""),
+            )
+        )
     if cov.get("alpha_sources"):
         rows.append(("  alpha from", ", ".join(f"{k} x{v}" for k, v in cov["alpha_sources"].items())))
     for reason, n in cov.get("unmatched_by_kind", {}).items():
@@ -288,4 +360,3 @@ def format_table(info: dict, limit: int = 20) -> str:
     if len(cov["unmatched"]) > limit:
         lines.append(f"    ... {len(cov['unmatched']) - limit} more (--limit, or --json for all)")
     return "\n".join(lines)
-

@@ -41,8 +41,12 @@ def adapter_paths(folder: str | Path, allow_pickle: bool = False) -> tuple[list[
             if lower.endswith(SAFE) or (allow_pickle and lower.endswith(PICKLE)):
                 found.append(here / name)
             elif lower.endswith(PICKLE):
-                left_out.append({"file": str((here / name).relative_to(root)),
-                                 "reason": "pickle file: pass --allow-pickle to read it"})
+                left_out.append(
+                    {
+                        "file": str((here / name).relative_to(root)),
+                        "reason": "pickle file: pass --allow-pickle to read it",
+                    }
+                )
     return sorted(found, key=lambda p: str(p.relative_to(root))), left_out
 
 
@@ -51,8 +55,13 @@ def _counts(freq) -> Counter:
     if isinstance(freq, dict):
         for tags in freq.values():
             if isinstance(tags, dict):
-                counts.update({str(t).strip(): int(n) for t, n in tags.items()
-                               if isinstance(n, (int, float)) and str(t).strip()})
+                counts.update(
+                    {
+                        str(t).strip(): int(n)
+                        for t, n in tags.items()
+                        if isinstance(n, (int, float)) and str(t).strip()
+                    }
+                )
     return counts
 
 
@@ -105,8 +114,13 @@ def inspect_one(path: Path, root: Path, **kwargs) -> dict:
     except (LoraweaveError, ValueError, OSError) as exc:
         return {"file": rel, "path": str(path), "error": f"{type(exc).__name__}: {exc}"}
     seconds = round(time.perf_counter() - t0, 3)  # the whole row, trigger words included
-    return {"file": rel, **info, "rank": _main_rank(info["ranks"]), "trigger_words": trigger_words(metadata),
-            "seconds": seconds}
+    return {
+        "file": rel,
+        **info,
+        "rank": _main_rank(info["ranks"]),
+        "trigger_words": trigger_words(metadata),
+        "seconds": seconds,
+    }
 
 
 def inspect_folder(folder: str | Path, progress: bool = False, **kwargs) -> tuple[list[dict], list[dict]]:
@@ -121,9 +135,18 @@ def inspect_folder(folder: str | Path, progress: bool = False, **kwargs) -> tupl
 
     t0 = time.perf_counter()
     with reuse():  # each architecture's skeleton and alias tables are built once for the whole folder
-        rows = [inspect_one(p, root, **kwargs) for p in tqdm(paths, desc="inspect", unit="file", disable=not progress)]
-    log.info("inspect_folder folder=%s adapters=%d errors=%d left_out=%d seconds=%.3f", folder, len(rows),
-             sum("error" in r for r in rows), len(left_out), time.perf_counter() - t0)
+        rows = [
+            inspect_one(p, root, **kwargs)
+            for p in tqdm(paths, desc="inspect", unit="file", disable=not progress)
+        ]
+    log.info(
+        "inspect_folder folder=%s adapters=%d errors=%d left_out=%d seconds=%.3f",
+        folder,
+        len(rows),
+        sum("error" in r for r in rows),
+        len(left_out),
+        time.perf_counter() - t0,
+    )
     return rows, left_out
 
 
@@ -140,13 +163,26 @@ def format_folder(rows: list[dict], left_out: list[dict], width: int = 48) -> st
             table.append((r["file"], "ERROR", r["error"].replace(f"{r['path']}: ", ""), "", "", "", ""))
             continue
         cov = r["coverage"]
-        table.append((r["file"], r["architecture"]["name"], r["layout"], _families(r), str(r["rank"] or "-"),
-                      f"{cov['keys_applied']}/{cov['keys_total']}", ", ".join(r["trigger_words"][:5]) or "-"))
+        table.append(
+            (
+                r["file"],
+                r["architecture"]["name"],
+                r["layout"],
+                _families(r),
+                str(r["rank"] or "-"),
+                f"{cov['keys_applied']}/{cov['keys_total']}",
+                ", ".join(r["trigger_words"][:5]) or "-",
+            )
+        )
     table = [(row[0], *(c if len(c) <= width else c[: width - 3] + "..." for c in row[1:])) for row in table]
     widths = [max(len(row[i]) for row in table) for i in range(len(head) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in table]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in table
+    ]
     lines += [f"left out {x['file']}: {x['reason']}" for x in left_out]
     errors = sum("error" in r for r in rows)
-    lines.append(f"{len(rows)} adapters, {errors} unreadable, "
-                 f"{sum(1 for r in rows if 'error' not in r and r['coverage']['complete'])} with every key landing")
+    lines.append(
+        f"{len(rows)} adapters, {errors} unreadable, "
+        f"{sum(1 for r in rows if 'error' not in r and r['coverage']['complete'])} with every key landing"
+    )
     return "\n".join(lines)

@@ -17,8 +17,18 @@ log = logging.getLogger("loraweave")
 
 METRICS = ("norm", "energy")
 # catalog architecture -> block-slot table (arch/blocks.py); SD2 has SD1's block layout.
-BLOCK_ARCH = {"sd1": "sd1", "sd2": "sd1", "sdxl": "sdxl", "flux": "flux", "flux-schnell": "flux",
-              "chroma": "chroma", "z-image": "zimage", "sd3": "sd3", "wan": "wan", "qwen-image": "qwen_image"}
+BLOCK_ARCH = {
+    "sd1": "sd1",
+    "sd2": "sd1",
+    "sdxl": "sdxl",
+    "flux": "flux",
+    "flux-schnell": "flux",
+    "chroma": "chroma",
+    "z-image": "zimage",
+    "sd3": "sd3",
+    "wan": "wan",
+    "qwen-image": "qwen_image",
+}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|block)\.(\d+)\.")
 
 
@@ -35,8 +45,15 @@ class BlockGrid:
     skipped: list[dict] = field(default_factory=list)  # {key, reason}: parts whose ΔW is not drawn
 
     def to_dict(self) -> dict:
-        return {"file": self.file, "architecture": self.architecture, "metric": self.metric, "rows": self.rows,
-                "columns": self.columns, "values": self.values, "skipped": self.skipped}
+        return {
+            "file": self.file,
+            "architecture": self.architecture,
+            "metric": self.metric,
+            "rows": self.rows,
+            "columns": self.columns,
+            "values": self.values,
+            "skipped": self.skipped,
+        }
 
 
 def module_kind(path: str) -> str:
@@ -47,7 +64,7 @@ def module_kind(path: str) -> str:
     cut = next((i for i in reversed(numeric) if len(parts) - i > 2), None)
     if cut is None:
         cut = next((i for i in reversed(numeric) if len(parts) - i > 1), -1)
-    rest = parts[cut + 1:]
+    rest = parts[cut + 1 :]
     while len(rest) > 2 and rest[1].isdigit():
         rest = rest[2:]
     return ".".join(rest)
@@ -62,11 +79,14 @@ def _squared_norm(pp, piece, cols: int) -> float:
 
     f = pp.factors
     if pp.part.family == "lora" and getattr(f, "down", None) is not None:
-        up = f.up[piece.src_start:piece.src_start + piece.length].double()
+        up = f.up[piece.src_start : piece.src_start + piece.length].double()
         down = f.down.flatten(1).double()
         sq = float(((up.T @ up) * (down @ down.T)).sum()) * pp.scale**2
         if f.up_bias is not None:
-            sq += float(f.up_bias[piece.src_start:piece.src_start + piece.length].double().square().sum()) * pp.scale**2
+            sq += (
+                float(f.up_bias[piece.src_start : piece.src_start + piece.length].double().square().sum())
+                * pp.scale**2
+            )
         return sq
     if getattr(FAMILIES[pp.part.family], "NEEDS_BASE", False):
         raise ValueError(f"{pp.part.family} ΔW depends on the base weight")
@@ -124,8 +144,14 @@ def _components(adapter, arch: str | None, model: str | None, text_encoders: boo
     return as_components(components), name
 
 
-def block_grid(path: str | Path, arch: str | None = None, model: str | None = None, metric: str = "norm",
-               allow_pickle: bool = False, text_encoders: bool = True) -> BlockGrid:
+def block_grid(
+    path: str | Path,
+    arch: str | None = None,
+    model: str | None = None,
+    metric: str = "norm",
+    allow_pickle: bool = False,
+    text_encoders: bool = True,
+) -> BlockGrid:
     """The heatmap data of one adapter file (see the module docstring)."""
     from ..arch.blocks import block_slots
     from ..arch.catalog import canonical
@@ -162,8 +188,15 @@ def block_grid(path: str | Path, arch: str | None = None, model: str | None = No
     total = sum(cells.values()) or 1.0
     value = (lambda sq: sq**0.5) if metric == "norm" else (lambda sq: sq / total)
     values = [[value(cells[(r, c)]) if (r, c) in cells else None for c in columns] for r in rows]
-    log.info("plot file=%s arch=%s rows=%d columns=%d modules=%d skipped=%d", adapter.name, name, len(rows),
-             len(columns), len(per_module), len(skipped))
+    log.info(
+        "plot file=%s arch=%s rows=%d columns=%d modules=%d skipped=%d",
+        adapter.name,
+        name,
+        len(rows),
+        len(columns),
+        len(per_module),
+        len(skipped),
+    )
     return BlockGrid(str(path), name, metric, rows, columns, values, skipped)
 
 

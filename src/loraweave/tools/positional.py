@@ -32,11 +32,21 @@ def name_positional(adapter: Adapter, arch: str | None = None) -> Adapter:
     if components is None:
         return adapter
     plan = resolve(Components(components), [(_shape_only(adapter), 1.0)])
-    named = {id(pp.part): pp.pieces[0].module for pp in plan.planned
-             if pp.part.layout == "cloneofsimo" and len(pp.pieces) == 1}
+    named = {
+        id(pp.part): pp.pieces[0].module
+        for pp in plan.planned
+        if pp.part.layout == "cloneofsimo" and len(pp.pieces) == 1
+    }
     out = copy.copy(adapter)
-    out.parts = [dataclasses.replace(p, path=named[id(p)], layout="diffusers") if id(p) in named else p
-                 for p in adapter.parts]
-    log.info("positional file=%s named=%d/%d against=%s", adapter.name, len(named),
-             sum(p.layout == "cloneofsimo" for p in adapter.parts), against)
+    out.parts = [
+        dataclasses.replace(p, path=named[id(p)], layout="diffusers") if id(p) in named else p
+        for p in adapter.parts
+    ]
+    log.info(
+        "positional file=%s named=%d/%d against=%s",
+        adapter.name,
+        len(named),
+        sum(p.layout == "cloneofsimo" for p in adapter.parts),
+        against,
+    )
     return out

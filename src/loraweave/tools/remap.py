@@ -17,7 +17,9 @@ from ..arch.aliases import _original_names
 from ..arch.spec import Piece
 
 log = logging.getLogger("loraweave")
-Spans = dict[str, list[tuple[str, int, int, int]]]  # live module -> [(original, original row, module row, rows)]
+Spans = dict[
+    str, list[tuple[str, int, int, int]]
+]  # live module -> [(original, original row, module row, rows)]
 
 
 def original_spans(module: torch.nn.Module) -> tuple[Spans, dict[str, int]]:
@@ -41,7 +43,11 @@ def translate(piece: Piece, spans: Spans) -> list[Piece]:
     for original, o_start, m_start, length in spans.get(piece.module, ()):
         lo, hi = max(piece.dst_start, m_start), min(piece.dst_start + piece.length, m_start + length)
         if lo < hi:
-            out.append(Piece(original, piece.src_start + lo - piece.dst_start, o_start + lo - m_start, hi - lo, False))
+            out.append(
+                Piece(
+                    original, piece.src_start + lo - piece.dst_start, o_start + lo - m_start, hi - lo, False
+                )
+            )
     return out or [piece]
 
 
@@ -49,7 +55,9 @@ def _arch_from_names(names: set[str]) -> str | None:
     """Catalog architecture of an original-named checkpoint, from a few marker tensors."""
     if any(n.startswith("distilled_guidance_layer.") for n in names):
         return "chroma"
-    if any(n.startswith("double_blocks.") for n in names) and any(n.startswith("single_blocks.") for n in names):
+    if any(n.startswith("double_blocks.") for n in names) and any(
+        n.startswith("single_blocks.") for n in names
+    ):
         return "flux" if any(n.startswith("guidance_in.") for n in names) else "flux-schnell"
     if any(n.startswith("joint_blocks.") for n in names):
         return "sd3"
@@ -96,7 +104,9 @@ def _fits(ref: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> tuple[Spa
     return spans, len(present)
 
 
-def reference_for(shapes: dict[str, tuple[int, ...]], folder: Path | None) -> tuple[torch.nn.Module, Spans] | None:
+def reference_for(
+    shapes: dict[str, tuple[int, ...]], folder: Path | None
+) -> tuple[torch.nn.Module, Spans] | None:
     """(diffusers module tree, spans) when a single file's tensors use original names that a reference tree's
     alias tables know: the tree from a sibling config.json, else the catalog architecture the names point to."""
     candidates = []

@@ -24,7 +24,9 @@ from ..arch.catalog import CATALOG, build_meta, canonical
 
 log = logging.getLogger("loraweave")
 CACHE_ENV = "LORAWEAVE_CACHE"  # folder for skeletons; "0" disables the cache
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+}
 
 
 def cache_dir() -> Path | None:
@@ -48,18 +50,35 @@ def _cache_file(name: str) -> Path | None:
     from .. import __version__
 
     entry = CATALOG[name]
-    key = json.dumps([__version__, _version("diffusers"), _version("transformers"), entry.cls, entry.config,
-                      entry.text_encoders, entry.components], sort_keys=True, default=str)
+    key = json.dumps(
+        [
+            __version__,
+            _version("diffusers"),
+            _version("transformers"),
+            entry.cls,
+            entry.config,
+            entry.text_encoders,
+            entry.components,
+        ],
+        sort_keys=True,
+        default=str,
+    )
     return folder / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def describe(module: torch.nn.Module) -> dict:
     config = getattr(module, "config", None)
-    plain = {k: v for k, v in dict(config).items() if isinstance(v, (str, int, float, bool, type(None)))} \
-        if isinstance(config, dict) or hasattr(config, "items") else {}
+    plain = (
+        {k: v for k, v in dict(config).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        if isinstance(config, dict) or hasattr(config, "items")
+        else {}
+    )
     mods = []
     for path, mod in module.named_modules():
-        params = {n: [list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in mod.named_parameters(recurse=False)}
+        params = {
+            n: [list(p.shape), str(p.dtype).removeprefix("torch.")]
+            for n, p in mod.named_parameters(recurse=False)
+        }
         mods.append([path, type(mod).__name__, params])
     return {"config": plain, "modules": mods}
 
@@ -68,7 +87,9 @@ class _Node(torch.nn.Module):
     """Numbered children iterate like a ModuleList (the UNet name mapping walks down_blocks, resnets, ...)."""
 
     def __iter__(self):
-        return iter(v for _, v in sorted(self._modules.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1))
+        return iter(
+            v for _, v in sorted(self._modules.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1)
+        )
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -78,8 +99,10 @@ _TYPES: dict[str, type] = {}
 
 
 def _meta(shape, dtype: str, requires_grad: bool) -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.empty(shape, device="meta", dtype=_DTYPES.get(dtype, torch.float32)),
-                              requires_grad=requires_grad)
+    return torch.nn.Parameter(
+        torch.empty(shape, device="meta", dtype=_DTYPES.get(dtype, torch.float32)),
+        requires_grad=requires_grad,
+    )
 
 
 def _linear(params: dict) -> torch.nn.Linear:
@@ -96,7 +119,9 @@ def _linear(params: dict) -> torch.nn.Linear:
 def _instance(cls_name: str, params: dict) -> torch.nn.Module:
     if cls_name == "Linear" and "weight" in params and len(params["weight"][0]) == 2:
         return _linear(params)
-    if cls_name not in _TYPES:  # same class name as the real module: alias tables and positional rules key on it
+    if (
+        cls_name not in _TYPES
+    ):  # same class name as the real module: alias tables and positional rules key on it
         _TYPES[cls_name] = type(cls_name, (_Node,), {"__module__": __name__})
     mod = _TYPES[cls_name]()
     for pname, (shape, dtype) in params.items():
@@ -119,7 +144,9 @@ def rebuild(desc: dict) -> torch.nn.Module:
     return root
 
 
-_REUSE: dict | None = None  # (name, text_encoders) -> modules, and id(modules) -> alias tables, inside reuse()
+_REUSE: dict | None = (
+    None  # (name, text_encoders) -> modules, and id(modules) -> alias tables, inside reuse()
+)
 
 
 @contextlib.contextmanager

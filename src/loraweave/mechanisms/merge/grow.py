@@ -21,7 +21,9 @@ class GrownInput:
     in_features: int
     config_owner: object | None
     config_before: dict[str, object] = field(default_factory=dict)
-    adapters: frozenset[str] = frozenset()  # a journal entry's adapters: growth belongs to none (strengths skip it)
+    adapters: frozenset[str] = (
+        frozenset()
+    )  # a journal entry's adapters: growth belongs to none (strengths skip it)
 
     def restore(self) -> None:
         self.module.weight = self.weight
@@ -46,13 +48,17 @@ def grow_input(root: torch.nn.Module, path: str, width: int, config_key: str, re
     module = root.get_submodule(path)
     old = module.weight
     if not isinstance(module, torch.nn.Linear) or width <= old.shape[1]:
-        raise ValueError(f"cannot grow {path} ({type(module).__name__}, weight {tuple(old.shape)}) to {width} columns")
+        raise ValueError(
+            f"cannot grow {path} ({type(module).__name__}, weight {tuple(old.shape)}) to {width} columns"
+        )
     config = getattr(root, "config", None)
     before: dict[str, object] = {}
     if config is not None and hasattr(config, config_key):
         before[config_key] = getattr(config, config_key)
         if hasattr(config, "out_channels") and config.out_channels is None:
-            before["out_channels"] = None  # diffusers derives out_channels from in_channels when unset: pin it
+            before["out_channels"] = (
+                None  # diffusers derives out_channels from in_channels when unset: pin it
+            )
     grown = GrownInput(module, old, module.in_features, root if before else None, before)
     if record is not None:
         record(grown)

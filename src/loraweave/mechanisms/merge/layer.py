@@ -51,7 +51,9 @@ def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | No
     if getattr(module, "_loraweave_streamed", False):
         return "layer is streamed (its weight is copied in per forward; merging would touch only the copy)"
     hook = getattr(module, "_hf_hook", None)
-    if hook is not None and (getattr(hook, "offload", False) or getattr(hook, "weights_map", None) is not None):
+    if hook is not None and (
+        getattr(hook, "offload", False) or getattr(hook, "weights_map", None) is not None
+    ):
         return "accelerate offload hook owns the weight"
     return None
 
@@ -73,18 +75,28 @@ def check_undo_arguments(kind: str, source=None) -> None:
         raise ValueError(f"undo_source is read only with undo='source' (got undo={kind!r})")
 
 
-def undo_settings(kind: str, components: dict[str, torch.nn.Module], source=None,
-                  on_device: bool = False) -> UndoSettings:
+def undo_settings(
+    kind: str, components: dict[str, torch.nn.Module], source=None, on_device: bool = False
+) -> UndoSettings:
     """Check apply's undo arguments before anything is touched (a "source" with no file found is refused)."""
     check_undo_arguments(kind, source)
     sources = None
     if kind == "source":
         sources = SourceFiles(components, source)
         if not sources.found_any():
-            where = f"undo_source={source!r}" if source is not None else "config._name_or_path of " + ", ".join(
-                f"{c}={getattr(getattr(m, 'config', None), '_name_or_path', None)!r}" for c, m in components.items())
-            raise UndoError(f"undo='source' found no safetensors file to re-read weights from ({where}); pass "
-                            "undo_source=<file, directory or {component: path}> or use undo='auto'")
+            where = (
+                f"undo_source={source!r}"
+                if source is not None
+                else "config._name_or_path of "
+                + ", ".join(
+                    f"{c}={getattr(getattr(m, 'config', None), '_name_or_path', None)!r}"
+                    for c, m in components.items()
+                )
+            )
+            raise UndoError(
+                f"undo='source' found no safetensors file to re-read weights from ({where}); pass "
+                "undo_source=<file, directory or {component: path}> or use undo='auto'"
+            )
     return UndoSettings(kind, sources, bool(on_device))
 
 
@@ -139,7 +151,9 @@ class MergedModule:
         self._report()
 
     def _restore_weight(self) -> None:
-        if self.record is not None:  # ΔW as it was merged: parts may have been re-pointed or re-strengthened since
+        if (
+            self.record is not None
+        ):  # ΔW as it was merged: parts may have been re-pointed or re-strengthened since
             terms = self.terms
             self.record.restore(self.module.weight.data, self._delta_fn(terms))
 
@@ -152,7 +166,11 @@ class MergedModule:
             raise UndoError("this merge was fused permanently (undo='none'): it cannot be rewritten")
         weight = self.module.weight.data
         with torch.no_grad():
-            rows = weight.view(weight.shape[0], -1) if weight.is_contiguous() else weight.reshape(weight.shape[0], -1)
+            rows = (
+                weight.view(weight.shape[0], -1)
+                if weight.is_contiguous()
+                else weight.reshape(weight.shape[0], -1)
+            )
             terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
             record, merged, original = self._merge(rows, terms, None if fresh else self.record)
             refuse_non_finite(merged, original, self.adapters)  # before the weight is touched
@@ -163,14 +181,20 @@ class MergedModule:
             self._write_bias()
         self._report()
 
-    def _merge(self, rows: torch.Tensor, terms: list[Term], old: Record | None,
-               ) -> tuple[Record, torch.Tensor, torch.Tensor]:
+    def _merge(
+        self,
+        rows: torch.Tensor,
+        terms: list[Term],
+        old: Record | None,
+    ) -> tuple[Record, torch.Tensor, torch.Tensor]:
         """W', its record and W; `old` (a rewrite): the record W comes back from first (the weight holds W')."""
         if any(pp.part.family == "set" for pp, _ in self.contributions):
             return self._merge_over(rows, terms, old)
         # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
         kind = "auto" if self.undo_with.kind in ("source", "none") else self.undo_with.kind
-        if any(pp.part.family == "combined" for pp, _ in self.contributions):  # ties/dare: inner strengths live
+        if any(
+            pp.part.family == "combined" for pp, _ in self.contributions
+        ):  # ties/dare: inner strengths live
             kind = "copy"  # in their sources, which a strength change rewrites: only a copy is safe
         needs_base = any(pp.family.needs_base for pp, _ in self.contributions)
         chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
@@ -180,33 +204,62 @@ class MergedModule:
             base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
         elif old is not None:
             self._restore_weight()  # W back in place from its copy or its file; those records stay valid
-            keep = old if isinstance(old, SourceRecord) or (isinstance(old, CopyRecord) and kind == "copy") else None
+            keep = (
+                old
+                if isinstance(old, SourceRecord) or (isinstance(old, CopyRecord) and kind == "copy")
+                else None
+            )
         elif self.undo_with.kind == "source" and self.undo_with.sources is not None:
             keep = self.undo_with.sources.record(*self.layer, rows)  # checked against the file's bytes
         with recorded_threads(old.threads if prior is not None else torch.get_num_threads()):
-            merged, record = merge_with_record(base, self._delta_fn(terms),
-                                               "none" if keep is not None else kind, chunk, needs_base,
-                                               self.undo_with.on_device, prior)
+            merged, record = merge_with_record(
+                base,
+                self._delta_fn(terms),
+                "none" if keep is not None else kind,
+                chunk,
+                needs_base,
+                self.undo_with.on_device,
+                prior,
+            )
         return (keep if keep is not None else record), merged, base
 
-    def _merge_over(self, rows: torch.Tensor, terms: list[Term], old: Record | None,
-                    ) -> tuple[Record, torch.Tensor, torch.Tensor]:
+    def _merge_over(
+        self,
+        rows: torch.Tensor,
+        terms: list[Term],
+        old: Record | None,
+    ) -> tuple[Record, torch.Tensor, torch.Tensor]:
         """Weight replacement reads W in its target (to write t itself, not W + (t - W)): added over W, copied."""
         if old is not None:
             self._restore_weight()
         acc = rows.to(acc_dtype(rows.dtype), copy=True)
         for pp, piece, strength, scale in terms:
-            add_contribution(acc[piece.dst_start : piece.dst_start + piece.length], pp, piece, rows,
-                             strength=strength, scale=scale)
-        record = old if isinstance(old, (CopyRecord, SourceRecord)) else CopyRecord(host_copy(rows, self.undo_with.on_device))
+            add_contribution(
+                acc[piece.dst_start : piece.dst_start + piece.length],
+                pp,
+                piece,
+                rows,
+                strength=strength,
+                scale=scale,
+            )
+        record = (
+            old
+            if isinstance(old, (CopyRecord, SourceRecord))
+            else CopyRecord(host_copy(rows, self.undo_with.on_device))
+        )
         return record, acc.to(rows.dtype), rows
 
     def _delta_fn(self, terms: list[Term]) -> DeltaFn:
         return lambda base, r0, r1, out=None: self._delta(base, terms, r0, r1, out)
 
     @staticmethod
-    def _delta(base: torch.Tensor, terms: list[Term], r0: int, r1: int, out: torch.Tensor | None = None,
-               ) -> torch.Tensor:
+    def _delta(
+        base: torch.Tensor,
+        terms: list[Term],
+        r0: int,
+        r1: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Σ coeff·ΔW of rows [r0, r1) (fp32; fp64 weights: fp64), in `out` (a flat scratch buffer) when given;
         `base` (out, in·k) is what W-dependent families read. Contributions are independent and summed; the same
         call undoes a compact record."""
@@ -219,8 +272,13 @@ class MergedModule:
             lo, hi = max(r0, piece.dst_start), min(r1, piece.dst_start + piece.length)
             if lo >= hi:
                 continue
-            part = piece if (lo, hi) == (piece.dst_start, piece.dst_start + piece.length) else replace(
-                piece, src_start=piece.src_start + lo - piece.dst_start, dst_start=lo, length=hi - lo)
+            part = (
+                piece
+                if (lo, hi) == (piece.dst_start, piece.dst_start + piece.length)
+                else replace(
+                    piece, src_start=piece.src_start + lo - piece.dst_start, dst_start=lo, length=hi - lo
+                )
+            )
             add_contribution(delta[lo - r0 : hi - r0], pp, part, base, strength=strength, scale=scale)
         return delta
 
@@ -231,7 +289,9 @@ class MergedModule:
     def _write_bias(self) -> None:
         deltas = []
         live = getattr(self.module, "bias", None)
-        original = self.bias_backup if self.bias_backup is not None else live  # before the first write: untouched
+        original = (
+            self.bias_backup if self.bias_backup is not None else live
+        )  # before the first write: untouched
         for pp, piece in self.contributions:
             b = bias_of(pp, piece, original)
             if b is not None:
@@ -260,15 +320,21 @@ def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: s
     if bool(new.any()):
         raise NonFiniteResultError(
             f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite values in a "
-            f"{tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is left as it was")
+            f"{tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is left as it was"
+        )
 
 
 def needs_bias(contributions: list[Contribution]) -> bool:
     return any(bias_of(pp, piece) is not None for pp, piece in contributions)
 
 
-def merge_module(module: torch.nn.Module, contributions: list[Contribution], record,
-                 undo: UndoSettings | None = None, layer: tuple[str, str] = ("", "")) -> MergedModule:
+def merge_module(
+    module: torch.nn.Module,
+    contributions: list[Contribution],
+    record,
+    undo: UndoSettings | None = None,
+    layer: tuple[str, str] = ("", ""),
+) -> MergedModule:
     """Merge into `module`; the undo record goes to `record` (a list's append, or a journal's record) before the
     weight is touched. undo: the record kind (apply's `undo`); layer: (component, path), where a source is."""
     if needs_bias(contributions) and getattr(module, "bias", None) is None:

@@ -103,8 +103,9 @@ class ParamPatch:
             self.module._parameters[self.name] = self._saved.pop()
 
 
-def apply_params(parts: list[PlannedParam], modules: dict[str, torch.nn.Module], mode: str,
-                 record) -> list[dict]:
+def apply_params(
+    parts: list[PlannedParam], modules: dict[str, torch.nn.Module], mode: str, record
+) -> list[dict]:
     """Patch every planned parameter (one patch per parameter, all its adapters summed); each patch goes to
     `record` (the handle's journal) before the parameter is touched, so a rollback finds it. Returns the
     report rows (AppliedModule fields), one per parameter."""
@@ -125,7 +126,14 @@ def apply_params(parts: list[PlannedParam], modules: dict[str, torch.nn.Module],
         else:
             patch.attach()
         why = f"parameter: {blocker}" if mode == "auto" and blocker else ""
-        applied.append({"component": component, "module": path, "mechanism": mechanism,
-                        "adapters": sorted(patch.adapters), "why": why,
-                        "notes": sorted({n for pp in group for n in pp.notes})})
+        applied.append(
+            {
+                "component": component,
+                "module": path,
+                "mechanism": mechanism,
+                "adapters": sorted(patch.adapters),
+                "why": why,
+                "notes": sorted({n for pp in group for n in pp.notes}),
+            }
+        )
     return applied

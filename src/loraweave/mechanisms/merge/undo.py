@@ -66,7 +66,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32  # fp64 weights keep fp64; fp8 does not promote
+    return (
+        torch.float64 if dtype == torch.float64 else torch.float32
+    )  # fp64 weights keep fp64; fp8 does not promote
 
 
 def host_copy(t: torch.Tensor, on_device: bool = False) -> torch.Tensor:
@@ -129,7 +131,9 @@ class CompactRecord:
 
     @property
     def nbytes(self) -> int:
-        return tensor_bytes(self.positions, self.values, self.witness, self.guard_pos, self.guard_w, self.guard_merged)
+        return tensor_bytes(
+            self.positions, self.values, self.witness, self.guard_pos, self.guard_w, self.guard_merged
+        )
 
     def written(self, wb: torch.Tensor) -> bool:
         """False when the weight still holds W (the merge never reached it): nothing to undo."""
@@ -140,8 +144,10 @@ class CompactRecord:
             return True
         if torch.equal(now, self.guard_w):
             return False
-        raise UndoError("the merged weight was changed outside loraweave since the merge: a compact undo record "
-                        "cannot restore it (use undo='copy' or 'source' for weights edited in place)")
+        raise UndoError(
+            "the merged weight was changed outside loraweave since the merge: a compact undo record "
+            "cannot restore it (use undo='copy' or 'source' for weights edited in place)"
+        )
 
     def restore(self, weight: torch.Tensor, delta_fn: DeltaFn) -> None:
         work = weight if weight.device == self.device else weight.to(self.device)
@@ -156,15 +162,19 @@ class CompactRecord:
         if work is not weight:
             weight.copy_(work)
 
-    def rebuild(self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn) -> Callable[[int, int], None]:
+    def rebuild(
+        self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn
+    ) -> Callable[[int, int], None]:
         """fill(r0, r1) writes W's rows [r0, r1) into `out` (which may be `merged` itself), from W' and ΔW; blocks
         of `chunk_rows`, under the recorded thread count."""
         pos = self._positions(out.numel(), out.device)
         values = self.values.to(out.device)
         ob, cols = bits(out).view(-1), out[0].numel()
         rows, chunk = out.shape[0], self.chunk_rows
-        dbuf, acc = (scratch(n, min(rows, chunk) * cols, acc_dtype(out.dtype), out.device)
-                     for n in ("undo_delta", "undo_acc"))
+        dbuf, acc = (
+            scratch(n, min(rows, chunk) * cols, acc_dtype(out.dtype), out.device)
+            for n in ("undo_delta", "undo_acc")
+        )
         # where each block's corrections start in `pos`, found once (fill runs per block of chunk_rows)
         edges = torch.arange(0, rows + chunk, chunk, device=pos.device).clamp_(max=rows) * cols
         bounds = torch.searchsorted(pos, edges).tolist()
@@ -181,8 +191,10 @@ class CompactRecord:
     def verify(self, out: torch.Tensor) -> None:
         ob = bits(out).reshape(-1)
         if not torch.equal(ob[_witness_positions(ob.numel()).to(ob.device)].cpu(), self.witness.cpu()):
-            raise UndoError("compact undo did not reproduce the original weight: ΔW recomputed differently than at "
-                            "the merge (device, thread count or kernels changed)")
+            raise UndoError(
+                "compact undo did not reproduce the original weight: ΔW recomputed differently than at "
+                "the merge (device, thread count or kernels changed)"
+            )
 
     def _positions(self, numel: int, device: torch.device) -> torch.Tensor:
         p = self.positions.to(device)
@@ -198,13 +210,19 @@ def combine(w: torch.Tensor, delta: torch.Tensor, sign: int, out: torch.Tensor) 
     return torch.add(w, delta, alpha=sign, out=out)
 
 
-def combine_into(dst: torch.Tensor, w: torch.Tensor, delta: torch.Tensor, sign: int, acc: torch.Tensor) -> None:
+def combine_into(
+    dst: torch.Tensor, w: torch.Tensor, delta: torch.Tensor, sign: int, acc: torch.Tensor
+) -> None:
     """dst = round(w ± delta): computed in delta's dtype and rounded once to dst's, in one pass (the same bits as
     combine then a cast); fp8 goes through `acc` (a buffer of delta's dtype and shape)."""
     if w.element_size() == 1 or dst.element_size() == 1:
         dst.copy_(combine(w, delta, sign, acc))
-    elif w.dtype != delta.dtype:  # fp16/bf16: a mixed-dtype add casts element by element (~1.7x slower on CPU);
-        acc.copy_(w)  # the exact upcast, the add and the one rounding as three vectorized passes: the same bits
+    elif (
+        w.dtype != delta.dtype
+    ):  # fp16/bf16: a mixed-dtype add casts element by element (~1.7x slower on CPU);
+        acc.copy_(
+            w
+        )  # the exact upcast, the add and the one rounding as three vectorized passes: the same bits
         acc.add_(delta, alpha=sign)
         dst.copy_(acc)
     else:
@@ -228,8 +246,10 @@ def compact_sizes(numel: int, misses: int, itemsize: int) -> dict[str, int]:
     """Bytes of each encoding for `misses` corrected elements (fillers and witnesses included)."""
     fixed = min(WITNESSES, numel) * itemsize + GUARDS * (8 + 2 * itemsize)
     fillers = numel // GAP_MAX
-    return {"gaps": (misses + fillers) * (2 + itemsize) + fixed,
-            "bitmask": math.ceil(numel / 8) + misses * itemsize + fixed}
+    return {
+        "gaps": (misses + fillers) * (2 + itemsize) + fixed,
+        "bitmask": math.ceil(numel / 8) + misses * itemsize + fixed,
+    }
 
 
 def _guard_positions(wb: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
@@ -242,8 +262,9 @@ def _guard_positions(wb: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64, device=wb.device)
 
 
-def _compact(rows: torch.Tensor, merged: torch.Tensor, blocks: _Blocks, chunk_rows: int, on_device: bool,
-             force: bool) -> CompactRecord | None:
+def _compact(
+    rows: torch.Tensor, merged: torch.Tensor, blocks: _Blocks, chunk_rows: int, on_device: bool, force: bool
+) -> CompactRecord | None:
     """The smaller encoding of the misses (from blocks); None when a copy is smaller, unless `force`."""
     misses = blocks.misses()
     wb, mb = bits(rows).reshape(-1), bits(merged).reshape(-1)
@@ -261,15 +282,29 @@ def _compact(rows: torch.Tensor, merged: torch.Tensor, blocks: _Blocks, chunk_ro
     else:
         positions = pack_positions(misses, wb.numel())
     guard = _guard_positions(wb, mb)
-    return CompactRecord(encoding, host_copy(positions, on_device), host_copy(wb[misses], on_device),
-                         host_copy(wb[_witness_positions(wb.numel()).to(wb.device)], on_device),
-                         guard.cpu(), host_copy(wb[guard]), host_copy(mb[guard]), chunk_rows,
-                         torch.get_num_threads(), rows.device)
+    return CompactRecord(
+        encoding,
+        host_copy(positions, on_device),
+        host_copy(wb[misses], on_device),
+        host_copy(wb[_witness_positions(wb.numel()).to(wb.device)], on_device),
+        guard.cpu(),
+        host_copy(wb[guard]),
+        host_copy(mb[guard]),
+        chunk_rows,
+        torch.get_num_threads(),
+        rows.device,
+    )
 
 
-def merge_with_record(rows: torch.Tensor, delta_fn: DeltaFn, kind: str, chunk_rows: int, needs_base: bool = False,
-                      on_device: bool = False, prior: tuple[CompactRecord, torch.Tensor, DeltaFn] | None = None,
-                      ) -> tuple[torch.Tensor, CopyRecord | CompactRecord | None]:
+def merge_with_record(
+    rows: torch.Tensor,
+    delta_fn: DeltaFn,
+    kind: str,
+    chunk_rows: int,
+    needs_base: bool = False,
+    on_device: bool = False,
+    prior: tuple[CompactRecord, torch.Tensor, DeltaFn] | None = None,
+) -> tuple[torch.Tensor, CopyRecord | CompactRecord | None]:
     """W' = round(W + ΔW) for the (out, in·k) rows of W, block by block of rows (temporaries stay small), and
     the record of `kind` ("compact", "copy", "auto": the smaller, or "none": no record). W is read, never written.
     W' is a scratch buffer (reused by the next layer within reused_buffers): copy it out before the next merge.
@@ -304,7 +339,9 @@ class _Blocks:
     def __init__(self, rows: torch.Tensor, chunk_rows: int, compact: bool) -> None:
         self.rows, self.cols, self.compact, self.found = rows, rows[0].numel(), compact, []
         block = min(rows.shape[0], chunk_rows) * self.cols
-        self.delta, self.acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
+        self.delta, self.acc = (
+            scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc")
+        )
         if compact:
             self.guess = scratch("guess", block, rows.dtype, rows.device)
             self.mask = scratch("miss", block, torch.bool, rows.device)
@@ -331,4 +368,8 @@ class _Blocks:
         return differ(bits(a), bits(b), self.mask[: a.numel()])
 
     def misses(self) -> torch.Tensor:
-        return torch.cat(self.found) if self.found else torch.zeros(0, dtype=torch.int64, device=self.rows.device)
+        return (
+            torch.cat(self.found)
+            if self.found
+            else torch.zeros(0, dtype=torch.int64, device=self.rows.device)
+        )

@@ -35,7 +35,9 @@ def _read(path: str, begin: int, end: int) -> torch.Tensor:
         f.seek(begin)
         got = f.readinto(out.numpy())
     if got != end - begin:
-        raise UndoError(f"{path}: read {got} of {end - begin} bytes of a tensor: file truncated since the merge")
+        raise UndoError(
+            f"{path}: read {got} of {end - begin} bytes of a tensor: file truncated since the merge"
+        )
     return out
 
 
@@ -43,7 +45,9 @@ def _stat(path: str) -> tuple[int, int]:
     try:
         st = os.stat(path)
     except OSError as e:
-        raise UndoError(f"{path}: the model's source file is gone ({e.strerror}); cannot undo the merge") from e
+        raise UndoError(
+            f"{path}: the model's source file is gone ({e.strerror}); cannot undo the merge"
+        ) from e
     return st.st_size, st.st_mtime_ns
 
 
@@ -64,14 +68,18 @@ class SourceRecord:
     def check(self) -> None:
         """Refuse before anything is touched when the file's size or mtime changed since the merge."""
         if _stat(self.path) != (self.size, self.mtime_ns):
-            raise UndoError(f"{self.path}: the model's source file changed since the merge (size/mtime differ); "
-                            f"cannot restore {self.name!r} from it")
+            raise UndoError(
+                f"{self.path}: the model's source file changed since the merge (size/mtime differ); "
+                f"cannot restore {self.name!r} from it"
+            )
 
     def restore(self, weight: torch.Tensor, delta_fn: DeltaFn) -> None:
         self.check()
         data = _read(self.path, self.begin, self.end)
         if _digest(data) != self.digest:
-            raise UndoError(f"{self.path}: the bytes of tensor {self.name!r} changed since the merge; cannot restore it")
+            raise UndoError(
+                f"{self.path}: the bytes of tensor {self.name!r} changed since the merge; cannot restore it"
+            )
         weight.copy_(data.view(self.dtype).view(weight.shape))
 
 
@@ -91,7 +99,9 @@ class SourceFiles:
             root = self._components[comp]
             config = getattr(root, "config", None)
             name = getattr(config, "_name_or_path", None) or getattr(root, "name_or_path", None)
-            roots = [Path(name), Path(name) / comp] if isinstance(name, (str, os.PathLike)) and str(name) else []
+            roots = (
+                [Path(name), Path(name) / comp] if isinstance(name, (str, os.PathLike)) and str(name) else []
+            )
         files: list[Path] = []
         for r in roots:
             if r.is_file():
@@ -123,7 +133,11 @@ class SourceFiles:
                 continue
             size, mtime = _stat(file)
             data = _read(file, begin, end)
-            same = torch.equal(bits(data.view(dtype).to(weight.dtype)).view(-1), bits(weight.detach().cpu()).reshape(-1))
+            same = torch.equal(
+                bits(data.view(dtype).to(weight.dtype)).view(-1), bits(weight.detach().cpu()).reshape(-1)
+            )
             if same:
-                return SourceRecord(file, f"{path}.weight", dtype, tuple(shape), begin, end, size, mtime, _digest(data))
+                return SourceRecord(
+                    file, f"{path}.weight", dtype, tuple(shape), begin, end, size, mtime, _digest(data)
+                )
         return None

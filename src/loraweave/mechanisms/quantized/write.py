@@ -42,7 +42,9 @@ def factorable_reason(module: torch.nn.Module, contribs: list[Contribution]) -> 
     return f"not a plain LoRA ({', '.join(bad)})" if bad else None
 
 
-def exact_factors(contribs: list[Contribution], out: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_factors(
+    contribs: list[Contribution], out: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-concatenated (down (R, in), up (out, R)) fp32 with strength·scale folded into up."""
     downs, ups = [], []
     for pp, piece in contribs:
@@ -55,7 +57,9 @@ def exact_factors(contribs: list[Contribution], out: int, device: torch.device |
     return torch.cat(downs), torch.cat(ups, dim=1)
 
 
-def intended_delta(contribs: list[Contribution], shape: tuple[int, ...], base: torch.Tensor | None) -> torch.Tensor:
+def intended_delta(
+    contribs: list[Contribution], shape: tuple[int, ...], base: torch.Tensor | None
+) -> torch.Tensor:
     """Σ coeff·ΔW of the contributions, fp32 (out, in·k), each from the ORIGINAL weight `base` where it needs one."""
     device = base.device if base is not None else None  # factors are cast into the rows by each family
     acc = torch.zeros(shape[0], int(torch.Size(shape[1:]).numel()), dtype=torch.float32, device=device)
@@ -69,7 +73,9 @@ def retention(applied: torch.Tensor, intended: torch.Tensor) -> float:
     """ρ = <applied Δ, intended Δ> / ‖intended Δ‖² (1.0: all of it landed; 0: erased)."""
     intended = intended.double()
     denom = float(intended.pow(2).sum())
-    return 1.0 if denom == 0.0 else float((applied.to(intended.device, torch.float64) * intended).sum()) / denom
+    return (
+        1.0 if denom == 0.0 else float((applied.to(intended.device, torch.float64) * intended).sum()) / denom
+    )
 
 
 def rank_bucket(rank: int) -> int:
@@ -90,8 +96,14 @@ class Route:
     cache_hit: bool | None = None
 
 
-def host_factors(delta: torch.Tensor, rest: list[Contribution], module: torch.nn.Module, host_rank: int,
-                 cache=None, layer: str = "") -> tuple[Truncation, bool | None]:
+def host_factors(
+    delta: torch.Tensor,
+    rest: list[Contribution],
+    module: torch.nn.Module,
+    host_rank: int,
+    cache=None,
+    layer: str = "",
+) -> tuple[Truncation, bool | None]:
     """The hosted truncation of `delta`, replayed from `cache` when it holds this exact configuration."""
     sig = cache.signature(module, layer, rest, host_rank) if cache is not None else None
     if sig is None:
@@ -102,20 +114,35 @@ def host_factors(delta: torch.Tensor, rest: list[Contribution], module: torch.nn
     return cache.store(sig, truncate(delta, host_rank)), False
 
 
-def route_hook_free(backend: QuantBackend, module: torch.nn.Module, contribs: list[Contribution],
-                    host_rank: int, force_requantize: bool = False, cache=None, layer: str = "") -> Route:
+def route_hook_free(
+    backend: QuantBackend,
+    module: torch.nn.Module,
+    contribs: list[Contribution],
+    host_rank: int,
+    force_requantize: bool = False,
+    cache=None,
+    layer: str = "",
+) -> Route:
     """Hook-free choice on a quantized layer: factor channel, else hosting vs requantizing (the routing rule)."""
     caps = backend.capabilities(module)
     if needs_bias(contribs):
         return Route(None, "bias deltas on a quantized layer ride only the runtime path")
     not_factorable = factorable_reason(module, contribs)
     if force_requantize:
-        return Route("requantize", "requantize requested") if caps.requantize else Route(None, f"cannot requantize: {caps.reason}")
+        return (
+            Route("requantize", "requantize requested")
+            if caps.requantize
+            else Route(None, f"cannot requantize: {caps.reason}")
+        )
     if caps.factor_channel and not_factorable is None:
         return Route("factor", "plain LoRA set rides the side channel exactly")
     can_host = caps.factor_channel and host_rank > 0
     if not caps.requantize:
-        return Route("hosted", "backend cannot requantize") if can_host else Route(None, f"cannot requantize or host: {caps.reason}")
+        return (
+            Route("hosted", "backend cannot requantize")
+            if can_host
+            else Route(None, f"cannot requantize or host: {caps.reason}")
+        )
     bits = backend.bits(module)
     if bits >= 8:
         return Route("requantize", f"{bits}-bit grid keeps the delta")
@@ -129,10 +156,15 @@ def route_hook_free(backend: QuantBackend, module: torch.nn.Module, contribs: li
     delta = intended_delta(rest, shape, base)
     trunc, hit = host_factors(delta, rest, module, host_rank, cache, layer)
     if exact or backend.has_checkpoint_svd(module):
-        return Route("hosted", "factorable members or a checkpoint SVD ride the side channel", trunc, delta, hit)
+        return Route(
+            "hosted", "factorable members or a checkpoint SVD ride the side channel", trunc, delta, hit
+        )
     ratio = float(delta.pow(2).mean().sqrt()) / max(backend.grid_step(module), 1e-30)
     if ratio > REQUANT_RATIO and trunc.energy < REQUANT_ENERGY:
-        return Route("requantize", f"fat delta: rms/step={ratio:.3g} > {REQUANT_RATIO}, capture={trunc.energy:.3g} < {REQUANT_ENERGY}")
+        return Route(
+            "requantize",
+            f"fat delta: rms/step={ratio:.3g} > {REQUANT_RATIO}, capture={trunc.energy:.3g} < {REQUANT_ENERGY}",
+        )
     return Route("hosted", f"rms/step={ratio:.3g}, capture={trunc.energy:.3g}", trunc, delta, hit)
 
 
@@ -185,7 +217,11 @@ class QuantWrite:
         rest = [c for c in self.contributions if not part_factorable(c[0], self.module)]
         downs, ups = [], []
         exact_delta: torch.Tensor | float = 0.0
-        base = self.backend.dequantize(self.module) if rest and (self._first is None or self._first.delta is None) else None
+        base = (
+            self.backend.dequantize(self.module)
+            if rest and (self._first is None or self._first.delta is None)
+            else None
+        )
         if exact:
             d, u = exact_factors(exact, shape[0], base.device if base is not None else None)
             downs.append(d)
@@ -200,7 +236,9 @@ class QuantWrite:
             if first is not None and first.truncation is not None:
                 trunc, self.cache_hit = first.truncation, first.cache_hit
             else:
-                trunc, self.cache_hit = host_factors(delta, rest, self.module, self.host_rank, self.cache, self.layer)
+                trunc, self.cache_hit = host_factors(
+                    delta, rest, self.module, self.host_rank, self.cache, self.layer
+                )
             self.capture = trunc.energy
             downs.append(trunc.down)
             ups.append(trunc.up)

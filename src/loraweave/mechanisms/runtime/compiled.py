@@ -50,7 +50,11 @@ def compile_options(compile_friendly: bool, rank_buckets, stack: str) -> Compile
         buckets = tuple(buckets)
     except TypeError:
         raise ValueError(f"rank_buckets must be a sequence of positive ints, got {rank_buckets!r}") from None
-    if not buckets or any(type(b) is not int or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+    if (
+        not buckets
+        or any(type(b) is not int or b < 1 for b in buckets)
+        or list(buckets) != sorted(set(buckets))
+    ):
         raise ValueError(f"rank_buckets must be strictly increasing positive ints, got {rank_buckets!r}")
     if stack in GRAPH_BREAKING_STACKS:
         raise ValueError(

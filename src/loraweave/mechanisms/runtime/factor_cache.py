@@ -36,8 +36,11 @@ def _hash_tensor(h, t: torch.Tensor) -> None:
 def layer_fingerprint(module: torch.nn.Module) -> str | None:
     """sha256 of every plain tensor a layer stores; None when it holds tensor subclasses we cannot read bytewise."""
     h = hashlib.sha256(type(module).__name__.encode())
-    tensors = {**module._parameters, **module._buffers,
-               **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
+    tensors = {
+        **module._parameters,
+        **module._buffers,
+        **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)},
+    }
     for name in sorted(tensors):
         t = tensors[name]
         if t is None:
@@ -62,7 +65,9 @@ def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class FactorCache:
     """Hosted-factor cache in `root`, at most `budget_bytes` on disk (0: off)."""
 
-    def __init__(self, root: str | os.PathLike, budget_bytes: int = 8 << 30, model_id: str | None = None) -> None:
+    def __init__(
+        self, root: str | os.PathLike, budget_bytes: int = 8 << 30, model_id: str | None = None
+    ) -> None:
         self.root = Path(root)
         self.budget = int(budget_bytes)
         self.model_id = model_id
@@ -78,14 +83,29 @@ class FactorCache:
             _hash_tensor(h, pp.adapter.tensor(key))
         return h.hexdigest()
 
-    def signature(self, module: torch.nn.Module, layer: str, contributions: list, host_rank: int) -> str | None:
+    def signature(
+        self, module: torch.nn.Module, layer: str, contributions: list, host_rank: int
+    ) -> str | None:
         identity = self.model_id if self.model_id is not None else layer_fingerprint(module)
         if identity is None:
             return None
-        parts = [[self._part_hash(pp), pp.part.family, pp.part.path, piece.src_start, piece.dst_start, piece.length,
-                  repr(float(pp.strength)), repr(float(pp.scale))] for pp, piece in contributions]
-        return json.dumps({"fmt": FORMAT, "model": identity, "layer": layer, "host_rank": host_rank,
-                           "parts": parts}, sort_keys=True)
+        parts = [
+            [
+                self._part_hash(pp),
+                pp.part.family,
+                pp.part.path,
+                piece.src_start,
+                piece.dst_start,
+                piece.length,
+                repr(float(pp.strength)),
+                repr(float(pp.scale)),
+            ]
+            for pp, piece in contributions
+        ]
+        return json.dumps(
+            {"fmt": FORMAT, "model": identity, "layer": layer, "host_rank": host_rank, "parts": parts},
+            sort_keys=True,
+        )
 
     def _path(self, sig: str) -> Path:
         return self.root / f"{hashlib.sha256(sig.encode()).hexdigest()[:32]}{SUFFIX}"
@@ -125,8 +145,13 @@ class FactorCache:
         if self.budget <= 0:
             return stored
         self.root.mkdir(parents=True, exist_ok=True)
-        tensors = {"up_q": up_q, "up_s": up_s, "down_q": down_q, "down_s": down_s,
-                   "energy": torch.tensor(trunc.energy, dtype=torch.float64)}
+        tensors = {
+            "up_q": up_q,
+            "up_s": up_s,
+            "down_q": down_q,
+            "down_s": down_s,
+            "energy": torch.tensor(trunc.energy, dtype=torch.float64),
+        }
         fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
         os.close(fd)
         try:

@@ -24,7 +24,9 @@ def _group(module: torch.nn.Module):
 
 def _copy_reason(group) -> str | None:
     if getattr(group, "offload_to_disk_path", None):
-        return "diffusers group offloading reloads the weight from disk on every onload (a merge would be lost)"
+        return (
+            "diffusers group offloading reloads the weight from disk on every onload (a merge would be lost)"
+        )
     if getattr(group, "stream", None) is not None:
         return "diffusers group offloading with streams onloads from pinned copies (a merge would miss them)"
     return None
@@ -41,8 +43,13 @@ def weight_copies(roots: Iterable[torch.nn.Module]) -> dict[int, str]:
                 continue
             for member in getattr(group, "modules", []):
                 out.update((id(sub), why) for sub in member.modules())
-            loose = {id(p) for p in getattr(group, "parameters", [])}  # a group's parameters outside its modules
+            loose = {
+                id(p) for p in getattr(group, "parameters", [])
+            }  # a group's parameters outside its modules
             if loose:
-                out.update((id(sub), why) for sub in root.modules()
-                           if any(id(p) in loose for p in sub.parameters(recurse=False)))
+                out.update(
+                    (id(sub), why)
+                    for sub in root.modules()
+                    if any(id(p) in loose for p in sub.parameters(recurse=False))
+                )
     return out

@@ -26,7 +26,9 @@ def runtime_blocker(module: torch.nn.Module) -> str | None:
         if module.groups != 1 or module.padding_mode != "zeros":
             return "runtime path supports only plain convolutions (groups=1, zero padding)"
         return None
-    if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
+    if isinstance(getattr(module, "in_features", None), int) and isinstance(
+        getattr(module, "out_features", None), int
+    ):
         return None
     if isinstance(module, _NORMS_CHANNELS_LAST + _NORMS_CHANNELS_FIRST) or type(module).__name__ == "RMSNorm":
         return None  # the last: diffusers' own RMSNorm (channels last)
@@ -93,9 +95,15 @@ class RuntimePath:
             term = pp.family.term(pp.factors, piece.src_start, piece.dst_start, piece.length, host)
             if term.cost:
                 self.costs.add(f"{pp.part.family}: {term.cost}")
-            if pp.family.runtime_takes_module and isinstance(host, DequantizedView) and term.fn is not None \
-                    and term.needs_base:
-                self.costs.add(f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it")
+            if (
+                pp.family.runtime_takes_module
+                and isinstance(host, DequantizedView)
+                and term.fn is not None
+                and term.needs_base
+            ):
+                self.costs.add(
+                    f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it"
+                )
             name = pp.adapter.name
             self.adapters.add(name)
             if term.down is not None and owners and owners[-1][0] is pp and term.down is last_down:
@@ -120,7 +128,9 @@ class RuntimePath:
                 self.biases.append((pp, term.dst_start, term.length, term.bias))
         self._owners = owners
         self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
-        self.down = torch.cat(downs) if downs else None  # (R, in, *k) master copy, stored dtype (promoted by cat)
+        self.down = (
+            torch.cat(downs) if downs else None
+        )  # (R, in, *k) master copy, stored dtype (promoted by cat)
         self.up = torch.cat(ups, dim=1) if ups else None  # (out, R)
         self.scale = torch.empty(self.down.shape[0] if downs else 0)
         self._factor_cast = CastCache(self.down, self.up) if downs else None  # kept across strength changes
@@ -128,7 +138,9 @@ class RuntimePath:
         self.refresh_scales()
         self.hook = None
         self.active = False
-        self.mix = None  # per-sample sets / regions (mechanisms/mix.py): while set, it computes the adapter terms
+        self.mix = (
+            None  # per-sample sets / regions (mechanisms/mix.py): while set, it computes the adapter terms
+        )
 
     def _strength(self, pp: PlannedPart) -> float:
         return pp.strength * self.gates.get(pp.adapter.name, 1.0)
@@ -148,8 +160,13 @@ class RuntimePath:
         swap = lambda items: [(mapping.get(id(t[0]), t[0]), *t[1:]) for t in items]  # noqa: E731
         self._owners = swap(self._owners)
         self.contributions = swap(self.contributions)
-        self.dense, self.biases, self.fns, self.base_fns = (swap(x) for x in (self.dense, self.biases, self.fns, self.base_fns))
-        self.adapters = {pp.adapter.name for pp, *_ in (*self._owners, *self.dense, *self.biases, *self.fns, *self.base_fns)}
+        self.dense, self.biases, self.fns, self.base_fns = (
+            swap(x) for x in (self.dense, self.biases, self.fns, self.base_fns)
+        )
+        self.adapters = {
+            pp.adapter.name
+            for pp, *_ in (*self._owners, *self.dense, *self.biases, *self.fns, *self.base_fns)
+        }
         self.refresh_scales()
 
     def refresh_scales(self) -> None:
@@ -163,7 +180,9 @@ class RuntimePath:
     def _factors(self, device: torch.device, dtype: torch.dtype):
         return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))
 
-    def bind_factors(self, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor) -> None:
+    def bind_factors(
+        self, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor
+    ) -> None:
         """Compute with `down`/`up` already on (device, dtype), e.g. a streamed block's slot views: no cast made."""
         if self._factor_cast is not None:
             self._factor_cast.put(device, dtype, (down, up))
@@ -220,7 +239,9 @@ class RuntimePath:
         for pp, dst, n, fn, linear in self.base_fns:
             rows = base[:, dst : dst + n] if self.channels_first else base[..., dst : dst + n]
             s = self._strength(pp)
-            value, alpha = (fn(x, spec, rows), s * pp.scale) if linear else (fn(x, spec, rows, s, pp.scale), 1.0)
+            value, alpha = (
+                (fn(x, spec, rows), s * pp.scale) if linear else (fn(x, spec, rows, s, pp.scale), 1.0)
+            )
             out.append((value, dst, n, alpha))
         return out
 
@@ -294,7 +315,9 @@ class RuntimePath:
     def _inplace_ok(self, output: torch.Tensor) -> bool:
         return not (torch.is_grad_enabled() and output.requires_grad)
 
-    def _add_rows(self, output: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: float = 1.0) -> torch.Tensor:
+    def _add_rows(
+        self, output: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: float = 1.0
+    ) -> torch.Tensor:
         """output[rows] += alpha·value, in place when autograd allows (no output-sized temporary)."""
         out = output if self._inplace_ok(output) else output.clone()
         rows = slice(dst, dst + n)

@@ -27,7 +27,9 @@ def _probe():
         x, w, b = (torch.randn(*s, generator=g) for s in ((5, 40), (3, 40), (3,)))
         try:
             with torch.inference_mode():
-                ok = torch.allclose(op(x, w, b, "none", [], ""), torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-6)
+                ok = torch.allclose(
+                    op(x, w, b, "none", [], ""), torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-6
+                )
         except (RuntimeError, TypeError) as exc:  # a torch build whose private op changed: stay on F.linear
             log.info("skinny_gemm onednn=unusable reason=%s", exc)
             ok = False
@@ -70,8 +72,11 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         return None  # the op has no autograd formula
     if not (x.is_contiguous() and weight.is_contiguous() and weight.dim() == 2):
         return None
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
-                             or (torch.is_grad_enabled() and bias.requires_grad)):
+    if bias is not None and (
+        bias.dtype != torch.float32
+        or not bias.is_contiguous()
+        or (torch.is_grad_enabled() and bias.requires_grad)
+    ):
         return None
     if torch.compiler.is_compiling():  # no probe inside a trace: its ops would be traced
         return _onednn_linear if _PROBED and _PROBED[0] is not None else None

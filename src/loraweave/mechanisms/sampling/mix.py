@@ -79,7 +79,9 @@ class Mix:
         cache = (comp, call, rows)
         if cache not in self._runs:
             runs: list[tuple[slice, SampleKey]] = []
-            for start, stop, sample in sample_runs(call, rows, len(self.keys), self.names.get(id(path), "a layer")):
+            for start, stop, sample in sample_runs(
+                call, rows, len(self.keys), self.names.get(id(path), "a layer")
+            ):
                 key = self.keys[sample]
                 if runs and runs[-1][1] == key and runs[-1][0].stop == start:
                     runs[-1] = (slice(runs[-1][0].start, stop), key)  # neighbours with one set: one segment
@@ -98,15 +100,23 @@ class Mix:
         for name in names:
             cache = (name, comp, call, tuple(out.shape[1:]), path.channels_first, out.device, out.dtype)
             if cache not in self._weights:
-                w = token_weights(self.regions[name], call, self.root_class[comp], tuple(out.shape),
-                                  path.channels_first, self.names.get(id(path), "a layer"))
+                w = token_weights(
+                    self.regions[name],
+                    call,
+                    self.root_class[comp],
+                    tuple(out.shape),
+                    path.channels_first,
+                    self.names.get(id(path), "a layer"),
+                )
                 self._weights[cache] = w.to(out.device, out.dtype) if isinstance(w, torch.Tensor) else w
             found[name] = self._weights[cache]
         return found
 
     def _pair(self, path, key: SampleKey | None, out: torch.Tensor) -> PairFactors | None:
         cache = (id(path), key, out.device, out.dtype)
-        if key is None:  # the handle's own strengths: the path's cast factors, never cached here (they may change)
+        if (
+            key is None
+        ):  # the handle's own strengths: the path's cast factors, never cached here (they may change)
             return pair_for(path, None, self.settings, out.device, out.dtype)
         if cache not in self._pairs:
             self._pairs[cache] = pair_for(path, key, self.settings, out.device, out.dtype)
@@ -185,8 +195,16 @@ def _put(path, out: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: 
     (out[:, rows] if path.channels_first else out[..., rows]).add_(value, alpha=alpha)
 
 
-def _terms(mix: Mix, path, x: torch.Tensor, out: torch.Tensor, key: SampleKey | None, weights: dict,
-           fresh: bool = False, pair_done: bool = False) -> None:
+def _terms(
+    mix: Mix,
+    path,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    key: SampleKey | None,
+    weights: dict,
+    fresh: bool = False,
+    pair_done: bool = False,
+) -> None:
     """Add the set's terms to `out`; `fresh`: `out` is uninitialised and gets bias + low-rank term first (a fused
     plain Linear, whose paths have no terms that read the base output); `pair_done`: the low-rank pair is in."""
     strength = lambda pp: part_strength_for(path, pp, key, mix.settings)  # noqa: E731
@@ -203,7 +221,9 @@ def _terms(mix: Mix, path, x: torch.Tensor, out: torch.Tensor, key: SampleKey | 
             if s == 0.0:
                 continue
             rows = base[:, dst : dst + n] if path.channels_first else base[..., dst : dst + n]
-            value, alpha = (fn(x, spec, rows), s * pp.scale) if linear else (fn(x, spec, rows, s, pp.scale), 1.0)
+            value, alpha = (
+                (fn(x, spec, rows), s * pp.scale) if linear else (fn(x, spec, rows, s, pp.scale), 1.0)
+            )
             found.append((pp, value, dst, n, alpha))
         for pp, value, dst, n, alpha in found:
             _put(path, out, value, dst, n, alpha, weights.get(pp.adapter.name))
@@ -249,8 +269,14 @@ def _add_pair(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors, weigh
         out.add_(F.linear(h, pair.up))
 
 
-def _init_linear(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors | None, weights: dict,
-                 h: torch.Tensor | None = None) -> None:
+def _init_linear(
+    path,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    pair: PairFactors | None,
+    weights: dict,
+    h: torch.Tensor | None = None,
+) -> None:
     """out = bias + (x·Dᵀ·diag(scale) ⊙ weights)·Uᵀ, written in one GEMM (out: a contiguous run, uninitialised);
     `h` given: the weighted x·Dᵀ already formed."""
     bias, o2 = path.module.bias, out.view(-1, out.shape[-1])
@@ -258,9 +284,15 @@ def _init_linear(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors | N
         o2.copy_(bias.expand_as(o2)) if bias is not None else o2.zero_()
         return
     if h is None:  # as RuntimePath's fused forward forms it (x flattened first: a strided x rounds otherwise)
-        h = skinny_linear(x.reshape(-1, x.shape[-1]), pair.down).mul_(pair.scale).view(*x.shape[:-1], pair.down.shape[0])
+        h = (
+            skinny_linear(x.reshape(-1, x.shape[-1]), pair.down)
+            .mul_(pair.scale)
+            .view(*x.shape[:-1], pair.down.shape[0])
+        )
         _weigh(h, pair, weights, channels_first=False)
-    o2.copy_(skinny_linear(h.reshape(-1, h.shape[-1]), pair.up, bias))  # RuntimePath's fused kernels, for exactness
+    o2.copy_(
+        skinny_linear(h.reshape(-1, h.shape[-1]), pair.up, bias)
+    )  # RuntimePath's fused kernels, for exactness
 
 
 def _weigh(h: torch.Tensor, pair: PairFactors, weights: dict, channels_first: bool) -> None:
@@ -277,7 +309,9 @@ def require_runtime(handle, names, error: type[Exception], what: str) -> None:
     written = [m for m in [*handle._merged, *handle._quant] if m.adapters & set(names)]
     if written:
         which = sorted({n for m in written for n in m.adapters} & set(names))
-        raise error(f"{what}: adapter(s) {which} are merged into {len(written)} layers; apply them with mode='runtime'")
+        raise error(
+            f"{what}: adapter(s) {which} are merged into {len(written)} layers; apply them with mode='runtime'"
+        )
 
 
 def mix_for(handle) -> Mix:
@@ -301,7 +335,10 @@ def release(handle) -> None:
     """Detach the handle's Mix once it has neither a batch nor a region: paths return to their plain forward."""
     mix = getattr(handle, "_mix", None)
     if mix is not None and (mix.idle or not handle.active):
-        for rp in [*handle._runtime, *getattr(handle, "_detached", {}).values()]:  # a switch may re-attach the latter
+        for rp in [
+            *handle._runtime,
+            *getattr(handle, "_detached", {}).values(),
+        ]:  # a switch may re-attach the latter
             rp.mix = None
         mix.remove()
         handle._mix = None

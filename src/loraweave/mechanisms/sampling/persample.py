@@ -42,7 +42,9 @@ def _one_sample(i: int, names, strengths, known: Mapping[str, float]) -> SampleK
     elif isinstance(strengths, Sequence) and not isinstance(strengths, str) and len(strengths) == len(names):
         values = list(strengths)
     else:
-        raise BatchError(f"sample {i}: strengths must be a mapping or a list of {len(names)} numbers, got {strengths!r}")
+        raise BatchError(
+            f"sample {i}: strengths must be a mapping or a list of {len(names)} numbers, got {strengths!r}"
+        )
     # In the caller's order: a set's terms are summed in it (as `apply` sums adapters in list order), so a sample's
     # float result is the one a lone apply of the same list gives (cache keys differ only by that order).
     return tuple((n, _strength(v, f"sample {i} adapter {n!r}")) for n, v in zip(names, values, strict=True))
@@ -51,11 +53,15 @@ def _one_sample(i: int, names, strengths, known: Mapping[str, float]) -> SampleK
 def sample_keys(assignments, strengths, known: Mapping[str, float]) -> list[SampleKey]:
     """One key per sample; `known` maps each adapter name to its current strength (the default)."""
     if isinstance(assignments, (str, Mapping)) or not isinstance(assignments, Sequence) or not assignments:
-        raise BatchError(f"assignments must be a non-empty list with one list of adapter names per sample, got {assignments!r}")
+        raise BatchError(
+            f"assignments must be a non-empty list with one list of adapter names per sample, got {assignments!r}"
+        )
     if strengths is not None and (not isinstance(strengths, Sequence) or len(strengths) != len(assignments)):
         raise BatchError(f"strengths must have one entry per sample ({len(assignments)}), got {strengths!r}")
     per = strengths if strengths is not None else [None] * len(assignments)
-    return [_one_sample(i, names, s, known) for i, (names, s) in enumerate(zip(assignments, per, strict=True))]
+    return [
+        _one_sample(i, names, s, known) for i, (names, s) in enumerate(zip(assignments, per, strict=True))
+    ]
 
 
 def part_strength_for(path, pp, key: SampleKey | None, settings: Mapping[str, AdapterWeights]) -> float:
@@ -73,11 +79,15 @@ class PairFactors:
     """A layer's low-rank pair restricted to one set: down (r, in, *k), up (out, r), scale (r,), and the rank
     segment (start, stop, adapter name) of each of its adapters, for regions."""
 
-    def __init__(self, down: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, segments: list[tuple[int, int, str]]):
+    def __init__(
+        self, down: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, segments: list[tuple[int, int, str]]
+    ):
         self.down, self.up, self.scale, self.segments = down, up, scale, segments
 
 
-def pair_for(path, key: SampleKey | None, settings, device: torch.device, dtype: torch.dtype) -> PairFactors | None:
+def pair_for(
+    path, key: SampleKey | None, settings, device: torch.device, dtype: torch.dtype
+) -> PairFactors | None:
     """The set's part of the layer's rank-concatenated pair, on (device, dtype); None when it has no rank there."""
     if path.down is None:
         return None
@@ -115,13 +125,20 @@ def pair_for(path, key: SampleKey | None, settings, device: torch.device, dtype:
     return PairFactors(d, u, torch.cat(coeffs), segments)
 
 
-def row_gates(path, runs: list, settings, rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def row_gates(
+    path, runs: list, settings, rows: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """(rows, R): each row's coefficient for every rank of the layer's whole pair (0 outside its sample's set)."""
     per_key: dict = {}
     gates = torch.zeros(rows, path.down.shape[0], dtype=torch.float32)
     for run, key in runs:
         if key not in per_key:
-            per_key[key] = torch.tensor([part_strength_for(path, pp, key, settings) * pp.scale
-                                         for pp, rank in path._owners for _ in range(rank)])
+            per_key[key] = torch.tensor(
+                [
+                    part_strength_for(path, pp, key, settings) * pp.scale
+                    for pp, rank in path._owners
+                    for _ in range(rank)
+                ]
+            )
         gates[run] = per_key[key]
     return gates.to(device, dtype)

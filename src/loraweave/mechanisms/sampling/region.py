@@ -31,7 +31,9 @@ def check_mask(name: str, mask) -> torch.Tensor:
         try:
             mask = torch.as_tensor(mask)
         except (TypeError, ValueError, RuntimeError):
-            raise RegionError(f"region {name!r}: mask must be an H×W tensor or array, got {type(mask).__name__}") from None
+            raise RegionError(
+                f"region {name!r}: mask must be an H×W tensor or array, got {type(mask).__name__}"
+            ) from None
     if mask.dim() != 2 or mask.shape[0] == 0 or mask.shape[1] == 0:
         raise RegionError(f"region {name!r}: mask must be 2-D (H×W), got shape {tuple(mask.shape)}")
     if mask.dtype == torch.bool or not mask.is_floating_point():
@@ -58,17 +60,29 @@ def _grids(call: RootCall, mask: torch.Tensor) -> list[tuple[int, int, int]]:
         mh, mw = mask.shape
         h = max(1, round(math.sqrt(n * mh / mw)))
         if n % h or abs(h / (n // h) - mh / mw) > 1.0 / min(h, n // h):
-            raise RegionError(f"the model's {n} image tokens do not form a grid with the mask's aspect {mh}×{mw}")
+            raise RegionError(
+                f"the model's {n} image tokens do not form a grid with the mask's aspect {mh}×{mw}"
+            )
         return [(1, h, n // h)]
-    raise RegionError(f"regions need a tensor model input (B, C, H, W), (B, C, F, H, W) or (B, N, C); got {shape or 'a list'}")
+    raise RegionError(
+        f"regions need a tensor model input (B, C, H, W), (B, C, F, H, W) or (B, N, C); got {shape or 'a list'}"
+    )
 
 
-def token_weights(mask: torch.Tensor, call: RootCall | None, root_class: str, out_shape: tuple[int, ...],
-                  channels_first: bool, layer: str) -> torch.Tensor | float:
+def token_weights(
+    mask: torch.Tensor,
+    call: RootCall | None,
+    root_class: str,
+    out_shape: tuple[int, ...],
+    channels_first: bool,
+    layer: str,
+) -> torch.Tensor | float:
     """The per-token weight of one layer output, broadcastable against it (or the peak as a float)."""
     peak = float(mask.max())
     if call is None:
-        raise RegionError(f"{layer} ran outside its model's forward: regions place tokens through the model call")
+        raise RegionError(
+            f"{layer} ran outside its model's forward: regions place tokens through the model call"
+        )
     if channels_first:
         if len(out_shape) < 4:
             return peak
@@ -83,8 +97,10 @@ def token_weights(mask: torch.Tensor, call: RootCall | None, root_class: str, ou
     image = call.shape[1] if call.shape is not None and len(call.shape) == 3 else None
     if image is not None and tokens > image:
         if root_class not in TEXT_FIRST:
-            raise RegionError(f"{layer} sees {tokens} tokens for {image} image tokens, and the order of a joint sequence "
-                              f"in {root_class} is not known: regions are refused there")
+            raise RegionError(
+                f"{layer} sees {tokens} tokens for {image} image tokens, and the order of a joint sequence "
+                f"in {root_class} is not known: regions are refused there"
+            )
         frames, h, w = _grids(call, mask)[0]
         img = _resize(mask, h, w).reshape(-1)
         return torch.cat([img.new_full((tokens - image,), peak), img]).view(tokens, 1)

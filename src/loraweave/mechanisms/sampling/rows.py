@@ -62,18 +62,26 @@ class RootProbe:
 def sample_runs(call: RootCall | None, rows: int, samples: int, layer: str) -> list[tuple[int, int, int]]:
     """(start, stop, sample) for each run of consecutive input rows of one sample, in order."""
     if call is None:
-        raise BatchError(f"{layer} ran outside its model's forward: per-sample batches map rows through the model call")
+        raise BatchError(
+            f"{layer} ran outside its model's forward: per-sample batches map rows through the model call"
+        )
     if call.batch is None:
-        raise BatchError(f"{layer}: the model was called without a tensor or list input; its batch is unknown")
+        raise BatchError(
+            f"{layer}: the model was called without a tensor or list input; its batch is unknown"
+        )
     if call.batch % samples:
-        raise BatchError(f"the model was called with a batch of {call.batch}, not a multiple of the {samples} "
-                         "samples of Handle.batch")
+        raise BatchError(
+            f"the model was called with a batch of {call.batch}, not a multiple of the {samples} "
+            "samples of Handle.batch"
+        )
     if rows == call.batch:
         per = 1
     elif rows % call.batch == 0 and call.uniform:
         per = rows // call.batch
     else:
         why = "samples of unequal size are packed" if rows % call.batch == 0 else "not a multiple of it"
-        raise BatchError(f"{layer} sees {rows} rows for a model batch of {call.batch} ({why}): which rows belong to "
-                         "which sample cannot be known")
+        raise BatchError(
+            f"{layer} sees {rows} rows for a model batch of {call.batch} ({why}): which rows belong to "
+            "which sample cannot be known"
+        )
     return [(j * per, (j + 1) * per, j % samples) for j in range(call.batch)]

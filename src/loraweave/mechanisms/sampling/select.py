@@ -17,7 +17,11 @@ def layer_key(component: str, path: str) -> str:
 
 
 def shared_layers(paths: dict[str, RuntimePath], names: tuple[str, str]) -> dict[str, RuntimePath]:
-    return {k: rp for k, rp in paths.items() if all(n in {pp.adapter.name for pp, _ in rp.contributions} for n in names)}
+    return {
+        k: rp
+        for k, rp in paths.items()
+        if all(n in {pp.adapter.name for pp, _ in rp.contributions} for n in names)
+    }
 
 
 def _dense(rp: RuntimePath, name: str) -> tuple[torch.Tensor, int]:
@@ -30,13 +34,16 @@ def _dense(rp: RuntimePath, name: str) -> tuple[torch.Tensor, int]:
     return intended_delta(mine, shape, base), rank
 
 
-def build_schedule(mode: str, paths: dict[str, RuntimePath], names: tuple[str, str], total_steps: int,
-                   **kwargs: float) -> SelectSchedule:
+def build_schedule(
+    mode: str, paths: dict[str, RuntimePath], names: tuple[str, str], total_steps: int, **kwargs: float
+) -> SelectSchedule:
     deltas, ranks = {}, {}
     for key, rp in shared_layers(paths, names).items():
         (d0, r0), (d1, r1) = _dense(rp, names[0]), _dense(rp, names[1])
         deltas[key], ranks[key] = (d0, d1), (max(r0, 1), max(r1, 1))
-    return SelectSchedule.from_deltas(mode, deltas, total_steps, ranks=ranks if mode == "klora" else None, **kwargs)
+    return SelectSchedule.from_deltas(
+        mode, deltas, total_steps, ranks=ranks if mode == "klora" else None, **kwargs
+    )
 
 
 def choose(rp: RuntimePath, names: tuple[str, str], index: int) -> None:

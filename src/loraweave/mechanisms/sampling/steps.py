@@ -28,18 +28,32 @@ class StepSchedule:
         settings = handle._settings
         windows = {name: w.window for name, w in settings.items() if w.window is not None}
         if not windows:
-            raise ValueError("no adapter has a step window: give AdapterSpec(..., steps=(start, end)) or a ramp")
+            raise ValueError(
+                "no adapter has a step window: give AdapterSpec(..., steps=(start, end)) or a ramp"
+            )
         merged = sorted({n for m in [*handle._merged, *handle._quant] for n in m.adapters} & set(windows))
         if merged:
-            raise ValueError(f"step windows need runtime layers; {merged} are merged: apply with mode='runtime'")
+            raise ValueError(
+                f"step windows need runtime layers; {merged} are merged: apply with mode='runtime'"
+            )
         self.total_steps = total_steps
         self._settings = settings
-        self.table = {name: window.strengths(settings[name].strength, total_steps) for name, window in windows.items()}
-        self._parts = {name: [pp for pp in handle._plan.planned if pp.adapter.name == name
-                              and not is_text_encoder(pp.component)] for name in windows}
+        self.table = {
+            name: window.strengths(settings[name].strength, total_steps) for name, window in windows.items()
+        }
+        self._parts = {
+            name: [
+                pp
+                for pp in handle._plan.planned
+                if pp.adapter.name == name and not is_text_encoder(pp.component)
+            ]
+            for name in windows
+        }
         ids = {name: {id(pp) for pp in parts} for name, parts in self._parts.items()}
-        self._paths = {name: [rp for rp in handle._runtime if any(id(pp) in ids[name] for pp, _ in rp.contributions)]
-                       for name in windows}
+        self._paths = {
+            name: [rp for rp in handle._runtime if any(id(pp) in ids[name] for pp, _ in rp.contributions)]
+            for name in windows
+        }
         self._current: dict[str, float | None] = dict.fromkeys(windows)
         self.apply(0)
 
