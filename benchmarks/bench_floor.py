@@ -49,7 +49,8 @@ import statistics
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
 from benchutil import Variant, inference_forward, linear_lora, median, sandwiched, spread, table
-from loraweave.mechanisms.runtime.path.skinny import skinny_linear
+
+from loraweave.mechanisms.runtime.skinny import skinny_linear
 
 IN = OUT = 3072
 TOKENS = 4096

@@ -397,9 +397,8 @@ def part1(rounds: int, requant_steps: bool) -> None:
 
 
 def part2(layers: int, dim: int) -> None:
-    from loraweave.mechanisms.runtime.path.factor_cache import FactorCache
-
     import loraweave
+    from loraweave.mechanisms.runtime.factor_cache import FactorCache
 
     why = quantbuild.blocker("sdnq", "uint4")
     if why:

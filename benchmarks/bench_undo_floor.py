@@ -26,7 +26,8 @@ import time
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
-from loraweave.mechanisms.merge.layer.bitscan import differ
+
+from loraweave.mechanisms.merge.bitscan import differ
 
 WIDTH, RANK, ROWS = 1024, 16, 256
 

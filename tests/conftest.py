@@ -69,3 +69,38 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Markers by module (pyproject registers them; `-m "not slow and not realdata"` picks a quick subset).
+MODULE_MARKERS: dict[str, tuple[str, ...]] = {
+    "test_arch_anima_sana": ("realdata",),
+    "test_arch_dits2": ("realdata",),
+    "test_arch_unet_original": ("realdata",),
+    "test_block_weights": ("realdata",),
+    "test_cli_convert": ("realdata",),
+    "test_cli_extract": ("realdata",),
+    "test_cli_inspect": ("realdata",),
+    "test_compile": ("slow",),  # inductor codegen: about a minute per whole model
+    "test_detect": ("realdata",),
+    "test_diffusers_dropin": ("realdata",),
+    "test_family_lokr": ("realdata",),
+    "test_fuzz": ("realdata",),
+    "test_inspect_pictures": ("realdata",),
+    "test_io_safetensors": ("realdata",),
+    "test_realdata": ("realdata",),
+    "test_robustness": ("realdata",),
+    "test_serve": ("slow",),  # a local Ray cluster
+    "test_serve_cli": ("slow",),
+    "test_streaming_cuda": ("cuda",),
+    "test_undo_cuda": ("cuda",),
+    "test_user_surface": ("realdata",),
+}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        for name in MODULE_MARKERS.get(item.module.__name__.rpartition(".")[2], ()):
+            item.add_marker(name)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "cuda" in callspec.id.split("-"):
+            item.add_marker("cuda")  # device-parametrized cases (test_offload's "cuda")

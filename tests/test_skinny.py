@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import loraweave
-from loraweave.mechanisms.runtime.path import skinny
+from loraweave.mechanisms.runtime import skinny
 
 
 @pytest.fixture

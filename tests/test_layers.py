@@ -1,0 +1,131 @@
+"""The layer contract of docs/architecture.md: an import (module level or inside a function) may only run from
+a package to its own package or to one on a lower layer. Packages on one layer do not import each other."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "src" / "loraweave"
+
+# Lowest first. Each top-level module or package of src/loraweave sits on exactly one layer.
+LAYERS: list[set[str]] = [
+    {"errors"},  # the typed errors every layer raises
+    {"arguments", "progress", "modes"},  # argument checks, progress bars, the Literal modes
+    {"io", "quant", "stack", "report"},  # files; quantized storage; stack math; report records and misses
+    {"formats"},  # parsed adapters: keys, alpha, metadata, detection helpers
+    {"arch"},  # one declarative module per architecture and their registry
+    {"families"},  # family math, merged and runtime side by side
+    {"resolve"},  # keys -> modules: the plan
+    {"request"},  # what the user asked: specs, prompt syntax, adapter lists
+    {"mechanisms"},  # how a change is installed: merge/undo, runtime, sampling, quantized
+    {"engine", "streaming"},  # the journal and the handle; streaming's own handle
+    {"api"},  # apply, plan
+    {"tools"},  # inspect, bake, convert, extract, generate bodies
+    {"diffusers", "serve", "comfy"},  # the faces for other programs
+    {"cli"},  # the command line
+    {"__main__"},  # python -m loraweave
+]
+# the sub-packages of mechanisms/, lowest first (choose.py picks among all of them)
+MECHANISM_LAYERS: list[set[str]] = [
+    {"merge"},
+    {"quantized"},  # writes into quantized storage; hosted truncations (which runtime's factor cache keeps)
+    {"runtime"},
+    {"sampling"},
+    {"choose"},
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = ["loraweave", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(importer, imported) for every import of a loraweave module, `from loraweave import __version__` aside."""
+    edges = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1] if node.level else []
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+                names = [a.name for a in node.names if a.name != "__version__"]  # the package root's constant
+                targets = [f"{mod}.{n}" if f"{mod}.{n}" in modules else mod for n in names]
+            else:
+                continue
+            edges += [(name, t) for t in targets if t.startswith("loraweave") and t != name]
+    return edges
+
+
+def _rank(layers: list[set[str]], part: str) -> int:
+    ranks = [i for i, layer in enumerate(layers) if part in layer]
+    if not ranks:
+        raise AssertionError(
+            f"{part!r} sits on no layer: add it to the table here and in docs/architecture.md"
+        )
+    return ranks[0]
+
+
+def violations(edges: list[tuple[str, str]], layers: list[set[str]], depth: int = 1) -> list[str]:
+    """Imports that run upward or sideways between the parts `depth` levels below loraweave."""
+    out = []
+    for src, dst in edges:
+        a, b = src.split("."), dst.split(".")
+        if len(a) <= depth or len(b) <= depth or a[:depth] != b[:depth] or a[depth] == b[depth]:
+            continue  # the package root itself, another part of the tree, or inside one part
+        if _rank(layers, b[depth]) >= _rank(layers, a[depth]):
+            out.append(f"{src} -> {dst}")
+    return sorted(set(out))
+
+
+@pytest.fixture(scope="module")
+def edges() -> list[tuple[str, str]]:
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    assert len(modules) > 100
+    return _imports(modules)
+
+
+def test_every_part_has_a_layer():
+    parts = {
+        p.stem if p.suffix == ".py" else p.name for p in ROOT.iterdir() if p.suffix == ".py" or p.is_dir()
+    }
+    parts -= {"__init__", "__pycache__"}
+    for part in parts:
+        _rank(LAYERS, part)
+    for p in (ROOT / "mechanisms").iterdir():
+        if p.name not in {"__init__.py", "__pycache__"}:
+            _rank(MECHANISM_LAYERS, p.stem)
+
+
+def test_the_root_stays_small():
+    assert len([p for p in ROOT.glob("*.py")]) <= 8
+
+
+def test_no_import_runs_up_a_layer(edges):
+    assert violations(edges, LAYERS) == []
+
+
+def test_mechanism_subsystems_are_layered(edges):
+    inside = [(s, d) for s, d in edges if s.startswith("loraweave.mechanisms.")]
+    assert violations(inside, MECHANISM_LAYERS, depth=2) == []
+
+
+def test_the_contract_catches_an_upward_import():
+    """Negative controls: an upward import, a sideways one, and an unknown part are each refused."""
+    edges = [
+        ("loraweave.formats.keys", "loraweave.engine.handle"),
+        ("loraweave.io.write", "loraweave.quant.gguf"),
+    ]
+    assert violations(edges, LAYERS) == [
+        "loraweave.formats.keys -> loraweave.engine.handle",
+        "loraweave.io.write -> loraweave.quant.gguf",
+    ]
+    assert violations([("loraweave.engine.handle", "loraweave.formats.keys")], LAYERS) == []
+    with pytest.raises(AssertionError, match="sits on no layer"):
+        violations([("loraweave.novel.x", "loraweave.errors")], LAYERS)
