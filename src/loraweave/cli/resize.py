@@ -1,5 +1,5 @@
 """`loraweave resize`: re-rank an adapter as a LoRA of rank R (argument handling; the library side is
-`loraweave.tools.extract`)."""
+`loraweave.tools.resize`)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tools.extract import resize
+    from ..tools.resize import resize
 
     res = resize(
         args.file,
