@@ -257,7 +257,7 @@ def test_minimax_h3_resize_keeps_the_metadata_alpha(tmp_path, arch):
     Full rank (4, the file's highest), so the resized file must merge to what the original merges to."""
     from safetensors.torch import save_file
 
-    from loraweave.tools.extract import resize
+    from loraweave.tools.resize import resize
 
     model = _model("MiniMaxH3Transformer3DModel", False, **H3_TINY)
     path, out = tmp_path / "h3.safetensors", tmp_path / "resized.safetensors"
@@ -284,7 +284,7 @@ def test_minimax_h3_metadata_alpha_not_a_number_is_refused(tmp_path):
         loraweave.apply(model, str(path), mode="merge")
     assert str(path) in str(err.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    from loraweave.tools.extract import resize
+    from loraweave.tools.resize import resize
 
     out = tmp_path / "resized.safetensors"
     with pytest.raises(

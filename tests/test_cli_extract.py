@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 import loraweave
 from loraweave.cli import main
-from loraweave.tools.extract import extract, resize
+from loraweave.tools.extract import extract
+from loraweave.tools.resize import resize
 from loraweave.tools.skeleton import CACHE_ENV
 
 

@@ -21,7 +21,8 @@ import loraweave
 from loraweave.cli import main
 from loraweave.errors import ArgumentError, EmptyOutputError, NoKeysLandedError, StrictApplyError
 from loraweave.tools.bake import bake, parse_adapter_arg
-from loraweave.tools.extract import extract, resize
+from loraweave.tools.extract import extract
+from loraweave.tools.resize import resize
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers.tiny_models import tiny_flux, tiny_sdxl_unet  # noqa: E402

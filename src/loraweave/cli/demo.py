@@ -1,126 +1,77 @@
-"""The embedded demo: a small seeded Z-Image transformer, a sample LoRA in two layouts, three modes."""
+"""`loraweave demo`: run the embedded demo and print its table (the demo itself is `loraweave.tools.demo`)."""
 
 from __future__ import annotations
 
-import copy
+import argparse
 import json
-import time
+import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
 
-from ..api import apply
-
-RANK = 8
-ALPHA = 4.0
-
-
-def build_model(seed: int = 0) -> torch.nn.Module:
-    try:
-        from diffusers import ZImageTransformer2DModel
-    except ImportError as exc:  # diffusers is an optional extra
-        raise SystemExit("the demo needs diffusers: pip install 'loraweave[diffusers]'") from exc
-    torch.manual_seed(seed)
-    return ZImageTransformer2DModel(
-        all_patch_size=(2,),
-        all_f_patch_size=(1,),
-        in_channels=4,
-        dim=256,
-        n_layers=4,
-        n_refiner_layers=1,
-        n_heads=4,
-        n_kv_heads=4,
-        cap_feat_dim=64,
-        axes_dims=[16, 24, 24],
-        axes_lens=[256, 64, 64],
-    ).eval()
-
-
-def forward(model: torch.nn.Module) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    x = [torch.randn(4, 1, 32, 32, generator=g)]
-    cap = [torch.randn(16, 64, generator=g)]
-    with torch.no_grad():
-        return model(x, torch.tensor([0.5]), cap, return_dict=False)[0][0]
-
-
-def write_sample_loras(model: torch.nn.Module, out_dir: Path, seed: int = 7) -> dict[str, Path]:
-    """One random LoRA on every transformer-layer linear, saved in PEFT layout and in kohya layout.
-
-    The kohya file uses the original checkpoint names, so q/k/v travel as one fused `attention.qkv` key."""
-    g = torch.Generator().manual_seed(seed)
-    factors = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
-            down = torch.randn(RANK, module.in_features, generator=g) / module.in_features**0.5
-            up = torch.randn(module.out_features, RANK, generator=g) * 0.05
-            factors[name] = (down, up)
-    peft = {}
-    for name, (down, up) in factors.items():
-        peft[f"transformer.{name}.lora_A.weight"] = down
-        peft[f"transformer.{name}.lora_B.weight"] = up
-    meta = {"lora_adapter_metadata": json.dumps({"transformer.r": RANK, "transformer.lora_alpha": ALPHA})}
-    kohya = {}
-    for name, (down, up) in factors.items():
-        if name.endswith((".to_k", ".to_v")):
-            continue
-        if name.endswith(".to_q"):
-            stem = name[: -len(".to_q")]
-            # Fused q|k|v: stacked downs (rank 3r) and a block-diagonal up; alpha scaled to keep alpha/rank.
-            downs = [factors[f"{stem}.{p}"][0] for p in ("to_q", "to_k", "to_v")]
-            ups = [factors[f"{stem}.{p}"][1] for p in ("to_q", "to_k", "to_v")]
-            down, up, alpha, name = torch.cat(downs), torch.block_diag(*ups), ALPHA * 3, f"{stem}.qkv"
-        else:
-            alpha = ALPHA
-            name = name.replace("attention.to_out.0", "attention.out")
-        key = "lora_unet_" + name.replace(".", "_")
-        kohya[f"{key}.lora_down.weight"] = down.contiguous()
-        kohya[f"{key}.lora_up.weight"] = up.contiguous()
-        kohya[f"{key}.alpha"] = torch.tensor(alpha)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"peft": out_dir / "demo_lora_peft.safetensors", "kohya": out_dir / "demo_lora_kohya.safetensors"}
-    save_file(peft, paths["peft"], metadata=meta)
-    save_file(kohya, paths["kohya"], metadata={"ss_network_dim": str(RANK), "ss_network_alpha": str(ALPHA)})
-    return paths
+def add(sub) -> None:
+    p = sub.add_parser("demo", help="run the embedded demo (small seeded Z-Image model, sample LoRAs)")
+    p.add_argument(
+        "--out", help="directory for the sample LoRA files (default: a temp directory, removed at the end)"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
 def run_demo(out_dir: Path) -> dict:
-    """Run the demo and return its results (the CLI prints them)."""
-    t0 = time.perf_counter()
-    model = build_model()
-    build_s = time.perf_counter() - t0
-    paths = write_sample_loras(model, out_dir)
-    base_out = forward(model)
-    results: dict = {"files": {k: str(v) for k, v in paths.items()}, "build_seconds": build_s, "runs": {}}
-    outputs = {}
-    for layout, path in paths.items():
-        for mode in ("merge", "runtime", "auto"):
-            m = copy.deepcopy(model)
-            t = time.perf_counter()
-            handle = apply(m, path, mode=mode)
-            apply_s = time.perf_counter() - t
-            t = time.perf_counter()
-            out = forward(m)
-            forward_s = time.perf_counter() - t
-            handle.remove()
-            restored = all(
-                torch.equal(a, b)
-                for a, b in zip(m.state_dict().values(), model.state_dict().values(), strict=True)
-            )
-            outputs[(layout, mode)] = out
-            results["runs"][f"{layout}/{mode}"] = {
-                "summary": handle.report.summary(),
-                "apply_seconds": apply_s,
-                "forward_seconds": forward_s,
-                "restored_bit_exact": restored,
-                "report": handle.report.to_dict() if mode == "auto" and layout == "kohya" else None,
-            }
-    ref = outputs[("peft", "merge")]
-    scale = float(ref.abs().max())
-    results["max_abs_diff_runtime_vs_merge"] = float((outputs[("peft", "runtime")] - ref).abs().max())
-    results["max_abs_diff_kohya_vs_peft"] = float((outputs[("kohya", "merge")] - ref).abs().max())
-    results["lora_effect_max_abs"] = float((ref - base_out).abs().max())
-    results["output_scale"] = scale
-    results["total_seconds"] = time.perf_counter() - t0
-    return results
+    """The demo (`loraweave.tools.demo.run_demo`; torch and diffusers are imported only when it runs)."""
+    from ..tools.demo import run_demo as demo
+
+    return demo(out_dir)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.out:
+        res = run_demo(Path(args.out))
+    else:  # sample files live only for the run: nothing is left behind in the temp folder
+        with tempfile.TemporaryDirectory(prefix="loraweave-demo-") as tmp:
+            res = run_demo(Path(tmp))
+        res["files"] = {k: f"{v} (temporary, removed; --out DIR keeps them)" for k, v in res["files"].items()}
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    _print_runs(res)
+    _print_report(res["runs"]["kohya/auto"]["report"])
+    _print_differences(res)
+    return 0
+
+
+def _print_runs(res: dict) -> None:
+    print(
+        f"model: Z-Image transformer (diffusers ZImageTransformer2DModel, seeded), built in {res['build_seconds']:.2f}s"
+    )
+    for layout, path in res["files"].items():
+        print(f"sample LoRA ({layout} layout): {path}")
+    print()
+    print(f"{'file/mode':<16} {'apply s':>8} {'forward s':>9}  restored  summary")
+    for name, run in res["runs"].items():
+        print(
+            f"{name:<16} {run['apply_seconds']:>8.3f} {run['forward_seconds']:>9.3f}  "
+            f"{'yes' if run['restored_bit_exact'] else 'NO':<8}  {run['summary']}"
+        )
+
+
+def _print_report(report: dict) -> None:
+    print()
+    print("report (kohya file, auto):")
+    print(
+        f"  adapters: {json.dumps(report['adapters'][0]['families'])} layout={report['adapters'][0]['layout']} "
+        f"alpha_sources={report['adapters'][0]['alpha_sources']}"
+    )
+    print(f"  per component/mechanism: {report['counts']}")
+    print(
+        f"  keys applied {report['keys_applied']}/{report['keys_total']}, unmatched {len(report['unmatched'])}"
+    )
+
+
+def _print_differences(res: dict) -> None:
+    print()
+    print(
+        f"largest |runtime - merged| output difference: {res['max_abs_diff_runtime_vs_merge']:.3e} "
+        f"(output scale {res['output_scale']:.3f}, LoRA effect {res['lora_effect_max_abs']:.3e})"
+    )
+    print(f"largest |kohya fused-qkv file - PEFT file| (merged): {res['max_abs_diff_kohya_vs_peft']:.3e}")
+    print(f"total {res['total_seconds']:.2f}s")

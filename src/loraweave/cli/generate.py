@@ -15,7 +15,7 @@ def _lora_arg(text: str) -> tuple[str, float]:
     return parse_adapter_arg(text)
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..tools.generate import GenerateRequest, generate
 
     req = GenerateRequest(
@@ -68,7 +68,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_generate(sub) -> None:
+def add(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="prompt with <lora:name:w> tags -> image (stable-diffusion.cpp style)",
@@ -152,4 +152,3 @@ def add_generate(sub) -> None:
     p.add_argument(
         "--limit", type=int, default=20, help="keys not applied to list under --strict (default 20)"
     )
-    p.set_defaults(func=_cmd_generate)

@@ -27,7 +27,7 @@ def _port(text: str) -> int:
     return value
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..tools.generate import GenerateRequest, validate
@@ -68,7 +68,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
 
 
-def add_serve(sub) -> None:
+def add(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a pipeline with many adapters over HTTP (Ray Serve; pip install loraweave[serve])",
@@ -103,4 +103,3 @@ def add_serve(sub) -> None:
     p.add_argument(
         "--address", help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting one"
     )
-    p.set_defaults(func=_cmd_serve)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -191,3 +192,41 @@ def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
         return EXIT_SYSTEM, f"{type(exc).__name__}: {exc}"
     traceback.print_exception(exc, file=sys.stderr)
     return EXIT_BUG, f"internal error {type(exc).__name__}: {exc} (a bug in loraweave; please report it)"
+
+
+def lowrank_options(p: argparse.ArgumentParser, pickle: bool) -> None:
+    """The options extract and resize share: output, rank/energy, dtype, --force, --json, --limit."""
+    p.add_argument("-o", "--output", required=True, help="output .safetensors file (written atomically)")
+    p.add_argument(
+        "--rank", type=rank_arg, help="rank per layer, an integer >= 1 (the cap when --energy is also given)"
+    )
+    p.add_argument(
+        "--energy",
+        type=energy_arg,
+        help="per layer, the smallest rank keeping this share of Σσ², in (0, 1] (e.g. 0.99)",
+    )
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="factor dtype (default: the input's)")
+    p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
+    p.add_argument("--json", action="store_true", help="print per-layer ranks and energies as JSON")
+    p.add_argument("--limit", type=limit_arg, default=10, help="lowest-energy layers to list (default 10)")
+    add_common(p, pickle=pickle, empty=True)
+
+
+def print_lowrank(res, args: argparse.Namespace, verb: str) -> int:
+    """extract's and resize's output: JSON, or the rank range and the lowest-energy layers."""
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=2))
+        return 0
+    ranks = sorted({la["rank"] for la in res.layers})
+    print(
+        f"{verb} {len(res.layers)} layers into {res.output} (ranks {ranks[0] if ranks else '-'}..."
+        f"{ranks[-1] if ranks else '-'}) in {res.seconds:.2f}s"
+    )
+    if res.layers:
+        print(f"captured energy per layer: min {res.energy_min:.6f}, median {res.energy_median:.6f}")
+        worst = sorted(res.layers, key=lambda la: la["energy"])[: args.limit]
+        for la in worst:
+            print(f"  {la['energy']:.6f}  rank {la['rank']:>4}  {la['name']}")
+    for reason, n in res.skipped.items():
+        print(f"skipped {n}: {reason}")
+    return 0

@@ -74,37 +74,56 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LokrFactor
     bad = PartRejected("shape_mismatch", f"shape mismatch: LoKr factors do not pair ({shapes})")
     if any(t.numel() == 0 for t in tensors.values()):
         raise bad
-    r1 = None
+    a, c, r1 = _w1_shape(w1, bad)
+    w2, b, d, kernel, r2 = _w2_shape(w2, t2, bad)
+    rank = r1 if r1 is not None else r2
+    return LokrFactors(w1, w2, a, c, b, d * math.prod(kernel), rank, kernel or None)
+
+
+def _w1_shape(w1: tuple[torch.Tensor, ...], bad: PartRejected) -> tuple[int, int, int | None]:
+    """(a, c, rank or None) of the first Kronecker half: a full (a, c[, 1, 1]) matrix or factors (a, r) @ (r, c)."""
     if len(w1) == 1:
         if w1[0].dim() < 2 or any(k != 1 for k in w1[0].shape[2:]):
             raise bad
         a, c = w1[0].shape[:2]
-    else:
-        if w1[0].dim() != 2 or w1[1].dim() != 2 or w1[0].shape[1] != w1[1].shape[0]:
-            raise bad
-        (a, r1), c = w1[0].shape, w1[1].shape[1]
-    if t2 is not None:  # Tucker: w2[p, q, ...] = Σ t2[i, j, ...] · w2_a[i, p] · w2_b[j, q]
-        wa, wb = w2 if len(w2) == 2 else (None, None)
-        if (
-            wa is None
-            or t2.dim() < 3
-            or wa.dim() != 2
-            or wb.dim() != 2
-            or t2.shape[:2] != (wa.shape[0], wb.shape[0])
-        ):
-            raise bad
-        w2, b, d, kernel, r2 = (t2, wa, wb), wa.shape[1], wb.shape[1], tuple(t2.shape[2:]), wb.shape[0]
-    elif len(w2) == 1:
+        return a, c, None
+    if w1[0].dim() != 2 or w1[1].dim() != 2 or w1[0].shape[1] != w1[1].shape[0]:
+        raise bad
+    (a, r1), c = w1[0].shape, w1[1].shape[1]
+    return a, c, r1
+
+
+def _w2_shape(
+    w2: tuple[torch.Tensor, ...], t2: torch.Tensor | None, bad: PartRejected
+) -> tuple[tuple[torch.Tensor, ...], int, int, tuple[int, ...], int | None]:
+    """(the half's tensors, b, d, kernel, rank or None) of the second Kronecker half: Tucker (t2, w2_a, w2_b), a
+    full (b, d, *kernel) tensor, or factors (b, r) @ (r, d, *kernel)."""
+    if t2 is not None:
+        return _tucker_shape(w2, t2, bad)
+    if len(w2) == 1:
         if w2[0].dim() < 2:
             raise bad
-        b, d, kernel, r2 = w2[0].shape[0], w2[0].shape[1], tuple(w2[0].shape[2:]), None
-    else:
-        wa, wb = w2
-        if wa.dim() != 2 or wb.dim() < 2 or wa.shape[1] != wb.shape[0]:
-            raise bad
-        b, d, kernel, r2 = wa.shape[0], wb.shape[1], tuple(wb.shape[2:]), wb.shape[0]
-    rank = r1 if r1 is not None else r2
-    return LokrFactors(w1, w2, a, c, b, d * math.prod(kernel), rank, kernel or None)
+        return w2, w2[0].shape[0], w2[0].shape[1], tuple(w2[0].shape[2:]), None
+    wa, wb = w2
+    if wa.dim() != 2 or wb.dim() < 2 or wa.shape[1] != wb.shape[0]:
+        raise bad
+    return w2, wa.shape[0], wb.shape[1], tuple(wb.shape[2:]), wb.shape[0]
+
+
+def _tucker_shape(
+    w2: tuple[torch.Tensor, ...], t2: torch.Tensor, bad: PartRejected
+) -> tuple[tuple[torch.Tensor, ...], int, int, tuple[int, ...], int]:
+    """Tucker: w2[p, q, ...] = Σ t2[i, j, ...] · w2_a[i, p] · w2_b[j, q]."""
+    wa, wb = w2 if len(w2) == 2 else (None, None)
+    if (
+        wa is None
+        or t2.dim() < 3
+        or wa.dim() != 2
+        or wb.dim() != 2
+        or t2.shape[:2] != (wa.shape[0], wb.shape[0])
+    ):
+        raise bad
+    return (t2, wa, wb), wa.shape[1], wb.shape[1], tuple(t2.shape[2:]), wb.shape[0]
 
 
 def check_target(f: LokrFactors, shape: tuple[int, ...]) -> Miss | None:

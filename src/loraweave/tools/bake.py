@@ -112,32 +112,67 @@ def _tensor_plan(
     """{full tensor name: ("weight" | "bias", contributions)}; parts that cannot merge move to plan.unmatched."""
     prefix = {c.name: c.prefix for c in ckpt.components}
     tensors = {name: shard for c in ckpt.components for name, shard in c.tensors.items()}
+    groups = _module_groups(plan, spans)
+    rejected = _rejected(groups, prefix, tensors, _tensor_dtypes(ckpt))
+    _drop_rejected(plan, rejected)
+    return _work(groups, prefix, rejected)
+
+
+def _tensor_dtypes(ckpt: Checkpoint) -> dict[str, torch.dtype]:
+    """Every tensor's stored dtype, from the shards' headers (no data read)."""
     dtypes: dict[str, torch.dtype] = {}
     for shard in ckpt.files:
         header, _, _ = read_safetensors_header(shard)
         dtypes.update({k: v[0] for k, v in header.items()})
+    return dtypes
+
+
+def _module_groups(plan: Plan, spans: dict[str, dict]) -> dict[tuple[str, str], list[Contribution]]:
+    """{(component, checkpoint module name): contributions}, each piece moved onto the checkpoint's own names."""
     groups: dict[tuple[str, str], list[Contribution]] = {}
     for pp in plan.planned:
         for piece in pp.pieces:  # on a live module; original-named files: the same rows of their own tensors
             for moved in translate(piece, spans.get(pp.component, {})):
                 groups.setdefault((pp.component, moved.module), []).append((pp, moved))
+    return groups
+
+
+def _why_not_mergeable(stem: str, tensors: dict, dtypes: dict, needs_bias: bool) -> str | None:
+    """Why module `stem` (full tensor-name prefix) cannot take a merge, or None when it can."""
+    weight = f"{stem}.weight"
+    if weight not in tensors:
+        return "module has no weight tensor in the checkpoint"
+    if not isinstance(dtypes[weight], torch.dtype) or not dtypes[weight].is_floating_point:
+        return f"weight dtype {dtypes[weight]} is not floating point (quantized checkpoint)"
+    if needs_bias and f"{stem}.bias" not in tensors:
+        return "adapter carries a bias delta but the module has no bias"
+    return None
+
+
+def _rejected(
+    groups: dict[tuple[str, str], list[Contribution]], prefix: dict[str, str], tensors: dict, dtypes: dict
+) -> dict[int, Miss]:
+    """{id(planned part): why} for every part with a piece on a module that cannot take a merge."""
     rejected: dict[int, Miss] = {}
     for (comp, module), contribs in groups.items():
-        weight = f"{prefix[comp]}{module}.weight"
         needs_bias = any(bias_of(pp, pc) is not None for pp, pc in contribs)
-        why = None
-        if weight not in tensors:
-            why = "module has no weight tensor in the checkpoint"
-        elif not isinstance(dtypes[weight], torch.dtype) or not dtypes[weight].is_floating_point:
-            why = f"weight dtype {dtypes[weight]} is not floating point (quantized checkpoint)"
-        elif needs_bias and f"{prefix[comp]}{module}.bias" not in tensors:
-            why = "adapter carries a bias delta but the module has no bias"
+        why = _why_not_mergeable(f"{prefix[comp]}{module}", tensors, dtypes, needs_bias)
         for pp, _ in contribs if why else ():
             rejected.setdefault(id(pp), Miss("no_mechanism", f"cannot merge: {why} ({comp}.{module})"))
-    for pp in plan.planned:  # a part split over several modules lands everywhere or nowhere
+    return rejected
+
+
+def _drop_rejected(plan: Plan, rejected: dict[int, Miss]) -> None:
+    """A part split over several modules lands everywhere or nowhere: rejected parts' keys become unmatched."""
+    for pp in plan.planned:
         if id(pp) in rejected:
             plan.unmatched += [Unmatched(pp.adapter.name, k, rejected[id(pp)]) for k in pp.part.keys]
     plan.planned = [pp for pp in plan.planned if id(pp) not in rejected]
+
+
+def _work(
+    groups: dict[tuple[str, str], list[Contribution]], prefix: dict[str, str], rejected: dict[int, Miss]
+) -> dict[str, tuple[str, list[Contribution]]]:
     out: dict[str, tuple[str, list[Contribution]]] = {}
     for (comp, module), contribs in groups.items():
         kept = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected]
@@ -249,13 +284,8 @@ def bake(
     """Merge `adapters` [(path, strength)] into the checkpoint at `model`, writing `output` atomically.
 
     Refuses (EmptyOutputError, nothing written) when no tensor would change, unless `allow_empty`."""
-    from .. import __version__
-
     t0 = time.perf_counter()
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+    dtype = _dtype_arg(dtype)
     adapters = [(a, check_strength(s, f"strength of {a}")) for a, s in adapters]
     warn_repeated(adapters)
     ckpt = open_checkpoint(model)
@@ -265,65 +295,17 @@ def bake(
         work = _tensor_plan(ckpt, plan, spans)
     finally:
         ckpt.close()
-    result = BakeResult(out)
-    result.keys_total = sum(a.keys_total for a in plan.adapters)
-    result.keys_applied = sum(len(pp.part.keys) for pp in plan.planned)
-    result.unmatched = list(plan.unmatched)
-    if strict and result.unmatched:
-        from ..errors import StrictApplyError
-
-        raise StrictApplyError(f"strict: {len(result.unmatched)} keys would not land; nothing written", None)
-    if not work and not allow_empty:
-        raise EmptyOutputError(
-            f"no key of the adapters lands on {model} ({result.keys_applied}/{result.keys_total} "
-            f"keys; {_reasons(result.unmatched)}): the output would be an unchanged copy; nothing "
-            "written (--allow-empty writes it anyway)",
-            result,
-        )
-    for adapter, (path, strength) in zip(plan.adapters, adapters, strict=True):
-        result.adapters.append(
-            {
-                "file": Path(path).name,
-                "sha256": file_sha256(adapter.path) if adapter.path else None,
-                "strength": strength,
-                "keys_total": adapter.keys_total,
-                "keys_applied": sum(len(pp.part.keys) for pp in plan.planned if pp.adapter is adapter),
-            }
-        )
-    record = {
-        "tool": "loraweave",
-        "version": __version__,
-        "base": Path(model).name,
-        "adapters": result.adapters,
-        "dtype": str(dtype).removeprefix("torch.") if dtype else "unchanged",
-        "tensors_changed": len([k for k, (kind, _) in work.items() if kind == "weight"]),
-    }
-    extra = {"loraweave.baked": json.dumps(record, sort_keys=True)}
+    result = _planned_result(out, plan)
+    _refuse_incomplete(result, work, model, strict, allow_empty)
+    result.adapters = _adapter_records(plan, adapters)
+    extra = _provenance(model, result.adapters, dtype, work)
     total = sum(os.path.getsize(f) for f in ckpt.files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="bake", disable=not progress) as bar:
         if ckpt.kind == "file":
             with atomic_path(out) as tmp:
                 _bake_shard(ckpt.root, tmp, work, dtype, extra, bar, result)
         else:
-            shards = set(ckpt.files)
-            indexes = {c.index_file: c for c in ckpt.components if c.index_file is not None}
-            with atomic_path(out, folder=True) as tmp:
-                sizes: dict[Path, dict[str, int]] = {}
-                for src in sorted(p for p in ckpt.root.rglob("*") if p.is_file()):
-                    rel = src.relative_to(ckpt.root)
-                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                    if src in shards:
-                        written = _bake_shard(src, tmp / rel, work, dtype, extra, bar, result)
-                        sizes.setdefault(src.parent, {})[src.name] = written
-                    elif src not in indexes:
-                        shutil.copy2(src, tmp / rel)
-                for index_file in indexes:
-                    _index_with_sizes(
-                        index_file,
-                        tmp / index_file.relative_to(ckpt.root),
-                        sizes.get(index_file.parent, {}),
-                        extra,
-                    )
+            _bake_folder(ckpt, out, work, dtype, extra, bar, result)
     result.bytes_written = sum(
         p.stat().st_size for p in ([out] if out.is_file() else out.rglob("*")) if p.is_file()
     )
@@ -339,3 +321,94 @@ def bake(
         result.seconds,
     )
     return result
+
+
+def _dtype_arg(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    return dtype
+
+
+def _planned_result(out: Path, plan: Plan) -> BakeResult:
+    result = BakeResult(out)
+    result.keys_total = sum(a.keys_total for a in plan.adapters)
+    result.keys_applied = sum(len(pp.part.keys) for pp in plan.planned)
+    result.unmatched = list(plan.unmatched)
+    return result
+
+
+def _refuse_incomplete(result: BakeResult, work: dict, model, strict: bool, allow_empty: bool) -> None:
+    """StrictApplyError when some key would not land under `strict`; EmptyOutputError when nothing changes."""
+    if strict and result.unmatched:
+        from ..errors import StrictApplyError
+
+        raise StrictApplyError(f"strict: {len(result.unmatched)} keys would not land; nothing written", None)
+    if not work and not allow_empty:
+        raise EmptyOutputError(
+            f"no key of the adapters lands on {model} ({result.keys_applied}/{result.keys_total} "
+            f"keys; {_reasons(result.unmatched)}): the output would be an unchanged copy; nothing "
+            "written (--allow-empty writes it anyway)",
+            result,
+        )
+
+
+def _adapter_records(plan: Plan, adapters: list[tuple[str, float]]) -> list[dict]:
+    """Per adapter: file name, sha256, strength and keys applied (the result's and the metadata's record)."""
+    return [
+        {
+            "file": Path(path).name,
+            "sha256": file_sha256(adapter.path) if adapter.path else None,
+            "strength": strength,
+            "keys_total": adapter.keys_total,
+            "keys_applied": sum(len(pp.part.keys) for pp in plan.planned if pp.adapter is adapter),
+        }
+        for adapter, (path, strength) in zip(plan.adapters, adapters, strict=True)
+    ]
+
+
+def _provenance(model, records: list[dict], dtype: torch.dtype | None, work: dict) -> dict[str, str]:
+    """The `loraweave.baked` metadata entry every output file (and index) carries."""
+    from .. import __version__
+
+    record = {
+        "tool": "loraweave",
+        "version": __version__,
+        "base": Path(model).name,
+        "adapters": records,
+        "dtype": str(dtype).removeprefix("torch.") if dtype else "unchanged",
+        "tensors_changed": len([k for k, (kind, _) in work.items() if kind == "weight"]),
+    }
+    return {"loraweave.baked": json.dumps(record, sort_keys=True)}
+
+
+def _bake_folder(
+    ckpt: Checkpoint,
+    out: Path,
+    work: dict,
+    dtype: torch.dtype | None,
+    extra: dict[str, str],
+    bar,
+    result: BakeResult,
+) -> None:
+    """A component or pipeline folder: shards baked, indexes rewritten with the new sizes, other files copied."""
+    shards = set(ckpt.files)
+    indexes = {c.index_file: c for c in ckpt.components if c.index_file is not None}
+    with atomic_path(out, folder=True) as tmp:
+        sizes: dict[Path, dict[str, int]] = {}
+        for src in sorted(p for p in ckpt.root.rglob("*") if p.is_file()):
+            rel = src.relative_to(ckpt.root)
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            if src in shards:
+                written = _bake_shard(src, tmp / rel, work, dtype, extra, bar, result)
+                sizes.setdefault(src.parent, {})[src.name] = written
+            elif src not in indexes:
+                shutil.copy2(src, tmp / rel)
+        for index_file in indexes:
+            _index_with_sizes(
+                index_file,
+                tmp / index_file.relative_to(ckpt.root),
+                sizes.get(index_file.parent, {}),
+                extra,
+            )

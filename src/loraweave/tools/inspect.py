@@ -318,41 +318,8 @@ def inspect_adapter(
 def format_table(info: dict, limit: int = 20) -> str:
     """Readable multi-line summary of `inspect_adapter`'s dict."""
     cov = info["coverage"]
-    rows = [
-        ("file", info["path"] or info["name"]),
-        ("layout", info["layout"]),
-        ("families", ", ".join(f"{k} x{v}" for k, v in info["families"].items()) or "-"),
-        ("ranks", ", ".join(f"{k} x{v}" for k, v in info["ranks"].items()) or "-"),
-        ("alphas", ", ".join(f"{k} x{v}" for k, v in info["alphas"].items()) or info["alpha_from"]),
-        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items())),
-        ("components", ", ".join(info["components"]) or "-"),
-        ("architecture", info["architecture"]["name"]),
-    ]
-    rows += [("  evidence", e) for e in info["architecture"]["evidence"]]
-    variant = info.get("variant") or {}
-    # "no known variant" only says something for the families arch.variants lists (not SD3's or LTX-2's blocks)
-    varied = variant.get("fits") or any(info["architecture"]["name"].startswith(v.arch) for v in VARIANTS)
-    if variant.get("blocks") and varied:
-        blocks = ", ".join(f"{n} {c}" for c, n in variant["blocks"].items())
-        fits = variant["likely"] or (", ".join(variant["fits"]) if variant["fits"] else "no known variant")
-        rows.append(("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']})"))
-    rows += [(f"  {k}", v) for k, v in info["metadata"].items()]
-    if not cov.get("checked", True):
-        rows.append(
-            ("coverage", f"not checked ({cov['keys_total']} keys; drop --no-coverage to resolve them)")
-        )
-    else:
-        rows.append(
-            (
-                "coverage",
-                f"{cov['keys_applied']}/{cov['keys_total']} keys land"
-                + (f" on {cov['against']}" if cov["against"] else ""),
-            )
-        )
-    if cov.get("alpha_sources"):
-        rows.append(("  alpha from", ", ".join(f"{k} x{v}" for k, v in cov["alpha_sources"].items())))
-    for reason, n in cov.get("unmatched_by_kind", {}).items():
-        rows.append(("  unmatched", f"{n} x {reason}"))
+    rows = _file_rows(info) + _variant_rows(info) + [(f"  {k}", v) for k, v in info["metadata"].items()]
+    rows += _coverage_rows(cov)
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for u in cov["unmatched"][:limit]:
@@ -360,3 +327,48 @@ def format_table(info: dict, limit: int = 20) -> str:
     if len(cov["unmatched"]) > limit:
         lines.append(f"    ... {len(cov['unmatched']) - limit} more (--limit, or --json for all)")
     return "\n".join(lines)
+
+
+def _tally(counts: dict) -> str:
+    """{"a": 2, "b": 1} -> "a x2, b x1" ("" when empty)."""
+    return ", ".join(f"{k} x{v}" for k, v in counts.items())
+
+
+def _file_rows(info: dict) -> list[tuple[str, str]]:
+    """What the file is: layout, families, ranks, alphas, dtypes, components, architecture and its evidence."""
+    rows = [
+        ("file", info["path"] or info["name"]),
+        ("layout", info["layout"]),
+        ("families", _tally(info["families"]) or "-"),
+        ("ranks", _tally(info["ranks"]) or "-"),
+        ("alphas", _tally(info["alphas"]) or info["alpha_from"]),
+        ("dtypes", _tally(info["dtypes"])),
+        ("components", ", ".join(info["components"]) or "-"),
+        ("architecture", info["architecture"]["name"]),
+    ]
+    return rows + [("  evidence", e) for e in info["architecture"]["evidence"]]
+
+
+def _variant_rows(info: dict) -> list[tuple[str, str]]:
+    """The model variant the file's block counts fit, if the architecture has variants."""
+    variant = info.get("variant") or {}
+    # "no known variant" only says something for the families arch.variants lists (not SD3's or LTX-2's blocks)
+    varied = variant.get("fits") or any(info["architecture"]["name"].startswith(v.arch) for v in VARIANTS)
+    if not (variant.get("blocks") and varied):
+        return []
+    blocks = ", ".join(f"{n} {c}" for c, n in variant["blocks"].items())
+    fits = variant["likely"] or (", ".join(variant["fits"]) if variant["fits"] else "no known variant")
+    return [("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']})")]
+
+
+def _coverage_rows(cov: dict) -> list[tuple[str, str]]:
+    """How many keys land (or that coverage was not checked), alpha sources, unmatched keys by kind."""
+    if not cov.get("checked", True):
+        rows = [("coverage", f"not checked ({cov['keys_total']} keys; drop --no-coverage to resolve them)")]
+    else:
+        against = f" on {cov['against']}" if cov["against"] else ""
+        rows = [("coverage", f"{cov['keys_applied']}/{cov['keys_total']} keys land{against}")]
+    if cov.get("alpha_sources"):
+        rows.append(("  alpha from", _tally(cov["alpha_sources"])))
+    rows += [("  unmatched", f"{n} x {reason}") for reason, n in cov.get("unmatched_by_kind", {}).items()]
+    return rows
