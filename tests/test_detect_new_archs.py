@@ -210,7 +210,7 @@ def test_without_the_new_signature_it_is_misread(monkeypatch, files, arch, witho
 
 
 def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
-    """Negative control: without SHARED_NAMES' MMDiT owners a full Qwen-Image file is called flux (by width 3072)
+    """Negative control: without the mmdit record's owners a full Qwen-Image file is called flux (by width 3072)
     and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention)."""
     patch_records(monkeypatch, ("mmdit",), owners=())
     patch_records(monkeypatch, None, depth=None)  # which would name it by its 60 double-stream blocks
@@ -262,7 +262,7 @@ def _blocks_only(sd: dict, doubles: int | None = None, singles: int | None = Non
 
 def test_hunyuan_video_blocks_told_from_flux_by_depth(monkeypatch, files):
     """A HunyuanVideo LoRA on its blocks only has nothing but Flux's names at Flux's width: its 20th double-stream
-    and 39th-40th single-stream blocks, which Flux.1 does not have, decide. Negative control: without BY_DEPTH it
+    and 39th-40th single-stream blocks, which Flux.1 does not have, decide. Negative control: without the depth facets it
     is flux. A file that stops before block 19 / 38 cannot be told apart and stays flux (the more common)."""
     blocks = _blocks_only(_file(files, "hunyuan-video"))
     detection = detect_architecture(loraweave.load_adapter(blocks))
@@ -280,7 +280,7 @@ def test_hunyuan_video_blocks_told_from_flux_by_depth(monkeypatch, files):
 
 def test_qwen_image_attention_only_is_not_flux(monkeypatch, files):
     """A Qwen-Image LoRA on attention only (Flux's MMDiT names, width 3072) indexes 60 double-stream blocks and no
-    single-stream one: Qwen-Image. Negative control: without BY_DEPTH it was flux."""
+    single-stream one: Qwen-Image. Negative control: without the depth facets it was flux."""
     attn = {k: v for k, v in _file(files, "qwen-image").items() if ".attn." in k}
     assert detect_architecture(loraweave.load_adapter(attn)).architecture == "qwen-image"
     patch_records(monkeypatch, None, depth=None)
