@@ -87,7 +87,9 @@ def alias_tables() -> tuple:
 @contextmanager
 def registered(arch: Architecture, before: str | None = None) -> Iterator[Architecture]:
     """`arch` in the registry for the duration (before the record named `before`, else last): for tests and
-    plug-ins that add an architecture without a line here."""
+    plug-ins that add an architecture without a line here. Detection, the catalog and the block maps read the
+    registry on every call; arch.aliases reads the alias tables once at import, so a record that brings tables
+    is listed here instead."""
     if arch.name in by_name():
         raise ValueError(f"architecture {arch.name!r} is registered already")
     at = [a.name for a in ARCHITECTURES].index(before) if before else len(ARCHITECTURES)
