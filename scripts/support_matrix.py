@@ -75,153 +75,19 @@ def main() -> int:
     return 1 if bad or not cells else 0
 
 
-# Original (non-diffusers) layouts per architecture: what each table covers and which converter checks it. The
-# tables themselves live in src/loraweave/arch/; the tests named here fail when a row is wrong.
-ORIGINAL = (
-    (
-        "flux / flux-schnell / chroma",
-        "BFL/ComfyUI names, kohya, XLabs processor LoRAs, fal Kontext (base_model.model.); "
-        "a Fill-trained x_embedder (384 inputs) is expected_absent on other input widths (Kontext has no module of its own)",
-        "convert_flux_transformer_checkpoint_to_diffusers, _convert_xlabs_flux_lora_to_diffusers, _convert_fal_kontext_lora_to_diffusers",
-        "test_layouts.py, test_arch_ltx_layouts.py::test_xlabs_*, ::test_fal_kontext_*, test_arch_wan_animate_variants.py::test_fill_*",
-    ),
-    (
-        "flux2 (dev, klein)",
-        "BFL/ComfyUI names, BFL LoKr; klein 4B/9B told apart by block counts, width and linear1 rows",
-        "convert_flux2_transformer_checkpoint_to_diffusers",
-        "test_arch_dits2.py, test_arch_wan_animate_variants.py::test_*klein*",
-    ),
-    ("sd3", "original MMDiT names", "convert_sd3_transformer_checkpoint_to_diffusers", "test_arch_oracle.py"),
-    (
-        "z-image",
-        "original/ComfyUI names, fused w13 runtimes",
-        "convert_z_image_transformer_checkpoint_to_diffusers",
-        "test_arch_oracle.py",
-    ),
-    (
-        "wan 2.1 / 2.2 (+VACE)",
-        "Wan/ComfyUI names, musubi-tuner (lora_unet_), diffusion-pipe (diffusion_model.), lightx2v diff/diff_b/diff_m, VACE blocks",
-        "convert_wan_transformer_to_diffusers, _convert_musubi_wan_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffusers",
-        "test_arch_oracle.py, test_arch_ltx_layouts.py::test_*wan*, test_param_patches.py",
-    ),
-    (
-        "wan 2.2 animate",
-        "Wan names (blocks, condition embedder), face adapter (fuser_blocks, fused linear1_kv halves), face "
-        "encoder (convN.conv), motion encoder (enc.net_app.convs, enc.fc, dec.direction, (1, C, 1, 1) biases); "
-        "those keys are expected_absent on the other Wan transformers",
-        "convert_wan_transformer_to_diffusers",
-        "test_arch_wan_animate_variants.py",
-    ),
-    (
-        "wan animate 2",
-        "official names (blocks.N.block. wrapper, q/k/v/o, k_img/v_img), kohya-flattened",
-        "convert_wan_animate_2_transformer_to_diffusers",
-        "test_arch_wan_animate_variants.py::test_animate2_*",
-    ),
-    (
-        "hunyuan-video",
-        "Tencent names, ComfyUI renames, diffusion-pipe",
-        "convert_hunyuan_video_transformer_to_diffusers",
-        "test_arch_dits2.py",
-    ),
-    (
-        "krea2",
-        "krea-ai names, SimpleTuner fused to_qkv, mod.lin modulation tables",
-        "convert_krea2_transformer_checkpoint_to_diffusers",
-        "test_arch_dits2.py, test_param_patches.py",
-    ),
-    (
-        "ltx2 / ltx2.3",
-        "Lightricks names (audio tower, audio-video cross-attention, adaln_single, prompt modulation, gate logits); "
-        "text connectors (text_embedding_projection.)",
-        "_convert_non_diffusers_ltx2_lora_to_diffusers",
-        "test_arch_ltx_layouts.py::test_ltx2_*",
-    ),
-    (
-        "lumina2",
-        "Alpha-VLLM/ComfyUI names (fused GQA qkv)",
-        "convert_lumina2_to_diffusers, _convert_non_diffusers_lumina2_lora_to_diffusers",
-        "test_arch_oracle.py, test_arch_ltx_layouts.py::test_lumina2_*",
-    ),
-    (
-        "flux3",
-        "BFL names (content_mode_blocks, q/k/v_proj, attn_out, mlp_in/out), kohya-flattened",
-        "_convert_non_diffusers_flux3_lora_to_diffusers",
-        "test_arch_ltx_layouts.py::test_flux3_*",
-    ),
-    (
-        "anima (Cosmos-Predict2 + LLM adapter)",
-        "Anima/ComfyUI names (diffusion_model.; llm_adapter. -> text_conditioner "
-        "component), kohya lora_unet_ (+ llm_adapter) and lora_te_ (Qwen3), sd-scripts' text_encoder.qwen3.",
-        "_convert_non_diffusers_anima_lora_to_diffusers",
-        "test_arch_anima_sana.py::test_anima_*",
-    ),
-    (
-        "sana",
-        "NVlabs/ComfyUI names (fused qkv, kv_linear, GLU convs, scale_shift_table parameters)",
-        "convert_sana_transformer_to_diffusers (diffusers has no Sana LoRA converter)",
-        "test_arch_anima_sana.py::test_sana_*",
-    ),
-    (
-        "ernie-image",
-        "diffusers names behind diffusion_model. / base_model.model. (prefix only)",
-        "ErnieImageLoraLoaderMixin.lora_state_dict",
-        "test_arch_anima_sana.py::test_ernie_image_*",
-    ),
-    (
-        "minimax-h3",
-        "MiniMaxAI/ComfyUI names (bare, diffusion_model.), musubi-tuner (lora_unet_), DiffSynth-Studio "
-        "(.default., per-head interleaved QKV); fc1 halves swapped; .alpha, __metadata__ alpha; transformer_ref partition",
-        "_convert_non_diffusers_minimax_h3_lora_to_diffusers, MiniMaxH3LoraLoaderMixin.lora_state_dict",
-        "test_arch_minimax_ideogram_qwen21.py::test_minimax_h3_*",
-    ),
-    (
-        "ideogram4",
-        "original names (attention.qkv/o) behind diffusion_model./conditional_transformer./none, kohya "
-        "lora_down/up + alpha",
-        "_convert_non_diffusers_ideogram4_lora_to_diffusers",
-        "test_arch_minimax_ideogram_qwen21.py::test_ideogram4_*",
-    ),
-    (
-        "qwen-image 2.1",
-        "ComfyUI names (fused img_mlp.gate_up), DiffSynth default. names",
-        "convert_qwen_image21_transformer_checkpoint_to_diffusers (on lora_B)",
-        "test_arch_minimax_ideogram_qwen21.py::test_qwen21_*",
-    ),
-    (
-        "hidream, ltx-video",
-        "diffusers names behind diffusion_model. (prefix only)",
-        "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers",
-        "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size",
-    ),
-    (
-        "any diffusers model",
-        "diffusers/PEFT (incl. .default / .default_0 adapter names, ComfyUI <module>.weight.lora_B.default), "
-        "kohya-flattened, LyCORIS",
-        "PEFT load_lora_adapter",
-        "test_support_matrix.py, test_arch_ltx_layouts.py::test_peft_adapter_names",
-    ),
+# Rows that are no architecture of the registry; each architecture's own row is its record's `layouts` /
+# `not_mapped` facet (src/loraweave/arch/<x>.py), listed in registry order. The tests named there fail when a row
+# is wrong.
+ANY_DIFFUSERS = (
+    "any diffusers model",
+    "diffusers/PEFT (incl. .default / .default_0 adapter names, ComfyUI <module>.weight.lora_B.default), "
+    "kohya-flattened, LyCORIS",
+    "PEFT load_lora_adapter",
+    "test_support_matrix.py, test_arch_ltx_layouts.py::test_peft_adapter_names",
 )
-# Original layouts not mapped yet: their keys resolve only where they already use diffusers module names.
-NOT_MAPPED = (
-    (
-        "HunyuanVideo 1.5, HunyuanImage 2.1",
-        "no converter in diffusers 0.42.1's loaders (single_file_utils and "
-        "lora_conversion_utils have none; their pipelines have no LoRA loader). diffusers' repo scripts "
-        "convert_hunyuan_video1_5_to_diffusers.py / convert_hunyuanimage_to_diffusers.py name the original checkpoint "
-        "keys but are not installed, so there is no oracle here: no table. diffusers/PEFT and kohya-flattened names "
-        "resolve 100 % on the full-size models (test_arch_wan_animate_variants.py::test_diffusers_names_*)",
-    ),
-    (
-        "Kandinsky 5",
-        "no converter: the diffusers port keeps the original module names (text_modulation, "
-        "self_attention, visual_embeddings, ...) and KandinskyLoraLoaderMixin converts nothing; diffusers/PEFT and "
-        "kohya-flattened names resolve 100 % on the full-size (Lite) model (test_arch_wan_animate_variants.py)",
-    ),
-    (
-        "Wan Stand-In",
-        "parsed and resolved, refused with its reason: token-selective (reference tokens of its own pipeline)",
-    ),
+STAND_IN = (
+    "Wan Stand-In",
+    "parsed and resolved, refused with its reason: token-selective (reference tokens of its own pipeline)",
 )
 
 
@@ -233,9 +99,15 @@ def original_layouts() -> list[str]:
         "| architecture | layouts | checked against (diffusers) | tests |",
         "|---|---|---|---|",
     ]
-    lines += [f"| {a} | {lay} | {o} | {t} |" for a, lay, o, t in ORIGINAL]
+    from loraweave.arch import registry
+
+    rows = [
+        (r.heading, r.layouts, r.checked_against, r.tests) for a in registry.ARCHITECTURES if (r := a.layouts)
+    ]
+    lines += [f"| {a} | {lay} | {o} | {t} |" for a, lay, o, t in (*rows, ANY_DIFFUSERS)]
     lines += ["", "## Not mapped", "", "| architecture | state |", "|---|---|"]
-    lines += [f"| {a} | {why} |" for a, why in NOT_MAPPED]
+    unmapped = [a.not_mapped for a in registry.ARCHITECTURES if a.not_mapped]
+    lines += [f"| {a} | {why} |" for a, why in (*unmapped, STAND_IN)]
     return lines
 
 

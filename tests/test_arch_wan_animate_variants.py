@@ -367,8 +367,8 @@ def test_without_the_animate_only_table_they_are_plain_misses(monkeypatch):
 
 def test_detection_names_wan_animate_and_the_catalog_builds_it():
     from loraweave.arch.catalog import build_meta
+    from loraweave.arch.detect import detect_architecture
     from loraweave.formats.adapter import load_adapter
-    from loraweave.formats.detect import detect_architecture
 
     model = build_meta("wan-animate")["transformer"]
     assert type(model).__name__ == "WanAnimateTransformer3DModel" and len(model.blocks) == 40

@@ -10,12 +10,12 @@ import torch
 
 from loraweave.arch.blocks import (
     LBW_PRESETS_17,
-    UNET_ARCHS,
     block_slots,
     block_weights,
     chain_lengths,
     detect_block_arch,
     slot_names,
+    unet_layout,
 )
 
 
@@ -170,7 +170,7 @@ def test_text_encoder_paths_are_left_to_the_caller():
 
 
 def test_unet_presets_restricted_to_17_equal_published_lbw_vectors():
-    short = UNET_ARCHS["sd1"][1]
+    short = unet_layout("sd1")
     for name, vector in LBW_PRESETS_17.items():
         got = block_weights("sd1", name)
         assert len(got) == 26

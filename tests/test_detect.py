@@ -9,8 +9,8 @@ import torch
 from conftest import REALDATA
 
 import loraweave
+from loraweave.arch.detect import detect_architecture
 from loraweave.cli import main
-from loraweave.formats.detect import detect_architecture
 
 FILES = {
     "Haseebae__Synthetic_dataset_generator_with_stable_diffusion__pytorch_lora_weights.safetensors": "sd1",

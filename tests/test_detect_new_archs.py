@@ -8,18 +8,20 @@ and without the new signatures the names are misdetected.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from helpers.registry import patch_records
 from test_arch_anima_sana import ANIMA_DIT, _anima, anima_file, sana_original
 from test_arch_ltx_layouts import LTX2_FULL, linears, lora_file, ltx2_original, lumina2_lora_names
 from test_arch_minimax_ideogram_qwen21 import h3_lora_names, ideogram4_lora_names, qwen21_lora_names
 
 import loraweave
+from loraweave.arch import registry
 from loraweave.arch.catalog import CATALOG
-from loraweave.formats import detect
-from loraweave.formats.detect import detect_architecture
+from loraweave.arch.detect import detect_architecture
 from loraweave.tools.inspect import format_table, inspect_adapter
 
 
@@ -202,18 +204,16 @@ def test_ideogram4_shared_names_alone_by_width(files):
 )
 def test_without_the_new_signature_it_is_misread(monkeypatch, files, arch, without, misread):
     """Negative control: dropping the architecture's signature (and the width rule) gives the old (wrong) answer."""
-    monkeypatch.setattr(detect, "SIGNATURES", tuple(s for s in detect.SIGNATURES if s[0] not in without))
-    monkeypatch.setattr(detect, "BY_WIDTH", {})
+    patch_records(monkeypatch, without, signature=None)
+    patch_records(monkeypatch, ("z-image", "cross-dit"), widths=None)  # the fold's width rules
     assert detect_architecture(loraweave.load_adapter(_file(files, arch))).architecture == misread
 
 
 def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
-    """Negative control: without SHARED_NAMES' MMDiT owners a full Qwen-Image file is called flux (by width 3072)
+    """Negative control: without the mmdit record's owners a full Qwen-Image file is called flux (by width 3072)
     and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention)."""
-    monkeypatch.setattr(
-        detect, "SHARED_NAMES", {k: v for k, v in detect.SHARED_NAMES.items() if k != "mmdit"}
-    )
-    monkeypatch.setattr(detect, "BY_DEPTH", {})  # which would name it by its 60 double-stream blocks
+    patch_records(monkeypatch, ("mmdit",), owners=())
+    patch_records(monkeypatch, None, depth=None)  # which would name it by its 60 double-stream blocks
     assert detect_architecture(loraweave.load_adapter(_file(files, "qwen-image"))).architecture == "flux"
     assert "sd3" in detect_architecture(loraweave.load_adapter(_file(files, "ltx2"))).scores
 
@@ -262,7 +262,7 @@ def _blocks_only(sd: dict, doubles: int | None = None, singles: int | None = Non
 
 def test_hunyuan_video_blocks_told_from_flux_by_depth(monkeypatch, files):
     """A HunyuanVideo LoRA on its blocks only has nothing but Flux's names at Flux's width: its 20th double-stream
-    and 39th-40th single-stream blocks, which Flux.1 does not have, decide. Negative control: without BY_DEPTH it
+    and 39th-40th single-stream blocks, which Flux.1 does not have, decide. Negative control: without the depth facets it
     is flux. A file that stops before block 19 / 38 cannot be told apart and stays flux (the more common)."""
     blocks = _blocks_only(_file(files, "hunyuan-video"))
     detection = detect_architecture(loraweave.load_adapter(blocks))
@@ -274,16 +274,16 @@ def test_hunyuan_video_blocks_told_from_flux_by_depth(monkeypatch, files):
     assert detect_architecture(loraweave.load_adapter(singles_only)).architecture == "hunyuan-video"
     shallow = _blocks_only(_file(files, "hunyuan-video"), doubles=19, singles=38)
     assert detect_architecture(loraweave.load_adapter(shallow)).architecture == "flux"
-    monkeypatch.setattr(detect, "BY_DEPTH", {})
+    patch_records(monkeypatch, None, depth=None)
     assert detect_architecture(loraweave.load_adapter(blocks)).architecture == "flux"
 
 
 def test_qwen_image_attention_only_is_not_flux(monkeypatch, files):
     """A Qwen-Image LoRA on attention only (Flux's MMDiT names, width 3072) indexes 60 double-stream blocks and no
-    single-stream one: Qwen-Image. Negative control: without BY_DEPTH it was flux."""
+    single-stream one: Qwen-Image. Negative control: without the depth facets it was flux."""
     attn = {k: v for k, v in _file(files, "qwen-image").items() if ".attn." in k}
     assert detect_architecture(loraweave.load_adapter(attn)).architecture == "qwen-image"
-    monkeypatch.setattr(detect, "BY_DEPTH", {})
+    patch_records(monkeypatch, None, depth=None)
     assert detect_architecture(loraweave.load_adapter(attn)).architecture == "flux"
 
 
@@ -349,11 +349,7 @@ def test_sd35_dual_attention_is_still_sd3():
 
 def test_negative_control_without_the_cross_dit_rule_they_read_as_sd3(monkeypatch):
     """Without the cross-dit signature (and Sana's diffusers ff names) these files are sd3, as they were."""
-    monkeypatch.setattr(
-        detect,
-        "SIGNATURES",
-        tuple(s for s in detect.SIGNATURES if s[0] != "cross-dit" and "ff_conv" not in s[1]),
-    )
+    patch_records(monkeypatch, ("cross-dit", "sana"), signature=None)
     for sd in (_ltx2_video_only("transformer."), *(_diffusers_names(c) for c in CROSS_DITS.values())):
         assert detect_architecture(loraweave.load_adapter(sd)).architecture == "sd3"
     # attn2 without attn1 is still SD3.5's dual attention (the rule the cross-dit names now bypass)
@@ -371,7 +367,8 @@ def test_cosmos_diffusers_names_are_a_cross_dit_not_ltx_video():
     )
     assert detect_architecture(loraweave.load_adapter(sd)).architecture == "cross-dit"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(detect, "SAME_WIDTH", {})
+        cross_dit = registry.by_name()["cross-dit"]
+        patch_records(mp, ("cross-dit",), widths=dataclasses.replace(cross_dit.widths, same_width=None))
         assert detect_architecture(loraweave.load_adapter(sd)).architecture == "ltx-video"
 
 

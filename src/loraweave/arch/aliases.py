@@ -5,19 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.keys import underscore_form
-from .anima import ANIMA
-from .flux import CHROMA, FLUX
-from .flux2 import FLUX2
-from .flux3 import FLUX3
-from .hunyuan_video import HUNYUAN_VIDEO
-from .ideogram4 import IDEOGRAM4
-from .krea2 import KREA2
-from .ltx import LTX2, LTX2_CONNECTORS
-from .lumina2 import LUMINA2
-from .minimax_h3 import MINIMAX_H3
-from .qwenimage21 import QWENIMAGE21
-from .sana import SANA
-from .sd3 import SD3
+from .registry import alias_tables
 from .spec import (
     ArchTable,
     Piece,
@@ -28,32 +16,9 @@ from .spec import (
     module_shape,
     out_rows,
 )
-from .wan import WAN
-from .wan_animate import WAN_ANIMATE, WAN_ANIMATE_2, WAN_ANIMATE_ONLY
-from .zimage import ZIMAGE
 
-ARCH_TABLES: tuple[ArchTable, ...] = (
-    FLUX,
-    CHROMA,
-    FLUX2,
-    ZIMAGE,
-    SD3,
-    WAN,
-    HUNYUAN_VIDEO,
-    KREA2,
-    LTX2,
-    LTX2_CONNECTORS,
-    LUMINA2,
-    FLUX3,
-    ANIMA,
-    SANA,
-    MINIMAX_H3,
-    IDEOGRAM4,
-    QWENIMAGE21,
-    WAN_ANIMATE,
-    WAN_ANIMATE_2,
-    WAN_ANIMATE_ONLY,
-)
+# Read once at import (tests swap this tuple); the registry is where each table is listed.
+ARCH_TABLES: tuple[ArchTable, ...] = alias_tables()
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {

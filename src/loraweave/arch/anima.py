@@ -9,6 +9,8 @@ the Qwen3 text encoder under `lora_te_` with Qwen3Model's own module names.
 
 from __future__ import annotations
 
+from .encoders import QWEN3_06B
+from .record import Architecture, Layouts, Skeleton
 from .spec import ArchTable
 
 ANIMA = ArchTable(
@@ -39,5 +41,35 @@ ANIMA = ArchTable(
         ("t_embedder.1", "time_embed.t_embedder"),
         ("t_embedding_norm", "time_embed.norm"),
         ("x_embedder.proj.1", "patch_embed.proj"),
+    ),
+)
+
+# Cosmos-Predict2-2B, the DiT Anima reuses (hidden 2048, 28 blocks, 1024-wide text embeddings, no learnable pos).
+_ANIMA_DIT = dict(
+    num_attention_heads=16,
+    attention_head_dim=128,
+    num_layers=28,
+    text_embed_dim=1024,
+    rope_scale=[1.0, 4.0, 4.0],
+    extra_pos_embed_type=None,
+)
+ANIMA_ARCH = Architecture(
+    "anima",
+    (ANIMA,),
+    signature=r"^blocks_\d+_(self_attn|cross_attn)_[qkvo]_proj|^blocks_\d+_mlp_layer",
+    skeleton=Skeleton(
+        "transformer",
+        "CosmosTransformer3DModel",
+        _ANIMA_DIT,
+        {"text_encoder": QWEN3_06B},
+        "Cosmos-Predict2-2B DiT config (Anima's), AnimaTextConditioner defaults, Qwen3-0.6B encoder",
+        {"text_conditioner": ("AnimaTextConditioner", {})},
+    ),
+    layouts=Layouts(
+        "anima (Cosmos-Predict2 + LLM adapter)",
+        "Anima/ComfyUI names (diffusion_model.; llm_adapter. -> text_conditioner "
+        "component), kohya lora_unet_ (+ llm_adapter) and lora_te_ (Qwen3), sd-scripts' text_encoder.qwen3.",
+        "_convert_non_diffusers_anima_lora_to_diffusers",
+        "test_arch_anima_sana.py::test_anima_*",
     ),
 )

@@ -17,64 +17,35 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-# --- UNet tables ---------------------------------------------------------------------------------------
+from . import registry
 
-# (number of down blocks = up blocks, LBW short layout) per UNet arch; every supported UNet has 2 layers per
-# down block (3 per up block), so input index = 1 + 3·block + layer and output index = 3·block + layer.
-UNET_ARCHS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "sd1": (
-        4,
-        (
-            "BASE",
-            "IN01",
-            "IN02",
-            "IN04",
-            "IN05",
-            "IN07",
-            "IN08",
-            "M00",
-            "OUT03",
-            "OUT04",
-            "OUT05",
-            "OUT06",
-            "OUT07",
-            "OUT08",
-            "OUT09",
-            "OUT10",
-            "OUT11",
-        ),
-    ),
-    "sdxl": (
-        3,
-        ("BASE", "IN04", "IN05", "IN07", "IN08", "M00", "OUT00", "OUT01", "OUT02", "OUT03", "OUT04", "OUT05"),
-    ),
-}
+# The tables are each architecture's `blocks` facet (arch/record.BlockMap), read from the registry on each call.
 
-# Preset groups per UNet slot: the last shallow input / first shallow output index per arch. A downsampler
-# belongs with the block before it (SD1 IN03 shallow, IN06 deep; SDXL IN06 shallow).
-_UNET_SPLITS: dict[str, tuple[int, int]] = {"sd1": (4, 7), "sdxl": (6, 3)}
 
-# --- DiT tables ----------------------------------------------------------------------------------------
+def _unet_archs() -> dict[str, tuple[int, tuple[str, ...], tuple[int, int]]]:
+    """Block arch -> (down blocks = up blocks, LBW short layout, preset splits), for UNets. Every supported UNet
+    has 2 layers per down block (3 per up block), so input index = 1 + 3·block + layer, output = 3·block + layer."""
+    return {a.blocks.key: a.blocks.unet for a in registry.ARCHITECTURES if a.blocks and a.blocks.unet}
 
-# arch -> ((slot prefix, module chain, default length), ...) in execution order.
-DIT_ARCHS: dict[str, tuple[tuple[str, str, int], ...]] = {
-    "flux": (("D", "transformer_blocks", 19), ("S", "single_transformer_blocks", 38)),
-    "chroma": (("D", "transformer_blocks", 19), ("S", "single_transformer_blocks", 38)),
-    "zimage": (("J", "layers", 30),),
-    "sd3": (("B", "transformer_blocks", 24),),
-    "wan": (("B", "blocks", 30),),
-    "qwen_image": (("B", "transformer_blocks", 60),),
-}
 
-# diffusers class name -> block arch (UNet2DConditionModel is told apart by its config).
-_CLASS_ARCH = {
-    "FluxTransformer2DModel": "flux",
-    "ChromaTransformer2DModel": "chroma",
-    "ZImageTransformer2DModel": "zimage",
-    "SD3Transformer2DModel": "sd3",
-    "WanTransformer3DModel": "wan",
-    "QwenImageTransformer2DModel": "qwen_image",
-}
+def _dit_archs() -> dict[str, tuple[tuple[str, str, int], ...]]:
+    """Block arch -> ((slot prefix, module chain, default length), ...) in execution order, for DiTs."""
+    return {a.blocks.key: a.blocks.chains for a in registry.ARCHITECTURES if a.blocks and a.blocks.chains}
+
+
+def _class_arch() -> dict[str, str]:
+    """diffusers class name -> block arch, for DiTs (UNet2DConditionModel is told apart by its config)."""
+    return {
+        a.skeleton.cls: a.blocks.key
+        for a in registry.ARCHITECTURES
+        if a.blocks and a.blocks.chains and a.skeleton
+    }
+
+
+def unet_layout(arch: str) -> tuple[str, ...]:
+    """The A1111 LBW short layout of a UNet block arch."""
+    return _unet_archs()[arch][1]
+
 
 # The published LBW presets over the 17-slot SD1 layout (sd-webui-lora-block-weight defaults).
 LBW_PRESETS_17: dict[str, tuple[float, ...]] = {
@@ -112,12 +83,13 @@ _UNET_OUT = re.compile(r"^up_blocks\.(\d+)\.(resnets|attentions|upsamplers)\.(\d
 
 
 def _check_arch(arch: str) -> None:
-    if arch not in UNET_ARCHS and arch not in DIT_ARCHS:
-        raise ValueError(f"unknown block arch {arch!r}; known: {', '.join([*UNET_ARCHS, *DIT_ARCHS])}")
+    unets, dits = _unet_archs(), _dit_archs()
+    if arch not in unets and arch not in dits:
+        raise ValueError(f"unknown block arch {arch!r}; known: {', '.join([*unets, *dits])}")
 
 
 def _chain_lengths(arch: str, chains: Mapping[str, int] | None) -> list[tuple[str, str, int]]:
-    table = DIT_ARCHS[arch]
+    table = _dit_archs()[arch]
     if chains is None:
         return list(table)
     unknown = set(chains) - {name for _, name, _ in table}
@@ -133,8 +105,8 @@ def _fmt(prefix: str, index: int, length: int) -> str:
 def slot_names(arch: str, chains: Mapping[str, int] | None = None) -> list[str]:
     """Every slot of `arch` in order, BASE first; DiT chain lengths default to the reference model's."""
     _check_arch(arch)
-    if arch in UNET_ARCHS:
-        n = 3 * UNET_ARCHS[arch][0]
+    if arch in _unet_archs():
+        n = 3 * _unet_archs()[arch][0]
         return ["BASE", *(f"IN{i:02d}" for i in range(n)), "M00", *(f"OUT{i:02d}" for i in range(n))]
     out = ["BASE"]
     for prefix, _, length in _chain_lengths(arch, chains):
@@ -145,12 +117,13 @@ def slot_names(arch: str, chains: Mapping[str, int] | None = None) -> list[str]:
 def chain_lengths(arch: str, module_paths: Iterable[str]) -> dict[str, int]:
     """Length of each DiT layer chain seen in `module_paths` (highest block index + 1); {} for UNets."""
     _check_arch(arch)
-    if arch in UNET_ARCHS:
+    if arch in _unet_archs():
         return {}
     out: dict[str, int] = {}
+    chains = _dit_archs()[arch]
     for path in module_paths:
         path = _strip_component(path)
-        for _, name, _ in DIT_ARCHS[arch]:
+        for _, name, _ in chains:
             m = re.match(rf"^{re.escape(name)}\.(\d+)(\.|$)", path)
             if m:
                 out[name] = max(out.get(name, 0), int(m.group(1)) + 1)
@@ -165,7 +138,7 @@ def _strip_component(path: str) -> str:
 
 
 def _unet_slot(arch: str, path: str) -> str:
-    n_blocks = UNET_ARCHS[arch][0]
+    n_blocks = _unet_archs()[arch][0]
     if path == "conv_in" or path.startswith("conv_in."):
         return "IN00"
     if path.startswith("mid_block.") or path == "mid_block":
@@ -193,19 +166,20 @@ def block_slots(arch: str, module_paths: Iterable[str]) -> dict[str, str | None]
     Text-encoder paths map to None: the caller weights them as a component. Denoiser layers outside every
     block (embedders, final norms/projections) map to BASE."""
     _check_arch(arch)
+    unet, chains = arch in _unet_archs(), _dit_archs().get(arch, ())
     paths = list(module_paths)
     out: dict[str, str | None] = {}
-    lengths = chain_lengths(arch, paths) if arch in DIT_ARCHS else {}
+    lengths = chain_lengths(arch, paths) if chains else {}
     for path in paths:
         if _TEXT_ENCODER.match(path):
             out[path] = None
             continue
         bare = _strip_component(path)
-        if arch in UNET_ARCHS:
+        if unet:
             out[path] = _unet_slot(arch, bare)
             continue
         out[path] = "BASE"
-        for prefix, name, _ in DIT_ARCHS[arch]:
+        for prefix, name, _ in chains:
             m = re.match(rf"^{re.escape(name)}\.(\d+)(\.|$)", bare)
             if m:
                 out[path] = _fmt(prefix, int(m.group(1)), lengths[name])
@@ -214,7 +188,7 @@ def block_slots(arch: str, module_paths: Iterable[str]) -> dict[str, str | None]
 
 
 def _unet_group(arch: str, slot: str) -> str:
-    last_shallow_in, first_shallow_out = _UNET_SPLITS[arch]
+    last_shallow_in, first_shallow_out = _unet_archs()[arch][2]
     if slot == "BASE":
         return "base"
     if slot == "M00":
@@ -226,12 +200,12 @@ def _unet_group(arch: str, slot: str) -> str:
 
 def _preset(arch: str, name: str, slots: list[str]) -> dict[str, float]:
     if name in _CHAIN_PRESETS:
-        if len(DIT_ARCHS.get(arch, ())) != 2:
+        if len(_dit_archs().get(arch, ())) != 2:
             raise ValueError(f"preset {name} mutes a chain of a double/single-stream DiT; {arch} has none")
         keep = _CHAIN_PRESETS[name]
         return {s: 1.0 if s == "BASE" or s.startswith(keep) else 0.0 for s in slots}
     level = 0.5 if name == "ALL0.5" else 1.0
-    if arch in UNET_ARCHS:
+    if arch in _unet_archs():
         groups = _PRESET_GROUPS[name]
         return {s: level if _unet_group(arch, s) in groups else 0.0 for s in slots}
     return _stretch(LBW_PRESETS_17[name], slots)
@@ -258,13 +232,13 @@ def _numbers(values: Sequence[Any], what: str) -> list[float]:
 def _fits(arch: str, slots: list[str]) -> str:
     n = len(slots)
     forms = [f"a number; a list of {n} values (BASE first) or {n - 1} (BASE = 1)"]
-    if arch in UNET_ARCHS:
+    if arch in _unet_archs():
         forms.append(
-            f"the A1111 LBW {len(UNET_ARCHS[arch][1])}-value layout ({', '.join(UNET_ARCHS[arch][1])})"
+            f"the A1111 LBW {len(_unet_archs()[arch][1])}-value layout ({', '.join(_unet_archs()[arch][1])})"
         )
     else:
         forms.append("a 17-value A1111 LBW vector (stretched over the blocks)")
-    presets = list(LBW_PRESETS_17) + (list(_CHAIN_PRESETS) if len(DIT_ARCHS.get(arch, ())) == 2 else [])
+    presets = list(LBW_PRESETS_17) + (list(_CHAIN_PRESETS) if len(_dit_archs().get(arch, ())) == 2 else [])
     forms.append(f"a preset ({', '.join(presets)})")
     forms.append(f"a dict of slot names ({slots[0]}, {slots[1]}, ..., {slots[-1]}; missing slots = 1)")
     return "; ".join(forms)
@@ -278,8 +252,8 @@ def block_weights(
     `chains` gives DiT chain lengths (see `chain_lengths`); for one-chain DiTs `n_slots` may give it instead.
     A value that fits no accepted form raises ValueError listing the forms that would fit."""
     _check_arch(arch)
-    if n_slots is not None and chains is None and arch in DIT_ARCHS and len(DIT_ARCHS[arch]) == 1:
-        chains = {DIT_ARCHS[arch][0][1]: int(n_slots) - 1}
+    if n_slots is not None and chains is None and arch in _dit_archs() and len(_dit_archs()[arch]) == 1:
+        chains = {_dit_archs()[arch][0][1]: int(n_slots) - 1}
     slots = slot_names(arch, chains)
     if n_slots is not None and n_slots != len(slots):
         raise ValueError(f"{arch} has {len(slots)} block slots here, n_slots={n_slots} given")
@@ -310,10 +284,10 @@ def block_weights(
             return dict(zip(slots, values, strict=True))
         if len(values) == len(slots) - 1:
             return {"BASE": 1.0, **dict(zip(slots[1:], values, strict=True))}
-        if arch in UNET_ARCHS and len(values) == len(UNET_ARCHS[arch][1]):
-            short = dict(zip(UNET_ARCHS[arch][1], values, strict=True))
+        if arch in _unet_archs() and len(values) == len(_unet_archs()[arch][1]):
+            short = dict(zip(_unet_archs()[arch][1], values, strict=True))
             return {s: short.get(s, 1.0) for s in slots}
-        if arch in DIT_ARCHS and len(values) == 17:
+        if arch in _dit_archs() and len(values) == 17:
             return _stretch(values, slots)
         raise ValueError(
             f"block weights for {arch}: {len(values)} values fit no layout; accepted: {_fits(arch, slots)}"
@@ -349,17 +323,17 @@ def detect_block_arch(model: Any) -> str:
             model = inner
             break
     name = type(model).__name__
-    if name in _CLASS_ARCH:
-        return _CLASS_ARCH[name]
+    if name in _class_arch():
+        return _class_arch()[name]
     if name == "UNet2DConditionModel":
         cfg = model.config
         layers = cfg.layers_per_block
         if any(v != 2 for v in (layers if isinstance(layers, (list, tuple)) else [layers])):
             raise ValueError(f"UNet with layers_per_block={layers}: block slots are defined for 2 only")
         n_down = len(cfg.down_block_types)
-        for arch, (blocks, _) in UNET_ARCHS.items():
+        for arch, (blocks, _, _) in _unet_archs().items():
             if blocks == n_down and len(cfg.up_block_types) == blocks:
                 return arch
         raise ValueError(f"UNet with {n_down} down blocks has no block-slot layout (SD1/SD2: 4, SDXL: 3)")
-    known = ", ".join(["UNet2DConditionModel", *_CLASS_ARCH])
+    known = ", ".join(["UNet2DConditionModel", *_class_arch()])
     raise ValueError(f"no block-slot table for {name}; known: {known}")

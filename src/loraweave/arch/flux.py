@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .encoders import CLIP_L, T5_XXL
+from .record import Architecture, BlockMap, Layouts, Skeleton
 from .spec import Alias, ArchTable, Rows, VariantInput, VariantOnly
 
 _D = "transformer_blocks.{i}"
@@ -97,4 +99,77 @@ CHROMA = ArchTable(
             "distilled_guidance_layer.layers.{i}.out_layer", ("distilled_guidance_layer.layers.{i}.linear_2",)
         ),
     ),
+)
+
+_FLUX = dict(
+    attention_head_dim=128,
+    guidance_embeds=True,
+    in_channels=64,
+    joint_attention_dim=4096,
+    num_attention_heads=24,
+    num_layers=19,
+    num_single_layers=38,
+    patch_size=1,
+    pooled_projection_dim=768,
+)
+_FLUX_CHAINS = (("D", "transformer_blocks", 19), ("S", "single_transformer_blocks", 38))
+
+# BFL names, and diffusers' single-block names (its double-stream names are the MMDiT family's). Flux.1 (and
+# Chroma) have 19 double / 38 single blocks; HunyuanVideo and Qwen-Image share the names deeper (their depth).
+FLUX_ARCH = Architecture(
+    "flux",
+    (FLUX,),
+    signature=r"^double_blocks_\d+_(img|txt)_|^single_blocks_\d+_linear[12]|^single_transformer_blocks_\d+_",
+    owners=("hunyuan-video", "hunyuan-image-2.1"),  # diffusers single-block names; else by MMDiT width
+    depth=("flux", {"double": 19, "single": 38}),
+    skeleton=Skeleton(
+        "transformer",
+        "FluxTransformer2DModel",
+        _FLUX,
+        {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
+        "flux1-dev transformer config",
+    ),
+    cli_names=("flux1", "flux-dev"),
+    blocks=BlockMap("flux", _FLUX_CHAINS),
+    layouts=Layouts(
+        "flux / flux-schnell / chroma",
+        "BFL/ComfyUI names, kohya, XLabs processor LoRAs, fal Kontext (base_model.model.); "
+        "a Fill-trained x_embedder (384 inputs) is expected_absent on other input widths (Kontext has no module of its own)",
+        "convert_flux_transformer_checkpoint_to_diffusers, _convert_xlabs_flux_lora_to_diffusers, _convert_fal_kontext_lora_to_diffusers",
+        "test_layouts.py, test_arch_ltx_layouts.py::test_xlabs_*, ::test_fal_kontext_*, test_arch_wan_animate_variants.py::test_fill_*",
+    ),
+)
+FLUX_SCHNELL = Architecture(
+    "flux-schnell",
+    skeleton=Skeleton(
+        "transformer",
+        "FluxTransformer2DModel",
+        {**_FLUX, "guidance_embeds": False},
+        {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
+        "flux1-schnell transformer config",
+    ),
+)
+CHROMA_ARCH = Architecture(
+    "chroma",
+    (CHROMA,),
+    signature=r"^distilled_guidance_layer",
+    skeleton=Skeleton(
+        "transformer",
+        "ChromaTransformer2DModel",
+        dict(
+            approximator_hidden_dim=5120,
+            approximator_layers=5,
+            attention_head_dim=128,
+            axes_dims_rope=[16, 56, 56],
+            in_channels=64,
+            joint_attention_dim=4096,
+            num_attention_heads=24,
+            num_layers=19,
+            num_single_layers=38,
+            patch_size=1,
+        ),
+        {"text_encoder": T5_XXL},
+        "chroma transformer config",
+    ),
+    blocks=BlockMap("chroma", _FLUX_CHAINS),
 )

@@ -8,6 +8,7 @@ Modulation is global (`double_stream_modulation_img/txt`, `single_stream_modulat
 
 from __future__ import annotations
 
+from .record import Architecture, Layouts, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 _D = "transformer_blocks.{i}"
@@ -60,5 +61,50 @@ FLUX2 = ArchTable(
             "final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))
         ),
         Alias("final_layer.linear", ("proj_out",)),
+    ),
+)
+
+FLUX2_ARCH = Architecture(
+    "flux2",
+    (FLUX2,),
+    signature=r"double_stream_modulation|single_stream_modulation|to_qkv_mlp_proj",
+    skeleton=Skeleton("transformer", "Flux2Transformer2DModel", {}, {}, "Flux2Transformer2DModel defaults"),
+    layouts=Layouts(
+        "flux2 (dev, klein)",
+        "BFL/ComfyUI names, BFL LoKr; klein 4B/9B told apart by block counts, width and linear1 rows",
+        "convert_flux2_transformer_checkpoint_to_diffusers",
+        "test_arch_dits2.py, test_arch_wan_animate_variants.py::test_*klein*",
+    ),
+)
+FLUX2_KLEIN_4B = Architecture(
+    "flux2-klein-4b",
+    skeleton=Skeleton(
+        "transformer",
+        "Flux2Transformer2DModel",
+        dict(
+            num_layers=5,
+            num_single_layers=20,
+            num_attention_heads=24,
+            joint_attention_dim=7680,
+            guidance_embeds=False,
+        ),
+        {},
+        "FLUX.2-klein-4B transformer config",
+    ),
+)
+FLUX2_KLEIN_9B = Architecture(
+    "flux2-klein-9b",
+    skeleton=Skeleton(
+        "transformer",
+        "Flux2Transformer2DModel",
+        dict(
+            num_layers=8,
+            num_single_layers=24,
+            num_attention_heads=32,
+            joint_attention_dim=12288,
+            guidance_embeds=False,
+        ),
+        {},
+        "FLUX.2-klein-9B transformer config",
     ),
 )

@@ -7,6 +7,7 @@ Source: diffusers `_convert_non_diffusers_flux3_lora_to_diffusers` (renames only
 
 from __future__ import annotations
 
+from .record import Architecture, Layouts
 from .spec import ArchTable
 
 FLUX3 = ArchTable(
@@ -22,5 +23,16 @@ FLUX3 = ArchTable(
         (".attn_out.", ".attn.to_out.0."),
         (".mlp_in.", ".ff.linear_in."),
         (".mlp_out.", ".ff.linear_out."),
+    ),
+)
+
+FLUX3_ARCH = Architecture(
+    "flux3",
+    (FLUX3,),
+    layouts=Layouts(
+        "flux3",
+        "BFL names (content_mode_blocks, q/k/v_proj, attn_out, mlp_in/out), kohya-flattened",
+        "_convert_non_diffusers_flux3_lora_to_diffusers",
+        "test_arch_ltx_layouts.py::test_flux3_*",
     ),
 )

@@ -8,6 +8,8 @@ is registered in both spellings. Fused rows: `*_attn_qkv` = q | k | v thirds; si
 
 from __future__ import annotations
 
+from .encoders import CLIP_L
+from .record import Architecture, Layouts, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 _D = "transformer_blocks.{i}"
@@ -102,5 +104,77 @@ HUNYUAN_VIDEO = ArchTable(
     aliases=(
         *_TENCENT,
         *(Alias(comfy_name(a.source), a.targets) for a in _TENCENT if comfy_name(a.source) != a.source),
+    ),
+)
+
+# Tencent names: `img_mod.linear` / `modulation.linear` / `mlp.fc1` vs Flux's `img_mod.lin` / `img_mlp.0`. Its
+# diffusers names are Flux's, 20 double / 40 single blocks deep (both 24 heads x 128; arch.variants lists them).
+HUNYUAN_VIDEO_ARCH = Architecture(
+    "hunyuan-video",
+    (HUNYUAN_VIDEO,),
+    signature=r"^(double|single)_blocks_\d+_.*(mod_linear|modulation_linear|mlp_fc[12])$|individual_token_refiner|token_refiner_refiner_blocks",
+    depth=("flux", {"double": 20, "single": 40}),
+    skeleton=Skeleton(
+        "transformer",
+        "HunyuanVideoTransformer3DModel",
+        dict(
+            in_channels=16,
+            out_channels=16,
+            num_attention_heads=24,
+            attention_head_dim=128,
+            num_layers=20,
+            num_single_layers=40,
+            num_refiner_layers=2,
+            mlp_ratio=4.0,
+            patch_size=2,
+            patch_size_t=1,
+            qk_norm="rms_norm",
+            guidance_embeds=True,
+            text_embed_dim=4096,
+            pooled_projection_dim=768,
+            rope_theta=256.0,
+            rope_axes_dim=[16, 56, 56],
+        ),
+        {"text_encoder_2": CLIP_L},
+        "HunyuanVideo T2V config",
+    ),
+    cli_names=("hunyuan",),
+    layouts=Layouts(
+        "hunyuan-video",
+        "Tencent names, ComfyUI renames, diffusion-pipe",
+        "convert_hunyuan_video_transformer_to_diffusers",
+        "test_arch_dits2.py",
+    ),
+)
+# HunyuanImage 2.1: diffusers names only, named by the MMDiT hidden width (28 heads x 128).
+HUNYUAN_IMAGE_21 = Architecture(
+    "hunyuan-image-2.1",
+    skeleton=Skeleton(
+        "transformer",
+        "HunyuanImageTransformer2DModel",
+        {},
+        {},
+        "HunyuanImageTransformer2DModel defaults (20 double / 40 single blocks, 28 heads x 128)",
+    ),
+    cli_names=("hunyuanimage-2.1",),
+)
+# HunyuanVideo 1.5: diffusers names only, named by the MMDiT hidden width (16 heads x 128).
+HUNYUAN_VIDEO_15 = Architecture(
+    "hunyuan-video-1.5",
+    skeleton=Skeleton(
+        "transformer",
+        "HunyuanVideo15Transformer3DModel",
+        {},
+        {},
+        "HunyuanVideo15Transformer3DModel defaults (54 blocks, 16 heads x 128)",
+    ),
+    cli_names=("hunyuanvideo-1.5",),
+    not_mapped=(
+        "HunyuanVideo 1.5, HunyuanImage 2.1",
+        "no converter in diffusers 0.42.1's loaders (single_file_utils and "
+        "lora_conversion_utils have none; their pipelines have no LoRA loader). diffusers' repo scripts "
+        "convert_hunyuan_video1_5_to_diffusers.py / convert_hunyuanimage_to_diffusers.py name the original checkpoint "
+        "keys but are not installed, so there is no oracle here: no table. diffusers/PEFT and kohya-flattened names "
+        "resolve 100 % on the full-size models (test_arch_wan_animate_variants.py::test_diffusers_names_*)",
     ),
 )

@@ -9,6 +9,7 @@ dotted names is generic. The converter maps only `layers.N.*`; other modules kee
 
 from __future__ import annotations
 
+from .record import Architecture, Layouts, Skeleton
 from .spec import Alias, ArchTable
 
 _B = "layers.{i}.attention"
@@ -21,4 +22,25 @@ IDEOGRAM4 = ArchTable(
         Alias(f"{_B}.o", (f"{_B}.to_out.0",)),
     ),
     prefix_renames=(("conditional_transformer.", ""),),
+)
+
+# Its own original names; its fused `attention.qkv` and `feed_forward.w1-3` are Z-Image's (shared, by width).
+IDEOGRAM4_ARCH = Architecture(
+    "ideogram4",
+    (IDEOGRAM4,),
+    signature=r"^layers_\d+_(attention_o|adaln_modulation)$",
+    skeleton=Skeleton(
+        "transformer",
+        "Ideogram4Transformer2DModel",
+        {},
+        {},
+        "Ideogram4Transformer2DModel defaults (34 layers, 18 heads x 256)",
+    ),
+    layouts=Layouts(
+        "ideogram4",
+        "original names (attention.qkv/o) behind diffusion_model./conditional_transformer./none, kohya "
+        "lora_down/up + alpha",
+        "_convert_non_diffusers_ideogram4_lora_to_diffusers",
+        "test_arch_minimax_ideogram_qwen21.py::test_ideogram4_*",
+    ),
 )

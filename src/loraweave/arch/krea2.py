@@ -10,6 +10,7 @@ which whole-module targets express directly.
 
 from __future__ import annotations
 
+from .record import Architecture, Layouts, Skeleton
 from .spec import Alias, ArchTable, ParamAlias
 
 _ATTN = {
@@ -59,5 +60,18 @@ KREA2 = ArchTable(
     parameters=(
         ParamAlias("blocks.{i}.mod.lin", "transformer_blocks.{i}.scale_shift_table", reshape=True),
         ParamAlias("last.modulation.lin", "final_layer.scale_shift_table"),
+    ),
+)
+
+KREA2_ARCH = Architecture(
+    "krea2",
+    (KREA2,),
+    skeleton=Skeleton("transformer", "Krea2Transformer2DModel", {}, {}, "Krea2Transformer2DModel defaults"),
+    cli_names=("krea-2", "krea"),
+    layouts=Layouts(
+        "krea2",
+        "krea-ai names, SimpleTuner fused to_qkv, mod.lin modulation tables",
+        "convert_krea2_transformer_checkpoint_to_diffusers",
+        "test_arch_dits2.py, test_param_patches.py",
     ),
 )

@@ -10,6 +10,7 @@ connectors are a pipeline component of their own (`connectors`); their original 
 
 from __future__ import annotations
 
+from .record import Architecture, Layouts, Skeleton
 from .spec import ArchTable
 
 LTX2 = ArchTable(
@@ -38,4 +39,58 @@ LTX2_CONNECTORS = ArchTable(
     classes=("LTX2TextConnectors",),
     aliases=(),
     renames=(("aggregate_embed", "text_proj_in"),),
+)
+
+# LTX-2.3 adds attention gates and prompt modulation to LTX-2; both add an audio tower to MMDiT-like blocks.
+LTX23_ARCH = Architecture(
+    "ltx2.3",
+    signature=r"_to_gate_logits$|^(audio_)?prompt_adaln(_single)?_",
+    skeleton=Skeleton(
+        "transformer",
+        "LTX2VideoTransformer3DModel",
+        dict(gated_attn=True, audio_gated_attn=True, cross_attn_mod=True, audio_cross_attn_mod=True),
+        {},
+        "LTX2VideoTransformer3DModel defaults plus LTX-2.3's attention gates and cross-attention modulation",
+    ),
+    cli_names=("ltx-2.3",),
+)
+LTX2_ARCH = Architecture(
+    "ltx2",
+    (LTX2, LTX2_CONNECTORS),
+    signature=r"^transformer_blocks_\d+_(audio_(attn[12]|ff)|audio_to_video_attn|video_to_audio_attn)_"
+    r"|^audio_adaln_single_|^av_ca_|^av_cross_attn_|^(audio_)?patchify_proj$|^audio_caption_projection_",
+    owners=("ltx2.3",),
+    skeleton=Skeleton(
+        "transformer",
+        "LTX2VideoTransformer3DModel",
+        {},
+        {},
+        "LTX2VideoTransformer3DModel defaults (LTX-2: 48 blocks, hidden 4096, audio tower)",
+    ),
+    cli_names=("ltx-2",),
+    layouts=Layouts(
+        "ltx2 / ltx2.3",
+        "Lightricks names (audio tower, audio-video cross-attention, adaln_single, prompt modulation, gate logits); "
+        "text connectors (text_embedding_projection.)",
+        "_convert_non_diffusers_ltx2_lora_to_diffusers",
+        "test_arch_ltx_layouts.py::test_ltx2_*",
+    ),
+)
+# LTX-Video: diffusers names (the cross-attention DiT family's), named by width.
+LTX_VIDEO = Architecture(
+    "ltx-video",
+    skeleton=Skeleton(
+        "transformer",
+        "LTXVideoTransformer3DModel",
+        {},
+        {},
+        "LTXVideoTransformer3DModel defaults (LTX-Video 0.9 2B: 28 blocks, hidden 2048)",
+    ),
+    cli_names=("ltxv", "ltx-video-2b"),
+    layouts=Layouts(
+        "hidream, ltx-video",
+        "diffusers names behind diffusion_model. (prefix only)",
+        "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers",
+        "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size",
+    ),
 )

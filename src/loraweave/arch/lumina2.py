@@ -8,6 +8,7 @@ norm inside the zero-init modulation (`norm1.norm`).
 
 from __future__ import annotations
 
+from .record import Architecture, Layouts, Skeleton
 from .spec import Alias, ArchTable
 
 _STACKS = ("layers.{i}", "noise_refiner.{i}", "context_refiner.{i}")
@@ -39,5 +40,25 @@ LUMINA2 = ArchTable(
         # Scale only (no shift): nothing to swap.
         Alias("final_layer.adaLN_modulation.1", ("norm_out.linear_1",)),
         Alias("final_layer.linear", ("norm_out.linear_2",)),
+    ),
+)
+
+LUMINA2_ARCH = Architecture(
+    "lumina2",
+    (LUMINA2,),
+    signature=r"^(layers|noise_refiner|context_refiner)_\d+_(attn_(to_[qkv]|to_out_0)|feed_forward_linear_[123]|norm1_linear)$",
+    skeleton=Skeleton(
+        "transformer",
+        "Lumina2Transformer2DModel",
+        {},
+        {},
+        "Lumina2Transformer2DModel defaults (Lumina-Image-2.0: 26 layers, hidden 2304)",
+    ),
+    cli_names=("lumina",),
+    layouts=Layouts(
+        "lumina2",
+        "Alpha-VLLM/ComfyUI names (fused GQA qkv)",
+        "convert_lumina2_to_diffusers, _convert_non_diffusers_lumina2_lora_to_diffusers",
+        "test_arch_oracle.py, test_arch_ltx_layouts.py::test_lumina2_*",
     ),
 )

@@ -22,6 +22,7 @@ Partitions: the file's keys go to the pipeline's `transformer` (every published 
 
 from __future__ import annotations
 
+from .record import Architecture, Layouts, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 HEAD_ROWS = (
@@ -58,4 +59,27 @@ MINIMAX_H3 = ArchTable(
         Alias("final_layer.audio_out", ("audio_proj_out",)),
     ),
     metadata_alpha="alpha",
+)
+
+# Original names: fused `attn.qkv_proj`, `mlp.fc1/2`, a refiner under `token_refiner.blocks`.
+MINIMAX_H3_ARCH = Architecture(
+    "minimax-h3",
+    (MINIMAX_H3,),
+    signature=r"^(token_refiner_)?blocks_\d+_(attn_(qkv|out)_proj|mlp_fc[12]|adaln_proj_linear)$"
+    r"|^(condition_proj|video_patch_proj|audio_patch_proj)$",
+    skeleton=Skeleton(
+        "transformer",
+        "MiniMaxH3Transformer3DModel",
+        {},
+        {},
+        "MiniMaxH3Transformer3DModel defaults (50 blocks, hidden 5376, 2 refiner blocks)",
+    ),
+    cli_names=("minimax",),
+    layouts=Layouts(
+        "minimax-h3",
+        "MiniMaxAI/ComfyUI names (bare, diffusion_model.), musubi-tuner (lora_unet_), DiffSynth-Studio "
+        "(.default., per-head interleaved QKV); fc1 halves swapped; .alpha, __metadata__ alpha; transformer_ref partition",
+        "_convert_non_diffusers_minimax_h3_lora_to_diffusers, MiniMaxH3LoraLoaderMixin.lora_state_dict",
+        "test_arch_minimax_ideogram_qwen21.py::test_minimax_h3_*",
+    ),
 )

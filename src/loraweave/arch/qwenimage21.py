@@ -9,6 +9,7 @@ adapter names are generic.
 
 from __future__ import annotations
 
+from .record import Architecture, BlockMap, Layouts, Skeleton
 from .spec import Alias, ArchTable
 
 _MLP = "transformer_blocks.{i}.img_mlp"
@@ -17,4 +18,51 @@ QWENIMAGE21 = ArchTable(
     name="qwenimage21",
     classes=("QwenImage21Transformer2DModel",),
     aliases=(Alias(f"{_MLP}.gate_up", (f"{_MLP}.gate_layer", f"{_MLP}.proj")),),
+)
+
+# Qwen-Image 2.1's SwiGLU (`gate_layer` / `proj` / `out`, ComfyUI's fused `gate_up`) vs Qwen-Image's `net.0.proj`.
+QWEN_IMAGE_21 = Architecture(
+    "qwen-image-2.1",
+    (QWENIMAGE21,),
+    signature=r"^transformer_blocks_\d+_img_mlp_(gate_up|gate_layer|proj|out)$",
+    skeleton=Skeleton(
+        "transformer",
+        "QwenImage21Transformer2DModel",
+        {},
+        {},
+        "QwenImage21Transformer2DModel defaults (32 blocks, 32 heads x 128)",
+    ),
+    cli_names=("qwen-image-21", "qwenimage21"),
+    layouts=Layouts(
+        "qwen-image 2.1",
+        "ComfyUI names (fused img_mlp.gate_up), DiffSynth default. names",
+        "convert_qwen_image21_transformer_checkpoint_to_diffusers (on lora_B)",
+        "test_arch_minimax_ideogram_qwen21.py::test_qwen21_*",
+    ),
+)
+# Qwen-Image: diffusers names; its attention names are Flux's, 60 double-stream blocks deep (no single blocks).
+QWEN_IMAGE = Architecture(
+    "qwen-image",
+    signature=r"^transformer_blocks_\d+_(img|txt)_(mlp|mod)",
+    owners=("qwen-image-2.1",),
+    depth=("flux", {"double": 60}),
+    skeleton=Skeleton(
+        "transformer",
+        "QwenImageTransformer2DModel",
+        dict(
+            attention_head_dim=128,
+            axes_dims_rope=[16, 56, 56],
+            guidance_embeds=False,
+            in_channels=64,
+            joint_attention_dim=3584,
+            num_attention_heads=24,
+            num_layers=60,
+            out_channels=16,
+            patch_size=2,
+        ),
+        {},
+        "qwen-image transformer config",
+    ),
+    cli_names=("qwen",),
+    blocks=BlockMap("qwen_image", (("B", "transformer_blocks", 60),)),
 )

@@ -10,6 +10,7 @@ their original names are not here either (their diffusers names resolve as usual
 
 from __future__ import annotations
 
+from .record import Architecture, Layouts, Skeleton
 from .spec import Alias, ArchTable, ParamAlias
 
 _BLOCK = "transformer_blocks.{i}"
@@ -46,5 +47,27 @@ SANA = ArchTable(
     parameters=(
         ParamAlias("blocks.{i}.scale_shift_table", f"{_BLOCK}.scale_shift_table"),
         ParamAlias("final_layer.scale_shift_table", "scale_shift_table"),
+    ),
+)
+
+# Sana's GLUMBConv feed-forward in diffusers names (its attention names are the cross-attention DiTs'), and its
+# original names (whose `cross_attn` would otherwise count as Wan's).
+SANA_ARCH = Architecture(
+    "sana",
+    (SANA,),
+    signature=r"^transformer_blocks_\d+_ff_conv_(inverted|depth|point)$"
+    r"|^blocks_\d+_(attn_(qkv|proj)|cross_attn_(q_linear|kv_linear|proj)|mlp_(inverted|depth|point)_conv_conv)$",
+    skeleton=Skeleton(
+        "transformer",
+        "SanaTransformer2DModel",
+        {},
+        {},
+        "SanaTransformer2DModel defaults (Sana 1600M: 20 blocks, hidden 2240)",
+    ),
+    layouts=Layouts(
+        "sana",
+        "NVlabs/ComfyUI names (fused qkv, kv_linear, GLU convs, scale_shift_table parameters)",
+        "convert_sana_transformer_to_diffusers (diffusers has no Sana LoRA converter)",
+        "test_arch_anima_sana.py::test_sana_*",
     ),
 )

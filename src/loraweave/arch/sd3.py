@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .encoders import CLIP_G, CLIP_L, T5_XXL
+from .record import Architecture, BlockMap, Layouts, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 _B = "transformer_blocks.{i}"
@@ -47,5 +49,38 @@ SD3 = ArchTable(
         Alias(
             "final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))
         ),
+    ),
+)
+
+SD3_ARCH = Architecture(
+    "sd3",
+    (SD3,),
+    signature=r"^joint_blocks_\d+_(x|context)_block",
+    skeleton=Skeleton(
+        "transformer",
+        "SD3Transformer2DModel",
+        dict(
+            attention_head_dim=64,
+            caption_projection_dim=1536,
+            in_channels=16,
+            joint_attention_dim=4096,
+            num_attention_heads=24,
+            num_layers=24,
+            out_channels=16,
+            patch_size=2,
+            pooled_projection_dim=2048,
+            pos_embed_max_size=192,
+            sample_size=128,
+        ),
+        {"text_encoder": CLIP_L, "text_encoder_2": CLIP_G, "text_encoder_3": T5_XXL},
+        "sd3-medium transformer config",
+    ),
+    cli_names=("sd3.5",),
+    blocks=BlockMap("sd3", (("B", "transformer_blocks", 24),)),
+    layouts=Layouts(
+        "sd3",
+        "original MMDiT names",
+        "convert_sd3_transformer_checkpoint_to_diffusers",
+        "test_arch_oracle.py",
     ),
 )

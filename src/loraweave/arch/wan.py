@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .record import Architecture, BlockMap, Layouts, Skeleton
 from .spec import Alias, ArchTable, ParamAlias, VariantOnly
 
 _B = "blocks.{i}"
@@ -82,5 +83,40 @@ WAN = ArchTable(
             "condition_embedder.time_embedder.linear_1",
             "the CLIP image embedder exists only in Wan 2.1 I2V/FLF2V; this variant (T2V, or Wan 2.2) has none",
         ),
+    ),
+)
+
+WAN_ARCH = Architecture(
+    "wan",
+    (WAN,),
+    signature=r"^blocks_\d+_(self_attn|cross_attn|attn1|attn2|ffn)",
+    owners=("wan-animate",),
+    skeleton=Skeleton(
+        "transformer",
+        "WanTransformer3DModel",
+        dict(
+            added_kv_proj_dim=None,
+            attention_head_dim=128,
+            cross_attn_norm=True,
+            eps=1e-6,
+            ffn_dim=13824,
+            freq_dim=256,
+            in_channels=16,
+            num_attention_heads=40,
+            num_layers=40,
+            out_channels=16,
+            patch_size=[1, 2, 2],
+            qk_norm="rms_norm_across_heads",
+            text_dim=4096,
+        ),
+        {},
+        "Wan2.1 T2V 14B config",
+    ),
+    blocks=BlockMap("wan", (("B", "blocks", 30),)),
+    layouts=Layouts(
+        "wan 2.1 / 2.2 (+VACE)",
+        "Wan/ComfyUI names, musubi-tuner (lora_unet_), diffusion-pipe (diffusion_model.), lightx2v diff/diff_b/diff_m, VACE blocks",
+        "convert_wan_transformer_to_diffusers, _convert_musubi_wan_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffusers",
+        "test_arch_oracle.py, test_arch_ltx_layouts.py::test_*wan*, test_param_patches.py",
     ),
 )

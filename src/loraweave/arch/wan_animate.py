@@ -10,6 +10,7 @@ adds the face adapter (`face_adapter.fuser_blocks.N`: `linear1_q`, fused `linear
 
 from __future__ import annotations
 
+from .record import Architecture, Layouts, Skeleton
 from .spec import Alias, ArchTable, ParamAlias, VariantOnly
 from .wan import WAN
 
@@ -113,5 +114,55 @@ WAN_ANIMATE_2 = ArchTable(
             for attn in ("self_attn", "cross_attn")
             for old, new in _ATTN2
         ),
+    ),
+)
+
+# Wan blocks plus the face adapter / face and motion encoders (original or diffusers names).
+WAN_ANIMATE_ARCH = Architecture(
+    "wan-animate",
+    (WAN_ANIMATE, WAN_ANIMATE_ONLY),
+    signature=r"^face_adapter_(fuser_blocks_)?\d+_|^(motion|face)_encoder_",
+    skeleton=Skeleton(
+        "transformer",
+        "WanAnimateTransformer3DModel",
+        dict(
+            added_kv_proj_dim=5120,
+            image_dim=1280,
+            in_channels=36,
+            num_attention_heads=40,
+            num_layers=40,
+            ffn_dim=13824,
+            text_dim=4096,
+            inject_face_latents_blocks=5,
+        ),
+        {},
+        "Wan2.2-Animate-14B config (diffusers conversion script)",
+    ),
+    layouts=Layouts(
+        "wan 2.2 animate",
+        "Wan names (blocks, condition embedder), face adapter (fuser_blocks, fused linear1_kv halves), face "
+        "encoder (convN.conv), motion encoder (enc.net_app.convs, enc.fc, dec.direction, (1, C, 1, 1) biases); "
+        "those keys are expected_absent on the other Wan transformers",
+        "convert_wan_transformer_to_diffusers",
+        "test_arch_wan_animate_variants.py",
+    ),
+)
+# The official checkpoint wraps every block: `blocks.N.block.self_attn.q`.
+WAN_ANIMATE_2_ARCH = Architecture(
+    "wan-animate-2",
+    (WAN_ANIMATE_2,),
+    signature=r"^blocks_\d+_block_(self_attn|cross_attn|ffn|norm3)",
+    skeleton=Skeleton(
+        "transformer",
+        "WanAnimate2Transformer3DModel",
+        {},
+        {},
+        "WanAnimate2Transformer3DModel defaults (14B: dim 5120, 40 blocks)",
+    ),
+    layouts=Layouts(
+        "wan animate 2",
+        "official names (blocks.N.block. wrapper, q/k/v/o, k_img/v_img), kohya-flattened",
+        "convert_wan_animate_2_transformer_to_diffusers",
+        "test_arch_wan_animate_variants.py::test_animate2_*",
     ),
 )

@@ -10,6 +10,7 @@ Both directions are declared: w1/w3 keys onto a live fused module, and fused-mod
 
 from __future__ import annotations
 
+from .record import Architecture, BlockMap, Layouts, Skeleton, Widths
 from .spec import Alias, ArchTable, Rows
 
 
@@ -53,5 +54,47 @@ ZIMAGE = ArchTable(
         *_ffn_fusions("layers"),
         *_ffn_fusions("noise_refiner"),
         *_ffn_fusions("context_refiner"),
+    ),
+)
+
+# Z-Image and Lumina2 original (NextDiT) names are the same. Unclaimed, by the hidden width: Z-Image dim 3840
+# (z-image-turbo config), Lumina-Image-2.0 hidden 2304 (the q width diffusers' Lumina2 LoRA converter hard-codes),
+# Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
+ZIMAGE_ARCH = Architecture(
+    "z-image",
+    (ZIMAGE,),
+    signature=r"^(layers|noise_refiner|context_refiner)_\d+_(attention|feed_forward|adaLN)",
+    owners=("ideogram4", "lumina2"),
+    widths=Widths(
+        r"^(layers|noise_refiner|context_refiner)_\d+_attention_(qkv|to_q)$",
+        {3840: "z-image", 2304: "lumina2", 4608: "ideogram4"},
+    ),
+    skeleton=Skeleton(
+        "transformer",
+        "ZImageTransformer2DModel",
+        dict(
+            all_f_patch_size=[1],
+            all_patch_size=[2],
+            axes_dims=[32, 48, 48],
+            axes_lens=[1536, 512, 512],
+            cap_feat_dim=2560,
+            dim=3840,
+            in_channels=16,
+            n_heads=30,
+            n_kv_heads=30,
+            n_layers=30,
+            n_refiner_layers=2,
+            qk_norm=True,
+        ),
+        {},
+        "z-image-turbo transformer config",
+    ),
+    cli_names=("zimage",),
+    blocks=BlockMap("zimage", (("J", "layers", 30),)),
+    layouts=Layouts(
+        "z-image",
+        "original/ComfyUI names, fused w13 runtimes",
+        "convert_z_image_transformer_checkpoint_to_diffusers",
+        "test_arch_oracle.py",
     ),
 )

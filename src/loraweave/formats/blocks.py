@@ -1,5 +1,5 @@
 """Numbered block chains in module paths (`double_blocks.3`, `single_transformer_blocks_37`, `blocks.12`): how deep
-a file goes per chain. Detection (formats.detect) and variant fitting (arch.variants) both read it."""
+a file goes per chain. Detection (arch.detect) and variant fitting (arch.variants) both read it."""
 
 from __future__ import annotations
 

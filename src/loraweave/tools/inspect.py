@@ -11,9 +11,9 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..arch.detect import detect_architecture
 from ..arch.variants import BFL_NAMED, VARIANTS, variant_fit
 from ..formats.adapter import Adapter, load_adapter
-from ..formats.detect import detect_architecture
 from ..report.report import failures
 
 if TYPE_CHECKING:

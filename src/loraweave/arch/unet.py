@@ -1,0 +1,143 @@
+"""Stable Diffusion UNets (SD1, SD2, SDXL, the SDXL refiner): detected as one family, told apart by the
+cross-attention width; their original (LDM) names live in unet_original.py."""
+
+from __future__ import annotations
+
+from .encoders import CLIP_G, CLIP_H, CLIP_L
+from .record import Architecture, BlockMap, Skeleton, Widths
+
+_SD15_UNET = dict(
+    block_out_channels=[320, 640, 1280, 1280],
+    cross_attention_dim=768,
+    attention_head_dim=8,
+    layers_per_block=2,
+    down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+)
+_SDXL_UNET = dict(
+    block_out_channels=[320, 640, 1280],
+    cross_attention_dim=2048,
+    attention_head_dim=[5, 10, 20],
+    transformer_layers_per_block=[1, 2, 10],
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2816,
+    layers_per_block=2,
+    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+)
+
+# The family detection names first; the cross-attention width (attn2 to_k/to_v input columns) names the release.
+UNET = Architecture(
+    "unet",
+    signature=r"^(down_blocks|up_blocks|input_blocks|output_blocks|mid_block|middle_block)_",
+    widths=Widths(r"attn2_to_[kv]$", {768: "sd1", 1024: "sd2", 2048: "sdxl", 1280: "sdxl-refiner"}),
+)
+# Block slots: every supported UNet has 2 layers per down block (3 per up block). The LBW short layout lists the
+# attention-bearing blocks; the preset splits are the last shallow input / first shallow output index (a
+# downsampler belongs with the block before it: SD1 IN03 shallow, IN06 deep; SDXL IN06 shallow).
+SD1 = Architecture(
+    "sd1",
+    skeleton=Skeleton(
+        "unet", "UNet2DConditionModel", _SD15_UNET, {"text_encoder": CLIP_L}, "sd15 unet config"
+    ),
+    cli_names=("unet", "sd15", "sd1.5"),
+    blocks=BlockMap(
+        "sd1",
+        unet=(
+            4,
+            (
+                "BASE",
+                "IN01",
+                "IN02",
+                "IN04",
+                "IN05",
+                "IN07",
+                "IN08",
+                "M00",
+                "OUT03",
+                "OUT04",
+                "OUT05",
+                "OUT06",
+                "OUT07",
+                "OUT08",
+                "OUT09",
+                "OUT10",
+                "OUT11",
+            ),
+            (4, 7),
+        ),
+    ),
+)
+SD2 = Architecture(
+    "sd2",
+    skeleton=Skeleton(
+        "unet",
+        "UNet2DConditionModel",
+        {
+            **_SD15_UNET,
+            "cross_attention_dim": 1024,
+            "attention_head_dim": [5, 10, 20, 20],
+            "use_linear_projection": True,
+        },
+        {"text_encoder": CLIP_H},
+        "sd15 config with SD2 attention",
+    ),
+    cli_names=("sd21",),
+)
+SDXL = Architecture(
+    "sdxl",
+    skeleton=Skeleton(
+        "unet",
+        "UNet2DConditionModel",
+        _SDXL_UNET,
+        {"text_encoder": CLIP_L, "text_encoder_2": CLIP_G},
+        "sdxl-base unet config",
+    ),
+    blocks=BlockMap(
+        "sdxl",
+        unet=(
+            3,
+            (
+                "BASE",
+                "IN04",
+                "IN05",
+                "IN07",
+                "IN08",
+                "M00",
+                "OUT00",
+                "OUT01",
+                "OUT02",
+                "OUT03",
+                "OUT04",
+                "OUT05",
+            ),
+            (6, 3),
+        ),
+    ),
+)
+SDXL_REFINER = Architecture(
+    "sdxl-refiner",
+    skeleton=Skeleton(
+        "unet",
+        "UNet2DConditionModel",
+        {
+            **_SDXL_UNET,
+            "block_out_channels": [384, 768, 1536, 1536],
+            "cross_attention_dim": 1280,
+            "attention_head_dim": [6, 12, 24, 24],
+            "transformer_layers_per_block": 4,
+            "projection_class_embeddings_input_dim": 2560,
+            "down_block_types": [
+                "DownBlock2D",
+                "CrossAttnDownBlock2D",
+                "CrossAttnDownBlock2D",
+                "DownBlock2D",
+            ],
+            "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+        },
+        {"text_encoder_2": CLIP_G},
+        "sdxl-refiner unet config",
+    ),
+)
