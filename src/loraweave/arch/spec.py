@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the tables are read without torch (inspect --no-coverage detects through them)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,8 @@ def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
         getattr(module, "in_features", None), int
     ):
         return (module.out_features, module.in_features)
+    import torch  # loaded by then: only live modules reach here
+
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() < 1:
         return None
