@@ -251,49 +251,69 @@ def block_weights(
 
     `chains` gives DiT chain lengths (see `chain_lengths`); for one-chain DiTs `n_slots` may give it instead.
     A value that fits no accepted form raises ValueError listing the forms that would fit."""
-    _check_arch(arch)
-    if n_slots is not None and chains is None and arch in _dit_archs() and len(_dit_archs()[arch]) == 1:
-        chains = {_dit_archs()[arch][0][1]: int(n_slots) - 1}
-    slots = slot_names(arch, chains)
-    if n_slots is not None and n_slots != len(slots):
-        raise ValueError(f"{arch} has {len(slots)} block slots here, n_slots={n_slots} given")
+    slots = _slots_for(arch, n_slots, chains)
     if isinstance(value, str):
         text = value.strip()
         if text.upper() in LBW_PRESETS_17 or text.upper() in _CHAIN_PRESETS:
             return _preset(arch, text.upper(), slots)
-        try:
-            value = [float(x) for x in text.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"block weights {value!r} for {arch}: not a preset or number list; "
-                f"accepted: {_fits(arch, slots)}"
-            ) from None
+        value = _number_text(arch, value, slots)
     if isinstance(value, Mapping):
-        unknown = [k for k in value if k not in slots]
-        if unknown:
-            raise ValueError(
-                f"block weights for {arch}: unknown slots {unknown}; accepted: {_fits(arch, slots)}"
-            )
-        given = dict(zip(value.keys(), _numbers(list(value.values()), arch), strict=True))
-        return {s: given.get(s, 1.0) for s in slots}
+        return _from_mapping(arch, value, slots)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return {s: v for s, v in zip(slots, _numbers([value] * len(slots), arch), strict=True)}
     if isinstance(value, Sequence) or hasattr(value, "tolist"):
-        values = _numbers(list(value.tolist() if hasattr(value, "tolist") else value), arch)
-        if len(values) == len(slots):
-            return dict(zip(slots, values, strict=True))
-        if len(values) == len(slots) - 1:
-            return {"BASE": 1.0, **dict(zip(slots[1:], values, strict=True))}
-        if arch in _unet_archs() and len(values) == len(_unet_archs()[arch][1]):
-            short = dict(zip(_unet_archs()[arch][1], values, strict=True))
-            return {s: short.get(s, 1.0) for s in slots}
-        if arch in _dit_archs() and len(values) == 17:
-            return _stretch(values, slots)
-        raise ValueError(
-            f"block weights for {arch}: {len(values)} values fit no layout; accepted: {_fits(arch, slots)}"
-        )
+        return _from_vector(arch, list(value.tolist() if hasattr(value, "tolist") else value), slots)
     raise ValueError(
         f"block weights for {arch}: cannot use {type(value).__name__}; accepted: {_fits(arch, slots)}"
+    )
+
+
+def _slots_for(arch: str, n_slots: int | None, chains: Mapping[str, int] | None) -> list[str]:
+    """The slot names block weights fill; a one-chain DiT's length may come from `n_slots`."""
+    _check_arch(arch)
+    dit = _dit_archs().get(arch)
+    if n_slots is not None and chains is None and dit is not None and len(dit) == 1:
+        chains = {dit[0][1]: int(n_slots) - 1}
+    slots = slot_names(arch, chains)
+    if n_slots is not None and n_slots != len(slots):
+        raise ValueError(f"{arch} has {len(slots)} block slots here, n_slots={n_slots} given")
+    return slots
+
+
+def _number_text(arch: str, value: str, slots: list[str]) -> list[float]:
+    """ "1,0,0.5": the numbers of a comma list."""
+    try:
+        return [float(x) for x in value.strip().split(",")]
+    except ValueError:
+        raise ValueError(
+            f"block weights {value!r} for {arch}: not a preset or number list; accepted: {_fits(arch, slots)}"
+        ) from None
+
+
+def _from_mapping(arch: str, value: Mapping, slots: list[str]) -> dict[str, float]:
+    """{slot: weight}: named slots, the others at 1."""
+    unknown = [k for k in value if k not in slots]
+    if unknown:
+        raise ValueError(f"block weights for {arch}: unknown slots {unknown}; accepted: {_fits(arch, slots)}")
+    given = dict(zip(value.keys(), _numbers(list(value.values()), arch), strict=True))
+    return {s: given.get(s, 1.0) for s in slots}
+
+
+def _from_vector(arch: str, raw: list, slots: list[str]) -> dict[str, float]:
+    """A vector: every slot, every slot but BASE, a UNet's short LBW layout, or 17 values stretched over a DiT."""
+    values = _numbers(raw, arch)
+    if len(values) == len(slots):
+        return dict(zip(slots, values, strict=True))
+    if len(values) == len(slots) - 1:
+        return {"BASE": 1.0, **dict(zip(slots[1:], values, strict=True))}
+    unet = _unet_archs().get(arch)
+    if unet is not None and len(values) == len(unet[1]):
+        short = dict(zip(unet[1], values, strict=True))
+        return {s: short.get(s, 1.0) for s in slots}
+    if arch in _dit_archs() and len(values) == 17:
+        return _stretch(values, slots)
+    raise ValueError(
+        f"block weights for {arch}: {len(values)} values fit no layout; accepted: {_fits(arch, slots)}"
     )
 
 
