@@ -145,72 +145,24 @@ class AliasTable:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.root = module
-        cls = type(module).__name__
-        self.widened_inputs = {m for t in ARCH_TABLES if cls in t.classes for m in t.widened_inputs}
-        self.growable_inputs = dict(g for t in ARCH_TABLES if cls in t.classes for g in t.growable_inputs)
-        self.metadata_alpha = metadata_alpha_of(module)
-        self.variant_inputs = {
-            (v.module, v.width): v.why for t in ARCH_TABLES if cls in t.classes for v in t.variant_inputs
-        }
+        tables = _tables_of(module)
         every = dict(module.named_modules())
         self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}
-        self.exact: dict[str, tuple[Piece, ...]] = {
-            name: (Piece(name, 0, 0, out_rows(mod), True),) for name, mod in self.modules.items()
-        }
-        self.exact.update({k: v for k, v in _original_names(module, every).items() if k not in self.exact})
-        self.fusion_names = set(_original_names(module, every, runtime_fusions=True)) - set(self.exact)
-        self.exact.update(
-            {k: v for k, v in _original_names(module, every, True).items() if k not in self.exact}
-        )
-        self.exact.update(_live_fusions(every))  # overrides: the separate modules are no longer used
-        prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
-        if prefix and not any(name.startswith(prefix) for name in self.modules):
-            self.exact.update(
-                {prefix + k: v for k, v in list(self.exact.items()) if prefix + k not in self.exact}
-            )
-        live = list(self.exact.items())
-        for live_prefix, file_prefix in WRAPPER_PREFIXES:
-            self.exact.update(
-                {
-                    file_prefix + k[len(live_prefix) :]: v
-                    for k, v in live
-                    if k.startswith(live_prefix) and file_prefix + k[len(live_prefix) :] not in self.exact
-                }
-            )
-        self._positional: dict[tuple[str, ...], list[str]] = {}
-        tables = [t for t in ARCH_TABLES if cls in t.classes and (t.renames or t.prefix_renames)]
+        self.widened_inputs = {m for t in tables for m in t.widened_inputs}
+        self.growable_inputs = dict(g for t in tables for g in t.growable_inputs)
+        self.metadata_alpha = metadata_alpha_of(module)
+        self.variant_inputs = {(v.module, v.width): v.why for t in tables for v in t.variant_inputs}
         self.renames = (
             tuple(r for t in tables for r in t.renames),
             tuple(r for t in tables for r in t.prefix_renames),
         )
-        self.params = _bare_parameters(module, cls, self.modules)
-        self.params.update(
-            {
-                underscore_form(k): v
-                for k, v in list(self.params.items())
-                if underscore_form(k) not in self.params
-            }
-        )
-        traits = {a.when_file for t in ARCH_TABLES if cls in t.classes for a in t.aliases if a.when_file}
+        self.exact, self.fusion_names = _exact_names(module, every, self.modules)
+        self.underscored = _underscored_names(self.exact)
         # Names whose rows some producers order differently: {trait: {name in both spellings: pieces}}.
-        self.by_trait = {
-            trait: {
-                form: pieces
-                for name, pieces in _original_names(module, every, trait=trait).items()
-                for form in (name, underscore_form(name))
-            }
-            for trait in traits
-        }
-        self.absent = _variant_only(cls, every, self.exact)
-        self.absent.update({underscore_form(k): v for k, v in list(self.absent.items())})
-        self.underscored: dict[str, tuple[Piece, ...] | str] = {}
-        for name, pieces in self.exact.items():
-            key = underscore_form(name)
-            previous = self.underscored.get(key)
-            if previous is not None and previous != pieces:
-                self.underscored[key] = AMBIGUOUS
-            else:
-                self.underscored[key] = pieces
+        self.by_trait = _trait_names(module, every, tables)
+        self.params = _parameter_names(module, self.modules)
+        self.absent = _absent_names(module, every, self.exact)
+        self._positional: dict[tuple[str, ...], list[str]] = {}
 
     def param(self, path: str) -> tuple[str, bool] | None:
         """(live parameter path, reshape) for a bare parameter named `path` in any spelling; None when none."""
@@ -261,3 +213,101 @@ class AliasTable:
             if found is None:
                 found = self.underscored.get(apply_renames(underscore_form(path), *self.renames, sep="_"))
         return found
+
+
+# The steps of AliasTable.__init__, each deriving one of its maps.
+
+
+def _tables_of(module: torch.nn.Module) -> list[ArchTable]:
+    """The architecture tables that describe this module's class."""
+    cls = type(module).__name__
+    return [t for t in ARCH_TABLES if cls in t.classes]
+
+
+def _add_missing(exact: dict[str, tuple[Piece, ...]], names: dict[str, tuple[Piece, ...]]) -> None:
+    """Add the names `exact` does not hold yet; a name it holds keeps its pieces."""
+    exact.update({k: v for k, v in names.items() if k not in exact})
+
+
+def _live_names(modules: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, ...]]:
+    """Every live module with output rows, under its own path: one piece spanning all of it."""
+    return {name: (Piece(name, 0, 0, out_rows(mod), True),) for name, mod in modules.items()}
+
+
+def _path_prefix_names(
+    module: torch.nn.Module, modules: dict[str, torch.nn.Module], exact: dict[str, tuple[Piece, ...]]
+) -> dict[str, tuple[Piece, ...]]:
+    """Names under the level (PATH_PREFIX_ALIASES) files write and this release's tree lacks; {} when it has it."""
+    prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
+    if not prefix or any(name.startswith(prefix) for name in modules):
+        return {}
+    return {prefix + k: v for k, v in exact.items()}
+
+
+def _add_wrapper_names(exact: dict[str, tuple[Piece, ...]]) -> None:
+    """Add the names files write for the live tree's wrapper levels (WRAPPER_PREFIXES), in their order."""
+    live = list(exact.items())
+    for live_prefix, file_prefix in WRAPPER_PREFIXES:
+        cut = len(live_prefix)
+        _add_missing(exact, {file_prefix + k[cut:]: v for k, v in live if k.startswith(live_prefix)})
+
+
+def _exact_names(
+    module: torch.nn.Module, every: dict[str, torch.nn.Module], modules: dict[str, torch.nn.Module]
+) -> tuple[dict[str, tuple[Piece, ...]], set[str]]:
+    """(every exact spelling -> pieces, the names only runtime fusions give). Live paths come first; original
+    names, then runtime-fusion names, fill what they leave; live fusions override; prefixed spellings follow."""
+    exact = _live_names(modules)
+    _add_missing(exact, _original_names(module, every))
+    runtime = _original_names(module, every, runtime_fusions=True)
+    fusion_names = set(runtime) - set(exact)
+    _add_missing(exact, runtime)
+    exact.update(_live_fusions(every))  # overrides: the separate modules are no longer used
+    _add_missing(exact, _path_prefix_names(module, modules, exact))
+    _add_wrapper_names(exact)
+    return exact, fusion_names
+
+
+def _underscored_names(exact: dict[str, tuple[Piece, ...]]) -> dict[str, tuple[Piece, ...] | str]:
+    """Exact names with '.' written '_'; AMBIGUOUS where two names with different pieces meet."""
+    out: dict[str, tuple[Piece, ...] | str] = {}
+    for name, pieces in exact.items():
+        key = underscore_form(name)
+        previous = out.get(key)
+        out[key] = AMBIGUOUS if previous is not None and previous != pieces else pieces
+    return out
+
+
+def _trait_names(
+    module: torch.nn.Module, every: dict[str, torch.nn.Module], tables: list[ArchTable]
+) -> dict[str, dict[str, tuple[Piece, ...]]]:
+    """{file trait: {original name in both spellings: pieces}} for the aliases only files with that trait use."""
+    traits = {a.when_file for t in tables for a in t.aliases if a.when_file}
+    return {
+        trait: {
+            form: pieces
+            for name, pieces in _original_names(module, every, trait=trait).items()
+            for form in (name, underscore_form(name))
+        }
+        for trait in traits
+    }
+
+
+def _parameter_names(
+    module: torch.nn.Module, modules: dict[str, torch.nn.Module]
+) -> dict[str, tuple[str, bool]]:
+    """Bare parameters by live and original name, plus the underscored spellings no other name holds."""
+    params = _bare_parameters(module, type(module).__name__, modules)
+    params.update(
+        {underscore_form(k): v for k, v in list(params.items()) if underscore_form(k) not in params}
+    )
+    return params
+
+
+def _absent_names(
+    module: torch.nn.Module, every: dict[str, torch.nn.Module], exact: dict[str, tuple[Piece, ...]]
+) -> dict[str, str]:
+    """Names only a sibling variant has -> why, in both spellings (the underscored one wins a clash)."""
+    absent = _variant_only(type(module).__name__, every, exact)
+    absent.update({underscore_form(k): v for k, v in list(absent.items())})
+    return absent

@@ -57,6 +57,22 @@ def _kohya_scale(alpha: float, rank: int, source: str) -> tuple[float, str]:
     return (1.0, source + "=0_as_rank") if alpha == 0 else (alpha / rank, source)
 
 
+def _peft_scale(peft: dict, component_prefix: str, module_path: str, rank: int) -> tuple[float, str] | None:
+    """(γ, source) from a PEFT config: the module's alpha_pattern/rank_pattern entries, else lora_alpha / r
+    (sqrt(r) with rsLoRA); None when the config gives no alpha."""
+    alpha = _pattern_value(_peft_field(peft, component_prefix, "alpha_pattern"), module_path)
+    r = _pattern_value(_peft_field(peft, component_prefix, "rank_pattern"), module_path)
+    source = "metadata:peft_pattern" if alpha is not None or r is not None else "metadata:peft"
+    alpha = alpha if alpha is not None else _peft_field(peft, component_prefix, "lora_alpha")
+    r = r if r is not None else _peft_field(peft, component_prefix, "r")
+    if alpha is None:
+        return None
+    r = int(r) if r else rank
+    if _peft_field(peft, component_prefix, "use_rslora"):
+        return float(alpha) / math.sqrt(r), source + "_rslora"
+    return float(alpha) / r, source
+
+
 def resolve_scale(
     alpha_tensor: float | None,
     scale_tensor: float | None,
@@ -67,7 +83,8 @@ def resolve_scale(
     meta: MetadataAlpha,
     network_alpha: float | None = None,
 ) -> tuple[float, str]:
-    """Return (γ, source) for one LoRA part of rank `rank`.
+    """Return (γ, source) for one LoRA part of rank `rank`: the first source the file gives, in this order.
+    Whether a part takes alpha/rank at all is settled by resolve.planner.part_scale, which calls this.
 
     network_alpha: one alpha for every module that the architecture's trainers record in `__metadata__` (read
     after PEFT's config, before kohya's, as diffusers' MiniMax-H3 loader does)."""
@@ -75,17 +92,9 @@ def resolve_scale(
         return scale_tensor, "tensor:scale"
     if alpha_tensor is not None:
         return _kohya_scale(alpha_tensor, rank, "tensor:alpha")
-    if meta.peft is not None:
-        alpha = _pattern_value(_peft_field(meta.peft, component_prefix, "alpha_pattern"), module_path)
-        r = _pattern_value(_peft_field(meta.peft, component_prefix, "rank_pattern"), module_path)
-        source = "metadata:peft_pattern" if alpha is not None or r is not None else "metadata:peft"
-        alpha = alpha if alpha is not None else _peft_field(meta.peft, component_prefix, "lora_alpha")
-        r = r if r is not None else _peft_field(meta.peft, component_prefix, "r")
-        if alpha is not None:
-            r = int(r) if r else rank
-            if _peft_field(meta.peft, component_prefix, "use_rslora"):
-                return float(alpha) / math.sqrt(r), source + "_rslora"
-            return float(alpha) / r, source
+    peft = _peft_scale(meta.peft, component_prefix, module_path, rank) if meta.peft is not None else None
+    if peft is not None:
+        return peft
     if network_alpha is not None:
         return network_alpha / rank, "metadata:alpha"
     if is_conv and meta.kohya_conv_alpha is not None:

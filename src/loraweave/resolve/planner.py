@@ -70,12 +70,54 @@ def _scalar(tensor: torch.Tensor, key: str) -> float | None:
     return value
 
 
+def _role_scalar(adapter: Adapter, part: AdapterPart, role: str) -> float | None:
+    """The scalar the part's `role` tensor holds; None when the part has none (or planning is shape-only)."""
+    return _scalar(adapter.tensor(part.roles[role]), part.roles[role]) if role in part.roles else None
+
+
 def network_alpha(adapter: Adapter, metadata_field: str | None) -> float | None:
     """The architecture's `__metadata__` network alpha (MiniMax-H3: the table's `metadata_alpha` field); as
     diffusers, only when no key is `.alpha`. resize reads it the same way, so a resized file keeps its scale."""
     if metadata_field is None or adapter.has_alpha_tensors:
         return None
     return kohya_number(adapter.metadata, metadata_field, adapter.path or adapter.name)
+
+
+def part_scale(
+    adapter: Adapter,
+    part: AdapterPart,
+    family: Family,
+    factors,
+    component: str,
+    metadata_field: str | None,
+) -> tuple[float, str]:
+    """(γ, source) of one part landing on `component`: where a part's scale is settled.
+
+    The part's `.alpha`/`.scale` tensors are checked first (a scalar, finite), whatever the family. Families that
+    read alpha themselves (OFT & co), full differences and full-rank factors get 1; the rest take the first
+    source formats.alpha.resolve_scale finds: `.scale` or `.alpha` tensor, PEFT config, the architecture's
+    metadata alpha (`metadata_field`, AliasTable.metadata_alpha), kohya's metadata, then 1."""
+    alpha = _role_scalar(adapter, part, "alpha")
+    scale_tensor = _role_scalar(adapter, part, "scale")
+    if not family.uses_alpha_scale:
+        return 1.0, f"none:{part.family}"
+    if part.family == "full":
+        return 1.0, "none:full"
+    if factors.rank is None:  # e.g. LoKr with both factors full: alpha does not apply
+        return 1.0, "none:full_rank_factors"
+    scale, source = resolve_scale(
+        alpha,
+        scale_tensor,
+        factors.rank,
+        factors.is_conv_kernel,
+        part.path,
+        component if part.explicit_component else "",
+        adapter.meta_alpha,
+        network_alpha(adapter, metadata_field),
+    )
+    if not math.isfinite(scale):
+        raise PartRejected("non_finite", f"bad tensor: scale from {source} is not finite")
+    return scale, source
 
 
 def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -> tuple[Piece, ...]:
@@ -123,18 +165,13 @@ def _growth(
     return width if family.fit(factors, (shape[0], width))[1] is None else None
 
 
-def _plan_part(
-    adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float
-) -> PlannedPart | PlannedParam:
-    param = param_target(part, table)
-    if param is not None:
-        return plan_param(adapter, part, comp_name, table, param, strength)
+def _find_pieces(adapter: Adapter, part: AdapterPart, table: AliasTable, where: str) -> tuple[Piece, ...]:
+    """The pieces of live modules the part's path names (by index for cloneofsimo files)."""
     found = (
         _positional_lookup(adapter, part, table)
         if part.layout == "cloneofsimo"
         else table.lookup(part.path, adapter.traits)
     )
-    where = f"{comp_name}.{part.path}"
     if found is None:
         why = table.expected_absent(part.path)
         if why is not None:  # a module only a sibling variant has: not a failure
@@ -145,90 +182,120 @@ def _plan_part(
             "ambiguous_module",
             f"ambiguous module name: {where} matches several modules once '.' is written '_'",
         )
-    target = ", ".join(p.module for p in found)
-    tensors = {role: adapter.tensor(key) for role, key in part.roles.items()}
+    return found
+
+
+def _supported_family(part: AdapterPart, tensors: dict[str, torch.Tensor], target: str) -> Family:
+    """The family that applies the part, refusing a part it would apply only in part (`target`: for the report)."""
     family = family_for(part.family, tensors)
     if part.family in NOT_PORTABLE:
         raise PartRejected(
-            "unsupported",
-            f"unsupported family: {part.family} ({NOT_PORTABLE[part.family]}; target {comp_name}.{target})",
+            "unsupported", f"unsupported family: {part.family} ({NOT_PORTABLE[part.family]}; target {target})"
         )
     if family is None:
         raise PartRejected(
-            "unsupported",
-            f"unsupported family: {part.family} (not yet supported; target {comp_name}.{target})",
+            "unsupported", f"unsupported family: {part.family} (not yet supported; target {target})"
         )
     extras = part.extra_families - ALLOWED_EXTRAS.get(part.family, set())
     if extras:
         raise PartRejected(
             "unsupported",
             f"unsupported family: {'+'.join(sorted(extras))} keys next to {part.family} in one part "
-            f"(target {comp_name}.{target})",
+            f"(target {target})",
         )
     known = family.roles
     unknown = sorted(set(part.roles) - set(known) - set(GENERIC_ROLES)) if known is not None else []
     if unknown:  # never load a part while ignoring some of its keys
         raise PartRejected(
             "unsupported",
-            f"unsupported family: {part.family} part also holds {', '.join(unknown)} "
-            f"(target {comp_name}.{target})",
+            f"unsupported family: {part.family} part also holds {', '.join(unknown)} (target {target})",
         )
-    uses_alpha = family.uses_alpha_scale
-    skip = (
-        ("alpha", "scale", "reshape") if uses_alpha else ("scale", "reshape")
-    )  # OFT & co read alpha themselves
+    return family
+
+
+def _load_factors(adapter: Adapter, part: AdapterPart, family: Family, tensors: dict[str, torch.Tensor]):
+    """The family's factors from the part's tensors; alpha stays out where the scale carries it (part_scale)."""
+    # OFT & co read alpha themselves.
+    skip = ("alpha", "scale", "reshape") if family.uses_alpha_scale else ("scale", "reshape")
     # Families whose math depends on settings outside the tensors (PEFT OFT) get the adapter's PEFT config.
-    factors = family.load_part(
+    return family.load_part(
         {r: t for r, t in tensors.items() if r not in skip}, part.roles, adapter.meta_alpha.peft
     )
-    notes = []
-    grow: dict[str, tuple[int, str]] = {}
-    reshape = _reshape_target(adapter, part)
-    for (
-        piece
-    ) in found:  # first: a family may settle its layout from the module shape (GLoRA naming, IA3 side)
-        shape = module_shape(table.modules[piece.module])
-        factors, reason = family.fit(factors, shape)
-        if reason and (why := table.variant_input(piece.module, family.input_width(factors))):
-            raise PartRejected(
-                "expected_absent", f"expected absent: {where} ({why})"
-            )  # before growth: not a control input
-        if reshape is not None and reshape != shape:
-            width = (
-                _growth(family, factors, shape, reshape[1], piece.module, table)
-                if reshape[0] == shape[0]
-                else None
-            )
-            if width is None:
-                raise PartRejected(
-                    "shape_mismatch",
-                    f"shape mismatch: reshape_weight asks {comp_name}.{piece.module} {shape} to become "
-                    f"{reshape}; only declared model inputs can grow, and only in columns",
-                )
-        if reason and piece.module in table.growable_inputs:
-            width = _growth(family, factors, shape, family.input_width(factors), piece.module, table)
-            if width is not None:
-                factors = family.settle(factors, (shape[0], width))
-                grow[piece.module] = (width, table.growable_inputs[piece.module])
-                notes.append(
-                    f"{piece.module} input grown {shape[1]} -> {width} columns (zero weights for the new "
-                    f"channels; config {table.growable_inputs[piece.module]} updated)"
-                )
-                reason = None
-        if reason and piece.module in table.widened_inputs:
-            widened = family.widen_input(factors, shape)
-            fitted = family.fit(widened, shape) if widened is not None else (None, reason)
-            if fitted[1] is None:
-                notes.append(
-                    f"input zero-padded to {shape[1]} columns (model variant with a wider {piece.module})"
-                )
-                factors, reason = fitted[0], None
+
+
+@dataclass
+class _Fitting:
+    """Fits one part's factors to the modules its pieces name, keeping the adaptations the report must mention."""
+
+    family: Family
+    table: AliasTable
+    comp_name: str
+    where: str  # the part's path under its component, for the report
+    reshape: tuple[int, ...] | None  # the (out, in) a `reshape_weight` tensor asks for
+    notes: list[str] = field(default_factory=list)
+    grow: dict[str, tuple[int, str]] = field(default_factory=dict)  # module -> (new input width, config key)
+
+    def piece(self, factors, module: str):
+        """The factors fitted to `module`: as they are, grown into a declared model input, or zero-padded."""
+        shape = module_shape(self.table.modules[module])
+        factors, reason = self.family.fit(factors, shape)
+        if reason and (why := self.table.variant_input(module, self.family.input_width(factors))):
+            # before growth: not a control input
+            raise PartRejected("expected_absent", f"expected absent: {self.where} ({why})")
+        self._check_reshape(factors, shape, module)
+        if reason and module in self.table.growable_inputs:
+            factors, reason = self._grow(factors, shape, module, reason)
+        if reason and module in self.table.widened_inputs:
+            factors, reason = self._widen(factors, shape, module, reason)
         if reason:
-            raise PartRejected.of(reason.where(f"{comp_name}.{piece.module}"))
+            raise PartRejected.of(reason.where(f"{self.comp_name}.{module}"))
+        return factors
+
+    def _check_reshape(self, factors, shape: tuple[int, ...], module: str) -> None:
+        """A `reshape_weight` may only ask a declared model input for more columns the adapter then fits."""
+        if self.reshape is None or self.reshape == shape:
+            return
+        width = (
+            _growth(self.family, factors, shape, self.reshape[1], module, self.table)
+            if self.reshape[0] == shape[0]
+            else None
+        )
+        if width is None:
+            raise PartRejected(
+                "shape_mismatch",
+                f"shape mismatch: reshape_weight asks {self.comp_name}.{module} {shape} to become "
+                f"{self.reshape}; only declared model inputs can grow, and only in columns",
+            )
+
+    def _grow(self, factors, shape: tuple[int, ...], module: str, reason):
+        """(factors, reason): settled on the wider input a control adapter needs, reason None, when it fits."""
+        width = _growth(self.family, factors, shape, self.family.input_width(factors), module, self.table)
+        if width is None:
+            return factors, reason
+        factors = self.family.settle(factors, (shape[0], width))
+        config_key = self.table.growable_inputs[module]
+        self.grow[module] = (width, config_key)
+        self.notes.append(
+            f"{module} input grown {shape[1]} -> {width} columns (zero weights for the new "
+            f"channels; config {config_key} updated)"
+        )
+        return factors, None
+
+    def _widen(self, factors, shape: tuple[int, ...], module: str, reason):
+        """(factors, reason): zero-padded to a wider variant's input, reason None, when that fits."""
+        widened = self.family.widen_input(factors, shape)
+        fitted = self.family.fit(widened, shape) if widened is not None else (None, reason)
+        if fitted[1] is not None:
+            return factors, reason
+        self.notes.append(f"input zero-padded to {shape[1]} columns (model variant with a wider {module})")
+        return fitted[0], None
+
+
+def _check_rows(family: Family, factors, found: tuple[Piece, ...], comp_name: str) -> None:
+    """The adapter's output rows cover the pieces exactly, and each piece is a slice the family may take."""
     total = sum(p.length for p in found)
-    if (
-        factors.rows is not None and factors.rows != total
-    ):  # None: the delta spans any rows (IA3 on the input)
+    # rows None: the delta spans any rows (IA3 on the input)
+    if factors.rows is not None and factors.rows != total:
         names = " | ".join(f"{p.module}[{p.dst_start}:{p.dst_start + p.length}]" for p in found)
         raise PartRejected(
             "shape_mismatch",
@@ -238,33 +305,28 @@ def _plan_part(
         reason = family.check_piece(factors, piece.src_start, piece.length)
         if reason:
             raise PartRejected.of(reason.where(f"{comp_name}.{piece.module}"))
-    alpha = (
-        _scalar(adapter.tensor(part.roles["alpha"]), part.roles["alpha"]) if "alpha" in part.roles else None
+
+
+def _plan_part(
+    adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float
+) -> PlannedPart | PlannedParam:
+    param = param_target(part, table)
+    if param is not None:
+        return plan_param(adapter, part, comp_name, table, param, strength)
+    where = f"{comp_name}.{part.path}"
+    found = _find_pieces(adapter, part, table, where)
+    tensors = {role: adapter.tensor(key) for role, key in part.roles.items()}
+    family = _supported_family(part, tensors, f"{comp_name}.{', '.join(p.module for p in found)}")
+    factors = _load_factors(adapter, part, family, tensors)
+    fitting = _Fitting(family, table, comp_name, where, _reshape_target(adapter, part))
+    # First: a family may settle its layout from the module shape (GLoRA naming, IA3 side).
+    for piece in found:
+        factors = fitting.piece(factors, piece.module)
+    _check_rows(family, factors, found, comp_name)
+    scale, source = part_scale(adapter, part, family, factors, comp_name, table.metadata_alpha)
+    return PlannedPart(
+        adapter, part, family, comp_name, found, factors, scale, source, strength, fitting.notes, fitting.grow
     )
-    scale_t = (
-        _scalar(adapter.tensor(part.roles["scale"]), part.roles["scale"]) if "scale" in part.roles else None
-    )
-    if not uses_alpha:
-        scale, source = 1.0, f"none:{part.family}"
-    elif part.family == "full":
-        scale, source = 1.0, "none:full"
-    elif factors.rank is None:  # e.g. LoKr with both factors full: alpha does not apply
-        scale, source = 1.0, "none:full_rank_factors"
-    else:
-        prefix = comp_name if part.explicit_component else ""
-        scale, source = resolve_scale(
-            alpha,
-            scale_t,
-            factors.rank,
-            factors.is_conv_kernel,
-            part.path,
-            prefix,
-            adapter.meta_alpha,
-            network_alpha(adapter, table.metadata_alpha),
-        )
-        if not math.isfinite(scale):
-            raise PartRejected("non_finite", f"bad tensor: scale from {source} is not finite")
-    return PlannedPart(adapter, part, family, comp_name, found, factors, scale, source, strength, notes, grow)
 
 
 def _plan_with_fallback(
