@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from loraweave.mechanisms.merge.layer.undo import bits
 
-from loraweave.mechanisms.merge.layer import bitscan
+from loraweave.mechanisms.merge import bitscan
+from loraweave.mechanisms.merge.undo import bits
 
 
 @pytest.fixture(params=["numpy", "torch"])

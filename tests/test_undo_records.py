@@ -13,7 +13,6 @@ import random
 import pytest
 import torch
 from helpers.common import fail_on_call, gen, rel_err
-from loraweave.mechanisms.merge.layer.undo import bits
 from safetensors.torch import save_file
 from test_family_dora import dora_sd
 from test_family_lokr import lokr_sd
@@ -23,7 +22,8 @@ from torch import nn
 import loraweave
 from loraweave.errors import UndoError
 from loraweave.io.safetensors_file import read_safetensors_header
-from loraweave.mechanisms.merge.layer import undo as undo_mod
+from loraweave.mechanisms.merge import undo as undo_mod
+from loraweave.mechanisms.merge.undo import bits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STRENGTHS = [0.1, 1.0, 4.0, -1.0]

@@ -22,8 +22,9 @@ from ..quant import backend_for
 from ..report.coverage import warn_incomplete
 from ..report.report import AppliedModule
 from ..resolve.planner import Plan, PlannedPart
-from ..resolve.stacking import adapter_names
-from .install import Options, finish_report, install, install_layer, notes_of, plan_layers, resolve_set
+from ..resolve.stacking import Contribution
+from .install import finish_report, install, install_layer, layer_entry, plan_layers, resolve_set
+from .options import Options
 
 log = logging.getLogger("loraweave")
 
@@ -123,7 +124,7 @@ def switch_merged(sig: Signatures, record: MergedModule, new_contribs: list) -> 
         return False
     remap = sig.mapping(record.contributions, new_contribs)
     before = [(pp.strength, pp.scale) for pp, _ in record.contributions]
-    record.contributions = [(remap.get(id(pp), pp), piece) for pp, piece in record.contributions]
+    record.contributions = [Contribution(remap.get(id(pp), pp), piece) for pp, piece in record.contributions]
     record.adapters = {pp.adapter.name for pp, _ in record.contributions}
     if [(pp.strength, pp.scale) for pp, _ in record.contributions] != before:
         record.write()
@@ -217,24 +218,14 @@ def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density:
 
     try:
         for item in wp.work:
-            comp, path, module, mechanism, why, contribs = item
+            module, mechanism, contribs = item.module, item.mechanism, item.contribs
             seen.add(id(module))
             rp, rec = old_runtime.get(id(module)), old_merged.get(id(module))
             if (rp is not None and mechanism == "runtime" and switch_runtime(sig, rp, contribs)) or (
                 rec is not None and mechanism == "merge" and switch_merged(sig, rec, contribs)
             ):
                 counts["kept"] += 1
-                applied.append(
-                    AppliedModule(
-                        comp,
-                        path,
-                        mechanism,
-                        sorted(adapter_names(contribs)),
-                        why if mode == "auto" else "",
-                        "",
-                        notes_of(contribs),
-                    )
-                )
+                applied.append(layer_entry(item, item.why if mode == "auto" else ""))
                 if mechanism == "merge":
                     rec.entry = applied[-1]
                     rec._report()
