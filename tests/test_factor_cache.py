@@ -8,11 +8,11 @@ import os
 
 import pytest
 import torch
-from loraweave.mechanisms.runtime.path.factor_cache import FactorCache
 from safetensors.torch import load_file, save_file
 from test_quant_sdnq import OUT_A, OUT_B, float_model, lokr, quantized
 
 import loraweave
+from loraweave.mechanisms.runtime.factor_cache import FactorCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

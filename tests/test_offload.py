@@ -15,11 +15,11 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.hooks import apply_group_offloading
 from helpers.tiny_models import flux_forward, tiny_flux
-from loraweave.mechanisms.runtime.path.path import RuntimePath
 from test_switching import LAYERS, _lora
 
 import loraweave
 from loraweave.errors import StrictApplyError
+from loraweave.mechanisms.runtime.path import RuntimePath
 
 TOL = 1e-5
 DEVICES = [
