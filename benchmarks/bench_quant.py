@@ -254,7 +254,7 @@ def run_kind(backend: str, kind: str, base, lora, lokr, x, rounds: int, requant_
         handles.append(handle)
         fwd(model, x)()  # also the warm-up of this variant's timing
         gc.collect()
-        after = storages([layer, sd, handle._runtime, handle._quant])
+        after = storages([layer, sd, handle.runtime_paths, handle.quant_writes])
         extra = sum(v for k, v in after.items() if k not in before)
         entry = handle.report.applied[0]
         ret = (

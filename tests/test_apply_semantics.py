@@ -332,10 +332,10 @@ def test_runtime_set_strength_is_a_scale_update_equal_to_a_fresh_apply():
     x, img = torch.randn(5, 16, generator=gen(23)), torch.randn(2, 3, 6, 6, generator=gen(24))
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, [(ad_a, 1.0), (ad_b, 0.5)], mode="runtime", strict=True)
-    paths = {id(rp.module): rp for rp in handle._runtime}
+    paths = {id(rp.module): rp for rp in handle.runtime_paths}
     fc_path = paths[id(model.fc)]
     assert fc_path.down.shape[0] == 5 and fc_path.up.shape == (12, 5)  # one rank-concatenated pair
-    factors = [(rp, rp.down, rp.up) for rp in handle._runtime]
+    factors = [(rp, rp.down, rp.up) for rp in handle.runtime_paths]
     for value in (-0.4, 0.0, 2.5):
         handle.set_strength("a", value)
         assert handle.strengths == {"a": value, "b": 0.5}
@@ -370,7 +370,7 @@ def test_runtime_set_strength_on_a_bf16_layer_rewrites_the_cast_scale_in_place_b
     x = torch.randn(5, 16, generator=gen(25)).to(torch.bfloat16)
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, [(ad_a, 1.0), (ad_b, 0.5)], mode="runtime", strict=True)
-    fc_path = {id(rp.module): rp for rp in handle._runtime}[id(model.fc)]
+    fc_path = {id(rp.module): rp for rp in handle.runtime_paths}[id(model.fc)]
     with torch.no_grad():
         model.fc(x)
     (cast,) = fc_path._scale_cast._cast
@@ -434,7 +434,7 @@ def test_two_adapters_at_runtime_equal_the_sum_of_both_deltas():
     model = copy.deepcopy(base)
     spec = [(loraweave.load_adapter(a, name="a"), 0.6), (loraweave.load_adapter(b, name="b"), -0.3)]
     with torch.no_grad(), loraweave.apply(model, spec, mode="runtime", strict=True) as handle:
-        assert len(handle._runtime) == 1
+        assert len(handle.runtime_paths) == 1
         out = model.fc(x)
     ref_w = base.fc.weight.double() + 0.6 * 0.5 * delta_of(a, "fc") - 0.3 * delta_of(b, "fc")
     assert rel_err(out, F.linear(x.double(), ref_w, base.fc.bias.double())) <= RUNTIME_TOL

@@ -132,7 +132,7 @@ def test_bucket_never_shrinks_on_a_switch_down():
     compiled = torch.compile(model, backend=counter)
     _run(flux_forward, compiled)
     handle.switch(AdapterSpec(a, 1.0, name="a"))  # rank 16 -> 8: keeps the layer's bucket 16
-    assert {rp.down.shape[0] for rp in handle._runtime} == {16}
+    assert {rp.down.shape[0] for rp in handle.runtime_paths} == {16}
     assert rel_err(_run(flux_forward, compiled), _run(flux_forward, model)) <= TOL
     assert counter.frame_count == 1
 
@@ -151,7 +151,7 @@ def test_select_mode_layer_choices_do_not_recompile():
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
     _run(flux_forward, compiled)
-    for i, key in enumerate(sorted(handle._runtime_by_key())):
+    for i, key in enumerate(sorted(f"{c}.{n}" for c, n in handle.runtime_layers())):
         handle.set_layer_choice(key, i % 2)
     assert rel_err(_run(flux_forward, compiled), _run(flux_forward, model)) <= TOL
     assert counter.frame_count == 1

@@ -74,7 +74,7 @@ def test_a_strength_change_misses_and_set_strength_replays(tmp_path):
     assert hits(other) == [False, False]
     name = other.report.adapters[0]["name"]
     other.set_strength(name, 1.0)  # back to the first configuration: its entries replay
-    assert [m.cache_hit for m in other._quant] == [True, True]
+    assert [m.cache_hit for m in other.quant_writes] == [True, True]
     other.remove()
 
 

@@ -125,7 +125,7 @@ def test_handle_changes_go_through_the_journal():
     """apply records every change; switch and remove read it: after remove the journal is empty."""
     model = Net()
     handle = loraweave.apply(model, [(A, 1.0)], mode="merge")
-    assert len(handle.journal.entries) == 2 and handle._merged == handle.journal.entries
+    assert len(handle.journal.entries) == 2 and handle.merged_layers == handle.journal.entries
     handle.switch([(A, 1.0), (B, 1.0)])
     assert {id(e.module) for e in handle.journal.entries} == {id(model.fc1), id(model.fc2), id(model.fc3)}
     handle.remove()

@@ -161,13 +161,13 @@ def test_offload_forms(setup, tmp_path, form, mode, device):
                 else {"runtime"}
             )
         for rp in (
-            handle._runtime
+            handle.runtime_paths
         ):  # one cast copy, on the layer's execution device (on CPU: the factors themselves)
             assert rp._factor_cast._key[0].type == device and rp._factor_cast._key[1] == torch.float32
             assert device != "cpu" or (
                 rp._factor_cast._cast[0] is rp.down and rp._factor_cast._cast[1] is rp.up
             )
-    paths = list(handle._runtime)
+    paths = list(handle.runtime_paths)
     handle.remove()
     _check_removed(model, before, paths)
     assert torch.equal(run(model), plain_offloaded)
@@ -215,6 +215,6 @@ def test_group_offload_with_streams_cuda(setup, mode):
     assert {a.mechanism for a in handle.report.applied} == {"runtime"}
     out = _runner("cuda")(model)
     assert (out - want).abs().max() <= 1e-4 * want.abs().max()  # TF32/cuBLAS vs CPU reference
-    paths = list(handle._runtime)
+    paths = list(handle.runtime_paths)
     handle.remove()
     _check_removed(model, before, paths)

@@ -88,7 +88,7 @@ def test_batch_equals_separate_runs(arch, monkeypatch):
             got_cfg = run(arch, model, cat(neg, pos))  # 8 rows: sample i at rows i and 4 + i
         check(got, [r[1:] for r in refs], lambda i: slice(i, i + 1))
         check(got_cfg, refs, lambda i: [i, 4 + i])
-    assert all(rp.mix is None for rp in handle._runtime)  # the block closed: plain runtime again
+    assert all(rp.mix is None for rp in handle.runtime_paths)  # the block closed: plain runtime again
     assert torch.equal(run(arch, model, pos), plain)
 
 
@@ -153,7 +153,10 @@ def test_batch_on_fused_qkv():
     x = batch_inputs("flux", 4)
     model, handle = applied(fused, ads)
     assert any(
-        rp.module is m for rp in handle._runtime for n, m in model.named_modules() if n.endswith("to_qkv")
+        rp.module is m
+        for rp in handle.runtime_paths
+        for n, m in model.named_modules()
+        if n.endswith("to_qkv")
     )
     with handle.batch(SETS, STRENGTHS):
         got = run("flux", model, x)
@@ -214,11 +217,11 @@ def test_batch_refusals_leave_the_handle_as_it_was():
     uneven = {**x, "x": [x["x"][0], torch.randn(4, 1, 8, 16)]}
     with pytest.raises(BatchError, match="cannot be known"), handle.batch([["a"], ["b"]]):
         run("zimage", model, uneven)
-    layer = next(rp.module for rp in handle._runtime if isinstance(rp.module, torch.nn.Linear))
+    layer = next(rp.module for rp in handle.runtime_paths if isinstance(rp.module, torch.nn.Linear))
     with pytest.raises(BatchError, match="outside its model's forward"), handle.batch([["a"], ["b"]]):
         layer(torch.randn(2, layer.in_features))
-    assert all(rp.mix is None for rp in handle._runtime) and getattr(handle, "_mix", None) is None
-    assert not any(root._forward_pre_hooks for _, root in handle._plan.components)
+    assert all(rp.mix is None for rp in handle.runtime_paths) and handle.mix is None
+    assert not any(root._forward_pre_hooks for _, root in handle.components)
     assert torch.equal(run("zimage", model, x), plain)
 
 

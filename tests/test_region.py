@@ -68,7 +68,7 @@ def layer_errors(
         rp.module.register_forward_hook(
             lambda m, a, out, rp=rp: seen.append((rp, a[0], out.detach().clone()))
         )
-        for rp in handle._runtime
+        for rp in handle.runtime_paths
     ]
     for name, fn in masks.items():
         handle.set_region(name, mask(fn))
@@ -139,7 +139,7 @@ def test_dit_all_ones_is_plain_and_all_zeros_is_base(flux):
     assert rel_err(flux_forward(model), plain) > 1e-2  # negative control
     handle.clear_region("a")
     handle.clear_region("b")
-    assert torch.equal(flux_forward(model), plain) and all(rp.mix is None for rp in handle._runtime)
+    assert torch.equal(flux_forward(model), plain) and all(rp.mix is None for rp in handle.runtime_paths)
     ref.remove()
 
 
@@ -150,7 +150,7 @@ def test_unet_half_mask_per_feature_map_pixel():
     handle = loraweave.apply(model, [loraweave.AdapterSpec(sd, name="a")], mode="runtime", strict=True)
     err, mixed = layer_errors(model, handle, unet_forward, {"a": LEFT}, text=0)
     assert err <= 1e-5 and mixed > 20, (err, mixed)
-    convs = {id(rp) for rp in handle._runtime if rp.conv is not None}
+    convs = {id(rp) for rp in handle.runtime_paths if rp.conv is not None}
     assert len(convs) > 5
     handle.set_region("a", torch.zeros(16, 16))
     assert rel_err(unet_forward(model), unet_forward(base)) <= 1e-6
@@ -209,7 +209,7 @@ def test_region_follows_a_switch():
     handle.switch([specs["b"]])
     handle.clear_region("a")
     handle.switch([specs["a"]])  # a's paths come back from the detached set: plain again
-    assert all(rp.mix is None for rp in handle._runtime)
+    assert all(rp.mix is None for rp in handle.runtime_paths)
     plain = copy.deepcopy(base)
     loraweave.apply(plain, [specs["a"]], mode="runtime")
     assert rel_err(flux_forward(model), flux_forward(plain)) <= 1e-6

@@ -85,7 +85,9 @@ def test_window_and_ramp_equal_applying_by_hand_on_those_steps():
     model = copy.deepcopy(base)
     handle = loraweave.apply(model, specs, mode="runtime", strict=True)
     weights = {n: (p.data_ptr(), p._version) for n, p in model.named_parameters()}
-    kept = [(rp.scale.data_ptr(), rp.down.data_ptr() if rp.down is not None else 0) for rp in handle._runtime]
+    kept = [
+        (rp.scale.data_ptr(), rp.down.data_ptr() if rp.down is not None else 0) for rp in handle.runtime_paths
+    ]
     schedule = handle.step_schedule(STEPS)
     want = {"turbo": [0.8, 0.8, 0.8, 0.0, 0.0, 0.0], "detail": [0.0, 0.0, 0.0, 1.0, 0.6, 0.2]}
     assert all(schedule.table[n] == pytest.approx(v) for n, v in want.items())
@@ -95,7 +97,7 @@ def test_window_and_ramp_equal_applying_by_hand_on_those_steps():
     assert err <= 1e-5, err
     assert {n: (p.data_ptr(), p._version) for n, p in model.named_parameters()} == weights
     assert [
-        (rp.scale.data_ptr(), rp.down.data_ptr() if rp.down is not None else 0) for rp in handle._runtime
+        (rp.scale.data_ptr(), rp.down.data_ptr() if rp.down is not None else 0) for rp in handle.runtime_paths
     ] == kept
     assert handle.strengths == {"turbo": 0.8, "detail": 1.0}  # restored after the last step
     # negative controls: the window shifted by one step, or no window at all, give other results

@@ -29,7 +29,7 @@ def test_cuda_records_placement_and_exact_undo(dtype, kind, on_device):
         model, (lora_sd(net(dtype)), 1.0), mode="merge", undo=kind, undo_on_device=on_device
     )
     assert kinds_of(handle) <= {"compact", "copy"}
-    tensors = [t for m in handle._merged for t in _record_tensors(m.record)]
+    tensors = [t for m in handle.merged_layers for t in _record_tensors(m.record)]
     assert tensors, "no record tensors to check"
     for t in tensors:
         if on_device:

@@ -321,7 +321,7 @@ def test_source_refuses_a_changed_file(tmp_path, change):
     (path,) = folder.glob("*.safetensors")
     st = os.stat(path)
     if change == "rewritten":  # one weight fine-tuned and saved again: the one undone last, so the stat check
-        first = handle._merged[0].record.name  # must refuse before the others are restored
+        first = handle.merged_layers[0].record.name  # must refuse before the others are restored
         sd = {k: v + 1 if k == first else v for k, v in unet.state_dict().items()}
         sd.update({k: v for k, v in _saved_state(before, unet).items() if k != first})
         save_file(sd, str(path), metadata={"format": "pt"})  # same header size: only that tensor's bytes move
@@ -396,7 +396,7 @@ def test_compact_record_detects_a_different_delta():
     """Negative control: restoring with another ΔW than the merge used is caught by the witnesses."""
     model = net(torch.float16)
     handle = loraweave.apply(model, lora_sd(model, rel=0.3), mode="merge", undo="compact")
-    rec = handle._merged[0]
+    rec = handle.merged_layers[0]
     rec.terms = [(pp, piece, strength * 1.5, scale) for pp, piece, strength, scale in rec.terms]
     with pytest.raises(UndoError, match="did not reproduce the original weight"):
         rec.restore()
@@ -490,7 +490,7 @@ def test_odd_widths_in_blocks_restore(monkeypatch, dtype):
     sd = lora_sd(model, rel=0.3)
     handle = loraweave.apply(model, (sd, 4.0), mode="merge", undo="compact")
     assert kinds_of(handle) == {"compact"}
-    assert any(m.record.positions.numel() for m in handle._merged)  # there were misses to restore
+    assert any(m.record.positions.numel() for m in handle.merged_layers)  # there were misses to restore
     handle.set_strength(handle.report.adapters[0]["name"], -1.0)
     handle.remove()
     assert_same_bits(model, before)

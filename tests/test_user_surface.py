@@ -304,7 +304,7 @@ def test_item6_removed_handle_holds_nothing_but_its_report(mode):
     model = tiny_sdxl_unet()
     sd = {k: v for k, v in sd2_on_sd1_lora().items() if "attn1" in k}
     handle = loraweave.apply(model, sd, mode=mode)
-    records = handle._merged if mode == "merge" else handle._runtime
+    records = handle.merged_layers if mode == "merge" else handle.runtime_paths
     assert records
     watched = [weakref.ref(r) for r in records]
     if mode == "merge":

@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from .engine.handle import Handle
 from .engine.install import (
     AdapterSource,
-    Options,
     finish_report,
     group_by_module,
     install,
@@ -19,8 +18,10 @@ from .engine.install import (
     resolve_set,
 )
 from .engine.journal import Journal, model_lock
+from .engine.options import Options
 from .errors import StrictApplyError
 from .mechanisms.merge.layer import undo_settings
+from .modes import ApplyMode, QuantizedMode, StackMode, UndoKind
 from .report.coverage import refuse_empty, warn_incomplete
 from .report.report import AppliedModule, Report, failures
 from .resolve.stacking import adapter_names
@@ -55,16 +56,16 @@ def plan(
 def apply(
     target,
     adapters: Iterable[AdapterSource] | AdapterSource,
-    mode: str = "auto",
+    mode: ApplyMode = "auto",
     strength: float = 1.0,
     strict: bool = False,
     progress: bool | None = None,
-    stack: str = "sum",
+    stack: StackMode = "sum",
     density: float | None = None,
-    quantized: str = "auto",
+    quantized: QuantizedMode = "auto",
     host_rank: int = 256,
     cache=None,
-    undo: str = "auto",
+    undo: UndoKind = "auto",
     undo_source=None,
     undo_on_device: bool = False,
     allow_empty: bool = False,

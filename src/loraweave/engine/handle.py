@@ -9,23 +9,27 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 from ..mechanisms.merge import layer as merge_mechanism
-from ..mechanisms.merge.grow import GrownInput
 from ..mechanisms.merge.layer import MergedModule
 from ..mechanisms.merge.params import ParamPatch
 from ..mechanisms.merge.undo import reused_buffers
 from ..mechanisms.quantized import write as quant_mechanism
 from ..mechanisms.quantized.write import QuantWrite
 from ..mechanisms.runtime.path import RuntimePath
+from ..mechanisms.sampling.mix import Mix
+from ..modes import StackMode
 from ..report.report import Report
 from ..request.spec import finite_strength
 from ..resolve.planner import Plan, PlannedPart
 from ..resolve.weights import AdapterWeights, part_strength
-from .install import Options
 from .journal import Journal, model_lock
+from .options import Options
+from .state import HandleState, batch, clear_region, set_region
 
 
 class Handle:
-    """What `apply` did; `remove()` undoes it exactly. Usable as a context manager."""
+    """What `apply` did; `remove()` undoes it exactly. Usable as a context manager.
+
+    Its state (engine/state.py) is one object it owns and hands to what edits it (switch, batch, regions)."""
 
     def __init__(
         self,
@@ -35,36 +39,57 @@ class Handle:
         settings: dict[str, AdapterWeights] | None = None,
         options: Options | None = None,
     ) -> None:
-        self._plan = plan
-        self.report = report
-        self.journal = journal
-        self._settings = settings or {name: AdapterWeights(s) for name, s in plan.strengths.items()}
-        self.options = options or Options(mode=report.mode)
-        self._select: tuple[str, tuple[str, str]] | None = None  # (mode, (subject, style)) for select modes
-        self._resolve_cache = None  # switching: loads and resolutions per source (plan.cache.ResolveCache)
-        self._detached: dict = {}  # switching: paths the last switch took off, by (module id, structure)
-        self.last_switch: dict[str, int] | None = None  # kept / reattached / rebuilt / dropped layers
-        self._disabled: dict[
-            str, tuple[float, float | None]
-        ] = {}  # name -> (strength, te strength) to restore
-        self.active = True
+        self._state = HandleState(
+            plan,
+            report,
+            journal,
+            settings or {name: AdapterWeights(s) for name, s in plan.strengths.items()},
+            options or Options(mode=report.mode),
+        )
+
+    @property
+    def report(self) -> Report:
+        return self._state.report
+
+    @property
+    def journal(self) -> Journal:
+        return self._state.journal
+
+    @property
+    def options(self) -> Options:
+        return self._state.options
+
+    @property
+    def active(self) -> bool:
+        return self._state.active
+
+    @property
+    def last_switch(self) -> dict[str, int] | None:
+        """Layers the last `switch` kept / reattached / rebuilt / dropped."""
+        return self._state.last_switch
 
     # Views of the journal by kind of change (read-only lists).
     @property
-    def _merged(self) -> list[MergedModule]:
-        return self.journal.of(MergedModule)
+    def merged_layers(self) -> list[MergedModule]:
+        return self._state.merged()
 
     @property
-    def _runtime(self) -> list[RuntimePath]:
-        return self.journal.of(RuntimePath)
+    def runtime_paths(self) -> list[RuntimePath]:
+        return self._state.runtime()
 
     @property
-    def _quant(self) -> list[QuantWrite]:
-        return self.journal.of(QuantWrite)
+    def quant_writes(self) -> list[QuantWrite]:
+        return self._state.quant()
 
     @property
-    def _grown(self) -> list[GrownInput]:
-        return self.journal.of(GrownInput)
+    def mix(self) -> Mix | None:
+        """The per-sample batch / regional state while one is open (its root hooks live on the model), else None."""
+        return self._state.mix
+
+    @property
+    def components(self):
+        """The target's components (name -> module); None once removed."""
+        return self._state.plan.components if self._state.plan is not None else None
 
     @property
     def quant_options(self) -> dict:
@@ -77,68 +102,55 @@ class Handle:
     def lock(self):
         """The model's lock: held by every change this handle makes (other threads wait); a removed handle no
         longer knows the model (it holds only its report), so it has none."""
-        if self._plan is None:
+        if self._state.plan is None:
             return nullcontext()
-        return model_lock(self._plan.components.modules.values())
+        return model_lock(self._state.plan.components.modules.values())
 
     def check_undoable(self, names: set[str] | None = None) -> None:
         """Refuse when a later apply merged over this handle's layers (of adapters `names`, default any)."""
-        buried = [e for e in self.journal.buried() if names is None or names & e.adapters]
-        if buried:
-            raise RuntimeError(
-                f"{len(buried)} merged layers were merged again by a later apply; remove that handle first "
-                "(merges undo exactly only in reverse order)"
-            )
+        self._state.check_undoable(names)
 
     def remove(self) -> None:
         """Restore merged weights bit-exactly and detach runtime paths. Idempotent."""
+        state = self._state
         with self.lock():
-            if not self.active:
+            if not state.active:
                 return
             self.check_undoable()
-            for merged in self._merged:  # a source file that changed is refused before anything is touched
+            for merged in state.merged():  # a source file that changed is refused before anything is touched
                 merged.check_undo()
-            self.journal.undo()
-            if getattr(self, "_mix", None) is not None:  # per-sample / regional state: its root hooks go too
-                self._mix.remove()
-                self._mix = None
-            self._detached.clear()
-            self.active = False
-        self._release()
-
-    def _release(self) -> None:
-        """Drop the plan (factors, model), settings, caches and options: a removed handle holds only its report."""
-        if self._plan is not None:
-            self._removed_strengths = dict(self._plan.strengths)
-        self._plan, self._settings, self._resolve_cache, self._select = None, {}, None, None
-        self._detached = {}
-        self.options = Options(mode=self.options.mode)
+            state.journal.undo()
+            state.drop_mix()  # per-sample / regional state: its root hooks go too
+            state.detached.clear()
+            state.active = False
+        state.release()
 
     def set_strength(self, name: str, value: float, te: float | None = None) -> None:
         """Change one adapter's strength (and, with `te`, its text-encoder strength; else text encoders keep
         theirs when it was set apart, or follow). Runtime: a scale update only. Merge: rewritten from the backup.
         Block weights stay."""
+        state = self._state
         with self.lock():
-            if not self.active:
+            if not state.active:
                 raise RuntimeError("handle was removed")
-            if name not in self._plan.strengths:
-                raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
+            if name not in state.plan.strengths:
+                raise KeyError(f"no adapter named {name!r}; have {sorted(state.plan.strengths)}")
             value = finite_strength(
                 value
             )  # no float() first: "0.5" and True are refused, as AdapterSpec does
             te = None if te is None else finite_strength(te)
             self.check_undoable({name})
-            for merged in self._merged:  # fused (undo='none') or a changed source file: refused first
+            for merged in state.merged():  # fused (undo='none') or a changed source file: refused first
                 if name in merged.adapters:
                     merged.check_undo(rewrite=True)
-            before = (self._settings[name].strength, self._settings[name].te_strength)
+            before = (state.settings[name].strength, state.settings[name].te_strength)
             try:
                 self._set_weights(name, value, te if te is not None else before[1])
             except BaseException:  # e.g. a merge that would overflow: every layer back at the old strengths
                 self._set_weights(name, *before)
                 raise
-            self._disabled.pop(name, None)  # an explicit strength ends a `disable`
-            for summary in self.report.adapters:
+            state.disabled.pop(name, None)  # an explicit strength ends a `disable`
+            for summary in state.report.adapters:
                 if summary["name"] == name:
                     summary["strength"] = float(value)
 
@@ -146,32 +158,34 @@ class Handle:
         """Switch an adapter (None: all) off without removing anything: its strength goes to 0 (runtime: a scale
         write, so a compiled model does not recompile) and `enable` brings the previous strengths back."""
         for n in self._names(name):
-            if n not in self._disabled:
-                w = self._settings[n]
+            if n not in self._state.disabled:
+                w = self._state.settings[n]
                 saved = (w.strength, w.te_strength)
                 self.set_strength(n, 0.0, te=None if w.te_strength is None else 0.0)
-                self._disabled[n] = saved  # after: set_strength forgets a disabled state
+                self._state.disabled[n] = saved  # after: set_strength forgets a disabled state
 
     def enable(self, name: str | None = None) -> None:
         """Undo `disable` (None: every disabled adapter)."""
         for n in self._names(name):
-            if n in self._disabled:
-                strength, te = self._disabled.pop(n)
+            if n in self._state.disabled:
+                strength, te = self._state.disabled.pop(n)
                 self.set_strength(n, strength, te=te)
 
     def _names(self, name: str | None) -> list[str]:
-        if not self.active:
+        if not self._state.active:
             raise RuntimeError("handle was removed")
-        if name is not None and name not in self._plan.strengths:
-            raise KeyError(f"no adapter named {name!r}; have {sorted(self._plan.strengths)}")
-        return list(self._plan.strengths) if name is None else [name]
+        strengths = self._state.plan.strengths
+        if name is not None and name not in strengths:
+            raise KeyError(f"no adapter named {name!r}; have {sorted(strengths)}")
+        return list(strengths) if name is None else [name]
 
     def _set_weights(self, name: str, strength: float, te: float | None) -> None:
-        self._plan.strengths[name] = strength
-        self._settings[name].strength, self._settings[name].te_strength = strength, te
-        for pp in (*self._plan.planned, *self._plan.params):
+        plan, weights = self._state.plan, self._state.settings[name]
+        plan.strengths[name] = strength
+        weights.strength, weights.te_strength = strength, te
+        for pp in (*plan.planned, *plan.params):
             if pp.adapter.name == name:
-                pp.strength = part_strength(pp, self._settings[name])
+                pp.strength = part_strength(pp, weights)
         with reused_buffers():  # merged layers rewritten one after another share their scratch buffers
             for entry in self.journal.entries:
                 if name in entry.adapters:
@@ -180,12 +194,11 @@ class Handle:
     @property
     def planned(self) -> list[PlannedPart]:
         """Every planned part (adapter part, component, pieces, strength): read it, change it via the setters."""
-        return self._plan.planned
+        return self._state.plan.planned
 
     def runtime_layers(self) -> dict[tuple[str, str], RuntimePath]:
         """{(component, module path): runtime path}; `RuntimePath.set_gate` scales one adapter on one layer."""
-        modules = {id(m): (c, n) for c, root in self._plan.components for n, m in root.named_modules()}
-        return {modules[id(rp.module)]: rp for rp in self._runtime}
+        return self._state.runtime_layers()
 
     def set_part_strengths(self, strength_of: Callable[[PlannedPart], float]) -> None:
         """Set each planned part's strength to `strength_of(part)` (a caller's own per-module rule, e.g. the
@@ -194,7 +207,7 @@ class Handle:
             if not self.active:
                 raise RuntimeError("handle was removed")
             self.check_undoable()
-            for pp in self._plan.planned:
+            for pp in self._state.plan.planned:
                 pp.strength = finite_strength(float(strength_of(pp)))
             with reused_buffers():
                 for entry in self.journal.entries:
@@ -218,47 +231,40 @@ class Handle:
                     if isinstance(entry, cls):
                         getattr(entry.module, attr).remove(entry)
             self.journal.forget(list(self.journal.entries))
-            self.active = False
+            self._state.active = False
 
     def select_schedule(self, total_steps: int, **kwargs: float):
         """For stack="klora"/"estlora": the per-layer subject->style schedule over `total_steps` sampling steps.
 
         Use: `s = handle.select_schedule(steps); s.prime(handle)`, then pass
         `callback_on_step_end=s.diffusers_callback(handle)` to the diffusers pipeline call."""
-        if self._select is None:
+        selection = self._state.select
+        if selection is None:
             raise RuntimeError("select_schedule needs apply(..., stack='klora' or 'estlora')")
         from ..mechanisms.sampling.select import build_schedule
 
-        return build_schedule(self._select[0], self._runtime_by_key(), self._select[1], total_steps, **kwargs)
+        paths = self._state.runtime_by_key()
+        return build_schedule(selection.mode, paths, selection.names, total_steps, **kwargs)
 
     def set_layer_choice(self, layer_key: str, index: int) -> None:
         """Select modes: run the subject (0) or the style (1) adapter on one layer from now on."""
         from ..mechanisms.sampling.select import choose
 
-        if self._select is None:
+        selection = self._state.select
+        if selection is None:
             raise RuntimeError("set_layer_choice needs apply(..., stack='klora' or 'estlora')")
-        paths = self._runtime_by_key()
+        paths = self._state.runtime_by_key()
         if layer_key not in paths:
             raise KeyError(f"no runtime layer {layer_key!r}")
-        choose(paths[layer_key], self._select[1], index)
-
-    def _runtime_by_key(self) -> dict[str, RuntimePath]:
-        return {f"{c}.{n}": rp for (c, n), rp in self.runtime_layers().items()}
+        choose(paths[layer_key], selection.names, index)
 
     def start_selection(self) -> None:
         """Select modes: remember the pair and start every shared layer on the subject (step 0 of any schedule);
         other modes: no selection."""
-        if not self.options.select:
-            self._select = None
-            return
-        from ..mechanisms.sampling.select import choose, shared_layers
-
-        self._select = (self.options.stack, (self._plan.adapters[0].name, self._plan.adapters[1].name))
-        for rp in shared_layers(self._runtime_by_key(), self._select[1]).values():
-            choose(rp, self._select[1], 0)
+        self._state.start_selection()
 
     def switch(
-        self, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None
+        self, adapters, strength: float = 1.0, stack: StackMode = "sum", density: float | None = None
     ) -> None:
         """Replace the applied set with a new one, touching only layers whose contributions changed.
 
@@ -269,16 +275,13 @@ class Handle:
         removed and the error raised."""
         from .switch import switch
 
+        state = self._state
         try:
             with self.lock():
-                switch(self, adapters, strength, stack, density)
+                switch(state, adapters, strength, stack, density)
         finally:
-            if (
-                getattr(self, "_mix", None) is not None
-            ):  # open batch / regions follow the new paths (or go with them)
-                from ..mechanisms.sampling.mix import mix_for, release
-
-                mix_for(self) if self.active else release(self)
+            if state.mix is not None:  # open batch / regions follow the new paths (or go with them)
+                state.attach_mix() if state.active else state.release_mix()
 
     def batch(self, assignments: list[list[str]], strengths: list | None = None, exact: bool = False):
         """Context manager: inside it, sample i of each forward uses only the adapters `assignments[i]` (runtime).
@@ -293,33 +296,32 @@ class Handle:
         sets meet): a sample's output is then bit-equal to that lone apply's at the same batch shape, whatever the
         other samples use (low-rank pairs; CPU BLAS and oneDNN round by row count, so the per-run GEMMs and the
         gated whole-pair form short runs use by default differ from it by float rounding)."""
-        from ..mechanisms.sampling.mix import batch
-
-        return batch(self, assignments, strengths, exact)
+        return batch(self._state, assignments, strengths, exact)
 
     def set_region(self, name: str, mask) -> None:
         """Confine a runtime adapter to an image-space mask (H×W, 0..1), per image token (mechanisms/region.py)."""
-        from ..mechanisms.sampling.mix import set_region
-
-        set_region(self, name, mask)
+        set_region(self._state, name, mask)
 
     def clear_region(self, name: str) -> None:
         """Apply the adapter everywhere again."""
-        from ..mechanisms.sampling.mix import clear_region
-
-        clear_region(self, name)
+        clear_region(self._state, name)
 
     def step_schedule(self, total_steps: int):
         """Strengths per sampling step from the adapters' `steps=` windows and ramps (mechanisms/steps.py).
 
         Sets step 0 at once; pass the result as `callback_on_step_end=` to a diffusers pipeline call."""
-        from ..mechanisms.sampling.steps import StepSchedule
+        from ..mechanisms.sampling.steps import StepSchedule, check_total_steps
 
-        return StepSchedule(self, total_steps)
+        state = self._state
+        check_total_steps(total_steps)
+        if not state.active:
+            raise RuntimeError("handle was removed")
+        return StepSchedule(total_steps, state.settings, state.plan.planned, state.runtime(), state.written())
 
     @property
     def strengths(self) -> dict[str, float]:
-        return dict(self._plan.strengths) if self._plan is not None else dict(self._removed_strengths)
+        plan = self._state.plan
+        return dict(plan.strengths) if plan is not None else dict(self._state.removed_strengths)
 
     def __enter__(self) -> Handle:
         return self

@@ -8,18 +8,18 @@ import os
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from ..errors import NonFiniteResultError
 from ..formats.adapter import Adapter, load_adapter
-from ..mechanisms.choose import QUANTIZED, QuantSettings, WorkPlan, plan_work
+from ..mechanisms.choose import LayerWork, WorkPlan, plan_work
 from ..mechanisms.merge.grow import grow_input
-from ..mechanisms.merge.layer import Contribution, MergedModule, check_undo_arguments, merge_module
+from ..mechanisms.merge.layer import Contribution, MergedModule, merge_module
 from ..mechanisms.merge.params import apply_params
 from ..mechanisms.merge.undo import reused_buffers
 from ..mechanisms.quantized.write import QuantWrite
-from ..mechanisms.runtime.compiled import CompileOptions, compile_options, prepare
+from ..mechanisms.runtime.compiled import prepare
 from ..mechanisms.runtime.path import RuntimePath
+from ..modes import ApplyMode
 from ..progress import PROGRESS_LAYERS, bar, on_terminal
 from ..quant import broken
 from ..report.miss import Unmatched
@@ -31,65 +31,11 @@ from ..resolve.schedule import step_window
 from ..resolve.stacking import adapter_names, combine_groups
 from ..resolve.target import as_components, experts
 from ..resolve.weights import AdapterWeights, assign
-from ..stack.combine import SELECT_MODES, validate_stack
 from .journal import Journal
+from .options import Options
 
-MODES = ("auto", "merge", "runtime")
 # What `adapters` may hold: a path, an Adapter, a state dict, (source, strength) or an AdapterSpec.
 AdapterSource = str | os.PathLike | Adapter | Mapping | tuple | AdapterSpec
-
-
-@dataclass
-class Options:
-    """How a set is applied; apply and switch check them with the same rules (`check`, `layer_mode`)."""
-
-    mode: str = "auto"
-    stack: str = "sum"
-    density: float | None = None
-    quantized: str = "auto"
-    host_rank: int = 256
-    cache: object = None
-    compile_friendly: bool = False
-    rank_buckets: object = None  # ints, validated by check()
-    # compile_friendly: each layer's padded rank so far (id(module) -> rank); a switch never shrinks it
-    bucket_floors: dict = field(default_factory=dict, compare=False, repr=False)
-    undo: str = "auto"  # merge undo records (mechanisms/undo.py)
-    undo_source: object = None
-    undo_on_device: bool = False
-    undo_with: object = None  # the checked UndoSettings (undo_settings: source files found before any change)
-
-    def check(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        validate_stack(self.stack, self.density)
-        if self.quantized not in QUANTIZED:
-            raise ValueError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")
-        if not isinstance(self.host_rank, int) or self.host_rank < 0:
-            raise ValueError(f"host_rank must be an int >= 0, got {self.host_rank!r}")
-        check_undo_arguments(self.undo, self.undo_source)
-        self.compiled()
-
-    def compiled(self) -> CompileOptions | None:
-        """The validated compile_friendly settings, or None when not asked for."""
-        return compile_options(self.compile_friendly, self.rank_buckets, self.stack)
-
-    @property
-    def select(self) -> bool:
-        return self.stack in SELECT_MODES
-
-    def layer_mode(self, n_adapters: int) -> str:
-        """The mode layers get for a set of `n_adapters`: select modes need runtime and exactly two adapters."""
-        if not self.select:
-            return self.mode
-        validate_stack(self.stack, self.density, n_adapters)
-        if self.mode == "merge":
-            raise ValueError(
-                f"stack={self.stack!r} switches layers between adapters per step: use mode='runtime'"
-            )
-        return "runtime"
-
-    def quant_settings(self) -> QuantSettings:
-        return QuantSettings(self.quantized, self.host_rank, self.cache)
 
 
 def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
@@ -174,7 +120,7 @@ def group_by_module(planned: list[PlannedPart]) -> dict[tuple[str, str], list[Co
     groups: dict[tuple[str, str], list[Contribution]] = {}
     for pp in planned:
         for piece in pp.pieces:
-            groups.setdefault((pp.component, piece.module), []).append((pp, piece))
+            groups.setdefault((pp.component, piece.module), []).append(Contribution(pp, piece))
     return groups
 
 
@@ -202,7 +148,7 @@ def growth(p: Plan) -> list[tuple[str, str, int, str]]:
     return [(c, m, w, k) for (c, m), (w, k) in found.items()]
 
 
-def plan_layers(p: Plan, options: Options, mode: str) -> tuple[WorkPlan, list[Unmatched]]:
+def plan_layers(p: Plan, options: Options, mode: ApplyMode) -> tuple[WorkPlan, list[Unmatched]]:
     """Stack groups and a mechanism per layer; parts no layer takes move to the returned unmatched list."""
     unmatched = list(p.unmatched)
     groups = combine_groups(group_by_module(p.planned), p.components.modules, options.stack, options.density)
@@ -213,62 +159,74 @@ def notes_of(contribs: list[Contribution]) -> list[str]:
     return sorted({n for pp, _ in contribs for n in pp.notes})
 
 
+def layer_entry(item: LayerWork, why: str, cost: str = "", backend: str = "") -> AppliedModule:
+    """The report row of one installed layer."""
+    names = sorted(adapter_names(item.contribs))
+    return AppliedModule(
+        item.component, item.path, item.mechanism, names, why, cost, notes_of(item.contribs), backend=backend
+    )
+
+
+def _merge_layer(journal: Journal, item: LayerWork, options: Options) -> MergedModule:
+    where = (item.component, item.path)
+    try:
+        return merge_module(item.module, item.contribs, journal.record, options.undo_with, where)
+    except NonFiniteResultError as exc:
+        raise NonFiniteResultError(f"{item.component}.{item.path}: {exc}") from None
+
+
+def _runtime_layer(journal: Journal, item: LayerWork, options: Options, path_for) -> RuntimePath:
+    rp = path_for(item.module, item.contribs) if path_for is not None else None
+    rp = rp or RuntimePath(item.module, item.contribs)
+    if options.compile_friendly:
+        prepare(rp, options.compiled(), options.bucket_floors)
+    journal.record(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
+    rp.attach()
+    return rp
+
+
+def _quant_layer(journal: Journal, item: LayerWork, wp: WorkPlan, options: Options, backend) -> QuantWrite:
+    write = QuantWrite(
+        item.module,
+        backend,
+        item.contribs,
+        item.mechanism,
+        host_rank=options.host_rank,
+        cache=options.cache if item.mechanism == "hosted" else None,
+        layer=f"{item.component}.{item.path}",
+    )
+    journal.record(write)  # recorded before the layer is touched: rollback finds it
+    write.apply(wp.routes[(item.component, item.path)][1])
+    return write
+
+
 def install_layer(
-    journal: Journal, item, mode: str, wp: WorkPlan, options: Options, path_for=None
+    journal: Journal, item: LayerWork, mode: ApplyMode, wp: WorkPlan, options: Options, path_for=None
 ) -> AppliedModule:
     """Install one planned layer (merge, runtime path or quantized write), recorded in `journal` first.
 
     path_for(module, contribs) -> RuntimePath | None: a path to re-use instead of building one (switching)."""
-    comp, path, module, mechanism, why, contribs = item
-    cost = ""
-    backend = wp.routes.get((comp, path), (None, None))[0]
-    write = None
-    if mechanism == "merge":
-        try:
-            merged = merge_module(module, contribs, journal.record, options.undo_with, (comp, path))
-        except NonFiniteResultError as exc:
-            raise NonFiniteResultError(f"{comp}.{path}: {exc}") from None
-    elif mechanism == "runtime":
-        rp = (path_for(module, contribs) if path_for is not None else None) or RuntimePath(module, contribs)
-        if options.compile_friendly:
-            prepare(rp, options.compiled(), options.bucket_floors)
-        journal.record(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
-        rp.attach()
-        cost = "; ".join(sorted(rp.costs))
-    else:
-        write = QuantWrite(
-            module,
-            backend,
-            contribs,
-            mechanism,
-            host_rank=options.host_rank,
-            cache=options.cache if mechanism == "hosted" else None,
-            layer=f"{comp}.{path}",
-        )
-        journal.record(write)  # recorded before the layer is touched: rollback finds it
-        write.apply(wp.routes[(comp, path)][1])
-    show_why = why if mode == "auto" or write is not None else ""
-    entry = AppliedModule(
-        comp,
-        path,
-        mechanism,
-        sorted(adapter_names(contribs)),
-        show_why,
-        cost,
-        notes_of(contribs),
-        backend=backend.name if backend is not None else "",
-    )
-    if mechanism == "merge":
+    backend = wp.routes.get((item.component, item.path), (None, None))[0]
+    backend_name = backend.name if backend is not None else ""
+    if item.mechanism == "merge":
+        merged = _merge_layer(journal, item, options)
+        entry = layer_entry(item, item.why if mode == "auto" else "", backend=backend_name)
         merged.entry = entry  # the report follows the undo record (kind, bytes) through strength changes
         merged._report()
-    if write is not None:
-        entry.retention, entry.capture, entry.rank = write.retention, write.capture, write.rank
-        entry.cache_hit, write.entry = write.cache_hit, entry
+        return entry
+    if item.mechanism == "runtime":
+        rp = _runtime_layer(journal, item, options, path_for)
+        cost = "; ".join(sorted(rp.costs))
+        return layer_entry(item, item.why if mode == "auto" else "", cost, backend_name)
+    write = _quant_layer(journal, item, wp, options, backend)
+    entry = layer_entry(item, item.why, backend=backend_name)
+    entry.retention, entry.capture, entry.rank = write.retention, write.capture, write.rank
+    entry.cache_hit, write.entry = write.cache_hit, entry
     return entry
 
 
 def install(
-    journal: Journal, p: Plan, wp: WorkPlan, mode: str, options: Options, progress: bool | None = None
+    journal: Journal, p: Plan, wp: WorkPlan, mode: ApplyMode, options: Options, progress: bool | None = None
 ) -> list[AppliedModule]:
     """Grow inputs, then install every layer; the caller holds a journal transaction (all or nothing)."""
     for comp, path, width, key in growth(p):  # control adapters: the wider input exists before they land

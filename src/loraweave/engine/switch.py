@@ -14,16 +14,23 @@ import dataclasses
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 from ..families.combined import CombinedFactors
+from ..mechanisms.choose import LayerWork, WorkPlan
 from ..mechanisms.merge.layer import MergedModule
 from ..mechanisms.runtime.path import RuntimePath
+from ..modes import ApplyMode, StackMode
 from ..quant import backend_for
 from ..report.coverage import warn_incomplete
-from ..report.report import AppliedModule
+from ..report.miss import Unmatched
+from ..report.report import AppliedModule, Report
 from ..resolve.planner import Plan, PlannedPart
-from ..resolve.stacking import adapter_names
-from .install import Options, finish_report, install, install_layer, notes_of, plan_layers, resolve_set
+from ..resolve.stacking import Contribution
+from ..resolve.weights import AdapterWeights
+from .install import finish_report, install, install_layer, layer_entry, plan_layers, resolve_set
+from .options import Options
+from .state import HandleState
 
 log = logging.getLogger("loraweave")
 
@@ -123,39 +130,173 @@ def switch_merged(sig: Signatures, record: MergedModule, new_contribs: list) -> 
         return False
     remap = sig.mapping(record.contributions, new_contribs)
     before = [(pp.strength, pp.scale) for pp, _ in record.contributions]
-    record.contributions = [(remap.get(id(pp), pp), piece) for pp, piece in record.contributions]
+    record.contributions = [Contribution(remap.get(id(pp), pp), piece) for pp, piece in record.contributions]
     record.adapters = {pp.adapter.name for pp, _ in record.contributions}
     if [(pp.strength, pp.scale) for pp, _ in record.contributions] != before:
         record.write()
     return True
 
 
-def _start_over(handle, p: Plan, settings, options: Options, mode: str, wp, unmatched, t0: float) -> None:
-    """Undo everything, then install the new set into the same journal (it is empty in between)."""
-    handle.journal.undo()
-    handle._detached.clear()
-    try:
-        with handle.journal.transaction():
-            applied = install(handle.journal, p, wp, mode, options)
-    except BaseException:
-        handle.active = False
-        raise
-    _commit(
-        handle,
-        p,
-        settings,
-        options,
-        finish_report(p, mode, applied, unmatched, wp, t0),
-        {"kept": 0, "reattached": 0, "rebuilt": len(applied), "dropped": 0},
+@dataclass
+class NewSet:
+    """The set a switch moves to, planned and checked like apply before anything changes."""
+
+    plan: Plan
+    settings: dict[str, AdapterWeights]
+    options: Options
+    mode: ApplyMode
+    work: WorkPlan
+    unmatched: list[Unmatched]
+    t0: float
+
+    def report(self, applied: list[AppliedModule]) -> Report:
+        return finish_report(self.plan, self.mode, applied, self.unmatched, self.work, self.t0)
+
+
+def _plan_switch(
+    state: HandleState, adapters, strength: float, stack: StackMode, density: float | None
+) -> NewSet:
+    """Plan the new set with the handle's settings but the stack (compile buckets and undo settings carried over;
+    bucket floors shared); every refusal apply would make, and the undo checks, come before any change."""
+    t0 = time.perf_counter()
+    options = dataclasses.replace(state.options, stack=stack, density=density)
+    options.check()  # compile_friendly: a stack mode that breaks the graph is refused here too
+    components = state.plan.components
+    if state.resolve_cache is None:
+        from ..resolve.cache import ResolveCache
+
+        state.resolve_cache = ResolveCache(components)
+    p, settings = resolve_set(components, adapters, strength, cache=state.resolve_cache)
+    mode = options.layer_mode(len(p.adapters))  # the same refusals as apply, before anything changes
+    state.check_undoable()
+    for (
+        rec
+    ) in state.merged():  # fused (undo='none') or a changed source file: refused before anything changes
+        rec.check_undo(rewrite=True)
+    wp, unmatched = plan_layers(p, options, mode)
+    return NewSet(p, settings, options, mode, wp, unmatched, t0)
+
+
+def _must_start_over(state: HandleState, new: NewSet) -> bool:
+    """Grown inputs and quantized writes own the model's structure or storage, and parameter patches are not
+    per-layer records either: a switch involving any of them starts over."""
+    return bool(
+        state.grown()
+        or state.quant()
+        or any(pp.grow for pp in new.plan.planned)
+        or _has_quantized(new.plan)
+        or state.plan.params
+        or new.plan.params
     )
 
 
-def _commit(handle, p: Plan, settings, options: Options, report, counts: dict[str, int]) -> None:
-    handle._plan, handle._settings, handle.options, handle.report = p, settings, options, report
-    handle._disabled = {}  # the new set comes with its own strengths
+def _start_over(state: HandleState, new: NewSet) -> None:
+    """Undo everything, then install the new set into the same journal (it is empty in between)."""
+    state.journal.undo()
+    state.detached.clear()
+    try:
+        with state.journal.transaction():
+            applied = install(state.journal, new.plan, new.work, new.mode, new.options)
+    except BaseException:
+        state.active = False
+        raise
+    _commit(
+        state, new, new.report(applied), {"kept": 0, "reattached": 0, "rebuilt": len(applied), "dropped": 0}
+    )
+
+
+class LayerDiff:
+    """The new set's layers against the journal, one layer at a time: kept (re-pointed), reattached (a path this
+    layer carried before), rebuilt, or dropped (no longer touched)."""
+
+    def __init__(self, state: HandleState, new: NewSet) -> None:
+        self.journal, self.new = state.journal, new
+        self.old_runtime = self.journal.by_module(RuntimePath)
+        self.old_merged = self.journal.by_module(MergedModule)
+        self.detached = state.detached  # what the last switch took off
+        self.now_detached: dict[tuple[int, tuple], RuntimePath] = {}  # what this one takes off
+        self.sig = Signatures()
+        self.applied: list[AppliedModule] = []
+        self.counts = {"kept": 0, "reattached": 0, "rebuilt": 0, "dropped": 0}
+        self.seen: set[int] = set()
+
+    def run(self) -> None:
+        for item in self.new.work.work:
+            self.seen.add(id(item.module))
+            rp, rec = self.old_runtime.get(id(item.module)), self.old_merged.get(id(item.module))
+            if not self.keep(item, rp, rec):
+                self.rebuild(item, rp, rec)
+        self.drop_rest()
+
+    def keep(self, item: LayerWork, rp: RuntimePath | None, rec: MergedModule | None) -> bool:
+        """Same structure: the old entry re-pointed at the new parts; False when the layer must be rebuilt."""
+        if not (
+            (rp is not None and item.mechanism == "runtime" and switch_runtime(self.sig, rp, item.contribs))
+            or (rec is not None and item.mechanism == "merge" and switch_merged(self.sig, rec, item.contribs))
+        ):
+            return False
+        self.counts["kept"] += 1
+        entry = layer_entry(item, item.why if self.new.mode == "auto" else "")
+        self.applied.append(entry)
+        if item.mechanism == "merge":
+            rec.entry = entry
+            rec._report()
+        return True
+
+    def rebuild(self, item: LayerWork, rp: RuntimePath | None, rec: MergedModule | None) -> None:
+        """Undo the layer's old entry (a runtime path is kept aside for a later switch back) and install the new."""
+        if rp is not None:
+            self.now_detached[(id(item.module), self.sig.structure(rp.contributions))] = rp
+        self.journal.undo([e for e in (rp, rec) if e is not None])
+        before = self.counts["reattached"]
+        new = self.new
+        self.applied.append(
+            install_layer(self.journal, item, new.mode, new.work, new.options, path_for=self.reattach)
+        )
+        self.counts["rebuilt"] += self.counts["reattached"] == before
+
+    def reattach(self, module, contribs) -> RuntimePath | None:
+        """Back to a set this layer carried before: re-attach its path, nothing rebuilt."""
+        rp = self.detached.get((id(module), self.sig.structure(contribs)))
+        if rp is not None:
+            rp.gates.clear()
+            rp.rebind(self.sig.mapping(rp.contributions, contribs))
+            self.counts["reattached"] += 1
+        return rp
+
+    def drop_rest(self) -> None:
+        """Layers the new set does not touch: undone (runtime paths kept aside for a later switch back)."""
+        gone = [
+            e
+            for e in self.journal.entries
+            if isinstance(e, (RuntimePath, MergedModule)) and id(e.module) not in self.seen
+        ]
+        for rp in gone:
+            if isinstance(rp, RuntimePath):
+                self.now_detached[(id(rp.module), self.sig.structure(rp.contributions))] = rp
+        self.counts["dropped"] += len(gone)
+        self.journal.undo(gone)
+
+
+def _switch_layers(state: HandleState, new: NewSet) -> LayerDiff:
+    diff = LayerDiff(state, new)
+    try:
+        diff.run()
+    except BaseException:
+        # Old and new layers are mixed at this point: leave the model clean (no adapters) rather than half-switched.
+        state.journal.undo()
+        state.detached.clear()
+        state.active = False
+        raise
+    state.detached = diff.now_detached
+    return diff
+
+
+def _commit(state: HandleState, new: NewSet, report: Report, counts: dict[str, int]) -> None:
+    state.adopt(new.plan, new.settings, new.options, report)  # the new set comes with its own strengths
     warn_incomplete(report)
-    handle.start_selection()  # a select mode starts on the subject; any other mode drops the old selection
-    handle.last_switch = counts
+    state.start_selection()  # a select mode starts on the subject; any other mode drops the old selection
+    state.last_switch = counts
     log.info(
         "loraweave switch layers_kept=%d layers_reattached=%d layers_rebuilt=%d layers_dropped=%d %s",
         counts["kept"],
@@ -166,100 +307,19 @@ def _commit(handle, p: Plan, settings, options: Options, report, counts: dict[st
     )
 
 
-def switch(handle, adapters, strength: float = 1.0, stack: str = "sum", density: float | None = None) -> None:
-    """Make `handle` represent a new adapter set on the same target (the caller holds the model's lock)."""
-    if not handle.active:
+def switch(
+    state: HandleState,
+    adapters,
+    strength: float = 1.0,
+    stack: StackMode = "sum",
+    density: float | None = None,
+) -> None:
+    """Make the handle whose state this is represent a new adapter set on the same target (the caller holds the
+    model's lock)."""
+    if not state.active:
         raise RuntimeError("handle was removed")
-    t0 = time.perf_counter()
-    old = handle.options
-    # Same settings but the stack (compile buckets and undo settings carried over; bucket floors shared).
-    options = dataclasses.replace(old, stack=stack, density=density)
-    options.check()  # compile_friendly: a stack mode that breaks the graph is refused here too
-    components = handle._plan.components
-    if handle._resolve_cache is None:
-        from ..resolve.cache import ResolveCache
-
-        handle._resolve_cache = ResolveCache(components)
-    p, settings = resolve_set(components, adapters, strength, cache=handle._resolve_cache)
-    mode = options.layer_mode(len(p.adapters))  # the same refusals as apply, before anything changes
-    handle.check_undoable()
-    for (
-        rec
-    ) in handle._merged:  # fused (undo='none') or a changed source file: refused before anything changes
-        rec.check_undo(rewrite=True)
-    wp, unmatched = plan_layers(p, options, mode)
-    # Parameter patches are not per-layer records either: start over, like grown inputs and quantized writes.
-    if (
-        handle._grown
-        or handle._quant
-        or any(pp.grow for pp in p.planned)
-        or _has_quantized(p)
-        or handle._plan.params
-        or p.params
-    ):
-        return _start_over(handle, p, settings, options, mode, wp, unmatched, t0)
-    journal = handle.journal
-    old_runtime, old_merged = journal.by_module(RuntimePath), journal.by_module(MergedModule)
-    detached, now_detached = handle._detached, {}
-    sig = Signatures()
-    applied: list[AppliedModule] = []
-    counts = {"kept": 0, "reattached": 0, "rebuilt": 0, "dropped": 0}
-    seen: set[int] = set()
-
-    def reattach(module, contribs):
-        """Back to a set this layer carried before: re-attach its path, nothing rebuilt."""
-        rp = detached.get((id(module), sig.structure(contribs)))
-        if rp is not None:
-            rp.gates.clear()
-            rp.rebind(sig.mapping(rp.contributions, contribs))
-            counts["reattached"] += 1
-        return rp
-
-    try:
-        for item in wp.work:
-            comp, path, module, mechanism, why, contribs = item
-            seen.add(id(module))
-            rp, rec = old_runtime.get(id(module)), old_merged.get(id(module))
-            if (rp is not None and mechanism == "runtime" and switch_runtime(sig, rp, contribs)) or (
-                rec is not None and mechanism == "merge" and switch_merged(sig, rec, contribs)
-            ):
-                counts["kept"] += 1
-                applied.append(
-                    AppliedModule(
-                        comp,
-                        path,
-                        mechanism,
-                        sorted(adapter_names(contribs)),
-                        why if mode == "auto" else "",
-                        "",
-                        notes_of(contribs),
-                    )
-                )
-                if mechanism == "merge":
-                    rec.entry = applied[-1]
-                    rec._report()
-                continue
-            if rp is not None:
-                now_detached[(id(module), sig.structure(rp.contributions))] = rp
-            journal.undo([e for e in (rp, rec) if e is not None])
-            before = counts["reattached"]
-            applied.append(install_layer(journal, item, mode, wp, options, path_for=reattach))
-            counts["rebuilt"] += counts["reattached"] == before
-        gone = [
-            e
-            for e in journal.entries
-            if isinstance(e, (RuntimePath, MergedModule)) and id(e.module) not in seen
-        ]
-        for rp in gone:
-            if isinstance(rp, RuntimePath):
-                now_detached[(id(rp.module), sig.structure(rp.contributions))] = rp
-        counts["dropped"] += len(gone)
-        journal.undo(gone)
-    except BaseException:
-        # Old and new layers are mixed at this point: leave the model clean (no adapters) rather than half-switched.
-        journal.undo()
-        handle._detached.clear()
-        handle.active = False
-        raise
-    handle._detached = now_detached
-    _commit(handle, p, settings, options, finish_report(p, mode, applied, unmatched, wp, t0), counts)
+    new = _plan_switch(state, adapters, strength, stack, density)
+    if _must_start_over(state, new):
+        return _start_over(state, new)
+    diff = _switch_layers(state, new)
+    _commit(state, new, new.report(diff.applied), diff.counts)

@@ -5,10 +5,12 @@ over several modules lands everywhere or nowhere) and its keys go to the unmatch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from ..modes import ApplyMode, Mechanism, QuantizedMode
 from ..quant import QuantBackend, backend_for
 from ..report.miss import Miss, Unmatched
 from ..resolve.planner import Plan
@@ -17,13 +19,25 @@ from .quantized.write import Route, factorable_reason, route_hook_free
 from .runtime.offload import weight_copies
 from .runtime.path import runtime_blocker, runtime_host
 
-QUANTIZED = ("auto", "host", "requantize")
-Work = list[tuple[str, str, torch.nn.Module, str | None, str, list[Contribution]]]
+
+@dataclass
+class LayerWork:
+    """One layer's unit of work: where it is, the mechanism chosen for it (None: refused) and why, and what lands."""
+
+    component: str
+    path: str
+    module: torch.nn.Module
+    mechanism: Mechanism | None
+    why: str
+    contribs: list[Contribution]
+
+
+Work = list[LayerWork]
 
 
 @dataclass
 class QuantSettings:
-    quantized: str = "auto"
+    quantized: QuantizedMode = "auto"
     host_rank: int = 256
     cache: object = None
 
@@ -35,8 +49,8 @@ class WorkPlan:
 
 
 def choose(
-    mode: str, module: torch.nn.Module, contribs: list[Contribution], copy_reason: str | None = None
-) -> tuple[str | None, str]:
+    mode: ApplyMode, module: torch.nn.Module, contribs: list[Contribution], copy_reason: str | None = None
+) -> tuple[Mechanism | None, str]:
     """(mechanism or None, why) for a layer no quantization backend owns; copy_reason: an offload group owns it."""
     merge_no = copy_reason or merge_blocker(module, needs_bias(contribs))
     runtime_no = runtime_blocker(module)
@@ -71,7 +85,7 @@ def runtime_refusal(module: torch.nn.Module, contribs: list[Contribution]) -> Mi
 
 
 def check_runtime(
-    mode: str, module: torch.nn.Module, contribs: list[Contribution], why: str, quantized: bool = False
+    mode: ApplyMode, module: torch.nn.Module, contribs: list[Contribution], why: str, quantized: bool = False
 ) -> tuple[str | None, str, str]:
     """(mechanism, why, miss kind) once the families had their say on the runtime form."""
     refused = runtime_refusal(module, contribs)
@@ -84,7 +98,7 @@ def check_runtime(
 
 
 def choose_quantized(
-    mode: str,
+    mode: ApplyMode,
     qs: QuantSettings,
     backend: QuantBackend,
     module: torch.nn.Module,
@@ -140,7 +154,7 @@ def choose_quantized(
 
 
 def plan_work(
-    p: Plan, groups, mode: str, unmatched: list[Unmatched], qs: QuantSettings | None = None
+    p: Plan, groups, mode: ApplyMode, unmatched: list[Unmatched], qs: QuantSettings | None = None
 ) -> WorkPlan:
     """A mechanism per layer, decided from the layers and the families' declared abilities (nothing built)."""
     qs = qs or QuantSettings()
@@ -164,22 +178,19 @@ def plan_work(
         if mechanism is None:
             for pp, _ in contribs:
                 rejected_parts.setdefault(id(pp), Miss(kind, f"{why} ({comp}.{path})"))
-        plan.work.append((comp, path, module, mechanism, why, contribs))
+        plan.work.append(LayerWork(comp, path, module, mechanism, why, contribs))
     if rejected_parts:
         for pp in p.planned:
             if id(pp) in rejected_parts:
                 unmatched += [Unmatched(pp.adapter.name, k, rejected_parts[id(pp)]) for k in pp.part.keys]
         p.planned = [pp for pp in p.planned if id(pp) not in rejected_parts]
         kept = []
-        for c, path, m, mech, why, contribs in plan.work:
-            remaining = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected_parts]
-            if len(remaining) != len(contribs):
-                if (c, path) in plan.routes:
-                    plan.routes[(c, path)] = (
-                        plan.routes[(c, path)][0],
-                        None,
-                    )  # routed on other contributions
+        for item in plan.work:
+            remaining = [c for c in item.contribs if id(c.part) not in rejected_parts]
+            where = (item.component, item.path)
+            if len(remaining) != len(item.contribs) and where in plan.routes:
+                plan.routes[where] = (plan.routes[where][0], None)  # routed on other contributions
             if remaining:
-                kept.append((c, path, m, mech, why, remaining))
+                kept.append(dataclasses.replace(item, contribs=remaining))
         plan.work = kept
     return plan

@@ -7,6 +7,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..modes import REPORT_MECHANISMS
 from .miss import Unmatched
 
 log = logging.getLogger("loraweave")
@@ -21,7 +22,7 @@ def failures(unmatched: list) -> list:
     ]  # Unmatched or inspect's dicts: both have a kind
 
 
-MECHANISMS = ("merge", "runtime", "factor", "hosted", "requantize", "planned")
+MECHANISMS = REPORT_MECHANISMS
 
 
 @dataclass

@@ -6,14 +6,22 @@ touches are left alone."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..arch.spec import Piece, module_shape
 from ..families import combined
 from ..families.combined import CombinedFactors
 from ..formats.adapter import AdapterPart
+from ..modes import StackMode
 from ..stack.combine import DENSE_MODES, SELECT_MODES, validate_stack
 from .planner import PlannedPart
 
-Contribution = tuple[PlannedPart, Piece]
+
+class Contribution(NamedTuple):
+    """One planned part's piece landing on one layer (unpacks as `pp, piece`)."""
+
+    part: PlannedPart
+    piece: Piece
 
 
 def stack_key(component: str, path: str, names: list[str]) -> str:
@@ -33,7 +41,7 @@ def adapter_names(contributions: list[Contribution]) -> set[str]:
 def combine_groups(
     groups: dict[tuple[str, str], list[Contribution]],
     modules: dict[str, object],
-    mode: str,
+    mode: StackMode,
     density: float | None,
 ) -> dict[tuple[str, str], list[Contribution]]:
     """Groups with each shared layer's contributions replaced by one combined part (mode != "sum")."""
@@ -62,5 +70,5 @@ def combine_groups(
             1.0,
             [f"stack={mode} of {', '.join(names)}"],
         )
-        out[(comp, path)] = [(pp, pp.pieces[0])]
+        out[(comp, path)] = [Contribution(pp, pp.pieces[0])]
     return out

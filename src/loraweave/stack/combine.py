@@ -20,14 +20,12 @@ import math
 import torch
 from torch import Tensor
 
+from ..modes import DENSE_MODES, SELECT_MODES, STACK_MODES, StackMode
+
 log = logging.getLogger("loraweave")
 
-STACK_MODES = ("sum", "ties", "dare_ties", "dare_linear", "magnitude_prune", "klora", "estlora")
-DENSE_MODES = ("ties", "dare_ties", "dare_linear", "magnitude_prune")
-SELECT_MODES = ("klora", "estlora")
 
-
-def validate_stack(mode: str, density: float | None, n_adapters: int | None = None) -> None:
+def validate_stack(mode: StackMode, density: float | None, n_adapters: int | None = None) -> None:
     """Raise ValueError when `mode`/`density` (and, for select modes, the adapter count) do not fit together."""
     if mode not in STACK_MODES:
         raise ValueError(f"unknown stack mode {mode!r}; expected one of {', '.join(STACK_MODES)}")

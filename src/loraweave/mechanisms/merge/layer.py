@@ -10,11 +10,11 @@ import torch
 from ...arch.spec import Piece
 from ...errors import NonFiniteResultError, UndoError
 from ...families.contribution import add_contribution, bias_of, coefficient
+from ...modes import UNDO_KINDS, UndoKind
 from ...resolve.planner import PlannedPart
-from ...resolve.stacking import adapter_names
+from ...resolve.stacking import Contribution, adapter_names
 from .undo import (
     CHUNK_ELEMENTS,
-    UNDO_KINDS,
     CompactRecord,
     CopyRecord,
     DeltaFn,
@@ -31,7 +31,6 @@ from .undo_source import SourceFiles, SourceRecord
 Record = CopyRecord | CompactRecord | SourceRecord | FusedRecord
 Term = tuple[PlannedPart, Piece, float, float]  # part, piece, strength, scale
 
-Contribution = tuple[PlannedPart, Piece]
 STACK_ATTR = "_loraweave_merges"  # per-module list of live merges, newest last
 
 
@@ -63,12 +62,12 @@ class UndoSettings:
     """apply(undo=...): the record kind, where "source" records read from, and whether records may stay on the
     accelerator (never by default)."""
 
-    kind: str = "auto"
+    kind: UndoKind = "auto"
     sources: SourceFiles | None = None
     on_device: bool = False
 
 
-def check_undo_arguments(kind: str, source=None) -> None:
+def check_undo_arguments(kind: UndoKind, source=None) -> None:
     if kind not in UNDO_KINDS:
         raise ValueError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
     if source is not None and kind != "source":
@@ -76,7 +75,7 @@ def check_undo_arguments(kind: str, source=None) -> None:
 
 
 def undo_settings(
-    kind: str, components: dict[str, torch.nn.Module], source=None, on_device: bool = False
+    kind: UndoKind, components: dict[str, torch.nn.Module], source=None, on_device: bool = False
 ) -> UndoSettings:
     """Check apply's undo arguments before anything is touched (a "source" with no file found is refused)."""
     check_undo_arguments(kind, source)

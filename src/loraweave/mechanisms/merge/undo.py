@@ -23,7 +23,6 @@ import torch
 from ...errors import UndoError
 from .bitscan import differ, pack_positions, put, unpack_positions
 
-UNDO_KINDS = ("auto", "compact", "copy", "source", "none")
 GAP_MAX = 65535  # uint16 gaps; a regular grid of filler entries (W's own bits) keeps every gap below it
 CHUNK_ELEMENTS = 1 << 18  # rows per block of a merge: its fp32 temporaries stay in cache
 WITNESSES = 256  # evenly spaced elements checked after a compact restore (catches a non-deterministic ΔW)

@@ -20,7 +20,6 @@ log = logging.getLogger("loraweave")
 REQUANT_RATIO = 0.30  # rms(Δ)/grid step above which the grid can hold the delta
 REQUANT_ENERGY = 0.90  # hosting that captures less than this loses to requantizing a fat delta
 STACK_ATTR = "_loraweave_quant"  # per-module list of live quantized writes, newest last
-QUANT_MECHANISMS = ("factor", "hosted", "requantize")
 
 
 def _coeff(pp) -> float:

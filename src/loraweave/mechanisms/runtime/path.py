@@ -159,7 +159,9 @@ class RuntimePath:
         """Point contributions at new planned parts of identical structure (a switch): strengths follow them."""
         swap = lambda items: [(mapping.get(id(t[0]), t[0]), *t[1:]) for t in items]  # noqa: E731
         self._owners = swap(self._owners)
-        self.contributions = swap(self.contributions)
+        self.contributions = [
+            Contribution(mapping.get(id(pp), pp), piece) for pp, piece in self.contributions
+        ]
         self.dense, self.biases, self.fns, self.base_fns = (
             swap(x) for x in (self.dense, self.biases, self.fns, self.base_fns)
         )

@@ -9,17 +9,16 @@ structured terms) by a weight per output token (region.py)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 
-from ...errors import BatchError, RegionError
+from ...errors import BatchError
 from ...families.base import ConvSpec
 from ..runtime.skinny import skinny_linear
 from .persample import PairFactors, SampleKey, pair_for, part_strength_for, row_gates, sample_keys
-from .region import check_mask, token_weights
+from .region import token_weights
 from .rows import RootProbe, sample_runs
 
 # Below this many (tokens per run x total rank), per-row gating of the whole pair replaces per-run GEMMs.
@@ -304,9 +303,10 @@ def _weigh(h: torch.Tensor, pair: PairFactors, weights: dict, channels_first: bo
         cols.mul_(w)
 
 
-def require_runtime(handle, names, error: type[Exception], what: str) -> None:
-    """Refuse adapters merged (or written into quantized storage) anywhere: a merged term cannot vary per row."""
-    written = [m for m in [*handle._merged, *handle._quant] if m.adapters & set(names)]
+def require_runtime(written: Iterable, names, error: type[Exception], what: str) -> None:
+    """Refuse adapters merged (or written into quantized storage) anywhere: a merged term cannot vary per row.
+    `written`: the layers whose weights hold adapter terms (each with its `adapters`)."""
+    written = [m for m in written if m.adapters & set(names)]
     if written:
         which = sorted({n for m in written for n in m.adapters} & set(names))
         raise error(
@@ -314,67 +314,43 @@ def require_runtime(handle, names, error: type[Exception], what: str) -> None:
         )
 
 
-def mix_for(handle) -> Mix:
-    """The handle's Mix, created on first use and (re)attached to every runtime path of the handle."""
-    mix = getattr(handle, "_mix", None)
+def mix_for(
+    mix: Mix | None,
+    roots: dict[str, torch.nn.Module],
+    names: dict[int, str],
+    paths: Iterable,
+    settings: dict,
+) -> Mix:
+    """`mix`, or a new one when None, (re)attached to every runtime path in `paths` (`names`: id(path) ->
+    "component.module"; `settings`: the live AdapterWeights by adapter name)."""
     if mix is None:
-        names = {id(rp): key for key, rp in handle._runtime_by_key().items()}
-        mix = Mix(dict(handle._plan.components), names, handle._settings)
-        handle._mix = mix
+        mix = Mix(roots, names, settings)
     else:  # paths may have changed (a switch): per-path caches are keyed by id and would be stale
-        mix.names = {id(rp): key for key, rp in handle._runtime_by_key().items()}
+        mix.names = names
         for cache in (mix._pairs, mix._runs, mix._gates):
             cache.clear()
-    mix.settings = handle._settings
-    for rp in handle._runtime:
+    mix.settings = settings
+    for rp in paths:
         rp.mix = mix
     return mix
 
 
-def release(handle) -> None:
-    """Detach the handle's Mix once it has neither a batch nor a region: paths return to their plain forward."""
-    mix = getattr(handle, "_mix", None)
-    if mix is not None and (mix.idle or not handle.active):
-        for rp in [
-            *handle._runtime,
-            *getattr(handle, "_detached", {}).values(),
-        ]:  # a switch may re-attach the latter
+def release(mix: Mix | None, paths: Iterable, active: bool) -> Mix | None:
+    """Detach `mix` from `paths` once it has neither a batch nor a region (or its adapters are gone): paths return
+    to their plain forward. Returns the mix still in use, or None."""
+    if mix is not None and (mix.idle or not active):
+        for rp in paths:
             rp.mix = None
         mix.remove()
-        handle._mix = None
+        return None
+    return mix
 
 
-@contextmanager
-def batch(handle, assignments, strengths=None, exact: bool = False) -> Iterator[None]:
-    """Handle.batch: per-sample adapter sets for the forwards run inside the block."""
-    if not handle.active:
+def check_batch(active: bool, exact, mix: Mix | None) -> None:
+    """Refusals before a per-sample batch opens."""
+    if not active:
         raise BatchError("handle was removed")
     if not isinstance(exact, bool):  # a truthy string or array must not silently pick the exact form
         raise BatchError(f"batch(exact=...) must be True or False, got {type(exact).__name__} {exact!r}")
-    if getattr(handle, "_mix", None) is not None and handle._mix.keys is not None:
+    if mix is not None and mix.keys is not None:
         raise BatchError("a per-sample batch is already open on this handle")
-    known = {name: w.strength for name, w in handle._settings.items()}
-    mix = mix_for(handle)
-    try:
-        mix.set_batch(assignments, strengths, known, exact)
-        require_runtime(handle, {n for key in mix.keys for n, _ in key}, BatchError, "batch")
-        yield
-    finally:
-        mix.clear_batch()
-        release(handle)
-
-
-def set_region(handle, name: str, mask) -> None:
-    if not handle.active:
-        raise RegionError("handle was removed")
-    if name not in handle._settings:
-        raise RegionError(f"no adapter named {name!r}; have {sorted(handle._settings)}")
-    require_runtime(handle, {name}, RegionError, "region")
-    mix_for(handle).set_region(name, check_mask(name, mask))
-
-
-def clear_region(handle, name: str) -> None:
-    mix = getattr(handle, "_mix", None)
-    if mix is not None:
-        mix.clear_region(name)
-        release(handle)

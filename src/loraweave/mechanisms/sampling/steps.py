@@ -7,31 +7,44 @@ Only the denoiser follows a window: text encoders run once before the first step
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
 from ...errors import ArgumentError
-from ...resolve.weights import is_text_encoder, part_strength
+from ...resolve.planner import PlannedPart
+from ...resolve.weights import AdapterWeights, is_text_encoder, part_strength
+from ..runtime.path import RuntimePath
 
 log = logging.getLogger("loraweave")
+
+
+def check_total_steps(total_steps: int) -> None:
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ArgumentError(f"total_steps must be an int >= 1, got {total_steps!r}")
 
 
 class StepSchedule:
     """Strength per step of each adapter with a window; call it as `callback_on_step_end`. Step 0 is set on creation,
     and the adapters' own strengths come back after the last step (or with `restore()`)."""
 
-    def __init__(self, handle, total_steps: int) -> None:
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ArgumentError(f"total_steps must be an int >= 1, got {total_steps!r}")
-        if not handle.active:
-            raise RuntimeError("handle was removed")
-        settings = handle._settings
+    def __init__(
+        self,
+        total_steps: int,
+        settings: dict[str, AdapterWeights],
+        planned: list[PlannedPart],
+        paths: list[RuntimePath],
+        written: Iterable,
+    ) -> None:
+        """`settings`: the live AdapterWeights by adapter name; `planned`: every planned part; `paths`: the runtime
+        paths; `written`: layers whose weights hold adapter terms (merged, quantized writes)."""
+        check_total_steps(total_steps)
         windows = {name: w.window for name, w in settings.items() if w.window is not None}
         if not windows:
             raise ValueError(
                 "no adapter has a step window: give AdapterSpec(..., steps=(start, end)) or a ramp"
             )
-        merged = sorted({n for m in [*handle._merged, *handle._quant] for n in m.adapters} & set(windows))
+        merged = sorted({n for m in written for n in m.adapters} & set(windows))
         if merged:
             raise ValueError(
                 f"step windows need runtime layers; {merged} are merged: apply with mode='runtime'"
@@ -42,16 +55,12 @@ class StepSchedule:
             name: window.strengths(settings[name].strength, total_steps) for name, window in windows.items()
         }
         self._parts = {
-            name: [
-                pp
-                for pp in handle._plan.planned
-                if pp.adapter.name == name and not is_text_encoder(pp.component)
-            ]
+            name: [pp for pp in planned if pp.adapter.name == name and not is_text_encoder(pp.component)]
             for name in windows
         }
         ids = {name: {id(pp) for pp in parts} for name, parts in self._parts.items()}
         self._paths = {
-            name: [rp for rp in handle._runtime if any(id(pp) in ids[name] for pp, _ in rp.contributions)]
+            name: [rp for rp in paths if any(id(pp) in ids[name] for pp, _ in rp.contributions)]
             for name in windows
         }
         self._current: dict[str, float | None] = dict.fromkeys(windows)
