@@ -116,6 +116,19 @@ def test_mechanism_subsystems_are_layered(edges):
     assert violations(inside, MECHANISM_LAYERS, depth=2) == []
 
 
+def test_mechanisms_never_name_the_handle():
+    """Mechanisms get the state they edit passed in; they neither import engine/ nor name a Handle."""
+    for path in (ROOT / "mechanisms").rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        names |= {
+            a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in (*n.args, *n.kwonlyargs)
+        }
+        assert "Handle" not in names, path
+        assert "handle" not in names, path
+
+
 def test_the_contract_catches_an_upward_import():
     """Negative controls: an upward import, a sideways one, and an unknown part are each refused."""
     edges = [
