@@ -126,7 +126,7 @@ class RuntimePath:
                 target.append((pp, term.dst_start, term.length, term.fn, term.linear_in_strength))
             if term.bias is not None:
                 self.biases.append((pp, term.dst_start, term.length, term.bias))
-        self._owners = owners
+        self.owners = owners
         self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
         self.down = (
             torch.cat(downs) if downs else None
@@ -142,7 +142,7 @@ class RuntimePath:
             None  # per-sample sets / regions (mechanisms/mix.py): while set, it computes the adapter terms
         )
 
-    def _strength(self, pp: PlannedPart) -> float:
+    def strength_of(self, pp: PlannedPart) -> float:
         return pp.strength * self.gates.get(pp.adapter.name, 1.0)
 
     def set_gate(self, name: str, value: float) -> None:
@@ -158,7 +158,7 @@ class RuntimePath:
     def rebind(self, mapping: dict[int, PlannedPart]) -> None:
         """Point contributions at new planned parts of identical structure (a switch): strengths follow them."""
         swap = lambda items: [(mapping.get(id(t[0]), t[0]), *t[1:]) for t in items]  # noqa: E731
-        self._owners = swap(self._owners)
+        self.owners = swap(self.owners)
         self.contributions = [
             Contribution(mapping.get(id(pp), pp), piece) for pp, piece in self.contributions
         ]
@@ -166,20 +166,19 @@ class RuntimePath:
             swap(x) for x in (self.dense, self.biases, self.fns, self.base_fns)
         )
         self.adapters = {
-            pp.adapter.name
-            for pp, *_ in (*self._owners, *self.dense, *self.biases, *self.fns, *self.base_fns)
+            pp.adapter.name for pp, *_ in (*self.owners, *self.dense, *self.biases, *self.fns, *self.base_fns)
         }
         self.refresh_scales()
 
     def refresh_scales(self) -> None:
         """Recompute the per-rank scale vector from current strengths: no factor is rebuilt."""
         start = 0
-        for pp, rank in self._owners:
-            self.scale[start : start + rank] = self._strength(pp) * pp.scale
+        for pp, rank in self.owners:
+            self.scale[start : start + rank] = self.strength_of(pp) * pp.scale
             start += rank
         self._scale_cast.refresh()  # only the scale vector's device copy is rewritten after a strength change
 
-    def _factors(self, device: torch.device, dtype: torch.dtype):
+    def factors_for(self, device: torch.device, dtype: torch.dtype):
         return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))
 
     def bind_factors(
@@ -209,11 +208,11 @@ class RuntimePath:
         weight = getattr(self.module, "weight", None)
         if self.down is not None and isinstance(weight, torch.Tensor) and weight.is_floating_point():
             if weight.device.type != "meta":
-                self._factors(weight.device, weight.dtype)
+                self.factors_for(weight.device, weight.dtype)
             if weight.device.type == "cpu" and weight.dtype == torch.float32:
                 probe()  # now, so a later torch.compile trace can use the oneDNN kernels (skinny.py)
 
-    def _conv_args(self):
+    def conv_args(self):
         m = self.module
         return {"stride": m.stride, "padding": m.padding, "dilation": m.dilation}
 
@@ -236,11 +235,11 @@ class RuntimePath:
         if isinstance(bias, torch.Tensor):
             b = bias.to(output.device, output.dtype)
             base = output - (b.view(-1, *([1] * (output.dim() - 2))) if self.channels_first else b)
-        spec = ConvSpec(self.conv, self._conv_args()) if self.conv else None
+        spec = ConvSpec(self.conv, self.conv_args()) if self.conv else None
         out = []
         for pp, dst, n, fn, linear in self.base_fns:
             rows = base[:, dst : dst + n] if self.channels_first else base[..., dst : dst + n]
-            s = self._strength(pp)
+            s = self.strength_of(pp)
             value, alpha = (
                 (fn(x, spec, rows), s * pp.scale) if linear else (fn(x, spec, rows, s, pp.scale), 1.0)
             )
@@ -265,7 +264,7 @@ class RuntimePath:
             return self.add_path(x, out) if self.active else out
         if self.mix is not None:
             return self.mix.fused_linear(self, x)
-        down, up, scale = self._factors(w.device, w.dtype)
+        down, up, scale = self.factors_for(w.device, w.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         h = skinny_linear(x2, down).mul_(scale)
         y = skinny_linear(h, up, m.bias)
@@ -280,15 +279,15 @@ class RuntimePath:
         for value, dst, n, alpha in base_terms:
             output = self._add_rows(output, value, dst, n, alpha)
         if self.down is not None:
-            down, up, scale = self._factors(output.device, dtype)
+            down, up, scale = self.factors_for(output.device, dtype)
             if self.conv:
-                h = self.conv(x, down, None, **self._conv_args())
+                h = self.conv(x, down, None, **self.conv_args())
                 h = h * scale.view(1, -1, *([1] * (h.dim() - 2)))
                 delta = self.conv(h, up.view(*up.shape, *([1] * (h.dim() - 2))))
-                output = output.add_(delta) if self._inplace_ok(output) else output + delta
+                output = output.add_(delta) if self.inplace_ok(output) else output + delta
             else:
                 h = skinny_linear(x, down).mul_(scale)
-                if self._inplace_ok(output) and output.is_contiguous():
+                if self.inplace_ok(output) and output.is_contiguous():
                     output.view(-1, self.out).addmm_(h.view(-1, h.shape[-1]), up.t())
                 else:
                     output = output + F.linear(h, up)
@@ -299,29 +298,31 @@ class RuntimePath:
         dtype = output.dtype
         for pp, dst, length, dense in self.dense:
             d = dense.to(output.device, dtype)
-            part = self.conv(x, d, None, **self._conv_args()) if self.conv else F.linear(x, d)
-            output = self._add_rows(output, part, dst, length, self._strength(pp) * pp.scale)
-        spec = ConvSpec(self.conv, self._conv_args()) if self.conv else None
+            part = self.conv(x, d, None, **self.conv_args()) if self.conv else F.linear(x, d)
+            output = self._add_rows(output, part, dst, length, self.strength_of(pp) * pp.scale)
+        spec = ConvSpec(self.conv, self.conv_args()) if self.conv else None
         for pp, dst, length, fn, linear in self.fns:
             if linear:
-                output = self._add_rows(output, fn(x, spec), dst, length, self._strength(pp) * pp.scale)
+                output = self._add_rows(output, fn(x, spec), dst, length, self.strength_of(pp) * pp.scale)
             else:
-                output = self._add_rows(output, fn(x, spec, None, self._strength(pp), pp.scale), dst, length)
+                output = self._add_rows(
+                    output, fn(x, spec, None, self.strength_of(pp), pp.scale), dst, length
+                )
         for pp, dst, length, bias in self.biases:
-            b = bias.to(output.device, dtype) * (self._strength(pp) * pp.scale)
+            b = bias.to(output.device, dtype) * (self.strength_of(pp) * pp.scale)
             if self.channels_first:
                 b = b.view(-1, *([1] * (output.dim() - 2)))
             output = self._add_rows(output, b, dst, length)
         return output
 
-    def _inplace_ok(self, output: torch.Tensor) -> bool:
+    def inplace_ok(self, output: torch.Tensor) -> bool:
         return not (torch.is_grad_enabled() and output.requires_grad)
 
     def _add_rows(
         self, output: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: float = 1.0
     ) -> torch.Tensor:
         """output[rows] += alpha·value, in place when autograd allows (no output-sized temporary)."""
-        out = output if self._inplace_ok(output) else output.clone()
+        out = output if self.inplace_ok(output) else output.clone()
         rows = slice(dst, dst + n)
         (out[:, rows] if self.channels_first else out[..., rows]).add_(value, alpha=alpha)
         return out

@@ -123,7 +123,7 @@ class Mix:
 
     def add(self, path, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """RuntimePath.add_path while this mix is set: every term, per run of rows and per token."""
-        out = output if path._inplace_ok(output) else output.clone()
+        out = output if path.inplace_ok(output) else output.clone()
         self._each(path, x, out, fresh=False)
         return out
 
@@ -174,7 +174,7 @@ class Mix:
         cache = (id(path), runs[0][0].stop, x.shape[0], out.device, out.dtype)
         if cache not in self._gates:
             self._gates[cache] = row_gates(path, runs, self.settings, x.shape[0], out.device, out.dtype)
-        down, up, _ = path._factors(out.device, out.dtype)
+        down, up, _ = path.factors_for(out.device, out.dtype)
         h = skinny_linear(x, down)
         h.view(x.shape[0], -1, h.shape[-1]).mul_(self._gates[cache][:, None, :])
         pair = pair_for(path, None, self.settings, out.device, out.dtype)
@@ -207,7 +207,7 @@ def _terms(
     """Add the set's terms to `out`; `fresh`: `out` is uninitialised and gets bias + low-rank term first (a fused
     plain Linear, whose paths have no terms that read the base output); `pair_done`: the low-rank pair is in."""
     strength = lambda pp: part_strength_for(path, pp, key, mix.settings)  # noqa: E731
-    spec = ConvSpec(path.conv, path._conv_args()) if path.conv else None
+    spec = ConvSpec(path.conv, path.conv_args()) if path.conv else None
     if path.base_fns:  # computed from the base output before anything is added to these rows
         base = out
         bias = getattr(path.module, "bias", None)
@@ -237,7 +237,7 @@ def _terms(
         s = strength(pp)
         if s != 0.0:
             d = dense.to(out.device, out.dtype)
-            value = path.conv(x, d, None, **path._conv_args()) if path.conv else F.linear(x, d)
+            value = path.conv(x, d, None, **path.conv_args()) if path.conv else F.linear(x, d)
             _put(path, out, value, dst, n, s * pp.scale, weights.get(pp.adapter.name))
     for pp, dst, n, fn, linear in path.fns:
         s = strength(pp)
@@ -255,7 +255,7 @@ def _terms(
 def _add_pair(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors, weights: dict) -> None:
     """out += (x·Dᵀ·diag(scale) ⊙ region weights)·Uᵀ: region weights act on h (linear in it), per token."""
     if path.conv:
-        h = path.conv(x, pair.down, None, **path._conv_args())
+        h = path.conv(x, pair.down, None, **path.conv_args())
         h.mul_(pair.scale.view(1, -1, *([1] * (h.dim() - 2))))
         _weigh(h, pair, weights, channels_first=True)
         out.add_(path.conv(h, pair.up.reshape(*pair.up.shape, *([1] * (h.dim() - 2)))))

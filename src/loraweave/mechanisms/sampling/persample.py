@@ -67,7 +67,7 @@ def sample_keys(assignments, strengths, known: Mapping[str, float]) -> list[Samp
 def part_strength_for(path, pp, key: SampleKey | None, settings: Mapping[str, AdapterWeights]) -> float:
     """The part's strength on this layer for a sample set (None: the handle's current strengths)."""
     if key is None:
-        return path._strength(pp)
+        return path.strength_of(pp)
     value = dict(key).get(pp.adapter.name)
     if value is None:
         return 0.0
@@ -91,16 +91,16 @@ def pair_for(
     """The set's part of the layer's rank-concatenated pair, on (device, dtype); None when it has no rank there."""
     if path.down is None:
         return None
-    down, up, scale = path._factors(device, dtype)
+    down, up, scale = path.factors_for(device, dtype)
     if key is None:
         segments, start = [], 0
-        for pp, rank in path._owners:
+        for pp, rank in path.owners:
             segments.append((start, start + rank, pp.adapter.name))
             start += rank
         return PairFactors(down, up, scale, segments)
     order = {name: i for i, (name, _) in enumerate(key)}
     found, start = [], 0
-    for pp, rank in path._owners:
+    for pp, rank in path.owners:
         coeff = part_strength_for(path, pp, key, settings) * pp.scale
         if coeff != 0.0:
             found.append((order[pp.adapter.name], start, rank, coeff, pp.adapter.name))
@@ -136,7 +136,7 @@ def row_gates(
             per_key[key] = torch.tensor(
                 [
                     part_strength_for(path, pp, key, settings) * pp.scale
-                    for pp, rank in path._owners
+                    for pp, rank in path.owners
                     for _ in range(rank)
                 ]
             )
