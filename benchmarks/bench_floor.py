@@ -9,7 +9,7 @@ Two measurements in one run:
    cannot resolve a 2% target. `--threads 2 --clock wall` gives the old-style measurement.
 
    loraweave       the library's runtime path: h = x·Aᵀ·s, y = b + h·Bᵀ, y += x·Wᵀ (low-rank term in the GEMM
-                   accumulator), the two thin GEMMs on oneDNN (mechanisms/skinny.py)
+                   accumulator), the two thin GEMMs on oneDNN (mechanisms/runtime/skinny.py)
    mkl (before)    the same formula, every GEMM on MKL's sgemm (torch.mm/addmm): the path before skinny.py
    base-first      y = b + x·Wᵀ, then y += h·Bᵀ in place (no second output-sized temporary); MKL
    contig A^T B^T  the MKL formula with Aᵀ and Bᵀ stored contiguous (the layouts the skinny kernels read)
@@ -21,7 +21,7 @@ Two measurements in one run:
    fold            ΔW folded into W on every forward: W_eff = W + B·(s·A) into a reused buffer, then one GEMM
    peft            PEFT's unmerged LoraLayer
    lora ops        the two bare skinny GEMMs only (into a preallocated y): the floor of any post-forward path
-   lora ops onednn the same two GEMMs on the kernels the library uses (mechanisms/skinny.py), into a fresh y
+   lora ops onednn the same two GEMMs on the kernels the library uses (mechanisms/runtime/skinny.py), into a fresh y
 
 2. Components: the small kernels those paths are made of, timed many times each (interleaved) against the base
    GEMM's median. The fused path costs over the base GEMM: down + scale + up(with bias) + what the base GEMM

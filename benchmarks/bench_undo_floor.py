@@ -9,7 +9,7 @@ LoRA, 60 layers, one torch thread):
                 256 rows into a scratch; the non-finite check (aminmax); W'' copied into the weight
   compact       the least a compact record needs, per block, in place: ΔW_old; W = W' - ΔW_old; ΔW_new;
                 W'' = W + ΔW_new written into the weight; aminmax; guess = W'' - ΔW_new; the positions where the
-                guess misses W (numpy compare + flatnonzero, as mechanisms/bitscan.py); W's bits there
+                guess misses W (numpy compare + flatnonzero, as mechanisms/merge/bitscan.py); W's bits there
   compact, P    the same with ΔW = c·(B·A) formed once per block and folded into each add (alpha=c): one GEMM
                 instead of two, no zeroing, no aminmax (a new non-finite value is always a miss: checked there).
                 It would change the bits every merge writes (one rounding of c·(B·A) fewer), so it is a bound,

@@ -187,7 +187,7 @@ CORE_PASSES_CONFIG = core_passes_config()
 needs_core_config = pytest.mark.xfail(
     not CORE_PASSES_CONFIG,
     strict=True,
-    reason="plan/resolve.py does not yet pass adapter.meta_alpha.peft to family.load(..., config=)",
+    reason="resolve/planner.py does not yet pass adapter.meta_alpha.peft to family.load(..., config=)",
 )
 
 CONFIGS = {

@@ -1,4 +1,4 @@
-"""The runtime path's thin GEMMs on oneDNN (mechanisms/skinny.py): exact to fp32 rounding against F.linear (the
+"""The runtime path's thin GEMMs on oneDNN (mechanisms/runtime/skinny.py): exact to fp32 rounding against F.linear (the
 MKL kernel the path used before), taken where it applies, F.linear everywhere else (checked by a spy on the op)."""
 
 from __future__ import annotations

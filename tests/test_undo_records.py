@@ -1,4 +1,4 @@
-"""Undo records of merged layers (mechanisms/undo.py): every kind restores the weight bit for bit.
+"""Undo records of merged layers (mechanisms/merge/undo.py): every kind restores the weight bit for bit.
 
 Compared bitwise (integer views: -0.0 vs 0.0 and fp8 count), across dtypes, strengths, families, fused-row
 targets and a grown input; strength changes and switches reuse the records without drift; `undo="source"`

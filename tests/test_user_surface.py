@@ -308,7 +308,7 @@ def test_item6_removed_handle_holds_nothing_but_its_report(mode):
     assert records
     watched = [weakref.ref(r) for r in records]
     if mode == "merge":
-        watched += [weakref.ref(r.record) for r in records]  # the undo records (mechanisms/undo.py)
+        watched += [weakref.ref(r.record) for r in records]  # the undo records (mechanisms/merge/undo.py)
     del records
     assert _reachable_tensors(handle, {id(handle.report)}), "the live handle should hold its backups/factors"
     handle.remove()

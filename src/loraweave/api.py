@@ -95,7 +95,7 @@ def apply(
       0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
     cache: a `loraweave.mechanisms.runtime.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
       on disk; a replay is bit-identical to a fresh compute.
-    undo: how a merged layer comes back bit-exactly (mechanisms/undo.py): "auto" (per layer, the smaller of
+    undo: how a merged layer comes back bit-exactly (mechanisms/merge/undo.py): "auto" (per layer, the smaller of
       "compact" and "copy"), "compact" (only the elements round(W' - ΔW) misses), "copy" (a full copy), "source"
       (re-read from the model's safetensors files: `undo_source` = a file, a directory or {component: path},
       else diffusers' config._name_or_path; refused on undo if a file changed) or "none" (a permanent fuse:
@@ -107,7 +107,7 @@ def apply(
 
     compile_friendly: runtime paths ready for `torch.compile`: ranks zero-padded to `rank_buckets` (default
       8/16/32/64/128; costs the padded FLOPs), strengths in tensors, hooks fixed for the handle's life, so strength
-      changes, `disable`/`enable` and switches within a bucket never recompile (see mechanisms/compiled.py)."""
+      changes, `disable`/`enable` and switches within a bucket never recompile (see mechanisms/runtime/compiled.py)."""
     options = Options(
         mode,
         stack,

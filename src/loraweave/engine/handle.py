@@ -288,7 +288,7 @@ class Handle:
 
         `strengths[i]` (optional) is a list aligned with `assignments[i]` or a {name: strength} mapping; default: the
         adapters' current strengths. A model batch of k·B rows for B samples is read as k guidance copies
-        (`cat([uncond, cond])`); rows are mapped to samples through the model's own input (see mechanisms/rows.py)
+        (`cat([uncond, cond])`); rows are mapped to samples through the model's own input (see mechanisms/sampling/rows.py)
         and a layer whose rows cannot be mapped raises BatchError. A sample's terms are summed in its list's order.
 
         exact: each set's terms are computed over every row, as a lone runtime `apply` of its list computes them,
@@ -299,7 +299,7 @@ class Handle:
         return batch(self._state, assignments, strengths, exact)
 
     def set_region(self, name: str, mask) -> None:
-        """Confine a runtime adapter to an image-space mask (H×W, 0..1), per image token (mechanisms/region.py)."""
+        """Confine a runtime adapter to an image-space mask (H×W, 0..1), per image token (mechanisms/sampling/region.py)."""
         set_region(self._state, name, mask)
 
     def clear_region(self, name: str) -> None:
@@ -307,7 +307,7 @@ class Handle:
         clear_region(self._state, name)
 
     def step_schedule(self, total_steps: int):
-        """Strengths per sampling step from the adapters' `steps=` windows and ramps (mechanisms/steps.py).
+        """Strengths per sampling step from the adapters' `steps=` windows and ramps (mechanisms/sampling/steps.py).
 
         Sets step 0 at once; pass the result as `callback_on_step_end=` to a diffusers pipeline call."""
         from ..mechanisms.sampling.steps import StepSchedule, check_total_steps

@@ -25,7 +25,7 @@ class Options:
     rank_buckets: object = None  # ints, validated by check()
     # compile_friendly: each layer's padded rank so far (id(module) -> rank); a switch never shrinks it
     bucket_floors: dict = field(default_factory=dict, compare=False, repr=False)
-    undo: UndoKind = "auto"  # merge undo records (mechanisms/undo.py)
+    undo: UndoKind = "auto"  # merge undo records (mechanisms/merge/undo.py)
     undo_source: object = None
     undo_on_device: bool = False
     undo_with: object = None  # the checked UndoSettings (undo_settings: source files found before any change)

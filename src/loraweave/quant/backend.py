@@ -1,7 +1,7 @@
 """What a quantized-weight backend can do: one small module per backend declares it.
 
 A backend module defines one `QuantBackend` subclass instance named BACKEND. The mechanisms in
-`mechanisms/quantized.py` ask it, never the layer's class directly, so a new backend is one new file."""
+`mechanisms/quantized/write.py` ask it, never the layer's class directly, so a new backend is one new file."""
 
 from __future__ import annotations
 

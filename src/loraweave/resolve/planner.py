@@ -54,7 +54,7 @@ class Plan:
     strengths: dict[str, float]
     planned: list[PlannedPart] = field(default_factory=list)
     unmatched: list[Unmatched] = field(default_factory=list)
-    params: list[PlannedParam] = field(default_factory=list)  # patches of bare parameters (plan/params.py)
+    params: list[PlannedParam] = field(default_factory=list)  # patches of bare parameters (resolve/params.py)
 
 
 def _scalar(tensor: torch.Tensor, key: str) -> float | None:

@@ -138,9 +138,7 @@ class RuntimePath:
         self.refresh_scales()
         self.hook = None
         self.active = False
-        self.mix = (
-            None  # per-sample sets / regions (mechanisms/mix.py): while set, it computes the adapter terms
-        )
+        self.mix = None  # per-sample sets / regions (mechanisms/sampling/mix.py): while set, it computes the adapter terms
 
     def strength_of(self, pp: PlannedPart) -> float:
         return pp.strength * self.gates.get(pp.adapter.name, 1.0)
@@ -250,7 +248,7 @@ class RuntimePath:
         """Plain nn.Linear forward with the low-rank path in the GEMM's accumulator: y = (b + s·B·A·x) + W·x.
 
         One pass over the output fewer than base-then-add; the two thin GEMMs on oneDNN where it applies
-        (mechanisms/skinny.py). At r=16, 3072², 4096 tokens (bench_floor.py) 0.33x the FLOP floor over a 91 GF/s
+        (mechanisms/runtime/skinny.py). At r=16, 3072², 4096 tokens (bench_floor.py) 0.33x the FLOP floor over a 91 GF/s
         sgemm, 2.05-2.76x over a 160 GF/s one: the thin GEMMs cost the same milliseconds on either."""
         m, w = self.module, self.module.weight
         plain = (

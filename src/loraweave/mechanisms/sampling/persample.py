@@ -117,7 +117,7 @@ def pair_for(
         width += rank
     if all(a[1] == b[0] for a, b in zip(keep, keep[1:], strict=False)):  # contiguous: views, nothing copied
         rows = slice(keep[0][0], keep[-1][1])
-        # up's column slice made contiguous: the thin-GEMM kernel (mechanisms/skinny.py) takes contiguous factors only
+        # up's column slice made contiguous: the thin-GEMM kernel (mechanisms/runtime/skinny.py) takes contiguous factors only
         d, u = down[rows], up[:, rows].contiguous()
     else:
         index = torch.cat([torch.arange(a, b, device=device) for a, b in keep])
