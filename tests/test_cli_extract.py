@@ -180,6 +180,30 @@ def test_resize_refuses_families_needing_base(tmp_path):
     assert list(res.skipped.values()) == [2] and "oft" in next(iter(res.skipped))
 
 
+@pytest.mark.parametrize(
+    "alpha", [torch.tensor(float("inf")), torch.tensor([2.0, 2.0])], ids=["inf", "vector"]
+)
+def test_resize_settles_alpha_as_apply_does(tmp_path, alpha):
+    """resize reads a part's scale through the planner's part_scale: a non-finite or non-scalar alpha is the
+    part's miss (as apply reports it), never NaN factors in the output or an untyped error."""
+    g = torch.Generator().manual_seed(3)
+    sd = {
+        "lora_unet_x.lora_down.weight": torch.randn(4, 8, generator=g),
+        "lora_unet_x.lora_up.weight": torch.randn(8, 4, generator=g),
+        "lora_unet_x.alpha": alpha,
+        "lora_unet_y.lora_down.weight": torch.randn(4, 8, generator=g),
+        "lora_unet_y.lora_up.weight": torch.randn(8, 4, generator=g),
+        "lora_unet_y.alpha": torch.tensor(2.0),
+    }
+    save_file(sd, tmp_path / "in.safetensors")
+    res = resize(tmp_path / "in.safetensors", tmp_path / "out.safetensors", rank=2)
+    assert [la["name"] for la in res.layers] == ["lora_unet_y"]
+    (reason,) = res.skipped
+    assert reason.startswith("unreadable part: bad tensor: lora_unet_x.alpha ")
+    out = load_file(tmp_path / "out.safetensors")
+    assert all(torch.isfinite(t).all() for t in out.values())
+
+
 def test_resize_real_lokr_lands_on_sd1(tmp_path):
     src = (
         loraweave.load_adapter.__globals__["Path"](__file__).resolve().parents[2]

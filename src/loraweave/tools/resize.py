@@ -17,10 +17,10 @@ import torch
 from ..families import FAMILIES
 from ..families.base import PartRejected
 from ..formats.adapter import load_adapter
-from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
 from ..io.write import check_output, save_file
 from ..progress import bar
+from ..resolve.planner import part_scale
 from .extract import LowRankResult, check_lowrank_args, finish, kept_rank, refuse_empty, truncate, write_pair
 from .positional import name_positional
 
@@ -101,13 +101,13 @@ def _in_shape(part, factors) -> tuple[int, ...]:
 
 def _targets(
     adapter, arch: str | None, model: str | None
-) -> tuple[dict[str, tuple[int, ...]], dict[str, float]]:
-    """({part stem: (in, *kernel) of the module it lands on}, {component as the file names it: the metadata network
-    alpha its model's trainers record}). Flat-stored conv factors (old LoHa/LoKr) do not say their kernel; the
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str | None]]:
+    """({part stem: (in, *kernel) of the module it lands on}, {component as the file names it: the `__metadata__` field
+    its model's trainers record one network alpha in}). Flat-stored conv factors (old LoHa/LoKr) do not say their kernel; the
     model does. Architecture: given, or detected (nothing when unknown)."""
     from ..arch.aliases import metadata_alpha_of
     from ..arch.spec import module_shape
-    from ..resolve.planner import network_alpha, resolve
+    from ..resolve.planner import resolve
     from ..resolve.target import Components
     from .inspect import adapter_target
 
@@ -115,19 +115,17 @@ def _targets(
     if components is None:
         return {}, {}
     comps = Components(components)
-    alphas = {}
+    fields = {}
     for name in {p.component for p in adapter.parts}:
         target = comps.resolve_name(name)  # the model's class, as apply's alias table reads it
-        alpha = network_alpha(adapter, metadata_alpha_of(components[target])) if target else None
-        if alpha is not None:
-            alphas[name] = alpha
+        fields[name] = metadata_alpha_of(components[target]) if target else None
     plan = resolve(comps, [(adapter, 1.0)])
     out = {}
     for pp in plan.planned:
         shape = module_shape(components[pp.component].get_submodule(pp.pieces[0].module))
         if shape is not None and len(shape) >= 2:
             out[pp.part.stem] = tuple(shape[1:])
-    return out, alphas
+    return out, fields
 
 
 def resize(
@@ -152,12 +150,12 @@ def resize(
     t0 = time.perf_counter()
     out = check_output(output, [path], overwrite=overwrite)
     adapter = name_positional(load_adapter(path, allow_pickle=allow_pickle), arch)
-    targets, metadata_alphas = _targets(adapter, arch, model)
+    targets, metadata_fields = _targets(adapter, arch, model)
     result = LowRankResult(out)
     skipped: Counter = Counter()
     tensors: dict[str, torch.Tensor] = {}
     for part in bar(adapter.parts, desc="resize", unit="part", enabled=progress):
-        why = _resize_part(adapter, part, metadata_alphas, targets, (rank, energy, dtype), tensors, result)
+        why = _resize_part(adapter, part, metadata_fields, targets, (rank, energy, dtype), tensors, result)
         if why is not None:
             skipped[why] += len(part.keys)
     result.skipped = dict(skipped)
@@ -171,7 +169,7 @@ def resize(
 def _resize_part(
     adapter,
     part,
-    metadata_alphas: dict[str, float],
+    metadata_fields: dict[str, str | None],
     targets: dict[str, tuple[int, ...]],
     wanted: tuple[int | None, float | None, str | None],
     tensors: dict[str, torch.Tensor],
@@ -182,7 +180,7 @@ def _resize_part(
     if part.family not in RESIZABLE or part.layout == "cloneofsimo":
         return f"{part.family} ({part.layout}) cannot be resized without the base weight or a model"
     try:
-        roles, factors, scale = _read_part(adapter, part, metadata_alphas.get(part.component))
+        roles, factors, scale = _read_part(adapter, part, metadata_fields.get(part.component))
     except PartRejected as exc:
         return f"unreadable part: {exc}"
     if part.family == "lora" and getattr(factors, "up_bias", None) is not None:
@@ -202,24 +200,12 @@ def _resize_part(
     return None
 
 
-def _read_part(adapter, part, metadata_alpha: float | None) -> tuple[dict[str, torch.Tensor], object, float]:
-    """(the part's factor tensors by role, its family's factors, its scale alpha/rank as apply resolves it)."""
+def _read_part(adapter, part, metadata_field: str | None) -> tuple[dict[str, torch.Tensor], object, float]:
+    """(the part's factor tensors by role, its family's factors, its scale as apply settles it: part_scale)."""
     roles = {r: adapter.tensor(k) for r, k in part.roles.items() if r not in ("alpha", "scale")}
-    factors = FAMILIES[part.family].load(roles, part.roles)
-    alpha = float(adapter.tensor(part.roles["alpha"]).float()) if "alpha" in part.roles else None
-    scale_t = float(adapter.tensor(part.roles["scale"]).float()) if "scale" in part.roles else None
-    if part.family == "full" or factors.rank is None:
-        return roles, factors, 1.0
-    scale, _ = resolve_scale(
-        alpha,
-        scale_t,
-        factors.rank,
-        factors.is_conv_kernel,
-        part.path,
-        part.component if part.explicit_component else "",
-        adapter.meta_alpha,
-        metadata_alpha,
-    )
+    family = FAMILIES[part.family]
+    factors = family.load(roles, part.roles)
+    scale, _ = part_scale(adapter, part, family, factors, part.component, metadata_field)
     return roles, factors, scale
 
 
