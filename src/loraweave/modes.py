@@ -6,15 +6,15 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 ApplyMode = Literal["auto", "merge", "runtime"]
-StackMode = Literal["sum", "ties", "dare_ties", "dare_linear", "magnitude_prune", "klora", "estlora"]
 DenseStackMode = Literal["ties", "dare_ties", "dare_linear", "magnitude_prune"]
 SelectStackMode = Literal["klora", "estlora"]
+StackMode = Literal["sum", DenseStackMode, SelectStackMode]
 UndoKind = Literal["auto", "compact", "copy", "source", "none"]
 QuantizedMode = Literal["auto", "host", "requantize"]
 QuantMechanism = Literal["factor", "hosted", "requantize"]
 # What a layer gets: merged, a runtime path, or a quantized layer's write; "planned" is `plan`'s report only.
-Mechanism = Literal["merge", "runtime", "factor", "hosted", "requantize"]
-ReportMechanism = Literal["merge", "runtime", "factor", "hosted", "requantize", "planned"]
+Mechanism = Literal["merge", "runtime", QuantMechanism]
+ReportMechanism = Literal[Mechanism, "planned"]
 
 APPLY_MODES: tuple[ApplyMode, ...] = get_args(ApplyMode)
 STACK_MODES: tuple[StackMode, ...] = get_args(StackMode)

@@ -6,8 +6,9 @@ import logging
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
-from ..modes import REPORT_MECHANISMS
+from ..modes import REPORT_MECHANISMS, ApplyMode, ReportMechanism
 from .miss import Unmatched
 
 log = logging.getLogger("loraweave")
@@ -29,9 +30,7 @@ MECHANISMS = REPORT_MECHANISMS
 class AppliedModule:
     component: str
     module: str
-    mechanism: (
-        str  # merge | runtime | factor | hosted | requantize (quantized layers) | planned (plan() only)
-    )
+    mechanism: ReportMechanism  # quantized layers: factor | hosted | requantize; plan() reports "planned"
     adapters: list[str]
     why: str = ""  # for auto and quantized layers: why this mechanism was chosen
     cost: str = ""  # runtime forms that are not a plain low-rank pair, e.g. "dense ΔW (L×in·k) cached"
@@ -49,7 +48,7 @@ class AppliedModule:
 
 @dataclass
 class Report:
-    mode: str
+    mode: ApplyMode | Literal["plan"]
     adapters: list[dict] = field(
         default_factory=list
     )  # name, layout, families, alpha_sources, keys_total, ...

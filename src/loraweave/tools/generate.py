@@ -21,13 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import LoraweaveError
+from ..modes import APPLY_MODES, ApplyMode
 from ..request.spec import AdapterSpec
 from . import infotext as it
 
 log = logging.getLogger("loraweave")
 
 DTYPES = ("fp32", "fp16", "bf16")
-APPLY_MODES = ("auto", "merge", "runtime")
 # --quantize value -> sdnq_post_load_quant keyword arguments (backends that run on CPU and CUDA alike).
 QUANTIZE = {"sdnq-int8": {"weights_dtype": "int8"}, "sdnq-uint4": {"weights_dtype": "uint4"}}
 # --arch -> diffusers pipeline class for a single-file checkpoint.
@@ -70,7 +70,7 @@ class GenerateRequest:
     negative: str = ""
     lora_dir: str | None = None
     loras: list[tuple[str, float]] = field(default_factory=list)
-    apply_mode: str = "auto"
+    apply_mode: ApplyMode = "auto"
     quantize: str | None = None
     budget: str | None = None
     steps: int = 20
