@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# Shared builders and checks live in helpers/: their asserts get the same introspection as a test module's.
+pytest.register_assert_rewrite("helpers")
+
 os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
 # inspect caches architecture skeletons; tests keep theirs out of the user's ~/.cache.
 if "LORAWEAVE_CACHE" not in os.environ:  # made here (subprocesses inherit it), removed when the session ends

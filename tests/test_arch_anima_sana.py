@@ -15,88 +15,18 @@ import json
 
 import pytest
 import torch
+from helpers.arch_layouts import _anima, anima_file, linears, lora_file, sana_original
 from helpers.common import rel_err
-from test_arch_ltx_layouts import linears, lora_file
+from helpers.tiny_configs import ANIMA_DIT, ANIMA_DIT_TINY, ERNIE_TINY, SANA_TINY
 
 import loraweave
 from loraweave.arch import aliases as arch_aliases
 from loraweave.arch.aliases import AliasTable
 from loraweave.formats.keys import DENOISER, parse_key, split_stem, underscore_form
 
-# Cosmos-Predict2-2B, the DiT Anima reuses (hidden 2048, 28 blocks, 1024-wide text embeddings, no learnable pos).
-ANIMA_DIT = dict(
-    num_attention_heads=16,
-    attention_head_dim=128,
-    num_layers=28,
-    text_embed_dim=1024,
-    rope_scale=(1.0, 4.0, 4.0),
-    extra_pos_embed_type=None,
-)
-ANIMA_DIT_TINY = dict(
-    in_channels=4,
-    out_channels=4,
-    num_attention_heads=2,
-    attention_head_dim=12,
-    num_layers=2,
-    text_embed_dim=12,
-    adaln_lora_dim=4,
-    max_size=(4, 8, 8),
-    extra_pos_embed_type=None,
-)
 ANIMA_CONDITIONER_TINY = dict(
     source_dim=8, target_dim=12, model_dim=16, num_layers=2, num_attention_heads=2, target_vocab_size=32
 )
-# Live Cosmos name -> original (the test's own inverse of the converter's renames; the converter checks it).
-ANIMA_ORIGINAL = (
-    ("attn1.to_out.0", "self_attn.output_proj"),
-    ("attn2.to_out.0", "cross_attn.output_proj"),
-    *((f"attn{n}.to_{x}", f"{a}.{x}_proj") for n, a in ((1, "self_attn"), (2, "cross_attn")) for x in "qkv"),
-    *(
-        (f"norm{n}.linear_{j}", f"adaln_modulation_{a}.{j}")
-        for n, a in ((1, "self_attn"), (2, "cross_attn"), (3, "mlp"))
-        for j in (1, 2)
-    ),
-    ("ff.net.0.proj", "mlp.layer1"),
-    ("ff.net.2", "mlp.layer2"),
-    ("norm_out.linear_", "final_layer.adaln_modulation."),
-    ("proj_out", "final_layer.linear"),
-    ("time_embed.t_embedder", "t_embedder.1"),
-    ("patch_embed.proj", "x_embedder.proj.1"),
-    ("transformer_blocks.", "blocks."),
-)
-
-
-def anima_original(live: str) -> str:
-    for new, old in ANIMA_ORIGINAL:
-        live = live.replace(new, old)
-    return live
-
-
-def _anima(meta: bool, dit: dict, conditioner: dict) -> dict[str, torch.nn.Module]:
-    import diffusers
-
-    torch.manual_seed(0)
-    with torch.device("meta" if meta else "cpu"):
-        parts = {
-            "transformer": diffusers.CosmosTransformer3DModel(**dit),
-            "text_conditioner": diffusers.AnimaTextConditioner(**conditioner),
-        }
-    return {n: m.eval() for n, m in parts.items()}
-
-
-def anima_file(parts: dict, meta: bool) -> dict[str, torch.Tensor]:
-    """ComfyUI/diffusion-pipe form: every Linear of the DiT by its original name, the adapter under llm_adapter."""
-    return {
-        **lora_file(
-            linears(parts["transformer"]), lambda n: f"diffusion_model.{anima_original(n)}", meta=meta
-        ),
-        **lora_file(
-            linears(parts["text_conditioner"]),
-            lambda n: f"diffusion_model.llm_adapter.{n}",
-            meta=meta,
-            seed=8,
-        ),
-    }
 
 
 def _anima_convert(sd):
@@ -360,84 +290,12 @@ def test_anima_qwen3_comfy_prefix_matches_kohya():
     )
 
 
-SANA_TINY = dict(
-    in_channels=4,
-    out_channels=4,
-    num_attention_heads=2,
-    attention_head_dim=8,
-    num_layers=2,
-    num_cross_attention_heads=2,
-    cross_attention_head_dim=8,
-    cross_attention_dim=16,
-    caption_channels=8,
-    sample_size=8,
-)
-# Original weight -> diffusers module, one-to-one (the test's own inverse of the converter; the fused ones below).
-SANA_TOP = {
-    "x_embedder.proj": "patch_embed.proj",
-    "t_embedder.mlp.0": "time_embed.emb.timestep_embedder.linear_1",
-    "t_embedder.mlp.2": "time_embed.emb.timestep_embedder.linear_2",
-    "t_block.1": "time_embed.linear",
-    "y_embedder.y_proj.fc1": "caption_projection.linear_1",
-    "y_embedder.y_proj.fc2": "caption_projection.linear_2",
-    "attention_y_norm": "caption_norm",
-    "final_layer.linear": "proj_out",
-}
-SANA_BLOCK = {
-    "attn.proj": "attn1.to_out.0",
-    "cross_attn.q_linear": "attn2.to_q",
-    "cross_attn.proj": "attn2.to_out.0",
-    "mlp.inverted_conv.conv": "ff.conv_inverted",
-    "mlp.depth_conv.conv": "ff.conv_depth",
-    "mlp.point_conv.conv": "ff.conv_point",
-}
-SANA_FUSED = {
-    "attn.qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
-    "cross_attn.kv_linear": ("attn2.to_k", "attn2.to_v"),
-}
-
-
 def _sana(meta: bool, **config):
     import diffusers
 
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         return diffusers.SanaTransformer2DModel(**config).eval()
-
-
-def sana_original(model, make) -> dict[str, torch.Tensor]:
-    """The original (NVlabs) checkpoint of `model`: {name: make(name, shape)}, every key the converter reads."""
-    live = dict(model.named_parameters())
-    pairs = {
-        **SANA_TOP,
-        **{
-            f"blocks.{i}.{o}": f"transformer_blocks.{i}.{n}"
-            for i in range(len(model.transformer_blocks))
-            for o, n in SANA_BLOCK.items()
-        },
-    }
-    out = {
-        "pos_embed": make("pos_embed", (1,)),
-        "y_embedder.y_embedding": make("y_embedder.y_embedding", (1,)),
-    }
-    for old, new in pairs.items():
-        for p in ("weight", "bias"):
-            if f"{new}.{p}" in live:
-                out[f"{old}.{p}"] = make(f"{old}.{p}", tuple(live[f"{new}.{p}"].shape))
-    for i in range(len(model.transformer_blocks)):
-        for old, news in SANA_FUSED.items():
-            for p in ("weight", "bias"):
-                parts = [live.get(f"transformer_blocks.{i}.{n}.{p}") for n in news]
-                if parts[0] is not None:
-                    shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
-                    out[f"blocks.{i}.{old}.{p}"] = make(f"blocks.{i}.{old}.{p}", shape)
-        out[f"blocks.{i}.scale_shift_table"] = make(
-            f"blocks.{i}.scale_shift_table", tuple(live[f"transformer_blocks.{i}.scale_shift_table"].shape)
-        )
-    out["final_layer.scale_shift_table"] = make(
-        "final_layer.scale_shift_table", tuple(live["scale_shift_table"].shape)
-    )
-    return out
 
 
 def _sana_convert(checkpoint: dict) -> dict[str, torch.Tensor]:
@@ -582,18 +440,6 @@ def test_sana_full_diffs_match_the_converter():
     assert set(expected) == set(before)
     worst = max(rel_err(after[k] - before[k], expected[k]) for k in expected)
     assert worst <= 1e-6, worst
-
-
-ERNIE_TINY = dict(
-    hidden_size=16,
-    num_attention_heads=2,
-    num_layers=2,
-    ffn_hidden_size=32,
-    in_channels=4,
-    out_channels=4,
-    text_in_dim=8,
-    rope_axes_dim=(2, 2, 4),
-)
 
 
 def _ernie(meta: bool, **config):

@@ -20,6 +20,7 @@ import re
 import pytest
 import torch
 from conftest import REALDATA
+from helpers.tiny_configs import CLASSES, TINY
 
 import loraweave
 from loraweave.arch import aliases as arch_aliases
@@ -31,11 +32,6 @@ CONVERTERS = {
     "hunyuan": "convert_hunyuan_video_transformer_to_diffusers",
     "krea2": "convert_krea2_transformer_checkpoint_to_diffusers",
 }
-CLASSES = {
-    "flux2": "Flux2Transformer2DModel",
-    "hunyuan": "HunyuanVideoTransformer3DModel",
-    "krea2": "Krea2Transformer2DModel",
-}
 # Parameters that are not module weights (Krea2's per-block modulation tables): no alias can reach them.
 NOT_MODULES = {"krea2": re.compile(r"(transformer_blocks\.\d+|final_layer)\.scale_shift_table$")}
 
@@ -44,71 +40,6 @@ def _converter(arch):
     from diffusers.loaders import single_file_utils
 
     return getattr(single_file_utils, CONVERTERS[arch])
-
-
-def _build(arch: str, dtype=torch.float32, **config):
-    import diffusers
-
-    with torch.device("meta"):
-        model = getattr(diffusers, CLASSES[arch])(**config)
-    model = model.to(dtype).to_empty(device="cpu")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # distinct rows everywhere (cheaper than a full randn at HunyuanVideo's 3072 width)
-        for p in model.parameters():
-            rows = torch.randn(p.shape[0], *[1] * (p.dim() - 1), generator=g)
-            p.copy_(
-                rows + torch.randn(1, *p.shape[1:], generator=g)
-                if p.dim() > 1
-                else torch.randn(p.shape, generator=g)
-            )
-    return model
-
-
-TINY = {
-    "flux2": lambda: _build(
-        "flux2",
-        patch_size=1,
-        in_channels=4,
-        num_layers=2,
-        num_single_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        timestep_guidance_channels=16,
-        axes_dims_rope=(2, 2, 2, 2),
-    ),
-    # The converter hard-codes hidden_size 3072 for single-block linear1: the smallest model it accepts is 3072 wide.
-    "hunyuan": lambda: _build(
-        "hunyuan",
-        torch.bfloat16,
-        in_channels=4,
-        out_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        num_refiner_layers=1,
-        mlp_ratio=0.25,
-        text_embed_dim=16,
-        pooled_projection_dim=16,
-    ),
-    "krea2": lambda: _build(
-        "krea2",
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        timestep_embed_dim=16,
-        text_hidden_dim=16,
-        num_text_layers=3,
-        text_num_attention_heads=2,
-        text_num_key_value_heads=1,
-        text_intermediate_size=24,
-        num_layerwise_text_blocks=2,
-        num_refiner_text_blocks=1,
-        axes_dims_rope=(2, 2, 4),
-    ),
-}
 
 
 def comfy_hunyuan_key(k: str) -> str:

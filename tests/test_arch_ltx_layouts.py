@@ -10,73 +10,17 @@ Per layout/architecture:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
-from helpers.common import rel_err
+from helpers.arch_layouts import assert_matches_peft, linears, lora_file, ltx2_original, lumina2_lora_names
+from helpers.tiny_configs import LTX2_FULL, LTX2_TINY
 from helpers.tiny_models import tiny_flux
 
 import loraweave
 from loraweave.arch import aliases as arch_aliases
 from loraweave.arch.aliases import AliasTable
-
-LTX2_FULL = dict(gated_attn=True, audio_gated_attn=True, cross_attn_mod=True, audio_cross_attn_mod=True)
-LTX2_TINY = dict(
-    in_channels=8,
-    out_channels=8,
-    num_attention_heads=2,
-    attention_head_dim=8,
-    cross_attention_dim=16,
-    audio_in_channels=8,
-    audio_out_channels=8,
-    audio_num_attention_heads=2,
-    audio_attention_head_dim=4,
-    audio_cross_attention_dim=8,
-    num_layers=2,
-    caption_channels=12,
-    **LTX2_FULL,
-)
-
-
-def linears(model) -> dict[str, torch.nn.Module]:
-    return {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
-
-
-def ltx2_original(live: str) -> str:
-    """Write a live LTX-2 name the way the original checkpoint does (the test's own inverse of the renames)."""
-    for new, old in (
-        ("prompt_adaln", "prompt_adaln_single"),
-        ("norm_k", "k_norm"),
-        ("norm_q", "q_norm"),
-        ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
-        ("av_cross_attn_audio_scale_shift", "av_ca_audio_scale_shift_adaln_single"),
-        ("av_cross_attn_video_a2v_gate", "av_ca_a2v_gate_adaln_single"),
-        ("av_cross_attn_video_scale_shift", "av_ca_video_scale_shift_adaln_single"),
-        ("proj_in", "patchify_proj"),
-    ):
-        live = live.replace(new, old)
-    for new, old in (("time_embed.", "adaln_single."), ("audio_time_embed.", "audio_adaln_single.")):
-        if live.startswith(new):
-            live = old + live[len(new) :]
-    return live
-
-
-def lora_file(modules: dict[str, torch.nn.Module], name_of, rank: int = 2, seed: int = 4, meta: bool = False):
-    """{file key: tensor}: a LoRA on every module, named by `name_of(live name)`; no alpha (scale 1, as PEFT)."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for live, m in modules.items():
-        out, inp = m.weight.shape
-        stem = name_of(live)
-        if meta:
-            sd[f"{stem}.lora_A.weight"] = torch.empty(rank, inp, device="meta")
-            sd[f"{stem}.lora_B.weight"] = torch.empty(out, rank, device="meta")
-        else:
-            sd[f"{stem}.lora_A.weight"] = torch.randn(rank, inp, generator=g)
-            sd[f"{stem}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.1
-    return sd
 
 
 def converter_targets(convert, sd: dict, prefix: str = "transformer.") -> dict[str, str]:
@@ -101,25 +45,6 @@ def assert_lands_where_the_converter_says(model, sd: dict, targets: dict[str, st
         if (found := [p.module for p in table.lookup(stem.split(".", 1)[1])]) != [live]
     }
     assert not wrong, list(wrong.items())[:3]
-
-
-def assert_matches_peft(model, sd: dict, converted: dict, prefix: str = "transformer"):
-    """Every Linear's output: ours (merge, runtime) vs diffusers' converted keys loaded by PEFT."""
-    names = list(linears(model))
-    g = torch.Generator().manual_seed(9)
-    xs = {n: torch.randn(3, linears(model)[n].in_features, generator=g) for n in names}
-    ref = copy.deepcopy(model)
-    ref.load_lora_adapter(converted, prefix=prefix, adapter_name="ref")
-    with torch.no_grad():
-        expected = {n: ref.get_submodule(n)(xs[n]) for n in names}
-        changed = sum(not torch.equal(expected[n], linears(model)[n](xs[n])) for n in names)
-    assert changed > 0
-    for mode in ("merge", "runtime"):
-        ours = copy.deepcopy(model)
-        loraweave.apply(ours, sd, mode=mode, strict=True)
-        with torch.no_grad():
-            worst = max(rel_err(ours.get_submodule(n)(xs[n]), expected[n]) for n in names)
-        assert worst <= 1e-5, (mode, worst)
 
 
 def _ltx2(meta: bool, **config):
@@ -374,7 +299,7 @@ def _wan_block_linears(model):
 def test_musubi_wan_matches_diffusers_and_peft():
     """musubi-tuner: kohya-flattened Wan names with alpha (here alpha/rank = 0.5, which the converter folds)."""
     from diffusers.loaders.lora_conversion_utils import _convert_musubi_wan_lora_to_diffusers
-    from test_arch_oracle import tiny_wan
+    from helpers.tiny_configs import tiny_wan
 
     model = tiny_wan(False)
     sd = {}
@@ -389,7 +314,7 @@ def test_musubi_wan_matches_diffusers_and_peft():
 def test_diffusion_pipe_wan_matches_diffusers_and_peft():
     """diffusion-pipe saves Wan LoRAs in ComfyUI form: `diffusion_model.<Wan name>.lora_A.weight`, no alpha."""
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
-    from test_arch_oracle import tiny_wan
+    from helpers.tiny_configs import tiny_wan
 
     model = tiny_wan(True)
     sd = lora_file(
@@ -403,7 +328,7 @@ def test_diffusion_pipe_wan_matches_diffusers_and_peft():
 
 
 def test_stand_in_is_parsed_resolved_and_refused_with_its_reason():
-    from test_arch_oracle import tiny_wan
+    from helpers.tiny_configs import tiny_wan
 
     model = tiny_wan(False)
     sd = {
@@ -421,32 +346,6 @@ def test_stand_in_is_parsed_resolved_and_refused_with_its_reason():
         and "blocks.0.attn1.to_" in u["reason"]
         for u in report.unmatched
     )
-
-
-def lumina2_lora_names(model) -> dict[str, tuple[int, int]]:
-    """{original stem: (rows, in)} in the order and spelling of diffusers' Lumina2 LoRA converter."""
-    mods, out = dict(model.named_modules()), {}
-    for stack, n, modulated in (
-        ("noise_refiner", len(model.noise_refiner), True),
-        ("context_refiner", len(model.context_refiner), False),
-        ("layers", len(model.layers), True),
-    ):
-        for i in range(n):
-            b = f"{stack}.{i}"
-            out[f"{b}.attention.qkv"] = (
-                sum(mods[f"{b}.attn.to_{x}"].out_features for x in "qkv"),
-                mods[f"{b}.attn.to_q"].in_features,
-            )
-            out[f"{b}.attention.out"] = tuple(mods[f"{b}.attn.to_out.0"].weight.shape)
-            out.update(
-                {
-                    f"{b}.feed_forward.w{j}": tuple(mods[f"{b}.feed_forward.linear_{j}"].weight.shape)
-                    for j in (1, 2, 3)
-                }
-            )
-            if modulated:
-                out[f"{b}.adaLN_modulation.1"] = tuple(mods[f"{b}.norm1.linear"].weight.shape)
-    return out
 
 
 def _lora_from_shapes(shapes: dict, prefix: str, meta: bool, seed: int = 3) -> dict:
@@ -496,7 +395,7 @@ def test_lumina2_full_size_lands_where_the_converter_says():
 
 
 def test_lumina2_matches_diffusers_and_peft():
-    from test_arch_oracle import tiny_lumina2
+    from helpers.tiny_configs import tiny_lumina2
 
     model = tiny_lumina2().eval()
     sd = _lora_from_shapes(lumina2_lora_names(model), "diffusion_model.", meta=False)

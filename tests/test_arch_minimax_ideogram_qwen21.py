@@ -15,8 +15,14 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.arch_layouts import (
+    assert_matches_peft,
+    h3_lora_names,
+    ideogram4_lora_names,
+    linears,
+    qwen21_lora_names,
+)
 from helpers.common import rel_err
-from test_arch_ltx_layouts import assert_matches_peft, linears
 
 import loraweave
 from loraweave.arch import aliases as arch_aliases
@@ -110,39 +116,6 @@ H3_TINY = dict(
     time_embed_hidden_dim=32,
     time_embed_dim=16,
 )
-H3_STANDALONE = {
-    "video_patch_proj": "proj_in",
-    "audio_patch_proj": "audio_proj_in",
-    "condition_proj": "context_embedder",
-    "time_embedder.proj_in": "time_embedder.linear_1",
-    "time_embedder.proj_out": "time_embedder.linear_2",
-    "final_layer.adaln_proj.linear": "norm_out.linear",
-    "final_layer.video_out": "proj_out",
-    "final_layer.audio_out": "audio_proj_out",
-}
-
-
-def h3_lora_names(model) -> dict[str, tuple[int, int]]:
-    """{original stem: (rows, in)}: every Linear of the model under its original MiniMax-H3 name."""
-    mods = dict(model.named_modules())
-    out = {src: tuple(mods[live].weight.shape) for src, live in H3_STANDALONE.items()}
-    for src, dst, n in (
-        ("blocks", "transformer_blocks", len(model.transformer_blocks)),
-        ("token_refiner.blocks", "token_refiner.refiner_blocks", len(model.token_refiner.refiner_blocks)),
-    ):
-        for i in range(n):
-            s, d = f"{src}.{i}", f"{dst}.{i}"
-            q = mods[f"{d}.attn.to_q"]
-            out[f"{s}.attn.qkv_proj"] = (3 * q.out_features, q.in_features)
-            for o, live in (
-                ("attn.out_proj", "attn.to_out.0"),
-                ("mlp.fc1", "ff.net.0.proj"),
-                ("mlp.fc2", "ff.net.2"),
-                ("adaln_proj.linear", "adaln_proj.linear"),
-            ):
-                if f"{d}.{live}" in mods:
-                    out[f"{s}.{o}"] = tuple(mods[f"{d}.{live}"].weight.shape)
-    return out
 
 
 def _h3_convert(sd):
@@ -355,19 +328,6 @@ IDEOGRAM4_TINY = dict(
 )
 
 
-def ideogram4_lora_names(model) -> dict[str, tuple[int, int]]:
-    """{original stem: (rows, in)} of every module the converter maps (it maps `layers.N.*` only)."""
-    mods, out = dict(model.named_modules()), {}
-    for i in range(len(model.layers)):
-        b = f"layers.{i}"
-        q = mods[f"{b}.attention.to_q"]
-        out[f"{b}.attention.qkv"] = (3 * q.out_features, q.in_features)
-        out[f"{b}.attention.o"] = tuple(mods[f"{b}.attention.to_out.0"].weight.shape)
-        for n in ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "adaln_modulation"):
-            out[f"{b}.{n}"] = tuple(mods[f"{b}.{n}"].weight.shape)
-    return out
-
-
 def _ideogram4_convert(sd):
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideogram4_lora_to_diffusers
 
@@ -441,19 +401,6 @@ QWEN21_TINY = dict(
     context_in_dim=16,
     axes_dims_rope=(2, 2, 4),
 )
-
-
-def qwen21_lora_names(model) -> dict[str, tuple[int, int]]:
-    """{original (ComfyUI) stem: (rows, in)}: diffusers names, with each block's gate_layer + proj fused to gate_up."""
-    out = {}
-    for name, m in linears(model).items():
-        if name.endswith("img_mlp.proj"):
-            continue
-        if name.endswith("img_mlp.gate_layer"):
-            out[name.replace("gate_layer", "gate_up")] = (2 * m.out_features, m.in_features)
-        else:
-            out[name] = tuple(m.weight.shape)
-    return out
 
 
 def _qwen21_convert(sd: dict) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.tiny_configs import tiny_lumina2, tiny_sd3, tiny_wan, tiny_wan_vace
 from helpers.tiny_models import tiny_zimage
 
 from loraweave.arch.aliases import AliasTable
@@ -50,89 +51,6 @@ def original_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             else:
                 ckpt[f"{name}.{suffix}"] = torch.cat(parts)
     return ckpt
-
-
-def tiny_sd3():
-    from diffusers import SD3Transformer2DModel
-
-    torch.manual_seed(0)
-    return SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=3,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        joint_attention_dim=32,
-        caption_projection_dim=32,
-        pooled_projection_dim=16,
-        out_channels=4,
-        pos_embed_max_size=16,
-        dual_attention_layers=(0,),
-        qk_norm="rms_norm",
-    )
-
-
-def tiny_wan(i2v: bool):
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    extra = {"image_dim": 24, "added_kv_proj_dim": 32} if i2v else {}
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=24,
-        freq_dim=16,
-        ffn_dim=64,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        **extra,
-    )
-
-
-def tiny_wan_vace():
-    from diffusers import WanVACETransformer3DModel
-
-    torch.manual_seed(0)
-    return WanVACETransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=24,
-        freq_dim=16,
-        ffn_dim=64,
-        num_layers=3,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        vace_layers=[0, 2],
-        vace_in_channels=8,
-    )
-
-
-def tiny_lumina2():
-    from diffusers import Lumina2Transformer2DModel
-
-    torch.manual_seed(0)
-    return Lumina2Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        hidden_size=64,
-        num_layers=2,
-        num_refiner_layers=1,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        multiple_of=16,
-        axes_dim_rope=(4, 6, 6),
-        axes_lens=(16, 16, 16),
-        cap_feat_dim=16,
-    )
 
 
 def patched_converter(name: str, **constants):

@@ -17,7 +17,7 @@ import re
 
 import pytest
 import torch
-from test_arch_ltx_layouts import assert_matches_peft, linears, lora_file
+from helpers.arch_layouts import assert_matches_peft, linears, lora_file
 
 import loraweave
 from loraweave.arch import aliases as arch_aliases
@@ -320,7 +320,7 @@ def test_swapped_kv_halves_are_caught(monkeypatch):
 def test_animate_only_keys_are_expected_absent_on_other_wan(flat):
     """An Animate LoRA on Wan 2.1 I2V (same blocks, no face adapter / motion encoder): the block keys land with
     the numbers the Animate model gets, the Animate-only keys are expected absent and strict mode passes."""
-    from test_arch_oracle import tiny_wan
+    from helpers.tiny_configs import tiny_wan
 
     animate, i2v = _build(False, ANIMATE_TINY), tiny_wan(True)
     sd = animate_lora(animate)

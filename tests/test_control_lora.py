@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from helpers.common import gen, rel_err
+from helpers.family_models import _control_lora
 from helpers.tiny_models import tiny_flux
 
 import loraweave
@@ -27,21 +28,6 @@ def _forward(model, channels: int, seed: int = 1):
         txt_ids=torch.zeros(5, 3),
         return_dict=False,
     )[0]
-
-
-def _control_lora(base, with_reshape: bool) -> dict[str, torch.Tensor]:
-    g = gen(7)
-    hidden, inp = base.x_embedder.weight.shape
-    sd = {
-        "img_in.lora_A.weight": torch.randn(4, 2 * inp, generator=g) * 0.3,
-        "img_in.lora_B.weight": torch.randn(hidden, 4, generator=g) * 0.3,
-        "img_in.lora_B.bias": torch.randn(hidden, generator=g) * 0.1,
-        "double_blocks.0.img_attn.proj.lora_A.weight": torch.randn(4, hidden, generator=g) * 0.3,
-        "double_blocks.0.img_attn.proj.lora_B.weight": torch.randn(hidden, 4, generator=g) * 0.3,
-    }
-    if with_reshape:
-        sd["img_in.reshape_weight"] = torch.tensor([hidden, 2 * inp])
-    return sd
 
 
 def _reference(base, sd):

@@ -13,10 +13,20 @@ import json
 
 import pytest
 import torch
+from helpers.arch_layouts import (
+    _anima,
+    anima_file,
+    h3_lora_names,
+    ideogram4_lora_names,
+    linears,
+    lora_file,
+    ltx2_original,
+    lumina2_lora_names,
+    qwen21_lora_names,
+    sana_original,
+)
 from helpers.registry import patch_records
-from test_arch_anima_sana import ANIMA_DIT, _anima, anima_file, sana_original
-from test_arch_ltx_layouts import LTX2_FULL, linears, lora_file, ltx2_original, lumina2_lora_names
-from test_arch_minimax_ideogram_qwen21 import h3_lora_names, ideogram4_lora_names, qwen21_lora_names
+from helpers.tiny_configs import ANIMA_DIT, LTX2_FULL
 
 import loraweave
 from loraweave.arch import registry

@@ -11,11 +11,11 @@ import logging
 import pytest
 import torch
 from conftest import REALDATA
+from helpers.real_files import REAL_FILES
 from helpers.tiny_models import MODELS
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
-from test_realdata import REAL_FILES
 
 import loraweave.diffusers as lwd
 from loraweave import LoraweaveError

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
+from helpers.sdnq_models import OUT_A, OUT_B, float_model, lokr, quantized
 from safetensors.torch import load_file, save_file
-from test_quant_sdnq import OUT_A, OUT_B, float_model, lokr, quantized
 
 import loraweave
 from loraweave.mechanisms.runtime.factor_cache import FactorCache

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.common import gen, multiplier_outputs, outputs, randn_inputs, rel_err, save_lycoris
+from helpers.family_models import dora_sd
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
@@ -161,17 +162,6 @@ def test_matches_peft_dora(tmp_path):
     for name in LAYERS:
         assert rel_err(ours.get_submodule(name).weight, merged.get_submodule(name).weight) <= 1e-6, name
     check_modes(tmp_path, pristine, str(tmp_path / "peft"), refs, base, xs, MULTIPLIERS)
-
-
-def dora_sd(on_out: bool, seed: int = 4) -> dict[str, torch.Tensor]:
-    g = gen(seed)
-    d = torch.rand(32, 1, generator=g) + 0.5 if on_out else torch.rand(1, 24, generator=g) + 0.5
-    return {
-        "lin.lora_down.weight": torch.randn(4, 24, generator=g) * 0.3,
-        "lin.lora_up.weight": torch.randn(32, 4, generator=g) * 0.3,
-        "lin.alpha": torch.tensor(2.0),
-        "lin.dora_scale": d,
-    }
 
 
 @pytest.mark.parametrize("on_out", (True, False), ids=("out_axis", "in_axis"))

@@ -10,7 +10,7 @@ import copy
 import lycoris  # the reference must be installed: a missing package fails here, it is never skipped
 import pytest
 from helpers.common import multiplier_outputs, outputs, randomise, rel_err, save_lycoris, write_preset
-from test_family_loha import LAYERS, MULTIPLIERS, TOL, Net, inputs
+from helpers.family_models import LAYERS, MULTIPLIERS, TOL, Net, inputs
 
 import loraweave
 

@@ -18,38 +18,18 @@ from helpers.common import (
     gen,
     multiplier_outputs,
     outputs,
-    randn_inputs,
     randomise,
     rel_err,
     save_lycoris,
     write_preset,
 )
+from helpers.family_models import LAYERS, MULTIPLIERS, TOL, Net, inputs
 from torch import nn
 
 import loraweave
 from loraweave.families import FAMILIES
 
-TOL = 1e-5
-MULTIPLIERS = (1.0, 0.5, -1.0)
-LAYERS = ("lin", "c1", "c2", "c3", "pw")
 KERNELS = ("c1", "c2", "c3")  # kernel > 1: Tucker when asked (never for Linear or the 1x1 conv)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(12, 10)
-        self.c1 = nn.Conv1d(4, 6, 3, padding=1)
-        self.c2 = nn.Conv2d(4, 6, 3, stride=2, padding=1)
-        self.c3 = nn.Conv3d(3, 5, 3, padding=1)
-        self.pw = nn.Conv2d(4, 6, 1)  # 1x1 conv: LyCORIS gives it the linear dim/alpha, never Tucker
-
-
-def inputs() -> dict[str, torch.Tensor]:
-    return randn_inputs(
-        {"lin": (2, 3, 12), "c1": (2, 4, 9), "c2": (2, 4, 9, 7), "c3": (1, 3, 5, 4, 6), "pw": (2, 4, 5, 5)}
-    )
 
 
 # (id, create_lycoris kwargs, rs_lora): alpha != rank everywhere.

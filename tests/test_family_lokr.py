@@ -27,6 +27,7 @@ from helpers.common import (
     save_lycoris,
     write_preset,
 )
+from helpers.family_models import lokr_sd
 from lycoris.functional.lokr import diff_weight as lycoris_diff_weight
 from safetensors import safe_open
 from torch import nn
@@ -144,14 +145,6 @@ def test_matches_lycoris_wrapped_forward(
 
 
 # ------------------------------------------------------------------------ fused Flux target (row chunks)
-
-
-def lokr_sd(stem: str, seed: int, alpha: float | None = None, **shapes) -> dict[str, torch.Tensor]:
-    g = gen(seed)
-    sd = {f"{stem}.lokr_{role}": torch.randn(*shape, generator=g) * 0.5 for role, shape in shapes.items()}
-    if alpha is not None:
-        sd[f"{stem}.alpha"] = torch.tensor(alpha)
-    return sd
 
 
 def kron64(sd: dict[str, torch.Tensor], stem: str) -> torch.Tensor:

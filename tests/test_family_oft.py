@@ -23,6 +23,7 @@ from helpers.common import (
     rel_err,
     write_preset,
 )
+from helpers.family_models import lin_model, oft_sd
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -138,31 +139,8 @@ def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state, algo, constrai
 # ------------------------------------------------------------------------ peer defects (formats notes M1-M5)
 
 
-def lin_model() -> nn.Module:
-    torch.manual_seed(3)
-    return nn.ModuleDict({"fc": nn.Linear(20, 24), "cv": nn.Conv2d(8, 16, 3, padding=1)})
-
-
 def lin_inputs() -> dict[str, torch.Tensor]:
     return {"fc": torch.randn(4, 20, generator=gen(4)), "cv": torch.randn(2, 8, 5, 5, generator=gen(5))}
-
-
-def oft_sd(
-    seed: int, noise: float = 0.2, alpha: float | None = 0.0, rescale: bool = False
-) -> dict[str, torch.Tensor]:
-    g = gen(seed)
-    sd = {
-        "fc.oft_blocks": torch.randn(6, 4, 4, generator=g) * noise,
-        "cv.oft_blocks": torch.randn(4, 4, 4, generator=g) * noise,
-    }
-    if alpha is not None:
-        sd |= {"fc.alpha": torch.tensor(alpha), "cv.alpha": torch.tensor(alpha)}
-    if rescale:
-        sd |= {
-            "fc.rescale": 1 + 0.3 * torch.randn(24, 1, generator=g),
-            "cv.rescale": 1 + 0.3 * torch.randn(16, 1, 1, 1, generator=g),
-        }
-    return sd
 
 
 def deltas(sd, s: float, mode: str) -> dict[str, torch.Tensor]:

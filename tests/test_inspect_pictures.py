@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.inspect_expected import EXPECTED
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_cli_inspect import EXPECTED
 
 from loraweave.cli import main
 from loraweave.tools.heatmap import EMPTY, RAMP, colour

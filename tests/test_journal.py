@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.common import fail_on_call
-from test_hostile import Net, lora, no_hooks, same, state
+from helpers.hostile_nets import Net, lora, no_hooks, same, state
 
 import loraweave
 import loraweave.engine.install

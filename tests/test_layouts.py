@@ -10,9 +10,9 @@ import copy
 
 import pytest
 import torch
+from helpers.peft_lora import make_peft_lora, rel_err
 from helpers.tiny_models import tiny_flux, tiny_zimage
 from safetensors.torch import load_file
-from test_parity_peft import make_peft_lora, rel_err
 
 import loraweave
 from loraweave.arch.unet_original import unet_original_names

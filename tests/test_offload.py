@@ -14,8 +14,8 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.hooks import apply_group_offloading
+from helpers.switch_models import LAYERS, _lora
 from helpers.tiny_models import flux_forward, tiny_flux
-from test_switching import LAYERS, _lora
 
 import loraweave
 from loraweave.errors import StrictApplyError

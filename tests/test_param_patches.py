@@ -12,8 +12,7 @@ import copy
 
 import pytest
 import torch
-from test_arch_dits2 import TINY
-from test_arch_oracle import tiny_wan
+from helpers.tiny_configs import TINY, tiny_wan
 
 import loraweave
 

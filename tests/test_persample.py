@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.batch_inputs import ARCHS, MORE, batch_inputs, cat, run, take
 from helpers.common import rel_err
-from test_support_matrix import factors
+from helpers.persample_adapters import adapter
 
 import loraweave
 from loraweave.errors import BatchError
@@ -25,17 +25,6 @@ TOL = 1e-5
 SETS = [["a"], ["b", "c"], [], ["a", "d"]]
 STRENGTHS = [[0.7], [1.0, -0.5], [], [1.2, 0.4]]
 FAMILY = {"a": "lora", "b": "lokr", "c": "loha", "d": "dora"}  # DoRA: a term that reads the base output
-
-
-def adapter(model: torch.nn.Module, family: str, seed: int) -> dict[str, torch.Tensor]:
-    """A synthetic adapter of `family` on every Linear of `model` (PEFT layout)."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for path, m in model.named_modules():
-        if type(m) is torch.nn.Linear:
-            for suffix, t in factors(family, m.out_features, m.in_features, g).items():
-                sd[f"base_model.model.{path}.{suffix}"] = t
-    return sd
 
 
 def adapters(model, families: dict[str, str] = FAMILY) -> dict[str, dict]:

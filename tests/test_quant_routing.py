@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from helpers.common import gen, rel_err
-from test_quant_sdnq import (
+from helpers.sdnq_models import (
     IN,
     OUT_A,
     X,

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from helpers.common import rel_err
-from test_quant_sdnq import IN, OUT_A, OUT_B, float_model, lora, quantized
+from helpers.sdnq_models import IN, OUT_A, OUT_B, float_model, lora, quantized
 
 import loraweave
 from loraweave.request.spec import AdapterSpec

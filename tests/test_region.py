@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 from helpers.common import rel_err
+from helpers.persample_adapters import adapter
 from helpers.tiny_models import flux_forward, tiny_flux, tiny_sdxl_unet, unet_forward
-from test_persample import adapter
 
 import loraweave
 from loraweave.errors import RegionError

@@ -134,9 +134,9 @@ def test_bad_stack_settings_are_errors(setup):
 
 
 def test_block_weights_and_text_encoder_strength():
-    from test_text_encoders import _delta as te_delta
-    from test_text_encoders import _lora as te_lora
-    from test_text_encoders import tiny_clip
+    from helpers.tiny_clip import _delta as te_delta
+    from helpers.tiny_clip import _lora as te_lora
+    from helpers.tiny_clip import tiny_clip
 
     base, clip = tiny_flux(), tiny_clip()
     sd = _lora(

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 from helpers.common import rel_err
+from helpers.switch_models import LAYERS, _lora
 from helpers.tiny_models import flux_forward, tiny_flux
-from test_switching import LAYERS, _lora
 
 import loraweave
 from loraweave.request.spec import AdapterSpec

@@ -8,8 +8,8 @@ import copy
 
 import pytest
 import torch
+from helpers.persample_adapters import adapter
 from helpers.tiny_models import tiny_flux
-from test_persample import adapter
 
 import loraweave
 from loraweave.errors import ArgumentError

@@ -16,8 +16,7 @@ import time
 
 import pytest
 import torch
-from test_streaming import flux_batch2, flux_deep, lora_sd, min_budget, one_thread  # noqa: F401 (fixture)
-from test_streaming_hostmem import pack_like_cuda
+from helpers.streaming_models import flux_batch2, flux_deep, lora_sd, min_budget, pack_like_cuda
 
 import loraweave
 from loraweave.streaming import handle as handle_module
@@ -25,6 +24,7 @@ from loraweave.streaming import stream
 from loraweave.streaming.clock import ClockCopier
 from loraweave.streaming.slots import Copier
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread for the module (conftest)
 DELAY_S = 0.004  # worker delay before each copy: far longer than the main thread needs to reach a wrong read
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.streaming_models import flux_deep, lora_sd
 from helpers.tiny_models import tiny_flux
-from test_streaming import flux_deep, lora_sd
 
 import loraweave
 from loraweave.streaming import stream

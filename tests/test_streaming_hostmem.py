@@ -10,9 +10,9 @@ import itertools
 import os
 
 import pytest
-import test_quant_backends
 import torch
-from test_streaming import flux_batch2, flux_deep, lora_sd, min_budget, one_thread  # noqa: F401 (fixture)
+from helpers import quant_backends
+from helpers.streaming_models import flux_batch2, flux_deep, lora_sd, min_budget, pack_like_cuda
 from torch import nn
 
 import loraweave
@@ -20,6 +20,7 @@ from loraweave.streaming import hostmem, outside, stream
 from loraweave.streaming.planner import aligned, tensor_bytes
 
 os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread for the module (conftest)
 
 
 def brute_force_waste(sizes: list[int]) -> int:
@@ -96,12 +97,6 @@ def test_pinned_copy_of_a_flux_width_block_costs_under_1_1x_its_bytes(part):
     packed = sum(hostmem.allocated(b - a, True) for a, b in hostmem.group_runs(spans_of(sizes), pin=True))
     assert per_tensor / used > 1.5
     assert packed / used < 1.1, packed / used
-
-
-def pack_like_cuda(monkeypatch) -> None:
-    """Host copies packed and grouped as for a CUDA device (pinned rounding), in unpinned CPU memory."""
-    monkeypatch.setattr(hostmem, "pins", lambda device, storage: True)
-    monkeypatch.setattr(hostmem, "host_buffer", lambda n, storage, pin: torch.empty(n, dtype=torch.uint8))
 
 
 @pytest.fixture
@@ -213,13 +208,13 @@ def test_bitsandbytes_4bit_quant_state_is_counted_as_resident_bytes():
     s.close()
 
 
-QUANT_CASES = sorted(test_quant_backends.CASES)
+QUANT_CASES = sorted(quant_backends.CASES)
 
 
 def quantized_chain(backend: str, kind: str) -> nn.Sequential:
-    """Three quantized layers 256->256->256->128 from two of test_quant_backends' quantized pairs: with three
+    """Three quantized layers 256->256->256->128 from two of quant_backends' quantized pairs: with three
     blocks, streaming through two slots holds less than keeping them all."""
-    a, b = test_quant_backends.quantized(backend, kind), test_quant_backends.quantized(backend, kind)
+    a, b = quant_backends.quantized(backend, kind), quant_backends.quantized(backend, kind)
     return nn.Sequential(a[0], b[0], a[1])
 
 
@@ -228,7 +223,7 @@ def test_every_quantized_backend_streams_bit_identical_with_a_runtime_lora_or_is
     """All three quantized layers streamed through two slots (storage and compute on CPU), a runtime LoRA on each:
     outputs equal the same model unstreamed. bitsandbytes int8 is refused (it computes from its own CB copy)."""
     backend, kind = case
-    blocker = test_quant_backends.kind_blocker(backend, kind)
+    blocker = quant_backends.kind_blocker(backend, kind)
     if blocker:
         pytest.skip(blocker)  # reported by test_quant_backends.test_every_case_runs_here_or_is_reported
     plain, model = quantized_chain(backend, kind), quantized_chain(backend, kind)
@@ -250,7 +245,7 @@ def test_every_quantized_backend_streams_bit_identical_with_a_runtime_lora_or_is
     probe.close()
     budget = fixed + 2 * max(sizes)
     s = stream(model, budget=budget, device="cpu", blocks=names, trace=True)
-    x = torch.randn(3, test_quant_backends.IN, generator=g)
+    x = torch.randn(3, quant_backends.IN, generator=g)
     with torch.no_grad():
         want = plain(x)
         for _ in range(2):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_undo_records import assert_same_bits, kinds_of, lora_sd, net, state_bits
+from helpers.undo_models import assert_same_bits, kinds_of, lora_sd, net, state_bits
 
 import loraweave
 

@@ -13,10 +13,9 @@ import random
 import pytest
 import torch
 from helpers.common import fail_on_call, gen, rel_err
+from helpers.family_models import dora_sd, lin_model, lokr_sd, oft_sd
+from helpers.undo_models import assert_same_bits, kinds_of, lora_sd, net, state_bits
 from safetensors.torch import save_file
-from test_family_dora import dora_sd
-from test_family_lokr import lokr_sd
-from test_family_oft import lin_model, oft_sd
 from torch import nn
 
 import loraweave
@@ -30,41 +29,8 @@ STRENGTHS = [0.1, 1.0, 4.0, -1.0]
 KINDS = ["compact", "copy", "auto", "source"]
 
 
-def state_bits(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: bits(v.detach()).clone() for k, v in model.state_dict().items() if v.is_floating_point()}
-
-
-def assert_same_bits(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
-    now = state_bits(model)
-    assert now.keys() == before.keys()
-    for k, v in now.items():
-        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), f"{k} differs bitwise"
-
-
 def differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return any(not torch.equal(v, b[k]) for k, v in a.items())
-
-
-def net(dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """Linear layers of one dtype, wide enough for compact records to pay; a signed zero in the weight."""
-    torch.manual_seed(seed)
-    model = nn.ModuleDict({"a": nn.Linear(96, 80), "b": nn.Linear(80, 64, bias=False)}).to(dtype)
-    with torch.no_grad():
-        model.a.weight[0, :4] = torch.tensor([-0.0, 0.0, -0.0, 0.0])
-    return model
-
-
-def lora_sd(model: nn.Module, rel: float = 0.02, seed: int = 1, rank: int = 4) -> dict[str, torch.Tensor]:
-    """A LoRA with ‖ΔW‖ ≈ rel·‖W‖ on every Linear (a typical trained LoRA's order of magnitude)."""
-    g = gen(seed)
-    sd = {}
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
-            a = torch.randn(rank, m.in_features, generator=g)
-            b = torch.randn(m.out_features, rank, generator=g)
-            b *= rel * m.weight.float().norm() / (b @ a).norm()
-            sd[f"{name}.lora_A.weight"], sd[f"{name}.lora_B.weight"] = a, b
-    return sd
 
 
 def source_of(model: nn.Module, tmp_path, name: str = "model.safetensors") -> str:
@@ -76,10 +42,6 @@ def source_of(model: nn.Module, tmp_path, name: str = "model.safetensors") -> st
 def apply(model, sd, kind, tmp_path, strength=1.0, **kw):
     extra = {"undo_source": source_of(model, tmp_path)} if kind == "source" else {}
     return loraweave.apply(model, (sd, strength), mode="merge", undo=kind, **extra, **kw)
-
-
-def kinds_of(handle) -> set[str]:
-    return {m.undo for m in handle.report.applied if m.mechanism == "merge"}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -217,8 +179,8 @@ def test_chunked_delta_rows_restore(monkeypatch, tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["compact", "auto", "copy"])
 def test_grown_input_restores(kind):
+    from helpers.family_models import _control_lora
     from helpers.tiny_models import tiny_flux
-    from test_control_lora import _control_lora
 
     model = tiny_flux()
     before = state_bits(model)
@@ -413,7 +375,7 @@ def test_compact_record_refuses_a_weight_edited_outside():
 
 # --------------------------------------------------------------------------------- transactional apply
 
-from test_robustness import N_MODULES, Net, _check_restored, _full_adapter, _snapshot  # noqa: E402
+from helpers.robust_nets import N_MODULES, Net, _check_restored, _full_adapter, _snapshot  # noqa: E402
 
 
 def _net_source(model, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_arch_oracle import tiny_wan
+from helpers.tiny_configs import tiny_wan
 
 import loraweave
 from loraweave import AdapterSpec

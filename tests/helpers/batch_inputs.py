@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from test_arch_oracle import tiny_sd3, tiny_wan
-from test_support_matrix import ARCHS as MATRIX
 
+from helpers.arch_matrix import ARCHS as MATRIX
+from helpers.tiny_configs import tiny_sd3, tiny_wan
 from helpers.tiny_models import MODELS
 
 ARCHS = {
