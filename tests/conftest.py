@@ -1,6 +1,7 @@
 """Shared fixtures: the path to ../shared real data, and LyCORIS class state restored after each test.
 
-Plain helper functions live in helpers/common.py; tiny real-architecture models in helpers/tiny_models.py."""
+Plain helper functions live in helpers/common.py; tiny real-architecture models in helpers/tiny_models.py;
+what test modules share lives in helpers/ too (a test module never imports another, test_test_layout.py)."""
 
 from __future__ import annotations
 

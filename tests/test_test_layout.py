@@ -10,7 +10,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def imported_test_modules(path: Path) -> list[str]:
-    """Every `import test_x` and `from test_x import ...` in the file, at module level or inside a function."""
+    """Every `import test_x` and `from test_x import ...` in the file, at module level or in a function."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if isinstance(node, ast.Import):

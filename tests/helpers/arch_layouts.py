@@ -1,4 +1,5 @@
-"""Original-layout state dicts, LoRA key names and file builders for the arch-layout tests, and the peft comparison they share."""
+"""Original-layout state dicts, LoRA key names and file builders for the arch-layout tests, and the peft
+comparison they share."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The support matrix's architectures (tiny configs) and the LoRA factors it builds for each, shared with the batch and per-sample tests."""
+"""The support matrix's architectures (tiny configs) and the LoRA factors it builds for each, shared with the
+batch and per-sample tests."""
 
 from __future__ import annotations
 

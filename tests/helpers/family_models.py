@@ -1,4 +1,5 @@
-"""Small nets and adapter state dicts of the adapter-family tests (LoHa, DoRA, LoKr, OFT, control LoRA), shared with the LyCORIS and undo tests."""
+"""Small nets and adapter state dicts of the adapter-family tests (LoHa, DoRA, LoKr, OFT, control LoRA),
+shared with the LyCORIS and undo tests."""
 
 from __future__ import annotations
 

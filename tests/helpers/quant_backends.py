@@ -1,4 +1,5 @@
-"""A tiny two-layer model quantized by each backend (bitsandbytes, torchao, optimum-quanto, GGUF), and which cases cannot run here."""
+"""A tiny two-layer model quantized by each backend (bitsandbytes, torchao, optimum-quanto, GGUF), and which
+cases cannot run here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The robustness tests' net (with an int8 layer), full adapter and restore checks, shared with the undo-record tests."""
+"""The robustness tests' net (with an int8 layer), full adapter and restore checks, shared with the
+undo-record tests."""
 
 from __future__ import annotations
 

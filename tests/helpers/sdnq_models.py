@@ -1,4 +1,5 @@
-"""SDNQ-quantized tiny models, their adapters and restore checks, shared by the SDNQ, stacking, routing and factor-cache tests."""
+"""SDNQ-quantized tiny models, their adapters and restore checks, shared by the SDNQ, stacking, routing and
+factor-cache tests."""
 
 from __future__ import annotations
 

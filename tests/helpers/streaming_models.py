@@ -1,4 +1,5 @@
-"""Tiny Flux models, LoRAs and budget arithmetic for the layer-streaming tests."""
+"""Tiny Flux models, LoRAs and budget arithmetic for the layer-streaming tests, and host copies packed as for
+CUDA."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tiny configs of real architectures (diffusers classes and their kwargs, or builders), shared by the arch, detect, support-matrix and batch tests."""
+"""Tiny configs of real architectures (diffusers classes and their kwargs, or builders), shared by the arch,
+detect, support-matrix and batch tests."""
 
 from __future__ import annotations
 

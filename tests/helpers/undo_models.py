@@ -1,4 +1,5 @@
-"""A tiny net, its LoRA and bit-exact state checks of the undo-record tests, shared with the CUDA undo tests."""
+"""A tiny net, its LoRA and bit-exact state checks of the undo-record tests, shared with the CUDA undo
+tests."""
 
 from __future__ import annotations
 
