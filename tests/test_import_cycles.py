@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1] / "src" / "loraweave"
+from helpers.imports import import_edges, package_modules
 
 
-def _module_name(path: Path) -> str:
-    parts = ["loraweave", *path.relative_to(ROOT).with_suffix("").parts]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+def _edges(modules: dict) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1] if node.level else []
-                mod = ".".join([*base, *([node.module] if node.module else [])])
-                # `from pkg import sub` imports the submodule; `from mod import name` imports mod
-                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
-            else:
-                continue
-            graph[name] |= {t for t in targets if t in modules and t != name}
+    for src, dst in import_edges(modules):
+        if dst in modules:
+            graph[src].add(dst)
     return graph
 
 
@@ -74,6 +55,6 @@ def test_walker_sees_a_cycle():
 
 
 def test_no_import_cycles():
-    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    modules = package_modules()
     assert len(modules) > 50
     assert _cycles(_edges(modules)) == []

@@ -4,11 +4,9 @@ a package to its own package or to one on a lower layer. Packages on one layer d
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1] / "src" / "loraweave"
+from helpers.imports import ROOT, import_edges, package_modules
 
 # Lowest first. Each top-level module or package of src/loraweave sits on exactly one layer.
 LAYERS: list[set[str]] = [
@@ -38,31 +36,6 @@ MECHANISM_LAYERS: list[set[str]] = [
 ]
 
 
-def _module_name(path: Path) -> str:
-    parts = ["loraweave", *path.relative_to(ROOT).with_suffix("").parts]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(modules: dict[str, Path]) -> list[tuple[str, str]]:
-    """(importer, imported) for every import of a loraweave module, `from loraweave import __version__` aside."""
-    edges = []
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1] if node.level else []
-                mod = ".".join([*base, *([node.module] if node.module else [])])
-                names = [a.name for a in node.names if a.name != "__version__"]  # the package root's constant
-                targets = [f"{mod}.{n}" if f"{mod}.{n}" in modules else mod for n in names]
-            else:
-                continue
-            edges += [(name, t) for t in targets if t.startswith("loraweave") and t != name]
-    return edges
-
-
 def _rank(layers: list[set[str]], part: str) -> int:
     ranks = [i for i, layer in enumerate(layers) if part in layer]
     if not ranks:
@@ -86,9 +59,9 @@ def violations(edges: list[tuple[str, str]], layers: list[set[str]], depth: int 
 
 @pytest.fixture(scope="module")
 def edges() -> list[tuple[str, str]]:
-    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    modules = package_modules()
     assert len(modules) > 100
-    return _imports(modules)
+    return import_edges(modules)
 
 
 def test_every_part_has_a_layer():
