@@ -18,7 +18,7 @@ from loraweave.arch.aliases import metadata_alpha_of
 from loraweave.arch.blocks import block_slots, block_weights, chain_lengths, detect_block_arch, slot_names
 from loraweave.arch.catalog import CATALOG, build_meta, canonical
 from loraweave.arch.detect import detect_architecture
-from loraweave.formats.blocks import CHAINS
+from loraweave.formats.blocks import CHAINS, block_counts
 from loraweave.formats.keys import underscore_form
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +100,21 @@ def test_facets_are_consistent(arch):
     if arch.blocks:
         assert arch.skeleton is not None, f"{arch.name}: a block map needs the skeleton it slots"
         assert bool(arch.blocks.chains) != bool(arch.blocks.unet), arch.name
+    for release in arch.releases:  # chains the file reader counts, and a skeleton the catalog has
+        assert release.chains and set(release.chains) <= set(CHAINS), (arch.name, release.name)
+        assert release.hidden > 0 and all(n > 0 for n in release.chains.values()), release.name
+        assert release.catalog is None or release.catalog in CATALOG, release.catalog
+
+
+RELEASES = [(a.name, r) for a in RECORDS for r in a.releases if r.catalog]
+
+
+@pytest.mark.parametrize("arch,release", RELEASES, ids=[r.catalog for _, r in RELEASES])
+def test_a_release_is_its_catalog_skeleton(arch, release):
+    """A release that names a skeleton has that skeleton's block counts and hidden width (on the meta device)."""
+    model = build_meta(release.catalog, text_encoders=False)[CATALOG[release.catalog].denoiser]
+    assert block_counts([n for n, _ in model.named_modules()]) == release.chains
+    assert model.config.num_attention_heads * model.config.attention_head_dim == release.hidden
 
 
 @pytest.mark.parametrize("arch", [a for a in RECORDS if a.blocks], ids=[a.name for a in RECORDS if a.blocks])

@@ -504,7 +504,7 @@ def test_without_the_fill_row_the_key_would_grow_dev(monkeypatch):
 )
 def test_klein_catalog_matches_the_variant_table(name, double, single, hidden):
     from loraweave.arch.catalog import build_meta
-    from loraweave.arch.variants import VARIANTS
+    from loraweave.arch.variants import variants
 
     model = build_meta(name)["transformer"]
     assert (len(model.transformer_blocks), len(model.single_transformer_blocks), model.inner_dim) == (
@@ -512,7 +512,7 @@ def test_klein_catalog_matches_the_variant_table(name, double, single, hidden):
         single,
         hidden,
     )
-    (variant,) = [v for v in VARIANTS if v.catalog == name]
+    (variant,) = [v for v in variants() if v.catalog == name]
     assert variant.chains == {"double": double, "single": single} and variant.hidden == hidden
     fused = model.single_transformer_blocks[0].attn.to_qkv_mlp_proj
     assert fused.out_features == variant.single_rows * hidden

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .encoders import CLIP_L, T5_XXL
-from .record import Architecture, BlockMap, Layouts, Skeleton
+from .record import Architecture, BlockMap, Layouts, Release, Skeleton
 from .spec import Alias, ArchTable, Rows, VariantInput, VariantOnly
 
 _D = "transformer_blocks.{i}"
@@ -116,6 +116,7 @@ _FLUX_CHAINS = (("D", "transformer_blocks", 19), ("S", "single_transformer_block
 
 # BFL names, and diffusers' single-block names (its double-stream names are the MMDiT family's). Flux.1 (and
 # Chroma) have 19 double / 38 single blocks; HunyuanVideo and Qwen-Image share the names deeper (their depth).
+# Releases (in `releases=`): from the released configs (realdata/configs).
 FLUX_ARCH = Architecture(
     "flux",
     (FLUX,),
@@ -138,6 +139,7 @@ FLUX_ARCH = Architecture(
         "convert_flux_transformer_checkpoint_to_diffusers, _convert_xlabs_flux_lora_to_diffusers, _convert_fal_kontext_lora_to_diffusers",
         "test_layouts.py, test_arch_ltx_layouts.py::test_xlabs_*, ::test_fal_kontext_*, test_arch_wan_animate_variants.py::test_fill_*",
     ),
+    releases=(Release("flux1 (dev, schnell, Fill, Kontext)", {"double": 19, "single": 38}, 3072, 7),),
 )
 FLUX_SCHNELL = Architecture(
     "flux-schnell",

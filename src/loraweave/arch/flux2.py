@@ -8,7 +8,7 @@ Modulation is global (`double_stream_modulation_img/txt`, `single_stream_modulat
 
 from __future__ import annotations
 
-from .record import Architecture, Layouts, Skeleton
+from .record import Architecture, Layouts, Release, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 _D = "transformer_blocks.{i}"
@@ -64,6 +64,9 @@ FLUX2 = ArchTable(
     ),
 )
 
+# Releases (in `releases=`): dev is diffusers' Flux2Transformer2DModel defaults; klein from the released
+# transformer configs as DiffSynth-Studio's model_configs.py lists them (klein-4B: 5 double / 20 single blocks,
+# 24 heads x 128; klein-9B: 8 / 24, 32 heads x 128).
 FLUX2_ARCH = Architecture(
     "flux2",
     (FLUX2,),
@@ -74,6 +77,11 @@ FLUX2_ARCH = Architecture(
         "BFL/ComfyUI names, BFL LoKr; klein 4B/9B told apart by block counts, width and linear1 rows",
         "convert_flux2_transformer_checkpoint_to_diffusers",
         "test_arch_dits2.py, test_arch_wan_animate_variants.py::test_*klein*",
+    ),
+    releases=(
+        Release("flux2-dev", {"double": 8, "single": 48}, 6144, 9, "flux2"),
+        Release("flux2-klein-9b", {"double": 8, "single": 24}, 4096, 9, "flux2-klein-9b"),
+        Release("flux2-klein-4b", {"double": 5, "single": 20}, 3072, 9, "flux2-klein-4b"),
     ),
 )
 FLUX2_KLEIN_4B = Architecture(

@@ -9,7 +9,7 @@ is registered in both spellings. Fused rows: `*_attn_qkv` = q | k | v thirds; si
 from __future__ import annotations
 
 from .encoders import CLIP_L
-from .record import Architecture, Layouts, Skeleton
+from .record import Architecture, Layouts, Release, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 _D = "transformer_blocks.{i}"
@@ -108,7 +108,7 @@ HUNYUAN_VIDEO = ArchTable(
 )
 
 # Tencent names: `img_mod.linear` / `modulation.linear` / `mlp.fc1` vs Flux's `img_mod.lin` / `img_mlp.0`. Its
-# diffusers names are Flux's, 20 double / 40 single blocks deep (both 24 heads x 128; arch.variants lists them).
+# diffusers names are Flux's, 20 double / 40 single blocks deep (both 24 heads x 128; `releases=` below).
 HUNYUAN_VIDEO_ARCH = Architecture(
     "hunyuan-video",
     (HUNYUAN_VIDEO,),
@@ -145,6 +145,7 @@ HUNYUAN_VIDEO_ARCH = Architecture(
         "convert_hunyuan_video_transformer_to_diffusers",
         "test_arch_dits2.py",
     ),
+    releases=(Release("hunyuan-video (T2V, I2V)", {"double": 20, "single": 40}, 3072, 7),),
 )
 # HunyuanImage 2.1: diffusers names only, named by the MMDiT hidden width (28 heads x 128).
 HUNYUAN_IMAGE_21 = Architecture(

@@ -57,6 +57,20 @@ class Layouts:
 
 
 @dataclass(frozen=True)
+class Release:
+    """A released variant, told from its siblings by what a file shows: block count per chain (the highest index
+    it names) and hidden width (its `down` factors' input)."""
+
+    name: str
+    chains: dict[str, int]
+    hidden: int
+    # Rows of the single block's fused `linear1` per hidden unit: q|k|v + MLP (Flux.1, HunyuanVideo: 3 + 4;
+    # Flux.2: 3 + 2 * 3, SwiGLU). Tells Flux.1 from Flux.2 files that share BFL names and a 3072 width.
+    single_rows: int | None = None
+    catalog: str | None = None  # the full-size skeleton of exactly this variant, when the catalog has one
+
+
+@dataclass(frozen=True)
 class Architecture:
     name: str  # the name detection answers and the catalog keys
     # Alias tables (original names -> live modules); the first is the architecture's own, any others (text
@@ -75,6 +89,7 @@ class Architecture:
     blocks: BlockMap | None = None
     layouts: Layouts | None = None  # its row in the support matrix's original-name layouts
     not_mapped: tuple[str, str] | None = None  # (heading, state) in the support matrix's "Not mapped" table
+    releases: tuple[Release, ...] = ()  # released variants inspect tells apart (block counts, width)
 
     @property
     def metadata_alpha(self) -> str | None:

@@ -12,33 +12,26 @@ from dataclasses import dataclass
 
 from ..formats.adapter import Adapter
 from ..formats.blocks import block_counts
+from .registry import ARCHITECTURES
 
 
 @dataclass(frozen=True)
 class Variant:
+    """A release of an architecture (its record's `releases`), named with the architecture it belongs to."""
+
     arch: str
     name: str
     chains: dict[str, int]
     hidden: int
-    # Rows of the single block's fused `linear1` per hidden unit: q|k|v + MLP (Flux.1, HunyuanVideo: 3 + 4;
-    # Flux.2: 3 + 2 * 3, SwiGLU). Tells Flux.1 from Flux.2 files that share BFL names and a 3072 width.
     single_rows: int | None = None
-    catalog: str | None = None  # the full-size skeleton of exactly this variant, when the catalog has one
+    catalog: str | None = None
 
 
-# From the released configs (realdata/configs for Flux.1 and Wan). Flux.2: dev is diffusers' Flux2Transformer2DModel
-# defaults; klein from the released transformer configs as DiffSynth-Studio's model_configs.py lists them
-# (klein-4B: 5 double / 20 single blocks, 24 heads x 128; klein-9B: 8 / 24, 32 heads x 128).
-VARIANTS: tuple[Variant, ...] = (
-    Variant("flux", "flux1 (dev, schnell, Fill, Kontext)", {"double": 19, "single": 38}, 3072, 7),
-    Variant("flux2", "flux2-dev", {"double": 8, "single": 48}, 6144, 9, "flux2"),
-    Variant("flux2", "flux2-klein-9b", {"double": 8, "single": 24}, 4096, 9, "flux2-klein-9b"),
-    Variant("flux2", "flux2-klein-4b", {"double": 5, "single": 20}, 3072, 9, "flux2-klein-4b"),
-    Variant("wan", "wan-14b (2.1 T2V/I2V/FLF2V/VACE, 2.2 A14B/Animate)", {"blocks": 40}, 5120),
-    Variant("wan", "wan-1.3b (2.1 T2V/VACE)", {"blocks": 30}, 1536),
-    Variant("wan", "wan2.2-ti2v-5b", {"blocks": 30}, 3072),
-    Variant("hunyuan-video", "hunyuan-video (T2V, I2V)", {"double": 20, "single": 40}, 3072, 7),
-)
+def variants() -> tuple[Variant, ...]:
+    """Every release the registry's records declare, in registry order."""
+    return tuple(Variant(a.name, **vars(r)) for a in ARCHITECTURES for r in a.releases)
+
+
 BFL_NAMED = (
     "flux",
     "flux2",
@@ -60,7 +53,7 @@ def _single_rows(adapter: Adapter, hidden: int | None) -> int | None:
     for p in adapter.parts:
         if hidden and "up" in p.roles and SINGLE_FUSED.search(p.path):
             rows, rest = divmod(adapter.shape(p.roles["up"])[0], hidden)
-            known = {v.single_rows for v in VARIANTS}
+            known = {v.single_rows for v in variants()}
             return (
                 rows if not rest and rows in known else None
             )  # another ratio (a hand-made file) says nothing
@@ -76,7 +69,7 @@ def variant_fit(adapter: Adapter) -> dict:
     ratio = _single_rows(adapter, hidden)
     fits = [
         v
-        for v in VARIANTS
+        for v in variants()
         if set(counts) <= set(v.chains)
         and all(n <= v.chains[c] for c, n in counts.items())
         and (hidden is None or hidden == v.hidden)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .record import Architecture, BlockMap, Layouts, Skeleton
+from .record import Architecture, BlockMap, Layouts, Release, Skeleton
 from .spec import Alias, ArchTable, ParamAlias, VariantOnly
 
 _B = "blocks.{i}"
@@ -86,6 +86,7 @@ WAN = ArchTable(
     ),
 )
 
+# Releases (in `releases=`): from the released configs (realdata/configs).
 WAN_ARCH = Architecture(
     "wan",
     (WAN,),
@@ -118,5 +119,10 @@ WAN_ARCH = Architecture(
         "Wan/ComfyUI names, musubi-tuner (lora_unet_), diffusion-pipe (diffusion_model.), lightx2v diff/diff_b/diff_m, VACE blocks",
         "convert_wan_transformer_to_diffusers, _convert_musubi_wan_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffusers",
         "test_arch_oracle.py, test_arch_ltx_layouts.py::test_*wan*, test_param_patches.py",
+    ),
+    releases=(
+        Release("wan-14b (2.1 T2V/I2V/FLF2V/VACE, 2.2 A14B/Animate)", {"blocks": 40}, 5120),
+        Release("wan-1.3b (2.1 T2V/VACE)", {"blocks": 30}, 1536),
+        Release("wan2.2-ti2v-5b", {"blocks": 30}, 3072),
     ),
 )

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..arch.detect import detect_architecture
-from ..arch.variants import BFL_NAMED, VARIANTS, variant_fit
+from ..arch.variants import BFL_NAMED, variant_fit, variants
 from ..formats.adapter import Adapter, load_adapter
 from ..report.report import failures
 
@@ -353,7 +353,7 @@ def _variant_rows(info: dict) -> list[tuple[str, str]]:
     """The model variant the file's block counts fit, if the architecture has variants."""
     variant = info.get("variant") or {}
     # "no known variant" only says something for the families arch.variants lists (not SD3's or LTX-2's blocks)
-    varied = variant.get("fits") or any(info["architecture"]["name"].startswith(v.arch) for v in VARIANTS)
+    varied = variant.get("fits") or any(info["architecture"]["name"].startswith(v.arch) for v in variants())
     if not (variant.get("blocks") and varied):
         return []
     blocks = ", ".join(f"{n} {c}" for c, n in variant["blocks"].items())
