@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"mechanisms"},  # how a change is installed: merge/undo, runtime, sampling, quantized
     {"engine", "streaming"},  # the journal and the handle; streaming's own handle
     {"api"},  # apply, plan
-    {"tools"},  # inspect, bake, convert, extract, generate bodies
+    {"tools"},  # inspect, bake, convert, extract, resize, generate, demo bodies
     {"diffusers", "serve", "comfy"},  # the faces for other programs
     {"cli"},  # the command line
     {"__main__"},  # python -m loraweave

@@ -13,14 +13,8 @@ from torch import nn
 from loraweave.streaming import BudgetTooSmall, find_blocks, plan_residency, stream
 from loraweave.streaming.planner import aligned
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """2 shared cores: multi-threaded tiny matmuls stall ~100x under contention (1.1 s vs 3 ms a Flux forward)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# 2 shared cores: multi-threaded tiny matmuls stall ~100x under contention (1.1 s vs 3 ms a Flux forward).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Block(nn.Module):

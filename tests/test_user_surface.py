@@ -488,7 +488,7 @@ def test_item12_version_and_quiet_optional_packages():
 def test_item12_demo_and_test_cache_leave_no_temp_dirs(tmp_path, monkeypatch, capsys):
     import tempfile
 
-    import loraweave.cli.demo as demo_mod
+    import loraweave.tools.demo as demo_mod
 
     seen = []
 

@@ -19,8 +19,7 @@ def package_modules() -> dict[str, Path]:
 
 
 def import_edges(modules: dict[str, Path]) -> list[tuple[str, str]]:
-    """(importer, imported) for every import of a loraweave module, `from loraweave import __version__` aside
-    (the package root's constant: importing it runs nothing new)."""
+    """(importer, imported) for every import of a loraweave module."""
     edges = []
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
@@ -31,9 +30,8 @@ def import_edges(modules: dict[str, Path]) -> list[tuple[str, str]]:
                 base = package.split(".")
                 base = base[: len(base) - node.level + 1] if node.level else []
                 mod = ".".join([*base, *([node.module] if node.module else [])])
-                names = [a.name for a in node.names if a.name != "__version__"]
                 # `from pkg import sub` imports the submodule; `from mod import name` imports mod
-                targets = [f"{mod}.{n}" if f"{mod}.{n}" in modules else mod for n in names]
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
             else:
                 continue
             edges += [(name, t) for t in targets if t.startswith("loraweave") and t != name]

@@ -42,6 +42,12 @@ def _class_arch() -> dict[str, str]:
     }
 
 
+def block_arch_of(arch: str) -> str | None:
+    """The block arch of a registered architecture (its record's block map), or None when it has none."""
+    record = registry.by_name().get(arch)
+    return record.blocks.key if record is not None and record.blocks else None
+
+
 def unet_layout(arch: str) -> tuple[str, ...]:
     """The A1111 LBW short layout of a UNet block arch."""
     return _unet_archs()[arch][1]

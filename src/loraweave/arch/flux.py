@@ -116,6 +116,7 @@ _FLUX_CHAINS = (("D", "transformer_blocks", 19), ("S", "single_transformer_block
 
 # BFL names, and diffusers' single-block names (its double-stream names are the MMDiT family's). Flux.1 (and
 # Chroma) have 19 double / 38 single blocks; HunyuanVideo and Qwen-Image share the names deeper (their depth).
+FLUX_BLOCKS = BlockMap("flux", _FLUX_CHAINS)  # Flux.1 dev and schnell
 # Releases (in `releases=`): from the released configs (realdata/configs).
 FLUX_ARCH = Architecture(
     "flux",
@@ -131,7 +132,7 @@ FLUX_ARCH = Architecture(
         "flux1-dev transformer config",
     ),
     cli_names=("flux1", "flux-dev"),
-    blocks=BlockMap("flux", _FLUX_CHAINS),
+    blocks=FLUX_BLOCKS,
     layouts=Layouts(
         "flux / flux-schnell / chroma",
         "BFL/ComfyUI names, kohya, XLabs processor LoRAs, fal Kontext (base_model.model.); "
@@ -150,6 +151,7 @@ FLUX_SCHNELL = Architecture(
         {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL},
         "flux1-schnell transformer config",
     ),
+    blocks=FLUX_BLOCKS,
 )
 CHROMA_ARCH = Architecture(
     "chroma",

@@ -37,38 +37,40 @@ UNET = Architecture(
 # Block slots: every supported UNet has 2 layers per down block (3 per up block). The LBW short layout lists the
 # attention-bearing blocks; the preset splits are the last shallow input / first shallow output index (a
 # downsampler belongs with the block before it: SD1 IN03 shallow, IN06 deep; SDXL IN06 shallow).
+# SD1.5 and SD2 share the UNet block layout (4 down blocks).
+SD1_BLOCKS = BlockMap(
+    "sd1",
+    unet=(
+        4,
+        (
+            "BASE",
+            "IN01",
+            "IN02",
+            "IN04",
+            "IN05",
+            "IN07",
+            "IN08",
+            "M00",
+            "OUT03",
+            "OUT04",
+            "OUT05",
+            "OUT06",
+            "OUT07",
+            "OUT08",
+            "OUT09",
+            "OUT10",
+            "OUT11",
+        ),
+        (4, 7),
+    ),
+)
 SD1 = Architecture(
     "sd1",
     skeleton=Skeleton(
         "unet", "UNet2DConditionModel", _SD15_UNET, {"text_encoder": CLIP_L}, "sd15 unet config"
     ),
     cli_names=("unet", "sd15", "sd1.5"),
-    blocks=BlockMap(
-        "sd1",
-        unet=(
-            4,
-            (
-                "BASE",
-                "IN01",
-                "IN02",
-                "IN04",
-                "IN05",
-                "IN07",
-                "IN08",
-                "M00",
-                "OUT03",
-                "OUT04",
-                "OUT05",
-                "OUT06",
-                "OUT07",
-                "OUT08",
-                "OUT09",
-                "OUT10",
-                "OUT11",
-            ),
-            (4, 7),
-        ),
-    ),
+    blocks=SD1_BLOCKS,
 )
 SD2 = Architecture(
     "sd2",
@@ -85,6 +87,7 @@ SD2 = Architecture(
         "sd15 config with SD2 attention",
     ),
     cli_names=("sd21",),
+    blocks=SD1_BLOCKS,
 )
 SDXL = Architecture(
     "sdxl",

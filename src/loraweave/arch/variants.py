@@ -12,24 +12,20 @@ from dataclasses import dataclass
 
 from ..formats.adapter import Adapter
 from ..formats.blocks import block_counts
-from .registry import ARCHITECTURES
+from . import registry
+from .record import Release
 
 
 @dataclass(frozen=True)
-class Variant:
+class Variant(Release):
     """A release of an architecture (its record's `releases`), named with the architecture it belongs to."""
 
-    arch: str
-    name: str
-    chains: dict[str, int]
-    hidden: int
-    single_rows: int | None = None
-    catalog: str | None = None
+    arch: str = ""
 
 
 def variants() -> tuple[Variant, ...]:
     """Every release the registry's records declare, in registry order."""
-    return tuple(Variant(a.name, **vars(r)) for a in ARCHITECTURES for r in a.releases)
+    return tuple(Variant(**vars(r), arch=a.name) for a in registry.ARCHITECTURES for r in a.releases)
 
 
 BFL_NAMED = (
@@ -48,12 +44,12 @@ def _hidden(adapter: Adapter) -> int | None:
     return widths.most_common(1)[0][0] if widths else None
 
 
-def _single_rows(adapter: Adapter, hidden: int | None) -> int | None:
-    """Rows of a fused single-block `linear1` per hidden unit, when the file has one and a release has that ratio."""
+def _single_rows(adapter: Adapter, hidden: int | None, known: set[int | None]) -> int | None:
+    """Rows of a fused single-block `linear1` per hidden unit, when the file has one and a release (`known`: the
+    releases' ratios) has that ratio."""
     for p in adapter.parts:
         if hidden and "up" in p.roles and SINGLE_FUSED.search(p.path):
             rows, rest = divmod(adapter.shape(p.roles["up"])[0], hidden)
-            known = {v.single_rows for v in variants()}
             return (
                 rows if not rest and rows in known else None
             )  # another ratio (a hand-made file) says nothing
@@ -66,10 +62,11 @@ def variant_fit(adapter: Adapter) -> dict:
     hidden = _hidden(adapter)
     if not counts:
         return {"blocks": {}, "hidden": hidden, "fits": [], "likely": None, "catalog": None}
-    ratio = _single_rows(adapter, hidden)
+    releases = variants()
+    ratio = _single_rows(adapter, hidden, {v.single_rows for v in releases})
     fits = [
         v
-        for v in variants()
+        for v in releases
         if set(counts) <= set(v.chains)
         and all(n <= v.chains[c] for c, n in counts.items())
         and (hidden is None or hidden == v.hidden)

@@ -16,14 +16,9 @@ def add(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def run_demo(out_dir: Path) -> dict:
-    """The demo (`loraweave.tools.demo.run_demo`; torch and diffusers are imported only when it runs)."""
-    from ..tools.demo import run_demo as demo
-
-    return demo(out_dir)
-
-
 def run(args: argparse.Namespace) -> int:
+    from ..tools.demo import run_demo  # torch and diffusers load only when the demo runs
+
     if args.out:
         res = run_demo(Path(args.out))
     else:  # sample files live only for the run: nothing is left behind in the temp folder

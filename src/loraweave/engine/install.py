@@ -211,8 +211,9 @@ def install_layer(
     if item.mechanism == "merge":
         merged = _merge_layer(journal, item, options)
         entry = layer_entry(item, item.why if mode == "auto" else "", backend=backend_name)
-        merged.entry = entry  # the report follows the undo record (kind, bytes) through strength changes
-        merged._report()
+        merged.attach_entry(
+            entry
+        )  # the report follows the undo record (kind, bytes) through strength changes
         return entry
     if item.mechanism == "runtime":
         rp = _runtime_layer(journal, item, options, path_for)

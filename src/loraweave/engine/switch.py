@@ -239,8 +239,7 @@ class LayerDiff:
         entry = layer_entry(item, item.why if self.new.mode == "auto" else "")
         self.applied.append(entry)
         if item.mechanism == "merge":
-            rec.entry = entry
-            rec._report()
+            rec.attach_entry(entry)
         return True
 
     def rebuild(self, item: LayerWork, rp: RuntimePath | None, rec: MergedModule | None) -> None:

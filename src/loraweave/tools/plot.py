@@ -16,19 +16,6 @@ from pathlib import Path
 log = logging.getLogger("loraweave")
 
 METRICS = ("norm", "energy")
-# catalog architecture -> block-slot table (arch/blocks.py); SD2 has SD1's block layout.
-BLOCK_ARCH = {
-    "sd1": "sd1",
-    "sd2": "sd1",
-    "sdxl": "sdxl",
-    "flux": "flux",
-    "flux-schnell": "flux",
-    "chroma": "chroma",
-    "z-image": "zimage",
-    "sd3": "sd3",
-    "wan": "wan",
-    "qwen-image": "qwen_image",
-}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|block)\.(\d+)\.")
 
 
@@ -153,7 +140,7 @@ def block_grid(
     text_encoders: bool = True,
 ) -> BlockGrid:
     """The heatmap data of one adapter file (see the module docstring)."""
-    from ..arch.blocks import block_slots
+    from ..arch.blocks import block_arch_of, block_slots
     from ..arch.catalog import canonical
     from ..formats.adapter import load_adapter
     from ..resolve.planner import resolve
@@ -163,7 +150,7 @@ def block_grid(
     adapter = load_adapter(path, allow_pickle=allow_pickle)
     components, name = _components(adapter, arch, model, text_encoders)
     plan = resolve(components, [(adapter, 1.0)])
-    block_arch = BLOCK_ARCH.get(canonical(name)) if model is None else None
+    block_arch = block_arch_of(canonical(name)) if model is None else None
     denoiser = components.denoiser_name
     per_module: dict[tuple[str, str], float] = {}
     skipped = [{"key": u["key"], "reason": u["reason"]} for u in plan.unmatched]

@@ -102,9 +102,9 @@ def _in_shape(part, factors) -> tuple[int, ...]:
 def _targets(
     adapter, arch: str | None, model: str | None
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, str | None]]:
-    """({part stem: (in, *kernel) of the module it lands on}, {component as the file names it: the `__metadata__` field
-    its model's trainers record one network alpha in}). Flat-stored conv factors (old LoHa/LoKr) do not say their kernel; the
-    model does. Architecture: given, or detected (nothing when unknown)."""
+    """({part stem: (in, *kernel) of the module it lands on}, {component as the file names it: the
+    `__metadata__` field its model's trainers record one network alpha in}). Flat-stored conv factors (old
+    LoHa/LoKr) do not say their kernel; the model does. Architecture: given, or detected (nothing when unknown)."""
     from ..arch.aliases import metadata_alpha_of
     from ..arch.spec import module_shape
     from ..resolve.planner import resolve

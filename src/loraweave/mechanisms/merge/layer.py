@@ -281,6 +281,11 @@ class MergedModule:
             add_contribution(delta[lo - r0 : hi - r0], pp, part, base, strength=strength, scale=scale)
         return delta
 
+    def attach_entry(self, entry) -> None:
+        """The report row this layer keeps current: its undo kind and bytes follow strength changes."""
+        self.entry = entry
+        self._report()
+
     def _report(self) -> None:
         if self.entry is not None:
             self.entry.undo, self.entry.undo_bytes = self.undo_kind, self.undo_bytes
