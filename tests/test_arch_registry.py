@@ -4,6 +4,7 @@ catalog, the block maps and the support matrix script once registered."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from pathlib import Path
@@ -163,3 +164,19 @@ def test_a_toy_architecture_in_one_file_is_picked_up_everywhere():
     assert detect_architecture(adapter).architecture == "unknown" and "toy-dit" not in CATALOG
     with pytest.raises(ValueError, match="unknown block arch"):
         slot_names("toy")
+
+
+@pytest.mark.parametrize(
+    "record,before,match",
+    [
+        (TOY, "no-such-arch", "no such architecture"),
+        (registry.by_name()["flux"], None, "registered already"),
+        (dataclasses.replace(registry.by_name()["flux"], name="flux-copy"), None, "brings alias tables"),
+    ],
+    ids=["unknown-before", "duplicate-name", "with-tables"],
+)
+def test_registering_a_bad_record_is_refused_and_changes_nothing(record, before, match):
+    names = [a.name for a in registry.ARCHITECTURES]
+    with pytest.raises(loraweave.ArgumentError, match=match), registry.registered(record, before=before):
+        pass
+    assert [a.name for a in registry.ARCHITECTURES] == names

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..errors import ArgumentError
 from .anima import ANIMA_ARCH
 from .ernie_image import ERNIE_IMAGE
 from .flux import CHROMA_ARCH, FLUX_ARCH, FLUX_SCHNELL
@@ -89,10 +90,15 @@ def registered(arch: Architecture, before: str | None = None) -> Iterator[Archit
     """`arch` in the registry for the duration (before the record named `before`, else last): for tests and
     plug-ins that add an architecture without a line here. Detection, the catalog and the block maps read the
     registry on every call; arch.aliases reads the alias tables once at import, so a record that brings tables
-    is listed here instead."""
-    if arch.name in by_name():
-        raise ValueError(f"architecture {arch.name!r} is registered already")
-    at = [a.name for a in ARCHITECTURES].index(before) if before else len(ARCHITECTURES)
+    is refused (list it here instead)."""
+    names = [a.name for a in ARCHITECTURES]
+    if arch.name in names:
+        raise ArgumentError(f"architecture {arch.name!r} is registered already")
+    if arch.tables:  # arch.aliases reads the alias tables once, at import
+        raise ArgumentError(f"architecture {arch.name!r} brings alias tables: list it in arch/registry.py")
+    if before is not None and before not in names:
+        raise ArgumentError(f"registered(before={before!r}): no such architecture; have {sorted(names)}")
+    at = names.index(before) if before is not None else len(ARCHITECTURES)
     ARCHITECTURES.insert(at, arch)
     try:
         yield arch
