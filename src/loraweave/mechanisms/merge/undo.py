@@ -109,7 +109,12 @@ class FusedRecord:
 
 
 def _witness_positions(numel: int) -> torch.Tensor:
-    return torch.linspace(0, numel - 1, min(WITNESSES, numel)).round().long()
+    # integer math: float32 linspace cannot hold every index above 2**24 (it rounded past the end)
+    count = min(WITNESSES, numel)
+    if count <= 1:
+        return torch.zeros(count, dtype=torch.long)
+    steps = torch.arange(count, dtype=torch.long)
+    return (steps * (numel - 1) + (count - 1) // 2) // (count - 1)
 
 
 @dataclass(eq=False)
