@@ -92,9 +92,11 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_inspect_pictures": ("realdata",),
     "test_io_safetensors": ("realdata",),
     "test_realdata": ("realdata",),
+    "test_realsize_sd15": ("realdata", "realsize"),  # a full-size SD1.5 UNet in fp16
     "test_robustness": ("realdata",),
     "test_serve": ("slow",),  # a local Ray cluster
     "test_serve_cli": ("slow",),
+    "test_size_arithmetic": ("realsize",),
     "test_streaming_cuda": ("cuda",),
     "test_undo_cuda": ("cuda",),
     "test_user_surface": ("realdata",),
