@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .support import add_common, limit_arg, progress_wanted
+from .support import adapter_arg, add_common, limit_arg, progress_wanted
 
 
 def add(sub) -> None:
@@ -24,7 +24,11 @@ def add(sub) -> None:
     )
     p.add_argument("model", help="checkpoint: .safetensors file, component folder or pipeline folder")
     p.add_argument(
-        "lora", nargs="+", help="adapter file, optionally with a strength: FILE[:STRENGTH] (default 1.0)"
+        "lora",
+        nargs="+",
+        type=adapter_arg,
+        metavar="FILE[:S]",
+        help="adapter file, optionally with a strength: FILE[:STRENGTH] (default 1.0)",
     )
     p.add_argument("-o", "--output", required=True, help="output file (single-file input) or folder")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors of the output")
@@ -36,11 +40,11 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tools.bake import bake, parse_adapter_arg
+    from ..tools.bake import bake
 
     res = bake(
         args.model,
-        [parse_adapter_arg(a) for a in args.lora],
+        args.lora,
         args.output,
         dtype=args.dtype,
         strict=args.strict,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -112,24 +113,41 @@ def configure_logging(verbose: bool):
     return restore
 
 
-def _typed(rule, *rest):
+def _typed(rule, label: str, *rest):
+    """An argparse type applying `rule` (an `arguments` check) to the flag's text; the message names the flag."""
+
     def parse(text: str):
         try:
-            value = float(text) if rule is not arguments.positive_int else int(text)
+            value = int(text) if rule is arguments.positive_int else float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+            numeric = text.strip().lower().lstrip("+-").replace(".", "", 1).replace("e", "", 1).isdigit()
+            if rule is arguments.positive_int and numeric:  # '1e9', '2.5': a number, not an integer
+                raise argparse.ArgumentTypeError(
+                    f"{label} must be an integer >= {rest[0] if rest else 1}, got {text!r}"
+                ) from None
+            raise argparse.ArgumentTypeError(f"{label}: {text!r} is not a number") from None
         try:
-            return rule(value, *rest)
+            return rule(value, label, *rest)
         except ArgumentError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
 
 
-rank_arg = _typed(arguments.positive_int, "rank")
-energy_arg = _typed(arguments.fraction, "energy")
-non_negative_arg = _typed(arguments.non_negative, "min_diff")
-limit_arg = _typed(arguments.positive_int, "limit", 0)
+rank_arg = _typed(arguments.positive_int, "--rank")
+energy_arg = _typed(arguments.fraction, "--energy")
+non_negative_arg = _typed(arguments.non_negative, "--min-diff")
+limit_arg = _typed(arguments.positive_int, "--limit", 0)
+
+
+def adapter_arg(text: str) -> tuple[str, float]:
+    """`FILE[:STRENGTH]` as an argparse type: a bad strength is a usage error with the one strength message."""
+    from ..tools.bake import parse_adapter_arg
+
+    try:
+        return parse_adapter_arg(text)
+    except ArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:
@@ -156,6 +174,16 @@ def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = F
 
 def progress_wanted(args: argparse.Namespace) -> bool:
     return not getattr(args, "json", False) and not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
+def quiet_broken_pipe() -> int:
+    """Stdout's reader went away (`| head`): end quietly with status 0, as Unix tools do; stdout goes to
+    /dev/null so the interpreter's own flush at exit finds nothing to complain about."""
+    with contextlib.suppress(OSError, ValueError):  # stdout may be a test's capture without a descriptor
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_OK
 
 
 def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
@@ -187,11 +215,35 @@ def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
             FileExistsError,
         ),
     ):
-        return EXIT_BAD_INPUT, str(exc)
+        return EXIT_BAD_INPUT, error_message(exc)
     if isinstance(exc, OSError):
-        return EXIT_SYSTEM, f"{type(exc).__name__}: {exc}"
+        return EXIT_SYSTEM, error_message(exc)
     traceback.print_exception(exc, file=sys.stderr)
     return EXIT_BUG, f"internal error {type(exc).__name__}: {exc} (a bug in loraweave; please report it)"
+
+
+# The API's keywords in library messages, and the flag a CLI user passes instead.
+CLI_WORDS = {
+    "Pass allow_empty=True to apply anyway": "Pass --allow-empty to go on anyway",
+    "allow_empty=True": "--allow-empty",
+    "allow_pickle=True": "--allow-pickle",
+    "strict=True": "--strict",
+}
+
+
+def cli_words(message: str) -> str:
+    """A library message as a CLI user reads it: flags, never API keywords."""
+    for api, flag in CLI_WORDS.items():
+        message = message.replace(api, flag)
+    return message
+
+
+def error_message(exc: BaseException) -> str:
+    """One line for an error: an OS error as 'PATH: reason' (no class name, no '[Errno N]'), a library message
+    with flags for API keywords."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename is not None else exc.strerror
+    return cli_words(str(exc))
 
 
 def lowrank_options(p: argparse.ArgumentParser, pickle: bool) -> None:
