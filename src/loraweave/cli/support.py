@@ -28,7 +28,9 @@ EXIT_STATUS = """exit status (the same for every command):
   1    completed but incomplete: with --strict some key does not land (nothing written), or nothing to do:
        the output would have no effect (no key lands, no layer differs) and --allow-empty was not given
   2    bad input or usage: a bad argument (out of range, not finite), an unreadable or malformed file, a pickle
-       without --allow-pickle, an output that exists (no --force) or would overwrite an input
+       without --allow-pickle, an output that exists (no --force), would overwrite an input, lies in a folder
+       that does not exist or is of the other kind (a folder where a file is written); --force replaces only
+       the command's own files
   3    system error: reading or writing failed (disk full, permission denied)
   4    internal error: a bug in loraweave (the traceback is printed; please report it)
   130  interrupted (Ctrl-C); outputs are written atomically, so nothing half-written is left"""
@@ -191,7 +193,7 @@ def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "interrupted"
     if isinstance(exc, (StrictApplyError, NoKeysLandedError, EmptyOutputError)):
-        return EXIT_INCOMPLETE, str(exc)
+        return EXIT_INCOMPLETE, error_message(exc)
     if isinstance(exc, UnsafeFormatError):
         where = exc.path or "adapter"
         if hasattr(args, "allow_pickle"):
