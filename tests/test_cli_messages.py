@@ -142,6 +142,12 @@ def test_bake_counts_tensors_whose_bits_changed_and_refuses_an_unchanged_copy(in
     for name, tensor in load_file(out).items():
         assert torch.equal(tensor, load_file(inputs.single)[name])
 
+    cast = (
+        tmp_path / "cast.safetensors"
+    )  # a --dtype cast is an effect: written, 0 tensors changed by adapters
+    assert _run(["bake", inputs.single, f"{inputs.lora}:0", "-o", cast, "--dtype", "bf16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors_changed"] == 0 and cast.is_file()
+
     half = tmp_path / "half.safetensors"
     assert _run(["bake", inputs.single, f"{inputs.lora}:0.5", "-o", half, "--json"]) == 0
     reported = json.loads(capsys.readouterr().out)["tensors_changed"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .support import adapter_arg, add_common, limit_arg, progress_wanted
+from .support import FORCE_HELP, adapter_arg, add_common, limit_arg, progress_wanted
 
 
 def add(sub) -> None:
@@ -33,7 +33,7 @@ def add(sub) -> None:
     p.add_argument("-o", "--output", required=True, help="output file (single-file input) or folder")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors of the output")
     p.add_argument("--strict", action="store_true", help="write nothing unless every key lands (else exit 1)")
-    p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--limit", type=limit_arg, default=20, help="keys not applied to list (default 20)")
     add_common(p, pickle=True, empty=True)

@@ -152,6 +152,9 @@ def adapter_arg(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+FORCE_HELP = "replace an existing output: only the files this command writes (a folder's other files stay); never an input"
+
+
 def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:
     """--quiet (no progress bar) everywhere; --allow-pickle where adapters are read; --allow-empty where written."""
     p.add_argument(
@@ -260,7 +263,7 @@ def lowrank_options(p: argparse.ArgumentParser, pickle: bool) -> None:
         help="per layer, the smallest rank keeping this share of Σσ², in (0, 1] (e.g. 0.99)",
     )
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="factor dtype (default: the input's)")
-    p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print per-layer ranks and energies as JSON")
     p.add_argument("--limit", type=limit_arg, default=10, help="lowest-energy layers to list (default 10)")
     add_common(p, pickle=pickle, empty=True)

@@ -323,9 +323,9 @@ def bake(
         if ckpt.kind == "file":
             with atomic_path(out) as tmp:
                 _bake_shard(ckpt.root, tmp, work, dtype, extra, bar, result)
-                _refuse_unchanged(result, model, allow_empty)
-        else:
-            _bake_folder(ckpt, out, work, dtype, extra, bar, result, model, allow_empty)
+                _refuse_unchanged(result, model, allow_empty or dtype is not None)
+        else:  # a --dtype cast is an effect of its own
+            _bake_folder(ckpt, out, work, dtype, extra, bar, result, model, allow_empty or dtype is not None)
     if ckpt.kind == "file":  # a folder counts its own files before they join the output folder's others
         result.bytes_written = out.stat().st_size
     result.seconds = time.perf_counter() - t0
