@@ -98,6 +98,7 @@ def test_a_path_with_a_colon_is_still_a_path(tmp_path):
     [
         ("1e9", "--rank must be an integer >= 1, got '1e9'"),
         ("2.5", "--rank must be an integer >= 1, got '2.5'"),
+        ("1e-5", "--rank must be an integer >= 1, got '1e-5'"),
         ("abc", "--rank: 'abc' is not a number"),
         ("0", "--rank must be an integer >= 1, got 0"),
     ],

@@ -221,6 +221,25 @@ def test_a_file_of_ours_blocked_by_a_folder_is_refused_before_anything_moves(inp
     assert _files(victim) == before and not [p for p in victim.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_file_where_one_of_our_folders_goes_is_refused_before_anything_moves(tmp_path):
+    from loraweave.io.write import WriteError, atomic_path
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "unet").write_text("a file where our unet/ folder goes")
+    (target / "model_index.json").write_text("{}")
+    before = _files(target)
+    with pytest.raises(WriteError, match="unet is in the way of unet/w.safetensors"):
+        with atomic_path(target, folder=True) as tmp:
+            (tmp / "model_index.json").write_text('{"new": 1}')
+            (tmp / "unet").mkdir()
+            (tmp / "unet" / "w.safetensors").write_bytes(b"weights")
+    assert _files(target) == before and sorted(p.name for p in target.iterdir()) == [
+        "model_index.json",
+        "unet",
+    ]
+
+
 # ------------------------------------------------------------------------------------ item 6: permissions
 
 

@@ -120,14 +120,14 @@ def _typed(rule, label: str, *rest):
 
     def parse(text: str):
         try:
-            value = int(text) if rule is arguments.positive_int else float(text)
+            value = float(text)
         except ValueError:
-            numeric = text.strip().lower().lstrip("+-").replace(".", "", 1).replace("e", "", 1).isdigit()
-            if rule is arguments.positive_int and numeric:  # '1e9', '2.5': a number, not an integer
-                raise argparse.ArgumentTypeError(
-                    f"{label} must be an integer >= {rest[0] if rest else 1}, got {text!r}"
-                ) from None
             raise argparse.ArgumentTypeError(f"{label}: {text!r} is not a number") from None
+        if rule is arguments.positive_int:
+            if not text.strip().lstrip("+-").isdigit():  # '1e9', '2.5': numbers, but not written as integers
+                minimum = rest[0] if rest else 1
+                raise argparse.ArgumentTypeError(f"{label} must be an integer >= {minimum}, got {text!r}")
+            value = int(text)
         try:
             return rule(value, label, *rest)
         except ArgumentError as exc:

@@ -95,21 +95,28 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def _in_the_way(target: Path, rel: Path) -> Path | None:
+    """What stops a file landing at target/rel: a file where one of its folders goes, or a folder at its name."""
+    dest = target / rel
+    for folder in reversed(dest.parents[: len(rel.parts) - 1]):  # target's subfolders on the way down
+        if folder.exists() and not folder.is_dir():
+            return folder
+    return dest if dest.is_dir() else None
+
+
 def _own_names(tmp: Path, target: Path) -> list[Path]:
-    """The files written under `tmp`, relative to it; a WriteError (nothing moved) when one of them would land on
-    a folder of `target`, or below a file of it."""
+    """The files written under `tmp`, relative to it; a WriteError (nothing moved yet) when one cannot land."""
     names = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
     for rel in names:
-        dest = target / rel
-        blocked = [p for p in (*reversed(dest.parents[: len(rel.parts) - 1]), dest) if p.exists()]
-        blocked = [p for p in blocked if p.is_dir() != (p != dest)]
-        if blocked:
-            raise WriteError(f"output {target}: {blocked[0]} is in the way of {rel} (nothing was replaced)")
+        blocker = _in_the_way(target, rel)
+        if blocker is not None:
+            raise WriteError(f"output {target}: {blocker} is in the way of {rel} (nothing was replaced)")
     return names
 
 
 def _move_into(tmp: Path, target: Path) -> None:
-    """Rename each file written under `tmp` over its own name in `target`; any other file of `target` stays."""
+    """Rename each file written under `tmp` over its own name in `target` (each rename atomic); any other file of
+    `target` stays."""
     for rel in _own_names(tmp, target):
         (target / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp / rel, target / rel)
