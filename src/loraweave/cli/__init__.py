@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from . import bake, convert, demo, extract, generate, inspect, resize, serve
-from .support import configure_logging, exit_code, quiet_broken_pipe, with_exit_status
+from .support import EXIT_OK, configure_logging, exit_code, silence_stdout, with_exit_status
 
 COMMANDS = {
     "demo": demo,
@@ -51,12 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     restore = configure_logging(args.verbose)
     try:
         code = COMMANDS[args.command].run(args)
-        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        try:
+            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        except BrokenPipeError:  # the command's own status stands
+            silence_stdout()
         return code
     except SystemExit:
         raise
     except BrokenPipeError:  # `loraweave inspect ... | head`: the reader has all it wants
-        return quiet_broken_pipe()
+        silence_stdout()
+        return EXIT_OK
     except BaseException as exc:  # every failure: one line (a traceback only for bugs), the table's code
         code, message = exit_code(exc, args)
         print(f"loraweave: error: {message}", file=sys.stderr)

@@ -181,14 +181,13 @@ def progress_wanted(args: argparse.Namespace) -> bool:
     return not getattr(args, "json", False) and not getattr(args, "quiet", False) and sys.stderr.isatty()
 
 
-def quiet_broken_pipe() -> int:
-    """Stdout's reader went away (`| head`): end quietly with status 0, as Unix tools do; stdout goes to
+def silence_stdout() -> None:
+    """Stdout's reader went away (`| head`): the command ends quietly, as Unix tools do. Stdout goes to
     /dev/null so the interpreter's own flush at exit finds nothing to complain about."""
     with contextlib.suppress(OSError, ValueError):  # stdout may be a test's capture without a descriptor
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    return EXIT_OK
 
 
 def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
