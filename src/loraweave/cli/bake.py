@@ -17,7 +17,8 @@ def add(sub) -> None:
         "component folder with its index, or a diffusers pipeline folder. Keys resolve against the checkpoint's own "
         "tensor names (no model is built); each tensor is read, merged (fp32 accumulation, one rounding, identical "
         "to apply(mode='merge')) and written alone, so memory stays near the largest tensor. The output is written "
-        "to a temp path next to the target and renamed into place only when complete; it may not overwrite an input. "
+        "to a temp path next to the target and renamed into place only when complete (into an existing folder, with "
+        "--force, file by file: the folder's other files stay); it may not overwrite an input. "
         "Every output file's metadata records the adapters, their sha256, strengths and the tool version. "
         "Strengths follow AdapterSpec's rule: finite, |s| <= 1e4. Positional (cloneofsimo) files are named on the "
         "architecture they fit, by the resolver apply uses.",

@@ -16,7 +16,7 @@ def add(sub) -> None:
         "downloaded), write one sample LoRA in two layouts (PEFT and kohya with a fused q|k|v), apply each in "
         "merge, runtime and auto mode, and print how long each took, whether removal restored the weights bit "
         "for bit, the report of the kohya file, and how far runtime and merged outputs (and the two layouts) "
-        "differ. Takes about a minute on a laptop CPU.",
+        "differ. Takes a minute or two on a CPU.",
     )
     p.add_argument(
         "--out", help="directory for the sample LoRA files (default: a temp directory, removed at the end)"
