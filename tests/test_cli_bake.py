@@ -99,6 +99,7 @@ def test_bake_single_file_and_dtype(tmp_path):
     lora = tmp_path / "l.safetensors"
     save_file(flux_lora(5), lora)
     out = tmp_path / "out" / "baked.safetensors"
+    out.parent.mkdir()  # -o never creates folders
     assert main(["bake", str(ckpt), f"{lora}:0.5", "-o", str(out), "--dtype", "bf16"]) == 0
     reference = copy.deepcopy(model)
     loraweave.apply(reference, (str(lora), 0.5), mode="merge", strict=True)

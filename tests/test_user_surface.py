@@ -120,7 +120,9 @@ def test_item1_partial_apply_logs_one_warning_line(caplog):
 def test_item2_bake_refuses_non_finite_strengths(tmp_path, text, capsys):
     ckpt, lora = _flux_checkpoint_and_lora(tmp_path)
     out = tmp_path / "out.safetensors"
-    assert main(["bake", str(ckpt), f"{lora}:{text}", "-o", str(out)]) == 2
+    with pytest.raises(SystemExit) as usage:  # a bad FILE:S is a usage error of the argument's type
+        main(["bake", str(ckpt), f"{lora}:{text}", "-o", str(out)])
+    assert usage.value.code == 2
     assert "strength" in capsys.readouterr().err and not out.exists()
     with pytest.raises(ArgumentError):
         parse_adapter_arg(f"{lora}:{text}")

@@ -35,6 +35,22 @@ def strength(value: object, label: str = "strength") -> float:
     return value
 
 
+def strength_text(text: str, where: str, what: str = "strength") -> float:
+    """A strength as the user wrote it (`FILE:S` on the command line, `<lora:name:S>` in a prompt): one message
+    for each way it is wrong, naming `where` it was written and the text itself."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentError(f"{where}: {what} {text!r} is not a number") from None
+    if not math.isfinite(value):  # float() turns '1e400' into inf: quote the text, not the float
+        raise ArgumentError(f"{where}: {what} {text!r} is not a finite number")
+    if abs(value) > MAX_STRENGTH:
+        raise ArgumentError(
+            f"{where}: {what} {text!r} is out of range (absolute value at most {MAX_STRENGTH:g})"
+        )
+    return value
+
+
 def positive_int(value: object, label: str, minimum: int = 1) -> int:
     """An int >= minimum (bools and floats refused)."""
     if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from . import bake, convert, demo, extract, generate, inspect, resize, serve
-from .support import configure_logging, exit_code, with_exit_status
+from .support import EXIT_OK, configure_logging, exit_code, silence_stdout, with_exit_status
 
 COMMANDS = {
     "demo": demo,
@@ -25,6 +25,9 @@ COMMANDS = {
 }
 
 
+VERBOSE_HELP = "log key=value summaries at INFO (and the optional quantization packages' own warnings)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
@@ -33,15 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Apply LoRA/LyCORIS adapters to diffusion models: every key lands or is reported.",
     )
     parser.add_argument("--version", action="version", version=f"loraweave {__version__}")
-    parser.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="log key=value summaries at INFO (and the optional quantization packages' own warnings)",
-    )
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS.values():
         command.add(sub)
+    for p in sub.choices.values():  # `loraweave bake -v ...` as well; SUPPRESS keeps a -v given before it
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     with_exit_status(parser, sub)
     return parser
 
@@ -50,9 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     restore = configure_logging(args.verbose)
     try:
-        return COMMANDS[args.command].run(args)
+        code = COMMANDS[args.command].run(args)
+        try:
+            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        except BrokenPipeError:  # the command's own status stands
+            silence_stdout()
+        return code
     except SystemExit:
         raise
+    except BrokenPipeError:  # `loraweave inspect ... | head`: the reader has all it wants
+        silence_stdout()
+        return EXIT_OK
     except BaseException as exc:  # every failure: one line (a traceback only for bugs), the table's code
         code, message = exit_code(exc, args)
         print(f"loraweave: error: {message}", file=sys.stderr)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .support import add_common, limit_arg, progress_wanted
+from .support import FORCE_HELP, adapter_arg, add_common, limit_arg, progress_wanted
 
 
 def add(sub) -> None:
@@ -17,30 +17,35 @@ def add(sub) -> None:
         "component folder with its index, or a diffusers pipeline folder. Keys resolve against the checkpoint's own "
         "tensor names (no model is built); each tensor is read, merged (fp32 accumulation, one rounding, identical "
         "to apply(mode='merge')) and written alone, so memory stays near the largest tensor. The output is written "
-        "to a temp path next to the target and renamed into place only when complete; it may not overwrite an input. "
+        "to a temp path next to the target and renamed into place only when complete (into an existing folder, with "
+        "--force, file by file: the folder's other files stay); it may not overwrite an input. "
         "Every output file's metadata records the adapters, their sha256, strengths and the tool version. "
         "Strengths follow AdapterSpec's rule: finite, |s| <= 1e4. Positional (cloneofsimo) files are named on the "
         "architecture they fit, by the resolver apply uses.",
     )
     p.add_argument("model", help="checkpoint: .safetensors file, component folder or pipeline folder")
     p.add_argument(
-        "lora", nargs="+", help="adapter file, optionally with a strength: FILE[:STRENGTH] (default 1.0)"
+        "lora",
+        nargs="+",
+        type=adapter_arg,
+        metavar="FILE[:S]",
+        help="adapter file, optionally with a strength: FILE[:STRENGTH] (default 1.0)",
     )
     p.add_argument("-o", "--output", required=True, help="output file (single-file input) or folder")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="cast floating tensors of the output")
     p.add_argument("--strict", action="store_true", help="write nothing unless every key lands (else exit 1)")
-    p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--limit", type=limit_arg, default=20, help="keys not applied to list (default 20)")
     add_common(p, pickle=True, empty=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tools.bake import bake, parse_adapter_arg
+    from ..tools.bake import bake
 
     res = bake(
         args.model,
-        [parse_adapter_arg(a) for a in args.lora],
+        args.lora,
         args.output,
         dtype=args.dtype,
         strict=args.strict,

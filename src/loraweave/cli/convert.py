@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .support import add_common, progress_wanted
+from .support import FORCE_HELP, add_common, progress_wanted
 
 
 def add(sub) -> None:
@@ -31,7 +31,7 @@ def add(sub) -> None:
     )
     where.add_argument("--model", help="checkpoint (file or folder) to resolve against instead")
     p.add_argument("-o", "--output", required=True, help="output file (peft: output folder)")
-    p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_common(p, pickle=True, empty=True)
 

@@ -9,9 +9,20 @@ from pathlib import Path
 
 
 def add(sub) -> None:
-    p = sub.add_parser("demo", help="run the embedded demo (small seeded Z-Image model, sample LoRAs)")
+    p = sub.add_parser(
+        "demo",
+        help="run the embedded demo (small seeded Z-Image model, sample LoRAs)",
+        description="Build a small seeded Z-Image transformer (diffusers' class, random weights: nothing is "
+        "downloaded), write one sample LoRA in two layouts (PEFT and kohya with a fused q|k|v), apply each in "
+        "merge, runtime and auto mode, and print how long each took, whether removal restored the weights bit "
+        "for bit, the report of the kohya file, and how far runtime and merged outputs (and the two layouts) "
+        "differ. Takes a minute or two on a CPU.",
+    )
     p.add_argument(
         "--out", help="directory for the sample LoRA files (default: a temp directory, removed at the end)"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="with --out: replace sample files already there (no other file)"
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -20,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tools.demo import run_demo  # torch and diffusers load only when the demo runs
 
     if args.out:
+        check_sample_outputs(Path(args.out), args.force)
         res = run_demo(Path(args.out))
     else:  # sample files live only for the run: nothing is left behind in the temp folder
         with tempfile.TemporaryDirectory(prefix="loraweave-demo-") as tmp:
@@ -32,6 +44,18 @@ def run(args: argparse.Namespace) -> int:
     _print_report(res["runs"]["kohya/auto"]["report"])
     _print_differences(res)
     return 0
+
+
+def check_sample_outputs(out_dir: Path, overwrite: bool) -> None:
+    """--out DIR: its parent must exist, and the sample files already in it are kept unless --force."""
+    from ..io.write import check_output
+    from ..tools.demo import SAMPLE_FILES
+
+    if not out_dir.is_dir():  # a new folder: its parent must exist (a file in its place is refused)
+        check_output(out_dir, [], folder=True)
+        return
+    for name in SAMPLE_FILES.values():
+        check_output(out_dir / name, [], overwrite=overwrite)
 
 
 def _print_runs(res: dict) -> None:

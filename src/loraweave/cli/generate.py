@@ -7,12 +7,7 @@ import json
 import sys
 
 from ..errors import StrictApplyError
-
-
-def _lora_arg(text: str) -> tuple[str, float]:
-    from ..tools.bake import parse_adapter_arg
-
-    return parse_adapter_arg(text)
+from .support import adapter_arg, add_common, cli_words, limit_arg
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,11 +34,13 @@ def run(args: argparse.Namespace) -> int:
         config=args.config,
         strict=args.strict,
         progress=not args.json and not args.quiet and sys.stderr.isatty(),
+        overwrite=args.force,
+        allow_empty=args.allow_empty,
     )
     try:
         res = generate(req)
     except StrictApplyError as exc:  # completed the check, refused to sample: exit 1, nothing written
-        print(f"loraweave: {exc}; nothing written", file=sys.stderr)
+        print(f"loraweave: {cli_words(str(exc))}; nothing written", file=sys.stderr)
         for u in exc.report.unmatched[: args.limit]:
             print(f"  not applied: {u['key']}: {u['reason']}", file=sys.stderr)
         return 1
@@ -78,8 +75,9 @@ def add(sub) -> None:
         "`parameters` text chunk as A1111 writes it (prompt with its tags, Negative prompt, Steps, Sampler, CFG "
         "scale, Seed, Size, Model hash, Model, Lora hashes, Loraweave summary, Version), a `loraweave` chunk with "
         "the full report (JSON), and OUT.json beside it with the request, report and timings.",
-        epilog="for generate: 0 = image written; 1 = --strict and some adapter key does not land (nothing "
-        "written); 2 = bad arguments, a missing or unreadable model or adapter, or an unknown <lora:> name.",
+        epilog="for generate: 0 = image written; 1 = --strict and some adapter key does not land, or an adapter "
+        "lands no key without --allow-empty (nothing written); 2 = bad arguments, a missing or unreadable model or "
+        "adapter, an unknown <lora:> name, or an existing output without --force.",
     )
     p.add_argument(
         "--model",
@@ -101,7 +99,7 @@ def add(sub) -> None:
         "--lora",
         action="append",
         default=[],
-        type=_lora_arg,
+        type=adapter_arg,
         metavar="FILE[:S]",
         help="adapter file with an optional strength (default 1.0); repeatable",
     )
@@ -143,12 +141,17 @@ def add(sub) -> None:
         "-o", "--output", default="output.png", help="output PNG (default output.png); OUT.json beside it"
     )
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output PNG and its OUT.json (never an input)",
+    )
+    p.add_argument(
         "--strict", action="store_true", help="refuse (exit 1, nothing written) unless every key lands"
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--json", action="store_true", help="print the result (paths, seed, report, timings) as JSON"
     )
     p.add_argument(
-        "--limit", type=int, default=20, help="keys not applied to list under --strict (default 20)"
+        "--limit", type=limit_arg, default=20, help="keys not applied to list under --strict (default 20)"
     )
+    add_common(p, empty=True)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import LoraweaveError
-from .support import add_common, limit_arg, progress_wanted
+from .support import add_common, error_message, limit_arg, progress_wanted
 
 
 def add(sub) -> None:
@@ -27,6 +27,9 @@ def add(sub) -> None:
         "file", help=".safetensors adapter file, PEFT directory, or a folder of adapters (one row each)"
     )
     p.add_argument("--plot", metavar="OUT.png", help="also draw a heatmap of ‖ΔW‖ per block × module kind")
+    p.add_argument(
+        "--force", action="store_true", help="with --plot: replace an existing OUT.png (never an input)"
+    )
     p.add_argument(
         "--metric",
         choices=["norm", "energy"],
@@ -76,15 +79,27 @@ def run(args: argparse.Namespace) -> int:
     if args.strict and args.no_coverage:
         print("loraweave inspect: --strict needs coverage; drop --no-coverage", file=sys.stderr)
         return 2
-    info = inspect_adapter(
-        args.file,
-        arch=args.arch,
-        model=args.model,
-        allow_pickle=args.allow_pickle,
-        text_encoders=not args.no_text_encoders,
-        check_values=args.check_values,
-        coverage=not args.no_coverage,
-    )
+    if args.plot:  # refused before the file is read: an existing picture is kept unless --force
+        from ..io.write import check_output
+
+        check_output(args.plot, [args.file], overwrite=args.force)
+    try:
+        info = inspect_adapter(
+            args.file,
+            arch=args.arch,
+            model=args.model,
+            allow_pickle=args.allow_pickle,
+            text_encoders=not args.no_text_encoders,
+            check_values=args.check_values,
+            coverage=not args.no_coverage,
+        )
+    except (LoraweaveError, ValueError, OSError) as exc:
+        if (
+            args.json
+        ):  # the same error object a folder's row gets; stderr and the exit status as for any error
+            path = Path(args.file)
+            print(json.dumps({"file": path.name, "path": str(path), "error": error_message(exc)}, indent=2))
+        raise
     if args.plot:
         info["plot"] = plot_into(args)
     print(json.dumps(info, indent=2) if args.json else format_table(info, args.limit))
@@ -138,8 +153,9 @@ def inspect_folder(args: argparse.Namespace) -> int:
             print(f"loraweave: left out {x['file']}: {x['reason']}", file=sys.stderr)
     if any("error" in r for r in rows):
         for r in rows:
-            if "error" in r:
-                print(f"loraweave: error: {r['path']}: {r['error']}", file=sys.stderr)
+            if "error" in r:  # the message names its file already when it starts with it
+                named = r["error"].startswith((r["path"], r["file"]))
+                print(f"loraweave: error: {'' if named else r['path'] + ': '}{r['error']}", file=sys.stderr)
         return 2
     if not rows:
         print(f"loraweave: no adapter files in {args.file}", file=sys.stderr)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,9 @@ EXIT_STATUS = """exit status (the same for every command):
   1    completed but incomplete: with --strict some key does not land (nothing written), or nothing to do:
        the output would have no effect (no key lands, no layer differs) and --allow-empty was not given
   2    bad input or usage: a bad argument (out of range, not finite), an unreadable or malformed file, a pickle
-       without --allow-pickle, an output that exists (no --force) or would overwrite an input
+       without --allow-pickle, an output that exists (no --force), would overwrite an input, lies in a folder
+       that does not exist or is of the other kind (a folder where a file is written); --force replaces only
+       the command's own files
   3    system error: reading or writing failed (disk full, permission denied)
   4    internal error: a bug in loraweave (the traceback is printed; please report it)
   130  interrupted (Ctrl-C); outputs are written atomically, so nothing half-written is left"""
@@ -112,24 +115,44 @@ def configure_logging(verbose: bool):
     return restore
 
 
-def _typed(rule, *rest):
+def _typed(rule, label: str, *rest):
+    """An argparse type applying `rule` (an `arguments` check) to the flag's text; the message names the flag."""
+
     def parse(text: str):
         try:
-            value = float(text) if rule is not arguments.positive_int else int(text)
+            value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{label}: {text!r} is not a number") from None
+        if rule is arguments.positive_int:
+            if not text.strip().lstrip("+-").isdigit():  # '1e9', '2.5': numbers, but not written as integers
+                minimum = rest[0] if rest else 1
+                raise argparse.ArgumentTypeError(f"{label} must be an integer >= {minimum}, got {text!r}")
+            value = int(text)
         try:
-            return rule(value, *rest)
+            return rule(value, label, *rest)
         except ArgumentError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
 
 
-rank_arg = _typed(arguments.positive_int, "rank")
-energy_arg = _typed(arguments.fraction, "energy")
-non_negative_arg = _typed(arguments.non_negative, "min_diff")
-limit_arg = _typed(arguments.positive_int, "limit", 0)
+rank_arg = _typed(arguments.positive_int, "--rank")
+energy_arg = _typed(arguments.fraction, "--energy")
+non_negative_arg = _typed(arguments.non_negative, "--min-diff")
+limit_arg = _typed(arguments.positive_int, "--limit", 0)
+
+
+def adapter_arg(text: str) -> tuple[str, float]:
+    """`FILE[:STRENGTH]` as an argparse type: a bad strength is a usage error with the one strength message."""
+    from ..tools.bake import parse_adapter_arg
+
+    try:
+        return parse_adapter_arg(text)
+    except ArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+FORCE_HELP = "replace an existing output: only the files this command writes (a folder's other files stay); never an input"
 
 
 def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:
@@ -158,12 +181,21 @@ def progress_wanted(args: argparse.Namespace) -> bool:
     return not getattr(args, "json", False) and not getattr(args, "quiet", False) and sys.stderr.isatty()
 
 
+def silence_stdout() -> None:
+    """Stdout's reader went away (`| head`): the command ends quietly, as Unix tools do. Stdout goes to
+    /dev/null so the interpreter's own flush at exit finds nothing to complain about."""
+    with contextlib.suppress(OSError, ValueError):  # stdout may be a test's capture without a descriptor
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
     """(exit status from EXIT_STATUS, one-line message) for an exception a command raised."""
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "interrupted"
     if isinstance(exc, (StrictApplyError, NoKeysLandedError, EmptyOutputError)):
-        return EXIT_INCOMPLETE, str(exc)
+        return EXIT_INCOMPLETE, error_message(exc)
     if isinstance(exc, UnsafeFormatError):
         where = exc.path or "adapter"
         if hasattr(args, "allow_pickle"):
@@ -187,11 +219,35 @@ def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
             FileExistsError,
         ),
     ):
-        return EXIT_BAD_INPUT, str(exc)
+        return EXIT_BAD_INPUT, error_message(exc)
     if isinstance(exc, OSError):
-        return EXIT_SYSTEM, f"{type(exc).__name__}: {exc}"
+        return EXIT_SYSTEM, error_message(exc)
     traceback.print_exception(exc, file=sys.stderr)
     return EXIT_BUG, f"internal error {type(exc).__name__}: {exc} (a bug in loraweave; please report it)"
+
+
+# The API's keywords in library messages, and the flag a CLI user passes instead.
+CLI_WORDS = {
+    "Pass allow_empty=True to apply anyway": "Pass --allow-empty to go on anyway",
+    "allow_empty=True": "--allow-empty",
+    "allow_pickle=True": "--allow-pickle",
+    "strict=True": "--strict",
+}
+
+
+def cli_words(message: str) -> str:
+    """A library message as a CLI user reads it: flags, never API keywords."""
+    for api, flag in CLI_WORDS.items():
+        message = message.replace(api, flag)
+    return message
+
+
+def error_message(exc: BaseException) -> str:
+    """One line for an error: an OS error as 'PATH: reason' (no class name, no '[Errno N]'), a library message
+    with flags for API keywords."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename is not None else exc.strerror
+    return cli_words(str(exc))
 
 
 def lowrank_options(p: argparse.ArgumentParser, pickle: bool) -> None:
@@ -206,7 +262,7 @@ def lowrank_options(p: argparse.ArgumentParser, pickle: bool) -> None:
         help="per layer, the smallest rank keeping this share of Σσ², in (0, 1] (e.g. 0.99)",
     )
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="factor dtype (default: the input's)")
-    p.add_argument("--force", action="store_true", help="replace an existing output (never an input)")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print per-layer ranks and energies as JSON")
     p.add_argument("--limit", type=limit_arg, default=10, help="lowest-energy layers to list (default 10)")
     add_common(p, pickle=pickle, empty=True)

@@ -48,16 +48,40 @@ class WriteError(LoraweaveError):
     """The output cannot be written where asked (it would overwrite an input, or it already exists)."""
 
 
-def check_output(target: str | os.PathLike, inputs: list[str | os.PathLike], overwrite: bool = False) -> Path:
-    """Refuse a target that is (or lies inside, or contains) an input; refuse an existing one unless overwrite."""
+def check_output(
+    target: str | os.PathLike,
+    inputs: list[str | os.PathLike],
+    overwrite: bool = False,
+    folder: bool = False,
+) -> Path:
+    """Refuse a target that is (or lies inside, or contains) an input, whose folder does not exist, of the other
+    kind (a file where a folder is written, or the reverse), or that exists unless overwrite."""
     out = Path(target).resolve()
     for item in inputs:
         src = Path(item).resolve()
         if out == src or src.is_relative_to(out) or out.is_relative_to(src):
             raise WriteError(f"output {target} would overwrite input {item}")
+    if not out.parent.is_dir():  # never create folders the user did not ask for (a typo can name '/')
+        raise WriteError(f"output {target}: its folder does not exist (create it first)")
+    if out.exists() and out.is_dir() != folder:
+        want, found = ("a folder", "a file") if folder else ("a file", "a folder")
+        raise WriteError(
+            f"output {target} is {found}; this command writes {want} there (name another output)"
+        )
     if out.exists() and not overwrite:
         raise WriteError(f"output {target} exists (pass --force to replace it)")
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only portable read of the umask is to set it and put it back
+    os.umask(mask)
+    return mask
+
+
+def _honour_umask(path: Path, folder: bool) -> None:
+    """mkstemp/mkdtemp create 0600/0700; an output gets what open()/mkdir() would give it under the umask."""
+    os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -71,23 +95,65 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def _in_the_way(target: Path, rel: Path) -> Path | None:
+    """What stops a file landing at target/rel: a file where one of its folders goes, or a folder at its name."""
+    dest = target / rel
+    for folder in reversed(dest.parents[: len(rel.parts) - 1]):  # target's subfolders on the way down
+        if folder.exists() and not folder.is_dir():
+            return folder
+    return dest if dest.is_dir() else None
+
+
+def _own_names(tmp: Path, target: Path) -> list[Path]:
+    """The files written under `tmp`, relative to it; a WriteError (nothing moved yet) when one cannot land."""
+    names = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
+    for rel in names:
+        blocker = _in_the_way(target, rel)
+        if blocker is not None:
+            raise WriteError(f"output {target}: {blocker} is in the way of {rel} (nothing was replaced)")
+    return names
+
+
+def _move_into(tmp: Path, target: Path) -> None:
+    """Rename each file written under `tmp` over its own name in `target` (each rename atomic); any other file of
+    `target` stays."""
+    for rel in _own_names(tmp, target):
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp / rel, target / rel)
+        _fsync_dir((target / rel).parent)
+    shutil.rmtree(tmp)
+
+
+def _temp_beside(target: Path, folder: bool, where: Path) -> Path:
+    if folder:
+        return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=where))
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=where)
+    os.close(fd)
+    return Path(name)
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike, folder: bool = False) -> Iterator[Path]:
-    """Yield a temp path in the target's folder; on success it replaces the target, on failure it is removed."""
+    """Yield a temp path beside the target; on success it replaces the target, on failure it is removed.
+
+    A folder output that already exists is never removed: the temp folder is made inside it and each file the
+    command wrote is renamed over its own name there, so the folder's other files survive (`--force` replaces
+    only what the command writes). The target's folder must exist; outputs get the permissions of the umask."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if folder:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    else:
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.close(fd)
-        tmp = Path(name)
+    if not target.parent.is_dir():
+        raise WriteError(f"output {target}: its folder does not exist (create it first)")
+    merge = folder and target.is_dir()
+    try:
+        tmp = _temp_beside(target, folder, target if merge else target.parent)
+    except OSError as exc:  # name the output the user gave, not the temp name they never saw
+        raise type(exc)(exc.errno, exc.strerror, str(target)) from None
+    _honour_umask(tmp, folder)
     try:
         yield tmp
-        if folder:
-            if target.exists():
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-            os.rename(tmp, target)
+        if merge:
+            _move_into(tmp, target)
+        elif target.is_dir():  # os.replace would say '[Errno 21]' and name the temp file
+            raise WriteError(f"output {target} is a folder; this command writes a file there (name a file)")
         else:
             os.replace(tmp, target)
         _fsync_dir(target.parent)

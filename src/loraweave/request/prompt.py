@@ -15,7 +15,8 @@ import os
 import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from ..errors import LoraweaveError
+from ..arguments import strength_text
+from ..errors import ArgumentError, LoraweaveError
 from .spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
@@ -35,8 +36,16 @@ def _number(text: str, tag: str, what: str) -> float:
     except ValueError:
         raise PromptAdapterError(f"{tag}: {what} {text!r} is not a number") from None
     if not math.isfinite(value):
-        raise PromptAdapterError(f"{tag}: {what} must be finite, got {text!r}")
+        raise PromptAdapterError(f"{tag}: {what} {text!r} is not a finite number")
     return value
+
+
+def _strength(text: str, tag: str, what: str = "strength") -> float:
+    """A strength: the same messages as `FILE:S` on the command line (`arguments.strength_text`)."""
+    try:
+        return strength_text(text, tag, what)
+    except ArgumentError as exc:
+        raise PromptAdapterError(str(exc)) from None
 
 
 def _unsafe_reason(name: str) -> str | None:
@@ -131,7 +140,7 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
         elif named:
             raise PromptAdapterError(f"{tag}: positional value {item!r} after a named one")
         else:
-            positional.append(_number(item, tag, "strength"))
+            positional.append(_strength(item, tag))
     if len(positional) > 2:
         raise PromptAdapterError(
             f"{tag}: at most two strengths (denoiser, text encoder), got {len(positional)}"
@@ -142,11 +151,11 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
         if key in named:
             if positional:
                 raise PromptAdapterError(f"{tag}: denoiser strength given both positionally and as {key}=")
-            strength = _number(named[key], tag, f"{key}=")
+            strength = _strength(named[key], tag, f"{key}= strength")
     if "te" in named:
         if te is not None:
             raise PromptAdapterError(f"{tag}: text-encoder strength given both positionally and as te=")
-        te = _number(named["te"], tag, "te=")
+        te = _strength(named["te"], tag, "te= strength")
     lbw: str | list[float] | None = None
     if "lbw" in named:
         raw = named["lbw"]

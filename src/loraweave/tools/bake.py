@@ -11,7 +11,6 @@ import copy
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -23,7 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..arguments import strength as check_strength
-from ..errors import ArgumentError, EmptyOutputError
+from ..arguments import strength_text
+from ..errors import EmptyOutputError
 from ..families.contribution import add_contribution, bias_of, coefficient
 from ..formats.adapter import load_adapter
 from ..io.safetensors_file import read_safetensors_header
@@ -78,17 +78,17 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 def parse_adapter_arg(spec: str) -> tuple[str, float]:
     """`FILE[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':' elsewhere). The strength
-    follows AdapterSpec's rule (finite, |s| <= 1e4): `:nan`, `:inf`, `:1e400` are refused."""
+    follows AdapterSpec's rule (finite, |s| <= 1e4) with `arguments.strength_text`'s messages; a tail that is no
+    number after an existing FILE (`lora.safetensors:abc`) is a bad strength, not part of the name."""
     head, sep, tail = spec.rpartition(":")
-    if sep and head:
-        try:
-            value = float(tail)
-        except ValueError:
+    if not (sep and head):
+        return spec, 1.0
+    try:
+        float(tail)
+    except ValueError:
+        if Path(spec).exists() or not Path(head).exists():
             return spec, 1.0
-        if not math.isfinite(value):  # float() overflows '1e400' to inf: name the text the user wrote
-            raise ArgumentError(f"strength of {head} must be a finite number, got {tail!r}")
-        return head, check_strength(value, f"strength of {head}")
-    return spec, 1.0
+    return head, strength_text(tail, head)
 
 
 def _plan(
@@ -243,8 +243,10 @@ def _bake_shard(
                 t = _read(fd, d, shape, data_start + begin, end - begin)
                 if name in work:
                     kind, contribs = work[name]
+                    before = t.to(out_dtype(d))
                     t = (merged_weight if kind == "weight" else merged_bias)(t, contribs, out_dtype(d))
-                    result.tensors_changed += 1
+                    result.tensors_changed += not _same_bits(before, t.to(out_dtype(d)))
+                    del before
                 writer.write(name, t.to(out_dtype(d)))
                 del t
             else:
@@ -258,6 +260,21 @@ def _bake_shard(
     finally:
         os.close(fd)
     return writer.bytes_written
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality (torch.equal calls -0.0 and 0.0 equal, and a NaN unequal to itself)."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _refuse_unchanged(result: BakeResult, model, allow_empty: bool) -> None:
+    """EmptyOutputError (inside `atomic_path`: the temp output is removed) when no tensor's bits changed."""
+    if result.tensors_changed == 0 and not allow_empty:
+        raise EmptyOutputError(
+            f"the adapters change no tensor of {model} (strength 0, or changes below the checkpoint's "
+            "precision): the output would be an unchanged copy; nothing written (--allow-empty writes it anyway)",
+            result,
+        )
 
 
 def _index_with_sizes(
@@ -289,7 +306,9 @@ def bake(
     adapters = [(a, check_strength(s, f"strength of {a}")) for a, s in adapters]
     warn_repeated(adapters)
     ckpt = open_checkpoint(model)
-    out = check_output(output, [model, *(a for a, _ in adapters)], overwrite=overwrite)
+    out = check_output(
+        output, [model, *(a for a, _ in adapters)], overwrite=overwrite, folder=ckpt.kind != "file"
+    )
     try:
         plan, spans = _plan(ckpt, adapters, allow_pickle)
         work = _tensor_plan(ckpt, plan, spans)
@@ -304,11 +323,11 @@ def bake(
         if ckpt.kind == "file":
             with atomic_path(out) as tmp:
                 _bake_shard(ckpt.root, tmp, work, dtype, extra, bar, result)
-        else:
-            _bake_folder(ckpt, out, work, dtype, extra, bar, result)
-    result.bytes_written = sum(
-        p.stat().st_size for p in ([out] if out.is_file() else out.rglob("*")) if p.is_file()
-    )
+                _refuse_unchanged(result, model, allow_empty or dtype is not None)
+        else:  # a --dtype cast is an effect of its own
+            _bake_folder(ckpt, out, work, dtype, extra, bar, result, model, allow_empty or dtype is not None)
+    if ckpt.kind == "file":  # a folder counts its own files before they join the output folder's others
+        result.bytes_written = out.stat().st_size
     result.seconds = time.perf_counter() - t0
     log.info(
         "bake output=%s tensors=%d changed=%d keys_applied=%d/%d unmatched=%d seconds=%.3f",
@@ -391,6 +410,8 @@ def _bake_folder(
     extra: dict[str, str],
     bar,
     result: BakeResult,
+    model,
+    allow_empty: bool,
 ) -> None:
     """A component or pipeline folder: shards baked, indexes rewritten with the new sizes, other files copied."""
     shards = set(ckpt.files)
@@ -404,7 +425,7 @@ def _bake_folder(
                 written = _bake_shard(src, tmp / rel, work, dtype, extra, bar, result)
                 sizes.setdefault(src.parent, {})[src.name] = written
             elif src not in indexes:
-                shutil.copy2(src, tmp / rel)
+                shutil.copyfile(src, tmp / rel)  # contents only: the mode comes from the umask
         for index_file in indexes:
             _index_with_sizes(
                 index_file,
@@ -412,3 +433,5 @@ def _bake_folder(
                 sizes.get(index_file.parent, {}),
                 extra,
             )
+        _refuse_unchanged(result, model, allow_empty)
+        result.bytes_written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())

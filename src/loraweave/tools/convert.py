@@ -198,7 +198,12 @@ def _target_components(adapter: Adapter, target, arch: str | None, model: str | 
         return as_components(target)
     from .inspect import adapter_target
 
-    components, why, _ = adapter_target(adapter, arch, model)
+    components, why, detected = adapter_target(adapter, arch, model)
+    if components is None and arch is None and model is None and detected == "unknown":
+        raise ConvertError(
+            f"{adapter.path or 'adapter'}: its keys name no known architecture; pass --arch NAME or --model "
+            "CHECKPOINT to say what it was trained on"
+        )
     if components is None:
         raise ConvertError(f"cannot convert without a model: {why}")
     return Components(components)
@@ -222,7 +227,7 @@ def convert(
     if to not in LAYOUTS:
         raise ValueError(f"--to must be one of {LAYOUTS}")
     inputs = [path] if isinstance(path, (str, os.PathLike)) else []
-    out = check_output(output, inputs, overwrite=overwrite)
+    out = check_output(output, inputs, overwrite=overwrite, folder=to == "peft")
     adapter = load_adapter(path, allow_pickle=allow_pickle)
     if not adapter.keys_total and not allow_empty:
         raise EmptyOutputError(
@@ -349,7 +354,7 @@ def _self_check(tensors, metadata, config, components: Components, out: Path, pl
 def _write_peft(tensors, config, out: Path, inputs, overwrite: bool) -> None:
     from ..io.write import atomic_path, check_output
 
-    check_output(out, inputs, overwrite=overwrite)
+    check_output(out, inputs, overwrite=overwrite, folder=True)
     with atomic_path(out, folder=True) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors")
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from ..api import apply
 
+SAMPLE_FILES = {"peft": "demo_lora_peft.safetensors", "kohya": "demo_lora_kohya.safetensors"}  # in --out
 RANK = 8
 ALPHA = 4.0
 
@@ -78,8 +79,8 @@ def write_sample_loras(model: torch.nn.Module, out_dir: Path, seed: int = 7) -> 
         kohya[f"{key}.lora_down.weight"] = down.contiguous()
         kohya[f"{key}.lora_up.weight"] = up.contiguous()
         kohya[f"{key}.alpha"] = torch.tensor(alpha)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"peft": out_dir / "demo_lora_peft.safetensors", "kohya": out_dir / "demo_lora_kohya.safetensors"}
+    out_dir.mkdir(exist_ok=True)  # the CLI checked that its parent exists
+    paths = {layout: out_dir / name for layout, name in SAMPLE_FILES.items()}
     save_file(peft, paths["peft"], metadata=meta)
     save_file(kohya, paths["kohya"], metadata={"ss_network_dim": str(RANK), "ss_network_alpha": str(ALPHA)})
     return paths

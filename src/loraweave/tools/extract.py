@@ -186,6 +186,11 @@ def extract(
         total=sum(len(c.tensors) for c in b_ckpt.components), desc="extract", unit="tensor", enabled=progress
     )
     try:
+        if not any(name in tuned_where for comp in b_ckpt.components for name in comp.tensors):
+            raise ArgumentError(  # bad input (exit 2), not an empty result: nothing was compared
+                f"{tuned}: no tensor name in common with {base}; TUNED must be a fine-tuned copy of BASE "
+                "(an adapter file is merged with bake, not extracted)"
+            )
         for comp in b_ckpt.components:
             prefix = _component_prefix(comp)
             for name, shard in comp.tensors.items():

@@ -84,6 +84,8 @@ class GenerateRequest:
     config: str | None = None
     strict: bool = False
     progress: bool = False
+    overwrite: bool = False  # replace an existing PNG and its sidecar
+    allow_empty: bool = False  # sample even when an adapter lands no key
 
 
 @dataclass
@@ -112,6 +114,15 @@ def parse_budget(text: str | None) -> int | str | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def check_outputs(req: GenerateRequest) -> None:
+    """The PNG and its sidecar: refused before anything loads when one exists (no --force) or is an input."""
+    from ..io.write import check_output
+
+    inputs = [req.model, *(path for path, _ in req.loras)]
+    for target in (Path(req.output), Path(req.output).with_suffix(".json")):
+        check_output(target, inputs, overwrite=req.overwrite)
+
+
 def validate(req: GenerateRequest) -> None:
     """Every argument checked before anything heavy is loaded; GenerateError names the flag."""
     checks = [
@@ -136,6 +147,7 @@ def validate(req: GenerateRequest) -> None:
     for ok, message in checks:
         if not ok:
             raise GenerateError(message)
+    check_outputs(req)
     for path, strength in req.loras:
         if not math.isfinite(strength):
             raise GenerateError(f"--lora {path}: strength must be finite, got {strength}")
@@ -315,7 +327,6 @@ def write_outputs(image, out: Path, text: str, sidecar: dict) -> Path:
     """PNG with `parameters` (infotext) and `loraweave` (JSON) text chunks, and `<out>.json` beside it."""
     from PIL.PngImagePlugin import PngInfo
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     info = PngInfo()
     info.add_text("parameters", text)  # tEXt when latin-1 encodable, otherwise iTXt (as A1111)
     info.add_text("loraweave", json.dumps(sidecar.get("report"), separators=(",", ":")))
@@ -374,7 +385,13 @@ def generate(req: GenerateRequest) -> GenerateResult:
     t["quantize"] = time.perf_counter()
     if budget is None:
         pipe.to(device)
-    handle = apply(pipe, specs, mode=req.apply_mode, strict=req.strict, progress=False) if specs else None
+    handle = (
+        apply(
+            pipe, specs, mode=req.apply_mode, strict=req.strict, allow_empty=req.allow_empty, progress=False
+        )
+        if specs
+        else None
+    )
     report = handle.report if handle is not None else None
     t["apply"] = time.perf_counter()
     image, streaming = _sample_maybe_streamed(pipe, req, clean, seed, device, budget)

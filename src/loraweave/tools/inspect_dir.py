@@ -112,7 +112,7 @@ def inspect_one(path: Path, root: Path, **kwargs) -> dict:
         info = inspect_adapter(path, **kwargs)
         metadata = _metadata(path, kwargs.get("allow_pickle", False))
     except (LoraweaveError, ValueError, OSError) as exc:
-        return {"file": rel, "path": str(path), "error": f"{type(exc).__name__}: {exc}"}
+        return {"file": rel, "path": str(path), "error": str(exc)}  # the message says what; no class name
     seconds = round(time.perf_counter() - t0, 3)  # the whole row, trigger words included
     return {
         "file": rel,
