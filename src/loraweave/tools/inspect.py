@@ -285,9 +285,14 @@ def inspect_adapter(
         }
     else:
         from ..api import plan
+        from .positional import name_positional
         from .skeleton import alias_tables
 
         tables = alias_tables(components) if model is None else None
+        if (
+            model is not None
+        ):  # a checkpoint's shadow tree has no classes to count positions in: name them first
+            adapter = name_positional(adapter, arch)
         if fit_report is not None and not check_values:  # the same shape-only plan on the same skeleton
             report = fit_report
         else:
