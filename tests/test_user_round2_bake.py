@@ -6,15 +6,17 @@ import pytest
 import torch
 from conftest import REALDATA
 from helpers.common import real_config
-from helpers.sparse_checkpoint import sparse_checkpoint
+from helpers.sparse_checkpoint import sparse_checkpoint, sparse_module_file
 
 import loraweave
 from loraweave.arch.unet_original import unet_original_names
-from loraweave.tools.bake import _plan, _tensor_plan
+from loraweave.tools.bake import _plan, _tensor_plan, merged_weight
 from loraweave.tools.checkpoint import open_checkpoint
+from loraweave.tools.convert import convert
 from loraweave.tools.inspect import inspect_adapter
 
 CLONEOFSIMO = REALDATA / "lora" / "cloneofsimo__lora__analog_svd_rank4.safetensors"
+DIFFUSERS_SD1 = REALDATA / "lora" / "timohavdk__sd-lora__2100-lora.safetensors"
 UNET, TEXT = "model.diffusion_model.", "cond_stage_model.transformer."
 
 
@@ -63,3 +65,37 @@ def test_cloneofsimo_text_encoder_lands_on_an_ldm_named_checkpoint(sd15_ldm):
 
     info = inspect_adapter(CLONEOFSIMO, model=str(sd15_ldm))
     assert (info["coverage"]["keys_applied"], info["coverage"]["keys_total"]) == (384, 384)
+
+
+def _merged(model, adapter) -> tuple[dict[str, torch.Tensor], list]:
+    """{tensor: what bake writes into it, on a zero base}, and what did not land: bake's own plan and merge."""
+    ckpt = open_checkpoint(model)
+    try:
+        plan, spans = _plan(ckpt, [(str(adapter), 1.0)])
+        work = _tensor_plan(ckpt, plan, spans)
+        shapes = {name: ckpt.source(ckpt.files[0]).shape(name) for name in work}
+    finally:
+        ckpt.close()
+    zeros = {name: torch.zeros(shapes[name][0], *shapes[name][1:]) for name in work}
+    return {
+        name: merged_weight(zeros[name], contribs, torch.float32) for name, (_, contribs) in work.items()
+    }, [u.miss.kind for u in plan.unmatched]
+
+
+def test_comfy_named_file_bakes_into_a_diffusers_named_unet(realdata, tmp_path):
+    """A bare diffusers-named UNet file (no config beside it) gave a shadow tree with no class, so our own
+    `convert --to comfy` output (ldm names) landed 0 keys there, though inspect lands it. It bakes the same
+    tensors, bit for bit, as the diffusers-named file it was converted from."""
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(real_config("sd15__unet_config.json"))
+    model = sparse_module_file(unet, tmp_path / "unet" / "sd15-unet.safetensors")
+    comfy = tmp_path / "comfy.safetensors"
+    convert(DIFFUSERS_SD1, "comfy", comfy, arch="sd1")
+
+    reference, missed = _merged(model, DIFFUSERS_SD1)
+    assert missed == [] and len(reference) == 128
+    baked, missed = _merged(model, comfy)
+    assert missed == [] and baked.keys() == reference.keys()
+    assert all(torch.equal(baked[name], reference[name]) for name in reference)

@@ -33,3 +33,20 @@ def sparse_checkpoint(key_list: Path, out: Path) -> Path:
         f.write(struct.pack("<Q", len(raw)) + raw)
         f.truncate(8 + len(raw) + offset)
     return out
+
+
+def sparse_module_file(module, out: Path) -> Path:
+    """Write `out` with every parameter and buffer of `module` (meta is fine) under its own name, fp16."""
+    header, offset = {}, 0
+    for name, tensor in module.state_dict().items():
+        code, size = ("F16", 2) if tensor.dtype.is_floating_point else ("I64", 8)
+        length = tensor.numel() * size
+        header[name] = {"dtype": code, "shape": list(tensor.shape), "data_offsets": [offset, offset + length]}
+        offset += length
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return out
