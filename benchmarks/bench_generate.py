@@ -1,5 +1,5 @@
 """`loraweave generate` overhead (load, prompt parsing, apply, PNG + metadata + sidecar) vs the plain diffusers
-pipeline on the same tiny SD1.5 model (tests/helpers/tiny_pipelines.py: 2-level UNet, 2-layer CLIP, 64x64, 8 steps).
+pipeline on the same tiny SD1.5 model (loraweave.tools.tiny_pipeline: 2-level UNet, 2-layer CLIP, 64x64, 8 steps).
 
 Variants run round-robin in one process (one torch thread: the machine's 2 cores are shared), medians reported:
 
@@ -21,10 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers.tiny_pipelines import tiny_sd15  # noqa: E402
+from loraweave.tools.tiny_pipeline import sample_lora, tiny_sd15
 
 STEPS, SIZE, SEED = 8, 64, 7
 
@@ -35,20 +33,7 @@ def make_lora(pipe_dir: Path, path: Path) -> None:
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(pipe_dir, local_files_only=True)
-    g = torch.Generator().manual_seed(3)
-    sd = {}
-    named = [
-        ("lora_unet_", n, m)
-        for n, m in pipe.unet.named_modules()
-        if isinstance(m, torch.nn.Linear) and "attentions" in n
-    ]
-    for prefix, name, module in named:
-        stem = prefix + name.replace(".", "_")
-        sd[f"{stem}.lora_down.weight"] = torch.randn(4, module.in_features, generator=g) * 0.1
-        sd[f"{stem}.lora_up.weight"] = torch.randn(module.out_features, 4, generator=g) * 0.1
-        sd[f"{stem}.alpha"] = torch.tensor(4.0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(sd, path)
+    sample_lora(pipe, path, text_encoder=False)
 
 
 def plain(pipe_dir: Path, out: Path, lora: Path | None = None) -> float:

@@ -99,6 +99,9 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_size_arithmetic": ("realsize",),
     "test_streaming_cuda": ("cuda",),
     "test_undo_cuda": ("cuda",),
+    "test_user_round2_bake": ("realdata",),
+    "test_user_round2_convert": ("realdata",),
+    "test_user_round2_inspect": ("realdata",),
     "test_user_surface": ("realdata",),
 }
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.tiny_pipelines import tiny_sd15
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import loraweave
 from loraweave.cli import main
 from loraweave.tools.infotext import parse_infotext
+from loraweave.tools.tiny_pipeline import sample_lora, tiny_sd15
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 COMMON = ["--steps", "3", "-W", "32", "-H", "32", "--cfg", "5", "-s", "7", "-n", "blurry"]
@@ -37,25 +37,9 @@ def _lora(pipe_dir: Path, path: Path, extra: dict | None = None) -> Path:
     """A kohya LoRA (alpha = rank/2) on every attention Linear of the UNet and the TE's q/v projections."""
     from diffusers import StableDiffusionPipeline
 
-    pipe = StableDiffusionPipeline.from_pretrained(pipe_dir, local_files_only=True)
-    g = torch.Generator().manual_seed(3)
-    sd = {}
-    targets = [
-        ("lora_unet_", n, m)
-        for n, m in pipe.unet.named_modules()
-        if isinstance(m, torch.nn.Linear) and "attentions" in n
-    ]
-    targets += [
-        ("lora_te_", n, m) for n, m in pipe.text_encoder.named_modules() if n.endswith(("q_proj", "v_proj"))
-    ]
-    for prefix, name, module in targets:
-        stem = prefix + name.replace(".", "_")
-        sd[f"{stem}.lora_down.weight"] = torch.randn(4, module.in_features, generator=g) * 0.3
-        sd[f"{stem}.lora_up.weight"] = torch.randn(module.out_features, 4, generator=g) * 0.3
-        sd[f"{stem}.alpha"] = torch.tensor(2.0)
-    sd |= extra or {}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(sd, path, metadata={"ss_network_module": "networks.lora"})
+    sample_lora(StableDiffusionPipeline.from_pretrained(pipe_dir, local_files_only=True), path)
+    if extra:
+        save_file(load_file(path) | extra, path, metadata={"ss_network_module": "networks.lora"})
     return path
 
 

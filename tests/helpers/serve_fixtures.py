@@ -11,35 +11,15 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from helpers.tiny_pipelines import tiny_sd15
 from loraweave.serve.engine import Engine
+from loraweave.tools.tiny_pipeline import sample_lora, tiny_sd15
 
 SETTINGS = {"steps": 3, "cfg": 5.0, "width": 32, "height": 32, "negative": "blurry"}
 
 
 def lora_file(pipe, path: Path, seed: int, te: bool = True) -> Path:
     """A kohya LoRA (rank 4, alpha 2) on the UNet's attention Linears (and the TE's q/v projections)."""
-    g = torch.Generator().manual_seed(seed)
-    targets = [
-        ("lora_unet_", n, m)
-        for n, m in pipe.unet.named_modules()
-        if isinstance(m, torch.nn.Linear) and "attentions" in n
-    ]
-    if te:
-        targets += [
-            ("lora_te_", n, m)
-            for n, m in pipe.text_encoder.named_modules()
-            if n.endswith(("q_proj", "v_proj"))
-        ]
-    sd = {}
-    for prefix, name, module in targets:
-        stem = prefix + name.replace(".", "_")
-        sd[f"{stem}.lora_down.weight"] = torch.randn(4, module.in_features, generator=g) * 0.3
-        sd[f"{stem}.lora_up.weight"] = torch.randn(module.out_features, 4, generator=g) * 0.3
-        sd[f"{stem}.alpha"] = torch.tensor(2.0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(sd, path, metadata={"ss_network_module": "networks.lora"})
-    return path
+    return sample_lora(pipe, path, seed, text_encoder=te)
 
 
 def locon_file(pipe, path: Path, seed: int) -> Path:

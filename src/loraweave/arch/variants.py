@@ -56,20 +56,32 @@ def _single_rows(adapter: Adapter, hidden: int | None, known: set[int | None]) -
     return None
 
 
-def variant_fit(adapter: Adapter) -> dict:
-    """Block counts and width read from the file, the variants that can take it, and the likeliest one."""
+def related(release: Variant, arch: str) -> bool:
+    """Whether a file detected as `arch` can be `release`: one of its own architecture's, or one that shares its
+    block names (BFL-named Flux.1 / Flux.2). An SD1 UNet's `transformer_blocks.0` is no Flux double block."""
+    if arch in (release.arch, release.catalog) or arch.startswith(release.arch):
+        return True
+    return any(arch.startswith(b) for b in BFL_NAMED) and release.arch in BFL_NAMED
+
+
+def variant_fit(adapter: Adapter, arch: str | None = None, landed: str | None = None) -> dict:
+    """Block counts and width read from the file, the variants that can take it, and the likeliest one.
+
+    arch: only releases `related` to it. landed: the architecture on whose full-size skeleton every key of the
+    file lands; its own release then fits whatever the file's `down` widths are (a file that trains only the
+    single blocks' out projection reads 5x the hidden width there, and the skeleton checked every shape)."""
     counts = block_counts([p.path for p in adapter.parts])
     hidden = _hidden(adapter)
     if not counts:
-        return {"blocks": {}, "hidden": hidden, "fits": [], "likely": None, "catalog": None}
-    releases = variants()
+        return {"blocks": {}, "hidden": hidden, "fits": [], "likely": None, "catalog": None, "landed": None}
+    releases = tuple(v for v in variants() if arch is None or related(v, arch))
     ratio = _single_rows(adapter, hidden, {v.single_rows for v in releases})
     fits = [
         v
         for v in releases
         if set(counts) <= set(v.chains)
         and all(n <= v.chains[c] for c, n in counts.items())
-        and (hidden is None or hidden == v.hidden)
+        and (hidden is None or hidden == v.hidden or landed == (v.catalog or v.arch))
         and (ratio is None or v.single_rows in (None, ratio))
     ]
     exact = [
@@ -82,4 +94,6 @@ def variant_fit(adapter: Adapter) -> dict:
         "fits": [v.name for v in fits],
         "likely": likely.name if likely else None,
         "catalog": likely.catalog if likely else None,
+        # said only when it named a release the width alone would not
+        "landed": landed if any(hidden not in (None, v.hidden) for v in fits) else None,
     }

@@ -33,6 +33,11 @@ def add(sub) -> None:
     p.add_argument("-o", "--output", required=True, help="output file (peft: output folder)")
     p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--drop-embeddings",
+        action="store_true",
+        help="leave out textual-inversion token embeddings (<s1>, ...), which no adapter layout carries",
+    )
     add_common(p, pickle=True, empty=True)
 
 
@@ -49,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         allow_empty=args.allow_empty,
         progress=progress_wanted(args),
         allow_pickle=args.allow_pickle,
+        drop_embeddings=args.drop_embeddings,
     )
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))

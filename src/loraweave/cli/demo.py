@@ -25,9 +25,17 @@ def add(sub) -> None:
         "--force", action="store_true", help="with --out: replace sample files already there (no other file)"
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument(
+        "--generate",
+        metavar="PNG",
+        help="instead: build a tiny SD1.5 pipeline offline (seeded, 64x64) and a sample LoRA, and run "
+        "`generate` with <lora:demo:1> to write PNG (the pipeline and LoRA go to --out, else a temp directory)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.generate:
+        return _run_generate(args)
     from ..tools.demo import run_demo  # torch and diffusers load only when the demo runs
 
     if args.out:
@@ -94,3 +102,24 @@ def _print_differences(res: dict) -> None:
     )
     print(f"largest |kohya fused-qkv file - PEFT file| (merged): {res['max_abs_diff_kohya_vs_peft']:.3e}")
     print(f"total {res['total_seconds']:.2f}s")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from ..tools.demo import generate_demo
+
+    png = Path(args.generate)
+    if args.out:
+        res = generate_demo(png, Path(args.out))
+    else:  # the pipeline and LoRA live only for the run
+        with tempfile.TemporaryDirectory(prefix="loraweave-demo-") as tmp:
+            res = generate_demo(png, Path(tmp))
+        res["pipeline"] += " (temporary, removed; --out DIR keeps it)"
+        res["lora"] += " (temporary, removed)"
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"pipeline: tiny SD1.5 (2-level UNet, 2-layer CLIP, offline tokenizer): {res['pipeline']}")
+    print(f"sample LoRA (kohya layout, UNet + text encoder): {res['lora']}")
+    print(f"image: {res['output']} (sidecar {res['sidecar']}), {res['total_seconds']:.2f}s")
+    print(f"parameters: {res['parameters']}")
+    return 0

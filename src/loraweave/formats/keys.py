@@ -137,6 +137,10 @@ class ParsedKey:
     layout_hint: str | None
 
 
+# The unparsed reason of a token embedding (cloneofsimo pivotal tuning: `<s1>`, `<s2>`, one [768] vector each).
+TEXTUAL_INVERSION = "textual-inversion token embedding, not an adapter weight"
+
+
 def parse_key(key: str) -> ParsedKey | str:
     """Return the parsed key, or a reason string when no layout we know produces this key."""
     m = _CLONEOFSIMO_RE.match(key)
@@ -160,7 +164,7 @@ def parse_key(key: str) -> ParsedKey | str:
         if m:
             return ParsedKey(key, m["stem"], family, role or m["suffix"][1:].removesuffix(".weight"), hint)
     if "<" in key and ">" in key:
-        return "textual-inversion token embedding, not an adapter weight"
+        return TEXTUAL_INVERSION
     return "no known adapter suffix (not a LoRA/LyCORIS key)"
 
 

@@ -18,7 +18,7 @@ import torch
 from ..errors import EmptyOutputError, LoraweaveError
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
-from ..formats.keys import component_prefix
+from ..formats.keys import TEXTUAL_INVERSION, component_prefix
 from ..io.write import check_output, save_file
 from ..progress import bar
 from ..resolve.planner import PlannedPart, resolve
@@ -55,6 +55,7 @@ class ConvertResult:
     splits: int = 0
     joins: int = 0
     notes: list[str] = field(default_factory=list)
+    dropped_embeddings: list[str] = field(default_factory=list)  # textual-inversion tokens left out
 
     def to_dict(self) -> dict:
         return {**vars(self), "output": str(self.output)}
@@ -220,15 +221,19 @@ def convert(
     allow_empty: bool = False,
     progress: bool = False,
     allow_pickle: bool = False,
+    drop_embeddings: bool = False,
 ) -> ConvertResult:
     """Write the adapter at `path` in layout `to`; `target` (module / mapping) overrides `arch` / `model`.
 
-    An adapter with no key is refused (EmptyOutputError, nothing written) unless `allow_empty`."""
+    An adapter with no key is refused (EmptyOutputError, nothing written) unless `allow_empty`. Textual-inversion
+    tokens, which no adapter layout carries, are refused (ConvertError) unless `drop_embeddings` leaves them out;
+    the result names them."""
     if to not in LAYOUTS:
         raise ValueError(f"--to must be one of {LAYOUTS}")
     inputs = [path] if isinstance(path, (str, os.PathLike)) else []
     out = check_output(output, inputs, overwrite=overwrite, folder=to == "peft")
     adapter = load_adapter(path, allow_pickle=allow_pickle)
+    dropped = _embeddings(adapter, path if inputs else adapter.name, drop_embeddings)
     if not adapter.keys_total and not allow_empty:
         raise EmptyOutputError(
             f"{path}: the adapter holds no key; the output would be empty; nothing written "
@@ -250,7 +255,9 @@ def convert(
         )
     if any(pp.factors.up_bias is not None for pp in plan.planned) and to in ("kohya", "comfy"):
         raise ConvertError(f"{to} layout has no LoRA bias (lora_B.bias) keys")
-    result = ConvertResult(out, to, keys_in=adapter.keys_total)
+    result = ConvertResult(out, to, keys_in=adapter.keys_total, dropped_embeddings=dropped)
+    if dropped:
+        result.notes.append(f"dropped textual-inversion token embeddings: {', '.join(dropped)}")
     tensors: dict[str, torch.Tensor] = {}
     patterns: dict[str, dict] = {}
     groups = _regroup(plan, to)
@@ -295,6 +302,19 @@ def convert(
         result.joins,
     )
     return result
+
+
+def _embeddings(adapter: Adapter, source: object, drop: bool) -> list[str]:
+    """The file's textual-inversion tokens, taken out of `adapter` when `drop`; refused when not."""
+    tokens = [u["key"] for u in adapter.unparsed if u["reason"] == TEXTUAL_INVERSION]
+    if tokens and not drop:
+        raise ConvertError(
+            f"{source}: holds textual-inversion token embeddings ({', '.join(tokens)}), which no adapter layout "
+            "carries; --drop-embeddings converts the adapter without them (keep this file for the tokens); "
+            "nothing written"
+        )
+    adapter.unparsed = [u for u in adapter.unparsed if u["reason"] != TEXTUAL_INVERSION]
+    return tokens
 
 
 def _alpha_metadata(to: str, patterns: dict[str, dict], components: Components) -> tuple[dict, dict | None]:

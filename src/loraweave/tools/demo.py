@@ -1,4 +1,5 @@
-"""The embedded demo: a small seeded Z-Image transformer, a sample LoRA in two layouts, three modes."""
+"""The embedded demo: a small seeded Z-Image transformer, a sample LoRA in two layouts, three modes; and
+`generate_demo`, `loraweave generate` end to end on a tiny SD1.5 pipeline built here, offline."""
 
 from __future__ import annotations
 
@@ -125,3 +126,46 @@ def run_demo(out_dir: Path) -> dict:
     results["output_scale"] = scale
     results["total_seconds"] = time.perf_counter() - t0
     return results
+
+
+DEMO_PROMPT = "a cat <lora:demo:1>"
+
+
+def generate_demo(png: Path, work: Path) -> dict:
+    """Build the tiny SD1.5 pipeline (tools.tiny_pipeline: offline tokenizer, seeded weights) and a sample LoRA
+    under `work`, then run `generate` with a prompt tag to write `png` (and its JSON sidecar)."""
+    from diffusers import StableDiffusionPipeline
+
+    from ..io.write import WriteError
+    from .generate import GenerateRequest, generate
+    from .tiny_pipeline import sample_lora, tiny_sd15
+
+    if png.exists():
+        raise WriteError(f"output {png} exists; name another file for the demo image")
+    t0 = time.perf_counter()
+    pipe_dir = tiny_sd15(work / "pipeline")
+    lora = sample_lora(
+        StableDiffusionPipeline.from_pretrained(pipe_dir, local_files_only=True),
+        work / "loras" / "demo.safetensors",
+    )
+    build_s = time.perf_counter() - t0
+    request = GenerateRequest(
+        model=str(pipe_dir),
+        prompt=DEMO_PROMPT,
+        output=str(png),
+        negative="blurry",
+        lora_dir=str(lora.parent),
+        steps=8,
+        cfg=5.0,
+        seed=7,
+        width=64,
+        height=64,
+    )
+    result = generate(request)
+    return {
+        "pipeline": str(pipe_dir),
+        "lora": str(lora),
+        "build_seconds": build_s,
+        "total_seconds": time.perf_counter() - t0,
+        **result.to_dict(),
+    }

@@ -248,6 +248,9 @@ def inspect_adapter(
     info["variant"] = variant_fit(adapter)
     detection = _by_variant(detection, info["variant"], arch, model)
     info["architecture"]["name"] = detection.architecture
+    info["variant"] = variant_fit(
+        adapter, arch or detection.architecture
+    )  # releases of what it was found to be
     if not coverage:
         info["coverage"] = {
             "checked": False,
@@ -282,9 +285,14 @@ def inspect_adapter(
         }
     else:
         from ..api import plan
+        from .positional import name_positional
         from .skeleton import alias_tables
 
         tables = alias_tables(components) if model is None else None
+        if (
+            model is not None
+        ):  # a checkpoint's shadow tree has no classes to count positions in: name them first
+            adapter = name_positional(adapter, arch)
         if fit_report is not None and not check_values:  # the same shape-only plan on the same skeleton
             report = fit_report
         else:
@@ -302,6 +310,9 @@ def inspect_adapter(
     coverage["complete"] = not failures(coverage["unmatched"])
     coverage["checked"] = True
     info["coverage"] = coverage
+    if model is None and components is not None and coverage["keys_applied"] == coverage["keys_total"]:
+        target = arch or detection.architecture
+        info["variant"] = variant_fit(adapter, target, landed=target)
     info["seconds"] = round(time.perf_counter() - t0, 3)
     log.info(
         "inspect file=%s layout=%s arch=%s keys_applied=%d/%d seconds=%.3f",
@@ -358,7 +369,8 @@ def _variant_rows(info: dict) -> list[tuple[str, str]]:
         return []
     blocks = ", ".join(f"{n} {c}" for c, n in variant["blocks"].items())
     fits = variant["likely"] or (", ".join(variant["fits"]) if variant["fits"] else "no known variant")
-    return [("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']})")]
+    landed = f"; every key lands on the {variant['landed']} skeleton" if variant.get("landed") else ""
+    return [("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']}{landed})")]
 
 
 def _coverage_rows(cov: dict) -> list[tuple[str, str]]:

@@ -2,7 +2,8 @@
 
 `original_spans` inverts the architecture alias tables: for each live module, which original tensor rows hold it.
 `reference_for` recognises a checkpoint written in original names (a single-file Flux or SD checkpoint), and gives
-the diffusers module tree to resolve adapters against, plus the spans to write the merged rows back."""
+the diffusers module tree to resolve adapters against, plus the spans to write the merged rows back; a bare file in
+diffusers names with no config gets its catalog tree (and no spans), so original-named adapters land on it too."""
 
 from __future__ import annotations
 
@@ -66,6 +67,34 @@ def _arch_from_names(names: set[str]) -> str | None:
     return None
 
 
+def _arch_from_diffusers_names(names: set[str]) -> tuple[str, ...]:
+    """Catalog architectures a bare diffusers-named denoiser file may be, from a few marker tensors."""
+    if "conv_in.weight" in names and any(n.startswith("down_blocks.") for n in names):
+        return ("sd1", "sd2", "sdxl")
+    if any(n.startswith("single_transformer_blocks.") for n in names):
+        return ("flux", "flux-schnell")
+    return ()
+
+
+def _same_tree(ref: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Every parameter of `ref` is in the file under its own name with its shape."""
+    params = dict(ref.named_parameters())
+    return bool(params) and all(tuple(shapes.get(n, ())) == tuple(p.shape) for n, p in params.items())
+
+
+def _diffusers_reference(shapes: dict[str, tuple[int, ...]]) -> tuple[torch.nn.Module, Spans] | None:
+    """The catalog skeleton a bare diffusers-named file is, parameter for parameter, with no spans (its own names
+    are the live ones): its class's alias tables then land files in original (ComfyUI, kohya) names too."""
+    from .skeleton import skeleton
+
+    for name in _arch_from_diffusers_names(set(shapes)):
+        ref = next(iter(skeleton(name, text_encoders=False).values()))
+        if _same_tree(ref, shapes):
+            log.info("checkpoint diffusers_names reference=%s", name)
+            return ref, {}
+    return None
+
+
 def _from_config(folder: Path) -> torch.nn.Module | None:
     config = folder / "config.json"
     if not config.exists():
@@ -114,9 +143,11 @@ def reference_for(
     if ref is not None:
         live = {n for n, _ in ref.named_parameters()}
         if len(live & set(shapes)) >= len(live) / 2:
-            return None  # the file uses the config's own (diffusers) names
+            return None  # the file uses the config's own (diffusers) names; the shadow tree takes its class
         candidates.append(("config.json", ref))
     arch = _arch_from_names(set(shapes))
+    if arch is None and not candidates:
+        return _diffusers_reference(shapes)
     if arch is not None:
         from .skeleton import skeleton
 

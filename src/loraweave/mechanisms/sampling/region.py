@@ -6,7 +6,8 @@ Where a layer's tokens sit on the image:
   latent (UNet attention at every resolution, SD3/Wan patch tokens, frames × grid for video), or the N tokens of a
   packed (B, N, C) input (Flux-family DiTs) read as a row-major grid with the mask's aspect ratio: per token;
 - joint [text; image] sequences of Flux-family single-stream blocks (T = text + N): text first, then the image;
-- every other token (text, conditioning, time embeddings, (B, C) modulation inputs) gets the mask's peak, max(mask):
+- every other token (text, conditioning, time embeddings, (B, C) modulation inputs), and every token of a model
+  called with (B, T) token ids (a pipeline's text encoders), gets the mask's peak, max(mask):
   an adapter present somewhere at full strength keeps its text-side terms, and an all-zero mask removes it wholly.
 A longer sequence in an architecture whose joint order is not known is refused rather than guessed."""
 
@@ -83,6 +84,10 @@ def token_weights(
         raise RegionError(
             f"{layer} ran outside its model's forward: regions place tokens through the model call"
         )
+    if (
+        call.shape is not None and len(call.shape) == 2
+    ):  # (B, T) token ids: a text encoder, every token is text
+        return peak
     if channels_first:
         if len(out_shape) < 4:
             return peak

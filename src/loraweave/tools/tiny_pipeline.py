@@ -1,4 +1,6 @@
-"""Tiny real diffusers pipelines saved to a folder (seeded weights, tokenizer files written offline)."""
+"""A tiny real SD1.5 pipeline saved to a folder (seeded weights, tokenizer files written offline, nothing
+downloaded) and a seeded sample LoRA for it: what `loraweave demo --generate` runs, and what the tests generate
+with."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 
 def _byte_chars() -> list[str]:
@@ -97,3 +100,29 @@ def tiny_sd15(folder: Path, seed: int = 0) -> Path:
     )
     pipe.save_pretrained(folder)
     return folder
+
+
+def sample_lora(pipe, path: Path, seed: int = 3, text_encoder: bool = True) -> Path:
+    """A kohya LoRA (rank 4, alpha 2) on the UNet's attention Linears and, with `text_encoder`, the TE's q/v
+    projections of `pipe` (a loaded StableDiffusionPipeline)."""
+    g = torch.Generator().manual_seed(seed)
+    targets = [
+        ("lora_unet_", n, m)
+        for n, m in pipe.unet.named_modules()
+        if isinstance(m, torch.nn.Linear) and "attentions" in n
+    ]
+    if text_encoder:
+        targets += [
+            ("lora_te_", n, m)
+            for n, m in pipe.text_encoder.named_modules()
+            if n.endswith(("q_proj", "v_proj"))
+        ]
+    tensors = {}
+    for prefix, name, module in targets:
+        stem = prefix + name.replace(".", "_")
+        tensors[f"{stem}.lora_down.weight"] = torch.randn(4, module.in_features, generator=g) * 0.3
+        tensors[f"{stem}.lora_up.weight"] = torch.randn(module.out_features, 4, generator=g) * 0.3
+        tensors[f"{stem}.alpha"] = torch.tensor(2.0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path, metadata={"ss_network_module": "networks.lora"})
+    return path
