@@ -1,0 +1,127 @@
+"""`load_lora_for_models`: the script API and the core of the loader nodes; mirrors `comfy.sd.load_lora_for_models`.
+
+mode "merge": loraweave's exact ΔW through ComfyUI's patch list (patches.py); "runtime": loraweave's runtime path
+inside ComfyUI (runtime.py); "auto": merge on floating-point bases, runtime where ComfyUI holds the base weights
+quantized (fp8 dtypes, GGUF or ComfyUI's QuantizedTensor): a merge there rounds ΔW into the quantized grid at every
+load (GGUF even re-dequantises and re-patches at every step), the runtime path keeps it exact and the storage as is.
+The inputs are never modified: every result is a clone, and on any error nothing was added anywhere."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+
+import torch
+
+from ..engine.install import make_report
+from ..errors import ArgumentError, StrictApplyError, TargetError
+from ..formats.adapter import Adapter, load_adapter
+from ..modes import APPLY_MODES, ApplyMode
+from ..report.coverage import refuse_empty, warn_incomplete
+from ..report.miss import Miss, Unmatched
+from ..report.report import Report, failures
+from ..request.spec import finite_strength
+from ..resolve.planner import Plan
+from .host import is_model_patcher
+from .patches import add_to_clone
+from .targets import TEXT_ENCODER_NAMES, plan_for_clip, plan_for_patcher
+
+log = logging.getLogger("loraweave")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+NO_CLIP = Miss("no_such_component", "no such component: the file has text-encoder keys and no CLIP was given")
+
+
+def read_lora(lora) -> Adapter:
+    """A loraweave Adapter from what a ComfyUI caller holds: a path (str/PathLike), a state dict or an Adapter."""
+    if isinstance(lora, Adapter):
+        return lora
+    if isinstance(lora, (str, os.PathLike, Mapping)):
+        return load_adapter(lora)
+    raise ArgumentError(f"lora must be a path, a state dict or an Adapter, not {type(lora).__name__}")
+
+
+def quantized_base(patcher) -> bool:
+    """Whether ComfyUI holds any diffusion-model weight in a quantized form (a dtype or a tensor subclass)."""
+    return any(
+        p.dtype not in FLOAT_DTYPES or type(p.data) is not torch.Tensor
+        for p in patcher.model.diffusion_model.parameters()
+    )
+
+
+def choose_mode(patcher, mode: ApplyMode) -> ApplyMode:
+    if mode not in APPLY_MODES:
+        raise ArgumentError(f"mode must be one of {', '.join(APPLY_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "runtime" if quantized_base(patcher) else "merge"
+
+
+def _clip_side(clip, adapter: Adapter) -> tuple[Plan | None, list[Unmatched]]:
+    if clip is not None:
+        plan = plan_for_clip(clip, adapter)
+        return plan, list(plan.unmatched)
+    keys = [k for p in adapter.parts if p.component in TEXT_ENCODER_NAMES for k in p.keys]
+    return None, [Unmatched(adapter.name, k, NO_CLIP) for k in keys]
+
+
+def _check(report: Report, strict: bool) -> None:
+    """Refusals before anything is cloned: strict with misses, or a file of which no key lands."""
+    if strict and failures(report.unmatched):
+        raise StrictApplyError(
+            f"strict: {len(failures(report.unmatched))} keys of {report.adapters[0]['name']} did not land "
+            f"({report.kinds()})",
+            report,
+        )
+    refuse_empty(report)
+
+
+def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: float, strict: bool = False):
+    """(model clone, clip clone or None, report): loraweave's ΔW added through ComfyUI's patch lists."""
+    t0 = time.perf_counter()
+    model_plan = plan_for_patcher(model, adapter)
+    clip_plan, clip_misses = _clip_side(clip, adapter)
+    both = Plan(model_plan.components, [adapter], {adapter.name: 1.0})
+    both.planned = model_plan.planned + (clip_plan.planned if clip_plan else [])
+    both.params = model_plan.params + (clip_plan.params if clip_plan else [])
+    unmatched = model_plan.unmatched + clip_misses
+    _check(make_report(both, "merge", [], unmatched, t0), strict)
+    new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
+    new_clip = None
+    if clip is not None:
+        new_clip = clip.clone()
+        new_clip.patcher, clip_applied, clip_refused = add_to_clone(clip.patcher, clip_plan, strength_clip)
+        applied, refused = applied + clip_applied, refused + clip_refused
+    report = make_report(both, "merge", applied, unmatched + refused, t0)
+    _check(report, strict)
+    report.log()
+    warn_incomplete(report)
+    return new_model, new_clip, report
+
+
+def load_lora_for_models(
+    model,
+    clip,
+    lora,
+    strength_model: float,
+    strength_clip: float,
+    mode: ApplyMode = "auto",
+    strict: bool = False,
+):
+    """(model, clip, report) as `comfy.sd.load_lora_for_models`: `lora` is a path or a state dict (or a loraweave
+    Adapter), `clip` may be None (then None comes back). New clones come back; the inputs are never modified.
+
+    Errors are typed loraweave errors: a missing or broken file, a file of which no key lands on this model
+    (NoKeysLandedError: a file for another architecture), `strict` with keys that miss (StrictApplyError)."""
+    if not is_model_patcher(model):
+        raise TargetError(f"model must be a ComfyUI ModelPatcher (a MODEL), not {type(model).__name__}")
+    strength_model, strength_clip = finite_strength(strength_model), finite_strength(strength_clip)
+    chosen = choose_mode(model, mode)
+    adapter = read_lora(lora)
+    log.info("comfy load adapter=%s mode=%s chosen=%s", adapter.name, mode, chosen)
+    if chosen == "runtime":
+        from .runtime import apply_runtime
+
+        return apply_runtime(model, clip, adapter, strength_model, strength_clip, strict)
+    return merge(model, clip, adapter, strength_model, strength_clip, strict)

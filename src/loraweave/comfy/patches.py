@@ -1,0 +1,163 @@
+"""Merge through ComfyUI's own patch list: `ModelPatcher.add_patches` with a `WeightAdapterBase` subclass whose
+`calculate_weight` adds loraweave's exact ΔW (fp32, through loraweave's families) into the rows ComfyUI hands it.
+
+ComfyUI then owns everything else: backups, lowvram and DynamicVRAM casts, GGUF dequantisation, hooks. A fused
+target (Flux `linear1`, `img_attn.qkv`) is patched per row range with an `(key, (0, start, length))` offset, and
+ComfyUI narrows the weight before the call, so the adapter writes into that view in place."""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import torch
+
+from ..arch.spec import Piece
+from ..families.contribution import add_contribution, bias_of
+from ..report.miss import Miss, Unmatched
+from ..report.report import AppliedModule
+from ..resolve.planner import Plan, PlannedPart
+from .host import weight_adapter_base
+
+Term = tuple[PlannedPart, Piece]  # a part and its rows, re-based on the patched slice (dst_start from 0)
+PatchKey = str | tuple[str, tuple[int, int, int]]
+# ComfyUI's calculate_weight stands in this identity when a patch has no function.
+_IDENTITY_QUALNAME = "calculate_weight.<locals>.<lambda>"
+NON_LEAF = (
+    "ComfyUI never patches a parameter held by a module with children (its load skips them: Wan modulation, "
+    "Lumina x_pad_token)"
+)
+
+
+def _is_identity(function) -> bool:
+    return function is None or getattr(function, "__qualname__", "") == _IDENTITY_QUALNAME
+
+
+def write_rows(rows: torch.Tensor, terms: list[Term], strength: float, function, bias: bool) -> None:
+    """rows (the slice ComfyUI narrowed, any dtype) += function(ΔW of `terms` at `strength`), in place."""
+    flat = rows if bias else rows.reshape(rows.shape[0], -1)
+    direct = flat.dtype == torch.float32 and _is_identity(function)
+    acc = flat if direct else flat.to(torch.float32, copy=True)
+    needs_base = bias or any(pp.family.needs_base for pp, _ in terms)
+    base = acc.clone() if needs_base else None
+    for pp, piece in terms:
+        if bias:
+            delta = bias_of(pp, piece, base)
+            if delta is not None:
+                acc[piece.dst_start : piece.dst_start + piece.length] += (
+                    strength * pp.strength * pp.scale
+                ) * delta.to(acc.dtype)
+        else:
+            window = acc[piece.dst_start : piece.dst_start + piece.length]
+            add_contribution(window, pp, piece, base, strength=strength * pp.strength, scale=pp.scale)
+    if not direct:
+        original = flat.to(torch.float32)
+        flat.add_(function(acc - original).to(flat.dtype))
+
+
+@functools.cache
+def adapter_class() -> type:
+    """The WeightAdapterBase subclass, made on first use (ComfyUI is imported lazily, never by `import loraweave`)."""
+
+    class LoraweaveWeightAdapter(weight_adapter_base()):
+        """loraweave's planned parts for one ComfyUI weight (or bias) slice."""
+
+        name = "loraweave"
+
+        def __init__(self, key: str, terms: list[Term], bias: bool) -> None:
+            self.key = key
+            self.terms = terms
+            self.bias = bias
+            self.loaded_keys = {k for pp, _ in terms for k in pp.part.keys}
+            self.weights = []  # no factor list of ComfyUI's kind: the factors live in the planned parts
+
+        def calculate_weight(
+            self,
+            weight,
+            key,
+            strength,
+            strength_model,
+            offset,
+            function,
+            intermediate_dtype=torch.float32,
+            original_weight=None,
+        ):
+            # strength_model was applied and the offset narrowed by ComfyUI before this call.
+            if strength != 0.0:
+                write_rows(weight, self.terms, float(strength), function, self.bias)
+            return weight
+
+    return LoraweaveWeightAdapter
+
+
+def _rows_key(component: str, module: str, piece: Piece, suffix: str) -> PatchKey:
+    key = f"{component}.{module}.{suffix}"
+    return key if piece.whole else (key, (0, piece.dst_start, piece.length))
+
+
+Carried = tuple[str, str, list[PlannedPart]]  # component, module, the parts one patch carries
+
+
+def merge_patches(plan: Plan) -> tuple[dict[PatchKey, object], dict[PatchKey, Carried]]:
+    """({patch key: adapter} for add_patches, {patch key: where and what it carries}) of a plan on ComfyUI
+    modules."""
+    groups: dict[tuple[PatchKey, bool], list[Term]] = defaultdict(list)
+    where: dict[PatchKey, tuple[str, str]] = {}
+    for pp in plan.planned:
+        for piece in pp.pieces:
+            local = Piece(piece.module, piece.src_start, 0, piece.length, piece.whole)
+            for suffix, bias in (("weight", False), ("bias", True)):
+                if bias and bias_of(pp, local) is None:
+                    continue
+                key = _rows_key(pp.component, piece.module, piece, suffix)
+                groups[(key, bias)].append((pp, local))
+                where[key] = (pp.component, piece.module)
+    cls = adapter_class()
+    patches: dict[PatchKey, object] = {}
+    carried: dict[PatchKey, Carried] = {}
+    for (key, bias), terms in groups.items():
+        patches[key] = cls(key if isinstance(key, str) else key[0], terms, bias)
+        carried[key] = (*where[key], [pp for pp, _ in terms])
+    return patches, carried
+
+
+def param_patches(plan: Plan) -> tuple[dict[str, tuple], list[Unmatched]]:
+    """("diff", ΔP) patches of bare parameters (full-difference keys on modulation tables), and the misses of
+    parameters ComfyUI would accept but never apply (held by a module with children)."""
+    patches: dict[str, tuple] = {}
+    misses: list[Unmatched] = []
+    modules = {name: dict(m.named_modules()) for name, m in plan.components}
+    for param in plan.params:
+        owner = modules[param.component].get(param.owner)
+        if owner is not None and any(True for _ in owner.children()):
+            misses += [
+                Unmatched(param.adapter.name, k, Miss("no_mechanism", NON_LEAF)) for k in param.part.keys
+            ]
+            continue
+        delta = param.delta.to(torch.float32) * (param.strength * param.scale)
+        patches[f"{param.component}.{param.path}"] = ("diff", (delta,))
+    return patches, misses
+
+
+def add_to_clone(patcher, plan: Plan, strength: float) -> tuple[object, list[AppliedModule], list[Unmatched]]:
+    """A clone of `patcher` with the plan's patches added at `strength` (the input is untouched), the report rows
+    of what ComfyUI accepted, and the misses of what it refused."""
+    patches, carried = merge_patches(plan)
+    params, misses = param_patches(plan)
+    clone = patcher.clone()
+    if strength == 0.0:  # as ComfyUI's loader: a zero strength adds nothing
+        return clone, [], misses
+    accepted = set(clone.add_patches({**patches, **params}, strength))
+    applied: dict[tuple[str, str], set[str]] = {}
+    for key, (component, module, parts) in carried.items():
+        if key not in accepted:
+            name = key if isinstance(key, str) else key[0]
+            refused = Miss("no_such_module", f"ComfyUI refused the patch key {name}")
+            misses += [Unmatched(pp.adapter.name, k, refused) for pp in parts for k in pp.part.keys]
+            continue
+        applied.setdefault((component, module), set()).update(pp.adapter.name for pp in parts)
+    for param in plan.params:
+        if f"{param.component}.{param.path}" in accepted:
+            applied.setdefault((param.component, param.path), set()).add(param.adapter.name)
+    rows = [AppliedModule(c, m, "merge", sorted(names)) for (c, m), names in sorted(applied.items())]
+    return clone, rows, misses

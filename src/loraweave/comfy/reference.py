@@ -1,0 +1,67 @@
+"""The diffusers config of a ComfyUI model's reference tree, from ComfyUI's `unet_config`: the widths and depths a
+loaded model really has (a tiny test model, a pruned or distilled release), over the catalog's full-size config.
+
+Only shapes matter (the tree lives on `meta`); an architecture not listed keeps the catalog config, and
+`targets.reference_tree` checks the fit against the ComfyUI model's own tensor shapes either way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def _unet(cfg: dict) -> dict:
+    channels = [cfg["model_channels"] * m for m in cfg["channel_mult"]]
+    res_blocks = cfg["num_res_blocks"]
+    # transformer_depth lists one entry per input res block; a level's depth is its first block's.
+    depths = [cfg["transformer_depth"][sum(res_blocks[:level])] for level in range(len(channels))]
+    down = ["CrossAttnDownBlock2D" if d > 0 else "DownBlock2D" for d in depths]
+    heads, head_channels = cfg.get("num_heads", -1), cfg.get("num_head_channels", -1)
+    head_dim = heads if heads != -1 else tuple(max(1, ch // head_channels) for ch in channels)
+    out = {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg["out_channels"],
+        "block_out_channels": tuple(channels),
+        "layers_per_block": res_blocks[0],
+        "down_block_types": tuple(down),
+        "up_block_types": tuple(t.replace("Down", "Up") for t in reversed(down)),
+        "transformer_layers_per_block": tuple(max(1, d) for d in depths),
+        "cross_attention_dim": cfg["context_dim"],
+        "use_linear_projection": bool(cfg.get("use_linear_in_transformer", False)),
+        "attention_head_dim": head_dim,
+        "norm_num_groups": 32,  # ComfyUI's UNet normalises in 32 groups at every width
+    }
+    if cfg.get("adm_in_channels"):
+        out["projection_class_embeddings_input_dim"] = cfg["adm_in_channels"]
+    return out
+
+
+def _flux(cfg: dict) -> dict:
+    patch = cfg.get("patch_size", 2)
+    return {
+        "in_channels": cfg["in_channels"] * patch * patch,
+        "out_channels": cfg["out_channels"] * patch * patch,
+        "num_layers": cfg["depth"],
+        "num_single_layers": cfg["depth_single_blocks"],
+        "attention_head_dim": cfg["hidden_size"] // cfg["num_heads"],
+        "num_attention_heads": cfg["num_heads"],
+        "joint_attention_dim": cfg["context_in_dim"],
+        "pooled_projection_dim": cfg["vec_in_dim"],
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+        "axes_dims_rope": tuple(cfg["axes_dim"]),
+    }
+
+
+CONFIGS: dict[str, Callable[[dict], dict]] = {
+    "sd1": _unet,
+    "sd2": _unet,
+    "sdxl": _unet,
+    "sdxl-refiner": _unet,
+    "flux": _flux,
+    "flux-schnell": _flux,
+}
+
+
+def reference_config(arch: str, unet_config: dict) -> dict:
+    """diffusers config entries for `arch` read from ComfyUI's unet_config ({} where the catalog's stand)."""
+    convert = CONFIGS.get(arch)
+    return convert(unet_config) if convert is not None else {}

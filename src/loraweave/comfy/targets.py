@@ -1,0 +1,213 @@
+"""loraweave's own resolver onto the modules of ComfyUI's diffusion model and CLIP (never ComfyUI's key maps).
+
+ComfyUI keeps original module names (ldm `input_blocks.1.1...`, BFL `double_blocks.0.img_attn.qkv`). Adapter keys
+resolve against the diffusers tree of the detected architecture (built on `meta` at the ComfyUI model's own
+widths), where every layout loraweave reads lands; the planned rows then go back to the original tensors through
+the inverted alias tables (`tools.remap`), so a Plan here names ComfyUI modules and their rows. Text encoders
+resolve on ComfyUI's own CLIP modules (their names are the transformers ones)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import torch
+
+from ..engine.install import make_report
+from ..errors import StrictApplyError, TargetError
+from ..formats.adapter import Adapter
+from ..formats.keys import DENOISER_NAMES
+from ..report.miss import Miss, Unmatched
+from ..report.report import failures
+from ..resolve.planner import Plan, PlannedPart, resolve
+from ..resolve.target import Components
+from ..tools.remap import Spans, _fits, translate
+from .reference import reference_config
+
+log = logging.getLogger("loraweave")
+
+# ComfyUI's supported_models class -> loraweave catalog architecture (the reference tree adapters resolve on).
+COMFY_ARCHS: dict[str, str] = {
+    "SD15": "sd1",
+    "SD20": "sd2",
+    "SD21UnclipL": "sd2",
+    "SD21UnclipH": "sd2",
+    "SDXL": "sdxl",
+    "SDXLRefiner": "sdxl-refiner",
+    "SD3": "sd3",
+    "Flux": "flux",
+    "FluxSchnell": "flux-schnell",
+    "Flux2": "flux2",
+    "Chroma": "chroma",
+    "HunyuanVideo": "hunyuan-video",
+    "HunyuanVideo15": "hunyuan-video-1.5",
+    "HunyuanImage21": "hunyuan-image-2.1",
+    "QwenImage": "qwen-image",
+    "Lumina2": "lumina2",
+    "ZImage": "z-image",
+    "WAN21_T2V": "wan",
+    "WAN22_T2V": "wan",
+    "WAN21_I2V": "wan",
+    "WAN22_Animate": "wan-animate",
+    "LTXV": "ltx-video",
+    "LTXAV": "ltx2",
+    "PixArtAlpha": "pixart",
+    "PixArtSigma": "pixart",
+    "Kandinsky5": "kandinsky5",
+    "Kandinsky5Image": "kandinsky5",
+    "Anima": "anima",
+    "ErnieImage": "ernie-image",
+}
+DENOISER_PREFIX = "diffusion_model"  # ModelPatcher state-dict keys: diffusion_model.<module>.weight
+# ComfyUI text encoder attributes in kohya's order (lora_te1_, lora_te2_, lora_te3_); others follow in tree order.
+ENCODER_ORDER = ("clip_l", "clip_g", "t5xxl")
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def comfy_arch(patcher) -> str | None:
+    """The loraweave architecture of a ComfyUI MODEL, from its supported_models class (None: not one we map)."""
+    return COMFY_ARCHS.get(type(patcher.model.model_config).__name__)
+
+
+def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
+    """(diffusers tree on meta at this model's widths, spans to ComfyUI's original rows), or None when loraweave
+    has no reference for this ComfyUI model (its keys then resolve by ComfyUI's own names only)."""
+    arch = comfy_arch(patcher)
+    if arch is None:
+        return None
+    import diffusers
+
+    from ..arch.catalog import CATALOG
+
+    entry = CATALOG[arch]
+    config = {**entry.config, **reference_config(arch, patcher.model.model_config.unet_config)}
+    with torch.device("meta"):
+        tree = getattr(diffusers, entry.cls).from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
+    fit = _fits(tree, shapes)
+    if fit is None:
+        log.warning("comfy reference arch=%s fits=no (widths differ from loraweave's reference)", arch)
+        return None
+    return tree, fit[0]
+
+
+def _side(adapter: Adapter, text_encoders: bool) -> Adapter:
+    """The adapter's parts for one side: text-encoder parts, or the rest (with the unparsed keys)."""
+    out = copy.copy(adapter)
+    out.parts = [p for p in adapter.parts if (p.component in TEXT_ENCODER_NAMES) == text_encoders]
+    out.unparsed = [] if text_encoders else list(adapter.unparsed)
+    return out
+
+
+def _no_such_module(pp: PlannedPart, module: str) -> list[Unmatched]:
+    miss = Miss("no_such_module", f"no such module in ComfyUI's model: {module}")
+    return [Unmatched(pp.adapter.name, key, miss) for key in pp.part.keys]
+
+
+def _onto_comfy(plan: Plan, component: str, live: torch.nn.Module, spans: Spans, adapter: Adapter) -> Plan:
+    """The plan with every piece moved to ComfyUI's original module names and rows, under `component`; parts
+    point at `adapter` again (the side copy was for resolving only)."""
+    names = dict(live.named_modules())
+    out = Plan(Components({component: live}), [adapter], plan.strengths, unmatched=list(plan.unmatched))
+    for pp in plan.planned:
+        pieces = tuple(q for piece in pp.pieces for q in translate(piece, spans))
+        missing = next((q.module for q in pieces if q.module not in names), None)
+        if missing is not None:
+            out.unmatched += _no_such_module(pp, missing)
+            continue
+        whole = tuple(dataclasses.replace(q, whole=_covers(names[q.module], q)) for q in pieces)
+        out.planned.append(dataclasses.replace(pp, adapter=adapter, component=component, pieces=whole))
+    for param in plan.params:
+        owner = param.owner
+        if owner and owner not in names or not hasattr(names.get(owner, live), param.name):
+            out.unmatched += _no_such_module(param, param.path)
+            continue
+        out.params.append(dataclasses.replace(param, adapter=adapter, component=component))
+    return out
+
+
+def _covers(module: torch.nn.Module, piece) -> bool:
+    weight = getattr(module, "weight", None)
+    return weight is not None and piece.dst_start == 0 and piece.length == weight.shape[0]
+
+
+def _refuse_strict(plan: Plan, strict: bool, what: str) -> None:
+    if strict and failures(plan.unmatched):
+        report = make_report(plan, "merge", [], plan.unmatched, 0.0)
+        raise StrictApplyError(
+            f"strict: {len(failures(plan.unmatched))} keys did not land on ComfyUI's {what} ({report.kinds()})",
+            report,
+        )
+
+
+def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: bool = False) -> Plan:
+    """A loraweave Plan of `adapter`'s denoiser keys on ComfyUI's diffusion model (component `diffusion_model`:
+    pieces name its modules and rows). Text-encoder keys are left to `plan_for_clip`. Nothing is modified."""
+    side = _side(adapter, text_encoders=False)
+    live = patcher.model.diffusion_model
+    found = reference_tree(patcher)
+    if found is None:
+        plan = resolve(Components({"transformer": live}), [(side, strength)])
+        plan = _onto_comfy(plan, DENOISER_PREFIX, live, {}, adapter)
+    else:
+        tree, spans = found
+        name = "unet" if type(tree).__name__.startswith("UNet") else "transformer"
+        plan = resolve(Components({name: tree}), [(side, strength)])
+        plan = _onto_comfy(plan, DENOISER_PREFIX, live, spans, adapter)
+    log.info(
+        "comfy plan side=model arch=%s planned=%d params=%d unmatched=%d",
+        comfy_arch(patcher),
+        len(plan.planned),
+        len(plan.params),
+        len(plan.unmatched),
+    )
+    _refuse_strict(plan, strict, "diffusion model")
+    return plan
+
+
+def clip_encoders(clip) -> dict[str, tuple[str, torch.nn.Module]]:
+    """{loraweave component: (ComfyUI state-dict prefix, module)} of a ComfyUI CLIP's text encoders."""
+    root = clip.cond_stage_model
+    found = [
+        (n, m.transformer)
+        for n, m in root.named_children()
+        if isinstance(getattr(m, "transformer", None), torch.nn.Module)
+    ]
+    found.sort(
+        key=lambda item: ENCODER_ORDER.index(item[0]) if item[0] in ENCODER_ORDER else len(ENCODER_ORDER)
+    )
+    return {
+        comp: (f"{name}.transformer", module)
+        for comp, (name, module) in zip(TEXT_ENCODER_NAMES, found, strict=False)
+    }
+
+
+def plan_for_clip(clip, adapter: Adapter, strength: float = 1.0, strict: bool = False) -> Plan:
+    """A loraweave Plan of `adapter`'s text-encoder keys on a ComfyUI CLIP: components are the CLIP patcher's
+    state-dict prefixes (`clip_l.transformer`, ...), pieces its modules. Nothing is modified."""
+    side = _side(adapter, text_encoders=True)
+    encoders = clip_encoders(clip)
+    if not encoders:
+        raise TargetError(
+            f"ComfyUI CLIP {type(clip.cond_stage_model).__name__} holds no text encoder modules"
+        )
+    plan = resolve(Components({comp: module for comp, (_, module) in encoders.items()}), [(side, strength)])
+    out = Plan(
+        Components({prefix: module for prefix, module in encoders.values()}),
+        [adapter],
+        plan.strengths,
+        unmatched=list(plan.unmatched),
+    )
+    out.planned = [
+        dataclasses.replace(pp, adapter=adapter, component=encoders[pp.component][0]) for pp in plan.planned
+    ]
+    out.params = [
+        dataclasses.replace(p, adapter=adapter, component=encoders[p.component][0]) for p in plan.params
+    ]
+    _refuse_strict(out, strict, "CLIP")
+    return out
+
+
+def is_denoiser_component(name: str) -> bool:
+    return name == DENOISER_PREFIX or name in DENOISER_NAMES

@@ -1,0 +1,203 @@
+"""loraweave.comfy merges (ComfyUI's patch list, `patch_weight_to_device(..., return_weight=True)`) against
+references: `loraweave.apply` on the diffusers twin holding the same weights, mapped row by row through diffusers'
+single-file converter (SD UNets) or ComfyUI's flux_to_diffusers rows (Flux; diffusers' converter is fixed at width
+3072), within 1e-6 relative; and bit-identical to ComfyUI's own LoraLoader wherever that one is right."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers.comfy_env import import_comfy
+from helpers.comfy_files import (
+    FAMILIES,
+    adapter_file,
+    dotted,
+    kohya,
+    processor_unet,
+    target_linears,
+    xlabs_flux,
+)
+from helpers.comfy_models import BUILDERS, flux_rows_map, rows_of
+
+import loraweave
+from loraweave.comfy import load_lora_for_models
+
+TOL = 1e-6  # relative, on each weight: fp32 through two independent row maps
+STRENGTH_MODEL, STRENGTH_CLIP = 0.7, 0.5
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: build() for name, build in BUILDERS.items()}
+
+
+def merged_state(patcher) -> dict[str, torch.Tensor]:
+    """Every weight of the patcher's diffusion model as ComfyUI's merge writes it (unpatched ones as they are)."""
+    state = {k: v.detach().clone() for k, v in patcher.model.state_dict().items()}
+    for key in patcher.patches:
+        state[key] = patcher.patch_weight_to_device(key, device_to=torch.device("cpu"), return_weight=True)
+    return {
+        k.removeprefix("diffusion_model."): v for k, v in state.items() if k.startswith("diffusion_model.")
+    }
+
+
+def as_diffusers(m, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ComfyUI diffusion-model state in the twin's names, through the row maps the module docstring names."""
+    if m.name == "flux":
+        return {
+            k: rows_of(state, where)
+            for k, where in flux_rows_map(m.patcher).items()
+            if k in m.diffusers.state_dict()
+        }
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+    ldm = {f"model.diffusion_model.{k}": v for k, v in state.items()}
+    return convert_ldm_unet_checkpoint(ldm, dict(m.diffusers.config))
+
+
+def reference(m, sd: dict) -> dict[str, torch.Tensor]:
+    twin = copy.deepcopy(m.diffusers)
+    loraweave.apply(twin, sd, mode="merge", strength=STRENGTH_MODEL)
+    return twin.state_dict()
+
+
+def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def check_against_twin(m, sd: dict, changed_at_least: int):
+    """Merge `sd` through loraweave.comfy; every twin weight within TOL of loraweave.apply's; returns the patcher."""
+    model, _, report = load_lora_for_models(m.patcher, None, sd, STRENGTH_MODEL, 0.0, mode="merge")
+    assert report.keys_applied == report.keys_total == len(sd), report.kinds()
+    ours = as_diffusers(m, merged_state(model))
+    ref = reference(m, sd)
+    base = m.diffusers.state_dict()
+    assert ours.keys() == ref.keys()
+    errors = {k: rel(ours[k], ref[k]) for k in ref}
+    assert max(errors.values()) <= TOL, max(errors.items(), key=lambda kv: kv[1])
+    changed = [k for k in ref if not torch.equal(ref[k], base[k])]
+    assert len(changed) >= changed_at_least, "the file changed too little: the check would prove nothing"
+    return model
+
+
+def check_comfy_core(m, model, sd: dict) -> int:
+    """Where ComfyUI's LoraLoader lands every key within TOL of the twin reference, ours is bit-identical to it.
+    Returns how many weights that held for (0 when ComfyUI is wrong or drops the file)."""
+    core, _ = import_comfy().sd.load_lora_for_models(m.patcher, None, sd, STRENGTH_MODEL, 0.0)
+    if set(core.patches) != set(model.patches):
+        return 0
+    core_state = merged_state(core)
+    ref = reference(m, sd)
+    core_diffusers = as_diffusers(m, core_state)
+    if max(rel(core_diffusers[k], ref[k]) for k in ref) > TOL:
+        return 0
+    ours = merged_state(model)
+    for key in model.patches:
+        short = key.removeprefix("diffusion_model.")
+        assert torch.equal(ours[short], core_state[short]), key
+    return len(model.patches)
+
+
+def comfy_names(m) -> dict[str, torch.nn.Module]:
+    return target_linears(m.patcher.model.diffusion_model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["sd15", "sdxl", "flux"])
+def test_kohya_on_diffusers_names(models, name, family):
+    m = models[name]
+    sd = adapter_file(
+        target_linears(m.diffusers), family, kohya("lora_unet_" if name != "flux" else "lora_transformer_")
+    )
+    model = check_against_twin(m, sd, changed_at_least=8)
+    if family == "lora":
+        assert check_comfy_core(m, model, sd) > 0, (
+            "ComfyUI lands kohya LoRA right: ours must equal it bit for bit"
+        )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["sd15", "sdxl", "flux"])
+def test_original_names(models, name, family):
+    # kohya on ldm/BFL names (ComfyUI's own module names): fused qkv and linear1 rows split by the offsets.
+    m = models[name]
+    sd = adapter_file(comfy_names(m), family, kohya("lora_unet_"))
+    model = check_against_twin(m, sd, changed_at_least=8)
+    if family == "lora":
+        assert check_comfy_core(m, model, sd) > 0
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl", "flux"])
+def test_diffusers_and_comfy_spelled_lora(models, name):
+    # `unet.`/`transformer.` + lora_A/lora_B (diffusers), `diffusion_model.` + original names (ComfyUI's own).
+    m = models[name]
+    prefix = "transformer." if name == "flux" else "unet."
+    for stem_of, modules in (
+        (dotted(prefix), target_linears(m.diffusers)),
+        (dotted("diffusion_model."), comfy_names(m)),
+    ):
+        sd = adapter_file(modules, "lora", stem_of, peft=True)
+        check_comfy_core(m, check_against_twin(m, sd, changed_at_least=8), sd)
+    if (
+        name != "flux"
+    ):  # attention-processor keys: ComfyUI maps them, so ours must equal its merge bit for bit
+        sd = processor_unet(m.diffusers, legacy_layer=False)
+        assert check_comfy_core(m, check_against_twin(m, sd, changed_at_least=4), sd) > 0
+
+
+def dropped_files(m) -> dict[str, dict]:
+    if m.name == "flux":
+        peft = adapter_file(target_linears(m.diffusers), "lora", dotted("base_model.model."), peft=True)
+        return {"xlabs": xlabs_flux(m.diffusers), "peft base_model.model.": peft}
+    return {"lora.down": processor_unet(m.diffusers, legacy_layer=True)}
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl", "flux"])
+def test_layouts_comfy_drops_land(models, name):
+    m = models[name]
+    for layout, sd in dropped_files(m).items():
+        core, _ = import_comfy().sd.load_lora_for_models(m.patcher, None, sd, STRENGTH_MODEL, 0.0)
+        assert not core.patches, f"{layout}: ComfyUI v0.19.3 loads it now; the test no longer shows a gap"
+        check_against_twin(m, sd, changed_at_least=4)
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl", "flux"])
+def test_text_encoder_keys_match_comfy_and_loraweave(models, name):
+    m = models[name]
+    encoder = m.clip.cond_stage_model.clip_l.transformer
+    sd = adapter_file(target_linears(encoder), "lora", kohya("lora_te1_"), seed=9)
+    model, clip, report = load_lora_for_models(
+        m.patcher, m.clip, sd, STRENGTH_MODEL, STRENGTH_CLIP, mode="merge"
+    )
+    assert report.keys_applied == report.keys_total == len(sd)
+    core_model, core_clip = import_comfy().sd.load_lora_for_models(
+        m.patcher, m.clip, sd, STRENGTH_MODEL, STRENGTH_CLIP
+    )
+    assert set(clip.patcher.patches) == set(core_clip.patcher.patches) and clip.patcher.patches
+    ref_encoder = copy.deepcopy(encoder)
+    loraweave.apply({"text_encoder": ref_encoder}, sd, mode="merge", strength=STRENGTH_CLIP)
+    ref = ref_encoder.state_dict()
+    for key in clip.patcher.patches:
+        ours = clip.patcher.patch_weight_to_device(key, device_to=torch.device("cpu"), return_weight=True)
+        core = core_clip.patcher.patch_weight_to_device(
+            key, device_to=torch.device("cpu"), return_weight=True
+        )
+        assert torch.equal(ours, core), key
+        assert rel(ours, ref[key.removeprefix("clip_l.transformer.")]) <= TOL, key
+
+
+def test_inputs_are_never_modified(models):
+    m = models["flux"]
+    before_uuid, before_patches = m.patcher.patches_uuid, dict(m.patcher.patches)
+    clip_uuid = m.clip.patcher.patches_uuid
+    weights = {k: v.clone() for k, v in m.patcher.model.state_dict().items()}
+    sd = adapter_file(comfy_names(m), "lora", kohya("lora_unet_"))
+    model, clip, _ = load_lora_for_models(m.patcher, m.clip, sd, 1.0, 1.0)
+    merged_state(model)
+    assert model is not m.patcher and clip is not m.clip and model.patches
+    assert m.patcher.patches_uuid == before_uuid and m.patcher.patches == before_patches
+    assert m.clip.patcher.patches_uuid == clip_uuid and not m.clip.patcher.patches
+    for k, v in m.patcher.model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
