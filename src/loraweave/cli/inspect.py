@@ -57,7 +57,7 @@ def add(sub) -> None:
         action="store_true",
         help="describe the file alone: no model is built and "
         "no key resolved (fast: torch is not imported; a UNet file is not told apart as sd1/sd2/sdxl, which takes "
-        "fitting); JSON coverage has checked=false",
+        "fitting); JSON coverage has checked=false; not with --plot, which resolves every key",
     )
     p.add_argument(
         "--strict", action="store_true", help="exit 1 when coverage is incomplete (or the file is empty)"
@@ -76,6 +76,16 @@ def run(args: argparse.Namespace) -> int:
     if args.strict and args.no_coverage:
         print("loraweave inspect: --strict needs coverage; drop --no-coverage", file=sys.stderr)
         return 2
+    if args.plot and args.no_coverage:  # the plot would resolve every key, which --no-coverage asks not to do
+        print(
+            "loraweave inspect: --plot resolves every key against the model; drop --no-coverage",
+            file=sys.stderr,
+        )
+        return 2
+    if args.plot:
+        from ..tools.heatmap import check_plot_target
+
+        check_plot_target(args.plot)
     info = inspect_adapter(
         args.file,
         arch=args.arch,
