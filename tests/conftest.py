@@ -103,7 +103,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_streaming_cuda": ("cuda",),
     "test_undo_cuda": ("cuda",),
     "test_user_round2_bake": ("realdata",),
-    "test_user_round2_convert": ("realdata",),
+    "test_user_round2_convert": ("realdata", "comfy"),  # ComfyUI's key map, in a subprocess
     "test_user_round2_inspect": ("realdata",),
     "test_user_surface": ("realdata",),
 }

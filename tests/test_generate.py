@@ -131,7 +131,8 @@ def test_metadata_a1111_infotext_report_and_sidecar(tmp_path, pipe_dir, lora_dir
     assert list(params)[:5] == ["Steps", "Sampler", "CFG scale", "Seed", "Size"]
     assert params["Steps"] == "3" and params["CFG scale"] == "5.0" and params["Seed"] == "7"
     assert params["Size"] == "32x32" and params["Sampler"] == "Euler" and params["Model"] == "pipe"
-    assert "Model hash" not in params  # a folder has no file hash (A1111 hashes single files)
+    unet = (pipe_dir / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()  # a folder: its denoiser
+    assert params["Model hash"] == hashlib.sha256(unet).hexdigest()[:10]
     raw = (lora_dir / "styles" / "x.safetensors").read_bytes()
     addnet = hashlib.sha256(raw[8 + struct.unpack("<Q", raw[:8])[0] :]).hexdigest()[:12]
     assert params["Lora hashes"] == f"x: {addnet}"

@@ -1,10 +1,17 @@
-"""Issue 30, a new user's second run-through: a cloneofsimo file with textual-inversion tokens (item 14)."""
+"""Issue 30, a new user's second run-through: a cloneofsimo file with textual-inversion tokens (item 14), and the
+text-encoder names our conversions write, checked against ComfyUI's own key map (found with item 13)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import REALDATA
+import yaml
+from conftest import REALDATA, SHARED
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -56,3 +63,41 @@ def test_drop_embeddings_converts_the_adapter_as_without_them(pivotal, tmp_path,
     assert result.dropped_embeddings == list(TOKENS) and result.to_dict()["dropped_embeddings"] == list(
         TOKENS
     )
+
+
+COMFY_KEYS = Path(__file__).parent / "helpers" / "comfy_keys.py"
+SUFFIXES = (".alpha", ".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.weight")
+
+
+def _comfy_clip_keys() -> set[str]:
+    """What ComfyUI v0.19.3 accepts for SD1.5's CLIP: its key map over the real ldm checkpoint's CLIP names
+    (sd-mecha's key list), which ComfyUI loads as `clip_l.transformer.`."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    ldm = yaml.load((REALDATA / "keys" / "sd-mecha" / "sd1-ldm.yaml").read_text(), Loader=loader)
+    names = [
+        k.replace("cond_stage_model.transformer.", "clip_l.transformer.") for k in ldm["components"]["clip_l"]
+    ]
+    comfy = SHARED / "comfyui" / "ComfyUI"
+    assert comfy.is_dir(), f"ComfyUI source missing at {comfy}"
+    proc = subprocess.run(
+        [sys.executable, str(COMFY_KEYS), str(comfy)], input=json.dumps(names), capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return set(json.loads(proc.stdout))
+
+
+def test_text_encoder_names_are_the_ones_comfyui_reads(realdata, tmp_path):
+    """transformers 5 dropped CLIP's `text_model.` level, and kohya, diffusers and comfy outputs wrote
+    `encoder.layers...` without it: ComfyUI (and A1111, diffusers) skip such keys. Every text-encoder stem of
+    each conversion of the real cloneofsimo file (12 layers x q, k, v, out) is now in ComfyUI's key map."""
+    accepted = _comfy_clip_keys()
+    for layout in ("kohya", "comfy", "diffusers"):
+        out = tmp_path / f"{layout}.safetensors"
+        convert(CLONEOFSIMO, layout, out, arch="sd1")
+        stems = set()
+        for key in load_file(out):
+            stem = next(key[: -len(s)] for s in SUFFIXES if key.endswith(s))
+            if not stem.startswith(("lora_unet_", "diffusion_model.", "unet.")):
+                stems.add(stem)
+        assert len(stems) == 48, layout
+        assert stems <= accepted, (layout, sorted(stems - accepted)[:3])

@@ -1,8 +1,10 @@
-"""Issue 30, a new user's second run-through: regions on a pipeline (item 2), `generate` tried offline from the
-README (item 17)."""
+"""Issue 30, a new user's second run-through: regions on a pipeline (item 2), the PNG's `Model hash` of a folder
+model (item 15), `generate` tried offline from the README (item 17)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,7 @@ from PIL import Image
 
 import loraweave
 from loraweave.cli import main
-from loraweave.tools.infotext import parse_infotext
+from loraweave.tools.infotext import model_hash, parse_infotext
 from loraweave.tools.tiny_pipeline import sample_lora, tiny_sd15
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -146,3 +148,34 @@ def test_region_on_a_pipeline_with_text_encoder_parts(sd15):
     handle.clear_region(name)
     full = _latents(pipe)
     assert (regional - full).abs().max() > 1e-3 and (regional - _latents(_pipe(pipe_dir))).abs().max() > 1e-3
+
+
+def test_folder_model_hash_written_into_the_png(sd15, tmp_path):
+    """A1111's `Model hash` (sha256 of the checkpoint, 10 hex) was never written for a pipeline folder: it is now
+    the sha256 of the denoiser's weight files end to end, as the README says."""
+    pipe_dir, _ = sd15
+    out = tmp_path / "x.png"
+    flags = "--steps 1 -W 32 -H 32".split()
+    assert main(["generate", "--model", str(pipe_dir), "-p", "a cat", "-o", str(out), *flags]) == 0
+    _, _, params = parse_infotext(Image.open(out).text["parameters"])
+    unet = (pipe_dir / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+    assert params["Model hash"] == hashlib.sha256(unet).hexdigest()[:10]
+
+
+def test_folder_hash_covers_every_denoiser_shard_and_follows_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAWEAVE_CACHE", str(tmp_path / "cache"))
+    shards = [tmp_path / "pipe" / "transformer" / f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    shards[0].parent.mkdir(parents=True)
+    (tmp_path / "pipe" / "text_encoder").mkdir()
+    (tmp_path / "pipe" / "text_encoder" / "model.safetensors").write_bytes(b"not hashed")
+    for i, shard in enumerate(shards):
+        shard.write_bytes(bytes([i + 1]) * 5000)
+    whole = hashlib.sha256(shards[0].read_bytes() + shards[1].read_bytes()).hexdigest()[:10]
+    assert model_hash(tmp_path / "pipe") == whole
+    assert model_hash(tmp_path / "pipe") == whole  # from the cache
+    shards[1].write_bytes(b"changed")
+    os.utime(shards[1], ns=(0, 10**9))  # a new size and mtime: hashed again
+    assert (
+        model_hash(tmp_path / "pipe") == hashlib.sha256(shards[0].read_bytes() + b"changed").hexdigest()[:10]
+    )
+    assert model_hash(tmp_path / "empty-folder-does-not-exist") is None

@@ -234,6 +234,15 @@ def _live_names(modules: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, .
     return {name: (Piece(name, 0, 0, out_rows(mod), True),) for name, mod in modules.items()}
 
 
+def missing_file_prefix(module: torch.nn.Module) -> str:
+    """The level (PATH_PREFIX_ALIASES) files write above this tree's paths and the tree lacks; "" when none: what
+    a writer puts back so trainers and UIs that expect it (kohya, diffusers, ComfyUI) read the names."""
+    prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
+    if not prefix or any(name.startswith(prefix) for name, _ in module.named_modules()):
+        return ""
+    return prefix
+
+
 def _path_prefix_names(
     module: torch.nn.Module, modules: dict[str, torch.nn.Module], exact: dict[str, tuple[Piece, ...]]
 ) -> dict[str, tuple[Piece, ...]]:

@@ -60,7 +60,7 @@ def add(sub) -> None:
         action="store_true",
         help="describe the file alone: no model is built and "
         "no key resolved (fast: torch is not imported; a UNet file is not told apart as sd1/sd2/sdxl, which takes "
-        "fitting); JSON coverage has checked=false",
+        "fitting); JSON coverage has checked=false; not with --plot, which resolves every key",
     )
     p.add_argument(
         "--strict", action="store_true", help="exit 1 when coverage is incomplete (or the file is empty)"
@@ -79,9 +79,17 @@ def run(args: argparse.Namespace) -> int:
     if args.strict and args.no_coverage:
         print("loraweave inspect: --strict needs coverage; drop --no-coverage", file=sys.stderr)
         return 2
-    if args.plot:  # refused before the file is read: an existing picture is kept unless --force
+    if args.plot and args.no_coverage:  # the plot would resolve every key, which --no-coverage asks not to do
+        print(
+            "loraweave inspect: --plot resolves every key against the model; drop --no-coverage",
+            file=sys.stderr,
+        )
+        return 2
+    if args.plot:  # refused before the file is read: a bad target, or an existing picture without --force
         from ..io.write import check_output
+        from ..tools.heatmap import check_plot_target
 
+        check_plot_target(args.plot)
         check_output(args.plot, [args.file], overwrite=args.force)
     try:
         info = inspect_adapter(

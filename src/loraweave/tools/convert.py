@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..arch.aliases import missing_file_prefix
 from ..errors import EmptyOutputError, LoraweaveError
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
@@ -97,13 +98,15 @@ def _regroup(plan, layout: str) -> dict[tuple[str, str], tuple[int, list[_Piece]
     """{(component, target name): (rows, pieces)} for every LoRA part of the plan."""
     groups: dict[tuple[str, str], tuple[int, list[_Piece]]] = {}
     namings = {c: _naming(layout, c, m, c == plan.components.denoiser_name) for c, m in plan.components}
+    # CLIP layers under `text_model.` as every trainer writes them, also where this transformers' tree lacks it
+    prefixes = {c: missing_file_prefix(m) for c, m in plan.components}
     for pp in plan.planned:
         f = pp.factors
         for piece in pp.pieces:
             module = plan.components.modules[pp.component].get_submodule(piece.module)
             rows = module.weight.shape[0]
             named, totals = namings[pp.component]
-            spans = named.get(piece.module) or [(piece.module, 0, 0, rows)]
+            spans = named.get(piece.module) or [(prefixes[pp.component] + piece.module, 0, 0, rows)]
             for name, t_start, m_start, length in spans:
                 lo = max(piece.dst_start, m_start)
                 hi = min(piece.dst_start + piece.length, m_start + length)

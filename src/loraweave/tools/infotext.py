@@ -2,13 +2,16 @@
 
 Layout: `{prompt}\\nNegative prompt: {negative}\\n{K: V, K: V, ...}`; the prompt keeps its `<lora:...>` tags,
 the negative line only when non-empty, None values skipped, a value holding `,`, `:` or a newline JSON-quoted.
-`Model hash` is the first 10 hex of the checkpoint's sha256; `Lora hashes` the first 12 hex of each adapter's
+`Model hash` is the first 10 hex of the checkpoint's sha256 (a folder model: of its denoiser's weight files end to
+end); `Lora hashes` the first 12 hex of each adapter's
 AddNet hash (sha256 of the bytes after the safetensors header) or of its `sshs_model_hash` metadata."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,19 +25,60 @@ def quote(value: object) -> str:
     return json.dumps(text, ensure_ascii=False) if any(c in text for c in ",:\n") else text
 
 
-def _sha256(path: Path, skip: int = 0) -> str:
-    digest = hashlib.sha256()
+def _feed(digest, path: Path, skip: int = 0) -> None:
     with open(path, "rb") as f:
         f.seek(skip)
         while block := f.read(CHUNK):
             digest.update(block)
+
+
+def _sha256(path: Path, skip: int = 0) -> str:
+    digest = hashlib.sha256()
+    _feed(digest, path, skip)
     return digest.hexdigest()
 
 
+def denoiser_files(folder: Path) -> list[Path]:
+    """The weight files a folder model's hash covers: its denoiser's (`unet*/`, `transformer*/` of a pipeline
+    folder, or the folder's own `*.safetensors` for a component folder), in path order."""
+    found = sorted(folder.glob("unet*/*.safetensors")) + sorted(folder.glob("transformer*/*.safetensors"))
+    return sorted(found) or sorted(folder.glob("*.safetensors"))
+
+
+def _cached_sha256(files: list[Path]) -> str:
+    """sha256 of the files' bytes end to end, remembered under the skeleton cache by (path, size, mtime)."""
+    from .skeleton import cache_dir
+
+    key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    folder = cache_dir()
+    store = folder / "model-hashes.json" if folder is not None else None
+    known: dict[str, str] = {}
+    if store is not None and store.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            known = json.loads(store.read_text())
+    if key in known:
+        return known[key]
+    digest = hashlib.sha256()
+    for file in files:
+        _feed(digest, file)
+    known[key] = digest.hexdigest()
+    if store is not None:
+        tmp = store.with_name(f".{store.name}.{os.getpid()}.tmp")
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, store)
+        except OSError:  # a read-only cache only costs the next run a rehash
+            tmp.unlink(missing_ok=True)
+    return known[key]
+
+
 def model_hash(path: str | Path) -> str | None:
-    """First 10 hex of the file's sha256; None for a folder (A1111 hashes single files only)."""
+    """First 10 hex of the sha256 of a single-file checkpoint (as A1111), or of a folder model's denoiser weight
+    files end to end (`denoiser_files`); None when a folder holds none."""
     path = Path(path)
-    return _sha256(path)[:10] if path.is_file() else None
+    files = [path] if path.is_file() else denoiser_files(path) if path.is_dir() else []
+    return _cached_sha256(files)[:10] if files else None
 
 
 def addnet_hash(path: str | Path, metadata: Mapping[str, str] | None = None) -> str | None:

@@ -10,9 +10,7 @@ import copy
 import dataclasses
 import logging
 
-import torch
-
-from ..arch.aliases import PATH_PREFIX_ALIASES
+from ..arch.aliases import missing_file_prefix
 from ..formats.adapter import Adapter
 
 log = logging.getLogger("loraweave")
@@ -20,15 +18,6 @@ log = logging.getLogger("loraweave")
 
 def has_positional(adapter: Adapter) -> bool:
     return any(p.layout == "cloneofsimo" for p in adapter.parts)
-
-
-def file_spelling(root: torch.nn.Module, path: str) -> str:
-    """`path` as files and checkpoints write it: CLIP layers under `text_model.`, which the skeleton's tree lacks
-    on recent transformers releases (an ldm checkpoint's shadow tree keeps it; a live tree takes either)."""
-    prefix = PATH_PREFIX_ALIASES.get(type(root).__name__)
-    if prefix and not any(name.startswith(prefix) for name, _ in root.named_modules()):
-        return prefix + path
-    return path
 
 
 def name_positional(adapter: Adapter, arch: str | None = None) -> Adapter:
@@ -44,8 +33,10 @@ def name_positional(adapter: Adapter, arch: str | None = None) -> Adapter:
     if components is None:
         return adapter
     plan = resolve(Components(components), [(_shape_only(adapter), 1.0)])
+    # CLIP under `text_model.`, which the skeleton lacks on recent transformers (an ldm checkpoint's tree has it)
+    prefixes = {name: missing_file_prefix(root) for name, root in components.items()}
     named = {
-        id(pp.part): file_spelling(components[pp.component], pp.pieces[0].module)
+        id(pp.part): prefixes[pp.component] + pp.pieces[0].module
         for pp in plan.planned
         if pp.part.layout == "cloneofsimo" and len(pp.pieces) == 1
     }
