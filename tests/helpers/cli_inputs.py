@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from loraweave.tools.tiny_pipeline import tiny_sd15
+
 from .tiny_models import tiny_flux
-from .tiny_pipelines import tiny_sd15
 
 
 @dataclass
