@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
         from ..io.write import check_output
         from ..tools.heatmap import check_plot_target
 
-        check_plot_target(args.plot)
         check_output(args.plot, [args.file], overwrite=args.force)
+        check_plot_target(args.plot)
     try:
         info = inspect_adapter(
             args.file,
