@@ -85,6 +85,7 @@ def generated(
         seed=seed,
         width=SETTINGS["width"],
         height=SETTINGS["height"],
+        overwrite=True,  # the tests reuse scratch names (near.png) across cases
     )
     generate(req)
     return pixels(out)

@@ -200,7 +200,7 @@ def _stem(
 def _target_components(adapter: Adapter, target, arch: str | None, model: str | None) -> Components:
     if target is not None:
         return as_components(target)
-    from .inspect import adapter_target
+    from .target import adapter_target
 
     components, why, detected = adapter_target(adapter, arch, model)
     if components is None and arch is None and model is None and detected == "unknown":

@@ -3,21 +3,20 @@ evidence) and how much of it lands on a model: every key resolved against a full
 
 from __future__ import annotations
 
-import copy
 import logging
-import math
 import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..arch.detect import detect_architecture
-from ..arch.variants import BFL_NAMED, variant_fit, variants
+from ..arch.variants import variant_fit, variants
 from ..formats.adapter import Adapter, load_adapter
 from ..report.report import failures
+from .target import by_variant, model_target, shape_only, unet_fit
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 log = logging.getLogger("loraweave")
 
@@ -112,116 +111,6 @@ def describe(adapter: Adapter) -> dict:
     }
 
 
-class _ShapeOnlySource:
-    """Tensors as `meta` (shape and dtype, no data) except scalars (alphas): planning then checks every key's
-    target and shapes without reading or validating the factor values (--check-values does that)."""
-
-    def __init__(self, source) -> None:
-        self._source = source
-
-    def keys(self) -> list[str]:
-        return self._source.keys()
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._source.shape(key))
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self._source.dtype(key) if hasattr(self._source, "dtype") else self._source.get(key).dtype
-
-    def get(self, key: str) -> torch.Tensor:
-        shape = self.shape(key)
-        if math.prod(shape) <= 1:
-            return self._source.get(key)
-        import torch
-
-        return torch.empty(shape, dtype=self.dtype(key), device="meta")
-
-
-def _shape_only(adapter: Adapter) -> Adapter:
-    probe = copy.copy(adapter)
-    probe.source = _ShapeOnlySource(adapter.source)
-    return probe
-
-
-def _target(arch: str | None, model: str | None, detected: str, text_encoders: bool):
-    """(components, description) to resolve against, or (None, why not)."""
-    if model is not None:
-        from .checkpoint import open_checkpoint, shadow_components
-
-        ckpt = open_checkpoint(model)
-        try:
-            return shadow_components(ckpt), f"checkpoint {model} ({ckpt.kind}, shadow tree on meta)"
-        finally:
-            ckpt.close()
-    from ..arch.catalog import canonical
-    from .skeleton import skeleton
-
-    name = arch or detected
-    try:
-        name = canonical(name)
-    except ValueError as exc:
-        if arch is not None:
-            raise
-        return None, f"no full-size model for architecture {detected!r} ({exc}); pass --arch or --model"
-    return skeleton(name, text_encoders=text_encoders), f"architecture {name} (full size, meta device)"
-
-
-UNET_CANDIDATES = ("sd1", "sd2", "sdxl")
-
-
-def adapter_target(adapter: Adapter, arch: str | None, model: str | None, text_encoders: bool = True):
-    """(components or None, what they are or why none, detected architecture) as `inspect` chooses them: the
-    architecture the file names, a UNet file told apart by fit, unless `arch` or `model` says otherwise."""
-    detection = detect_architecture(adapter)
-    if detection.architecture == "unet" and arch is None and model is None:
-        detection = _unet_by_fit(adapter, detection, text_encoders)
-    detection = _by_variant(detection, variant_fit(adapter), arch, model)
-    components, against = _target(arch, model, detection.architecture, text_encoders)
-    return components, against, detection.architecture
-
-
-def _by_variant(detection, fit: dict, arch: str | None, model: str | None):
-    """A Flux-family file whose block counts and widths name one variant with its own skeleton (Flux.2 klein,
-    or Flux.2 written in BFL names that Flux.1 shares) is checked against that skeleton."""
-    catalog = fit.get("catalog")
-    if (
-        arch is None
-        and model is None
-        and catalog
-        and detection.architecture in BFL_NAMED
-        and catalog != detection.architecture
-    ):
-        detection.evidence.append(f"block counts and widths name {fit['likely']} -> {catalog}")
-        detection.architecture = catalog
-    return detection
-
-
-def _unet_by_fit(adapter: Adapter, detection, text_encoders: bool):
-    """Names alone say "a UNet"; shapes say which: the candidate on which the most keys land wins."""
-    return _unet_fit(adapter, detection, text_encoders)[0]
-
-
-def _unet_fit(adapter: Adapter, detection, text_encoders: bool):
-    """(`_unet_by_fit`'s detection, the winner's shape-only plan report, which is the coverage plan too)."""
-    from ..api import plan
-    from .skeleton import alias_tables, skeleton
-
-    probe = _shape_only(adapter)
-    reports = {}
-    for name in UNET_CANDIDATES:
-        skel = skeleton(name, text_encoders)
-        reports[name] = plan(skel, probe, tables=alias_tables(skel))
-    fits = {name: r.keys_applied for name, r in reports.items()}
-    best = max(fits, key=lambda n: fits[n])  # ties keep the earlier (older, more common) UNet
-    detection.architecture = best
-    detection.evidence.append(
-        "shapes fit "
-        + ", ".join(f"{n}: {k}/{adapter.keys_total} keys land" for n, k in fits.items())
-        + f" -> {best}"
-    )
-    return detection, reports[best]
-
-
 def inspect_adapter(
     path: str | Path,
     arch: str | None = None,
@@ -246,7 +135,7 @@ def inspect_adapter(
     }
     info["architecture_evidence"] = detection.evidence  # the pre-contract key, kept for older callers
     info["variant"] = variant_fit(adapter)
-    detection = _by_variant(detection, info["variant"], arch, model)
+    detection = by_variant(detection, info["variant"], arch, model)
     info["architecture"]["name"] = detection.architecture
     info["variant"] = variant_fit(
         adapter, arch or detection.architecture
@@ -264,9 +153,9 @@ def inspect_adapter(
         return info
     fit_report = None
     if detection.architecture == "unet" and arch is None and model is None:
-        detection, fit_report = _unet_fit(adapter, detection, text_encoders)
+        detection, fit_report = unet_fit(adapter, detection, text_encoders)
         info["architecture"]["name"] = detection.architecture
-    components, against = _target(arch, model, detection.architecture, text_encoders)
+    components, against = model_target(arch, model, detection.architecture, text_encoders)
     if components is None:
         unmatched = [
             {"key": k, "reason": f"not resolved: {against}", "kind": "not_resolved"}
@@ -296,7 +185,7 @@ def inspect_adapter(
         if fit_report is not None and not check_values:  # the same shape-only plan on the same skeleton
             report = fit_report
         else:
-            report = plan(components, adapter if check_values else _shape_only(adapter), tables=tables)
+            report = plan(components, adapter if check_values else shape_only(adapter), tables=tables)
         coverage = {
             "against": against,
             "keys_total": report.keys_total,

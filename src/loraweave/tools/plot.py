@@ -122,7 +122,7 @@ def _row_order(components, denoiser: str | None, arch: str | None, used: set[str
 def _components(adapter, arch: str | None, model: str | None, text_encoders: bool):
     """(Components, architecture name) the adapter resolves against, as `inspect` chooses them."""
     from ..resolve.target import as_components
-    from .inspect import adapter_target
+    from .target import adapter_target
 
     components, against, detected = adapter_target(adapter, arch, model, text_encoders)
     if components is None:

@@ -27,12 +27,12 @@ def name_positional(adapter: Adapter, arch: str | None = None) -> Adapter:
         return adapter
     from ..resolve.planner import resolve
     from ..resolve.target import Components
-    from .inspect import _shape_only, adapter_target
+    from .target import adapter_target, shape_only
 
     components, against, _ = adapter_target(adapter, arch, None)
     if components is None:
         return adapter
-    plan = resolve(Components(components), [(_shape_only(adapter), 1.0)])
+    plan = resolve(Components(components), [(shape_only(adapter), 1.0)])
     # CLIP under `text_model.`, which the skeleton lacks on recent transformers (an ldm checkpoint's tree has it)
     prefixes = {name: missing_file_prefix(root) for name, root in components.items()}
     named = {

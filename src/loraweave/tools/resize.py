@@ -109,7 +109,7 @@ def _targets(
     from ..arch.spec import module_shape
     from ..resolve.planner import resolve
     from ..resolve.target import Components
-    from .inspect import adapter_target
+    from .target import adapter_target
 
     components, _, _ = adapter_target(adapter, arch, model)
     if components is None:
