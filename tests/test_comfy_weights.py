@@ -51,8 +51,13 @@ def as_diffusers(m, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for k, where in flux_rows_map(m.patcher).items()
             if k in m.diffusers.state_dict()
         }
-    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_unet_checkpoint,
+        convert_wan_transformer_to_diffusers,
+    )
 
+    if m.name == "wan":
+        return convert_wan_transformer_to_diffusers(dict(state))
     ldm = {f"model.diffusion_model.{k}": v for k, v in state.items()}
     return convert_ldm_unet_checkpoint(ldm, dict(m.diffusers.config))
 
@@ -201,3 +206,53 @@ def test_inputs_are_never_modified(models):
     assert m.clip.patcher.patches_uuid == clip_uuid and not m.clip.patcher.patches
     for k, v in m.patcher.model.state_dict().items():
         assert torch.equal(v, weights[k]), k
+
+
+@pytest.mark.parametrize("family", ["lora", "lokr", "dora"])
+def test_wan_kohya_and_original(models, family):
+    # ComfyUI v0.19.3 maps no diffusers-named kohya Wan key (lora_transformer_blocks_0_attn1_to_q): it drops them.
+    m = models["wan"]
+    sd = adapter_file(target_linears(m.diffusers), family, kohya("lora_transformer_"))
+    if family == "lora":
+        core, _ = import_comfy().sd.load_lora_for_models(m.patcher, None, sd, STRENGTH_MODEL, 0.0)
+        assert not core.patches
+    check_against_twin(m, sd, changed_at_least=8)
+    model = check_against_twin(
+        m, adapter_file(comfy_names(m), family, dotted("diffusion_model."), peft=family == "lora"), 8
+    )
+    if family == "lora":
+        assert (
+            check_comfy_core(
+                m, model, adapter_file(comfy_names(m), "lora", dotted("diffusion_model."), peft=True)
+            )
+            > 0
+        )
+
+
+def test_wan_modulation_lands_where_comfy_skips_it(models):
+    """Wan's `blocks.N.modulation` sits on a module with children: ComfyUI accepts a patch for it and never applies
+    it. Ours lands (an object patch), equals loraweave.apply on the twin's scale_shift_table, and unpatches."""
+    m = models["wan"]
+    g = torch.Generator().manual_seed(11)
+    delta = torch.randn(1, 6, 128, generator=g) * 0.01
+    key = "diffusion_model.blocks.0.modulation"
+    base = m.patcher.get_model_object(key).detach().clone()
+    core = m.patcher.clone()
+    assert key in core.add_patches({key: ("diff", (delta,))}, 1.0)
+    core.patch_model()
+    assert torch.equal(core.get_model_object(key), base), (
+        "ComfyUI applies it now: the object patch is not needed"
+    )
+    core.unpatch_model()
+    sd = {f"{key}.diff": delta}
+    model, _, report = load_lora_for_models(m.patcher, None, sd, STRENGTH_MODEL, 0.0, mode="merge")
+    assert report.keys_applied == 1 and report.applied[0].notes
+    twin = copy.deepcopy(m.diffusers)
+    loraweave.apply(twin, sd, mode="merge", strength=STRENGTH_MODEL)
+    model.patch_model()
+    try:
+        landed = model.model.diffusion_model.blocks[0].modulation.detach().clone()
+    finally:
+        model.unpatch_model()
+    assert rel(landed, twin.blocks[0].scale_shift_table.detach()) <= TOL and not torch.equal(landed, base)
+    assert torch.equal(m.patcher.model.diffusion_model.blocks[0].modulation, base)
