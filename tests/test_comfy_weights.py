@@ -6,6 +6,7 @@ single-file converter (SD UNets) or ComfyUI's flux_to_diffusers rows (Flux; diff
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -256,3 +257,37 @@ def test_wan_modulation_lands_where_comfy_skips_it(models):
         model.unpatch_model()
     assert rel(landed, twin.blocks[0].scale_shift_table.detach()) <= TOL and not torch.equal(landed, base)
     assert torch.equal(m.patcher.model.diffusion_model.blocks[0].modulation, base)
+
+
+def test_lowvram_dtype_and_function_paths(models):
+    """The same patch as ComfyUI's lowvram/DynamicVRAM casts run it: on a bf16 weight with a bf16 intermediate
+    (within bf16 rounding of the fp32 merge), and with a patch function, which applies to ΔW (here: negated)."""
+    c = import_comfy()
+    m = models["flux"]
+    sd = adapter_file(comfy_names(m), "dora", kohya("lora_unet_"))
+    model, _, _ = load_lora_for_models(m.patcher, None, sd, STRENGTH_MODEL, 0.0, mode="merge")
+    key = "diffusion_model.single_blocks.0.linear1.weight"
+    base = m.patcher.get_model_object(key).detach()
+    merged = model.patch_weight_to_device(key, device_to=torch.device("cpu"), return_weight=True)
+    low = c.lora.calculate_weight(
+        model.patches[key], base.to(torch.bfloat16), key, intermediate_dtype=torch.bfloat16
+    )
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - merged).abs().max() <= 2 * 2**-8 * merged.abs().max()
+    negated = [(s, v, sm, off, lambda d: -d) for s, v, sm, off, _ in model.patches[key]]
+    flipped = c.lora.calculate_weight(negated, base.clone(), key)
+    assert rel(flipped, 2 * base - merged) <= TOL and not torch.equal(merged, base)
+
+
+def test_auto_mode_merges_float_bases_and_runs_quantized_ones_at_runtime(models):
+    from loraweave.comfy.api import choose_mode
+
+    m = models["sd15"]
+    assert choose_mode(m.patcher, "auto") == "merge"
+    # What choose_mode reads of a MODEL: its diffusion model's parameters; one fp8 layer makes it a quantized base.
+    fp8 = torch.nn.Linear(4, 4)
+    fp8.weight = torch.nn.Parameter(fp8.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    quantized = SimpleNamespace(
+        model=SimpleNamespace(diffusion_model=torch.nn.Sequential(torch.nn.Linear(4, 4), fp8))
+    )
+    assert choose_mode(quantized, "auto") == "runtime" and choose_mode(quantized, "merge") == "merge"
