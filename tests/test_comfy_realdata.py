@@ -1,5 +1,5 @@
 """Real adapter files (../shared/realdata/lora) planned by loraweave.comfy onto full-size ComfyUI models built on
-`meta` (SD1.5 UNet + CLIP-L, Flux.1-dev): every key lands, where ComfyUI v0.19.3's own key maps load some files
+`meta` (SD1.5 UNet + CLIP-L, SD2, Flux.1-dev): every key lands, where ComfyUI v0.19.3's own key maps load some files
 only in part or not at all (cloneofsimo, diffusers `unet.X.lora.down`)."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ SD15_UNET = {
     "use_linear_in_transformer": False,
     "adm_in_channels": None,
 }
+SD2_UNET = {**SD15_UNET, "context_dim": 1024, "use_linear_in_transformer": True}
 FLUX_DEV = {**FLUX_PARAMS, "hidden_size": 3072, "num_heads": 24, "depth": 19, "depth_single_blocks": 38,
             "context_in_dim": 4096, "vec_in_dim": 768, "image_model": "flux"}  # fmt: skip
 # file -> whether ComfyUI's own key map loads none of it (the gap the pack closes)
@@ -92,3 +93,15 @@ def test_real_flux_file_lands_on_comfy_flux_dev(realdata):
     adapter = load_adapter(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")
     plan = plan_for_patcher(model, adapter)
     assert not plan.unmatched and landed([plan]) == adapter.keys_total
+
+
+def test_real_sd2_lora_down_file_lands_on_comfy_sd2(realdata):
+    c = import_comfy()
+    model = meta_patcher(c.supported_models.SD20, SD2_UNET)
+    path = realdata / "lora" / "JustinJiangNext__lora-2.0__pytorch_lora_weights.safetensors"
+    adapter = load_adapter(path)
+    plan = plan_for_patcher(model, adapter)
+    assert not plan.unmatched and landed([plan]) == adapter.keys_total
+    assert (
+        core_targets(model, None, load_file(str(path))) == 0
+    )  # diffusers `unet.X.lora.down`: ComfyUI drops it
