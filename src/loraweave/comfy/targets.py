@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import json
 import logging
 
 import torch
@@ -71,20 +73,26 @@ def comfy_arch(patcher) -> str | None:
     return COMFY_ARCHS.get(type(patcher.model.model_config).__name__)
 
 
+@functools.lru_cache(maxsize=8)
+def _meta_tree(cls_name: str, config_json: str) -> torch.nn.Module:
+    # Planning never writes to the tree, so one per config serves every call (building one takes ~0.1-3 s).
+    import diffusers
+
+    with torch.device("meta"):
+        return getattr(diffusers, cls_name).from_config(json.loads(config_json))
+
+
 def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
     """(diffusers tree on meta at this model's widths, spans to ComfyUI's original rows), or None when loraweave
     has no reference for this ComfyUI model (its keys then resolve by ComfyUI's own names only)."""
     arch = comfy_arch(patcher)
     if arch is None:
         return None
-    import diffusers
-
     from ..arch.catalog import CATALOG
 
     entry = CATALOG[arch]
     config = {**entry.config, **reference_config(arch, patcher.model.model_config.unet_config)}
-    with torch.device("meta"):
-        tree = getattr(diffusers, entry.cls).from_config(config)
+    tree = _meta_tree(entry.cls, json.dumps(config, sort_keys=True, default=list))
     shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
     fit = _fits(tree, shapes)
     if fit is None:
