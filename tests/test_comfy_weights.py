@@ -169,29 +169,41 @@ def test_layouts_comfy_drops_land(models, name):
         check_against_twin(m, sd, changed_at_least=4)
 
 
+ENCODERS = {  # ComfyUI CLIP attribute -> (kohya prefix, loraweave component), per model
+    "sd15": (("clip_l", "lora_te1_", "text_encoder"),),
+    "sdxl": (("clip_l", "lora_te1_", "text_encoder"), ("clip_g", "lora_te2_", "text_encoder_2")),
+    "flux": (("clip_l", "lora_te1_", "text_encoder"), ("t5xxl", "lora_te2_", "text_encoder_2")),
+}
+
+
 @pytest.mark.parametrize("name", ["sd15", "sdxl", "flux"])
 def test_text_encoder_keys_match_comfy_and_loraweave(models, name):
     m = models[name]
-    encoder = m.clip.cond_stage_model.clip_l.transformer
-    sd = adapter_file(target_linears(encoder), "lora", kohya("lora_te1_"), seed=9)
+    sd, refs, prefixes = {}, {}, {}
+    for attr, kohya_prefix, component in ENCODERS[name]:
+        encoder = getattr(m.clip.cond_stage_model, attr).transformer
+        linears = {n: x for n, x in encoder.named_modules() if isinstance(x, torch.nn.Linear)}
+        sd.update(adapter_file(linears, "lora", kohya(kohya_prefix), seed=9))
+        refs[component], prefixes[f"{attr}.transformer."] = copy.deepcopy(encoder), component
     model, clip, report = load_lora_for_models(
         m.patcher, m.clip, sd, STRENGTH_MODEL, STRENGTH_CLIP, mode="merge"
     )
     assert report.keys_applied == report.keys_total == len(sd)
-    core_model, core_clip = import_comfy().sd.load_lora_for_models(
+    _, core_clip = import_comfy().sd.load_lora_for_models(
         m.patcher, m.clip, sd, STRENGTH_MODEL, STRENGTH_CLIP
     )
-    assert set(clip.patcher.patches) == set(core_clip.patcher.patches) and clip.patcher.patches
-    ref_encoder = copy.deepcopy(encoder)
-    loraweave.apply({"text_encoder": ref_encoder}, sd, mode="merge", strength=STRENGTH_CLIP)
-    ref = ref_encoder.state_dict()
+    loraweave.apply(refs, sd, mode="merge", strength=STRENGTH_CLIP)
+    assert len(clip.patcher.patches) == len(sd) // 3  # down, up, alpha per module: every module patched
     for key in clip.patcher.patches:
         ours = clip.patcher.patch_weight_to_device(key, device_to=torch.device("cpu"), return_weight=True)
-        core = core_clip.patcher.patch_weight_to_device(
-            key, device_to=torch.device("cpu"), return_weight=True
-        )
-        assert torch.equal(ours, core), key
-        assert rel(ours, ref[key.removeprefix("clip_l.transformer.")]) <= TOL, key
+        prefix = next(p for p in prefixes if key.startswith(p))
+        assert rel(ours, refs[prefixes[prefix]].state_dict()[key.removeprefix(prefix)]) <= TOL, key
+        if key in core_clip.patcher.patches:  # where ComfyUI maps the key it is right: bit for bit
+            core = core_clip.patcher.patch_weight_to_device(
+                key, device_to=torch.device("cpu"), return_weight=True
+            )
+            assert torch.equal(ours, core), key
+    assert core_clip.patcher.patches, "ComfyUI maps kohya text-encoder keys: the bitwise check must run"
 
 
 def test_inputs_are_never_modified(models):
