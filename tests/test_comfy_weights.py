@@ -14,6 +14,7 @@ from helpers.comfy_env import import_comfy
 from helpers.comfy_files import (
     FAMILIES,
     adapter_file,
+    conv_lora,
     dotted,
     kohya,
     processor_unet,
@@ -303,3 +304,11 @@ def test_auto_mode_merges_float_bases_and_runs_quantized_ones_at_runtime(models)
         model=SimpleNamespace(diffusion_model=torch.nn.Sequential(torch.nn.Linear(4, 4), fp8))
     )
     assert choose_mode(quantized, "auto") == "runtime" and choose_mode(quantized, "merge") == "merge"
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl"])
+def test_locon_on_every_conv(models, name):
+    # Conv weights (resnets 3x3, SD1.5's 1x1 proj_in/out, up/down samplers): ΔW reshaped over (out, in·k·k).
+    m = models[name]
+    sd = conv_lora(m.diffusers, "lora_unet_")
+    assert check_comfy_core(m, check_against_twin(m, sd, changed_at_least=10), sd) > 0
