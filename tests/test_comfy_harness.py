@@ -47,6 +47,17 @@ def test_flux_is_detected_by_comfy_and_twin_holds_its_rows(models):
         assert torch.equal(rows_of(comfy_sd, where), twin[key]), key
 
 
+def test_wan_is_detected_by_comfy_and_twin_holds_its_weights(models):
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    m = models["wan"]
+    assert type(m.patcher.model.model_config).__name__ == "WAN21_T2V"
+    converted = convert_wan_transformer_to_diffusers(dict(m.patcher.model.diffusion_model.state_dict()))
+    twin = m.diffusers.state_dict()
+    assert converted.keys() == twin.keys()
+    assert all(torch.equal(converted[k], twin[k]) for k in twin)
+
+
 @pytest.mark.parametrize("name", ["sd15", "sdxl", "flux"])
 def test_clip_encodes_a_prompt(models, name):
     clip = models[name].clip

@@ -91,3 +91,17 @@ def processor_unet(twin: torch.nn.Module, legacy_layer: bool, seed: int = 6) -> 
         sd[f"{stem}.down.weight"] = torch.randn(2, m.in_features, generator=g)
         sd[f"{stem}.up.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.1
     return sd
+
+
+def conv_lora(model: torch.nn.Module, prefix: str, seed: int = 8) -> dict[str, torch.Tensor]:
+    """kohya LoCon on every Conv2d of `model`: a k x k down, a 1 x 1 up, alpha 1 (rank 2)."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Conv2d):
+            out, inp, kh, kw = m.weight.shape
+            stem = prefix + name.replace(".", "_")
+            sd[f"{stem}.lora_down.weight"] = torch.randn(2, inp, kh, kw, generator=g)
+            sd[f"{stem}.lora_up.weight"] = torch.randn(out, 2, 1, 1, generator=g) * 0.1
+            sd[f"{stem}.alpha"] = torch.tensor(1.0)
+    return sd

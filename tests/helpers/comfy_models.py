@@ -249,4 +249,51 @@ def rows_of(state: dict[str, torch.Tensor], where) -> torch.Tensor:
     return where[2](tensor) if len(where) > 2 else tensor
 
 
-BUILDERS = {"sd15": lambda: tiny_sd_unet("sd15"), "sdxl": lambda: tiny_sd_unet("sdxl"), "flux": tiny_flux}
+WAN_PARAMS = {"dim": 128, "ffn_dim": 256, "num_layers": 2, "num_heads": 1, "text_dim": 4096, "in_dim": 4,
+              "out_dim": 4, "freq_dim": 256, "model_type": "t2v"}  # fmt: skip
+
+
+def tiny_wan(seed: int = 0) -> ComfyModel:
+    """Wan 2.1 T2V at dim 128 (ComfyUI reads heads as dim // 128) loaded as UNETLoader does, its diffusers twin
+    through diffusers' convert_wan_transformer_to_diffusers; the CLIP is the SD1 one (only shapes matter here)."""
+    c = import_comfy()
+    import comfy.ldm.wan.model
+    import comfy.ops
+    from diffusers import WanTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    with torch.device("meta"):
+        shapes = comfy.ldm.wan.model.WanModel(
+            operations=comfy.ops.disable_weight_init, **WAN_PARAMS
+        ).state_dict()
+    g = torch.Generator().manual_seed(seed)
+    original = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in shapes.items()}
+    patcher = c.sd.load_diffusion_model_state_dict(
+        dict(original), model_options={"dtype": torch.float32}, disable_dynamic=True
+    )
+    assert patcher is not None and type(patcher.model.model_config).__name__ == "WAN21_T2V", (
+        "ComfyUI did not detect Wan"
+    )
+    twin = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=1,
+        attention_head_dim=128,
+        in_channels=4,
+        out_channels=4,
+        text_dim=4096,  # ComfyUI's Wan detection reads no text width: it builds 4096
+        freq_dim=256,
+        ffn_dim=256,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+    ).eval()
+    twin.load_state_dict(convert_wan_transformer_to_diffusers({k: v.clone() for k, v in original.items()}))
+    return ComfyModel("wan", patcher, tiny_clip("sd1"), twin)
+
+
+BUILDERS = {
+    "sd15": lambda: tiny_sd_unet("sd15"),
+    "sdxl": lambda: tiny_sd_unet("sdxl"),
+    "flux": tiny_flux,
+    "wan": tiny_wan,
+}

@@ -8,6 +8,7 @@ ComfyUI narrows the weight before the call, so the adapter writes into that view
 from __future__ import annotations
 
 import functools
+import uuid
 from collections import defaultdict
 
 import torch
@@ -24,8 +25,8 @@ PatchKey = str | tuple[str, tuple[int, int, int]]
 # ComfyUI's calculate_weight stands in this identity when a patch has no function.
 _IDENTITY_QUALNAME = "calculate_weight.<locals>.<lambda>"
 NON_LEAF = (
-    "ComfyUI never patches a parameter held by a module with children (its load skips them: Wan modulation, "
-    "Lumina x_pad_token)"
+    "object patch: ComfyUI never applies a weight patch to a parameter held by a module with children (Wan "
+    "modulation, Lumina x_pad_token), so the patched parameter is set at load and restored at unload"
 )
 
 
@@ -121,33 +122,44 @@ def merge_patches(plan: Plan) -> tuple[dict[PatchKey, object], dict[PatchKey, Ca
     return patches, carried
 
 
-def param_patches(plan: Plan) -> tuple[dict[str, tuple], list[Unmatched]]:
-    """("diff", ΔP) patches of bare parameters (full-difference keys on modulation tables), and the misses of
-    parameters ComfyUI would accept but never apply (held by a module with children)."""
+def param_patches(plan: Plan) -> tuple[dict[str, tuple], dict[str, torch.Tensor]]:
+    """("diff", ΔP) patches of bare parameters (full-difference keys on modulation tables), and the ΔP of those
+    ComfyUI would accept but never apply (held by a module with children): those go in as object patches."""
     patches: dict[str, tuple] = {}
-    misses: list[Unmatched] = []
+    objects: dict[str, torch.Tensor] = {}
     modules = {name: dict(m.named_modules()) for name, m in plan.components}
     for param in plan.params:
         owner = modules[param.component].get(param.owner)
-        if owner is not None and any(True for _ in owner.children()):
-            misses += [
-                Unmatched(param.adapter.name, k, Miss("no_mechanism", NON_LEAF)) for k in param.part.keys
-            ]
-            continue
         delta = param.delta.to(torch.float32) * (param.strength * param.scale)
-        patches[f"{param.component}.{param.path}"] = ("diff", (delta,))
-    return patches, misses
+        key = f"{param.component}.{param.path}"
+        if owner is not None and any(True for _ in owner.children()):
+            objects[key] = objects[key] + delta if key in objects else delta
+        else:
+            patches[key] = ("diff", (delta,))
+    return patches, objects
+
+
+def _object_patch(clone, key: str, delta: torch.Tensor, strength: float) -> None:
+    # Stacks on an earlier object patch of the same parameter (two loaders in a chain).
+    current = clone.get_model_object(key).detach()
+    value = (current.to(torch.float32) + strength * delta.to(current.device)).to(current.dtype)
+    clone.add_object_patch(key, torch.nn.Parameter(value, requires_grad=False))
+    clone.patches_uuid = uuid.uuid4()  # add_object_patch alone would not make a loaded model re-patch
 
 
 def add_to_clone(patcher, plan: Plan, strength: float) -> tuple[object, list[AppliedModule], list[Unmatched]]:
     """A clone of `patcher` with the plan's patches added at `strength` (the input is untouched), the report rows
     of what ComfyUI accepted, and the misses of what it refused."""
     patches, carried = merge_patches(plan)
-    params, misses = param_patches(plan)
+    params, objects = param_patches(plan)
+    misses: list[Unmatched] = []
     clone = patcher.clone()
     if strength == 0.0:  # as ComfyUI's loader: a zero strength adds nothing
         return clone, [], misses
     accepted = set(clone.add_patches({**patches, **params}, strength))
+    for key, delta in objects.items():
+        _object_patch(clone, key, delta, strength)
+    accepted |= set(objects)
     applied: dict[tuple[str, str], set[str]] = {}
     for key, (component, module, parts) in carried.items():
         if key not in accepted:
@@ -159,5 +171,8 @@ def add_to_clone(patcher, plan: Plan, strength: float) -> tuple[object, list[App
     for param in plan.params:
         if f"{param.component}.{param.path}" in accepted:
             applied.setdefault((param.component, param.path), set()).add(param.adapter.name)
-    rows = [AppliedModule(c, m, "merge", sorted(names)) for (c, m), names in sorted(applied.items())]
+    rows = [
+        AppliedModule(c, m, "merge", sorted(names), notes=[NON_LEAF] if f"{c}.{m}" in objects else [])
+        for (c, m), names in sorted(applied.items())
+    ]
     return clone, rows, misses

@@ -51,6 +51,20 @@ def _flux(cfg: dict) -> dict:
     }
 
 
+def _wan(cfg: dict) -> dict:
+    return {
+        "patch_size": tuple(cfg["patch_size"]),
+        "num_attention_heads": cfg["num_heads"],
+        "attention_head_dim": cfg["dim"] // cfg["num_heads"],
+        "in_channels": cfg["in_dim"],
+        "out_channels": cfg["out_dim"],
+        "ffn_dim": cfg["ffn_dim"],
+        "num_layers": cfg["num_layers"],
+        "freq_dim": cfg["freq_dim"],
+        "text_dim": cfg.get("text_dim", 4096),  # ComfyUI always builds a 4096-wide text embedding
+    }
+
+
 CONFIGS: dict[str, Callable[[dict], dict]] = {
     "sd1": _unet,
     "sd2": _unet,
@@ -58,6 +72,7 @@ CONFIGS: dict[str, Callable[[dict], dict]] = {
     "sdxl-refiner": _unet,
     "flux": _flux,
     "flux-schnell": _flux,
+    "wan": _wan,
 }
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import json
 import logging
 
 import torch
 
+from ..arch.aliases import _bare_parameters
 from ..engine.install import make_report
 from ..errors import StrictApplyError, TargetError
 from ..formats.adapter import Adapter
@@ -70,20 +73,26 @@ def comfy_arch(patcher) -> str | None:
     return COMFY_ARCHS.get(type(patcher.model.model_config).__name__)
 
 
+@functools.lru_cache(maxsize=8)
+def _meta_tree(cls_name: str, config_json: str) -> torch.nn.Module:
+    # Planning never writes to the tree, so one per config serves every call (building one takes ~0.1-3 s).
+    import diffusers
+
+    with torch.device("meta"):
+        return getattr(diffusers, cls_name).from_config(json.loads(config_json))
+
+
 def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
     """(diffusers tree on meta at this model's widths, spans to ComfyUI's original rows), or None when loraweave
     has no reference for this ComfyUI model (its keys then resolve by ComfyUI's own names only)."""
     arch = comfy_arch(patcher)
     if arch is None:
         return None
-    import diffusers
-
     from ..arch.catalog import CATALOG
 
     entry = CATALOG[arch]
     config = {**entry.config, **reference_config(arch, patcher.model.model_config.unet_config)}
-    with torch.device("meta"):
-        tree = getattr(diffusers, entry.cls).from_config(config)
+    tree = _meta_tree(entry.cls, json.dumps(config, sort_keys=True, default=list))
     shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
     fit = _fits(tree, shapes)
     if fit is None:
@@ -105,6 +114,13 @@ def _no_such_module(pp: PlannedPart, module: str) -> list[Unmatched]:
     return [Unmatched(pp.adapter.name, key, miss) for key in pp.part.keys]
 
 
+def _original_params(tree: torch.nn.Module) -> dict[str, str]:
+    """{live parameter path: original path} from the architecture's parameter aliases (Wan's scale_shift_table
+    is ComfyUI's modulation)."""
+    found = _bare_parameters(tree, type(tree).__name__, dict(tree.named_modules()))
+    return {live: original for original, (live, _) in found.items() if live != original}
+
+
 def _onto_comfy(plan: Plan, component: str, live: torch.nn.Module, spans: Spans, adapter: Adapter) -> Plan:
     """The plan with every piece moved to ComfyUI's original module names and rows, under `component`; parts
     point at `adapter` again (the side copy was for resolving only)."""
@@ -118,12 +134,19 @@ def _onto_comfy(plan: Plan, component: str, live: torch.nn.Module, spans: Spans,
             continue
         whole = tuple(dataclasses.replace(q, whole=_covers(names[q.module], q)) for q in pieces)
         out.planned.append(dataclasses.replace(pp, adapter=adapter, component=component, pieces=whole))
+    originals = _original_params(plan.components.modules[next(iter(plan.components.modules))])
     for param in plan.params:
-        owner = param.owner
-        if owner and owner not in names or not hasattr(names.get(owner, live), param.name):
+        owner, _, name = originals.get(param.path, param.path).rpartition(".")
+        target = getattr(names.get(owner), name, None)
+        if not isinstance(target, torch.nn.Parameter) or target.numel() != param.delta.numel():
             out.unmatched += _no_such_module(param, param.path)
             continue
-        out.params.append(dataclasses.replace(param, adapter=adapter, component=component))
+        delta = param.delta.reshape(target.shape)
+        out.params.append(
+            dataclasses.replace(
+                param, adapter=adapter, component=component, owner=owner, name=name, delta=delta
+            )
+        )
     return out
 
 
