@@ -1,0 +1,288 @@
+"""Runtime mode inside ComfyUI: loraweave's runtime paths on a cloned ModelPatcher, weights never touched.
+
+Everything one patcher carries lives under ONE pack-owned key (`KEY`):
+- the attachment: a `RuntimeState` holding every loader's entry (loader order) and the runtime paths built from
+  all of them, one rank-concatenated path per layer; a second loader makes a new state with its entry appended
+  (never a nested injection), so N loaders cost one extra GEMM pair per layer, not N;
+- the injection (`set_injections`, notes §1.6-1.7): the paths are attached when ComfyUI injects the model (after
+  `patch_model`, on load) and detached when it ejects it (unload, re-patch, `detach`), so the input patcher and
+  the shared modules are exactly as they were whenever this clone is not loaded;
+- an additional model (`set_additional_models`): a ModelPatcher over a module holding the adapter factors, so
+  model management counts them and moves them with the model;
+- an APPLY_MODEL wrapper when an entry has a step window (comfy/steps.py).
+
+A strength change or another loader re-runs the loader node: a new clone with a new state. `patches` and
+`patches_uuid` are never touched, so ComfyUI re-patches no weight (no `calculate_weight` call); re-loading only
+ejects the old paths and injects the new ones. Why injections rather than bypass or weight wrappers: the core
+bypass key holds one LoRA (a second loader replaces the first) and moves factors outside model management, and
+`add_weight_wrapper` re-rolls `patches_uuid` (a re-patch) without seeing the input."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.install import make_report
+from ..errors import StrictApplyError
+from ..families.base import CastCache
+from ..mechanisms.merge.layer import Contribution
+from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
+from ..modes import StackMode
+from ..report.coverage import refuse_empty, warn_incomplete
+from ..report.miss import Miss, Unmatched
+from ..report.report import AppliedModule, Report, failures
+from ..resolve.planner import Plan
+from ..resolve.stacking import combine_groups
+
+KEY = "loraweave"  # the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
+
+
+@dataclass(frozen=True)
+class RuntimeEntry:
+    """One loader's adapter on one patcher: its plan (part strengths set) and, for a step window, the gate
+    (sigma, model_sampling) -> factor (comfy/steps.py) applied to the adapter on every layer it touches."""
+
+    name: str
+    plan: Plan
+    gate: Callable[[float, object], float] | None = None
+
+
+class FactorHolder(torch.nn.Module):
+    """The rank-concatenated factors of every path as parameters of one module, so a ModelPatcher over it is
+    counted by model management (`model_size`) and moved by it; the paths read these same Parameter objects."""
+
+    def __init__(self, paths: Sequence[RuntimePath]) -> None:
+        super().__init__()
+        for i, rp in enumerate(paths):
+            if rp.down is None:
+                continue
+            rp.down = torch.nn.Parameter(rp.down, requires_grad=False)
+            rp.up = torch.nn.Parameter(rp.up, requires_grad=False)
+            self.register_parameter(f"down_{i}", rp.down)
+            self.register_parameter(f"up_{i}", rp.up)
+            rp._factor_cast = CastCache(
+                rp.down, rp.up
+            )  # the cast follows the holder wherever ComfyUI moves it
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("FactorHolder only holds factors")
+
+
+@dataclass
+class RuntimeState:
+    """Every entry on one patcher and the runtime paths built from all of them; attached while injected."""
+
+    entries: tuple[RuntimeEntry, ...]
+    stack_mode: StackMode = "sum"
+    density: float | None = None
+    paths: list[RuntimePath] = field(default_factory=list)
+    blocked: list[Unmatched] = field(default_factory=list)
+    injected: bool = False
+
+    def __post_init__(self) -> None:
+        self.paths, self.blocked = build_paths(self.entries, self.stack_mode, self.density)
+        self.holder = FactorHolder(self.paths)
+        self.last_gates: dict[str, float] = {}
+
+    def on_model_patcher_clone(self) -> RuntimeState:
+        return self  # clones share the state; a new loader makes a new one (with_entry), never mutates this
+
+    def inject(self, patcher=None) -> None:
+        if self.injected:
+            return
+        for rp in self.paths:
+            rp.attach()
+        self.injected = True
+        self.last_gates = {}
+
+    def eject(self, patcher=None) -> None:
+        if not self.injected:
+            return
+        for rp in self.paths:
+            rp.detach()
+        self.injected = False
+
+    def set_gates(self, sigma: float, model_sampling) -> None:
+        """Write each windowed entry's factor at `sigma` into the paths' scale vectors (no re-merge)."""
+        for entry in self.entries:
+            if entry.gate is None:
+                continue
+            value = float(entry.gate(sigma, model_sampling))
+            if self.last_gates.get(entry.name) == value:
+                continue
+            self.last_gates[entry.name] = value
+            for rp in self.paths:
+                if entry.name in rp.adapters:
+                    rp.set_gate(entry.name, value)
+
+    def factor_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.holder.parameters())
+
+
+def build_paths(
+    entries: Sequence[RuntimeEntry], stack_mode: StackMode, density: float | None
+) -> tuple[list[RuntimePath], list[Unmatched]]:
+    """One RuntimePath per layer from every entry's planned parts (stack modes combine shared layers)."""
+    groups: dict[tuple[str, str], list[Contribution]] = {}
+    modules: dict[str, torch.nn.Module] = {}
+    for entry in entries:
+        modules |= entry.plan.components.modules
+        for pp in entry.plan.planned:
+            for piece in pp.pieces:
+                groups.setdefault((pp.component, piece.module), []).append(Contribution(pp, piece))
+    groups = combine_groups(groups, modules, stack_mode, density)
+    paths, blocked = [], []
+    for (component, path), contribs in groups.items():
+        module = modules[component].get_submodule(path)
+        why = runtime_blocker(module)
+        if why is not None:
+            for pp, _ in contribs:
+                blocked += [
+                    Unmatched(pp.adapter.name, key, Miss("unsupported", f"{component}.{path}: {why}"))
+                    for key in pp.part.keys
+                ]
+            continue
+        paths.append(RuntimePath(module, contribs))
+    return paths, blocked
+
+
+def _factor_patcher(state: RuntimeState, patcher):
+    """A ModelPatcher over the state's factors, loaded and offloaded with `patcher` by model management."""
+    from comfy.model_patcher import ModelPatcher
+
+    return ModelPatcher(state.holder, load_device=patcher.load_device, offload_device=patcher.offload_device)
+
+
+def window_wrapper(state: RuntimeState):
+    """The APPLY_MODEL wrapper of `state`: set every gated entry's factor for this call's sigma, then run."""
+
+    def apply_model(executor, x, t, *args, **kwargs):
+        state.set_gates(float(t.reshape(-1)[0]), executor.class_obj.model_sampling)
+        return executor(x, t, *args, **kwargs)
+
+    return apply_model
+
+
+def install_state(patcher, state: RuntimeState, wrapper: Callable | None = None) -> None:
+    """Put `state` under KEY on `patcher` (a fresh clone): attachment, injection, factor model, wrapper."""
+    from comfy.patcher_extension import PatcherInjection, WrappersMP
+
+    patcher.set_attachments(KEY, state)
+    patcher.set_injections(KEY, [PatcherInjection(inject=state.inject, eject=state.eject)])
+    patcher.set_additional_models(KEY, [_factor_patcher(state, patcher)])
+    patcher.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
+    if wrapper is not None:
+        patcher.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, wrapper)
+
+
+def entries_of(patcher) -> tuple[RuntimeEntry, ...]:
+    """The entries an earlier loader left under KEY on `patcher` (none: an empty tuple)."""
+    state = patcher.get_attachment(KEY) if hasattr(patcher, "get_attachment") else None
+    return state.entries if isinstance(state, RuntimeState) else ()
+
+
+def unique_name(name: str, taken: Sequence[RuntimeEntry]) -> str:
+    """`name`, or `name#k` when an earlier entry holds it: gates and reports address entries by name."""
+    names = {e.name for e in taken}
+    if name not in names:
+        return name
+    k = 2
+    while f"{name}#{k}" in names:
+        k += 1
+    return f"{name}#{k}"
+
+
+def stacked_clone(patcher, new: Sequence[RuntimeEntry], stack_mode: StackMode = "sum", density=None):
+    """A clone of `patcher` whose KEY state holds the earlier entries plus `new` (the input is not modified).
+
+    The clone is ejected first: it inherits the input's `is_injected`, and the paths it would eject are not its."""
+    clone = patcher.clone()
+    clone.eject_model()  # runs the inherited injections' eject, which is a no-op unless they are injected
+    clone.is_injected = False
+    state = RuntimeState((*entries_of(patcher), *new), stack_mode, density)
+    has_gate = any(e.gate is not None for e in state.entries)
+    install_state(clone, state, window_wrapper(state) if has_gate else None)
+    return clone, state
+
+
+def entry_report(plans: Sequence[Plan], states: Sequence[RuntimeState], t0: float) -> Report:
+    """One report for an adapter planned on several patchers (model and CLIP): a key counts as missed only
+    when no patcher took it; layers are the runtime paths that carry this adapter."""
+    names = {a.name for p in plans for a in p.adapters}
+    missed: dict[tuple[str, str], Unmatched] | None = None
+    for plan, state in zip(plans, states, strict=True):
+        here = {(u.adapter, u.key): u for u in (*plan.unmatched, *state.blocked) if u.adapter in names}
+        missed = here if missed is None else {k: v for k, v in missed.items() if k in here}
+    report = make_report(plans[0], "runtime", [], list((missed or {}).values()), t0)
+    summaries = {s["name"]: s for s in report.adapters}
+    for plan in plans[1:]:
+        for s in make_report(plan, "runtime", [], [], t0).adapters:
+            summaries[s["name"]]["keys_applied"] += s["keys_applied"]
+    blocked_keys = {(u.adapter, u.key) for st in states for u in st.blocked}
+    for s in summaries.values():
+        s["keys_applied"] -= sum(1 for a, _ in blocked_keys if a == s["name"])
+    report.keys_applied = sum(s["keys_applied"] for s in summaries.values())
+    for state in states:
+        report.applied += [
+            AppliedModule(*_where(rp), "runtime", sorted(rp.adapters & names))
+            for rp in state.paths
+            if rp.adapters & names
+        ]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _where(rp: RuntimePath) -> tuple[str, str]:
+    """(component, module path) of the layer a path sits on."""
+    pp, piece = rp.contributions[0]
+    return pp.component, piece.module
+
+
+def check_coverage(report: Report, strict: bool) -> None:
+    """StrictApplyError when strict and a key missed; NoKeysLandedError when none landed (nothing changed)."""
+    if strict and failures(report.unmatched):
+        raise StrictApplyError(
+            f"strict: {len(failures(report.unmatched))} keys did not land ({report.kinds()})", report
+        )
+    refuse_empty(report)
+
+
+def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: float, strict: bool = False):
+    """(model, clip, report): clones carrying `adapter` as runtime paths (module docstring); inputs untouched.
+
+    `adapter` is what `loraweave.comfy.api.read_lora` returns. `clip` may be None (then None comes back)."""
+    from .targets import plan_for_clip, plan_for_patcher
+
+    t0 = time.perf_counter()
+    taken = (*entries_of(model), *(entries_of(clip.patcher) if clip is not None else ()))
+    adapter = _renamed(adapter, unique_name(adapter.name, taken))
+    plans = [plan_for_patcher(model, adapter, float(strength_model), strict)]
+    if clip is not None:
+        plans.append(plan_for_clip(clip, adapter, float(strength_clip), strict))
+    model_entry = RuntimeEntry(adapter.name, plans[0])
+    new_model, model_state = stacked_clone(model, [model_entry])
+    states = [model_state]
+    new_clip = None
+    if clip is not None:
+        new_clip = clip.clone()
+        new_clip.patcher, clip_state = stacked_clone(clip.patcher, [RuntimeEntry(adapter.name, plans[1])])
+        states.append(clip_state)
+    report = entry_report(plans, states, t0)
+    check_coverage(report, strict)
+    report.log()
+    warn_incomplete(report)
+    return new_model, new_clip, report
+
+
+def _renamed(adapter, name: str):
+    """A shallow copy of `adapter` named `name` (the caller's object is never renamed)."""
+    import copy
+
+    if adapter.name == name:
+        return adapter
+    out = copy.copy(adapter)
+    out.name = name
+    return out
