@@ -37,10 +37,10 @@ def flux():
 
 
 @pytest.fixture(autouse=True)
-def nothing_loaded():
-    unload_all()
+def nothing_loaded(flux):
+    unload_all(flux)
     yield
-    unload_all()
+    unload_all(flux)
 
 
 @pytest.fixture(scope="module")
@@ -90,25 +90,23 @@ def test_runtime_output_equals_core_merge(flux, loras):
     assert close(out, sample(core_lora(flux, loras[0], 0.7), STEPS))
 
 
-def test_strength_change_repatches_no_weight(flux, loras, monkeypatch):
+def test_strength_change_repatches_no_weight(flux, loras):
     sample(runtime(flux, loras[0], 1.0)[0], STEPS)  # loaded, paths injected
     uuid_before = flux.model.current_weight_patches_uuid
-    counter = CallCounter(monkeypatch)
-    changed, _ = runtime(flux, loras[0], 0.4)
-    out = sample(changed, STEPS)
+    with CallCounter() as counter:
+        changed, _ = runtime(flux, loras[0], 0.4)
+        out = sample(changed, STEPS)
     assert counter.calls == 0, f"{counter.calls} calculate_weight calls after a strength change"
     assert changed.patches_uuid == flux.patches_uuid == uuid_before == flux.model.current_weight_patches_uuid
-    monkeypatch.undo()
     assert close(out, sample(core_lora(flux, loras[0], 0.4), STEPS))
 
 
-def test_second_loader_stacks_under_one_key(flux, loras, monkeypatch):
+def test_second_loader_stacks_under_one_key(flux, loras):
     first, _ = runtime(flux, loras[0], 0.8)
-    counter = CallCounter(monkeypatch)
-    both, report = runtime(first, loras[1], -0.6)
-    out = sample(both, STEPS)
+    with CallCounter() as counter:
+        both, report = runtime(first, loras[1], -0.6)
+        out = sample(both, STEPS)
     assert counter.calls == 0
-    monkeypatch.undo()
     assert list(both.injections) == [KEY] and list(both.additional_models) == [KEY]
     state = both.get_attachment(KEY)
     assert isinstance(state, RuntimeState) and len(state.entries) == 2
@@ -128,7 +126,7 @@ def test_input_and_modules_untouched_when_not_loaded(flux, loras):
     base = sample(flux, STEPS)  # loading the input ejects the clone's paths
     assert close(base, sample(flux, STEPS)) and not close(base, with_lora)
     sample(model, STEPS)
-    unload_all()
+    unload_all(flux)
     assert same_snapshot(before, snapshot(flux))
 
 
@@ -172,15 +170,14 @@ def by_hand(flux, lora, strengths: list[float]):
     return latent
 
 
-def test_step_window_equals_sampling_by_hand(flux, loras, monkeypatch):
+def test_step_window_equals_sampling_by_hand(flux, loras):
     on = window_steps(flux, 0.3, 0.7)
     assert 0 < sum(on) < STEPS - 2, f"the window should cover some steps only: {on}"
     model, report = apply_step_window(flux, loras[0], 0.9, 0.3, 0.7)
     assert report.counts() == {"transformer": {"runtime": 8}}
-    counter = CallCounter(monkeypatch)
-    out = sample(model, STEPS)
+    with CallCounter() as counter:
+        out = sample(model, STEPS)
     assert counter.calls == 0 and model.patches_uuid == flux.patches_uuid
-    monkeypatch.undo()
     assert close(out, by_hand(flux, loras[0], [0.9 if x else 0.0 for x in on]))
     assert not close(out, sample(core_lora(flux, loras[0], 0.9), STEPS))
 

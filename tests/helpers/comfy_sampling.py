@@ -8,6 +8,7 @@ LoraLoader lands correctly, so the core merge is an independent reference for lo
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 
 import torch
@@ -101,24 +102,36 @@ def sigmas_of(model, steps: int) -> list[float]:
 
 
 class CallCounter:
-    """Counts calls of comfy.lora.calculate_weight (every merge, lowvram and hook patch goes through it)."""
+    """Counts calls of comfy.lora.calculate_weight while in its `with` block (every merge, lowvram and hook
+    patch of ComfyUI goes through that one function)."""
 
-    def __init__(self, monkeypatch) -> None:
-        c = import_comfy()
+    def __init__(self) -> None:
         self.calls = 0
-        original = c.lora.calculate_weight
+        self._original = None
+
+    def __enter__(self) -> CallCounter:
+        c = import_comfy()
+        self._original = original = c.lora.calculate_weight
 
         def counted(*args, **kwargs):
             self.calls += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(c.lora, "calculate_weight", counted)
+        c.lora.calculate_weight = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import_comfy().lora.calculate_weight = self._original
 
 
-def unload_all() -> None:
-    """Unload every model ComfyUI holds (ejects injections, restores backups): tests start from nothing loaded."""
+def unload_all(*patchers) -> None:
+    """Unload every model ComfyUI holds and detach `patchers` (ejects injections, restores backups, zeroes the
+    loaded-memory counters): a loaded model whose last clone was collected is skipped by ComfyUI's own unload."""
     c = import_comfy()
+    gc.collect()
     c.model_management.unload_all_models()
+    for patcher in patchers:
+        patcher.detach(unpatch_all=True)
     c.model_management.cleanup_models_gc()
 
 
@@ -282,12 +295,26 @@ def run_prompt(executor, prompt: dict) -> None:
     assert executor.success, f"ComfyUI execution failed: {errors}"
 
 
-def budget_loads(monkeypatch, budget: int) -> None:
-    """Make every ComfyUI model load a lowvram load under `budget` bytes (CPU loads are full otherwise)."""
+def budget_loads(monkeypatch, budget: int) -> list[dict]:
+    """Make every ComfyUI model load a lowvram load under `budget` bytes (CPU loads are full otherwise); the
+    returned list gets, per load, what the load left: lowvram or not, bytes loaded, lowvram patches, size."""
     c = import_comfy()
     original = c.model_management.LoadedModel.model_load
+    loads: list[dict] = []
 
     def model_load(self, lowvram_model_memory=0, force_patch_weights=False):
-        return original(self, lowvram_model_memory=budget, force_patch_weights=force_patch_weights)
+        out = original(self, lowvram_model_memory=budget, force_patch_weights=force_patch_weights)
+        model = self.model.model
+        loads.append(
+            {
+                "model": model,
+                "lowvram": model.model_lowvram,
+                "loaded": model.model_loaded_weight_memory,
+                "patches": model.lowvram_patch_counter,
+                "size": self.model.model_size(),
+            }
+        )
+        return out
 
     monkeypatch.setattr(c.model_management.LoadedModel, "model_load", model_load)
+    return loads
