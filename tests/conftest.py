@@ -84,6 +84,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_cli_convert": ("realdata",),
     "test_cli_extract": ("realdata",),
     "test_cli_inspect": ("realdata",),
+    "test_comfy_harness": ("comfy",),
     "test_comfy_runtime": ("comfy",),
     "test_comfy_sampling": ("comfy",),
     "test_compile": ("slow",),  # inductor codegen: about a minute per whole model
