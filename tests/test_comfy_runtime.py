@@ -82,9 +82,8 @@ def same_snapshot(a, b) -> bool:
 
 def test_runtime_output_equals_core_merge(flux, loras):
     model, report = runtime(flux, loras[0], 0.7)
-    assert report.keys_applied == report.keys_total == 3 * 8 and report.counts() == {
-        "transformer": {"runtime": 8}
-    }
+    assert report.keys_applied == report.keys_total == 3 * 8 and not report.unmatched
+    assert list(report.counts().values()) == [{"runtime": 8}]
     out = sample(model, STEPS)
     assert not close(out, sample(flux, STEPS)), "the adapter changed nothing"
     assert close(out, sample(core_lora(flux, loras[0], 0.7), STEPS))
@@ -174,7 +173,7 @@ def test_step_window_equals_sampling_by_hand(flux, loras):
     on = window_steps(flux, 0.3, 0.7)
     assert 0 < sum(on) < STEPS - 2, f"the window should cover some steps only: {on}"
     model, report = apply_step_window(flux, loras[0], 0.9, 0.3, 0.7)
-    assert report.counts() == {"transformer": {"runtime": 8}}
+    assert list(report.counts().values()) == [{"runtime": 8}]
     with CallCounter() as counter:
         out = sample(model, STEPS)
     assert counter.calls == 0 and model.patches_uuid == flux.patches_uuid

@@ -40,6 +40,14 @@ from ..resolve.stacking import combine_groups
 KEY = "loraweave"  # the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
 
 
+NOT_TAKEN = Miss(
+    "no_such_component", "no such component: no patcher given takes this key (text-encoder keys need a CLIP)"
+)
+PARAM_AT_RUNTIME = (
+    "runtime mode has no path for a bare parameter (it would re-patch the weight): use mode=merge"
+)
+
+
 @dataclass(frozen=True)
 class RuntimeEntry:
     """One loader's adapter on one patcher: its plan (part strengths set) and, for a step window, the gate
@@ -134,7 +142,17 @@ def build_paths(
             for piece in pp.pieces:
                 groups.setdefault((pp.component, piece.module), []).append(Contribution(pp, piece))
     groups = combine_groups(groups, modules, stack_mode, density)
-    paths, blocked = [], []
+    paths: list[RuntimePath] = []
+    blocked = [
+        Unmatched(
+            param.adapter.name,
+            key,
+            Miss("no_mechanism", f"{param.component}.{param.path}: {PARAM_AT_RUNTIME}"),
+        )
+        for entry in entries
+        for param in entry.plan.params
+        for key in param.part.keys
+    ]
     for (component, path), contribs in groups.items():
         module = modules[component].get_submodule(path)
         why = runtime_blocker(module)
@@ -209,22 +227,24 @@ def stacked_clone(patcher, new: Sequence[RuntimeEntry], stack_mode: StackMode = 
 
 
 def entry_report(plans: Sequence[Plan], states: Sequence[RuntimeState], t0: float) -> Report:
-    """One report for an adapter planned on several patchers (model and CLIP): a key counts as missed only
-    when no patcher took it; layers are the runtime paths that carry this adapter."""
-    names = {a.name for p in plans for a in p.adapters}
-    missed: dict[tuple[str, str], Unmatched] | None = None
-    for plan, state in zip(plans, states, strict=True):
-        here = {(u.adapter, u.key): u for u in (*plan.unmatched, *state.blocked) if u.adapter in names}
-        missed = here if missed is None else {k: v for k, v in missed.items() if k in here}
-    report = make_report(plans[0], "runtime", [], list((missed or {}).values()), t0)
-    summaries = {s["name"]: s for s in report.adapters}
-    for plan in plans[1:]:
-        for s in make_report(plan, "runtime", [], [], t0).adapters:
-            summaries[s["name"]]["keys_applied"] += s["keys_applied"]
-    blocked_keys = {(u.adapter, u.key) for st in states for u in st.blocked}
-    for s in summaries.values():
-        s["keys_applied"] -= sum(1 for a, _ in blocked_keys if a == s["name"])
-    report.keys_applied = sum(s["keys_applied"] for s in summaries.values())
+    """One report for an adapter planned on several patchers (model, CLIP): a key landed when some plan placed
+    it on a layer that took a runtime path; every other key of the adapter is a miss, named once."""
+    joint = Plan(plans[0].components, plans[0].adapters, plans[0].strengths)
+    joint.planned = [pp for plan in plans for pp in plan.planned]
+    names = {a.name for a in joint.adapters}
+    missed = {(u.adapter, u.key): u for st in states for u in st.blocked if u.adapter in names}
+    landed = {(pp.adapter.name, k) for pp in joint.planned for k in pp.part.keys} - set(missed)
+    for u in (u for plan in plans for u in plan.unmatched):
+        if u.adapter in names and (u.adapter, u.key) not in landed:
+            missed.setdefault((u.adapter, u.key), u)
+    for adapter in joint.adapters:
+        for key in (*(k for part in adapter.parts for k in part.keys), *(u["key"] for u in adapter.unparsed)):
+            if (adapter.name, key) not in landed:
+                missed.setdefault((adapter.name, key), Unmatched(adapter.name, key, NOT_TAKEN))
+    report = make_report(joint, "runtime", [], list(missed.values()), t0)
+    for summary in report.adapters:
+        summary["keys_applied"] = sum(1 for a, _ in landed if a == summary["name"])
+    report.keys_applied = sum(s["keys_applied"] for s in report.adapters)
     for state in states:
         report.applied += [
             AppliedModule(*_where(rp), "runtime", sorted(rp.adapters & names))
