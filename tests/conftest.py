@@ -87,6 +87,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_harness": ("comfy",),
     "test_comfy_runtime": ("comfy",),
     "test_comfy_sampling": ("comfy",),
+    "test_comfy_stack": ("comfy",),
     "test_compile": ("slow",),  # inductor codegen: about a minute per whole model
     "test_detect": ("realdata",),
     "test_diffusers_dropin": ("realdata",),

@@ -11,13 +11,14 @@ import math
 
 import pytest
 import torch
-from helpers.comfy_sampling import (
+from helpers.comfy_sampling import (  # noqa: F401  (pytest fixtures)
     CallCounter,
     core_lora,
+    flux_fixture,
     kohya_flux_lora,
+    nothing_loaded_fixture,
     sample,
     sigmas_of,
-    tiny_flux_patcher,
     unload_all,
 )
 
@@ -26,21 +27,9 @@ from loraweave.comfy.runtime import KEY, RuntimeState, apply_runtime
 from loraweave.comfy.steps import apply_step_window, percent_of
 from loraweave.errors import ArgumentError, NoKeysLandedError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "nothing_loaded")
 ATOL = 1e-5
 STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def flux():
-    return tiny_flux_patcher()
-
-
-@pytest.fixture(autouse=True)
-def nothing_loaded(flux):
-    unload_all(flux)
-    yield
-    unload_all(flux)
 
 
 @pytest.fixture(scope="module")

@@ -10,28 +10,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.comfy_sampling import (
+from helpers.comfy_sampling import (  # noqa: F401  (pytest fixtures)
     CAPTURED,
     REGISTRY,
     CallCounter,
     budget_loads,
+    flux_fixture,
     kohya_flux_lora,
     make_executor,
+    nothing_loaded_fixture,
     register_test_nodes,
     run_prompt,
     sampling_prompt,
-    tiny_flux_patcher,
     unload_all,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "nothing_loaded")
 ATOL = 1e-5
 BUDGET = 256 * 1024  # bytes: the tiny Flux is ~4 MB, so most of its layers stay offloaded (lowvram patches)
-
-
-@pytest.fixture(scope="module")
-def flux():
-    return tiny_flux_patcher()
 
 
 @pytest.fixture(autouse=True)
@@ -41,9 +37,6 @@ def workflow(flux, monkeypatch):
     monkeypatch.setitem(REGISTRY, "lora_a", kohya_flux_lora(flux, seed=21))
     monkeypatch.setitem(REGISTRY, "lora_b", kohya_flux_lora(flux, seed=22, rank=8))
     CAPTURED.clear()
-    unload_all(flux)
-    yield
-    unload_all(flux)
 
 
 def latent_of(loras: list[tuple[str, float, str]], executor=None) -> torch.Tensor:

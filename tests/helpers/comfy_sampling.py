@@ -11,6 +11,7 @@ import asyncio
 import gc
 import uuid
 
+import pytest
 import torch
 
 from .comfy_env import import_comfy
@@ -133,6 +134,20 @@ def unload_all(*patchers) -> None:
     for patcher in patchers:
         patcher.detach(unpatch_all=True)
     c.model_management.cleanup_models_gc()
+
+
+@pytest.fixture(scope="module", name="flux")
+def flux_fixture():
+    """The tiny Flux MODEL, one per test module (import this fixture by name)."""
+    return tiny_flux_patcher()
+
+
+@pytest.fixture(name="nothing_loaded")
+def nothing_loaded_fixture(flux):
+    """Each test starts and ends with nothing loaded and the shared Flux detached."""
+    unload_all(flux)
+    yield
+    unload_all(flux)
 
 
 # ---- test-only nodes for execution.PromptExecutor ----------------------------------------------------------

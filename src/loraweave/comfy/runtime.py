@@ -20,7 +20,7 @@ bypass key holds one LoRA (a second loader replaces the first) and moves factors
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,12 +30,10 @@ from ..errors import StrictApplyError
 from ..families.base import CastCache
 from ..mechanisms.merge.layer import Contribution
 from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
-from ..modes import StackMode
 from ..report.coverage import refuse_empty, warn_incomplete
 from ..report.miss import Miss, Unmatched
 from ..report.report import AppliedModule, Report, failures
 from ..resolve.planner import Plan
-from ..resolve.stacking import combine_groups
 
 KEY = "loraweave"  # the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
 
@@ -84,14 +82,12 @@ class RuntimeState:
     """Every entry on one patcher and the runtime paths built from all of them; attached while injected."""
 
     entries: tuple[RuntimeEntry, ...]
-    stack_mode: StackMode = "sum"
-    density: float | None = None
     paths: list[RuntimePath] = field(default_factory=list)
     blocked: list[Unmatched] = field(default_factory=list)
     injected: bool = False
 
     def __post_init__(self) -> None:
-        self.paths, self.blocked = build_paths(self.entries, self.stack_mode, self.density)
+        self.paths, self.blocked = build_paths(self.entries)
         self.holder = FactorHolder(self.paths)
         self.last_gates: dict[str, float] = {}
 
@@ -130,10 +126,8 @@ class RuntimeState:
         return sum(p.numel() * p.element_size() for p in self.holder.parameters())
 
 
-def build_paths(
-    entries: Sequence[RuntimeEntry], stack_mode: StackMode, density: float | None
-) -> tuple[list[RuntimePath], list[Unmatched]]:
-    """One RuntimePath per layer from every entry's planned parts (stack modes combine shared layers)."""
+def build_paths(entries: Sequence[RuntimeEntry]) -> tuple[list[RuntimePath], list[Unmatched]]:
+    """One RuntimePath per layer from every entry's planned parts (their ranks concatenated: a sum)."""
     groups: dict[tuple[str, str], list[Contribution]] = {}
     modules: dict[str, torch.nn.Module] = {}
     for entry in entries:
@@ -141,7 +135,6 @@ def build_paths(
         for pp in entry.plan.planned:
             for piece in pp.pieces:
                 groups.setdefault((pp.component, piece.module), []).append(Contribution(pp, piece))
-    groups = combine_groups(groups, modules, stack_mode, density)
     paths: list[RuntimePath] = []
     blocked = [
         Unmatched(
@@ -202,9 +195,15 @@ def entries_of(patcher) -> tuple[RuntimeEntry, ...]:
     return state.entries if isinstance(state, RuntimeState) else ()
 
 
-def unique_name(name: str, taken: Sequence[RuntimeEntry]) -> str:
-    """`name`, or `name#k` when an earlier entry holds it: gates and reports address entries by name."""
-    names = {e.name for e in taken}
+def taken_names(model, clip=None) -> list[str]:
+    """Names of the entries earlier loaders left on `model` (and `clip`), and of the adapters they hold."""
+    entries = (*entries_of(model), *(entries_of(clip.patcher) if clip is not None else ()))
+    return [name for e in entries for name in (e.name, *(a.name for a in e.plan.adapters))]
+
+
+def unique_name(name: str, taken: Iterable[str]) -> str:
+    """`name`, or `name#k` when `taken` holds it: gates and reports address entries by name."""
+    names = set(taken)
     if name not in names:
         return name
     k = 2
@@ -213,46 +212,57 @@ def unique_name(name: str, taken: Sequence[RuntimeEntry]) -> str:
     return f"{name}#{k}"
 
 
-def stacked_clone(patcher, new: Sequence[RuntimeEntry], stack_mode: StackMode = "sum", density=None):
+def stacked_clone(patcher, new: Sequence[RuntimeEntry]):
     """A clone of `patcher` whose KEY state holds the earlier entries plus `new` (the input is not modified).
 
     The clone is ejected first: it inherits the input's `is_injected`, and the paths it would eject are not its."""
     clone = patcher.clone()
     clone.eject_model()  # runs the inherited injections' eject, which is a no-op unless they are injected
     clone.is_injected = False
-    state = RuntimeState((*entries_of(patcher), *new), stack_mode, density)
+    state = RuntimeState((*entries_of(patcher), *new))
     has_gate = any(e.gate is not None for e in state.entries)
     install_state(clone, state, window_wrapper(state) if has_gate else None)
     return clone, state
 
 
-def entry_report(plans: Sequence[Plan], states: Sequence[RuntimeState], t0: float) -> Report:
-    """One report for an adapter planned on several patchers (model, CLIP): a key landed when some plan placed
-    it on a layer that took a runtime path; every other key of the adapter is a miss, named once."""
-    joint = Plan(plans[0].components, plans[0].adapters, plans[0].strengths)
+def joint_report(
+    plans: Sequence[Plan], mode: str, applied: list[AppliedModule], refused: list[Unmatched], t0: float
+) -> Report:
+    """One report for adapters planned on several patchers (model, CLIP): a key landed when some plan placed it
+    and nothing `refused` it afterwards; every other key of each adapter is a miss, named once."""
+    joint = Plan(plans[0].components, list({a.name: a for p in plans for a in p.adapters}.values()), {})
+    joint.strengths = {k: v for p in plans for k, v in p.strengths.items()}
     joint.planned = [pp for plan in plans for pp in plan.planned]
-    names = {a.name for a in joint.adapters}
-    missed = {(u.adapter, u.key): u for st in states for u in st.blocked if u.adapter in names}
-    landed = {(pp.adapter.name, k) for pp in joint.planned for k in pp.part.keys} - set(missed)
+    joint.params = [pp for plan in plans for pp in plan.params]
+    missed = {(u.adapter, u.key): u for u in refused}
+    placed = (*joint.planned, *joint.params)
+    landed = {(pp.adapter.name, k) for pp in placed for k in pp.part.keys} - set(missed)
     for u in (u for plan in plans for u in plan.unmatched):
-        if u.adapter in names and (u.adapter, u.key) not in landed:
+        if (u.adapter, u.key) not in landed:
             missed.setdefault((u.adapter, u.key), u)
     for adapter in joint.adapters:
         for key in (*(k for part in adapter.parts for k in part.keys), *(u["key"] for u in adapter.unparsed)):
             if (adapter.name, key) not in landed:
                 missed.setdefault((adapter.name, key), Unmatched(adapter.name, key, NOT_TAKEN))
-    report = make_report(joint, "runtime", [], list(missed.values()), t0)
+    report = make_report(joint, mode, applied, list(missed.values()), t0)
     for summary in report.adapters:
         summary["keys_applied"] = sum(1 for a, _ in landed if a == summary["name"])
     report.keys_applied = sum(s["keys_applied"] for s in report.adapters)
-    for state in states:
-        report.applied += [
-            AppliedModule(*_where(rp), "runtime", sorted(rp.adapters & names))
-            for rp in state.paths
-            if rp.adapters & names
-        ]
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def entry_report(plans: Sequence[Plan], states: Sequence[RuntimeState], t0: float) -> Report:
+    """The joint report of runtime entries: layers are the runtime paths that carry the plans' adapters."""
+    names = {a.name for p in plans for a in p.adapters}
+    applied = [
+        AppliedModule(*_where(rp), "runtime", sorted(rp.adapters & names))
+        for state in states
+        for rp in state.paths
+        if rp.adapters & names
+    ]
+    refused = [u for st in states for u in st.blocked if u.adapter in names]
+    return joint_report(plans, "runtime", applied, refused, t0)
 
 
 def _where(rp: RuntimePath) -> tuple[str, str]:
@@ -277,8 +287,7 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     from .targets import plan_for_clip, plan_for_patcher
 
     t0 = time.perf_counter()
-    taken = (*entries_of(model), *(entries_of(clip.patcher) if clip is not None else ()))
-    adapter = _renamed(adapter, unique_name(adapter.name, taken))
+    adapter = _renamed(adapter, unique_name(adapter.name, taken_names(model, clip)))
     plans = [plan_for_patcher(model, adapter, float(strength_model), strict)]
     if clip is not None:
         plans.append(plan_for_clip(clip, adapter, float(strength_clip), strict))

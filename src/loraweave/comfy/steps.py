@@ -21,9 +21,9 @@ from ..errors import ArgumentError
 from .runtime import (
     RuntimeEntry,
     check_coverage,
-    entries_of,
     entry_report,
     stacked_clone,
+    taken_names,
     unique_name,
 )
 
@@ -89,7 +89,7 @@ def apply_step_window(
     t0 = time.perf_counter()
     window = check_window(start_percent, end_percent, ramp)
     adapter = read_lora(lora)
-    adapter = _renamed(adapter, unique_name(adapter.name, entries_of(model)))
+    adapter = _renamed(adapter, unique_name(adapter.name, taken_names(model)))
     plan = plan_for_patcher(model, adapter, float(number(strength, "strength")), False)
     clone, state = stacked_clone(model, [RuntimeEntry(adapter.name, plan, window)])
     report = entry_report([plan], [state], t0)
