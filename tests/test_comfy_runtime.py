@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from helpers.comfy_env import import_comfy
 from helpers.comfy_sampling import (  # noqa: F401  (pytest fixtures)
     CallCounter,
     core_lora,
@@ -211,3 +212,42 @@ def test_step_window_stacks_with_a_runtime_loader(flux, loras):
 def test_step_window_bad_arguments(flux, loras, start, end, ramp):
     with pytest.raises(ArgumentError):
         apply_step_window(flux, loras[0], 1.0, start, end, ramp)
+
+
+def te_lora(clip, seed: int, rank: int = 4) -> dict:
+    """kohya text-encoder keys (lora_te1_ = CLIP-L) on every attention projection of the tiny CLIP-L."""
+    g = torch.Generator().manual_seed(seed)
+    layers = clip.cond_stage_model.clip_l.transformer.text_model.encoder.layers
+    out = {}
+    for i, layer in enumerate(layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            rows, cols = getattr(layer.self_attn, proj).weight.shape
+            stem = f"lora_te1_text_model_encoder_layers_{i}_self_attn_{proj}"
+            out[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.3
+            out[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.3
+    return out
+
+
+def encode(clip):
+    cond, pooled = clip.encode_from_tokens(clip.tokenize("a tiny test prompt"), return_pooled=True)
+    return torch.cat([cond.flatten(), pooled.flatten()])
+
+
+def test_clip_side_runtime_equals_core_and_without_clip_the_keys_are_named(flux, loras):
+    from helpers.comfy_models import tiny_clip
+
+    clip = tiny_clip("flux")
+    lora = {**loras[0], **te_lora(clip, seed=41)}
+    before = snapshot(clip.patcher)
+    model, new_clip, report = apply_runtime(flux, clip, read_lora(lora), 0.8, 0.6)
+    assert report.keys_applied == report.keys_total == 3 * 8 + 2 * 3 * 4 and not report.unmatched
+    assert same_snapshot(before, snapshot(clip.patcher)), "the input CLIP was modified"
+    ours = encode(new_clip)
+    core_model, core_clip = import_comfy().sd.load_lora_for_models(flux, clip, lora, 0.8, 0.6)
+    assert not torch.allclose(ours, encode(clip), atol=1e-3)
+    assert torch.allclose(ours, encode(core_clip), rtol=0, atol=ATOL)
+    assert close(sample(model, STEPS), sample(core_model, STEPS))
+    unload_all(flux, clip.patcher)
+    alone, none, report = apply_runtime(flux, None, read_lora(lora), 0.8, 0.6)
+    assert none is None and report.keys_applied == 3 * 8
+    assert {u.kind for u in report.unmatched} == {"no_such_component"} and len(report.unmatched) == 2 * 3 * 4
