@@ -92,6 +92,7 @@ def test_strength_change_repatches_no_weight(flux, loras):
 
 def test_second_loader_stacks_under_one_key(flux, loras):
     first, _ = runtime(flux, loras[0], 0.8)
+    first_out = sample(first, STEPS)  # loaded and injected while the second loader runs
     with CallCounter() as counter:
         both, report = runtime(first, loras[1], -0.6)
         out = sample(both, STEPS)
@@ -105,6 +106,16 @@ def test_second_loader_stacks_under_one_key(flux, loras):
     reference = core_lora(core_lora(flux, loras[0], 0.8), loras[1], -0.6)
     assert close(out, sample(reference, STEPS))
     assert len(first.get_attachment(KEY).entries) == 1, "the first loader's output was modified"
+    assert close(sample(first, STEPS), first_out)
+
+
+def test_a_loader_leaves_a_loaded_input_injected(flux, loras):
+    first, _ = runtime(flux, loras[0], 0.8)
+    sample(first, STEPS)
+    state = first.get_attachment(KEY)
+    assert state.injected and first.is_injected
+    runtime(first, loras[1], 0.5)
+    assert state.injected and first.is_injected, "making a clone ejected the loaded input's paths"
 
 
 def test_input_and_modules_untouched_when_not_loaded(flux, loras):

@@ -215,9 +215,10 @@ def unique_name(name: str, taken: Iterable[str]) -> str:
 def stacked_clone(patcher, new: Sequence[RuntimeEntry]):
     """A clone of `patcher` whose KEY state holds the earlier entries plus `new` (the input is not modified).
 
-    The clone is ejected first: it inherits the input's `is_injected`, and the paths it would eject are not its."""
+    A clone inherits the input's `is_injected`; what is injected belongs to the input (possibly loaded right now),
+    so the clone only forgets the flag: ComfyUI ejects the input when it loads the clone (load_models_gpu detaches
+    the other clones of the model first)."""
     clone = patcher.clone()
-    clone.eject_model()  # runs the inherited injections' eject, which is a no-op unless they are injected
     clone.is_injected = False
     state = RuntimeState((*entries_of(patcher), *new))
     has_gate = any(e.gate is not None for e in state.entries)
