@@ -145,3 +145,26 @@ def test_a_wrong_model_row_is_refused_and_the_input_unchanged(flux, loras):
         with pytest.raises(NoKeysLandedError):
             apply_stack(flux, None, [(loras[0], 1.0, 1.0), (alien, 1.0, 1.0)], mode=mode)
     assert (dict(flux.patches), dict(flux.injections), flux.patches_uuid) == before
+
+
+def test_block_weights_on_wan_blocks():
+    """A second DiT block map (Wan: BASE + B00, B01): '0,1,0' keeps block 0 only, bit-identical to core on the file
+    cut to block 0 (ComfyUI's generic `diffusion_model.` key layout, which core lands)."""
+    from helpers.comfy_models import tiny_wan
+
+    wan = tiny_wan().patcher
+    model = wan.model.diffusion_model
+    g = torch.Generator().manual_seed(51)
+    lora = {}
+    for name, module in model.named_modules():
+        if name.startswith("blocks.") and isinstance(module, torch.nn.Linear):
+            rows, cols = module.weight.shape
+            lora[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(4, cols, generator=g) * 0.1
+            lora[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(rows, 4, generator=g) * 0.1
+    merged, _, report = apply_stack(wan, None, [(lora, 0.7, 1.0)], block_weights="0,1,0", mode="merge")
+    assert report.keys_applied == report.keys_total == len(lora)
+    core = core_lora(wan, {k: v for k, v in lora.items() if ".blocks.0." in k}, 0.7)
+    keys = [f"diffusion_model.{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for key in keys:
+        got = merged.patch_weight_to_device(key, return_weight=True)
+        assert torch.equal(got, core.patch_weight_to_device(key, return_weight=True)), key
