@@ -11,10 +11,11 @@ Linear of every block; A and B differ in seeds):
 
 Timed (wall, from the loader call to the moment the first sampling step enters the diffusion model; the step is
 then aborted, so only the queue-side cost is timed): the first queue with LoRA A at 1.0; a strength change and
-re-queue (A at 0.5, 0.8, 0.6, 0.9, 0.7); a swap (B, A, B, A, B at 1.0). Medians of the repeats. loraweave's one-off
-import of diffusers' model classes (its reference trees; once per ComfyUI process) is timed apart ("import s"). Then one whole 1-step sample
-(the per-step cost of each mode), RSS after malloc_trim(0), peak RSS per phase, and the bytes of ComfyUI's weight
-backups (what core keeps to undo a merge) and of loraweave's factor holder.
+re-queue (A at 0.5, 0.8, 0.6, 0.9, 0.7); a swap (B, A, B, A, B at 1.0). Medians of the repeats. loraweave's
+one-off import of diffusers' model classes (its reference trees; once per ComfyUI process) is timed apart
+("import s"). Then one whole 1-step sample of a model already loaded (the per-step cost of each mode), RSS after
+malloc_trim(0), peak RSS per phase, and the bytes of ComfyUI's weight backups (what core keeps to undo a merge)
+and of loraweave's factor holder.
 
 Targets (issue 29): runtime strength change and swap < 5% of core's; merge first queue no slower than core; no
 backup beyond core's.
@@ -191,8 +192,9 @@ def child(case: str, folder: Path, params: dict) -> dict:
     out["peak_swap_mib"] = benchutil.peak_rss_mib()
     hook.remove()
     model = load(base, paths["b"], 1.0)
+    sample(model, cond, until_first_step=False)  # loads (and for core/merge patches) the model
     t0 = time.perf_counter()
-    sample(model, cond, until_first_step=False)
+    sample(model, cond, until_first_step=False)  # the same model again: one step, nothing re-patched
     out["step_s"] = time.perf_counter() - t0
     out["rss_end_mib"] = trimmed_rss_mib()
     out["backup_mib"] = sum(b.weight.numel() * b.weight.element_size() for b in base.backup.values()) / 2**20
