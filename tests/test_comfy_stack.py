@@ -168,3 +168,12 @@ def test_block_weights_on_wan_blocks():
     for key in keys:
         got = merged.patch_weight_to_device(key, return_weight=True)
         assert torch.equal(got, core.patch_weight_to_device(key, return_weight=True)), key
+
+
+def test_runtime_stack_with_a_clip_nothing_lands_on(flux, loras):
+    from helpers.comfy_models import tiny_clip
+
+    clip = tiny_clip("flux")
+    model, new_clip, report = apply_stack(flux, clip, [(loras[0], 0.5, 1.0)], mode="runtime")
+    assert report.keys_applied == report.keys_total and KEY in model.injections
+    assert new_clip is not clip and KEY not in new_clip.patcher.injections

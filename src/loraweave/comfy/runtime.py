@@ -19,6 +19,7 @@ bypass key holds one LoRA (a second loader replaces the first) and moves factors
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -69,9 +70,8 @@ class FactorHolder(torch.nn.Module):
             rp.up = torch.nn.Parameter(rp.up, requires_grad=False)
             self.register_parameter(f"down_{i}", rp.down)
             self.register_parameter(f"up_{i}", rp.up)
-            rp._factor_cast = CastCache(
-                rp.down, rp.up
-            )  # the cast follows the holder wherever ComfyUI moves it
+            # The path casts from these Parameters, so its device copy follows wherever ComfyUI moves the holder.
+            rp._factor_cast = CastCache(rp.down, rp.up)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("FactorHolder only holds factors")
@@ -92,7 +92,9 @@ class RuntimeState:
         self.last_gates: dict[str, float] = {}
 
     def on_model_patcher_clone(self) -> RuntimeState:
-        return self  # clones share the state; a new loader makes a new one (with_entry), never mutates this
+        return (
+            self  # clones share the state; a new loader makes a new one (stacked_clone), never mutates this
+        )
 
     def inject(self, patcher=None) -> None:
         if self.injected:
@@ -288,16 +290,15 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     from .targets import plan_for_clip, plan_for_patcher
 
     t0 = time.perf_counter()
-    adapter = _renamed(adapter, unique_name(adapter.name, taken_names(model, clip)))
+    adapter = renamed(adapter, unique_name(adapter.name, taken_names(model, clip)))
     plans = [plan_for_patcher(model, adapter, float(strength_model), strict)]
     if clip is not None:
         plans.append(plan_for_clip(clip, adapter, float(strength_clip), strict))
     model_entry = RuntimeEntry(adapter.name, plans[0])
     new_model, model_state = stacked_clone(model, [model_entry])
     states = [model_state]
-    new_clip = None
-    if clip is not None:
-        new_clip = clip.clone()
+    new_clip = clip.clone() if clip is not None else None
+    if clip is not None and plans[1].planned:  # a CLIP nothing lands on keeps no state of ours
         new_clip.patcher, clip_state = stacked_clone(clip.patcher, [RuntimeEntry(adapter.name, plans[1])])
         states.append(clip_state)
     report = entry_report(plans, states, t0)
@@ -307,10 +308,8 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     return new_model, new_clip, report
 
 
-def _renamed(adapter, name: str):
+def renamed(adapter, name: str):
     """A shallow copy of `adapter` named `name` (the caller's object is never renamed)."""
-    import copy
-
     if adapter.name == name:
         return adapter
     out = copy.copy(adapter)

@@ -31,10 +31,10 @@ from ..resolve.planner import Plan
 from ..resolve.stacking import combine_groups
 from .runtime import (
     RuntimeEntry,
-    _renamed,
     check_coverage,
     entry_report,
     joint_report,
+    renamed,
     stacked_clone,
     taken_names,
     unique_name,
@@ -167,7 +167,7 @@ def apply_stack(
     model_plans, clip_plans = [], []
     for source, model_strength, clip_strength in rows:
         adapter = read_lora(source)
-        adapter = _renamed(adapter, unique_name(adapter.name, taken))
+        adapter = renamed(adapter, unique_name(adapter.name, taken))
         taken.append(adapter.name)
         model_plans.append(plan_for_patcher(model, adapter, model_strength, False))
         weigh_blocks(model_plans[-1], weights, base)
@@ -202,9 +202,9 @@ def _runtime_side(patcher, plans: Sequence[Plan], stack_mode, density):
 
 def _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0):
     new_model, state = _runtime_side(model, model_plans, stack_mode, density)
-    states, new_clip = [state], None
-    if clip is not None:
-        new_clip = clip.clone()
+    states, new_clip = [state], clip.clone() if clip is not None else None
+    # a CLIP nothing lands on keeps no state of ours
+    if clip is not None and any(p.planned for p in clip_plans):
         new_clip.patcher, clip_state = _runtime_side(clip.patcher, clip_plans, stack_mode, density)
         states.append(clip_state)
     report = entry_report([*model_plans, *clip_plans], states, t0)

@@ -22,6 +22,7 @@ from .runtime import (
     RuntimeEntry,
     check_coverage,
     entry_report,
+    renamed,
     stacked_clone,
     taken_names,
     unique_name,
@@ -83,13 +84,12 @@ def apply_step_window(
 
     Stacks with runtime loaders on the same model (one injection key); the input model is never modified."""
     from .api import read_lora
-    from .runtime import _renamed
     from .targets import plan_for_patcher
 
     t0 = time.perf_counter()
     window = check_window(start_percent, end_percent, ramp)
     adapter = read_lora(lora)
-    adapter = _renamed(adapter, unique_name(adapter.name, taken_names(model)))
+    adapter = renamed(adapter, unique_name(adapter.name, taken_names(model)))
     plan = plan_for_patcher(model, adapter, float(number(strength, "strength")), False)
     clone, state = stacked_clone(model, [RuntimeEntry(adapter.name, plan, window)])
     report = entry_report([plan], [state], t0)
