@@ -26,7 +26,7 @@ from helpers.comfy_sampling import (  # noqa: F401  (pytest fixtures)
 from loraweave.comfy.api import read_lora
 from loraweave.comfy.runtime import KEY, RuntimeState, apply_runtime
 from loraweave.comfy.steps import apply_step_window, percent_of
-from loraweave.errors import ArgumentError, NoKeysLandedError
+from loraweave.errors import ArgumentError, NoKeysLandedError, StrictApplyError
 
 pytestmark = pytest.mark.usefixtures("one_thread", "nothing_loaded")
 ATOL = 1e-5
@@ -262,3 +262,18 @@ def test_clip_side_runtime_equals_core_and_without_clip_the_keys_are_named(flux,
     alone, none, report = apply_runtime(flux, None, read_lora(lora), 0.8, 0.6)
     assert none is None and report.keys_applied == 3 * 8
     assert {u.kind for u in report.unmatched} == {"no_such_component"} and len(report.unmatched) == 2 * 3 * 4
+
+
+def test_strict_refuses_a_partial_file_and_the_input_is_unchanged(flux, loras):
+    partial = {
+        **loras[0],
+        "lora_unet_double_blocks_7_img_attn_qkv.lora_down.weight": torch.ones(2, 128),
+        "lora_unet_double_blocks_7_img_attn_qkv.lora_up.weight": torch.ones(384, 2),
+    }
+    before = snapshot(flux)
+    with pytest.raises(StrictApplyError):
+        apply_runtime(flux, None, read_lora(partial), 1.0, 0.0, strict=True)
+    assert same_snapshot(before, snapshot(flux))
+    _, _, report = apply_runtime(flux, None, read_lora(partial), 1.0, 0.0)
+    assert report.keys_applied == 3 * 8 and report.keys_total == 3 * 8 + 2
+    assert [u.kind for u in report.unmatched] == ["no_such_module"] * 2
