@@ -87,6 +87,9 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),
     "test_comfy_realdata": ("comfy", "realdata"),
+    "test_comfy_runtime": ("comfy",),
+    "test_comfy_sampling": ("comfy",),
+    "test_comfy_stack": ("comfy",),
     "test_comfy_weights": ("comfy",),
     "test_compile": ("slow",),  # inductor codegen: about a minute per whole model
     "test_detect": ("realdata",),

@@ -1,0 +1,290 @@
+"""loraweave inside ComfyUI against core LoraLoader, on a Flux-shaped model at real width (hidden 3072, 24 heads,
+context 4096; default 1 double + 1 single block, fp32, ~1.9 GB) on CPU, ComfyUI v0.19.3 in process.
+
+Three cases, each in its own child process (peak RSS per case), each on the same LoRA files (kohya, rank 16, every
+Linear of every block; A and B differ in seeds):
+
+  core     comfy.sd.load_lora_for_models (what LoraLoader runs; the state dict cached per file, as LoraLoader
+           caches it per node)
+  merge    loraweave.comfy.load_lora_for_models(mode="merge")   (ComfyUI patch list, loraweave's ΔW)
+  runtime  loraweave.comfy.load_lora_for_models(mode="runtime") (runtime paths under one injection key)
+
+Timed (wall, from the loader call to the moment the first sampling step enters the diffusion model; the step is
+then aborted, so only the queue-side cost is timed): the first queue with LoRA A at 1.0; a strength change and
+re-queue (A at 0.5, 0.8, 0.6, 0.9, 0.7); a swap (B, A, B, A, B at 1.0). Medians of the repeats. loraweave's
+one-off import of diffusers' model classes (its reference trees; once per ComfyUI process) is timed apart
+("import s"). Then one whole 1-step sample of a model already loaded (the per-step cost of each mode), RSS after
+malloc_trim(0), peak RSS per phase, and the bytes of ComfyUI's weight backups (what core keeps to undo a merge)
+and of loraweave's factor holder.
+
+Targets (issue 29): runtime strength change and swap < 5% of core's; merge first queue no slower than core; no
+backup beyond core's.
+
+    .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchutil  # noqa: E402  (re-executes with the malloc settings before torch is imported)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import torch  # noqa: E402
+
+CASES = ("core", "merge", "runtime")
+STRENGTHS = (0.5, 0.8, 0.6, 0.9, 0.7)
+SWAPS = ("b", "a", "b", "a", "b")
+TOKENS = 16  # text tokens; the 16x16 latent gives 64 image tokens
+
+
+class FirstStep(Exception):
+    """Raised from the diffusion model's pre-hook: the first step started, the queue-side cost is over."""
+
+
+def stop_at_first_step(module, args):
+    raise FirstStep
+
+
+def flux_params(double: int, single: int) -> dict:
+    from helpers.comfy_models import FLUX_PARAMS
+
+    return {
+        **FLUX_PARAMS,
+        "hidden_size": 3072,
+        "num_heads": 24,
+        "context_in_dim": 4096,
+        "vec_in_dim": 768,
+        "depth": double,
+        "depth_single_blocks": single,
+    }
+
+
+def flux_shapes(params: dict) -> dict[str, torch.Size]:
+    from helpers.comfy_env import import_comfy
+
+    import_comfy()
+    import comfy.ldm.flux.model
+    import comfy.ops
+
+    with torch.device("meta"):
+        model = comfy.ldm.flux.model.Flux(operations=comfy.ops.disable_weight_init, **params)
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def write_loras(folder: Path, shapes: dict, rank: int) -> None:
+    from safetensors.torch import save_file
+
+    targets = [k[: -len(".weight")] for k, s in shapes.items() if k.endswith(".weight") and len(s) == 2]
+    targets = [t for t in targets if t.startswith(("double_blocks.", "single_blocks."))]
+    for name, seed in (("a", 1), ("b", 2)):
+        g = torch.Generator().manual_seed(seed)
+        sd = {}
+        for t in targets:
+            rows, cols = shapes[f"{t}.weight"]
+            stem = "lora_unet_" + t.replace(".", "_")
+            sd[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.01
+            sd[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.01
+            sd[f"{stem}.alpha"] = torch.tensor(float(rank))
+        save_file(sd, str(folder / f"{name}.safetensors"))
+
+
+def trimmed_rss_mib() -> float:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return benchutil.rss_mib()
+
+
+def build_model(params: dict):
+    import comfy.sd
+
+    shapes = flux_shapes(params)
+    g = torch.Generator().manual_seed(0)
+    sd = {k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}
+    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.float32})
+    del sd
+    return patcher
+
+
+def loader(case: str):
+    """(model, path, strength) -> model clone with the LoRA, as each case's node would call it."""
+    import comfy.sd
+    import comfy.utils
+
+    if case == "core":
+        cache: dict[str, dict] = {}
+
+        def core(model, path, strength):
+            if path not in cache:
+                cache[path] = comfy.utils.load_torch_file(path, safe_load=True)
+            return comfy.sd.load_lora_for_models(model, None, cache[path], strength, 0.0)[0]
+
+        return core
+    from loraweave.comfy import load_lora_for_models
+
+    return lambda model, path, strength: load_lora_for_models(model, None, path, strength, 0.0, mode=case)[0]
+
+
+def sample(model, cond, until_first_step: bool):
+    import nodes
+
+    latent = {"samples": torch.zeros(1, 16, 16, 16)}
+    args = (model, 0, 1, 1.0, "euler", "simple", cond, cond, latent)
+    if not until_first_step:
+        return nodes.common_ksampler(*args)
+    try:
+        nodes.common_ksampler(*args)
+    except FirstStep:
+        return None
+    raise RuntimeError("sampling ended without entering the diffusion model")
+
+
+def child(case: str, folder: Path, params: dict) -> dict:
+    from helpers.comfy_env import import_comfy
+
+    import_comfy()
+    base = build_model(params)
+    g = torch.Generator().manual_seed(5)
+    cond = [
+        [
+            torch.randn(1, TOKENS, params["context_in_dim"], generator=g),
+            {"pooled_output": torch.randn(1, params["vec_in_dim"], generator=g), "guidance": 3.5},
+        ]
+    ]
+    hook = base.model.diffusion_model.register_forward_pre_hook(stop_at_first_step)
+    load = loader(case)
+    paths = {n: str(folder / f"{n}.safetensors") for n in ("a", "b")}
+    out: dict = {"case": case, "rss_model_mib": trimmed_rss_mib()}
+    t0 = time.perf_counter()
+    if (
+        case != "core"
+    ):  # loraweave's first plan imports diffusers' model classes (its reference trees): once per process
+        import diffusers
+
+        assert diffusers.FluxTransformer2DModel is not None  # the lazy attribute imports the classes
+    out["import_s"] = time.perf_counter() - t0
+
+    def queue(path: str, strength: float) -> float:
+        t0 = time.perf_counter()
+        model = load(base, path, strength)
+        sample(model, cond, until_first_step=True)
+        return time.perf_counter() - t0
+
+    benchutil.reset_peak_rss()
+    out["first_s"] = queue(paths["a"], 1.0)
+    out["peak_first_mib"] = benchutil.peak_rss_mib()
+    benchutil.reset_peak_rss()
+    out["strength_s"] = [queue(paths["a"], s) for s in STRENGTHS]
+    out["peak_strength_mib"] = benchutil.peak_rss_mib()
+    benchutil.reset_peak_rss()
+    out["swap_s"] = [queue(paths[n], 1.0) for n in SWAPS]
+    out["peak_swap_mib"] = benchutil.peak_rss_mib()
+    hook.remove()
+    model = load(base, paths["b"], 1.0)
+    sample(model, cond, until_first_step=False)  # loads (and for core/merge patches) the model
+    t0 = time.perf_counter()
+    sample(model, cond, until_first_step=False)  # the same model again: one step, nothing re-patched
+    out["step_s"] = time.perf_counter() - t0
+    out["rss_end_mib"] = trimmed_rss_mib()
+    out["backup_mib"] = sum(b.weight.numel() * b.weight.element_size() for b in base.backup.values()) / 2**20
+    from loraweave.comfy.runtime import KEY
+
+    holders = model.get_additional_models_with_key(KEY)
+    out["factors_mib"] = sum(h.model_size() for h in holders) / 2**20
+    out["model_mib"] = base.model_size() / 2**20
+    return out
+
+
+def median(xs) -> float:
+    return benchutil.median(list(xs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--double", type=int, default=1)
+    ap.add_argument("--single", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", choices=CASES)
+    ap.add_argument("--dir")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    params = flux_params(args.double, args.single)
+    if args.child:
+        print(json.dumps(child(args.child, Path(args.dir), params)))
+        return
+    benchutil.header(
+        f"ComfyUI: loraweave vs core LoraLoader, Flux width 3072, {args.double}+{args.single} blocks"
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-comfy-") as tmp:
+        write_loras(Path(tmp), flux_shapes(params), args.rank)
+        results = {}
+        for case in CASES:
+            cmd = [sys.executable, __file__, "--child", case, "--dir", tmp, "--double", str(args.double)]
+            cmd += ["--single", str(args.single), "--rank", str(args.rank), "--threads", str(args.threads)]
+            run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+            if run.returncode != 0:
+                sys.exit(f"case {case} failed:\n{run.stderr[-4000:]}")
+            results[case] = json.loads(run.stdout.strip().splitlines()[-1])
+            print(json.dumps(results[case]), flush=True)  # the raw record first: a report bug loses nothing
+    report(results)
+
+
+def report(results: dict) -> None:
+    core = results["core"]
+    rows = []
+    for case in CASES:
+        r = results[case]
+        rows.append(
+            [
+                case,
+                f"{r['import_s']:.2f}",
+                f"{r['first_s']:.3f}",
+                f"{median(r['strength_s']):.3f}",
+                f"{median(r['swap_s']):.3f}",
+                f"{r['step_s']:.2f}",
+                f"{r['peak_first_mib']:.0f}/{r['peak_strength_mib']:.0f}/{r['peak_swap_mib']:.0f}",
+                f"{r['rss_end_mib']:.0f}",
+                f"{r['backup_mib']:.0f}",
+                f"{r['factors_mib']:.1f}",
+            ]
+        )
+    print(f"model {core['model_mib']:.0f} MiB fp32; RSS after building it: {core['rss_model_mib']:.0f} MiB")
+    headers = [
+        "case",
+        "import s",
+        "first s",
+        "strength s",
+        "swap s",
+        "1-step s",
+        "peak MiB f/s/w",
+        "RSS end",
+        "backup MiB",
+    ]
+    print(benchutil.table([*headers, "factors MiB"], rows))
+    for case in ("merge", "runtime"):
+        r = results[case]
+        print(
+            f"{case}/core: first {r['first_s'] / core['first_s']:.3f}  "
+            f"strength {median(r['strength_s']) / median(core['strength_s']):.4f}  "
+            f"swap {median(r['swap_s']) / median(core['swap_s']):.4f}  "
+            f"backup {r['backup_mib']:.0f}/{core['backup_mib']:.0f} MiB"
+        )
+    print(
+        "strength/swap: medians of 5 re-queues each (wall s, loader call to the first step entering the model)"
+    )
+
+
+if __name__ == "__main__":
+    main()

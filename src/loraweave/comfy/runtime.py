@@ -1,0 +1,317 @@
+"""Runtime mode inside ComfyUI: loraweave's runtime paths on a cloned ModelPatcher, weights never touched.
+
+Everything one patcher carries lives under ONE pack-owned key (`KEY`):
+- the attachment: a `RuntimeState` holding every loader's entry (loader order) and the runtime paths built from
+  all of them, one rank-concatenated path per layer; a second loader makes a new state with its entry appended
+  (never a nested injection), so N loaders cost one extra GEMM pair per layer, not N;
+- the injection (`set_injections`, notes §1.6-1.7): the paths are attached when ComfyUI injects the model (after
+  `patch_model`, on load) and detached when it ejects it (unload, re-patch, `detach`), so the input patcher and
+  the shared modules are exactly as they were whenever this clone is not loaded;
+- an additional model (`set_additional_models`): a ModelPatcher over a module holding the adapter factors, so
+  model management counts them and moves them with the model;
+- an APPLY_MODEL wrapper when an entry has a step window (comfy/steps.py).
+
+A strength change or another loader re-runs the loader node: a new clone with a new state. `patches` and
+`patches_uuid` are never touched, so ComfyUI re-patches no weight (no `calculate_weight` call); re-loading only
+ejects the old paths and injects the new ones. Why injections rather than bypass or weight wrappers: the core
+bypass key holds one LoRA (a second loader replaces the first) and moves factors outside model management, and
+`add_weight_wrapper` re-rolls `patches_uuid` (a re-patch) without seeing the input."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.install import make_report
+from ..errors import StrictApplyError
+from ..families.base import CastCache
+from ..mechanisms.merge.layer import Contribution
+from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
+from ..report.coverage import refuse_empty, warn_incomplete
+from ..report.miss import Miss, Unmatched
+from ..report.report import AppliedModule, Report, failures
+from ..resolve.planner import Plan
+
+KEY = "loraweave"  # the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
+
+
+NOT_TAKEN = Miss(
+    "no_such_component", "no such component: no patcher given takes this key (text-encoder keys need a CLIP)"
+)
+PARAM_AT_RUNTIME = (
+    "runtime mode has no path for a bare parameter (it would re-patch the weight): use mode=merge"
+)
+
+
+@dataclass(frozen=True)
+class RuntimeEntry:
+    """One loader's adapter on one patcher: its plan (part strengths set) and, for a step window, the gate
+    (sigma, model_sampling) -> factor (comfy/steps.py) applied to the adapter on every layer it touches."""
+
+    name: str
+    plan: Plan
+    gate: Callable[[float, object], float] | None = None
+
+
+class FactorHolder(torch.nn.Module):
+    """The rank-concatenated factors of every path as parameters of one module, so a ModelPatcher over it is
+    counted by model management (`model_size`) and moved by it; the paths read these same Parameter objects."""
+
+    def __init__(self, paths: Sequence[RuntimePath]) -> None:
+        super().__init__()
+        for i, rp in enumerate(paths):
+            if rp.down is None:
+                continue
+            rp.down = torch.nn.Parameter(rp.down, requires_grad=False)
+            rp.up = torch.nn.Parameter(rp.up, requires_grad=False)
+            self.register_parameter(f"down_{i}", rp.down)
+            self.register_parameter(f"up_{i}", rp.up)
+            # The path casts from these Parameters, so its device copy follows wherever ComfyUI moves the holder.
+            rp._factor_cast = CastCache(rp.down, rp.up)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("FactorHolder only holds factors")
+
+
+@dataclass
+class RuntimeState:
+    """Every entry on one patcher and the runtime paths built from all of them; attached while injected."""
+
+    entries: tuple[RuntimeEntry, ...]
+    paths: list[RuntimePath] = field(default_factory=list)
+    blocked: list[Unmatched] = field(default_factory=list)
+    injected: bool = False
+
+    def __post_init__(self) -> None:
+        self.paths, self.blocked = build_paths(self.entries)
+        self.holder = FactorHolder(self.paths)
+        self.last_gates: dict[str, float] = {}
+
+    def on_model_patcher_clone(self) -> RuntimeState:
+        return (
+            self  # clones share the state; a new loader makes a new one (stacked_clone), never mutates this
+        )
+
+    def inject(self, patcher=None) -> None:
+        if self.injected:
+            return
+        for rp in self.paths:
+            rp.attach()
+        self.injected = True
+        self.last_gates = {}
+
+    def eject(self, patcher=None) -> None:
+        if not self.injected:
+            return
+        for rp in self.paths:
+            rp.detach()
+        self.injected = False
+
+    def set_gates(self, sigma: float, model_sampling) -> None:
+        """Write each windowed entry's factor at `sigma` into the paths' scale vectors (no re-merge)."""
+        for entry in self.entries:
+            if entry.gate is None:
+                continue
+            value = float(entry.gate(sigma, model_sampling))
+            if self.last_gates.get(entry.name) == value:
+                continue
+            self.last_gates[entry.name] = value
+            for rp in self.paths:
+                if entry.name in rp.adapters:
+                    rp.set_gate(entry.name, value)
+
+    def factor_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.holder.parameters())
+
+
+def build_paths(entries: Sequence[RuntimeEntry]) -> tuple[list[RuntimePath], list[Unmatched]]:
+    """One RuntimePath per layer from every entry's planned parts (their ranks concatenated: a sum)."""
+    groups: dict[tuple[str, str], list[Contribution]] = {}
+    modules: dict[str, torch.nn.Module] = {}
+    for entry in entries:
+        modules |= entry.plan.components.modules
+        for pp in entry.plan.planned:
+            for piece in pp.pieces:
+                groups.setdefault((pp.component, piece.module), []).append(Contribution(pp, piece))
+    paths: list[RuntimePath] = []
+    blocked = [
+        Unmatched(
+            param.adapter.name,
+            key,
+            Miss("no_mechanism", f"{param.component}.{param.path}: {PARAM_AT_RUNTIME}"),
+        )
+        for entry in entries
+        for param in entry.plan.params
+        for key in param.part.keys
+    ]
+    for (component, path), contribs in groups.items():
+        module = modules[component].get_submodule(path)
+        why = runtime_blocker(module)
+        if why is not None:
+            for pp, _ in contribs:
+                blocked += [
+                    Unmatched(pp.adapter.name, key, Miss("unsupported", f"{component}.{path}: {why}"))
+                    for key in pp.part.keys
+                ]
+            continue
+        paths.append(RuntimePath(module, contribs))
+    return paths, blocked
+
+
+def _factor_patcher(state: RuntimeState, patcher):
+    """A ModelPatcher over the state's factors, loaded and offloaded with `patcher` by model management."""
+    from comfy.model_patcher import ModelPatcher
+
+    return ModelPatcher(state.holder, load_device=patcher.load_device, offload_device=patcher.offload_device)
+
+
+def window_wrapper(state: RuntimeState):
+    """The APPLY_MODEL wrapper of `state`: set every gated entry's factor for this call's sigma, then run."""
+
+    def apply_model(executor, x, t, *args, **kwargs):
+        state.set_gates(float(t.reshape(-1)[0]), executor.class_obj.model_sampling)
+        return executor(x, t, *args, **kwargs)
+
+    return apply_model
+
+
+def install_state(patcher, state: RuntimeState, wrapper: Callable | None = None) -> None:
+    """Put `state` under KEY on `patcher` (a fresh clone): attachment, injection, factor model, wrapper."""
+    from comfy.patcher_extension import PatcherInjection, WrappersMP
+
+    patcher.set_attachments(KEY, state)
+    patcher.set_injections(KEY, [PatcherInjection(inject=state.inject, eject=state.eject)])
+    patcher.set_additional_models(KEY, [_factor_patcher(state, patcher)])
+    patcher.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
+    if wrapper is not None:
+        patcher.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, wrapper)
+
+
+def entries_of(patcher) -> tuple[RuntimeEntry, ...]:
+    """The entries an earlier loader left under KEY on `patcher` (none: an empty tuple)."""
+    state = patcher.get_attachment(KEY) if hasattr(patcher, "get_attachment") else None
+    return state.entries if isinstance(state, RuntimeState) else ()
+
+
+def taken_names(model, clip=None) -> list[str]:
+    """Names of the entries earlier loaders left on `model` (and `clip`), and of the adapters they hold."""
+    entries = (*entries_of(model), *(entries_of(clip.patcher) if clip is not None else ()))
+    return [name for e in entries for name in (e.name, *(a.name for a in e.plan.adapters))]
+
+
+def unique_name(name: str, taken: Iterable[str]) -> str:
+    """`name`, or `name#k` when `taken` holds it: gates and reports address entries by name."""
+    names = set(taken)
+    if name not in names:
+        return name
+    k = 2
+    while f"{name}#{k}" in names:
+        k += 1
+    return f"{name}#{k}"
+
+
+def stacked_clone(patcher, new: Sequence[RuntimeEntry]):
+    """A clone of `patcher` whose KEY state holds the earlier entries plus `new` (the input is not modified).
+
+    A clone inherits the input's `is_injected`; what is injected belongs to the input (possibly loaded right now),
+    so the clone only forgets the flag: ComfyUI ejects the input when it loads the clone (load_models_gpu detaches
+    the other clones of the model first)."""
+    clone = patcher.clone()
+    clone.is_injected = False
+    state = RuntimeState((*entries_of(patcher), *new))
+    has_gate = any(e.gate is not None for e in state.entries)
+    install_state(clone, state, window_wrapper(state) if has_gate else None)
+    return clone, state
+
+
+def joint_report(
+    plans: Sequence[Plan], mode: str, applied: list[AppliedModule], refused: list[Unmatched], t0: float
+) -> Report:
+    """One report for adapters planned on several patchers (model, CLIP): a key landed when some plan placed it
+    and nothing `refused` it afterwards; every other key of each adapter is a miss, named once."""
+    joint = Plan(plans[0].components, list({a.name: a for p in plans for a in p.adapters}.values()), {})
+    joint.strengths = {k: v for p in plans for k, v in p.strengths.items()}
+    joint.planned = [pp for plan in plans for pp in plan.planned]
+    joint.params = [pp for plan in plans for pp in plan.params]
+    missed = {(u.adapter, u.key): u for u in refused}
+    placed = (*joint.planned, *joint.params)
+    landed = {(pp.adapter.name, k) for pp in placed for k in pp.part.keys} - set(missed)
+    for u in (u for plan in plans for u in plan.unmatched):
+        if (u.adapter, u.key) not in landed:
+            missed.setdefault((u.adapter, u.key), u)
+    for adapter in joint.adapters:
+        for key in (*(k for part in adapter.parts for k in part.keys), *(u["key"] for u in adapter.unparsed)):
+            if (adapter.name, key) not in landed:
+                missed.setdefault((adapter.name, key), Unmatched(adapter.name, key, NOT_TAKEN))
+    report = make_report(joint, mode, applied, list(missed.values()), t0)
+    for summary in report.adapters:
+        summary["keys_applied"] = sum(1 for a, _ in landed if a == summary["name"])
+    report.keys_applied = sum(s["keys_applied"] for s in report.adapters)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def entry_report(plans: Sequence[Plan], states: Sequence[RuntimeState], t0: float) -> Report:
+    """The joint report of runtime entries: layers are the runtime paths that carry the plans' adapters."""
+    names = {a.name for p in plans for a in p.adapters}
+    applied = [
+        AppliedModule(*_where(rp), "runtime", sorted(rp.adapters & names))
+        for state in states
+        for rp in state.paths
+        if rp.adapters & names
+    ]
+    refused = [u for st in states for u in st.blocked if u.adapter in names]
+    return joint_report(plans, "runtime", applied, refused, t0)
+
+
+def _where(rp: RuntimePath) -> tuple[str, str]:
+    """(component, module path) of the layer a path sits on."""
+    pp, piece = rp.contributions[0]
+    return pp.component, piece.module
+
+
+def check_coverage(report: Report, strict: bool) -> None:
+    """StrictApplyError when strict and a key missed; NoKeysLandedError when none landed (nothing changed)."""
+    if strict and failures(report.unmatched):
+        raise StrictApplyError(
+            f"strict: {len(failures(report.unmatched))} keys did not land ({report.kinds()})", report
+        )
+    refuse_empty(report)
+
+
+def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: float, strict: bool = False):
+    """(model, clip, report): clones carrying `adapter` as runtime paths (module docstring); inputs untouched.
+
+    `adapter` is what `loraweave.comfy.api.read_lora` returns. `clip` may be None (then None comes back)."""
+    from .targets import plan_for_clip, plan_for_patcher
+
+    t0 = time.perf_counter()
+    adapter = renamed(adapter, unique_name(adapter.name, taken_names(model, clip)))
+    plans = [plan_for_patcher(model, adapter, float(strength_model), strict)]
+    if clip is not None:
+        plans.append(plan_for_clip(clip, adapter, float(strength_clip), strict))
+    model_entry = RuntimeEntry(adapter.name, plans[0])
+    new_model, model_state = stacked_clone(model, [model_entry])
+    states = [model_state]
+    new_clip = clip.clone() if clip is not None else None
+    if clip is not None and plans[1].planned:  # a CLIP nothing lands on keeps no state of ours
+        new_clip.patcher, clip_state = stacked_clone(clip.patcher, [RuntimeEntry(adapter.name, plans[1])])
+        states.append(clip_state)
+    report = entry_report(plans, states, t0)
+    check_coverage(report, strict)
+    report.log()
+    warn_incomplete(report)
+    return new_model, new_clip, report
+
+
+def renamed(adapter, name: str):
+    """A shallow copy of `adapter` named `name` (the caller's object is never renamed)."""
+    if adapter.name == name:
+        return adapter
+    out = copy.copy(adapter)
+    out.name = name
+    return out

@@ -1,0 +1,279 @@
+"""Runtime mode and step windows inside ComfyUI (loraweave.comfy.runtime / steps) on the tiny Flux.
+
+References: ComfyUI's own LoraLoader merge (`comfy.sd.load_lora_for_models`) of the same kohya file, which core
+lands correctly; a step window is checked against sampling by hand, step range by step range, with
+KSamplerAdvanced (start/end step) on the base model and the core-merged one. Tolerance 1e-5 absolute on LATENTs
+of magnitude ~1 (fp32 hook path vs fp32 merged weights: measured differences are ~1e-7)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers.comfy_env import import_comfy
+from helpers.comfy_sampling import (  # noqa: F401  (pytest fixtures)
+    CallCounter,
+    core_lora,
+    flux_fixture,
+    kohya_flux_lora,
+    nothing_loaded_fixture,
+    sample,
+    sigmas_of,
+    unload_all,
+)
+
+from loraweave.comfy.api import read_lora
+from loraweave.comfy.runtime import KEY, RuntimeState, apply_runtime
+from loraweave.comfy.steps import apply_step_window, percent_of
+from loraweave.errors import ArgumentError, NoKeysLandedError, StrictApplyError
+
+pytestmark = pytest.mark.usefixtures("one_thread", "nothing_loaded")
+ATOL = 1e-5
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def loras(flux):
+    return kohya_flux_lora(flux, seed=11), kohya_flux_lora(flux, seed=12, rank=6)
+
+
+def runtime(model, lora, strength):
+    out, _, report = apply_runtime(model, None, read_lora(lora), strength, 0.0)
+    return out, report
+
+
+def close(a, b):
+    return torch.allclose(a["samples"], b["samples"], rtol=0, atol=ATOL)
+
+
+def snapshot(patcher):
+    """What must come back exactly: weights (bits), hooks and forwards on every module, the patcher's own state."""
+    modules = dict(patcher.model.named_modules())
+    return {
+        "weights": {k: v.clone() for k, v in patcher.model.state_dict().items()},
+        "hooks": {n: (len(m._forward_hooks), "forward" in m.__dict__) for n, m in modules.items()},
+        "patcher": (
+            dict(patcher.injections),
+            dict(patcher.attachments),
+            dict(patcher.additional_models),
+            {k: list(v) for k, v in patcher.patches.items()},
+            patcher.patches_uuid,
+        ),
+    }
+
+
+def same_snapshot(a, b) -> bool:
+    weights = a["weights"].keys() == b["weights"].keys() and all(
+        torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"]
+    )
+    return weights and a["hooks"] == b["hooks"] and a["patcher"] == b["patcher"]
+
+
+def test_runtime_output_equals_core_merge(flux, loras):
+    model, report = runtime(flux, loras[0], 0.7)
+    assert report.keys_applied == report.keys_total == 3 * 8 and not report.unmatched
+    assert list(report.counts().values()) == [{"runtime": 8}]
+    out = sample(model, STEPS)
+    assert not close(out, sample(flux, STEPS)), "the adapter changed nothing"
+    assert close(out, sample(core_lora(flux, loras[0], 0.7), STEPS))
+
+
+def test_strength_change_repatches_no_weight(flux, loras):
+    sample(runtime(flux, loras[0], 1.0)[0], STEPS)  # loaded, paths injected
+    uuid_before = flux.model.current_weight_patches_uuid
+    with CallCounter() as counter:
+        changed, _ = runtime(flux, loras[0], 0.4)
+        out = sample(changed, STEPS)
+    assert counter.calls == 0, f"{counter.calls} calculate_weight calls after a strength change"
+    assert changed.patches_uuid == flux.patches_uuid == uuid_before == flux.model.current_weight_patches_uuid
+    assert close(out, sample(core_lora(flux, loras[0], 0.4), STEPS))
+
+
+def test_second_loader_stacks_under_one_key(flux, loras):
+    first, _ = runtime(flux, loras[0], 0.8)
+    first_out = sample(first, STEPS)  # loaded and injected while the second loader runs
+    with CallCounter() as counter:
+        both, report = runtime(first, loras[1], -0.6)
+        out = sample(both, STEPS)
+    assert counter.calls == 0
+    assert list(both.injections) == [KEY] and list(both.additional_models) == [KEY]
+    state = both.get_attachment(KEY)
+    assert isinstance(state, RuntimeState) and len(state.entries) == 2
+    # one rank-concatenated pair per layer holding both adapters (4 + 6), not two nested paths
+    assert len(state.paths) == 8 and all(rp.down.shape[0] == 10 for rp in state.paths)
+    assert report.keys_applied == 3 * 8  # the report is the second loader's own
+    reference = core_lora(core_lora(flux, loras[0], 0.8), loras[1], -0.6)
+    assert close(out, sample(reference, STEPS))
+    assert len(first.get_attachment(KEY).entries) == 1, "the first loader's output was modified"
+    assert close(sample(first, STEPS), first_out)
+
+
+def test_a_loader_leaves_a_loaded_input_injected(flux, loras):
+    first, _ = runtime(flux, loras[0], 0.8)
+    sample(first, STEPS)
+    state = first.get_attachment(KEY)
+    assert state.injected and first.is_injected
+    runtime(first, loras[1], 0.5)
+    assert state.injected and first.is_injected, "making a clone ejected the loaded input's paths"
+
+
+def test_input_and_modules_untouched_when_not_loaded(flux, loras):
+    before = snapshot(flux)
+    model, _ = runtime(flux, loras[0], 1.0)
+    assert same_snapshot(before, snapshot(flux)), "apply_runtime touched the input before any load"
+    with_lora = sample(model, STEPS)
+    base = sample(flux, STEPS)  # loading the input ejects the clone's paths
+    assert close(base, sample(flux, STEPS)) and not close(base, with_lora)
+    sample(model, STEPS)
+    unload_all(flux)
+    assert same_snapshot(before, snapshot(flux))
+
+
+def test_factors_counted_and_loaded_by_model_management(flux, loras):
+    import comfy.model_management as mm
+
+    model, _ = runtime(flux, loras[0], 1.0)
+    state = model.get_attachment(KEY)
+    (holder,) = model.get_additional_models_with_key(KEY)
+    ranks = 4 * sum(rp.out + rp.module.in_features for rp in state.paths)
+    assert holder.model_size() == state.factor_bytes() == 4 * ranks  # fp32 factors of every path
+    sample(model, STEPS)
+    loaded = [lm.model.model for lm in mm.current_loaded_models if lm.model is not None]
+    assert state.holder in loaded, "the factor holder was not loaded with the model"
+
+
+def test_wrong_model_lora_refused_input_unchanged(flux):
+    before = snapshot(flux)
+    alien = {
+        "lora_unet_input_blocks_1_1_proj_in.lora_down.weight": torch.ones(2, 8),
+        "lora_unet_input_blocks_1_1_proj_in.lora_up.weight": torch.ones(8, 2),
+    }
+    with pytest.raises(NoKeysLandedError):
+        runtime(flux, alien, 1.0)
+    assert same_snapshot(before, snapshot(flux))
+
+
+def window_steps(model, start: float, end: float) -> list[bool]:
+    """Which sampling steps a window covers, by ComfyUI's rule: percent_to_sigma(end) < sigma <= percent_to_sigma(start)."""
+    sampling = model.get_model_object("model_sampling")
+    hi, lo = sampling.percent_to_sigma(start), sampling.percent_to_sigma(end)
+    return [lo < s <= hi for s in sigmas_of(model, STEPS)]
+
+
+def by_hand(flux, lora, strengths: list[float]):
+    """Sample step by step with KSamplerAdvanced: the base model where strength is 0, the core merge elsewhere."""
+    latent = None
+    for i, s in enumerate(strengths):
+        model = flux if s == 0 else core_lora(flux, lora, s)
+        latent = sample(model, STEPS, start=i, end=i + 1, latent=latent, add_noise=i == 0)
+    return latent
+
+
+def test_step_window_equals_sampling_by_hand(flux, loras):
+    on = window_steps(flux, 0.3, 0.7)
+    assert 0 < sum(on) < STEPS - 2, f"the window should cover some steps only: {on}"
+    model, report = apply_step_window(flux, loras[0], 0.9, 0.3, 0.7)
+    assert list(report.counts().values()) == [{"runtime": 8}]
+    with CallCounter() as counter:
+        out = sample(model, STEPS)
+    assert counter.calls == 0 and model.patches_uuid == flux.patches_uuid
+    assert close(out, by_hand(flux, loras[0], [0.9 if x else 0.0 for x in on]))
+    assert not close(out, sample(core_lora(flux, loras[0], 0.9), STEPS))
+
+
+def test_step_window_ramp_equals_sampling_by_hand(flux, loras):
+    start, end, ramp, strength = 0.1, 0.9, 0.3, 1.2
+    model, _ = apply_step_window(flux, loras[1], strength, start, end, ramp)
+    growth = math.exp(flux.get_model_object("model_sampling").shift)
+    strengths = []
+    for sigma, inside in zip(sigmas_of(flux, STEPS), window_steps(flux, start, end), strict=True):
+        # ModelSamplingFlux: sigma = e^shift / (e^shift + 1/t − 1) with t = 1 − percent; inverted in closed form
+        percent = 1 - 1 / (1 + growth * (1 / sigma - 1))
+        factor = min(1.0, (percent - start) / ramp, (end - percent) / ramp) if inside else 0.0
+        strengths.append(strength * max(0.0, factor))
+    assert len({round(s, 6) for s in strengths}) >= 4, f"the ramp should give several strengths: {strengths}"
+    assert close(sample(model, STEPS), by_hand(flux, loras[1], strengths))
+
+
+def test_percent_of_inverts_percent_to_sigma(flux):
+    sampling = flux.get_model_object("model_sampling")
+    for percent in (0.05, 0.3, 0.5, 0.77, 0.99):
+        assert percent_of(sampling.percent_to_sigma(percent), sampling) == pytest.approx(percent, abs=1e-9)
+
+
+def test_step_window_stacks_with_a_runtime_loader(flux, loras):
+    first, _ = runtime(flux, loras[0], 0.5)
+    both, _ = apply_step_window(first, loras[1], 1.0, 0.0, 0.5)
+    state = both.get_attachment(KEY)
+    assert [e.gate is not None for e in state.entries] == [False, True]
+    on = window_steps(flux, 0.0, 0.5)
+    latent = None
+    merged = core_lora(flux, loras[0], 0.5)
+    for i, inside in enumerate(on):
+        model = core_lora(merged, loras[1], 1.0) if inside else merged
+        latent = sample(model, STEPS, start=i, end=i + 1, latent=latent, add_noise=i == 0)
+    assert close(sample(both, STEPS), latent)
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "ramp"),
+    [(0.5, 0.5, 0.0), (0.7, 0.2, 0.0), (-0.1, 0.5, 0.0), (0.2, 0.6, 0.3), (0.0, 1.0, -1.0)],
+)
+def test_step_window_bad_arguments(flux, loras, start, end, ramp):
+    with pytest.raises(ArgumentError):
+        apply_step_window(flux, loras[0], 1.0, start, end, ramp)
+
+
+def te_lora(clip, seed: int, rank: int = 4) -> dict:
+    """kohya text-encoder keys (lora_te1_ = CLIP-L) on every attention projection of the tiny CLIP-L."""
+    g = torch.Generator().manual_seed(seed)
+    layers = clip.cond_stage_model.clip_l.transformer.text_model.encoder.layers
+    out = {}
+    for i, layer in enumerate(layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            rows, cols = getattr(layer.self_attn, proj).weight.shape
+            stem = f"lora_te1_text_model_encoder_layers_{i}_self_attn_{proj}"
+            out[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.3
+            out[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.3
+    return out
+
+
+def encode(clip):
+    cond, pooled = clip.encode_from_tokens(clip.tokenize("a tiny test prompt"), return_pooled=True)
+    return torch.cat([cond.flatten(), pooled.flatten()])
+
+
+def test_clip_side_runtime_equals_core_and_without_clip_the_keys_are_named(flux, loras):
+    from helpers.comfy_models import tiny_clip
+
+    clip = tiny_clip("flux")
+    lora = {**loras[0], **te_lora(clip, seed=41)}
+    before = snapshot(clip.patcher)
+    model, new_clip, report = apply_runtime(flux, clip, read_lora(lora), 0.8, 0.6)
+    assert report.keys_applied == report.keys_total == 3 * 8 + 2 * 3 * 4 and not report.unmatched
+    assert same_snapshot(before, snapshot(clip.patcher)), "the input CLIP was modified"
+    ours = encode(new_clip)
+    core_model, core_clip = import_comfy().sd.load_lora_for_models(flux, clip, lora, 0.8, 0.6)
+    assert not torch.allclose(ours, encode(clip), atol=1e-3)
+    assert torch.allclose(ours, encode(core_clip), rtol=0, atol=ATOL)
+    assert close(sample(model, STEPS), sample(core_model, STEPS))
+    unload_all(flux, clip.patcher)
+    alone, none, report = apply_runtime(flux, None, read_lora(lora), 0.8, 0.6)
+    assert none is None and report.keys_applied == 3 * 8
+    assert {u.kind for u in report.unmatched} == {"no_such_component"} and len(report.unmatched) == 2 * 3 * 4
+
+
+def test_strict_refuses_a_partial_file_and_the_input_is_unchanged(flux, loras):
+    partial = {
+        **loras[0],
+        "lora_unet_double_blocks_7_img_attn_qkv.lora_down.weight": torch.ones(2, 128),
+        "lora_unet_double_blocks_7_img_attn_qkv.lora_up.weight": torch.ones(384, 2),
+    }
+    before = snapshot(flux)
+    with pytest.raises(StrictApplyError):
+        apply_runtime(flux, None, read_lora(partial), 1.0, 0.0, strict=True)
+    assert same_snapshot(before, snapshot(flux))
+    _, _, report = apply_runtime(flux, None, read_lora(partial), 1.0, 0.0)
+    assert report.keys_applied == 3 * 8 and report.keys_total == 3 * 8 + 2
+    assert [u.kind for u in report.unmatched] == ["no_such_module"] * 2
