@@ -84,6 +84,8 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_cli_convert": ("realdata",),
     "test_cli_extract": ("realdata",),
     "test_cli_inspect": ("realdata",),
+    "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium
+    "test_comfy_nodes": ("comfy",),
     "test_compile": ("slow",),  # inductor codegen: about a minute per whole model
     "test_detect": ("realdata",),
     "test_diffusers_dropin": ("realdata",),
