@@ -9,3 +9,7 @@ python3 -m venv .venv
 # Pin the CPU wheel first; the package's own torch requirement is a range this satisfies.
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e ".[${extra}]"
+# The comfy tests import ComfyUI in place (../shared/comfyui/ComfyUI); its requirements, torch held at the pin.
+if [ "$extra" = test ]; then
+  .venv/bin/pip install -q -r scripts/comfyui-requirements.txt -c <(echo torch==2.13.0)
+fi

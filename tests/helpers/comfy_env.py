@@ -1,0 +1,92 @@
+"""Headless, in-process, CPU import of the ComfyUI v0.19.3 source in ../shared/comfyui/ComfyUI.
+
+`import_comfy()` returns the imported `comfy` package after the recipe of ../shared/comfyui/README.md: diffusers and
+transformers first (they probe torchvision once at import), then a stub `torchvision` (and `torchaudio`) in
+sys.modules, then `comfy.cli_args.args.cpu = True` before `comfy.model_management` is imported. A missing
+ComfyUI tree is a failure, never a skip."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMFYUI_DIR = REPO_ROOT.parent / "shared" / "comfyui" / "ComfyUI"
+# ComfyUI imports these at module level (cosmos, cascade, audio VAEs); the PyPI wheels would pull a CUDA torch.
+STUBBED = ("torchvision", "torchaudio")
+
+
+class _StubModule(types.ModuleType):
+    """A module whose every attribute is another stub: enough for `from torchvision import transforms`."""
+
+    __path__: list[str] = []  # a package, so `import torchvision.transforms` resolves through sys.modules
+
+    def __getattr__(self, name: str) -> types.ModuleType:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        child = _StubModule(f"{self.__name__}.{name}")
+        sys.modules[child.__name__] = child
+        setattr(self, name, child)
+        return child
+
+
+class _StubFinder:
+    """Resolves `import torchvision.x.y` to stubs (a plain sys.modules entry covers only the top name)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] not in STUBBED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec):
+        return _StubModule(spec.name)
+
+    def exec_module(self, module):
+        return None
+
+
+def _install_stubs() -> None:
+    for name in STUBBED:
+        if name not in sys.modules:
+            sys.modules[name] = _StubModule(name)
+    if not any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _StubFinder())
+
+
+def comfy_dir() -> Path:
+    # Loud on purpose: the comfy tests prove nothing without the real ComfyUI tree.
+    assert (COMFYUI_DIR / "comfy" / "model_patcher.py").is_file(), (
+        f"missing ComfyUI v0.19.3 source at {COMFYUI_DIR}"
+    )
+    return COMFYUI_DIR
+
+
+def import_comfy() -> types.ModuleType:
+    """Import ComfyUI headless on CPU (once per process) and return the `comfy` package with its core modules
+    loaded: model_management, model_patcher, sd, lora, supported_models, model_detection, weight_adapter."""
+    root = str(comfy_dir())
+    if "comfy.model_management" not in sys.modules:
+        import diffusers  # noqa: F401  (before the stub: diffusers probes torchvision once at import)
+        import transformers  # noqa: F401
+
+        _install_stubs()
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        import comfy.options  # noqa: F401  (no enable_args_parsing: args come from parse_args([]))
+        from comfy.cli_args import args
+
+        args.cpu = True
+    import comfy.lora
+    import comfy.model_detection
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.sd
+    import comfy.supported_models
+    import comfy.weight_adapter
+
+    assert comfy.model_management.cpu_state == comfy.model_management.CPUState.CPU, (
+        "ComfyUI did not start on CPU"
+    )
+    return comfy

@@ -1,0 +1,252 @@
+"""Tiny ComfyUI models built the way ComfyUI loads them, each with its diffusers twin and a CLIP.
+
+- Flux (hidden 128, 1 double + 1 single block): a BFL-layout state dict through `comfy.sd.
+  load_diffusion_model_state_dict` (what UNETLoader runs: ComfyUI's own detection picks `supported_models.Flux`).
+- SD1.5 and SDXL: small UNets are not detected by `model_config_from_unet` (SD15 needs 320/768), so the config
+  comes from `comfy.model_detection.detect_unet_config` on the LDM state dict and goes into
+  `supported_models.SD15` / `SDXL` directly (notes §2.7 (b)).
+
+The weights start in a seeded diffusers model (`ComfyModel.diffusers`); SD UNets reach LDM names through
+ComfyUI's own `comfy.utils.unet_to_diffusers` map, Flux through diffusers' single-file converter run backwards
+is not available, so Flux starts from the BFL state dict and the twin is built with diffusers'
+`convert_flux_transformer_checkpoint_to_diffusers`. CLIPs are `comfy.sd.CLIP` objects of ComfyUI's own text
+encoder classes, shrunk through their `<name>_model_config` model options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comfy_env import import_comfy
+
+# Text encoders shrunk through ComfyUI's `<model_name>_model_config` override (the vocab stays: the tokenizers are real).
+CLIP_L_SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 3,
+    "projection_dim": 32,
+}
+CLIP_G_SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 3,
+    "projection_dim": 32,
+}
+T5_SMALL = {"d_model": 32, "d_ff": 64, "d_kv": 16, "num_heads": 2, "num_layers": 2}
+CLIP_OPTIONS = {
+    "clip_l_model_config": CLIP_L_SMALL,
+    "clip_g_model_config": CLIP_G_SMALL,
+    "t5xxl_model_config": T5_SMALL,
+}
+
+
+@dataclass
+class ComfyModel:
+    """A ComfyUI MODEL (ModelPatcher) and CLIP, the diffusers twin holding the same weights, and its name."""
+
+    name: str
+    patcher: object  # comfy.model_patcher.ModelPatcher
+    clip: object  # comfy.sd.CLIP
+    diffusers: torch.nn.Module
+
+
+def _seeded(module: torch.nn.Module, seed: int) -> None:
+    # ComfyUI's ops skip init (torch.empty); every parameter gets seeded values at a trained-weight scale.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def tiny_clip(kind: str, seed: int = 7):
+    """comfy.sd.CLIP of ComfyUI's own classes: "sd1" (clip_l), "sdxl" (clip_l + clip_g), "flux" (clip_l + t5xxl)."""
+    c = import_comfy()
+    import comfy.sd1_clip
+    import comfy.sdxl_clip
+    import comfy.supported_models_base
+    import comfy.text_encoders.flux
+
+    targets = {
+        "sd1": (comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel),
+        "sdxl": (comfy.sdxl_clip.SDXLTokenizer, comfy.sdxl_clip.SDXLClipModel),
+        "flux": (comfy.text_encoders.flux.FluxTokenizer, comfy.text_encoders.flux.flux_clip()),
+    }
+    tokenizer, model = targets[kind]
+    target = comfy.supported_models_base.ClipTarget(tokenizer, model)
+    clip = c.sd.CLIP(target, model_options={**CLIP_OPTIONS, "dtype": torch.float32}, disable_dynamic=True)
+    _seeded(clip.cond_stage_model, seed)
+    return clip
+
+
+def _sd_unet_diffusers(kind: str, seed: int):
+    from diffusers import UNet2DConditionModel
+
+    common = dict(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        cross_attention_dim=32,
+        norm_num_groups=32,
+    )
+    if kind == "sd15":
+        config = dict(
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            attention_head_dim=8,
+        )
+    else:  # SDXL: linear projections, text_time embedding (ComfyUI's SDXL embeds 6 time ids at 256 each)
+        config = dict(
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2),
+            attention_head_dim=(2, 4),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=32 + 6 * 256,
+        )
+    model = UNet2DConditionModel(**common, **config).eval()
+    _seeded(model, seed)
+    return model
+
+
+# The ComfyUI UNet configs of the twins above, as detect_unet_config writes them (the helper checks they match).
+SD_UNET_CONFIGS = {
+    "sd15": {"transformer_depth": [1, 0], "transformer_depth_output": [1, 1, 0, 0], "transformer_depth_middle": 1,
+             "use_linear_in_transformer": False, "adm_in_channels": None},
+    "sdxl": {"transformer_depth": [0, 2], "transformer_depth_output": [0, 0, 2, 2], "transformer_depth_middle": 2,
+             "use_linear_in_transformer": True, "adm_in_channels": 32 + 6 * 256, "num_classes": "sequential"},
+}  # fmt: skip
+BASE_UNET_CONFIG = {
+    "model_channels": 32,
+    "channel_mult": [1, 2],
+    "num_res_blocks": [1, 1],
+    "context_dim": 32,
+    "use_checkpoint": False,
+    "image_size": 32,
+    "use_spatial_transformer": True,
+    "legacy": False,
+    "in_channels": 4,
+    "out_channels": 4,
+    "use_temporal_resblock": False,
+    "use_temporal_attention": False,
+}
+
+
+def tiny_sd_unet(kind: str = "sd15", seed: int = 0) -> ComfyModel:
+    """SD1.5 ("sd15") or SDXL ("sdxl") at 32/64 channels as a ComfyUI ModelPatcher with its CLIP."""
+    c = import_comfy()
+    twin = _sd_unet_diffusers(kind, seed)
+    config = {**BASE_UNET_CONFIG, **SD_UNET_CONFIGS[kind]}
+    to_diffusers = c.utils.unet_to_diffusers(config)
+    twin_sd = twin.state_dict()
+    ldm = {ldm_key: twin_sd[d_key].clone() for d_key, ldm_key in to_diffusers.items() if d_key in twin_sd}
+    assert len(ldm) == len(twin_sd), f"{kind}: {len(twin_sd) - len(ldm)} diffusers keys have no LDM name"
+    detected = c.model_detection.detect_unet_config(ldm, "")
+    assert {k: detected.get(k) for k in config} == config, f"{kind}: ComfyUI detects {detected}"
+    model_config = (c.supported_models.SD15 if kind == "sd15" else c.supported_models.SDXL)(detected)
+    if kind == "sdxl":  # 64 channels per head would leave the tiny levels headless; the twin uses 16
+        model_config.unet_config["num_head_channels"] = 16
+    model_config.set_inference_dtype(torch.float32, None)
+    model = model_config.get_model({}, "")
+    model.load_model_weights(ldm, "")
+    patcher = c.model_patcher.ModelPatcher(
+        model, load_device=torch.device("cpu"), offload_device=torch.device("cpu")
+    )
+    return ComfyModel(kind, patcher, tiny_clip("sd1" if kind == "sd15" else "sdxl"), twin)
+
+
+FLUX_PARAMS = {
+    "in_channels": 16,
+    "out_channels": 16,
+    "vec_in_dim": 32,
+    "context_in_dim": 32,
+    "hidden_size": 128,
+    "mlp_ratio": 4.0,
+    "num_heads": 1,
+    "depth": 1,
+    "depth_single_blocks": 1,
+    "axes_dim": [16, 56, 56],
+    "theta": 10000,
+    "patch_size": 2,
+    "qkv_bias": True,
+    "guidance_embed": True,
+    "txt_ids_dims": [],
+}
+
+
+def flux_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A BFL-layout Flux.1-dev state dict at hidden 128 (the shapes of ComfyUI's own Flux class), seeded."""
+    import_comfy()
+    import comfy.ldm.flux.model
+    import comfy.ops
+
+    with torch.device("meta"):
+        shapes = comfy.ldm.flux.model.Flux(
+            operations=comfy.ops.disable_weight_init, **FLUX_PARAMS
+        ).state_dict()
+    g = torch.Generator().manual_seed(seed)
+    # BFL files name the q/k RMSNorm weights `.scale`; ComfyUI's Flux.process_unet_state_dict renames them.
+    return {_bfl_name(k): torch.randn(v.shape, generator=g) * 0.05 for k, v in shapes.items()}
+
+
+def _bfl_name(key: str) -> str:
+    return key[: -len(".weight")] + ".scale" if key.endswith("_norm.weight") else key
+
+
+def tiny_flux(seed: int = 0) -> ComfyModel:
+    """Flux.1-dev at hidden 128 loaded as UNETLoader does (ComfyUI's detection), with a CLIP-L + T5 CLIP."""
+    c = import_comfy()
+    from diffusers import FluxTransformer2DModel
+
+    bfl = flux_state_dict(seed)
+    patcher = c.sd.load_diffusion_model_state_dict(
+        dict(bfl), model_options={"dtype": torch.float32}, disable_dynamic=True
+    )
+    assert patcher is not None and type(patcher.model.model_config).__name__ == "Flux", (
+        "ComfyUI did not detect Flux"
+    )
+    twin = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=128,
+        num_attention_heads=1,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    ).eval()
+    comfy_sd = patcher.model.diffusion_model.state_dict()
+    rows = flux_rows_map(patcher)
+    twin.load_state_dict(
+        {name: rows_of(comfy_sd, where) for name, where in rows.items() if name in twin.state_dict()}
+    )
+    return ComfyModel("flux", patcher, tiny_clip("flux"), twin)
+
+
+def flux_rows_map(patcher) -> dict:
+    """diffusers name -> ComfyUI name, (name, (dim, start, length)) or (name, offset, fn): ComfyUI's own
+    `comfy.utils.flux_to_diffusers` (what its loader of diffusers-format Flux files uses). diffusers' single-file
+    converter hard-codes inner_dim 3072, so it cannot map a 128-wide model."""
+    c = import_comfy()
+    return c.utils.flux_to_diffusers(patcher.model.model_config.unet_config, output_prefix="")
+
+
+def rows_of(state: dict[str, torch.Tensor], where) -> torch.Tensor:
+    """The rows `where` (a flux_rows_map value) names in a ComfyUI state dict."""
+    if isinstance(where, str):
+        return state[where]
+    tensor = state[where[0]]
+    if where[1] is not None:
+        tensor = tensor.narrow(*where[1])
+    return where[2](tensor) if len(where) > 2 else tensor
+
+
+BUILDERS = {"sd15": lambda: tiny_sd_unet("sd15"), "sdxl": lambda: tiny_sd_unet("sdxl"), "flux": tiny_flux}
