@@ -12,7 +12,7 @@ import logging
 
 from comfy_api.latest import io, ui
 
-from ..errors import ArgumentError, NoKeysLandedError
+from ..errors import ArgumentError, LoraweaveError, NoKeysLandedError
 from ..modes import APPLY_MODES, STACK_MODES
 from .lora_files import (
     NONE,
@@ -318,8 +318,14 @@ class LoraWeaveInspect(LoraFileNode):
     @classmethod
     def execute(cls, lora_name) -> io.NodeOutput:
         path = lora_path(lora_name)
-        text, triggers = inspect_text(path), trigger_text(path)
-        return io.NodeOutput(text, triggers, heatmap_image(path), ui=ui.PreviewText(text))
+        try:
+            text, triggers, heatmap = inspect_text(path), trigger_text(path), heatmap_image(path)
+        except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does
+            raise LoraweaveError(
+                f"{lora_name}: LoraWeave Inspect resolves the file on the architecture's skeleton, built from "
+                f"diffusers' classes, and needs {exc.name}: pip install 'loraweave[comfy]' into ComfyUI's Python"
+            ) from exc
+        return io.NodeOutput(text, triggers, heatmap, ui=ui.PreviewText(text))
 
 
 NODES: list[type[io.ComfyNode]] = [
