@@ -240,13 +240,19 @@ def test_bad_names_refused_at_queue_time(comfy_home, name, says):
 
 
 @pytest.mark.parametrize(
-    "name, error", [("sd1.safetensors", "NoKeysLandedError"), ("partial.safetensors", "StrictApplyError")]
+    "name, strict, error",
+    [
+        ("sd1.safetensors", False, "NoKeysLandedError"),
+        ("sd1.safetensors", True, "Error"),  # strict may refuse first: either error names the file
+        ("partial.safetensors", True, "StrictApplyError"),
+    ],
 )
-def test_execution_errors_name_the_file_and_leave_input(comfy_home, name, error):
-    valid, _, ex, out = _run(_graph(_loader(strict=True), name))
+def test_execution_errors_name_the_file_and_leave_input(comfy_home, name, strict, error):
+    valid, _, ex, out = _run(_graph(_loader(strict=strict), name))
     assert valid and not ex.success
     failure = _error(ex)
-    assert failure["node_id"] == "2" and failure["exception_type"].endswith(error)
+    assert failure["node_id"] == "2" and failure["exception_type"].startswith("loraweave.errors.")
+    assert failure["exception_type"].endswith(error)
     assert name in failure["exception_message"]
     assert out["1"][0].patches == {}
 

@@ -9,6 +9,8 @@ This module imports ComfyUI at import time: only `comfy.extension.comfy_entrypoi
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from comfy_api.latest import io, ui
 
@@ -73,6 +75,18 @@ def schema(node_id: str, display_name: str, description: str, **fields) -> io.Sc
     )
 
 
+@contextmanager
+def named_errors(lora: str) -> Iterator[None]:
+    """A loraweave error raised inside names the file as the user chose it (the library names the adapter by its
+    stem or full path); its type, and `.report` where it has one, stay as they were."""
+    try:
+        yield
+    except LoraweaveError as exc:
+        if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(lora):
+            exc.args = (f"{lora}: {exc.args[0]}", *exc.args[1:])
+        raise
+
+
 def _lora_input(optional: bool = False) -> io.Combo.Input:
     return io.Combo.Input(
         "lora_name",
@@ -114,10 +128,11 @@ def load_one(
     """(model, clip, report text) from c1's load_lora_for_models on the named file; clones, inputs untouched."""
     from .api import load_lora_for_models
 
-    model, clip, report = load_lora_for_models(
-        model, clip, lora_path(lora_name), strength_model, strength_clip, mode=mode, strict=strict
-    )
-    return model, clip, report_text(checked(report, lora_name), lora_name)
+    with named_errors(lora_name):
+        model, clip, report = load_lora_for_models(
+            model, clip, lora_path(lora_name), strength_model, strength_clip, mode=mode, strict=strict
+        )
+        return model, clip, report_text(checked(report, lora_name), lora_name)
 
 
 class LoraWeaveLoader(LoraFileNode):
@@ -254,11 +269,17 @@ class LoraWeaveApplyStack(io.ComfyNode):
         if not rows:
             text = "empty LORA_STACK: nothing applied"
             return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
-        model, clip, report = apply_stack(
-            model, clip, rows, stack_mode=stack_mode, block_weights=block_weights.strip() or None, mode=mode
-        )
         names = ", ".join(str(r[0]) for r in lora_stack)
-        text = report_text(checked(report, names), names)
+        with named_errors(names):
+            model, clip, report = apply_stack(
+                model,
+                clip,
+                rows,
+                stack_mode=stack_mode,
+                block_weights=block_weights.strip() or None,
+                mode=mode,
+            )
+            text = report_text(checked(report, names), names)
         return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
 
 
@@ -292,8 +313,9 @@ class LoraWeaveStepWindow(LoraFileNode):
         from .steps import apply_step_window
 
         path = lora_path(lora_name)
-        model, report = apply_step_window(model, path, strength, start_percent, end_percent, ramp=ramp)
-        text = report_text(checked(report, lora_name), lora_name)
+        with named_errors(lora_name):
+            model, report = apply_step_window(model, path, strength, start_percent, end_percent, ramp=ramp)
+            text = report_text(checked(report, lora_name), lora_name)
         text += f"\n  active from {start_percent:g} to {end_percent:g} of the steps, ramp {ramp:g}"
         return io.NodeOutput(model, text, ui=ui.PreviewText(text))
 
@@ -319,7 +341,8 @@ class LoraWeaveInspect(LoraFileNode):
     def execute(cls, lora_name) -> io.NodeOutput:
         path = lora_path(lora_name)
         try:
-            text, triggers, heatmap = inspect_text(path), trigger_text(path), heatmap_image(path)
+            with named_errors(lora_name):
+                text, triggers, heatmap = inspect_text(path), trigger_text(path), heatmap_image(path)
         except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does
             raise LoraweaveError(
                 f"{lora_name}: LoraWeave Inspect resolves the file on the architecture's skeleton, built from "
