@@ -41,7 +41,7 @@ def _slot(name: str, kind: str, link=None, links=None) -> dict:
     return {"name": name, "type": kind, **({"links": links} if links is not None else {"link": link})}
 
 
-def workflow() -> dict:
+def workflow(strength: float = 0.7) -> dict:
     """UI-format workflow: Load Diffusion Model -> LoraWeave Loader -> Preview as Text, and
     LoraWeave Inspect -> Preview Image (its heatmap)."""
     nodes = [
@@ -49,7 +49,7 @@ def workflow() -> dict:
         _node(LOADER, "LoraWeaveLoader", [370, 60], [440, 300],
               [_slot("model", "MODEL", 1), _slot("clip", "CLIP")],
               [_slot("MODEL", "MODEL", links=[]), _slot("CLIP", "CLIP", links=[]), _slot("report", "STRING", links=[2])],
-              ["flux.safetensors", 0.7, 1.0, "merge", False]),
+              ["flux.safetensors", strength, 1.0, "merge", False]),
         _node(3, "PreviewAny", [840, 60], [330, 200], [_slot("source", "*", 2)], [], []),
         _node(INSPECT, "LoraWeaveInspect", [20, 420], [520, 330], [],
               [_slot("report", "STRING", links=[]), _slot("trigger_words", "STRING", links=[]),
@@ -84,14 +84,31 @@ def _base_directory(base) -> None:
     assert (base / "custom_nodes" / "loraweave_nodes" / "__init__.py").is_file()
 
 
-def _wait_history(url: str, timeout: float = 60.0) -> dict:
+def _wait_history(url: str, runs: int, timeout: float = 60.0) -> dict:
+    """/history once it holds `runs` finished runs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         history = get_json(f"{url}/history")
-        if history and all("completed" in entry.get("status", {}) for entry in history.values()):
+        if len(history) >= runs and all("completed" in entry.get("status", {}) for entry in history.values()):
             return history
         time.sleep(0.5)
     raise TimeoutError(f"the queued workflow did not complete within {timeout} s")
+
+
+async def _open(page: Page, url: str) -> None:
+    await page.send("Page.navigate", url=url)
+    await page.wait_for("!!(window.app && app.graph && window.LiteGraph)", 60, "the ComfyUI app")
+    # queued before the app's websocket is open, the run's messages would go to no client
+    await page.wait_for(
+        "!!(app.api?.clientId && app.api.socket?.readyState === 1)", 30, "the app's websocket"
+    )
+
+
+async def _run(page: Page, url: str, graph: dict, runs: int) -> dict:
+    """Load the workflow, queue it, and return /history once the run finished."""
+    await page.evaluate(f"app.loadGraphData({json.dumps(graph)}).then(() => true)")
+    await page.evaluate("app.queuePrompt(0).then(() => true)")
+    return await asyncio.to_thread(_wait_history, url, runs)
 
 
 async def _drive(ws_url: str, url: str, shot) -> dict:
@@ -101,18 +118,11 @@ async def _drive(ws_url: str, url: str, shot) -> dict:
         await page.send("Runtime.enable")
         await page.send("Emulation.setDeviceMetricsOverride", width=WINDOW[0], height=WINDOW[1],
                         deviceScaleFactor=1, mobile=False)  # fmt: skip
-        await page.send("Page.navigate", url=url)
-        await page.wait_for("!!(window.app && app.graph && window.LiteGraph)", 60, "the ComfyUI app")
-        # queued before the app's websocket is open, the run's messages would go to no client
-        await page.wait_for(
-            "!!(app.api?.clientId && app.api.socket?.readyState === 1)", 30, "the app's websocket"
-        )
+        await _open(page, url)
         registered = await page.evaluate(
             "Object.keys(LiteGraph.registered_node_types).filter(k => k.startsWith('LoraWeave'))"
         )
-        await page.evaluate(f"app.loadGraphData({json.dumps(workflow())}).then(() => true)")
-        await page.evaluate("app.queuePrompt(0).then(() => true)")
-        history = await asyncio.to_thread(_wait_history, url)
+        history = await _run(page, url, workflow(), runs=1)
         widget = f"app.graph.getNodeById({LOADER}).widgets.find(w => w.name === 'loraweave_report')?.value"
         shown = await page.wait_for(widget, 20, "the report on the loader node")
         await page.evaluate(
@@ -130,7 +140,27 @@ async def _drive(ws_url: str, url: str, shot) -> dict:
         )
         await asyncio.sleep(1.0)  # the heatmap preview and the panel finish drawing
         await page.screenshot(shot)
-        return {"registered": registered, "history": history, "shown": shown, "library": library}
+        # Nodes 2.0 (the Vue renderer): the same nodes, re-run at another strength, show the report in its DOM
+        await page.evaluate(
+            "app.extensionManager.setting.set('Comfy.VueNodes.Enabled', true).then(() => true)"
+        )
+        await _open(page, url)
+        history_2 = await _run(page, url, workflow(strength=0.5), runs=2)
+        texts = "[...document.querySelectorAll('textarea')].map(t => t.value).join('\\n---\\n')"
+        dom = await page.wait_for(
+            f"(() => {{ const t = {texts}; return t.includes('keys_applied') && t; }})()",
+            20,
+            "the report in the Nodes 2.0 DOM",
+        )
+        await asyncio.sleep(1.0)
+        await page.screenshot(shot.with_name("comfy_browser_nodes2.png"))
+        return {
+            "registered": registered,
+            "history": history,
+            "shown": shown,
+            "library": library,
+            "vue": (history_2, dom),
+        }
 
 
 def test_pack_in_a_real_browser(tmp_path):
@@ -143,7 +173,7 @@ def test_pack_in_a_real_browser(tmp_path):
         chromium, ws_url = start_chromium(tmp_path / "profile")
         shot = tmp_path / "comfy_browser.png"
         seen = asyncio.run(_drive(ws_url, url, shot))
-        print(f"screenshot: {shot}")
+        print(f"screenshots: {shot} {shot.with_name('comfy_browser_nodes2.png')}")
     finally:
         for process in (chromium, server):
             if process is not None:
@@ -160,3 +190,9 @@ def test_pack_in_a_real_browser(tmp_path):
         line.strip() for line in seen["library"].splitlines()
     }
     assert shot.stat().st_size > 10_000
+    history, dom = seen["vue"]
+    (second,) = (entry for key, entry in history.items() if key not in seen["history"])
+    assert second["status"]["status_str"] == "success", second["status"]
+    assert second["outputs"][str(LOADER)]["text"][0] in dom.split("\n---\n"), (
+        "Nodes 2.0 does not show the report"
+    )
