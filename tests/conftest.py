@@ -84,8 +84,10 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_cli_convert": ("realdata",),
     "test_cli_extract": ("realdata",),
     "test_cli_inspect": ("realdata",),
+    "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),
+    "test_comfy_nodes": ("comfy",),
     "test_comfy_realdata": ("comfy", "realdata"),
     "test_comfy_runtime": ("comfy",),
     "test_comfy_sampling": ("comfy",),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bake, convert, demo, extract, generate, inspect, resize, serve
+from . import bake, comfy, convert, demo, extract, generate, inspect, resize, serve
 from .support import EXIT_OK, configure_logging, exit_code, silence_stdout, with_exit_status
 
 COMMANDS = {
@@ -22,6 +22,7 @@ COMMANDS = {
     "resize": resize,
     "generate": generate,
     "serve": serve,
+    "comfy": comfy,
 }
 
 

@@ -1,0 +1,104 @@
+"""LoRA files as the nodes name them: a `lora_name` in ComfyUI's "loras" folders, never a path outside them;
+queue-time checks, cache fingerprints, and what LoraWeave Inspect shows (loraweave's inspect, trigger words and
+heatmap). ComfyUI's `folder_paths` is imported inside the functions, as every part of `loraweave.comfy` does."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+from ..errors import ArgumentError, LoraweaveError
+
+log = logging.getLogger("loraweave")
+
+FOLDER = "loras"
+NONE = "None"  # the stack row's "no LoRA" choice (the LORA_STACK packs' convention)
+
+
+def lora_choices(with_none: bool = False) -> list[str]:
+    import folder_paths
+
+    return ([NONE] if with_none else []) + folder_paths.get_filename_list(FOLDER)
+
+
+def lora_path(name: str) -> str:
+    """The file `name` stands for in the loras folders; ArgumentError for an absolute name, a `..` part, or a
+    name no folder holds (the message names the name and the folders)."""
+    import folder_paths
+
+    if not isinstance(name, str) or not name.strip() or name == NONE:
+        raise ArgumentError(f"lora_name {name!r}: no LoRA file chosen")
+    for pure in (PurePosixPath(name), PureWindowsPath(name)):
+        if pure.is_absolute() or pure.drive or ".." in pure.parts:
+            raise ArgumentError(
+                f"lora_name {name!r}: refused: a name inside ComfyUI's {FOLDER} folders is expected, "
+                "not an absolute path or one with '..'"
+            )
+    path = folder_paths.get_full_path(FOLDER, name)
+    if path is None:
+        folders = ", ".join(folder_paths.get_folder_paths(FOLDER))
+        raise ArgumentError(f"lora_name {name!r}: no such file in ComfyUI's {FOLDER} folders ({folders})")
+    return path
+
+
+def validation_message(name: str) -> bool | str:
+    """True, or why `name` cannot be loaded (ComfyUI shows the string at queue time): a refused or missing name,
+    or a .safetensors file whose header is broken."""
+    from ..io.safetensors_file import read_safetensors_header
+
+    try:
+        path = lora_path(name)
+        if path.lower().endswith(".safetensors"):
+            read_safetensors_header(path)
+    except (LoraweaveError, OSError) as exc:
+        return str(exc)
+    return True
+
+
+def file_fingerprint(name: str) -> str:
+    """Changes when the file does (mtime, size), so ComfyUI re-runs the node for a rewritten file of that name."""
+    try:
+        stat = os.stat(lora_path(name))
+    except (LoraweaveError, OSError):
+        return f"unresolved:{name}"  # validation reports it; no fingerprint to take
+    return f"{name}:{stat.st_mtime_ns}:{stat.st_size}"
+
+
+def inspect_text(path: str) -> str:
+    """loraweave inspect's table of the file (layout, families, ranks, detected architecture, coverage)."""
+    from ..tools.inspect import format_table, inspect_adapter
+
+    return format_table(inspect_adapter(path))
+
+
+def trigger_text(path: str) -> str:
+    """The trigger words (modelspec.trigger_phrase, then the most frequent ss_tag_frequency tags), comma-joined."""
+    from ..formats.adapter import load_adapter
+    from ..io.safetensors_file import read_safetensors_header
+    from ..tools.inspect_dir import trigger_words
+
+    if path.lower().endswith(".safetensors"):
+        metadata = read_safetensors_header(path)[1]
+    else:
+        metadata = load_adapter(path).metadata
+    return ", ".join(trigger_words(metadata))
+
+
+def heatmap_image(path: str):
+    """`loraweave inspect --plot`'s heatmap as a ComfyUI IMAGE: float32 [1, H, W, 3] in 0..1."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from ..tools.heatmap import render
+    from ..tools.plot import block_grid
+
+    grid = block_grid(path)
+    with tempfile.TemporaryDirectory(prefix="loraweave-heatmap-") as tmp:
+        png = Path(tmp) / "heatmap.png"
+        render(grid, png)
+        with Image.open(png) as img:
+            pixels = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(pixels.copy())[None]

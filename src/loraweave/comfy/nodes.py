@@ -1,0 +1,361 @@
+"""The LoraWeave nodes for ComfyUI (V3 schema, standard widgets only, so they work under Nodes 2.0).
+
+Node ids and input names are a public contract. Every node names its LoRA by `lora_name` in ComfyUI's "loras"
+folders (`lora_files.lora_path` refuses absolute names and `..`); the work is done by `comfy.api`
+(load_lora_for_models), `comfy.stack` (apply_stack) and `comfy.steps` (apply_step_window), which return clones.
+This module imports ComfyUI at import time: only `comfy.extension.comfy_entrypoint` imports it, inside ComfyUI.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from comfy_api.latest import io, ui
+
+from ..errors import ArgumentError, LoraweaveError, NoKeysLandedError
+from ..modes import APPLY_MODES, STACK_MODES
+from .lora_files import (
+    NONE,
+    file_fingerprint,
+    heatmap_image,
+    inspect_text,
+    lora_choices,
+    lora_path,
+    trigger_text,
+    validation_message,
+)
+
+log = logging.getLogger("loraweave")
+
+CATEGORY = "loaders/loraweave"
+LoraStack = io.Custom(
+    "LORA_STACK"
+)  # list of (lora_name, model_strength, clip_strength): Efficiency/Easy-Use's
+STRENGTH = {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01}
+
+
+def report_text(report, lora: str) -> str:
+    """What the node shows: loraweave's one-line summary, then the misses by kind; a partial load says so first."""
+    lines = []
+    if report.keys_total and report.keys_applied < report.keys_total:
+        lines.append(f"WARNING: {lora}: {report.keys_applied} of {report.keys_total} keys landed")
+    lines.append(f"{lora}: {report.summary()}")
+    for component, mechanisms in sorted(report.counts().items()):
+        lines.append(f"  {component}: " + ", ".join(f"{m}={n}" for m, n in sorted(mechanisms.items())))
+    for kind, count in sorted(report.kinds().items()):
+        keys = [u.key for u in report.unmatched if u.kind == kind][:3]
+        lines.append(f"  missed {kind}: {count} ({', '.join(keys)}{', ...' if count > len(keys) else ''})")
+    return "\n".join(lines)
+
+
+def checked(report, lora: str):
+    """The report, after refusing one where no key landed and logging a partial one."""
+    if report.keys_total and report.keys_applied == 0:
+        raise NoKeysLandedError(
+            f"{lora}: none of its {report.keys_total} keys lands on this model (a LoRA for another "
+            f"architecture?): {report.summary()}",
+            report,
+        )
+    if report.keys_applied < report.keys_total:
+        log.warning(
+            "comfy partial lora=%s keys_applied=%d keys_total=%d",
+            lora,
+            report.keys_applied,
+            report.keys_total,
+        )
+    return report
+
+
+def schema(node_id: str, display_name: str, description: str, **fields) -> io.Schema:
+    """A node's schema in the pack's category."""
+    return io.Schema(
+        node_id=node_id, display_name=display_name, category=CATEGORY, description=description, **fields
+    )
+
+
+@contextmanager
+def named_errors(lora: str) -> Iterator[None]:
+    """A loraweave error raised inside names the file as the user chose it (the library names the adapter by its
+    stem or full path); its type, and `.report` where it has one, stay as they were."""
+    try:
+        yield
+    except LoraweaveError as exc:
+        if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(lora):
+            exc.args = (f"{lora}: {exc.args[0]}", *exc.args[1:])
+        raise
+
+
+def _lora_input(optional: bool = False) -> io.Combo.Input:
+    return io.Combo.Input(
+        "lora_name",
+        options=lora_choices(with_none=optional),
+        tooltip="a file in ComfyUI's loras folder (any trainer's layout)",
+    )
+
+
+def _mode_input() -> io.Combo.Input:
+    return io.Combo.Input(
+        "mode",
+        options=list(APPLY_MODES),
+        default="auto",
+        tooltip="merge: ComfyUI's patches with loraweave's exact delta; runtime: base weights untouched; "
+        "auto: merge unless the base weights are quantized in a way merge cannot write",
+    )
+
+
+def _strict_input() -> io.Boolean.Input:
+    return io.Boolean.Input("strict", default=False, tooltip="fail when some key of the file does not land")
+
+
+class LoraFileNode(io.ComfyNode):
+    """A node that reads one file of the loras folders: refused at queue time when the name is bad or the file
+    is missing or broken; re-run when the file changes."""
+
+    @classmethod
+    def validate_inputs(cls, lora_name: str) -> bool | str:
+        return validation_message(lora_name)
+
+    @classmethod
+    def fingerprint_inputs(cls, lora_name: str, **_) -> str:
+        return file_fingerprint(lora_name)
+
+
+def load_one(
+    model, clip, lora_name: str, strength_model: float, strength_clip: float, mode: str, strict: bool
+):
+    """(model, clip, report text) from c1's load_lora_for_models on the named file; clones, inputs untouched."""
+    from .api import load_lora_for_models
+
+    with named_errors(lora_name):
+        model, clip, report = load_lora_for_models(
+            model, clip, lora_path(lora_name), strength_model, strength_clip, mode=mode, strict=strict
+        )
+        return model, clip, report_text(checked(report, lora_name), lora_name)
+
+
+class LoraWeaveLoader(LoraFileNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return schema(
+            "LoraWeaveLoader",
+            "LoraWeave Loader",
+            "Apply a LoRA/LyCORIS file of any layout to MODEL and CLIP; shows what landed.",
+            inputs=[
+                io.Model.Input("model"),
+                io.Clip.Input("clip", optional=True),
+                _lora_input(),
+                io.Float.Input("strength_model", **STRENGTH),
+                io.Float.Input("strength_clip", **STRENGTH),
+                _mode_input(),
+                _strict_input(),
+            ],
+            outputs=[io.Model.Output(), io.Clip.Output(), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(
+        cls, model, lora_name, strength_model, strength_clip, mode, strict, clip=None
+    ) -> io.NodeOutput:
+        model, clip, text = load_one(model, clip, lora_name, strength_model, strength_clip, mode, strict)
+        return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
+
+
+class LoraWeaveLoaderModelOnly(LoraFileNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return schema(
+            "LoraWeaveLoaderModelOnly",
+            "LoraWeave Loader (model only)",
+            "Apply a LoRA/LyCORIS file of any layout to MODEL; shows what landed.",
+            inputs=[
+                io.Model.Input("model"),
+                _lora_input(),
+                io.Float.Input("strength_model", **STRENGTH),
+                _mode_input(),
+                _strict_input(),
+            ],
+            outputs=[io.Model.Output(), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(cls, model, lora_name, strength_model, mode, strict) -> io.NodeOutput:
+        model, _, text = load_one(model, None, lora_name, strength_model, 0.0, mode, strict)
+        return io.NodeOutput(model, text, ui=ui.PreviewText(text))
+
+
+class LoraWeaveStack(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return schema(
+            "LoraWeaveStack",
+            "LoraWeave Stack",
+            "One row of a LORA_STACK: chain rows, then apply them with LoraWeave Apply Stack "
+            "(or any loader that takes LORA_STACK).",
+            inputs=[
+                _lora_input(optional=True),
+                io.Float.Input("model_strength", **STRENGTH),
+                io.Float.Input("clip_strength", **STRENGTH),
+                io.Boolean.Input(
+                    "enabled", default=True, tooltip="off: this row passes the stack on unchanged"
+                ),
+                LoraStack.Input("lora_stack", optional=True),
+            ],
+            outputs=[LoraStack.Output(display_name="LORA_STACK")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, lora_name: str) -> bool | str:
+        return True if lora_name == NONE else validation_message(lora_name)
+
+    @classmethod
+    def execute(cls, lora_name, model_strength, clip_strength, enabled, lora_stack=None) -> io.NodeOutput:
+        rows = list(lora_stack or [])  # a new list: the upstream node's cached output stays as it was
+        if enabled and lora_name != NONE:
+            rows.append((lora_name, float(model_strength), float(clip_strength)))
+        return io.NodeOutput(rows)
+
+
+def stack_rows(stack) -> list[tuple[str, float, float]]:
+    """A LORA_STACK (ours or another pack's) with each name resolved to its file; a bad row names its index."""
+    if not isinstance(stack, (list, tuple)):
+        raise ArgumentError(
+            f"lora_stack: expected a list of (lora_name, model_strength, clip_strength), got {type(stack).__name__}"
+        )
+    rows = []
+    for i, row in enumerate(stack):
+        if not isinstance(row, (list, tuple)) or len(row) != 3:
+            raise ArgumentError(
+                f"lora_stack[{i}]: expected (lora_name, model_strength, clip_strength), got {row!r}"
+            )
+        name, model_strength, clip_strength = row
+        if not isinstance(name, str) or not all(
+            isinstance(s, (int, float)) for s in (model_strength, clip_strength)
+        ):
+            raise ArgumentError(f"lora_stack[{i}]: expected (str, number, number), got {row!r}")
+        rows.append((lora_path(name), float(model_strength), float(clip_strength)))
+    return rows
+
+
+class LoraWeaveApplyStack(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return schema(
+            "LoraWeaveApplyStack",
+            "LoraWeave Apply Stack",
+            "Apply a LORA_STACK (ours or another pack's) with a stack mode and block weights.",
+            inputs=[
+                io.Model.Input("model"),
+                io.Clip.Input("clip", optional=True),
+                LoraStack.Input("lora_stack"),
+                io.Combo.Input("stack_mode", options=list(STACK_MODES), default="sum"),
+                io.String.Input(
+                    "block_weights",
+                    default="",
+                    tooltip="empty: every block at 1; a preset name (e.g. INALL, DOUBLE) or a comma-separated "
+                    "vector on the detected architecture's block map",
+                ),
+                _mode_input(),
+            ],
+            outputs=[io.Model.Output(), io.Clip.Output(), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(cls, model, lora_stack, stack_mode, block_weights, mode, clip=None) -> io.NodeOutput:
+        from .stack import apply_stack
+
+        rows = stack_rows(lora_stack)
+        if not rows:
+            text = "empty LORA_STACK: nothing applied"
+            return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
+        names = ", ".join(str(r[0]) for r in lora_stack)
+        with named_errors(names):
+            model, clip, report = apply_stack(
+                model,
+                clip,
+                rows,
+                stack_mode=stack_mode,
+                block_weights=block_weights.strip() or None,
+                mode=mode,
+            )
+            text = report_text(checked(report, names), names)
+        return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
+
+
+class LoraWeaveStepWindow(LoraFileNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return schema(
+            "LoraWeaveStepWindow",
+            "LoraWeave Step Window",
+            "A LoRA active only from start_percent to end_percent of the sampling, with an optional "
+            "ramp; applied at runtime, no weight is re-merged.",
+            inputs=[
+                io.Model.Input("model"),
+                _lora_input(),
+                io.Float.Input("strength", **STRENGTH),
+                io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01),
+                io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01),
+                io.Float.Input("ramp", default=0.0, min=0.0, max=1.0, step=0.01, tooltip="fade in/out width"),
+            ],
+            outputs=[io.Model.Output(), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, lora_name: str, start_percent: float, end_percent: float) -> bool | str:
+        if start_percent > end_percent:
+            return f"start_percent {start_percent} is after end_percent {end_percent}"
+        return validation_message(lora_name)
+
+    @classmethod
+    def execute(cls, model, lora_name, strength, start_percent, end_percent, ramp) -> io.NodeOutput:
+        from .steps import apply_step_window
+
+        path = lora_path(lora_name)
+        with named_errors(lora_name):
+            model, report = apply_step_window(model, path, strength, start_percent, end_percent, ramp=ramp)
+            text = report_text(checked(report, lora_name), lora_name)
+        text += f"\n  active from {start_percent:g} to {end_percent:g} of the steps, ramp {ramp:g}"
+        return io.NodeOutput(model, text, ui=ui.PreviewText(text))
+
+
+class LoraWeaveInspect(LoraFileNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return schema(
+            "LoraWeaveInspect",
+            "LoraWeave Inspect",
+            "What a LoRA file is (layout, families, ranks, architecture, coverage), its trigger "
+            "words, and the heatmap of its ||dW|| per block x module kind.",
+            is_output_node=True,
+            inputs=[_lora_input()],
+            outputs=[
+                io.String.Output(display_name="report"),
+                io.String.Output(display_name="trigger_words"),
+                io.Image.Output(display_name="heatmap"),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, lora_name) -> io.NodeOutput:
+        path = lora_path(lora_name)
+        try:
+            with named_errors(lora_name):
+                text, triggers, heatmap = inspect_text(path), trigger_text(path), heatmap_image(path)
+        except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does
+            raise LoraweaveError(
+                f"{lora_name}: LoraWeave Inspect resolves the file on the architecture's skeleton, built from "
+                f"diffusers' classes, and needs {exc.name}: pip install 'loraweave[comfy]' into ComfyUI's Python"
+            ) from exc
+        return io.NodeOutput(text, triggers, heatmap, ui=ui.PreviewText(text))
+
+
+NODES: list[type[io.ComfyNode]] = [
+    LoraWeaveLoader,
+    LoraWeaveLoaderModelOnly,
+    LoraWeaveStack,
+    LoraWeaveApplyStack,
+    LoraWeaveStepWindow,
+    LoraWeaveInspect,
+]

@@ -1,0 +1,198 @@
+"""The node pack in a real browser: ComfyUI v0.19.3's main.py --cpu (source in place, comfyui-frontend-package
+1.42.11) serving a temporary base directory into which `loraweave comfy install` wrote the pack, and Debian's
+headless Chromium over the DevTools protocol. The page loads a workflow using our loader on a tiny Flux
+checkpoint and our inspector, queues it, and the test waits for /history to say it completed; then our nodes
+must be in /object_info, in the frontend's node registry and in the node library panel, and the report text
+on the loader node. The screenshot path is printed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import aiohttp
+from helpers.browser import WINDOW, Page, start_chromium
+from helpers.comfy_env import COMFYUI_DIR
+from helpers.comfy_models import flux_state_dict
+from helpers.comfy_pack import FLUX_FILE, write_loras
+from helpers.comfy_server import get_json, start_server
+from safetensors.torch import save_file
+
+NODE_IDS = {
+    "LoraWeaveLoader",
+    "LoraWeaveLoaderModelOnly",
+    "LoraWeaveStack",
+    "LoraWeaveApplyStack",
+    "LoraWeaveStepWindow",
+    "LoraWeaveInspect",
+}
+LOADER, INSPECT = 2, 4  # node ids in the workflow
+
+
+def _node(node_id: int, kind: str, pos, size, inputs, outputs, widgets) -> dict:
+    return {"id": node_id, "type": kind, "pos": pos, "size": size, "flags": {}, "order": node_id, "mode": 0,
+            "inputs": inputs, "outputs": outputs, "properties": {}, "widgets_values": widgets}  # fmt: skip
+
+
+def _slot(name: str, kind: str, link=None, links=None) -> dict:
+    return {"name": name, "type": kind, **({"links": links} if links is not None else {"link": link})}
+
+
+def workflow(strength: float = 0.7) -> dict:
+    """UI-format workflow: Load Diffusion Model -> LoraWeave Loader -> Preview as Text, and
+    LoraWeave Inspect -> Preview Image (its heatmap)."""
+    nodes = [
+        _node(1, "UNETLoader", [20, 60], [320, 90], [], [_slot("MODEL", "MODEL", links=[1])], [FLUX_FILE, "default"]),
+        _node(LOADER, "LoraWeaveLoader", [370, 60], [440, 300],
+              [_slot("model", "MODEL", 1), _slot("clip", "CLIP")],
+              [_slot("MODEL", "MODEL", links=[]), _slot("CLIP", "CLIP", links=[]), _slot("report", "STRING", links=[2])],
+              ["flux.safetensors", strength, 1.0, "merge", False]),
+        _node(3, "PreviewAny", [840, 60], [330, 200], [_slot("source", "*", 2)], [], []),
+        _node(INSPECT, "LoraWeaveInspect", [20, 420], [520, 330], [],
+              [_slot("report", "STRING", links=[]), _slot("trigger_words", "STRING", links=[]),
+               _slot("heatmap", "IMAGE", links=[3])], ["flux.safetensors"]),
+        _node(5, "PreviewImage", [570, 420], [330, 420], [_slot("images", "IMAGE", 3)], [], []),
+    ]  # fmt: skip
+    links = [[1, 1, 0, LOADER, 0, "MODEL"], [2, LOADER, 2, 3, 0, "STRING"], [3, INSPECT, 2, 5, 0, "IMAGE"]]
+    view = {"ds": {"scale": 0.9, "offset": [440, 90]}}  # the canvas right of the node library panel
+    return {"last_node_id": 5, "last_link_id": 3, "nodes": nodes, "links": links, "groups": [], "config": {},
+            "extra": view, "version": 0.4}  # fmt: skip
+
+
+def _base_directory(base) -> None:
+    """models (tiny Flux, LoRA files), user settings (no first-run tour), and our pack by `loraweave comfy install`."""
+    write_loras(base / "models" / "loras")
+    (base / "models" / "diffusion_models").mkdir(parents=True)
+    save_file(flux_state_dict(), base / "models" / "diffusion_models" / FLUX_FILE)
+    settings = base / "user" / "default" / "comfy.settings.json"
+    settings.parent.mkdir(parents=True)
+    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    cli = [
+        sys.executable,
+        "-m",
+        "loraweave",
+        "comfy",
+        "install",
+        str(COMFYUI_DIR),
+        "--base-directory",
+        str(base),
+    ]
+    subprocess.run(cli, check=True, capture_output=True)
+    assert (base / "custom_nodes" / "loraweave_nodes" / "__init__.py").is_file()
+
+
+def _wait_history(url: str, runs: int, timeout: float = 60.0) -> dict:
+    """/history once it holds `runs` finished runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        history = get_json(f"{url}/history")
+        if len(history) >= runs and all("completed" in entry.get("status", {}) for entry in history.values()):
+            return history
+        time.sleep(0.5)
+    raise TimeoutError(f"the queued workflow did not complete within {timeout} s")
+
+
+async def _open(page: Page, url: str) -> None:
+    await page.send("Page.navigate", url=url)
+    await page.wait_for("!!(window.app && app.graph && window.LiteGraph)", 60, "the ComfyUI app")
+    # queued before the app's websocket is open, the run's messages would go to no client
+    await page.wait_for(
+        "!!(app.api?.clientId && app.api.socket?.readyState === 1)", 30, "the app's websocket"
+    )
+
+
+async def _run(page: Page, url: str, graph: dict, runs: int) -> dict:
+    """Load the workflow, queue it, and return /history once the run finished."""
+    await page.evaluate(f"app.loadGraphData({json.dumps(graph)}).then(() => true)")
+    await page.evaluate("app.queuePrompt(0).then(() => true)")
+    return await asyncio.to_thread(_wait_history, url, runs)
+
+
+async def _drive(ws_url: str, url: str, shot) -> dict:
+    """Load, queue, wait; then read back what the page shows. Returns what the asserts need."""
+    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url, max_msg_size=0) as socket:
+        page = Page(socket)
+        await page.send("Runtime.enable")
+        await page.send("Emulation.setDeviceMetricsOverride", width=WINDOW[0], height=WINDOW[1],
+                        deviceScaleFactor=1, mobile=False)  # fmt: skip
+        await _open(page, url)
+        registered = await page.evaluate(
+            "Object.keys(LiteGraph.registered_node_types).filter(k => k.startsWith('LoraWeave'))"
+        )
+        history = await _run(page, url, workflow(), runs=1)
+        widget = f"app.graph.getNodeById({LOADER}).widgets.find(w => w.name === 'loraweave_report')?.value"
+        shown = await page.wait_for(widget, 20, "the report on the loader node")
+        await page.evaluate(
+            "[...document.querySelectorAll('button')].find(b => b.textContent.trim() === 'Nodes')?.click() ?? true"
+        )
+        await page.evaluate(
+            "(() => { const box = document.querySelector('.node-lib-search-box input, input[placeholder*=\"Search\"]');"
+            " if (box) { box.value = 'LoraWeave'; box.dispatchEvent(new Event('input', {bubbles: true})); }"
+            " return true; })()"
+        )
+        library = await page.wait_for(
+            "(() => { const t = document.body.innerText; return t.includes('LoraWeave Apply Stack') && t; })()",
+            20,
+            "our nodes in the node library panel",
+        )
+        await asyncio.sleep(1.0)  # the heatmap preview and the panel finish drawing
+        await page.screenshot(shot)
+        # Nodes 2.0 (the Vue renderer): the same nodes, re-run at another strength, show the report in its DOM
+        await page.evaluate(
+            "app.extensionManager.setting.set('Comfy.VueNodes.Enabled', true).then(() => true)"
+        )
+        await _open(page, url)
+        history_2 = await _run(page, url, workflow(strength=0.5), runs=2)
+        texts = "[...document.querySelectorAll('textarea')].map(t => t.value).join('\\n---\\n')"
+        dom = await page.wait_for(
+            f"(() => {{ const t = {texts}; return t.includes('keys_applied') && t; }})()",
+            20,
+            "the report in the Nodes 2.0 DOM",
+        )
+        await asyncio.sleep(1.0)
+        await page.screenshot(shot.with_name("comfy_browser_nodes2.png"))
+        return {
+            "registered": registered,
+            "history": history,
+            "shown": shown,
+            "library": library,
+            "vue": (history_2, dom),
+        }
+
+
+def test_pack_in_a_real_browser(tmp_path):
+    base = tmp_path / "comfy_base"
+    _base_directory(base)
+    server, url = start_server(COMFYUI_DIR, base, tmp_path / "server.log")
+    chromium = None
+    try:
+        assert NODE_IDS <= set(get_json(f"{url}/object_info")), "our nodes are not in /object_info"
+        chromium, ws_url = start_chromium(tmp_path / "profile")
+        shot = tmp_path / "comfy_browser.png"
+        seen = asyncio.run(_drive(ws_url, url, shot))
+        print(f"screenshots: {shot} {shot.with_name('comfy_browser_nodes2.png')}")
+    finally:
+        for process in (chromium, server):
+            if process is not None:
+                process.kill()
+                process.wait(timeout=30)
+    assert set(seen["registered"]) == NODE_IDS
+    (entry,) = seen["history"].values()
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    report = entry["outputs"][str(LOADER)]["text"][0]
+    assert report.startswith("flux.safetensors: ") and "keys_applied=6/6" in report
+    assert seen["shown"] == report, "the loader node does not show its report"
+    assert "kohya" in entry["outputs"][str(INSPECT)]["text"][0]
+    assert {"LoraWeave Loader", "LoraWeave Inspect", "LoraWeave Stack"} <= {
+        line.strip() for line in seen["library"].splitlines()
+    }
+    assert shot.stat().st_size > 10_000
+    history, dom = seen["vue"]
+    (second,) = (entry for key, entry in history.items() if key not in seen["history"])
+    assert second["status"]["status_str"] == "success", second["status"]
+    assert second["outputs"][str(LOADER)]["text"][0] in dom.split("\n---\n"), (
+        "Nodes 2.0 does not show the report"
+    )
