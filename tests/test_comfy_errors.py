@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.comfy_files import adapter_file, kohya, target_linears
+from helpers.comfy_files import adapter_file, dotted, kohya, target_linears
 from helpers.comfy_models import BUILDERS
 from safetensors.torch import save_file
 
@@ -127,3 +127,22 @@ def test_non_finite_factors_are_typed_misses(models):
     for key in model.patches:
         weight = model.patch_weight_to_device(key, device_to=torch.device("cpu"), return_weight=True)
         assert torch.isfinite(weight).all(), key
+
+
+def test_no_fitting_reference_resolves_comfy_names_only(models, monkeypatch, caplog):
+    """Where loraweave has no reference tree at the model's widths (here: Flux with the width translation taken
+    away, so the full-size catalog tree does not fit), original-named keys still land on ComfyUI's own modules and
+    diffusers-named ones are typed misses; the log says why."""
+    from loraweave.comfy import reference
+
+    m = models["flux"]
+    monkeypatch.delitem(reference.CONFIGS, "flux")
+    ours = adapter_file(
+        target_linears(m.patcher.model.diffusion_model), "lora", dotted("diffusion_model."), peft=True
+    )
+    diffusers_named = adapter_file(target_linears(m.diffusers), "lora", kohya("lora_transformer_"))
+    with caplog.at_level("WARNING", logger="loraweave"):
+        model, _, report = load_lora_for_models(m.patcher, None, {**ours, **diffusers_named}, 1.0, 0.0)
+    assert "fits=no" in caplog.text
+    assert report.keys_applied == len(ours) and len(report.unmatched) == len(diffusers_named)
+    assert {u.kind for u in report.unmatched} == {"no_such_module"} and model.patches
