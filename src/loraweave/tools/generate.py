@@ -20,6 +20,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..arguments import MAX_CFG, MAX_SIDE, MAX_STEPS
 from ..errors import LoraweaveError
 from ..modes import APPLY_MODES, ApplyMode
 from ..request.spec import AdapterSpec
@@ -126,10 +127,19 @@ def check_outputs(req: GenerateRequest) -> None:
 def validate(req: GenerateRequest) -> None:
     """Every argument checked before anything heavy is loaded; GenerateError names the flag."""
     checks = [
-        (req.steps >= 1, f"--steps must be >= 1, got {req.steps}"),
-        (math.isfinite(req.cfg) and req.cfg >= 0, f"--cfg must be a finite number >= 0, got {req.cfg}"),
-        (req.width > 0 and req.width % 8 == 0, f"-W must be a positive multiple of 8, got {req.width}"),
-        (req.height > 0 and req.height % 8 == 0, f"-H must be a positive multiple of 8, got {req.height}"),
+        (1 <= req.steps <= MAX_STEPS, f"--steps must be from 1 to {MAX_STEPS}, got {req.steps}"),
+        (
+            math.isfinite(req.cfg) and 0 <= req.cfg <= MAX_CFG,
+            f"--cfg must be a finite number from 0 to {MAX_CFG:g}, got {req.cfg}",
+        ),
+        (
+            0 < req.width <= MAX_SIDE and req.width % 8 == 0,
+            f"-W must be a positive multiple of 8 up to {MAX_SIDE}, got {req.width}",
+        ),
+        (
+            0 < req.height <= MAX_SIDE and req.height % 8 == 0,
+            f"-H must be a positive multiple of 8 up to {MAX_SIDE}, got {req.height}",
+        ),
         (req.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {req.dtype!r}"),
         (
             req.apply_mode in APPLY_MODES,
