@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import FluxTransformer2DModel
 from helpers.cli_inputs import CliInputs, cli_inputs
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from loraweave.cli import build_parser, main
@@ -159,6 +161,43 @@ def test_bake_counts_tensors_whose_bits_changed_and_refuses_an_unchanged_copy(in
         if not torch.equal(base[k].view(-1).view(torch.uint8), baked[k].view(-1).view(torch.uint8))
     ]
     assert reported == len(differ) == 2  # to_q and proj_out
+
+
+def _stored_count(path: Path) -> int:
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["loraweave.baked"])["tensors_changed"]
+
+
+def _bits_differ(before: dict, after: dict) -> int:
+    return sum(
+        not torch.equal(t.view(-1).view(torch.uint8), after[k].view(-1).view(torch.uint8))
+        for k, t in before.items()
+    )
+
+
+@pytest.mark.parametrize("strength", ["0", "0.5"])
+def test_bake_stores_the_count_of_tensors_whose_bits_changed(strength, inputs, tmp_path, capsys):
+    """The file's own metadata, not only the printed result: planned merges of strength 0 change no bit."""
+    out = tmp_path / "out.safetensors"
+    argv = ["bake", inputs.single, f"{inputs.lora}:{strength}", "-o", out, "--allow-empty", "--json"]
+    assert _run(argv) == 0
+    changed = _bits_differ(load_file(inputs.single), load_file(out))
+    assert changed == (0 if strength == "0" else 2)
+    assert _stored_count(out) == json.loads(capsys.readouterr().out)["tensors_changed"] == changed
+
+    sharded = tmp_path / "sharded"  # a component folder in shards: every shard and the index say the total
+    FluxTransformer2DModel.from_pretrained(inputs.folder).save_pretrained(sharded, max_shard_size="40KB")
+    shards = sorted(sharded.glob("*.safetensors"))
+    assert len(shards) > 2 and (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert (
+        _run(["bake", sharded, f"{inputs.lora}:{strength}", "-o", tmp_path / "baked", "--allow-empty"]) == 0
+    )
+    baked = tmp_path / "baked"
+    changed = sum(_bits_differ(load_file(s), load_file(baked / s.name)) for s in shards)
+    assert changed == (0 if strength == "0" else 2)
+    assert [_stored_count(baked / s.name) for s in shards] == [changed] * len(shards)
+    index = json.loads((baked / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    assert json.loads(index["metadata"]["loraweave.baked"])["tensors_changed"] == changed
 
 
 # ---------------------------------------------------------------------- item 9: inspect FILE --json

@@ -8,8 +8,6 @@ copied byte for byte. Peak memory: the largest changed tensor (plus its fp32 cop
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -34,6 +32,14 @@ from ..report.miss import Miss, Unmatched
 from ..request.adapters import warn_repeated
 from ..resolve.planner import Plan, resolve
 from ..resolve.target import Components
+from .bake_record import (
+    METADATA_KEY,
+    adapter_records,
+    index_with_sizes,
+    provenance,
+    rewrite_entry,
+    with_count,
+)
 from .checkpoint import Checkpoint, open_checkpoint, resolution_components
 from .positional import name_positional
 from .remap import translate
@@ -66,14 +72,6 @@ class BakeResult:
         out["output"] = str(self.output)
         out["unmatched"] = [u.to_dict() for u in self.unmatched]
         return out
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def parse_adapter_arg(spec: str) -> tuple[str, float]:
@@ -277,16 +275,6 @@ def _refuse_unchanged(result: BakeResult, model, allow_empty: bool) -> None:
         )
 
 
-def _index_with_sizes(
-    index_file: Path, dst: Path, shard_sizes: dict[str, int], extra: dict[str, str]
-) -> None:
-    data = json.loads(index_file.read_text())
-    data.setdefault("metadata", {})
-    data["metadata"]["total_size"] = sum(shard_sizes.values())
-    data["metadata"].update(extra)
-    dst.write_text(json.dumps(data, indent=2))
-
-
 def bake(
     model: str | os.PathLike,
     adapters: list[tuple[str, float]],
@@ -316,16 +304,17 @@ def bake(
         ckpt.close()
     result = _planned_result(out, plan)
     _refuse_incomplete(result, work, model, strict, allow_empty)
-    result.adapters = _adapter_records(plan, adapters)
-    extra = _provenance(model, result.adapters, dtype, work)
+    result.adapters = adapter_records(plan, adapters)
+    entry = provenance(model, result.adapters, dtype)
     total = sum(os.path.getsize(f) for f in ckpt.files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="bake", disable=not progress) as bar:
         if ckpt.kind == "file":
             with atomic_path(out) as tmp:
-                _bake_shard(ckpt.root, tmp, work, dtype, extra, bar, result)
+                _bake_shard(ckpt.root, tmp, work, dtype, {METADATA_KEY: entry}, bar, result)
                 _refuse_unchanged(result, model, allow_empty or dtype is not None)
+                rewrite_entry(tmp, entry, with_count(entry, result.tensors_changed))
         else:  # a --dtype cast is an effect of its own
-            _bake_folder(ckpt, out, work, dtype, extra, bar, result, model, allow_empty or dtype is not None)
+            _bake_folder(ckpt, out, work, dtype, entry, bar, result, model, allow_empty or dtype is not None)
     if ckpt.kind == "file":  # a folder counts its own files before they join the output folder's others
         result.bytes_written = out.stat().st_size
     result.seconds = time.perf_counter() - t0
@@ -373,47 +362,19 @@ def _refuse_incomplete(result: BakeResult, work: dict, model, strict: bool, allo
         )
 
 
-def _adapter_records(plan: Plan, adapters: list[tuple[str, float]]) -> list[dict]:
-    """Per adapter: file name, sha256, strength and keys applied (the result's and the metadata's record)."""
-    return [
-        {
-            "file": Path(path).name,
-            "sha256": file_sha256(adapter.path) if adapter.path else None,
-            "strength": strength,
-            "keys_total": adapter.keys_total,
-            "keys_applied": sum(len(pp.part.keys) for pp in plan.planned if pp.adapter is adapter),
-        }
-        for adapter, (path, strength) in zip(plan.adapters, adapters, strict=True)
-    ]
-
-
-def _provenance(model, records: list[dict], dtype: torch.dtype | None, work: dict) -> dict[str, str]:
-    """The `loraweave.baked` metadata entry every output file (and index) carries."""
-    from .. import __version__
-
-    record = {
-        "tool": "loraweave",
-        "version": __version__,
-        "base": Path(model).name,
-        "adapters": records,
-        "dtype": str(dtype).removeprefix("torch.") if dtype else "unchanged",
-        "tensors_changed": len([k for k, (kind, _) in work.items() if kind == "weight"]),
-    }
-    return {"loraweave.baked": json.dumps(record, sort_keys=True)}
-
-
 def _bake_folder(
     ckpt: Checkpoint,
     out: Path,
     work: dict,
     dtype: torch.dtype | None,
-    extra: dict[str, str],
+    entry: str,
     bar,
     result: BakeResult,
     model,
     allow_empty: bool,
 ) -> None:
-    """A component or pipeline folder: shards baked, indexes rewritten with the new sizes, other files copied."""
+    """A component or pipeline folder: shards baked, indexes rewritten with the new sizes, other files copied.
+    Each shard's entry gets the count of changed tensors once all are written."""
     shards = set(ckpt.files)
     indexes = {c.index_file: c for c in ckpt.components if c.index_file is not None}
     with atomic_path(out, folder=True) as tmp:
@@ -422,16 +383,19 @@ def _bake_folder(
             rel = src.relative_to(ckpt.root)
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             if src in shards:
-                written = _bake_shard(src, tmp / rel, work, dtype, extra, bar, result)
+                written = _bake_shard(src, tmp / rel, work, dtype, {METADATA_KEY: entry}, bar, result)
                 sizes.setdefault(src.parent, {})[src.name] = written
             elif src not in indexes:
                 shutil.copyfile(src, tmp / rel)  # contents only: the mode comes from the umask
+        _refuse_unchanged(result, model, allow_empty)
+        counted = with_count(entry, result.tensors_changed)
+        for src in shards:
+            rewrite_entry(tmp / src.relative_to(ckpt.root), entry, counted)
         for index_file in indexes:
-            _index_with_sizes(
+            index_with_sizes(
                 index_file,
                 tmp / index_file.relative_to(ckpt.root),
                 sizes.get(index_file.parent, {}),
-                extra,
+                {METADATA_KEY: counted},
             )
-        _refuse_unchanged(result, model, allow_empty)
         result.bytes_written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
