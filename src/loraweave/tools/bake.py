@@ -7,7 +7,6 @@ copied byte for byte. Peak memory: the largest changed tensor (plus its fp32 cop
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import shutil
@@ -23,15 +22,14 @@ from ..arguments import strength as check_strength
 from ..arguments import strength_text
 from ..errors import EmptyOutputError
 from ..families.contribution import add_contribution, bias_of, coefficient
-from ..formats.adapter import load_adapter
 from ..io.safetensors_file import read_safetensors_header
 from ..io.write import StreamingWriter, atomic_path, check_output
 from ..mechanisms.merge.layer import Contribution
 from ..report.coverage import miss_kind
-from ..report.miss import Miss, Unmatched
+from ..report.miss import Unmatched
 from ..request.adapters import warn_repeated
-from ..resolve.planner import Plan, resolve
-from ..resolve.target import Components
+from ..resolve.planner import Plan
+from .bake_plan import plan_adapters, tensor_plan
 from .bake_record import (
     METADATA_KEY,
     adapter_records,
@@ -40,9 +38,7 @@ from .bake_record import (
     rewrite_entry,
     with_count,
 )
-from .checkpoint import Checkpoint, open_checkpoint, resolution_components
-from .positional import name_positional
-from .remap import translate
+from .checkpoint import Checkpoint, open_checkpoint
 
 log = logging.getLogger("loraweave")
 DTYPES = {
@@ -87,98 +83,6 @@ def parse_adapter_arg(spec: str) -> tuple[str, float]:
         if Path(spec).exists() or not Path(head).exists():
             return spec, 1.0
     return head, strength_text(tail, head)
-
-
-def _plan(
-    ckpt: Checkpoint, adapters: list[tuple[str, float]], allow_pickle: bool = False
-) -> tuple[Plan, dict[str, dict]]:
-    loaded = []
-    seen: Counter = Counter()
-    for path, strength in adapters:
-        adapter = name_positional(copy.copy(load_adapter(path, allow_pickle=allow_pickle)))
-        seen[adapter.name] += 1
-        if seen[adapter.name] > 1:
-            adapter.name = f"{adapter.name}#{seen[adapter.name]}"
-        loaded.append((adapter, float(strength)))
-    trees, spans = resolution_components(ckpt)
-    return resolve(Components(trees), loaded), spans
-
-
-def _tensor_plan(
-    ckpt: Checkpoint, plan: Plan, spans: dict[str, dict]
-) -> dict[str, tuple[str, list[Contribution]]]:
-    """{full tensor name: ("weight" | "bias", contributions)}; parts that cannot merge move to plan.unmatched."""
-    prefix = {c.name: c.prefix for c in ckpt.components}
-    tensors = {name: shard for c in ckpt.components for name, shard in c.tensors.items()}
-    groups = _module_groups(plan, spans)
-    rejected = _rejected(groups, prefix, tensors, _tensor_dtypes(ckpt))
-    _drop_rejected(plan, rejected)
-    return _work(groups, prefix, rejected)
-
-
-def _tensor_dtypes(ckpt: Checkpoint) -> dict[str, torch.dtype]:
-    """Every tensor's stored dtype, from the shards' headers (no data read)."""
-    dtypes: dict[str, torch.dtype] = {}
-    for shard in ckpt.files:
-        header, _, _ = read_safetensors_header(shard)
-        dtypes.update({k: v[0] for k, v in header.items()})
-    return dtypes
-
-
-def _module_groups(plan: Plan, spans: dict[str, dict]) -> dict[tuple[str, str], list[Contribution]]:
-    """{(component, checkpoint module name): contributions}, each piece moved onto the checkpoint's own names."""
-    groups: dict[tuple[str, str], list[Contribution]] = {}
-    for pp in plan.planned:
-        for piece in pp.pieces:  # on a live module; original-named files: the same rows of their own tensors
-            for moved in translate(piece, spans.get(pp.component, {})):
-                groups.setdefault((pp.component, moved.module), []).append((pp, moved))
-    return groups
-
-
-def _why_not_mergeable(stem: str, tensors: dict, dtypes: dict, needs_bias: bool) -> str | None:
-    """Why module `stem` (full tensor-name prefix) cannot take a merge, or None when it can."""
-    weight = f"{stem}.weight"
-    if weight not in tensors:
-        return "module has no weight tensor in the checkpoint"
-    if not isinstance(dtypes[weight], torch.dtype) or not dtypes[weight].is_floating_point:
-        return f"weight dtype {dtypes[weight]} is not floating point (quantized checkpoint)"
-    if needs_bias and f"{stem}.bias" not in tensors:
-        return "adapter carries a bias delta but the module has no bias"
-    return None
-
-
-def _rejected(
-    groups: dict[tuple[str, str], list[Contribution]], prefix: dict[str, str], tensors: dict, dtypes: dict
-) -> dict[int, Miss]:
-    """{id(planned part): why} for every part with a piece on a module that cannot take a merge."""
-    rejected: dict[int, Miss] = {}
-    for (comp, module), contribs in groups.items():
-        needs_bias = any(bias_of(pp, pc) is not None for pp, pc in contribs)
-        why = _why_not_mergeable(f"{prefix[comp]}{module}", tensors, dtypes, needs_bias)
-        for pp, _ in contribs if why else ():
-            rejected.setdefault(id(pp), Miss("no_mechanism", f"cannot merge: {why} ({comp}.{module})"))
-    return rejected
-
-
-def _drop_rejected(plan: Plan, rejected: dict[int, Miss]) -> None:
-    """A part split over several modules lands everywhere or nowhere: rejected parts' keys become unmatched."""
-    for pp in plan.planned:
-        if id(pp) in rejected:
-            plan.unmatched += [Unmatched(pp.adapter.name, k, rejected[id(pp)]) for k in pp.part.keys]
-    plan.planned = [pp for pp in plan.planned if id(pp) not in rejected]
-
-
-def _work(
-    groups: dict[tuple[str, str], list[Contribution]], prefix: dict[str, str], rejected: dict[int, Miss]
-) -> dict[str, tuple[str, list[Contribution]]]:
-    out: dict[str, tuple[str, list[Contribution]]] = {}
-    for (comp, module), contribs in groups.items():
-        kept = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected]
-        if kept:
-            out[f"{prefix[comp]}{module}.weight"] = ("weight", kept)
-            if any(bias_of(pp, pc) is not None for pp, pc in kept):
-                out[f"{prefix[comp]}{module}.bias"] = ("bias", kept)
-    return out
 
 
 def _reasons(unmatched: list) -> str:
@@ -298,8 +202,8 @@ def bake(
         output, [model, *(a for a, _ in adapters)], overwrite=overwrite, folder=ckpt.kind != "file"
     )
     try:
-        plan, spans = _plan(ckpt, adapters, allow_pickle)
-        work = _tensor_plan(ckpt, plan, spans)
+        plan, spans = plan_adapters(ckpt, adapters, allow_pickle)
+        work = tensor_plan(ckpt, plan, spans)
     finally:
         ckpt.close()
     result = _planned_result(out, plan)
