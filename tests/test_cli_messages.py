@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -298,3 +299,34 @@ def test_readme_tells_of_the_skeleton_cache():
     from loraweave.tools.skeleton import CACHE_ENV
 
     assert CACHE_ENV == "LORAWEAVE_CACHE"
+
+
+# ------------------------------------------------- item 13: an original-named adapter on a bare diffusers file
+
+
+def test_bake_says_to_convert_when_the_layouts_differ(inputs, tmp_path, capsys):
+    """A diffusers-named UNet file of no catalog size, no config.json beside it: a comfy (ldm-named) adapter lands
+    nothing; the refusal names the command that converts it, and following it (or putting the config beside
+    the file) bakes bit for bit what the diffusers-named adapter bakes."""
+    unet = inputs.pipeline / "unet"
+    comfy, back = tmp_path / "comfy.safetensors", tmp_path / "back.safetensors"
+    assert _run(["convert", inputs.sd_lora, "--to", "comfy", "--model", unet, "-o", comfy]) == 0
+    bare = tmp_path / "bare" / "unet.safetensors"
+    bare.parent.mkdir()
+    shutil.copyfile(unet / "diffusion_pytorch_model.safetensors", bare)
+    capsys.readouterr()
+    assert _run(["bake", bare, comfy, "-o", tmp_path / "none.safetensors"]) == 1
+    err = capsys.readouterr().err
+    assert f"{comfy} names modules in the original layout and {bare} in the diffusers one" in err
+    assert f"loraweave convert {comfy} --to diffusers --model FOLDER" in err and "config.json beside" in err
+    assert not (tmp_path / "none.safetensors").exists()
+
+    assert _run(["convert", comfy, "--to", "diffusers", "--model", unet, "-o", back]) == 0
+    assert _run(["bake", bare, back, "-o", tmp_path / "converted.safetensors"]) == 0
+    assert _run(["bake", bare, inputs.sd_lora, "-o", tmp_path / "direct.safetensors"]) == 0
+    shutil.copyfile(unet / "config.json", bare.parent / "config.json")
+    assert _run(["bake", bare, comfy, "-o", tmp_path / "configured.safetensors"]) == 0
+    direct = load_file(tmp_path / "direct.safetensors")
+    assert _bits_differ(load_file(bare), direct) == 40  # every attention Linear of the tiny UNet
+    for name in ("converted", "configured"):
+        assert _bits_differ(direct, load_file(tmp_path / f"{name}.safetensors")) == 0, name

@@ -29,7 +29,7 @@ from ..report.coverage import miss_kind
 from ..report.miss import Unmatched
 from ..request.adapters import warn_repeated
 from ..resolve.planner import Plan
-from .bake_plan import plan_adapters, tensor_plan
+from .bake_plan import layout_hint, plan_adapters, tensor_plan
 from .bake_record import (
     METADATA_KEY,
     adapter_records,
@@ -204,10 +204,11 @@ def bake(
     try:
         plan, spans = plan_adapters(ckpt, adapters, allow_pickle)
         work = tensor_plan(ckpt, plan, spans)
+        hint = "" if work else layout_hint(ckpt, plan, model)
     finally:
         ckpt.close()
     result = _planned_result(out, plan)
-    _refuse_incomplete(result, work, model, strict, allow_empty)
+    _refuse_incomplete(result, work, model, strict, allow_empty, hint)
     result.adapters = adapter_records(plan, adapters)
     entry = provenance(model, result.adapters, dtype)
     total = sum(os.path.getsize(f) for f in ckpt.files)
@@ -251,7 +252,9 @@ def _planned_result(out: Path, plan: Plan) -> BakeResult:
     return result
 
 
-def _refuse_incomplete(result: BakeResult, work: dict, model, strict: bool, allow_empty: bool) -> None:
+def _refuse_incomplete(
+    result: BakeResult, work: dict, model, strict: bool, allow_empty: bool, hint: str = ""
+) -> None:
     """StrictApplyError when some key would not land under `strict`; EmptyOutputError when nothing changes."""
     if strict and result.unmatched:
         from ..errors import StrictApplyError
@@ -260,7 +263,7 @@ def _refuse_incomplete(result: BakeResult, work: dict, model, strict: bool, allo
     if not work and not allow_empty:
         raise EmptyOutputError(
             f"no key of the adapters lands on {model} ({result.keys_applied}/{result.keys_total} "
-            f"keys; {_reasons(result.unmatched)}): the output would be an unchanged copy; nothing "
+            f"keys; {_reasons(result.unmatched)}{hint}): the output would be an unchanged copy; nothing "
             "written (--allow-empty writes it anyway)",
             result,
         )

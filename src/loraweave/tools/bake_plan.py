@@ -112,3 +112,39 @@ def _work(
             if any(bias_of(pp, pc) is not None for pp, pc in kept):
                 out[f"{prefix[comp]}{module}.bias"] = ("bias", kept)
     return out
+
+
+# Module names that say which layout a name is in; ldm names hold transformer_blocks too, so original wins.
+ORIGINAL_MARKERS = ("input_blocks", "middle_block", "output_blocks", "double_blocks", "single_blocks")
+DIFFUSERS_MARKERS = ("down_blocks", "mid_block", "up_blocks", "transformer_blocks")
+
+
+def _layout_of(names) -> str | None:
+    """ "original", "diffusers" or None, for tensor names or adapter keys (kohya's underscores read as dots)."""
+    words = ["." + name.replace("_", ".") + "." for name in names]
+
+    def has(markers: tuple[str, ...]) -> bool:
+        return any("." + m.replace("_", ".") + "." in w for w in words for m in markers)
+
+    return "original" if has(ORIGINAL_MARKERS) else "diffusers" if has(DIFFUSERS_MARKERS) else None
+
+
+def layout_hint(ckpt: Checkpoint, plan: Plan, model) -> str:
+    """When no key landed because an adapter and the checkpoint name modules in different layouts and nothing
+    maps one onto the other (no catalog architecture fits, no config.json beside the file): what to run."""
+    if ckpt.kind != "file" or (ckpt.root.parent / "config.json").exists():
+        return ""
+    mine = _layout_of(name for c in ckpt.components for name in c.tensors)
+    for adapter in plan.adapters:
+        misses = [u for u in plan.unmatched if u.adapter == adapter.name]
+        theirs = _layout_of(u.key for u in misses)
+        named_elsewhere = all(u.kind == "no_such_module" for u in misses)  # not a wrong-size model
+        if mine and theirs and mine != theirs and named_elsewhere and adapter.path:
+            to = "diffusers" if mine == "diffusers" else "comfy"
+            return (
+                f"; {adapter.path} names modules in the {theirs} layout and {model} in the {mine} one, which "
+                "matches no built-in architecture and has no config.json beside it: convert the adapter first "
+                f"(loraweave convert {adapter.path} --to {to} --model FOLDER -o OUT.safetensors, FOLDER being "
+                f"a diffusers folder of this model with its config.json), or put that config.json beside {model}"
+            )
+    return ""
