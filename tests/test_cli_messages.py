@@ -330,3 +330,30 @@ def test_bake_says_to_convert_when_the_layouts_differ(inputs, tmp_path, capsys):
     assert _bits_differ(load_file(bare), direct) == 40  # every attention Linear of the tiny UNet
     for name in ("converted", "configured"):
         assert _bits_differ(direct, load_file(tmp_path / f"{name}.safetensors")) == 0, name
+
+
+# ------------------------------------------------------------- the README walk: promises each command keeps
+
+
+def test_a_file_that_is_not_safetensors_is_not_called_a_pickle(inputs, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    for argv in (["inspect", notes], ["bake", inputs.single, notes, "-o", tmp_path / "o.safetensors"]):
+        assert _run(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{notes}: not a .safetensors file" in err and "pickle file" not in err, err
+    pickle = tmp_path / "old.pt"
+    torch.save({"x": torch.zeros(1)}, pickle)
+    assert _run(["inspect", pickle]) == 2
+    assert "a pickle file (.pt/.ckpt/.bin/.pth) can run arbitrary code" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["out.jpg", "out.webp", "out"])
+def test_generate_and_demo_write_only_png(name, inputs, tmp_path, capsys):
+    """The parameters text lives in the PNG's text chunk: PIL would write a JPEG (or fail) for other names."""
+    out = tmp_path / name
+    assert _run(["generate", "--model", inputs.pipeline, *GENERATE, "-o", out]) == 2
+    assert f"{out}: the output must be a .png file" in capsys.readouterr().err
+    assert _run(["demo", "--generate", out]) == 2
+    assert f"{out}: the output must be a .png file" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

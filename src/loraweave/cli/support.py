@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 from .. import arguments
 from ..errors import (
@@ -200,7 +201,19 @@ def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
     if isinstance(exc, (StrictApplyError, NoKeysLandedError, EmptyOutputError)):
         return EXIT_INCOMPLETE, error_message(exc)
     if isinstance(exc, UnsafeFormatError):
+        from ..formats.adapter import PICKLE_SUFFIXES
+
         where = exc.path or "adapter"
+        if exc.path is not None and Path(exc.path).suffix.lower() not in PICKLE_SUFFIXES:
+            pickles = (
+                " (or a pickle .pt/.ckpt/.bin/.pth with --allow-pickle)"
+                if hasattr(args, "allow_pickle")
+                else ""
+            )
+            return (
+                EXIT_BAD_INPUT,
+                f"{where}: not a .safetensors file; adapters are read from .safetensors{pickles}",
+            )
         if hasattr(args, "allow_pickle"):
             return EXIT_BAD_INPUT, (
                 f"{where}: a pickle file (.pt/.ckpt/.bin/.pth) can run arbitrary code when "

@@ -115,6 +115,15 @@ def parse_budget(text: str | None) -> int | str | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def check_png(output: str | os.PathLike) -> None:
+    """The image is a PNG: for another suffix PIL writes a JPEG or WebP and drops the parameters text chunk."""
+    if Path(output).suffix.lower() != ".png":
+        raise GenerateError(
+            f"{output}: the output must be a .png file (its text chunk holds the parameters: prompt, seed, "
+            "adapters)"
+        )
+
+
 def check_outputs(req: GenerateRequest) -> None:
     """The PNG and its sidecar: refused before anything loads when one exists (no --force) or is an input."""
     from ..io.write import check_output
@@ -157,6 +166,13 @@ def validate(req: GenerateRequest) -> None:
     for ok, message in checks:
         if not ok:
             raise GenerateError(message)
+    if (
+        Path(req.output).suffix.lower() != ".png"
+    ):  # PIL would write a JPEG or WebP and drop the parameters text
+        raise GenerateError(
+            f"-o {req.output}: the output must be a .png file (its text chunk holds the parameters: prompt, "
+            "seed, adapters)"
+        )
     check_outputs(req)
     for path, strength in req.loras:
         if not math.isfinite(strength):
