@@ -17,6 +17,7 @@ import loraweave
 from loraweave.cli import main
 from loraweave.tools import bake as bake_mod
 from loraweave.tools.bake import bake, parse_adapter_arg
+from loraweave.tools.bake_record import file_sha256
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers.tiny_models import tiny_flux  # noqa: E402
@@ -80,10 +81,7 @@ def test_bake_sharded_equals_apply_merge(sharded, tmp_path):
     with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:  # every shard's header holds the record
         meta = json.loads(f.metadata()["loraweave.baked"])
     assert [a["strength"] for a in meta["adapters"]] == [0.7, -1.25]
-    assert (
-        meta["adapters"][0]["sha256"] == bake_mod.file_sha256(lora_a)
-        and meta["version"] == loraweave.__version__
-    )
+    assert meta["adapters"][0]["sha256"] == file_sha256(lora_a) and meta["version"] == loraweave.__version__
     index = json.loads(next(out.glob("*.index.json")).read_text())
     assert index["weight_map"] == json.loads(next(folder.glob("*.index.json")).read_text())["weight_map"]
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in baked.values())

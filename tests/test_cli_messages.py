@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from diffusers import FluxTransformer2DModel
 from helpers.cli_inputs import CliInputs, cli_inputs
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from loraweave.cli import build_parser, main
@@ -161,6 +164,43 @@ def test_bake_counts_tensors_whose_bits_changed_and_refuses_an_unchanged_copy(in
     assert reported == len(differ) == 2  # to_q and proj_out
 
 
+def _stored_count(path: Path) -> int:
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["loraweave.baked"])["tensors_changed"]
+
+
+def _bits_differ(before: dict, after: dict) -> int:
+    return sum(
+        not torch.equal(t.view(-1).view(torch.uint8), after[k].view(-1).view(torch.uint8))
+        for k, t in before.items()
+    )
+
+
+@pytest.mark.parametrize("strength", ["0", "0.5"])
+def test_bake_stores_the_count_of_tensors_whose_bits_changed(strength, inputs, tmp_path, capsys):
+    """The file's own metadata, not only the printed result: planned merges of strength 0 change no bit."""
+    out = tmp_path / "out.safetensors"
+    argv = ["bake", inputs.single, f"{inputs.lora}:{strength}", "-o", out, "--allow-empty", "--json"]
+    assert _run(argv) == 0
+    changed = _bits_differ(load_file(inputs.single), load_file(out))
+    assert changed == (0 if strength == "0" else 2)
+    assert _stored_count(out) == json.loads(capsys.readouterr().out)["tensors_changed"] == changed
+
+    sharded = tmp_path / "sharded"  # a component folder in shards: every shard and the index say the total
+    FluxTransformer2DModel.from_pretrained(inputs.folder).save_pretrained(sharded, max_shard_size="40KB")
+    shards = sorted(sharded.glob("*.safetensors"))
+    assert len(shards) > 2 and (sharded / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert (
+        _run(["bake", sharded, f"{inputs.lora}:{strength}", "-o", tmp_path / "baked", "--allow-empty"]) == 0
+    )
+    baked = tmp_path / "baked"
+    changed = sum(_bits_differ(load_file(s), load_file(baked / s.name)) for s in shards)
+    assert changed == (0 if strength == "0" else 2)
+    assert [_stored_count(baked / s.name) for s in shards] == [changed] * len(shards)
+    index = json.loads((baked / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    assert json.loads(index["metadata"]["loraweave.baked"])["tensors_changed"] == changed
+
+
 # ---------------------------------------------------------------------- item 9: inspect FILE --json
 
 
@@ -259,3 +299,61 @@ def test_readme_tells_of_the_skeleton_cache():
     from loraweave.tools.skeleton import CACHE_ENV
 
     assert CACHE_ENV == "LORAWEAVE_CACHE"
+
+
+# ------------------------------------------------- item 13: an original-named adapter on a bare diffusers file
+
+
+def test_bake_says_to_convert_when_the_layouts_differ(inputs, tmp_path, capsys):
+    """A diffusers-named UNet file of no catalog size, no config.json beside it: a comfy (ldm-named) adapter lands
+    nothing; the refusal names the command that converts it, and following it (or putting the config beside
+    the file) bakes bit for bit what the diffusers-named adapter bakes."""
+    unet = inputs.pipeline / "unet"
+    comfy, back = tmp_path / "comfy.safetensors", tmp_path / "back.safetensors"
+    assert _run(["convert", inputs.sd_lora, "--to", "comfy", "--model", unet, "-o", comfy]) == 0
+    bare = tmp_path / "bare" / "unet.safetensors"
+    bare.parent.mkdir()
+    shutil.copyfile(unet / "diffusion_pytorch_model.safetensors", bare)
+    capsys.readouterr()
+    assert _run(["bake", bare, comfy, "-o", tmp_path / "none.safetensors"]) == 1
+    err = capsys.readouterr().err
+    assert f"{comfy} names modules in the original layout and {bare} in the diffusers one" in err
+    assert f"loraweave convert {comfy} --to diffusers --model FOLDER" in err and "config.json beside" in err
+    assert not (tmp_path / "none.safetensors").exists()
+
+    assert _run(["convert", comfy, "--to", "diffusers", "--model", unet, "-o", back]) == 0
+    assert _run(["bake", bare, back, "-o", tmp_path / "converted.safetensors"]) == 0
+    assert _run(["bake", bare, inputs.sd_lora, "-o", tmp_path / "direct.safetensors"]) == 0
+    shutil.copyfile(unet / "config.json", bare.parent / "config.json")
+    assert _run(["bake", bare, comfy, "-o", tmp_path / "configured.safetensors"]) == 0
+    direct = load_file(tmp_path / "direct.safetensors")
+    assert _bits_differ(load_file(bare), direct) == 40  # every attention Linear of the tiny UNet
+    for name in ("converted", "configured"):
+        assert _bits_differ(direct, load_file(tmp_path / f"{name}.safetensors")) == 0, name
+
+
+# ------------------------------------------------------------- the README walk: promises each command keeps
+
+
+def test_a_file_that_is_not_safetensors_is_not_called_a_pickle(inputs, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    for argv in (["inspect", notes], ["bake", inputs.single, notes, "-o", tmp_path / "o.safetensors"]):
+        assert _run(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{notes}: not a .safetensors file" in err and "pickle file" not in err, err
+    pickle = tmp_path / "old.pt"
+    torch.save({"x": torch.zeros(1)}, pickle)
+    assert _run(["inspect", pickle]) == 2
+    assert "a pickle file (.pt/.ckpt/.bin/.pth) can run arbitrary code" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["out.jpg", "out.webp", "out"])
+def test_generate_and_demo_write_only_png(name, inputs, tmp_path, capsys):
+    """The parameters text lives in the PNG's text chunk: PIL would write a JPEG (or fail) for other names."""
+    out = tmp_path / name
+    assert _run(["generate", "--model", inputs.pipeline, *GENERATE, "-o", out]) == 2
+    assert f"{out}: the output must be a .png file" in capsys.readouterr().err
+    assert _run(["demo", "--generate", out]) == 2
+    assert f"{out}: the output must be a .png file" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

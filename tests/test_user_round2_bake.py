@@ -10,7 +10,8 @@ from helpers.sparse_checkpoint import sparse_checkpoint, sparse_module_file
 
 import loraweave
 from loraweave.arch.unet_original import unet_original_names
-from loraweave.tools.bake import _plan, _tensor_plan, merged_weight
+from loraweave.tools.bake import merged_weight
+from loraweave.tools.bake_plan import plan_adapters, tensor_plan
 from loraweave.tools.checkpoint import open_checkpoint
 from loraweave.tools.convert import convert
 from loraweave.tools.inspect import inspect_adapter
@@ -55,8 +56,8 @@ def test_cloneofsimo_text_encoder_lands_on_an_ldm_named_checkpoint(sd15_ldm):
     shadow tree has it: 288/384 landed. inspect --model counted positions in a tree with no CLIP classes."""
     ckpt = open_checkpoint(sd15_ldm)
     try:
-        plan, spans = _plan(ckpt, [(str(CLONEOFSIMO), 1.0)])
-        work = _tensor_plan(ckpt, plan, spans)
+        plan, spans = plan_adapters(ckpt, [(str(CLONEOFSIMO), 1.0)])
+        work = tensor_plan(ckpt, plan, spans)
     finally:
         ckpt.close()
     assert plan.unmatched == []
@@ -71,8 +72,8 @@ def _merged(model, adapter) -> tuple[dict[str, torch.Tensor], list]:
     """{tensor: what bake writes into it, on a zero base}, and what did not land: bake's own plan and merge."""
     ckpt = open_checkpoint(model)
     try:
-        plan, spans = _plan(ckpt, [(str(adapter), 1.0)])
-        work = _tensor_plan(ckpt, plan, spans)
+        plan, spans = plan_adapters(ckpt, [(str(adapter), 1.0)])
+        work = tensor_plan(ckpt, plan, spans)
         shapes = {name: ckpt.source(ckpt.files[0]).shape(name) for name in work}
     finally:
         ckpt.close()

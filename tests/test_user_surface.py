@@ -92,11 +92,17 @@ def test_item1_no_key_landed_raises_typed_error_and_touches_nothing(caplog):
     assert _unchanged(model, before)
 
 
+def _ours(caplog) -> list[logging.LogRecord]:
+    """loraweave's own records: a third-party import done first in this process (bitsandbytes, torch) logs
+    its own warnings into caplog too."""
+    return [r for r in caplog.records if r.name == "loraweave" or r.name.startswith("loraweave.")]
+
+
 def test_item1_partial_apply_logs_one_warning_line(caplog):
     model = tiny_sdxl_unet()
     with caplog.at_level(logging.WARNING, logger="loraweave"):
         handle = loraweave.apply(model, loraweave.load_adapter(sd2_on_sd1_lora(), name="sd2"))
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in _ours(caplog) if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     line = warnings[0]
     assert "adapter='sd2'" in line and "landed=4/8" in line and "shape_mismatchx4" in line
@@ -108,7 +114,7 @@ def test_item1_partial_apply_logs_one_warning_line(caplog):
     ok = {k: v for k, v in sd2_on_sd1_lora().items() if "attn1" in k}
     with caplog.at_level(logging.WARNING, logger="loraweave"):
         loraweave.apply(model, ok).remove()
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in _ours(caplog) if r.levelno >= logging.WARNING]
     with pytest.raises(StrictApplyError):
         loraweave.apply(model, sd2_on_sd1_lora(), strict=True)
 
@@ -269,7 +275,8 @@ def test_item5_cli_numeric_arguments_are_validated(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert "must be" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "must be" in err or "is not a finite number" in err  # 'nan': the strength rule's words
     assert not (tmp_path / "O").exists()
 
 

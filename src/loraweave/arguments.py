@@ -11,6 +11,14 @@ from numbers import Integral, Real
 from .errors import ArgumentError
 
 MAX_STRENGTH = 1e4  # far above any useful strength, far below fp32 overflow of strength x scale x ΔW
+MAX_STEPS = (
+    10_000  # sampling steps: far above any sampler's use, low enough that a typo does not run for days
+)
+MAX_SIDE = (
+    16_384  # image side in pixels: a 16k x 16k latent already needs far more memory than any device has
+)
+MAX_CFG = 1_000.0  # guidance scale: far above any useful value
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes; < 0 means a random seed
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
@@ -35,19 +43,51 @@ def strength(value: object, label: str = "strength") -> float:
     return value
 
 
-def strength_text(text: str, where: str, what: str = "strength") -> float:
-    """A strength as the user wrote it (`FILE:S` on the command line, `<lora:name:S>` in a prompt): one message
-    for each way it is wrong, naming `where` it was written and the text itself."""
+def _finite_text(text: str, prefix: str) -> float:
+    """The float the text says, refused with `prefix` when it is no number or not a finite one."""
     try:
         value = float(text)
     except ValueError:
-        raise ArgumentError(f"{where}: {what} {text!r} is not a number") from None
+        raise ArgumentError(f"{prefix} {text!r} is not a number") from None
     if not math.isfinite(value):  # float() turns '1e400' into inf: quote the text, not the float
-        raise ArgumentError(f"{where}: {what} {text!r} is not a finite number")
+        raise ArgumentError(f"{prefix} {text!r} is not a finite number")
+    return value
+
+
+def strength_text(text: str, where: str, what: str = "strength") -> float:
+    """A strength as the user wrote it (`FILE:S` on the command line, `<lora:name:S>` in a prompt): one message
+    for each way it is wrong, naming `where` it was written and the text itself."""
+    value = _finite_text(text, f"{where}: {what}")
     if abs(value) > MAX_STRENGTH:
         raise ArgumentError(
             f"{where}: {what} {text!r} is out of range (absolute value at most {MAX_STRENGTH:g})"
         )
+    return value
+
+
+def integer_text(text: str, label: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """An integer as the user wrote it on the command line, in [minimum, maximum]: one message for each way
+    it is wrong ('1e9' and '2.5' are numbers, but not written as integers)."""
+    bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+    try:
+        float(text)
+    except ValueError:
+        raise ArgumentError(f"{label}: {text!r} is not a number") from None
+    if not text.strip().lstrip("+-").isdigit():
+        raise ArgumentError(f"{label} must be an integer {bounds}, got {text!r}")
+    value = int(text)
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ArgumentError(f"{label} must be an integer {bounds}, got {value}")
+    return value
+
+
+def number_text(text: str, label: str, minimum: float, maximum: float, low_open: bool = False) -> float:
+    """A finite number as the user wrote it on the command line, in [minimum, maximum] ((minimum, maximum]
+    when `low_open`)."""
+    value = _finite_text(text, f"{label}:")
+    if not minimum <= value <= maximum or (low_open and value == minimum):
+        interval = f"{'(' if low_open else '['}{minimum:g}, {maximum:g}]"
+        raise ArgumentError(f"{label} must be a number in {interval}, got {text!r}")
     return value
 
 

@@ -1,13 +1,15 @@
 """ComfyUI's own LoRA key map for text encoders, as a script run in a subprocess (ComfyUI in place, read-only):
-`python comfy_keys.py COMFYUI_DIR < names.json` prints the LoRA key names ComfyUI accepts for a model whose
-state dict holds `names` (JSON list). A subprocess, because importing ComfyUI headless needs a torchvision stub in
-sys.modules, which must not leak into the test session (shared/comfyui/README.md)."""
+`python comfy_keys.py < names.json` prints the LoRA key names ComfyUI accepts for a model whose state dict holds
+`names` (JSON list). ComfyUI is imported by the shared headless harness (comfy_env.import_comfy); a subprocess still,
+because that harness puts torchvision/torchaudio stubs in sys.modules and sys.meta_path, which must not leak into a
+test session that has not opted into ComfyUI (the comfy-marked modules import it in process on purpose)."""
 
 from __future__ import annotations
 
 import json
 import sys
-import types
+
+from comfy_env import import_comfy  # this script's folder is sys.path[0]
 
 
 class StateDictNames:
@@ -20,21 +22,10 @@ class StateDictNames:
         return dict.fromkeys(self.names)
 
 
-def main(comfy_dir: str) -> None:
-    import diffusers  # noqa: F401  (they probe torchvision once, before the stub)
-    import transformers  # noqa: F401
-
-    stub = types.ModuleType("torchvision")
-    stub.transforms = types.ModuleType("torchvision.transforms")
-    sys.modules.update({"torchvision": stub, "torchvision.transforms": stub.transforms})
-    sys.path.insert(0, comfy_dir)
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
-    import comfy.lora
-
+def main() -> None:
+    comfy = import_comfy()
     print(json.dumps(sorted(comfy.lora.model_lora_keys_clip(StateDictNames(json.load(sys.stdin)), {}))))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

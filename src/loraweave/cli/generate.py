@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
+from ..arguments import MAX_CFG, MAX_SIDE, MAX_STEPS, SEED_RANGE
 from ..errors import StrictApplyError
-from .support import adapter_arg, add_common, cli_words, limit_arg
+from .support import adapter_arg, add_common, cli_words, integer_arg, limit_arg, number_arg
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,13 +119,32 @@ def add(sub) -> None:
         help="stream the denoiser's blocks under this device memory budget: 'auto' or a "
         "size (512M, 4G); adapters follow their layers",
     )
-    p.add_argument("--steps", type=int, default=20, help="sampling steps (default 20)")
     p.add_argument(
-        "--cfg", "--cfg-scale", dest="cfg", type=float, default=7.0, help="guidance scale (default 7.0)"
+        "--steps", type=integer_arg("--steps", 1, MAX_STEPS), default=20, help="sampling steps (default 20)"
     )
-    p.add_argument("-s", "--seed", type=int, default=42, help="seed (default 42; < 0: random)")
-    p.add_argument("-W", "--width", type=int, default=512, help="width in pixels (default 512)")
-    p.add_argument("-H", "--height", type=int, default=512, help="height in pixels (default 512)")
+    p.add_argument(
+        "--cfg",
+        "--cfg-scale",
+        dest="cfg",
+        type=number_arg("--cfg", 0, MAX_CFG),
+        default=7.0,
+        help="guidance scale (default 7.0)",
+    )
+    p.add_argument(
+        "-s",
+        "--seed",
+        type=integer_arg("-s/--seed", *SEED_RANGE),
+        default=42,
+        help="seed (default 42; < 0: random)",
+    )
+    for short, side in (("-W", "width"), ("-H", "height")):
+        p.add_argument(
+            short,
+            f"--{side}",
+            type=integer_arg(f"{short}/--{side}", 8, MAX_SIDE),
+            default=512,
+            help=f"{side} in pixels, a multiple of 8 (default 512)",
+        )
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument(
         "--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights dtype (default fp32)"

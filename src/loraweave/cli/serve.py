@@ -7,24 +7,7 @@ import sys
 import time
 
 from ..errors import ArgumentError
-from .support import EXIT_INTERRUPTED
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _positive(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number 1..65535, got {value}")
-    return value
+from .support import EXIT_INTERRUPTED, integer_arg
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,21 +68,36 @@ def add(sub) -> None:
     p.add_argument(
         "--lora-dir", required=True, help="folder of .safetensors adapters (names as in <lora:NAME> tags)"
     )
-    p.add_argument("--replicas", type=_positive, default=1, help="renderer replicas (default 1)")
-    p.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--replicas", type=integer_arg("--replicas", 1, 1024), default=1, help="renderer replicas (default 1)"
+    )
+    p.add_argument(
+        "--port", type=integer_arg("--port", 1, 65535), default=8000, help="HTTP port (default 8000)"
+    )
     p.add_argument(
         "--max-adapters-per-replica",
-        type=_positive,
+        type=integer_arg("--max-adapters-per-replica", 1, 1024),
         default=8,
         help="adapters resident per replica (LRU; default 8)",
     )
     p.add_argument(
-        "--max-batch", type=_positive, default=8, help="requests per batch (default 8; 1: no batching)"
+        "--max-batch",
+        type=integer_arg("--max-batch", 1, 1024),
+        default=8,
+        help="requests per batch (default 8; 1: no batching)",
     )
     p.add_argument(
-        "--batch-wait-ms", type=_positive, default=50, help="how long a batch waits to fill (default 50)"
+        "--batch-wait-ms",
+        type=integer_arg("--batch-wait-ms", 1, 60_000),
+        default=50,
+        help="how long a batch waits to fill (default 50)",
     )
-    p.add_argument("--threads", type=_positive, default=1, help="torch threads per replica (default 1)")
+    p.add_argument(
+        "--threads",
+        type=integer_arg("--threads", 1, 1024),
+        default=1,
+        help="torch threads per replica (default 1)",
+    )
     p.add_argument(
         "--address", help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting one"
     )

@@ -7,10 +7,12 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 from .. import arguments
 from ..errors import (
@@ -120,26 +122,28 @@ def _typed(rule, label: str, *rest):
 
     def parse(text: str):
         try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{label}: {text!r} is not a number") from None
-        if rule is arguments.positive_int:
-            if not text.strip().lstrip("+-").isdigit():  # '1e9', '2.5': numbers, but not written as integers
-                minimum = rest[0] if rest else 1
-                raise argparse.ArgumentTypeError(f"{label} must be an integer >= {minimum}, got {text!r}")
-            value = int(text)
-        try:
-            return rule(value, label, *rest)
+            return rule(text, label, *rest)
         except ArgumentError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
 
 
-rank_arg = _typed(arguments.positive_int, "--rank")
-energy_arg = _typed(arguments.fraction, "--energy")
-non_negative_arg = _typed(arguments.non_negative, "--min-diff")
-limit_arg = _typed(arguments.positive_int, "--limit", 0)
+def integer_arg(label: str, minimum: int = 1, maximum: int | None = None):
+    """An argparse type for an integer flag in [minimum, maximum], named `label` in its messages."""
+    return _typed(arguments.integer_text, label, minimum, maximum)
+
+
+def number_arg(label: str, minimum: float, maximum: float, low_open: bool = False):
+    """An argparse type for a finite number flag in [minimum, maximum] ((minimum, maximum] when `low_open`),
+    named `label` in its messages."""
+    return _typed(arguments.number_text, label, minimum, maximum, low_open)
+
+
+rank_arg = integer_arg("--rank")
+energy_arg = number_arg("--energy", 0, 1, low_open=True)
+non_negative_arg = number_arg("--min-diff", 0, math.inf)
+limit_arg = integer_arg("--limit", 0)
 
 
 def adapter_arg(text: str) -> tuple[str, float]:
@@ -197,7 +201,19 @@ def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
     if isinstance(exc, (StrictApplyError, NoKeysLandedError, EmptyOutputError)):
         return EXIT_INCOMPLETE, error_message(exc)
     if isinstance(exc, UnsafeFormatError):
+        from ..formats.adapter import PICKLE_SUFFIXES
+
         where = exc.path or "adapter"
+        if exc.path is not None and Path(exc.path).suffix.lower() not in PICKLE_SUFFIXES:
+            pickles = (
+                " (or a pickle .pt/.ckpt/.bin/.pth with --allow-pickle)"
+                if hasattr(args, "allow_pickle")
+                else ""
+            )
+            return (
+                EXIT_BAD_INPUT,
+                f"{where}: not a .safetensors file; adapters are read from .safetensors{pickles}",
+            )
         if hasattr(args, "allow_pickle"):
             return EXIT_BAD_INPUT, (
                 f"{where}: a pickle file (.pt/.ckpt/.bin/.pth) can run arbitrary code when "

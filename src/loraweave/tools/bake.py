@@ -7,9 +7,6 @@ copied byte for byte. Peak memory: the largest changed tensor (plus its fp32 cop
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -25,18 +22,23 @@ from ..arguments import strength as check_strength
 from ..arguments import strength_text
 from ..errors import EmptyOutputError
 from ..families.contribution import add_contribution, bias_of, coefficient
-from ..formats.adapter import load_adapter
 from ..io.safetensors_file import read_safetensors_header
 from ..io.write import StreamingWriter, atomic_path, check_output
 from ..mechanisms.merge.layer import Contribution
 from ..report.coverage import miss_kind
-from ..report.miss import Miss, Unmatched
+from ..report.miss import Unmatched
 from ..request.adapters import warn_repeated
-from ..resolve.planner import Plan, resolve
-from ..resolve.target import Components
-from .checkpoint import Checkpoint, open_checkpoint, resolution_components
-from .positional import name_positional
-from .remap import translate
+from ..resolve.planner import Plan
+from .bake_plan import layout_hint, plan_adapters, tensor_plan
+from .bake_record import (
+    METADATA_KEY,
+    adapter_records,
+    index_with_sizes,
+    provenance,
+    rewrite_entry,
+    with_count,
+)
+from .checkpoint import Checkpoint, open_checkpoint
 
 log = logging.getLogger("loraweave")
 DTYPES = {
@@ -68,14 +70,6 @@ class BakeResult:
         return out
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def parse_adapter_arg(spec: str) -> tuple[str, float]:
     """`FILE[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':' elsewhere). The strength
     follows AdapterSpec's rule (finite, |s| <= 1e4) with `arguments.strength_text`'s messages; a tail that is no
@@ -89,98 +83,6 @@ def parse_adapter_arg(spec: str) -> tuple[str, float]:
         if Path(spec).exists() or not Path(head).exists():
             return spec, 1.0
     return head, strength_text(tail, head)
-
-
-def _plan(
-    ckpt: Checkpoint, adapters: list[tuple[str, float]], allow_pickle: bool = False
-) -> tuple[Plan, dict[str, dict]]:
-    loaded = []
-    seen: Counter = Counter()
-    for path, strength in adapters:
-        adapter = name_positional(copy.copy(load_adapter(path, allow_pickle=allow_pickle)))
-        seen[adapter.name] += 1
-        if seen[adapter.name] > 1:
-            adapter.name = f"{adapter.name}#{seen[adapter.name]}"
-        loaded.append((adapter, float(strength)))
-    trees, spans = resolution_components(ckpt)
-    return resolve(Components(trees), loaded), spans
-
-
-def _tensor_plan(
-    ckpt: Checkpoint, plan: Plan, spans: dict[str, dict]
-) -> dict[str, tuple[str, list[Contribution]]]:
-    """{full tensor name: ("weight" | "bias", contributions)}; parts that cannot merge move to plan.unmatched."""
-    prefix = {c.name: c.prefix for c in ckpt.components}
-    tensors = {name: shard for c in ckpt.components for name, shard in c.tensors.items()}
-    groups = _module_groups(plan, spans)
-    rejected = _rejected(groups, prefix, tensors, _tensor_dtypes(ckpt))
-    _drop_rejected(plan, rejected)
-    return _work(groups, prefix, rejected)
-
-
-def _tensor_dtypes(ckpt: Checkpoint) -> dict[str, torch.dtype]:
-    """Every tensor's stored dtype, from the shards' headers (no data read)."""
-    dtypes: dict[str, torch.dtype] = {}
-    for shard in ckpt.files:
-        header, _, _ = read_safetensors_header(shard)
-        dtypes.update({k: v[0] for k, v in header.items()})
-    return dtypes
-
-
-def _module_groups(plan: Plan, spans: dict[str, dict]) -> dict[tuple[str, str], list[Contribution]]:
-    """{(component, checkpoint module name): contributions}, each piece moved onto the checkpoint's own names."""
-    groups: dict[tuple[str, str], list[Contribution]] = {}
-    for pp in plan.planned:
-        for piece in pp.pieces:  # on a live module; original-named files: the same rows of their own tensors
-            for moved in translate(piece, spans.get(pp.component, {})):
-                groups.setdefault((pp.component, moved.module), []).append((pp, moved))
-    return groups
-
-
-def _why_not_mergeable(stem: str, tensors: dict, dtypes: dict, needs_bias: bool) -> str | None:
-    """Why module `stem` (full tensor-name prefix) cannot take a merge, or None when it can."""
-    weight = f"{stem}.weight"
-    if weight not in tensors:
-        return "module has no weight tensor in the checkpoint"
-    if not isinstance(dtypes[weight], torch.dtype) or not dtypes[weight].is_floating_point:
-        return f"weight dtype {dtypes[weight]} is not floating point (quantized checkpoint)"
-    if needs_bias and f"{stem}.bias" not in tensors:
-        return "adapter carries a bias delta but the module has no bias"
-    return None
-
-
-def _rejected(
-    groups: dict[tuple[str, str], list[Contribution]], prefix: dict[str, str], tensors: dict, dtypes: dict
-) -> dict[int, Miss]:
-    """{id(planned part): why} for every part with a piece on a module that cannot take a merge."""
-    rejected: dict[int, Miss] = {}
-    for (comp, module), contribs in groups.items():
-        needs_bias = any(bias_of(pp, pc) is not None for pp, pc in contribs)
-        why = _why_not_mergeable(f"{prefix[comp]}{module}", tensors, dtypes, needs_bias)
-        for pp, _ in contribs if why else ():
-            rejected.setdefault(id(pp), Miss("no_mechanism", f"cannot merge: {why} ({comp}.{module})"))
-    return rejected
-
-
-def _drop_rejected(plan: Plan, rejected: dict[int, Miss]) -> None:
-    """A part split over several modules lands everywhere or nowhere: rejected parts' keys become unmatched."""
-    for pp in plan.planned:
-        if id(pp) in rejected:
-            plan.unmatched += [Unmatched(pp.adapter.name, k, rejected[id(pp)]) for k in pp.part.keys]
-    plan.planned = [pp for pp in plan.planned if id(pp) not in rejected]
-
-
-def _work(
-    groups: dict[tuple[str, str], list[Contribution]], prefix: dict[str, str], rejected: dict[int, Miss]
-) -> dict[str, tuple[str, list[Contribution]]]:
-    out: dict[str, tuple[str, list[Contribution]]] = {}
-    for (comp, module), contribs in groups.items():
-        kept = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected]
-        if kept:
-            out[f"{prefix[comp]}{module}.weight"] = ("weight", kept)
-            if any(bias_of(pp, pc) is not None for pp, pc in kept):
-                out[f"{prefix[comp]}{module}.bias"] = ("bias", kept)
-    return out
 
 
 def _reasons(unmatched: list) -> str:
@@ -277,16 +179,6 @@ def _refuse_unchanged(result: BakeResult, model, allow_empty: bool) -> None:
         )
 
 
-def _index_with_sizes(
-    index_file: Path, dst: Path, shard_sizes: dict[str, int], extra: dict[str, str]
-) -> None:
-    data = json.loads(index_file.read_text())
-    data.setdefault("metadata", {})
-    data["metadata"]["total_size"] = sum(shard_sizes.values())
-    data["metadata"].update(extra)
-    dst.write_text(json.dumps(data, indent=2))
-
-
 def bake(
     model: str | os.PathLike,
     adapters: list[tuple[str, float]],
@@ -310,22 +202,24 @@ def bake(
         output, [model, *(a for a, _ in adapters)], overwrite=overwrite, folder=ckpt.kind != "file"
     )
     try:
-        plan, spans = _plan(ckpt, adapters, allow_pickle)
-        work = _tensor_plan(ckpt, plan, spans)
+        plan, spans = plan_adapters(ckpt, adapters, allow_pickle)
+        work = tensor_plan(ckpt, plan, spans)
+        hint = "" if work else layout_hint(ckpt, plan, model)
     finally:
         ckpt.close()
     result = _planned_result(out, plan)
-    _refuse_incomplete(result, work, model, strict, allow_empty)
-    result.adapters = _adapter_records(plan, adapters)
-    extra = _provenance(model, result.adapters, dtype, work)
+    _refuse_incomplete(result, work, model, strict, allow_empty, hint)
+    result.adapters = adapter_records(plan, adapters)
+    entry = provenance(model, result.adapters, dtype)
     total = sum(os.path.getsize(f) for f in ckpt.files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="bake", disable=not progress) as bar:
         if ckpt.kind == "file":
             with atomic_path(out) as tmp:
-                _bake_shard(ckpt.root, tmp, work, dtype, extra, bar, result)
+                _bake_shard(ckpt.root, tmp, work, dtype, {METADATA_KEY: entry}, bar, result)
                 _refuse_unchanged(result, model, allow_empty or dtype is not None)
+                rewrite_entry(tmp, entry, with_count(entry, result.tensors_changed))
         else:  # a --dtype cast is an effect of its own
-            _bake_folder(ckpt, out, work, dtype, extra, bar, result, model, allow_empty or dtype is not None)
+            _bake_folder(ckpt, out, work, dtype, entry, bar, result, model, allow_empty or dtype is not None)
     if ckpt.kind == "file":  # a folder counts its own files before they join the output folder's others
         result.bytes_written = out.stat().st_size
     result.seconds = time.perf_counter() - t0
@@ -358,7 +252,9 @@ def _planned_result(out: Path, plan: Plan) -> BakeResult:
     return result
 
 
-def _refuse_incomplete(result: BakeResult, work: dict, model, strict: bool, allow_empty: bool) -> None:
+def _refuse_incomplete(
+    result: BakeResult, work: dict, model, strict: bool, allow_empty: bool, hint: str = ""
+) -> None:
     """StrictApplyError when some key would not land under `strict`; EmptyOutputError when nothing changes."""
     if strict and result.unmatched:
         from ..errors import StrictApplyError
@@ -367,39 +263,10 @@ def _refuse_incomplete(result: BakeResult, work: dict, model, strict: bool, allo
     if not work and not allow_empty:
         raise EmptyOutputError(
             f"no key of the adapters lands on {model} ({result.keys_applied}/{result.keys_total} "
-            f"keys; {_reasons(result.unmatched)}): the output would be an unchanged copy; nothing "
+            f"keys; {_reasons(result.unmatched)}{hint}): the output would be an unchanged copy; nothing "
             "written (--allow-empty writes it anyway)",
             result,
         )
-
-
-def _adapter_records(plan: Plan, adapters: list[tuple[str, float]]) -> list[dict]:
-    """Per adapter: file name, sha256, strength and keys applied (the result's and the metadata's record)."""
-    return [
-        {
-            "file": Path(path).name,
-            "sha256": file_sha256(adapter.path) if adapter.path else None,
-            "strength": strength,
-            "keys_total": adapter.keys_total,
-            "keys_applied": sum(len(pp.part.keys) for pp in plan.planned if pp.adapter is adapter),
-        }
-        for adapter, (path, strength) in zip(plan.adapters, adapters, strict=True)
-    ]
-
-
-def _provenance(model, records: list[dict], dtype: torch.dtype | None, work: dict) -> dict[str, str]:
-    """The `loraweave.baked` metadata entry every output file (and index) carries."""
-    from .. import __version__
-
-    record = {
-        "tool": "loraweave",
-        "version": __version__,
-        "base": Path(model).name,
-        "adapters": records,
-        "dtype": str(dtype).removeprefix("torch.") if dtype else "unchanged",
-        "tensors_changed": len([k for k, (kind, _) in work.items() if kind == "weight"]),
-    }
-    return {"loraweave.baked": json.dumps(record, sort_keys=True)}
 
 
 def _bake_folder(
@@ -407,13 +274,14 @@ def _bake_folder(
     out: Path,
     work: dict,
     dtype: torch.dtype | None,
-    extra: dict[str, str],
+    entry: str,
     bar,
     result: BakeResult,
     model,
     allow_empty: bool,
 ) -> None:
-    """A component or pipeline folder: shards baked, indexes rewritten with the new sizes, other files copied."""
+    """A component or pipeline folder: shards baked, indexes rewritten with the new sizes, other files copied.
+    Each shard's entry gets the count of changed tensors once all are written."""
     shards = set(ckpt.files)
     indexes = {c.index_file: c for c in ckpt.components if c.index_file is not None}
     with atomic_path(out, folder=True) as tmp:
@@ -422,16 +290,19 @@ def _bake_folder(
             rel = src.relative_to(ckpt.root)
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             if src in shards:
-                written = _bake_shard(src, tmp / rel, work, dtype, extra, bar, result)
+                written = _bake_shard(src, tmp / rel, work, dtype, {METADATA_KEY: entry}, bar, result)
                 sizes.setdefault(src.parent, {})[src.name] = written
             elif src not in indexes:
                 shutil.copyfile(src, tmp / rel)  # contents only: the mode comes from the umask
+        _refuse_unchanged(result, model, allow_empty)
+        counted = with_count(entry, result.tensors_changed)
+        for src in shards:
+            rewrite_entry(tmp / src.relative_to(ckpt.root), entry, counted)
         for index_file in indexes:
-            _index_with_sizes(
+            index_with_sizes(
                 index_file,
                 tmp / index_file.relative_to(ckpt.root),
                 sizes.get(index_file.parent, {}),
-                extra,
+                {METADATA_KEY: counted},
             )
-        _refuse_unchanged(result, model, allow_empty)
         result.bytes_written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())

@@ -137,9 +137,10 @@ def generate_demo(png: Path, work: Path) -> dict:
     from diffusers import StableDiffusionPipeline
 
     from ..io.write import WriteError
-    from .generate import GenerateRequest, generate
+    from .generate import GenerateRequest, check_png, generate
     from .tiny_pipeline import sample_lora, tiny_sd15
 
+    check_png(png)
     if png.exists():
         raise WriteError(f"output {png} exists; name another file for the demo image")
     t0 = time.perf_counter()

@@ -20,6 +20,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..arguments import MAX_CFG, MAX_SIDE, MAX_STEPS
 from ..errors import LoraweaveError
 from ..modes import APPLY_MODES, ApplyMode
 from ..request.spec import AdapterSpec
@@ -114,6 +115,15 @@ def parse_budget(text: str | None) -> int | str | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def check_png(output: str | os.PathLike) -> None:
+    """The image is a PNG: for another suffix PIL writes a JPEG or WebP and drops the parameters text chunk."""
+    if Path(output).suffix.lower() != ".png":
+        raise GenerateError(
+            f"{output}: the output must be a .png file (its text chunk holds the parameters: prompt, seed, "
+            "adapters)"
+        )
+
+
 def check_outputs(req: GenerateRequest) -> None:
     """The PNG and its sidecar: refused before anything loads when one exists (no --force) or is an input."""
     from ..io.write import check_output
@@ -126,10 +136,19 @@ def check_outputs(req: GenerateRequest) -> None:
 def validate(req: GenerateRequest) -> None:
     """Every argument checked before anything heavy is loaded; GenerateError names the flag."""
     checks = [
-        (req.steps >= 1, f"--steps must be >= 1, got {req.steps}"),
-        (math.isfinite(req.cfg) and req.cfg >= 0, f"--cfg must be a finite number >= 0, got {req.cfg}"),
-        (req.width > 0 and req.width % 8 == 0, f"-W must be a positive multiple of 8, got {req.width}"),
-        (req.height > 0 and req.height % 8 == 0, f"-H must be a positive multiple of 8, got {req.height}"),
+        (1 <= req.steps <= MAX_STEPS, f"--steps must be from 1 to {MAX_STEPS}, got {req.steps}"),
+        (
+            math.isfinite(req.cfg) and 0 <= req.cfg <= MAX_CFG,
+            f"--cfg must be a finite number from 0 to {MAX_CFG:g}, got {req.cfg}",
+        ),
+        (
+            0 < req.width <= MAX_SIDE and req.width % 8 == 0,
+            f"-W must be a positive multiple of 8 up to {MAX_SIDE}, got {req.width}",
+        ),
+        (
+            0 < req.height <= MAX_SIDE and req.height % 8 == 0,
+            f"-H must be a positive multiple of 8 up to {MAX_SIDE}, got {req.height}",
+        ),
         (req.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {req.dtype!r}"),
         (
             req.apply_mode in APPLY_MODES,
@@ -147,6 +166,13 @@ def validate(req: GenerateRequest) -> None:
     for ok, message in checks:
         if not ok:
             raise GenerateError(message)
+    if (
+        Path(req.output).suffix.lower() != ".png"
+    ):  # PIL would write a JPEG or WebP and drop the parameters text
+        raise GenerateError(
+            f"-o {req.output}: the output must be a .png file (its text chunk holds the parameters: prompt, "
+            "seed, adapters)"
+        )
     check_outputs(req)
     for path, strength in req.loras:
         if not math.isfinite(strength):
