@@ -88,6 +88,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),
     "test_comfy_nodes": ("comfy",),
+    "test_comfy_pack_entry": ("comfy",),
     "test_comfy_realdata": ("comfy", "realdata"),
     "test_comfy_runtime": ("comfy",),
     "test_comfy_sampling": ("comfy",),

@@ -17,18 +17,10 @@ import aiohttp
 from helpers.browser import WINDOW, Page, start_chromium
 from helpers.comfy_env import COMFYUI_DIR
 from helpers.comfy_models import flux_state_dict
-from helpers.comfy_pack import FLUX_FILE, write_loras
+from helpers.comfy_pack import FLUX_FILE, NODE_IDS, write_loras
 from helpers.comfy_server import get_json, start_server
 from safetensors.torch import save_file
 
-NODE_IDS = {
-    "LoraWeaveLoader",
-    "LoraWeaveLoaderModelOnly",
-    "LoraWeaveStack",
-    "LoraWeaveApplyStack",
-    "LoraWeaveStepWindow",
-    "LoraWeaveInspect",
-}
 LOADER, INSPECT = 2, 4  # node ids in the workflow
 
 

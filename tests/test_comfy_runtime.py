@@ -143,6 +143,42 @@ def test_factors_counted_and_loaded_by_model_management(flux, loras):
     assert state.holder in loaded, "the factor holder was not loaded with the model"
 
 
+LOKR_TARGETS = ("double_blocks.0.img_attn.proj", "double_blocks.0.img_mlp.0", "double_blocks.0.txt_mlp.2")
+
+
+def lokr_flux_lora(patcher, seed: int) -> dict:
+    """A LyCORIS LoKr state dict (full w1 2x2, full w2: no alpha scaling) on LOKR_TARGETS of the tiny Flux."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for target in LOKR_TARGETS:
+        rows, cols = patcher.model.diffusion_model.get_submodule(target).weight.shape
+        stem = "lora_unet_" + target.replace(".", "_")
+        out[f"{stem}.lokr_w1"] = torch.randn(2, 2, generator=g)
+        out[f"{stem}.lokr_w2"] = torch.randn(rows // 2, cols // 2, generator=g) * 0.1
+    return out
+
+
+def test_structured_terms_counted_and_moved_by_model_management(flux):
+    lokr = lokr_flux_lora(flux, seed=5)
+    model, report = runtime(flux, lokr, 0.8)
+    assert report.keys_applied == report.keys_total == len(lokr)
+    state = model.get_attachment(KEY)
+    assert all(rp.down is None for rp in state.paths), "LoKr took the low-rank pair route"
+    (holder,) = model.get_additional_models_with_key(KEY)
+    assert holder.model_size() == sum(t.nbytes for t in lokr.values())  # w1 and w2 of every layer, fp32
+    assert close(sample(model, STEPS), sample(core_lora(flux, lokr, 0.8), STEPS))
+    holder.model.to(
+        torch.float64
+    )  # what model management runs on a move (Module.to); a CPU box has one device
+    read = [t for rp in state.paths for t in rp.held_tensors()]
+    assert len(read) == len(lokr) and all(t.dtype == torch.float64 for t in read), (
+        "paths read unmoved tensors"
+    )
+    assert close(sample(model, STEPS), sample(core_lora(flux, lokr, 0.8), STEPS)), (
+        "a stale cast after the move"
+    )
+
+
 def test_wrong_model_lora_refused_input_unchanged(flux):
     before = snapshot(flux)
     alien = {

@@ -11,6 +11,17 @@ import torch
 from safetensors.torch import save_file
 
 FLUX_FILE = "tiny_flux.safetensors"
+# The pack's six nodes, as ComfyUI registers them.
+NODE_IDS = frozenset(
+    {
+        "LoraWeaveLoader",
+        "LoraWeaveLoaderModelOnly",
+        "LoraWeaveStack",
+        "LoraWeaveApplyStack",
+        "LoraWeaveStepWindow",
+        "LoraWeaveInspect",
+    }
+)
 # Flux modules of ComfyUI's tiny Flux (hidden 128) a kohya Flux LoRA names: (kohya stem, ComfyUI state-dict key).
 FLUX_TARGETS = {
     "lora_unet_double_blocks_0_img_attn_proj": "diffusion_model.double_blocks.0.img_attn.proj.weight",

@@ -7,8 +7,8 @@ Everything one patcher carries lives under ONE pack-owned key (`KEY`):
 - the injection (`set_injections`, notes §1.6-1.7): the paths are attached when ComfyUI injects the model (after
   `patch_model`, on load) and detached when it ejects it (unload, re-patch, `detach`), so the input patcher and
   the shared modules are exactly as they were whenever this clone is not loaded;
-- an additional model (`set_additional_models`): a ModelPatcher over a module holding the adapter factors, so
-  model management counts them and moves them with the model;
+- an additional model (`set_additional_models`): a ModelPatcher over a module holding every adapter tensor
+  the paths read (factor pairs, dense diffs, LoKr/LoHa factors), so model management counts and moves them;
 - an APPLY_MODEL wrapper when an entry has a step window (comfy/steps.py).
 
 A strength change or another loader re-runs the loader node: a new clone with a new state. `patches` and
@@ -28,7 +28,6 @@ import torch
 
 from ..engine.install import make_report
 from ..errors import StrictApplyError
-from ..families.base import CastCache
 from ..mechanisms.merge.layer import Contribution
 from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
 from ..report.coverage import refuse_empty, warn_incomplete
@@ -58,20 +57,25 @@ class RuntimeEntry:
 
 
 class FactorHolder(torch.nn.Module):
-    """The rank-concatenated factors of every path as parameters of one module, so a ModelPatcher over it is
-    counted by model management (`model_size`) and moved by it; the paths read these same Parameter objects."""
+    """Every tensor the paths compute from (RuntimePath.held_tensors: low-rank pairs, dense diffs, bias deltas,
+    LoKr/LoHa factors) as parameters of one module, so a ModelPatcher over it is counted by model management
+    (`model_size`) and moved by it. Each parameter shares its tensor's storage; after every move (`_apply`, what
+    `.to()` runs) the path's own tensor objects are pointed at the moved data, so the paths follow."""
 
     def __init__(self, paths: Sequence[RuntimePath]) -> None:
         super().__init__()
-        for i, rp in enumerate(paths):
-            if rp.down is None:
-                continue
-            rp.down = torch.nn.Parameter(rp.down, requires_grad=False)
-            rp.up = torch.nn.Parameter(rp.up, requires_grad=False)
-            self.register_parameter(f"down_{i}", rp.down)
-            self.register_parameter(f"up_{i}", rp.up)
-            # The path casts from these Parameters, so its device copy follows wherever ComfyUI moves the holder.
-            rp._factor_cast = CastCache(rp.down, rp.up)
+        held = {
+            id(t): t for rp in paths for t in rp.held_tensors()
+        }  # a tensor shared by two paths counts once
+        self.held = list(held.values())
+        for i, tensor in enumerate(self.held):
+            self.register_parameter(f"t{i}", torch.nn.Parameter(tensor, requires_grad=False))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for tensor, param in zip(self.held, self.parameters(), strict=True):
+            tensor.data = param.data
+        return self
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("FactorHolder only holds factors")

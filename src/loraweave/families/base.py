@@ -116,6 +116,9 @@ class RuntimeTerm:
     # False: fn(x, conv, base_out, strength, scale) applies the live strength itself (OFT, DoRA) and the
     # runtime does not multiply its result by strength·scale.
     linear_in_strength: bool = True
+    # The master tensors fn reads (cast per call from these very objects): a host that counts or moves the
+    # adapter's memory (ComfyUI's model management) moves them in place. Empty: fn declares none.
+    tensors: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ class CastCache:
         self._key, self._cast = None, ()
 
     def to(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        if (device, dtype) != self._key:
+        # A host may move the sources in place (RuntimePath.held_tensors): a cached source object is then stale.
+        if (device, dtype) != self._key or any(c.device != device or c.dtype != dtype for c in self._cast):
             self._cast = tuple(t.to(device, dtype, non_blocking=_staged(t, device)) for t in self.tensors)
             self._key = (device, dtype)
         return self._cast

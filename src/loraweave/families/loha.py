@@ -150,9 +150,9 @@ def runtime_term(f: LohaFactors, src: int, dst: int, length: int) -> RuntimeTerm
             raise RuntimeError("LoHa conv kernel unknown: check_target was never called for this part")
         return conv.fn(x, delta.view(length, *f.in_shape), None, **conv.kwargs)
 
-    return RuntimeTerm(
-        None, None, None, None, dst, length, fn=fn, cost=f"dense ΔW ({length}×{f.cols}) cached"
-    )
+    cost = f"dense ΔW ({length}×{f.cols}) cached"
+    held = tuple(t for t in (f.a1, f.b1, f.a2, f.b2, f.t1, f.t2) if t is not None)
+    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=cost, tensors=held)
 
 
 SPEC = Family(

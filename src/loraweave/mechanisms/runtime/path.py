@@ -86,6 +86,7 @@ class RuntimePath:
         # read the base output (OFT, DoRA, IA3, ...)
         self.fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
         self.base_fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
+        self.fn_tensors: list[torch.Tensor] = []  # what the structured terms read (RuntimeTerm.tensors)
         self.adapters = set()
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
         last_down = None
@@ -122,6 +123,7 @@ class RuntimePath:
             if term.dense is not None:
                 self.dense.append((pp, term.dst_start, term.length, term.dense))
             if term.fn is not None:
+                self.fn_tensors.extend(term.tensors)
                 target = self.base_fns if term.needs_base else self.fns
                 target.append((pp, term.dst_start, term.length, term.fn, term.linear_in_strength))
             if term.bias is not None:
@@ -178,6 +180,16 @@ class RuntimePath:
 
     def factors_for(self, device: torch.device, dtype: torch.dtype):
         return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every master tensor this path computes from, each object once: the rank-concatenated pair, dense diffs,
+        bias deltas and what structured terms declare (RuntimeTerm.tensors). The path reads these very objects on
+        each call, so a host that moves them in place (`t.data = t.data.to(device)`, as nn.Module.to does to its
+        parameters) moves the adapter: casts follow, nothing is rebuilt. Terms that declare no tensors (OFT,
+        BOFT, DoRA, IA3, GLoRA's W-reading form) hold theirs privately and are not listed."""
+        pair = (self.down, self.up) if self.down is not None else ()
+        extras = (*(d for *_, d in self.dense), *(b for *_, b in self.biases), *self.fn_tensors)
+        return list({id(t): t for t in (*pair, *extras)}.values())
 
     def bind_factors(
         self, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor
