@@ -1,10 +1,12 @@
 """The fused merge: W' = round(W + ΔW) written straight into the weight, block by block of rows.
 
-Each block is merged into a cache-sized buffer; there, while it is hot, the block is checked for new non-finite
-values and its compact record is taken (where round(W' - ΔW), what an undo computes, misses W, and W's bits
-there); only then is the block copied over W. No weight-sized W' buffer, no second pass over W' to check it, no
-pass to copy it in. Any exception (a non-finite block, an interrupt, a failed encoding) puts the blocks written so
-far back, bit for bit, from the record they were written with, before it propagates."""
+Each block of W is first copied to a cache-sized buffer, then W' is added in place over the weight's lines just
+read (W is read from memory once and written back once). While the block is hot its compact record is taken:
+where round(W' - ΔW), what an undo computes, misses W, and W's bits there. A value that becomes non-finite is
+always such a miss, so the finite check reads only the misses. No weight-sized W' buffer, no pass over W' to
+check it, no pass to copy it in. Any exception (a non-finite block, an interrupt, a failed encoding) puts the
+block in flight back from its buffer and the blocks written before it from their record, bit for bit, before it
+propagates."""
 
 from __future__ import annotations
 
@@ -19,11 +21,11 @@ from .undo import (
     CompactRecord,
     CopyRecord,
     DeltaFn,
-    compact_record,
     _witness_positions,
     acc_dtype,
     bits,
     combine_into,
+    compact_record,
     host_copy,
     raw_record,
     recorded_threads,
@@ -58,17 +60,14 @@ def merge_in_place(
     (undo="none": the misses kept unencoded, only until apply has finished; encoded as "auto" when that raw
     record would exceed 1/8 of the weight). `keep(record)` takes the record: it is the last step, and on any
     exception up to its end the weight is rebuilt, so the caller never holds a written weight without its record.
-    Raises NonFiniteResultError, with the
-    weight unchanged, when the merge would make finite values non-finite."""
+    Raises NonFiniteResultError, with the weight unchanged, when the merge would make finite values non-finite."""
     cols, total = rows[0].numel(), rows.shape[0]
     wb = bits(rows).view(-1)
     block = min(total, chunk_rows) * cols
     dbuf, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
-    mbuf, gbuf = (scratch(n, block, rows.dtype, rows.device) for n in ("merged_block", "guess"))
+    saved, gbuf = (scratch(n, block, rows.dtype, rows.device) for n in ("original", "guess"))
     mask = scratch("miss", block, torch.bool, rows.device)
-    witness = wb[
-        _witness_positions(wb.numel()).to(wb.device)
-    ].clone()  # W's bits, before any block is written
+    witness = wb[_witness_positions(wb.numel()).to(wb.device)]  # W's bits, before any block is written
     found: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     guards: list[list[torch.Tensor]] = [
@@ -76,42 +75,47 @@ def merge_in_place(
         [],
         [],
     ]  # where W' differs from W (a few), W's and W''s bits there
-    written = 0  # rows of the weight that hold W'
+    written = 0  # rows of the weight that hold W' and are in the record
+    dirty = None  # the block being written: its W is in `saved` until its record is complete
     try:
         for r0 in range(0, total, chunk_rows):
             r1 = min(total, r0 + chunk_rows)
             n = (r1 - r0) * cols
-            w, wflat = rows[r0:r1], wb[r0 * cols : r1 * cols]
+            w, merged_bits = rows[r0:r1], wb[r0 * cols : r1 * cols]
             delta = delta_fn(rows, r0, r1, dbuf[:n])
-            merged = mbuf[:n].view(w.shape)
-            combine_into(merged, w, delta, 1, acc[:n].view(delta.shape))
-            bad = new_non_finite(merged, w)
-            if bad:
-                raise NonFiniteResultError(
-                    f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {bad} non-finite values in "
-                    f"rows {r0}-{r1} of a {tuple(rows.shape)} {rows.dtype} weight (the delta overflows); the "
-                    "layer is left as it was"
-                )
-            mflat = bits(merged).view(-1)
+            original = saved[:n].view(w.shape)
+            original.copy_(w)  # W's block stays in cache; W' is added in place over lines already read
+            dirty = w
+            combine_into(w, w, delta, 1, acc[:n].view(delta.shape))
+            wflat = bits(original).view(-1)
             have = sum(g.numel() for g in guards[0])
             if have < GUARDS:  # they tell a written weight from one never written
-                at = differ(mflat, wflat, mask[:n])[: GUARDS - have]
-                for dst, src in zip(guards, (at + r0 * cols, wflat[at], mflat[at]), strict=True):
+                at = differ(merged_bits, wflat, mask[:n])[: GUARDS - have]
+                for dst, src in zip(guards, (at + r0 * cols, wflat[at], merged_bits[at]), strict=True):
                     dst.append(src)
             guess = gbuf[:n].view(w.shape)
-            combine_into(guess, merged, delta, -1, acc[:n].view(delta.shape))
+            combine_into(guess, w, delta, -1, acc[:n].view(delta.shape))
             miss = differ(bits(guess).view(-1), wflat, mask[:n])
             if miss.numel():
-                values.append(wflat[miss])  # W's bits, gathered before the block is overwritten
+                # a new non-finite W' is always a miss (inf - ΔW or NaN never gives a finite W back): check only these
+                bad = new_non_finite(w.view(-1)[miss], original.view(-1)[miss])
+                if bad:
+                    raise NonFiniteResultError(
+                        f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {bad} non-finite values "
+                        f"in rows {r0}-{r1} of a {tuple(rows.shape)} {rows.dtype} weight (the delta overflows); "
+                        "the layer is left as it was"
+                    )
+                values.append(wflat[miss])
                 found.append(miss + r0 * cols)
-            w.copy_(merged)
-            written = r1
+            dirty, written = None, r1
         raw = _raw(rows, found, values, witness, guards, chunk_rows)
         record = raw if kind == "transient" and raw.nbytes <= tensor_bytes(rows) // 8 else None
         if record is None:
             record = compact_record(rows, raw, on_device, kind == "compact")
         keep(record if record is not None else _copy_of_original(rows, raw, delta_fn, on_device))
     except BaseException:
+        if dirty is not None:
+            dirty.copy_(saved[: dirty.numel()].view(dirty.shape))
         if written:
             raw = _raw(rows, found, values, witness, guards, chunk_rows)
             fill = raw.rebuild(rows, rows, delta_fn)

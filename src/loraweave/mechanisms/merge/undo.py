@@ -311,7 +311,9 @@ def raw_record(
     )
 
 
-def compact_record(rows: torch.Tensor, raw: CompactRecord, on_device: bool, force: bool) -> CompactRecord | None:
+def compact_record(
+    rows: torch.Tensor, raw: CompactRecord, on_device: bool, force: bool
+) -> CompactRecord | None:
     """The smallest encoding of a raw record's misses; None when a copy of `rows` is smaller, unless `force`."""
     misses = raw.positions
     steps = torch.diff(misses, prepend=misses.new_full((1,), -1))
