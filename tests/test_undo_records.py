@@ -21,6 +21,7 @@ from torch import nn
 import loraweave
 from loraweave.errors import UndoError
 from loraweave.io.safetensors_file import read_safetensors_header
+from loraweave.mechanisms.merge import inplace as inplace_mod
 from loraweave.mechanisms.merge import undo as undo_mod
 from loraweave.mechanisms.merge.undo import bits
 
@@ -399,10 +400,15 @@ def test_fault_at_any_layer_restores_every_record_kind(monkeypatch, tmp_path, ki
 @pytest.mark.parametrize("kind", ["compact", "auto", "none"])
 @pytest.mark.parametrize("nth", [1, 2, 4])
 def test_fault_while_building_a_compact_record(monkeypatch, kind, nth):
-    """The failure lands while the record is being encoded (the weight is not written yet)."""
+    """The failure lands while the record is being encoded (the fused path has written the weight by then)."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
-    monkeypatch.setattr(undo_mod, "_compact", fail_on_call(nth, KeyboardInterrupt, undo_mod._compact))
+    monkeypatch.setattr(
+        inplace_mod, "compact_record", fail_on_call(nth, KeyboardInterrupt, undo_mod.compact_record)
+    )
+    monkeypatch.setattr(
+        undo_mod, "compact_record", fail_on_call(nth, KeyboardInterrupt, undo_mod.compact_record)
+    )
     with pytest.raises(KeyboardInterrupt):
         loraweave.apply(model, _full_adapter(False), mode="merge", undo=kind)
     _check_restored(model, before, out_before, conv_before)

@@ -13,6 +13,7 @@ from ...families.contribution import add_contribution, bias_of, coefficient
 from ...modes import UNDO_KINDS, UndoKind
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution, adapter_names
+from .inplace import merge_in_place
 from .undo import (
     CHUNK_ELEMENTS,
     CompactRecord,
@@ -171,6 +172,12 @@ class MergedModule:
                 else weight.reshape(weight.shape[0], -1)
             )
             terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
+            in_place = self._in_place_kind(rows) if fresh else None
+            if in_place is not None:
+                self._merge_in_place(rows, terms, in_place)
+                self._write_bias()
+                self._report()
+                return
             record, merged, original = self._merge(rows, terms, None if fresh else self.record)
             refuse_non_finite(merged, original, self.adapters)  # before the weight is touched
             del original
@@ -179,6 +186,24 @@ class MergedModule:
             del merged
             self._write_bias()
         self._report()
+
+    def _in_place_kind(self, rows: torch.Tensor) -> str | None:
+        """The record kind of a fused in-place merge (inplace.py), or None where the buffered path must run: W read
+        by ΔW (needs_base, weight replacement), whole copies (ties/dare, undo="copy") and file records."""
+        if not rows.is_contiguous() or any(
+            pp.part.family in ("set", "combined") or pp.family.needs_base for pp, _ in self.contributions
+        ):
+            return None
+        return {"auto": "auto", "compact": "compact", "none": "transient"}.get(self.undo_with.kind)
+
+    def _merge_in_place(self, rows: torch.Tensor, terms: list[Term], kind: str) -> None:
+        def keep(record: Record) -> None:
+            self.record, self.terms = record, terms
+
+        chunk = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
+        merge_in_place(
+            rows, self._delta_fn(terms), kind, chunk, self.undo_with.on_device, self.adapters, keep
+        )
 
     def _merge(
         self,

@@ -16,14 +16,15 @@ import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ...errors import UndoError
 from .bitscan import differ, pack_positions, put, unpack_positions
 
-GAP_MAX = 65535  # uint16 gaps; a regular grid of filler entries (W's own bits) keeps every gap below it
+# gap encodings: entry dtype and the largest step one entry holds (a longer gap takes valueless filler entries)
+GAP_ENCODINGS = {"gaps": (torch.uint16, 65535), "gaps8": (torch.uint8, 255)}
 CHUNK_ELEMENTS = 1 << 18  # rows per block of a merge: its fp32 temporaries stay in cache
 WITNESSES = 256  # evenly spaced elements checked after a compact restore (catches a non-deterministic ΔW)
 GUARDS = 8  # elements where W' differs from W: tell a written weight from one never written
@@ -121,7 +122,8 @@ def _witness_positions(numel: int) -> torch.Tensor:
 class CompactRecord:
     """W = round(W' - ΔW) corrected at the stored positions; see the module docstring."""
 
-    encoding: str  # "gaps": uint16 gaps to the next position; "bitmask": one bit per element
+    encoding: str  # "gaps"/"gaps8": uint16/uint8 steps to the next position; "bitmask": one bit per element;
+    # "raw": int64 positions (a record kept only while apply runs)
     positions: torch.Tensor
     values: torch.Tensor  # W's bits at the positions (integer view of the weight dtype)
     witness: torch.Tensor  # W's bits at _witness_positions(numel)
@@ -202,8 +204,13 @@ class CompactRecord:
 
     def _positions(self, numel: int, device: torch.device) -> torch.Tensor:
         p = self.positions.to(device)
-        if self.encoding == "gaps":
-            return p.to(torch.int64).cumsum(0) - 1
+        if self.encoding == "raw":
+            return p
+        if self.encoding in GAP_ENCODINGS:
+            steps = p.to(torch.int64)
+            real = steps != 0  # zeros are fillers: a step of the encoding's largest, with no value
+            positions = torch.where(real, steps, GAP_ENCODINGS[self.encoding][1]).cumsum(0) - 1
+            return positions if bool(real.all()) else positions[real]
         return unpack_positions(p, numel)
 
 
@@ -246,14 +253,29 @@ def recorded_threads(n: int):
             torch.set_num_threads(before)
 
 
-def compact_sizes(numel: int, misses: int, itemsize: int) -> dict[str, int]:
-    """Bytes of each encoding for `misses` corrected elements (fillers and witnesses included)."""
+def compact_sizes(numel: int, steps: torch.Tensor, itemsize: int) -> dict[str, int]:
+    """Bytes of each encoding of the misses whose position steps (p[i] - p[i-1], p[-1] = -1) are `steps`: a gap
+    encoding pays one valueless filler entry (0) for every `largest step` a gap holds beyond the first."""
     fixed = min(WITNESSES, numel) * itemsize + GUARDS * (8 + 2 * itemsize)
-    fillers = numel // GAP_MAX
-    return {
-        "gaps": (misses + fillers) * (2 + itemsize) + fixed,
-        "bitmask": math.ceil(numel / 8) + misses * itemsize + fixed,
-    }
+    misses = steps.numel()
+    sizes = {"bitmask": math.ceil(numel / 8) + misses * itemsize + fixed}
+    for name, (dtype, most) in GAP_ENCODINGS.items():
+        fillers = int(((steps - 1) // most).sum()) if misses else 0
+        width = torch.empty(0, dtype=dtype).element_size()
+        sizes[name] = misses * (width + itemsize) + fillers * width + fixed
+    return sizes
+
+
+def encode_gaps(steps: torch.Tensor, dtype: torch.dtype, most: int) -> torch.Tensor:
+    """Position steps as entries of `dtype`: a step above `most` becomes filler zeros (each one `most` further)
+    and the rest; the decoder (CompactRecord._positions) skips the fillers."""
+    fillers = (steps - 1) // most
+    if not bool(fillers.any()):
+        return steps.to(dtype)
+    last = torch.cumsum(fillers + 1, 0) - 1  # where each real entry lands, after its fillers
+    out = torch.zeros(int(last[-1]) + 1, dtype=torch.int64, device=steps.device)
+    out[last] = steps - fillers * most
+    return out.to(dtype)
 
 
 def _guard_positions(wb: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
@@ -266,37 +288,49 @@ def _guard_positions(wb: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64, device=wb.device)
 
 
-def _compact(
-    rows: torch.Tensor, merged: torch.Tensor, blocks: _Blocks, chunk_rows: int, on_device: bool, force: bool
-) -> CompactRecord | None:
-    """The smaller encoding of the misses (from blocks); None when a copy is smaller, unless `force`."""
-    misses = blocks.misses()
-    wb, mb = bits(rows).reshape(-1), bits(merged).reshape(-1)
-    sizes = compact_sizes(wb.numel(), misses.numel(), rows.element_size())
-    encoding = min(sizes, key=sizes.get)
-    if sizes[encoding] >= tensor_bytes(rows) and not force:
-        return None
-    if encoding == "gaps":
-        gaps = torch.diff(misses, prepend=misses.new_full((1,), -1))
-        if misses.numel() and int(gaps.max()) > GAP_MAX:  # fillers (W's own bits) keep every gap in uint16
-            grid = torch.arange(GAP_MAX - 1, wb.numel(), GAP_MAX, device=misses.device)
-            misses = torch.unique(torch.cat([misses, grid]))
-            gaps = torch.diff(misses, prepend=misses.new_full((1,), -1))
-        positions = gaps.to(torch.uint16)
-    else:
-        positions = pack_positions(misses, wb.numel())
-    guard = _guard_positions(wb, mb)
+def raw_record(
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    witness: torch.Tensor,
+    guard: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    chunk_rows: int,
+) -> CompactRecord:
+    """A compact record whose positions are plain int64 (no encoding): complete, kept only while apply runs."""
     return CompactRecord(
-        encoding,
-        host_copy(positions, on_device),
-        host_copy(wb[misses], on_device),
-        host_copy(wb[_witness_positions(wb.numel()).to(wb.device)], on_device),
-        guard.cpu(),
-        host_copy(wb[guard]),
-        host_copy(mb[guard]),
+        "raw",
+        positions,
+        values,
+        witness,
+        guard[0].cpu(),
+        host_copy(guard[1]),
+        host_copy(guard[2]),
         chunk_rows,
         torch.get_num_threads(),
         rows.device,
+    )
+
+
+def compact_record(
+    rows: torch.Tensor, raw: CompactRecord, on_device: bool, force: bool
+) -> CompactRecord | None:
+    """The smallest encoding of a raw record's misses; None when a copy of `rows` is smaller, unless `force`."""
+    misses = raw.positions
+    steps = torch.diff(misses, prepend=misses.new_full((1,), -1))
+    sizes = compact_sizes(rows.numel(), steps, rows.element_size())
+    encoding = min(sizes, key=sizes.get)
+    if sizes[encoding] >= tensor_bytes(rows) and not force:
+        return None
+    if encoding == "bitmask":
+        positions = pack_positions(misses, rows.numel())
+    else:
+        positions = encode_gaps(steps, *GAP_ENCODINGS[encoding])
+    return replace(
+        raw,
+        encoding=encoding,
+        positions=host_copy(positions, on_device),
+        values=host_copy(raw.values, on_device),
+        witness=host_copy(raw.witness, on_device),
     )
 
 
@@ -333,7 +367,15 @@ def merge_with_record(
         prior[0].verify(rows)  # before anything is written
     if kind == "none":  # the caller holds another record (a source file)
         return merged, None
-    record = _compact(rows, merged, blocks, chunk_rows, on_device, kind == "compact") if compact else None
+    record = None
+    if compact:
+        wb, misses = bits(rows).reshape(-1), blocks.misses()
+        witness = wb[_witness_positions(wb.numel()).to(wb.device)]
+        guard = _guard_positions(wb, bits(merged).reshape(-1))
+        raw = raw_record(
+            rows, misses, wb[misses], witness, (guard, wb[guard], bits(merged).reshape(-1)[guard]), chunk_rows
+        )
+        record = compact_record(rows, raw, on_device, kind == "compact")
     return merged, record if record is not None else CopyRecord(host_copy(rows, on_device))
 
 
