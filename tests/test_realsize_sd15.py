@@ -215,3 +215,23 @@ def test_plan_merge_runtime_remove(path, sd15, originals):
         merge_s,
         remove_s,
     )
+
+
+def test_lokr_compact_undo_on_the_largest_conv():
+    """The real LoKr part of up_blocks.1.resnets.0.conv1 (29.5M elements, past 2**24) merged with undo="compact"
+    into that conv alone, at full size: remove() restores it bit for bit (float32 witness positions once ran past
+    the end here)."""
+    unet = torch.nn.Module()
+    conv = torch.nn.Conv2d(2560, 1280, 3, padding=1, dtype=torch.float16).requires_grad_(False)
+    unet.add_module("up_blocks", torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()]))
+    unet.up_blocks[1].add_module("resnets", torch.nn.ModuleList([torch.nn.Module()]))
+    unet.up_blocks[1].resnets[0].add_module("conv1", conv)
+    g = torch.Generator().manual_seed(3)
+    conv.weight.uniform_(-(23040**-0.5), 23040**-0.5, generator=g)
+    before = conv.weight.clone()
+    path = LORA_DIR / "KohakuBlueleaf__LyCORIS__smart_falcon_4_lokr.safetensors"
+    handle = loraweave.apply({"unet": unet}, path, mode="merge", undo="compact", allow_empty=True)
+    assert [a.undo for a in handle.report.applied] == ["compact"]
+    assert not torch.equal(conv.weight, before)
+    handle.remove()
+    assert torch.equal(conv.weight.view(torch.int16), before.view(torch.int16))
