@@ -220,7 +220,7 @@ def test_plan_merge_runtime_remove(path, sd15, originals):
 def test_lokr_compact_undo_on_the_largest_conv():
     """The real LoKr part of up_blocks.1.resnets.0.conv1 (29.5M elements, past 2**24) merged with undo="compact"
     into that conv alone, at full size: remove() restores it bit for bit (float32 witness positions once ran past
-    the end here)."""
+    the end here: this case and the whole-model falcon_4 case both failed with IndexError on 2cef893^)."""
     unet = torch.nn.Module()
     conv = torch.nn.Conv2d(2560, 1280, 3, padding=1, dtype=torch.float16).requires_grad_(False)
     unet.add_module("up_blocks", torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()]))
