@@ -92,6 +92,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_inspect_pictures": ("realdata",),
     "test_io_safetensors": ("realdata",),
     "test_realdata": ("realdata",),
+    "test_realsize_acceptance": ("realsize", "realdata"),
     "test_robustness": ("realdata",),
     "test_serve": ("slow",),  # a local Ray cluster
     "test_serve_cli": ("slow",),
