@@ -93,6 +93,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_io_safetensors": ("realdata",),
     "test_realdata": ("realdata",),
     "test_realsize_acceptance": ("realsize", "realdata"),
+    "test_realsize_catalog": ("realsize",),
     "test_realsize_mechanisms": ("realsize",),
     "test_robustness": ("realdata",),
     "test_serve": ("slow",),  # a local Ray cluster
