@@ -95,6 +95,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_realsize_acceptance": ("realsize", "realdata"),
     "test_realsize_catalog": ("realsize",),
     "test_realsize_mechanisms": ("realsize",),
+    "test_realsize_quant": ("realsize",),
     "test_robustness": ("realdata",),
     "test_serve": ("slow",),  # a local Ray cluster
     "test_serve_cli": ("slow",),
