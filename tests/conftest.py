@@ -102,6 +102,10 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_inspect_pictures": ("realdata",),
     "test_io_safetensors": ("realdata",),
     "test_realdata": ("realdata",),
+    "test_realsize_acceptance": ("realsize", "realdata"),
+    "test_realsize_catalog": ("realsize",),
+    "test_realsize_mechanisms": ("realsize",),
+    "test_realsize_quant": ("realsize",),
     "test_realsize_sd15": ("realdata", "realsize"),  # a full-size SD1.5 UNet in fp16
     "test_robustness": ("realdata",),
     "test_serve": ("slow",),  # a local Ray cluster

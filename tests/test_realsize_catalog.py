@@ -1,0 +1,92 @@
+"""Every catalog architecture's largest layer, and the layer kinds LoRAs target most, at their real size, through
+the default merge.
+
+For each architecture of the registry: its full-size denoiser on the meta device and its largest Linear/Conv
+weight (Flux.2's fused to_qkv_mlp_proj 55296x6144, MiniMax-H3's adaln_proj 96768x2688, Wan's time_proj
+30720x5120, SD1.5's 1280x2560x3x3 up-block conv, ...); then the FFN and MLP layers the issue names (Flux ff,
+Wan 14B ffn.0/ffn.2, Qwen-Image img_mlp, LTX-2 FFN, SDXL ff.net.0.proj). Each is materialized alone in bf16 (the dtype these models are run in) with seeded
+values; a rank-16 LoRA (‖ΔW‖ = 5% of ‖W‖) in PEFT layout under the layer's own module path; `apply(mode="merge")`
+with the default undo. Merged rows (every 97th plus the last) are checked against W + B·A in fp64 to one bf16 ulp;
+`remove()` restores every element's bits (regenerated from the seed). Mechanisms and the other dtypes run on a
+subset of these shapes in test_realsize_mechanisms.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.realsize import (
+    RealLayer,
+    assert_merged,
+    assert_seeded,
+    largest_layers,
+    layer_at,
+    lora_for,
+    materialized,
+    meta_denoiser,
+    sample_rows,
+)
+
+import loraweave
+from loraweave.arch import registry
+
+# Largest layer above 2**27 elements (Flux.2's 55296x6144 to_qkv_mlp_proj: 340M): marked slow as well, so
+# `-m "realsize and not slow"` is the tier's quick subset; the test checks each name belongs here.
+HUGE = 2**27
+HUGE_ARCHS = {
+    "flux2",
+    "flux2-klein-9b",
+    "ltx2.3",
+    "minimax-h3",
+    "ideogram4",
+    "wan-animate",
+    "wan-animate-2",
+    "wan",
+    "krea2",
+}
+ARCHS = [
+    pytest.param(a.name, marks=[pytest.mark.slow] if a.name in HUGE_ARCHS else [])
+    for a in registry.ARCHITECTURES
+    if a.skeleton is not None
+]
+SEED = 7
+
+
+# (architecture, module path, shape): the FFN / MLP kinds LoRA trainers target, at the released sizes.
+TARGETED = [
+    ("flux", "transformer_blocks.0.ff.net.0.proj", (12288, 3072)),
+    ("flux", "transformer_blocks.0.ff.net.2", (3072, 12288)),
+    ("wan", "blocks.0.ffn.net.2", (5120, 13824)),
+    ("qwen-image", "transformer_blocks.0.img_mlp.net.0.proj", (12288, 3072)),
+    ("ltx2", "transformer_blocks.0.ff.net.2", (4096, 16384)),
+    ("sdxl", "down_blocks.2.attentions.0.transformer_blocks.0.ff.net.0.proj", (10240, 1280)),
+]
+
+
+def merge_and_restore(model: torch.nn.Module, layer: RealLayer) -> None:
+    lora = lora_for(layer)
+    with materialized(model, [layer.path], torch.bfloat16, SEED):
+        weight = model.get_submodule(layer.path).weight
+        rows = sample_rows(layer.shape[0])
+        original = weight.detach()[rows].clone()
+        handle = loraweave.apply(model, lora.state_dict(layer.path), mode="merge", strict=True)
+        assert [m.module for m in handle.report.applied] == [layer.path]
+        assert_merged(weight, rows, original, lora, 1.0, str(layer))
+        handle.remove()
+        assert_seeded(weight, SEED, f"{layer} after remove()")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_largest_layer_merges_and_restores_at_real_size(arch):
+    model = meta_denoiser(arch)
+    (layer,) = largest_layers(model, arch, count=1)
+    assert layer.numel > 2**22, layer  # a real size, not a toy
+    assert (layer.numel > HUGE) == (arch in HUGE_ARCHS), layer
+    merge_and_restore(model, layer)
+
+
+@pytest.mark.parametrize(("arch", "path", "shape"), TARGETED, ids=[f"{a}:{p}" for a, p, _ in TARGETED])
+def test_targeted_layer_kinds_merge_and_restore_at_real_size(arch, path, shape):
+    model = meta_denoiser(arch)
+    layer = layer_at(model, arch, path)
+    assert layer.shape == shape
+    merge_and_restore(model, layer)
