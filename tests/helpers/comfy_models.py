@@ -297,3 +297,55 @@ BUILDERS = {
     "flux": tiny_flux,
     "wan": tiny_wan,
 }
+
+
+def _detected(c, original: dict[str, torch.Tensor], expect: str, widths: dict):
+    """ComfyUI's own detection of `original` (model_detection.model_config_from_unet), with the widths its
+    detection does not read from the file set in unet_config (they go to the model class as keyword arguments,
+    as ComfyUI's defaults would), then the model built and loaded as load_diffusion_model_state_dict does."""
+    model_config = c.model_detection.model_config_from_unet(original, "")
+    assert model_config is not None and type(model_config).__name__ == expect, (
+        f"ComfyUI did not detect {expect}"
+    )
+    model_config.unet_config.update(widths)
+    model_config.set_inference_dtype(torch.float32, None)
+    model = model_config.get_model({}, "")
+    model.load_model_weights(original, "")
+    return c.model_patcher.ModelPatcher(
+        model, load_device=torch.device("cpu"), offload_device=torch.device("cpu")
+    )
+
+
+def _seeded_shapes(shapes: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in shapes.items()}
+
+
+# ComfyUI's Qwen-Image detection reads only in_channels and the depth: the widths below are unet_config entries.
+QWEN_WIDTHS = {"num_attention_heads": 2, "attention_head_dim": 32, "joint_attention_dim": 32,
+               "axes_dims_rope": (8, 12, 12)}  # fmt: skip
+
+
+def tiny_qwen_image(seed: int = 0) -> ComfyModel:
+    """Qwen-Image at inner width 64, 2 blocks. ComfyUI keeps the diffusers names for Qwen-Image (and diffusers has
+    no single-file converter for it), so the twin loads ComfyUI's state dict as it is: the identity row map."""
+    c = import_comfy()
+    import comfy.ldm.qwen_image.model
+    import comfy.ops
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device("meta"):
+        shapes = comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(
+            in_channels=64,
+            out_channels=16,
+            num_layers=2,
+            operations=comfy.ops.disable_weight_init,
+            **QWEN_WIDTHS,
+        ).state_dict()
+    original = _seeded_shapes(shapes, seed)
+    patcher = _detected(c, dict(original), "QwenImage", QWEN_WIDTHS)
+    twin = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=2, **QWEN_WIDTHS
+    ).eval()
+    twin.load_state_dict(original)
+    return ComfyModel("qwen-image", patcher, tiny_clip("sd1"), twin)

@@ -65,6 +65,19 @@ def _wan(cfg: dict) -> dict:
     }
 
 
+def _qwen_image(cfg: dict) -> dict:
+    # ComfyUI's detection writes only in_channels and depth; the rest are its model class's defaults.
+    return {
+        "in_channels": cfg.get("in_channels", 64),
+        "out_channels": cfg.get("out_channels") or 16,
+        "num_layers": cfg.get("num_layers", 60),
+        "attention_head_dim": cfg.get("attention_head_dim", 128),
+        "num_attention_heads": cfg.get("num_attention_heads", 24),
+        "joint_attention_dim": cfg.get("joint_attention_dim", 3584),
+        "axes_dims_rope": tuple(cfg.get("axes_dims_rope", (16, 56, 56))),
+    }
+
+
 CONFIGS: dict[str, Callable[[dict], dict]] = {
     "sd1": _unet,
     "sd2": _unet,
@@ -73,6 +86,7 @@ CONFIGS: dict[str, Callable[[dict], dict]] = {
     "flux": _flux,
     "flux-schnell": _flux,
     "wan": _wan,
+    "qwen-image": _qwen_image,
 }
 
 
