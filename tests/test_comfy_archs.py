@@ -8,14 +8,15 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
 from helpers.comfy_env import import_comfy
-from helpers.comfy_files import FAMILIES, adapter_file, dotted, kohya, target_linears
-from helpers.comfy_models import ComfyModel, tiny_qwen_image
+from helpers.comfy_files import FAMILIES, adapter_file, dotted, kohya
+from helpers.comfy_models import ComfyModel, tiny_qwen_image, tiny_z_image
 
 import loraweave
 from loraweave.comfy import load_lora_for_models
@@ -36,6 +37,19 @@ def qwen_forward(m: ComfyModel, model) -> torch.Tensor:
     return model.model.diffusion_model(x, torch.tensor([0.5]), context)
 
 
+def z_image_rows(m: ComfyModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    return convert_z_image_transformer_checkpoint_to_diffusers(dict(state))
+
+
+def z_image_forward(m: ComfyModel, model) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 16, 4, 4, generator=g)
+    context = torch.randn(1, 5, 32, generator=g)
+    return model.model.diffusion_model(x, torch.tensor([0.5]), context, 5)
+
+
 @dataclass(frozen=True)
 class ArchCase:
     build: Callable[[], ComfyModel]
@@ -44,8 +58,12 @@ class ArchCase:
     forward: Callable[[ComfyModel, object], torch.Tensor]
 
 
-# Qwen-Image: ComfyUI keeps the diffusers names, so the row map is the identity (diffusers has no converter).
-ARCHS = {"qwen-image": ArchCase(tiny_qwen_image, identity_rows, "lora_unet_", qwen_forward)}
+# Row maps: Qwen-Image's is the identity (ComfyUI keeps the diffusers names; diffusers has no converter for it);
+# Z-Image's is diffusers' single-file converter (fused attention.qkv split in three).
+ARCHS = {
+    "qwen-image": ArchCase(tiny_qwen_image, identity_rows, "lora_unet_", qwen_forward),
+    "z-image": ArchCase(tiny_z_image, z_image_rows, "lora_unet_", z_image_forward),
+}
 
 
 @pytest.fixture(scope="module")
@@ -97,31 +115,64 @@ def check_against_twin(name: str, m: ComfyModel, sd: dict):
     return model
 
 
-def check_comfy_core(name: str, m: ComfyModel, model, sd: dict) -> None:
-    """ComfyUI's own LoraLoader lands the file (within TOL of the twin) and ours equals it bit for bit."""
+def comfy_core_verdict(name: str, m: ComfyModel, model, sd: dict) -> str:
+    """How ComfyUI's own LoraLoader does on the file next to ours: "drops" (it patches other keys), "off" (its
+    weights miss the twin reference by more than TOL), "close" (within TOL, bits differ) or "identical"."""
     core, _ = import_comfy().sd.load_lora_for_models(m.patcher, None, sd, STRENGTH, 0.0)
-    assert set(core.patches) == set(model.patches), "ComfyUI's LoraLoader lands other keys than ours"
+    if set(core.patches) != set(model.patches):
+        return "drops"
     theirs, ours, ref = merged_state(core), merged_state(model), twin_reference(m, sd)
     theirs_diffusers = ARCHS[name].as_diffusers(m, theirs)
-    assert max(rel(theirs_diffusers[k], ref[k]) for k in ref) <= TOL, "ComfyUI's merge is off the reference"
-    different = sorted(k for k in theirs if not torch.equal(theirs[k], ours[k]))
-    assert not different, different[:5]
+    if max(rel(theirs_diffusers[k], ref[k]) for k in ref) > TOL:
+        return "off"
+    return "identical" if all(torch.equal(theirs[k], ours[k]) for k in theirs) else "close"
+
+
+# ComfyUI v0.19.3 on a kohya LoRA, by layout: it maps Z-Image's original names only, and there its fused-qkv and
+# SwiGLU merges agree with ours within TOL but not bit for bit (measured; not yet explained).
+CORE_VERDICTS = {
+    ("qwen-image", "diffusers"): "identical",
+    ("qwen-image", "comfy"): "identical",
+    ("z-image", "diffusers"): "drops",
+    ("z-image", "comfy"): "close",
+}
+
+
+def block_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """Every Linear inside the model's block lists but the modulation (attention, fused qkv, SwiGLU); the
+    modulation's 4-6x wide outputs would only slow the check."""
+    return {
+        n: mod
+        for n, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Linear) and re.match(r"^\w+\.\d+\.(?!\w*mod)", n)
+    }
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_kohya_on_diffusers_names(models, name, family):
     m = built(models, name)
-    sd = adapter_file(target_linears(m.diffusers), family, kohya(ARCHS[name].kohya_prefix))
+    sd = adapter_file(block_linears(m.diffusers), family, kohya(ARCHS[name].kohya_prefix))
     model = check_against_twin(name, m, sd)
     if family == "lora":
-        check_comfy_core(name, m, model, sd)
+        assert comfy_core_verdict(name, m, model, sd) == CORE_VERDICTS[name, "diffusers"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_kohya_on_comfy_names(models, name, family):
+    # ComfyUI's own (original) module names: a fused qkv lands per row range on the twin's to_q/to_k/to_v.
+    m = built(models, name)
+    sd = adapter_file(block_linears(m.patcher.model.diffusion_model), family, kohya(ARCHS[name].kohya_prefix))
+    model = check_against_twin(name, m, sd)
+    if family == "lora":
+        assert comfy_core_verdict(name, m, model, sd) == CORE_VERDICTS[name, "comfy"]
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_peft_diffusers_layout(models, name):
     m = built(models, name)
-    sd = adapter_file(target_linears(m.diffusers), "lora", dotted("transformer."), peft=True)
+    sd = adapter_file(block_linears(m.diffusers), "lora", dotted("transformer."), peft=True)
     check_against_twin(name, m, sd)
 
 
@@ -129,7 +180,7 @@ def test_peft_diffusers_layout(models, name):
 def test_runtime_forward_equals_merge(models, name):
     c = import_comfy()
     m = built(models, name)
-    sd = adapter_file(target_linears(m.diffusers), "lora", kohya(ARCHS[name].kohya_prefix))
+    sd = adapter_file(block_linears(m.diffusers), "lora", kohya(ARCHS[name].kohya_prefix))
     outputs = []
     for mode in ("merge", "runtime", None):
         model = (
