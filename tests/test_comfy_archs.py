@@ -210,3 +210,24 @@ def test_reference_tree_at_model_widths(models, name, caplog):
     assert found is not None and "fits=no" not in caplog.text
     tree_shapes = {k: tuple(v.shape) for k, v in found[0].state_dict().items()}
     assert tree_shapes == {k: tuple(v.shape) for k, v in m.diffusers.state_dict().items()}
+
+
+def test_z_image_x_pad_token_lands(models):
+    # x_pad_token is a parameter of the root NextDiT (a module with children): ComfyUI accepts a "diff" patch there
+    # and never applies it, so it must land as an object patch, equal to loraweave.apply's on the twin.
+    c = import_comfy()
+    m = built(models, "z-image")
+    delta = torch.randn(1, 1024, generator=torch.Generator().manual_seed(4))
+    sd = {"diffusion_model.x_pad_token.diff": delta}
+    model, _, report = load_lora_for_models(m.patcher, None, sd, STRENGTH, 0.0, mode="merge")
+    assert report.keys_applied == report.keys_total == 1, report.kinds()
+    c.model_management.load_models_gpu([model])
+    landed = model.model.diffusion_model.x_pad_token.detach().clone()
+    c.model_management.unload_all_models()
+    model.detach(unpatch_all=True)
+    ref = twin_reference(m, sd)["x_pad_token"]
+    assert not torch.equal(ref, m.diffusers.x_pad_token)
+    assert rel(landed, ref) <= TOL
+    assert torch.equal(
+        m.patcher.model.diffusion_model.x_pad_token, m.diffusers.x_pad_token
+    )  # input untouched
