@@ -84,6 +84,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_cli_convert": ("realdata",),
     "test_cli_extract": ("realdata",),
     "test_cli_inspect": ("realdata",),
+    "test_comfy_archs": ("comfy",),
     "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),

@@ -297,3 +297,102 @@ BUILDERS = {
     "flux": tiny_flux,
     "wan": tiny_wan,
 }
+
+
+def _detected(c, original: dict[str, torch.Tensor], expect: str, widths: dict, chosen=None):
+    """ComfyUI's own detection of `original` (model_detection), with the widths its detection does not read from
+    the file set in unet_config (they go to the model class as keyword arguments, as ComfyUI's defaults would),
+    then the model built and loaded as load_diffusion_model_state_dict does. `chosen`: the supported_models class
+    for a tiny model that detection matches by a full-size width (notes §2.7 (b)), given the detected config."""
+    if chosen is None:
+        model_config = c.model_detection.model_config_from_unet(original, "")
+    else:
+        model_config = chosen(c.model_detection.detect_unet_config(original, ""))
+    assert model_config is not None and type(model_config).__name__ == expect, (
+        f"ComfyUI did not detect {expect}"
+    )
+    model_config.unet_config.update(widths)
+    model_config.set_inference_dtype(torch.float32, None)
+    model = model_config.get_model({}, "")
+    model.load_model_weights(original, "")
+    return c.model_patcher.ModelPatcher(
+        model, load_device=torch.device("cpu"), offload_device=torch.device("cpu")
+    )
+
+
+def _seeded_shapes(shapes: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in shapes.items()}
+
+
+# ComfyUI's Qwen-Image detection reads only in_channels and the depth: the widths below are unet_config entries.
+QWEN_WIDTHS = {"num_attention_heads": 2, "attention_head_dim": 32, "joint_attention_dim": 32,
+               "axes_dims_rope": (8, 12, 12)}  # fmt: skip
+
+
+def tiny_qwen_image(seed: int = 0) -> ComfyModel:
+    """Qwen-Image at inner width 64, 2 blocks. ComfyUI keeps the diffusers names for Qwen-Image (and diffusers has
+    no single-file converter for it), so the twin loads ComfyUI's state dict as it is: the identity row map."""
+    c = import_comfy()
+    import comfy.ldm.qwen_image.model
+    import comfy.ops
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device("meta"):
+        shapes = comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(
+            in_channels=64,
+            out_channels=16,
+            num_layers=2,
+            operations=comfy.ops.disable_weight_init,
+            **QWEN_WIDTHS,
+        ).state_dict()
+    original = _seeded_shapes(shapes, seed)
+    patcher = _detected(c, dict(original), "QwenImage", QWEN_WIDTHS)
+    twin = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=2, **QWEN_WIDTHS
+    ).eval()
+    twin.load_state_dict(original)
+    return ComfyModel("qwen-image", patcher, tiny_clip("sd1"), twin)
+
+
+# Z-Image: detection reads dim, cap_feat_dim and depth, and picks ZImage only at dim 3840; the rest are unet_config.
+# dim 1024 is the least at which diffusers' timestep MLP (hidden fixed at 1024) has ComfyUI's min(dim, 1024) width;
+# multiple_of 1 keeps ComfyUI's SwiGLU width at diffusers' int(dim / 3 * 8) (at 3840 both give 10240).
+Z_IMAGE_DIM = 1024
+Z_IMAGE_WIDTHS = {"n_heads": 8, "n_kv_heads": 8, "axes_dims": [32, 48, 48], "axes_lens": [64, 32, 32],
+                  "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0, "multiple_of": 1,
+                  "z_image_modulation": True, "time_scale": 1000.0, "pad_tokens_multiple": 32}  # fmt: skip
+
+
+def z_image_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    """An original-layout (NextDiT) Z-Image state dict at dim 1024, 1 layer (+ 2 + 2 refiners), seeded."""
+    import_comfy()
+    import comfy.ldm.lumina.model
+    import comfy.ops
+
+    with torch.device("meta"):
+        shapes = comfy.ldm.lumina.model.NextDiT(
+            patch_size=2, in_channels=16, dim=Z_IMAGE_DIM, n_layers=1, cap_feat_dim=32, qk_norm=True,
+            operations=comfy.ops.disable_weight_init, **Z_IMAGE_WIDTHS,
+        ).state_dict()  # fmt: skip
+    return _seeded_shapes(shapes, seed)
+
+
+def tiny_z_image(seed: int = 0) -> ComfyModel:
+    """Z-Image at dim 1024 as ComfyUI's supported_models.ZImage on the detected config; the twin through diffusers'
+    convert_z_image_transformer_checkpoint_to_diffusers (fused qkv split in three)."""
+    c = import_comfy()
+    from diffusers import ZImageTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    original = z_image_state_dict(seed)
+    patcher = _detected(c, dict(original), "ZImage", Z_IMAGE_WIDTHS, c.supported_models.ZImage)
+    twin = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=Z_IMAGE_DIM, n_layers=1, n_refiner_layers=2,
+        n_heads=8, n_kv_heads=8, cap_feat_dim=32, rope_theta=256.0, axes_dims=[32, 48, 48], axes_lens=[64, 32, 32],
+    ).eval()  # fmt: skip
+    converted = convert_z_image_transformer_checkpoint_to_diffusers(
+        {k: v.clone() for k, v in original.items()}
+    )
+    twin.load_state_dict(converted)
+    return ComfyModel("z-image", patcher, tiny_clip("sd1"), twin)

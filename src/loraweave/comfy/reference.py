@@ -65,6 +65,37 @@ def _wan(cfg: dict) -> dict:
     }
 
 
+def _qwen_image(cfg: dict) -> dict:
+    # ComfyUI's detection writes only in_channels and depth; the rest are its model class's defaults.
+    return {
+        "in_channels": cfg.get("in_channels", 64),
+        "out_channels": cfg.get("out_channels") or 16,
+        "num_layers": cfg.get("num_layers", 60),
+        "attention_head_dim": cfg.get("attention_head_dim", 128),
+        "num_attention_heads": cfg.get("num_attention_heads", 24),
+        "joint_attention_dim": cfg.get("joint_attention_dim", 3584),
+        "axes_dims_rope": tuple(cfg.get("axes_dims_rope", (16, 56, 56))),
+    }
+
+
+def _z_image(cfg: dict) -> dict:
+    # ComfyUI's NextDiT keyword names; its detection writes dim, cap_feat_dim and depth, ZImage's class the rest.
+    return {
+        "dim": cfg["dim"],
+        "n_layers": cfg["n_layers"],
+        "n_refiner_layers": cfg.get("n_refiner_layers", 2),
+        "n_heads": cfg.get("n_heads", 30),
+        "n_kv_heads": cfg.get("n_kv_heads", 30),
+        "cap_feat_dim": cfg["cap_feat_dim"],
+        "in_channels": cfg.get("in_channels", 16),
+        "all_patch_size": (cfg.get("patch_size", 2),),
+        "axes_dims": list(cfg.get("axes_dims", (32, 48, 48))),
+        "axes_lens": list(cfg.get("axes_lens", (1536, 512, 512))),
+        "rope_theta": cfg.get("rope_theta", 256.0),
+        "qk_norm": bool(cfg.get("qk_norm", True)),
+    }
+
+
 CONFIGS: dict[str, Callable[[dict], dict]] = {
     "sd1": _unet,
     "sd2": _unet,
@@ -73,6 +104,8 @@ CONFIGS: dict[str, Callable[[dict], dict]] = {
     "flux": _flux,
     "flux-schnell": _flux,
     "wan": _wan,
+    "qwen-image": _qwen_image,
+    "z-image": _z_image,
 }
 
 

@@ -94,11 +94,21 @@ def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
     config = {**entry.config, **reference_config(arch, patcher.model.model_config.unet_config)}
     tree = _meta_tree(entry.cls, json.dumps(config, sort_keys=True, default=list))
     shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
-    fit = _fits(tree, shapes)
+    fit = _fits(tree, shapes) or _same_names(tree, shapes)
     if fit is None:
         log.warning("comfy reference arch=%s fits=no (widths differ from loraweave's reference)", arch)
         return None
     return tree, fit[0]
+
+
+def _same_names(tree: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> tuple[Spans, int] | None:
+    """Empty spans (names map to themselves) where ComfyUI keeps the diffusers names (Qwen-Image): at least half
+    the tree's tensors are present under the same names, every present one with the same shape."""
+    own = {k: tuple(v.shape) for k, v in tree.state_dict().items()}
+    present = [k for k in own if k in shapes]
+    if not own or len(present) < len(own) / 2 or any(shapes[k] != own[k] for k in present):
+        return None
+    return {}, len(present)
 
 
 def _side(adapter: Adapter, text_encoders: bool) -> Adapter:
