@@ -105,7 +105,7 @@ def test_interrupt_between_blocks_puts_the_written_blocks_back(monkeypatch, smal
 
 def decode(encoding: str, positions: torch.Tensor, numel: int) -> torch.Tensor:
     record = CompactRecord(encoding, positions, *(torch.zeros(0),) * 5, 1, 1, torch.device("cpu"))
-    return record._positions(numel, torch.device("cpu"))
+    return record.decoded_positions(numel, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("encoding", list(GAP_ENCODINGS))

@@ -10,28 +10,27 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from loraweave.arguments import byte_size
 from loraweave.io.safetensors_file import SafetensorsFile, read_safetensors_header
 from loraweave.io.write import build_header
 from loraweave.mechanisms.merge import bitscan
-from loraweave.mechanisms.merge import undo as undo_mod
-from loraweave.mechanisms.merge.undo import GAP_MAX, bits, merge_with_record
+from loraweave.mechanisms.merge.inplace import merge_in_place
+from loraweave.mechanisms.merge.undo import (
+    GAP_ENCODINGS,
+    CompactRecord,
+    bits,
+    merge_with_record,
+    record_of_misses,
+    witness_positions,
+)
 from loraweave.streaming.planner import aligned, plan_residency, tensor_bytes
 
 ROWS, COLS = 4097, 4096  # 16,781,312 elements: past 2**24, and 4097 rows leave a 1-row last block of 64
 CHUNK_ROWS = 64
-
-
-class _Misses:
-    """The `blocks` a compact record reads its miss positions from."""
-
-    def __init__(self, positions: torch.Tensor) -> None:
-        self.positions = positions
-
-    def misses(self) -> torch.Tensor:
-        return self.positions
+CPU = torch.device("cpu")
 
 
 def _no_delta(base: torch.Tensor, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,29 +43,45 @@ def _weight(dtype: torch.dtype = torch.float16) -> torch.Tensor:
     return torch.randn(ROWS, COLS, generator=g).to(dtype)
 
 
-def _record_and_restore(
-    w: torch.Tensor, positions: torch.Tensor
-) -> tuple[undo_mod.CompactRecord, torch.Tensor]:
+def _record_and_restore(w: torch.Tensor, positions: torch.Tensor) -> tuple[CompactRecord, torch.Tensor]:
     merged = w.clone()
     flat = merged.view(-1)
     flat[positions] = flat[positions] + 1.0  # W' differs from W only there
-    record = undo_mod._compact(w, merged, _Misses(positions), CHUNK_ROWS, False, True)
-    record.restore(merged, _no_delta)
+    record = record_of_misses(w, merged, positions, CHUNK_ROWS, force=True)
+    record.restore(merged, _no_delta)  # block by block through the searchsorted bounds of 64-row blocks
     return record, merged
 
 
-def test_uint16_gaps_hold_positions_more_than_65535_apart_past_2_24():
-    """Gaps of 65,536 from the start, 70,000 and 16.7M between misses, one past 2**24 and the very last element:
-    filler entries keep every gap in uint16, and the restore puts W back bit for bit in every block (searchsorted
-    bounds of 64-row blocks, the last one a single row)."""
+def _sparse_positions(n: int) -> torch.Tensor:
+    """Misses 65,536 from the start, then 70,000 and 16.6M apart, the last of the second-to-last block, 2**24 (the
+    first element of the last, one-row block) and the very last element."""
+    assert n - COLS == 2**24
+    return torch.tensor([65_535, 65_535 + 70_000, n - COLS - 1, n - COLS, n - 1])
+
+
+def _dense_positions(n: int) -> torch.Tensor:
+    """Misses 200 apart (uint8 steps win) with gaps of 256, 300 and 70,000 among them, past 2**24 to the end."""
+    steps = torch.full((n // 200,), 200)
+    steps[[10, 1000, 50_000, 80_000]] = torch.tensor([256, 300, 70_000, 65_536])
+    positions = torch.cumsum(steps, 0) - 1
+    return torch.cat([positions[positions < n - 1], torch.tensor([n - 1])])
+
+
+@pytest.mark.parametrize(("encoding", "make"), [("gaps", _sparse_positions), ("gaps8", _dense_positions)])
+def test_gap_encodings_hold_long_steps_past_2_24(encoding, make):
+    """uint16 gaps (sparse misses) and uint8 gaps8 (dense ones) with steps beyond the entry's largest (65,535,
+    resp. 255): filler entries keep every step in range, the decoded positions are exactly the misses, and the
+    restore puts W back bit for bit in every 64-row block (the last a single row)."""
     w = _weight()
     n = w.numel()
-    positions = torch.tensor([GAP_MAX, GAP_MAX + 70_000, 2**24 + 1, n - COLS, n - 1])
+    positions = make(n)
+    assert int(positions[-1]) == n - 1 > 2**24 and bool((torch.diff(positions) > 0).all())
+    dtype, most = GAP_ENCODINGS[encoding]
+    assert int(torch.diff(positions).max()) > most  # at least one step needs fillers
     record, restored = _record_and_restore(w, positions)
-    assert record.encoding == "gaps" and record.positions.dtype == torch.uint16
-    stored = record._positions(n, torch.device("cpu"))
-    assert set(positions.tolist()) <= set(stored.tolist())
-    assert int(torch.diff(stored, prepend=stored.new_full((1,), -1)).max()) <= GAP_MAX
+    assert record.encoding == encoding and record.positions.dtype == dtype
+    assert bool((record.positions == 0).any())  # filler entries were written
+    assert torch.equal(record.decoded_positions(n, CPU), positions)
     assert torch.equal(bits(restored), bits(w))
 
 
@@ -76,7 +91,7 @@ def test_bitmask_positions_past_2_24():
     positions = torch.arange(5, w.numel(), 3)
     record, restored = _record_and_restore(w, positions)
     assert record.encoding == "bitmask"
-    assert torch.equal(record._positions(w.numel(), torch.device("cpu")), positions)
+    assert torch.equal(record.decoded_positions(w.numel(), CPU), positions)
     assert torch.equal(bits(restored), bits(w))
 
 
@@ -99,10 +114,24 @@ def test_torch_scans_match_numpy_scans_past_2_24(monkeypatch):
     assert torch.equal(flat.nonzero().squeeze(1), where)
 
 
-def test_low_rank_merge_and_compact_undo_past_2_24():
-    """A real rank-4 merge into a 16.8M-element bf16 weight: W' checked against fp64 on strided rows (one bf16
-    rounding: within half an ulp plus fp32's error, bounded by one ulp), the compact record restores W bit for
-    bit."""
+def _merge_copy_out(w, delta_fn):
+    merged, record = merge_with_record(w, delta_fn, "compact", CHUNK_ROWS)
+    return merged.clone(), record  # a scratch buffer: copied out before anything else merges
+
+
+def _merge_fused(w, delta_fn):
+    merged, kept = w.clone(), []
+    merge_in_place(merged, delta_fn, "compact", CHUNK_ROWS, False, {"lora"}, kept.append)
+    return merged, kept[0]
+
+
+@pytest.mark.parametrize(
+    "merge", [_merge_copy_out, _merge_fused], ids=["merge_with_record", "merge_in_place"]
+)
+def test_low_rank_merge_and_compact_undo_past_2_24(merge):
+    """A real rank-4 merge into a 16.8M-element bf16 weight, through both merge paths: W' checked against fp64 on
+    strided rows (one bf16 rounding: within half an ulp plus fp32's error, bounded by one ulp), the compact record
+    restores W bit for bit."""
     w = _weight(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     up, down = torch.randn(ROWS, 4, generator=g) * 0.05, torch.randn(4, COLS, generator=g) * 0.05
@@ -111,13 +140,12 @@ def test_low_rank_merge_and_compact_undo_past_2_24():
         d = up[r0:r1] @ down
         return out.view(d.shape).copy_(d) if out is not None else d
 
-    merged, record = merge_with_record(w, delta_fn, "compact", CHUNK_ROWS)
-    merged = merged.clone()  # a scratch buffer: copied out before anything else merges
+    merged, record = merge(w, delta_fn)
     rows = torch.tensor(sorted({*range(0, ROWS, 97), ROWS - 1}))
     ref = w[rows].double() + up[rows].double() @ down.double()
     ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(2.0**-126))) - 7)
     assert bool(((merged[rows].double() - ref).abs() <= ulp).all())
-    assert isinstance(record, undo_mod.CompactRecord)
+    assert isinstance(record, CompactRecord) and record.encoding != "raw"
     record.restore(merged, delta_fn)
     assert torch.equal(bits(merged), bits(w))
 
@@ -125,7 +153,7 @@ def test_low_rank_merge_and_compact_undo_past_2_24():
 def test_witness_positions_stay_in_range_and_integral():
     """Every witness index is an integer in [0, numel) and the last one is numel - 1, up to 2**40 elements."""
     for n in (2**24 + 1, 3072 * 15360, 2**31 + 7, 2**40 + 3):
-        p = undo_mod._witness_positions(n)
+        p = witness_positions(n)
         assert int(p.min()) == 0 and int(p.max()) == n - 1
         assert bool((torch.diff(p) > 0).all())
 

@@ -527,13 +527,13 @@ def test_half_combine_has_the_bits_of_one_mixed_add(dtype, sign):
 
 def test_witness_positions_are_exact_above_2_to_24_elements():
     # float32 linspace rounded the last index to numel (IndexError on a 3072x15360 Flux proj_out)
-    from loraweave.mechanisms.merge.undo import WITNESSES, _witness_positions
+    from loraweave.mechanisms.merge.undo import WITNESSES, witness_positions
 
     for numel in (2**24 + 1, 3072 * 15360, 1280 * 2560 * 9, 2**31 + 7, 2**40 + 3):
-        positions = _witness_positions(numel)
+        positions = witness_positions(numel)
         assert positions.dtype == torch.long
         assert len(positions) == WITNESSES
         assert positions[0] == 0 and positions[-1] == numel - 1
         assert bool((positions[1:] > positions[:-1]).all())
-    assert _witness_positions(1).tolist() == [0]
-    assert _witness_positions(3).tolist() == [0, 1, 2]
+    assert witness_positions(1).tolist() == [0]
+    assert witness_positions(3).tolist() == [0, 1, 2]

@@ -21,7 +21,6 @@ from .undo import (
     CompactRecord,
     CopyRecord,
     DeltaFn,
-    _witness_positions,
     acc_dtype,
     bits,
     combine_into,
@@ -31,6 +30,7 @@ from .undo import (
     recorded_threads,
     scratch,
     tensor_bytes,
+    witness_positions,
 )
 
 
@@ -67,7 +67,7 @@ def merge_in_place(
     dbuf, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
     saved, gbuf = (scratch(n, block, rows.dtype, rows.device) for n in ("original", "guess"))
     mask = scratch("miss", block, torch.bool, rows.device)
-    witness = wb[_witness_positions(wb.numel()).to(wb.device)]  # W's bits, before any block is written
+    witness = wb[witness_positions(wb.numel()).to(wb.device)]  # W's bits, before any block is written
     found: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     guards: list[list[torch.Tensor]] = [

@@ -109,7 +109,7 @@ class FusedRecord:
         return None
 
 
-def _witness_positions(numel: int) -> torch.Tensor:
+def witness_positions(numel: int) -> torch.Tensor:
     # integer math: float32 linspace cannot hold every index above 2**24 (it rounded past the end)
     count = min(WITNESSES, numel)
     if count <= 1:
@@ -126,7 +126,7 @@ class CompactRecord:
     # "raw": int64 positions (a record kept only while apply runs)
     positions: torch.Tensor
     values: torch.Tensor  # W's bits at the positions (integer view of the weight dtype)
-    witness: torch.Tensor  # W's bits at _witness_positions(numel)
+    witness: torch.Tensor  # W's bits at witness_positions(numel)
     guard_pos: torch.Tensor  # where W' and W differ (a few), with both bit patterns
     guard_w: torch.Tensor
     guard_merged: torch.Tensor
@@ -173,7 +173,7 @@ class CompactRecord:
     ) -> Callable[[int, int], None]:
         """fill(r0, r1) writes W's rows [r0, r1) into `out` (which may be `merged` itself), from W' and ΔW; blocks
         of `chunk_rows`, under the recorded thread count."""
-        pos = self._positions(out.numel(), out.device)
+        pos = self.decoded_positions(out.numel(), out.device)
         values = self.values.to(out.device)
         ob, cols = bits(out).view(-1), out[0].numel()
         rows, chunk = out.shape[0], self.chunk_rows
@@ -196,13 +196,13 @@ class CompactRecord:
 
     def verify(self, out: torch.Tensor) -> None:
         ob = bits(out).reshape(-1)
-        if not torch.equal(ob[_witness_positions(ob.numel()).to(ob.device)].cpu(), self.witness.cpu()):
+        if not torch.equal(ob[witness_positions(ob.numel()).to(ob.device)].cpu(), self.witness.cpu()):
             raise UndoError(
                 "compact undo did not reproduce the original weight: ΔW recomputed differently than at "
                 "the merge (device, thread count or kernels changed)"
             )
 
-    def _positions(self, numel: int, device: torch.device) -> torch.Tensor:
+    def decoded_positions(self, numel: int, device: torch.device) -> torch.Tensor:
         p = self.positions.to(device)
         if self.encoding == "raw":
             return p
@@ -334,6 +334,23 @@ def compact_record(
     )
 
 
+def record_of_misses(
+    rows: torch.Tensor,
+    merged: torch.Tensor,
+    misses: torch.Tensor,
+    chunk_rows: int,
+    on_device: bool = False,
+    force: bool = False,
+) -> CompactRecord | None:
+    """The compact record of W (`rows`) merged into W' (`merged`) whose undo misses W at the ascending flat
+    positions `misses`, in its smallest encoding; None when a copy of W is smaller, unless `force`."""
+    wb, mb = bits(rows).reshape(-1), bits(merged).reshape(-1)
+    witness = wb[witness_positions(wb.numel()).to(wb.device)]
+    guard = _guard_positions(wb, mb)
+    raw = raw_record(rows, misses, wb[misses], witness, (guard, wb[guard], mb[guard]), chunk_rows)
+    return compact_record(rows, raw, on_device, force)
+
+
 def merge_with_record(
     rows: torch.Tensor,
     delta_fn: DeltaFn,
@@ -367,15 +384,11 @@ def merge_with_record(
         prior[0].verify(rows)  # before anything is written
     if kind == "none":  # the caller holds another record (a source file)
         return merged, None
-    record = None
-    if compact:
-        wb, misses = bits(rows).reshape(-1), blocks.misses()
-        witness = wb[_witness_positions(wb.numel()).to(wb.device)]
-        guard = _guard_positions(wb, bits(merged).reshape(-1))
-        raw = raw_record(
-            rows, misses, wb[misses], witness, (guard, wb[guard], bits(merged).reshape(-1)[guard]), chunk_rows
-        )
-        record = compact_record(rows, raw, on_device, kind == "compact")
+    record = (
+        record_of_misses(rows, merged, blocks.misses(), chunk_rows, on_device, kind == "compact")
+        if compact
+        else None
+    )
     return merged, record if record is not None else CopyRecord(host_copy(rows, on_device))
 
 
