@@ -8,6 +8,7 @@ of magnitude ~1 (fp32 hook path vs fp32 merged weights: measured differences are
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -313,3 +314,42 @@ def test_strict_refuses_a_partial_file_and_the_input_is_unchanged(flux, loras):
     _, _, report = apply_runtime(flux, None, read_lora(partial), 1.0, 0.0)
     assert report.keys_applied == 3 * 8 and report.keys_total == 3 * 8 + 2
     assert [u.kind for u in report.unmatched] == ["no_such_module"] * 2
+
+
+def saved(tmp_path, lora: dict, name: str = "lora.safetensors"):
+    from safetensors.torch import save_file
+
+    path = tmp_path / name
+    save_file(lora, str(path))
+    return path
+
+
+def test_requeued_strength_change_reuses_the_built_paths(flux, loras, tmp_path):
+    path, other = saved(tmp_path, loras[0]), saved(tmp_path, loras[1], "other.safetensors")
+    first, _ = runtime(flux, path, 1.0)
+    first_out = sample(first, STEPS)
+    with CallCounter() as counter:
+        changed, _ = runtime(flux, path, 0.4)
+        out = sample(changed, STEPS)
+    assert counter.calls == 0 and changed is not first and changed.patches_uuid == flux.patches_uuid
+    old, new = first.get_attachment(KEY), changed.get_attachment(KEY)
+    pairs = list(zip(old.paths, new.paths, strict=True))
+    assert len(pairs) == 8 and all(a is not b and a.down is b.down and a.up is b.up for a, b in pairs)
+    assert close(out, sample(core_lora(flux, loras[0], 0.4), STEPS))
+    assert close(sample(first, STEPS), first_out), "the strength change rewrote the earlier clone's strength"
+    runtime(flux, other, 0.5)  # a swap, then back: the first file's paths are still kept
+    back = runtime(flux, path, -0.3)[0].get_attachment(KEY)
+    assert all(a.down is b.down for a, b in zip(old.paths, back.paths, strict=True))
+    assert close(sample(flux, STEPS), sample(flux, STEPS))  # the input ejects every clone's paths
+
+
+def test_a_file_rewritten_under_the_same_name_is_read_again(flux, loras, tmp_path):
+    path = saved(tmp_path, loras[0])
+    stamp = path.stat()
+    runtime(flux, path, 0.7)
+    rewritten = kohya_flux_lora(flux, seed=13)  # the same shapes: the same size
+    saved(tmp_path, rewritten)
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # name, size and mtime all as before
+    assert path.stat().st_size == stamp.st_size and path.stat().st_mtime_ns == stamp.st_mtime_ns
+    model, _ = runtime(flux, path, 0.7)
+    assert close(sample(model, STEPS), sample(core_lora(flux, rewritten, 0.7), STEPS))

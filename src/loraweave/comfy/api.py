@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
@@ -30,6 +32,10 @@ from .targets import TEXT_ENCODER_NAMES, plan_for_clip, plan_for_patcher
 
 log = logging.getLogger("loraweave")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+ADAPTERS_KEPT = (
+    4  # parsed files kept for a re-queue (a strength change re-reads nothing); each is a whole file
+)
+_parsed: OrderedDict[tuple, Adapter] = OrderedDict()
 NO_CLIP = Miss("no_such_component", "no such component: the file has text-encoder keys and no CLIP was given")
 
 
@@ -37,9 +43,37 @@ def read_lora(lora) -> Adapter:
     """A loraweave Adapter from what a ComfyUI caller holds: a path (str/PathLike), a state dict or an Adapter."""
     if isinstance(lora, Adapter):
         return lora
-    if isinstance(lora, (str, os.PathLike, Mapping)):
+    if isinstance(lora, (str, os.PathLike)):
+        return _cached_file(lora)
+    if isinstance(lora, Mapping):
         return load_adapter(lora)
     raise ArgumentError(f"lora must be a path, a state dict or an Adapter, not {type(lora).__name__}")
+
+
+def _file_identity(path) -> tuple | None:
+    """What changes whenever the file's bytes may have: inode, size, mtime and ctime (ctime no tool can set back).
+    None for what is not one regular file (a PEFT directory: its files change under an unchanged folder)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # load_adapter names the file in its typed error
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _cached_file(path) -> Adapter:
+    """The parsed adapter of `path`, re-read whenever its identity changed (bounded LRU, never stale data)."""
+    key = _file_identity(path)
+    if key is None or key not in _parsed:
+        adapter = load_adapter(path)
+        if key is not None and _file_identity(path) == key:  # unchanged while it was read
+            _parsed[key] = adapter
+            while len(_parsed) > ADAPTERS_KEPT:
+                _parsed.popitem(last=False)
+        return adapter
+    _parsed.move_to_end(key)
+    return _parsed[key]
 
 
 def quantized_base(patcher) -> bool:
