@@ -76,31 +76,53 @@ def _base_directory(base) -> None:
     assert (base / "custom_nodes" / "loraweave_nodes" / "__init__.py").is_file()
 
 
-def _wait_history(url: str, runs: int, timeout: float = 60.0) -> dict:
-    """/history once it holds `runs` finished runs."""
+def _wait_history(url: str, prompt_id: str, timeout: float = 60.0) -> dict:
+    """The /history entry of `prompt_id` once its run finished."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        history = get_json(f"{url}/history")
-        if len(history) >= runs and all("completed" in entry.get("status", {}) for entry in history.values()):
-            return history
+        entry = get_json(f"{url}/history/{prompt_id}").get(prompt_id)
+        if entry and entry.get("status", {}).get("completed"):
+            return entry
         time.sleep(0.5)
-    raise TimeoutError(f"the queued workflow did not complete within {timeout} s")
+    raise TimeoutError(f"the queued run {prompt_id} did not complete within {timeout} s")
 
 
 async def _open(page: Page, url: str) -> None:
+    # a mark on the old document: until it is gone, an evaluate may still reach the page being left
+    await page.evaluate("window.__loraweaveOldPage = true")
     await page.send("Page.navigate", url=url)
-    await page.wait_for("!!(window.app && app.graph && window.LiteGraph)", 60, "the ComfyUI app")
+    await page.wait_for(
+        "!window.__loraweaveOldPage && !!(window.app && app.graph && window.LiteGraph)", 60, "the ComfyUI app"
+    )
     # queued before the app's websocket is open, the run's messages would go to no client
     await page.wait_for(
         "!!(app.api?.clientId && app.api.socket?.readyState === 1)", 30, "the app's websocket"
     )
+    # the queue button's path, with the server's answer (prompt_id, node_errors) kept for the test
+    await page.evaluate(
+        "(() => { const send = app.api.queuePrompt.bind(app.api); window.__loraweaveQueued = [];"
+        " app.api.queuePrompt = async (...args) => { const answer = await send(...args);"
+        " window.__loraweaveQueued.push({answer, prompt: args[1].output}); return answer; }; return true; })()"
+    )
 
 
-async def _run(page: Page, url: str, graph: dict, runs: int) -> dict:
-    """Load the workflow, queue it, and return /history once the run finished."""
+LOADER_WIDGETS = f"app.graph.getNodeById({LOADER})?.widgets?.map(w => w.value)"
+
+
+async def _run(page: Page, url: str, graph: dict) -> tuple[dict, dict]:
+    """Load the workflow, queue it as the queue button does, and return (the prompt the server got, its
+    /history entry) once the run finished."""
     await page.evaluate(f"app.loadGraphData({json.dumps(graph)}).then(() => true)")
+    wanted = graph["nodes"][1]["widgets_values"]
+    widgets = await page.wait_for(LOADER_WIDGETS, 20, "the loader node")
+    assert widgets[: len(wanted)] == wanted, f"the loaded loader shows {widgets}, not {wanted}"
     await page.evaluate("app.queuePrompt(0).then(() => true)")
-    return await asyncio.to_thread(_wait_history, url, runs)
+    (queued,) = await page.wait_for(
+        "window.__loraweaveQueued.length && window.__loraweaveQueued", 30, "the queue"
+    )
+    assert not queued["answer"].get("node_errors"), queued["answer"]
+    entry = await asyncio.to_thread(_wait_history, url, queued["answer"]["prompt_id"])
+    return queued["prompt"], entry
 
 
 async def _drive(ws_url: str, url: str, shot) -> dict:
@@ -114,7 +136,7 @@ async def _drive(ws_url: str, url: str, shot) -> dict:
         registered = await page.evaluate(
             "Object.keys(LiteGraph.registered_node_types).filter(k => k.startsWith('LoraWeave'))"
         )
-        history = await _run(page, url, workflow(), runs=1)
+        prompt, entry = await _run(page, url, workflow())
         widget = f"app.graph.getNodeById({LOADER}).widgets.find(w => w.name === 'loraweave_report')?.value"
         shown = await page.wait_for(widget, 20, "the report on the loader node")
         await page.evaluate(
@@ -137,7 +159,7 @@ async def _drive(ws_url: str, url: str, shot) -> dict:
             "app.extensionManager.setting.set('Comfy.VueNodes.Enabled', true).then(() => true)"
         )
         await _open(page, url)
-        history_2 = await _run(page, url, workflow(strength=0.5), runs=2)
+        prompt_2, entry_2 = await _run(page, url, workflow(strength=0.5))
         texts = "[...document.querySelectorAll('textarea')].map(t => t.value).join('\\n---\\n')"
         dom = await page.wait_for(
             f"(() => {{ const t = {texts}; return t.includes('keys_applied') && t; }})()",
@@ -148,10 +170,10 @@ async def _drive(ws_url: str, url: str, shot) -> dict:
         await page.screenshot(shot.with_name("comfy_browser_nodes2.png"))
         return {
             "registered": registered,
-            "history": history,
+            "run": (prompt, entry),
             "shown": shown,
             "library": library,
-            "vue": (history_2, dom),
+            "vue": (prompt_2, entry_2, dom),
         }
 
 
@@ -172,7 +194,8 @@ def test_pack_in_a_real_browser(tmp_path):
                 process.kill()
                 process.wait(timeout=30)
     assert set(seen["registered"]) == NODE_IDS
-    (entry,) = seen["history"].values()
+    prompt, entry = seen["run"]
+    assert prompt[str(LOADER)]["inputs"]["strength_model"] == 0.7
     assert entry["status"]["status_str"] == "success", entry["status"]
     report = entry["outputs"][str(LOADER)]["text"][0]
     assert report.startswith("flux.safetensors: ") and "keys_applied=6/6" in report
@@ -182,8 +205,8 @@ def test_pack_in_a_real_browser(tmp_path):
         line.strip() for line in seen["library"].splitlines()
     }
     assert shot.stat().st_size > 10_000
-    history, dom = seen["vue"]
-    (second,) = (entry for key, entry in history.items() if key not in seen["history"])
+    prompt_2, second, dom = seen["vue"]
+    assert prompt_2[str(LOADER)]["inputs"]["strength_model"] == 0.5
     assert second["status"]["status_str"] == "success", second["status"]
     assert second["outputs"][str(LOADER)]["text"][0] in dom.split("\n---\n"), (
         "Nodes 2.0 does not show the report"
