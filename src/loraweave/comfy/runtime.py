@@ -87,6 +87,26 @@ class FactorHolder(torch.nn.Module):
         raise RuntimeError("FactorHolder only holds factors")
 
 
+@dataclass(eq=False)
+class Factors:
+    """A FactorHolder and the one ModelPatcher over it, shared by every state whose paths read the same tensors
+    (a strength change copies the paths, not the factors). The patcher lives exactly as long as the holder: model
+    management takes a loaded model whose patcher is gone while its module lives for a leak, and then runs a full
+    `gc.collect()` before every later load (what a per-clone patcher over a kept holder caused)."""
+
+    holder: FactorHolder
+    patcher: object | None = None  # made on the first install: it takes the base patcher's devices
+
+    def patcher_for(self, base):
+        if self.patcher is None:
+            from comfy.model_patcher import ModelPatcher
+
+            self.patcher = ModelPatcher(
+                self.holder, load_device=base.load_device, offload_device=base.offload_device
+            )
+        return self.patcher
+
+
 @dataclass
 class RuntimeState:
     """Every entry on one patcher and the runtime paths built from all of them; attached while injected."""
@@ -94,13 +114,19 @@ class RuntimeState:
     entries: tuple[RuntimeEntry, ...]
     paths: list[RuntimePath] = field(default_factory=list)
     blocked: list[Unmatched] = field(default_factory=list)
+    factors: Factors | None = None  # given: a strength change shares the earlier state's holder and patcher
     injected: bool = False
 
     def __post_init__(self) -> None:
         if not (self.paths or self.blocked):  # given: a strength change reuses an earlier state's paths
             self.paths, self.blocked = build_paths(self.entries)
-        self.holder = FactorHolder(self.paths)
+        if self.factors is None:
+            self.factors = Factors(FactorHolder(self.paths))
         self.last_gates: dict[str, float] = {}
+
+    @property
+    def holder(self) -> FactorHolder:
+        return self.factors.holder
 
     def on_model_patcher_clone(self) -> RuntimeState:
         return (
@@ -173,13 +199,6 @@ def build_paths(entries: Sequence[RuntimeEntry]) -> tuple[list[RuntimePath], lis
     return paths, blocked
 
 
-def _factor_patcher(state: RuntimeState, patcher):
-    """A ModelPatcher over the state's factors, loaded and offloaded with `patcher` by model management."""
-    from comfy.model_patcher import ModelPatcher
-
-    return ModelPatcher(state.holder, load_device=patcher.load_device, offload_device=patcher.offload_device)
-
-
 def window_wrapper(state: RuntimeState):
     """The APPLY_MODEL wrapper of `state`: set every gated entry's factor for this call's sigma, then run."""
 
@@ -196,7 +215,7 @@ def install_state(patcher, state: RuntimeState, wrapper: Callable | None = None)
 
     patcher.set_attachments(KEY, state)
     patcher.set_injections(KEY, [PatcherInjection(inject=state.inject, eject=state.eject)])
-    patcher.set_additional_models(KEY, [_factor_patcher(state, patcher)])
+    patcher.set_additional_models(KEY, [state.factors.patcher_for(patcher)])
     patcher.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
     if wrapper is not None:
         patcher.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, wrapper)
@@ -376,6 +395,7 @@ class Build:
                 (*state.entries[:-1], RuntimeEntry(state.entries[-1].name, plan)),
                 [_restrengthened_path(rp, mapping) for rp in state.paths],
                 list(state.blocked),
+                state.factors,  # the copies read the same factor tensors: one holder, one patcher
             )
             for state, plan in zip(self.states, plans, strict=False)  # no CLIP state: nothing landed there
         ]
