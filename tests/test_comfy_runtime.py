@@ -383,7 +383,8 @@ def test_requeues_reparse_replan_rebuild_nothing_and_leave_no_dead_model(flux, l
 
     import comfy.model_management as mm
 
-    from loraweave.comfy import api, runtime as rt, targets
+    from loraweave.comfy import api, targets
+    from loraweave.comfy import runtime as rt
 
     calls = Calls(
         monkeypatch,
