@@ -24,7 +24,7 @@ def _unet(cfg: dict) -> dict:
         "layers_per_block": res_blocks[0],
         "down_block_types": tuple(down),
         "up_block_types": tuple(t.replace("Down", "Up") for t in reversed(down)),
-        "transformer_layers_per_block": tuple(max(1, d) for d in depths),
+        "transformer_layers_per_block": _layers_per_block(depths),
         "cross_attention_dim": cfg["context_dim"],
         "use_linear_projection": bool(cfg.get("use_linear_in_transformer", False)),
         "attention_head_dim": head_dim,
@@ -35,11 +35,21 @@ def _unet(cfg: dict) -> dict:
     return out
 
 
+def _layers_per_block(depths: list[int]) -> int | tuple[int, ...]:
+    """diffusers' own spelling (what the shipped skeletons store): one int where every cross-attention level has
+    the same depth (levels without attention ignore theirs), else one entry per level."""
+    cross = {d for d in depths if d > 0}
+    return cross.pop() if len(cross) == 1 else tuple(max(1, d) for d in depths)
+
+
 def _flux(cfg: dict) -> dict:
     patch = cfg.get("patch_size", 2)
+    channels_in, channels_out = cfg["in_channels"] * patch * patch, cfg["out_channels"] * patch * patch
     return {
-        "in_channels": cfg["in_channels"] * patch * patch,
-        "out_channels": cfg["out_channels"] * patch * patch,
+        "in_channels": channels_in,
+        "out_channels": None
+        if channels_out == channels_in
+        else channels_out,  # diffusers: None is in_channels
         "num_layers": cfg["depth"],
         "num_single_layers": cfg["depth_single_blocks"],
         "attention_head_dim": cfg["hidden_size"] // cfg["num_heads"],
@@ -106,6 +116,20 @@ CONFIGS: dict[str, Callable[[dict], dict]] = {
     "wan": _wan,
     "qwen-image": _qwen_image,
     "z-image": _z_image,
+}
+
+
+# The config keys that set a block chain's depth (diffusers config key -> chain module paths): a ComfyUI model that
+# differs from a shipped skeleton (comfy/skeletons.py) only in these gets that skeleton with its chains cut.
+DEPTHS: dict[str, dict[str, tuple[str, ...]]] = {
+    "flux": {"num_layers": ("transformer_blocks",), "num_single_layers": ("single_transformer_blocks",)},
+    "flux-schnell": {
+        "num_layers": ("transformer_blocks",),
+        "num_single_layers": ("single_transformer_blocks",),
+    },
+    "wan": {"num_layers": ("blocks",)},
+    "qwen-image": {"num_layers": ("transformer_blocks",)},
+    "z-image": {"n_layers": ("layers",), "n_refiner_layers": ("noise_refiner", "context_refiner")},
 }
 
 

@@ -19,6 +19,7 @@ bypass key holds one LoRA (a second loader replaces the first) and moves factors
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import logging
@@ -355,6 +356,8 @@ def _build(model, clip, adapter, strengths: tuple[float, float], strict: bool):
 
 BUILDS_KEPT = 2  # a strength change needs one; two allow a swap back (each holds its combined factors)
 _builds: OrderedDict[tuple[int, int, int, bool], Build] = OrderedDict()
+# A kept build holds its factor ModelPatcher: drop them while ComfyUI's modules still exist (its __del__ detaches).
+atexit.register(_builds.clear)
 
 
 @dataclass

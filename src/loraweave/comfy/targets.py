@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import logging
+import time
 
 import torch
 
@@ -27,6 +28,7 @@ from ..resolve.planner import Plan, PlannedPart, resolve
 from ..resolve.target import Components
 from ..tools.remap import Spans, _fits, translate
 from .reference import reference_config
+from .skeletons import packaged_tree
 
 log = logging.getLogger("loraweave")
 
@@ -74,12 +76,21 @@ def comfy_arch(patcher) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_tree(cls_name: str, config_json: str) -> torch.nn.Module:
-    # Planning never writes to the tree, so one per config serves every call (building one takes ~0.1-3 s).
-    import diffusers
+def _meta_tree(arch: str, cls_name: str, config_json: str) -> torch.nn.Module:
+    # Planning never writes to the tree, so one per config serves every call. The shipped skeleton serves every
+    # full-width model (any depth) without importing diffusers' model classes; other widths build from diffusers.
+    t0 = time.perf_counter()
+    config = json.loads(config_json)
+    tree = packaged_tree(arch, cls_name, config)
+    source = "package"
+    if tree is None:
+        import diffusers
 
-    with torch.device("meta"):
-        return getattr(diffusers, cls_name).from_config(json.loads(config_json))
+        with torch.device("meta"):
+            tree = getattr(diffusers, cls_name).from_config(config)
+        source = "diffusers"
+    log.info("comfy reference arch=%s source=%s seconds=%.3f", arch, source, time.perf_counter() - t0)
+    return tree
 
 
 def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
@@ -92,7 +103,7 @@ def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
 
     entry = CATALOG[arch]
     config = {**entry.config, **reference_config(arch, patcher.model.model_config.unet_config)}
-    tree = _meta_tree(entry.cls, json.dumps(config, sort_keys=True, default=list))
+    tree = _meta_tree(arch, entry.cls, json.dumps(config, sort_keys=True, default=list))
     shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
     fit = _fits(tree, shapes) or _same_names(tree, shapes)
     if fit is None:
