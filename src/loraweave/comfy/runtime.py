@@ -19,13 +19,10 @@ bypass key holds one LoRA (a second loader replaces the first) and moves factors
 
 from __future__ import annotations
 
-import atexit
 import copy
-import dataclasses
 import logging
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,13 +30,12 @@ import torch
 
 from ..engine.install import make_report
 from ..errors import StrictApplyError
-from ..families.base import CastCache
 from ..mechanisms.merge.layer import Contribution
 from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
 from ..report.coverage import refuse_empty, warn_incomplete
 from ..report.miss import Miss, Unmatched
 from ..report.report import AppliedModule, Report, failures
-from ..resolve.planner import Plan, PlannedPart
+from ..resolve.planner import Plan
 
 log = logging.getLogger("loraweave")
 KEY = "loraweave"  # the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
@@ -319,10 +315,12 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     """(model, clip, report): clones carrying `adapter` as runtime paths (module docstring); inputs untouched.
 
     `adapter` is what `loraweave.comfy.api.read_lora` returns. `clip` may be None (then None comes back). The same
-    inputs and adapter object again (a re-queued strength change) reuse the kept build's paths (`Build`)."""
+    inputs and adapter object again (a re-queued strength change) reuse the kept build's paths (requeue.py)."""
+    from .requeue import Build, keep, kept_build, weak
+
     t0 = time.perf_counter()
     strengths = (float(strength_model), float(strength_clip))
-    kept = _kept_build(model, clip, adapter, strict)
+    kept = kept_build(model, clip, adapter, strict)
     plans, states = (
         kept.restrengthened(strengths) if kept else _build(model, clip, adapter, strengths, strict)
     )
@@ -333,7 +331,7 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     report = entry_report(plans, states, t0)
     check_coverage(report, strict)
     if kept is None:
-        _keep(Build(weakref.ref(model), _ref(clip), adapter, strict, plans, states))
+        keep(Build(weakref.ref(model), weak(clip), adapter, strict, plans, states))
     log.info("comfy runtime adapter=%s reused=%s", adapter.name, kept is not None)
     report.log()
     warn_incomplete(report)
@@ -352,97 +350,6 @@ def _build(model, clip, adapter, strengths: tuple[float, float], strict: bool):
     if clip is not None and plans[1].planned:
         states.append(RuntimeState((*entries_of(clip.patcher), RuntimeEntry(adapter.name, plans[1]))))
     return plans, states
-
-
-BUILDS_KEPT = 2  # a strength change needs one; two allow a swap back (each holds its combined factors)
-_builds: OrderedDict[tuple[int, int, int, bool], Build] = OrderedDict()
-# A kept build holds its factor ModelPatcher: drop them while ComfyUI's modules still exist (its __del__ detaches).
-atexit.register(_builds.clear)
-
-
-@dataclass
-class Build:
-    """What one runtime loader call built from its inputs and one parsed adapter. The adapter object stands for
-    the file's contents: api.read_lora returns a new one whenever the file changed, so a kept build is never
-    stale. Held strongly so no other adapter can take its id; the inputs weakly."""
-
-    model: weakref.ref
-    clip: weakref.ref | None
-    adapter: object
-    strict: bool
-    plans: list[Plan]
-    states: list[RuntimeState]  # [model side, CLIP side when anything landed there]
-
-    def serves(self, model, clip, adapter, strict: bool) -> bool:
-        """Whether these inputs are the build's own, unchanged (the same earlier entries under KEY)."""
-        held = self.clip() if self.clip is not None else None
-        sides = (model, *((clip.patcher,) if len(self.states) > 1 else ()))
-        return (
-            self.model() is model and held is clip and self.adapter is adapter and self.strict == strict
-        ) and all(
-            _same(state.entries[:-1], entries_of(patcher))
-            for state, patcher in zip(self.states, sides, strict=True)
-        )
-
-    def restrengthened(self, strengths: tuple[float, float]) -> tuple[list[Plan], list[RuntimeState]]:
-        """(plans, states) at new strengths: copies of the kept paths over the same factor tensors, each with its
-        own scale vector, so no factor is rebuilt and the kept build's clones keep their strengths."""
-        plans = [_restrengthened_plan(plan, s) for plan, s in zip(self.plans, strengths, strict=False)]
-        mapping = {
-            id(old): new
-            for was, now in zip(self.plans, plans, strict=True)
-            for old, new in zip(was.planned, now.planned, strict=True)
-        }
-        states = [
-            RuntimeState(
-                (*state.entries[:-1], RuntimeEntry(state.entries[-1].name, plan)),
-                [_restrengthened_path(rp, mapping) for rp in state.paths],
-                list(state.blocked),
-                state.factors,  # the copies read the same factor tensors: one holder, one patcher
-            )
-            for state, plan in zip(self.states, plans, strict=False)  # no CLIP state: nothing landed there
-        ]
-        return plans, states
-
-
-def _ref(obj) -> weakref.ref | None:
-    return weakref.ref(obj) if obj is not None else None
-
-
-def _same(a: Sequence, b: Sequence) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
-
-
-def _kept_build(model, clip, adapter, strict: bool) -> Build | None:
-    build = _builds.get((id(model), id(clip), id(adapter), strict))
-    return build if build is not None and build.serves(model, clip, adapter, strict) else None
-
-
-def _keep(build: Build) -> None:
-    for key in [
-        k for k, b in _builds.items() if b.model() is None
-    ]:  # its input is gone: so are its clones' uses
-        del _builds[key]
-    clip = build.clip() if build.clip is not None else None
-    _builds[(id(build.model()), id(clip), id(build.adapter), build.strict)] = build
-    while len(_builds) > BUILDS_KEPT:
-        _builds.popitem(last=False)
-
-
-def _restrengthened_plan(plan: Plan, strength: float) -> Plan:
-    planned = [dataclasses.replace(pp, strength=strength * pp.block_weight) for pp in plan.planned]
-    return dataclasses.replace(plan, strengths=dict.fromkeys(plan.strengths, strength), planned=planned)
-
-
-def _restrengthened_path(rp: RuntimePath, mapping: dict[int, PlannedPart]) -> RuntimePath:
-    """A copy of `rp` sharing its factor tensors, with its own scales, casts and hook, bound to `mapping`."""
-    path = copy.copy(rp)
-    path.gates, path.hook, path.active, path.mix = dict(rp.gates), None, False, None
-    path.scale = rp.scale.clone()
-    path._factor_cast = CastCache(rp.down, rp.up) if rp.down is not None else None
-    path._scale_cast = CastCache(path.scale)
-    path.rebind(mapping)  # writes the new strengths into the copy's scale vector
-    return path
 
 
 def renamed(adapter, name: str):
