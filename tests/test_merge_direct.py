@@ -148,3 +148,17 @@ def test_lora_delta_bound_holds_and_is_tight_on_rank_one():
     assert lora.delta_bound(one, 0, 40) == pytest.approx(float((u.double() @ d.double()).abs().max()))
     bad = lora.LoraFactors(down, up.clone().index_fill_(0, torch.tensor([3]), float("nan")), None, 6, False)
     assert not lora.delta_bound(bad, 0, 40) < math.inf  # nan: never "under the headroom"
+
+
+def test_lora_set_delta_writes_what_add_delta_adds_to_zeros():
+    """The first term of a block is written (beta=0), not added to a zeroed block: the same bits, zero rows times
+    a negative coefficient included; what the block held (NaN here) is never read."""
+    g = gen(4)
+    up, down = torch.randn(50, 8, generator=g), torch.randn(8, 40, generator=g)
+    up[3] = 0.0
+    f = lora.LoraFactors(down, up, None, 8, False)
+    added = torch.zeros(20, 40)
+    lora.add_delta(added, f, 0, 20, -0.7)
+    written = torch.full((20, 40), float("nan"))
+    lora.set_delta(written, f, 0, 20, -0.7)
+    assert torch.equal(written.view(torch.int32), added.view(torch.int32))

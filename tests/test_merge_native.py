@@ -272,3 +272,11 @@ def test_the_portable_build_agrees_with_the_native_one(dtype):
     for a, b in zip(rest_p, rest_n, strict=True):
         assert torch.equal(a, b)
     assert int(outs[0][3][1]) >= 1  # the overflow was counted
+
+
+def test_an_unwritable_cache_folder_builds_in_the_temp_dir(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(native, "_cache_dir", lambda: blocker / "native")  # mkdir under a file fails
+    lib = native.load(("-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"))
+    assert lib is not None and native.bind(lib, torch.float32) is not None

@@ -69,7 +69,9 @@ class Family:
       (the raw `alpha` tensor goes to load). input_width(f) / widen_input(f, shape): control-adapter growth.
     - delta_bound(f, src, length) -> float | None: an upper bound on max |ΔW| (coeff 1) over rows
       [src, src+length), inf/nan for non-finite factors; None where the family declares none. A merge whose
-      bound leaves no room to overflow skips its finite check and, with undo="none", its record."""
+      bound leaves no room to overflow skips its finite check and, with undo="none", its record.
+    - set_delta(target_rows, f, src, length, coeff) or None: target_rows = coeff·ΔW, written, not added (the
+      same bits as add_delta into zeros, with no zero pass and no read of the block)."""
 
     name: str
     load: Callable
@@ -89,6 +91,7 @@ class Family:
     widen_input: Callable = _no_widening
     runtime_refusal: Callable = _runtime_ok
     delta_bound: Callable = _unbounded
+    set_delta: Callable | None = None
 
     def load_part(self, tensors: dict, key_of: dict, config: dict | None):
         return self.load(tensors, key_of, config) if self.takes_config else self.load(tensors, key_of)

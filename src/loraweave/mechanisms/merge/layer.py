@@ -367,9 +367,10 @@ class MergedModule:
         call undoes a compact record."""
         shape = (r1 - r0, *base.shape[1:])
         if out is None:
-            delta = torch.zeros(shape, dtype=acc_dtype(base.dtype), device=base.device)
+            delta = torch.empty(shape, dtype=acc_dtype(base.dtype), device=base.device)
         else:
-            delta = out.view(shape).zero_()
+            delta = out.view(shape)
+        filled = False  # the first term covering the whole block writes it (no zero pass, no read of zeros)
         for pp, piece, strength, scale in terms:
             lo, hi = max(r0, piece.dst_start), min(r1, piece.dst_start + piece.length)
             if lo >= hi:
@@ -381,7 +382,16 @@ class MergedModule:
                     piece, src_start=piece.src_start + lo - piece.dst_start, dst_start=lo, length=hi - lo
                 )
             )
-            add_contribution(delta[lo - r0 : hi - r0], pp, part, base, strength=strength, scale=scale)
+            family = pp.family
+            if not filled and (lo, hi) == (r0, r1) and family.set_delta is not None and not family.needs_base:
+                family.set_delta(delta, pp.factors, part.src_start, part.length, strength * scale)
+            else:
+                if not filled:
+                    delta.zero_()
+                add_contribution(delta[lo - r0 : hi - r0], pp, part, base, strength=strength, scale=scale)
+            filled = True
+        if not filled:
+            delta.zero_()
         return delta
 
     def attach_entry(self, entry) -> None:

@@ -88,10 +88,16 @@ def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(flags).encode(), cc.encode(), _cpu_signature().encode()):
         key.update(part)
-    path = _cache_dir() / f"fused_record-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    name = f"fused_record-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    path = _cache_dir() / name
     try:
         if not path.exists():
-            _build(cc, flags, path)
+            try:
+                _build(cc, flags, path)
+            except OSError:  # no writable cache folder (a read-only home): this user's folder in the temp dir
+                path = Path(tempfile.gettempdir()) / f"loraweave-native-{os.getuid()}" / name
+                if not path.exists():
+                    _build(cc, flags, path)
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
