@@ -7,9 +7,9 @@ all under torch.no_grad():
 
   lw_auto     loraweave.apply(model, path, mode="merge"): file open, parse, resolve, merge, exact undo record
               (compact or copy per layer, the smaller). handle.remove() after the timer.
-  lw_none     the same with undo="none" (a permanent fuse). The delta is subtracted again after the timer.
+  lw_none     the same with undo="none" (a permanent fuse). The weights are copied back after the timer.
   peft_file   PEFT's whole path from the file: safetensors load_file, get_peft_model (inject),
-              set_peft_model_state_dict, merge_and_unload(). No undo record. Delta subtracted after the timer.
+              set_peft_model_state_dict, merge_and_unload(). No undo record. Weights copied back after the timer.
   peft_merge  PEFT's merge() alone (merge_adapter()): injection and the factors' load happen before the timer.
   str_compact handle.set_strength(...) on a default (compact-undo) merge: W rebuilt from the record, merged again.
   str_copy    the same on an undo="copy" merge (W copied back from the full backup).
@@ -117,10 +117,13 @@ def main() -> None:
         del h, w0
 
     state: dict = {}
+    # Every sample starts from the model's own weights: subtracting ΔW again (as this script once did) leaves
+    # weights that round-trip W + ΔW - ΔW exactly far more often, which made compact records look cheaper.
+    pristine = [w.clone() for w in weights]
 
     def unmerge() -> None:
-        for w, a, b in zip(weights, downs, ups, strict=True):
-            w.addmm_(b, a, alpha=-SCALE)
+        for w, p in zip(weights, pristine, strict=True):
+            w.copy_(p)
 
     def lw_auto():
         state["h"] = loraweave.apply(model, path, mode="merge")

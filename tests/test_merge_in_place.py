@@ -1,4 +1,5 @@
 """The fused in-place merge (mechanisms/merge/inplace.py) and the compact record's encodings (undo.py).
+Tests that inject faults into the torch path's steps select it; the native kernel has test_merge_native.
 
 The fused path writes W' into the weight block by block; every test checks it against the buffered path (an
 undo="copy" merge of the same model, bit for bit) or an fp64 formula, and that any failure midway (a block whose
@@ -95,6 +96,10 @@ def test_overflow_in_a_late_block_puts_the_written_blocks_back(small_blocks, kin
 @pytest.mark.parametrize("kind", ["auto", "compact", "none"])
 @pytest.mark.parametrize("nth", [1, 5, 12])
 def test_interrupt_between_blocks_puts_the_written_blocks_back(monkeypatch, small_blocks, kind, nth):
+    # the checked path of undo="none" (a bounded ΔW is written at commit: test_merge_direct), the torch blocks
+    if kind == "none":
+        monkeypatch.setattr(layer_mod.MergedModule, "_overflow_free", lambda *args: False)
+    monkeypatch.setattr(inplace_mod, "kernel_for", lambda dtype: None)  # native faults: test_merge_native
     model = model_of(torch.bfloat16)
     before = state_bits(model)
     monkeypatch.setattr(inplace_mod, "differ", fail_on_call(nth, KeyboardInterrupt, inplace_mod.differ))

@@ -400,7 +400,11 @@ def test_fault_at_any_layer_restores_every_record_kind(monkeypatch, tmp_path, ki
 @pytest.mark.parametrize("kind", ["compact", "auto", "none"])
 @pytest.mark.parametrize("nth", [1, 2, 4])
 def test_fault_while_building_a_compact_record(monkeypatch, kind, nth):
-    """The failure lands while the record is being encoded (the fused path has written the weight by then)."""
+    """The failure lands while the record is being encoded (the fused path has written the weight by then).
+    The torch path, which encodes every record (the native kernel writes its own; test_merge_native)."""
+    monkeypatch.setattr(inplace_mod, "kernel_for", lambda dtype: None)
+    if kind == "none":  # the checked path (a bounded undo="none" merge keeps no record: test_merge_direct)
+        monkeypatch.setattr(loraweave.mechanisms.merge.layer.MergedModule, "_overflow_free", lambda *a: False)
     model = Net()
     before, out_before, conv_before = _snapshot(model)
     monkeypatch.setattr(

@@ -31,6 +31,7 @@ from ..resolve.schedule import step_window
 from ..resolve.stacking import adapter_names, combine_groups
 from ..resolve.target import as_components, experts
 from ..resolve.weights import AdapterWeights, assign
+from .interrupts import interrupts_held
 from .journal import Journal
 from .options import Options
 
@@ -242,9 +243,19 @@ def install(
         AppliedModule(**row) for row in apply_params(p.params, p.components.modules, mode, journal.record)
     ]
     if options.undo == "none":  # a permanent fuse: the records kept this all-or-nothing until here
-        for merged in journal.of(MergedModule):
-            merged.fuse()
+        fuse_all(journal.of(MergedModule))
     return applied
+
+
+def fuse_all(merges: list[MergedModule]) -> None:
+    """Release every record; merges deferred because no overflow is possible are written now, the last step
+    of apply (nothing after it can fail), with Ctrl-C held until all of them are written."""
+    with reused_buffers():
+        for merged in merges:
+            merged.reserve()
+        with interrupts_held():
+            for merged in merges:
+                merged.fuse()
 
 
 def finish_report(

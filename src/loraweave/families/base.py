@@ -47,6 +47,10 @@ def _runtime_ok(f, module) -> None:
     return None
 
 
+def _unbounded(f, src: int, length: int) -> None:
+    return None
+
+
 @dataclass(eq=False)
 class Family:
     """One adapter family: its functions and what it can do. Defaults describe a plain low-rank family.
@@ -62,7 +66,12 @@ class Family:
     - runtime_term(f, src, dst, length[, module=]): `runtime_takes_module` families read the host module;
       runtime_refusal(f, module) -> Miss | None says beforehand whether they will refuse it.
     - roles: every role a part may hold (None: load checks); uses_alpha_scale=False: alpha is not alpha/rank
-      (the raw `alpha` tensor goes to load). input_width(f) / widen_input(f, shape): control-adapter growth."""
+      (the raw `alpha` tensor goes to load). input_width(f) / widen_input(f, shape): control-adapter growth.
+    - delta_bound(f, src, length) -> float | None: an upper bound on max |ΔW| (coeff 1) over rows
+      [src, src+length), inf/nan for non-finite factors; None where the family declares none. A merge whose
+      bound leaves no room to overflow skips its finite check and, with undo="none", its record.
+    - set_delta(target_rows, f, src, length, coeff) or None: target_rows = coeff·ΔW, written, not added (the
+      same bits as add_delta into zeros, with no zero pass and no read of the block)."""
 
     name: str
     load: Callable
@@ -81,6 +90,8 @@ class Family:
     input_width: Callable = _no_width
     widen_input: Callable = _no_widening
     runtime_refusal: Callable = _runtime_ok
+    delta_bound: Callable = _unbounded
+    set_delta: Callable | None = None
 
     def load_part(self, tensors: dict, key_of: dict, config: dict | None):
         return self.load(tensors, key_of, config) if self.takes_config else self.load(tensors, key_of)

@@ -92,6 +92,22 @@ def add_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, 
     )
 
 
+def set_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, coeff: float) -> None:
+    """target_rows = coeff · up[src:src+length] @ down (beta=0: the rows are neither read nor zeroed first)."""
+    up, down = f.up[src : src + length].to(target_rows.dtype), f.down.flatten(1).to(target_rows.dtype)
+    torch.addmm(target_rows, up, down, beta=0, alpha=coeff, out=target_rows)
+
+
+def delta_bound(f: LoraFactors, src: int, length: int) -> float:
+    """max |up @ down| over rows [src, src+length) is at most max row norm of up · max column norm of down
+    (Cauchy-Schwarz per element); fp64, so the bound itself cannot overflow; inf or nan for non-finite factors."""
+    up = f.up[src : src + length].double()
+    down = f.down.flatten(1).double()
+    if not up.numel() or not down.numel():
+        return 0.0
+    return float(torch.linalg.vector_norm(up, dim=1).max() * torch.linalg.vector_norm(down, dim=0).max())
+
+
 def bias_delta(f: LoraFactors, src: int, length: int) -> torch.Tensor | None:
     return None if f.up_bias is None else f.up_bias[src : src + length]
 
@@ -110,4 +126,6 @@ SPEC = Family(
     roles=("down", "up", "mid", "up_bias"),
     input_width=input_width,
     widen_input=widen_input,
+    delta_bound=delta_bound,
+    set_delta=set_delta,
 )

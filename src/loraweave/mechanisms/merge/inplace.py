@@ -11,12 +11,15 @@ propagates."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ...errors import NonFiniteResultError
-from .bitscan import differ
+from .bitscan import differ, take
+from .native import Kernel, kernel_for
 from .undo import (
+    GAP_ENCODINGS,
     GUARDS,
     CompactRecord,
     CopyRecord,
@@ -25,6 +28,7 @@ from .undo import (
     bits,
     combine_into,
     compact_record,
+    encoding_sizes,
     host_copy,
     raw_record,
     recorded_threads,
@@ -45,6 +49,21 @@ def new_non_finite(written: torch.Tensor, original: torch.Tensor) -> int:
     return int((~torch.isfinite(written.float()) & torch.isfinite(original.view_as(written).float())).sum())
 
 
+@dataclass
+class _Progress:
+    """What a fused merge has written so far: rows [0, written) hold W' and their misses are in the lists; a
+    block in flight is put back by `settle` (torch path: from its saved copy; native: its kernel finished it)."""
+
+    found: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    guards: list[list[torch.Tensor]] = field(default_factory=lambda: [[], [], []])  # where, W's, W''s bits
+    written: int = 0
+    flight: torch.Tensor | int | None = None  # the block in flight (torch: its rows; native: its end row)
+    encoding: str = "raw"  # of the positions in `found`: int64 (torch path) or "gaps8" entries (native)
+    fillers: dict[str, int] = field(default_factory=dict)  # per gap encoding, for sizing (native)
+    settle: Callable[[], None] = lambda: None
+
+
 def merge_in_place(
     rows: torch.Tensor,
     delta_fn: DeltaFn,
@@ -60,86 +79,183 @@ def merge_in_place(
     (undo="none": the misses kept unencoded, only until apply has finished; encoded as "auto" when that raw
     record would exceed 1/8 of the weight). `keep(record)` takes the record: it is the last step, and on any
     exception up to its end the weight is rebuilt, so the caller never holds a written weight without its record.
-    Raises NonFiniteResultError, with the weight unchanged, when the merge would make finite values non-finite."""
+    Raises NonFiniteResultError, with the weight unchanged, when the merge would make finite values non-finite.
+    On the CPU the blocks go through the native kernel (native.py) where one was built; the same bits."""
+    wb = bits(rows).view(-1)
+    witness = wb[witness_positions(wb.numel()).to(wb.device)]  # W's bits, before any block is written
+    kernel = kernel_for(rows.dtype) if rows.device.type == "cpu" else None
+    done = _Progress()
+    try:
+        if kernel is not None:
+            _blocks_native(rows, delta_fn, chunk_rows, kernel, done, adapters)
+        else:
+            _blocks_torch(rows, delta_fn, chunk_rows, done, adapters)
+        raw = _raw(rows, done, witness, chunk_rows)
+        if done.encoding == "gaps8":
+            record = _native_record(rows, raw, done, on_device, kind)
+        else:
+            record = raw if kind == "transient" and raw.nbytes <= tensor_bytes(rows) // 8 else None
+            if record is None:
+                record = compact_record(rows, raw, on_device, kind == "compact")
+        keep(record if record is not None else _copy_of_original(rows, raw, delta_fn, on_device))
+    except BaseException:
+        done.settle()
+        if done.written:
+            fill = _raw(rows, done, witness, chunk_rows).rebuild(rows, rows, delta_fn)
+            for r0 in range(0, done.written, chunk_rows):
+                fill(r0, min(done.written, r0 + chunk_rows))
+        raise
+
+
+def _refuse(bad: int, adapters: set[str], r0: int, r1: int, rows: torch.Tensor) -> None:
+    raise NonFiniteResultError(
+        f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {bad} non-finite values "
+        f"in rows {r0}-{r1} of a {tuple(rows.shape)} {rows.dtype} weight (the delta overflows); "
+        "the layer is left as it was"
+    )
+
+
+def _blocks_torch(
+    rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int, done: _Progress, adapters: set[str]
+) -> None:
+    """Each block of W copied to a cache-sized buffer, W' added over the weight's lines just read, and the block's
+    misses found while it is hot (compare and scan through numpy)."""
     cols, total = rows[0].numel(), rows.shape[0]
     wb = bits(rows).view(-1)
     block = min(total, chunk_rows) * cols
     dbuf, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
     saved, gbuf = (scratch(n, block, rows.dtype, rows.device) for n in ("original", "guess"))
     mask = scratch("miss", block, torch.bool, rows.device)
-    witness = wb[witness_positions(wb.numel()).to(wb.device)]  # W's bits, before any block is written
-    found: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    guards: list[list[torch.Tensor]] = [
-        [],
-        [],
-        [],
-    ]  # where W' differs from W (a few), W's and W''s bits there
-    written = 0  # rows of the weight that hold W' and are in the record
-    dirty = None  # the block being written: its W is in `saved` until its record is complete
-    try:
-        for r0 in range(0, total, chunk_rows):
-            r1 = min(total, r0 + chunk_rows)
-            n = (r1 - r0) * cols
-            w, merged_bits = rows[r0:r1], wb[r0 * cols : r1 * cols]
-            delta = delta_fn(rows, r0, r1, dbuf[:n])
-            original = saved[:n].view(w.shape)
-            original.copy_(w)  # W's block stays in cache; W' is added in place over lines already read
-            dirty = w
-            combine_into(w, w, delta, 1, acc[:n].view(delta.shape))
-            wflat = bits(original).view(-1)
-            have = sum(g.numel() for g in guards[0])
-            if have < GUARDS:  # they tell a written weight from one never written
-                at = differ(merged_bits, wflat, mask[:n])[: GUARDS - have]
-                for dst, src in zip(guards, (at + r0 * cols, wflat[at], merged_bits[at]), strict=True):
-                    dst.append(src)
-            guess = gbuf[:n].view(w.shape)
-            combine_into(guess, w, delta, -1, acc[:n].view(delta.shape))
-            miss = differ(bits(guess).view(-1), wflat, mask[:n])
-            if miss.numel():
-                # a new non-finite W' is always a miss (inf - ΔW or NaN never gives a finite W back): check only these
-                bad = new_non_finite(w.view(-1)[miss], original.view(-1)[miss])
-                if bad:
-                    raise NonFiniteResultError(
-                        f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {bad} non-finite values "
-                        f"in rows {r0}-{r1} of a {tuple(rows.shape)} {rows.dtype} weight (the delta overflows); "
-                        "the layer is left as it was"
-                    )
-                values.append(wflat[miss])
-                found.append(miss + r0 * cols)
-            dirty, written = None, r1
-        raw = _raw(rows, found, values, witness, guards, chunk_rows)
-        record = raw if kind == "transient" and raw.nbytes <= tensor_bytes(rows) // 8 else None
-        if record is None:
-            record = compact_record(rows, raw, on_device, kind == "compact")
-        keep(record if record is not None else _copy_of_original(rows, raw, delta_fn, on_device))
-    except BaseException:
-        if dirty is not None:
-            dirty.copy_(saved[: dirty.numel()].view(dirty.shape))
-        if written:
-            raw = _raw(rows, found, values, witness, guards, chunk_rows)
-            fill = raw.rebuild(rows, rows, delta_fn)
-            for r0 in range(0, written, chunk_rows):
-                fill(r0, min(written, r0 + chunk_rows))
-        raise
+
+    def put_back() -> None:  # the block in flight has its W in `saved` until its misses are kept
+        if isinstance(done.flight, torch.Tensor):
+            done.flight.copy_(saved[: done.flight.numel()].view(done.flight.shape))
+
+    done.settle = put_back
+    for r0 in range(0, total, chunk_rows):
+        r1 = min(total, r0 + chunk_rows)
+        n = (r1 - r0) * cols
+        w, merged_bits = rows[r0:r1], wb[r0 * cols : r1 * cols]
+        delta = delta_fn(rows, r0, r1, dbuf[:n])
+        original = saved[:n].view(w.shape)
+        original.copy_(w)  # W's block stays in cache; W' is added in place over lines already read
+        done.flight = w
+        combine_into(w, w, delta, 1, acc[:n].view(delta.shape))
+        wflat = bits(original).view(-1)
+        have = sum(g.numel() for g in done.guards[0])
+        if have < GUARDS:  # they tell a written weight from one never written
+            at = differ(merged_bits, wflat, mask[:n])[: GUARDS - have]
+            for dst, src in zip(done.guards, (at + r0 * cols, wflat[at], merged_bits[at]), strict=True):
+                dst.append(src)
+        guess = gbuf[:n].view(w.shape)
+        combine_into(guess, w, delta, -1, acc[:n].view(delta.shape))
+        miss = differ(bits(guess).view(-1), wflat, mask[:n])
+        if miss.numel():
+            was = take(wflat, miss)
+            # a new non-finite W' is always a miss (inf - ΔW or NaN never gives a finite W back): check only these
+            bad = new_non_finite(take(merged_bits, miss).view(rows.dtype), was.view(rows.dtype))
+            if bad:
+                _refuse(bad, adapters, r0, r1, rows)
+            done.values, done.found = [*done.values, was], [*done.found, miss + r0 * cols]
+        done.flight, done.written = None, r1  # one step for signals: no call or jump between the two stores
 
 
-def _raw(
+def _blocks_native(
     rows: torch.Tensor,
-    found: list[torch.Tensor],
-    values: list[torch.Tensor],
-    witness: torch.Tensor,
-    guards: list[list[torch.Tensor]],
+    delta_fn: DeltaFn,
     chunk_rows: int,
-) -> CompactRecord:
+    kernel: Kernel,
+    done: _Progress,
+    adapters: set[str],
+) -> None:
+    """Each block in one kernel call: W' written, misses (as "gaps8" entries) and guards found in the same pass
+    (native.py). A call cannot be interrupted: a block is untouched or written with its misses in the buffers."""
+    cols, total = rows[0].numel(), rows.shape[0]
     wb = bits(rows).view(-1)
+    block = min(total, chunk_rows) * cols
+    dbuf = scratch("delta", block, torch.float32, rows.device)
+    vals = scratch("miss_was", block, wb.dtype, rows.device)
+    guard = torch.zeros(1 + GUARDS, dtype=torch.int64)
+    guard_w, guard_m = wb.new_zeros(GUARDS), wb.new_zeros(GUARDS)
+    # misses (-1 until the kernel has written the block), new non-finite, last position, entries, gaps16 fillers
+    state = torch.tensor([-1, 0, -1, 0, 0], dtype=torch.int64)
+    done.encoding, done.fillers = "gaps8", {name: 0 for name in GAP_ENCODINGS}
+    gaps = scratch("miss_gaps", 1, torch.uint8, rows.device)
+    misses = [0]
+
+    def keep_finished() -> None:  # idempotent; the lists and `written` change in one step
+        count, end = int(state[0]), done.flight
+        if count < 0 or not isinstance(end, int) or end <= done.written:
+            return
+        at, was, g = gaps[: int(state[3])].clone(), vals[:count].clone(), int(guard[0])
+        guards = [[guard[1 : 1 + g].clone()], [guard_w[:g].clone()], [guard_m[:g].clone()]]
+        misses[0] += count
+        fillers = {
+            "gaps8": done.fillers["gaps8"] + int(state[3]) - count,
+            "gaps": done.fillers["gaps"] + int(state[4]),
+        }
+        done.found, done.values, done.guards, done.fillers, done.written = (
+            [*done.found, at],
+            [*done.values, was],
+            guards,
+            fillers,
+            end,
+        )
+
+    done.settle = keep_finished
+    for r0 in range(0, total, chunk_rows):
+        r1 = min(total, r0 + chunk_rows)
+        n = (r1 - r0) * cols
+        delta = delta_fn(rows, r0, r1, dbuf[:n])
+        room = n + (r1 * cols - int(state[2])) // 255 + 2  # every miss plus the fillers of the longest gap
+        gaps = scratch("miss_gaps", room, torch.uint8, rows.device)
+        state[0] = -1
+        done.flight = r1
+        kernel.fn(
+            wb[r0 * cols :].data_ptr(),
+            delta.data_ptr(),
+            n,
+            r0 * cols,
+            gaps.data_ptr(),
+            vals.data_ptr(),
+            guard.data_ptr(),
+            guard_w.data_ptr(),
+            guard_m.data_ptr(),
+            state.data_ptr(),
+        )
+        keep_finished()
+        if int(state[1]):
+            _refuse(int(state[1]), adapters, r0, r1, rows)
+
+
+def _native_record(
+    rows: torch.Tensor, raw: CompactRecord, done: _Progress, on_device: bool, kind: str
+) -> CompactRecord | None:
+    """The kernel's "gaps8" record where that is the smallest encoding (the usual case: no second pass over the
+    misses); else the misses decoded and encoded again; None where a copy is smaller (kind "auto")."""
+    misses = raw.values.numel()
+    sizes = encoding_sizes(rows.numel(), misses, done.fillers, rows.element_size())
+    best = min(sizes, key=sizes.get)
+    if kind == "transient" or (best == "gaps8" and (kind == "compact" or sizes[best] < tensor_bytes(rows))):
+        return raw  # fresh host tensors of their own (the kernel runs on the CPU only)
+    positions = raw.decoded_positions(rows.numel(), rows.device)
+    return compact_record(
+        rows, replace(raw, encoding="raw", positions=positions), on_device, kind == "compact"
+    )
+
+
+def _raw(rows: torch.Tensor, done: _Progress, witness: torch.Tensor, chunk_rows: int) -> CompactRecord:
+    wb = bits(rows).view(-1)
+    found, values = done.found, done.values
     positions = torch.cat(found) if found else torch.zeros(0, dtype=torch.int64, device=rows.device)
     guard = tuple(
-        torch.cat(g) if g else like.new_zeros(0) for g, like in zip(guards, (positions, wb, wb), strict=True)
+        torch.cat(g) if g else like.new_zeros(0)
+        for g, like in zip(done.guards, (positions, wb, wb), strict=True)
     )
-    return raw_record(
-        rows, positions, torch.cat(values) if values else wb.new_zeros(0), witness, guard, chunk_rows
-    )
+    if done.encoding != "raw" and not found:
+        positions = torch.zeros(0, dtype=torch.uint8, device=rows.device)
+    values_all = torch.cat(values) if values else wb.new_zeros(0)
+    return raw_record(rows, positions, values_all, witness, guard, chunk_rows, done.encoding)
 
 
 def _copy_of_original(
@@ -153,3 +269,17 @@ def _copy_of_original(
             fill(r0, min(rows.shape[0], r0 + raw.chunk_rows))
     raw.verify(original)
     return CopyRecord(original if original.device.type == "cpu" or on_device else host_copy(original))
+
+
+def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None:
+    """W' = round(W + ΔW) written into `rows` block by block, with no record and no finite check: only for
+    undo="none" merges whose ΔW was bounded below the dtype's overflow headroom (layer.overflow_headroom), run
+    once apply can no longer fail. The same blocks and arithmetic as merge_in_place, so the same bits."""
+    cols, total = rows[0].numel(), rows.shape[0]
+    block = min(total, chunk_rows) * cols
+    dbuf, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
+    for r0 in range(0, total, chunk_rows):
+        r1 = min(total, r0 + chunk_rows)
+        n = (r1 - r0) * cols
+        delta = delta_fn(rows, r0, r1, dbuf[:n])
+        combine_into(rows[r0:r1], rows[r0:r1], delta, 1, acc[:n].view(delta.shape))

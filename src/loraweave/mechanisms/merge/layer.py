@@ -13,7 +13,9 @@ from ...families.contribution import add_contribution, bias_of, coefficient
 from ...modes import UNDO_KINDS, UndoKind
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution, adapter_names
-from .inplace import merge_in_place
+from . import inplace
+from .inplace import merge_direct, merge_in_place
+from .native import NATIVE_BLOCKS
 from .undo import (
     CHUNK_ELEMENTS,
     CompactRecord,
@@ -110,6 +112,7 @@ class MergedModule:
     terms: list[Term] = field(default_factory=list)  # the contributions and strengths the record was made at
     bias_backup: torch.Tensor | None = None
     adapters: set[str] = field(default_factory=set)
+    pending: list[Term] | None = None  # undo="none", overflow ruled out: W' is written by fuse(), at commit
     entry: object = None  # the report's AppliedModule: undo kind and bytes follow strength changes
 
     def is_top(self) -> bool:
@@ -145,8 +148,24 @@ class MergedModule:
 
     undo = restore  # a journal entry
 
+    def reserve(self) -> None:
+        """Allocate the scratch a deferred merge will use (within reused_buffers), so that the writes at commit
+        allocate nothing: the one failure left to them would be memory."""
+        if self.pending is not None:
+            weight = self.module.weight
+            rows = weight.shape[0]
+            block = min(rows, self._chunk_rows(weight.view(rows, -1))) * (weight.numel() // max(1, rows))
+            for name in ("delta", "acc"):
+                scratch(name, block, acc_dtype(weight.dtype), weight.device)
+
     def fuse(self) -> None:
-        """undo="none": keep the merge for good and release the record."""
+        """undo="none": keep the merge for good and release the record; a deferred merge is written now, when
+        nothing in the apply can fail any more (it has no record to be rolled back from)."""
+        if self.pending is not None:
+            rows = self.module.weight.data.view(self.module.weight.shape[0], -1)
+            with torch.no_grad():
+                merge_direct(rows, self._delta_fn(self.pending), self._chunk_rows(rows))
+            self.pending = None
         self.record, self.bias_backup = FusedRecord(), None
         self._report()
 
@@ -173,11 +192,23 @@ class MergedModule:
             )
             terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
             in_place = self._in_place_kind(rows) if fresh else None
+            if in_place == "transient" and self._overflow_free(rows, terms):
+                self.pending, self.terms = terms, terms  # no record, no finite check: fuse() writes it
+                self._write_bias()
+                self._report()
+                return
             if in_place is not None:
                 self._merge_in_place(rows, terms, in_place)
                 self._write_bias()
                 self._report()
                 return
+            if not fresh and isinstance(self.record, CompactRecord):
+                kind = self._in_place_kind(rows)
+                if kind in ("auto", "compact"):
+                    self._rewrite_in_place(rows, terms, kind)
+                    self._write_bias()
+                    self._report()
+                    return
             record, merged, original = self._merge(rows, terms, None if fresh else self.record)
             refuse_non_finite(merged, original, self.adapters)  # before the weight is touched
             del original
@@ -196,13 +227,60 @@ class MergedModule:
             return None
         return {"auto": "auto", "compact": "compact", "none": "transient"}.get(self.undo_with.kind)
 
+    def _rewrite_in_place(self, rows: torch.Tensor, terms: list[Term], kind: str) -> None:
+        """A strength change over a compact record: W rebuilt from W' and the record into a scratch copy (checked
+        against its witnesses), merged there at the new strengths by the fused path with its new record, then
+        copied over the weight in one step. Any failure before that copy leaves the weight and record as they were."""
+        old = self.record
+        base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
+        with recorded_threads(old.threads):
+            fill = old.rebuild(rows, base, self._delta_fn(self.terms))
+            for r0 in range(0, rows.shape[0], old.chunk_rows):
+                fill(r0, min(rows.shape[0], r0 + old.chunk_rows))
+        old.verify(base)
+        made: list[Record] = []
+        merge_in_place(
+            base,
+            self._delta_fn(terms),
+            kind,
+            self._chunk_rows(base),
+            self.undo_with.on_device,
+            self.adapters,
+            made.append,
+        )
+        rows.copy_(base)
+        self.record, self.terms = made[0], terms
+
+    def _overflow_free(self, rows: torch.Tensor, terms: list[Term]) -> bool:
+        """True when W + ΔW cannot turn a finite value non-finite: Σ|coeff|·bound (each family's declared bound
+        on |ΔW|) is under half the headroom above the dtype's largest finite value (so fp32 rounding of ΔW and
+        of the sum cannot reach the overflow threshold). False where any family declares no bound."""
+        total = 0.0
+        for pp, piece, strength, scale in terms:
+            bound = pp.family.delta_bound(pp.factors, piece.src_start, piece.length)
+            if bound is None:
+                return False
+            total += abs(strength * scale) * bound
+        return total * 2 < overflow_headroom(rows.dtype)  # False for inf/nan
+
+    @staticmethod
+    def _chunk_rows(rows: torch.Tensor) -> int:
+        # the native kernel keeps only ΔW's block in cache (it streams W): 4x larger blocks, 4x fewer calls
+        native = rows.device.type == "cpu" and inplace.kernel_for(rows.dtype) is not None  # the path it takes
+        return max(1, CHUNK_ELEMENTS * (NATIVE_BLOCKS if native else 1) // max(1, rows.shape[1]))
+
     def _merge_in_place(self, rows: torch.Tensor, terms: list[Term], kind: str) -> None:
         def keep(record: Record) -> None:
             self.record, self.terms = record, terms
 
-        chunk = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
         merge_in_place(
-            rows, self._delta_fn(terms), kind, chunk, self.undo_with.on_device, self.adapters, keep
+            rows,
+            self._delta_fn(terms),
+            kind,
+            self._chunk_rows(rows),
+            self.undo_with.on_device,
+            self.adapters,
+            keep,
         )
 
     def _merge(
@@ -289,9 +367,10 @@ class MergedModule:
         call undoes a compact record."""
         shape = (r1 - r0, *base.shape[1:])
         if out is None:
-            delta = torch.zeros(shape, dtype=acc_dtype(base.dtype), device=base.device)
+            delta = torch.empty(shape, dtype=acc_dtype(base.dtype), device=base.device)
         else:
-            delta = out.view(shape).zero_()
+            delta = out.view(shape)
+        filled = False  # the first term covering the whole block writes it (no zero pass, no read of zeros)
         for pp, piece, strength, scale in terms:
             lo, hi = max(r0, piece.dst_start), min(r1, piece.dst_start + piece.length)
             if lo >= hi:
@@ -303,7 +382,16 @@ class MergedModule:
                     piece, src_start=piece.src_start + lo - piece.dst_start, dst_start=lo, length=hi - lo
                 )
             )
-            add_contribution(delta[lo - r0 : hi - r0], pp, part, base, strength=strength, scale=scale)
+            family = pp.family
+            if not filled and (lo, hi) == (r0, r1) and family.set_delta is not None and not family.needs_base:
+                family.set_delta(delta, pp.factors, part.src_start, part.length, strength * scale)
+            else:
+                if not filled:
+                    delta.zero_()
+                add_contribution(delta[lo - r0 : hi - r0], pp, part, base, strength=strength, scale=scale)
+            filled = True
+        if not filled:
+            delta.zero_()
         return delta
 
     def attach_entry(self, entry) -> None:
@@ -335,6 +423,13 @@ class MergedModule:
             acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coeff)
         bias.data.copy_(acc)
         refuse_non_finite(bias.data, self.bias_backup, self.adapters)
+
+
+def overflow_headroom(dtype: torch.dtype) -> float:
+    """Half an ulp at the dtype's largest finite value: round-to-nearest of a finite x + d with |d| below it
+    stays finite (the overflow threshold is max + ulp(max)/2); a quarter ulp is returned, as a margin."""
+    info = torch.finfo(dtype)
+    return math.ldexp(info.eps, math.frexp(info.max)[1] - 3)  # ulp(max) = eps · 2**(exponent of max)
 
 
 def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: set[str]) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...errors import UndoError
-from .bitscan import differ, pack_positions, put, unpack_positions
+from .bitscan import differ, insert_zeros, pack_positions, put, unpack_positions
 
 # gap encodings: entry dtype and the largest step one entry holds (a longer gap takes valueless filler entries)
 GAP_ENCODINGS = {"gaps": (torch.uint16, 65535), "gaps8": (torch.uint8, 255)}
@@ -256,26 +256,42 @@ def recorded_threads(n: int):
 def compact_sizes(numel: int, steps: torch.Tensor, itemsize: int) -> dict[str, int]:
     """Bytes of each encoding of the misses whose position steps (p[i] - p[i-1], p[-1] = -1) are `steps`: a gap
     encoding pays one valueless filler entry (0) for every `largest step` a gap holds beyond the first."""
-    fixed = min(WITNESSES, numel) * itemsize + GUARDS * (8 + 2 * itemsize)
     misses = steps.numel()
+    longest = steps.max() if misses else None  # one reduction; most records need no filler at all
+    fillers = {
+        name: filler_count(steps, most) if misses and bool(longest > most) else 0
+        for name, (_, most) in GAP_ENCODINGS.items()
+    }
+    return encoding_sizes(numel, misses, fillers, itemsize)
+
+
+def encoding_sizes(numel: int, misses: int, fillers: dict[str, int], itemsize: int) -> dict[str, int]:
+    """Bytes of each encoding of `misses` misses in a weight of `numel` elements, given each gap encoding's
+    filler count."""
+    fixed = min(WITNESSES, numel) * itemsize + GUARDS * (8 + 2 * itemsize)
     sizes = {"bitmask": math.ceil(numel / 8) + misses * itemsize + fixed}
-    for name, (dtype, most) in GAP_ENCODINGS.items():
-        fillers = int(((steps - 1) // most).sum()) if misses else 0
+    for name, (dtype, _) in GAP_ENCODINGS.items():
         width = torch.empty(0, dtype=dtype).element_size()
-        sizes[name] = misses * (width + itemsize) + fillers * width + fixed
+        sizes[name] = misses * (width + itemsize) + fillers[name] * width + fixed
     return sizes
+
+
+def filler_count(steps: torch.Tensor, most: int) -> int:
+    """Σ (step - 1) // most: the valueless entries a gap encoding needs, read only from the steps above `most`."""
+    long = steps[steps > most]
+    return int(((long - 1) // most).sum())
 
 
 def encode_gaps(steps: torch.Tensor, dtype: torch.dtype, most: int) -> torch.Tensor:
     """Position steps as entries of `dtype`: a step above `most` becomes filler zeros (each one `most` further)
-    and the rest; the decoder (CompactRecord._positions) skips the fillers."""
-    fillers = (steps - 1) // most
-    if not bool(fillers.any()):
+    and the rest; the decoder (CompactRecord._positions) skips the fillers. Only the long steps are divided."""
+    if not steps.numel() or not bool(steps.max() > most):
         return steps.to(dtype)
-    last = torch.cumsum(fillers + 1, 0) - 1  # where each real entry lands, after its fillers
-    out = torch.zeros(int(last[-1]) + 1, dtype=torch.int64, device=steps.device)
-    out[last] = steps - fillers * most
-    return out.to(dtype)
+    long = (steps > most).nonzero().squeeze(1)
+    fillers = (steps[long] - 1) // most
+    real = steps.clone()
+    real[long] -= fillers * most
+    return insert_zeros(real, long, fillers).to(dtype)
 
 
 def _guard_positions(wb: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
@@ -295,10 +311,12 @@ def raw_record(
     witness: torch.Tensor,
     guard: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     chunk_rows: int,
+    encoding: str = "raw",
 ) -> CompactRecord:
-    """A compact record whose positions are plain int64 (no encoding): complete, kept only while apply runs."""
+    """A compact record whose positions are plain int64 (no encoding): complete, kept only while apply runs;
+    or, with `encoding`, positions already in that encoding (the native kernel writes "gaps8")."""
     return CompactRecord(
-        "raw",
+        encoding,
         positions,
         values,
         witness,
