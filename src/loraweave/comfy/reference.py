@@ -35,8 +35,10 @@ def _unet(cfg: dict) -> dict:
     return out
 
 
-def _flux(cfg: dict) -> dict:
-    patch = cfg.get("patch_size", 2)
+def _double_single(cfg: dict, patched: bool = True) -> dict:
+    """The entries every BFL-style double/single-block model shares (Flux.1, Flux.2, Chroma); `patched`: ComfyUI
+    counts channels before patching (Chroma counts them after, as diffusers does)."""
+    patch = cfg.get("patch_size", 1) if patched else 1
     return {
         "in_channels": cfg["in_channels"] * patch * patch,
         "out_channels": cfg["out_channels"] * patch * patch,
@@ -45,10 +47,67 @@ def _flux(cfg: dict) -> dict:
         "attention_head_dim": cfg["hidden_size"] // cfg["num_heads"],
         "num_attention_heads": cfg["num_heads"],
         "joint_attention_dim": cfg["context_in_dim"],
-        "pooled_projection_dim": cfg["vec_in_dim"],
-        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
         "axes_dims_rope": tuple(cfg["axes_dim"]),
     }
+
+
+def _flux(cfg: dict) -> dict:
+    return {
+        **_double_single({"patch_size": 2, **cfg}),
+        "pooled_projection_dim": cfg["vec_in_dim"],
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+
+
+def _flux2(cfg: dict) -> dict:
+    return {
+        **_double_single(cfg),
+        "mlp_ratio": cfg.get("mlp_ratio", 3.0),
+        "rope_theta": cfg.get("theta", 2000),
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+
+
+def _chroma(cfg: dict) -> dict:
+    return {
+        **_double_single(cfg, patched=False),
+        "approximator_num_channels": cfg.get("in_dim", 64),
+        "approximator_hidden_dim": cfg.get("hidden_dim", 5120),
+        "approximator_layers": cfg.get("n_layers", 5),
+    }
+
+
+def _hunyuan_video(cfg: dict) -> dict:
+    patch = list(cfg.get("patch_size", (1, 2, 2)))
+    return {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg["out_channels"],
+        "num_attention_heads": cfg["num_heads"],
+        "attention_head_dim": cfg["hidden_size"] // cfg["num_heads"],
+        "num_layers": cfg["depth"],
+        "num_single_layers": cfg["depth_single_blocks"],
+        "num_refiner_layers": 2,  # ComfyUI's token refiner is always 2 blocks deep
+        "mlp_ratio": cfg.get("mlp_ratio", 4.0),
+        "patch_size": patch[-1],
+        "patch_size_t": patch[0] if len(patch) == 3 else 1,
+        "text_embed_dim": cfg["context_in_dim"],
+        "pooled_projection_dim": cfg.get("vec_in_dim") or 768,
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+        "rope_axes_dim": tuple(cfg["axes_dim"]),
+        "rope_theta": float(cfg.get("theta", 256)),
+    }
+
+
+# ComfyUI's LTXAVModel keyword defaults (LTX-2), for what its detection does not write.
+_LTXAV = {"in_channels": 128, "audio_in_channels": 128, "cross_attention_dim": 4096, "audio_cross_attention_dim": 2048,
+          "attention_head_dim": 128, "audio_attention_head_dim": 64, "num_attention_heads": 32,
+          "audio_num_attention_heads": 32, "caption_channels": 3840, "num_layers": 48}  # fmt: skip
+
+
+def _ltx2(cfg: dict) -> dict:
+    out = {k: cfg.get(k, default) for k, default in _LTXAV.items()}
+    out["out_channels"], out["audio_out_channels"] = out["in_channels"], out["audio_in_channels"]
+    return out
 
 
 def _wan(cfg: dict) -> dict:
@@ -63,6 +122,29 @@ def _wan(cfg: dict) -> dict:
         "freq_dim": cfg["freq_dim"],
         "text_dim": cfg.get("text_dim", 4096),  # ComfyUI always builds a 4096-wide text embedding
     }
+
+
+def _sd3(cfg: dict) -> dict:
+    # ComfyUI's MMDiT: hidden = 64 * depth, depth heads of 64; the caption projection is the hidden width.
+    depth, context = cfg["depth"], cfg.get("context_embedder_config") or {}
+    out = {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg.get("out_channels") or cfg["in_channels"],
+        "patch_size": cfg.get("patch_size", 2),
+        "num_layers": depth,
+        "num_attention_heads": depth,
+        "attention_head_dim": 64,
+        "caption_projection_dim": 64 * depth,
+        "dual_attention_layers": tuple(cfg.get("x_block_self_attn_layers") or ()),
+        "qk_norm": "rms_norm" if cfg.get("qk_norm") == "rms" else None,
+    }
+    if cfg.get("adm_in_channels"):
+        out["pooled_projection_dim"] = cfg["adm_in_channels"]
+    if context.get("params"):
+        out["joint_attention_dim"] = context["params"]["in_features"]
+    if cfg.get("pos_embed_max_size"):
+        out["pos_embed_max_size"] = cfg["pos_embed_max_size"]
+    return out
 
 
 def _qwen_image(cfg: dict) -> dict:
@@ -104,6 +186,11 @@ CONFIGS: dict[str, Callable[[dict], dict]] = {
     "flux": _flux,
     "flux-schnell": _flux,
     "wan": _wan,
+    "sd3": _sd3,
+    "flux2": _flux2,
+    "chroma": _chroma,
+    "hunyuan-video": _hunyuan_video,
+    "ltx2": _ltx2,
     "qwen-image": _qwen_image,
     "z-image": _z_image,
 }
