@@ -1,11 +1,12 @@
-"""loraweave.comfy on SD3, Flux.2, Chroma, HunyuanVideo and LTX-2, each a tiny model built the way ComfyUI loads it
+"""loraweave.comfy on SD3, Flux.2, Chroma, HunyuanVideo, LTX-2 and Lumina 2, each a tiny model built the way ComfyUI loads it
 (helpers.comfy_dits: an original-named state dict through ComfyUI's detection and renames). References:
 - merge: `loraweave.apply` on the diffusers twin (diffusers' single-file converter of the same weights), ComfyUI's
   merged weights mapped back through ComfyUI's renames and that converter (1e-6 relative per weight);
 - ComfyUI's own LoraLoader: bit-identical wherever it lands the same keys within that tolerance;
 - runtime: the model's forward with mode="runtime" within 1e-5 (absolute, outputs of magnitude ~1) of the merge.
 Fused rows exercised: SD3 joint qkv (and SD3.5's attn2), Flux.2's fused qkv / SwiGLU `linear1` (one module on both
-sides), Chroma's and HunyuanVideo's qkv and single-block linear1 (q | k | v | mlp), HunyuanVideo's refiner qkv;
+sides), Chroma's and HunyuanVideo's qkv and single-block linear1 (q | k | v | mlp), HunyuanVideo's refiner qkv,
+Lumina 2's grouped-query qkv (q | k | v of unequal widths);
 final-layer (shift, scale) halves swapped against diffusers' (scale, shift)."""
 
 from __future__ import annotations
@@ -67,12 +68,19 @@ def _forward_ltx2(dm):
     return torch.cat([o.flatten() for o in dm([v, a], torch.tensor([0.5]), ctx)])
 
 
+def _forward_lumina2(dm):
+    g = torch.Generator().manual_seed(1)
+    x, ctx = (torch.randn(s, generator=g) for s in ((1, 16, 4, 4), (1, 5, 32)))
+    return dm(x, torch.tensor([0.5]), ctx, 5)
+
+
 FORWARDS = {
     "sd3": _forward_sd3,
     "flux2": _forward_flux2,
     "chroma": _forward_chroma,
     "hunyuan-video": _forward_hunyuan,
     "ltx2": _forward_ltx2,
+    "lumina2": _forward_lumina2,
 }
 
 # ComfyUI v0.19.3's own LoraLoader on a LoRA, by layout (measured): it maps each architecture's original names
@@ -183,13 +191,16 @@ def test_ltx2_text_connectors_land(models):
         assert rel(merged[f"{name}.weight"], ref) <= TOL, name
 
 
-@pytest.mark.parametrize("owner", ["", "transformer_blocks.1."])
-def test_ltx2_scale_shift_tables_land(models, owner):
-    # scale_shift_table sits on the root and on each block, modules with children: ComfyUI accepts a "diff" patch
-    # there and never applies it, so it lands as an object patch, equal to loraweave.apply's on the twin.
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [("ltx2", "scale_shift_table"), ("ltx2", "transformer_blocks.1.scale_shift_table")],
+)
+def test_parameters_on_modules_with_children_land(models, name, key):
+    # LTX-2's scale_shift_table (root and blocks) sits on modules with children (ComfyUI's Lumina 2 has no such
+    # parameter; Z-Image's x_pad_token: test_comfy_archs.py): ComfyUI accepts a "diff" patch there and never applies
+    # it, so it lands as an object patch, equal to loraweave.apply's on the twin.
     c = import_comfy()
-    m = built(models, "ltx2")
-    key = f"{owner}scale_shift_table"
+    m = built(models, name)
     base = comfy_modules(m).get_parameter(key).detach().clone()
     sd = {f"diffusion_model.{key}.diff": torch.randn(base.shape, generator=torch.Generator().manual_seed(4))}
     model, _, report = load_lora_for_models(m.patcher, None, sd, STRENGTH, 0.0, mode="merge")

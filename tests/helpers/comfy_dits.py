@@ -50,15 +50,21 @@ def _load(c, original: dict, expect: str, widths: dict) -> tuple[object, dict[st
     return patcher, originals
 
 
-def _padded(convert: Callable[[dict], dict], hidden: int, mlp: int, full_mlp: int | None = None):
-    """`convert` for a converter that splits single-block `linear1` at the full-size width 3072 (Chroma,
-    HunyuanVideo): q | k | v | mlp are padded with zero rows to those widths and cut back after conversion, so
-    the converter still decides every name and the row order."""
-    sizes, full = (hidden, hidden, hidden, mlp), (3072, 3072, 3072, full_mlp or mlp)
+def _padded(
+    convert: Callable[[dict], dict],
+    fused: str,
+    sizes: tuple[int, ...],
+    full: tuple[int, ...],
+    cuts: dict[str, int],
+):
+    """`convert` for a converter that splits a fused tensor at full-size widths (Chroma's and HunyuanVideo's
+    single-block `linear1` at 3072, Lumina 2's GQA qkv at 2304 | 768 | 768): the `fused` tensors' parts
+    (`sizes` rows) are padded with zero rows to the `full` widths and the converted tensors cut back to
+    `cuts[pattern]` rows, so the converter still decides every name and the row order."""
 
     def run(original: dict) -> dict:
         sd = dict(original)
-        for key in [k for k in sd if re.fullmatch(r"single_blocks\.\d+\.linear1\.(weight|bias)", k)]:
+        for key in [k for k in sd if re.fullmatch(fused, k)]:
             parts = sd[key].split(sizes)
             sd[key] = torch.cat(
                 [
@@ -68,11 +74,19 @@ def _padded(convert: Callable[[dict], dict], hidden: int, mlp: int, full_mlp: in
             )
         out = convert(sd)
         for key in list(out):
-            if re.match(r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)\.", key):
-                out[key] = out[key][: mlp if ".proj_mlp." in key else hidden].clone()
+            rows = next((n for pattern, n in cuts.items() if re.search(pattern, key)), None)
+            if rows is not None:
+                out[key] = out[key][:rows].clone()
         return out
 
     return run
+
+
+def _linear1(convert: Callable[[dict], dict], hidden: int, mlp: int, full_mlp: int):
+    return _padded(convert, r"single_blocks\.\d+\.linear1\.(weight|bias)", (hidden, hidden, hidden, mlp),
+                   (3072, 3072, 3072, full_mlp),
+                   {r"^single_transformer_blocks\.\d+\.attn\.to_[qkv]\.": hidden,
+                    r"^single_transformer_blocks\.\d+\.proj_mlp\.": mlp})  # fmt: skip
 
 
 def _twin(cls_name: str, config: dict, state: dict) -> torch.nn.Module:
@@ -160,7 +174,7 @@ def tiny_chroma(seed: int = 0) -> DitModel:
     twin = dict(in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=1,
                 joint_attention_dim=32, approximator_hidden_dim=64, approximator_layers=1)  # fmt: skip
     shapes = _meta_state(comfy.ldm.chroma.model.Chroma, **CHROMA_PARAMS)
-    convert = _padded(convert_chroma_transformer_checkpoint_to_diffusers, 128, 512, full_mlp=4 * 3072)
+    convert = _linear1(convert_chroma_transformer_checkpoint_to_diffusers, 128, 512, full_mlp=4 * 3072)
     return _build("chroma", shapes, "Chroma", CHROMA_WIDTHS, convert, ("ChromaTransformer2DModel", twin), seed,
                   bfl_norms=True)  # fmt: skip
 
@@ -200,7 +214,7 @@ def tiny_hunyuan_video(seed: int = 0) -> DitModel:
                 num_single_layers=1, num_refiner_layers=2, text_embed_dim=32, pooled_projection_dim=768)  # fmt: skip
     comfy_shapes = _meta_state(comfy.ldm.hunyuan_video.model.HunyuanVideo, **HUNYUAN_PARAMS)
     shapes = {tencent_name(k): v for k, v in comfy_shapes.items()}
-    convert = _padded(convert_hunyuan_video_transformer_to_diffusers, 128, 512)
+    convert = _linear1(convert_hunyuan_video_transformer_to_diffusers, 128, 512, full_mlp=512)
     return _build("hunyuan-video", shapes, "HunyuanVideo", {}, convert,
                   ("HunyuanVideoTransformer3DModel", twin), seed)  # fmt: skip
 
@@ -230,10 +244,32 @@ def tiny_ltx2(seed: int = 0) -> DitModel:
                   ("LTX2VideoTransformer3DModel", twin), seed)  # fmt: skip
 
 
+# Lumina 2: detection reads dim, cap_feat_dim and depth (heads and rope only at 2304); the rest are unet_config.
+LUMINA2_WIDTHS = {"n_heads": 2, "n_kv_heads": 1, "axes_dims": [16, 24, 24], "axes_lens": [64, 32, 32],
+                  "rope_theta": 10000.0, "ffn_dim_multiplier": 4.0, "multiple_of": 256}  # fmt: skip
+
+
+def tiny_lumina2(seed: int = 0) -> DitModel:
+    import_comfy()
+    import comfy.ldm.lumina.model
+    from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
+
+    twin = dict(sample_size=8, patch_size=2, in_channels=16, hidden_size=128, num_layers=1, num_refiner_layers=2,
+                num_attention_heads=2, num_kv_heads=1, multiple_of=256, ffn_dim_multiplier=None,
+                axes_dim_rope=(16, 24, 24), axes_lens=(64, 32, 32), cap_feat_dim=32)  # fmt: skip
+    shapes = _meta_state(comfy.ldm.lumina.model.NextDiT, patch_size=2, in_channels=16, dim=128, n_layers=1,
+                         cap_feat_dim=32, qk_norm=True, **LUMINA2_WIDTHS)  # fmt: skip
+    convert = _padded(convert_lumina2_to_diffusers, r".*attention\.qkv\.weight", (128, 64, 64), (2304, 768, 768),
+                      {r"attn\.to_q\.": 128, r"attn\.to_[kv]\.": 64})  # fmt: skip
+    return _build("lumina2", shapes, "Lumina2", LUMINA2_WIDTHS, convert,
+                  ("Lumina2Transformer2DModel", twin), seed)  # fmt: skip
+
+
 DIT_BUILDERS = {
     "sd3": tiny_sd3,
     "flux2": tiny_flux2,
     "chroma": tiny_chroma,
     "hunyuan-video": tiny_hunyuan_video,
     "ltx2": tiny_ltx2,
+    "lumina2": tiny_lumina2,
 }

@@ -178,6 +178,24 @@ def _z_image(cfg: dict) -> dict:
     }
 
 
+def _lumina2(cfg: dict) -> dict:
+    # ComfyUI's NextDiT feed-forward is ffn_dim_multiplier x dim wide; diffusers' is ffn_dim_multiplier x 4 x dim.
+    return {
+        "patch_size": cfg.get("patch_size", 2),
+        "in_channels": cfg.get("in_channels", 16),
+        "hidden_size": cfg["dim"],
+        "num_layers": cfg["n_layers"],
+        "num_refiner_layers": cfg.get("n_refiner_layers", 2),
+        "num_attention_heads": cfg.get("n_heads", 24),
+        "num_kv_heads": cfg.get("n_kv_heads", 8),
+        "multiple_of": cfg.get("multiple_of", 256),
+        "ffn_dim_multiplier": cfg.get("ffn_dim_multiplier", 4.0) / 4,
+        "axes_dim_rope": tuple(cfg.get("axes_dims", (32, 32, 32))),
+        "axes_lens": tuple(cfg.get("axes_lens", (300, 512, 512))),
+        "cap_feat_dim": cfg["cap_feat_dim"],
+    }
+
+
 CONFIGS: dict[str, Callable[[dict], dict]] = {
     "sd1": _unet,
     "sd2": _unet,
@@ -191,6 +209,7 @@ CONFIGS: dict[str, Callable[[dict], dict]] = {
     "chroma": _chroma,
     "hunyuan-video": _hunyuan_video,
     "ltx2": _ltx2,
+    "lumina2": _lumina2,
     "qwen-image": _qwen_image,
     "z-image": _z_image,
 }
