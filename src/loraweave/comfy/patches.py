@@ -14,6 +14,7 @@ from collections import defaultdict
 import torch
 
 from ..arch.spec import Piece
+from ..families import lora
 from ..families.contribution import add_contribution, bias_of
 from ..report.miss import Miss, Unmatched
 from ..report.report import AppliedModule
@@ -50,7 +51,12 @@ def write_rows(rows: torch.Tensor, terms: list[Term], strength: float, function,
                 ) * delta.to(acc.dtype)
         else:
             window = acc[piece.dst_start : piece.dst_start + piece.length]
-            add_contribution(window, pp, piece, base, strength=strength * pp.strength, scale=pp.scale)
+            if pp.family is lora.SPEC:  # as ComfyUI's own LoRA merge, bit for bit where both land a key
+                lora.add_delta_rounded(
+                    window, pp.factors, piece.src_start, piece.length, strength * pp.strength * pp.scale
+                )
+            else:
+                add_contribution(window, pp, piece, base, strength=strength * pp.strength, scale=pp.scale)
     if not direct:
         original = flat.to(torch.float32)
         flat.add_(function(acc - original).to(flat.dtype))

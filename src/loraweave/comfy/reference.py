@@ -42,23 +42,84 @@ def _layers_per_block(depths: list[int]) -> int | tuple[int, ...]:
     return cross.pop() if len(cross) == 1 else tuple(max(1, d) for d in depths)
 
 
-def _flux(cfg: dict) -> dict:
-    patch = cfg.get("patch_size", 2)
-    channels_in, channels_out = cfg["in_channels"] * patch * patch, cfg["out_channels"] * patch * patch
+def _double_single(cfg: dict, patched: bool = True) -> dict:
+    """The entries every BFL-style double/single-block model shares (Flux.1, Flux.2, Chroma); `patched`: ComfyUI
+    counts channels before patching (Chroma counts them after, as diffusers does)."""
+    patch = cfg.get("patch_size", 1) if patched else 1
     return {
-        "in_channels": channels_in,
-        "out_channels": None
-        if channels_out == channels_in
-        else channels_out,  # diffusers: None is in_channels
+        "in_channels": cfg["in_channels"] * patch * patch,
+        "out_channels": cfg["out_channels"] * patch * patch,
         "num_layers": cfg["depth"],
         "num_single_layers": cfg["depth_single_blocks"],
         "attention_head_dim": cfg["hidden_size"] // cfg["num_heads"],
         "num_attention_heads": cfg["num_heads"],
         "joint_attention_dim": cfg["context_in_dim"],
-        "pooled_projection_dim": cfg["vec_in_dim"],
-        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
         "axes_dims_rope": tuple(cfg["axes_dim"]),
     }
+
+
+def _flux(cfg: dict) -> dict:
+    out = {
+        **_double_single({"patch_size": 2, **cfg}),
+        "pooled_projection_dim": cfg["vec_in_dim"],
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+    if out["out_channels"] == out["in_channels"]:
+        out["out_channels"] = (
+            None  # diffusers' own spelling (None is in_channels), as the shipped skeleton stores it
+        )
+    return out
+
+
+def _flux2(cfg: dict) -> dict:
+    return {
+        **_double_single(cfg),
+        "mlp_ratio": cfg.get("mlp_ratio", 3.0),
+        "rope_theta": cfg.get("theta", 2000),
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+
+
+def _chroma(cfg: dict) -> dict:
+    return {
+        **_double_single(cfg, patched=False),
+        "approximator_num_channels": cfg.get("in_dim", 64),
+        "approximator_hidden_dim": cfg.get("hidden_dim", 5120),
+        "approximator_layers": cfg.get("n_layers", 5),
+    }
+
+
+def _hunyuan_video(cfg: dict) -> dict:
+    patch = list(cfg.get("patch_size", (1, 2, 2)))
+    return {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg["out_channels"],
+        "num_attention_heads": cfg["num_heads"],
+        "attention_head_dim": cfg["hidden_size"] // cfg["num_heads"],
+        "num_layers": cfg["depth"],
+        "num_single_layers": cfg["depth_single_blocks"],
+        "num_refiner_layers": 2,  # ComfyUI's token refiner is always 2 blocks deep
+        "mlp_ratio": cfg.get("mlp_ratio", 4.0),
+        "patch_size": patch[-1],
+        "patch_size_t": patch[0] if len(patch) == 3 else 1,
+        "text_embed_dim": cfg["context_in_dim"],
+        "pooled_projection_dim": cfg.get("vec_in_dim") or 768,
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+        "rope_axes_dim": tuple(cfg["axes_dim"]),
+        "rope_theta": float(cfg.get("theta", 256)),
+    }
+
+
+# ComfyUI's LTXAVModel keyword defaults (LTX-2), for what its detection does not write.
+_LTXAV = {"in_channels": 128, "audio_in_channels": 128, "cross_attention_dim": 4096, "audio_cross_attention_dim": 2048,
+          "attention_head_dim": 128, "audio_attention_head_dim": 64, "num_attention_heads": 32,
+          "audio_num_attention_heads": 32, "caption_channels": 3840, "num_layers": 48}  # fmt: skip
+
+
+def _ltx2(cfg: dict) -> dict:
+    out = {k: cfg.get(k, default) for k, default in _LTXAV.items()}
+    out["out_channels"], out["audio_out_channels"] = out["in_channels"], out["audio_in_channels"]
+    return out
 
 
 def _wan(cfg: dict) -> dict:
@@ -73,6 +134,29 @@ def _wan(cfg: dict) -> dict:
         "freq_dim": cfg["freq_dim"],
         "text_dim": cfg.get("text_dim", 4096),  # ComfyUI always builds a 4096-wide text embedding
     }
+
+
+def _sd3(cfg: dict) -> dict:
+    # ComfyUI's MMDiT: hidden = 64 * depth, depth heads of 64; the caption projection is the hidden width.
+    depth, context = cfg["depth"], cfg.get("context_embedder_config") or {}
+    out = {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg.get("out_channels") or cfg["in_channels"],
+        "patch_size": cfg.get("patch_size", 2),
+        "num_layers": depth,
+        "num_attention_heads": depth,
+        "attention_head_dim": 64,
+        "caption_projection_dim": 64 * depth,
+        "dual_attention_layers": tuple(cfg.get("x_block_self_attn_layers") or ()),
+        "qk_norm": "rms_norm" if cfg.get("qk_norm") == "rms" else None,
+    }
+    if cfg.get("adm_in_channels"):
+        out["pooled_projection_dim"] = cfg["adm_in_channels"]
+    if context.get("params"):
+        out["joint_attention_dim"] = context["params"]["in_features"]
+    if cfg.get("pos_embed_max_size"):
+        out["pos_embed_max_size"] = cfg["pos_embed_max_size"]
+    return out
 
 
 def _qwen_image(cfg: dict) -> dict:
@@ -106,6 +190,24 @@ def _z_image(cfg: dict) -> dict:
     }
 
 
+def _lumina2(cfg: dict) -> dict:
+    # ComfyUI's NextDiT feed-forward is ffn_dim_multiplier x dim wide; diffusers' is ffn_dim_multiplier x 4 x dim.
+    return {
+        "patch_size": cfg.get("patch_size", 2),
+        "in_channels": cfg.get("in_channels", 16),
+        "hidden_size": cfg["dim"],
+        "num_layers": cfg["n_layers"],
+        "num_refiner_layers": cfg.get("n_refiner_layers", 2),
+        "num_attention_heads": cfg.get("n_heads", 24),
+        "num_kv_heads": cfg.get("n_kv_heads", 8),
+        "multiple_of": cfg.get("multiple_of", 256),
+        "ffn_dim_multiplier": cfg.get("ffn_dim_multiplier", 4.0) / 4,
+        "axes_dim_rope": tuple(cfg.get("axes_dims", (32, 32, 32))),
+        "axes_lens": tuple(cfg.get("axes_lens", (300, 512, 512))),
+        "cap_feat_dim": cfg["cap_feat_dim"],
+    }
+
+
 CONFIGS: dict[str, Callable[[dict], dict]] = {
     "sd1": _unet,
     "sd2": _unet,
@@ -114,6 +216,12 @@ CONFIGS: dict[str, Callable[[dict], dict]] = {
     "flux": _flux,
     "flux-schnell": _flux,
     "wan": _wan,
+    "sd3": _sd3,
+    "flux2": _flux2,
+    "chroma": _chroma,
+    "hunyuan-video": _hunyuan_video,
+    "ltx2": _ltx2,
+    "lumina2": _lumina2,
     "qwen-image": _qwen_image,
     "z-image": _z_image,
 }

@@ -105,7 +105,7 @@ def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
     config = {**entry.config, **reference_config(arch, patcher.model.model_config.unet_config)}
     tree = _meta_tree(arch, entry.cls, json.dumps(config, sort_keys=True, default=list))
     shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
-    fit = _fits(tree, shapes) or _same_names(tree, shapes)
+    fit = _fits(tree, shapes, renamed=True) or _same_names(tree, shapes)
     if fit is None:
         log.warning("comfy reference arch=%s fits=no (widths differ from loraweave's reference)", arch)
         return None
@@ -171,6 +171,27 @@ def _onto_comfy(plan: Plan, component: str, live: torch.nn.Module, spans: Spans,
     return out
 
 
+def _by_comfy_names(
+    plan: Plan, side: Adapter, live: torch.nn.Module, strength: float, adapter: Adapter
+) -> Plan:
+    """The plan, with the parts none of whose keys landed on the reference tree resolved again on ComfyUI's own
+    module names: modules ComfyUI keeps inside its diffusion model that diffusers' transformer lacks (LTX-2's text
+    connectors, a pipeline component of their own in diffusers). A name that matches there is that module."""
+    missed = {u.key for u in plan.unmatched}
+    rest = [p for p in side.parts if p.keys and all(k in missed for k in p.keys)]
+    if not rest:
+        return plan
+    again = copy.copy(side)
+    again.parts, again.unparsed = rest, []
+    second = resolve(Components({"transformer": live}), [(again, strength)])
+    second = _onto_comfy(second, DENOISER_PREFIX, live, {}, adapter)
+    landed = {k for item in (*second.planned, *second.params) for k in item.part.keys}
+    plan.unmatched = [u for u in plan.unmatched if u.key not in landed]
+    plan.planned += second.planned
+    plan.params += second.params
+    return plan
+
+
 def _covers(module: torch.nn.Module, piece) -> bool:
     weight = getattr(module, "weight", None)
     return weight is not None and piece.dst_start == 0 and piece.length == weight.shape[0]
@@ -199,6 +220,7 @@ def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: b
         name = "unet" if type(tree).__name__.startswith("UNet") else "transformer"
         plan = resolve(Components({name: tree}), [(side, strength)])
         plan = _onto_comfy(plan, DENOISER_PREFIX, live, spans, adapter)
+        plan = _by_comfy_names(plan, side, live, strength, adapter)
     log.info(
         "comfy plan side=model arch=%s planned=%d params=%d unmatched=%d",
         comfy_arch(patcher),

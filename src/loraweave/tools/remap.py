@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
+from ..arch import aliases
 from ..arch.aliases import _original_names
-from ..arch.spec import Piece
+from ..arch.spec import Piece, apply_renames, out_rows
 
 log = logging.getLogger("loraweave")
 Spans = dict[
@@ -23,18 +25,50 @@ Spans = dict[
 ]  # live module -> [(original, original row, module row, rows)]
 
 
-def original_spans(module: torch.nn.Module) -> tuple[Spans, dict[str, int]]:
+def _renamed_spans(module: torch.nn.Module, present: Collection[str]) -> dict[str, tuple[str, int]]:
+    """{live module: (original name, rows)} for the `present` weights whose name reaches a live module by the
+    class's rename rules (LTX-2's `patchify_proj` is `proj_in`); alias tables cover the rest."""
+    modules = dict(module.named_modules())
+    tables = [
+        t
+        for t in aliases.ARCH_TABLES
+        if type(module).__name__ in t.classes and (t.renames or t.prefix_renames)
+    ]
+    out: dict[str, tuple[str, int]] = {}
+    for key in present:
+        original = key.removesuffix(".weight")
+        for table in tables if original != key else ():
+            live = apply_renames(original, table.renames, table.prefix_renames)
+            rows = out_rows(modules[live]) if live != original and live in modules else None
+            if rows is not None:
+                out.setdefault(live, (original, rows))
+    return out
+
+
+def original_spans(
+    module: torch.nn.Module, present: Collection[str] = (), renamed: bool = False
+) -> tuple[Spans, dict[str, int]]:
     """({live module: [(original name, original row start, module row start, length)]}, {original: rows}).
 
-    A module named by several aliases keeps the first (the canonical spelling: `linear1` before `linear1_qkv`)."""
+    A module named by several aliases keeps the first (the canonical spelling: `linear1` before `linear1_qkv`),
+    the first whose `<name>.weight` is in `present` where one is (ComfyUI's own HunyuanVideo spelling
+    `img_attn.qkv` on its model, where the Tencent `img_attn_qkv` comes first)."""
     out: Spans = {}
     totals: dict[str, int] = {}
-    for original, pieces in _original_names(module, dict(module.named_modules())).items():
+    names = _original_names(module, dict(module.named_modules()))
+    order = sorted(names, key=lambda o: f"{o}.weight" not in present)  # stable: table order otherwise
+    for original in order:
+        pieces = names[original]
         if any(p.module in out and out[p.module][0][0] != original for p in pieces):
             continue
         for p in pieces:
             out.setdefault(p.module, []).append((original, p.src_start, p.dst_start, p.length))
         totals[original] = sum(p.length for p in pieces)
+    if renamed:  # also the present names that the class's rename rules take to a module no alias claimed
+        for live, (original, rows) in _renamed_spans(module, present).items():
+            if live not in out:
+                out[live] = [(original, 0, 0, rows)]
+                totals[original] = rows
     return out, totals
 
 
@@ -114,10 +148,13 @@ def _from_config(folder: Path) -> torch.nn.Module | None:
         return cls.from_config({k: v for k, v in data.items() if not k.startswith("_")})
 
 
-def _fits(ref: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> tuple[Spans, int] | None:
+def _fits(
+    ref: torch.nn.Module, shapes: dict[str, tuple[int, ...]], renamed: bool = False
+) -> tuple[Spans, int] | None:
     """Spans when at least half the reference's original names are present and every present one has the
-    reference's rows and input width (1x1 conv and Linear count as the same width)."""
-    spans, totals = original_spans(ref)
+    reference's rows and input width (1x1 conv and Linear count as the same width); `renamed`: as in
+    original_spans."""
+    spans, totals = original_spans(ref, shapes, renamed)
     present = [o for o in totals if f"{o}.weight" in shapes]
     if not totals or len(present) < len(totals) / 2:
         return None
