@@ -3,7 +3,10 @@
 headless Chromium over the DevTools protocol. The page loads a workflow using our loader on a tiny Flux
 checkpoint and our inspector, queues it, and the test waits for /history to say it completed; then our nodes
 must be in /object_info, in the frontend's node registry and in the node library panel, and the report text
-on the loader node. The screenshot path is printed."""
+on the loader node. The screenshot path is printed; on a failure the page's screenshot and console are saved
+beside it (failure.png, failure.console.txt). Every page (re)load waits until the app's own startup workflow has
+loaded (COUNT_LOADS) before the test loads its own, and no process of the server or the browser may outlive the
+test."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from helpers.browser import WINDOW, Page, start_chromium
 from helpers.comfy_env import COMFYUI_DIR
 from helpers.comfy_models import flux_state_dict
 from helpers.comfy_pack import FLUX_FILE, NODE_IDS, write_loras
-from helpers.comfy_server import get_json, start_server
+from helpers.comfy_server import get_json, processes_naming, start_server, stop
 from safetensors.torch import save_file
 
 LOADER, INSPECT = 2, 4  # node ids in the workflow
@@ -61,7 +64,9 @@ def _base_directory(base) -> None:
     save_file(flux_state_dict(), base / "models" / "diffusion_models" / FLUX_FILE)
     settings = base / "user" / "default" / "comfy.settings.json"
     settings.parent.mkdir(parents=True)
-    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    # no first-run tour; no workflow restored on a page (re)load: the frontend would restore the last open tab
+    # after the app exists, over the workflow the test loads (seen: the Nodes 2.0 run showing strength 0.7)
+    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True, "Comfy.Workflow.Persist": False}))
     cli = [
         sys.executable,
         "-m",
@@ -87,13 +92,33 @@ def _wait_history(url: str, prompt_id: str, timeout: float = 60.0) -> dict:
     raise TimeoutError(f"the queued run {prompt_id} did not complete within {timeout} s")
 
 
+# Run in every new document before the page's scripts: when the frontend publishes its app (`window.app = app`,
+# right after app.setup and before it loads its startup workflow), wrap app.loadGraphData to count the loads
+# started and settled. With Comfy.Workflow.Persist off, the startup makes exactly one load (the default
+# workflow); a graph the test loads before that one settled would be replaced by it.
+COUNT_LOADS = """(() => {
+  let app;
+  window.__loraweaveLoads = {started: 0, settled: 0};
+  Object.defineProperty(window, 'app', {configurable: true, get: () => app, set: (value) => {
+    app = value;
+    const load = value.loadGraphData.bind(value);
+    value.loadGraphData = async (...args) => {
+      window.__loraweaveLoads.started++;
+      try { return await load(...args); } finally { window.__loraweaveLoads.settled++; }
+    };
+  }});
+})()"""
+STARTUP_LOADED = (
+    "!!(window.app && app.graph && window.LiteGraph) && __loraweaveLoads.settled >= 1"
+    " && __loraweaveLoads.started === __loraweaveLoads.settled"
+)
+
+
 async def _open(page: Page, url: str) -> None:
     # a mark on the old document: until it is gone, an evaluate may still reach the page being left
     await page.evaluate("window.__loraweaveOldPage = true")
     await page.send("Page.navigate", url=url)
-    await page.wait_for(
-        "!window.__loraweaveOldPage && !!(window.app && app.graph && window.LiteGraph)", 60, "the ComfyUI app"
-    )
+    await page.wait_for(f"!window.__loraweaveOldPage && {STARTUP_LOADED}", 60, "the app's startup workflow")
     # queued before the app's websocket is open, the run's messages would go to no client
     await page.wait_for(
         "!!(app.api?.clientId && app.api.socket?.readyState === 1)", 30, "the app's websocket"
@@ -130,51 +155,69 @@ async def _drive(ws_url: str, url: str, shot) -> dict:
     async with aiohttp.ClientSession() as session, session.ws_connect(ws_url, max_msg_size=0) as socket:
         page = Page(socket)
         await page.send("Runtime.enable")
+        await page.send("Page.enable")  # without it, Chromium runs no script on new documents
+        await page.send("Page.addScriptToEvaluateOnNewDocument", source=COUNT_LOADS)
         await page.send("Emulation.setDeviceMetricsOverride", width=WINDOW[0], height=WINDOW[1],
                         deviceScaleFactor=1, mobile=False)  # fmt: skip
-        await _open(page, url)
-        registered = await page.evaluate(
-            "Object.keys(LiteGraph.registered_node_types).filter(k => k.startsWith('LoraWeave'))"
-        )
-        prompt, entry = await _run(page, url, workflow())
-        widget = f"app.graph.getNodeById({LOADER}).widgets.find(w => w.name === 'loraweave_report')?.value"
-        shown = await page.wait_for(widget, 20, "the report on the loader node")
-        await page.evaluate(
-            "[...document.querySelectorAll('button')].find(b => b.textContent.trim() === 'Nodes')?.click() ?? true"
-        )
-        await page.evaluate(
-            "(() => { const box = document.querySelector('.node-lib-search-box input, input[placeholder*=\"Search\"]');"
-            " if (box) { box.value = 'LoraWeave'; box.dispatchEvent(new Event('input', {bubbles: true})); }"
-            " return true; })()"
-        )
-        library = await page.wait_for(
-            "(() => { const t = document.body.innerText; return t.includes('LoraWeave Apply Stack') && t; })()",
-            20,
-            "our nodes in the node library panel",
-        )
-        await asyncio.sleep(1.0)  # the heatmap preview and the panel finish drawing
-        await page.screenshot(shot)
-        # Nodes 2.0 (the Vue renderer): the same nodes, re-run at another strength, show the report in its DOM
-        await page.evaluate(
-            "app.extensionManager.setting.set('Comfy.VueNodes.Enabled', true).then(() => true)"
-        )
-        await _open(page, url)
-        prompt_2, entry_2 = await _run(page, url, workflow(strength=0.5))
-        texts = "[...document.querySelectorAll('textarea')].map(t => t.value).join('\\n---\\n')"
-        dom = await page.wait_for(
-            f"(() => {{ const t = {texts}; return t.includes('keys_applied') && t; }})()",
-            20,
-            "the report in the Nodes 2.0 DOM",
-        )
-        await asyncio.sleep(1.0)
-        await page.screenshot(shot.with_name("comfy_browser_nodes2.png"))
-        return {
-            "registered": registered,
-            "run": (prompt, entry),
-            "shown": shown,
-            "library": library,
-            "vue": (prompt_2, entry_2, dom),
-        }
+        try:
+            return await _steps(page, url, shot)
+        except Exception:
+            await _evidence(page, shot.with_name("failure.png"))
+            raise
+
+
+async def _evidence(page: Page, path) -> None:
+    """On a failure: a screenshot and the page's console beside the screenshots, so the cause can be read."""
+    try:
+        await asyncio.wait_for(page.screenshot(path), 20)
+    except Exception as exc:  # noqa: BLE001  (the page may be gone: the console still helps)
+        page.console.append(f"no failure screenshot: {exc!r}")
+    path.with_suffix(".console.txt").write_text("\n".join(page.console))
+
+
+async def _steps(page: Page, url: str, shot) -> dict:
+    """The test's page steps (see _drive)."""
+    await _open(page, url)
+    registered = await page.evaluate(
+        "Object.keys(LiteGraph.registered_node_types).filter(k => k.startsWith('LoraWeave'))"
+    )
+    prompt, entry = await _run(page, url, workflow())
+    widget = f"app.graph.getNodeById({LOADER}).widgets.find(w => w.name === 'loraweave_report')?.value"
+    shown = await page.wait_for(widget, 20, "the report on the loader node")
+    await page.evaluate(
+        "[...document.querySelectorAll('button')].find(b => b.textContent.trim() === 'Nodes')?.click() ?? true"
+    )
+    await page.evaluate(
+        "(() => { const box = document.querySelector('.node-lib-search-box input, input[placeholder*=\"Search\"]');"
+        " if (box) { box.value = 'LoraWeave'; box.dispatchEvent(new Event('input', {bubbles: true})); }"
+        " return true; })()"
+    )
+    library = await page.wait_for(
+        "(() => { const t = document.body.innerText; return t.includes('LoraWeave Apply Stack') && t; })()",
+        20,
+        "our nodes in the node library panel",
+    )
+    await asyncio.sleep(1.0)  # the heatmap preview and the panel finish drawing
+    await page.screenshot(shot)
+    # Nodes 2.0 (the Vue renderer): the same nodes, re-run at another strength, show the report in its DOM
+    await page.evaluate("app.extensionManager.setting.set('Comfy.VueNodes.Enabled', true).then(() => true)")
+    await _open(page, url)
+    prompt_2, entry_2 = await _run(page, url, workflow(strength=0.5))
+    texts = "[...document.querySelectorAll('textarea')].map(t => t.value).join('\\n---\\n')"
+    dom = await page.wait_for(
+        f"(() => {{ const t = {texts}; return t.includes('keys_applied') && t; }})()",
+        20,
+        "the report in the Nodes 2.0 DOM",
+    )
+    await asyncio.sleep(1.0)
+    await page.screenshot(shot.with_name("comfy_browser_nodes2.png"))
+    return {
+        "registered": registered,
+        "run": (prompt, entry),
+        "shown": shown,
+        "library": library,
+        "vue": (prompt_2, entry_2, dom),
+    }
 
 
 def test_pack_in_a_real_browser(tmp_path):
@@ -191,8 +234,11 @@ def test_pack_in_a_real_browser(tmp_path):
     finally:
         for process in (chromium, server):
             if process is not None:
-                process.kill()
-                process.wait(timeout=30)
+                stop(process)
+    deadline = time.monotonic() + 10  # a browser's helpers leave shortly after their parent
+    while processes_naming(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_naming(str(tmp_path)), "the server or the browser left processes behind"
     assert set(seen["registered"]) == NODE_IDS
     prompt, entry = seen["run"]
     assert prompt[str(LOADER)]["inputs"]["strength_model"] == 0.7

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
-from .comfy_server import get_json
+from .comfy_server import get_json, stop
 
 CHROMIUM = "/usr/bin/chromium"
 WINDOW = (1600, 1000)
@@ -26,7 +26,9 @@ def start_chromium(profile: Path, timeout: float = 30.0) -> tuple[subprocess.Pop
     args = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
             "--no-first-run", "--remote-debugging-port=0", f"--user-data-dir={profile}",
             f"--window-size={WINDOW[0]},{WINDOW[1]}", "about:blank"]  # fmt: skip
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     port_file = profile / "DevToolsActivePort"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -36,7 +38,7 @@ def start_chromium(profile: Path, timeout: float = 30.0) -> tuple[subprocess.Pop
             if pages:
                 return process, pages[0]["webSocketDebuggerUrl"]
         time.sleep(0.2)
-    process.kill()
+    stop(process)
     raise TimeoutError(f"Chromium did not open its DevTools port within {timeout} s")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import socket
 import subprocess
 import sys
@@ -40,8 +41,10 @@ def start_server(
             "--port", str(port), "--base-directory", str(base), "--disable-api-nodes",
             "--database-url", "sqlite:///:memory:", "--disable-auto-launch"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    log = open(log_path, "wb")  # noqa: SIM115  (the process writes it until the test stops it)
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(log_path, "wb") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -52,8 +55,42 @@ def start_server(
             return process, url
         except OSError:
             time.sleep(0.5)
-    process.kill()
+    stop(process)
     raise TimeoutError(f"ComfyUI did not answer within {timeout} s; log: {log_path}")
+
+
+def stop(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """End `process` and its process group (it was started in a session of its own): SIGTERM, then SIGKILL
+    after `grace` seconds; reaped either way."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:  # the group is gone already
+            pass
+        try:
+            process.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # children that outlived their leader
+    except ProcessLookupError:
+        pass
+
+
+def processes_naming(text: str) -> list[str]:
+    """Command lines of the live processes whose arguments contain `text` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        if text in cmdline:
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
 
 
 def _serve() -> None:

@@ -104,8 +104,9 @@ def _restrengthened_path(rp: RuntimePath, mapping: dict[int, PlannedPart]) -> Ru
     """A copy of `rp` sharing its factor tensors, with its own scales, casts and hook, bound to `mapping`."""
     path = copy.copy(rp)
     path.gates, path.hook, path.active, path.mix = dict(rp.gates), None, False, None
-    path.scale = rp.scale.clone()
     path._factor_cast = CastCache(rp.down, rp.up) if rp.down is not None else None
-    path._scale_cast = CastCache(path.scale)
+    path._scale_cast = CastCache(rp.scale.clone())
+    path.dense = [(*e[:3], CastCache(*e[3].tensors)) for e in rp.dense]
+    path.biases = [(*e[:3], CastCache(*e[3].tensors)) for e in rp.biases]
     path.rebind(mapping)  # writes the new strengths into the copy's scale vector
     return path

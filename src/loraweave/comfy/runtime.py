@@ -8,7 +8,7 @@ Everything one patcher carries lives under ONE pack-owned key (`KEY`):
   `patch_model`, on load) and detached when it ejects it (unload, re-patch, `detach`), so the input patcher and
   the shared modules are exactly as they were whenever this clone is not loaded;
 - an additional model (`set_additional_models`): a ModelPatcher over a module holding every adapter tensor
-  the paths read (factor pairs, dense diffs, LoKr/LoHa factors), so model management counts and moves them;
+  the paths read (FactorHolder: whatever RuntimePath.caches reads), so model management counts and moves them;
 - an APPLY_MODEL wrapper when an entry has a step window (comfy/steps.py).
 
 A strength change or another loader re-runs the loader node: a new clone with a new state. `patches` and
@@ -36,6 +36,7 @@ from ..report.coverage import refuse_empty, warn_incomplete
 from ..report.miss import Miss, Unmatched
 from ..report.report import AppliedModule, Report, failures
 from ..resolve.planner import Plan
+from .holder import FactorHolder
 
 log = logging.getLogger("loraweave")
 KEY = "loraweave"  # the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
@@ -57,31 +58,6 @@ class RuntimeEntry:
     name: str
     plan: Plan
     gate: Callable[[float, object], float] | None = None
-
-
-class FactorHolder(torch.nn.Module):
-    """Every tensor the paths compute from (RuntimePath.held_tensors: low-rank pairs, dense diffs, bias deltas,
-    LoKr/LoHa factors) as parameters of one module, so a ModelPatcher over it is counted by model management
-    (`model_size`) and moved by it. Each parameter shares its tensor's storage; after every move (`_apply`, what
-    `.to()` runs) the path's own tensor objects are pointed at the moved data, so the paths follow."""
-
-    def __init__(self, paths: Sequence[RuntimePath]) -> None:
-        super().__init__()
-        held = {
-            id(t): t for rp in paths for t in rp.held_tensors()
-        }  # a tensor shared by two paths counts once
-        self.held = list(held.values())
-        for i, tensor in enumerate(self.held):
-            self.register_parameter(f"t{i}", torch.nn.Parameter(tensor, requires_grad=False))
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for tensor, param in zip(self.held, self.parameters(), strict=True):
-            tensor.data = param.data
-        return self
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("FactorHolder only holds factors")
 
 
 @dataclass(eq=False)
@@ -133,6 +109,7 @@ class RuntimeState:
     def inject(self, patcher=None) -> None:
         if self.injected:
             return
+        self.holder.repoint()  # paths reused from a kept build share term caches with its other states
         for rp in self.paths:
             rp.attach()
         self.injected = True
@@ -287,7 +264,7 @@ def entry_report(plans: Sequence[Plan], states: Sequence[RuntimeState], t0: floa
     """The joint report of runtime entries: layers are the runtime paths that carry the plans' adapters."""
     names = {a.name for p in plans for a in p.adapters}
     applied = [
-        AppliedModule(*_where(rp), "runtime", sorted(rp.adapters & names))
+        AppliedModule(*_where(rp), "runtime", sorted(rp.adapters & names), cost="; ".join(sorted(rp.costs)))
         for state in states
         for rp in state.paths
         if rp.adapters & names

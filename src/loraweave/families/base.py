@@ -127,9 +127,17 @@ class RuntimeTerm:
     # False: fn(x, conv, base_out, strength, scale) applies the live strength itself (OFT, DoRA) and the
     # runtime does not multiply its result by strength·scale.
     linear_in_strength: bool = True
-    # The master tensors fn reads (cast per call from these very objects): a host that counts or moves the
-    # adapter's memory (ComfyUI's model management) moves them in place. Empty: fn declares none.
-    tensors: tuple[torch.Tensor, ...] = ()
+    # Every tensor fn reads (beyond the host layer's own and its input) comes through one of these caches: a
+    # host that counts and moves the adapter's memory (ComfyUI's model management) holds their sources and
+    # re-points them after a move (CastCache.repoint). A term with fn declares its caches, or says in `unheld`
+    # what it keeps that no host can hold (RuntimePath refuses a term that does neither).
+    caches: tuple[CastCache, ...] = ()
+    unheld: str = ""
+
+    @classmethod
+    def structured(cls, dst: int, length: int, bias: torch.Tensor | None = None, **fields) -> RuntimeTerm:
+        """A term computed by `fn` (in `fields`, with its caches, cost, ...): no low-rank pair, no dense diff."""
+        return cls(None, None, None, bias, dst, length, **fields)
 
 
 @dataclass(frozen=True)
@@ -158,8 +166,15 @@ class CastCache:
     def clear(self) -> None:
         self._key, self._cast = None, ()
 
+    def repoint(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Read from `tensors` from now on (the same values, moved by their holder); any cast is dropped."""
+        if len(tensors) != len(self.tensors):
+            raise ValueError(f"repoint: {len(tensors)} tensors for a cache of {len(self.tensors)}")
+        self.tensors = tuple(tensors)
+        self.clear()
+
     def to(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        # A host may move the sources in place (RuntimePath.held_tensors): a cached source object is then stale.
+        # A host may also move a source in place (Module.to sets .data): a cast that is that object is then stale.
         if (device, dtype) != self._key or any(c.device != device or c.dtype != dtype for c in self._cast):
             self._cast = tuple(t.to(device, dtype, non_blocking=_staged(t, device)) for t in self.tensors)
             self._key = (device, dtype)

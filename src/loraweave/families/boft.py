@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factor
 from .oft_common import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
 
 
@@ -117,15 +117,19 @@ def _stage(r: torch.Tensor, s: float) -> torch.Tensor:
     return r * s + (1 - s) * torch.eye(r.shape[-1], dtype=r.dtype, device=r.device)
 
 
-def _butterfly(f: BoftFactors, y: torch.Tensor, src: int, s: float) -> torch.Tensor:
-    """LyCORIS stages on channels-last y holding rows [src, src + y.shape[-1]) (aligned to the span)."""
+def _butterfly(
+    f: BoftFactors, y: torch.Tensor, src: int, s: float, rot: torch.Tensor | None = None
+) -> torch.Tensor:
+    """LyCORIS stages on channels-last y holding rows [src, src + y.shape[-1]) (aligned to the span); `rot`: the
+    rotations of those rows already on y's device and dtype (default: f's, built on first use)."""
     length, (m, _, b) = y.shape[-1], f.blocks.shape[:3]
     if src % f.span or length % f.span:
         raise PartRejected(
             "shape_mismatch",
             f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows",
         )
-    rot = _rotations(f, y.device, y.dtype)[:, src // b : (src + length) // b]
+    if rot is None:
+        rot = _rotations(f, y.device, y.dtype)[:, src // b : (src + length) // b]
     for i in range(m):
         k = 2**i * (b // 2)
         t = y.unflatten(-1, (-1, 2, k)).transpose(-1, -2).flatten(-3).unflatten(-1, (-1, b))
@@ -141,9 +145,11 @@ def _peft_perm(n: int, blocks: int, half: int) -> torch.Tensor:
     return (torch.arange(0, n, chunk)[:, None] + torch.cat([sub[0::2], sub[1::2]]).flatten()).flatten()
 
 
-def _peft_rotate(f: BoftFactors, w: torch.Tensor, s: float, transpose: bool) -> torch.Tensor:
-    """M_s·w (or M_sᵀ·w) along the last axis, M = P_{N−1}B_{N−1}P_{N−1}ᵀ···P_0B_0P_0ᵀ."""
-    rot = _rotations(f, w.device, w.dtype)
+def _peft_rotate(
+    f: BoftFactors, w: torch.Tensor, s: float, transpose: bool, rot: torch.Tensor | None = None
+) -> torch.Tensor:
+    """M_s·w (or M_sᵀ·w) along the last axis, M = P_{N−1}B_{N−1}P_{N−1}ᵀ···P_0B_0P_0ᵀ; `rot` as in _butterfly."""
+    rot = _rotations(f, w.device, w.dtype) if rot is None else rot
     stages, d, h = rot.shape[:3]
     for i in reversed(range(stages)) if transpose else range(stages):
         mats = _stage(rot[i], s)
@@ -202,6 +208,13 @@ def runtime_term(
             f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows",
         )
     r = None if f.rescale is None else f.rescale[src : src + length]
+    # the rotations this chunk uses, built once in fp64 (small), held with the rows' rescale (RuntimeTerm.caches);
+    # PEFT's conv form keeps a dense ΔW per strength instead (declared `unheld`)
+    peft_conv = f.peft and module is not None and module.weight.dim() > 2
+    rot = _rotations(f, f.blocks.device, torch.float64)
+    b = f.blocks.shape[2]
+    rot = rot.clone() if f.peft else rot[:, src // b : (src + length) // b].clone()
+    cache = CastCache(rot, *(() if r is None else (r,)))
 
     def fn(x, conv, base, strength=None, scale=1.0):
         if strength is None:
@@ -218,12 +231,14 @@ def runtime_term(
                 f._dense = {key: _peft_delta_rows(f, rows, src, s).view_as(rows).to(x.dtype)}
             return conv.fn(x, f._dense[key], None, **conv.kwargs)
         y = (base if conv is None else base.movedim(1, -1)).to(acc)
+        rot_c, *rows = cache.to(y.device, acc)
         if f.peft:  # Linear: y' = F.linear(x·M_s, W_rows)
             weight = module.weight[dst : dst + length]
-            moved = F.linear(_peft_rotate(f, x.to(acc), s, transpose=True).to(weight.dtype), weight).to(acc)
+            turned = _peft_rotate(f, x.to(acc), s, transpose=True, rot=rot_c)
+            moved = F.linear(turned.to(weight.dtype), weight).to(acc)
         else:
-            moved = _butterfly(f, y, src, s)
-        d = rescaled(moved - y, y, r, s).to(base.dtype)
+            moved = _butterfly(f, y, src, s, rot=rot_c)
+        d = rescaled(moved - y, y, rows[0] if rows else None, s).to(base.dtype)
         return d if conv is None else d.movedim(-1, 1)
 
     m, n, b = f.blocks.shape[:3]
@@ -232,8 +247,15 @@ def runtime_term(
         if f.peft
         else f"BOFT butterfly on the output ({m} stages of {length // b}x{b}); R cached"
     )
-    return RuntimeTerm(
-        None, None, None, None, dst, length, fn=fn, needs_base=True, linear_in_strength=False, cost=cost
+    held = {"unheld": "PEFT BOFT conv: dense ΔW per strength"} if peft_conv else {"caches": (cache,)}
+    return RuntimeTerm.structured(
+        dst,
+        length,
+        fn=fn,
+        needs_base=True,
+        linear_in_strength=False,
+        cost=cost,
+        **held,
     )
 
 

@@ -128,16 +128,13 @@ def runtime_term(
             out = out + (bias.view(-1, *([1] * (out.dim() - 2))) if conv else bias)
         return out
 
-    return RuntimeTerm(
-        None,
-        None,
-        None,
-        None,
+    return RuntimeTerm.structured(
         dst,
         length,
         fn=fn,
         cost=f"stack={f.mode}: dense ΔW cached per strengths",
         linear_in_strength=False,
+        unheld="the combined dense ΔW, rebuilt per strengths",
     )
 
 

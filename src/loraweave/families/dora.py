@@ -11,7 +11,7 @@ W is always the ORIGINAL weight (never a partly patched one). The magnitude key 
   a = d / ‖W_c‖ with no eps. PEFT's `set_scale` puts the strength inside the norm.
 Runtime: y += (a−1)⊙(Wx) + a·c⊙(ΔW x), with ΔW x on the inner family's structured path. The output
 axis is row-local, so fused slices are exact. a is computed from module.weight in row blocks, once per
-(s, c, device, dtype)."""
+(s, c), into a held tensor (RuntimeTerm.caches) that each forward reads cast."""
 
 from __future__ import annotations
 
@@ -206,11 +206,32 @@ def bias_delta(f: DoraFactors, src: int, length: int) -> None:
     return None
 
 
+def _tensors_of(inner) -> list[torch.Tensor]:
+    """Every tensor of the inner factors (init fields, tuples flattened), in field order."""
+    out = []
+    for k in dataclasses.fields(inner):
+        v = getattr(inner, k.name) if k.init else None
+        out += [t for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _with_tensors(inner, tensors):
+    """The inner factors with their tensors (in `_tensors_of` order) replaced by `tensors`."""
+    it = iter(tensors)
+    swap = lambda v: next(it) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    values = {}
+    for k in (k for k in dataclasses.fields(inner) if k.init):
+        v = getattr(inner, k.name)
+        values[k.name] = tuple(map(swap, v)) if isinstance(v, tuple) else swap(v)
+    return dataclasses.replace(inner, **values)
+
+
 def _inner_path(f: DoraFactors, src: int, length: int, module):
-    """path(x, conv) = ΔW x for rows [src, src+length), unscaled, on the inner family's runtime path."""
+    """(path, caches, cost): path(x, conv) = ΔW x for rows [src, src+length), unscaled, on the inner family's
+    runtime path; caches: what it reads (RuntimeTerm.caches)."""
     term = _INNER[f.kind].runtime_term(f.inner, src, 0, length)
     if term.fn is not None:
-        return term.fn, term.cost
+        return term.fn, term.caches, term.cost
     cache = CastCache(term.down, term.up)
 
     def path(x: torch.Tensor, conv: ConvSpec | None) -> torch.Tensor:
@@ -220,7 +241,7 @@ def _inner_path(f: DoraFactors, src: int, length: int, module):
         h = conv.fn(x, down.reshape(down.shape[0], *module.weight.shape[1:]), None, **conv.kwargs)
         return conv.fn(h, up.view(*up.shape, *([1] * (h.dim() - 2))))
 
-    return path, f"LoRA up(down(x)), rank {term.down.shape[0]}"
+    return path, (cache,), f"LoRA up(down(x)), rank {term.down.shape[0]}"
 
 
 def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
@@ -233,26 +254,38 @@ def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -
     if refused is not None:
         raise PartRejected.of(refused)
     _whole(f, length)
-    path, inner_cost = _inner_path(f, src, length, module)
+    path, inner_caches, inner_cost = _inner_path(f, src, length, module)
+    # Held (RuntimeTerm.caches), so a host counts and moves them: the inner path's tensors, the inner factors
+    # and the magnitude (read when the gain is formed) and the gain itself, (a, a − 1, a·c) rewritten in place
+    # when the strength changes.
+    flat = _tensors_of(f.inner)
+    mag = f.magnitude[src : src + length] if f.on_out else f.magnitude
+    acc0 = torch.promote_types(torch.promote_types(mag.dtype, flat[0].dtype), torch.float32)
+    inner_cache, mag_cache = CastCache(*flat), CastCache(mag)
+    gain_cache = CastCache(torch.zeros(3, mag.numel(), dtype=acc0, device=mag.device))
     state: dict = {}
 
-    def gains(strength: float, scale: float, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(a, a − 1, a·c), formed in fp32 (fp64 for fp64 weights) and cast once to x's device and dtype."""
+    def gains(strength: float, scale: float, like: torch.Tensor) -> torch.Tensor:
+        """(3, n): a, a − 1, a·c, formed in fp32 (fp64 for fp64 weights) once per strength, cast to x's device and
+        dtype."""
         s, c = _coeffs(f, strength, scale, strength * scale)
-        key = (s, c, like.device, like.dtype)
-        if state.get("key") != key:
+        if state.get("key") != (s, c):
             w = module.weight.detach()
             w2d, acc = w.reshape(w.shape[0], -1), torch.promote_types(w.dtype, torch.float32)
-            inner, step, sums = _on(f.inner, w.device), max(1, BLOCK // w2d[0].numel()), []
+            inner = _with_tensors(f.inner, inner_cache.to(w.device, acc))
+            step, sums = max(1, BLOCK // w2d[0].numel()), []
             for r0 in range(0, length, step):  # W_c in row blocks: bounded temporary memory
                 n = min(step, length - r0)
                 wc = w2d[dst + r0 : dst + r0 + n].to(acc, copy=True)
                 _INNER[f.kind].add_delta(wc, inner, src + r0, n, c)
                 sums.append(_sumsq(f, wc))
             sumsq = torch.cat(sums) if f.on_out else torch.stack(sums).sum(0)
-            a = _gain(f, sumsq, _magnitude(f, src, length, sumsq), s)
-            state.update(key=key, value=tuple(t.to(like.device, like.dtype) for t in (a, a - 1, a * c)))
-        return state["value"]
+            a = _gain(f, sumsq, mag_cache.to(sumsq.device, sumsq.dtype)[0], s)
+            (held,) = gain_cache.tensors
+            held.copy_(torch.stack([a, a - 1, a * c]))
+            gain_cache.refresh()
+            state["key"] = (s, c)
+        return gain_cache.to(like.device, like.dtype)[0]
 
     def fn(x: torch.Tensor, conv: ConvSpec | None, base_out: torch.Tensor, strength: float, scale: float):
         shape = (-1,) if conv is None else (-1, *([1] * (x.dim() - 2)))  # channels last (Linear) or on dim 1
@@ -266,8 +299,15 @@ def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -
 
     cost = f"DoRA gain ({length if f.on_out else f.magnitude.numel()}) cached per strength + {inner_cost}"
     cost += "" if f.on_out else " + a GEMM with W (input axis)"
-    return RuntimeTerm(
-        None, None, None, None, dst, length, fn=fn, cost=cost, needs_base=True, linear_in_strength=False
+    caches = (*inner_caches, inner_cache, mag_cache, gain_cache)
+    return RuntimeTerm.structured(
+        dst,
+        length,
+        fn=fn,
+        cost=cost,
+        needs_base=True,
+        linear_in_strength=False,
+        caches=caches,
     )
 
 

@@ -196,8 +196,12 @@ def runtime_term(f: GloraFactors, src: int, dst: int, length: int, module=None) 
             hb, bu.view(*bu.shape, *[1] * len(kernel))
         )
 
-    return RuntimeTerm(
-        None, None, None, None, dst, length, fn=fn, cost="GLoRA conv: extra layer conv on a1·a2·x"
+    return RuntimeTerm.structured(
+        dst,
+        length,
+        fn=fn,
+        cost="GLoRA conv: extra layer conv on a1·a2·x",
+        caches=(cache,),
     )
 
 

@@ -151,8 +151,14 @@ def runtime_term(f: Ia3Factors, src: int, dst: int, length: int, module=None) ->
             (v,) = out_cache.get(base_out)
             return base_out * (v.view(-1, *[1] * (base_out.dim() - 2)) if conv is not None else v)
 
-        return RuntimeTerm(
-            None, None, None, bias, dst, length, fn=scale_out, cost="IA3 output scale", needs_base=True
+        return RuntimeTerm.structured(
+            dst,
+            length,
+            bias,
+            fn=scale_out,
+            cost="IA3 output scale",
+            needs_base=True,
+            caches=(out_cache,),
         )
     if module is None:
         raise RuntimeError("IA3 on the input reads W: runtime_term needs the host module (module=)")
@@ -164,8 +170,12 @@ def runtime_term(f: Ia3Factors, src: int, dst: int, length: int, module=None) ->
             module, x * (v.view(-1, *[1] * (x.dim() - 2)) if conv is not None else v), conv, dst, length
         )
 
-    return RuntimeTerm(
-        None, None, None, None, dst, length, fn=scale_in, cost="IA3 input scale: one extra W product"
+    return RuntimeTerm.structured(
+        dst,
+        length,
+        fn=scale_in,
+        cost="IA3 input scale: one extra W product",
+        caches=(in_cache,),
     )
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 
 _FACTORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 
@@ -132,18 +132,14 @@ def bias_delta(f: LohaFactors, src: int, length: int) -> None:
 
 
 def runtime_term(f: LohaFactors, src: int, dst: int, length: int) -> RuntimeTerm:
-    """Dense form: ΔW rows built once per (device, dtype) in fp32 (fp64 for fp64 inputs), then cast.
-
-    Strength changes reuse them (the runtime path scales fn's output); one cast copy is kept at a time."""
-    cache: dict = {}
+    """Dense form: ΔW rows built once, here, in fp32 (fp64 for fp64 factors) on the factors' device, and held
+    (RuntimeTerm.caches: a host counts and moves them); each forward reads its (device, dtype) cast. Strength
+    changes reuse them (the runtime path scales fn's output)."""
+    acc = torch.promote_types(torch.promote_types(f.a1.dtype, f.a2.dtype), torch.float32)
+    cache = CastCache(_rows(f, src, length, acc))
 
     def fn(x: torch.Tensor, conv: ConvSpec | None) -> torch.Tensor:
-        key = (x.device, x.dtype)
-        if key not in cache:
-            cache.clear()
-            acc = torch.promote_types(x.dtype, torch.float32)
-            cache[key] = _rows(f, src, length, acc, x.device).to(x.dtype)
-        delta = cache[key]
+        (delta,) = cache.get(x)
         if conv is None:
             return F.linear(x, delta)
         if f.in_shape is None:
@@ -151,8 +147,7 @@ def runtime_term(f: LohaFactors, src: int, dst: int, length: int) -> RuntimeTerm
         return conv.fn(x, delta.view(length, *f.in_shape), None, **conv.kwargs)
 
     cost = f"dense ΔW ({length}×{f.cols}) cached"
-    held = tuple(t for t in (f.a1, f.b1, f.a2, f.b2, f.t1, f.t2) if t is not None)
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=cost, tensors=held)
+    return RuntimeTerm.structured(dst, length, fn=fn, cost=cost, caches=(cache,))
 
 
 SPEC = Family(

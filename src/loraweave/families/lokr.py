@@ -254,7 +254,7 @@ def runtime_term(f: LokrFactors, src: int, dst: int, length: int) -> RuntimeTerm
         y = torch.matmul(w1c, h.reshape(n, f.c, -1)).view(n, rows * f.b, *out_spatial)
         return y if (off, length) == (0, y.shape[1]) else y[:, off : off + length]
 
-    return RuntimeTerm(None, None, None, None, dst, length, fn=fn, cost=cost, tensors=cache.tensors)
+    return RuntimeTerm.structured(dst, length, fn=fn, cost=cost, caches=(cache,))
 
 
 SPEC = Family("lokr", load, check_target, add_delta, bias_delta, runtime_term, settle=settle, roles=ROLES)

@@ -119,7 +119,9 @@ def runtime_term(f: NormFactors, src: int, dst: int, length: int, module=None) -
             return xn[:, dst : dst + length] * v.view(-1, *[1] * (x.dim() - 2))
         return xn[..., dst : dst + length] * v
 
-    return RuntimeTerm(None, None, None, bias, dst, length, fn=fn, cost="norm recomputed without affine")
+    return RuntimeTerm.structured(
+        dst, length, bias, fn=fn, cost="norm recomputed without affine", caches=(cache,)
+    )
 
 
 SPEC = Family(

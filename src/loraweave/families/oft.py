@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..report.miss import Miss
-from .base import Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factor
 from .oft_common import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
 
 _SPLIT_ROLE = re.compile(r"oft_blocks\.(\d+)")
@@ -125,13 +125,19 @@ def _rotation_minus_i(f: OftFactors, device: torch.device, dtype: torch.dtype) -
 def _delta(f: OftFactors, y: torch.Tensor, src: int, s: float) -> torch.Tensor:
     """rescale ⊙ (blockdiag(R_s)ᵀ y) − y for channels-last y holding rows [src, src + y.shape[-1])."""
     mats = _rotation_minus_i(f, y.device, y.dtype)
+    windows = _windows(f, src, y.shape[-1])
+    used = [mats[i][k0 : k0 + count] for i, k0, count, _ in windows]
+    return _rotated(used, windows, None if f.rescale is None else f.rescale[src : src + y.shape[-1]], y, s)
+
+
+def _rotated(mats: list[torch.Tensor], windows, rescale: torch.Tensor | None, y: torch.Tensor, s: float):
+    """The delta of `_delta` from the R − I blocks each window uses (`mats`, in window order)."""
     parts = []
-    for i, k0, count, off in _windows(f, src, y.shape[-1]):
-        b = mats[i].shape[-1]
-        yk = y[..., off : off + count * b].unflatten(-1, (count, b))
-        parts.append(torch.einsum("knm,...kn->...km", mats[i][k0 : k0 + count] * s, yk).flatten(-2))
+    for m, (_, _, count, off) in zip(mats, windows, strict=True):
+        yk = y[..., off : off + count * m.shape[-1]].unflatten(-1, (count, m.shape[-1]))
+        parts.append(torch.einsum("knm,...kn->...km", m * s, yk).flatten(-2))
     delta = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
-    return rescaled(delta, y, None if f.rescale is None else f.rescale[src : src + y.shape[-1]], s)
+    return rescaled(delta, y, rescale, s)
 
 
 def add_delta(
@@ -150,6 +156,12 @@ def runtime_term(f: OftFactors, src: int, dst: int, length: int) -> RuntimeTerm:
     """Rotate the pre-bias output channels: Δy = rescale ⊙ (R_sᵀ y) − y (channel axis last, or 1 for conv)."""
     windows = _windows(f, src, length)  # rejects a chunk that cuts a block before anything is attached
     linear = f.rescale is None  # ΔW = s·(Rᵀ − I)W: the runtime scales the s = 1 term itself
+    # R − I of the blocks this chunk uses, built once in fp64 (n·b² per layer: small; any compute dtype is then
+    # exact to its rounding) and held with the rows' rescale (RuntimeTerm.caches): the forward reads their casts
+    mats = _rotation_minus_i(f, f.segments[0][0].device, torch.float64)
+    used = [mats[i][k0 : k0 + count].clone() for i, k0, count, _ in windows]
+    rows = () if f.rescale is None else (f.rescale[src : src + length],)
+    cache = CastCache(*used, *rows)
 
     def fn(x, conv, base, strength=None, scale=1.0):
         if not linear and strength is None:
@@ -157,21 +169,20 @@ def runtime_term(f: OftFactors, src: int, dst: int, length: int) -> RuntimeTerm:
         s = 1.0 if linear else strength * scale
         y = base if conv is None else base.movedim(1, -1)
         acc = torch.promote_types(y.dtype, torch.float32)
-        d = _delta(f, y.to(acc), src, s).to(y.dtype)
+        (*held,) = cache.to(y.device, acc)
+        rescale = held.pop() if rows else None
+        d = _rotated(held, windows, rescale, y.to(acc), s).to(y.dtype)
         return d if conv is None else d.movedim(-1, 1)
 
     sizes = ", ".join(f"{count}x{f.segments[i][0].shape[-1]}" for i, _, count, _ in windows)
-    return RuntimeTerm(
-        None,
-        None,
-        None,
-        None,
+    return RuntimeTerm.structured(
         dst,
         length,
         fn=fn,
         needs_base=True,
         linear_in_strength=linear,
         cost=f"OFT blockwise rotation of the output ({sizes} blocks); R cached",
+        caches=(cache,),
     )
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factor
 from .oft_common import acc_dtype
 
 DEFAULTS = {
@@ -279,6 +279,9 @@ def runtime_term(
         raise PartRejected.of(refused)
     taps = math.prod(module.weight.shape[2:])
     cache: dict = {}
+    # R − I built once in fp64 (small) and held (RuntimeTerm.caches); the k×k conv form keeps a dense ΔW rebuilt
+    # when W changes instead (declared `unheld`)
+    held = CastCache(rotation_minus_i(f, f.vec.device, torch.float64).clone())
 
     def fn(x: torch.Tensor, conv) -> torch.Tensor:
         weight = module.weight
@@ -291,7 +294,7 @@ def runtime_term(
                 cache.clear()
                 cache[key] = delta_rows(f, flat).view_as(rows).to(x.dtype)
             return conv.fn(x, cache[key], None, **conv.kwargs)
-        d = rotation_minus_i(f, x.device, acc)
+        (d,) = held.to(x.device, acc)
         moved = x if conv is None else x.movedim(1, -1)
         dx = _blockwise(d, moved.to(acc), "...kj,kjc->...kc")
         if conv is None:
@@ -305,17 +308,14 @@ def runtime_term(
         if taps > 1
         else f"input rotation ({blocks} blocks) + one extra base GEMM"
     )
-    return RuntimeTerm(
-        None,
-        None,
-        None,
-        None,
+    return RuntimeTerm.structured(
         dst,
         length,
         fn=fn,
         needs_base=False,
         linear_in_strength=True,
         cost=f"PEFT OFT {how}; R: {f.form}",
+        **({"unheld": "PEFT OFT k×k conv: dense ΔW per weight version"} if taps > 1 else {"caches": (held,)}),
     )
 
 

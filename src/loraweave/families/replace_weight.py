@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
 from .norm import _kind, normalised
 
 
@@ -73,11 +73,11 @@ def runtime_term(f: SetFactors, src: int, dst: int, length: int, module=None) ->
         raise PartRejected.of(refused)
     weight = module.weight
     kind = _kind(module) if weight.dim() == 1 else None
-    new = f.weight[src : src + length]
+    cache = CastCache(f.weight[src : src + length])  # held: a host counts and moves it
 
     def fn(x: torch.Tensor, conv: ConvSpec | None, base=None, strength=None, scale=None) -> torch.Tensor:
         w = weight[dst : dst + length]
-        diff = new.to(x.device, x.dtype) - w.to(x.device, x.dtype)
+        diff = cache.to(x.device, x.dtype)[0] - w.to(x.device, x.dtype)
         if kind is not None:
             xn = normalised(kind, module, x)
             if kind == "group":
@@ -87,16 +87,13 @@ def runtime_term(f: SetFactors, src: int, dst: int, length: int, module=None) ->
             return conv.fn(x, diff, None, **conv.kwargs)
         return F.linear(x, diff)
 
-    return RuntimeTerm(
-        None,
-        None,
-        None,
-        None,
+    return RuntimeTerm.structured(
         dst,
         length,
         fn=fn,
         linear_in_strength=False,
         cost="replacement: strength ignored, dense (t − W) product",
+        caches=(cache,),
     )
 
 

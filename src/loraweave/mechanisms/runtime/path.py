@@ -80,13 +80,14 @@ class RuntimePath:
         self.out = out_rows(module)
         downs, ups, owners = [], [], []
         host = None  # built on first need: only families that read W look at it
-        self.dense: list[tuple[PlannedPart, int, int, torch.Tensor]] = []  # (part, dst row, rows, ΔW rows)
-        self.biases: list[tuple[PlannedPart, int, int, torch.Tensor]] = []
+        # (part, dst row, rows, cache of the ΔW rows / bias rows): read through casts a host may re-point
+        self.dense: list[tuple[PlannedPart, int, int, CastCache]] = []
+        self.biases: list[tuple[PlannedPart, int, int, CastCache]] = []
         # (part, dst row, rows, fn, linear in strength): structured families (LoKr, LoHa, ...) and those that
         # read the base output (OFT, DoRA, IA3, ...)
         self.fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
         self.base_fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
-        self.fn_tensors: list[torch.Tensor] = []  # what the structured terms read (RuntimeTerm.tensors)
+        self.fn_caches: list[CastCache] = []  # what the structured terms read (RuntimeTerm.caches)
         self.adapters = set()
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
         last_down = None
@@ -121,26 +122,44 @@ class RuntimePath:
                 ups.append(up)
                 owners.append((pp, term.up.shape[1]))
             if term.dense is not None:
-                self.dense.append((pp, term.dst_start, term.length, term.dense))
+                self.dense.append((pp, term.dst_start, term.length, CastCache(term.dense)))
             if term.fn is not None:
-                self.fn_tensors.extend(term.tensors)
+                if not (term.caches or term.unheld):
+                    raise TypeError(
+                        f"{pp.part.family}: a runtime term with fn declares neither caches nor unheld"
+                    )
+                if term.unheld:
+                    self.costs.add(f"{pp.part.family}: {term.unheld} (held by the path, not by a host)")
+                self.fn_caches.extend(term.caches)
                 target = self.base_fns if term.needs_base else self.fns
                 target.append((pp, term.dst_start, term.length, term.fn, term.linear_in_strength))
             if term.bias is not None:
-                self.biases.append((pp, term.dst_start, term.length, term.bias))
+                self.biases.append((pp, term.dst_start, term.length, CastCache(term.bias)))
         self.owners = owners
         self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
-        self.down = (
-            torch.cat(downs) if downs else None
-        )  # (R, in, *k) master copy, stored dtype (promoted by cat)
-        self.up = torch.cat(ups, dim=1) if ups else None  # (out, R)
-        self.scale = torch.empty(self.down.shape[0] if downs else 0)
-        self._factor_cast = CastCache(self.down, self.up) if downs else None  # kept across strength changes
-        self._scale_cast = CastCache(self.scale)  # rewritten in place by refresh_scales, never rebuilt
+        # the rank-concatenated pair: down (R, in, *k) and up (out, R), stored dtype (promoted by cat); kept across
+        # strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt.
+        pair = (torch.cat(downs), torch.cat(ups, dim=1)) if downs else None
+        self._factor_cast = CastCache(*pair) if pair else None
+        self._scale_cast = CastCache(torch.empty(pair[0].shape[0] if pair else 0))
         self.refresh_scales()
         self.hook = None
         self.active = False
         self.mix = None  # per-sample sets / regions (mechanisms/sampling/mix.py): while set, it computes the adapter terms
+
+    @property
+    def down(self) -> torch.Tensor | None:
+        """The pair's down master (the object the casts read: a holder may have re-pointed it)."""
+        return self._factor_cast.tensors[0] if self._factor_cast is not None else None
+
+    @property
+    def up(self) -> torch.Tensor | None:
+        return self._factor_cast.tensors[1] if self._factor_cast is not None else None
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """Per-rank scales (strength · gate · part scale), written in place on a strength change."""
+        return self._scale_cast.tensors[0]
 
     def strength_of(self, pp: PlannedPart) -> float:
         return pp.strength * self.gates.get(pp.adapter.name, 1.0)
@@ -181,15 +200,17 @@ class RuntimePath:
     def factors_for(self, device: torch.device, dtype: torch.dtype):
         return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))
 
+    def caches(self) -> list[CastCache]:
+        """Every cache this path reads adapter tensors through: the rank-concatenated pair, the scale vector, dense
+        diffs, bias deltas and what structured terms declare (RuntimeTerm.caches). A host that counts and moves
+        the adapter (ComfyUI's model management) holds their sources and re-points each cache after a move
+        (CastCache.repoint): the path then reads the moved tensors, casts follow, nothing is rebuilt."""
+        own = [c for c in (self._factor_cast, self._scale_cast) if c is not None]
+        return [*own, *(c for *_, c in self.dense), *(c for *_, c in self.biases), *self.fn_caches]
+
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every master tensor this path computes from, each object once: the rank-concatenated pair, dense diffs,
-        bias deltas and what structured terms declare (RuntimeTerm.tensors). The path reads these very objects on
-        each call, so a host that moves them in place (`t.data = t.data.to(device)`, as nn.Module.to does to its
-        parameters) moves the adapter: casts follow, nothing is rebuilt. Terms that declare no tensors (OFT,
-        BOFT, DoRA, IA3, GLoRA's W-reading form) hold theirs privately and are not listed."""
-        pair = (self.down, self.up) if self.down is not None else ()
-        extras = (*(d for *_, d in self.dense), *(b for *_, b in self.biases), *self.fn_tensors)
-        return list({id(t): t for t in (*pair, *extras)}.values())
+        """The sources of every cache (`caches`), each object once."""
+        return list({id(t): t for c in self.caches() for t in c.tensors}.values())
 
     def bind_factors(
         self, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor
@@ -203,10 +224,10 @@ class RuntimePath:
         if self.down is None or rank <= self.down.shape[0]:
             return
         extra = rank - self.down.shape[0]
-        self.down = torch.cat([self.down, self.down.new_zeros(extra, *self.down.shape[1:])])
-        self.up = torch.cat([self.up, self.up.new_zeros(self.up.shape[0], extra)], dim=1)
-        self.scale = torch.zeros(rank)  # the padded tail stays 0: refresh_scales writes only the real ranks
-        self._factor_cast, self._scale_cast = CastCache(self.down, self.up), CastCache(self.scale)
+        down = torch.cat([self.down, self.down.new_zeros(extra, *self.down.shape[1:])])
+        up = torch.cat([self.up, self.up.new_zeros(self.up.shape[0], extra)], dim=1)
+        # the padded tail of the scales stays 0: refresh_scales writes only the real ranks
+        self._factor_cast, self._scale_cast = CastCache(down, up), CastCache(torch.zeros(rank))
         self.refresh_scales()
 
     def unbind_factors(self) -> None:
@@ -307,7 +328,7 @@ class RuntimePath:
         """Dense full diffs and bias deltas (rare; not part of the rank-concatenated pair)."""
         dtype = output.dtype
         for pp, dst, length, dense in self.dense:
-            d = dense.to(output.device, dtype)
+            (d,) = dense.to(output.device, dtype)
             part = self.conv(x, d, None, **self.conv_args()) if self.conv else F.linear(x, d)
             output = self._add_rows(output, part, dst, length, self.strength_of(pp) * pp.scale)
         spec = ConvSpec(self.conv, self.conv_args()) if self.conv else None
@@ -319,7 +340,7 @@ class RuntimePath:
                     output, fn(x, spec, None, self.strength_of(pp), pp.scale), dst, length
                 )
         for pp, dst, length, bias in self.biases:
-            b = bias.to(output.device, dtype) * (self.strength_of(pp) * pp.scale)
+            b = bias.to(output.device, dtype)[0] * (self.strength_of(pp) * pp.scale)
             if self.channels_first:
                 b = b.view(-1, *([1] * (output.dim() - 2)))
             output = self._add_rows(output, b, dst, length)

@@ -236,7 +236,7 @@ def _terms(
     for pp, dst, n, dense in path.dense:
         s = strength(pp)
         if s != 0.0:
-            d = dense.to(out.device, out.dtype)
+            (d,) = dense.to(out.device, out.dtype)
             value = path.conv(x, d, None, **path.conv_args()) if path.conv else F.linear(x, d)
             _put(path, out, value, dst, n, s * pp.scale, weights.get(pp.adapter.name))
     for pp, dst, n, fn, linear in path.fns:
@@ -247,7 +247,7 @@ def _terms(
     for pp, dst, n, bias in path.biases:
         s = strength(pp)
         if s != 0.0:
-            b = bias.to(out.device, out.dtype)
+            (b,) = bias.to(out.device, out.dtype)
             b = b.view(-1, *([1] * (out.dim() - 2))) if path.channels_first else b
             _put(path, out, b, dst, n, s * pp.scale, weights.get(pp.adapter.name))
 
