@@ -25,6 +25,7 @@ trimmed (reset through /proc/self/clear_refs); "kept" is the resident growth aft
 malloc_trim(0). Ratios are each variant's median over peft's. A child is killed past --max-rss-gib.
 
     .venv/bin/python benchmarks/bench_sdxl.py [--rounds 3] [--variants peft,dropin,merge,runtime] [--threads 2]
+        [--width-divisor 2]
 """
 
 from __future__ import annotations
@@ -93,6 +94,17 @@ def write_lora(path: str, seed: int, config_path: str) -> int:
         tensors[f"unet.{name}.lora_B.weight"] = up.to(torch.float16).contiguous()
     save_file(tensors, path)
     return len(layers)
+
+
+def narrowed_config(config_path: str, divisor: int, folder: str) -> str:
+    """The config with block_out_channels divided by `divisor` (same blocks and layers), written into `folder`."""
+    with open(config_path) as f:
+        config = json.load(f)
+    config["block_out_channels"] = [c // divisor for c in config["block_out_channels"]]
+    path = os.path.join(folder, "unet_config.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return path
 
 
 def _pipe(unet):
@@ -232,6 +244,13 @@ def main() -> None:
     ap.add_argument(
         "--config", default=CONFIG, help="a UNet config (a small one: a quick check of the script)"
     )
+    ap.add_argument(
+        "--width-divisor",
+        type=int,
+        default=1,
+        help="divide the config's block_out_channels by N (2: the same 794 layers at half width, ~1/4 of the "
+        "elements; a run that fits a loaded host)",
+    )
     ap.add_argument("--child")
     ap.add_argument("--a")
     ap.add_argument("--b")
@@ -239,7 +258,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.a, args.b, args.rounds, args.threads, args.config)))
         return
-    print(f"== bench_sdxl: full-size SDXL UNet fp16, rank-{RANK} LoRA on every Linear and Conv2d")
+    size = "full-size" if args.width_divisor == 1 else f"channels / {args.width_divisor}"
+    print(f"== bench_sdxl: SDXL UNet fp16 ({size}), rank-{RANK} LoRA on every Linear and Conv2d")
     print(
         f"cpu={cpu_model()!r}  cpus={os.cpu_count()}  threads={args.threads}  rounds={args.rounds}  "
         f"torch {torch.__version__}"
@@ -247,6 +267,8 @@ def main() -> None:
     print(benchutil.malloc_env_line())
     with tempfile.TemporaryDirectory(prefix="bench_sdxl_") as tmp:
         a, b = os.path.join(tmp, "a.safetensors"), os.path.join(tmp, "b.safetensors")
+        if args.width_divisor != 1:
+            args.config = narrowed_config(args.config, args.width_divisor, tmp)
         layers = write_lora(a, 1, args.config)
         write_lora(b, 2, args.config)
         print(f"LoRA: {layers} layers, {os.path.getsize(a) / 2**20:.0f} MiB per file")

@@ -631,3 +631,28 @@ def test_per_call_scale_zero_keeps_the_weights(tmp_path):
     assert torch.equal(ours, before) and rel_err(ref, before) > 1e-3  # PEFT came back at weight 1
     pair.both("set_adapters", "a", 1.0)
     assert rel_err(pair.outputs()[1], ref) <= TOL
+
+
+def test_fuse_reuses_the_loads_resolution(tmp_path, monkeypatch):
+    """fuse_lora merges the parts load_lora_weights resolved (factors read and checked once): no key is resolved
+    again, and the fused weights are bit-identical to loraweave.apply(mode="merge") of the file at that weight."""
+    import loraweave
+    from loraweave.resolve import planner
+
+    pair = Pair("sdxl_unet")
+    a = save_adapter("sdxl_unet", pair.base, tmp_path / "a", seed=5, every=2, offset=0)
+    pair.ours.load_lora_weights(a, adapter_name="a")
+    pair.ours.set_adapters("a", 0.7)
+    calls = []
+    real = planner._plan_part
+    monkeypatch.setattr(planner, "_plan_part", lambda *args: calls.append(args[1]) or real(*args))
+    pair.ours.fuse_lora(lora_scale=0.5)
+    assert calls == []
+    monkeypatch.undo()
+    fused = pair.weights()
+    reference = copy.deepcopy(pair.base)
+    loraweave.apply({"unet": reference}, (str(a), 0.35), mode="merge")
+    assert fused.keys() == reference.state_dict().keys()
+    assert all(torch.equal(w, reference.state_dict()[k]) for k, w in fused.items())
+    pair.ours.unfuse_lora()
+    assert all(torch.equal(w, pair.pristine[k]) for k, w in pair.weights().items())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 from .engine.handle import Handle
 from .engine.install import (
@@ -24,11 +25,14 @@ from .mechanisms.merge.layer import undo_settings
 from .modes import ApplyMode, QuantizedMode, StackMode, UndoKind
 from .report.coverage import refuse_empty, warn_incomplete
 from .report.report import AppliedModule, Report, failures
+from .request.spec import finite_strength
+from .resolve.planner import Plan, PlannedPart
 from .resolve.stacking import adapter_names
 from .resolve.target import as_components
+from .resolve.weights import AdapterWeights, assign
 
 log = logging.getLogger("loraweave")
-__all__ = ["AdapterSource", "Handle", "apply", "plan"]
+__all__ = ["AdapterSource", "Handle", "apply", "apply_planned", "plan"]
 
 
 def plan(
@@ -132,20 +136,57 @@ def apply(
     with model_lock(components.modules.values()):
         options.undo_with = undo_settings(undo, components.modules, undo_source, undo_on_device)
         p, settings = resolve_set(components, adapters, strength)
-        mode = options.layer_mode(len(p.adapters))
-        wp, unmatched = plan_layers(p, options, mode)
-        if strict and failures(unmatched):
-            report = make_report(p, mode, [], unmatched, t0)
-            raise StrictApplyError(
-                f"strict: {len(failures(unmatched))} keys did not land ({report.kinds()})", report
-            )
-        refuse_empty(make_report(p, mode, [], unmatched, t0), allow_empty)
-        journal = Journal()
-        with journal.transaction():
-            applied = install(journal, p, wp, mode, options, progress)
-        report = finish_report(p, mode, applied, unmatched, wp, t0)
-        report.log()
-        warn_incomplete(report)
-        handle = Handle(p, report, journal, settings, options)
-        handle.start_selection()
+        return _install_plan(p, settings, options, strict, allow_empty, progress, t0)
+
+
+def apply_planned(
+    target, planned: list[PlannedPart], strength: float = 1.0, mode: ApplyMode = "auto"
+) -> Handle:
+    """Install parts of one adapter that an earlier `apply` on `target` resolved (`handle.planned`) as a new
+    handle, at `strength`: their factors were read, checked and fitted then, so nothing is resolved again. The
+    diffusers drop-in fuses an adapter it loaded this way."""
+    t0 = time.perf_counter()
+    options = Options(mode)
+    options.check()
+    if not planned or any(pp.adapter is not planned[0].adapter for pp in planned):
+        raise ValueError("apply_planned takes one or more planned parts of one adapter")
+    adapter = planned[0].adapter
+    components = as_components(target)
+    with model_lock(components.modules.values()):
+        options.undo_with = undo_settings(options.undo, components.modules)
+        settings = {adapter.name: AdapterWeights(finite_strength(strength))}
+        p = Plan(components, [adapter], {adapter.name: settings[adapter.name].strength})
+        p.planned = [replace(pp, notes=list(pp.notes), grow=dict(pp.grow)) for pp in planned]
+        assign(
+            p, settings
+        )  # strength and block weight of the copies; the earlier handle's parts stay as they are
+        return _install_plan(p, settings, options, False, False, None, t0)
+
+
+def _install_plan(
+    p: Plan,
+    settings: dict[str, AdapterWeights],
+    options: Options,
+    strict: bool,
+    allow_empty: bool,
+    progress: bool | None,
+    t0: float,
+) -> Handle:
+    """apply's second half, under the model's lock: a mechanism per layer, installed all or nothing."""
+    mode = options.layer_mode(len(p.adapters))
+    wp, unmatched = plan_layers(p, options, mode)
+    if strict and failures(unmatched):
+        report = make_report(p, mode, [], unmatched, t0)
+        raise StrictApplyError(
+            f"strict: {len(failures(unmatched))} keys did not land ({report.kinds()})", report
+        )
+    refuse_empty(make_report(p, mode, [], unmatched, t0), allow_empty)
+    journal = Journal()
+    with journal.transaction():
+        applied = install(journal, p, wp, mode, options, progress)
+    report = finish_report(p, mode, applied, unmatched, wp, t0)
+    report.log()
+    warn_incomplete(report)
+    handle = Handle(p, report, journal, settings, options)
+    handle.start_selection()
     return handle

@@ -7,7 +7,6 @@ separate merge `Handle` per (adapter, component), so an unfuse restores the weig
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..api import apply
+from ..api import apply, apply_planned
 from ..engine.handle import Handle
 from ..errors import NonFiniteResultError
 from ..formats.adapter import Adapter, load_adapter
@@ -298,17 +297,13 @@ class DropIn:
             self.refresh(set(components))
 
     def _merge(self, loaded: Loaded, component: str, lora_scale: float) -> Handle:
-        seen: dict[int, Any] = {}
-        for pp in loaded.handle.planned:
-            if pp.component == component:
-                seen.setdefault(id(pp.part), pp.part)
-        only_here = dataclasses.replace(loaded.adapter, parts=list(seen.values()), unparsed=[])
+        # The parts the load resolved (factors read, checked and fitted once): nothing is resolved again.
+        planned = [pp for pp in loaded.handle.planned if pp.component == component]
         weight = self.weights.get(component, {}).get(loaded.name, 1.0)
         flat = not isinstance(weight, dict)
         strength = (float(weight) if flat else 1.0) * float(lora_scale)
-        spec = AdapterSpec(only_here, strength=strength, name=loaded.name)
         try:  # loraweave never merges non-finite values: safe_fusing is always on, and the layer is left as it was
-            handle = apply(self.models(), spec, mode="auto")
+            handle = apply_planned(self.models(), planned, strength, mode="auto")
             if not flat:  # per-module weights (block-scale dicts): each part at its first module's weight
                 try:
                     handle.set_part_strengths(

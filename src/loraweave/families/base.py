@@ -7,6 +7,7 @@ default, so nothing is discovered by probing attributes or signatures. Every fam
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,39 @@ class PartRejected(Exception):
     @classmethod
     def of(cls, miss: Miss) -> PartRejected:
         return cls(miss.kind, miss.detail)
+
+
+_CASTS = threading.local()
+
+
+class CastMemo:
+    """While entered on this thread, `cast_once` casts each factor tensor once per dtype into this memo: a merge
+    computes ΔW block by block of rows from the same factors, and would otherwise cast them for every block. The
+    casts hold the same values (fp16/bf16 to fp32 is exact), so a record that recomputes ΔW gets the same bits.
+    Entered again for each block; the casts live as long as the memo."""
+
+    def __init__(self) -> None:
+        self.casts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._outer: list = []
+
+    def __enter__(self) -> CastMemo:
+        self._outer.append(getattr(_CASTS, "memo", None))
+        _CASTS.memo = self.casts
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _CASTS.memo = self._outer.pop()
+
+
+def cast_once(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t.to(dtype), kept while a `CastMemo` is entered (the source is held with it, so its id stays unique)."""
+    memo = getattr(_CASTS, "memo", None)
+    if memo is None or t.dtype == dtype:
+        return t.to(dtype)
+    hit = memo.get((id(t), dtype))
+    if hit is None:
+        hit = memo[(id(t), dtype)] = (t, t.to(dtype, memory_format=torch.contiguous_format))
+    return hit[1]
 
 
 def _same(f, shape):

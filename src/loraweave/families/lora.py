@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..report.miss import Miss
-from .base import Family, PartRejected, RuntimeTerm, check_factor
+from .base import Family, PartRejected, RuntimeTerm, cast_once, check_factor
 
 
 @dataclass
@@ -88,7 +88,9 @@ def check_target(f: LoraFactors, shape: tuple[int, ...]) -> Miss | None:
 def add_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, coeff: float) -> None:
     """target_rows (length, in*k), fp32 or the weight's own dtype view: += coeff · up[src:src+length] @ down."""
     target_rows.addmm_(
-        f.up[src : src + length].to(target_rows.dtype), f.down.flatten(1).to(target_rows.dtype), alpha=coeff
+        cast_once(f.up, target_rows.dtype)[src : src + length],
+        cast_once(f.down, target_rows.dtype).flatten(1),
+        alpha=coeff,
     )
 
 

@@ -9,6 +9,7 @@ import torch
 
 from ...arch.spec import Piece
 from ...errors import NonFiniteResultError, UndoError
+from ...families.base import CastMemo
 from ...families.contribution import add_contribution, bias_of, coefficient
 from ...modes import UNDO_KINDS, UndoKind
 from ...resolve.planner import PlannedPart
@@ -352,7 +353,15 @@ class MergedModule:
         return record, acc.to(rows.dtype), rows
 
     def _delta_fn(self, terms: list[Term]) -> DeltaFn:
-        return lambda base, r0, r1, out=None: self._delta(base, terms, r0, r1, out)
+        """ΔW of rows [r0, r1); the factors are cast once for all blocks of this layer (the casts live as long as
+        the function: one write or undo), not once per block."""
+        casts = CastMemo()
+
+        def delta(base: torch.Tensor, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+            with casts:
+                return self._delta(base, terms, r0, r1, out)
+
+        return delta
 
     @staticmethod
     def _delta(
