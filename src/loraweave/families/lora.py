@@ -96,7 +96,8 @@ def add_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, 
 
 def set_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, coeff: float) -> None:
     """target_rows = coeff · up[src:src+length] @ down (beta=0: the rows are neither read nor zeroed first)."""
-    up, down = f.up[src : src + length].to(target_rows.dtype), f.down.flatten(1).to(target_rows.dtype)
+    up = cast_once(f.up, target_rows.dtype)[src : src + length]
+    down = cast_once(f.down, target_rows.dtype).flatten(1)
     torch.addmm(target_rows, up, down, beta=0, alpha=coeff, out=target_rows)
 
 
