@@ -94,7 +94,8 @@ def comfy_core_verdict(name: str, m: ComfyModel, model, sd: dict) -> str:
 
 
 # ComfyUI v0.19.3 on a kohya LoRA, by layout: it maps Z-Image's original names only, and there its fused-qkv and
-# SwiGLU merges equal ours bit for bit (ours computes a LoRA's ΔW in ComfyUI's operation order: patches.py).
+# SwiGLU merges are bit-identical to ours ("close" until the comfy merge formed ΔW in core's op order: mm, then
+# scale, then add; an alpha-fused addmm rounds differently).
 CORE_VERDICTS = {
     ("qwen-image", "diffusers"): "identical",
     ("qwen-image", "comfy"): "identical",

@@ -14,7 +14,6 @@ from collections import defaultdict
 import torch
 
 from ..arch.spec import Piece
-from ..families import lora
 from ..families.contribution import add_contribution, bias_of
 from ..report.miss import Miss, Unmatched
 from ..report.report import AppliedModule
@@ -35,6 +34,23 @@ def _is_identity(function) -> bool:
     return function is None or getattr(function, "__qualname__", "") == _IDENTITY_QUALNAME
 
 
+def unit_delta(pp: PlannedPart, piece: Piece, window: torch.Tensor) -> torch.Tensor:
+    """The unscaled ΔW rows of one W-independent part, in `window`'s dtype, formed as ComfyUI core forms them.
+
+    Core adds `weight += (strength * alpha) * torch.mm(up, down)`: the product, then the scale, then the sum,
+    each rounded on its own. The families' add_delta fuses the scale into the GEMM (addmm alpha) or the add
+    (add_ alpha, an FMA on AVX2/AVX-512 CPUs), whose roundings differ from core's by CPU, so the bits of a merge
+    matched core on one CPU and not another. LoRA takes core's very call; the others build ΔW at coefficient 1
+    (exact: 0 + 1·d rounds to d) and are scaled and added the same way."""
+    f = pp.factors
+    if pp.family.name == "lora":
+        rows = f.up[piece.src_start : piece.src_start + piece.length]
+        return torch.mm(rows.to(window.dtype), f.down.flatten(1).to(window.dtype))
+    unit = torch.zeros_like(window)
+    pp.family.add_delta(unit, f, piece.src_start, piece.length, 1.0)
+    return unit
+
+
 def write_rows(rows: torch.Tensor, terms: list[Term], strength: float, function, bias: bool) -> None:
     """rows (the slice ComfyUI narrowed, any dtype) += function(ΔW of `terms` at `strength`), in place."""
     flat = rows if bias else rows.reshape(rows.shape[0], -1)
@@ -49,14 +65,12 @@ def write_rows(rows: torch.Tensor, terms: list[Term], strength: float, function,
                 acc[piece.dst_start : piece.dst_start + piece.length] += (
                     strength * pp.strength * pp.scale
                 ) * delta.to(acc.dtype)
+        elif pp.family.needs_base:
+            window = acc[piece.dst_start : piece.dst_start + piece.length]
+            add_contribution(window, pp, piece, base, strength=strength * pp.strength, scale=pp.scale)
         else:
             window = acc[piece.dst_start : piece.dst_start + piece.length]
-            if pp.family is lora.SPEC:  # as ComfyUI's own LoRA merge, bit for bit where both land a key
-                lora.add_delta_rounded(
-                    window, pp.factors, piece.src_start, piece.length, strength * pp.strength * pp.scale
-                )
-            else:
-                add_contribution(window, pp, piece, base, strength=strength * pp.strength, scale=pp.scale)
+            window += (strength * pp.strength * pp.scale) * unit_delta(pp, piece, window)
     if not direct:
         original = flat.to(torch.float32)
         flat.add_(function(acc - original).to(flat.dtype))

@@ -111,13 +111,6 @@ def delta_bound(f: LoraFactors, src: int, length: int) -> float:
     return float(torch.linalg.vector_norm(up, dim=1).max() * torch.linalg.vector_norm(down, dim=0).max())
 
 
-def add_delta_rounded(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, coeff: float) -> None:
-    """add_delta in ComfyUI's operation order: the product up @ down rounded, then scaled, then added (one
-    temporary more than addmm_, whose fused scale-and-add rounds once and so differs in the last bit)."""
-    up, down = f.up[src : src + length].to(target_rows.dtype), f.down.flatten(1).to(target_rows.dtype)
-    target_rows += coeff * torch.mm(up, down)
-
-
 def bias_delta(f: LoraFactors, src: int, length: int) -> torch.Tensor | None:
     return None if f.up_bias is None else f.up_bias[src : src + length]
 
