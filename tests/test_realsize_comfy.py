@@ -4,10 +4,11 @@ at a time given seeded bf16 values.
 
 `loraweave.comfy.load_lora_for_models(mode="merge")` puts loraweave's adapter (a `WeightAdapterBase` subclass) in
 the clone's patch list; the merged weight is then what ComfyUI itself computes: `ModelPatcher.
-patch_weight_to_device(key, return_weight=True)` (fp32 copy, `comfy.lora.calculate_weight`, which narrows the weight
-to each patch's `(0, start, length)` offset before our `calculate_weight` writes into it, and ComfyUI's rounding back
-to bf16), and the lowvram per-layer path (`comfy.model_patcher.LowVramPatch`, what ComfyUI's ops run on the bf16
-cast of a weight at every forward: the ΔW rounded to bf16 and added in bf16).
+patch_weight_to_device(key, return_weight=True)` (an fp32 copy; `comfy.lora.calculate_weight`, which narrows the
+weight to each patch's `(0, start, length)` offset before our `calculate_weight` writes into it; then `comfy.float.
+stochastic_rounding` back to bf16, round-to-nearest for bf16 in v0.19.3), and the lowvram per-layer path (`comfy.
+model_patcher.LowVramPatch`, what ComfyUI's ops run on the bf16 cast of a weight at every forward: the ΔW rounded
+to bf16 and added in bf16).
 
 - `single_blocks.0.linear1` (21504 x 3072 = 66M elements): q | k | v | mlp, from a diffusers-named file with rank-16
   LoRAs on `attn.to_q`, `attn.to_v` and `proj_mlp` (three offsets; k's rows stay bit for bit);
