@@ -105,6 +105,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_realdata": ("realdata",),
     "test_realsize_acceptance": ("realsize", "realdata"),
     "test_realsize_catalog": ("realsize",),
+    "test_realsize_comfy": ("realsize", "comfy", "realdata"),  # ComfyUI's full-size Flux on meta
     "test_realsize_mechanisms": ("realsize",),
     "test_realsize_quant": ("realsize",),
     "test_realsize_sd15": ("realdata", "realsize"),  # a full-size SD1.5 UNet in fp16

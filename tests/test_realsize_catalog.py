@@ -8,7 +8,12 @@ Wan 14B ffn.0/ffn.2, Qwen-Image img_mlp, LTX-2 FFN, SDXL ff.net.0.proj). Each is
 values; a rank-16 LoRA (‖ΔW‖ = 5% of ‖W‖) in PEFT layout under the layer's own module path; `apply(mode="merge")`
 with the default undo. Merged rows (every 97th plus the last) are checked against W + B·A in fp64 to one bf16 ulp;
 `remove()` restores every element's bits (regenerated from the seed). Mechanisms and the other dtypes run on a
-subset of these shapes in test_realsize_mechanisms.py."""
+subset of these shapes in test_realsize_mechanisms.py.
+
+Every architecture record is in the tier: records without a skeleton are either detection families (shared names
+told apart by width: their sizes are those of the releases the widths name, each a record with a skeleton), or built
+here from their diffusers class (CLASS_DEFAULTS: the two largest weight shapes of each), or named in UNCOVERED with
+the reason; test_every_record_is_in_the_tier keeps that list exact, so a new record cannot slip past the tier."""
 
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from helpers.realsize import (
 
 import loraweave
 from loraweave.arch import registry
+from loraweave.arch.catalog import CATALOG
+from loraweave.arch.record import Architecture
 
 # Largest layer above 2**27 elements (Flux.2's 55296x6144 to_qkv_mlp_proj: 340M): marked slow as well, so
 # `-m "realsize and not slow"` is the tier's quick subset; the test checks each name belongs here.
@@ -49,6 +56,26 @@ ARCHS = [
     if a.skeleton is not None
 ]
 SEED = 7
+
+# Records without a skeleton whose size is known from their diffusers class: (class, config, where the numbers come
+# from). No released config of either is in ../shared/realdata/configs; the catalog's own Kandinsky 5 skeleton
+# stands on its class defaults too.
+CLASS_DEFAULTS: dict[str, tuple[str, dict, str]] = {
+    "flux3": (
+        "Flux3Transformer2DModel",
+        {},
+        "class defaults: 5 per-mode + 28 single blocks, 24 heads x 128, 20480-wide Qwen3-VL context; the size "
+        "test_arch_ltx_layouts.py's full-size Flux3 test uses",
+    ),
+    "kandinsky6": (
+        "Kandinsky6Transformer3DModel",
+        {"text_token_padding": True, "ca_rope": True, "cross_gates": True, "fix_modulation": True},
+        "class defaults (model_dim 4096, ff_dim 16384, 60 fused video/audio blocks) with the four flags the class "
+        "docstring says every released checkpoint sets",
+    ),
+}
+# Records with no real size known anywhere: name -> why. Empty: every record is covered.
+UNCOVERED: dict[str, str] = {}
 
 
 # (architecture, module path, shape): the FFN / MLP kinds LoRA trainers target, at the released sizes.
@@ -89,4 +116,42 @@ def test_targeted_layer_kinds_merge_and_restore_at_real_size(arch, path, shape):
     model = meta_denoiser(arch)
     layer = layer_at(model, arch, path)
     assert layer.shape == shape
+    merge_and_restore(model, layer)
+
+
+def class_default_model(arch: str) -> torch.nn.Module:
+    import diffusers
+
+    cls, config, _ = CLASS_DEFAULTS[arch]
+    with torch.device("meta"):
+        return getattr(diffusers, cls).from_config(config)
+
+
+def uncovered_records() -> set[str]:
+    """Registry records the tier covers in none of the three ways (asserting each family's releases are in it)."""
+    records = registry.by_name()
+    with_skeleton = {name for name, a in records.items() if a.skeleton is not None}
+    families = {name: a.widths for name, a in records.items() if a.skeleton is None and a.widths is not None}
+    for name, widths in families.items():  # a family's sizes are its releases'
+        assert set(widths.names.values()) <= with_skeleton, (name, set(widths.names.values()) - with_skeleton)
+    assert not set(CLASS_DEFAULTS) & with_skeleton, (
+        "a record with a skeleton is in the tier already: drop it here"
+    )
+    return set(records) - with_skeleton - set(families) - set(CLASS_DEFAULTS)
+
+
+def test_every_record_is_in_the_tier():
+    assert uncovered_records() == set(UNCOVERED), f"records outside the real-size tier: {uncovered_records()}"
+    assert {p.values[0] for p in ARCHS} == set(CATALOG)
+    # negative control: a record added without a skeleton is caught
+    with registry.registered(Architecture("realsize-probe")):
+        assert uncovered_records() == set(UNCOVERED) | {"realsize-probe"}
+
+
+@pytest.mark.parametrize("nth", [0, 1], ids=["largest", "second"])
+@pytest.mark.parametrize("arch", list(CLASS_DEFAULTS))
+def test_class_default_records_merge_and_restore_at_real_size(arch, nth):
+    model = class_default_model(arch)
+    layer = largest_layers(model, arch, count=2)[nth]
+    assert layer.numel > 2**24, layer  # a real size, past float32's exact integers
     merge_and_restore(model, layer)
