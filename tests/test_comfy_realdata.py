@@ -5,30 +5,13 @@ only in part or not at all (cloneofsimo, diffusers `unet.X.lora.down`)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from helpers.comfy_env import import_comfy
-from helpers.comfy_models import BASE_UNET_CONFIG, FLUX_PARAMS
+from helpers.comfy_full import FLUX_DEV, META, SD2_UNET, SD15_UNET, meta_patcher
 from safetensors.torch import load_file
 
 from loraweave.comfy.targets import plan_for_clip, plan_for_patcher
 from loraweave.formats.adapter import load_adapter
 
-META = torch.device("meta")
-SD15_UNET = {
-    **BASE_UNET_CONFIG,
-    "model_channels": 320,
-    "channel_mult": [1, 2, 4, 4],
-    "num_res_blocks": [2, 2, 2, 2],
-    "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0],
-    "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],  # ComfyUI reads it from the last block
-    "transformer_depth_middle": 1,
-    "context_dim": 768,
-    "use_linear_in_transformer": False,
-    "adm_in_channels": None,
-}
-SD2_UNET = {**SD15_UNET, "context_dim": 1024, "use_linear_in_transformer": True}
-FLUX_DEV = {**FLUX_PARAMS, "hidden_size": 3072, "num_heads": 24, "depth": 19, "depth_single_blocks": 38,
-            "context_in_dim": 4096, "vec_in_dim": 768, "image_model": "flux"}  # fmt: skip
 # file -> whether ComfyUI's own key map loads none of it (the gap the pack closes)
 SD1_FILES = {
     "KohakuBlueleaf__LyCORIS__smart_falcon_4_lokr.safetensors": False,
@@ -38,16 +21,6 @@ SD1_FILES = {
     "cloneofsimo__lora__analog_svd_rank4.safetensors": True,
     "timohavdk__sd-lora__2100-lora.safetensors": True,
 }
-
-
-def meta_patcher(config_class, unet_config: dict):
-    c = import_comfy()
-    model_config = config_class(unet_config)
-    model_config.set_inference_dtype(torch.float16, None)
-    model = model_config.get_model({}, "", device=META)
-    return c.model_patcher.ModelPatcher(
-        model, load_device=torch.device("cpu"), offload_device=torch.device("cpu")
-    )
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 from helpers.comfy_env import REPO_ROOT, import_comfy
-from test_comfy_realdata import FLUX_DEV, SD2_UNET, SD15_UNET, meta_patcher
+from helpers.comfy_full import FLUX_DEV, SD2_UNET, SD15_UNET, meta_patcher
 
 from loraweave.arch.catalog import CATALOG
 from loraweave.comfy import targets

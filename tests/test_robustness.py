@@ -704,14 +704,18 @@ def test_merge_module_failing_midway_restores_everything(monkeypatch, mode, nth,
     _still_works(model, before, quant, mode)
 
 
-@pytest.mark.parametrize("target", ["add_delta", "_write_bias"])
+@pytest.mark.parametrize("target", ["add_delta", "set_delta", "_write_bias"])
 def test_failure_inside_the_weight_update_restores_weight_and_bias(monkeypatch, target):
-    """The failure lands after the weight (or bias) was partly rewritten in place."""
+    """The failure lands after the weight (or bias) was partly rewritten in place. A LoRA's ΔW of a block is
+    written by set_delta (its first term) and added by add_delta (the others; every term with set_delta off)."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
+    fam = loraweave.families.FAMILIES["lora"]
     if target == "add_delta":
-        fam = loraweave.families.FAMILIES["lora"]
+        monkeypatch.setattr(fam, "set_delta", None)
         monkeypatch.setattr(fam, "add_delta", fail_on_call(3, RuntimeError, fam.add_delta, after=True))
+    elif target == "set_delta":
+        monkeypatch.setattr(fam, "set_delta", fail_on_call(3, RuntimeError, fam.set_delta, after=True))
     else:
         cls = loraweave.mechanisms.merge.layer.MergedModule
         monkeypatch.setattr(cls, "_write_bias", fail_on_call(2, RuntimeError, cls._write_bias, after=True))

@@ -12,13 +12,12 @@ import copy
 import dataclasses
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..families.base import CastCache
 from ..mechanisms.runtime.path import RuntimePath
 from ..resolve.planner import Plan, PlannedPart
-from .runtime import RuntimeEntry, RuntimeState, entries_of
 
 BUILDS_KEPT = 2  # a strength change needs one; two allow a swap back (each holds its combined factors)
 _builds: OrderedDict[tuple[int, int, int, bool], Build] = OrderedDict()
@@ -37,10 +36,11 @@ class Build:
     adapter: object
     strict: bool
     plans: list[Plan]
-    states: list[RuntimeState]  # [model side, CLIP side when anything landed there]
+    states: list  # runtime.RuntimeState: [model side, CLIP side when anything landed there]
 
-    def serves(self, model, clip, adapter, strict: bool) -> bool:
-        """Whether these inputs are the build's own, unchanged (the same earlier entries under KEY)."""
+    def serves(self, model, clip, adapter, strict: bool, entries_of: Callable) -> bool:
+        """Whether these inputs are the build's own, unchanged (the same earlier entries under KEY, as
+        `entries_of(patcher)` reads them: runtime.py passes its own, which imports this module)."""
         held = self.clip() if self.clip is not None else None
         sides = (model, *((clip.patcher,) if len(self.states) > 1 else ()))
         return (
@@ -50,7 +50,7 @@ class Build:
             for state, patcher in zip(self.states, sides, strict=True)
         )
 
-    def restrengthened(self, strengths: tuple[float, float]) -> tuple[list[Plan], list[RuntimeState]]:
+    def restrengthened(self, strengths: tuple[float, float]) -> tuple[list[Plan], list]:
         """(plans, states) at new strengths: copies of the kept paths over the same factor tensors, each with its
         own scale vector, so no factor is rebuilt and the kept build's clones keep their strengths."""
         plans = [_restrengthened_plan(plan, s) for plan, s in zip(self.plans, strengths, strict=False)]
@@ -60,11 +60,13 @@ class Build:
             for old, new in zip(was.planned, now.planned, strict=True)
         }
         states = [
-            RuntimeState(
-                (*state.entries[:-1], RuntimeEntry(state.entries[-1].name, plan)),
-                [_restrengthened_path(rp, mapping) for rp in state.paths],
-                list(state.blocked),
-                state.factors,  # the copies read the same factor tensors: one holder, one patcher
+            dataclasses.replace(
+                state,
+                entries=(*state.entries[:-1], dataclasses.replace(state.entries[-1], plan=plan, gate=None)),
+                paths=[_restrengthened_path(rp, mapping) for rp in state.paths],
+                blocked=list(state.blocked),
+                factors=state.factors,  # the copies read the same factor tensors: one holder, one patcher
+                injected=False,
             )
             for state, plan in zip(self.states, plans, strict=False)  # no CLIP state: nothing landed there
         ]
@@ -79,9 +81,9 @@ def _same(a: Sequence, b: Sequence) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
-def kept_build(model, clip, adapter, strict: bool) -> Build | None:
+def kept_build(model, clip, adapter, strict: bool, entries_of: Callable) -> Build | None:
     build = _builds.get((id(model), id(clip), id(adapter), strict))
-    return build if build is not None and build.serves(model, clip, adapter, strict) else None
+    return build if build is not None and build.serves(model, clip, adapter, strict, entries_of) else None
 
 
 def keep(build: Build) -> None:

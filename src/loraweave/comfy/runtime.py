@@ -297,7 +297,7 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
 
     t0 = time.perf_counter()
     strengths = (float(strength_model), float(strength_clip))
-    kept = kept_build(model, clip, adapter, strict)
+    kept = kept_build(model, clip, adapter, strict, entries_of)
     plans, states = (
         kept.restrengthened(strengths) if kept else _build(model, clip, adapter, strengths, strict)
     )
