@@ -100,7 +100,17 @@ def narrowed_config(config_path: str, divisor: int, folder: str) -> str:
     """The config with block_out_channels divided by `divisor` (same blocks and layers), written into `folder`."""
     with open(config_path) as f:
         config = json.load(f)
-    config["block_out_channels"] = [c // divisor for c in config["block_out_channels"]]
+    channels = [c // divisor for c in config["block_out_channels"]]
+    groups = config.get("norm_num_groups", 32)
+    if any(
+        c * divisor != full or c % groups
+        for c, full in zip(channels, config["block_out_channels"], strict=True)
+    ):
+        raise SystemExit(
+            f"--width-divisor {divisor}: channels {config['block_out_channels']} / {divisor} must stay whole "
+            f"multiples of norm_num_groups={groups} (2 works for SDXL)"
+        )
+    config["block_out_channels"] = channels
     path = os.path.join(folder, "unet_config.json")
     with open(path, "w") as f:
         json.dump(config, f)
