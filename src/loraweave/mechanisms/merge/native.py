@@ -95,7 +95,8 @@ def load(flags: tuple[str, ...]) -> ctypes.CDLL | None:
             try:
                 _build(cc, flags, path)
             except OSError:  # no writable cache folder (a read-only home): this user's folder in the temp dir
-                path = Path(tempfile.gettempdir()) / f"loraweave-native-{os.getuid()}" / name
+                user = os.getuid() if hasattr(os, "getuid") else os.getlogin()  # no getuid on Windows
+                path = Path(tempfile.gettempdir()) / f"loraweave-native-{user}" / name
                 if not path.exists():
                     _build(cc, flags, path)
         return ctypes.CDLL(str(path))
