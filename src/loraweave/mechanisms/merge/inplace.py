@@ -101,9 +101,7 @@ def merge_in_place(
     except BaseException:
         done.settle()
         if done.written:
-            fill = _raw(rows, done, witness, chunk_rows).rebuild(rows, rows, delta_fn)
-            for r0 in range(0, done.written, chunk_rows):
-                fill(r0, min(done.written, r0 + chunk_rows))
+            _raw(rows, done, witness, chunk_rows).rebuild_rows(rows, rows, delta_fn, done.written)
         raise
 
 
@@ -264,9 +262,7 @@ def _copy_of_original(
     """undo="auto" where a copy is smaller than the misses: W rebuilt from W' (now in the weight) into the copy."""
     original = torch.empty_like(rows)
     with recorded_threads(raw.threads):
-        fill = raw.rebuild(rows, original, delta_fn)
-        for r0 in range(0, rows.shape[0], raw.chunk_rows):
-            fill(r0, min(rows.shape[0], r0 + raw.chunk_rows))
+        raw.rebuild_rows(rows, original, delta_fn)
     raw.verify(original)
     return CopyRecord(original if original.device.type == "cpu" or on_device else host_copy(original))
 
@@ -276,10 +272,15 @@ def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None
     undo="none" merges whose ΔW was bounded below the dtype's overflow headroom (layer.overflow_headroom), run
     once apply can no longer fail. The same blocks and arithmetic as merge_in_place, so the same bits."""
     cols, total = rows[0].numel(), rows.shape[0]
-    block = min(total, chunk_rows) * cols
-    dbuf, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
+    dbuf, acc = direct_scratch(rows, chunk_rows)
     for r0 in range(0, total, chunk_rows):
         r1 = min(total, r0 + chunk_rows)
         n = (r1 - r0) * cols
         delta = delta_fn(rows, r0, r1, dbuf[:n])
         combine_into(rows[r0:r1], rows[r0:r1], delta, 1, acc[:n].view(delta.shape))
+
+
+def direct_scratch(rows: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """merge_direct's two block buffers (ΔW and the sum), from the pool: called early, it reserves them."""
+    block = min(rows.shape[0], chunk_rows) * rows[0].numel()
+    return tuple(scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))

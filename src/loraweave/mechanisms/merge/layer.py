@@ -15,7 +15,7 @@ from ...modes import UNDO_KINDS, UndoKind
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution, adapter_names
 from . import inplace
-from .inplace import merge_direct, merge_in_place
+from .inplace import direct_scratch, merge_direct, merge_in_place
 from .native import NATIVE_BLOCKS
 from .undo import (
     CHUNK_ELEMENTS,
@@ -153,11 +153,8 @@ class MergedModule:
         """Allocate the scratch a deferred merge will use (within reused_buffers), so that the writes at commit
         allocate nothing: the one failure left to them would be memory."""
         if self.pending is not None:
-            weight = self.module.weight
-            rows = weight.shape[0]
-            block = min(rows, self._chunk_rows(weight.view(rows, -1))) * (weight.numel() // max(1, rows))
-            for name in ("delta", "acc"):
-                scratch(name, block, acc_dtype(weight.dtype), weight.device)
+            rows = self.module.weight.data.view(self.module.weight.shape[0], -1)
+            direct_scratch(rows, self._chunk_rows(rows))
 
     def fuse(self) -> None:
         """undo="none": keep the merge for good and release the record; a deferred merge is written now, when
@@ -235,9 +232,7 @@ class MergedModule:
         old = self.record
         base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
         with recorded_threads(old.threads):
-            fill = old.rebuild(rows, base, self._delta_fn(self.terms))
-            for r0 in range(0, rows.shape[0], old.chunk_rows):
-                fill(r0, min(rows.shape[0], r0 + old.chunk_rows))
+            old.rebuild_rows(rows, base, self._delta_fn(self.terms))
         old.verify(base)
         made: list[Record] = []
         merge_in_place(

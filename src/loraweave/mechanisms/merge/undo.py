@@ -161,12 +161,19 @@ class CompactRecord:
         if not self.written(bits(rows).view(-1)):
             return
         with recorded_threads(self.threads):
-            fill = self.rebuild(rows, rows, delta_fn)
-            for r0 in range(0, rows.shape[0], self.chunk_rows):
-                fill(r0, min(rows.shape[0], r0 + self.chunk_rows))
+            self.rebuild_rows(rows, rows, delta_fn)
         self.verify(rows)
         if work is not weight:
             weight.copy_(work)
+
+    def rebuild_rows(
+        self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn, rows: int | None = None
+    ) -> None:
+        """W's first `rows` rows (all by default) written into `out` from W' (`merged`), block by block."""
+        end = out.shape[0] if rows is None else rows
+        fill = self.rebuild(merged, out, delta_fn)
+        for r0 in range(0, end, self.chunk_rows):
+            fill(r0, min(end, r0 + self.chunk_rows))
 
     def rebuild(
         self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn
@@ -389,8 +396,7 @@ def merge_with_record(
     merged = scratch("merged", rows.numel(), rows.dtype, rows.device).view(rows.shape)
     fill = prior[0].rebuild(prior[1], rows, prior[2]) if prior is not None else None
     if prior is not None and prior[0].chunk_rows != chunk_rows:  # other blocks: rebuild W whole first
-        for r0 in range(0, rows.shape[0], prior[0].chunk_rows):
-            fill(r0, min(rows.shape[0], r0 + prior[0].chunk_rows))
+        prior[0].rebuild_rows(prior[1], rows, prior[2])
         fill = None
     blocks = _Blocks(rows, chunk_rows, compact)
     for r0 in range(0, rows.shape[0], chunk_rows):
