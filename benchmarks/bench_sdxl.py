@@ -24,7 +24,7 @@ costs such as imports of PEFT). Peak RSS: growth of VmHWM over the resident size
 trimmed (reset through /proc/self/clear_refs); "kept" is the resident growth after the end step and
 malloc_trim(0). Ratios are each variant's median over peft's. A child is killed past --max-rss-gib.
 
-    .venv/bin/python benchmarks/bench_sdxl.py [--rounds 3] [--variants peft,dropin,merge,runtime] [--threads 2]
+    .venv/bin/python benchmarks/bench_sdxl.py [--rounds 3] [--repeats 2] [--json out.json] [--variants peft,dropin,merge,runtime] [--threads 2]
         [--width-divisor 2]
 """
 
@@ -188,12 +188,14 @@ def child(variant: str, a: str, b: str, rounds: int, threads: int, config_path: 
     base = rss_mib()
     reset_peak_rss()
     times: dict[str, list[float]] = {s: [] for s in STEPS}
+    cpu: dict[str, list[float]] = {s: [] for s in STEPS}
     with torch.no_grad():
         for _ in range(rounds):
             for s in STEPS:
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 steps[s]()
                 times[s].append(time.perf_counter() - t)
+                cpu[s].append(time.process_time() - c)
     peak = peak_rss_mib() - base
     trim()
     kept = rss_mib() - base
@@ -202,6 +204,7 @@ def child(variant: str, a: str, b: str, rounds: int, threads: int, config_path: 
         "variant": variant,
         "build_s": build_s,
         "times": times,
+        "cpu": cpu,
         "peak_mib": peak,
         "kept_mib": kept,
         "base_mib": base,
@@ -261,6 +264,14 @@ def main() -> None:
         help="divide the config's block_out_channels by N (2: the same 794 layers at half width, ~1/4 of the "
         "elements; a run that fits a loaded host)",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the variants N times, interleaved (peft, dropin, ..., peft, ...), each in a fresh process; "
+        "medians over every round of every repeat, peak RSS the highest",
+    )
+    ap.add_argument("--json", help="write every child's raw result (per-round times) to this file")
     ap.add_argument("--child")
     ap.add_argument("--a")
     ap.add_argument("--b")
@@ -282,32 +293,51 @@ def main() -> None:
         layers = write_lora(a, 1, args.config)
         write_lora(b, 2, args.config)
         print(f"LoRA: {layers} layers, {os.path.getsize(a) / 2**20:.0f} MiB per file")
-        results = {}
-        for v in args.variants.split(","):
-            results[v] = r = run_child(v, a, b, args)
-            print(
-                f"  {v}: build {r['build_s']:.1f} s, base RSS {r['base_mib'] / 1024:.2f} GiB, done",
-                flush=True,
-            )
+        runs: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
+        for rep in range(args.repeats):
+            for v in runs:
+                runs[v].append(r := run_child(v, a, b, args))
+                print(
+                    f"  {v} (repeat {rep + 1}/{args.repeats}): build {r['build_s']:.1f} s, "
+                    f"base RSS {r['base_mib'] / 1024:.2f} GiB, load {os.getloadavg()[0]:.2f}, done",
+                    flush=True,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_model(), "args": vars(args), "runs": runs}, f, indent=1)
+    results = {v: merged(rs) for v, rs in runs.items()}
+    for clock, label in (("times", "wall seconds"), ("cpu", "process CPU seconds (all threads)")):
+        print(f"-- {label}")
+        table(results, clock)
+    print(
+        "medians over rounds (and repeats); peak: VmHWM growth over the trimmed resident size after the model "
+        "was built (highest over repeats); kept: resident growth after the end step and malloc_trim(0); "
+        "max |W-W0|: weight drift after the end step on every 50th layer's first two rows (0 = bit-exact there)"
+    )
+
+
+def merged(rs: list[dict]) -> dict:
+    """One variant's repeats as one record: every round's times pooled, the worst peak, kept and drift."""
+    out = {k: {s: [t for r in rs for t in r[k][s]] for s in STEPS} for k in ("times", "cpu")}
+    out.update({k: max(r[k] for r in rs) for k in ("peak_mib", "kept_mib", "drift")})
+    return out
+
+
+def table(results: dict[str, dict], clock: str) -> None:
     ref = results.get("peft")
     head = f"{'variant':<9}" + "".join(f"{s + ' s':>12}{'x peft':>8}" for s in STEPS)
     print(head + f"{'peak MiB':>10}{'x peft':>8}{'kept MiB':>10}{'max |W-W0|':>12}")
     for v, r in results.items():
         cells = []
         for s in STEPS:
-            m = median(r["times"][s])
-            ratio = m / median(ref["times"][s]) if ref else float("nan")
+            m = median(r[clock][s])
+            ratio = m / median(ref[clock][s]) if ref else float("nan")
             cells.append(f"{m:>12.3f}{ratio:>8.2f}")
         peak_ratio = r["peak_mib"] / ref["peak_mib"] if ref and ref["peak_mib"] > 0 else float("nan")
         print(
             f"{v:<9}" + "".join(cells) + f"{r['peak_mib']:>10.0f}{peak_ratio:>8.2f}{r['kept_mib']:>10.0f}"
             f"{r['drift']:>12.2e}"
         )
-    print(
-        "medians over rounds; peak: VmHWM growth over the trimmed resident size after the model was built; "
-        "kept: resident growth after the end step and malloc_trim(0); max |W-W0|: weight drift after the "
-        "end step on every 50th layer's first two rows (0 = bit-exact there)"
-    )
 
 
 if __name__ == "__main__":
