@@ -110,13 +110,9 @@ def tiny_hidream(seed: int = 0) -> DitModel:
 
 
 # PixArt: detection hard-codes hidden 1152 and 16 heads (and reads the depth, the caption length and, from
-# ar_embedder, Alpha's micro-conditioning); hidden 96 = 2 heads of 48 (the size embedders take hidden // 3).
-PIXART_WIDTHS = {
-    "hidden_size": 96,
-    "num_heads": 2,
-    "caption_channels": 32,
-    "pe_interpolation": 1.0,
-}  # no pos_embed in the file: set
+# ar_embedder, Alpha's micro-conditioning); hidden 96 = 2 heads of 48 (the size embedders take hidden // 3). A
+# file without pos_embed leaves pe_interpolation unset, which the forward then rounds to 0 on a tiny latent.
+PIXART_WIDTHS = {"hidden_size": 96, "num_heads": 2, "caption_channels": 32, "pe_interpolation": 1.0}
 
 
 def _pixart_convert(hidden: int, depth: int, alpha: bool):
