@@ -76,9 +76,19 @@ LTX2_ARCH = Architecture(
         "test_arch_ltx_layouts.py::test_ltx2_*",
     ),
 )
+# LTX-Video's original (Lightricks, ComfyUI) names differ from diffusers' by the renames of diffusers'
+# `convert_ltx_transformer_checkpoint_to_diffusers` (LTX-2's first four); its LoRA files use the diffusers names.
+LTX_VIDEO_TABLE = ArchTable(
+    name="ltx-video",
+    classes=("LTXVideoTransformer3DModel",),
+    aliases=(),
+    renames=(("patchify_proj", "proj_in"), ("q_norm", "norm_q"), ("k_norm", "norm_k")),
+    prefix_renames=(("adaln_single.", "time_embed."),),
+)
 # LTX-Video: diffusers names (the cross-attention DiT family's), named by width.
 LTX_VIDEO = Architecture(
     "ltx-video",
+    (LTX_VIDEO_TABLE,),
     skeleton=Skeleton(
         "transformer",
         "LTXVideoTransformer3DModel",
@@ -89,8 +99,9 @@ LTX_VIDEO = Architecture(
     cli_names=("ltxv", "ltx-video-2b"),
     layouts=Layouts(
         "hidream, ltx-video",
-        "diffusers names behind diffusion_model. (prefix only)",
-        "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers",
-        "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size",
+        "diffusers names behind diffusion_model. (prefix only); LTX-Video's Lightricks/ComfyUI names "
+        "(patchify_proj, adaln_single, q_norm/k_norm)",
+        "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers, convert_ltx_transformer_checkpoint_to_diffusers",
+        "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size, test_comfy_video.py",
     ),
 )

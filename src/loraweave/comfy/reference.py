@@ -136,6 +136,49 @@ def _wan(cfg: dict) -> dict:
     }
 
 
+def _wan_animate(cfg: dict) -> dict:
+    # ComfyUI's AnimateWanModel is Wan I2V (image cross-attention on 1280-wide CLIP features projected to dim) plus
+    # a face adapter every 5 blocks; its pose input (16 channels), face encoder (1024 x 4 heads) and 512 px motion
+    # encoder are fixed, as in diffusers' defaults.
+    return {**_wan(cfg), "added_kv_proj_dim": cfg["dim"], "image_dim": 1280, "latent_channels": 16}
+
+
+def _ltx_video(cfg: dict) -> dict:
+    # ComfyUI's detection reads the depth, the head width (at 32 heads) and the cross-attention width; the latent
+    # and caption widths are LTXVModel's keyword arguments.
+    in_channels = cfg.get("in_channels", 128)
+    return {
+        "in_channels": in_channels,
+        "out_channels": in_channels,
+        "num_attention_heads": cfg.get("num_attention_heads", 32),
+        "attention_head_dim": cfg["attention_head_dim"],
+        "cross_attention_dim": cfg["cross_attention_dim"],
+        "num_layers": cfg["num_layers"],
+        "caption_channels": cfg.get("caption_channels", 4096),
+    }
+
+
+def _pixart(cfg: dict) -> dict:
+    # ComfyUI's PixArtMS: Alpha's size / aspect-ratio embedders when micro_condition is set (detected from
+    # ar_embedder), a sigma-predicting output twice the input channels, the caption projected to the hidden width.
+    hidden, heads, in_channels = (
+        cfg.get("hidden_size", 1152),
+        cfg.get("num_heads", 16),
+        cfg.get("in_channels", 4),
+    )
+    return {
+        "num_attention_heads": heads,
+        "attention_head_dim": hidden // heads,
+        "in_channels": in_channels,
+        "out_channels": in_channels * 2 if cfg.get("pred_sigma", True) else in_channels,
+        "num_layers": cfg["depth"],
+        "cross_attention_dim": hidden,
+        "patch_size": cfg.get("patch_size", 2),
+        "caption_channels": cfg.get("caption_channels", 4096),
+        "use_additional_conditions": bool(cfg.get("micro_condition", True)),
+    }
+
+
 def _sd3(cfg: dict) -> dict:
     # ComfyUI's MMDiT: hidden = 64 * depth, depth heads of 64; the caption projection is the hidden width.
     depth, context = cfg["depth"], cfg.get("context_embedder_config") or {}
@@ -216,6 +259,9 @@ CONFIGS: dict[str, Callable[[dict], dict]] = {
     "flux": _flux,
     "flux-schnell": _flux,
     "wan": _wan,
+    "wan-animate": _wan_animate,
+    "ltx-video": _ltx_video,
+    "pixart": _pixart,
     "sd3": _sd3,
     "flux2": _flux2,
     "chroma": _chroma,
