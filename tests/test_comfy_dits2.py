@@ -28,7 +28,7 @@ from helpers.comfy_checks import (
     runtime_and_merge,
 )
 from helpers.comfy_dits import DitModel
-from helpers.comfy_dits2 import DIT2_BUILDERS
+from helpers.comfy_dits2 import DIT2_BUILDERS, VARIANT_BUILDERS
 from helpers.comfy_files import adapter_file, dotted, kohya
 
 from loraweave.comfy import load_lora_for_models
@@ -277,3 +277,15 @@ PARAMETERS_ON_PARENTS: dict[str, list[str]] = {name: [] for name in NAMES}
 def test_parameters_on_modules_with_children_are_named(models, name):
     m = built(models, name)
     assert parameters_on_parents(comfy_modules(m)) == PARAMETERS_ON_PARENTS[name]
+
+
+@pytest.mark.parametrize("name", list(VARIANT_BUILDERS))
+def test_sibling_releases_map_to_their_tables(name, caplog):
+    # ComfyUI's own supported_models classes for HunyuanVideo 1.5's SR model and HunyuanImage 2.1's refiner reach
+    # the same tables: a reference tree at the model's widths, and every Linear lands in both layouts.
+    m = VARIANT_BUILDERS[name]()
+    check_reference_tree(m, caplog)
+    sd = adapter_file(all_linears(comfy_modules(m)), "lora", dotted("diffusion_model."))
+    model = check_against_twin(m.as_diffusers, m, sd)
+    check_fp64(m, sd, lambda stem: (stem.removeprefix("diffusion_model."), 0), model)
+    check_against_twin(m.as_diffusers, m, adapter_file(all_linears(m.diffusers), "lora", kohya("lora_unet_")))

@@ -191,6 +191,39 @@ def tiny_hunyuan_image_21(seed: int = 0) -> DitModel:
                                  ("HunyuanImageTransformer2DModel", twin), seed)  # fmt: skip
 
 
+# Sibling releases on the same classes: HunyuanVideo 1.5's distilled super-resolution model (98 input channels, its
+# own supported_models class) and HunyuanImage 2.1's refiner (3D patches, 128 in / 64 out, no glyph mapper).
+def tiny_hunyuan_video_15_sr(seed: int = 0) -> DitModel:
+    import_comfy()
+    import comfy.ldm.hunyuan_video.model as hy
+
+    twin = dict(in_channels=98, out_channels=32, num_attention_heads=1, attention_head_dim=128, num_layers=1,
+                num_refiner_layers=2, patch_size=1, patch_size_t=1, text_embed_dim=32, text_embed_2_dim=1472,
+                image_embed_dim=1152, rope_axes_dim=(16, 56, 56))  # fmt: skip
+    return _build_identity_named("hunyuan-video-1.5-sr", hy.HunyuanVideo, {**HV15_PARAMS, "in_channels": 98,
+                                 "depth": 1}, "HunyuanVideo15_SR_Distilled", {}, hunyuan_rows("hunyuan-video-1.5", 128),
+                                 ("HunyuanVideo15Transformer3DModel", twin), seed)  # fmt: skip
+
+
+def tiny_hunyuan_image_21_refiner(seed: int = 0) -> DitModel:
+    import_comfy()
+    import comfy.ldm.hunyuan_video.model as hy
+
+    params = _hunyuan_params(in_channels=128, out_channels=64, depth_single_blocks=1, byt5=False)
+    twin = dict(in_channels=128, out_channels=64, num_attention_heads=1, attention_head_dim=128, num_layers=1,
+                num_single_layers=1, num_refiner_layers=2, patch_size=(1, 1, 1), text_embed_dim=32,
+                rope_axes_dim=(16, 56, 56))  # fmt: skip
+    return _build_identity_named("hunyuan-image-2.1-refiner", hy.HunyuanVideo, params, "HunyuanImage21Refiner", {},
+                                 hunyuan_rows("hunyuan-image-2.1", 128), ("HunyuanImageTransformer2DModel", twin),
+                                 seed)  # fmt: skip
+
+
+VARIANT_BUILDERS = {
+    "hunyuan-video-1.5-sr": tiny_hunyuan_video_15_sr,
+    "hunyuan-image-2.1-refiner": tiny_hunyuan_image_21_refiner,
+}
+
+
 # --- Kandinsky 5, ERNIE-Image: identity row maps -------------------------------------------------------------------
 
 
