@@ -34,18 +34,10 @@ def _stream(src: str, attn: tuple[str, ...], norm: str, ff: str) -> tuple[Alias,
 
 _IMG = ("to_q", "to_k", "to_v", "to_out.0", "norm_q", "norm_k")
 _TXT = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added_q", "norm_added_k")
-_TENCENT = (
-    *_stream("img", _IMG, "norm1", "ff"),
-    *_stream("txt", _TXT, "norm1_context", "ff_context"),
-    # linear1 rows are q | k | v | mlp; widths come from the live modules (diffusers' converter hard-codes 3072).
-    Alias(
-        "single_blocks.{i}.linear1",
-        (f"{_S}.attn.to_q", f"{_S}.attn.to_k", f"{_S}.attn.to_v", f"{_S}.proj_mlp"),
-    ),
-    Alias("single_blocks.{i}.linear2", (f"{_S}.proj_out",)),
-    Alias("single_blocks.{i}.q_norm", (f"{_S}.attn.norm_q",)),
-    Alias("single_blocks.{i}.k_norm", (f"{_S}.attn.norm_k",)),
-    Alias("single_blocks.{i}.modulation.linear", (f"{_S}.norm.linear",)),
+# Both streams of the double blocks (HunyuanVideo 1.5 and HunyuanImage 2.1 share them: hunyuan_video15.py).
+DOUBLE = (*_stream("img", _IMG, "norm1", "ff"), *_stream("txt", _TXT, "norm1_context", "ff_context"))
+# The token refiner in front of the text stream (`txt_in`), also shared by 1.5 and 2.1.
+REFINER = (
     Alias("txt_in.input_embedder", ("context_embedder.proj_in",)),
     Alias("txt_in.t_embedder.mlp.0", ("context_embedder.time_text_embed.timestep_embedder.linear_1",)),
     Alias("txt_in.t_embedder.mlp.2", ("context_embedder.time_text_embed.timestep_embedder.linear_2",)),
@@ -58,16 +50,35 @@ _TENCENT = (
     Alias(f"{_T}.mlp.fc1", (f"{_R}.ff.net.0.proj",)),
     Alias(f"{_T}.mlp.fc2", (f"{_R}.ff.net.2",)),
     Alias(f"{_T}.adaLN_modulation.1", (f"{_R}.norm_out.linear",)),  # (gate_msa, gate_mlp): no swap
+)
+# linear1 rows are q | k | v | mlp; widths come from the live modules (diffusers' converter hard-codes 3072).
+SINGLE = (
+    Alias(
+        "single_blocks.{i}.linear1",
+        (f"{_S}.attn.to_q", f"{_S}.attn.to_k", f"{_S}.attn.to_v", f"{_S}.proj_mlp"),
+    ),
+    Alias("single_blocks.{i}.linear2", (f"{_S}.proj_out",)),
+    Alias("single_blocks.{i}.q_norm", (f"{_S}.attn.norm_q",)),
+    Alias("single_blocks.{i}.k_norm", (f"{_S}.attn.norm_k",)),
+    Alias("single_blocks.{i}.modulation.linear", (f"{_S}.norm.linear",)),
+)
+FINAL = (
     Alias("img_in.proj", ("x_embedder.proj",)),
+    # Original (shift, scale); diffusers AdaLayerNormContinuous (scale, shift): swap the halves.
+    Alias("final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))),
+    Alias("final_layer.linear", ("proj_out",)),
+)
+_TENCENT = (
+    *DOUBLE,
+    *SINGLE,
+    *REFINER,
+    *FINAL,
     Alias("time_in.mlp.0", ("time_text_embed.timestep_embedder.linear_1",)),
     Alias("time_in.mlp.2", ("time_text_embed.timestep_embedder.linear_2",)),
     Alias("guidance_in.mlp.0", ("time_text_embed.guidance_embedder.linear_1",)),
     Alias("guidance_in.mlp.2", ("time_text_embed.guidance_embedder.linear_2",)),
     Alias("vector_in.in_layer", ("time_text_embed.text_embedder.linear_1",)),
     Alias("vector_in.out_layer", ("time_text_embed.text_embedder.linear_2",)),
-    # Original (shift, scale); diffusers AdaLayerNormContinuous (scale, shift): swap the halves.
-    Alias("final_layer.adaLN_modulation.1", (Rows("norm_out.linear", 1, 2), Rows("norm_out.linear", 0, 2))),
-    Alias("final_layer.linear", ("proj_out",)),
 )
 
 # ComfyUI `HunyuanVideo.process_unet_state_dict`, in its order (applied to "<name>.").
@@ -98,13 +109,18 @@ def comfy_name(name: str) -> str:
     return out[:-1]
 
 
+def with_comfy_spellings(aliases: tuple[Alias, ...]) -> tuple[Alias, ...]:
+    """The aliases, then each again under ComfyUI's spelling of its source where that differs."""
+    return (
+        *aliases,
+        *(Alias(comfy_name(a.source), a.targets) for a in aliases if comfy_name(a.source) != a.source),
+    )
+
+
 HUNYUAN_VIDEO = ArchTable(
     name="hunyuan-video",
     classes=("HunyuanVideoTransformer3DModel",),
-    aliases=(
-        *_TENCENT,
-        *(Alias(comfy_name(a.source), a.targets) for a in _TENCENT if comfy_name(a.source) != a.source),
-    ),
+    aliases=with_comfy_spellings(_TENCENT),
 )
 
 # Tencent names: `img_mod.linear` / `modulation.linear` / `mlp.fc1` vs Flux's `img_mod.lin` / `img_mlp.0`. Its
@@ -146,36 +162,4 @@ HUNYUAN_VIDEO_ARCH = Architecture(
         "test_arch_dits2.py",
     ),
     releases=(Release("hunyuan-video (T2V, I2V)", {"double": 20, "single": 40}, 3072, 7),),
-)
-# HunyuanImage 2.1: diffusers names only, named by the MMDiT hidden width (28 heads x 128).
-HUNYUAN_IMAGE_21 = Architecture(
-    "hunyuan-image-2.1",
-    skeleton=Skeleton(
-        "transformer",
-        "HunyuanImageTransformer2DModel",
-        {},
-        {},
-        "HunyuanImageTransformer2DModel defaults (20 double / 40 single blocks, 28 heads x 128)",
-    ),
-    cli_names=("hunyuanimage-2.1",),
-)
-# HunyuanVideo 1.5: diffusers names only, named by the MMDiT hidden width (16 heads x 128).
-HUNYUAN_VIDEO_15 = Architecture(
-    "hunyuan-video-1.5",
-    skeleton=Skeleton(
-        "transformer",
-        "HunyuanVideo15Transformer3DModel",
-        {},
-        {},
-        "HunyuanVideo15Transformer3DModel defaults (54 blocks, 16 heads x 128)",
-    ),
-    cli_names=("hunyuanvideo-1.5",),
-    not_mapped=(
-        "HunyuanVideo 1.5, HunyuanImage 2.1",
-        "no converter in diffusers 0.42.1's loaders (single_file_utils and "
-        "lora_conversion_utils have none; their pipelines have no LoRA loader). diffusers' repo scripts "
-        "convert_hunyuan_video1_5_to_diffusers.py / convert_hunyuanimage_to_diffusers.py name the original checkpoint "
-        "keys but are not installed, so there is no oracle here: no table. diffusers/PEFT and kohya-flattened names "
-        "resolve 100 % on the full-size models (test_arch_wan_animate_variants.py::test_diffusers_names_*)",
-    ),
 )

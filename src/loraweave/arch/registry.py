@@ -15,7 +15,8 @@ from .ernie_image import ERNIE_IMAGE
 from .flux import CHROMA_ARCH, FLUX_ARCH, FLUX_SCHNELL
 from .flux2 import FLUX2_ARCH, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
 from .flux3 import FLUX3_ARCH
-from .hunyuan_video import HUNYUAN_IMAGE_21, HUNYUAN_VIDEO_15, HUNYUAN_VIDEO_ARCH
+from .hunyuan_video import HUNYUAN_VIDEO_ARCH
+from .hunyuan_video15 import HUNYUAN_IMAGE_21, HUNYUAN_VIDEO_15
 from .ideogram4 import IDEOGRAM4_ARCH
 from .kandinsky import KANDINSKY5, KANDINSKY6
 from .krea2 import KREA2_ARCH

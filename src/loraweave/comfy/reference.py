@@ -89,24 +89,118 @@ def _chroma(cfg: dict) -> dict:
     }
 
 
-def _hunyuan_video(cfg: dict) -> dict:
-    patch = list(cfg.get("patch_size", (1, 2, 2)))
+def _hunyuan_base(cfg: dict) -> dict:
+    """What ComfyUI's HunyuanVideo class (HunyuanVideo, 1.5, HunyuanImage 2.1) sets alike: heads of 128 (its
+    detection), a token refiner always 2 blocks deep."""
     return {
         "in_channels": cfg["in_channels"],
         "out_channels": cfg["out_channels"],
         "num_attention_heads": cfg["num_heads"],
         "attention_head_dim": cfg["hidden_size"] // cfg["num_heads"],
         "num_layers": cfg["depth"],
-        "num_single_layers": cfg["depth_single_blocks"],
-        "num_refiner_layers": 2,  # ComfyUI's token refiner is always 2 blocks deep
+        "num_refiner_layers": 2,
         "mlp_ratio": cfg.get("mlp_ratio", 4.0),
-        "patch_size": patch[-1],
-        "patch_size_t": patch[0] if len(patch) == 3 else 1,
         "text_embed_dim": cfg["context_in_dim"],
-        "pooled_projection_dim": cfg.get("vec_in_dim") or 768,
-        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
         "rope_axes_dim": tuple(cfg["axes_dim"]),
         "rope_theta": float(cfg.get("theta", 256)),
+    }
+
+
+def _video_patch(cfg: dict, default: tuple[int, ...]) -> dict:
+    patch = list(cfg.get("patch_size", default))
+    return {"patch_size": patch[-1], "patch_size_t": patch[0] if len(patch) == 3 else 1}
+
+
+def _hunyuan_video(cfg: dict) -> dict:
+    return {
+        **_hunyuan_base(cfg),
+        **_video_patch(cfg, (1, 2, 2)),
+        "num_single_layers": cfg["depth_single_blocks"],
+        "pooled_projection_dim": cfg.get("vec_in_dim") or 768,
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+
+
+def _hunyuan_15_21(cfg: dict) -> dict:
+    # ComfyUI's glyph mapper (`byt5_in`) always reads 1472-wide ByT5 states.
+    return {
+        **_hunyuan_base(cfg),
+        "qk_norm": "rms_norm",
+        "text_embed_2_dim": 1472 if cfg.get("byt5") else None,
+        "use_meanflow": bool(cfg.get("meanflow", False)),
+    }
+
+
+def _hunyuan_video_15(cfg: dict) -> dict:
+    return {
+        **_hunyuan_15_21(cfg),
+        **_video_patch(cfg, (1, 1, 1)),
+        "image_embed_dim": cfg.get("vision_in_dim") or 1152,
+    }
+
+
+def _hunyuan_image_21(cfg: dict) -> dict:
+    return {
+        **_hunyuan_15_21(cfg),
+        "patch_size": tuple(cfg.get("patch_size", (1, 1))),
+        "num_single_layers": cfg["depth_single_blocks"],
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+
+
+def _kandinsky5(cfg: dict) -> dict:
+    # ComfyUI's Kandinsky5 keyword defaults for what its detection does not write. Its visual embedding reads
+    # `visual_embed_dim` inputs; diffusers reads in_visual_dim (x2 + 1 mask channel with visual_cond) per patch.
+    patch = tuple(cfg.get("patch_size", (1, 2, 2)))
+    in_visual = cfg.get("in_visual_dim", 16)
+    per_patch = cfg.get("visual_embed_dim", 132) // (patch[0] * patch[1] * patch[2])
+    return {
+        "in_visual_dim": in_visual if per_patch == in_visual else (per_patch - 1) // 2,
+        "visual_cond": per_patch != in_visual,
+        "out_visual_dim": cfg.get("out_visual_dim", 16),
+        "in_text_dim": cfg.get("in_text_dim", 3584),
+        "in_text_dim2": cfg.get("in_text_dim2", 768),
+        "time_dim": cfg.get("time_dim", 512),
+        "patch_size": patch,
+        "model_dim": cfg.get("model_dim", 1792),
+        "ff_dim": cfg.get("ff_dim", 7168),
+        "num_text_blocks": cfg.get("num_text_blocks", 2),
+        "num_visual_blocks": cfg.get("num_visual_blocks", 32),
+        "axes_dims": tuple(cfg.get("axes_dims", (16, 24, 24))),
+    }
+
+
+# ComfyUI's ErnieImageModel keyword defaults: its detection writes none of them (the released model's widths).
+_ERNIE = {"hidden_size": 4096, "num_attention_heads": 32, "num_layers": 36, "ffn_hidden_size": 12288,
+          "in_channels": 128, "out_channels": 128, "patch_size": 1, "text_in_dim": 3072, "rope_theta": 256,
+          "rope_axes_dim": (32, 48, 48), "eps": 1e-6, "qk_layernorm": True}  # fmt: skip
+
+
+def _ernie_image(cfg: dict) -> dict:
+    return {k: cfg.get(k, default) for k, default in _ERNIE.items()}
+
+
+def _cosmos_predict2(cfg: dict) -> dict:
+    # ComfyUI's MiniTrainDIT (Cosmos-Predict2 and Anima's DiT); the extra per-block position embedding is
+    # diffusers' "learnable" one.
+    heads = cfg.get("num_heads", 16)
+    return {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg["out_channels"],
+        "num_attention_heads": heads,
+        "attention_head_dim": cfg.get("model_channels", 2048) // heads,
+        "num_layers": cfg.get("num_blocks", 28),
+        "mlp_ratio": cfg.get("mlp_ratio", 4.0),
+        "text_embed_dim": cfg.get("crossattn_emb_channels", 1024),
+        "adaln_lora_dim": cfg.get("adaln_lora_dim", 256),
+        "max_size": (cfg.get("max_frames", 128), cfg.get("max_img_h", 240), cfg.get("max_img_w", 240)),
+        "patch_size": (
+            cfg.get("patch_temporal", 1),
+            cfg.get("patch_spatial", 2),
+            cfg.get("patch_spatial", 2),
+        ),
+        "concat_padding_mask": bool(cfg.get("concat_padding_mask", True)),
+        "extra_pos_embed_type": "learnable" if cfg.get("extra_per_block_abs_pos_emb") else None,
     }
 
 
@@ -270,6 +364,11 @@ CONFIGS: dict[str, Callable[[dict], dict]] = {
     "lumina2": _lumina2,
     "qwen-image": _qwen_image,
     "z-image": _z_image,
+    "hunyuan-video-1.5": _hunyuan_video_15,
+    "hunyuan-image-2.1": _hunyuan_image_21,
+    "kandinsky5": _kandinsky5,
+    "ernie-image": _ernie_image,
+    "anima": _cosmos_predict2,
 }
 
 

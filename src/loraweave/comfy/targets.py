@@ -18,6 +18,7 @@ import time
 import torch
 
 from ..arch.aliases import _bare_parameters
+from ..arch.spec import out_rows
 from ..engine.install import make_report
 from ..errors import StrictApplyError, TargetError
 from ..formats.adapter import Adapter
@@ -47,7 +48,9 @@ COMFY_ARCHS: dict[str, str] = {
     "Chroma": "chroma",
     "HunyuanVideo": "hunyuan-video",
     "HunyuanVideo15": "hunyuan-video-1.5",
+    "HunyuanVideo15_SR_Distilled": "hunyuan-video-1.5",
     "HunyuanImage21": "hunyuan-image-2.1",
+    "HunyuanImage21Refiner": "hunyuan-image-2.1",
     "QwenImage": "qwen-image",
     "Lumina2": "lumina2",
     "ZImage": "z-image",
@@ -62,9 +65,17 @@ COMFY_ARCHS: dict[str, str] = {
     "Kandinsky5": "kandinsky5",
     "Kandinsky5Image": "kandinsky5",
     "Anima": "anima",
+    # Cosmos-Predict2 is Anima's DiT without the LLM adapter: the same diffusers class and table (arch/anima.py).
+    "CosmosT2IPredict2": "anima",
+    "CosmosI2VPredict2": "anima",
     "ErnieImage": "ernie-image",
 }
-DENOISER_PREFIX = "diffusion_model"  # ModelPatcher state-dict keys: diffusion_model.<module>.weight
+DENOISER_PREFIX = "diffusion_model"
+# Pipeline components that ComfyUI keeps inside its diffusion model, by attribute: Anima's LLM adapter (diffusers'
+# `text_conditioner`; the key parser routes `diffusion_model.llm_adapter.` and `lora_unet_llm_adapter_` there).
+INNER_COMPONENTS: dict[str, str] = {
+    "text_conditioner": "llm_adapter"
+}  # ModelPatcher state-dict keys: diffusion_model.<module>.weight
 # ComfyUI text encoder attributes in kohya's order (lora_te1_, lora_te2_, lora_te3_); others follow in tree order.
 ENCODER_ORDER = ("clip_l", "clip_g", "t5xxl")
 TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -192,6 +203,32 @@ def _by_comfy_names(
     return plan
 
 
+def _inner_components(
+    plan: Plan, side: Adapter, live: torch.nn.Module, strength: float, adapter: Adapter
+) -> Plan:
+    """The plan, with the parts of INNER_COMPONENTS resolved on the submodule ComfyUI keeps them in (names below
+    the attribute are the component's own), their pieces moved under that attribute."""
+    for component, attr in INNER_COMPONENTS.items():
+        inner = getattr(live, attr, None)
+        parts = [p for p in side.parts if p.component == component]
+        if not isinstance(inner, torch.nn.Module) or not parts:
+            continue
+        again = copy.copy(side)
+        again.parts, again.unparsed = parts, []
+        second = resolve(Components({component: inner}), [(again, strength)])
+        spans: Spans = {
+            name: [(f"{attr}.{name}", 0, 0, rows)]
+            for name, module in inner.named_modules()
+            if name and (rows := out_rows(module)) is not None
+        }
+        second = _onto_comfy(second, DENOISER_PREFIX, live, spans, adapter)
+        landed = {k for item in (*second.planned, *second.params) for k in item.part.keys}
+        plan.unmatched = [u for u in plan.unmatched if u.key not in landed]
+        plan.planned += second.planned
+        plan.params += second.params
+    return plan
+
+
 def _covers(module: torch.nn.Module, piece) -> bool:
     weight = getattr(module, "weight", None)
     return weight is not None and piece.dst_start == 0 and piece.length == weight.shape[0]
@@ -221,6 +258,7 @@ def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: b
         plan = resolve(Components({name: tree}), [(side, strength)])
         plan = _onto_comfy(plan, DENOISER_PREFIX, live, spans, adapter)
         plan = _by_comfy_names(plan, side, live, strength, adapter)
+    plan = _inner_components(plan, side, live, strength, adapter)
     log.info(
         "comfy plan side=model arch=%s planned=%d params=%d unmatched=%d",
         comfy_arch(patcher),
