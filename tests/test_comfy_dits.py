@@ -6,7 +6,8 @@
 - runtime: the model's forward with mode="runtime" within 1e-5 (absolute, outputs of magnitude ~1) of the merge.
 Fused rows exercised: SD3 joint qkv (and SD3.5's attn2), Flux.2's fused qkv / SwiGLU `linear1` (one module on both
 sides), Chroma's and HunyuanVideo's qkv and single-block linear1 (q | k | v | mlp), HunyuanVideo's refiner qkv,
-Lumina 2's grouped-query qkv (q | k | v of unequal widths);
+Lumina 2's grouped-query qkv (q | k | v of unequal widths); LoRA, LoKr, LoHa, and the families whose ΔW reads the
+weight (DoRA on both magnitude axes, OFT, BOFT) on those slices;
 final-layer (shift, scale) halves swapped against diffusers' (scale, shift)."""
 
 from __future__ import annotations
