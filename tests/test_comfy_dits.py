@@ -6,7 +6,8 @@
 - runtime: the model's forward with mode="runtime" within 1e-5 (absolute, outputs of magnitude ~1) of the merge.
 Fused rows exercised: SD3 joint qkv (and SD3.5's attn2), Flux.2's fused qkv / SwiGLU `linear1` (one module on both
 sides), Chroma's and HunyuanVideo's qkv and single-block linear1 (q | k | v | mlp), HunyuanVideo's refiner qkv,
-Lumina 2's grouped-query qkv (q | k | v of unequal widths);
+Lumina 2's grouped-query qkv (q | k | v of unequal widths); LoRA, LoKr, LoHa, and the families whose ΔW reads the
+weight (DoRA on both magnitude axes, OFT, BOFT) on those slices;
 final-layer (shift, scale) halves swapped against diffusers' (scale, shift)."""
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ from helpers.comfy_env import import_comfy
 from helpers.comfy_files import adapter_file, dotted, kohya
 
 from loraweave.comfy import load_lora_for_models
+from loraweave.errors import NoKeysLandedError
 
 NAMES = list(DIT_BUILDERS)
-FAMILIES = ("lora", "lokr", "loha")  # DoRA / OFT ride the same row maps (test_comfy_weights.py covers them)
+FAMILIES = ("lora", "lokr", "loha")
+# W-dependent families: their ΔW reads the weight's own rows, so on a fused qkv / linear1 slice (ComfyUI narrows
+# the weight by the patch's offset) the DoRA norm and the OFT / BOFT rotations must see exactly the twin module's
+# rows. "dora_in": the magnitude on the input axis (LyCORIS wd_on_out=False), a norm over every row of the module.
+WEIGHT_FAMILIES = ("dora", "oft", "boft")
 
 
 def _forward_sd3(dm):
@@ -135,6 +141,74 @@ def test_kohya_on_comfy_names(models, name, family):
         assert comfy_core_verdict(m.as_diffusers, m, model, sd) == CORE_VERDICTS[name, "comfy"]
 
 
+# ComfyUI v0.19.3 on the W-dependent families at strength 0.7, by layout (measured): it drops the twin's names
+# where it drops LoRA's (all but LTX-2), and where it loads a file it is off by more than 1e-6: its DoRA blends the
+# strength outside the norm (issue 29: 0.57 ΔW at 0.5 against LyCORIS), its OFT and BOFT apply the strength twice
+# (s·(R − I)·W scaled by s again). Ours is within 1e-6 of loraweave.apply on the twin in every cell.
+WEIGHT_VERDICTS = {
+    **{(name, family, "diffusers"): "drops" for name in NAMES for family in WEIGHT_FAMILIES},
+    **{(name, family, "comfy"): "off" for name in NAMES for family in WEIGHT_FAMILIES},
+    **{("ltx2", family, "diffusers"): "off" for family in WEIGHT_FAMILIES},
+}
+
+
+def weight_file(m: DitModel, family: str, layout: str) -> dict[str, torch.Tensor]:
+    """A kohya `family` file on every block Linear, by the twin's names ("diffusers") or ComfyUI's ("comfy")."""
+    modules = block_linears(m.diffusers if layout == "diffusers" else comfy_modules(m))
+    if family != "dora_in":
+        return adapter_file(modules, family, kohya("lora_unet_"))
+    sd = adapter_file(modules, "lora", kohya("lora_unet_"))
+    g = torch.Generator().manual_seed(13)
+    for name, module in modules.items():
+        sd[f"{kohya('lora_unet_')(name)}.dora_scale"] = 1.0 + 0.1 * torch.randn(
+            1, module.weight.shape[1], generator=g
+        )
+    return sd
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "comfy"])
+@pytest.mark.parametrize("family", WEIGHT_FAMILIES)
+@pytest.mark.parametrize("name", NAMES)
+def test_weight_dependent_families(models, name, family, layout):
+    # On the twin's names a part lands on the rows of ComfyUI's fused module that the twin module holds (the
+    # slice ComfyUI narrows); on ComfyUI's names a fused part is split per row range over the twin's modules.
+    m = built(models, name)
+    sd = weight_file(m, family, layout)
+    model = check_against_twin(m.as_diffusers, m, sd)
+    assert comfy_core_verdict(m.as_diffusers, m, model, sd) == WEIGHT_VERDICTS[name, family, layout]
+
+
+def split_in_comfy(m: DitModel, sd: dict[str, torch.Tensor]) -> set[str]:
+    """The stems of `sd` whose twin module ComfyUI holds as several row ranges (SD3's last context block and
+    final layer: shift and scale halves swapped), read from our plan of the same stems as a plain LoRA."""
+    from loraweave.comfy.api import read_lora
+    from loraweave.comfy.targets import plan_for_patcher
+
+    stems = {k.rsplit(".", 2)[0] for k in sd if k.endswith(".lora_down.weight")}
+    lora = {k: v for k, v in sd.items() if not k.endswith(".dora_scale")}
+    plan = plan_for_patcher(m.patcher, read_lora(lora))
+    return {pp.part.keys[0].rsplit(".", 2)[0] for pp in plan.planned if len(pp.pieces) > 1} & stems
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_input_axis_dora_on_fused_slices(models, name):
+    # The column norm runs over every row of the twin's module: on ComfyUI's fused qkv / linear1 that is the rows of
+    # the slice ComfyUI hands over (q alone, k alone...), never the whole fused weight. A module ComfyUI holds in
+    # several row ranges cannot give the norm range by range: refused and named, nothing patched there.
+    m = built(models, name)
+    sd = weight_file(m, "dora_in", "diffusers")
+    split = split_in_comfy(m, sd)
+    assert (name == "sd3") == bool(split), split  # SD3's swapped halves; the other models keep rows whole
+    check_against_twin(m.as_diffusers, m, {k: v for k, v in sd.items() if k.rsplit(".", 2)[0] not in split})
+    if split:
+        refused = {k: v for k, v in sd.items() if k.rsplit(".", 2)[0] in split}
+        with pytest.raises(NoKeysLandedError) as raised:  # nothing else in this file: no key lands
+            load_lora_for_models(m.patcher, None, refused, STRENGTH, 0.0, mode="merge")
+        report = raised.value.report
+        assert {u.kind for u in report.unmatched} == {"unsupported"}, report.kinds()
+        assert all("not row-local" in u.reason for u in report.unmatched)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_peft_diffusers_layout(models, name):
     m = built(models, name)
@@ -163,10 +237,11 @@ def test_hunyuan_video_tencent_names(models):
     check_against_twin(m.as_diffusers, m, adapter_file(linears, "lora", kohya("lora_unet_")))
 
 
+@pytest.mark.parametrize("family", ["lora", *WEIGHT_FAMILIES])
 @pytest.mark.parametrize("name", NAMES)
-def test_runtime_forward_equals_merge(models, name):
+def test_runtime_forward_equals_merge(models, name, family):
     m = built(models, name)
-    sd = adapter_file(all_linears(m.diffusers), "lora", kohya("lora_unet_"))
+    sd = adapter_file(all_linears(m.diffusers), family, kohya("lora_unet_"))
     forward = FORWARDS[name]
     merged, runtime, base = runtime_and_merge(m, sd, lambda m, model: forward(model.model.diffusion_model))
     assert (merged - base).abs().max() > 100 * FORWARD_ATOL, "the adapter changed nothing"

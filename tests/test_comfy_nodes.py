@@ -55,7 +55,7 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
         {"model", "lora_name", "strength", "start_percent", "end_percent", "ramp"},
         ("MODEL", "STRING"),
     ),
-    "LoraWeaveInspect": ({"lora_name"}, ("STRING", "STRING", "IMAGE")),
+    "LoraWeaveInspect": ({"lora_name", "model"}, ("STRING", "STRING", "IMAGE")),
 }
 
 
@@ -342,6 +342,47 @@ def test_inspect_outputs_report_triggers_and_the_cli_heatmap(comfy_home, tmp_pat
     want = np.asarray(Image.open(png).convert("RGB"), dtype=np.float32) / 255.0
     assert image.dtype == torch.float32 and image.shape == (1, *want.shape)
     assert torch.equal(image[0], torch.from_numpy(want))
+
+
+def _coverage(report: str) -> str:
+    return next(line for line in report.splitlines() if line.startswith("coverage"))
+
+
+@pytest.mark.parametrize(
+    ("lora_name", "alone", "landed"),
+    [
+        ("flux.safetensors", "0/6", "6/6"),
+        ("partial.safetensors", "0/9", "6/9"),
+        ("sd1.safetensors", "3/3", "0/3"),
+    ],
+)
+def test_inspect_judges_against_a_connected_model(comfy_home, lora_name, alone, landed):
+    # The tiny Flux (hidden 128) is what a pruned or distilled release looks like to the catalog: unconnected,
+    # Inspect judges the file on the full-size model of its architecture (Flux.1, 3072 wide: nothing lands; the SD1
+    # file lands on SD1.5); connected, it judges on the model's own modules with the loader's resolver.
+    import nodes
+
+    unwired = {"2": {"class_type": "LoraWeaveInspect", "inputs": {"lora_name": lora_name}}}
+    valid, errors, ex, out = _run(unwired)
+    assert valid and ex.success, errors or _error(ex)
+    assert _coverage(out["2"][0]).split()[1] == alone, out["2"][0]  # today's behaviour, unchanged
+    assert "connected MODEL" not in out["2"][0]
+    wired = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": FLUX_FILE, "weight_dtype": "default"}},
+        "2": {"class_type": "LoraWeaveInspect", "inputs": {"lora_name": lora_name, "model": ["1", 0]}},
+    }
+    valid, errors, ex, out = _run(wired)
+    assert valid and ex.success, errors or _error(ex)
+    report = out["2"][0]
+    line = _coverage(report)
+    assert line.split()[1] == landed and "on the connected MODEL (flux, its own modules)" in line, report
+    assert ("  unmatched" in report) == (landed != "6/6"), report  # each miss named by kind
+    assert out["1"][0].patches == {}  # nothing patched on the MODEL it judged
+    if landed.startswith("0/"):
+        return  # the loader refuses a file of which no key lands (test_execution_errors_name_the_file...)
+    loader = nodes.NODE_CLASS_MAPPINGS["LoraWeaveLoaderModelOnly"]  # one resolver: the loader's count
+    text = loader.execute(out["1"][0], lora_name, 1.0, "merge", False).args[1]
+    assert f"keys_applied={landed}" in text, text
 
 
 def test_install_uninstall_round_trip(tmp_path, capsys):

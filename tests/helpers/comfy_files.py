@@ -32,6 +32,13 @@ def _write(sd: dict, stem: str, tensors: dict[str, torch.Tensor], peft: bool) ->
         sd[f"{stem}.{suffix}"] = tensor
 
 
+def boft_factors(out: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """LyCORIS BOFT on `out` rows: 2 butterfly stages of 4 x 4 blocks (1 stage where out/4 is odd); no constraint."""
+    b = 4 if out % 4 == 0 else 2
+    stages = 2 if (out // b) % 2 == 0 else 1
+    return {"oft_blocks": torch.randn(stages, out // b, b, b, generator=g) * 0.2, "alpha": torch.tensor(0.0)}
+
+
 def adapter_file(
     modules: dict[str, torch.nn.Module], family: str, stem_of, peft: bool = False, seed: int = 3
 ):
@@ -40,7 +47,8 @@ def adapter_file(
     sd: dict[str, torch.Tensor] = {}
     for name, module in modules.items():
         out, inp = module.weight.shape
-        _write(sd, stem_of(name), factors(family, out, inp, g), peft)
+        made = boft_factors(out, g) if family == "boft" else factors(family, out, inp, g)
+        _write(sd, stem_of(name), made, peft)
     return sd
 
 

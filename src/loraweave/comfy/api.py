@@ -111,15 +111,30 @@ def _check(report: Report, strict: bool) -> None:
     refuse_empty(report)
 
 
-def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: float, strict: bool = False):
-    """(model clone, clip clone or None, report): loraweave's ΔW added through ComfyUI's patch lists."""
-    t0 = time.perf_counter()
+def _plans(model, clip, adapter: Adapter) -> tuple[Plan, Plan | None, Plan, list[Unmatched]]:
+    """(model side, CLIP side or None, both sides as one plan, every miss) of `adapter` on ComfyUI's modules."""
     model_plan = plan_for_patcher(model, adapter)
     clip_plan, clip_misses = _clip_side(clip, adapter)
     both = Plan(model_plan.components, [adapter], {adapter.name: 1.0})
     both.planned = model_plan.planned + (clip_plan.planned if clip_plan else [])
     both.params = model_plan.params + (clip_plan.params if clip_plan else [])
-    unmatched = model_plan.unmatched + clip_misses
+    return model_plan, clip_plan, both, model_plan.unmatched + clip_misses
+
+
+def judge(model, lora, clip=None) -> Report:
+    """The loader's plan of `lora` on `model` (and `clip`) as a report of mode "plan": which keys would land on
+    this ComfyUI model's own modules, and why each other one would not. Nothing is cloned or patched."""
+    if not is_model_patcher(model):
+        raise TargetError(f"model must be a ComfyUI ModelPatcher (a MODEL), not {type(model).__name__}")
+    t0 = time.perf_counter()
+    *_, both, unmatched = _plans(model, clip, read_lora(lora))
+    return make_report(both, "plan", [], unmatched, t0)
+
+
+def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: float, strict: bool = False):
+    """(model clone, clip clone or None, report): loraweave's ΔW added through ComfyUI's patch lists."""
+    t0 = time.perf_counter()
+    model_plan, clip_plan, both, unmatched = _plans(model, clip, adapter)
     _check(make_report(both, "merge", [], unmatched, t0), strict)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
     new_clip = None

@@ -66,11 +66,41 @@ def file_fingerprint(name: str) -> str:
     return f"{name}:{stat.st_mtime_ns}:{stat.st_size}"
 
 
-def inspect_text(path: str) -> str:
-    """loraweave inspect's table of the file (layout, families, ranks, detected architecture, coverage)."""
+def inspect_text(path: str, model=None) -> str:
+    """loraweave inspect's table of the file (layout, families, ranks, detected architecture, coverage). Coverage
+    is judged against the full-size model of the detected architecture, or, given a ComfyUI MODEL, against that
+    model's own modules by the loader's resolver (a LoRA for a pruned, distilled or tiny model lands there)."""
     from ..tools.inspect import format_table, inspect_adapter
 
-    return format_table(inspect_adapter(path))
+    if model is None:
+        return format_table(inspect_adapter(path))
+    info = inspect_adapter(path, coverage=False)  # the file alone; coverage comes from the MODEL below
+    info["coverage"] = model_coverage(model, path)
+    return format_table(info)
+
+
+def model_coverage(model, path: str) -> dict:
+    """inspect's coverage entry for `path` on a ComfyUI MODEL: the loader's plan (api.judge), diffusion model only
+    (text-encoder keys are named as the model-only loader names them: no CLIP given)."""
+    from collections import Counter
+
+    from ..report.report import failures
+    from .api import judge
+    from .targets import comfy_arch
+
+    report = judge(model, path)
+    arch = comfy_arch(model) or type(model.model.model_config).__name__
+    unmatched = [{"key": u.key, "reason": u.reason, "kind": u.kind} for u in report.unmatched]
+    return {
+        "checked": True,
+        "against": f"the connected MODEL ({arch}, its own modules)",
+        "keys_total": report.keys_total,
+        "keys_applied": report.keys_applied,
+        "unmatched": unmatched,
+        "unmatched_by_kind": dict(Counter(u["kind"] for u in unmatched)),
+        "alpha_sources": report.adapters[0]["alpha_sources"] if report.adapters else {},
+        "complete": not failures(unmatched),
+    }
 
 
 def trigger_text(path: str) -> str:

@@ -329,7 +329,15 @@ class LoraWeaveInspect(LoraFileNode):
             "What a LoRA file is (layout, families, ranks, architecture, coverage), its trigger "
             "words, and the heatmap of its ||dW|| per block x module kind.",
             is_output_node=True,
-            inputs=[_lora_input()],
+            inputs=[
+                _lora_input(),
+                io.Model.Input(
+                    "model",
+                    optional=True,
+                    tooltip="connected: coverage is judged on this model's own modules (a pruned, distilled or "
+                    "tiny model); unconnected: on the full-size model of the file's architecture",
+                ),
+            ],
             outputs=[
                 io.String.Output(display_name="report"),
                 io.String.Output(display_name="trigger_words"),
@@ -338,11 +346,11 @@ class LoraWeaveInspect(LoraFileNode):
         )
 
     @classmethod
-    def execute(cls, lora_name) -> io.NodeOutput:
+    def execute(cls, lora_name, model=None) -> io.NodeOutput:
         path = lora_path(lora_name)
         try:
             with named_errors(lora_name):
-                text, triggers, heatmap = inspect_text(path), trigger_text(path), heatmap_image(path)
+                text, triggers, heatmap = inspect_text(path, model), trigger_text(path), heatmap_image(path)
         except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does
             raise LoraweaveError(
                 f"{lora_name}: LoraWeave Inspect resolves the file on the architecture's skeleton, built from "

@@ -51,29 +51,43 @@ def unit_delta(pp: PlannedPart, piece: Piece, window: torch.Tensor) -> torch.Ten
     return unit
 
 
+def _put(window: torch.Tensor, delta: torch.Tensor, add: bool) -> None:
+    # A copy into the zeroed buffer of a function patch keeps ΔW's bits (-0.0 too, which 0 + -0.0 would not).
+    if add:
+        window += delta
+    else:
+        window.copy_(delta)
+
+
 def write_rows(rows: torch.Tensor, terms: list[Term], strength: float, function, bias: bool) -> None:
-    """rows (the slice ComfyUI narrowed, any dtype) += function(ΔW of `terms` at `strength`), in place."""
+    """rows (the slice ComfyUI narrowed, any dtype) += function(ΔW of `terms` at `strength`), in place.
+
+    Each term's ΔW is formed, scaled and added as core adds one patch (the product, then the scale, then
+    `function`, then the sum), so an fp32 slice gets core's bits for every family core is right on. Any other
+    dtype (fp16/bf16 under lowvram or DynamicVRAM, or a fp16 merge) accumulates in fp32 and is rounded into the
+    slice once: core computes there in that dtype and rounds the product, the scaled ΔW and the sum each on
+    its own (up to a few ulps from the fp64 result; ours is the nearest value of the dtype to the fp32 sum)."""
     flat = rows if bias else rows.reshape(rows.shape[0], -1)
-    direct = flat.dtype == torch.float32 and _is_identity(function)
-    acc = flat if direct else flat.to(torch.float32, copy=True)
+    identity = _is_identity(function)
+    acc = flat if flat.dtype == torch.float32 else flat.to(torch.float32, copy=True)
     needs_base = bias or any(pp.family.needs_base for pp, _ in terms)
     base = acc.clone() if needs_base else None
     for pp, piece in terms:
+        into = acc if identity else torch.zeros_like(acc)
+        window = into[piece.dst_start : piece.dst_start + piece.length]
         if bias:
             delta = bias_of(pp, piece, base)
-            if delta is not None:
-                acc[piece.dst_start : piece.dst_start + piece.length] += (
-                    strength * pp.strength * pp.scale
-                ) * delta.to(acc.dtype)
+            if delta is None:
+                continue
+            _put(window, (strength * pp.strength * pp.scale) * delta.to(acc.dtype), identity)
         elif pp.family.needs_base:
-            window = acc[piece.dst_start : piece.dst_start + piece.length]
             add_contribution(window, pp, piece, base, strength=strength * pp.strength, scale=pp.scale)
         else:
-            window = acc[piece.dst_start : piece.dst_start + piece.length]
-            window += (strength * pp.strength * pp.scale) * unit_delta(pp, piece, window)
-    if not direct:
-        original = flat.to(torch.float32)
-        flat.add_(function(acc - original).to(flat.dtype))
+            _put(window, (strength * pp.strength * pp.scale) * unit_delta(pp, piece, window), identity)
+        if not identity:  # core: weight += function(ΔW) with ΔW in the weight's own shape
+            acc += function(into.reshape(rows.shape)).reshape(acc.shape)
+    if acc is not flat:
+        flat.copy_(acc)
 
 
 @functools.cache

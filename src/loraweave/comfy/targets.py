@@ -164,6 +164,10 @@ def _onto_comfy(plan: Plan, component: str, live: torch.nn.Module, spans: Spans,
         if missing is not None:
             out.unmatched += _no_such_module(pp, missing)
             continue
+        refused = _piece_refusal(pp, pieces, component)
+        if refused is not None:
+            out.unmatched += [Unmatched(pp.adapter.name, key, refused) for key in pp.part.keys]
+            continue
         whole = tuple(dataclasses.replace(q, whole=_covers(names[q.module], q)) for q in pieces)
         out.planned.append(dataclasses.replace(pp, adapter=adapter, component=component, pieces=whole))
     originals = _original_params(plan.components.modules[next(iter(plan.components.modules))])
@@ -227,6 +231,18 @@ def _inner_components(
         plan.planned += second.planned
         plan.params += second.params
     return plan
+
+
+def _piece_refusal(pp: PlannedPart, pieces: tuple, component: str) -> Miss | None:
+    """Why the family cannot take its rows as ComfyUI holds them, or None. A module of the reference tree may sit
+    in ComfyUI's model as several row ranges (Flux/SD3 final layers: shift and scale halves swapped), and a
+    family whose ΔW reads all of the module's rows at once (input-axis DoRA's column norm) cannot take them
+    range by range: refused here, named in the report, instead of failing inside ComfyUI's patching."""
+    for q in pieces:
+        reason = pp.family.check_piece(pp.factors, q.src_start, q.length)
+        if reason is not None:
+            return reason.where(f"{component}.{q.module}")
+    return None
 
 
 def _covers(module: torch.nn.Module, piece) -> bool:

@@ -50,8 +50,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
                 "shape_mismatch",
                 f"shape mismatch: Tucker core {tuple(mid.shape)} with down {tuple(down.shape)}",
             )
-        # Tucker: down is 1x1, the core carries the kernel; compose them into one (r, in, *k) kernel.
-        down = torch.einsum("mn...,nj->mj...", mid.float(), down.flatten(1).float())
+        down = tucker_fold(down, mid)
     bias = tensors.get("up_bias")
     if bias is not None and bias.shape != (up.shape[0],):
         raise PartRejected(
@@ -59,6 +58,16 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
         )
     conv_kernel = down.dim() > 2 and any(d > 1 for d in down.shape[2:])
     return LoraFactors(down, up2d, bias, rank, conv_kernel)
+
+
+def tucker_fold(down: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
+    """The (r, in, *k) kernel of a Tucker LoCon: K[m, i, ...] = Σ_n mid[m, n, ...]·down[n, i], down being 1x1.
+
+    fp32, formed as ComfyUI core forms it (one mm of down's transpose by mid's transpose flattened), so a merge
+    through ComfyUI's patch list is bit-identical to core's; any other order (an einsum) rounds differently."""
+    rank, inputs = down.shape[0], down.shape[1]
+    product = torch.mm(down.flatten(1).float().t(), mid.float().transpose(0, 1).flatten(1))
+    return product.reshape(inputs, rank, *mid.shape[2:]).transpose(0, 1).contiguous()
 
 
 def widen_input(f: LoraFactors, shape: tuple[int, ...]) -> LoraFactors | None:
