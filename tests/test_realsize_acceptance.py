@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from helpers.realsize import (
     assert_rows_match,
@@ -27,6 +28,8 @@ from safetensors.torch import load_file
 
 import loraweave
 
+# 2 threads on 2 shared cores spin in OpenMP barriers: ~10x a merge's CPU time (and wall time) under load
+pytestmark = pytest.mark.usefixtures("one_thread")
 SEED = 11
 LEIGHWOODS = "lora/leighwoods__public-loras__lora.safetensors"
 LOKR = "lora/KohakuBlueleaf__LyCORIS__smart_falcon_4_lokr.safetensors"

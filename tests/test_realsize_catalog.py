@@ -17,12 +17,17 @@ the reason; test_every_record_is_in_the_tier keeps that list exact, so a new rec
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 from helpers.realsize import (
+    POOL,
     RealLayer,
     assert_merged,
     assert_seeded,
+    fill_seeded,
     largest_layers,
     layer_at,
     lora_for,
@@ -55,6 +60,8 @@ ARCHS = [
     for a in registry.ARCHITECTURES
     if a.skeleton is not None
 ]
+# 2 threads on 2 shared cores spin in OpenMP barriers: ~10x a merge's CPU time (and wall time) under load
+pytestmark = pytest.mark.usefixtures("one_thread")
 SEED = 7
 
 # Records without a skeleton whose size is known from their diffusers class: (class, config, where the numbers come
@@ -119,12 +126,18 @@ def test_targeted_layer_kinds_merge_and_restore_at_real_size(arch, path, shape):
     merge_and_restore(model, layer)
 
 
-def class_default_model(arch: str) -> torch.nn.Module:
+@functools.lru_cache(maxsize=1)  # each record's two layers in a row
+def _class_default_model(arch: str) -> torch.nn.Module:
     import diffusers
 
     cls, config, _ = CLASS_DEFAULTS[arch]
     with torch.device("meta"):
         return getattr(diffusers, cls).from_config(config)
+
+
+def class_default_model(arch: str) -> torch.nn.Module:
+    """The record's diffusers class on the meta device, built once per session; each caller gets a deep copy."""
+    return copy.deepcopy(_class_default_model(arch))
 
 
 def uncovered_records() -> set[str]:
@@ -155,3 +168,28 @@ def test_class_default_records_merge_and_restore_at_real_size(arch, nth):
     layer = largest_layers(model, arch, count=2)[nth]
     assert layer.numel > 2**24, layer  # a real size, past float32's exact integers
     merge_and_restore(model, layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_seeded_fill_is_checked_bit_for_bit(dtype):
+    """The fill every restore check here compares against: past one pool period (elements repeat every POOL), no
+    two rows equal, N(0, 1/fan_in); a flipped low bit, a shift by one element and the neighbouring seed all fail
+    assert_seeded (the negative controls of "restored bit for bit")."""
+    w = torch.empty(700, 3001, dtype=dtype)  # 2.1M elements: two periods and a part
+    fill_seeded(w, SEED)
+    assert_seeded(w, SEED, "fresh fill")
+    assert w.numel() > 2 * POOL
+    assert torch.unique(w.view(torch.uint8 if dtype.itemsize == 1 else torch.int16), dim=0).shape[0] == 700
+    std = float(w.double().std())
+    assert abs(std * 3001**0.5 - 1) < 0.02, std
+    flat = w.view(-1)
+    for k in (0, POOL + 5, w.numel() - 1):
+        flipped = w.clone()
+        flipped.view(-1).view(torch.uint8)[k * dtype.itemsize] ^= 1
+        with pytest.raises(AssertionError, match=f"flat {k} "):
+            assert_seeded(flipped, SEED, "one bit")
+    shifted = torch.roll(flat, 1).view_as(w)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_seeded(shifted, SEED, "shifted")
+    with pytest.raises(AssertionError, match="differs"):
+        assert_seeded(w, SEED + 1, "another seed")

@@ -32,6 +32,8 @@ from safetensors.torch import load_file
 from loraweave.comfy import load_lora_for_models
 from loraweave.comfy.targets import reference_tree
 
+# 2 threads on 2 shared cores spin in OpenMP barriers: ~10x a merge's CPU time (and wall time) under load
+pytestmark = pytest.mark.usefixtures("one_thread")
 SEED = 13
 STRENGTH = 0.8
 HIDDEN, MLP = 3072, 12288

@@ -49,6 +49,8 @@ UNDO = ["auto", "compact", "copy", "source", "none"]
 FLUX_PROJ_OUT = RealLayer("flux", "single_transformer_blocks.0.proj_out", (3072, 15360))
 WAN_FFN = RealLayer("wan", "blocks.0.ffn.net.0.proj", (13824, 5120))
 SD15_CONV = RealLayer("sd1", "up_blocks.0.resnets.0.conv1", (1280, 2560, 3, 3))
+# 2 threads on 2 shared cores spin in OpenMP barriers: ~10x a merge's CPU time (and wall time) under load
+pytestmark = pytest.mark.usefixtures("one_thread")
 SEED = 5
 
 

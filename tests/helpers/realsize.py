@@ -3,11 +3,18 @@ one at a time with seeded values; LoRA factors for them; strided-row checks agai
 
 Nothing here calls loraweave's math: references are the formulas (W + s·B·A, Kronecker products) in fp64 on a
 strided sample of rows (every 97th, plus the first and last), so a check stays cheap while the arithmetic under
-test runs at full size. Weights are regenerated from their seed block by block, so "restored bit for bit" is
-checked without holding a second copy of a layer of up to 340M elements."""
+test runs at full size. A weight's values are a window of one seeded pool of N(0, 1) values (POOL, a prime count)
+read cyclically from a seed's offset and scaled: a fill and a check run at copy speed (torch.randn took ~4 s per
+layer of 340M elements, twice per test), no two rows of a layer are equal (rows < POOL, fan_in < POOL), and
+"restored bit for bit" compares the weight with the pool, without holding a second copy of the layer.
+
+Meta models are built once (the latest 8 kept: a catalog build takes up to a second); each caller gets its own deep
+copy."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +27,6 @@ from loraweave.arch.catalog import CATALOG, build_meta
 from loraweave.mechanisms.merge.undo import bits
 
 ROW_STRIDE = 97
-BLOCK_ROWS = 512  # rows generated per seeded block: any block regenerates alone
 LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -44,9 +50,14 @@ class RealLayer:
         return f"{self.arch}:{self.path}{list(self.shape)}"
 
 
-def meta_denoiser(arch: str) -> nn.Module:
-    """The architecture's full-size denoiser on the meta device (no weights)."""
+@functools.lru_cache(maxsize=8)  # the latest few: a mechanism module reuses 3, the catalog's targeted kinds 5
+def _meta_denoiser(arch: str) -> nn.Module:
     return build_meta(arch, text_encoders=False)[CATALOG[arch].denoiser]
+
+
+def meta_denoiser(arch: str) -> nn.Module:
+    """The architecture's full-size denoiser on the meta device (no weights): the session's build, deep-copied."""
+    return copy.deepcopy(_meta_denoiser(arch))
 
 
 def largest_layers(model: nn.Module, arch: str, count: int) -> list[RealLayer]:
@@ -63,32 +74,45 @@ def layer_at(model: nn.Module, arch: str, path: str) -> RealLayer:
     return RealLayer(arch, path, tuple(model.get_submodule(path).weight.shape))
 
 
-def _block_seed(seed: int, block: int) -> int:
-    return seed * 1_000_003 + block
+POOL = 1_048_573  # a prime above every fan_in and row count of the tier: no two rows of a layer are equal
 
 
-def _seeded_block(shape: tuple[int, ...], seed: int, block: int, std: float) -> torch.Tensor:
-    g = torch.Generator().manual_seed(_block_seed(seed, block))
-    return torch.randn(shape, generator=g).mul_(std)
+@functools.cache
+def _pool() -> torch.Tensor:
+    """POOL seeded N(0, 1) values in fp32, twice over: a window of up to POOL values from any offset is contiguous."""
+    base = torch.randn(POOL, generator=torch.Generator().manual_seed(0))
+    return torch.cat([base, base])
+
+
+def _period(weight: torch.Tensor, seed: int) -> torch.Tensor:
+    """The values `weight` repeats (flat element k is period[k % POOL]): POOL pool values from `seed`'s offset
+    (fewer for a smaller weight), scaled to std 1/sqrt(fan_in) (0.02 for a vector) and rounded to its dtype."""
+    std = math.prod(weight.shape[1:]) ** -0.5 if weight.dim() > 1 else 0.02
+    start = (seed * 2_654_435_761 + 12_345) % POOL
+    return (_pool()[start : start + min(weight.numel(), POOL)] * std).to(weight.dtype)
 
 
 def fill_seeded(weight: torch.Tensor, seed: int) -> None:
-    """Fill `weight` (any float dtype, fp8 included) with N(0, 1/fan_in) values, BLOCK_ROWS rows per seed."""
-    std = math.prod(weight.shape[1:]) ** -0.5 if weight.dim() > 1 else 0.02
+    """Fill `weight` (any float dtype, fp8 included) with N(0, 1/fan_in) values: the pool from `seed`'s offset."""
+    assert weight.is_contiguous(), "fill_seeded writes the flat storage"
+    period = _period(weight, seed)
+    flat = weight.detach().view(-1)
     with torch.no_grad():
-        for j, rows in enumerate(weight.split(BLOCK_ROWS)):
-            rows.copy_(_seeded_block(tuple(rows.shape), seed, j, std))
+        for pos in range(0, flat.numel(), POOL):
+            flat[pos : pos + POOL].copy_(period[: flat.numel() - pos])
 
 
 def assert_seeded(weight: torch.Tensor, seed: int, what: str) -> None:
     """`weight` holds exactly the bits `fill_seeded(weight, seed)` wrote (compared as integers: -0.0 counts)."""
-    fresh = torch.empty(0, dtype=weight.dtype)
-    std = math.prod(weight.shape[1:]) ** -0.5 if weight.dim() > 1 else 0.02
-    for j, rows in enumerate(weight.detach().split(BLOCK_ROWS)):
-        fresh = _seeded_block(tuple(rows.shape), seed, j, std).to(weight.dtype)
-        if not torch.equal(bits(rows), bits(fresh)):
-            bad = (bits(rows) != bits(fresh)).nonzero()[0].tolist()
-            raise AssertionError(f"{what}: block {j} differs from the original at {bad}")
+    period = bits(_period(weight, seed))
+    flat = bits(weight.detach().contiguous().view(-1))
+    for pos in range(0, flat.numel(), POOL):
+        got = flat[pos : pos + POOL]
+        want = period[: got.numel()]
+        if not torch.equal(got, want):
+            bad = pos + int((got != want).nonzero()[0])
+            index = [int(i) for i in torch.unravel_index(torch.tensor(bad), tuple(weight.shape))]
+            raise AssertionError(f"{what}: differs from the original at flat {bad} {index}")
 
 
 @contextmanager
@@ -205,7 +229,7 @@ class Holder(nn.Module):
 
 
 def holder(layer: RealLayer) -> Holder:
-    return Holder(meta_denoiser(layer.arch).get_submodule(layer.path))
+    return Holder(copy.deepcopy(_meta_denoiser(layer.arch).get_submodule(layer.path)))
 
 
 def layer_input(layer: RealLayer, dtype: torch.dtype, seed: int, samples: int = 2) -> torch.Tensor:
