@@ -119,7 +119,8 @@ class Handle:
             self.check_undoable()
             for merged in state.merged():  # a source file that changed is refused before anything is touched
                 merged.check_undo()
-            state.journal.undo()
+            with reused_buffers():  # the undo scratch of every merged layer shared
+                state.journal.undo()
             state.drop_mix()  # per-sample / regional state: its root hooks go too
             state.detached.clear()
             state.active = False

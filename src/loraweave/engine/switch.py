@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..families.combined import CombinedFactors
 from ..mechanisms.choose import LayerWork, WorkPlan
 from ..mechanisms.merge.layer import MergedModule
+from ..mechanisms.merge.undo import reused_buffers
 from ..mechanisms.runtime.path import RuntimePath
 from ..modes import ApplyMode, StackMode
 from ..quant import backend_for
@@ -280,7 +281,8 @@ class LayerDiff:
 def _switch_layers(state: HandleState, new: NewSet) -> LayerDiff:
     diff = LayerDiff(state, new)
     try:
-        diff.run()
+        with reused_buffers():  # undo and merge scratch shared by every layer (no per-layer allocations)
+            diff.run()
     except BaseException:
         # Old and new layers are mixed at this point: leave the model clean (no adapters) rather than half-switched.
         state.journal.undo()

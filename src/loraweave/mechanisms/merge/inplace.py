@@ -49,6 +49,10 @@ def new_non_finite(written: torch.Tensor, original: torch.Tensor) -> int:
     return int((~torch.isfinite(written.float()) & torch.isfinite(original.view_as(written).float())).sum())
 
 
+def _settled() -> None:
+    """Nothing left in flight."""
+
+
 @dataclass
 class _Progress:
     """What a fused merge has written so far: rows [0, written) hold W' and their misses are in the lists; a
@@ -61,7 +65,7 @@ class _Progress:
     flight: torch.Tensor | int | None = None  # the block in flight (torch: its rows; native: its end row)
     encoding: str = "raw"  # of the positions in `found`: int64 (torch path) or "gaps8" entries (native)
     fillers: dict[str, int] = field(default_factory=dict)  # per gap encoding, for sizing (native)
-    settle: Callable[[], None] = lambda: None
+    settle: Callable[[], None] = _settled
 
 
 def merge_in_place(
@@ -103,6 +107,10 @@ def merge_in_place(
         if done.written:
             _raw(rows, done, witness, chunk_rows).rebuild_rows(rows, rows, delta_fn, done.written)
         raise
+    finally:
+        # settle closes over `done` and the block buffers: left in place, that cycle would keep each layer's
+        # buffers and miss lists alive until Python's cyclic collector happens to run
+        done.settle = _settled
 
 
 def _refuse(bad: int, adapters: set[str], r0: int, r1: int, rows: torch.Tensor) -> None:

@@ -90,7 +90,7 @@ class RuntimePath:
         self.fn_caches: list[CastCache] = []  # what the structured terms read (RuntimeTerm.caches)
         self.adapters = set()
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
-        last_down = None
+        last_down = borrowed = None
         for pp, piece in contributions:
             if pp.family.runtime_takes_module and host is None:
                 host = runtime_host(module)
@@ -111,11 +111,16 @@ class RuntimePath:
             if term.down is not None and owners and owners[-1][0] is pp and term.down is last_down:
                 # Another row chunk of the same part (split or per-head interleaved fused keys): one pair, not
                 # one pair per chunk (DiffSynth's H3 QKV would otherwise hold its down once per head).
+                if ups[-1] is borrowed:  # never written into: the adapter's own tensor
+                    ups[-1] = borrowed = ups[-1].clone()
                 ups[-1][term.dst_start : term.dst_start + term.length] = term.up
             elif term.down is not None:
                 last_down = term.down
-                up = term.up.new_zeros(self.out, term.up.shape[1])
-                up[term.dst_start : term.dst_start + term.length] = term.up
+                if (term.dst_start, term.length, term.up.shape[0]) == (0, self.out, self.out):
+                    up = borrowed = term.up  # every row: the adapter's tensor itself, read, never written
+                else:
+                    up = term.up.new_zeros(self.out, term.up.shape[1])
+                    up[term.dst_start : term.dst_start + term.length] = term.up
                 rank = term.down.shape[0]
                 down = term.down.reshape(rank, *_kernel_dims(module)) if self.conv else term.down.flatten(1)
                 downs.append(down)
@@ -138,8 +143,13 @@ class RuntimePath:
         self.owners = owners
         self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
         # the rank-concatenated pair: down (R, in, *k) and up (out, R), stored dtype (promoted by cat); kept across
-        # strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt.
-        pair = (torch.cat(downs), torch.cat(ups, dim=1)) if downs else None
+        # strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt. One pair is
+        # not copied: its down (and its up, when it covers every row) are the adapter's tensors (file-mapped
+        # views), so the path holds no second copy of the factors.
+        if len(downs) == 1:  # contiguous, as a concatenation would be (the same kernels, the same bits)
+            pair = (downs[0].contiguous(), ups[0].contiguous())
+        else:
+            pair = (torch.cat(downs), torch.cat(ups, dim=1)) if downs else None
         self._factor_cast = CastCache(*pair) if pair else None
         self._scale_cast = CastCache(torch.empty(pair[0].shape[0] if pair else 0))
         self.refresh_scales()
