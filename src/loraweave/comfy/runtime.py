@@ -169,7 +169,8 @@ def build_paths(entries: Sequence[RuntimeEntry]) -> tuple[list[RuntimePath], lis
                     for key in pp.part.keys
                 ]
             continue
-        paths.append(RuntimePath(module, contribs))
+        owned = all(getattr(pp.adapter.source, "owned", False) for pp, _ in contribs)
+        paths.append(RuntimePath(module, contribs, borrow=owned))
     return paths, blocked
 
 

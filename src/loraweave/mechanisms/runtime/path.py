@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ...arch.spec import out_rows
-from ...families.base import CastCache, ConvSpec
+from ...families.base import CastCache, ConvSpec, RuntimeTerm
 from ...quant import backend_for
 from ...resolve.planner import PlannedPart
 from ..merge.layer import Contribution
@@ -69,16 +70,55 @@ def _conv_fn(module: torch.nn.Module):
     return next((fn for cls, fn in _CONVS.items() if isinstance(module, cls)), None)
 
 
+def _concatenated(
+    pairs: list[tuple[torch.Tensor, list[RuntimeTerm]]], out: int, borrow: bool
+) -> tuple[torch.Tensor, ...]:
+    """The rank-concatenated (down (R, in, *k), up (out, R)) of every pair, each factor copied once into place
+    (the dtypes torch.cat would promote to); rows of `up` no chunk writes are zero. A copy, not a view: the
+    factors outlive the file they were read from (a LoRA saved again over a mapped file). `borrow`: their memory
+    is the adapter's own (read whole, never written): one pair covering every row is kept as it is."""
+    (down, chunks), *more = pairs
+    if borrow and not more and len(chunks) == 1 and chunks[0].dst_start == 0 and chunks[0].length == out:
+        if down.is_contiguous() and chunks[0].up.is_contiguous():
+            return down, chunks[0].up
+    downs = [d for d, _ in pairs]
+    ups = [t.up for _, chunks in pairs for t in chunks]
+    down = torch.empty(
+        (sum(d.shape[0] for d in downs), *downs[0].shape[1:]),
+        dtype=functools.reduce(torch.promote_types, (d.dtype for d in downs)),
+        device=downs[0].device,
+    )
+    whole = all(len(c) == 1 and c[0].dst_start == 0 and c[0].length == out for _, c in pairs)
+    up = (torch.empty if whole else torch.zeros)(
+        (out, down.shape[0]),
+        dtype=functools.reduce(torch.promote_types, (u.dtype for u in ups)),
+        device=ups[0].device,
+    )
+    col = 0
+    for d, chunks in pairs:
+        rank = d.shape[0]
+        down[col : col + rank].copy_(d)
+        for t in chunks:
+            up[t.dst_start : t.dst_start + t.length, col : col + rank].copy_(t.up)
+        col += rank
+    return down, up
+
+
 class RuntimePath:
     """All adapters on one layer: y += B·diag(s)·A(x) (+ dense full diffs and bias deltas)."""
 
-    def __init__(self, module: torch.nn.Module, contributions: list[Contribution]) -> None:
+    def __init__(
+        self, module: torch.nn.Module, contributions: list[Contribution], borrow: bool = False
+    ) -> None:
+        """`borrow`: the factors' memory is owned by their adapters and never written (formats' `read=True`):
+        a pair that needs no concatenation is kept as it is instead of copied."""
         self.module = module
         self.contributions = list(contributions)  # kept so a switch can compare and re-point them
         self.conv = _conv_fn(module)
         self.channels_first = self.conv is not None or isinstance(module, _NORMS_CHANNELS_FIRST)
         self.out = out_rows(module)
-        downs, ups, owners = [], [], []
+        pairs: list[tuple[torch.Tensor, list[RuntimeTerm]]] = []  # each low-rank pair: down, its row chunks
+        owners = []
         host = None  # built on first need: only families that read W look at it
         # (part, dst row, rows, cache of the ΔW rows / bias rows): read through casts a host may re-point
         self.dense: list[tuple[PlannedPart, int, int, CastCache]] = []
@@ -111,15 +151,12 @@ class RuntimePath:
             if term.down is not None and owners and owners[-1][0] is pp and term.down is last_down:
                 # Another row chunk of the same part (split or per-head interleaved fused keys): one pair, not
                 # one pair per chunk (DiffSynth's H3 QKV would otherwise hold its down once per head).
-                ups[-1][term.dst_start : term.dst_start + term.length] = term.up
+                pairs[-1][1].append(term)
             elif term.down is not None:
                 last_down = term.down
-                up = term.up.new_zeros(self.out, term.up.shape[1])
-                up[term.dst_start : term.dst_start + term.length] = term.up
                 rank = term.down.shape[0]
                 down = term.down.reshape(rank, *_kernel_dims(module)) if self.conv else term.down.flatten(1)
-                downs.append(down)
-                ups.append(up)
+                pairs.append((down, [term]))
                 owners.append((pp, term.up.shape[1]))
             if term.dense is not None:
                 self.dense.append((pp, term.dst_start, term.length, CastCache(term.dense)))
@@ -139,7 +176,7 @@ class RuntimePath:
         self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
         # the rank-concatenated pair: down (R, in, *k) and up (out, R), stored dtype (promoted by cat); kept across
         # strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt.
-        pair = (torch.cat(downs), torch.cat(ups, dim=1)) if downs else None
+        pair = _concatenated(pairs, self.out, borrow) if pairs else None
         self._factor_cast = CastCache(*pair) if pair else None
         self._scale_cast = CastCache(torch.empty(pair[0].shape[0] if pair else 0))
         self.refresh_scales()
