@@ -106,6 +106,15 @@ def test_a_new_file_on_a_known_model_builds_no_table_and_no_spans(flux, tmp_path
     assert (counts.tables, counts.fits) == (0, 0), "a swap to a new file rebuilt model-sized state"
     assert report.keys_applied == len(lora)
     check_lands_on(model, flux, lora)
+    # the file was read whole once: every pair (whole layers and the fused qkv / linear1 row ranges alike) reads
+    # that memory as it is, nothing copied
+    source = read_lora(new).source
+    paths = model.get_attachment(KEY).paths
+    assert len(paths) == len(FLUX_TARGETS) and source.owned
+    for rp in paths:
+        roles = rp.contributions[0][0].part.roles
+        assert rp.down.data_ptr() == source.get(roles["down"]).data_ptr()
+        assert rp.up.data_ptr() == source.get(roles["up"]).data_ptr()
 
 
 def test_a_model_of_another_config_gets_its_own_reference(flux, deeper, tmp_path, monkeypatch):

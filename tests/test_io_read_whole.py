@@ -52,11 +52,18 @@ def test_finite_keys_proves_only_finite_floats(tmp_path):
     floats = {"a", "b", "c", "d", "f"}  # not e (int), nor g (empty)
     assert SafetensorsFile(clean, read=True).finite_keys() == floats
     assert SafetensorsFile(clean).finite_keys() is None  # a mapped file is checked per tensor by its readers
-    for bad, value in (("a", float("nan")), ("c", float("inf")), ("d", -float("inf")), ("f", float("nan"))):
+    cases = (
+        ("a", float("nan")),
+        ("b", float("inf")),
+        ("c", float("inf")),
+        ("c", float("nan")),
+        ("d", -float("inf")),
+    )
+    for bad, value in (*cases, ("f", float("nan"))):
         state = tensors()
         state[bad] = state[bad].clone()
         state[bad].view(-1)[-1] = value
-        path = tmp_path / f"bad_{bad}.safetensors"
+        path = tmp_path / f"bad_{bad}_{value}.safetensors"
         save_file(state, str(path))
         found = SafetensorsFile(path, read=True).finite_keys()
         assert bad not in found, bad

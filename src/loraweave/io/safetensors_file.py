@@ -202,12 +202,15 @@ def _check_coverage(fail: Callable[[str], NoReturn], header: Header, data_size: 
 _FLOATS = ("F64", "F32", "F16", "BF16")  # what finite_keys proves in bulk (float8 has no aminmax here)
 
 
-def _read_all(f, need: int) -> bytearray | None:
-    """The file's first bytes up to its size (at least `need`), read into memory of its own; None when shorter."""
+def _read_all(f, need: int):
+    """The whole file (at least `need` bytes) read into a uint8 numpy array of its own (not zero-filled first);
+    None when shorter."""
+    import numpy as np
+
     size = os.fstat(f.fileno()).st_size
     if size < need:
         return None
-    buf = bytearray(size)
+    buf = np.empty(size, dtype=np.uint8)
     view, got = memoryview(buf), 0
     while got < size:
         n = f.readinto(view[got:])
@@ -215,6 +218,28 @@ def _read_all(f, need: int) -> bytearray | None:
             return None
         got += n
     return buf
+
+
+# numpy has no bfloat16: BF16 is checked by its exponent bits.
+_NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
+_CHUNK = 1 << 22  # elements per step of the finite check (bounds its temporary)
+
+
+def _all_finite(buf, name: str, offset: int, count: int) -> bool:
+    """Whether `count` values of dtype `name` at byte `offset` of `buf` are all finite, on this thread only
+    (numpy; a torch reduction would wait for its other threads, a time slice each on a loaded machine)."""
+    import numpy as np
+
+    if name in _NUMPY_FLOATS:
+        values = np.frombuffer(buf, dtype=_NUMPY_FLOATS[name], count=count, offset=offset)
+        scratch = np.empty(min(count, _CHUNK), dtype=bool)
+        chunks = (values[i : i + _CHUNK] for i in range(0, count, _CHUNK))
+        return all(bool(np.isfinite(c, out=scratch[: len(c)]).all()) for c in chunks)
+    # BF16: NaN or ±Inf exactly when the exponent bits are all ones
+    values = np.frombuffer(buf, dtype="<u2", count=count, offset=offset)
+    scratch = np.empty(min(count, _CHUNK), dtype=np.uint16)
+    chunks = (values[i : i + _CHUNK] for i in range(0, count, _CHUNK))
+    return not any(bool((np.bitwise_and(c, 0x7F80, out=scratch[: len(c)]) == 0x7F80).any()) for c in chunks)
 
 
 def _runs(header: Header) -> list[tuple[list[str], str, int, int]]:
@@ -243,7 +268,7 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike, read: bool = False) -> None:
         self._path = Path(path)
         self._header, self._metadata, self._data_start = read_safetensors_header(self._path, names=True)
-        self._mmap: mmap.mmap | bytearray | None = None
+        self._mmap = None  # mmap.mmap, or a numpy uint8 array when read whole
         self._lent = False
         self._finite: frozenset[str] | None = None
         need = self._data_start + max((e[3] for e in self._header.values()), default=0)
@@ -261,7 +286,7 @@ class SafetensorsFile:
     @property
     def owned(self) -> bool:
         """Whether the tensors live in memory of this object's own (`read=True`), not in a mapping of the file."""
-        return isinstance(self._mmap, bytearray)
+        return self._mmap is not None and not isinstance(self._mmap, mmap.mmap)
 
     def finite_keys(self) -> frozenset[str] | None:
         """The floating-point tensors (F64/F32/F16/BF16) proven finite, each run of tensors of one dtype that lie
@@ -277,16 +302,11 @@ class SafetensorsFile:
         return self._finite
 
     def _run_finite(self, run: tuple[list[str], str, int, int]) -> bool:
-        import torch
-
         _, name, begin, end = run
-        start = self._data_start + begin
-        dtype = torch_dtype(name)
-        if start % dtype.itemsize:
+        start, size = self._data_start + begin, _DTYPES[name][1]
+        if start % size:
             return False  # unaligned: `get` copies each of these, and its reader checks it
-        flat = torch.frombuffer(self._mmap, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start)
-        lo, hi = torch.aminmax(flat)  # NaN and ±Inf propagate into min/max (families.base.check_factor)
-        return math.isfinite(lo.item()) and math.isfinite(hi.item())
+        return _all_finite(self._mmap, name, start, (end - begin) // size)
 
     @property
     def path(self) -> Path:
@@ -315,7 +335,7 @@ class SafetensorsFile:
         name, shape, begin, end = self._entry(key)
         if math.prod(shape) != 1 or self._mmap is None or (name not in _SCALAR_FORMATS and name != "BF16"):
             return None
-        raw = self._mmap[self._data_start + begin : self._data_start + end]
+        raw = bytes(self._mmap[self._data_start + begin : self._data_start + end])
         if name == "BF16":
             return struct.unpack("<f", b"\x00\x00" + raw)[0]
         return float(struct.unpack(_SCALAR_FORMATS[name], raw)[0])
@@ -363,8 +383,8 @@ class SafetensorsFile:
     def close(self) -> None:
         """Release the mapping; tensors already returned stay valid."""
         mm, self._mmap = self._mmap, None
-        if isinstance(mm, bytearray):
-            return  # tensors already returned hold the memory
+        if not isinstance(mm, mmap.mmap):
+            return  # read whole: tensors already returned hold the memory
         # torch.frombuffer keeps a reference to the mmap but no buffer export, so mm.close()
         # would succeed and leave live tensors dangling. Once a zero-copy tensor exists we only
         # drop our reference and let refcounting unmap after the last tensor dies (no __del__).

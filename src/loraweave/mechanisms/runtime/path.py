@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -13,6 +12,7 @@ from ...families.base import CastCache, ConvSpec, RuntimeTerm
 from ...quant import backend_for
 from ...resolve.planner import PlannedPart
 from ..merge.layer import Contribution
+from .pair import concatenated
 from .skinny import probe, skinny_linear
 
 _CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
@@ -68,40 +68,6 @@ def _kernel_dims(module: torch.nn.Module) -> tuple[int, ...]:
 
 def _conv_fn(module: torch.nn.Module):
     return next((fn for cls, fn in _CONVS.items() if isinstance(module, cls)), None)
-
-
-def _concatenated(
-    pairs: list[tuple[torch.Tensor, list[RuntimeTerm]]], out: int, borrow: bool
-) -> tuple[torch.Tensor, ...]:
-    """The rank-concatenated (down (R, in, *k), up (out, R)) of every pair, each factor copied once into place
-    (the dtypes torch.cat would promote to); rows of `up` no chunk writes are zero. A copy, not a view: the
-    factors outlive the file they were read from (a LoRA saved again over a mapped file). `borrow`: their memory
-    is the adapter's own (read whole, never written): one pair covering every row is kept as it is."""
-    (down, chunks), *more = pairs
-    if borrow and not more and len(chunks) == 1 and chunks[0].dst_start == 0 and chunks[0].length == out:
-        if down.is_contiguous() and chunks[0].up.is_contiguous():
-            return down, chunks[0].up
-    downs = [d for d, _ in pairs]
-    ups = [t.up for _, chunks in pairs for t in chunks]
-    down = torch.empty(
-        (sum(d.shape[0] for d in downs), *downs[0].shape[1:]),
-        dtype=functools.reduce(torch.promote_types, (d.dtype for d in downs)),
-        device=downs[0].device,
-    )
-    whole = all(len(c) == 1 and c[0].dst_start == 0 and c[0].length == out for _, c in pairs)
-    up = (torch.empty if whole else torch.zeros)(
-        (out, down.shape[0]),
-        dtype=functools.reduce(torch.promote_types, (u.dtype for u in ups)),
-        device=ups[0].device,
-    )
-    col = 0
-    for d, chunks in pairs:
-        rank = d.shape[0]
-        down[col : col + rank].copy_(d)
-        for t in chunks:
-            up[t.dst_start : t.dst_start + t.length, col : col + rank].copy_(t.up)
-        col += rank
-    return down, up
 
 
 class RuntimePath:
@@ -176,7 +142,7 @@ class RuntimePath:
         self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
         # the rank-concatenated pair: down (R, in, *k) and up (out, R), stored dtype (promoted by cat); kept across
         # strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt.
-        pair = _concatenated(pairs, self.out, borrow) if pairs else None
+        pair = concatenated(pairs, self.out, borrow) if pairs else None
         self._factor_cast = CastCache(*pair) if pair else None
         self._scale_cast = CastCache(torch.empty(pair[0].shape[0] if pair else 0))
         self.refresh_scales()
