@@ -1,5 +1,6 @@
 """What a handle keeps in memory beyond the model, counted in tensor storage (not RSS): a runtime path reads a
-single LoRA's factors from the adapter's own (file-mapped) tensors instead of holding a copy, and merge-mode
+single LoRA's factors from the adapter's own tensors instead of holding a copy where the adapter owns them (a file
+read whole), copies them once where it does not (a mapped file may be saved over while applied), and merge-mode
 steps leave no buffer in a reference cycle (memory Python frees only when its cyclic collector runs)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import loraweave
+from loraweave.formats.adapter import load_adapter
 
 RANK = 4
 
@@ -74,10 +76,19 @@ def _merged_reference(
     return h
 
 
-def test_runtime_single_lora_holds_no_factor_copy(tmp_path):
+def test_runtime_single_lora_from_a_mapped_file_is_copied_once(tmp_path):
     model = _model()
     path = _lora_file(model, tmp_path / "a.safetensors", 1)
     handle = loraweave.apply(model, path, mode="runtime", strict=True)
+    scales = sum(rp.scale.numel() * rp.scale.element_size() for rp in handle.runtime_paths)
+    assert _copied_bytes(handle) == _factor_bytes(handle) + scales
+    handle.remove()
+
+
+def test_runtime_single_lora_holds_no_factor_copy(tmp_path):
+    model = _model()
+    path = _lora_file(model, tmp_path / "a.safetensors", 1)
+    handle = loraweave.apply(model, load_adapter(path, read=True), mode="runtime", strict=True)
     assert len(handle.runtime_paths) == 4
     scales = sum(rp.scale.numel() * rp.scale.element_size() for rp in handle.runtime_paths)
     # the only tensors of their own: the per-rank scale vectors (the factors alone are 50x larger)

@@ -180,15 +180,16 @@ FLUX_PARAMS = {
 }
 
 
-def flux_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
-    """A BFL-layout Flux.1-dev state dict at hidden 128 (the shapes of ComfyUI's own Flux class), seeded."""
+def flux_state_dict(seed: int = 0, **params) -> dict[str, torch.Tensor]:
+    """A BFL-layout Flux.1-dev state dict at hidden 128 (the shapes of ComfyUI's own Flux class), seeded;
+    `params` override FLUX_PARAMS (a deeper model: depth=2)."""
     import_comfy()
     import comfy.ldm.flux.model
     import comfy.ops
 
     with torch.device("meta"):
         shapes = comfy.ldm.flux.model.Flux(
-            operations=comfy.ops.disable_weight_init, **FLUX_PARAMS
+            operations=comfy.ops.disable_weight_init, **{**FLUX_PARAMS, **params}
         ).state_dict()
     g = torch.Generator().manual_seed(seed)
     # BFL files name the q/k RMSNorm weights `.scale`; ComfyUI's Flux.process_unet_state_dict renames them.

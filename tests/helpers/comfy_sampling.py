@@ -31,10 +31,11 @@ FLUX_TARGETS = (
 TEXT_DIM = 32  # tiny Flux context_in_dim and vec_in_dim (comfy_models.FLUX_PARAMS)
 
 
-def tiny_flux_patcher(seed: int = 0):
-    """The tiny Flux MODEL alone (no CLIP, no diffusers twin), loaded as UNETLoader does."""
+def tiny_flux_patcher(seed: int = 0, **params):
+    """The tiny Flux MODEL alone (no CLIP, no diffusers twin), loaded as UNETLoader does; `params` override
+    comfy_models.FLUX_PARAMS (ComfyUI detects the model from the state dict)."""
     c = import_comfy()
-    sd = flux_state_dict(seed)
+    sd = flux_state_dict(seed, **params)
     return c.sd.load_diffusion_model_state_dict(
         sd, model_options={"dtype": torch.float32}, disable_dynamic=True
     )

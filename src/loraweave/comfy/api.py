@@ -66,7 +66,9 @@ def _cached_file(path) -> Adapter:
     """The parsed adapter of `path`, re-read whenever its identity changed (bounded LRU, never stale data)."""
     key = _file_identity(path)
     if key is None or key not in _parsed:
-        adapter = load_adapter(path)
+        # Read whole: the runtime paths keep the factors as read (no copy) and no later write to the file reaches
+        # them; core's LoraLoader holds the whole file in memory the same way.
+        adapter = load_adapter(path, read=True)
         if key is not None and _file_identity(path) == key:  # unchanged while it was read
             _parsed[key] = adapter
             while len(_parsed) > ADAPTERS_KEPT:

@@ -169,7 +169,7 @@ def build_paths(entries: Sequence[RuntimeEntry]) -> tuple[list[RuntimePath], lis
                     for key in pp.part.keys
                 ]
             continue
-        paths.append(RuntimePath(module, contribs))
+        paths.append(RuntimePath(module, contribs))  # borrows the factors of files read whole
     return paths, blocked
 
 

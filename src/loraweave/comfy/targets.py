@@ -14,10 +14,12 @@ import functools
 import json
 import logging
 import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
-from ..arch.aliases import _bare_parameters
+from ..arch.aliases import AliasTable, _bare_parameters
 from ..arch.spec import out_rows
 from ..engine.install import make_report
 from ..errors import StrictApplyError, TargetError
@@ -86,8 +88,41 @@ def comfy_arch(patcher) -> str | None:
     return COMFY_ARCHS.get(type(patcher.model.model_config).__name__)
 
 
+FITS_KEPT = 4  # live shape sets kept per reference: one per ComfyUI model of that config in use
+
+
+@dataclass(eq=False)
+class Reference:
+    """A reference tree and what planning derives from the tree alone, built once per config (planning never
+    writes to the tree): resolve's alias table, the parameter aliases, and the spans onto each set of live shapes
+    seen (a pure function of the tree and the shapes, so a model of other shapes never gets another's spans)."""
+
+    tree: torch.nn.Module
+    component: str  # the resolver's name for it: "unet" or "transformer"
+    table: AliasTable
+    originals: dict[str, str]  # _original_params(tree)
+    fits: OrderedDict[tuple, tuple[Spans] | None] = field(default_factory=OrderedDict)
+
+    @classmethod
+    def of(cls, tree: torch.nn.Module) -> Reference:
+        name = "unet" if type(tree).__name__.startswith("UNet") else "transformer"
+        return cls(tree, name, AliasTable(tree), _original_params(tree))
+
+    def spans_for(self, shapes: dict[str, tuple[int, ...]]) -> Spans | None:
+        """The spans onto ComfyUI's tensors of these shapes (None: the widths do not fit), computed once."""
+        key = tuple(shapes.items())
+        if key not in self.fits:
+            fit = _fits(self.tree, shapes, renamed=True) or _same_names(self.tree, shapes)
+            self.fits[key] = (fit[0],) if fit is not None else None
+            while len(self.fits) > FITS_KEPT:
+                self.fits.popitem(last=False)
+        self.fits.move_to_end(key)
+        found = self.fits[key]
+        return found[0] if found is not None else None
+
+
 @functools.lru_cache(maxsize=8)
-def _meta_tree(arch: str, cls_name: str, config_json: str) -> torch.nn.Module:
+def _meta_tree(arch: str, cls_name: str, config_json: str) -> Reference:
     # Planning never writes to the tree, so one per config serves every call. The shipped skeleton serves every
     # full-width model (any depth) without importing diffusers' model classes; other widths build from diffusers.
     t0 = time.perf_counter()
@@ -100,13 +135,13 @@ def _meta_tree(arch: str, cls_name: str, config_json: str) -> torch.nn.Module:
         with torch.device("meta"):
             tree = getattr(diffusers, cls_name).from_config(config)
         source = "diffusers"
+    reference = Reference.of(tree)
     log.info("comfy reference arch=%s source=%s seconds=%.3f", arch, source, time.perf_counter() - t0)
-    return tree
+    return reference
 
 
-def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
-    """(diffusers tree on meta at this model's widths, spans to ComfyUI's original rows), or None when loraweave
-    has no reference for this ComfyUI model (its keys then resolve by ComfyUI's own names only)."""
+def _reference(patcher) -> tuple[Reference, Spans] | None:
+    """(the cached reference of this model's config, spans onto its tensors), or None (see reference_tree)."""
     arch = comfy_arch(patcher)
     if arch is None:
         return None
@@ -114,13 +149,20 @@ def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
 
     entry = CATALOG[arch]
     config = {**entry.config, **reference_config(arch, patcher.model.model_config.unet_config)}
-    tree = _meta_tree(arch, entry.cls, json.dumps(config, sort_keys=True, default=list))
+    reference = _meta_tree(arch, entry.cls, json.dumps(config, sort_keys=True, default=list))
     shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
-    fit = _fits(tree, shapes, renamed=True) or _same_names(tree, shapes)
-    if fit is None:
+    spans = reference.spans_for(shapes)
+    if spans is None:
         log.warning("comfy reference arch=%s fits=no (widths differ from loraweave's reference)", arch)
         return None
-    return tree, fit[0]
+    return reference, spans
+
+
+def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
+    """(diffusers tree on meta at this model's widths, spans to ComfyUI's original rows), or None when loraweave
+    has no reference for this ComfyUI model (its keys then resolve by ComfyUI's own names only)."""
+    found = _reference(patcher)
+    return (found[0].tree, found[1]) if found is not None else None
 
 
 def _same_names(tree: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> tuple[Spans, int] | None:
@@ -153,9 +195,17 @@ def _original_params(tree: torch.nn.Module) -> dict[str, str]:
     return {live: original for original, (live, _) in found.items() if live != original}
 
 
-def _onto_comfy(plan: Plan, component: str, live: torch.nn.Module, spans: Spans, adapter: Adapter) -> Plan:
+def _onto_comfy(
+    plan: Plan,
+    component: str,
+    live: torch.nn.Module,
+    spans: Spans,
+    adapter: Adapter,
+    originals: dict[str, str] | None = None,
+) -> Plan:
     """The plan with every piece moved to ComfyUI's original module names and rows, under `component`; parts
-    point at `adapter` again (the side copy was for resolving only)."""
+    point at `adapter` again (the side copy was for resolving only). `originals`: _original_params of the tree
+    the plan resolved on, when the caller holds them."""
     names = dict(live.named_modules())
     out = Plan(Components({component: live}), [adapter], plan.strengths, unmatched=list(plan.unmatched))
     for pp in plan.planned:
@@ -170,7 +220,8 @@ def _onto_comfy(plan: Plan, component: str, live: torch.nn.Module, spans: Spans,
             continue
         whole = tuple(dataclasses.replace(q, whole=_covers(names[q.module], q)) for q in pieces)
         out.planned.append(dataclasses.replace(pp, adapter=adapter, component=component, pieces=whole))
-    originals = _original_params(plan.components.modules[next(iter(plan.components.modules))])
+    if originals is None:
+        originals = _original_params(plan.components.modules[next(iter(plan.components.modules))])
     for param in plan.params:
         owner, _, name = originals.get(param.path, param.path).rpartition(".")
         target = getattr(names.get(owner), name, None)
@@ -264,15 +315,14 @@ def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: b
     pieces name its modules and rows). Text-encoder keys are left to `plan_for_clip`. Nothing is modified."""
     side = _side(adapter, text_encoders=False)
     live = patcher.model.diffusion_model
-    found = reference_tree(patcher)
+    found = _reference(patcher)
     if found is None:
         plan = resolve(Components({"transformer": live}), [(side, strength)])
         plan = _onto_comfy(plan, DENOISER_PREFIX, live, {}, adapter)
     else:
-        tree, spans = found
-        name = "unet" if type(tree).__name__.startswith("UNet") else "transformer"
-        plan = resolve(Components({name: tree}), [(side, strength)])
-        plan = _onto_comfy(plan, DENOISER_PREFIX, live, spans, adapter)
+        ref, spans = found
+        plan = resolve(Components({ref.component: ref.tree}), [(side, strength)], {ref.component: ref.table})
+        plan = _onto_comfy(plan, DENOISER_PREFIX, live, spans, adapter, ref.originals)
         plan = _by_comfy_names(plan, side, live, strength, adapter)
     plan = _inner_components(plan, side, live, strength, adapter)
     log.info(

@@ -231,6 +231,24 @@ def _staged(t: torch.Tensor, device: torch.device) -> bool:
     return device.type not in ("cpu", "meta") and t.device.type == "cpu" and not t.is_pinned()
 
 
+class KnownFinite:
+    """While entered on this thread, `check_factor` takes these tensor objects as finite without a pass of its
+    own: their source proved them finite in bulk (io.safetensors_file.SafetensorsFile.finite_keys, one pass per
+    run of tensors instead of one per tensor). Held while entered, so their ids stay unique."""
+
+    def __init__(self, tensors) -> None:
+        self.tensors = {id(t): t for t in tensors}
+        self._outer: list = []
+
+    def __enter__(self) -> KnownFinite:
+        self._outer.append(getattr(_CASTS, "finite", None))
+        _CASTS.finite = self.tensors
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _CASTS.finite = self._outer.pop()
+
+
 def check_factor(name: str, tensor: torch.Tensor) -> None:
     """Factors must be floating point and finite (meta tensors: shape-only planning, values unknown)."""
     if not tensor.is_floating_point():
@@ -238,6 +256,9 @@ def check_factor(name: str, tensor: torch.Tensor) -> None:
             "bad_tensor", f"bad tensor: {name} has dtype {tensor.dtype}, expected floating point"
         )
     if tensor.device.type == "meta" or tensor.numel() == 0:
+        return
+    known = getattr(_CASTS, "finite", None)
+    if known is not None and known.get(id(tensor)) is tensor:
         return
     try:
         # NaN and ±Inf propagate into min/max: one pass, no bool temporary (isfinite().all() is ~8x slower).

@@ -125,7 +125,7 @@ class Adapter:
         )
 
 
-def _open_source(path: Path, allow_pickle: bool):
+def _open_source(path: Path, allow_pickle: bool, read: bool = False):
     if path.suffix.lower() in PICKLE_SUFFIXES:
         from ..io.pickle_file import load_pickle_state_dict
 
@@ -138,7 +138,7 @@ def _open_source(path: Path, allow_pickle: bool):
         )
     from ..io.safetensors_file import SafetensorsFile
 
-    sf = SafetensorsFile(path)
+    sf = SafetensorsFile(path, read=read)
     return sf, dict(sf.metadata)
 
 
@@ -215,8 +215,10 @@ def load_adapter(
     name: str | None = None,
     *,
     allow_pickle: bool = False,
+    read: bool = False,
 ) -> Adapter:
-    """Read an adapter (path to .safetensors, PEFT directory, or state dict); tensors stay lazy."""
+    """Read an adapter (path to .safetensors, PEFT directory, or state dict); tensors stay lazy, or with `read`
+    a .safetensors file is read whole into memory of its own (io.safetensors_file.SafetensorsFile)."""
     if isinstance(source, Adapter):
         return source
     path = None
@@ -226,7 +228,7 @@ def load_adapter(
         metadata: dict[str, str] = {}
     else:
         path, peft_config = _resolve_path(Path(source))
-        tensors, metadata = _open_source(path, allow_pickle)
+        tensors, metadata = _open_source(path, allow_pickle, read)
     parts, unparsed = group_parts(tensors.keys())
     for component in sorted({p.component for p in parts if p.layout == "cloneofsimo"}):
         cloneofsimo_classes(metadata, component, str(path) if path else "adapter")

@@ -199,21 +199,114 @@ def _check_coverage(fail: Callable[[str], NoReturn], header: Header, data_size: 
         )
 
 
-class SafetensorsFile:
-    """A validated .safetensors file; tensors are mapped from disk only when `.get` asks for them."""
+_FLOATS = ("F64", "F32", "F16", "BF16")  # what finite_keys proves in bulk (float8 has no aminmax here)
 
-    def __init__(self, path: str | os.PathLike) -> None:
+
+def _read_all(f, need: int):
+    """The whole file (at least `need` bytes) read into a uint8 numpy array of its own (not zero-filled first);
+    None when shorter."""
+    import numpy as np
+
+    size = os.fstat(f.fileno()).st_size
+    if size < need:
+        return None
+    buf = np.empty(size, dtype=np.uint8)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = f.readinto(view[got:])
+        if not n:
+            return None
+        got += n
+    return buf
+
+
+# numpy has no bfloat16: BF16 is checked by its exponent bits.
+_NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
+_CHUNK = 1 << 22  # elements per step of the finite check (bounds its temporary)
+
+
+def _all_finite(buf, name: str, offset: int, count: int) -> bool:
+    """Whether `count` values of dtype `name` at byte `offset` of `buf` are all finite, on this thread only
+    (numpy; a torch reduction would wait for its other threads, a time slice each on a loaded machine)."""
+    import numpy as np
+
+    if name in _NUMPY_FLOATS:
+        values = np.frombuffer(buf, dtype=_NUMPY_FLOATS[name], count=count, offset=offset)
+        scratch = np.empty(min(count, _CHUNK), dtype=bool)
+        chunks = (values[i : i + _CHUNK] for i in range(0, count, _CHUNK))
+        return all(bool(np.isfinite(c, out=scratch[: len(c)]).all()) for c in chunks)
+    # BF16: NaN or ±Inf exactly when the exponent bits are all ones
+    values = np.frombuffer(buf, dtype="<u2", count=count, offset=offset)
+    scratch = np.empty(min(count, _CHUNK), dtype=np.uint16)
+    chunks = (values[i : i + _CHUNK] for i in range(0, count, _CHUNK))
+    return not any(bool((np.bitwise_and(c, 0x7F80, out=scratch[: len(c)]) == 0x7F80).any()) for c in chunks)
+
+
+def _runs(header: Header) -> list[tuple[list[str], str, int, int]]:
+    """([keys], dtype name, begin, end) of each maximal run of non-empty floating-point tensors of one dtype lying
+    back to back in the data section, its start aligned for the dtype (no other tensor inside a run)."""
+    runs: list[tuple[list[str], str, int, int]] = []
+    for key, (name, _, begin, end) in sorted(header.items(), key=lambda item: item[1][2:]):
+        if name not in _FLOATS or begin == end:
+            continue
+        last = runs[-1] if runs else None
+        if last is not None and last[1] == name and last[3] == begin:
+            last[0].append(key)
+            runs[-1] = (last[0], name, last[2], end)
+        else:
+            runs.append(([key], name, begin, end))
+    return runs
+
+
+class SafetensorsFile:
+    """A validated .safetensors file; tensors are mapped from disk only when `.get` asks for them.
+
+    `read=True` reads the whole file into memory of its own instead (one read, no mapping): the tensors `.get`
+    returns are then views of memory no later write to the file can reach (a LoRA saved again under the same
+    name while its factors are in use), so a holder may keep them as they are (`owned`)."""
+
+    def __init__(self, path: str | os.PathLike, read: bool = False) -> None:
         self._path = Path(path)
         self._header, self._metadata, self._data_start = read_safetensors_header(self._path, names=True)
-        self._mmap: mmap.mmap | None = None
+        self._mmap = None  # mmap.mmap, or a numpy uint8 array when read whole
         self._lent = False
+        self._finite: frozenset[str] | None = None
+        need = self._data_start + max((e[3] for e in self._header.values()), default=0)
         with open(self._path, "rb") as f:
-            # ACCESS_COPY maps privately: the file is never written, and an in-place edit of a
-            # returned tensor lands in a private page instead of segfaulting on a PROT_READ page.
-            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        if len(self._mmap) < self._data_start + max((e[3] for e in self._header.values()), default=0):
+            if read:
+                self._mmap = _read_all(f, need)
+            else:
+                # ACCESS_COPY maps privately: the file is never written, and an in-place edit of a
+                # returned tensor lands in a private page instead of segfaulting on a PROT_READ page.
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if self._mmap is None or len(self._mmap) < need:
             self.close()
             raise AdapterFileError(f"{self._path}: file shrank while it was being opened")
+
+    @property
+    def owned(self) -> bool:
+        """Whether the tensors live in memory of this object's own (`read=True`), not in a mapping of the file."""
+        return self._mmap is not None and not isinstance(self._mmap, mmap.mmap)
+
+    def finite_keys(self) -> frozenset[str] | None:
+        """The floating-point tensors (F64/F32/F16/BF16) proven finite, each run of tensors of one dtype that lie
+        back to back checked in one pass (a file of one dtype: one pass), as read (an in-place edit of a returned
+        tensor is not seen). None for a mapped file (a pass there would read tensors no caller asked for); a tensor
+        left out is checked on its own by its reader."""
+        if not self.owned:
+            return None
+        if self._finite is None:
+            self._finite = frozenset(
+                k for run in _runs(self._header) if self._run_finite(run) for k in run[0]
+            )
+        return self._finite
+
+    def _run_finite(self, run: tuple[list[str], str, int, int]) -> bool:
+        _, name, begin, end = run
+        start, size = self._data_start + begin, _DTYPES[name][1]
+        if start % size:
+            return False  # unaligned: `get` copies each of these, and its reader checks it
+        return _all_finite(self._mmap, name, start, (end - begin) // size)
 
     @property
     def path(self) -> Path:
@@ -242,7 +335,7 @@ class SafetensorsFile:
         name, shape, begin, end = self._entry(key)
         if math.prod(shape) != 1 or self._mmap is None or (name not in _SCALAR_FORMATS and name != "BF16"):
             return None
-        raw = self._mmap[self._data_start + begin : self._data_start + end]
+        raw = bytes(self._mmap[self._data_start + begin : self._data_start + end])
         if name == "BF16":
             return struct.unpack("<f", b"\x00\x00" + raw)[0]
         return float(struct.unpack(_SCALAR_FORMATS[name], raw)[0])
@@ -290,6 +383,8 @@ class SafetensorsFile:
     def close(self) -> None:
         """Release the mapping; tensors already returned stay valid."""
         mm, self._mmap = self._mmap, None
+        if not isinstance(mm, mmap.mmap):
+            return  # read whole: tensors already returned hold the memory
         # torch.frombuffer keeps a reference to the mmap but no buffer export, so mm.close()
         # would succeed and leave live tensors dangling. Once a zero-copy tensor exists we only
         # drop our reference and let refcounting unmap after the last tensor dies (no __del__).

@@ -10,7 +10,7 @@ import torch
 from ..arch.aliases import AMBIGUOUS, AliasTable
 from ..arch.spec import Piece, module_shape
 from ..families import family_for
-from ..families.base import Family, PartRejected
+from ..families.base import Family, KnownFinite, PartRejected
 from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
@@ -317,7 +317,9 @@ def _plan_part(
     found = _find_pieces(adapter, part, table, where)
     tensors = {role: adapter.tensor(key) for role, key in part.roles.items()}
     family = _supported_family(part, tensors, f"{comp_name}.{', '.join(p.module for p in found)}")
-    factors = _load_factors(adapter, part, family, tensors)
+    finite = getattr(adapter.source, "finite_keys", lambda: None)()  # proven in bulk by the source, or None
+    with KnownFinite(tensors[r] for r, k in part.roles.items() if finite is not None and k in finite):
+        factors = _load_factors(adapter, part, family, tensors)
     fitting = _Fitting(family, table, comp_name, where, _reshape_target(adapter, part))
     # First: a family may settle its layout from the module shape (GLoRA naming, IA3 side).
     for piece in found:

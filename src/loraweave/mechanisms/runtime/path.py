@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from ...arch.spec import out_rows
-from ...families.base import CastCache, ConvSpec
+from ...families.base import CastCache, ConvSpec, RuntimeTerm
 from ...quant import backend_for
 from ...resolve.planner import PlannedPart
 from ..merge.layer import Contribution
+from .pair import concatenated
 from .skinny import probe, skinny_linear
 
 _CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
@@ -72,13 +73,21 @@ def _conv_fn(module: torch.nn.Module):
 class RuntimePath:
     """All adapters on one layer: y += B·diag(s)·A(x) (+ dense full diffs and bias deltas)."""
 
-    def __init__(self, module: torch.nn.Module, contributions: list[Contribution]) -> None:
+    def __init__(
+        self, module: torch.nn.Module, contributions: list[Contribution], borrow: bool | None = None
+    ) -> None:
+        """`borrow`: the factors' memory is owned by their adapters and never written (formats' `read=True`):
+        a pair that needs no concatenation is kept as it is instead of copied. None: whether every contributing
+        adapter's source owns its memory (a mapped file may be saved over while applied: copied)."""
+        if borrow is None:
+            borrow = all(getattr(pp.adapter.source, "owned", False) for pp, _ in contributions)
         self.module = module
         self.contributions = list(contributions)  # kept so a switch can compare and re-point them
         self.conv = _conv_fn(module)
         self.channels_first = self.conv is not None or isinstance(module, _NORMS_CHANNELS_FIRST)
         self.out = out_rows(module)
-        downs, ups, owners = [], [], []
+        pairs: list[tuple[torch.Tensor, list[RuntimeTerm]]] = []  # each low-rank pair: down, its row chunks
+        owners = []
         host = None  # built on first need: only families that read W look at it
         # (part, dst row, rows, cache of the ΔW rows / bias rows): read through casts a host may re-point
         self.dense: list[tuple[PlannedPart, int, int, CastCache]] = []
@@ -90,7 +99,7 @@ class RuntimePath:
         self.fn_caches: list[CastCache] = []  # what the structured terms read (RuntimeTerm.caches)
         self.adapters = set()
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
-        last_down = borrowed = None
+        last_down = None
         for pp, piece in contributions:
             if pp.family.runtime_takes_module and host is None:
                 host = runtime_host(module)
@@ -111,20 +120,12 @@ class RuntimePath:
             if term.down is not None and owners and owners[-1][0] is pp and term.down is last_down:
                 # Another row chunk of the same part (split or per-head interleaved fused keys): one pair, not
                 # one pair per chunk (DiffSynth's H3 QKV would otherwise hold its down once per head).
-                if ups[-1] is borrowed:  # never written into: the adapter's own tensor
-                    ups[-1] = borrowed = ups[-1].clone()
-                ups[-1][term.dst_start : term.dst_start + term.length] = term.up
+                pairs[-1][1].append(term)
             elif term.down is not None:
                 last_down = term.down
-                if (term.dst_start, term.length, term.up.shape[0]) == (0, self.out, self.out):
-                    up = borrowed = term.up  # every row: the adapter's tensor itself, read, never written
-                else:
-                    up = term.up.new_zeros(self.out, term.up.shape[1])
-                    up[term.dst_start : term.dst_start + term.length] = term.up
                 rank = term.down.shape[0]
                 down = term.down.reshape(rank, *_kernel_dims(module)) if self.conv else term.down.flatten(1)
-                downs.append(down)
-                ups.append(up)
+                pairs.append((down, [term]))
                 owners.append((pp, term.up.shape[1]))
             if term.dense is not None:
                 self.dense.append((pp, term.dst_start, term.length, CastCache(term.dense)))
@@ -143,13 +144,8 @@ class RuntimePath:
         self.owners = owners
         self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
         # the rank-concatenated pair: down (R, in, *k) and up (out, R), stored dtype (promoted by cat); kept across
-        # strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt. One pair is
-        # not copied: its down (and its up, when it covers every row) are the adapter's tensors (file-mapped
-        # views), so the path holds no second copy of the factors.
-        if len(downs) == 1:  # contiguous, as a concatenation would be (the same kernels, the same bits)
-            pair = (downs[0].contiguous(), ups[0].contiguous())
-        else:
-            pair = (torch.cat(downs), torch.cat(ups, dim=1)) if downs else None
+        # strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt.
+        pair = concatenated(pairs, self.out, borrow) if pairs else None
         self._factor_cast = CastCache(*pair) if pair else None
         self._scale_cast = CastCache(torch.empty(pair[0].shape[0] if pair else 0))
         self.refresh_scales()
