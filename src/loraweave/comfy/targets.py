@@ -84,8 +84,13 @@ TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def comfy_arch(patcher) -> str | None:
-    """The loraweave architecture of a ComfyUI MODEL, from its supported_models class (None: not one we map)."""
-    return COMFY_ARCHS.get(type(patcher.model.model_config).__name__)
+    """The loraweave architecture of a ComfyUI MODEL, from its supported_models class or the nearest base class we
+    map (FluxInpaint is a Flux, SSD-1B an SDXL, WAN21_Vace a Wan: their own modules fall to ComfyUI's names);
+    None: not one we map."""
+    for cls in type(patcher.model.model_config).__mro__:
+        if cls.__name__ in COMFY_ARCHS:
+            return COMFY_ARCHS[cls.__name__]
+    return None
 
 
 FITS_KEPT = 4  # live shape sets kept per reference: one per ComfyUI model of that config in use
