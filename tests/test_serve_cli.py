@@ -58,6 +58,8 @@ def test_serves_then_ctrl_c_exits_130(tmp_path):
         stderr=subprocess.DEVNULL,
         env=env,
         text=True,
+        # a SIGINT the runner ignores (a job a shell started in the background) would be ignored by the server too
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         line = proc.stdout.readline()  # blocks until the URL is printed (or the process ends)
