@@ -20,9 +20,11 @@ from helpers.comfy_checks import (
     TOL,
     all_linears,
     block_linears,
+    built_once,
     check_against_twin,
     check_reference_tree,
     comfy_core_verdict,
+    comfy_modules,
     merged_state,
     rel,
     runtime_and_merge,
@@ -105,13 +107,7 @@ def models():
 
 
 def built(models, name: str) -> DitModel:
-    if name not in models:
-        models[name] = DIT_BUILDERS[name]()
-    return models[name]
-
-
-def comfy_modules(m: DitModel) -> torch.nn.Module:
-    return m.patcher.model.diffusion_model
+    return built_once(models, DIT_BUILDERS, name)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -20,9 +20,11 @@ from helpers.comfy_checks import (
     TOL,
     all_linears,
     block_linears,
+    built_once,
     check_against_twin,
     check_reference_tree,
     comfy_core_verdict,
+    comfy_modules,
     merged_state,
     rel,
     runtime_and_merge,
@@ -101,13 +103,7 @@ def models():
 
 
 def built(models, name: str) -> DitModel:
-    if name not in models:
-        models[name] = DIT2_BUILDERS[name]()
-    return models[name]
-
-
-def comfy_modules(m: DitModel) -> torch.nn.Module:
-    return m.patcher.model.diffusion_model
+    return built_once(models, DIT2_BUILDERS, name)
 
 
 def dit_linears(m: DitModel) -> dict[str, torch.nn.Linear]:

@@ -12,7 +12,7 @@ import torch
 from helpers import comfy_checks as checks
 from helpers.comfy_env import import_comfy
 from helpers.comfy_files import adapter_file, dotted, kohya, target_linears
-from helpers.comfy_models import ComfyModel, flux_rows_map, flux_state_dict, rows_of
+from helpers.comfy_models import ComfyModel, flux_rows_map, flux_state_dict, flux_twin, rows_of
 
 pytestmark = pytest.mark.comfy
 
@@ -20,33 +20,13 @@ pytestmark = pytest.mark.comfy
 @pytest.fixture(scope="module")
 def fill() -> ComfyModel:
     c = import_comfy()
-    from diffusers import FluxTransformer2DModel
-
     patcher = c.sd.load_diffusion_model_state_dict(
         dict(flux_state_dict(0, in_channels=96, out_channels=16)),
         model_options={"dtype": torch.float32},
         disable_dynamic=True,
     )
     assert type(patcher.model.model_config).__name__ == "FluxInpaint"
-    twin = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=384,
-        out_channels=64,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=128,
-        num_attention_heads=1,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56),
-    ).eval()
-    comfy_sd = patcher.model.diffusion_model.state_dict()
-    names = twin.state_dict()
-    twin.load_state_dict(
-        {n: rows_of(comfy_sd, where) for n, where in flux_rows_map(patcher).items() if n in names}
-    )
-    return ComfyModel("flux-fill", patcher, None, twin)
+    return ComfyModel("flux-fill", patcher, None, flux_twin(patcher, in_channels=384, out_channels=64))
 
 
 def _rows(m: ComfyModel):

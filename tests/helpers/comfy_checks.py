@@ -24,6 +24,18 @@ STRENGTH = 0.7
 RowMap = Callable[[dict], dict]  # ComfyUI state (its names) -> the twin's names
 
 
+def comfy_modules(m) -> torch.nn.Module:
+    """ComfyUI's diffusion model inside a test model's MODEL (its own module names)."""
+    return m.patcher.model.diffusion_model
+
+
+def built_once(cache: dict, builders: dict[str, Callable], name: str):
+    """`builders[name]()`, built on the first call per module-scoped `cache` and kept."""
+    if name not in cache:
+        cache[name] = builders[name]()
+    return cache[name]
+
+
 def merged_state(patcher) -> dict[str, torch.Tensor]:
     """The diffusion model's weights as ComfyUI's merge writes them, without the `diffusion_model.` prefix."""
     prefix, out = "diffusion_model.", {}

@@ -203,7 +203,6 @@ def _bfl_name(key: str) -> str:
 def tiny_flux(seed: int = 0) -> ComfyModel:
     """Flux.1-dev at hidden 128 loaded as UNETLoader does (ComfyUI's detection), with a CLIP-L + T5 CLIP."""
     c = import_comfy()
-    from diffusers import FluxTransformer2DModel
 
     bfl = flux_state_dict(seed)
     patcher = c.sd.load_diffusion_model_state_dict(
@@ -212,9 +211,18 @@ def tiny_flux(seed: int = 0) -> ComfyModel:
     assert patcher is not None and type(patcher.model.model_config).__name__ == "Flux", (
         "ComfyUI did not detect Flux"
     )
+    return ComfyModel("flux", patcher, tiny_clip("flux"), flux_twin(patcher))
+
+
+def flux_twin(patcher, in_channels: int = 64, out_channels: int | None = None):
+    """The diffusers FluxTransformer2DModel holding the hidden-128 ComfyUI Flux's weights (flux_rows_map);
+    `in_channels` after patchify (Fill: 384)."""
+    from diffusers import FluxTransformer2DModel
+
     twin = FluxTransformer2DModel(
         patch_size=1,
-        in_channels=64,
+        in_channels=in_channels,
+        out_channels=out_channels,
         num_layers=1,
         num_single_layers=1,
         attention_head_dim=128,
@@ -225,11 +233,11 @@ def tiny_flux(seed: int = 0) -> ComfyModel:
         axes_dims_rope=(16, 56, 56),
     ).eval()
     comfy_sd = patcher.model.diffusion_model.state_dict()
-    rows = flux_rows_map(patcher)
+    names = twin.state_dict()
     twin.load_state_dict(
-        {name: rows_of(comfy_sd, where) for name, where in rows.items() if name in twin.state_dict()}
+        {name: rows_of(comfy_sd, where) for name, where in flux_rows_map(patcher).items() if name in names}
     )
-    return ComfyModel("flux", patcher, tiny_clip("flux"), twin)
+    return twin
 
 
 def flux_rows_map(patcher) -> dict:
