@@ -25,7 +25,7 @@ import torch
 from helpers import comfy_bits
 from helpers.comfy_env import import_comfy
 from helpers.comfy_models import tiny_flux
-from helpers.comfy_pack import FLUX_TARGETS, flux_lora, merged_reference
+from helpers.comfy_pack import FLUX_TARGETS, flux_lora, lora_pair, merged_reference
 
 from loraweave.comfy import load_lora_for_models
 
@@ -139,3 +139,35 @@ def test_low_precision_weights_round_once(flux, dtype, intermediate):
     assert core_off > total / 20, (
         f"core misses the nearest value on {core_off} of {total}: the verdict changed"
     )
+
+
+FUSED = {  # kohya stems on Flux's fused modules -> (ComfyUI weight key, rows)
+    "lora_unet_double_blocks_0_img_attn_qkv": ("diffusion_model.double_blocks.0.img_attn.qkv.weight", 384),
+    "lora_unet_single_blocks_0_linear1": ("diffusion_model.single_blocks.0.linear1.weight", 896),
+}
+
+
+def test_fused_kohya_modules_take_one_patch_each_as_core(flux):
+    # The resolver lays a kohya fused qkv / linear1 out as q, k, v (, mlp) pieces; rows that continue on the same
+    # module go to ComfyUI as one whole patch, as core adds it (one ΔW product per module, no row offsets), with
+    # core's bits. Reference: core's own patches and kohya's fp64 formula.
+    c = import_comfy()
+    sd = {
+        k: v
+        for n, (stem, (_, rows)) in enumerate(FUSED.items())
+        for k, v in lora_pair(stem, rows, 128, 3 + n).items()
+    }
+    ours, _, _ = load_lora_for_models(flux.patcher, None, sd, STRENGTH, 0.0, mode="merge")
+    core, _ = c.sd.load_lora_for_models(flux.patcher, None, sd, STRENGTH, 0.0)
+    keys = {key for key, _ in FUSED.values()}
+    assert (
+        set(ours.patches) == set(core.patches) == keys
+    )  # one whole-module patch each, no (key, offset) entries
+    for stem, (key, _) in FUSED.items():
+        assert [p[3] for p in ours.patches[key]] == [None]
+        base = flux.patcher.get_model_object(key).detach()
+        got = c.lora.calculate_weight(ours.patches[key], base.clone(), key)
+        want = c.lora.calculate_weight(core.patches[key], base.clone(), key)
+        ref = merged_reference(base, sd, stem, STRENGTH)
+        assert ((want.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-6, key
+        assert torch.equal(got, want), key

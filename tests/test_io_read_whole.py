@@ -97,3 +97,16 @@ def test_a_non_finite_tensor_in_a_read_file_is_rejected_as_by_the_mapped_reader(
     part = where.rsplit(".", 2)[0] if where.endswith(".weight") else where.rsplit(".", 1)[0]
     assert {k for k, _ in reports[True]} == {k for k in state if k.startswith(f"{part}.")}
     assert all("NaN" in reason or "not finite" in reason for _, reason in reports[True])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("at", [0, (1 << 16) - 1, 1 << 16, 3 * (1 << 16) + 5, -1])
+def test_finite_keys_sees_every_chunk_of_a_long_run(tmp_path, dtype, at):
+    # The bulk check walks a run in chunks of 2^16 values: a bad value at either edge of any chunk is seen.
+    n = 4 * (1 << 16) + 11
+    state = {"x": torch.ones(n, dtype=dtype), "y": torch.ones(n, dtype=dtype)}
+    save_file(state, str(tmp_path / "clean.safetensors"))
+    assert SafetensorsFile(tmp_path / "clean.safetensors", read=True).finite_keys() == {"x", "y"}
+    state["y"][at] = float("inf")
+    save_file(state, str(tmp_path / "bad.safetensors"))
+    assert "y" not in SafetensorsFile(tmp_path / "bad.safetensors", read=True).finite_keys()

@@ -32,9 +32,10 @@ from .targets import TEXT_ENCODER_NAMES, plan_for_clip, plan_for_patcher
 
 log = logging.getLogger("loraweave")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-ADAPTERS_KEPT = (
-    4  # parsed files kept for a re-queue (a strength change re-reads nothing); each is a whole file
-)
+# Parsed files kept for a re-queue (a strength change re-reads nothing). Each holds its whole file in memory, so
+# the older ones are also bounded by bytes; the newest is always kept (core's LoraLoader keeps one file per node).
+ADAPTERS_KEPT = 4
+ADAPTER_BYTES_KEPT = 2 * 2**30
 _parsed: OrderedDict[tuple, Adapter] = OrderedDict()
 NO_CLIP = Miss("no_such_component", "no such component: the file has text-encoder keys and no CLIP was given")
 
@@ -71,11 +72,19 @@ def _cached_file(path) -> Adapter:
         adapter = load_adapter(path, read=True)
         if key is not None and _file_identity(path) == key:  # unchanged while it was read
             _parsed[key] = adapter
-            while len(_parsed) > ADAPTERS_KEPT:
-                _parsed.popitem(last=False)
+            _bound_cache()
         return adapter
     _parsed.move_to_end(key)
     return _parsed[key]
+
+
+def _bound_cache() -> None:
+    """Drop the least recently used files beyond ADAPTERS_KEPT, or beyond ADAPTER_BYTES_KEPT (file sizes, the
+    identity's st_size), never the newest."""
+    held = lambda: sum(key[3] for key in _parsed)  # noqa: E731
+    while len(_parsed) > ADAPTERS_KEPT or (len(_parsed) > 1 and held() > ADAPTER_BYTES_KEPT):
+        key, _ = _parsed.popitem(last=False)
+        log.debug("comfy_cache=drop file=%s bytes=%d", key[0], key[3])
 
 
 def quantized_base(patcher) -> bool:

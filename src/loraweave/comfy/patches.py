@@ -83,7 +83,10 @@ def write_rows(rows: torch.Tensor, terms: list[Term], strength: float, function,
         elif pp.family.needs_base:
             add_contribution(window, pp, piece, base, strength=strength * pp.strength, scale=pp.scale)
         else:
-            _put(window, (strength * pp.strength * pp.scale) * unit_delta(pp, piece, window), identity)
+            delta = unit_delta(
+                pp, piece, window
+            )  # a fresh tensor: scaled in place, as core scales its product
+            _put(window, delta.mul_(strength * pp.strength * pp.scale), identity)
         if not identity:  # core: weight += function(ΔW) with ΔW in the weight's own shape
             acc += function(into.reshape(rows.shape)).reshape(acc.shape)
     if acc is not flat:
@@ -133,13 +136,50 @@ def _rows_key(component: str, module: str, piece: Piece, suffix: str) -> PatchKe
 Carried = tuple[str, str, list[PlannedPart]]  # component, module, the parts one patch carries
 
 
+def joined_pieces(pp: PlannedPart, rows_of) -> tuple[Piece, ...]:
+    """A W-independent part's pieces with runs that continue on the same module (a kohya fused `qkv` laid out as
+    q, k, v) joined into one, so ComfyUI patches the module once, as core does. `rows_of(module)` -> out rows.
+    needs_base families keep their pieces: their ΔW depends on the rows each piece sees."""
+    if pp.family.needs_base or len(pp.pieces) < 2:
+        return pp.pieces
+    out: list[Piece] = []
+    for p in sorted(pp.pieces, key=lambda p: (p.module, p.dst_start)):
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last.module == p.module
+            and last.src_start + last.length == p.src_start
+            and last.dst_start + last.length == p.dst_start
+        ):
+            n = last.length + p.length
+            out[-1] = Piece(
+                p.module, last.src_start, last.dst_start, n, last.dst_start == 0 and n == rows_of(p.module)
+            )
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _rows_of(plan: Plan):
+    """module name -> its weight's rows, on whichever component holds it (looked up once per module)."""
+    trees = [dict(m.named_modules()) for _, m in plan.components]
+
+    @functools.cache
+    def rows(name: str) -> int:
+        module = next(t[name] for t in trees if name in t)
+        return module.weight.shape[0]
+
+    return rows
+
+
 def merge_patches(plan: Plan) -> tuple[dict[PatchKey, object], dict[PatchKey, Carried]]:
     """({patch key: adapter} for add_patches, {patch key: where and what it carries}) of a plan on ComfyUI
     modules."""
     groups: dict[tuple[PatchKey, bool], list[Term]] = defaultdict(list)
     where: dict[PatchKey, tuple[str, str]] = {}
+    rows_of = _rows_of(plan)
     for pp in plan.planned:
-        for piece in pp.pieces:
+        for piece in joined_pieces(pp, rows_of):
             local = Piece(piece.module, piece.src_start, 0, piece.length, piece.whole)
             for suffix, bias in (("weight", False), ("bias", True)):
                 if bias and bias_of(pp, local) is None:

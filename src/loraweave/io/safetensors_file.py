@@ -202,27 +202,32 @@ def _check_coverage(fail: Callable[[str], NoReturn], header: Header, data_size: 
 _FLOATS = ("F64", "F32", "F16", "BF16")  # what finite_keys proves in bulk (float8 has no aminmax here)
 
 
-def _read_all(f, need: int):
-    """The whole file (at least `need` bytes) read into a uint8 numpy array of its own (not zero-filled first);
-    None when shorter."""
-    import numpy as np
+def _read_all(f, need: int) -> mmap.mmap | None:
+    """The whole file (at least `need` bytes) read into anonymous memory of its own, its pages made in one call
+    (MAP_POPULATE) rather than faulted one by one; None when shorter.
 
+    Not a numpy array: numpy asks for transparent huge pages on arrays of 4 MiB and more, and filling a fresh 12 MB
+    one took 45-116 ms against 5-10 ms here on our CI VM (benchmarks/bench_comfy.py's swap to a new file)."""
     size = os.fstat(f.fileno()).st_size
     if size < need:
         return None
-    buf = np.empty(size, dtype=np.uint8)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, max(size, 1), flags=flags)
     view, got = memoryview(buf), 0
-    while got < size:
-        n = f.readinto(view[got:])
-        if not n:
-            return None
-        got += n
+    try:
+        while got < size:
+            n = f.readinto(view[got:size])
+            if not n:
+                return None
+            got += n
+    finally:
+        view.release()
     return buf
 
 
 # numpy has no bfloat16: BF16 is checked by its exponent bits.
 _NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
-_CHUNK = 1 << 22  # elements per step of the finite check (bounds its temporary)
+_CHUNK = 1 << 16  # elements per step of the finite check (its scratch stays in cache, no fresh pages)
 
 
 def _all_finite(buf, name: str, offset: int, count: int) -> bool:
@@ -268,7 +273,8 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike, read: bool = False) -> None:
         self._path = Path(path)
         self._header, self._metadata, self._data_start = read_safetensors_header(self._path, names=True)
-        self._mmap = None  # mmap.mmap, or a numpy uint8 array when read whole
+        self._mmap = None  # a mapping of the file, or anonymous memory holding it whole (`read`)
+        self._owned = read
         self._lent = False
         self._finite: frozenset[str] | None = None
         need = self._data_start + max((e[3] for e in self._header.values()), default=0)
@@ -286,7 +292,7 @@ class SafetensorsFile:
     @property
     def owned(self) -> bool:
         """Whether the tensors live in memory of this object's own (`read=True`), not in a mapping of the file."""
-        return self._mmap is not None and not isinstance(self._mmap, mmap.mmap)
+        return self._mmap is not None and self._owned
 
     def finite_keys(self) -> frozenset[str] | None:
         """The floating-point tensors (F64/F32/F16/BF16) proven finite, each run of tensors of one dtype that lie
@@ -383,7 +389,7 @@ class SafetensorsFile:
     def close(self) -> None:
         """Release the mapping; tensors already returned stay valid."""
         mm, self._mmap = self._mmap, None
-        if not isinstance(mm, mmap.mmap):
+        if self._owned:
             return  # read whole: tensors already returned hold the memory
         # torch.frombuffer keeps a reference to the mmap but no buffer export, so mm.close()
         # would succeed and leave live tensors dangling. Once a zero-copy tensor exists we only
