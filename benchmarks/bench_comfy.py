@@ -21,6 +21,10 @@ N times, interleaved (core, merge, runtime, core, ...), each in a fresh process;
 Targets (issue 29): runtime strength change and swap < 5% of core's; merge first queue no slower than core; no
 backup beyond core's.
 
+Allocator: like every benchmark here, this one runs under benchutil's malloc settings (big blocks from the heap, never
+trimmed), which steadies timings. ComfyUI runs under glibc's defaults, where each large temporary is a fresh mapping
+whose page faults are timed; `LORAWEAVE_BENCH_NO_REEXEC=1` runs the cases that way. Quote both.
+
     .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--threads 2] [--repeats 1]
 """
 
