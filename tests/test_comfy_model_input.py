@@ -193,7 +193,9 @@ def test_a_model_loraweave_maps_nothing_onto_says_why(comfy_home, aura):
     assert "transformer.joint_transformer_blocks.0.attn.to_q.lora_A.weight" in report  # the miss is named
     # a file of an architecture loraweave does not know has no block map to draw: a black IMAGE, and the report
     # says why (it raised a bare ValueError from the heatmap before)
-    assert "heatmap: not drawn (aura: no heatmap: no full-size model for architecture 'unknown'" in report, report
+    assert "heatmap: not drawn (aura: no heatmap: no full-size model for architecture 'unknown'" in report, (
+        report
+    )
     assert torch.equal(heatmap, torch.zeros(1, 64, 64, 3))
     loader = nodes.NODE_CLASS_MAPPINGS["LoraWeaveLoaderModelOnly"]
     text = loader.execute(aura, "aura.safetensors", 1.0, "merge", False).args[1]
