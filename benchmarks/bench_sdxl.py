@@ -250,23 +250,23 @@ def run_child(variant: str, a: str, b: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=benchutil.positive_int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=benchutil.positive_int, default=2)
     ap.add_argument("--max-rss-gib", type=float, default=9.0)
     ap.add_argument(
         "--config", default=CONFIG, help="a UNet config (a small one: a quick check of the script)"
     )
     ap.add_argument(
         "--width-divisor",
-        type=int,
+        type=benchutil.positive_int,
         default=1,
         help="divide the config's block_out_channels by N (2: the same 794 layers at half width, ~1/4 of the "
         "elements; a run that fits a loaded host)",
     )
     ap.add_argument(
         "--repeats",
-        type=int,
+        type=benchutil.positive_int,
         default=1,
         help="run the variants N times, interleaved (peft, dropin, ..., peft, ...), each in a fresh process; "
         "medians over every round of every repeat, peak RSS the highest",

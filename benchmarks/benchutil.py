@@ -65,7 +65,8 @@ def setup_torch():
     return torch
 
 
-def _threads(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse `type` for a count (threads, rounds, repeats): an integer >= 1, else argparse's usage error."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return int(text)
@@ -76,7 +77,7 @@ def add_clock_args(ap: argparse.ArgumentParser) -> None:
     (a descheduled process accrues no CPU time; wall time with 2 threads on the shared host swings by 5-30%)."""
     ap.add_argument(
         "--threads",
-        type=_threads,
+        type=positive_int,
         default=1,
         help="torch threads (default 1: CPU time then ignores descheduling)",
     )

@@ -7,7 +7,6 @@ checked at queue time (validation) or at execution, with the input MODEL left wi
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -18,16 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.comfy_env import COMFYUI_DIR, import_comfy
-from helpers.comfy_models import flux_state_dict
-from helpers.comfy_pack import (
-    FLUX_FILE,
-    FLUX_TARGETS,
-    fake_comfyui,
-    flux_lora,
-    merged_reference,
-    write_loras,
-)
+from helpers.comfy_home import comfy_home_fixture, execution_error, run_prompt  # noqa: F401  (fixture)
+from helpers.comfy_pack import FLUX_FILE, FLUX_TARGETS, fake_comfyui, flux_lora, merged_reference
 from safetensors.torch import load_file, save_file
 
 from loraweave.cli import main as cli_main
@@ -59,38 +50,6 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
 }
 
 
-class _Server:
-    """What PromptExecutor needs of ComfyUI's PromptServer."""
-
-    client_id = None
-    last_node_id = None
-    last_prompt_id = None
-
-    def send_sync(self, event, data, sid=None) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def comfy_home(tmp_path_factory):
-    """ComfyUI with a temp base holding loras/ and diffusion_models/, and our pack loaded from the installed shim."""
-    import_comfy()
-    import folder_paths
-    import nodes
-
-    base = tmp_path_factory.mktemp("comfy_base")
-    loras = write_loras(base / "models" / "loras")
-    (base / "models" / "diffusion_models").mkdir(parents=True)
-    save_file(flux_state_dict(), base / "models" / "diffusion_models" / FLUX_FILE)
-    folder_paths.add_model_folder_path("loras", str(base / "models" / "loras"))
-    folder_paths.add_model_folder_path("diffusion_models", str(base / "models" / "diffusion_models"))
-    assert cli_main(["comfy", "install", str(COMFYUI_DIR), "--base-directory", str(base)]) == 0
-    shim = base / "custom_nodes" / "loraweave_nodes"
-    assert asyncio.run(nodes.load_custom_node(str(shim)))
-    preview = COMFYUI_DIR / "comfy_extras" / "nodes_preview_any.py"
-    assert asyncio.run(nodes.load_custom_node(str(preview), module_parent="comfy_extras"))
-    return {"base": base, "loras": loras, "shim": shim}
-
-
 def _graph(node: dict, lora_name: str = "flux.safetensors") -> dict:
     """UNETLoader(tiny Flux) -> node (its model input wired, lora_name set) -> PreviewAny(report)."""
     return {
@@ -105,34 +64,6 @@ def _loader(**inputs) -> dict:
         "class_type": "LoraWeaveLoaderModelOnly",
         "inputs": {"strength_model": 0.7, "mode": "merge", "strict": False, **inputs},
     }
-
-
-def _run(prompt: dict):
-    """(valid, node_errors, executor, outputs of node 1 and 2) after ComfyUI validates and executes the prompt."""
-    import execution
-
-    valid, _, outputs, node_errors = asyncio.run(execution.validate_prompt("t", prompt, None))
-    if not valid:
-        return False, node_errors, None, {}
-    ex = execution.PromptExecutor(
-        _Server(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0}
-    )
-    ex.execute(
-        {k: {key: v for key, v in n.items() if key != "report_slot"} for k, n in prompt.items()},
-        "t",
-        {},
-        outputs,
-    )
-
-    def cached(node_id):
-        entry = asyncio.run(ex.caches.outputs.get(node_id))
-        return None if entry is None else [value[0] for value in entry.outputs]
-
-    return True, {}, ex, {"1": cached("1"), "2": cached("2")}
-
-
-def _error(ex) -> dict:
-    return next(data for event, data in ex.status_messages if event == "execution_error")
 
 
 def test_import_loads_no_comfyui():
@@ -163,8 +94,8 @@ def test_schemas_are_the_public_contract(comfy_home):
 
 
 def test_loader_merges_kohya_formula_and_leaves_input(comfy_home):
-    valid, errors, ex, out = _run(_graph(_loader()))
-    assert valid and ex.success, errors or _error(ex)
+    valid, errors, ex, out = run_prompt(_graph(_loader()))
+    assert valid and ex.success, errors or execution_error(ex)
     base, patched = out["1"][0], out["2"][0]
     tensors = load_file(comfy_home["loras"]["flux.safetensors"])
     for stem, key in FLUX_TARGETS.items():
@@ -216,8 +147,8 @@ def test_loader_with_clip_patches_both(comfy_home):
 
 def test_partial_file_warns_with_counts(comfy_home, caplog):
     with caplog.at_level(logging.WARNING, logger="loraweave"):
-        valid, errors, ex, out = _run(_graph(_loader(), "partial.safetensors"))
-    assert valid and ex.success, errors or _error(ex)
+        valid, errors, ex, out = run_prompt(_graph(_loader(), "partial.safetensors"))
+    assert valid and ex.success, errors or execution_error(ex)
     first = out["2"][1].splitlines()[0]
     assert first == "WARNING: partial.safetensors: 6 of 9 keys landed"
     assert "keys_applied=6 keys_total=9" in caplog.text
@@ -233,7 +164,7 @@ def test_partial_file_warns_with_counts(comfy_home, caplog):
     ],
 )
 def test_bad_names_refused_at_queue_time(comfy_home, name, says):
-    valid, errors, _, _ = _run(_graph(_loader(), name))
+    valid, errors, _, _ = run_prompt(_graph(_loader(), name))
     assert not valid
     details = errors["2"]["errors"][0]["details"]
     assert details.startswith("lora_name") and says in details and name.rsplit("/")[-1] in details
@@ -248,9 +179,9 @@ def test_bad_names_refused_at_queue_time(comfy_home, name, says):
     ],
 )
 def test_execution_errors_name_the_file_and_leave_input(comfy_home, name, strict, error):
-    valid, _, ex, out = _run(_graph(_loader(strict=strict), name))
+    valid, _, ex, out = run_prompt(_graph(_loader(strict=strict), name))
     assert valid and not ex.success
-    failure = _error(ex)
+    failure = execution_error(ex)
     assert failure["node_id"] == "2" and failure["exception_type"].startswith("loraweave.errors.")
     assert failure["exception_type"].endswith(error)
     assert name in failure["exception_message"]
@@ -288,9 +219,9 @@ def test_stack_rows_chain_and_apply_like_the_loader(comfy_home):
         },
         "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 2]}},
     }
-    valid, errors, ex, out = _run(prompt)
-    assert valid and ex.success, errors or _error(ex)
-    _, _, _, single = _run(_graph(_loader()))
+    valid, errors, ex, out = run_prompt(prompt)
+    assert valid and ex.success, errors or execution_error(ex)
+    _, _, _, single = run_prompt(_graph(_loader()))
     for key in FLUX_TARGETS.values():
         stacked = out["2"][0].patch_weight_to_device(key, return_weight=True)
         loaded = single["2"][0].patch_weight_to_device(key, return_weight=True)
@@ -318,12 +249,12 @@ def test_foreign_stack_rows_checked(comfy_home, stack, says):
 def test_step_window_checks_its_range(comfy_home):
     window = {"class_type": "LoraWeaveStepWindow", "inputs": {"strength": 1.0, "ramp": 0.0}}
     backwards = _graph({**window, "inputs": {**window["inputs"], "start_percent": 0.8, "end_percent": 0.2}})
-    valid, errors, _, _ = _run(backwards)
+    valid, errors, _, _ = run_prompt(backwards)
     assert not valid and "start_percent 0.8 is after end_percent 0.2" in errors["2"]["errors"][0]["details"]
-    valid, errors, ex, out = _run(
+    valid, errors, ex, out = run_prompt(
         _graph({**window, "inputs": {**window["inputs"], "start_percent": 0.2, "end_percent": 0.6}})
     )
-    assert valid and ex.success, errors or _error(ex)
+    assert valid and ex.success, errors or execution_error(ex)
     assert out["2"][0] is not out["1"][0] and out["1"][0].patches == {}
     assert "active from 0.2 to 0.6 of the steps" in out["2"][1]
 
@@ -332,8 +263,8 @@ def test_inspect_outputs_report_triggers_and_the_cli_heatmap(comfy_home, tmp_pat
     from PIL import Image
 
     prompt = {"2": {"class_type": "LoraWeaveInspect", "inputs": {"lora_name": "flux.safetensors"}}}
-    valid, errors, ex, out = _run(prompt)
-    assert valid and ex.success, errors or _error(ex)
+    valid, errors, ex, out = run_prompt(prompt)
+    assert valid and ex.success, errors or execution_error(ex)
     report, triggers, image = out["2"]
     assert triggers == "sks cat, sitting, outdoors"  # 12, 3+4, 5: most frequent first
     assert "kohya" in report and ex.history_result["outputs"]["2"]["text"][0] == report
@@ -363,16 +294,16 @@ def test_inspect_judges_against_a_connected_model(comfy_home, lora_name, alone, 
     import nodes
 
     unwired = {"2": {"class_type": "LoraWeaveInspect", "inputs": {"lora_name": lora_name}}}
-    valid, errors, ex, out = _run(unwired)
-    assert valid and ex.success, errors or _error(ex)
+    valid, errors, ex, out = run_prompt(unwired)
+    assert valid and ex.success, errors or execution_error(ex)
     assert _coverage(out["2"][0]).split()[1] == alone, out["2"][0]  # today's behaviour, unchanged
     assert "connected MODEL" not in out["2"][0]
     wired = {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": FLUX_FILE, "weight_dtype": "default"}},
         "2": {"class_type": "LoraWeaveInspect", "inputs": {"lora_name": lora_name, "model": ["1", 0]}},
     }
-    valid, errors, ex, out = _run(wired)
-    assert valid and ex.success, errors or _error(ex)
+    valid, errors, ex, out = run_prompt(wired)
+    assert valid and ex.success, errors or execution_error(ex)
     report = out["2"][0]
     line = _coverage(report)
     assert line.split()[1] == landed and "on the connected MODEL (flux, its own modules)" in line, report

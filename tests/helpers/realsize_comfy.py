@@ -30,19 +30,22 @@ FLUX_DEV = {
 }
 
 
-def meta_flux_patcher(dtype: torch.dtype = torch.bfloat16):
-    """A `ModelPatcher` over ComfyUI's Flux.1-dev at full size, every weight on the meta device."""
+def meta_flux_patcher(dtype: torch.dtype = torch.bfloat16, detected_as: str = "Flux", **params):
+    """A `ModelPatcher` over ComfyUI's Flux.1-dev at full size, every weight on the meta device. `params` override
+    FLUX_DEV, and ComfyUI's detection must answer `detected_as` (Flux Fill: in_channels=96, out_channels=16, i.e.
+    384 inputs after the 2x2 patchify -> supported_models.FluxInpaint)."""
     c = import_comfy()
     import comfy.ldm.flux.model
     import comfy.ops
 
+    want = {**FLUX_DEV, **params}
     with torch.device("meta"):
-        shapes = comfy.ldm.flux.model.Flux(operations=comfy.ops.disable_weight_init, **FLUX_DEV).state_dict()
+        shapes = comfy.ldm.flux.model.Flux(operations=comfy.ops.disable_weight_init, **want).state_dict()
     bfl = {_bfl_name(k): v for k, v in shapes.items()}
     config = c.model_detection.model_config_from_unet(bfl, "")
-    assert type(config).__name__ == "Flux", f"ComfyUI detected {type(config).__name__}"
-    detected = {k: config.unet_config.get(k) for k in FLUX_DEV}
-    assert detected == FLUX_DEV, f"ComfyUI detects {detected}"
+    assert type(config).__name__ == detected_as, f"ComfyUI detected {type(config).__name__}"
+    detected = {k: config.unet_config.get(k) for k in want}
+    assert detected == want, f"ComfyUI detects {detected}"
     config.set_inference_dtype(dtype, None)
     model = config.get_model(bfl, "", device=torch.device("meta"))
     cpu = torch.device("cpu")

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from ..engine.install import make_report
-from ..errors import ArgumentError, StrictApplyError, TargetError
+from ..errors import ArgumentError, StrictApplyError
 from ..formats.adapter import Adapter, load_adapter
 from ..modes import APPLY_MODES, ApplyMode
 from ..report.coverage import refuse_empty, warn_incomplete
@@ -26,7 +26,7 @@ from ..report.miss import Miss, Unmatched
 from ..report.report import Report, failures
 from ..request.spec import finite_strength
 from ..resolve.planner import Plan
-from .host import is_model_patcher
+from .host import diffusion_patcher
 from .patches import add_to_clone
 from .targets import TEXT_ENCODER_NAMES, plan_for_clip, plan_for_patcher
 
@@ -135,8 +135,7 @@ def _plans(model, clip, adapter: Adapter) -> tuple[Plan, Plan | None, Plan, list
 def judge(model, lora, clip=None) -> Report:
     """The loader's plan of `lora` on `model` (and `clip`) as a report of mode "plan": which keys would land on
     this ComfyUI model's own modules, and why each other one would not. Nothing is cloned or patched."""
-    if not is_model_patcher(model):
-        raise TargetError(f"model must be a ComfyUI ModelPatcher (a MODEL), not {type(model).__name__}")
+    diffusion_patcher(model)
     t0 = time.perf_counter()
     *_, both, unmatched = _plans(model, clip, read_lora(lora))
     return make_report(both, "plan", [], unmatched, t0)
@@ -174,8 +173,7 @@ def load_lora_for_models(
 
     Errors are typed loraweave errors: a missing or broken file, a file of which no key lands on this model
     (NoKeysLandedError: a file for another architecture), `strict` with keys that miss (StrictApplyError)."""
-    if not is_model_patcher(model):
-        raise TargetError(f"model must be a ComfyUI ModelPatcher (a MODEL), not {type(model).__name__}")
+    diffusion_patcher(model)
     strength_model, strength_clip = finite_strength(strength_model), finite_strength(strength_clip)
     chosen = choose_mode(model, mode)
     adapter = read_lora(lora)

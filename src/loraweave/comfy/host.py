@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import torch
+
 from ..errors import TargetError
 
 
@@ -36,3 +38,19 @@ def is_model_patcher(obj: object) -> bool:
 
 def is_clip(obj: object) -> bool:
     return isinstance(obj, comfy_module("comfy.sd").CLIP)
+
+
+def diffusion_patcher(obj: object, field: str = "model"):
+    """`obj` when it is a ComfyUI MODEL: a ModelPatcher over a model that has a `diffusion_model` module. Otherwise
+    a TargetError naming the input `field` and what it got (what a miswired graph or another pack hands a node:
+    a CLIP, a CLIP's own patcher, a bare BaseModel), before anything reads the object."""
+    if not is_model_patcher(obj):
+        got = "a CLIP (a CLIP output wired into a MODEL input?)" if is_clip(obj) else type(obj).__name__
+        raise TargetError(f"input {field!r}: expected a ComfyUI MODEL (a ModelPatcher), got {got}")
+    inner = getattr(obj, "model", None)
+    if not isinstance(getattr(inner, "diffusion_model", None), torch.nn.Module):
+        raise TargetError(
+            f"input {field!r}: a ModelPatcher over {type(inner).__name__}, which has no diffusion_model: not a "
+            "diffusion MODEL (a CLIP's or another pack's patcher?)"
+        )
+    return obj

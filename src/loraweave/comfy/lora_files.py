@@ -15,6 +15,7 @@ log = logging.getLogger("loraweave")
 
 FOLDER = "loras"
 NONE = "None"  # the stack row's "no LoRA" choice (the LORA_STACK packs' convention)
+NO_HEATMAP = 64  # side of the black IMAGE Inspect outputs where no heatmap can be drawn
 
 
 def lora_choices(with_none: bool = False) -> list[str]:
@@ -88,12 +89,13 @@ def model_coverage(model, path: str) -> dict:
     from .api import judge
     from .targets import comfy_arch
 
-    report = judge(model, path)
-    arch = comfy_arch(model) or type(model.model.model_config).__name__
+    report = judge(model, path)  # a TargetError naming the input where `model` is no diffusion MODEL
+    arch = comfy_arch(model) or comfy_model_name(model)
     unmatched = [{"key": u.key, "reason": u.reason, "kind": u.kind} for u in report.unmatched]
     return {
         "checked": True,
         "against": f"the connected MODEL ({arch}, its own modules)",
+        "note": no_reference_reason(model),
         "keys_total": report.keys_total,
         "keys_applied": report.keys_applied,
         "unmatched": unmatched,
@@ -101,6 +103,31 @@ def model_coverage(model, path: str) -> dict:
         "alpha_sources": report.adapters[0]["alpha_sources"] if report.adapters else {},
         "complete": not failures(unmatched),
     }
+
+
+def comfy_model_name(patcher) -> str:
+    """How ComfyUI names the model: its supported_models class, else the model's own class (another pack's)."""
+    config = getattr(patcher.model, "model_config", None)
+    return type(config).__name__ if config is not None else type(patcher.model).__name__
+
+
+def no_reference_reason(patcher) -> str | None:
+    """Why keys resolve on this MODEL by ComfyUI's own module names only, so that a file in diffusers' or kohya's
+    names cannot be judged on it; None where loraweave has a reference tree for it (every layout is judged)."""
+    from .targets import comfy_arch, reference_tree
+
+    arch = comfy_arch(patcher)
+    if arch is None:
+        return (
+            f"loraweave maps no architecture onto {comfy_model_name(patcher)}: keys are matched by "
+            "ComfyUI's own module names only (a key named after diffusers' modules cannot land or be judged on it)"
+        )
+    if reference_tree(patcher) is None:
+        return (
+            f"loraweave's {arch} reference does not fit this model's widths: keys are matched by ComfyUI's own "
+            "module names only (a key named after diffusers' modules cannot land or be judged on it)"
+        )
+    return None
 
 
 def trigger_text(path: str) -> str:
@@ -117,18 +144,23 @@ def trigger_text(path: str) -> str:
 
 
 def heatmap_image(path: str):
-    """`loraweave inspect --plot`'s heatmap as a ComfyUI IMAGE: float32 [1, H, W, 3] in 0..1."""
+    """(`loraweave inspect --plot`'s heatmap as a ComfyUI IMAGE: float32 [1, H, W, 3] in 0..1, None), or (a black
+    NO_HEATMAP-sized IMAGE, why none was drawn) for a file that resolves on no full-size model (an architecture
+    loraweave does not know)."""
     import numpy as np
     import torch
     from PIL import Image
 
     from ..tools.heatmap import render
-    from ..tools.plot import block_grid
+    from ..tools.plot import NoModelToDrawOnError, block_grid
 
-    grid = block_grid(path)
+    try:
+        grid = block_grid(path)
+    except NoModelToDrawOnError as exc:
+        return torch.zeros(1, NO_HEATMAP, NO_HEATMAP, 3), f"heatmap: not drawn ({exc})"
     with tempfile.TemporaryDirectory(prefix="loraweave-heatmap-") as tmp:
         png = Path(tmp) / "heatmap.png"
         render(grid, png)
         with Image.open(png) as img:
             pixels = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
-    return torch.from_numpy(pixels.copy())[None]
+    return torch.from_numpy(pixels.copy())[None], None

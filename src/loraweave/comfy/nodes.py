@@ -350,7 +350,9 @@ class LoraWeaveInspect(LoraFileNode):
         path = lora_path(lora_name)
         try:
             with named_errors(lora_name):
-                text, triggers, heatmap = inspect_text(path, model), trigger_text(path), heatmap_image(path)
+                text, triggers = inspect_text(path, model), trigger_text(path)
+                heatmap, why_none = heatmap_image(path)
+                text += f"\n{why_none}" if why_none else ""
         except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does
             raise LoraweaveError(
                 f"{lora_name}: LoraWeave Inspect resolves the file on the architecture's skeleton, built from "

@@ -156,8 +156,10 @@ def apply_stack(
 ) -> tuple[object, object, Report]:
     """(model, clip, report): clones of `model` / `clip` (None stays None) with every row of `stack` applied."""
     from .api import choose_mode, read_lora
+    from .host import diffusion_patcher
     from .targets import plan_for_clip, plan_for_patcher
 
+    diffusion_patcher(model)
     t0 = time.perf_counter()
     rows = [r for r in stack_rows(stack) if r[1] != 0.0 or r[2] != 0.0]
     density = check_stack_mode(stack_mode, density)

@@ -84,8 +84,10 @@ def apply_step_window(
 
     Stacks with runtime loaders on the same model (one injection key); the input model is never modified."""
     from .api import read_lora
+    from .host import diffusion_patcher
     from .targets import plan_for_patcher
 
+    diffusion_patcher(model)
     t0 = time.perf_counter()
     window = check_window(start_percent, end_percent, ramp)
     adapter = read_lora(lora)

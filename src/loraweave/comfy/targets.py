@@ -87,7 +87,7 @@ def comfy_arch(patcher) -> str | None:
     """The loraweave architecture of a ComfyUI MODEL, from its supported_models class or the nearest base class we
     map (FluxInpaint is a Flux, SSD-1B an SDXL, WAN21_Vace a Wan: their own modules fall to ComfyUI's names);
     None: not one we map."""
-    for cls in type(patcher.model.model_config).__mro__:
+    for cls in type(getattr(patcher.model, "model_config", None)).__mro__:
         if cls.__name__ in COMFY_ARCHS:
             return COMFY_ARCHS[cls.__name__]
     return None

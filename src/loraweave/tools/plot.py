@@ -13,10 +13,17 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ArgumentError
+
 log = logging.getLogger("loraweave")
 
 METRICS = ("norm", "energy")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|block)\.(\d+)\.")
+
+
+class NoModelToDrawOnError(ArgumentError):
+    """block_grid: the file resolves on no model (an architecture loraweave has no full-size model of, and no
+    `arch` or `model` given), so there are no blocks to draw it on."""
 
 
 @dataclass
@@ -126,7 +133,7 @@ def _components(adapter, arch: str | None, model: str | None, text_encoders: boo
 
     components, against, detected = adapter_target(adapter, arch, model, text_encoders)
     if components is None:
-        raise ValueError(against)
+        raise NoModelToDrawOnError(f"{adapter.name}: no heatmap: {against}")
     name = arch or (detected if model is None else "checkpoint")
     return as_components(components), name
 
