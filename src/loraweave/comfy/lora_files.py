@@ -87,7 +87,7 @@ def model_coverage(model, path: str) -> dict:
 
     from ..report.report import failures
     from .api import judge
-    from .targets import comfy_arch
+    from .targets import comfy_arch, comfy_model_name
 
     report = judge(model, path)  # a TargetError naming the input where `model` is no diffusion MODEL
     arch = comfy_arch(model) or comfy_model_name(model)
@@ -105,29 +105,12 @@ def model_coverage(model, path: str) -> dict:
     }
 
 
-def comfy_model_name(patcher) -> str:
-    """How ComfyUI names the model: its supported_models class, else the model's own class (another pack's)."""
-    config = getattr(patcher.model, "model_config", None)
-    return type(config).__name__ if config is not None else type(patcher.model).__name__
-
-
 def no_reference_reason(patcher) -> str | None:
     """Why keys resolve on this MODEL by ComfyUI's own module names only, so that a file in diffusers' or kohya's
     names cannot be judged on it; None where loraweave has a reference tree for it (every layout is judged)."""
-    from .targets import comfy_arch, reference_tree
+    from .targets import reference_or_why
 
-    arch = comfy_arch(patcher)
-    if arch is None:
-        return (
-            f"loraweave maps no architecture onto {comfy_model_name(patcher)}: keys are matched by "
-            "ComfyUI's own module names only (a key named after diffusers' modules cannot land or be judged on it)"
-        )
-    if reference_tree(patcher) is None:
-        return (
-            f"loraweave's {arch} reference does not fit this model's widths: keys are matched by ComfyUI's own "
-            "module names only (a key named after diffusers' modules cannot land or be judged on it)"
-        )
-    return None
+    return reference_or_why(patcher)[1]
 
 
 def trigger_text(path: str) -> str:

@@ -145,22 +145,46 @@ def _meta_tree(arch: str, cls_name: str, config_json: str) -> Reference:
     return reference
 
 
-def _reference(patcher) -> tuple[Reference, Spans] | None:
-    """(the cached reference of this model's config, spans onto its tensors), or None (see reference_tree)."""
+ONLY_COMFY_NAMES = (
+    "keys are matched by ComfyUI's own module names only (a key named after diffusers' modules cannot land or be "
+    "judged on it)"
+)
+
+
+def reference_or_why(patcher) -> tuple[tuple[Reference, Spans] | None, str | None]:
+    """((the cached reference of this model's config, spans onto its tensors), None), or (None, why there is none:
+    no architecture mapped, widths that do not fit, or a tree that needs diffusers where it is not installed)."""
     arch = comfy_arch(patcher)
     if arch is None:
-        return None
+        return None, f"loraweave maps no architecture onto {comfy_model_name(patcher)}: {ONLY_COMFY_NAMES}"
     from ..arch.catalog import CATALOG
 
     entry = CATALOG[arch]
     config = {**entry.config, **reference_config(arch, patcher.model.model_config.unet_config)}
-    reference = _meta_tree(arch, entry.cls, json.dumps(config, sort_keys=True, default=list))
+    try:
+        reference = _meta_tree(arch, entry.cls, json.dumps(config, sort_keys=True, default=list))
+    except ModuleNotFoundError as exc:  # no shipped skeleton fits; ComfyUI does not ship diffusers
+        log.warning("comfy reference arch=%s source=none missing_module=%s", arch, exc.name)
+        return None, (
+            f"loraweave's {arch} reference for this model's widths is built from diffusers' classes, and {exc.name} "
+            f"is not installed (pip install 'loraweave[comfy]' into ComfyUI's Python): {ONLY_COMFY_NAMES}"
+        )
     shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
     spans = reference.spans_for(shapes)
     if spans is None:
         log.warning("comfy reference arch=%s fits=no (widths differ from loraweave's reference)", arch)
-        return None
-    return reference, spans
+        return None, f"loraweave's {arch} reference does not fit this model's widths: {ONLY_COMFY_NAMES}"
+    return (reference, spans), None
+
+
+def _reference(patcher) -> tuple[Reference, Spans] | None:
+    return reference_or_why(patcher)[0]
+
+
+def comfy_model_name(patcher) -> str:
+    """How ComfyUI names the model: its supported_models class, else the model's own class (another pack's)."""
+    config = getattr(patcher.model, "model_config", None)
+    return type(config).__name__ if config is not None else type(patcher.model).__name__
 
 
 def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
@@ -320,10 +344,14 @@ def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: b
     pieces name its modules and rows). Text-encoder keys are left to `plan_for_clip`. Nothing is modified."""
     side = _side(adapter, text_encoders=False)
     live = patcher.model.diffusion_model
-    found = _reference(patcher)
+    found, why = reference_or_why(patcher)
     if found is None:
         plan = resolve(Components({"transformer": live}), [(side, strength)])
         plan = _onto_comfy(plan, DENOISER_PREFIX, live, {}, adapter)
+        if (
+            comfy_arch(patcher) is not None
+        ):  # a mapped architecture without its reference: say why keys missed
+            plan.unmatched = [dataclasses.replace(u, miss=u.miss.where(why)) for u in plan.unmatched]
     else:
         ref, spans = found
         plan = resolve(Components({ref.component: ref.tree}), [(side, strength)], {ref.component: ref.table})
