@@ -207,7 +207,7 @@ def _read_all(f, need: int) -> mmap.mmap | None:
     (MAP_POPULATE) rather than faulted one by one; None when shorter.
 
     Not a numpy array: numpy asks for transparent huge pages on arrays of 4 MiB and more, and filling a fresh 12 MB
-    one took 45-116 ms against 5-10 ms here on our CI VM (benchmarks/bench_comfy.py's swap to a new file)."""
+    one took 45-116 ms against 5-10 ms here on our CI VM, by the host's state (benchmarks/bench_thp.py)."""
     size = os.fstat(f.fileno()).st_size
     if size < need:
         return None
