@@ -16,6 +16,7 @@ from helpers.comfy_pack import flux_lora, lora_pair
 
 from loraweave.comfy import load_lora_for_models, targets
 from loraweave.errors import NoKeysLandedError
+from loraweave.formats.adapter import load_adapter
 
 pytestmark = pytest.mark.comfy
 
@@ -69,3 +70,26 @@ def test_a_file_of_diffusers_names_only_is_a_typed_error_that_says_why(flux, no_
     reasons = {u.reason for u in caught.value.report.unmatched}
     assert reasons and all("diffusers is not installed" in why for why in reasons)
     assert flux.patcher.patches_uuid == before and not flux.patcher.patches
+
+
+def test_full_width_flux_fill_needs_no_diffusers(no_diffusers):
+    # Flux Fill's 384 input channels are served by the shipped Flux skeleton (x_embedder and proj_out resized), so
+    # a diffusers-named Fill LoRA lands on the full-size model without diffusers' classes.
+    from helpers.realsize_comfy import meta_flux_patcher
+
+    patcher = meta_flux_patcher(detected_as="FluxInpaint", in_channels=96, out_channels=16)
+    sd = {
+        **lora_pair("transformer.x_embedder", 3072, 384, 1),
+        **lora_pair("transformer.transformer_blocks.0.attn.to_q", 3072, 3072, 2),
+        **lora_pair("transformer.single_transformer_blocks.0.proj_mlp", 12288, 3072, 3),
+        **lora_pair("transformer.proj_out", 64, 3072, 4),
+    }
+    plan = targets.plan_for_patcher(patcher, load_adapter(sd))
+    assert not plan.unmatched
+    landed = {piece.module for pp in plan.planned for piece in pp.pieces}
+    assert landed == {
+        "img_in",
+        "double_blocks.0.img_attn.qkv",
+        "single_blocks.0.linear1",
+        "final_layer.linear",
+    }

@@ -65,6 +65,25 @@ def test_block_chains_cut_and_grown_as_diffusers_builds_them(arch):
             assert getattr(tree.config, key) == depth
 
 
+@pytest.mark.parametrize("arch", ["flux", "flux-schnell"])
+@pytest.mark.parametrize(
+    "widths",
+    [
+        {"in_channels": 384, "out_channels": 64},  # Flux Fill
+        {"in_channels": 128, "out_channels": 64},  # Canny / Depth control
+        {"in_channels": 128},  # out_channels None: proj_out follows in_channels, as diffusers reads it
+        {"out_channels": 32},
+        {"in_channels": 384, "out_channels": 64, "num_layers": 2},  # with a depth change
+    ],
+)
+def test_widened_inputs_resized_as_diffusers_builds_them(arch, widths):
+    entry = CATALOG[arch]
+    config = {**entry.config, **widths}
+    tree = packaged_tree(arch, entry.cls, config)
+    assert tree is not None, widths
+    assert shape_of(tree) == shape_of(diffusers_tree(entry.cls, config)), widths
+
+
 def test_other_configs_are_not_served():
     entry = CATALOG["flux"]
     assert packaged_tree("flux", entry.cls, dict(entry.config)) is not None
@@ -75,6 +94,8 @@ def test_other_configs_are_not_served():
     assert packaged_tree("flux", "FluxTransformer2DModelX", dict(entry.config)) is None  # another class
     assert packaged_tree("sd1", CATALOG["sd1"].cls, {**CATALOG["sd1"].config, "layers_per_block": 1}) is None
     assert packaged_tree("not-an-arch", entry.cls, dict(entry.config)) is None
+    for bad in (0, -64, True, 384.0, "384"):
+        assert packaged_tree("flux", entry.cls, {**entry.config, "in_channels": bad}) is None, bad
 
 
 def plan_rows(plan) -> tuple[list, list, list]:

@@ -386,6 +386,16 @@ DEPTHS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+# Config entries that set only the width of one layer's weight (Flux Fill / Kontext / control widen the patch input
+# to 384 channels and set out_channels): the shipped skeleton serves them by resizing that axis. {key: (module path,
+# axis, the key whose value stands where this one is None: diffusers' own spelling of out_channels)}.
+_FLUX_WIDTHS = {"in_channels": ("x_embedder", 1, None), "out_channels": ("proj_out", 0, "in_channels")}
+WIDTHS: dict[str, dict[str, tuple[str, int, str | None]]] = {
+    "flux": _FLUX_WIDTHS,
+    "flux-schnell": _FLUX_WIDTHS,
+}
+
+
 def reference_config(arch: str, unet_config: dict) -> dict:
     """diffusers config entries for `arch` read from ComfyUI's unet_config ({} where the catalog's stand)."""
     convert = CONFIGS.get(arch)

@@ -7,8 +7,9 @@ tests/test_comfy_skeletons.py) holds the class name, its full diffusers config (
 tree: per module its class name, own parameter and persistent buffer shapes and dtypes, and children in
 `named_modules` order; numbered children with identical subtrees (a block chain) are stored once with their count.
 A ComfyUI model whose config differs from the stored one only in the depth keys of `reference.DEPTHS` gets the
-chain cut or repeated to that depth; any other difference (a tiny or re-widthed model) is not served here: the
-caller builds that tree from diffusers. The rebuilt tree has the same paths, class names (alias tables key on
+chain cut or repeated to that depth, and in the width keys of `reference.WIDTHS` (Flux Fill's 384 input channels)
+that layer's axis resized; any other difference (a tiny or re-widthed model) is not served here: the caller builds
+that tree from diffusers. The rebuilt tree has the same paths, class names (alias tables key on
 them), nn.Linear leaves and shapes: all the planner reads (tools/skeleton.py rebuilds `inspect`'s the same way)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from ..tools.skeleton import _DTYPES, _instance
-from .reference import DEPTHS
+from .reference import DEPTHS, WIDTHS
 
 log = logging.getLogger("loraweave")
 FOLDER = Path(__file__).resolve().parent / "skeletons"
@@ -86,8 +87,22 @@ def record(arch: str) -> dict | None:
     return {"format": FORMAT, "arch": arch, "cls": entry.cls, "config": config, "tree": encode(tree)}
 
 
-def _build(node: dict, path: str, depths: dict[str, int]) -> torch.nn.Module:
-    module = _instance(node["c"], node.get("p", {}))
+Widths = dict[str, tuple[int, int]]  # {module path: (axis, size)} of a weight resized from the stored one
+
+
+def _resized(params: dict, axis: int, size: int) -> dict:
+    """A Linear's stored parameters with the weight's `axis` set to `size` (the bias follows an output axis)."""
+    out = {name: [list(shape), dtype] for name, (shape, dtype) in params.items()}
+    out["weight"][0][axis] = size
+    if axis == 0 and "bias" in out:
+        out["bias"][0][0] = size
+    return out
+
+
+def _build(node: dict, path: str, depths: dict[str, int], widths: Widths | None = None) -> torch.nn.Module:
+    widths = widths or {}
+    params = _resized(node["p"], *widths[path]) if path in widths else node.get("p", {})
+    module = _instance(node["c"], params)
     for name, (shape, dtype) in node.get("b", {}).items():
         module.register_buffer(
             name, torch.empty(shape, device="meta", dtype=_DTYPES.get(dtype, torch.float32))
@@ -97,13 +112,16 @@ def _build(node: dict, path: str, depths: dict[str, int]) -> torch.nn.Module:
     else:
         children = node.get("m", {})
     for name, child in children.items():
-        module.add_module(name, _build(child, f"{path}.{name}" if path else name, depths))
+        module.add_module(name, _build(child, f"{path}.{name}" if path else name, depths, widths))
     return module
 
 
-def rebuild(data: dict, depths: dict[str, int] | None = None, config: dict | None = None) -> torch.nn.Module:
-    """The tree of a description (`data["tree"]`), block chains at `depths` ({chain path: count})."""
-    root = _build(data["tree"], "", depths or {})
+def rebuild(
+    data: dict, depths: dict[str, int] | None = None, config: dict | None = None, widths: Widths | None = None
+) -> torch.nn.Module:
+    """The tree of a description (`data["tree"]`), block chains at `depths` ({chain path: count}), weights resized
+    by `widths`."""
+    root = _build(data["tree"], "", depths or {}, widths)
     root.config = SimpleNamespace(**(config if config is not None else data["config"]))
     return root
 
@@ -123,6 +141,8 @@ def fitted_depths(arch: str, data: dict, config: dict) -> dict[str, int] | None:
     stored, depth_keys = data["config"], DEPTHS.get(arch, {})
     depths: dict[str, int] = {}
     for key, value in plain(config).items():
+        if key in WIDTHS.get(arch, {}):
+            continue  # fitted_widths
         if key in depth_keys and value != stored.get(key):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 return None
@@ -136,11 +156,8 @@ def fitted_depths(arch: str, data: dict, config: dict) -> dict[str, int] | None:
 
 
 def _is_chain(node: dict, path: str) -> bool:
-    for name in path.split("."):
-        node = node.get("m", {}).get(name)
-        if node is None:
-            return False
-    return "t" in node
+    found = _node(node, path)
+    return found is not None and "t" in found
 
 
 def packaged_tree(arch: str, cls: str, config: dict) -> torch.nn.Module | None:
@@ -148,7 +165,39 @@ def packaged_tree(arch: str, cls: str, config: dict) -> torch.nn.Module | None:
     data = description(arch)
     if data is None or data["cls"] != cls:
         return None
-    depths = fitted_depths(arch, data, config)
-    if depths is None:
+    depths, widths = fitted_depths(arch, data, config), fitted_widths(arch, data, config)
+    if depths is None or widths is None:
         return None
-    return rebuild(data, depths, {**data["config"], **plain(config)})
+    return rebuild(data, depths, {**data["config"], **plain(config)}, widths)
+
+
+def fitted_widths(arch: str, data: dict, config: dict) -> Widths | None:
+    """{module path: (axis, size)} for the width keys of `config` that differ from the stored ones (a key set to
+    None takes its default key's value, as diffusers reads it); None when a size is not a positive int or the stored
+    tree lacks that Linear."""
+    stored, merged = data["config"], {**data["config"], **plain(config)}
+    widths: Widths = {}
+    for key, (path, axis, default) in WIDTHS.get(arch, {}).items():
+        want = merged.get(key) if merged.get(key) is not None else merged.get(default)
+        have = stored.get(key) if stored.get(key) is not None else stored.get(default)
+        if want == have:
+            continue
+        node = _node(data["tree"], path)
+        if (
+            not isinstance(want, int)
+            or isinstance(want, bool)
+            or want < 1
+            or node is None
+            or node["c"] != "Linear"
+        ):
+            return None
+        widths[path] = (axis, want)
+    return widths
+
+
+def _node(node: dict, path: str) -> dict | None:
+    for name in path.split("."):
+        node = node.get("m", {}).get(name)
+        if node is None:
+            return None
+    return node
