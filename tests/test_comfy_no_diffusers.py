@@ -93,3 +93,11 @@ def test_full_width_flux_fill_needs_no_diffusers(no_diffusers):
         "single_blocks.0.linear1",
         "final_layer.linear",
     }
+
+
+def test_block_weights_say_that_diffusers_is_missing(flux, no_diffusers):
+    from loraweave.comfy.stack import apply_stack
+    from loraweave.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="no block map for this model: .*diffusers is not installed"):
+        apply_stack(flux.patcher, None, [(flux_lora(), 1.0, 1.0)], block_weights="1,0.5,1", mode="merge")

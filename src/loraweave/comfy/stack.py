@@ -88,14 +88,13 @@ def check_stack_mode(stack_mode: StackMode, density: float | None) -> float | No
 def comfy_block_weights(patcher, value) -> tuple[dict[str, float], float]:
     """({ComfyUI module: block weight}, BASE weight) of `value` on the block map of the architecture loraweave
     resolves this model on; modules outside every block take BASE."""
-    from .targets import reference_tree
+    from .targets import reference_or_why
 
-    found = reference_tree(patcher)
+    found, why = reference_or_why(patcher)
     if found is None:
-        raise ArgumentError(
-            f"block_weights: loraweave has no block map for ComfyUI's {type(patcher.model.model_config).__name__}"
-        )
-    tree, spans = found
+        raise ArgumentError(f"block_weights: loraweave has no block map for this model: {why}")
+    reference, spans = found
+    tree = reference.tree
     try:
         arch = detect_block_arch(tree)
         names = [n for n, _ in tree.named_modules()]
