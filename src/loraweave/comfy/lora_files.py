@@ -87,7 +87,7 @@ def model_coverage(model, path: str) -> dict:
 
     from ..report.report import failures
     from .api import judge
-    from .targets import comfy_arch, comfy_model_name
+    from .targets import comfy_arch, comfy_model_name, reference_or_why
 
     report = judge(model, path)  # a TargetError naming the input where `model` is no diffusion MODEL
     arch = comfy_arch(model) or comfy_model_name(model)
@@ -95,7 +95,7 @@ def model_coverage(model, path: str) -> dict:
     return {
         "checked": True,
         "against": f"the connected MODEL ({arch}, its own modules)",
-        "note": no_reference_reason(model),
+        "note": reference_or_why(model)[1],  # why some layouts cannot be judged on this MODEL, or None
         "keys_total": report.keys_total,
         "keys_applied": report.keys_applied,
         "unmatched": unmatched,
@@ -103,14 +103,6 @@ def model_coverage(model, path: str) -> dict:
         "alpha_sources": report.adapters[0]["alpha_sources"] if report.adapters else {},
         "complete": not failures(unmatched),
     }
-
-
-def no_reference_reason(patcher) -> str | None:
-    """Why keys resolve on this MODEL by ComfyUI's own module names only, so that a file in diffusers' or kohya's
-    names cannot be judged on it; None where loraweave has a reference tree for it (every layout is judged)."""
-    from .targets import reference_or_why
-
-    return reference_or_why(patcher)[1]
 
 
 def trigger_text(path: str) -> str:

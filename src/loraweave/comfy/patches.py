@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import torch
 
-from ..arch.spec import Piece
+from ..arch.spec import Piece, out_rows
 from ..families.contribution import add_contribution, bias_of
 from ..report.miss import Miss, Unmatched
 from ..report.report import AppliedModule
@@ -136,10 +136,10 @@ def _rows_key(component: str, module: str, piece: Piece, suffix: str) -> PatchKe
 Carried = tuple[str, str, list[PlannedPart]]  # component, module, the parts one patch carries
 
 
-def joined_pieces(pp: PlannedPart, rows_of) -> tuple[Piece, ...]:
-    """A W-independent part's pieces with runs that continue on the same module (a kohya fused `qkv` laid out as
-    q, k, v) joined into one, so ComfyUI patches the module once, as core does. `rows_of(module)` -> out rows.
-    needs_base families keep their pieces: their ΔW depends on the rows each piece sees."""
+def joined_pieces(pp: PlannedPart, root: torch.nn.Module) -> tuple[Piece, ...]:
+    """A W-independent part's pieces with runs that continue on the same module of `root` (a kohya fused `qkv`
+    laid out as q, k, v) joined into one, so ComfyUI patches the module once, as core does. needs_base families
+    keep their pieces: their ΔW depends on the rows each piece sees."""
     if pp.family.needs_base or len(pp.pieces) < 2:
         return pp.pieces
     out: list[Piece] = []
@@ -152,24 +152,11 @@ def joined_pieces(pp: PlannedPart, rows_of) -> tuple[Piece, ...]:
             and last.dst_start + last.length == p.dst_start
         ):
             n = last.length + p.length
-            out[-1] = Piece(
-                p.module, last.src_start, last.dst_start, n, last.dst_start == 0 and n == rows_of(p.module)
-            )
+            whole = last.dst_start == 0 and n == out_rows(root.get_submodule(p.module))
+            out[-1] = Piece(p.module, last.src_start, last.dst_start, n, whole)
         else:
             out.append(p)
     return tuple(out)
-
-
-def _rows_of(plan: Plan):
-    """module name -> its weight's rows, on whichever component holds it (looked up once per module)."""
-    trees = [dict(m.named_modules()) for _, m in plan.components]
-
-    @functools.cache
-    def rows(name: str) -> int:
-        module = next(t[name] for t in trees if name in t)
-        return module.weight.shape[0]
-
-    return rows
 
 
 def merge_patches(plan: Plan) -> tuple[dict[PatchKey, object], dict[PatchKey, Carried]]:
@@ -177,9 +164,8 @@ def merge_patches(plan: Plan) -> tuple[dict[PatchKey, object], dict[PatchKey, Ca
     modules."""
     groups: dict[tuple[PatchKey, bool], list[Term]] = defaultdict(list)
     where: dict[PatchKey, tuple[str, str]] = {}
-    rows_of = _rows_of(plan)
     for pp in plan.planned:
-        for piece in joined_pieces(pp, rows_of):
+        for piece in joined_pieces(pp, plan.components.modules[pp.component]):
             local = Piece(piece.module, piece.src_start, 0, piece.length, piece.whole)
             for suffix, bias in (("weight", False), ("bias", True)):
                 if bias and bias_of(pp, local) is None:

@@ -72,12 +72,10 @@ COMFY_ARCHS: dict[str, str] = {
     "CosmosI2VPredict2": "anima",
     "ErnieImage": "ernie-image",
 }
-DENOISER_PREFIX = "diffusion_model"
+DENOISER_PREFIX = "diffusion_model"  # ModelPatcher state-dict keys: diffusion_model.<module>.weight
 # Pipeline components that ComfyUI keeps inside its diffusion model, by attribute: Anima's LLM adapter (diffusers'
 # `text_conditioner`; the key parser routes `diffusion_model.llm_adapter.` and `lora_unet_llm_adapter_` there).
-INNER_COMPONENTS: dict[str, str] = {
-    "text_conditioner": "llm_adapter"
-}  # ModelPatcher state-dict keys: diffusion_model.<module>.weight
+INNER_COMPONENTS: dict[str, str] = {"text_conditioner": "llm_adapter"}
 # ComfyUI text encoder attributes in kohya's order (lora_te1_, lora_te2_, lora_te3_); others follow in tree order.
 ENCODER_ORDER = ("clip_l", "clip_g", "t5xxl")
 TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -344,13 +342,12 @@ def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: b
     pieces name its modules and rows). Text-encoder keys are left to `plan_for_clip`. Nothing is modified."""
     side = _side(adapter, text_encoders=False)
     live = patcher.model.diffusion_model
+    arch = comfy_arch(patcher)
     found, why = reference_or_why(patcher)
     if found is None:
         plan = resolve(Components({"transformer": live}), [(side, strength)])
         plan = _onto_comfy(plan, DENOISER_PREFIX, live, {}, adapter)
-        if (
-            comfy_arch(patcher) is not None
-        ):  # a mapped architecture without its reference: say why keys missed
+        if arch is not None:  # a mapped architecture without its reference: say why keys missed
             plan.unmatched = [dataclasses.replace(u, miss=u.miss.where(why)) for u in plan.unmatched]
     else:
         ref, spans = found
@@ -360,7 +357,7 @@ def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: b
     plan = _inner_components(plan, side, live, strength, adapter)
     log.info(
         "comfy plan side=model arch=%s planned=%d params=%d unmatched=%d",
-        comfy_arch(patcher),
+        arch,
         len(plan.planned),
         len(plan.params),
         len(plan.unmatched),

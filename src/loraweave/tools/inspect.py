@@ -269,9 +269,8 @@ def _coverage_rows(cov: dict) -> list[tuple[str, str]]:
     else:
         against = f" on {cov['against']}" if cov["against"] else ""
         rows = [("coverage", f"{cov['keys_applied']}/{cov['keys_total']} keys land{against}")]
-    if cov.get(
-        "note"
-    ):  # what the count cannot tell (LoraWeave Inspect on a MODEL loraweave has no reference for)
+    # what the count cannot tell (LoraWeave Inspect on a MODEL loraweave has no reference for)
+    if cov.get("note"):
         rows.append(("  note", cov["note"]))
     if cov.get("alpha_sources"):
         rows.append(("  alpha from", _tally(cov["alpha_sources"])))
