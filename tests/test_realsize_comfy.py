@@ -166,3 +166,31 @@ def test_leighwoods_proj_out_merges_through_comfy_at_real_size(patcher, realdata
         original = weight.detach()[rows].clone()
         merged = model.patch_weight_to_device(key, device_to=torch.device("cpu"), return_weight=True)
         assert_patched(merged, original, rows, [(0, lora)], STRENGTH, f"{module} (leighwoods)")
+
+
+KOHYA_FUSED = {"single_blocks.0.linear1": 3 * HIDDEN + MLP, "double_blocks.0.img_attn.qkv": 3 * HIDDEN}
+
+
+@pytest.mark.parametrize("module", list(KOHYA_FUSED))
+def test_kohya_fused_module_merges_as_one_patch_at_real_size(patcher, module):
+    # A kohya LoRA on a whole fused module is laid out by the resolver as q, k, v (, mlp) pieces and goes back to
+    # ComfyUI as one patch, as core adds it: no offsets, W + s·B·A in fp64 within the bound, core's bits.
+    rows = KOHYA_FUSED[module]
+    lora = lora_for(RealLayer("flux", module, (rows, HIDDEN)), seed=SEED + 7)
+    stem = "lora_unet_" + module.replace(".", "_")
+    sd = {
+        f"{stem}.lora_down.weight": lora.a,
+        f"{stem}.lora_up.weight": lora.b,
+        f"{stem}.alpha": torch.tensor(16.0),
+    }
+    model = merged_clone(patcher, sd)
+    core, _ = import_comfy().sd.load_lora_for_models(patcher, None, sd, STRENGTH, 0.0)
+    key = f"diffusion_model.{module}.weight"
+    assert [off for _, _, _, off, _ in model.patches[key]] == [None]
+    with comfy_layer(patcher, module, SEED) as weight:
+        checked = checked_rows(weight.shape[0], [(0, lora)])
+        original = weight.detach()[checked].clone()
+        cpu = torch.device("cpu")
+        merged = model.patch_weight_to_device(key, device_to=cpu, return_weight=True)
+        assert_patched(merged, original, checked, [(0, lora)], STRENGTH, f"{module} (kohya, whole)")
+        assert torch.equal(merged, core.patch_weight_to_device(key, device_to=cpu, return_weight=True))
