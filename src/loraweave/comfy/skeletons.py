@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..tools.skeleton import _DTYPES, _instance
+from ..tools.skeleton import META_DTYPES, meta_module
 from .reference import DEPTHS, WIDTHS
 
 log = logging.getLogger("loraweave")
@@ -102,10 +102,10 @@ def _resized(params: dict, axis: int, size: int) -> dict:
 def _build(node: dict, path: str, depths: dict[str, int], widths: Widths | None = None) -> torch.nn.Module:
     widths = widths or {}
     params = _resized(node["p"], *widths[path]) if path in widths else node.get("p", {})
-    module = _instance(node["c"], params)
+    module = meta_module(node["c"], params)
     for name, (shape, dtype) in node.get("b", {}).items():
         module.register_buffer(
-            name, torch.empty(shape, device="meta", dtype=_DTYPES.get(dtype, torch.float32))
+            name, torch.empty(shape, device="meta", dtype=META_DTYPES.get(dtype, torch.float32))
         )
     if "t" in node:
         children = {str(i): node["t"] for i in range(depths.get(path, node["n"]))}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..arch.aliases import AliasTable, _bare_parameters
+from ..arch.aliases import AliasTable, bare_parameters
 from ..arch.spec import out_rows
 from ..engine.install import make_report
 from ..errors import StrictApplyError, TargetError
@@ -29,7 +29,7 @@ from ..report.miss import Miss, Unmatched
 from ..report.report import failures
 from ..resolve.planner import Plan, PlannedPart, resolve
 from ..resolve.target import Components
-from ..tools.remap import Spans, _fits, translate
+from ..tools.remap import Spans, original_fit, translate
 from .reference import reference_config
 from .skeletons import packaged_tree
 
@@ -115,7 +115,7 @@ class Reference:
         """The spans onto ComfyUI's tensors of these shapes (None: the widths do not fit), computed once."""
         key = tuple(shapes.items())
         if key not in self.fits:
-            fit = _fits(self.tree, shapes, renamed=True) or _same_names(self.tree, shapes)
+            fit = original_fit(self.tree, shapes, renamed=True) or _same_names(self.tree, shapes)
             self.fits[key] = (fit[0],) if fit is not None else None
             while len(self.fits) > FITS_KEPT:
                 self.fits.popitem(last=False)
@@ -218,7 +218,7 @@ def _no_such_module(pp: PlannedPart, module: str) -> list[Unmatched]:
 def _original_params(tree: torch.nn.Module) -> dict[str, str]:
     """{live parameter path: original path} from the architecture's parameter aliases (Wan's scale_shift_table
     is ComfyUI's modulation)."""
-    found = _bare_parameters(tree, type(tree).__name__, dict(tree.named_modules()))
+    found = bare_parameters(tree, type(tree).__name__, dict(tree.named_modules()))
     return {live: original for original, (live, _) in found.items() if live != original}
 
 
