@@ -5,7 +5,7 @@ once, and detection (arch/detect.py), the catalog, the block maps and scripts/su
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from .spec import ArchTable
@@ -70,6 +70,30 @@ class Release:
     catalog: str | None = None  # the full-size skeleton of exactly this variant, when the catalog has one
 
 
+class ComfyConfig(Protocol):
+    """ComfyUI's `unet_config` of a loaded model -> the diffusers config entries of its reference tree (the widths
+    and depths the model really has), laid over the catalog skeleton's config."""
+
+    def __call__(self, unet_config: dict, /) -> dict: ...
+
+
+@dataclass(frozen=True)
+class ComfyFacets:
+    """How ComfyUI holds the architecture, for the node pack (comfy/): a ComfyUI model resolves adapter keys on the
+    catalog skeleton's diffusers tree at the model's own widths, then writes onto ComfyUI's module names."""
+
+    # ComfyUI's supported_models class names; a subclass of one maps through its nearest listed base.
+    classes: tuple[str, ...]
+    config: ComfyConfig | None = None  # None: the catalog's config stands as it is
+    # {config key: block chain paths}: a model that differs from the shipped skeleton only in these keys gets that
+    # skeleton with its chains cut or repeated.
+    depths: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # {config key: (module path, axis, the key whose value stands where this one is None)}: keys that set only the
+    # width of one layer's weight (Flux Fill's 384 input channels); the shipped skeleton serves them resized.
+    widths: dict[str, tuple[str, int, str | None]] = field(default_factory=dict)
+    skeleton: str | None = None  # the reference skeleton the pack ships (comfy/skeletons/<name>.json), if any
+
+
 @dataclass(frozen=True)
 class Architecture:
     name: str  # the name detection answers and the catalog keys
@@ -90,6 +114,7 @@ class Architecture:
     layouts: Layouts | None = None  # its row in the support matrix's original-name layouts
     not_mapped: tuple[str, str] | None = None  # (heading, state) in the support matrix's "Not mapped" table
     releases: tuple[Release, ...] = ()  # released variants inspect tells apart (block counts, width)
+    comfy: ComfyFacets | None = None  # how ComfyUI's node pack finds and builds its reference tree
 
     @property
     def metadata_alpha(self) -> str | None:

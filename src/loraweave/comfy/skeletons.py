@@ -2,15 +2,15 @@
 tree its adapter keys resolve on without importing diffusers' model classes (a one-off of seconds per ComfyUI
 process: diffusers' model modules pull in peft, accelerate, bitsandbytes, torchao and scipy where installed).
 
-Each `skeletons/<arch>.json` (written by scripts/comfy_skeletons.py from diffusers, checked against it by
-tests/test_comfy_skeletons.py) holds the class name, its full diffusers config (defaults included) and the module
-tree: per module its class name, own parameter and persistent buffer shapes and dtypes, and children in
-`named_modules` order; numbered children with identical subtrees (a block chain) are stored once with their count.
-A ComfyUI model whose config differs from the stored one only in the depth keys of `reference.DEPTHS` gets the
-chain cut or repeated to that depth, and in the width keys of `reference.WIDTHS` (Flux Fill's 384 input channels)
-that layer's axis resized; any other difference (a tiny or re-widthed model) is not served here: the caller builds
-that tree from diffusers. The rebuilt tree has the same paths, class names (alias tables key on
-them), nn.Linear leaves and shapes: all the planner reads (tools/skeleton.py rebuilds `inspect`'s the same way)."""
+Each `skeletons/<name>.json` (the name an architecture's ComfyUI facets give, arch/record.py `ComfyFacets.skeleton`;
+written by scripts/comfy_skeletons.py from diffusers, checked against it by tests/test_comfy_skeletons.py) holds
+the class name, its full diffusers config (defaults included) and the module tree: per module its class name, own
+parameter and persistent buffer shapes and dtypes, and children in `named_modules` order; numbered children with
+identical subtrees (a block chain) are stored once with their count. A ComfyUI model whose config differs from the
+stored one only in the facets' depth keys (`ComfyFacets.depths`) gets the chain cut or repeated to that depth, and
+in their width keys (`ComfyFacets.widths`: Flux Fill's 384 input channels) that layer's axis resized; any other
+difference (a tiny or re-widthed model) is not served here: the caller builds that tree from diffusers. The rebuilt
+tree has the same paths, class names (alias tables key on them), nn.Linear leaves and shapes: all the planner reads (tools/skeleton.py rebuilds `inspect`'s the same way)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from ..tools.skeleton import META_DTYPES, meta_module
-from .reference import DEPTHS, WIDTHS
+from .reference import facets
 
 log = logging.getLogger("loraweave")
 FOLDER = Path(__file__).resolve().parent / "skeletons"
@@ -138,10 +138,10 @@ def description(arch: str) -> dict | None:
 def fitted_depths(arch: str, data: dict, config: dict) -> dict[str, int] | None:
     """{chain path: count} when `config` equals the stored config but for the architecture's depth keys; None
     when any other entry differs (or a depth is not a non-negative int, or its chain is not stored as one)."""
-    stored, depth_keys = data["config"], DEPTHS.get(arch, {})
+    stored, depth_keys = data["config"], facets(arch).depths
     depths: dict[str, int] = {}
     for key, value in plain(config).items():
-        if key in WIDTHS.get(arch, {}):
+        if key in facets(arch).widths:
             continue  # fitted_widths
         if key in depth_keys and value != stored.get(key):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -161,8 +161,9 @@ def _is_chain(node: dict, path: str) -> bool:
 
 
 def packaged_tree(arch: str, cls: str, config: dict) -> torch.nn.Module | None:
-    """The reference tree of `cls` at `config` from the shipped description, or None when none fits."""
-    data = description(arch)
+    """The reference tree of `cls` at `config` from the skeleton `arch`'s facets ship, or None when none fits."""
+    name = facets(arch).skeleton
+    data = description(name) if name is not None else None
     if data is None or data["cls"] != cls:
         return None
     depths, widths = fitted_depths(arch, data, config), fitted_widths(arch, data, config)
@@ -177,7 +178,7 @@ def fitted_widths(arch: str, data: dict, config: dict) -> Widths | None:
     tree lacks that Linear."""
     stored, merged = data["config"], {**data["config"], **plain(config)}
     widths: Widths = {}
-    for key, (path, axis, default) in WIDTHS.get(arch, {}).items():
+    for key, (path, axis, default) in facets(arch).widths.items():
         want = merged.get(key) if merged.get(key) is not None else merged.get(default)
         have = stored.get(key) if stored.get(key) is not None else stored.get(default)
         if want == have:

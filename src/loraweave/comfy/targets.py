@@ -30,48 +30,11 @@ from ..report.report import failures
 from ..resolve.planner import Plan, PlannedPart, resolve
 from ..resolve.target import Components
 from ..tools.remap import Spans, original_fit, translate
-from .reference import reference_config
+from .reference import COMFY_ARCHS, reference_config
 from .skeletons import packaged_tree
 
 log = logging.getLogger("loraweave")
 
-# ComfyUI's supported_models class -> loraweave catalog architecture (the reference tree adapters resolve on).
-COMFY_ARCHS: dict[str, str] = {
-    "SD15": "sd1",
-    "SD20": "sd2",
-    "SD21UnclipL": "sd2",
-    "SD21UnclipH": "sd2",
-    "SDXL": "sdxl",
-    "SDXLRefiner": "sdxl-refiner",
-    "SD3": "sd3",
-    "Flux": "flux",
-    "FluxSchnell": "flux-schnell",
-    "Flux2": "flux2",
-    "Chroma": "chroma",
-    "HunyuanVideo": "hunyuan-video",
-    "HunyuanVideo15": "hunyuan-video-1.5",
-    "HunyuanVideo15_SR_Distilled": "hunyuan-video-1.5",
-    "HunyuanImage21": "hunyuan-image-2.1",
-    "HunyuanImage21Refiner": "hunyuan-image-2.1",
-    "QwenImage": "qwen-image",
-    "Lumina2": "lumina2",
-    "ZImage": "z-image",
-    "WAN21_T2V": "wan",
-    "WAN22_T2V": "wan",
-    "WAN21_I2V": "wan",
-    "WAN22_Animate": "wan-animate",
-    "LTXV": "ltx-video",
-    "LTXAV": "ltx2",
-    "PixArtAlpha": "pixart",
-    "PixArtSigma": "pixart",
-    "Kandinsky5": "kandinsky5",
-    "Kandinsky5Image": "kandinsky5",
-    "Anima": "anima",
-    # Cosmos-Predict2 is Anima's DiT without the LLM adapter: the same diffusers class and table (arch/anima.py).
-    "CosmosT2IPredict2": "anima",
-    "CosmosI2VPredict2": "anima",
-    "ErnieImage": "ernie-image",
-}
 DENOISER_PREFIX = "diffusion_model"  # ModelPatcher state-dict keys: diffusion_model.<module>.weight
 # Pipeline components that ComfyUI keeps inside its diffusion model, by attribute: Anima's LLM adapter (diffusers'
 # `text_conditioner`; the key parser routes `diffusion_model.llm_adapter.` and `lora_unet_llm_adapter_` there).
@@ -85,9 +48,10 @@ def comfy_arch(patcher) -> str | None:
     """The loraweave architecture of a ComfyUI MODEL, from its supported_models class or the nearest base class we
     map (FluxInpaint is a Flux, SSD-1B an SDXL, WAN21_Vace a Wan: their own modules fall to ComfyUI's names);
     None: not one we map."""
+    archs = dict(COMFY_ARCHS)
     for cls in type(getattr(patcher.model, "model_config", None)).__mro__:
-        if cls.__name__ in COMFY_ARCHS:
-            return COMFY_ARCHS[cls.__name__]
+        if cls.__name__ in archs:
+            return archs[cls.__name__]
     return None
 
 
