@@ -96,6 +96,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_sampling": ("comfy",),
     "test_comfy_stack": ("comfy",),
     "test_comfy_swap": ("comfy",),
+    "test_comfy_toy_arch": ("comfy",),
     "test_comfy_weights": ("comfy",),
     "test_compile": ("slow",),  # inductor codegen: about a minute per whole model
     "test_detect": ("realdata",),
