@@ -1,7 +1,7 @@
-"""Write src/loraweave/comfy/skeletons/<name>.json (never edited by hand): the diffusers reference tree of every
-registered architecture whose ComfyUI facets name a shipped skeleton (arch/record.py ComfyFacets.skeleton) at its
-catalog config, as loraweave.comfy.skeletons.record describes it. Needs diffusers; tests/test_comfy_skeletons.py
-checks the files against it.
+"""Write src/loraweave/comfy/skeletons/<name>.json (never edited by hand): the diffusers reference tree of
+every registered architecture whose ComfyUI facets name a shipped skeleton (arch/record.py
+ComfyFacets.skeleton) at its catalog config, as loraweave.comfy.skeletons.record describes it. Needs
+diffusers; tests/test_comfy_skeletons.py checks the files against it.
 
 Usage: .venv/bin/python scripts/comfy_skeletons.py"""
 

@@ -1,11 +1,11 @@
-"""The recipe for a new architecture, ComfyUI included: the toy of tests/helpers/toy_arch.py, declared in that one
-file with its ComfyUI facets (arch/record.py ComfyFacets), is registered (arch.registry.registered) and a LoRA in
-its diffusers names lands through loraweave.comfy.load_lora_for_models on ComfyUI's own model of it, whose module
-names and widths differ (a fused `blocks.N.mix_gate` at hidden 6, 3 blocks, against the catalog's 8 wide, 4 deep):
-no file of the package names it. Reference: the fp64 formula W + s·B·A on the rows of ComfyUI's fused tensor
-(a PEFT file without alpha: γ = 1), TOL = 1e-6 relative per weight (fp32 merge against fp64). Negative controls:
-the toy not registered, registered without its ComfyUI facets, and with facets but no config rule (the catalog's
-width-8 tree then does not fit): no key lands."""
+"""The recipe for a new architecture, ComfyUI included: the toy of tests/helpers/toy_arch.py, declared in that
+one file with its ComfyUI facets (arch/record.py ComfyFacets), is registered (arch.registry.registered) and a
+LoRA in its diffusers names lands through loraweave.comfy.load_lora_for_models on ComfyUI's own model of it,
+whose module names and widths differ (a fused `blocks.N.mix_gate` at hidden 6, 3 blocks, against the catalog's
+8 wide, 4 deep): no file of the package names it. Reference: the fp64 formula W + s·B·A on the rows of
+ComfyUI's fused tensor (a PEFT file without alpha: γ = 1), TOL = 1e-6 relative per weight (fp32 merge against
+fp64). Negative controls: the toy not registered, registered without its ComfyUI facets, and with facets but
+no config rule (the catalog's width-8 tree then does not fit): no key lands."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ HIDDEN, LAYERS = 6, 3
 
 @pytest.fixture
 def toy_world(monkeypatch):
-    """The toy's class where the catalog looks for skeleton classes, and its alias table where arch.aliases reads
-    them; reference trees built before or after are not reused."""
+    """The toy's class where the catalog looks for skeleton classes, and its alias table where arch.aliases
+    reads them; reference trees built before or after are not reused."""
     import_comfy()
     import diffusers
 
@@ -40,7 +40,8 @@ def toy_world(monkeypatch):
 
 
 def expected(base: dict[str, torch.Tensor], sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{ComfyUI weight: W + s·B·A in fp64}: mix on the first HIDDEN rows of blocks.N.mix_gate, gate on the rest."""
+    """{ComfyUI weight: W + s·B·A in fp64}: mix on the first HIDDEN rows of blocks.N.mix_gate, gate on the
+    rest."""
     out = {}
     for i in range(LAYERS):
         key = f"blocks.{i}.mix_gate.weight"

@@ -119,13 +119,14 @@ def test_the_contract_catches_an_upward_import():
 
 
 def test_no_private_name_is_imported_from_another_part():
-    """Nothing imports another package's private names (`_x`): what a part shares is public in its home module."""
+    """Nothing imports another package's private names (`_x`): what a part shares is public in its home
+    module."""
     assert private_imports(package_modules()) == []
 
 
 def test_the_contract_catches_a_private_import(tmp_path, monkeypatch):
-    """Negative control: a private name taken across parts (module level and inside a function) is refused; one
-    taken inside its own part, a dunder, and another library's private name are not."""
+    """Negative control: a private name taken across parts (module level and inside a function) is refused;
+    one taken inside its own part, a dunder, and another library's private name are not."""
     (tmp_path / "comfy").mkdir()
     (tmp_path / "tools").mkdir()
     (tmp_path / "comfy" / "x.py").write_text(

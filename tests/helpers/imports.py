@@ -20,7 +20,8 @@ def package_modules() -> dict[str, Path]:
 
 
 def _imports(modules: dict[str, Path]) -> Iterator[tuple[str, str, list[str]]]:
-    """(importer, imported module, names taken from it) for every import statement; `import x` takes no names."""
+    """(importer, imported module, names taken from it) for every import statement; `import x` takes no names.
+    """
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -46,8 +47,8 @@ def import_edges(modules: dict[str, Path]) -> list[tuple[str, str]]:
 
 def private_imports(modules: dict[str, Path]) -> list[tuple[str, str, str]]:
     """(importer, module, name) for every private name (`_x`, not a dunder) a module imports from a loraweave
-    module of another top-level part (`from ..arch.aliases import _x` in comfy/), or a private module it reaches
-    that way (`import loraweave.tools._x`)."""
+    module of another top-level part (`from ..arch.aliases import _x` in comfy/), or a private module it
+    reaches that way (`import loraweave.tools._x`)."""
     out = []
     for name, mod, names in _imports(modules):
         if mod.split(".")[0] != "loraweave" or (len(mod.split(".")) > 1 and _part(mod) == _part(name)):

@@ -1,12 +1,13 @@
 """A test-only architecture declared in this one file: a tiny DiT with one block chain (`toy_blocks.N.mix` /
 `.gate`). tests/test_arch_registry.py registers it (arch.registry.registered) and checks that detection, the
-catalog, the block maps and the support matrix script pick it up with no other change; tests/test_comfy_toy_arch.py
-checks that the ComfyUI node pack does, through the record's ComfyUI facets.
+catalog, the block maps and the support matrix script pick it up with no other change;
+tests/test_comfy_toy_arch.py checks that the ComfyUI node pack does, through the record's ComfyUI facets.
 
-ComfyUI's side of it (`ComfyToy`, as a pack adding the architecture to ComfyUI would write it) keeps the original
-names: one fused `blocks.N.mix_gate` (mix | gate rows) per block, at the widths its `unet_config` gives. `TOY_TABLE`
-maps those names onto the toy's modules; arch.aliases reads the alias tables once at import (registered() refuses
-a record that brings them), so a test adds it to arch.aliases.ARCH_TABLES for its duration."""
+ComfyUI's side of it (`ComfyToy`, as a pack adding the architecture to ComfyUI would write it) keeps the
+original names: one fused `blocks.N.mix_gate` (mix | gate rows) per block, at the widths its `unet_config`
+gives. `TOY_TABLE` maps those names onto the toy's modules; arch.aliases reads the alias tables once at import
+(registered() refuses a record that brings them), so a test adds it to arch.aliases.ARCH_TABLES for its
+duration."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class ToyTransformer(torch.nn.Module):
 
 
 class ComfyToy(torch.nn.Module):
-    """The toy as ComfyUI holds it: `unet_model` of ComfyUI's BaseModel (its keyword arguments are unet_config)."""
+    """The toy as ComfyUI holds it: `unet_model` of ComfyUI's BaseModel (its keyword arguments are
+    unet_config)."""
 
     def __init__(
         self, hidden: int = 8, layers: int = 4, device=None, dtype=None, operations=None, **_
@@ -85,8 +87,8 @@ def toy_lora(depth: int = 4, width: int = 8, rank: int = 2) -> dict[str, torch.T
 
 
 def comfy_toy(hidden: int = 6, layers: int = 3, seed: int = 0):
-    """A ComfyUI MODEL of the toy: supported_models class `ToyComfy` (a pack's), ComfyUI's BaseModel building a
-    ComfyToy from unet_config with ComfyUI's own operations, seeded weights; a ModelPatcher on the CPU."""
+    """A ComfyUI MODEL of the toy: supported_models class `ToyComfy` (a pack's), ComfyUI's BaseModel building
+    a ComfyToy from unet_config with ComfyUI's own operations, seeded weights; a ModelPatcher on the CPU."""
     from helpers.comfy_env import import_comfy
 
     c = import_comfy()

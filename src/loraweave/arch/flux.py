@@ -121,7 +121,8 @@ FLUX_BLOCKS = BlockMap("flux", _FLUX_CHAINS)  # Flux.1 dev and schnell
 
 def double_single_from_comfy(cfg: dict, patched: bool = True) -> dict:
     """The entries every BFL-style double/single-block model shares (Flux.1, Flux.2, Chroma) from ComfyUI's
-    unet_config; `patched`: ComfyUI counts channels before patching (Chroma counts them after, as diffusers does)."""
+    unet_config; `patched`: ComfyUI counts channels before patching (Chroma counts them after, as diffusers
+    does)."""
     patch = cfg.get("patch_size", 1) if patched else 1
     return {
         "in_channels": cfg["in_channels"] * patch * patch,

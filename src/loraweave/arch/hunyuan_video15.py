@@ -149,7 +149,7 @@ HUNYUAN_IMAGE_21 = Architecture(
         "Tencent names (fused *_attn_qkv / linear1; split *_attn_q/k/v, the official linear1_q/k/v/mlp and "
         "linear2.fc), ComfyUI renames, sd-scripts (lora_unet_)",
         _CHECKED,
-        "test_comfy_dits2.py",
+        "test_comfy_arch_names.py::test_*hunyuan*",
     ),
     comfy=ComfyFacets(
         ("HunyuanImage21", "HunyuanImage21Refiner"),
@@ -174,7 +174,7 @@ HUNYUAN_VIDEO_15 = Architecture(
         "Tencent names (split *_attn_q/k/v; fused *_attn_qkv as ComfyUI loads it), ComfyUI renames, "
         "musubi-tuner (lora_unet_)",
         _CHECKED,
-        "test_comfy_dits2.py",
+        "test_comfy_arch_names.py::test_*hunyuan*",
     ),
     comfy=ComfyFacets(
         ("HunyuanVideo15", "HunyuanVideo15_SR_Distilled"),

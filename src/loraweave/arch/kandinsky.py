@@ -13,7 +13,8 @@ KANDINSKY6 = Architecture(
 
 def _kandinsky5_from_comfy(cfg: dict) -> dict:
     # ComfyUI's Kandinsky5 keyword defaults for what its detection does not write. Its visual embedding reads
-    # `visual_embed_dim` inputs; diffusers reads in_visual_dim (x2 + 1 mask channel with visual_cond) per patch.
+    # `visual_embed_dim` inputs; diffusers reads in_visual_dim (x2 + 1 mask channel with visual_cond) per
+    # patch.
     patch = tuple(cfg.get("patch_size", (1, 2, 2)))
     in_visual = cfg.get("in_visual_dim", 16)
     per_patch = cfg.get("visual_embed_dim", 132) // (patch[0] * patch[1] * patch[2])

@@ -55,9 +55,18 @@ LTX23_ARCH = Architecture(
     cli_names=("ltx-2.3",),
 )
 # ComfyUI's LTXAVModel keyword defaults (LTX-2), for what its detection does not write.
-_LTXAV = {"in_channels": 128, "audio_in_channels": 128, "cross_attention_dim": 4096, "audio_cross_attention_dim": 2048,
-          "attention_head_dim": 128, "audio_attention_head_dim": 64, "num_attention_heads": 32,
-          "audio_num_attention_heads": 32, "caption_channels": 3840, "num_layers": 48}  # fmt: skip
+_LTXAV = {
+    "in_channels": 128,
+    "audio_in_channels": 128,
+    "cross_attention_dim": 4096,
+    "audio_cross_attention_dim": 2048,
+    "attention_head_dim": 128,
+    "audio_attention_head_dim": 64,
+    "num_attention_heads": 32,
+    "audio_num_attention_heads": 32,
+    "caption_channels": 3840,
+    "num_layers": 48,
+}
 
 
 def _ltx2_from_comfy(cfg: dict) -> dict:
@@ -67,8 +76,8 @@ def _ltx2_from_comfy(cfg: dict) -> dict:
 
 
 def _ltx_video_from_comfy(cfg: dict) -> dict:
-    # ComfyUI's detection reads the depth, the head width (at 32 heads) and the cross-attention width; the latent
-    # and caption widths are LTXVModel's keyword arguments.
+    # ComfyUI's detection reads the depth, the head width (at 32 heads) and the cross-attention width; the
+    # latent and caption widths are LTXVModel's keyword arguments.
     in_channels = cfg.get("in_channels", 128)
     return {
         "in_channels": in_channels,
@@ -130,7 +139,7 @@ LTX_VIDEO = Architecture(
         "diffusers names behind diffusion_model. (prefix only); LTX-Video's Lightricks/ComfyUI names "
         "(patchify_proj, adaln_single, q_norm/k_norm)",
         "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers, convert_ltx_transformer_checkpoint_to_diffusers",
-        "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size, test_comfy_video.py",
+        "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size, test_comfy_arch_names.py",
     ),
     comfy=ComfyFacets(("LTXV",), _ltx_video_from_comfy, skeleton="ltx-video"),
 )

@@ -45,7 +45,8 @@ LUMINA2 = ArchTable(
 
 
 def _lumina2_from_comfy(cfg: dict) -> dict:
-    # ComfyUI's NextDiT feed-forward is ffn_dim_multiplier x dim wide; diffusers' is ffn_dim_multiplier x 4 x dim.
+    # ComfyUI's NextDiT feed-forward is ffn_dim_multiplier x dim wide; diffusers' is ffn_dim_multiplier x 4 x
+    # dim.
     return {
         "patch_size": cfg.get("patch_size", 2),
         "in_channels": cfg.get("in_channels", 16),

@@ -46,7 +46,8 @@ PIXART_TABLE = ArchTable(
 
 def _pixart_from_comfy(cfg: dict) -> dict:
     # ComfyUI's PixArtMS: Alpha's size / aspect-ratio embedders when micro_condition is set (detected from
-    # ar_embedder), a sigma-predicting output twice the input channels, the caption projected to the hidden width.
+    # ar_embedder), a sigma-predicting output twice the input channels, the caption projected to the hidden
+    # width.
     hidden, heads, in_channels = (
         cfg.get("hidden_size", 1152),
         cfg.get("num_heads", 16),
@@ -81,7 +82,7 @@ PIXART = Architecture(
         "PixArt/ComfyUI names (fused attn.qkv, cross_attn.kv_linear as k, v halves, t_block, y_embedder, Alpha's "
         "csize/ar_embedder, scale_shift_table parameters)",
         "comfy.utils.pixart_to_diffusers (diffusers ships no PixArt single-file or LoRA converter)",
-        "test_comfy_video.py::test_pixart_*",
+        "test_comfy_arch_weights.py::test_pixart_*",
     ),
     comfy=ComfyFacets(("PixArtAlpha", "PixArtSigma"), _pixart_from_comfy, skeleton="pixart"),
 )

@@ -71,25 +71,27 @@ class Release:
 
 
 class ComfyConfig(Protocol):
-    """ComfyUI's `unet_config` of a loaded model -> the diffusers config entries of its reference tree (the widths
-    and depths the model really has), laid over the catalog skeleton's config."""
+    """ComfyUI's `unet_config` of a loaded model -> the diffusers config entries of its reference tree (the
+    widths and depths the model really has), laid over the catalog skeleton's config."""
 
     def __call__(self, unet_config: dict, /) -> dict: ...
 
 
 @dataclass(frozen=True)
 class ComfyFacets:
-    """How ComfyUI holds the architecture, for the node pack (comfy/): a ComfyUI model resolves adapter keys on the
-    catalog skeleton's diffusers tree at the model's own widths, then writes onto ComfyUI's module names."""
+    """How ComfyUI holds the architecture, for the node pack (comfy/): a ComfyUI model resolves adapter keys
+    on the catalog skeleton's diffusers tree at the model's own widths, then writes onto ComfyUI's module
+    names."""
 
     # ComfyUI's supported_models class names; a subclass of one maps through its nearest listed base.
     classes: tuple[str, ...]
     config: ComfyConfig | None = None  # None: the catalog's config stands as it is
-    # {config key: block chain paths}: a model that differs from the shipped skeleton only in these keys gets that
-    # skeleton with its chains cut or repeated.
+    # {config key: block chain paths}: a model that differs from the shipped skeleton only in these keys gets
+    # that skeleton with its chains cut or repeated.
     depths: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # {config key: (module path, axis, the key whose value stands where this one is None)}: keys that set only the
-    # width of one layer's weight (Flux Fill's 384 input channels); the shipped skeleton serves them resized.
+    # {config key: (module path, axis, the key whose value stands where this one is None)}: keys that set only
+    # the width of one layer's weight (Flux Fill's 384 input channels); the shipped skeleton serves them
+    # resized.
     widths: dict[str, tuple[str, int, str | None]] = field(default_factory=dict)
     skeleton: str | None = None  # the reference skeleton the pack ships (comfy/skeletons/<name>.json), if any
 

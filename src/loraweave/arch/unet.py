@@ -94,8 +94,8 @@ def _unet_from_comfy(cfg: dict) -> dict:
 
 
 def _layers_per_block(depths: list[int]) -> int | tuple[int, ...]:
-    """diffusers' own spelling (what the shipped skeletons store): one int where every cross-attention level has
-    the same depth (levels without attention ignore theirs), else one entry per level."""
+    """diffusers' own spelling (what the shipped skeletons store): one int where every cross-attention level
+    has the same depth (levels without attention ignore theirs), else one entry per level."""
     cross = {d for d in depths if d > 0}
     return cross.pop() if len(cross) == 1 else tuple(max(1, d) for d in depths)
 

@@ -119,9 +119,9 @@ WAN_ANIMATE_2 = ArchTable(
 
 
 def _wan_animate_from_comfy(cfg: dict) -> dict:
-    # ComfyUI's AnimateWanModel is Wan I2V (image cross-attention on 1280-wide CLIP features projected to dim) plus
-    # a face adapter every 5 blocks; its pose input (16 channels), face encoder (1024 x 4 heads) and 512 px motion
-    # encoder are fixed, as in diffusers' defaults.
+    # ComfyUI's AnimateWanModel is Wan I2V (image cross-attention on 1280-wide CLIP features projected to dim)
+    # plus a face adapter every 5 blocks; its pose input (16 channels), face encoder (1024 x 4 heads) and 512
+    # px motion encoder are fixed, as in diffusers' defaults.
     return {**wan_from_comfy(cfg), "added_kv_proj_dim": cfg["dim"], "image_dim": 1280, "latent_channels": 16}
 
 

@@ -59,7 +59,8 @@ ZIMAGE = ArchTable(
 
 
 def _z_image_from_comfy(cfg: dict) -> dict:
-    # ComfyUI's NextDiT keyword names; its detection writes dim, cap_feat_dim and depth, ZImage's class the rest.
+    # ComfyUI's NextDiT keyword names; its detection writes dim, cap_feat_dim and depth, ZImage's class the
+    # rest.
     return {
         "dim": cfg["dim"],
         "n_layers": cfg["n_layers"],

@@ -1,10 +1,11 @@
-"""The ComfyUI facets of the registry's architectures (arch/record.py `ComfyFacets`), as the pack reads them: which
-architecture a ComfyUI model class is, and the diffusers config of a model's reference tree from ComfyUI's
-`unet_config` (the widths and depths a loaded model really has: a tiny test model, a pruned or distilled release)
-over the catalog's full-size config.
+"""The ComfyUI facets of the registry's architectures (arch/record.py `ComfyFacets`), as the pack reads them:
+which architecture a ComfyUI model class is, and the diffusers config of a model's reference tree from
+ComfyUI's `unet_config` (the widths and depths a loaded model really has: a tiny test model, a pruned or
+distilled release) over the catalog's full-size config.
 
-Only shapes matter (the tree lives on `meta`); an architecture whose facets give no config keeps the catalog config,
-and `targets.reference_tree` checks the fit against the ComfyUI model's own tensor shapes either way."""
+Only shapes matter (the tree lives on `meta`); an architecture whose facets give no config keeps the catalog
+config, and `targets.reference_tree` checks the fit against the ComfyUI model's own tensor shapes either way.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def facets(arch: str) -> ComfyFacets:
 
 
 class _ComfyArchs(Mapping):
-    """ComfyUI's supported_models class name -> the architecture whose facets list it, read from the registry on
-    every access (so a registered one is in it)."""
+    """ComfyUI's supported_models class name -> the architecture whose facets list it, read from the registry
+    on every access (so a registered one is in it)."""
 
     def _entries(self) -> dict[str, str]:
         return {cls: a.name for a in registry.ARCHITECTURES if a.comfy is not None for cls in a.comfy.classes}

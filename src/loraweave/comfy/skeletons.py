@@ -1,16 +1,19 @@
-"""Reference trees from descriptions shipped with the package: a queue on a full-width model builds the diffusers
-tree its adapter keys resolve on without importing diffusers' model classes (a one-off of seconds per ComfyUI
-process: diffusers' model modules pull in peft, accelerate, bitsandbytes, torchao and scipy where installed).
+"""Reference trees from descriptions shipped with the package: a queue on a full-width model builds the
+diffusers tree its adapter keys resolve on without importing diffusers' model classes (a one-off of seconds
+per ComfyUI process: diffusers' model modules pull in peft, accelerate, bitsandbytes, torchao and scipy where
+installed).
 
-Each `skeletons/<name>.json` (the name an architecture's ComfyUI facets give, arch/record.py `ComfyFacets.skeleton`;
-written by scripts/comfy_skeletons.py from diffusers, checked against it by tests/test_comfy_skeletons.py) holds
-the class name, its full diffusers config (defaults included) and the module tree: per module its class name, own
-parameter and persistent buffer shapes and dtypes, and children in `named_modules` order; numbered children with
-identical subtrees (a block chain) are stored once with their count. A ComfyUI model whose config differs from the
-stored one only in the facets' depth keys (`ComfyFacets.depths`) gets the chain cut or repeated to that depth, and
-in their width keys (`ComfyFacets.widths`: Flux Fill's 384 input channels) that layer's axis resized; any other
-difference (a tiny or re-widthed model) is not served here: the caller builds that tree from diffusers. The rebuilt
-tree has the same paths, class names (alias tables key on them), nn.Linear leaves and shapes: all the planner reads (tools/skeleton.py rebuilds `inspect`'s the same way)."""
+Each `skeletons/<name>.json` (the name an architecture's ComfyUI facets give, arch/record.py
+`ComfyFacets.skeleton`; written by scripts/comfy_skeletons.py from diffusers, checked against it by
+tests/test_comfy_skeletons.py) holds the class name, its full diffusers config (defaults included) and the
+module tree: per module its class name, own parameter and persistent buffer shapes and dtypes, and children in
+`named_modules` order; numbered children with identical subtrees (a block chain) are stored once with their
+count. A ComfyUI model whose config differs from the stored one only in the facets' depth keys
+(`ComfyFacets.depths`) gets the chain cut or repeated to that depth, and in their width keys
+(`ComfyFacets.widths`: Flux Fill's 384 input channels) that layer's axis resized; any other difference (a tiny
+or re-widthed model) is not served here: the caller builds that tree from diffusers. The rebuilt tree has the
+same paths, class names (alias tables key on them), nn.Linear leaves and shapes: all the planner reads
+(tools/skeleton.py rebuilds `inspect`'s the same way)."""
 
 from __future__ import annotations
 
@@ -161,7 +164,8 @@ def _is_chain(node: dict, path: str) -> bool:
 
 
 def packaged_tree(arch: str, cls: str, config: dict) -> torch.nn.Module | None:
-    """The reference tree of `cls` at `config` from the skeleton `arch`'s facets ship, or None when none fits."""
+    """The reference tree of `cls` at `config` from the skeleton `arch`'s facets ship, or None when none fits.
+    """
     name = facets(arch).skeleton
     data = description(name) if name is not None else None
     if data is None or data["cls"] != cls:
