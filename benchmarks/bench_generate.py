@@ -1,7 +1,9 @@
 """`loraweave generate` overhead (load, prompt parsing, apply, PNG + metadata + sidecar) vs the plain diffusers
-pipeline on the same tiny SD1.5 model (loraweave.tools.tiny_pipeline: 2-level UNet, 2-layer CLIP, 64x64, 8 steps).
+pipeline on the same tiny SD1.5 model (loraweave.tools.tiny_pipeline: 2-level UNet, 2-layer CLIP, 64x64, 8
+steps).
 
-Variants run round-robin in one process (one torch thread: the machine's 2 cores are shared), medians reported:
+Variants run round-robin in one process (one torch thread: the machine's 2 cores are shared), medians
+reported:
 
   diffusers           from_pretrained + pipe(...) + image.save(png)
   diffusers + PEFT    the same with pipe.load_lora_weights(file) (diffusers' own kohya converter + PEFT layers)

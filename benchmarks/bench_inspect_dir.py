@@ -1,8 +1,9 @@
 """`loraweave inspect DIR` over 50 adapters in one process, vs one `inspect FILE` process per file.
 
-Folder: the 8 real files of /work/shared/realdata/lora, 6 symlinks each (SD1/SD2 kohya LoKr, diffusers, cloneofsimo,
-Flux PEFT), plus 2 copies of bench_inspect.py's 1000-key kohya Flux + CLIP-L file: 50 adapters. Each run is a fresh
-child process (`python -m loraweave inspect DIR --json`); the skeleton cache is filled by a discarded round 0.
+Folder: the 8 real files of /work/shared/realdata/lora, 6 symlinks each (SD1/SD2 kohya LoKr, diffusers,
+cloneofsimo, Flux PEFT), plus 2 copies of bench_inspect.py's 1000-key kohya Flux + CLIP-L file: 50 adapters.
+Each run is a fresh child process (`python -m loraweave inspect DIR --json`); the skeleton cache is filled by
+a discarded round 0.
 
   total           wall time of the whole command, Python start-up and imports included
   first file      in-process seconds of the first file (builds that architecture's skeleton and alias tables)
@@ -50,7 +51,8 @@ def _child_cpu() -> float:
 
 
 def run(cmd: list[str]) -> tuple[float, str, float]:
-    """(wall seconds, stdout, CPU seconds of the child: user + system, which a busy machine does not inflate)."""
+    """(wall seconds, stdout, CPU seconds of the child: user + system, which a busy machine does not
+    inflate)."""
     t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall, cpu = time.perf_counter() - t0, _child_cpu() - c0

@@ -1,9 +1,10 @@
-"""Merge-mode cost: loraweave's whole `apply(mode="merge")` vs PEFT's file-to-merged path and PEFT's merge() alone.
+"""Merge-mode cost: loraweave's whole `apply(mode="merge")` vs PEFT's file-to-merged path and PEFT's merge()
+alone.
 
-Model: N x Linear(3072, 3072) fp32 under `layers.{i}` (N = 24 by default: 0.84 GiB of weights). Adapter: a rank-16
-LoRA (scale 0.5) on every layer, written once as a kohya .safetensors file (loraweave reads it) and once with
-PEFT's key names (PEFT reads it); the same tensors. Variants, timed round-robin with the order rotated each round,
-all under torch.no_grad():
+Model: N x Linear(3072, 3072) fp32 under `layers.{i}` (N = 24 by default: 0.84 GiB of weights). Adapter: a
+rank-16 LoRA (scale 0.5) on every layer, written once as a kohya .safetensors file (loraweave reads it) and
+once with PEFT's key names (PEFT reads it); the same tensors. Variants, timed round-robin with the order
+rotated each round, all under torch.no_grad():
 
   lw_auto     loraweave.apply(model, path, mode="merge"): file open, parse, resolve, merge, exact undo record
               (compact or copy per layer, the smaller). handle.remove() after the timer.
@@ -16,12 +17,13 @@ all under torch.no_grad():
   roofline    per weight: W.addmm_(B, A, alpha=s), factors in memory: the reference every sample is divided by
               (timed between every two variants, see benchutil.sandwiched; host speed swings cancel).
 
-Targets (issue 28): lw_auto <= 1.0x peft_file, lw_none <= 1.0x peft_merge, str_compact <= 2.5x str_copy, each the
-median of the per-round paired ratios of one run. Also printed: the undo record's size relative to the touched
-bytes (target <= 10 %), the peak RSS growth of loraweave's first merge, bit-exact remove().
+Targets (issue 28): lw_auto <= 1.0x peft_file, lw_none <= 1.0x peft_merge, str_compact <= 2.5x str_copy, each
+the median of the per-round paired ratios of one run. Also printed: the undo record's size relative to the
+touched bytes (target <= 10 %), the peak RSS growth of loraweave's first merge, bit-exact remove().
 
-Timed by default on one thread in CPU seconds (`--threads 1 --clock cpu`): on the shared host, wall time with two
-threads swings by far more than the targets' margins (an oversubscribed OpenMP barrier stalls every small op).
+Timed by default on one thread in CPU seconds (`--threads 1 --clock cpu`): on the shared host, wall time with
+two threads swings by far more than the targets' margins (an oversubscribed OpenMP barrier stalls every small
+op).
 
     .venv/bin/python benchmarks/bench_merge.py [--quick] [--rounds N] [--layers N] [--threads N] [--clock cpu|wall]
 """

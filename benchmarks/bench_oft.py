@@ -137,7 +137,8 @@ def mem_child(name: str) -> None:
 
 @torch.no_grad()
 def lycoris_forward(base: Wrap, name: str, sd: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """LyCORIS 4.x's wrapped forward (not bypass; multiplier 1) with the same blocks: the independent reference."""
+    """LyCORIS 4.x's wrapped forward (not bypass; multiplier 1) with the same blocks: the independent
+    reference."""
     m = copy.deepcopy(base)
     lyco = lycoris_module(*FILES[name], m.proj)
     lyco.oft_blocks.copy_(sd[f"{STEM}.oft_blocks"])

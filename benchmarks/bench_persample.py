@@ -1,4 +1,5 @@
-"""Per-sample adapters in one forward (Handle.batch) and regional masks (Handle.set_region), against their baselines.
+"""Per-sample adapters in one forward (Handle.batch) and regional masks (Handle.set_region), against their
+baselines.
 
 A stack of Linear(3072, 3072) fp32 (`--layers`, default 1), x (8, 4096, 3072): 8 samples of 4,096 tokens, 8
 different rank-16 LoRAs (one per sample). Variants, timed round-robin under inference_mode:
@@ -10,10 +11,10 @@ different rank-16 LoRAs (one per sample). Variants, timed round-robin under infe
   concat      hand-written alternative: one rank-128 pair over all rows, h gated per row (x·Dcatᵀ ⊙ G[row])·Ucatᵀ
   bmm         hand-written alternative: per-sample factors gathered (8, in, 16), two bmm (S-LoRA/Punica BGMV form)
 
-Then the regional overhead: x (1, 4096, 3072) read as a 64×64 token grid, one adapter at runtime, plain vs with a
-half mask (`set_region`). Each variant is timed between two runs of the reference (benchutil.sandwiched): the
-ratio is the median over samples whose two reference neighbours agree (a quiet host). Outputs are checked against
-the sequential runs first.
+Then the regional overhead: x (1, 4096, 3072) read as a 64×64 token grid, one adapter at runtime, plain vs
+with a half mask (`set_region`). Each variant is timed between two runs of the reference
+(benchutil.sandwiched): the ratio is the median over samples whose two reference neighbours agree (a quiet
+host). Outputs are checked against the sequential runs first.
 
     .venv/bin/python benchmarks/bench_persample.py [--quick] [--rounds N] [--layers N] [--tokens N]
 """

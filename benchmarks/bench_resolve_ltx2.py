@@ -1,10 +1,11 @@
-"""Resolution of a 1,500-key LTX-2 LoRA in the original (Lightricks/ComfyUI) names against the full-size LTX-2.3
-transformer on `meta` (48 blocks with audio tower, audio<->video cross-attention, gate logits, prompt modulation).
+"""Resolution of a 1,500-key LTX-2 LoRA in the original (Lightricks/ComfyUI) names against the full-size
+LTX-2.3 transformer on `meta` (48 blocks with audio tower, audio<->video cross-attention, gate logits, prompt
+modulation).
 
-The file: LoRA A/B on the first 750 Linear layers of the model (every top-level embedder and modulation, then the
-blocks in order), written with the original names (`patchify_proj`, `adaln_single`, `av_ca_*_adaln_single`,
-`q_norm`, ...) under `diffusion_model.`, and the same in kohya-flattened spelling (`lora_unet_...`), whose renames
-run on underscored paths. Measured round-robin (medians of N rounds):
+The file: LoRA A/B on the first 750 Linear layers of the model (every top-level embedder and modulation, then
+the blocks in order), written with the original names (`patchify_proj`, `adaln_single`,
+`av_ca_*_adaln_single`, `q_norm`, ...) under `diffusion_model.`, and the same in kohya-flattened spelling
+(`lora_unet_...`), whose renames run on underscored paths. Measured round-robin (medians of N rounds):
   name index     AliasTable of the transformer (built once per model)
   resolve only   every part matched against the pre-built index (target < 100 ms)
   plan           loraweave.plan end to end: key parsing + index + resolve + report

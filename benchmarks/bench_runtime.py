@@ -1,4 +1,5 @@
-"""Runtime-mode LoRA forward overhead: loraweave's runtime path vs PEFT's unmerged LoraLayer vs the plain layer.
+"""Runtime-mode LoRA forward overhead: loraweave's runtime path vs PEFT's unmerged LoraLayer vs the plain
+layer.
 
 One Linear(3072, 3072) fp32, input of 4096 tokens x 3072, rank-16 LoRA (alpha 8, scale 0.5). Variants, each on
 its own copy of the same weights, timed round-robin (order rotated every round) under inference_mode:

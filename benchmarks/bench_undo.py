@@ -1,4 +1,5 @@
-"""Undo records of merges (apply(undo=...)): merge, strength change and undo time, full copy vs compact record.
+"""Undo records of merges (apply(undo=...)): merge, strength change and undo time, full copy vs compact
+record.
 
 Model: bench_switch's Flux-shaped stack, 500 x Linear(1024, 1024) fp32 (2 GiB), built twice (same seed).
 Adapter: bench_switch's rank-16 LoRA on every layer (‖ΔW‖ ≈ 2 % of ‖W‖). One model is merged with

@@ -1,9 +1,10 @@
-"""How fast can a merge-mode strength change with an exact compact undo record be? Raw-op lower bounds vs a copy.
+"""How fast can a merge-mode strength change with an exact compact undo record be? Raw-op lower bounds vs a
+copy.
 
-bench_undo.py measures loraweave's strength change: compact records vs full copies. This script asks whether any
-implementation of the compact record could match the copy, by timing the bare tensor operations each one must run
-per layer (no planning, no records, no Python beyond the ops), on bench_switch's layers (1024x1024 fp32, rank-16
-LoRA, 60 layers, one torch thread):
+bench_undo.py measures loraweave's strength change: compact records vs full copies. This script asks whether
+any implementation of the compact record could match the copy, by timing the bare tensor operations each one
+must run per layer (no planning, no records, no Python beyond the ops), on bench_switch's layers (1024x1024
+fp32, rank-16 LoRA, 60 layers, one torch thread):
 
   copy          what the copy record does: W back from its copy; ΔW (zero + addmm) and W'' = W + ΔW per block of
                 256 rows into a scratch; the non-finite check (aminmax); W'' copied into the weight

@@ -13,12 +13,12 @@ Each variant runs in its own process (glibc's default malloc): load, build the L
             the first 4096 elements, taken before the merge)
 Variants: "main" (loraweave before compact records: commit PRE15, the parent of the merge that brought them,
 extracted with `git archive` to a temporary folder at run time; no undo argument: its full-copy record),
-"copy" (a full copy of every touched weight, the same-run stand-in for it), "auto" (strength 1 and 4), "source".
-Each child is killed when its RSS passes --max-rss-gib (a shared machine). Merge and undo report wall and CPU
-seconds; on a loaded host the CPU time is the steadier one. --threads (default 2): torch threads per child;
-with more runnable processes than cores, 2 threads spin in OpenMP barriers and run several times slower than 1.
-Targets: resident growth <= 10 % of touched bytes (auto, strength 1), <= 1 % (source); peak growth <= largest
-touched layer + 10 % of touched bytes (auto, strength 1); merge time <= 1.3x today's.
+"copy" (a full copy of every touched weight, the same-run stand-in for it), "auto" (strength 1 and 4),
+"source". Each child is killed when its RSS passes --max-rss-gib (a shared machine). Merge and undo report
+wall and CPU seconds; on a loaded host the CPU time is the steadier one. --threads (default 2): torch threads
+per child; with more runnable processes than cores, 2 threads spin in OpenMP barriers and run several times
+slower than 1. Targets: resident growth <= 10 % of touched bytes (auto, strength 1), <= 1 % (source); peak
+growth <= largest touched layer + 10 % of touched bytes (auto, strength 1); merge time <= 1.3x today's.
 
     .venv/bin/python benchmarks/bench_undo_sdxl.py [--dir DIR] [--keep] [--variants main,copy,auto,auto@4,source]
         [--threads 2] [--max-rss-gib 11]

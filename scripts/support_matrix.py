@@ -76,8 +76,8 @@ def main() -> int:
 
 
 # Rows that are no architecture of the registry; each architecture's own row is its record's `layouts` /
-# `not_mapped` facet (src/loraweave/arch/<x>.py), listed in registry order. The tests named there fail when a row
-# is wrong.
+# `not_mapped` facet (src/loraweave/arch/<x>.py), listed in registry order. The tests named there fail when a
+# row is wrong.
 ANY_DIFFUSERS = (
     "any diffusers model",
     "diffusers/PEFT (incl. .default / .default_0 adapter names, ComfyUI <module>.weight.lora_B.default), "

@@ -4,9 +4,9 @@ headless Chromium over the DevTools protocol. The page loads a workflow using ou
 checkpoint and our inspector, queues it, and the test waits for /history to say it completed; then our nodes
 must be in /object_info, in the frontend's node registry and in the node library panel, and the report text
 on the loader node. The screenshot path is printed; on a failure the page's screenshot and console are saved
-beside it (failure.png, failure.console.txt). Every page (re)load waits until the app's own startup workflow has
-loaded (COUNT_LOADS) before the test loads its own, and no process of the server or the browser may outlive the
-test."""
+beside it (failure.png, failure.console.txt). Every page (re)load waits until the app's own startup workflow
+has loaded (COUNT_LOADS) before the test loads its own, and no process of the server or the browser may
+outlive the test."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def workflow(strength: float = 0.7) -> dict:
 
 
 def _base_directory(base) -> None:
-    """models (tiny Flux, LoRA files), user settings (no first-run tour), and our pack by `loraweave comfy install`."""
+    """models (tiny Flux, LoRA files), user settings (no first-run tour), and our pack by `loraweave comfy
+    install`."""
     write_loras(base / "models" / "loras")
     (base / "models" / "diffusion_models").mkdir(parents=True)
     save_file(flux_state_dict(), base / "models" / "diffusion_models" / FLUX_FILE)
@@ -92,9 +93,9 @@ def _wait_history(url: str, prompt_id: str, timeout: float = 60.0) -> dict:
     raise TimeoutError(f"the queued run {prompt_id} did not complete within {timeout} s")
 
 
-# Run in every new document before the page's scripts: when the frontend publishes its app (`window.app = app`,
-# right after app.setup and before it loads its startup workflow), wrap app.loadGraphData to count the loads
-# started and settled. With Comfy.Workflow.Persist off, the startup makes exactly one load (the default
+# Run in every new document before the page's scripts: when the frontend publishes its app (`window.app =
+# app`, right after app.setup and before it loads its startup workflow), wrap app.loadGraphData to count the
+# loads started and settled. With Comfy.Workflow.Persist off, the startup makes exactly one load (the default
 # workflow); a graph the test loads before that one settled would be replaced by it.
 COUNT_LOADS = """(() => {
   let app;

@@ -1,4 +1,5 @@
-"""The LoraWeave node pack inside the real ComfyUI v0.19.3 (../shared/comfyui/ComfyUI, imported headless on CPU).
+"""The LoraWeave node pack inside the real ComfyUI v0.19.3 (../shared/comfyui/ComfyUI, imported headless on
+CPU).
 
 The pack is written by `loraweave comfy install` into a temporary base directory and loaded by ComfyUI's own
 custom-node loader; workflows run through ComfyUI's validate_prompt and PromptExecutor (notes §2.6 recipe B).
@@ -289,8 +290,9 @@ def _coverage(report: str) -> str:
 )
 def test_inspect_judges_against_a_connected_model(comfy_home, lora_name, alone, landed):
     # The tiny Flux (hidden 128) is what a pruned or distilled release looks like to the catalog: unconnected,
-    # Inspect judges the file on the full-size model of its architecture (Flux.1, 3072 wide: nothing lands; the SD1
-    # file lands on SD1.5); connected, it judges on the model's own modules with the loader's resolver.
+    # Inspect judges the file on the full-size model of its architecture (Flux.1, 3072 wide: nothing lands;
+    # the SD1 file lands on SD1.5); connected, it judges on the model's own modules with the loader's
+    # resolver.
     import nodes
 
     unwired = {"2": {"class_type": "LoraWeaveInspect", "inputs": {"lora_name": lora_name}}}

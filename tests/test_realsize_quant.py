@@ -92,7 +92,8 @@ def test_sdnq_layer_at_real_size(weights_dtype):
         handle = loraweave.apply(root, (lora.state_dict("layer"), 0.8), mode="merge", quantized="requantize")
         (applied,) = handle.report.applied
         assert applied.mechanism == "requantize" and applied.retention is not None
-        # int8 keeps a 5% ΔW to within 5%; uint4's grid step is larger than most of it (the routing would host it)
+        # int8 keeps a 5% ΔW to within 5%; uint4's grid step is larger than most of it (the routing would host
+        # it)
         low, high = (0.95, 1.05) if weights_dtype == "int8" else (0.0, 1.0)
         assert low <= applied.retention <= high, applied.retention
         handle.remove()

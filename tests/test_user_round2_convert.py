@@ -1,5 +1,5 @@
-"""Issue 30, a new user's second run-through: a cloneofsimo file with textual-inversion tokens (item 14), and the
-text-encoder names our conversions write, checked against ComfyUI's own key map (found with item 13)."""
+"""Issue 30, a new user's second run-through: a cloneofsimo file with textual-inversion tokens (item 14), and
+the text-encoder names our conversions write, checked against ComfyUI's own key map (found with item 13)."""
 
 from __future__ import annotations
 

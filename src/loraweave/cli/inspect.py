@@ -139,8 +139,8 @@ def plot_into(args: argparse.Namespace) -> dict:
 
 
 def inspect_folder(args: argparse.Namespace) -> int:
-    """One row per adapter below the folder. Exit 2 if some file is unreadable, 1 if the folder holds no adapter
-    or (--strict) some adapter's keys do not all land, else 0."""
+    """One row per adapter below the folder. Exit 2 if some file is unreadable, 1 if the folder holds no
+    adapter or (--strict) some adapter's keys do not all land, else 0."""
     from ..tools.inspect_dir import format_folder
     from ..tools.inspect_dir import inspect_folder as inspect_dir
 

@@ -73,7 +73,8 @@ def with_exit_status(parser: argparse.ArgumentParser, sub) -> None:
 
 
 class _Prefixed(logging.Formatter):
-    """`loraweave key=value ...`: messages that already start with the logger's name are not prefixed twice."""
+    """`loraweave key=value ...`: messages that already start with the logger's name are not prefixed
+    twice."""
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
@@ -83,7 +84,8 @@ class _Prefixed(logging.Formatter):
 
 
 def configure_logging(verbose: bool):
-    """One handler on the `loraweave` logger; returns a function that undoes every change (tests call main())."""
+    """One handler on the `loraweave` logger; returns a function that undoes every change (tests call
+    main())."""
     log = logging.getLogger("loraweave")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Prefixed())
@@ -118,7 +120,8 @@ def configure_logging(verbose: bool):
 
 
 def _typed(rule, label: str, *rest):
-    """An argparse type applying `rule` (an `arguments` check) to the flag's text; the message names the flag."""
+    """An argparse type applying `rule` (an `arguments` check) to the flag's text; the message names the
+    flag."""
 
     def parse(text: str):
         try:
@@ -147,7 +150,8 @@ limit_arg = integer_arg("--limit", 0)
 
 
 def adapter_arg(text: str) -> tuple[str, float]:
-    """`FILE[:STRENGTH]` as an argparse type: a bad strength is a usage error with the one strength message."""
+    """`FILE[:STRENGTH]` as an argparse type: a bad strength is a usage error with the one strength
+    message."""
     from ..tools.bake import parse_adapter_arg
 
     try:
@@ -160,7 +164,8 @@ FORCE_HELP = "replace an existing output: only the files this command writes (a 
 
 
 def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:
-    """--quiet (no progress bar) everywhere; --allow-pickle where adapters are read; --allow-empty where written."""
+    """--quiet (no progress bar) everywhere; --allow-pickle where adapters are read; --allow-empty where
+    written."""
     p.add_argument(
         "--quiet",
         action="store_true",

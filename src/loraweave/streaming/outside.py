@@ -1,5 +1,5 @@
-"""Tensors quantized layers keep outside their parameters and buffers: streaming cannot move them, so it counts
-them as resident (bitsandbytes 4-bit `quant_state`) or refuses the layer (bitsandbytes int8)."""
+"""Tensors quantized layers keep outside their parameters and buffers: streaming cannot move them, so it
+counts them as resident (bitsandbytes 4-bit `quant_state`) or refuses the layer (bitsandbytes int8)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _state_tensors(state, seen: set[int]) -> list[torch.Tensor]:
 
 
 def resident_outside_bytes(model: torch.nn.Module, device: torch.device) -> int:
-    """Device bytes of tensors held outside parameters/buffers that stay where they are while the weights stream.
+    """Device bytes of tensors held outside parameters/buffers that stay where they are while the weights
+    stream.
 
     Raises ValueError for layers that cannot be streamed at all, or whose side tensors are not on `device`."""
     total, seen = 0, set()
