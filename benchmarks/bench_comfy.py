@@ -329,7 +329,8 @@ def report_clock(stats: dict[str, dict]) -> None:
     for name, met in targets.items():
         print(f"target {name}: {'met' if met else 'NOT met'}")
     print(
-        f"medians over {core['n']} fresh process(es) per case; strength/swap kept: 5 and 4 re-queues per process "
+        f"medians over {core['n']} fresh process(es) per case; strength/swap kept: 5 and 4 re-queues per "
+        f"process "
         "(loader call to the first step entering the model)"
     )
 

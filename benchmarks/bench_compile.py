@@ -101,7 +101,8 @@ def main() -> None:
         table(["variant", "its base ms", "median ms", "quiet", "overhead vs its base", "90% interval"], rows)
     )
     print(
-        f"FLOP share of the LoRA pair: r16 {floor * 100:.2f}%, padded to 32 {2 * floor * 100:.2f}% of the base GEMM"
+        f"FLOP share of the LoRA pair: r16 {floor * 100:.2f}%, padded to 32 {2 * floor * 100:.2f}% of the "
+        f"base GEMM"
     )
     print("first compiled call (compile) s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
     print("max abs diff vs eager: " + ", ".join(f"{k} {v:.2e}" for k, v in agree.items()))

@@ -333,8 +333,8 @@ def main() -> None:
         )
     base_ms = median(res.times["base"]) * 1e3
     print(
-        f"rounds={args.rounds}; base ({'oneDNN linear' if onednn else 'nn.Linear'}) median {base_ms:.1f} ms = "
-        f"{2 * TOKENS * IN * OUT / base_ms / 1e6:.0f} GF/s; {benchutil.noise_line()}"
+        f"rounds={args.rounds}; base ({'oneDNN linear' if onednn else 'nn.Linear'}) median {base_ms:.1f} ms "
+        f"= {2 * TOKENS * IN * OUT / base_ms / 1e6:.0f} GF/s; {benchutil.noise_line()}"
     )
     print(
         table(

@@ -131,14 +131,16 @@ def main() -> None:
         print(f"{'variant':<16} {'median s':>9} {'min s':>7} {'median CPU s':>13}")
         for name, ts in times.items():
             print(
-                f"{name:<16} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {statistics.median(cpus[name]):>13.2f}"
+                f"{name:<16} {statistics.median(ts):>9.2f} {min(ts):>7.2f} "
+                f"{statistics.median(cpus[name]):>13.2f}"
             )
         print(
             f"coverage: {cov['keys_applied']}/{cov['keys_total']} keys land on {cov['against']}; "
             f"in-process inspect time {json.loads(last)['seconds']:.2f}s; target end to end < {TARGET_S} s"
         )
         print(
-            f"without the skeleton cache (builds Flux + CLIP + T5 through diffusers/transformers): {cold:.2f}s"
+            f"without the skeleton cache (builds Flux + CLIP + T5 through diffusers/transformers): "
+            f"{cold:.2f}s"
         )
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -100,8 +100,8 @@ def main() -> None:
         print(f"{'CPU s, inspect DIR 50 files':<34} {med(cpu_dir):>9.2f}")
         print(f"{'CPU s, inspect FILE process':<34} {med(cpu_single):>9.2f}")
         print(
-            f"per file after the first: {med(after_mean):.3f} s (target < {TARGET_S} s); the folder in one process "
-            f"costs {med(totals) / (50 * med(singles)):.3f}x of 50 separate processes "
+            f"per file after the first: {med(after_mean):.3f} s (target < {TARGET_S} s); the folder in one "
+            f"process costs {med(totals) / (50 * med(singles)):.3f}x of 50 separate processes "
             f"({50 * med(singles):.0f} s estimated)"
         )
     finally:

@@ -212,7 +212,8 @@ def main() -> None:
     for name, ref, limit in TARGETS:
         r = ratio_median(res.times[name], res.times[ref])
         print(
-            f"target: {name} <= {limit}x {ref} (median of paired ratios): {r:.3f}x -> {'PASS' if r <= limit else 'FAIL'}"
+            f"target: {name} <= {limit}x {ref} (median of paired ratios): {r:.3f}x -> "
+            f"{'PASS' if r <= limit else 'FAIL'}"
         )
     print()
     print(

@@ -134,7 +134,8 @@ def main() -> None:
     if "auto" in runs:
         grown = statistics.median(r["resident"] for r in runs["auto"]) / touched
         print(
-            f"target: resident growth of undo='auto' <= {TARGET:.0%}: {grown:.2%} -> {'PASS' if grown <= TARGET else 'FAIL'}"
+            f"target: resident growth of undo='auto' <= {TARGET:.0%}: {grown:.2%} -> "
+            f"{'PASS' if grown <= TARGET else 'FAIL'}"
         )
 
 

@@ -234,7 +234,8 @@ def main() -> None:
         mem = benchutil.mem_children(__file__, VARIANTS)
         print(
             f"memory: peak RSS growth of one steady-state forward (child process per variant, default glibc "
-            f"malloc; the output tensor alone is {TOKENS * OUT * 4 / 2**20:.0f} MiB), and the RSS the applied "
+            f"malloc; the output tensor alone is {TOKENS * OUT * 4 / 2**20:.0f} MiB), and the RSS the "
+            f"applied "
             "form keeps after apply + one forward (runtime: cached R; merge: the weight backup for remove())"
         )
         b = mem["base"]["peak_mib"]

@@ -385,14 +385,14 @@ def part1(rounds: int, requant_steps: bool) -> None:
     lines = table(headers, [r[:-1] for r in rows]).split("\n")
     notes = ["note", "----", *(r[-1] for r in rows)]
     print(
-        f"\nLinear({IN}, {OUT}) + bias, {TOKENS} tokens, LoRA rank {RANK}; rounds={rounds}; every forward divided by "
-        f"the mean of the `alone` forwards just before and after it; 'step x' = median over quiet samples (`alone` "
-        f"neighbours within 3%), 'x all' = median over all samples"
+        f"\nLinear({IN}, {OUT}) + bias, {TOKENS} tokens, LoRA rank {RANK}; rounds={rounds}; every forward "
+        f"divided by the mean of the `alone` forwards just before and after it; 'step x' = median over quiet "
+        f"samples (`alone` neighbours within 3%), 'x all' = median over all samples"
     )
     print("\n".join(f"{a}  {b}" for a, b in zip(lines, notes, strict=True)))
     print(
-        f"part 1: {wall:.0f} s wall, CPU steal {steal:.2f} s (of {wall * THREADS:.0f} CPU-s; >5% means a noisy host, "
-        f"rerun)"
+        f"part 1: {wall:.0f} s wall, CPU steal {steal:.2f} s (of {wall * THREADS:.0f} CPU-s; >5% means a "
+        f"noisy host, rerun)"
     )
 
 
@@ -418,7 +418,8 @@ def part2(layers: int, dim: int) -> None:
         sd |= adapters(g, str(i), dim)[1]
     root = tempfile.mkdtemp(prefix="loraweave-factor-cache-")
     print(
-        f"\nhosted LoKr on {layers} SDNQ uint4 Linear({dim}, {dim}) layers, mode='merge', host_rank=64, FactorCache"
+        f"\nhosted LoKr on {layers} SDNQ uint4 Linear({dim}, {dim}) layers, mode='merge', host_rank=64, "
+        f"FactorCache"
     )
     try:
         out = {}

@@ -67,7 +67,8 @@ def main() -> None:
     rounds = 5 if ap.parse_args().quick else 20
     benchutil.setup_torch()
     benchutil.header(
-        "bench_resolve_ltx2: 1,500-key LTX-2 LoRA (original names) vs the full-size LTX-2.3 transformer on meta"
+        "bench_resolve_ltx2: 1,500-key LTX-2 LoRA (original names) vs the full-size LTX-2.3 transformer on "
+        "meta"
     )
     import diffusers
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers

@@ -311,9 +311,10 @@ def main() -> None:
         print(f"-- {label}")
         table(results, clock)
     print(
-        "medians over rounds (and repeats); peak: VmHWM growth over the trimmed resident size after the model "
-        "was built (highest over repeats); kept: resident growth after the end step and malloc_trim(0); "
-        "max |W-W0|: weight drift after the end step on every 50th layer's first two rows (0 = bit-exact there)"
+        "medians over rounds (and repeats); peak: VmHWM growth over the trimmed resident size after the "
+        "model was built (highest over repeats); kept: resident growth after the end step and "
+        "malloc_trim(0); max |W-W0|: weight drift after the end step on every 50th layer's first two rows (0 "
+        "= bit-exact there)"
     )
 
 

@@ -216,7 +216,8 @@ def main() -> None:
     thp_mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
     defrag = open("/sys/kernel/mm/transparent_hugepage/defrag").read().strip()
     print(
-        f"== bench_thp: {args.layers} x Linear({args.width}, {args.width}) {args.dtype}, rank {RANK}, factor std {args.scale}, {args.steps} steps/child"
+        f"== bench_thp: {args.layers} x Linear({args.width}, {args.width}) {args.dtype}, rank {RANK}, factor "
+        f"std {args.scale}, {args.steps} steps/child"
     )
     print(
         f"cpu={cpu_model()!r} cpus={os.cpu_count()} load={os.getloadavg()} thp={thp_mode!r} defrag={defrag!r}"
@@ -234,8 +235,8 @@ def main() -> None:
         print(f"round {r + 1}/{args.rounds} done, load={os.getloadavg()[0]:.2f}", flush=True)
     print()
     print(
-        "per op: median over children of each child's median, ms; huge: the child's AnonHugePages after the op"
-        " (MiB); whole child: seconds, huge = thp_fault_alloc delta over the child's life (system-wide)"
+        "per op: median over children of each child's median, ms; huge: the child's AnonHugePages after the "
+        "op (MiB); whole child: seconds, huge = thp_fault_alloc delta over the child's life (system-wide)"
     )
     first = next(iter(srcs))
     head = f"{'malloc':6} {'src':5} {'op':15} | {'plain wall':>10} {'user':>7} {'sys':>7} {'huge':>4} |"
@@ -254,10 +255,10 @@ def main() -> None:
                 scale = 1.0 if op == "_child" else 1e3
                 name = "whole child (s)" if op == "_child" else op
                 print(
-                    f"{m:6} {code:5} {name:15} | {pw * scale:10.1f} {pu * scale:7.1f} {ps * scale:7.1f} {pf:4.0f} |"
-                    f" {tw * scale:9.1f} {tu * scale:7.1f} {ts * scale:7.1f} {tf:4.0f} |"
-                    f" {tw / pw:14.2f} {(tu + ts) / (pu + ps):5.2f} |"
-                    f" {(tu + ts) / sum(cells[(m, first, True)][1:3]):13.2f}"
+                    f"{m:6} {code:5} {name:15} | {pw * scale:10.1f} {pu * scale:7.1f} {ps * scale:7.1f} "
+                    f"{pf:4.0f} | {tw * scale:9.1f} {tu * scale:7.1f} {ts * scale:7.1f} {tf:4.0f} | "
+                    f"{tw / pw:14.2f} {(tu + ts) / (pu + ps):5.2f} | "
+                    f"{(tu + ts) / sum(cells[(m, first, True)][1:3]):13.2f}"
                 )
     print(f"load at end={os.getloadavg()}")
 

@@ -108,7 +108,8 @@ def main() -> None:
     )
     for kind in KINDS:
         print(
-            f"undo bytes {kind}: {undo_bytes[kind] / 2**20:.1f} MiB = {undo_bytes[kind] / touched:.3f} of touched weights"
+            f"undo bytes {kind}: {undo_bytes[kind] / 2**20:.1f} MiB = {undo_bytes[kind] / touched:.3f} of "
+            f"touched weights"
         )
     ratio = median(times["strength auto"]) / median(times["strength copy"])
     cratio = median(cpu["auto"][1:]) / median(cpu["copy"][1:])

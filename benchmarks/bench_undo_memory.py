@@ -127,11 +127,12 @@ def main() -> None:
         ratio = f"{m['merge_s'] / base['merge_s']:.2f}" if base else "-"
         print(
             f"{k:8s} {m['merge_s']:8.2f} {ratio:>7s} {m['undo_s']:7.2f} {m['peak_mib']:9.0f} "
-            f"{100 * m['peak_mib'] / touched:8.1f}% {m['resident_mib']:12.0f} {100 * m['resident_mib'] / touched:8.1f}% "
-            f"{m['record_mib']:10.1f}"
+            f"{100 * m['peak_mib'] / touched:8.1f}% {m['resident_mib']:12.0f} "
+            f"{100 * m['resident_mib'] / touched:8.1f}% {m['record_mib']:10.1f}"
         )
     print(
-        f"targets: resident <= {0.1 * touched:.0f} MiB, peak <= {largest + 0.1 * touched:.0f} MiB, merge <= 1.3x copy"
+        f"targets: resident <= {0.1 * touched:.0f} MiB, peak <= {largest + 0.1 * touched:.0f} MiB, merge <= "
+        f"1.3x copy"
     )
 
 

@@ -126,9 +126,9 @@ async def _open(page: Page, url: str) -> None:
     )
     # the queue button's path, with the server's answer (prompt_id, node_errors) kept for the test
     await page.evaluate(
-        "(() => { const send = app.api.queuePrompt.bind(app.api); window.__loraweaveQueued = [];"
-        " app.api.queuePrompt = async (...args) => { const answer = await send(...args);"
-        " window.__loraweaveQueued.push({answer, prompt: args[1].output}); return answer; }; return true; })()"
+        "(() => { const send = app.api.queuePrompt.bind(app.api); window.__loraweaveQueued = []; "
+        "app.api.queuePrompt = async (...args) => { const answer = await send(...args); "
+        "window.__loraweaveQueued.push({answer, prompt: args[1].output}); return answer; }; return true; })()"
     )
 
 
@@ -186,12 +186,13 @@ async def _steps(page: Page, url: str, shot) -> dict:
     widget = f"app.graph.getNodeById({LOADER}).widgets.find(w => w.name === 'loraweave_report')?.value"
     shown = await page.wait_for(widget, 20, "the report on the loader node")
     await page.evaluate(
-        "[...document.querySelectorAll('button')].find(b => b.textContent.trim() === 'Nodes')?.click() ?? true"
+        "[...document.querySelectorAll('button')].find(b => b.textContent.trim() === 'Nodes')?.click() ?? "
+        "true"
     )
     await page.evaluate(
-        "(() => { const box = document.querySelector('.node-lib-search-box input, input[placeholder*=\"Search\"]');"
-        " if (box) { box.value = 'LoraWeave'; box.dispatchEvent(new Event('input', {bubbles: true})); }"
-        " return true; })()"
+        "(() => { const box = document.querySelector('.node-lib-search-box input, "
+        "input[placeholder*=\"Search\"]'); if (box) { box.value = 'LoraWeave'; box.dispatchEvent(new "
+        "Event('input', {bubbles: true})); } return true; })()"
     )
     library = await page.wait_for(
         "(() => { const t = document.body.innerText; return t.includes('LoraWeave Apply Stack') && t; })()",

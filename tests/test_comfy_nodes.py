@@ -70,9 +70,8 @@ def _loader(**inputs) -> dict:
 def test_import_loads_no_comfyui():
     code = (
         "import sys, loraweave, loraweave.comfy, loraweave.comfy.extension, loraweave.comfy.install, "
-        "loraweave.cli.comfy\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('comfy', 'comfy_api', 'folder_paths', 'nodes')]\n"
-        "assert not bad, bad"
+        "loraweave.cli.comfy\nbad = [m for m in sys.modules if m.split('.')[0] in ('comfy', 'comfy_api', "
+        "'folder_paths', 'nodes')]\nassert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 

@@ -73,14 +73,14 @@ CLASS_DEFAULTS: dict[str, tuple[str, dict, str]] = {
     "flux3": (
         "Flux3Transformer2DModel",
         {},
-        "class defaults: 5 per-mode + 28 single blocks, 24 heads x 128, 20480-wide Qwen3-VL context; the size "
-        "test_arch_ltx_layouts.py's full-size Flux3 test uses",
+        "class defaults: 5 per-mode + 28 single blocks, 24 heads x 128, 20480-wide Qwen3-VL context; the "
+        "size test_arch_ltx_layouts.py's full-size Flux3 test uses",
     ),
     "kandinsky6": (
         "Kandinsky6Transformer3DModel",
         {"text_token_padding": True, "ca_rope": True, "cross_gates": True, "fix_modulation": True},
-        "class defaults (model_dim 4096, ff_dim 16384, 60 fused video/audio blocks) with the four flags the class "
-        "docstring says every released checkpoint sets",
+        "class defaults (model_dim 4096, ff_dim 16384, 60 fused video/audio blocks) with the four flags the "
+        "class docstring says every released checkpoint sets",
     ),
 }
 # Records with no real size known anywhere: name -> why. Empty: every record is covered.

@@ -201,7 +201,8 @@ def assert_rows_match(
     err = (got - expect).abs()
     worst = int(torch.argmax(err - tol))
     assert bool((err <= tol).all()), (
-        f"{what}: |err| {float(err.flatten()[worst]):.3g} > tol {float(tol.flatten()[worst]):.3g} at flat {worst}"
+        f"{what}: |err| {float(err.flatten()[worst]):.3g} > tol {float(tol.flatten()[worst]):.3g} at flat "
+        f"{worst}"
     )
 
 

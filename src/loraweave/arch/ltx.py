@@ -71,8 +71,8 @@ LTX2_ARCH = Architecture(
     cli_names=("ltx-2",),
     layouts=Layouts(
         "ltx2 / ltx2.3",
-        "Lightricks names (audio tower, audio-video cross-attention, adaln_single, prompt modulation, gate logits); "
-        "text connectors (text_embedding_projection.)",
+        "Lightricks names (audio tower, audio-video cross-attention, adaln_single, prompt modulation, gate "
+        "logits); text connectors (text_embedding_projection.)",
         "_convert_non_diffusers_ltx2_lora_to_diffusers",
         "test_arch_ltx_layouts.py::test_ltx2_*",
     ),
@@ -103,7 +103,8 @@ LTX_VIDEO = Architecture(
         "hidream, ltx-video",
         "diffusers names behind diffusion_model. (prefix only); LTX-Video's Lightricks/ComfyUI names "
         "(patchify_proj, adaln_single, q_norm/k_norm)",
-        "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers, convert_ltx_transformer_checkpoint_to_diffusers",
+        "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers, "
+        "convert_ltx_transformer_checkpoint_to_diffusers",
         "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size, test_comfy_video.py",
     ),
 )

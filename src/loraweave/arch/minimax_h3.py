@@ -78,7 +78,8 @@ MINIMAX_H3_ARCH = Architecture(
     layouts=Layouts(
         "minimax-h3",
         "MiniMaxAI/ComfyUI names (bare, diffusion_model.), musubi-tuner (lora_unet_), DiffSynth-Studio "
-        "(.default., per-head interleaved QKV); fc1 halves swapped; .alpha, __metadata__ alpha; transformer_ref partition",
+        "(.default., per-head interleaved QKV); fc1 halves swapped; .alpha, __metadata__ alpha; "
+        "transformer_ref partition",
         "_convert_non_diffusers_minimax_h3_lora_to_diffusers, MiniMaxH3LoraLoaderMixin.lora_state_dict",
         "test_arch_minimax_ideogram_qwen21.py::test_minimax_h3_*",
     ),

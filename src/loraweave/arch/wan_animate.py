@@ -143,8 +143,8 @@ WAN_ANIMATE_ARCH = Architecture(
     layouts=Layouts(
         "wan 2.2 animate",
         "Wan names (blocks, condition embedder), face adapter (fuser_blocks, fused linear1_kv halves), face "
-        "encoder (convN.conv), motion encoder (enc.net_app.convs, enc.fc, dec.direction, (1, C, 1, 1) biases); "
-        "those keys are expected_absent on the other Wan transformers",
+        "encoder (convN.conv), motion encoder (enc.net_app.convs, enc.fc, dec.direction, (1, C, 1, 1) "
+        "biases); those keys are expected_absent on the other Wan transformers",
         "convert_wan_transformer_to_diffusers",
         "test_arch_wan_animate_variants.py",
     ),

@@ -24,7 +24,8 @@ def comfy_module(name: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError as exc:
         raise ComfyUnavailableError(
-            f"ComfyUI module {name!r} cannot be imported ({exc}); run inside ComfyUI or put its folder on sys.path"
+            f"ComfyUI module {name!r} cannot be imported ({exc}); run inside ComfyUI or put its folder on "
+            f"sys.path"
         ) from None
 
 
@@ -51,7 +52,8 @@ def diffusion_patcher(obj: object, field: str = "model"):
     inner = getattr(obj, "model", None)
     if not isinstance(getattr(inner, "diffusion_model", None), torch.nn.Module):
         raise TargetError(
-            f"input {field!r}: a ModelPatcher over {type(inner).__name__}, which has no diffusion_model: not a "
+            f"input {field!r}: a ModelPatcher over {type(inner).__name__}, which has no diffusion_model: not "
+            f"a "
             "diffusion MODEL (a CLIP's or another pack's patcher?)"
         )
     return obj

@@ -24,8 +24,8 @@ ALLOWED_EXTRAS = {"dora": {"lora", "loha", "lokr"}, "boft": {"oft"}}
 NOT_PORTABLE = {
     "tlora": "its base comes from an SVD initialisation that is never saved",
     # Stand-In's pipeline appends reference-image tokens and runs these LoRAs on those tokens only.
-    "standin": "Stand-In LoRAs act only on the reference-image tokens its own pipeline appends; on every token "
-    "they would change the whole video",
+    "standin": "Stand-In LoRAs act only on the reference-image tokens its own pipeline appends; on every "
+    "token they would change the whole video",
 }
 
 

@@ -32,7 +32,8 @@ def resident_outside_bytes(model: torch.nn.Module, device: torch.device) -> int:
             continue
         if type(weight).__name__ == "Int8Params":
             raise ValueError(
-                f"{name or type(model).__name__}: bitsandbytes int8 layers keep their int8 matrix in `layer.state` "
+                f"{name or type(model).__name__}: bitsandbytes int8 layers keep their int8 matrix in "
+                f"`layer.state` "
                 "(CB/SCB) and point the weight back at it in every forward, so streaming cannot move it; "
                 "quantize "
                 "the model with SDNQ, GGUF, optimum-quanto, torchao or bitsandbytes 4-bit to stream it"
@@ -40,9 +41,10 @@ def resident_outside_bytes(model: torch.nn.Module, device: torch.device) -> int:
         for t in _state_tensors(getattr(weight, "quant_state", None), seen):
             if t.device != device:
                 raise ValueError(
-                    f"{name}: bitsandbytes 4-bit quant_state is on {t.device}, the compute device is {device}: "
-                    "quantize on the compute device (model.to(device)) before streaming; streaming moves the packed "
-                    "weights, the small quant_state stays on the device"
+                    f"{name}: bitsandbytes 4-bit quant_state is on {t.device}, the compute device is "
+                    f"{device}: "
+                    "quantize on the compute device (model.to(device)) before streaming; streaming moves the "
+                    "packed weights, the small quant_state stays on the device"
                 )
             total += t.numel() * t.element_size()
     return total

@@ -170,7 +170,8 @@ def plan_residency(
         need = rest_bytes + extra_bytes + min(2, n) * (max(block_bytes) if n else 0)
         raise BudgetTooSmall(
             f"budget {budget} B minus margin {margin} B cannot hold the rest of the model ({rest_bytes} B), "
-            f"adapter factors ({extra_bytes} B) and the streaming slots; at least {need + margin} B are needed"
+            f"adapter factors ({extra_bytes} B) and the streaming slots; at least {need + margin} B are "
+            f"needed"
         )
     streamed, slots, slot_bytes = best
     plan = StreamPlan(

@@ -175,7 +175,8 @@ def _refuse_unchanged(result: BakeResult, model, allow_empty: bool) -> None:
     if result.tensors_changed == 0 and not allow_empty:
         raise EmptyOutputError(
             f"the adapters change no tensor of {model} (strength 0, or changes below the checkpoint's "
-            "precision): the output would be an unchanged copy; nothing written (--allow-empty writes it anyway)",
+            "precision): the output would be an unchanged copy; nothing written (--allow-empty writes it "
+            "anyway)",
             result,
         )
 

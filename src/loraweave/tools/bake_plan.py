@@ -148,8 +148,10 @@ def layout_hint(ckpt: Checkpoint, plan: Plan, model) -> str:
             to = "diffusers" if mine == "diffusers" else "comfy"
             return (
                 f"; {adapter.path} names modules in the {theirs} layout and {model} in the {mine} one, which "
-                "matches no built-in architecture and has no config.json beside it: convert the adapter first "
-                f"(loraweave convert {adapter.path} --to {to} --model FOLDER -o OUT.safetensors, FOLDER being "
-                f"a diffusers folder of this model with its config.json), or put that config.json beside {model}"
+                "matches no built-in architecture and has no config.json beside it: convert the adapter "
+                "first "
+                f"(loraweave convert {adapter.path} --to {to} --model FOLDER -o OUT.safetensors, FOLDER "
+                f"being a diffusers folder of this model with its config.json), or put that config.json "
+                f"beside {model}"
             )
     return ""

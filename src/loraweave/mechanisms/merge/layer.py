@@ -454,8 +454,9 @@ def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: s
     new = ~torch.isfinite(written.float()) & torch.isfinite(original.view_as(written).float())
     if bool(new.any()):
         raise NonFiniteResultError(
-            f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite values in a "
-            f"{tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is left as it was"
+            f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite "
+            f"values in a {tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is "
+            f"left as it was"
         )
 
 

@@ -166,7 +166,8 @@ def route_hook_free(
     if ratio > REQUANT_RATIO and trunc.energy < REQUANT_ENERGY:
         return Route(
             "requantize",
-            f"fat delta: rms/step={ratio:.3g} > {REQUANT_RATIO}, capture={trunc.energy:.3g} < {REQUANT_ENERGY}",
+            f"fat delta: rms/step={ratio:.3g} > {REQUANT_RATIO}, capture={trunc.energy:.3g} < "
+            f"{REQUANT_ENERGY}",
         )
     return Route("hosted", f"rms/step={ratio:.3g}, capture={trunc.energy:.3g}", trunc, delta, hit)
 

@@ -59,7 +59,8 @@ def compile_options(compile_friendly: bool, rank_buckets, stack: str) -> Compile
         raise ValueError(f"rank_buckets must be strictly increasing positive ints, got {rank_buckets!r}")
     if stack in GRAPH_BREAKING_STACKS:
         raise ValueError(
-            f"compile_friendly=True: stack={stack!r} rebuilds each layer's ΔW in Python whenever a strength changes "
+            f"compile_friendly=True: stack={stack!r} rebuilds each layer's ΔW in Python whenever a strength "
+            f"changes "
             "(a graph break and a recompile); use stack='sum', 'klora' or 'estlora', or mode='merge'"
         )
     return CompileOptions(buckets)

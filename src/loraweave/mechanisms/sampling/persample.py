@@ -56,7 +56,8 @@ def sample_keys(assignments, strengths, known: Mapping[str, float]) -> list[Samp
     """One key per sample; `known` maps each adapter name to its current strength (the default)."""
     if isinstance(assignments, (str, Mapping)) or not isinstance(assignments, Sequence) or not assignments:
         raise BatchError(
-            f"assignments must be a non-empty list with one list of adapter names per sample, got {assignments!r}"
+            f"assignments must be a non-empty list with one list of adapter names per sample, got "
+            f"{assignments!r}"
         )
     if strengths is not None and (not isinstance(strengths, Sequence) or len(strengths) != len(assignments)):
         raise BatchError(f"strengths must have one entry per sample ({len(assignments)}), got {strengths!r}")

@@ -70,7 +70,8 @@ def _grids(call: RootCall, mask: torch.Tensor) -> list[tuple[int, int, int]]:
             )
         return [(1, h, n // h)]
     raise RegionError(
-        f"regions need a tensor model input (B, C, H, W), (B, C, F, H, W) or (B, N, C); got {shape or 'a list'}"
+        f"regions need a tensor model input (B, C, H, W), (B, C, F, H, W) or (B, N, C); got "
+        f"{shape or 'a list'}"
     )
 
 
