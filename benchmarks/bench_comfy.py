@@ -1,5 +1,5 @@
-"""loraweave inside ComfyUI against core LoraLoader, on a Flux-shaped model at real width (hidden 3072, 24 heads,
-context 4096; default 1 double + 1 single block, fp32, ~1.9 GB) on CPU, ComfyUI v0.19.3 in process.
+"""loraweave inside ComfyUI against core LoraLoader, on a Flux-shaped model at real width (hidden 3072, 24
+heads, context 4096; default 1 double + 1 single block, fp32, ~1.9 GB) on CPU, ComfyUI v0.19.3 in process.
 
 Three cases, each in its own child process (peak RSS per case), each on the same LoRA files (kohya, rank 16,
 every Linear of every block; A and B differ in seeds):
@@ -218,7 +218,7 @@ def median(xs) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--double", type=int, default=1)
     ap.add_argument("--single", type=int, default=1)
     ap.add_argument("--rank", type=int, default=16)

@@ -1,6 +1,6 @@
-"""`loraweave generate` overhead (load, prompt parsing, apply, PNG + metadata + sidecar) vs the plain diffusers
-pipeline on the same tiny SD1.5 model (loraweave.tools.tiny_pipeline: 2-level UNet, 2-layer CLIP, 64x64, 8
-steps).
+"""`loraweave generate` overhead (load, prompt parsing, apply, PNG + metadata + sidecar) vs the plain
+diffusers pipeline on the same tiny SD1.5 model (loraweave.tools.tiny_pipeline: 2-level UNet, 2-layer CLIP,
+64x64, 8 steps).
 
 Variants run round-robin in one process (one torch thread: the machine's 2 cores are shared), medians
 reported:
@@ -81,7 +81,7 @@ def ours(pipe_dir: Path, out: Path, lora_dir: Path | None = None) -> tuple[float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -79,7 +79,7 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[float, str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="bench-inspect-"))

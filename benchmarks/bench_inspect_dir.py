@@ -62,7 +62,7 @@ def run(cmd: list[str]) -> tuple[float, str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="bench-inspect-dir-"))

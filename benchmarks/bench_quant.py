@@ -10,16 +10,17 @@ and one per mechanism request:
                   merge        mode="merge", LoRA (no side channel: requantize with the layer's own config)
   SDNQ also       auto         mode="auto", LoRA (the exact svd_up/svd_down side channel: "factor")
                   runtime lokr mode="runtime", LoKr
-                  host lokr    mode="auto", quantized="host", host_rank=64, LoKr ("hosted": truncated SVD in the
-                               side channel; on int8 the routing rule requantizes instead)
+                  host lokr    mode="auto", quantized="host", host_rank=64, LoKr ("hosted": truncated SVD in
+                               the side channel; on int8 the routing rule requantizes instead)
                   requantize   mode="merge", quantized="requantize", LoRA
 Columns:
   mechanism     request -> what `handle.report.applied[0].mechanism` says was done
-  apply ms      median wall time of `loraweave.apply` (remove untimed; a warm-up apply first; applies over 0.5 s
-                are timed twice)
-  extra MiB     bytes of tensor storage that the applied layer, the handle and its hooks hold beyond the quantized
-                layer and the adapter's own tensors, after apply and one forward (runtime factors and their
-                caches, side-channel growth, or the original quantized tensors kept for the exact undo)
+  apply ms      median wall time of `loraweave.apply` (remove untimed; a warm-up apply first; applies over 0.5
+                s are timed twice)
+  extra MiB     bytes of tensor storage that the applied layer, the handle and its hooks hold beyond the
+                quantized layer and the adapter's own tensors, after apply and one forward (runtime factors
+                and their caches, side-channel growth, or the original quantized tensors kept for the exact
+                undo)
   retention     ρ = <applied Δ, intended Δ>/‖intended Δ‖² from the report (factor: 1; runtime is exact by
                 construction, shown as "exact"); capture: energy of Δ a hosted truncation keeps
   step x        forward time with the adapter / forward time of the quantized layer alone. Sandwiched, as in

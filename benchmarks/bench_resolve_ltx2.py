@@ -9,8 +9,8 @@ the blocks in order), written with the original names (`patchify_proj`, `adaln_s
   name index     AliasTable of the transformer (built once per model)
   resolve only   every part matched against the pre-built index (target < 100 ms)
   plan           loraweave.plan end to end: key parsing + index + resolve + report
-  peer           diffusers' _convert_non_diffusers_ltx2_lora_to_diffusers on the diffusion_model. keys (it has no
-                 kohya form; renames only:
+  peer           diffusers' _convert_non_diffusers_ltx2_lora_to_diffusers on the diffusion_model. keys (it has
+                 no kohya form; renames only:
                  no model is consulted), the work a diffusers user pays before PEFT injection
 
     .venv/bin/python benchmarks/bench_resolve_ltx2.py [--quick]

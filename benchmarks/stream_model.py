@@ -1,4 +1,5 @@
-"""What the streaming schedule should give on a GPU, before one is measured: a timing model, not a measurement.
+"""What the streaming schedule should give on a GPU, before one is measured: a timing model, not a
+measurement.
 
 The real StreamHandle runs a tiny Flux stack (same block structure as Flux.1: 19 double + 38 single blocks by
 default) on CPU, while its copies and block computes are timed on a virtual clock with Flux.1-width numbers:
@@ -104,7 +105,7 @@ def step(model, kw) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--double", type=int, default=19)
     ap.add_argument("--single", type=int, default=38)
     ap.add_argument(

@@ -10,8 +10,8 @@ the weight to each patch's `(0, start, length)` offset before our `calculate_wei
 per-layer path (`comfy. model_patcher.LowVramPatch`, what ComfyUI's ops run on the bf16 cast of a weight at
 every forward: the ΔW rounded to bf16 and added in bf16).
 
-- `single_blocks.0.linear1` (21504 x 3072 = 66M elements): q | k | v | mlp, from a diffusers-named file with rank-16
-  LoRAs on `attn.to_q`, `attn.to_v` and `proj_mlp` (three offsets; k's rows stay bit for bit);
+- `single_blocks.0.linear1` (21504 x 3072 = 66M elements): q | k | v | mlp, from a diffusers-named file with
+  rank-16 LoRAs on `attn.to_q`, `attn.to_v` and `proj_mlp` (three offsets; k's rows stay bit for bit);
 - `double_blocks.0.img_attn.qkv` (9216 x 3072): `attn.to_q/to_k/to_v`, three offsets;
 - `single_blocks.7.linear2` (3072 x 15360, diffusers' `proj_out`): leighwoods' real Flux LoRA (PEFT names,
   rank 16, fp16), the file that crashed loraweave's own merge at this size (test_realsize_acceptance.py).

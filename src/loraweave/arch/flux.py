@@ -61,9 +61,9 @@ FLUX = ArchTable(
     ),
     widened_inputs=("x_embedder",),
     growable_inputs=(("x_embedder", "in_channels"),),
-    # Flux.1 Fill (in_channels 384: latents | masked-image latents | mask) vs 64 for dev/schnell/Kontext; Kontext
-    # adds no module (its reference image is more tokens). BFL Canny/Depth (128) are control adapters: they
-    # grow.
+    # Flux.1 Fill (in_channels 384: latents | masked-image latents | mask) vs 64 for dev/schnell/Kontext;
+    # Kontext adds no module (its reference image is more tokens). BFL Canny/Depth (128) are control adapters:
+    # they grow.
     variant_inputs=(
         VariantInput(
             "x_embedder",

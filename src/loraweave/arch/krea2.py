@@ -6,8 +6,8 @@ Source: diffusers `convert_krea2_transformer_checkpoint_to_diffusers` (and the L
 modulation `mod.lin` and the final `last.modulation.lin` are bare parameters (`scale_shift_table`), not
 modules: full-difference keys reach them through parameter aliases (the block table is stored flat, (6h,), and
 reshaped to (6, h) as the converter does).
-SimpleTuner/LyCORIS train a fused `attn.to_qkv` on the diffusers model: rows q | k | v with unequal (GQA) widths,
-which whole-module targets express directly.
+SimpleTuner/LyCORIS train a fused `attn.to_qkv` on the diffusers model: rows q | k | v with unequal (GQA)
+widths, which whole-module targets express directly.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 class Unit:
-    """A block (or the rest): its tensors, where they live now ("host" | "device" | "slot" | "orig" after close),
-    its slot layout, and the runtime adapter factors that travel with it.
+    """A block (or the rest): its tensors, where they live now ("host" | "device" | "slot" | "orig" after
+    close), its slot layout, and the runtime adapter factors that travel with it.
 
     Host copies: a model already on the storage device, unpinned, is used in place (no copy). Otherwise
     (pinned for CUDA, or held elsewhere) the plain tensors are packed at their slot offsets into a few runs
