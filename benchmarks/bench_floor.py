@@ -17,12 +17,14 @@ Two measurements in one run:
    out= buffers    the MKL formula writing into preallocated h and y (no allocation, no page faults)
    r padded 32     the MKL formula with the rank zero-padded to 32 (wider skinny GEMMs)
    stacked         S = [W; A] (W would be the view S[:out]: memory unchanged); z = [b, 0] + x·Sᵀ in ONE GEMM,
-                   y = z[:, :out] += (s·z[:, out:])·Bᵀ: the down GEMM rides in the base GEMM; y is a strided view
+                   y = z[:, :out] += (s·z[:, out:])·Bᵀ: the down GEMM rides in the base GEMM; y is a strided
+                   view
    stacked+contig  the same, the up GEMM writing a fresh contiguous y (what a next layer needs)
    fold            ΔW folded into W on every forward: W_eff = W + B·(s·A) into a reused buffer, then one GEMM
    peft            PEFT's unmerged LoraLayer
    lora ops        the two bare skinny GEMMs only (into a preallocated y): the floor of any post-forward path
-   lora ops onednn the same two GEMMs on the kernels the library uses (mechanisms/runtime/skinny.py), into a fresh y
+   lora ops onednn the same two GEMMs on the kernels the library uses (mechanisms/runtime/skinny.py), into a
+   fresh y
 
 2. Components: the small kernels those paths are made of, timed many times each (interleaved) against the base
    GEMM's median. The fused path costs over the base GEMM: down + scale + up(with bias) + what the base GEMM

@@ -6,7 +6,8 @@ Variants run round-robin in one process (one torch thread: the machine's 2 cores
 reported:
 
   diffusers           from_pretrained + pipe(...) + image.save(png)
-  diffusers + PEFT    the same with pipe.load_lora_weights(file) (diffusers' own kohya converter + PEFT layers)
+  diffusers + PEFT    the same with pipe.load_lora_weights(file) (diffusers' own kohya converter + PEFT
+                      layers)
   generate            loraweave.tools.generate.generate(request) without an adapter
   generate <lora:x:1> the same with the prompt tag: parse, resolve in the folder, apply (merge), AddNet hash
 

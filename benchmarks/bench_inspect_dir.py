@@ -8,7 +8,8 @@ a discarded round 0.
   total           wall time of the whole command, Python start-up and imports included
   first file      in-process seconds of the first file (builds that architecture's skeleton and alias tables)
   per file after  the other 49 files' in-process seconds: mean and median (target < 0.2 s each)
-  one process     `inspect FILE --json` as its own process, median over the 8 real files (what a shell loop pays)
+  one process     `inspect FILE --json` as its own process, median over the 8 real files (what a shell loop
+                  pays)
   CPU s           user + system CPU seconds of those child processes (robust to a busy machine)
 
     .venv/bin/python benchmarks/bench_inspect_dir.py [--rounds 3]

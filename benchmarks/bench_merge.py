@@ -10,9 +10,11 @@ rotated each round, all under torch.no_grad():
               (compact or copy per layer, the smaller). handle.remove() after the timer.
   lw_none     the same with undo="none" (a permanent fuse). The weights are copied back after the timer.
   peft_file   PEFT's whole path from the file: safetensors load_file, get_peft_model (inject),
-              set_peft_model_state_dict, merge_and_unload(). No undo record. Weights copied back after the timer.
+              set_peft_model_state_dict, merge_and_unload(). No undo record. Weights copied back after the
+              timer.
   peft_merge  PEFT's merge() alone (merge_adapter()): injection and the factors' load happen before the timer.
-  str_compact handle.set_strength(...) on a default (compact-undo) merge: W rebuilt from the record, merged again.
+  str_compact handle.set_strength(...) on a default (compact-undo) merge: W rebuilt from the record, merged
+  again.
   str_copy    the same on an undo="copy" merge (W copied back from the full backup).
   roofline    per weight: W.addmm_(B, A, alpha=s), factors in memory: the reference every sample is divided by
               (timed between every two variants, see benchutil.sandwiched; host speed swings cancel).

@@ -4,7 +4,8 @@ One Linear(3072, 3072) fp32 with bias, input of 4096 tokens x 3072. LyCORIS-styl
 `alpha` = constraint 0, LyCORIS's default: unconstrained; no `rescale`), block shapes as LyCORIS 4.x computes
 them for out_dim 3072 (its DiagOFTModule / ButterflyOFTModule are instantiated to get the shapes):
 
-  oft b4 (default)  diag-oft, lora_dim=4 (create_lycoris's default): factorization(3072, 4) -> 768 blocks of 4x4
+  oft b4 (default)  diag-oft, lora_dim=4 (create_lycoris's default): factorization(3072, 4) -> 768 blocks of
+                    4x4
   oft b32           diag-oft, lora_dim=32 -> 96 blocks of 32x32
   boft b24 m8       boft, lora_dim=32 (4 is impossible for 3072 under BOFT's constraints) -> 8 stages of
                     128 blocks of 24x24 (oft_blocks (8, 128, 24, 24))

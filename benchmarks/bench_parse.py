@@ -8,7 +8,8 @@ Variants, timed round-robin (order rotated every round) with the garbage collect
 
   alias table        loraweave.arch.aliases.AliasTable(model): the module-name table resolve() builds first
   load_adapter       loraweave.load_adapter(state_dict): key parsing and grouping only
-  resolve            loraweave.resolve.planner.resolve(components, [(adapter, 1.0)]) incl. its alias table build
+  resolve            loraweave.resolve.planner.resolve(components, [(adapter, 1.0)]) incl. its alias table
+                     build
   resolve, no table  the same with AliasTable pre-built (patched in this process only): matching parts alone
   plan (end to end)  loraweave.plan(model, state_dict): load_adapter + resolve + report
   plan, bf16 tensors the same with real CPU tensors (random bf16 values, the file's shapes) instead of meta
