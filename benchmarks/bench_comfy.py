@@ -27,7 +27,8 @@ heap, never trimmed), which steadies timings. ComfyUI runs under glibc's default
 is a fresh mapping whose page faults are timed; `LORAWEAVE_BENCH_NO_REEXEC=1` runs the cases that way. Quote
 both.
 
-    .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--threads 2] [--repeats 1]
+    .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--threads 2]
+        [--repeats 1]
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ Timed by default on one thread in CPU seconds (`--threads 1 --clock cpu`): on th
 two threads swings by far more than the targets' margins (an oversubscribed OpenMP barrier stalls every small
 op).
 
-    .venv/bin/python benchmarks/bench_merge.py [--quick] [--rounds N] [--layers N] [--threads N] [--clock cpu|wall]
+    .venv/bin/python benchmarks/bench_merge.py [--quick] [--rounds N] [--layers N] [--threads N]
+        [--clock cpu|wall]
 """
 
 from __future__ import annotations

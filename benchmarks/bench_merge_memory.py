@@ -7,7 +7,8 @@ times, and whether remove() restored every weight bit for bit. All relative to t
 touched; medians of `--repeats` runs, the cases interleaved. Target: resident growth of the default merge
 (undo="auto") <= 10 %. The children run with glibc's default malloc settings (what a user gets).
 
-    .venv/bin/python benchmarks/bench_merge_memory.py [--layers 40] [--repeats 3] [--kinds auto,compact,copy,none]
+    .venv/bin/python benchmarks/bench_merge_memory.py [--layers 40] [--repeats 3]
+        [--kinds auto,compact,copy,none]
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ Part 2: hosted apply of a LoKr on every layer of an N-layer stack of Linear(D, D
 backend with a side channel): fresh (cache miss, factors computed and written) vs replay (cache hit), and the
 bit-identity of the two.
 
-    .venv/bin/python benchmarks/bench_quant.py [--quick] [--rounds N] [--requant-steps] [--layers 60] [--dim 1024]
+    .venv/bin/python benchmarks/bench_quant.py [--quick] [--rounds N] [--requant-steps] [--layers 60]
+        [--dim 1024]
 
 5 rounds by default (~3 min on the 2-core VM), --quick 1 round (~1.5 min, a smoke run: the ratios are then
 noise). The objects that exist after the imports and probes are moved out of the collector's reach

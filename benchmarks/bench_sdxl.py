@@ -24,8 +24,8 @@ one-time costs such as imports of PEFT). Peak RSS: growth of VmHWM over the resi
 built and trimmed (reset through /proc/self/clear_refs); "kept" is the resident growth after the end step and
 malloc_trim(0). Ratios are each variant's median over peft's. A child is killed past --max-rss-gib.
 
-    .venv/bin/python benchmarks/bench_sdxl.py [--rounds 3] [--repeats 2] [--json out.json] [--variants peft,dropin,merge,runtime] [--threads 2]
-        [--width-divisor 2]
+    .venv/bin/python benchmarks/bench_sdxl.py [--rounds 3] [--repeats 2] [--json out.json]
+        [--variants peft,dropin,merge,runtime] [--threads 2] [--width-divisor 2]
 """
 
 from __future__ import annotations

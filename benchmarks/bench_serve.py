@@ -1,5 +1,6 @@
-"""`loraweave serve` throughput: 32 requests over 8 adapters on the tiny SD1.5 pipeline (tests/helpers/serve_fixtures.py),
-8 steps, 64x64, one torch thread per replica, 2 replicas on local Ray, measured side by side in one run:
+"""`loraweave serve` throughput: 32 requests over 8 adapters on the tiny SD1.5 pipeline
+(tests/helpers/serve_fixtures.py), 8 steps, 64x64, one torch thread per replica, 2 replicas on local Ray,
+measured side by side in one run:
 
   generate (sequential)   loraweave.tools.generate.generate per request (loads the pipeline each time, as the
                           CLI)

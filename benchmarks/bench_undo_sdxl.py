@@ -20,7 +20,8 @@ per child; with more runnable processes than cores, 2 threads spin in OpenMP bar
 slower than 1. Targets: resident growth <= 10 % of touched bytes (auto, strength 1), <= 1 % (source); peak
 growth <= largest touched layer + 10 % of touched bytes (auto, strength 1); merge time <= 1.3x today's.
 
-    .venv/bin/python benchmarks/bench_undo_sdxl.py [--dir DIR] [--keep] [--variants main,copy,auto,auto@4,source]
+    .venv/bin/python benchmarks/bench_undo_sdxl.py [--dir DIR] [--keep]
+        [--variants main,copy,auto,auto@4,source]
         [--threads 2] [--max-rss-gib 11]
 """
 

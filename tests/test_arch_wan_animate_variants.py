@@ -112,7 +112,8 @@ def animate_original(key: str) -> str:
     if m:
         n, conv, what = int(m[1]) + 1, m[2], m[3]
         index = {"conv1": (0, 1), "conv2": (1, 2), "conv_skip": (1, None)}[conv][what != "weight"]
-        return f"{_ME}.{n}.{'skip' if conv == 'conv_skip' else conv}.{index}.{'bias' if what != 'weight' else 'weight'}"
+        module = "skip" if conv == "conv_skip" else conv
+        return f"{_ME}.{n}.{module}.{index}.{'bias' if what != 'weight' else 'weight'}"
     for live, original in _INVERSE:
         if re.search(live, key):
             return re.sub(live, original, key)

@@ -40,10 +40,12 @@ def workflow(strength: float = 0.7) -> dict:
     """UI-format workflow: Load Diffusion Model -> LoraWeave Loader -> Preview as Text, and
     LoraWeave Inspect -> Preview Image (its heatmap)."""
     nodes = [
-        _node(1, "UNETLoader", [20, 60], [320, 90], [], [_slot("MODEL", "MODEL", links=[1])], [FLUX_FILE, "default"]),
+        _node(1, "UNETLoader", [20, 60], [320, 90], [], [_slot("MODEL", "MODEL", links=[1])],
+              [FLUX_FILE, "default"]),
         _node(LOADER, "LoraWeaveLoader", [370, 60], [440, 300],
               [_slot("model", "MODEL", 1), _slot("clip", "CLIP")],
-              [_slot("MODEL", "MODEL", links=[]), _slot("CLIP", "CLIP", links=[]), _slot("report", "STRING", links=[2])],
+              [_slot("MODEL", "MODEL", links=[]), _slot("CLIP", "CLIP", links=[]),
+               _slot("report", "STRING", links=[2])],
               ["flux.safetensors", strength, 1.0, "merge", False]),
         _node(3, "PreviewAny", [840, 60], [330, 200], [_slot("source", "*", 2)], [], []),
         _node(INSPECT, "LoraWeaveInspect", [20, 420], [520, 330], [],

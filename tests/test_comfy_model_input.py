@@ -26,8 +26,8 @@ from loraweave.errors import TargetError
 
 pytestmark = pytest.mark.comfy
 LORA = "flux.safetensors"  # comfy_pack.write_loras: a kohya LoRA on two Linear layers of the tiny Flux
-AURA = {"dim": 64, "n_layers": 2, "n_double_layers": 1, "n_heads": 2, "global_conddim": 64, "cond_seq_dim": 32,
-        "max_seq": 16, "in_channels": 4, "out_channels": 4}  # fmt: skip
+AURA = {"dim": 64, "n_layers": 2, "n_double_layers": 1, "n_heads": 2, "global_conddim": 64,
+        "cond_seq_dim": 32, "max_seq": 16, "in_channels": 4, "out_channels": 4}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

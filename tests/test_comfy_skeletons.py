@@ -177,9 +177,11 @@ def test_a_queue_on_a_full_width_model_imports_no_diffusers_model_class(realdata
         from loraweave.formats.adapter import load_adapter
         model = meta_patcher(import_comfy().supported_models.Flux, FLUX_DEV)
         before = set(sys.modules)
-        plan = plan_for_patcher(model, load_adapter({str(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")!r}))
+        lora = {str(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")!r}
+        plan = plan_for_patcher(model, load_adapter(lora))
         assert plan.planned and not plan.unmatched
-        new = sorted(m for m in set(sys.modules) - before if m.startswith(("diffusers.models", "peft", "torchao")))
+        watched = ("diffusers.models", "peft", "torchao")
+        new = sorted(m for m in set(sys.modules) - before if m.startswith(watched))
         print("NEW", new)
         """
     )

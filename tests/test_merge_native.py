@@ -237,7 +237,9 @@ def test_a_strength_change_that_overflows_leaves_the_merge_as_it_was(monkeypatch
         handle.set_strength(name, 1e4)
     assert_same_bits(model, merged)
     handle.set_strength(name, -0.5)
-    same_bits_but_nan(state_bits(model), merged_without_kernel_at(monkeypatch, torch.float16, sd, -0.5, "compact", False), torch.float16)  # fmt: skip
+    got = state_bits(model)
+    expected = merged_without_kernel_at(monkeypatch, torch.float16, sd, -0.5, "compact", False)
+    same_bits_but_nan(got, expected, torch.float16)
     handle.remove()
     assert_same_bits(model, before)
 

@@ -45,7 +45,8 @@ from loraweave import (
 
 TRUNCATED = (
     Path(__file__).resolve().parents[2]
-    / "shared/realdata/lora/broken/Srikanth1408__Stable_Diffusion-Hackathon__pytorch_lora_weights__TRUNCATED.safetensors"
+    / "shared/realdata/lora/broken"
+    / "Srikanth1408__Stable_Diffusion-Hackathon__pytorch_lora_weights__TRUNCATED.safetensors"
 )
 MODES = ("merge", "runtime", "auto")
 

@@ -133,7 +133,9 @@ def test_qwen25_vl_text_encoder_spellings():
     spellings = {
         "lora_te_layers_1_self_attn_k_proj": "model.language_model.layers.1.self_attn.k_proj",
         "text_encoder.model.layers.0.mlp.up_proj": "model.language_model.layers.0.mlp.up_proj",
-        "text_encoder.model.language_model.layers.1.mlp.down_proj": "model.language_model.layers.1.mlp.down_proj",
+        "text_encoder.model.language_model.layers.1.mlp.down_proj": (
+            "model.language_model.layers.1.mlp.down_proj"
+        ),
         "text_encoder.visual.blocks.0.attn.qkv": "model.visual.blocks.0.attn.qkv",
     }
     before = {name: mods[name].weight.detach().clone() for name in spellings.values()}

@@ -29,10 +29,10 @@ EXIT_STATUS = """exit status (the same for every command):
   0    did what was asked
   1    completed but incomplete: with --strict some key does not land (nothing written), or nothing to do:
        the output would have no effect (no key lands, no layer differs) and --allow-empty was not given
-  2    bad input or usage: a bad argument (out of range, not finite), an unreadable or malformed file, a pickle
-       without --allow-pickle, an output that exists (no --force), would overwrite an input, lies in a folder
-       that does not exist or is of the other kind (a folder where a file is written); --force replaces only
-       the command's own files
+  2    bad input or usage: a bad argument (out of range, not finite), an unreadable or malformed file, a
+       pickle without --allow-pickle, an output that exists (no --force), would overwrite an input, lies in a
+       folder that does not exist or is of the other kind (a folder where a file is written); --force replaces
+       only the command's own files
   3    system error: reading or writing failed (disk full, permission denied)
   4    internal error: a bug in loraweave (the traceback is printed; please report it)
   130  interrupted (Ctrl-C); outputs are written atomically, so nothing half-written is left"""
@@ -160,7 +160,10 @@ def adapter_arg(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-FORCE_HELP = "replace an existing output: only the files this command writes (a folder's other files stay); never an input"
+FORCE_HELP = (
+    "replace an existing output: only the files this command writes (a folder's other files stay); "
+    "never an input"
+)
 
 
 def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:
