@@ -8,14 +8,13 @@ formula W' = W·(I + s(M − I))ᵀ, M = PEFT's block-diagonal rotation. Toleran
 max|ref| <= 1e-5 (fp32).
 
 The adapter_config.json fields (use_cayley_neumann, num_cayley_neumann_terms, coft/eps, block_share) reach the
-family as `load(..., config=)`: checked here at the family level; end to end through `loraweave.apply(model,
-dir)` once the planner passes the adapter's PEFT config (xfail until then).
+family as `load(..., config=)`: checked here at the family level, and end to end through
+`loraweave.apply(model, dir)` (the planner passes the adapter's PEFT config to the family).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import warnings
@@ -29,7 +28,6 @@ from torch import nn
 
 import loraweave
 from loraweave.families import FAMILIES, peft_oft
-from loraweave.formats.alpha import MetadataAlpha
 
 TOL = 1e-5
 LAYERS = ("lin", "blk.proj", "c1", "c3", "c3s")
@@ -171,27 +169,6 @@ def family_apply(target: nn.Module, path, mode: str, strength: float = 1.0, conf
     return hooks
 
 
-def core_passes_config() -> bool:
-    """Whether the planner hands the adapter's PEFT config to the family's load (the proposed core change)."""
-    from loraweave.formats.adapter import load_adapter
-    from loraweave.resolve.planner import resolve
-    from loraweave.resolve.target import as_components
-
-    model = nn.ModuleDict({"lin": nn.Linear(4, 2)})
-    adapter = load_adapter({"lin.oft_R.weight": torch.zeros(1, 6)})
-    cfg = {"peft_type": "OFT", "oft_block_size": 4, "use_cayley_neumann": False, "peft_version": "0.21.2"}
-    adapter = dataclasses.replace(adapter, meta_alpha=MetadataAlpha(peft=cfg))
-    planned = resolve(as_components(model), [(adapter, 1.0)]).planned
-    return bool(planned) and planned[0].factors.neumann_terms is None
-
-
-CORE_PASSES_CONFIG = core_passes_config()
-needs_core_config = pytest.mark.xfail(
-    not CORE_PASSES_CONFIG,
-    strict=True,
-    reason="resolve/planner.py does not yet pass adapter.meta_alpha.peft to family.load(..., config=)",
-)
-
 CONFIGS = {
     "neumann5_block4": {},  # PEFT's defaults
     "exact_block4": {"use_cayley_neumann": False},
@@ -241,7 +218,6 @@ def test_directory_with_default_config(tmp_path):
     )
 
 
-@needs_core_config
 @pytest.mark.parametrize("name", ["exact_r6", "neumann3", "block_share_exact", "coft"])
 def test_directory_config_reaches_the_family(tmp_path, name):
     pristine, model, path = make_peft(tmp_path, **CONFIGS[name])
