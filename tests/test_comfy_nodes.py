@@ -2,9 +2,9 @@
 CPU).
 
 The pack is written by `loraweave comfy install` into a temporary base directory and loaded by ComfyUI's own
-custom-node loader; workflows run through ComfyUI's validate_prompt and PromptExecutor (notes §2.6 recipe B).
-Merged weights are checked against kohya's formula in fp64 (relative 1e-6; fp32 merge on CPU). Errors are
-checked at queue time (validation) or at execution, with the input MODEL left without patches."""
+custom-node loader; workflows run through ComfyUI's validate_prompt and PromptExecutor (in process, no
+server). Merged weights are checked against kohya's formula in fp64 (relative 1e-6; fp32 merge on CPU). Errors
+are checked at queue time (validation) or at execution, with the input MODEL left without patches."""
 
 from __future__ import annotations
 

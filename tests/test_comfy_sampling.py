@@ -1,4 +1,4 @@
-"""Workflows through ComfyUI's own executor (execution.PromptExecutor, in process; notes §2.6 recipe B): the
+"""Workflows through ComfyUI's own executor (execution.PromptExecutor, in process, no server): the
 tiny Flux from a test-only source node, our loader through loraweave.comfy.load_lora_for_models, core
 KSampler, and a test-only capture node holding the LATENT.
 

@@ -3,7 +3,7 @@ r).
 
 A DyLoRA file holds `lora_down.weight` (r, in[, k, k]), `lora_up.weight` and `alpha`. Both trainers
 concatenate the per-rank up blocks along dim 1 and save the result as is, so for a 3x3 conv `lora_up` is (out,
-r), not (out, r, 1, 1) (formats-and-math §2). Read as LoRA: ΔW = (alpha/r)·up @ down, times the strength.
+r), not (out, r, 1, 1) as a LoCon up is. Read as LoRA: ΔW = (alpha/r)·up @ down, times the strength.
 
 References:
 - an independent fp64 formula on a hand-made file (Linear + Conv2d 3x3, saved to and applied from

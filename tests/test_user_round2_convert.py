@@ -25,7 +25,7 @@ TOKENS = ("<s1>", "<s2>")
 @pytest.fixture
 def pivotal(realdata, tmp_path):
     """The real cloneofsimo file plus two token embeddings, as lora_diffusion's pivotal tuning saves them: one
-    [768] vector per token, named by the token (shared/notes/key-layouts.md)."""
+    [768] vector per token, named by the token (e.g. `<s1>`, `<s2>`)."""
     tensors = load_file(CLONEOFSIMO)
     with safe_open(CLONEOFSIMO, "pt") as f:
         metadata = f.metadata()

@@ -1,6 +1,6 @@
 """Sampling inside ComfyUI for the runtime, step-window and executor tests: LoRA files on the tiny Flux, Flux
 conditioning, samplers run through ComfyUI's own nodes, a calculate_weight counter, and test-only nodes for
-`execution.PromptExecutor` (notes §2.6 recipe B).
+`execution.PromptExecutor` (in process: no server, CPU args set before comfy.model_management is imported).
 
 The LoRAs are kohya-layout Flux files (`lora_unet_double_blocks_0_img_attn_qkv...`): a layout ComfyUI's core
 LoraLoader lands correctly, so the core merge is an independent reference for loraweave's runtime paths."""

@@ -1,9 +1,10 @@
 """SDNQ (pip `sdnq`): dequantize, requantize with the layer's own config, and the svd_up/svd_down side
 channel.
 
-Layouts of the side channel (see ../shared notes §1-2): plain `svd_up (out, r)`, `svd_down (r, in)`; with
-quantized matmul both are stored transposed; with Hadamard the dequantized weight is rotated back after the
-side channel is added, so a factor `A` must be stored as `A·H` (H is block-diagonal, symmetric and
+Layouts of the side channel (SDNQ's SVDQuant: svd_up = U·S, svd_down = Vᵀ, dequantized W = dq(q) + svd_up @
+svd_down): plain `svd_up (out, r)`, `svd_down (r, in)`; with quantized matmul (forward `(x @ svd_down) @
+svd_up`) both are stored transposed; with Hadamard the dequantized weight is rotated back after the side
+channel is added, so a factor `A` must be stored as `A·H` (H is block-diagonal, symmetric and
 self-inverse)."""
 
 from __future__ import annotations
