@@ -65,8 +65,9 @@ def lycoris_state(lycoris_class_attrs):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on 2 shared cores tiny
-    models run ~10x faster, small LAPACK calls stop stalling, and float summation order matches a 1-thread replica."""
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on 2 shared
+    cores tiny models run ~10x faster, small LAPACK calls stop stalling, and float summation order matches a
+    1-thread replica."""
     import torch
 
     threads = torch.get_num_threads()
@@ -128,8 +129,8 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
 }
 
 
-# Modules that run case by case (helpers.comfy_arch_cases.built_case keeps one tiny ComfyUI model at a time): their
-# tests are reordered by the `name` parameter, stably.
+# Modules that run case by case (helpers.comfy_arch_cases.built_case keeps one tiny ComfyUI model at a time):
+# their tests are reordered by the `name` parameter, stably.
 BY_CASE = ("test_comfy_arch_names", "test_comfy_arch_weights")
 
 

@@ -41,7 +41,7 @@ def built(models, name: str):
 
 
 def weight_file(m, family: str, layout: str) -> dict[str, torch.Tensor]:
-    """A kohya `family` file on every block Linear, by the twin's names ("diffusers") or ComfyUI's ("comfy")."""
+    """A kohya `family` file on every block Linear, by the twin's names ("diffusers") or ComfyUI's."""
     modules = block_linears(m.diffusers if layout == "diffusers" else comfy_modules(m))
     if family != "dora_in":
         return adapter_file(modules, family, kohya("lora_unet_"))

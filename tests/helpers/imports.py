@@ -20,8 +20,7 @@ def package_modules() -> dict[str, Path]:
 
 
 def _imports(modules: dict[str, Path]) -> Iterator[tuple[str, str, list[str]]]:
-    """(importer, imported module, names taken from it) for every import statement; `import x` takes no names.
-    """
+    """(importer, imported module, names it takes) for every import statement (`import x` takes none)."""
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

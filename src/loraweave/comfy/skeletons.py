@@ -94,7 +94,7 @@ Widths = dict[str, tuple[int, int]]  # {module path: (axis, size)} of a weight r
 
 
 def _resized(params: dict, axis: int, size: int) -> dict:
-    """A Linear's stored parameters with the weight's `axis` set to `size` (the bias follows an output axis)."""
+    """A Linear's stored parameters, the weight's `axis` set to `size` (the bias follows an output axis)."""
     out = {name: [list(shape), dtype] for name, (shape, dtype) in params.items()}
     out["weight"][0][axis] = size
     if axis == 0 and "bias" in out:
@@ -122,8 +122,8 @@ def _build(node: dict, path: str, depths: dict[str, int], widths: Widths | None 
 def rebuild(
     data: dict, depths: dict[str, int] | None = None, config: dict | None = None, widths: Widths | None = None
 ) -> torch.nn.Module:
-    """The tree of a description (`data["tree"]`), block chains at `depths` ({chain path: count}), weights resized
-    by `widths`."""
+    """The tree of a description (`data["tree"]`), block chains at `depths` ({chain path: count}), weights
+    resized by `widths`."""
     root = _build(data["tree"], "", depths or {}, widths)
     root.config = SimpleNamespace(**(config if config is not None else data["config"]))
     return root
@@ -164,8 +164,7 @@ def _is_chain(node: dict, path: str) -> bool:
 
 
 def packaged_tree(arch: str, cls: str, config: dict) -> torch.nn.Module | None:
-    """The reference tree of `cls` at `config` from the skeleton `arch`'s facets ship, or None when none fits.
-    """
+    """`cls` at `config` from the skeleton that `arch`'s ComfyUI facets ship; None when none fits."""
     name = facets(arch).skeleton
     data = description(name) if name is not None else None
     if data is None or data["cls"] != cls:
@@ -177,9 +176,9 @@ def packaged_tree(arch: str, cls: str, config: dict) -> torch.nn.Module | None:
 
 
 def fitted_widths(arch: str, data: dict, config: dict) -> Widths | None:
-    """{module path: (axis, size)} for the width keys of `config` that differ from the stored ones (a key set to
-    None takes its default key's value, as diffusers reads it); None when a size is not a positive int or the stored
-    tree lacks that Linear."""
+    """{module path: (axis, size)} for the width keys of `config` that differ from the stored ones (a key set
+    to None takes its default key's value, as diffusers reads it); None when a size is not a positive int or
+    the stored tree lacks that Linear."""
     stored, merged = data["config"], {**data["config"], **plain(config)}
     widths: Widths = {}
     for key, (path, axis, default) in facets(arch).widths.items():
