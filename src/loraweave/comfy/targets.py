@@ -134,7 +134,8 @@ def reference_or_why(patcher) -> tuple[tuple[Reference, Spans] | None, str | Non
         log.warning("comfy reference arch=%s source=none missing_module=%s", arch, exc.name)
         return None, (
             f"loraweave's {arch} reference for this model's widths is built from diffusers' classes, and "
-            f"{exc.name} is not installed (pip install 'loraweave[comfy]' into ComfyUI's Python): {ONLY_COMFY_NAMES}"
+            f"{exc.name} is not installed (pip install 'loraweave[comfy]' into ComfyUI's Python): "
+            f"{ONLY_COMFY_NAMES}"
         )
     shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
     spans = reference.spans_for(shapes)
