@@ -198,17 +198,22 @@ def plan_work(
                 rejected_parts.setdefault(id(pp), Miss(kind, f"{why} ({comp}.{path})"))
         plan.work.append(LayerWork(comp, path, module, mechanism, why, contribs))
     if rejected_parts:
-        for pp in p.planned:
-            if id(pp) in rejected_parts:
-                unmatched += [Unmatched(pp.adapter.name, k, rejected_parts[id(pp)]) for k in pp.part.keys]
-        p.planned = [pp for pp in p.planned if id(pp) not in rejected_parts]
-        kept = []
-        for item in plan.work:
-            remaining = [c for c in item.contribs if id(c.part) not in rejected_parts]
-            where = (item.component, item.path)
-            if len(remaining) != len(item.contribs) and where in plan.routes:
-                plan.routes[where] = (plan.routes[where][0], None)  # routed on other contributions
-            if remaining:
-                kept.append(dataclasses.replace(item, contribs=remaining))
-        plan.work = kept
+        _drop_rejected(p, plan, unmatched, rejected_parts)
     return plan
+
+
+def _drop_rejected(p: Plan, plan: WorkPlan, unmatched: list[Unmatched], rejected: dict[int, Miss]) -> None:
+    """A part no mechanism takes on one of its layers goes from every layer (its keys to `unmatched`)."""
+    for pp in p.planned:
+        if id(pp) in rejected:
+            unmatched += [Unmatched(pp.adapter.name, k, rejected[id(pp)]) for k in pp.part.keys]
+    p.planned = [pp for pp in p.planned if id(pp) not in rejected]
+    kept = []
+    for item in plan.work:
+        remaining = [c for c in item.contribs if id(c.part) not in rejected]
+        where = (item.component, item.path)
+        if len(remaining) != len(item.contribs) and where in plan.routes:
+            plan.routes[where] = (plan.routes[where][0], None)  # routed on other contributions
+        if remaining:
+            kept.append(dataclasses.replace(item, contribs=remaining))
+    plan.work = kept
