@@ -132,6 +132,35 @@ def _parse_entry(
     return dtype_name, tuple(shape), begin, end
 
 
+def _header_bytes(fail: Callable[[str], NoReturn], path: Path) -> tuple[bytes, int]:
+    """(the JSON header's bytes, the file size), its length checked against the file before it is read."""
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        if file_size < 8:
+            fail(f"file has {file_size} bytes; a safetensors file starts with an 8-byte header length")
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n < 2 or n > MAX_HEADER_BYTES:
+            fail(f"header length {n} is outside [2, {MAX_HEADER_BYTES}]: not a safetensors file?")
+        if 8 + n > file_size:
+            fail(f"header length {n} runs past the end of the file ({file_size} bytes): file truncated?")
+        raw = f.read(n)
+    if len(raw) != n:
+        fail(f"read {len(raw)} of {n} header bytes: file changed while reading?")
+    return raw, file_size
+
+
+def _header_json(fail: Callable[[str], NoReturn], raw: bytes) -> dict:
+    try:
+        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except UnicodeDecodeError as e:
+        fail(f"header is not valid UTF-8 ({e.reason} at byte {e.start})")
+    except (ValueError, RecursionError) as e:
+        fail(f"header is not valid JSON: {type(e).__name__}: {e}")
+    if not isinstance(parsed, dict):
+        fail(f"header is a JSON {type(parsed).__name__}, expected an object")
+    return parsed
+
+
 def read_safetensors_header(
     path: str | os.PathLike, names: bool = False
 ) -> tuple[Header, dict[str, str], int]:
@@ -145,26 +174,9 @@ def read_safetensors_header(
     def fail(why: str) -> NoReturn:
         raise AdapterFileError(f"{path}: {why}")
 
-    with open(path, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        if file_size < 8:
-            fail(f"file has {file_size} bytes; a safetensors file starts with an 8-byte header length")
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n < 2 or n > MAX_HEADER_BYTES:
-            fail(f"header length {n} is outside [2, {MAX_HEADER_BYTES}]: not a safetensors file?")
-        if 8 + n > file_size:
-            fail(f"header length {n} runs past the end of the file ({file_size} bytes): file truncated?")
-        raw = f.read(n)
-    if len(raw) != n:
-        fail(f"read {len(raw)} of {n} header bytes: file changed while reading?")
-    try:
-        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
-    except UnicodeDecodeError as e:
-        fail(f"header is not valid UTF-8 ({e.reason} at byte {e.start})")
-    except (ValueError, RecursionError) as e:
-        fail(f"header is not valid JSON: {type(e).__name__}: {e}")
-    if not isinstance(parsed, dict):
-        fail(f"header is a JSON {type(parsed).__name__}, expected an object")
+    raw, file_size = _header_bytes(fail, path)
+    parsed = _header_json(fail, raw)
+    n = len(raw)
 
     metadata = parsed.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(
