@@ -49,7 +49,8 @@ class _Tables:
     family_widths: dict[str, Widths]
 
 
-def _tables(archs: list[Architecture]) -> _Tables:
+def _by_depth(archs: list[Architecture]) -> dict[str, tuple[tuple[str, dict[str, int]], ...]]:
+    """{family: ((architecture, block counts), ...)} for families that name their own depth."""
     by_depth: dict[str, tuple[tuple[str, dict[str, int]], ...]] = {}
     for family in dict.fromkeys(a.depth[0] for a in archs if a.depth):
         rows = sorted(
@@ -58,11 +59,15 @@ def _tables(archs: list[Architecture]) -> _Tables:
         )
         if rows[0][0] == family:  # the family's own depth first, then the deeper siblings in registry order
             by_depth[family] = tuple(rows)
+    return by_depth
+
+
+def _tables(archs: list[Architecture]) -> _Tables:
     return _Tables(
         tuple((a.name, a.signature) for a in archs if a.signature),
         {a.name: a.owners for a in reversed(archs) if a.owners},
         {a.name: a.widths for a in archs if a.owners and a.widths and a.name != MMDIT},
-        by_depth,
+        _by_depth(archs),
         {a.name: a.widths for a in archs if a.name in (MMDIT, UNET) and a.widths},
     )
 
