@@ -288,12 +288,7 @@ class MergedModule:
         """W', its record and W; `old` (a rewrite): the record W comes back from first (the weight holds W')."""
         if any(pp.part.family == "set" for pp, _ in self.contributions):
             return self._merge_over(rows, terms, old)
-        # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
-        kind = "auto" if self.undo_with.kind in ("source", "none") else self.undo_with.kind
-        if any(
-            pp.part.family == "combined" for pp, _ in self.contributions
-        ):  # ties/dare: inner strengths live
-            kind = "copy"  # in their sources, which a strength change rewrites: only a copy is safe
+        kind = self._record_kind()
         needs_base = any(pp.family.needs_base for pp, _ in self.contributions)
         chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
         prior, base, keep = None, rows, None
@@ -320,6 +315,14 @@ class MergedModule:
                 prior,
             )
         return (keep if keep is not None else record), merged, base
+
+    def _record_kind(self) -> str:
+        """The undo record a merge of these contributions keeps."""
+        if any(pp.part.family == "combined" for pp, _ in self.contributions):
+            # ties/dare: inner strengths live in their sources, which a strength change rewrites
+            return "copy"
+        # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
+        return "auto" if self.undo_with.kind in ("source", "none") else self.undo_with.kind
 
     def _merge_over(
         self,
