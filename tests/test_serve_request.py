@@ -1,4 +1,4 @@
-"""The serve request parser on its own (no Ray, no model): what a JSON body becomes, and each refusal's message."""
+"""The serve request parser alone (no Ray, no model): what a JSON body becomes, and each refusal's message."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def _version_below(version, major: int, minor: int) -> bool:
 
 
 def _not_oft(config: dict | None, peft_type) -> str | None:
-    """Why `config` does not describe a PEFT OFT adapter (PEFT's defaults then apply), or None when it does."""
+    """Why `config` does not describe a PEFT OFT adapter (PEFT's defaults then apply), or None if it does."""
     if config is None:
         return "no adapter config"
     if str(peft_type).upper() == "OFT":

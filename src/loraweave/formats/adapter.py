@@ -175,7 +175,7 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
 
 
 def _fold_ia3_weights(parsed: dict[str, list[ParsedKey]], unparsed: list[dict]) -> None:
-    """An IA3 `.weight` only shows itself through an `.on_input` sibling: fold such `<stem>.weight` keys in."""
+    """An IA3 `.weight` shows itself only through an `.on_input` sibling: fold such `<stem>.weight` in."""
     for item in list(unparsed):
         if item["key"].endswith(".weight") and item["key"][: -len(".weight")] in parsed:
             stem = item["key"][: -len(".weight")]

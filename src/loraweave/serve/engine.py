@@ -97,7 +97,8 @@ def _listed_adapters(body: dict, store: AdapterFolder) -> list[tuple[str, float,
 
 
 def parse_request(body, store: AdapterFolder) -> ServeRequest:
-    """A JSON request body -> ServeRequest: tags in the prompt and the explicit `adapters` list resolved in the store."""
+    """A JSON request body -> ServeRequest: tags in the prompt and the explicit `adapters` list, resolved in
+    the store."""
     from ..request.prompt import parse_prompt
 
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):

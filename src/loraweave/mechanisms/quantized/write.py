@@ -263,7 +263,7 @@ class QuantWrite:
             self.retention = 1.0
 
     def _hosted(self, rest: list[Contribution], shape, base):
-        """(ΔW of the non-factorable members, its truncation at host_rank), reusing the routing's when given."""
+        """(ΔW of the non-factorable members, its truncation at host_rank); the routing's when it has them."""
         first = self._first
         delta = first.delta if first is not None and first.delta is not None else None
         if delta is None:
