@@ -133,9 +133,10 @@ def _prune(down: torch.Tensor, up: torch.Tensor, alpha: float) -> tuple[torch.Te
     return down[keep], up[:, keep], alpha / rank * int(keep.sum())
 
 
-def _assemble(
-    rows: int, pieces: list[_Piece], result: ConvertResult
-) -> tuple[torch.Tensor, torch.Tensor, float]:
+Assembled = tuple[torch.Tensor, torch.Tensor, float]  # (down, up, alpha) of one target module
+
+
+def _assemble(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembled:
     """One (down, up, alpha) for a target of `rows` rows from its pieces."""
     first = pieces[0]
     shared = all(
@@ -145,15 +146,26 @@ def _assemble(
         for p in pieces
     )
     if shared:  # one down for all rows: a plain split or a join of a shared-down fused LoRA
-        up = first.up.new_zeros(rows, first.down.shape[0])
-        for p in pieces:
-            up[p.row : p.row + p.length] = p.up
-        if len({id(p.pp) for p in pieces}) > 1:
-            result.joins += 1
-        elif sum(p.length for p in pieces) != first.pp.factors.rows:
-            result.splits += 1
-        down, up, alpha = _prune(first.down, up, first.alpha)
-        return down, up, alpha
+        return _assemble_shared(rows, pieces, result)
+    return _assemble_stacked(rows, pieces, result)
+
+
+def _assemble_shared(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembled:
+    """Pieces with one down and alpha: their up rows placed in one up (ranks never used by any row pruned)."""
+    first = pieces[0]
+    up = first.up.new_zeros(rows, first.down.shape[0])
+    for p in pieces:
+        up[p.row : p.row + p.length] = p.up
+    if len({id(p.pp) for p in pieces}) > 1:
+        result.joins += 1
+    elif sum(p.length for p in pieces) != first.pp.factors.rows:
+        result.splits += 1
+    return _prune(first.down, up, first.alpha)
+
+
+def _assemble_stacked(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembled:
+    """Pieces with their own downs: ranks stacked, each piece's up in its own columns (block diagonal)."""
+    first = pieces[0]
     result.joins += 1
     gammas = {p.alpha / p.down.shape[0] for p in pieces}
     total_rank = sum(p.down.shape[0] for p in pieces)
