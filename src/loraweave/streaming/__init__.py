@@ -35,6 +35,13 @@ __all__ = [
 ]
 
 
+def _indexed(dev: torch.device) -> torch.device:
+    """`cuda` without an index as the current CUDA device (torch.device("cuda") != torch.device("cuda:0"))."""
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+    )
+
+
 def stream(
     model: torch.nn.Module,
     budget: str | int = "auto",
@@ -74,16 +81,12 @@ def stream(
 
     Inference only (forwards under torch.no_grad()); do not move the model (`.to()`) while it streams: close()
     first (a replaced tensor is detected and refused)."""
-    dev = (
+    dev = _indexed(
         torch.device(device)
         if device is not None
         else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     )
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    store = torch.device(storage)
-    if store.type == "cuda" and store.index is None:
-        store = torch.device("cuda", torch.cuda.current_device())
+    store = _indexed(torch.device(storage))
     requested = None if budget == "auto" else byte_size(budget, "budget")  # bytes, or "24GB", "512MiB"
     check_placement(placement)  # before anything is copied or pinned
     if margin is None:
