@@ -40,6 +40,10 @@ class BoftFactors:
         return 2 ** (self.blocks.shape[0] - 1) * self.blocks.shape[2]
 
 
+_LYCORIS_ROLES = frozenset({"oft_blocks", "rescale", "alpha"})
+_PEFT_ROLES = frozenset({"boft_R", "boft_s"})
+
+
 def _is_butterfly(blocks: torch.Tensor, peft: bool) -> bool:
     """(m, n, b, b) with stage views that tile: LyCORIS needs b even and n a multiple of 2^(m-1); PEFT checks
     the same when N > 1."""
@@ -51,9 +55,7 @@ def _is_butterfly(blocks: torch.Tensor, peft: bool) -> bool:
 
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactors:
     peft = "boft_R" in tensors
-    refuse_roles(
-        "BOFT", set(tensors) - ({"boft_R", "boft_s"} if peft else {"oft_blocks", "rescale", "alpha"}), key_of
-    )
+    refuse_roles("BOFT", set(tensors) - (_PEFT_ROLES if peft else _LYCORIS_ROLES), key_of)
     if not peft and "oft_blocks" not in tensors:
         raise PartRejected(
             "incomplete",
