@@ -18,11 +18,10 @@ import torch
 
 from ..api import apply, apply_planned
 from ..engine.handle import Handle
-from ..errors import NonFiniteResultError
+from ..errors import DropInError, NonFiniteResultError, UnsupportedError
 from ..formats.adapter import Adapter, load_adapter
 from ..mechanisms.runtime.path import RuntimePath
 from ..request.spec import AdapterSpec
-from .errors import DropInError, UnsupportedError
 from .weights import component_weights, module_weight
 
 log = logging.getLogger("loraweave")

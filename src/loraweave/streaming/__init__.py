@@ -11,8 +11,8 @@ import torch
 
 from ..arguments import byte_size
 from .handle import STREAMED_ATTR, StreamHandle
-from .ledger import BudgetExceeded, Ledger
-from .planner import BudgetTooSmall, StreamPlan, check_placement, find_blocks, plan_residency
+from .ledger import Ledger
+from .planner import StreamPlan, check_placement, find_blocks, plan_residency
 from .report import ForwardStats, StreamReport
 
 log = logging.getLogger("loraweave")
@@ -22,8 +22,6 @@ AUTO_MARGIN = 2 * 2**30
 
 __all__ = [
     "STREAMED_ATTR",
-    "BudgetExceeded",
-    "BudgetTooSmall",
     "ForwardStats",
     "Ledger",
     "StreamHandle",

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import BudgetTooSmall
+
 log = logging.getLogger("loraweave")
 
 ALIGN = 256  # slot offsets: a multiple of every element size, and of CUDA's copy-friendly alignment
@@ -121,10 +123,6 @@ class StreamPlan:
             "slots": self.n_slots,
             "slot_bytes": self.slot_bytes,
         }
-
-
-class BudgetTooSmall(ValueError):
-    """The budget cannot hold the rest of the model plus the slots for the largest block."""
 
 
 PLACEMENTS = ("prefix", "spread")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..arch.aliases import missing_file_prefix
-from ..errors import EmptyOutputError, LoraweaveError
+from ..errors import ConvertError, EmptyOutputError
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
 from ..formats.keys import TEXTUAL_INVERSION, component_prefix
@@ -28,10 +28,6 @@ from .remap import Spans, original_spans
 
 log = logging.getLogger("loraweave")
 LAYOUTS = ("kohya", "peft", "diffusers", "comfy")
-
-
-class ConvertError(LoraweaveError):
-    """The target layout cannot express this adapter (or part of it); nothing was written."""
 
 
 @dataclass

@@ -13,17 +13,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ArgumentError
+from ..errors import NoModelToDrawOnError
 
 log = logging.getLogger("loraweave")
 
 METRICS = ("norm", "energy")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|block)\.(\d+)\.")
-
-
-class NoModelToDrawOnError(ArgumentError):
-    """block_grid: the file resolves on no model (an architecture loraweave has no full-size model of, and no
-    `arch` or `model` given), so there are no blocks to draw it on."""
 
 
 @dataclass
