@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import BudgetTooSmall
+from ..errors import ArgumentError, BudgetTooSmall
 
 log = logging.getLogger("loraweave")
 
@@ -35,7 +35,7 @@ def typed_view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tens
 
 def check_placement(placement: str) -> None:
     if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        raise ArgumentError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
 
 def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

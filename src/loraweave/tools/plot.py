@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import NoModelToDrawOnError
+from ..errors import ArgumentError, NoModelToDrawOnError
 
 log = logging.getLogger("loraweave")
 
@@ -148,7 +148,7 @@ def block_grid(
     from ..resolve.planner import resolve
 
     if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        raise ArgumentError(f"metric must be one of {METRICS}, got {metric!r}")
     adapter = load_adapter(path, allow_pickle=allow_pickle)
     components, name = _components(adapter, arch, model, text_encoders)
     plan = resolve(components, [(adapter, 1.0)])
