@@ -16,7 +16,8 @@ class AdapterFileError(LoraweaveError):
 class UnsafeFormatError(LoraweaveError):
     """The file is a pickle (.pt/.ckpt/.bin) and the caller did not opt in to reading it.
 
-    The opt-in is `load_adapter(path, allow_pickle=True)` (then pass the Adapter on); the CLI's `--allow-pickle`."""
+    The opt-in is `load_adapter(path, allow_pickle=True)` (then pass the Adapter on); the CLI's
+    `--allow-pickle`."""
 
     def __init__(self, message: str, path=None) -> None:
         super().__init__(message)
@@ -44,7 +45,8 @@ class BatchError(LoraweaveError, ValueError):
 
 
 class RegionError(LoraweaveError, ValueError):
-    """A regional mask (`Handle.set_region`) is malformed, or a layer's tokens cannot be placed on the image."""
+    """A regional mask (`Handle.set_region`) is malformed, or a layer's tokens cannot be placed on the
+    image."""
 
 
 class ArgumentError(LoraweaveError, ValueError):
@@ -64,7 +66,8 @@ class NoKeysLandedError(LoraweaveError):
 class EmptyOutputError(LoraweaveError):
     """A tool would write an output with no effect (no key applied, no layer extracted); nothing was written.
 
-    `.result` holds what the tool found; the CLI's `--allow-empty` (the tools' `allow_empty=True`) writes it."""
+    `.result` holds what the tool found; the CLI's `--allow-empty` (the tools' `allow_empty=True`) writes
+    it."""
 
     def __init__(self, message: str, result=None) -> None:
         super().__init__(message)
@@ -72,12 +75,13 @@ class EmptyOutputError(LoraweaveError):
 
 
 class NonFiniteResultError(LoraweaveError):
-    """Finite factors whose merged result is not finite (the product overflows the weight's dtype); the layer is
-    left as it was."""
+    """Finite factors whose merged result is not finite (the product overflows the weight's dtype); the layer
+    is left as it was."""
 
 
 class AdapterMetadataError(AdapterFormatError):
-    """A metadata field (PEFT `lora_adapter_metadata`, kohya `ss_*`, cloneofsimo) is malformed; names file and field."""
+    """A metadata field (PEFT `lora_adapter_metadata`, kohya `ss_*`, cloneofsimo) is malformed; names file and
+    field."""
 
     def __init__(self, source: str, field: str, why: str) -> None:
         super().__init__(f"{source}: metadata field {field!r} {why}")
@@ -85,11 +89,13 @@ class AdapterMetadataError(AdapterFormatError):
 
 
 class UndoError(LoraweaveError):
-    """A merge cannot be undone as recorded: its source file changed, or its record does not fit the weight."""
+    """A merge cannot be undone as recorded: its source file changed, or its record does not fit the
+    weight."""
 
 
 class ArgumentTypeError(ArgumentError, TypeError):
-    """An argument is of the wrong kind (a string where a number goes, an object that is no adapter or model)."""
+    """An argument is of the wrong kind (a string where a number goes, an object that is no adapter or
+    model)."""
 
 
 class UnknownNameError(ArgumentError, KeyError):
@@ -153,8 +159,8 @@ class NotLoraPipelineError(TargetError):
 
 
 class ServeRequestError(LoraweaveError, ValueError):
-    """A request the server refuses (HTTP 4xx): bad field, unknown adapter, a path outside the store, an adapter
-    whose keys do not all land on this model."""
+    """A request the server refuses (HTTP 4xx): bad field, unknown adapter, a path outside the store, an
+    adapter whose keys do not all land on this model."""
 
 
 class ComfyUnavailableError(TargetError):
