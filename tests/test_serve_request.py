@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraweave.serve.engine import AdapterFolder, ServeRequestError, parse_request
+from loraweave.errors import ServeRequestError
+from loraweave.serve.engine import AdapterFolder, parse_request
 
 
 @pytest.fixture

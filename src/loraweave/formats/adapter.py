@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import AdapterFileError, AdapterMetadataError, UnsafeFormatError
+from ..errors import AdapterFileError, AdapterMetadataError, ArgumentTypeError, UnsafeFormatError
 from .alpha import MetadataAlpha, read_metadata_alpha
 from .keys import ParsedKey, parse_key, split_stem
 from .metadata import cloneofsimo_classes
@@ -225,6 +225,8 @@ def load_adapter(
     a .safetensors file is read whole into memory of its own (io.safetensors_file.SafetensorsFile)."""
     if isinstance(source, Adapter):
         return source
+    if not isinstance(source, (str, os.PathLike, Mapping)):
+        raise ArgumentTypeError(f"source must be a path, Adapter or state dict, got {type(source).__name__}")
     path = None
     peft_config = None
     if isinstance(source, Mapping):

@@ -16,7 +16,7 @@ import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ..arguments import strength_text
-from ..errors import ArgumentError, LoraweaveError
+from ..errors import ArgumentError, PromptAdapterError
 from .spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
@@ -24,10 +24,6 @@ log = logging.getLogger("loraweave")
 _TAG = re.compile(r"<(lora|lyco):([^<>]*)>", re.IGNORECASE)
 _DENOISER_KEYS = ("unet", "dit", "model")
 _SUFFIX = ".safetensors"
-
-
-class PromptAdapterError(LoraweaveError, ValueError):
-    """A prompt tag names an adapter that cannot be used: bad syntax, unsafe or unknown name."""
 
 
 def _number(text: str, tag: str, what: str) -> float:

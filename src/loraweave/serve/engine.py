@@ -15,16 +15,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import LoraweaveError
+from ..errors import LoraweaveError, ServeRequestError
 from ..request.spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
 _SUFFIX = ".safetensors"
-
-
-class ServeRequestError(LoraweaveError, ValueError):
-    """A request the server refuses (HTTP 4xx): bad field, unknown adapter, a path outside the store, an adapter
-    whose keys do not all land on this model."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LoraweaveError
+from ..errors import CheckpointError
 from ..formats.keys import COMPONENT_NAMES
 from ..io.safetensors_file import SafetensorsFile
 
@@ -24,10 +24,6 @@ SINGLE_FILE_PREFIXES: tuple[tuple[str, str], ...] = (
     ("conditioner.embedders.0.transformer.", "text_encoder"),
     ("text_encoders.clip_l.transformer.", "text_encoder"),
 )
-
-
-class CheckpointError(LoraweaveError):
-    """The model path is not a checkpoint layout bake/inspect can read."""
 
 
 @dataclass

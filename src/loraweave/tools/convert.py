@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..arch.aliases import missing_file_prefix
-from ..errors import EmptyOutputError, LoraweaveError
+from ..errors import ArgumentError, ConvertError, EmptyOutputError
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
 from ..formats.keys import TEXTUAL_INVERSION, component_prefix
@@ -28,10 +28,6 @@ from .remap import Spans, original_spans
 
 log = logging.getLogger("loraweave")
 LAYOUTS = ("kohya", "peft", "diffusers", "comfy")
-
-
-class ConvertError(LoraweaveError):
-    """The target layout cannot express this adapter (or part of it); nothing was written."""
 
 
 @dataclass
@@ -287,7 +283,7 @@ def convert(
     tokens, which no adapter layout carries, are refused (ConvertError) unless `drop_embeddings` leaves them out;
     the result names them."""
     if to not in LAYOUTS:
-        raise ValueError(f"--to must be one of {LAYOUTS}")
+        raise ArgumentError(f"--to must be one of {LAYOUTS}")
     inputs = [path] if isinstance(path, (str, os.PathLike)) else []
     out = check_output(output, inputs, overwrite=overwrite, folder=to == "peft")
     adapter = load_adapter(path, allow_pickle=allow_pickle)

@@ -13,17 +13,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, NoModelToDrawOnError
 
 log = logging.getLogger("loraweave")
 
 METRICS = ("norm", "energy")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|block)\.(\d+)\.")
-
-
-class NoModelToDrawOnError(ArgumentError):
-    """block_grid: the file resolves on no model (an architecture loraweave has no full-size model of, and no
-    `arch` or `model` given), so there are no blocks to draw it on."""
 
 
 @dataclass
@@ -170,7 +165,7 @@ def block_grid(
     from ..resolve.planner import resolve
 
     if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        raise ArgumentError(f"metric must be one of {METRICS}, got {metric!r}")
     adapter = load_adapter(path, allow_pickle=allow_pickle)
     components, name = _components(adapter, arch, model, text_encoders)
     plan = resolve(components, [(adapter, 1.0)])

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ...arch.spec import Piece
-from ...errors import NonFiniteResultError, UndoError
+from ...errors import ArgumentError, NonFiniteResultError, UndoError
 from ...families.base import CastMemo
 from ...families.contribution import add_contribution, bias_of, coefficient
 from ...modes import UNDO_KINDS, UndoKind
@@ -74,9 +74,9 @@ class UndoSettings:
 
 def check_undo_arguments(kind: UndoKind, source=None) -> None:
     if kind not in UNDO_KINDS:
-        raise ValueError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
+        raise ArgumentError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
     if source is not None and kind != "source":
-        raise ValueError(f"undo_source is read only with undo='source' (got undo={kind!r})")
+        raise ArgumentError(f"undo_source is read only with undo='source' (got undo={kind!r})")
 
 
 def undo_settings(
