@@ -34,6 +34,13 @@ __all__ = [
 ]
 
 
+def _indexed(dev: torch.device) -> torch.device:
+    """`cuda` without an index as the current CUDA device (torch.device("cuda") != torch.device("cuda:0"))."""
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+    )
+
+
 def stream(
     model: torch.nn.Module,
     budget: str | int = "auto",
@@ -73,16 +80,12 @@ def stream(
 
     Inference only (forwards under torch.no_grad()); do not move the model (`.to()`) while it streams: close()
     first (a replaced tensor is detected and refused)."""
-    dev = (
+    dev = _indexed(
         _device(device, "device")
         if device is not None
         else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     )
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    store = _device(storage, "storage")
-    if store.type == "cuda" and store.index is None:
-        store = torch.device("cuda", torch.cuda.current_device())
+    store = _indexed(_device(storage, "storage"))
     requested = None if budget == "auto" else byte_size(budget, "budget")  # bytes, or "24GB", "512MiB"
     check_placement(placement)  # before anything is copied or pinned
     if margin is None:
