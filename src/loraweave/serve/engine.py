@@ -15,7 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import LoraweaveError
+from ..engine.decide import check_strengths
+from ..errors import ArgumentError, LoraweaveError
 from ..request.spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
@@ -108,10 +109,14 @@ def parse_request(body, store: AdapterFolder) -> ServeRequest:
             (store.name_of(store.resolve(item["name"])), _number(item, "strength", float, 1.0), None)
         )
     for name, strength, te in pairs:
-        if not math.isfinite(strength) or (te is not None and te != strength):
+        try:
+            check_strengths(strength, labels=(f"adapter {name!r}: strength",))  # apply's rule
+        except ArgumentError as exc:
+            raise ServeRequestError(str(exc)) from None
+        if te is not None and te != strength:
             raise ServeRequestError(
-                f"adapter {name!r}: strength must be finite and the text-encoder strength the "
-                f"same (per-request strengths are one number per adapter), got {strength}/{te}"
+                f"adapter {name!r}: the text-encoder strength must be the strength (per-request strengths "
+                f"are one number per adapter), got {strength}/{te}"
             )
     if len({n for n, _, _ in pairs}) != len(pairs):
         raise ServeRequestError("an adapter is named twice in one request")
