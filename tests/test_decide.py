@@ -1,6 +1,6 @@
 """The one decision path (engine/decide.py): `apply` and a whole-model face (ComfyUI) check the mode and the
 strengths by one rule with one typed error, mean the same by `auto`, and refuse strict and empty results with
-one wording, leaving the model as it was. The ComfyUI side of the same calls is in tests/test_comfy_errors.py."""
+one wording, leaving the model as it was. The ComfyUI side of the same calls: tests/test_comfy_errors.py."""
 
 from __future__ import annotations
 
