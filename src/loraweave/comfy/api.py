@@ -17,7 +17,7 @@ import torch
 
 from ..engine.decide import WholeModelMode, check_mode, check_strengths, chosen_mode, refuse
 from ..engine.install import make_report
-from ..errors import ArgumentError
+from ..errors import ArgumentTypeError
 from ..formats.adapter import Adapter, load_adapter
 from ..io.file_cache import BYTES_KEPT, FileCache
 from ..modes import ApplyMode
@@ -48,7 +48,7 @@ def read_lora(lora) -> Adapter:
         return ADAPTERS.read(lora, _read_whole)
     if isinstance(lora, Mapping):
         return load_adapter(lora)
-    raise ArgumentError(f"lora must be a path, a state dict or an Adapter, not {type(lora).__name__}")
+    raise ArgumentTypeError(f"lora must be a path, a state dict or an Adapter, not {type(lora).__name__}")
 
 
 def _read_whole(path) -> Adapter:

@@ -60,7 +60,7 @@ def as_components(target) -> Components:
         }
         return Components(found)
     raise TargetError(
-        f"cannot apply adapters to a {type(target).__name__}: pass a torch module, a mapping of "
+        f"target: cannot apply adapters to a {type(target).__name__}: pass a torch module, a mapping of "
         "component name -> module, or a diffusers pipeline"
     )
 

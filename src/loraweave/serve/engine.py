@@ -16,16 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.decide import check_strengths
-from ..errors import ArgumentError, LoraweaveError
+from ..errors import ArgumentError, LoraweaveError, ServeRequestError
 from ..request.spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
 _SUFFIX = ".safetensors"
-
-
-class ServeRequestError(LoraweaveError, ValueError):
-    """A request the server refuses (HTTP 4xx): bad field, unknown adapter, a path outside the store, an adapter
-    whose keys do not all land on this model."""
 
 
 @dataclass
@@ -65,8 +60,50 @@ def _number(body: dict, key: str, kind, default):
     return kind(value)
 
 
+def _check_ranges(req: ServeRequest) -> None:
+    checks = [
+        (1 <= req.steps <= 1000, f"'steps' must be in 1..1000, got {req.steps}"),
+        (math.isfinite(req.cfg) and req.cfg >= 0, f"'cfg' must be finite and >= 0, got {req.cfg}"),
+        (0 <= req.seed < 2**63, f"'seed' must be in 0..2**63-1, got {req.seed}"),
+        (
+            all(0 < s <= 4096 and s % 8 == 0 for s in (req.width, req.height)),
+            f"'width' and 'height' must be multiples of 8 in 8..4096, got {req.width}x{req.height}",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ServeRequestError(message)
+
+
+def _listed_adapters(body: dict, store: AdapterFolder) -> list[tuple[str, float, None]]:
+    """(name, strength, no text-encoder strength) for each entry of the request's `adapters` list."""
+    extra = body.get("adapters", [])
+    if not isinstance(extra, list):
+        raise ServeRequestError("field 'adapters' must be a list of {'name': ..., 'strength': ...}")
+    pairs = []
+    for item in extra:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ServeRequestError(
+                f"each of 'adapters' must be an object with a string 'name', got {item!r}"
+            )
+        pairs.append(
+            (store.name_of(store.resolve(item["name"])), _number(item, "strength", float, 1.0), None)
+        )
+    return pairs
+
+
+def _valid_strength(value: float) -> bool:
+    """apply's strength rule (engine/decide.py): what apply would refuse is refused here, as a 4xx."""
+    try:
+        check_strengths(value)
+    except ArgumentError:
+        return False
+    return True
+
+
 def parse_request(body, store: AdapterFolder) -> ServeRequest:
-    """A JSON request body -> ServeRequest: tags in the prompt and the explicit `adapters` list resolved in the store."""
+    """A JSON request body -> ServeRequest: tags in the prompt and the explicit `adapters` list, resolved in
+    the store."""
     from ..request.prompt import parse_prompt
 
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
@@ -80,43 +117,18 @@ def parse_request(body, store: AdapterFolder) -> ServeRequest:
         width=_number(body, "width", int, 512),
         height=_number(body, "height", int, 512),
     )
-    checks = [
-        (1 <= req.steps <= 1000, f"'steps' must be in 1..1000, got {req.steps}"),
-        (math.isfinite(req.cfg) and req.cfg >= 0, f"'cfg' must be finite and >= 0, got {req.cfg}"),
-        (0 <= req.seed < 2**63, f"'seed' must be in 0..2**63-1, got {req.seed}"),
-        (
-            all(0 < s <= 4096 and s % 8 == 0 for s in (req.width, req.height)),
-            f"'width' and 'height' must be multiples of 8 in 8..4096, got {req.width}x{req.height}",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ServeRequestError(message)
+    _check_ranges(req)
     try:
         req.prompt, specs = parse_prompt(req.prompt, store.root)
     except LoraweaveError as exc:
         raise ServeRequestError(str(exc)) from None
     pairs = [(store.name_of(s.source), s.strength, s.te_strength) for s in specs]
-    extra = body.get("adapters", [])
-    if not isinstance(extra, list):
-        raise ServeRequestError("field 'adapters' must be a list of {'name': ..., 'strength': ...}")
-    for item in extra:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ServeRequestError(
-                f"each of 'adapters' must be an object with a string 'name', got {item!r}"
-            )
-        pairs.append(
-            (store.name_of(store.resolve(item["name"])), _number(item, "strength", float, 1.0), None)
-        )
+    pairs += _listed_adapters(body, store)
     for name, strength, te in pairs:
-        try:
-            check_strengths(strength, labels=(f"adapter {name!r}: strength",))  # apply's rule
-        except ArgumentError as exc:
-            raise ServeRequestError(str(exc)) from None
-        if te is not None and te != strength:
+        if not _valid_strength(strength) or (te is not None and te != strength):
             raise ServeRequestError(
-                f"adapter {name!r}: the text-encoder strength must be the strength (per-request strengths "
-                f"are one number per adapter), got {strength}/{te}"
+                f"adapter {name!r}: strength must be finite and the text-encoder strength the "
+                f"same (per-request strengths are one number per adapter), got {strength}/{te}"
             )
     if len({n for n, _, _ in pairs}) != len(pairs):
         raise ServeRequestError("an adapter is named twice in one request")
