@@ -5,11 +5,11 @@ heatmap). ComfyUI's `folder_paths` is imported inside the functions, as every pa
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ..errors import ArgumentError, LoraweaveError
+from ..io.file_cache import file_identity
 
 log = logging.getLogger("loraweave")
 
@@ -59,12 +59,15 @@ def validation_message(name: str) -> bool | str:
 
 
 def file_fingerprint(name: str) -> str:
-    """Changes when the file does (mtime, size), so ComfyUI re-runs the node for a rewritten file of that name."""
+    """Changes whenever the file's bytes may have (io.file_cache.file_identity, the key the loader's cache of
+    parsed files uses), so ComfyUI re-runs the node for a file rewritten under that name."""
     try:
-        stat = os.stat(lora_path(name))
-    except (LoraweaveError, OSError):
+        identity = file_identity(lora_path(name))
+    except LoraweaveError:
+        identity = None
+    if identity is None:
         return f"unresolved:{name}"  # validation reports it; no fingerprint to take
-    return f"{name}:{stat.st_mtime_ns}:{stat.st_size}"
+    return f"{name}:" + ":".join(str(v) for v in identity[1:])
 
 
 def inspect_text(path: str, model=None) -> str:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from comfy_api.latest import io, ui
 
-from ..errors import ArgumentError, LoraweaveError, NoKeysLandedError
+from ..errors import LoraweaveError
 from ..modes import APPLY_MODES, STACK_MODES
 from .lora_files import (
     NONE,
@@ -51,13 +51,8 @@ def report_text(report, lora: str) -> str:
 
 
 def checked(report, lora: str):
-    """The report, after refusing one where no key landed and logging a partial one."""
-    if report.keys_total and report.keys_applied == 0:
-        raise NoKeysLandedError(
-            f"{lora}: none of its {report.keys_total} keys lands on this model (a LoRA for another "
-            f"architecture?): {report.summary()}",
-            report,
-        )
+    """The report, a partial one logged. Every loader refused an empty or (strict) incomplete result already,
+    through the engine's one rule (engine/decide.py `refuse`), before anything was cloned."""
     if report.keys_applied < report.keys_total:
         log.warning(
             "comfy partial lora=%s keys_applied=%d keys_total=%d",
@@ -217,27 +212,6 @@ class LoraWeaveStack(io.ComfyNode):
         return io.NodeOutput(rows)
 
 
-def stack_rows(stack) -> list[tuple[str, float, float]]:
-    """A LORA_STACK (ours or another pack's) with each name resolved to its file; a bad row names its index."""
-    if not isinstance(stack, (list, tuple)):
-        raise ArgumentError(
-            f"lora_stack: expected a list of (lora_name, model_strength, clip_strength), got {type(stack).__name__}"
-        )
-    rows = []
-    for i, row in enumerate(stack):
-        if not isinstance(row, (list, tuple)) or len(row) != 3:
-            raise ArgumentError(
-                f"lora_stack[{i}]: expected (lora_name, model_strength, clip_strength), got {row!r}"
-            )
-        name, model_strength, clip_strength = row
-        if not isinstance(name, str) or not all(
-            isinstance(s, (int, float)) for s in (model_strength, clip_strength)
-        ):
-            raise ArgumentError(f"lora_stack[{i}]: expected (str, number, number), got {row!r}")
-        rows.append((lora_path(name), float(model_strength), float(clip_strength)))
-    return rows
-
-
 class LoraWeaveApplyStack(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -263,9 +237,9 @@ class LoraWeaveApplyStack(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, lora_stack, stack_mode, block_weights, mode, clip=None) -> io.NodeOutput:
-        from .stack import apply_stack
+        from .stack import apply_stack, stack_rows
 
-        rows = stack_rows(lora_stack)
+        rows = stack_rows(lora_stack, lora_path)
         if not rows:
             text = "empty LORA_STACK: nothing applied"
             return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.decide import refuse
 from ..engine.install import make_report
-from ..errors import StrictApplyError
 from ..mechanisms.merge.layer import Contribution
 from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
-from ..report.coverage import refuse_empty, warn_incomplete
+from ..report.coverage import warn_incomplete
 from ..report.miss import Miss, Unmatched
-from ..report.report import AppliedModule, Report, failures
+from ..report.report import AppliedModule, Report
 from ..resolve.planner import Plan
 from .holder import FactorHolder
 
@@ -234,26 +234,45 @@ def stacked_clone(patcher, new: Sequence[RuntimeEntry], state: RuntimeState | No
     return clone, state
 
 
-def joint_report(
-    plans: Sequence[Plan], mode: str, applied: list[AppliedModule], refused: list[Unmatched], t0: float
-) -> Report:
-    """One report for adapters planned on several patchers (model, CLIP): a key landed when some plan placed it
-    and nothing `refused` it afterwards; every other key of each adapter is a miss, named once."""
+def joint_plan(plans: Sequence[Plan]) -> Plan:
+    """One plan holding every plan's adapters (once each), strengths and placed parts."""
     joint = Plan(plans[0].components, list({a.name: a for p in plans for a in p.adapters}.values()), {})
     joint.strengths = {k: v for p in plans for k, v in p.strengths.items()}
     joint.planned = [pp for plan in plans for pp in plan.planned]
     joint.params = [pp for plan in plans for pp in plan.params]
+    return joint
+
+
+def adapter_keys(adapter) -> list[str]:
+    """Every key of `adapter`: its parts' keys and the keys no part took."""
+    return [*(k for part in adapter.parts for k in part.keys), *(u["key"] for u in adapter.unparsed)]
+
+
+def joint_misses(
+    plans: Sequence[Plan], joint: Plan, landed: set[tuple[str, str]], refused: list[Unmatched]
+) -> list[Unmatched]:
+    """Every key of the joint plan's adapters that did not land, named once: as refused, as some plan missed
+    it, or as taken by no patcher given."""
     missed = {(u.adapter, u.key): u for u in refused}
-    placed = (*joint.planned, *joint.params)
-    landed = {(pp.adapter.name, k) for pp in placed for k in pp.part.keys} - set(missed)
     for u in (u for plan in plans for u in plan.unmatched):
         if (u.adapter, u.key) not in landed:
             missed.setdefault((u.adapter, u.key), u)
     for adapter in joint.adapters:
-        for key in (*(k for part in adapter.parts for k in part.keys), *(u["key"] for u in adapter.unparsed)):
+        for key in adapter_keys(adapter):
             if (adapter.name, key) not in landed:
                 missed.setdefault((adapter.name, key), Unmatched(adapter.name, key, NOT_TAKEN))
-    report = make_report(joint, mode, applied, list(missed.values()), t0)
+    return list(missed.values())
+
+
+def joint_report(
+    plans: Sequence[Plan], mode: str, applied: list[AppliedModule], refused: list[Unmatched], t0: float
+) -> Report:
+    """One report for adapters planned on several patchers (model, CLIP): a key landed when some plan placed
+    it and nothing `refused` it afterwards; every other key of each adapter is a miss, named once."""
+    joint = joint_plan(plans)
+    placed = {(pp.adapter.name, k) for pp in (*joint.planned, *joint.params) for k in pp.part.keys}
+    landed = placed - {(u.adapter, u.key) for u in refused}
+    report = make_report(joint, mode, applied, joint_misses(plans, joint, landed, refused), t0)
     for summary in report.adapters:
         summary["keys_applied"] = sum(1 for a, _ in landed if a == summary["name"])
     report.keys_applied = sum(s["keys_applied"] for s in report.adapters)
@@ -280,15 +299,6 @@ def _where(rp: RuntimePath) -> tuple[str, str]:
     return pp.component, piece.module
 
 
-def check_coverage(report: Report, strict: bool) -> None:
-    """StrictApplyError when strict and a key missed; NoKeysLandedError when none landed (nothing changed)."""
-    if strict and failures(report.unmatched):
-        raise StrictApplyError(
-            f"strict: {len(failures(report.unmatched))} keys did not land ({report.kinds()})", report
-        )
-    refuse_empty(report)
-
-
 def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: float, strict: bool = False):
     """(model, clip, report): clones carrying `adapter` as runtime paths (module docstring); inputs untouched.
 
@@ -307,7 +317,7 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     if len(states) > 1:  # a CLIP nothing lands on keeps no state of ours
         new_clip.patcher, _ = stacked_clone(clip.patcher, [], states[1])
     report = entry_report(plans, states, t0)
-    check_coverage(report, strict)
+    refuse(report, strict)
     if kept is None:
         keep(Build(weakref.ref(model), weak(clip), adapter, strict, plans, states))
     log.info("comfy runtime adapter=%s reused=%s", adapter.name, kept is not None)

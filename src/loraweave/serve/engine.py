@@ -15,7 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import LoraweaveError, ServeRequestError
+from ..engine.decide import check_strengths
+from ..errors import ArgumentError, LoraweaveError, ServeRequestError
 from ..request.spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
@@ -91,6 +92,15 @@ def _listed_adapters(body: dict, store: AdapterFolder) -> list[tuple[str, float,
     return pairs
 
 
+def _valid_strength(value: float) -> bool:
+    """apply's strength rule (engine/decide.py): what apply would refuse is refused here, as a 4xx."""
+    try:
+        check_strengths(value)
+    except ArgumentError:
+        return False
+    return True
+
+
 def parse_request(body, store: AdapterFolder) -> ServeRequest:
     """A JSON request body -> ServeRequest: tags in the prompt and the explicit `adapters` list, resolved in
     the store."""
@@ -115,7 +125,7 @@ def parse_request(body, store: AdapterFolder) -> ServeRequest:
     pairs = [(store.name_of(s.source), s.strength, s.te_strength) for s in specs]
     pairs += _listed_adapters(body, store)
     for name, strength, te in pairs:
-        if not math.isfinite(strength) or (te is not None and te != strength):
+        if not _valid_strength(strength) or (te is not None and te != strength):
             raise ServeRequestError(
                 f"adapter {name!r}: strength must be finite and the text-encoder strength the "
                 f"same (per-request strengths are one number per adapter), got {strength}/{te}"
