@@ -1,10 +1,11 @@
-"""`load_lora_for_models`: the script API and the core of the loader nodes; mirrors `comfy.sd.load_lora_for_models`.
+"""`load_lora_for_models`: the script API and the core of the loader nodes; mirrors
+`comfy.sd.load_lora_for_models`.
 
-mode "merge": loraweave's exact ΔW through ComfyUI's patch list (patches.py); "runtime": loraweave's runtime path
-inside ComfyUI (runtime.py); "auto": the engine's choice (engine/decide.py `chosen_mode`) given what ComfyUI
-knows, whether it holds the base weights quantized (fp8 dtypes, GGUF or ComfyUI's QuantizedTensor): runtime
-there, merge on floating-point bases. Validation and the strict and empty refusals are the engine's too.
-The inputs are never modified: every result is a clone, and on any error nothing was added anywhere."""
+mode "merge": loraweave's exact ΔW through ComfyUI's patch list (patches.py); "runtime": loraweave's runtime
+path inside ComfyUI (runtime.py); "auto": the engine's choice (engine/decide.py `chosen_mode`) given what
+ComfyUI knows, whether it holds the base weights quantized (fp8 dtypes, GGUF or ComfyUI's QuantizedTensor):
+runtime there, merge on floating-point bases. Validation and the strict and empty refusals are the engine's
+too. The inputs are never modified: every result is a clone, and on any error nothing was added anywhere."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def _clip_side(clip, adapter: Adapter) -> tuple[Plan | None, list[Unmatched]]:
 
 
 def _plans(model, clip, adapter: Adapter) -> tuple[Plan, Plan | None, Plan, list[Unmatched]]:
-    """(model side, CLIP side or None, both sides as one plan, every miss) of `adapter` on ComfyUI's modules."""
+    """(model side, CLIP side or None, both sides as one plan, every miss) of `adapter` on ComfyUI's
+    modules."""
     model_plan = plan_for_patcher(model, adapter)
     clip_plan, clip_misses = _clip_side(clip, adapter)
     both = Plan(model_plan.components, [adapter], {adapter.name: 1.0})
@@ -88,8 +90,8 @@ def _plans(model, clip, adapter: Adapter) -> tuple[Plan, Plan | None, Plan, list
 
 
 def judge(model, lora, clip=None) -> Report:
-    """The loader's plan of `lora` on `model` (and `clip`) as a report of mode "plan": which keys would land on
-    this ComfyUI model's own modules, and why each other one would not. Nothing is cloned or patched."""
+    """The loader's plan of `lora` on `model` (and `clip`) as a report of mode "plan": which keys would land
+    on this ComfyUI model's own modules, and why each other one would not. Nothing is cloned or patched."""
     diffusion_patcher(model)
     t0 = time.perf_counter()
     *_, both, unmatched = _plans(model, clip, read_lora(lora))
@@ -123,8 +125,9 @@ def load_lora_for_models(
     mode: ApplyMode = "auto",
     strict: bool = False,
 ):
-    """(model, clip, report) as `comfy.sd.load_lora_for_models`: `lora` is a path or a state dict (or a loraweave
-    Adapter), `clip` may be None (then None comes back). New clones come back; the inputs are never modified.
+    """(model, clip, report) as `comfy.sd.load_lora_for_models`: `lora` is a path or a state dict (or a
+    loraweave Adapter), `clip` may be None (then None comes back). New clones come back; the inputs are never
+    modified.
 
     Errors are typed loraweave errors: a missing or broken file, a file of which no key lands on this model
     (NoKeysLandedError: a file for another architecture), `strict` with keys that miss (StrictApplyError)."""

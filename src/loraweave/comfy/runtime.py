@@ -1,9 +1,9 @@
 """Runtime mode inside ComfyUI: loraweave's runtime paths on a cloned ModelPatcher, weights never touched.
 
 Everything one patcher carries lives under ONE pack-owned key (`KEY`):
-- the attachment: a `RuntimeState` holding every loader's entry (loader order) and the runtime paths built from
-  all of them, one rank-concatenated path per layer; a second loader makes a new state with its entry appended
-  (never a nested injection), so N loaders cost one extra GEMM pair per layer, not N;
+- the attachment: a `RuntimeState` holding every loader's entry (loader order) and the runtime paths built
+  from all of them, one rank-concatenated path per layer; a second loader makes a new state with its entry
+  appended (never a nested injection), so N loaders cost one extra GEMM pair per layer, not N;
 - the injection (`set_injections`, the module surgery ComfyUI's own bypass LoRA uses, here under our own key):
   the paths are attached when ComfyUI injects the model (after `patch_model`, on load) and detached when it
   ejects it (unload, re-patch, `detach`; also around every weight (re)load), so the input patcher and the
@@ -13,10 +13,10 @@ Everything one patcher carries lives under ONE pack-owned key (`KEY`):
 - an APPLY_MODEL wrapper when an entry has a step window (comfy/steps.py).
 
 A strength change or another loader re-runs the loader node: a new clone with a new state. `patches` and
-`patches_uuid` are never touched, so ComfyUI re-patches no weight (no `calculate_weight` call); re-loading only
-ejects the old paths and injects the new ones. Why injections rather than bypass or weight wrappers: the core
-bypass key holds one LoRA (a second loader replaces the first) and moves factors outside model management, and
-`add_weight_wrapper` re-rolls `patches_uuid` (a re-patch) without seeing the input."""
+`patches_uuid` are never touched, so ComfyUI re-patches no weight (no `calculate_weight` call); re-loading
+only ejects the old paths and injects the new ones. Why injections rather than bypass or weight wrappers: the
+core bypass key holds one LoRA (a second loader replaces the first) and moves factors outside model
+management, and `add_weight_wrapper` re-rolls `patches_uuid` (a re-patch) without seeing the input."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ from ..resolve.planner import Plan
 from .holder import FactorHolder
 
 log = logging.getLogger("loraweave")
-KEY = "loraweave"  # the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
+# the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
+KEY = "loraweave"
 
 
 NOT_TAKEN = Miss(
@@ -63,10 +64,11 @@ class RuntimeEntry:
 
 @dataclass(eq=False)
 class Factors:
-    """A FactorHolder and the one ModelPatcher over it, shared by every state whose paths read the same tensors
-    (a strength change copies the paths, not the factors). The patcher lives exactly as long as the holder: model
-    management takes a loaded model whose patcher is gone while its module lives for a leak, and then runs a full
-    `gc.collect()` before every later load (what a per-clone patcher over a kept holder caused)."""
+    """A FactorHolder and the one ModelPatcher over it, shared by every state whose paths read the same
+    tensors (a strength change copies the paths, not the factors). The patcher lives exactly as long as the
+    holder: model management takes a loaded model whose patcher is gone while its module lives for a leak, and
+    then runs a full `gc.collect()` before every later load (what a per-clone patcher over a kept holder
+    caused)."""
 
     holder: FactorHolder
     patcher: object | None = None  # made on the first install: it takes the base patcher's devices
@@ -223,9 +225,9 @@ def stacked_clone(patcher, new: Sequence[RuntimeEntry], state: RuntimeState | No
     """A clone of `patcher` whose KEY state holds the earlier entries plus `new` (the input is not modified);
     `state`, when given, is that state already built (a strength change).
 
-    A clone inherits the input's `is_injected`; what is injected belongs to the input (possibly loaded right now),
-    so the clone only forgets the flag: ComfyUI ejects the input when it loads the clone (load_models_gpu detaches
-    the other clones of the model first)."""
+    A clone inherits the input's `is_injected`; what is injected belongs to the input (possibly loaded right
+    now), so the clone only forgets the flag: ComfyUI ejects the input when it loads the clone
+    (load_models_gpu detaches the other clones of the model first)."""
     clone = patcher.clone()
     clone.is_injected = False
     state = state or RuntimeState((*entries_of(patcher), *new))
@@ -302,8 +304,9 @@ def _where(rp: RuntimePath) -> tuple[str, str]:
 def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: float, strict: bool = False):
     """(model, clip, report): clones carrying `adapter` as runtime paths (module docstring); inputs untouched.
 
-    `adapter` is what `loraweave.comfy.api.read_lora` returns. `clip` may be None (then None comes back). The same
-    inputs and adapter object again (a re-queued strength change) reuse the kept build's paths (requeue.py)."""
+    `adapter` is what `loraweave.comfy.api.read_lora` returns. `clip` may be None (then None comes back). The
+    same inputs and adapter object again (a re-queued strength change) reuse the kept build's paths
+    (requeue.py)."""
     from .requeue import Build, keep, kept_build, weak
 
     t0 = time.perf_counter()
@@ -327,7 +330,8 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
 
 
 def _build(model, clip, adapter, strengths: tuple[float, float], strict: bool):
-    """(plans, states) planned and built anew: the model side, then the CLIP side when anything lands there."""
+    """(plans, states) planned and built anew: the model side, then the CLIP side when anything lands
+    there."""
     from .targets import plan_for_clip, plan_for_patcher
 
     adapter = renamed(adapter, unique_name(adapter.name, taken_names(model, clip)))

@@ -2,16 +2,19 @@
 (Efficiency, Easy-Use, LoRA Manager, ours), with a stack mode and block weights.
 
 Every row is read with loraweave's readers and planned on ComfyUI's modules (comfy/targets.py). Then:
-- block weights (a preset name, a comma-separated vector, or None) are read on the block map of the architecture
-  loraweave resolves this model on (arch/blocks.py: UNet LBW slots, DiT chains such as Flux D00../S00..), and
-  multiply each planned part's strength by its block's weight; text encoders take the BASE slot;
+- block weights (a preset name, a comma-separated vector, or None) are read on the block map of the
+  architecture loraweave resolves this model on (arch/blocks.py: UNet LBW slots, DiT chains such as Flux
+  D00../S00..), and multiply each planned part's strength by its block's weight; text encoders take the BASE
+  slot;
 - stack modes (loraweave.stack): "sum" keeps every adapter as it is; "ties", "dare_ties", "dare_linear",
   "magnitude_prune" replace each layer several rows touch with one combined part (resolve/stacking.py), with
   `density` (default DEFAULT_DENSITY). The per-step select modes (klora, estlora) are refused here;
-- mode "runtime" installs the result as one runtime entry per row (comfy/runtime.py: one injection key, no weight
-  re-patched); "merge" adds it through ComfyUI's patch list (comfy/patches.py); "auto" asks comfy/api.py.
+- mode "runtime" installs the result as one runtime entry per row (comfy/runtime.py: one injection key, no
+  weight re-patched); "merge" adds it through ComfyUI's patch list (comfy/patches.py); "auto" asks
+  comfy/api.py.
 
-Rows whose two strengths are 0 are skipped, as core LoraLoader skips them. Inputs are never modified (clones)."""
+Rows whose two strengths are 0 are skipped, as core LoraLoader skips them. Inputs are never modified
+(clones)."""
 
 from __future__ import annotations
 
@@ -165,7 +168,8 @@ def apply_stack(
     mode="auto",
     density: float | None = None,
 ) -> tuple[object, object, Report]:
-    """(model, clip, report): clones of `model` / `clip` (None stays None) with every row of `stack` applied."""
+    """(model, clip, report): clones of `model` / `clip` (None stays None) with every row of `stack`
+    applied."""
     from .api import choose_mode, read_lora
     from .host import diffusion_patcher
     from .targets import plan_for_clip, plan_for_patcher
