@@ -8,8 +8,9 @@ from ..errors import ArgumentError
 from ..mechanisms.choose import QuantSettings
 from ..mechanisms.merge.layer import check_undo_arguments
 from ..mechanisms.runtime.compiled import CompileOptions, compile_options
-from ..modes import APPLY_MODES, QUANTIZED, SELECT_MODES, ApplyMode, QuantizedMode, StackMode, UndoKind
+from ..modes import QUANTIZED, SELECT_MODES, ApplyMode, QuantizedMode, StackMode, UndoKind
 from ..stack.combine import validate_stack
+from .decide import check_mode
 
 
 @dataclass
@@ -32,8 +33,7 @@ class Options:
     undo_with: object = None  # the checked UndoSettings (undo_settings: source files found before any change)
 
     def check(self) -> None:
-        if self.mode not in APPLY_MODES:
-            raise ArgumentError(f"mode must be one of {APPLY_MODES}, got {self.mode!r}")
+        check_mode(self.mode)
         validate_stack(self.stack, self.density)
         if self.quantized not in QUANTIZED:
             raise ArgumentError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")
