@@ -94,17 +94,18 @@ def pair_for(
     down, up, scale = path.factors_for(device, dtype)
     if key is None:
         segments, start = [], 0
-        for pp, rank in path.owners:
-            segments.append((start, start + rank, pp.adapter.name))
-            start += rank
+        for span in path.owners:
+            segments.append((start, start + span.rank, span.part.adapter.name))
+            start += span.rank
         return PairFactors(down, up, scale, segments)
     order = {name: i for i, (name, _) in enumerate(key)}
     found, start = [], 0
-    for pp, rank in path.owners:
+    for span in path.owners:
+        pp = span.part
         coeff = part_strength_for(path, pp, key, settings) * pp.scale
         if coeff != 0.0:
-            found.append((order[pp.adapter.name], start, rank, coeff, pp.adapter.name))
-        start += rank
+            found.append((order[pp.adapter.name], start, span.rank, coeff, pp.adapter.name))
+        start += span.rank
     if not found:
         return None
     # Rank segments in the set's own order (stable within an adapter): the rank sum then runs as in a lone apply.
@@ -135,9 +136,9 @@ def row_gates(
         if key not in per_key:
             per_key[key] = torch.tensor(
                 [
-                    part_strength_for(path, pp, key, settings) * pp.scale
-                    for pp, rank in path.owners
-                    for _ in range(rank)
+                    part_strength_for(path, span.part, key, settings) * span.part.scale
+                    for span in path.owners
+                    for _ in range(span.rank)
                 ]
             )
         gates[run] = per_key[key]
