@@ -96,7 +96,7 @@ def bias_delta(f: CombinedFactors, src: int, length: int) -> torch.Tensor | None
     """Bias deltas are summed (the stack modes act on weights), each at its strength."""
     total = None
     for pp, piece in f.sources:
-        b = pp.family.bias_delta(pp.factors, piece.src_start, piece.length)
+        b = pp.family.bias(pp.factors, piece.src_start, piece.length, None)
         if b is None:
             continue
         total = torch.zeros(f.shape[0]) if total is None else total
@@ -142,10 +142,8 @@ SPEC = Family(
     "combined",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
     roles=(),
-    needs_base=True,
-    runtime_takes_module=True,
 )

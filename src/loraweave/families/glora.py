@@ -209,10 +209,8 @@ SPEC = Family(
     "glora",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
-    needs_base=True,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
     settle=settle,
-    runtime_takes_module=True,
 )

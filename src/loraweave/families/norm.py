@@ -128,10 +128,9 @@ SPEC = Family(
     "norm",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
     uses_alpha_scale=False,
-    runtime_takes_module=True,
     runtime_refusal=runtime_refusal,
 )

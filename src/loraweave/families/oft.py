@@ -191,10 +191,9 @@ SPEC = Family(
     "oft",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    runtime_term=runtime_term,
     uses_alpha_scale=False,
-    needs_base=True,
     check_piece=check_piece,
 )

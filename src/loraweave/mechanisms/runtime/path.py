@@ -155,7 +155,7 @@ class RuntimePath:
         pairs: list[_Pair] = []
         host = None  # built on first need: only families that read W look at it
         for pp, piece in contributions:
-            if pp.family.runtime_takes_module and host is None:
+            if pp.family.reads_host and host is None:
                 host = runtime_host(self.module)
             term = pp.family.term(pp.factors, piece.src_start, piece.dst_start, piece.length, host)
             self._note_costs(pp, term, isinstance(host, DequantizedView))
@@ -173,7 +173,7 @@ class RuntimePath:
     def _note_costs(self, pp: PlannedPart, term: RuntimeTerm, dequantized_host: bool) -> None:
         if term.cost:
             self.costs.add(f"{pp.part.family}: {term.cost}")
-        if pp.family.runtime_takes_module and dequantized_host and term.fn is not None and term.needs_base:
+        if pp.family.reads_host and dequantized_host and term.fn is not None and term.needs_base:
             self.costs.add(
                 f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it"
             )
