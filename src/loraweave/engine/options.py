@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..mechanisms.choose import QuantSettings
-from ..mechanisms.merge.layer import check_undo_arguments
+from ..mechanisms.merge.layer import UndoSettings, check_undo_arguments
 from ..mechanisms.runtime.compiled import CompileOptions, compile_options
+from ..mechanisms.runtime.factor_cache import FactorCache
 from ..modes import APPLY_MODES, QUANTIZED, SELECT_MODES, ApplyMode, QuantizedMode, StackMode, UndoKind
 from ..stack.combine import validate_stack
+
+
+StrPath = str | os.PathLike[str]
+# undo="source": the model's safetensors file, a directory of them, or one of those per component
+UndoSource = StrPath | Mapping[str, StrPath]
 
 
 @dataclass
@@ -20,15 +28,15 @@ class Options:
     density: float | None = None
     quantized: QuantizedMode = "auto"
     host_rank: int = 256
-    cache: object = None
+    cache: FactorCache | None = None  # hosted factors kept on disk (apply makes a directory one)
     compile_friendly: bool = False
-    rank_buckets: object = None  # ints, validated by check()
+    rank_buckets: Sequence[int] | None = None  # validated by check()
     # compile_friendly: each layer's padded rank so far (id(module) -> rank); a switch never shrinks it
-    bucket_floors: dict = field(default_factory=dict, compare=False, repr=False)
+    bucket_floors: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     undo: UndoKind = "auto"  # merge undo records (mechanisms/merge/undo.py)
-    undo_source: object = None
+    undo_source: UndoSource | None = None
     undo_on_device: bool = False
-    undo_with: object = None  # the checked UndoSettings (undo_settings: source files found before any change)
+    undo_with: UndoSettings | None = None  # checked by undo_settings: source files found before any change
 
     def check(self) -> None:
         if self.mode not in APPLY_MODES:
