@@ -1,8 +1,9 @@
-"""ComfyUI custom-node entry for a clone of this repository: the ComfyUI registry and ComfyUI-Manager install a
-pack by cloning its repository into custom_nodes/ and importing the folder. This puts the clone's src/ first on
-sys.path and hands ComfyUI loraweave's entry point and web folder. It is not part of the loraweave package (the
-src/ layout keeps it out of the wheel); the other way in is `pip install loraweave[comfy]` and
-`loraweave comfy install COMFYUI_DIR`. loraweave's own requirements (torch, safetensors, tqdm) ship with ComfyUI."""
+"""ComfyUI custom-node entry for a clone of this repository: the ComfyUI registry and ComfyUI-Manager install
+a pack by cloning its repository into custom_nodes/ and importing the folder. This puts the clone's src/ first
+on sys.path and hands ComfyUI loraweave's entry point and web folder. It is not part of the loraweave package
+(the src/ layout keeps it out of the wheel); the other way in is `pip install loraweave[comfy]` and
+`loraweave comfy install COMFYUI_DIR`. loraweave's own requirements (torch, safetensors, tqdm) ship with
+ComfyUI."""
 
 import os
 import sys

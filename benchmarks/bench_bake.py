@@ -1,10 +1,10 @@
-"""`loraweave bake` of a synthetic bf16 checkpoint (default 4 GiB): wall time against a plain file copy, and the
-peak RSS of the bake process against the largest tensor (target: < 1 GiB above it).
+"""`loraweave bake` of a synthetic bf16 checkpoint (default 4 GiB): wall time against a plain file copy, and
+the peak RSS of the bake process against the largest tensor (target: < 1 GiB above it).
 
 The checkpoint is one .safetensors file of Flux-sized bf16 Linear weights (3072x3072, 3072x12288, 12288x3072,
-9216x3072; largest 72 MiB), written to a temp folder; the LoRA (rank 16, bf16, bare module names) touches every
-third weight. Each variant runs in its own child process (`/usr/bin/time -f %M` gives its peak RSS); the order
-alternates between rounds and the page cache is warm for both (the input was just written).
+9216x3072; largest 72 MiB), written to a temp folder; the LoRA (rank 16, bf16, bare module names) touches
+every third weight. Each variant runs in its own child process (`/usr/bin/time -f %M` gives its peak RSS); the
+order alternates between rounds and the page cache is warm for both (the input was just written).
 
   copy        shutil.copyfile(input, out)            (copy_file_range / sendfile: the I/O floor)
   bake        python -m loraweave.cli bake input lora -o out --quiet
@@ -71,7 +71,7 @@ def timed(cmd: list[str]) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--keep", help="folder to build in (kept); default: a temp folder, deleted")

@@ -1,31 +1,34 @@
-"""loraweave inside ComfyUI against core LoraLoader, on a Flux-shaped model at real width (hidden 3072, 24 heads,
-context 4096; default 1 double + 1 single block, fp32, ~1.9 GB) on CPU, ComfyUI v0.19.3 in process.
+"""loraweave inside ComfyUI against core LoraLoader, on a Flux-shaped model at real width (hidden 3072, 24
+heads, context 4096; default 1 double + 1 single block, fp32, ~1.9 GB) on CPU, ComfyUI v0.19.3 in process.
 
-Three cases, each in its own child process (peak RSS per case), each on the same LoRA files (kohya, rank 16, every
-Linear of every block; A and B differ in seeds):
+Three cases, each in its own child process (peak RSS per case), each on the same LoRA files (kohya, rank 16,
+every Linear of every block; A and B differ in seeds):
 
   core     comfy.sd.load_lora_for_models (what LoraLoader runs; the state dict cached per file, as LoraLoader
            caches it per node)
   merge    loraweave.comfy.load_lora_for_models(mode="merge")   (ComfyUI patch list, loraweave's ΔW)
   runtime  loraweave.comfy.load_lora_for_models(mode="runtime") (runtime paths under one injection key)
 
-Timed (wall, from the loader call to the moment the first sampling step enters the diffusion model; the step is
-then aborted, so only the queue-side cost is timed): the first queue with LoRA A at 1.0 in a fresh process, every
-one-off included (file read, imports the queue makes, reference tree; the modules it imports are counted); a
-strength change and re-queue (A at 0.5, 0.8, 0.6, 0.9, 0.7); a swap (B, A, B, A, B at 1.0): the first to B is to a
-file never read ("new"), the rest to files read before ("kept"). Then one whole 1-step sample of a model already
-loaded (the per-step cost of each mode), RSS after malloc_trim(0), peak RSS per phase, and the bytes of ComfyUI's
-weight backups (what core keeps to undo a merge) and of loraweave's factor holder. `--repeats N` runs every case
-N times, interleaved (core, merge, runtime, core, ...), each in a fresh process; the table shows medians over all.
+Timed (wall, from the loader call to the moment the first sampling step enters the diffusion model; the step
+is then aborted, so only the queue-side cost is timed): the first queue with LoRA A at 1.0 in a fresh process,
+every one-off included (file read, imports the queue makes, reference tree; the modules it imports are
+counted); a strength change and re-queue (A at 0.5, 0.8, 0.6, 0.9, 0.7); a swap (B, A, B, A, B at 1.0): the
+first to B is to a file never read ("new"), the rest to files read before ("kept"). Then one whole 1-step
+sample of a model already loaded (the per-step cost of each mode), RSS after malloc_trim(0), peak RSS per
+phase, and the bytes of ComfyUI's weight backups (what core keeps to undo a merge) and of loraweave's factor
+holder. `--repeats N` runs every case N times, interleaved (core, merge, runtime, core, ...), each in a fresh
+process; the table shows medians over all.
 
 Targets (issue 29): runtime strength change and swap < 5% of core's; merge first queue no slower than core; no
 backup beyond core's.
 
-Allocator: like every benchmark here, this one runs under benchutil's malloc settings (big blocks from the heap, never
-trimmed), which steadies timings. ComfyUI runs under glibc's defaults, where each large temporary is a fresh mapping
-whose page faults are timed; `LORAWEAVE_BENCH_NO_REEXEC=1` runs the cases that way. Quote both.
+Allocator: like every benchmark here, this one runs under benchutil's malloc settings (big blocks from the
+heap, never trimmed), which steadies timings. ComfyUI runs under glibc's defaults, where each large temporary
+is a fresh mapping whose page faults are timed; `LORAWEAVE_BENCH_NO_REEXEC=1` runs the cases that way. Quote
+both.
 
-    .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--threads 2] [--repeats 1]
+    .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--threads 2]
+        [--repeats 1]
 """
 
 from __future__ import annotations
@@ -216,7 +219,7 @@ def median(xs) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--double", type=int, default=1)
     ap.add_argument("--single", type=int, default=1)
     ap.add_argument("--rank", type=int, default=16)
@@ -327,7 +330,8 @@ def report_clock(stats: dict[str, dict]) -> None:
     for name, met in targets.items():
         print(f"target {name}: {'met' if met else 'NOT met'}")
     print(
-        f"medians over {core['n']} fresh process(es) per case; strength/swap kept: 5 and 4 re-queues per process "
+        f"medians over {core['n']} fresh process(es) per case; strength/swap kept: 5 and 4 re-queues per "
+        f"process "
         "(loader call to the first step entering the model)"
     )
 

@@ -1,17 +1,17 @@
-"""torch.compile and rank padding: the runtime path's overhead eager vs compiled (inductor, CPU), and what padding a
-rank-16 LoRA to bucket 32 costs.
+"""torch.compile and rank padding: the runtime path's overhead eager vs compiled (inductor, CPU), and what
+padding a rank-16 LoRA to bucket 32 costs.
 
-One Linear(3072, 3072) fp32, x of 4096 tokens, rank-16 LoRA. Variants, timed sandwiched between runs of their own
-reference (eager variants against the eager base, compiled ones against the compiled base), medians of per-sample
-ratios:
+One Linear(3072, 3072) fp32, x of 4096 tokens, rank-16 LoRA. Variants, timed sandwiched between runs of their
+own reference (eager variants against the eager base, compiled ones against the compiled base), medians of
+per-sample ratios:
 
   eager r16         apply(mode="runtime")
   eager r16->32     apply(mode="runtime", compile_friendly=True, rank_buckets=(32,))
   compiled r16      the same as eager r16 with compile_friendly=True, rank_buckets=(16,), under torch.compile
   compiled r16->32  bucket 32, under torch.compile
 
-Default clock: CPU seconds of this process with one torch thread, as bench_floor.py (`--threads 2 --clock wall`
-for the old style, which the shared 2-core host cannot resolve at these percentages).
+Default clock: CPU seconds of this process with one torch thread, as bench_floor.py (`--threads 2 --clock
+wall` for the old style, which the shared 2-core host cannot resolve at these percentages).
 
     .venv/bin/python benchmarks/bench_compile.py [--quick] [--rounds N] [--threads 1] [--clock cpu|wall]
 """
@@ -101,7 +101,8 @@ def main() -> None:
         table(["variant", "its base ms", "median ms", "quiet", "overhead vs its base", "90% interval"], rows)
     )
     print(
-        f"FLOP share of the LoRA pair: r16 {floor * 100:.2f}%, padded to 32 {2 * floor * 100:.2f}% of the base GEMM"
+        f"FLOP share of the LoRA pair: r16 {floor * 100:.2f}%, padded to 32 {2 * floor * 100:.2f}% of the "
+        f"base GEMM"
     )
     print("first compiled call (compile) s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
     print("max abs diff vs eager: " + ", ".join(f"{k} {v:.2e}" for k, v in agree.items()))

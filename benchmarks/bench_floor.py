@@ -1,12 +1,13 @@
-"""The FLOP floor on a plain nn.Linear: how close does a runtime LoRA get to r(in+out)/(in*out) of the base cost?
+"""The FLOP floor on a plain nn.Linear: how close does a runtime LoRA get to r(in+out)/(in*out) of the base
+cost?
 
 One Linear(3072, 3072) fp32, x of 4096 tokens, rank-16 LoRA (scale 0.5); floor 1.04%, target <= 2x (2.08%).
 Two measurements in one run:
 
 1. End to end: every formulation below, each sandwiched between base runs (benchutil.sandwiched; medians of
-   per-sample ratios). Default clock: CPU seconds of this process with ONE torch thread (time.process_time), which
-   a descheduled process does not accrue: on the shared 2-core host wall time with 2 threads swings by 5-30% and
-   cannot resolve a 2% target. `--threads 2 --clock wall` gives the old-style measurement.
+   per-sample ratios). Default clock: CPU seconds of this process with ONE torch thread (time.process_time),
+   which a descheduled process does not accrue: on the shared 2-core host wall time with 2 threads swings by
+   5-30% and cannot resolve a 2% target. `--threads 2 --clock wall` gives the old-style measurement.
 
    loraweave       the library's runtime path: h = x·Aᵀ·s, y = b + h·Bᵀ, y += x·Wᵀ (low-rank term in the GEMM
                    accumulator), the two thin GEMMs on oneDNN (mechanisms/runtime/skinny.py)
@@ -16,25 +17,28 @@ Two measurements in one run:
    out= buffers    the MKL formula writing into preallocated h and y (no allocation, no page faults)
    r padded 32     the MKL formula with the rank zero-padded to 32 (wider skinny GEMMs)
    stacked         S = [W; A] (W would be the view S[:out]: memory unchanged); z = [b, 0] + x·Sᵀ in ONE GEMM,
-                   y = z[:, :out] += (s·z[:, out:])·Bᵀ: the down GEMM rides in the base GEMM; y is a strided view
+                   y = z[:, :out] += (s·z[:, out:])·Bᵀ: the down GEMM rides in the base GEMM; y is a strided
+                   view
    stacked+contig  the same, the up GEMM writing a fresh contiguous y (what a next layer needs)
    fold            ΔW folded into W on every forward: W_eff = W + B·(s·A) into a reused buffer, then one GEMM
    peft            PEFT's unmerged LoraLayer
    lora ops        the two bare skinny GEMMs only (into a preallocated y): the floor of any post-forward path
-   lora ops onednn the same two GEMMs on the kernels the library uses (mechanisms/runtime/skinny.py), into a fresh y
+   lora ops onednn the same two GEMMs on the kernels the library uses (mechanisms/runtime/skinny.py), into a
+   fresh y
 
 2. Components: the small kernels those paths are made of, timed many times each (interleaved) against the base
    GEMM's median. The fused path costs over the base GEMM: down + scale + up(with bias) + what the base GEMM
    costs more when it accumulates into that y than with its own bias (both timed, and the base GEMM without a
-   bias beside them, rather than a stand-in broadcast kernel); the table shows each kernel's share next to its FLOP share, i.e. how
-   far below the base GEMM's efficiency it runs (MKL's sgemm vs oneDNN for the same product).
+   bias beside them, rather than a stand-in broadcast kernel); the table shows each kernel's share next to its
+   FLOP share, i.e. how far below the base GEMM's efficiency it runs (MKL's sgemm vs oneDNN for the same
+   product).
 
-3. `--base-kernel onednn`: the same question against a FASTER base GEMM. The ratio to the floor depends on how fast
-   the base GEMM runs next to the memory-bound thin GEMMs: torch's fp32 Linear is MKL's sgemm, which on AMD CPUs
-   runs well below oneDNN's matmul (90 vs 199 GF/s on the session-7 EPYC host). Here the base forward is oneDNN's
-   linear and the formulations use it for their base GEMM (the low-rank term added by its binary post-op), so the
-   ratios show what a host with a fast sgemm would see. The library does not run this form (nn.Linear's own
-   kernel stays the base GEMM); no PEFT row and no components table in this mode.
+3. `--base-kernel onednn`: the same question against a FASTER base GEMM. The ratio to the floor depends on how
+   fast the base GEMM runs next to the memory-bound thin GEMMs: torch's fp32 Linear is MKL's sgemm, which on
+   AMD CPUs runs well below oneDNN's matmul (90 vs 199 GF/s on the session-7 EPYC host). Here the base forward
+   is oneDNN's linear and the formulations use it for their base GEMM (the low-rank term added by its binary
+   post-op), so the ratios show what a host with a fast sgemm would see. The library does not run this form
+   (nn.Linear's own kernel stays the base GEMM); no PEFT row and no components table in this mode.
 
     .venv/bin/python benchmarks/bench_floor.py [--quick] [--rounds N] [--threads 1] [--clock cpu|wall]
         [--only "loraweave,peft,lora ops"] [--no-components] [--base-kernel torch|onednn]
@@ -79,7 +83,8 @@ class Factors:
 
 
 def formulations(f: Factors) -> dict:
-    """name -> forward on the (tokens, in) input, each under inference_mode (same arithmetic a library would run)."""
+    """name -> forward on the (tokens, in) input, each under inference_mode (same arithmetic a library would
+    run)."""
     x, w = f.x2, f.w
 
     def mkl():
@@ -137,9 +142,9 @@ def _onednn_linear():
 
 
 def onednn_formulations(f: Factors, op) -> dict:
-    """--base-kernel onednn: name -> forward whose base GEMM is oneDNN's linear (op), like the base it is timed
-    against; `loraweave formula` is the library's arithmetic with that base GEMM, the low-rank term entering as
-    the GEMM's binary-add post-op (oneDNN's form of an accumulator)."""
+    """--base-kernel onednn: name -> forward whose base GEMM is oneDNN's linear (op), like the base it is
+    timed against; `loraweave formula` is the library's arithmetic with that base GEMM, the low-rank term
+    entering as the GEMM's binary-add post-op (oneDNN's form of an accumulator)."""
     x, w = f.x2, f.w
 
     def formula():
@@ -204,8 +209,9 @@ def components(f: Factors, base, clock) -> list[list[str]]:
         ]
         for n, (_, flops) in kernels.items()
     ]
-    # what the base GEMM costs more (or less) when it accumulates into the y the up GEMM wrote than with its bias
-    # (negative: accumulating skips the bias the base GEMM applies, which the up GEMM's output already holds)
+    # what the base GEMM costs more (or less) when it accumulates into the y the up GEMM wrote than with its
+    # bias (negative: accumulating skips the bias the base GEMM applies, which the up GEMM's output already
+    # holds)
     accumulate = (
         share["base GEMM into y: y.addmm_(x, Wᵀ)"] - share["base GEMM with its bias: addmm(b, x, Wᵀ)"]
     )
@@ -329,8 +335,8 @@ def main() -> None:
         )
     base_ms = median(res.times["base"]) * 1e3
     print(
-        f"rounds={args.rounds}; base ({'oneDNN linear' if onednn else 'nn.Linear'}) median {base_ms:.1f} ms = "
-        f"{2 * TOKENS * IN * OUT / base_ms / 1e6:.0f} GF/s; {benchutil.noise_line()}"
+        f"rounds={args.rounds}; base ({'oneDNN linear' if onednn else 'nn.Linear'}) median {base_ms:.1f} ms "
+        f"= {2 * TOKENS * IN * OUT / base_ms / 1e6:.0f} GF/s; {benchutil.noise_line()}"
     )
     print(
         table(

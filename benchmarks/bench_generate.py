@@ -1,10 +1,13 @@
-"""`loraweave generate` overhead (load, prompt parsing, apply, PNG + metadata + sidecar) vs the plain diffusers
-pipeline on the same tiny SD1.5 model (loraweave.tools.tiny_pipeline: 2-level UNet, 2-layer CLIP, 64x64, 8 steps).
+"""`loraweave generate` overhead (load, prompt parsing, apply, PNG + metadata + sidecar) vs the plain
+diffusers pipeline on the same tiny SD1.5 model (loraweave.tools.tiny_pipeline: 2-level UNet, 2-layer CLIP,
+64x64, 8 steps).
 
-Variants run round-robin in one process (one torch thread: the machine's 2 cores are shared), medians reported:
+Variants run round-robin in one process (one torch thread: the machine's 2 cores are shared), medians
+reported:
 
   diffusers           from_pretrained + pipe(...) + image.save(png)
-  diffusers + PEFT    the same with pipe.load_lora_weights(file) (diffusers' own kohya converter + PEFT layers)
+  diffusers + PEFT    the same with pipe.load_lora_weights(file) (diffusers' own kohya converter + PEFT
+                      layers)
   generate            loraweave.tools.generate.generate(request) without an adapter
   generate <lora:x:1> the same with the prompt tag: parse, resolve in the folder, apply (merge), AddNet hash
 
@@ -79,7 +82,7 @@ def ours(pipe_dir: Path, out: Path, lora_dir: Path | None = None) -> tuple[float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -2,9 +2,10 @@
 (target: < 2 s).
 
 File: the real 912-key kohya Flux key list (/work/shared/realdata/keys/invokeai/flux_lora_kohya_format.json,
-names and shapes; random bf16 values) plus 44 CLIP-L text-encoder modules as down/up pairs (88 keys): 1000 keys.
-Each variant is a fresh child process, run round-robin; medians are reported. Round 0 (discarded) also writes the
-architecture skeleton cache (in the temp folder), so the timed rounds measure the cached path: no diffusers import.
+names and shapes; random bf16 values) plus 44 CLIP-L text-encoder modules as down/up pairs (88 keys): 1000
+keys. Each variant is a fresh child process, run round-robin; medians are reported. Round 0 (discarded) also
+writes the architecture skeleton cache (in the temp folder), so the timed rounds measure the cached path: no
+diffusers import.
 
   python start     python -c pass
   import           python -c "import loraweave.tools.inspect"  (what every CLI call pays before any work)
@@ -67,7 +68,8 @@ def _child_cpu() -> float:
 
 
 def run(cmd: list[str], env: dict | None = None) -> tuple[float, str, float]:
-    """(wall seconds, stdout, CPU seconds of the child: user + system, which a busy host does not inflate much)."""
+    """(wall seconds, stdout, CPU seconds of the child: user + system, which a busy host does not inflate
+    much)."""
     t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall, cpu = time.perf_counter() - t0, _child_cpu() - c0
@@ -77,7 +79,7 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[float, str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="bench-inspect-"))
@@ -129,14 +131,16 @@ def main() -> None:
         print(f"{'variant':<16} {'median s':>9} {'min s':>7} {'median CPU s':>13}")
         for name, ts in times.items():
             print(
-                f"{name:<16} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {statistics.median(cpus[name]):>13.2f}"
+                f"{name:<16} {statistics.median(ts):>9.2f} {min(ts):>7.2f} "
+                f"{statistics.median(cpus[name]):>13.2f}"
             )
         print(
             f"coverage: {cov['keys_applied']}/{cov['keys_total']} keys land on {cov['against']}; "
             f"in-process inspect time {json.loads(last)['seconds']:.2f}s; target end to end < {TARGET_S} s"
         )
         print(
-            f"without the skeleton cache (builds Flux + CLIP + T5 through diffusers/transformers): {cold:.2f}s"
+            f"without the skeleton cache (builds Flux + CLIP + T5 through diffusers/transformers): "
+            f"{cold:.2f}s"
         )
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -1,13 +1,15 @@
 """`loraweave inspect DIR` over 50 adapters in one process, vs one `inspect FILE` process per file.
 
-Folder: the 8 real files of /work/shared/realdata/lora, 6 symlinks each (SD1/SD2 kohya LoKr, diffusers, cloneofsimo,
-Flux PEFT), plus 2 copies of bench_inspect.py's 1000-key kohya Flux + CLIP-L file: 50 adapters. Each run is a fresh
-child process (`python -m loraweave inspect DIR --json`); the skeleton cache is filled by a discarded round 0.
+Folder: the 8 real files of /work/shared/realdata/lora, 6 symlinks each (SD1/SD2 kohya LoKr, diffusers,
+cloneofsimo, Flux PEFT), plus 2 copies of bench_inspect.py's 1000-key kohya Flux + CLIP-L file: 50 adapters.
+Each run is a fresh child process (`python -m loraweave inspect DIR --json`); the skeleton cache is filled by
+a discarded round 0.
 
   total           wall time of the whole command, Python start-up and imports included
   first file      in-process seconds of the first file (builds that architecture's skeleton and alias tables)
   per file after  the other 49 files' in-process seconds: mean and median (target < 0.2 s each)
-  one process     `inspect FILE --json` as its own process, median over the 8 real files (what a shell loop pays)
+  one process     `inspect FILE --json` as its own process, median over the 8 real files (what a shell loop
+                  pays)
   CPU s           user + system CPU seconds of those child processes (robust to a busy machine)
 
     .venv/bin/python benchmarks/bench_inspect_dir.py [--rounds 3]
@@ -50,7 +52,8 @@ def _child_cpu() -> float:
 
 
 def run(cmd: list[str]) -> tuple[float, str, float]:
-    """(wall seconds, stdout, CPU seconds of the child: user + system, which a busy machine does not inflate)."""
+    """(wall seconds, stdout, CPU seconds of the child: user + system, which a busy machine does not
+    inflate)."""
     t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall, cpu = time.perf_counter() - t0, _child_cpu() - c0
@@ -60,7 +63,7 @@ def run(cmd: list[str]) -> tuple[float, str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="bench-inspect-dir-"))
@@ -98,8 +101,8 @@ def main() -> None:
         print(f"{'CPU s, inspect DIR 50 files':<34} {med(cpu_dir):>9.2f}")
         print(f"{'CPU s, inspect FILE process':<34} {med(cpu_single):>9.2f}")
         print(
-            f"per file after the first: {med(after_mean):.3f} s (target < {TARGET_S} s); the folder in one process "
-            f"costs {med(totals) / (50 * med(singles)):.3f}x of 50 separate processes "
+            f"per file after the first: {med(after_mean):.3f} s (target < {TARGET_S} s); the folder in one "
+            f"process costs {med(totals) / (50 * med(singles)):.3f}x of 50 separate processes "
             f"({50 * med(singles):.0f} s estimated)"
         )
     finally:

@@ -1,4 +1,5 @@
-"""Runtime-mode LoKr forward: loraweave's Kronecker-structured path vs a materialised dense ΔW vs the plain layer.
+"""Runtime-mode LoKr forward: loraweave's Kronecker-structured path vs a materialised dense ΔW vs the plain
+layer.
 
 One Linear(3072, 3072) fp32, input of 4096 tokens x 3072. Two realistic LyCORIS LoKr shapes (factorization of
 3072 as LyCORIS computes it):
@@ -119,7 +120,8 @@ def build(names: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], torch.Ten
 
 
 def extra_macs(sd: dict[str, torch.Tensor]) -> int:
-    """Per-token MACs of the structured path as loraweave runs it (w2 first, w2 kept dense below 4x savings)."""
+    """Per-token MACs of the structured path as loraweave runs it (w2 first, w2 kept dense below 4x
+    savings)."""
     a, c = sd[f"{STEM}.lokr_w1"].shape
     w2 = sd.get(f"{STEM}.lokr_w2")
     b, n = (

@@ -1,29 +1,34 @@
-"""Merge-mode cost: loraweave's whole `apply(mode="merge")` vs PEFT's file-to-merged path and PEFT's merge() alone.
+"""Merge-mode cost: loraweave's whole `apply(mode="merge")` vs PEFT's file-to-merged path and PEFT's merge()
+alone.
 
-Model: N x Linear(3072, 3072) fp32 under `layers.{i}` (N = 24 by default: 0.84 GiB of weights). Adapter: a rank-16
-LoRA (scale 0.5) on every layer, written once as a kohya .safetensors file (loraweave reads it) and once with
-PEFT's key names (PEFT reads it); the same tensors. Variants, timed round-robin with the order rotated each round,
-all under torch.no_grad():
+Model: N x Linear(3072, 3072) fp32 under `layers.{i}` (N = 24 by default: 0.84 GiB of weights). Adapter: a
+rank-16 LoRA (scale 0.5) on every layer, written once as a kohya .safetensors file (loraweave reads it) and
+once with PEFT's key names (PEFT reads it); the same tensors. Variants, timed round-robin with the order
+rotated each round, all under torch.no_grad():
 
   lw_auto     loraweave.apply(model, path, mode="merge"): file open, parse, resolve, merge, exact undo record
               (compact or copy per layer, the smaller). handle.remove() after the timer.
   lw_none     the same with undo="none" (a permanent fuse). The weights are copied back after the timer.
   peft_file   PEFT's whole path from the file: safetensors load_file, get_peft_model (inject),
-              set_peft_model_state_dict, merge_and_unload(). No undo record. Weights copied back after the timer.
+              set_peft_model_state_dict, merge_and_unload(). No undo record. Weights copied back after the
+              timer.
   peft_merge  PEFT's merge() alone (merge_adapter()): injection and the factors' load happen before the timer.
-  str_compact handle.set_strength(...) on a default (compact-undo) merge: W rebuilt from the record, merged again.
+  str_compact handle.set_strength(...) on a default (compact-undo) merge: W rebuilt from the record, merged
+  again.
   str_copy    the same on an undo="copy" merge (W copied back from the full backup).
   roofline    per weight: W.addmm_(B, A, alpha=s), factors in memory: the reference every sample is divided by
               (timed between every two variants, see benchutil.sandwiched; host speed swings cancel).
 
-Targets (issue 28): lw_auto <= 1.0x peft_file, lw_none <= 1.0x peft_merge, str_compact <= 2.5x str_copy, each the
-median of the per-round paired ratios of one run. Also printed: the undo record's size relative to the touched
-bytes (target <= 10 %), the peak RSS growth of loraweave's first merge, bit-exact remove().
+Targets (issue 28): lw_auto <= 1.0x peft_file, lw_none <= 1.0x peft_merge, str_compact <= 2.5x str_copy, each
+the median of the per-round paired ratios of one run. Also printed: the undo record's size relative to the
+touched bytes (target <= 10 %), the peak RSS growth of loraweave's first merge, bit-exact remove().
 
-Timed by default on one thread in CPU seconds (`--threads 1 --clock cpu`): on the shared host, wall time with two
-threads swings by far more than the targets' margins (an oversubscribed OpenMP barrier stalls every small op).
+Timed by default on one thread in CPU seconds (`--threads 1 --clock cpu`): on the shared host, wall time with
+two threads swings by far more than the targets' margins (an oversubscribed OpenMP barrier stalls every small
+op).
 
-    .venv/bin/python benchmarks/bench_merge.py [--quick] [--rounds N] [--layers N] [--threads N] [--clock cpu|wall]
+    .venv/bin/python benchmarks/bench_merge.py [--quick] [--rounds N] [--layers N] [--threads N]
+        [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -210,7 +215,8 @@ def main() -> None:
     for name, ref, limit in TARGETS:
         r = ratio_median(res.times[name], res.times[ref])
         print(
-            f"target: {name} <= {limit}x {ref} (median of paired ratios): {r:.3f}x -> {'PASS' if r <= limit else 'FAIL'}"
+            f"target: {name} <= {limit}x {ref} (median of paired ratios): {r:.3f}x -> "
+            f"{'PASS' if r <= limit else 'FAIL'}"
         )
     print()
     print(

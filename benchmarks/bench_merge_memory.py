@@ -1,13 +1,14 @@
 """Resident memory a bf16 merge keeps: 40 x Linear(2048, 2048) bf16, a rank-32 LoRA with ‖ΔW‖ = 3 % of ‖W‖ on
 every layer (issue 28 part 5's outside check), each undo kind in its own fresh process.
 
-Per case: resident growth after `apply(mode="merge")` (gc + malloc_trim(0) before each VmRSS reading), the undo
-record's bytes, peak RSS growth during the merge (/proc/self/clear_refs + VmHWM), merge and remove() times, and
-whether remove() restored every weight bit for bit. All relative to the bytes of the weights touched; medians of
-`--repeats` runs, the cases interleaved. Target: resident growth of the default merge (undo="auto") <= 10 %.
-The children run with glibc's default malloc settings (what a user gets).
+Per case: resident growth after `apply(mode="merge")` (gc + malloc_trim(0) before each VmRSS reading), the
+undo record's bytes, peak RSS growth during the merge (/proc/self/clear_refs + VmHWM), merge and remove()
+times, and whether remove() restored every weight bit for bit. All relative to the bytes of the weights
+touched; medians of `--repeats` runs, the cases interleaved. Target: resident growth of the default merge
+(undo="auto") <= 10 %. The children run with glibc's default malloc settings (what a user gets).
 
-    .venv/bin/python benchmarks/bench_merge_memory.py [--layers 40] [--repeats 3] [--kinds auto,compact,copy,none]
+    .venv/bin/python benchmarks/bench_merge_memory.py [--layers 40] [--repeats 3]
+        [--kinds auto,compact,copy,none]
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def main() -> None:
     if "auto" in runs:
         grown = statistics.median(r["resident"] for r in runs["auto"]) / touched
         print(
-            f"target: resident growth of undo='auto' <= {TARGET:.0%}: {grown:.2%} -> {'PASS' if grown <= TARGET else 'FAIL'}"
+            f"target: resident growth of undo='auto' <= {TARGET:.0%}: {grown:.2%} -> "
+            f"{'PASS' if grown <= TARGET else 'FAIL'}"
         )
 
 

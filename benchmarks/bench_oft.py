@@ -4,7 +4,8 @@ One Linear(3072, 3072) fp32 with bias, input of 4096 tokens x 3072. LyCORIS-styl
 `alpha` = constraint 0, LyCORIS's default: unconstrained; no `rescale`), block shapes as LyCORIS 4.x computes
 them for out_dim 3072 (its DiagOFTModule / ButterflyOFTModule are instantiated to get the shapes):
 
-  oft b4 (default)  diag-oft, lora_dim=4 (create_lycoris's default): factorization(3072, 4) -> 768 blocks of 4x4
+  oft b4 (default)  diag-oft, lora_dim=4 (create_lycoris's default): factorization(3072, 4) -> 768 blocks of
+                    4x4
   oft b32           diag-oft, lora_dim=32 -> 96 blocks of 32x32
   boft b24 m8       boft, lora_dim=32 (4 is impossible for 3072 under BOFT's constraints) -> 8 stages of
                     128 blocks of 24x24 (oft_blocks (8, 128, 24, 24))
@@ -137,7 +138,8 @@ def mem_child(name: str) -> None:
 
 @torch.no_grad()
 def lycoris_forward(base: Wrap, name: str, sd: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """LyCORIS 4.x's wrapped forward (not bypass; multiplier 1) with the same blocks: the independent reference."""
+    """LyCORIS 4.x's wrapped forward (not bypass; multiplier 1) with the same blocks: the independent
+    reference."""
     m = copy.deepcopy(base)
     lyco = lycoris_module(*FILES[name], m.proj)
     lyco.oft_blocks.copy_(sd[f"{STEM}.oft_blocks"])
@@ -233,7 +235,8 @@ def main() -> None:
         mem = benchutil.mem_children(__file__, VARIANTS)
         print(
             f"memory: peak RSS growth of one steady-state forward (child process per variant, default glibc "
-            f"malloc; the output tensor alone is {TOKENS * OUT * 4 / 2**20:.0f} MiB), and the RSS the applied "
+            f"malloc; the output tensor alone is {TOKENS * OUT * 4 / 2**20:.0f} MiB), and the RSS the "
+            f"applied "
             "form keeps after apply + one forward (runtime: cached R; merge: the weight backup for remove())"
         )
         b = mem["base"]["peak_mib"]

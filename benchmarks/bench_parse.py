@@ -8,7 +8,8 @@ Variants, timed round-robin (order rotated every round) with the garbage collect
 
   alias table        loraweave.arch.aliases.AliasTable(model): the module-name table resolve() builds first
   load_adapter       loraweave.load_adapter(state_dict): key parsing and grouping only
-  resolve            loraweave.resolve.planner.resolve(components, [(adapter, 1.0)]) incl. its alias table build
+  resolve            loraweave.resolve.planner.resolve(components, [(adapter, 1.0)]) incl. its alias table
+                     build
   resolve, no table  the same with AliasTable pre-built (patched in this process only): matching parts alone
   plan (end to end)  loraweave.plan(model, state_dict): load_adapter + resolve + report
   plan, bf16 tensors the same with real CPU tensors (random bf16 values, the file's shapes) instead of meta
@@ -203,8 +204,8 @@ def main() -> None:
     print(f"keys applied: {report.keys_applied}/{report.keys_total}")
     ok = plan_ms < TARGET_MS
     print(
-        f"target: parse + resolve (plan end to end, median of {rounds}) {plan_ms:.1f} ms < {TARGET_MS:.0f} ms: "
-        f"{'PASS' if ok else 'FAIL'}"
+        f"target: parse + resolve (plan end to end, median of {rounds}) {plan_ms:.1f} ms < {TARGET_MS:.0f} "
+        f"ms: {'PASS' if ok else 'FAIL'}"
     )
     real_ms = median(times["plan, bf16 tensors"]) * 1e3
     print(

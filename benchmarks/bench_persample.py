@@ -1,19 +1,23 @@
-"""Per-sample adapters in one forward (Handle.batch) and regional masks (Handle.set_region), against their baselines.
+"""Per-sample adapters in one forward (Handle.batch) and regional masks (Handle.set_region), against their
+baselines.
 
 A stack of Linear(3072, 3072) fp32 (`--layers`, default 1), x (8, 4096, 3072): 8 samples of 4,096 tokens, 8
 different rank-16 LoRAs (one per sample). Variants, timed round-robin under inference_mode:
 
   shared      (c) the same batch with one shared adapter at runtime: the reference
   ours        (a) loraweave, 8 adapters at runtime, inside `handle.batch([[a0], ..., [a7]])`: one forward
-  exact       the same with `handle.batch(..., exact=True)`: each set over all rows as its lone apply (serving)
+  exact       the same with `handle.batch(..., exact=True)`: each set over all rows as its lone apply
+              (serving)
   sequential  (b) 8 forwards of one sample each, each on its own copy with its adapter at runtime
-  concat      hand-written alternative: one rank-128 pair over all rows, h gated per row (x·Dcatᵀ ⊙ G[row])·Ucatᵀ
-  bmm         hand-written alternative: per-sample factors gathered (8, in, 16), two bmm (S-LoRA/Punica BGMV form)
+  concat      hand-written alternative: one rank-128 pair over all rows, h gated per row (x·Dcatᵀ ⊙
+              G[row])·Ucatᵀ
+  bmm         hand-written alternative: per-sample factors gathered (8, in, 16), two bmm (S-LoRA/Punica BGMV
+              form)
 
-Then the regional overhead: x (1, 4096, 3072) read as a 64×64 token grid, one adapter at runtime, plain vs with a
-half mask (`set_region`). Each variant is timed between two runs of the reference (benchutil.sandwiched): the
-ratio is the median over samples whose two reference neighbours agree (a quiet host). Outputs are checked against
-the sequential runs first.
+Then the regional overhead: x (1, 4096, 3072) read as a 64×64 token grid, one adapter at runtime, plain vs
+with a half mask (`set_region`). Each variant is timed between two runs of the reference
+(benchutil.sandwiched): the ratio is the median over samples whose two reference neighbours agree (a quiet
+host). Outputs are checked against the sequential runs first.
 
     .venv/bin/python benchmarks/bench_persample.py [--quick] [--rounds N] [--layers N] [--tokens N]
 """

@@ -1,48 +1,52 @@
-"""Adapters on quantized bases, every backend that runs here (SDNQ, bitsandbytes, torchao, optimum-quanto, GGUF):
-apply time, extra memory, retention and step-time overhead per (backend, quant type, mechanism); then hosted apply
-fresh vs factor-cache replay on a many-layer SDNQ model.
+"""Adapters on quantized bases, every backend that runs here (SDNQ, bitsandbytes, torchao, optimum-quanto,
+GGUF): apply time, extra memory, retention and step-time overhead per (backend, quant type, mechanism); then
+hosted apply fresh vs factor-cache replay on a many-layer SDNQ model.
 
-Part 1: one Linear(3072, 3072) with bias, quantized by each backend's own API (benchmarks/quantbuild.py), input
-4096 tokens x 3072, a rank-16 LoRA (scale 1) and, on SDNQ, a LoKr of the same layer (for runtime and hosting).
-Per quant type the variants are separate copies of the same quantized layer: `alone` (no adapter) and one per
-mechanism request:
+Part 1: one Linear(3072, 3072) with bias, quantized by each backend's own API (benchmarks/quantbuild.py),
+input 4096 tokens x 3072, a rank-16 LoRA (scale 1) and, on SDNQ, a LoKr of the same layer (for runtime and
+hosting). Per quant type the variants are separate copies of the same quantized layer: `alone` (no adapter)
+and one per mechanism request:
   every backend   runtime      mode="runtime", LoRA (a forward hook beside the layer's own forward)
                   merge        mode="merge", LoRA (no side channel: requantize with the layer's own config)
   SDNQ also       auto         mode="auto", LoRA (the exact svd_up/svd_down side channel: "factor")
                   runtime lokr mode="runtime", LoKr
-                  host lokr    mode="auto", quantized="host", host_rank=64, LoKr ("hosted": truncated SVD in the
-                               side channel; on int8 the routing rule requantizes instead)
+                  host lokr    mode="auto", quantized="host", host_rank=64, LoKr ("hosted": truncated SVD in
+                               the side channel; on int8 the routing rule requantizes instead)
                   requantize   mode="merge", quantized="requantize", LoRA
 Columns:
   mechanism     request -> what `handle.report.applied[0].mechanism` says was done
-  apply ms      median wall time of `loraweave.apply` (remove untimed; a warm-up apply first; applies over 0.5 s
-                are timed twice)
-  extra MiB     bytes of tensor storage that the applied layer, the handle and its hooks hold beyond the quantized
-                layer and the adapter's own tensors, after apply and one forward (runtime factors and their
-                caches, side-channel growth, or the original quantized tensors kept for the exact undo)
+  apply ms      median wall time of `loraweave.apply` (remove untimed; a warm-up apply first; applies over 0.5
+                s are timed twice)
+  extra MiB     bytes of tensor storage that the applied layer, the handle and its hooks hold beyond the
+                quantized layer and the adapter's own tensors, after apply and one forward (runtime factors
+                and their caches, side-channel growth, or the original quantized tensors kept for the exact
+                undo)
   retention     ρ = <applied Δ, intended Δ>/‖intended Δ‖² from the report (factor: 1; runtime is exact by
                 construction, shown as "exact"); capture: energy of Δ a hosted truncation keeps
   step x        forward time with the adapter / forward time of the quantized layer alone. Sandwiched, as in
-                bench_runtime.py: per round `alone V1 alone V2 alone ...` (order rotated), each sample divided by the
-                mean of the two `alone` forwards beside it; 'step x' is the median over quiet samples (those
-                neighbours within 3%; all samples when fewer than 3 are quiet), 'x all' the median over all, 'quiet'
-                the count. No warm-up round: every model has run a forward since it last changed. Timed for
-                runtime, factor and hosted rows; a requantized layer keeps the storage format and size of `alone`,
-                so its forward is timed only with --requant-steps (that would add about a third to the run)
+                bench_runtime.py: per round `alone V1 alone V2 alone ...` (order rotated), each sample divided
+                by the mean of the two `alone` forwards beside it; 'step x' is the median over quiet samples
+                (those neighbours within 3%; all samples when fewer than 3 are quiet), 'x all' the median over
+                all, 'quiet' the count. No warm-up round: every model has run a forward since it last changed.
+                Timed for runtime, factor and hosted rows; a requantized layer keeps the storage format and
+                size of `alone`, so its forward is timed only with --requant-steps (that would add about a
+                third to the run)
   alone ms      median forward of the quantized layer alone
   note          the report's `why` for the choice; for rows that did not run, the reason (the backend's
-                `unavailable()` / `kind_unavailable()`, the capability a mechanism needs, or the apply refusal)
+                `unavailable()` / `kind_unavailable()`, the capability a mechanism needs, or the apply
+                refusal)
 Forwards run under torch.no_grad(): quanto's qint4 forward raises under inference_mode ("Cannot set
 version_counter for inference tensor").
-Part 2: hosted apply of a LoKr on every layer of an N-layer stack of Linear(D, D) SDNQ uint4 layers (the only backend
-with a side channel): fresh (cache miss, factors computed and written) vs replay (cache hit), and the bit-identity
-of the two.
+Part 2: hosted apply of a LoKr on every layer of an N-layer stack of Linear(D, D) SDNQ uint4 layers (the only
+backend with a side channel): fresh (cache miss, factors computed and written) vs replay (cache hit), and the
+bit-identity of the two.
 
-    .venv/bin/python benchmarks/bench_quant.py [--quick] [--rounds N] [--requant-steps] [--layers 60] [--dim 1024]
+    .venv/bin/python benchmarks/bench_quant.py [--quick] [--rounds N] [--requant-steps] [--layers 60]
+        [--dim 1024]
 
-5 rounds by default (~3 min on the 2-core VM), --quick 1 round (~1.5 min, a smoke run: the ratios are then noise).
-The objects that exist after the imports and probes are moved out of the collector's reach (gc.freeze), so the
-gc.collect() before each timed call is cheap. Nothing here asserts a time.
+5 rounds by default (~3 min on the 2-core VM), --quick 1 round (~1.5 min, a smoke run: the ratios are then
+noise). The objects that exist after the imports and probes are moved out of the collector's reach
+(gc.freeze), so the gc.collect() before each timed call is cheap. Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -113,8 +117,9 @@ def requests(backend: str, lora: dict, lokr: dict) -> list[tuple[str, dict, dict
 
 
 def storages(roots) -> dict[tuple[int, int], int]:
-    """{(data_ptr, nbytes): nbytes} of every tensor storage reachable from `roots` through containers, objects,
-    modules, closures and tensor-subclass attributes (not through function globals, classes or modules)."""
+    """{(data_ptr, nbytes): nbytes} of every tensor storage reachable from `roots` through containers,
+    objects, modules, closures and tensor-subclass attributes (not through function globals, classes or
+    modules)."""
     out: dict[tuple[int, int], int] = {}
     seen: set[int] = set()
     stack = list(roots)
@@ -188,8 +193,8 @@ def refusal(exc: Exception) -> str:
 
 
 def time_apply(model, sd, kw, rounds: int):
-    """Warm-up apply (first-use probes and imports), then timed apply/remove pairs; returns (median s, handle of a
-    final apply that stays on). Applies that take over 0.5 s are timed twice, not `rounds` times."""
+    """Warm-up apply (first-use probes and imports), then timed apply/remove pairs; returns (median s, handle
+    of a final apply that stays on). Applies that take over 0.5 s are timed twice, not `rounds` times."""
     import loraweave
 
     t0 = time.perf_counter()
@@ -229,8 +234,8 @@ def run_kind(backend: str, kind: str, base, lora, lokr, x, rounds: int, requant_
     alone = quantbuild.build(backend, kind, copy.deepcopy(base))
     layer0 = set(storages([alone[0]]))
     fwd(alone, x)()
-    # bitsandbytes does work on the first forward (moves CB/SCB, repacks 4-bit for the CPU kernel): then every copy
-    # gets one forward before apply, so that neither the extra bytes nor a timing include it
+    # bitsandbytes does work on the first forward (moves CB/SCB, repacks 4-bit for the CPU kernel): then every
+    # copy gets one forward before apply, so that neither the extra bytes nor a timing include it
     first_forward_work = set(storages([alone[0]])) != layer0
     caps = BACKENDS[backend].capabilities(alone[0])
     print(
@@ -333,8 +338,8 @@ def part1(rounds: int, requant_steps: bool) -> None:
         except ImportError:
             pass  # that backend's rows say why
 
-    # ~500k objects from torch, diffusers and the quantization packages: out of the collector's way, so that the
-    # gc.collect() before every timed call costs milliseconds instead of ~200 ms
+    # ~500k objects from torch, diffusers and the quantization packages: out of the collector's way, so that
+    # the gc.collect() before every timed call costs milliseconds instead of ~200 ms
     gc.collect()
     gc.freeze()
     for backend, kinds in quantbuild.KINDS.items():
@@ -382,14 +387,14 @@ def part1(rounds: int, requant_steps: bool) -> None:
     lines = table(headers, [r[:-1] for r in rows]).split("\n")
     notes = ["note", "----", *(r[-1] for r in rows)]
     print(
-        f"\nLinear({IN}, {OUT}) + bias, {TOKENS} tokens, LoRA rank {RANK}; rounds={rounds}; every forward divided by "
-        f"the mean of the `alone` forwards just before and after it; 'step x' = median over quiet samples (`alone` "
-        f"neighbours within 3%), 'x all' = median over all samples"
+        f"\nLinear({IN}, {OUT}) + bias, {TOKENS} tokens, LoRA rank {RANK}; rounds={rounds}; every forward "
+        f"divided by the mean of the `alone` forwards just before and after it; 'step x' = median over quiet "
+        f"samples (`alone` neighbours within 3%), 'x all' = median over all samples"
     )
     print("\n".join(f"{a}  {b}" for a, b in zip(lines, notes, strict=True)))
     print(
-        f"part 1: {wall:.0f} s wall, CPU steal {steal:.2f} s (of {wall * THREADS:.0f} CPU-s; >5% means a noisy host, "
-        f"rerun)"
+        f"part 1: {wall:.0f} s wall, CPU steal {steal:.2f} s (of {wall * THREADS:.0f} CPU-s; >5% means a "
+        f"noisy host, rerun)"
     )
 
 
@@ -415,7 +420,8 @@ def part2(layers: int, dim: int) -> None:
         sd |= adapters(g, str(i), dim)[1]
     root = tempfile.mkdtemp(prefix="loraweave-factor-cache-")
     print(
-        f"\nhosted LoKr on {layers} SDNQ uint4 Linear({dim}, {dim}) layers, mode='merge', host_rank=64, FactorCache"
+        f"\nhosted LoKr on {layers} SDNQ uint4 Linear({dim}, {dim}) layers, mode='merge', host_rank=64, "
+        f"FactorCache"
     )
     try:
         out = {}

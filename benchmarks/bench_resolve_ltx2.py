@@ -1,15 +1,16 @@
-"""Resolution of a 1,500-key LTX-2 LoRA in the original (Lightricks/ComfyUI) names against the full-size LTX-2.3
-transformer on `meta` (48 blocks with audio tower, audio<->video cross-attention, gate logits, prompt modulation).
+"""Resolution of a 1,500-key LTX-2 LoRA in the original (Lightricks/ComfyUI) names against the full-size
+LTX-2.3 transformer on `meta` (48 blocks with audio tower, audio<->video cross-attention, gate logits, prompt
+modulation).
 
-The file: LoRA A/B on the first 750 Linear layers of the model (every top-level embedder and modulation, then the
-blocks in order), written with the original names (`patchify_proj`, `adaln_single`, `av_ca_*_adaln_single`,
-`q_norm`, ...) under `diffusion_model.`, and the same in kohya-flattened spelling (`lora_unet_...`), whose renames
-run on underscored paths. Measured round-robin (medians of N rounds):
+The file: LoRA A/B on the first 750 Linear layers of the model (every top-level embedder and modulation, then
+the blocks in order), written with the original names (`patchify_proj`, `adaln_single`,
+`av_ca_*_adaln_single`, `q_norm`, ...) under `diffusion_model.`, and the same in kohya-flattened spelling
+(`lora_unet_...`), whose renames run on underscored paths. Measured round-robin (medians of N rounds):
   name index     AliasTable of the transformer (built once per model)
   resolve only   every part matched against the pre-built index (target < 100 ms)
   plan           loraweave.plan end to end: key parsing + index + resolve + report
-  peer           diffusers' _convert_non_diffusers_ltx2_lora_to_diffusers on the diffusion_model. keys (it has no
-                 kohya form; renames only:
+  peer           diffusers' _convert_non_diffusers_ltx2_lora_to_diffusers on the diffusion_model. keys (it has
+                 no kohya form; renames only:
                  no model is consulted), the work a diffusers user pays before PEFT injection
 
     .venv/bin/python benchmarks/bench_resolve_ltx2.py [--quick]
@@ -66,7 +67,8 @@ def main() -> None:
     rounds = 5 if ap.parse_args().quick else 20
     benchutil.setup_torch()
     benchutil.header(
-        "bench_resolve_ltx2: 1,500-key LTX-2 LoRA (original names) vs the full-size LTX-2.3 transformer on meta"
+        "bench_resolve_ltx2: 1,500-key LTX-2 LoRA (original names) vs the full-size LTX-2.3 transformer on "
+        "meta"
     )
     import diffusers
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltx2_lora_to_diffusers

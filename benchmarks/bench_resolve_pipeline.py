@@ -1,10 +1,11 @@
 """Resolution of the largest real Flux key lists, and of a Flux LoRA that also trained the text encoder.
 
-Lists: /work/shared/realdata/keys/invokeai/flux_lora_diffusers_with_norm_out_format.json (1008 keys, the largest
-real list in shared data; transformer only) and a Flux + TE file: the real 912-key kohya list plus kohya CLIP-L
-keys (`lora_te1_…`, down/up/alpha for the 6 Linear layers of each of the 12 layers: 216 keys, names and shapes from
-the real SD1.5 text-encoder config, which is CLIP-L) = 1128 keys. Models on `meta` (no weights): Flux.1-dev
-transformer (real config), CLIP-L (real config), T5-XXL encoder (v1.1 XXL sizes) — the three Flux components.
+Lists: /work/shared/realdata/keys/invokeai/flux_lora_diffusers_with_norm_out_format.json (1008 keys, the
+largest real list in shared data; transformer only) and a Flux + TE file: the real 912-key kohya list plus
+kohya CLIP-L keys (`lora_te1_…`, down/up/alpha for the 6 Linear layers of each of the 12 layers: 216 keys,
+names and shapes from the real SD1.5 text-encoder config, which is CLIP-L) = 1128 keys. Models on `meta` (no
+weights): Flux.1-dev transformer (real config), CLIP-L (real config), T5-XXL encoder (v1.1 XXL sizes) — the
+three Flux components.
 
 Measured, round-robin with the garbage collector paused around each call (medians of N rounds):
   name index     AliasTable per component (what resolve builds first; target < 1 s)

@@ -1,4 +1,5 @@
-"""Runtime-mode LoRA forward overhead: loraweave's runtime path vs PEFT's unmerged LoraLayer vs the plain layer.
+"""Runtime-mode LoRA forward overhead: loraweave's runtime path vs PEFT's unmerged LoraLayer vs the plain
+layer.
 
 One Linear(3072, 3072) fp32, input of 4096 tokens x 3072, rank-16 LoRA (alpha 8, scale 0.5). Variants, each on
 its own copy of the same weights, timed round-robin (order rotated every round) under inference_mode:
@@ -171,9 +172,10 @@ def main() -> None:
     ok_flops = ov["loraweave"] <= 2 * flop_ratio
     ok_peft = ov["loraweave"] < ov["peft"]
     print(
-        f"target: loraweave overhead {ov['loraweave'] * 100:+.2f}% <= 2 x FLOP ratio ({2 * flop_ratio * 100:.2f}%): "
-        f"{'PASS' if ok_flops else 'FAIL'}; below PEFT's {ov['peft'] * 100:+.2f}%: {'PASS' if ok_peft else 'FAIL'}"
-        f"  => {'HOLDS' if ok_flops and ok_peft else 'DOES NOT HOLD'}"
+        f"target: loraweave overhead {ov['loraweave'] * 100:+.2f}% <= 2 x FLOP ratio "
+        f"({2 * flop_ratio * 100:.2f}%): {'PASS' if ok_flops else 'FAIL'}; below PEFT's "
+        f"{ov['peft'] * 100:+.2f}%: {'PASS' if ok_peft else 'FAIL'}  => "
+        f"{'HOLDS' if ok_flops and ok_peft else 'DOES NOT HOLD'}"
     )
     print()
     print(f"output agreement (max |y| = {scale_y:.3f}; LoRA changes y by up to {d_lora:.3f}):")

@@ -2,13 +2,13 @@
 loraweave, side by side in one run, each variant in its own process.
 
 Model: diffusers UNet2DConditionModel from the real SDXL-base config (../shared/realdata/configs; 2.57 G
-parameters, 4.8 GiB fp16), built on the meta device and filled with seeded uniform values (std 1/sqrt(fan_in)).
-It sits in a StableDiffusionXLPipeline built from components offline: the UNet only (VAE, text encoders,
-tokenizers and scheduler None: the LoRA has no text-encoder part), so the pipeline-level LoRA calls run as users
-call them.
+parameters, 4.8 GiB fp16), built on the meta device and filled with seeded uniform values (std
+1/sqrt(fan_in)). It sits in a StableDiffusionXLPipeline built from components offline: the UNet only (VAE,
+text encoders, tokenizers and scheduler None: the LoRA has no text-encoder part), so the pipeline-level LoRA
+calls run as users call them.
 LoRAs: A and B, rank 32 on every Linear and Conv2d of the UNet (794 layers; conv down (r, in, k, k), up
-(out, r, 1, 1)), synthesized at the real shapes in the keys diffusers loads (`unet.<module>.lora_A/B.weight`, no
-alpha: scale 1), fp16, ‖ΔW‖ ≈ 2 % of ‖W‖; written once to a temporary folder by the parent.
+(out, r, 1, 1)), synthesized at the real shapes in the keys diffusers loads (`unet.<module>.lora_A/B.weight`,
+no alpha: scale 1), fp16, ‖ΔW‖ ≈ 2 % of ‖W‖; written once to a temporary folder by the parent.
 
 Variants (one process each, glibc MALLOC_* thresholds of benchutil set; the model is built, then
 malloc_trim(0), then measured):
@@ -19,13 +19,13 @@ malloc_trim(0), then measured):
   merge    loraweave.apply({"unet": unet}, A, mode="merge") (default undo: exact); strength:
            handle.set_strength(A, 0.5); swap: handle.switch(B); end: handle.remove()
   runtime  loraweave.apply(..., mode="runtime"); strength: set_strength; swap: switch(B); end: remove()
-Each child repeats load/strength/swap/end for --rounds rounds (median per step; the first round includes one-time
-costs such as imports of PEFT). Peak RSS: growth of VmHWM over the resident size after the model was built and
-trimmed (reset through /proc/self/clear_refs); "kept" is the resident growth after the end step and
+Each child repeats load/strength/swap/end for --rounds rounds (median per step; the first round includes
+one-time costs such as imports of PEFT). Peak RSS: growth of VmHWM over the resident size after the model was
+built and trimmed (reset through /proc/self/clear_refs); "kept" is the resident growth after the end step and
 malloc_trim(0). Ratios are each variant's median over peft's. A child is killed past --max-rss-gib.
 
-    .venv/bin/python benchmarks/bench_sdxl.py [--rounds 3] [--repeats 2] [--json out.json] [--variants peft,dropin,merge,runtime] [--threads 2]
-        [--width-divisor 2]
+    .venv/bin/python benchmarks/bench_sdxl.py [--rounds 3] [--repeats 2] [--json out.json]
+        [--variants peft,dropin,merge,runtime] [--threads 2] [--width-divisor 2]
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def write_lora(path: str, seed: int, config_path: str) -> int:
 
 
 def narrowed_config(config_path: str, divisor: int, folder: str) -> str:
-    """The config with block_out_channels divided by `divisor` (same blocks and layers), written into `folder`."""
+    """The config with block_out_channels divided by `divisor` (same blocks and layers), written into
+    `folder`."""
     with open(config_path) as f:
         config = json.load(f)
     channels = [c // divisor for c in config["block_out_channels"]]
@@ -310,9 +311,10 @@ def main() -> None:
         print(f"-- {label}")
         table(results, clock)
     print(
-        "medians over rounds (and repeats); peak: VmHWM growth over the trimmed resident size after the model "
-        "was built (highest over repeats); kept: resident growth after the end step and malloc_trim(0); "
-        "max |W-W0|: weight drift after the end step on every 50th layer's first two rows (0 = bit-exact there)"
+        "medians over rounds (and repeats); peak: VmHWM growth over the trimmed resident size after the "
+        "model was built (highest over repeats); kept: resident growth after the end step and "
+        "malloc_trim(0); max |W-W0|: weight drift after the end step on every 50th layer's first two rows (0 "
+        "= bit-exact there)"
     )
 
 

@@ -1,11 +1,14 @@
-"""`loraweave serve` throughput: 32 requests over 8 adapters on the tiny SD1.5 pipeline (tests/helpers/serve_fixtures.py),
-8 steps, 64x64, one torch thread per replica, 2 replicas on local Ray, measured side by side in one run:
+"""`loraweave serve` throughput: 32 requests over 8 adapters on the tiny SD1.5 pipeline
+(tests/helpers/serve_fixtures.py), 8 steps, 64x64, one torch thread per replica, 2 replicas on local Ray,
+measured side by side in one run:
 
-  generate (sequential)   loraweave.tools.generate.generate per request (loads the pipeline each time, as the CLI)
+  generate (sequential)   loraweave.tools.generate.generate per request (loads the pipeline each time, as the
+                          CLI)
   engine (sequential)     loraweave.serve.Engine.run per request in this process: pipeline loaded once, no Ray
   serve max_batch=8       32 concurrent HTTP requests (8 client threads), batches mix adapters (Handle.batch)
   serve max_batch=1       the same without batching
-  serve one at a time     max_batch=1, one request at a time: minus the engine's time = Ray's overhead per request
+  serve one at a time     max_batch=1, one request at a time: minus the engine's time = Ray's overhead per
+                          request
 
 Requests/s and p50/p95 latency (per request, client side). Needs `pip install loraweave[serve]`.
 

@@ -97,7 +97,8 @@ def main() -> None:
     ms = median(results["runtime"]["strength change"]) * 1e3
     print()
     print(
-        f"target: runtime strength change for {BLOCKS * PER_BLOCK} layers {ms:.2f} ms < 5 ms: {'PASS' if ms < 5 else 'FAIL'}"
+        f"target: runtime strength change for {BLOCKS * PER_BLOCK} layers {ms:.2f} ms < 5 ms: "
+        f"{'PASS' if ms < 5 else 'FAIL'}"
     )
 
 

@@ -1,26 +1,29 @@
-"""numpy's transparent-huge-page advice on loraweave's merge / undo / switch paths: NUMPY_MADVISE_HUGEPAGE=0 vs default.
+"""numpy's transparent-huge-page advice on loraweave's merge / undo / switch paths: NUMPY_MADVISE_HUGEPAGE=0
+vs default.
 
-numpy (>= 1.x on Linux) calls madvise(MADV_HUGEPAGE) on every array buffer of 4 MiB or more unless the environment
-variable NUMPY_MADVISE_HUGEPAGE=0 is set at import; torch does not. On a host with THP `enabled=madvise` and
-`defrag=madvise`, the first touch of such memory faults in 2 MiB pages (zeroed, and compacted for when memory is
-fragmented): kernel (sys) time in the faulting thread. This script measures whether that costs loraweave anything.
+numpy (>= 1.x on Linux) calls madvise(MADV_HUGEPAGE) on every array buffer of 4 MiB or more unless the
+environment variable NUMPY_MADVISE_HUGEPAGE=0 is set at import; torch does not. On a host with THP
+`enabled=madvise` and `defrag=madvise`, the first touch of such memory faults in 2 MiB pages (zeroed, and
+compacted for when memory is fragmented): kernel (sys) time in the faulting thread. This script measures
+whether that costs loraweave anything.
 
 Each round starts fresh child processes, alternately with NUMPY_MADVISE_HUGEPAGE=0 ("plain") and without it
 ("thp", numpy's default), the order rotated per round. Each child (--child) builds N x Linear(1024, 1024) fp32
 (one torch thread), merges a rank-16 LoRA "A" with the default undo record (compact here), then per step: a
-strength change, switch A->B, switch B->A; then remove(). Per operation it records wall seconds, user and sys CPU
-seconds (getrusage of the child itself) and the child's AnonHugePages after it (/proc/self/smaps_rollup: huge
-pages this process holds). The parent adds the child's whole rusage (os.wait4) and the delta of /proc/vmstat
-thp_fault_alloc over the child's life (system-wide: another process's faults count too). Two malloc settings, both
-interleaved: "bench" (benchutil's MALLOC_* settings: big blocks from a kept heap) and "glibc" (defaults: what a
-user's process gets). Printed: medians over children of per-op medians, and thp/plain ratios of wall time and
-of CPU time (user + sys: on a shared host the steadier clock).
+strength change, switch A->B, switch B->A; then remove(). Per operation it records wall seconds, user and sys
+CPU seconds (getrusage of the child itself) and the child's AnonHugePages after it (/proc/self/smaps_rollup:
+huge pages this process holds). The parent adds the child's whole rusage (os.wait4) and the delta of
+/proc/vmstat thp_fault_alloc over the child's life (system-wide: another process's faults count too). Two
+malloc settings, both interleaved: "bench" (benchutil's MALLOC_* settings: big blocks from a kept heap) and
+"glibc" (defaults: what a user's process gets). Printed: medians over children of per-op medians, and
+thp/plain ratios of wall time and of CPU time (user + sys: on a shared host the steadier clock).
 
---scale sets the std of the LoRA factors' entries: 0.01 (default) is a usual LoRA (small ΔW: few rounding misses,
-the native kernel's "gaps8" record, no numpy buffer at all); 0.1 makes ΔW larger than W (60 % misses: "bitmask"
-records, whose numpy scans allocate 9-45 MB per layer). --srcs compares source trees in the same run, e.g. main
-against a candidate extracted with `git archive <rev> src | tar -x -C /tmp/cand`:
-`--srcs main=src,cand=/tmp/cand/src`; the last column divides each tree's default-THP CPU time (user + sys) by the first's.
+--scale sets the std of the LoRA factors' entries: 0.01 (default) is a usual LoRA (small ΔW: few rounding
+misses, the native kernel's "gaps8" record, no numpy buffer at all); 0.1 makes ΔW larger than W (60 % misses:
+"bitmask" records, whose numpy scans allocate 9-45 MB per layer). --srcs compares source trees in the same
+run, e.g. main against a candidate extracted with `git archive <rev> src | tar -x -C /tmp/cand`:
+`--srcs main=src,cand=/tmp/cand/src`; the last column divides each tree's default-THP CPU time (user + sys) by
+the first's.
 
     .venv/bin/python benchmarks/bench_thp.py [--rounds N] [--layers N] [--width N] [--steps N] [--scale S]
         [--malloc bench,glibc] [--srcs label=path,...]
@@ -213,7 +216,8 @@ def main() -> None:
     thp_mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
     defrag = open("/sys/kernel/mm/transparent_hugepage/defrag").read().strip()
     print(
-        f"== bench_thp: {args.layers} x Linear({args.width}, {args.width}) {args.dtype}, rank {RANK}, factor std {args.scale}, {args.steps} steps/child"
+        f"== bench_thp: {args.layers} x Linear({args.width}, {args.width}) {args.dtype}, rank {RANK}, factor "
+        f"std {args.scale}, {args.steps} steps/child"
     )
     print(
         f"cpu={cpu_model()!r} cpus={os.cpu_count()} load={os.getloadavg()} thp={thp_mode!r} defrag={defrag!r}"
@@ -231,8 +235,8 @@ def main() -> None:
         print(f"round {r + 1}/{args.rounds} done, load={os.getloadavg()[0]:.2f}", flush=True)
     print()
     print(
-        "per op: median over children of each child's median, ms; huge: the child's AnonHugePages after the op"
-        " (MiB); whole child: seconds, huge = thp_fault_alloc delta over the child's life (system-wide)"
+        "per op: median over children of each child's median, ms; huge: the child's AnonHugePages after the "
+        "op (MiB); whole child: seconds, huge = thp_fault_alloc delta over the child's life (system-wide)"
     )
     first = next(iter(srcs))
     head = f"{'malloc':6} {'src':5} {'op':15} | {'plain wall':>10} {'user':>7} {'sys':>7} {'huge':>4} |"
@@ -251,10 +255,10 @@ def main() -> None:
                 scale = 1.0 if op == "_child" else 1e3
                 name = "whole child (s)" if op == "_child" else op
                 print(
-                    f"{m:6} {code:5} {name:15} | {pw * scale:10.1f} {pu * scale:7.1f} {ps * scale:7.1f} {pf:4.0f} |"
-                    f" {tw * scale:9.1f} {tu * scale:7.1f} {ts * scale:7.1f} {tf:4.0f} |"
-                    f" {tw / pw:14.2f} {(tu + ts) / (pu + ps):5.2f} |"
-                    f" {(tu + ts) / sum(cells[(m, first, True)][1:3]):13.2f}"
+                    f"{m:6} {code:5} {name:15} | {pw * scale:10.1f} {pu * scale:7.1f} {ps * scale:7.1f} "
+                    f"{pf:4.0f} | {tw * scale:9.1f} {tu * scale:7.1f} {ts * scale:7.1f} {tf:4.0f} | "
+                    f"{tw / pw:14.2f} {(tu + ts) / (pu + ps):5.2f} | "
+                    f"{(tu + ts) / sum(cells[(m, first, True)][1:3]):13.2f}"
                 )
     print(f"load at end={os.getloadavg()}")
 

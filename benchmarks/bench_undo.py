@@ -1,4 +1,5 @@
-"""Undo records of merges (apply(undo=...)): merge, strength change and undo time, full copy vs compact record.
+"""Undo records of merges (apply(undo=...)): merge, strength change and undo time, full copy vs compact
+record.
 
 Model: bench_switch's Flux-shaped stack, 500 x Linear(1024, 1024) fp32 (2 GiB), built twice (same seed).
 Adapter: bench_switch's rank-16 LoRA on every layer (‖ΔW‖ ≈ 2 % of ‖W‖). One model is merged with
@@ -107,7 +108,8 @@ def main() -> None:
     )
     for kind in KINDS:
         print(
-            f"undo bytes {kind}: {undo_bytes[kind] / 2**20:.1f} MiB = {undo_bytes[kind] / touched:.3f} of touched weights"
+            f"undo bytes {kind}: {undo_bytes[kind] / 2**20:.1f} MiB = {undo_bytes[kind] / touched:.3f} of "
+            f"touched weights"
         )
     ratio = median(times["strength auto"]) / median(times["strength copy"])
     cratio = median(cpu["auto"][1:]) / median(cpu["copy"][1:])

@@ -1,19 +1,21 @@
-"""How fast can a merge-mode strength change with an exact compact undo record be? Raw-op lower bounds vs a copy.
+"""How fast can a merge-mode strength change with an exact compact undo record be? Raw-op lower bounds vs a
+copy.
 
-bench_undo.py measures loraweave's strength change: compact records vs full copies. This script asks whether any
-implementation of the compact record could match the copy, by timing the bare tensor operations each one must run
-per layer (no planning, no records, no Python beyond the ops), on bench_switch's layers (1024x1024 fp32, rank-16
-LoRA, 60 layers, one torch thread):
+bench_undo.py measures loraweave's strength change: compact records vs full copies. This script asks whether
+any implementation of the compact record could match the copy, by timing the bare tensor operations each one
+must run per layer (no planning, no records, no Python beyond the ops), on bench_switch's layers (1024x1024
+fp32, rank-16 LoRA, 60 layers, one torch thread):
 
-  copy          what the copy record does: W back from its copy; ΔW (zero + addmm) and W'' = W + ΔW per block of
-                256 rows into a scratch; the non-finite check (aminmax); W'' copied into the weight
+  copy          what the copy record does: W back from its copy; ΔW (zero + addmm) and W'' = W + ΔW per block
+                of 256 rows into a scratch; the non-finite check (aminmax); W'' copied into the weight
   compact       the least a compact record needs, per block, in place: ΔW_old; W = W' - ΔW_old; ΔW_new;
-                W'' = W + ΔW_new written into the weight; aminmax; guess = W'' - ΔW_new; the positions where the
-                guess misses W (numpy compare + flatnonzero, as mechanisms/merge/bitscan.py); W's bits there
+                W'' = W + ΔW_new written into the weight; aminmax; guess = W'' - ΔW_new; the positions where
+                the guess misses W (numpy compare + flatnonzero, as mechanisms/merge/bitscan.py); W's bits
+                there
   compact, P    the same with ΔW = c·(B·A) formed once per block and folded into each add (alpha=c): one GEMM
-                instead of two, no zeroing, no aminmax (a new non-finite value is always a miss: checked there).
-                It would change the bits every merge writes (one rounding of c·(B·A) fewer), so it is a bound,
-                not a proposal
+                instead of two, no zeroing, no aminmax (a new non-finite value is always a miss: checked
+                there). It would change the bits every merge writes (one rounding of c·(B·A) fewer), so it is
+                a bound, not a proposal
 The corrections a real record puts back (a few % of elements) are left out: each bound is optimistic.
 
     .venv/bin/python benchmarks/bench_undo_floor.py [--rounds 7] [--layers 60]

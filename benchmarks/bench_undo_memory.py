@@ -1,12 +1,13 @@
-"""Merge memory of undo records at a mid size: N x Linear(2048, 2048) fp16 on CPU, a rank-32 LoRA on every layer
-(‖ΔW‖ = 2 % of ‖W‖, a trained LoRA's usual order), each undo kind in its own fresh process.
+"""Merge memory of undo records at a mid size: N x Linear(2048, 2048) fp16 on CPU, a rank-32 LoRA on every
+layer (‖ΔW‖ = 2 % of ‖W‖, a trained LoRA's usual order), each undo kind in its own fresh process.
 
 Per kind: merge time, peak RSS growth during the merge (/proc/self/clear_refs + VmHWM), resident growth after
 the merge (gc + malloc_trim(0)), undo time; ratios against undo="copy" (a full copy of every touched weight,
 the record loraweave kept before compact records) measured in the same run. Each kind runs `--repeats` times
 (medians). Issue-15 targets: resident growth <= 10 % of touched bytes, peak growth <= largest layer + 10 % of
 touched bytes, merge time <= 1.3x the full-copy path. Memory is measured in children with a fixed
-MALLOC_MMAP_THRESHOLD_ (freed temporaries leave the resident set at once), times in children with glibc's defaults. (The full-size SDXL version is bench_undo_sdxl.py.)
+MALLOC_MMAP_THRESHOLD_ (freed temporaries leave the resident set at once), times in children with glibc's
+defaults. (The full-size SDXL version is bench_undo_sdxl.py.)
 
     .venv/bin/python benchmarks/bench_undo_memory.py [--layers 40] [--repeats 3] [--kinds copy,auto,compact]
 """
@@ -92,9 +93,9 @@ def main() -> None:
         return child(args.child, args.layers)
     kinds = args.kinds.split(",")
     base_env = {**os.environ, "PYTHONPATH": SRC, "SDNQ_USE_TORCH_COMPILE": "0"}
-    # Memory pass: a fixed mmap threshold returns freed large blocks to the OS at once, so VmHWM is the live peak
-    # (glibc's dynamic threshold otherwise rises to 32 MiB and keeps freed temporaries resident). Timing pass:
-    # glibc's defaults, since the fixed threshold page-faults every temporary and would bias the times.
+    # Memory pass: a fixed mmap threshold returns freed large blocks to the OS at once, so VmHWM is the live
+    # peak (glibc's dynamic threshold otherwise rises to 32 MiB and keeps freed temporaries resident). Timing
+    # pass: glibc's defaults, since the fixed threshold page-faults every temporary and would bias the times.
     passes = {"memory": {**base_env, "MALLOC_MMAP_THRESHOLD_": "131072"}, "timing": base_env}
     runs: dict[str, dict[str, list[dict]]] = {p: {k: [] for k in kinds} for p in passes}
     for _ in range(args.repeats):  # interleaved, so load changes hit every kind alike
@@ -126,11 +127,12 @@ def main() -> None:
         ratio = f"{m['merge_s'] / base['merge_s']:.2f}" if base else "-"
         print(
             f"{k:8s} {m['merge_s']:8.2f} {ratio:>7s} {m['undo_s']:7.2f} {m['peak_mib']:9.0f} "
-            f"{100 * m['peak_mib'] / touched:8.1f}% {m['resident_mib']:12.0f} {100 * m['resident_mib'] / touched:8.1f}% "
-            f"{m['record_mib']:10.1f}"
+            f"{100 * m['peak_mib'] / touched:8.1f}% {m['resident_mib']:12.0f} "
+            f"{100 * m['resident_mib'] / touched:8.1f}% {m['record_mib']:10.1f}"
         )
     print(
-        f"targets: resident <= {0.1 * touched:.0f} MiB, peak <= {largest + 0.1 * touched:.0f} MiB, merge <= 1.3x copy"
+        f"targets: resident <= {0.1 * touched:.0f} MiB, peak <= {largest + 0.1 * touched:.0f} MiB, merge <= "
+        f"1.3x copy"
     )
 
 

@@ -13,14 +13,15 @@ Each variant runs in its own process (glibc's default malloc): load, build the L
             the first 4096 elements, taken before the merge)
 Variants: "main" (loraweave before compact records: commit PRE15, the parent of the merge that brought them,
 extracted with `git archive` to a temporary folder at run time; no undo argument: its full-copy record),
-"copy" (a full copy of every touched weight, the same-run stand-in for it), "auto" (strength 1 and 4), "source".
-Each child is killed when its RSS passes --max-rss-gib (a shared machine). Merge and undo report wall and CPU
-seconds; on a loaded host the CPU time is the steadier one. --threads (default 2): torch threads per child;
-with more runnable processes than cores, 2 threads spin in OpenMP barriers and run several times slower than 1.
-Targets: resident growth <= 10 % of touched bytes (auto, strength 1), <= 1 % (source); peak growth <= largest
-touched layer + 10 % of touched bytes (auto, strength 1); merge time <= 1.3x today's.
+"copy" (a full copy of every touched weight, the same-run stand-in for it), "auto" (strength 1 and 4),
+"source". Each child is killed when its RSS passes --max-rss-gib (a shared machine). Merge and undo report
+wall and CPU seconds; on a loaded host the CPU time is the steadier one. --threads (default 2): torch threads
+per child; with more runnable processes than cores, 2 threads spin in OpenMP barriers and run several times
+slower than 1. Targets: resident growth <= 10 % of touched bytes (auto, strength 1), <= 1 % (source); peak
+growth <= largest touched layer + 10 % of touched bytes (auto, strength 1); merge time <= 1.3x today's.
 
-    .venv/bin/python benchmarks/bench_undo_sdxl.py [--dir DIR] [--keep] [--variants main,copy,auto,auto@4,source]
+    .venv/bin/python benchmarks/bench_undo_sdxl.py [--dir DIR] [--keep]
+        [--variants main,copy,auto,auto@4,source]
         [--threads 2] [--max-rss-gib 11]
 """
 
@@ -270,19 +271,22 @@ def report(results: dict) -> None:
         return f"{r[key] / ref[key]:.2f}x" if ref else "-"
 
     print(
-        f"\nSDXL UNet fp16: {any_r['layers']} touched layers, {touched:.0f} MiB touched, largest {largest:.1f} MiB"
+        f"\nSDXL UNet fp16: {any_r['layers']} touched layers, {touched:.0f} MiB touched, largest "
+        f"{largest:.1f} MiB"
     )
     print(
-        f"{'variant':<8} {'merge s':>7} {'cpu s':>6} {'wall/main':>9} {'cpu/main':>8} {'wall/copy':>9} {'cpu/copy':>8} "
-        f"{'undo s':>6} {'undo cpu':>8} {'peak MiB':>8} {'resident MiB':>12} {'res/touched':>11} {'record MiB':>10} "
+        f"{'variant':<8} {'merge s':>7} {'cpu s':>6} {'wall/main':>9} {'cpu/main':>8} {'wall/copy':>9} "
+        f"{'cpu/copy':>8} {'undo s':>6} {'undo cpu':>8} {'peak MiB':>8} {'resident MiB':>12} "
+        f"{'res/touched':>11} {'record MiB':>10} "
         "exact kinds"
     )
     for v, r in results.items():
         print(
             f"{v:<8} {r['merge_s']:7.1f} {r['merge_cpu']:6.1f} {ratio(r, base, 'merge_s'):>9} "
-            f"{ratio(r, base, 'merge_cpu'):>8} {ratio(r, copy, 'merge_s'):>9} {ratio(r, copy, 'merge_cpu'):>8} "
-            f"{r['undo_s']:6.1f} {r['undo_cpu']:8.1f} {r['peak_mib']:8.0f} {r['resident_mib']:12.0f} "
-            f"{r['resident_mib'] / touched:11.3f} {r['undo_mib']:10.0f} {r['exact']} {r['kinds']}"
+            f"{ratio(r, base, 'merge_cpu'):>8} {ratio(r, copy, 'merge_s'):>9} "
+            f"{ratio(r, copy, 'merge_cpu'):>8} {r['undo_s']:6.1f} {r['undo_cpu']:8.1f} {r['peak_mib']:8.0f} "
+            f"{r['resident_mib']:12.0f} {r['resident_mib'] / touched:11.3f} {r['undo_mib']:10.0f} "
+            f"{r['exact']} {r['kinds']}"
         )
     checks = []
     if "auto" in results:

@@ -1,9 +1,9 @@
-"""Shared benchmark plumbing: malloc hygiene (re-exec), thread count, command line, interleaved timing, medians,
-tables, RSS (and its measurement in child processes), the one-Linear model of the runtime benchmarks.
+"""Shared benchmark plumbing: malloc hygiene (re-exec), thread count, command line, interleaved timing,
+medians, tables, RSS (and its measurement in child processes), the one-Linear model of the runtime benchmarks.
 
 Importing this module re-executes the running script with the glibc malloc settings below when they are not
-already in the environment, so import it before torch (the settings are read once, at process start; this module
-imports torch only after that check).
+already in the environment, so import it before torch (the settings are read once, at process start; this
+module imports torch only after that check).
 
   MALLOC_MMAP_THRESHOLD_=4 GiB   large tensors come from the heap, not from a fresh mmap per allocation
   MALLOC_TRIM_THRESHOLD_=64 GiB  freed memory is kept, so a re-allocation does not page-fault again
@@ -66,15 +66,17 @@ def setup_torch():
 
 
 def positive_int(text: str) -> int:
-    """argparse `type` for a count (threads, rounds, repeats): an integer >= 1, else argparse's usage error."""
+    """argparse `type` for a count (threads, rounds, repeats): an integer >= 1, else argparse's usage
+    error."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return int(text)
 
 
 def add_clock_args(ap: argparse.ArgumentParser) -> None:
-    """--threads / --clock for benchmarks whose target is a few percent: one thread on the CPU-time clock by default
-    (a descheduled process accrues no CPU time; wall time with 2 threads on the shared host swings by 5-30%)."""
+    """--threads / --clock for benchmarks whose target is a few percent: one thread on the CPU-time clock by
+    default (a descheduled process accrues no CPU time; wall time with 2 threads on the shared host swings by
+    5-30%)."""
     ap.add_argument(
         "--threads",
         type=positive_int,
@@ -127,9 +129,9 @@ def parse_args(
     mem: bool = False,
     extra: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> argparse.Namespace:
-    """The common command line: --quick (`quick` rounds instead of `full`), --rounds N and, with `mem`, --no-mem and
-    the hidden --mem-child NAME (see `mem_children`); `extra(parser)` adds a script's own options.
-    `args.rounds` comes back resolved (--rounds, else quick or full)."""
+    """The common command line: --quick (`quick` rounds instead of `full`), --rounds N and, with `mem`,
+    --no-mem and the hidden --mem-child NAME (see `mem_children`); `extra(parser)` adds a script's own
+    options. `args.rounds` comes back resolved (--rounds, else quick or full)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"{quick} rounds instead of {full}")
     ap.add_argument("--rounds", type=int, default=None)
@@ -147,7 +149,8 @@ def parse_args(
 
 
 class Wrap(torch.nn.Module):
-    """A one-layer model, so every library addresses the Linear by the name `proj` (kohya key stem lora_unet_proj)."""
+    """A one-layer model, so every library addresses the Linear by the name `proj` (kohya key stem
+    lora_unet_proj)."""
 
     def __init__(self, lin: torch.nn.Linear) -> None:
         super().__init__()
@@ -262,8 +265,8 @@ def mem_children(script: str, names: Sequence[str]) -> dict[str, dict]:
 
 
 def forward_peak_child(name: str, build: Callable[[tuple[str, ...]], tuple]) -> None:
-    """A --mem-child body: peak RSS growth of one steady-state forward (after a warm-up forward) of variant `name`
-    from `build((name,))` -> (modules, input, kept objects), printed as JSON."""
+    """A --mem-child body: peak RSS growth of one steady-state forward (after a warm-up forward) of variant
+    `name` from `build((name,))` -> (modules, input, kept objects), printed as JSON."""
     torch.set_num_threads(THREADS)
     mods, x, _ = build((name,))
     m = mods[name]
@@ -303,7 +306,8 @@ class Variant:
 
 
 def _timed(v: Variant, collect: bool = True, clock: Callable[[], float] = time.perf_counter) -> float:
-    """One sample of `v` in seconds of `clock` (wall by default; time.process_time: CPU time of this process)."""
+    """One sample of `v` in seconds of `clock` (wall by default; time.process_time: CPU time of this
+    process)."""
     if v.prepare is not None:
         v.prepare()
     if collect:
@@ -362,7 +366,8 @@ class Sandwich:
         return f"{len(self.quiet[name])}/{len(self.ratios[name])}"
 
     def interval(self, name: str, level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
-        """A percentile-bootstrap interval of `ratio(name)` (the same samples): how far the median could move."""
+        """A percentile-bootstrap interval of `ratio(name)` (the same samples): how far the median could
+        move."""
         import random
 
         use = self.quiet[name] if len(self.quiet[name]) >= 3 else self.ratios[name]
@@ -385,9 +390,10 @@ def sandwiched(
     ref V1 ref V2 ref ... Vn ref (variant order rotated each round).
 
     Each variant sample is divided by the mean of its two neighbouring reference samples. On a VM whose speed
-    jumps (noisy neighbours: 2x slow-downs lasting seconds are common on shared hosts), a sample counts as quiet
-    when those two neighbours agree within `tol`; the ratio reported is the median over quiet samples.
-    `clock=time.process_time` times CPU seconds instead of wall (with one thread: immune to being descheduled)."""
+    jumps (noisy neighbours: 2x slow-downs lasting seconds are common on shared hosts), a sample counts as
+    quiet when those two neighbours agree within `tol`; the ratio reported is the median over quiet samples.
+    `clock=time.process_time` times CPU seconds instead of wall (with one thread: immune to being
+    descheduled)."""
     names = [ref.name, *(v.name for v in variants)]
     times: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {v.name: [] for v in variants}
@@ -441,8 +447,8 @@ def reference_cells(res: Sandwich, name: str) -> list[str]:
 
 
 def variant_cells(res: Sandwich, name: str) -> list[str]:
-    """Table cells of one variant of a `sandwiched` run: median ms, IQR/2, ratio (quiet samples), ratio all, quiet,
-    overhead (ratio - 1)."""
+    """Table cells of one variant of a `sandwiched` run: median ms, IQR/2, ratio (quiet samples), ratio all,
+    quiet, overhead (ratio - 1)."""
     t, r = res.times[name], res.ratio(name)
     return [
         f"{median(t) * 1e3:.1f}",
@@ -455,7 +461,8 @@ def variant_cells(res: Sandwich, name: str) -> list[str]:
 
 
 def print_legend(rounds: int, res: Sandwich, ref: str = "base", extra: str = "") -> None:
-    """The line that says how a `sandwiched` run's ratios were formed (`extra` appended), then `noise_line()`."""
+    """The line that says how a `sandwiched` run's ratios were formed (`extra` appended), then
+    `noise_line()`."""
     print(
         f"rounds={rounds}; every sample divided by the mean of the {ref} runs just before and after it; "
         f"'ratio' = median over quiet samples ({ref} neighbours within {res.tol * 100:.0f}%), "

@@ -1,8 +1,8 @@
 """Quantized copies of a float `nn.Sequential` of Linear layers, built with each backend's own API (as
 tests/test_quant_backends.py and tests/test_quant_sdnq.py do), and why a (backend, kind) cannot run here.
 
-`build(backend, kind, model)` quantizes every Linear of `model` in place and returns it; `blocker(backend, kind)`
-is the reason loraweave's backend gives for not running that kind on this machine, or None."""
+`build(backend, kind, model)` quantizes every Linear of `model` in place and returns it; `blocker(backend,
+kind)` is the reason loraweave's backend gives for not running that kind on this machine, or None."""
 
 from __future__ import annotations
 

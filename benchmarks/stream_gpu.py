@@ -9,9 +9,10 @@ Measures, in one run:
 - host-to-device bandwidth of the device (pinned 1 GiB copy, best of 5), the ceiling for streaming;
 - step time of the fully resident model (batch 2 = classifier-free guidance, 1024x1024 latents: 4096 image +
   512 text tokens), with a runtime LoRA on every Linear;
-- for each budget and placement (prefix / spread resident blocks): step time and its ratio to resident, the plan (resident/streamed blocks), bytes copied per
-  step, achieved copy bandwidth vs measured H2D, copy/compute overlap, and correctness vs resident (bit-equal
-  and max |diff|), before and after a strength change.
+- for each budget and placement (prefix / spread resident blocks): step time and its ratio to resident, the
+  plan (resident/streamed blocks), bytes copied per step, achieved copy bandwidth vs measured H2D,
+  copy/compute overlap, and correctness vs resident (bit-equal and max |diff|), before and after a strength
+  change.
 Target (issue 8): at 50 % budget >= 0.8x the resident throughput.
 
 Without CUDA it exits with status 2 and says so. `--tiny --device cpu` runs the same code on a tiny stack on
@@ -170,8 +171,8 @@ def main() -> int:
         "settings": [],
     }
     handle = loraweave.apply(model, lora(model, args.rank), mode="runtime") if args.rank else None
-    # Budgets are fractions of everything the model needs on the device: weights + LoRA factors (as the planner
-    # lays them out: down/up 256-aligned, travelling with their block, plus the per-rank scales).
+    # Budgets are fractions of everything the model needs on the device: weights + LoRA factors (as the
+    # planner lays them out: down/up 256-aligned, travelling with their block, plus the per-rank scales).
     from loraweave.streaming import factors
 
     al = lambda n: (n + 255) // 256 * 256  # noqa: E731

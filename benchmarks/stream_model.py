@@ -1,14 +1,15 @@
-"""What the streaming schedule should give on a GPU, before one is measured: a timing model, not a measurement.
+"""What the streaming schedule should give on a GPU, before one is measured: a timing model, not a
+measurement.
 
 The real StreamHandle runs a tiny Flux stack (same block structure as Flux.1: 19 double + 38 single blocks by
 default) on CPU, while its copies and block computes are timed on a virtual clock with Flux.1-width numbers:
-each block's bf16 bytes (plus its rank-16 LoRA factors) from a meta-device FluxTransformer2DModel, copied at an
-assumed host-to-device bandwidth on one copy engine; each block's compute = its FLOPs at 1024x1024 with CFG
+each block's bf16 bytes (plus its rank-16 LoRA factors) from a meta-device FluxTransformer2DModel, copied at
+an assumed host-to-device bandwidth on one copy engine; each block's compute = its FLOPs at 1024x1024 with CFG
 (batch 2, 4096 image + 512 text tokens; linear layers by the tokens each sees, plus attention) at an assumed
-rate. The planner and ledger see the real bytes, so plans are the ones a Flux.1 run would get. The handle's own
-calls drive the clock: a copy starts when the copy engine is free and compute has released its slot (the
-`freed` event), compute waits for the copy (`ready`). Not modelled: the rest of the model (embedders, norm_out),
-kernel launch gaps, contention between copy and compute for memory bandwidth.
+rate. The planner and ledger see the real bytes, so plans are the ones a Flux.1 run would get. The handle's
+own calls drive the clock: a copy starts when the copy engine is free and compute has released its slot (the
+`freed` event), compute waits for the copy (`ready`). Not modelled: the rest of the model (embedders,
+norm_out), kernel launch gaps, contention between copy and compute for memory bandwidth.
 
     .venv/bin/python benchmarks/stream_model.py [--bandwidths 25,50] [--efficiency 0.6]
 
@@ -104,7 +105,7 @@ def step(model, kw) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--double", type=int, default=19)
     ap.add_argument("--single", type=int, default=38)
     ap.add_argument(

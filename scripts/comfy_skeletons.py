@@ -1,5 +1,5 @@
-"""Write src/loraweave/comfy/skeletons/<arch>.json (never edited by hand): the diffusers reference tree of every
-architecture the ComfyUI pack maps (loraweave.comfy.targets.COMFY_ARCHS) at its catalog config, as
+"""Write src/loraweave/comfy/skeletons/<arch>.json (never edited by hand): the diffusers reference tree of
+every architecture the ComfyUI pack maps (loraweave.comfy.targets.COMFY_ARCHS) at its catalog config, as
 loraweave.comfy.skeletons.record describes it. Needs diffusers; tests/test_comfy_skeletons.py checks the files
 against it.
 

@@ -65,8 +65,9 @@ def lycoris_state(lycoris_class_attrs):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on 2 shared cores tiny
-    models run ~10x faster, small LAPACK calls stop stalling, and float summation order matches a 1-thread replica."""
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on 2 shared
+    cores tiny models run ~10x faster, small LAPACK calls stop stalling, and float summation order matches a
+    1-thread replica."""
     import torch
 
     threads = torch.get_num_threads()

@@ -363,8 +363,9 @@ def test_runtime_set_strength_is_a_scale_update_equal_to_a_fresh_apply():
 
 
 def test_runtime_set_strength_on_a_bf16_layer_rewrites_the_cast_scale_in_place_bit_equal_to_fresh():
-    """A bf16 layer computes with a bf16 copy of the per-rank scale: a strength change writes the new values into
-    that copy (no new allocation, no host sync on an accelerator) and equals a fresh apply bit for bit."""
+    """A bf16 layer computes with a bf16 copy of the per-rank scale: a strength change writes the new values
+    into that copy (no new allocation, no host sync on an accelerator) and equals a fresh apply bit for
+    bit."""
     base = _two_adapter_model().to(torch.bfloat16)
     ad_a, ad_b, _, _ = _two_adapters()
     x = torch.randn(5, 16, generator=gen(25)).to(torch.bfloat16)
@@ -882,7 +883,8 @@ def test_merge_on_an_int8_layer_is_reported():
 @pytest.mark.parametrize("mode", ["merge", "runtime"])
 def test_factors_with_an_autograd_graph_do_not_keep_it_alive(mode):
     """A state dict whose factors were computed with grad (e.g. scaled by a weight's norm) holds that graph;
-    the handle keeps the factors but not the graph, so the tensors behind it are freed with the caller's refs."""
+    the handle keeps the factors but not the graph, so the tensors behind it are freed with the caller's
+    refs."""
     import gc
     import weakref
 

@@ -1,9 +1,12 @@
-"""Original-name tables for Anima (Cosmos-Predict2 + LLM adapter), Sana and ERNIE-Image, each against diffusers.
+"""Original-name tables for Anima (Cosmos-Predict2 + LLM adapter), Sana and ERNIE-Image, each against
+diffusers.
 
 Per architecture (as tests/test_arch_ltx_layouts.py):
-1. the converter is the oracle for names: every original name of a converter-derived key list lands on the module
-   (and, across pipeline components, the component) the converter maps it to, on the full-size meta model;
-2. merged and runtime outputs equal diffusers' converter + PEFT (`load_lora_adapter`) on a tiny model (fp32, 1e-5);
+1. the converter is the oracle for names: every original name of a converter-derived key list lands on the
+   module (and, across pipeline components, the component) the converter maps it to, on the full-size meta
+   model;
+2. merged and runtime outputs equal diffusers' converter + PEFT (`load_lora_adapter`) on a tiny model (fp32,
+   1e-5);
 3. negative controls: a swapped table row makes (1) fail.
 """
 
@@ -84,7 +87,8 @@ def module_inputs(parts: dict, seed: int = 9) -> dict[tuple[str, str], torch.Ten
 
 
 def assert_components_match_peft(parts: dict, sd: dict, converted: dict):
-    """Every Linear/1x1 conv output: ours (merge, runtime) vs the converted keys loaded by PEFT per component."""
+    """Every Linear/1x1 conv output: ours (merge, runtime) vs the converted keys loaded by PEFT per
+    component."""
     refs = {}
     for name, model in parts.items():
         refs[name] = copy.deepcopy(model)
@@ -111,7 +115,8 @@ def assert_outputs_match(parts: dict, sd: dict, refs: dict, changed: set[str], w
 
 
 def kohya_form(sd: dict) -> dict[str, torch.Tensor]:
-    """sd-scripts' Anima names: `lora_unet_` + the flattened original name (llm_adapter included), lora_down/up."""
+    """sd-scripts' Anima names: `lora_unet_` + the flattened original name (llm_adapter included),
+    lora_down/up."""
     out = {}
     for key, value in sd.items():
         stem, role = key.removeprefix("diffusion_model.").rsplit(".lora_", 1)
@@ -167,8 +172,8 @@ def _anima_pipeline(parts: dict):
 
 
 def test_anima_pipeline_matches_load_lora_weights():
-    """One file, DiT + LLM adapter, on diffusers' Anima pipeline: ours lands on its transformer and text_conditioner
-    as the pipeline's own load_lora_weights (AnimaLoraLoaderMixin) does."""
+    """One file, DiT + LLM adapter, on diffusers' Anima pipeline: ours lands on its transformer and
+    text_conditioner as the pipeline's own load_lora_weights (AnimaLoraLoaderMixin) does."""
     parts = _anima(False, ANIMA_DIT_TINY, ANIMA_CONDITIONER_TINY)
     sd = anima_file(parts, meta=False)
     reference = _anima_pipeline(copy.deepcopy(parts))
@@ -227,9 +232,9 @@ def _qwen3_06b():
     ],
 )
 def test_anima_real_key_names(name, realdata):
-    """InvokeAI's Anima key lists (PEFT, kohya, kohya + Qwen3 encoder, LoKr + DoRA): every name lands on the module
-    the converter (DiT) or Qwen3Model's own name (encoder) says. The files' shapes are hand-made, so only the
-    names are real: tensors take the live modules' shapes."""
+    """InvokeAI's Anima key lists (PEFT, kohya, kohya + Qwen3 encoder, LoKr + DoRA): every name lands on the
+    module the converter (DiT) or Qwen3Model's own name (encoder) says. The files' shapes are hand-made, so
+    only the names are real: tensors take the live modules' shapes."""
     parts = {**_anima(True, ANIMA_DIT, {}), "text_encoder": _qwen3_06b()}
     keys = json.loads((realdata / "keys" / "invokeai" / name).read_text())["keys"]
     dotted = component_targets(_anima_convert, anima_file(parts, meta=True))
@@ -305,8 +310,8 @@ def _sana_convert(checkpoint: dict) -> dict[str, torch.Tensor]:
 
 
 def sana_row_map(model) -> dict[str, list[tuple[str, int, int, int]]]:
-    """{original tensor: [(diffusers tensor, src_start, dst_start, length)]}, read off the converter's output by
-    giving every row of every original tensor its own number (1-D tensors: cheap at full size)."""
+    """{original tensor: [(diffusers tensor, src_start, dst_start, length)]}, read off the converter's output
+    by giving every row of every original tensor its own number (1-D tensors: cheap at full size)."""
     names: list[str] = []
 
     def tag(name, shape):
@@ -345,8 +350,8 @@ def assert_sana_rows_are_the_converters(model):
 
 
 def test_sana_full_size_rows_are_the_converters():
-    """Every weight of the original checkpoint of the default (1600M) Sana lands on exactly the rows of the module
-    convert_sana_transformer_to_diffusers puts it in; scale_shift_tables on their parameter."""
+    """Every weight of the original checkpoint of the default (1600M) Sana lands on exactly the rows of the
+    module convert_sana_transformer_to_diffusers puts it in; scale_shift_tables on their parameter."""
     model = _sana(True)
     assert_sana_rows_are_the_converters(model)
     table = AliasTable(model)  # kohya-flattened original names land on the same rows
@@ -383,8 +388,9 @@ def test_sana_swapped_row_is_caught(monkeypatch, swap):
 
 
 def sana_lora(model, seed: int = 3) -> tuple[dict, dict]:
-    """(original-name LoRA on every Linear and 1x1 conv, its diffusers form). diffusers has no Sana LoRA converter:
-    the reference gives each target the source's lora_A and the rows of lora_B the weight converter gives it."""
+    """(original-name LoRA on every Linear and 1x1 conv, its diffusers form). diffusers has no Sana LoRA
+    converter: the reference gives each target the source's lora_A and the rows of lora_B the weight converter
+    gives it."""
     g = torch.Generator().manual_seed(seed)
     weights = {
         k: v for k, v in sana_original(model, lambda n, s: torch.empty(s)).items() if k.endswith(".weight")
@@ -418,7 +424,8 @@ def test_sana_matches_diffusers_and_peft():
 
 def test_sana_full_diffs_match_the_converter():
     """A full-difference file is an original checkpoint of deltas: the converter turns it into the diffusers
-    deltas, which merging ours must add to every tensor (depthwise conv, norm, biases and scale_shift_tables too)."""
+    deltas, which merging ours must add to every tensor (depthwise conv, norm, biases and scale_shift_tables
+    too)."""
     model = _sana(False, **SANA_TINY)
     g = torch.Generator().manual_seed(5)
     deltas = sana_original(model, lambda n, s: torch.randn(s, generator=g))
@@ -458,8 +465,9 @@ def _ernie_convert(sd):
 
 @pytest.mark.parametrize("prefix", ["diffusion_model.", "base_model.model."])
 def test_ernie_image_prefix_only_full_size(prefix):
-    """ERNIE-Image LoRAs (AI-Toolkit, PEFT) use the diffusers module names behind a prefix: ErnieImageLoraLoaderMixin
-    only swaps it for `transformer.`. Every Linear of the default-config model lands."""
+    """ERNIE-Image LoRAs (AI-Toolkit, PEFT) use the diffusers module names behind a prefix:
+    ErnieImageLoraLoaderMixin only swaps it for `transformer.`. Every Linear of the default-config model
+    lands."""
     parts = {"transformer": _ernie(True)}
     sd = lora_file(linears(parts["transformer"]), lambda n: f"{prefix}{n}", meta=True)
     targets = component_targets(_ernie_convert, sd)
@@ -488,9 +496,9 @@ def test_ernie_image_without_the_prefix_row_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("to", ["kohya", "comfy", "diffusers"])
 def test_anima_convert_keeps_the_text_conditioner(tmp_path, to):
-    """convert wrote the text_conditioner's keys under the text encoder's kohya prefix (`lora_te_`, read back as the
-    text encoder) and refused them in comfy; now each layout's own prefix (the DiT's llm_adapter), and the converted
-    file merges to what the original merges to, on both components."""
+    """convert wrote the text_conditioner's keys under the text encoder's kohya prefix (`lora_te_`, read back
+    as the text encoder) and refused them in comfy; now each layout's own prefix (the DiT's llm_adapter), and
+    the converted file merges to what the original merges to, on both components."""
     from safetensors.torch import save_file
 
     from loraweave.tools.convert import convert

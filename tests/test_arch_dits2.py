@@ -1,13 +1,13 @@
 """Flux.2, HunyuanVideo and Krea2 original-name tables, checked against diffusers' own converters.
 
-1. Oracle round trip (tiny models): every original name of our table becomes a checkpoint tensor (the pieces' rows
-   concatenated in source order), diffusers' single-file converter turns it back into diffusers keys, and every weight
-   must come back bit-exactly and every parameter of the model must be produced. Names the converter does not know
-   are extra spellings and must equal a converter-known name (ComfyUI's HunyuanVideo renames) or what diffusers'
-   `fuse_projections()` builds (`attn.to_qkv` / `attn.to_added_qkv`).
-2. Full-size meta models: a LoRA on every original weight resolves 100% in kohya and ComfyUI spellings. The original
-   names are written from the converters' own rename lists (not from our tables) and the converter itself confirms
-   each one and gives its shape; together they must cover every 2-D+ weight of the model.
+1. Oracle round trip (tiny models): every original name of our table becomes a checkpoint tensor (the pieces'
+   rows concatenated in source order), diffusers' single-file converter turns it back into diffusers keys, and
+   every weight must come back bit-exactly and every parameter of the model must be produced. Names the
+   converter does not know are extra spellings and must equal a converter-known name (ComfyUI's HunyuanVideo
+   renames) or what diffusers' `fuse_projections()` builds (`attn.to_qkv` / `attn.to_added_qkv`).
+2. Full-size meta models: a LoRA on every original weight resolves 100% in kohya and ComfyUI spellings. The
+   original names are written from the converters' own rename lists (not from our tables) and the converter
+   itself confirms each one and gives its shape; together they must cover every 2-D+ weight of the model.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Z-Image SwiGLU w1/w3 fused by runtimes in either row order: the order is proven by the model's own output, then
-LoRAs for the separate projections land on the fused rows (and fused-module LoRAs on the separate ones)."""
+"""Z-Image SwiGLU w1/w3 fused by runtimes in either row order: the order is proven by the model's own output,
+then LoRAs for the separate projections land on the fused rows (and fused-module LoRAs on the separate
+ones)."""
 
 from __future__ import annotations
 

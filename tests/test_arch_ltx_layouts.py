@@ -3,8 +3,8 @@
 Per layout/architecture:
 1. the converter is the oracle for names: every original name of a converter-derived key list must land on the
    module the converter maps it to (on the full-size meta model: 100 %, nothing else);
-2. merged and runtime outputs of every Linear equal diffusers' converter + PEFT (`load_lora_adapter`) on a tiny
-   model of the class (fp32, 1e-5 relative);
+2. merged and runtime outputs of every Linear equal diffusers' converter + PEFT (`load_lora_adapter`) on a
+   tiny model of the class (fp32, 1e-5 relative);
 3. negative controls: a swapped table row makes (1) fail.
 """
 
@@ -64,7 +64,8 @@ def _ltx2_convert(sd):
 
 
 def test_ltx2_original_names_full_size():
-    """Audio tower, audio<->video cross-attention, adaln_single, prompt modulation and gate logits (LTX-2.3 config)."""
+    """Audio tower, audio<->video cross-attention, adaln_single, prompt modulation and gate logits (LTX-2.3
+    config)."""
     model = _ltx2(True, **LTX2_FULL)
     modules = linears(model)
     sd = lora_file(modules, lambda n: f"diffusion_model.{ltx2_original(n)}", meta=True)
@@ -226,8 +227,9 @@ def bfl_flux_file(model, prefix: str, seed: int = 6) -> dict[str, torch.Tensor]:
 
 
 def test_fal_kontext_matches_diffusers_and_peft(monkeypatch):
-    """fal's Kontext trainer: `base_model.model.` + BFL names. diffusers' converter hard-codes 19/38 blocks of width
-    3072, so the tiny model is checked through it with the block counts and widths it expects patched out."""
+    """fal's Kontext trainer: `base_model.model.` + BFL names. diffusers' converter hard-codes 19/38 blocks of
+    width 3072, so the tiny model is checked through it with the block counts and widths it expects patched
+    out."""
     from diffusers.loaders import lora_conversion_utils as lcu
 
     model = tiny_flux()
@@ -239,7 +241,8 @@ def test_fal_kontext_matches_diffusers_and_peft(monkeypatch):
 
 
 def _fal_convert(lcu, model, sd):
-    """Run diffusers' fal Kontext converter on a tiny Flux: its constants (19, 38, 3072) are the only change."""
+    """Run diffusers' fal Kontext converter on a tiny Flux: its constants (19, 38, 3072) are the only
+    change."""
     import inspect
 
     source = inspect.getsource(lcu._convert_fal_kontext_lora_to_diffusers)
@@ -297,7 +300,8 @@ def _wan_block_linears(model):
 
 
 def test_musubi_wan_matches_diffusers_and_peft():
-    """musubi-tuner: kohya-flattened Wan names with alpha (here alpha/rank = 0.5, which the converter folds)."""
+    """musubi-tuner: kohya-flattened Wan names with alpha (here alpha/rank = 0.5, which the converter
+    folds)."""
     from diffusers.loaders.lora_conversion_utils import _convert_musubi_wan_lora_to_diffusers
     from helpers.tiny_configs import tiny_wan
 
@@ -312,7 +316,8 @@ def test_musubi_wan_matches_diffusers_and_peft():
 
 
 def test_diffusion_pipe_wan_matches_diffusers_and_peft():
-    """diffusion-pipe saves Wan LoRAs in ComfyUI form: `diffusion_model.<Wan name>.lora_A.weight`, no alpha."""
+    """diffusion-pipe saves Wan LoRAs in ComfyUI form: `diffusion_model.<Wan name>.lora_A.weight`, no
+    alpha."""
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
     from helpers.tiny_configs import tiny_wan
 
@@ -421,8 +426,8 @@ def test_lumina2_matches_diffusers_and_peft():
     ],
 )
 def test_prefix_only_layouts_full_size(cls, config):
-    """HiDream and LTX-Video LoRAs use the diffusers module names behind `diffusion_model.` (the converters only
-    swap that prefix for `transformer.`): every Linear of the full-size model resolves."""
+    """HiDream and LTX-Video LoRAs use the diffusers module names behind `diffusion_model.` (the converters
+    only swap that prefix for `transformer.`): every Linear of the full-size model resolves."""
     import diffusers
     from diffusers.loaders import lora_conversion_utils as lcu
 

@@ -1,10 +1,11 @@
 """Original-name tables of MiniMax-H3, Ideogram4 and Qwen-Image 2.1, each against diffusers' own converter.
 
 Per architecture:
-1. the converter is the oracle for names and rows: on the full-size meta model every original name lands 100 %,
-   and every row of every key lands on the live module and row the converter sends it to (checked with a row-index
-   `lora_B`: row r holds the value r);
-2. merged and runtime outputs of every Linear equal diffusers' converter + PEFT on a tiny model (fp32, 1e-5 rel.);
+1. the converter is the oracle for names and rows: on the full-size meta model every original name lands 100
+   %, and every row of every key lands on the live module and row the converter sends it to (checked with a
+   row-index `lora_B`: row r holds the value r);
+2. merged and runtime outputs of every Linear equal diffusers' converter + PEFT on a tiny model (fp32, 1e-5
+   rel.);
 3. negative controls: a swapped table row makes (1) fail.
 """
 
@@ -83,7 +84,8 @@ def table_rows(model, sd: dict) -> dict[str, torch.Tensor]:
 
 
 def assert_rows_match_converter(model, sd: dict, converted: dict, modules: set[str]):
-    """Names and rows: loraweave plans every key, and each lands on the converter's module rows, nothing else."""
+    """Names and rows: loraweave plans every key, and each lands on the converter's module rows, nothing
+    else."""
     report = loraweave.plan(model, sd)
     assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd)
     ours, theirs = table_rows(model, sd), converter_rows(converted)
@@ -100,7 +102,8 @@ def swap_in_table(monkeypatch, name: str, swap):
     monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tables)
 
 
-# --- MiniMax-H3 -------------------------------------------------------------------------------------------------
+# --- MiniMax-H3
+# -------------------------------------------------------------------------------------------------
 
 H3_TINY = dict(
     num_attention_heads=2,
@@ -156,8 +159,8 @@ def test_minimax_h3_matches_diffusers_and_peft(form):
 
 
 def test_minimax_h3_runtime_holds_one_pair_per_part():
-    """DiffSynth's QKV lands as one row chunk per head (and fc1 as two halves); the runtime path still holds the
-    file's rank-r pair once per layer, not once per chunk (heads x r)."""
+    """DiffSynth's QKV lands as one row chunk per head (and fc1 as two halves); the runtime path still holds
+    the file's rank-r pair once per layer, not once per chunk (heads x r)."""
     from loraweave.streaming.factors import runtime_paths
 
     model = _model("MiniMaxH3Transformer3DModel", False, **dict(H3_TINY, num_attention_heads=4))
@@ -198,8 +201,9 @@ def _mixed_rank_file(model) -> dict:
 
 @pytest.mark.parametrize("metadata", [{"alpha": "2"}, {}])
 def test_minimax_h3_metadata_alpha_as_diffusers_loader(tmp_path, metadata):
-    """A file without `.alpha` tensors: `__metadata__["alpha"]` is every module's network alpha (γ = alpha / rank,
-    mixed ranks), else γ = 1. The reference is diffusers' MiniMax-H3 loader (its lora_state_dict + metadata) + PEFT."""
+    """A file without `.alpha` tensors: `__metadata__["alpha"]` is every module's network alpha (γ = alpha /
+    rank, mixed ranks), else γ = 1. The reference is diffusers' MiniMax-H3 loader (its lora_state_dict +
+    metadata) + PEFT."""
     from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
     from safetensors.torch import save_file
 
@@ -225,9 +229,10 @@ def test_minimax_h3_metadata_alpha_as_diffusers_loader(tmp_path, metadata):
 
 @pytest.mark.parametrize("arch", [None, "minimax"])
 def test_minimax_h3_resize_keeps_the_metadata_alpha(tmp_path, arch):
-    """resize folds γ = alpha / rank from `__metadata__["alpha"]` (it wrote γ = 1: the resized file was 2/rank off),
-    with the architecture detected or given by a catalog alias (read by name, "minimax" missed the table).
-    Full rank (4, the file's highest), so the resized file must merge to what the original merges to."""
+    """resize folds γ = alpha / rank from `__metadata__["alpha"]` (it wrote γ = 1: the resized file was 2/rank
+    off), with the architecture detected or given by a catalog alias (read by name, "minimax" missed the
+    table). Full rank (4, the file's highest), so the resized file must merge to what the original merges
+    to."""
     from safetensors.torch import save_file
 
     from loraweave.tools.resize import resize
@@ -268,8 +273,8 @@ def test_minimax_h3_metadata_alpha_not_a_number_is_refused(tmp_path):
 
 
 def test_minimax_h3_partitions():
-    """`transformer` by default; `transformer_ref` when it is the only partition, when the keys say so, or with
-    component_strengths (diffusers' load_into_transformer_ref=True)."""
+    """`transformer` by default; `transformer_ref` when it is the only partition, when the keys say so, or
+    with component_strengths (diffusers' load_into_transformer_ref=True)."""
     t, ref = (_model("MiniMaxH3Transformer3DModel", True, **H3_TINY) for _ in range(2))
     sd = lora_from_shapes(h3_lora_names(t), lambda s: f"diffusion_model.{s}")
     both = {"transformer": t, "transformer_ref": ref}
@@ -314,7 +319,8 @@ def test_minimax_h3_swapped_rows_are_caught(monkeypatch):
             assert_rows_match_converter(model, diffsynth, _h3_convert(diffsynth), set(linears(model)))
 
 
-# --- Ideogram4 --------------------------------------------------------------------------------------------------
+# --- Ideogram4
+# --------------------------------------------------------------------------------------------------
 
 IDEOGRAM4_TINY = dict(
     in_channels=8,
@@ -335,7 +341,8 @@ def _ideogram4_convert(sd):
 
 
 def kohya_dotted(sd: dict) -> dict:
-    """The converter's kohya form: dotted original names, lora_down/lora_up, `.alpha` (here alpha / rank = 0.5)."""
+    """The converter's kohya form: dotted original names, lora_down/lora_up, `.alpha` (here alpha / rank =
+    0.5)."""
     out = {k.replace(".lora_A.", ".lora_down.").replace(".lora_B.", ".lora_up."): v for k, v in sd.items()}
     out.update(
         {
@@ -390,7 +397,8 @@ def test_ideogram4_swapped_row_is_caught(monkeypatch):
         assert_rows_match_converter(model, sd, _ideogram4_convert(sd), _ideogram4_blocks(model))
 
 
-# --- Qwen-Image 2.1 ---------------------------------------------------------------------------------------------
+# --- Qwen-Image 2.1
+# ---------------------------------------------------------------------------------------------
 
 QWEN21_TINY = dict(
     in_channels=8,

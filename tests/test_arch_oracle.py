@@ -54,8 +54,8 @@ def original_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def patched_converter(name: str, **constants):
-    """diffusers' converter `name` with its hard-coded widths (e.g. Lumina2's q_dim = 2304) set for a tiny model;
-    nothing else of its code changes."""
+    """diffusers' converter `name` with its hard-coded widths (e.g. Lumina2's q_dim = 2304) set for a tiny
+    model; nothing else of its code changes."""
     import inspect
 
     from diffusers.loaders import single_file_utils
@@ -74,8 +74,8 @@ CASES = {
     "wan_t2v": (lambda: tiny_wan(False), "convert_wan_transformer_to_diffusers"),
     "wan_i2v": (lambda: tiny_wan(True), "convert_wan_transformer_to_diffusers"),
     "wan_vace": (tiny_wan_vace, "convert_wan_transformer_to_diffusers"),
-    # q/k/v widths hard-coded (2304/768/768); its prefix stripping re-keys the dict but then pops the old keys,
-    # so it gets unprefixed names.
+    # q/k/v widths hard-coded (2304/768/768); its prefix stripping re-keys the dict but then pops the old
+    # keys, so it gets unprefixed names.
     "lumina2": (
         tiny_lumina2,
         lambda: patched_converter(

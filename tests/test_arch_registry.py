@@ -1,6 +1,6 @@
-"""The architecture registry: every record fills each facet it claims consistently (facet checks over the whole
-registry), and an architecture declared in one file (tests/helpers/toy_arch.py) is picked up by detection, the
-catalog, the block maps and the support matrix script once registered."""
+"""The architecture registry: every record fills each facet it claims consistently (facet checks over the
+whole registry), and an architecture declared in one file (tests/helpers/toy_arch.py) is picked up by
+detection, the catalog, the block maps and the support matrix script once registered."""
 
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ RELEASES = [(a.name, r) for a in RECORDS for r in a.releases if r.catalog]
 
 @pytest.mark.parametrize("arch,release", RELEASES, ids=[r.catalog for _, r in RELEASES])
 def test_a_release_is_its_catalog_skeleton(arch, release):
-    """A release that names a skeleton has that skeleton's block counts and hidden width (on the meta device)."""
+    """A release that names a skeleton has that skeleton's block counts and hidden width (on the meta
+    device)."""
     model = build_meta(release.catalog, text_encoders=False)[CATALOG[release.catalog].denoiser]
     assert block_counts([n for n, _ in model.named_modules()]) == release.chains
     assert model.config.num_attention_heads * model.config.attention_head_dim == release.hidden

@@ -1,12 +1,14 @@
-"""Wan Animate original names (face adapter, face encoder, motion encoder), checked against diffusers' converter.
+"""Wan Animate original names (face adapter, face encoder, motion encoder), checked against diffusers'
+converter.
 
 1. names: the test's own inverse of `convert_wan_transformer_to_diffusers` writes every parameter of the
    full-size (released config) model in original spelling; the converter must give the live state dict back,
    which makes the key list converter-derived. Every original module and bare parameter must then resolve to
    exactly the modules / rows the converter sends it to (100 %, on `meta`).
-2. numbers: a LoRA on every Linear, in original names, merged and at runtime equals the converter's keys loaded
-   by PEFT (fp32, 1e-5 relative); a full-difference file over every parameter (convolutions, motion encoder
-   biases stored (1, C, 1, 1), `dec.direction`) changes each parameter exactly as the converter maps it.
+2. numbers: a LoRA on every Linear, in original names, merged and at runtime equals the converter's keys
+   loaded by PEFT (fp32, 1e-5 relative); a full-difference file over every parameter (convolutions, motion
+   encoder biases stored (1, C, 1, 1), `dec.direction`) changes each parameter exactly as the converter maps
+   it.
 3. negative control: the face adapter's `linear1_kv` halves swapped in the table make (1) fail.
 """
 
@@ -110,7 +112,8 @@ def animate_original(key: str) -> str:
     if m:
         n, conv, what = int(m[1]) + 1, m[2], m[3]
         index = {"conv1": (0, 1), "conv2": (1, 2), "conv_skip": (1, None)}[conv][what != "weight"]
-        return f"{_ME}.{n}.{'skip' if conv == 'conv_skip' else conv}.{index}.{'bias' if what != 'weight' else 'weight'}"
+        module = "skip" if conv == "conv_skip" else conv
+        return f"{_ME}.{n}.{module}.{index}.{'bias' if what != 'weight' else 'weight'}"
     for live, original in _INVERSE:
         if re.search(live, key):
             return re.sub(live, original, key)
@@ -130,8 +133,9 @@ def _build(meta: bool, config: dict, cls: str = "WanAnimateTransformer3DModel"):
     return getattr(diffusers, cls)(**config).eval()
 
 
-# The converter turns its face adapter / motion encoder renames on only when the file has such keys: converting
-# one key at a time, these probes (dropped from the result) stand for the rest of a full checkpoint.
+# The converter turns its face adapter / motion encoder renames on only when the file has such keys:
+# converting one key at a time, these probes (dropped from the result) stand for the rest of a full
+# checkpoint.
 _PROBES = ("face_adapter._probe", "motion_encoder._probe")
 
 
@@ -160,7 +164,8 @@ def converter_map(model, state=None, convert=None) -> dict[str, list[str]]:
 
 
 def test_inverse_is_the_converters_full_size():
-    """The converter turns the test's original key list back into exactly the live state dict, shapes included."""
+    """The converter turns the test's original key list back into exactly the live state dict, shapes
+    included."""
     model = _build(True, ANIMATE_14B)
     state = model.state_dict()
     converted = _convert(original_state(model))
@@ -273,8 +278,9 @@ def test_tiny_lora_matches_diffusers_converter_and_peft():
 
 
 def test_tiny_full_differences_land_as_the_converter_maps_them():
-    """`.diff` / `.diff_b` on every module and `<parameter>.diff` on bare ones (merge): each live parameter moves
-    by the converter's rendering of the original deltas; convolutions and the motion encoder included."""
+    """`.diff` / `.diff_b` on every module and `<parameter>.diff` on bare ones (merge): each live parameter
+    moves by the converter's rendering of the original deltas; convolutions and the motion encoder
+    included."""
     model = _build(False, ANIMATE_TINY)
     table = AliasTable(model)
     g = torch.Generator().manual_seed(7)
@@ -318,8 +324,9 @@ def test_swapped_kv_halves_are_caught(monkeypatch):
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_animate_only_keys_are_expected_absent_on_other_wan(flat):
-    """An Animate LoRA on Wan 2.1 I2V (same blocks, no face adapter / motion encoder): the block keys land with
-    the numbers the Animate model gets, the Animate-only keys are expected absent and strict mode passes."""
+    """An Animate LoRA on Wan 2.1 I2V (same blocks, no face adapter / motion encoder): the block keys land
+    with the numbers the Animate model gets, the Animate-only keys are expected absent and strict mode
+    passes."""
     from helpers.tiny_configs import tiny_wan
 
     animate, i2v = _build(False, ANIMATE_TINY), tiny_wan(True)
@@ -397,9 +404,9 @@ def test_detection_names_wan_animate_and_the_catalog_builds_it():
 )
 @pytest.mark.parametrize("form", ["peft", "kohya"])
 def test_diffusers_names_resolve_on_the_full_size_model(cls, form):
-    """No original-name table for HunyuanVideo 1.5 / HunyuanImage 2.1 / Kandinsky 5 (no converter in diffusers'
-    loaders): files in diffusers module names (PEFT `transformer.` or kohya-flattened) must still land 100 %
-    on the class-default (released-size) model."""
+    """No original-name table for HunyuanVideo 1.5 / HunyuanImage 2.1 / Kandinsky 5 (no converter in
+    diffusers' loaders): files in diffusers module names (PEFT `transformer.` or kohya-flattened) must still
+    land 100 % on the class-default (released-size) model."""
     import diffusers
 
     config = ANIMATE_14B if cls.startswith("WanAnimate") else {}
@@ -535,8 +542,9 @@ def _bfl_flux2_lora(double: int, single: int, hidden: int, single_rows: int) -> 
     "name, double, single, hidden", [("flux2-klein-4b", 5, 20, 3072), ("flux2-klein-9b", 8, 24, 4096)]
 )
 def test_inspect_names_klein_and_checks_against_its_skeleton(tmp_path, name, double, single, hidden):
-    """BFL names are shared with Flux.1 (detection alone says `flux`); block counts, width and the fused linear1
-    rows (9 x hidden: SwiGLU) name the klein variant, and coverage is checked on that variant's full-size model."""
+    """BFL names are shared with Flux.1 (detection alone says `flux`); block counts, width and the fused
+    linear1 rows (9 x hidden: SwiGLU) name the klein variant, and coverage is checked on that variant's
+    full-size model."""
     from safetensors.torch import save_file
 
     from loraweave.tools.inspect import format_table, inspect_adapter

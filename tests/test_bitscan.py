@@ -1,4 +1,5 @@
-"""The undo records' bit scans: the numpy forms (CPU) and the torch forms (CUDA; forced here) agree exactly."""
+"""The undo records' bit scans: the numpy forms (CPU) and the torch forms (CUDA; forced here) agree
+exactly."""
 
 import pytest
 import torch

@@ -1,5 +1,6 @@
-"""A merge casts each half-precision LoRA factor once per layer (families/base.py CastMemo), not once per block of
-rows, and the merged and restored weights keep their bits: the cast values are the same, so ΔW is too."""
+"""A merge casts each half-precision LoRA factor once per layer (families/base.py CastMemo), not once per
+block of rows, and the merged and restored weights keep their bits: the cast values are the same, so ΔW is
+too."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def test_cast_once_keeps_one_cast_per_memo():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_merge_casts_each_factor_once_per_layer(monkeypatch, dtype):
-    """8 blocks of rows per layer: the down factor is cast to fp32 once per merge and once per undo (8 times each
-    before), and the merge and its undo give the bits they gave before (checked against undo="copy", which
-    restores from a full copy, with a cast per block, and the weights before the merge)."""
+    """8 blocks of rows per layer: the down factor is cast to fp32 once per merge and once per undo (8 times
+    each before), and the merge and its undo give the bits they gave before (checked against undo="copy",
+    which restores from a full copy, with a cast per block, and the weights before the merge)."""
     monkeypatch.setattr(layer_mod, "CHUNK_ELEMENTS", 64 * 96)  # (512, 96): 8 blocks of 64 rows
     torch.manual_seed(0)
     model = nn.ModuleDict({"a": nn.Linear(96, 512)}).to(dtype)

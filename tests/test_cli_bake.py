@@ -1,4 +1,5 @@
-"""`loraweave bake`: merged checkpoint == apply(mode="merge") bit for bit; atomic output; metadata of what was baked."""
+"""`loraweave bake`: merged checkpoint == apply(mode="merge") bit for bit; atomic output; metadata of what was
+baked."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from helpers.tiny_models import tiny_flux  # noqa: E402
 
 
 def flux_lora(seed: int, rank: int = 4, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Mixed-layout LoRA on the tiny Flux (hidden 32): a fused kohya qkv, a diffusers key, a kohya single block."""
+    """Mixed-layout LoRA on the tiny Flux (hidden 32): a fused kohya qkv, a diffusers key, a kohya single
+    block."""
     g = torch.Generator().manual_seed(seed)
 
     def pair(prefix: str, rows: int, cols: int, alpha: float | None, kohya: bool) -> dict[str, torch.Tensor]:
@@ -203,7 +205,8 @@ def test_bake_pipeline_folder(tmp_path):
 
 
 def _to_bfl(sd: dict[str, torch.Tensor], double: int = 2, single: int = 2) -> dict[str, torch.Tensor]:
-    """Diffusers Flux state dict -> BFL names, written out by hand (independent of loraweave's alias tables)."""
+    """Diffusers Flux state dict -> BFL names, written out by hand (independent of loraweave's alias
+    tables)."""
     out, used = {}, set()
 
     def put(bfl: str, *names: str, swap: bool = False) -> None:
@@ -249,7 +252,8 @@ def _to_bfl(sd: dict[str, torch.Tensor], double: int = 2, single: int = 2) -> di
 
 
 def test_bake_original_named_single_file(tmp_path):
-    """A BFL-named single file: kohya (BFL) and diffusers keys both land on the right rows of the fused tensors."""
+    """A BFL-named single file: kohya (BFL) and diffusers keys both land on the right rows of the fused
+    tensors."""
     model = tiny_flux(seed=11)
     ckpt = tmp_path / "flux_bfl.safetensors"
     save_file(_to_bfl(model.state_dict()), ckpt)
@@ -279,8 +283,8 @@ def test_bake_original_named_single_file(tmp_path):
 
 
 def test_bake_ldm_single_file_with_prefix(tmp_path):
-    """An ldm/sgm single file (`model.diffusion_model.input_blocks...`): diffusers-named and sgm-named keys land;
-    tensors outside the UNet (here a VAE one) pass through untouched."""
+    """An ldm/sgm single file (`model.diffusion_model.input_blocks...`): diffusers-named and sgm-named keys
+    land; tensors outside the UNet (here a VAE one) pass through untouched."""
     from helpers.tiny_models import tiny_sdxl_unet
 
     from loraweave.arch.unet_original import unet_original_names
@@ -330,8 +334,9 @@ def test_bake_ldm_single_file_with_prefix(tmp_path):
     ],
 )
 def test_a_component_folder_is_named_by_its_folder(tmp_path, folder, cls):
-    """A component folder given alone: Anima's text_conditioner and LTX-2's connectors were named "transformer" by
-    their class (not a UNet, not a text model), so the file's keys for them could not land."""
+    """A component folder given alone: Anima's text_conditioner and LTX-2's connectors were named
+    "transformer" by their class (not a UNet, not a text model), so the file's keys for them could not
+    land."""
     from loraweave.tools.checkpoint import open_checkpoint
 
     root = tmp_path / folder

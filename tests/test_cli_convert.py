@@ -143,7 +143,8 @@ def test_diffusers_comfy_diffusers_round_trip(model, tmp_path, capsys):
 
 
 def test_swap_scale_shift_rows(model, tmp_path):
-    """final_layer.adaLN_modulation.1 rows are (shift, scale); diffusers norm_out.linear holds (scale, shift)."""
+    """final_layer.adaLN_modulation.1 rows are (shift, scale); diffusers norm_out.linear holds (scale,
+    shift)."""
     sd = {}
     _pair(
         sd, "lora_unet_final_layer_adaLN_modulation_1", 2 * H, H, torch.Generator().manual_seed(5), alpha=4.0
@@ -203,8 +204,9 @@ def test_real_files_convert_on_full_size_models(tmp_path):
 
 @pytest.mark.parametrize("to", ["kohya", "comfy"])
 def test_a_component_the_layout_has_no_prefix_for_is_refused_by_name(tmp_path, to):
-    """MiniMax-H3's second partition (`transformer_ref`) has no kohya or comfy prefix: a typed ConvertError naming
-    the file and the component, nothing written, the target untouched (was lora_te_, read back as a text encoder)."""
+    """MiniMax-H3's second partition (`transformer_ref`) has no kohya or comfy prefix: a typed ConvertError
+    naming the file and the component, nothing written, the target untouched (was lora_te_, read back as a
+    text encoder)."""
     parts = {"transformer": tiny_flux(seed=2), "transformer_ref": tiny_flux(seed=3)}
     before = {c: copy.deepcopy(m.state_dict()) for c, m in parts.items()}
     layer = parts["transformer_ref"].transformer_blocks[0].attn.to_q

@@ -1,5 +1,5 @@
-"""One exit-status table for every CLI command: each --help prints it, the README holds the same codes, and every
-command exits with the table's code for an invalid argument, a system error, a bug and an interrupt."""
+"""One exit-status table for every CLI command: each --help prints it, the README holds the same codes, and
+every command exits with the table's code for an invalid argument, a system error, a bug and an interrupt."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`loraweave inspect`: layout, architecture with evidence, and coverage against full-size meta models or a checkpoint."""
+"""`loraweave inspect`: layout, architecture with evidence, and coverage against full-size meta models or a
+checkpoint."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _skeleton_cache(tmp_path_factory):
 
 
 def _same_linears(real: torch.nn.Module, rebuilt: torch.nn.Module) -> None:
-    """Every plain nn.Linear comes back as one (built without its constructor): same features, parameters, repr."""
+    """Every plain nn.Linear comes back as one (built without its constructor): same features, parameters,
+    repr."""
     got = dict(rebuilt.named_modules())
     linears = [(p, m) for p, m in real.named_modules() if type(m) is torch.nn.Linear]
     assert linears

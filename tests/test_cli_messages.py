@@ -1,6 +1,6 @@
 """What a CLI user reads (issue 30 items 4, 7, 8, 9, 10, 16): one message for a bad strength everywhere, flags
-never API keywords, one JSON error object, a quiet broken pipe, bake's count of tensors whose bits changed, and
-the smaller items (error lines, -v after the command, demo --help, extract's exit status)."""
+never API keywords, one JSON error object, a quiet broken pipe, bake's count of tensors whose bits changed,
+and the smaller items (error lines, -v after the command, demo --help, extract's exit status)."""
 
 from __future__ import annotations
 
@@ -221,8 +221,9 @@ def test_inspect_json_of_a_truncated_file_is_one_error_object(inputs, tmp_path, 
 
 @pytest.mark.parametrize("case", ["ok", "empty folder"])
 def test_a_closed_pipe_ends_quietly(case, inputs, tmp_path):
-    """The reader is gone before the command prints (`| head -c 0`): no traceback, no 'Exception ignored', and the
-    command's own status (0 for a file; 1 for a folder without adapters, whose stderr line still shows)."""
+    """The reader is gone before the command prints (`| head -c 0`): no traceback, no 'Exception ignored', and
+    the command's own status (0 for a file; 1 for a folder without adapters, whose stderr line still
+    shows)."""
     target, code = (inputs.lora, 0) if case == "ok" else (tmp_path, 1)
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "SDNQ_USE_TORCH_COMPILE": "0"}
     proc = subprocess.Popen(
@@ -301,13 +302,14 @@ def test_readme_tells_of_the_skeleton_cache():
     assert CACHE_ENV == "LORAWEAVE_CACHE"
 
 
-# ------------------------------------------------- item 13: an original-named adapter on a bare diffusers file
+# ------------------------------------------------- item 13: an original-named adapter on a bare diffusers
+# file
 
 
 def test_bake_says_to_convert_when_the_layouts_differ(inputs, tmp_path, capsys):
-    """A diffusers-named UNet file of no catalog size, no config.json beside it: a comfy (ldm-named) adapter lands
-    nothing; the refusal names the command that converts it, and following it (or putting the config beside
-    the file) bakes bit for bit what the diffusers-named adapter bakes."""
+    """A diffusers-named UNet file of no catalog size, no config.json beside it: a comfy (ldm-named) adapter
+    lands nothing; the refusal names the command that converts it, and following it (or putting the config
+    beside the file) bakes bit for bit what the diffusers-named adapter bakes."""
     unet = inputs.pipeline / "unet"
     comfy, back = tmp_path / "comfy.safetensors", tmp_path / "back.safetensors"
     assert _run(["convert", inputs.sd_lora, "--to", "comfy", "--model", unet, "-o", comfy]) == 0

@@ -4,9 +4,9 @@ headless Chromium over the DevTools protocol. The page loads a workflow using ou
 checkpoint and our inspector, queues it, and the test waits for /history to say it completed; then our nodes
 must be in /object_info, in the frontend's node registry and in the node library panel, and the report text
 on the loader node. The screenshot path is printed; on a failure the page's screenshot and console are saved
-beside it (failure.png, failure.console.txt). Every page (re)load waits until the app's own startup workflow has
-loaded (COUNT_LOADS) before the test loads its own, and no process of the server or the browser may outlive the
-test."""
+beside it (failure.png, failure.console.txt). Every page (re)load waits until the app's own startup workflow
+has loaded (COUNT_LOADS) before the test loads its own, and no process of the server or the browser may
+outlive the test."""
 
 from __future__ import annotations
 
@@ -40,10 +40,12 @@ def workflow(strength: float = 0.7) -> dict:
     """UI-format workflow: Load Diffusion Model -> LoraWeave Loader -> Preview as Text, and
     LoraWeave Inspect -> Preview Image (its heatmap)."""
     nodes = [
-        _node(1, "UNETLoader", [20, 60], [320, 90], [], [_slot("MODEL", "MODEL", links=[1])], [FLUX_FILE, "default"]),
+        _node(1, "UNETLoader", [20, 60], [320, 90], [], [_slot("MODEL", "MODEL", links=[1])],
+              [FLUX_FILE, "default"]),
         _node(LOADER, "LoraWeaveLoader", [370, 60], [440, 300],
               [_slot("model", "MODEL", 1), _slot("clip", "CLIP")],
-              [_slot("MODEL", "MODEL", links=[]), _slot("CLIP", "CLIP", links=[]), _slot("report", "STRING", links=[2])],
+              [_slot("MODEL", "MODEL", links=[]), _slot("CLIP", "CLIP", links=[]),
+               _slot("report", "STRING", links=[2])],
               ["flux.safetensors", strength, 1.0, "merge", False]),
         _node(3, "PreviewAny", [840, 60], [330, 200], [_slot("source", "*", 2)], [], []),
         _node(INSPECT, "LoraWeaveInspect", [20, 420], [520, 330], [],
@@ -58,7 +60,8 @@ def workflow(strength: float = 0.7) -> dict:
 
 
 def _base_directory(base) -> None:
-    """models (tiny Flux, LoRA files), user settings (no first-run tour), and our pack by `loraweave comfy install`."""
+    """models (tiny Flux, LoRA files), user settings (no first-run tour), and our pack by `loraweave comfy
+    install`."""
     write_loras(base / "models" / "loras")
     (base / "models" / "diffusion_models").mkdir(parents=True)
     save_file(flux_state_dict(), base / "models" / "diffusion_models" / FLUX_FILE)
@@ -92,9 +95,9 @@ def _wait_history(url: str, prompt_id: str, timeout: float = 60.0) -> dict:
     raise TimeoutError(f"the queued run {prompt_id} did not complete within {timeout} s")
 
 
-# Run in every new document before the page's scripts: when the frontend publishes its app (`window.app = app`,
-# right after app.setup and before it loads its startup workflow), wrap app.loadGraphData to count the loads
-# started and settled. With Comfy.Workflow.Persist off, the startup makes exactly one load (the default
+# Run in every new document before the page's scripts: when the frontend publishes its app (`window.app =
+# app`, right after app.setup and before it loads its startup workflow), wrap app.loadGraphData to count the
+# loads started and settled. With Comfy.Workflow.Persist off, the startup makes exactly one load (the default
 # workflow); a graph the test loads before that one settled would be replaced by it.
 COUNT_LOADS = """(() => {
   let app;
@@ -125,9 +128,9 @@ async def _open(page: Page, url: str) -> None:
     )
     # the queue button's path, with the server's answer (prompt_id, node_errors) kept for the test
     await page.evaluate(
-        "(() => { const send = app.api.queuePrompt.bind(app.api); window.__loraweaveQueued = [];"
-        " app.api.queuePrompt = async (...args) => { const answer = await send(...args);"
-        " window.__loraweaveQueued.push({answer, prompt: args[1].output}); return answer; }; return true; })()"
+        "(() => { const send = app.api.queuePrompt.bind(app.api); window.__loraweaveQueued = []; "
+        "app.api.queuePrompt = async (...args) => { const answer = await send(...args); "
+        "window.__loraweaveQueued.push({answer, prompt: args[1].output}); return answer; }; return true; })()"
     )
 
 
@@ -185,12 +188,13 @@ async def _steps(page: Page, url: str, shot) -> dict:
     widget = f"app.graph.getNodeById({LOADER}).widgets.find(w => w.name === 'loraweave_report')?.value"
     shown = await page.wait_for(widget, 20, "the report on the loader node")
     await page.evaluate(
-        "[...document.querySelectorAll('button')].find(b => b.textContent.trim() === 'Nodes')?.click() ?? true"
+        "[...document.querySelectorAll('button')].find(b => b.textContent.trim() === 'Nodes')?.click() ?? "
+        "true"
     )
     await page.evaluate(
-        "(() => { const box = document.querySelector('.node-lib-search-box input, input[placeholder*=\"Search\"]');"
-        " if (box) { box.value = 'LoraWeave'; box.dispatchEvent(new Event('input', {bubbles: true})); }"
-        " return true; })()"
+        "(() => { const box = document.querySelector('.node-lib-search-box input, "
+        "input[placeholder*=\"Search\"]'); if (box) { box.value = 'LoraWeave'; box.dispatchEvent(new "
+        "Event('input', {bubbles: true})); } return true; })()"
     )
     library = await page.wait_for(
         "(() => { const t = document.body.innerText; return t.includes('LoraWeave Apply Stack') && t; })()",

@@ -1,6 +1,6 @@
-"""The ComfyUI pack's parse cache (comfy/api.py): files are read whole into memory, so the files kept for a re-queue
-are bounded by count and by bytes, least recently used first, and the newest file is always kept (a strength
-change on one large LoRA re-reads nothing, as core's LoraLoader keeps its file)."""
+"""The ComfyUI pack's parse cache (comfy/api.py): files are read whole into memory, so the files kept for a
+re-queue are bounded by count and by bytes, least recently used first, and the newest file is always kept (a
+strength change on one large LoRA re-reads nothing, as core's LoraLoader keeps its file)."""
 
 from __future__ import annotations
 

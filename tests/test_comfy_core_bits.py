@@ -1,16 +1,18 @@
-"""Bit-identity with ComfyUI v0.19.3's own LoraLoader where core is right, on any CPU, and the verdicts where it is
-not. References: independent fp64 formulas (helpers.comfy_bits.fp64_delta; kohya's formula in helpers.comfy_pack).
+"""Bit-identity with ComfyUI v0.19.3's own LoraLoader where core is right, on any CPU, and the verdicts where
+it is not. References: independent fp64 formulas (helpers.comfy_bits.fp64_delta; kohya's formula in
+helpers.comfy_pack).
 
-- fp32 merges (ComfyUI's CPU merge and every fp32 lowvram patch): core is right on LoRA, LoCon and Tucker LoCon
-  (`lora_mid`) (within 1e-6 of fp64) and on LoHa and LoKr (within 1e-6 of ours, itself checked against
+- fp32 merges (ComfyUI's CPU merge and every fp32 lowvram patch): core is right on LoRA, LoCon and Tucker
+  LoCon (`lora_mid`) (within 1e-6 of fp64) and on LoHa and LoKr (within 1e-6 of ours, itself checked against
   loraweave.apply on diffusers twins), so ours equals core bit for bit, in process and under each ATen CPU
-  dispatch (default, AVX2, AVX-512, in subprocesses). Tucker LoCon missed on 1 of 20 weights before: the Tucker
-  core folded by an einsum rounds differently from core's mm of the transposes.
+  dispatch (default, AVX2, AVX-512, in subprocesses). Tucker LoCon missed on 1 of 20 weights before: the
+  Tucker core folded by an einsum rounds differently from core's mm of the transposes.
 - a patch `function` (ComfyUI applies it to each patch's ΔW before the add): core is right; ours has its bits.
-- fp16 / bf16 weights (ComfyUI's LowVramPatch on a cast weight, intermediate_dtype = the weight's dtype; or a merge
-  where the LoRA compute dtype is fp16): core is not right there. It rounds the product, the scaled ΔW and the sum
-  each into that dtype and misses the dtype's nearest value to the fp64 result on 12-17 % of the elements. Ours
-  rounds the fp32 sum once (the nearest value, up to fp32 noise), as loraweave.apply writes fp16/bf16 weights."""
+- fp16 / bf16 weights (ComfyUI's LowVramPatch on a cast weight, intermediate_dtype = the weight's dtype; or a
+  merge where the LoRA compute dtype is fp16): core is not right there. It rounds the product, the scaled ΔW
+  and the sum each into that dtype and misses the dtype's nearest value to the fp64 result on 12-17 % of the
+  elements. Ours rounds the fp32 sum once (the nearest value, up to fp32 noise), as loraweave.apply writes
+  fp16/bf16 weights."""
 
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def test_core_bits_under_each_cpu_dispatch(capability):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    # A CPU without the asked-for instructions runs the best it has: the capability is then lower, never higher.
+    # A CPU without the asked-for instructions runs the best it has: the capability is then lower, never
+    # higher.
     order = ("DEFAULT", "AVX2", "AVX512")
     assert order.index(result["capability"]) <= order.index(capability.upper()), result["capability"]
     _check(result)
@@ -73,8 +76,8 @@ def _patched(flux, strength: float = STRENGTH):
 
 
 def test_function_patches_are_core_bits(flux):
-    # ComfyUI runs `function` on each patch's ΔW (in the weight's shape) before adding it: here a row swap of the
-    # two halves, as its swap_scale_shift does. Reference: fp64 W + function(s·γ·up@down).
+    # ComfyUI runs `function` on each patch's ΔW (in the weight's shape) before adding it: here a row swap of
+    # the two halves, as its swap_scale_shift does. Reference: fp64 W + function(s·γ·up@down).
     c = import_comfy()
     sd, ours, core = _patched(flux)
 
@@ -109,9 +112,9 @@ def _off_nearest(x: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, dtype: 
     [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float16, torch.float32)],
 )
 def test_low_precision_weights_round_once(flux, dtype, intermediate):
-    # (bf16, bf16) / (fp16, fp16): what ComfyUI's LowVramPatch runs on a cast weight (intermediate = its dtype);
-    # (fp16, fp32): a merge where the LoRA compute dtype is fp16. Verdict against fp64: core is off by more than
-    # half an ulp (it rounds three times); ours is the dtype's nearest value to the fp32 sum.
+    # (bf16, bf16) / (fp16, fp16): what ComfyUI's LowVramPatch runs on a cast weight (intermediate = its
+    # dtype); (fp16, fp32): a merge where the LoRA compute dtype is fp16. Verdict against fp64: core is off by
+    # more than half an ulp (it rounds three times); ours is the dtype's nearest value to the fp32 sum.
     c = import_comfy()
     sd, ours, core = _patched(flux)
     core_off, total = 0, 0
@@ -148,9 +151,9 @@ FUSED = {  # kohya stems on Flux's fused modules -> (ComfyUI weight key, rows)
 
 
 def test_fused_kohya_modules_take_one_patch_each_as_core(flux):
-    # The resolver lays a kohya fused qkv / linear1 out as q, k, v (, mlp) pieces; rows that continue on the same
-    # module go to ComfyUI as one whole patch, as core adds it (one ΔW product per module, no row offsets), with
-    # core's bits. Reference: core's own patches and kohya's fp64 formula.
+    # The resolver lays a kohya fused qkv / linear1 out as q, k, v (, mlp) pieces; rows that continue on the
+    # same module go to ComfyUI as one whole patch, as core adds it (one ΔW product per module, no row
+    # offsets), with core's bits. Reference: core's own patches and kohya's fp64 formula.
     c = import_comfy()
     sd = {
         k: v

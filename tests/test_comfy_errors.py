@@ -130,9 +130,9 @@ def test_non_finite_factors_are_typed_misses(models):
 
 
 def test_no_fitting_reference_resolves_comfy_names_only(models, monkeypatch, caplog):
-    """Where loraweave has no reference tree at the model's widths (here: Flux with the width translation taken
-    away, so the full-size catalog tree does not fit), original-named keys still land on ComfyUI's own modules and
-    diffusers-named ones are typed misses; the log says why."""
+    """Where loraweave has no reference tree at the model's widths (here: Flux with the width translation
+    taken away, so the full-size catalog tree does not fit), original-named keys still land on ComfyUI's own
+    modules and diffusers-named ones are typed misses; the log says why."""
     from loraweave.comfy import reference
 
     m = models["flux"]

@@ -1,6 +1,6 @@
-"""The headless ComfyUI harness and its tiny models (tests/helpers/comfy_env.py, comfy_models.py): ComfyUI's own
-detection picks the classes, the diffusers twins hold the same weights (checked through diffusers' single-file
-converter for the UNets), and the CLIPs encode a prompt."""
+"""The headless ComfyUI harness and its tiny models (tests/helpers/comfy_env.py, comfy_models.py): ComfyUI's
+own detection picks the classes, the diffusers twins hold the same weights (checked through diffusers'
+single-file converter for the UNets), and the CLIPs encode a prompt."""
 
 from __future__ import annotations
 

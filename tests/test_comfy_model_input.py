@@ -5,8 +5,8 @@ Each case ends in one of two ways, never in a bare AttributeError/KeyError from 
 - a typed loraweave error (TargetError) raised through the node's own error path, its message naming the file
   and the input (`input 'model'`) and what it got: a CLIP, a CLIP's own ModelPatcher or another ModelPatcher
   whose model has no `diffusion_model`, a bare BaseModel, a dict;
-- a report whose coverage says why it could not judge every layout: a model ComfyUI knows and loraweave maps no
-  architecture onto (AuraFlow), a patcher whose model has a diffusion model but no ComfyUI config (another
+- a report whose coverage says why it could not judge every layout: a model ComfyUI knows and loraweave maps
+  no architecture onto (AuraFlow), a patcher whose model has a diffusion model but no ComfyUI config (another
   pack's wrapper), a mapped model whose widths loraweave's reference does not fit. Its count is the loader's.
 Whatever was handed in is unchanged afterwards: patch lists and their uuid, object patches, attachments,
 injections, additional models and every weight, bit for bit."""
@@ -26,8 +26,8 @@ from loraweave.errors import TargetError
 
 pytestmark = pytest.mark.comfy
 LORA = "flux.safetensors"  # comfy_pack.write_loras: a kohya LoRA on two Linear layers of the tiny Flux
-AURA = {"dim": 64, "n_layers": 2, "n_double_layers": 1, "n_heads": 2, "global_conddim": 64, "cond_seq_dim": 32,
-        "max_seq": 16, "in_channels": 4, "out_channels": 4}  # fmt: skip
+AURA = {"dim": 64, "n_layers": 2, "n_double_layers": 1, "n_heads": 2, "global_conddim": 64,
+        "cond_seq_dim": 32, "max_seq": 16, "in_channels": 4, "out_channels": 4}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,8 @@ def patcher_over(module: torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def aura():
-    """ComfyUI's AuraFlow (a model loraweave has no architecture for), small, seeded, through supported_models."""
+    """ComfyUI's AuraFlow (a model loraweave has no architecture for), small, seeded, through
+    supported_models."""
     c = import_comfy()
     config = c.supported_models.AuraFlow(dict(AURA))
     config.set_inference_dtype(torch.float32, None)
@@ -191,8 +192,8 @@ def test_a_model_loraweave_maps_nothing_onto_says_why(comfy_home, aura):
         "loraweave maps no architecture onto AuraFlow" in note and "ComfyUI's own module names only" in note
     )
     assert "transformer.joint_transformer_blocks.0.attn.to_q.lora_A.weight" in report  # the miss is named
-    # a file of an architecture loraweave does not know has no block map to draw: a black IMAGE, and the report
-    # says why (it raised a bare ValueError from the heatmap before)
+    # a file of an architecture loraweave does not know has no block map to draw: a black IMAGE, and the
+    # report says why (it raised a bare ValueError from the heatmap before)
     assert "heatmap: not drawn (aura: no heatmap: no full-size model for architecture 'unknown'" in report, (
         report
     )
@@ -216,8 +217,8 @@ def test_another_packs_wrapper_without_config_says_why(comfy_home, flux):
 
 
 def test_a_mapped_model_whose_widths_do_not_fit_says_why(comfy_home, flux, monkeypatch):
-    """Flux with loraweave's width translation taken away (the full-size reference no longer fits the tiny model,
-    test_comfy_errors.test_no_fitting_reference_...): the note names the architecture and why."""
+    """Flux with loraweave's width translation taken away (the full-size reference no longer fits the tiny
+    model, test_comfy_errors.test_no_fitting_reference_...): the note names the architecture and why."""
     from loraweave.comfy import reference
 
     monkeypatch.delitem(reference.CONFIGS, "flux")

@@ -1,8 +1,8 @@
-"""The pack where diffusers is not installed (ComfyUI does not ship it; a registry install of the pack brings only
-what ComfyUI has). A model no shipped skeleton fits (here the tiny Flux: width 128) needs diffusers' classes for its
-reference tree. Without them the loader used to end in a bare ModuleNotFoundError; now keys resolve by ComfyUI's own
-module names (a kohya file lands, on the same weights as with diffusers), and every key that misses says why.
-Reference: the same loader with diffusers importable."""
+"""The pack where diffusers is not installed (ComfyUI does not ship it; a registry install of the pack brings
+only what ComfyUI has). A model no shipped skeleton fits (here the tiny Flux: width 128) needs diffusers'
+classes for its reference tree. Without them the loader used to end in a bare ModuleNotFoundError; now keys
+resolve by ComfyUI's own module names (a kohya file lands, on the same weights as with diffusers), and every
+key that misses says why. Reference: the same loader with diffusers importable."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def test_a_file_of_diffusers_names_only_is_a_typed_error_that_says_why(flux, no_
 
 
 def test_full_width_flux_fill_needs_no_diffusers(no_diffusers):
-    # Flux Fill's 384 input channels are served by the shipped Flux skeleton (x_embedder and proj_out resized), so
-    # a diffusers-named Fill LoRA lands on the full-size model without diffusers' classes.
+    # Flux Fill's 384 input channels are served by the shipped Flux skeleton (x_embedder and proj_out
+    # resized), so a diffusers-named Fill LoRA lands on the full-size model without diffusers' classes.
     from helpers.realsize_comfy import meta_flux_patcher
 
     patcher = meta_flux_patcher(detected_as="FluxInpaint", in_channels=96, out_channels=16)

@@ -1,9 +1,10 @@
-"""The LoraWeave node pack inside the real ComfyUI v0.19.3 (../shared/comfyui/ComfyUI, imported headless on CPU).
+"""The LoraWeave node pack inside the real ComfyUI v0.19.3 (../shared/comfyui/ComfyUI, imported headless on
+CPU).
 
 The pack is written by `loraweave comfy install` into a temporary base directory and loaded by ComfyUI's own
-custom-node loader; workflows run through ComfyUI's validate_prompt and PromptExecutor (notes §2.6 recipe B).
-Merged weights are checked against kohya's formula in fp64 (relative 1e-6; fp32 merge on CPU). Errors are
-checked at queue time (validation) or at execution, with the input MODEL left without patches."""
+custom-node loader; workflows run through ComfyUI's validate_prompt and PromptExecutor (in process, no
+server). Merged weights are checked against kohya's formula in fp64 (relative 1e-6; fp32 merge on CPU). Errors
+are checked at queue time (validation) or at execution, with the input MODEL left without patches."""
 
 from __future__ import annotations
 
@@ -69,9 +70,8 @@ def _loader(**inputs) -> dict:
 def test_import_loads_no_comfyui():
     code = (
         "import sys, loraweave, loraweave.comfy, loraweave.comfy.extension, loraweave.comfy.install, "
-        "loraweave.cli.comfy\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('comfy', 'comfy_api', 'folder_paths', 'nodes')]\n"
-        "assert not bad, bad"
+        "loraweave.cli.comfy\nbad = [m for m in sys.modules if m.split('.')[0] in ('comfy', 'comfy_api', "
+        "'folder_paths', 'nodes')]\nassert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
@@ -289,8 +289,9 @@ def _coverage(report: str) -> str:
 )
 def test_inspect_judges_against_a_connected_model(comfy_home, lora_name, alone, landed):
     # The tiny Flux (hidden 128) is what a pruned or distilled release looks like to the catalog: unconnected,
-    # Inspect judges the file on the full-size model of its architecture (Flux.1, 3072 wide: nothing lands; the SD1
-    # file lands on SD1.5); connected, it judges on the model's own modules with the loader's resolver.
+    # Inspect judges the file on the full-size model of its architecture (Flux.1, 3072 wide: nothing lands;
+    # the SD1 file lands on SD1.5); connected, it judges on the model's own modules with the loader's
+    # resolver.
     import nodes
 
     unwired = {"2": {"class_type": "LoraWeaveInspect", "inputs": {"lora_name": lora_name}}}

@@ -1,6 +1,6 @@
-"""Real adapter files (../shared/realdata/lora) planned by loraweave.comfy onto full-size ComfyUI models built on
-`meta` (SD1.5 UNet + CLIP-L, SD2, Flux.1-dev): every key lands, where ComfyUI v0.19.3's own key maps load some files
-only in part or not at all (cloneofsimo, diffusers `unet.X.lora.down`)."""
+"""Real adapter files (../shared/realdata/lora) planned by loraweave.comfy onto full-size ComfyUI models built
+on `meta` (SD1.5 UNet + CLIP-L, SD2, Flux.1-dev): every key lands, where ComfyUI v0.19.3's own key maps load
+some files only in part or not at all (cloneofsimo, diffusers `unet.X.lora.down`)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def landed(plans) -> int:
 
 
 def core_targets(model, clip, sd: dict) -> int:
-    """How many modules ComfyUI's own LoraLoader mapping (model_lora_keys_unet/clip + load_lora) would patch."""
+    """How many modules ComfyUI's own LoraLoader mapping (model_lora_keys_unet/clip + load_lora) would
+    patch."""
     c = import_comfy()
     key_map = c.lora.model_lora_keys_unet(model.model, {})
     if clip is not None:

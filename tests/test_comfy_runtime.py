@@ -1,9 +1,9 @@
 """Runtime mode and step windows inside ComfyUI (loraweave.comfy.runtime / steps) on the tiny Flux.
 
-References: ComfyUI's own LoraLoader merge (`comfy.sd.load_lora_for_models`) of the same kohya file, which core
-lands correctly; a step window is checked against sampling by hand, step range by step range, with
-KSamplerAdvanced (start/end step) on the base model and the core-merged one. Tolerance 1e-5 absolute on LATENTs
-of magnitude ~1 (fp32 hook path vs fp32 merged weights: measured differences are ~1e-7)."""
+References: ComfyUI's own LoraLoader merge (`comfy.sd.load_lora_for_models`) of the same kohya file, which
+core lands correctly; a step window is checked against sampling by hand, step range by step range, with
+KSamplerAdvanced (start/end step) on the base model and the core-merged one. Tolerance 1e-5 absolute on
+LATENTs of magnitude ~1 (fp32 hook path vs fp32 merged weights: measured differences are ~1e-7)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def close(a, b):
 
 
 def snapshot(patcher):
-    """What must come back exactly: weights (bits), hooks and forwards on every module, the patcher's own state."""
+    """What must come back exactly: weights (bits), hooks and forwards on every module, the patcher's own
+    state."""
     modules = dict(patcher.model.named_modules())
     return {
         "weights": {k: v.clone() for k, v in patcher.model.state_dict().items()},
@@ -192,14 +193,16 @@ def test_wrong_model_lora_refused_input_unchanged(flux):
 
 
 def window_steps(model, start: float, end: float) -> list[bool]:
-    """Which sampling steps a window covers, by ComfyUI's rule: percent_to_sigma(end) < sigma <= percent_to_sigma(start)."""
+    """Which sampling steps a window covers, by ComfyUI's rule: percent_to_sigma(end) < sigma <=
+    percent_to_sigma(start)."""
     sampling = model.get_model_object("model_sampling")
     hi, lo = sampling.percent_to_sigma(start), sampling.percent_to_sigma(end)
     return [lo < s <= hi for s in sigmas_of(model, STEPS)]
 
 
 def by_hand(flux, lora, strengths: list[float]):
-    """Sample step by step with KSamplerAdvanced: the base model where strength is 0, the core merge elsewhere."""
+    """Sample step by step with KSamplerAdvanced: the base model where strength is 0, the core merge
+    elsewhere."""
     latent = None
     for i, s in enumerate(strengths):
         model = flux if s == 0 else core_lora(flux, lora, s)
@@ -225,7 +228,8 @@ def test_step_window_ramp_equals_sampling_by_hand(flux, loras):
     growth = math.exp(flux.get_model_object("model_sampling").shift)
     strengths = []
     for sigma, inside in zip(sigmas_of(flux, STEPS), window_steps(flux, start, end), strict=True):
-        # ModelSamplingFlux: sigma = e^shift / (e^shift + 1/t − 1) with t = 1 − percent; inverted in closed form
+        # ModelSamplingFlux: sigma = e^shift / (e^shift + 1/t − 1) with t = 1 − percent; inverted in closed
+        # form
         percent = 1 - 1 / (1 + growth * (1 / sigma - 1))
         factor = min(1.0, (percent - start) / ramp, (end - percent) / ramp) if inside else 0.0
         strengths.append(strength * max(0.0, factor))
@@ -334,7 +338,8 @@ def test_requeued_strength_change_reuses_the_built_paths(flux, loras, tmp_path):
     assert counter.calls == 0 and changed is not first and changed.patches_uuid == flux.patches_uuid
     old, new = first.get_attachment(KEY), changed.get_attachment(KEY)
     pairs = list(zip(old.paths, new.paths, strict=True))
-    # each state's holder reads through parameters of its own, over the very same memory: nothing rebuilt or copied
+    # each state's holder reads through parameters of its own, over the very same memory: nothing rebuilt or
+    # copied
     assert len(pairs) == 8 and all(a is not b and same(a.down, b.down) and same(a.up, b.up) for a, b in pairs)
     assert close(out, sample(core_lora(flux, loras[0], 0.4), STEPS))
     assert close(sample(first, STEPS), first_out), "the strength change rewrote the earlier clone's strength"
@@ -385,10 +390,11 @@ class Calls:
 
 
 def test_requeues_reparse_replan_rebuild_nothing_and_leave_no_dead_model(flux, loras, tmp_path, monkeypatch):
-    """A strength change re-queued from the same input and file parses, plans and builds nothing (the kept paths
-    are copied, the factor holder and its ModelPatcher shared); a swap back to a kept file neither. No loaded
-    model is ever left whose patcher is gone while its module lives: ComfyUI takes that for a leak and runs a
-    full gc.collect() before every later load (the cost that made runtime re-queues 0.35x core's, not ~0.02x)."""
+    """A strength change re-queued from the same input and file parses, plans and builds nothing (the kept
+    paths are copied, the factor holder and its ModelPatcher shared); a swap back to a kept file neither. No
+    loaded model is ever left whose patcher is gone while its module lives: ComfyUI takes that for a leak and
+    runs a full gc.collect() before every later load (the cost that made runtime re-queues 0.35x core's, not
+    ~0.02x)."""
     import types
 
     import comfy.model_management as mm

@@ -1,17 +1,17 @@
 """Runtime mode inside ComfyUI: every tensor a runtime path reads is one ComfyUI's model management counts and
 moves (loraweave.comfy.holder.FactorHolder), for every adapter family with a runtime path on Linear layers.
 
-The tensors a forward reads are found independently of the paths' own declarations: a TorchDispatchMode records,
-while a layer that carries a path runs, the storage of every tensor an aten op reads. A read is accounted for when
-its storage is the layer's own parameter or buffer, the layer's input, a tensor made during that call, or a
-parameter of the factor holder (the additional model ComfyUI loads with the MODEL), or the cast of one such
-parameter to the compute dtype that the holder's caches keep between calls (dropped on every move of the holder:
-test_a_move_drops_every_cast). Anything else (a factor, a rotation, a cached dense ΔW, a gain or a scale vector
-held privately by a closure) is memory ComfyUI neither counts nor moves.
+The tensors a forward reads are found independently of the paths' own declarations: a TorchDispatchMode
+records, while a layer that carries a path runs, the storage of every tensor an aten op reads. A read is
+accounted for when its storage is the layer's own parameter or buffer, the layer's input, a tensor made during
+that call, or a parameter of the factor holder (the additional model ComfyUI loads with the MODEL), or the
+cast of one such parameter to the compute dtype that the holder's caches keep between calls (dropped on every
+move of the holder: test_a_move_drops_every_cast). Anything else (a factor, a rotation, a cached dense ΔW, a
+gain or a scale vector held privately by a closure) is memory ComfyUI neither counts nor moves.
 Then the holder is moved the ways model management moves it (Module.to: a dtype; ModelPatcher.load onto
 another device, `meta` on a CPU box) and the paths must read the moved tensors: the sampled LATENT after the
-fp64 move equals the one before within 1e-5 (fp32 compute either way), and after the meta move the forward can no
-longer compute from its adapters."""
+fp64 move equals the one before within 1e-5 (fp32 compute either way), and after the meta move the forward can
+no longer compute from its adapters."""
 
 from __future__ import annotations
 
@@ -88,9 +88,9 @@ def _storage(t: torch.Tensor) -> int:
 
 
 class ReadRecorder(TorchDispatchMode):
-    """Records, while `inside` is set (a path-carrying layer is running), every tensor an op reads whose storage
-    is neither allowed (the layer's own tensors, its inputs), nor made by an op during that call, nor held by
-    `holder` at that moment (held_storages)."""
+    """Records, while `inside` is set (a path-carrying layer is running), every tensor an op reads whose
+    storage is neither allowed (the layer's own tensors, its inputs), nor made by an op during that call, nor
+    held by `holder` at that moment (held_storages)."""
 
     def __init__(self, holder) -> None:
         super().__init__()
@@ -150,7 +150,8 @@ def reads_outside_holder(model, steps: int = 1) -> tuple[list[tuple], torch.Tens
 
 def held_storages(holder) -> set[int]:
     """Storages of the holder's parameters, and of the (device, dtype) casts made from them that each cache
-    keeps between calls (a workspace: dropped on every move of the holder, see test_a_move_drops_every_cast)."""
+    keeps between calls (a workspace: dropped on every move of the holder, see
+    test_a_move_drops_every_cast)."""
     casts = [t for cache, _ in getattr(holder, "slots", ()) for t in cache._cast]
     return {_storage(t) for t in (*holder.parameters(), *casts) if t.numel()}
 
@@ -188,8 +189,8 @@ def test_every_tensor_a_path_reads_is_held_and_moved(flux, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_patcher_load_moves_every_tensor_read(flux, family):
-    """ModelPatcher.load onto another device (meta on a CPU box) moves every held tensor, and the paths read them
-    there: each layer's forward can no longer compute its adapter terms from real memory."""
+    """ModelPatcher.load onto another device (meta on a CPU box) moves every held tensor, and the paths read
+    them there: each layer's forward can no longer compute its adapter terms from real memory."""
     model = runtime(flux, family)
     state = model.get_attachment(KEY)
     sample(model, STEPS)  # lazy caches built

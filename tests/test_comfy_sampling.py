@@ -1,10 +1,10 @@
-"""Workflows through ComfyUI's own executor (execution.PromptExecutor, in process; notes §2.6 recipe B): the tiny
-Flux from a test-only source node, our loader through loraweave.comfy.load_lora_for_models, core KSampler, and a
-test-only capture node holding the LATENT.
+"""Workflows through ComfyUI's own executor (execution.PromptExecutor, in process, no server): the
+tiny Flux from a test-only source node, our loader through loraweave.comfy.load_lora_for_models, core
+KSampler, and a test-only capture node holding the LATENT.
 
-Checked: the LATENT with our loader differs from the one without; merge and runtime agree within 1e-5, and both
-with core LoraLoader's merge; a lowvram load, partial under a small budget, gives the full load's LATENT; a
-re-queue with a changed runtime strength re-patches no weight."""
+Checked: the LATENT with our loader differs from the one without; merge and runtime agree within 1e-5, and
+both with core LoraLoader's merge; a lowvram load, partial under a small budget, gives the full load's LATENT;
+a re-queue with a changed runtime strength re-patches no weight."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The reference skeletons shipped with the ComfyUI pack (loraweave.comfy.skeletons, written by
-scripts/comfy_skeletons.py) against diffusers itself: every module path, class name, parameter and buffer shape and
-dtype equal to the diffusers model built from the same config, at the stored depth and with block chains cut or
-grown; and real files plan onto full-width ComfyUI models exactly as on diffusers' own tree, without importing
-diffusers' model classes."""
+scripts/comfy_skeletons.py) against diffusers itself: every module path, class name, parameter and buffer
+shape and dtype equal to the diffusers model built from the same config, at the stored depth and with block
+chains cut or grown; and real files plan onto full-width ComfyUI models exactly as on diffusers' own tree,
+without importing diffusers' model classes."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def diffusers_tree(cls: str, config: dict) -> torch.nn.Module:
 
 
 def test_every_mapped_architecture_ships_its_diffusers_skeleton():
-    """Each shipped file is what scripts/comfy_skeletons.py writes from the installed diffusers (a stale or edited
-    file fails), for the current catalog config, and rebuilds to diffusers' tree module for module."""
+    """Each shipped file is what scripts/comfy_skeletons.py writes from the installed diffusers (a stale or
+    edited file fails), for the current catalog config, and rebuilds to diffusers' tree module for module."""
     for arch in ARCHS:
         data, fresh = description(arch), record(arch)
         assert fresh is not None, f"{arch}: diffusers lacks {CATALOG[arch].cls}"
@@ -120,8 +120,9 @@ FULL_WIDTH = {  # label: (ComfyUI model class, unet_config, real file)
 
 
 def test_full_width_comfy_models_plan_as_on_diffusers_tree(realdata, monkeypatch, caplog):
-    """ComfyUI's own full-width SD1.5, SD2, Flux.1-dev and a cut Flux (its unet_config through reference.py) get
-    the shipped skeleton, and real files plan onto it exactly as onto diffusers' tree of the same config."""
+    """ComfyUI's own full-width SD1.5, SD2, Flux.1-dev and a cut Flux (its unet_config through reference.py)
+    get the shipped skeleton, and real files plan onto it exactly as onto diffusers' tree of the same
+    config."""
     c = import_comfy()
     for label, (model_class, unet_config, name) in FULL_WIDTH.items():
         model = meta_patcher(getattr(c.supported_models, model_class), unet_config)
@@ -164,8 +165,8 @@ def test_unet_configs_comfy_detects_get_the_shipped_skeleton(arch, model_class, 
 
 
 def test_a_queue_on_a_full_width_model_imports_no_diffusers_model_class(realdata):
-    """In a fresh process (ComfyUI imported as the tests do, which imports diffusers' lazy top level): planning a
-    real file on Flux.1-dev imports none of diffusers' model modules, nor peft."""
+    """In a fresh process (ComfyUI imported as the tests do, which imports diffusers' lazy top level):
+    planning a real file on Flux.1-dev imports none of diffusers' model modules, nor peft."""
     script = textwrap.dedent(
         f"""
         import sys
@@ -176,9 +177,11 @@ def test_a_queue_on_a_full_width_model_imports_no_diffusers_model_class(realdata
         from loraweave.formats.adapter import load_adapter
         model = meta_patcher(import_comfy().supported_models.Flux, FLUX_DEV)
         before = set(sys.modules)
-        plan = plan_for_patcher(model, load_adapter({str(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")!r}))
+        lora = {str(realdata / "lora" / "leighwoods__public-loras__lora.safetensors")!r}
+        plan = plan_for_patcher(model, load_adapter(lora))
         assert plan.planned and not plan.unmatched
-        new = sorted(m for m in set(sys.modules) - before if m.startswith(("diffusers.models", "peft", "torchao")))
+        watched = ("diffusers.models", "peft", "torchao")
+        new = sorted(m for m in set(sys.modules) - before if m.startswith(watched))
         print("NEW", new)
         """
     )

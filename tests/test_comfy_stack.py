@@ -148,8 +148,8 @@ def test_a_wrong_model_row_is_refused_and_the_input_unchanged(flux, loras):
 
 
 def test_block_weights_on_wan_blocks():
-    """A second DiT block map (Wan: BASE + B00, B01): '0,1,0' keeps block 0 only, bit-identical to core on the file
-    cut to block 0 (ComfyUI's generic `diffusion_model.` key layout, which core lands)."""
+    """A second DiT block map (Wan: BASE + B00, B01): '0,1,0' keeps block 0 only, bit-identical to core on the
+    file cut to block 0 (ComfyUI's generic `diffusion_model.` key layout, which core lands)."""
     from helpers.comfy_models import tiny_wan
 
     wan = tiny_wan().patcher

@@ -1,9 +1,10 @@
 """ComfyUI model classes that subclass one we map (FluxInpaint is a Flux, SSD-1B an SDXL, HunyuanVideoI2V a
-HunyuanVideo, WAN21_Vace a Wan) resolve through their base class's architecture. They used to map to nothing, so a
-diffusers-named Flux Fill LoRA landed 0 keys on ComfyUI's FluxInpaint (core's LoraLoader lands it).
+HunyuanVideo, WAN21_Vace a Wan) resolve through their base class's architecture. They used to map to nothing,
+so a diffusers-named Flux Fill LoRA landed 0 keys on ComfyUI's FluxInpaint (core's LoraLoader lands it).
 
-Reference: loraweave.apply on the diffusers twin (FluxTransformer2DModel with Fill's 384 input channels) holding
-the same weights, mapped row by row through ComfyUI's own flux_to_diffusers; and core's merge, bit for bit."""
+Reference: loraweave.apply on the diffusers twin (FluxTransformer2DModel with Fill's 384 input channels)
+holding the same weights, mapped row by row through ComfyUI's own flux_to_diffusers; and core's merge, bit for
+bit."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""A runtime swap to a file never read, and what it may reuse (loraweave.comfy.targets.Reference: the alias table
-and parameter aliases of each reference tree, the spans per set of live shapes; runtime paths built in one copy).
+"""A runtime swap to a file never read, and what it may reuse (loraweave.comfy.targets.Reference: the alias
+table and parameter aliases of each reference tree, the spans per set of live shapes; runtime paths built in
+one copy).
 
-What is cached per model config and per live shapes is never served to a model it does not describe, and a file
-changed at the same path is read again. References: ComfyUI's own LoraLoader merge of the same kohya file (core
-lands this layout), on each model; 1e-5 absolute on LATENTs of magnitude ~1, as tests/test_comfy_runtime.py."""
+What is cached per model config and per live shapes is never served to a model it does not describe, and a
+file changed at the same path is read again. References: ComfyUI's own LoraLoader merge of the same kohya file
+(core lands this layout), on each model; 1e-5 absolute on LATENTs of magnitude ~1, as
+tests/test_comfy_runtime.py."""
 
 from __future__ import annotations
 
@@ -89,7 +91,8 @@ def modules_of(patcher) -> set[int]:
 
 
 def check_lands_on(model, patcher, lora: dict, strength: float = 0.8) -> None:
-    """Every runtime path sits on a module of `patcher`'s own model, and sampling equals core's merge there."""
+    """Every runtime path sits on a module of `patcher`'s own model, and sampling equals core's merge
+    there."""
     state = model.get_attachment(KEY)
     own = modules_of(patcher)
     assert state.paths and all(id(rp.module) in own for rp in state.paths)
@@ -106,8 +109,8 @@ def test_a_new_file_on_a_known_model_builds_no_table_and_no_spans(flux, tmp_path
     assert (counts.tables, counts.fits) == (0, 0), "a swap to a new file rebuilt model-sized state"
     assert report.keys_applied == len(lora)
     check_lands_on(model, flux, lora)
-    # the file was read whole once: every pair (whole layers and the fused qkv / linear1 row ranges alike) reads
-    # that memory as it is, nothing copied
+    # the file was read whole once: every pair (whole layers and the fused qkv / linear1 row ranges alike)
+    # reads that memory as it is, nothing copied
     source = read_lora(new).source
     paths = model.get_attachment(KEY).paths
     assert len(paths) == len(FLUX_TARGETS) and source.owned
@@ -149,7 +152,8 @@ def test_a_model_of_the_same_shapes_shares_spans_but_lands_on_its_own_modules(
 
 
 def test_spans_follow_the_live_shapes(flux):
-    """The spans are keyed by the live shapes themselves: a model whose layer has other rows gets no stale spans."""
+    """The spans are keyed by the live shapes themselves: a model whose layer has other rows gets no stale
+    spans."""
     reference, spans = targets._reference(flux)
     shapes = {k: tuple(v.shape) for k, v in flux.model.diffusion_model.state_dict().items()}
     assert reference.spans_for(dict(shapes)) is spans
@@ -161,7 +165,8 @@ def test_spans_follow_the_live_shapes(flux):
 
 
 def test_a_file_of_another_size_at_the_same_path_is_read_again(flux, tmp_path):
-    """(Same size and mtime: tests/test_comfy_runtime.py::test_a_file_rewritten_under_the_same_name_is_read_again.)"""
+    """(Same size and mtime:
+    tests/test_comfy_runtime.py::test_a_file_rewritten_under_the_same_name_is_read_again.)"""
     path = saved(tmp_path, kohya_flux_lora(flux, seed=27), "same.safetensors")
     runtime(flux, path)
     lora = kohya_flux_lora(flux, seed=28, rank=6)

@@ -1,7 +1,8 @@
 """loraweave.comfy merges (ComfyUI's patch list, `patch_weight_to_device(..., return_weight=True)`) against
-references: `loraweave.apply` on the diffusers twin holding the same weights, mapped row by row through diffusers'
-single-file converter (SD UNets) or ComfyUI's flux_to_diffusers rows (Flux; diffusers' converter is fixed at width
-3072), within 1e-6 relative; and bit-identical to ComfyUI's own LoraLoader wherever that one is right."""
+references: `loraweave.apply` on the diffusers twin holding the same weights, mapped row by row through
+diffusers' single-file converter (SD UNets) or ComfyUI's flux_to_diffusers rows (Flux; diffusers' converter is
+fixed at width 3072), within 1e-6 relative; and bit-identical to ComfyUI's own LoraLoader wherever that one is
+right."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def models():
 
 
 def merged_state(patcher) -> dict[str, torch.Tensor]:
-    """Every weight of the patcher's diffusion model as ComfyUI's merge writes it (unpatched ones as they are)."""
+    """Every weight of the patcher's diffusion model as ComfyUI's merge writes it (unpatched ones as they
+    are)."""
     state = {k: v.detach().clone() for k, v in patcher.model.state_dict().items()}
     for key in patcher.patches:
         state[key] = patcher.patch_weight_to_device(key, device_to=torch.device("cpu"), return_weight=True)
@@ -46,7 +48,8 @@ def merged_state(patcher) -> dict[str, torch.Tensor]:
 
 
 def as_diffusers(m, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A ComfyUI diffusion-model state in the twin's names, through the row maps the module docstring names."""
+    """A ComfyUI diffusion-model state in the twin's names, through the row maps the module docstring
+    names."""
     if m.name == "flux":
         return {
             k: rows_of(state, where)
@@ -75,7 +78,8 @@ def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_against_twin(m, sd: dict, changed_at_least: int):
-    """Merge `sd` through loraweave.comfy; every twin weight within TOL of loraweave.apply's; returns the patcher."""
+    """Merge `sd` through loraweave.comfy; every twin weight within TOL of loraweave.apply's; returns the
+    patcher."""
     model, _, report = load_lora_for_models(m.patcher, None, sd, STRENGTH_MODEL, 0.0, mode="merge")
     assert report.keys_applied == report.keys_total == len(sd), report.kinds()
     ours = as_diffusers(m, merged_state(model))
@@ -90,8 +94,8 @@ def check_against_twin(m, sd: dict, changed_at_least: int):
 
 
 def check_comfy_core(m, model, sd: dict) -> int:
-    """Where ComfyUI's LoraLoader lands every key within TOL of the twin reference, ours is bit-identical to it.
-    Returns how many weights that held for (0 when ComfyUI is wrong or drops the file)."""
+    """Where ComfyUI's LoraLoader lands every key within TOL of the twin reference, ours is bit-identical to
+    it. Returns how many weights that held for (0 when ComfyUI is wrong or drops the file)."""
     core, _ = import_comfy().sd.load_lora_for_models(m.patcher, None, sd, STRENGTH_MODEL, 0.0)
     if set(core.patches) != set(model.patches):
         return 0
@@ -229,7 +233,8 @@ def test_inputs_are_never_modified(models):
 
 @pytest.mark.parametrize("family", ["lora", "lokr", "dora"])
 def test_wan_kohya_and_original(models, family):
-    # ComfyUI v0.19.3 maps no diffusers-named kohya Wan key (lora_transformer_blocks_0_attn1_to_q): it drops them.
+    # ComfyUI v0.19.3 maps no diffusers-named kohya Wan key (lora_transformer_blocks_0_attn1_to_q): it drops
+    # them.
     m = models["wan"]
     sd = adapter_file(target_linears(m.diffusers), family, kohya("lora_transformer_"))
     if family == "lora":
@@ -249,8 +254,9 @@ def test_wan_kohya_and_original(models, family):
 
 
 def test_wan_modulation_lands_where_comfy_skips_it(models):
-    """Wan's `blocks.N.modulation` sits on a module with children: ComfyUI accepts a patch for it and never applies
-    it. Ours lands (an object patch), equals loraweave.apply on the twin's scale_shift_table, and unpatches."""
+    """Wan's `blocks.N.modulation` sits on a module with children: ComfyUI accepts a patch for it and never
+    applies it. Ours lands (an object patch), equals loraweave.apply on the twin's scale_shift_table, and
+    unpatches."""
     m = models["wan"]
     g = torch.Generator().manual_seed(11)
     delta = torch.randn(1, 6, 128, generator=g) * 0.01
@@ -279,7 +285,8 @@ def test_wan_modulation_lands_where_comfy_skips_it(models):
 
 def test_lowvram_dtype_and_function_paths(models):
     """The same patch as ComfyUI's lowvram/DynamicVRAM casts run it: on a bf16 weight with a bf16 intermediate
-    (within bf16 rounding of the fp32 merge), and with a patch function, which applies to ΔW (here: negated)."""
+    (within bf16 rounding of the fp32 merge), and with a patch function, which applies to ΔW (here:
+    negated)."""
     c = import_comfy()
     m = models["flux"]
     sd = adapter_file(comfy_names(m), "dora", kohya("lora_unet_"))
@@ -302,7 +309,8 @@ def test_auto_mode_merges_float_bases_and_runs_quantized_ones_at_runtime(models)
 
     m = models["sd15"]
     assert choose_mode(m.patcher, "auto") == "merge"
-    # What choose_mode reads of a MODEL: its diffusion model's parameters; one fp8 layer makes it a quantized base.
+    # What choose_mode reads of a MODEL: its diffusion model's parameters; one fp8 layer makes it a quantized
+    # base.
     fp8 = torch.nn.Linear(4, 4)
     fp8.weight = torch.nn.Parameter(fp8.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
     quantized = SimpleNamespace(

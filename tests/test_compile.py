@@ -1,10 +1,11 @@
-"""torch.compile with runtime adapters (compile_friendly=True): compiled outputs equal eager ones, and strength
-changes, disable/enable and switches within a rank bucket compile nothing new (a backend that counts compilations).
+"""torch.compile with runtime adapters (compile_friendly=True): compiled outputs equal eager ones, and
+strength changes, disable/enable and switches within a rank bucket compile nothing new (a backend that counts
+compilations).
 
 Compiles run on CPU. The counting tests use dynamo + AOT autograd without inductor codegen ("aot_eager": every
-graph dynamo captures still goes through the counting backend); the agreement tests run inductor on one adapted
-block per model (before and after a strength change) and on each whole tiny model (about a minute of codegen each
-on 2 cores)."""
+graph dynamo captures still goes through the counting backend); the agreement tests run inductor on one
+adapted block per model (before and after a strength change) and on each whole tiny model (about a minute of
+codegen each on 2 cores)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """BFL control LoRAs (Flux Canny/Depth) grow the model: `img_in` takes twice the channels (image + control).
 
 Reference: a Flux built with the wider input by hand (base weights copied, zero columns for the control
-channels, the LoRA added by formula); ours must match its output, and removal must give back the exact model."""
+channels, the LoRA added by formula); ours must match its output, and removal must give back the exact
+model."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Detection and full-size coverage of the architectures whose original-name tables landed last.
 
-For each: the converter-derived key list of the full-size model (the table tests' own helpers, original names) is
-detected as that architecture, and `inspect` (the API the CLI prints) lands 100 % of its keys on the catalog's
-full-size meta skeleton. Negative controls: the same names at another width are not called the same architecture,
-and without the new signatures the names are misdetected.
+For each: the converter-derived key list of the full-size model (the table tests' own helpers, original names)
+is detected as that architecture, and `inspect` (the API the CLI prints) lands 100 % of its keys on the
+catalog's full-size meta skeleton. Negative controls: the same names at another width are not called the same
+architecture, and without the new signatures the names are misdetected.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def from_shapes(
 
 
 def _sana_shapes(model) -> dict[str, tuple]:
-    """Every Linear / conv weight of Sana's original checkpoint (the converter's input names), as LoRA shapes."""
+    """Every Linear / conv weight of Sana's original checkpoint (the converter's input names), as LoRA
+    shapes."""
     weights = sana_original(model, lambda n, s: torch.empty(s, device="meta"))
     return {
         k.removesuffix(".weight"): (v.shape[0], v.shape[1])
@@ -103,13 +104,15 @@ FILES = {
     "kandinsky5": lambda: _diffusers_names("Kandinsky5Transformer3DModel"),
     "hunyuan-video-1.5": lambda: _diffusers_names("HunyuanVideo15Transformer3DModel"),
     "hunyuan-image-2.1": lambda: _diffusers_names("HunyuanImageTransformer2DModel"),
-    # HunyuanVideo 1.0's diffusers names are Flux's at Flux's width: its own refiner names and its depth decide.
+    # HunyuanVideo 1.0's diffusers names are Flux's at Flux's width: its own refiner names and its depth
+    # decide.
     "hunyuan-video": lambda: lora_file(
         linears(_model("HunyuanVideoTransformer3DModel", **CATALOG["hunyuan-video"].config)),
         lambda n: f"transformer.{n}",
         meta=True,
     ),
-    # Its MMDiT attention names no longer outvote its own img/txt mlp and mod names (was "flux" by width 3072).
+    # Its MMDiT attention names no longer outvote its own img/txt mlp and mod names (was "flux" by width
+    # 3072).
     "qwen-image": lambda: lora_file(
         linears(_model("QwenImageTransformer2DModel", **CATALOG["qwen-image"].config)),
         lambda n: f"transformer.{n}",
@@ -170,19 +173,21 @@ def test_kohya_flattened_names_detected_the_same(arch, files):
 
 
 def test_anima_llm_adapter_keys_land_on_the_text_conditioner(files):
-    """The catalog's Anima skeleton carries the pipeline's `text_conditioner`: the file's llm_adapter keys land."""
+    """The catalog's Anima skeleton carries the pipeline's `text_conditioner`: the file's llm_adapter keys
+    land."""
     info = inspect_adapter(_file(files, "anima"), text_encoders=False)
     assert set(info["coverage"]["modules"]) == {"transformer", "text_conditioner"}
 
 
 def _rescaled(sd: dict, old: int, new: int) -> dict[str, torch.Tensor]:
-    """The same names with every `old`-wide dimension made `new` wide: a file of the same layout at another width."""
+    """The same names with every `old`-wide dimension made `new` wide: a file of the same layout at another
+    width."""
     return {k: torch.empty([new if d == old else d for d in v.shape], device="meta") for k, v in sd.items()}
 
 
 def test_width_tells_lumina2_from_z_image(files):
-    """Lumina2 and Z-Image original names are the same; the hidden width decides. Negative control: the Lumina2
-    file at Z-Image's width (3840) is z-image, not lumina2."""
+    """Lumina2 and Z-Image original names are the same; the hidden width decides. Negative control: the
+    Lumina2 file at Z-Image's width (3840) is z-image, not lumina2."""
     sd = _file(files, "lumina2")
     at_zimage = _rescaled(sd, 2304, 3840)
     detection = detect_architecture(loraweave.load_adapter(at_zimage))
@@ -213,15 +218,16 @@ def test_ideogram4_shared_names_alone_by_width(files):
     ],
 )
 def test_without_the_new_signature_it_is_misread(monkeypatch, files, arch, without, misread):
-    """Negative control: dropping the architecture's signature (and the width rule) gives the old (wrong) answer."""
+    """Negative control: dropping the architecture's signature (and the width rule) gives the old (wrong)
+    answer."""
     patch_records(monkeypatch, without, signature=None)
     patch_records(monkeypatch, ("z-image", "cross-dit"), widths=None)  # the fold's width rules
     assert detect_architecture(loraweave.load_adapter(_file(files, arch))).architecture == misread
 
 
 def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
-    """Negative control: without the mmdit record's owners a full Qwen-Image file is called flux (by width 3072)
-    and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention)."""
+    """Negative control: without the mmdit record's owners a full Qwen-Image file is called flux (by width
+    3072) and an LTX-2 file's shared names count for sd3 (its attn2 read as SD3.5's dual attention)."""
     patch_records(monkeypatch, ("mmdit",), owners=())
     patch_records(monkeypatch, None, depth=None)  # which would name it by its 60 double-stream blocks
     assert detect_architecture(loraweave.load_adapter(_file(files, "qwen-image"))).architecture == "flux"
@@ -230,8 +236,9 @@ def test_without_shared_names_mmdit_names_outvote_the_owner(monkeypatch, files):
 
 @pytest.mark.parametrize("cls", ["Kandinsky6Transformer3DModel", "Kandinsky6SRTransformer3DModel"])
 def test_kandinsky6_is_not_called_kandinsky5(cls):
-    """Kandinsky 6 shares Kandinsky 5's block names; its own (`attn.`, `feed_forward.net`, audio tower) decide.
-    No catalog entry: inspect says there is no full-size model instead of checking it against Kandinsky 5's."""
+    """Kandinsky 6 shares Kandinsky 5's block names; its own (`attn.`, `feed_forward.net`, audio tower)
+    decide. No catalog entry: inspect says there is no full-size model instead of checking it against
+    Kandinsky 5's."""
     sd = _diffusers_names(cls)
     assert detect_architecture(loraweave.load_adapter(sd)).architecture == "kandinsky6"
     assert inspect_adapter(sd, text_encoders=False)["coverage"]["against"] is None
@@ -239,7 +246,8 @@ def test_kandinsky6_is_not_called_kandinsky5(cls):
 
 @pytest.mark.parametrize("arch", ["ideogram4", "lumina2"])
 def test_cli_inspect_json_on_a_file(tmp_path, capsys, files, arch):
-    """The CLI on a real safetensors file (bf16 zeros in the key list's shapes): named and 100 % with --strict."""
+    """The CLI on a real safetensors file (bf16 zeros in the key list's shapes): named and 100 % with
+    --strict."""
     from safetensors.torch import save_file
 
     from loraweave.cli import main
@@ -258,7 +266,8 @@ def test_cli_inspect_json_on_a_file(tmp_path, capsys, files, arch):
 
 
 def _blocks_only(sd: dict, doubles: int | None = None, singles: int | None = None) -> dict[str, torch.Tensor]:
-    """The file's transformer-block keys only (what most trained LoRAs hold), optionally the first blocks only."""
+    """The file's transformer-block keys only (what most trained LoRAs hold), optionally the first blocks
+    only."""
     import re
 
     out = {}
@@ -271,9 +280,10 @@ def _blocks_only(sd: dict, doubles: int | None = None, singles: int | None = Non
 
 
 def test_hunyuan_video_blocks_told_from_flux_by_depth(monkeypatch, files):
-    """A HunyuanVideo LoRA on its blocks only has nothing but Flux's names at Flux's width: its 20th double-stream
-    and 39th-40th single-stream blocks, which Flux.1 does not have, decide. Negative control: without the depth facets it
-    is flux. A file that stops before block 19 / 38 cannot be told apart and stays flux (the more common)."""
+    """A HunyuanVideo LoRA on its blocks only has nothing but Flux's names at Flux's width: its 20th
+    double-stream and 39th-40th single-stream blocks, which Flux.1 does not have, decide. Negative control:
+    without the depth facets it is flux. A file that stops before block 19 / 38 cannot be told apart and stays
+    flux (the more common)."""
     blocks = _blocks_only(_file(files, "hunyuan-video"))
     detection = detect_architecture(loraweave.load_adapter(blocks))
     assert detection.architecture == "hunyuan-video", (detection.scores, detection.evidence)
@@ -289,15 +299,16 @@ def test_hunyuan_video_blocks_told_from_flux_by_depth(monkeypatch, files):
 
 
 def test_qwen_image_attention_only_is_not_flux(monkeypatch, files):
-    """A Qwen-Image LoRA on attention only (Flux's MMDiT names, width 3072) indexes 60 double-stream blocks and no
-    single-stream one: Qwen-Image. Negative control: without the depth facets it was flux."""
+    """A Qwen-Image LoRA on attention only (Flux's MMDiT names, width 3072) indexes 60 double-stream blocks
+    and no single-stream one: Qwen-Image. Negative control: without the depth facets it was flux."""
     attn = {k: v for k, v in _file(files, "qwen-image").items() if ".attn." in k}
     assert detect_architecture(loraweave.load_adapter(attn)).architecture == "qwen-image"
     patch_records(monkeypatch, None, depth=None)
     assert detect_architecture(loraweave.load_adapter(attn)).architecture == "flux"
 
 
-# Cross-attention DiTs in diffusers names (self-attention attn1, cross-attention attn2, ff.net): class defaults.
+# Cross-attention DiTs in diffusers names (self-attention attn1, cross-attention attn2, ff.net): class
+# defaults.
 CROSS_DITS = {
     "ltx-video": "LTXVideoTransformer3DModel",
     "pixart": "PixArtTransformer2DModel",
@@ -306,7 +317,8 @@ CROSS_DITS = {
 
 
 def _ltx2_video_only(prefix: str) -> dict[str, torch.Tensor]:
-    """The LoRA most LTX-2 trainers write: the video tower's attention and feed-forward only, no audio names."""
+    """The LoRA most LTX-2 trainers write: the video tower's attention and feed-forward only, no audio
+    names."""
     keep = {
         n: m
         for n, m in linears(_model("LTX2VideoTransformer3DModel")).items()
@@ -317,8 +329,8 @@ def _ltx2_video_only(prefix: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("arch", sorted(CROSS_DITS))
 def test_cross_attention_dits_in_diffusers_names_are_not_sd3(arch):
-    """attn2 next to attn1 is a cross-attention DiT, not SD3.5's dual attention (which these files were called),
-    and every key lands on the architecture's full-size skeleton."""
+    """attn2 next to attn1 is a cross-attention DiT, not SD3.5's dual attention (which these files were
+    called), and every key lands on the architecture's full-size skeleton."""
     sd = _diffusers_names(CROSS_DITS[arch])
     detection = detect_architecture(loraweave.load_adapter(sd))
     assert detection.architecture == arch, (detection.scores, detection.evidence)
@@ -343,8 +355,8 @@ def test_ltx2_video_only_file_is_ltx2_and_fully_covered(prefix):
 
 
 def test_sd35_dual_attention_is_still_sd3():
-    """SD3.5 Medium (attn + attn2 in its first 13 blocks, hidden 1536) is still sd3, and a file of its attn2 names
-    alone is too, by the dual-attention rule."""
+    """SD3.5 Medium (attn + attn2 in its first 13 blocks, hidden 1536) is still sd3, and a file of its attn2
+    names alone is too, by the dual-attention rule."""
     model = _model(
         "SD3Transformer2DModel",
         **{**CATALOG["sd3"].config, "dual_attention_layers": tuple(range(13)), "qk_norm": "rms_norm"},
@@ -368,8 +380,9 @@ def test_negative_control_without_the_cross_dit_rule_they_read_as_sd3(monkeypatc
 
 
 def test_cosmos_diffusers_names_are_a_cross_dit_not_ltx_video():
-    """Cosmos-Predict2 2B has LTX-Video 0.9's hidden width (2048) and names, but reads 1024-wide text in attn2: it
-    is named only as the family. Negative control: without the same-width rule it is called ltx-video."""
+    """Cosmos-Predict2 2B has LTX-Video 0.9's hidden width (2048) and names, but reads 1024-wide text in
+    attn2: it is named only as the family. Negative control: without the same-width rule it is called
+    ltx-video."""
     sd = lora_file(
         linears(_model("CosmosTransformer3DModel", **CATALOG["anima"].config)),
         lambda n: f"transformer.{n}",

@@ -1,7 +1,8 @@
 """loraweave.diffusers: the same LoRA calls on a PEFT pipeline (diffusers' own path) and a loraweave one.
 
 Tiny Flux, SDXL (UNet) and Z-Image pipelines. After every call the denoiser outputs agree within 1e-5 relative
-(max|ours - ref| / max|ref|), the adapter lists and active sets are equal, and no PEFT layer exists in ours."""
+(max|ours - ref| / max|ref|), the adapter lists and active sets are equal, and no PEFT layer exists in
+ours."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def _targets(model: torch.nn.Module, arch: str, every: int, offset: int) -> list
 
 
 def lora_layers(model: torch.nn.Module, targets: list[str], seed: int) -> tuple[dict, LoraConfig]:
-    """A random PEFT LoRA (r=4, alpha 8, to_k alpha 2) on `targets` of a copy of `model`: (state dict, config)."""
+    """A random PEFT LoRA (r=4, alpha 8, to_k alpha 2) on `targets` of a copy of `model`: (state dict,
+    config)."""
     cfg = LoraConfig(
         r=4, lora_alpha=8, alpha_pattern={"to_k": 2}, init_lora_weights=False, target_modules=targets
     )
@@ -90,7 +92,8 @@ def lora_layers(model: torch.nn.Module, targets: list[str], seed: int) -> tuple[
 
 
 def save_adapter(arch: str, base: torch.nn.Module, folder, seed: int, every: int, offset: int, **encoders):
-    """lora_layers on `every`-th layer from `offset`, saved the diffusers way; `encoders`: name -> (module, seed)."""
+    """lora_layers on `every`-th layer from `offset`, saved the diffusers way; `encoders`: name -> (module,
+    seed)."""
     sd, cfg = lora_layers(base, _targets(base, arch, every, offset), seed)
     component = MODELS[arch][2]
     layers = {f"{component}_lora_layers": sd, f"{component}_lora_adapter_metadata": cfg.to_dict()}
@@ -401,7 +404,8 @@ def tiny_clip_tokenizer(folder) -> object:
 
 
 def test_encode_prompt_lora_scale_matches_diffusers_peft(tmp_path):
-    """pipe.encode_prompt(lora_scale=s) scales the text encoders' adapters for that call only, as diffusers does."""
+    """pipe.encode_prompt(lora_scale=s) scales the text encoders' adapters for that call only, as diffusers
+    does."""
     _silence_peft_warnings()
     encoders = tiny_clip_encoders()
     tokenizer = tiny_clip_tokenizer(tmp_path / "tok")
@@ -435,7 +439,8 @@ def test_encode_prompt_lora_scale_matches_diffusers_peft(tmp_path):
 
 
 def test_kohya_layout_matches_diffusers_conversion():
-    """A kohya-named SDXL LoRA (lora_unet_*, lora_down/lora_up/alpha) lands as diffusers' converter puts it."""
+    """A kohya-named SDXL LoRA (lora_unet_*, lora_down/lora_up/alpha) lands as diffusers' converter puts
+    it."""
     _silence_peft_warnings()
     pair = Pair("sdxl_unet")
     g = torch.Generator().manual_seed(9)
@@ -534,8 +539,8 @@ def meta_pipes(realdata):
 
 @pytest.mark.parametrize("name", sorted(REAL_FILES))
 def test_every_real_file_loads_through_the_dropin(name, meta_pipes):
-    """Every real adapter file lands fully through pipe.load_lora_weights (a folder + weight_name, as diffusers
-    scripts pass them), including the kohya LoKr files diffusers' own loader rejects."""
+    """Every real adapter file lands fully through pipe.load_lora_weights (a folder + weight_name, as
+    diffusers scripts pass them), including the kohya LoKr files diffusers' own loader rejects."""
     pipe = meta_pipes[REAL_FILES[name][0]]
     pipe.load_lora_weights(str(REALDATA / "lora"), weight_name=name, adapter_name="real")
     try:
@@ -570,8 +575,9 @@ def test_unfuse_after_a_weight_change_is_exact_where_diffusers_drifts(tmp_path):
 
 
 def test_fuse_on_an_sdnq_quantized_transformer(tmp_path):
-    """diffusers' fuse_lora fails on SDNQ layers; the drop-in fuses through loraweave's quantized mechanisms (the
-    factor channel for plain LoRA), matches its own runtime output and unfuses to the same stored tensors."""
+    """diffusers' fuse_lora fails on SDNQ layers; the drop-in fuses through loraweave's quantized mechanisms
+    (the factor channel for plain LoRA), matches its own runtime output and unfuses to the same stored
+    tensors."""
     import os
 
     os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
@@ -617,7 +623,8 @@ def test_fuse_on_an_sdnq_quantized_transformer(tmp_path):
 
 
 def test_per_call_scale_zero_keeps_the_weights(tmp_path):
-    """Deliberate difference: after a call with scale 0, diffusers resets set_adapters weights to 1; ours stay."""
+    """Deliberate difference: after a call with scale 0, diffusers resets set_adapters weights to 1; ours
+    stay."""
     _silence_peft_warnings()
     pair = Pair("zimage")
     a = save_adapter("zimage", pair.base, tmp_path / "a", seed=3, every=2, offset=0)
@@ -634,8 +641,9 @@ def test_per_call_scale_zero_keeps_the_weights(tmp_path):
 
 
 def test_fuse_reuses_the_loads_resolution(tmp_path, monkeypatch):
-    """fuse_lora merges the parts load_lora_weights resolved (factors read and checked once): no key is resolved
-    again, and the fused weights are bit-identical to loraweave.apply(mode="merge") of the file at that weight."""
+    """fuse_lora merges the parts load_lora_weights resolved (factors read and checked once): no key is
+    resolved again, and the fused weights are bit-identical to loraweave.apply(mode="merge") of the file at
+    that weight."""
     import loraweave
     from loraweave.resolve import planner
 

@@ -1,18 +1,20 @@
-"""DyLoRA files (LyCORIS `dylora`, kohya `networks/dylora.py`): LoRA keys whose conv `lora_up` is 2-D (out, r).
+"""DyLoRA files (LyCORIS `dylora`, kohya `networks/dylora.py`): LoRA keys whose conv `lora_up` is 2-D (out,
+r).
 
-A DyLoRA file holds `lora_down.weight` (r, in[, k, k]), `lora_up.weight` and `alpha`. Both trainers concatenate
-the per-rank up blocks along dim 1 and save the result as is, so for a 3x3 conv `lora_up` is (out, r), not
-(out, r, 1, 1) (formats-and-math §2). Read as LoRA: ΔW = (alpha/r)·up @ down, times the strength.
+A DyLoRA file holds `lora_down.weight` (r, in[, k, k]), `lora_up.weight` and `alpha`. Both trainers
+concatenate the per-rank up blocks along dim 1 and save the result as is, so for a 3x3 conv `lora_up` is (out,
+r), not (out, r, 1, 1) as a LoCon up is. Read as LoRA: ΔW = (alpha/r)·up @ down, times the strength.
 
 References:
-- an independent fp64 formula on a hand-made file (Linear + Conv2d 3x3, saved to and applied from .safetensors);
+- an independent fp64 formula on a hand-made file (Linear + Conv2d 3x3, saved to and applied from
+  .safetensors);
 - LyCORIS 4.x's wrapped forward on a file LyCORIS creates and saves (the file is read back only by loraweave:
   LyCORIS's create_lycoris_from_weights crashes on dylora). DyLoRA's forward draws a random rank on every call
   (training or not, `eval()` does not stop it), so the test pins it to the full rank through LyCORIS's own
-  `get_weight(rank)`, and uses block_size 1: at full rank LyCORIS scales by alpha/block_count, which is alpha/r
-  only when a block is one rank (see test_lycoris_full_rank_scale_is_per_block).
-Tolerances: rel. error = max|ours - ref| / max|ref| <= 1e-5 on layer outputs and on the adapter's share of them;
-merged weights against the fp64 reference <= 1e-6.
+  `get_weight(rank)`, and uses block_size 1: at full rank LyCORIS scales by alpha/block_count, which is
+  alpha/r only when a block is one rank (see test_lycoris_full_rank_scale_is_per_block).
+Tolerances: rel. error = max|ours - ref| / max|ref| <= 1e-5 on layer outputs and on the adapter's share of
+them; merged weights against the fp64 reference <= 1e-6.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def reference(pristine: Net, sd: dict[str, torch.Tensor], s: float, xs: dict[str
 
 
 def check(pristine: Net, source, sd: dict[str, torch.Tensor], refs=None, strengths=STRENGTHS) -> None:
-    """merge and runtime at each strength: every key lands, outputs match the fp64 formula (and `refs` when given,
-    per strength), merged weights match it, runtime equals merge, remove() restores the layers bit for bit."""
+    """merge and runtime at each strength: every key lands, outputs match the fp64 formula (and `refs` when
+    given, per strength), merged weights match it, runtime equals merge, remove() restores the layers bit for
+    bit."""
     xs = inputs()
     base = outputs(pristine, xs)
     for s in strengths:
@@ -143,12 +146,14 @@ def test_conv_up_2d_equals_4d():
     assert not torch.equal(merged[0], pristine.conv.weight)
 
 
-# ------------------------------------------------------------------------ LyCORIS-created file, wrapped forward
+# ------------------------------------------------------------------------ LyCORIS-created file, wrapped
+# forward
 
 
 def lycoris_dylora(tmp_path, block_size: int):
-    """(pristine, wrapped model, network, saved path): LyCORIS dylora on lin (r 4, alpha 2) and conv (r 4, alpha 1),
-    random blocks (LyCORIS zero-inits up), forward pinned to the full rank (otherwise random on every call)."""
+    """(pristine, wrapped model, network, saved path): LyCORIS dylora on lin (r 4, alpha 2) and conv (r 4,
+    alpha 1), random blocks (LyCORIS zero-inits up), forward pinned to the full rank (otherwise random on
+    every call)."""
     preset = write_preset(tmp_path / "p.toml", ("Linear", "Conv2d"))
     pristine = Net()
     wrapped = copy.deepcopy(pristine)
@@ -172,7 +177,8 @@ def lycoris_dylora(tmp_path, block_size: int):
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
             for p in m.up_list:
                 p.copy_(torch.randn(p.shape, generator=g))
-            # LyCORIS's own rank API: get_weight(rank) uses blocks 0..ceil(rank/bs), so lora_dim - bs is all of them
+            # LyCORIS's own rank API: get_weight(rank) uses blocks 0..ceil(rank/bs), so lora_dim - bs is all
+            # of them
             m.get_random_rank_weight = lambda m=m: m.get_weight(m.lora_dim - m.block_size)
     net.apply_to()
     net.eval()
@@ -205,8 +211,9 @@ def test_matches_lycoris_wrapped_forward(tmp_path, lycoris_state):
 
 def test_lycoris_full_rank_scale_is_per_block(tmp_path, lycoris_state):
     """LyCORIS's DyLoRA forward scales by alpha/(blocks in use), not alpha/r: with block_size 2 and rank 4 its
-    full-rank output change is twice the file's LoRA reading. Ours reads the file as LoRA (alpha/r), as kohya's
-    DyLoRA does at full rank (scale·sqrt(r/r)) and as every LoRA loader does; this pins the divergence."""
+    full-rank output change is twice the file's LoRA reading. Ours reads the file as LoRA (alpha/r), as
+    kohya's DyLoRA does at full rank (scale·sqrt(r/r)) and as every LoRA loader does; this pins the
+    divergence."""
     pristine, wrapped, net, path = lycoris_dylora(tmp_path, block_size=2)
     xs = inputs()
     base = outputs(pristine, xs)

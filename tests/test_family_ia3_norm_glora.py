@@ -1,10 +1,10 @@
 """IA3, norm (`w_norm`/`b_norm`) and GLoRA: merge and runtime against references, CPU, fp32.
 
-References: GLoRA and norm = LyCORIS 4.x's own wrapped forward (create_lycoris, algo="glora" / train_norm=True);
-IA3 = hand-made LyCORIS and PEFT fixtures with an independent formula, the forward of a LyCORIS-written IA3 file,
-and PEFT's own IA3 forward at strength 1. Tolerances (rel. error = max|ours - ref| / max|ref|): layer outputs and
-the adapter's share of them <= 1e-5; merged weights against an fp64 formula <= 1e-6.
-PEFT IA3 strength s: l_s = 1 + s·(l − 1) (exact PEFT at s = 1, identity at s = 0).
+References: GLoRA and norm = LyCORIS 4.x's own wrapped forward (create_lycoris, algo="glora" /
+train_norm=True); IA3 = hand-made LyCORIS and PEFT fixtures with an independent formula, the forward of a
+LyCORIS-written IA3 file, and PEFT's own IA3 forward at strength 1. Tolerances (rel. error = max|ours - ref| /
+max|ref|): layer outputs and the adapter's share of them <= 1e-5; merged weights against an fp64 formula <=
+1e-6. PEFT IA3 strength s: l_s = 1 + s·(l − 1) (exact PEFT at s = 1, identity at s = 0).
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def check_modes(
 
 
 def lycoris_refs(pristine: nn.Module, xs: dict, make_net, path, seed: int) -> tuple[dict, dict]:
-    """Wrap a copy with LyCORIS, randomise every adapter parameter, record the forward per multiplier, save."""
+    """Wrap a copy with LyCORIS, randomise every adapter parameter, record the forward per multiplier,
+    save."""
     wrapped = copy.deepcopy(pristine)
     net = make_net(wrapped)
     net.apply_to()
@@ -292,8 +293,8 @@ def test_norm_matches_lycoris_train_norm(tmp_path, lycoris_state):
 
 
 def test_norm_rmsnorm_and_biasless_layernorm():
-    """Hand-made: torch RMSNorm (merge + runtime), diffusers RMSNorm (merge), a bias-less LayerNorm with b_norm
-    (no bias to merge into: auto mode runs it at runtime)."""
+    """Hand-made: torch RMSNorm (merge + runtime), diffusers RMSNorm (merge), a bias-less LayerNorm with
+    b_norm (no bias to merge into: auto mode runs it at runtime)."""
     from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
     torch.manual_seed(1)
@@ -418,8 +419,9 @@ def test_ia3_lycoris_written_file_matches_lycoris_forward(tmp_path, lycoris_stat
 
 @pytest.mark.parametrize("feedforward", [False, True])
 def test_ia3_peft_hand_fixture(feedforward):
-    """PEFT ia3_l: (out, 1) / (1, in) for Linear, (1, n, 1, 1) for a non-square conv. The output side also scales
-    the bias, which merge can only do when the core hands bias_delta the original bias (core change B)."""
+    """PEFT ia3_l: (out, 1) / (1, in) for Linear, (1, n, 1, 1) for a non-square conv. The output side also
+    scales the bias, which merge can only do when the core hands bias_delta the original bias (core change
+    B)."""
     pristine, xs = Ia3Net(), randn_inputs(IA3_X)
     g, sd, vecs = gen(10), {}, {}
     for name, m in pristine.named_children():

@@ -1,7 +1,7 @@
 """LoRA/LoCon (incl. Tucker `lora_mid`) against LyCORIS 4's own wrapped forward, merged and at runtime.
 
-Layers: Linear, Conv1d, Conv2d 3x3 (stride 2), Conv3d, 1x1 Conv2d. Alpha != rank everywhere; multipliers 1, 0.5, -1.
-Tolerance: rel. error <= 1e-5 (fp32) on the outputs and on the adapter's share of them."""
+Layers: Linear, Conv1d, Conv2d 3x3 (stride 2), Conv3d, 1x1 Conv2d. Alpha != rank everywhere; multipliers 1,
+0.5, -1. Tolerance: rel. error <= 1e-5 (fp32) on the outputs and on the adapter's share of them."""
 
 from __future__ import annotations
 

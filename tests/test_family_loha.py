@@ -133,7 +133,8 @@ def test_fused_flux_qkv_lands_on_the_right_rows():
 
 
 def test_fp64_merge_and_stacking_with_lora_at_runtime():
-    """fp64 weights stay fp64-exact; a LoHa (fn term) and a LoRA (rank pair) on one layer: runtime == merge."""
+    """fp64 weights stay fp64-exact; a LoHa (fn term) and a LoRA (rank pair) on one layer: runtime ==
+    merge."""
     torch.manual_seed(5)
     pristine = nn.ModuleDict({"fc": nn.Linear(16, 12).double(), "cv": nn.Conv2d(3, 4, 3, padding=1).double()})
     loha = {

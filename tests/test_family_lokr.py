@@ -103,8 +103,9 @@ def test_matches_lycoris_wrapped_forward(
     mods = {m.lora_name.removeprefix("lycoris_"): m for m in net.loras}
     assert sorted(mods) == sorted(n.replace(".", "_") for n in LAYERS)
     assert all(m.rs_lora == rs_lora for m in mods.values())
-    # Both halves full: files mean γ = 1 (LyCORIS's own reload, ComfyUI, SD.Next, sd.cpp). The live LyCORIS module
-    # agrees except with rs_lora, where it trains at dim/√dim but saves nothing that says so: follow the file.
+    # Both halves full: files mean γ = 1 (LyCORIS's own reload, ComfyUI, SD.Next, sd.cpp). The live LyCORIS
+    # module agrees except with rs_lora, where it trains at dim/√dim but saves nothing that says so: follow
+    # the file.
     file_rule = {n: 1.0 / m.scale if m.use_w1 and m.use_w2 else 1.0 for n, m in mods.items()}
     assert all(f == 1.0 for f in file_rule.values()) != rs_lora
     net.apply_to()  # registers the LyCORIS modules: net.parameters() is empty before this

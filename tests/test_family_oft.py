@@ -1,9 +1,10 @@
-"""OFT / BOFT (oft_blocks, oft_diag, rescale, PEFT boft_R/boft_s): merge and runtime against the trainers' own code.
+"""OFT / BOFT (oft_blocks, oft_diag, rescale, PEFT boft_R/boft_s): merge and runtime against the trainers' own
+code.
 
-References: LyCORIS 4.x's wrapped forward (diag-oft, boft) generated here, PEFT's BOFT layer, and independent fp64
-formulas for the forms no installed package writes (LyCORIS 2.x `oft_diag`, kohya COFT incl. Flux splits).
-Tolerances (rel. error = max|ours - ref| / max|ref|, fp32): <= 1e-5 on layer outputs and on the adapter's share
-of them; merged weights against an fp64 reference <= 1e-6.
+References: LyCORIS 4.x's wrapped forward (diag-oft, boft) generated here, PEFT's BOFT layer, and independent
+fp64 formulas for the forms no installed package writes (LyCORIS 2.x `oft_diag`, kohya COFT incl. Flux
+splits). Tolerances (rel. error = max|ours - ref| / max|ref|, fp32): <= 1e-5 on layer outputs and on the
+adapter's share of them; merged weights against an fp64 reference <= 1e-6.
 """
 
 from __future__ import annotations
@@ -155,8 +156,9 @@ def deltas(sd, s: float, mode: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("mode", ["merge", "runtime"])
 def test_strength_enters_once_and_negative_reverses(mode):
-    """ComfyUI applies OFT strength twice (s·(R−I) and then s·ΔW): at s = 0.5 it gives a quarter of the change and a
-    negative strength acts like a positive one. Ours: ΔW(s) = s·(Rᵀ−I)W, exactly linear without rescale."""
+    """ComfyUI applies OFT strength twice (s·(R−I) and then s·ΔW): at s = 0.5 it gives a quarter of the change
+    and a negative strength acts like a positive one. Ours: ΔW(s) = s·(Rᵀ−I)W, exactly linear without
+    rescale."""
     sd = oft_sd(6)
     full = deltas(sd, 1.0, mode)
     for s in (0.5, -1.0, -0.3, 0.0):
@@ -171,7 +173,8 @@ def test_strength_enters_once_and_negative_reverses(mode):
 
 @pytest.mark.parametrize("mode", ["merge", "runtime"])
 def test_rescale_is_applied(mode):
-    """ComfyUI/SD.Next ignore `rescale` in merge. Identity rotation (zero blocks) + rescale: W' = rescale ⊙ W."""
+    """ComfyUI/SD.Next ignore `rescale` in merge. Identity rotation (zero blocks) + rescale: W' = rescale ⊙
+    W."""
     sd = oft_sd(7, noise=0.0, rescale=True)
     pristine, xs = lin_model(), lin_inputs()
     got = deltas(sd, 1.0, mode)
@@ -204,7 +207,8 @@ def test_constraint_zero_means_unconstrained(tmp_path, lycoris_state):
     check_apply(pristine, xs, base, refs, no_alpha, len(no_alpha), strengths=(1.0,), effect=0.3)
 
 
-# ------------------------------------------------------------------------ hand-made forms: oft_diag, kohya COFT
+# ------------------------------------------------------------------------ hand-made forms: oft_diag, kohya
+# COFT
 
 
 def blockdiag_rotation(mats: list[torch.Tensor], s: float) -> torch.Tensor:
@@ -245,7 +249,8 @@ def check_dense_reference(sd: dict, rotation: dict):
 
 
 def test_lycoris2_oft_diag_is_the_rotation_itself():
-    """LyCORIS 2.x saved R itself as `oft_diag` (rescale folded in): no Cayley, no constraint, alpha ignored."""
+    """LyCORIS 2.x saved R itself as `oft_diag` (rescale folded in): no Cayley, no constraint, alpha
+    ignored."""
     g = gen(8)
     sd = {
         "fc.oft_diag": torch.eye(4) + 0.3 * torch.randn(6, 4, 4, generator=g),
@@ -258,8 +263,8 @@ def test_lycoris2_oft_diag_is_the_rotation_itself():
 
 @pytest.mark.parametrize("alpha", [1e-3, 10.0])  # kohya's default (clamps), and one that leaves Q alone
 def test_kohya_coft_math(alpha):
-    """kohya COFT: `oft_blocks` (dim, out/dim, out/dim) + `alpha`; Q always clamped to α·out_dim; R_s = s(R−I)+I.
-    Keys without the `oft_unet_` prefix here (see test_kohya_prefix_routes for the real names)."""
+    """kohya COFT: `oft_blocks` (dim, out/dim, out/dim) + `alpha`; Q always clamped to α·out_dim; R_s =
+    s(R−I)+I. Keys without the `oft_unet_` prefix here (see test_kohya_prefix_routes for the real names)."""
     g = gen(9)
     sd = {
         "fc.oft_blocks": torch.randn(4, 6, 6, generator=g) * 0.2,
@@ -284,8 +289,10 @@ def test_kohya_prefix_routes():
 
 
 def test_kohya_flux_splits_rotate_each_split():
-    """kohya Flux OFT: `oft_blocks.<i>` per output split (qkv [q, k, v]), each with its own constraint α·split_i.
-    fp64; the 1e-7 budget is kohya's clamp (c+1e-8)/(‖Q‖+1e-8) vs LyCORIS's c/(‖Q‖+1e-8) at c = 0.064. Through the family API: formats/keys.py does not yet parse `.oft_blocks.<i>` keys (see the report)."""
+    """kohya Flux OFT: `oft_blocks.<i>` per output split (qkv [q, k, v]), each with its own constraint
+    α·split_i. fp64; the 1e-7 budget is kohya's clamp (c+1e-8)/(‖Q‖+1e-8) vs LyCORIS's c/(‖Q‖+1e-8) at c =
+    0.064. Through the family API: formats/keys.py does not yet parse `.oft_blocks.<i>` keys (see the
+    report)."""
     fam = FAMILIES["oft"]
     g = gen(11)
     alpha, splits = (
@@ -329,8 +336,9 @@ def test_kohya_flux_splits_rotate_each_split():
 
 
 def test_fused_flux_qkv_rows():
-    """OFT on a fused BFL qkv (96 rows -> to_q/to_k/to_v): blocks of 8 tile each 32-row chunk; merge equals the
-    fp64 rotation of the stacked weight, runtime equals merge. Blocks that cut a chunk are refused, never guessed."""
+    """OFT on a fused BFL qkv (96 rows -> to_q/to_k/to_v): blocks of 8 tile each 32-row chunk; merge equals
+    the fp64 rotation of the stacked weight, runtime equals merge. Blocks that cut a chunk are refused, never
+    guessed."""
     from helpers.tiny_models import flux_forward, tiny_flux
 
     pristine = tiny_flux()
@@ -376,8 +384,9 @@ def test_fused_flux_qkv_rows():
 
 
 def peft_boft(monkeypatch, butterfly: int):
-    """PEFT BOFT on Linear + Conv2d with random R and s. PEFT builds N > 1 stages only with its CUDA kernel: the
-    loader is stubbed (no compile attempt) and, for N > 1, the reference is PEFT's own boft_P and cayley_batch."""
+    """PEFT BOFT on Linear + Conv2d with random R and s. PEFT builds N > 1 stages only with its CUDA kernel:
+    the loader is stubbed (no compile attempt) and, for N > 1, the reference is PEFT's own boft_P and
+    cayley_batch."""
     from peft import BOFTConfig, get_peft_model, get_peft_model_state_dict
     from peft.tuners.boft import layer as boft_layer
 

@@ -1,20 +1,20 @@
 """PEFT OFT (`oft_R.weight`): merge and runtime against PEFT 0.21 itself.
 
-Reference = PEFT's OFT layers (peft.tuners.oft) on Linear and Conv2d with random oft_R: PEFT's forward for Linear and
-1x1 convolutions, PEFT's merge_and_unload weights for every layer. PEFT's k×k Conv2d forward (unfold, rotate, fold)
-disagrees with its own merge even at R = I (shown below), so k×k convolutions are checked against the merged
-weights only. Strengths other than 1 (PEFT has none) against the independent formula W' = W·(I + s(M − I))ᵀ, M =
-PEFT's block-diagonal rotation. Tolerance: rel. error = max|ours − ref| / max|ref| <= 1e-5 (fp32).
+Reference = PEFT's OFT layers (peft.tuners.oft) on Linear and Conv2d with random oft_R: PEFT's forward for
+Linear and 1x1 convolutions, PEFT's merge_and_unload weights for every layer. PEFT's k×k Conv2d forward
+(unfold, rotate, fold) disagrees with its own merge even at R = I (shown below), so k×k convolutions are
+checked against the merged weights only. Strengths other than 1 (PEFT has none) against the independent
+formula W' = W·(I + s(M − I))ᵀ, M = PEFT's block-diagonal rotation. Tolerance: rel. error = max|ours − ref| /
+max|ref| <= 1e-5 (fp32).
 
 The adapter_config.json fields (use_cayley_neumann, num_cayley_neumann_terms, coft/eps, block_share) reach the
-family as `load(..., config=)`: checked here at the family level; end to end through `loraweave.apply(model, dir)`
-once the planner passes the adapter's PEFT config (xfail until then).
+family as `load(..., config=)`: checked here at the family level, and end to end through
+`loraweave.apply(model, dir)` (the planner passes the adapter's PEFT config to the family).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import warnings
@@ -28,7 +28,6 @@ from torch import nn
 
 import loraweave
 from loraweave.families import FAMILIES, peft_oft
-from loraweave.formats.alpha import MetadataAlpha
 
 TOL = 1e-5
 LAYERS = ("lin", "blk.proj", "c1", "c3", "c3s")
@@ -72,7 +71,8 @@ def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def make_peft(tmp_path, noise: float = 3.0, **cfg):
-    """(pristine, PEFT model, saved directory). oft_R is saved before any forward (coft projects it in place)."""
+    """(pristine, PEFT model, saved directory). oft_R is saved before any forward (coft projects it in
+    place)."""
     from peft import OFTConfig, get_peft_model
 
     pristine = Net()
@@ -171,27 +171,6 @@ def family_apply(target: nn.Module, path, mode: str, strength: float = 1.0, conf
     return hooks
 
 
-def core_passes_config() -> bool:
-    """Whether the planner hands the adapter's PEFT config to the family's load (the proposed core change)."""
-    from loraweave.formats.adapter import load_adapter
-    from loraweave.resolve.planner import resolve
-    from loraweave.resolve.target import as_components
-
-    model = nn.ModuleDict({"lin": nn.Linear(4, 2)})
-    adapter = load_adapter({"lin.oft_R.weight": torch.zeros(1, 6)})
-    cfg = {"peft_type": "OFT", "oft_block_size": 4, "use_cayley_neumann": False, "peft_version": "0.21.2"}
-    adapter = dataclasses.replace(adapter, meta_alpha=MetadataAlpha(peft=cfg))
-    planned = resolve(as_components(model), [(adapter, 1.0)]).planned
-    return bool(planned) and planned[0].factors.neumann_terms is None
-
-
-CORE_PASSES_CONFIG = core_passes_config()
-needs_core_config = pytest.mark.xfail(
-    not CORE_PASSES_CONFIG,
-    strict=True,
-    reason="resolve/planner.py does not yet pass adapter.meta_alpha.peft to family.load(..., config=)",
-)
-
 CONFIGS = {
     "neumann5_block4": {},  # PEFT's defaults
     "exact_block4": {"use_cayley_neumann": False},
@@ -241,7 +220,6 @@ def test_directory_with_default_config(tmp_path):
     )
 
 
-@needs_core_config
 @pytest.mark.parametrize("name", ["exact_r6", "neumann3", "block_share_exact", "coft"])
 def test_directory_config_reaches_the_family(tmp_path, name):
     pristine, model, path = make_peft(tmp_path, **CONFIGS[name])
@@ -277,7 +255,8 @@ def test_inject_adapter_state_dict_without_config():
 
 @pytest.mark.parametrize("strength", [0.5, -1.0])
 def test_strength_interpolates_the_rotation(tmp_path, strength):
-    """R_s = I + s(R − I): W' = W·M_sᵀ, independent fp64 formula from PEFT's block-diagonal M; merge == runtime."""
+    """R_s = I + s(R − I): W' = W·M_sᵀ, independent fp64 formula from PEFT's block-diagonal M; merge ==
+    runtime."""
     pristine, model, path = make_peft(tmp_path)
     xs = inputs()
     refs = {}
@@ -333,7 +312,8 @@ def test_peft_conv_forward_disagrees_with_its_merge():
 
 
 def test_legacy_neumann_series_before_peft_018():
-    """peft_version < 0.18 (or missing in an OFT config): R = I + Σ_{k=1}^{t−1} 2Q^k, independent fp64 formula."""
+    """peft_version < 0.18 (or missing in an OFT config): R = I + Σ_{k=1}^{t−1} 2Q^k, independent fp64
+    formula."""
     g = torch.Generator().manual_seed(3)
     vec = torch.randn(6, 6, generator=g) * 0.3
     w = torch.randn(5, 24, generator=g)

@@ -1,5 +1,6 @@
-"""Seeded mutations of the real adapter files in ../shared/realdata: header length, header JSON, dtypes, offsets,
-shapes, tensor values, metadata and key names. For every mutated file, in merge, runtime and auto mode:
+"""Seeded mutations of the real adapter files in ../shared/realdata: header length, header JSON, dtypes,
+offsets, shapes, tensor values, metadata and key names. For every mutated file, in merge, runtime and auto
+mode:
 - only loraweave's typed errors (LoraweaveError) escape, never a crash;
 - no non-finite value is merged silently (weights finite before stay finite, or a typed error is raised);
 - after an error the model is bit-identical and hook-free; after a success, remove() makes it so;

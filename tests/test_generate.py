@@ -1,4 +1,5 @@
-"""`loraweave generate` end to end on a tiny SD1.5 pipeline saved to a temp folder (tokenizer written offline)."""
+"""`loraweave generate` end to end on a tiny SD1.5 pipeline saved to a temp folder (tokenizer written
+offline)."""
 
 from __future__ import annotations
 
@@ -268,7 +269,8 @@ def test_strict_refuses_when_keys_miss(tmp_path, pipe_dir, capsys):
 
 
 def test_runtime_streamed_and_quantized(tmp_path, pipe_dir, lora_dir, monkeypatch, capsys):
-    """Runtime mode and a streamed denoiser (CPU simulation) give the merged image; SDNQ int8 runs the LoRA."""
+    """Runtime mode and a streamed denoiser (CPU simulation) give the merged image; SDNQ int8 runs the
+    LoRA."""
     from loraweave.tools import generate
 
     # SDNQ skips layers under 16384 weights: every tiny layer would stay float.

@@ -1,7 +1,8 @@
 """What a handle keeps in memory beyond the model, counted in tensor storage (not RSS): a runtime path reads a
-single LoRA's factors from the adapter's own tensors instead of holding a copy where the adapter owns them (a file
-read whole), copies them once where it does not (a mapped file may be saved over while applied), and merge-mode
-steps leave no buffer in a reference cycle (memory Python frees only when its cyclic collector runs)."""
+single LoRA's factors from the adapter's own tensors instead of holding a copy where the adapter owns them (a
+file read whole), copies them once where it does not (a mapped file may be saved over while applied), and
+merge-mode steps leave no buffer in a reference cycle (memory Python frees only when its cyclic collector
+runs)."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def test_runtime_single_lora_holds_no_factor_copy(tmp_path):
 
 
 def test_runtime_two_loras_on_a_layer_still_concatenate(tmp_path):
-    """Two adapters on one layer: one rank-concatenated pair of their own (the adapters' tensors untouched)."""
+    """Two adapters on one layer: one rank-concatenated pair of their own (the adapters' tensors
+    untouched)."""
     model = _model()
     a, b = _lora_file(model, tmp_path / "a.safetensors", 1), _lora_file(model, tmp_path / "b.safetensors", 2)
     handle = loraweave.apply(model, [a, b], mode="runtime", strict=True)
@@ -119,8 +121,9 @@ def test_runtime_two_loras_on_a_layer_still_concatenate(tmp_path):
 
 
 def _cyclic_tensor_bytes(step) -> int:
-    """Run `step` with the cyclic collector off, then count the storage bytes of tensors only a collection frees:
-    memory that outlives its use until the collector happens to run (a merge's buffers, once per layer)."""
+    """Run `step` with the cyclic collector off, then count the storage bytes of tensors only a collection
+    frees: memory that outlives its use until the collector happens to run (a merge's buffers, once per
+    layer)."""
     gc.collect()
     gc.disable()
     try:

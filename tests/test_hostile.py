@@ -1,6 +1,7 @@
 """Issue 16's defects, one test each: hostile metadata and headers end in typed errors naming file and field,
-finite factors never merge inf, the reader refuses what the safetensors reader refuses, switch agrees with apply,
-and two threads on one model never leave an irreversible state. The model is unchanged after every error."""
+finite factors never merge inf, the reader refuses what the safetensors reader refuses, switch agrees with
+apply, and two threads on one model never leave an irreversible state. The model is unchanged after every
+error."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def refused_cleanly(path, match: str, mode: str = "merge") -> LoraweaveError:
     return exc.value
 
 
-# ---------------------------------------------------------------- metadata: typed errors naming file and field
+# ---------------------------------------------------------------- metadata: typed errors naming file and
+# field
 
 
 @pytest.mark.parametrize(
@@ -183,7 +185,8 @@ def test_every_format_dtype_reads_or_is_refused_typed(tmp_path):
         try:
             handle = loraweave.apply(model, str(path), mode="merge")
         except loraweave.errors.NoKeysLandedError:
-            pass  # read, then reported as misses: nothing landed, so apply refuses (typed) and changes nothing
+            # read, then reported as misses: nothing landed, so apply refuses (typed) and changes nothing
+            pass
         except LoraweaveError as exc:
             assert str(path) in str(exc)
         else:
@@ -292,7 +295,8 @@ def test_switch_dropping_a_dora_adapter_removes_it(mode):
 
 
 class Wide(nn.Module):
-    """Layers large enough that two threads' merges overlap in time (torch releases the GIL in its kernels)."""
+    """Layers large enough that two threads' merges overlap in time (torch releases the GIL in its
+    kernels)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,7 +1,8 @@
-"""SafetensorsFile(read=True) (a file read whole into memory of its own, what the ComfyUI pack's loaders use) and
-its bulk finite check (finite_keys, one pass per run of one dtype), against the mapped reader and safetensors'
-own: the same tensors bit for bit; tensors no later write to the file reaches; a non-finite tensor never proven
-finite, and the planner still rejects exactly the parts the mapped reader's per-tensor checks reject."""
+"""SafetensorsFile(read=True) (a file read whole into memory of its own, what the ComfyUI pack's loaders use)
+and its bulk finite check (finite_keys, one pass per run of one dtype), against the mapped reader and
+safetensors' own: the same tensors bit for bit; tensors no later write to the file reaches; a non-finite
+tensor never proven finite, and the planner still rejects exactly the parts the mapped reader's per-tensor
+checks reject."""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def good(prefix: str, out: int, inp: int, seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("where", ["fc1.lora_down.weight", "fc2.lora_up.weight", "fc2.alpha"])
 def test_a_non_finite_tensor_in_a_read_file_is_rejected_as_by_the_mapped_reader(tmp_path, where):
-    """Good and bad parts in one fp32 file (one run: the bulk pass fails, each tensor is checked on its own)."""
+    """Good and bad parts in one fp32 file (one run: the bulk pass fails, each tensor is checked on its
+    own)."""
     state = {**good("fc1", 6, 8, 1), **good("fc2", 6, 6, 2), **good("block.proj", 6, 6, 3)}
     state[where] = state[where].clone()
     state[where].view(-1)[0] = float("nan")

@@ -1,5 +1,6 @@
-"""The journal's failure paths under fault injection: a switch or strength change failing at any point leaves the
-model clean (switch: no adapters; set_strength: the old strengths), never half-changed; undo runs every entry."""
+"""The journal's failure paths under fault injection: a switch or strength change failing at any point leaves
+the model clean (switch: no adapters; set_strength: the old strengths), never half-changed; undo runs every
+entry."""
 
 from __future__ import annotations
 

@@ -201,7 +201,8 @@ def test_ia3_weight_is_recognised_only_through_on_input():
 
 
 def test_lone_scale_key_is_a_norm_replacement_not_a_lora_scale():
-    """BFL control LoRAs carry `*.norm.key_norm.scale` (a replacement weight): reported as the `set` family."""
+    """BFL control LoRAs carry `*.norm.key_norm.scale` (a replacement weight): reported as the `set`
+    family."""
     adapter = loraweave.load_adapter(
         {
             "single_blocks.0.norm.key_norm.scale": torch.ones(128),

@@ -21,7 +21,8 @@ FUSED_TOL = 1e-6
 
 
 def _flux_original(i_d: int, i_s: int) -> dict[str, tuple[str, ...]]:
-    """Hand-written BFL name -> diffusers modules (rows top to bottom) for double block i_d, single block i_s."""
+    """Hand-written BFL name -> diffusers modules (rows top to bottom) for double block i_d, single block
+    i_s."""
     d, s = f"transformer_blocks.{i_d}", f"single_transformer_blocks.{i_s}"
     return {
         f"double_blocks.{i_d}.img_attn.qkv": (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"),
@@ -87,7 +88,8 @@ def _peft_parts(path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dic
 
 
 def rename(parts, gamma, original: dict[str, tuple[str, ...]], layout: str) -> dict[str, torch.Tensor]:
-    """Write the LoRA under original names; fused groups get stacked downs and a block-diagonal up with γ folded in."""
+    """Write the LoRA under original names; fused groups get stacked downs and a block-diagonal up with γ
+    folded in."""
     out, used = {}, set()
     for name, targets in {**original, **{m: (m,) for m in parts}}.items():
         if any(t in used or t not in parts for t in targets):
@@ -230,7 +232,8 @@ def test_zimage_fused_qkv_and_out_land_on_the_right_rows():
 
 
 def test_separate_qkv_keys_land_on_fused_projections():
-    """After diffusers' fuse_qkv_projections() forward uses to_qkv: to_q/to_k/to_v keys must land on its rows."""
+    """After diffusers' fuse_qkv_projections() forward uses to_qkv: to_q/to_k/to_v keys must land on its
+    rows."""
     base = tiny_flux()
     sd = {}
     g = torch.Generator().manual_seed(3)
@@ -257,7 +260,8 @@ def test_separate_qkv_keys_land_on_fused_projections():
 
 
 def test_flux_fill_widened_x_embedder_takes_a_base_lora():
-    """Flux Fill/Kontext widen x_embedder's input; a LoRA trained on the base touches only the original columns."""
+    """Flux Fill/Kontext widen x_embedder's input; a LoRA trained on the base touches only the original
+    columns."""
     from diffusers import FluxTransformer2DModel
     from helpers.tiny_models import tiny_flux
 
@@ -294,7 +298,8 @@ def test_flux_fill_widened_x_embedder_takes_a_base_lora():
     x = torch.randn(3, 40, generator=g)
     with torch.no_grad():
         assert rel_err(runtime.x_embedder(x), merged.x_embedder(x)) <= 1e-5
-    # The other direction (a control LoRA wider than the model's x_embedder) grows the model (test_control_lora.py).
+    # The other direction (a control LoRA wider than the model's x_embedder) grows the model
+    # (test_control_lora.py).
     wide = {
         k: (v if not k.endswith("down.weight") else torch.randn(4, 60, generator=g)) for k, v in sd.items()
     }

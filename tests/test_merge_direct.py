@@ -1,5 +1,6 @@
 """undo="none" without a record: a merge whose ΔW is bounded (the family's declared delta_bound) below the
-dtype's overflow headroom is written at commit (MergedModule.fuse), with no compare, no scan and no finite check.
+dtype's overflow headroom is written at commit (MergedModule.fuse), with no compare, no scan and no finite
+check.
 
 References: the bits of the same merge through the checked paths (undo="copy", the buffered path), an fp64
 formula for the bound, and torch's own rounding for the headroom. Each test names how it would fail."""
@@ -156,8 +157,8 @@ def test_lora_delta_bound_holds_and_is_tight_on_rank_one():
 
 
 def test_lora_set_delta_writes_what_add_delta_adds_to_zeros():
-    """The first term of a block is written (beta=0), not added to a zeroed block: the same bits, zero rows times
-    a negative coefficient included; what the block held (NaN here) is never read."""
+    """The first term of a block is written (beta=0), not added to a zeroed block: the same bits, zero rows
+    times a negative coefficient included; what the block held (NaN here) is never read."""
     g = gen(4)
     up, down = torch.randn(50, 8, generator=g), torch.randn(8, 40, generator=g)
     up[3] = 0.0

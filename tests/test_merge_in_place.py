@@ -2,8 +2,8 @@
 Tests that inject faults into the torch path's steps select it; the native kernel has test_merge_native.
 
 The fused path writes W' into the weight block by block; every test checks it against the buffered path (an
-undo="copy" merge of the same model, bit for bit) or an fp64 formula, and that any failure midway (a block whose
-values overflow, an interrupt) leaves the weight bit-identical."""
+undo="copy" merge of the same model, bit for bit) or an fp64 formula, and that any failure midway (a block
+whose values overflow, an interrupt) leaves the weight bit-identical."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def model_of(dtype: torch.dtype, rows: int = 70, cols: int = 48) -> nn.Module:
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Blocks of a few rows, so a layer is written in many steps (W' of early blocks lands before later ones)."""
+    """Blocks of a few rows, so a layer is written in many steps (W' of early blocks lands before later
+    ones)."""
     monkeypatch.setattr(layer_mod, "CHUNK_ELEMENTS", 300)
 
 
@@ -61,7 +62,8 @@ def test_in_place_merge_matches_the_buffered_path(small_blocks, kind, dtype):
 
 
 def test_auto_takes_a_copy_rebuilt_from_the_merged_weight(small_blocks):
-    """Misses everywhere (a delta far above W): "auto" keeps a copy, rebuilt from W' after the in-place write."""
+    """Misses everywhere (a delta far above W): "auto" keeps a copy, rebuilt from W' after the in-place
+    write."""
     model = model_of(torch.float16)
     before = state_bits(model)
     sd = lora_sd(model, rel=50.0)
@@ -134,7 +136,8 @@ def test_gap_encodings_round_trip_at_their_limits(encoding):
 
 
 def test_bf16_record_of_a_trained_size_delta_stays_under_a_tenth():
-    """‖ΔW‖ = 3 % of ‖W‖ on bf16 (issue 28's outside check): the record is at most 10 % of the touched bytes."""
+    """‖ΔW‖ = 3 % of ‖W‖ on bf16 (issue 28's outside check): the record is at most 10 % of the touched
+    bytes."""
     torch.manual_seed(0)
     model = nn.ModuleDict({f"l{i}": nn.Linear(512, 512, bias=False) for i in range(2)}).to(torch.bfloat16)
     before = state_bits(model)

@@ -27,7 +27,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(autouse=True)
 def built():
-    """Every test here needs the kernels: CI machines have a C compiler (a missing one is a failure, not a skip)."""
+    """Every test here needs the kernels: CI machines have a C compiler (a missing one is a failure, not a
+    skip)."""
     for dtype in DTYPES:
         assert native.kernel_for(dtype) is not None, f"no native kernel for {dtype}"
 
@@ -43,8 +44,8 @@ def adapter_for(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def hostile(dtype: torch.dtype, rows: int = 70, cols: int = 48, specials: bool = True) -> nn.Module:
-    """Weights with what rounding and overflow hide in: signed zeros, subnormals, values at the dtype's largest,
-    infinities and NaN (these stay what they were: a merge only adds a finite ΔW)."""
+    """Weights with what rounding and overflow hide in: signed zeros, subnormals, values at the dtype's
+    largest, infinities and NaN (these stay what they were: a merge only adds a finite ΔW)."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"a": nn.Linear(cols, rows), "b": nn.Linear(rows, cols, bias=False)}).to(dtype)
     info = torch.finfo(dtype)
@@ -144,8 +145,8 @@ def test_sparse_misses_far_apart_encode_their_gaps_exactly(monkeypatch, small_bl
 def test_interrupt_around_a_kernel_call_leaves_the_weight_unchanged(
     monkeypatch, small_blocks, dtype, nth, after
 ):
-    """after-call: the block is written and its misses sit in the kernel's buffers when Ctrl-C lands; they must
-    still reach the record that puts it back."""
+    """after-call: the block is written and its misses sit in the kernel's buffers when Ctrl-C lands; they
+    must still reach the record that puts it back."""
     model = hostile(dtype)
     before = state_bits(model)
     kernel = native.kernel_for(dtype)
@@ -193,7 +194,8 @@ def test_without_a_compiler_the_torch_path_runs(monkeypatch, caplog, tmp_path):
 
 
 def test_kernel_bits_on_a_full_width_block():
-    """One block of a 3072-wide layer straight through the kernel, against torch's add and round (fp32, bf16)."""
+    """One block of a 3072-wide layer straight through the kernel, against torch's add and round (fp32,
+    bf16)."""
     g = gen(7)
     for dtype in (torch.float32, torch.bfloat16):
         w = (torch.rand(85, 3072, generator=g) - 0.5).to(dtype)
@@ -235,7 +237,9 @@ def test_a_strength_change_that_overflows_leaves_the_merge_as_it_was(monkeypatch
         handle.set_strength(name, 1e4)
     assert_same_bits(model, merged)
     handle.set_strength(name, -0.5)
-    same_bits_but_nan(state_bits(model), merged_without_kernel_at(monkeypatch, torch.float16, sd, -0.5, "compact", False), torch.float16)  # fmt: skip
+    got = state_bits(model)
+    expected = merged_without_kernel_at(monkeypatch, torch.float16, sd, -0.5, "compact", False)
+    same_bits_but_nan(got, expected, torch.float16)
     handle.remove()
     assert_same_bits(model, before)
 

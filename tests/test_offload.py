@@ -2,8 +2,9 @@
 pipeline sequential and model CPU offload, diffusers group offloading (block/leaf level, disk, streams).
 
 For each form and mode: the output equals a plain (not offloaded) model with the adapters merged; a merge that
-would write into a copy is refused by name (the model stays as it was); remove() leaves no hook and no cast copy.
-The execution device is "cpu" here; the same cases run on "cuda" when a GPU is present (streams need one)."""
+would write into a copy is refused by name (the model stays as it was); remove() leaves no hook and no cast
+copy. The execution device is "cpu" here; the same cases run on "cuda" when a GPU is present (streams need
+one)."""
 
 from __future__ import annotations
 
@@ -125,8 +126,9 @@ def test_offload_forms(setup, tmp_path, form, mode, device):
     target = offload(model, device, tmp_path)
     run = _runner(device)
     if form == "pipe_sequential" and device == "cpu":
-        # The pipeline names its device "cpu:0"; accelerate's post_forward then fails on this model with no adapter
-        # at all. Its per-component cpu_offload is the "cpu_offload" form; this one runs on a GPU machine.
+        # The pipeline names its device "cpu:0"; accelerate's post_forward then fails on this model with no
+        # adapter at all. Its per-component cpu_offload is the "cpu_offload" form; this one runs on a GPU
+        # machine.
         with pytest.raises(TypeError):
             run(model)
         return
@@ -174,8 +176,9 @@ def test_offload_forms(setup, tmp_path, form, mode, device):
 
 
 def test_merge_refused_under_stream_groups_names_the_reason(setup, monkeypatch):
-    """Streams need CUDA to be set up; here a non-stream group is marked as streamed to check the refusal and that
-    auto then takes the runtime path (the real stream form runs in test_offload_forms on a GPU machine)."""
+    """Streams need CUDA to be set up; here a non-stream group is marked as streamed to check the refusal and
+    that auto then takes the runtime path (the real stream form runs in test_offload_forms on a GPU
+    machine)."""
     base, sd, want, _ = setup
     model = copy.deepcopy(base)
     apply_group_offloading(

@@ -1,10 +1,11 @@
-"""Patches of bare parameters: lightx2v/Lightning Wan `blocks.N.diff_m` (delta of the per-block modulation table,
-diffusers `scale_shift_table`), `head.modulation.diff`, plus the module diffs those files carry (`norm_k_img.diff`,
-`*.diff_b`), and Krea2's per-block `scale_shift_table` (stored flat as `blocks.N.mod.lin`).
+"""Patches of bare parameters: lightx2v/Lightning Wan `blocks.N.diff_m` (delta of the per-block modulation
+table, diffusers `scale_shift_table`), `head.modulation.diff`, plus the module diffs those files carry
+(`norm_k_img.diff`, `*.diff_b`), and Krea2's per-block `scale_shift_table` (stored flat as
+`blocks.N.mod.lin`).
 
-Reference: a copy of the model whose parameters are set by hand to (P.fp32 + s·ΔP).to(P.dtype) (and weights/biases
-to W + s·ΔW). Merged and runtime outputs must equal it bit-exactly, after a strength change too, and undo must
-give back every tensor bit-exactly."""
+Reference: a copy of the model whose parameters are set by hand to (P.fp32 + s·ΔP).to(P.dtype) (and
+weights/biases to W + s·ΔW). Merged and runtime outputs must equal it bit-exactly, after a strength change
+too, and undo must give back every tensor bit-exactly."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Per-sample adapter sets (Handle.batch): one forward over 4 samples, each with its own set, equals the 4 separate
-runtime runs, on tiny Flux, SDXL-UNet, Z-Image and Wan (fp32, rel 1e-5), with and without guidance duplication
-(`cat([uncond, cond])`), with LoRA, LoKr, LoHa and DoRA, on fused q/k/v and on an SDNQ-quantized model; the row
-mapping also on the rest of the support matrix.
+"""Per-sample adapter sets (Handle.batch): one forward over 4 samples, each with its own set, equals the 4
+separate runtime runs, on tiny Flux, SDXL-UNet, Z-Image and Wan (fp32, rel 1e-5), with and without guidance
+duplication (`cat([uncond, cond])`), with LoRA, LoKr, LoHa and DoRA, on fused q/k/v and on an SDNQ-quantized
+model; the row mapping also on the rest of the support matrix.
 
 References are independent applies: each sample's set alone on a fresh copy of the model (the empty set: the
 untouched model), its inputs alone."""
@@ -32,7 +32,8 @@ def adapters(model, families: dict[str, str] = FAMILY) -> dict[str, dict]:
 
 
 def separate(arch: str, base, ads: dict, inputs: dict, pairs: bool = False) -> list[torch.Tensor]:
-    """Each sample alone (with `pairs`, rows i and 4 + i), with its set alone, applied at runtime to a fresh copy."""
+    """Each sample alone (with `pairs`, rows i and 4 + i), with its set alone, applied at runtime to a fresh
+    copy."""
     refs = []
     for i, (names, values) in enumerate(zip(SETS, STRENGTHS, strict=True)):
         model = copy.deepcopy(base)
@@ -61,7 +62,8 @@ def applied(base, ads):
 
 @pytest.mark.parametrize("arch", sorted(ARCHS) + sorted(MORE))
 def test_batch_equals_separate_runs(arch, monkeypatch):
-    """The 4 acceptance models with LoRA, LoKr and LoHa; the rest of the support matrix (the row mapping) with LoRA."""
+    """The 4 acceptance models with LoRA, LoKr and LoHa; the rest of the support matrix (the row mapping) with
+    LoRA."""
     base = (ARCHS.get(arch) or MORE[arch])()
     ads = adapters(base, FAMILY if arch in ARCHS else dict.fromkeys(FAMILY, "lora"))
     pos, neg = batch_inputs(arch, 4, seed=1), batch_inputs(arch, 4, seed=2)
@@ -83,11 +85,11 @@ def test_batch_equals_separate_runs(arch, monkeypatch):
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_exact_batch_is_a_lone_apply_at_the_batch_shape(arch):
-    """exact=True, LoRA sets: sample i's rows are bit-equal (torch.equal) to a runtime apply of its set alone on a
-    fresh copy, run on the same whole batch (guidance layout), whatever the other samples use. Negative control:
-    a lone apply of a two-adapter set in the other order is not bit-equal. Measured, not asserted:
-    with a W-reading adapter (DoRA) resident on a layer, that layer runs as a hook, not fused, so a LoRA-only sample
-    there is not bit-equal to its lone (fused) apply."""
+    """exact=True, LoRA sets: sample i's rows are bit-equal (torch.equal) to a runtime apply of its set alone
+    on a fresh copy, run on the same whole batch (guidance layout), whatever the other samples use. Negative
+    control: a lone apply of a two-adapter set in the other order is not bit-equal. Measured, not asserted:
+    with a W-reading adapter (DoRA) resident on a layer, that layer runs as a hook, not fused, so a LoRA-only
+    sample there is not bit-equal to its lone (fused) apply."""
     base = ARCHS[arch]()
     ads = adapters(base, dict.fromkeys(FAMILY, "lora"))
     x = cat(
@@ -110,8 +112,8 @@ def test_exact_batch_is_a_lone_apply_at_the_batch_shape(arch):
     with handle.batch(SETS, STRENGTHS, exact=True):
         got = run(arch, model, x)
     assert all(torch.equal(got[[i, 4 + i]], refs[i][[i, 4 + i]]) for i in range(4))
-    # Negative control: the same set applied alone in the other order rounds differently, so torch.equal here sees
-    # a change of term order (the thing `exact` keeps), not just a wrong delta.
+    # Negative control: the same set applied alone in the other order rounds differently, so torch.equal here
+    # sees a change of term order (the thing `exact` keeps), not just a wrong delta.
     i, names, values = next(
         (i, n, v) for i, (n, v) in enumerate(zip(SETS, STRENGTHS, strict=True)) if len(n) > 1
     )

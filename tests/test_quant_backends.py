@@ -1,11 +1,12 @@
 """Quantized-weight backends (issue 5): bitsandbytes, torchao, optimum-quanto and GGUF as loaded by diffusers.
 
-Each backend quantizes a tiny two-layer model with its own API. Per layer: dequantize equals what the layer's own
-forward computes with, requantize of the dequantized weight is a fixed point (within half a grid step where the
-backend's mapping is not idempotent), restore is bit-exact on every storage tensor. The acceptance: LoRA, LoKr and
-LoHa files applied with `loraweave.apply` (runtime and auto) change each quantized layer's output exactly as the
-float delta does (rel. err <= 1e-4), and `remove()` puts every storage tensor back bit for bit.
-What cannot run on this machine must be reported by the backend, and the test checks that report independently."""
+Each backend quantizes a tiny two-layer model with its own API. Per layer: dequantize equals what the layer's
+own forward computes with, requantize of the dequantized weight is a fixed point (within half a grid step
+where the backend's mapping is not idempotent), restore is bit-exact on every storage tensor. The acceptance:
+LoRA, LoKr and LoHa files applied with `loraweave.apply` (runtime and auto) change each quantized layer's
+output exactly as the float delta does (rel. err <= 1e-4), and `remove()` puts every storage tensor back bit
+for bit. What cannot run on this machine must be reported by the backend, and the test checks that report
+independently."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ from loraweave.quant.torchao import BACKEND as TORCHAO
 
 
 def _flat(prefix: str, t, out: dict) -> None:
-    """Every tensor a value is made of, recursing into tensor subclasses (torchao, quanto) and bnb QuantState."""
+    """Every tensor a value is made of, recursing into tensor subclasses (torchao, quanto) and bnb
+    QuantState."""
     if t is None:
         return
     if isinstance(t, torch.Tensor):
@@ -227,9 +229,8 @@ def test_dequantize_requantize_restore(case):
             y = layer(x)
         restore = backend.requantize(layer, w)
         with torch.no_grad():
-            layer(
-                x
-            )  # the requantized layer runs (and bnb 4-bit repacks it for the CPU kernel, as it did the original)
+            # the requantized layer runs (and bnb 4-bit repacks it for the CPU kernel, as it did the original)
+            layer(x)
         w2 = backend.dequantize(layer)
         if exact_rt:
             assert torch.equal(w2, w), float((w2 - w).abs().max())
@@ -258,7 +259,8 @@ def _max_step(case, layer, w) -> float:
 
 
 def test_gguf_dequantize_matches_the_gguf_package():
-    """Independent reference: the gguf package's numpy dequantizer on the same bytes (fp16 rounding in diffusers)."""
+    """Independent reference: the gguf package's numpy dequantizer on the same bytes (fp16 rounding in
+    diffusers)."""
     from gguf import GGMLQuantizationType, quants
 
     for kind in ("Q8_0", "Q4_0", "Q5_1", "Q4_K"):
@@ -294,7 +296,8 @@ def test_grid_steps_match_the_formats():
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
-    """{family: (file, fp64 ΔW per layer, change of each float layer's output under loraweave's runtime path)}."""
+    """{family: (file, fp64 ΔW per layer, change of each float layer's output under loraweave's runtime
+    path)}."""
     files = adapter_files(tmp_path_factory.mktemp("adapters"))
     floats = float_model()
     float_base = layer_outputs(floats)
@@ -358,8 +361,8 @@ REQUANTIZABLE = [c for c in RUNNABLE if CASES[c][3] is not None]
 def test_merge_requantizes_and_measures_retention(case):
     """mode="merge" on a layer without a side channel is a requantize with the layer's own config. A typical
     LoRA-sized ΔW (rms 3e-4, weights' std 0.036) survives an 8-bit grid (ρ >= 0.9) and is mostly erased by a
-    4/5-bit one or float8 (ρ < 0.6; torchao's symmetric int4 re-derives its scale, which dithers: ρ ≈ 0.44). The report's
-    ρ equals the one measured here from the backend's own dequantize; remove() is bit-exact."""
+    4/5-bit one or float8 (ρ < 0.6; torchao's symmetric int4 re-derives its scale, which dithers: ρ ≈ 0.44).
+    The report's ρ equals the one measured here from the backend's own dequantize; remove() is bit-exact."""
     model = quantized(*case)
     backend = BACKENDS[case[0]]
     g = gen(5)

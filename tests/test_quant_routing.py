@@ -1,4 +1,5 @@
-"""Requantize, hosting and the routing rule between them on SDNQ layers; retention ρ and capture in the report.
+"""Requantize, hosting and the routing rule between them on SDNQ layers; retention ρ and capture in the
+report.
 
 Every expected number is computed here from the layer's own tensors (sdnq's dequantizer, the stored scales and
 levels) and an exact fp64 SVD, never from loraweave's result."""

@@ -1,8 +1,8 @@
-"""SDNQ layers through loraweave.apply: runtime and auto exact for LoRA, LoKr and LoHa; the factor channel exact in
-every side-channel layout; removal bit-exact; set_strength rewrites from the originals.
+"""SDNQ layers through loraweave.apply: runtime and auto exact for LoRA, LoKr and LoHa; the factor channel
+exact in every side-channel layout; removal bit-exact; set_strength rewrites from the originals.
 
-References are written here: the float layer's change under the same adapter is x·ΔWᵀ with ΔW built in fp64 from
-the adapter tensors (γ = alpha/rank), independent of loraweave's families."""
+References are written here: the float layer's change under the same adapter is x·ΔWᵀ with ΔW built in fp64
+from the adapter tensors (γ = alpha/rank), independent of loraweave's families."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from sdnq.utils import get_sdnq_params  # noqa: E402
 
 RUNTIME_TOL = 1e-4  # acceptance: the layer's output change vs the float layer's change
 FACTOR_TOL = 1e-5  # acceptance: the factor channel, every layout (checked on the dequantized weight)
-# Output-level checks subtract two fp32 outputs: cancellation costs ~eps32·|y|/|Δy| (1.3e-5 seen on AVX-less hosts).
+# Output-level checks subtract two fp32 outputs: cancellation costs ~eps32·|y|/|Δy| (1.3e-5 seen on AVX-less
+# hosts).
 FACTOR_OUT_TOL = 5e-5
 
 
@@ -126,7 +127,8 @@ def test_factor_channel_is_exact_in_every_layout(layout):
 
 
 def test_factor_channel_layout_shapes():
-    """Plain layout: svd_up (out, r), svd_down (r, in); quantized matmul: transposed; Hadamard: down stored as A·H."""
+    """Plain layout: svd_up (out, r), svd_down (r, in); quantized matmul: transposed; Hadamard: down stored as
+    A·H."""
     from sdnq.quant_utils import get_hadamard
 
     sd, delta = lora("a", OUT_A, 8, 30)

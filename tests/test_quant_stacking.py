@@ -1,5 +1,6 @@
-"""Stack modes on quantized layers: the combined dense delta runs beside an SDNQ layer (runtime) or rides its side
-channel (hosted); either way the layer's output change equals the float layer's under the same stack mode."""
+"""Stack modes on quantized layers: the combined dense delta runs beside an SDNQ layer (runtime) or rides its
+side channel (hosted); either way the layer's output change equals the float layer's under the same stack
+mode."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_ties_on_sdnq_matches_the_float_layer(mode, quant, mechanism):
     handle = loraweave.apply(q, _two_loras(), mode=mode, stack="ties", density=0.5, quantized=quant)
     assert {m.mechanism for m in handle.report.applied} == {mechanism}
     after = _outputs(q, x)
-    # runtime is exact; hosted truncates a TIES delta (pruning makes it full rank): its reported capture bounds it
+    # runtime is exact; hosted truncates a TIES delta (pruning makes it full rank): its reported capture
+    # bounds it
     tol = 1e-4 if mechanism == "runtime" else 2e-2
     for m in handle.report.applied if mechanism == "hosted" else ():
         assert m.capture is not None and m.capture > 0.999 and m.retention > 0.99, (m.capture, m.retention)

@@ -173,7 +173,8 @@ def test_zimage_original_names_resolve(meta_models):
 )
 @pytest.mark.parametrize("layout", ["kohya", "comfyui"])
 def test_dit_original_checkpoint_names_resolve(yaml_name, config, cls, layout):
-    """A LoRA on every 2-D/4-D weight of a real original (ComfyUI/BFL) checkpoint resolves on the diffusers model."""
+    """A LoRA on every 2-D/4-D weight of a real original (ComfyUI/BFL) checkpoint resolves on the diffusers
+    model."""
     import diffusers
 
     weights = _mecha_weights(yaml_name, "diffuser")
@@ -211,7 +212,8 @@ WAN_NAMES = {  # hand-written from diffusers' Wan converter: original -> diffuse
 
 @pytest.mark.parametrize("variant", ["Wan-T2V-14B", "Wan-I2V-14B-480p"])
 def test_wan_original_names_resolve_on_full_size_models(variant):
-    """musubi (kohya) Wan names on the real full-size configs; I2V-only keys are reported on T2V, never dropped."""
+    """musubi (kohya) Wan names on the real full-size configs; I2V-only keys are reported on T2V, never
+    dropped."""
     import diffusers
 
     cfg = json.loads((REALDATA / "configs" / "wan__diffusers_transformer_configs.json").read_text())[variant]

@@ -1,19 +1,21 @@
-"""Every catalog architecture's largest layer, and the layer kinds LoRAs target most, at their real size, through
-the default merge.
+"""Every catalog architecture's largest layer, and the layer kinds LoRAs target most, at their real size,
+through the default merge.
 
 For each architecture of the registry: its full-size denoiser on the meta device and its largest Linear/Conv
 weight (Flux.2's fused to_qkv_mlp_proj 55296x6144, MiniMax-H3's adaln_proj 96768x2688, Wan's time_proj
 30720x5120, SD1.5's 1280x2560x3x3 up-block conv, ...); then the FFN and MLP layers the issue names (Flux ff,
-Wan 14B ffn.0/ffn.2, Qwen-Image img_mlp, LTX-2 FFN, SDXL ff.net.0.proj). Each is materialized alone in bf16 (the dtype these models are run in) with seeded
-values; a rank-16 LoRA (‖ΔW‖ = 5% of ‖W‖) in PEFT layout under the layer's own module path; `apply(mode="merge")`
-with the default undo. Merged rows (every 97th plus the last) are checked against W + B·A in fp64 to one bf16 ulp;
-`remove()` restores every element's bits (regenerated from the seed). Mechanisms and the other dtypes run on a
-subset of these shapes in test_realsize_mechanisms.py.
+Wan 14B ffn.0/ffn.2, Qwen-Image img_mlp, LTX-2 FFN, SDXL ff.net.0.proj). Each is materialized alone in bf16
+(the dtype these models are run in) with seeded values; a rank-16 LoRA (‖ΔW‖ = 5% of ‖W‖) in PEFT layout under
+the layer's own module path; `apply(mode="merge")` with the default undo. Merged rows (every 97th plus the
+last) are checked against W + B·A in fp64 to one bf16 ulp; `remove()` restores every element's bits
+(regenerated from the seed). Mechanisms and the other dtypes run on a subset of these shapes in
+test_realsize_mechanisms.py.
 
-Every architecture record is in the tier: records without a skeleton are either detection families (shared names
-told apart by width: their sizes are those of the releases the widths name, each a record with a skeleton), or built
-here from their diffusers class (CLASS_DEFAULTS: the two largest weight shapes of each), or named in UNCOVERED with
-the reason; test_every_record_is_in_the_tier keeps that list exact, so a new record cannot slip past the tier."""
+Every architecture record is in the tier: records without a skeleton are either detection families (shared
+names told apart by width: their sizes are those of the releases the widths name, each a record with a
+skeleton), or built here from their diffusers class (CLASS_DEFAULTS: the two largest weight shapes of each),
+or named in UNCOVERED with the reason; test_every_record_is_in_the_tier keeps that list exact, so a new record
+cannot slip past the tier."""
 
 from __future__ import annotations
 
@@ -64,21 +66,21 @@ ARCHS = [
 pytestmark = pytest.mark.usefixtures("one_thread")
 SEED = 7
 
-# Records without a skeleton whose size is known from their diffusers class: (class, config, where the numbers come
-# from). No released config of either is in ../shared/realdata/configs; the catalog's own Kandinsky 5 skeleton
-# stands on its class defaults too.
+# Records without a skeleton whose size is known from their diffusers class: (class, config, where the numbers
+# come from). No released config of either is in ../shared/realdata/configs; the catalog's own Kandinsky 5
+# skeleton stands on its class defaults too.
 CLASS_DEFAULTS: dict[str, tuple[str, dict, str]] = {
     "flux3": (
         "Flux3Transformer2DModel",
         {},
-        "class defaults: 5 per-mode + 28 single blocks, 24 heads x 128, 20480-wide Qwen3-VL context; the size "
-        "test_arch_ltx_layouts.py's full-size Flux3 test uses",
+        "class defaults: 5 per-mode + 28 single blocks, 24 heads x 128, 20480-wide Qwen3-VL context; the "
+        "size test_arch_ltx_layouts.py's full-size Flux3 test uses",
     ),
     "kandinsky6": (
         "Kandinsky6Transformer3DModel",
         {"text_token_padding": True, "ca_rope": True, "cross_gates": True, "fix_modulation": True},
-        "class defaults (model_dim 4096, ff_dim 16384, 60 fused video/audio blocks) with the four flags the class "
-        "docstring says every released checkpoint sets",
+        "class defaults (model_dim 4096, ff_dim 16384, 60 fused video/audio blocks) with the four flags the "
+        "class docstring says every released checkpoint sets",
     ),
 }
 # Records with no real size known anywhere: name -> why. Empty: every record is covered.
@@ -136,12 +138,14 @@ def _class_default_model(arch: str) -> torch.nn.Module:
 
 
 def class_default_model(arch: str) -> torch.nn.Module:
-    """The record's diffusers class on the meta device, built once per session; each caller gets a deep copy."""
+    """The record's diffusers class on the meta device, built once per session; each caller gets a deep
+    copy."""
     return copy.deepcopy(_class_default_model(arch))
 
 
 def uncovered_records() -> set[str]:
-    """Registry records the tier covers in none of the three ways (asserting each family's releases are in it)."""
+    """Registry records the tier covers in none of the three ways (asserting each family's releases are in
+    it)."""
     records = registry.by_name()
     with_skeleton = {name for name, a in records.items() if a.skeleton is not None}
     families = {name: a.widths for name, a in records.items() if a.skeleton is None and a.widths is not None}
@@ -172,9 +176,9 @@ def test_class_default_records_merge_and_restore_at_real_size(arch, nth):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 def test_seeded_fill_is_checked_bit_for_bit(dtype):
-    """The fill every restore check here compares against: past one pool period (elements repeat every POOL), no
-    two rows equal, N(0, 1/fan_in); a flipped low bit, a shift by one element and the neighbouring seed all fail
-    assert_seeded (the negative controls of "restored bit for bit")."""
+    """The fill every restore check here compares against: past one pool period (elements repeat every POOL),
+    no two rows equal, N(0, 1/fan_in); a flipped low bit, a shift by one element and the neighbouring seed all
+    fail assert_seeded (the negative controls of "restored bit for bit")."""
     w = torch.empty(700, 3001, dtype=dtype)  # 2.1M elements: two periods and a part
     fill_seeded(w, SEED)
     assert_seeded(w, SEED, "fresh fill")

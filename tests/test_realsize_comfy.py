@@ -1,24 +1,24 @@
-"""The ComfyUI pack's merge path at the sizes Flux.1 users load: ComfyUI's own Flux.1-dev (hidden 3072, 19 + 38
-blocks, detected by ComfyUI from a full-size state dict, helpers/realsize_comfy.py) on the meta device, one layer
-at a time given seeded bf16 values.
+"""The ComfyUI pack's merge path at the sizes Flux.1 users load: ComfyUI's own Flux.1-dev (hidden 3072, 19 +
+38 blocks, detected by ComfyUI from a full-size state dict, helpers/realsize_comfy.py) on the meta device, one
+layer at a time given seeded bf16 values.
 
-`loraweave.comfy.load_lora_for_models(mode="merge")` puts loraweave's adapter (a `WeightAdapterBase` subclass) in
-the clone's patch list; the merged weight is then what ComfyUI itself computes: `ModelPatcher.
-patch_weight_to_device(key, return_weight=True)` (an fp32 copy; `comfy.lora.calculate_weight`, which narrows the
-weight to each patch's `(0, start, length)` offset before our `calculate_weight` writes into it; then `comfy.float.
-stochastic_rounding` back to bf16, round-to-nearest for bf16 in v0.19.3), and the lowvram per-layer path (`comfy.
-model_patcher.LowVramPatch`, what ComfyUI's ops run on the bf16 cast of a weight at every forward: the ΔW rounded
-to bf16 and added in bf16).
+`loraweave.comfy.load_lora_for_models(mode="merge")` puts loraweave's adapter (a `WeightAdapterBase` subclass)
+in the clone's patch list; the merged weight is then what ComfyUI itself computes: `ModelPatcher.
+patch_weight_to_device(key, return_weight=True)` (an fp32 copy; `comfy.lora.calculate_weight`, which narrows
+the weight to each patch's `(0, start, length)` offset before our `calculate_weight` writes into it; then
+`comfy.float. stochastic_rounding` back to bf16, round-to-nearest for bf16 in v0.19.3), and the lowvram
+per-layer path (`comfy. model_patcher.LowVramPatch`, what ComfyUI's ops run on the bf16 cast of a weight at
+every forward: the ΔW rounded to bf16 and added in bf16).
 
-- `single_blocks.0.linear1` (21504 x 3072 = 66M elements): q | k | v | mlp, from a diffusers-named file with rank-16
-  LoRAs on `attn.to_q`, `attn.to_v` and `proj_mlp` (three offsets; k's rows stay bit for bit);
+- `single_blocks.0.linear1` (21504 x 3072 = 66M elements): q | k | v | mlp, from a diffusers-named file with
+  rank-16 LoRAs on `attn.to_q`, `attn.to_v` and `proj_mlp` (three offsets; k's rows stay bit for bit);
 - `double_blocks.0.img_attn.qkv` (9216 x 3072): `attn.to_q/to_k/to_v`, three offsets;
-- `single_blocks.7.linear2` (3072 x 15360, diffusers' `proj_out`): leighwoods' real Flux LoRA (PEFT names, rank 16,
-  fp16), the file that crashed loraweave's own merge at this size (test_realsize_acceptance.py).
+- `single_blocks.7.linear2` (3072 x 15360, diffusers' `proj_out`): leighwoods' real Flux LoRA (PEFT names,
+  rank 16, fp16), the file that crashed loraweave's own merge at this size (test_realsize_acceptance.py).
 
-Rows checked: every 97th plus the last, and the first and last row of each offset range, against W + s·B·A in fp64
-(helpers/realsize.py's bounds: one bf16 ulp of the exact value + the fp32 accumulation on Σ|terms|; the lowvram
-path adds one bf16 ulp of ΔW, its separate rounding). Rows no adapter covers must keep their bits."""
+Rows checked: every 97th plus the last, and the first and last row of each offset range, against W + s·B·A in
+fp64 (helpers/realsize.py's bounds: one bf16 ulp of the exact value + the fp32 accumulation on Σ|terms|; the
+lowvram path adds one bf16 ulp of ΔW, its separate rounding). Rows no adapter covers must keep their bits."""
 
 from __future__ import annotations
 
@@ -96,8 +96,8 @@ def expected(original: torch.Tensor, rows: torch.Tensor, ranges: Ranges, strengt
 
 
 def assert_patched(got, original, rows, ranges, strength, what, lowvram=False) -> None:
-    """Rows of ComfyUI's patched weight against the fp64 formula; untouched rows bit for bit; the adapter moved
-    most touched elements by more than the tolerance (so the check could fail)."""
+    """Rows of ComfyUI's patched weight against the fp64 formula; untouched rows bit for bit; the adapter
+    moved most touched elements by more than the tolerance (so the check could fail)."""
     got = got.detach()[rows].reshape(len(rows), -1).double()
     expect, delta, magnitude, touched = expected(original, rows, ranges, strength)
     rank = ranges[0][1].rank
@@ -173,8 +173,8 @@ KOHYA_FUSED = {"single_blocks.0.linear1": 3 * HIDDEN + MLP, "double_blocks.0.img
 
 @pytest.mark.parametrize("module", list(KOHYA_FUSED))
 def test_kohya_fused_module_merges_as_one_patch_at_real_size(patcher, module):
-    # A kohya LoRA on a whole fused module is laid out by the resolver as q, k, v (, mlp) pieces and goes back to
-    # ComfyUI as one patch, as core adds it: no offsets, W + s·B·A in fp64 within the bound, core's bits.
+    # A kohya LoRA on a whole fused module is laid out by the resolver as q, k, v (, mlp) pieces and goes back
+    # to ComfyUI as one patch, as core adds it: no offsets, W + s·B·A in fp64 within the bound, core's bits.
     rows = KOHYA_FUSED[module]
     lora = lora_for(RealLayer("flux", module, (rows, HIDDEN)), seed=SEED + 7)
     stem = "lora_unet_" + module.replace(".", "_")

@@ -1,26 +1,26 @@
-"""Two ComfyUI-pack mechanisms that ran only on tiny models, at the width Flux.1 users load (hidden 3072, bf16),
-on ComfyUI's own full-size Flux built on the meta device, one layer materialized at a time (helpers/
+"""Two ComfyUI-pack mechanisms that ran only on tiny models, at the width Flux.1 users load (hidden 3072,
+bf16), on ComfyUI's own full-size Flux built on the meta device, one layer materialized at a time (helpers/
 realsize_comfy.py):
 
-- Runtime mode borrowing the factors of a file read whole. The pack reads a LoRA file whole into memory of its own
-  (`load_adapter(read=True)`: `SafetensorsFile.owned`), and a RuntimePath keeps such factors as they are (views,
-  no copy) where one pair covers the layer (a kohya fused `single_blocks.0.linear1` / `double_blocks.0.img_attn.
-  qkv` LoRA: one down, its up split over the q|k|v(|mlp) row ranges); from a mapped file it copies them once.
-  Checked: every tensor of the FactorHolder (what ComfyUI's model management counts and moves) that is not the
-  path's own scale vector is the file's memory (same data pointers, nothing else held); a mapped file's factors
-  are held exactly once (bytes = the file's factor bytes, none of them the mapping's). The layer's runtime
-  output equals the merged weight's output x·(W + s·B·A)ᵀ + b computed in fp64, to 2 bf16 ulp of |y| + |s·B·A·x|
-  (the base GEMM's and the final add's roundings), 4 bf16 eps of the largest |s·B·A·x| (the term's own
-  roundings) and √fan_in·2⁻²⁴ of |x|·|W|ᵀ + |s|·|B|·|A|·|x| (fp32 accumulation); the term exceeds that bound on
-  most elements, so the check can fail.
-- The ComfyUI subclass mapping (`comfy_arch` walks the model config's MRO): ComfyUI's FluxInpaint (Flux Fill, 384
-  input channels) at full width. A diffusers-named (PEFT) LoRA on x_embedder (3072x384, Fill's own width), the
-  double block's to_q/to_k/to_v (one fused qkv, three offsets), a single block's to_q and proj_mlp (linear1, two
-  offsets) and proj_out (linear2), norm_out.linear (adaLN_modulation.1, its halves swapped) and the final proj_out
-  lands on every one of those ComfyUI Linears, and core's LoraLoader lands the same file on the same keys. Each
-  merged weight equals core's bit for bit, both as ComfyUI's fp32 `calculate_weight` result and as the bf16
-  weight `patch_weight_to_device` returns; the fp32 result equals W + s·ΔW in fp64 within 1e-6 relative
-  (Frobenius norm, every 97th row, the last and both ends of every offset range)."""
+- Runtime mode borrowing the factors of a file read whole. The pack reads a LoRA file whole into memory of its
+  own (`load_adapter(read=True)`: `SafetensorsFile.owned`), and a RuntimePath keeps such factors as they are
+  (views, no copy) where one pair covers the layer (a kohya fused `single_blocks.0.linear1` /
+  `double_blocks.0.img_attn. qkv` LoRA: one down, its up split over the q|k|v(|mlp) row ranges); from a mapped
+  file it copies them once. Checked: every tensor of the FactorHolder (what ComfyUI's model management counts
+  and moves) that is not the path's own scale vector is the file's memory (same data pointers, nothing else
+  held); a mapped file's factors are held exactly once (bytes = the file's factor bytes, none of them the
+  mapping's). The layer's runtime output equals the merged weight's output x·(W + s·B·A)ᵀ + b computed in
+  fp64, to 2 bf16 ulp of |y| + |s·B·A·x| (the base GEMM's and the final add's roundings), 4 bf16 eps of the
+  largest |s·B·A·x| (the term's own roundings) and √fan_in·2⁻²⁴ of |x|·|W|ᵀ + |s|·|B|·|A|·|x| (fp32
+  accumulation); the term exceeds that bound on most elements, so the check can fail.
+- The ComfyUI subclass mapping (`comfy_arch` walks the model config's MRO): ComfyUI's FluxInpaint (Flux Fill,
+  384 input channels) at full width. A diffusers-named (PEFT) LoRA on x_embedder (3072x384, Fill's own width),
+  the double block's to_q/to_k/to_v (one fused qkv, three offsets), a single block's to_q and proj_mlp
+  (linear1, two offsets) and proj_out (linear2), norm_out.linear (adaLN_modulation.1, its halves swapped) and
+  the final proj_out lands on every one of those ComfyUI Linears, and core's LoraLoader lands the same file on
+  the same keys. Each merged weight equals core's bit for bit, both as ComfyUI's fp32 `calculate_weight`
+  result and as the bf16 weight `patch_weight_to_device` returns; the fp32 result equals W + s·ΔW in fp64
+  within 1e-6 relative (Frobenius norm, every 97th row, the last and both ends of every offset range)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def flux():
 
 
 def kohya_fused(module: str, seed: int) -> tuple[dict[str, torch.Tensor], LoraFactors]:
-    """A kohya LoRA on the whole fused `module` (one down, one up over every row), bf16 as trainers save it."""
+    """A kohya LoRA on the whole fused `module` (one down, one up over every row), bf16 as trainers save
+    it."""
     lora = lora_for(RealLayer("flux", module, (FUSED_ROWS[module], HIDDEN)), rank=RANK, seed=seed)
     lora = LoraFactors(lora.a.bfloat16(), lora.b.bfloat16())
     stem = "lora_unet_" + module.replace(".", "_")
@@ -99,7 +100,8 @@ def test_runtime_borrows_a_file_read_whole_and_equals_the_merged_output(flux, tm
     assert owned.source.owned and not mapped.source.owned
     file_bytes = sum(t.numel() * t.element_size() for t in (lora.a, lora.b))
 
-    # read whole: the holder's pair is the file's memory (the same pointers), nothing else is held but the scales
+    # read whole: the holder's pair is the file's memory (the same pointers), nothing else is held but the
+    # scales
     _, rp, holder = runtime_path(flux, owned)
     file_ptrs = {owned.source.get(k).data_ptr() for k in (down_key, up_key)}
     assert {rp.down.data_ptr(), rp.up.data_ptr()} == file_ptrs, "the runtime path copied a file read whole"
@@ -173,8 +175,8 @@ def fill_file() -> tuple[dict[str, torch.Tensor], dict[str, LoraFactors]]:
 
 
 def ranges_of(module: str, loras: dict[str, LoraFactors]) -> list[tuple[int, LoraFactors]]:
-    """(first row in ComfyUI's weight, the LoRA on those rows) of every diffusers module on `module`; the final
-    adaLN's halves are swapped (diffusers' scale|shift is ComfyUI's shift|scale)."""
+    """(first row in ComfyUI's weight, the LoRA on those rows) of every diffusers module on `module`; the
+    final adaLN's halves are swapped (diffusers' scale|shift is ComfyUI's shift|scale)."""
     out = []
     for name, (target, start, _rows, _) in FILL.items():
         if target != module:

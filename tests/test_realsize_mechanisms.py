@@ -12,12 +12,12 @@ Coverage (shapes from the catalog's full-size meta models; each layer materializ
 |   single_blocks.N.linear1)    |   12288x3072, one 21504-row LoRA              |                         |
 | runtime, per-sample batch     | Flux proj_out; SD1.5 up-block conv            | fp32, bf16, fp16        |
 
-fp8 (float8_e4m3fn storage) has no forward of its own on CPU, so runtime skips it. Merged values: rows every 97th
-plus the last against W + s·B·A in fp64, to one ulp of the dtype plus the fp32 accumulation bound. Strength
-changes and switches: values against fp64, and a return to the first strength gives back the first merge's bits;
-`remove()` restores every bit (regenerated from the seed). Runtime: the output minus the layer's own output equals
-s·B·A·x (fp64) to 2 ulp of the output, 4 eps of the dtype times the term's largest element and the fp32
-accumulation bound of A·x."""
+fp8 (float8_e4m3fn storage) has no forward of its own on CPU, so runtime skips it. Merged values: rows every
+97th plus the last against W + s·B·A in fp64, to one ulp of the dtype plus the fp32 accumulation bound.
+Strength changes and switches: values against fp64, and a return to the first strength gives back the first
+merge's bits; `remove()` restores every bit (regenerated from the seed). Runtime: the output minus the layer's
+own output equals s·B·A·x (fp64) to 2 ulp of the output, 4 eps of the dtype times the term's largest element
+and the fp32 accumulation bound of A·x."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ SEED = 5
 
 
 def rel_for(dtype: torch.dtype) -> float:
-    """‖ΔW‖/‖W‖: fp8's step is 1/8 of a value (2⁻⁹ below its normals), so its adapter is as large as W for most
-    elements to move by more than the tolerance."""
+    """‖ΔW‖/‖W‖: fp8's step is 1/8 of a value (2⁻⁹ below its normals), so its adapter is as large as W for
+    most elements to move by more than the tolerance."""
     return 1.0 if dtype == FP8 else 0.05
 
 
@@ -118,7 +118,8 @@ def test_strength_switch_and_remove_at_real_size(dtype, layer):
 
 
 def test_fused_qkv_mlp_key_lands_on_its_row_chunks_at_real_size():
-    """A BFL-named LoRA on single_blocks.0.linear1 (q|k|v|mlp, 21504 rows) merges into the 4 diffusers layers."""
+    """A BFL-named LoRA on single_blocks.0.linear1 (q|k|v|mlp, 21504 rows) merges into the 4 diffusers
+    layers."""
     model = meta_denoiser("flux").to(torch.bfloat16)
     block = "single_transformer_blocks.0"
     chunks = [("attn.to_q", 3072), ("attn.to_k", 3072), ("attn.to_v", 3072), ("proj_mlp", 12288)]
@@ -145,9 +146,9 @@ def test_fused_qkv_mlp_key_lands_on_its_row_chunks_at_real_size():
 
 
 def assert_term(got, base, term, absolute, dtype, what) -> None:
-    """got − base = term (fp64) to 2 ulp of the output, plus 4 eps(dtype) of the largest |term| (the term's own
-    roundings), plus `absolute` (√fan_in·2⁻²⁴·|s|·|B|·|A|·|x|: the fp32 accumulation of A·x); and the term is
-    larger than that tolerance on most elements (the check could fail)."""
+    """got − base = term (fp64) to 2 ulp of the output, plus 4 eps(dtype) of the largest |term| (the term's
+    own roundings), plus `absolute` (√fan_in·2⁻²⁴·|s|·|B|·|A|·|x|: the fp32 accumulation of A·x); and the term
+    is larger than that tolerance on most elements (the check could fail)."""
     tol = 2 * ulp(base.double() + term, dtype) + 4 * torch.finfo(dtype).eps * term.abs().max() + absolute
     err = (got.double() - base.double() - term).abs()
     assert bool((err <= tol).all()), f"{what}: worst |err| - tol = {float((err - tol).max()):.3g}"

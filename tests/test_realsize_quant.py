@@ -1,12 +1,15 @@
 """Quantized bases and streaming slots at real layer sizes.
 
-| test                         | shapes                                             | backends / modes                    |
-|------------------------------|----------------------------------------------------|-------------------------------------|
-| SDNQ                         | Flux single proj_out 3072x15360 (47.2M), fp32 math | int8, uint4 x auto (factor channel),|
-|                              |                                                    |   runtime, merge (requantize/hosted)|
-| other backends, runtime      | Flux ff.net.0.proj 12288x3072 + ff.net.2 3072x12288| bnb int8 and nf4, torchao int8,     |
-|                              |   (37.7M each)                                     |   quanto qint8, GGUF Q8_0           |
-| streaming slots              | the Flux ff pair + ff.net.0.proj as 3 blocks, bf16 | runtime LoRA, strength change       |
+| test                    | shapes                                              | backends / modes           |
+|-------------------------|-----------------------------------------------------|----------------------------|
+| SDNQ                    | Flux single proj_out 3072x15360 (47.2M), fp32 math  | int8, uint4 x auto (factor |
+|                         |                                                     |   channel), runtime, merge |
+|                         |                                                     |   (requantize/hosted)      |
+| other backends, runtime | Flux ff.net.0.proj 12288x3072 + ff.net.2 3072x12288 | bnb int8 and nf4, torchao  |
+|                         |   (37.7M each)                                      |   int8, quanto qint8, GGUF |
+|                         |                                                     |   Q8_0                     |
+| streaming slots         | the Flux ff pair + ff.net.0.proj as 3 blocks, bf16  | runtime LoRA, strength     |
+|                         |                                                     |   change                   |
 
 References: a layer's output change equals x·(s·B·A)ᵀ in fp64 (relative error ≤ 1e-4, the peers' float-layer
 tolerance in test_quant_backends / test_quant_sdnq); merges into quantized storage report their retention;
@@ -92,7 +95,8 @@ def test_sdnq_layer_at_real_size(weights_dtype):
         handle = loraweave.apply(root, (lora.state_dict("layer"), 0.8), mode="merge", quantized="requantize")
         (applied,) = handle.report.applied
         assert applied.mechanism == "requantize" and applied.retention is not None
-        # int8 keeps a 5% ΔW to within 5%; uint4's grid step is larger than most of it (the routing would host it)
+        # int8 keeps a 5% ΔW to within 5%; uint4's grid step is larger than most of it (the routing would host
+        # it)
         low, high = (0.95, 1.05) if weights_dtype == "int8" else (0.0, 1.0)
         assert low <= applied.retention <= high, applied.retention
         handle.remove()

@@ -1,16 +1,16 @@
 """A full-size SD1.5 UNet and text encoder in fp16 (diffusers/transformers classes from the real configs in
-../shared/realdata/configs, seeded weights, ~2 GB) with every real adapter file in ../shared/realdata/lora that
-fits SD1.5: plan, merge, runtime and remove(), bit-exact.
+../shared/realdata/configs, seeded weights, ~2 GB) with every real adapter file in ../shared/realdata/lora
+that fits SD1.5: plan, merge, runtime and remove(), bit-exact.
 
-The files are picked by loraweave's own detection (SD1.x by its cross-attention width, or a UNet layout that names
-no width: kohya LoKr, cloneofsimo positions) and named in SD15_FILES; a file detected otherwise (SD2, Flux) is
-left out, one detected as SD1.5 and not listed fails the test, as does an empty list.
+The files are picked by loraweave's own detection (SD1.x by its cross-attention width, or a UNet layout that
+names no width: kohya LoKr, cloneofsimo positions) and named in SD15_FILES; a file detected otherwise (SD2,
+Flux) is left out, one detected as SD1.5 and not listed fails the test, as does an empty list.
 
-Values are checked on strided rows (every 97th, plus the last) of a few layers per file, the largest conv among
-them (up_blocks.1 resnet conv1, 1280x2560x3x3 = 29.5M elements, past 2**24), against an fp64 formula read from the
-file with the safetensors library: merged W' within one fp16 ulp of W + s·ΔW; runtime outputs within 2**-10·|y| +
-2**-14·Σ|x||W| + 2**-9·s·Σ|x||ΔW| (fp16 output roundings, fp32 accumulation, the term's fp16 roundings), a
-tolerance the adapter's own effect exceeds.
+Values are checked on strided rows (every 97th, plus the last) of a few layers per file, the largest conv
+among them (up_blocks.1 resnet conv1, 1280x2560x3x3 = 29.5M elements, past 2**24), against an fp64 formula
+read from the file with the safetensors library: merged W' within one fp16 ulp of W + s·ΔW; runtime outputs
+within 2**-10·|y| + 2**-14·Σ|x||W| + 2**-9·s·Σ|x||ΔW| (fp16 output roundings, fp32 accumulation, the term's
+fp16 roundings), a tolerance the adapter's own effect exceeds.
 Peak RSS of the module (VmHWM, reset at its start) is logged and kept under 4 GiB."""
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ RowsOf = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 def _lokr_rows(w1a, w1b, w2a, w2b, scale: float) -> RowsOf:
     """Rows of scale·kron(w1a·w1b, w2a·w2b) and of its bound (row i·b + k is w1[i] ⊗ w2[k], b = w2's rows):
-    the products torch.kron forms, for the asked rows only (a whole 1280x23040 fp64 ΔW and bound were 472 MB)."""
+    the products torch.kron forms, for the asked rows only (a whole 1280x23040 fp64 ΔW and bound were 472
+    MB)."""
     w1, w2 = w1a @ w1b, w2a @ w2b
     m1, m2 = w1a.abs() @ w1b.abs(), w2a.abs() @ w2b.abs()
 
@@ -169,8 +170,8 @@ def _forward64(
 
 
 def _check_runtime(name, m, x, y, w0, b0, rows_of: RowsOf) -> None:
-    """The runtime output `y` within the fp16/fp32 bound of the fp64 formula on every output channel, CHANNELS at
-    a time; and the adapter's effect exceeds that tolerance somewhere (so the check could fail)."""
+    """The runtime output `y` within the fp16/fp32 bound of the fp64 formula on every output channel, CHANNELS
+    at a time; and the adapter's effect exceeds that tolerance somewhere (so the check could fail)."""
     xd = x.double()
     effect_seen = False
     for lo in range(0, w0.shape[0], CHANNELS):
@@ -258,9 +259,10 @@ def test_plan_merge_runtime_remove(path, sd15):
 
 
 def test_lokr_compact_undo_on_the_largest_conv():
-    """The real LoKr part of up_blocks.1.resnets.0.conv1 (29.5M elements, past 2**24) merged with undo="compact"
-    into that conv alone, at full size: remove() restores it bit for bit (float32 witness positions once ran past
-    the end here: this case and the whole-model falcon_4 case both failed with IndexError on 2cef893^)."""
+    """The real LoKr part of up_blocks.1.resnets.0.conv1 (29.5M elements, past 2**24) merged with
+    undo="compact" into that conv alone, at full size: remove() restores it bit for bit (float32 witness
+    positions once ran past the end here: this case and the whole-model falcon_4 case both failed with
+    IndexError on 2cef893^)."""
     unet = torch.nn.Module()
     conv = torch.nn.Conv2d(2560, 1280, 3, padding=1, dtype=torch.float16).requires_grad_(False)
     unet.add_module("up_blocks", torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()]))

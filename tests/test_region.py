@@ -1,10 +1,11 @@
-"""Regional adapters (Handle.set_region): per token on a DiT (tiny Flux: image stream, [text; image] single-stream
-blocks), per pixel of every feature map on a UNet (attention tokens at each resolution and conv outputs).
+"""Regional adapters (Handle.set_region): per token on a DiT (tiny Flux: image stream, [text; image]
+single-stream blocks), per pixel of every feature map on a UNet (attention tokens at each resolution and conv
+outputs).
 
-Per layer, the output must be base + Σ_a w_a(token)·Δ_a, with Δ_a the adapter's plain runtime term on that layer's
-actual input and w_a the mask at the token's position — computed here from the token's grid cell centre, not by
-the library's resize; non-image tokens take the mask's peak (documented rule). Model-level: all ones == plain
-runtime, all zeros == base."""
+Per layer, the output must be base + Σ_a w_a(token)·Δ_a, with Δ_a the adapter's plain runtime term on that
+layer's actual input and w_a the mask at the token's position — computed here from the token's grid cell
+centre, not by the library's resize; non-image tokens take the mask's peak (documented rule). Model-level: all
+ones == plain runtime, all zeros == base."""
 
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def token_weight(fn, shape, channels_first: bool, text: int) -> torch.Tensor | f
 def layer_errors(
     model, handle, forward, masks: dict, text: int, expected: dict | None = None
 ) -> tuple[float, int]:
-    """Largest rel. error of any layer against base + Σ w·Δ (w from `expected`, default `masks`), and how many layers
-    had both weighted and free tokens."""
+    """Largest rel. error of any layer against base + Σ w·Δ (w from `expected`, default `masks`), and how many
+    layers had both weighted and free tokens."""
     seen = []
     hooks = [
         rp.module.register_forward_hook(

@@ -45,7 +45,8 @@ from loraweave import (
 
 TRUNCATED = (
     Path(__file__).resolve().parents[2]
-    / "shared/realdata/lora/broken/Srikanth1408__Stable_Diffusion-Hackathon__pytorch_lora_weights__TRUNCATED.safetensors"
+    / "shared/realdata/lora/broken"
+    / "Srikanth1408__Stable_Diffusion-Hackathon__pytorch_lora_weights__TRUNCATED.safetensors"
 )
 MODES = ("merge", "runtime", "auto")
 
@@ -707,7 +708,8 @@ def test_merge_module_failing_midway_restores_everything(monkeypatch, mode, nth,
 @pytest.mark.parametrize("target", ["add_delta", "set_delta", "_write_bias"])
 def test_failure_inside_the_weight_update_restores_weight_and_bias(monkeypatch, target):
     """The failure lands after the weight (or bias) was partly rewritten in place. A LoRA's ΔW of a block is
-    written by set_delta (its first term) and added by add_delta (the others; every term with set_delta off)."""
+    written by set_delta (its first term) and added by add_delta (the others; every term with set_delta
+    off)."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
     fam = loraweave.families.FAMILIES["lora"]
@@ -758,8 +760,8 @@ def test_runtime_constructor_failing_midway_leaves_no_hook(monkeypatch, mode):
 
 
 def test_auto_failure_after_merges_and_hooks_restores_both(monkeypatch):
-    """Work is in module order: fc1, fc2, fp16, conv, block.proj merge and q is a runtime path. Fail at the end
-    (building the report) after both kinds were applied."""
+    """Work is in module order: fc1, fc2, fp16, conv, block.proj merge and q is a runtime path. Fail at the
+    end (building the report) after both kinds were applied."""
     model = Net(quant=True)
     before, out_before, conv_before = _snapshot(model)
     monkeypatch.setattr(
@@ -807,7 +809,8 @@ def test_interrupt_landing_right_after_a_merge_is_written_restores_it(monkeypatc
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 def test_nested_apply_failing_midway_keeps_the_outer_merge(monkeypatch, same_adapter, exc):
     """An outer handle is merged; a second apply on the same layers fails on its 3rd module. The model must be
-    exactly as the outer apply left it, the original exception must come out, and the outer remove() restores."""
+    exactly as the outer apply left it, the original exception must come out, and the outer remove()
+    restores."""
     model = Net()
     before, out_before, conv_before = _snapshot(model)
     outer_adapter = loraweave.load_adapter(_full_adapter(False), name="outer")

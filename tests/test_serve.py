@@ -1,9 +1,10 @@
-"""`loraweave.serve` on local Ray (CPU): 2 renderer replicas of a tiny SD1.5 pipeline, 5 adapters + a te-less one and
-a wrong-architecture file in the store. Every request loop is bounded by a count and an HTTP timeout.
+"""`loraweave.serve` on local Ray (CPU): 2 renderer replicas of a tiny SD1.5 pipeline, 5 adapters + a te-less
+one and a wrong-architecture file in the store. Every request loop is bounded by a count and an HTTP timeout.
 
-Images are compared bit for bit (np.array_equal) with `loraweave generate --lora-apply-mode runtime`: a replica
-renders with runtime adapters, each sample's terms in its own tag order. The default `auto` merges into the weights,
-a different float sum: (W + ΔW)·x vs W·x + B·(A·x), at most one 8-bit level on a few values."""
+Images are compared bit for bit (np.array_equal) with `loraweave generate --lora-apply-mode runtime`: a
+replica renders with runtime adapters, each sample's terms in its own tag order. The default `auto` merges
+into the weights, a different float sum: (W + ΔW)·x vs W·x + B·(A·x), at most one 8-bit level on a few
+values."""
 
 from __future__ import annotations
 
@@ -101,8 +102,9 @@ def _as_tags(body: dict) -> str:
 
 
 def assert_generate_bound(got: np.ndarray, expected: np.ndarray, what) -> None:
-    """A served image from a batch of n > 1 vs generate's batch of 1: the base pipeline alone rounds by batch size
-    (measured, no adapter: |Δ| <= 1.3e-6 in [0, 1], at most one 8-bit level on a value or two of 3072)."""
+    """A served image from a batch of n > 1 vs generate's batch of 1: the base pipeline alone rounds by batch
+    size (measured, no adapter: |Δ| <= 1.3e-6 in [0, 1], at most one 8-bit level on a value or two of
+    3072)."""
     diff = np.abs(got - expected)
     assert diff.max() <= 1 and (diff > 0).sum() <= 8, (what, diff.max(), (diff > 0).sum())
 
@@ -149,9 +151,9 @@ def test_same_adapters_hit_after_the_first(server):
 
 
 def test_mixed_batch_is_formed_and_exact(server):
-    """Concurrent requests with different adapter sets meet in one pipeline call (Handle.batch) at least once; every
-    image is bit-equal to generate's arithmetic at that batch size, and within the base pipeline's own batch-size
-    rounding of generate's image."""
+    """Concurrent requests with different adapter sets meet in one pipeline call (Handle.batch) at least once;
+    every image is bit-equal to generate's arithmetic at that batch size, and within the base pipeline's own
+    batch-size rounding of generate's image."""
     url, pipe_dir, loras, root = server
     names = ["a0", "a1", "a2", "a3", "a4", "u"]  # six sets on two replicas: one holds three at least
     bodies = [
@@ -181,10 +183,11 @@ def test_mixed_batch_is_formed_and_exact(server):
 
 
 def test_engine_mixed_batch_is_row_independent(files, monkeypatch):
-    """Without Ray: a batch of three different adapter sets (two adapters not in resident order; a conv-only LoCon).
-    Each sample is bit-equal, as floats and as PNG, to generate's arithmetic at batch size 3, whatever its
-    companions; a lone request equals generate itself. Negative controls (floats): another strength, the sum in
-    resident order, and Handle.batch's non-exact forms (gated whole pair; per-run GEMMs): each ~1e-6 off."""
+    """Without Ray: a batch of three different adapter sets (two adapters not in resident order; a conv-only
+    LoCon). Each sample is bit-equal, as floats and as PNG, to generate's arithmetic at batch size 3, whatever
+    its companions; a lone request equals generate itself. Negative controls (floats): another strength, the
+    sum in resident order, and Handle.batch's non-exact forms (gated whole pair; per-run GEMMs): each ~1e-6
+    off."""
     from loraweave.mechanisms.sampling import mix, persample
     from loraweave.serve import Engine
 
@@ -258,9 +261,9 @@ def test_bad_fields_and_health(server):
 
 
 def test_replica_dying_mid_render_gives_the_image_or_an_error(server):
-    """A replica killed inside the UNet's forward (os._exit, as an OOM kill: no answer). Once: the ingress renders
-    the request again on another replica, the right image. Twice in a row: a clear HTTP 503 and no image. Then the
-    server keeps serving (Ray Serve restarts the replicas). Bounded by count and time."""
+    """A replica killed inside the UNet's forward (os._exit, as an OOM kill: no answer). Once: the ingress
+    renders the request again on another replica, the right image. Twice in a row: a clear HTTP 503 and no
+    image. Then the server keeps serving (Ray Serve restarts the replicas). Bounded by count and time."""
     url, pipe_dir, loras, root = server
     arm = root / "crash.arm"  # FaultyEngine: deaths left for prompts with CRASH
     body = {**SETTINGS, "prompt": "a CRASH cat <lora:a0:0.7>", "seed": 400}
@@ -315,8 +318,8 @@ def test_nothing_outside_serve_imports_ray():
     ],
 )
 def test_engine_option_names_an_engine_class_or_is_refused(bad):
-    """ServeOptions.engine (the replicas' "module:Class"): anything but an Engine subclass is a typed error naming
-    the option and the value, before a replica builds anything."""
+    """ServeOptions.engine (the replicas' "module:Class"): anything but an Engine subclass is a typed error
+    naming the option and the value, before a replica builds anything."""
     from loraweave.serve.app import engine_class
     from loraweave.serve.engine import Engine, ServeRequestError
 

@@ -1,5 +1,5 @@
-"""`loraweave serve` from the command line: bad arguments exit 2 before Ray starts; a started server answers, and
-Ctrl-C shuts it down (exit 130, as the CLI's exit-code table says). Bounded by timeouts."""
+"""`loraweave serve` from the command line: bad arguments exit 2 before Ray starts; a started server answers,
+and Ctrl-C shuts it down (exit 130, as the CLI's exit-code table says). Bounded by timeouts."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def test_serves_then_ctrl_c_exits_130(tmp_path):
         stderr=subprocess.DEVNULL,
         env=env,
         text=True,
-        # a SIGINT the runner ignores (a job a shell started in the background) would be ignored by the server too
+        # a SIGINT the runner ignores (a job a shell started in the background) would be ignored by the server
+        # too
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:

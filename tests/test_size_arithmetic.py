@@ -1,6 +1,6 @@
-"""The arithmetic of sizes at the sizes where it would break: 2**24 elements (float32 holds every integer only up to
-there), more than 65,535 elements between two stored positions (compact undo's uint16 gaps), 2**31 bytes (int32
-byte counts and file offsets).
+"""The arithmetic of sizes at the sizes where it would break: 2**24 elements (float32 holds every integer only
+up to there), more than 65,535 elements between two stored positions (compact undo's uint16 gaps), 2**31 bytes
+(int32 byte counts and file offsets).
 
 Each test builds only the tensor it needs (a sparse set of differing positions in a 2**24+ element weight, a
 sparse file, meta tensors), so the whole module stays under about 200 MB resident and a few seconds."""
@@ -53,14 +53,15 @@ def _record_and_restore(w: torch.Tensor, positions: torch.Tensor) -> tuple[Compa
 
 
 def _sparse_positions(n: int) -> torch.Tensor:
-    """Misses 65,536 from the start, then 70,000 and 16.6M apart, the last of the second-to-last block, 2**24 (the
-    first element of the last, one-row block) and the very last element."""
+    """Misses 65,536 from the start, then 70,000 and 16.6M apart, the last of the second-to-last block, 2**24
+    (the first element of the last, one-row block) and the very last element."""
     assert n - COLS == 2**24
     return torch.tensor([65_535, 65_535 + 70_000, n - COLS - 1, n - COLS, n - 1])
 
 
 def _dense_positions(n: int) -> torch.Tensor:
-    """Misses 200 apart (uint8 steps win) with gaps of 256, 300 and 70,000 among them, past 2**24 to the end."""
+    """Misses 200 apart (uint8 steps win) with gaps of 256, 300 and 70,000 among them, past 2**24 to the
+    end."""
     steps = torch.full((n // 200,), 200)
     steps[[10, 1000, 50_000, 80_000]] = torch.tensor([256, 300, 70_000, 65_536])
     positions = torch.cumsum(steps, 0) - 1
@@ -129,9 +130,9 @@ def _merge_fused(w, delta_fn):
     "merge", [_merge_copy_out, _merge_fused], ids=["merge_with_record", "merge_in_place"]
 )
 def test_low_rank_merge_and_compact_undo_past_2_24(merge):
-    """A real rank-4 merge into a 16.8M-element bf16 weight, through both merge paths: W' checked against fp64 on
-    strided rows (one bf16 rounding: within half an ulp plus fp32's error, bounded by one ulp), the compact record
-    restores W bit for bit."""
+    """A real rank-4 merge into a 16.8M-element bf16 weight, through both merge paths: W' checked against fp64
+    on strided rows (one bf16 rounding: within half an ulp plus fp32's error, bounded by one ulp), the compact
+    record restores W bit for bit."""
     w = _weight(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     up, down = torch.randn(ROWS, 4, generator=g) * 0.05, torch.randn(4, COLS, generator=g) * 0.05
@@ -176,8 +177,8 @@ def test_byte_counts_past_2_31_on_meta_tensors():
 
 
 def test_safetensors_offsets_past_2_31(tmp_path):
-    """A tensor stored after 2**31 bytes of another (a sparse file: no disk used) is read from the right bytes;
-    the writer's header offsets for it are exact."""
+    """A tensor stored after 2**31 bytes of another (a sparse file: no disk used) is read from the right
+    bytes; the writer's header offsets for it are exact."""
     path = tmp_path / "big.safetensors"
     entries = [("big", torch.float16, (2**30 + 4,)), ("tail", torch.float32, (4,))]
     head = build_header(entries, None)

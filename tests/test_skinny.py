@@ -1,5 +1,6 @@
-"""The runtime path's thin GEMMs on oneDNN (mechanisms/runtime/skinny.py): exact to fp32 rounding against F.linear (the
-MKL kernel the path used before), taken where it applies, F.linear everywhere else (checked by a spy on the op)."""
+"""The runtime path's thin GEMMs on oneDNN (mechanisms/runtime/skinny.py): exact to fp32 rounding against
+F.linear (the MKL kernel the path used before), taken where it applies, F.linear everywhere else (checked by a
+spy on the op)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def test_falls_back_where_it_does_not_apply(spy):
 
 
 def test_runtime_linear_uses_it_and_matches_the_mkl_formula(spy):
-    """The fused nn.Linear forward: both thin GEMMs on oneDNN, equal to the former all-addmm path within 1e-6."""
+    """The fused nn.Linear forward: both thin GEMMs on oneDNN, equal to the former all-addmm path within
+    1e-6."""
     g = torch.Generator().manual_seed(2)
     lin = torch.nn.Linear(384, 256)
     down, up = torch.randn(16, 384, generator=g) / 20, torch.randn(256, 16, generator=g) / 4
@@ -131,8 +133,8 @@ def _adapted_linear(seed: int = 3):
 
 
 def test_compiled_runtime_linear_calls_the_onednn_custom_op():
-    """Under torch.compile the thin GEMMs are `loraweave::onednn_linear` calls (inductor would lower F.linear to
-    MKL's mm: benchmarks/bench_compile.py), probed at apply, not inside the trace; outputs equal eager."""
+    """Under torch.compile the thin GEMMs are `loraweave::onednn_linear` calls (inductor would lower F.linear
+    to MKL's mm: benchmarks/bench_compile.py), probed at apply, not inside the trace; outputs equal eager."""
     skinny._PROBED.clear()
     model, sd, x = _adapted_linear()
     loraweave.apply(model, sd, mode="runtime", strict=True, compile_friendly=True, rank_buckets=(8,))
@@ -145,7 +147,8 @@ def test_compiled_runtime_linear_calls_the_onednn_custom_op():
 
 
 def test_no_probe_inside_a_trace(monkeypatch):
-    """Compiled before any probe: F.linear, and the probe does not run while tracing (its ops would be traced)."""
+    """Compiled before any probe: F.linear, and the probe does not run while tracing (its ops would be
+    traced)."""
     monkeypatch.setattr(skinny, "_PROBED", [])
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(40, 32, generator=g), torch.randn(8, 32, generator=g)

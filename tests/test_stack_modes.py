@@ -21,7 +21,8 @@ def _deltas(seed: int = 0, n: int = 3, shape=SHAPE) -> list[torch.Tensor]:
 
 
 def _ref_trim(delta: torch.Tensor, density: float) -> torch.Tensor:
-    """Keep the int(density·n) largest magnitudes: threshold at the k-th largest |value| (no ties in randn)."""
+    """Keep the int(density·n) largest magnitudes: threshold at the k-th largest |value| (no ties in
+    randn)."""
     k = int(density * delta.numel())
     if density >= 1:
         return delta.clone()

@@ -1,4 +1,5 @@
-"""Select modes through apply: on layers both adapters touch, exactly the scheduled adapter runs at each step."""
+"""Select modes through apply: on layers both adapters touch, exactly the scheduled adapter runs at each
+step."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Start-up: `import loraweave` and `loraweave inspect FILE --no-coverage` never import torch (checked in fresh
-child processes), and the torch-free header readers (dtype names, scalar alphas) agree with the torch path."""
+"""Start-up: `import loraweave` and `loraweave inspect FILE --no-coverage` never import torch (checked in
+fresh child processes), and the torch-free header readers (dtype names, scalar alphas) agree with the torch
+path."""
 
 from __future__ import annotations
 

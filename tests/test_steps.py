@@ -1,6 +1,7 @@
-"""Step windows and ramps (AdapterSpec.steps / ramp) through a real diffusers FluxPipeline's callback_on_step_end:
-a 6-step run equals one in which the adapter is applied by hand (a fresh runtime apply, removed again) on exactly
-the window's steps; no weight tensor is touched and no factor or scale tensor is reallocated."""
+"""Step windows and ramps (AdapterSpec.steps / ramp) through a real diffusers FluxPipeline's
+callback_on_step_end: a 6-step run equals one in which the adapter is applied by hand (a fresh runtime apply,
+removed again) on exactly the window's steps; no weight tensor is touched and no factor or scale tensor is
+reallocated."""
 
 from __future__ import annotations
 

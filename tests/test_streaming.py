@@ -1,8 +1,8 @@
 """Layer streaming on tiny real diffusers models, with runtime adapters (CPU: storage and compute alike).
 
-Reference: an identical, unstreamed model carrying the same adapters; outputs must be bit-identical. Device bytes
-are checked against the budget at every ledger event, and adapter factor bytes are recounted here from the LoRA
-shapes."""
+Reference: an identical, unstreamed model carrying the same adapters; outputs must be bit-identical. Device
+bytes are checked against the budget at every ledger event, and adapter factor bytes are recounted here from
+the LoRA shapes."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def assert_within(handle, budget: int) -> None:
 def watch_device_bytes(model, handle, budget: int, lora: bool) -> tuple[list, list]:
     """Pre-hooks (run after the streamer's) that recount device bytes from the model at every block call: the
     rest and resident blocks (with their factors), the slot buffers, the kept factors; and check that only the
-    computing block points into a slot, its LoRA factors included. Returns (hook handles, block calls seen)."""
+    computing block points into a slot, its LoRA factors included. Returns (hook handles, block calls
+    seen)."""
     blocks = flux_blocks(model)
     calls = []
 
@@ -122,7 +123,8 @@ def test_flux_streamed_bit_identical_with_runtime_lora_and_strength_changes(when
     for _ in range(2):  # two calls in a row
         assert torch.equal(flux_batch2(model), want)
     assert calls == list(range(8)) * 2
-    # Block factors travel with their block (counted in its bytes); the others stay on the device, counted apart.
+    # Block factors travel with their block (counted in its bytes); the others stay on the device, counted
+    # apart.
     assert s.plan.extra_bytes == kept_factor_bytes(model)
     assert s.plan.block_bytes == [footprint(b, True) for b in flux_blocks(model)]
     assert s.plan.resident == [True] * resident + [False] * (8 - resident)
@@ -263,8 +265,8 @@ def test_unet_blocks_stream_bit_identical_and_learn_the_call_order():
     assert names[:4] == ["down_blocks.0", "down_blocks.1", "up_blocks.0", "up_blocks.1"]  # registration order
     with torch.no_grad():
         assert torch.equal(unet_forward(model), want)
-        # The mid block (resnet, attention's two blocks, resnet) runs between the down and up blocks: the first
-        # forward taught the call order, and the plan was re-made along it.
+        # The mid block (resnet, attention's two blocks, resnet) runs between the down and up blocks: the
+        # first forward taught the call order, and the plan was re-made along it.
         mid = [
             "mid_block.resnets.0",
             "mid_block.attentions.0.transformer_blocks.0",
@@ -351,8 +353,9 @@ def test_auto_on_a_streamed_quantized_layer_goes_runtime_not_into_the_side_chann
 
 
 def test_gpu_benchmark_script_runs_end_to_end_on_a_tiny_cpu_stack(tmp_path):
-    """benchmarks/stream_gpu.py must run in one command on a CUDA machine; its --tiny CPU mode runs the same code
-    (build, LoRA, budgets 100/50/25 %, strength change) so a broken script is found here, not on the device."""
+    """benchmarks/stream_gpu.py must run in one command on a CUDA machine; its --tiny CPU mode runs the same
+    code (build, LoRA, budgets 100/50/25 %, strength change) so a broken script is found here, not on the
+    device."""
     import json
     import subprocess
     import sys

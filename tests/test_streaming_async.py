@@ -1,12 +1,12 @@
 """The streamer's copy/compute ordering, checked on CPU with copies that really run beside compute.
 
-On CUDA a slot is filled on a side stream and compute waits for the slot's `ready` event; a copy into a slot waits
-for compute to be done with it. Here `ThreadCopier` gives the handle the same interface with a worker thread in
-place of the side stream, and makes every ordering mistake visible: a fill poisons the slot (NaN) at once and
-writes the real values only after a delay, on the worker. Compute that reads a slot before waiting for it, or a
-fill issued into the slot a block is computing from, therefore changes the output. The reference is the same
-model unstreamed; outputs must be bit-identical. Two negative controls (a handle that skips the wait, one that
-fills the busy slot) show the harness catches both mistakes."""
+On CUDA a slot is filled on a side stream and compute waits for the slot's `ready` event; a copy into a slot
+waits for compute to be done with it. Here `ThreadCopier` gives the handle the same interface with a worker
+thread in place of the side stream, and makes every ordering mistake visible: a fill poisons the slot (NaN) at
+once and writes the real values only after a delay, on the worker. Compute that reads a slot before waiting
+for it, or a fill issued into the slot a block is computing from, therefore changes the output. The reference
+is the same model unstreamed; outputs must be bit-identical. Two negative controls (a handle that skips the
+wait, one that fills the busy slot) show the harness catches both mistakes."""
 
 from __future__ import annotations
 
@@ -174,8 +174,9 @@ def test_prefetch_runs_one_block_ahead_so_copies_no_slower_than_compute_never_st
     monkeypatch, copy_s, stalls
 ):
     """Every block computes in 1 s of virtual time. Each streamed block's copy is issued when the previous one
-    starts computing (its slot freed by the one before), so copies of <= 1 s hide completely, the first streamed
-    block of a forward included (prefetched at the end of the previous one); slower copies show up as stalls."""
+    starts computing (its slot freed by the one before), so copies of <= 1 s hide completely, the first
+    streamed block of a forward included (prefetched at the end of the previous one); slower copies show up as
+    stalls."""
     clocks: list[ClockCopier] = []
     monkeypatch.setattr(
         handle_module,

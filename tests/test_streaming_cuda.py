@@ -1,8 +1,9 @@
-"""Layer streaming on a CUDA device: pinned packed host copies, side-stream prefetch, events (skipped without CUDA).
+"""Layer streaming on a CUDA device: pinned packed host copies, side-stream prefetch, events (skipped without
+CUDA).
 
-Run on a GPU machine with `bash scripts/device_check.sh` (these tests, then benchmarks/stream_gpu.py). Reference:
-the same tiny Flux fully resident on the device with the same adapters; outputs must be bit-identical (the same
-kernels run on the same values; only where the weights come from differs)."""
+Run on a GPU machine with `bash scripts/device_check.sh` (these tests, then benchmarks/stream_gpu.py).
+Reference: the same tiny Flux fully resident on the device with the same adapters; outputs must be
+bit-identical (the same kernels run on the same values; only where the weights come from differs)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def inputs(device: str) -> dict:
 
 
 def least_budget(model) -> tuple[int, list[int]]:
-    """(rest + kept adapter bytes, each block's slot bytes), read from a probe stream that keeps everything."""
+    """(rest + kept adapter bytes, each block's slot bytes), read from a probe stream that keeps
+    everything."""
     probe = stream(model, budget=10**9, device="cuda", margin=0)
     fixed, sizes = probe.plan.rest_bytes + probe.plan.extra_bytes, [u.nbytes for u in probe.units]
     probe.close()

@@ -1,8 +1,9 @@
-"""Host copies of streamed blocks (packed runs, as pinned for CUDA), tensor-subclass sizes, bitsandbytes layers.
+"""Host copies of streamed blocks (packed runs, as pinned for CUDA), tensor-subclass sizes, bitsandbytes
+layers.
 
-References: a brute-force search over every way to cut a layout into runs; the real tensor layout of a Flux-width
-block (meta device) for the pinned-memory overhead; the unstreamed model for outputs (bit-identical); the
-inner tensors of torchao subclasses for their byte counts."""
+References: a brute-force search over every way to cut a layout into runs; the real tensor layout of a
+Flux-width block (meta device) for the pinned-memory overhead; the unstreamed model for outputs
+(bit-identical); the inner tensors of torchao subclasses for their byte counts."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def test_runs_stay_under_the_cap_unless_one_tensor_is_larger(monkeypatch):
 
 @pytest.mark.parametrize("part", ["double", "single"])
 def test_pinned_copy_of_a_flux_width_block_costs_under_1_1x_its_bytes(part):
-    """Real layout (meta FluxTransformer2DModel at Flux.1 widths, bf16): per-tensor pinning would cost ~1.55x."""
+    """Real layout (meta FluxTransformer2DModel at Flux.1 widths, bf16): per-tensor pinning would cost
+    ~1.55x."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
@@ -220,8 +222,9 @@ def quantized_chain(backend: str, kind: str) -> nn.Sequential:
 
 @pytest.mark.parametrize("case", QUANT_CASES, ids=["-".join(c) for c in QUANT_CASES])
 def test_every_quantized_backend_streams_bit_identical_with_a_runtime_lora_or_is_refused(case):
-    """All three quantized layers streamed through two slots (storage and compute on CPU), a runtime LoRA on each:
-    outputs equal the same model unstreamed. bitsandbytes int8 is refused (it computes from its own CB copy)."""
+    """All three quantized layers streamed through two slots (storage and compute on CPU), a runtime LoRA on
+    each: outputs equal the same model unstreamed. bitsandbytes int8 is refused (it computes from its own CB
+    copy)."""
     backend, kind = case
     blocker = quant_backends.kind_blocker(backend, kind)
     if blocker:

@@ -1,8 +1,8 @@
 """Streaming planner and hook machinery on a synthetic 50-block stack (CPU: storage and compute alike).
 
-References are written here: a brute-force search over every resident prefix for the plan, the unstreamed model
-for outputs (bit-identical), and an independent recount of device bytes from the model's own tensors at every
-block call (not the streamer's ledger)."""
+References are written here: a brute-force search over every resident prefix for the plan, the unstreamed
+model for outputs (bit-identical), and an independent recount of device bytes from the model's own tensors at
+every block call (not the streamer's ledger)."""
 
 from __future__ import annotations
 
@@ -227,7 +227,8 @@ def test_explicit_blocks_stream_only_those_and_nested_blocks_are_refused():
     with torch.no_grad():
         assert torch.equal(model(x), ref)
         assert torch.equal(model(x), ref)
-    # Steady state: three copies per forward, each one block ahead (the first forward also did the plan's one).
+    # Steady state: three copies per forward, each one block ahead (the first forward also did the plan's
+    # one).
     assert handle.report.last.copies == handle.report.last.prefetched == 3
     assert handle.report.total.copies == 7
     handle.close()

@@ -48,8 +48,8 @@ def probe(model: torch.nn.Module, seed: int = 3) -> torch.Tensor:
     return torch.cat(outs)
 
 
-# Architectures added later run two families per layout unless LORAWEAVE_FULL_MATRIX=1 (the matrix script sets it):
-# the other families exercise the same resolution and mechanisms, and CI time is bounded.
+# Architectures added later run two families per layout unless LORAWEAVE_FULL_MATRIX=1 (the matrix script sets
+# it): the other families exercise the same resolution and mechanisms, and CI time is bounded.
 LATER = ("wan-vace", "ltx2", "lumina2", "anima", "sana", "ernie-image", "ltx-video", "pixart")
 CELLS = [
     (a, lay, f)

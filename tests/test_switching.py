@@ -1,5 +1,5 @@
-"""Switching a live handle between adapter sets: results equal a fresh apply, unchanged layers are not touched,
-and in runtime mode no weight tensor is touched at all (data pointers and versions)."""
+"""Switching a live handle between adapter sets: results equal a fresh apply, unchanged layers are not
+touched, and in runtime mode no weight tensor is touched at all (data pointers and versions)."""
 
 from __future__ import annotations
 

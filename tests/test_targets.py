@@ -1,4 +1,5 @@
-"""Targets: a diffusers-style pipeline (components), a mapping, a bare module; text encoders via kohya names."""
+"""Targets: a diffusers-style pipeline (components), a mapping, a bare module; text encoders via kohya
+names."""
 
 from __future__ import annotations
 

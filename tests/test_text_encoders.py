@@ -18,7 +18,8 @@ def tiny_t5():
 
 
 def test_flux_pipeline_t5_under_te2_and_te3_spellings():
-    """OneTrainer writes T5 as `lora_te2_`; SD3-style files say `lora_te3_`: on a Flux pipeline both are T5."""
+    """OneTrainer writes T5 as `lora_te2_`; SD3-style files say `lora_te3_`: on a Flux pipeline both are
+    T5."""
     t5 = tiny_t5()
     clip = tiny_clip()
     q = dict(t5.named_modules())["encoder.block.1.layer.0.SelfAttention.q"]
@@ -125,13 +126,16 @@ def tiny_qwen25_vl():
 
 
 def test_qwen25_vl_text_encoder_spellings():
-    """Qwen-Image's TE: kohya/ComfyUI name decoder paths bare, older transformers had no `language_model.` level."""
+    """Qwen-Image's TE: kohya/ComfyUI name decoder paths bare, older transformers had no `language_model.`
+    level."""
     model = tiny_qwen25_vl()
     mods = dict(model.named_modules())
     spellings = {
         "lora_te_layers_1_self_attn_k_proj": "model.language_model.layers.1.self_attn.k_proj",
         "text_encoder.model.layers.0.mlp.up_proj": "model.language_model.layers.0.mlp.up_proj",
-        "text_encoder.model.language_model.layers.1.mlp.down_proj": "model.language_model.layers.1.mlp.down_proj",
+        "text_encoder.model.language_model.layers.1.mlp.down_proj": (
+            "model.language_model.layers.1.mlp.down_proj"
+        ),
         "text_encoder.visual.blocks.0.attn.qkv": "model.visual.blocks.0.attn.qkv",
     }
     before = {name: mods[name].weight.detach().clone() for name in spellings.values()}

@@ -1,7 +1,7 @@
 """Undo records of CUDA weights live in pinned host memory (issue 15), never on the accelerator unless asked.
 
-Runs only where CUDA is present (scripts/device_check.sh runs it on a lent GPU); the CPU cases of the same records
-are in test_undo_records.py."""
+Runs only where CUDA is present (scripts/device_check.sh runs it on a lent GPU); the CPU cases of the same
+records are in test_undo_records.py."""
 
 from __future__ import annotations
 

@@ -198,8 +198,8 @@ def test_grown_input_restores(kind):
 
 
 def test_thousand_strength_changes_do_not_drift():
-    """1,000 random strength changes on two stacked adapters, then: merged bits equal a fresh merge at the last
-    strengths, and remove() gives back the original bits."""
+    """1,000 random strength changes on two stacked adapters, then: merged bits equal a fresh merge at the
+    last strengths, and remove() gives back the original bits."""
     n = int(os.environ.get("LORAWEAVE_UNDO_CHANGES", "1000"))
     model = nn.ModuleDict(
         {"f32": net(torch.float32), "bf16": net(torch.bfloat16, 1), "f16": net(torch.float16, 2)}
@@ -431,8 +431,8 @@ def test_fault_on_the_fusing_step_restores(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
 def test_block_scan_finds_every_miss(dtype):
-    """The compact merge's scan of a block must find exactly the element-wise bit differences (signed zeros, NaN
-    payloads), at any length and any block offset."""
+    """The compact merge's scan of a block must find exactly the element-wise bit differences (signed zeros,
+    NaN payloads), at any length and any block offset."""
     g = gen(3)
     rows = torch.randn(7, 45, generator=g).to(dtype)
     blocks = undo_mod._Blocks(rows, 7, compact=True)
@@ -451,7 +451,8 @@ def test_block_scan_finds_every_miss(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_odd_widths_in_blocks_restore(monkeypatch, dtype):
-    """Blocks whose first element is not on a word boundary (odd widths, a few rows per block) restore exactly."""
+    """Blocks whose first element is not on a word boundary (odd widths, a few rows per block) restore
+    exactly."""
     monkeypatch.setattr(undo_mod, "CHUNK_ELEMENTS", 150)
     import loraweave.mechanisms.merge.layer as merge_mod
 
@@ -516,8 +517,9 @@ def test_merge_keeps_only_its_records():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("sign", [1, -1])
 def test_half_combine_has_the_bits_of_one_mixed_add(dtype, sign):
-    """combine_into runs fp16/bf16 weights as upcast, add, round (three vectorized passes): the same bits as one
-    mixed-dtype torch.add rounded once, specials included (signed zeros, subnormals, inf, NaN, overflow)."""
+    """combine_into runs fp16/bf16 weights as upcast, add, round (three vectorized passes): the same bits as
+    one mixed-dtype torch.add rounded once, specials included (signed zeros, subnormals, inf, NaN,
+    overflow)."""
     g = gen(11)
     w = (torch.randn(64, 96, generator=g) * 0.05).to(dtype)
     delta = torch.randn(64, 96, generator=g) * 0.002

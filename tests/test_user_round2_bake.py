@@ -29,8 +29,9 @@ def sd15_ldm(realdata, tmp_path_factory):
 
 
 def _reference_targets() -> set[str]:
-    """The ldm tensors the file's parts merge into, from the live diffusers UNet and CLIP text model built from
-    the real SD1.5 configs (positions counted on the real classes), renamed by the ldm <-> diffusers map."""
+    """The ldm tensors the file's parts merge into, from the live diffusers UNet and CLIP text model built
+    from the real SD1.5 configs (positions counted on the real classes), renamed by the ldm <-> diffusers
+    map."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -69,7 +70,8 @@ def test_cloneofsimo_text_encoder_lands_on_an_ldm_named_checkpoint(sd15_ldm):
 
 
 def _merged(model, adapter) -> tuple[dict[str, torch.Tensor], list]:
-    """{tensor: what bake writes into it, on a zero base}, and what did not land: bake's own plan and merge."""
+    """{tensor: what bake writes into it, on a zero base}, and what did not land: bake's own plan and
+    merge."""
     ckpt = open_checkpoint(model)
     try:
         plan, spans = plan_adapters(ckpt, [(str(adapter), 1.0)])

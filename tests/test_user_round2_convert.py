@@ -1,5 +1,5 @@
-"""Issue 30, a new user's second run-through: a cloneofsimo file with textual-inversion tokens (item 14), and the
-text-encoder names our conversions write, checked against ComfyUI's own key map (found with item 13)."""
+"""Issue 30, a new user's second run-through: a cloneofsimo file with textual-inversion tokens (item 14), and
+the text-encoder names our conversions write, checked against ComfyUI's own key map (found with item 13)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ TOKENS = ("<s1>", "<s2>")
 @pytest.fixture
 def pivotal(realdata, tmp_path):
     """The real cloneofsimo file plus two token embeddings, as lora_diffusion's pivotal tuning saves them: one
-    [768] vector per token, named by the token (shared/notes/key-layouts.md)."""
+    [768] vector per token, named by the token (e.g. `<s1>`, `<s2>`)."""
     tensors = load_file(CLONEOFSIMO)
     with safe_open(CLONEOFSIMO, "pt") as f:
         metadata = f.metadata()

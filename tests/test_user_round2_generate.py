@@ -1,5 +1,5 @@
-"""Issue 30, a new user's second run-through: regions on a pipeline (item 2), the PNG's `Model hash` of a folder
-model (item 15), `generate` tried offline from the README (item 17)."""
+"""Issue 30, a new user's second run-through: regions on a pipeline (item 2), the PNG's `Model hash` of a
+folder model (item 15), `generate` tried offline from the README (item 17)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def _pixels(path: Path) -> np.ndarray:
 
 
 def test_demo_generate_writes_the_png_apply_by_hand_gives(tmp_path, capsys):
-    """`loraweave demo --generate PNG --out DIR`: the tiny pipeline and sample LoRA it leaves in DIR, run by hand
-    with diffusers and loraweave.apply, give the same pixels."""
+    """`loraweave demo --generate PNG --out DIR`: the tiny pipeline and sample LoRA it leaves in DIR, run by
+    hand with diffusers and loraweave.apply, give the same pixels."""
     from diffusers import StableDiffusionPipeline
 
     png, work = tmp_path / "demo.png", tmp_path / "work"
@@ -84,7 +84,8 @@ def _pipe(pipe_dir: Path):
 
 
 def _merge_by_hand(pipe, lora: Path, unet_strength: float, te_strength: float) -> None:
-    """W += s * alpha/rank * up @ down, in fp64, for every kohya key of the file (its stems are the live names)."""
+    """W += s * alpha/rank * up @ down, in fp64, for every kohya key of the file (its stems are the live
+    names)."""
     from safetensors.torch import load_file
 
     tensors = load_file(lora)
@@ -118,8 +119,9 @@ def _latents(pipe, mask_shape=(64, 64)) -> torch.Tensor:
 
 
 def test_region_on_a_pipeline_with_text_encoder_parts(sd15):
-    """set_region then pipe(...): the text encoder (called with (1, 77) token ids) takes max(mask), the UNet the
-    region. RegionError 'got (1, 77)' before. References: the LoRA merged by hand in fp64 at those strengths."""
+    """set_region then pipe(...): the text encoder (called with (1, 77) token ids) takes max(mask), the UNet
+    the region. RegionError 'got (1, 77)' before. References: the LoRA merged by hand in fp64 at those
+    strengths."""
     pipe_dir, lora = sd15
     half = torch.zeros(64, 64)
     half[:, :32] = 1.0  # peak 1: the text encoder keeps the full adapter
@@ -151,8 +153,8 @@ def test_region_on_a_pipeline_with_text_encoder_parts(sd15):
 
 
 def test_folder_model_hash_written_into_the_png(sd15, tmp_path):
-    """A1111's `Model hash` (sha256 of the checkpoint, 10 hex) was never written for a pipeline folder: it is now
-    the sha256 of the denoiser's weight files end to end, as the README says."""
+    """A1111's `Model hash` (sha256 of the checkpoint, 10 hex) was never written for a pipeline folder: it is
+    now the sha256 of the denoiser's weight files end to end, as the README says."""
     pipe_dir, _ = sd15
     out = tmp_path / "x.png"
     flags = "--steps 1 -W 32 -H 32".split()

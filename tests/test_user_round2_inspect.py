@@ -1,4 +1,5 @@
-"""Issue 30, a new user's second run-through: what `inspect` says about real files (item 11) and draws (12)."""
+"""Issue 30, a new user's second run-through: what `inspect` says about real files (item 11) and draws
+(12)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Issue 19: what a new user meets. Loud coverage, validated arguments, tools that refuse to write nothing,
-positional files in bake/resize, remove() releasing memory, and the small things (one test per numbered item)."""
+positional files in bake/resize, remove() releasing memory, and the small things (one test per numbered
+item)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Variants: one file on Wan 2.2's two experts with per-expert strengths, and keys only a sibling variant has
-(Wan 2.1 I2V image cross-attention on T2V/2.2, Flux dev's guidance embedder on schnell) reported as expected absent,
-which strict mode does not count. Every other miss still counts."""
+(Wan 2.1 I2V image cross-attention on T2V/2.2, Flux dev's guidance embedder on schnell) reported as expected
+absent, which strict mode does not count. Every other miss still counts."""
 
 from __future__ import annotations
 
@@ -215,8 +215,9 @@ def test_inspect_names_the_variant(tmp_path):
 
 @pytest.mark.parametrize("style", ["diffusers", "kohya"])
 def test_diffusers_single_blocks_are_not_counted_as_double(style):
-    """`single_transformer_blocks` ends in the double chain's `transformer_blocks`: a diffusers or kohya-flattened
-    Flux.1 file is 19 double + 38 single blocks, not 38 double (it was, before the single chain was tried first)."""
+    """`single_transformer_blocks` ends in the double chain's `transformer_blocks`: a diffusers or
+    kohya-flattened Flux.1 file is 19 double + 38 single blocks, not 38 double (it was, before the single
+    chain was tried first)."""
     from loraweave.arch.variants import block_counts, variant_fit
     from loraweave.formats.adapter import load_adapter
 

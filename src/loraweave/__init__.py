@@ -21,7 +21,23 @@ from .errors import (
 from .request.prompt import PromptAdapterError, parse_prompt
 from .request.spec import AdapterSpec
 
-__version__ = "0.1.0"
+
+def _read_version() -> str:
+    """The version is stated once, in pyproject.toml: read there in a source tree (a clone loaded as a ComfyUI
+    custom node, an editable install), else from the installed distribution's metadata (built from it)."""
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if pyproject.is_file():
+        import tomllib
+
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+        if project.get("name") == "loraweave":
+            return project["version"]
+    from importlib.metadata import version
+
+    return version("loraweave")
+
 
 # public name -> module that defines it (imported when the name is first read)
 _LAZY = {
@@ -38,6 +54,9 @@ _LAZY = {
 
 
 def __getattr__(name: str):
+    if name == "__version__":
+        globals()[name] = value = _read_version()
+        return value
     if name in _LAZY:
         value = getattr(import_module(_LAZY[name], __name__), name)
         globals()[name] = value  # later reads skip this function
@@ -51,7 +70,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    return sorted({*globals(), *_LAZY, "__version__"})
 
 
 __all__ = [

@@ -81,13 +81,13 @@ def apply(
     mode: "merge" (into the weights, undoable), "runtime" (forward hooks, weights untouched), or "auto"
     (runtime where merging would be lossy or impossible: quantized, offloaded; merge elsewhere).
     stack: how adapters sharing a layer combine: "sum" (exact), "ties", "dare_ties", "dare_linear",
-    "magnitude_prune" (with `density` in (0, 1]); DARE masks are deterministic per layer, adapters and settings.
-    Items of `adapters` may be `AdapterSpec`s (strength, text-encoder strength, block weights, name).
-    All-or-nothing: if anything raises midway, the model is left exactly as it was.
+    "magnitude_prune" (with `density` in (0, 1]); DARE masks are deterministic per layer, adapters and
+    settings. Items of `adapters` may be `AdapterSpec`s (strength, text-encoder strength, block weights,
+    name). All-or-nothing: if anything raises midway, the model is left exactly as it was.
 
     Quantized layers (SDNQ, bitsandbytes, torchao, optimum-quanto, GGUF; see `loraweave.quant`):
-    - mode="auto": a plain-LoRA set rides the layer's low-rank side channel exactly ("factor": SDNQ svd_up/down,
-      no hook, no backup); anything else gets a runtime path beside the layer's own forward.
+    - mode="auto": a plain-LoRA set rides the layer's low-rank side channel exactly ("factor": SDNQ
+      svd_up/down, no hook, no backup); anything else gets a runtime path beside the layer's own forward.
     - mode="runtime": always the runtime path (exact for every family and backend; storage untouched).
     - mode="merge": hook-free. Plain LoRA -> factor channel; otherwise int8-and-wider layers are requantized
       (dequantize, add, requantize with the layer's own config) and sub-8-bit layers follow the routing rule:
@@ -95,23 +95,26 @@ def apply(
     quantized: "auto" (above), "host" (opt-in: in mode="auto", non-plain-LoRA sets take the hook-free route of
       mode="merge" instead of a hook, for compiled or hook-free deployments), or "requantize" (every hook-free
       layer is requantized, even plain LoRA; for measurements).
-    host_rank: rank cap of a hosted truncation (randomized SVD, seeded locally: the caller's RNG is untouched);
-      0 disables hosting. The report gives the retention ρ and captured energy of hosted and requantized layers.
-    cache: a `loraweave.mechanisms.runtime.factor_cache.FactorCache` (or a directory for one) that keeps hosted factors
-      on disk; a replay is bit-identical to a fresh compute.
-    undo: how a merged layer comes back bit-exactly (mechanisms/merge/undo.py): "auto" (per layer, the smaller of
-      "compact" and "copy"), "compact" (only the elements round(W' - ΔW) misses), "copy" (a full copy), "source"
-      (re-read from the model's safetensors files: `undo_source` = a file, a directory or {component: path},
-      else diffusers' config._name_or_path; refused on undo if a file changed) or "none" (a permanent fuse:
-      remove() leaves those weights merged). Records live in host memory unless `undo_on_device`.
+    host_rank: rank cap of a hosted truncation (randomized SVD, seeded locally: the caller's RNG is
+      untouched); 0 disables hosting. The report gives the retention ρ and captured energy of hosted and
+      requantized layers.
+    cache: a `loraweave.mechanisms.runtime.factor_cache.FactorCache` (or a directory for one) that keeps
+      hosted factors on disk; a replay is bit-identical to a fresh compute.
+    undo: how a merged layer comes back bit-exactly (mechanisms/merge/undo.py): "auto" (per layer, the smaller
+      of "compact" and "copy"), "compact" (only the elements round(W' - ΔW) misses), "copy" (a full copy),
+      "source" (re-read from the model's safetensors files: `undo_source` = a file, a directory or {component:
+      path}, else diffusers' config._name_or_path; refused on undo if a file changed) or "none" (a permanent
+      fuse: remove() leaves those weights merged). Records live in host memory unless `undo_on_device`.
 
-    Coverage is loud: an adapter whose keys did not all land gets one WARNING line (landed/total, top miss kinds,
-    an example key). When not one key of an adapter lands, `NoKeysLandedError` (carrying the report) is raised and
-    nothing changes, unless `allow_empty=True`. `strict=True` raises `StrictApplyError` unless every key lands.
+    Coverage is loud: an adapter whose keys did not all land gets one WARNING line (landed/total, top miss
+    kinds, an example key). When not one key of an adapter lands, `NoKeysLandedError` (carrying the report) is
+    raised and nothing changes, unless `allow_empty=True`. `strict=True` raises `StrictApplyError` unless
+    every key lands.
 
     compile_friendly: runtime paths ready for `torch.compile`: ranks zero-padded to `rank_buckets` (default
-      8/16/32/64/128; costs the padded FLOPs), strengths in tensors, hooks fixed for the handle's life, so strength
-      changes, `disable`/`enable` and switches within a bucket never recompile (see mechanisms/runtime/compiled.py)."""
+      8/16/32/64/128; costs the padded FLOPs), strengths in tensors, hooks fixed for the handle's life, so
+      strength changes, `disable`/`enable` and switches within a bucket never recompile (see
+      mechanisms/runtime/compiled.py)."""
     options = Options(
         mode,
         stack,

@@ -55,8 +55,8 @@ def _finite_text(text: str, prefix: str) -> float:
 
 
 def strength_text(text: str, where: str, what: str = "strength") -> float:
-    """A strength as the user wrote it (`FILE:S` on the command line, `<lora:name:S>` in a prompt): one message
-    for each way it is wrong, naming `where` it was written and the text itself."""
+    """A strength as the user wrote it (`FILE:S` on the command line, `<lora:name:S>` in a prompt): one
+    message for each way it is wrong, naming `where` it was written and the text itself."""
     value = _finite_text(text, f"{where}: {what}")
     if abs(value) > MAX_STRENGTH:
         raise ArgumentError(

@@ -16,7 +16,8 @@ def linears(model) -> dict[str, torch.nn.Module]:
 
 
 def ltx2_original(live: str) -> str:
-    """Write a live LTX-2 name the way the original checkpoint does (the test's own inverse of the renames)."""
+    """Write a live LTX-2 name the way the original checkpoint does (the test's own inverse of the
+    renames)."""
     for new, old in (
         ("prompt_adaln", "prompt_adaln_single"),
         ("norm_k", "k_norm"),
@@ -35,7 +36,8 @@ def ltx2_original(live: str) -> str:
 
 
 def lora_file(modules: dict[str, torch.nn.Module], name_of, rank: int = 2, seed: int = 4, meta: bool = False):
-    """{file key: tensor}: a LoRA on every module, named by `name_of(live name)`; no alpha (scale 1, as PEFT)."""
+    """{file key: tensor}: a LoRA on every module, named by `name_of(live name)`; no alpha (scale 1, as
+    PEFT)."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for live, m in modules.items():
@@ -134,7 +136,8 @@ def _anima(meta: bool, dit: dict, conditioner: dict) -> dict[str, torch.nn.Modul
 
 
 def anima_file(parts: dict, meta: bool) -> dict[str, torch.Tensor]:
-    """ComfyUI/diffusion-pipe form: every Linear of the DiT by its original name, the adapter under llm_adapter."""
+    """ComfyUI/diffusion-pipe form: every Linear of the DiT by its original name, the adapter under
+    llm_adapter."""
     return {
         **lora_file(
             linears(parts["transformer"]), lambda n: f"diffusion_model.{anima_original(n)}", meta=meta
@@ -148,7 +151,8 @@ def anima_file(parts: dict, meta: bool) -> dict[str, torch.Tensor]:
     }
 
 
-# Original weight -> diffusers module, one-to-one (the test's own inverse of the converter; the fused ones below).
+# Original weight -> diffusers module, one-to-one (the test's own inverse of the converter; the fused ones
+# below).
 SANA_TOP = {
     "x_embedder.proj": "patch_embed.proj",
     "t_embedder.mlp.0": "time_embed.emb.timestep_embedder.linear_1",
@@ -178,7 +182,8 @@ SANA_FUSED = {
 
 
 def sana_original(model, make) -> dict[str, torch.Tensor]:
-    """The original (NVlabs) checkpoint of `model`: {name: make(name, shape)}, every key the converter reads."""
+    """The original (NVlabs) checkpoint of `model`: {name: make(name, shape)}, every key the converter
+    reads."""
     live = dict(model.named_parameters())
     pairs = {
         **SANA_TOP,
@@ -261,7 +266,8 @@ def ideogram4_lora_names(model) -> dict[str, tuple[int, int]]:
 
 
 def qwen21_lora_names(model) -> dict[str, tuple[int, int]]:
-    """{original (ComfyUI) stem: (rows, in)}: diffusers names, with each block's gate_layer + proj fused to gate_up."""
+    """{original (ComfyUI) stem: (rows, in)}: diffusers names, with each block's gate_layer + proj fused to
+    gate_up."""
     out = {}
     for name, m in linears(model).items():
         if name.endswith("img_mlp.proj"):

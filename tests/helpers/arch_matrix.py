@@ -26,7 +26,8 @@ def _tiny(cls_name: str, **config):
     return getattr(diffusers, cls_name)(**config).eval()
 
 
-# HunyuanVideo is left out: diffusers' converter forces a 3072-wide model (see test_arch_dits2), too big per cell.
+# HunyuanVideo is left out: diffusers' converter forces a 3072-wide model (see test_arch_dits2), too big per
+# cell.
 ARCHS = {
     "flux": MODELS["flux"][0],
     "chroma": lambda: _tiny(

@@ -1,4 +1,5 @@
-"""Batched inputs for the tiny models (one row per sample) and how to take some of their rows: per-sample tests."""
+"""Batched inputs for the tiny models (one row per sample) and how to take some of their rows: per-sample
+tests."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ WINDOW = (1600, 1000)
 
 
 def start_chromium(profile: Path, timeout: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """(process, websocket URL of its first page); the DevTools port is the one Chromium picks and writes down."""
+    """(process, websocket URL of its first page); the DevTools port is the one Chromium picks and writes
+    down."""
     assert shutil.which(CHROMIUM), f"missing {CHROMIUM} (Debian package chromium)"
     args = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
             "--no-first-run", "--remote-debugging-port=0", f"--user-data-dir={profile}",

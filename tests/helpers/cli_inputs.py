@@ -1,5 +1,5 @@
-"""Tiny inputs for every CLI command that writes a file: a Flux component folder and single file, a tuned copy,
-a diffusers-named LoRA on it, and a tiny SD1.5 pipeline for `generate` (all seeded, all offline)."""
+"""Tiny inputs for every CLI command that writes a file: a Flux component folder and single file, a tuned
+copy, a diffusers-named LoRA on it, and a tiny SD1.5 pipeline for `generate` (all seeded, all offline)."""
 
 from __future__ import annotations
 

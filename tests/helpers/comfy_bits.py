@@ -1,7 +1,8 @@
-"""ComfyUI core's LoraLoader next to ours on the tiny SD1.5, weight by weight and bit by bit, per family: core's
-merged weights are first checked against an independent fp64 formula (core is "right" within TOL), then ours must
-equal them bit for bit. Runs in process and as a script under each ATen CPU dispatch (ATEN_CPU_CAPABILITY=default,
-avx2, avx512), where the vectorised mul/add kernels differ (an FMA where a fused scale would round differently).
+"""ComfyUI core's LoraLoader next to ours on the tiny SD1.5, weight by weight and bit by bit, per family:
+core's merged weights are first checked against an independent fp64 formula (core is "right" within TOL), then
+ours must equal them bit for bit. Runs in process and as a script under each ATen CPU dispatch
+(ATEN_CPU_CAPABILITY=default, avx2, avx512), where the vectorised mul/add kernels differ (an FMA where a fused
+scale would round differently).
 
 Families: kohya LoRA on every attention/feed-forward Linear, LoCon on every Conv2d (k x k down), Tucker LoCon
 (1x1 down, `lora_mid` k x k core, 1x1 up) on every k x k Conv2d, LoHa and LoKr on the Linears."""

@@ -1,8 +1,8 @@
 """Checks shared by the tests of loraweave.comfy on tiny DiTs (test_comfy_archs.py, test_comfy_dits.py).
 
-References: `loraweave.apply` on the diffusers twin holding the same weights, ComfyUI's merged weights mapped to the
-twin's names by the model's row map (`as_diffusers`), TOL relative per weight; ComfyUI's own LoraLoader next to
-ours; the runtime forward against the merge."""
+References: `loraweave.apply` on the diffusers twin holding the same weights, ComfyUI's merged weights mapped
+to the twin's names by the model's row map (`as_diffusers`), TOL relative per weight; ComfyUI's own LoraLoader
+next to ours; the runtime forward against the merge."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def twin_reference(m: ComfyModel, sd: dict) -> dict[str, torch.Tensor]:
 
 
 def check_against_twin(as_diffusers: RowMap, m: ComfyModel, sd: dict, min_changed: int = 8):
-    """Our merge (every key lands) equals loraweave.apply on the twin within TOL; returns the patched MODEL."""
+    """Our merge (every key lands) equals loraweave.apply on the twin within TOL; returns the patched
+    MODEL."""
     model, _, report = load_lora_for_models(m.patcher, None, sd, STRENGTH, 0.0, mode="merge")
     assert report.keys_applied == report.keys_total == len(sd), report.kinds()
     ours = as_diffusers(merged_state(model))
@@ -105,7 +106,8 @@ def all_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 
 def runtime_and_merge(m: ComfyModel, sd: dict, forward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(merged, runtime, base) outputs of `forward(m, MODEL)` with the file loaded by our node in each mode."""
+    """(merged, runtime, base) outputs of `forward(m, MODEL)` with the file loaded by our node in each
+    mode."""
     c = import_comfy()
     outputs = []
     for mode in ("merge", "runtime", None):
@@ -124,8 +126,8 @@ def runtime_and_merge(m: ComfyModel, sd: dict, forward) -> tuple[torch.Tensor, t
 
 
 def check_reference_tree(m: ComfyModel, caplog) -> None:
-    """Keys resolve on the diffusers tree at the model's own widths (reference.py reads ComfyUI's unet_config),
-    not on the fallback of ComfyUI's own names that a fits=no WARNING announces."""
+    """Keys resolve on the diffusers tree at the model's own widths (reference.py reads ComfyUI's
+    unet_config), not on the fallback of ComfyUI's own names that a fits=no WARNING announces."""
     from loraweave.comfy.targets import reference_tree
 
     with caplog.at_level("WARNING", logger="loraweave"):

@@ -1,9 +1,9 @@
 """Headless, in-process, CPU import of the ComfyUI v0.19.3 source in ../shared/comfyui/ComfyUI.
 
-`import_comfy()` returns the imported `comfy` package after the recipe of ../shared/comfyui/README.md: diffusers and
-transformers first (they probe torchvision once at import), then a stub `torchvision` (and `torchaudio`) in
-sys.modules, then `comfy.cli_args.args.cpu = True` before `comfy.model_management` is imported. A missing
-ComfyUI tree is a failure, never a skip."""
+`import_comfy()` returns the imported `comfy` package after the recipe of ../shared/comfyui/README.md:
+diffusers and transformers first (they probe torchvision once at import), then a stub `torchvision` (and
+`torchaudio`) in sys.modules, then `comfy.cli_args.args.cpu = True` before `comfy.model_management` is
+imported. A missing ComfyUI tree is a failure, never a skip."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMFYUI_DIR = REPO_ROOT.parent / "shared" / "comfyui" / "ComfyUI"
-# ComfyUI imports these at module level (cosmos, cascade, audio VAEs); the PyPI wheels would pull a CUDA torch.
+# ComfyUI imports these at module level (cosmos, cascade, audio VAEs); the PyPI wheels would pull a CUDA
+# torch.
 STUBBED = ("torchvision", "torchaudio")
 
 

@@ -33,7 +33,8 @@ def _write(sd: dict, stem: str, tensors: dict[str, torch.Tensor], peft: bool) ->
 
 
 def boft_factors(out: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """LyCORIS BOFT on `out` rows: 2 butterfly stages of 4 x 4 blocks (1 stage where out/4 is odd); no constraint."""
+    """LyCORIS BOFT on `out` rows: 2 butterfly stages of 4 x 4 blocks (1 stage where out/4 is odd); no
+    constraint."""
     b = 4 if out % 4 == 0 else 2
     stages = 2 if (out // b) % 2 == 0 else 1
     return {"oft_blocks": torch.randn(stages, out // b, b, b, generator=g) * 0.2, "alpha": torch.tensor(0.0)}
@@ -61,7 +62,8 @@ def dotted(prefix: str):
 
 
 def xlabs_flux(twin: torch.nn.Module, seed: int = 5) -> dict[str, torch.Tensor]:
-    """XLabs' processor LoRA on a diffusers Flux: qkv/proj for both streams of each double block, single qkv."""
+    """XLabs' processor LoRA on a diffusers Flux: qkv/proj for both streams of each double block, single
+    qkv."""
     g = torch.Generator().manual_seed(seed)
     mods = dict(twin.named_modules())
     sd: dict[str, torch.Tensor] = {}

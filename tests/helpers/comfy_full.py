@@ -1,5 +1,5 @@
-"""Full-size ComfyUI model configs and a meta-device ModelPatcher builder, shared by the real-file and skeleton
-tests."""
+"""Full-size ComfyUI model configs and a meta-device ModelPatcher builder, shared by the real-file and
+skeleton tests."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The real ComfyUI v0.19.3 with the pack installed the way users install it, and a prompt runner: what the node
-tests share. `comfy_home` (a module fixture: import it by name) makes a temp base holding loras/ (helpers/
-comfy_pack.write_loras) and diffusion_models/ (the tiny Flux), runs `loraweave comfy install --base-directory`,
-and loads the shim with ComfyUI's own custom-node loader; `run_prompt` runs ComfyUI's validate_prompt and
-PromptExecutor on an API-format prompt."""
+"""The real ComfyUI v0.19.3 with the pack installed the way users install it, and a prompt runner: what the
+node tests share. `comfy_home` (a module fixture: import it by name) makes a temp base holding loras/
+(helpers/ comfy_pack.write_loras) and diffusion_models/ (the tiny Flux), runs `loraweave comfy install
+--base-directory`, and loads the shim with ComfyUI's own custom-node loader; `run_prompt` runs ComfyUI's
+validate_prompt and PromptExecutor on an API-format prompt."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class _Server:
 
 @pytest.fixture(scope="module", name="comfy_home")
 def comfy_home_fixture(tmp_path_factory):
-    """ComfyUI with a temp base holding loras/ and diffusion_models/, and our pack loaded from the installed shim."""
+    """ComfyUI with a temp base holding loras/ and diffusion_models/, and our pack loaded from the installed
+    shim."""
     import_comfy()
     import folder_paths
     import nodes

@@ -1,8 +1,9 @@
-"""ComfyUI's own LoRA key map for text encoders, as a script run in a subprocess (ComfyUI in place, read-only):
-`python comfy_keys.py < names.json` prints the LoRA key names ComfyUI accepts for a model whose state dict holds
-`names` (JSON list). ComfyUI is imported by the shared headless harness (comfy_env.import_comfy); a subprocess still,
-because that harness puts torchvision/torchaudio stubs in sys.modules and sys.meta_path, which must not leak into a
-test session that has not opted into ComfyUI (the comfy-marked modules import it in process on purpose)."""
+"""ComfyUI's own LoRA key map for text encoders, as a script run in a subprocess (ComfyUI in place,
+read-only): `python comfy_keys.py < names.json` prints the LoRA key names ComfyUI accepts for a model whose
+state dict holds `names` (JSON list). ComfyUI is imported by the shared headless harness
+(comfy_env.import_comfy); a subprocess still, because that harness puts torchvision/torchaudio stubs in
+sys.modules and sys.meta_path, which must not leak into a test session that has not opted into ComfyUI (the
+comfy-marked modules import it in process on purpose)."""
 
 from __future__ import annotations
 

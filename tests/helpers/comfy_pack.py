@@ -22,7 +22,8 @@ NODE_IDS = frozenset(
         "LoraWeaveInspect",
     }
 )
-# Flux modules of ComfyUI's tiny Flux (hidden 128) a kohya Flux LoRA names: (kohya stem, ComfyUI state-dict key).
+# Flux modules of ComfyUI's tiny Flux (hidden 128) a kohya Flux LoRA names: (kohya stem, ComfyUI state-dict
+# key).
 FLUX_TARGETS = {
     "lora_unet_double_blocks_0_img_attn_proj": "diffusion_model.double_blocks.0.img_attn.proj.weight",
     "lora_unet_double_blocks_0_txt_mlp_0": "diffusion_model.double_blocks.0.txt_mlp.0.weight",
@@ -78,7 +79,8 @@ def merged_reference(weight: torch.Tensor, tensors: dict[str, torch.Tensor], ste
 
 
 def fake_comfyui(root: Path) -> Path:
-    """A folder with the files install checks for (main.py, nodes.py, folder_paths.py, comfy/, comfy_extras/)."""
+    """A folder with the files install checks for (main.py, nodes.py, folder_paths.py, comfy/,
+    comfy_extras/)."""
     for folder in ("comfy", "comfy_extras", "custom_nodes"):
         (root / folder).mkdir(parents=True, exist_ok=True)
     for name in ("main.py", "nodes.py", "folder_paths.py"):

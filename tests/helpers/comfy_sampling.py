@@ -1,6 +1,6 @@
 """Sampling inside ComfyUI for the runtime, step-window and executor tests: LoRA files on the tiny Flux, Flux
 conditioning, samplers run through ComfyUI's own nodes, a calculate_weight counter, and test-only nodes for
-`execution.PromptExecutor` (notes §2.6 recipe B).
+`execution.PromptExecutor` (in process: no server, CPU args set before comfy.model_management is imported).
 
 The LoRAs are kohya-layout Flux files (`lora_unet_double_blocks_0_img_attn_qkv...`): a layout ComfyUI's core
 LoraLoader lands correctly, so the core merge is an independent reference for loraweave's runtime paths."""
@@ -128,7 +128,8 @@ class CallCounter:
 
 def unload_all(*patchers) -> None:
     """Unload every model ComfyUI holds and detach `patchers` (ejects injections, restores backups, zeroes the
-    loaded-memory counters): a loaded model whose last clone was collected is skipped by ComfyUI's own unload."""
+    loaded-memory counters): a loaded model whose last clone was collected is skipped by ComfyUI's own
+    unload."""
     c = import_comfy()
     gc.collect()
     c.model_management.unload_all_models()
@@ -183,7 +184,8 @@ TestFluxLatent = source_node(
 
 
 class TestLoraWeave:
-    """MODEL through loraweave.comfy.load_lora_for_models (the public API the nodes call), or core's loader."""
+    """MODEL through loraweave.comfy.load_lora_for_models (the public API the nodes call), or core's
+    loader."""
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -257,7 +259,8 @@ def register_test_nodes(monkeypatch) -> None:
 
 
 def sampling_prompt(loras: list[tuple[str, float, str]], tag: str, steps: int = 4) -> dict:
-    """API-format prompt: model source -> one LWTestLoraWeave per (lora, strength, mode) -> KSampler -> capture."""
+    """API-format prompt: model source -> one LWTestLoraWeave per (lora, strength, mode) -> KSampler ->
+    capture."""
     prompt: dict[str, dict] = {"model": {"class_type": "LWTestModelSource", "inputs": {"name": "base"}}}
     model = ["model", 0]
     for i, (lora, strength, mode) in enumerate(loras):
@@ -300,7 +303,8 @@ def make_executor():
 
 
 def run_prompt(executor, prompt: dict) -> None:
-    """Validate `prompt` as the server does, then execute it in process; fails with ComfyUI's own error text."""
+    """Validate `prompt` as the server does, then execute it in process; fails with ComfyUI's own error
+    text."""
     import execution
 
     prompt_id = str(uuid.uuid4())

@@ -1,4 +1,5 @@
-"""ComfyUI's own server (main.py) started from the v0.19.3 source in place, headless on CPU, for the browser test.
+"""ComfyUI's own server (main.py) started from the v0.19.3 source in place, headless on CPU, for the browser
+test.
 
 Run as a script, this file is the server process: it imports diffusers and transformers, stubs torchvision as
 `comfy_env` does (the PyPI wheel would pull a CUDA torch), then runs main.py with the arguments it was given.
@@ -35,7 +36,8 @@ def get_json(url: str, timeout: float = 10.0):
 def start_server(
     comfyui: Path, base: Path, log_path: Path, timeout: float = 90.0
 ) -> tuple[subprocess.Popen, str]:
-    """(process, base URL) of `main.py --cpu` serving `base` (models, custom_nodes, user, ...) on a free port."""
+    """(process, base URL) of `main.py --cpu` serving `base` (models, custom_nodes, user, ...) on a free
+    port."""
     port = free_port()
     args = [sys.executable, str(HERE), str(comfyui / "main.py"), "--cpu", "--listen", "127.0.0.1",
             "--port", str(port), "--base-directory", str(base), "--disable-api-nodes",

@@ -1,5 +1,5 @@
-"""Helpers shared by the tests: relative error, seeded generators and inputs, per-layer outputs, LyCORIS presets and
-references, real configs, and the fused Flux qkv check. Fixtures live in conftest.py."""
+"""Helpers shared by the tests: relative error, seeded generators and inputs, per-layer outputs, LyCORIS
+presets and references, real configs, and the fused Flux qkv check. Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def outputs(model: nn.Module, xs: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def real_config(name: str) -> dict:
-    """A diffusers/transformers config from the shared real data, without its `_`-prefixed bookkeeping keys."""
+    """A diffusers/transformers config from the shared real data, without its `_`-prefixed bookkeeping
+    keys."""
     return {
         k: v
         for k, v in json.loads((REALDATA / "configs" / name).read_text()).items()
@@ -85,7 +86,8 @@ def multiplier_outputs(net, wrapped: nn.Module, xs: dict[str, torch.Tensor], mul
 
 
 def save_lycoris(net, path: Path) -> dict[str, torch.Tensor]:
-    """Save the LyCORIS network as fp32 .safetensors at `path` (no metadata) and return what the file holds."""
+    """Save the LyCORIS network as fp32 .safetensors at `path` (no metadata) and return what the file
+    holds."""
     net.save_weights(str(path), dtype=torch.float32, metadata=None)
     return load_file(str(path))
 
@@ -97,8 +99,8 @@ def check_fused_flux_qkv(
     pristine: nn.Module, sd: dict[str, torch.Tensor], s: float, full: torch.Tensor, tol: float
 ) -> None:
     """`sd` at strength `s` on the tiny Flux's fused `img_attn.qkv` (96 rows): to_q, to_k and to_v get rows
-    [0, 32), [32, 64) and [64, 96) of the fp64 ΔW `full`. Merged weights <= 1e-6, layer outputs <= tol (merge and
-    runtime), no other Linear moves, and the whole model's runtime output equals merge's within tol."""
+    [0, 32), [32, 64) and [64, 96) of the fp64 ΔW `full`. Merged weights <= 1e-6, layer outputs <= tol (merge
+    and runtime), no other Linear moves, and the whole model's runtime output equals merge's within tol."""
     from helpers.tiny_models import flux_forward
 
     attn = "transformer_blocks.0.attn"
@@ -135,7 +137,8 @@ def reason_prefixes(report) -> dict[str, int]:
 
 
 def fail_on_call(n: int, exc: type[BaseException], real, after: bool = False):
-    """`real` wrapped to raise `exc` on its n-th call (before it runs, or after with `after`): fault injection."""
+    """`real` wrapped to raise `exc` on its n-th call (before it runs, or after with `after`): fault
+    injection."""
     calls = {"n": 0}
 
     def wrapper(*args, **kwargs):

@@ -14,9 +14,9 @@ def _param_seed(seed: int, index: int) -> int:
 
 
 def seeded_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Fill every parameter with N(0, 1/fan_in) values (1-D: std 0.02) from helpers/realsize.py's seeded pool, the
-    i-th parameter in registration order from its own offset (a copy-speed fill: a generator's uniform_ over 983M
-    values took seconds)."""
+    """Fill every parameter with N(0, 1/fan_in) values (1-D: std 0.02) from helpers/realsize.py's seeded pool,
+    the i-th parameter in registration order from its own offset (a copy-speed fill: a generator's uniform_
+    over 983M values took seconds)."""
     for i, p in enumerate(model.parameters()):
         fill_seeded(p, _param_seed(seed, i))
     return model

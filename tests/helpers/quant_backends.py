@@ -126,14 +126,14 @@ def _gguf(kind: str):
 
 
 # (backend, kind) -> (quantizer, bits, fwd-vs-dequantize tolerance, requantize round trip exact?)
-# bnb int8 eval quantizes activations rowwise to int8 (LLM.int8 matmul): ~1/127 of each row's absmax. bnb 4-bit eval on an
-# AVX512-BF16 CPU runs a bf16 kernel on bf16 activations: ~2^-8 of |y|.
+# bnb int8 eval quantizes activations rowwise to int8 (LLM.int8 matmul): ~1/127 of each row's absmax. bnb
+# 4-bit eval on an AVX512-BF16 CPU runs a bf16 kernel on bf16 activations: ~2^-8 of |y|.
 CASES = {
     ("bitsandbytes", "int8"): (_bnb("int8"), 8, 3e-2, True),  # the 9.0 outlier sets its rows' activation step
     ("bitsandbytes", "nf4"): (_bnb("nf4"), 4, 1e-2, True),
     ("bitsandbytes", "fp4"): (_bnb("fp4"), 4, 1e-2, True),
-    # Training mode: no CPU repack (fp32 absmax, nested statistics) and int8 dequantizes instead of int8 matmul.
-    # Nested absmax is itself 8-bit quantized, so a requantize moves values by a hair: not bit-exact.
+    # Training mode: no CPU repack (fp32 absmax, nested statistics) and int8 dequantizes instead of int8
+    # matmul. Nested absmax is itself 8-bit quantized, so a requantize moves values by a hair: not bit-exact.
     ("bitsandbytes", "int8-train"): (_bnb("int8"), 8, 1e-5, True),
     ("bitsandbytes", "nf4-train"): (_bnb("nf4"), 4, 1e-5, False),
     # transformers' default LLM.int8 threshold: input columns with outliers (|x| > 6) take an fp16 path.

@@ -1,15 +1,17 @@
-"""Layers at the shapes users load, taken from the catalog's full-size models on the meta device and materialized
-one at a time with seeded values; LoRA factors for them; strided-row checks against an fp64 formula.
+"""Layers at the shapes users load, taken from the catalog's full-size models on the meta device and
+materialized one at a time with seeded values; LoRA factors for them; strided-row checks against an fp64
+formula.
 
 Nothing here calls loraweave's math: references are the formulas (W + s·B·A, Kronecker products) in fp64 on a
-strided sample of rows (every 97th, plus the first and last), so a check stays cheap while the arithmetic under
-test runs at full size. A weight's values are a window of one seeded pool of N(0, 1) values (POOL, a prime count)
-read cyclically from a seed's offset and scaled: a fill and a check run at copy speed (torch.randn took ~4 s per
-layer of 340M elements, twice per test), no two rows of a layer are equal (rows < POOL, fan_in < POOL), and
-"restored bit for bit" compares the weight with the pool, without holding a second copy of the layer.
+strided sample of rows (every 97th, plus the first and last), so a check stays cheap while the arithmetic
+under test runs at full size. A weight's values are a window of one seeded pool of N(0, 1) values (POOL, a
+prime count) read cyclically from a seed's offset and scaled: a fill and a check run at copy speed
+(torch.randn took ~4 s per layer of 340M elements, twice per test), no two rows of a layer are equal (rows <
+POOL, fan_in < POOL), and "restored bit for bit" compares the weight with the pool, without holding a second
+copy of the layer.
 
-Meta models are built once (the latest 8 kept: a catalog build takes up to a second); each caller gets its own deep
-copy."""
+Meta models are built once (the latest 8 kept: a catalog build takes up to a second); each caller gets its own
+deep copy."""
 
 from __future__ import annotations
 
@@ -56,12 +58,14 @@ def _meta_denoiser(arch: str) -> nn.Module:
 
 
 def meta_denoiser(arch: str) -> nn.Module:
-    """The architecture's full-size denoiser on the meta device (no weights): the session's build, deep-copied."""
+    """The architecture's full-size denoiser on the meta device (no weights): the session's build,
+    deep-copied."""
     return copy.deepcopy(_meta_denoiser(arch))
 
 
 def largest_layers(model: nn.Module, arch: str, count: int) -> list[RealLayer]:
-    """The `count` largest distinct weight shapes of Linear/Conv layers, largest first (first path of each)."""
+    """The `count` largest distinct weight shapes of Linear/Conv layers, largest first (first path of
+    each)."""
     first: dict[tuple[int, ...], str] = {}
     for path, module in model.named_modules():
         if isinstance(module, LAYER_TYPES):
@@ -79,21 +83,24 @@ POOL = 1_048_573  # a prime above every fan_in and row count of the tier: no two
 
 @functools.cache
 def _pool() -> torch.Tensor:
-    """POOL seeded N(0, 1) values in fp32, twice over: a window of up to POOL values from any offset is contiguous."""
+    """POOL seeded N(0, 1) values in fp32, twice over: a window of up to POOL values from any offset is
+    contiguous."""
     base = torch.randn(POOL, generator=torch.Generator().manual_seed(0))
     return torch.cat([base, base])
 
 
 def _period(weight: torch.Tensor, seed: int) -> torch.Tensor:
     """The values `weight` repeats (flat element k is period[k % POOL]): POOL pool values from `seed`'s offset
-    (fewer for a smaller weight), scaled to std 1/sqrt(fan_in) (0.02 for a vector) and rounded to its dtype."""
+    (fewer for a smaller weight), scaled to std 1/sqrt(fan_in) (0.02 for a vector) and rounded to its
+    dtype."""
     std = math.prod(weight.shape[1:]) ** -0.5 if weight.dim() > 1 else 0.02
     start = (seed * 2_654_435_761 + 12_345) % POOL
     return (_pool()[start : start + min(weight.numel(), POOL)] * std).to(weight.dtype)
 
 
 def fill_seeded(weight: torch.Tensor, seed: int) -> None:
-    """Fill `weight` (any float dtype, fp8 included) with N(0, 1/fan_in) values: the pool from `seed`'s offset."""
+    """Fill `weight` (any float dtype, fp8 included) with N(0, 1/fan_in) values: the pool from `seed`'s
+    offset."""
     assert weight.is_contiguous(), "fill_seeded writes the flat storage"
     period = _period(weight, seed)
     flat = weight.detach().view(-1)
@@ -103,7 +110,8 @@ def fill_seeded(weight: torch.Tensor, seed: int) -> None:
 
 
 def assert_seeded(weight: torch.Tensor, seed: int, what: str) -> None:
-    """`weight` holds exactly the bits `fill_seeded(weight, seed)` wrote (compared as integers: -0.0 counts)."""
+    """`weight` holds exactly the bits `fill_seeded(weight, seed)` wrote (compared as integers: -0.0
+    counts)."""
     period = bits(_period(weight, seed))
     flat = bits(weight.detach().contiguous().view(-1))
     for pos in range(0, flat.numel(), POOL):
@@ -117,7 +125,8 @@ def assert_seeded(weight: torch.Tensor, seed: int, what: str) -> None:
 
 @contextmanager
 def materialized(model: nn.Module, paths: list[str], dtype: torch.dtype, seed: int) -> Iterator[None]:
-    """The layers at `paths` get real storage in `dtype` with seeded values (bias too); back to meta afterwards."""
+    """The layers at `paths` get real storage in `dtype` with seeded values (bias too); back to meta
+    afterwards."""
     try:
         for i, path in enumerate(paths):
             layer = model.get_submodule(path)
@@ -192,7 +201,8 @@ def assert_rows_match(
     err = (got - expect).abs()
     worst = int(torch.argmax(err - tol))
     assert bool((err <= tol).all()), (
-        f"{what}: |err| {float(err.flatten()[worst]):.3g} > tol {float(tol.flatten()[worst]):.3g} at flat {worst}"
+        f"{what}: |err| {float(err.flatten()[worst]):.3g} > tol {float(tol.flatten()[worst]):.3g} at flat "
+        f"{worst}"
     )
 
 
@@ -204,8 +214,8 @@ def assert_merged(
     strength: float,
     what: str,
 ) -> None:
-    """Rows `rows` of the merged `weight` hold W + strength·B·A (fp64 formula), and the adapter moved them by more
-    than the tolerance on most elements (so the check could fail)."""
+    """Rows `rows` of the merged `weight` hold W + strength·B·A (fp64 formula), and the adapter moved them by
+    more than the tolerance on most elements (so the check could fail)."""
     delta, magnitude = lora.delta_rows(rows)
     expect = original.reshape(len(rows), -1).double() + strength * delta
     dtype = weight.dtype
@@ -217,8 +227,8 @@ def assert_merged(
 
 
 class Holder(nn.Module):
-    """A root around one real-size layer (taken from its meta model): the runtime and per-sample paths read the
-    batch from a root's input."""
+    """A root around one real-size layer (taken from its meta model): the runtime and per-sample paths read
+    the batch from a root's input."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -241,7 +251,8 @@ def layer_input(layer: RealLayer, dtype: torch.dtype, seed: int, samples: int = 
 
 
 def forward64(layer: RealLayer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """The layer's forward in fp64 (the formula: x·Wᵀ + b, or the convolution with its padding of 1 for 3x3)."""
+    """The layer's forward in fp64 (the formula: x·Wᵀ + b, or the convolution with its padding of 1 for
+    3x3)."""
     x, weight = x.double(), weight.double()
     bias = None if bias is None else bias.double()
     if len(layer.shape) == 2:

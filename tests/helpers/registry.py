@@ -1,5 +1,6 @@
-"""Swap facets of registered architectures for one test (negative controls): the registry's records are frozen,
-so a copy of the list with changed records replaces arch.registry.ARCHITECTURES until monkeypatch undoes it."""
+"""Swap facets of registered architectures for one test (negative controls): the registry's records are
+frozen, so a copy of the list with changed records replaces arch.registry.ARCHITECTURES until monkeypatch
+undoes it."""
 
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ def lokr(name: str, out: int, seed: int, scale: float = 0.1) -> tuple[dict, torc
 
 
 def snapshot(model: nn.Module) -> dict:
-    """Every tensor and attribute object sdnq keeps per layer, plus the class: removal must put back the same."""
+    """Every tensor and attribute object sdnq keeps per layer, plus the class: removal must put back the
+    same."""
     out = {}
     for name in ("a", "b"):
         m = model.get_submodule(name)

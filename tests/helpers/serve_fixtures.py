@@ -48,7 +48,8 @@ def wrong_arch_file(path: Path) -> Path:
 
 
 def build(root: Path, adapters: int = 5) -> tuple[Path, Path]:
-    """(pipeline folder, LoRA folder with a0..a{n-1}, te-less `styles/u`, conv-only `conv/c`, and `bad/sdxl`)."""
+    """(pipeline folder, LoRA folder with a0..a{n-1}, te-less `styles/u`, conv-only `conv/c`, and
+    `bad/sdxl`)."""
     from diffusers import StableDiffusionPipeline
 
     pipe_dir = tiny_sd15(root / "pipe")
@@ -94,10 +95,10 @@ def generated(
 def rendered(
     pipe_dir: Path, loras: Path, prompt: str, seed: int, copies: int = 1, floats: bool = False
 ) -> np.ndarray:
-    """The image `loraweave generate --lora-apply-mode runtime` makes with SETTINGS (its loading, tag resolution and
-    apply), from one pipeline call of `copies` identical samples: the batch size a served image came from (CPU
-    kernels round by batch size: a conv of N=1 vs N>=2, a GEMM of M<4 rows vs more; never by what other rows hold).
-    `floats`: the decoded float image (H, W, 3) in [0, 1] instead of the 8-bit one."""
+    """The image `loraweave generate --lora-apply-mode runtime` makes with SETTINGS (its loading, tag
+    resolution and apply), from one pipeline call of `copies` identical samples: the batch size a served image
+    came from (CPU kernels round by batch size: a conv of N=1 vs N>=2, a GEMM of M<4 rows vs more; never by
+    what other rows hold). `floats`: the decoded float image (H, W, 3) in [0, 1] instead of the 8-bit one."""
     from loraweave.api import apply
     from loraweave.tools.generate import GenerateRequest, adapter_specs, load_pipeline
 
@@ -121,8 +122,9 @@ def rendered(
 
 
 class FaultyEngine(Engine):
-    """An Engine whose process dies (os._exit, as an OOM kill does) inside the UNet's first forward of a render that
-    holds a prompt with `CRASH`, while `<lora_dir>/../crash.arm` exists; the file holds the deaths left."""
+    """An Engine whose process dies (os._exit, as an OOM kill does) inside the UNet's first forward of a
+    render that holds a prompt with `CRASH`, while `<lora_dir>/../crash.arm` exists; the file holds the deaths
+    left."""
 
     def _render(self, reqs):
         arm = self.store.root.parent / "crash.arm"

@@ -1,5 +1,6 @@
-"""Full-size checkpoints with real tensor names and shapes but no data: a safetensors header over a sparse file
-(a few hundred KiB on disk), for tests that only plan against a checkpoint (names and shapes, no values)."""
+"""Full-size checkpoints with real tensor names and shapes but no data: a safetensors header over a sparse
+file (a few hundred KiB on disk), for tests that only plan against a checkpoint (names and shapes, no
+values)."""
 
 from __future__ import annotations
 

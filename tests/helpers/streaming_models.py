@@ -78,8 +78,8 @@ def travelling_bytes(block: torch.nn.Module) -> int:
 
 
 def kept_factor_bytes(model) -> int:
-    """Factor bytes that stay on the device: the whole LoRA (down, up, scale) of layers outside the blocks, and
-    the per-rank scale vector of every layer inside them."""
+    """Factor bytes that stay on the device: the whole LoRA (down, up, scale) of layers outside the blocks,
+    and the per-rank scale vector of every layer inside them."""
     inside = {id(m) for b in flux_blocks(model) for m in b.modules()}
     return sum(
         (RANK * m.in_features + m.out_features * RANK + RANK) * 4 if id(m) not in inside else RANK * 4
@@ -97,8 +97,8 @@ def rest_bytes(model) -> int:
 
 
 def min_budget(model, lora: bool = False, resident: int = 0) -> int:
-    """Rest (+ kept factors) + the first `resident` blocks + two slots of the largest streamed block, recounted
-    from the model: the least that plan needs."""
+    """Rest (+ kept factors) + the first `resident` blocks + two slots of the largest streamed block,
+    recounted from the model: the least that plan needs."""
     sizes = [footprint(b, lora) for b in flux_blocks(model)]
     return (
         rest_bytes(model)

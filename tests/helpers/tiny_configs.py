@@ -89,7 +89,8 @@ def tiny_lumina2():
     )
 
 
-# Cosmos-Predict2-2B, the DiT Anima reuses (hidden 2048, 28 blocks, 1024-wide text embeddings, no learnable pos).
+# Cosmos-Predict2-2B, the DiT Anima reuses (hidden 2048, 28 blocks, 1024-wide text embeddings, no learnable
+# pos).
 ANIMA_DIT = dict(
     num_attention_heads=16,
     attention_head_dim=128,
@@ -177,7 +178,8 @@ TINY = {
         timestep_guidance_channels=16,
         axes_dims_rope=(2, 2, 2, 2),
     ),
-    # The converter hard-codes hidden_size 3072 for single-block linear1: the smallest model it accepts is 3072 wide.
+    # The converter hard-codes hidden_size 3072 for single-block linear1: the smallest model it accepts is
+    # 3072 wide.
     "hunyuan": lambda: _build(
         "hunyuan",
         torch.bfloat16,

@@ -27,9 +27,10 @@ PATH_PREFIX_ALIASES: dict[str, str] = {
 }
 
 
-# Wrapper levels of LLM text encoders: (prefix in the live tree, prefix files use instead). kohya/ComfyUI write
-# paths under the decoder (`lora_te_layers_0_...`); ForCausalLM adds `model.`; transformers >= 4.52 nests the
-# Qwen2.5-VL decoder and vision tower under `model.language_model.` / `model.visual.` (older files lack that level).
+# Wrapper levels of LLM text encoders: (prefix in the live tree, prefix files use instead). kohya/ComfyUI
+# write paths under the decoder (`lora_te_layers_0_...`); ForCausalLM adds `model.`; transformers >= 4.52
+# nests the Qwen2.5-VL decoder and vision tower under `model.language_model.` / `model.visual.` (older files
+# lack that level).
 WRAPPER_PREFIXES: tuple[tuple[str, str], ...] = (
     ("model.language_model.", "model."),
     ("model.language_model.", "language_model."),
@@ -89,8 +90,9 @@ def _variant_only(cls: str, every: dict[str, torch.nn.Module], exact: dict) -> d
     return out
 
 
-# diffusers `fuse_qkv_projections()` adds a fused module and makes forward use it instead of the separate ones:
-# after that, keys for the separate projections must land on rows of the fused module, or they do nothing.
+# diffusers `fuse_qkv_projections()` adds a fused module and makes forward use it instead of the separate
+# ones: after that, keys for the separate projections must land on rows of the fused module, or they do
+# nothing.
 FUSED_PROJECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("to_qkv", ("to_q", "to_k", "to_v")),
     ("to_kv", ("to_k", "to_v")),
@@ -129,8 +131,8 @@ def _legacy_named_modules(module: torch.nn.Module, prefix: str = ""):
 
 
 def metadata_alpha_of(module: torch.nn.Module) -> str | None:
-    """The `__metadata__` field in which the trainers of this model's architecture record one network alpha for
-    every module (MiniMax-H3: `alpha`); None for the rest."""
+    """The `__metadata__` field in which the trainers of this model's architecture record one network alpha
+    for every module (MiniMax-H3: `alpha`); None for the rest."""
     cls = type(module).__name__
     return next((t.metadata_alpha for t in ARCH_TABLES if cls in t.classes and t.metadata_alpha), None)
 
@@ -165,7 +167,8 @@ class AliasTable:
         self._positional: dict[tuple[str, ...], list[str]] = {}
 
     def param(self, path: str) -> tuple[str, bool] | None:
-        """(live parameter path, reshape) for a bare parameter named `path` in any spelling; None when none."""
+        """(live parameter path, reshape) for a bare parameter named `path` in any spelling; None when
+        none."""
         if path in self.exact:
             return None
         found = self.params.get(path) or self.params.get(underscore_form(path))
@@ -174,18 +177,21 @@ class AliasTable:
         return found
 
     def expected_absent(self, path: str) -> str | None:
-        """Why `path` names a module only a sibling variant of this architecture has; None when it does not."""
+        """Why `path` names a module only a sibling variant of this architecture has; None when it does
+        not."""
         return self.absent.get(path) or self.absent.get(underscore_form(path))
 
     def variant_input(self, module: str, width: int | None) -> str | None:
-        """Why an adapter trained on `width` input columns of `module` belongs to a sibling variant; None if not."""
+        """Why an adapter trained on `width` input columns of `module` belongs to a sibling variant; None if
+        not."""
         live = module_shape(self.modules[module]) if module in self.modules else None
         if width is None or live is None or len(live) != 2 or live[1] == width:
             return None
         return self.variant_inputs.get((module, width))
 
     def positional(self, ancestor_classes: tuple[str, ...]) -> list[str]:
-        """Linear layers in cloneofsimo's enumeration order: each ancestor of the named classes, then its Linears."""
+        """Linear layers in cloneofsimo's enumeration order: each ancestor of the named classes, then its
+        Linears."""
         if ancestor_classes not in self._positional:
             found = []
             for name, ancestor in _legacy_named_modules(self.root):
@@ -199,7 +205,8 @@ class AliasTable:
     def lookup(self, path: str, traits: frozenset[str] = frozenset()) -> tuple[Piece, ...] | str | None:
         """Pieces for `path`, AMBIGUOUS when underscores cannot tell two modules apart, None when absent.
 
-        traits: the file's (formats.adapter.FILE_TRAITS); a name some of them map otherwise is looked up there."""
+        traits: the file's (formats.adapter.FILE_TRAITS); a name some of them map otherwise is looked up
+        there."""
         for trait in traits & self.by_trait.keys():
             found = self.by_trait[trait].get(path) or self.by_trait[trait].get(underscore_form(path))
             if found is not None:
@@ -235,8 +242,8 @@ def _live_names(modules: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, .
 
 
 def missing_file_prefix(module: torch.nn.Module) -> str:
-    """The level (PATH_PREFIX_ALIASES) files write above this tree's paths and the tree lacks; "" when none: what
-    a writer puts back so trainers and UIs that expect it (kohya, diffusers, ComfyUI) read the names."""
+    """The level (PATH_PREFIX_ALIASES) files write above this tree's paths and the tree lacks; "" when none:
+    what a writer puts back so trainers and UIs that expect it (kohya, diffusers, ComfyUI) read the names."""
     prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
     if not prefix or any(name.startswith(prefix) for name, _ in module.named_modules()):
         return ""
@@ -246,7 +253,8 @@ def missing_file_prefix(module: torch.nn.Module) -> str:
 def _path_prefix_names(
     module: torch.nn.Module, modules: dict[str, torch.nn.Module], exact: dict[str, tuple[Piece, ...]]
 ) -> dict[str, tuple[Piece, ...]]:
-    """Names under the level (PATH_PREFIX_ALIASES) files write and this release's tree lacks; {} when it has it."""
+    """Names under the level (PATH_PREFIX_ALIASES) files write and this release's tree lacks; {} when it has
+    it."""
     prefix = PATH_PREFIX_ALIASES.get(type(module).__name__)
     if not prefix or any(name.startswith(prefix) for name in modules):
         return {}
@@ -265,7 +273,8 @@ def _exact_names(
     module: torch.nn.Module, every: dict[str, torch.nn.Module], modules: dict[str, torch.nn.Module]
 ) -> tuple[dict[str, tuple[Piece, ...]], set[str]]:
     """(every exact spelling -> pieces, the names only runtime fusions give). Live paths come first; original
-    names, then runtime-fusion names, fill what they leave; live fusions override; prefixed spellings follow."""
+    names, then runtime-fusion names, fill what they leave; live fusions override; prefixed spellings
+    follow."""
     exact = _live_names(modules)
     _add_missing(exact, _original_names(module, every))
     runtime = _original_names(module, every, runtime_fusions=True)
@@ -290,7 +299,8 @@ def _underscored_names(exact: dict[str, tuple[Piece, ...]]) -> dict[str, tuple[P
 def _trait_names(
     module: torch.nn.Module, every: dict[str, torch.nn.Module], tables: list[ArchTable]
 ) -> dict[str, dict[str, tuple[Piece, ...]]]:
-    """{file trait: {original name in both spellings: pieces}} for the aliases only files with that trait use."""
+    """{file trait: {original name in both spellings: pieces}} for the aliases only files with that trait
+    use."""
     traits = {a.when_file for t in tables for a in t.aliases if a.when_file}
     return {
         trait: {

@@ -1,10 +1,11 @@
-"""Anima (Cosmos-Predict2 DiT + LLM adapter): original (circlestone-labs, ComfyUI, kohya) names -> diffusers modules.
+"""Anima (Cosmos-Predict2 DiT + LLM adapter): original (circlestone-labs, ComfyUI, kohya) names -> diffusers
+modules.
 
 Source: diffusers `_convert_non_diffusers_anima_lora_to_diffusers` (substring renames, in its order, on the
 CosmosTransformer3DModel names). Its `llm_adapter.` modules are a pipeline component of their own
-(`text_conditioner`, an AnimaTextConditioner) whose module names are the original ones: only the prefix differs,
-which the key parser routes (`diffusion_model.llm_adapter.`, kohya `lora_unet_llm_adapter_`). kohya files name
-the Qwen3 text encoder under `lora_te_` with Qwen3Model's own module names.
+(`text_conditioner`, an AnimaTextConditioner) whose module names are the original ones: only the prefix
+differs, which the key parser routes (`diffusion_model.llm_adapter.`, kohya `lora_unet_llm_adapter_`). kohya
+files name the Qwen3 text encoder under `lora_te_` with Qwen3Model's own module names.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ ANIMA = ArchTable(
     ),
 )
 
-# Cosmos-Predict2-2B, the DiT Anima reuses (hidden 2048, 28 blocks, 1024-wide text embeddings, no learnable pos).
+# Cosmos-Predict2-2B, the DiT Anima reuses (hidden 2048, 28 blocks, 1024-wide text embeddings, no learnable
+# pos).
 _ANIMA_DIT = dict(
     num_attention_heads=16,
     attention_head_dim=128,

@@ -19,12 +19,14 @@ from typing import Any
 
 from . import registry
 
-# The tables are each architecture's `blocks` facet (arch/record.BlockMap), read from the registry on each call.
+# The tables are each architecture's `blocks` facet (arch/record.BlockMap), read from the registry on each
+# call.
 
 
 def _unet_archs() -> dict[str, tuple[int, tuple[str, ...], tuple[int, int]]]:
-    """Block arch -> (down blocks = up blocks, LBW short layout, preset splits), for UNets. Every supported UNet
-    has 2 layers per down block (3 per up block), so input index = 1 + 3·block + layer, output = 3·block + layer."""
+    """Block arch -> (down blocks = up blocks, LBW short layout, preset splits), for UNets. Every supported
+    UNet has 2 layers per down block (3 per up block), so input index = 1 + 3·block + layer, output = 3·block
+    + layer."""
     return {a.blocks.key: a.blocks.unet for a in registry.ARCHITECTURES if a.blocks and a.blocks.unet}
 
 
@@ -167,7 +169,8 @@ def _unet_slot(arch: str, path: str) -> str:
 
 
 def block_slots(arch: str, module_paths: Iterable[str]) -> dict[str, str | None]:
-    """Map each denoiser module path (diffusers names, optionally prefixed `unet.`/`transformer.`) to its slot.
+    """Map each denoiser module path (diffusers names, optionally prefixed `unet.`/`transformer.`) to its
+    slot.
 
     Text-encoder paths map to None: the caller weights them as a component. Denoiser layers outside every
     block (embedders, final norms/projections) map to BASE."""
@@ -253,7 +256,8 @@ def _fits(arch: str, slots: list[str]) -> str:
 def block_weights(
     arch: str, value: Any, n_slots: int | None = None, *, chains: Mapping[str, int] | None = None
 ) -> dict[str, float]:
-    """Block weight per slot of `arch` (every slot present) from a scalar, vector, dict, preset or "1,0,..." text.
+    """Block weight per slot of `arch` (every slot present) from a scalar, vector, dict, preset or "1,0,..."
+    text.
 
     `chains` gives DiT chain lengths (see `chain_lengths`); for one-chain DiTs `n_slots` may give it instead.
     A value that fits no accepted form raises ValueError listing the forms that would fit."""
@@ -306,7 +310,8 @@ def _from_mapping(arch: str, value: Mapping, slots: list[str]) -> dict[str, floa
 
 
 def _from_vector(arch: str, raw: list, slots: list[str]) -> dict[str, float]:
-    """A vector: every slot, every slot but BASE, a UNet's short LBW layout, or 17 values stretched over a DiT."""
+    """A vector: every slot, every slot but BASE, a UNet's short LBW layout, or 17 values stretched over a
+    DiT."""
     values = _numbers(raw, arch)
     if len(values) == len(slots):
         return dict(zip(slots, values, strict=True))

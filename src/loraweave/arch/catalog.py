@@ -1,8 +1,8 @@
 """Architecture name -> full-size model skeleton on the `meta` device (no weights), for coverage checks.
 
-Each architecture's record (arch/registry.py) carries its skeleton: a diffusers class plus the few config numbers
-that set its shapes (taken from the released configs, else the class defaults), and the text encoders a kohya file
-for that architecture may target (transformers config classes)."""
+Each architecture's record (arch/registry.py) carries its skeleton: a diffusers class plus the few config
+numbers that set its shapes (taken from the released configs, else the class defaults), and the text encoders
+a kohya file for that architecture may target (transformers config classes)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class ArchEntry(Skeleton):
 
 
 class _Catalog(Mapping):
-    """Architecture name -> ArchEntry, read from the registry on every access (so a registered one is in it)."""
+    """Architecture name -> ArchEntry, read from the registry on every access (so a registered one is in
+    it)."""
 
     def _entries(self) -> dict[str, ArchEntry]:
         return {

@@ -61,8 +61,9 @@ FLUX = ArchTable(
     ),
     widened_inputs=("x_embedder",),
     growable_inputs=(("x_embedder", "in_channels"),),
-    # Flux.1 Fill (in_channels 384: latents | masked-image latents | mask) vs 64 for dev/schnell/Kontext; Kontext
-    # adds no module (its reference image is more tokens). BFL Canny/Depth (128) are control adapters: they grow.
+    # Flux.1 Fill (in_channels 384: latents | masked-image latents | mask) vs 64 for dev/schnell/Kontext;
+    # Kontext adds no module (its reference image is more tokens). BFL Canny/Depth (128) are control adapters:
+    # they grow.
     variant_inputs=(
         VariantInput(
             "x_embedder",
@@ -80,7 +81,8 @@ FLUX = ArchTable(
                 "time_text_embed.guidance_embedder.linear_2",
             ),
             "time_text_embed.timestep_embedder.linear_1",
-            "the guidance embedder exists only in guidance-distilled Flux (dev, Fill, Kontext); this one (schnell) has none",
+            "the guidance embedder exists only in guidance-distilled Flux (dev, Fill, Kontext); this one "
+            "(schnell) has none",
         ),
     ),
 )
@@ -135,10 +137,12 @@ FLUX_ARCH = Architecture(
     blocks=FLUX_BLOCKS,
     layouts=Layouts(
         "flux / flux-schnell / chroma",
-        "BFL/ComfyUI names, kohya, XLabs processor LoRAs, fal Kontext (base_model.model.); "
-        "a Fill-trained x_embedder (384 inputs) is expected_absent on other input widths (Kontext has no module of its own)",
-        "convert_flux_transformer_checkpoint_to_diffusers, _convert_xlabs_flux_lora_to_diffusers, _convert_fal_kontext_lora_to_diffusers",
-        "test_layouts.py, test_arch_ltx_layouts.py::test_xlabs_*, ::test_fal_kontext_*, test_arch_wan_animate_variants.py::test_fill_*",
+        "BFL/ComfyUI names, kohya, XLabs processor LoRAs, fal Kontext (base_model.model.); a Fill-trained "
+        "x_embedder (384 inputs) is expected_absent on other input widths (Kontext has no module of its own)",
+        "convert_flux_transformer_checkpoint_to_diffusers, _convert_xlabs_flux_lora_to_diffusers, "
+        "_convert_fal_kontext_lora_to_diffusers",
+        "test_layouts.py, test_arch_ltx_layouts.py::test_xlabs_*, ::test_fal_kontext_*, "
+        "test_arch_wan_animate_variants.py::test_fill_*",
     ),
     releases=(Release("flux1 (dev, schnell, Fill, Kontext)", {"double": 19, "single": 38}, 3072, 7),),
 )

@@ -2,8 +2,9 @@
 
 Source: diffusers `convert_flux2_transformer_checkpoint_to_diffusers`. Unlike Flux.1, the single block's fused
 `linear1` (q | k | v | SwiGLU pair) is one module on both sides (`attn.to_qkv_mlp_proj`), as is `linear2`
-(`attn.to_out`); the SwiGLU halves of `img_mlp.0` / `linear1` keep their order (the converter copies them as-is).
-Modulation is global (`double_stream_modulation_img/txt`, `single_stream_modulation`), same chunk order both sides.
+(`attn.to_out`); the SwiGLU halves of `img_mlp.0` / `linear1` keep their order (the converter copies them
+as-is). Modulation is global (`double_stream_modulation_img/txt`, `single_stream_modulation`), same chunk
+order both sides.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ FLUX2 = ArchTable(
     aliases=(
         *_stream("img", _IMG, "ff"),
         *_stream("txt", _TXT, "ff_context"),
-        # diffusers' own fused spellings (BFL LoKr converted by diffusers lands on `fuse_qkv_projections()` modules);
-        # a live fused module of that name wins over these aliases.
+        # diffusers' own fused spellings (BFL LoKr converted by diffusers lands on `fuse_qkv_projections()`
+        # modules); a live fused module of that name wins over these aliases.
         Alias(f"{_D}.attn.to_qkv", (f"{_D}.attn.to_q", f"{_D}.attn.to_k", f"{_D}.attn.to_v")),
         Alias(
             f"{_D}.attn.to_added_qkv",
@@ -65,8 +66,8 @@ FLUX2 = ArchTable(
 )
 
 # Releases (in `releases=`): dev is diffusers' Flux2Transformer2DModel defaults; klein from the released
-# transformer configs as DiffSynth-Studio's model_configs.py lists them (klein-4B: 5 double / 20 single blocks,
-# 24 heads x 128; klein-9B: 8 / 24, 32 heads x 128).
+# transformer configs as DiffSynth-Studio's model_configs.py lists them (klein-4B: 5 double / 20 single
+# blocks, 24 heads x 128; klein-9B: 8 / 24, 32 heads x 128).
 FLUX2_ARCH = Architecture(
     "flux2",
     (FLUX2,),

@@ -1,8 +1,9 @@
-"""Flux3: original (BFL/ComfyUI) names -> diffusers Flux3Transformer2DModel modules, by the converter's renames.
+"""Flux3: original (BFL/ComfyUI) names -> diffusers Flux3Transformer2DModel modules, by the converter's
+renames.
 
 Source: diffusers `_convert_non_diffusers_flux3_lora_to_diffusers` (renames only: `content_mode_blocks.` ->
-`mode_blocks.`, `single_blocks.` -> `single_transformer_blocks.`, `q/k/v_proj` -> `attn.to_q/k/v`, `attn_out` ->
-`attn.to_out.0`, `mlp_in/out` -> `ff.linear_in/out`); every other module keeps its diffusers name.
+`mode_blocks.`, `single_blocks.` -> `single_transformer_blocks.`, `q/k/v_proj` -> `attn.to_q/k/v`, `attn_out`
+-> `attn.to_out.0`, `mlp_in/out` -> `ff.linear_in/out`); every other module keeps its diffusers name.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""HunyuanVideo transformer: original / diffusion-pipe names -> diffusers HunyuanVideoTransformer3DModel modules.
+"""HunyuanVideo transformer: original / diffusion-pipe names -> diffusers HunyuanVideoTransformer3DModel
+modules.
 
-Source: diffusers `convert_hunyuan_video_transformer_to_diffusers`. The Tencent names (`img_attn_qkv`, `img_mod.linear`,
-`img_mlp.fc1`, ...) are what the original checkpoint and diffusion-pipe / musubi LoRAs use. ComfyUI's internal model
-renames them Flux-style (`img_attn.qkv`, `img_mod.lin`, `img_mlp.0`, ...; `process_unet_state_dict`), so every name
-is registered in both spellings. Fused rows: `*_attn_qkv` = q | k | v thirds; single `linear1` = q | k | v | mlp.
+Source: diffusers `convert_hunyuan_video_transformer_to_diffusers`. The Tencent names (`img_attn_qkv`,
+`img_mod.linear`, `img_mlp.fc1`, ...) are what the original checkpoint and diffusion-pipe / musubi LoRAs use.
+ComfyUI's internal model renames them Flux-style (`img_attn.qkv`, `img_mod.lin`, `img_mlp.0`, ...;
+`process_unet_state_dict`), so every name
+is registered in both spellings. Fused rows: `*_attn_qkv` = q | k | v thirds; single `linear1` = q | k | v |
+mlp.
 """
 
 from __future__ import annotations

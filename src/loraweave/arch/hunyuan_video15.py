@@ -4,8 +4,9 @@ Sources (facts, read from diffusers' repo scripts, which the wheel does not inst
 `convert_hunyuan_video1_5_to_diffusers.py` and `convert_hunyuan_image_to_diffusers.py`. Both models keep
 HunyuanVideo's block names (hunyuan_video.py: `img_mod.linear`, `img_mlp.fc1`, the `txt_in` token refiner, the
 final layer's (shift, scale) halves) and add:
-- split q / k / v: `double_blocks.N.{img,txt}_attn_{q,k,v}` in HunyuanVideo 1.5's checkpoint and in musubi-tuner's
-  and sd-scripts' models (their LoRAs), next to the fused `*_attn_qkv` of HunyuanImage 2.1's checkpoint and
+- split q / k / v: `double_blocks.N.{img,txt}_attn_{q,k,v}` in HunyuanVideo 1.5's checkpoint and in
+  musubi-tuner's and sd-scripts' models (their LoRAs), next to the fused `*_attn_qkv` of HunyuanImage 2.1's
+  checkpoint and
   ComfyUI's model (`img_attn.qkv`, q | k | v thirds);
 - HunyuanImage 2.1's tensor-parallel split of the single blocks (`linear1_{q,k,v,mlp}`, `linear2.fc`) next to
   the fused `linear1` (q | k | v | mlp);

@@ -23,8 +23,9 @@ KANDINSKY5 = Architecture(
     cli_names=("kandinsky-5",),
     not_mapped=(
         "Kandinsky 5",
-        "no converter: the diffusers port keeps the original module names (text_modulation, "
-        "self_attention, visual_embeddings, ...) and KandinskyLoraLoaderMixin converts nothing; diffusers/PEFT and "
-        "kohya-flattened names resolve 100 % on the full-size (Lite) model (test_arch_wan_animate_variants.py)",
+        "no converter: the diffusers port keeps the original module names (text_modulation, self_attention, "
+        "visual_embeddings, ...) and KandinskyLoraLoaderMixin converts nothing; diffusers/PEFT and "
+        "kohya-flattened names resolve 100 % on the full-size (Lite) model "
+        "(test_arch_wan_animate_variants.py)",
     ),
 )

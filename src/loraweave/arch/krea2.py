@@ -1,11 +1,13 @@
-"""Krea2 transformer: original (krea-ai/krea-2, ComfyUI, AI-Toolkit) names -> diffusers Krea2Transformer2DModel modules.
+"""Krea2 transformer: original (krea-ai/krea-2, ComfyUI, AI-Toolkit) names -> diffusers
+Krea2Transformer2DModel modules.
 
-Source: diffusers `convert_krea2_transformer_checkpoint_to_diffusers` (and the LoRA converter's `standalone_map`).
-Every projection is a separate module on both sides (q/k/v are GQA-sized); the per-block modulation `mod.lin` and
-the final `last.modulation.lin` are bare parameters (`scale_shift_table`), not modules: full-difference keys reach
-them through parameter aliases (the block table is stored flat, (6h,), and reshaped to (6, h) as the converter does).
-SimpleTuner/LyCORIS train a fused `attn.to_qkv` on the diffusers model: rows q | k | v with unequal (GQA) widths,
-which whole-module targets express directly.
+Source: diffusers `convert_krea2_transformer_checkpoint_to_diffusers` (and the LoRA converter's
+`standalone_map`). Every projection is a separate module on both sides (q/k/v are GQA-sized); the per-block
+modulation `mod.lin` and the final `last.modulation.lin` are bare parameters (`scale_shift_table`), not
+modules: full-difference keys reach them through parameter aliases (the block table is stored flat, (6h,), and
+reshaped to (6, h) as the converter does).
+SimpleTuner/LyCORIS train a fused `attn.to_qkv` on the diffusers model: rows q | k | v with unequal (GQA)
+widths, which whole-module targets express directly.
 """
 
 from __future__ import annotations

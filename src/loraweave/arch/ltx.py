@@ -1,10 +1,11 @@
-"""LTX-Video and LTX-2 / 2.3: original (Lightricks, ComfyUI) names -> diffusers modules, by the converters' renames.
+"""LTX-Video and LTX-2 / 2.3: original (Lightricks, ComfyUI) names -> diffusers modules, by the converters'
+renames.
 
 Sources: diffusers `_convert_non_diffusers_ltx2_lora_to_diffusers` and `convert_ltx2_transformer_to_diffusers`
-(LTX-2: audio tower, audio<->video cross-attention and its modulation, `adaln_single` -> `time_embed`, `q_norm` ->
-`norm_q`, prompt modulation of 2.3), `_convert_non_diffusers_ltxv_lora_to_diffusers` (LTX-Video: the names are
-already the diffusers ones, only the `diffusion_model.` prefix differs, which the key parser strips). The text
-connectors are a pipeline component of their own (`connectors`); their original prefix is
+(LTX-2: audio tower, audio<->video cross-attention and its modulation, `adaln_single` -> `time_embed`,
+`q_norm` -> `norm_q`, prompt modulation of 2.3), `_convert_non_diffusers_ltxv_lora_to_diffusers` (LTX-Video:
+the names are already the diffusers ones, only the `diffusion_model.` prefix differs, which the key parser
+strips). The text connectors are a pipeline component of their own (`connectors`); their original prefix is
 `text_embedding_projection.` and `aggregate_embed` is diffusers' `text_proj_in`.
 """
 
@@ -70,14 +71,15 @@ LTX2_ARCH = Architecture(
     cli_names=("ltx-2",),
     layouts=Layouts(
         "ltx2 / ltx2.3",
-        "Lightricks names (audio tower, audio-video cross-attention, adaln_single, prompt modulation, gate logits); "
-        "text connectors (text_embedding_projection.)",
+        "Lightricks names (audio tower, audio-video cross-attention, adaln_single, prompt modulation, gate "
+        "logits); text connectors (text_embedding_projection.)",
         "_convert_non_diffusers_ltx2_lora_to_diffusers",
         "test_arch_ltx_layouts.py::test_ltx2_*",
     ),
 )
 # LTX-Video's original (Lightricks, ComfyUI) names differ from diffusers' by the renames of diffusers'
-# `convert_ltx_transformer_checkpoint_to_diffusers` (LTX-2's first four); its LoRA files use the diffusers names.
+# `convert_ltx_transformer_checkpoint_to_diffusers` (LTX-2's first four); its LoRA files use the diffusers
+# names.
 LTX_VIDEO_TABLE = ArchTable(
     name="ltx-video",
     classes=("LTXVideoTransformer3DModel",),
@@ -101,7 +103,8 @@ LTX_VIDEO = Architecture(
         "hidream, ltx-video",
         "diffusers names behind diffusion_model. (prefix only); LTX-Video's Lightricks/ComfyUI names "
         "(patchify_proj, adaln_single, q_norm/k_norm)",
-        "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers, convert_ltx_transformer_checkpoint_to_diffusers",
+        "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers, "
+        "convert_ltx_transformer_checkpoint_to_diffusers",
         "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size, test_comfy_video.py",
     ),
 )

@@ -1,9 +1,10 @@
 """Lumina-Image 2.0: original (Alpha-VLLM, ComfyUI) names -> diffusers Lumina2Transformer2DModel modules.
 
-Sources: diffusers `convert_lumina2_to_diffusers` and `_convert_non_diffusers_lumina2_lora_to_diffusers`. The fused
-`attention.qkv` is q | k | v with GQA widths (diffusers hard-codes [2304, 768, 768]; here the live modules give
-them). The context refiner has no modulation, so its `attention_norm1` is a plain norm (`norm1`), elsewhere the
-norm inside the zero-init modulation (`norm1.norm`).
+Sources: diffusers `convert_lumina2_to_diffusers` and `_convert_non_diffusers_lumina2_lora_to_diffusers`. The
+fused
+`attention.qkv` is q | k | v with GQA widths (diffusers hard-codes [2304, 768, 768]; here the live modules
+give them). The context refiner has no modulation, so its `attention_norm1` is a plain norm (`norm1`),
+elsewhere the norm inside the zero-init modulation (`norm1.norm`).
 """
 
 from __future__ import annotations

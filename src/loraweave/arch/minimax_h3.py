@@ -4,11 +4,12 @@ MiniMaxH3Transformer3DModel modules.
 Source: diffusers `_convert_non_diffusers_minimax_h3_lora_to_diffusers` and
 `convert_minimax_h3_transformer_checkpoint_to_diffusers`.
 
-- `attn.qkv_proj` is q | k | v in equal thirds, except in DiffSynth-Studio files: DiffSynth runs the raw shards'
-  per-head interleaved QKV ([head 0: q k v, head 1: q k v, ...], 128-row heads, as the converter hard-codes), and
-  diffusers tells its files by peft's `.default.` adapter name, file-wide (trait "diffsynth").
-- `mlp.fc1` is the SwiGLU [gate; value]; diffusers' `ff.net.0.proj` is [value; gate]: the halves swap, rows only
-  (the converter swaps the `lora_B` halves; `lora_A` is shared).
+- `attn.qkv_proj` is q | k | v in equal thirds, except in DiffSynth-Studio files: DiffSynth runs the raw
+  shards' per-head interleaved QKV ([head 0: q k v, head 1: q k v, ...], 128-row heads, as the converter
+  hard-codes), and diffusers tells its files by peft's `.default.` adapter name, file-wide (trait
+  "diffsynth").
+- `mlp.fc1` is the SwiGLU [gate; value]; diffusers' `ff.net.0.proj` is [value; gate]: the halves swap, rows
+  only (the converter swaps the `lora_B` halves; `lora_A` is shared).
 - The refiner's `token_refiner.blocks.N` is `token_refiner.refiner_blocks.N` (no AdaLN projection there).
 
 Alpha: per-module `.alpha` tensors are alpha / rank (the converter's fold); without any in the file, a numeric
@@ -78,7 +79,8 @@ MINIMAX_H3_ARCH = Architecture(
     layouts=Layouts(
         "minimax-h3",
         "MiniMaxAI/ComfyUI names (bare, diffusion_model.), musubi-tuner (lora_unet_), DiffSynth-Studio "
-        "(.default., per-head interleaved QKV); fc1 halves swapped; .alpha, __metadata__ alpha; transformer_ref partition",
+        "(.default., per-head interleaved QKV); fc1 halves swapped; .alpha, __metadata__ alpha; "
+        "transformer_ref partition",
         "_convert_non_diffusers_minimax_h3_lora_to_diffusers, MiniMaxH3LoraLoaderMixin.lora_state_dict",
         "test_arch_minimax_ideogram_qwen21.py::test_minimax_h3_*",
     ),

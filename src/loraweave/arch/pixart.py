@@ -56,8 +56,8 @@ PIXART = Architecture(
     cli_names=("pixart-sigma", "pixart-alpha"),
     layouts=Layouts(
         "pixart (alpha, sigma)",
-        "PixArt/ComfyUI names (fused attn.qkv, cross_attn.kv_linear as k, v halves, t_block, y_embedder, Alpha's "
-        "csize/ar_embedder, scale_shift_table parameters)",
+        "PixArt/ComfyUI names (fused attn.qkv, cross_attn.kv_linear as k, v halves, t_block, y_embedder, "
+        "Alpha's csize/ar_embedder, scale_shift_table parameters)",
         "comfy.utils.pixart_to_diffusers (diffusers ships no PixArt single-file or LoRA converter)",
         "test_comfy_video.py::test_pixart_*",
     ),

@@ -1,10 +1,10 @@
 """Qwen-Image 2.1: original (ComfyUI) names -> diffusers QwenImage21Transformer2DModel modules.
 
-Source: diffusers `convert_qwen_image21_transformer_checkpoint_to_diffusers` (no LoRA converter exists). ComfyUI
-fuses the SwiGLU gate and up projections into one `img_mlp.gate_up`, gate rows first: its top half is
+Source: diffusers `convert_qwen_image21_transformer_checkpoint_to_diffusers` (no LoRA converter exists).
+ComfyUI fuses the SwiGLU gate and up projections into one `img_mlp.gate_up`, gate rows first: its top half is
 `img_mlp.gate_layer`, its bottom half `img_mlp.proj`. Every other module keeps its diffusers name (behind
-`model.diffusion_model.` / `diffusion_model.`, which the key parser strips); DiffSynth's `lora_A.default.weight`
-adapter names are generic.
+`model.diffusion_model.` / `diffusion_model.`, which the key parser strips); DiffSynth's
+`lora_A.default.weight` adapter names are generic.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ QWENIMAGE21 = ArchTable(
     aliases=(Alias(f"{_MLP}.gate_up", (f"{_MLP}.gate_layer", f"{_MLP}.proj")),),
 )
 
-# Qwen-Image 2.1's SwiGLU (`gate_layer` / `proj` / `out`, ComfyUI's fused `gate_up`) vs Qwen-Image's `net.0.proj`.
+# Qwen-Image 2.1's SwiGLU (`gate_layer` / `proj` / `out`, ComfyUI's fused `gate_up`) vs Qwen-Image's
+# `net.0.proj`.
 QWEN_IMAGE_21 = Architecture(
     "qwen-image-2.1",
     (QWENIMAGE21,),
@@ -40,7 +41,8 @@ QWEN_IMAGE_21 = Architecture(
         "test_arch_minimax_ideogram_qwen21.py::test_qwen21_*",
     ),
 )
-# Qwen-Image: diffusers names; its attention names are Flux's, 60 double-stream blocks deep (no single blocks).
+# Qwen-Image: diffusers names; its attention names are Flux's, 60 double-stream blocks deep (no single
+# blocks).
 QWEN_IMAGE = Architecture(
     "qwen-image",
     signature=r"^transformer_blocks_\d+_(img|txt)_(mlp|mod)",

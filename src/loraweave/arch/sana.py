@@ -1,11 +1,11 @@
 """Sana: original (NVlabs, ComfyUI) names -> diffusers SanaTransformer2DModel modules.
 
 Source: diffusers `convert_sana_transformer_to_diffusers` (single-file converter; diffusers has no Sana LoRA
-converter). Self-attention `attn.qkv` is q | k | v in equal thirds (torch.chunk 3), cross-attention `kv_linear` is
-k | v in halves; the GLU feed-forward is three convs (`inverted_conv.conv`, `depth_conv.conv` - depthwise 3x3 -,
-`point_conv.conv`). `blocks.N.scale_shift_table` and `final_layer.scale_shift_table` are bare parameters. The
-converter maps the base Sana layout only: Sana 1.5's q/k norms and Sprint's guidance embedder are not in it, so
-their original names are not here either (their diffusers names resolve as usual).
+converter). Self-attention `attn.qkv` is q | k | v in equal thirds (torch.chunk 3), cross-attention
+`kv_linear` is k | v in halves; the GLU feed-forward is three convs (`inverted_conv.conv`, `depth_conv.conv` -
+depthwise 3x3 -, `point_conv.conv`). `blocks.N.scale_shift_table` and `final_layer.scale_shift_table` are bare
+parameters. The converter maps the base Sana layout only: Sana 1.5's q/k norms and Sprint's guidance embedder
+are not in it, so their original names are not here either (their diffusers names resolve as usual).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ SANA = ArchTable(
     ),
 )
 
-# Sana's GLUMBConv feed-forward in diffusers names (its attention names are the cross-attention DiTs'), and its
-# original names (whose `cross_attn` would otherwise count as Wan's).
+# Sana's GLUMBConv feed-forward in diffusers names (its attention names are the cross-attention DiTs'), and
+# its original names (whose `cross_attn` would otherwise count as Wan's).
 SANA_ARCH = Architecture(
     "sana",
     (SANA,),

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from .record import Architecture, Widths
 
-# diffusers self-attention `attn1` next to cross-attention `attn2`: the cross-attention DiTs (LTX-Video, LTX-2's
-# video tower, PixArt, Sana); SD3.5's dual attention pairs `attn2` with the joint `attn`, never `attn1`. Their
-# attn2 / ff.net names go where the attn1 names go (mmdit's owners), not to SD3.5.
-# Unclaimed, by attn1.to_q's input width (class defaults): LTX-2 (32 heads x 128; a video-only file has no audio
-# names; LTX-Video 13B has the same names and sizes, and lands the same), LTX-Video 0.9 2B (32 x 64),
+# diffusers self-attention `attn1` next to cross-attention `attn2`: the cross-attention DiTs (LTX-Video,
+# LTX-2's video tower, PixArt, Sana); SD3.5's dual attention pairs `attn2` with the joint `attn`, never
+# `attn1`. Their attn2 / ff.net names go where the attn1 names go (mmdit's owners), not to SD3.5.
+# Unclaimed, by attn1.to_q's input width (class defaults): LTX-2 (32 heads x 128; a video-only file has no
+# audio names; LTX-Video 13B has the same names and sizes, and lands the same), LTX-Video 0.9 2B (32 x 64),
 # PixArt-alpha/Sigma (16 x 72; Sana 600M shares the width, its own ff_conv names claim it first), Sana 1600M.
-# Another width stays "cross-dit": a family, no release named. The releases named read their text at the hidden
-# width (cross_attention_dim = hidden in all four): a file whose attn2 keys take another width (diffusers-named
-# Cosmos-Predict2: 1024-wide text at 2048) is none of them and stays "cross-dit".
+# Another width stays "cross-dit": a family, no release named. The releases named read their text at the
+# hidden width (cross_attention_dim = hidden in all four): a file whose attn2 keys take another width
+# (diffusers-named Cosmos-Predict2: 1024-wide text at 2048) is none of them and stays "cross-dit".
 CROSS_DIT = Architecture(
     "cross-dit",
     signature=r"^transformer_blocks_\d+_attn1_",

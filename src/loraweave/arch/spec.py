@@ -1,10 +1,11 @@
 """Declarative name maps: an original (fused) module name -> consecutive row ranges of live modules.
 
 A table entry says: the rows of the file's delta for `source`, read top to bottom, land on `targets` in order.
-A target is a whole live module, or `Rows(module, index, count)`: the index-th of `count` equal row chunks of a
-live module. Splitting a fused key over separate modules, addressing rows of a fused live module, and
-reordering chunks (BFL shift/scale vs diffusers scale/shift) are all the same mechanism. An alias may interleave
-its targets in fixed-size chunks (per-head fused QKV) and may apply only to files with a trait (DiffSynth).
+A target is a whole live module, or `Rows(module, index, count)`: the index-th of `count` equal row chunks of
+a live module. Splitting a fused key over separate modules, addressing rows of a fused live module, and
+reordering chunks (BFL shift/scale vs diffusers scale/shift) are all the same mechanism. An alias may
+interleave its targets in fixed-size chunks (per-head fused QKV) and may apply only to files with a trait
+(DiffSynth).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class Alias:
     # The source interleaves its targets in chunks of this many rows (DiffSynth's MiniMax-H3 QKV, per head:
     # [head 0: q k v, head 1: q k v, ...]): chunk h of every target, in target order, for h = 0, 1, ...
     interleave: int | None = None
-    # Only for files with this trait (formats.adapter.FILE_TRAITS), over the alias without it: one original name
-    # whose rows two producers order differently, told apart only by the file's spelling.
+    # Only for files with this trait (formats.adapter.FILE_TRAITS), over the alias without it: one original
+    # name whose rows two producers order differently, told apart only by the file's spelling.
     when_file: str | None = None
 
 
@@ -46,8 +47,8 @@ class Alias:
 class VariantOnly:
     """Module names that exist only in some variants of an architecture (Wan 2.1 I2V's image cross-attention).
 
-    On a variant without them, keys for `names` are reported as expected absent, not as unknown modules. `anchor`
-    is a module every variant has; its `{i}` values are the blocks the names are registered for."""
+    On a variant without them, keys for `names` are reported as expected absent, not as unknown modules.
+    `anchor` is a module every variant has; its `{i}` values are the blocks the names are registered for."""
 
     names: tuple[str, ...]  # patterns with `{i}`, original and diffusers spellings
     anchor: str
@@ -59,7 +60,8 @@ class VariantInput:
     """An input width only a sibling variant's `module` has (Flux Fill's `x_embedder` takes 384 channels).
 
     A key for `module` trained on that width does not fit a model whose module is narrower or wider: it is
-    reported as expected absent (the rest of the file applies), never grown into (that is for control adapters)."""
+    reported as expected absent (the rest of the file applies), never grown into (that is for control
+    adapters)."""
 
     module: str
     width: int
@@ -68,7 +70,8 @@ class VariantInput:
 
 @dataclass(frozen=True)
 class ParamAlias:
-    """An original name of a bare parameter (not a module weight) -> the live parameter `target` (`module.name`).
+    """An original name of a bare parameter (not a module weight) -> the live parameter `target`
+    (`module.name`).
 
     reshape: the original stores it with another shape of the same size, row-major (Krea2 flattens its (6, h)
     modulation table), so a delta is reshaped to the live shape."""
@@ -100,8 +103,9 @@ class ArchTable:
     # Spellings of projections that runtimes fuse (not checkpoint names): same mechanism, kept apart so the
     # checkpoint-layout oracle can tell them from the original names.
     runtime_fusions: tuple[Alias, ...] = ()
-    # Inputs a control adapter may grow (BFL Canny/Depth: `img_in` 64 -> 128 columns): (module, config key that
-    # records the input width). The module gets zero columns for the new channels before the adapter lands.
+    # Inputs a control adapter may grow (BFL Canny/Depth: `img_in` 64 -> 128 columns): (module, config key
+    # that records the input width). The module gets zero columns for the new channels before the adapter
+    # lands.
     growable_inputs: tuple[tuple[str, str], ...] = ()
     # Modules only sibling variants have: their keys are expected absent on this one.
     variant_only: tuple[VariantOnly, ...] = ()
@@ -114,12 +118,14 @@ class ArchTable:
     renames: tuple[tuple[str, str], ...] = ()
     prefix_renames: tuple[tuple[str, str], ...] = ()
     # A `__metadata__` entry in which this architecture's trainers record one network alpha for every module
-    # (MiniMax-H3: lightx2v's `alpha`): γ = alpha / rank where the file has no `.alpha` tensor and no PEFT config.
+    # (MiniMax-H3: lightx2v's `alpha`): γ = alpha / rank where the file has no `.alpha` tensor and no PEFT
+    # config.
     metadata_alpha: str | None = None
 
 
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
-    """Logical weight shape (out, in, *kernel); quantized linears pack their storage, so ask the module first."""
+    """Logical weight shape (out, in, *kernel); quantized linears pack their storage, so ask the module
+    first."""
     if isinstance(getattr(module, "out_features", None), int) and isinstance(
         getattr(module, "in_features", None), int
     ):
@@ -237,7 +243,8 @@ def apply_renames(
 ) -> str:
     """An original module path -> the live one by a converter's rename rules (sep "_": kohya-flattened paths).
 
-    Converters rename whole keys, so a rule may end in the separator that follows the module path: it is added."""
+    Converters rename whole keys, so a rule may end in the separator that follows the module path: it is
+    added."""
     path += sep
     for old, new in renames:
         path = path.replace(old.replace(".", sep), new.replace(".", sep))

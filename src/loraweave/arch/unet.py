@@ -28,14 +28,15 @@ _SDXL_UNET = dict(
     up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
 )
 
-# The family detection names first; the cross-attention width (attn2 to_k/to_v input columns) names the release.
+# The family detection names first; the cross-attention width (attn2 to_k/to_v input columns) names the
+# release.
 UNET = Architecture(
     "unet",
     signature=r"^(down_blocks|up_blocks|input_blocks|output_blocks|mid_block|middle_block)_",
     widths=Widths(r"attn2_to_[kv]$", {768: "sd1", 1024: "sd2", 2048: "sdxl", 1280: "sdxl-refiner"}),
 )
-# Block slots: every supported UNet has 2 layers per down block (3 per up block). The LBW short layout lists the
-# attention-bearing blocks; the preset splits are the last shallow input / first shallow output index (a
+# Block slots: every supported UNet has 2 layers per down block (3 per up block). The LBW short layout lists
+# the attention-bearing blocks; the preset splits are the last shallow input / first shallow output index (a
 # downsampler belongs with the block before it: SD1 IN03 shallow, IN06 deep; SDXL IN06 shallow).
 # SD1.5 and SD2 share the UNet block layout (4 down blocks).
 SD1_BLOCKS = BlockMap(

@@ -81,7 +81,8 @@ WAN = ArchTable(
                 ),
             ),
             "condition_embedder.time_embedder.linear_1",
-            "the CLIP image embedder exists only in Wan 2.1 I2V/FLF2V; this variant (T2V, or Wan 2.2) has none",
+            "the CLIP image embedder exists only in Wan 2.1 I2V/FLF2V; this variant (T2V, or Wan 2.2) has "
+            "none",
         ),
     ),
 )
@@ -116,8 +117,10 @@ WAN_ARCH = Architecture(
     blocks=BlockMap("wan", (("B", "blocks", 30),)),
     layouts=Layouts(
         "wan 2.1 / 2.2 (+VACE)",
-        "Wan/ComfyUI names, musubi-tuner (lora_unet_), diffusion-pipe (diffusion_model.), lightx2v diff/diff_b/diff_m, VACE blocks",
-        "convert_wan_transformer_to_diffusers, _convert_musubi_wan_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffusers",
+        "Wan/ComfyUI names, musubi-tuner (lora_unet_), diffusion-pipe (diffusion_model.), lightx2v "
+        "diff/diff_b/diff_m, VACE blocks",
+        "convert_wan_transformer_to_diffusers, _convert_musubi_wan_lora_to_diffusers, "
+        "_convert_non_diffusers_wan_lora_to_diffusers",
         "test_arch_oracle.py, test_arch_ltx_layouts.py::test_*wan*, test_param_patches.py",
     ),
     releases=(

@@ -1,11 +1,12 @@
 """Wan 2.2 Animate: original (Wan) names -> diffusers WanAnimateTransformer3DModel modules.
 
-Source: diffusers `convert_wan_transformer_to_diffusers` (the single-file converter WanAnimateTransformer3DModel
-uses). The 40 transformer blocks and the condition embedder are Wan's, with Wan's names (the `wan` table). Animate
-adds the face adapter (`face_adapter.fuser_blocks.N`: `linear1_q`, fused `linear1_kv` = k | v halves, `linear2`,
-`q_norm`/`k_norm`), the face encoder (convolutions wrapped as `convN.conv`) and the motion encoder (StyleGAN-style
-`enc.net_app.convs.N`, `enc.fc.N`, `dec.direction`). The converter writes the motion encoder for the released
-512 px encoder: convs.0 is the input conv, convs.1..7 the seven residual blocks, convs.8 the output conv.
+Source: diffusers `convert_wan_transformer_to_diffusers` (the single-file converter
+WanAnimateTransformer3DModel uses). The 40 transformer blocks and the condition embedder are Wan's, with Wan's
+names (the `wan` table). Animate adds the face adapter (`face_adapter.fuser_blocks.N`: `linear1_q`, fused
+`linear1_kv` = k | v halves, `linear2`, `q_norm`/`k_norm`), the face encoder (convolutions wrapped as
+`convN.conv`) and the motion encoder (StyleGAN-style `enc.net_app.convs.N`, `enc.fc.N`, `dec.direction`). The
+converter writes the motion encoder for the released 512 px encoder: convs.0 is the input conv, convs.1..7 the
+seven residual blocks, convs.8 the output conv.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _motion_res_block(i: int) -> tuple[Alias, ...]:
 
 
 def _motion_biases(i: int) -> tuple[ParamAlias, ...]:
-    # The activation's channel bias is stored (1, C, 1, 1) in the original, (C,) live: the converter reshapes it.
+    # The activation's channel bias is stored (1, C, 1, 1) in the original, (C,) live: the converter reshapes
+    # it.
     c, r = f"{_ENC}.{i + 1}", f"{_ME}.res_blocks.{i}"
     return (
         ParamAlias(f"{c}.conv1.1.bias", f"{r}.conv1.act_fn.bias", reshape=True),
@@ -141,8 +143,8 @@ WAN_ANIMATE_ARCH = Architecture(
     layouts=Layouts(
         "wan 2.2 animate",
         "Wan names (blocks, condition embedder), face adapter (fuser_blocks, fused linear1_kv halves), face "
-        "encoder (convN.conv), motion encoder (enc.net_app.convs, enc.fc, dec.direction, (1, C, 1, 1) biases); "
-        "those keys are expected_absent on the other Wan transformers",
+        "encoder (convN.conv), motion encoder (enc.net_app.convs, enc.fc, dec.direction, (1, C, 1, 1) "
+        "biases); those keys are expected_absent on the other Wan transformers",
         "convert_wan_transformer_to_diffusers",
         "test_arch_wan_animate_variants.py",
     ),

@@ -5,7 +5,8 @@ that fuse the pair do so in either row order, and the order is a fact of the fus
 - diffusers `FeedForward(activation_fn="swiglu")` (Nunchaku): `net.0` is a SwiGLU whose `proj` rows are
   [value; gate] = [w3; w1] (it computes `value * silu(gate)` from `proj(x).chunk(2)`);
 - a `w13` projection: [w1; w3] (first half gated, as its name says).
-Both directions are declared: w1/w3 keys onto a live fused module, and fused-module keys onto the separate w1/w3.
+Both directions are declared: w1/w3 keys onto a live fused module, and fused-module keys onto the separate
+w1/w3.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ ZIMAGE = ArchTable(
 )
 
 # Z-Image and Lumina2 original (NextDiT) names are the same. Unclaimed, by the hidden width: Z-Image dim 3840
-# (z-image-turbo config), Lumina-Image-2.0 hidden 2304 (the q width diffusers' Lumina2 LoRA converter hard-codes),
-# Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
+# (z-image-turbo config), Lumina-Image-2.0 hidden 2304 (the q width diffusers' Lumina2 LoRA converter
+# hard-codes), Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
 ZIMAGE_ARCH = Architecture(
     "z-image",
     (ZIMAGE,),

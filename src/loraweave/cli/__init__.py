@@ -1,9 +1,9 @@
-"""Command line: `loraweave demo | inspect | bake | convert | extract | resize | generate | serve` (the only place
-that prints).
+"""Command line: `loraweave demo | inspect | bake | convert | extract | resize | generate | serve` (the only
+place that prints).
 
-One module per command, each with `add(subparsers)` (its parser) and `run(args)` (its body, heavy imports inside);
-this module builds the parser from them and dispatches. Every command shares one exit-code table (EXIT_STATUS in
-`support`, printed in each --help and in the README)."""
+One module per command, each with `add(subparsers)` (its parser) and `run(args)` (its body, heavy imports
+inside); this module builds the parser from them and dispatches. Every command shares one exit-code table
+(EXIT_STATUS in `support`, printed in each --help and in the README)."""
 
 from __future__ import annotations
 

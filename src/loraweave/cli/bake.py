@@ -13,15 +13,15 @@ def add(sub) -> None:
     p = sub.add_parser(
         "bake",
         help="merge adapters into a checkpoint on disk (tensor by tensor)",
-        description="Merge LoRA/LyCORIS adapters into a checkpoint: a single .safetensors file, a (sharded) diffusers "
-        "component folder with its index, or a diffusers pipeline folder. Keys resolve against the checkpoint's own "
-        "tensor names (no model is built); each tensor is read, merged (fp32 accumulation, one rounding, identical "
-        "to apply(mode='merge')) and written alone, so memory stays near the largest tensor. The output is written "
-        "to a temp path next to the target and renamed into place only when complete (into an existing folder, with "
-        "--force, file by file: the folder's other files stay); it may not overwrite an input. "
-        "Every output file's metadata records the adapters, their sha256, strengths and the tool version. "
-        "Strengths follow AdapterSpec's rule: finite, |s| <= 1e4. Positional (cloneofsimo) files are named on the "
-        "architecture they fit, by the resolver apply uses.",
+        description="Merge LoRA/LyCORIS adapters into a checkpoint: a single .safetensors file, a (sharded) "
+        "diffusers component folder with its index, or a diffusers pipeline folder. Keys resolve against the "
+        "checkpoint's own tensor names (no model is built); each tensor is read, merged (fp32 accumulation, "
+        "one rounding, identical to apply(mode='merge')) and written alone, so memory stays near the largest "
+        "tensor. The output is written to a temp path next to the target and renamed into place only when "
+        "complete (into an existing folder, with --force, file by file: the folder's other files stay); it "
+        "may not overwrite an input. Every output file's metadata records the adapters, their sha256, "
+        "strengths and the tool version. Strengths follow AdapterSpec's rule: finite, |s| <= 1e4. Positional "
+        "(cloneofsimo) files are named on the architecture they fit, by the resolver apply uses.",
     )
     p.add_argument("model", help="checkpoint: .safetensors file, component folder or pipeline folder")
     p.add_argument(
@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res.to_dict(), indent=2))
         return 0
     print(
-        f"baked {len(res.adapters)} adapter(s) into {res.output}: {res.tensors_changed} of {res.tensors} tensors "
-        f"changed, {res.keys_applied}/{res.keys_total} keys applied, {res.bytes_written / 2**20:.1f} MiB written "
-        f"in {res.seconds:.2f}s"
+        f"baked {len(res.adapters)} adapter(s) into {res.output}: {res.tensors_changed} of {res.tensors} "
+        f"tensors changed, {res.keys_applied}/{res.keys_total} keys applied, {res.bytes_written / 2**20:.1f} "
+        f"MiB written in {res.seconds:.2f}s"
     )
     for u in res.unmatched[: args.limit]:
         print(f"  not applied: {u['key']}: {u['reason']}")

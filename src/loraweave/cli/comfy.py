@@ -36,7 +36,8 @@ def add(sub) -> None:
             a.add_argument(
                 "--yaml",
                 action="store_true",
-                help="write nothing: print the extra_model_paths.yaml entry that loads the pack from this package",
+                help="write nothing: print the extra_model_paths.yaml entry that loads the pack from this "
+                "package",
             )
         a.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     with_exit_status(p, actions)  # the nested install/uninstall --help end with the table too

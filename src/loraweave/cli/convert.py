@@ -13,13 +13,14 @@ def add(sub) -> None:
     p = sub.add_parser(
         "convert",
         help="rewrite a LoRA in another trainer layout (kohya, peft, diffusers, comfy)",
-        description="Convert a LoRA between layouts: kohya (lora_unet_/lora_te_, underscored; original names for "
-        "SDXL and DiTs), peft (folder: adapter_model.safetensors + adapter_config.json), diffusers (component-"
-        "prefixed lora_A/lora_B, alpha in lora_adapter_metadata), comfy (diffusion_model.<original names>). Keys "
-        "are resolved against the model (full size on the meta device, from --arch or detection, or --model), so "
-        "fused rows are split (shared down, up rows cut) or joined (shared down when equal, else rank "
-        "concatenation) exactly as the target naming needs; alpha is carried so alpha/rank is unchanged. The "
-        "result is re-resolved before writing. Other families, and keys that do not resolve, are refused.",
+        description="Convert a LoRA between layouts: kohya (lora_unet_/lora_te_, underscored; original names "
+        "for SDXL and DiTs), peft (folder: adapter_model.safetensors + adapter_config.json), diffusers "
+        "(component-prefixed lora_A/lora_B, alpha in lora_adapter_metadata), comfy "
+        "(diffusion_model.<original names>). Keys are resolved against the model (full size on the meta "
+        "device, from --arch or detection, or --model), so fused rows are split (shared down, up rows cut) "
+        "or joined (shared down when equal, else rank concatenation) exactly as the target naming needs; "
+        "alpha is carried so alpha/rank is unchanged. The result is re-resolved before writing. Other "
+        "families, and keys that do not resolve, are refused.",
     )
     p.add_argument("file", help="adapter .safetensors file or PEFT folder")
     p.add_argument(

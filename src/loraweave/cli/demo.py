@@ -13,10 +13,10 @@ def add(sub) -> None:
         "demo",
         help="run the embedded demo (small seeded Z-Image model, sample LoRAs)",
         description="Build a small seeded Z-Image transformer (diffusers' class, random weights: nothing is "
-        "downloaded), write one sample LoRA in two layouts (PEFT and kohya with a fused q|k|v), apply each in "
-        "merge, runtime and auto mode, and print how long each took, whether removal restored the weights bit "
-        "for bit, the report of the kohya file, and how far runtime and merged outputs (and the two layouts) "
-        "differ. Takes a minute or two on a CPU.",
+        "downloaded), write one sample LoRA in two layouts (PEFT and kohya with a fused q|k|v), apply each "
+        "in merge, runtime and auto mode, and print how long each took, whether removal restored the weights "
+        "bit for bit, the report of the kohya file, and how far runtime and merged outputs (and the two "
+        "layouts) differ. Takes a minute or two on a CPU.",
     )
     p.add_argument(
         "--out", help="directory for the sample LoRA files (default: a temp directory, removed at the end)"
@@ -29,7 +29,8 @@ def add(sub) -> None:
         "--generate",
         metavar="PNG",
         help="instead: build a tiny SD1.5 pipeline offline (seeded, 64x64) and a sample LoRA, and run "
-        "`generate` with <lora:demo:1> to write PNG (the pipeline and LoRA go to --out, else a temp directory)",
+        "`generate` with <lora:demo:1> to write PNG (the pipeline and LoRA go to --out, else a temp "
+        "directory)",
     )
 
 
@@ -68,7 +69,8 @@ def check_sample_outputs(out_dir: Path, overwrite: bool) -> None:
 
 def _print_runs(res: dict) -> None:
     print(
-        f"model: Z-Image transformer (diffusers ZImageTransformer2DModel, seeded), built in {res['build_seconds']:.2f}s"
+        f"model: Z-Image transformer (diffusers ZImageTransformer2DModel, seeded), built in "
+        f"{res['build_seconds']:.2f}s"
     )
     for layout, path in res["files"].items():
         print(f"sample LoRA ({layout} layout): {path}")
@@ -85,12 +87,13 @@ def _print_report(report: dict) -> None:
     print()
     print("report (kohya file, auto):")
     print(
-        f"  adapters: {json.dumps(report['adapters'][0]['families'])} layout={report['adapters'][0]['layout']} "
-        f"alpha_sources={report['adapters'][0]['alpha_sources']}"
+        f"  adapters: {json.dumps(report['adapters'][0]['families'])} "
+        f"layout={report['adapters'][0]['layout']} alpha_sources={report['adapters'][0]['alpha_sources']}"
     )
     print(f"  per component/mechanism: {report['counts']}")
     print(
-        f"  keys applied {report['keys_applied']}/{report['keys_total']}, unmatched {len(report['unmatched'])}"
+        f"  keys applied {report['keys_applied']}/{report['keys_total']}, unmatched "
+        f"{len(report['unmatched'])}"
     )
 
 

@@ -12,12 +12,13 @@ def add(sub) -> None:
     p = sub.add_parser(
         "extract",
         help="LoRA from the difference of two checkpoints",
-        description="Extract a LoRA from TUNED - BASE, layer by layer (one difference in memory at a time): each "
-        "weight's ΔW is truncated by SVD to --rank, or to the smallest rank keeping --energy of its energy Σσ². "
-        "Reports the captured energy per layer (min / median); 1-D differences (norms, biases) are counted, not "
-        "written. Output keys use the checkpoint's own module names: diffusers-named weights in diffusers' layout "
-        "(unet./transformer./text_encoder. + lora_A/lora_B, which its loader reads), original (ldm/BFL) names in "
-        "ComfyUI's (diffusion_model. + lora_down/lora_up, alpha = rank); scale 1 either way.",
+        description="Extract a LoRA from TUNED - BASE, layer by layer (one difference in memory at a time): "
+        "each weight's ΔW is truncated by SVD to --rank, or to the smallest rank keeping --energy of its "
+        "energy Σσ². Reports the captured energy per layer (min / median); 1-D differences (norms, biases) "
+        "are counted, not written. Output keys use the checkpoint's own module names: diffusers-named "
+        "weights in diffusers' layout (unet./transformer./text_encoder. + lora_A/lora_B, which its loader "
+        "reads), original (ldm/BFL) names in ComfyUI's (diffusion_model. + lora_down/lora_up, alpha = rank); "
+        "scale 1 either way.",
     )
     p.add_argument("base", help="base checkpoint (.safetensors file, component or pipeline folder)")
     p.add_argument("tuned", help="fine-tuned checkpoint with the same tensor names")

@@ -70,15 +70,16 @@ def add(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="prompt with <lora:name:w> tags -> image (stable-diffusion.cpp style)",
-        description="Generate one image with a diffusers pipeline. `<lora:NAME:W[:TE]>` tags in the prompt name "
-        ".safetensors files in --lora-dir (by stem or relative path) and are stripped before encoding; --lora adds "
-        "files directly. Adapters are applied by loraweave (every key lands or is reported). The PNG gets a "
-        "`parameters` text chunk as A1111 writes it (prompt with its tags, Negative prompt, Steps, Sampler, CFG "
-        "scale, Seed, Size, Model hash, Model, Lora hashes, Loraweave summary, Version), a `loraweave` chunk with "
-        "the full report (JSON), and OUT.json beside it with the request, report and timings.",
-        epilog="for generate: 0 = image written; 1 = --strict and some adapter key does not land, or an adapter "
-        "lands no key without --allow-empty (nothing written); 2 = bad arguments, a missing or unreadable model or "
-        "adapter, an unknown <lora:> name, or an existing output without --force.",
+        description="Generate one image with a diffusers pipeline. `<lora:NAME:W[:TE]>` tags in the prompt "
+        "name .safetensors files in --lora-dir (by stem or relative path) and are stripped before encoding; "
+        "--lora adds files directly. Adapters are applied by loraweave (every key lands or is reported). The "
+        "PNG gets a `parameters` text chunk as A1111 writes it (prompt with its tags, Negative prompt, "
+        "Steps, Sampler, CFG scale, Seed, Size, Model hash, Model, Lora hashes, Loraweave summary, Version), "
+        "a `loraweave` chunk with the full report (JSON), and OUT.json beside it with the request, report "
+        "and timings.",
+        epilog="for generate: 0 = image written; 1 = --strict and some adapter key does not land, or an "
+        "adapter lands no key without --allow-empty (nothing written); 2 = bad arguments, a missing or "
+        "unreadable model or adapter, an unknown <lora:> name, or an existing output without --force.",
     )
     p.add_argument(
         "--model",

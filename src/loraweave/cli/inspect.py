@@ -18,8 +18,9 @@ def add(sub) -> None:
         "inspect",
         help="what an adapter file is and how much of it lands on a model",
         description="Show an adapter's layout, families, ranks, alphas (and where they come from), dtypes, "
-        "metadata and detected architecture with its evidence, then resolve every key against the architecture "
-        "(full size on the meta device: no weights, no download) or a checkpoint, listing unmatched keys and why.",
+        "metadata and detected architecture with its evidence, then resolve every key against the "
+        "architecture (full size on the meta device: no weights, no download) or a checkpoint, listing "
+        "unmatched keys and why.",
         epilog="JSON (--json) always has layout, families, architecture {name, evidence}, "
         "coverage {keys_total, keys_applied, unmatched}.",
     )
@@ -58,9 +59,9 @@ def add(sub) -> None:
     p.add_argument(
         "--no-coverage",
         action="store_true",
-        help="describe the file alone: no model is built and "
-        "no key resolved (fast: torch is not imported; a UNet file is not told apart as sd1/sd2/sdxl, which takes "
-        "fitting); JSON coverage has checked=false; not with --plot, which resolves every key",
+        help="describe the file alone: no model is built and no key resolved (fast: torch is not imported; a "
+        "UNet file is not told apart as sd1/sd2/sdxl, which takes fitting); JSON coverage has checked=false; "
+        "not with --plot, which resolves every key",
     )
     p.add_argument(
         "--strict", action="store_true", help="exit 1 when coverage is incomplete (or the file is empty)"
@@ -139,8 +140,8 @@ def plot_into(args: argparse.Namespace) -> dict:
 
 
 def inspect_folder(args: argparse.Namespace) -> int:
-    """One row per adapter below the folder. Exit 2 if some file is unreadable, 1 if the folder holds no adapter
-    or (--strict) some adapter's keys do not all land, else 0."""
+    """One row per adapter below the folder. Exit 2 if some file is unreadable, 1 if the folder holds no
+    adapter or (--strict) some adapter's keys do not all land, else 0."""
     from ..tools.inspect_dir import format_folder
     from ..tools.inspect_dir import inspect_folder as inspect_dir
 

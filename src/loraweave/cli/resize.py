@@ -12,12 +12,12 @@ def add(sub) -> None:
     p = sub.add_parser(
         "resize",
         help="re-rank an adapter: LoRA/LoHa/LoKr/full -> LoRA of rank R",
-        description="Rewrite every LoRA, LoHa, LoKr or full-diff part of an adapter as a LoRA of rank --rank (or "
-        "the smallest rank keeping --energy of Σσ²), with its alpha/rank scale folded in and alpha = rank. LoRA "
-        "parts are truncated through QR of the factors (ΔW is never formed); the others one ΔW at a time. Reports "
-        "captured energy per layer; families that need the base weight (OFT, DoRA, IA3, GLoRA) are refused. "
-        "Positional (cloneofsimo) files are named on the architecture they fit (or --arch) and written in the "
-        "diffusers layout.",
+        description="Rewrite every LoRA, LoHa, LoKr or full-diff part of an adapter as a LoRA of rank --rank "
+        "(or the smallest rank keeping --energy of Σσ²), with its alpha/rank scale folded in and alpha = "
+        "rank. LoRA parts are truncated through QR of the factors (ΔW is never formed); the others one ΔW at "
+        "a time. Reports captured energy per layer; families that need the base weight (OFT, DoRA, IA3, "
+        "GLoRA) are refused. Positional (cloneofsimo) files are named on the architecture they fit (or "
+        "--arch) and written in the diffusers layout.",
     )
     p.add_argument("file", help="adapter .safetensors file or PEFT folder")
     where = p.add_mutually_exclusive_group()

@@ -56,11 +56,12 @@ def add(sub) -> None:
         "serve",
         help="serve a pipeline with many adapters over HTTP (Ray Serve; pip install loraweave[serve])",
         description="Deploy a diffusers pipeline and a folder of LoRAs with Ray Serve. POST a JSON object "
-        "{prompt (may hold <lora:NAME:W> tags), negative, adapters: [{name, strength}], steps, cfg, seed, width, "
-        "height}; the answer is {png_b64, report (per adapter), metrics (queue_s, batch_size, adapter_load hit/miss, "
-        "replica)}. Requests for the same adapters go to replicas that hold them (multiplexing, LRU per replica); "
-        "requests arriving together are rendered in one batch, each sample with its own adapters. Unknown names, "
-        "paths outside --lora-dir and adapters that do not fully land on the model get HTTP 400/422.",
+        "{prompt (may hold <lora:NAME:W> tags), negative, adapters: [{name, strength}], steps, cfg, seed, "
+        "width, height}; the answer is {png_b64, report (per adapter), metrics (queue_s, batch_size, "
+        "adapter_load hit/miss, replica)}. Requests for the same adapters go to replicas that hold them "
+        "(multiplexing, LRU per replica); requests arriving together are rendered in one batch, each sample "
+        "with its own adapters. Unknown names, paths outside --lora-dir and adapters that do not fully land "
+        "on the model get HTTP 400/422.",
         epilog="for serve: 130 after Ctrl-C (the application and a Ray instance it started are shut down); "
         "2 = bad arguments, a missing model or folder, or Ray Serve not installed.",
     )

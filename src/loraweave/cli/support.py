@@ -29,10 +29,10 @@ EXIT_STATUS = """exit status (the same for every command):
   0    did what was asked
   1    completed but incomplete: with --strict some key does not land (nothing written), or nothing to do:
        the output would have no effect (no key lands, no layer differs) and --allow-empty was not given
-  2    bad input or usage: a bad argument (out of range, not finite), an unreadable or malformed file, a pickle
-       without --allow-pickle, an output that exists (no --force), would overwrite an input, lies in a folder
-       that does not exist or is of the other kind (a folder where a file is written); --force replaces only
-       the command's own files
+  2    bad input or usage: a bad argument (out of range, not finite), an unreadable or malformed file, a
+       pickle without --allow-pickle, an output that exists (no --force), would overwrite an input, lies in a
+       folder that does not exist or is of the other kind (a folder where a file is written); --force replaces
+       only the command's own files
   3    system error: reading or writing failed (disk full, permission denied)
   4    internal error: a bug in loraweave (the traceback is printed; please report it)
   130  interrupted (Ctrl-C); outputs are written atomically, so nothing half-written is left"""
@@ -73,7 +73,8 @@ def with_exit_status(parser: argparse.ArgumentParser, sub) -> None:
 
 
 class _Prefixed(logging.Formatter):
-    """`loraweave key=value ...`: messages that already start with the logger's name are not prefixed twice."""
+    """`loraweave key=value ...`: messages that already start with the logger's name are not prefixed
+    twice."""
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
@@ -83,7 +84,8 @@ class _Prefixed(logging.Formatter):
 
 
 def configure_logging(verbose: bool):
-    """One handler on the `loraweave` logger; returns a function that undoes every change (tests call main())."""
+    """One handler on the `loraweave` logger; returns a function that undoes every change (tests call
+    main())."""
     log = logging.getLogger("loraweave")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Prefixed())
@@ -118,7 +120,8 @@ def configure_logging(verbose: bool):
 
 
 def _typed(rule, label: str, *rest):
-    """An argparse type applying `rule` (an `arguments` check) to the flag's text; the message names the flag."""
+    """An argparse type applying `rule` (an `arguments` check) to the flag's text; the message names the
+    flag."""
 
     def parse(text: str):
         try:
@@ -147,7 +150,8 @@ limit_arg = integer_arg("--limit", 0)
 
 
 def adapter_arg(text: str) -> tuple[str, float]:
-    """`FILE[:STRENGTH]` as an argparse type: a bad strength is a usage error with the one strength message."""
+    """`FILE[:STRENGTH]` as an argparse type: a bad strength is a usage error with the one strength
+    message."""
     from ..tools.bake import parse_adapter_arg
 
     try:
@@ -156,11 +160,15 @@ def adapter_arg(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-FORCE_HELP = "replace an existing output: only the files this command writes (a folder's other files stay); never an input"
+FORCE_HELP = (
+    "replace an existing output: only the files this command writes (a folder's other files stay); "
+    "never an input"
+)
 
 
 def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:
-    """--quiet (no progress bar) everywhere; --allow-pickle where adapters are read; --allow-empty where written."""
+    """--quiet (no progress bar) everywhere; --allow-pickle where adapters are read; --allow-empty where
+    written."""
     p.add_argument(
         "--quiet",
         action="store_true",

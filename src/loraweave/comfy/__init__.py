@@ -1,5 +1,6 @@
-"""loraweave inside ComfyUI: `load_lora_for_models` (the script API the nodes call) and, in sibling modules, the
-nodes, the runtime path and the stack. Importing this package imports neither torch nor ComfyUI (PEP 562)."""
+"""loraweave inside ComfyUI: `load_lora_for_models` (the script API the nodes call) and, in sibling modules,
+the nodes, the runtime path and the stack. Importing this package imports neither torch nor ComfyUI (PEP
+562)."""
 
 from __future__ import annotations
 

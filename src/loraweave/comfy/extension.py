@@ -1,6 +1,6 @@
-"""ComfyUI's entry point to the node pack: `comfy_entrypoint()` returns the ComfyExtension listing the LoraWeave
-nodes (ComfyUI v0.19.3 calls it for a custom_nodes module that has no NODE_CLASS_MAPPINGS). ComfyUI is imported
-only when it is called, so `import loraweave.comfy.extension` works without ComfyUI."""
+"""ComfyUI's entry point to the node pack: `comfy_entrypoint()` returns the ComfyExtension listing the
+LoraWeave nodes (ComfyUI v0.19.3 calls it for a custom_nodes module that has no NODE_CLASS_MAPPINGS). ComfyUI
+is imported only when it is called, so `import loraweave.comfy.extension` works without ComfyUI."""
 
 from __future__ import annotations
 

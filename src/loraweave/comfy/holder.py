@@ -1,4 +1,5 @@
-"""The module ComfyUI's model management loads, counts and moves for the runtime paths: their adapter tensors."""
+"""The module ComfyUI's model management loads, counts and moves for the runtime paths: their adapter
+tensors."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from ..mechanisms.runtime.path import RuntimePath
 
 class FactorHolder(torch.nn.Module):
     """Every tensor the paths read (the sources of RuntimePath.caches: low-rank pairs and their scales, dense
-    diffs, bias deltas, and what each structured term declares: LoKr/LoHa/GLoRA factors, cached dense ΔW, OFT and
-    BOFT rotations, DoRA magnitudes, inner factors and gains, IA3 vectors) as parameters of one module, so a
-    ModelPatcher over it is counted by model management (`model_size`) and moved by it. Each parameter starts as
-    a view of its tensor's storage; the caches are pointed at the parameters now and again after every move
-    (`_apply`, what `.to()` runs, whether torch moved a parameter in place or replaced it, as for `meta`), and
-    when the state is injected (`repoint`), so the paths read whatever the holder holds. A tensor shared by two
-    paths is one parameter."""
+    diffs, bias deltas, and what each structured term declares: LoKr/LoHa/GLoRA factors, cached dense ΔW, OFT
+    and BOFT rotations, DoRA magnitudes, inner factors and gains, IA3 vectors) as parameters of one module, so
+    a ModelPatcher over it is counted by model management (`model_size`) and moved by it. Each parameter
+    starts as a view of its tensor's storage; the caches are pointed at the parameters now and again after
+    every move (`_apply`, what `.to()` runs, whether torch moved a parameter in place or replaced it, as for
+    `meta`), and when the state is injected (`repoint`), so the paths read whatever the holder holds. A tensor
+    shared by two paths is one parameter."""
 
     def __init__(self, paths: Sequence[RuntimePath]) -> None:
         super().__init__()

@@ -1,5 +1,6 @@
-"""`loraweave comfy install | uninstall`: put the node pack's shim into a ComfyUI's custom_nodes folder (ComfyUI
-v0.19.3 has no entry-point discovery: a pack is a folder there) and take away exactly what was put there.
+"""`loraweave comfy install | uninstall`: put the node pack's shim into a ComfyUI's custom_nodes folder
+(ComfyUI v0.19.3 has no entry-point discovery: a pack is a folder there) and take away exactly what was put
+there.
 
 The shim is the folder `pack/loraweave_nodes` shipped inside this package; install copies its files and a
 manifest of their hashes, uninstall removes only files whose hash still matches. `yaml_entry` is the other way
@@ -61,7 +62,8 @@ def check_comfyui(root: str | Path) -> Path:
 
 
 def custom_nodes_of(root: str | Path, base_directory: str | Path | None = None) -> Path:
-    """The custom_nodes folder ComfyUI at `root` reads; with `--base-directory BASE` (ComfyUI's own flag) BASE's."""
+    """The custom_nodes folder ComfyUI at `root` reads; with `--base-directory BASE` (ComfyUI's own flag)
+    BASE's."""
     comfyui = check_comfyui(root)
     base = Path(base_directory).resolve() if base_directory is not None else comfyui
     if base_directory is not None and not base.is_dir():
@@ -92,8 +94,8 @@ def _manifest(shim: Path) -> dict | None:
 
 
 def install(root: str | Path, base_directory: str | Path | None = None) -> InstallResult:
-    """Write the shim folder into custom_nodes (again over an earlier install of ours); refuse a folder of that
-    name that loraweave did not write."""
+    """Write the shim folder into custom_nodes (again over an earlier install of ours); refuse a folder of
+    that name that loraweave did not write."""
     from .. import __version__
 
     comfyui = check_comfyui(root)
@@ -160,6 +162,7 @@ def _remove_bytecode(shim: Path, names) -> list[str]:
 
 
 def yaml_entry(root: str | Path) -> str:
-    """The `extra_model_paths.yaml` entry (in the ComfyUI root) that loads the pack from this installed package."""
+    """The `extra_model_paths.yaml` entry (in the ComfyUI root) that loads the pack from this installed
+    package."""
     check_comfyui(root)
     return f"loraweave:\n    custom_nodes: {PACK_DIR.resolve()}\n"

@@ -1,9 +1,10 @@
-"""Merge through ComfyUI's own patch list: `ModelPatcher.add_patches` with a `WeightAdapterBase` subclass whose
-`calculate_weight` adds loraweave's exact ΔW (fp32, through loraweave's families) into the rows ComfyUI hands it.
+"""Merge through ComfyUI's own patch list: `ModelPatcher.add_patches` with a `WeightAdapterBase` subclass
+whose `calculate_weight` adds loraweave's exact ΔW (fp32, through loraweave's families) into the rows ComfyUI
+hands it.
 
 ComfyUI then owns everything else: backups, lowvram and DynamicVRAM casts, GGUF dequantisation, hooks. A fused
-target (Flux `linear1`, `img_attn.qkv`) is patched per row range with an `(key, (0, start, length))` offset, and
-ComfyUI narrows the weight before the call, so the adapter writes into that view in place."""
+target (Flux `linear1`, `img_attn.qkv`) is patched per row range with an `(key, (0, start, length))` offset,
+and ComfyUI narrows the weight before the call, so the adapter writes into that view in place."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def unit_delta(pp: PlannedPart, piece: Piece, window: torch.Tensor) -> torch.Ten
 
     Core adds `weight += (strength * alpha) * torch.mm(up, down)`: the product, then the scale, then the sum,
     each rounded on its own. The families' add_delta fuses the scale into the GEMM (addmm alpha) or the add
-    (add_ alpha, an FMA on AVX2/AVX-512 CPUs), whose roundings differ from core's by CPU, so the bits of a merge
-    matched core on one CPU and not another. LoRA takes core's very call; the others build ΔW at coefficient 1
-    (exact: 0 + 1·d rounds to d) and are scaled and added the same way."""
+    (add_ alpha, an FMA on AVX2/AVX-512 CPUs), whose roundings differ from core's by CPU, so the bits of a
+    merge matched core on one CPU and not another. LoRA takes core's very call; the others build ΔW at
+    coefficient 1 (exact: 0 + 1·d rounds to d) and are scaled and added the same way."""
     f = pp.factors
     if pp.family.name == "lora":
         rows = f.up[piece.src_start : piece.src_start + piece.length]
@@ -64,9 +65,10 @@ def write_rows(rows: torch.Tensor, terms: list[Term], strength: float, function,
 
     Each term's ΔW is formed, scaled and added as core adds one patch (the product, then the scale, then
     `function`, then the sum), so an fp32 slice gets core's bits for every family core is right on. Any other
-    dtype (fp16/bf16 under lowvram or DynamicVRAM, or a fp16 merge) accumulates in fp32 and is rounded into the
-    slice once: core computes there in that dtype and rounds the product, the scaled ΔW and the sum each on
-    its own (up to a few ulps from the fp64 result; ours is the nearest value of the dtype to the fp32 sum)."""
+    dtype (fp16/bf16 under lowvram or DynamicVRAM, or a fp16 merge) accumulates in fp32 and is rounded into
+    the slice once: core computes there in that dtype and rounds the product, the scaled ΔW and the sum each
+    on its own (up to a few ulps from the fp64 result; ours is the nearest value of the dtype to the fp32
+    sum)."""
     flat = rows if bias else rows.reshape(rows.shape[0], -1)
     identity = _is_identity(function)
     acc = flat if flat.dtype == torch.float32 else flat.to(torch.float32, copy=True)
@@ -95,7 +97,8 @@ def write_rows(rows: torch.Tensor, terms: list[Term], strength: float, function,
 
 @functools.cache
 def adapter_class() -> type:
-    """The WeightAdapterBase subclass, made on first use (ComfyUI is imported lazily, never by `import loraweave`)."""
+    """The WeightAdapterBase subclass, made on first use (ComfyUI is imported lazily, never by `import
+    loraweave`)."""
 
     class LoraweaveWeightAdapter(weight_adapter_base()):
         """loraweave's planned parts for one ComfyUI weight (or bias) slice."""
@@ -138,8 +141,8 @@ Carried = tuple[str, str, list[PlannedPart]]  # component, module, the parts one
 
 def joined_pieces(pp: PlannedPart, root: torch.nn.Module) -> tuple[Piece, ...]:
     """A W-independent part's pieces with runs that continue on the same module of `root` (a kohya fused `qkv`
-    laid out as q, k, v) joined into one, so ComfyUI patches the module once, as core does. needs_base families
-    keep their pieces: their ΔW depends on the rows each piece sees."""
+    laid out as q, k, v) joined into one, so ComfyUI patches the module once, as core does. needs_base
+    families keep their pieces: their ΔW depends on the rows each piece sees."""
     if pp.family.needs_base or len(pp.pieces) < 2:
         return pp.pieces
     out: list[Piece] = []
@@ -183,8 +186,9 @@ def merge_patches(plan: Plan) -> tuple[dict[PatchKey, object], dict[PatchKey, Ca
 
 
 def param_patches(plan: Plan) -> tuple[dict[str, tuple], dict[str, torch.Tensor]]:
-    """("diff", ΔP) patches of bare parameters (full-difference keys on modulation tables), and the ΔP of those
-    ComfyUI would accept but never apply (held by a module with children): those go in as object patches."""
+    """("diff", ΔP) patches of bare parameters (full-difference keys on modulation tables), and the ΔP of
+    those ComfyUI would accept but never apply (held by a module with children): those go in as object
+    patches."""
     patches: dict[str, tuple] = {}
     objects: dict[str, torch.Tensor] = {}
     modules = {name: dict(m.named_modules()) for name, m in plan.components}
@@ -208,8 +212,8 @@ def _object_patch(clone, key: str, delta: torch.Tensor, strength: float) -> None
 
 
 def add_to_clone(patcher, plan: Plan, strength: float) -> tuple[object, list[AppliedModule], list[Unmatched]]:
-    """A clone of `patcher` with the plan's patches added at `strength` (the input is untouched), the report rows
-    of what ComfyUI accepted, and the misses of what it refused."""
+    """A clone of `patcher` with the plan's patches added at `strength` (the input is untouched), the report
+    rows of what ComfyUI accepted, and the misses of what it refused."""
     patches, carried = merge_patches(plan)
     params, objects = param_patches(plan)
     misses: list[Unmatched] = []

@@ -1,9 +1,10 @@
-"""What a runtime loader call built, kept for the re-queues ComfyUI makes (loraweave.comfy.runtime.apply_runtime).
+"""What a runtime loader call built, kept for the re-queues ComfyUI makes
+(loraweave.comfy.runtime.apply_runtime).
 
-ComfyUI's executor caches each node's outputs by its inputs: a re-queue with another strength or file re-runs the
-loader with the very same input MODEL (and CLIP) objects. A strength change then copies the kept build's paths over
-the same factor tensors (their own scale vectors; one shared factor holder and ModelPatcher), and a swap back to a
-file read before finds its build here: nothing is parsed, planned or built again."""
+ComfyUI's executor caches each node's outputs by its inputs: a re-queue with another strength or file re-runs
+the loader with the very same input MODEL (and CLIP) objects. A strength change then copies the kept build's
+paths over the same factor tensors (their own scale vectors; one shared factor holder and ModelPatcher), and a
+swap back to a file read before finds its build here: nothing is parsed, planned or built again."""
 
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ from ..resolve.planner import Plan, PlannedPart
 
 BUILDS_KEPT = 2  # a strength change needs one; two allow a swap back (each holds its combined factors)
 _builds: OrderedDict[tuple[int, int, int, bool], Build] = OrderedDict()
-# A kept build holds its factor ModelPatcher: drop them while ComfyUI's modules still exist (its __del__ detaches).
+# A kept build holds its factor ModelPatcher: drop them while ComfyUI's modules still exist (its __del__
+# detaches).
 atexit.register(_builds.clear)
 
 
 @dataclass
 class Build:
-    """What one runtime loader call built from its inputs and one parsed adapter. The adapter object stands for
-    the file's contents: api.read_lora returns a new one whenever the file changed, so a kept build is never
-    stale. Held strongly so no other adapter can take its id; the inputs weakly."""
+    """What one runtime loader call built from its inputs and one parsed adapter. The adapter object stands
+    for the file's contents: api.read_lora returns a new one whenever the file changed, so a kept build is
+    never stale. Held strongly so no other adapter can take its id; the inputs weakly."""
 
     model: weakref.ref
     clip: weakref.ref | None
@@ -51,8 +53,8 @@ class Build:
         )
 
     def restrengthened(self, strengths: tuple[float, float]) -> tuple[list[Plan], list]:
-        """(plans, states) at new strengths: copies of the kept paths over the same factor tensors, each with its
-        own scale vector, so no factor is rebuilt and the kept build's clones keep their strengths."""
+        """(plans, states) at new strengths: copies of the kept paths over the same factor tensors, each with
+        its own scale vector, so no factor is rebuilt and the kept build's clones keep their strengths."""
         plans = [_restrengthened_plan(plan, s) for plan, s in zip(self.plans, strengths, strict=False)]
         mapping = {
             id(old): new

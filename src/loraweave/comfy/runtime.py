@@ -4,9 +4,10 @@ Everything one patcher carries lives under ONE pack-owned key (`KEY`):
 - the attachment: a `RuntimeState` holding every loader's entry (loader order) and the runtime paths built from
   all of them, one rank-concatenated path per layer; a second loader makes a new state with its entry appended
   (never a nested injection), so N loaders cost one extra GEMM pair per layer, not N;
-- the injection (`set_injections`, notes §1.6-1.7): the paths are attached when ComfyUI injects the model (after
-  `patch_model`, on load) and detached when it ejects it (unload, re-patch, `detach`), so the input patcher and
-  the shared modules are exactly as they were whenever this clone is not loaded;
+- the injection (`set_injections`, the module surgery ComfyUI's own bypass LoRA uses, here under our own key):
+  the paths are attached when ComfyUI injects the model (after `patch_model`, on load) and detached when it
+  ejects it (unload, re-patch, `detach`; also around every weight (re)load), so the input patcher and the
+  shared modules are exactly as they were whenever this clone is not loaded;
 - an additional model (`set_additional_models`): a ModelPatcher over a module holding every adapter tensor
   the paths read (FactorHolder: whatever RuntimePath.caches reads), so model management counts and moves them;
 - an APPLY_MODEL wrapper when an entry has a step window (comfy/steps.py).

@@ -3,9 +3,10 @@
 After `loraweave.diffusers.enable(pipe)`: `load_lora_weights`, `set_adapters`, `get_active_adapters`,
 `get_list_adapters`, `delete_adapters`, `enable_lora`, `disable_lora`, `fuse_lora`, `unfuse_lora`,
 `unload_lora_weights` and per-call `joint_attention_kwargs={"scale": s}` / `cross_attention_kwargs` follow
-diffusers 0.42.1's semantics and errors (same ValueError messages, as `DropInError`), with any layout or family
-loraweave reads (LoHa, LoKr everywhere, full diffs, kohya/ComfyUI/ai-toolkit names, ...). Each load's report is
-`pipe.loraweave_reports[name]`. `disable(pipe)` unloads the adapters and puts diffusers' methods back.
+diffusers 0.42.1's semantics and errors (same ValueError messages, as `DropInError`), with any layout or
+family loraweave reads (LoHa, LoKr everywhere, full diffs, kohya/ComfyUI/ai-toolkit names, ...). Each load's
+report is `pipe.loraweave_reports[name]`. `disable(pipe)` unloads the adapters and puts diffusers' methods
+back.
 
 Deliberate differences from diffusers, where diffusers is defective:
 - unfuse_lora restores the weights bit-exactly (diffusers subtracts ΔW at the current scaling: drift after a
@@ -22,11 +23,11 @@ model-level LoRA methods (`pipe.unet.set_adapters`, ...), which would otherwise 
 
 Simplifications (diffusers' per-layer bookkeeping kept per component): an unnamed load's `default_{n}` is
 counted in the first component holding LoRA layers (diffusers counts per component, so a text-encoder-only
-adapter may get another name there); after deleting an active adapter the first remaining one in that component
-becomes active (PEFT decides per layer); an adapter name may not be reused in any component; under a block-scale
-dict a fused kohya part spanning several modules (e.g. a fused qkv) takes its first module's weight; deleting a
-fused adapter while other adapters are fused in the same component raises `DropInError` (unfuse first, or
-unload to keep every fused delta), since undoing the others would also drop its kept delta.
+adapter may get another name there); after deleting an active adapter the first remaining one in that
+component becomes active (PEFT decides per layer); an adapter name may not be reused in any component; under a
+block-scale dict a fused kohya part spanning several modules (e.g. a fused qkv) takes its first module's
+weight; deleting a fused adapter while other adapters are fused in the same component raises `DropInError`
+(unfuse first, or unload to keep every fused delta), since undoing the others would also drop its kept delta.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def enable(pipe: Pipe) -> Pipe:
 
 
 def disable(pipe: Pipe) -> Pipe:
-    """Unload loraweave's adapters (fused deltas stay, as with diffusers' unload) and restore diffusers' methods."""
+    """Unload loraweave's adapters (fused deltas stay, as with diffusers' unload) and restore diffusers'
+    methods."""
     dropin = getattr(pipe, ATTR, None)
     if dropin is None:
         return pipe

@@ -14,4 +14,5 @@ class UnsupportedError(LoraweaveError, NotImplementedError):
 
 
 class NotLoraPipelineError(TargetError):
-    """enable() was given something that is not a diffusers pipeline with LoRA loading, or one holding PEFT layers."""
+    """enable() was given something that is not a diffusers pipeline with LoRA loading, or one holding PEFT
+    layers."""

@@ -1,5 +1,6 @@
-"""Per-call scale: `joint_attention_kwargs={"scale": s}` (or attention_/cross_attention_kwargs) on a denoiser's
-forward, and `encode_prompt(lora_scale=s)` for the text encoders, scale every active adapter for that call only.
+"""Per-call scale: `joint_attention_kwargs={"scale": s}` (or attention_/cross_attention_kwargs) on a
+denoiser's forward, and `encode_prompt(lora_scale=s)` for the text encoders, scale every active adapter for
+that call only.
 
 Deliberate difference: diffusers resets set_adapters weights to 1 after a call with scale 0; here the weights
 before the call are always restored."""
@@ -19,7 +20,8 @@ def scale_kwarg(model) -> str | None:
 
 
 def hook_denoiser(dropin, component: str, model) -> list:
-    """Pre/post forward hooks that set and reset the component's call scale; returns their removable handles."""
+    """Pre/post forward hooks that set and reset the component's call scale; returns their removable
+    handles."""
     kwarg = scale_kwarg(model)
     if kwarg is None:
         return []

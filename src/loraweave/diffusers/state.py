@@ -1,9 +1,9 @@
 """One pipeline's LoRA state under the drop-in: loaded adapters, active sets, weights, enabled flag, fuses.
 
-Each loaded adapter is one runtime `Handle` over every LoRA-loadable component. What diffusers expresses with PEFT
-scalings is expressed with per-layer gates on those runtime paths: gate = module weight x per-call scale, and a
-layer whose adapter is inactive, disabled or fused is detached (the base layer runs untouched). A fuse is a
-separate merge `Handle` per (adapter, component), so an unfuse restores the weights bit-exactly."""
+Each loaded adapter is one runtime `Handle` over every LoRA-loadable component. What diffusers expresses with
+PEFT scalings is expressed with per-layer gates on those runtime paths: gate = module weight x per-call scale,
+and a layer whose adapter is inactive, disabled or fused is detached (the base layer runs untouched). A fuse
+is a separate merge `Handle` per (adapter, component), so an unfuse restores the weights bit-exactly."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ class DropIn:
         self.refresh(set(components))
 
     def _default_name(self) -> str:
-        """diffusers' `default_{n}`: n = adapters now on the first layer PEFT would have wrapped (wrappers outlive
-        delete_adapters, so that layer may hold none), in the first component that has such layers."""
+        """diffusers' `default_{n}`: n = adapters now on the first layer PEFT would have wrapped (wrappers
+        outlive delete_adapters, so that layer may hold none), in the first component that has such layers."""
         for component, model in self.models().items():
             wrapped = self.wrapped.get(component, set())
             first = next((name for name, _ in model.named_modules() if name in wrapped), None)
@@ -205,7 +205,8 @@ class DropIn:
         self.refresh()
 
     def delete_adapters(self, adapter_names: list[str] | str) -> None:
-        """Unknown names are ignored (diffusers). A fused adapter's delta stays in the weights, as in diffusers."""
+        """Unknown names are ignored (diffusers). A fused adapter's delta stays in the weights, as in
+        diffusers."""
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         doomed = [n for n in dict.fromkeys(names) if n in self.loaded]
         fused = [f for f in self.fused if f.name in doomed]
@@ -238,7 +239,8 @@ class DropIn:
                     active.extend([n for n, lo in self.loaded.items() if c in lo.components][:1])
 
     def unload_lora_weights(self) -> None:
-        """Remove every adapter. Unfused layers are bit-exactly as before the loads; fused deltas stay (diffusers)."""
+        """Remove every adapter. Unfused layers are bit-exactly as before the loads; fused deltas stay
+        (diffusers)."""
         for f in reversed(self.fused):
             f.handle.keep()
             self.baked.add(f.name)
@@ -259,7 +261,8 @@ class DropIn:
         self.refresh()
 
     def disable_lora(self) -> None:
-        """Base outputs while disabled. Fused adapters are unfused first (PEFT unmerges them on the next forward)."""
+        """Base outputs while disabled. Fused adapters are unfused first (PEFT unmerges them on the next
+        forward)."""
         self._unfuse(set(self.loadable))
         self.enabled = False
         self.refresh()
@@ -273,8 +276,9 @@ class DropIn:
         **kwargs,
     ) -> None:
         """Merge the active (or named) adapters at their current weights x lora_scale. Deliberate differences:
-        lora_scale scales only the fused weights (diffusers also leaves every active adapter's scaling multiplied
-        by it after an unfuse), and a non-finite result is always refused, whatever `safe_fusing` says."""
+        lora_scale scales only the fused weights (diffusers also leaves every active adapter's scaling
+        multiplied by it after an unfuse), and a non-finite result is always refused, whatever `safe_fusing`
+        says."""
         components = self._components_arg(components, self.fuse_default)
         if not self.enabled:  # PEFT merges, then unmerges at the next forward while disabled: nothing lasts
             log.warning("loraweave.diffusers fuse_lora ignored: LoRA is disabled (call enable_lora() first)")
@@ -292,7 +296,8 @@ class DropIn:
                     ):
                         continue
                     self.fused.append(Fused(name, component, self._merge(loaded, component, lora_scale)))
-        finally:  # a failed fuse (non-finite result) leaves the earlier ones fused and their runtime paths off
+        # a failed fuse (non-finite result) leaves the earlier ones fused and their runtime paths off
+        finally:
             self._sync_merged()
             self.refresh(set(components))
 
@@ -302,7 +307,8 @@ class DropIn:
         weight = self.weights.get(component, {}).get(loaded.name, 1.0)
         flat = not isinstance(weight, dict)
         strength = (float(weight) if flat else 1.0) * float(lora_scale)
-        try:  # loraweave never merges non-finite values: safe_fusing is always on, and the layer is left as it was
+        # loraweave never merges non-finite values: safe_fusing is always on, and the layer is left as it was
+        try:
             handle = apply_planned(self.models(), planned, strength, mode="auto")
             if not flat:  # per-module weights (block-scale dicts): each part at its first module's weight
                 try:
@@ -319,8 +325,8 @@ class DropIn:
         return handle
 
     def unfuse_lora(self, components: list[str] | None = None, **kwargs) -> None:
-        """Bit-exact: each fuse is undone from its backup. Deliberate difference: diffusers subtracts ΔW at the
-        current scaling, so a set_adapters between fuse and unfuse leaves the weights wrong."""
+        """Bit-exact: each fuse is undone from its backup. Deliberate difference: diffusers subtracts ΔW at
+        the current scaling, so a set_adapters between fuse and unfuse leaves the weights wrong."""
         self._unfuse(set(self._components_arg(components, self.unfuse_default)))
 
     def _unfuse(self, components: set[str]) -> None:

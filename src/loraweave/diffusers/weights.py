@@ -2,8 +2,8 @@
 
 A weight may be a float (every component), None (1.0), a per-component dict (a missing component gets 1.0), a
 list with one entry per name, or, for UNets, a nested block-scale dict expanded by diffusers' own expansion
-function. Per module, a dict weight is matched as diffusers does: the first key that is a substring of the module
-name, else the `down_blocks.i.attentions.j` key of that module, else 1.0."""
+function. Per module, a dict weight is matched as diffusers does: the first key that is a substring of the
+module name, else the `down_blocks.i.attentions.j` key of that module, else 1.0."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """OFT: blockwise rotation of the output rows, W' = rescale ⊙ blockdiag(R_s)ᵀ·W with R_s = s·R + (1−s)·I.
 
-On-disk forms (formats-and-math §5), one math:
+Three on-disk forms (PEFT's, an input rotation, is peft_oft.py), one math:
 - LyCORIS >= 3 diag-oft: `oft_blocks` (n, b, b), R = Cayley(Q), Q = B − Bᵀ. `alpha` is the constraint, c = α·rows:
   if c > 0 and ‖Q‖_F + 1e-8 > c (norm over all blocks), Q ← Q·c/(‖Q‖+1e-8). α ≤ 0 or no alpha = unconstrained
   (LyCORIS's default; clamping to 0 instead nulls the adapter, the SD.Next defect). Optional `rescale` per row.

@@ -28,7 +28,8 @@ class MetadataAlpha:
 def read_metadata_alpha(
     metadata: dict[str, str], peft_config: dict | None = None, source: str = "adapter"
 ) -> MetadataAlpha:
-    """Alpha facts of a file's metadata; a malformed field raises AdapterMetadataError naming `source` and it."""
+    """Alpha facts of a file's metadata; a malformed field raises AdapterMetadataError naming `source` and
+    it."""
     kohya_alpha = kohya_number(metadata, "ss_network_alpha", source)
     args = kohya_args(metadata, source)
     conv_alpha = kohya_number(metadata, "ss_network_args: conv_alpha", source, args.get("conv_alpha"))
@@ -52,8 +53,8 @@ def _pattern_value(patterns: dict | None, module_path: str):
 
 
 def _kohya_scale(alpha: float, rank: int, source: str) -> tuple[float, str]:
-    # kohya's and LyCORIS's network init turn alpha 0 (or unset) into alpha = rank (no scaling); the `.alpha` they
-    # write and `ss_network_alpha` mean the same. A literal 0 would train nothing.
+    # kohya's and LyCORIS's network init turn alpha 0 (or unset) into alpha = rank (no scaling); the `.alpha`
+    # they write and `ss_network_alpha` mean the same. A literal 0 would train nothing.
     return (1.0, source + "=0_as_rank") if alpha == 0 else (alpha / rank, source)
 
 

@@ -1,12 +1,12 @@
-"""Numbered block chains in module paths (`double_blocks.3`, `single_transformer_blocks_37`, `blocks.12`): how deep
-a file goes per chain. Detection (arch.detect) and variant fitting (arch.variants) both read it."""
+"""Numbered block chains in module paths (`double_blocks.3`, `single_transformer_blocks_37`, `blocks.12`): how
+deep a file goes per chain. Detection (arch.detect) and variant fitting (arch.variants) both read it."""
 
 from __future__ import annotations
 
 import re
 
-# Original and diffusers spellings (`.` or `_` separated). Single first: diffusers' `single_transformer_blocks`
-# also ends in `_transformer_blocks`, the double chain's diffusers name.
+# Original and diffusers spellings (`.` or `_` separated). Single first: diffusers'
+# `single_transformer_blocks` also ends in `_transformer_blocks`, the double chain's diffusers name.
 CHAINS: dict[str, re.Pattern] = {
     "single": re.compile(r"(?:^|[._])(?:single_blocks|single_transformer_blocks)[._](\d+)(?:[._]|$)"),
     "double": re.compile(r"(?:^|[._])(?:double_blocks|transformer_blocks)[._](\d+)(?:[._]|$)"),

@@ -39,7 +39,8 @@ _PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("text_encoder_3.", "text_encoder_3", "diffusers"),
     ("connectors.", "connectors", "diffusers"),  # LTX-2 text connectors
     ("text_embedding_projection.", "connectors", "comfyui"),  # LTX-2 original name of the connectors
-    # Anima: the DiT's `llm_adapter` is the pipeline's `text_conditioner` (same module names below the prefix).
+    # Anima: the DiT's `llm_adapter` is the pipeline's `text_conditioner` (same module names below the
+    # prefix).
     ("text_conditioner.", "text_conditioner", "diffusers"),
     ("diffusion_model.llm_adapter.", "text_conditioner", "comfyui"),
     ("lora_unet_llm_adapter_", "text_conditioner", "kohya"),
@@ -53,7 +54,8 @@ _PREFIXES_BY_LENGTH = sorted(_PREFIXES, key=lambda p: -len(p[0]))
 
 
 def component_prefix(component: str, layout: str) -> str | None:
-    """The key prefix `layout` (kohya, comfyui, ...) writes for a pipeline component (first listed), or None."""
+    """The key prefix `layout` (kohya, comfyui, ...) writes for a pipeline component (first listed), or
+    None."""
     return next((p for p, comp, hint in _PREFIXES if comp == component and hint == layout), None)
 
 
@@ -103,12 +105,14 @@ _SUFFIX_RE = [
     (re.compile(rf"^(?P<stem>.+?)(?P<suffix>{rx})$"), fam, role, hint) for rx, fam, role, hint in _SUFFIXES
 ]
 
-# Old diffusers attention processors: `attn1.processor.to_out_lora.down.weight` names the module `attn1.to_out.0`.
+# Old diffusers attention processors: `attn1.processor.to_out_lora.down.weight` names the module
+# `attn1.to_out.0`.
 _PROCESSOR_RE = re.compile(
     r"^(?P<stem>.+)\.processor\.(?P<proj>to_q|to_k|to_v|to_out)_lora\.(?P<role>down|up)\.weight$"
 )
-# XLabs Flux: attention-processor LoRAs named by block; lora1 is the image stream, lora2 the text stream (diffusers'
-# `_convert_xlabs_flux_lora_to_diffusers`). The stem becomes the BFL module name the Flux table knows.
+# XLabs Flux: attention-processor LoRAs named by block; lora1 is the image stream, lora2 the text stream
+# (diffusers' `_convert_xlabs_flux_lora_to_diffusers`). The stem becomes the BFL module name the Flux table
+# knows.
 _XLABS_RE = re.compile(
     r"^(?P<block>(?:.*\.)?(?P<kind>double|single)_blocks\.\d+)\.processor\."
     r"(?P<proj>qkv|proj)_lora(?P<n>[12]?)\.(?P<role>down|up)\.weight$"
@@ -137,7 +141,8 @@ class ParsedKey:
     layout_hint: str | None
 
 
-# The unparsed reason of a token embedding (cloneofsimo pivotal tuning: `<s1>`, `<s2>`, one [768] vector each).
+# The unparsed reason of a token embedding (cloneofsimo pivotal tuning: `<s1>`, `<s2>`, one [768] vector
+# each).
 TEXTUAL_INVERSION = "textual-inversion token embedding, not an adapter weight"
 
 
@@ -158,7 +163,8 @@ def parse_key(key: str) -> ParsedKey | str:
     if m:
         proj = "to_out.0" if m["proj"] == "to_out" else m["proj"]
         return ParsedKey(key, f"{m['stem']}.{proj}", "lora", m["role"], "diffusers_attn_processor")
-    # IA3's `.weight` collides with plain module weights; it is recognised only through its `.on_input` sibling.
+    # IA3's `.weight` collides with plain module weights; it is recognised only through its `.on_input`
+    # sibling.
     for rx, family, role, hint in _SUFFIX_RE:
         m = rx.match(key)
         if m:

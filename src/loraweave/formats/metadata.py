@@ -1,5 +1,5 @@
-"""Validation of the metadata loraweave reads: PEFT configs (`lora_adapter_metadata`, adapter_config.json), kohya
-`ss_network_alpha`/`ss_network_args`, cloneofsimo's per-component class lists. A malformed field raises
+"""Validation of the metadata loraweave reads: PEFT configs (`lora_adapter_metadata`, adapter_config.json),
+kohya `ss_network_alpha`/`ss_network_args`, cloneofsimo's per-component class lists. A malformed field raises
 AdapterMetadataError naming the file and the field; fields loraweave never reads are left alone."""
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def _check_patterns(value: object, name: str, source: str, where: str) -> None:
 
 
 def cloneofsimo_classes(metadata: dict[str, str], component: str, source: str) -> tuple[str, ...] | None:
-    """The ancestor classes lora_diffusion enumerated for `component` (a JSON list of class names), or None."""
+    """The ancestor classes lora_diffusion enumerated for `component` (a JSON list of class names), or
+    None."""
     raw = metadata.get(component)
     if raw is None or raw == "":
         return None

@@ -1,7 +1,9 @@
-"""Atomic .safetensors writing: a temp file (or folder) next to the target, fsync, then rename; never over an input.
+"""Atomic .safetensors writing: a temp file (or folder) next to the target, fsync, then rename; never over an
+input.
 
-`StreamingWriter` writes tensors one at a time after a header computed up front, so a checkpoint can be written
-while only one tensor is in memory. A failure at any point leaves no file at the target and no temp behind."""
+`StreamingWriter` writes tensors one at a time after a header computed up front, so a checkpoint can be
+written while only one tensor is in memory. A failure at any point leaves no file at the target and no temp
+behind."""
 
 from __future__ import annotations
 
@@ -54,8 +56,8 @@ def check_output(
     overwrite: bool = False,
     folder: bool = False,
 ) -> Path:
-    """Refuse a target that is (or lies inside, or contains) an input, whose folder does not exist, of the other
-    kind (a file where a folder is written, or the reverse), or that exists unless overwrite."""
+    """Refuse a target that is (or lies inside, or contains) an input, whose folder does not exist, of the
+    other kind (a file where a folder is written, or the reverse), or that exists unless overwrite."""
     out = Path(target).resolve()
     for item in inputs:
         src = Path(item).resolve()
@@ -96,7 +98,8 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _in_the_way(target: Path, rel: Path) -> Path | None:
-    """What stops a file landing at target/rel: a file where one of its folders goes, or a folder at its name."""
+    """What stops a file landing at target/rel: a file where one of its folders goes, or a folder at its
+    name."""
     dest = target / rel
     for folder in reversed(dest.parents[: len(rel.parts) - 1]):  # target's subfolders on the way down
         if folder.exists() and not folder.is_dir():
@@ -105,7 +108,8 @@ def _in_the_way(target: Path, rel: Path) -> Path | None:
 
 
 def _own_names(tmp: Path, target: Path) -> list[Path]:
-    """The files written under `tmp`, relative to it; a WriteError (nothing moved yet) when one cannot land."""
+    """The files written under `tmp`, relative to it; a WriteError (nothing moved yet) when one cannot
+    land."""
     names = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
     for rel in names:
         blocker = _in_the_way(target, rel)
@@ -115,8 +119,8 @@ def _own_names(tmp: Path, target: Path) -> list[Path]:
 
 
 def _move_into(tmp: Path, target: Path) -> None:
-    """Rename each file written under `tmp` over its own name in `target` (each rename atomic); any other file of
-    `target` stays."""
+    """Rename each file written under `tmp` over its own name in `target` (each rename atomic); any other file
+    of `target` stays."""
     for rel in _own_names(tmp, target):
         (target / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp / rel, target / rel)
@@ -138,7 +142,8 @@ def atomic_path(target: str | os.PathLike, folder: bool = False) -> Iterator[Pat
 
     A folder output that already exists is never removed: the temp folder is made inside it and each file the
     command wrote is renamed over its own name there, so the folder's other files survive (`--force` replaces
-    only what the command writes). The target's folder must exist; outputs get the permissions of the umask."""
+    only what the command writes). The target's folder must exist; outputs get the permissions of the
+    umask."""
     target = Path(target)
     if not target.parent.is_dir():
         raise WriteError(f"output {target}: its folder does not exist (create it first)")

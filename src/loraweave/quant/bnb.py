@@ -1,7 +1,9 @@
-"""bitsandbytes layers: `Linear8bitLt` (rowwise int8) and `Linear4bit` (NF4 / FP4 codebooks, blockwise absmax).
+"""bitsandbytes layers: `Linear8bitLt` (rowwise int8) and `Linear4bit` (NF4 / FP4 codebooks, blockwise
+absmax).
 
-On CPUs with AVX512-BF16, `Linear4bit` repacks its weight on the first eval forward into a kernel layout with bf16
-absmax (`quant_state.packing_format_for_cpu`); dequantize reads either layout without touching the layer."""
+On CPUs with AVX512-BF16, `Linear4bit` repacks its weight on the first eval forward into a kernel layout with
+bf16 absmax (`quant_state.packing_format_for_cpu`); dequantize reads either layout without touching the
+layer."""
 
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def _kind(module: torch.nn.Module) -> str:
 
 
 def _int8_state(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(CB int8 (out, in), SCB row absmax): the first forward moves them from the weight into `module.state`."""
+    """(CB int8 (out, in), SCB row absmax): the first forward moves them from the weight into
+    `module.state`."""
     weight = module.weight
     cb = weight.CB if getattr(weight, "CB", None) is not None else module.state.CB
     scb = weight.SCB if getattr(weight, "SCB", None) is not None else module.state.SCB

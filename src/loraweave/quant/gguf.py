@@ -1,8 +1,8 @@
 """GGUF layers as loaded by diffusers: `GGUFLinear` holding a `GGUFParameter` (raw GGML blocks, uint8 rows).
 
-diffusers dequantizes on every forward (`dequantize_gguf_tensor`, then `compute_dtype`), so a dequantize here is
-that same tensor. Requantize uses the `gguf` package's quantizers, which cover the legacy types (Q8_0, Q4_0, ...)
-but not the K-quants or IQ types: those layers report requantize=False with that reason."""
+diffusers dequantizes on every forward (`dequantize_gguf_tensor`, then `compute_dtype`), so a dequantize here
+is that same tensor. Requantize uses the `gguf` package's quantizers, which cover the legacy types (Q8_0,
+Q4_0, ...) but not the K-quants or IQ types: those layers report requantize=False with that reason."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """optimum-quanto layers: `QLinear` / `QConv2d` (QModuleMixin) after `quantize(model, weights=qint8|qint4)`.
 
-Frozen layers store a `WeightQBytesTensor` (int8, per-row scale) or `WeightQBitsTensor` (packed 4/2-bit, grouped
-scale and shift). Requantize runs the layer's own quantizer (its optimizer, qtype, group size) on the new weight."""
+Frozen layers store a `WeightQBytesTensor` (int8, per-row scale) or `WeightQBitsTensor` (packed 4/2-bit,
+grouped scale and shift). Requantize runs the layer's own quantizer (its optimizer, qtype, group size) on the
+new weight."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""SDNQ (pip `sdnq`): dequantize, requantize with the layer's own config, and the svd_up/svd_down side channel.
+"""SDNQ (pip `sdnq`): dequantize, requantize with the layer's own config, and the svd_up/svd_down side
+channel.
 
-Layouts of the side channel (see ../shared notes §1-2): plain `svd_up (out, r)`, `svd_down (r, in)`; with quantized
-matmul both are stored transposed; with Hadamard the dequantized weight is rotated back after the side channel is
-added, so a factor `A` must be stored as `A·H` (H is block-diagonal, symmetric and self-inverse)."""
+Layouts of the side channel (SDNQ's SVDQuant: svd_up = U·S, svd_down = Vᵀ, dequantized W = dq(q) + svd_up @
+svd_down): plain `svd_up (out, r)`, `svd_down (r, in)`; with quantized matmul (forward `(x @ svd_down) @
+svd_up`) both are stored transposed; with Hadamard the dequantized weight is rotated back after the side
+channel is added, so a factor `A` must be stored as `A·H` (H is block-diagonal, symmetric and
+self-inverse)."""
 
 from __future__ import annotations
 
@@ -130,8 +133,8 @@ class SdnqBackend(QuantBackend):
         return w.reshape(deq.original_shape).float()
 
     def requantize(self, module: torch.nn.Module, weight: torch.Tensor) -> Restore:
-        """Quantize `weight` as a fresh float tensor with the layer's own settings (never the SDNQ layer itself:
-        re-wrapping an SDNQLinear yields a broken layer), then swap the stored tensors in."""
+        """Quantize `weight` as a fresh float tensor with the layer's own settings (never the SDNQ layer
+        itself: re-wrapping an SDNQLinear yields a broken layer), then swap the stored tensors in."""
         from sdnq.quantizer import sdnq_quantize_layer_weight
 
         deq = module.sdnq_dequantizer

@@ -1,8 +1,8 @@
 """torchao layers: a plain `nn.Linear` whose weight is a torchao tensor subclass (`quantize_(model, config)`).
 
 Weight-only int8 is `Int8Tensor`; int4 is `Int4Tensor` (`Int4WeightOnlyConfig`, CUDA kernels only) or, on CPU,
-`IntxUnpackedToInt8Tensor` (`IntxWeightOnlyConfig(weight_dtype=torch.int4)`). Requantize rebuilds the same subclass
-from the layer's own block size, dtype and mapping; other subclasses are dequantized only."""
+`IntxUnpackedToInt8Tensor` (`IntxWeightOnlyConfig(weight_dtype=torch.int4)`). Requantize rebuilds the same
+subclass from the layer's own block size, dtype and mapping; other subclasses are dequantized only."""
 
 from __future__ import annotations
 

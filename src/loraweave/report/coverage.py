@@ -64,7 +64,8 @@ def refuse_empty(report, allow_empty: bool = False) -> None:
 
 
 def warn_incomplete(report) -> None:
-    """One WARNING line per adapter that did not fully land (keys expected absent on this variant do not count)."""
+    """One WARNING line per adapter that did not fully land (keys expected absent on this variant do not
+    count)."""
     for summary in report.adapters:
         if _short(summary) and (
             summary["keys_total"] == 0 or failures(adapter_misses(report, summary["name"]))

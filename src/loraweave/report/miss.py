@@ -1,4 +1,5 @@
-"""Why a key did not land: a `Miss(kind, detail)` with a kind from a closed set, chosen where the miss is made.
+"""Why a key did not land: a `Miss(kind, detail)` with a kind from a closed set, chosen where the miss is
+made.
 
 `detail` is the readable reason, prefix included ("shape mismatch: ..."); reports group by `kind`, never by
 parsing the text. Bottom layer: imports nothing from loraweave."""

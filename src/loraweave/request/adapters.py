@@ -1,5 +1,5 @@
-"""Checks on the list of adapters given to `apply`/`switch`: no empty sources, no explicit name used twice, and a
-clear WARNING when one source is given more than once (its effects add up)."""
+"""Checks on the list of adapters given to `apply`/`switch`: no empty sources, no explicit name used twice,
+and a clear WARNING when one source is given more than once (its effects add up)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ log = logging.getLogger("loraweave")
 
 
 def as_specs(adapters) -> list[AdapterSpec]:
-    """What `apply`'s `adapters` may be (a path, Adapter, state dict, (source, strength), AdapterSpec, or a list of
-    them) as AdapterSpecs, each strength checked by AdapterSpec's rule; ArgumentError for anything else."""
+    """What `apply`'s `adapters` may be (a path, Adapter, state dict, (source, strength), AdapterSpec, or a
+    list of them) as AdapterSpecs, each strength checked by AdapterSpec's rule; ArgumentError for anything
+    else."""
     if isinstance(adapters, (str, os.PathLike, Adapter, Mapping, AdapterSpec)) or (
         isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[1], (int, float))
     ):

@@ -19,13 +19,14 @@ class AdapterSpec:
     `strength` scales the denoiser; `te_strength` the text encoders (None: same as `strength`).
     `block_weights` is anything `loraweave.arch.blocks.block_weights` accepts (scalar, vector, dict, preset
     name); None means every block at 1. `name` is how reports and set_strength address it.
-    `component_strengths` multiplies the strength per component, e.g. {"transformer": 1.0, "transformer_2": 0.5}
-    for Wan 2.2's two experts: the file's denoiser keys land on every denoiser named here (default: the
+    `component_strengths` multiplies the strength per component, e.g. {"transformer": 1.0, "transformer_2":
+    0.5} for Wan 2.2's two experts: the file's denoiser keys land on every denoiser named here (default: the
     pipeline's one denoiser). Text encoders named here are scaled likewise.
 
     `steps=(start, end)`: the adapter acts on the denoiser only on sampling steps i with start <= i/N < end
-    (fractions of the N steps; `Handle.step_schedule`). `ramp="linear"` with `ramp_strengths=(first, last)`: the
-    strength goes linearly from `first` on the window's first step to `last` on its last (mode="runtime")."""
+    (fractions of the N steps; `Handle.step_schedule`). `ramp="linear"` with `ramp_strengths=(first, last)`:
+    the strength goes linearly from `first` on the window's first step to `last` on its last
+    (mode="runtime")."""
 
     source: str | os.PathLike | Any
     strength: float = 1.0
@@ -67,5 +68,6 @@ class AdapterSpec:
 
 
 def finite_strength(value: float) -> float:
-    """A strength by AdapterSpec's rule (finite, |s| <= 1e4, not a string or bool); ArgumentError otherwise."""
+    """A strength by AdapterSpec's rule (finite, |s| <= 1e4, not a string or bool); ArgumentError
+    otherwise."""
     return check_strength(value)

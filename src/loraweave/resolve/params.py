@@ -1,9 +1,9 @@
 """Planning patches of bare parameters (modulation tables), which are no module's weight.
 
-A full-difference key (`<parameter>.diff`) names a parameter directly, in live or original spelling; lightx2v's
-Wan distillation LoRAs write the delta of `<block>.modulation` as `<block>.diff_m`. The target is the pair
-(owning module, parameter name); the delta must have the parameter's shape, or its size where the table says the
-original stores it flattened."""
+A full-difference key (`<parameter>.diff`) names a parameter directly, in live or original spelling;
+lightx2v's Wan distillation LoRAs write the delta of `<block>.modulation` as `<block>.diff_m`. The target is
+the pair (owning module, parameter name); the delta must have the parameter's shape, or its size where the
+table says the original stores it flattened."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ ALLOWED_EXTRAS = {"dora": {"lora", "loha", "lokr"}, "boft": {"oft"}}
 NOT_PORTABLE = {
     "tlora": "its base comes from an SVD initialisation that is never saved",
     # Stand-In's pipeline appends reference-image tokens and runs these LoRAs on those tokens only.
-    "standin": "Stand-In LoRAs act only on the reference-image tokens its own pipeline appends; on every token "
-    "they would change the whole video",
+    "standin": "Stand-In LoRAs act only on the reference-image tokens its own pipeline appends; on every "
+    "token they would change the whole video",
 }
 
 
@@ -77,7 +77,8 @@ def _role_scalar(adapter: Adapter, part: AdapterPart, role: str) -> float | None
 
 def network_alpha(adapter: Adapter, metadata_field: str | None) -> float | None:
     """The architecture's `__metadata__` network alpha (MiniMax-H3: the table's `metadata_alpha` field); as
-    diffusers, only when no key is `.alpha`. resize reads it the same way, so a resized file keeps its scale."""
+    diffusers, only when no key is `.alpha`. resize reads it the same way, so a resized file keeps its
+    scale."""
     if metadata_field is None or adapter.has_alpha_tensors:
         return None
     return kohya_number(adapter.metadata, metadata_field, adapter.path or adapter.name)
@@ -93,10 +94,10 @@ def part_scale(
 ) -> tuple[float, str]:
     """(γ, source) of one part landing on `component`: where a part's scale is settled.
 
-    The part's `.alpha`/`.scale` tensors are checked first (a scalar, finite), whatever the family. Families that
-    read alpha themselves (OFT & co), full differences and full-rank factors get 1; the rest take the first
-    source formats.alpha.resolve_scale finds: `.scale` or `.alpha` tensor, PEFT config, the architecture's
-    metadata alpha (`metadata_field`, AliasTable.metadata_alpha), kohya's metadata, then 1."""
+    The part's `.alpha`/`.scale` tensors are checked first (a scalar, finite), whatever the family. Families
+    that read alpha themselves (OFT & co), full differences and full-rank factors get 1; the rest take the
+    first source formats.alpha.resolve_scale finds: `.scale` or `.alpha` tensor, PEFT config, the
+    architecture's metadata alpha (`metadata_field`, AliasTable.metadata_alpha), kohya's metadata, then 1."""
     alpha = _role_scalar(adapter, part, "alpha")
     scale_tensor = _role_scalar(adapter, part, "scale")
     if not family.uses_alpha_scale:
@@ -121,7 +122,8 @@ def part_scale(
 
 
 def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -> tuple[Piece, ...]:
-    """cloneofsimo files name layers by index; the metadata lists the ancestor classes that were enumerated."""
+    """cloneofsimo files name layers by index; the metadata lists the ancestor classes that were
+    enumerated."""
     m = CLONEOFSIMO_STEM_RE.match(part.path)
     classes = cloneofsimo_classes(adapter.metadata, m["component"], adapter.path or adapter.name) or ()
     # lora_diffusion's default targets predate diffusers' rename of CrossAttention to Attention.
@@ -141,7 +143,8 @@ def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -
 
 
 def _reshape_target(adapter: Adapter, part: AdapterPart) -> tuple[int, ...] | None:
-    """The (out, in) a `reshape_weight` tensor asks the module to have; None when absent or shape-only planning."""
+    """The (out, in) a `reshape_weight` tensor asks the module to have; None when absent or shape-only
+    planning."""
     key = part.roles.get("reshape")
     if key is None:
         return None
@@ -186,7 +189,8 @@ def _find_pieces(adapter: Adapter, part: AdapterPart, table: AliasTable, where: 
 
 
 def _supported_family(part: AdapterPart, tensors: dict[str, torch.Tensor], target: str) -> Family:
-    """The family that applies the part, refusing a part it would apply only in part (`target`: for the report)."""
+    """The family that applies the part, refusing a part it would apply only in part (`target`: for the
+    report)."""
     family = family_for(part.family, tensors)
     if part.family in NOT_PORTABLE:
         raise PartRejected(
@@ -214,7 +218,8 @@ def _supported_family(part: AdapterPart, tensors: dict[str, torch.Tensor], targe
 
 
 def _load_factors(adapter: Adapter, part: AdapterPart, family: Family, tensors: dict[str, torch.Tensor]):
-    """The family's factors from the part's tensors; alpha stays out where the scale carries it (part_scale)."""
+    """The family's factors from the part's tensors; alpha stays out where the scale carries it
+    (part_scale)."""
     # OFT & co read alpha themselves.
     skip = ("alpha", "scale", "reshape") if family.uses_alpha_scale else ("scale", "reshape")
     # Families whose math depends on settings outside the tensors (PEFT OFT) get the adapter's PEFT config.
@@ -225,7 +230,8 @@ def _load_factors(adapter: Adapter, part: AdapterPart, family: Family, tensors: 
 
 @dataclass
 class _Fitting:
-    """Fits one part's factors to the modules its pieces name, keeping the adaptations the report must mention."""
+    """Fits one part's factors to the modules its pieces name, keeping the adaptations the report must
+    mention."""
 
     family: Family
     table: AliasTable
@@ -268,7 +274,8 @@ class _Fitting:
             )
 
     def _grow(self, factors, shape: tuple[int, ...], module: str, reason):
-        """(factors, reason): settled on the wider input a control adapter needs, reason None, when it fits."""
+        """(factors, reason): settled on the wider input a control adapter needs, reason None, when it
+        fits."""
         width = _growth(self.family, factors, shape, self.family.input_width(factors), module, self.table)
         if width is None:
             return factors, reason
@@ -360,8 +367,8 @@ def resolve(
 ) -> Plan:
     """Plan every part of every adapter; `tables` reuses alias tables built for these components before.
 
-    `experts`: adapter name -> the denoiser components its denoiser keys land on, each (Wan 2.2's `transformer`
-    and `transformer_2` take one file); default: the pipeline's denoiser only."""
+    `experts`: adapter name -> the denoiser components its denoiser keys land on, each (Wan 2.2's
+    `transformer` and `transformer_2` take one file); default: the pipeline's denoiser only."""
     plan = Plan(components, [a for a, _ in adapters], {a.name: s for a, s in adapters})
     tables = tables if tables is not None else {name: AliasTable(module) for name, module in components}
     for adapter, strength in adapters:

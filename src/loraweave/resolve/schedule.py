@@ -1,8 +1,8 @@
 """Step windows and ramps: on which sampling steps an adapter acts on the denoiser, and how strongly.
 
-A window (start, end) holds fractions of the schedule: with N steps, step i is inside when start <= i/N < end (the
-rule of diffusers' `cutoff_step_ratio` and ComfyUI's start/end percent). A linear ramp goes from `first` on the
-window's first step to `last` on its last one (a one-step window gets `first`)."""
+A window (start, end) holds fractions of the schedule: with N steps, step i is inside when start <= i/N < end
+(the rule of diffusers' `cutoff_step_ratio` and ComfyUI's start/end percent). A linear ramp goes from `first`
+on the window's first step to `last` on its last one (a one-step window gets `first`)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def _pair(value, what: str) -> tuple[float, float]:
 
 
 def check_window(steps, ramp, ramp_strengths) -> None:
-    """ArgumentError (a ValueError) unless the window is valid: 0 <= start < end <= 1; a ramp is 'linear' with two strengths."""
+    """ArgumentError (a ValueError) unless the window is valid: 0 <= start < end <= 1; a ramp is 'linear' with
+    two strengths."""
     if steps is not None:
         start, end = _pair(steps, "steps")
         if not 0.0 <= start < end <= 1.0:

@@ -1,8 +1,8 @@
 """Stack modes on layers that several adapters touch: their contributions become one `combined` part.
 
-`sum` keeps contributions as they are (exact; the runtime path concatenates their ranks). The other dense modes
-replace each shared layer's contributions with one combined part (families/combined.py); layers one adapter
-touches are left alone."""
+`sum` keeps contributions as they are (exact; the runtime path concatenates their ranks). The other dense
+modes replace each shared layer's contributions with one combined part (families/combined.py); layers one
+adapter touches are left alone."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class Contribution(NamedTuple):
 
 
 def stack_key(component: str, path: str, names: list[str]) -> str:
-    """What DARE masks derive from: the layer and the adapters on it (mode and density are added by the masks)."""
+    """What DARE masks derive from: the layer and the adapters on it (mode and density are added by the
+    masks)."""
     return f"{component}.{path}|" + "|".join(names)
 
 

@@ -66,7 +66,8 @@ def as_components(target) -> Components:
 
 
 def experts(components: Components, weights: Mapping[str, object]) -> dict[str, tuple[str, ...]]:
-    """Adapter name -> denoiser components its denoiser keys land on, from each adapter's `component_strengths`.
+    """Adapter name -> denoiser components its denoiser keys land on, from each adapter's
+    `component_strengths`.
 
     Every component named there must exist in the target (a typo must not silently apply nothing)."""
     out: dict[str, tuple[str, ...]] = {}

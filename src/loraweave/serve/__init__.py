@@ -1,5 +1,6 @@
-"""Serving many users' adapters with Ray Serve (`pip install loraweave[serve]`): `loraweave.serve.app` holds the
-deployments, `loraweave.serve.engine` the Ray-free engine they run (pipeline, adapter store, mixed batches).
+"""Serving many users' adapters with Ray Serve (`pip install loraweave[serve]`): `loraweave.serve.app` holds
+the deployments, `loraweave.serve.engine` the Ray-free engine they run (pipeline, adapter store, mixed
+batches).
 
 Nothing else in loraweave imports Ray; importing this package does not either (the app module does)."""
 
@@ -17,8 +18,8 @@ __all__ = [
 
 
 def start(options, address: str | None = None, port: int = 8000, route_prefix: str = "/"):
-    """Start (or join, with `address`) Ray, deploy the app and return (handle, url). Local Ray gets this package's
-    source folder on PYTHONPATH so replicas import the same loraweave."""
+    """Start (or join, with `address`) Ray, deploy the app and return (handle, url). Local Ray gets this
+    package's source folder on PYTHONPATH so replicas import the same loraweave."""
     import os
     from pathlib import Path
 

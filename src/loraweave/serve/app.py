@@ -1,9 +1,11 @@
-"""The Ray Serve application: an HTTP ingress that checks requests, and renderer replicas that multiplex adapters.
+"""The Ray Serve application: an HTTP ingress that checks requests, and renderer replicas that multiplex
+adapters.
 
-The ingress resolves adapter names in the folder (unknown names and paths outside it are refused there, 4xx) and
-sends each request to the renderers with its adapter set as the `multiplexed_model_id`, so Ray routes it to a
-replica that already holds those adapters. A renderer loads a set through `@serve.multiplexed` (LRU) and renders
-the requests `@serve.batch` gathers in one pipeline call, each sample with its own adapters (`Handle.batch`)."""
+The ingress resolves adapter names in the folder (unknown names and paths outside it are refused there, 4xx)
+and sends each request to the renderers with its adapter set as the `multiplexed_model_id`, so Ray routes it
+to a replica that already holds those adapters. A renderer loads a set through `@serve.multiplexed` (LRU) and
+renders the requests `@serve.batch` gathers in one pipeline call, each sample with its own adapters
+(`Handle.batch`)."""
 
 from __future__ import annotations
 
@@ -145,8 +147,9 @@ class Ingress:
         return JSONResponse(result)
 
     async def _render(self, req: ServeRequest) -> dict:
-        """The replica's answer; a replica that died mid-render (a crash, an OOM kill) yields no image, so the request
-        is rendered again from scratch on another replica (renders are deterministic: the same image), then a 503."""
+        """The replica's answer; a replica that died mid-render (a crash, an OOM kill) yields no image, so the
+        request is rendered again from scratch on another replica (renders are deterministic: the same image),
+        then a 503."""
         renderer = (
             self.renderer.options(multiplexed_model_id=req.adapter_set) if req.adapter_set else self.renderer
         )
@@ -166,8 +169,9 @@ class Ingress:
 
 @contextlib.contextmanager
 def _any_adapter_batch():
-    """Ray Serve splits `@serve.batch` batches by multiplexed model id; loraweave's per-sample batches mix adapter
-    sets exactly, so the batch call is made without the id (routing and the adapter LRU still used it)."""
+    """Ray Serve splits `@serve.batch` batches by multiplexed model id; loraweave's per-sample batches mix
+    adapter sets exactly, so the batch call is made without the id (routing and the adapter LRU still used
+    it)."""
     from ray.serve import context as serve_context
 
     current = serve_context._get_serve_request_context()

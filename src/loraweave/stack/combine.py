@@ -26,7 +26,8 @@ log = logging.getLogger("loraweave")
 
 
 def validate_stack(mode: StackMode, density: float | None, n_adapters: int | None = None) -> None:
-    """Raise ValueError when `mode`/`density` (and, for select modes, the adapter count) do not fit together."""
+    """Raise ValueError when `mode`/`density` (and, for select modes, the adapter count) do not fit
+    together."""
     if mode not in STACK_MODES:
         raise ValueError(f"unknown stack mode {mode!r}; expected one of {', '.join(STACK_MODES)}")
     if mode in DENSE_MODES:
@@ -45,13 +46,15 @@ def validate_stack(mode: StackMode, density: float | None, n_adapters: int | Non
 
 
 def mask_seed(key: str, mode: str, density: float) -> int:
-    """64-bit seed for the DARE masks of one layer: sha256 of key, mode and density (repr, so 0.5 != 0.50001)."""
+    """64-bit seed for the DARE masks of one layer: sha256 of key, mode and density (repr, so 0.5 !=
+    0.50001)."""
     digest = hashlib.sha256(f"{key}|{mode}|{float(density)!r}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def dare_masks(shape: tuple[int, ...], count: int, density: float, key: str, mode: str) -> list[Tensor]:
-    """`count` Bernoulli(density) keep-masks (fp32, CPU), drawn in adapter order from one seeded local generator.
+    """`count` Bernoulli(density) keep-masks (fp32, CPU), drawn in adapter order from one seeded local
+    generator.
 
     Drawing them as `torch.bernoulli(full(shape, density))` from a generator seeded with `mask_seed(...)` is
     the same stream PEFT's `random_pruning` draws from the global RNG after `torch.manual_seed(seed)`."""
@@ -63,7 +66,8 @@ def dare_masks(shape: tuple[int, ...], count: int, density: float, key: str, mod
 
 
 def _magnitude_prune(delta: Tensor, density: float) -> Tensor:
-    """Keep the k = int(density·numel) largest |Δ| (PEFT's rule), via a k-th value threshold (faster than topk)."""
+    """Keep the k = int(density·numel) largest |Δ| (PEFT's rule), via a k-th value threshold (faster than
+    topk)."""
     if density >= 1.0:
         return delta
     flat = delta.reshape(-1)

@@ -48,27 +48,29 @@ def stream(
 ) -> StreamHandle:
     """Run `model` (inference) with its repeated blocks streamed from `storage` through device slots.
 
-    budget: "auto" (free device memory at each forward, minus `margin`) or bytes (an int, or a size string such as
-      "24GB" = 24·10⁹ or "20GiB" = 20·2³⁰) the streamer may hold on the
-      device (clamped at each forward to what is free then). The plan keeps the rest of the model, adapter factors
-      and a resident prefix of blocks on the device, and streams the other blocks through two slots (the block
-      computing and the next one, prefetched on a side stream on CUDA).
-    device: compute device (default: CUDA when available, else CPU; CPU = simulation, storage and compute alike).
-    margin: bytes of the budget left free for activations; default 2 GiB on CUDA (raise it for large video or
-      high-resolution activations), 0 on CPU.
+    budget: "auto" (free device memory at each forward, minus `margin`) or bytes (an int, or a size string
+      such as "24GB" = 24·10⁹ or "20GiB" = 20·2³⁰) the streamer may hold on the
+      device (clamped at each forward to what is free then). The plan keeps the rest of the model, adapter
+      factors and a resident prefix of blocks on the device, and streams the other blocks through two slots
+      (the block computing and the next one, prefetched on a side stream on CUDA).
+    device: compute device (default: CUDA when available, else CPU; CPU = simulation, storage and compute
+    alike). margin: bytes of the budget left free for activations; default 2 GiB on CUDA (raise it for large
+      video or high-resolution activations), 0 on CPU.
     blocks: module paths of the blocks to stream (default: the children of the outermost ModuleLists).
-    free_bytes: how many device bytes are free now (default: asked from CUDA; tests simulate a device with it).
-    trace: keep every ledger event in `handle.report.trace` (tests assert each against the budget).
-    placement: "prefix" keeps the first blocks resident (sd.cpp's rule); "spread" spreads the streamed blocks among
-      the resident ones, so each copy can hide behind several blocks' compute (for when a block copies slower
-      than it computes). The same number of bytes stays resident either way, give or take the slot size.
+    free_bytes: how many device bytes are free now (default: asked from CUDA; tests simulate a device with
+    it). trace: keep every ledger event in `handle.report.trace` (tests assert each against the budget).
+    placement: "prefix" keeps the first blocks resident (sd.cpp's rule); "spread" spreads the streamed blocks
+      among the resident ones, so each copy can hide behind several blocks' compute (for when a block copies
+      slower than it computes). The same number of bytes stays resident either way, give or take the slot
+      size.
 
     Runtime adapters (`loraweave.apply(model, ..., mode="runtime" | "auto")`) may be applied before or after.
-    Factors of layers inside a block travel with it (part of its slot copy, bound to the layer while it computes);
-    the others (the rest of the model, quantized layers) stay on the device; all are counted in the plan. Strength
-    changes and adapter switches between forwards are picked up: slot contents are versioned (block, plan, weight
-    versions, adapter set), so a prefetched copy made before the change is never used. Every weight-holding layer
-    is marked `_loraweave_streamed`, so merging (which would write a copy) is refused and `auto` picks runtime.
+    Factors of layers inside a block travel with it (part of its slot copy, bound to the layer while it
+    computes); the others (the rest of the model, quantized layers) stay on the device; all are counted in the
+    plan. Strength changes and adapter switches between forwards are picked up: slot contents are versioned
+    (block, plan, weight versions, adapter set), so a prefetched copy made before the change is never used.
+    Every weight-holding layer is marked `_loraweave_streamed`, so merging (which would write a copy) is
+    refused and `auto` picks runtime.
 
     Inference only (forwards under torch.no_grad()); do not move the model (`.to()`) while it streams: close()
     first (a replaced tensor is detected and refused)."""

@@ -17,8 +17,8 @@ class ClockCopier(Copier):
     """One copy engine and one compute stream on a virtual clock (seconds).
 
     A copy starts when the engine is free and compute has released the slot (CUDA's `freed` event) and takes
-    `copy_seconds(unit)`; compute waits for it (`ready`). Whoever runs the model advances `now` by each block's
-    compute time before the handle's post-hook (a forward hook registered with prepend=True)."""
+    `copy_seconds(unit)`; compute waits for it (`ready`). Whoever runs the model advances `now` by each
+    block's compute time before the handle's post-hook (a forward hook registered with prepend=True)."""
 
     def __init__(self, device: torch.device, copy_seconds: Callable[[Unit], float]) -> None:
         super().__init__(device)

@@ -1,9 +1,10 @@
-"""Runtime-mode adapter paths on a streamed model: found on its layers, their device bytes counted in the plan.
+"""Runtime-mode adapter paths on a streamed model: found on its layers, their device bytes counted in the
+plan.
 
 A path on a layer of a block travels with the block: its factors, cast to the layer's dtype, are part of the
-block's slot layout, copied with its weights and bound to the path while the block computes. Paths elsewhere (the
-rest of the model, or layers whose compute dtype is not known ahead: quantized storage) stay on the device and
-are counted apart."""
+block's slot layout, copied with its weights and bound to the path while the block computes. Paths elsewhere
+(the rest of the model, or layers whose compute dtype is not known ahead: quantized storage) stay on the
+device and are counted apart."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from ..mechanisms.runtime.path import RuntimePath
 
 
 def runtime_paths(module: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> list[RuntimePath]:
-    """Every attached RuntimePath under `module` (fused forward or forward hook); `layers`: only look there."""
+    """Every attached RuntimePath under `module` (fused forward or forward hook); `layers`: only look
+    there."""
     out = []
     for m in layers if layers is not None else module.modules():
         owner = getattr(m.__dict__.get("forward"), "__self__", None)
@@ -43,7 +45,8 @@ def path_bytes(path: RuntimePath) -> int:
 
 
 def scale_bytes(path: RuntimePath) -> int:
-    """Device bytes of the path's per-rank scale vector (it never travels: strength changes re-cast only it)."""
+    """Device bytes of the path's per-rank scale vector (it never travels: strength changes re-cast only
+    it)."""
     dtype = travel_dtype(path)
     return path.scale.numel() * (torch.empty(0, dtype=dtype).element_size() if dtype is not None else 4)
 
@@ -61,6 +64,7 @@ def unbind(path: RuntimePath) -> None:
 
 
 def recast(module: torch.nn.Module) -> None:
-    """Re-cast every path's factors to where its layer's weight lives now (frees device copies after release)."""
+    """Re-cast every path's factors to where its layer's weight lives now (frees device copies after
+    release)."""
     for path in runtime_paths(module):
         path.warm()

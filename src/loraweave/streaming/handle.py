@@ -1,4 +1,5 @@
-"""StreamHandle: per-block hooks that copy a streamed block into a slot one block ahead and release it after."""
+"""StreamHandle: per-block hooks that copy a streamed block into a slot one block ahead and release it
+after."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ STREAMED_ATTR = "_loraweave_streamed"
 class StreamHandle:
     """A model whose repeated blocks stream through device slots under a byte budget.
 
-    `release()` gives back every device byte (e.g. before a VAE decode; the next forward re-plans against what is
-    free then); `close()` restores the model exactly (same parameter objects, devices, values)."""
+    `release()` gives back every device byte (e.g. before a VAE decode; the next forward re-plans against what
+    is free then); `close()` restores the model exactly (same parameter objects, devices, values)."""
 
     def __init__(
         self,
@@ -94,7 +95,8 @@ class StreamHandle:
             self.close()  # a budget too small (or an interrupt) leaves the model exactly as it was
             raise
 
-    # -- budget and plan ---------------------------------------------------------------------------------------
+    # -- budget and plan
+    # ---------------------------------------------------------------------------------------
     def _free_now(self) -> int | None:
         if self._free_bytes is not None:
             return self._free_bytes()
@@ -105,7 +107,8 @@ class StreamHandle:
         return None
 
     def _effective_budget(self) -> int:
-        """Requested budget clamped to what is free now (plus what we hold), never growing between releases."""
+        """Requested budget clamped to what is free now (plus what we hold), never growing between
+        releases."""
         free = self._free_now()
         avail = None if free is None else free + self.ledger.current
         if self._requested is None:
@@ -234,8 +237,8 @@ class StreamHandle:
         budget = self._effective_budget()
         if changed or budget < self.plan.budget:
             plan = self._new_plan(budget)
-            # Same residency, slots and sizes: keep the slots and their prefetched contents. (Block sizes count:
-            # a resident block's booking or a slot buffer must grow when its adapters do.)
+            # Same residency, slots and sizes: keep the slots and their prefetched contents. (Block sizes
+            # count: a resident block's booking or a slot buffer must grow when its adapters do.)
             same = (
                 plan.resident,
                 plan.n_slots,
@@ -257,7 +260,8 @@ class StreamHandle:
             else:
                 self._install(plan)
 
-    # -- hooks -------------------------------------------------------------------------------------------------
+    # -- hooks
+    # -------------------------------------------------------------------------------------------------
     def _begin_forward(self, module, args) -> None:
         if self._in_forward:
             return
@@ -312,7 +316,8 @@ class StreamHandle:
 
         return hook
 
-    # -- slots -------------------------------------------------------------------------------------------------
+    # -- slots
+    # -------------------------------------------------------------------------------------------------
     def _tag(self, i: int) -> tuple:
         return (i, self.epoch, self.units[i].version())
 
@@ -378,10 +383,11 @@ class StreamHandle:
         self._active = None
         self.ledger.note(f"done {self.units[i].name}")
 
-    # -- public ------------------------------------------------------------------------------------------------
+    # -- public
+    # ------------------------------------------------------------------------------------------------
     def release(self) -> None:
-        """Give back every device byte (resident blocks, the rest, slots, adapter factor casts). The next forward
-        re-plans against the memory free then (the budget ratchet is reset)."""
+        """Give back every device byte (resident blocks, the rest, slots, adapter factor casts). The next
+        forward re-plans against the memory free then (the budget ratchet is reset)."""
         if self.closed or self._released:
             return
         self.copier.drain()

@@ -39,7 +39,8 @@ def allocated(nbytes: int, pin: bool) -> int:
 
 def group_runs(spans: list[tuple[int, int]], pin: bool) -> list[tuple[int, int]]:
     """Split consecutive byte spans (start, end) of a layout into runs [(start, end)] that waste the fewest
-    allocated bytes (exact dynamic program over cut points; a run never exceeds MAX_RUN unless one span does)."""
+    allocated bytes (exact dynamic program over cut points; a run never exceeds MAX_RUN unless one span
+    does)."""
     n = len(spans)
     if not n:
         return []
@@ -79,7 +80,8 @@ class Run:
 def pack(
     items: list[tuple[int, torch.Tensor]], storage: torch.device, pin: bool
 ) -> tuple[list[Run], list[torch.Tensor]]:
-    """Copy tensors placed at layout `offset`s into packed runs; returns the runs and each tensor's host view."""
+    """Copy tensors placed at layout `offset`s into packed runs; returns the runs and each tensor's host
+    view."""
     spans = [(off, off + tensor_bytes(t)) for off, t in items]
     runs = [Run(a, b, host_buffer(b - a, storage, pin)) for a, b in group_runs(spans, pin)]
     views, k = [], 0

@@ -1,4 +1,5 @@
-"""Device byte accounting: every device allocation the streamer makes is booked here and checked against the budget."""
+"""Device byte accounting: every device allocation the streamer makes is booked here and checked against the
+budget."""
 
 from __future__ import annotations
 

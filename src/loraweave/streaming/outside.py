@@ -1,5 +1,5 @@
-"""Tensors quantized layers keep outside their parameters and buffers: streaming cannot move them, so it counts
-them as resident (bitsandbytes 4-bit `quant_state`) or refuses the layer (bitsandbytes int8)."""
+"""Tensors quantized layers keep outside their parameters and buffers: streaming cannot move them, so it
+counts them as resident (bitsandbytes 4-bit `quant_state`) or refuses the layer (bitsandbytes int8)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _state_tensors(state, seen: set[int]) -> list[torch.Tensor]:
 
 
 def resident_outside_bytes(model: torch.nn.Module, device: torch.device) -> int:
-    """Device bytes of tensors held outside parameters/buffers that stay where they are while the weights stream.
+    """Device bytes of tensors held outside parameters/buffers that stay where they are while the weights
+    stream.
 
     Raises ValueError for layers that cannot be streamed at all, or whose side tensors are not on `device`."""
     total, seen = 0, set()
@@ -31,7 +32,8 @@ def resident_outside_bytes(model: torch.nn.Module, device: torch.device) -> int:
             continue
         if type(weight).__name__ == "Int8Params":
             raise ValueError(
-                f"{name or type(model).__name__}: bitsandbytes int8 layers keep their int8 matrix in `layer.state` "
+                f"{name or type(model).__name__}: bitsandbytes int8 layers keep their int8 matrix in "
+                f"`layer.state` "
                 "(CB/SCB) and point the weight back at it in every forward, so streaming cannot move it; "
                 "quantize "
                 "the model with SDNQ, GGUF, optimum-quanto, torchao or bitsandbytes 4-bit to stream it"
@@ -39,9 +41,10 @@ def resident_outside_bytes(model: torch.nn.Module, device: torch.device) -> int:
         for t in _state_tensors(getattr(weight, "quant_state", None), seen):
             if t.device != device:
                 raise ValueError(
-                    f"{name}: bitsandbytes 4-bit quant_state is on {t.device}, the compute device is {device}: "
-                    "quantize on the compute device (model.to(device)) before streaming; streaming moves the packed "
-                    "weights, the small quant_state stays on the device"
+                    f"{name}: bitsandbytes 4-bit quant_state is on {t.device}, the compute device is "
+                    f"{device}: "
+                    "quantize on the compute device (model.to(device)) before streaming; streaming moves the "
+                    "packed weights, the small quant_state stays on the device"
                 )
             total += t.numel() * t.element_size()
     return total

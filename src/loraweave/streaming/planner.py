@@ -1,4 +1,5 @@
-"""Split a model into its repeated blocks and the rest, and choose which blocks stay resident under a budget."""
+"""Split a model into its repeated blocks and the rest, and choose which blocks stay resident under a
+budget."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def aligned(nbytes: int) -> int:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor really holds: a tensor subclass (torchao) counts its inner tensors, not its logical shape."""
+    """Bytes a tensor really holds: a tensor subclass (torchao) counts its inner tensors, not its logical
+    shape."""
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         return sum(
@@ -62,8 +64,8 @@ def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def module_tensors(
     module: torch.nn.Module, seen: set[int], skip: frozenset[int] = frozenset()
 ) -> list[tuple[torch.nn.Module, str, str]]:
-    """(owner, "param"|"buffer", name) of every tensor under `module` not already in `seen`, not descending into
-    modules whose id is in `skip` (tied tensors stay with their first owner)."""
+    """(owner, "param"|"buffer", name) of every tensor under `module` not already in `seen`, not descending
+    into modules whose id is in `skip` (tied tensors stay with their first owner)."""
     out = []
     stack = [module]
     while stack:
@@ -131,8 +133,8 @@ PLACEMENTS = ("prefix", "spread")
 
 
 def spread_streamed(n: int, m: int) -> set[int]:
-    """`m` of `n` positions spread evenly: between two streamed blocks there are as many resident ones as can be,
-    so each prefetch overlaps more than one block's compute."""
+    """`m` of `n` positions spread evenly: between two streamed blocks there are as many resident ones as can
+    be, so each prefetch overlaps more than one block's compute."""
     return {int((j + 0.5) * n / m) for j in range(m)} if m else set()
 
 
@@ -147,11 +149,12 @@ def plan_residency(
 ) -> StreamPlan:
     """Most resident blocks that fit, in execution order.
 
-    "prefix": the first k blocks are resident, for the largest k with rest + extra + prefix + slots(streamed) <=
-    budget - margin, where slots = 2 x largest streamed block (the block computing and the one being prefetched),
-    or 1 x when a single block is streamed (it simply stays in its slot).
-    "spread": the same count rule, with the streamed blocks spread evenly among the resident ones: a block's copy
-    then has the compute of the resident blocks before it to hide behind, not only the previous streamed block's."""
+    "prefix": the first k blocks are resident, for the largest k with rest + extra + prefix + slots(streamed)
+    <= budget - margin, where slots = 2 x largest streamed block (the block computing and the one being
+    prefetched), or 1 x when a single block is streamed (it simply stays in its slot).
+    "spread": the same count rule, with the streamed blocks spread evenly among the resident ones: a block's
+    copy then has the compute of the resident blocks before it to hide behind, not only the previous streamed
+    block's."""
     check_placement(placement)
     n = len(block_bytes)
     usable = budget - margin
@@ -167,7 +170,8 @@ def plan_residency(
         need = rest_bytes + extra_bytes + min(2, n) * (max(block_bytes) if n else 0)
         raise BudgetTooSmall(
             f"budget {budget} B minus margin {margin} B cannot hold the rest of the model ({rest_bytes} B), "
-            f"adapter factors ({extra_bytes} B) and the streaming slots; at least {need + margin} B are needed"
+            f"adapter factors ({extra_bytes} B) and the streaming slots; at least {need + margin} B are "
+            f"needed"
         )
     streamed, slots, slot_bytes = best
     plan = StreamPlan(

@@ -1,4 +1,5 @@
-"""What streaming did: the plan (resident/streamed blocks, bytes), bytes copied per forward, copy/compute overlap."""
+"""What streaming did: the plan (resident/streamed blocks, bytes), bytes copied per forward, copy/compute
+overlap."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class StreamReport:
 
     @property
     def overlap(self) -> float | None:
-        """Fraction of copy time hidden behind compute: 1 - stall/copy (0 on CPU, where copies are synchronous)."""
+        """Fraction of copy time hidden behind compute: 1 - stall/copy (0 on CPU, where copies are
+        synchronous)."""
         t = self.total
         if t.copy_seconds <= 0:
             return None

@@ -1,4 +1,5 @@
-"""Versioned slots: device buffers a streamed block is copied into, with the events that order copy and compute."""
+"""Versioned slots: device buffers a streamed block is copied into, with the events that order copy and
+compute."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from .store import Unit
 class Slot:
     """A flat device buffer holding one block's tensors as views.
 
-    `tag` says which block, at which version, under which plan epoch the contents are; a slot whose tag no longer
-    matches (weights written, plan changed) is never used: it is copied again."""
+    `tag` says which block, at which version, under which plan epoch the contents are; a slot whose tag no
+    longer matches (weights written, plan changed) is never used: it is copied again."""
 
     def __init__(self, nbytes: int, device: torch.device, copier: Copier) -> None:
         self.buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
@@ -24,16 +25,19 @@ class Slot:
         self.busy = False  # a block is computing from it
         self.prefetched = False  # filled ahead of use (counted when it is used)
         self.copy_s = 0.0  # wall time of its last copy (CPU: all of it is compute waiting)
-        # ready: copy finished (compute waits on it); freed: compute finished with it (the next copy waits on it)
+        # ready: copy finished (compute waits on it); freed: compute finished with it (the next copy waits on
+        # it)
         self.ready = self.freed = None
         self.freed_recorded = False
         copier.attach(self)
 
 
 class Copier:
-    """Copies a block into a slot: on CUDA on a side stream, ordered by the slot's events; on CPU synchronously.
+    """Copies a block into a slot: on CUDA on a side stream, ordered by the slot's events; on CPU
+    synchronously.
 
-    Timings come from CUDA events (resolved lazily, never forcing a sync mid-forward) or from the wall clock."""
+    Timings come from CUDA events (resolved lazily, never forcing a sync mid-forward) or from the wall
+    clock."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -75,7 +79,8 @@ class Copier:
         stats.copies += 1
 
     def wait(self, slot: Slot, stats: ForwardStats, waited_copy_s: float = 0.0) -> None:
-        """Make compute wait for the slot's copy (CUDA); on CPU the copy already finished and was all stall."""
+        """Make compute wait for the slot's copy (CUDA); on CPU the copy already finished and was all
+        stall."""
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

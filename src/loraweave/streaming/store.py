@@ -1,4 +1,5 @@
-"""One unit's tensors (a block, or the rest of the model): host storage, device residency, slot views, restore."""
+"""One unit's tensors (a block, or the rest of the model): host storage, device residency, slot views,
+restore."""
 
 from __future__ import annotations
 
@@ -40,11 +41,12 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 class Unit:
-    """A block (or the rest): its tensors, where they live now ("host" | "device" | "slot" | "orig" after close),
-    its slot layout, and the runtime adapter factors that travel with it.
+    """A block (or the rest): its tensors, where they live now ("host" | "device" | "slot" | "orig" after
+    close), its slot layout, and the runtime adapter factors that travel with it.
 
-    Host copies: a model already on the storage device, unpinned, is used in place (no copy). Otherwise (pinned
-    for CUDA, or held elsewhere) the plain tensors are packed at their slot offsets into a few runs (hostmem)."""
+    Host copies: a model already on the storage device, unpinned, is used in place (no copy). Otherwise
+    (pinned for CUDA, or held elsewhere) the plain tensors are packed at their slot offsets into a few runs
+    (hostmem)."""
 
     def __init__(
         self,
@@ -94,8 +96,8 @@ class Unit:
         self.place = "host"
 
     def set_factors(self, paths: list[RuntimePath]) -> None:
-        """Runtime adapter paths on this block's layers: their factors join the slot layout (host copies already
-        in the compute dtype, packed and pinned like the weights, so a copy is a plain transfer)."""
+        """Runtime adapter paths on this block's layers: their factors join the slot layout (host copies
+        already in the compute dtype, packed and pinned like the weights, so a copy is a plain transfer)."""
         offset = self.weight_layout_bytes
         for path, *_ in self.factors:
             factors.unbind(path)  # a path leaving (adapter removed) must not keep a slot view
@@ -122,8 +124,8 @@ class Unit:
     def copy_pairs(
         self, buf: torch.Tensor, with_factors: bool = True
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(destination in `buf`, host source) per transfer filling `buf` with this unit's slot layout (its weights,
-        then its travelling factors): one per packed run, else one per tensor."""
+        """(destination in `buf`, host source) per transfer filling `buf` with this unit's slot layout (its
+        weights, then its travelling factors): one per packed run, else one per tensor."""
         if self.runs:
             pairs = [(buf[r.start : r.end], r.host) for r in self.runs]
         else:
@@ -132,8 +134,9 @@ class Unit:
 
     # -- residency -------------------------------------------------------------------------------------------
     def to_device(self, device: torch.device) -> None:
-        """Resident: the host tensors themselves when storage is the device, else one device buffer (its weights
-        copied run by run) with every plain tensor a view of it; tensor subclasses get their own copy."""
+        """Resident: the host tensors themselves when storage is the device, else one device buffer (its
+        weights copied run by run) with every plain tensor a view of it; tensor subclasses get their own
+        copy."""
         if self.storage == device:
             self._device = [e.host for e in self.entries]
         else:
@@ -171,7 +174,8 @@ class Unit:
 
     def point_to(self, views: list[torch.Tensor | None], device: torch.device) -> int:
         """Compute from the slot's views; returns the bytes of tensor subclasses copied here, on the compute
-        stream (a copy made on the side stream would be freed into that stream's pool while compute reads it)."""
+        stream (a copy made on the side stream would be freed into that stream's pool while compute reads
+        it)."""
         n, side = len(self.entries), 0
         for e, v in zip(self.entries, views[:n], strict=True):
             if v is None:
@@ -184,7 +188,8 @@ class Unit:
         return side
 
     def version(self) -> tuple:
-        """Changes whenever a tensor is written in place through its Parameter/buffer, or its storage replaced."""
+        """Changes whenever a tensor is written in place through its Parameter/buffer, or its storage
+        replaced."""
         return (self.factor_version, *((e.tensor._version, e.host.data_ptr()) for e in self.entries))
 
     def changed(self) -> str | None:
@@ -200,8 +205,8 @@ class Unit:
         return None
 
     def restore(self) -> None:
-        """Back to what the model held before streaming: same objects, devices, values. Host copies are dropped
-        (pinned memory goes back to torch's host cache: the handle empties it)."""
+        """Back to what the model held before streaming: same objects, devices, values. Host copies are
+        dropped (pinned memory goes back to torch's host cache: the handle empties it)."""
         for e in self.entries:
             if e.orig is not None:
                 e.point(e.orig)

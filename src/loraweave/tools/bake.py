@@ -1,9 +1,10 @@
 """`bake`: merge adapters into a checkpoint on disk, tensor by tensor, without building or loading the model.
 
-Keys resolve against a shadow module tree made from the checkpoint's tensor names and shapes; each changed tensor
-is read alone, merged exactly as `apply(mode="merge")` does (fp32 accumulation, one rounding), and written to a temp
-file (or folder) next to the target, renamed into place only when everything succeeded. Unchanged tensors are
-copied byte for byte. Peak memory: the largest changed tensor (plus its fp32 copy) and the adapters."""
+Keys resolve against a shadow module tree made from the checkpoint's tensor names and shapes; each changed
+tensor is read alone, merged exactly as `apply(mode="merge")` does (fp32 accumulation, one rounding), and
+written to a temp file (or folder) next to the target, renamed into place only when everything succeeded.
+Unchanged tensors are copied byte for byte. Peak memory: the largest changed tensor (plus its fp32 copy) and
+the adapters."""
 
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ class BakeResult:
 
 def parse_adapter_arg(spec: str) -> tuple[str, float]:
     """`FILE[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':' elsewhere). The strength
-    follows AdapterSpec's rule (finite, |s| <= 1e4) with `arguments.strength_text`'s messages; a tail that is no
-    number after an existing FILE (`lora.safetensors:abc`) is a bad strength, not part of the name."""
+    follows AdapterSpec's rule (finite, |s| <= 1e4) with `arguments.strength_text`'s messages; a tail that is
+    no number after an existing FILE (`lora.safetensors:abc`) is a bad strength, not part of the name."""
     head, sep, tail = spec.rpartition(":")
     if not (sep and head):
         return spec, 1.0
@@ -174,7 +175,8 @@ def _refuse_unchanged(result: BakeResult, model, allow_empty: bool) -> None:
     if result.tensors_changed == 0 and not allow_empty:
         raise EmptyOutputError(
             f"the adapters change no tensor of {model} (strength 0, or changes below the checkpoint's "
-            "precision): the output would be an unchanged copy; nothing written (--allow-empty writes it anyway)",
+            "precision): the output would be an unchanged copy; nothing written (--allow-empty writes it "
+            "anyway)",
             result,
         )
 

@@ -1,6 +1,7 @@
-"""Which tensors of a checkpoint `bake` changes, and how: the adapters resolved on the checkpoint's shadow tree
-(names and shapes from the headers, no data read), their pieces moved onto the checkpoint's own tensor names, and
-the parts that cannot merge there (no weight, quantized weight, a bias delta without a bias) moved to unmatched."""
+"""Which tensors of a checkpoint `bake` changes, and how: the adapters resolved on the checkpoint's shadow
+tree (names and shapes from the headers, no data read), their pieces moved onto the checkpoint's own tensor
+names, and the parts that cannot merge there (no weight, quantized weight, a bias delta without a bias) moved
+to unmatched."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def plan_adapters(
 def tensor_plan(
     ckpt: Checkpoint, plan: Plan, spans: dict[str, dict]
 ) -> dict[str, tuple[str, list[Contribution]]]:
-    """{full tensor name: ("weight" | "bias", contributions)}; parts that cannot merge move to plan.unmatched."""
+    """{full tensor name: ("weight" | "bias", contributions)}; parts that cannot merge move to
+    plan.unmatched."""
     prefix = {c.name: c.prefix for c in ckpt.components}
     tensors = {name: shard for c in ckpt.components for name, shard in c.tensors.items()}
     groups = _module_groups(plan, spans)
@@ -59,7 +61,8 @@ def _tensor_dtypes(ckpt: Checkpoint) -> dict[str, torch.dtype]:
 
 
 def _module_groups(plan: Plan, spans: dict[str, dict]) -> dict[tuple[str, str], list[Contribution]]:
-    """{(component, checkpoint module name): contributions}, each piece moved onto the checkpoint's own names."""
+    """{(component, checkpoint module name): contributions}, each piece moved onto the checkpoint's own
+    names."""
     groups: dict[tuple[str, str], list[Contribution]] = {}
     for pp in plan.planned:
         for piece in pp.pieces:  # on a live module; original-named files: the same rows of their own tensors
@@ -94,7 +97,8 @@ def _rejected(
 
 
 def _drop_rejected(plan: Plan, rejected: dict[int, Miss]) -> None:
-    """A part split over several modules lands everywhere or nowhere: rejected parts' keys become unmatched."""
+    """A part split over several modules lands everywhere or nowhere: rejected parts' keys become
+    unmatched."""
     for pp in plan.planned:
         if id(pp) in rejected:
             plan.unmatched += [Unmatched(pp.adapter.name, k, rejected[id(pp)]) for k in pp.part.keys]
@@ -120,7 +124,8 @@ DIFFUSERS_MARKERS = ("down_blocks", "mid_block", "up_blocks", "transformer_block
 
 
 def _layout_of(names) -> str | None:
-    """ "original", "diffusers" or None, for tensor names or adapter keys (kohya's underscores read as dots)."""
+    """ "original", "diffusers" or None, for tensor names or adapter keys (kohya's underscores read as
+    dots)."""
     words = ["." + name.replace("_", ".") + "." for name in names]
 
     def has(markers: tuple[str, ...]) -> bool:
@@ -143,8 +148,10 @@ def layout_hint(ckpt: Checkpoint, plan: Plan, model) -> str:
             to = "diffusers" if mine == "diffusers" else "comfy"
             return (
                 f"; {adapter.path} names modules in the {theirs} layout and {model} in the {mine} one, which "
-                "matches no built-in architecture and has no config.json beside it: convert the adapter first "
-                f"(loraweave convert {adapter.path} --to {to} --model FOLDER -o OUT.safetensors, FOLDER being "
-                f"a diffusers folder of this model with its config.json), or put that config.json beside {model}"
+                "matches no built-in architecture and has no config.json beside it: convert the adapter "
+                "first "
+                f"(loraweave convert {adapter.path} --to {to} --model FOLDER -o OUT.safetensors, FOLDER "
+                f"being a diffusers folder of this model with its config.json), or put that config.json "
+                f"beside {model}"
             )
     return ""

@@ -2,8 +2,8 @@
 sha256 and strengths, dtype, tensors whose bits changed) in every output file and index.
 
 The count of changed tensors is known only after the data is written, and the header comes first: the entry is
-written with room for any count (trailing blanks, which JSON ignores) and rewritten in place, at the same length,
-once every shard is done. No tensor is held twice and no shard is read back."""
+written with room for any count (trailing blanks, which JSON ignores) and rewritten in place, at the same
+length, once every shard is done. No tensor is held twice and no shard is read back."""
 
 from __future__ import annotations
 

@@ -156,8 +156,8 @@ class _Weighted(torch.nn.Module):
 
 
 def shadow_tree(comp: Component, checkpoint: Checkpoint) -> torch.nn.Module:
-    """Module tree on `meta` with one module per `<path>.weight` tensor; the root takes the config's class name
-    so architecture alias tables (original <-> diffusers names) apply as they do to the real model."""
+    """Module tree on `meta` with one module per `<path>.weight` tensor; the root takes the config's class
+    name so architecture alias tables (original <-> diffusers names) apply as they do to the real model."""
     root_cls = type(comp.class_name or "CheckpointModel", (_Node,), {"__module__": __name__})
     root = root_cls()
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -207,9 +207,9 @@ def shadow_components(checkpoint: Checkpoint) -> dict[str, torch.nn.Module]:
 def resolution_components(checkpoint: Checkpoint) -> tuple[dict[str, torch.nn.Module], dict[str, dict]]:
     """({component: module tree to resolve adapter keys against}, {component: spans to original tensor rows}).
 
-    Folders use their own names (shadow tree). A single file in original names (BFL Flux, ldm/sgm UNet) resolves
-    against the diffusers tree of its architecture, so both spellings of adapter keys land, and merged rows are
-    written back through the spans."""
+    Folders use their own names (shadow tree). A single file in original names (BFL Flux, ldm/sgm UNet)
+    resolves against the diffusers tree of its architecture, so both spellings of adapter keys land, and
+    merged rows are written back through the spans."""
     from .remap import reference_for
 
     trees: dict[str, torch.nn.Module] = {}

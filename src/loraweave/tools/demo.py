@@ -132,8 +132,8 @@ DEMO_PROMPT = "a cat <lora:demo:1>"
 
 
 def generate_demo(png: Path, work: Path) -> dict:
-    """Build the tiny SD1.5 pipeline (tools.tiny_pipeline: offline tokenizer, seeded weights) and a sample LoRA
-    under `work`, then run `generate` with a prompt tag to write `png` (and its JSON sidecar)."""
+    """Build the tiny SD1.5 pipeline (tools.tiny_pipeline: offline tokenizer, seeded weights) and a sample
+    LoRA under `work`, then run `generate` with a prompt tag to write `png` (and its JSON sidecar)."""
     from diffusers import StableDiffusionPipeline
 
     from ..io.write import WriteError

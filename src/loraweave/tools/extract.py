@@ -1,7 +1,8 @@
-"""`extract`: a LoRA from the difference of two checkpoints, and what it shares with `resize` (tools/resize.py).
+"""`extract`: a LoRA from the difference of two checkpoints, and what it shares with `resize`
+(tools/resize.py).
 
-Both stream layer by layer: one ΔW in memory at a time, truncated by SVD to a fixed rank or to the smallest rank
-that keeps a share of its energy (Σσ² of the kept singular values / Σσ²), which is reported per layer."""
+Both stream layer by layer: one ΔW in memory at a time, truncated by SVD to a fixed rank or to the smallest
+rank that keeps a share of its energy (Σσ² of the kept singular values / Σσ²), which is reported per layer."""
 
 from __future__ import annotations
 
@@ -134,8 +135,8 @@ def finish(result: LowRankResult, verb: str, t0: float) -> LowRankResult:
 
 
 def _component_prefix(comp) -> str:
-    """Output key prefix: diffusers' component names for diffusers-named weights (its loader reads them), ComfyUI's
-    `diffusion_model.` for original (ldm/BFL) names and for models that are neither."""
+    """Output key prefix: diffusers' component names for diffusers-named weights (its loader reads them),
+    ComfyUI's `diffusion_model.` for original (ldm/BFL) names and for models that are neither."""
     if comp.prefix == "model.diffusion_model.":
         return "diffusion_model."
     if comp.name == "denoiser":

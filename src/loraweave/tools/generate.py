@@ -1,9 +1,9 @@
 """`loraweave generate`: prompt (with `<lora:name:w[:te]>` tags) -> image, stable-diffusion.cpp style.
 
 Load a diffusers pipeline (folder, or a single-file checkpoint with its architecture), optionally quantize the
-denoiser (SDNQ), apply the prompt's and the command line's adapters with loraweave (merge / runtime / auto, one
-report), optionally stream the denoiser under a memory budget, sample, and write a PNG whose `parameters` text
-chunk is A1111's infotext plus a `loraweave` chunk with the report, and a JSON sidecar beside it."""
+denoiser (SDNQ), apply the prompt's and the command line's adapters with loraweave (merge / runtime / auto,
+one report), optionally stream the denoiser under a memory budget, sample, and write a PNG whose `parameters`
+text chunk is A1111's infotext plus a `loraweave` chunk with the report, and a JSON sidecar beside it."""
 
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def parse_budget(text: str | None) -> int | str | None:
 
 
 def check_png(output: str | os.PathLike) -> None:
-    """The image is a PNG: for another suffix PIL writes a JPEG or WebP and drops the parameters text chunk."""
+    """The image is a PNG: for another suffix PIL writes a JPEG or WebP and drops the parameters text
+    chunk."""
     if Path(output).suffix.lower() != ".png":
         raise GenerateError(
             f"{output}: the output must be a .png file (its text chunk holds the parameters: prompt, seed, "
@@ -370,7 +371,8 @@ def write_outputs(image, out: Path, text: str, sidecar: dict) -> Path:
 
 
 def _sample_maybe_streamed(pipe, req: GenerateRequest, prompt: str, seed: int, device, budget):
-    """(image, streaming summary or None): with a budget the denoiser streams its blocks, the rest is moved whole."""
+    """(image, streaming summary or None): with a budget the denoiser streams its blocks, the rest is moved
+    whole."""
     if budget is None:
         return sample(pipe, req, prompt, seed), None
     from ..streaming import stream

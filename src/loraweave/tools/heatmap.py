@@ -1,6 +1,6 @@
 """Draw a BlockGrid as a PNG heatmap with Pillow alone (no plotting library): rows = blocks, columns = module
-kinds, colour = value / max on a viridis-like ramp, grey = not touched. The grid's numbers and the cell geometry
-are stored in a `loraweave.plot` text chunk, so the picture can be read back exactly."""
+kinds, colour = value / max on a viridis-like ramp, grey = not touched. The grid's numbers and the cell
+geometry are stored in a `loraweave.plot` text chunk, so the picture can be read back exactly."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def _text_size(draw, text: str, font) -> tuple[int, int]:
 
 
 def _word_gap(font) -> int:
-    """Pixels between words: Pillow's default font draws a space 2 px wide at 10 px, which runs words together."""
+    """Pixels between words: Pillow's default font draws a space 2 px wide at 10 px, which runs words
+    together."""
     return max(4, round(getattr(font, "size", 10) * 0.4))
 
 

@@ -2,8 +2,8 @@
 
 Layout: `{prompt}\\nNegative prompt: {negative}\\n{K: V, K: V, ...}`; the prompt keeps its `<lora:...>` tags,
 the negative line only when non-empty, None values skipped, a value holding `,`, `:` or a newline JSON-quoted.
-`Model hash` is the first 10 hex of the checkpoint's sha256 (a folder model: of its denoiser's weight files end to
-end); `Lora hashes` the first 12 hex of each adapter's
+`Model hash` is the first 10 hex of the checkpoint's sha256 (a folder model: of its denoiser's weight files
+end to end); `Lora hashes` the first 12 hex of each adapter's
 AddNet hash (sha256 of the bytes after the safetensors header) or of its `sshs_model_hash` metadata."""
 
 from __future__ import annotations
@@ -74,15 +74,16 @@ def _cached_sha256(files: list[Path]) -> str:
 
 
 def model_hash(path: str | Path) -> str | None:
-    """First 10 hex of the sha256 of a single-file checkpoint (as A1111), or of a folder model's denoiser weight
-    files end to end (`denoiser_files`); None when a folder holds none."""
+    """First 10 hex of the sha256 of a single-file checkpoint (as A1111), or of a folder model's denoiser
+    weight files end to end (`denoiser_files`); None when a folder holds none."""
     path = Path(path)
     files = [path] if path.is_file() else denoiser_files(path) if path.is_dir() else []
     return _cached_sha256(files)[:10] if files else None
 
 
 def addnet_hash(path: str | Path, metadata: Mapping[str, str] | None = None) -> str | None:
-    """First 12 hex of the AddNet hash of a .safetensors adapter (or its `sshs_model_hash`); None otherwise."""
+    """First 12 hex of the AddNet hash of a .safetensors adapter (or its `sshs_model_hash`); None
+    otherwise."""
     if metadata and isinstance(metadata.get("sshs_model_hash"), str) and metadata["sshs_model_hash"]:
         return metadata["sshs_model_hash"][:12]
     path = Path(path)
@@ -96,7 +97,8 @@ def addnet_hash(path: str | Path, metadata: Mapping[str, str] | None = None) -> 
 
 
 def lora_hashes(named: list[tuple[str, str | None]]) -> str | None:
-    """`"alias: h12, alias2: h12"`, aliases without `:`/`,` (A1111 strips them); None when no hash is known."""
+    """`"alias: h12, alias2: h12"`, aliases without `:`/`,` (A1111 strips them); None when no hash is
+    known."""
     items = [f"{name.replace(':', '').replace(',', '')}: {h}" for name, h in named if h]
     return ", ".join(items) if items else None
 
@@ -109,7 +111,8 @@ def infotext(prompt: str, negative: str, params: Mapping[str, object]) -> str:
 
 
 def parse_infotext(text: str) -> tuple[str, str, dict[str, str]]:
-    """(prompt, negative, params) back from `infotext` (JSON-quoted values unquoted); for tests and readers."""
+    """(prompt, negative, params) back from `infotext` (JSON-quoted values unquoted); for tests and
+    readers."""
     lines = text.split("\n")
     params_line = lines.pop() if lines else ""
     negative = ""

@@ -1,8 +1,9 @@
 """cloneofsimo (positional) files for tools that work without the real model (bake, resize).
 
-Their keys say "the i-th injected Linear", an order only a model with the real classes defines. The parts are named
-by the same resolver `apply` uses, run on the full-size skeleton of the architecture the file fits (meta device);
-the copy that comes back carries ordinary module paths, which a checkpoint's shadow tree resolves by name."""
+Their keys say "the i-th injected Linear", an order only a model with the real classes defines. The parts are
+named by the same resolver `apply` uses, run on the full-size skeleton of the architecture the file fits (meta
+device); the copy that comes back carries ordinary module paths, which a checkpoint's shadow tree resolves by
+name."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def has_positional(adapter: Adapter) -> bool:
 
 
 def name_positional(adapter: Adapter, arch: str | None = None) -> Adapter:
-    """A copy of `adapter` whose positional parts carry the module path they resolve to on `arch` (default: the
-    UNet the file's shapes fit best); parts that do not resolve stay positional and are reported as misses."""
+    """A copy of `adapter` whose positional parts carry the module path they resolve to on `arch` (default:
+    the UNet the file's shapes fit best); parts that do not resolve stay positional and are reported as
+    misses."""
     if not has_positional(adapter):
         return adapter
     from ..resolve.planner import resolve
@@ -33,7 +35,8 @@ def name_positional(adapter: Adapter, arch: str | None = None) -> Adapter:
     if components is None:
         return adapter
     plan = resolve(Components(components), [(shape_only(adapter), 1.0)])
-    # CLIP under `text_model.`, which the skeleton lacks on recent transformers (an ldm checkpoint's tree has it)
+    # CLIP under `text_model.`, which the skeleton lacks on recent transformers (an ldm checkpoint's tree has
+    # it)
     prefixes = {name: missing_file_prefix(root) for name, root in components.items()}
     named = {
         id(pp.part): prefixes[pp.component] + pp.pieces[0].module

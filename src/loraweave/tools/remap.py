@@ -1,9 +1,11 @@
-"""Original (BFL / ldm / ComfyUI) names <-> live diffusers modules, row by row, for whole checkpoints and adapters.
+"""Original (BFL / ldm / ComfyUI) names <-> live diffusers modules, row by row, for whole checkpoints and
+adapters.
 
-`original_spans` inverts the architecture alias tables: for each live module, which original tensor rows hold it.
-`reference_for` recognises a checkpoint written in original names (a single-file Flux or SD checkpoint), and gives
-the diffusers module tree to resolve adapters against, plus the spans to write the merged rows back; a bare file in
-diffusers names with no config gets its catalog tree (and no spans), so original-named adapters land on it too."""
+`original_spans` inverts the architecture alias tables: for each live module, which original tensor rows hold
+it. `reference_for` recognises a checkpoint written in original names (a single-file Flux or SD checkpoint),
+and gives the diffusers module tree to resolve adapters against, plus the spans to write the merged rows back;
+a bare file in diffusers names with no config gets its catalog tree (and no spans), so original-named adapters
+land on it too."""
 
 from __future__ import annotations
 
@@ -50,9 +52,9 @@ def original_spans(
 ) -> tuple[Spans, dict[str, int]]:
     """({live module: [(original name, original row start, module row start, length)]}, {original: rows}).
 
-    A module named by several aliases keeps the first (the canonical spelling: `linear1` before `linear1_qkv`),
-    the first whose `<name>.weight` is in `present` where one is (ComfyUI's own HunyuanVideo spelling
-    `img_attn.qkv` on its model, where the Tencent `img_attn_qkv` comes first)."""
+    A module named by several aliases keeps the first (the canonical spelling: `linear1` before
+    `linear1_qkv`), the first whose `<name>.weight` is in `present` where one is (ComfyUI's own HunyuanVideo
+    spelling `img_attn.qkv` on its model, where the Tencent `img_attn_qkv` comes first)."""
     out: Spans = {}
     totals: dict[str, int] = {}
     names = _original_names(module, dict(module.named_modules()))
@@ -117,8 +119,9 @@ def _same_tree(ref: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> bool
 
 
 def _diffusers_reference(shapes: dict[str, tuple[int, ...]]) -> tuple[torch.nn.Module, Spans] | None:
-    """The catalog skeleton a bare diffusers-named file is, parameter for parameter, with no spans (its own names
-    are the live ones): its class's alias tables then land files in original (ComfyUI, kohya) names too."""
+    """The catalog skeleton a bare diffusers-named file is, parameter for parameter, with no spans (its own
+    names are the live ones): its class's alias tables then land files in original (ComfyUI, kohya) names
+    too."""
     from .skeleton import skeleton
 
     for name in _arch_from_diffusers_names(set(shapes)):
@@ -174,7 +177,8 @@ def reference_for(
     shapes: dict[str, tuple[int, ...]], folder: Path | None
 ) -> tuple[torch.nn.Module, Spans] | None:
     """(diffusers module tree, spans) when a single file's tensors use original names that a reference tree's
-    alias tables know: the tree from a sibling config.json, else the catalog architecture the names point to."""
+    alias tables know: the tree from a sibling config.json, else the catalog architecture the names point
+    to."""
     candidates = []
     ref = _from_config(folder) if folder is not None else None
     if ref is not None:

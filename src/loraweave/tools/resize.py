@@ -1,7 +1,7 @@
-"""`resize`: every LoRA/LoHa/LoKr/full part of an adapter rewritten as a LoRA of rank R (or of the smallest rank
-keeping a share of Σσ²), its scale folded in and alpha = rank. LoRA parts are truncated through QR of their factors,
-LoKr through the two small SVDs of its Kronecker halves, non-Tucker LoHa as the exact LoRA of rank r1·r2 it is; the
-others one dense ΔW at a time."""
+"""`resize`: every LoRA/LoHa/LoKr/full part of an adapter rewritten as a LoRA of rank R (or of the smallest
+rank keeping a share of Σσ²), its scale folded in and alpha = rank. LoRA parts are truncated through QR of
+their factors, LoKr through the two small SVDs of its Kronecker halves, non-Tucker LoHa as the exact LoRA of
+rank r1·r2 it is; the others one dense ΔW at a time."""
 
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def _targets(
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, str | None]]:
     """({part stem: (in, *kernel) of the module it lands on}, {component as the file names it: the
     `__metadata__` field its model's trainers record one network alpha in}). Flat-stored conv factors (old
-    LoHa/LoKr) do not say their kernel; the model does. Architecture: given, or detected (nothing when unknown)."""
+    LoHa/LoKr) do not say their kernel; the model does. Architecture: given, or detected (nothing when
+    unknown)."""
     from ..arch.aliases import metadata_alpha_of
     from ..arch.spec import module_shape
     from ..resolve.planner import resolve
@@ -143,9 +144,10 @@ def resize(
 ) -> LowRankResult:
     """Rewrite every LoRA/LoHa/LoKr/full part as a LoRA of rank ≤ R (its scale folded in, alpha = rank).
 
-    Conv kernels the factors do not carry come from the target (`arch`, `model`, or the detected architecture).
-    Positional (cloneofsimo) parts are named by the resolver `apply` uses, on `arch` (or the UNet they fit).
-    Refuses (EmptyOutputError, nothing written) when no part can be resized, unless `allow_empty`."""
+    Conv kernels the factors do not carry come from the target (`arch`, `model`, or the detected
+    architecture). Positional (cloneofsimo) parts are named by the resolver `apply` uses, on `arch` (or the
+    UNet they fit). Refuses (EmptyOutputError, nothing written) when no part can be resized, unless
+    `allow_empty`."""
     check_lowrank_args(rank, energy)
     t0 = time.perf_counter()
     out = check_output(output, [path], overwrite=overwrite)
@@ -201,7 +203,8 @@ def _resize_part(
 
 
 def _read_part(adapter, part, metadata_field: str | None) -> tuple[dict[str, torch.Tensor], object, float]:
-    """(the part's factor tensors by role, its family's factors, its scale as apply settles it: part_scale)."""
+    """(the part's factor tensors by role, its family's factors, its scale as apply settles it:
+    part_scale)."""
     roles = {r: adapter.tensor(k) for r, k in part.roles.items() if r not in ("alpha", "scale")}
     family = FAMILIES[part.family]
     factors = family.load_part(roles, part.roles, None)
@@ -212,8 +215,8 @@ def _read_part(adapter, part, metadata_field: str | None) -> tuple[dict[str, tor
 def _low_rank(
     part, factors, scale: float, rank: int | None, energy: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], float]:
-    """(up, down, (in, *kernel), captured energy) of one part's scaled ΔW, without forming ΔW where the family's
-    structure allows (LoRA, LoKr, non-Tucker LoHa)."""
+    """(up, down, (in, *kernel), captured energy) of one part's scaled ΔW, without forming ΔW where the
+    family's structure allows (LoRA, LoKr, non-Tucker LoHa)."""
     if part.family == "lora":
         up, down, captured = lora_truncate(
             factors.up.double() * scale, factors.down.flatten(1).double(), rank, energy

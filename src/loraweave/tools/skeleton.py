@@ -1,10 +1,10 @@
 """Full-size architecture skeletons from a small on-disk description, so `inspect` does not import diffusers.
 
-The first request builds the real model on `meta` (arch.catalog) and records, per component, every module's path,
-class name and own parameter shapes/dtypes (named_modules order). Later requests rebuild a module tree with the same
-paths, class names, Linear layers and parameter shapes, which is all the planner looks at (alias tables key on
-class names, cloneofsimo enumeration on order and nn.Linear). The cache key holds the loraweave, diffusers and
-transformers versions and the catalog entry, so a library upgrade rebuilds it."""
+The first request builds the real model on `meta` (arch.catalog) and records, per component, every module's
+path, class name and own parameter shapes/dtypes (named_modules order). Later requests rebuild a module tree
+with the same paths, class names, Linear layers and parameter shapes, which is all the planner looks at (alias
+tables key on class names, cloneofsimo enumeration on order and nn.Linear). The cache key holds the loraweave,
+diffusers and transformers versions and the catalog entry, so a library upgrade rebuilds it."""
 
 from __future__ import annotations
 
@@ -106,8 +106,8 @@ def _meta(shape, dtype: str, requires_grad: bool) -> torch.nn.Parameter:
 
 
 def _linear(params: dict) -> torch.nn.Linear:
-    """A real nn.Linear on meta without its constructor: reset_parameters' init kernels on meta tensors were half
-    of a cached rebuild (and their first call pays torch's lazy meta-kernel set-up)."""
+    """A real nn.Linear on meta without its constructor: reset_parameters' init kernels on meta tensors were
+    half of a cached rebuild (and their first call pays torch's lazy meta-kernel set-up)."""
     lin = torch.nn.Linear.__new__(torch.nn.Linear)
     torch.nn.Module.__init__(lin)
     lin.out_features, lin.in_features = params["weight"][0]
@@ -152,8 +152,8 @@ _REUSE: dict | None = (
 @contextlib.contextmanager
 def reuse():
     """Inside this block `skeleton()` hands back the same modules per architecture and `alias_tables()` their
-    tables, built once: one process inspecting a folder pays for each architecture once. Callers only read them
-    (meta modules, planning only)."""
+    tables, built once: one process inspecting a folder pays for each architecture once. Callers only read
+    them (meta modules, planning only)."""
     global _REUSE
     outer = _REUSE
     _REUSE = outer if outer is not None else {}
@@ -164,7 +164,8 @@ def reuse():
 
 
 def alias_tables(modules: dict[str, torch.nn.Module]):
-    """Alias tables of skeleton `modules`, built once inside `reuse()`; None outside it (the planner builds)."""
+    """Alias tables of skeleton `modules`, built once inside `reuse()`; None outside it (the planner
+    builds)."""
     if _REUSE is None:
         return None
     from ..arch.aliases import AliasTable

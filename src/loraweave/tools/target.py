@@ -1,5 +1,6 @@
 """Which model an adapter is checked against, as `inspect` chooses it: the architecture the file names, a UNet
-told apart by fit, a Flux-family variant by block counts; and shape-only probes that plan without reading data."""
+told apart by fit, a Flux-family variant by block counts; and shape-only probes that plan without reading
+data."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A tiny real SD1.5 pipeline saved to a folder (seeded weights, tokenizer files written offline, nothing
-downloaded) and a seeded sample LoRA for it: what `loraweave demo --generate` runs, and what the tests generate
-with."""
+downloaded) and a seeded sample LoRA for it: what `loraweave demo --generate` runs, and what the tests
+generate with."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 
 def _byte_chars() -> list[str]:
-    """GPT-2's byte -> printable character table: printable Latin-1 bytes map to themselves, the rest to 256+."""
+    """GPT-2's byte -> printable character table: printable Latin-1 bytes map to themselves, the rest to
+    256+."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]

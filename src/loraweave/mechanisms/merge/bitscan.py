@@ -1,9 +1,10 @@
 """Bit-pattern scans of undo records: where two weights differ, bitmask packing, scattering W's bits back.
 
-On the CPU these run through numpy views of the same memory: its compare into a bool buffer, flatnonzero, packbits
-and put are 2-4x faster than torch's CPU kernels for these ops (one thread: torch.ne into bool 1.17 ms vs 0.35 ms,
-nonzero 1.34 vs 0.87 ms, mask.sum 1.43 vs 0.08 ms per 1M int32 elements; benchmarks/bench_undo.py). Elsewhere
-(CUDA) the torch forms run. Both produce the same positions and the same little-endian bitmask."""
+On the CPU these run through numpy views of the same memory: its compare into a bool buffer, flatnonzero,
+packbits and put are 2-4x faster than torch's CPU kernels for these ops (one thread: torch.ne into bool 1.17
+ms vs 0.35 ms, nonzero 1.34 vs 0.87 ms, mask.sum 1.43 vs 0.08 ms per 1M int32 elements;
+benchmarks/bench_undo.py). Elsewhere (CUDA) the torch forms run. Both produce the same positions and the same
+little-endian bitmask."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import torch
 
 
 def _np(t: torch.Tensor) -> np.ndarray | None:
-    """A numpy view of a CPU tensor's memory (integer bit views only), or None where torch must do the work."""
+    """A numpy view of a CPU tensor's memory (integer bit views only), or None where torch must do the
+    work."""
     if t.device.type != "cpu" or t.is_floating_point():
         return None
     return t.numpy()
 
 
 def differ(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Ascending flat positions (int64) where the integer tensors a and b differ; `mask`: a bool buffer of a's size."""
+    """Ascending flat positions (int64) where the integer tensors a and b differ; `mask`: a bool buffer of a's
+    size."""
     an, bn, mn = _np(a), _np(b), _np(mask)
     if an is None or bn is None or mn is None:
         return torch.ne(a, b, out=mask).nonzero().squeeze(1)

@@ -43,8 +43,8 @@ def _set_config(owner: object, key: str, value: object) -> None:
 
 
 def grow_input(root: torch.nn.Module, path: str, width: int, config_key: str, record=None) -> GrownInput:
-    """Widen Linear `root.<path>` to `width` input columns (zeros); `record(entry)` gets the undo record before
-    anything changes."""
+    """Widen Linear `root.<path>` to `width` input columns (zeros); `record(entry)` gets the undo record
+    before anything changes."""
     module = root.get_submodule(path)
     old = module.weight
     if not isinstance(module, torch.nn.Linear) or width <= old.shape[1]:

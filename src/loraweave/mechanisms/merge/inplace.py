@@ -1,12 +1,12 @@
 """The fused merge: W' = round(W + ΔW) written straight into the weight, block by block of rows.
 
-Each block of W is first copied to a cache-sized buffer, then W' is added in place over the weight's lines just
-read (W is read from memory once and written back once). While the block is hot its compact record is taken:
-where round(W' - ΔW), what an undo computes, misses W, and W's bits there. A value that becomes non-finite is
-always such a miss, so the finite check reads only the misses. No weight-sized W' buffer, no pass over W' to
-check it, no pass to copy it in. Any exception (a non-finite block, an interrupt, a failed encoding) puts the
-block in flight back from its buffer and the blocks written before it from their record, bit for bit, before it
-propagates."""
+Each block of W is first copied to a cache-sized buffer, then W' is added in place over the weight's lines
+just read (W is read from memory once and written back once). While the block is hot its compact record is
+taken: where round(W' - ΔW), what an undo computes, misses W, and W's bits there. A value that becomes
+non-finite is always such a miss, so the finite check reads only the misses. No weight-sized W' buffer, no
+pass over W' to check it, no pass to copy it in. Any exception (a non-finite block, an interrupt, a failed
+encoding) puts the block in flight back from its buffer and the blocks written before it from their record,
+bit for bit, before it propagates."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def _settled() -> None:
 @dataclass
 class _Progress:
     """What a fused merge has written so far: rows [0, written) hold W' and their misses are in the lists; a
-    block in flight is put back by `settle` (torch path: from its saved copy; native: its kernel finished it)."""
+    block in flight is put back by `settle` (torch path: from its saved copy; native: its kernel finished
+    it)."""
 
     found: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
@@ -77,14 +78,16 @@ def merge_in_place(
     adapters: set[str],
     keep: Callable[[CompactRecord | CopyRecord], None],
 ) -> None:
-    """Merge into `rows` (the weight's contiguous (out, in·k) view) in place; ΔW must not read W (no needs_base).
+    """Merge into `rows` (the weight's contiguous (out, in·k) view) in place; ΔW must not read W (no
+    needs_base).
 
     kind: "compact", "auto" (a copy where that is smaller, rebuilt from W' and the misses) or "transient"
     (undo="none": the misses kept unencoded, only until apply has finished; encoded as "auto" when that raw
     record would exceed 1/8 of the weight). `keep(record)` takes the record: it is the last step, and on any
-    exception up to its end the weight is rebuilt, so the caller never holds a written weight without its record.
-    Raises NonFiniteResultError, with the weight unchanged, when the merge would make finite values non-finite.
-    On the CPU the blocks go through the native kernel (native.py) where one was built; the same bits."""
+    exception up to its end the weight is rebuilt, so the caller never holds a written weight without its
+    record. Raises NonFiniteResultError, with the weight unchanged, when the merge would make finite values
+    non-finite. On the CPU the blocks go through the native kernel (native.py) where one was built; the same
+    bits."""
     wb = bits(rows).view(-1)
     witness = wb[witness_positions(wb.numel()).to(wb.device)]  # W's bits, before any block is written
     kernel = kernel_for(rows.dtype) if rows.device.type == "cpu" else None
@@ -124,8 +127,8 @@ def _refuse(bad: int, adapters: set[str], r0: int, r1: int, rows: torch.Tensor) 
 def _blocks_torch(
     rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int, done: _Progress, adapters: set[str]
 ) -> None:
-    """Each block of W copied to a cache-sized buffer, W' added over the weight's lines just read, and the block's
-    misses found while it is hot (compare and scan through numpy)."""
+    """Each block of W copied to a cache-sized buffer, W' added over the weight's lines just read, and the
+    block's misses found while it is hot (compare and scan through numpy)."""
     cols, total = rows[0].numel(), rows.shape[0]
     wb = bits(rows).view(-1)
     block = min(total, chunk_rows) * cols
@@ -158,7 +161,8 @@ def _blocks_torch(
         miss = differ(bits(guess).view(-1), wflat, mask[:n])
         if miss.numel():
             was = take(wflat, miss)
-            # a new non-finite W' is always a miss (inf - ΔW or NaN never gives a finite W back): check only these
+            # a new non-finite W' is always a miss (inf - ΔW or NaN never gives a finite W back): check only
+            # these
             bad = new_non_finite(take(merged_bits, miss).view(rows.dtype), was.view(rows.dtype))
             if bad:
                 _refuse(bad, adapters, r0, r1, rows)
@@ -174,8 +178,9 @@ def _blocks_native(
     done: _Progress,
     adapters: set[str],
 ) -> None:
-    """Each block in one kernel call: W' written, misses (as "gaps8" entries) and guards found in the same pass
-    (native.py). A call cannot be interrupted: a block is untouched or written with its misses in the buffers."""
+    """Each block in one kernel call: W' written, misses (as "gaps8" entries) and guards found in the same
+    pass (native.py). A call cannot be interrupted: a block is untouched or written with its misses in the
+    buffers."""
     cols, total = rows[0].numel(), rows.shape[0]
     wb = bits(rows).view(-1)
     block = min(total, chunk_rows) * cols
@@ -183,7 +188,8 @@ def _blocks_native(
     vals = scratch("miss_was", block, wb.dtype, rows.device)
     guard = torch.zeros(1 + GUARDS, dtype=torch.int64)
     guard_w, guard_m = wb.new_zeros(GUARDS), wb.new_zeros(GUARDS)
-    # misses (-1 until the kernel has written the block), new non-finite, last position, entries, gaps16 fillers
+    # misses (-1 until the kernel has written the block), new non-finite, last position, entries, gaps16
+    # fillers
     state = torch.tensor([-1, 0, -1, 0, 0], dtype=torch.int64)
     done.encoding, done.fillers = "gaps8", {name: 0 for name in GAP_ENCODINGS}
     gaps = scratch("miss_gaps", 1, torch.uint8, rows.device)
@@ -237,8 +243,8 @@ def _blocks_native(
 def _native_record(
     rows: torch.Tensor, raw: CompactRecord, done: _Progress, on_device: bool, kind: str
 ) -> CompactRecord | None:
-    """The kernel's "gaps8" record where that is the smallest encoding (the usual case: no second pass over the
-    misses); else the misses decoded and encoded again; None where a copy is smaller (kind "auto")."""
+    """The kernel's "gaps8" record where that is the smallest encoding (the usual case: no second pass over
+    the misses); else the misses decoded and encoded again; None where a copy is smaller (kind "auto")."""
     misses = raw.values.numel()
     sizes = encoding_sizes(rows.numel(), misses, done.fillers, rows.element_size())
     best = min(sizes, key=sizes.get)
@@ -267,7 +273,8 @@ def _raw(rows: torch.Tensor, done: _Progress, witness: torch.Tensor, chunk_rows:
 def _copy_of_original(
     rows: torch.Tensor, raw: CompactRecord, delta_fn: DeltaFn, on_device: bool
 ) -> CopyRecord:
-    """undo="auto" where a copy is smaller than the misses: W rebuilt from W' (now in the weight) into the copy."""
+    """undo="auto" where a copy is smaller than the misses: W rebuilt from W' (now in the weight) into the
+    copy."""
     original = torch.empty_like(rows)
     with recorded_threads(raw.threads):
         raw.rebuild_rows(rows, original, delta_fn)

@@ -1,4 +1,5 @@
-"""Merge: add every contribution into the weight, fp32-accumulated and rounded once; undo is bit-exact (undo.py)."""
+"""Merge: add every contribution into the weight, fp32-accumulated and rounded once; undo is bit-exact
+(undo.py)."""
 
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ class MergedModule:
     entry: object = None  # the report's AppliedModule: undo kind and bytes follow strength changes
 
     def is_top(self) -> bool:
-        """Only the latest merge on a module can be undone exactly (each record restores the earlier merges)."""
+        """Only the latest merge on a module can be undone exactly (each record restores the earlier
+        merges)."""
         stack = getattr(self.module, STACK_ATTR, [])
         return bool(stack) and stack[-1] is self
 
@@ -150,8 +152,8 @@ class MergedModule:
     undo = restore  # a journal entry
 
     def reserve(self) -> None:
-        """Allocate the scratch a deferred merge will use (within reused_buffers), so that the writes at commit
-        allocate nothing: the one failure left to them would be memory."""
+        """Allocate the scratch a deferred merge will use (within reused_buffers), so that the writes at
+        commit allocate nothing: the one failure left to them would be memory."""
         if self.pending is not None:
             rows = self.module.weight.data.view(self.module.weight.shape[0], -1)
             direct_scratch(rows, self._chunk_rows(rows))
@@ -217,8 +219,9 @@ class MergedModule:
         self._report()
 
     def _in_place_kind(self, rows: torch.Tensor) -> str | None:
-        """The record kind of a fused in-place merge (inplace.py), or None where the buffered path must run: W read
-        by ΔW (needs_base, weight replacement), whole copies (ties/dare, undo="copy") and file records."""
+        """The record kind of a fused in-place merge (inplace.py), or None where the buffered path must run: W
+        read by ΔW (needs_base, weight replacement), whole copies (ties/dare, undo="copy") and file
+        records."""
         if not rows.is_contiguous() or any(
             pp.part.family in ("set", "combined") or pp.family.needs_base for pp, _ in self.contributions
         ):
@@ -226,9 +229,10 @@ class MergedModule:
         return {"auto": "auto", "compact": "compact", "none": "transient"}.get(self.undo_with.kind)
 
     def _rewrite_in_place(self, rows: torch.Tensor, terms: list[Term], kind: str) -> None:
-        """A strength change over a compact record: W rebuilt from W' and the record into a scratch copy (checked
-        against its witnesses), merged there at the new strengths by the fused path with its new record, then
-        copied over the weight in one step. Any failure before that copy leaves the weight and record as they were."""
+        """A strength change over a compact record: W rebuilt from W' and the record into a scratch copy
+        (checked against its witnesses), merged there at the new strengths by the fused path with its new
+        record, then copied over the weight in one step. Any failure before that copy leaves the weight and
+        record as they were."""
         old = self.record
         base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
         with recorded_threads(old.threads):
@@ -248,9 +252,9 @@ class MergedModule:
         self.record, self.terms = made[0], terms
 
     def _overflow_free(self, rows: torch.Tensor, terms: list[Term]) -> bool:
-        """True when W + ΔW cannot turn a finite value non-finite: Σ|coeff|·bound (each family's declared bound
-        on |ΔW|) is under half the headroom above the dtype's largest finite value (so fp32 rounding of ΔW and
-        of the sum cannot reach the overflow threshold). False where any family declares no bound."""
+        """True when W + ΔW cannot turn a finite value non-finite: Σ|coeff|·bound (each family's declared
+        bound on |ΔW|) is under half the headroom above the dtype's largest finite value (so fp32 rounding of
+        ΔW and of the sum cannot reach the overflow threshold). False where any family declares no bound."""
         total = 0.0
         for pp, piece, strength, scale in terms:
             bound = pp.family.delta_bound(pp.factors, piece.src_start, piece.length)
@@ -285,7 +289,8 @@ class MergedModule:
         terms: list[Term],
         old: Record | None,
     ) -> tuple[Record, torch.Tensor, torch.Tensor]:
-        """W', its record and W; `old` (a rewrite): the record W comes back from first (the weight holds W')."""
+        """W', its record and W; `old` (a rewrite): the record W comes back from first (the weight holds
+        W')."""
         if any(pp.part.family == "set" for pp, _ in self.contributions):
             return self._merge_over(rows, terms, old)
         # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
@@ -327,7 +332,8 @@ class MergedModule:
         terms: list[Term],
         old: Record | None,
     ) -> tuple[Record, torch.Tensor, torch.Tensor]:
-        """Weight replacement reads W in its target (to write t itself, not W + (t - W)): added over W, copied."""
+        """Weight replacement reads W in its target (to write t itself, not W + (t - W)): added over W,
+        copied."""
         if old is not None:
             self._restore_weight()
         acc = rows.to(acc_dtype(rows.dtype), copy=True)
@@ -348,8 +354,8 @@ class MergedModule:
         return record, acc.to(rows.dtype), rows
 
     def _delta_fn(self, terms: list[Term]) -> DeltaFn:
-        """ΔW of rows [r0, r1); the factors are cast once for all blocks of this layer (the casts live as long as
-        the function: one write or undo), not once per block."""
+        """ΔW of rows [r0, r1); the factors are cast once for all blocks of this layer (the casts live as long
+        as the function: one write or undo), not once per block."""
         casts = CastMemo()
 
         def delta(base: torch.Tensor, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -366,9 +372,9 @@ class MergedModule:
         r1: int,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Σ coeff·ΔW of rows [r0, r1) (fp32; fp64 weights: fp64), in `out` (a flat scratch buffer) when given;
-        `base` (out, in·k) is what W-dependent families read. Contributions are independent and summed; the same
-        call undoes a compact record."""
+        """Σ coeff·ΔW of rows [r0, r1) (fp32; fp64 weights: fp64), in `out` (a flat scratch buffer) when
+        given; `base` (out, in·k) is what W-dependent families read. Contributions are independent and summed;
+        the same call undoes a compact record."""
         shape = (r1 - r0, *base.shape[1:])
         if out is None:
             delta = torch.empty(shape, dtype=acc_dtype(base.dtype), device=base.device)
@@ -437,7 +443,8 @@ def overflow_headroom(dtype: torch.dtype) -> float:
 
 
 def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: set[str]) -> None:
-    """Raise when the merge made values non-finite that were finite (an overflowing product of finite factors)."""
+    """Raise when the merge made values non-finite that were finite (an overflowing product of finite
+    factors)."""
     try:
         lo, hi = torch.aminmax(written)
         if math.isfinite(lo.item()) and math.isfinite(hi.item()):
@@ -447,8 +454,9 @@ def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: s
     new = ~torch.isfinite(written.float()) & torch.isfinite(original.view_as(written).float())
     if bool(new.any()):
         raise NonFiniteResultError(
-            f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite values in a "
-            f"{tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is left as it was"
+            f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite "
+            f"values in a {tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is "
+            f"left as it was"
         )
 
 
@@ -463,8 +471,9 @@ def merge_module(
     undo: UndoSettings | None = None,
     layer: tuple[str, str] = ("", ""),
 ) -> MergedModule:
-    """Merge into `module`; the undo record goes to `record` (a list's append, or a journal's record) before the
-    weight is touched. undo: the record kind (apply's `undo`); layer: (component, path), where a source is."""
+    """Merge into `module`; the undo record goes to `record` (a list's append, or a journal's record) before
+    the weight is touched. undo: the record kind (apply's `undo`); layer: (component, path), where a source
+    is."""
     if needs_bias(contributions) and getattr(module, "bias", None) is None:
         raise ValueError("adapter carries a bias delta but the module has no bias")
     merged = MergedModule(module, contributions, undo or UndoSettings(), layer)

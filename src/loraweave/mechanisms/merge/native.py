@@ -1,9 +1,11 @@
-"""The fused merge kernels of fused_record.c, built with the machine's C compiler at first use and loaded by ctypes.
+"""The fused merge kernels of fused_record.c, built with the machine's C compiler at first use and loaded by
+ctypes.
 
-One pass per block writes W' and finds the compact record's misses; the torch/numpy path (inplace.py) needs six
-(copy, add, subtract, compare, scan, gather). The shared object is cached per source, compiler and CPU (it is
-built for the CPU it runs on) under $LORAWEAVE_CACHE/native or ~/.cache/loraweave/native. Where no compiler works,
-or LORAWEAVE_NATIVE=0, `kernel_for` returns None and the torch/numpy path runs: the same bits, slower."""
+One pass per block writes W' and finds the compact record's misses; the torch/numpy path (inplace.py) needs
+six (copy, add, subtract, compare, scan, gather). The shared object is cached per source, compiler and CPU (it
+is built for the CPU it runs on) under $LORAWEAVE_CACHE/native or ~/.cache/loraweave/native. Where no compiler
+works, or LORAWEAVE_NATIVE=0, `kernel_for` returns None and the torch/numpy path runs: the same bits,
+slower."""
 
 from __future__ import annotations
 

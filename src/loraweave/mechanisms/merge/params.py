@@ -3,9 +3,9 @@
 Both forms compute the same value, (P.fp32 + Σ strength·ΔP).to(P.dtype), so merged and runtime outputs agree
 bit-exactly. Merge keeps a backup and restores it exactly (undo); the last merge on a parameter must be undone
 first, as for module merges. Runtime swaps the patched tensor in for the owning module's forward only (a
-pre-hook puts it in, an always-called post-hook puts the parameter back), so the stored parameter never changes.
-Each patch has the undo interface of the module records (`restore`/`detach`, `write`/`refresh_scales`,
-`adapters`, `is_top`), so a handle treats it like any other layer."""
+pre-hook puts it in, an always-called post-hook puts the parameter back), so the stored parameter never
+changes. Each patch has the undo interface of the module records (`restore`/`detach`,
+`write`/`refresh_scales`, `adapters`, `is_top`), so a handle treats it like any other layer."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ class ParamPatch:
     def attach(self) -> None:
         self._hooks = [
             self.module.register_forward_pre_hook(self._swap_in),
-            # prepend + always_call: patches stacked on one parameter put back in reverse order, even on errors
+            # prepend + always_call: patches stacked on one parameter put back in reverse order, even on
+            # errors
             self.module.register_forward_hook(self._swap_out, prepend=True, always_call=True),
         ]
 
@@ -85,7 +86,8 @@ class ParamPatch:
 
     # journal ------------------------------------------------------------------------------------------
     def rewrite(self) -> None:
-        """Bring the patch to the current strengths (merge: from the backup; runtime: read at each forward)."""
+        """Bring the patch to the current strengths (merge: from the backup; runtime: read at each
+        forward)."""
         if self.backup is not None:
             self.write()
 

@@ -23,7 +23,8 @@ import torch
 from ...errors import UndoError
 from .bitscan import differ, insert_zeros, pack_positions, put, unpack_positions
 
-# gap encodings: entry dtype and the largest step one entry holds (a longer gap takes valueless filler entries)
+# gap encodings: entry dtype and the largest step one entry holds (a longer gap takes valueless filler
+# entries)
 GAP_ENCODINGS = {"gaps": (torch.uint16, 65535), "gaps8": (torch.uint8, 255)}
 CHUNK_ELEMENTS = 1 << 18  # rows per block of a merge: its fp32 temporaries stay in cache
 WITNESSES = 256  # evenly spaced elements checked after a compact restore (catches a non-deterministic ΔW)
@@ -48,7 +49,8 @@ def reused_buffers():
 
 
 def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat buffer of `numel` elements: from the pool (grown to the largest size asked) within reused_buffers."""
+    """A flat buffer of `numel` elements: from the pool (grown to the largest size asked) within
+    reused_buffers."""
     pool = _POOL.get()
     if pool is None:
         return torch.empty(numel, dtype=dtype, device=device)
@@ -72,7 +74,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def host_copy(t: torch.Tensor, on_device: bool = False) -> torch.Tensor:
-    """A real copy (never an alias: `.to("cpu")` of a CPU tensor is the same tensor), on the host unless asked."""
+    """A real copy (never an alias: `.to("cpu")` of a CPU tensor is the same tensor), on the host unless
+    asked."""
     t = t.detach()
     if t.device.type in ("cpu", "meta") or on_device:
         return t.clone()
@@ -178,8 +181,8 @@ class CompactRecord:
     def rebuild(
         self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn
     ) -> Callable[[int, int], None]:
-        """fill(r0, r1) writes W's rows [r0, r1) into `out` (which may be `merged` itself), from W' and ΔW; blocks
-        of `chunk_rows`, under the recorded thread count."""
+        """fill(r0, r1) writes W's rows [r0, r1) into `out` (which may be `merged` itself), from W' and ΔW;
+        blocks of `chunk_rows`, under the recorded thread count."""
         pos = self.decoded_positions(out.numel(), out.device)
         values = self.values.to(out.device)
         ob, cols = bits(out).view(-1), out[0].numel()
@@ -231,8 +234,8 @@ def combine(w: torch.Tensor, delta: torch.Tensor, sign: int, out: torch.Tensor) 
 def combine_into(
     dst: torch.Tensor, w: torch.Tensor, delta: torch.Tensor, sign: int, acc: torch.Tensor
 ) -> None:
-    """dst = round(w ± delta): computed in delta's dtype and rounded once to dst's, in one pass (the same bits as
-    combine then a cast); fp8 goes through `acc` (a buffer of delta's dtype and shape)."""
+    """dst = round(w ± delta): computed in delta's dtype and rounded once to dst's, in one pass (the same bits
+    as combine then a cast); fp8 goes through `acc` (a buffer of delta's dtype and shape)."""
     if w.element_size() == 1 or dst.element_size() == 1:
         dst.copy_(combine(w, delta, sign, acc))
     elif (
@@ -261,8 +264,8 @@ def recorded_threads(n: int):
 
 
 def compact_sizes(numel: int, steps: torch.Tensor, itemsize: int) -> dict[str, int]:
-    """Bytes of each encoding of the misses whose position steps (p[i] - p[i-1], p[-1] = -1) are `steps`: a gap
-    encoding pays one valueless filler entry (0) for every `largest step` a gap holds beyond the first."""
+    """Bytes of each encoding of the misses whose position steps (p[i] - p[i-1], p[-1] = -1) are `steps`: a
+    gap encoding pays one valueless filler entry (0) for every `largest step` a gap holds beyond the first."""
     misses = steps.numel()
     longest = steps.max() if misses else None  # one reduction; most records need no filler at all
     fillers = {
@@ -284,14 +287,16 @@ def encoding_sizes(numel: int, misses: int, fillers: dict[str, int], itemsize: i
 
 
 def filler_count(steps: torch.Tensor, most: int) -> int:
-    """Σ (step - 1) // most: the valueless entries a gap encoding needs, read only from the steps above `most`."""
+    """Σ (step - 1) // most: the valueless entries a gap encoding needs, read only from the steps above
+    `most`."""
     long = steps[steps > most]
     return int(((long - 1) // most).sum())
 
 
 def encode_gaps(steps: torch.Tensor, dtype: torch.dtype, most: int) -> torch.Tensor:
-    """Position steps as entries of `dtype`: a step above `most` becomes filler zeros (each one `most` further)
-    and the rest; the decoder (CompactRecord._positions) skips the fillers. Only the long steps are divided."""
+    """Position steps as entries of `dtype`: a step above `most` becomes filler zeros (each one `most`
+    further) and the rest; the decoder (CompactRecord._positions) skips the fillers. Only the long steps are
+    divided."""
     if not steps.numel() or not bool(steps.max() > most):
         return steps.to(dtype)
     long = (steps > most).nonzero().squeeze(1)
@@ -339,7 +344,8 @@ def raw_record(
 def compact_record(
     rows: torch.Tensor, raw: CompactRecord, on_device: bool, force: bool
 ) -> CompactRecord | None:
-    """The smallest encoding of a raw record's misses; None when a copy of `rows` is smaller, unless `force`."""
+    """The smallest encoding of a raw record's misses; None when a copy of `rows` is smaller, unless
+    `force`."""
     misses = raw.positions
     steps = torch.diff(misses, prepend=misses.new_full((1,), -1))
     sizes = compact_sizes(rows.numel(), steps, rows.element_size())
@@ -386,8 +392,9 @@ def merge_with_record(
     prior: tuple[CompactRecord, torch.Tensor, DeltaFn] | None = None,
 ) -> tuple[torch.Tensor, CopyRecord | CompactRecord | None]:
     """W' = round(W + ΔW) for the (out, in·k) rows of W, block by block of rows (temporaries stay small), and
-    the record of `kind` ("compact", "copy", "auto": the smaller, or "none": no record). W is read, never written.
-    W' is a scratch buffer (reused by the next layer within reused_buffers): copy it out before the next merge.
+    the record of `kind` ("compact", "copy", "auto": the smaller, or "none": no record). W is read, never
+    written. W' is a scratch buffer (reused by the next layer within reused_buffers): copy it out before the
+    next merge.
 
     needs_base: ΔW reads W (one block only): a compact record recomputes it from W', as an undo will.
     prior: (record, W' rows, its ΔW): `rows` is an empty buffer that each block of W is first rebuilt into
@@ -417,7 +424,8 @@ def merge_with_record(
 
 
 class _Blocks:
-    """One merge's block temporaries (allocated once per layer, or reused across layers) and the misses found."""
+    """One merge's block temporaries (allocated once per layer, or reused across layers) and the misses
+    found."""
 
     def __init__(self, rows: torch.Tensor, chunk_rows: int, compact: bool) -> None:
         self.rows, self.cols, self.compact, self.found = rows, rows[0].numel(), compact, []

@@ -1,4 +1,5 @@
-"""undo="source": a merged weight comes back by re-reading its tensor from the safetensors file it was loaded from.
+"""undo="source": a merged weight comes back by re-reading its tensor from the safetensors file it was loaded
+from.
 
 Where the files are: a path the caller gives (a file, a directory, or {component: path}), else what the model
 recorded at load: diffusers `from_pretrained` keeps its argument in `config._name_or_path` (not the subfolder:
@@ -6,8 +7,8 @@ recorded at load: diffusers `from_pretrained` keeps its argument in `config._nam
 module's path + ".weight"; it is used only if the file's tensor, cast to the weight's dtype, equals the weight
 bit for bit at merge time (a converted or fused weight has no 1:1 source and gets another record).
 
-At merge time the record keeps the file's size, mtime and a hash of the tensor's bytes; undo refuses (UndoError,
-naming the file) when any of them changed."""
+At merge time the record keeps the file's size, mtime and a hash of the tensor's bytes; undo refuses
+(UndoError, naming the file) when any of them changed."""
 
 from __future__ import annotations
 
@@ -127,7 +128,8 @@ class SourceFiles:
         return any(self._tensors(c) for c in self._components)
 
     def record(self, comp: str, path: str, weight: torch.Tensor) -> SourceRecord | None:
-        """A verified source record of `weight` (the weight before the merge), or None when no file holds it."""
+        """A verified source record of `weight` (the weight before the merge), or None when no file holds
+        it."""
         for file, dtype, shape, begin, end in self._tensors(comp).get(f"{path}.weight", []):
             if torch.Size(shape).numel() != weight.numel() or not dtype.is_floating_point:
                 continue

@@ -1,7 +1,8 @@
 """Hosting: a non-factorable delta truncated to low rank so it can ride a quantized layer's side channel.
 
-Randomized truncated SVD with oversampling +64 and 8 power iterations, seeded locally (the caller's RNG state is
-never touched), the trailing null energy below 1e-6 dropped; the captured energy is returned for the report."""
+Randomized truncated SVD with oversampling +64 and 8 power iterations, seeded locally (the caller's RNG state
+is never touched), the trailing null energy below 1e-6 dropped; the captured energy is returned for the
+report."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Mechanisms for quantized layers: exact factor channel, hosted truncation, requantize, and the rule between them.
+"""Mechanisms for quantized layers: exact factor channel, hosted truncation, requantize, and the rule between
+them.
 
-Each writes through the layer's backend (quant/), keeps the backend's bit-exact undo, and can rewrite itself from
-the original tensors when a strength changes. Runtime (hooks) lives in runtime.py and needs nothing from here."""
+Each writes through the layer's backend (quant/), keeps the backend's bit-exact undo, and can rewrite itself
+from the original tensors when a strength changes. Runtime (hooks) lives in runtime.py and needs nothing from
+here."""
 
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def exact_factors(
 def intended_delta(
     contribs: list[Contribution], shape: tuple[int, ...], base: torch.Tensor | None
 ) -> torch.Tensor:
-    """Σ coeff·ΔW of the contributions, fp32 (out, in·k), each from the ORIGINAL weight `base` where it needs one."""
+    """Σ coeff·ΔW of the contributions, fp32 (out, in·k), each from the ORIGINAL weight `base` where it needs
+    one."""
     device = base.device if base is not None else None  # factors are cast into the rows by each family
     acc = torch.zeros(shape[0], int(torch.Size(shape[1:]).numel()), dtype=torch.float32, device=device)
     base2d = base.reshape(shape[0], -1) if base is not None else None
@@ -122,7 +125,8 @@ def route_hook_free(
     cache=None,
     layer: str = "",
 ) -> Route:
-    """Hook-free choice on a quantized layer: factor channel, else hosting vs requantizing (the routing rule)."""
+    """Hook-free choice on a quantized layer: factor channel, else hosting vs requantizing (the routing
+    rule)."""
     caps = backend.capabilities(module)
     if needs_bias(contribs):
         return Route(None, "bias deltas on a quantized layer ride only the runtime path")
@@ -162,7 +166,8 @@ def route_hook_free(
     if ratio > REQUANT_RATIO and trunc.energy < REQUANT_ENERGY:
         return Route(
             "requantize",
-            f"fat delta: rms/step={ratio:.3g} > {REQUANT_RATIO}, capture={trunc.energy:.3g} < {REQUANT_ENERGY}",
+            f"fat delta: rms/step={ratio:.3g} > {REQUANT_RATIO}, capture={trunc.energy:.3g} < "
+            f"{REQUANT_ENERGY}",
         )
     return Route("hosted", f"rms/step={ratio:.3g}, capture={trunc.energy:.3g}", trunc, delta, hit)
 

@@ -4,7 +4,8 @@ What a compiled graph guards on, and how each is kept still:
 - tensor shapes: every layer's rank-concatenated pair is zero-padded to a rank bucket, so a switch between
   adapters whose ranks fall in the same bucket keeps every shape (zero rows/columns: the same product);
 - Python floats: strengths and gates live in the per-rank scale tensor, rewritten in place;
-- hooks: a path stays attached for the handle's life; disabling an adapter zeroes its scales (`Handle.disable`).
+- hooks: a path stays attached for the handle's life; disabling an adapter zeroes its scales
+  (`Handle.disable`).
 Stack modes that rebuild ΔW in Python from the strengths (ties, DARE, magnitude prune) break the graph and are
 refused; select modes (klora/estlora) flip per-layer gates inside the scale tensor and compile."""
 
@@ -58,7 +59,8 @@ def compile_options(compile_friendly: bool, rank_buckets, stack: str) -> Compile
         raise ValueError(f"rank_buckets must be strictly increasing positive ints, got {rank_buckets!r}")
     if stack in GRAPH_BREAKING_STACKS:
         raise ValueError(
-            f"compile_friendly=True: stack={stack!r} rebuilds each layer's ΔW in Python whenever a strength changes "
+            f"compile_friendly=True: stack={stack!r} rebuilds each layer's ΔW in Python whenever a strength "
+            f"changes "
             "(a graph break and a recompile); use stack='sum', 'klora' or 'estlora', or mode='merge'"
         )
     return CompileOptions(buckets)
@@ -66,7 +68,8 @@ def compile_options(compile_friendly: bool, rank_buckets, stack: str) -> Compile
 
 def prepare(path: RuntimePath, options: CompileOptions, floors: dict[int, int]) -> None:
     """Pad the path's rank to its bucket, never below the rank this layer was padded to before in the handle
-    (`floors`, by module id: a switch down in rank keeps the shapes); name any term whose strength is a float."""
+    (`floors`, by module id: a switch down in rank keeps the shapes); name any term whose strength is a
+    float."""
     if path.down is not None:
         rank = path.down.shape[0]
         path.pad_rank(max(options.bucket(rank), floors.get(id(path.module), 0)))

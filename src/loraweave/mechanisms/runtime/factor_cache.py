@@ -1,11 +1,12 @@
 """On-disk cache of hosted factors (the truncated SVD is the expensive part of hosting).
 
-One safetensors file per layer and configuration, named by sha256 of a signature: format version, model identity
-(the caller's `model_id`, else a hash of the layer's own stored tensors), the layer, every contribution's tensor
-content hash, family, rows, strength and scale, and the host rank. Factors are stored int8 rowwise (row amax/127)
-and every fresh compute goes through the same round trip before use, so a replay is bit-identical to a fresh apply.
-Entries whose format or signature do not match, or that fail to load, are recomputed, never trusted. Writes are
-atomic (temp file, then os.replace); a byte budget evicts least-recently-used files; budget 0 writes nothing."""
+One safetensors file per layer and configuration, named by sha256 of a signature: format version, model
+identity (the caller's `model_id`, else a hash of the layer's own stored tensors), the layer, every
+contribution's tensor content hash, family, rows, strength and scale, and the host rank. Factors are stored
+int8 rowwise (row amax/127) and every fresh compute goes through the same round trip before use, so a replay
+is bit-identical to a fresh apply. Entries whose format or signature do not match, or that fail to load, are
+recomputed, never trusted. Writes are atomic (temp file, then os.replace); a byte budget evicts
+least-recently-used files; budget 0 writes nothing."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _hash_tensor(h, t: torch.Tensor) -> None:
 
 
 def layer_fingerprint(module: torch.nn.Module) -> str | None:
-    """sha256 of every plain tensor a layer stores; None when it holds tensor subclasses we cannot read bytewise."""
+    """sha256 of every plain tensor a layer stores; None when it holds tensor subclasses we cannot read
+    bytewise."""
     h = hashlib.sha256(type(module).__name__.encode())
     tensors = {
         **module._parameters,

@@ -1,11 +1,15 @@
-"""Offload hooks that own a layer's weight, seen from above the layer (a merge into such a layer lands in a copy).
+"""Offload hooks that own a layer's weight, seen from above the layer (a merge into such a layer lands in a
+copy).
 
-accelerate's offloading hooks (`cpu_offload`, `disk_offload`, `dispatch_model` to "cpu"/"disk") sit on the layer
-itself and leave its weight on `meta`: `merge_blocker` sees those. diffusers' group offloading hooks sit on a block
-(block_level) or a leaf (leaf_level) and keep the weight real at rest, so only the group tells where it lives:
-- `offload_to_disk_path`: every onload reads the group's safetensors file again (a merge would be lost, silently);
+accelerate's offloading hooks (`cpu_offload`, `disk_offload`, `dispatch_model` to "cpu"/"disk") sit on the
+layer itself and leave its weight on `meta`: `merge_blocker` sees those. diffusers' group offloading hooks sit
+on a block (block_level) or a leaf (leaf_level) and keep the weight real at rest, so only the group tells
+where it lives:
+- `offload_to_disk_path`: every onload reads the group's safetensors file again (a merge would be lost,
+  silently);
 - a stream: onloads copy from pinned host copies made when the hooks were applied (a merge may miss them).
-Groups that move the weight itself with `.to()` (no stream, no disk) carry a merge along and are not listed."""
+Groups that move the weight itself with `.to()` (no stream, no disk) carry a merge along and are not
+listed."""
 
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ def _copy_reason(group) -> str | None:
 
 
 def weight_copies(roots: Iterable[torch.nn.Module]) -> dict[int, str]:
-    """id(module) -> why merging into it would write into a copy, for every layer a copying offload group owns."""
+    """id(module) -> why merging into it would write into a copy, for every layer a copying offload group
+    owns."""
     out: dict[int, str] = {}
     for root in roots:
         for module in root.modules():

@@ -1,5 +1,5 @@
-"""The rank-concatenated low-rank pair of one runtime path, built from its terms with as few copies as the memory
-allows: none where the factors are the adapter's own and already in place, otherwise one per factor."""
+"""The rank-concatenated low-rank pair of one runtime path, built from its terms with as few copies as the
+memory allows: none where the factors are the adapter's own and already in place, otherwise one per factor."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ def concatenated(
 ) -> tuple[torch.Tensor, ...]:
     """The rank-concatenated (down (R, in, *k), up (out, R)) of every pair, each factor copied once into place
     (the dtypes torch.cat would promote to); rows of `up` no chunk writes are zero. A copy, not a view: the
-    factors outlive the file they were read from (a LoRA saved again over a mapped file). `borrow`: their memory
-    is the adapter's own (read whole, never written): one pair whose row chunks already sit at their own rows
-    of one tensor (the whole layer, or a fused layer's row ranges) is kept as it is, as views."""
+    factors outlive the file they were read from (a LoRA saved again over a mapped file). `borrow`: their
+    memory is the adapter's own (read whole, never written): one pair whose row chunks already sit at their
+    own rows of one tensor (the whole layer, or a fused layer's row ranges) is kept as it is, as views."""
     (down, chunks), *more = pairs
     up = _rows_in_place(chunks, out) if borrow and not more and down.is_contiguous() else None
     if up is not None:
@@ -46,8 +46,8 @@ def concatenated(
 
 
 def _rows_in_place(chunks: list[RuntimeTerm], out: int) -> torch.Tensor | None:
-    """The (out, r) up that `chunks` tile when each is already at its own rows of one contiguous tensor (a part
-    split over a fused layer's row ranges: Flux's qkv, linear1), as a view of it; None otherwise."""
+    """The (out, r) up that `chunks` tile when each is already at its own rows of one contiguous tensor (a
+    part split over a fused layer's row ranges: Flux's qkv, linear1), as a view of it; None otherwise."""
     first = chunks[0].up
     row = first.stride(0) * first.element_size()
     base = first.data_ptr() - chunks[0].dst_start * row

@@ -1,11 +1,11 @@
 """The thin GEMMs of a runtime low-rank pair (x·Aᵀ with r outputs, h·Bᵀ with r inputs) on CPU fp32.
 
 MKL's sgemm runs them at ~40% of the base GEMM's efficiency; oneDNN's matmul (the kernel torch.compile's CPU
-backend emits for linear layers) runs them about twice as fast (benchmarks/bench_floor.py, "components"). It is
-reached through a private op, so it is probed once against addmm and used only where it is exact to fp32
-rounding; anything else (other dtypes or devices, autograd) takes F.linear as before. Under torch.compile the op
-is called through a custom op (`loraweave::onednn_linear`, opaque to inductor, which would lower F.linear to
-MKL's mm): only once the probe has run outside the trace (`probe()`, at attach), never from inside it."""
+backend emits for linear layers) runs them about twice as fast (benchmarks/bench_floor.py, "components"). It
+is reached through a private op, so it is probed once against addmm and used only where it is exact to fp32
+rounding; anything else (other dtypes or devices, autograd) takes F.linear as before. Under torch.compile the
+op is called through a custom op (`loraweave::onednn_linear`, opaque to inductor, which would lower F.linear
+to MKL's mm): only once the probe has run outside the trace (`probe()`, at attach), never from inside it."""
 
 from __future__ import annotations
 

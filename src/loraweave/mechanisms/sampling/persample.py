@@ -1,8 +1,9 @@
 """Per-sample adapter sets: validation, and each layer's factors and coefficients for one set.
 
-A set is a tuple of (adapter name, strength) pairs. For the rank-concatenated pair of a layer, the set's factors are
-the rank segments of its adapters (a view when they are contiguous, one gathered copy per set otherwise) with the
-set's per-rank scale; other terms (LoKr, LoHa, dense, bias, OFT/DoRA...) take the set's coefficient per part."""
+A set is a tuple of (adapter name, strength) pairs. For the rank-concatenated pair of a layer, the set's
+factors are the rank segments of its adapters (a view when they are contiguous, one gathered copy per set
+otherwise) with the set's per-rank scale; other terms (LoKr, LoHa, dense, bias, OFT/DoRA...) take the set's
+coefficient per part."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def _one_sample(i: int, names, strengths, known: Mapping[str, float]) -> SampleK
         raise BatchError(
             f"sample {i}: strengths must be a mapping or a list of {len(names)} numbers, got {strengths!r}"
         )
-    # In the caller's order: a set's terms are summed in it (as `apply` sums adapters in list order), so a sample's
-    # float result is the one a lone apply of the same list gives (cache keys differ only by that order).
+    # In the caller's order: a set's terms are summed in it (as `apply` sums adapters in list order), so a
+    # sample's float result is the one a lone apply of the same list gives (cache keys differ only by that
+    # order).
     return tuple((n, _strength(v, f"sample {i} adapter {n!r}")) for n, v in zip(names, values, strict=True))
 
 
@@ -54,7 +56,8 @@ def sample_keys(assignments, strengths, known: Mapping[str, float]) -> list[Samp
     """One key per sample; `known` maps each adapter name to its current strength (the default)."""
     if isinstance(assignments, (str, Mapping)) or not isinstance(assignments, Sequence) or not assignments:
         raise BatchError(
-            f"assignments must be a non-empty list with one list of adapter names per sample, got {assignments!r}"
+            f"assignments must be a non-empty list with one list of adapter names per sample, got "
+            f"{assignments!r}"
         )
     if strengths is not None and (not isinstance(strengths, Sequence) or len(strengths) != len(assignments)):
         raise BatchError(f"strengths must have one entry per sample ({len(assignments)}), got {strengths!r}")
@@ -88,7 +91,8 @@ class PairFactors:
 def pair_for(
     path, key: SampleKey | None, settings, device: torch.device, dtype: torch.dtype
 ) -> PairFactors | None:
-    """The set's part of the layer's rank-concatenated pair, on (device, dtype); None when it has no rank there."""
+    """The set's part of the layer's rank-concatenated pair, on (device, dtype); None when it has no rank
+    there."""
     if path.down is None:
         return None
     down, up, scale = path.factors_for(device, dtype)
@@ -108,7 +112,8 @@ def pair_for(
         start += span.rank
     if not found:
         return None
-    # Rank segments in the set's own order (stable within an adapter): the rank sum then runs as in a lone apply.
+    # Rank segments in the set's own order (stable within an adapter): the rank sum then runs as in a lone
+    # apply.
     found.sort(key=lambda f: f[0])
     keep, coeffs, segments, width = [], [], [], 0
     for _, begin, rank, coeff, name in found:
@@ -118,7 +123,8 @@ def pair_for(
         width += rank
     if all(a[1] == b[0] for a, b in zip(keep, keep[1:], strict=False)):  # contiguous: views, nothing copied
         rows = slice(keep[0][0], keep[-1][1])
-        # up's column slice made contiguous: the thin-GEMM kernel (mechanisms/runtime/skinny.py) takes contiguous factors only
+        # up's column slice made contiguous: the thin-GEMM kernel (mechanisms/runtime/skinny.py) takes
+        # contiguous factors only
         d, u = down[rows], up[:, rows].contiguous()
     else:
         index = torch.cat([torch.arange(a, b, device=device) for a, b in keep])
@@ -129,7 +135,8 @@ def pair_for(
 def row_gates(
     path, runs: list, settings, rows: int, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
-    """(rows, R): each row's coefficient for every rank of the layer's whole pair (0 outside its sample's set)."""
+    """(rows, R): each row's coefficient for every rank of the layer's whole pair (0 outside its sample's
+    set)."""
     per_key: dict = {}
     gates = torch.zeros(rows, path.down.shape[0], dtype=torch.float32)
     for run, key in runs:

@@ -2,13 +2,16 @@
 
 Where a layer's tokens sit on the image:
 - channels-first outputs (convolutions of a UNet, (B, C, [F,] h, w)): the mask resized to (h, w), per pixel;
-- token outputs (B, T, C) whose T is an image grid of the model's input — (ceil(H/2^k), ceil(W/2^k)) of a 4-D/5-D
-  latent (UNet attention at every resolution, SD3/Wan patch tokens, frames × grid for video), or the N tokens of a
-  packed (B, N, C) input (Flux-family DiTs) read as a row-major grid with the mask's aspect ratio: per token;
-- joint [text; image] sequences of Flux-family single-stream blocks (T = text + N): text first, then the image;
-- every other token (text, conditioning, time embeddings, (B, C) modulation inputs), and every token of a model
-  called with (B, T) token ids (a pipeline's text encoders), gets the mask's peak, max(mask):
-  an adapter present somewhere at full strength keeps its text-side terms, and an all-zero mask removes it wholly.
+- token outputs (B, T, C) whose T is an image grid of the model's input — (ceil(H/2^k), ceil(W/2^k)) of a
+  4-D/5-D latent (UNet attention at every resolution, SD3/Wan patch tokens, frames × grid for video), or the N
+  tokens of a packed (B, N, C) input (Flux-family DiTs) read as a row-major grid with the mask's aspect ratio:
+  per token;
+- joint [text; image] sequences of Flux-family single-stream blocks (T = text + N): text first, then the
+  image;
+- every other token (text, conditioning, time embeddings, (B, C) modulation inputs), and every token of a
+  model called with (B, T) token ids (a pipeline's text encoders), gets the mask's peak, max(mask):
+  an adapter present somewhere at full strength keeps its text-side terms, and an all-zero mask removes it
+  wholly.
 A longer sequence in an architecture whose joint order is not known is refused rather than guessed."""
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch.nn.functional as F
 from ...errors import RegionError
 from .rows import RootCall
 
-# Roots whose single-stream blocks see cat([text, image]) along tokens (diffusers' FluxTransformer2DModel et al.).
+# Roots whose single-stream blocks see cat([text, image]) along tokens (diffusers' FluxTransformer2DModel et
+# al.).
 TEXT_FIRST = {"FluxTransformer2DModel", "ChromaTransformer2DModel", "Flux2Transformer2DModel"}
 _LEVELS = 7  # latent /1 .. /64
 
@@ -66,7 +70,8 @@ def _grids(call: RootCall, mask: torch.Tensor) -> list[tuple[int, int, int]]:
             )
         return [(1, h, n // h)]
     raise RegionError(
-        f"regions need a tensor model input (B, C, H, W), (B, C, F, H, W) or (B, N, C); got {shape or 'a list'}"
+        f"regions need a tensor model input (B, C, H, W), (B, C, F, H, W) or (B, N, C); got "
+        f"{shape or 'a list'}"
     )
 
 

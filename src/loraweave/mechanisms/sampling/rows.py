@@ -1,10 +1,11 @@
 """Which sample each row of a layer's input belongs to, found from the batch the model itself was called with.
 
-A pre-hook on every component root records its call: the batch (rows of a tensor input, items of a list input such
-as Z-Image's) and, for regions, the input's shape. A layer whose input has as many rows as that batch maps row j to
-root row j; a multiple m of it (frames folded into the batch, DiT tokens packed as (B·N, C) from equal-size samples)
-maps row j to root row j // m (sample-major, as diffusers folds). A root batch of k·B for B samples holds k guidance
-copies in diffusers' order (`cat([uncond, cond])`): root row j is sample j % B. Anything else is refused."""
+A pre-hook on every component root records its call: the batch (rows of a tensor input, items of a list input
+such as Z-Image's) and, for regions, the input's shape. A layer whose input has as many rows as that batch
+maps row j to root row j; a multiple m of it (frames folded into the batch, DiT tokens packed as (B·N, C) from
+equal-size samples) maps row j to root row j // m (sample-major, as diffusers folds). A root batch of k·B for
+B samples holds k guidance copies in diffusers' order (`cat([uncond, cond])`): root row j is sample j % B.
+Anything else is refused."""
 
 from __future__ import annotations
 

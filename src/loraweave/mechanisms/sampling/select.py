@@ -1,4 +1,5 @@
-"""Select modes at runtime: on layers both adapters touch, one adapter runs per step (the other is gated to 0).
+"""Select modes at runtime: on layers both adapters touch, one adapter runs per step (the other is gated to
+0).
 
 The schedule (which layer flips from subject to style at which step) comes from `stack/select.py`; this module
 measures the per-layer deltas it needs and flips gates on the live runtime paths."""

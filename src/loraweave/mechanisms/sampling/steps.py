@@ -1,8 +1,9 @@
-"""Step windows at sampling time: a diffusers `callback_on_step_end` that sets each windowed adapter's strength for
-the next step through the runtime scale update (no weight touched, no tensor allocated: the per-rank scale vectors
-are rewritten in place, structured terms read the part strength at forward time).
+"""Step windows at sampling time: a diffusers `callback_on_step_end` that sets each windowed adapter's
+strength for the next step through the runtime scale update (no weight touched, no tensor allocated: the
+per-rank scale vectors are rewritten in place, structured terms read the part strength at forward time).
 
-Only the denoiser follows a window: text encoders run once before the first step and keep the adapter's strength."""
+Only the denoiser follows a window: text encoders run once before the first step and keep the adapter's
+strength."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def check_total_steps(total_steps: int) -> None:
 
 
 class StepSchedule:
-    """Strength per step of each adapter with a window; call it as `callback_on_step_end`. Step 0 is set on creation,
-    and the adapters' own strengths come back after the last step (or with `restore()`)."""
+    """Strength per step of each adapter with a window; call it as `callback_on_step_end`. Step 0 is set on
+    creation, and the adapters' own strengths come back after the last step (or with `restore()`)."""
 
     def __init__(
         self,
@@ -36,8 +37,8 @@ class StepSchedule:
         paths: list[RuntimePath],
         written: Iterable,
     ) -> None:
-        """`settings`: the live AdapterWeights by adapter name; `planned`: every planned part; `paths`: the runtime
-        paths; `written`: layers whose weights hold adapter terms (merged, quantized writes)."""
+        """`settings`: the live AdapterWeights by adapter name; `planned`: every planned part; `paths`: the
+        runtime paths; `written`: layers whose weights hold adapter terms (merged, quantized writes)."""
         check_total_steps(total_steps)
         windows = {name: w.window for name, w in settings.items() if w.window is not None}
         if not windows:
