@@ -13,7 +13,6 @@ from ..mechanisms.runtime.factor_cache import FactorCache
 from ..modes import APPLY_MODES, QUANTIZED, SELECT_MODES, ApplyMode, QuantizedMode, StackMode, UndoKind
 from ..stack.combine import validate_stack
 
-
 StrPath = str | os.PathLike[str]
 # undo="source": the model's safetensors file, a directory of them, or one of those per component
 UndoSource = StrPath | Mapping[str, StrPath]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,20 +40,22 @@ class CastMemo:
 
     def __init__(self) -> None:
         self.casts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._outer: list = []
+        self._outer: list[dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None] = []
 
     def __enter__(self) -> CastMemo:
         self._outer.append(getattr(_CASTS, "memo", None))
         _CASTS.memo = self.casts
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _CASTS.memo = self._outer.pop()
 
 
 def cast_once(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t.to(dtype), kept while a `CastMemo` is entered (the source is held with it, so its id stays unique)."""
-    memo = getattr(_CASTS, "memo", None)
+    memo: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None = getattr(
+        _CASTS, "memo", None
+    )
     if memo is None or t.dtype == dtype:
         return t.to(dtype)
     hit = memo.get((id(t), dtype))
@@ -329,7 +331,9 @@ class RuntimeTerm:
     unheld: str = ""
 
     @classmethod
-    def structured(cls, dst: int, length: int, bias: torch.Tensor | None = None, **fields) -> RuntimeTerm:
+    def structured(
+        cls, dst: int, length: int, bias: torch.Tensor | None = None, **fields: Any
+    ) -> RuntimeTerm:
         """A term computed by `fn` (in `fields`, with its caches, cost, ...): no low-rank pair, no dense diff."""
         return cls(None, None, None, bias, dst, length, **fields)
 
@@ -347,7 +351,7 @@ class CastCache:
 
     def __init__(self, *tensors: torch.Tensor) -> None:
         self.tensors = tensors
-        self._key = None
+        self._key: tuple[torch.device, torch.dtype] | None = None
         self._cast: tuple[torch.Tensor, ...] = ()
 
     def get(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -396,16 +400,16 @@ class KnownFinite:
     own: their source proved them finite in bulk (io.safetensors_file.SafetensorsFile.finite_keys, one pass per
     run of tensors instead of one per tensor). Held while entered, so their ids stay unique."""
 
-    def __init__(self, tensors) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         self.tensors = {id(t): t for t in tensors}
-        self._outer: list = []
+        self._outer: list[dict[int, torch.Tensor] | None] = []
 
     def __enter__(self) -> KnownFinite:
         self._outer.append(getattr(_CASTS, "finite", None))
         _CASTS.finite = self.tensors
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _CASTS.finite = self._outer.pop()
 
 

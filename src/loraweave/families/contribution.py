@@ -3,18 +3,41 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Protocol
+
 import torch
 
+from ..arch.spec import Piece
+from ..formats.adapter import AdapterPart
 
-def coefficient(pp) -> float:
+if TYPE_CHECKING:
+    from .base import Family
+
+
+class Planned(Protocol):
+    """What this module reads of a planned part (resolve.planner.PlannedPart, a layer above)."""
+
+    @property
+    def part(self) -> AdapterPart: ...
+    @property
+    def family(self) -> Family: ...
+    @property
+    def factors(self) -> Any: ...
+    @property
+    def strength(self) -> float: ...
+    @property
+    def scale(self) -> float: ...
+
+
+def coefficient(pp: Planned) -> float:
     """coeff = strength · scale (γ from alpha/rank or metadata)."""
     return pp.strength * pp.scale
 
 
 def add_contribution(
     target_rows: torch.Tensor,
-    pp,
-    piece,
+    pp: Planned,
+    piece: Piece,
     base: torch.Tensor | None,
     coeff: float | None = None,
     strength: float | None = None,
@@ -38,7 +61,7 @@ def add_contribution(
     family.add(target_rows, pp.factors, piece.src_start, piece.length, coeff, rows, strength, scale)
 
 
-def bias_of(pp, piece, original: torch.Tensor | None = None) -> torch.Tensor | None:
+def bias_of(pp: Planned, piece: Piece, original: torch.Tensor | None = None) -> torch.Tensor | None:
     """The part's unscaled bias delta for `piece` (None if it has none); `original`: the layer's original bias."""
     base = None
     if pp.family.bias_needs_base and isinstance(original, torch.Tensor):
