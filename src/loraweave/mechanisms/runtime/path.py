@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
 
 from ...arch.spec import out_rows
 from ...families.base import CastCache, ConvSpec, RuntimeTerm
-from ...quant import backend_for
+from ...quant import QuantBackend, backend_for
 from ...resolve.planner import PlannedPart
-from ..merge.layer import Contribution
+from ...resolve.stacking import Contribution
 from .pair import concatenated
 from .skinny import probe, skinny_linear
 
-_CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
+ConvFn = Callable[..., torch.Tensor]
+_CONVS: dict[type[torch.nn.Module], ConvFn] = {
+    torch.nn.Conv1d: F.conv1d,
+    torch.nn.Conv2d: F.conv2d,
+    torch.nn.Conv3d: F.conv3d,
+}
 # Norm layers carry only structured terms (e.g. LyCORIS `w_norm`): channels on the last axis or on axis 1.
 _NORMS_CHANNELS_LAST = (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm))
 _NORMS_CHANNELS_FIRST = (torch.nn.GroupNorm,)
@@ -42,18 +48,18 @@ class DequantizedView:
     """Host seen by families that read W (DoRA, GLoRA, ...) on a quantized layer: the backend's dequantized
     weight, formed on each access (never the packed storage, never a resident float copy)."""
 
-    def __init__(self, module: torch.nn.Module, backend) -> None:
+    def __init__(self, module: torch.nn.Module, backend: QuantBackend) -> None:
         self._module, self._backend = module, backend
 
     @property
     def weight(self) -> torch.Tensor:
         return self._backend.dequantize(self._module)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
 
-def runtime_host(module: torch.nn.Module):
+def runtime_host(module: torch.nn.Module) -> torch.nn.Module | DequantizedView:
     """What families that read the host module see: the module, or a dequantized view of a quantized one."""
     backend = backend_for(module)
     if backend is None or backend.unavailable() or not backend.capabilities(module).dequantize:
@@ -65,10 +71,14 @@ def _kernel_dims(module: torch.nn.Module) -> tuple[int, ...]:
     """(in, *k) of a conv weight; packed quantized storage has its own shape, so ask the backend first."""
     backend = backend_for(module)
     shape = backend.logical_shape(module) if backend is not None else None
-    return tuple(shape[1:]) if shape else tuple(module.weight.shape[1:])
+    if shape:
+        return tuple(shape[1:])
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)  # a conv host (runtime_blocker)
+    return tuple(weight.shape[1:])
 
 
-def _conv_fn(module: torch.nn.Module):
+def _conv_fn(module: torch.nn.Module) -> ConvFn | None:
     return next((fn for cls, fn in _CONVS.items() if isinstance(module, cls)), None)
 
 
@@ -102,6 +112,15 @@ class FnRows:
     linear: bool
 
 
+class PathMix(Protocol):
+    """What computes a path's adapter terms while per-sample sets or regions are set
+    (mechanisms/sampling/mix.py Mix)."""
+
+    def add(self, path: RuntimePath, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor: ...
+
+    def fused_linear(self, path: RuntimePath, x: torch.Tensor) -> torch.Tensor: ...
+
+
 _Record = TypeVar("_Record", RankSpan, CachedRows, FnRows)
 
 
@@ -129,7 +148,7 @@ class RuntimePath:
         self.contributions = list(contributions)  # kept so a switch can compare and re-point them
         self.conv = _conv_fn(module)
         self.channels_first = self.conv is not None or isinstance(module, _NORMS_CHANNELS_FIRST)
-        self.out = out_rows(module)
+        self.out: int = out_rows(module) or 0  # 0: no weight shape (an affine-free norm: fn terms only)
         self.owners: list[RankSpan] = []
         self.dense: list[CachedRows] = []
         self.biases: list[CachedRows] = []
@@ -146,9 +165,12 @@ class RuntimePath:
         self._factor_cast = CastCache(*pair) if pair else None
         self._scale_cast = CastCache(torch.empty(pair[0].shape[0] if pair else 0))
         self.refresh_scales()
-        self.hook = None
+        self.hook: RemovableHandle | None = None
         self.active = False
-        self.mix = None  # per-sample sets / regions (mechanisms/sampling/mix.py): while set, it computes the adapter terms
+        self._linear: torch.nn.Linear  # the host, set by attach before it installs the fused forward
+        self.mix: PathMix | None = (
+            None  # per-sample sets / regions (mechanisms/sampling/mix.py): while set, it computes the adapter terms
+        )
 
     def _gather(self, contributions: list[Contribution]) -> list[_Pair]:
         """Sort every contribution's runtime term into the records the forward reads (built once, here)."""
@@ -234,9 +256,14 @@ class RuntimePath:
         ]
         self.dense, self.biases = _rebound(self.dense, mapping), _rebound(self.biases, mapping)
         self.fns, self.base_fns = _rebound(self.fns, mapping), _rebound(self.base_fns, mapping)
-        self.adapters = {
-            t.part.adapter.name for t in (*self.owners, *self.dense, *self.biases, *self.fns, *self.base_fns)
-        }
+        records: list[RankSpan | CachedRows | FnRows] = [
+            *self.owners,
+            *self.dense,
+            *self.biases,
+            *self.fns,
+            *self.base_fns,
+        ]
+        self.adapters = {t.part.adapter.name for t in records}
         self.refresh_scales()
 
     def refresh_scales(self) -> None:
@@ -248,8 +275,10 @@ class RuntimePath:
             start += span.rank
         self._scale_cast.refresh()  # only the scale vector's device copy is rewritten after a strength change
 
-    def factors_for(self, device: torch.device, dtype: torch.dtype):
-        return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))
+    def factors_for(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(down, up, scale) on (device, dtype); (scale,) alone when the layer has no low-rank pair."""
+        pair = self._factor_cast.to(device, dtype) if self._factor_cast is not None else ()
+        return (*pair, *self._scale_cast.to(device, dtype))
 
     def caches(self) -> list[CastCache]:
         """Every cache this path reads adapter tensors through: the rank-concatenated pair, the scale vector, dense
@@ -272,11 +301,12 @@ class RuntimePath:
 
     def pad_rank(self, rank: int) -> None:
         """Zero-pad the rank-concatenated pair to `rank` (torch.compile buckets): the same product, fixed shapes."""
-        if self.down is None or rank <= self.down.shape[0]:
+        down, up = self.down, self.up
+        if down is None or up is None or rank <= down.shape[0]:
             return
-        extra = rank - self.down.shape[0]
-        down = torch.cat([self.down, self.down.new_zeros(extra, *self.down.shape[1:])])
-        up = torch.cat([self.up, self.up.new_zeros(self.up.shape[0], extra)], dim=1)
+        extra = rank - down.shape[0]
+        down = torch.cat([down, down.new_zeros(extra, *down.shape[1:])])
+        up = torch.cat([up, up.new_zeros(up.shape[0], extra)], dim=1)
         # the padded tail of the scales stays 0: refresh_scales writes only the real ranks
         self._factor_cast, self._scale_cast = CastCache(down, up), CastCache(torch.zeros(rank))
         self.refresh_scales()
@@ -294,11 +324,13 @@ class RuntimePath:
             if weight.device.type == "cpu" and weight.dtype == torch.float32:
                 probe()  # now, so a later torch.compile trace can use the oneDNN kernels (skinny.py)
 
-    def conv_args(self):
+    def conv_args(self) -> dict[str, Any]:
         m = self.module
         return {"stride": m.stride, "padding": m.padding, "dilation": m.dilation}
 
-    def __call__(self, module, args, kwargs, output):
+    def __call__(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
         """Forward hook: add every adapter's path to the layer's output."""
         x = args[0] if args else next(iter(kwargs.values()))
         if not isinstance(output, torch.Tensor):
@@ -308,7 +340,9 @@ class RuntimePath:
             x = x.to(output.device, output.dtype)
         return self.add_path(x, output)
 
-    def _base_terms(self, x: torch.Tensor, output: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+    def _base_terms(
+        self, x: torch.Tensor, output: torch.Tensor
+    ) -> list[tuple[torch.Tensor, int, int, float]]:
         """Deltas of W-dependent families, computed from the untouched base output (without bias)."""
         if not self.base_fns:
             return []
@@ -318,7 +352,7 @@ class RuntimePath:
             b = bias.to(output.device, output.dtype)
             base = output - (b.view(-1, *([1] * (output.dim() - 2))) if self.channels_first else b)
         spec = ConvSpec(self.conv, self.conv_args()) if self.conv else None
-        out = []
+        out: list[tuple[torch.Tensor, int, int, float]] = []
         for t in self.base_fns:
             pp, dst, n, fn = t.part, t.dst, t.rows, t.fn
             rows = base[:, dst : dst + n] if self.channels_first else base[..., dst : dst + n]
@@ -335,7 +369,8 @@ class RuntimePath:
         One pass over the output fewer than base-then-add; the two thin GEMMs on oneDNN where it applies
         (mechanisms/runtime/skinny.py). At r=16, 3072², 4096 tokens (bench_floor.py) 0.33x the FLOP floor over a 91 GF/s
         sgemm, 2.05-2.76x over a 160 GF/s one: the thin GEMMs cost the same milliseconds on either."""
-        m, w = self.module, self.module.weight
+        m = self._linear
+        w = m.weight
         plain = (
             not self.active
             or x.dtype != w.dtype
@@ -410,23 +445,29 @@ class RuntimePath:
         (out[:, rows] if self.channels_first else out[..., rows]).add_(value, alpha=alpha)
         return out
 
-    def _can_fuse(self) -> bool:
+    def _fusable(self) -> torch.nn.Linear | None:
+        """The host when its forward can be replaced by the fused one (a plain nn.Linear), else None."""
         m = self.module
         weight = getattr(m, "weight", None)
-        return (
-            type(m) is torch.nn.Linear
-            and self.down is not None
+        if type(m) is not torch.nn.Linear:
+            return None
+        fits = (
+            self.down is not None
             and not self.base_fns  # those need the base output on its own
             and "forward" not in m.__dict__  # someone else already replaced forward: stay out of their way
             and getattr(m, "_hf_hook", None) is None
+            and isinstance(weight, torch.Tensor)
             and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and weight.device.type != "meta"
         )
+        return m if fits else None
 
     def attach(self) -> None:
         self.warm()
         self.active = True
-        if self._can_fuse():
+        linear = self._fusable()
+        if linear is not None:
+            self._linear = linear
             self.module.forward = self._fused_linear_forward
         else:
             # First in line, so every observer hook sees the layer's output with the adapters, as when fused.
