@@ -27,7 +27,8 @@ def cayley(blocks: torch.Tensor, constraint: float, dtype: torch.dtype) -> torch
         if norm > constraint:
             q = q * (constraint / norm)
     eye = torch.eye(q.shape[-1], dtype=dtype)
-    return (eye + q) @ torch.linalg.inv(eye - q)
+    rotation: torch.Tensor = (eye + q) @ torch.linalg.inv(eye - q)
+    return rotation
 
 
 def scalar_alpha(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> float:
