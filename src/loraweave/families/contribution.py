@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..arch.spec import Piece
-from ..formats.adapter import AdapterPart
+from ..formats.adapter import Adapter, AdapterPart
 
 if TYPE_CHECKING:
     from .base import Family
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 class Planned(Protocol):
     """What this module reads of a planned part (resolve.planner.PlannedPart, a layer above)."""
 
+    @property
+    def adapter(self) -> Adapter: ...
     @property
     def part(self) -> AdapterPart: ...
     @property
