@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..mechanisms.choose import QuantSettings
 from ..mechanisms.merge.layer import UndoSettings, check_undo_arguments
+from ..mechanisms.merge.undo_source import UndoSource
 from ..mechanisms.runtime.compiled import CompileOptions, compile_options
 from ..mechanisms.runtime.factor_cache import FactorCache
 from ..modes import APPLY_MODES, QUANTIZED, SELECT_MODES, ApplyMode, QuantizedMode, StackMode, UndoKind
 from ..stack.combine import validate_stack
-
-StrPath = str | os.PathLike[str]
-# undo="source": the model's safetensors file, a directory of them, or one of those per component
-UndoSource = StrPath | Mapping[str, StrPath]
 
 
 @dataclass
