@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import loraweave
 from loraweave.cli import main
-from loraweave.tools.convert import ConvertError, convert
+from loraweave.errors import ConvertError
+from loraweave.tools.convert import convert
 from loraweave.tools.skeleton import CACHE_ENV
 
 sys.path.insert(0, str(Path(__file__).parent))

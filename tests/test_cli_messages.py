@@ -19,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from loraweave.cli import build_parser, main
-from loraweave.request.prompt import PromptAdapterError, parse_prompt
+from loraweave.errors import PromptAdapterError
+from loraweave.request.prompt import parse_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 ROOT = Path(__file__).resolve().parents[1]

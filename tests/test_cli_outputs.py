@@ -222,7 +222,8 @@ def test_a_file_of_ours_blocked_by_a_folder_is_refused_before_anything_moves(inp
 
 
 def test_a_file_where_one_of_our_folders_goes_is_refused_before_anything_moves(tmp_path):
-    from loraweave.io.write import WriteError, atomic_path
+    from loraweave.errors import WriteError
+    from loraweave.io.write import atomic_path
 
     target = tmp_path / "out"
     target.mkdir()

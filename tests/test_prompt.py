@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from loraweave.request.prompt import PromptAdapterError, parse_prompt, resolve_adapter_name
+from loraweave.errors import PromptAdapterError
+from loraweave.request.prompt import parse_prompt, resolve_adapter_name
 from loraweave.request.spec import AdapterSpec
 
 

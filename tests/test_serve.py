@@ -320,8 +320,9 @@ def test_nothing_outside_serve_imports_ray():
 def test_engine_option_names_an_engine_class_or_is_refused(bad):
     """ServeOptions.engine (the replicas' "module:Class"): anything but an Engine subclass is a typed error
     naming the option and the value, before a replica builds anything."""
+    from loraweave.errors import ServeRequestError
     from loraweave.serve.app import engine_class
-    from loraweave.serve.engine import Engine, ServeRequestError
+    from loraweave.serve.engine import Engine
 
     assert engine_class("loraweave.serve.engine:Engine") is Engine
     with pytest.raises(ServeRequestError, match=r"engine .*expected 'module:Class'"):

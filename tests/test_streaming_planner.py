@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from loraweave.streaming import BudgetTooSmall, find_blocks, plan_residency, stream
+from loraweave.errors import BudgetTooSmall
+from loraweave.streaming import find_blocks, plan_residency, stream
 from loraweave.streaming.planner import aligned
 
 # 2 shared cores: multi-threaded tiny matmuls stall ~100x under contention (1.1 s vs 3 ms a Flux forward).

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from loraweave.cli import main
-from loraweave.tools.convert import ConvertError, convert
+from loraweave.errors import ConvertError
+from loraweave.tools.convert import convert
 
 CLONEOFSIMO = REALDATA / "lora" / "cloneofsimo__lora__analog_svd_rank4.safetensors"
 TOKENS = ("<s1>", "<s2>")

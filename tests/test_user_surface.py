@@ -534,7 +534,7 @@ def test_item12_demo_and_test_cache_leave_no_temp_dirs(tmp_path, monkeypatch, ca
 def test_item12_packaging_and_docs():
     root = Path(__file__).resolve().parents[1]
     assert (Path(loraweave.__file__).parent / "py.typed").is_file()
-    assert loraweave.PromptAdapterError is loraweave.request.prompt.PromptAdapterError
+    assert loraweave.PromptAdapterError is loraweave.errors.PromptAdapterError
     assert "PromptAdapterError" in loraweave.__all__ and "NoKeysLandedError" in loraweave.__all__
     readme = (root / "README.md").read_text()
     assert ".venv/bin/loraweave" in readme and "allow_empty=True" in readme

@@ -20,7 +20,7 @@ from .engine.install import (
 )
 from .engine.journal import Journal, model_lock
 from .engine.options import Options
-from .errors import StrictApplyError
+from .errors import ArgumentError, StrictApplyError
 from .mechanisms.merge.layer import undo_settings
 from .modes import ApplyMode, QuantizedMode, StackMode, UndoKind
 from .report.coverage import refuse_empty, warn_incomplete
@@ -153,7 +153,7 @@ def apply_planned(
     options = Options(mode)
     options.check()
     if not planned or any(pp.adapter is not planned[0].adapter for pp in planned):
-        raise ValueError("apply_planned takes one or more planned parts of one adapter")
+        raise ArgumentError("planned: apply_planned takes one or more planned parts of one adapter")
     adapter = planned[0].adapter
     components = as_components(target)
     with model_lock(components.modules.values()):

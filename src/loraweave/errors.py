@@ -1,4 +1,6 @@
-"""Typed errors raised by loraweave; every one names the file or key it is about."""
+"""Every typed error loraweave raises, in one family: each is a `LoraweaveError`, exported from `loraweave`,
+and where callers catch a built-in (ValueError, TypeError, KeyError, RuntimeError, NotImplementedError) also a
+subclass of it. Every message names the file, key or argument it is about."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ class AdapterFileError(LoraweaveError):
 class UnsafeFormatError(LoraweaveError):
     """The file is a pickle (.pt/.ckpt/.bin) and the caller did not opt in to reading it.
 
-    The opt-in is `load_adapter(path, allow_pickle=True)` (then pass the Adapter on); the CLI's `--allow-pickle`."""
+    The opt-in is `load_adapter(path, allow_pickle=True)` (then pass the Adapter on); the CLI's
+    `--allow-pickle`."""
 
     def __init__(self, message: str, path=None) -> None:
         super().__init__(message)
@@ -42,7 +45,8 @@ class BatchError(LoraweaveError, ValueError):
 
 
 class RegionError(LoraweaveError, ValueError):
-    """A regional mask (`Handle.set_region`) is malformed, or a layer's tokens cannot be placed on the image."""
+    """A regional mask (`Handle.set_region`) is malformed, or a layer's tokens cannot be placed on the
+    image."""
 
 
 class ArgumentError(LoraweaveError, ValueError):
@@ -62,7 +66,8 @@ class NoKeysLandedError(LoraweaveError):
 class EmptyOutputError(LoraweaveError):
     """A tool would write an output with no effect (no key applied, no layer extracted); nothing was written.
 
-    `.result` holds what the tool found; the CLI's `--allow-empty` (the tools' `allow_empty=True`) writes it."""
+    `.result` holds what the tool found; the CLI's `--allow-empty` (the tools' `allow_empty=True`) writes
+    it."""
 
     def __init__(self, message: str, result=None) -> None:
         super().__init__(message)
@@ -70,12 +75,13 @@ class EmptyOutputError(LoraweaveError):
 
 
 class NonFiniteResultError(LoraweaveError):
-    """Finite factors whose merged result is not finite (the product overflows the weight's dtype); the layer is
-    left as it was."""
+    """Finite factors whose merged result is not finite (the product overflows the weight's dtype); the layer
+    is left as it was."""
 
 
 class AdapterMetadataError(AdapterFormatError):
-    """A metadata field (PEFT `lora_adapter_metadata`, kohya `ss_*`, cloneofsimo) is malformed; names file and field."""
+    """A metadata field (PEFT `lora_adapter_metadata`, kohya `ss_*`, cloneofsimo) is malformed; names file and
+    field."""
 
     def __init__(self, source: str, field: str, why: str) -> None:
         super().__init__(f"{source}: metadata field {field!r} {why}")
@@ -83,4 +89,79 @@ class AdapterMetadataError(AdapterFormatError):
 
 
 class UndoError(LoraweaveError):
-    """A merge cannot be undone as recorded: its source file changed, or its record does not fit the weight."""
+    """A merge cannot be undone as recorded: its source file changed, or its record does not fit the
+    weight."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument is of the wrong kind (a string where a number goes, an object that is no adapter or
+    model)."""
+
+
+class UnknownNameError(ArgumentError, KeyError):
+    """An argument names something the object does not hold (an adapter of a handle, a runtime layer)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class StateError(LoraweaveError, RuntimeError):
+    """The call does not fit the object's state: a removed handle, a handle applied without the stack mode the
+    call needs, merges a later apply merged again, a streamed model moved or run with autograd."""
+
+
+class PromptAdapterError(LoraweaveError, ValueError):
+    """A prompt tag names an adapter that cannot be used: bad syntax, unsafe or unknown name."""
+
+
+class WriteError(LoraweaveError):
+    """The output cannot be written where asked (it would overwrite an input, or it already exists)."""
+
+
+class BudgetTooSmall(LoraweaveError, ValueError):
+    """`stream`: the budget cannot hold the rest of the model plus the slots for the largest block."""
+
+
+class BudgetExceeded(LoraweaveError, RuntimeError):
+    """`stream`: a booking would take the streamer's device bytes past its budget (a planner bug, never
+    expected)."""
+
+
+class CheckpointError(LoraweaveError):
+    """The model path is not a checkpoint layout bake/inspect can read."""
+
+
+class ConvertError(LoraweaveError):
+    """The target layout cannot express this adapter (or part of it); nothing was written."""
+
+
+class GenerateError(LoraweaveError, ValueError):
+    """A generate request that cannot run: bad argument, missing or unreadable model, failed sampling."""
+
+
+class NoModelToDrawOnError(ArgumentError):
+    """block_grid: the file resolves on no model (an architecture loraweave has no full-size model of, and no
+    `arch` or `model` given), so there are no blocks to draw it on."""
+
+
+class DropInError(LoraweaveError, ValueError):
+    """diffusers drop-in: a call diffusers itself rejects with ValueError (same message), e.g. an adapter name
+    already in use."""
+
+
+class UnsupportedError(LoraweaveError, NotImplementedError):
+    """diffusers drop-in: a diffusers LoRA method it does not provide (hotswap, set_lora_device, ...)."""
+
+
+class NotLoraPipelineError(TargetError):
+    """diffusers drop-in: enable() was given something that is not a diffusers pipeline with LoRA loading, or
+    one holding PEFT layers."""
+
+
+class ServeRequestError(LoraweaveError, ValueError):
+    """A request the server refuses (HTTP 4xx): bad field, unknown adapter, a path outside the store, an
+    adapter whose keys do not all land on this model."""
+
+
+class ComfyUnavailableError(TargetError):
+    """ComfyUI's modules cannot be imported here (not inside ComfyUI, and its folder is not on sys.path)."""

@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ..errors import ArgumentError
 from . import registry
 
 # The tables are each architecture's `blocks` facet (arch/record.BlockMap), read from the registry on each
@@ -93,7 +94,7 @@ _UNET_OUT = re.compile(r"^up_blocks\.(\d+)\.(resnets|attentions|upsamplers)\.(\d
 def _check_arch(arch: str) -> None:
     unets, dits = _unet_archs(), _dit_archs()
     if arch not in unets and arch not in dits:
-        raise ValueError(f"unknown block arch {arch!r}; known: {', '.join([*unets, *dits])}")
+        raise ArgumentError(f"unknown block arch {arch!r}; known: {', '.join([*unets, *dits])}")
 
 
 def _chain_lengths(arch: str, chains: Mapping[str, int] | None) -> list[tuple[str, str, int]]:
@@ -102,7 +103,9 @@ def _chain_lengths(arch: str, chains: Mapping[str, int] | None) -> list[tuple[st
         return list(table)
     unknown = set(chains) - {name for _, name, _ in table}
     if unknown:
-        raise ValueError(f"{arch} has no layer chain {sorted(unknown)}; chains: {[n for _, n, _ in table]}")
+        raise ArgumentError(
+            f"{arch} has no layer chain {sorted(unknown)}; chains: {[n for _, n, _ in table]}"
+        )
     return [(prefix, name, int(chains.get(name, 0))) for prefix, name, _ in table]
 
 
@@ -157,13 +160,13 @@ def _unet_slot(arch: str, path: str) -> str:
             continue
         block, kind, layer = int(m.group(1)), m.group(2), int(m.group(3))
         if block >= n_blocks:
-            raise ValueError(f"{path!r}: {arch} UNets have {n_blocks} {side.lower()} blocks; wrong arch?")
+            raise ArgumentError(f"{path!r}: {arch} UNets have {n_blocks} {side.lower()} blocks; wrong arch?")
         if side == "IN":
             index = 3 * (block + 1) if kind == "downsamplers" else 1 + 3 * block + layer
         else:
             index = 3 * block + 2 if kind == "upsamplers" else 3 * block + layer
         if layer > 2 or (side == "IN" and kind != "downsamplers" and layer > 1):
-            raise ValueError(f"{path!r}: layer {layer} does not fit the {arch} block layout")
+            raise ArgumentError(f"{path!r}: layer {layer} does not fit the {arch} block layout")
         return f"{side}{index:02d}"
     return "BASE"
 
@@ -210,7 +213,7 @@ def _unet_group(arch: str, slot: str) -> str:
 def _preset(arch: str, name: str, slots: list[str]) -> dict[str, float]:
     if name in _CHAIN_PRESETS:
         if len(_dit_archs().get(arch, ())) != 2:
-            raise ValueError(f"preset {name} mutes a chain of a double/single-stream DiT; {arch} has none")
+            raise ArgumentError(f"preset {name} mutes a chain of a double/single-stream DiT; {arch} has none")
         keep = _CHAIN_PRESETS[name]
         return {s: 1.0 if s == "BASE" or s.startswith(keep) else 0.0 for s in slots}
     level = 0.5 if name == "ALL0.5" else 1.0
@@ -233,7 +236,7 @@ def _numbers(values: Sequence[Any], what: str) -> list[float]:
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-            raise ValueError(f"{what}: every block weight must be a finite number, got {v!r}")
+            raise ArgumentError(f"{what}: every block_weights entry must be a finite number, got {v!r}")
         out.append(float(v))
     return out
 
@@ -273,8 +276,8 @@ def block_weights(
         return {s: v for s, v in zip(slots, _numbers([value] * len(slots), arch), strict=True)}
     if isinstance(value, Sequence) or hasattr(value, "tolist"):
         return _from_vector(arch, list(value.tolist() if hasattr(value, "tolist") else value), slots)
-    raise ValueError(
-        f"block weights for {arch}: cannot use {type(value).__name__}; accepted: {_fits(arch, slots)}"
+    raise ArgumentError(
+        f"block_weights for {arch}: cannot use {type(value).__name__}; accepted: {_fits(arch, slots)}"
     )
 
 
@@ -286,7 +289,7 @@ def _slots_for(arch: str, n_slots: int | None, chains: Mapping[str, int] | None)
         chains = {dit[0][1]: int(n_slots) - 1}
     slots = slot_names(arch, chains)
     if n_slots is not None and n_slots != len(slots):
-        raise ValueError(f"{arch} has {len(slots)} block slots here, n_slots={n_slots} given")
+        raise ArgumentError(f"{arch} has {len(slots)} block slots here, n_slots={n_slots} given")
     return slots
 
 
@@ -295,8 +298,8 @@ def _number_text(arch: str, value: str, slots: list[str]) -> list[float]:
     try:
         return [float(x) for x in value.strip().split(",")]
     except ValueError:
-        raise ValueError(
-            f"block weights {value!r} for {arch}: not a preset or number list; accepted: {_fits(arch, slots)}"
+        raise ArgumentError(
+            f"block_weights {value!r} for {arch}: not a preset or number list; accepted: {_fits(arch, slots)}"
         ) from None
 
 
@@ -304,7 +307,9 @@ def _from_mapping(arch: str, value: Mapping, slots: list[str]) -> dict[str, floa
     """{slot: weight}: named slots, the others at 1."""
     unknown = [k for k in value if k not in slots]
     if unknown:
-        raise ValueError(f"block weights for {arch}: unknown slots {unknown}; accepted: {_fits(arch, slots)}")
+        raise ArgumentError(
+            f"block_weights for {arch}: unknown slots {unknown}; accepted: {_fits(arch, slots)}"
+        )
     given = dict(zip(value.keys(), _numbers(list(value.values()), arch), strict=True))
     return {s: given.get(s, 1.0) for s in slots}
 
@@ -323,8 +328,8 @@ def _from_vector(arch: str, raw: list, slots: list[str]) -> dict[str, float]:
         return {s: short.get(s, 1.0) for s in slots}
     if arch in _dit_archs() and len(values) == 17:
         return _stretch(values, slots)
-    raise ValueError(
-        f"block weights for {arch}: {len(values)} values fit no layout; accepted: {_fits(arch, slots)}"
+    raise ArgumentError(
+        f"block_weights for {arch}: {len(values)} values fit no layout; accepted: {_fits(arch, slots)}"
     )
 
 
@@ -340,7 +345,7 @@ def weights_for_modules(
     slots = block_slots(arch, paths)
     missing = sorted({s for s in slots.values() if s is not None and s not in weights})
     if missing:
-        raise ValueError(
+        raise ArgumentError(
             f"module paths reach slots {missing[:5]} beyond the {arch} layout given by chains={chains}"
         )
     return {p: (None if slot is None else weights[slot]) for p, slot in slots.items()}
@@ -360,11 +365,11 @@ def detect_block_arch(model: Any) -> str:
         cfg = model.config
         layers = cfg.layers_per_block
         if any(v != 2 for v in (layers if isinstance(layers, (list, tuple)) else [layers])):
-            raise ValueError(f"UNet with layers_per_block={layers}: block slots are defined for 2 only")
+            raise ArgumentError(f"UNet with layers_per_block={layers}: block slots are defined for 2 only")
         n_down = len(cfg.down_block_types)
         for arch, (blocks, _, _) in _unet_archs().items():
             if blocks == n_down and len(cfg.up_block_types) == blocks:
                 return arch
-        raise ValueError(f"UNet with {n_down} down blocks has no block-slot layout (SD1/SD2: 4, SDXL: 3)")
+        raise ArgumentError(f"UNet with {n_down} down blocks has no block-slot layout (SD1/SD2: 4, SDXL: 3)")
     known = ", ".join(["UNet2DConditionModel", *_class_arch()])
-    raise ValueError(f"no block-slot table for {name}; known: {known}")
+    raise ArgumentError(f"no block-slot table for {name}; known: {known}")

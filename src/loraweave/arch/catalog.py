@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..errors import ArgumentError
 from . import registry
 from .record import Skeleton
 
@@ -59,7 +60,7 @@ def canonical(name: str) -> str:
     key = name.lower()
     key = aliases().get(key, key)
     if key not in CATALOG:
-        raise ValueError(f"unknown architecture {name!r}; known: {', '.join(sorted(CATALOG))}")
+        raise ArgumentError(f"unknown architecture {name!r}; known: {', '.join(sorted(CATALOG))}")
     return key
 
 
@@ -81,7 +82,7 @@ def build_meta(name: str, text_encoders: bool = True) -> dict[str, torch.nn.Modu
     try:
         import diffusers
     except ImportError as exc:  # an optional extra: say how to get it instead of a traceback
-        raise ValueError(
+        raise ArgumentError(
             f"building the {name} architecture needs diffusers (pip install 'loraweave[diffusers]'); "
             "or pass --model CHECKPOINT"
         ) from exc

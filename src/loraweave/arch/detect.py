@@ -49,7 +49,8 @@ class _Tables:
     family_widths: dict[str, Widths]
 
 
-def _tables(archs: list[Architecture]) -> _Tables:
+def _by_depth(archs: list[Architecture]) -> dict[str, tuple[tuple[str, dict[str, int]], ...]]:
+    """{family: ((architecture, block counts), ...)} for families that name their own depth."""
     by_depth: dict[str, tuple[tuple[str, dict[str, int]], ...]] = {}
     for family in dict.fromkeys(a.depth[0] for a in archs if a.depth):
         rows = sorted(
@@ -58,11 +59,15 @@ def _tables(archs: list[Architecture]) -> _Tables:
         )
         if rows[0][0] == family:  # the family's own depth first, then the deeper siblings in registry order
             by_depth[family] = tuple(rows)
+    return by_depth
+
+
+def _tables(archs: list[Architecture]) -> _Tables:
     return _Tables(
         tuple((a.name, a.signature) for a in archs if a.signature),
         {a.name: a.owners for a in reversed(archs) if a.owners},
         {a.name: a.widths for a in archs if a.owners and a.widths and a.name != MMDIT},
-        by_depth,
+        _by_depth(archs),
         {a.name: a.widths for a in archs if a.name in (MMDIT, UNET) and a.widths},
     )
 
@@ -136,25 +141,52 @@ def _fold_shared(
             other = _width_of(adapter, widths.same_width) if found and widths.same_width else None
             owner = None if other and other[0] != found[0] else owner  # e.g. Cosmos: 1024-wide text at 2048
         if owner not in (None, shared) and shared in scores:
-            scores[owner] = scores.get(owner, 0) + scores.pop(shared)
-            first.setdefault(owner, first.pop(shared))
+            _move(scores, first, shared, owner)
             out.append((owner, why))
     return out
 
 
-def detect_architecture(adapter: Adapter) -> Detection:
-    t = _tables(registry.ARCHITECTURES)
+def _move(scores: dict[str, int], first: dict[str, str], source: str, to: str) -> None:
+    """Count `source`'s matched parts for `to` (its first example kept when `to` has one already)."""
+    scores[to] = scores.get(to, 0) + scores.pop(source)
+    first.setdefault(to, first.pop(source))
+
+
+def _signature_scores(t: _Tables, adapter: Adapter) -> tuple[dict[str, int], dict[str, str]]:
+    """(denoiser parts per architecture, by the first signature each matches; the first such part's stem)."""
     scores: dict[str, int] = {}
     first: dict[str, str] = {}
     for part in adapter.parts:
         if part.component != "denoiser":
             continue
         path = part.path.replace(".", "_")
-        for arch, pattern in t.signatures:
-            if re.search(pattern, path):
-                scores[arch] = scores.get(arch, 0) + 1
-                first.setdefault(arch, part.stem)
-                break
+        arch = next((arch for arch, pattern in t.signatures if re.search(pattern, path)), None)
+        if arch is not None:
+            scores[arch] = scores.get(arch, 0) + 1
+            first.setdefault(arch, part.stem)
+    return scores, first
+
+
+def _fold_mmdit(
+    t: _Tables, adapter: Adapter, scores: dict[str, int], first: dict[str, str]
+) -> list[tuple[str, str]]:
+    """MMDiT joint-block names count for the release a width fact names, then for the owners that names."""
+    kind = _mmdit_kind(t, adapter)
+    # Flux files also have single blocks; an SD3/Flux width fact decides where the shared names count.
+    name = kind[0] if kind else ("flux" if "flux" in scores else "sd3-or-flux")
+    _move(scores, first, MMDIT, name)
+    return _fold_shared(t, adapter, scores, first)  # owners the width named
+
+
+def _metadata_evidence(meta: dict[str, str], arch: str) -> str:
+    said = " ".join(meta.values()).lower()
+    agrees = arch.split("-")[0] in said.replace("_", "").replace(".", "").replace("sd1.5", "sd1")
+    return f"metadata {meta} {'agrees' if agrees else 'disagrees; keys win'}"
+
+
+def detect_architecture(adapter: Adapter) -> Detection:
+    t = _tables(registry.ARCHITECTURES)
+    scores, first = _signature_scores(t, adapter)
     meta = {k: adapter.metadata[k] for k in METADATA_KEYS if k in adapter.metadata}
     if not scores and any(p.layout == "cloneofsimo" for p in adapter.parts):
         return Detection("unet", ["cloneofsimo positional keys (unet:<i>): an SD1.x/SD2.x UNet"], {}, meta)
@@ -162,17 +194,11 @@ def detect_architecture(adapter: Adapter) -> Detection:
         return Detection("unknown", ["no key matched a known architecture signature"], scores, meta)
     folded = _fold_shared(t, adapter, scores, first)
     if MMDIT in scores:
-        kind = _mmdit_kind(t, adapter)
-        # Flux files also have single blocks; an SD3/Flux width fact decides where the shared names count.
-        name = kind[0] if kind else ("flux" if "flux" in scores else "sd3-or-flux")
-        scores[name] = scores.get(name, 0) + scores.pop(MMDIT)
-        first.setdefault(name, first.pop(MMDIT))
-        folded += _fold_shared(t, adapter, scores, first)  # owners the width named
+        folded += _fold_mmdit(t, adapter, scores, first)
     arch = max(scores, key=lambda a: (scores[a], -_order(t, a)))
     deeper = _deeper(t, adapter, arch) if arch in t.by_depth else None
     if deeper:
-        scores[deeper[0]] = scores.get(deeper[0], 0) + scores.pop(arch)
-        first.setdefault(deeper[0], first.pop(arch))
+        _move(scores, first, arch, deeper[0])
         arch = deeper[0]
         folded.append(deeper)
     evidence = [f"{scores[arch]} of {len(adapter.parts)} parts match {arch} names, e.g. {first[arch]}"]
@@ -186,7 +212,5 @@ def detect_architecture(adapter: Adapter) -> Detection:
             arch = kind[0]
             evidence.append(kind[1])
     if meta:
-        said = " ".join(meta.values()).lower()
-        agrees = arch.split("-")[0] in said.replace("_", "").replace(".", "").replace("sd1.5", "sd1")
-        evidence.append(f"metadata {meta} {'agrees' if agrees else 'disagrees; keys win'}")
+        evidence.append(_metadata_evidence(meta, arch))
     return Detection(arch, evidence, scores, meta)

@@ -64,6 +64,25 @@ def related(release: Variant, arch: str) -> bool:
     return any(arch.startswith(b) for b in BFL_NAMED) and release.arch in BFL_NAMED
 
 
+def _takes(
+    v: Variant, counts: dict[str, int], hidden: int | None, ratio: int | None, landed: str | None
+) -> bool:
+    """Whether release `v` can take a file with these block counts, `down` width and single-block ratio."""
+    if not set(counts) <= set(v.chains) or any(n > v.chains[c] for c, n in counts.items()):
+        return False
+    if hidden is not None and hidden != v.hidden and landed != (v.catalog or v.arch):
+        return False
+    return ratio is None or v.single_rows in (None, ratio)
+
+
+def _likely(fits: list[Variant], counts: dict[str, int]) -> Variant | None:
+    """The one release with exactly the file's block counts, else the only one that fits, else None."""
+    exact = [v for v in fits if v.chains == counts]
+    if len(exact) == 1:
+        return exact[0]
+    return fits[0] if len(fits) == 1 else None
+
+
 def variant_fit(adapter: Adapter, arch: str | None = None, landed: str | None = None) -> dict:
     """Block counts and width read from the file, the variants that can take it, and the likeliest one.
 
@@ -76,18 +95,8 @@ def variant_fit(adapter: Adapter, arch: str | None = None, landed: str | None = 
         return {"blocks": {}, "hidden": hidden, "fits": [], "likely": None, "catalog": None, "landed": None}
     releases = tuple(v for v in variants() if arch is None or related(v, arch))
     ratio = _single_rows(adapter, hidden, {v.single_rows for v in releases})
-    fits = [
-        v
-        for v in releases
-        if set(counts) <= set(v.chains)
-        and all(n <= v.chains[c] for c, n in counts.items())
-        and (hidden is None or hidden == v.hidden or landed == (v.catalog or v.arch))
-        and (ratio is None or v.single_rows in (None, ratio))
-    ]
-    exact = [
-        v for v in fits if all(v.chains[c] == n for c, n in counts.items()) and set(counts) == set(v.chains)
-    ]
-    likely = exact[0] if len(exact) == 1 else (fits[0] if len(fits) == 1 else None)
+    fits = [v for v in releases if _takes(v, counts, hidden, ratio, landed)]
+    likely = _likely(fits, counts)
     return {
         "blocks": counts,
         "hidden": hidden,

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from ..engine.install import make_report
-from ..errors import ArgumentError, StrictApplyError
+from ..errors import ArgumentError, ArgumentTypeError, StrictApplyError
 from ..formats.adapter import Adapter, load_adapter
 from ..modes import APPLY_MODES, ApplyMode
 from ..report.coverage import refuse_empty, warn_incomplete
@@ -48,7 +48,7 @@ def read_lora(lora) -> Adapter:
         return _cached_file(lora)
     if isinstance(lora, Mapping):
         return load_adapter(lora)
-    raise ArgumentError(f"lora must be a path, a state dict or an Adapter, not {type(lora).__name__}")
+    raise ArgumentTypeError(f"lora must be a path, a state dict or an Adapter, not {type(lora).__name__}")
 
 
 def _file_identity(path) -> tuple | None:
@@ -174,7 +174,8 @@ def load_lora_for_models(
     Errors are typed loraweave errors: a missing or broken file, a file of which no key lands on this model
     (NoKeysLandedError: a file for another architecture), `strict` with keys that miss (StrictApplyError)."""
     diffusion_patcher(model)
-    strength_model, strength_clip = finite_strength(strength_model), finite_strength(strength_clip)
+    strength_model = finite_strength(strength_model, "strength_model")
+    strength_clip = finite_strength(strength_clip, "strength_clip")
     chosen = choose_mode(model, mode)
     adapter = read_lora(lora)
     log.info("comfy load adapter=%s mode=%s chosen=%s", adapter.name, mode, chosen)

@@ -10,11 +10,7 @@ from types import ModuleType
 
 import torch
 
-from ..errors import TargetError
-
-
-class ComfyUnavailableError(TargetError):
-    """ComfyUI's modules cannot be imported here (not inside ComfyUI, and its folder is not on sys.path)."""
+from ..errors import ComfyUnavailableError, TargetError
 
 
 def comfy_module(name: str) -> ModuleType:

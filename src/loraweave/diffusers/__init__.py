@@ -38,7 +38,7 @@ from typing import TypeVar
 
 import torch
 
-from .errors import DropInError, NotLoraPipelineError, UnsupportedError
+from ..errors import DropInError, NotLoraPipelineError, UnsupportedError
 from .scale import hook_denoiser, wrap_encode_prompt
 from .state import DropIn
 

@@ -8,6 +8,7 @@ is a separate merge `Handle` per (adapter, component), so an unfuse restores the
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,11 +19,10 @@ import torch
 
 from ..api import apply, apply_planned
 from ..engine.handle import Handle
-from ..errors import NonFiniteResultError
+from ..errors import ArgumentError, ArgumentTypeError, DropInError, NonFiniteResultError, UnsupportedError
 from ..formats.adapter import Adapter, load_adapter
 from ..mechanisms.runtime.path import RuntimePath
 from ..request.spec import AdapterSpec
-from .errors import DropInError, UnsupportedError
 from .weights import component_weights, module_weight
 
 log = logging.getLogger("loraweave")
@@ -110,8 +110,9 @@ class DropIn:
                     _set_gate(path, loaded.name, self.gate(loaded.name, component, module))
 
     def set_call_scale(self, components: list[str], scale: float) -> None:
+        value = _number(scale, "scale (attention kwargs 'scale' or encode_prompt's lora_scale)")
         for c in components:
-            self.call_scale[c] = float(scale)
+            self.call_scale[c] = value
         self.refresh(set(components))
 
     def _default_name(self) -> str:
@@ -196,7 +197,7 @@ class DropIn:
         return found
 
     def set_adapters(self, adapter_names: list[str] | str, adapter_weights=None) -> None:
-        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        names = _names(adapter_names)
         components_of = {n: lo.components for n, lo in self.loaded.items()}
         table = component_weights(names, adapter_weights, self.models(), self.loadable, components_of)
         for component, weights in table.items():
@@ -207,7 +208,7 @@ class DropIn:
     def delete_adapters(self, adapter_names: list[str] | str) -> None:
         """Unknown names are ignored (diffusers). A fused adapter's delta stays in the weights, as in
         diffusers."""
-        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        names = _names(adapter_names)
         doomed = [n for n in dict.fromkeys(names) if n in self.loaded]
         fused = [f for f in self.fused if f.name in doomed]
         others = sorted(
@@ -279,6 +280,8 @@ class DropIn:
         lora_scale scales only the fused weights (diffusers also leaves every active adapter's scaling
         multiplied by it after an unfuse), and a non-finite result is always refused, whatever `safe_fusing`
         says."""
+        if not math.isfinite(_number(lora_scale, "lora_scale")):
+            raise ArgumentError(f"lora_scale must be a finite number, got {lora_scale!r}")
         components = self._components_arg(components, self.fuse_default)
         if not self.enabled:  # PEFT merges, then unmerges at the next forward while disabled: nothing lasts
             log.warning("loraweave.diffusers fuse_lora ignored: LoRA is disabled (call enable_lora() first)")
@@ -360,3 +363,23 @@ def _set_gate(path: RuntimePath, name: str, gate: float) -> None:
         path.set_gate(name, gate)
     if not path.active:
         path.attach()
+
+
+def _names(adapter_names) -> list[str]:
+    """One name or an iterable of names, as diffusers takes them."""
+    if isinstance(adapter_names, str):
+        return [adapter_names]
+    try:
+        return list(adapter_names)
+    except TypeError:
+        raise ArgumentTypeError(
+            f"adapter_names must be a name or a list of names, got {type(adapter_names).__name__}"
+        ) from None
+
+
+def _number(value, label: str) -> float:
+    """float(value) (what diffusers takes), with a typed error naming the argument."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(f"{label} must be a number, got {value!r}") from None

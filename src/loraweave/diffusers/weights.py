@@ -12,7 +12,7 @@ import logging
 import math
 from typing import Any
 
-from .errors import DropInError
+from ..errors import DropInError
 
 log = logging.getLogger("loraweave")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 
+from ..errors import StateError, UnknownNameError
 from ..mechanisms.merge import layer as merge_mechanism
 from ..mechanisms.merge.layer import MergedModule
 from ..mechanisms.merge.params import ParamPatch
@@ -133,13 +134,13 @@ class Handle:
         state = self._state
         with self.lock():
             if not state.active:
-                raise RuntimeError("handle was removed")
+                raise StateError("handle was removed")
             if name not in state.plan.strengths:
-                raise KeyError(f"no adapter named {name!r}; have {sorted(state.plan.strengths)}")
+                raise UnknownNameError(f"no adapter named {name!r}; have {sorted(state.plan.strengths)}")
             value = finite_strength(
                 value
             )  # no float() first: "0.5" and True are refused, as AdapterSpec does
-            te = None if te is None else finite_strength(te)
+            te = None if te is None else finite_strength(te, "te")
             self.check_undoable({name})
             for merged in state.merged():  # fused (undo='none') or a changed source file: refused first
                 if name in merged.adapters:
@@ -174,10 +175,10 @@ class Handle:
 
     def _names(self, name: str | None) -> list[str]:
         if not self._state.active:
-            raise RuntimeError("handle was removed")
+            raise StateError("handle was removed")
         strengths = self._state.plan.strengths
         if name is not None and name not in strengths:
-            raise KeyError(f"no adapter named {name!r}; have {sorted(strengths)}")
+            raise UnknownNameError(f"no adapter named {name!r}; have {sorted(strengths)}")
         return list(strengths) if name is None else [name]
 
     def _set_weights(self, name: str, strength: float, te: float | None) -> None:
@@ -206,7 +207,7 @@ class Handle:
         diffusers drop-in) and rewrite what reads it: runtime scales, merged layers from their backups."""
         with self.lock():
             if not self.active:
-                raise RuntimeError("handle was removed")
+                raise StateError("handle was removed")
             self.check_undoable()
             for pp in self._state.plan.planned:
                 pp.strength = finite_strength(float(strength_of(pp)))
@@ -241,7 +242,7 @@ class Handle:
         `callback_on_step_end=s.diffusers_callback(handle)` to the diffusers pipeline call."""
         selection = self._state.select
         if selection is None:
-            raise RuntimeError("select_schedule needs apply(..., stack='klora' or 'estlora')")
+            raise StateError("select_schedule needs apply(..., stack='klora' or 'estlora')")
         from ..mechanisms.sampling.select import build_schedule
 
         paths = self._state.runtime_by_key()
@@ -253,10 +254,10 @@ class Handle:
 
         selection = self._state.select
         if selection is None:
-            raise RuntimeError("set_layer_choice needs apply(..., stack='klora' or 'estlora')")
+            raise StateError("set_layer_choice needs apply(..., stack='klora' or 'estlora')")
         paths = self._state.runtime_by_key()
         if layer_key not in paths:
-            raise KeyError(f"no runtime layer {layer_key!r}")
+            raise UnknownNameError(f"no runtime layer {layer_key!r}")
         choose(paths[layer_key], selection.names, index)
 
     def start_selection(self) -> None:
@@ -316,7 +317,7 @@ class Handle:
         state = self._state
         check_total_steps(total_steps)
         if not state.active:
-            raise RuntimeError("handle was removed")
+            raise StateError("handle was removed")
         return StepSchedule(total_steps, state.settings, state.plan.planned, state.runtime(), state.written())
 
     @property

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from ..errors import NonFiniteResultError
+from ..errors import ArgumentError, NonFiniteResultError
 from ..formats.adapter import Adapter, load_adapter
 from ..mechanisms.choose import LayerWork, WorkPlan, plan_work
 from ..mechanisms.merge.grow import grow_input
@@ -142,7 +142,7 @@ def growth(p: Plan) -> list[tuple[str, str, int, str]]:
         for module, (width, key) in pp.grow.items():
             prev = found.get((pp.component, module))
             if prev is not None and prev[0] != width:
-                raise ValueError(
+                raise ArgumentError(
                     f"adapters ask {pp.component}.{module} to grow to {prev[0]} and {width} columns"
                 )
             found[(pp.component, module)] = (width, key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..errors import ArgumentError
 from ..mechanisms.choose import QuantSettings
 from ..mechanisms.merge.layer import UndoSettings, check_undo_arguments
 from ..mechanisms.merge.undo_source import UndoSource
@@ -35,12 +36,12 @@ class Options:
 
     def check(self) -> None:
         if self.mode not in APPLY_MODES:
-            raise ValueError(f"mode must be one of {APPLY_MODES}, got {self.mode!r}")
+            raise ArgumentError(f"mode must be one of {APPLY_MODES}, got {self.mode!r}")
         validate_stack(self.stack, self.density)
         if self.quantized not in QUANTIZED:
-            raise ValueError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")
+            raise ArgumentError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")
         if not isinstance(self.host_rank, int) or self.host_rank < 0:
-            raise ValueError(f"host_rank must be an int >= 0, got {self.host_rank!r}")
+            raise ArgumentError(f"host_rank must be an int >= 0, got {self.host_rank!r}")
         check_undo_arguments(self.undo, self.undo_source)
         self.compiled()
 
@@ -58,7 +59,7 @@ class Options:
             return self.mode
         validate_stack(self.stack, self.density, n_adapters)
         if self.mode == "merge":
-            raise ValueError(
+            raise ArgumentError(
                 f"stack={self.stack!r} switches layers between adapters per step: use mode='runtime'"
             )
         return "runtime"

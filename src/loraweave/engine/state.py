@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import BatchError, RegionError
+from ..errors import BatchError, RegionError, StateError
 from ..mechanisms.merge.grow import GrownInput
 from ..mechanisms.merge.layer import MergedModule
 from ..mechanisms.quantized.write import QuantWrite
@@ -80,7 +80,7 @@ class HandleState:
         """Refuse when a later apply merged over these layers (of adapters `names`, default any)."""
         buried = [e for e in self.journal.buried() if names is None or names & e.adapters]
         if buried:
-            raise RuntimeError(
+            raise StateError(
                 f"{len(buried)} merged layers were merged again by a later apply; remove that handle first "
                 "(merges undo exactly only in reverse order)"
             )
@@ -162,7 +162,8 @@ def set_region(state: HandleState, name: str, mask) -> None:
     if name not in state.settings:
         raise RegionError(f"no adapter named {name!r}; have {sorted(state.settings)}")
     mixing.require_runtime(state.written(), {name}, RegionError, "region")
-    state.attach_mix().set_region(name, check_mask(name, mask))
+    checked = check_mask(name, mask)  # before the mix attaches: a refused mask leaves no root hooks
+    state.attach_mix().set_region(name, checked)
 
 
 def clear_region(state: HandleState, name: str) -> None:

@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from ..errors import StateError
 from ..families.combined import CombinedFactors
 from ..mechanisms.choose import LayerWork, WorkPlan
 from ..mechanisms.merge.layer import MergedModule
@@ -318,7 +319,7 @@ def switch(
     """Make the handle whose state this is represent a new adapter set on the same target (the caller holds the
     model's lock)."""
     if not state.active:
-        raise RuntimeError("handle was removed")
+        raise StateError("handle was removed")
     new = _plan_switch(state, adapters, strength, stack, density)
     if _must_start_over(state, new):
         return _start_over(state, new)

@@ -435,3 +435,26 @@ def check_factor(name: str, tensor: torch.Tensor) -> None:
         finite = bool(torch.isfinite(tensor.float()).all())
     if not finite:
         raise PartRejected("non_finite", f"bad tensor: {name} holds NaN or Inf")
+
+
+def check_factors(
+    tensors: dict[str, torch.Tensor], key_of: dict[str, str], skip: tuple[str, ...] = ()
+) -> None:
+    """check_factor on every tensor of a part but the `skip` roles (scalars such as alpha)."""
+    for role, t in tensors.items():
+        if role not in skip:
+            check_factor(key_of[role], t)
+
+
+def refuse_roles(family: str, roles: set[str], key_of: dict[str, str]) -> None:
+    """Refuse a `family` part that holds `roles` (roles it has no use for), naming their keys."""
+    if roles:
+        raise PartRejected(
+            "unsupported",
+            f"unsupported family: {family} part with {', '.join(sorted(key_of[r] for r in roles))}",
+        )
+
+
+def is_channel_vector(t: torch.Tensor) -> bool:
+    """A conv-layout per-channel vector (1, n, 1, …)."""
+    return t.dim() >= 3 and t.shape[0] == 1 and all(d == 1 for d in t.shape[2:])

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factors, refuse_roles
 from .oft_common import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
 
 
@@ -40,14 +40,22 @@ class BoftFactors:
         return 2 ** (self.blocks.shape[0] - 1) * self.blocks.shape[2]
 
 
+_LYCORIS_ROLES = frozenset({"oft_blocks", "rescale", "alpha"})
+_PEFT_ROLES = frozenset({"boft_R", "boft_s"})
+
+
+def _is_butterfly(blocks: torch.Tensor, peft: bool) -> bool:
+    """(m, n, b, b) with stage views that tile: LyCORIS needs b even and n a multiple of 2^(m-1); PEFT checks
+    the same when N > 1."""
+    if blocks.dim() != 4 or blocks.shape[3] != blocks.shape[2] or 0 in blocks.shape:
+        return False
+    m, n, b = blocks.shape[:3]
+    return not ((m > 1 or not peft) and (b % 2 or n % 2 ** (m - 1)))
+
+
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactors:
     peft = "boft_R" in tensors
-    allowed = {"boft_R", "boft_s"} if peft else {"oft_blocks", "rescale", "alpha"}
-    if set(tensors) - allowed:
-        raise PartRejected(
-            "unsupported",
-            f"unsupported family: BOFT part with {', '.join(sorted(key_of[r] for r in set(tensors) - allowed))}",
-        )
+    refuse_roles("BOFT", set(tensors) - (_PEFT_ROLES if peft else _LYCORIS_ROLES), key_of)
     if not peft and "oft_blocks" not in tensors:
         raise PartRejected(
             "incomplete",
@@ -55,19 +63,10 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactor
         )
     if peft and "boft_s" not in tensors:
         raise PartRejected("incomplete", "incomplete BOFT: PEFT boft_R without boft_s")
-    for role, t in tensors.items():
-        if role != "alpha":
-            check_factor(key_of[role], t)
+    check_factors(tensors, key_of, skip=("alpha",))
     role = "boft_R" if peft else "oft_blocks"
     blocks = tensors[role]
-    m, n, b = blocks.shape[:3] if blocks.dim() == 4 else (0, 0, 0)
-    # LyCORIS: b even and n a multiple of 2^(m-1), or the stage views do not tile; PEFT checks the same when N > 1.
-    if (
-        blocks.dim() != 4
-        or blocks.shape[3] != b
-        or 0 in blocks.shape
-        or ((m > 1 or not peft) and (b % 2 or n % 2 ** (m - 1)))
-    ):
+    if not _is_butterfly(blocks, peft):
         raise PartRejected(
             "shape_mismatch",
             f"shape mismatch: {key_of[role]} {tuple(blocks.shape)} is not a butterfly (m, n, b, b)",
@@ -76,6 +75,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> BoftFactor
         scale = tensors["boft_s"]
         return BoftFactors(blocks, 0.0, row_scale(scale, scale.numel(), key_of["boft_s"]), True)
     alpha = scalar_alpha(tensors, key_of)
+    n, b = blocks.shape[1], blocks.shape[2]
     return BoftFactors(
         blocks, alpha * n * b, row_scale(tensors.get("rescale"), n * b, key_of.get("rescale")), False
     )

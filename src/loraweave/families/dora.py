@@ -53,35 +53,42 @@ def _kind(role: str) -> str:
     raise PartRejected("unsupported", f"unsupported family: DoRA over {role} (only LoRA, LoHa, LoKr)")
 
 
-def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> DoraFactors:
-    """Load the inner family from its roles, then validate `dora_scale` against its rows."""
-    d = tensors.get("dora_scale")
-    if d is None:
-        raise PartRejected("incomplete", "incomplete DoRA: no dora_scale / lora_magnitude_vector tensor")
+def _inner_kind(tensors: dict[str, torch.Tensor]) -> str:
+    """The one family the part's factors (all but the magnitude) belong to."""
     kinds = {_kind(r) for r in tensors if r != "dora_scale"}
     if len(kinds) != 1:
         raise PartRejected(
             "incomplete", f"incomplete DoRA: magnitude with {' + '.join(sorted(kinds)) or 'no factors'}"
         )
-    kind = kinds.pop()
+    return kinds.pop()
+
+
+def _on_out(d: torch.Tensor, rows: int, peft: bool, key: str) -> bool:
+    """Whether magnitude `d` runs along the output rows (else along the input channels), by its shape."""
+    if peft:  # PEFT's vector is always on the output axis, its rows along at most one dim
+        if d.numel() == rows and sum(n != 1 for n in d.shape) <= 1:
+            return True
+    elif d.shape == (rows,) or (d.dim() >= 2 and d.shape[0] == rows and d[0].numel() == 1):
+        return True
+    elif d.dim() >= 2 and d.shape[0] == 1 and all(n == 1 for n in d.shape[2:]):
+        return False  # (1, in, 1, …): checked against the module's input channels in check_target
+    raise PartRejected("shape_mismatch", f"shape mismatch: {key} {tuple(d.shape)} for {rows} output rows")
+
+
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> DoraFactors:
+    """Load the inner family from its roles, then validate `dora_scale` against its rows."""
+    d = tensors.get("dora_scale")
+    if d is None:
+        raise PartRejected("incomplete", "incomplete DoRA: no dora_scale / lora_magnitude_vector tensor")
+    kind = _inner_kind(tensors)
     if "up_bias" in tensors:
         raise PartRejected(
             "unsupported", "unsupported family: DoRA with a LoRA bias (lora_B.bias); PEFT refuses it too"
         )
     check_factor(key_of["dora_scale"], d)
     inner = _INNER[kind].load({r: t for r, t in tensors.items() if r != "dora_scale"}, key_of)
-    rows, peft = inner.rows, "lora_magnitude_vector" in key_of["dora_scale"]
-    if peft and d.numel() == rows and sum(n != 1 for n in d.shape) <= 1:
-        on_out = True
-    elif not peft and (d.shape == (rows,) or (d.dim() >= 2 and d.shape[0] == rows and d[0].numel() == 1)):
-        on_out = True
-    elif not peft and d.dim() >= 2 and d.shape[0] == 1 and all(n == 1 for n in d.shape[2:]):
-        on_out = False  # (1, in, 1, …): checked against the module's input channels in check_target
-    else:
-        raise PartRejected(
-            "shape_mismatch",
-            f"shape mismatch: {key_of['dora_scale']} {tuple(d.shape)} for {rows} output rows",
-        )
+    peft = "lora_magnitude_vector" in key_of["dora_scale"]
+    on_out = _on_out(d, inner.rows, peft, key_of["dora_scale"])
     return DoraFactors(kind, inner, d.reshape(-1), on_out, peft)
 
 

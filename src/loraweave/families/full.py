@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..report.miss import Miss
-from .base import Family, PartRejected, RuntimeTerm, check_factor
+from .base import Family, PartRejected, RuntimeTerm, check_factors
 
 
 @dataclass
@@ -27,8 +27,7 @@ class FullFactors:
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> FullFactors:
     if "diff" not in tensors and "diff_b" not in tensors:
         raise PartRejected("incomplete", "incomplete full diff: neither diff nor diff_b")
-    for role, t in tensors.items():
-        check_factor(key_of[role], t)
+    check_factors(tensors, key_of)
     diff = tensors.get("diff")
     diff_b = tensors.get("diff_b")
     if diff is not None and diff_b is not None and diff_b.shape != (diff.shape[0],):

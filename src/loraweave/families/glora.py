@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factors
 
 _ROLES = ("a1", "a2", "b1", "b2")
 
@@ -62,8 +62,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> GloraFacto
     extra = sorted(set(tensors) - set(_ROLES))
     if extra:  # e.g. a Tucker `bm` or a `dora_scale`: applying the rest alone would be wrong
         raise PartRejected("unsupported", f"unsupported: GLoRA with {', '.join(key_of[r] for r in extra)}")
-    for role, t in tensors.items():
-        check_factor(key_of[role], t)
+    check_factors(tensors, key_of)
     a1, a2, b1, b2 = (tensors[r] for r in _ROLES)
     if any(t.dim() < 2 for t in (a1, a2, b1, b2)):
         raise PartRejected("shape_mismatch", "shape mismatch: GLoRA factors must be at least 2-D")

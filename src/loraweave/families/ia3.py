@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..report.miss import Miss
-from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor, is_channel_vector
 from .glora import layer_product
 
 
@@ -40,20 +40,28 @@ class Ia3Factors:
 
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> Ia3Factors:
     if "ia3_l" in tensors:
-        if "weight" in tensors or "on_input" in tensors:
-            raise PartRejected("bad_tensor", "bad part: PEFT ia3_l mixed with LyCORIS weight/on_input")
-        t = tensors["ia3_l"]
-        check_factor(key_of["ia3_l"], t)
-        if t.dim() == 2 and 1 in t.shape:
-            on_input = t.shape[0] == 1 and t.shape[1] != 1  # (out, 1): output; (1, in): input
-        elif t.dim() >= 3 and t.shape[0] == 1 and all(d == 1 for d in t.shape[2:]):
-            on_input = None  # conv (1, n, 1..): PEFT uses one layout for both sides
-        else:
-            raise PartRejected(
-                "shape_mismatch",
-                f"shape mismatch: ia3_l {tuple(t.shape)} is not (out, 1), (1, in) or (1, n, 1..)",
-            )
-        return Ia3Factors(t.flatten(), True, on_input, t.device.type == "meta")
+        return _load_peft(tensors, key_of)
+    return _load_lycoris(tensors, key_of)
+
+
+def _load_peft(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> Ia3Factors:
+    if "weight" in tensors or "on_input" in tensors:
+        raise PartRejected("bad_tensor", "bad part: PEFT ia3_l mixed with LyCORIS weight/on_input")
+    t = tensors["ia3_l"]
+    check_factor(key_of["ia3_l"], t)
+    if t.dim() == 2 and 1 in t.shape:
+        on_input = t.shape[0] == 1 and t.shape[1] != 1  # (out, 1): output; (1, in): input
+    elif is_channel_vector(t):
+        on_input = None  # conv (1, n, 1..): PEFT uses one layout for both sides
+    else:
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: ia3_l {tuple(t.shape)} is not (out, 1), (1, in) or (1, n, 1..)",
+        )
+    return Ia3Factors(t.flatten(), True, on_input, t.device.type == "meta")
+
+
+def _load_lycoris(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> Ia3Factors:
     if "weight" not in tensors or "on_input" not in tensors:
         raise PartRejected(
             "incomplete", f"incomplete IA3: no {'weight' if 'weight' not in tensors else 'on_input'} tensor"
@@ -65,7 +73,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> Ia3Factors
             "bad_tensor",
             f"bad tensor: {key_of['on_input']} should be a scalar, has shape {tuple(flag.shape)}",
         )
-    if not (w.dim() == 1 or (w.dim() >= 3 and w.shape[0] == 1 and all(d == 1 for d in w.shape[2:]))):
+    if not (w.dim() == 1 or is_channel_vector(w)):
         raise PartRejected(
             "shape_mismatch", f"shape mismatch: IA3 weight {tuple(w.shape)} is not (n,) or (1, n, 1..)"
         )

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factors
 
 _FACTORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 
@@ -50,21 +50,43 @@ def _a_factor(t: torch.Tensor, tucker: bool) -> torch.Tensor:
     return t.flatten(1) if t.dim() >= 2 and all(d == 1 for d in t.shape[2:]) else t
 
 
-def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LohaFactors:
-    """Validate shapes and values of one part's tensors (role -> tensor); factors keep their stored dtype."""
+def _require_complete(tensors: dict[str, torch.Tensor]) -> None:
+    """All four factors, and either both Tucker cores or neither."""
     missing = [r for r in _FACTORS if r not in tensors]
     if missing:
         raise PartRejected("incomplete", f"incomplete LoHa: no {', '.join(missing)} tensor")
-    t1, t2 = tensors.get("hada_t1"), tensors.get("hada_t2")
-    if (t1 is None) != (t2 is None):
+    if ("hada_t1" in tensors) != ("hada_t2" in tensors):
         raise PartRejected(
             "incomplete",
-            f"incomplete LoHa: {'hada_t1' if t1 is not None else 'hada_t2'} without its partner core",
+            f"incomplete LoHa: {'hada_t1' if 'hada_t1' in tensors else 'hada_t2'} without its partner core",
         )
-    for role, t in tensors.items():
-        check_factor(key_of[role], t)
-    tucker = t1 is not None
-    a1, a2 = (_a_factor(tensors[r], tucker) for r in ("hada_w1_a", "hada_w2_a"))
+
+
+def _pairs(f: LohaFactors) -> bool:
+    """Whether the flattened factors multiply: each a with its b, both halves to one (rows, cols)."""
+    a1, b1, a2, b2, t1, t2 = f.a1, f.b1, f.a2, f.b2, f.t1, f.t2
+    if a1.shape[1] != b1.shape[0] or a2.shape[1] != b2.shape[0] or a1.shape[0] != a2.shape[0]:
+        return False
+    if b1.shape[1] != b2.shape[1]:
+        return False
+    if t1 is None:
+        return True
+    # Tucker: each core (r, r_b, *k) sits between its a and b, and b is 2-D (r_b, in)
+    k = tuple(t1.shape[2:])
+    return (
+        f.in_shape is None
+        and t1.dim() >= 3
+        and t1.shape[:2] == (a1.shape[1], b1.shape[0])
+        and t2.shape == (a2.shape[1], b2.shape[0], *k)
+    )
+
+
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LohaFactors:
+    """Validate shapes and values of one part's tensors (role -> tensor); factors keep their stored dtype."""
+    _require_complete(tensors)
+    check_factors(tensors, key_of)
+    t1, t2 = tensors.get("hada_t1"), tensors.get("hada_t2")
+    a1, a2 = (_a_factor(tensors[r], t1 is not None) for r in ("hada_w1_a", "hada_w2_a"))
     b1, b2 = tensors["hada_w1_b"], tensors["hada_w2_b"]
     shapes = ", ".join(
         f"{r} {tuple(tensors[r].shape)}" for r in (*_FACTORS, "hada_t1", "hada_t2") if r in tensors
@@ -72,17 +94,11 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LohaFactor
     if any(t.dim() != 2 or 0 in t.shape for t in (a1, a2)) or b1.dim() < 2 or b2.dim() < 2:
         raise PartRejected("shape_mismatch", f"shape mismatch: LoHa factors {shapes}")
     in_shape = tuple(b1.shape[1:]) if b1.dim() > 2 else None
-    b1, b2 = b1.flatten(1), b2.flatten(1)
-    ok = a1.shape[1] == b1.shape[0] and a2.shape[1] == b2.shape[0] and a1.shape[0] == a2.shape[0]
-    ok = ok and b1.shape[1] == b2.shape[1]
-    if tucker:
-        k = tuple(t1.shape[2:])
-        ok = ok and in_shape is None and t1.dim() >= 3 and t1.shape[:2] == (a1.shape[1], b1.shape[0])
-        ok = ok and t2.shape == (a2.shape[1], b2.shape[0], *k)
-        in_shape = (b1.shape[1], *k)
-    if not ok:
+    f = LohaFactors(a1, b1.flatten(1), a2, b2.flatten(1), t1, t2, b1.shape[0], in_shape)
+    if not _pairs(f):
         raise PartRejected("shape_mismatch", f"shape mismatch: LoHa factors do not pair: {shapes}")
-    return LohaFactors(a1, b1, a2, b2, t1, t2, b1.shape[0], in_shape)
+    # Tucker: the input is (in, *k) with the cores' kernel
+    return f if t1 is None else dataclasses.replace(f, in_shape=(f.b1.shape[1], *t1.shape[2:]))
 
 
 def check_target(f: LohaFactors, shape: tuple[int, ...] | None) -> Miss | None:

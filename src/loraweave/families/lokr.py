@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..report.miss import Miss
-from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factors
 
 ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
@@ -67,8 +67,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LokrFactor
             "unsupported",
             f"unsupported family: {', '.join(other)} on a LoKr part (not yet supported with LoKr)",
         )
-    for role, t in tensors.items():
-        check_factor(key_of[role], t)
+    check_factors(tensors, key_of)
     w1, w2, t2 = _half(tensors, "w1"), _half(tensors, "w2"), tensors.get("lokr_t2")
     shapes = ", ".join(f"{role} {tuple(t.shape)}" for role, t in sorted(tensors.items()))
     bad = PartRejected("shape_mismatch", f"shape mismatch: LoKr factors do not pair ({shapes})")

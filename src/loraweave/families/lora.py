@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..report.miss import Miss
-from .base import Family, PartRejected, RuntimeTerm, cast_once, check_factor
+from .base import Family, PartRejected, RuntimeTerm, cast_once, check_factors
 
 
 @dataclass
@@ -29,8 +29,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
         missing = "down" if "down" not in tensors else "up"
         raise PartRejected("incomplete", f"incomplete LoRA: no {missing} tensor")
     down, up = tensors["down"], tensors["up"]
-    for role, t in tensors.items():
-        check_factor(key_of[role], t)
+    check_factors(tensors, key_of)
     if down.dim() < 2 or down.shape[0] == 0:
         raise PartRejected(
             "shape_mismatch", f"shape mismatch: down {tuple(down.shape)} is not a rank>=1 factor"
@@ -43,14 +42,8 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
         )
     # Factors stay in their stored dtype (plan needs only shapes); merge and runtime cast where they compute.
     up2d = up.flatten(1)
-    mid = tensors.get("mid")
-    if mid is not None:
-        if mid.dim() < 3 or mid.shape[:2] != (rank, rank) or any(d != 1 for d in down.shape[2:]):
-            raise PartRejected(
-                "shape_mismatch",
-                f"shape mismatch: Tucker core {tuple(mid.shape)} with down {tuple(down.shape)}",
-            )
-        down = tucker_fold(down, mid)
+    if "mid" in tensors:
+        down = _tucker_down(down, tensors["mid"])
     bias = tensors.get("up_bias")
     if bias is not None and bias.shape != (up.shape[0],):
         raise PartRejected(
@@ -58,6 +51,17 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LoraFactor
         )
     conv_kernel = down.dim() > 2 and any(d > 1 for d in down.shape[2:])
     return LoraFactors(down, up2d, bias, rank, conv_kernel)
+
+
+def _tucker_down(down: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
+    """A Tucker LoCon's (r, in, *k) down kernel, once its core (r, r, *k) is checked against a 1x1 down."""
+    rank = down.shape[0]
+    if mid.dim() < 3 or mid.shape[:2] != (rank, rank) or any(d != 1 for d in down.shape[2:]):
+        raise PartRejected(
+            "shape_mismatch",
+            f"shape mismatch: Tucker core {tuple(mid.shape)} with down {tuple(down.shape)}",
+        )
+    return tucker_fold(down, mid)
 
 
 def tucker_fold(down: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:

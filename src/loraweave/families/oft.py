@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..report.miss import Miss
-from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factors, refuse_roles
 from .oft_common import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
 
 _SPLIT_ROLE = re.compile(r"oft_blocks\.(\d+)")
@@ -53,14 +53,10 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> OftFactors
         if not kinds:
             raise PartRejected("incomplete", "incomplete OFT: no oft_blocks or oft_diag")
         raise PartRejected("shape_mismatch", f"shape mismatch: OFT part holds both {' and '.join(kinds)}")
-    extra = set(tensors) - {"oft_blocks", "oft_diag", "rescale", "alpha", *(r for _, r in splits)}
-    if extra:
-        raise PartRejected(
-            "unsupported", f"unsupported family: OFT part with {', '.join(sorted(key_of[r] for r in extra))}"
-        )
-    for role, t in tensors.items():
-        if role != "alpha":
-            check_factor(key_of[role], t)
+    refuse_roles(
+        "OFT", set(tensors) - {"oft_blocks", "oft_diag", "rescale", "alpha", *(r for _, r in splits)}, key_of
+    )
+    check_factors(tensors, key_of, skip=("alpha",))
     roles = [r for _, r in splits] or kinds
     for role in roles:
         t = tensors[role]

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factor, refuse_roles
 from .oft_common import acc_dtype
 
 DEFAULTS = {
@@ -79,23 +79,23 @@ def _version_below(version, major: int, minor: int) -> bool:
     return m is None or (int(m[1]), int(m[2])) < (major, minor)
 
 
+def _not_oft(config: dict | None, peft_type) -> str | None:
+    """Why `config` does not describe a PEFT OFT adapter (PEFT's defaults then apply), or None if it does."""
+    if config is None:
+        return "no adapter config"
+    if str(peft_type).upper() == "OFT":
+        return None
+    if peft_type is None and any(_field(config, n) is not None for n in _OFT_FIELDS):
+        return None
+    return f"adapter config is {peft_type}, not OFT" if peft_type else "adapter config has no OFT fields"
+
+
 def _settings(config: dict | None) -> tuple[int | None, bool, float | None, bool | None, str]:
     """(Neumann terms or None, legacy series, coft eps or None, block_share, source) from an adapter config."""
     peft_type = None if config is None else _field(config, "peft_type")
-    is_oft = config is not None and (
-        str(peft_type).upper() == "OFT"
-        or (peft_type is None and any(_field(config, n) is not None for n in _OFT_FIELDS))
-    )
-    if not is_oft:
-        why = (
-            "no adapter config"
-            if config is None
-            else f"adapter config is {peft_type}, not OFT"
-            if peft_type
-            else "adapter config has no OFT fields"
-        )
-        source = f"PEFT 0.21 defaults ({why})"
-        return DEFAULTS["num_cayley_neumann_terms"], False, None, None, source
+    why = _not_oft(config, peft_type)
+    if why is not None:
+        return DEFAULTS["num_cayley_neumann_terms"], False, None, None, f"PEFT 0.21 defaults ({why})"
 
     def get(name):
         value = _field(config, name)
@@ -133,12 +133,7 @@ def _settings(config: dict | None) -> tuple[int | None, bool, float | None, bool
 def load(
     tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict | None = None
 ) -> PeftOftFactors:
-    extra = set(tensors) - {"oft_R"}
-    if extra:
-        raise PartRejected(
-            "unsupported",
-            f"unsupported family: PEFT OFT part with {', '.join(sorted(key_of[r] for r in extra))}",
-        )
+    refuse_roles("PEFT OFT", set(tensors) - {"oft_R"}, key_of)
     vec = tensors["oft_R"]
     check_factor(key_of["oft_R"], vec)
     n = vec.shape[1] if vec.dim() == 2 else -1

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import AdapterFileError, AdapterMetadataError, UnsafeFormatError
+from ..errors import AdapterFileError, AdapterMetadataError, ArgumentTypeError, UnsafeFormatError
 from .alpha import MetadataAlpha, read_metadata_alpha
 from .keys import ParsedKey, parse_key, split_stem
 from .metadata import cloneofsimo_classes
@@ -170,37 +170,41 @@ def group_parts(keys: list[str]) -> tuple[list[AdapterPart], list[dict]]:
             unparsed.append({"key": key, "reason": pk})
         else:
             parsed.setdefault(pk.stem, []).append(pk)
-    # An IA3 `.weight` only shows itself through an `.on_input` sibling: fold such `<stem>.weight` keys in.
+    _fold_ia3_weights(parsed, unparsed)
+    return [_part(stem, pks, unparsed) for stem, pks in parsed.items()], unparsed
+
+
+def _fold_ia3_weights(parsed: dict[str, list[ParsedKey]], unparsed: list[dict]) -> None:
+    """An IA3 `.weight` shows itself only through an `.on_input` sibling: fold such `<stem>.weight` in."""
     for item in list(unparsed):
         if item["key"].endswith(".weight") and item["key"][: -len(".weight")] in parsed:
             stem = item["key"][: -len(".weight")]
             if any(p.family == "ia3" for p in parsed[stem]):
                 parsed[stem].append(ParsedKey(item["key"], stem, "ia3", "weight", None))
                 unparsed.remove(item)
-    parts = []
-    for stem, pks in parsed.items():
-        # A lone `.scale` is no LoRA scale: BFL control LoRAs store norm weights as `*_norm.scale` (replacements).
-        if len(pks) == 1 and pks[0].role == "scale":
-            pks = [ParsedKey(pks[0].key, stem, "set", "set_weight", "bfl")]
-        target = split_stem(stem)
-        families = {p.family for p in pks if p.role not in GENERIC_ROLES}
-        # The most specific family names the part: DoRA wraps LoRA/LoHa/LoKr, OFT's `rescale` rides along.
-        family = next((f for f in FAMILY_PRECEDENCE if f in families), "lora")
-        hints = [p.layout_hint for p in pks if p.layout_hint]
-        layout = hints[0] if hints and target.layout in ("bare", "diffusers") else target.layout
-        part = AdapterPart(stem, target.component, target.path, layout, target.explicit_component, family)
-        part.extra_families = families - {family}
-        for p in pks:
-            part.keys.append(p.key)
-            if p.role in part.roles:
-                unparsed.append(
-                    {"key": p.key, "reason": f"duplicate {p.role} for {stem} ({part.roles[p.role]})"}
-                )
-                part.keys.remove(p.key)
-                continue
-            part.roles.setdefault(p.role, p.key)
-        parts.append(part)
-    return parts, unparsed
+
+
+def _part(stem: str, pks: list[ParsedKey], unparsed: list[dict]) -> AdapterPart:
+    """The part of one stem's keys; a role given twice keeps its first key, the other goes to `unparsed`."""
+    # A lone `.scale` is no LoRA scale: BFL control LoRAs store norm weights as `*_norm.scale` (replacements).
+    if len(pks) == 1 and pks[0].role == "scale":
+        pks = [ParsedKey(pks[0].key, stem, "set", "set_weight", "bfl")]
+    target = split_stem(stem)
+    families = {p.family for p in pks if p.role not in GENERIC_ROLES}
+    # The most specific family names the part: DoRA wraps LoRA/LoHa/LoKr, OFT's `rescale` rides along.
+    family = next((f for f in FAMILY_PRECEDENCE if f in families), "lora")
+    hints = [p.layout_hint for p in pks if p.layout_hint]
+    layout = hints[0] if hints and target.layout in ("bare", "diffusers") else target.layout
+    part = AdapterPart(stem, target.component, target.path, layout, target.explicit_component, family)
+    part.extra_families = families - {family}
+    for p in pks:
+        part.keys.append(p.key)
+        if p.role in part.roles:
+            unparsed.append({"key": p.key, "reason": f"duplicate {p.role} for {stem} ({part.roles[p.role]})"})
+            part.keys.remove(p.key)
+            continue
+        part.roles.setdefault(p.role, p.key)
+    return part
 
 
 def _describe_layout(parts: list[AdapterPart], unparsed: list[dict]) -> str:
@@ -221,6 +225,8 @@ def load_adapter(
     a .safetensors file is read whole into memory of its own (io.safetensors_file.SafetensorsFile)."""
     if isinstance(source, Adapter):
         return source
+    if not isinstance(source, (str, os.PathLike, Mapping)):
+        raise ArgumentTypeError(f"source must be a path, Adapter or state dict, got {type(source).__name__}")
     path = None
     peft_config = None
     if isinstance(source, Mapping):

@@ -84,6 +84,29 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _entry_dtype(fail: Callable[[str], NoReturn], key: str, dtype_name: Any) -> str:
+    if not isinstance(dtype_name, str) or (dtype_name not in _DTYPES and dtype_name not in _PACKED_BITS):
+        fail(f"tensor {key!r}: unknown dtype {dtype_name!r} (known: {', '.join([*_DTYPES, *_PACKED_BITS])})")
+    return dtype_name
+
+
+def _entry_shape(fail: Callable[[str], NoReturn], key: str, shape: Any) -> list[int]:
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        fail(f"tensor {key!r}: shape {shape!r} is not a list of non-negative integers")
+    if math.prod(d for d in shape if d) > _MAX_ELEMENTS:
+        fail(f"tensor {key!r}: shape {shape} is too large for the format (over 2^63 elements)")
+    return shape
+
+
+def _entry_offsets(fail: Callable[[str], NoReturn], key: str, offsets: Any) -> tuple[int, int]:
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        fail(f"tensor {key!r}: data_offsets {offsets!r} is not a [begin, end] pair of integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        fail(f"tensor {key!r}: data_offsets [{begin}, {end}] need 0 <= begin <= end")
+    return begin, end
+
+
 def _parse_entry(
     fail: Callable[[str], NoReturn], key: str, entry: Any
 ) -> tuple[str, tuple[int, ...], int, int]:
@@ -92,20 +115,9 @@ def _parse_entry(
     extra = sorted(set(entry) - {"dtype", "shape", "data_offsets"})
     if extra:
         fail(f"tensor {key!r}: unknown header fields {extra}")
-    dtype_name = entry.get("dtype")
-    if not isinstance(dtype_name, str) or (dtype_name not in _DTYPES and dtype_name not in _PACKED_BITS):
-        fail(f"tensor {key!r}: unknown dtype {dtype_name!r} (known: {', '.join([*_DTYPES, *_PACKED_BITS])})")
-    shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        fail(f"tensor {key!r}: shape {shape!r} is not a list of non-negative integers")
-    if math.prod(d for d in shape if d) > _MAX_ELEMENTS:
-        fail(f"tensor {key!r}: shape {shape} is too large for the format (over 2^63 elements)")
-    offsets = entry.get("data_offsets")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-        fail(f"tensor {key!r}: data_offsets {offsets!r} is not a [begin, end] pair of integers")
-    begin, end = offsets
-    if not 0 <= begin <= end:
-        fail(f"tensor {key!r}: data_offsets [{begin}, {end}] need 0 <= begin <= end")
+    dtype_name = _entry_dtype(fail, key, entry.get("dtype"))
+    shape = _entry_shape(fail, key, entry.get("shape"))
+    begin, end = _entry_offsets(fail, key, entry.get("data_offsets"))
     bits = math.prod(shape) * (
         _PACKED_BITS[dtype_name] if dtype_name in _PACKED_BITS else 8 * _DTYPES[dtype_name][1]
     )
@@ -118,6 +130,35 @@ def _parse_entry(
             f"{shape} of {dtype_name} needs {expected}"
         )
     return dtype_name, tuple(shape), begin, end
+
+
+def _header_bytes(fail: Callable[[str], NoReturn], path: Path) -> tuple[bytes, int]:
+    """(the JSON header's bytes, the file size), its length checked against the file before it is read."""
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        if file_size < 8:
+            fail(f"file has {file_size} bytes; a safetensors file starts with an 8-byte header length")
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n < 2 or n > MAX_HEADER_BYTES:
+            fail(f"header length {n} is outside [2, {MAX_HEADER_BYTES}]: not a safetensors file?")
+        if 8 + n > file_size:
+            fail(f"header length {n} runs past the end of the file ({file_size} bytes): file truncated?")
+        raw = f.read(n)
+    if len(raw) != n:
+        fail(f"read {len(raw)} of {n} header bytes: file changed while reading?")
+    return raw, file_size
+
+
+def _header_json(fail: Callable[[str], NoReturn], raw: bytes) -> dict:
+    try:
+        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except UnicodeDecodeError as e:
+        fail(f"header is not valid UTF-8 ({e.reason} at byte {e.start})")
+    except (ValueError, RecursionError) as e:
+        fail(f"header is not valid JSON: {type(e).__name__}: {e}")
+    if not isinstance(parsed, dict):
+        fail(f"header is a JSON {type(parsed).__name__}, expected an object")
+    return parsed
 
 
 def read_safetensors_header(
@@ -133,26 +174,9 @@ def read_safetensors_header(
     def fail(why: str) -> NoReturn:
         raise AdapterFileError(f"{path}: {why}")
 
-    with open(path, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        if file_size < 8:
-            fail(f"file has {file_size} bytes; a safetensors file starts with an 8-byte header length")
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n < 2 or n > MAX_HEADER_BYTES:
-            fail(f"header length {n} is outside [2, {MAX_HEADER_BYTES}]: not a safetensors file?")
-        if 8 + n > file_size:
-            fail(f"header length {n} runs past the end of the file ({file_size} bytes): file truncated?")
-        raw = f.read(n)
-    if len(raw) != n:
-        fail(f"read {len(raw)} of {n} header bytes: file changed while reading?")
-    try:
-        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
-    except UnicodeDecodeError as e:
-        fail(f"header is not valid UTF-8 ({e.reason} at byte {e.start})")
-    except (ValueError, RecursionError) as e:
-        fail(f"header is not valid JSON: {type(e).__name__}: {e}")
-    if not isinstance(parsed, dict):
-        fail(f"header is a JSON {type(parsed).__name__}, expected an object")
+    raw, file_size = _header_bytes(fail, path)
+    parsed = _header_json(fail, raw)
+    n = len(raw)
 
     metadata = parsed.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(

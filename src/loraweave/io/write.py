@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LoraweaveError
+from ..errors import WriteError
 
 log = logging.getLogger("loraweave")
 
@@ -44,10 +44,6 @@ for _attr, _name in (
     if hasattr(torch, _attr):
         DTYPE_NAMES[getattr(torch, _attr)] = _name
 COPY_CHUNK = 64 * 1024 * 1024  # bytes per read/write when copying raw tensor data between files
-
-
-class WriteError(LoraweaveError):
-    """The output cannot be written where asked (it would overwrite an input, or it already exists)."""
 
 
 def check_output(

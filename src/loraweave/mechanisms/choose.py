@@ -98,6 +98,52 @@ def check_runtime(
     return None, f"cannot run at runtime: {refused}", refused.kind
 
 
+def _runtime_else_none(why: str, runtime_no: str | None) -> tuple[str | None, str, None]:
+    """The runtime path when the layer takes one, else no mechanism (and both reasons)."""
+    if runtime_no is None:
+        return "runtime", why, None
+    return None, f"neither mechanism fits: {why}; {runtime_no}", None
+
+
+def _hook_free_route(
+    qs: QuantSettings,
+    backend: QuantBackend,
+    module: torch.nn.Module,
+    contribs: list[Contribution],
+    layer: str,
+    missing: str | None,
+) -> Route:
+    if missing:
+        return Route(None, f"{backend.name} cannot run here: {missing}")
+    return route_hook_free(
+        backend,
+        module,
+        contribs,
+        qs.host_rank,
+        force_requantize=qs.quantized == "requantize",
+        cache=qs.cache,
+        layer=layer,
+    )
+
+
+def _side_channel(
+    backend: QuantBackend,
+    module: torch.nn.Module,
+    contribs: list[Contribution],
+    missing: str | None,
+    runtime_no: str | None,
+) -> tuple[str | None, str, Route | None]:
+    """The backend's exact side channel when it has one and the deltas factor, else the runtime path."""
+    caps = None if missing else backend.capabilities(module)
+    not_factorable = factorable_reason(module, contribs) or ("bias delta" if needs_bias(contribs) else None)
+    if caps is not None and caps.factor_channel and not_factorable is None:
+        return "factor", f"{backend.name} side channel, exact", Route("factor", "")
+    why = f"{backend.name}: " + (
+        missing or (not_factorable if caps.factor_channel else caps.reason or "no side channel")
+    )
+    return _runtime_else_none(why, runtime_no)
+
+
 def choose_quantized(
     mode: ApplyMode,
     qs: QuantSettings,
@@ -110,48 +156,20 @@ def choose_quantized(
     runtime_no = runtime_blocker(module)
     if mode == "runtime":
         return (None, f"cannot run at runtime: {runtime_no}", None) if runtime_no else ("runtime", "", None)
-    if getattr(
-        module, "_loraweave_streamed", False
-    ):  # side channels and requantize write tensors the streamer copies
+    # side channels and requantize write tensors the streamer copies
+    if getattr(module, "_loraweave_streamed", False):
         if mode == "merge":
             return None, "cannot merge: layer is streamed; use mode='runtime' or 'auto'", None
-        why = "layer is streamed"
-        return (
-            ("runtime", why, None)
-            if runtime_no is None
-            else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
-        )
+        return _runtime_else_none("layer is streamed", runtime_no)
     missing = backend.unavailable()
     if mode == "merge" or (mode == "auto" and qs.quantized in ("host", "requantize")):
-        if missing:
-            route = Route(None, f"{backend.name} cannot run here: {missing}")
-        else:
-            route = route_hook_free(
-                backend,
-                module,
-                contribs,
-                qs.host_rank,
-                force_requantize=qs.quantized == "requantize",
-                cache=qs.cache,
-                layer=layer,
-            )
+        route = _hook_free_route(qs, backend, module, contribs, layer, missing)
         if route.mechanism is not None or mode == "merge":
             return route.mechanism, route.why if route.mechanism else f"cannot merge: {route.why}", route
         if runtime_no is None:
             return "runtime", f"hook-free path declined: {route.why}", None
         return None, f"neither mechanism fits: {route.why}; {runtime_no}", None
-    caps = None if missing else backend.capabilities(module)
-    not_factorable = factorable_reason(module, contribs) or ("bias delta" if needs_bias(contribs) else None)
-    if caps is not None and caps.factor_channel and not_factorable is None:
-        return "factor", f"{backend.name} side channel, exact", Route("factor", "")
-    why = f"{backend.name}: " + (
-        missing or (not_factorable if caps.factor_channel else caps.reason or "no side channel")
-    )
-    return (
-        ("runtime", why, None)
-        if runtime_no is None
-        else (None, f"neither mechanism fits: {why}; {runtime_no}", None)
-    )
+    return _side_channel(backend, module, contribs, missing, runtime_no)
 
 
 def plan_work(
@@ -181,17 +199,22 @@ def plan_work(
                 rejected_parts.setdefault(id(pp), Miss(kind, f"{why} ({comp}.{path})"))
         plan.work.append(LayerWork(comp, path, module, mechanism, why, contribs))
     if rejected_parts:
-        for pp in p.planned:
-            if id(pp) in rejected_parts:
-                unmatched += [Unmatched(pp.adapter.name, k, rejected_parts[id(pp)]) for k in pp.part.keys]
-        p.planned = [pp for pp in p.planned if id(pp) not in rejected_parts]
-        kept = []
-        for item in plan.work:
-            remaining = [c for c in item.contribs if id(c.part) not in rejected_parts]
-            where = (item.component, item.path)
-            if len(remaining) != len(item.contribs) and where in plan.routes:
-                plan.routes[where] = (plan.routes[where][0], None)  # routed on other contributions
-            if remaining:
-                kept.append(dataclasses.replace(item, contribs=remaining))
-        plan.work = kept
+        _drop_rejected(p, plan, unmatched, rejected_parts)
     return plan
+
+
+def _drop_rejected(p: Plan, plan: WorkPlan, unmatched: list[Unmatched], rejected: dict[int, Miss]) -> None:
+    """A part no mechanism takes on one of its layers goes from every layer (its keys to `unmatched`)."""
+    for pp in p.planned:
+        if id(pp) in rejected:
+            unmatched += [Unmatched(pp.adapter.name, k, rejected[id(pp)]) for k in pp.part.keys]
+    p.planned = [pp for pp in p.planned if id(pp) not in rejected]
+    kept = []
+    for item in plan.work:
+        remaining = [c for c in item.contribs if id(c.part) not in rejected]
+        where = (item.component, item.path)
+        if len(remaining) != len(item.contribs) and where in plan.routes:
+            plan.routes[where] = (plan.routes[where][0], None)  # routed on other contributions
+        if remaining:
+            kept.append(dataclasses.replace(item, contribs=remaining))
+    plan.work = kept

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from ..errors import ArgumentError
 from .backend import Capabilities, KindProbedBackend, Restore, probe_once
 
 log = logging.getLogger("loraweave")
@@ -62,8 +63,8 @@ def _int8_state(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     if cb is None:
         cb = weight.data
     if scb is None:
-        raise ValueError(
-            "bitsandbytes int8 layer has no SCB: it was never quantized (call .to(device) first)"
+        raise ArgumentError(
+            "target: a bitsandbytes int8 layer has no SCB: it was never quantized (call .to(device) first)"
         )
     return cb, scb
 

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ArgumentTypeError
 from ..formats.adapter import Adapter
 from .spec import AdapterSpec
 
@@ -46,6 +46,10 @@ def check_source(source: object) -> None:
         raise ArgumentError("adapter source is None; expected a path, Adapter, state dict or AdapterSpec")
     if isinstance(source, (str, os.PathLike)) and not str(os.fspath(source)).strip():
         raise ArgumentError("adapter path is empty")
+    if not isinstance(source, (str, os.PathLike, Adapter, Mapping)):
+        raise ArgumentTypeError(
+            f"adapters: a source must be a path, Adapter or state dict, got {type(source).__name__}"
+        )
 
 
 def _identity(source: object) -> object:

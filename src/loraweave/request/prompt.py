@@ -16,7 +16,7 @@ import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ..arguments import strength_text
-from ..errors import ArgumentError, LoraweaveError
+from ..errors import ArgumentError, PromptAdapterError
 from .spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
@@ -24,10 +24,6 @@ log = logging.getLogger("loraweave")
 _TAG = re.compile(r"<(lora|lyco):([^<>]*)>", re.IGNORECASE)
 _DENOISER_KEYS = ("unet", "dit", "model")
 _SUFFIX = ".safetensors"
-
-
-class PromptAdapterError(LoraweaveError, ValueError):
-    """A prompt tag names an adapter that cannot be used: bad syntax, unsafe or unknown name."""
 
 
 def _number(text: str, tag: str, what: str) -> float:
@@ -123,9 +119,21 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
     tag = f"<{kind}:{body}>"
     items = body.split(":")
     name = items[0].strip()
+    positional, named = _items(items[1:], tag)
+    strength, te = _strengths(positional, named, tag)
+    lbw = _block_weights(named, tag)
+    steps = _window(named, tag)
+    path = resolve_adapter_name(name, lora_dir)
+    return AdapterSpec(
+        source=path, strength=strength, te_strength=te, block_weights=lbw, name=name, steps=steps
+    )
+
+
+def _items(items: list[str], tag: str) -> tuple[list[float], dict[str, str]]:
+    """(positional strengths, named values by lower-case key): positional first, each key once."""
     positional: list[float] = []
     named: dict[str, str] = {}
-    for item in items[1:]:
+    for item in items:
         item = item.strip()
         if "=" in item:
             key, _, value = item.partition("=")
@@ -141,6 +149,11 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
             raise PromptAdapterError(f"{tag}: positional value {item!r} after a named one")
         else:
             positional.append(_strength(item, tag))
+    return positional, named
+
+
+def _strengths(positional: list[float], named: dict[str, str], tag: str) -> tuple[float, float | None]:
+    """(denoiser strength, text-encoder strength or None), each given positionally or by name, not both."""
     if len(positional) > 2:
         raise PromptAdapterError(
             f"{tag}: at most two strengths (denoiser, text encoder), got {len(positional)}"
@@ -156,17 +169,17 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
         if te is not None:
             raise PromptAdapterError(f"{tag}: text-encoder strength given both positionally and as te=")
         te = _strength(named["te"], tag, "te= strength")
-    lbw: str | list[float] | None = None
-    if "lbw" in named:
-        raw = named["lbw"]
-        if not raw:
-            raise PromptAdapterError(f"{tag}: lbw= is empty")
-        lbw = [_number(x, tag, "lbw value") for x in raw.split(",")] if "," in raw or _is_number(raw) else raw
-    steps = _window(named, tag)
-    path = resolve_adapter_name(name, lora_dir)
-    return AdapterSpec(
-        source=path, strength=strength, te_strength=te, block_weights=lbw, name=name, steps=steps
-    )
+    return strength, te
+
+
+def _block_weights(named: dict[str, str], tag: str) -> str | list[float] | None:
+    """`lbw=`: its numbers as a list (one number too), else a preset name; None when not given."""
+    if "lbw" not in named:
+        return None
+    raw = named["lbw"]
+    if not raw:
+        raise PromptAdapterError(f"{tag}: lbw= is empty")
+    return [_number(x, tag, "lbw value") for x in raw.split(",")] if "," in raw or _is_number(raw) else raw
 
 
 def _window(named: dict[str, str], tag: str) -> tuple[float, float] | None:

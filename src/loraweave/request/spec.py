@@ -67,7 +67,7 @@ class AdapterSpec:
         return float(self.strength if self.te_strength is None else self.te_strength)
 
 
-def finite_strength(value: float) -> float:
-    """A strength by AdapterSpec's rule (finite, |s| <= 1e4, not a string or bool); ArgumentError
-    otherwise."""
-    return check_strength(value)
+def finite_strength(value: float, label: str = "strength") -> float:
+    """A strength by AdapterSpec's rule (finite, |s| <= 1e4, not a string or bool); ArgumentError naming
+    `label` otherwise."""
+    return check_strength(value, label)

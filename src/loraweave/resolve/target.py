@@ -61,7 +61,7 @@ def as_components(target: Any) -> Components:  # a module, a mapping of them or 
         }
         return Components(found)
     raise TargetError(
-        f"cannot apply adapters to a {type(target).__name__}: pass a torch module, a mapping of "
+        f"target: cannot apply adapters to a {type(target).__name__}: pass a torch module, a mapping of "
         "component name -> module, or a diffusers pipeline"
     )
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..arch.blocks import block_weights, chain_lengths, detect_block_arch, weights_for_modules
+from ..errors import ArgumentError
 from .planner import Plan, PlannedPart
 
 
@@ -42,7 +43,7 @@ def assign(plan: Plan, settings: dict[str, AdapterWeights]) -> None:
         if w.block_weights is not None:
             denoiser = plan.components.denoiser_name
             if denoiser is None:
-                raise ValueError("block weights need a denoiser (unet/transformer) in the target")
+                raise ArgumentError("block weights need a denoiser (unet/transformer) in the target")
             key = (pp.adapter.name, pp.component)
             if key not in tables:
                 tables[key] = _component_weights(plan, denoiser, pp.component, w.block_weights)

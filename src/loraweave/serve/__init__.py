@@ -4,7 +4,8 @@ batches).
 
 Nothing else in loraweave imports Ray; importing this package does not either (the app module does)."""
 
-from .engine import AdapterFolder, AdapterStore, Engine, ServeRequest, ServeRequestError, parse_request
+from ..errors import ServeRequestError
+from .engine import AdapterFolder, AdapterStore, Engine, ServeRequest, parse_request
 
 __all__ = [
     "AdapterFolder",

@@ -23,7 +23,8 @@ from ray.exceptions import RayActorError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .engine import AdapterFolder, Engine, ServeRequest, ServeRequestError, parse_request
+from ..errors import ServeRequestError
+from .engine import AdapterFolder, Engine, ServeRequest, parse_request
 
 log = logging.getLogger("loraweave")
 RENDER_ATTEMPTS = 2  # a replica that dies mid-render: once more on another, then HTTP 503

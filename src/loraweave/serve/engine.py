@@ -15,16 +15,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import LoraweaveError
+from ..errors import LoraweaveError, ServeRequestError
 from ..request.spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
 _SUFFIX = ".safetensors"
-
-
-class ServeRequestError(LoraweaveError, ValueError):
-    """A request the server refuses (HTTP 4xx): bad field, unknown adapter, a path outside the store, an adapter
-    whose keys do not all land on this model."""
 
 
 @dataclass
@@ -64,8 +59,41 @@ def _number(body: dict, key: str, kind, default):
     return kind(value)
 
 
+def _check_ranges(req: ServeRequest) -> None:
+    checks = [
+        (1 <= req.steps <= 1000, f"'steps' must be in 1..1000, got {req.steps}"),
+        (math.isfinite(req.cfg) and req.cfg >= 0, f"'cfg' must be finite and >= 0, got {req.cfg}"),
+        (0 <= req.seed < 2**63, f"'seed' must be in 0..2**63-1, got {req.seed}"),
+        (
+            all(0 < s <= 4096 and s % 8 == 0 for s in (req.width, req.height)),
+            f"'width' and 'height' must be multiples of 8 in 8..4096, got {req.width}x{req.height}",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ServeRequestError(message)
+
+
+def _listed_adapters(body: dict, store: AdapterFolder) -> list[tuple[str, float, None]]:
+    """(name, strength, no text-encoder strength) for each entry of the request's `adapters` list."""
+    extra = body.get("adapters", [])
+    if not isinstance(extra, list):
+        raise ServeRequestError("field 'adapters' must be a list of {'name': ..., 'strength': ...}")
+    pairs = []
+    for item in extra:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ServeRequestError(
+                f"each of 'adapters' must be an object with a string 'name', got {item!r}"
+            )
+        pairs.append(
+            (store.name_of(store.resolve(item["name"])), _number(item, "strength", float, 1.0), None)
+        )
+    return pairs
+
+
 def parse_request(body, store: AdapterFolder) -> ServeRequest:
-    """A JSON request body -> ServeRequest: tags in the prompt and the explicit `adapters` list resolved in the store."""
+    """A JSON request body -> ServeRequest: tags in the prompt and the explicit `adapters` list, resolved in
+    the store."""
     from ..request.prompt import parse_prompt
 
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
@@ -79,34 +107,13 @@ def parse_request(body, store: AdapterFolder) -> ServeRequest:
         width=_number(body, "width", int, 512),
         height=_number(body, "height", int, 512),
     )
-    checks = [
-        (1 <= req.steps <= 1000, f"'steps' must be in 1..1000, got {req.steps}"),
-        (math.isfinite(req.cfg) and req.cfg >= 0, f"'cfg' must be finite and >= 0, got {req.cfg}"),
-        (0 <= req.seed < 2**63, f"'seed' must be in 0..2**63-1, got {req.seed}"),
-        (
-            all(0 < s <= 4096 and s % 8 == 0 for s in (req.width, req.height)),
-            f"'width' and 'height' must be multiples of 8 in 8..4096, got {req.width}x{req.height}",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ServeRequestError(message)
+    _check_ranges(req)
     try:
         req.prompt, specs = parse_prompt(req.prompt, store.root)
     except LoraweaveError as exc:
         raise ServeRequestError(str(exc)) from None
     pairs = [(store.name_of(s.source), s.strength, s.te_strength) for s in specs]
-    extra = body.get("adapters", [])
-    if not isinstance(extra, list):
-        raise ServeRequestError("field 'adapters' must be a list of {'name': ..., 'strength': ...}")
-    for item in extra:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ServeRequestError(
-                f"each of 'adapters' must be an object with a string 'name', got {item!r}"
-            )
-        pairs.append(
-            (store.name_of(store.resolve(item["name"])), _number(item, "strength", float, 1.0), None)
-        )
+    pairs += _listed_adapters(body, store)
     for name, strength, te in pairs:
         if not math.isfinite(strength) or (te is not None and te != strength):
             raise ServeRequestError(

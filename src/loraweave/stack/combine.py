@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..errors import ArgumentError
 from ..modes import DENSE_MODES, SELECT_MODES, STACK_MODES, StackMode
 
 log = logging.getLogger("loraweave")
@@ -29,20 +30,20 @@ def validate_stack(mode: StackMode, density: float | None, n_adapters: int | Non
     """Raise ValueError when `mode`/`density` (and, for select modes, the adapter count) do not fit
     together."""
     if mode not in STACK_MODES:
-        raise ValueError(f"unknown stack mode {mode!r}; expected one of {', '.join(STACK_MODES)}")
+        raise ArgumentError(f"unknown stack mode {mode!r}; expected one of {', '.join(STACK_MODES)}")
     if mode in DENSE_MODES:
         if density is None:
-            raise ValueError(
+            raise ArgumentError(
                 f"stack={mode!r} needs density= (the fraction of entries kept, 0 < density <= 1)"
             )
         if isinstance(density, bool) or not isinstance(density, (int, float)) or not math.isfinite(density):
-            raise ValueError(f"density must be a finite number in (0, 1], got {density!r}")
+            raise ArgumentError(f"density must be a finite number in (0, 1], got {density!r}")
         if not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"density must be in (0, 1] for stack={mode!r}, got {density}")
+            raise ArgumentError(f"density must be in (0, 1] for stack={mode!r}, got {density}")
     elif density is not None:
-        raise ValueError(f"density= only applies to {', '.join(DENSE_MODES)}; stack={mode!r} takes none")
+        raise ArgumentError(f"density= only applies to {', '.join(DENSE_MODES)}; stack={mode!r} takes none")
     if mode in SELECT_MODES and n_adapters is not None and n_adapters != 2:
-        raise ValueError(f"stack={mode!r} needs exactly two adapters (subject, style), got {n_adapters}")
+        raise ArgumentError(f"stack={mode!r} needs exactly two adapters (subject, style), got {n_adapters}")
 
 
 def mask_seed(key: str, mode: str, density: float) -> int:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from ..errors import ArgumentError
 from .combine import SELECT_MODES
 
 log = logging.getLogger("loraweave")
@@ -92,10 +93,10 @@ class SelectSchedule:
         if mode not in SELECT_MODES:
             raise ValueError(f"select mode must be one of {', '.join(SELECT_MODES)}, got {mode!r}")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
+            raise ArgumentError(f"total_steps must be a positive int, got {total_steps!r}")
         for name, value in (("alpha", alpha), ("beta", beta), ("discrepancy", discrepancy)):
             if not math.isfinite(float(value)):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+                raise ArgumentError(f"{name} must be finite, got {value!r}")
         self.mode = mode
         self.total_steps = total_steps
         self.alpha, self.beta, self.discrepancy = float(alpha), float(beta), float(discrepancy)

@@ -10,9 +10,10 @@ from collections.abc import Callable
 import torch
 
 from ..arguments import byte_size
+from ..errors import ArgumentError
 from .handle import STREAMED_ATTR, StreamHandle
-from .ledger import BudgetExceeded, Ledger
-from .planner import BudgetTooSmall, StreamPlan, check_placement, find_blocks, plan_residency
+from .ledger import Ledger
+from .planner import StreamPlan, check_placement, find_blocks, plan_residency
 from .report import ForwardStats, StreamReport
 
 log = logging.getLogger("loraweave")
@@ -22,8 +23,6 @@ AUTO_MARGIN = 2 * 2**30
 
 __all__ = [
     "STREAMED_ATTR",
-    "BudgetExceeded",
-    "BudgetTooSmall",
     "ForwardStats",
     "Ledger",
     "StreamHandle",
@@ -33,6 +32,13 @@ __all__ = [
     "plan_residency",
     "stream",
 ]
+
+
+def _indexed(dev: torch.device) -> torch.device:
+    """`cuda` without an index as the current CUDA device (torch.device("cuda") != torch.device("cuda:0"))."""
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+    )
 
 
 def stream(
@@ -74,36 +80,46 @@ def stream(
 
     Inference only (forwards under torch.no_grad()); do not move the model (`.to()`) while it streams: close()
     first (a replaced tensor is detected and refused)."""
-    dev = (
-        torch.device(device)
+    dev = _indexed(
+        _device(device, "device")
         if device is not None
         else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     )
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    store = torch.device(storage)
-    if store.type == "cuda" and store.index is None:
-        store = torch.device("cuda", torch.cuda.current_device())
+    store = _indexed(_device(storage, "storage"))
     requested = None if budget == "auto" else byte_size(budget, "budget")  # bytes, or "24GB", "512MiB"
     check_placement(placement)  # before anything is copied or pinned
     if margin is None:
         margin = AUTO_MARGIN if dev.type == "cuda" else 0
     margin = byte_size(margin, "margin", allow_zero=True)
     if any(getattr(m, STREAMED_ATTR, False) for m in model.modules()):
-        raise ValueError("model is already streamed; close() its StreamHandle first")
+        raise ArgumentError("model is already streamed; close() its StreamHandle first")
     if blocks is None:
         found = find_blocks(model)
     else:
-        found = [(name, model.get_submodule(name)) for name in blocks]
+        found = [(name, _block(model, name)) for name in blocks]
         nested = [(a, b) for a in blocks for b in blocks if a != b and b.startswith(a + ".")]
         if nested:
-            raise ValueError(
+            raise ArgumentError(
                 f"blocks must not contain each other: {nested[0][1]!r} is inside {nested[0][0]!r}"
             )
     if not found:
-        raise ValueError(f"no repeated blocks found in {type(model).__name__}; pass blocks=[module paths]")
+        raise ArgumentError(f"no repeated blocks found in {type(model).__name__}; pass blocks=[module paths]")
     handle = StreamHandle(
         model, found, requested, dev, store, margin, free_bytes, trace=trace, placement=placement
     )
     handle.report.log()
     return handle
+
+
+def _device(value: str | torch.device, what: str) -> torch.device:
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError) as exc:  # torch's own message lists the device types
+        raise ArgumentError(f"{what} must be a torch device or its name, got {value!r} ({exc})") from None
+
+
+def _block(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise ArgumentError(f"blocks: {type(model).__name__} has no module {name!r}") from None

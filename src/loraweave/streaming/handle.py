@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import StateError
 from . import factors, hostmem, outside
 from .ledger import Ledger
 from .planner import StreamPlan, plan_residency
@@ -222,7 +223,7 @@ class StreamHandle:
         for unit in [self.rest, *self.units]:
             what = unit.changed()
             if what is not None:
-                raise RuntimeError(
+                raise StateError(
                     f"a streamed tensor was replaced behind loraweave's back ({what}), e.g. by "
                     "module.to() or a new Parameter; close() the StreamHandle before moving or "
                     "editing the model's tensors, then stream() again"
@@ -266,7 +267,7 @@ class StreamHandle:
         if self._in_forward:
             return
         if torch.is_grad_enabled() and any(p.requires_grad for p in self._params):
-            raise RuntimeError(
+            raise StateError(
                 "loraweave streaming is inference-only: call the model under torch.no_grad() "
                 "(slots are reused, so autograd would see overwritten weights)"
             )

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class BudgetExceeded(RuntimeError):
-    """A booking would take the streamer's device bytes past its budget (a planner bug, never expected)."""
+from ..errors import BudgetExceeded
 
 
 @dataclass

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ArgumentError, BudgetTooSmall
+
 log = logging.getLogger("loraweave")
 
 ALIGN = 256  # slot offsets: a multiple of every element size, and of CUDA's copy-friendly alignment
@@ -35,7 +37,7 @@ def typed_view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tens
 
 def check_placement(placement: str) -> None:
     if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        raise ArgumentError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
 
 def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -123,10 +125,6 @@ class StreamPlan:
             "slots": self.n_slots,
             "slot_bytes": self.slot_bytes,
         }
-
-
-class BudgetTooSmall(ValueError):
-    """The budget cannot hold the rest of the model plus the slots for the largest block."""
 
 
 PLACEMENTS = ("prefix", "spread")

@@ -40,6 +40,19 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t.data) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
 
 
+def _entries(module: torch.nn.Module, seen: set[int], skip: frozenset[int]) -> tuple[list[Entry], int]:
+    """(an Entry per tensor of `module` not yet seen, bytes of the slot layout of the plain ones)."""
+    entries: list[Entry] = []
+    offset = 0
+    for owner, kind, tname in module_tensors(module, seen, skip):
+        t = (owner._parameters if kind == "param" else owner._buffers)[tname]
+        data, plain = t.data, _plain(t)
+        entries.append(Entry(owner, kind, tname, None, data.device, data, offset if plain else -1, plain, t))
+        if plain:
+            offset += aligned(tensor_bytes(data))
+    return entries, offset
+
+
 class Unit:
     """A block (or the rest): its tensors, where they live now ("host" | "device" | "slot" | "orig" after
     close), its slot layout, and the runtime adapter factors that travel with it.
@@ -59,32 +72,8 @@ class Unit:
     ) -> None:
         self.name, self.module = name, module
         self.storage, self.pin = storage, pin
-        self.entries: list[Entry] = []
-        offset = 0
-        for owner, kind, tname in module_tensors(module, seen, skip):
-            t = (owner._parameters if kind == "param" else owner._buffers)[tname]
-            data, plain = t.data, _plain(t)
-            self.entries.append(
-                Entry(owner, kind, tname, None, data.device, data, offset if plain else -1, plain, t)
-            )
-            if plain:
-                offset += aligned(tensor_bytes(data))
-        self.weight_layout_bytes = offset
-        plain = [e for e in self.entries if e.plain]
-        self.runs: list[hostmem.Run] = []
-        packed = pin or any(e.host.device != storage for e in plain)
-        if packed:
-            # Packed copies replace the originals (no second host copy); close() restores unpinned tensors.
-            self.runs, views = hostmem.pack([(e.offset, e.host) for e in plain], storage, pin)
-            for e, v in zip(plain, views, strict=True):
-                e.host = v
-        for e in self.entries:
-            if e.plain and packed:
-                continue
-            if e.host.device == storage:
-                e.orig = e.host  # used in place: restored as the same tensor
-            else:
-                e.host = e.host.to(storage)  # tensor subclasses are copied as they are (never pinned)
+        self.entries, self.weight_layout_bytes = _entries(module, seen, skip)
+        self.runs: list[hostmem.Run] = self._host_copies()
         self.side_bytes = sum(aligned(tensor_bytes(e.host)) for e in self.entries if not e.plain)
         self.factors: list[tuple[RuntimePath, torch.dtype, torch.Tensor, int, torch.Tensor, int]] = []
         self.factor_runs: list[hostmem.Run] = []
@@ -94,6 +83,26 @@ class Unit:
         for e in self.entries:
             e.point(e.host)
         self.place = "host"
+
+    def _host_copies(self) -> list[hostmem.Run]:
+        """Point each entry's `host` at its copy on the storage device; the packed runs, if the plain tensors
+        were packed (pinned, or held elsewhere)."""
+        plain = [e for e in self.entries if e.plain]
+        runs: list[hostmem.Run] = []
+        packed = self.pin or any(e.host.device != self.storage for e in plain)
+        if packed:
+            # Packed copies replace the originals (no second host copy); close() restores unpinned tensors.
+            runs, views = hostmem.pack([(e.offset, e.host) for e in plain], self.storage, self.pin)
+            for e, v in zip(plain, views, strict=True):
+                e.host = v
+        for e in self.entries:
+            if e.plain and packed:
+                continue
+            if e.host.device == self.storage:
+                e.orig = e.host  # used in place: restored as the same tensor
+            else:
+                e.host = e.host.to(self.storage)  # tensor subclasses are copied as they are (never pinned)
+        return runs
 
     def set_factors(self, paths: list[RuntimePath]) -> None:
         """Runtime adapter paths on this block's layers: their factors join the slot layout (host copies

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..arguments import strength as check_strength
 from ..arguments import strength_text
-from ..errors import EmptyOutputError
+from ..errors import ArgumentError, EmptyOutputError
 from ..families.contribution import add_contribution, bias_of, coefficient
 from ..io.safetensors_file import read_safetensors_header
 from ..io.write import StreamingWriter, atomic_path, check_output
@@ -241,7 +241,7 @@ def bake(
 def _dtype_arg(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}")
+            raise ArgumentError(f"--dtype must be one of {', '.join(DTYPES)}")
         return DTYPES[dtype]
     return dtype
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LoraweaveError
+from ..errors import CheckpointError
 from ..formats.keys import COMPONENT_NAMES
 from ..io.safetensors_file import SafetensorsFile
 
@@ -24,10 +24,6 @@ SINGLE_FILE_PREFIXES: tuple[tuple[str, str], ...] = (
     ("conditioner.embedders.0.transformer.", "text_encoder"),
     ("text_encoders.clip_l.transformer.", "text_encoder"),
 )
-
-
-class CheckpointError(LoraweaveError):
-    """The model path is not a checkpoint layout bake/inspect can read."""
 
 
 @dataclass
@@ -102,41 +98,49 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     """Describe a checkpoint; nothing but headers is read."""
     root = Path(path)
     if root.is_file():
-        if root.suffix != ".safetensors":
-            raise CheckpointError(f"{root}: only .safetensors checkpoints are read")
-        names = SafetensorsFile(root).keys()
-        comps: dict[str, Component] = {}
-        passthrough: dict[str, Path] = {}
-        class_name = _config_class(root.parent) if root.parent.joinpath("config.json").exists() else None
-        for name in names:
-            hit = next(((p, c) for p, c in SINGLE_FILE_PREFIXES if name.startswith(p)), None)
-            if hit is None:
-                passthrough[name] = root
-                continue
-            comps.setdefault(hit[1], Component(hit[1], None, hit[0])).tensors[name] = root
-        if not comps:  # a bare module state dict (diffusers single file, or BFL/ComfyUI weights)
-            comp = Component(
-                _component_name(root.parent, class_name) if class_name else "denoiser", class_name, ""
-            )
-            comp.tensors = dict(passthrough)
-            return Checkpoint("file", root, [comp], [root])
-        return Checkpoint("file", root, list(comps.values()), [root], passthrough)
+        return _open_file(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such file or folder")
     if (root / "model_index.json").exists():
-        comps_list = [
-            c
-            for sub in sorted(p for p in root.iterdir() if p.is_dir())
-            if (c := _folder_component(sub, True))
-        ]
-        if not comps_list:
-            raise CheckpointError(f"{root}: pipeline folder holds no .safetensors weights")
-        files = sorted({f for c in comps_list for f in c.tensors.values()})
-        return Checkpoint("pipeline", root, comps_list, files)
+        return _open_pipeline(root)
     comp = _folder_component(root)
     if comp is None:
         raise CheckpointError(f"{root}: folder holds no .safetensors weights (and no model_index.json)")
     return Checkpoint("folder", root, [comp], sorted(set(comp.tensors.values())))
+
+
+def _open_file(root: Path) -> Checkpoint:
+    """A single .safetensors file: components by key prefix, or one bare module state dict."""
+    if root.suffix != ".safetensors":
+        raise CheckpointError(f"{root}: only .safetensors checkpoints are read")
+    names = SafetensorsFile(root).keys()
+    comps: dict[str, Component] = {}
+    passthrough: dict[str, Path] = {}
+    class_name = _config_class(root.parent) if root.parent.joinpath("config.json").exists() else None
+    for name in names:
+        hit = next(((p, c) for p, c in SINGLE_FILE_PREFIXES if name.startswith(p)), None)
+        if hit is None:
+            passthrough[name] = root
+            continue
+        comps.setdefault(hit[1], Component(hit[1], None, hit[0])).tensors[name] = root
+    if not comps:  # a bare module state dict (diffusers single file, or BFL/ComfyUI weights)
+        comp = Component(
+            _component_name(root.parent, class_name) if class_name else "denoiser", class_name, ""
+        )
+        comp.tensors = dict(passthrough)
+        return Checkpoint("file", root, [comp], [root])
+    return Checkpoint("file", root, list(comps.values()), [root], passthrough)
+
+
+def _open_pipeline(root: Path) -> Checkpoint:
+    """A diffusers pipeline folder: one component per subfolder holding weights."""
+    comps_list = [
+        c for sub in sorted(p for p in root.iterdir() if p.is_dir()) if (c := _folder_component(sub, True))
+    ]
+    if not comps_list:
+        raise CheckpointError(f"{root}: pipeline folder holds no .safetensors weights")
+    files = sorted({f for c in comps_list for f in c.tensors.values()})
+    return Checkpoint("pipeline", root, comps_list, files)
 
 
 class _Node(torch.nn.Module):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..arch.aliases import missing_file_prefix
-from ..errors import EmptyOutputError, LoraweaveError
+from ..errors import ArgumentError, ConvertError, EmptyOutputError
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
 from ..formats.keys import TEXTUAL_INVERSION, component_prefix
@@ -28,10 +28,6 @@ from .remap import Spans, original_spans
 
 log = logging.getLogger("loraweave")
 LAYOUTS = ("kohya", "peft", "diffusers", "comfy")
-
-
-class ConvertError(LoraweaveError):
-    """The target layout cannot express this adapter (or part of it); nothing was written."""
 
 
 @dataclass
@@ -133,9 +129,10 @@ def _prune(down: torch.Tensor, up: torch.Tensor, alpha: float) -> tuple[torch.Te
     return down[keep], up[:, keep], alpha / rank * int(keep.sum())
 
 
-def _assemble(
-    rows: int, pieces: list[_Piece], result: ConvertResult
-) -> tuple[torch.Tensor, torch.Tensor, float]:
+Assembled = tuple[torch.Tensor, torch.Tensor, float]  # (down, up, alpha) of one target module
+
+
+def _assemble(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembled:
     """One (down, up, alpha) for a target of `rows` rows from its pieces."""
     first = pieces[0]
     shared = all(
@@ -145,15 +142,26 @@ def _assemble(
         for p in pieces
     )
     if shared:  # one down for all rows: a plain split or a join of a shared-down fused LoRA
-        up = first.up.new_zeros(rows, first.down.shape[0])
-        for p in pieces:
-            up[p.row : p.row + p.length] = p.up
-        if len({id(p.pp) for p in pieces}) > 1:
-            result.joins += 1
-        elif sum(p.length for p in pieces) != first.pp.factors.rows:
-            result.splits += 1
-        down, up, alpha = _prune(first.down, up, first.alpha)
-        return down, up, alpha
+        return _assemble_shared(rows, pieces, result)
+    return _assemble_stacked(rows, pieces, result)
+
+
+def _assemble_shared(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembled:
+    """Pieces with one down and alpha: their up rows placed in one up (ranks never used by any row pruned)."""
+    first = pieces[0]
+    up = first.up.new_zeros(rows, first.down.shape[0])
+    for p in pieces:
+        up[p.row : p.row + p.length] = p.up
+    if len({id(p.pp) for p in pieces}) > 1:
+        result.joins += 1
+    elif sum(p.length for p in pieces) != first.pp.factors.rows:
+        result.splits += 1
+    return _prune(first.down, up, first.alpha)
+
+
+def _assemble_stacked(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembled:
+    """Pieces with their own downs: ranks stacked, each piece's up in its own columns (block diagonal)."""
+    first = pieces[0]
     result.joins += 1
     gammas = {p.alpha / p.down.shape[0] for p in pieces}
     total_rank = sum(p.down.shape[0] for p in pieces)
@@ -213,6 +221,49 @@ def _target_components(adapter: Adapter, target, arch: str | None, model: str | 
     return Components(components)
 
 
+KOHYA_NAMED = ("kohya", "comfy")  # layouts with lora_down / lora_up / alpha keys (and no LoRA bias)
+
+
+def _refuse_unconvertible(plan, to: str) -> None:
+    """Refuse keys that resolve to no target name, non-LoRA parts, and a LoRA bias the layout cannot hold."""
+    if plan.unmatched:
+        reasons = sorted({u["reason"] for u in plan.unmatched})[:5]
+        raise ConvertError(
+            f"{len(plan.unmatched)} keys do not resolve against the model, so their target names are "
+            f"unknown: {'; '.join(reasons)}"
+        )
+    other = sorted({pp.part.family for pp in plan.planned if pp.part.family != "lora"})
+    if other:
+        raise ConvertError(
+            f"convert handles the LoRA family; this file also holds {', '.join(other)} parts "
+            "(their factor layouts differ per trainer, so no lossless rename is offered)"
+        )
+    if any(pp.factors.up_bias is not None for pp in plan.planned) and to in KOHYA_NAMED:
+        raise ConvertError(f"{to} layout has no LoRA bias (lora_B.bias) keys")
+
+
+def _module_tensors(
+    to: str, stem: str, down: torch.Tensor, up: torch.Tensor, alpha: float, rows: int, pieces
+) -> dict[str, torch.Tensor]:
+    """One module's keys in layout `to`: down, up (shaped as down's kernel), kohya's alpha, the LoRA bias."""
+    up = up.reshape(up.shape[0], down.shape[0], *([1] * (down.dim() - 2)))
+    if to in KOHYA_NAMED:
+        out = {
+            stem + ".lora_down.weight": down.contiguous(),
+            stem + ".lora_up.weight": up.contiguous(),
+            stem + ".alpha": torch.tensor(alpha, dtype=torch.float32),
+        }
+    else:
+        out = {stem + ".lora_A.weight": down.contiguous(), stem + ".lora_B.weight": up.contiguous()}
+    bias = [(p.row, p.length, p.pp.factors.up_bias) for p in pieces if p.pp.factors.up_bias is not None]
+    if bias:
+        b = up.new_zeros(rows)
+        for row, length, ub in bias:
+            b[row : row + length] = ub[:length]
+        out[stem + ".lora_B.bias"] = b
+    return out
+
+
 def convert(
     path,
     to: str,
@@ -232,7 +283,7 @@ def convert(
     tokens, which no adapter layout carries, are refused (ConvertError) unless `drop_embeddings` leaves them out;
     the result names them."""
     if to not in LAYOUTS:
-        raise ValueError(f"--to must be one of {LAYOUTS}")
+        raise ArgumentError(f"--to must be one of {LAYOUTS}")
     inputs = [path] if isinstance(path, (str, os.PathLike)) else []
     out = check_output(output, inputs, overwrite=overwrite, folder=to == "peft")
     adapter = load_adapter(path, allow_pickle=allow_pickle)
@@ -244,20 +295,7 @@ def convert(
         )
     components = _target_components(adapter, target, arch, model)
     plan = resolve(components, [(adapter, 1.0)])
-    if plan.unmatched:
-        reasons = sorted({u["reason"] for u in plan.unmatched})[:5]
-        raise ConvertError(
-            f"{len(plan.unmatched)} keys do not resolve against the model, so their target names are "
-            f"unknown: {'; '.join(reasons)}"
-        )
-    other = sorted({pp.part.family for pp in plan.planned if pp.part.family != "lora"})
-    if other:
-        raise ConvertError(
-            f"convert handles the LoRA family; this file also holds {', '.join(other)} parts "
-            "(their factor layouts differ per trainer, so no lossless rename is offered)"
-        )
-    if any(pp.factors.up_bias is not None for pp in plan.planned) and to in ("kohya", "comfy"):
-        raise ConvertError(f"{to} layout has no LoRA bias (lora_B.bias) keys")
+    _refuse_unconvertible(plan, to)
     result = ConvertResult(out, to, keys_in=adapter.keys_total, dropped_embeddings=dropped)
     if dropped:
         result.notes.append(f"dropped textual-inversion token embeddings: {', '.join(dropped)}")
@@ -270,23 +308,10 @@ def convert(
         down, up, alpha = _assemble(rows, pieces, result)
         denoiser = comp == components.denoiser_name
         stem = _stem(to, comp, name, denoiser, components, source=path if inputs else adapter.name)
-        rank = down.shape[0]
-        up = up.reshape(up.shape[0], rank, *([1] * (down.dim() - 2)))
-        if to in ("kohya", "comfy"):
-            tensors[stem + ".lora_down.weight"] = down.contiguous()
-            tensors[stem + ".lora_up.weight"] = up.contiguous()
-            tensors[stem + ".alpha"] = torch.tensor(alpha, dtype=torch.float32)
-        else:
-            tensors[stem + ".lora_A.weight"] = down.contiguous()
-            tensors[stem + ".lora_B.weight"] = up.contiguous()
-            patterns.setdefault(comp, {})[name] = (rank, alpha)
+        tensors.update(_module_tensors(to, stem, down, up, alpha, rows, pieces))
+        if to not in KOHYA_NAMED:
+            patterns.setdefault(comp, {})[name] = (down.shape[0], alpha)
         result.targets += 1
-        bias = [(p.row, p.length, p.pp.factors.up_bias) for p in pieces if p.pp.factors.up_bias is not None]
-        if bias:
-            b = up.new_zeros(rows)
-            for row, length, ub in bias:
-                b[row : row + length] = ub[:length]
-            tensors[stem + ".lora_B.bias"] = b
     metadata, config = _alpha_metadata(to, patterns, components)
     result.notes = sorted(set(result.notes))
     _self_check(tensors, metadata, config, components, out, plan)
@@ -322,7 +347,7 @@ def _embeddings(adapter: Adapter, source: object, drop: bool) -> list[str]:
 
 def _alpha_metadata(to: str, patterns: dict[str, dict], components: Components) -> tuple[dict, dict | None]:
     """kohya/comfy carry alpha tensors; peft/diffusers carry r, lora_alpha and per-module patterns (PEFT config)."""
-    if to in ("kohya", "comfy"):
+    if to in KOHYA_NAMED:
         return {"loraweave.converted": to}, None
     config: dict = {}
     for comp, mods in patterns.items():

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..arguments import MAX_CFG, MAX_SIDE, MAX_STEPS
-from ..errors import LoraweaveError
+from ..errors import GenerateError, LoraweaveError
 from ..modes import APPLY_MODES, ApplyMode
 from ..request.spec import AdapterSpec
 from . import infotext as it
@@ -57,10 +57,6 @@ SAMPLERS = {
     "UniPCMultistepScheduler": "UniPC",
 }
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
-
-
-class GenerateError(LoraweaveError, ValueError):
-    """A generate request that cannot run: bad argument, missing or unreadable model, failed sampling."""
 
 
 @dataclass

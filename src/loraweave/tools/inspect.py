@@ -111,6 +111,48 @@ def describe(adapter: Adapter) -> dict:
     }
 
 
+def _unresolved_coverage(adapter: Adapter, against: str) -> dict:
+    """Coverage when no model could be built: every key unmatched, with why."""
+    unmatched = [
+        {"key": k, "reason": f"not resolved: {against}", "kind": "not_resolved"}
+        for p in adapter.parts
+        for k in p.keys
+    ]
+    unmatched += [
+        {"key": u["key"], "reason": f"not parsed: {u['reason']}", "kind": "not_parsed"}
+        for u in adapter.unparsed
+    ]
+    return {
+        "against": None,
+        "keys_total": adapter.keys_total,
+        "keys_applied": 0,
+        "unmatched": unmatched,
+    }
+
+
+def _planned_coverage(
+    adapter: Adapter, components, against: str, model: str | None, fit_report, check_values: bool
+) -> dict:
+    """Coverage from a plan against the model (shape-only unless `check_values`)."""
+    from ..api import plan
+    from .skeleton import alias_tables
+
+    tables = alias_tables(components) if model is None else None
+    if fit_report is not None and not check_values:  # the same shape-only plan on the same skeleton
+        report = fit_report
+    else:
+        report = plan(components, adapter if check_values else shape_only(adapter), tables=tables)
+    return {
+        "against": against,
+        "keys_total": report.keys_total,
+        "keys_applied": report.keys_applied,
+        "unmatched": [{"key": u.key, "reason": u.reason, "kind": u.kind} for u in report.unmatched],
+        "modules": dict(Counter(m.component for m in report.applied)),
+        "alpha_sources": report.adapters[0]["alpha_sources"] if report.adapters else {},
+        "values_checked": check_values,
+    }
+
+
 def inspect_adapter(
     path: str | Path,
     arch: str | None = None,
@@ -157,44 +199,15 @@ def inspect_adapter(
         info["architecture"]["name"] = detection.architecture
     components, against = model_target(arch, model, detection.architecture, text_encoders)
     if components is None:
-        unmatched = [
-            {"key": k, "reason": f"not resolved: {against}", "kind": "not_resolved"}
-            for p in adapter.parts
-            for k in p.keys
-        ]
-        unmatched += [
-            {"key": u["key"], "reason": f"not parsed: {u['reason']}", "kind": "not_parsed"}
-            for u in adapter.unparsed
-        ]
-        coverage = {
-            "against": None,
-            "keys_total": adapter.keys_total,
-            "keys_applied": 0,
-            "unmatched": unmatched,
-        }
+        coverage = _unresolved_coverage(adapter, against)
     else:
-        from ..api import plan
-        from .positional import name_positional
-        from .skeleton import alias_tables
-
-        tables = alias_tables(components) if model is None else None
         if (
             model is not None
         ):  # a checkpoint's shadow tree has no classes to count positions in: name them first
+            from .positional import name_positional
+
             adapter = name_positional(adapter, arch)
-        if fit_report is not None and not check_values:  # the same shape-only plan on the same skeleton
-            report = fit_report
-        else:
-            report = plan(components, adapter if check_values else shape_only(adapter), tables=tables)
-        coverage = {
-            "against": against,
-            "keys_total": report.keys_total,
-            "keys_applied": report.keys_applied,
-            "unmatched": [{"key": u.key, "reason": u.reason, "kind": u.kind} for u in report.unmatched],
-            "modules": dict(Counter(m.component for m in report.applied)),
-            "alpha_sources": report.adapters[0]["alpha_sources"] if report.adapters else {},
-            "values_checked": check_values,
-        }
+        coverage = _planned_coverage(adapter, components, against, model, fit_report, check_values)
     coverage["unmatched_by_kind"] = dict(Counter(u["kind"] for u in coverage["unmatched"]))
     coverage["complete"] = not failures(coverage["unmatched"])
     coverage["checked"] = True

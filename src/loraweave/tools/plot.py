@@ -13,17 +13,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, NoModelToDrawOnError
 
 log = logging.getLogger("loraweave")
 
 METRICS = ("norm", "energy")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|block)\.(\d+)\.")
-
-
-class NoModelToDrawOnError(ArgumentError):
-    """block_grid: the file resolves on no model (an architecture loraweave has no full-size model of, and no
-    `arch` or `model` given), so there are no blocks to draw it on."""
 
 
 @dataclass
@@ -138,6 +133,23 @@ def _components(adapter, arch: str | None, model: str | None, text_encoders: boo
     return as_components(components), name
 
 
+def _module_energies(plan, components) -> tuple[dict[tuple[str, str], float], list[dict]]:
+    """({(component, module): ‖ΔW‖² summed over the pieces landing there}, keys not drawn and why)."""
+    per_module: dict[tuple[str, str], float] = {}
+    skipped = [{"key": u["key"], "reason": u["reason"]} for u in plan.unmatched]
+    for pp in plan.planned:
+        for piece in pp.pieces:
+            module = components.modules[pp.component].get_submodule(piece.module)
+            try:
+                sq = _squared_norm(pp, piece, _cols(module))
+            except (ValueError, RuntimeError) as exc:
+                skipped += [{"key": k, "reason": f"not drawn: {exc}"} for k in pp.part.keys]
+                continue
+            key = (pp.component, piece.module)
+            per_module[key] = per_module.get(key, 0.0) + sq
+    return per_module, skipped
+
+
 def block_grid(
     path: str | Path,
     arch: str | None = None,
@@ -153,24 +165,13 @@ def block_grid(
     from ..resolve.planner import resolve
 
     if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        raise ArgumentError(f"metric must be one of {METRICS}, got {metric!r}")
     adapter = load_adapter(path, allow_pickle=allow_pickle)
     components, name = _components(adapter, arch, model, text_encoders)
     plan = resolve(components, [(adapter, 1.0)])
     block_arch = block_arch_of(canonical(name)) if model is None else None
     denoiser = components.denoiser_name
-    per_module: dict[tuple[str, str], float] = {}
-    skipped = [{"key": u["key"], "reason": u["reason"]} for u in plan.unmatched]
-    for pp in plan.planned:
-        for piece in pp.pieces:
-            module = components.modules[pp.component].get_submodule(piece.module)
-            try:
-                sq = _squared_norm(pp, piece, _cols(module))
-            except (ValueError, RuntimeError) as exc:
-                skipped += [{"key": k, "reason": f"not drawn: {exc}"} for k in pp.part.keys]
-                continue
-            key = (pp.component, piece.module)
-            per_module[key] = per_module.get(key, 0.0) + sq
+    per_module, skipped = _module_energies(plan, components)
     den_paths = [p for c, p in per_module if c == denoiser]
     slots = block_slots(block_arch, den_paths) if block_arch else {}
     cells: dict[tuple[str, str], float] = {}

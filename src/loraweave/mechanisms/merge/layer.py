@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ...arch.spec import Piece
-from ...errors import NonFiniteResultError, UndoError
+from ...errors import ArgumentError, NonFiniteResultError, UndoError
 from ...families.base import CastMemo
 from ...families.contribution import add_contribution, bias_of, coefficient
 from ...modes import UNDO_KINDS, UndoKind
@@ -74,9 +74,9 @@ class UndoSettings:
 
 def check_undo_arguments(kind: UndoKind, source=None) -> None:
     if kind not in UNDO_KINDS:
-        raise ValueError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
+        raise ArgumentError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
     if source is not None and kind != "source":
-        raise ValueError(f"undo_source is read only with undo='source' (got undo={kind!r})")
+        raise ArgumentError(f"undo_source is read only with undo='source' (got undo={kind!r})")
 
 
 def undo_settings(
@@ -293,12 +293,7 @@ class MergedModule:
         W')."""
         if any(pp.part.family == "set" for pp, _ in self.contributions):
             return self._merge_over(rows, terms, old)
-        # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
-        kind = "auto" if self.undo_with.kind in ("source", "none") else self.undo_with.kind
-        if any(
-            pp.part.family == "combined" for pp, _ in self.contributions
-        ):  # ties/dare: inner strengths live
-            kind = "copy"  # in their sources, which a strength change rewrites: only a copy is safe
+        kind = self._record_kind()
         needs_base = any(pp.family.needs_base for pp, _ in self.contributions)
         chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
         prior, base, keep = None, rows, None
@@ -325,6 +320,14 @@ class MergedModule:
                 prior,
             )
         return (keep if keep is not None else record), merged, base
+
+    def _record_kind(self) -> str:
+        """The undo record a merge of these contributions keeps."""
+        if any(pp.part.family == "combined" for pp, _ in self.contributions):
+            # ties/dare: inner strengths live in their sources, which a strength change rewrites
+            return "copy"
+        # "none" keeps a record until apply has finished; "source" falls back where no 1:1 tensor exists.
+        return "auto" if self.undo_with.kind in ("source", "none") else self.undo_with.kind
 
     def _merge_over(
         self,

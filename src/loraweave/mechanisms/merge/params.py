@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import ArgumentError
 from ...resolve.params import PlannedParam
 
 STACK_ATTR = "_loraweave_param_merges"  # per-owner {parameter name: live merges, newest last}
@@ -121,7 +122,7 @@ def apply_params(
         blocker = merge_blocker(getattr(owner, patch.name))
         mechanism = "runtime" if mode == "runtime" or (mode == "auto" and blocker) else "merge"
         if mechanism == "merge" and blocker:
-            raise ValueError(f"cannot merge into {component}.{path}: {blocker}")
+            raise ArgumentError(f"mode='merge': cannot merge into {component}.{path}: {blocker}")
         record(patch)
         if mechanism == "merge":
             patch.merge()

@@ -152,6 +152,19 @@ def route_hook_free(
     if not can_host:
         why = "host_rank=0" if caps.factor_channel else f"no side channel ({caps.reason})"
         return Route("requantize", why)
+    return _host_or_requantize(backend, module, contribs, host_rank, cache, layer)
+
+
+def _host_or_requantize(
+    backend: QuantBackend,
+    module: torch.nn.Module,
+    contribs: list[Contribution],
+    host_rank: int,
+    cache,
+    layer: str,
+) -> Route:
+    """Low-bit layer that could do either: host the truncated delta unless it is fat (large against the grid
+    step and poorly captured at host_rank); factorable members or a checkpoint SVD always host."""
     exact = [c for c in contribs if part_factorable(c[0], module)]
     rest = [c for c in contribs if not part_factorable(c[0], module)]
     shape = module_shape(module)
@@ -233,16 +246,7 @@ class QuantWrite:
             exact_delta = u @ d if rest else 0.0  # only hosted layers need it, for ρ
         delta = None
         if rest:
-            first = self._first
-            delta = first.delta if first is not None and first.delta is not None else None
-            if delta is None:
-                delta = intended_delta(rest, shape, base)
-            if first is not None and first.truncation is not None:
-                trunc, self.cache_hit = first.truncation, first.cache_hit
-            else:
-                trunc, self.cache_hit = host_factors(
-                    delta, rest, self.module, self.host_rank, self.cache, self.layer
-                )
+            delta, trunc = self._hosted(rest, shape, base)
             self.capture = trunc.energy
             downs.append(trunc.down)
             ups.append(trunc.up)
@@ -257,6 +261,20 @@ class QuantWrite:
             self.retention = retention(up @ down, delta + (exact_delta.to(delta.device) if exact else 0.0))
         else:
             self.retention = 1.0
+
+    def _hosted(self, rest: list[Contribution], shape, base):
+        """(ΔW of the non-factorable members, its truncation at host_rank); the routing's when it has them."""
+        first = self._first
+        delta = first.delta if first is not None and first.delta is not None else None
+        if delta is None:
+            delta = intended_delta(rest, shape, base)
+        if first is not None and first.truncation is not None:
+            trunc, self.cache_hit = first.truncation, first.cache_hit
+        else:
+            trunc, self.cache_hit = host_factors(
+                delta, rest, self.module, self.host_rank, self.cache, self.layer
+            )
+        return delta, trunc
 
     def _requantize(self) -> None:
         shape = module_shape(self.module)

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ...errors import ArgumentError, ArgumentTypeError
 from .path import RuntimePath
 
 log = logging.getLogger("loraweave")
@@ -44,24 +45,26 @@ def compile_options(
 ) -> CompileOptions | None:
     """Validated options, or None when not asked for (rank_buckets alone is an error: it would do nothing)."""
     if not isinstance(compile_friendly, bool):
-        raise ValueError(f"compile_friendly must be a bool, got {compile_friendly!r}")
+        raise ArgumentTypeError(f"compile_friendly must be a bool, got {compile_friendly!r}")
     if not compile_friendly:
         if rank_buckets is not None:
-            raise ValueError("rank_buckets is only used with compile_friendly=True")
+            raise ArgumentError("rank_buckets is only used with compile_friendly=True")
         return None
     buckets = DEFAULT_BUCKETS if rank_buckets is None else rank_buckets
     try:
         buckets = tuple(buckets)
     except TypeError:
-        raise ValueError(f"rank_buckets must be a sequence of positive ints, got {rank_buckets!r}") from None
+        raise ArgumentError(
+            f"rank_buckets must be a sequence of positive ints, got {rank_buckets!r}"
+        ) from None
     if (
         not buckets
         or any(type(b) is not int or b < 1 for b in buckets)
         or list(buckets) != sorted(set(buckets))
     ):
-        raise ValueError(f"rank_buckets must be strictly increasing positive ints, got {rank_buckets!r}")
+        raise ArgumentError(f"rank_buckets must be strictly increasing positive ints, got {rank_buckets!r}")
     if stack in GRAPH_BREAKING_STACKS:
-        raise ValueError(
+        raise ArgumentError(
             f"compile_friendly=True: stack={stack!r} rebuilds each layer's ΔW in Python whenever a strength "
             f"changes "
             "(a graph break and a recompile); use stack='sum', 'klora' or 'estlora', or mode='merge'"

@@ -64,6 +64,15 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def _plain_fp32_bias(bias: torch.Tensor) -> bool:
+    """A contiguous fp32 bias that needs no gradient (the op has no autograd formula)."""
+    return (
+        bias.dtype == torch.float32
+        and bias.is_contiguous()
+        and not (torch.is_grad_enabled() and bias.requires_grad)
+    )
+
+
 def _onednn(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
@@ -77,11 +86,7 @@ def _onednn(
         return None  # the op has no autograd formula
     if not (x.is_contiguous() and weight.is_contiguous() and weight.dim() == 2):
         return None
-    if bias is not None and (
-        bias.dtype != torch.float32
-        or not bias.is_contiguous()
-        or (torch.is_grad_enabled() and bias.requires_grad)
-    ):
+    if bias is not None and not _plain_fp32_bias(bias):
         return None
     if torch.compiler.is_compiling():  # no probe inside a trace: its ops would be traced
         return _onednn_linear if _PROBED and _PROBED[0] is not None else None

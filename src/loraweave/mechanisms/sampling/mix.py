@@ -209,24 +209,7 @@ def _terms(
     strength = lambda pp: part_strength_for(path, pp, key, mix.settings)  # noqa: E731
     spec = ConvSpec(path.conv, path.conv_args()) if path.conv else None
     if path.base_fns:  # computed from the base output before anything is added to these rows
-        base = out
-        bias = getattr(path.module, "bias", None)
-        if isinstance(bias, torch.Tensor):
-            b = bias.to(out.device, out.dtype)
-            base = out - (b.view(-1, *([1] * (out.dim() - 2))) if path.channels_first else b)
-        found = []
-        for t in path.base_fns:
-            pp, dst, n, fn = t.part, t.dst, t.rows, t.fn
-            s = strength(pp)
-            if s == 0.0:
-                continue
-            rows = base[:, dst : dst + n] if path.channels_first else base[..., dst : dst + n]
-            value, alpha = (
-                (fn(x, spec, rows), s * pp.scale) if t.linear else (fn(x, spec, rows, s, pp.scale), 1.0)
-            )
-            found.append((pp, value, dst, n, alpha))
-        for pp, value, dst, n, alpha in found:
-            _put(path, out, value, dst, n, alpha, weights.get(pp.adapter.name))
+        _add_base_terms(path, x, out, spec, strength, weights)
     pair = mix._pair(path, key, out) if key != () and not pair_done else None
     if fresh:
         _init_linear(path, x, out, pair, weights)
@@ -234,6 +217,33 @@ def _terms(
             return
     elif pair is not None:
         _add_pair(path, x, out, pair, weights)
+    _add_other_terms(path, x, out, spec, strength, weights)
+
+
+def _add_base_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, weights: dict) -> None:
+    """The terms that read the layer's base output (without bias): all computed before any is added."""
+    base = out
+    bias = getattr(path.module, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        b = bias.to(out.device, out.dtype)
+        base = out - (b.view(-1, *([1] * (out.dim() - 2))) if path.channels_first else b)
+    found = []
+    for t in path.base_fns:
+        pp, dst, n, fn = t.part, t.dst, t.rows, t.fn
+        s = strength(pp)
+        if s == 0.0:
+            continue
+        rows = base[:, dst : dst + n] if path.channels_first else base[..., dst : dst + n]
+        value, alpha = (
+            (fn(x, spec, rows), s * pp.scale) if t.linear else (fn(x, spec, rows, s, pp.scale), 1.0)
+        )
+        found.append((pp, value, dst, n, alpha))
+    for pp, value, dst, n, alpha in found:
+        _put(path, out, value, dst, n, alpha, weights.get(pp.adapter.name))
+
+
+def _add_other_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, weights: dict) -> None:
+    """The dense, function and bias terms (those that read only x), each at its part's strength."""
     for t in path.dense:
         pp, dst, n = t.part, t.dst, t.rows
         s = strength(pp)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import ArgumentError
 from ...stack.select import SelectSchedule
 from ..quantized.write import intended_delta
 from ..runtime.path import RuntimePath
@@ -51,7 +52,7 @@ def build_schedule(
 
 def choose(rp: RuntimePath, names: tuple[str, str], index: int) -> None:
     if index not in (0, 1):
-        raise ValueError(f"layer choice must be 0 (subject) or 1 (style), got {index!r}")
+        raise ArgumentError(f"layer choice must be 0 (subject) or 1 (style), got {index!r}")
     rp.gates[names[index]] = 1.0
     rp.gates[names[1 - index]] = 0.0
     rp.refresh_scales()

@@ -50,12 +50,12 @@ class StepSchedule:
         check_total_steps(total_steps)
         windows = {name: w.window for name, w in settings.items() if w.window is not None}
         if not windows:
-            raise ValueError(
+            raise ArgumentError(
                 "no adapter has a step window: give AdapterSpec(..., steps=(start, end)) or a ramp"
             )
         merged = sorted({n for m in written for n in m.adapters} & set(windows))
         if merged:
-            raise ValueError(
+            raise ArgumentError(
                 f"step windows need runtime layers; {merged} are merged: apply with mode='runtime'"
             )
         self.total_steps = total_steps
