@@ -36,7 +36,7 @@ class PlannedPart:
     family: Family  # chosen from the part's keys and shapes (families.family_for)
     component: str
     pieces: tuple[Piece, ...]
-    factors: object
+    factors: Factors  # the family's own factors record
     scale: float  # γ from alpha/rank or metadata
     alpha_source: str
     strength: float  # per-adapter strength x global strength
