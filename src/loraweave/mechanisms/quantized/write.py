@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -21,14 +21,23 @@ from ...resolve.stacking import Contribution
 from ..merge.layer import needs_bias, refuse_non_finite
 from .hosted import Truncation, truncate
 
-if TYPE_CHECKING:
-    from ..runtime.factor_cache import FactorCache
-
 log = logging.getLogger("loraweave")
 
 REQUANT_RATIO = 0.30  # rms(Δ)/grid step above which the grid can hold the delta
 REQUANT_ENERGY = 0.90  # hosting that captures less than this loses to requantizing a fat delta
 STACK_ATTR = "_loraweave_quant"  # per-module list of live quantized writes, newest last
+
+
+class HostedCache(Protocol):
+    """What hosting reads of a factor cache (mechanisms/runtime/factor_cache.py FactorCache)."""
+
+    def signature(
+        self, module: torch.nn.Module, layer: str, contributions: list[Contribution], host_rank: int
+    ) -> str | None: ...
+
+    def load(self, sig: str) -> Truncation | None: ...
+
+    def store(self, sig: str, trunc: Truncation) -> Truncation: ...
 
 
 def _coeff(pp: PlannedPart) -> float:
@@ -110,7 +119,7 @@ def host_factors(
     rest: list[Contribution],
     module: torch.nn.Module,
     host_rank: int,
-    cache: FactorCache | None = None,
+    cache: HostedCache | None = None,
     layer: str = "",
 ) -> tuple[Truncation, bool | None]:
     """The hosted truncation of `delta`, replayed from `cache` when it holds this exact configuration."""
@@ -129,7 +138,7 @@ def route_hook_free(
     contribs: list[Contribution],
     host_rank: int,
     force_requantize: bool = False,
-    cache: FactorCache | None = None,
+    cache: HostedCache | None = None,
     layer: str = "",
 ) -> Route:
     """Hook-free choice on a quantized layer: factor channel, else hosting vs requantizing (the routing
@@ -167,7 +176,7 @@ def _host_or_requantize(
     module: torch.nn.Module,
     contribs: list[Contribution],
     host_rank: int,
-    cache: FactorCache | None,
+    cache: HostedCache | None,
     layer: str,
 ) -> Route:
     """Low-bit layer that could do either: host the truncated delta unless it is fat (large against the grid
@@ -202,7 +211,7 @@ class QuantWrite:
     contributions: list[Contribution]
     mechanism: str
     host_rank: int = 0
-    cache: FactorCache | None = None  # hosted factors replayed instead of recomputed
+    cache: HostedCache | None = None  # a FactorCache: hosted factors replayed instead of recomputed
     layer: str = ""  # component.path, part of the cache signature
     adapters: set[str] = field(default_factory=set)
     retention: float | None = None
