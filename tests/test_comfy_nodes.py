@@ -236,6 +236,11 @@ def test_stack_rows_chain_and_apply_like_the_loader(comfy_home):
         ([("flux.safetensors", 1.0)], "lora_stack[0]"),
         ([("flux.safetensors", 1.0, 1.0), (3, 1.0, 1.0)], "lora_stack[1]"),
         ([("../flux.safetensors", 1.0, 1.0)], "refused"),
+        ([("flux.safetensors", float("nan"), 1.0)], "lora_stack[0] model_strength"),
+        (
+            [("flux.safetensors", 1.0, 1.0), ("flux.safetensors", 1.0, float("inf"))],
+            "lora_stack[1] clip_strength",
+        ),
     ],
 )
 def test_foreign_stack_rows_checked(comfy_home, stack, says):

@@ -7,6 +7,8 @@ Merged weights are read as ComfyUI computes them (`patch_weight_to_device(..., r
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers.comfy_sampling import (  # noqa: F401  (pytest fixtures)
@@ -133,6 +135,22 @@ def test_a_stack_after_a_runtime_loader_and_zero_rows(flux, loras):
 def test_bad_stack_arguments_are_typed_errors(flux, stack, kwargs):
     with pytest.raises(ArgumentError):
         apply_stack(flux, None, stack, **kwargs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), "0.5", None, True])
+@pytest.mark.parametrize("column", ["model_strength", "clip_strength"])
+def test_a_row_strength_that_is_no_finite_number_is_refused_naming_the_row(flux, bad, column):
+    """The one LORA_STACK reader (also the node's) refuses NaN, inf, text and bools by apply's strength rule,
+    naming the row and the column, before any file is read; the input is unchanged."""
+    row = {"model_strength": 1.0, "clip_strength": 1.0, column: bad}
+    stack = [
+        ("first.safetensors", 1.0, 1.0),
+        ("second.safetensors", row["model_strength"], row["clip_strength"]),
+    ]
+    before = (dict(flux.patches), dict(flux.injections), flux.patches_uuid)
+    with pytest.raises(ArgumentError, match=re.escape(f"lora_stack[1] {column} must be a finite number")):
+        apply_stack(flux, None, stack)
+    assert (dict(flux.patches), dict(flux.injections), flux.patches_uuid) == before
 
 
 def test_a_wrong_model_row_is_refused_and_the_input_unchanged(flux, loras):

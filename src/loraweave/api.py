@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 
+from .engine.decide import refuse
 from .engine.handle import Handle
 from .engine.install import (
     AdapterSource,
@@ -20,11 +21,11 @@ from .engine.install import (
 )
 from .engine.journal import Journal, model_lock
 from .engine.options import Options
-from .errors import ArgumentError, StrictApplyError
+from .errors import ArgumentError
 from .mechanisms.merge.layer import undo_settings
 from .modes import ApplyMode, QuantizedMode, StackMode, UndoKind
-from .report.coverage import refuse_empty, warn_incomplete
-from .report.report import AppliedModule, Report, failures
+from .report.coverage import warn_incomplete
+from .report.report import AppliedModule, Report
 from .request.spec import finite_strength
 from .resolve.planner import Plan, PlannedPart
 from .resolve.stacking import adapter_names
@@ -179,12 +180,7 @@ def _install_plan(
     """apply's second half, under the model's lock: a mechanism per layer, installed all or nothing."""
     mode = options.layer_mode(len(p.adapters))
     wp, unmatched = plan_layers(p, options, mode)
-    if strict and failures(unmatched):
-        report = make_report(p, mode, [], unmatched, t0)
-        raise StrictApplyError(
-            f"strict: {len(failures(unmatched))} keys did not land ({report.kinds()})", report
-        )
-    refuse_empty(make_report(p, mode, [], unmatched, t0), allow_empty)
+    refuse(make_report(p, mode, [], unmatched, t0), strict, allow_empty)
     journal = Journal()
     with journal.transaction():
         applied = install(journal, p, wp, mode, options, progress)

@@ -2,11 +2,12 @@
 evidence. Metadata is reported but never trusted over the keys (a real Flux file says `sd_1.5`).
 
 Every fact comes from the registry's records (arch/record.Architecture): `signature` (key names, matched in
-underscore form so one pattern covers dotted, kohya and ComfyUI spellings; registry order = precedence, the most
-specific first), `owners` (names several architectures share count for the owner whose own names the file has),
-`widths` (shared names no owner claimed, told apart by a hidden width; the MMDiT and UNet families by theirs, in
-their own steps below) and `depth` (architectures that share block names at one width, told apart by how deep the
-file goes: the first whose block counts per chain hold the file's; a file that stops early keeps the shallowest)."""
+underscore form so one pattern covers dotted, kohya and ComfyUI spellings; registry order = precedence, the
+most specific first), `owners` (names several architectures share count for the owner whose own names the file
+has), `widths` (shared names no owner claimed, told apart by a hidden width; the MMDiT and UNet families by
+theirs, in their own steps below) and `depth` (architectures that share block names at one width, told apart
+by how deep the file goes: the first whose block counts per chain hold the file's; a file that stops early
+keeps the shallowest)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The architectures, once: adding one is its module (arch/<x>.py, its `Architecture` record) plus a line here.
+"""The architectures, once: adding one is its module (arch/<x>.py, its `Architecture` record) plus a line
+here.
 
 The order is detection's precedence: the most specific signatures first (arch/detect.py tries them in this
 order; shared names fold from the most general record up, so every owner comes before the names it owns).

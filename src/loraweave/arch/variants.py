@@ -1,8 +1,9 @@
 """Which released variant of an architecture an adapter file was trained on, from the file alone.
 
 Block counts come from the highest block index per chain the file names (a file need not train every block, so
-a variant fits when it has at least that many blocks; one with exactly that many is the likely one). The width is
-the most common input width of the low-rank `down` factors, which for these transformers is the hidden size."""
+a variant fits when it has at least that many blocks; one with exactly that many is the likely one). The width
+is the most common input width of the low-rank `down` factors, which for these transformers is the hidden
+size."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def _hidden(adapter: Adapter) -> int | None:
 
 
 def _single_rows(adapter: Adapter, hidden: int | None, known: set[int | None]) -> int | None:
-    """Rows of a fused single-block `linear1` per hidden unit, when the file has one and a release (`known`: the
-    releases' ratios) has that ratio."""
+    """Rows of a fused single-block `linear1` per hidden unit, when the file has one and a release (`known`:
+    the releases' ratios) has that ratio."""
     for p in adapter.parts:
         if hidden and "up" in p.roles and SINGLE_FUSED.search(p.path):
             rows, rest = divmod(adapter.shape(p.roles["up"])[0], hidden)
@@ -57,8 +58,9 @@ def _single_rows(adapter: Adapter, hidden: int | None, known: set[int | None]) -
 
 
 def related(release: Variant, arch: str) -> bool:
-    """Whether a file detected as `arch` can be `release`: one of its own architecture's, or one that shares its
-    block names (BFL-named Flux.1 / Flux.2). An SD1 UNet's `transformer_blocks.0` is no Flux double block."""
+    """Whether a file detected as `arch` can be `release`: one of its own architecture's, or one that shares
+    its block names (BFL-named Flux.1 / Flux.2). An SD1 UNet's `transformer_blocks.0` is no Flux double
+    block."""
     if arch in (release.arch, release.catalog) or arch.startswith(release.arch):
         return True
     return any(arch.startswith(b) for b in BFL_NAMED) and release.arch in BFL_NAMED

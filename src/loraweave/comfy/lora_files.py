@@ -1,15 +1,16 @@
 """LoRA files as the nodes name them: a `lora_name` in ComfyUI's "loras" folders, never a path outside them;
-queue-time checks, cache fingerprints, and what LoraWeave Inspect shows (loraweave's inspect, trigger words and
-heatmap). ComfyUI's `folder_paths` is imported inside the functions, as every part of `loraweave.comfy` does."""
+queue-time checks, cache fingerprints, and what LoraWeave Inspect shows (loraweave's inspect, trigger words
+and heatmap). ComfyUI's `folder_paths` is imported inside the functions, as every part of `loraweave.comfy`
+does."""
 
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ..errors import ArgumentError, LoraweaveError
+from ..io.file_cache import file_identity
 
 log = logging.getLogger("loraweave")
 
@@ -45,8 +46,8 @@ def lora_path(name: str) -> str:
 
 
 def validation_message(name: str) -> bool | str:
-    """True, or why `name` cannot be loaded (ComfyUI shows the string at queue time): a refused or missing name,
-    or a .safetensors file whose header is broken."""
+    """True, or why `name` cannot be loaded (ComfyUI shows the string at queue time): a refused or missing
+    name, or a .safetensors file whose header is broken."""
     from ..io.safetensors_file import read_safetensors_header
 
     try:
@@ -59,18 +60,22 @@ def validation_message(name: str) -> bool | str:
 
 
 def file_fingerprint(name: str) -> str:
-    """Changes when the file does (mtime, size), so ComfyUI re-runs the node for a rewritten file of that name."""
+    """Changes whenever the file's bytes may have (io.file_cache.file_identity, the key the loader's cache of
+    parsed files uses), so ComfyUI re-runs the node for a file rewritten under that name."""
     try:
-        stat = os.stat(lora_path(name))
-    except (LoraweaveError, OSError):
+        identity = file_identity(lora_path(name))
+    except LoraweaveError:
+        identity = None
+    if identity is None:
         return f"unresolved:{name}"  # validation reports it; no fingerprint to take
-    return f"{name}:{stat.st_mtime_ns}:{stat.st_size}"
+    return f"{name}:" + ":".join(str(v) for v in identity[1:])
 
 
 def inspect_text(path: str, model=None) -> str:
-    """loraweave inspect's table of the file (layout, families, ranks, detected architecture, coverage). Coverage
-    is judged against the full-size model of the detected architecture, or, given a ComfyUI MODEL, against that
-    model's own modules by the loader's resolver (a LoRA for a pruned, distilled or tiny model lands there)."""
+    """loraweave inspect's table of the file (layout, families, ranks, detected architecture, coverage).
+    Coverage is judged against the full-size model of the detected architecture, or, given a ComfyUI MODEL,
+    against that model's own modules by the loader's resolver (a LoRA for a pruned, distilled or tiny model
+    lands there)."""
     from ..tools.inspect import format_table, inspect_adapter
 
     if model is None:
@@ -81,8 +86,8 @@ def inspect_text(path: str, model=None) -> str:
 
 
 def model_coverage(model, path: str) -> dict:
-    """inspect's coverage entry for `path` on a ComfyUI MODEL: the loader's plan (api.judge), diffusion model only
-    (text-encoder keys are named as the model-only loader names them: no CLIP given)."""
+    """inspect's coverage entry for `path` on a ComfyUI MODEL: the loader's plan (api.judge), diffusion model
+    only (text-encoder keys are named as the model-only loader names them: no CLIP given)."""
     from collections import Counter
 
     from ..report.report import failures
@@ -106,7 +111,8 @@ def model_coverage(model, path: str) -> dict:
 
 
 def trigger_text(path: str) -> str:
-    """The trigger words (modelspec.trigger_phrase, then the most frequent ss_tag_frequency tags), comma-joined."""
+    """The trigger words (modelspec.trigger_phrase, then the most frequent ss_tag_frequency tags),
+    comma-joined."""
     from ..formats.adapter import load_adapter
     from ..io.safetensors_file import read_safetensors_header
     from ..tools.inspect_dir import trigger_words
@@ -119,9 +125,9 @@ def trigger_text(path: str) -> str:
 
 
 def heatmap_image(path: str):
-    """(`loraweave inspect --plot`'s heatmap as a ComfyUI IMAGE: float32 [1, H, W, 3] in 0..1, None), or (a black
-    NO_HEATMAP-sized IMAGE, why none was drawn) for a file that resolves on no full-size model (an architecture
-    loraweave does not know)."""
+    """(`loraweave inspect --plot`'s heatmap as a ComfyUI IMAGE: float32 [1, H, W, 3] in 0..1, None), or (a
+    black NO_HEATMAP-sized IMAGE, why none was drawn) for a file that resolves on no full-size model (an
+    architecture loraweave does not know)."""
     import numpy as np
     import torch
     from PIL import Image

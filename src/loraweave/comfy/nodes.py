@@ -2,8 +2,9 @@
 
 Node ids and input names are a public contract. Every node names its LoRA by `lora_name` in ComfyUI's "loras"
 folders (`lora_files.lora_path` refuses absolute names and `..`); the work is done by `comfy.api`
-(load_lora_for_models), `comfy.stack` (apply_stack) and `comfy.steps` (apply_step_window), which return clones.
-This module imports ComfyUI at import time: only `comfy.extension.comfy_entrypoint` imports it, inside ComfyUI.
+(load_lora_for_models), `comfy.stack` (apply_stack) and `comfy.steps` (apply_step_window), which return
+clones. This module imports ComfyUI at import time: only `comfy.extension.comfy_entrypoint` imports it, inside
+ComfyUI.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from contextlib import contextmanager
 
 from comfy_api.latest import io, ui
 
-from ..errors import ArgumentError, LoraweaveError, NoKeysLandedError
+from ..errors import LoraweaveError
 from ..modes import APPLY_MODES, STACK_MODES
 from .lora_files import (
     NONE,
@@ -37,7 +38,8 @@ STRENGTH = {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01}
 
 
 def report_text(report, lora: str) -> str:
-    """What the node shows: loraweave's one-line summary, then the misses by kind; a partial load says so first."""
+    """What the node shows: loraweave's one-line summary, then the misses by kind; a partial load says so
+    first."""
     lines = []
     if report.keys_total and report.keys_applied < report.keys_total:
         lines.append(f"WARNING: {lora}: {report.keys_applied} of {report.keys_total} keys landed")
@@ -51,13 +53,8 @@ def report_text(report, lora: str) -> str:
 
 
 def checked(report, lora: str):
-    """The report, after refusing one where no key landed and logging a partial one."""
-    if report.keys_total and report.keys_applied == 0:
-        raise NoKeysLandedError(
-            f"{lora}: none of its {report.keys_total} keys lands on this model (a LoRA for another "
-            f"architecture?): {report.summary()}",
-            report,
-        )
+    """The report, a partial one logged. Every loader refused an empty or (strict) incomplete result already,
+    through the engine's one rule (engine/decide.py `refuse`), before anything was cloned."""
     if report.keys_applied < report.keys_total:
         log.warning(
             "comfy partial lora=%s keys_applied=%d keys_total=%d",
@@ -77,8 +74,8 @@ def schema(node_id: str, display_name: str, description: str, **fields) -> io.Sc
 
 @contextmanager
 def named_errors(lora: str) -> Iterator[None]:
-    """A loraweave error raised inside names the file as the user chose it (the library names the adapter by its
-    stem or full path); its type, and `.report` where it has one, stay as they were."""
+    """A loraweave error raised inside names the file as the user chose it (the library names the adapter by
+    its stem or full path); its type, and `.report` where it has one, stay as they were."""
     try:
         yield
     except LoraweaveError as exc:
@@ -125,7 +122,8 @@ class LoraFileNode(io.ComfyNode):
 def load_one(
     model, clip, lora_name: str, strength_model: float, strength_clip: float, mode: str, strict: bool
 ):
-    """(model, clip, report text) from c1's load_lora_for_models on the named file; clones, inputs untouched."""
+    """(model, clip, report text) from c1's load_lora_for_models on the named file; clones, inputs
+    untouched."""
     from .api import load_lora_for_models
 
     with named_errors(lora_name):
@@ -217,27 +215,6 @@ class LoraWeaveStack(io.ComfyNode):
         return io.NodeOutput(rows)
 
 
-def stack_rows(stack) -> list[tuple[str, float, float]]:
-    """A LORA_STACK (ours or another pack's) with each name resolved to its file; a bad row names its index."""
-    if not isinstance(stack, (list, tuple)):
-        raise ArgumentError(
-            f"lora_stack: expected a list of (lora_name, model_strength, clip_strength), got {type(stack).__name__}"
-        )
-    rows = []
-    for i, row in enumerate(stack):
-        if not isinstance(row, (list, tuple)) or len(row) != 3:
-            raise ArgumentError(
-                f"lora_stack[{i}]: expected (lora_name, model_strength, clip_strength), got {row!r}"
-            )
-        name, model_strength, clip_strength = row
-        if not isinstance(name, str) or not all(
-            isinstance(s, (int, float)) for s in (model_strength, clip_strength)
-        ):
-            raise ArgumentError(f"lora_stack[{i}]: expected (str, number, number), got {row!r}")
-        rows.append((lora_path(name), float(model_strength), float(clip_strength)))
-    return rows
-
-
 class LoraWeaveApplyStack(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -253,8 +230,8 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 io.String.Input(
                     "block_weights",
                     default="",
-                    tooltip="empty: every block at 1; a preset name (e.g. INALL, DOUBLE) or a comma-separated "
-                    "vector on the detected architecture's block map",
+                    tooltip="empty: every block at 1; a preset name (e.g. INALL, DOUBLE) or a "
+                    "comma-separated vector on the detected architecture's block map",
                 ),
                 _mode_input(),
             ],
@@ -263,9 +240,9 @@ class LoraWeaveApplyStack(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, lora_stack, stack_mode, block_weights, mode, clip=None) -> io.NodeOutput:
-        from .stack import apply_stack
+        from .stack import apply_stack, stack_rows
 
-        rows = stack_rows(lora_stack)
+        rows = stack_rows(lora_stack, lora_path)
         if not rows:
             text = "empty LORA_STACK: nothing applied"
             return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
@@ -334,8 +311,8 @@ class LoraWeaveInspect(LoraFileNode):
                 io.Model.Input(
                     "model",
                     optional=True,
-                    tooltip="connected: coverage is judged on this model's own modules (a pruned, distilled or "
-                    "tiny model); unconnected: on the full-size model of the file's architecture",
+                    tooltip="connected: coverage is judged on this model's own modules (a pruned, distilled "
+                    "or tiny model); unconnected: on the full-size model of the file's architecture",
                 ),
             ],
             outputs=[
@@ -355,8 +332,9 @@ class LoraWeaveInspect(LoraFileNode):
                 text += f"\n{why_none}" if why_none else ""
         except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does
             raise LoraweaveError(
-                f"{lora_name}: LoraWeave Inspect resolves the file on the architecture's skeleton, built from "
-                f"diffusers' classes, and needs {exc.name}: pip install 'loraweave[comfy]' into ComfyUI's Python"
+                f"{lora_name}: LoraWeave Inspect resolves the file on the architecture's skeleton, built "
+                f"from diffusers' classes, and needs {exc.name}: pip install 'loraweave[comfy]' into "
+                f"ComfyUI's Python"
             ) from exc
         return io.NodeOutput(text, triggers, heatmap, ui=ui.PreviewText(text))
 

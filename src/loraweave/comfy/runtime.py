@@ -1,9 +1,9 @@
 """Runtime mode inside ComfyUI: loraweave's runtime paths on a cloned ModelPatcher, weights never touched.
 
 Everything one patcher carries lives under ONE pack-owned key (`KEY`):
-- the attachment: a `RuntimeState` holding every loader's entry (loader order) and the runtime paths built from
-  all of them, one rank-concatenated path per layer; a second loader makes a new state with its entry appended
-  (never a nested injection), so N loaders cost one extra GEMM pair per layer, not N;
+- the attachment: a `RuntimeState` holding every loader's entry (loader order) and the runtime paths built
+  from all of them, one rank-concatenated path per layer; a second loader makes a new state with its entry
+  appended (never a nested injection), so N loaders cost one extra GEMM pair per layer, not N;
 - the injection (`set_injections`, the module surgery ComfyUI's own bypass LoRA uses, here under our own key):
   the paths are attached when ComfyUI injects the model (after `patch_model`, on load) and detached when it
   ejects it (unload, re-patch, `detach`; also around every weight (re)load), so the input patcher and the
@@ -13,10 +13,10 @@ Everything one patcher carries lives under ONE pack-owned key (`KEY`):
 - an APPLY_MODEL wrapper when an entry has a step window (comfy/steps.py).
 
 A strength change or another loader re-runs the loader node: a new clone with a new state. `patches` and
-`patches_uuid` are never touched, so ComfyUI re-patches no weight (no `calculate_weight` call); re-loading only
-ejects the old paths and injects the new ones. Why injections rather than bypass or weight wrappers: the core
-bypass key holds one LoRA (a second loader replaces the first) and moves factors outside model management, and
-`add_weight_wrapper` re-rolls `patches_uuid` (a re-patch) without seeing the input."""
+`patches_uuid` are never touched, so ComfyUI re-patches no weight (no `calculate_weight` call); re-loading
+only ejects the old paths and injects the new ones. Why injections rather than bypass or weight wrappers: the
+core bypass key holds one LoRA (a second loader replaces the first) and moves factors outside model
+management, and `add_weight_wrapper` re-rolls `patches_uuid` (a re-patch) without seeing the input."""
 
 from __future__ import annotations
 
@@ -29,18 +29,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.decide import refuse
 from ..engine.install import make_report
-from ..errors import StrictApplyError
 from ..mechanisms.merge.layer import Contribution
 from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
-from ..report.coverage import refuse_empty, warn_incomplete
+from ..report.coverage import warn_incomplete
 from ..report.miss import Miss, Unmatched
-from ..report.report import AppliedModule, Report, failures
+from ..report.report import AppliedModule, Report
 from ..resolve.planner import Plan
 from .holder import FactorHolder
 
 log = logging.getLogger("loraweave")
-KEY = "loraweave"  # the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
+# the one key the pack owns on a ModelPatcher: attachment, injection, additional model, wrapper
+KEY = "loraweave"
 
 
 NOT_TAKEN = Miss(
@@ -63,10 +64,11 @@ class RuntimeEntry:
 
 @dataclass(eq=False)
 class Factors:
-    """A FactorHolder and the one ModelPatcher over it, shared by every state whose paths read the same tensors
-    (a strength change copies the paths, not the factors). The patcher lives exactly as long as the holder: model
-    management takes a loaded model whose patcher is gone while its module lives for a leak, and then runs a full
-    `gc.collect()` before every later load (what a per-clone patcher over a kept holder caused)."""
+    """A FactorHolder and the one ModelPatcher over it, shared by every state whose paths read the same
+    tensors (a strength change copies the paths, not the factors). The patcher lives exactly as long as the
+    holder: model management takes a loaded model whose patcher is gone while its module lives for a leak, and
+    then runs a full `gc.collect()` before every later load (what a per-clone patcher over a kept holder
+    caused)."""
 
     holder: FactorHolder
     patcher: object | None = None  # made on the first install: it takes the base patcher's devices
@@ -223,9 +225,9 @@ def stacked_clone(patcher, new: Sequence[RuntimeEntry], state: RuntimeState | No
     """A clone of `patcher` whose KEY state holds the earlier entries plus `new` (the input is not modified);
     `state`, when given, is that state already built (a strength change).
 
-    A clone inherits the input's `is_injected`; what is injected belongs to the input (possibly loaded right now),
-    so the clone only forgets the flag: ComfyUI ejects the input when it loads the clone (load_models_gpu detaches
-    the other clones of the model first)."""
+    A clone inherits the input's `is_injected`; what is injected belongs to the input (possibly loaded right
+    now), so the clone only forgets the flag: ComfyUI ejects the input when it loads the clone
+    (load_models_gpu detaches the other clones of the model first)."""
     clone = patcher.clone()
     clone.is_injected = False
     state = state or RuntimeState((*entries_of(patcher), *new))
@@ -234,26 +236,45 @@ def stacked_clone(patcher, new: Sequence[RuntimeEntry], state: RuntimeState | No
     return clone, state
 
 
-def joint_report(
-    plans: Sequence[Plan], mode: str, applied: list[AppliedModule], refused: list[Unmatched], t0: float
-) -> Report:
-    """One report for adapters planned on several patchers (model, CLIP): a key landed when some plan placed it
-    and nothing `refused` it afterwards; every other key of each adapter is a miss, named once."""
+def joint_plan(plans: Sequence[Plan]) -> Plan:
+    """One plan holding every plan's adapters (once each), strengths and placed parts."""
     joint = Plan(plans[0].components, list({a.name: a for p in plans for a in p.adapters}.values()), {})
     joint.strengths = {k: v for p in plans for k, v in p.strengths.items()}
     joint.planned = [pp for plan in plans for pp in plan.planned]
     joint.params = [pp for plan in plans for pp in plan.params]
+    return joint
+
+
+def adapter_keys(adapter) -> list[str]:
+    """Every key of `adapter`: its parts' keys and the keys no part took."""
+    return [*(k for part in adapter.parts for k in part.keys), *(u["key"] for u in adapter.unparsed)]
+
+
+def joint_misses(
+    plans: Sequence[Plan], joint: Plan, landed: set[tuple[str, str]], refused: list[Unmatched]
+) -> list[Unmatched]:
+    """Every key of the joint plan's adapters that did not land, named once: as refused, as some plan missed
+    it, or as taken by no patcher given."""
     missed = {(u.adapter, u.key): u for u in refused}
-    placed = (*joint.planned, *joint.params)
-    landed = {(pp.adapter.name, k) for pp in placed for k in pp.part.keys} - set(missed)
     for u in (u for plan in plans for u in plan.unmatched):
         if (u.adapter, u.key) not in landed:
             missed.setdefault((u.adapter, u.key), u)
     for adapter in joint.adapters:
-        for key in (*(k for part in adapter.parts for k in part.keys), *(u["key"] for u in adapter.unparsed)):
+        for key in adapter_keys(adapter):
             if (adapter.name, key) not in landed:
                 missed.setdefault((adapter.name, key), Unmatched(adapter.name, key, NOT_TAKEN))
-    report = make_report(joint, mode, applied, list(missed.values()), t0)
+    return list(missed.values())
+
+
+def joint_report(
+    plans: Sequence[Plan], mode: str, applied: list[AppliedModule], refused: list[Unmatched], t0: float
+) -> Report:
+    """One report for adapters planned on several patchers (model, CLIP): a key landed when some plan placed
+    it and nothing `refused` it afterwards; every other key of each adapter is a miss, named once."""
+    joint = joint_plan(plans)
+    placed = {(pp.adapter.name, k) for pp in (*joint.planned, *joint.params) for k in pp.part.keys}
+    landed = placed - {(u.adapter, u.key) for u in refused}
+    report = make_report(joint, mode, applied, joint_misses(plans, joint, landed, refused), t0)
     for summary in report.adapters:
         summary["keys_applied"] = sum(1 for a, _ in landed if a == summary["name"])
     report.keys_applied = sum(s["keys_applied"] for s in report.adapters)
@@ -280,20 +301,12 @@ def _where(rp: RuntimePath) -> tuple[str, str]:
     return pp.component, piece.module
 
 
-def check_coverage(report: Report, strict: bool) -> None:
-    """StrictApplyError when strict and a key missed; NoKeysLandedError when none landed (nothing changed)."""
-    if strict and failures(report.unmatched):
-        raise StrictApplyError(
-            f"strict: {len(failures(report.unmatched))} keys did not land ({report.kinds()})", report
-        )
-    refuse_empty(report)
-
-
 def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: float, strict: bool = False):
     """(model, clip, report): clones carrying `adapter` as runtime paths (module docstring); inputs untouched.
 
-    `adapter` is what `loraweave.comfy.api.read_lora` returns. `clip` may be None (then None comes back). The same
-    inputs and adapter object again (a re-queued strength change) reuse the kept build's paths (requeue.py)."""
+    `adapter` is what `loraweave.comfy.api.read_lora` returns. `clip` may be None (then None comes back). The
+    same inputs and adapter object again (a re-queued strength change) reuse the kept build's paths
+    (requeue.py)."""
     from .requeue import Build, keep, kept_build, weak
 
     t0 = time.perf_counter()
@@ -307,7 +320,7 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     if len(states) > 1:  # a CLIP nothing lands on keeps no state of ours
         new_clip.patcher, _ = stacked_clone(clip.patcher, [], states[1])
     report = entry_report(plans, states, t0)
-    check_coverage(report, strict)
+    refuse(report, strict)
     if kept is None:
         keep(Build(weakref.ref(model), weak(clip), adapter, strict, plans, states))
     log.info("comfy runtime adapter=%s reused=%s", adapter.name, kept is not None)
@@ -317,7 +330,8 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
 
 
 def _build(model, clip, adapter, strengths: tuple[float, float], strict: bool):
-    """(plans, states) planned and built anew: the model side, then the CLIP side when anything lands there."""
+    """(plans, states) planned and built anew: the model side, then the CLIP side when anything lands
+    there."""
     from .targets import plan_for_clip, plan_for_patcher
 
     adapter = renamed(adapter, unique_name(adapter.name, taken_names(model, clip)))

@@ -2,27 +2,31 @@
 (Efficiency, Easy-Use, LoRA Manager, ours), with a stack mode and block weights.
 
 Every row is read with loraweave's readers and planned on ComfyUI's modules (comfy/targets.py). Then:
-- block weights (a preset name, a comma-separated vector, or None) are read on the block map of the architecture
-  loraweave resolves this model on (arch/blocks.py: UNet LBW slots, DiT chains such as Flux D00../S00..), and
-  multiply each planned part's strength by its block's weight; text encoders take the BASE slot;
+- block weights (a preset name, a comma-separated vector, or None) are read on the block map of the
+  architecture loraweave resolves this model on (arch/blocks.py: UNet LBW slots, DiT chains such as Flux
+  D00../S00..), and multiply each planned part's strength by its block's weight; text encoders take the BASE
+  slot;
 - stack modes (loraweave.stack): "sum" keeps every adapter as it is; "ties", "dare_ties", "dare_linear",
   "magnitude_prune" replace each layer several rows touch with one combined part (resolve/stacking.py), with
   `density` (default DEFAULT_DENSITY). The per-step select modes (klora, estlora) are refused here;
-- mode "runtime" installs the result as one runtime entry per row (comfy/runtime.py: one injection key, no weight
-  re-patched); "merge" adds it through ComfyUI's patch list (comfy/patches.py); "auto" asks comfy/api.py.
+- mode "runtime" installs the result as one runtime entry per row (comfy/runtime.py: one injection key, no
+  weight re-patched); "merge" adds it through ComfyUI's patch list (comfy/patches.py); "auto" asks
+  comfy/api.py.
 
-Rows whose two strengths are 0 are skipped, as core LoraLoader skips them. Inputs are never modified (clones)."""
+Rows whose two strengths are 0 are skipped, as core LoraLoader skips them. Inputs are never modified
+(clones)."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from ..arch.blocks import block_weights as slot_weights
 from ..arch.blocks import chain_lengths, detect_block_arch, weights_for_modules
 from ..arguments import number
+from ..engine.decide import check_strengths, refuse
 from ..errors import ArgumentError
 from ..mechanisms.merge.layer import Contribution
 from ..modes import SELECT_MODES, STACK_MODES, StackMode
@@ -31,7 +35,6 @@ from ..resolve.planner import Plan
 from ..resolve.stacking import combine_groups
 from .runtime import (
     RuntimeEntry,
-    check_coverage,
     entry_report,
     joint_report,
     renamed,
@@ -43,29 +46,41 @@ from .runtime import (
 DEFAULT_DENSITY = 0.5  # dense stack modes keep half of each layer's entries unless told otherwise
 
 
-def stack_rows(stack: Sequence) -> list[tuple[Any, float, float]]:
-    """The LORA_STACK rows, checked: (source, model_strength, clip_strength) with a path or state dict source."""
+class StackRow(NamedTuple):
+    """One checked LORA_STACK row: a path (or, from Python, a state dict) and its two finite strengths."""
+
+    source: Any
+    model_strength: float
+    clip_strength: float
+
+
+def stack_rows(stack, resolve_name: Callable[[str], str] | None = None) -> list[StackRow]:
+    """The one LORA_STACK reader: rows (lora, model_strength, clip_strength) from any pack, checked. A bad row
+    is refused with ArgumentError naming its index: not a 3-item row, a source that is no path or state dict,
+    a strength that is no finite number (NaN, inf, text, bool: the strength rule of `apply`).
+    `resolve_name`: the nodes' lora_name -> file (lora_files.lora_path); then every source must be a name."""
     if isinstance(stack, (str, bytes)) or not isinstance(stack, Sequence):
         raise ArgumentError(
-            f"LORA_STACK must be a list of (lora, model_strength, clip_strength), got {stack!r}"
+            f"lora_stack: expected a list of (lora_name, model_strength, clip_strength), got {stack!r}"
         )
-    rows = []
-    for i, row in enumerate(stack):
-        if not isinstance(row, (tuple, list)) or len(row) != 3:
-            raise ArgumentError(
-                f"LORA_STACK row {i} must be (lora, model_strength, clip_strength), got {row!r}"
-            )
-        source, model_strength, clip_strength = row
-        if not isinstance(source, (str, os.PathLike)) and not hasattr(source, "keys"):
-            raise ArgumentError(f"LORA_STACK row {i}: lora must be a path or a state dict, got {source!r}")
-        rows.append(
-            (
-                source,
-                number(model_strength, f"LORA_STACK row {i} model_strength"),
-                number(clip_strength, f"LORA_STACK row {i} clip_strength"),
-            )
-        )
-    return rows
+    return [_stack_row(i, row, resolve_name) for i, row in enumerate(stack)]
+
+
+def _stack_row(i: int, row, resolve_name: Callable[[str], str] | None) -> StackRow:
+    where = f"lora_stack[{i}]"
+    if not isinstance(row, (tuple, list)) or len(row) != 3:
+        raise ArgumentError(f"{where}: expected (lora_name, model_strength, clip_strength), got {row!r}")
+    source, model_strength, clip_strength = row
+    if resolve_name is not None:
+        if not isinstance(source, str):
+            raise ArgumentError(f"{where}: the lora must be a lora_name (a string), got {source!r}")
+        source = resolve_name(source)
+    elif not isinstance(source, (str, os.PathLike)) and not hasattr(source, "keys"):
+        raise ArgumentError(f"{where}: the lora must be a path or a state dict, got {source!r}")
+    strengths = check_strengths(
+        model_strength, clip_strength, labels=(f"{where} model_strength", f"{where} clip_strength")
+    )
+    return StackRow(source, *strengths)
 
 
 def check_stack_mode(stack_mode: StackMode, density: float | None) -> float | None:
@@ -153,14 +168,15 @@ def apply_stack(
     mode="auto",
     density: float | None = None,
 ) -> tuple[object, object, Report]:
-    """(model, clip, report): clones of `model` / `clip` (None stays None) with every row of `stack` applied."""
+    """(model, clip, report): clones of `model` / `clip` (None stays None) with every row of `stack`
+    applied."""
     from .api import choose_mode, read_lora
     from .host import diffusion_patcher
     from .targets import plan_for_clip, plan_for_patcher
 
     diffusion_patcher(model)
     t0 = time.perf_counter()
-    rows = [r for r in stack_rows(stack) if r[1] != 0.0 or r[2] != 0.0]
+    rows = [r for r in stack_rows(stack) if r.model_strength != 0.0 or r.clip_strength != 0.0]
     density = check_stack_mode(stack_mode, density)
     chosen = choose_mode(model, mode)
     weights, base = comfy_block_weights(model, block_weights) if block_weights is not None else ({}, 1.0)
@@ -187,7 +203,7 @@ def apply_stack(
         )
         applied, refused = applied + clip_applied, refused + clip_refused
     report = joint_report([*model_plans, *clip_plans], "merge", applied, refused, t0)
-    check_coverage(report, False)
+    refuse(report, False)
     report.log()
     return new_model, new_clip, report
 
@@ -209,6 +225,6 @@ def _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0):
         new_clip.patcher, clip_state = _runtime_side(clip.patcher, clip_plans, stack_mode, density)
         states.append(clip_state)
     report = entry_report([*model_plans, *clip_plans], states, t0)
-    check_coverage(report, False)
+    refuse(report, False)
     report.log()
     return new_model, new_clip, report

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 
 from ..arguments import number
+from ..engine.decide import check_strengths, refuse
 from ..errors import ArgumentError
 from .runtime import (
     RuntimeEntry,
-    check_coverage,
     entry_report,
     renamed,
     stacked_clone,
@@ -90,11 +90,12 @@ def apply_step_window(
     diffusion_patcher(model)
     t0 = time.perf_counter()
     window = check_window(start_percent, end_percent, ramp)
+    (strength,) = check_strengths(strength)
     adapter = read_lora(lora)
     adapter = renamed(adapter, unique_name(adapter.name, taken_names(model)))
-    plan = plan_for_patcher(model, adapter, float(number(strength, "strength")), False)
+    plan = plan_for_patcher(model, adapter, strength, False)
     clone, state = stacked_clone(model, [RuntimeEntry(adapter.name, plan, window)])
     report = entry_report([plan], [state], t0)
-    check_coverage(report, False)
+    refuse(report, False)
     report.log()
     return clone, report

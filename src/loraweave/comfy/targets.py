@@ -21,8 +21,9 @@ import torch
 
 from ..arch.aliases import AliasTable, _bare_parameters
 from ..arch.spec import out_rows
+from ..engine.decide import refuse_strict
 from ..engine.install import make_report
-from ..errors import StrictApplyError, TargetError
+from ..errors import TargetError
 from ..formats.adapter import Adapter
 from ..formats.keys import DENOISER_NAMES
 from ..report.miss import Miss, Unmatched
@@ -330,11 +331,7 @@ def _covers(module: torch.nn.Module, piece) -> bool:
 
 def _refuse_strict(plan: Plan, strict: bool, what: str) -> None:
     if strict and failures(plan.unmatched):
-        report = make_report(plan, "merge", [], plan.unmatched, 0.0)
-        raise StrictApplyError(
-            f"strict: {len(failures(plan.unmatched))} keys did not land on ComfyUI's {what} ({report.kinds()})",
-            report,
-        )
+        refuse_strict(make_report(plan, "merge", [], plan.unmatched, 0.0), strict, f"ComfyUI's {what}")
 
 
 def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: bool = False) -> Plan:

@@ -1,7 +1,8 @@
-"""What `apply` returns: undo (`remove`), strength changes, switching to another set, select-mode layer choices.
+"""What `apply` returns: undo (`remove`), strength changes, switching to another set, select-mode layer
+choices.
 
-Everything the handle changed in the model is in its journal (journal.py); remove, set_strength and switch read
-it and write it, under the model's lock."""
+Everything the handle changed in the model is in its journal (journal.py); remove, set_strength and switch
+read it and write it, under the model's lock."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ class Handle:
 
     @property
     def mix(self) -> Mix | None:
-        """The per-sample batch / regional state while one is open (its root hooks live on the model), else None."""
+        """The per-sample batch / regional state while one is open (its root hooks live on the model), else
+        None."""
         return self._state.mix
 
     @property
@@ -129,8 +131,8 @@ class Handle:
 
     def set_strength(self, name: str, value: float, te: float | None = None) -> None:
         """Change one adapter's strength (and, with `te`, its text-encoder strength; else text encoders keep
-        theirs when it was set apart, or follow). Runtime: a scale update only. Merge: rewritten from the backup.
-        Block weights stay."""
+        theirs when it was set apart, or follow). Runtime: a scale update only. Merge: rewritten from the
+        backup. Block weights stay."""
         state = self._state
         with self.lock():
             if not state.active:
@@ -157,8 +159,9 @@ class Handle:
                     summary["strength"] = float(value)
 
     def disable(self, name: str | None = None) -> None:
-        """Switch an adapter (None: all) off without removing anything: its strength goes to 0 (runtime: a scale
-        write, so a compiled model does not recompile) and `enable` brings the previous strengths back."""
+        """Switch an adapter (None: all) off without removing anything: its strength goes to 0 (runtime: a
+        scale write, so a compiled model does not recompile) and `enable` brings the previous strengths
+        back."""
         for n in self._names(name):
             if n not in self._state.disabled:
                 w = self._state.settings[n]
@@ -195,11 +198,13 @@ class Handle:
 
     @property
     def planned(self) -> list[PlannedPart]:
-        """Every planned part (adapter part, component, pieces, strength): read it, change it via the setters."""
+        """Every planned part (adapter part, component, pieces, strength): read it, change it via the
+        setters."""
         return self._state.plan.planned
 
     def runtime_layers(self) -> dict[tuple[str, str], RuntimePath]:
-        """{(component, module path): runtime path}; `RuntimePath.set_gate` scales one adapter on one layer."""
+        """{(component, module path): runtime path}; `RuntimePath.set_gate` scales one adapter on one
+        layer."""
         return self._state.runtime_layers()
 
     def set_part_strengths(self, strength_of: Callable[[PlannedPart], float]) -> None:
@@ -216,9 +221,10 @@ class Handle:
                     _rewrite(entry)
 
     def keep(self) -> None:
-        """Make the merges permanent (diffusers' unload after a fuse): backups are freed, runtime paths detached,
-        and the handle can no longer undo. Only the newest merge on each layer can be kept, and earlier merges
-        on those layers should be kept too: their undo restores backups taken before this delta."""
+        """Make the merges permanent (diffusers' unload after a fuse): backups are freed, runtime paths
+        detached, and the handle can no longer undo. Only the newest merge on each layer can be kept, and
+        earlier merges on those layers should be kept too: their undo restores backups taken before this
+        delta."""
         with self.lock():
             if not self.active:
                 return
@@ -236,7 +242,8 @@ class Handle:
             self._state.active = False
 
     def select_schedule(self, total_steps: int, **kwargs: float):
-        """For stack="klora"/"estlora": the per-layer subject->style schedule over `total_steps` sampling steps.
+        """For stack="klora"/"estlora": the per-layer subject->style schedule over `total_steps` sampling
+        steps.
 
         Use: `s = handle.select_schedule(steps); s.prime(handle)`, then pass
         `callback_on_step_end=s.diffusers_callback(handle)` to the diffusers pipeline call."""
@@ -261,8 +268,8 @@ class Handle:
         choose(paths[layer_key], selection.names, index)
 
     def start_selection(self) -> None:
-        """Select modes: remember the pair and start every shared layer on the subject (step 0 of any schedule);
-        other modes: no selection."""
+        """Select modes: remember the pair and start every shared layer on the subject (step 0 of any
+        schedule); other modes: no selection."""
         self._state.start_selection()
 
     def switch(
@@ -270,11 +277,11 @@ class Handle:
     ) -> None:
         """Replace the applied set with a new one, touching only layers whose contributions changed.
 
-        Checked like apply (same options rules, before anything changes). Same structure on a layer: re-pointed
-        (runtime: scale update; merge: rewritten only if a strength changed). Runtime layers that only lose
-        adapters whose terms vanish at strength 0 gate them to 0 (no allocation); others are rebuilt.
-        `last_switch` counts kept / reattached / rebuilt / dropped layers. If it fails midway, every adapter is
-        removed and the error raised."""
+        Checked like apply (same options rules, before anything changes). Same structure on a layer:
+        re-pointed (runtime: scale update; merge: rewritten only if a strength changed). Runtime layers that
+        only lose adapters whose terms vanish at strength 0 gate them to 0 (no allocation); others are
+        rebuilt. `last_switch` counts kept / reattached / rebuilt / dropped layers. If it fails midway, every
+        adapter is removed and the error raised."""
         from .switch import switch
 
         state = self._state
@@ -286,22 +293,26 @@ class Handle:
                 state.attach_mix() if state.active else state.release_mix()
 
     def batch(self, assignments: list[list[str]], strengths: list | None = None, exact: bool = False):
-        """Context manager: inside it, sample i of each forward uses only the adapters `assignments[i]` (runtime).
+        """Context manager: inside it, sample i of each forward uses only the adapters `assignments[i]`
+        (runtime).
 
-        `strengths[i]` (optional) is a list aligned with `assignments[i]` or a {name: strength} mapping; default: the
-        adapters' current strengths. A model batch of k·B rows for B samples is read as k guidance copies
-        (`cat([uncond, cond])`); rows are mapped to samples through the model's own input (see mechanisms/sampling/rows.py)
-        and a layer whose rows cannot be mapped raises BatchError. A sample's terms are summed in its list's order.
+        `strengths[i]` (optional) is a list aligned with `assignments[i]` or a {name: strength} mapping;
+        default: the adapters' current strengths. A model batch of k·B rows for B samples is read as k
+        guidance copies (`cat([uncond, cond])`); rows are mapped to samples through the model's own input (see
+        mechanisms/sampling/rows.py) and a layer whose rows cannot be mapped raises BatchError. A sample's
+        terms are summed in its list's order.
 
-        exact: each set's terms are computed over every row, as a lone runtime `apply` of its list computes them,
-        and kept on its samples' rows (a low-rank pass per set, and an output-sized buffer, on layers where several
-        sets meet): a sample's output is then bit-equal to that lone apply's at the same batch shape, whatever the
-        other samples use (low-rank pairs; CPU BLAS and oneDNN round by row count, so the per-run GEMMs and the
-        gated whole-pair form short runs use by default differ from it by float rounding)."""
+        exact: each set's terms are computed over every row, as a lone runtime `apply` of its list computes
+        them, and kept on its samples' rows (a low-rank pass per set, and an output-sized buffer, on layers
+        where several sets meet): a sample's output is then bit-equal to that lone apply's at the same batch
+        shape, whatever the other samples use (low-rank pairs; CPU BLAS and oneDNN round by row count, so the
+        per-run GEMMs and the gated whole-pair form short runs use by default differ from it by float
+        rounding)."""
         return batch(self._state, assignments, strengths, exact)
 
     def set_region(self, name: str, mask) -> None:
-        """Confine a runtime adapter to an image-space mask (H×W, 0..1), per image token (mechanisms/sampling/region.py)."""
+        """Confine a runtime adapter to an image-space mask (H×W, 0..1), per image token
+        (mechanisms/sampling/region.py)."""
         set_region(self._state, name, mask)
 
     def clear_region(self, name: str) -> None:
@@ -309,7 +320,8 @@ class Handle:
         clear_region(self._state, name)
 
     def step_schedule(self, total_steps: int):
-        """Strengths per sampling step from the adapters' `steps=` windows and ramps (mechanisms/sampling/steps.py).
+        """Strengths per sampling step from the adapters' `steps=` windows and ramps
+        (mechanisms/sampling/steps.py).
 
         Sets step 0 at once; pass the result as `callback_on_step_end=` to a diffusers pipeline call."""
         from ..mechanisms.sampling.steps import StepSchedule, check_total_steps

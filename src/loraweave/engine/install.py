@@ -1,5 +1,5 @@
-"""The machinery `apply` and `switch` share: options checked once, adapter sets resolved, layers installed into
-a journal, reports built. Imports neither api nor handle (they sit on top of it)."""
+"""The machinery `apply` and `switch` share: options checked once, adapter sets resolved, layers installed
+into a journal, reports built. Imports neither api nor handle (they sit on top of it)."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def _normalise_adapters(
 def resolve_set(
     target, adapters, strength: float, cache=None, tables=None
 ) -> tuple[Plan, dict[str, AdapterWeights]]:
-    """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen before;
-    `tables` reuses alias tables built for this target before."""
+    """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen
+    before; `tables` reuses alias tables built for this target before."""
     specs = _specs(adapters, strength)
     items = _normalise_adapters(specs, cache.load if cache is not None else load_adapter)
     components = cache.components if cache is not None else as_components(target)

@@ -1,4 +1,5 @@
-"""Ctrl-C held back over a short stretch of writes that have no undo (undo="none" at commit): all or nothing."""
+"""Ctrl-C held back over a short stretch of writes that have no undo (undo="none" at commit): all or
+nothing."""
 
 from __future__ import annotations
 

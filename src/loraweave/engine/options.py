@@ -11,8 +11,9 @@ from ..mechanisms.merge.layer import UndoSettings, check_undo_arguments
 from ..mechanisms.merge.undo_source import UndoSource
 from ..mechanisms.runtime.compiled import CompileOptions, compile_options
 from ..mechanisms.runtime.factor_cache import FactorCache
-from ..modes import APPLY_MODES, QUANTIZED, SELECT_MODES, ApplyMode, QuantizedMode, StackMode, UndoKind
+from ..modes import QUANTIZED, SELECT_MODES, ApplyMode, QuantizedMode, StackMode, UndoKind
 from ..stack.combine import validate_stack
+from .decide import check_mode
 
 
 @dataclass
@@ -35,8 +36,7 @@ class Options:
     undo_with: UndoSettings | None = None  # checked by undo_settings: source files found before any change
 
     def check(self) -> None:
-        if self.mode not in APPLY_MODES:
-            raise ArgumentError(f"mode must be one of {APPLY_MODES}, got {self.mode!r}")
+        check_mode(self.mode)
         validate_stack(self.stack, self.density)
         if self.quantized not in QUANTIZED:
             raise ArgumentError(f"quantized must be one of {QUANTIZED}, got {self.quantized!r}")

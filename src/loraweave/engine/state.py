@@ -1,6 +1,6 @@
 """Everything a Handle knows between calls, in one typed object the handle owns and hands to what edits it
-(switch.py, the sampling mechanisms' bookkeeping below, step schedules). Mechanisms never see this object: they
-get the narrow pieces they need (settings, planned parts, journal views)."""
+(switch.py, the sampling mechanisms' bookkeeping below, step schedules). Mechanisms never see this object:
+they get the narrow pieces they need (settings, planned parts, journal views)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ class HandleState:
         return self.journal.of(GrownInput)
 
     def written(self) -> list[MergedModule | QuantWrite]:
-        """Layers whose weights (or quantized storage) hold adapter terms: nothing there varies per row or step."""
+        """Layers whose weights (or quantized storage) hold adapter terms: nothing there varies per row or
+        step."""
         return [*self.merged(), *self.quant()]
 
     def check_undoable(self, names: set[str] | None = None) -> None:
@@ -93,8 +94,8 @@ class HandleState:
         return {f"{c}.{n}": rp for (c, n), rp in self.runtime_layers().items()}
 
     def start_selection(self) -> None:
-        """Select modes: remember the pair and start every shared layer on the subject (step 0 of any schedule);
-        other modes: no selection."""
+        """Select modes: remember the pair and start every shared layer on the subject (step 0 of any
+        schedule); other modes: no selection."""
         if not self.options.select:
             self.select = None
             return
@@ -108,12 +109,14 @@ class HandleState:
     def adopt(
         self, plan: Plan, settings: dict[str, AdapterWeights], options: Options, report: Report
     ) -> None:
-        """A switch landed: the new set is the applied one (it comes with its own strengths: nothing disabled)."""
+        """A switch landed: the new set is the applied one (it comes with its own strengths: nothing
+        disabled)."""
         self.plan, self.settings, self.options, self.report = plan, settings, options, report
         self.disabled = {}
 
     def release(self) -> None:
-        """Drop the plan (factors, model), settings, caches and options: a removed handle holds only its report."""
+        """Drop the plan (factors, model), settings, caches and options: a removed handle holds only its
+        report."""
         if self.plan is not None:
             self.removed_strengths = dict(self.plan.strengths)
         self.plan, self.settings, self.resolve_cache, self.select = None, {}, None, None

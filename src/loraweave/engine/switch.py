@@ -4,9 +4,11 @@ handle's journal, apply the difference. Only layers whose contributions changed 
 Per layer, a structure signature (which parts of which adapters land on which rows, stack settings) decides:
 - unchanged structure: the runtime path or merge record is re-pointed at the new parts; strengths follow
   (runtime: a scale update; merge: rewritten from the backup only when a strength changed);
-- runtime layers that only lost adapters whose terms vanish at strength 0: those are gated to 0 (no allocation);
+- runtime layers that only lost adapters whose terms vanish at strength 0: those are gated to 0 (no
+  allocation);
 - anything else: the layer's old entry is undone and the new one installed.
-Grown inputs and quantized writes own the model's structure or storage: a switch involving them starts over."""
+Grown inputs and quantized writes own the model's structure or storage: a switch involving them starts
+over."""
 
 from __future__ import annotations
 
@@ -158,8 +160,9 @@ class NewSet:
 def _plan_switch(
     state: HandleState, adapters, strength: float, stack: StackMode, density: float | None
 ) -> NewSet:
-    """Plan the new set with the handle's settings but the stack (compile buckets and undo settings carried over;
-    bucket floors shared); every refusal apply would make, and the undo checks, come before any change."""
+    """Plan the new set with the handle's settings but the stack (compile buckets and undo settings carried
+    over; bucket floors shared); every refusal apply would make, and the undo checks, come before any
+    change."""
     t0 = time.perf_counter()
     options = dataclasses.replace(state.options, stack=stack, density=density)
     options.check()  # compile_friendly: a stack mode that breaks the graph is refused here too
@@ -208,8 +211,8 @@ def _start_over(state: HandleState, new: NewSet) -> None:
 
 
 class LayerDiff:
-    """The new set's layers against the journal, one layer at a time: kept (re-pointed), reattached (a path this
-    layer carried before), rebuilt, or dropped (no longer touched)."""
+    """The new set's layers against the journal, one layer at a time: kept (re-pointed), reattached (a path
+    this layer carried before), rebuilt, or dropped (no longer touched)."""
 
     def __init__(self, state: HandleState, new: NewSet) -> None:
         self.journal, self.new = state.journal, new
@@ -245,7 +248,8 @@ class LayerDiff:
         return True
 
     def rebuild(self, item: LayerWork, rp: RuntimePath | None, rec: MergedModule | None) -> None:
-        """Undo the layer's old entry (a runtime path is kept aside for a later switch back) and install the new."""
+        """Undo the layer's old entry (a runtime path is kept aside for a later switch back) and install the
+        new."""
         if rp is not None:
             self.now_detached[(id(item.module), self.sig.structure(rp.contributions))] = rp
         self.journal.undo([e for e in (rp, rec) if e is not None])
@@ -285,7 +289,8 @@ def _switch_layers(state: HandleState, new: NewSet) -> LayerDiff:
         with reused_buffers():  # undo and merge scratch shared by every layer (no per-layer allocations)
             diff.run()
     except BaseException:
-        # Old and new layers are mixed at this point: leave the model clean (no adapters) rather than half-switched.
+        # Old and new layers are mixed at this point: leave the model clean (no adapters) rather than
+        # half-switched.
         state.journal.undo()
         state.detached.clear()
         state.active = False
@@ -316,8 +321,8 @@ def switch(
     stack: StackMode = "sum",
     density: float | None = None,
 ) -> None:
-    """Make the handle whose state this is represent a new adapter set on the same target (the caller holds the
-    model's lock)."""
+    """Make the handle whose state this is represent a new adapter set on the same target (the caller holds
+    the model's lock)."""
     if not state.active:
         raise StateError("handle was removed")
     new = _plan_switch(state, adapters, strength, stack, density)

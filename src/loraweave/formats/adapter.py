@@ -41,8 +41,8 @@ FAMILY_PRECEDENCE = (
     "full",
 )
 
-# File-wide spellings that change where names land (arch `Alias.when_file`). "diffsynth": some key carries peft's
-# `default` adapter name on lora_A/B, which is how diffusers tells DiffSynth-Studio's MiniMax-H3 files.
+# File-wide spellings that change where names land (arch `Alias.when_file`). "diffsynth": some key carries
+# peft's `default` adapter name on lora_A/B, which is how diffusers tells DiffSynth-Studio's MiniMax-H3 files.
 FILE_TRAITS: dict[str, re.Pattern] = {"diffsynth": re.compile(r"\.lora_[AB]\.default\.weight$")}
 
 
@@ -221,8 +221,8 @@ def load_adapter(
     allow_pickle: bool = False,
     read: bool = False,
 ) -> Adapter:
-    """Read an adapter (path to .safetensors, PEFT directory, or state dict); tensors stay lazy, or with `read`
-    a .safetensors file is read whole into memory of its own (io.safetensors_file.SafetensorsFile)."""
+    """Read an adapter (path to .safetensors, PEFT directory, or state dict); tensors stay lazy, or with
+    `read` a .safetensors file is read whole into memory of its own (io.safetensors_file.SafetensorsFile)."""
     if isinstance(source, Adapter):
         return source
     if not isinstance(source, (str, os.PathLike, Mapping)):

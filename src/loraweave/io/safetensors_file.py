@@ -227,11 +227,12 @@ _FLOATS = ("F64", "F32", "F16", "BF16")  # what finite_keys proves in bulk (floa
 
 
 def _read_all(f, need: int) -> mmap.mmap | None:
-    """The whole file (at least `need` bytes) read into anonymous memory of its own, its pages made in one call
-    (MAP_POPULATE) rather than faulted one by one; None when shorter.
+    """The whole file (at least `need` bytes) read into anonymous memory of its own, its pages made in one
+    call (MAP_POPULATE) rather than faulted one by one; None when shorter.
 
-    Not a numpy array: numpy asks for transparent huge pages on arrays of 4 MiB and more, and filling a fresh 12 MB
-    one took 45-116 ms against 5-10 ms here on our CI VM, by the host's state (benchmarks/bench_thp.py)."""
+    Not a numpy array: numpy asks for transparent huge pages on arrays of 4 MiB and more, and filling a fresh
+    12 MB one took 45-116 ms against 5-10 ms here on our CI VM, by the host's state
+    (benchmarks/bench_thp.py)."""
     size = os.fstat(f.fileno()).st_size
     if size < need:
         return None
@@ -272,8 +273,8 @@ def _all_finite(buf, name: str, offset: int, count: int) -> bool:
 
 
 def _runs(header: Header) -> list[tuple[list[str], str, int, int]]:
-    """([keys], dtype name, begin, end) of each maximal run of non-empty floating-point tensors of one dtype lying
-    back to back in the data section, its start aligned for the dtype (no other tensor inside a run)."""
+    """([keys], dtype name, begin, end) of each maximal run of non-empty floating-point tensors of one dtype
+    lying back to back in the data section, its start aligned for the dtype (no other tensor inside a run)."""
     runs: list[tuple[list[str], str, int, int]] = []
     for key, (name, _, begin, end) in sorted(header.items(), key=lambda item: item[1][2:]):
         if name not in _FLOATS or begin == end:
@@ -315,14 +316,15 @@ class SafetensorsFile:
 
     @property
     def owned(self) -> bool:
-        """Whether the tensors live in memory of this object's own (`read=True`), not in a mapping of the file."""
+        """Whether the tensors live in memory of this object's own (`read=True`), not in a mapping of the
+        file."""
         return self._mmap is not None and self._owned
 
     def finite_keys(self) -> frozenset[str] | None:
-        """The floating-point tensors (F64/F32/F16/BF16) proven finite, each run of tensors of one dtype that lie
-        back to back checked in one pass (a file of one dtype: one pass), as read (an in-place edit of a returned
-        tensor is not seen). None for a mapped file (a pass there would read tensors no caller asked for); a tensor
-        left out is checked on its own by its reader."""
+        """The floating-point tensors (F64/F32/F16/BF16) proven finite, each run of tensors of one dtype that
+        lie back to back checked in one pass (a file of one dtype: one pass), as read (an in-place edit of a
+        returned tensor is not seen). None for a mapped file (a pass there would read tensors no caller asked
+        for); a tensor left out is checked on its own by its reader."""
         if not self.owned:
             return None
         if self._finite is None:
@@ -356,7 +358,8 @@ class SafetensorsFile:
         return torch_dtype(self._entry(key)[0])
 
     def dtype_name(self, key: str) -> str:
-        """The dtype as torch names it ("float32", ...; a packed dtype: its safetensors name), without torch."""
+        """The dtype as torch names it ("float32", ...; a packed dtype: its safetensors name), without
+        torch."""
         name = self._entry(key)[0]
         return _DTYPES[name][0] if name in _DTYPES else name
 

@@ -1,7 +1,7 @@
 """Loud coverage: one WARNING line per adapter that did not fully land, and a typed error when none of it did.
 
-A LoRA that silently does nothing is the complaint users raise most about every loader; `apply` calls
-`check_coverage` after planning and before touching the model, so a refusal changes nothing."""
+A LoRA that silently does nothing is the complaint users raise most about every loader; every face refuses
+through `engine.decide.refuse` after planning and before touching the model, so a refusal changes nothing."""
 
 from __future__ import annotations
 

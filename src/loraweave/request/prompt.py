@@ -3,9 +3,9 @@
 Positional numbers are the denoiser strength, then the text-encoder strength (default: the denoiser's).
 Named items: `te=`, `unet=` / `dit=` / `model=` (denoiser), `lbw=` (block weights: a preset name or a
 comma-separated vector), `start=` / `end=` (the step window as fractions of the schedule, `AdapterSpec.steps`;
-a missing end is 1, a missing start 0). Names resolve to `.safetensors` files inside `lora_dir` only: by relative path
-(`styles/ink`) or by file stem anywhere below it. `..`, absolute paths, NUL bytes, and symlinks whose
-target leaves the folder are refused."""
+a missing end is 1, a missing start 0). Names resolve to `.safetensors` files inside `lora_dir` only: by
+relative path (`styles/ink`) or by file stem anywhere below it. `..`, absolute paths, NUL bytes, and symlinks
+whose target leaves the folder are refused."""
 
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def _catalogue(root: Path) -> dict[str, list[Path]]:
 
 
 def resolve_adapter_name(name: str, lora_dir: str | os.PathLike) -> Path:
-    """The `.safetensors` file `name` designates inside `lora_dir`; PromptAdapterError if unsafe or unknown."""
+    """The `.safetensors` file `name` designates inside `lora_dir`; PromptAdapterError if unsafe or
+    unknown."""
     reason = _unsafe_reason(name)
     if reason:
         raise PromptAdapterError(f"adapter name {name!r} {reason}; names must stay inside {lora_dir}")

@@ -1,8 +1,8 @@
 """Loaded adapters and their resolution, kept per source so switching between sets re-plans nothing it saw.
 
-A source is a file (keyed by its resolved path, size and modification time: an edited file is read again) or an
-in-memory object (an Adapter or a state dict, keyed by identity and kept alive here; treat it as immutable
-while a handle caches it)."""
+A source is a file (keyed by `io.file_cache.file_identity`: an edited file is read again; a PEFT directory is
+read every time) or an in-memory object (an Adapter or a state dict, keyed by identity and kept alive here;
+treat it as immutable while a handle caches it). Kept adapters are bounded by count and by file bytes."""
 
 from __future__ import annotations
 
@@ -12,40 +12,46 @@ from pathlib import Path
 
 from ..arch.aliases import AliasTable
 from ..formats.adapter import Adapter, load_adapter
+from ..io.file_cache import BYTES_KEPT, BoundedCache, file_identity
 from .planner import Plan, resolve
 from .target import Components
 
 
-def source_key(source: object) -> tuple:
+def source_key(source: object) -> tuple | None:
+    """The cache key of a source: ("file", identity), ("object", id), or None for a path that is not one
+    regular file (never kept)."""
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source).resolve()
-        try:
-            st = path.stat()
-            return ("file", str(path), st.st_size, st.st_mtime_ns)
-        except OSError:
-            return ("file", str(path))
+        identity = file_identity(Path(source))
+        return None if identity is None else ("file", *identity)
     return ("object", id(source))
 
 
+def _size(key: tuple) -> int:
+    """The bytes a key stands for: a file's size (objects are the caller's, not counted)."""
+    return key[4] if key[0] == "file" else 0
+
+
 class ResolveCache:
-    def __init__(self, components: Components, limit: int = 16) -> None:
+    def __init__(self, components: Components, limit: int = 16, max_bytes: int = BYTES_KEPT) -> None:
         self.components = components
         self.tables = {name: AliasTable(module) for name, module in components}
-        self.limit = limit  # adapters kept; the oldest is dropped first
-        self._loaded: dict[tuple, tuple[object, Adapter]] = {}
+        self.limit = limit  # adapters kept; the least recently used is dropped first
         self._planned: dict[tuple, dict] = {}  # source key -> {expert set: plan}
+        # source key -> (source, adapter): the source is held so an object's id stays unique
+        self._loaded: BoundedCache[tuple, tuple[object, Adapter]] = BoundedCache(
+            limit, max_bytes, on_drop=lambda key: self._planned.pop(key, None)
+        )
 
     def load(self, source: object) -> Adapter:
         key = source_key(source)
-        hit = self._loaded.pop(key, None)
+        hit = None if key is None else self._loaded.get(key)
         if hit is None:
-            hit = (source, load_adapter(source))  # the source is held so an object's id stays unique
+            hit = (source, load_adapter(source))
+            if key is None:
+                return hit[1]
             self._planned.pop(key, None)
-        self._loaded[key] = hit  # most recent last
-        while len(self._loaded) > self.limit:
-            old = next(iter(self._loaded))
-            self._loaded.pop(old)
-            self._planned.pop(old, None)
+            if source_key(source) == key:  # unchanged while it was read
+                self._loaded.put(key, hit, _size(key))
         return hit[1]
 
     def resolve(
@@ -58,7 +64,8 @@ class ResolveCache:
         plan = Plan(self.components, [a for a, _ in items], {a.name: s for a, s in items})
         for (adapter, strength), source in zip(items, sources, strict=True):
             fan = (experts or {}).get(adapter.name)
-            by_fan = self._planned.setdefault(source_key(source), {})
+            key = source_key(source)
+            by_fan = self._planned.setdefault(key, {}) if key in self._loaded else {}  # kept: planned once
             sub = by_fan.get(fan)
             if sub is None:
                 sub = resolve(

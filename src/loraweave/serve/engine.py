@@ -1,8 +1,10 @@
-"""The serving engine without Ray: one pipeline, an adapter store confined to a folder, and batches that mix adapters.
+"""The serving engine without Ray: one pipeline, an adapter store confined to a folder, and batches that mix
+adapters.
 
-A replica keeps one runtime handle on its pipeline holding every resident adapter at strength 1 (an LRU of at most
-`capacity` adapters; loading one more is a `switch`). A batch of requests runs as pipeline calls with one sample per
-request, each sample with its own adapters and strengths through `Handle.batch`: nothing is re-applied per request."""
+A replica keeps one runtime handle on its pipeline holding every resident adapter at strength 1 (an LRU of at
+most `capacity` adapters; loading one more is a `switch`). A batch of requests runs as pipeline calls with one
+sample per request, each sample with its own adapters and strengths through `Handle.batch`: nothing is
+re-applied per request."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import LoraweaveError, ServeRequestError
+from ..engine.decide import check_strengths
+from ..errors import ArgumentError, LoraweaveError, ServeRequestError
 from ..request.spec import AdapterSpec
 
 log = logging.getLogger("loraweave")
@@ -91,6 +94,15 @@ def _listed_adapters(body: dict, store: AdapterFolder) -> list[tuple[str, float,
     return pairs
 
 
+def _valid_strength(value: float) -> bool:
+    """apply's strength rule (engine/decide.py): what apply would refuse is refused here, as a 4xx."""
+    try:
+        check_strengths(value)
+    except ArgumentError:
+        return False
+    return True
+
+
 def parse_request(body, store: AdapterFolder) -> ServeRequest:
     """A JSON request body -> ServeRequest: tags in the prompt and the explicit `adapters` list, resolved in
     the store."""
@@ -115,7 +127,7 @@ def parse_request(body, store: AdapterFolder) -> ServeRequest:
     pairs = [(store.name_of(s.source), s.strength, s.te_strength) for s in specs]
     pairs += _listed_adapters(body, store)
     for name, strength, te in pairs:
-        if not math.isfinite(strength) or (te is not None and te != strength):
+        if not _valid_strength(strength) or (te is not None and te != strength):
             raise ServeRequestError(
                 f"adapter {name!r}: strength must be finite and the text-encoder strength the "
                 f"same (per-request strengths are one number per adapter), got {strength}/{te}"
@@ -150,8 +162,8 @@ class AdapterFolder:
 
 
 class AdapterStore(AdapterFolder):
-    """Adapters resident on one pipeline: an LRU of at most `capacity` files of the folder on one runtime handle.
-    Each adapter is checked once (strict: every key lands) before it is loaded."""
+    """Adapters resident on one pipeline: an LRU of at most `capacity` files of the folder on one runtime
+    handle. Each adapter is checked once (strict: every key lands) before it is loaded."""
 
     def __init__(self, pipe, root: str | Path, capacity: int = 8) -> None:
         super().__init__(root)
@@ -178,7 +190,8 @@ class AdapterStore(AdapterFolder):
         self.reports[name] = report.to_dict()
 
     def ensure(self, names: list[str], pinned: set[str] = frozenset()) -> list[bool]:
-        """Make `names` resident (least recently used ones evicted, never `pinned` or `names`); per name: was it a hit."""
+        """Make `names` resident (least recently used ones evicted, never `pinned` or `names`); per name: was
+        it a hit."""
         if len(set(names) | set(pinned)) > self.capacity:
             raise ServeRequestError(
                 f"{len(set(names) | set(pinned))} adapters needed at once on a replica that "
@@ -234,16 +247,17 @@ class Engine:
         self.pipe.to(device)
         self.pipe.set_progress_bar_config(disable=True)
         self.store = AdapterStore(self.pipe, lora_dir, max_adapters)
-        # Each sample's rows computed with its own set's ranks in its tag order: bit-equal to generate's runtime
-        # arithmetic at the batch's size, whatever the companions (False: Handle.batch's gated short-run form).
+        # Each sample's rows computed with its own set's ranks in its tag order: bit-equal to generate's
+        # runtime arithmetic at the batch's size, whatever the companions (False: Handle.batch's gated
+        # short-run form).
         self.exact = True
 
     def parse(self, body) -> ServeRequest:
         return parse_request(body, self.store)
 
     def run(self, requests: list[ServeRequest]) -> list[dict]:
-        """One result per request: {"png_b64", "report", "batch_size"}; a ServeRequestError raised by one group's
-        adapters is returned as that group's {"error"} (the others still run)."""
+        """One result per request: {"png_b64", "report", "batch_size"}; a ServeRequestError raised by one
+        group's adapters is returned as that group's {"error"} (the others still run)."""
         out: list[dict | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
@@ -272,7 +286,8 @@ class Engine:
         return chunks
 
     def _result(self, req: ServeRequest, image, chunk: list[ServeRequest]) -> dict:
-        """`batch_size`: samples in the pipeline call this image came from; `batch_sets`: distinct adapter sets."""
+        """`batch_size`: samples in the pipeline call this image came from; `batch_sets`: distinct adapter
+        sets."""
         sizes = {"batch_size": len(chunk), "batch_sets": len({r.adapter_set for r in chunk})}
         if isinstance(image, Exception):
             return {"error": str(image), **sizes}

@@ -1,8 +1,9 @@
-"""`convert`: rewrite an adapter in another trainer layout (kohya, peft, diffusers, comfy) without changing what it
-does. Every part is resolved against the model (full size on `meta`, or a given module) into row ranges of live
-modules, then regrouped under the names the target layout uses: fused rows are split (shared down, up rows cut) or
-joined (shared down when equal, else rank concatenation), alpha is carried so γ = alpha/rank is unchanged.
-The output is re-resolved before it is written; a key that would not land aborts the conversion."""
+"""`convert`: rewrite an adapter in another trainer layout (kohya, peft, diffusers, comfy) without changing
+what it does. Every part is resolved against the model (full size on `meta`, or a given module) into row
+ranges of live modules, then regrouped under the names the target layout uses: fused rows are split (shared
+down, up rows cut) or joined (shared down when equal, else rank concatenation), alpha is carried so γ =
+alpha/rank is unchanged. The output is re-resolved before it is written; a key that would not land aborts the
+conversion."""
 
 from __future__ import annotations
 
@@ -77,14 +78,14 @@ def _uses_original_names(layout: str, component: str, module: torch.nn.Module) -
         return component == "denoiser"
     if layout != "kohya" or component != "denoiser":
         return False
-    # kohya writes SD1/SD2 UNets in diffusers names, SDXL in sgm names, DiTs in their original (BFL, Wan) names.
+    # kohya: SD1/SD2 UNets in diffusers names, SDXL in sgm names, DiTs in their original (BFL, Wan) names.
     if type(module).__name__ == "UNet2DConditionModel":
         return getattr(getattr(module, "config", None), "addition_embed_type", None) == "text_time"
     return True
 
 
 def _naming(layout: str, comp: str, module: torch.nn.Module, denoiser: bool) -> tuple[Spans, dict[str, int]]:
-    """Spans to original names when the layout writes them for this component; empty: live (diffusers) names."""
+    """Spans to original names where the layout writes them for this component; empty: live names."""
     if not _uses_original_names(layout, "denoiser" if denoiser else comp, module):
         return {}, {}
     return original_spans(module)
@@ -94,7 +95,7 @@ def _regroup(plan, layout: str) -> dict[tuple[str, str], tuple[int, list[_Piece]
     """{(component, target name): (rows, pieces)} for every LoRA part of the plan."""
     groups: dict[tuple[str, str], tuple[int, list[_Piece]]] = {}
     namings = {c: _naming(layout, c, m, c == plan.components.denoiser_name) for c, m in plan.components}
-    # CLIP layers under `text_model.` as every trainer writes them, also where this transformers' tree lacks it
+    # CLIP layers under `text_model.` as every trainer writes them, even where this tree lacks it
     prefixes = {c: missing_file_prefix(m) for c, m in plan.components}
     for pp in plan.planned:
         f = pp.factors
@@ -114,7 +115,8 @@ def _regroup(plan, layout: str) -> dict[tuple[str, str], tuple[int, list[_Piece]
                 if not bool(up.any()) and (
                     f.up_bias is None or not bool(f.up_bias[src : src + hi - lo].any())
                 ):
-                    continue  # rows this part leaves untouched (a zero block of a joined LoRA): nothing to write
+                    # rows this part leaves untouched (a zero block of a joined LoRA): nothing to write
+                    continue
                 entry = groups.setdefault((pp.component, name), (total, []))
                 entry[1].append(_Piece(t_start + lo - m_start, hi - lo, f.down, up, _alpha(pp, f.rank), pp))
     return groups
@@ -186,7 +188,8 @@ def _stem(
             prefix = "lora_unet_"
         elif comp == "text_encoder":
             prefix = "lora_te1_" if "text_encoder_2" in components.modules else "lora_te_"
-        else:  # the parser's own table: lora_te2_, lora_te3_; Anima's text_conditioner -> lora_unet_llm_adapter_
+        # the parser's own table: lora_te2_, lora_te3_; Anima's text_conditioner -> lora_unet_llm_adapter_
+        else:
             prefix = component_prefix(comp, "kohya")
         if prefix is None:
             raise ConvertError(f"{source}: kohya layout has no prefix for component {comp}; nothing written")
@@ -279,9 +282,9 @@ def convert(
 ) -> ConvertResult:
     """Write the adapter at `path` in layout `to`; `target` (module / mapping) overrides `arch` / `model`.
 
-    An adapter with no key is refused (EmptyOutputError, nothing written) unless `allow_empty`. Textual-inversion
-    tokens, which no adapter layout carries, are refused (ConvertError) unless `drop_embeddings` leaves them out;
-    the result names them."""
+    An adapter with no key is refused (EmptyOutputError, nothing written) unless `allow_empty`.
+    Textual-inversion tokens, which no adapter layout carries, are refused (ConvertError) unless
+    `drop_embeddings` leaves them out; the result names them."""
     if to not in LAYOUTS:
         raise ArgumentError(f"--to must be one of {LAYOUTS}")
     inputs = [path] if isinstance(path, (str, os.PathLike)) else []
@@ -337,7 +340,8 @@ def _embeddings(adapter: Adapter, source: object, drop: bool) -> list[str]:
     tokens = [u["key"] for u in adapter.unparsed if u["reason"] == TEXTUAL_INVERSION]
     if tokens and not drop:
         raise ConvertError(
-            f"{source}: holds textual-inversion token embeddings ({', '.join(tokens)}), which no adapter layout "
+            f"{source}: holds textual-inversion token embeddings ({', '.join(tokens)}), which no adapter "
+            f"layout "
             "carries; --drop-embeddings converts the adapter without them (keep this file for the tokens); "
             "nothing written"
         )
@@ -346,7 +350,8 @@ def _embeddings(adapter: Adapter, source: object, drop: bool) -> list[str]:
 
 
 def _alpha_metadata(to: str, patterns: dict[str, dict], components: Components) -> tuple[dict, dict | None]:
-    """kohya/comfy carry alpha tensors; peft/diffusers carry r, lora_alpha and per-module patterns (PEFT config)."""
+    """kohya/comfy carry alpha tensors; peft/diffusers carry r, lora_alpha and per-module patterns (PEFT
+    config)."""
     if to in KOHYA_NAMED:
         return {"loraweave.converted": to}, None
     config: dict = {}
@@ -375,7 +380,8 @@ def _alpha_metadata(to: str, patterns: dict[str, dict], components: Components) 
 
 
 def _self_check(tensors, metadata, config, components: Components, out: Path, plan) -> None:
-    """Resolve the converted keys against the same model; same modules hit and every key lands, or no output."""
+    """Resolve the converted keys against the same model; same modules hit and every key lands, or no
+    output."""
     probe = load_adapter(tensors, name="converted")
     probe.metadata = dict(metadata)
     peft_file = config is not None and "peft_type" in config

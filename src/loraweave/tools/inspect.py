@@ -1,5 +1,6 @@
-"""`inspect`: what an adapter file is (layout, families, ranks, alphas, dtypes, metadata, architecture with its
-evidence) and how much of it lands on a model: every key resolved against a full-size meta model or a checkpoint."""
+"""`inspect`: what an adapter file is (layout, families, ranks, alphas, dtypes, metadata, architecture with
+its evidence) and how much of it lands on a model: every key resolved against a full-size meta model or a
+checkpoint."""
 
 from __future__ import annotations
 
@@ -162,9 +163,9 @@ def inspect_adapter(
     check_values: bool = False,
     coverage: bool = True,
 ) -> dict:
-    """Everything `loraweave inspect` shows, as one JSON-ready dict (keys `layout`, `families`, `architecture`,
-    `coverage` are the public contract). coverage=False: the file alone (no model, no torch import);
-    `coverage` then says `checked: false` and has no counts of landed keys."""
+    """Everything `loraweave inspect` shows, as one JSON-ready dict (keys `layout`, `families`,
+    `architecture`, `coverage` are the public contract). coverage=False: the file alone (no model, no torch
+    import); `coverage` then says `checked: false` and has no counts of landed keys."""
     t0 = time.perf_counter()
     adapter = load_adapter(path, allow_pickle=allow_pickle)
     info = describe(adapter)
@@ -248,7 +249,8 @@ def _tally(counts: dict) -> str:
 
 
 def _file_rows(info: dict) -> list[tuple[str, str]]:
-    """What the file is: layout, families, ranks, alphas, dtypes, components, architecture and its evidence."""
+    """What the file is: layout, families, ranks, alphas, dtypes, components, architecture and its
+    evidence."""
     rows = [
         ("file", info["path"] or info["name"]),
         ("layout", info["layout"]),
@@ -265,7 +267,8 @@ def _file_rows(info: dict) -> list[tuple[str, str]]:
 def _variant_rows(info: dict) -> list[tuple[str, str]]:
     """The model variant the file's block counts fit, if the architecture has variants."""
     variant = info.get("variant") or {}
-    # "no known variant" only says something for the families arch.variants lists (not SD3's or LTX-2's blocks)
+    # "no known variant" only says something for the families arch.variants lists (not SD3's or LTX-2's
+    # blocks)
     varied = variant.get("fits") or any(info["architecture"]["name"].startswith(v.arch) for v in variants())
     if not (variant.get("blocks") and varied):
         return []
