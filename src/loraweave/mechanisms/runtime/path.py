@@ -168,9 +168,8 @@ class RuntimePath:
         self.hook: RemovableHandle | None = None
         self.active = False
         self._linear: torch.nn.Linear  # the host, set by attach before it installs the fused forward
-        self.mix: PathMix | None = (
-            None  # per-sample sets / regions (mechanisms/sampling/mix.py): while set, it computes the adapter terms
-        )
+        # per-sample sets / regions (mechanisms/sampling/mix.py): while set, it computes the adapter terms
+        self.mix: PathMix | None = None
 
     def _gather(self, contributions: list[Contribution]) -> list[_Pair]:
         """Sort every contribution's runtime term into the records the forward reads (built once, here)."""
