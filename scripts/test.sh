@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install everything from scratch and run the whole test suite plus ruff.
+# Install everything from scratch and run the whole test suite plus ruff and mypy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/mypy  # configuration: pyproject.toml [tool.mypy] (strict on engine, families, mechanisms, resolve)
 .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"

@@ -318,11 +318,11 @@ def test_kohya_flux_splits_rotate_each_split():
     for s in MULTIPLIERS:
         ref = blockdiag_rotation(rots, s).mT @ w
         target = w.clone()
-        fam.add_delta(target, f, 0, 80, s, base=w.clone())
+        fam.add_delta_from_base(target, f, 0, 80, s, base=w.clone())
         assert rel_err(target, ref) <= 1e-7, s
         # a fused target: rows [32, 80) (k and v) on their own, merge and runtime
         target = w[32:].clone()
-        fam.add_delta(target, f, 32, 48, s, base=w[32:].clone())
+        fam.add_delta_from_base(target, f, 32, 48, s, base=w[32:].clone())
         assert rel_err(target, ref[32:]) <= 1e-7, s
         term = fam.runtime_term(f, 32, 0, 48)
         base_out = x @ w[32:].mT
@@ -497,7 +497,7 @@ def test_rejections_are_reported():
     f = FAMILIES["boft"].load({"oft_blocks": torch.zeros(2, 4, 4, 4)}, {"oft_blocks": "x.oft_blocks"})
     assert type(f).__module__.endswith("boft") and f.rows == 16  # 4-D blocks: BOFT, detected before OFT
     with pytest.raises(PartRejected, match="cut a BOFT butterfly"):
-        FAMILIES["boft"].runtime_term(f, 4, 0, 8)
+        FAMILIES["boft"].host_runtime_term(f, 4, 0, 8, module=None)
 
 
 def test_safetensors_round_trip_and_meta_planning(tmp_path):

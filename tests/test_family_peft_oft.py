@@ -144,15 +144,17 @@ def family_apply(target: nn.Module, path, mode: str, strength: float = 1.0, conf
     for key, tensor in load_file(str(path / "adapter_model.safetensors")).items():
         name = key.removeprefix("base_model.model.").removesuffix(".oft_R.weight")
         module = target.get_submodule(name)
-        f = family.load({"oft_R": tensor}, {"oft_R": key}, config=config)
+        f = family.load_with_config({"oft_R": tensor}, {"oft_R": key}, config)
         assert family.check_target(f, tuple(module.weight.shape)) is None
         rows = module.weight.shape[0]
         if mode == "merge":
             with torch.no_grad():
                 flat = module.weight.view(rows, -1)
-                family.add_delta(flat, f, 0, rows, strength, base=flat.clone(), strength=strength, scale=1.0)
+                family.add_delta_from_base(
+                    flat, f, 0, rows, strength, base=flat.clone(), strength=strength, scale=1.0
+                )
             continue
-        term = family.runtime_term(f, 0, 0, rows, module=module)
+        term = family.host_runtime_term(f, 0, 0, rows, module=module)
         assert term.linear_in_strength and not term.needs_base
         spec = None
         if isinstance(module, nn.Conv2d):
@@ -331,13 +333,13 @@ def test_legacy_neumann_series_before_peft_018():
         }
         if version:
             cfg["peft_version"] = version
-        f = FAMILIES["peft_oft"].load({"oft_R": vec}, {"oft_R": "x.oft_R.weight"}, config=cfg)
+        f = FAMILIES["peft_oft"].load_with_config({"oft_R": vec}, {"oft_R": "x.oft_R.weight"}, cfg)
         assert f.legacy_series and "PEFT < 0.18" in f.form
         out = w.clone()
-        FAMILIES["peft_oft"].add_delta(out, f, 0, 5, 1.0, base=w.clone())
+        FAMILIES["peft_oft"].add_delta_from_base(out, f, 0, 5, 1.0, base=w.clone())
         assert rel_err(out, ref) <= TOL, terms
     cfg |= {"peft_version": "0.18.0"}
-    assert not FAMILIES["peft_oft"].load({"oft_R": vec}, {"oft_R": "k"}, config=cfg).legacy_series
+    assert not FAMILIES["peft_oft"].load_with_config({"oft_R": vec}, {"oft_R": "k"}, cfg).legacy_series
 
 
 def test_row_pieces_land_independently():
@@ -346,10 +348,10 @@ def test_row_pieces_land_independently():
     f = FAMILIES["peft_oft"].load({"oft_R": torch.randn(6, 6, generator=g)}, {"oft_R": "k"})
     w = torch.randn(10, 24, generator=g)
     full = w.clone()
-    FAMILIES["peft_oft"].add_delta(full, f, 0, 10, 0.7, base=w)
+    FAMILIES["peft_oft"].add_delta_from_base(full, f, 0, 10, 0.7, base=w)
     assert FAMILIES["peft_oft"].check_piece(f, 3, 5) is None and f.rows is None
     part = w[3:8].clone()
-    FAMILIES["peft_oft"].add_delta(part, f, 3, 5, 0.7, base=w[3:8])
+    FAMILIES["peft_oft"].add_delta_from_base(part, f, 3, 5, 0.7, base=w[3:8])
     assert rel_err(part, full[3:8]) <= 1e-7
 
 
@@ -402,9 +404,9 @@ def test_meta_planning_and_runtime_refusals(tmp_path):
     assert report.unmatched == [] and report.keys_applied == len(LAYERS)
     f = FAMILIES["peft_oft"].load({"oft_R": torch.zeros(6, 6)}, {"oft_R": "k"})
     with pytest.raises(peft_oft.PartRejected, match="offloaded"):
-        FAMILIES["peft_oft"].runtime_term(f, 0, 0, 20, module=meta.lin)
+        FAMILIES["peft_oft"].host_runtime_term(f, 0, 0, 20, module=meta.lin)
     with pytest.raises(peft_oft.PartRejected, match="host module"):
-        FAMILIES["peft_oft"].runtime_term(f, 0, 0, 20)
+        FAMILIES["peft_oft"].host_runtime_term(f, 0, 0, 20, module=None)
 
 
 def test_runtime_dtype_and_cost(tmp_path):

@@ -122,7 +122,7 @@ def apply(
         density,
         quantized,
         host_rank,
-        cache,
+        None,  # set once the options are checked: a directory becomes a FactorCache
         compile_friendly=compile_friendly,
         rank_buckets=rank_buckets,
         undo=undo,
@@ -134,7 +134,8 @@ def apply(
     if cache is not None and not hasattr(cache, "load"):
         from .mechanisms.runtime.factor_cache import FactorCache
 
-        options.cache = FactorCache(cache)
+        cache = FactorCache(cache)
+    options.cache = cache
     t0 = time.perf_counter()
     components = as_components(target)
     with model_lock(components.modules.values()):

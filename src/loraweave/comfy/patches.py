@@ -48,7 +48,7 @@ def unit_delta(pp: PlannedPart, piece: Piece, window: torch.Tensor) -> torch.Ten
         rows = f.up[piece.src_start : piece.src_start + piece.length]
         return torch.mm(rows.to(window.dtype), f.down.flatten(1).to(window.dtype))
     unit = torch.zeros_like(window)
-    pp.family.add_delta(unit, f, piece.src_start, piece.length, 1.0)
+    pp.family.add(unit, f, piece.src_start, piece.length, 1.0)
     return unit
 
 

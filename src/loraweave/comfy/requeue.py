@@ -110,7 +110,7 @@ def _restrengthened_path(rp: RuntimePath, mapping: dict[int, PlannedPart]) -> Ru
     path.gates, path.hook, path.active, path.mix = dict(rp.gates), None, False, None
     path._factor_cast = CastCache(rp.down, rp.up) if rp.down is not None else None
     path._scale_cast = CastCache(rp.scale.clone())
-    path.dense = [(*e[:3], CastCache(*e[3].tensors)) for e in rp.dense]
-    path.biases = [(*e[:3], CastCache(*e[3].tensors)) for e in rp.biases]
+    path.dense = [dataclasses.replace(e, cache=CastCache(*e.cache.tensors)) for e in rp.dense]
+    path.biases = [dataclasses.replace(e, cache=CastCache(*e.cache.tensors)) for e in rp.biases]
     path.rebind(mapping)  # writes the new strengths into the copy's scale vector
     return path

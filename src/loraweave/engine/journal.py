@@ -15,9 +15,12 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 log = logging.getLogger("loraweave")
+
+
+T = TypeVar("T")
 
 
 class Installed(Protocol):
@@ -36,7 +39,7 @@ class Journal:
         self.entries.append(entry)
         return entry
 
-    def of(self, cls: type) -> list:
+    def of(self, cls: type[T]) -> list[T]:
         return [e for e in self.entries if isinstance(e, cls)]
 
     def by_module(self, cls: type) -> dict[int, Installed]:
@@ -80,7 +83,7 @@ class Journal:
             raise
 
 
-_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS: weakref.WeakKeyDictionary[object, threading.RLock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 
 

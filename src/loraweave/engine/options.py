@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ArgumentError
 from ..mechanisms.choose import QuantSettings
-from ..mechanisms.merge.layer import check_undo_arguments
+from ..mechanisms.merge.layer import UndoSettings, check_undo_arguments
+from ..mechanisms.merge.undo_source import UndoSource
 from ..mechanisms.runtime.compiled import CompileOptions, compile_options
+from ..mechanisms.runtime.factor_cache import FactorCache
 from ..modes import QUANTIZED, SELECT_MODES, ApplyMode, QuantizedMode, StackMode, UndoKind
 from ..stack.combine import validate_stack
 from .decide import check_mode
@@ -22,15 +25,15 @@ class Options:
     density: float | None = None
     quantized: QuantizedMode = "auto"
     host_rank: int = 256
-    cache: object = None
+    cache: FactorCache | None = None  # hosted factors kept on disk (apply makes a directory one)
     compile_friendly: bool = False
-    rank_buckets: object = None  # ints, validated by check()
+    rank_buckets: Sequence[int] | None = None  # validated by check()
     # compile_friendly: each layer's padded rank so far (id(module) -> rank); a switch never shrinks it
-    bucket_floors: dict = field(default_factory=dict, compare=False, repr=False)
+    bucket_floors: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     undo: UndoKind = "auto"  # merge undo records (mechanisms/merge/undo.py)
-    undo_source: object = None
+    undo_source: UndoSource | None = None
     undo_on_device: bool = False
-    undo_with: object = None  # the checked UndoSettings (undo_settings: source files found before any change)
+    undo_with: UndoSettings | None = None  # checked by undo_settings: source files found before any change
 
     def check(self) -> None:
         check_mode(self.mode)

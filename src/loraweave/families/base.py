@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -39,20 +40,22 @@ class CastMemo:
 
     def __init__(self) -> None:
         self.casts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._outer: list = []
+        self._outer: list[dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None] = []
 
     def __enter__(self) -> CastMemo:
         self._outer.append(getattr(_CASTS, "memo", None))
         _CASTS.memo = self.casts
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _CASTS.memo = self._outer.pop()
 
 
 def cast_once(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t.to(dtype), kept while a `CastMemo` is entered (the source is held with it, so its id stays unique)."""
-    memo = getattr(_CASTS, "memo", None)
+    memo: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None = getattr(
+        _CASTS, "memo", None
+    )
     if memo is None or t.dtype == dtype:
         return t.to(dtype)
     hit = memo.get((id(t), dtype))
@@ -61,27 +64,130 @@ def cast_once(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return hit[1]
 
 
-def _same(f, shape):
+Factors = Any  # each family's own factors record (LoraFactors, OftFactors, ...)
+Shape = tuple[int, ...]
+
+
+class Loader(Protocol):
+    """Validate one part's tensors (role -> tensor; role -> file key for messages) into factors."""
+
+    def __call__(self, tensors: dict[str, torch.Tensor], key_of: dict[str, str], /) -> Factors: ...
+
+
+class ConfiguredLoader(Protocol):
+    """A Loader that also reads the adapter's PEFT config fields (None: PEFT's defaults)."""
+
+    def __call__(
+        self, tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict[str, Any] | None, /
+    ) -> Factors: ...
+
+
+class TargetCheck(Protocol):
+    def __call__(self, f: Factors, shape: Shape, /) -> Miss | None: ...
+
+
+class Settle(Protocol):
+    def __call__(self, f: Factors, shape: Shape, /) -> Factors: ...
+
+
+class PieceCheck(Protocol):
+    def __call__(self, f: Factors, src: int, length: int, /) -> Miss | None: ...
+
+
+class DeltaAdder(Protocol):
+    """target_rows += coeff·ΔW for rows [src, src+length), from the factors alone."""
+
+    def __call__(
+        self, target_rows: torch.Tensor, f: Factors, src: int, length: int, coeff: float, /
+    ) -> None: ...
+
+
+class BaseDeltaAdder(Protocol):
+    """target_rows += ΔW from the ORIGINAL rows `base`, at `strength` and `scale` (ΔW may not be linear in
+    them; coeff = strength·scale)."""
+
+    def __call__(
+        self,
+        target_rows: torch.Tensor,
+        f: Factors,
+        src: int,
+        length: int,
+        coeff: float,
+        /,
+        *,
+        base: torch.Tensor,
+        strength: float,
+        scale: float,
+    ) -> None: ...
+
+
+class BiasDelta(Protocol):
+    """The unscaled bias delta of rows [src, src+length), or None."""
+
+    def __call__(self, f: Factors, src: int, length: int, /) -> torch.Tensor | None: ...
+
+
+class BaseBiasDelta(Protocol):
+    """A BiasDelta read from the layer's original bias rows `base` (None: the layer has no bias)."""
+
+    def __call__(
+        self, f: Factors, src: int, length: int, /, *, base: torch.Tensor | None = None
+    ) -> torch.Tensor | None: ...
+
+
+class RuntimeTermFn(Protocol):
+    def __call__(self, f: Factors, src: int, dst: int, length: int, /) -> RuntimeTerm: ...
+
+
+class HostRuntimeTermFn(Protocol):
+    """A runtime term that reads the host layer (its weight, its kind): the module or a dequantized view."""
+
+    def __call__(self, f: Factors, src: int, dst: int, length: int, /, *, module: Any) -> RuntimeTerm: ...
+
+
+class RuntimeRefusal(Protocol):
+    """Whether the runtime term will refuse this host (None: the family does not read it)."""
+
+    def __call__(self, f: Factors, module: Any, /) -> Miss | None: ...
+
+
+class InputWidth(Protocol):
+    def __call__(self, f: Factors, /) -> int | None: ...
+
+
+class WidenInput(Protocol):
+    def __call__(self, f: Factors, shape: Shape, /) -> Factors | None: ...
+
+
+class DeltaBound(Protocol):
+    def __call__(self, f: Factors, src: int, length: int, /) -> float | None: ...
+
+
+def _same(f: Factors, shape: Shape) -> Factors:
     return f
 
 
-def _any_piece(f, src: int, length: int) -> None:
+def _any_piece(f: Factors, src: int, length: int) -> None:
     return None
 
 
-def _no_width(f) -> None:
+def _no_width(f: Factors) -> None:
     return None
 
 
-def _no_widening(f, shape) -> None:
+def _no_widening(f: Factors, shape: Shape) -> None:
     return None
 
 
-def _runtime_ok(f, module) -> None:
+def _runtime_ok(f: Factors, module: Any) -> None:
     return None
 
 
-def _unbounded(f, src: int, length: int) -> None:
+def _unbounded(f: Factors, src: int, length: int) -> None:
+    return None
+
+
+def _no_bias(f: Factors, src: int, length: int) -> None:
     return None
 
 
@@ -89,16 +195,19 @@ def _unbounded(f, src: int, length: int) -> None:
 class Family:
     """One adapter family: its functions and what it can do. Defaults describe a plain low-rank family.
 
-    - load(tensors, key_of[, config]) -> factors: validate one part's tensors (role -> tensor);
-      `takes_config`: also receives the adapter's PEFT config fields (None = PEFT's defaults).
+    Where families differ in what a function reads, each kind has its own typed field:
+    - load(tensors, key_of) -> factors: validate one part's tensors (role -> tensor) with PEFT's defaults;
+      a family that also reads the adapter's PEFT config fields gives `load_with_config` too (used when set).
+    - add_delta(target_rows, f, src, length, coeff): ΔW from the factors alone; `add_delta_from_base` instead
+      for families whose ΔW reads the ORIGINAL rows (`base=`) and the strength and scale (they may not be
+      linear in them): `needs_base`; runtime terms of those get the layer's output without bias.
+      bias_delta(f, src, length), or `bias_delta_from_base` (base= the original bias rows).
+    - runtime_term(f, src, dst, length), or `host_runtime_term(..., module=)` for families that read the host
+      module (`reads_host`); runtime_refusal(f, module) -> Miss | None says beforehand whether they will
+      refuse it.
     - settle(f, shape) -> f: the factors fixed on a module shape (kernel, IA3 side, GLoRA naming); a new object,
       `f` itself untouched. check_target(f, shape) -> Miss | None judges settled factors and changes nothing.
     - check_piece(f, src, length) -> Miss | None: whether rows [src, src+length) land on their own (fused keys).
-    - add_delta(target_rows, f, src, length, coeff[, base=, strength=, scale=]): `needs_base` families get the
-      ORIGINAL rows and the strength and scale (they may not be linear in them); runtime terms of those get the
-      layer's output without bias. `bias_needs_base`: bias_delta(..., base=original bias rows).
-    - runtime_term(f, src, dst, length[, module=]): `runtime_takes_module` families read the host module;
-      runtime_refusal(f, module) -> Miss | None says beforehand whether they will refuse it.
     - roles: every role a part may hold (None: load checks); uses_alpha_scale=False: alpha is not alpha/rank
       (the raw `alpha` tensor goes to load). input_width(f) / widen_input(f, shape): control-adapter growth.
     - delta_bound(f, src, length) -> float | None: an upper bound on max |ΔW| (coeff 1) over rows
@@ -108,36 +217,89 @@ class Family:
       same bits as add_delta into zeros, with no zero pass and no read of the block)."""
 
     name: str
-    load: Callable
-    check_target: Callable
-    add_delta: Callable
-    bias_delta: Callable
-    runtime_term: Callable
+    load: Loader
+    check_target: TargetCheck
+    add_delta: DeltaAdder | None = None
+    bias_delta: BiasDelta = _no_bias
+    runtime_term: RuntimeTermFn | None = None
     roles: tuple[str, ...] | None = None
     uses_alpha_scale: bool = True
-    needs_base: bool = False
-    bias_needs_base: bool = False
-    takes_config: bool = False
-    runtime_takes_module: bool = False
-    settle: Callable = _same
-    check_piece: Callable = _any_piece
-    input_width: Callable = _no_width
-    widen_input: Callable = _no_widening
-    runtime_refusal: Callable = _runtime_ok
-    delta_bound: Callable = _unbounded
-    set_delta: Callable | None = None
+    load_with_config: ConfiguredLoader | None = None
+    add_delta_from_base: BaseDeltaAdder | None = None
+    bias_delta_from_base: BaseBiasDelta | None = None
+    host_runtime_term: HostRuntimeTermFn | None = None
+    settle: Settle = _same
+    check_piece: PieceCheck = _any_piece
+    input_width: InputWidth = _no_width
+    widen_input: WidenInput = _no_widening
+    runtime_refusal: RuntimeRefusal = _runtime_ok
+    delta_bound: DeltaBound = _unbounded
+    set_delta: DeltaAdder | None = None
 
-    def load_part(self, tensors: dict, key_of: dict, config: dict | None):
-        return self.load(tensors, key_of, config) if self.takes_config else self.load(tensors, key_of)
+    def __post_init__(self) -> None:
+        for kinds in (("add_delta", "add_delta_from_base"), ("runtime_term", "host_runtime_term")):
+            if sum(getattr(self, k) is not None for k in kinds) != 1:
+                raise TypeError(f"family {self.name}: give exactly one of {' / '.join(kinds)}")
 
-    def fit(self, f, shape: tuple[int, ...]):
+    @property
+    def needs_base(self) -> bool:
+        """ΔW reads the original weight rows (and may not be linear in strength)."""
+        return self.add_delta_from_base is not None
+
+    @property
+    def bias_needs_base(self) -> bool:
+        return self.bias_delta_from_base is not None
+
+    @property
+    def reads_host(self) -> bool:
+        """The runtime term reads the host module (a quantized one is seen dequantized)."""
+        return self.host_runtime_term is not None
+
+    def load_part(
+        self, tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict[str, Any] | None
+    ) -> Factors:
+        if self.load_with_config is not None:
+            return self.load_with_config(tensors, key_of, config)
+        return self.load(tensors, key_of)
+
+    def fit(self, f: Factors, shape: Shape) -> tuple[Factors, Miss | None]:
         """(factors settled on `shape`, Miss or None)."""
         settled = self.settle(f, shape)
         return settled, self.check_target(settled, shape)
 
-    def term(self, f, src: int, dst: int, length: int, module) -> RuntimeTerm:
-        if self.runtime_takes_module:
-            return self.runtime_term(f, src, dst, length, module=module)
+    def add(
+        self,
+        target_rows: torch.Tensor,
+        f: Factors,
+        src: int,
+        length: int,
+        coeff: float,
+        base: torch.Tensor | None = None,
+        strength: float = 1.0,
+        scale: float = 1.0,
+    ) -> None:
+        """target_rows += coeff·ΔW; `base`: the original rows, read with strength and scale by needs_base
+        families."""
+        if self.add_delta_from_base is not None:
+            if base is None:
+                raise PartRejected("unsupported", f"unsupported: {self.name} needs the layer's float weight")
+            self.add_delta_from_base(
+                target_rows, f, src, length, coeff, base=base, strength=strength, scale=scale
+            )
+        else:
+            assert self.add_delta is not None  # __post_init__: exactly one
+            self.add_delta(target_rows, f, src, length, coeff)
+
+    def bias(self, f: Factors, src: int, length: int, base: torch.Tensor | None) -> torch.Tensor | None:
+        """The unscaled bias delta; `base`: the original bias rows, read by bias_needs_base families."""
+        if self.bias_delta_from_base is not None:
+            return self.bias_delta_from_base(f, src, length, base=base)
+        return self.bias_delta(f, src, length)
+
+    def term(self, f: Factors, src: int, dst: int, length: int, module: Any) -> RuntimeTerm:
+        if self.host_runtime_term is not None:
+            return self.host_runtime_term(f, src, dst, length, module=module)
+        assert self.runtime_term is not None  # __post_init__: exactly one
         return self.runtime_term(f, src, dst, length)
 
 
@@ -169,7 +331,9 @@ class RuntimeTerm:
     unheld: str = ""
 
     @classmethod
-    def structured(cls, dst: int, length: int, bias: torch.Tensor | None = None, **fields) -> RuntimeTerm:
+    def structured(
+        cls, dst: int, length: int, bias: torch.Tensor | None = None, **fields: Any
+    ) -> RuntimeTerm:
         """A term computed by `fn` (in `fields`, with its caches, cost, ...): no low-rank pair, no dense diff."""
         return cls(None, None, None, bias, dst, length, **fields)
 
@@ -178,8 +342,8 @@ class RuntimeTerm:
 class ConvSpec:
     """How the host layer convolves: the function (F.conv1d/2d/3d) and its keyword arguments."""
 
-    fn: Callable
-    kwargs: dict
+    fn: Callable[..., torch.Tensor]
+    kwargs: dict[str, Any]
 
 
 class CastCache:
@@ -187,7 +351,7 @@ class CastCache:
 
     def __init__(self, *tensors: torch.Tensor) -> None:
         self.tensors = tensors
-        self._key = None
+        self._key: tuple[torch.device, torch.dtype] | None = None
         self._cast: tuple[torch.Tensor, ...] = ()
 
     def get(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -236,16 +400,16 @@ class KnownFinite:
     own: their source proved them finite in bulk (io.safetensors_file.SafetensorsFile.finite_keys, one pass per
     run of tensors instead of one per tensor). Held while entered, so their ids stay unique."""
 
-    def __init__(self, tensors) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         self.tensors = {id(t): t for t in tensors}
-        self._outer: list = []
+        self._outer: list[dict[int, torch.Tensor] | None] = []
 
     def __enter__(self) -> KnownFinite:
         self._outer.append(getattr(_CASTS, "finite", None))
         _CASTS.finite = self.tensors
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _CASTS.finite = self._outer.pop()
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factors, refuse_roles
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factors, refuse_roles
 from .oft_common import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
 
 
@@ -28,16 +29,23 @@ class BoftFactors:
     constraint: float  # c = α·rows (LyCORIS); 0 = unconstrained
     rescale: torch.Tensor | None  # (rows,): LyCORIS `rescale` or PEFT `boft_s`
     peft: bool  # rotates the input columns (PEFT) instead of the output rows (LyCORIS)
-    _rot: dict = field(default_factory=dict)  # (device, dtype) -> R (stages, n, b, b)
-    _dense: dict = field(default_factory=dict)  # PEFT conv runtime: the last strength's ΔW rows
+    _rot: dict[tuple[torch.device, torch.dtype], torch.Tensor] = field(
+        default_factory=dict
+    )  # (device, dtype) -> R (stages, n, b, b)
+    # PEFT conv runtime: the last strength's ΔW rows, keyed by (strength, device, dtype, weight version)
+    _dense: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
-        return self.rescale.numel() if self.peft else self.blocks.shape[1] * self.blocks.shape[2]
+        if self.peft:
+            assert self.rescale is not None  # load requires PEFT's boft_s
+            return self.rescale.numel()
+        return self.blocks.shape[1] * self.blocks.shape[2]
 
     @property
     def span(self) -> int:  # LyCORIS: the last stage mixes rows within aligned runs of this many
-        return 2 ** (self.blocks.shape[0] - 1) * self.blocks.shape[2]
+        span: int = 2 ** (self.blocks.shape[0] - 1) * self.blocks.shape[2]
+        return span
 
 
 _LYCORIS_ROLES = frozenset({"oft_blocks", "rescale", "alpha"})
@@ -132,9 +140,12 @@ def _butterfly(
         rot = _rotations(f, y.device, y.dtype)[:, src // b : (src + length) // b]
     for i in range(m):
         k = 2**i * (b // 2)
-        t = y.unflatten(-1, (-1, 2, k)).transpose(-1, -2).flatten(-3).unflatten(-1, (-1, b))
+        # torch leaves Tensor.unflatten unannotated
+        t = y.unflatten(-1, (-1, 2, k)).transpose(-1, -2).flatten(-3)  # type: ignore[no-untyped-call]
+        t = t.unflatten(-1, (-1, b))
         t = torch.einsum("kpq,...kq->...kp", _stage(rot[i], s), t)
-        y = t.flatten(-2).unflatten(-1, (-1, k, 2)).transpose(-1, -2).flatten(-3)
+        t = t.flatten(-2).unflatten(-1, (-1, k, 2))  # type: ignore[no-untyped-call]
+        y = t.transpose(-1, -2).flatten(-3)
     return y
 
 
@@ -155,9 +166,8 @@ def _peft_rotate(
         mats = _stage(rot[i], s)
         perm = _peft_perm(d * h, d // 2**i, h // 2).to(w.device) if stages > 1 else None
         u = w if perm is None else w[..., torch.argsort(perm)]  # Pᵀw
-        u = torch.einsum("kpq,...kq->...kp", mats.mT if transpose else mats, u.unflatten(-1, (d, h))).flatten(
-            -2
-        )
+        blocked = u.unflatten(-1, (d, h))  # type: ignore[no-untyped-call]  # as in _butterfly
+        u = torch.einsum("kpq,...kq->...kp", mats.mT if transpose else mats, blocked).flatten(-2)
         w = u if perm is None else u[..., perm]  # P·u
     return w
 
@@ -166,11 +176,18 @@ def _peft_delta_rows(f: BoftFactors, weight_rows: torch.Tensor, src: int, s: flo
     """(length, in·k): boft_s ⊙ (W·M_sᵀ) − W for the given original rows."""
     w = weight_rows.flatten(1)
     rot = _peft_rotate(f, w, s, transpose=False)
+    assert f.rescale is not None  # load requires PEFT's boft_s
     return rescaled((rot - w).mT, w.mT, f.rescale[src : src + w.shape[0]], s).mT
 
 
 def add_delta(
-    target_rows: torch.Tensor, f: BoftFactors, src: int, length: int, coeff: float, base: torch.Tensor, **_
+    target_rows: torch.Tensor,
+    f: BoftFactors,
+    src: int,
+    length: int,
+    coeff: float,
+    base: torch.Tensor,
+    **_: object,
 ) -> None:
     """target_rows (length, in·k) += ΔW at strength s = coeff, from the original rows `base`."""
     base = base.to(target_rows.dtype)
@@ -195,9 +212,7 @@ def check_piece(f: BoftFactors, src: int, length: int) -> Miss | None:
     return None
 
 
-def runtime_term(
-    f: BoftFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None
-) -> RuntimeTerm:
+def runtime_term(f: BoftFactors, src: int, dst: int, length: int, module: Any = None) -> RuntimeTerm:
     if f.peft and module is None:
         raise PartRejected(
             "unsupported", "unsupported family: PEFT BOFT at runtime needs the host module's weight"
@@ -216,7 +231,13 @@ def runtime_term(
     rot = rot.clone() if f.peft else rot[:, src // b : (src + length) // b].clone()
     cache = CastCache(rot, *(() if r is None else (r,)))
 
-    def fn(x, conv, base, strength=None, scale=1.0):
+    def fn(
+        x: torch.Tensor,
+        conv: ConvSpec | None,
+        base: torch.Tensor,
+        strength: float | None = None,
+        scale: float = 1.0,
+    ) -> torch.Tensor:
         if strength is None:
             raise RuntimeError("BOFT is not linear in strength: the runtime must pass it")
         s = strength * scale
@@ -264,11 +285,9 @@ SPEC = Family(
     "boft",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
     uses_alpha_scale=False,
-    needs_base=True,
-    runtime_takes_module=True,
     check_piece=check_piece,
 )

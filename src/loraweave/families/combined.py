@@ -9,44 +9,48 @@ write (merge) or forward (runtime); the result is cached per strengths, so forwa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..arch.spec import Piece
 from ..report.miss import Miss
 from ..stack.combine import combine_deltas
-from .base import Family, PartRejected, RuntimeTerm
-from .contribution import add_contribution
+from .base import ConvSpec, Family, PartRejected, RuntimeTerm
+from .contribution import Planned, add_contribution
 
 
 @dataclass(eq=False)
 class CombinedFactors:
-    sources: list  # [(PlannedPart, Piece)] landing on this module
+    sources: list[tuple[Planned, Piece]]  # (PlannedPart, Piece) landing on this module
     mode: str
     density: float | None
     key: str  # names layer, adapters and settings: DARE masks derive from it
     shape: tuple[int, ...]  # the module's logical weight shape
     rank: int | None = None
     is_conv_kernel: bool = False
-    _cache: dict = field(default_factory=dict)
+    _cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
         return self.shape[0]
 
-    def _signature(self) -> tuple:
+    def _signature(self) -> tuple[tuple[float, float], ...]:
         return tuple((pp.strength, pp.scale) for pp, _ in self.sources)
 
     def delta(self, base: torch.Tensor | None) -> torch.Tensor:
         """The combined ΔW, (rows, in·k) fp32; `base` = original weight rows (needed by W-dependent families)."""
         sig = self._signature()
         if self._cache.get("sig") == sig:
-            return self._cache["delta"]
-        by_adapter: dict[str, list] = {}
+            cached: torch.Tensor = self._cache["delta"]
+            return cached
+        by_adapter: dict[str, list[tuple[Planned, Piece]]] = {}
         for pp, piece in self.sources:
             by_adapter.setdefault(pp.adapter.name, []).append((pp, piece))
         cols = int(torch.Size(self.shape[1:]).numel())
-        deltas, weights = [], []
+        deltas: list[torch.Tensor] = []
+        weights: list[float] = []
         for contribs in by_adapter.values():
             linear = all(not pp.family.needs_base for pp, _ in contribs)
             strengths = {pp.strength for pp, _ in contribs}
@@ -67,7 +71,7 @@ class CombinedFactors:
         return combined
 
 
-def load(tensors: dict, key_of: dict) -> CombinedFactors:
+def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> CombinedFactors:
     raise PartRejected(
         "unsupported", "unsupported family: combined parts are built by apply(stack=...), never read"
     )
@@ -96,7 +100,7 @@ def bias_delta(f: CombinedFactors, src: int, length: int) -> torch.Tensor | None
     """Bias deltas are summed (the stack modes act on weights), each at its strength."""
     total = None
     for pp, piece in f.sources:
-        b = pp.family.bias_delta(pp.factors, piece.src_start, piece.length)
+        b = pp.family.bias(pp.factors, piece.src_start, piece.length, None)
         if b is None:
             continue
         total = torch.zeros(f.shape[0]) if total is None else total
@@ -108,11 +112,19 @@ def runtime_term(
     f: CombinedFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None
 ) -> RuntimeTerm:
     weight = getattr(module, "weight", None)
-    float_weight = type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_floating_point()
-    cast: dict = {}
+    float_weight = (
+        weight
+        if isinstance(weight, torch.Tensor)
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and weight.is_floating_point()
+        else None
+    )  # W-dependent sources read the layer's original rows
+    cast: dict[str, Any] = {}
 
-    def fn(x, conv, base_out, strength, scale):
-        base = weight.detach().reshape(f.shape[0], -1) if float_weight else None
+    def fn(
+        x: torch.Tensor, conv: ConvSpec | None, base_out: torch.Tensor | None, strength: float, scale: float
+    ) -> torch.Tensor:
+        base = float_weight.detach().reshape(f.shape[0], -1) if float_weight is not None else None
         delta = f.delta(base)
         key = (id(delta), x.device, x.dtype)
         if cast.get("key") != key:
@@ -120,7 +132,7 @@ def runtime_term(
             cast.update(
                 key=key, w=(rows.reshape(length, *f.shape[1:]) if conv else rows).to(x.device, x.dtype)
             )
-        w = cast["w"]
+        w: torch.Tensor = cast["w"]
         out = conv.fn(x, w, None, **conv.kwargs) if conv else F.linear(x, w)
         bias = bias_delta(f, src, length)  # at the live strengths, like the weight part
         if bias is not None:
@@ -142,10 +154,8 @@ SPEC = Family(
     "combined",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
     roles=(),
-    needs_base=True,
-    runtime_takes_module=True,
 )

@@ -3,18 +3,43 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Protocol
+
 import torch
 
+from ..arch.spec import Piece
+from ..formats.adapter import Adapter, AdapterPart
 
-def coefficient(pp) -> float:
+if TYPE_CHECKING:
+    from .base import Family
+
+
+class Planned(Protocol):
+    """What this module reads of a planned part (resolve.planner.PlannedPart, a layer above)."""
+
+    @property
+    def adapter(self) -> Adapter: ...
+    @property
+    def part(self) -> AdapterPart: ...
+    @property
+    def family(self) -> Family: ...
+    @property
+    def factors(self) -> Any: ...
+    @property
+    def strength(self) -> float: ...
+    @property
+    def scale(self) -> float: ...
+
+
+def coefficient(pp: Planned) -> float:
     """coeff = strength · scale (γ from alpha/rank or metadata)."""
     return pp.strength * pp.scale
 
 
 def add_contribution(
     target_rows: torch.Tensor,
-    pp,
-    piece,
+    pp: Planned,
+    piece: Piece,
     base: torch.Tensor | None,
     coeff: float | None = None,
     strength: float | None = None,
@@ -28,30 +53,20 @@ def add_contribution(
     strength = pp.strength if strength is None else strength
     scale = pp.scale if scale is None else scale
     coeff = strength * scale if coeff is None else coeff
+    rows = None
     if family.needs_base:
         if base is None:
             from .base import PartRejected  # here: families.combined imports this module
 
             raise PartRejected("unsupported", f"unsupported: {pp.part.family} needs the layer's float weight")
         rows = base[piece.dst_start : piece.dst_start + piece.length].to(target_rows.dtype)
-        family.add_delta(
-            target_rows,
-            pp.factors,
-            piece.src_start,
-            piece.length,
-            coeff,
-            base=rows,
-            strength=strength,
-            scale=scale,
-        )
-    else:
-        family.add_delta(target_rows, pp.factors, piece.src_start, piece.length, coeff)
+    family.add(target_rows, pp.factors, piece.src_start, piece.length, coeff, rows, strength, scale)
 
 
-def bias_of(pp, piece, original: torch.Tensor | None = None) -> torch.Tensor | None:
+def bias_of(pp: Planned, piece: Piece, original: torch.Tensor | None = None) -> torch.Tensor | None:
     """The part's unscaled bias delta for `piece` (None if it has none); `original`: the layer's original bias."""
-    kw = {}
+    base = None
     if pp.family.bias_needs_base and isinstance(original, torch.Tensor):
         rows = original.detach()[piece.dst_start : piece.dst_start + piece.length]
-        kw["base"] = rows.to(torch.promote_types(rows.dtype, torch.float32), copy=True)
-    return pp.family.bias_delta(pp.factors, piece.src_start, piece.length, **kw)
+        base = rows.to(torch.promote_types(rows.dtype, torch.float32), copy=True)
+    return pp.family.bias(pp.factors, piece.src_start, piece.length, base)

@@ -16,14 +16,16 @@ axis is row-local, so fused slices are exact. a is computed from module.weight i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
 from . import loha, lokr, lora
-from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor
+from .base import CastCache, ConvSpec, Factors, Family, PartRejected, RuntimeTerm, Shape, check_factor
 
 _INNER = {"lora": lora, "loha": loha, "lokr": lokr}
 _EPS = torch.finfo(torch.float32).eps  # LyCORIS adds eps of dora_scale's dtype: fp32 in its modules
@@ -92,8 +94,8 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> DoraFactor
     return DoraFactors(kind, inner, d.reshape(-1), on_out, peft)
 
 
-def check_target(f: DoraFactors, shape: tuple[int, ...] | None) -> Miss | None:
-    reason = _INNER[f.kind].SPEC.check_target(f.inner, shape)
+def check_target(f: DoraFactors, shape: Shape) -> Miss | None:
+    reason: Miss | None = _INNER[f.kind].SPEC.check_target(f.inner, shape)
     if reason or f.on_out:
         return reason
     if shape[1] != f.magnitude.numel():
@@ -110,14 +112,14 @@ def check_target(f: DoraFactors, shape: tuple[int, ...] | None) -> Miss | None:
     return None
 
 
-def settle(f: DoraFactors, shape: tuple[int, ...] | None) -> DoraFactors:
+def settle(f: DoraFactors, shape: Shape) -> DoraFactors:
     inner = _INNER[f.kind].SPEC.settle(f.inner, shape)
     return f if inner is f.inner else dataclasses.replace(f, inner=inner)
 
 
-def runtime_refusal(f: DoraFactors, module) -> Miss | None:
+def runtime_refusal(f: DoraFactors, module: Any) -> Miss | None:  # the host or its dequantized view
     """DoRA's runtime gain reads the layer's plain floating weight for its norm."""
-    w = getattr(module, "weight", None)
+    w: Any = getattr(module, "weight", None)
     if type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.is_floating_point() or w.is_meta:
         what = (
             "missing" if w is None else "offloaded (meta)" if w.is_meta else f"a {type(w).__name__} {w.dtype}"
@@ -143,7 +145,7 @@ def _whole(f: DoraFactors, length: int) -> None:
         )
 
 
-def _on(inner, device: torch.device):
+def _on(inner: Factors, device: torch.device) -> Factors:
     """The inner factors with every tensor on `device` (inner families compute on their factors' device)."""
     fields = [k.name for k in dataclasses.fields(inner) if k.init]
     values = {k: getattr(inner, k) for k in fields}
@@ -151,7 +153,7 @@ def _on(inner, device: torch.device):
     if all(t.device == device for t in flat if isinstance(t, torch.Tensor)):
         return inner
 
-    def move(v):
+    def move(v: Any) -> Any:
         if isinstance(v, tuple):
             return tuple(map(move, v))
         return v.to(device) if isinstance(v, torch.Tensor) else v
@@ -193,7 +195,7 @@ def add_delta(
     src: int,
     length: int,
     coeff: float,
-    base=None,
+    base: torch.Tensor | None = None,
     strength: float | None = None,
     scale: float | None = None,
 ) -> None:
@@ -213,27 +215,32 @@ def bias_delta(f: DoraFactors, src: int, length: int) -> None:
     return None
 
 
-def _tensors_of(inner) -> list[torch.Tensor]:
+def _tensors_of(inner: Factors) -> list[torch.Tensor]:
     """Every tensor of the inner factors (init fields, tuples flattened), in field order."""
-    out = []
+    out: list[torch.Tensor] = []
     for k in dataclasses.fields(inner):
         v = getattr(inner, k.name) if k.init else None
         out += [t for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)]
     return out
 
 
-def _with_tensors(inner, tensors):
+def _with_tensors(inner: Factors, tensors: Iterable[torch.Tensor]) -> Factors:
     """The inner factors with their tensors (in `_tensors_of` order) replaced by `tensors`."""
     it = iter(tensors)
-    swap = lambda v: next(it) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    values = {}
+
+    def swap(v: Any) -> Any:
+        return next(it) if isinstance(v, torch.Tensor) else v
+
+    values: dict[str, Any] = {}
     for k in (k for k in dataclasses.fields(inner) if k.init):
         v = getattr(inner, k.name)
         values[k.name] = tuple(map(swap, v)) if isinstance(v, tuple) else swap(v)
     return dataclasses.replace(inner, **values)
 
 
-def _inner_path(f: DoraFactors, src: int, length: int, module):
+def _inner_path(
+    f: DoraFactors, src: int, length: int, module: Any
+) -> tuple[Callable[..., torch.Tensor], tuple[CastCache, ...], str]:
     """(path, caches, cost): path(x, conv) = ΔW x for rows [src, src+length), unscaled, on the inner family's
     runtime path; caches: what it reads (RuntimeTerm.caches)."""
     term = _INNER[f.kind].runtime_term(f.inner, src, 0, length)
@@ -251,7 +258,7 @@ def _inner_path(f: DoraFactors, src: int, length: int, module):
     return path, (cache,), f"LoRA up(down(x)), rank {term.down.shape[0]}"
 
 
-def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
+def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module: Any = None) -> RuntimeTerm:
     """fn(x, conv, base_out, strength, scale): the DoRA change of rows [dst, dst+length) of module's output.
 
     The gain reads module.weight (the original: runtime never writes it) lazily, in row blocks."""
@@ -270,7 +277,7 @@ def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -
     acc0 = torch.promote_types(torch.promote_types(mag.dtype, flat[0].dtype), torch.float32)
     inner_cache, mag_cache = CastCache(*flat), CastCache(mag)
     gain_cache = CastCache(torch.zeros(3, mag.numel(), dtype=acc0, device=mag.device))
-    state: dict = {}
+    state: dict[str, tuple[float, float]] = {}
 
     def gains(strength: float, scale: float, like: torch.Tensor) -> torch.Tensor:
         """(3, n): a, a − 1, a·c, formed in fp32 (fp64 for fp64 weights) once per strength, cast to x's device and
@@ -294,9 +301,13 @@ def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module=None) -
             state["key"] = (s, c)
         return gain_cache.to(like.device, like.dtype)[0]
 
-    def fn(x: torch.Tensor, conv: ConvSpec | None, base_out: torch.Tensor, strength: float, scale: float):
+    def fn(
+        x: torch.Tensor, conv: ConvSpec | None, base_out: torch.Tensor, strength: float, scale: float
+    ) -> torch.Tensor:
         shape = (-1,) if conv is None else (-1, *([1] * (x.dim() - 2)))  # channels last (Linear) or on dim 1
-        a, am1, ac = (t.view(shape) for t in gains(strength, scale, x))
+        am1: torch.Tensor
+        ac: torch.Tensor
+        _, am1, ac = (t.view(shape) for t in gains(strength, scale, x))
         if f.on_out:
             return base_out * am1 + path(x, conv) * ac
         # Input axis: W' − W = W·diag(a − 1) + c·ΔW·diag(a): scale x's channels before each path.
@@ -322,12 +333,10 @@ SPEC = Family(
     "dora",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
-    needs_base=True,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
     settle=settle,
-    runtime_takes_module=True,
     check_piece=check_piece,
     runtime_refusal=runtime_refusal,
 )

@@ -19,7 +19,9 @@ class FullFactors:
 
     @property
     def rows(self) -> int:
-        return (self.diff if self.diff is not None else self.diff_b).shape[0]
+        held = self.diff if self.diff is not None else self.diff_b
+        assert held is not None  # load keeps a part only with a diff or a bias diff
+        return held.shape[0]
 
 
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> FullFactors:

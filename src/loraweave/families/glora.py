@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class GloraFactors:
         return any(d > 1 for d in self.b_down.shape[2:])
 
 
-def _fits(a_in, a_out, b_up, b_down) -> bool:
+def _fits(a_in: torch.Tensor, a_out: torch.Tensor, b_up: torch.Tensor, b_down: torch.Tensor) -> bool:
     r, n = a_out.shape[0], a_in.shape[0]
     ones = all(d == 1 for t in (a_in, a_out, b_up) for d in t.shape[2:])
     cols = b_down.shape[1] == n or (b_down.dim() == 2 and b_down.shape[1] % n == 0)  # conv b2 may come flat
@@ -72,7 +73,8 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> GloraFacto
         raise PartRejected(
             "shape_mismatch", f"shape mismatch: GLoRA factors do not pair in either naming ({shapes})"
         )
-    first = new or old
+    first = new if new is not None else old
+    assert first is not None  # one naming pairs (refused above otherwise)
     return GloraFactors(*first, new is None, old if new is not None and old is not None else None)
 
 
@@ -128,7 +130,7 @@ def add_delta(
     length: int,
     coeff: float,
     base: torch.Tensor | None = None,
-    **_,
+    **_: object,
 ) -> None:
     """target_rows (length, in*k) += coeff · (W_rows·a_in·a_out + b_up[src:src+length]·b_down); base = W_rows."""
     if base is None:
@@ -142,22 +144,24 @@ def bias_delta(f: GloraFactors, src: int, length: int) -> None:
     return None
 
 
-def plain_weight(module: torch.nn.Module | None) -> torch.Tensor | None:
+def plain_weight(module: Any) -> torch.Tensor | None:
     """The module's weight when it is an ordinary floating tensor (not quantized, not offloaded), else None."""
-    w = getattr(module, "weight", None)
+    w: Any = getattr(module, "weight", None)
     plain = (
         type(w) in (torch.Tensor, torch.nn.Parameter) and w.is_floating_point() and w.device.type != "meta"
     )
     return w if plain else None
 
 
-def layer_product(module: torch.nn.Module, h: torch.Tensor, conv: ConvSpec | None, dst: int, length: int):
+def layer_product(module: Any, h: torch.Tensor, conv: ConvSpec | None, dst: int, length: int) -> torch.Tensor:
     """Output rows [dst, dst+length) of the host layer applied to h, without bias (W·h, or W∗h for conv)."""
     w = plain_weight(module)
     if w is not None:
         w = w[dst : dst + length].to(h.device, h.dtype)
         return conv.fn(h, w, None, **conv.kwargs) if conv is not None else F.linear(h, w)
-    out = type(module).forward(module, h)  # class forward: skips hooks and instance-level forward overrides
+    out: torch.Tensor = type(module).forward(
+        module, h
+    )  # class forward: skips hooks and instance-level forward overrides
     bias = getattr(module, "bias", None)
     if isinstance(bias, torch.Tensor):
         b = bias.to(out.device, out.dtype)
@@ -165,7 +169,7 @@ def layer_product(module: torch.nn.Module, h: torch.Tensor, conv: ConvSpec | Non
     return out[:, dst : dst + length] if conv is not None else out[..., dst : dst + length]
 
 
-def runtime_term(f: GloraFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
+def runtime_term(f: GloraFactors, src: int, dst: int, length: int, module: Any = None) -> RuntimeTerm:
     if module is None:
         raise RuntimeError(
             "GLoRA runtime needs the host module (runtime_term(..., module=)): W·a1·a2·x reads W"
@@ -208,10 +212,8 @@ SPEC = Family(
     "glora",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
-    needs_base=True,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
     settle=settle,
-    runtime_takes_module=True,
 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -122,7 +123,7 @@ def add_delta(
     length: int,
     coeff: float,
     base: torch.Tensor | None = None,
-    **_,
+    **_: object,
 ) -> None:
     """target_rows (length, in*k) += coeff · W_rows ⊙ w (w along rows, or along input channels)."""
     if base is None:
@@ -142,7 +143,7 @@ def bias_delta(f: Ia3Factors, src: int, length: int, base: torch.Tensor | None =
     return _vector(f, base.dtype)[src : src + length] * base
 
 
-def runtime_term(f: Ia3Factors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
+def runtime_term(f: Ia3Factors, src: int, dst: int, length: int, module: Any = None) -> RuntimeTerm:
     acc = torch.float64 if f.w.dtype == torch.float64 else torch.float32
     w = _vector(f, acc)
     if not f.on_input:
@@ -191,12 +192,9 @@ SPEC = Family(
     "ia3",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta_from_base=add_delta,
+    bias_delta_from_base=bias_delta,
+    host_runtime_term=runtime_term,
     uses_alpha_scale=False,
-    needs_base=True,
-    bias_needs_base=True,
-    runtime_takes_module=True,
     settle=settle,
 )

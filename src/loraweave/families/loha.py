@@ -71,6 +71,7 @@ def _pairs(f: LohaFactors) -> bool:
         return False
     if t1 is None:
         return True
+    assert t2 is not None  # load keeps the Tucker cores in pairs
     # Tucker: each core (r, r_b, *k) sits between its a and b, and b is 2-D (r_b, in)
     k = tuple(t1.shape[2:])
     return (
@@ -125,7 +126,9 @@ def settle(f: LohaFactors, shape: tuple[int, ...] | None) -> LohaFactors:
     return f
 
 
-def _rows(f: LohaFactors, src: int, length: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+def _rows(
+    f: LohaFactors, src: int, length: int, dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
     """Rows [src, src+length) of ΔW, (length, in*k), computed in `dtype` (on `device`, default the factors')."""
     halves = []
     for a, b, t in ((f.a1, f.b1, f.t1), (f.a2, f.b2, f.t2)):

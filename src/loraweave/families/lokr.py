@@ -113,14 +113,10 @@ def _tucker_shape(
     w2: tuple[torch.Tensor, ...], t2: torch.Tensor, bad: PartRejected
 ) -> tuple[tuple[torch.Tensor, ...], int, int, tuple[int, ...], int]:
     """Tucker: w2[p, q, ...] = Σ t2[i, j, ...] · w2_a[i, p] · w2_b[j, q]."""
-    wa, wb = w2 if len(w2) == 2 else (None, None)
-    if (
-        wa is None
-        or t2.dim() < 3
-        or wa.dim() != 2
-        or wb.dim() != 2
-        or t2.shape[:2] != (wa.shape[0], wb.shape[0])
-    ):
+    if len(w2) != 2:
+        raise bad
+    wa, wb = w2
+    if t2.dim() < 3 or wa.dim() != 2 or wb.dim() != 2 or t2.shape[:2] != (wa.shape[0], wb.shape[0]):
         raise bad
     return (t2, wa, wb), wa.shape[1], wb.shape[1], tuple(t2.shape[2:]), wb.shape[0]
 
@@ -206,11 +202,13 @@ def runtime_term(f: LokrFactors, src: int, dst: int, length: int) -> RuntimeTerm
     rows = hi - lo
     kernel = f.target_kernel if f.target_kernel is not None else f.kernel or ()
     size = math.prod(kernel)
-    aligned, index, index_of = f.n % size == 0, None, {}
+    aligned = f.n % size == 0
+    index_of: dict[torch.device, torch.Tensor] = {}  # the straddle gather index per device (built once here)
     extra: tuple[torch.Tensor, ...] = ()
     if kernel:  # conv host; flat-layout files whose w2 columns straddle channels gather channel windows
         if not aligned:
             index, straddled = _straddle(f, w2, kernel)
+            index_of[index.device] = index
             extra = (straddled,)
         cost = f"LoKr grouped conv ({f.c} groups, w2 {f.b}x{f.n}) + w1 mix ({rows}x{f.c}); no kron"
     elif len(f.w2) == 2 and 4 * f.w2[0].shape[1] * (f.b + f.n) <= f.b * f.n:
@@ -247,7 +245,7 @@ def runtime_term(f: LokrFactors, src: int, dst: int, length: int) -> RuntimeTerm
             h = conv.fn(x.reshape(n * f.c, d, *spatial), w2c.view(f.b, d, *kernel), None, **conv.kwargs)
         else:
             if x.device not in index_of:
-                index_of[x.device] = index.to(x.device)
+                index_of[x.device] = next(iter(index_of.values())).to(x.device)
             h = conv.fn(x.index_select(1, index_of[x.device]), more[0], None, groups=f.c, **conv.kwargs)
         out_spatial = h.shape[2:]
         y = torch.matmul(w1c, h.reshape(n, f.c, -1)).view(n, rows * f.b, *out_spatial)

@@ -8,6 +8,7 @@ the module's own eps / normalized_shape / groups."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,9 @@ class NormFactors:
 
     @property
     def rows(self) -> int:
-        return (self.w_norm if self.w_norm is not None else self.b_norm).shape[0]
+        held = self.w_norm if self.w_norm is not None else self.b_norm
+        assert held is not None  # load keeps a part only with w_norm or b_norm
+        return held.shape[0]
 
 
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> NormFactors:
@@ -81,7 +84,7 @@ def _kind(module: torch.nn.Module) -> str | None:
     return None
 
 
-def normalised(kind: str, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def normalised(kind: str, module: Any, x: torch.Tensor) -> torch.Tensor:  # a norm layer of `kind`
     """x̂: the module's normalisation without its affine weight and bias."""
     if kind == "group":
         return F.group_norm(x, module.num_groups, None, None, module.eps)
@@ -93,14 +96,14 @@ def normalised(kind: str, module: torch.nn.Module, x: torch.Tensor) -> torch.Ten
     return (x * torch.rsqrt(variance + module.eps)).to(x.dtype)
 
 
-def runtime_refusal(f: NormFactors, module) -> Miss | None:
+def runtime_refusal(f: NormFactors, module: Any) -> Miss | None:  # the host or its dequantized view
     """A scale delta recomputes the norm without its affine: only norms loraweave knows how to recompute."""
     if f.w_norm is not None and (module is None or _kind(module) is None):
         return Miss("unsupported", f"norm delta: no runtime form for {type(module).__name__}")
     return None
 
 
-def runtime_term(f: NormFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
+def runtime_term(f: NormFactors, src: int, dst: int, length: int, module: Any = None) -> RuntimeTerm:
     bias = bias_delta(f, src, length)
     if f.w_norm is None:
         return RuntimeTerm(None, None, None, bias, dst, length, cost="norm bias delta")
@@ -108,6 +111,7 @@ def runtime_term(f: NormFactors, src: int, dst: int, length: int, module=None) -
     if refused is not None:
         raise PartRejected.of(refused)
     kind = _kind(module)
+    assert kind is not None  # runtime_refusal passed
     w = f.w_norm[src : src + length]
     channels_first = kind == "group"
     cache = CastCache(w)
@@ -128,10 +132,9 @@ SPEC = Family(
     "norm",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
     uses_alpha_scale=False,
-    runtime_takes_module=True,
     runtime_refusal=runtime_refusal,
 )

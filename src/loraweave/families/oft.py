@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..report.miss import Miss
-from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factors, refuse_roles
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factors, refuse_roles
 from .oft_common import acc_dtype, cayley, rescaled, row_scale, scalar_alpha
 
 _SPLIT_ROLE = re.compile(r"oft_blocks\.(\d+)")
@@ -37,7 +37,8 @@ class OftFactors:
     ]  # per output split, top to bottom: (blocks (n, b, b), constraint)
     cayley: bool  # False: the blocks are R itself (LyCORIS 2.x oft_diag)
     rescale: torch.Tensor | None  # (rows,), stored dtype
-    _minus_i: dict = field(default_factory=dict)  # device -> [R − I per segment], built on first use
+    # (device, dtype) -> [R − I per segment], built on first use
+    _minus_i: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -92,9 +93,13 @@ def check_piece(f: OftFactors, src: int, length: int) -> Miss | None:
     return None
 
 
-def _windows(f: OftFactors, src: int, length: int):
+Window = tuple[int, int, int, int]  # segment index, first block, block count, offset into the slice
+
+
+def _windows(f: OftFactors, src: int, length: int) -> list[Window]:
     """(segment index, first block, block count, offset into the slice) for rows [src, src+length)."""
-    out, start = [], 0
+    out: list[Window] = []
+    start = 0
     for i, (blocks, _) in enumerate(f.segments):
         n, b = blocks.shape[:2]
         lo, hi = max(src, start), min(src + length, start + n * b)
@@ -126,18 +131,28 @@ def _delta(f: OftFactors, y: torch.Tensor, src: int, s: float) -> torch.Tensor:
     return _rotated(used, windows, None if f.rescale is None else f.rescale[src : src + y.shape[-1]], y, s)
 
 
-def _rotated(mats: list[torch.Tensor], windows, rescale: torch.Tensor | None, y: torch.Tensor, s: float):
+def _rotated(
+    mats: list[torch.Tensor], windows: list[Window], rescale: torch.Tensor | None, y: torch.Tensor, s: float
+) -> torch.Tensor:
     """The delta of `_delta` from the R − I blocks each window uses (`mats`, in window order)."""
     parts = []
     for m, (_, _, count, off) in zip(mats, windows, strict=True):
-        yk = y[..., off : off + count * m.shape[-1]].unflatten(-1, (count, m.shape[-1]))
+        window = y[..., off : off + count * m.shape[-1]]
+        # torch leaves Tensor.unflatten unannotated
+        yk = window.unflatten(-1, (count, m.shape[-1]))  # type: ignore[no-untyped-call]
         parts.append(torch.einsum("knm,...kn->...km", m * s, yk).flatten(-2))
     delta = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
     return rescaled(delta, y, rescale, s)
 
 
 def add_delta(
-    target_rows: torch.Tensor, f: OftFactors, src: int, length: int, coeff: float, base: torch.Tensor, **_
+    target_rows: torch.Tensor,
+    f: OftFactors,
+    src: int,
+    length: int,
+    coeff: float,
+    base: torch.Tensor,
+    **_: object,
 ) -> None:
     """target_rows (length, in·k) += rescale ⊙ (R_sᵀ W) − W for the original rows `base` (fp32), s = coeff."""
     y = base.to(target_rows.dtype).mT  # rows are the channels: (in·k, length)
@@ -159,10 +174,19 @@ def runtime_term(f: OftFactors, src: int, dst: int, length: int) -> RuntimeTerm:
     rows = () if f.rescale is None else (f.rescale[src : src + length],)
     cache = CastCache(*used, *rows)
 
-    def fn(x, conv, base, strength=None, scale=1.0):
-        if not linear and strength is None:
+    def fn(
+        x: torch.Tensor,
+        conv: ConvSpec | None,
+        base: torch.Tensor,
+        strength: float | None = None,
+        scale: float = 1.0,
+    ) -> torch.Tensor:
+        if linear:
+            s = 1.0
+        elif strength is None:
             raise RuntimeError("OFT with rescale is not linear in strength: the runtime must pass it")
-        s = 1.0 if linear else strength * scale
+        else:
+            s = strength * scale
         y = base if conv is None else base.movedim(1, -1)
         acc = torch.promote_types(y.dtype, torch.float32)
         (*held,) = cache.to(y.device, acc)
@@ -187,10 +211,9 @@ SPEC = Family(
     "oft",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    runtime_term=runtime_term,
     uses_alpha_scale=False,
-    needs_base=True,
     check_piece=check_piece,
 )

@@ -27,7 +27,8 @@ def cayley(blocks: torch.Tensor, constraint: float, dtype: torch.dtype) -> torch
         if norm > constraint:
             q = q * (constraint / norm)
     eye = torch.eye(q.shape[-1], dtype=dtype)
-    return (eye + q) @ torch.linalg.inv(eye - q)
+    rotation: torch.Tensor = (eye + q) @ torch.linalg.inv(eye - q)
+    return rotation
 
 
 def scalar_alpha(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> float:
@@ -46,7 +47,7 @@ def scalar_alpha(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> fl
     return value
 
 
-def row_scale(rescale: torch.Tensor | None, rows: int, key: str) -> torch.Tensor | None:
+def row_scale(rescale: torch.Tensor | None, rows: int, key: str | None) -> torch.Tensor | None:
     """rescale / boft_s: one factor per output row, stored (rows, 1[, 1…]) or (1, rows); flattened to (rows,)."""
     if rescale is None:
         return None

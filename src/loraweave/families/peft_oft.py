@@ -24,16 +24,18 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..report.miss import Miss
-from .base import CastCache, Family, PartRejected, RuntimeTerm, check_factor, refuse_roles
+from .base import CastCache, ConvSpec, Family, PartRejected, RuntimeTerm, check_factor, refuse_roles
 from .oft_common import acc_dtype
 
-DEFAULTS = {
+DEFAULTS: dict[str, Any] = {
     "use_cayley_neumann": True,
     "num_cayley_neumann_terms": 5,
     "coft": False,
@@ -51,7 +53,9 @@ class PeftOftFactors:
     coft_eps: float | None  # None: no projection
     block_share: bool | None  # from the config; None: unknown (the shapes decide)
     form: str  # how R is built and where that came from, for reports
-    _minus_i: dict = field(default_factory=dict)  # (device, dtype) -> R − I (stored rows, b, b)
+    _minus_i: dict[tuple[torch.device, torch.dtype], torch.Tensor] = field(
+        default_factory=dict
+    )  # (device, dtype) -> R − I (stored rows, b, b)
 
     @property
     def rows(self) -> None:
@@ -62,7 +66,7 @@ class PeftOftFactors:
         return self.vec.shape[0] == 1
 
 
-def _field(config: dict, name: str):
+def _field(config: Mapping[str, Any], name: str) -> Any:  # a JSON value of the config
     """A config field, plain or prefixed by a component (diffusers' `transformer.use_cayley_neumann`)."""
     if name in config:
         return config[name]
@@ -74,12 +78,12 @@ def _field(config: dict, name: str):
     return next(iter(found.values()), None)
 
 
-def _version_below(version, major: int, minor: int) -> bool:
+def _version_below(version: object, major: int, minor: int) -> bool:
     m = re.match(r"\s*(\d+)\.(\d+)", str(version or ""))
     return m is None or (int(m[1]), int(m[2])) < (major, minor)
 
 
-def _not_oft(config: dict | None, peft_type) -> str | None:
+def _not_oft(config: Mapping[str, Any] | None, peft_type: object) -> str | None:
     """Why `config` does not describe a PEFT OFT adapter (PEFT's defaults then apply), or None if it does."""
     if config is None:
         return "no adapter config"
@@ -90,14 +94,15 @@ def _not_oft(config: dict | None, peft_type) -> str | None:
     return f"adapter config is {peft_type}, not OFT" if peft_type else "adapter config has no OFT fields"
 
 
-def _settings(config: dict | None) -> tuple[int | None, bool, float | None, bool | None, str]:
+def _settings(config: Mapping[str, Any] | None) -> tuple[int | None, bool, float | None, bool | None, str]:
     """(Neumann terms or None, legacy series, coft eps or None, block_share, source) from an adapter config."""
     peft_type = None if config is None else _field(config, "peft_type")
     why = _not_oft(config, peft_type)
     if why is not None:
         return DEFAULTS["num_cayley_neumann_terms"], False, None, None, f"PEFT 0.21 defaults ({why})"
+    assert config is not None  # _not_oft names a missing config
 
-    def get(name):
+    def get(name: str) -> Any:
         value = _field(config, name)
         return DEFAULTS[name] if value is None else value
 
@@ -131,7 +136,7 @@ def _settings(config: dict | None) -> tuple[int | None, bool, float | None, bool
 
 
 def load(
-    tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict | None = None
+    tensors: dict[str, torch.Tensor], key_of: dict[str, str], config: dict[str, Any] | None = None
 ) -> PeftOftFactors:
     refuse_roles("PEFT OFT", set(tensors) - {"oft_R"}, key_of)
     vec = tensors["oft_R"]
@@ -183,6 +188,7 @@ def check_piece(f: PeftOftFactors, src: int, length: int) -> Miss | None:
 def _series(q: torch.Tensor, f: PeftOftFactors) -> torch.Tensor:
     """R − I = Σ c_k Q^k for PEFT's truncated Cayley-Neumann series (see the module docstring)."""
     terms = f.neumann_terms
+    assert terms is not None  # the series form only (None: exact Cayley)
     if terms <= 1:
         return torch.zeros_like(q)
     if terms == 2:
@@ -226,7 +232,7 @@ def rotation_minus_i(f: PeftOftFactors, device: torch.device, dtype: torch.dtype
 def _blockwise(d: torch.Tensor, t: torch.Tensor, pattern: str) -> torch.Tensor:
     """Apply the per-block D along t's last axis (blocks of b), expanding a shared block to every block."""
     b = d.shape[-1]
-    tb = t.unflatten(-1, (-1, b))
+    tb = t.unflatten(-1, (-1, b))  # type: ignore[no-untyped-call]  # torch leaves unflatten unannotated
     if d.shape[0] != tb.shape[-2]:
         d = d.expand(tb.shape[-2], b, b)
     return torch.einsum(pattern, tb, d).flatten(-2)
@@ -239,7 +245,13 @@ def delta_rows(f: PeftOftFactors, w: torch.Tensor) -> torch.Tensor:
 
 
 def add_delta(
-    target_rows: torch.Tensor, f: PeftOftFactors, src: int, length: int, coeff: float, base: torch.Tensor, **_
+    target_rows: torch.Tensor,
+    f: PeftOftFactors,
+    src: int,
+    length: int,
+    coeff: float,
+    base: torch.Tensor,
+    **_: object,
 ) -> None:
     """target_rows (length, in·k) += s·W·(blockdiag(R)ᵀ − I) for the original rows `base`, s = coeff."""
     target_rows.add_(delta_rows(f, base.to(target_rows.dtype).flatten(1)), alpha=coeff)
@@ -260,26 +272,24 @@ def _plain_weight(module: torch.nn.Module | None) -> str | None:
     return None
 
 
-def runtime_refusal(f: PeftOftFactors, module) -> Miss | None:
+def runtime_refusal(f: PeftOftFactors, module: Any) -> Miss | None:  # the host or its dequantized view
     why = _plain_weight(module)
     return Miss("unsupported", f"unsupported family: PEFT OFT at runtime {why}") if why else None
 
 
-def runtime_term(
-    f: PeftOftFactors, src: int, dst: int, length: int, module: torch.nn.Module | None = None
-) -> RuntimeTerm:
+def runtime_term(f: PeftOftFactors, src: int, dst: int, length: int, module: Any = None) -> RuntimeTerm:
     """Δy = W_rows·(R_sᵀ − I)·x at s = 1 (the runtime scales it by the strength: ΔW is linear in s)."""
     refused = runtime_refusal(f, module)
     if refused is not None:
         raise PartRejected.of(refused)
     taps = math.prod(module.weight.shape[2:])
-    cache: dict = {}
+    cache: dict[tuple[object, ...], torch.Tensor] = {}
     # R − I built once in fp64 (small) and held (RuntimeTerm.caches); the k×k conv form keeps a dense ΔW rebuilt
     # when W changes instead (declared `unheld`)
     held = CastCache(rotation_minus_i(f, f.vec.device, torch.float64).clone())
 
-    def fn(x: torch.Tensor, conv) -> torch.Tensor:
-        weight = module.weight
+    def fn(x: torch.Tensor, conv: ConvSpec | None) -> torch.Tensor:
+        weight: torch.Tensor = module.weight
         rows = weight.detach()[dst : dst + length]
         acc = torch.promote_types(x.dtype, torch.float32)
         if conv is not None and taps > 1:  # kernel taps mixed with channels: dense ΔW, rebuilt if W changes
@@ -319,13 +329,11 @@ SPEC = Family(
     "peft_oft",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
+    load_with_config=load,
     uses_alpha_scale=False,
-    needs_base=True,
-    takes_config=True,
-    runtime_takes_module=True,
     check_piece=check_piece,
     runtime_refusal=runtime_refusal,
 )

@@ -7,6 +7,7 @@ reading the layer's current weight."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +46,15 @@ def check_target(f: SetFactors, shape: tuple[int, ...]) -> Miss | None:
 
 
 def add_delta(
-    target_rows, f: SetFactors, src: int, length: int, coeff: float, base=None, strength=None, scale=None
-):
+    target_rows: torch.Tensor,
+    f: SetFactors,
+    src: int,
+    length: int,
+    coeff: float,
+    base: torch.Tensor,
+    strength: float | None = None,
+    scale: float | None = None,
+) -> None:
     new = f.weight[src : src + length].reshape(length, -1).to(target_rows.dtype)
     if torch.equal(target_rows, base):  # alone on these rows: write t itself (W + (t − W) is not exactly t)
         target_rows.copy_(new)
@@ -58,7 +66,7 @@ def bias_delta(f: SetFactors, src: int, length: int) -> None:
     return None
 
 
-def runtime_refusal(f: SetFactors, module) -> Miss | None:
+def runtime_refusal(f: SetFactors, module: Any) -> Miss | None:  # the host or its dequantized view
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.device.type == "meta":
         return Miss("unsupported", "weight replacement at runtime reads the layer's plain floating weight")
@@ -67,7 +75,7 @@ def runtime_refusal(f: SetFactors, module) -> Miss | None:
     return None
 
 
-def runtime_term(f: SetFactors, src: int, dst: int, length: int, module=None) -> RuntimeTerm:
+def runtime_term(f: SetFactors, src: int, dst: int, length: int, module: Any = None) -> RuntimeTerm:
     refused = runtime_refusal(f, module)
     if refused is not None:
         raise PartRejected.of(refused)
@@ -75,9 +83,15 @@ def runtime_term(f: SetFactors, src: int, dst: int, length: int, module=None) ->
     kind = _kind(module) if weight.dim() == 1 else None
     cache = CastCache(f.weight[src : src + length])  # held: a host counts and moves it
 
-    def fn(x: torch.Tensor, conv: ConvSpec | None, base=None, strength=None, scale=None) -> torch.Tensor:
+    def fn(
+        x: torch.Tensor,
+        conv: ConvSpec | None,
+        base: torch.Tensor | None = None,
+        strength: float | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         w = weight[dst : dst + length]
-        diff = cache.to(x.device, x.dtype)[0] - w.to(x.device, x.dtype)
+        diff: torch.Tensor = cache.to(x.device, x.dtype)[0] - w.to(x.device, x.dtype)
         if kind is not None:
             xn = normalised(kind, module, x)
             if kind == "group":
@@ -101,12 +115,10 @@ SPEC = Family(
     "set",
     load,
     check_target,
-    add_delta,
-    bias_delta,
-    runtime_term,
+    add_delta_from_base=add_delta,
+    bias_delta=bias_delta,
+    host_runtime_term=runtime_term,
     roles=("set_weight",),
     uses_alpha_scale=False,
-    needs_base=True,
-    runtime_takes_module=True,
     runtime_refusal=runtime_refusal,
 )

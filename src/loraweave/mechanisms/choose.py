@@ -16,6 +16,7 @@ from ..report.miss import Miss, Unmatched
 from ..resolve.planner import Plan
 from .merge.layer import Contribution, merge_blocker, needs_bias
 from .quantized.write import Route, factorable_reason, route_hook_free
+from .runtime.factor_cache import FactorCache
 from .runtime.offload import weight_copies
 from .runtime.path import runtime_blocker, runtime_host
 
@@ -39,7 +40,7 @@ Work = list[LayerWork]
 class QuantSettings:
     quantized: QuantizedMode = "auto"
     host_rank: int = 256
-    cache: object = None
+    cache: FactorCache | None = None
 
 
 @dataclass
@@ -76,9 +77,9 @@ def runtime_refusal(module: torch.nn.Module, contribs: list[Contribution]) -> Mi
     families' declared abilities: nothing is built."""
     host = None
     for pp, _ in contribs:
-        if pp.family.runtime_takes_module and host is None:
+        if pp.family.reads_host and host is None:
             host = runtime_host(module)
-        refused = pp.family.runtime_refusal(pp.factors, host if pp.family.runtime_takes_module else None)
+        refused = pp.family.runtime_refusal(pp.factors, host if pp.family.reads_host else None)
         if refused is not None:
             return refused
     return None

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..arch.aliases import AMBIGUOUS, AliasTable
+from ..arch.aliases import AliasTable
 from ..arch.spec import Piece, module_shape
 from ..families import family_for
-from ..families.base import Family, KnownFinite, PartRejected
+from ..families.base import Factors, Family, KnownFinite, PartRejected, Shape
 from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
 from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
@@ -36,7 +36,7 @@ class PlannedPart:
     family: Family  # chosen from the part's keys and shapes (families.family_for)
     component: str
     pieces: tuple[Piece, ...]
-    factors: object
+    factors: Factors  # the family's own factors record
     scale: float  # γ from alpha/rank or metadata
     alpha_source: str
     strength: float  # per-adapter strength x global strength
@@ -88,7 +88,7 @@ def part_scale(
     adapter: Adapter,
     part: AdapterPart,
     family: Family,
-    factors,
+    factors: Factors,
     component: str,
     metadata_field: str | None,
 ) -> tuple[float, str]:
@@ -125,6 +125,7 @@ def _positional_lookup(adapter: Adapter, part: AdapterPart, table: AliasTable) -
     """cloneofsimo files name layers by index; the metadata lists the ancestor classes that were
     enumerated."""
     m = CLONEOFSIMO_STEM_RE.match(part.path)
+    assert m is not None  # the cloneofsimo layout is detected by this very pattern
     classes = cloneofsimo_classes(adapter.metadata, m["component"], adapter.path or adapter.name) or ()
     # lora_diffusion's default targets predate diffusers' rename of CrossAttention to Attention.
     classes = classes or (
@@ -160,7 +161,7 @@ def _reshape_target(adapter: Adapter, part: AdapterPart) -> tuple[int, ...] | No
 
 
 def _growth(
-    family: Family, factors, shape: tuple[int, ...], width: int | None, module: str, table: AliasTable
+    family: Family, factors: Factors, shape: Shape, width: int | None, module: str, table: AliasTable
 ) -> int | None:
     """The wider input a control adapter needs, when the module may grow to it and the adapter then fits."""
     if width is None or len(shape) != 2 or width <= shape[1] or module not in table.growable_inputs:
@@ -180,7 +181,7 @@ def _find_pieces(adapter: Adapter, part: AdapterPart, table: AliasTable, where: 
         if why is not None:  # a module only a sibling variant has: not a failure
             raise PartRejected("expected_absent", f"expected absent: {where} ({why})")
         raise PartRejected("no_such_module", f"no such module: {where}")
-    if found == AMBIGUOUS:
+    if isinstance(found, str):  # AMBIGUOUS, the only name lookup returns
         raise PartRejected(
             "ambiguous_module",
             f"ambiguous module name: {where} matches several modules once '.' is written '_'",
@@ -217,7 +218,9 @@ def _supported_family(part: AdapterPart, tensors: dict[str, torch.Tensor], targe
     return family
 
 
-def _load_factors(adapter: Adapter, part: AdapterPart, family: Family, tensors: dict[str, torch.Tensor]):
+def _load_factors(
+    adapter: Adapter, part: AdapterPart, family: Family, tensors: dict[str, torch.Tensor]
+) -> Factors:
     """The family's factors from the part's tensors; alpha stays out where the scale carries it
     (part_scale)."""
     # OFT & co read alpha themselves.
@@ -241,9 +244,10 @@ class _Fitting:
     notes: list[str] = field(default_factory=list)
     grow: dict[str, tuple[int, str]] = field(default_factory=dict)  # module -> (new input width, config key)
 
-    def piece(self, factors, module: str):
+    def piece(self, factors: Factors, module: str) -> Factors:
         """The factors fitted to `module`: as they are, grown into a declared model input, or zero-padded."""
         shape = module_shape(self.table.modules[module])
+        assert shape is not None  # AliasTable.modules holds only modules with a weight shape
         factors, reason = self.family.fit(factors, shape)
         if reason and (why := self.table.variant_input(module, self.family.input_width(factors))):
             # before growth: not a control input
@@ -257,7 +261,7 @@ class _Fitting:
             raise PartRejected.of(reason.where(f"{self.comp_name}.{module}"))
         return factors
 
-    def _check_reshape(self, factors, shape: tuple[int, ...], module: str) -> None:
+    def _check_reshape(self, factors: Factors, shape: Shape, module: str) -> None:
         """A `reshape_weight` may only ask a declared model input for more columns the adapter then fits."""
         if self.reshape is None or self.reshape == shape:
             return
@@ -273,7 +277,7 @@ class _Fitting:
                 f"{self.reshape}; only declared model inputs can grow, and only in columns",
             )
 
-    def _grow(self, factors, shape: tuple[int, ...], module: str, reason):
+    def _grow(self, factors: Factors, shape: Shape, module: str, reason: Miss) -> tuple[Factors, Miss | None]:
         """(factors, reason): settled on the wider input a control adapter needs, reason None, when it
         fits."""
         width = _growth(self.family, factors, shape, self.family.input_width(factors), module, self.table)
@@ -288,7 +292,9 @@ class _Fitting:
         )
         return factors, None
 
-    def _widen(self, factors, shape: tuple[int, ...], module: str, reason):
+    def _widen(
+        self, factors: Factors, shape: Shape, module: str, reason: Miss
+    ) -> tuple[Factors, Miss | None]:
         """(factors, reason): zero-padded to a wider variant's input, reason None, when that fits."""
         widened = self.family.widen_input(factors, shape)
         fitted = self.family.fit(widened, shape) if widened is not None else (None, reason)
@@ -298,7 +304,7 @@ class _Fitting:
         return fitted[0], None
 
 
-def _check_rows(family: Family, factors, found: tuple[Piece, ...], comp_name: str) -> None:
+def _check_rows(family: Family, factors: Factors, found: tuple[Piece, ...], comp_name: str) -> None:
     """The adapter's output rows cover the pieces exactly, and each piece is a slice the family may take."""
     total = sum(p.length for p in found)
     # rows None: the delta spans any rows (IA3 on the input)
@@ -391,7 +397,10 @@ def resolve(
                         planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
                     else:
                         planned = _plan_with_fallback(adapter, part, comp_name, components, tables, strength)
-                    (plan.params if isinstance(planned, PlannedParam) else plan.planned).append(planned)
+                    if isinstance(planned, PlannedParam):
+                        plan.params.append(planned)
+                    else:
+                        plan.planned.append(planned)
                 except PartRejected as rejected:
                     plan.unmatched += [Unmatched(adapter.name, key, rejected.miss) for key in part.keys]
     return plan

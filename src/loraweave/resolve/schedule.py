@@ -35,17 +35,19 @@ class StepWindow:
         return values
 
 
-def _finite(value, what: str) -> float:
+def _finite(value: object, what: str) -> float:
     return number(value, f"AdapterSpec {what}")
 
 
-def _pair(value, what: str) -> tuple[float, float]:
+def _pair(value: object, what: str) -> tuple[float, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise ArgumentError(f"AdapterSpec {what} must be a pair (start, end), got {value!r}")
     return _finite(value[0], what), _finite(value[1], what)
 
 
-def check_window(steps, ramp, ramp_strengths) -> None:
+def check_window(
+    steps: tuple[float, float] | None, ramp: str | None, ramp_strengths: tuple[float, float] | None
+) -> None:
     """ArgumentError (a ValueError) unless the window is valid: 0 <= start < end <= 1; a ramp is 'linear' with
     two strengths."""
     if steps is not None:
@@ -62,12 +64,17 @@ def check_window(steps, ramp, ramp_strengths) -> None:
         _pair(ramp_strengths, "ramp_strengths")
 
 
-def step_window(steps, ramp, ramp_strengths, factor: float = 1.0) -> StepWindow | None:
+def step_window(
+    steps: tuple[float, float] | None,
+    ramp: str | None,
+    ramp_strengths: tuple[float, float] | None,
+    factor: float = 1.0,
+) -> StepWindow | None:
     """The window of a checked spec (ramp strengths times apply's `strength`), or None when it has none."""
     if steps is None and ramp is None:
         return None
     start, end = (float(steps[0]), float(steps[1])) if steps is not None else (0.0, 1.0)
-    pair = (
-        (float(ramp_strengths[0]) * factor, float(ramp_strengths[1]) * factor) if ramp is not None else None
-    )
+    pair = None
+    if ramp is not None and ramp_strengths is not None:  # checked: a ramp comes with its strengths
+        pair = (float(ramp_strengths[0]) * factor, float(ramp_strengths[1]) * factor)
     return StepWindow(start, end, pair)

@@ -6,7 +6,10 @@ adapter touches are left alone."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
+
+import torch
 
 from ..arch.spec import Piece, module_shape
 from ..families import combined
@@ -41,7 +44,7 @@ def adapter_names(contributions: list[Contribution]) -> set[str]:
 
 def combine_groups(
     groups: dict[tuple[str, str], list[Contribution]],
-    modules: dict[str, object],
+    modules: Mapping[str, torch.nn.Module],
     mode: StackMode,
     density: float | None,
 ) -> dict[tuple[str, str], list[Contribution]]:
@@ -50,13 +53,14 @@ def combine_groups(
     if mode == "sum" or mode in SELECT_MODES:  # select modes keep both adapters; gates pick one per step
         return groups
     assert mode in DENSE_MODES
-    out = {}
+    out: dict[tuple[str, str], list[Contribution]] = {}
     for (comp, path), contribs in groups.items():
         names = sorted({pp.adapter.name for pp, _ in contribs})
         if len(names) < 2:
             out[(comp, path)] = contribs
             continue
         shape = module_shape(modules[comp].get_submodule(path))
+        assert shape is not None  # parts were planned onto this layer: it has a weight
         factors = CombinedFactors(list(contribs), mode, density, stack_key(comp, path, names), tuple(shape))
         part = AdapterPart(f"stack:{comp}.{path}", comp, path, "stack", True, "combined")
         pp = PlannedPart(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -35,11 +36,11 @@ class Components:
                 return other
         return None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[str, torch.nn.Module]]:
         return iter(self.modules.items())
 
 
-def as_components(target) -> Components:
+def as_components(target: Any) -> Components:  # a module, a mapping of them or a pipeline
     if isinstance(target, Components):
         return target
     if isinstance(target, torch.nn.Module):

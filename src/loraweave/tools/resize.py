@@ -81,7 +81,7 @@ def _dense(part, factors, family) -> tuple[torch.Tensor, tuple[int, ...]]:
     delta = torch.zeros(
         factors.rows, math.prod(in_shape), dtype=torch.float32
     )  # fp32 SVD: several times faster
-    family.add_delta(delta, factors, 0, factors.rows, 1.0)
+    family.add(delta, factors, 0, factors.rows, 1.0)
     return delta, in_shape
 
 
@@ -207,7 +207,7 @@ def _read_part(adapter, part, metadata_field: str | None) -> tuple[dict[str, tor
     part_scale)."""
     roles = {r: adapter.tensor(k) for r, k in part.roles.items() if r not in ("alpha", "scale")}
     family = FAMILIES[part.family]
-    factors = family.load(roles, part.roles)
+    factors = family.load_part(roles, part.roles, None)
     scale, _ = part_scale(adapter, part, family, factors, part.component, metadata_field)
     return roles, factors, scale
 

@@ -34,9 +34,9 @@ def pack_positions(positions: torch.Tensor, numel: int) -> torch.Tensor:
     """A bitmask (uint8, bit i of byte j = element 8j+i) with the given flat positions set."""
     pn = _np(positions)
     if pn is not None:
-        mask = np.zeros(numel, dtype=np.bool_)
-        mask[pn] = True
-        return torch.from_numpy(np.packbits(mask, bitorder="little"))
+        flags = np.zeros(numel, dtype=np.bool_)
+        flags[pn] = True
+        return torch.from_numpy(np.packbits(flags, bitorder="little"))
     mask = torch.zeros(numel, dtype=torch.bool, device=positions.device)
     mask[positions] = True
     pad = (-numel) % 8

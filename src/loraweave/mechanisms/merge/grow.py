@@ -7,7 +7,9 @@ effect), `in_features` and the model config's input width follow. Undo puts the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,8 +18,8 @@ log = logging.getLogger("loraweave")
 
 @dataclass(eq=False)
 class GrownInput:
-    module: torch.nn.Module
-    weight: torch.nn.Parameter  # the original Parameter object
+    module: torch.nn.Linear
+    weight: torch.Tensor  # the original Parameter object
     in_features: int
     config_owner: object | None
     config_before: dict[str, object] = field(default_factory=dict)
@@ -34,7 +36,7 @@ class GrownInput:
     undo = restore  # a journal entry
 
 
-def _set_config(owner: object, key: str, value: object) -> None:
+def _set_config(owner: Any, key: str, value: object) -> None:  # a model with a `config`
     register = getattr(owner, "register_to_config", None)
     if register is not None:  # diffusers models: a frozen config rebuilt by register_to_config
         register(**{key: value})
@@ -42,15 +44,20 @@ def _set_config(owner: object, key: str, value: object) -> None:
         setattr(owner.config, key, value)
 
 
-def grow_input(root: torch.nn.Module, path: str, width: int, config_key: str, record=None) -> GrownInput:
+def grow_input(
+    root: torch.nn.Module,
+    path: str,
+    width: int,
+    config_key: str,
+    record: Callable[[GrownInput], object] | None = None,
+) -> GrownInput:
     """Widen Linear `root.<path>` to `width` input columns (zeros); `record(entry)` gets the undo record
     before anything changes."""
     module = root.get_submodule(path)
     old = module.weight
-    if not isinstance(module, torch.nn.Linear) or width <= old.shape[1]:
-        raise ValueError(
-            f"cannot grow {path} ({type(module).__name__}, weight {tuple(old.shape)}) to {width} columns"
-        )
+    if not isinstance(module, torch.nn.Linear) or not isinstance(old, torch.Tensor) or width <= old.shape[1]:
+        shape = tuple(old.shape) if isinstance(old, torch.Tensor) else old
+        raise ValueError(f"cannot grow {path} ({type(module).__name__}, weight {shape}) to {width} columns")
     config = getattr(root, "config", None)
     before: dict[str, object] = {}
     if config is not None and hasattr(config, config_key):

@@ -247,7 +247,7 @@ def _native_record(
     the misses); else the misses decoded and encoded again; None where a copy is smaller (kind "auto")."""
     misses = raw.values.numel()
     sizes = encoding_sizes(rows.numel(), misses, done.fillers, rows.element_size())
-    best = min(sizes, key=sizes.get)
+    best = min(sizes, key=sizes.__getitem__)
     if kind == "transient" or (best == "gaps8" and (kind == "compact" or sizes[best] < tensor_bytes(rows))):
         return raw  # fresh host tensors of their own (the kernel runs on the CPU only)
     positions = raw.decoded_positions(rows.numel(), rows.device)
@@ -260,10 +260,11 @@ def _raw(rows: torch.Tensor, done: _Progress, witness: torch.Tensor, chunk_rows:
     wb = bits(rows).view(-1)
     found, values = done.found, done.values
     positions = torch.cat(found) if found else torch.zeros(0, dtype=torch.int64, device=rows.device)
-    guard = tuple(
+    g_pos, g_w, g_m = (
         torch.cat(g) if g else like.new_zeros(0)
         for g, like in zip(done.guards, (positions, wb, wb), strict=True)
     )
+    guard = (g_pos, g_w, g_m)
     if done.encoding != "raw" and not found:
         positions = torch.zeros(0, dtype=torch.uint8, device=rows.device)
     values_all = torch.cat(values) if values else wb.new_zeros(0)
@@ -298,4 +299,5 @@ def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None
 def direct_scratch(rows: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """merge_direct's two block buffers (ΔW and the sum), from the pool: called early, it reserves them."""
     block = min(rows.shape[0], chunk_rows) * rows[0].numel()
-    return tuple(scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
+    delta, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
+    return delta, acc

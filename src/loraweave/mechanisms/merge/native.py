@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ class Kernel:
     """One dtype's kernel: kernel(w, d, n, base, pos, vals, guard, guard_w, guard_m, state) -> misses."""
 
     dtype: torch.dtype
-    fn: ctypes._CFuncPtr
+    fn: Callable[..., int]  # a ctypes function of the compiled library
 
 
 def _cache_dir() -> Path:

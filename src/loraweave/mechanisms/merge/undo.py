@@ -13,7 +13,7 @@ A record of an accelerator weight lives in host memory (pinned when CUDA is ther
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -34,11 +34,13 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # (weight rows (out, in·k) that W-dependent families read, r0, r1, out) -> Σ coeff·ΔW of rows [r0, r1), fp32;
 # out: None or a flat fp32 buffer of at least (r1 - r0)·in·k elements the result may be written to
 DeltaFn = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], torch.Tensor]
-_POOL: ContextVar[dict | None] = ContextVar("loraweave_merge_buffers", default=None)
+_POOL: ContextVar[dict[tuple[object, ...], torch.Tensor] | None] = ContextVar(
+    "loraweave_merge_buffers", default=None
+)
 
 
 @contextmanager
-def reused_buffers():
+def reused_buffers() -> Iterator[None]:
     """Within: a merge's W' buffer and block temporaries are kept and reused layer after layer (each fresh
     allocation of the same size costs page faults again); all of it is released on exit."""
     token = _POOL.set({})
@@ -251,7 +253,7 @@ def combine_into(
 
 
 @contextmanager
-def recorded_threads(n: int):
+def recorded_threads(n: int) -> Iterator[None]:
     """Run with the thread count a record was made with: ΔW must be recomputed exactly as it was."""
     before = torch.get_num_threads()
     if n != before:
@@ -269,7 +271,7 @@ def compact_sizes(numel: int, steps: torch.Tensor, itemsize: int) -> dict[str, i
     misses = steps.numel()
     longest = steps.max() if misses else None  # one reduction; most records need no filler at all
     fillers = {
-        name: filler_count(steps, most) if misses and bool(longest > most) else 0
+        name: filler_count(steps, most) if longest is not None and bool(longest > most) else 0
         for name, (_, most) in GAP_ENCODINGS.items()
     }
     return encoding_sizes(numel, misses, fillers, itemsize)
@@ -349,7 +351,7 @@ def compact_record(
     misses = raw.positions
     steps = torch.diff(misses, prepend=misses.new_full((1,), -1))
     sizes = compact_sizes(rows.numel(), steps, rows.element_size())
-    encoding = min(sizes, key=sizes.get)
+    encoding = min(sizes, key=sizes.__getitem__)
     if sizes[encoding] >= tensor_bytes(rows) and not force:
         return None
     if encoding == "bitmask":
@@ -428,7 +430,8 @@ class _Blocks:
     found."""
 
     def __init__(self, rows: torch.Tensor, chunk_rows: int, compact: bool) -> None:
-        self.rows, self.cols, self.compact, self.found = rows, rows[0].numel(), compact, []
+        self.rows, self.cols, self.compact = rows, rows[0].numel(), compact
+        self.found: list[torch.Tensor] = []
         block = min(rows.shape[0], chunk_rows) * self.cols
         self.delta, self.acc = (
             scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc")

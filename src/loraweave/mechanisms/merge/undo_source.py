@@ -23,18 +23,23 @@ from ...errors import AdapterFileError, UndoError
 from ...io.safetensors_file import read_safetensors_header
 from .undo import DeltaFn, bits
 
-Location = tuple[str, torch.dtype, tuple[int, ...], int, int]  # file, dtype, shape, absolute begin, end
+# file, dtype (a name where torch has none), shape, absolute begin, end
+Location = tuple[str, torch.dtype | str, tuple[int, ...], int, int]
+StrPath = str | os.PathLike[str]
+# undo="source": the model's safetensors file, a directory of them, or one of those per component
+UndoSource = StrPath | dict[str, StrPath]
 
 
 def _digest(data: torch.Tensor) -> str:
-    return hashlib.blake2b(data.numpy(), digest_size=16).hexdigest()
+    # numpy arrays have the buffer protocol; numpy's stubs do not declare it
+    return hashlib.blake2b(data.numpy(), digest_size=16).hexdigest()  # type: ignore[arg-type]
 
 
 def _read(path: str, begin: int, end: int) -> torch.Tensor:
     out = torch.empty(end - begin, dtype=torch.uint8)
     with open(path, "rb") as f:
         f.seek(begin)
-        got = f.readinto(out.numpy())
+        got = f.readinto(out.numpy())  # type: ignore[arg-type]  # as _digest: an ndarray is a buffer
     if got != end - begin:
         raise UndoError(
             f"{path}: read {got} of {end - begin} bytes of a tensor: file truncated since the merge"
@@ -87,7 +92,7 @@ class SourceRecord:
 class SourceFiles:
     """Tensor name -> candidate files for each component, from headers only (read once per file)."""
 
-    def __init__(self, components: dict[str, torch.nn.Module], given=None) -> None:
+    def __init__(self, components: dict[str, torch.nn.Module], given: UndoSource | None = None) -> None:
         self._components = components
         self._given = given
         self._index: dict[str, dict[str, list[Location]]] = {}

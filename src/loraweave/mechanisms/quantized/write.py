@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ...arch.spec import module_shape
+from ...families.contribution import add_contribution
 from ...quant.backend import QuantBackend, Restore
-from ..merge.layer import Contribution, add_contribution, needs_bias, refuse_non_finite
+from ...resolve.planner import PlannedPart
+from ...resolve.stacking import Contribution
+from ..merge.layer import needs_bias, refuse_non_finite
 from .hosted import Truncation, truncate
 
 log = logging.getLogger("loraweave")
@@ -24,11 +28,23 @@ REQUANT_ENERGY = 0.90  # hosting that captures less than this loses to requantiz
 STACK_ATTR = "_loraweave_quant"  # per-module list of live quantized writes, newest last
 
 
-def _coeff(pp) -> float:
+class HostedCache(Protocol):
+    """What hosting reads of a factor cache (mechanisms/runtime/factor_cache.py FactorCache)."""
+
+    def signature(
+        self, module: torch.nn.Module, layer: str, contributions: list[Contribution], host_rank: int
+    ) -> str | None: ...
+
+    def load(self, sig: str) -> Truncation | None: ...
+
+    def store(self, sig: str, trunc: Truncation) -> Truncation: ...
+
+
+def _coeff(pp: PlannedPart) -> float:
     return pp.strength * pp.scale
 
 
-def part_factorable(pp, module: torch.nn.Module) -> bool:
+def part_factorable(pp: PlannedPart, module: torch.nn.Module) -> bool:
     """A plain 2-D LoRA part (no bias, no DoRA, no kernel): its factors ride a side channel exactly."""
     f = pp.factors
     if pp.part.family != "lora" or getattr(f, "up_bias", None) is not None:
@@ -103,12 +119,12 @@ def host_factors(
     rest: list[Contribution],
     module: torch.nn.Module,
     host_rank: int,
-    cache=None,
+    cache: HostedCache | None = None,
     layer: str = "",
 ) -> tuple[Truncation, bool | None]:
     """The hosted truncation of `delta`, replayed from `cache` when it holds this exact configuration."""
     sig = cache.signature(module, layer, rest, host_rank) if cache is not None else None
-    if sig is None:
+    if cache is None or sig is None:
         return truncate(delta, host_rank), None
     hit = cache.load(sig)
     if hit is not None:
@@ -122,7 +138,7 @@ def route_hook_free(
     contribs: list[Contribution],
     host_rank: int,
     force_requantize: bool = False,
-    cache=None,
+    cache: HostedCache | None = None,
     layer: str = "",
 ) -> Route:
     """Hook-free choice on a quantized layer: factor channel, else hosting vs requantizing (the routing
@@ -160,7 +176,7 @@ def _host_or_requantize(
     module: torch.nn.Module,
     contribs: list[Contribution],
     host_rank: int,
-    cache,
+    cache: HostedCache | None,
     layer: str,
 ) -> Route:
     """Low-bit layer that could do either: host the truncated delta unless it is fat (large against the grid
@@ -168,6 +184,7 @@ def _host_or_requantize(
     exact = [c for c in contribs if part_factorable(c[0], module)]
     rest = [c for c in contribs if not part_factorable(c[0], module)]
     shape = module_shape(module)
+    assert shape is not None  # a planned quantized layer has a logical weight shape
     base = backend.dequantize(module)
     delta = intended_delta(rest, shape, base)
     trunc, hit = host_factors(delta, rest, module, host_rank, cache, layer)
@@ -194,7 +211,7 @@ class QuantWrite:
     contributions: list[Contribution]
     mechanism: str
     host_rank: int = 0
-    cache: object | None = None  # FactorCache: hosted factors replayed instead of recomputed
+    cache: HostedCache | None = None  # a FactorCache: hosted factors replayed instead of recomputed
     layer: str = ""  # component.path, part of the cache signature
     adapters: set[str] = field(default_factory=set)
     retention: float | None = None
@@ -230,6 +247,7 @@ class QuantWrite:
 
     def _ride(self) -> None:
         shape = module_shape(self.module)
+        assert shape is not None  # a planned quantized layer has a logical weight shape
         exact = [c for c in self.contributions if part_factorable(c[0], self.module)]
         rest = [c for c in self.contributions if not part_factorable(c[0], self.module)]
         downs, ups = [], []
@@ -257,12 +275,15 @@ class QuantWrite:
             down = torch.cat([down, down.new_zeros(pad, down.shape[1])])
             up = torch.cat([up, up.new_zeros(up.shape[0], pad)], dim=1)
         self._undo = self.backend.append_factors(self.module, down, up)
-        if rest:
-            self.retention = retention(up @ down, delta + (exact_delta.to(delta.device) if exact else 0.0))
+        if delta is not None:  # hosted members (rest): ρ against everything this write stands for
+            exact_part = exact_delta.to(delta.device) if isinstance(exact_delta, torch.Tensor) else 0.0
+            self.retention = retention(up @ down, delta + exact_part)
         else:
             self.retention = 1.0
 
-    def _hosted(self, rest: list[Contribution], shape, base):
+    def _hosted(
+        self, rest: list[Contribution], shape: tuple[int, ...], base: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Truncation]:
         """(ΔW of the non-factorable members, its truncation at host_rank); the routing's when it has them."""
         first = self._first
         delta = first.delta if first is not None and first.delta is not None else None
@@ -278,6 +299,7 @@ class QuantWrite:
 
     def _requantize(self) -> None:
         shape = module_shape(self.module)
+        assert shape is not None  # a planned quantized layer has a logical weight shape
         base = self.backend.dequantize(self.module)
         delta = intended_delta(self.contributions, shape, base)
         target = base + delta.view(base.shape)

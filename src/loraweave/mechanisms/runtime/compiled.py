@@ -12,6 +12,7 @@ refused; select modes (klora/estlora) flip per-layer gates inside the scale tens
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...errors import ArgumentError, ArgumentTypeError
@@ -39,7 +40,9 @@ class CompileOptions:
         return -(-rank // top) * top
 
 
-def compile_options(compile_friendly: bool, rank_buckets, stack: str) -> CompileOptions | None:
+def compile_options(
+    compile_friendly: bool, rank_buckets: Iterable[int] | None, stack: str
+) -> CompileOptions | None:
     """Validated options, or None when not asked for (rank_buckets alone is an error: it would do nothing)."""
     if not isinstance(compile_friendly, bool):
         raise ArgumentTypeError(f"compile_friendly must be a bool, got {compile_friendly!r}")

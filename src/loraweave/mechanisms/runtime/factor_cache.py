@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ...resolve.planner import PlannedPart
+from ...resolve.stacking import Contribution
 from ..quantized.hosted import Truncation
 
 log = logging.getLogger("loraweave")
@@ -28,7 +30,7 @@ FORMAT = "1"
 SUFFIX = ".safetensors"
 
 
-def _hash_tensor(h, t: torch.Tensor) -> None:
+def _hash_tensor(h: hashlib._Hash, t: torch.Tensor) -> None:
     h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
     t = t.detach().cpu().contiguous().reshape(-1)  # 1-D: 0-d tensors cannot be viewed as bytes
     h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -68,7 +70,7 @@ class FactorCache:
     """Hosted-factor cache in `root`, at most `budget_bytes` on disk (0: off)."""
 
     def __init__(
-        self, root: str | os.PathLike, budget_bytes: int = 8 << 30, model_id: str | None = None
+        self, root: str | os.PathLike[str], budget_bytes: int = 8 << 30, model_id: str | None = None
     ) -> None:
         self.root = Path(root)
         self.budget = int(budget_bytes)
@@ -77,7 +79,7 @@ class FactorCache:
         self.misses = 0
 
     @staticmethod
-    def _part_hash(pp) -> str:
+    def _part_hash(pp: PlannedPart) -> str:
         """Content hash of the part's own tensors (not memoised: object ids are reused after collection)."""
         h = hashlib.sha256()
         for key in sorted(pp.part.keys):
@@ -86,7 +88,7 @@ class FactorCache:
         return h.hexdigest()
 
     def signature(
-        self, module: torch.nn.Module, layer: str, contributions: list, host_rank: int
+        self, module: torch.nn.Module, layer: str, contributions: list[Contribution], host_rank: int
     ) -> str | None:
         identity = self.model_id if self.model_id is not None else layer_fingerprint(module)
         if identity is None:

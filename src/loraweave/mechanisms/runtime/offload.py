@@ -20,13 +20,14 @@ import torch
 GROUP_HOOK = "group_offloading"  # diffusers.hooks.group_offloading._GROUP_OFFLOADING
 
 
-def _group(module: torch.nn.Module):
+def _group(module: torch.nn.Module) -> object | None:
+    """diffusers' offload group holding the module (duck-typed: diffusers is optional), or None."""
     registry = getattr(module, "_diffusers_hook", None)
     hook = getattr(registry, "hooks", {}).get(GROUP_HOOK) if registry is not None else None
     return getattr(hook, "group", None)
 
 
-def _copy_reason(group) -> str | None:
+def _copy_reason(group: object) -> str | None:
     if getattr(group, "offload_to_disk_path", None):
         return (
             "diffusers group offloading reloads the weight from disk on every onload (a merge would be lost)"

@@ -23,7 +23,7 @@ def concatenated(
     if up is not None:
         return down, up
     downs = [d for d, _ in pairs]
-    ups = [t.up for _, chunks in pairs for t in chunks]
+    ups = [_up(t) for _, chunks in pairs for t in chunks]
     down = torch.empty(
         (sum(d.shape[0] for d in downs), *downs[0].shape[1:]),
         dtype=functools.reduce(torch.promote_types, (d.dtype for d in downs)),
@@ -40,20 +40,25 @@ def concatenated(
         rank = d.shape[0]
         down[col : col + rank].copy_(d)
         for t in chunks:
-            up[t.dst_start : t.dst_start + t.length, col : col + rank].copy_(t.up)
+            up[t.dst_start : t.dst_start + t.length, col : col + rank].copy_(_up(t))
         col += rank
     return down, up
+
+
+def _up(term: RuntimeTerm) -> torch.Tensor:
+    assert term.up is not None  # a pair's row chunk carries its up rows (RuntimePath gathers only those)
+    return term.up
 
 
 def _rows_in_place(chunks: list[RuntimeTerm], out: int) -> torch.Tensor | None:
     """The (out, r) up that `chunks` tile when each is already at its own rows of one contiguous tensor (a
     part split over a fused layer's row ranges: Flux's qkv, linear1), as a view of it; None otherwise."""
-    first = chunks[0].up
+    first = _up(chunks[0])
     row = first.stride(0) * first.element_size()
     base = first.data_ptr() - chunks[0].dst_start * row
     rows = 0
     for t in sorted(chunks, key=lambda t: t.dst_start):
-        up = t.up
+        up = _up(t)
         if (
             t.dst_start != rows
             or not up.is_contiguous()

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
 
 from ...arch.spec import out_rows
 from ...families.base import CastCache, ConvSpec, RuntimeTerm
-from ...quant import backend_for
+from ...quant import QuantBackend, backend_for
 from ...resolve.planner import PlannedPart
-from ..merge.layer import Contribution
+from ...resolve.stacking import Contribution
 from .pair import concatenated
 from .skinny import probe, skinny_linear
 
-_CONVS = {torch.nn.Conv1d: F.conv1d, torch.nn.Conv2d: F.conv2d, torch.nn.Conv3d: F.conv3d}
+ConvFn = Callable[..., torch.Tensor]
+_CONVS: dict[type[torch.nn.Module], ConvFn] = {
+    torch.nn.Conv1d: F.conv1d,
+    torch.nn.Conv2d: F.conv2d,
+    torch.nn.Conv3d: F.conv3d,
+}
 # Norm layers carry only structured terms (e.g. LyCORIS `w_norm`): channels on the last axis or on axis 1.
 _NORMS_CHANNELS_LAST = (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm))
 _NORMS_CHANNELS_FIRST = (torch.nn.GroupNorm,)
@@ -40,18 +48,18 @@ class DequantizedView:
     """Host seen by families that read W (DoRA, GLoRA, ...) on a quantized layer: the backend's dequantized
     weight, formed on each access (never the packed storage, never a resident float copy)."""
 
-    def __init__(self, module: torch.nn.Module, backend) -> None:
+    def __init__(self, module: torch.nn.Module, backend: QuantBackend) -> None:
         self._module, self._backend = module, backend
 
     @property
     def weight(self) -> torch.Tensor:
         return self._backend.dequantize(self._module)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
 
-def runtime_host(module: torch.nn.Module):
+def runtime_host(module: torch.nn.Module) -> torch.nn.Module | DequantizedView:
     """What families that read the host module see: the module, or a dequantized view of a quantized one."""
     backend = backend_for(module)
     if backend is None or backend.unavailable() or not backend.capabilities(module).dequantize:
@@ -63,11 +71,66 @@ def _kernel_dims(module: torch.nn.Module) -> tuple[int, ...]:
     """(in, *k) of a conv weight; packed quantized storage has its own shape, so ask the backend first."""
     backend = backend_for(module)
     shape = backend.logical_shape(module) if backend is not None else None
-    return tuple(shape[1:]) if shape else tuple(module.weight.shape[1:])
+    if shape:
+        return tuple(shape[1:])
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)  # a conv host (runtime_blocker)
+    return tuple(weight.shape[1:])
 
 
-def _conv_fn(module: torch.nn.Module):
+def _conv_fn(module: torch.nn.Module) -> ConvFn | None:
     return next((fn for cls, fn in _CONVS.items() if isinstance(module, cls)), None)
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpan:
+    """One part's ranks in the layer's rank-concatenated pair, in pair order."""
+
+    part: PlannedPart
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRows:
+    """A dense ΔW or a bias delta on output rows [dst, dst+rows), read through a cache a host may re-point."""
+
+    part: PlannedPart
+    dst: int
+    rows: int
+    cache: CastCache
+
+
+@dataclass(frozen=True, slots=True)
+class FnRows:
+    """A structured term (LoKr, LoHa, ...; OFT, DoRA, IA3, ... when it reads the base output) on output rows
+    [dst, dst+rows); `linear`: linear in strength, so the path scales its result by strength·scale."""
+
+    part: PlannedPart
+    dst: int
+    rows: int
+    fn: Callable[..., torch.Tensor]
+    linear: bool
+
+
+class PathMix(Protocol):
+    """What computes a path's adapter terms while per-sample sets or regions are set
+    (mechanisms/sampling/mix.py Mix)."""
+
+    def add(self, path: RuntimePath, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor: ...
+
+    def fused_linear(self, path: RuntimePath, x: torch.Tensor) -> torch.Tensor: ...
+
+
+_Record = TypeVar("_Record", RankSpan, CachedRows, FnRows)
+
+
+def _rebound(records: list[_Record], mapping: dict[int, PlannedPart]) -> list[_Record]:
+    """The records pointed at the planned parts `mapping` gives for their parts' ids (others kept)."""
+    return [replace(r, part=mapping.get(id(r.part), r.part)) for r in records]
+
+
+# each low-rank pair before concatenation: its down (r, in, *k) and the row chunks sharing it
+_Pair = tuple[torch.Tensor, list[RuntimeTerm]]
 
 
 class RuntimePath:
@@ -85,63 +148,16 @@ class RuntimePath:
         self.contributions = list(contributions)  # kept so a switch can compare and re-point them
         self.conv = _conv_fn(module)
         self.channels_first = self.conv is not None or isinstance(module, _NORMS_CHANNELS_FIRST)
-        self.out = out_rows(module)
-        pairs: list[tuple[torch.Tensor, list[RuntimeTerm]]] = []  # each low-rank pair: down, its row chunks
-        owners = []
-        host = None  # built on first need: only families that read W look at it
-        # (part, dst row, rows, cache of the ΔW rows / bias rows): read through casts a host may re-point
-        self.dense: list[tuple[PlannedPart, int, int, CastCache]] = []
-        self.biases: list[tuple[PlannedPart, int, int, CastCache]] = []
-        # (part, dst row, rows, fn, linear in strength): structured families (LoKr, LoHa, ...) and those that
-        # read the base output (OFT, DoRA, IA3, ...)
-        self.fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
-        self.base_fns: list[tuple[PlannedPart, int, int, Callable, bool]] = []
+        self.out: int = out_rows(module) or 0  # 0: no weight shape (an affine-free norm: fn terms only)
+        self.owners: list[RankSpan] = []
+        self.dense: list[CachedRows] = []
+        self.biases: list[CachedRows] = []
+        self.fns: list[FnRows] = []
+        self.base_fns: list[FnRows] = []  # those read the base output (without bias)
         self.fn_caches: list[CastCache] = []  # what the structured terms read (RuntimeTerm.caches)
-        self.adapters = set()
+        self.adapters: set[str] = set()
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
-        last_down = None
-        for pp, piece in contributions:
-            if pp.family.runtime_takes_module and host is None:
-                host = runtime_host(module)
-            term = pp.family.term(pp.factors, piece.src_start, piece.dst_start, piece.length, host)
-            if term.cost:
-                self.costs.add(f"{pp.part.family}: {term.cost}")
-            if (
-                pp.family.runtime_takes_module
-                and isinstance(host, DequantizedView)
-                and term.fn is not None
-                and term.needs_base
-            ):
-                self.costs.add(
-                    f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it"
-                )
-            name = pp.adapter.name
-            self.adapters.add(name)
-            if term.down is not None and owners and owners[-1][0] is pp and term.down is last_down:
-                # Another row chunk of the same part (split or per-head interleaved fused keys): one pair, not
-                # one pair per chunk (DiffSynth's H3 QKV would otherwise hold its down once per head).
-                pairs[-1][1].append(term)
-            elif term.down is not None:
-                last_down = term.down
-                rank = term.down.shape[0]
-                down = term.down.reshape(rank, *_kernel_dims(module)) if self.conv else term.down.flatten(1)
-                pairs.append((down, [term]))
-                owners.append((pp, term.up.shape[1]))
-            if term.dense is not None:
-                self.dense.append((pp, term.dst_start, term.length, CastCache(term.dense)))
-            if term.fn is not None:
-                if not (term.caches or term.unheld):
-                    raise TypeError(
-                        f"{pp.part.family}: a runtime term with fn declares neither caches nor unheld"
-                    )
-                if term.unheld:
-                    self.costs.add(f"{pp.part.family}: {term.unheld} (held by the path, not by a host)")
-                self.fn_caches.extend(term.caches)
-                target = self.base_fns if term.needs_base else self.fns
-                target.append((pp, term.dst_start, term.length, term.fn, term.linear_in_strength))
-            if term.bias is not None:
-                self.biases.append((pp, term.dst_start, term.length, CastCache(term.bias)))
-        self.owners = owners
+        pairs = self._gather(contributions)
         self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
         # the rank-concatenated pair: down (R, in, *k) and up (out, R), stored dtype (promoted by cat); kept across
         # strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt.
@@ -149,9 +165,60 @@ class RuntimePath:
         self._factor_cast = CastCache(*pair) if pair else None
         self._scale_cast = CastCache(torch.empty(pair[0].shape[0] if pair else 0))
         self.refresh_scales()
-        self.hook = None
+        self.hook: RemovableHandle | None = None
         self.active = False
-        self.mix = None  # per-sample sets / regions (mechanisms/sampling/mix.py): while set, it computes the adapter terms
+        self._linear: torch.nn.Linear  # the host, set by attach before it installs the fused forward
+        # per-sample sets / regions (mechanisms/sampling/mix.py): while set, it computes the adapter terms
+        self.mix: PathMix | None = None
+
+    def _gather(self, contributions: list[Contribution]) -> list[_Pair]:
+        """Sort every contribution's runtime term into the records the forward reads (built once, here)."""
+        pairs: list[_Pair] = []
+        host = None  # built on first need: only families that read W look at it
+        for pp, piece in contributions:
+            if pp.family.reads_host and host is None:
+                host = runtime_host(self.module)
+            term = pp.family.term(pp.factors, piece.src_start, piece.dst_start, piece.length, host)
+            self._note_costs(pp, term, isinstance(host, DequantizedView))
+            self.adapters.add(pp.adapter.name)
+            if term.down is not None:
+                self._add_pair(pp, term, pairs)
+            if term.dense is not None:
+                self.dense.append(CachedRows(pp, term.dst_start, term.length, CastCache(term.dense)))
+            if term.fn is not None:
+                self._add_fn(pp, term, term.fn)
+            if term.bias is not None:
+                self.biases.append(CachedRows(pp, term.dst_start, term.length, CastCache(term.bias)))
+        return pairs
+
+    def _note_costs(self, pp: PlannedPart, term: RuntimeTerm, dequantized_host: bool) -> None:
+        if term.cost:
+            self.costs.add(f"{pp.part.family}: {term.cost}")
+        if pp.family.reads_host and dequantized_host and term.fn is not None and term.needs_base:
+            self.costs.add(
+                f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it"
+            )
+
+    def _add_pair(self, pp: PlannedPart, term: RuntimeTerm, pairs: list[_Pair]) -> None:
+        assert term.down is not None and term.up is not None
+        if pairs and self.owners[-1].part is pp and term.down is pairs[-1][1][0].down:
+            # Another row chunk of the same part (split or per-head interleaved fused keys): one pair, not
+            # one pair per chunk (DiffSynth's H3 QKV would otherwise hold its down once per head).
+            pairs[-1][1].append(term)
+            return
+        rank = term.down.shape[0]
+        down = term.down.reshape(rank, *_kernel_dims(self.module)) if self.conv else term.down.flatten(1)
+        pairs.append((down, [term]))
+        self.owners.append(RankSpan(pp, term.up.shape[1]))
+
+    def _add_fn(self, pp: PlannedPart, term: RuntimeTerm, fn: Callable[..., torch.Tensor]) -> None:
+        if not (term.caches or term.unheld):
+            raise TypeError(f"{pp.part.family}: a runtime term with fn declares neither caches nor unheld")
+        if term.unheld:
+            self.costs.add(f"{pp.part.family}: {term.unheld} (held by the path, not by a host)")
+        self.fn_caches.extend(term.caches)
+        target = self.base_fns if term.needs_base else self.fns
+        target.append(FnRows(pp, term.dst_start, term.length, fn, term.linear_in_strength))
 
     @property
     def down(self) -> torch.Tensor | None:
@@ -178,33 +245,39 @@ class RuntimePath:
     def vanishes_at_zero(self, name: str) -> bool:
         """Whether adapter `name`'s terms here are all zero at strength 0, so gating it equals removing it (DoRA's
         magnitude, OFT's rescale are not: those layers are rebuilt without it)."""
-        return all(linear for pp, *_, linear in (*self.fns, *self.base_fns) if pp.adapter.name == name)
+        return all(t.linear for t in (*self.fns, *self.base_fns) if t.part.adapter.name == name)
 
     def rebind(self, mapping: dict[int, PlannedPart]) -> None:
         """Point contributions at new planned parts of identical structure (a switch): strengths follow them."""
-        swap = lambda items: [(mapping.get(id(t[0]), t[0]), *t[1:]) for t in items]  # noqa: E731
-        self.owners = swap(self.owners)
+        self.owners = _rebound(self.owners, mapping)
         self.contributions = [
             Contribution(mapping.get(id(pp), pp), piece) for pp, piece in self.contributions
         ]
-        self.dense, self.biases, self.fns, self.base_fns = (
-            swap(x) for x in (self.dense, self.biases, self.fns, self.base_fns)
-        )
-        self.adapters = {
-            pp.adapter.name for pp, *_ in (*self.owners, *self.dense, *self.biases, *self.fns, *self.base_fns)
-        }
+        self.dense, self.biases = _rebound(self.dense, mapping), _rebound(self.biases, mapping)
+        self.fns, self.base_fns = _rebound(self.fns, mapping), _rebound(self.base_fns, mapping)
+        records: list[RankSpan | CachedRows | FnRows] = [
+            *self.owners,
+            *self.dense,
+            *self.biases,
+            *self.fns,
+            *self.base_fns,
+        ]
+        self.adapters = {t.part.adapter.name for t in records}
         self.refresh_scales()
 
     def refresh_scales(self) -> None:
         """Recompute the per-rank scale vector from current strengths: no factor is rebuilt."""
         start = 0
-        for pp, rank in self.owners:
-            self.scale[start : start + rank] = self.strength_of(pp) * pp.scale
-            start += rank
+        for span in self.owners:
+            pp = span.part
+            self.scale[start : start + span.rank] = self.strength_of(pp) * pp.scale
+            start += span.rank
         self._scale_cast.refresh()  # only the scale vector's device copy is rewritten after a strength change
 
-    def factors_for(self, device: torch.device, dtype: torch.dtype):
-        return (*self._factor_cast.to(device, dtype), *self._scale_cast.to(device, dtype))
+    def factors_for(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(down, up, scale) on (device, dtype); (scale,) alone when the layer has no low-rank pair."""
+        pair = self._factor_cast.to(device, dtype) if self._factor_cast is not None else ()
+        return (*pair, *self._scale_cast.to(device, dtype))
 
     def caches(self) -> list[CastCache]:
         """Every cache this path reads adapter tensors through: the rank-concatenated pair, the scale vector, dense
@@ -212,7 +285,7 @@ class RuntimePath:
         the adapter (ComfyUI's model management) holds their sources and re-points each cache after a move
         (CastCache.repoint): the path then reads the moved tensors, casts follow, nothing is rebuilt."""
         own = [c for c in (self._factor_cast, self._scale_cast) if c is not None]
-        return [*own, *(c for *_, c in self.dense), *(c for *_, c in self.biases), *self.fn_caches]
+        return [*own, *(t.cache for t in self.dense), *(t.cache for t in self.biases), *self.fn_caches]
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The sources of every cache (`caches`), each object once."""
@@ -227,11 +300,12 @@ class RuntimePath:
 
     def pad_rank(self, rank: int) -> None:
         """Zero-pad the rank-concatenated pair to `rank` (torch.compile buckets): the same product, fixed shapes."""
-        if self.down is None or rank <= self.down.shape[0]:
+        down, up = self.down, self.up
+        if down is None or up is None or rank <= down.shape[0]:
             return
-        extra = rank - self.down.shape[0]
-        down = torch.cat([self.down, self.down.new_zeros(extra, *self.down.shape[1:])])
-        up = torch.cat([self.up, self.up.new_zeros(self.up.shape[0], extra)], dim=1)
+        extra = rank - down.shape[0]
+        down = torch.cat([down, down.new_zeros(extra, *down.shape[1:])])
+        up = torch.cat([up, up.new_zeros(up.shape[0], extra)], dim=1)
         # the padded tail of the scales stays 0: refresh_scales writes only the real ranks
         self._factor_cast, self._scale_cast = CastCache(down, up), CastCache(torch.zeros(rank))
         self.refresh_scales()
@@ -249,11 +323,13 @@ class RuntimePath:
             if weight.device.type == "cpu" and weight.dtype == torch.float32:
                 probe()  # now, so a later torch.compile trace can use the oneDNN kernels (skinny.py)
 
-    def conv_args(self):
+    def conv_args(self) -> dict[str, Any]:
         m = self.module
         return {"stride": m.stride, "padding": m.padding, "dilation": m.dilation}
 
-    def __call__(self, module, args, kwargs, output):
+    def __call__(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
         """Forward hook: add every adapter's path to the layer's output."""
         x = args[0] if args else next(iter(kwargs.values()))
         if not isinstance(output, torch.Tensor):
@@ -263,7 +339,9 @@ class RuntimePath:
             x = x.to(output.device, output.dtype)
         return self.add_path(x, output)
 
-    def _base_terms(self, x: torch.Tensor, output: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+    def _base_terms(
+        self, x: torch.Tensor, output: torch.Tensor
+    ) -> list[tuple[torch.Tensor, int, int, float]]:
         """Deltas of W-dependent families, computed from the untouched base output (without bias)."""
         if not self.base_fns:
             return []
@@ -273,12 +351,13 @@ class RuntimePath:
             b = bias.to(output.device, output.dtype)
             base = output - (b.view(-1, *([1] * (output.dim() - 2))) if self.channels_first else b)
         spec = ConvSpec(self.conv, self.conv_args()) if self.conv else None
-        out = []
-        for pp, dst, n, fn, linear in self.base_fns:
+        out: list[tuple[torch.Tensor, int, int, float]] = []
+        for t in self.base_fns:
+            pp, dst, n, fn = t.part, t.dst, t.rows, t.fn
             rows = base[:, dst : dst + n] if self.channels_first else base[..., dst : dst + n]
             s = self.strength_of(pp)
             value, alpha = (
-                (fn(x, spec, rows), s * pp.scale) if linear else (fn(x, spec, rows, s, pp.scale), 1.0)
+                (fn(x, spec, rows), s * pp.scale) if t.linear else (fn(x, spec, rows, s, pp.scale), 1.0)
             )
             out.append((value, dst, n, alpha))
         return out
@@ -289,7 +368,8 @@ class RuntimePath:
         One pass over the output fewer than base-then-add; the two thin GEMMs on oneDNN where it applies
         (mechanisms/runtime/skinny.py). At r=16, 3072², 4096 tokens (bench_floor.py) 0.33x the FLOP floor over a 91 GF/s
         sgemm, 2.05-2.76x over a 160 GF/s one: the thin GEMMs cost the same milliseconds on either."""
-        m, w = self.module, self.module.weight
+        m = self._linear
+        w = m.weight
         plain = (
             not self.active
             or x.dtype != w.dtype
@@ -333,23 +413,23 @@ class RuntimePath:
     def _add_extras(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """Dense full diffs and bias deltas (rare; not part of the rank-concatenated pair)."""
         dtype = output.dtype
-        for pp, dst, length, dense in self.dense:
-            (d,) = dense.to(output.device, dtype)
+        for t in self.dense:
+            (d,) = t.cache.to(output.device, dtype)
             part = self.conv(x, d, None, **self.conv_args()) if self.conv else F.linear(x, d)
-            output = self._add_rows(output, part, dst, length, self.strength_of(pp) * pp.scale)
+            output = self._add_rows(output, part, t.dst, t.rows, self.strength_of(t.part) * t.part.scale)
         spec = ConvSpec(self.conv, self.conv_args()) if self.conv else None
-        for pp, dst, length, fn, linear in self.fns:
-            if linear:
-                output = self._add_rows(output, fn(x, spec), dst, length, self.strength_of(pp) * pp.scale)
+        for f in self.fns:
+            pp = f.part
+            if f.linear:
+                output = self._add_rows(output, f.fn(x, spec), f.dst, f.rows, self.strength_of(pp) * pp.scale)
             else:
-                output = self._add_rows(
-                    output, fn(x, spec, None, self.strength_of(pp), pp.scale), dst, length
-                )
-        for pp, dst, length, bias in self.biases:
-            b = bias.to(output.device, dtype)[0] * (self.strength_of(pp) * pp.scale)
+                value = f.fn(x, spec, None, self.strength_of(pp), pp.scale)
+                output = self._add_rows(output, value, f.dst, f.rows)
+        for t in self.biases:
+            b = t.cache.to(output.device, dtype)[0] * (self.strength_of(t.part) * t.part.scale)
             if self.channels_first:
                 b = b.view(-1, *([1] * (output.dim() - 2)))
-            output = self._add_rows(output, b, dst, length)
+            output = self._add_rows(output, b, t.dst, t.rows)
         return output
 
     def inplace_ok(self, output: torch.Tensor) -> bool:
@@ -364,23 +444,29 @@ class RuntimePath:
         (out[:, rows] if self.channels_first else out[..., rows]).add_(value, alpha=alpha)
         return out
 
-    def _can_fuse(self) -> bool:
+    def _fusable(self) -> torch.nn.Linear | None:
+        """The host when its forward can be replaced by the fused one (a plain nn.Linear), else None."""
         m = self.module
         weight = getattr(m, "weight", None)
-        return (
-            type(m) is torch.nn.Linear
-            and self.down is not None
+        if type(m) is not torch.nn.Linear:
+            return None
+        fits = (
+            self.down is not None
             and not self.base_fns  # those need the base output on its own
             and "forward" not in m.__dict__  # someone else already replaced forward: stay out of their way
             and getattr(m, "_hf_hook", None) is None
+            and isinstance(weight, torch.Tensor)
             and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and weight.device.type != "meta"
         )
+        return m if fits else None
 
     def attach(self) -> None:
         self.warm()
         self.active = True
-        if self._can_fuse():
+        linear = self._fusable()
+        if linear is not None:
+            self._linear = linear
             self.module.forward = self._fused_linear_forward
         else:
             # First in line, so every observer hook sees the layer's output with the adapters, as when fused.

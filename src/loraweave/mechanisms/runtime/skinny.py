@@ -10,15 +10,18 @@ to MKL's mm): only once the probe has run outside the trace (`probe()`, at attac
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger("loraweave")
-_PROBED: list = []  # [the oneDNN linear op, or None when absent or wrong], filled on first use
+_PROBED: list[
+    Callable[..., torch.Tensor] | None
+] = []  # [the oneDNN linear op, or None when absent or wrong], filled on first use
 
 
-def _probe():
+def _probe() -> Callable[..., torch.Tensor] | None:
     op = None
     if torch.backends.mkldnn.is_available():
         op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
@@ -70,7 +73,9 @@ def _plain_fp32_bias(bias: torch.Tensor) -> bool:
     )
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def _onednn(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
     """A (x, weight, bias) callable on the oneDNN op (while compiling, its custom op) when it may run this
     product, else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:

@@ -228,12 +228,15 @@ def _add_base_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, we
         b = bias.to(out.device, out.dtype)
         base = out - (b.view(-1, *([1] * (out.dim() - 2))) if path.channels_first else b)
     found = []
-    for pp, dst, n, fn, linear in path.base_fns:
+    for t in path.base_fns:
+        pp, dst, n, fn = t.part, t.dst, t.rows, t.fn
         s = strength(pp)
         if s == 0.0:
             continue
         rows = base[:, dst : dst + n] if path.channels_first else base[..., dst : dst + n]
-        value, alpha = (fn(x, spec, rows), s * pp.scale) if linear else (fn(x, spec, rows, s, pp.scale), 1.0)
+        value, alpha = (
+            (fn(x, spec, rows), s * pp.scale) if t.linear else (fn(x, spec, rows, s, pp.scale), 1.0)
+        )
         found.append((pp, value, dst, n, alpha))
     for pp, value, dst, n, alpha in found:
         _put(path, out, value, dst, n, alpha, weights.get(pp.adapter.name))
@@ -241,21 +244,24 @@ def _add_base_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, we
 
 def _add_other_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, weights: dict) -> None:
     """The dense, function and bias terms (those that read only x), each at its part's strength."""
-    for pp, dst, n, dense in path.dense:
+    for t in path.dense:
+        pp, dst, n = t.part, t.dst, t.rows
         s = strength(pp)
         if s != 0.0:
-            (d,) = dense.to(out.device, out.dtype)
+            (d,) = t.cache.to(out.device, out.dtype)
             value = path.conv(x, d, None, **path.conv_args()) if path.conv else F.linear(x, d)
             _put(path, out, value, dst, n, s * pp.scale, weights.get(pp.adapter.name))
-    for pp, dst, n, fn, linear in path.fns:
+    for t in path.fns:
+        pp, dst, n, fn = t.part, t.dst, t.rows, t.fn
         s = strength(pp)
         if s != 0.0:
-            value, alpha = (fn(x, spec), s * pp.scale) if linear else (fn(x, spec, None, s, pp.scale), 1.0)
+            value, alpha = (fn(x, spec), s * pp.scale) if t.linear else (fn(x, spec, None, s, pp.scale), 1.0)
             _put(path, out, value, dst, n, alpha, weights.get(pp.adapter.name))
-    for pp, dst, n, bias in path.biases:
+    for t in path.biases:
+        pp, dst, n = t.part, t.dst, t.rows
         s = strength(pp)
         if s != 0.0:
-            (b,) = bias.to(out.device, out.dtype)
+            (b,) = t.cache.to(out.device, out.dtype)
             b = b.view(-1, *([1] * (out.dim() - 2))) if path.channels_first else b
             _put(path, out, b, dst, n, s * pp.scale, weights.get(pp.adapter.name))
 

@@ -14,18 +14,20 @@ from dataclasses import replace
 import torch
 
 from ...errors import BatchError
+from ...resolve.planner import PlannedPart
 from ...resolve.weights import AdapterWeights, part_strength
+from ..runtime.path import RuntimePath
 
 SampleKey = tuple[tuple[str, float], ...]
 
 
-def _strength(value, where: str) -> float:
+def _strength(value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise BatchError(f"{where}: strength must be a finite number, got {value!r}")
     return float(value)
 
 
-def _one_sample(i: int, names, strengths, known: Mapping[str, float]) -> SampleKey:
+def _one_sample(i: int, names: object, strengths: object, known: Mapping[str, float]) -> SampleKey:
     if isinstance(names, str) or not isinstance(names, Sequence):
         raise BatchError(f"sample {i}: expected a list of adapter names, got {names!r}")
     unknown = [n for n in names if n not in known]
@@ -52,7 +54,7 @@ def _one_sample(i: int, names, strengths, known: Mapping[str, float]) -> SampleK
     return tuple((n, _strength(v, f"sample {i} adapter {n!r}")) for n, v in zip(names, values, strict=True))
 
 
-def sample_keys(assignments, strengths, known: Mapping[str, float]) -> list[SampleKey]:
+def sample_keys(assignments: object, strengths: object, known: Mapping[str, float]) -> list[SampleKey]:
     """One key per sample; `known` maps each adapter name to its current strength (the default)."""
     if isinstance(assignments, (str, Mapping)) or not isinstance(assignments, Sequence) or not assignments:
         raise BatchError(
@@ -67,7 +69,9 @@ def sample_keys(assignments, strengths, known: Mapping[str, float]) -> list[Samp
     ]
 
 
-def part_strength_for(path, pp, key: SampleKey | None, settings: Mapping[str, AdapterWeights]) -> float:
+def part_strength_for(
+    path: RuntimePath, pp: PlannedPart, key: SampleKey | None, settings: Mapping[str, AdapterWeights]
+) -> float:
     """The part's strength on this layer for a sample set (None: the handle's current strengths)."""
     if key is None:
         return path.strength_of(pp)
@@ -84,12 +88,16 @@ class PairFactors:
 
     def __init__(
         self, down: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, segments: list[tuple[int, int, str]]
-    ):
+    ) -> None:
         self.down, self.up, self.scale, self.segments = down, up, scale, segments
 
 
 def pair_for(
-    path, key: SampleKey | None, settings, device: torch.device, dtype: torch.dtype
+    path: RuntimePath,
+    key: SampleKey | None,
+    settings: Mapping[str, AdapterWeights],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> PairFactors | None:
     """The set's part of the layer's rank-concatenated pair, on (device, dtype); None when it has no rank
     there."""
@@ -98,17 +106,18 @@ def pair_for(
     down, up, scale = path.factors_for(device, dtype)
     if key is None:
         segments, start = [], 0
-        for pp, rank in path.owners:
-            segments.append((start, start + rank, pp.adapter.name))
-            start += rank
+        for span in path.owners:
+            segments.append((start, start + span.rank, span.part.adapter.name))
+            start += span.rank
         return PairFactors(down, up, scale, segments)
     order = {name: i for i, (name, _) in enumerate(key)}
     found, start = [], 0
-    for pp, rank in path.owners:
+    for span in path.owners:
+        pp = span.part
         coeff = part_strength_for(path, pp, key, settings) * pp.scale
         if coeff != 0.0:
-            found.append((order[pp.adapter.name], start, rank, coeff, pp.adapter.name))
-        start += rank
+            found.append((order[pp.adapter.name], start, span.rank, coeff, pp.adapter.name))
+        start += span.rank
     if not found:
         return None
     # Rank segments in the set's own order (stable within an adapter): the rank sum then runs as in a lone
@@ -132,19 +141,25 @@ def pair_for(
 
 
 def row_gates(
-    path, runs: list, settings, rows: int, device: torch.device, dtype: torch.dtype
+    path: RuntimePath,
+    runs: list[tuple[slice, SampleKey]],
+    settings: Mapping[str, AdapterWeights],
+    rows: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """(rows, R): each row's coefficient for every rank of the layer's whole pair (0 outside its sample's
     set)."""
-    per_key: dict = {}
-    gates = torch.zeros(rows, path.down.shape[0], dtype=torch.float32)
+    per_key: dict[SampleKey, torch.Tensor] = {}
+    rank = path.down.shape[0] if path.down is not None else 0  # called only for a layer with a pair
+    gates = torch.zeros(rows, rank, dtype=torch.float32)
     for run, key in runs:
         if key not in per_key:
             per_key[key] = torch.tensor(
                 [
-                    part_strength_for(path, pp, key, settings) * pp.scale
-                    for pp, rank in path.owners
-                    for _ in range(rank)
+                    part_strength_for(path, span.part, key, settings) * span.part.scale
+                    for span in path.owners
+                    for _ in range(span.rank)
                 ]
             )
         gates[run] = per_key[key]

@@ -30,7 +30,7 @@ TEXT_FIRST = {"FluxTransformer2DModel", "ChromaTransformer2DModel", "Flux2Transf
 _LEVELS = 7  # latent /1 .. /64
 
 
-def check_mask(name: str, mask) -> torch.Tensor:
+def check_mask(name: str, mask: object) -> torch.Tensor:
     """A float32 CPU copy of a valid H×W mask in [0, 1]."""
     if not isinstance(mask, torch.Tensor):
         try:

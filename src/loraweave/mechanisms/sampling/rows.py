@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class RootCall:
     shape: tuple[int, ...] | None  # tensor input only
 
 
-def root_call(args: tuple, kwargs: dict) -> RootCall:
+def root_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> RootCall:
     x = args[0] if args else next((kwargs[k] for k in _INPUT_NAMES if k in kwargs), None)
     if isinstance(x, torch.Tensor) and x.dim() > 0:
         return RootCall(x.shape[0], True, tuple(x.shape))
@@ -47,10 +48,12 @@ class RootProbe:
             self._hooks.append(root.register_forward_pre_hook(partial(self._enter, name), with_kwargs=True))
             self._hooks.append(root.register_forward_hook(partial(self._leave, name), always_call=True))
 
-    def _enter(self, name: str, module, args, kwargs) -> None:
+    def _enter(
+        self, name: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         self.calls[name] = root_call(args, kwargs)
 
-    def _leave(self, name: str, module, args, output) -> None:
+    def _leave(self, name: str, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self.calls.pop(name, None)
 
     def remove(self) -> None:

@@ -28,8 +28,10 @@ def shared_layers(paths: dict[str, RuntimePath], names: tuple[str, str]) -> dict
 
 def _dense(rp: RuntimePath, name: str) -> tuple[torch.Tensor, int]:
     """One adapter's ΔW on a layer at its strength (fp32, rows x in·k), and its rank (0 when not low-rank)."""
-    weight = rp.module.weight.detach()
-    mine = [(pp, piece) for pp, piece in rp.contributions if pp.adapter.name == name]
+    host_weight = rp.module.weight
+    assert isinstance(host_weight, torch.Tensor)  # a runtime path's host has a weight (runtime_blocker)
+    weight = host_weight.detach()
+    mine = [c for c in rp.contributions if c.part.adapter.name == name]
     shape = (rp.out, *weight.shape[1:])
     base = weight if weight.is_floating_point() else None
     rank = max((getattr(pp.factors, "rank", 0) or 0 for pp, _ in mine), default=0)

@@ -10,12 +10,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from ...errors import ArgumentError
 from ...resolve.planner import PlannedPart
 from ...resolve.weights import AdapterWeights, is_text_encoder, part_strength
 from ..runtime.path import RuntimePath
+
+
+class Written(Protocol):
+    """A layer whose weight holds adapter terms (a merge, a quantized write): which adapters."""
+
+    @property
+    def adapters(self) -> set[str] | frozenset[str]: ...
+
 
 log = logging.getLogger("loraweave")
 
@@ -35,7 +43,7 @@ class StepSchedule:
         settings: dict[str, AdapterWeights],
         planned: list[PlannedPart],
         paths: list[RuntimePath],
-        written: Iterable,
+        written: Iterable[Written],
     ) -> None:
         """`settings`: the live AdapterWeights by adapter name; `planned`: every planned part; `paths`: the
         runtime paths; `written`: layers whose weights hold adapter terms (merged, quantized writes)."""
@@ -90,7 +98,9 @@ class StepSchedule:
         self._current[name] = value
         log.debug("step_schedule adapter=%s strength=%s", name, value)
 
-    def __call__(self, pipe: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
+    def __call__(
+        self, pipe: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
         """diffusers' callback_on_step_end: runs after step `step`, so it sets step + 1."""
         if step + 1 < self.total_steps:
             self.apply(step + 1)
