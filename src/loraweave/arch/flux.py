@@ -160,7 +160,10 @@ def _chroma_from_comfy(cfg: dict) -> dict:
     }
 
 
-_FLUX_DEPTHS = {"num_layers": ("transformer_blocks",), "num_single_layers": ("single_transformer_blocks",)}
+_FLUX_DEPTHS: dict[str, tuple[str, ...]] = {
+    "num_layers": ("transformer_blocks",),
+    "num_single_layers": ("single_transformer_blocks",),
+}
 # Flux Fill / Kontext / control widen the patch input to 384 channels and set out_channels.
 _FLUX_WIDTHS = {"in_channels": ("x_embedder", 1, None), "out_channels": ("proj_out", 0, "in_channels")}
 
