@@ -35,7 +35,8 @@ class Journal:
         self.entries: list[Installed] = []
 
     def record(self, entry: Installed) -> Installed:
-        """Record `entry` before the change it stands for is made (undo must cope with a change not yet made)."""
+        """Record `entry` before the change it stands for is made (undo must cope with a change not yet
+        made)."""
         self.entries.append(entry)
         return entry
 

@@ -54,7 +54,8 @@ class Options:
         return self.stack in SELECT_MODES
 
     def layer_mode(self, n_adapters: int) -> ApplyMode:
-        """The mode layers get for a set of `n_adapters`: select modes need runtime and exactly two adapters."""
+        """The mode layers get for a set of `n_adapters`: select modes need runtime and exactly two
+        adapters."""
         if not self.select:
             return self.mode
         validate_stack(self.stack, self.density, n_adapters)

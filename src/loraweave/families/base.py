@@ -1,8 +1,9 @@
 """What every family provides: load + validate factors, add its delta, give its runtime terms.
 
 Each family module declares one `Family` (below) named SPEC: its functions and abilities, every ability with a
-default, so nothing is discovered by probing attributes or signatures. Every family contributes ΔW_i computed from the ORIGINAL weight; contributions on one layer are summed
-(the rule a1111/LyCORIS loaders use when several networks touch one layer), so order never matters."""
+default, so nothing is discovered by probing attributes or signatures. Every family contributes ΔW_i computed
+from the ORIGINAL weight; contributions on one layer are summed (the rule a1111/LyCORIS loaders use when
+several networks touch one layer), so order never matters."""
 
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ _CASTS = threading.local()
 
 
 class CastMemo:
-    """While entered on this thread, `cast_once` casts each factor tensor once per dtype into this memo: a merge
-    computes ΔW block by block of rows from the same factors, and would otherwise cast them for every block. The
-    casts hold the same values (fp16/bf16 to fp32 is exact), so a record that recomputes ΔW gets the same bits.
-    Entered again for each block; the casts live as long as the memo."""
+    """While entered on this thread, `cast_once` casts each factor tensor once per dtype into this memo: a
+    merge computes ΔW block by block of rows from the same factors, and would otherwise cast them for every
+    block. The casts hold the same values (fp16/bf16 to fp32 is exact), so a record that recomputes ΔW gets
+    the same bits. Entered again for each block; the casts live as long as the memo."""
 
     def __init__(self) -> None:
         self.casts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -52,7 +53,8 @@ class CastMemo:
 
 
 def cast_once(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t.to(dtype), kept while a `CastMemo` is entered (the source is held with it, so its id stays unique)."""
+    """t.to(dtype), kept while a `CastMemo` is entered (the source is held with it, so its id stays
+    unique)."""
     memo: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None = getattr(
         _CASTS, "memo", None
     )
@@ -205,9 +207,11 @@ class Family:
     - runtime_term(f, src, dst, length), or `host_runtime_term(..., module=)` for families that read the host
       module (`reads_host`); runtime_refusal(f, module) -> Miss | None says beforehand whether they will
       refuse it.
-    - settle(f, shape) -> f: the factors fixed on a module shape (kernel, IA3 side, GLoRA naming); a new object,
-      `f` itself untouched. check_target(f, shape) -> Miss | None judges settled factors and changes nothing.
-    - check_piece(f, src, length) -> Miss | None: whether rows [src, src+length) land on their own (fused keys).
+    - settle(f, shape) -> f: the factors fixed on a module shape (kernel, IA3 side, GLoRA naming); a new
+      object, `f` itself untouched. check_target(f, shape) -> Miss | None judges settled factors and changes
+      nothing.
+    - check_piece(f, src, length) -> Miss | None: whether rows [src, src+length) land on their own (fused
+      keys).
     - roles: every role a part may hold (None: load checks); uses_alpha_scale=False: alpha is not alpha/rank
       (the raw `alpha` tensor goes to load). input_width(f) / widen_input(f, shape): control-adapter growth.
     - delta_bound(f, src, length) -> float | None: an upper bound on max |ΔW| (coeff 1) over rows
@@ -334,7 +338,8 @@ class RuntimeTerm:
     def structured(
         cls, dst: int, length: int, bias: torch.Tensor | None = None, **fields: Any
     ) -> RuntimeTerm:
-        """A term computed by `fn` (in `fields`, with its caches, cost, ...): no low-rank pair, no dense diff."""
+        """A term computed by `fn` (in `fields`, with its caches, cost, ...): no low-rank pair, no dense
+        diff."""
         return cls(None, None, None, bias, dst, length, **fields)
 
 
@@ -358,7 +363,8 @@ class CastCache:
         return self.to(like.device, like.dtype)
 
     def put(self, device: torch.device, dtype: torch.dtype, cast: tuple[torch.Tensor, ...]) -> None:
-        """Use `cast` (tensors someone else owns, e.g. a streaming slot's views) as the (device, dtype) copy."""
+        """Use `cast` (tensors someone else owns, e.g. a streaming slot's views) as the (device, dtype)
+        copy."""
         self._key, self._cast = (device, dtype), tuple(cast)
 
     def clear(self) -> None:
@@ -372,7 +378,8 @@ class CastCache:
         self.clear()
 
     def to(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        # A host may also move a source in place (Module.to sets .data): a cast that is that object is then stale.
+        # A host may also move a source in place (Module.to sets .data): a cast that is that object is then
+        # stale.
         if (device, dtype) != self._key or any(c.device != device or c.dtype != dtype for c in self._cast):
             self._cast = tuple(t.to(device, dtype, non_blocking=_staged(t, device)) for t in self.tensors)
             self._key = (device, dtype)
@@ -397,8 +404,8 @@ def _staged(t: torch.Tensor, device: torch.device) -> bool:
 
 class KnownFinite:
     """While entered on this thread, `check_factor` takes these tensor objects as finite without a pass of its
-    own: their source proved them finite in bulk (io.safetensors_file.SafetensorsFile.finite_keys, one pass per
-    run of tensors instead of one per tensor). Held while entered, so their ids stay unique."""
+    own: their source proved them finite in bulk (io.safetensors_file.SafetensorsFile.finite_keys, one pass
+    per run of tensors instead of one per tensor). Held while entered, so their ids stay unique."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         self.tensors = {id(t): t for t in tensors}

@@ -1,13 +1,14 @@
 """BOFT (butterfly OFT): m stages of blockwise rotations between butterfly permutations of the rows.
 
-LyCORIS (`oft_blocks` 4-D (m, n, b, b), reached through oft.load; `alpha` = constraint c = α·rows over the whole
-4-D Q; optional `rescale`): stage i (k = 2^i·b/2) views the rows as (−1, 2, k), swaps to (−1, k, 2), replaces each
-run of b rows by R_i[blk]·rows (R, not Rᵀ) and swaps back; W' = rescale ⊙ W_m. Strength interpolates every stage,
-R_i ← s·R_i + (1−s)·I (LyCORIS's multiplier, applied once); rescale as in oft.py. No `alpha` = 0 = unconstrained
-(ComfyUI raises on such files and leaves the weight unpatched: not repeated).
+LyCORIS (`oft_blocks` 4-D (m, n, b, b), reached through oft.load; `alpha` = constraint c = α·rows over the
+whole 4-D Q; optional `rescale`): stage i (k = 2^i·b/2) views the rows as (−1, 2, k), swaps to (−1, k, 2),
+replaces each run of b rows by R_i[blk]·rows (R, not Rᵀ) and swaps back; W' = rescale ⊙ W_m. Strength
+interpolates every stage, R_i ← s·R_i + (1−s)·I (LyCORIS's multiplier, applied once); rescale as in oft.py. No
+`alpha` = 0 = unconstrained (ComfyUI raises on such files and leaves the weight unpatched: not repeated).
 PEFT (`boft_R` (N, D, H, H) + `boft_s`, one per output row): rotates the INPUT columns, W' = boft_s ⊙ (W·Mᵀ),
-M = B_{N−1}···B_0, B_i = P_i·blockdiag(R_i)·P_iᵀ with PEFT's block-butterfly permutations P_i (rebuilt from the
-shape) and PEFT's Cayley R = (I − S)(I + S)⁻¹, S = (B − Bᵀ)/2. PEFT has no strength; ours interpolates each stage."""
+M = B_{N−1}···B_0, B_i = P_i·blockdiag(R_i)·P_iᵀ with PEFT's block-butterfly permutations P_i (rebuilt from
+the shape) and PEFT's Cayley R = (I − S)(I + S)⁻¹, S = (B − Bᵀ)/2. PEFT has no strength; ours interpolates
+each stage."""
 
 from __future__ import annotations
 
@@ -128,8 +129,8 @@ def _stage(r: torch.Tensor, s: float) -> torch.Tensor:
 def _butterfly(
     f: BoftFactors, y: torch.Tensor, src: int, s: float, rot: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """LyCORIS stages on channels-last y holding rows [src, src + y.shape[-1]) (aligned to the span); `rot`: the
-    rotations of those rows already on y's device and dtype (default: f's, built on first use)."""
+    """LyCORIS stages on channels-last y holding rows [src, src + y.shape[-1]) (aligned to the span); `rot`:
+    the rotations of those rows already on y's device and dtype (default: f's, built on first use)."""
     length, (m, _, b) = y.shape[-1], f.blocks.shape[:3]
     if src % f.span or length % f.span:
         raise PartRejected(
@@ -150,7 +151,8 @@ def _butterfly(
 
 
 def _peft_perm(n: int, blocks: int, half: int) -> torch.Tensor:
-    """PEFT's block-butterfly permutation: in each run of n/blocks columns, the even half-blocks, then the odd."""
+    """PEFT's block-butterfly permutation: in each run of n/blocks columns, the even half-blocks, then the
+    odd."""
     chunk = n // blocks
     sub = torch.arange(chunk).view(-1, half)
     return (torch.arange(0, n, chunk)[:, None] + torch.cat([sub[0::2], sub[1::2]]).flatten()).flatten()
@@ -159,7 +161,8 @@ def _peft_perm(n: int, blocks: int, half: int) -> torch.Tensor:
 def _peft_rotate(
     f: BoftFactors, w: torch.Tensor, s: float, transpose: bool, rot: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """M_s·w (or M_sᵀ·w) along the last axis, M = P_{N−1}B_{N−1}P_{N−1}ᵀ···P_0B_0P_0ᵀ; `rot` as in _butterfly."""
+    """M_s·w (or M_sᵀ·w) along the last axis, M = P_{N−1}B_{N−1}P_{N−1}ᵀ···P_0B_0P_0ᵀ; `rot` as in
+    _butterfly."""
     rot = _rotations(f, w.device, w.dtype) if rot is None else rot
     stages, d, h = rot.shape[:3]
     for i in reversed(range(stages)) if transpose else range(stages):
@@ -223,8 +226,8 @@ def runtime_term(f: BoftFactors, src: int, dst: int, length: int, module: Any = 
             f"shape mismatch: rows [{src}, {src + length}) cut a BOFT butterfly of {f.span} rows",
         )
     r = None if f.rescale is None else f.rescale[src : src + length]
-    # the rotations this chunk uses, built once in fp64 (small), held with the rows' rescale (RuntimeTerm.caches);
-    # PEFT's conv form keeps a dense ΔW per strength instead (declared `unheld`)
+    # the rotations this chunk uses, built once in fp64 (small), held with the rows' rescale
+    # (RuntimeTerm.caches); PEFT's conv form keeps a dense ΔW per strength instead (declared `unheld`)
     peft_conv = f.peft and module is not None and module.weight.dim() > 2
     rot = _rotations(f, f.blocks.device, torch.float64)
     b = f.blocks.shape[2]

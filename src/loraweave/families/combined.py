@@ -40,7 +40,8 @@ class CombinedFactors:
         return tuple((pp.strength, pp.scale) for pp, _ in self.sources)
 
     def delta(self, base: torch.Tensor | None) -> torch.Tensor:
-        """The combined ΔW, (rows, in·k) fp32; `base` = original weight rows (needed by W-dependent families)."""
+        """The combined ΔW, (rows, in·k) fp32; `base` = original weight rows (needed by W-dependent
+        families)."""
         sig = self._signature()
         if self._cache.get("sig") == sig:
             cached: torch.Tensor = self._cache["delta"]

@@ -47,8 +47,9 @@ def add_contribution(
 ) -> None:
     """target_rows += coeff·ΔW (rows of `piece`), coeff = strength·scale unless given.
 
-    base: the ORIGINAL weight as (out, in·k), read (its piece rows, in target's dtype) by W-dependent families.
-    strength/scale: the part's own unless given (an undo record recomputes ΔW at the strength it was merged at)."""
+    base: the ORIGINAL weight as (out, in·k), read (its piece rows, in target's dtype) by W-dependent
+    families. strength/scale: the part's own unless given (an undo record recomputes ΔW at the strength it was
+    merged at)."""
     family = pp.family
     strength = pp.strength if strength is None else strength
     scale = pp.scale if scale is None else scale
@@ -64,7 +65,8 @@ def add_contribution(
 
 
 def bias_of(pp: Planned, piece: Piece, original: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The part's unscaled bias delta for `piece` (None if it has none); `original`: the layer's original bias."""
+    """The part's unscaled bias delta for `piece` (None if it has none); `original`: the layer's original
+    bias."""
     base = None
     if pp.family.bias_needs_base and isinstance(original, torch.Tensor):
         rows = original.detach()[piece.dst_start : piece.dst_start + piece.length]

@@ -280,8 +280,8 @@ def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module: Any = 
     state: dict[str, tuple[float, float]] = {}
 
     def gains(strength: float, scale: float, like: torch.Tensor) -> torch.Tensor:
-        """(3, n): a, a − 1, a·c, formed in fp32 (fp64 for fp64 weights) once per strength, cast to x's device and
-        dtype."""
+        """(3, n): a, a − 1, a·c, formed in fp32 (fp64 for fp64 weights) once per strength, cast to x's device
+        and dtype."""
         s, c = _coeffs(f, strength, scale, strength * scale)
         if state.get("key") != (s, c):
             w = module.weight.detach()

@@ -1,8 +1,8 @@
 """GLoRA (`a1`, `a2`, `b1`, `b2` `.weight`, `alpha`): ΔW = W·A + B, read from the original weight W.
 
-LyCORIS >= 3 naming: a1 (in, r), a2 (r, in), b1 (out, r), b2 (r, in, *k): ΔW = W·(a1·a2) + b1·b2, with W·(a1·a2)
-mixing input channels only (conv: einsum over `in`, the kernel untouched). Pre-3.0 naming: a1 (r, in),
-a2 (in, r), b1 (r, in), b2 (out, r): ΔW = b2·b1 + W·a2·a1; both are held in the new convention here.
+LyCORIS >= 3 naming: a1 (in, r), a2 (r, in), b1 (out, r), b2 (r, in, *k): ΔW = W·(a1·a2) + b1·b2, with
+W·(a1·a2) mixing input channels only (conv: einsum over `in`, the kernel untouched). Pre-3.0 naming: a1 (r,
+in), a2 (in, r), b1 (r, in), b2 (out, r): ΔW = b2·b1 + W·a2·a1; both are held in the new convention here.
 The naming is read from where r sits. On a square layer both patterns fit the factor shapes; the module's
 input width then decides (r == in == out: the current naming). γ = alpha / r.
 Runtime is exact: Linear: a rank-2r pair, down = [a2; b2], up = [W·a1, b1] (W·a1 built once, in fp32);
@@ -132,7 +132,8 @@ def add_delta(
     base: torch.Tensor | None = None,
     **_: object,
 ) -> None:
-    """target_rows (length, in*k) += coeff · (W_rows·a_in·a_out + b_up[src:src+length]·b_down); base = W_rows."""
+    """target_rows (length, in*k) += coeff · (W_rows·a_in·a_out + b_up[src:src+length]·b_down); base =
+    W_rows."""
     if base is None:
         raise ValueError("GLoRA reads the original weight: add_delta needs base=")
     dt = target_rows.dtype
@@ -145,7 +146,8 @@ def bias_delta(f: GloraFactors, src: int, length: int) -> None:
 
 
 def plain_weight(module: Any) -> torch.Tensor | None:
-    """The module's weight when it is an ordinary floating tensor (not quantized, not offloaded), else None."""
+    """The module's weight when it is an ordinary floating tensor (not quantized, not offloaded), else
+    None."""
     w: Any = getattr(module, "weight", None)
     plain = (
         type(w) in (torch.Tensor, torch.nn.Parameter) and w.is_floating_point() and w.device.type != "meta"

@@ -4,11 +4,11 @@ LyCORIS: `weight` (out,) / conv (1, out, 1..), or (in,) / (1, in, 1..) when the 
 W' = W ⊙ (1 + s·w) along output rows (input columns). The bias is not scaled (LyCORIS merge; its bypass
 forward scales it too, which merge and runtime here do not follow).
 PEFT `ia3_l`: (out, 1) or (1, in) for Linear, (1, n, 1..) for conv (input or output told apart by the module's
-shape; a square conv is ambiguous and refused). PEFT computes W' = W ⊙ l, and on the output side also b' = b ⊙ l.
-Strength: l_s = 1 + s·(l − 1), i.e. the LyCORIS rule with w = l − 1: exact PEFT at s = 1, identity at s = 0,
-linear in s (so runtime = merge). PEFT's bias scaling needs the original bias: bias_delta(..., base=b_rows).
-Runtime: output side y += s·w ⊙ (W·x) from the base output; input side y += s·W·(x ⊙ w), one extra product by
-the layer's own weight (an input pre-hook would be cheaper; the runtime has none)."""
+shape; a square conv is ambiguous and refused). PEFT computes W' = W ⊙ l, and on the output side also b' = b ⊙
+l. Strength: l_s = 1 + s·(l − 1), i.e. the LyCORIS rule with w = l − 1: exact PEFT at s = 1, identity at s =
+0, linear in s (so runtime = merge). PEFT's bias scaling needs the original bias: bias_delta(...,
+base=b_rows). Runtime: output side y += s·w ⊙ (W·x) from the base output; input side y += s·W·(x ⊙ w), one
+extra product by the layer's own weight (an input pre-hook would be cheaper; the runtime has none)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""LoHa (Hadamard product, incl. Tucker `hada_t1/t2`): ΔW = (w1a @ w1b) ⊙ (w2a @ w2b); runtime: cached dense ΔW.
+"""LoHa (Hadamard product, incl. Tucker `hada_t1/t2`): ΔW = (w1a @ w1b) ⊙ (w2a @ w2b); runtime: cached dense
+ΔW.
 
 Tucker (conv with kernel > 1): the a-factors are stored transposed, (r, out), and each half is rebuilt as
 einsum('i j ..., j q, i p -> p q ...', t, w_b, w_a) before the Hadamard product. γ = alpha / w1_b.shape[0]."""
@@ -120,7 +121,8 @@ def check_target(f: LohaFactors, shape: tuple[int, ...] | None) -> Miss | None:
 
 
 def settle(f: LohaFactors, shape: tuple[int, ...] | None) -> LohaFactors:
-    """Flat factors take the kernel of the first module they fit (sets is_conv_kernel and the runtime kernel)."""
+    """Flat factors take the kernel of the first module they fit (sets is_conv_kernel and the runtime
+    kernel)."""
     if f.in_shape is None and shape is not None and len(shape) >= 2 and math.prod(shape[1:]) == f.cols:
         return dataclasses.replace(f, in_shape=tuple(shape[1:]))
     return f
@@ -129,7 +131,8 @@ def settle(f: LohaFactors, shape: tuple[int, ...] | None) -> LohaFactors:
 def _rows(
     f: LohaFactors, src: int, length: int, dtype: torch.dtype, device: torch.device | None = None
 ) -> torch.Tensor:
-    """Rows [src, src+length) of ΔW, (length, in*k), computed in `dtype` (on `device`, default the factors')."""
+    """Rows [src, src+length) of ΔW, (length, in*k), computed in `dtype` (on `device`, default the
+    factors')."""
     halves = []
     for a, b, t in ((f.a1, f.b1, f.t1), (f.a2, f.b2, f.t2)):
         a, b = a[src : src + length].to(device, dtype), b.to(device, dtype)

@@ -60,7 +60,8 @@ def _half(tensors: dict[str, torch.Tensor], side: str) -> tuple[torch.Tensor, ..
 
 
 def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LokrFactors:
-    """Validate shapes and values of one part's tensors (role -> tensor); factors stay in their stored dtype."""
+    """Validate shapes and values of one part's tensors (role -> tensor); factors stay in their stored
+    dtype."""
     other = sorted(set(tensors) - set(ROLES))
     if other:  # e.g. dora_scale: dropping it would silently change the result
         raise PartRejected(
@@ -80,7 +81,8 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> LokrFactor
 
 
 def _w1_shape(w1: tuple[torch.Tensor, ...], bad: PartRejected) -> tuple[int, int, int | None]:
-    """(a, c, rank or None) of the first Kronecker half: a full (a, c[, 1, 1]) matrix or factors (a, r) @ (r, c)."""
+    """(a, c, rank or None) of the first Kronecker half: a full (a, c[, 1, 1]) matrix or factors (a, r) @ (r,
+    c)."""
     if len(w1) == 1:
         if w1[0].dim() < 2 or any(k != 1 for k in w1[0].shape[2:]):
             raise bad
@@ -95,8 +97,8 @@ def _w1_shape(w1: tuple[torch.Tensor, ...], bad: PartRejected) -> tuple[int, int
 def _w2_shape(
     w2: tuple[torch.Tensor, ...], t2: torch.Tensor | None, bad: PartRejected
 ) -> tuple[tuple[torch.Tensor, ...], int, int, tuple[int, ...], int | None]:
-    """(the half's tensors, b, d, kernel, rank or None) of the second Kronecker half: Tucker (t2, w2_a, w2_b), a
-    full (b, d, *kernel) tensor, or factors (b, r) @ (r, d, *kernel)."""
+    """(the half's tensors, b, d, kernel, rank or None) of the second Kronecker half: Tucker (t2, w2_a, w2_b),
+    a full (b, d, *kernel) tensor, or factors (b, r) @ (r, d, *kernel)."""
     if t2 is not None:
         return _tucker_shape(w2, t2, bad)
     if len(w2) == 1:
@@ -122,13 +124,15 @@ def _tucker_shape(
 
 
 def check_target(f: LokrFactors, shape: tuple[int, ...]) -> Miss | None:
-    """Reason the factors cannot land on a module of logical weight shape `shape`, or None (rows: the planner)."""
+    """Reason the factors cannot land on a module of logical weight shape `shape`, or None (rows: the
+    planner)."""
     kernel = tuple(shape[2:])
     cols = shape[1] * math.prod(kernel)
     if f.c * f.n != cols:
         return Miss(
             "shape_mismatch",
-            f"shape mismatch: LoKr kron(({f.a}, {f.c}), ({f.b}, {f.n})) has {f.c * f.n} input columns, module {tuple(shape)} has {cols}",
+            f"shape mismatch: LoKr kron(({f.a}, {f.c}), ({f.b}, {f.n})) has {f.c * f.n} input columns, "
+            f"module {tuple(shape)} has {cols}",
         )
     ones = all(k == 1 for k in kernel) and all(k == 1 for k in f.kernel or ())
     if f.kernel is not None and f.kernel != kernel and not ones:
@@ -194,8 +198,8 @@ def _straddle(f: LokrFactors, w2: torch.Tensor, kernel: tuple[int, ...]) -> tupl
 
 
 def runtime_term(f: LokrFactors, src: int, dst: int, length: int) -> RuntimeTerm:
-    """Structured runtime form: Linear y = vec(w1·X·w2ᵀ) on x viewed (…, c, n); conv: c channel groups share w2
-    (one grouped conv), then w1 mixes the groups. Only the w1 rows the chunk spans are used."""
+    """Structured runtime form: Linear y = vec(w1·X·w2ᵀ) on x viewed (…, c, n); conv: c channel groups share
+    w2 (one grouped conv), then w1 mixes the groups. Only the w1 rows the chunk spans are used."""
     lo, hi, off = _window(f, src, length)
     acc = torch.float64 if any(t.dtype == torch.float64 for t in (*f.w1, *f.w2)) else torch.float32
     w1, w2 = _w1(f, acc)[lo:hi], _w2(f, acc)
@@ -212,7 +216,8 @@ def runtime_term(f: LokrFactors, src: int, dst: int, length: int) -> RuntimeTerm
             extra = (straddled,)
         cost = f"LoKr grouped conv ({f.c} groups, w2 {f.b}x{f.n}) + w1 mix ({rows}x{f.c}); no kron"
     elif len(f.w2) == 2 and 4 * f.w2[0].shape[1] * (f.b + f.n) <= f.b * f.n:
-        # keep a low-rank w2 factored only where it cuts w2's MACs 4x: the extra pass over (…, c, r) costs memory
+        # keep a low-rank w2 factored only where it cuts w2's MACs 4x: the extra pass over (…, c, r) costs
+        # memory
         extra = (f.w2[0].to(acc), f.w2[1].reshape(-1, f.n).to(acc))
     w2_first = f.c * f.b * f.n + rows * f.c * f.b <= rows * f.c * f.n + rows * f.n * f.b
     if not kernel:

@@ -67,8 +67,9 @@ def _tucker_down(down: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
 def tucker_fold(down: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
     """The (r, in, *k) kernel of a Tucker LoCon: K[m, i, ...] = Σ_n mid[m, n, ...]·down[n, i], down being 1x1.
 
-    fp32, formed as ComfyUI core forms it (one mm of down's transpose by mid's transpose flattened), so a merge
-    through ComfyUI's patch list is bit-identical to core's; any other order (an einsum) rounds differently."""
+    fp32, formed as ComfyUI core forms it (one mm of down's transpose by mid's transpose flattened), so a
+    merge through ComfyUI's patch list is bit-identical to core's; any other order (an einsum) rounds
+    differently."""
     rank, inputs = down.shape[0], down.shape[1]
     product = torch.mm(down.flatten(1).float().t(), mid.float().transpose(0, 1).flatten(1))
     return product.reshape(inputs, rank, *mid.shape[2:]).transpose(0, 1).contiguous()
@@ -82,7 +83,8 @@ def widen_input(f: LoraFactors, shape: tuple[int, ...]) -> LoraFactors | None:
 
 
 def input_width(f: LoraFactors) -> int | None:
-    """Input columns the adapter was trained on (Linear only): a control LoRA may need the module grown to it."""
+    """Input columns the adapter was trained on (Linear only): a control LoRA may need the module grown to
+    it."""
     return f.down.shape[1] if f.down.dim() == 2 else None
 
 
@@ -99,7 +101,8 @@ def check_target(f: LoraFactors, shape: tuple[int, ...]) -> Miss | None:
 
 
 def add_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, coeff: float) -> None:
-    """target_rows (length, in*k), fp32 or the weight's own dtype view: += coeff · up[src:src+length] @ down."""
+    """target_rows (length, in*k), fp32 or the weight's own dtype view: += coeff · up[src:src+length] @
+    down."""
     target_rows.addmm_(
         cast_once(f.up, target_rows.dtype)[src : src + length],
         cast_once(f.down, target_rows.dtype).flatten(1),
@@ -108,7 +111,8 @@ def add_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, 
 
 
 def set_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, coeff: float) -> None:
-    """target_rows = coeff · up[src:src+length] @ down (beta=0: the rows are neither read nor zeroed first)."""
+    """target_rows = coeff · up[src:src+length] @ down (beta=0: the rows are neither read nor zeroed
+    first)."""
     up = cast_once(f.up, target_rows.dtype)[src : src + length]
     down = cast_once(f.down, target_rows.dtype).flatten(1)
     torch.addmm(target_rows, up, down, beta=0, alpha=coeff, out=target_rows)
@@ -116,7 +120,8 @@ def set_delta(target_rows: torch.Tensor, f: LoraFactors, src: int, length: int, 
 
 def delta_bound(f: LoraFactors, src: int, length: int) -> float:
     """max |up @ down| over rows [src, src+length) is at most max row norm of up · max column norm of down
-    (Cauchy-Schwarz per element); fp64, so the bound itself cannot overflow; inf or nan for non-finite factors."""
+    (Cauchy-Schwarz per element); fp64, so the bound itself cannot overflow; inf or nan for non-finite
+    factors."""
     up = f.up[src : src + length].double()
     down = f.down.flatten(1).double()
     if not up.numel() or not down.numel():

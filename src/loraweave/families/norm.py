@@ -1,9 +1,9 @@
 """Norm deltas (LyCORIS `train_norm`: `w_norm`, `b_norm`): weight += s·w_norm, bias += s·b_norm. No alpha.
 
-Targets: LayerNorm and GroupNorm (weight and bias), RMSNorm from torch or diffusers (weight; a `b_norm` needs a
-module bias, diffusers RMSNorm(bias=True)). Norm layers are affine in (weight, bias), so the runtime delta is
-exact without touching the module: y += s·(x̂ ⊙ w_norm + b_norm), with x̂ the normalised input computed with
-the module's own eps / normalized_shape / groups."""
+Targets: LayerNorm and GroupNorm (weight and bias), RMSNorm from torch or diffusers (weight; a `b_norm` needs
+a module bias, diffusers RMSNorm(bias=True)). Norm layers are affine in (weight, bias), so the runtime delta
+is exact without touching the module: y += s·(x̂ ⊙ w_norm + b_norm), with x̂ the normalised input computed
+with the module's own eps / normalized_shape / groups."""
 
 from __future__ import annotations
 

@@ -1,20 +1,23 @@
 """OFT: blockwise rotation of the output rows, W' = rescale ⊙ blockdiag(R_s)ᵀ·W with R_s = s·R + (1−s)·I.
 
 Three on-disk forms (PEFT's, an input rotation, is peft_oft.py), one math:
-- LyCORIS >= 3 diag-oft: `oft_blocks` (n, b, b), R = Cayley(Q), Q = B − Bᵀ. `alpha` is the constraint, c = α·rows:
-  if c > 0 and ‖Q‖_F + 1e-8 > c (norm over all blocks), Q ← Q·c/(‖Q‖+1e-8). α ≤ 0 or no alpha = unconstrained
-  (LyCORIS's default; clamping to 0 instead nulls the adapter, the SD.Next defect). Optional `rescale` per row.
+- LyCORIS >= 3 diag-oft: `oft_blocks` (n, b, b), R = Cayley(Q), Q = B − Bᵀ. `alpha` is the constraint, c =
+  α·rows: if c > 0 and ‖Q‖_F + 1e-8 > c (norm over all blocks), Q ← Q·c/(‖Q‖+1e-8). α ≤ 0 or no alpha =
+  unconstrained (LyCORIS's default; clamping to 0 instead nulls the adapter, the SD.Next defect). Optional
+  `rescale` per row.
 - LyCORIS 2.x `oft_diag` (n, b, b): R itself (rescale folded in); no Cayley, no constraint.
 - kohya COFT (`oft_unet_*`): `oft_blocks` as above (kohya's clamp equals LyCORIS's to 1e-8 for α > 0);
   kohya Flux saves one `oft_blocks.<i>` per output split, each rotated on its own with c_i = α·split_i.
 A 4-D `oft_blocks` is BOFT (boft.py); PEFT OFT (`oft_R.weight`, an INPUT rotation whose form depends on
-adapter_config.json) is peft_oft.py. The planner picks the variant from the keys and shapes (families.family_for).
+adapter_config.json) is peft_oft.py. The planner picks the variant from the keys and shapes
+(families.family_for).
 
-Strength s enters once, as LyCORIS's multiplier: R_s = s·R + (1−s)·I (kohya's s(R−I)+I is the same), so s = 0 is
-the identity and s < 0 rotates backwards; without rescale ΔW = s·(Rᵀ−I)W is linear in s. `rescale` is applied in
-full at every strength, as LyCORIS's forward does (so s = 0 still scales a rescaled file's rows);
+Strength s enters once, as LyCORIS's multiplier: R_s = s·R + (1−s)·I (kohya's s(R−I)+I is the same), so s = 0
+is the identity and s < 0 rotates backwards; without rescale ΔW = s·(Rᵀ−I)W is linear in s. `rescale` is
+applied in full at every strength, as LyCORIS's forward does (so s = 0 still scales a rescaled file's rows);
 RESCALE_FOLLOWS_STRENGTH = True uses 1 + s·(rescale − 1) instead. Merge and runtime share one formula; runtime
-rotates the pre-bias output channels (LyCORIS's bypass rotates the bias too and drops rescale: not repeated)."""
+rotates the pre-bias output channels (LyCORIS's bypass rotates the bias too and drops rescale: not
+repeated)."""
 
 from __future__ import annotations
 
@@ -75,7 +78,8 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> OftFactors
 
 
 def check_target(f: OftFactors, shape: tuple[int, ...]) -> Miss | None:
-    """The planner checks the total rows; a fused chunk must not cut a block (offsets are checked when applied)."""
+    """The planner checks the total rows; a fused chunk must not cut a block (offsets are checked when
+    applied)."""
     smallest = min(blocks.shape[1] for blocks, _ in f.segments)
     if shape[0] % smallest:
         return Miss(
@@ -167,8 +171,9 @@ def runtime_term(f: OftFactors, src: int, dst: int, length: int) -> RuntimeTerm:
     """Rotate the pre-bias output channels: Δy = rescale ⊙ (R_sᵀ y) − y (channel axis last, or 1 for conv)."""
     windows = _windows(f, src, length)  # rejects a chunk that cuts a block before anything is attached
     linear = f.rescale is None  # ΔW = s·(Rᵀ − I)W: the runtime scales the s = 1 term itself
-    # R − I of the blocks this chunk uses, built once in fp64 (n·b² per layer: small; any compute dtype is then
-    # exact to its rounding) and held with the rows' rescale (RuntimeTerm.caches): the forward reads their casts
+    # R − I of the blocks this chunk uses, built once in fp64 (n·b² per layer: small; any compute dtype is
+    # then exact to its rounding) and held with the rows' rescale (RuntimeTerm.caches): the forward reads
+    # their casts
     mats = _rotation_minus_i(f, f.segments[0][0].device, torch.float64)
     used = [mats[i][k0 : k0 + count].clone() for i, k0, count, _ in windows]
     rows = () if f.rescale is None else (f.rescale[src : src + length],)

@@ -19,7 +19,8 @@ def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def cayley(blocks: torch.Tensor, constraint: float, dtype: torch.dtype) -> torch.Tensor:
-    """LyCORIS's R = (I + Q)(I − Q)⁻¹ for Q = B − Bᵀ, Q scaled onto the sphere ‖Q‖ = c when c > 0 and it lies outside."""
+    """LyCORIS's R = (I + Q)(I − Q)⁻¹ for Q = B − Bᵀ, Q scaled onto the sphere ‖Q‖ = c when c > 0 and it lies
+    outside."""
     b = blocks.to(dtype)
     q = b - b.transpose(-1, -2)
     if constraint > 0:
@@ -32,7 +33,8 @@ def cayley(blocks: torch.Tensor, constraint: float, dtype: torch.dtype) -> torch
 
 
 def scalar_alpha(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> float:
-    """The constraint α from the `alpha` tensor; missing (or meta, shape-only planning) reads as 0 = unconstrained."""
+    """The constraint α from the `alpha` tensor; missing (or meta, shape-only planning) reads as 0 =
+    unconstrained."""
     alpha = tensors.get("alpha")
     if alpha is None:
         return 0.0
@@ -48,7 +50,8 @@ def scalar_alpha(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> fl
 
 
 def row_scale(rescale: torch.Tensor | None, rows: int, key: str | None) -> torch.Tensor | None:
-    """rescale / boft_s: one factor per output row, stored (rows, 1[, 1…]) or (1, rows); flattened to (rows,)."""
+    """rescale / boft_s: one factor per output row, stored (rows, 1[, 1…]) or (1, rows); flattened to
+    (rows,)."""
     if rescale is None:
         return None
     if rescale.numel() != rows or max(rescale.shape, default=0) != rows:

@@ -1,24 +1,26 @@
-"""PEFT OFT (`<module>.oft_R.weight`, the packed form of PEFT >= 0.14): a block-diagonal rotation of the INPUT.
+"""PEFT OFT (`<module>.oft_R.weight`, the packed form of PEFT >= 0.14): a block-diagonal rotation of the
+INPUT.
 
 Stored: `oft_R.weight` (r, b(b−1)/2), the strict upper triangle of each block's Q, row-major; Q = U − Uᵀ.
 r = in·k / b blocks, or a single row shared by every block (`block_share`, detected from the shapes).
 Rotation per block (PEFT 0.21 semantics, numerically checked against peft.tuners.oft):
 - `use_cayley_neumann` (PEFT's default, 5 terms): the truncated series of (I + Q)(I − Q)⁻¹ that PEFT >= 0.18
-  evaluates, R = I + 2Q + … + 2Q^(t−1) + Q^t with t = max(terms − 1, 3) for terms >= 3 (so 3 and 4 terms give the
-  same R), R = I + 2Q for 2 terms and R = I for fewer. PEFT before 0.18 summed 2Q^k for k = 1 … terms − 1;
-  an adapter_config.json of peft_type OFT without `peft_version` (field added in 0.18) or older than 0.18 gets that
-  legacy series (PEFT 0.21 only warns and uses the new one, which changes such adapters).
+  evaluates, R = I + 2Q + … + 2Q^(t−1) + Q^t with t = max(terms − 1, 3) for terms >= 3 (so 3 and 4 terms give
+  the same R), R = I + 2Q for 2 terms and R = I for fewer. PEFT before 0.18 summed 2Q^k for k = 1 … terms − 1;
+  an adapter_config.json of peft_type OFT without `peft_version` (field added in 0.18) or older than 0.18 gets
+  that legacy series (PEFT 0.21 only warns and uses the new one, which changes such adapters).
 - `use_cayley_neumann=False`: the exact R = (I − Q)(I + Q)⁻¹, the transpose of the series' target.
 - `coft` (+ `eps`): each block's Q is scaled onto ‖Q‖_F = eps/√rows when it lies outside (rows = stored rows).
-Merge: W' = W·blockdiag(R)ᵀ over the flattened (in, *k) columns of every output row (PEFT's merge_and_unload), so
-the delta of each output row depends on that row alone and a fused key may be split over modules at any row.
-Strength (PEFT OFT has no scale): R_s = I + s·(R − I), as our LyCORIS OFT's multiplier, so
+Merge: W' = W·blockdiag(R)ᵀ over the flattened (in, *k) columns of every output row (PEFT's merge_and_unload),
+so the delta of each output row depends on that row alone and a fused key may be split over modules at any
+row. Strength (PEFT OFT has no scale): R_s = I + s·(R − I), as our LyCORIS OFT's multiplier, so
 ΔW = s·W·(blockdiag(R)ᵀ − I) is linear in s; s = 0 is the identity, s = −1 gives 2I − R (not R⁻¹).
-Runtime: Δy = W_rows·(R_sᵀ − I)·x, the rotated-minus-original input through one extra GEMM with the layer's live
-weight (Linear, and convolutions with a single kernel tap); a k×k convolution's rotation mixes kernel taps with
-channels, so it runs as conv(x, ΔW) with ΔW cached. PEFT 0.21's own Conv2d forward (unfold, rotate, fold) disagrees
-with its merge for k > 1, even at R = I (it sums overlapping patches): merge semantics are used for both paths.
-Without an adapter config (a bare state dict) PEFT 0.21's defaults apply: Cayley-Neumann, 5 terms, no coft."""
+Runtime: Δy = W_rows·(R_sᵀ − I)·x, the rotated-minus-original input through one extra GEMM with the layer's
+live weight (Linear, and convolutions with a single kernel tap); a k×k convolution's rotation mixes kernel
+taps with channels, so it runs as conv(x, ΔW) with ΔW cached. PEFT 0.21's own Conv2d forward (unfold, rotate,
+fold) disagrees with its merge for k > 1, even at R = I (it sums overlapping patches): merge semantics are
+used for both paths. Without an adapter config (a bare state dict) PEFT 0.21's defaults apply: Cayley-Neumann,
+5 terms, no coft."""
 
 from __future__ import annotations
 
@@ -95,7 +97,8 @@ def _not_oft(config: Mapping[str, Any] | None, peft_type: object) -> str | None:
 
 
 def _settings(config: Mapping[str, Any] | None) -> tuple[int | None, bool, float | None, bool | None, str]:
-    """(Neumann terms or None, legacy series, coft eps or None, block_share, source) from an adapter config."""
+    """(Neumann terms or None, legacy series, coft eps or None, block_share, source) from an adapter
+    config."""
     peft_type = None if config is None else _field(config, "peft_type")
     why = _not_oft(config, peft_type)
     if why is not None:
@@ -177,7 +180,8 @@ def check_target(f: PeftOftFactors, shape: tuple[int, ...]) -> Miss | None:
     shared = f" (or a multiple of {b}, shared)" if f.shared else ""
     return Miss(
         "shape_mismatch",
-        f"shape mismatch: PEFT OFT rotates {stored * b}{shared} input columns, module {tuple(shape)} has {cols}",
+        f"shape mismatch: PEFT OFT rotates {stored * b}{shared} input columns, module {tuple(shape)} has "
+        f"{cols}",
     )
 
 
@@ -207,7 +211,8 @@ def _series(q: torch.Tensor, f: PeftOftFactors) -> torch.Tensor:
 
 
 def rotation_minus_i(f: PeftOftFactors, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """R − I per stored block, (stored rows, b, b), built once per (device, dtype) in fp32 (fp64 stays fp64)."""
+    """R − I per stored block, (stored rows, b, b), built once per (device, dtype) in fp32 (fp64 stays
+    fp64)."""
     key = (device, dtype)
     if key not in f._minus_i:
         acc = torch.promote_types(acc_dtype(f.vec), dtype)
@@ -284,8 +289,8 @@ def runtime_term(f: PeftOftFactors, src: int, dst: int, length: int, module: Any
         raise PartRejected.of(refused)
     taps = math.prod(module.weight.shape[2:])
     cache: dict[tuple[object, ...], torch.Tensor] = {}
-    # R − I built once in fp64 (small) and held (RuntimeTerm.caches); the k×k conv form keeps a dense ΔW rebuilt
-    # when W changes instead (declared `unheld`)
+    # R − I built once in fp64 (small) and held (RuntimeTerm.caches); the k×k conv form keeps a dense ΔW
+    # rebuilt when W changes instead (declared `unheld`)
     held = CastCache(rotation_minus_i(f, f.vec.device, torch.float64).clone())
 
     def fn(x: torch.Tensor, conv: ConvSpec | None) -> torch.Tensor:

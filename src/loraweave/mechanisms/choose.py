@@ -23,7 +23,8 @@ from .runtime.path import runtime_blocker, runtime_host
 
 @dataclass
 class LayerWork:
-    """One layer's unit of work: where it is, the mechanism chosen for it (None: refused) and why, and what lands."""
+    """One layer's unit of work: where it is, the mechanism chosen for it (None: refused) and why, and what
+    lands."""
 
     component: str
     path: str
@@ -52,7 +53,8 @@ class WorkPlan:
 def choose(
     mode: ApplyMode, module: torch.nn.Module, contribs: list[Contribution], copy_reason: str | None = None
 ) -> tuple[Mechanism | None, str]:
-    """(mechanism or None, why) for a layer no quantization backend owns; copy_reason: an offload group owns it."""
+    """(mechanism or None, why) for a layer no quantization backend owns; copy_reason: an offload group owns
+    it."""
     merge_no = copy_reason or merge_blocker(module, needs_bias(contribs))
     runtime_no = runtime_blocker(module)
     if mode == "merge":

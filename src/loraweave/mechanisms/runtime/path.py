@@ -140,8 +140,9 @@ class RuntimePath:
         self, module: torch.nn.Module, contributions: list[Contribution], borrow: bool | None = None
     ) -> None:
         """`borrow`: the factors' memory is owned by their adapters and never written (formats' `read=True`):
-        a pair that needs no concatenation is kept as it is instead of copied. None: whether every contributing
-        adapter's source owns its memory (a mapped file may be saved over while applied: copied)."""
+        a pair that needs no concatenation is kept as it is instead of copied. None: whether every
+        contributing adapter's source owns its memory (a mapped file may be saved over while applied:
+        copied)."""
         if borrow is None:
             borrow = all(getattr(pp.adapter.source, "owned", False) for pp, _ in contributions)
         self.module = module
@@ -159,8 +160,8 @@ class RuntimePath:
         self.costs: set[str] = set()  # reported per layer: what the runtime form costs beyond a low-rank pair
         pairs = self._gather(contributions)
         self.gates: dict[str, float] = {}  # per-adapter factor on this layer only (1 when absent)
-        # the rank-concatenated pair: down (R, in, *k) and up (out, R), stored dtype (promoted by cat); kept across
-        # strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt.
+        # the rank-concatenated pair: down (R, in, *k) and up (out, R), stored dtype (promoted by cat); kept
+        # across strength changes. The scale vector is rewritten in place by refresh_scales, never rebuilt.
         pair = concatenated(pairs, self.out, borrow) if pairs else None
         self._factor_cast = CastCache(*pair) if pair else None
         self._scale_cast = CastCache(torch.empty(pair[0].shape[0] if pair else 0))
@@ -243,12 +244,13 @@ class RuntimePath:
         self.refresh_scales()
 
     def vanishes_at_zero(self, name: str) -> bool:
-        """Whether adapter `name`'s terms here are all zero at strength 0, so gating it equals removing it (DoRA's
-        magnitude, OFT's rescale are not: those layers are rebuilt without it)."""
+        """Whether adapter `name`'s terms here are all zero at strength 0, so gating it equals removing it
+        (DoRA's magnitude, OFT's rescale are not: those layers are rebuilt without it)."""
         return all(t.linear for t in (*self.fns, *self.base_fns) if t.part.adapter.name == name)
 
     def rebind(self, mapping: dict[int, PlannedPart]) -> None:
-        """Point contributions at new planned parts of identical structure (a switch): strengths follow them."""
+        """Point contributions at new planned parts of identical structure (a switch): strengths follow
+        them."""
         self.owners = _rebound(self.owners, mapping)
         self.contributions = [
             Contribution(mapping.get(id(pp), pp), piece) for pp, piece in self.contributions
@@ -280,10 +282,11 @@ class RuntimePath:
         return (*pair, *self._scale_cast.to(device, dtype))
 
     def caches(self) -> list[CastCache]:
-        """Every cache this path reads adapter tensors through: the rank-concatenated pair, the scale vector, dense
-        diffs, bias deltas and what structured terms declare (RuntimeTerm.caches). A host that counts and moves
-        the adapter (ComfyUI's model management) holds their sources and re-points each cache after a move
-        (CastCache.repoint): the path then reads the moved tensors, casts follow, nothing is rebuilt."""
+        """Every cache this path reads adapter tensors through: the rank-concatenated pair, the scale vector,
+        dense diffs, bias deltas and what structured terms declare (RuntimeTerm.caches). A host that counts
+        and moves the adapter (ComfyUI's model management) holds their sources and re-points each cache after
+        a move (CastCache.repoint): the path then reads the moved tensors, casts follow, nothing is
+        rebuilt."""
         own = [c for c in (self._factor_cast, self._scale_cast) if c is not None]
         return [*own, *(t.cache for t in self.dense), *(t.cache for t in self.biases), *self.fn_caches]
 
@@ -294,12 +297,14 @@ class RuntimePath:
     def bind_factors(
         self, device: torch.device, dtype: torch.dtype, down: torch.Tensor, up: torch.Tensor
     ) -> None:
-        """Compute with `down`/`up` already on (device, dtype), e.g. a streamed block's slot views: no cast made."""
+        """Compute with `down`/`up` already on (device, dtype), e.g. a streamed block's slot views: no cast
+        made."""
         if self._factor_cast is not None:
             self._factor_cast.put(device, dtype, (down, up))
 
     def pad_rank(self, rank: int) -> None:
-        """Zero-pad the rank-concatenated pair to `rank` (torch.compile buckets): the same product, fixed shapes."""
+        """Zero-pad the rank-concatenated pair to `rank` (torch.compile buckets): the same product, fixed
+        shapes."""
         down, up = self.down, self.up
         if down is None or up is None or rank <= down.shape[0]:
             return
@@ -334,7 +339,8 @@ class RuntimePath:
         x = args[0] if args else next(iter(kwargs.values()))
         if not isinstance(output, torch.Tensor):
             return output
-        # Offload hooks (accelerate) move inputs inside forward; the hook sees them before, so follow the output.
+        # Offload hooks (accelerate) move inputs inside forward; the hook sees them before, so follow the
+        # output.
         if x.device != output.device or (x.dtype != output.dtype and x.is_floating_point()):
             x = x.to(output.device, output.dtype)
         return self.add_path(x, output)
@@ -366,8 +372,9 @@ class RuntimePath:
         """Plain nn.Linear forward with the low-rank path in the GEMM's accumulator: y = (b + s·B·A·x) + W·x.
 
         One pass over the output fewer than base-then-add; the two thin GEMMs on oneDNN where it applies
-        (mechanisms/runtime/skinny.py). At r=16, 3072², 4096 tokens (bench_floor.py) 0.33x the FLOP floor over a 91 GF/s
-        sgemm, 2.05-2.76x over a 160 GF/s one: the thin GEMMs cost the same milliseconds on either."""
+        (mechanisms/runtime/skinny.py). At r=16, 3072², 4096 tokens (bench_floor.py) 0.33x the FLOP floor over
+        a 91 GF/s sgemm, 2.05-2.76x over a 160 GF/s one: the thin GEMMs cost the same milliseconds on
+        either."""
         m = self._linear
         w = m.weight
         plain = (

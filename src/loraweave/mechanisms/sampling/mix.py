@@ -1,10 +1,11 @@
-"""Per-sample adapter sets and regional masks in one forward: the terms a RuntimePath adds, computed per run of rows.
+"""Per-sample adapter sets and regional masks in one forward: the terms a RuntimePath adds, computed per run
+of rows.
 
-While a handle has a batch or a region, each of its RuntimePaths hands its adapter terms to this object. A layer's
-input rows are split into runs of consecutive rows whose samples share one set (rows.py); each run is a view of the
-input and of the output, so every set costs its own rank only (a segmented matmul: x_run·Dₛᵀ·diag(scale)·Uₛᵀ added
-into the output run in place; no gather, no scatter). Regional adapters scale their rank columns of h (and their
-structured terms) by a weight per output token (region.py)."""
+While a handle has a batch or a region, each of its RuntimePaths hands its adapter terms to this object. A
+layer's input rows are split into runs of consecutive rows whose samples share one set (rows.py); each run is
+a view of the input and of the output, so every set costs its own rank only (a segmented matmul:
+x_run·Dₛᵀ·diag(scale)·Uₛᵀ added into the output run in place; no gather, no scatter). Regional adapters scale
+their rank columns of h (and their structured terms) by a weight per output token (region.py)."""
 
 from __future__ import annotations
 
@@ -128,8 +129,9 @@ class Mix:
         return out
 
     def fused_linear(self, path, x: torch.Tensor) -> torch.Tensor:
-        """A plain Linear's forward with each run's low-rank term in the GEMM's accumulator, as the fused path does:
-        out[run] = bias + h_run·Uₛᵀ (written once), then out += x·Wᵀ (one pass over the output fewer)."""
+        """A plain Linear's forward with each run's low-rank term in the GEMM's accumulator, as the fused path
+        does: out[run] = bias + h_run·Uₛᵀ (written once), then out += x·Wᵀ (one pass over the output
+        fewer)."""
         out = x.new_empty(*x.shape[:-1], path.out)
         self._each(path, x, out, fresh=True)
         out.view(-1, path.out).addmm_(x.reshape(-1, x.shape[-1]), path.module.weight.t())
@@ -149,9 +151,10 @@ class Mix:
             _terms(self, path, x[rows], outs, key, weights, fresh and not gated, pair_done=gated)
 
     def _each_set(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> None:
-        """`exact`, several sets: each set's terms over every row, as a lone apply of it computes them (the same
-        shapes, so the same CPU kernels: BLAS and oneDNN round by row count), kept on that set's rows only. Costs a
-        low-rank pass over all rows per set (the gated form's FLOPs) and one output-sized buffer."""
+        """`exact`, several sets: each set's terms over every row, as a lone apply of it computes them (the
+        same shapes, so the same CPU kernels: BLAS and oneDNN round by row count), kept on that set's rows
+        only. Costs a low-rank pass over all rows per set (the gated form's FLOPs) and one output-sized
+        buffer."""
         base = None if fresh else out.clone()
         buffer = out.new_empty(out.shape) if fresh else None
         for key in dict.fromkeys(key for _, key in runs):
@@ -164,8 +167,9 @@ class Mix:
                     out[rows] = buffer[rows]
 
     def _gated(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> bool:
-        """Short runs (modulation inputs (B, C), few tokens): one pass of the whole rank-concatenated pair with a
-        per-row gate beats a few small GEMMs per run. Returns whether it ran (then only other terms remain)."""
+        """Short runs (modulation inputs (B, C), few tokens): one pass of the whole rank-concatenated pair
+        with a per-row gate beats a few small GEMMs per run. Returns whether it ran (then only other terms
+        remain)."""
         if self.exact or len(runs) < 2 or path.conv or path.down is None or path.base_fns or out.dim() < 2:
             return False  # terms that read the base output must see it before any pair is added
         tokens = (runs[0][0].stop - runs[0][0].start) * math.prod(x.shape[1:-1])
@@ -204,8 +208,9 @@ def _terms(
     fresh: bool = False,
     pair_done: bool = False,
 ) -> None:
-    """Add the set's terms to `out`; `fresh`: `out` is uninitialised and gets bias + low-rank term first (a fused
-    plain Linear, whose paths have no terms that read the base output); `pair_done`: the low-rank pair is in."""
+    """Add the set's terms to `out`; `fresh`: `out` is uninitialised and gets bias + low-rank term first (a
+    fused plain Linear, whose paths have no terms that read the base output); `pair_done`: the low-rank pair
+    is in."""
     strength = lambda pp: part_strength_for(path, pp, key, mix.settings)  # noqa: E731
     spec = ConvSpec(path.conv, path.conv_args()) if path.conv else None
     if path.base_fns:  # computed from the base output before anything is added to these rows
@@ -290,8 +295,8 @@ def _init_linear(
     weights: dict,
     h: torch.Tensor | None = None,
 ) -> None:
-    """out = bias + (x·Dᵀ·diag(scale) ⊙ weights)·Uᵀ, written in one GEMM (out: a contiguous run, uninitialised);
-    `h` given: the weighted x·Dᵀ already formed."""
+    """out = bias + (x·Dᵀ·diag(scale) ⊙ weights)·Uᵀ, written in one GEMM (out: a contiguous run,
+    uninitialised); `h` given: the weighted x·Dᵀ already formed."""
     bias, o2 = path.module.bias, out.view(-1, out.shape[-1])
     if pair is None:
         o2.copy_(bias.expand_as(o2)) if bias is not None else o2.zero_()
@@ -324,7 +329,8 @@ def require_runtime(written: Iterable, names, error: type[Exception], what: str)
     if written:
         which = sorted({n for m in written for n in m.adapters} & set(names))
         raise error(
-            f"{what}: adapter(s) {which} are merged into {len(written)} layers; apply them with mode='runtime'"
+            f"{what}: adapter(s) {which} are merged into {len(written)} layers; apply them with "
+            f"mode='runtime'"
         )
 
 
@@ -350,8 +356,8 @@ def mix_for(
 
 
 def release(mix: Mix | None, paths: Iterable, active: bool) -> Mix | None:
-    """Detach `mix` from `paths` once it has neither a batch nor a region (or its adapters are gone): paths return
-    to their plain forward. Returns the mix still in use, or None."""
+    """Detach `mix` from `paths` once it has neither a batch nor a region (or its adapters are gone): paths
+    return to their plain forward. Returns the mix still in use, or None."""
     if mix is not None and (mix.idle or not active):
         for rp in paths:
             rp.mix = None
