@@ -101,10 +101,18 @@ def test_facets_are_consistent(arch):
     if arch.blocks:
         assert arch.skeleton is not None, f"{arch.name}: a block map needs the skeleton it slots"
         assert bool(arch.blocks.chains) != bool(arch.blocks.unet), arch.name
+    if arch.comfy:  # ComfyUI models resolve on the catalog skeleton's tree, at the model's widths
+        assert arch.skeleton is not None and arch.comfy.classes, arch.name
+        assert arch.comfy.skeleton in (None, arch.name), arch.name  # comfy/skeletons/<its name>.json
     for release in arch.releases:  # chains the file reader counts, and a skeleton the catalog has
         assert release.chains and set(release.chains) <= set(CHAINS), (arch.name, release.name)
         assert release.hidden > 0 and all(n > 0 for n in release.chains.values()), release.name
         assert release.catalog is None or release.catalog in CATALOG, release.catalog
+
+
+def test_each_comfy_class_names_one_architecture():
+    classes = [c for a in RECORDS if a.comfy for c in a.comfy.classes]
+    assert len(classes) == len(set(classes)), sorted(c for c in classes if classes.count(c) > 1)
 
 
 RELEASES = [(a.name, r) for a in RECORDS for r in a.releases if r.catalog]

@@ -40,7 +40,7 @@ WRAPPER_PREFIXES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _original_names(
+def original_names(
     module: torch.nn.Module,
     modules: dict[str, torch.nn.Module],
     runtime_fusions: bool = False,
@@ -66,7 +66,7 @@ def _original_names(
     return out
 
 
-def _bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[str, tuple[str, bool]]:
+def bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[str, tuple[str, bool]]:
     """Parameters that are not a module's weight/bias (modulation tables), by live and original name."""
     live = {
         name: p
@@ -276,8 +276,8 @@ def _exact_names(
     names, then runtime-fusion names, fill what they leave; live fusions override; prefixed spellings
     follow."""
     exact = _live_names(modules)
-    _add_missing(exact, _original_names(module, every))
-    runtime = _original_names(module, every, runtime_fusions=True)
+    _add_missing(exact, original_names(module, every))
+    runtime = original_names(module, every, runtime_fusions=True)
     fusion_names = set(runtime) - set(exact)
     _add_missing(exact, runtime)
     exact.update(_live_fusions(every))  # overrides: the separate modules are no longer used
@@ -305,7 +305,7 @@ def _trait_names(
     return {
         trait: {
             form: pieces
-            for name, pieces in _original_names(module, every, trait=trait).items()
+            for name, pieces in original_names(module, every, trait=trait).items()
             for form in (name, underscore_form(name))
         }
         for trait in traits
@@ -316,7 +316,7 @@ def _parameter_names(
     module: torch.nn.Module, modules: dict[str, torch.nn.Module]
 ) -> dict[str, tuple[str, bool]]:
     """Bare parameters by live and original name, plus the underscored spellings no other name holds."""
-    params = _bare_parameters(module, type(module).__name__, modules)
+    params = bare_parameters(module, type(module).__name__, modules)
     params.update(
         {underscore_form(k): v for k, v in list(params.items()) if underscore_form(k) not in params}
     )

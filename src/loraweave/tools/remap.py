@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..arch import aliases
-from ..arch.aliases import _original_names
+from ..arch.aliases import original_names
 from ..arch.spec import Piece, apply_renames, out_rows
 
 log = logging.getLogger("loraweave")
@@ -57,7 +57,7 @@ def original_spans(
     spelling `img_attn.qkv` on its model, where the Tencent `img_attn_qkv` comes first)."""
     out: Spans = {}
     totals: dict[str, int] = {}
-    names = _original_names(module, dict(module.named_modules()))
+    names = original_names(module, dict(module.named_modules()))
     order = sorted(names, key=lambda o: f"{o}.weight" not in present)  # stable: table order otherwise
     for original in order:
         pieces = names[original]
@@ -151,7 +151,7 @@ def _from_config(folder: Path) -> torch.nn.Module | None:
         return cls.from_config({k: v for k, v in data.items() if not k.startswith("_")})
 
 
-def _fits(
+def original_fit(
     ref: torch.nn.Module, shapes: dict[str, tuple[int, ...]], renamed: bool = False
 ) -> tuple[Spans, int] | None:
     """Spans when at least half the reference's original names are present and every present one has the
@@ -197,7 +197,7 @@ def reference_for(
             comps = skeleton(name, text_encoders=False)
             candidates.append((name, next(iter(comps.values()))))
     for label, ref in candidates:
-        fit = _fits(ref, shapes)
+        fit = original_fit(ref, shapes)
         if fit is not None:
             log.info("checkpoint original_names reference=%s originals_present=%d", label, fit[1])
             return ref, fit[0]
