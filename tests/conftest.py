@@ -85,7 +85,9 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_cli_convert": ("realdata",),
     "test_cli_extract": ("realdata",),
     "test_cli_inspect": ("realdata",),
-    "test_comfy_archs": ("comfy",),
+    "test_comfy_arch_names": ("comfy",),
+    "test_comfy_arch_video": ("comfy",),
+    "test_comfy_arch_weights": ("comfy",),
     "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),
@@ -97,6 +99,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_sampling": ("comfy",),
     "test_comfy_stack": ("comfy",),
     "test_comfy_swap": ("comfy",),
+    "test_comfy_toy_arch": ("comfy",),
     "test_comfy_weights": ("comfy",),
     "test_compile": ("slow",),  # inductor codegen: about a minute per whole model
     "test_detect": ("realdata",),
@@ -126,7 +129,24 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Modules that run case by case (helpers.comfy_arch_cases.built_case keeps one tiny ComfyUI model at a time):
+# their tests are reordered by the `name` parameter, stably.
+BY_CASE = ("test_comfy_arch_names", "test_comfy_arch_weights")
+
+
+def _by_case(items) -> None:
+    for module in BY_CASE:
+        places = [i for i, item in enumerate(items) if item.module.__name__.rpartition(".")[2] == module]
+        ordered = sorted(
+            (items[i] for i in places),
+            key=lambda item: str(getattr(item, "callspec", None) and item.callspec.params.get("name", "")),
+        )
+        for i, item in zip(places, ordered, strict=True):
+            items[i] = item
+
+
 def pytest_collection_modifyitems(items) -> None:
+    _by_case(items)
     for item in items:
         for name in MODULE_MARKERS.get(item.module.__name__.rpartition(".")[2], ()):
             item.add_marker(name)

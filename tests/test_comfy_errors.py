@@ -4,6 +4,8 @@ patch added, every weight bit-identical."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.comfy_files import adapter_file, dotted, kohya, target_linears
@@ -133,10 +135,13 @@ def test_no_fitting_reference_resolves_comfy_names_only(models, monkeypatch, cap
     """Where loraweave has no reference tree at the model's widths (here: Flux with the width translation
     taken away, so the full-size catalog tree does not fit), original-named keys still land on ComfyUI's own
     modules and diffusers-named ones are typed misses; the log says why."""
-    from loraweave.comfy import reference
+    from helpers.registry import patch_records
+
+    from loraweave.arch.registry import by_name
 
     m = models["flux"]
-    monkeypatch.delitem(reference.CONFIGS, "flux")
+    flux_comfy = by_name()["flux"].comfy
+    patch_records(monkeypatch, {"flux"}, comfy=dataclasses.replace(flux_comfy, config=None))
     ours = adapter_file(
         target_linears(m.patcher.model.diffusion_model), "lora", dotted("diffusion_model."), peft=True
     )

@@ -13,6 +13,8 @@ injections, additional models and every weight, bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.comfy_env import import_comfy
@@ -219,9 +221,12 @@ def test_another_packs_wrapper_without_config_says_why(comfy_home, flux):
 def test_a_mapped_model_whose_widths_do_not_fit_says_why(comfy_home, flux, monkeypatch):
     """Flux with loraweave's width translation taken away (the full-size reference no longer fits the tiny
     model, test_comfy_errors.test_no_fitting_reference_...): the note names the architecture and why."""
-    from loraweave.comfy import reference
+    from helpers.registry import patch_records
 
-    monkeypatch.delitem(reference.CONFIGS, "flux")
+    from loraweave.arch.registry import by_name
+
+    flux_comfy = by_name()["flux"].comfy
+    patch_records(monkeypatch, {"flux"}, comfy=dataclasses.replace(flux_comfy, config=None))
     save_file(flux_lora(), comfy_home["base"] / "models" / "loras" / "flux_again.safetensors")
     report = inspect_node().execute("flux_again.safetensors", model=flux.patcher).args[0]
     line, note = _coverage(report)

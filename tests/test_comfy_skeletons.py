@@ -18,13 +18,14 @@ from helpers.comfy_full import FLUX_DEV, SD2_UNET, SD15_UNET, meta_patcher
 
 from loraweave.arch.catalog import CATALOG
 from loraweave.comfy import targets
-from loraweave.comfy.reference import DEPTHS
+from loraweave.comfy.reference import facets
 from loraweave.comfy.skeletons import description, packaged_tree, rebuild, record
 from loraweave.comfy.targets import COMFY_ARCHS, plan_for_patcher
 from loraweave.formats.adapter import load_adapter
 from loraweave.tools.skeleton import describe
 
 ARCHS = sorted(a for a in set(COMFY_ARCHS.values()) if a in CATALOG)
+DEPTH_ARCHS = sorted(a for a in ARCHS if facets(a).depths)  # flux, flux-schnell, qwen-image, wan, z-image
 
 
 def shape_of(module: torch.nn.Module) -> tuple[list, dict]:
@@ -45,6 +46,7 @@ def test_every_mapped_architecture_ships_its_diffusers_skeleton():
     """Each shipped file is what scripts/comfy_skeletons.py writes from the installed diffusers (a stale or
     edited file fails), for the current catalog config, and rebuilds to diffusers' tree module for module."""
     for arch in ARCHS:
+        assert facets(arch).skeleton == arch, arch  # the file scripts/comfy_skeletons.py writes for it
         data, fresh = description(arch), record(arch)
         assert fresh is not None, f"{arch}: diffusers lacks {CATALOG[arch].cls}"
         assert data == fresh, f"{arch}: the shipped skeleton is stale (run scripts/comfy_skeletons.py)"
@@ -53,10 +55,10 @@ def test_every_mapped_architecture_ships_its_diffusers_skeleton():
         assert shape_of(rebuilt) == shape_of(ref) and type(rebuilt).__name__ == type(ref).__name__, arch
 
 
-@pytest.mark.parametrize("arch", sorted(DEPTHS))
+@pytest.mark.parametrize("arch", DEPTH_ARCHS)
 def test_block_chains_cut_and_grown_as_diffusers_builds_them(arch):
     entry = CATALOG[arch]
-    for key in DEPTHS[arch]:
+    for key in facets(arch).depths:
         for depth in (0, 1, 3, description(arch)["config"][key] + 1):
             config = {**entry.config, key: depth}
             tree = packaged_tree(arch, entry.cls, config)

@@ -68,11 +68,11 @@ def close(a, b) -> bool:
 
 
 class Counts:
-    """Calls of targets' AliasTable (a reference's alias table) and _fits (spans onto live shapes)."""
+    """Calls of targets' AliasTable (a reference's alias table) and original_fit (spans onto live shapes)."""
 
     def __init__(self, monkeypatch) -> None:
         self.tables = self.fits = 0
-        table, fits = targets.AliasTable, targets._fits
+        table, fits = targets.AliasTable, targets.original_fit
 
         def counted_table(*args, **kwargs):
             self.tables += 1
@@ -83,7 +83,7 @@ class Counts:
             return fits(*args, **kwargs)
 
         monkeypatch.setattr(targets, "AliasTable", counted_table)
-        monkeypatch.setattr(targets, "_fits", counted_fits)
+        monkeypatch.setattr(targets, "original_fit", counted_fits)
 
 
 def modules_of(patcher) -> set[int]:

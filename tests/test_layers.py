@@ -6,7 +6,8 @@ from __future__ import annotations
 import ast
 
 import pytest
-from helpers.imports import ROOT, import_edges, package_modules
+from helpers import imports
+from helpers.imports import ROOT, import_edges, package_modules, private_imports
 
 # Lowest first. Each top-level module or package of src/loraweave sits on exactly one layer.
 LAYERS: list[set[str]] = [
@@ -115,3 +116,29 @@ def test_the_contract_catches_an_upward_import():
     assert violations([("loraweave.engine.handle", "loraweave.formats.keys")], LAYERS) == []
     with pytest.raises(AssertionError, match="sits on no layer"):
         violations([("loraweave.novel.x", "loraweave.errors")], LAYERS)
+
+
+def test_no_private_name_is_imported_from_another_part():
+    """Nothing imports another package's private names (`_x`): what a part shares is public in its home
+    module."""
+    assert private_imports(package_modules()) == []
+
+
+def test_the_contract_catches_a_private_import(tmp_path, monkeypatch):
+    """Negative control: a private name taken across parts (module level and inside a function) is refused;
+    one taken inside its own part, a dunder, and another library's private name are not."""
+    (tmp_path / "comfy").mkdir()
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "comfy" / "x.py").write_text(
+        "from ..tools.remap import _fits, translate\n"
+        "from .y import _own\n"
+        "from diffusers.loaders.peft import _SET_ADAPTER_SCALE_FN_MAPPING\n"
+        "def f():\n    from ..arch.aliases import _bare_parameters\n    from .. import __version__\n"
+    )
+    (tmp_path / "tools" / "remap.py").write_text("import loraweave.comfy._hidden\n")
+    monkeypatch.setattr(imports, "ROOT", tmp_path)
+    assert private_imports(imports.package_modules()) == [
+        ("loraweave.comfy.x", "loraweave.arch.aliases", "_bare_parameters"),
+        ("loraweave.comfy.x", "loraweave.tools.remap", "_fits"),
+        ("loraweave.tools.remap", "loraweave.comfy._hidden", "_hidden"),
+    ]

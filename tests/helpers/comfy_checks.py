@@ -1,4 +1,4 @@
-"""Checks shared by the tests of loraweave.comfy on tiny DiTs (test_comfy_archs.py, test_comfy_dits.py).
+"""Checks shared by the tests of loraweave.comfy on tiny DiTs (test_comfy_arch_*.py).
 
 References: `loraweave.apply` on the diffusers twin holding the same weights, ComfyUI's merged weights mapped
 to the twin's names by the model's row map (`as_diffusers`), TOL relative per weight; ComfyUI's own LoraLoader
@@ -27,13 +27,6 @@ RowMap = Callable[[dict], dict]  # ComfyUI state (its names) -> the twin's names
 def comfy_modules(m) -> torch.nn.Module:
     """ComfyUI's diffusion model inside a test model's MODEL (its own module names)."""
     return m.patcher.model.diffusion_model
-
-
-def built_once(cache: dict, builders: dict[str, Callable], name: str):
-    """`builders[name]()`, built on the first call per module-scoped `cache` and kept."""
-    if name not in cache:
-        cache[name] = builders[name]()
-    return cache[name]
 
 
 def merged_state(patcher) -> dict[str, torch.Tensor]:

@@ -1,22 +1,22 @@
-"""Tiny HunyuanVideo 1.5, HunyuanImage 2.1, Kandinsky 5, ERNIE-Image, Anima and Cosmos-Predict2 models built the way
-ComfyUI loads them, each with its diffusers twin (the second half of helpers.comfy_dits).
+"""Tiny HunyuanVideo 1.5, HunyuanImage 2.1, Kandinsky 5, ERNIE-Image, Anima and Cosmos-Predict2 models built
+the way ComfyUI loads them, each with its diffusers twin (the second half of helpers.comfy_dits).
 
-Each starts from a seeded state dict in the names ComfyUI's own model class has at tiny widths (shapes from the
-class on `meta`), goes through ComfyUI's detection (`model_config_from_unet`, which must pick the expected
-supported_models class), `process_unet_state_dict` and `load_model_weights`; the widths its detection does not read
-(ERNIE-Image reads none, Kandinsky 5 no text widths, Cosmos no heads or depth below 2048) go into unet_config. Row
-maps from ComfyUI's names to the twin's:
-- HunyuanVideo 1.5 / HunyuanImage 2.1: diffusers installs no converter; `hunyuan_rows` is a hand map written here
-  from the facts of diffusers' repo scripts (convert_hunyuan_video1_5_to_diffusers.py,
+Each starts from a seeded state dict in the names ComfyUI's own model class has at tiny widths (shapes from
+the class on `meta`), goes through ComfyUI's detection (`model_config_from_unet`, which must pick the expected
+supported_models class), `process_unet_state_dict` and `load_model_weights`; the widths its detection does not
+read (ERNIE-Image reads none, Kandinsky 5 no text widths, Cosmos no heads or depth below 2048) go into
+unet_config. Row maps from ComfyUI's names to the twin's:
+- HunyuanVideo 1.5 / HunyuanImage 2.1: diffusers installs no converter; `hunyuan_rows` is a hand map written
+  here from the facts of diffusers' repo scripts (convert_hunyuan_video1_5_to_diffusers.py,
   convert_hunyuan_image_to_diffusers.py): fused qkv / linear1 chunked q | k | v (| mlp), the final layer's
-  (shift, scale) halves swapped. It is independent of loraweave's tables (arch/hunyuan_video15.py), and the tests
-  check both against a direct fp64 formula on ComfyUI's own tensors as well;
+  (shift, scale) halves swapped. It is independent of loraweave's tables (arch/hunyuan_video15.py), and the
+  tests check both against a direct fp64 formula on ComfyUI's own tensors as well;
 - Kandinsky 5, ERNIE-Image: the identity (the diffusers ports keep the original names; ERNIE's single-file
   converter only strips a prefix);
-- Anima / Cosmos-Predict2: diffusers' `convert_cosmos_transformer_checkpoint_to_diffusers`. Anima's LLM adapter is
-  a pipeline component of its own in diffusers: the map leaves it out and its keys are checked in fp64 alone. Its
-  width is fixed in ComfyUI's class (a 32128 x 1024 embedding and six 1024-wide blocks, 130M parameters); the
-  tiny model builds ComfyUI's own LLMAdapter class at small keyword widths."""
+- Anima / Cosmos-Predict2: diffusers' `convert_cosmos_transformer_checkpoint_to_diffusers`. Anima's LLM
+  adapter is a pipeline component of its own in diffusers: the map leaves it out and its keys are checked in
+  fp64 alone. Its width is fixed in ComfyUI's class (a 32128 x 1024 embedding and six 1024-wide blocks, 130M
+  parameters); the tiny model builds ComfyUI's own LLMAdapter class at small keyword widths."""
 
 from __future__ import annotations
 
@@ -32,8 +32,17 @@ from .comfy_env import import_comfy
 from .comfy_models import _seeded_shapes, tiny_clip
 
 
-def _build_identity_named(name: str, cls, params: dict, expect: str, widths: dict, rows, twin: tuple[str, dict],
-                          seed: int, patch=None) -> DitModel:  # fmt: skip
+def _build_identity_named(
+    name: str,
+    cls,
+    params: dict,
+    expect: str,
+    widths: dict,
+    rows,
+    twin: tuple[str, dict],
+    seed: int,
+    patch=None,
+) -> DitModel:
     """A model whose seeded state dict is in ComfyUI's own names (ComfyUI renames none of them for these
     classes, which _load checks); `rows` maps ComfyUI names to the twin's; `patch` a context around every
     construction of ComfyUI's class."""
@@ -47,9 +56,11 @@ def _build_identity_named(name: str, cls, params: dict, expect: str, widths: dic
     return DitModel(name, patcher, tiny_clip("sd1"), model, originals, rows)
 
 
-# --- HunyuanVideo 1.5 / HunyuanImage 2.1: ComfyUI's HunyuanVideo class ---------------------------------------------
+# --- HunyuanVideo 1.5 / HunyuanImage 2.1: ComfyUI's HunyuanVideo class
+# ---------------------------------------------
 
-# ComfyUI module name -> diffusers module name, in ComfyUI's spelling; `{i}` blocks. Fused rows are split below.
+# ComfyUI module name -> diffusers module name, in ComfyUI's spelling; `{i}` blocks. Fused rows are split
+# below.
 _HY_WHOLE = {
     "img_in.proj": "x_embedder.proj",
     "txt_in.input_embedder": "context_embedder.proj_in",
@@ -57,12 +68,24 @@ _HY_WHOLE = {
     "txt_in.t_embedder.out_layer": "context_embedder.time_text_embed.timestep_embedder.linear_2",
     "txt_in.c_embedder.in_layer": "context_embedder.time_text_embed.text_embedder.linear_1",
     "txt_in.c_embedder.out_layer": "context_embedder.time_text_embed.text_embedder.linear_2",
-    "txt_in.individual_token_refiner.blocks.{i}.norm1": "context_embedder.token_refiner.refiner_blocks.{i}.norm1",
-    "txt_in.individual_token_refiner.blocks.{i}.norm2": "context_embedder.token_refiner.refiner_blocks.{i}.norm2",
-    "txt_in.individual_token_refiner.blocks.{i}.self_attn.proj": "context_embedder.token_refiner.refiner_blocks.{i}.attn.to_out.0",
-    "txt_in.individual_token_refiner.blocks.{i}.mlp.0": "context_embedder.token_refiner.refiner_blocks.{i}.ff.net.0.proj",
-    "txt_in.individual_token_refiner.blocks.{i}.mlp.2": "context_embedder.token_refiner.refiner_blocks.{i}.ff.net.2",
-    "txt_in.individual_token_refiner.blocks.{i}.adaLN_modulation.1": "context_embedder.token_refiner.refiner_blocks.{i}.norm_out.linear",
+    "txt_in.individual_token_refiner.blocks.{i}.norm1": (
+        "context_embedder.token_refiner.refiner_blocks.{i}.norm1"
+    ),
+    "txt_in.individual_token_refiner.blocks.{i}.norm2": (
+        "context_embedder.token_refiner.refiner_blocks.{i}.norm2"
+    ),
+    "txt_in.individual_token_refiner.blocks.{i}.self_attn.proj": (
+        "context_embedder.token_refiner.refiner_blocks.{i}.attn.to_out.0"
+    ),
+    "txt_in.individual_token_refiner.blocks.{i}.mlp.0": (
+        "context_embedder.token_refiner.refiner_blocks.{i}.ff.net.0.proj"
+    ),
+    "txt_in.individual_token_refiner.blocks.{i}.mlp.2": (
+        "context_embedder.token_refiner.refiner_blocks.{i}.ff.net.2"
+    ),
+    "txt_in.individual_token_refiner.blocks.{i}.adaLN_modulation.1": (
+        "context_embedder.token_refiner.refiner_blocks.{i}.norm_out.linear"
+    ),
     "byt5_in.layernorm": "context_embedder_2.norm",
     "byt5_in.fc1": "context_embedder_2.linear_1",
     "byt5_in.fc2": "context_embedder_2.linear_2",
@@ -103,11 +126,16 @@ _HY_FUSED = {  # fused rows, top to bottom; None: the rest
 }
 # The time embedders sit elsewhere in each model.
 _HY_TIME = {
-    "hunyuan-video-1.5": {"time_in": "time_embed.timestep_embedder", "time_r_in": "time_embed.timestep_embedder_r"},
-    "hunyuan-image-2.1": {"time_in": "time_guidance_embed.timestep_embedder",
-                          "guidance_in": "time_guidance_embed.guidance_embedder",
-                          "time_r_in": "time_guidance_embed.timestep_embedder_r"},
-}  # fmt: skip
+    "hunyuan-video-1.5": {
+        "time_in": "time_embed.timestep_embedder",
+        "time_r_in": "time_embed.timestep_embedder_r",
+    },
+    "hunyuan-image-2.1": {
+        "time_in": "time_guidance_embed.timestep_embedder",
+        "guidance_in": "time_guidance_embed.guidance_embedder",
+        "time_r_in": "time_guidance_embed.timestep_embedder_r",
+    },
+}
 
 
 def _match(table: dict, module: str) -> tuple[object, str | None] | None:
@@ -119,9 +147,13 @@ def _match(table: dict, module: str) -> tuple[object, str | None] | None:
 
 
 def hunyuan_rows(kind: str, hidden: int):
-    """ComfyUI HunyuanVideo-class state (its names) -> the diffusers HunyuanVideo 1.5 / HunyuanImage 2.1 names."""
-    time = {f"{o}.{a}": f"{t}.{b}" for o, t in _HY_TIME[kind].items() for a, b in
-            (("in_layer", "linear_1"), ("out_layer", "linear_2"))}  # fmt: skip
+    """ComfyUI HunyuanVideo-class state (its names) -> the diffusers HunyuanVideo 1.5 / HunyuanImage 2.1
+    names."""
+    time = {
+        f"{o}.{a}": f"{t}.{b}"
+        for o, t in _HY_TIME[kind].items()
+        for a, b in (("in_layer", "linear_1"), ("out_layer", "linear_2"))
+    }
 
     def run(state: dict) -> dict:
         out = {}
@@ -148,61 +180,153 @@ def hunyuan_rows(kind: str, hidden: int):
 
 
 def _hunyuan_params(**kw) -> dict:
-    base = dict(in_channels=16, out_channels=16, vec_in_dim=None, context_in_dim=32, hidden_size=128, mlp_ratio=4.0,
-                num_heads=1, depth=1, depth_single_blocks=0, axes_dim=[16, 56, 56], theta=256, patch_size=[1, 1, 1],
-                qkv_bias=True, guidance_embed=False, byt5=True, meanflow=False, use_cond_type_embedding=False,
-                vision_in_dim=None, meanflow_sum=False)  # fmt: skip
+    base = dict(
+        in_channels=16,
+        out_channels=16,
+        vec_in_dim=None,
+        context_in_dim=32,
+        hidden_size=128,
+        mlp_ratio=4.0,
+        num_heads=1,
+        depth=1,
+        depth_single_blocks=0,
+        axes_dim=[16, 56, 56],
+        theta=256,
+        patch_size=[1, 1, 1],
+        qkv_bias=True,
+        guidance_embed=False,
+        byt5=True,
+        meanflow=False,
+        use_cond_type_embedding=False,
+        vision_in_dim=None,
+        meanflow_sum=False,
+    )
     return {**base, **kw}
 
 
-# HunyuanVideo 1.5: detection needs vision_in at 1152 (SigLIP) and reads the rest; 2 double blocks, no single ones.
-HV15_PARAMS = _hunyuan_params(in_channels=65, out_channels=32, depth=2, use_cond_type_embedding=True,
-                              vision_in_dim=1152, meanflow_sum=True)  # fmt: skip
+# HunyuanVideo 1.5: detection needs vision_in at 1152 (SigLIP) and reads the rest; 2 double blocks, no single
+# ones.
+HV15_PARAMS = _hunyuan_params(
+    in_channels=65,
+    out_channels=32,
+    depth=2,
+    use_cond_type_embedding=True,
+    vision_in_dim=1152,
+    meanflow_sum=True,
+)
 
 
 def tiny_hunyuan_video_15(seed: int = 0) -> DitModel:
     import_comfy()
     import comfy.ldm.hunyuan_video.model as hy
 
-    twin = dict(in_channels=65, out_channels=32, num_attention_heads=1, attention_head_dim=128, num_layers=2,
-                num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm",
-                text_embed_dim=32, text_embed_2_dim=1472, image_embed_dim=1152, rope_theta=256.0,
-                rope_axes_dim=(16, 56, 56))  # fmt: skip
-    return _build_identity_named("hunyuan-video-1.5", hy.HunyuanVideo, HV15_PARAMS, "HunyuanVideo15", {},
-                                 hunyuan_rows("hunyuan-video-1.5", 128),
-                                 ("HunyuanVideo15Transformer3DModel", twin), seed)  # fmt: skip
+    twin = dict(
+        in_channels=65,
+        out_channels=32,
+        num_attention_heads=1,
+        attention_head_dim=128,
+        num_layers=2,
+        num_refiner_layers=2,
+        mlp_ratio=4.0,
+        patch_size=1,
+        patch_size_t=1,
+        qk_norm="rms_norm",
+        text_embed_dim=32,
+        text_embed_2_dim=1472,
+        image_embed_dim=1152,
+        rope_theta=256.0,
+        rope_axes_dim=(16, 56, 56),
+    )
+    return _build_identity_named(
+        "hunyuan-video-1.5",
+        hy.HunyuanVideo,
+        HV15_PARAMS,
+        "HunyuanVideo15",
+        {},
+        hunyuan_rows("hunyuan-video-1.5", 128),
+        ("HunyuanVideo15Transformer3DModel", twin),
+        seed,
+    )
 
 
-# HunyuanImage 2.1 (the distilled release: guidance and MeanFlow embedders): 2D patches, 1 double + 1 single block.
-HI21_PARAMS = _hunyuan_params(in_channels=64, out_channels=64, depth_single_blocks=1, axes_dim=[64, 64],
-                              patch_size=[1, 1], guidance_embed=True, meanflow=True)  # fmt: skip
+# HunyuanImage 2.1 (the distilled release: guidance and MeanFlow embedders): 2D patches, 1 double + 1 single
+# block.
+HI21_PARAMS = _hunyuan_params(
+    in_channels=64,
+    out_channels=64,
+    depth_single_blocks=1,
+    axes_dim=[64, 64],
+    patch_size=[1, 1],
+    guidance_embed=True,
+    meanflow=True,
+)
 
 
 def tiny_hunyuan_image_21(seed: int = 0) -> DitModel:
     import_comfy()
     import comfy.ldm.hunyuan_video.model as hy
 
-    twin = dict(in_channels=64, out_channels=64, num_attention_heads=1, attention_head_dim=128, num_layers=1,
-                num_single_layers=1, num_refiner_layers=2, mlp_ratio=4.0, patch_size=(1, 1), qk_norm="rms_norm",
-                guidance_embeds=True, text_embed_dim=32, text_embed_2_dim=1472, rope_theta=256.0,
-                rope_axes_dim=(64, 64), use_meanflow=True)  # fmt: skip
-    return _build_identity_named("hunyuan-image-2.1", hy.HunyuanVideo, HI21_PARAMS, "HunyuanImage21", {},
-                                 hunyuan_rows("hunyuan-image-2.1", 128),
-                                 ("HunyuanImageTransformer2DModel", twin), seed)  # fmt: skip
+    twin = dict(
+        in_channels=64,
+        out_channels=64,
+        num_attention_heads=1,
+        attention_head_dim=128,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=2,
+        mlp_ratio=4.0,
+        patch_size=(1, 1),
+        qk_norm="rms_norm",
+        guidance_embeds=True,
+        text_embed_dim=32,
+        text_embed_2_dim=1472,
+        rope_theta=256.0,
+        rope_axes_dim=(64, 64),
+        use_meanflow=True,
+    )
+    return _build_identity_named(
+        "hunyuan-image-2.1",
+        hy.HunyuanVideo,
+        HI21_PARAMS,
+        "HunyuanImage21",
+        {},
+        hunyuan_rows("hunyuan-image-2.1", 128),
+        ("HunyuanImageTransformer2DModel", twin),
+        seed,
+    )
 
 
-# Sibling releases on the same classes: HunyuanVideo 1.5's distilled super-resolution model (98 input channels, its
-# own supported_models class) and HunyuanImage 2.1's refiner (3D patches, 128 in / 64 out, no glyph mapper).
+# Sibling releases on the same classes: HunyuanVideo 1.5's distilled super-resolution model (98 input
+# channels, its own supported_models class) and HunyuanImage 2.1's refiner (3D patches, 128 in / 64 out, no
+# glyph mapper).
 def tiny_hunyuan_video_15_sr(seed: int = 0) -> DitModel:
     import_comfy()
     import comfy.ldm.hunyuan_video.model as hy
 
-    twin = dict(in_channels=98, out_channels=32, num_attention_heads=1, attention_head_dim=128, num_layers=1,
-                num_refiner_layers=2, patch_size=1, patch_size_t=1, text_embed_dim=32, text_embed_2_dim=1472,
-                image_embed_dim=1152, rope_axes_dim=(16, 56, 56))  # fmt: skip
-    return _build_identity_named("hunyuan-video-1.5-sr", hy.HunyuanVideo, {**HV15_PARAMS, "in_channels": 98,
-                                 "depth": 1}, "HunyuanVideo15_SR_Distilled", {}, hunyuan_rows("hunyuan-video-1.5", 128),
-                                 ("HunyuanVideo15Transformer3DModel", twin), seed)  # fmt: skip
+    twin = dict(
+        in_channels=98,
+        out_channels=32,
+        num_attention_heads=1,
+        attention_head_dim=128,
+        num_layers=1,
+        num_refiner_layers=2,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=32,
+        text_embed_2_dim=1472,
+        image_embed_dim=1152,
+        rope_axes_dim=(16, 56, 56),
+    )
+    return _build_identity_named(
+        "hunyuan-video-1.5-sr",
+        hy.HunyuanVideo,
+        {**HV15_PARAMS, "in_channels": 98, "depth": 1},
+        "HunyuanVideo15_SR_Distilled",
+        {},
+        hunyuan_rows("hunyuan-video-1.5", 128),
+        ("HunyuanVideo15Transformer3DModel", twin),
+        seed,
+    )
 
 
 def tiny_hunyuan_image_21_refiner(seed: int = 0) -> DitModel:
@@ -210,12 +334,28 @@ def tiny_hunyuan_image_21_refiner(seed: int = 0) -> DitModel:
     import comfy.ldm.hunyuan_video.model as hy
 
     params = _hunyuan_params(in_channels=128, out_channels=64, depth_single_blocks=1, byt5=False)
-    twin = dict(in_channels=128, out_channels=64, num_attention_heads=1, attention_head_dim=128, num_layers=1,
-                num_single_layers=1, num_refiner_layers=2, patch_size=(1, 1, 1), text_embed_dim=32,
-                rope_axes_dim=(16, 56, 56))  # fmt: skip
-    return _build_identity_named("hunyuan-image-2.1-refiner", hy.HunyuanVideo, params, "HunyuanImage21Refiner", {},
-                                 hunyuan_rows("hunyuan-image-2.1", 128), ("HunyuanImageTransformer2DModel", twin),
-                                 seed)  # fmt: skip
+    twin = dict(
+        in_channels=128,
+        out_channels=64,
+        num_attention_heads=1,
+        attention_head_dim=128,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=2,
+        patch_size=(1, 1, 1),
+        text_embed_dim=32,
+        rope_axes_dim=(16, 56, 56),
+    )
+    return _build_identity_named(
+        "hunyuan-image-2.1-refiner",
+        hy.HunyuanVideo,
+        params,
+        "HunyuanImage21Refiner",
+        {},
+        hunyuan_rows("hunyuan-image-2.1", 128),
+        ("HunyuanImageTransformer2DModel", twin),
+        seed,
+    )
 
 
 VARIANT_BUILDERS = {
@@ -224,59 +364,136 @@ VARIANT_BUILDERS = {
 }
 
 
-# --- Kandinsky 5, ERNIE-Image: identity row maps -------------------------------------------------------------------
+# --- Kandinsky 5, ERNIE-Image: identity row maps
+# -------------------------------------------------------------------
 
 
 def identity_rows(state: dict) -> dict:
     return dict(state)
 
 
-# Kandinsky 5 (Lite layout: image-conditioned visual input, (16 x 2 + 1) x 4 = 132 wide): detection reads the widths
-# but not the text encoders'; heads of sum(axes_dims) = 64.
+# Kandinsky 5 (Lite layout: image-conditioned visual input, (16 x 2 + 1) x 4 = 132 wide): detection reads the
+# widths but not the text encoders'; heads of sum(axes_dims) = 64.
 KANDINSKY5_WIDTHS = {"in_text_dim": 32, "in_text_dim2": 24}
-KANDINSKY5_PARAMS = dict(in_visual_dim=16, out_visual_dim=16, time_dim=64, model_dim=128, ff_dim=256,
-                         visual_embed_dim=132, patch_size=(1, 2, 2), num_text_blocks=1, num_visual_blocks=2,
-                         axes_dims=(16, 24, 24), **KANDINSKY5_WIDTHS)  # fmt: skip
+KANDINSKY5_PARAMS = dict(
+    in_visual_dim=16,
+    out_visual_dim=16,
+    time_dim=64,
+    model_dim=128,
+    ff_dim=256,
+    visual_embed_dim=132,
+    patch_size=(1, 2, 2),
+    num_text_blocks=1,
+    num_visual_blocks=2,
+    axes_dims=(16, 24, 24),
+    **KANDINSKY5_WIDTHS,
+)
 
 
 def tiny_kandinsky5(seed: int = 0) -> DitModel:
     import_comfy()
     import comfy.ldm.kandinsky5.model as k5
 
-    twin = dict(in_visual_dim=16, in_text_dim=32, in_text_dim2=24, time_dim=64, out_visual_dim=16,
-                patch_size=(1, 2, 2), model_dim=128, ff_dim=256, num_text_blocks=1, num_visual_blocks=2,
-                axes_dims=(16, 24, 24), visual_cond=True)  # fmt: skip
-    return _build_identity_named("kandinsky5", k5.Kandinsky5, KANDINSKY5_PARAMS, "Kandinsky5", KANDINSKY5_WIDTHS,
-                                 identity_rows, ("Kandinsky5Transformer3DModel", twin), seed)  # fmt: skip
+    twin = dict(
+        in_visual_dim=16,
+        in_text_dim=32,
+        in_text_dim2=24,
+        time_dim=64,
+        out_visual_dim=16,
+        patch_size=(1, 2, 2),
+        model_dim=128,
+        ff_dim=256,
+        num_text_blocks=1,
+        num_visual_blocks=2,
+        axes_dims=(16, 24, 24),
+        visual_cond=True,
+    )
+    return _build_identity_named(
+        "kandinsky5",
+        k5.Kandinsky5,
+        KANDINSKY5_PARAMS,
+        "Kandinsky5",
+        KANDINSKY5_WIDTHS,
+        identity_rows,
+        ("Kandinsky5Transformer3DModel", twin),
+        seed,
+    )
 
 
 # ERNIE-Image: detection writes no width at all (ComfyUI builds its class defaults, the released 4096 x 36).
-ERNIE_WIDTHS = dict(hidden_size=128, num_attention_heads=2, num_layers=2, ffn_hidden_size=256, in_channels=16,
-                    out_channels=16, patch_size=1, text_in_dim=32, rope_axes_dim=(16, 24, 24))  # fmt: skip
+ERNIE_WIDTHS = dict(
+    hidden_size=128,
+    num_attention_heads=2,
+    num_layers=2,
+    ffn_hidden_size=256,
+    in_channels=16,
+    out_channels=16,
+    patch_size=1,
+    text_in_dim=32,
+    rope_axes_dim=(16, 24, 24),
+)
 
 
 def tiny_ernie_image(seed: int = 0) -> DitModel:
     import_comfy()
     import comfy.ldm.ernie.model as ernie
 
-    return _build_identity_named("ernie-image", ernie.ErnieImageModel, ERNIE_WIDTHS, "ErnieImage", ERNIE_WIDTHS,
-                                 identity_rows, ("ErnieImageTransformer2DModel", ERNIE_WIDTHS), seed)  # fmt: skip
+    return _build_identity_named(
+        "ernie-image",
+        ernie.ErnieImageModel,
+        ERNIE_WIDTHS,
+        "ErnieImage",
+        ERNIE_WIDTHS,
+        identity_rows,
+        ("ErnieImageTransformer2DModel", ERNIE_WIDTHS),
+        seed,
+    )
 
 
-# --- Anima / Cosmos-Predict2: ComfyUI's MiniTrainDIT ----------------------------------------------------------------
+# --- Anima / Cosmos-Predict2: ComfyUI's MiniTrainDIT
+# ----------------------------------------------------------------
 
 # Detection sets heads and depth only at 2048 / 5120 wide: at 128 they are unet_config.
 COSMOS_WIDTHS = {"num_blocks": 2, "num_heads": 2}
-COSMOS_PARAMS = dict(max_img_h=240, max_img_w=240, max_frames=128, in_channels=16, out_channels=16, patch_spatial=2,
-                     patch_temporal=1, concat_padding_mask=True, model_channels=128, mlp_ratio=4.0,
-                     crossattn_emb_channels=1024, pos_emb_cls="rope3d", pos_emb_learnable=True,
-                     pos_emb_interpolation="crop", min_fps=1, max_fps=30, use_adaln_lora=True, adaln_lora_dim=256,
-                     rope_h_extrapolation_ratio=4.0, rope_w_extrapolation_ratio=4.0,
-                     extra_per_block_abs_pos_emb=False, **COSMOS_WIDTHS)  # fmt: skip
-COSMOS_TWIN = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=64, num_layers=2,
-                   mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256, max_size=(128, 240, 240),
-                   patch_size=(1, 2, 2), rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True,
-                   extra_pos_embed_type=None)  # fmt: skip
+COSMOS_PARAMS = dict(
+    max_img_h=240,
+    max_img_w=240,
+    max_frames=128,
+    in_channels=16,
+    out_channels=16,
+    patch_spatial=2,
+    patch_temporal=1,
+    concat_padding_mask=True,
+    model_channels=128,
+    mlp_ratio=4.0,
+    crossattn_emb_channels=1024,
+    pos_emb_cls="rope3d",
+    pos_emb_learnable=True,
+    pos_emb_interpolation="crop",
+    min_fps=1,
+    max_fps=30,
+    use_adaln_lora=True,
+    adaln_lora_dim=256,
+    rope_h_extrapolation_ratio=4.0,
+    rope_w_extrapolation_ratio=4.0,
+    extra_per_block_abs_pos_emb=False,
+    **COSMOS_WIDTHS,
+)
+COSMOS_TWIN = dict(
+    in_channels=16,
+    out_channels=16,
+    num_attention_heads=2,
+    attention_head_dim=64,
+    num_layers=2,
+    mlp_ratio=4.0,
+    text_embed_dim=1024,
+    adaln_lora_dim=256,
+    max_size=(128, 240, 240),
+    patch_size=(1, 2, 2),
+    rope_scale=(1.0, 4.0, 4.0),
+    concat_padding_mask=True,
+    extra_pos_embed_type=None,
+)
 LLM_ADAPTER_TINY = dict(source_dim=32, target_dim=32, model_dim=64, num_layers=1, num_heads=2)
 
 
@@ -298,17 +515,33 @@ def tiny_anima(seed: int = 0) -> DitModel:
     import_comfy()
     import comfy.ldm.anima.model as anima
 
-    return _build_identity_named("anima", anima.Anima, {**COSMOS_PARAMS, "image_model": "anima"}, "Anima",
-                                 COSMOS_WIDTHS, cosmos_rows, ("CosmosTransformer3DModel", COSMOS_TWIN), seed,
-                                 patch=_small_llm_adapter)  # fmt: skip
+    return _build_identity_named(
+        "anima",
+        anima.Anima,
+        {**COSMOS_PARAMS, "image_model": "anima"},
+        "Anima",
+        COSMOS_WIDTHS,
+        cosmos_rows,
+        ("CosmosTransformer3DModel", COSMOS_TWIN),
+        seed,
+        patch=_small_llm_adapter,
+    )
 
 
 def tiny_cosmos_predict2(seed: int = 0) -> DitModel:
     import_comfy()
     import comfy.ldm.cosmos.predict2 as predict2
 
-    return _build_identity_named("cosmos-predict2", predict2.MiniTrainDIT, COSMOS_PARAMS, "CosmosT2IPredict2",
-                                 COSMOS_WIDTHS, cosmos_rows, ("CosmosTransformer3DModel", COSMOS_TWIN), seed)  # fmt: skip
+    return _build_identity_named(
+        "cosmos-predict2",
+        predict2.MiniTrainDIT,
+        COSMOS_PARAMS,
+        "CosmosT2IPredict2",
+        COSMOS_WIDTHS,
+        cosmos_rows,
+        ("CosmosTransformer3DModel", COSMOS_TWIN),
+        seed,
+    )
 
 
 DIT2_BUILDERS = {

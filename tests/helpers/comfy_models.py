@@ -1,7 +1,8 @@
 """Tiny ComfyUI models built the way ComfyUI loads them, each with its diffusers twin and a CLIP.
 
 - Flux (hidden 128, 1 double + 1 single block): a BFL-layout state dict through `comfy.sd.
-  load_diffusion_model_state_dict` (what UNETLoader runs: ComfyUI's own detection picks `supported_models.Flux`).
+  load_diffusion_model_state_dict` (what UNETLoader runs: ComfyUI's own detection picks
+  `supported_models.Flux`).
 - SD1.5 and SDXL: small UNets are not detected by `model_config_from_unet` (SD15 needs 320/768), so the config
   comes from `comfy.model_detection.detect_unet_config` on the LDM state dict and goes into
   `supported_models.SD15` / `SDXL` directly (notes §2.7 (b)).
@@ -20,7 +21,8 @@ import torch
 
 from .comfy_env import import_comfy
 
-# Text encoders shrunk through ComfyUI's `<model_name>_model_config` override (the vocab stays: the tokenizers are real).
+# Text encoders shrunk through ComfyUI's `<model_name>_model_config` override (the vocab stays: the tokenizers
+# are real).
 CLIP_L_SMALL = {
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -62,7 +64,8 @@ def _seeded(module: torch.nn.Module, seed: int) -> None:
 
 
 def tiny_clip(kind: str, seed: int = 7):
-    """comfy.sd.CLIP of ComfyUI's own classes: "sd1" (clip_l), "sdxl" (clip_l + clip_g), "flux" (clip_l + t5xxl)."""
+    """comfy.sd.CLIP of ComfyUI's own classes: "sd1" (clip_l), "sdxl" (clip_l + clip_g), "flux" (clip_l +
+    t5xxl)."""
     c = import_comfy()
     import comfy.sd1_clip
     import comfy.sdxl_clip
@@ -115,13 +118,25 @@ def _sd_unet_diffusers(kind: str, seed: int):
     return model
 
 
-# The ComfyUI UNet configs of the twins above, as detect_unet_config writes them (the helper checks they match).
+# The ComfyUI UNet configs of the twins above, as detect_unet_config writes them (the helper checks they
+# match).
 SD_UNET_CONFIGS = {
-    "sd15": {"transformer_depth": [1, 0], "transformer_depth_output": [1, 1, 0, 0], "transformer_depth_middle": 1,
-             "use_linear_in_transformer": False, "adm_in_channels": None},
-    "sdxl": {"transformer_depth": [0, 2], "transformer_depth_output": [0, 0, 2, 2], "transformer_depth_middle": 2,
-             "use_linear_in_transformer": True, "adm_in_channels": 32 + 6 * 256, "num_classes": "sequential"},
-}  # fmt: skip
+    "sd15": {
+        "transformer_depth": [1, 0],
+        "transformer_depth_output": [1, 1, 0, 0],
+        "transformer_depth_middle": 1,
+        "use_linear_in_transformer": False,
+        "adm_in_channels": None,
+    },
+    "sdxl": {
+        "transformer_depth": [0, 2],
+        "transformer_depth_output": [0, 0, 2, 2],
+        "transformer_depth_middle": 2,
+        "use_linear_in_transformer": True,
+        "adm_in_channels": 32 + 6 * 256,
+        "num_classes": "sequential",
+    },
+}
 BASE_UNET_CONFIG = {
     "model_channels": 32,
     "channel_mult": [1, 2],
@@ -242,8 +257,8 @@ def flux_twin(patcher, in_channels: int = 64, out_channels: int | None = None):
 
 def flux_rows_map(patcher) -> dict:
     """diffusers name -> ComfyUI name, (name, (dim, start, length)) or (name, offset, fn): ComfyUI's own
-    `comfy.utils.flux_to_diffusers` (what its loader of diffusers-format Flux files uses). diffusers' single-file
-    converter hard-codes inner_dim 3072, so it cannot map a 128-wide model."""
+    `comfy.utils.flux_to_diffusers` (what its loader of diffusers-format Flux files uses). diffusers'
+    single-file converter hard-codes inner_dim 3072, so it cannot map a 128-wide model."""
     c = import_comfy()
     return c.utils.flux_to_diffusers(patcher.model.model_config.unet_config, output_prefix="")
 
@@ -258,13 +273,23 @@ def rows_of(state: dict[str, torch.Tensor], where) -> torch.Tensor:
     return where[2](tensor) if len(where) > 2 else tensor
 
 
-WAN_PARAMS = {"dim": 128, "ffn_dim": 256, "num_layers": 2, "num_heads": 1, "text_dim": 4096, "in_dim": 4,
-              "out_dim": 4, "freq_dim": 256, "model_type": "t2v"}  # fmt: skip
+WAN_PARAMS = {
+    "dim": 128,
+    "ffn_dim": 256,
+    "num_layers": 2,
+    "num_heads": 1,
+    "text_dim": 4096,
+    "in_dim": 4,
+    "out_dim": 4,
+    "freq_dim": 256,
+    "model_type": "t2v",
+}
 
 
 def tiny_wan(seed: int = 0) -> ComfyModel:
-    """Wan 2.1 T2V at dim 128 (ComfyUI reads heads as dim // 128) loaded as UNETLoader does, its diffusers twin
-    through diffusers' convert_wan_transformer_to_diffusers; the CLIP is the SD1 one (only shapes matter here)."""
+    """Wan 2.1 T2V at dim 128 (ComfyUI reads heads as dim // 128) loaded as UNETLoader does, its diffusers
+    twin through diffusers' convert_wan_transformer_to_diffusers; the CLIP is the SD1 one (only shapes matter
+    here)."""
     c = import_comfy()
     import comfy.ldm.wan.model
     import comfy.ops
@@ -309,10 +334,11 @@ BUILDERS = {
 
 
 def _detected(c, original: dict[str, torch.Tensor], expect: str, widths: dict, chosen=None):
-    """ComfyUI's own detection of `original` (model_detection), with the widths its detection does not read from
-    the file set in unet_config (they go to the model class as keyword arguments, as ComfyUI's defaults would),
-    then the model built and loaded as load_diffusion_model_state_dict does. `chosen`: the supported_models class
-    for a tiny model that detection matches by a full-size width (notes §2.7 (b)), given the detected config."""
+    """ComfyUI's own detection of `original` (model_detection), with the widths its detection does not read
+    from the file set in unet_config (they go to the model class as keyword arguments, as ComfyUI's defaults
+    would), then the model built and loaded as load_diffusion_model_state_dict does. `chosen`: the
+    supported_models class for a tiny model that detection matches by a full-size width (notes §2.7 (b)),
+    given the detected config."""
     if chosen is None:
         model_config = c.model_detection.model_config_from_unet(original, "")
     else:
@@ -334,14 +360,20 @@ def _seeded_shapes(shapes: dict[str, torch.Tensor], seed: int) -> dict[str, torc
     return {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in shapes.items()}
 
 
-# ComfyUI's Qwen-Image detection reads only in_channels and the depth: the widths below are unet_config entries.
-QWEN_WIDTHS = {"num_attention_heads": 2, "attention_head_dim": 32, "joint_attention_dim": 32,
-               "axes_dims_rope": (8, 12, 12)}  # fmt: skip
+# ComfyUI's Qwen-Image detection reads only in_channels and the depth: the widths below are unet_config
+# entries.
+QWEN_WIDTHS = {
+    "num_attention_heads": 2,
+    "attention_head_dim": 32,
+    "joint_attention_dim": 32,
+    "axes_dims_rope": (8, 12, 12),
+}
 
 
 def tiny_qwen_image(seed: int = 0) -> ComfyModel:
-    """Qwen-Image at inner width 64, 2 blocks. ComfyUI keeps the diffusers names for Qwen-Image (and diffusers has
-    no single-file converter for it), so the twin loads ComfyUI's state dict as it is: the identity row map."""
+    """Qwen-Image at inner width 64, 2 blocks. ComfyUI keeps the diffusers names for Qwen-Image (and diffusers
+    has no single-file converter for it), so the twin loads ComfyUI's state dict as it is: the identity row
+    map."""
     c = import_comfy()
     import comfy.ldm.qwen_image.model
     import comfy.ops
@@ -364,13 +396,23 @@ def tiny_qwen_image(seed: int = 0) -> ComfyModel:
     return ComfyModel("qwen-image", patcher, tiny_clip("sd1"), twin)
 
 
-# Z-Image: detection reads dim, cap_feat_dim and depth, and picks ZImage only at dim 3840; the rest are unet_config.
-# dim 1024 is the least at which diffusers' timestep MLP (hidden fixed at 1024) has ComfyUI's min(dim, 1024) width;
-# multiple_of 1 keeps ComfyUI's SwiGLU width at diffusers' int(dim / 3 * 8) (at 3840 both give 10240).
+# Z-Image: detection reads dim, cap_feat_dim and depth, and picks ZImage only at dim 3840; the rest are
+# unet_config. dim 1024 is the least at which diffusers' timestep MLP (hidden fixed at 1024) has ComfyUI's
+# min(dim, 1024) width; multiple_of 1 keeps ComfyUI's SwiGLU width at diffusers' int(dim / 3 * 8) (at 3840
+# both give 10240).
 Z_IMAGE_DIM = 1024
-Z_IMAGE_WIDTHS = {"n_heads": 8, "n_kv_heads": 8, "axes_dims": [32, 48, 48], "axes_lens": [64, 32, 32],
-                  "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0, "multiple_of": 1,
-                  "z_image_modulation": True, "time_scale": 1000.0, "pad_tokens_multiple": 32}  # fmt: skip
+Z_IMAGE_WIDTHS = {
+    "n_heads": 8,
+    "n_kv_heads": 8,
+    "axes_dims": [32, 48, 48],
+    "axes_lens": [64, 32, 32],
+    "rope_theta": 256.0,
+    "ffn_dim_multiplier": 8.0 / 3.0,
+    "multiple_of": 1,
+    "z_image_modulation": True,
+    "time_scale": 1000.0,
+    "pad_tokens_multiple": 32,
+}
 
 
 def z_image_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -381,15 +423,21 @@ def z_image_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
 
     with torch.device("meta"):
         shapes = comfy.ldm.lumina.model.NextDiT(
-            patch_size=2, in_channels=16, dim=Z_IMAGE_DIM, n_layers=1, cap_feat_dim=32, qk_norm=True,
-            operations=comfy.ops.disable_weight_init, **Z_IMAGE_WIDTHS,
-        ).state_dict()  # fmt: skip
+            patch_size=2,
+            in_channels=16,
+            dim=Z_IMAGE_DIM,
+            n_layers=1,
+            cap_feat_dim=32,
+            qk_norm=True,
+            operations=comfy.ops.disable_weight_init,
+            **Z_IMAGE_WIDTHS,
+        ).state_dict()
     return _seeded_shapes(shapes, seed)
 
 
 def tiny_z_image(seed: int = 0) -> ComfyModel:
-    """Z-Image at dim 1024 as ComfyUI's supported_models.ZImage on the detected config; the twin through diffusers'
-    convert_z_image_transformer_checkpoint_to_diffusers (fused qkv split in three)."""
+    """Z-Image at dim 1024 as ComfyUI's supported_models.ZImage on the detected config; the twin through
+    diffusers' convert_z_image_transformer_checkpoint_to_diffusers (fused qkv split in three)."""
     c = import_comfy()
     from diffusers import ZImageTransformer2DModel
     from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
@@ -397,9 +445,19 @@ def tiny_z_image(seed: int = 0) -> ComfyModel:
     original = z_image_state_dict(seed)
     patcher = _detected(c, dict(original), "ZImage", Z_IMAGE_WIDTHS, c.supported_models.ZImage)
     twin = ZImageTransformer2DModel(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=Z_IMAGE_DIM, n_layers=1, n_refiner_layers=2,
-        n_heads=8, n_kv_heads=8, cap_feat_dim=32, rope_theta=256.0, axes_dims=[32, 48, 48], axes_lens=[64, 32, 32],
-    ).eval()  # fmt: skip
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=16,
+        dim=Z_IMAGE_DIM,
+        n_layers=1,
+        n_refiner_layers=2,
+        n_heads=8,
+        n_kv_heads=8,
+        cap_feat_dim=32,
+        rope_theta=256.0,
+        axes_dims=[32, 48, 48],
+        axes_lens=[64, 32, 32],
+    ).eval()
     converted = convert_z_image_transformer_checkpoint_to_diffusers(
         {k: v.clone() for k, v in original.items()}
     )

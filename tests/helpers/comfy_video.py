@@ -1,13 +1,13 @@
-"""Tiny Wan 2.2 (TI2V 5B, A14B experts), Wan Animate, HiDream, LTX-Video 0.9 and PixArt Sigma / Alpha models built
-the way ComfyUI loads them, each with its diffusers twin (helpers.comfy_dits.DitModel).
+"""Tiny Wan 2.2 (TI2V 5B, A14B experts), Wan Animate, HiDream, LTX-Video 0.9 and PixArt Sigma / Alpha models
+built the way ComfyUI loads them, each with its diffusers twin (helpers.comfy_dits.DitModel).
 
-Each starts from a seeded state dict in the architecture's original names at tiny widths (the shapes of ComfyUI's
-own model class), goes through ComfyUI's detection and load (`comfy_dits._load`); widths that detection hard-codes
-(HiDream: all of them; PixArt: hidden 1152 and 16 heads; LTX-Video: 32 heads) are set in unet_config, as for
-Chroma. The twin holds the same weights through diffusers' single-file converter (Wan, Wan Animate, LTX-Video,
-HiDream: the identity but for the prefix); PixArt has no diffusers single-file converter, so its row map is
-ComfyUI's own `comfy.utils.pixart_to_diffusers` (what ComfyUI's LoRA key map uses: fused `attn.qkv` and
-`cross_attn.kv_linear` split by rows), checked against an fp64 formula in the tests."""
+Each starts from a seeded state dict in the architecture's original names at tiny widths (the shapes of
+ComfyUI's own model class), goes through ComfyUI's detection and load (`comfy_dits._load`); widths that
+detection hard-codes (HiDream: all of them; PixArt: hidden 1152 and 16 heads; LTX-Video: 32 heads) are set in
+unet_config, as for Chroma. The twin holds the same weights through diffusers' single-file converter (Wan, Wan
+Animate, LTX-Video, HiDream: the identity but for the prefix); PixArt has no diffusers single-file converter,
+so its row map is ComfyUI's own `comfy.utils.pixart_to_diffusers` (what ComfyUI's LoRA key map uses: fused
+`attn.qkv` and `cross_attn.kv_linear` split by rows), checked against an fp64 formula in the tests."""
 
 from __future__ import annotations
 
@@ -19,8 +19,17 @@ from .comfy_models import rows_of
 
 # Wan: ComfyUI reads dim, ffn, depth and the in/out widths from the file and sets heads = dim // 128.
 WAN_COMMON = dict(dim=128, ffn_dim=256, num_layers=2, num_heads=1, text_dim=4096, freq_dim=256)
-WAN_TWIN = dict(patch_size=(1, 2, 2), num_attention_heads=1, attention_head_dim=128, text_dim=4096, freq_dim=256,
-                ffn_dim=256, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads")  # fmt: skip
+WAN_TWIN = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=1,
+    attention_head_dim=128,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=256,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+)
 
 
 def _wan(name: str, in_dim: int, out_dim: int, expect: str, seed: int) -> DitModel:
@@ -32,8 +41,9 @@ def _wan(name: str, in_dim: int, out_dim: int, expect: str, seed: int) -> DitMod
         comfy.ldm.wan.model.WanModel, model_type="t2v", in_dim=in_dim, out_dim=out_dim, **WAN_COMMON
     )
     twin = {**WAN_TWIN, "in_channels": in_dim, "out_channels": out_dim}
-    return _build(name, shapes, expect, {}, convert_wan_transformer_to_diffusers,
-                  ("WanTransformer3DModel", twin), seed)  # fmt: skip
+    return _build(
+        name, shapes, expect, {}, convert_wan_transformer_to_diffusers, ("WanTransformer3DModel", twin), seed
+    )
 
 
 def tiny_wan22_5b(seed: int = 0) -> DitModel:
@@ -42,17 +52,34 @@ def tiny_wan22_5b(seed: int = 0) -> DitModel:
 
 
 def tiny_wan22_expert(seed: int) -> DitModel:
-    """One Wan 2.2 I2V A14B noise expert: Wan 2.1's layout with 36 input channels and no image cross-attention;
-    ComfyUI loads the high- and low-noise experts as two MODELs (two UNETLoader nodes), detected as WAN21_T2V."""
+    """One Wan 2.2 I2V A14B noise expert: Wan 2.1's layout with 36 input channels and no image
+    cross-attention; ComfyUI loads the high- and low-noise experts as two MODELs (two UNETLoader nodes),
+    detected as WAN21_T2V."""
     return _wan(f"wan22-14b-{seed}", 36, 16, "WAN21_T2V", seed)
 
 
-# Wan Animate: ComfyUI's AnimateWanModel is Wan I2V (image cross-attention, 1280-wide CLIP features) plus the face
-# adapter (a fuser block every 5 blocks), face encoder (1024 x 4 heads) and motion encoder (512 px, style 512).
-WAN_ANIMATE_TWIN = dict(patch_size=(1, 2, 2), num_attention_heads=1, attention_head_dim=128, in_channels=36,
-                        latent_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=256, num_layers=5,
-                        cross_attn_norm=True, qk_norm="rms_norm_across_heads", image_dim=1280, added_kv_proj_dim=128,
-                        face_encoder_hidden_dim=1024, face_encoder_num_heads=4, inject_face_latents_blocks=5)  # fmt: skip
+# Wan Animate: ComfyUI's AnimateWanModel is Wan I2V (image cross-attention, 1280-wide CLIP features) plus the
+# face adapter (a fuser block every 5 blocks), face encoder (1024 x 4 heads) and motion encoder (512 px, style
+# 512).
+WAN_ANIMATE_TWIN = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=1,
+    attention_head_dim=128,
+    in_channels=36,
+    latent_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=256,
+    num_layers=5,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    image_dim=1280,
+    added_kv_proj_dim=128,
+    face_encoder_hidden_dim=1024,
+    face_encoder_num_heads=4,
+    inject_face_latents_blocks=5,
+)
 
 
 def tiny_wan_animate(seed: int = 0) -> DitModel:
@@ -67,8 +94,15 @@ def tiny_wan_animate(seed: int = 0) -> DitModel:
         out = convert_wan_transformer_to_diffusers(original)
         return {k: v for k, v in out.items() if not k.endswith(".kernel")}
 
-    return _build("wan-animate", shapes, "WAN22_Animate", {}, convert,
-                  ("WanAnimateTransformer3DModel", WAN_ANIMATE_TWIN), seed)  # fmt: skip
+    return _build(
+        "wan-animate",
+        shapes,
+        "WAN22_Animate",
+        {},
+        convert,
+        ("WanAnimateTransformer3DModel", WAN_ANIMATE_TWIN),
+        seed,
+    )
 
 
 # LTX-Video 0.9: detection reads the depth and, from attn2.to_k, heads of (rows // 32) at 32 heads and the
@@ -84,19 +118,45 @@ def tiny_ltx_video(seed: int = 0) -> DitModel:
     import comfy.ldm.lightricks.model as ltx
     from diffusers.loaders.single_file_utils import convert_ltx_transformer_checkpoint_to_diffusers
 
-    twin = dict(in_channels=16, out_channels=16, num_attention_heads=32, attention_head_dim=4, cross_attention_dim=128,
-                num_layers=2, caption_channels=32)  # fmt: skip
+    twin = dict(
+        in_channels=16,
+        out_channels=16,
+        num_attention_heads=32,
+        attention_head_dim=4,
+        cross_attention_dim=128,
+        num_layers=2,
+        caption_channels=32,
+    )
     shapes = _meta_state(ltx.LTXVModel, **LTXV_PARAMS)
-    return _build("ltx-video", shapes, "LTXV", LTXV_WIDTHS, convert_ltx_transformer_checkpoint_to_diffusers,
-                  ("LTXVideoTransformer3DModel", twin), seed)  # fmt: skip
+    return _build(
+        "ltx-video",
+        shapes,
+        "LTXV",
+        LTXV_WIDTHS,
+        convert_ltx_transformer_checkpoint_to_diffusers,
+        ("LTXVideoTransformer3DModel", twin),
+        seed,
+    )
 
 
-# HiDream: detection hard-codes every width (and the MoE shape); the tiny ones are unet_config entries. ComfyUI's
-# caption projections: one per block of the Llama width, then the T5 one.
-HIDREAM_WIDTHS = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=1, num_single_layers=1,
-                      attention_head_dim=32, num_attention_heads=2, caption_channels=[32, 24], text_emb_dim=32,
-                      num_routed_experts=4, num_activated_experts=2, axes_dims_rope=[16, 8, 8],
-                      max_resolution=[16, 16], llama_layers=[0, 1])  # fmt: skip
+# HiDream: detection hard-codes every width (and the MoE shape); the tiny ones are unet_config entries.
+# ComfyUI's caption projections: one per block of the Llama width, then the T5 one.
+HIDREAM_WIDTHS = dict(
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=32,
+    num_attention_heads=2,
+    caption_channels=[32, 24],
+    text_emb_dim=32,
+    num_routed_experts=4,
+    num_activated_experts=2,
+    axes_dims_rope=[16, 8, 8],
+    max_resolution=[16, 16],
+    llama_layers=[0, 1],
+)
 
 
 def tiny_hidream(seed: int = 0) -> DitModel:
@@ -105,8 +165,15 @@ def tiny_hidream(seed: int = 0) -> DitModel:
     from diffusers.loaders.single_file_utils import convert_hidream_transformer_to_diffusers
 
     shapes = _meta_state(hidream.HiDreamImageTransformer2DModel, **HIDREAM_WIDTHS)
-    return _build("hidream", shapes, "HiDream", HIDREAM_WIDTHS, convert_hidream_transformer_to_diffusers,
-                  ("HiDreamImageTransformer2DModel", dict(HIDREAM_WIDTHS)), seed)  # fmt: skip
+    return _build(
+        "hidream",
+        shapes,
+        "HiDream",
+        HIDREAM_WIDTHS,
+        convert_hidream_transformer_to_diffusers,
+        ("HiDreamImageTransformer2DModel", dict(HIDREAM_WIDTHS)),
+        seed,
+    )
 
 
 # PixArt: detection hard-codes hidden 1152 and 16 heads (and reads the depth, the caption length and, from
@@ -116,8 +183,9 @@ PIXART_WIDTHS = {"hidden_size": 96, "num_heads": 2, "caption_channels": 32, "pe_
 
 
 def _pixart_convert(hidden: int, depth: int, alpha: bool):
-    """Original (ComfyUI) PixArt names -> diffusers, by ComfyUI's own pixart_to_diffusers rows; diffusers keeps the
-    null caption (`y_embedder.y_embedding`) out of the transformer, and Sigma has no size embedders."""
+    """Original (ComfyUI) PixArt names -> diffusers, by ComfyUI's own pixart_to_diffusers rows; diffusers
+    keeps the null caption (`y_embedder.y_embedding`) out of the transformer, and Sigma has no size
+    embedders."""
     c = import_comfy()
     rows = c.utils.pixart_to_diffusers({"depth": depth, "hidden_size": hidden})
     dropped = ("caption_projection.y_embedding",) + (
@@ -139,14 +207,39 @@ def tiny_pixart(alpha: bool, seed: int = 0) -> DitModel:
     import comfy.ldm.pixart.pixartms as pixart
     import comfy.ops
 
-    # On the CPU (its drop-path schedule reads a tensor's value), weights left uninitialised: only shapes are used.
-    shapes = pixart.PixArtMS(operations=comfy.ops.disable_weight_init, input_size=8, patch_size=2, in_channels=4,
-                             depth=2, model_max_length=8, micro_condition=alpha, **PIXART_WIDTHS).state_dict()  # fmt: skip
-    twin = dict(num_attention_heads=2, attention_head_dim=48, in_channels=4, out_channels=8, num_layers=2,
-                cross_attention_dim=96, sample_size=8, caption_channels=32, use_additional_conditions=alpha)  # fmt: skip
+    # On the CPU (its drop-path schedule reads a tensor's value), weights left uninitialised: only shapes are
+    # used.
+    shapes = pixart.PixArtMS(
+        operations=comfy.ops.disable_weight_init,
+        input_size=8,
+        patch_size=2,
+        in_channels=4,
+        depth=2,
+        model_max_length=8,
+        micro_condition=alpha,
+        **PIXART_WIDTHS,
+    ).state_dict()
+    twin = dict(
+        num_attention_heads=2,
+        attention_head_dim=48,
+        in_channels=4,
+        out_channels=8,
+        num_layers=2,
+        cross_attention_dim=96,
+        sample_size=8,
+        caption_channels=32,
+        use_additional_conditions=alpha,
+    )
     expect = "PixArtAlpha" if alpha else "PixArtSigma"
-    return _build("pixart-alpha" if alpha else "pixart-sigma", shapes, expect, PIXART_WIDTHS,
-                  _pixart_convert(96, 2, alpha), ("PixArtTransformer2DModel", twin), seed)  # fmt: skip
+    return _build(
+        "pixart-alpha" if alpha else "pixart-sigma",
+        shapes,
+        expect,
+        PIXART_WIDTHS,
+        _pixart_convert(96, 2, alpha),
+        ("PixArtTransformer2DModel", twin),
+        seed,
+    )
 
 
 VIDEO_BUILDERS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.keys import underscore_form
-from .registry import alias_tables
+from .registry import arch_tables
 from .spec import (
     ArchTable,
     Piece,
@@ -17,8 +17,6 @@ from .spec import (
     out_rows,
 )
 
-# Read once at import (tests swap this tuple); the registry is where each table is listed.
-ARCH_TABLES: tuple[ArchTable, ...] = alias_tables()
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
@@ -40,7 +38,7 @@ WRAPPER_PREFIXES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _original_names(
+def original_names(
     module: torch.nn.Module,
     modules: dict[str, torch.nn.Module],
     runtime_fusions: bool = False,
@@ -49,7 +47,7 @@ def _original_names(
     """Original names of the tables for this class; `trait`: only the aliases for files with that trait."""
     cls = type(module).__name__
     out: dict[str, tuple[Piece, ...]] = {}
-    for table in ARCH_TABLES:
+    for table in arch_tables():
         if cls in table.classes:
             for alias in table.runtime_fusions if runtime_fusions else table.aliases:
                 if alias.when_file == trait:
@@ -66,7 +64,7 @@ def _original_names(
     return out
 
 
-def _bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[str, tuple[str, bool]]:
+def bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[str, tuple[str, bool]]:
     """Parameters that are not a module's weight/bias (modulation tables), by live and original name."""
     live = {
         name: p
@@ -74,7 +72,7 @@ def _bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[s
         if name.rpartition(".")[0] not in modules or name.rpartition(".")[2] not in ("weight", "bias")
     }
     out: dict[str, tuple[str, bool]] = {name: (name, False) for name in live}
-    for table in ARCH_TABLES:
+    for table in arch_tables():
         if cls in table.classes:
             for alias in table.parameters:
                 out.update(expand_param_alias(alias, live))
@@ -83,7 +81,7 @@ def _bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[s
 
 def _variant_only(cls: str, every: dict[str, torch.nn.Module], exact: dict) -> dict[str, str]:
     out: dict[str, str] = {}
-    for table in ARCH_TABLES:
+    for table in arch_tables():
         if cls in table.classes:
             for entry in table.variant_only:
                 out.update({k: v for k, v in expand_variant_only(entry, every).items() if k not in exact})
@@ -134,12 +132,12 @@ def metadata_alpha_of(module: torch.nn.Module) -> str | None:
     """The `__metadata__` field in which the trainers of this model's architecture record one network alpha
     for every module (MiniMax-H3: `alpha`); None for the rest."""
     cls = type(module).__name__
-    return next((t.metadata_alpha for t in ARCH_TABLES if cls in t.classes and t.metadata_alpha), None)
+    return next((t.metadata_alpha for t in arch_tables() if cls in t.classes and t.metadata_alpha), None)
 
 
 def arch_name(module: torch.nn.Module) -> str:
     cls = type(module).__name__
-    return next((t.name for t in ARCH_TABLES if cls in t.classes), cls)
+    return next((t.name for t in arch_tables() if cls in t.classes), cls)
 
 
 class AliasTable:
@@ -228,7 +226,7 @@ class AliasTable:
 def _tables_of(module: torch.nn.Module) -> list[ArchTable]:
     """The architecture tables that describe this module's class."""
     cls = type(module).__name__
-    return [t for t in ARCH_TABLES if cls in t.classes]
+    return [t for t in arch_tables() if cls in t.classes]
 
 
 def _add_missing(exact: dict[str, tuple[Piece, ...]], names: dict[str, tuple[Piece, ...]]) -> None:
@@ -276,8 +274,8 @@ def _exact_names(
     names, then runtime-fusion names, fill what they leave; live fusions override; prefixed spellings
     follow."""
     exact = _live_names(modules)
-    _add_missing(exact, _original_names(module, every))
-    runtime = _original_names(module, every, runtime_fusions=True)
+    _add_missing(exact, original_names(module, every))
+    runtime = original_names(module, every, runtime_fusions=True)
     fusion_names = set(runtime) - set(exact)
     _add_missing(exact, runtime)
     exact.update(_live_fusions(every))  # overrides: the separate modules are no longer used
@@ -305,7 +303,7 @@ def _trait_names(
     return {
         trait: {
             form: pieces
-            for name, pieces in _original_names(module, every, trait=trait).items()
+            for name, pieces in original_names(module, every, trait=trait).items()
             for form in (name, underscore_form(name))
         }
         for trait in traits
@@ -316,7 +314,7 @@ def _parameter_names(
     module: torch.nn.Module, modules: dict[str, torch.nn.Module]
 ) -> dict[str, tuple[str, bool]]:
     """Bare parameters by live and original name, plus the underscored spellings no other name holds."""
-    params = _bare_parameters(module, type(module).__name__, modules)
+    params = bare_parameters(module, type(module).__name__, modules)
     params.update(
         {underscore_form(k): v for k, v in list(params.items()) if underscore_form(k) not in params}
     )

@@ -11,7 +11,7 @@ files name the Qwen3 text encoder under `lora_te_` with Qwen3Model's own module 
 from __future__ import annotations
 
 from .encoders import QWEN3_06B
-from .record import Architecture, Layouts, Skeleton
+from .record import Architecture, ComfyFacets, Layouts, Skeleton
 from .spec import ArchTable
 
 ANIMA = ArchTable(
@@ -55,6 +55,32 @@ _ANIMA_DIT = dict(
     rope_scale=[1.0, 4.0, 4.0],
     extra_pos_embed_type=None,
 )
+
+
+def _cosmos_predict2_from_comfy(cfg: dict) -> dict:
+    # ComfyUI's MiniTrainDIT (Cosmos-Predict2 and Anima's DiT); the extra per-block position embedding is
+    # diffusers' "learnable" one.
+    heads = cfg.get("num_heads", 16)
+    return {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg["out_channels"],
+        "num_attention_heads": heads,
+        "attention_head_dim": cfg.get("model_channels", 2048) // heads,
+        "num_layers": cfg.get("num_blocks", 28),
+        "mlp_ratio": cfg.get("mlp_ratio", 4.0),
+        "text_embed_dim": cfg.get("crossattn_emb_channels", 1024),
+        "adaln_lora_dim": cfg.get("adaln_lora_dim", 256),
+        "max_size": (cfg.get("max_frames", 128), cfg.get("max_img_h", 240), cfg.get("max_img_w", 240)),
+        "patch_size": (
+            cfg.get("patch_temporal", 1),
+            cfg.get("patch_spatial", 2),
+            cfg.get("patch_spatial", 2),
+        ),
+        "concat_padding_mask": bool(cfg.get("concat_padding_mask", True)),
+        "extra_pos_embed_type": "learnable" if cfg.get("extra_per_block_abs_pos_emb") else None,
+    }
+
+
 ANIMA_ARCH = Architecture(
     "anima",
     (ANIMA,),
@@ -73,5 +99,11 @@ ANIMA_ARCH = Architecture(
         "component), kohya lora_unet_ (+ llm_adapter) and lora_te_ (Qwen3), sd-scripts' text_encoder.qwen3.",
         "_convert_non_diffusers_anima_lora_to_diffusers",
         "test_arch_anima_sana.py::test_anima_*",
+    ),
+    comfy=ComfyFacets(
+        # Cosmos-Predict2 is Anima's DiT without the LLM adapter: the same diffusers class and table.
+        ("Anima", "CosmosT2IPredict2", "CosmosI2VPredict2"),
+        _cosmos_predict2_from_comfy,
+        skeleton="anima",
     ),
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .encoders import CLIP_L, T5_XXL
-from .record import Architecture, BlockMap, Layouts, Release, Skeleton
+from .record import Architecture, BlockMap, ComfyFacets, Layouts, Release, Skeleton
 from .spec import Alias, ArchTable, Rows, VariantInput, VariantOnly
 
 _D = "transformer_blocks.{i}"
@@ -119,6 +119,55 @@ _FLUX_CHAINS = (("D", "transformer_blocks", 19), ("S", "single_transformer_block
 # BFL names, and diffusers' single-block names (its double-stream names are the MMDiT family's). Flux.1 (and
 # Chroma) have 19 double / 38 single blocks; HunyuanVideo and Qwen-Image share the names deeper (their depth).
 FLUX_BLOCKS = BlockMap("flux", _FLUX_CHAINS)  # Flux.1 dev and schnell
+
+
+def double_single_from_comfy(cfg: dict, patched: bool = True) -> dict:
+    """The entries every BFL-style double/single-block model shares (Flux.1, Flux.2, Chroma) from ComfyUI's
+    unet_config; `patched`: ComfyUI counts channels before patching (Chroma counts them after, as diffusers
+    does)."""
+    patch = cfg.get("patch_size", 1) if patched else 1
+    return {
+        "in_channels": cfg["in_channels"] * patch * patch,
+        "out_channels": cfg["out_channels"] * patch * patch,
+        "num_layers": cfg["depth"],
+        "num_single_layers": cfg["depth_single_blocks"],
+        "attention_head_dim": cfg["hidden_size"] // cfg["num_heads"],
+        "num_attention_heads": cfg["num_heads"],
+        "joint_attention_dim": cfg["context_in_dim"],
+        "axes_dims_rope": tuple(cfg["axes_dim"]),
+    }
+
+
+def _flux_from_comfy(cfg: dict) -> dict:
+    out = {
+        **double_single_from_comfy({"patch_size": 2, **cfg}),
+        "pooled_projection_dim": cfg["vec_in_dim"],
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+    if out["out_channels"] == out["in_channels"]:
+        out["out_channels"] = (
+            None  # diffusers' own spelling (None is in_channels), as the shipped skeleton stores it
+        )
+    return out
+
+
+def _chroma_from_comfy(cfg: dict) -> dict:
+    return {
+        **double_single_from_comfy(cfg, patched=False),
+        "approximator_num_channels": cfg.get("in_dim", 64),
+        "approximator_hidden_dim": cfg.get("hidden_dim", 5120),
+        "approximator_layers": cfg.get("n_layers", 5),
+    }
+
+
+_FLUX_DEPTHS: dict[str, tuple[str, ...]] = {
+    "num_layers": ("transformer_blocks",),
+    "num_single_layers": ("single_transformer_blocks",),
+}
+# Flux Fill / Kontext / control widen the patch input to 384 channels and set out_channels.
+_FLUX_WIDTHS = {"in_channels": ("x_embedder", 1, None), "out_channels": ("proj_out", 0, "in_channels")}
+
+
 # Releases (in `releases=`): from the released configs (realdata/configs).
 FLUX_ARCH = Architecture(
     "flux",
@@ -145,6 +194,7 @@ FLUX_ARCH = Architecture(
         "test_arch_wan_animate_variants.py::test_fill_*",
     ),
     releases=(Release("flux1 (dev, schnell, Fill, Kontext)", {"double": 19, "single": 38}, 3072, 7),),
+    comfy=ComfyFacets(("Flux",), _flux_from_comfy, _FLUX_DEPTHS, _FLUX_WIDTHS, skeleton="flux"),
 )
 FLUX_SCHNELL = Architecture(
     "flux-schnell",
@@ -156,6 +206,9 @@ FLUX_SCHNELL = Architecture(
         "flux1-schnell transformer config",
     ),
     blocks=FLUX_BLOCKS,
+    comfy=ComfyFacets(
+        ("FluxSchnell",), _flux_from_comfy, _FLUX_DEPTHS, _FLUX_WIDTHS, skeleton="flux-schnell"
+    ),
 )
 CHROMA_ARCH = Architecture(
     "chroma",
@@ -180,4 +233,5 @@ CHROMA_ARCH = Architecture(
         "chroma transformer config",
     ),
     blocks=BlockMap("chroma", _FLUX_CHAINS),
+    comfy=ComfyFacets(("Chroma",), _chroma_from_comfy, skeleton="chroma"),
 )

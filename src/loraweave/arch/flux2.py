@@ -9,7 +9,8 @@ order both sides.
 
 from __future__ import annotations
 
-from .record import Architecture, Layouts, Release, Skeleton
+from .flux import double_single_from_comfy
+from .record import Architecture, ComfyFacets, Layouts, Release, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 _D = "transformer_blocks.{i}"
@@ -65,6 +66,16 @@ FLUX2 = ArchTable(
     ),
 )
 
+
+def _flux2_from_comfy(cfg: dict) -> dict:
+    return {
+        **double_single_from_comfy(cfg),
+        "mlp_ratio": cfg.get("mlp_ratio", 3.0),
+        "rope_theta": cfg.get("theta", 2000),
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+
+
 # Releases (in `releases=`): dev is diffusers' Flux2Transformer2DModel defaults; klein from the released
 # transformer configs as DiffSynth-Studio's model_configs.py lists them (klein-4B: 5 double / 20 single
 # blocks, 24 heads x 128; klein-9B: 8 / 24, 32 heads x 128).
@@ -84,6 +95,7 @@ FLUX2_ARCH = Architecture(
         Release("flux2-klein-9b", {"double": 8, "single": 24}, 4096, 9, "flux2-klein-9b"),
         Release("flux2-klein-4b", {"double": 5, "single": 20}, 3072, 9, "flux2-klein-4b"),
     ),
+    comfy=ComfyFacets(("Flux2",), _flux2_from_comfy, skeleton="flux2"),
 )
 FLUX2_KLEIN_4B = Architecture(
     "flux2-klein-4b",

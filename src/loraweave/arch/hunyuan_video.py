@@ -12,7 +12,7 @@ mlp.
 from __future__ import annotations
 
 from .encoders import CLIP_L
-from .record import Architecture, Layouts, Release, Skeleton
+from .record import Architecture, ComfyFacets, Layouts, Release, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 _D = "transformer_blocks.{i}"
@@ -126,6 +126,39 @@ HUNYUAN_VIDEO = ArchTable(
     aliases=with_comfy_spellings(_TENCENT),
 )
 
+
+def hunyuan_from_comfy(cfg: dict) -> dict:
+    """What ComfyUI's HunyuanVideo class (HunyuanVideo, 1.5, HunyuanImage 2.1) sets alike: heads of 128 (its
+    detection), a token refiner always 2 blocks deep."""
+    return {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg["out_channels"],
+        "num_attention_heads": cfg["num_heads"],
+        "attention_head_dim": cfg["hidden_size"] // cfg["num_heads"],
+        "num_layers": cfg["depth"],
+        "num_refiner_layers": 2,
+        "mlp_ratio": cfg.get("mlp_ratio", 4.0),
+        "text_embed_dim": cfg["context_in_dim"],
+        "rope_axes_dim": tuple(cfg["axes_dim"]),
+        "rope_theta": float(cfg.get("theta", 256)),
+    }
+
+
+def video_patch_from_comfy(cfg: dict, default: tuple[int, ...]) -> dict:
+    patch = list(cfg.get("patch_size", default))
+    return {"patch_size": patch[-1], "patch_size_t": patch[0] if len(patch) == 3 else 1}
+
+
+def _hunyuan_video_from_comfy(cfg: dict) -> dict:
+    return {
+        **hunyuan_from_comfy(cfg),
+        **video_patch_from_comfy(cfg, (1, 2, 2)),
+        "num_single_layers": cfg["depth_single_blocks"],
+        "pooled_projection_dim": cfg.get("vec_in_dim") or 768,
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+
+
 # Tencent names: `img_mod.linear` / `modulation.linear` / `mlp.fc1` vs Flux's `img_mod.lin` / `img_mlp.0`. Its
 # diffusers names are Flux's, 20 double / 40 single blocks deep (both 24 heads x 128; `releases=` below).
 HUNYUAN_VIDEO_ARCH = Architecture(
@@ -165,4 +198,5 @@ HUNYUAN_VIDEO_ARCH = Architecture(
         "test_arch_dits2.py",
     ),
     releases=(Release("hunyuan-video (T2V, I2V)", {"double": 20, "single": 40}, 3072, 7),),
+    comfy=ComfyFacets(("HunyuanVideo",), _hunyuan_video_from_comfy, skeleton="hunyuan-video"),
 )

@@ -19,8 +19,16 @@ Every name is registered in ComfyUI's spelling too (its `process_unet_state_dict
 
 from __future__ import annotations
 
-from .hunyuan_video import DOUBLE, FINAL, REFINER, SINGLE, with_comfy_spellings
-from .record import Architecture, Layouts, Skeleton
+from .hunyuan_video import (
+    DOUBLE,
+    FINAL,
+    REFINER,
+    SINGLE,
+    hunyuan_from_comfy,
+    video_patch_from_comfy,
+    with_comfy_spellings,
+)
+from .record import Architecture, ComfyFacets, Layouts, Skeleton
 from .spec import Alias, ArchTable
 
 _D = "transformer_blocks.{i}"
@@ -96,6 +104,35 @@ _CHECKED = (
     "hand row map from diffusers' repo scripts convert_hunyuan_video1_5_to_diffusers.py / "
     "convert_hunyuan_image_to_diffusers.py (not installed), checked on ComfyUI's own model in fp64"
 )
+
+
+def _hunyuan_15_21_from_comfy(cfg: dict) -> dict:
+    # ComfyUI's glyph mapper (`byt5_in`) always reads 1472-wide ByT5 states.
+    return {
+        **hunyuan_from_comfy(cfg),
+        "qk_norm": "rms_norm",
+        "text_embed_2_dim": 1472 if cfg.get("byt5") else None,
+        "use_meanflow": bool(cfg.get("meanflow", False)),
+    }
+
+
+def _hunyuan_video_15_from_comfy(cfg: dict) -> dict:
+    return {
+        **_hunyuan_15_21_from_comfy(cfg),
+        **video_patch_from_comfy(cfg, (1, 1, 1)),
+        "image_embed_dim": cfg.get("vision_in_dim") or 1152,
+    }
+
+
+def _hunyuan_image_21_from_comfy(cfg: dict) -> dict:
+    return {
+        **_hunyuan_15_21_from_comfy(cfg),
+        "patch_size": tuple(cfg.get("patch_size", (1, 1))),
+        "num_single_layers": cfg["depth_single_blocks"],
+        "guidance_embeds": bool(cfg.get("guidance_embed", False)),
+    }
+
+
 # HunyuanImage 2.1: named by the MMDiT hidden width (28 heads x 128).
 HUNYUAN_IMAGE_21 = Architecture(
     "hunyuan-image-2.1",
@@ -113,7 +150,12 @@ HUNYUAN_IMAGE_21 = Architecture(
         "Tencent names (fused *_attn_qkv / linear1; split *_attn_q/k/v, the official linear1_q/k/v/mlp and "
         "linear2.fc), ComfyUI renames, sd-scripts (lora_unet_)",
         _CHECKED,
-        "test_comfy_dits2.py",
+        "test_comfy_arch_names.py::test_*hunyuan*",
+    ),
+    comfy=ComfyFacets(
+        ("HunyuanImage21", "HunyuanImage21Refiner"),
+        _hunyuan_image_21_from_comfy,
+        skeleton="hunyuan-image-2.1",
     ),
 )
 # HunyuanVideo 1.5: named by the MMDiT hidden width (16 heads x 128).
@@ -133,6 +175,11 @@ HUNYUAN_VIDEO_15 = Architecture(
         "Tencent names (split *_attn_q/k/v; fused *_attn_qkv as ComfyUI loads it), ComfyUI renames, "
         "musubi-tuner (lora_unet_)",
         _CHECKED,
-        "test_comfy_dits2.py",
+        "test_comfy_arch_names.py::test_*hunyuan*",
+    ),
+    comfy=ComfyFacets(
+        ("HunyuanVideo15", "HunyuanVideo15_SR_Distilled"),
+        _hunyuan_video_15_from_comfy,
+        skeleton="hunyuan-video-1.5",
     ),
 )

@@ -11,7 +11,7 @@ strips). The text connectors are a pipeline component of their own (`connectors`
 
 from __future__ import annotations
 
-from .record import Architecture, Layouts, Skeleton
+from .record import Architecture, ComfyFacets, Layouts, Skeleton
 from .spec import ArchTable
 
 LTX2 = ArchTable(
@@ -55,6 +55,42 @@ LTX23_ARCH = Architecture(
     ),
     cli_names=("ltx-2.3",),
 )
+# ComfyUI's LTXAVModel keyword defaults (LTX-2), for what its detection does not write.
+_LTXAV = {
+    "in_channels": 128,
+    "audio_in_channels": 128,
+    "cross_attention_dim": 4096,
+    "audio_cross_attention_dim": 2048,
+    "attention_head_dim": 128,
+    "audio_attention_head_dim": 64,
+    "num_attention_heads": 32,
+    "audio_num_attention_heads": 32,
+    "caption_channels": 3840,
+    "num_layers": 48,
+}
+
+
+def _ltx2_from_comfy(cfg: dict) -> dict:
+    out = {k: cfg.get(k, default) for k, default in _LTXAV.items()}
+    out["out_channels"], out["audio_out_channels"] = out["in_channels"], out["audio_in_channels"]
+    return out
+
+
+def _ltx_video_from_comfy(cfg: dict) -> dict:
+    # ComfyUI's detection reads the depth, the head width (at 32 heads) and the cross-attention width; the
+    # latent and caption widths are LTXVModel's keyword arguments.
+    in_channels = cfg.get("in_channels", 128)
+    return {
+        "in_channels": in_channels,
+        "out_channels": in_channels,
+        "num_attention_heads": cfg.get("num_attention_heads", 32),
+        "attention_head_dim": cfg["attention_head_dim"],
+        "cross_attention_dim": cfg["cross_attention_dim"],
+        "num_layers": cfg["num_layers"],
+        "caption_channels": cfg.get("caption_channels", 4096),
+    }
+
+
 LTX2_ARCH = Architecture(
     "ltx2",
     (LTX2, LTX2_CONNECTORS),
@@ -76,6 +112,7 @@ LTX2_ARCH = Architecture(
         "_convert_non_diffusers_ltx2_lora_to_diffusers",
         "test_arch_ltx_layouts.py::test_ltx2_*",
     ),
+    comfy=ComfyFacets(("LTXAV",), _ltx2_from_comfy, skeleton="ltx2"),
 )
 # LTX-Video's original (Lightricks, ComfyUI) names differ from diffusers' by the renames of diffusers'
 # `convert_ltx_transformer_checkpoint_to_diffusers` (LTX-2's first four); its LoRA files use the diffusers
@@ -105,6 +142,7 @@ LTX_VIDEO = Architecture(
         "(patchify_proj, adaln_single, q_norm/k_norm)",
         "_convert_non_diffusers_hidream/ltxv_lora_to_diffusers, "
         "convert_ltx_transformer_checkpoint_to_diffusers",
-        "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size, test_comfy_video.py",
+        "test_arch_ltx_layouts.py::test_prefix_only_layouts_full_size, test_comfy_arch_names.py",
     ),
+    comfy=ComfyFacets(("LTXV",), _ltx_video_from_comfy, skeleton="ltx-video"),
 )

@@ -9,7 +9,7 @@ elsewhere the norm inside the zero-init modulation (`norm1.norm`).
 
 from __future__ import annotations
 
-from .record import Architecture, Layouts, Skeleton
+from .record import Architecture, ComfyFacets, Layouts, Skeleton
 from .spec import Alias, ArchTable
 
 _STACKS = ("layers.{i}", "noise_refiner.{i}", "context_refiner.{i}")
@@ -44,6 +44,26 @@ LUMINA2 = ArchTable(
     ),
 )
 
+
+def _lumina2_from_comfy(cfg: dict) -> dict:
+    # ComfyUI's NextDiT feed-forward is ffn_dim_multiplier x dim wide; diffusers' is ffn_dim_multiplier x 4 x
+    # dim.
+    return {
+        "patch_size": cfg.get("patch_size", 2),
+        "in_channels": cfg.get("in_channels", 16),
+        "hidden_size": cfg["dim"],
+        "num_layers": cfg["n_layers"],
+        "num_refiner_layers": cfg.get("n_refiner_layers", 2),
+        "num_attention_heads": cfg.get("n_heads", 24),
+        "num_kv_heads": cfg.get("n_kv_heads", 8),
+        "multiple_of": cfg.get("multiple_of", 256),
+        "ffn_dim_multiplier": cfg.get("ffn_dim_multiplier", 4.0) / 4,
+        "axes_dim_rope": tuple(cfg.get("axes_dims", (32, 32, 32))),
+        "axes_lens": tuple(cfg.get("axes_lens", (300, 512, 512))),
+        "cap_feat_dim": cfg["cap_feat_dim"],
+    }
+
+
 LUMINA2_ARCH = Architecture(
     "lumina2",
     (LUMINA2,),
@@ -62,4 +82,5 @@ LUMINA2_ARCH = Architecture(
         "convert_lumina2_to_diffusers, _convert_non_diffusers_lumina2_lora_to_diffusers",
         "test_arch_oracle.py, test_arch_ltx_layouts.py::test_lumina2_*",
     ),
+    comfy=ComfyFacets(("Lumina2",), _lumina2_from_comfy, skeleton="lumina2"),
 )

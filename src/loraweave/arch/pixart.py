@@ -8,7 +8,7 @@ aspect-ratio embedders are `csize_embedder` / `ar_embedder`."""
 
 from __future__ import annotations
 
-from .record import Architecture, Layouts, Skeleton
+from .record import Architecture, ComfyFacets, Layouts, Skeleton
 from .spec import Alias, ArchTable, ParamAlias
 
 _B, _T = "blocks.{i}", "transformer_blocks.{i}"
@@ -43,6 +43,29 @@ PIXART_TABLE = ArchTable(
     ),
 )
 
+
+def _pixart_from_comfy(cfg: dict) -> dict:
+    # ComfyUI's PixArtMS: Alpha's size / aspect-ratio embedders when micro_condition is set (detected from
+    # ar_embedder), a sigma-predicting output twice the input channels, the caption projected to the hidden
+    # width.
+    hidden, heads, in_channels = (
+        cfg.get("hidden_size", 1152),
+        cfg.get("num_heads", 16),
+        cfg.get("in_channels", 4),
+    )
+    return {
+        "num_attention_heads": heads,
+        "attention_head_dim": hidden // heads,
+        "in_channels": in_channels,
+        "out_channels": in_channels * 2 if cfg.get("pred_sigma", True) else in_channels,
+        "num_layers": cfg["depth"],
+        "cross_attention_dim": hidden,
+        "patch_size": cfg.get("patch_size", 2),
+        "caption_channels": cfg.get("caption_channels", 4096),
+        "use_additional_conditions": bool(cfg.get("micro_condition", True)),
+    }
+
+
 PIXART = Architecture(
     "pixart",
     (PIXART_TABLE,),
@@ -59,6 +82,7 @@ PIXART = Architecture(
         "PixArt/ComfyUI names (fused attn.qkv, cross_attn.kv_linear as k, v halves, t_block, y_embedder, "
         "Alpha's csize/ar_embedder, scale_shift_table parameters)",
         "comfy.utils.pixart_to_diffusers (diffusers ships no PixArt single-file or LoRA converter)",
-        "test_comfy_video.py::test_pixart_*",
+        "test_comfy_arch_weights.py::test_pixart_*",
     ),
+    comfy=ComfyFacets(("PixArtAlpha", "PixArtSigma"), _pixart_from_comfy, skeleton="pixart"),
 )

@@ -9,7 +9,7 @@ ComfyUI fuses the SwiGLU gate and up projections into one `img_mlp.gate_up`, gat
 
 from __future__ import annotations
 
-from .record import Architecture, BlockMap, Layouts, Skeleton
+from .record import Architecture, BlockMap, ComfyFacets, Layouts, Skeleton
 from .spec import Alias, ArchTable
 
 _MLP = "transformer_blocks.{i}.img_mlp"
@@ -41,6 +41,21 @@ QWEN_IMAGE_21 = Architecture(
         "test_arch_minimax_ideogram_qwen21.py::test_qwen21_*",
     ),
 )
+
+
+def _qwen_image_from_comfy(cfg: dict) -> dict:
+    # ComfyUI's detection writes only in_channels and depth; the rest are its model class's defaults.
+    return {
+        "in_channels": cfg.get("in_channels", 64),
+        "out_channels": cfg.get("out_channels") or 16,
+        "num_layers": cfg.get("num_layers", 60),
+        "attention_head_dim": cfg.get("attention_head_dim", 128),
+        "num_attention_heads": cfg.get("num_attention_heads", 24),
+        "joint_attention_dim": cfg.get("joint_attention_dim", 3584),
+        "axes_dims_rope": tuple(cfg.get("axes_dims_rope", (16, 56, 56))),
+    }
+
+
 # Qwen-Image: diffusers names; its attention names are Flux's, 60 double-stream blocks deep (no single
 # blocks).
 QWEN_IMAGE = Architecture(
@@ -67,4 +82,7 @@ QWEN_IMAGE = Architecture(
     ),
     cli_names=("qwen",),
     blocks=BlockMap("qwen_image", (("B", "transformer_blocks", 60),)),
+    comfy=ComfyFacets(
+        ("QwenImage",), _qwen_image_from_comfy, {"num_layers": ("transformer_blocks",)}, skeleton="qwen-image"
+    ),
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .encoders import CLIP_G, CLIP_L, T5_XXL
-from .record import Architecture, BlockMap, Layouts, Skeleton
+from .record import Architecture, BlockMap, ComfyFacets, Layouts, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 _B = "transformer_blocks.{i}"
@@ -52,6 +52,30 @@ SD3 = ArchTable(
     ),
 )
 
+
+def _sd3_from_comfy(cfg: dict) -> dict:
+    # ComfyUI's MMDiT: hidden = 64 * depth, depth heads of 64; the caption projection is the hidden width.
+    depth, context = cfg["depth"], cfg.get("context_embedder_config") or {}
+    out = {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg.get("out_channels") or cfg["in_channels"],
+        "patch_size": cfg.get("patch_size", 2),
+        "num_layers": depth,
+        "num_attention_heads": depth,
+        "attention_head_dim": 64,
+        "caption_projection_dim": 64 * depth,
+        "dual_attention_layers": tuple(cfg.get("x_block_self_attn_layers") or ()),
+        "qk_norm": "rms_norm" if cfg.get("qk_norm") == "rms" else None,
+    }
+    if cfg.get("adm_in_channels"):
+        out["pooled_projection_dim"] = cfg["adm_in_channels"]
+    if context.get("params"):
+        out["joint_attention_dim"] = context["params"]["in_features"]
+    if cfg.get("pos_embed_max_size"):
+        out["pos_embed_max_size"] = cfg["pos_embed_max_size"]
+    return out
+
+
 SD3_ARCH = Architecture(
     "sd3",
     (SD3,),
@@ -83,4 +107,5 @@ SD3_ARCH = Architecture(
         "convert_sd3_transformer_checkpoint_to_diffusers",
         "test_arch_oracle.py",
     ),
+    comfy=ComfyFacets(("SD3",), _sd3_from_comfy, skeleton="sd3"),
 )

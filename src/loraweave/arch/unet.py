@@ -4,7 +4,7 @@ cross-attention width; their original (LDM) names live in unet_original.py."""
 from __future__ import annotations
 
 from .encoders import CLIP_G, CLIP_H, CLIP_L
-from .record import Architecture, BlockMap, Skeleton, Widths
+from .record import Architecture, BlockMap, ComfyFacets, Skeleton, Widths
 
 _SD15_UNET = dict(
     block_out_channels=[320, 640, 1280, 1280],
@@ -65,6 +65,42 @@ SD1_BLOCKS = BlockMap(
         (4, 7),
     ),
 )
+
+
+def _unet_from_comfy(cfg: dict) -> dict:
+    """ComfyUI's UNet config -> diffusers' UNet2DConditionModel config at the model's widths and depths."""
+    channels = [cfg["model_channels"] * m for m in cfg["channel_mult"]]
+    res_blocks = cfg["num_res_blocks"]
+    # transformer_depth lists one entry per input res block; a level's depth is its first block's.
+    depths = [cfg["transformer_depth"][sum(res_blocks[:level])] for level in range(len(channels))]
+    down = ["CrossAttnDownBlock2D" if d > 0 else "DownBlock2D" for d in depths]
+    heads, head_channels = cfg.get("num_heads", -1), cfg.get("num_head_channels", -1)
+    head_dim = heads if heads != -1 else tuple(max(1, ch // head_channels) for ch in channels)
+    out = {
+        "in_channels": cfg["in_channels"],
+        "out_channels": cfg["out_channels"],
+        "block_out_channels": tuple(channels),
+        "layers_per_block": res_blocks[0],
+        "down_block_types": tuple(down),
+        "up_block_types": tuple(t.replace("Down", "Up") for t in reversed(down)),
+        "transformer_layers_per_block": _layers_per_block(depths),
+        "cross_attention_dim": cfg["context_dim"],
+        "use_linear_projection": bool(cfg.get("use_linear_in_transformer", False)),
+        "attention_head_dim": head_dim,
+        "norm_num_groups": 32,  # ComfyUI's UNet normalises in 32 groups at every width
+    }
+    if cfg.get("adm_in_channels"):
+        out["projection_class_embeddings_input_dim"] = cfg["adm_in_channels"]
+    return out
+
+
+def _layers_per_block(depths: list[int]) -> int | tuple[int, ...]:
+    """diffusers' own spelling (what the shipped skeletons store): one int where every cross-attention level
+    has the same depth (levels without attention ignore theirs), else one entry per level."""
+    cross = {d for d in depths if d > 0}
+    return cross.pop() if len(cross) == 1 else tuple(max(1, d) for d in depths)
+
+
 SD1 = Architecture(
     "sd1",
     skeleton=Skeleton(
@@ -72,6 +108,7 @@ SD1 = Architecture(
     ),
     cli_names=("unet", "sd15", "sd1.5"),
     blocks=SD1_BLOCKS,
+    comfy=ComfyFacets(("SD15",), _unet_from_comfy, skeleton="sd1"),
 )
 SD2 = Architecture(
     "sd2",
@@ -89,6 +126,7 @@ SD2 = Architecture(
     ),
     cli_names=("sd21",),
     blocks=SD1_BLOCKS,
+    comfy=ComfyFacets(("SD20", "SD21UnclipL", "SD21UnclipH"), _unet_from_comfy, skeleton="sd2"),
 )
 SDXL = Architecture(
     "sdxl",
@@ -120,6 +158,7 @@ SDXL = Architecture(
             (6, 3),
         ),
     ),
+    comfy=ComfyFacets(("SDXL",), _unet_from_comfy, skeleton="sdxl"),
 )
 SDXL_REFINER = Architecture(
     "sdxl-refiner",
@@ -144,4 +183,5 @@ SDXL_REFINER = Architecture(
         {"text_encoder_2": CLIP_G},
         "sdxl-refiner unet config",
     ),
+    comfy=ComfyFacets(("SDXLRefiner",), _unet_from_comfy, skeleton="sdxl-refiner"),
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .record import Architecture, BlockMap, Layouts, Release, Skeleton
+from .record import Architecture, BlockMap, ComfyFacets, Layouts, Release, Skeleton
 from .spec import Alias, ArchTable, ParamAlias, VariantOnly
 
 _B = "blocks.{i}"
@@ -87,6 +87,21 @@ WAN = ArchTable(
     ),
 )
 
+
+def wan_from_comfy(cfg: dict) -> dict:
+    return {
+        "patch_size": tuple(cfg["patch_size"]),
+        "num_attention_heads": cfg["num_heads"],
+        "attention_head_dim": cfg["dim"] // cfg["num_heads"],
+        "in_channels": cfg["in_dim"],
+        "out_channels": cfg["out_dim"],
+        "ffn_dim": cfg["ffn_dim"],
+        "num_layers": cfg["num_layers"],
+        "freq_dim": cfg["freq_dim"],
+        "text_dim": cfg.get("text_dim", 4096),  # ComfyUI always builds a 4096-wide text embedding
+    }
+
+
 # Releases (in `releases=`): from the released configs (realdata/configs).
 WAN_ARCH = Architecture(
     "wan",
@@ -127,5 +142,8 @@ WAN_ARCH = Architecture(
         Release("wan-14b (2.1 T2V/I2V/FLF2V/VACE, 2.2 A14B/Animate)", {"blocks": 40}, 5120),
         Release("wan-1.3b (2.1 T2V/VACE)", {"blocks": 30}, 1536),
         Release("wan2.2-ti2v-5b", {"blocks": 30}, 3072),
+    ),
+    comfy=ComfyFacets(
+        ("WAN21_T2V", "WAN22_T2V", "WAN21_I2V"), wan_from_comfy, {"num_layers": ("blocks",)}, skeleton="wan"
     ),
 )

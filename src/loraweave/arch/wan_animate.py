@@ -11,9 +11,9 @@ seven residual blocks, convs.8 the output conv.
 
 from __future__ import annotations
 
-from .record import Architecture, Layouts, Skeleton
+from .record import Architecture, ComfyFacets, Layouts, Skeleton
 from .spec import Alias, ArchTable, ParamAlias, VariantOnly
-from .wan import WAN
+from .wan import WAN, wan_from_comfy
 
 _F, _LF = "face_adapter.fuser_blocks.{i}", "face_adapter.{i}"
 _ENC, _ME = "motion_encoder.enc.net_app.convs", "motion_encoder"
@@ -119,6 +119,14 @@ WAN_ANIMATE_2 = ArchTable(
     ),
 )
 
+
+def _wan_animate_from_comfy(cfg: dict) -> dict:
+    # ComfyUI's AnimateWanModel is Wan I2V (image cross-attention on 1280-wide CLIP features projected to dim)
+    # plus a face adapter every 5 blocks; its pose input (16 channels), face encoder (1024 x 4 heads) and 512
+    # px motion encoder are fixed, as in diffusers' defaults.
+    return {**wan_from_comfy(cfg), "added_kv_proj_dim": cfg["dim"], "image_dim": 1280, "latent_channels": 16}
+
+
 # Wan blocks plus the face adapter / face and motion encoders (original or diffusers names).
 WAN_ANIMATE_ARCH = Architecture(
     "wan-animate",
@@ -148,6 +156,7 @@ WAN_ANIMATE_ARCH = Architecture(
         "convert_wan_transformer_to_diffusers",
         "test_arch_wan_animate_variants.py",
     ),
+    comfy=ComfyFacets(("WAN22_Animate",), _wan_animate_from_comfy, skeleton="wan-animate"),
 )
 # The official checkpoint wraps every block: `blocks.N.block.self_attn.q`.
 WAN_ANIMATE_2_ARCH = Architecture(

@@ -11,7 +11,7 @@ w1/w3.
 
 from __future__ import annotations
 
-from .record import Architecture, BlockMap, Layouts, Skeleton, Widths
+from .record import Architecture, BlockMap, ComfyFacets, Layouts, Skeleton, Widths
 from .spec import Alias, ArchTable, Rows
 
 
@@ -58,6 +58,26 @@ ZIMAGE = ArchTable(
     ),
 )
 
+
+def _z_image_from_comfy(cfg: dict) -> dict:
+    # ComfyUI's NextDiT keyword names; its detection writes dim, cap_feat_dim and depth, ZImage's class the
+    # rest.
+    return {
+        "dim": cfg["dim"],
+        "n_layers": cfg["n_layers"],
+        "n_refiner_layers": cfg.get("n_refiner_layers", 2),
+        "n_heads": cfg.get("n_heads", 30),
+        "n_kv_heads": cfg.get("n_kv_heads", 30),
+        "cap_feat_dim": cfg["cap_feat_dim"],
+        "in_channels": cfg.get("in_channels", 16),
+        "all_patch_size": (cfg.get("patch_size", 2),),
+        "axes_dims": list(cfg.get("axes_dims", (32, 48, 48))),
+        "axes_lens": list(cfg.get("axes_lens", (1536, 512, 512))),
+        "rope_theta": cfg.get("rope_theta", 256.0),
+        "qk_norm": bool(cfg.get("qk_norm", True)),
+    }
+
+
 # Z-Image and Lumina2 original (NextDiT) names are the same. Unclaimed, by the hidden width: Z-Image dim 3840
 # (z-image-turbo config), Lumina-Image-2.0 hidden 2304 (the q width diffusers' Lumina2 LoRA converter
 # hard-codes), Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
@@ -97,5 +117,11 @@ ZIMAGE_ARCH = Architecture(
         "original/ComfyUI names, fused w13 runtimes",
         "convert_z_image_transformer_checkpoint_to_diffusers",
         "test_arch_oracle.py",
+    ),
+    comfy=ComfyFacets(
+        ("ZImage",),
+        _z_image_from_comfy,
+        {"n_layers": ("layers",), "n_refiner_layers": ("noise_refiner", "context_refiner")},
+        skeleton="z-image",
     ),
 )

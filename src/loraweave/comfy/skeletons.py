@@ -1,16 +1,19 @@
-"""Reference trees from descriptions shipped with the package: a queue on a full-width model builds the diffusers
-tree its adapter keys resolve on without importing diffusers' model classes (a one-off of seconds per ComfyUI
-process: diffusers' model modules pull in peft, accelerate, bitsandbytes, torchao and scipy where installed).
+"""Reference trees from descriptions shipped with the package: a queue on a full-width model builds the
+diffusers tree its adapter keys resolve on without importing diffusers' model classes (a one-off of seconds
+per ComfyUI process: diffusers' model modules pull in peft, accelerate, bitsandbytes, torchao and scipy where
+installed).
 
-Each `skeletons/<arch>.json` (written by scripts/comfy_skeletons.py from diffusers, checked against it by
-tests/test_comfy_skeletons.py) holds the class name, its full diffusers config (defaults included) and the module
-tree: per module its class name, own parameter and persistent buffer shapes and dtypes, and children in
-`named_modules` order; numbered children with identical subtrees (a block chain) are stored once with their count.
-A ComfyUI model whose config differs from the stored one only in the depth keys of `reference.DEPTHS` gets the
-chain cut or repeated to that depth, and in the width keys of `reference.WIDTHS` (Flux Fill's 384 input channels)
-that layer's axis resized; any other difference (a tiny or re-widthed model) is not served here: the caller builds
-that tree from diffusers. The rebuilt tree has the same paths, class names (alias tables key on
-them), nn.Linear leaves and shapes: all the planner reads (tools/skeleton.py rebuilds `inspect`'s the same way)."""
+Each `skeletons/<name>.json` (the name an architecture's ComfyUI facets give, arch/record.py
+`ComfyFacets.skeleton`; written by scripts/comfy_skeletons.py from diffusers, checked against it by
+tests/test_comfy_skeletons.py) holds the class name, its full diffusers config (defaults included) and the
+module tree: per module its class name, own parameter and persistent buffer shapes and dtypes, and children in
+`named_modules` order; numbered children with identical subtrees (a block chain) are stored once with their
+count. A ComfyUI model whose config differs from the stored one only in the facets' depth keys
+(`ComfyFacets.depths`) gets the chain cut or repeated to that depth, and in their width keys
+(`ComfyFacets.widths`: Flux Fill's 384 input channels) that layer's axis resized; any other difference (a tiny
+or re-widthed model) is not served here: the caller builds that tree from diffusers. The rebuilt tree has the
+same paths, class names (alias tables key on them), nn.Linear leaves and shapes: all the planner reads
+(tools/skeleton.py rebuilds `inspect`'s the same way)."""
 
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..tools.skeleton import _DTYPES, _instance
-from .reference import DEPTHS, WIDTHS
+from ..tools.skeleton import META_DTYPES, meta_module
+from .reference import facets
 
 log = logging.getLogger("loraweave")
 FOLDER = Path(__file__).resolve().parent / "skeletons"
@@ -91,7 +94,7 @@ Widths = dict[str, tuple[int, int]]  # {module path: (axis, size)} of a weight r
 
 
 def _resized(params: dict, axis: int, size: int) -> dict:
-    """A Linear's stored parameters with the weight's `axis` set to `size` (the bias follows an output axis)."""
+    """A Linear's stored parameters, the weight's `axis` set to `size` (the bias follows an output axis)."""
     out = {name: [list(shape), dtype] for name, (shape, dtype) in params.items()}
     out["weight"][0][axis] = size
     if axis == 0 and "bias" in out:
@@ -102,10 +105,10 @@ def _resized(params: dict, axis: int, size: int) -> dict:
 def _build(node: dict, path: str, depths: dict[str, int], widths: Widths | None = None) -> torch.nn.Module:
     widths = widths or {}
     params = _resized(node["p"], *widths[path]) if path in widths else node.get("p", {})
-    module = _instance(node["c"], params)
+    module = meta_module(node["c"], params)
     for name, (shape, dtype) in node.get("b", {}).items():
         module.register_buffer(
-            name, torch.empty(shape, device="meta", dtype=_DTYPES.get(dtype, torch.float32))
+            name, torch.empty(shape, device="meta", dtype=META_DTYPES.get(dtype, torch.float32))
         )
     if "t" in node:
         children = {str(i): node["t"] for i in range(depths.get(path, node["n"]))}
@@ -119,8 +122,8 @@ def _build(node: dict, path: str, depths: dict[str, int], widths: Widths | None 
 def rebuild(
     data: dict, depths: dict[str, int] | None = None, config: dict | None = None, widths: Widths | None = None
 ) -> torch.nn.Module:
-    """The tree of a description (`data["tree"]`), block chains at `depths` ({chain path: count}), weights resized
-    by `widths`."""
+    """The tree of a description (`data["tree"]`), block chains at `depths` ({chain path: count}), weights
+    resized by `widths`."""
     root = _build(data["tree"], "", depths or {}, widths)
     root.config = SimpleNamespace(**(config if config is not None else data["config"]))
     return root
@@ -138,10 +141,10 @@ def description(arch: str) -> dict | None:
 def fitted_depths(arch: str, data: dict, config: dict) -> dict[str, int] | None:
     """{chain path: count} when `config` equals the stored config but for the architecture's depth keys; None
     when any other entry differs (or a depth is not a non-negative int, or its chain is not stored as one)."""
-    stored, depth_keys = data["config"], DEPTHS.get(arch, {})
+    stored, depth_keys = data["config"], facets(arch).depths
     depths: dict[str, int] = {}
     for key, value in plain(config).items():
-        if key in WIDTHS.get(arch, {}):
+        if key in facets(arch).widths:
             continue  # fitted_widths
         if key in depth_keys and value != stored.get(key):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -161,8 +164,9 @@ def _is_chain(node: dict, path: str) -> bool:
 
 
 def packaged_tree(arch: str, cls: str, config: dict) -> torch.nn.Module | None:
-    """The reference tree of `cls` at `config` from the shipped description, or None when none fits."""
-    data = description(arch)
+    """`cls` at `config` from the skeleton that `arch`'s ComfyUI facets ship; None when none fits."""
+    name = facets(arch).skeleton
+    data = description(name) if name is not None else None
     if data is None or data["cls"] != cls:
         return None
     depths, widths = fitted_depths(arch, data, config), fitted_widths(arch, data, config)
@@ -172,12 +176,12 @@ def packaged_tree(arch: str, cls: str, config: dict) -> torch.nn.Module | None:
 
 
 def fitted_widths(arch: str, data: dict, config: dict) -> Widths | None:
-    """{module path: (axis, size)} for the width keys of `config` that differ from the stored ones (a key set to
-    None takes its default key's value, as diffusers reads it); None when a size is not a positive int or the stored
-    tree lacks that Linear."""
+    """{module path: (axis, size)} for the width keys of `config` that differ from the stored ones (a key set
+    to None takes its default key's value, as diffusers reads it); None when a size is not a positive int or
+    the stored tree lacks that Linear."""
     stored, merged = data["config"], {**data["config"], **plain(config)}
     widths: Widths = {}
-    for key, (path, axis, default) in WIDTHS.get(arch, {}).items():
+    for key, (path, axis, default) in facets(arch).widths.items():
         want = merged.get(key) if merged.get(key) is not None else merged.get(default)
         have = stored.get(key) if stored.get(key) is not None else stored.get(default)
         if want == have:

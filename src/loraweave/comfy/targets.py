@@ -1,10 +1,10 @@
 """loraweave's own resolver onto the modules of ComfyUI's diffusion model and CLIP (never ComfyUI's key maps).
 
-ComfyUI keeps original module names (ldm `input_blocks.1.1...`, BFL `double_blocks.0.img_attn.qkv`). Adapter keys
-resolve against the diffusers tree of the detected architecture (built on `meta` at the ComfyUI model's own
-widths), where every layout loraweave reads lands; the planned rows then go back to the original tensors through
-the inverted alias tables (`tools.remap`), so a Plan here names ComfyUI modules and their rows. Text encoders
-resolve on ComfyUI's own CLIP modules (their names are the transformers ones)."""
+ComfyUI keeps original module names (ldm `input_blocks.1.1...`, BFL `double_blocks.0.img_attn.qkv`). Adapter
+keys resolve against the diffusers tree of the detected architecture (built on `meta` at the ComfyUI model's
+own widths), where every layout loraweave reads lands; the planned rows then go back to the original tensors
+through the inverted alias tables (`tools.remap`), so a Plan here names ComfyUI modules and their rows. Text
+encoders resolve on ComfyUI's own CLIP modules (their names are the transformers ones)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..arch.aliases import AliasTable, _bare_parameters
+from ..arch.aliases import AliasTable, bare_parameters
 from ..arch.spec import out_rows
 from ..engine.decide import refuse_strict
 from ..engine.install import make_report
@@ -30,65 +30,31 @@ from ..report.miss import Miss, Unmatched
 from ..report.report import failures
 from ..resolve.planner import Plan, PlannedPart, resolve
 from ..resolve.target import Components
-from ..tools.remap import Spans, _fits, translate
-from .reference import reference_config
+from ..tools.remap import Spans, original_fit, translate
+from .reference import COMFY_ARCHS, reference_config
 from .skeletons import packaged_tree
 
 log = logging.getLogger("loraweave")
 
-# ComfyUI's supported_models class -> loraweave catalog architecture (the reference tree adapters resolve on).
-COMFY_ARCHS: dict[str, str] = {
-    "SD15": "sd1",
-    "SD20": "sd2",
-    "SD21UnclipL": "sd2",
-    "SD21UnclipH": "sd2",
-    "SDXL": "sdxl",
-    "SDXLRefiner": "sdxl-refiner",
-    "SD3": "sd3",
-    "Flux": "flux",
-    "FluxSchnell": "flux-schnell",
-    "Flux2": "flux2",
-    "Chroma": "chroma",
-    "HunyuanVideo": "hunyuan-video",
-    "HunyuanVideo15": "hunyuan-video-1.5",
-    "HunyuanVideo15_SR_Distilled": "hunyuan-video-1.5",
-    "HunyuanImage21": "hunyuan-image-2.1",
-    "HunyuanImage21Refiner": "hunyuan-image-2.1",
-    "QwenImage": "qwen-image",
-    "Lumina2": "lumina2",
-    "ZImage": "z-image",
-    "WAN21_T2V": "wan",
-    "WAN22_T2V": "wan",
-    "WAN21_I2V": "wan",
-    "WAN22_Animate": "wan-animate",
-    "LTXV": "ltx-video",
-    "LTXAV": "ltx2",
-    "PixArtAlpha": "pixart",
-    "PixArtSigma": "pixart",
-    "Kandinsky5": "kandinsky5",
-    "Kandinsky5Image": "kandinsky5",
-    "Anima": "anima",
-    # Cosmos-Predict2 is Anima's DiT without the LLM adapter: the same diffusers class and table (arch/anima.py).
-    "CosmosT2IPredict2": "anima",
-    "CosmosI2VPredict2": "anima",
-    "ErnieImage": "ernie-image",
-}
 DENOISER_PREFIX = "diffusion_model"  # ModelPatcher state-dict keys: diffusion_model.<module>.weight
-# Pipeline components that ComfyUI keeps inside its diffusion model, by attribute: Anima's LLM adapter (diffusers'
-# `text_conditioner`; the key parser routes `diffusion_model.llm_adapter.` and `lora_unet_llm_adapter_` there).
+# Pipeline components that ComfyUI keeps inside its diffusion model, by attribute: Anima's LLM adapter
+# (diffusers' `text_conditioner`; the key parser routes `diffusion_model.llm_adapter.` and
+# `lora_unet_llm_adapter_` there).
 INNER_COMPONENTS: dict[str, str] = {"text_conditioner": "llm_adapter"}
-# ComfyUI text encoder attributes in kohya's order (lora_te1_, lora_te2_, lora_te3_); others follow in tree order.
+# ComfyUI text encoder attributes in kohya's order (lora_te1_, lora_te2_, lora_te3_); others follow in tree
+# order.
 ENCODER_ORDER = ("clip_l", "clip_g", "t5xxl")
 TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def comfy_arch(patcher) -> str | None:
-    """The loraweave architecture of a ComfyUI MODEL, from its supported_models class or the nearest base class we
-    map (FluxInpaint is a Flux, SSD-1B an SDXL, WAN21_Vace a Wan: their own modules fall to ComfyUI's names);
-    None: not one we map."""
+    """The loraweave architecture of a ComfyUI MODEL, from its supported_models class or the nearest base
+    class we map (FluxInpaint is a Flux, SSD-1B an SDXL, WAN21_Vace a Wan: their own modules fall to ComfyUI's
+    names); None: not one we map."""
+    archs = dict(COMFY_ARCHS)
     for cls in type(getattr(patcher.model, "model_config", None)).__mro__:
-        if cls.__name__ in COMFY_ARCHS:
-            return COMFY_ARCHS[cls.__name__]
+        if cls.__name__ in archs:
+            return archs[cls.__name__]
     return None
 
 
@@ -98,8 +64,9 @@ FITS_KEPT = 4  # live shape sets kept per reference: one per ComfyUI model of th
 @dataclass(eq=False)
 class Reference:
     """A reference tree and what planning derives from the tree alone, built once per config (planning never
-    writes to the tree): resolve's alias table, the parameter aliases, and the spans onto each set of live shapes
-    seen (a pure function of the tree and the shapes, so a model of other shapes never gets another's spans)."""
+    writes to the tree): resolve's alias table, the parameter aliases, and the spans onto each set of live
+    shapes seen (a pure function of the tree and the shapes, so a model of other shapes never gets another's
+    spans)."""
 
     tree: torch.nn.Module
     component: str  # the resolver's name for it: "unet" or "transformer"
@@ -116,7 +83,7 @@ class Reference:
         """The spans onto ComfyUI's tensors of these shapes (None: the widths do not fit), computed once."""
         key = tuple(shapes.items())
         if key not in self.fits:
-            fit = _fits(self.tree, shapes, renamed=True) or _same_names(self.tree, shapes)
+            fit = original_fit(self.tree, shapes, renamed=True) or _same_names(self.tree, shapes)
             self.fits[key] = (fit[0],) if fit is not None else None
             while len(self.fits) > FITS_KEPT:
                 self.fits.popitem(last=False)
@@ -127,8 +94,9 @@ class Reference:
 
 @functools.lru_cache(maxsize=8)
 def _meta_tree(arch: str, cls_name: str, config_json: str) -> Reference:
-    # Planning never writes to the tree, so one per config serves every call. The shipped skeleton serves every
-    # full-width model (any depth) without importing diffusers' model classes; other widths build from diffusers.
+    # Planning never writes to the tree, so one per config serves every call. The shipped skeleton serves
+    # every full-width model (any depth) without importing diffusers' model classes; other widths build from
+    # diffusers.
     t0 = time.perf_counter()
     config = json.loads(config_json)
     tree = packaged_tree(arch, cls_name, config)
@@ -145,14 +113,15 @@ def _meta_tree(arch: str, cls_name: str, config_json: str) -> Reference:
 
 
 ONLY_COMFY_NAMES = (
-    "keys are matched by ComfyUI's own module names only (a key named after diffusers' modules cannot land or be "
-    "judged on it)"
+    "keys are matched by ComfyUI's own module names only (a key named after diffusers' modules cannot land "
+    "or be judged on it)"
 )
 
 
 def reference_or_why(patcher) -> tuple[tuple[Reference, Spans] | None, str | None]:
-    """((the cached reference of this model's config, spans onto its tensors), None), or (None, why there is none:
-    no architecture mapped, widths that do not fit, or a tree that needs diffusers where it is not installed)."""
+    """((the cached reference of this model's config, spans onto its tensors), None), or (None, why there is
+    none: no architecture mapped, widths that do not fit, or a tree that needs diffusers where it is not
+    installed)."""
     arch = comfy_arch(patcher)
     if arch is None:
         return None, f"loraweave maps no architecture onto {comfy_model_name(patcher)}: {ONLY_COMFY_NAMES}"
@@ -165,8 +134,9 @@ def reference_or_why(patcher) -> tuple[tuple[Reference, Spans] | None, str | Non
     except ModuleNotFoundError as exc:  # no shipped skeleton fits; ComfyUI does not ship diffusers
         log.warning("comfy reference arch=%s source=none missing_module=%s", arch, exc.name)
         return None, (
-            f"loraweave's {arch} reference for this model's widths is built from diffusers' classes, and {exc.name} "
-            f"is not installed (pip install 'loraweave[comfy]' into ComfyUI's Python): {ONLY_COMFY_NAMES}"
+            f"loraweave's {arch} reference for this model's widths is built from diffusers' classes, and "
+            f"{exc.name} is not installed (pip install 'loraweave[comfy]' into ComfyUI's Python): "
+            f"{ONLY_COMFY_NAMES}"
         )
     shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
     spans = reference.spans_for(shapes)
@@ -181,21 +151,21 @@ def _reference(patcher) -> tuple[Reference, Spans] | None:
 
 
 def comfy_model_name(patcher) -> str:
-    """How ComfyUI names the model: its supported_models class, else the model's own class (another pack's)."""
+    """How ComfyUI names the model: its supported_models class, else the model's class (another pack's)."""
     config = getattr(patcher.model, "model_config", None)
     return type(config).__name__ if config is not None else type(patcher.model).__name__
 
 
 def reference_tree(patcher) -> tuple[torch.nn.Module, Spans] | None:
-    """(diffusers tree on meta at this model's widths, spans to ComfyUI's original rows), or None when loraweave
-    has no reference for this ComfyUI model (its keys then resolve by ComfyUI's own names only)."""
+    """(diffusers tree on meta at this model's widths, spans to ComfyUI's original rows), or None when
+    loraweave has no reference for this ComfyUI model (its keys then resolve by ComfyUI's own names only)."""
     found = _reference(patcher)
     return (found[0].tree, found[1]) if found is not None else None
 
 
 def _same_names(tree: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> tuple[Spans, int] | None:
-    """Empty spans (names map to themselves) where ComfyUI keeps the diffusers names (Qwen-Image): at least half
-    the tree's tensors are present under the same names, every present one with the same shape."""
+    """Empty spans (names map to themselves) where ComfyUI keeps the diffusers names (Qwen-Image): at least
+    half the tree's tensors are present under the same names, every present one with the same shape."""
     own = {k: tuple(v.shape) for k, v in tree.state_dict().items()}
     present = [k for k in own if k in shapes]
     if not own or len(present) < len(own) / 2 or any(shapes[k] != own[k] for k in present):
@@ -219,7 +189,7 @@ def _no_such_module(pp: PlannedPart, module: str) -> list[Unmatched]:
 def _original_params(tree: torch.nn.Module) -> dict[str, str]:
     """{live parameter path: original path} from the architecture's parameter aliases (Wan's scale_shift_table
     is ComfyUI's modulation)."""
-    found = _bare_parameters(tree, type(tree).__name__, dict(tree.named_modules()))
+    found = bare_parameters(tree, type(tree).__name__, dict(tree.named_modules()))
     return {live: original for original, (live, _) in found.items() if live != original}
 
 
@@ -268,9 +238,10 @@ def _onto_comfy(
 def _by_comfy_names(
     plan: Plan, side: Adapter, live: torch.nn.Module, strength: float, adapter: Adapter
 ) -> Plan:
-    """The plan, with the parts none of whose keys landed on the reference tree resolved again on ComfyUI's own
-    module names: modules ComfyUI keeps inside its diffusion model that diffusers' transformer lacks (LTX-2's text
-    connectors, a pipeline component of their own in diffusers). A name that matches there is that module."""
+    """The plan, with the parts none of whose keys landed on the reference tree resolved again on ComfyUI's
+    own module names: modules ComfyUI keeps inside its diffusion model that diffusers' transformer lacks
+    (LTX-2's text connectors, a pipeline component of their own in diffusers). A name that matches there is
+    that module."""
     missed = {u.key for u in plan.unmatched}
     rest = [p for p in side.parts if p.keys and all(k in missed for k in p.keys)]
     if not rest:
@@ -289,8 +260,8 @@ def _by_comfy_names(
 def _inner_components(
     plan: Plan, side: Adapter, live: torch.nn.Module, strength: float, adapter: Adapter
 ) -> Plan:
-    """The plan, with the parts of INNER_COMPONENTS resolved on the submodule ComfyUI keeps them in (names below
-    the attribute are the component's own), their pieces moved under that attribute."""
+    """The plan, with the parts of INNER_COMPONENTS resolved on the submodule ComfyUI keeps them in (names
+    below the attribute are the component's own), their pieces moved under that attribute."""
     for component, attr in INNER_COMPONENTS.items():
         inner = getattr(live, attr, None)
         parts = [p for p in side.parts if p.component == component]
@@ -313,9 +284,9 @@ def _inner_components(
 
 
 def _piece_refusal(pp: PlannedPart, pieces: tuple, component: str) -> Miss | None:
-    """Why the family cannot take its rows as ComfyUI holds them, or None. A module of the reference tree may sit
-    in ComfyUI's model as several row ranges (Flux/SD3 final layers: shift and scale halves swapped), and a
-    family whose ΔW reads all of the module's rows at once (input-axis DoRA's column norm) cannot take them
+    """Why the family cannot take its rows as ComfyUI holds them, or None. A module of the reference tree may
+    sit in ComfyUI's model as several row ranges (Flux/SD3 final layers: shift and scale halves swapped), and
+    a family whose ΔW reads all of the module's rows at once (input-axis DoRA's column norm) cannot take them
     range by range: refused here, named in the report, instead of failing inside ComfyUI's patching."""
     for q in pieces:
         reason = pp.family.check_piece(pp.factors, q.src_start, q.length)
@@ -335,8 +306,9 @@ def _refuse_strict(plan: Plan, strict: bool, what: str) -> None:
 
 
 def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: bool = False) -> Plan:
-    """A loraweave Plan of `adapter`'s denoiser keys on ComfyUI's diffusion model (component `diffusion_model`:
-    pieces name its modules and rows). Text-encoder keys are left to `plan_for_clip`. Nothing is modified."""
+    """A loraweave Plan of `adapter`'s denoiser keys on ComfyUI's diffusion model (component
+    `diffusion_model`: pieces name its modules and rows). Text-encoder keys are left to `plan_for_clip`.
+    Nothing is modified."""
     side = _side(adapter, text_encoders=False)
     live = patcher.model.diffusion_model
     arch = comfy_arch(patcher)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..arch import aliases
-from ..arch.aliases import _original_names
+from ..arch.aliases import original_names
+from ..arch.registry import arch_tables
 from ..arch.spec import Piece, apply_renames, out_rows
 
 log = logging.getLogger("loraweave")
@@ -32,9 +32,7 @@ def _renamed_spans(module: torch.nn.Module, present: Collection[str]) -> dict[st
     class's rename rules (LTX-2's `patchify_proj` is `proj_in`); alias tables cover the rest."""
     modules = dict(module.named_modules())
     tables = [
-        t
-        for t in aliases.ARCH_TABLES
-        if type(module).__name__ in t.classes and (t.renames or t.prefix_renames)
+        t for t in arch_tables() if type(module).__name__ in t.classes and (t.renames or t.prefix_renames)
     ]
     out: dict[str, tuple[str, int]] = {}
     for key in present:
@@ -57,7 +55,7 @@ def original_spans(
     spelling `img_attn.qkv` on its model, where the Tencent `img_attn_qkv` comes first)."""
     out: Spans = {}
     totals: dict[str, int] = {}
-    names = _original_names(module, dict(module.named_modules()))
+    names = original_names(module, dict(module.named_modules()))
     order = sorted(names, key=lambda o: f"{o}.weight" not in present)  # stable: table order otherwise
     for original in order:
         pieces = names[original]
@@ -151,7 +149,7 @@ def _from_config(folder: Path) -> torch.nn.Module | None:
         return cls.from_config({k: v for k, v in data.items() if not k.startswith("_")})
 
 
-def _fits(
+def original_fit(
     ref: torch.nn.Module, shapes: dict[str, tuple[int, ...]], renamed: bool = False
 ) -> tuple[Spans, int] | None:
     """Spans when at least half the reference's original names are present and every present one has the
@@ -197,7 +195,7 @@ def reference_for(
             comps = skeleton(name, text_encoders=False)
             candidates.append((name, next(iter(comps.values()))))
     for label, ref in candidates:
-        fit = _fits(ref, shapes)
+        fit = original_fit(ref, shapes)
         if fit is not None:
             log.info("checkpoint original_names reference=%s originals_present=%d", label, fit[1])
             return ref, fit[0]

@@ -24,7 +24,7 @@ from ..arch.catalog import CATALOG, build_meta, canonical
 
 log = logging.getLogger("loraweave")
 CACHE_ENV = "LORAWEAVE_CACHE"  # folder for skeletons; "0" disables the cache
-_DTYPES = {
+META_DTYPES = {
     str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 }
 
@@ -100,7 +100,7 @@ _TYPES: dict[str, type] = {}
 
 def _meta(shape, dtype: str, requires_grad: bool) -> torch.nn.Parameter:
     return torch.nn.Parameter(
-        torch.empty(shape, device="meta", dtype=_DTYPES.get(dtype, torch.float32)),
+        torch.empty(shape, device="meta", dtype=META_DTYPES.get(dtype, torch.float32)),
         requires_grad=requires_grad,
     )
 
@@ -116,7 +116,7 @@ def _linear(params: dict) -> torch.nn.Linear:
     return lin
 
 
-def _instance(cls_name: str, params: dict) -> torch.nn.Module:
+def meta_module(cls_name: str, params: dict) -> torch.nn.Module:
     if cls_name == "Linear" and "weight" in params and len(params["weight"][0]) == 2:
         return _linear(params)
     if (
@@ -133,7 +133,7 @@ def rebuild(desc: dict) -> torch.nn.Module:
     root = None
     by_path: dict[str, torch.nn.Module] = {}
     for path, cls_name, params in desc["modules"]:
-        mod = _instance(cls_name, params)
+        mod = meta_module(cls_name, params)
         by_path[path] = mod
         if path == "":
             root = mod
