@@ -20,10 +20,10 @@ import pytest
 import torch
 from helpers.arch_layouts import _anima, anima_file, linears, lora_file, sana_original
 from helpers.common import rel_err
+from helpers.registry import patch_tables
 from helpers.tiny_configs import ANIMA_DIT, ANIMA_DIT_TINY, ERNIE_TINY, SANA_TINY
 
 import loraweave
-from loraweave.arch import aliases as arch_aliases
 from loraweave.arch.aliases import AliasTable
 from loraweave.formats.keys import DENOISER, parse_key, split_stem, underscore_form
 
@@ -194,11 +194,7 @@ def test_anima_swapped_rename_row_is_caught(monkeypatch):
         ]
         return dataclasses.replace(t, renames=tuple(r))
 
-    monkeypatch.setattr(
-        arch_aliases,
-        "ARCH_TABLES",
-        tuple(swap(t) if t.name == "anima" else t for t in arch_aliases.ARCH_TABLES),
-    )
+    patch_tables(monkeypatch, lambda t: swap(t) if t.name == "anima" else t)
     parts = _anima(True, dict(ANIMA_DIT, num_layers=1), dict(num_layers=1))
     sd = anima_file(parts, meta=True)
     with pytest.raises(AssertionError):
@@ -378,11 +374,7 @@ def test_sana_swapped_row_is_caught(monkeypatch, swap):
             aliases.append(a)
         return dataclasses.replace(t, aliases=tuple(aliases))
 
-    monkeypatch.setattr(
-        arch_aliases,
-        "ARCH_TABLES",
-        tuple(swapped(t) if t.name == "sana" else t for t in arch_aliases.ARCH_TABLES),
-    )
+    patch_tables(monkeypatch, lambda t: swapped(t) if t.name == "sana" else t)
     with pytest.raises(AssertionError):
         assert_sana_rows_are_the_converters(_sana(False, **SANA_TINY))
 

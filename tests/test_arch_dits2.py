@@ -20,10 +20,10 @@ import re
 import pytest
 import torch
 from conftest import REALDATA
+from helpers.registry import patch_tables
 from helpers.tiny_configs import CLASSES, TINY
 
 import loraweave
-from loraweave.arch import aliases as arch_aliases
 from loraweave.arch.aliases import AliasTable
 from loraweave.arch.spec import Rows
 
@@ -154,8 +154,7 @@ def _mutate(table, source: str, fn):
     ],
 )
 def test_oracle_catches_a_broken_row_order(arch, source, fn, monkeypatch, tiny):
-    tables = tuple(_mutate(t, source, fn) if t.name == arch else t for t in arch_aliases.ARCH_TABLES)
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tables)
+    patch_tables(monkeypatch, lambda t: _mutate(t, source, fn) if t.name == arch else t)
     assert oracle(TINY[arch](), arch) != []
 
 

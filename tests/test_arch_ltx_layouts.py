@@ -15,11 +15,11 @@ import dataclasses
 import pytest
 import torch
 from helpers.arch_layouts import assert_matches_peft, linears, lora_file, ltx2_original, lumina2_lora_names
+from helpers.registry import patch_tables
 from helpers.tiny_configs import LTX2_FULL, LTX2_TINY
 from helpers.tiny_models import tiny_flux
 
 import loraweave
-from loraweave.arch import aliases as arch_aliases
 from loraweave.arch.aliases import AliasTable
 
 
@@ -92,11 +92,7 @@ def test_ltx2_swapped_rename_row_is_caught(monkeypatch):
         r[i], r[j] = (r[i][0], r[j][1]), (r[j][0], r[i][1])
         return dataclasses.replace(t, renames=tuple(r))
 
-    monkeypatch.setattr(
-        arch_aliases,
-        "ARCH_TABLES",
-        tuple(swap(t) if t.name == "ltx2" else t for t in arch_aliases.ARCH_TABLES),
-    )
+    patch_tables(monkeypatch, lambda t: swap(t) if t.name == "ltx2" else t)
     model = _ltx2(True, **LTX2_FULL)
     sd = lora_file(linears(model), lambda n: f"diffusion_model.{ltx2_original(n)}", meta=True)
     with pytest.raises(AssertionError):
@@ -502,11 +498,7 @@ def test_flux3_swapped_rename_row_is_caught(monkeypatch):
         ]
         return dataclasses.replace(t, renames=tuple(r))
 
-    monkeypatch.setattr(
-        arch_aliases,
-        "ARCH_TABLES",
-        tuple(swap(t) if t.name == "flux3" else t for t in arch_aliases.ARCH_TABLES),
-    )
+    patch_tables(monkeypatch, lambda t: swap(t) if t.name == "flux3" else t)
     import diffusers
 
     with torch.device("meta"):

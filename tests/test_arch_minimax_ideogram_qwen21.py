@@ -24,9 +24,9 @@ from helpers.arch_layouts import (
     qwen21_lora_names,
 )
 from helpers.common import rel_err
+from helpers.registry import patch_tables
 
 import loraweave
-from loraweave.arch import aliases as arch_aliases
 from loraweave.arch.aliases import AliasTable
 
 
@@ -95,11 +95,10 @@ def assert_rows_match_converter(model, sd: dict, converted: dict, modules: set[s
 
 
 def swap_in_table(monkeypatch, name: str, swap):
-    tables = tuple(
-        dataclasses.replace(t, aliases=tuple(swap(a) for a in t.aliases)) if t.name == name else t
-        for t in arch_aliases.ARCH_TABLES
+    patch_tables(
+        monkeypatch,
+        lambda t: dataclasses.replace(t, aliases=tuple(swap(a) for a in t.aliases)) if t.name == name else t,
     )
-    monkeypatch.setattr(arch_aliases, "ARCH_TABLES", tables)
 
 
 # --- MiniMax-H3

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.registry import patch_tables
 from helpers.tiny_configs import tiny_lumina2, tiny_sd3, tiny_wan, tiny_wan_vace
 from helpers.tiny_models import tiny_zimage
 
@@ -122,8 +123,6 @@ def test_tables_round_trip_through_the_diffusers_converter(arch):
 def test_round_trip_catches_a_swapped_row(arch, source, fn, monkeypatch):
     import dataclasses
 
-    from loraweave.arch import aliases
-
     def mutate(table):
         return dataclasses.replace(
             table,
@@ -133,10 +132,6 @@ def test_round_trip_catches_a_swapped_row(arch, source, fn, monkeypatch):
             ),
         )
 
-    monkeypatch.setattr(
-        aliases,
-        "ARCH_TABLES",
-        tuple(mutate(t) if any(a.source == source for a in t.aliases) else t for t in aliases.ARCH_TABLES),
-    )
+    patch_tables(monkeypatch, lambda t: mutate(t) if any(a.source == source for a in t.aliases) else t)
     with pytest.raises(AssertionError):
         test_tables_round_trip_through_the_diffusers_converter(arch)

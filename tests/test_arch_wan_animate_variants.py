@@ -20,9 +20,9 @@ import re
 import pytest
 import torch
 from helpers.arch_layouts import assert_matches_peft, linears, lora_file
+from helpers.registry import patch_tables
 
 import loraweave
-from loraweave.arch import aliases as arch_aliases
 from loraweave.arch.aliases import AliasTable
 
 # Wan2.2-Animate-14B transformer config (diffusers' conversion script / the Diffusers repo config).
@@ -313,11 +313,7 @@ def test_swapped_kv_halves_are_caught(monkeypatch):
             ),
         )
 
-    monkeypatch.setattr(
-        arch_aliases,
-        "ARCH_TABLES",
-        tuple(swap(t) if t.name == "wan-animate" else t for t in arch_aliases.ARCH_TABLES),
-    )
+    patch_tables(monkeypatch, lambda t: swap(t) if t.name == "wan-animate" else t)
     with pytest.raises(AssertionError, match="linear1_kv"):
         assert_resolves_as_the_converter_says(_build(True, {**ANIMATE_14B, "num_layers": 5}))
 
@@ -361,11 +357,7 @@ def test_animate_only_keys_are_expected_absent_on_other_wan(flat):
 
 def test_without_the_animate_only_table_they_are_plain_misses(monkeypatch):
     """Negative control: without WAN_ANIMATE_ONLY the same keys are unknown modules and strict mode raises."""
-    monkeypatch.setattr(
-        arch_aliases,
-        "ARCH_TABLES",
-        tuple(t for t in arch_aliases.ARCH_TABLES if t.name != "wan-animate-only"),
-    )
+    patch_tables(monkeypatch, lambda t: None if t.name == "wan-animate-only" else t)
     from loraweave.errors import StrictApplyError
 
     with pytest.raises(StrictApplyError, match="no_such_module"):
@@ -491,14 +483,7 @@ def test_fill_lora_lands_whole_on_fill_and_control_growth_is_unchanged():
 
 def test_without_the_fill_row_the_key_would_grow_dev(monkeypatch):
     """Negative control: with the table's Fill width removed, the same file grows dev's x_embedder to 384."""
-    monkeypatch.setattr(
-        arch_aliases,
-        "ARCH_TABLES",
-        tuple(
-            dataclasses.replace(t, variant_inputs=()) if t.name == "flux" else t
-            for t in arch_aliases.ARCH_TABLES
-        ),
-    )
+    patch_tables(monkeypatch, lambda t: dataclasses.replace(t, variant_inputs=()) if t.name == "flux" else t)
     with pytest.raises(AssertionError):
         test_fill_x_embedder_is_expected_absent_on_dev("merge")
 
@@ -646,10 +631,6 @@ def test_animate2_swapped_rename_is_caught(monkeypatch):
         table = {".self_attn.q.": ".self_attn.to_k.", ".self_attn.k.": ".self_attn.to_q."}
         return dataclasses.replace(t, renames=tuple((o, table.get(o, n)) for o, n in t.renames))
 
-    monkeypatch.setattr(
-        arch_aliases,
-        "ARCH_TABLES",
-        tuple(swap(t) if t.name == "wan-animate-2" else t for t in arch_aliases.ARCH_TABLES),
-    )
+    patch_tables(monkeypatch, lambda t: swap(t) if t.name == "wan-animate-2" else t)
     with pytest.raises(AssertionError, match="self_attn"):
         assert_resolves_as_the_converter_says(_animate2(True, num_layers=2), animate2_state, _convert2)

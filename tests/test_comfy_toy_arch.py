@@ -1,11 +1,13 @@
 """The recipe for a new architecture, ComfyUI included: the toy of tests/helpers/toy_arch.py, declared in that
-one file with its ComfyUI facets (arch/record.py ComfyFacets), is registered (arch.registry.registered) and a
-LoRA in its diffusers names lands through loraweave.comfy.load_lora_for_models on ComfyUI's own model of it,
-whose module names and widths differ (a fused `blocks.N.mix_gate` at hidden 6, 3 blocks, against the catalog's
-8 wide, 4 deep): no file of the package names it. Reference: the fp64 formula W + s·B·A on the rows of
-ComfyUI's fused tensor (a PEFT file without alpha: γ = 1), TOL = 1e-6 relative per weight (fp32 merge against
-fp64). Negative controls: the toy not registered, registered without its ComfyUI facets, and with facets but
-no config rule (the catalog's width-8 tree then does not fit): no key lands."""
+one file with its alias table and ComfyUI facets (arch/record.py ComfyFacets), is registered
+(arch.registry.registered) and a LoRA in its diffusers names lands through
+loraweave.comfy.load_lora_for_models on ComfyUI's own model of it, whose module names and widths differ (a
+fused `blocks.N.mix_gate` at hidden 6, 3 blocks, against the catalog's 8 wide, 4 deep): no file of the package
+names it, and nothing of the package is patched (the one patch puts the toy class in the `diffusers`
+namespace, see `toy_world`). Reference: the fp64 formula W + s·B·A on the rows of ComfyUI's fused tensor (a
+PEFT file without alpha: γ = 1), TOL = 1e-6 relative per weight (fp32 merge against fp64). Negative controls:
+the toy not registered, registered without its ComfyUI facets, and with facets but no config rule (the
+catalog's width-8 tree then does not fit): no key lands."""
 
 from __future__ import annotations
 
@@ -15,9 +17,8 @@ import pytest
 import torch
 from helpers.comfy_checks import STRENGTH, TOL, merged_state, rel
 from helpers.comfy_env import import_comfy
-from helpers.toy_arch import TOY, TOY_TABLE, ToyTransformer, comfy_toy, toy_lora
+from helpers.toy_arch import TOY, ToyTransformer, comfy_toy, toy_lora
 
-from loraweave.arch import aliases
 from loraweave.arch.registry import registered
 from loraweave.comfy import load_lora_for_models, targets
 from loraweave.errors import NoKeysLandedError
@@ -27,13 +28,13 @@ HIDDEN, LAYERS = 6, 3
 
 @pytest.fixture
 def toy_world(monkeypatch):
-    """The toy's class where the catalog looks for skeleton classes, and its alias table where arch.aliases
-    reads them; reference trees built before or after are not reused."""
+    """The toy's class where the ComfyUI pack builds reference trees from (the `diffusers` namespace): the
+    facets name no shipped skeleton, and no skeleton the pack ships serves a test-only class, so the tree is
+    built from the class as from diffusers' own. Reference trees built before or after are not reused."""
     import_comfy()
     import diffusers
 
     monkeypatch.setattr(diffusers, "ToyTransformer", ToyTransformer, raising=False)
-    monkeypatch.setattr(aliases, "ARCH_TABLES", (*aliases.ARCH_TABLES, TOY_TABLE))
     targets._meta_tree.cache_clear()
     yield comfy_toy(HIDDEN, LAYERS)
     targets._meta_tree.cache_clear()

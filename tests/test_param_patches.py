@@ -188,3 +188,26 @@ def test_diff_m_on_full_size_wan_meta_resolves():
     sd = {f"diffusion_model.blocks.{i}.diff_m": torch.empty(1, 6, 5120, device="meta") for i in range(40)}
     rep = loraweave.plan(model, sd)
     assert rep.unmatched == [] and len(rep.applied) == 40
+
+
+@pytest.mark.parametrize("mode", ["merge", "runtime"])
+def test_block_weights_scale_parameter_patches_by_their_owning_block(mode):
+    """A parameter takes the block weight of the module holding it (`blocks.N.scale_shift_table`: slot BNN;
+    the root's `scale_shift_table`: BASE), as a module's weight does; merge and runtime alike."""
+    base = tiny_wan(False).eval()
+    pristine = copy.deepcopy(base)
+    xs = wan_inputs(base)
+    sd, live = lightx2v_file(base)
+    weights = {"BASE": 0.5, "B00": 0.0, "B01": 2.0}
+    spec = loraweave.AdapterSpec(sd, -0.5, block_weights=weights, name="a")  # powers of 2: bit-exact
+    # independent of the slot table: the block index is read off the live parameter's path by hand
+    scale = {"blocks.0.scale_shift_table": 0.0, "blocks.1.scale_shift_table": 2.0, "scale_shift_table": 0.5}
+    assert set(scale) == set(live)
+    expected = reference(pristine, {k: scale[k] * v for k, v in live.items()}, -0.5)
+    with loraweave.apply(base, spec, mode=mode, strict=True) as h:
+        assert h.report.keys_applied == len(sd)
+        out, ref = run(base, xs), run(expected, xs)
+        assert (out - ref).abs().max() <= 1e-6 * ref.abs().max()
+        if mode == "merge":
+            state, want = base.state_dict(), expected.state_dict()
+            assert all(torch.equal(state[k], want[k]) for k in live)

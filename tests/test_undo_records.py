@@ -7,8 +7,10 @@ re-reads the model's safetensors file and refuses a file that changed."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
+import struct
 
 import pytest
 import torch
@@ -319,6 +321,39 @@ def test_source_falls_back_where_the_file_holds_another_weight(tmp_path):
     path = source_of(model, tmp_path)
     with torch.no_grad():
         model.b.weight.mul_(2)
+    before = state_bits(model)
+    handle = loraweave.apply(model, lora_sd(model), mode="merge", undo="source", undo_source=path)
+    kinds = {m.module: m.undo for m in handle.report.applied}
+    assert kinds["a"] == "source" and kinds["b"] in ("compact", "copy")
+    handle.remove()
+    assert_same_bits(model, before)
+
+
+def _packed_source(model: nn.Module, tmp_path, packed: str) -> str:
+    """The model's file with `packed` (a sub-byte dtype, two F4 values a byte) as b.weight's dtype, its shape
+    the weight's: a header the reader accepts, whose dtype torch has no element type for."""
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    header, blobs, at = {}, [], 0
+    for key, t in tensors.items():
+        if key == "b.weight":
+            entry, blob = {"dtype": packed, "shape": list(t.shape)}, bytes(t.numel() // 2)
+        else:
+            entry, blob = {"dtype": "F16", "shape": list(t.shape)}, t.view(torch.uint8).numpy().tobytes()
+        header[key] = {**entry, "data_offsets": [at, at + len(blob)]}
+        blobs.append(blob)
+        at += len(blob)
+    raw = json.dumps(header).encode()
+    path = tmp_path / "packed.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    return str(path)
+
+
+def test_source_falls_back_where_the_file_tensor_is_packed(tmp_path):
+    """A file tensor of a packed dtype (a name, no torch dtype) with the weight's element count is no 1:1
+    source: the layer gets another record (it was an AttributeError on the name)."""
+    model = net(torch.float16)
+    path = _packed_source(model, tmp_path, "F4")
+    assert read_safetensors_header(path)[0]["b.weight"][0] == "F4"
     before = state_bits(model)
     handle = loraweave.apply(model, lora_sd(model), mode="merge", undo="source", undo_source=path)
     kinds = {m.module: m.undo for m in handle.report.applied}

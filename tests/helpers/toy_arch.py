@@ -5,9 +5,8 @@ tests/test_comfy_toy_arch.py checks that the ComfyUI node pack does, through the
 
 ComfyUI's side of it (`ComfyToy`, as a pack adding the architecture to ComfyUI would write it) keeps the
 original names: one fused `blocks.N.mix_gate` (mix | gate rows) per block, at the widths its `unet_config`
-gives. `TOY_TABLE` maps those names onto the toy's modules; arch.aliases reads the alias tables once at import
-(registered() refuses a record that brings them), so a test adds it to arch.aliases.ARCH_TABLES for its
-duration."""
+gives. `TOY_TABLE`, the record's alias table, maps those names onto the toy's modules: registering the record
+is all it takes (arch.aliases reads the tables from the registry)."""
 
 from __future__ import annotations
 
@@ -63,6 +62,7 @@ def toy_from_comfy(unet_config: dict) -> dict:
 
 TOY = Architecture(
     "toy-dit",
+    (TOY_TABLE,),
     signature=r"^toy_blocks_\d+_(mix|gate)$",
     skeleton=Skeleton(
         "transformer", "ToyTransformer", {"width": 8, "depth": 4}, {}, "tests/helpers/toy_arch.py"

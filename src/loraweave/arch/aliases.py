@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.keys import underscore_form
-from .registry import alias_tables
+from .registry import arch_tables
 from .spec import (
     ArchTable,
     Piece,
@@ -17,8 +17,6 @@ from .spec import (
     out_rows,
 )
 
-# Read once at import (tests swap this tuple); the registry is where each table is listed.
-ARCH_TABLES: tuple[ArchTable, ...] = alias_tables()
 AMBIGUOUS = "ambiguous"
 # Files name CLIP layers under `text_model.`; recent transformers releases dropped that level from the tree.
 PATH_PREFIX_ALIASES: dict[str, str] = {
@@ -49,7 +47,7 @@ def original_names(
     """Original names of the tables for this class; `trait`: only the aliases for files with that trait."""
     cls = type(module).__name__
     out: dict[str, tuple[Piece, ...]] = {}
-    for table in ARCH_TABLES:
+    for table in arch_tables():
         if cls in table.classes:
             for alias in table.runtime_fusions if runtime_fusions else table.aliases:
                 if alias.when_file == trait:
@@ -74,7 +72,7 @@ def bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[st
         if name.rpartition(".")[0] not in modules or name.rpartition(".")[2] not in ("weight", "bias")
     }
     out: dict[str, tuple[str, bool]] = {name: (name, False) for name in live}
-    for table in ARCH_TABLES:
+    for table in arch_tables():
         if cls in table.classes:
             for alias in table.parameters:
                 out.update(expand_param_alias(alias, live))
@@ -83,7 +81,7 @@ def bare_parameters(module: torch.nn.Module, cls: str, modules: dict) -> dict[st
 
 def _variant_only(cls: str, every: dict[str, torch.nn.Module], exact: dict) -> dict[str, str]:
     out: dict[str, str] = {}
-    for table in ARCH_TABLES:
+    for table in arch_tables():
         if cls in table.classes:
             for entry in table.variant_only:
                 out.update({k: v for k, v in expand_variant_only(entry, every).items() if k not in exact})
@@ -134,12 +132,12 @@ def metadata_alpha_of(module: torch.nn.Module) -> str | None:
     """The `__metadata__` field in which the trainers of this model's architecture record one network alpha
     for every module (MiniMax-H3: `alpha`); None for the rest."""
     cls = type(module).__name__
-    return next((t.metadata_alpha for t in ARCH_TABLES if cls in t.classes and t.metadata_alpha), None)
+    return next((t.metadata_alpha for t in arch_tables() if cls in t.classes and t.metadata_alpha), None)
 
 
 def arch_name(module: torch.nn.Module) -> str:
     cls = type(module).__name__
-    return next((t.name for t in ARCH_TABLES if cls in t.classes), cls)
+    return next((t.name for t in arch_tables() if cls in t.classes), cls)
 
 
 class AliasTable:
@@ -228,7 +226,7 @@ class AliasTable:
 def _tables_of(module: torch.nn.Module) -> list[ArchTable]:
     """The architecture tables that describe this module's class."""
     cls = type(module).__name__
-    return [t for t in ARCH_TABLES if cls in t.classes]
+    return [t for t in arch_tables() if cls in t.classes]
 
 
 def _add_missing(exact: dict[str, tuple[Piece, ...]], names: dict[str, tuple[Piece, ...]]) -> None:

@@ -30,6 +30,7 @@ from .record import Architecture
 from .sana import SANA_ARCH
 from .sd3 import SD3_ARCH
 from .shared import CROSS_DIT, MMDIT
+from .spec import ArchTable
 from .unet import SD1, SD2, SDXL, SDXL_REFINER, UNET
 from .wan import WAN_ARCH
 from .wan_animate import WAN_ANIMATE_2_ARCH, WAN_ANIMATE_ARCH
@@ -80,29 +81,49 @@ def by_name() -> dict[str, Architecture]:
     return {a.name: a for a in ARCHITECTURES}
 
 
-def alias_tables() -> tuple:
-    """Every alias table: each architecture's own first (in registry order), then the extra ones."""
-    return tuple(a.tables[0] for a in ARCHITECTURES if a.tables) + tuple(
+# arch_tables()'s cache: (the list it was read from, its generation, the tables); registered() moves the
+# generation, and a list replaced whole (tests' monkeypatch) is another list.
+_generation = 0
+_cached: tuple[list[Architecture], int, tuple[ArchTable, ...]] | None = None
+
+
+def arch_tables() -> tuple[ArchTable, ...]:
+    """Every alias table of the registered architectures: each one's own first (in registry order), then the
+    extra ones. Read live from `ARCHITECTURES`, cached until registered() changes it or the list is replaced;
+    arch.aliases asks on every lookup it builds, so this stays one identity check when nothing changed."""
+    global _cached
+    if _cached is not None and _cached[0] is ARCHITECTURES and _cached[1] == _generation:
+        return _cached[2]
+    tables = tuple(a.tables[0] for a in ARCHITECTURES if a.tables) + tuple(
         t for a in ARCHITECTURES for t in a.tables[1:]
     )
+    _cached = (ARCHITECTURES, _generation, tables)
+    return tables
+
+
+def _moved() -> None:
+    global _generation
+    _generation += 1
 
 
 @contextmanager
 def registered(arch: Architecture, before: str | None = None) -> Iterator[Architecture]:
     """`arch` in the registry for the duration (before the record named `before`, else last): for tests and
-    plug-ins that add an architecture without a line here. Detection, the catalog and the block maps read the
-    registry on every call; arch.aliases reads the alias tables once at import, so a record that brings tables
-    is refused (list it here instead)."""
+    plug-ins that add an architecture without a line here. Every reader takes it up while it is in, its alias
+    tables included: detection, the catalog and the block maps read the registry on every call, and
+    arch.aliases reads the tables through `arch_tables()`, whose cache this invalidates on entry and exit.
+    Alias tables built before entry (an `AliasTable`, a ComfyUI reference tree) keep the tables they were
+    built with."""
     names = [a.name for a in ARCHITECTURES]
     if arch.name in names:
         raise ArgumentError(f"architecture {arch.name!r} is registered already")
-    if arch.tables:  # arch.aliases reads the alias tables once, at import
-        raise ArgumentError(f"architecture {arch.name!r} brings alias tables: list it in arch/registry.py")
     if before is not None and before not in names:
         raise ArgumentError(f"registered(before={before!r}): no such architecture; have {sorted(names)}")
     at = names.index(before) if before is not None else len(ARCHITECTURES)
     ARCHITECTURES.insert(at, arch)
+    _moved()
     try:
         yield arch
     finally:
         ARCHITECTURES.remove(arch)
+        _moved()

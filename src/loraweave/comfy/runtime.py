@@ -32,6 +32,7 @@ import torch
 from ..engine.decide import refuse
 from ..engine.install import make_report
 from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
+from ..modes import ApplyMode
 from ..report.coverage import warn_incomplete
 from ..report.miss import Miss, Unmatched
 from ..report.report import AppliedModule, Report
@@ -270,7 +271,7 @@ def joint_misses(
 
 
 def joint_report(
-    plans: Sequence[Plan], mode: str, applied: list[AppliedModule], refused: list[Unmatched], t0: float
+    plans: Sequence[Plan], mode: ApplyMode, applied: list[AppliedModule], refused: list[Unmatched], t0: float
 ) -> Report:
     """One report for adapters planned on several patchers (model, CLIP): a key landed when some plan placed
     it and nothing `refused` it afterwards; every other key of each adapter is a miss, named once."""

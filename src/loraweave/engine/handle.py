@@ -7,7 +7,8 @@ read it and write it, under the model's lock."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 from ..errors import StateError, UnknownNameError
 from ..mechanisms.merge import layer as merge_mechanism
@@ -19,13 +20,20 @@ from ..mechanisms.quantized.write import QuantWrite
 from ..mechanisms.runtime.path import RuntimePath
 from ..mechanisms.sampling.mix import Mix
 from ..modes import StackMode
-from ..report.report import Report
+from ..report.report import AppliedModule, Report
 from ..request.spec import finite_strength
+from ..resolve.params import PlannedParam
 from ..resolve.planner import Plan, PlannedPart
+from ..resolve.target import Components
 from ..resolve.weights import AdapterWeights, part_strength
-from .journal import Journal, model_lock
+from .install import AdapterSet
+from .journal import Installed, Journal, model_lock
 from .options import Options
 from .state import HandleState, batch, clear_region, set_region
+
+if TYPE_CHECKING:
+    from ..mechanisms.sampling.steps import StepSchedule
+    from ..stack.select import SelectSchedule
 
 
 class Handle:
@@ -41,12 +49,16 @@ class Handle:
         settings: dict[str, AdapterWeights] | None = None,
         options: Options | None = None,
     ) -> None:
+        if options is None:
+            if report.mode == "plan":  # plan() returns a report, never a handle
+                raise StateError("a plan report has no handle")
+            options = Options(mode=report.mode)
         self._state = HandleState(
             plan,
             report,
             journal,
             settings or {name: AdapterWeights(s) for name, s in plan.strengths.items()},
-            options or Options(mode=report.mode),
+            options,
         )
 
     @property
@@ -90,19 +102,19 @@ class Handle:
         return self._state.mix
 
     @property
-    def components(self):
+    def components(self) -> Components | None:
         """The target's components (name -> module); None once removed."""
         return self._state.plan.components if self._state.plan is not None else None
 
     @property
-    def quant_options(self) -> dict:
+    def quant_options(self) -> dict[str, object]:
         return {
             "quantized": self.options.quantized,
             "host_rank": self.options.host_rank,
             "cache": self.options.cache,
         }
 
-    def lock(self):
+    def lock(self) -> AbstractContextManager[None]:
         """The model's lock: held by every change this handle makes (other threads wait); a removed handle no
         longer knows the model (it holds only its report), so it has none."""
         if self._state.plan is None:
@@ -137,8 +149,9 @@ class Handle:
         with self.lock():
             if not state.active:
                 raise StateError("handle was removed")
-            if name not in state.plan.strengths:
-                raise UnknownNameError(f"no adapter named {name!r}; have {sorted(state.plan.strengths)}")
+            strengths = state.live_plan().strengths
+            if name not in strengths:
+                raise UnknownNameError(f"no adapter named {name!r}; have {sorted(strengths)}")
             value = finite_strength(
                 value
             )  # no float() first: "0.5" and True are refused, as AdapterSpec does
@@ -179,16 +192,17 @@ class Handle:
     def _names(self, name: str | None) -> list[str]:
         if not self._state.active:
             raise StateError("handle was removed")
-        strengths = self._state.plan.strengths
+        strengths = self._state.live_plan().strengths
         if name is not None and name not in strengths:
             raise UnknownNameError(f"no adapter named {name!r}; have {sorted(strengths)}")
         return list(strengths) if name is None else [name]
 
     def _set_weights(self, name: str, strength: float, te: float | None) -> None:
-        plan, weights = self._state.plan, self._state.settings[name]
+        plan, weights = self._state.live_plan(), self._state.settings[name]
         plan.strengths[name] = strength
         weights.strength, weights.te_strength = strength, te
-        for pp in (*plan.planned, *plan.params):
+        parts: list[PlannedPart | PlannedParam] = [*plan.planned, *plan.params]
+        for pp in parts:
             if pp.adapter.name == name:
                 pp.strength = part_strength(pp, weights)
         with reused_buffers():  # merged layers rewritten one after another share their scratch buffers
@@ -200,7 +214,7 @@ class Handle:
     def planned(self) -> list[PlannedPart]:
         """Every planned part (adapter part, component, pieces, strength): read it, change it via the
         setters."""
-        return self._state.plan.planned
+        return self._state.live_plan().planned
 
     def runtime_layers(self) -> dict[tuple[str, str], RuntimePath]:
         """{(component, module path): runtime path}; `RuntimePath.set_gate` scales one adapter on one
@@ -214,7 +228,7 @@ class Handle:
             if not self.active:
                 raise StateError("handle was removed")
             self.check_undoable()
-            for pp in self._state.plan.planned:
+            for pp in self._state.live_plan().planned:
                 pp.strength = finite_strength(float(strength_of(pp)))
             with reused_buffers():
                 for entry in self.journal.entries:
@@ -241,7 +255,7 @@ class Handle:
             self.journal.forget(list(self.journal.entries))
             self._state.active = False
 
-    def select_schedule(self, total_steps: int, **kwargs: float):
+    def select_schedule(self, total_steps: int, **kwargs: float) -> SelectSchedule:
         """For stack="klora"/"estlora": the per-layer subject->style schedule over `total_steps` sampling
         steps.
 
@@ -273,7 +287,11 @@ class Handle:
         self._state.start_selection()
 
     def switch(
-        self, adapters, strength: float = 1.0, stack: StackMode = "sum", density: float | None = None
+        self,
+        adapters: AdapterSet,
+        strength: float = 1.0,
+        stack: StackMode = "sum",
+        density: float | None = None,
     ) -> None:
         """Replace the applied set with a new one, touching only layers whose contributions changed.
 
@@ -292,7 +310,9 @@ class Handle:
             if state.mix is not None:  # open batch / regions follow the new paths (or go with them)
                 state.attach_mix() if state.active else state.release_mix()
 
-    def batch(self, assignments: list[list[str]], strengths: list | None = None, exact: bool = False):
+    def batch(
+        self, assignments: list[list[str]], strengths: list[object] | None = None, exact: bool = False
+    ) -> AbstractContextManager[None]:
         """Context manager: inside it, sample i of each forward uses only the adapters `assignments[i]`
         (runtime).
 
@@ -310,7 +330,7 @@ class Handle:
         rounding)."""
         return batch(self._state, assignments, strengths, exact)
 
-    def set_region(self, name: str, mask) -> None:
+    def set_region(self, name: str, mask: object) -> None:
         """Confine a runtime adapter to an image-space mask (H×W, 0..1), per image token
         (mechanisms/sampling/region.py)."""
         set_region(self._state, name, mask)
@@ -319,7 +339,7 @@ class Handle:
         """Apply the adapter everywhere again."""
         clear_region(self._state, name)
 
-    def step_schedule(self, total_steps: int):
+    def step_schedule(self, total_steps: int) -> StepSchedule:
         """Strengths per sampling step from the adapters' `steps=` windows and ramps
         (mechanisms/sampling/steps.py).
 
@@ -330,7 +350,8 @@ class Handle:
         check_total_steps(total_steps)
         if not state.active:
             raise StateError("handle was removed")
-        return StepSchedule(total_steps, state.settings, state.plan.planned, state.runtime(), state.written())
+        planned = state.live_plan().planned
+        return StepSchedule(total_steps, state.settings, planned, state.runtime(), state.written())
 
     @property
     def strengths(self) -> dict[str, float]:
@@ -340,14 +361,14 @@ class Handle:
     def __enter__(self) -> Handle:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def __repr__(self) -> str:
         return f"Handle(active={self.active}, {self.report.summary()})"
 
 
-def _rewrite(entry) -> None:
+def _rewrite(entry: Installed) -> None:
     """Bring one journal entry to the current strengths."""
     if isinstance(entry, RuntimePath):
         entry.refresh_scales()
@@ -357,7 +378,7 @@ def _rewrite(entry) -> None:
         entry.rewrite()
     elif isinstance(entry, QuantWrite):  # rewritten from the layer's original tensors: nothing compounds
         entry.write()
-        if entry.entry is not None:
+        if isinstance(entry.entry, AppliedModule):  # the report row install gave it
             entry.entry.retention, entry.entry.capture, entry.entry.rank = (
                 entry.retention,
                 entry.capture,

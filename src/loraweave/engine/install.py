@@ -7,13 +7,16 @@ import copy
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Literal
+
+import torch
 
 from ..errors import ArgumentError, NonFiniteResultError
 from ..formats.adapter import Adapter, load_adapter
 from ..mechanisms.choose import LayerWork, WorkPlan, plan_work
 from ..mechanisms.merge.grow import grow_input
-from ..mechanisms.merge.layer import Contribution, MergedModule, merge_module
+from ..mechanisms.merge.layer import MergedModule, merge_module
 from ..mechanisms.merge.params import apply_params
 from ..mechanisms.merge.undo import reused_buffers
 from ..mechanisms.quantized.write import QuantWrite
@@ -22,26 +25,37 @@ from ..mechanisms.runtime.path import RuntimePath
 from ..modes import ApplyMode
 from ..progress import PROGRESS_LAYERS, bar, on_terminal
 from ..quant import broken
+from ..quant.backend import QuantBackend
 from ..report.miss import Unmatched
 from ..report.report import AppliedModule, Report
 from ..request.adapters import as_specs, check_names
 from ..request.spec import AdapterSpec, finite_strength
+from ..resolve.params import PlannedParam
 from ..resolve.planner import Plan, PlannedPart, resolve
 from ..resolve.schedule import step_window
-from ..resolve.stacking import adapter_names, combine_groups
+from ..resolve.stacking import Contribution, adapter_names, combine_groups
 from ..resolve.target import as_components, experts
 from ..resolve.weights import AdapterWeights, assign
 from .interrupts import interrupts_held
 from .journal import Journal
 from .options import Options
 
+if TYPE_CHECKING:
+    from ..arch.aliases import AliasTable
+    from ..resolve.cache import ResolveCache, Source
+
 # What `adapters` may hold: a path, an Adapter, a state dict, (source, strength) or an AdapterSpec.
-AdapterSource = str | os.PathLike | Adapter | Mapping | tuple | AdapterSpec
+AdapterSource = (
+    str | os.PathLike[str] | Adapter | Mapping[str, torch.Tensor] | tuple[object, float] | AdapterSpec
+)
+AdapterSet = Iterable[AdapterSource] | AdapterSource  # one source or several
+# A runtime path to re-use for a layer instead of building one (switching), or None.
+PathFor = Callable[[torch.nn.Module, list[Contribution]], RuntimePath | None]
 
 
-def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
+def _specs(adapters: AdapterSet, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]]:
     strength = finite_strength(strength)
-    out = []
+    out: list[tuple[AdapterSpec, AdapterWeights]] = []
     for spec in as_specs(adapters):
         te = None if spec.te_strength is None else finite_strength(float(spec.te_strength) * float(strength))
         window = step_window(spec.steps, spec.ramp, spec.ramp_strengths, float(strength))
@@ -61,10 +75,10 @@ def _specs(adapters, strength: float) -> list[tuple[AdapterSpec, AdapterWeights]
 
 
 def _normalise_adapters(
-    specs: list[tuple[AdapterSpec, AdapterWeights]], load=load_adapter
+    specs: list[tuple[AdapterSpec, AdapterWeights]], load: Callable[[Source], Adapter] = load_adapter
 ) -> list[tuple[Adapter, AdapterWeights]]:
     out: list[tuple[Adapter, AdapterWeights]] = []
-    seen: Counter = Counter()
+    seen: Counter[str] = Counter()
     check_names(specs)
     for spec, weights in specs:
         # A shallow copy per use: the caller's object is never renamed, and one Adapter may be passed twice.
@@ -79,7 +93,11 @@ def _normalise_adapters(
 
 
 def resolve_set(
-    target, adapters, strength: float, cache=None, tables=None
+    target: object,
+    adapters: AdapterSet,
+    strength: float,
+    cache: ResolveCache | None = None,
+    tables: dict[str, AliasTable] | None = None,
 ) -> tuple[Plan, dict[str, AdapterWeights]]:
     """Plan with per-part strengths; `cache` (a ResolveCache) reuses loads and resolutions of sources seen
     before; `tables` reuses alias tables built for this target before."""
@@ -96,10 +114,11 @@ def resolve_set(
     return p, settings
 
 
-def adapter_summaries(plan: Plan) -> list[dict]:
-    out = []
+def adapter_summaries(plan: Plan) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
     for adapter in plan.adapters:
-        planned = [pp for pp in (*plan.planned, *plan.params) if pp.adapter is adapter]
+        parts: list[PlannedPart | PlannedParam] = [*plan.planned, *plan.params]
+        planned = [pp for pp in parts if pp.adapter is adapter]
         out.append(
             {
                 "name": adapter.name,
@@ -126,7 +145,11 @@ def group_by_module(planned: list[PlannedPart]) -> dict[tuple[str, str], list[Co
 
 
 def make_report(
-    plan: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], t0: float
+    plan: Plan,
+    mode: ApplyMode | Literal["plan"],
+    applied: list[AppliedModule],
+    unmatched: list[Unmatched],
+    t0: float,
 ) -> Report:
     report = Report(mode=mode, adapters=adapter_summaries(plan), applied=applied, unmatched=unmatched)
     report.keys_total = sum(a.keys_total for a in plan.adapters)
@@ -163,6 +186,7 @@ def notes_of(contribs: list[Contribution]) -> list[str]:
 def layer_entry(item: LayerWork, why: str, cost: str = "", backend: str = "") -> AppliedModule:
     """The report row of one installed layer."""
     names = sorted(adapter_names(item.contribs))
+    assert item.mechanism is not None  # refused layers never reach the work list
     return AppliedModule(
         item.component, item.path, item.mechanism, names, why, cost, notes_of(item.contribs), backend=backend
     )
@@ -176,17 +200,24 @@ def _merge_layer(journal: Journal, item: LayerWork, options: Options) -> MergedM
         raise NonFiniteResultError(f"{item.component}.{item.path}: {exc}") from None
 
 
-def _runtime_layer(journal: Journal, item: LayerWork, options: Options, path_for) -> RuntimePath:
+def _runtime_layer(
+    journal: Journal, item: LayerWork, options: Options, path_for: PathFor | None
+) -> RuntimePath:
     rp = path_for(item.module, item.contribs) if path_for is not None else None
     rp = rp or RuntimePath(item.module, item.contribs)
     if options.compile_friendly:
-        prepare(rp, options.compiled(), options.bucket_floors)
+        compiled = options.compiled()
+        assert compiled is not None  # asked for, so validated settings
+        prepare(rp, compiled, options.bucket_floors)
     journal.record(rp)  # recorded before the hook exists, so an interrupt cannot leave it behind
     rp.attach()
     return rp
 
 
-def _quant_layer(journal: Journal, item: LayerWork, wp: WorkPlan, options: Options, backend) -> QuantWrite:
+def _quant_layer(
+    journal: Journal, item: LayerWork, wp: WorkPlan, options: Options, backend: QuantBackend
+) -> QuantWrite:
+    assert item.mechanism is not None  # refused layers never reach the work list
     write = QuantWrite(
         item.module,
         backend,
@@ -202,7 +233,12 @@ def _quant_layer(journal: Journal, item: LayerWork, wp: WorkPlan, options: Optio
 
 
 def install_layer(
-    journal: Journal, item: LayerWork, mode: ApplyMode, wp: WorkPlan, options: Options, path_for=None
+    journal: Journal,
+    item: LayerWork,
+    mode: ApplyMode,
+    wp: WorkPlan,
+    options: Options,
+    path_for: PathFor | None = None,
 ) -> AppliedModule:
     """Install one planned layer (merge, runtime path or quantized write), recorded in `journal` first.
 
@@ -220,6 +256,7 @@ def install_layer(
         rp = _runtime_layer(journal, item, options, path_for)
         cost = "; ".join(sorted(rp.costs))
         return layer_entry(item, item.why if mode == "auto" else "", cost, backend_name)
+    assert backend is not None  # a quantized layer has its route (its write reads it below)
     write = _quant_layer(journal, item, wp, options, backend)
     entry = layer_entry(item, item.why, backend=backend_name)
     entry.retention, entry.capture, entry.rank = write.retention, write.capture, write.rank
@@ -259,7 +296,12 @@ def fuse_all(merges: list[MergedModule]) -> None:
 
 
 def finish_report(
-    p: Plan, mode: str, applied: list[AppliedModule], unmatched: list[Unmatched], wp: WorkPlan, t0: float
+    p: Plan,
+    mode: ApplyMode,
+    applied: list[AppliedModule],
+    unmatched: list[Unmatched],
+    wp: WorkPlan,
+    t0: float,
 ) -> Report:
     report = make_report(p, mode, applied, unmatched, t0)
     if (

@@ -24,10 +24,16 @@ T = TypeVar("T")
 
 
 class Installed(Protocol):
-    module: object  # the module the change is on
-    adapters: set[str] | frozenset[str]  # adapters whose strength the entry follows
+    # read-only here: each kind of entry keeps its own (mutable, narrower) attributes
+    @property
+    def module(self) -> object: ...  # the module the change is on
+    @property
+    def adapters(self) -> set[str] | frozenset[str]: ...  # adapters whose strength the entry follows
 
     def undo(self) -> None: ...
+
+
+E = TypeVar("E", bound=Installed)
 
 
 class Journal:
@@ -43,7 +49,7 @@ class Journal:
     def of(self, cls: type[T]) -> list[T]:
         return [e for e in self.entries if isinstance(e, cls)]
 
-    def by_module(self, cls: type) -> dict[int, Installed]:
+    def by_module(self, cls: type[E]) -> dict[int, E]:
         return {id(e.module): e for e in self.entries if isinstance(e, cls)}
 
     def buried(self) -> list[Installed]:

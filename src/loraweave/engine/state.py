@@ -4,10 +4,10 @@ they get the narrow pieces they need (settings, planned parts, journal views).""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from ..errors import BatchError, RegionError, StateError
 from ..mechanisms.merge.grow import GrownInput
@@ -17,7 +17,7 @@ from ..mechanisms.runtime.path import RuntimePath
 from ..mechanisms.sampling import mix as mixing
 from ..mechanisms.sampling.mix import Mix
 from ..mechanisms.sampling.region import check_mask
-from ..modes import SelectStackMode
+from ..modes import SELECT_MODES, SelectStackMode, StackMode
 from ..report.report import Report
 from ..resolve.planner import Plan
 from ..resolve.weights import AdapterWeights
@@ -26,6 +26,10 @@ from .options import Options
 
 if TYPE_CHECKING:
     from ..resolve.cache import ResolveCache
+
+
+def is_select_mode(stack: StackMode) -> TypeGuard[SelectStackMode]:
+    return stack in SELECT_MODES
 
 
 @dataclass
@@ -49,7 +53,7 @@ class HandleState:
     active: bool = True
     last_switch: dict[str, int] | None = None  # kept / reattached / rebuilt / dropped layers
     resolve_cache: ResolveCache | None = None  # switching: loads and resolutions per source
-    detached: dict[tuple[int, tuple], RuntimePath] = field(
+    detached: dict[tuple[int, tuple[object, ...]], RuntimePath] = field(
         default_factory=dict
     )  # switching: paths the last switch took off, by (module id, structure)
     disabled: dict[str, tuple[float, float | None]] = field(
@@ -86,8 +90,15 @@ class HandleState:
                 "(merges undo exactly only in reverse order)"
             )
 
+    def live_plan(self) -> Plan:
+        """The applied plan; a removed handle has none."""
+        if self.plan is None:
+            raise StateError("handle was removed")
+        return self.plan
+
     def runtime_layers(self) -> dict[tuple[str, str], RuntimePath]:
-        modules = {id(m): (c, n) for c, root in self.plan.components for n, m in root.named_modules()}
+        roots = self.live_plan().components
+        modules = {id(m): (c, n) for c, root in roots for n, m in root.named_modules()}
         return {modules[id(rp.module)]: rp for rp in self.runtime()}
 
     def runtime_by_key(self) -> dict[str, RuntimePath]:
@@ -96,13 +107,15 @@ class HandleState:
     def start_selection(self) -> None:
         """Select modes: remember the pair and start every shared layer on the subject (step 0 of any
         schedule); other modes: no selection."""
-        if not self.options.select:
+        stack = self.options.stack
+        if not is_select_mode(stack):
             self.select = None
             return
         from ..mechanisms.sampling.select import choose, shared_layers
 
-        names = (self.plan.adapters[0].name, self.plan.adapters[1].name)
-        self.select = Selection(self.options.stack, names)
+        adapters = self.live_plan().adapters
+        names = (adapters[0].name, adapters[1].name)
+        self.select = Selection(stack, names)
         for rp in shared_layers(self.runtime_by_key(), names).values():
             choose(rp, names, 0)
 
@@ -126,7 +139,7 @@ class HandleState:
     def attach_mix(self) -> Mix:
         """The Mix, created on first use and (re)attached to every runtime path."""
         names = {id(rp): key for key, rp in self.runtime_by_key().items()}
-        roots = dict(self.plan.components)
+        roots = dict(self.live_plan().components)
         self.mix = mixing.mix_for(self.mix, roots, names, self.runtime(), self.settings)
         return self.mix
 
@@ -144,14 +157,19 @@ class HandleState:
 
 
 @contextmanager
-def batch(state: HandleState, assignments, strengths=None, exact: bool = False) -> Iterator[None]:
+def batch(
+    state: HandleState,
+    assignments: Sequence[Sequence[str]],
+    strengths: Sequence[object] | None = None,
+    exact: bool = False,
+) -> Iterator[None]:
     """Handle.batch: per-sample adapter sets for the forwards run inside the block."""
     mixing.check_batch(state.active, exact, state.mix)
     known = {name: w.strength for name, w in state.settings.items()}
     mix = state.attach_mix()
     try:
         mix.set_batch(assignments, strengths, known, exact)
-        names = {n for key in mix.keys for n, _ in key}
+        names = {n for key in mix.keys or () for n, _ in key}  # set_batch has set the keys
         mixing.require_runtime(state.written(), names, BatchError, "batch")
         yield
     finally:
@@ -159,7 +177,7 @@ def batch(state: HandleState, assignments, strengths=None, exact: bool = False) 
         state.release_mix()
 
 
-def set_region(state: HandleState, name: str, mask) -> None:
+def set_region(state: HandleState, name: str, mask: object) -> None:
     if not state.active:
         raise RegionError("handle was removed")
     if name not in state.settings:

@@ -18,8 +18,11 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import StateError
 from ..families.combined import CombinedFactors
+from ..families.contribution import Planned
 from ..mechanisms.choose import LayerWork, WorkPlan
 from ..mechanisms.merge.layer import MergedModule
 from ..mechanisms.merge.undo import reused_buffers
@@ -32,11 +35,13 @@ from ..report.report import AppliedModule, Report
 from ..resolve.planner import Plan, PlannedPart
 from ..resolve.stacking import Contribution
 from ..resolve.weights import AdapterWeights
-from .install import finish_report, install, install_layer, layer_entry, plan_layers, resolve_set
+from .install import AdapterSet, finish_report, install, install_layer, layer_entry, plan_layers, resolve_set
 from .options import Options
 from .state import HandleState
 
 log = logging.getLogger("loraweave")
+
+Key = tuple[object, ...]  # a contribution's identity (switching compares these)
 
 
 def _has_quantized(p: Plan) -> bool:
@@ -51,10 +56,11 @@ class Signatures:
     """Identity keys of contributions for one switch: each file is stat'ed once, each list keyed once."""
 
     def __init__(self) -> None:
-        self._files: dict[str, tuple] = {}
-        self._lists: dict[int, tuple[list, list[tuple]]] = {}  # id(list) -> (the list, kept alive; its keys)
+        self._files: dict[str, Key] = {}
+        # id(list) -> (the list, kept alive; its keys)
+        self._lists: dict[int, tuple[list[Contribution], list[Key]]] = {}
 
-    def _where(self, pp: PlannedPart) -> tuple:
+    def _where(self, pp: Planned) -> Key:
         """The part's file (path + size + mtime: an edited file is another adapter) or its tensors."""
         path = pp.adapter.path
         if not path:
@@ -67,15 +73,15 @@ class Signatures:
                 self._files[path] = (path,)
         return self._files[path]
 
-    def _part(self, pp: PlannedPart) -> tuple:
+    def _part(self, pp: Planned) -> Key:
         # The adapter's name too: one file given twice ("f", "f#2") is two adapters with their own strengths.
         return (pp.adapter.name, *self._where(pp), pp.part.stem, pp.part.family, pp.scale)
 
-    def keys(self, contribs: list) -> list[tuple]:
+    def keys(self, contribs: list[Contribution]) -> list[Key]:
         hit = self._lists.get(id(contribs))
         if hit is not None and hit[0] is contribs:
             return hit[1]
-        out = []
+        out: list[Key] = []
         for pp, piece in contribs:
             sources = pp.factors.sources if isinstance(pp.factors, CombinedFactors) else None
             if (
@@ -92,10 +98,12 @@ class Signatures:
         self._lists[id(contribs)] = (contribs, out)
         return out
 
-    def structure(self, contribs: list) -> tuple:
+    def structure(self, contribs: list[Contribution]) -> tuple[Key, ...]:
         return tuple(sorted(self.keys(contribs), key=repr))
 
-    def mapping(self, old_contribs: list, new_contribs: list) -> dict[int, PlannedPart]:
+    def mapping(
+        self, old_contribs: list[Contribution], new_contribs: list[Contribution]
+    ) -> dict[int, PlannedPart]:
         """id(old part) -> new part of the same identity, for re-pointing a path or merge record."""
         new_by_key = dict(zip(self.keys(new_contribs), (pp for pp, _ in new_contribs), strict=True))
         return {
@@ -105,7 +113,7 @@ class Signatures:
         }
 
 
-def switch_runtime(sig: Signatures, path: RuntimePath, new_contribs: list) -> bool:
+def switch_runtime(sig: Signatures, path: RuntimePath, new_contribs: list[Contribution]) -> bool:
     """Re-point or gate an existing path; False when the layer must be rebuilt."""
     old_contribs = path.contributions
     new_keys = set(sig.keys(new_contribs))
@@ -128,7 +136,7 @@ def switch_runtime(sig: Signatures, path: RuntimePath, new_contribs: list) -> bo
     return True
 
 
-def switch_merged(sig: Signatures, record: MergedModule, new_contribs: list) -> bool:
+def switch_merged(sig: Signatures, record: MergedModule, new_contribs: list[Contribution]) -> bool:
     """Same structure: re-point and rewrite only if a strength changed; False when it must be redone."""
     if sig.structure(record.contributions) != sig.structure(new_contribs):
         return False
@@ -158,7 +166,7 @@ class NewSet:
 
 
 def _plan_switch(
-    state: HandleState, adapters, strength: float, stack: StackMode, density: float | None
+    state: HandleState, adapters: AdapterSet, strength: float, stack: StackMode, density: float | None
 ) -> NewSet:
     """Plan the new set with the handle's settings but the stack (compile buckets and undo settings carried
     over; bucket floors shared); every refusal apply would make, and the undo checks, come before any
@@ -166,7 +174,7 @@ def _plan_switch(
     t0 = time.perf_counter()
     options = dataclasses.replace(state.options, stack=stack, density=density)
     options.check()  # compile_friendly: a stack mode that breaks the graph is refused here too
-    components = state.plan.components
+    components = state.live_plan().components
     if state.resolve_cache is None:
         from ..resolve.cache import ResolveCache
 
@@ -190,7 +198,7 @@ def _must_start_over(state: HandleState, new: NewSet) -> bool:
         or state.quant()
         or any(pp.grow for pp in new.plan.planned)
         or _has_quantized(new.plan)
-        or state.plan.params
+        or state.live_plan().params
         or new.plan.params
     )
 
@@ -219,7 +227,7 @@ class LayerDiff:
         self.old_runtime = self.journal.by_module(RuntimePath)
         self.old_merged = self.journal.by_module(MergedModule)
         self.detached = state.detached  # what the last switch took off
-        self.now_detached: dict[tuple[int, tuple], RuntimePath] = {}  # what this one takes off
+        self.now_detached: dict[tuple[int, Key], RuntimePath] = {}  # what this one takes off
         self.sig = Signatures()
         self.applied: list[AppliedModule] = []
         self.counts = {"kept": 0, "reattached": 0, "rebuilt": 0, "dropped": 0}
@@ -243,7 +251,7 @@ class LayerDiff:
         self.counts["kept"] += 1
         entry = layer_entry(item, item.why if self.new.mode == "auto" else "")
         self.applied.append(entry)
-        if item.mechanism == "merge":
+        if item.mechanism == "merge" and rec is not None:  # a kept merge layer is its old record
             rec.attach_entry(entry)
         return True
 
@@ -260,7 +268,7 @@ class LayerDiff:
         )
         self.counts["rebuilt"] += self.counts["reattached"] == before
 
-    def reattach(self, module, contribs) -> RuntimePath | None:
+    def reattach(self, module: torch.nn.Module, contribs: list[Contribution]) -> RuntimePath | None:
         """Back to a set this layer carried before: re-attach its path, nothing rebuilt."""
         rp = self.detached.get((id(module), self.sig.structure(contribs)))
         if rp is not None:
@@ -316,7 +324,7 @@ def _commit(state: HandleState, new: NewSet, report: Report, counts: dict[str, i
 
 def switch(
     state: HandleState,
-    adapters,
+    adapters: AdapterSet,
     strength: float = 1.0,
     stack: StackMode = "sum",
     density: float | None = None,

@@ -14,7 +14,8 @@ from ..modes import ApplyMode, Mechanism, QuantizedMode
 from ..quant import QuantBackend, backend_for
 from ..report.miss import Miss, Unmatched
 from ..resolve.planner import Plan
-from .merge.layer import Contribution, merge_blocker, needs_bias
+from ..resolve.stacking import Contribution
+from .merge.layer import merge_blocker, needs_bias
 from .quantized.write import Route, factorable_reason, route_hook_free
 from .runtime.factor_cache import FactorCache
 from .runtime.offload import weight_copies
@@ -89,7 +90,7 @@ def runtime_refusal(module: torch.nn.Module, contribs: list[Contribution]) -> Mi
 
 def check_runtime(
     mode: ApplyMode, module: torch.nn.Module, contribs: list[Contribution], why: str, quantized: bool = False
-) -> tuple[str | None, str, str]:
+) -> tuple[Mechanism | None, str, str]:
     """(mechanism, why, miss kind) once the families had their say on the runtime form."""
     refused = runtime_refusal(module, contribs)
     if refused is None:
@@ -100,7 +101,7 @@ def check_runtime(
     return None, f"cannot run at runtime: {refused}", refused.kind
 
 
-def _runtime_else_none(why: str, runtime_no: str | None) -> tuple[str | None, str, None]:
+def _runtime_else_none(why: str, runtime_no: str | None) -> tuple[Mechanism | None, str, None]:
     """The runtime path when the layer takes one, else no mechanism (and both reasons)."""
     if runtime_no is None:
         return "runtime", why, None
@@ -134,16 +135,16 @@ def _side_channel(
     contribs: list[Contribution],
     missing: str | None,
     runtime_no: str | None,
-) -> tuple[str | None, str, Route | None]:
+) -> tuple[Mechanism | None, str, Route | None]:
     """The backend's exact side channel when it has one and the deltas factor, else the runtime path."""
     caps = None if missing else backend.capabilities(module)
     not_factorable = factorable_reason(module, contribs) or ("bias delta" if needs_bias(contribs) else None)
-    if caps is not None and caps.factor_channel and not_factorable is None:
+    if caps is None:  # the backend cannot run here
+        return _runtime_else_none(f"{backend.name}: {missing}", runtime_no)
+    if caps.factor_channel and not_factorable is None:
         return "factor", f"{backend.name} side channel, exact", Route("factor", "")
-    why = f"{backend.name}: " + (
-        missing or (not_factorable if caps.factor_channel else caps.reason or "no side channel")
-    )
-    return _runtime_else_none(why, runtime_no)
+    reason = not_factorable if not_factorable is not None and caps.factor_channel else None
+    return _runtime_else_none(f"{backend.name}: " + (reason or caps.reason or "no side channel"), runtime_no)
 
 
 def choose_quantized(
@@ -153,7 +154,7 @@ def choose_quantized(
     module: torch.nn.Module,
     contribs: list[Contribution],
     layer: str = "",
-) -> tuple[str | None, str, Route | None]:
+) -> tuple[Mechanism | None, str, Route | None]:
     """(mechanism or None, why, routing result) for a layer a quantization backend owns."""
     runtime_no = runtime_blocker(module)
     if mode == "runtime":
@@ -175,7 +176,11 @@ def choose_quantized(
 
 
 def plan_work(
-    p: Plan, groups, mode: ApplyMode, unmatched: list[Unmatched], qs: QuantSettings | None = None
+    p: Plan,
+    groups: dict[tuple[str, str], list[Contribution]],
+    mode: ApplyMode,
+    unmatched: list[Unmatched],
+    qs: QuantSettings | None = None,
 ) -> WorkPlan:
     """A mechanism per layer, decided from the layers and the families' declared abilities (nothing built)."""
     qs = qs or QuantSettings()

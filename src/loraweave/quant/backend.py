@@ -90,7 +90,9 @@ class KindProbedBackend(QuantBackend):
         if found["package"]:
             return found["package"]
         kinds = [why for kind, why in found.items() if kind != "package"]
-        return "; ".join(kinds) if kinds and all(kinds) else None  # unusable only when every kind is
+        reasons = [why for why in kinds if why]
+        # unusable only when every kind is
+        return "; ".join(reasons) if kinds and len(reasons) == len(kinds) else None
 
     def kind_unavailable(self, kind: str) -> str | None:
         """Why layers of quant `kind` cannot run here, or None."""

@@ -8,6 +8,7 @@ layer."""
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 import torch
 
@@ -27,6 +28,7 @@ def _run_probe() -> dict[str, str | None]:
     x = torch.ones(1, 64)
     for kind in ("int8", "nf4", "fp4"):
         try:
+            layer: torch.nn.Module
             if kind == "int8":
                 layer = bnb.nn.Linear8bitLt(64, 32, bias=False, has_fp16_weights=False, threshold=0.0)
             else:
@@ -48,7 +50,7 @@ def _run_probe() -> dict[str, str | None]:
 
 
 def _kind(module: torch.nn.Module) -> str:
-    weight = module.weight
+    weight: Any = module.weight  # Int8Params or Params4bit: their quant state is set at runtime
     if hasattr(weight, "quant_state") or type(weight).__name__ == "Params4bit":
         return getattr(weight, "quant_type", None) or weight.quant_state.quant_type
     return "int8"
@@ -57,9 +59,10 @@ def _kind(module: torch.nn.Module) -> str:
 def _int8_state(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(CB int8 (out, in), SCB row absmax): the first forward moves them from the weight into
     `module.state`."""
-    weight = module.weight
-    cb = weight.CB if getattr(weight, "CB", None) is not None else module.state.CB
-    scb = weight.SCB if getattr(weight, "SCB", None) is not None else module.state.SCB
+    layer: Any = module  # a Linear8bitLt: CB/SCB live on its weight or its MatmulLtState
+    weight = layer.weight
+    cb = weight.CB if getattr(weight, "CB", None) is not None else layer.state.CB
+    scb = weight.SCB if getattr(weight, "SCB", None) is not None else layer.state.SCB
     if cb is None:
         cb = weight.data
     if scb is None:
@@ -92,7 +95,8 @@ def _unpack_cpu_layout(packed: torch.Tensor, rows: int, cols: int, block_n: int 
 def _dequantize_4bit(module: torch.nn.Module) -> torch.Tensor:
     import bitsandbytes.functional as bf
 
-    weight, qs = module.weight, module.weight.quant_state
+    weight: Any = module.weight  # Int8Params or Params4bit: their quant state is set at runtime
+    qs = weight.quant_state
     rows, cols = qs.shape
     if not getattr(qs, "packing_format_for_cpu", False):
         return bf.dequantize_4bit(weight.data, qs).float().reshape(rows, cols)
@@ -135,7 +139,8 @@ class BitsAndBytesBackend(KindProbedBackend):
         if _kind(module) == "int8":
             _, scb = _int8_state(module)
             return float((scb.float() / 127.0).mean())
-        qs = module.weight.quant_state
+        weight: Any = module.weight  # Int8Params or Params4bit: their quant state is set at runtime
+        qs = weight.quant_state
         levels = torch.unique(qs.code.float())  # sorted; FP4's +0 and -0 collapse into one level
         gap = float((levels[1:] - levels[:-1]).mean())
         return gap * float(_absmax(qs).abs().mean())
@@ -150,14 +155,16 @@ class BitsAndBytesBackend(KindProbedBackend):
         import bitsandbytes as bnb
         import bitsandbytes.functional as bf
 
-        old_param = module._parameters["weight"]
+        old_param: Any = module._parameters["weight"]  # Int8Params or Params4bit
         had_qs, old_qs = "quant_state" in module.__dict__, module.__dict__.get("quant_state")
         state = getattr(module, "state", None)
         old_cb, old_scb = (state.CB, state.SCB) if state is not None else (None, None)
+        new: torch.nn.Parameter
         if _kind(module) == "int8":
             # The layer's own path: fp16 rows, vectorwise absmax.
             cb, scb, _ = bf.int8_vectorwise_quant(weight.detach().contiguous().to(torch.float16))
             new = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+            assert state is not None  # a Linear8bitLt always has its MatmulLtState
             state.CB, state.SCB = None, None  # the next forward moves the new CB/SCB in
         else:
             qs = old_param.quant_state
@@ -179,7 +186,7 @@ class BitsAndBytesBackend(KindProbedBackend):
                 compress_statistics=nested,
                 quant_type=qs.quant_type,
                 quant_storage=old_param.quant_storage,
-                module=module,
+                module=cast(bnb.nn.Linear4bit, module),
                 bnb_quantized=True,
             )
             module.__dict__["quant_state"] = new_qs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import torch
 
@@ -61,15 +62,17 @@ def _quantize_blocker(qtype: int) -> str | None:
 def _type_name(module: torch.nn.Module) -> str:
     from gguf import GGMLQuantizationType
 
-    return GGMLQuantizationType(int(module.weight.quant_type)).name
+    weight: Any = module.weight  # a diffusers GGUFParameter: quant_type undeclared
+    return GGMLQuantizationType(int(weight.quant_type)).name
 
 
 def _blocks(module: torch.nn.Module) -> torch.Tensor:
     """The raw bytes as (n_blocks, type_size) uint8."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(module.weight.quant_type))]
-    raw = module.weight.as_tensor().detach().view(torch.uint8)
+    weight: Any = module.weight  # a diffusers GGUFParameter: quant_type undeclared
+    _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(weight.quant_type))]
+    raw = weight.as_tensor().detach().view(torch.uint8)
     return raw.reshape(-1, type_size)
 
 
@@ -104,7 +107,8 @@ class GGUFBackend(QuantBackend):
             return Capabilities(False, False, False, why)
         from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
 
-        qtype = int(module.weight.quant_type)
+        weight: Any = module.weight  # a diffusers GGUFParameter: quant_type undeclared
+        qtype = int(weight.quant_type)
         if qtype not in [int(t) for t in SUPPORTED_GGUF_QUANT_TYPES]:
             return Capabilities(False, False, False, f"diffusers cannot dequantize GGUF {_type_name(module)}")
         blocker = _quantize_blocker(qtype)
@@ -146,7 +150,7 @@ class GGUFBackend(QuantBackend):
         from diffusers.quantizers.gguf.utils import GGUFParameter
         from gguf import GGMLQuantizationType, quants
 
-        old_param = module._parameters["weight"]
+        old_param: Any = module._parameters["weight"]  # a GGUFParameter (quant_type undeclared)
         qtype = GGMLQuantizationType(int(old_param.quant_type))
         blocker = _quantize_blocker(int(qtype))
         if blocker:

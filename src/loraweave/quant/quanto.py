@@ -7,6 +7,7 @@ new weight."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -25,8 +26,9 @@ def _run_probe() -> dict[str, str | None]:
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     for kind, qtype in (("qint8", qint8), ("qint4", qint4)):
         try:
-            model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
-            ref = model[0].weight.detach().clone()
+            linear = torch.nn.Linear(64, 32, bias=False)
+            model = torch.nn.Sequential(linear)
+            ref = linear.weight.detach().clone()
             quantize(model, weights=qtype)
             freeze(model)
             with torch.no_grad():
@@ -54,10 +56,11 @@ class QuantoBackend(KindProbedBackend):
         return is_qmodule and getattr(module, "weight_qtype", None) is not None
 
     def capabilities(self, module: torch.nn.Module) -> Capabilities:
+        layer: Any = module  # a QModuleMixin: optimum-quanto ships no types
         probe = (
             _probe()
         )  # qtypes the probe did not try (qint2, qfloat8) are taken as working: the layer exists
-        why = probe["package"] or probe.get(module.weight_qtype.name)
+        why = probe["package"] or probe.get(layer.weight_qtype.name)
         if why:
             return Capabilities(False, False, False, why)
         if not _is_qtensor(module.weight):
@@ -65,35 +68,36 @@ class QuantoBackend(KindProbedBackend):
             return Capabilities(
                 True, False, False, "quanto layer not frozen: its float weight is the storage"
             )
-        note = "; forward also quantizes activations" if module.activation_qtype is not None else ""
+        note = "; forward also quantizes activations" if layer.activation_qtype is not None else ""
         return Capabilities(True, True, False, "no low-rank side branch" + note)
 
     def bits(self, module: torch.nn.Module) -> int:
-        return int(module.weight_qtype.bits)
+        layer: Any = module  # a QModuleMixin: optimum-quanto ships no types
+        return int(layer.weight_qtype.bits)
 
     def grid_step(self, module: torch.nn.Module) -> float:
-        qweight = module.qweight
+        qweight: Any = module.qweight  # a quanto QTensor: optimum-quanto ships no types
         return float(qweight._scale.float().abs().mean())  # int grids: one level = one scale
 
     def dequantize(self, module: torch.nn.Module) -> torch.Tensor:
-        return module.qweight.dequantize().detach().float().reshape(module.weight.shape)
+        layer: Any = module  # a QModuleMixin: optimum-quanto ships no types
+        return layer.qweight.dequantize().detach().float().reshape(layer.weight.shape)
 
     def requantize(self, module: torch.nn.Module, weight: torch.Tensor) -> Restore:
+        layer: Any = module  # a QModuleMixin: optimum-quanto ships no types
         old_param = module._parameters["weight"]
-        if not _is_qtensor(old_param):
+        if old_param is None or not _is_qtensor(old_param):
             raise NotImplementedError("quanto layer not frozen: write its float weight instead")
         # The layer's own quantizer reads a float `weight`: give it one, then store the result frozen.
         module._parameters["weight"] = torch.nn.Parameter(
             weight.detach().to(old_param.dtype), requires_grad=False
         )
         try:
-            qweight = module.qweight
+            qweight = layer.qweight
         finally:
             module._parameters["weight"] = old_param
         module._parameters["weight"] = torch.nn.Parameter(qweight, requires_grad=old_param.requires_grad)
-        log.debug(
-            "requantize backend=quanto qtype=%s shape=%s", module.weight_qtype.name, tuple(weight.shape)
-        )
+        log.debug("requantize backend=quanto qtype=%s shape=%s", layer.weight_qtype.name, tuple(weight.shape))
 
         def restore() -> None:
             module._parameters["weight"] = old_param

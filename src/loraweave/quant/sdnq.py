@@ -10,6 +10,7 @@ self-inverse)."""
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ _MISSING = object()
 
 def _stash(module: torch.nn.Module, names: tuple[str, ...]) -> Restore:
     """Remember where each attribute lives (parameter, buffer, plain attribute, absent) and its object."""
-    saved = []
+    saved: list[tuple[str, str, Any]] = []  # (name, where, the object found: parameter, buffer, anything)
     for name in names:
         if name in module._parameters:
             saved.append((name, "param", module._parameters[name]))
@@ -79,10 +80,8 @@ class SdnqBackend(QuantBackend):
         )
 
     def _linear(self, module: torch.nn.Module) -> bool:
-        return (
-            module.sdnq_dequantizer.layer_class_name == "Linear"
-            and len(module.sdnq_dequantizer.original_shape) == 2
-        )
+        deq: Any = module.sdnq_dequantizer  # an SDNQDequantizer: sdnq ships no types
+        return deq.layer_class_name == "Linear" and len(deq.original_shape) == 2
 
     def capabilities(self, module: torch.nn.Module) -> Capabilities:
         linear = self._linear(module)
@@ -96,10 +95,12 @@ class SdnqBackend(QuantBackend):
     def bits(self, module: torch.nn.Module) -> int:
         from sdnq.common import dtype_dict
 
-        return int(dtype_dict[module.sdnq_dequantizer.weights_dtype]["num_bits"])
+        deq: Any = module.sdnq_dequantizer  # an SDNQDequantizer: sdnq ships no types
+        return int(dtype_dict[deq.weights_dtype]["num_bits"])
 
     def logical_shape(self, module: torch.nn.Module) -> tuple[int, ...] | None:
-        return tuple(module.sdnq_dequantizer.original_shape)
+        deq: Any = module.sdnq_dequantizer  # an SDNQDequantizer: sdnq ships no types
+        return tuple(deq.original_shape)
 
     def has_checkpoint_svd(self, module: torch.nn.Module) -> bool:
         return getattr(module, "svd_up", None) is not None
@@ -107,8 +108,10 @@ class SdnqBackend(QuantBackend):
     def grid_step(self, module: torch.nn.Module) -> float:
         from sdnq.common import dtype_dict
 
-        deq = module.sdnq_dequantizer
-        scale = module.scale.detach().float()
+        deq: Any = module.sdnq_dequantizer  # an SDNQDequantizer: sdnq ships no types
+        stored_scale = module.scale
+        assert isinstance(stored_scale, torch.Tensor)  # SDNQ layers hold their scale as a parameter
+        scale = stored_scale.detach().float()
         scale_2 = getattr(module, "scale_2", None)
         if scale_2 is not None:  # two-level scales: the stored scale is itself quantized
             scale = scale * scale_2.detach().float()
@@ -125,7 +128,7 @@ class SdnqBackend(QuantBackend):
     def dequantize(self, module: torch.nn.Module) -> torch.Tensor:
         from sdnq.utils import get_sdnq_params
 
-        deq = module.sdnq_dequantizer
+        deq: Any = module.sdnq_dequantizer  # an SDNQDequantizer: sdnq ships no types
         with torch.no_grad():
             w = deq(
                 **get_sdnq_params(module), skip_quantized_matmul=deq.use_quantized_matmul, dtype=torch.float32
@@ -137,7 +140,7 @@ class SdnqBackend(QuantBackend):
         itself: re-wrapping an SDNQLinear yields a broken layer), then swap the stored tensors in."""
         from sdnq.quantizer import sdnq_quantize_layer_weight
 
-        deq = module.sdnq_dequantizer
+        deq: Any = module.sdnq_dequantizer  # an SDNQDequantizer: sdnq ships no types
         svd_up = getattr(module, "svd_up", None)
         svd_rank = (
             (svd_up.shape[0] if deq.use_quantized_matmul else svd_up.shape[1])
@@ -169,7 +172,9 @@ class SdnqBackend(QuantBackend):
                 torch_dtype=deq.result_dtype,
             )
         restore = _stash(module, (*_KEYS, "sdnq_dequantizer"))
-        device = module.weight.device
+        weight_param = module.weight
+        assert isinstance(weight_param, torch.Tensor)  # SDNQ layers hold their packed weight as a parameter
+        device = weight_param.device
         for key in _KEYS:
             value = tensors.get(key)
             _set_tensor(module, key, None if value is None else value.to(device), as_param=True)
@@ -179,10 +184,12 @@ class SdnqBackend(QuantBackend):
     def append_factors(self, module: torch.nn.Module, down: torch.Tensor, up: torch.Tensor) -> Restore:
         from sdnq.quant_utils import get_hadamard, rotate_hadamard
 
-        deq = module.sdnq_dequantizer
+        deq: Any = module.sdnq_dequantizer  # an SDNQDequantizer: sdnq ships no types
         old_up, old_down = getattr(module, "svd_up", None), getattr(module, "svd_down", None)
         dtype = old_up.dtype if old_up is not None else deq.result_dtype
-        device = module.weight.device
+        weight_param = module.weight
+        assert isinstance(weight_param, torch.Tensor)  # SDNQ layers hold their packed weight as a parameter
+        device = weight_param.device
         with torch.no_grad():
             down = down.detach().to(device, torch.float32)
             if (

@@ -40,10 +40,11 @@ def _configs() -> dict[str, object]:
     )
     from torchao.quantization.granularity import PerGroup
 
+    int4 = torch.int4  # type: ignore[attr-defined]  # a torch dtype at runtime; torch's stubs omit it
     return {
         "int8": Int8WeightOnlyConfig(),
         "int4": Int4WeightOnlyConfig(group_size=32),
-        "intx-int4": IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+        "intx-int4": IntxWeightOnlyConfig(weight_dtype=int4, granularity=PerGroup(32)),
         "float8": Float8WeightOnlyConfig(),
     }
 
@@ -58,8 +59,9 @@ def _run_probe() -> dict[str, str | None]:
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     for kind, config in _configs().items():
         try:
-            layer = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
-            ref = layer[0].weight.detach().clone()
+            linear = torch.nn.Linear(64, 32, bias=False)
+            layer = torch.nn.Sequential(linear)
+            ref = linear.weight.detach().clone()
             quantize_(layer, config)
             with torch.no_grad():
                 y = layer(x)
@@ -183,7 +185,7 @@ class TorchAOBackend(KindProbedBackend):
 
     def requantize(self, module: torch.nn.Module, weight: torch.Tensor) -> Restore:
         old_param = module._parameters["weight"]
-        if type(old_param).__name__ not in _REQUANT:
+        if old_param is None or type(old_param).__name__ not in _REQUANT:
             raise NotImplementedError(f"requantize not supported for torchao {type(old_param).__name__}")
         module._parameters["weight"] = torch.nn.Parameter(
             self._rebuild(old_param, weight), requires_grad=old_param.requires_grad

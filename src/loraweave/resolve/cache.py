@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
+
+import torch
 
 from ..arch.aliases import AliasTable
 from ..formats.adapter import Adapter, load_adapter
@@ -16,8 +19,13 @@ from ..io.file_cache import BYTES_KEPT, BoundedCache, file_identity
 from .planner import Plan, resolve
 from .target import Components
 
+# What can be loaded: a path, an Adapter or a state dict.
+Source = str | os.PathLike[str] | Mapping[str, torch.Tensor] | Adapter
+# ("file", *FileIdentity) or ("object", id)
+SourceKey = tuple[str | int, ...]
 
-def source_key(source: object) -> tuple | None:
+
+def source_key(source: object) -> SourceKey | None:
     """The cache key of a source: ("file", identity), ("object", id), or None for a path that is not one
     regular file (never kept)."""
     if isinstance(source, (str, os.PathLike)):
@@ -26,9 +34,9 @@ def source_key(source: object) -> tuple | None:
     return ("object", id(source))
 
 
-def _size(key: tuple) -> int:
+def _size(key: SourceKey) -> int:
     """The bytes a key stands for: a file's size (objects are the caller's, not counted)."""
-    return key[4] if key[0] == "file" else 0
+    return int(key[4]) if key[0] == "file" else 0
 
 
 class ResolveCache:
@@ -36,13 +44,16 @@ class ResolveCache:
         self.components = components
         self.tables = {name: AliasTable(module) for name, module in components}
         self.limit = limit  # adapters kept; the least recently used is dropped first
-        self._planned: dict[tuple, dict] = {}  # source key -> {expert set: plan}
+        self._planned: dict[SourceKey, dict[tuple[str, ...] | None, Plan]] = {}  # key -> {expert set: plan}
         # source key -> (source, adapter): the source is held so an object's id stays unique
-        self._loaded: BoundedCache[tuple, tuple[object, Adapter]] = BoundedCache(
-            limit, max_bytes, on_drop=lambda key: self._planned.pop(key, None)
+        self._loaded: BoundedCache[SourceKey, tuple[Source, Adapter]] = BoundedCache(
+            limit, max_bytes, on_drop=self._forget
         )
 
-    def load(self, source: object) -> Adapter:
+    def _forget(self, key: SourceKey) -> None:
+        self._planned.pop(key, None)
+
+    def load(self, source: Source) -> Adapter:
         key = source_key(source)
         hit = None if key is None else self._loaded.get(key)
         if hit is None:
@@ -57,7 +68,7 @@ class ResolveCache:
     def resolve(
         self,
         items: list[tuple[Adapter, float]],
-        sources: list[object],
+        sources: list[Source],
         experts: dict[str, tuple[str, ...]] | None = None,
     ) -> Plan:
         """Like plan.resolve.resolve, with each adapter's parts resolved once per source (and expert set)."""
@@ -65,7 +76,8 @@ class ResolveCache:
         for (adapter, strength), source in zip(items, sources, strict=True):
             fan = (experts or {}).get(adapter.name)
             key = source_key(source)
-            by_fan = self._planned.setdefault(key, {}) if key in self._loaded else {}  # kept: planned once
+            # a kept source is planned once per expert set
+            by_fan = self._planned.setdefault(key, {}) if key is not None and key in self._loaded else {}
             sub = by_fan.get(fan)
             if sub is None:
                 sub = resolve(

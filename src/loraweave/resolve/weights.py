@@ -10,6 +10,7 @@ from typing import Any
 
 from ..arch.blocks import block_weights, chain_lengths, detect_block_arch, weights_for_modules
 from ..errors import ArgumentError
+from .params import PlannedParam
 from .planner import Plan, PlannedPart
 
 
@@ -26,18 +27,19 @@ def is_text_encoder(component: str) -> bool:
     return component.startswith("text_encoder")
 
 
-def part_strength(pp: PlannedPart, weights: AdapterWeights) -> float:
-    te = is_text_encoder(pp.component) and weights.te_strength is not None
+def part_strength(pp: PlannedPart | PlannedParam, weights: AdapterWeights) -> float:
+    te_strength = weights.te_strength if is_text_encoder(pp.component) else None
     component = (weights.component_strengths or {}).get(pp.component, 1.0)
-    return (weights.te_strength if te else weights.strength) * pp.block_weight * component
+    return (weights.strength if te_strength is None else te_strength) * pp.block_weight * component
 
 
 def assign(plan: Plan, settings: dict[str, AdapterWeights]) -> None:
     """Set every planned part's block weight and strength from its adapter's settings.
 
     A block-weight value that fits nothing raises ValueError listing what would fit."""
-    tables: dict[tuple[str, str], dict[str, float | None]] = {}
-    for pp in (*plan.planned, *plan.params):
+    tables: dict[tuple[str, str], dict[str, float]] = {}
+    parts: list[PlannedPart | PlannedParam] = [*plan.planned, *plan.params]
+    for pp in parts:
         w = settings[pp.adapter.name]
         pp.block_weight = 1.0
         if w.block_weights is not None:
@@ -56,7 +58,7 @@ def assign(plan: Plan, settings: dict[str, AdapterWeights]) -> None:
         pp.strength = part_strength(pp, w)
 
 
-def _component_weights(plan: Plan, denoiser: str, component: str, value: Any) -> dict[str, float | None]:
+def _component_weights(plan: Plan, denoiser: str, component: str, value: Any) -> dict[str, float]:
     model = plan.components.modules[denoiser]
     arch = detect_block_arch(model)
     names = [n for n, _ in model.named_modules()]

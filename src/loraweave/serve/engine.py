@@ -321,7 +321,7 @@ class Engine:
             "output_type": output_type,
         }
         handle = self.store.handle
-        context = contextlib.nullcontext()
+        context: contextlib.AbstractContextManager[None, bool | None] = contextlib.nullcontext()
         if handle is not None:
             assign = [[n for n, _ in r.adapters] for r in reqs]
             context = handle.batch(assign, [[s for _, s in r.adapters] for r in reqs], exact=self.exact)

@@ -37,11 +37,12 @@ def path_bytes(path: RuntimePath) -> int:
     """Device bytes of a path's cast factors (down, up, scale), in the dtype its layer computes in.
 
     Quantized layers (non-float storage) are counted at fp32, the widest compute dtype they cast to."""
-    if path.down is None:
+    down, up = path.down, path.up
+    if down is None or up is None:  # both or neither: one rank-concatenated pair
         return 0
     dtype = travel_dtype(path)
     size = torch.empty(0, dtype=dtype).element_size() if dtype is not None else 4
-    return (path.down.numel() + path.up.numel() + path.scale.numel()) * size
+    return (down.numel() + up.numel() + path.scale.numel()) * size
 
 
 def scale_bytes(path: RuntimePath) -> int:

@@ -46,15 +46,18 @@ def group_runs(spans: list[tuple[int, int]], pin: bool) -> list[tuple[int, int]]
         return []
     if not pin:
         return [(spans[0][0], spans[-1][1])]  # unpinned memory is not rounded: one allocation
-    best = [0] + [None] * n  # best[j]: least waste laying out spans[:j]
+    best: list[int | None] = [0] + [None] * n  # best[j]: least waste laying out spans[:j]
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         for i in range(j - 1, -1, -1):
             size = spans[j - 1][1] - spans[i][0]
             if size > MAX_RUN and i < j - 1:
                 break
-            cost = best[i] + allocated(size, pin) - size
-            if best[j] is None or cost < best[j]:
+            waste = best[i]
+            assert waste is not None  # set when j was i: every j tries i = j - 1 first
+            cost = waste + allocated(size, pin) - size
+            best_j = best[j]
+            if best_j is None or cost < best_j:
                 best[j], cut[j] = cost, i
     runs, j = [], n
     while j:

@@ -28,7 +28,7 @@ def resident_outside_bytes(model: torch.nn.Module, device: torch.device) -> int:
 
     Raises ArgumentError (a ValueError) for layers that cannot be streamed at all, or whose side tensors are
     not on `device`."""
-    total, seen = 0, set()
+    total, seen = 0, set[int]()
     for name, module in model.named_modules():
         weight = module._parameters.get("weight")
         if weight is None:

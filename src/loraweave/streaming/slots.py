@@ -17,6 +17,10 @@ class Slot:
     `tag` says which block, at which version, under which plan epoch the contents are; a slot whose tag no
     longer matches (weights written, plan changed) is never used: it is copied again."""
 
+    # virtual-clock times (seconds), kept only by ClockCopier (clock.py) in place of the CUDA events
+    ready_at: float
+    freed_at: float
+
     def __init__(self, nbytes: int, device: torch.device, copier: Copier) -> None:
         self.buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         self.index: int | None = None  # block held

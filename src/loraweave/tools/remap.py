@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..arch import aliases
 from ..arch.aliases import original_names
+from ..arch.registry import arch_tables
 from ..arch.spec import Piece, apply_renames, out_rows
 
 log = logging.getLogger("loraweave")
@@ -32,9 +32,7 @@ def _renamed_spans(module: torch.nn.Module, present: Collection[str]) -> dict[st
     class's rename rules (LTX-2's `patchify_proj` is `proj_in`); alias tables cover the rest."""
     modules = dict(module.named_modules())
     tables = [
-        t
-        for t in aliases.ARCH_TABLES
-        if type(module).__name__ in t.classes and (t.renames or t.prefix_renames)
+        t for t in arch_tables() if type(module).__name__ in t.classes and (t.renames or t.prefix_renames)
     ]
     out: dict[str, tuple[str, int]] = {}
     for key in present:

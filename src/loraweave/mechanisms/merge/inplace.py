@@ -17,7 +17,8 @@ import torch
 
 from ...errors import NonFiniteResultError
 from .bitscan import differ, take
-from .native import Kernel, kernel_for
+from .native import Kernel
+from .native import kernel_for as kernel_for  # re-exported: layer.py calls it here (tests patch it)
 from .undo import (
     GAP_ENCODINGS,
     GUARDS,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -13,6 +14,7 @@ from ...errors import ArgumentError, NonFiniteResultError, UndoError
 from ...families.base import CastMemo
 from ...families.contribution import add_contribution, bias_of, coefficient
 from ...modes import UNDO_KINDS, UndoKind
+from ...report.report import AppliedModule
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution, adapter_names
 from . import inplace
@@ -31,12 +33,19 @@ from .undo import (
     scratch,
     tensor_bytes,
 )
-from .undo_source import SourceFiles, SourceRecord
+from .undo_source import SourceFiles, SourceRecord, UndoSource
 
 Record = CopyRecord | CompactRecord | SourceRecord | FusedRecord
 Term = tuple[PlannedPart, Piece, float, float]  # part, piece, strength, scale
 
 STACK_ATTR = "_loraweave_merges"  # per-module list of live merges, newest last
+
+
+def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """The module's `weight` or `bias` tensor (merge_blocker admitted only a tensor weight)."""
+    value = getattr(module, name)
+    assert isinstance(value, torch.Tensor), f"{name} of a merged layer is a {type(value).__name__}"
+    return value
 
 
 def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | None:
@@ -72,7 +81,7 @@ class UndoSettings:
     on_device: bool = False
 
 
-def check_undo_arguments(kind: UndoKind, source=None) -> None:
+def check_undo_arguments(kind: UndoKind, source: UndoSource | None = None) -> None:
     if kind not in UNDO_KINDS:
         raise ArgumentError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
     if source is not None and kind != "source":
@@ -80,7 +89,10 @@ def check_undo_arguments(kind: UndoKind, source=None) -> None:
 
 
 def undo_settings(
-    kind: UndoKind, components: dict[str, torch.nn.Module], source=None, on_device: bool = False
+    kind: UndoKind,
+    components: dict[str, torch.nn.Module],
+    source: UndoSource | None = None,
+    on_device: bool = False,
 ) -> UndoSettings:
     """Check apply's undo arguments before anything is touched (a "source" with no file found is refused)."""
     check_undo_arguments(kind, source)
@@ -115,7 +127,9 @@ class MergedModule:
     bias_backup: torch.Tensor | None = None
     adapters: set[str] = field(default_factory=set)
     pending: list[Term] | None = None  # undo="none", overflow ruled out: W' is written by fuse(), at commit
-    entry: object = None  # the report's AppliedModule: undo kind and bytes follow strength changes
+    entry: AppliedModule | None = (
+        None  # the report's AppliedModule: undo kind and bytes follow strength changes
+    )
 
     def is_top(self) -> bool:
         """Only the latest merge on a module can be undone exactly (each record restores the earlier
@@ -144,7 +158,7 @@ class MergedModule:
         with torch.no_grad():
             self._restore_weight()
             if self.bias_backup is not None and not isinstance(self.record, FusedRecord):
-                self.module.bias.data.copy_(self.bias_backup)
+                _tensor(self.module, "bias").data.copy_(self.bias_backup)
         if any(m is self for m in stack):
             stack.remove(self)
         self.record, self.terms, self.bias_backup = None, [], None  # undone: the record's memory is released
@@ -155,14 +169,16 @@ class MergedModule:
         """Allocate the scratch a deferred merge will use (within reused_buffers), so that the writes at
         commit allocate nothing: the one failure left to them would be memory."""
         if self.pending is not None:
-            rows = self.module.weight.data.view(self.module.weight.shape[0], -1)
+            weight = _tensor(self.module, "weight").data
+            rows = weight.view(weight.shape[0], -1)
             direct_scratch(rows, self._chunk_rows(rows))
 
     def fuse(self) -> None:
         """undo="none": keep the merge for good and release the record; a deferred merge is written now, when
         nothing in the apply can fail any more (it has no record to be rolled back from)."""
         if self.pending is not None:
-            rows = self.module.weight.data.view(self.module.weight.shape[0], -1)
+            weight = _tensor(self.module, "weight").data
+            rows = weight.view(weight.shape[0], -1)
             with torch.no_grad():
                 merge_direct(rows, self._delta_fn(self.pending), self._chunk_rows(rows))
             self.pending = None
@@ -174,7 +190,7 @@ class MergedModule:
             self.record is not None
         ):  # ΔW as it was merged: parts may have been re-pointed or re-strengthened since
             terms = self.terms
-            self.record.restore(self.module.weight.data, self._delta_fn(terms))
+            self.record.restore(_tensor(self.module, "weight").data, self._delta_fn(terms))
 
     def write(self, fresh: bool = False) -> None:
         """(Re)compute W' = W + Σ coeff·ΔW from W, the weight before this merge, and record how to undo it.
@@ -183,7 +199,7 @@ class MergedModule:
         The new record is complete before the weight is written: an interruption leaves a restorable state."""
         if isinstance(self.record, FusedRecord):
             raise UndoError("this merge was fused permanently (undo='none'): it cannot be rewritten")
-        weight = self.module.weight.data
+        weight = _tensor(self.module, "weight").data
         with torch.no_grad():
             rows = (
                 weight.view(weight.shape[0], -1)
@@ -205,7 +221,7 @@ class MergedModule:
             if not fresh and isinstance(self.record, CompactRecord):
                 kind = self._in_place_kind(rows)
                 if kind in ("auto", "compact"):
-                    self._rewrite_in_place(rows, terms, kind)
+                    self._rewrite_in_place(self.record, rows, terms, kind)
                     self._write_bias()
                     self._report()
                     return
@@ -228,12 +244,11 @@ class MergedModule:
             return None
         return {"auto": "auto", "compact": "compact", "none": "transient"}.get(self.undo_with.kind)
 
-    def _rewrite_in_place(self, rows: torch.Tensor, terms: list[Term], kind: str) -> None:
+    def _rewrite_in_place(self, old: CompactRecord, rows: torch.Tensor, terms: list[Term], kind: str) -> None:
         """A strength change over a compact record: W rebuilt from W' and the record into a scratch copy
         (checked against its witnesses), merged there at the new strengths by the fused path with its new
         record, then copied over the weight in one step. Any failure before that copy leaves the weight and
         record as they were."""
-        old = self.record
         base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
         with recorded_threads(old.threads):
             old.rebuild_rows(rows, base, self._delta_fn(self.terms))
@@ -296,7 +311,8 @@ class MergedModule:
         kind = self._record_kind()
         needs_base = any(pp.family.needs_base for pp, _ in self.contributions)
         chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
-        prior, base, keep = None, rows, None
+        prior: tuple[CompactRecord, torch.Tensor, DeltaFn] | None = None
+        base, keep = rows, None
         if isinstance(old, CompactRecord) and rows.is_contiguous():  # W rebuilt block by block beside W'
             prior = (old, rows, self._delta_fn(self.terms))
             base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
@@ -309,7 +325,7 @@ class MergedModule:
             )
         elif self.undo_with.kind == "source" and self.undo_with.sources is not None:
             keep = self.undo_with.sources.record(*self.layer, rows)  # checked against the file's bytes
-        with recorded_threads(old.threads if prior is not None else torch.get_num_threads()):
+        with recorded_threads(prior[0].threads if prior is not None else torch.get_num_threads()):
             merged, record = merge_with_record(
                 base,
                 self._delta_fn(terms),
@@ -319,7 +335,10 @@ class MergedModule:
                 self.undo_with.on_device,
                 prior,
             )
-        return (keep if keep is not None else record), merged, base
+        if keep is not None:
+            return keep, merged, base
+        assert record is not None, "merge_with_record keeps a record of every kind but none"
+        return record, merged, base
 
     def _record_kind(self) -> str:
         """The undo record a merge of these contributions keeps."""
@@ -407,7 +426,7 @@ class MergedModule:
             delta.zero_()
         return delta
 
-    def attach_entry(self, entry) -> None:
+    def attach_entry(self, entry: AppliedModule) -> None:
         """The report row this layer keeps current: its undo kind and bytes follow strength changes."""
         self.entry = entry
         self._report()
@@ -428,7 +447,7 @@ class MergedModule:
                 deltas.append((piece, b, coefficient(pp)))
         if not deltas:
             return
-        bias = self.module.bias
+        bias = _tensor(self.module, "bias")
         if self.bias_backup is None:
             self.bias_backup = host_copy(bias, self.undo_with.on_device)
         acc = self.bias_backup.to(bias.device, acc_dtype(bias.dtype), copy=True)
@@ -470,7 +489,7 @@ def needs_bias(contributions: list[Contribution]) -> bool:
 def merge_module(
     module: torch.nn.Module,
     contributions: list[Contribution],
-    record,
+    record: list[MergedModule] | Callable[[MergedModule], object],
     undo: UndoSettings | None = None,
     layer: tuple[str, str] = ("", ""),
 ) -> MergedModule:

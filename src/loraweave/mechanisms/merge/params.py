@@ -9,12 +9,27 @@ changes. Each patch has the undo interface of the module records (`restore`/`det
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal, TypedDict
+
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ...errors import ArgumentError
 from ...resolve.params import PlannedParam
 
 STACK_ATTR = "_loraweave_param_merges"  # per-owner {parameter name: live merges, newest last}
+
+
+class AppliedParam(TypedDict):
+    """A report row of one patched parameter (AppliedModule fields)."""
+
+    component: str
+    module: str
+    mechanism: Literal["merge", "runtime"]
+    adapters: list[str]
+    why: str
+    notes: list[str]
 
 
 def merge_blocker(param: torch.Tensor) -> str | None:
@@ -32,7 +47,7 @@ class ParamPatch:
         self.parts = parts
         self.adapters = {pp.adapter.name for pp in parts}
         self.backup: torch.Tensor | None = None
-        self._hooks: list = []
+        self._hooks: list[RemovableHandle] = []
         self._saved: list[torch.Tensor] = []  # parameters swapped out during a forward
 
     def value(self, base: torch.Tensor) -> torch.Tensor:
@@ -54,8 +69,10 @@ class ParamPatch:
         return self.backup is None or (bool(stack) and stack[-1] is self)
 
     def write(self) -> None:
+        backup = self.backup
+        assert backup is not None, "write() runs only on a merged patch (merge() set the backup)"
         with torch.no_grad():
-            getattr(self.module, self.name).copy_(self.value(self.backup))
+            getattr(self.module, self.name).copy_(self.value(backup))
 
     def restore(self) -> None:
         stack = self.module.__dict__.get(STACK_ATTR, {}).get(self.name, [])
@@ -73,14 +90,16 @@ class ParamPatch:
             self.module.register_forward_hook(self._swap_out, prepend=True, always_call=True),
         ]
 
-    def _swap_in(self, module, args) -> None:
-        current = module._parameters[self.name]
+    def _swap_in(self, module: torch.nn.Module, args: object) -> None:
+        # torch types _parameters' values as optional; a planned parameter (resolve found it) is a tensor
+        current: torch.Tensor = module._parameters[self.name]  # type: ignore[assignment]
         self._saved.append(current)
-        module._parameters[self.name] = self.value(current)
+        # a plain tensor stands in for the parameter during the forward, deliberately
+        module._parameters[self.name] = self.value(current)  # type: ignore[assignment]
 
-    def _swap_out(self, module, args, output) -> None:
+    def _swap_out(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self._saved:
-            module._parameters[self.name] = self._saved.pop()
+            module._parameters[self.name] = self._saved.pop()  # type: ignore[assignment]  # swap back, as above
 
     def refresh_scales(self) -> None:
         """Strengths are read at every forward: nothing is cached."""
@@ -103,24 +122,29 @@ class ParamPatch:
             hook.remove()
         self._hooks = []
         while self._saved:
-            self.module._parameters[self.name] = self._saved.pop()
+            self.module._parameters[self.name] = self._saved.pop()  # type: ignore[assignment]  # as _swap_out
 
 
 def apply_params(
-    parts: list[PlannedParam], modules: dict[str, torch.nn.Module], mode: str, record
-) -> list[dict]:
+    parts: list[PlannedParam],
+    modules: dict[str, torch.nn.Module],
+    mode: str,
+    record: Callable[[ParamPatch], object],
+) -> list[AppliedParam]:
     """Patch every planned parameter (one patch per parameter, all its adapters summed); each patch goes to
     `record` (the handle's journal) before the parameter is touched, so a rollback finds it. Returns the
     report rows (AppliedModule fields), one per parameter."""
     groups: dict[tuple[str, str], list[PlannedParam]] = {}
     for pp in parts:
         groups.setdefault((pp.component, pp.path), []).append(pp)
-    applied = []
+    applied: list[AppliedParam] = []
     for (component, path), group in groups.items():
         owner = modules[component].get_submodule(group[0].owner)
         patch = ParamPatch(owner, group[0].name, group)
         blocker = merge_blocker(getattr(owner, patch.name))
-        mechanism = "runtime" if mode == "runtime" or (mode == "auto" and blocker) else "merge"
+        mechanism: Literal["merge", "runtime"] = (
+            "runtime" if mode == "runtime" or (mode == "auto" and blocker) else "merge"
+        )
         if mechanism == "merge" and blocker:
             raise ArgumentError(f"mode='merge': cannot merge into {component}.{path}: {blocker}")
         record(patch)

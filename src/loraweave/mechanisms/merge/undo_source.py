@@ -136,7 +136,9 @@ class SourceFiles:
         """A verified source record of `weight` (the weight before the merge), or None when no file holds
         it."""
         for file, dtype, shape, begin, end in self._tensors(comp).get(f"{path}.weight", []):
-            if torch.Size(shape).numel() != weight.numel() or not dtype.is_floating_point:
+            if isinstance(dtype, str) or not dtype.is_floating_point:
+                continue  # a packed sub-byte dtype (a name) or an integer one holds no 1:1 copy of a weight
+            if torch.Size(shape).numel() != weight.numel():
                 continue
             size, mtime = _stat(file)
             data = _read(file, begin, end)

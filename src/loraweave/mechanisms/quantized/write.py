@@ -15,6 +15,7 @@ import torch
 
 from ...arch.spec import module_shape
 from ...families.contribution import add_contribution
+from ...modes import QuantMechanism
 from ...quant.backend import QuantBackend, Restore
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution
@@ -107,7 +108,7 @@ def rank_bucket(rank: int) -> int:
 
 @dataclass
 class Route:
-    mechanism: str | None  # factor | hosted | requantize | None (cannot)
+    mechanism: QuantMechanism | None  # None: cannot
     why: str
     truncation: Truncation | None = None  # computed while routing, reused by the first write
     delta: torch.Tensor | None = None

@@ -118,7 +118,7 @@ class PathMix(Protocol):
 
     def add(self, path: RuntimePath, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor: ...
 
-    def fused_linear(self, path: RuntimePath, x: torch.Tensor) -> torch.Tensor: ...
+    def fused_linear(self, path: RuntimePath, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor: ...
 
 
 _Record = TypeVar("_Record", RankSpan, CachedRows, FnRows)
@@ -387,7 +387,7 @@ class RuntimePath:
             out = F.linear(x, w, m.bias)
             return self.add_path(x, out) if self.active else out
         if self.mix is not None:
-            return self.mix.fused_linear(self, x)
+            return self.mix.fused_linear(self, x, m)
         down, up, scale = self.factors_for(w.device, w.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         h = skinny_linear(x2, down).mul_(scale)

@@ -23,7 +23,7 @@ _PROBED: list[
 
 def _probe() -> Callable[..., torch.Tensor] | None:
     op = None
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     if op is not None:
         g = torch.Generator().manual_seed(0)
@@ -50,7 +50,9 @@ def probe() -> bool:
 
 def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The probed oneDNN op (chosen only after a successful probe)."""
-    return _PROBED[0](x, weight, bias, "none", [], "")
+    op = _PROBED[0]
+    assert op is not None  # _onednn picks _eager only once probe() found the op
+    return op(x, weight, bias, "none", [], "")
 
 
 @torch.library.custom_op("loraweave::onednn_linear", mutates_args=())

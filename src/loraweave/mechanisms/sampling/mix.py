@@ -10,26 +10,43 @@ their rank columns of h (and their structured terms) by a weight per output toke
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ...errors import BatchError
 from ...families.base import ConvSpec
+from ...resolve.planner import PlannedPart
+from ...resolve.weights import AdapterWeights
+from ..runtime.path import RuntimePath
 from ..runtime.skinny import skinny_linear
 from .persample import PairFactors, SampleKey, pair_for, part_strength_for, row_gates, sample_keys
 from .region import token_weights
-from .rows import RootProbe, sample_runs
+from .rows import RootCall, RootProbe, sample_runs
 
 # Below this many (tokens per run x total rank), per-row gating of the whole pair replaces per-run GEMMs.
 GATED_MAX_TOKEN_RANKS = 16384
+
+Runs = Sequence[tuple[slice, SampleKey | None]]  # rows of a layer's input and their set (None: the handle's)
+Weights = dict[str, torch.Tensor | float]  # region weight per adapter name (per token, or a number)
+Strength = Callable[[PlannedPart], float]
+
+
+class WrittenLayer(Protocol):
+    """A layer whose weight (or quantized storage) holds adapter terms."""
+
+    @property
+    def adapters(self) -> set[str]: ...
 
 
 class Mix:
     """The per-sample sets and regions of one handle, and the per-layer caches they need."""
 
-    def __init__(self, roots: dict[str, torch.nn.Module], names: dict[int, str], settings: dict) -> None:
+    def __init__(
+        self, roots: dict[str, torch.nn.Module], names: dict[int, str], settings: Mapping[str, AdapterWeights]
+    ) -> None:
         self.probe = RootProbe(roots)
         self.root_class = {name: type(root).__name__ for name, root in roots.items()}
         self.names = names  # id(path) -> "component.module", for messages
@@ -37,12 +54,17 @@ class Mix:
         self.keys: list[SampleKey] | None = None
         self.exact = False  # per-run own-set GEMMs only (no gated short-run form): see `batch`
         self.regions: dict[str, torch.Tensor] = {}
-        self._pairs: dict[tuple, PairFactors | None] = {}
-        self._runs: dict[tuple, list[tuple[slice, SampleKey]]] = {}
-        self._weights: dict[tuple, torch.Tensor | float] = {}
-        self._gates: dict[tuple, torch.Tensor] = {}
+        self._pairs: dict[tuple[int, SampleKey | None, torch.device, torch.dtype], PairFactors | None] = {}
+        self._runs: dict[tuple[str, RootCall | None, int], list[tuple[slice, SampleKey]]] = {}
+        self._weights: dict[
+            tuple[str, str, RootCall | None, tuple[int, ...], bool, torch.device, torch.dtype],
+            torch.Tensor | float,
+        ] = {}
+        self._gates: dict[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] = {}
 
-    def set_batch(self, assignments, strengths, known: dict[str, float], exact: bool = False) -> None:
+    def set_batch(
+        self, assignments: object, strengths: object, known: Mapping[str, float], exact: bool = False
+    ) -> None:
         self.keys = sample_keys(assignments, strengths, known)
         self.exact = bool(exact)
         self._pairs.clear()
@@ -70,19 +92,19 @@ class Mix:
     def remove(self) -> None:
         self.probe.remove()
 
-    def _component(self, path) -> str:
+    def _component(self, path: RuntimePath) -> str:
         return path.contributions[0][0].component
 
-    def _runs_for(self, path, rows: int) -> list[tuple[slice, SampleKey]]:
+    def _runs_for(self, path: RuntimePath, rows: int, keys: list[SampleKey]) -> list[tuple[slice, SampleKey]]:
         comp = self._component(path)
         call = self.probe.calls.get(comp)
         cache = (comp, call, rows)
         if cache not in self._runs:
             runs: list[tuple[slice, SampleKey]] = []
             for start, stop, sample in sample_runs(
-                call, rows, len(self.keys), self.names.get(id(path), "a layer")
+                call, rows, len(keys), self.names.get(id(path), "a layer")
             ):
-                key = self.keys[sample]
+                key = keys[sample]
                 if runs and runs[-1][1] == key and runs[-1][0].stop == start:
                     runs[-1] = (slice(runs[-1][0].start, stop), key)  # neighbours with one set: one segment
                 else:
@@ -90,13 +112,13 @@ class Mix:
             self._runs[cache] = runs
         return self._runs[cache]
 
-    def _weights_for(self, path, out: torch.Tensor) -> dict[str, torch.Tensor | float]:
+    def _weights_for(self, path: RuntimePath, out: torch.Tensor) -> Weights:
         names = [n for n in self.regions if n in path.adapters]
         if not names:
             return {}
         comp = self._component(path)
         call = self.probe.calls.get(comp)
-        found = {}
+        found: Weights = {}
         for name in names:
             cache = (name, comp, call, tuple(out.shape[1:]), path.channels_first, out.device, out.dtype)
             if cache not in self._weights:
@@ -112,7 +134,7 @@ class Mix:
             found[name] = self._weights[cache]
         return found
 
-    def _pair(self, path, key: SampleKey | None, out: torch.Tensor) -> PairFactors | None:
+    def _pair(self, path: RuntimePath, key: SampleKey | None, out: torch.Tensor) -> PairFactors | None:
         cache = (id(path), key, out.device, out.dtype)
         if (
             key is None
@@ -122,23 +144,25 @@ class Mix:
             self._pairs[cache] = pair_for(path, key, self.settings, out.device, out.dtype)
         return self._pairs[cache]
 
-    def add(self, path, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    def add(self, path: RuntimePath, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """RuntimePath.add_path while this mix is set: every term, per run of rows and per token."""
         out = output if path.inplace_ok(output) else output.clone()
         self._each(path, x, out, fresh=False)
         return out
 
-    def fused_linear(self, path, x: torch.Tensor) -> torch.Tensor:
+    def fused_linear(self, path: RuntimePath, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
         """A plain Linear's forward with each run's low-rank term in the GEMM's accumulator, as the fused path
         does: out[run] = bias + h_run·Uₛᵀ (written once), then out += x·Wᵀ (one pass over the output
         fewer)."""
         out = x.new_empty(*x.shape[:-1], path.out)
         self._each(path, x, out, fresh=True)
-        out.view(-1, path.out).addmm_(x.reshape(-1, x.shape[-1]), path.module.weight.t())
+        out.view(-1, path.out).addmm_(x.reshape(-1, x.shape[-1]), linear.weight.t())
         return out
 
-    def _each(self, path, x: torch.Tensor, out: torch.Tensor, fresh: bool) -> None:
-        runs = [(slice(None), None)] if self.keys is None else self._runs_for(path, x.shape[0])
+    def _each(self, path: RuntimePath, x: torch.Tensor, out: torch.Tensor, fresh: bool) -> None:
+        runs: Runs = (
+            [(slice(None), None)] if self.keys is None else self._runs_for(path, x.shape[0], self.keys)
+        )
         if self.exact and len({key for _, key in runs}) > 1:
             self._each_set(path, x, out, runs, fresh)
             return
@@ -150,23 +174,25 @@ class Mix:
             weights = self._weights_for(path, outs) if key != () else {}
             _terms(self, path, x[rows], outs, key, weights, fresh and not gated, pair_done=gated)
 
-    def _each_set(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> None:
+    def _each_set(
+        self, path: RuntimePath, x: torch.Tensor, out: torch.Tensor, runs: Runs, fresh: bool
+    ) -> None:
         """`exact`, several sets: each set's terms over every row, as a lone apply of it computes them (the
         same shapes, so the same CPU kernels: BLAS and oneDNN round by row count), kept on that set's rows
         only. Costs a low-rank pass over all rows per set (the gated form's FLOPs) and one output-sized
         buffer."""
         base = None if fresh else out.clone()
-        buffer = out.new_empty(out.shape) if fresh else None
+        buffer = out.new_empty(out.shape) if base is None else base  # not fresh: a copy of base per set
         for key in dict.fromkeys(key for _, key in runs):
             if key == () and not fresh:
                 continue  # a sample without adapters: the base output as it is
-            buffer = buffer if fresh else base.clone()
+            buffer = buffer if base is None else base.clone()
             _terms(self, path, x, buffer, key, self._weights_for(path, buffer) if key != () else {}, fresh)
             for rows, mine in runs:
                 if mine == key:
                     out[rows] = buffer[rows]
 
-    def _gated(self, path, x: torch.Tensor, out: torch.Tensor, runs: list, fresh: bool) -> bool:
+    def _gated(self, path: RuntimePath, x: torch.Tensor, out: torch.Tensor, runs: Runs, fresh: bool) -> bool:
         """Short runs (modulation inputs (B, C), few tokens): one pass of the whole rank-concatenated pair
         with a per-row gate beats a few small GEMMs per run. Returns whether it ran (then only other terms
         remain)."""
@@ -178,19 +204,28 @@ class Mix:
         cache = (id(path), runs[0][0].stop, x.shape[0], out.device, out.dtype)
         if cache not in self._gates:
             self._gates[cache] = row_gates(path, runs, self.settings, x.shape[0], out.device, out.dtype)
-        down, up, _ = path.factors_for(out.device, out.dtype)
+        down, up, scale = path.factors_for(out.device, out.dtype)
         h = skinny_linear(x, down)
         h.view(x.shape[0], -1, h.shape[-1]).mul_(self._gates[cache][:, None, :])
         pair = pair_for(path, None, self.settings, out.device, out.dtype)
+        assert pair is not None  # path.down is set (checked above): the handle's whole pair
         _weigh(h, pair, self._weights_for(path, out), channels_first=False)
-        if fresh:
-            _init_linear(path, x, out, PairFactors(down, up, None, []), {}, h=h)
+        if fresh:  # h is formed and weighed: only the pair's factors are read
+            _init_linear(path, x, out, PairFactors(down, up, scale, []), {}, h=h)
         else:
             out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), up.t())
         return True
 
 
-def _put(path, out: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: float, weight) -> None:
+def _put(
+    path: RuntimePath,
+    out: torch.Tensor,
+    value: torch.Tensor,
+    dst: int,
+    n: int,
+    alpha: float,
+    weight: torch.Tensor | float | None,
+) -> None:
     """out[rows] += alpha·weight·value in place (weight: per token, per pixel or a number)."""
     if weight is not None and not (isinstance(weight, float) and weight == 1.0):
         value = value * weight
@@ -200,18 +235,18 @@ def _put(path, out: torch.Tensor, value: torch.Tensor, dst: int, n: int, alpha: 
 
 def _terms(
     mix: Mix,
-    path,
+    path: RuntimePath,
     x: torch.Tensor,
     out: torch.Tensor,
     key: SampleKey | None,
-    weights: dict,
+    weights: Weights,
     fresh: bool = False,
     pair_done: bool = False,
 ) -> None:
     """Add the set's terms to `out`; `fresh`: `out` is uninitialised and gets bias + low-rank term first (a
     fused plain Linear, whose paths have no terms that read the base output); `pair_done`: the low-rank pair
     is in."""
-    strength = lambda pp: part_strength_for(path, pp, key, mix.settings)  # noqa: E731
+    strength: Strength = lambda pp: part_strength_for(path, pp, key, mix.settings)  # noqa: E731
     spec = ConvSpec(path.conv, path.conv_args()) if path.conv else None
     if path.base_fns:  # computed from the base output before anything is added to these rows
         _add_base_terms(path, x, out, spec, strength, weights)
@@ -225,14 +260,21 @@ def _terms(
     _add_other_terms(path, x, out, spec, strength, weights)
 
 
-def _add_base_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, weights: dict) -> None:
+def _add_base_terms(
+    path: RuntimePath,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    spec: ConvSpec | None,
+    strength: Strength,
+    weights: Weights,
+) -> None:
     """The terms that read the layer's base output (without bias): all computed before any is added."""
     base = out
     bias = getattr(path.module, "bias", None)
     if isinstance(bias, torch.Tensor):
         b = bias.to(out.device, out.dtype)
         base = out - (b.view(-1, *([1] * (out.dim() - 2))) if path.channels_first else b)
-    found = []
+    found: list[tuple[PlannedPart, torch.Tensor, int, int, float]] = []
     for t in path.base_fns:
         pp, dst, n, fn = t.part, t.dst, t.rows, t.fn
         s = strength(pp)
@@ -247,7 +289,14 @@ def _add_base_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, we
         _put(path, out, value, dst, n, alpha, weights.get(pp.adapter.name))
 
 
-def _add_other_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, weights: dict) -> None:
+def _add_other_terms(
+    path: RuntimePath,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    spec: ConvSpec | None,
+    strength: Strength,
+    weights: Weights,
+) -> None:
     """The dense, function and bias terms (those that read only x), each at its part's strength."""
     for t in path.dense:
         pp, dst, n = t.part, t.dst, t.rows
@@ -256,11 +305,11 @@ def _add_other_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, w
             (d,) = t.cache.to(out.device, out.dtype)
             value = path.conv(x, d, None, **path.conv_args()) if path.conv else F.linear(x, d)
             _put(path, out, value, dst, n, s * pp.scale, weights.get(pp.adapter.name))
-    for t in path.fns:
-        pp, dst, n, fn = t.part, t.dst, t.rows, t.fn
+    for f in path.fns:
+        pp, dst, n, fn = f.part, f.dst, f.rows, f.fn
         s = strength(pp)
         if s != 0.0:
-            value, alpha = (fn(x, spec), s * pp.scale) if t.linear else (fn(x, spec, None, s, pp.scale), 1.0)
+            value, alpha = (fn(x, spec), s * pp.scale) if f.linear else (fn(x, spec, None, s, pp.scale), 1.0)
             _put(path, out, value, dst, n, alpha, weights.get(pp.adapter.name))
     for t in path.biases:
         pp, dst, n = t.part, t.dst, t.rows
@@ -271,7 +320,9 @@ def _add_other_terms(path, x: torch.Tensor, out: torch.Tensor, spec, strength, w
             _put(path, out, b, dst, n, s * pp.scale, weights.get(pp.adapter.name))
 
 
-def _add_pair(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors, weights: dict) -> None:
+def _add_pair(
+    path: RuntimePath, x: torch.Tensor, out: torch.Tensor, pair: PairFactors, weights: Weights
+) -> None:
     """out += (x·Dᵀ·diag(scale) ⊙ region weights)·Uᵀ: region weights act on h (linear in it), per token."""
     if path.conv:
         h = path.conv(x, pair.down, None, **path.conv_args())
@@ -288,16 +339,17 @@ def _add_pair(path, x: torch.Tensor, out: torch.Tensor, pair: PairFactors, weigh
 
 
 def _init_linear(
-    path,
+    path: RuntimePath,
     x: torch.Tensor,
     out: torch.Tensor,
     pair: PairFactors | None,
-    weights: dict,
+    weights: Weights,
     h: torch.Tensor | None = None,
 ) -> None:
     """out = bias + (x·Dᵀ·diag(scale) ⊙ weights)·Uᵀ, written in one GEMM (out: a contiguous run,
     uninitialised); `h` given: the weighted x·Dᵀ already formed."""
-    bias, o2 = path.module.bias, out.view(-1, out.shape[-1])
+    bias: torch.Tensor | None = getattr(path.module, "bias", None)  # a plain Linear's: always set
+    o2 = out.view(-1, out.shape[-1])
     if pair is None:
         o2.copy_(bias.expand_as(o2)) if bias is not None else o2.zero_()
         return
@@ -313,7 +365,7 @@ def _init_linear(
     )  # RuntimePath's fused kernels, for exactness
 
 
-def _weigh(h: torch.Tensor, pair: PairFactors, weights: dict, channels_first: bool) -> None:
+def _weigh(h: torch.Tensor, pair: PairFactors, weights: Weights, channels_first: bool) -> None:
     for start, stop, name in pair.segments:
         w = weights.get(name)
         if w is None or (isinstance(w, float) and w == 1.0):
@@ -322,15 +374,16 @@ def _weigh(h: torch.Tensor, pair: PairFactors, weights: dict, channels_first: bo
         cols.mul_(w)
 
 
-def require_runtime(written: Iterable, names, error: type[Exception], what: str) -> None:
+def require_runtime(
+    written: Iterable[WrittenLayer], names: Collection[str], error: type[Exception], what: str
+) -> None:
     """Refuse adapters merged (or written into quantized storage) anywhere: a merged term cannot vary per row.
     `written`: the layers whose weights hold adapter terms (each with its `adapters`)."""
-    written = [m for m in written if m.adapters & set(names)]
-    if written:
-        which = sorted({n for m in written for n in m.adapters} & set(names))
+    hit = [m for m in written if m.adapters & set(names)]
+    if hit:
+        which = sorted({n for m in hit for n in m.adapters} & set(names))
         raise error(
-            f"{what}: adapter(s) {which} are merged into {len(written)} layers; apply them with "
-            f"mode='runtime'"
+            f"{what}: adapter(s) {which} are merged into {len(hit)} layers; apply them with mode='runtime'"
         )
 
 
@@ -338,8 +391,8 @@ def mix_for(
     mix: Mix | None,
     roots: dict[str, torch.nn.Module],
     names: dict[int, str],
-    paths: Iterable,
-    settings: dict,
+    paths: Iterable[RuntimePath],
+    settings: Mapping[str, AdapterWeights],
 ) -> Mix:
     """`mix`, or a new one when None, (re)attached to every runtime path in `paths` (`names`: id(path) ->
     "component.module"; `settings`: the live AdapterWeights by adapter name)."""
@@ -355,7 +408,7 @@ def mix_for(
     return mix
 
 
-def release(mix: Mix | None, paths: Iterable, active: bool) -> Mix | None:
+def release(mix: Mix | None, paths: Iterable[RuntimePath], active: bool) -> Mix | None:
     """Detach `mix` from `paths` once it has neither a batch nor a region (or its adapters are gone): paths
     return to their plain forward. Returns the mix still in use, or None."""
     if mix is not None and (mix.idle or not active):
@@ -366,7 +419,7 @@ def release(mix: Mix | None, paths: Iterable, active: bool) -> Mix | None:
     return mix
 
 
-def check_batch(active: bool, exact, mix: Mix | None) -> None:
+def check_batch(active: bool, exact: object, mix: Mix | None) -> None:
     """Refusals before a per-sample batch opens."""
     if not active:
         raise BatchError("handle was removed")

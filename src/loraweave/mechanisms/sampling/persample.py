@@ -142,7 +142,7 @@ def pair_for(
 
 def row_gates(
     path: RuntimePath,
-    runs: list[tuple[slice, SampleKey]],
+    runs: Sequence[tuple[slice, SampleKey | None]],
     settings: Mapping[str, AdapterWeights],
     rows: int,
     device: torch.device,
@@ -150,7 +150,7 @@ def row_gates(
 ) -> torch.Tensor:
     """(rows, R): each row's coefficient for every rank of the layer's whole pair (0 outside its sample's
     set)."""
-    per_key: dict[SampleKey, torch.Tensor] = {}
+    per_key: dict[SampleKey | None, torch.Tensor] = {}
     rank = path.down.shape[0] if path.down is not None else 0  # called only for a layer with a pair
     gates = torch.zeros(rows, rank, dtype=torch.float32)
     for run, key in runs:
