@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from .engine.decide import refuse
@@ -75,7 +75,7 @@ def apply(
     undo_on_device: bool = False,
     allow_empty: bool = False,
     compile_friendly: bool = False,
-    rank_buckets: Iterable[int] | None = None,
+    rank_buckets: Sequence[int] | None = None,
 ) -> Handle:
     """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
 

@@ -123,10 +123,10 @@ def byte_size(value: object, label: str, allow_zero: bool = False) -> int:
                 f"{label} must be bytes (an int) or a size such as '8GB', '512MiB', got {value!r}"
             )
         base = 1024 if m[3] else 1000
-        value = float(m[1]) * base ** _POWERS[m[2].lower()]
-        if not math.isfinite(value):
-            raise ArgumentError(f"{label} must be a finite size, got {value!r}")
-        value = int(value)
+        size = float(m[1]) * base ** _POWERS[m[2].lower()]
+        if not math.isfinite(size):
+            raise ArgumentError(f"{label} must be a finite size, got {size!r}")
+        value = int(size)
     if (
         isinstance(value, bool)
         or not isinstance(value, Integral)

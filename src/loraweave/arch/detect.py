@@ -81,7 +81,9 @@ def _order(t: _Tables, arch: str) -> int:
 def _family_kind(t: _Tables, family: str, adapter: Adapter, why: str) -> tuple[str, str] | None:
     """(release, evidence) a family's width names: the first part its pattern matches with a known width."""
     widths = t.family_widths.get(family)
-    found = _width_of(adapter, widths.pattern, widths.names) if widths else None
+    if widths is None:
+        return None
+    found = _width_of(adapter, widths.pattern, widths.names)
     return (widths.names[found[0]], f"{why} {found[0]} ({found[1]})") if found else None
 
 
@@ -140,7 +142,8 @@ def _fold_shared(
             owner = widths.names.get(found[0]) if found else None
             why = f"hidden width {found[0]} ({found[1]})" if found else why
             other = _width_of(adapter, widths.same_width) if found and widths.same_width else None
-            owner = None if other and other[0] != found[0] else owner  # e.g. Cosmos: 1024-wide text at 2048
+            # e.g. Cosmos: 1024-wide text at 2048
+            owner = None if other and found and other[0] != found[0] else owner
         if owner not in (None, shared) and shared in scores:
             _move(scores, first, shared, owner)
             out.append((owner, why))

@@ -126,10 +126,9 @@ class ArchTable:
 def module_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
     """Logical weight shape (out, in, *kernel); quantized linears pack their storage, so ask the module
     first."""
-    if isinstance(getattr(module, "out_features", None), int) and isinstance(
-        getattr(module, "in_features", None), int
-    ):
-        return (module.out_features, module.in_features)
+    out_features, in_features = getattr(module, "out_features", None), getattr(module, "in_features", None)
+    if isinstance(out_features, int) and isinstance(in_features, int):
+        return (out_features, in_features)
     import torch  # loaded by then: only live modules reach here
 
     weight = getattr(module, "weight", None)
@@ -158,9 +157,9 @@ def _pattern_regex(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
 
 
-def _interleaved(alias: Alias, paths: list[str], rows: list[int]) -> list[Piece] | None:
-    """Pieces of an interleaved alias: chunk h of each target in turn; None when the targets do not tile."""
-    k = alias.interleave
+def _interleaved(alias: Alias, k: int, paths: list[str], rows: list[int]) -> list[Piece] | None:
+    """Pieces of an interleaved alias (chunks of `k` rows): chunk h of each target in turn; None when the
+    targets do not tile."""
     if any(isinstance(t, Rows) for t in alias.targets) or len(set(rows)) != 1 or rows[0] % k:
         return None
     return [
@@ -175,11 +174,12 @@ def _pieces(alias: Alias, i: str | None, modules: dict[str, torch.nn.Module]) ->
     paths = [
         _target_module(t).replace("{i}", i) if i is not None else _target_module(t) for t in alias.targets
     ]
-    rows = [out_rows(modules[p]) if p in modules else None for p in paths]
-    if None in rows:
+    found = [out_rows(modules[p]) if p in modules else None for p in paths]
+    rows = [n for n in found if n is not None]
+    if len(rows) < len(found):
         return None  # this variant lacks one target: the alias does not exist here
     if alias.interleave:
-        return _interleaved(alias, paths, rows)
+        return _interleaved(alias, alias.interleave, paths, rows)
     pieces, src = [], 0
     for target, path, n in zip(alias.targets, paths, rows, strict=True):
         if isinstance(target, Rows):

@@ -59,11 +59,15 @@ def _children(block: torch.nn.Module, attr: str) -> list[torch.nn.Module]:
     return list(getattr(block, attr, None) or [])
 
 
+def _module_list(module: torch.nn.Module, attr: str) -> torch.nn.ModuleList:
+    return getattr(module, attr)  # Module.__getattr__ is typed Tensor | Module; diffusers holds a ModuleList
+
+
 def _block_pairs(unet: torch.nn.Module) -> Iterator[_Pair]:
     n = 1  # input_blocks.0 is conv_in
-    for i, block in enumerate(unet.down_blocks):
+    for i, block in enumerate(_module_list(unet, "down_blocks")):
         attentions = _children(block, "attentions")
-        for j in range(len(block.resnets)):
+        for j in range(len(_module_list(block, "resnets"))):
             yield f"input_blocks.{n}.0", f"down_blocks.{i}.resnets.{j}", _RESNET
             if j < len(attentions):
                 yield f"input_blocks.{n}.1", f"down_blocks.{i}.attentions.{j}", None
@@ -77,7 +81,7 @@ def _block_pairs(unet: torch.nn.Module) -> Iterator[_Pair]:
         # middle_block interleaves resnets.0, attentions.0, resnets.1, attentions.1, ...
         mid_attentions = _children(mid, "attentions")
         n = 0
-        for j in range(len(mid.resnets)):
+        for j in range(len(_module_list(mid, "resnets"))):
             yield f"middle_block.{n}", f"mid_block.resnets.{j}", _RESNET
             n += 1
             if j < len(mid_attentions):
@@ -85,10 +89,10 @@ def _block_pairs(unet: torch.nn.Module) -> Iterator[_Pair]:
                 n += 1
 
     n = 0
-    for i, block in enumerate(unet.up_blocks):
+    for i, block in enumerate(_module_list(unet, "up_blocks")):
         attentions = _children(block, "attentions")
-        last = len(block.resnets) - 1
-        for j in range(len(block.resnets)):
+        last = len(_module_list(block, "resnets")) - 1
+        for j in range(len(_module_list(block, "resnets"))):
             yield f"output_blocks.{n}.0", f"up_blocks.{i}.resnets.{j}", _RESNET
             if j < len(attentions):
                 yield f"output_blocks.{n}.1", f"up_blocks.{i}.attentions.{j}", None

@@ -105,7 +105,7 @@ def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: f
     refuse(make_report(both, "merge", [], unmatched, t0), strict)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
     new_clip = None
-    if clip is not None:
+    if clip_plan is not None:  # planned exactly when a CLIP is given
         new_clip = clip.clone()
         new_clip.patcher, clip_applied, clip_refused = add_to_clone(clip.patcher, clip_plan, strength_clip)
         applied, refused = applied + clip_applied, refused + clip_refused

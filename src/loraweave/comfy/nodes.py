@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from comfy_api.latest import io, ui
 
 from ..errors import LoraweaveError
-from ..modes import APPLY_MODES, STACK_MODES
+from ..modes import APPLY_MODES, STACK_MODES, ApplyMode
 from .lora_files import (
     NONE,
     file_fingerprint,
@@ -120,7 +120,7 @@ class LoraFileNode(io.ComfyNode):
 
 
 def load_one(
-    model, clip, lora_name: str, strength_model: float, strength_clip: float, mode: str, strict: bool
+    model, clip, lora_name: str, strength_model: float, strength_clip: float, mode: ApplyMode, strict: bool
 ):
     """(model, clip, report text) from c1's load_lora_for_models on the named file; clones, inputs
     untouched."""
@@ -280,7 +280,10 @@ class LoraWeaveStepWindow(LoraFileNode):
         )
 
     @classmethod
-    def validate_inputs(cls, lora_name: str, start_percent: float, end_percent: float) -> bool | str:
+    # ComfyUI passes each node the inputs its own signature names: the override narrows by design
+    def validate_inputs(  # type: ignore[override]
+        cls, lora_name: str, start_percent: float, end_percent: float
+    ) -> bool | str:
         if start_percent > end_percent:
             return f"start_percent {start_percent} is after end_percent {end_percent}"
         return validation_message(lora_name)

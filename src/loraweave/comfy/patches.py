@@ -100,7 +100,7 @@ def adapter_class() -> type:
     """The WeightAdapterBase subclass, made on first use (ComfyUI is imported lazily, never by `import
     loraweave`)."""
 
-    class LoraweaveWeightAdapter(weight_adapter_base()):
+    class LoraweaveWeightAdapter(weight_adapter_base()):  # type: ignore[misc]  # ComfyUI's class, untyped
         """loraweave's planned parts for one ComfyUI weight (or bias) slice."""
 
         name = "loraweave"
@@ -110,7 +110,8 @@ def adapter_class() -> type:
             self.terms = terms
             self.bias = bias
             self.loaded_keys = {k for pp, _ in terms for k in pp.part.keys}
-            self.weights = []  # no factor list of ComfyUI's kind: the factors live in the planned parts
+            # no factor list of ComfyUI's kind: the factors live in the planned parts
+            self.weights: list[object] = []
 
         def calculate_weight(
             self,
@@ -220,9 +221,11 @@ def add_to_clone(patcher, plan: Plan, strength: float) -> tuple[object, list[App
     clone = patcher.clone()
     if strength == 0.0:  # as ComfyUI's loader: a zero strength adds nothing
         return clone, [], misses
-    accepted = set(clone.add_patches({**patches, **params}, strength))
-    for key, delta in objects.items():
-        _object_patch(clone, key, delta, strength)
+    every: dict[PatchKey, object] = {**patches}
+    every.update(params.items())
+    accepted = set(clone.add_patches(every, strength))
+    for param_key, delta in objects.items():
+        _object_patch(clone, param_key, delta, strength)
     accepted |= set(objects)
     applied: dict[tuple[str, str], set[str]] = {}
     for key, (component, module, parts) in carried.items():

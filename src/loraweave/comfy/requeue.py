@@ -108,7 +108,7 @@ def _restrengthened_path(rp: RuntimePath, mapping: dict[int, PlannedPart]) -> Ru
     """A copy of `rp` sharing its factor tensors, with its own scales, casts and hook, bound to `mapping`."""
     path = copy.copy(rp)
     path.gates, path.hook, path.active, path.mix = dict(rp.gates), None, False, None
-    path._factor_cast = CastCache(rp.down, rp.up) if rp.down is not None else None
+    path._factor_cast = CastCache(rp.down, rp.up) if rp.down is not None and rp.up is not None else None
     path._scale_cast = CastCache(rp.scale.clone())
     path.dense = [dataclasses.replace(e, cache=CastCache(*e.cache.tensors)) for e in rp.dense]
     path.biases = [dataclasses.replace(e, cache=CastCache(*e.cache.tensors)) for e in rp.biases]

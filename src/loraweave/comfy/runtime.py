@@ -31,12 +31,14 @@ import torch
 
 from ..engine.decide import refuse
 from ..engine.install import make_report
-from ..mechanisms.merge.layer import Contribution
 from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
+from ..modes import ApplyMode
 from ..report.coverage import warn_incomplete
 from ..report.miss import Miss, Unmatched
 from ..report.report import AppliedModule, Report
-from ..resolve.planner import Plan
+from ..resolve.params import PlannedParam
+from ..resolve.planner import Plan, PlannedPart
+from ..resolve.stacking import Contribution
 from .holder import FactorHolder
 
 log = logging.getLogger("loraweave")
@@ -102,6 +104,7 @@ class RuntimeState:
 
     @property
     def holder(self) -> FactorHolder:
+        assert self.factors is not None  # set by __post_init__
         return self.factors.holder
 
     def on_model_patcher_clone(self) -> RuntimeState:
@@ -192,6 +195,7 @@ def install_state(patcher, state: RuntimeState, wrapper: Callable | None = None)
 
     patcher.set_attachments(KEY, state)
     patcher.set_injections(KEY, [PatcherInjection(inject=state.inject, eject=state.eject)])
+    assert state.factors is not None  # set by RuntimeState.__post_init__
     patcher.set_additional_models(KEY, [state.factors.patcher_for(patcher)])
     patcher.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
     if wrapper is not None:
@@ -267,12 +271,13 @@ def joint_misses(
 
 
 def joint_report(
-    plans: Sequence[Plan], mode: str, applied: list[AppliedModule], refused: list[Unmatched], t0: float
+    plans: Sequence[Plan], mode: ApplyMode, applied: list[AppliedModule], refused: list[Unmatched], t0: float
 ) -> Report:
     """One report for adapters planned on several patchers (model, CLIP): a key landed when some plan placed
     it and nothing `refused` it afterwards; every other key of each adapter is a miss, named once."""
     joint = joint_plan(plans)
-    placed = {(pp.adapter.name, k) for pp in (*joint.planned, *joint.params) for k in pp.part.keys}
+    parts: list[PlannedPart | PlannedParam] = [*joint.planned, *joint.params]
+    placed = {(pp.adapter.name, k) for pp in parts for k in pp.part.keys}
     landed = placed - {(u.adapter, u.key) for u in refused}
     report = make_report(joint, mode, applied, joint_misses(plans, joint, landed, refused), t0)
     for summary in report.adapters:
@@ -318,6 +323,7 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     new_model, _ = stacked_clone(model, [], states[0])
     new_clip = clip.clone() if clip is not None else None
     if len(states) > 1:  # a CLIP nothing lands on keeps no state of ours
+        assert new_clip is not None  # a second state is the CLIP's
         new_clip.patcher, _ = stacked_clone(clip.patcher, [], states[1])
     report = entry_report(plans, states, t0)
     refuse(report, strict)

@@ -81,7 +81,9 @@ def record(arch: str) -> dict | None:
     from ..arch.catalog import CATALOG
 
     entry = CATALOG.get(arch)
-    cls = getattr(diffusers, entry.cls, None) if entry is not None else None
+    if entry is None:
+        return None
+    cls = getattr(diffusers, entry.cls, None)
     if cls is None:
         return None
     with torch.device("meta"):
@@ -125,7 +127,9 @@ def rebuild(
     """The tree of a description (`data["tree"]`), block chains at `depths` ({chain path: count}), weights
     resized by `widths`."""
     root = _build(data["tree"], "", depths or {}, widths)
-    root.config = SimpleNamespace(**(config if config is not None else data["config"]))
+    # torch types a Module's attributes as Tensor | Module; diffusers reads a plain `config` here
+    fields = config if config is not None else data["config"]
+    root.config = SimpleNamespace(**fields)  # type: ignore[assignment]
     return root
 
 

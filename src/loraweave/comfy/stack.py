@@ -28,11 +28,11 @@ from ..arch.blocks import chain_lengths, detect_block_arch, weights_for_modules
 from ..arguments import number
 from ..engine.decide import check_strengths, refuse
 from ..errors import ArgumentError
-from ..mechanisms.merge.layer import Contribution
 from ..modes import SELECT_MODES, STACK_MODES, StackMode
 from ..report.report import Report
-from ..resolve.planner import Plan
-from ..resolve.stacking import combine_groups
+from ..resolve.params import PlannedParam
+from ..resolve.planner import Plan, PlannedPart
+from ..resolve.stacking import Contribution, combine_groups
 from .runtime import (
     RuntimeEntry,
     entry_report,
@@ -128,8 +128,9 @@ def comfy_block_weights(patcher, value) -> tuple[dict[str, float], float]:
 
 def weigh_blocks(plan: Plan, weights: dict[str, float], base: float) -> None:
     """Multiply every planned part's strength by its block's weight (text encoders: pass `weights` empty)."""
-    for pp in (*plan.planned, *plan.params):
-        module = pp.pieces[0].module if hasattr(pp, "pieces") else pp.path
+    parts: list[PlannedPart | PlannedParam] = [*plan.planned, *plan.params]
+    for pp in parts:
+        module = pp.pieces[0].module if isinstance(pp, PlannedPart) else pp.path
         pp.strength *= weights.get(module, base)
 
 
@@ -143,7 +144,7 @@ def combined_plan(plans: Sequence[Plan], stack_mode: StackMode, density: float |
                 groups.setdefault((pp.component, piece.module), []).append(Contribution(pp, piece))
         joint.params += plan.params
     combined = combine_groups(groups, plans[0].components.modules, stack_mode, density)
-    seen: dict[int, object] = {}
+    seen: dict[int, PlannedPart] = {}
     for contribs in combined.values():
         for pp, _ in contribs:
             seen.setdefault(id(pp), pp)

@@ -28,6 +28,7 @@ from ..formats.adapter import Adapter
 from ..formats.keys import DENOISER_NAMES
 from ..report.miss import Miss, Unmatched
 from ..report.report import failures
+from ..resolve.params import PlannedParam
 from ..resolve.planner import Plan, PlannedPart, resolve
 from ..resolve.target import Components
 from ..tools.remap import Spans, original_fit, translate
@@ -181,9 +182,14 @@ def _side(adapter: Adapter, text_encoders: bool) -> Adapter:
     return out
 
 
-def _no_such_module(pp: PlannedPart, module: str) -> list[Unmatched]:
+def _no_such_module(pp: PlannedPart | PlannedParam, module: str) -> list[Unmatched]:
     miss = Miss("no_such_module", f"no such module in ComfyUI's model: {module}")
     return [Unmatched(pp.adapter.name, key, miss) for key in pp.part.keys]
+
+
+def _placed_keys(plan: Plan) -> set[str]:
+    parts: list[PlannedPart | PlannedParam] = [*plan.planned, *plan.params]
+    return {k for item in parts for k in item.part.keys}
 
 
 def _original_params(tree: torch.nn.Module) -> dict[str, str]:
@@ -250,7 +256,7 @@ def _by_comfy_names(
     again.parts, again.unparsed = rest, []
     second = resolve(Components({"transformer": live}), [(again, strength)])
     second = _onto_comfy(second, DENOISER_PREFIX, live, {}, adapter)
-    landed = {k for item in (*second.planned, *second.params) for k in item.part.keys}
+    landed = _placed_keys(second)
     plan.unmatched = [u for u in plan.unmatched if u.key not in landed]
     plan.planned += second.planned
     plan.params += second.params
@@ -276,7 +282,7 @@ def _inner_components(
             if name and (rows := out_rows(module)) is not None
         }
         second = _onto_comfy(second, DENOISER_PREFIX, live, spans, adapter)
-        landed = {k for item in (*second.planned, *second.params) for k in item.part.keys}
+        landed = _placed_keys(second)
         plan.unmatched = [u for u in plan.unmatched if u.key not in landed]
         plan.planned += second.planned
         plan.params += second.params
@@ -316,7 +322,7 @@ def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: b
     if found is None:
         plan = resolve(Components({"transformer": live}), [(side, strength)])
         plan = _onto_comfy(plan, DENOISER_PREFIX, live, {}, adapter)
-        if arch is not None:  # a mapped architecture without its reference: say why keys missed
+        if arch is not None and why is not None:  # a mapped architecture without its reference: say why
             plan.unmatched = [dataclasses.replace(u, miss=u.miss.where(why)) for u in plan.unmatched]
     else:
         ref, spans = found

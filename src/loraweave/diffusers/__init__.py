@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -141,9 +141,10 @@ def enable(pipe: Pipe) -> Pipe:
         setattr(pipe, name, getattr(dropin, name))
     encode = wrap_encode_prompt(dropin, pipe)
     dropin.wrapped_encode = encode is not None
+    patched: Any = pipe  # any diffusers pipeline: the drop-in adds attributes of its own
     if encode is not None:
-        pipe.encode_prompt = encode
-    pipe.loraweave_reports = dropin.reports
+        patched.encode_prompt = encode
+    patched.loraweave_reports = dropin.reports
     setattr(pipe, ATTR, dropin)
     log.info("loraweave.diffusers enabled pipeline=%s components=%s", type(pipe).__name__, ",".join(loadable))
     return pipe

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import AdapterFileError, AdapterMetadataError, ArgumentTypeError, UnsafeFormatError
 from .alpha import MetadataAlpha, read_metadata_alpha
@@ -44,6 +44,14 @@ FAMILY_PRECEDENCE = (
 # File-wide spellings that change where names land (arch `Alias.when_file`). "diffsynth": some key carries
 # peft's `default` adapter name on lora_A/B, which is how diffusers tells DiffSynth-Studio's MiniMax-H3 files.
 FILE_TRAITS: dict[str, re.Pattern] = {"diffsynth": re.compile(r"\.lora_[AB]\.default\.weight$")}
+
+
+class TensorSource(Protocol):
+    """What an Adapter reads its tensors through: a SafetensorsFile, an in-memory state dict."""
+
+    def get(self, key: str) -> torch.Tensor: ...
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
 
 
 class _DictSource:
@@ -90,7 +98,7 @@ class Adapter:
     parts: list[AdapterPart]
     unparsed: list[dict]  # {key, reason}
     metadata: dict[str, str]
-    source: object
+    source: TensorSource
     path: str | None = None
     meta_alpha: MetadataAlpha = field(default_factory=MetadataAlpha)
 

@@ -32,6 +32,8 @@ def kohya_number(metadata: dict[str, str], field: str, source: str, value: objec
     raw = metadata.get(field) if value is None else value
     if raw is None or (isinstance(raw, str) and raw.strip() in ABSENT):
         return None
+    if not isinstance(raw, (str, int, float)):  # a JSON list or object from ss_network_args
+        raise AdapterMetadataError(source, field, f"is {raw!r}, not a number")
     try:
         out = float(raw)
     except (TypeError, ValueError, OverflowError):

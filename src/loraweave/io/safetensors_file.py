@@ -9,7 +9,7 @@ import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, overload
 
 from loraweave.errors import AdapterFileError
 
@@ -68,6 +68,7 @@ _PACKED_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 _MAX_ELEMENTS = 2**63 - 1  # the format's sizes are 64-bit; larger claims cannot describe real data
 
 Header = dict[str, tuple["torch.dtype | str", tuple[int, ...], int, int]]  # a packed dtype stays its name
+NamedHeader = dict[str, tuple[str, tuple[int, ...], int, int]]  # every dtype as its safetensors name
 
 
 def _is_int(value: Any) -> bool:
@@ -161,9 +162,21 @@ def _header_json(fail: Callable[[str], NoReturn], raw: bytes) -> dict:
     return parsed
 
 
+@overload
+def read_safetensors_header(
+    path: str | os.PathLike, names: Literal[False] = False
+) -> tuple[Header, dict[str, str], int]: ...
+
+
+@overload
+def read_safetensors_header(
+    path: str | os.PathLike, names: Literal[True]
+) -> tuple[NamedHeader, dict[str, str], int]: ...
+
+
 def read_safetensors_header(
     path: str | os.PathLike, names: bool = False
-) -> tuple[Header, dict[str, str], int]:
+) -> tuple[Header | NamedHeader, dict[str, str], int]:
     """Validate the header of `path`; return ({key: (dtype, shape, begin, end)}, metadata, data_start).
 
     begin/end are relative to data_start. Nothing sized by the file's claims is allocated
@@ -186,7 +199,7 @@ def read_safetensors_header(
 
     data_start = 8 + n
     data_size = file_size - data_start
-    header: Header = {key: _parse_entry(fail, key, entry) for key, entry in parsed.items()}
+    header: NamedHeader = {key: _parse_entry(fail, key, entry) for key, entry in parsed.items()}
 
     beyond = [(k, e[3]) for k, e in header.items() if e[3] > data_size]
     if beyond:
@@ -198,11 +211,12 @@ def read_safetensors_header(
 
     _check_coverage(fail, header, data_size)
     if not names:  # torch dtypes for callers that compute; names=True keeps torch unimported (inspect)
-        header = {key: (torch_dtype(e[0]), *e[1:]) for key, e in header.items()}
+        typed: Header = {key: (torch_dtype(e[0]), *e[1:]) for key, e in header.items()}
+        return typed, dict(metadata), data_start
     return header, dict(metadata), data_start
 
 
-def _check_coverage(fail: Callable[[str], NoReturn], header: Header, data_size: int) -> None:
+def _check_coverage(fail: Callable[[str], NoReturn], header: NamedHeader, data_size: int) -> None:
     """The tensors' byte ranges tile the data section exactly, as the safetensors reader requires: no gap, no
     overlap, no trailing byte. (A header length one byte off shows up here as a gap or a trailing byte.)"""
     prev_key, prev_end = None, 0
@@ -272,7 +286,7 @@ def _all_finite(buf, name: str, offset: int, count: int) -> bool:
     return not any(bool((np.bitwise_and(c, 0x7F80, out=scratch[: len(c)]) == 0x7F80).any()) for c in chunks)
 
 
-def _runs(header: Header) -> list[tuple[list[str], str, int, int]]:
+def _runs(header: NamedHeader) -> list[tuple[list[str], str, int, int]]:
     """([keys], dtype name, begin, end) of each maximal run of non-empty floating-point tensors of one dtype
     lying back to back in the data section, its start aligned for the dtype (no other tensor inside a run)."""
     runs: list[tuple[list[str], str, int, int]] = []

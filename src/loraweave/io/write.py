@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ COPY_CHUNK = 64 * 1024 * 1024  # bytes per read/write when copying raw tensor da
 
 def check_output(
     target: str | os.PathLike,
-    inputs: list[str | os.PathLike],
+    inputs: Sequence[str | os.PathLike],
     overwrite: bool = False,
     folder: bool = False,
 ) -> Path:
@@ -261,7 +261,7 @@ def save_file(
     tensors: dict[str, torch.Tensor],
     target: str | os.PathLike,
     metadata: dict[str, str] | None = None,
-    inputs: list[str | os.PathLike] = (),
+    inputs: Sequence[str | os.PathLike] = (),
     overwrite: bool = True,
 ) -> Path:
     """Write a small state dict atomically (adapters: convert, extract, resize)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import ArgumentError, ArgumentTypeError
@@ -52,7 +52,7 @@ def check_source(source: object) -> None:
         )
 
 
-def _identity(source: object) -> object:
+def _identity(source: object) -> tuple[str, str | int]:
     if isinstance(source, (str, os.PathLike)):
         try:
             return ("path", str(Path(source).resolve()))
@@ -74,9 +74,9 @@ def check_names(specs) -> None:
     warn_repeated([(spec.source, weights.strength) for spec, weights in specs])
 
 
-def warn_repeated(sources: list[tuple[object, float]]) -> None:
+def warn_repeated(sources: Sequence[tuple[object, float]]) -> None:
     """A WARNING per source given more than once: each use applies it again, so the effects add up."""
-    by_source: dict[object, list] = {}
+    by_source: dict[tuple[str, str | int], list[float]] = {}
     for source, strength in sources:
         by_source.setdefault(_identity(source), []).append(strength)
     for (kind, ident), strengths in by_source.items():

@@ -57,8 +57,9 @@ class Renderer:
         self.lock = threading.Lock()  # one thread touches the pipeline at a time (loads and renders)
         self.loaded: dict[str, int] = {}  # adapter set -> times loaded on this replica
         self.replica = _replica_id()
-        self.render_batch.set_max_batch_size(options.max_batch)
-        self.render_batch.set_batch_wait_timeout_s(options.batch_wait_s)
+        # ray's hints for @serve.batch return the plain coroutine function, not its wrapper with these setters
+        self.render_batch.set_max_batch_size(options.max_batch)  # type: ignore[attr-defined]
+        self.render_batch.set_batch_wait_timeout_s(options.batch_wait_s)  # type: ignore[attr-defined]
 
         async def load(adapter_set: str) -> str:  # a closure: Ray keeps its LRU on the function object
             return await self._load(adapter_set)
@@ -206,9 +207,10 @@ def _replica_id() -> str:
 def application(options: ServeOptions):
     """The bound application (ingress + renderers) for `serve.run`."""
     # Serve's default of 5 ongoing requests per replica would cap every batch below a larger max_batch.
-    renderer = Renderer.options(
+    # ray's hints for @serve.deployment on a class return the class, not the Deployment it builds (twice here)
+    renderer = Renderer.options(  # type: ignore[attr-defined]
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.cpus_per_replica},
         max_ongoing_requests=max(5, options.max_batch),
     )
-    return Ingress.bind(renderer.bind(options), options.lora_dir)
+    return Ingress.bind(renderer.bind(options), options.lora_dir)  # type: ignore[attr-defined]

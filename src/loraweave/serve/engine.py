@@ -14,12 +14,17 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..engine.decide import check_strengths
 from ..errors import ArgumentError, LoraweaveError, ServeRequestError
 from ..request.spec import AdapterSpec
+
+if TYPE_CHECKING:
+    from ..engine.handle import Handle
 
 log = logging.getLogger("loraweave")
 _SUFFIX = ".safetensors"
@@ -172,7 +177,7 @@ class AdapterStore(AdapterFolder):
         self.pipe, self.capacity = pipe, capacity
         self.resident: OrderedDict[str, Path] = OrderedDict()
         self.reports: dict[str, dict] = {}
-        self.handle = None
+        self.handle: Handle | None = None
         self.loads = 0
 
     def _check(self, name: str, path: Path) -> None:
@@ -189,7 +194,7 @@ class AdapterStore(AdapterFolder):
             )
         self.reports[name] = report.to_dict()
 
-    def ensure(self, names: list[str], pinned: set[str] = frozenset()) -> list[bool]:
+    def ensure(self, names: list[str], pinned: AbstractSet[str] = frozenset()) -> list[bool]:
         """Make `names` resident (least recently used ones evicted, never `pinned` or `names`); per name: was
         it a hit."""
         if len(set(names) | set(pinned)) > self.capacity:
@@ -258,7 +263,7 @@ class Engine:
     def run(self, requests: list[ServeRequest]) -> list[dict]:
         """One result per request: {"png_b64", "report", "batch_size"}; a ServeRequestError raised by one
         group's adapters is returned as that group's {"error"} (the others still run)."""
-        out: list[dict | None] = [None] * len(requests)
+        out: dict[int, dict] = {}  # request index -> its result; every index lies in one group
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(req.group(), []).append(i)
@@ -269,7 +274,7 @@ class Engine:
                 images = [exc] * len(idx)
             for i, image in zip(idx, images, strict=True):
                 out[i] = self._result(requests[i], image, [requests[j] for j in idx])
-        return out
+        return [out[i] for i in range(len(requests))]
 
     def _chunks(self, requests: list[ServeRequest], idx: list[int]) -> list[list[int]]:
         """Consecutive runs of `idx` whose adapters fit the store at once."""
@@ -316,7 +321,7 @@ class Engine:
             "output_type": output_type,
         }
         handle = self.store.handle
-        context = contextlib.nullcontext()
+        context: contextlib.AbstractContextManager[None, bool | None] = contextlib.nullcontext()
         if handle is not None:
             assign = [[n for n, _ in r.adapters] for r in reqs]
             context = handle.batch(assign, [[s for _, s in r.adapters] for r in reqs], exact=self.exact)

@@ -21,12 +21,12 @@ import torch
 from torch import Tensor
 
 from ..errors import ArgumentError
-from ..modes import DENSE_MODES, SELECT_MODES, STACK_MODES, StackMode
+from ..modes import DENSE_MODES, SELECT_MODES, STACK_MODES
 
 log = logging.getLogger("loraweave")
 
 
-def validate_stack(mode: StackMode, density: float | None, n_adapters: int | None = None) -> None:
+def validate_stack(mode: str, density: float | None, n_adapters: int | None = None) -> None:
     """Raise ValueError when `mode`/`density` (and, for select modes, the adapter count) do not fit
     together."""
     if mode not in STACK_MODES:

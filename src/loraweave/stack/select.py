@@ -60,6 +60,7 @@ def layer_score(mode: str, delta0: Tensor | None, delta1: Tensor | None, k: int 
         total_abs = float(flat.abs().sum())
         if mode == "estlora":
             return float((flat * flat).sum()), total_abs
+        assert k is not None  # klora: checked on entry
         top = torch.topk(flat.abs(), k=min(int(k), flat.numel()), largest=True).values
         return float(top.sum()), total_abs
 

@@ -25,11 +25,11 @@ from ..errors import ArgumentError, EmptyOutputError
 from ..families.contribution import add_contribution, bias_of, coefficient
 from ..io.safetensors_file import read_safetensors_header
 from ..io.write import StreamingWriter, atomic_path, check_output
-from ..mechanisms.merge.layer import Contribution
 from ..report.coverage import miss_kind
 from ..report.miss import Unmatched
 from ..request.adapters import warn_repeated
 from ..resolve.planner import Plan
+from ..resolve.stacking import Contribution
 from .bake_plan import layout_hint, plan_adapters, tensor_plan
 from .bake_record import (
     METADATA_KEY,

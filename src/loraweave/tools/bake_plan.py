@@ -13,9 +13,9 @@ import torch
 from ..families.contribution import bias_of
 from ..formats.adapter import load_adapter
 from ..io.safetensors_file import read_safetensors_header
-from ..mechanisms.merge.layer import Contribution
 from ..report.miss import Miss, Unmatched
 from ..resolve.planner import Plan, resolve
+from ..resolve.stacking import Contribution
 from ..resolve.target import Components
 from .checkpoint import Checkpoint, resolution_components
 from .positional import name_positional
@@ -67,7 +67,7 @@ def _module_groups(plan: Plan, spans: dict[str, dict]) -> dict[tuple[str, str], 
     for pp in plan.planned:
         for piece in pp.pieces:  # on a live module; original-named files: the same rows of their own tensors
             for moved in translate(piece, spans.get(pp.component, {})):
-                groups.setdefault((pp.component, moved.module), []).append((pp, moved))
+                groups.setdefault((pp.component, moved.module), []).append(Contribution(pp, moved))
     return groups
 
 
@@ -110,7 +110,7 @@ def _work(
 ) -> dict[str, tuple[str, list[Contribution]]]:
     out: dict[str, tuple[str, list[Contribution]]] = {}
     for (comp, module), contribs in groups.items():
-        kept = [(pp, pc) for pp, pc in contribs if id(pp) not in rejected]
+        kept = [Contribution(pp, pc) for pp, pc in contribs if id(pp) not in rejected]
         if kept:
             out[f"{prefix[comp]}{module}.weight"] = ("weight", kept)
             if any(bias_of(pp, pc) is not None for pp, pc in kept):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def _folder_component(folder: Path, in_pipeline: bool = False) -> Component | No
     return comp if comp.tensors else None
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Describe a checkpoint; nothing but headers is read."""
     root = Path(path)
     if root.is_file():

@@ -184,6 +184,7 @@ def _stem(
     layout: str, comp: str, name: str, denoiser: bool, components: Components, source: object = ""
 ) -> str:
     if layout == "kohya":
+        prefix: str | None  # component_prefix knows no prefix for some components
         if denoiser:
             prefix = "lora_unet_"
         elif comp == "text_encoder":

@@ -217,9 +217,8 @@ def extract(
                     continue
                 up, down, captured = truncate(delta.flatten(1), rank, energy)
                 stem = prefix + name[len(comp.prefix) : -len(".weight")]
-                out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(
-                    dtype, wt.dtype
-                )
+                named = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+                out_dtype = wt.dtype if dtype is None else named.get(dtype, wt.dtype)
                 diffusers = (
                     prefix != "diffusion_model."
                 )  # diffusers layout: lora_A/lora_B, no alpha (scale 1)

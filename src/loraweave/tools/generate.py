@@ -237,6 +237,7 @@ def load_pipeline(req: GenerateRequest):
                 return diffusers.DiffusionPipeline.from_pretrained(
                     req.model, torch_dtype=dtype, local_files_only=True
                 )
+            assert req.arch is not None  # a single file: the request check required --arch
             cls = getattr(diffusers, SINGLE_FILE_PIPELINES[req.arch])
             extra = {"config": req.config} if req.config else {}
             return cls.from_single_file(req.model, torch_dtype=dtype, local_files_only=True, **extra)
@@ -383,6 +384,7 @@ def _sample_maybe_streamed(pipe, req: GenerateRequest, prompt: str, seed: int, d
     finally:
         streamer.close()
     rep = streamer.report
+    assert rep is not None  # set on the denoiser's first forward, which sampling ran
     return image, {
         "summary": rep.summary(),
         "blocks": rep.blocks,

@@ -23,7 +23,8 @@ def colour(t: float) -> tuple[int, int, int]:
     t = min(max(t, 0.0), 1.0) * (len(RAMP) - 1)
     i = min(int(t), len(RAMP) - 2)
     f = t - i
-    return tuple(round(a + (b - a) * f) for a, b in zip(RAMP[i], RAMP[i + 1], strict=True))
+    r, g, b = (round(lo + (hi - lo) * f) for lo, hi in zip(RAMP[i], RAMP[i + 1], strict=True))
+    return r, g, b
 
 
 def _font(size: int):

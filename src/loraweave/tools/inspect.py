@@ -200,7 +200,7 @@ def inspect_adapter(
         info["architecture"]["name"] = detection.architecture
     components, against = model_target(arch, model, detection.architecture, text_encoders)
     if components is None:
-        coverage = _unresolved_coverage(adapter, against)
+        covered = _unresolved_coverage(adapter, against)
     else:
         if (
             model is not None
@@ -208,12 +208,12 @@ def inspect_adapter(
             from .positional import name_positional
 
             adapter = name_positional(adapter, arch)
-        coverage = _planned_coverage(adapter, components, against, model, fit_report, check_values)
-    coverage["unmatched_by_kind"] = dict(Counter(u["kind"] for u in coverage["unmatched"]))
-    coverage["complete"] = not failures(coverage["unmatched"])
-    coverage["checked"] = True
-    info["coverage"] = coverage
-    if model is None and components is not None and coverage["keys_applied"] == coverage["keys_total"]:
+        covered = _planned_coverage(adapter, components, against, model, fit_report, check_values)
+    covered["unmatched_by_kind"] = dict(Counter(u["kind"] for u in covered["unmatched"]))
+    covered["complete"] = not failures(covered["unmatched"])
+    covered["checked"] = True
+    info["coverage"] = covered
+    if model is None and components is not None and covered["keys_applied"] == covered["keys_total"]:
         target = arch or detection.architecture
         info["variant"] = variant_fit(adapter, target, landed=target)
     info["seconds"] = round(time.perf_counter() - t0, 3)
@@ -222,8 +222,8 @@ def inspect_adapter(
         adapter.name,
         adapter.layout,
         detection.architecture,
-        coverage["keys_applied"],
-        coverage["keys_total"],
+        covered["keys_applied"],
+        covered["keys_total"],
         info["seconds"],
     )
     return info

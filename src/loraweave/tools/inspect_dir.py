@@ -157,7 +157,7 @@ def _families(row: dict) -> str:
 def format_folder(rows: list[dict], left_out: list[dict], width: int = 48) -> str:
     """One line per adapter: file, architecture, layout, families, rank, keys landed, trigger words."""
     head = ("file", "arch", "layout", "families", "rank", "landed", "trigger words")
-    table = [head]
+    table: list[tuple[str, ...]] = [head]
     for r in rows:
         if "error" in r:
             table.append((r["file"], "ERROR", r["error"].replace(f"{r['path']}: ", ""), "", "", "", ""))

@@ -64,7 +64,7 @@ def _squared_norm(pp, piece, cols: int) -> float:
     import torch
 
     from ..families import FAMILIES
-    from ..mechanisms.merge.layer import add_contribution
+    from ..families.contribution import add_contribution
 
     f = pp.factors
     if pp.part.family == "lora" and getattr(f, "down", None) is not None:
@@ -94,8 +94,8 @@ def _cols(module) -> int:
 
 
 def _row_of(component: str, path: str, denoiser: str | None, slots: dict[str, str | None]) -> str:
-    if component == denoiser and slots.get(path):
-        return slots[path]
+    if component == denoiser and (slot := slots.get(path)):
+        return slot
     if component != denoiser:
         m = _LAYER.search("." + path + ".")
         return f"{component}.L{int(m.group(1)):02d}" if m else f"{component}.other"
@@ -113,7 +113,7 @@ def _row_order(components, denoiser: str | None, arch: str | None, used: set[str
         names = [n for n, _ in components.modules[denoiser].named_modules()]
         order = slot_names(arch, chain_lengths(arch, names) or None)
     for comp, model in components.modules.items():
-        slots = {}
+        slots: dict[str, str | None] = {}
         for name, _ in model.named_modules():
             row = _row_of(comp, name, denoiser, slots)
             if row in used and row not in order:

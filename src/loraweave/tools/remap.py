@@ -159,7 +159,7 @@ def original_fit(
     present = [o for o in totals if f"{o}.weight" in shapes]
     if not totals or len(present) < len(totals) / 2:
         return None
-    cols = {}
+    cols: dict[str, int] = {}  # module -> input width
     for module, items in spans.items():
         weight = getattr(ref.get_submodule(module), "weight", None)
         if weight is not None:

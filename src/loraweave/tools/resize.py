@@ -192,7 +192,8 @@ def _resize_part(
     if want is not None and math.prod(want) == math.prod(in_shape) and want != in_shape:
         in_shape = want  # same columns, kernel known from the module
     stored = next(iter(roles.values())).dtype if roles else torch.float32
-    out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, stored)
+    named = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    out_dtype = stored if dtype is None else named.get(dtype, stored)
     positional = CLONEOFSIMO_STEM_RE.match(part.stem) is not None  # named above: written in diffusers layout
     stem = (
         f"{'unet' if part.component == DENOISER else part.component}.{part.path}" if positional else part.stem

@@ -70,7 +70,7 @@ def describe(module: torch.nn.Module) -> dict:
     config = getattr(module, "config", None)
     plain = (
         {k: v for k, v in dict(config).items() if isinstance(v, (str, int, float, bool, type(None)))}
-        if isinstance(config, dict) or hasattr(config, "items")
+        if config is not None and (isinstance(config, dict) or hasattr(config, "items"))
         else {}
     )
     mods = []
@@ -111,8 +111,13 @@ def _linear(params: dict) -> torch.nn.Linear:
     lin = torch.nn.Linear.__new__(torch.nn.Linear)
     torch.nn.Module.__init__(lin)
     lin.out_features, lin.in_features = params["weight"][0]
-    lin.weight = _meta(*params["weight"], requires_grad=True)  # what nn.Linear(..., device="meta") holds
-    lin.register_parameter("bias", _meta(*params["bias"], requires_grad=True) if "bias" in params else None)
+    shape, dtype = params["weight"]
+    lin.weight = _meta(shape, dtype, requires_grad=True)  # what nn.Linear(..., device="meta") holds
+    bias = None
+    if "bias" in params:
+        bias_shape, bias_dtype = params["bias"]
+        bias = _meta(bias_shape, bias_dtype, requires_grad=True)
+    lin.register_parameter("bias", bias)
     return lin
 
 
@@ -130,7 +135,7 @@ def meta_module(cls_name: str, params: dict) -> torch.nn.Module:
 
 
 def rebuild(desc: dict) -> torch.nn.Module:
-    root = None
+    root: torch.nn.Module | None = None
     by_path: dict[str, torch.nn.Module] = {}
     for path, cls_name, params in desc["modules"]:
         mod = meta_module(cls_name, params)
@@ -140,7 +145,9 @@ def rebuild(desc: dict) -> torch.nn.Module:
             continue
         parent, _, child = path.rpartition(".")
         by_path[parent].add_module(child, mod)
-    root.config = SimpleNamespace(**desc.get("config", {}))
+    assert root is not None  # a description lists its root module (path "")
+    # torch types a Module's attributes as Tensor | Module; diffusers reads a plain `config` here
+    root.config = SimpleNamespace(**desc.get("config", {}))  # type: ignore[assignment]
     return root
 
 
