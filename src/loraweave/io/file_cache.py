@@ -49,12 +49,11 @@ def file_identity(path: str | os.PathLike) -> FileIdentity | None:
 
 class BoundedCache(Generic[K, V]):
     """An LRU bounded by `count` entries and by `max_bytes` (each entry's size as given); the newest entry is
-    always kept. `on_drop(key)` runs for every entry the bound drops."""
+    always kept. What belongs to an entry lives in its value, so dropping it drops them (no drop callback:
+    one back to the owner would make a reference cycle holding every kept tensor)."""
 
-    def __init__(
-        self, count: int, max_bytes: int = BYTES_KEPT, on_drop: Callable[[K], None] | None = None
-    ) -> None:
-        self.count, self.max_bytes, self.on_drop = count, max_bytes, on_drop
+    def __init__(self, count: int, max_bytes: int = BYTES_KEPT) -> None:
+        self.count, self.max_bytes = count, max_bytes
         self.entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
 
     def __contains__(self, key: object) -> bool:
@@ -86,8 +85,6 @@ class BoundedCache(Generic[K, V]):
         ):
             key, (_, size) = self.entries.popitem(last=False)
             log.debug("file_cache=drop key=%s bytes=%d", key, size)
-            if self.on_drop is not None:
-                self.on_drop(key)
 
 
 class FileCache(Generic[V]):

@@ -39,31 +39,33 @@ def _size(key: SourceKey) -> int:
     return int(key[4]) if key[0] == "file" else 0
 
 
+@dataclasses.dataclass
+class _Kept:
+    """A kept source (held so an object's id stays unique), its adapter and its plans per expert set."""
+
+    source: Source
+    adapter: Adapter
+    planned: dict[tuple[str, ...] | None, Plan] = dataclasses.field(default_factory=dict)
+
+
 class ResolveCache:
     def __init__(self, components: Components, limit: int = 16, max_bytes: int = BYTES_KEPT) -> None:
         self.components = components
         self.tables = {name: AliasTable(module) for name, module in components}
         self.limit = limit  # adapters kept; the least recently used is dropped first
-        self._planned: dict[SourceKey, dict[tuple[str, ...] | None, Plan]] = {}  # key -> {expert set: plan}
-        # source key -> (source, adapter): the source is held so an object's id stays unique
-        self._loaded: BoundedCache[SourceKey, tuple[Source, Adapter]] = BoundedCache(
-            limit, max_bytes, on_drop=self._forget
-        )
-
-    def _forget(self, key: SourceKey) -> None:
-        self._planned.pop(key, None)
+        # Plans live inside their source's entry, so the bound drops them with it (no callback back to
+        # self: a cycle would keep every kept tensor alive until the cyclic collector runs).
+        self._kept: BoundedCache[SourceKey, _Kept] = BoundedCache(limit, max_bytes)
 
     def load(self, source: Source) -> Adapter:
         key = source_key(source)
-        hit = None if key is None else self._loaded.get(key)
+        hit = None if key is None else self._kept.get(key)
         if hit is None:
-            hit = (source, load_adapter(source))
-            if key is None:
-                return hit[1]
-            self._planned.pop(key, None)
-            if source_key(source) == key:  # unchanged while it was read
-                self._loaded.put(key, hit, _size(key))
-        return hit[1]
+            adapter = load_adapter(source)
+            if key is not None and source_key(source) == key:  # unchanged while it was read
+                self._kept.put(key, _Kept(source, adapter), _size(key))
+            return adapter
+        return hit.adapter
 
     def resolve(
         self,
@@ -77,7 +79,8 @@ class ResolveCache:
             fan = (experts or {}).get(adapter.name)
             key = source_key(source)
             # a kept source is planned once per expert set
-            by_fan = self._planned.setdefault(key, {}) if key is not None and key in self._loaded else {}
+            kept = None if key is None else self._kept.get(key)
+            by_fan = kept.planned if kept is not None else {}
             sub = by_fan.get(fan)
             if sub is None:
                 sub = resolve(
