@@ -22,7 +22,7 @@ from loraweave.engine.interrupts import interrupts_held
 from loraweave.errors import NonFiniteResultError
 from loraweave.families import lora
 from loraweave.mechanisms.merge import inplace as inplace_mod
-from loraweave.mechanisms.merge.layer import overflow_headroom
+from loraweave.mechanisms.merge.checks import overflow_headroom
 
 
 def two_layers(dtype: torch.dtype) -> nn.Module:

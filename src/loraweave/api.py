@@ -22,7 +22,7 @@ from .engine.install import (
 from .engine.journal import Journal, model_lock
 from .engine.options import Options
 from .errors import ArgumentError
-from .mechanisms.merge.layer import undo_settings
+from .mechanisms.merge.checks import undo_settings
 from .modes import ApplyMode, QuantizedMode, StackMode, UndoKind
 from .report.coverage import warn_incomplete
 from .report.report import AppliedModule, Report

@@ -31,7 +31,8 @@ import torch
 
 from ..engine.decide import refuse
 from ..engine.install import make_report
-from ..mechanisms.runtime.path import RuntimePath, runtime_blocker
+from ..mechanisms.runtime.host import runtime_blocker
+from ..mechanisms.runtime.path import RuntimePath
 from ..modes import ApplyMode
 from ..report.coverage import warn_incomplete
 from ..report.miss import Miss, Unmatched

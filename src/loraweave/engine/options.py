@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ArgumentError
 from ..mechanisms.choose import QuantSettings
-from ..mechanisms.merge.layer import UndoSettings, check_undo_arguments
+from ..mechanisms.merge.checks import UndoSettings, check_undo_arguments
 from ..mechanisms.merge.undo_source import UndoSource
 from ..mechanisms.runtime.compiled import CompileOptions, compile_options
 from ..mechanisms.runtime.factor_cache import FactorCache

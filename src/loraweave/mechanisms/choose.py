@@ -15,11 +15,11 @@ from ..quant import QuantBackend, backend_for
 from ..report.miss import Miss, Unmatched
 from ..resolve.planner import Plan
 from ..resolve.stacking import Contribution
-from .merge.layer import merge_blocker, needs_bias
+from .merge.checks import merge_blocker, needs_bias
 from .quantized.write import Route, factorable_reason, route_hook_free
 from .runtime.factor_cache import FactorCache
+from .runtime.host import runtime_blocker, runtime_host
 from .runtime.offload import weight_copies
-from .runtime.path import runtime_blocker, runtime_host
 
 
 @dataclass

@@ -286,8 +286,9 @@ def _copy_of_original(
 
 def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None:
     """W' = round(W + ΔW) written into `rows` block by block, with no record and no finite check: only for
-    undo="none" merges whose ΔW was bounded below the dtype's overflow headroom (layer.overflow_headroom), run
-    once apply can no longer fail. The same blocks and arithmetic as merge_in_place, so the same bits."""
+    undo="none" merges whose ΔW was bounded below the dtype's overflow headroom
+    (checks.overflow_headroom), run once apply can no longer fail. The same blocks and arithmetic as
+    merge_in_place, so the same bits."""
     cols, total = rows[0].numel(), rows.shape[0]
     dbuf, acc = direct_scratch(rows, chunk_rows)
     for r0 in range(0, total, chunk_rows):

@@ -3,21 +3,18 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from ...arch.spec import Piece
-from ...errors import ArgumentError, NonFiniteResultError, UndoError
-from ...families.base import CastMemo
+from ...errors import UndoError
 from ...families.contribution import add_contribution, bias_of, coefficient
-from ...modes import UNDO_KINDS, UndoKind
 from ...report.report import AppliedModule
-from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution, adapter_names
 from . import inplace
+from .checks import UndoSettings, needs_bias, overflow_headroom, refuse_non_finite
+from .delta import Term, delta_fn
 from .inplace import direct_scratch, merge_direct, merge_in_place
 from .native import NATIVE_BLOCKS
 from .undo import (
@@ -33,10 +30,9 @@ from .undo import (
     scratch,
     tensor_bytes,
 )
-from .undo_source import SourceFiles, SourceRecord, UndoSource
+from .undo_source import SourceRecord
 
 Record = CopyRecord | CompactRecord | SourceRecord | FusedRecord
-Term = tuple[PlannedPart, Piece, float, float]  # part, piece, strength, scale
 
 STACK_ATTR = "_loraweave_merges"  # per-module list of live merges, newest last
 
@@ -46,74 +42,6 @@ def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     value = getattr(module, name)
     assert isinstance(value, torch.Tensor), f"{name} of a merged layer is a {type(value).__name__}"
     return value
-
-
-def merge_blocker(module: torch.nn.Module, needs_bias: bool = False) -> str | None:
-    """Why merging into this module's weight would be lossy or impossible, or None when it is exact."""
-    weight = getattr(module, "weight", None)
-    if weight is None:
-        return "module has no weight"
-    if needs_bias and getattr(module, "bias", None) is None:
-        return "adapter carries a bias delta but the module has no bias"
-    if type(weight) not in (torch.Tensor, torch.nn.Parameter):
-        return f"weight is a {type(weight).__name__} (quantized or wrapped storage)"
-    if not weight.is_floating_point():
-        return f"weight dtype {weight.dtype} is not floating point"
-    if weight.device.type == "meta":
-        return "weight is offloaded (meta device)"
-    if getattr(module, "_loraweave_streamed", False):
-        return "layer is streamed (its weight is copied in per forward; merging would touch only the copy)"
-    hook = getattr(module, "_hf_hook", None)
-    if hook is not None and (
-        getattr(hook, "offload", False) or getattr(hook, "weights_map", None) is not None
-    ):
-        return "accelerate offload hook owns the weight"
-    return None
-
-
-@dataclass
-class UndoSettings:
-    """apply(undo=...): the record kind, where "source" records read from, and whether records may stay on the
-    accelerator (never by default)."""
-
-    kind: UndoKind = "auto"
-    sources: SourceFiles | None = None
-    on_device: bool = False
-
-
-def check_undo_arguments(kind: UndoKind, source: UndoSource | None = None) -> None:
-    if kind not in UNDO_KINDS:
-        raise ArgumentError(f"undo must be one of {UNDO_KINDS}, got {kind!r}")
-    if source is not None and kind != "source":
-        raise ArgumentError(f"undo_source is read only with undo='source' (got undo={kind!r})")
-
-
-def undo_settings(
-    kind: UndoKind,
-    components: dict[str, torch.nn.Module],
-    source: UndoSource | None = None,
-    on_device: bool = False,
-) -> UndoSettings:
-    """Check apply's undo arguments before anything is touched (a "source" with no file found is refused)."""
-    check_undo_arguments(kind, source)
-    sources = None
-    if kind == "source":
-        sources = SourceFiles(components, source)
-        if not sources.found_any():
-            where = (
-                f"undo_source={source!r}"
-                if source is not None
-                else "config._name_or_path of "
-                + ", ".join(
-                    f"{c}={getattr(getattr(m, 'config', None), '_name_or_path', None)!r}"
-                    for c, m in components.items()
-                )
-            )
-            raise UndoError(
-                f"undo='source' found no safetensors file to re-read weights from ({where}); pass "
-                "undo_source=<file, directory or {component: path}> or use undo='auto'"
-            )
-    return UndoSettings(kind, sources, bool(on_device))
 
 
 @dataclass(eq=False)  # identity semantics: instances are compared with `is` on the per-module stack
@@ -180,7 +108,7 @@ class MergedModule:
             weight = _tensor(self.module, "weight").data
             rows = weight.view(weight.shape[0], -1)
             with torch.no_grad():
-                merge_direct(rows, self._delta_fn(self.pending), self._chunk_rows(rows))
+                merge_direct(rows, delta_fn(self.pending), self._chunk_rows(rows))
             self.pending = None
         self.record, self.bias_backup = FusedRecord(), None
         self._report()
@@ -190,7 +118,7 @@ class MergedModule:
             self.record is not None
         ):  # ΔW as it was merged: parts may have been re-pointed or re-strengthened since
             terms = self.terms
-            self.record.restore(_tensor(self.module, "weight").data, self._delta_fn(terms))
+            self.record.restore(_tensor(self.module, "weight").data, delta_fn(terms))
 
     def write(self, fresh: bool = False) -> None:
         """(Re)compute W' = W + Σ coeff·ΔW from W, the weight before this merge, and record how to undo it.
@@ -251,12 +179,12 @@ class MergedModule:
         record as they were."""
         base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
         with recorded_threads(old.threads):
-            old.rebuild_rows(rows, base, self._delta_fn(self.terms))
+            old.rebuild_rows(rows, base, delta_fn(self.terms))
         old.verify(base)
         made: list[Record] = []
         merge_in_place(
             base,
-            self._delta_fn(terms),
+            delta_fn(terms),
             kind,
             self._chunk_rows(base),
             self.undo_with.on_device,
@@ -290,7 +218,7 @@ class MergedModule:
 
         merge_in_place(
             rows,
-            self._delta_fn(terms),
+            delta_fn(terms),
             kind,
             self._chunk_rows(rows),
             self.undo_with.on_device,
@@ -314,7 +242,7 @@ class MergedModule:
         prior: tuple[CompactRecord, torch.Tensor, DeltaFn] | None = None
         base, keep = rows, None
         if isinstance(old, CompactRecord) and rows.is_contiguous():  # W rebuilt block by block beside W'
-            prior = (old, rows, self._delta_fn(self.terms))
+            prior = (old, rows, delta_fn(self.terms))
             base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)
         elif old is not None:
             self._restore_weight()  # W back in place from its copy or its file; those records stay valid
@@ -328,7 +256,7 @@ class MergedModule:
         with recorded_threads(prior[0].threads if prior is not None else torch.get_num_threads()):
             merged, record = merge_with_record(
                 base,
-                self._delta_fn(terms),
+                delta_fn(terms),
                 "none" if keep is not None else kind,
                 chunk,
                 needs_base,
@@ -375,57 +303,6 @@ class MergedModule:
         )
         return record, acc.to(rows.dtype), rows
 
-    def _delta_fn(self, terms: list[Term]) -> DeltaFn:
-        """ΔW of rows [r0, r1); the factors are cast once for all blocks of this layer (the casts live as long
-        as the function: one write or undo), not once per block."""
-        casts = CastMemo()
-
-        def delta(base: torch.Tensor, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
-            with casts:
-                return self._delta(base, terms, r0, r1, out)
-
-        return delta
-
-    @staticmethod
-    def _delta(
-        base: torch.Tensor,
-        terms: list[Term],
-        r0: int,
-        r1: int,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Σ coeff·ΔW of rows [r0, r1) (fp32; fp64 weights: fp64), in `out` (a flat scratch buffer) when
-        given; `base` (out, in·k) is what W-dependent families read. Contributions are independent and summed;
-        the same call undoes a compact record."""
-        shape = (r1 - r0, *base.shape[1:])
-        if out is None:
-            delta = torch.empty(shape, dtype=acc_dtype(base.dtype), device=base.device)
-        else:
-            delta = out.view(shape)
-        filled = False  # the first term covering the whole block writes it (no zero pass, no read of zeros)
-        for pp, piece, strength, scale in terms:
-            lo, hi = max(r0, piece.dst_start), min(r1, piece.dst_start + piece.length)
-            if lo >= hi:
-                continue
-            part = (
-                piece
-                if (lo, hi) == (piece.dst_start, piece.dst_start + piece.length)
-                else replace(
-                    piece, src_start=piece.src_start + lo - piece.dst_start, dst_start=lo, length=hi - lo
-                )
-            )
-            family = pp.family
-            if not filled and (lo, hi) == (r0, r1) and family.set_delta is not None and not family.needs_base:
-                family.set_delta(delta, pp.factors, part.src_start, part.length, strength * scale)
-            else:
-                if not filled:
-                    delta.zero_()
-                add_contribution(delta[lo - r0 : hi - r0], pp, part, base, strength=strength, scale=scale)
-            filled = True
-        if not filled:
-            delta.zero_()
-        return delta
-
     def attach_entry(self, entry: AppliedModule) -> None:
         """The report row this layer keeps current: its undo kind and bytes follow strength changes."""
         self.entry = entry
@@ -455,35 +332,6 @@ class MergedModule:
             acc[piece.dst_start : piece.dst_start + piece.length].add_(b, alpha=coeff)
         bias.data.copy_(acc)
         refuse_non_finite(bias.data, self.bias_backup, self.adapters)
-
-
-def overflow_headroom(dtype: torch.dtype) -> float:
-    """Half an ulp at the dtype's largest finite value: round-to-nearest of a finite x + d with |d| below it
-    stays finite (the overflow threshold is max + ulp(max)/2); a quarter ulp is returned, as a margin."""
-    info = torch.finfo(dtype)
-    return math.ldexp(info.eps, math.frexp(info.max)[1] - 3)  # ulp(max) = eps · 2**(exponent of max)
-
-
-def refuse_non_finite(written: torch.Tensor, original: torch.Tensor, adapters: set[str]) -> None:
-    """Raise when the merge made values non-finite that were finite (an overflowing product of finite
-    factors)."""
-    try:
-        lo, hi = torch.aminmax(written)
-        if math.isfinite(lo.item()) and math.isfinite(hi.item()):
-            return
-    except (RuntimeError, NotImplementedError):  # dtypes without aminmax here: the elementwise test below
-        pass
-    new = ~torch.isfinite(written.float()) & torch.isfinite(original.view_as(written).float())
-    if bool(new.any()):
-        raise NonFiniteResultError(
-            f"merging {', '.join(sorted(adapters)) or 'the adapters'} gives {int(new.sum())} non-finite "
-            f"values in a {tuple(written.shape)} {written.dtype} weight (the delta overflows); the layer is "
-            f"left as it was"
-        )
-
-
-def needs_bias(contributions: list[Contribution]) -> bool:
-    return any(bias_of(pp, piece) is not None for pp, piece in contributions)
 
 
 def merge_module(

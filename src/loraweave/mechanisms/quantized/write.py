@@ -19,7 +19,7 @@ from ...modes import QuantMechanism
 from ...quant.backend import QuantBackend, Restore
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution
-from ..merge.layer import needs_bias, refuse_non_finite
+from ..merge.checks import needs_bias, refuse_non_finite
 from .hosted import Truncation, truncate
 
 log = logging.getLogger("loraweave")

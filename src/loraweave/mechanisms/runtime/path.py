@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -12,104 +11,22 @@ from torch.utils.hooks import RemovableHandle
 
 from ...arch.spec import out_rows
 from ...families.base import CastCache, ConvSpec, RuntimeTerm
-from ...quant import QuantBackend, backend_for
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution
+from .host import (
+    NORMS_CHANNELS_FIRST,
+    CachedRows,
+    DequantizedView,
+    FnRows,
+    Pair,
+    RankSpan,
+    conv_fn,
+    kernel_dims,
+    rebound,
+    runtime_host,
+)
 from .pair import concatenated
 from .skinny import probe, skinny_linear
-
-ConvFn = Callable[..., torch.Tensor]
-_CONVS: dict[type[torch.nn.Module], ConvFn] = {
-    torch.nn.Conv1d: F.conv1d,
-    torch.nn.Conv2d: F.conv2d,
-    torch.nn.Conv3d: F.conv3d,
-}
-# Norm layers carry only structured terms (e.g. LyCORIS `w_norm`): channels on the last axis or on axis 1.
-_NORMS_CHANNELS_LAST = (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm))
-_NORMS_CHANNELS_FIRST = (torch.nn.GroupNorm,)
-
-
-def runtime_blocker(module: torch.nn.Module) -> str | None:
-    """Why this module cannot carry a runtime path, or None."""
-    if type(module) in _CONVS or any(isinstance(module, c) for c in _CONVS):
-        if module.groups != 1 or module.padding_mode != "zeros":
-            return "runtime path supports only plain convolutions (groups=1, zero padding)"
-        return None
-    if isinstance(getattr(module, "in_features", None), int) and isinstance(
-        getattr(module, "out_features", None), int
-    ):
-        return None
-    if isinstance(module, _NORMS_CHANNELS_LAST + _NORMS_CHANNELS_FIRST) or type(module).__name__ == "RMSNorm":
-        return None  # the last: diffusers' own RMSNorm (channels last)
-    return f"no runtime path for {type(module).__name__} (only Linear-like, Conv and norm layers)"
-
-
-class DequantizedView:
-    """Host seen by families that read W (DoRA, GLoRA, ...) on a quantized layer: the backend's dequantized
-    weight, formed on each access (never the packed storage, never a resident float copy)."""
-
-    def __init__(self, module: torch.nn.Module, backend: QuantBackend) -> None:
-        self._module, self._backend = module, backend
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self._backend.dequantize(self._module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-
-def runtime_host(module: torch.nn.Module) -> torch.nn.Module | DequantizedView:
-    """What families that read the host module see: the module, or a dequantized view of a quantized one."""
-    backend = backend_for(module)
-    if backend is None or backend.unavailable() or not backend.capabilities(module).dequantize:
-        return module
-    return DequantizedView(module, backend)
-
-
-def _kernel_dims(module: torch.nn.Module) -> tuple[int, ...]:
-    """(in, *k) of a conv weight; packed quantized storage has its own shape, so ask the backend first."""
-    backend = backend_for(module)
-    shape = backend.logical_shape(module) if backend is not None else None
-    if shape:
-        return tuple(shape[1:])
-    weight = module.weight
-    assert isinstance(weight, torch.Tensor)  # a conv host (runtime_blocker)
-    return tuple(weight.shape[1:])
-
-
-def _conv_fn(module: torch.nn.Module) -> ConvFn | None:
-    return next((fn for cls, fn in _CONVS.items() if isinstance(module, cls)), None)
-
-
-@dataclass(frozen=True, slots=True)
-class RankSpan:
-    """One part's ranks in the layer's rank-concatenated pair, in pair order."""
-
-    part: PlannedPart
-    rank: int
-
-
-@dataclass(frozen=True, slots=True)
-class CachedRows:
-    """A dense ΔW or a bias delta on output rows [dst, dst+rows), read through a cache a host may re-point."""
-
-    part: PlannedPart
-    dst: int
-    rows: int
-    cache: CastCache
-
-
-@dataclass(frozen=True, slots=True)
-class FnRows:
-    """A structured term (LoKr, LoHa, ...; OFT, DoRA, IA3, ... when it reads the base output) on output rows
-    [dst, dst+rows); `linear`: linear in strength, so the path scales its result by strength·scale."""
-
-    part: PlannedPart
-    dst: int
-    rows: int
-    fn: Callable[..., torch.Tensor]
-    linear: bool
 
 
 class PathMix(Protocol):
@@ -119,18 +36,6 @@ class PathMix(Protocol):
     def add(self, path: RuntimePath, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor: ...
 
     def fused_linear(self, path: RuntimePath, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor: ...
-
-
-_Record = TypeVar("_Record", RankSpan, CachedRows, FnRows)
-
-
-def _rebound(records: list[_Record], mapping: dict[int, PlannedPart]) -> list[_Record]:
-    """The records pointed at the planned parts `mapping` gives for their parts' ids (others kept)."""
-    return [replace(r, part=mapping.get(id(r.part), r.part)) for r in records]
-
-
-# each low-rank pair before concatenation: its down (r, in, *k) and the row chunks sharing it
-_Pair = tuple[torch.Tensor, list[RuntimeTerm]]
 
 
 class RuntimePath:
@@ -147,8 +52,8 @@ class RuntimePath:
             borrow = all(getattr(pp.adapter.source, "owned", False) for pp, _ in contributions)
         self.module = module
         self.contributions = list(contributions)  # kept so a switch can compare and re-point them
-        self.conv = _conv_fn(module)
-        self.channels_first = self.conv is not None or isinstance(module, _NORMS_CHANNELS_FIRST)
+        self.conv = conv_fn(module)
+        self.channels_first = self.conv is not None or isinstance(module, NORMS_CHANNELS_FIRST)
         self.out: int = out_rows(module) or 0  # 0: no weight shape (an affine-free norm: fn terms only)
         self.owners: list[RankSpan] = []
         self.dense: list[CachedRows] = []
@@ -172,9 +77,9 @@ class RuntimePath:
         # per-sample sets / regions (mechanisms/sampling/mix.py): while set, it computes the adapter terms
         self.mix: PathMix | None = None
 
-    def _gather(self, contributions: list[Contribution]) -> list[_Pair]:
+    def _gather(self, contributions: list[Contribution]) -> list[Pair]:
         """Sort every contribution's runtime term into the records the forward reads (built once, here)."""
-        pairs: list[_Pair] = []
+        pairs: list[Pair] = []
         host = None  # built on first need: only families that read W look at it
         for pp, piece in contributions:
             if pp.family.reads_host and host is None:
@@ -200,7 +105,7 @@ class RuntimePath:
                 f"{pp.part.family}: reads W dequantized from the quantized storage when it needs it"
             )
 
-    def _add_pair(self, pp: PlannedPart, term: RuntimeTerm, pairs: list[_Pair]) -> None:
+    def _add_pair(self, pp: PlannedPart, term: RuntimeTerm, pairs: list[Pair]) -> None:
         assert term.down is not None and term.up is not None
         if pairs and self.owners[-1].part is pp and term.down is pairs[-1][1][0].down:
             # Another row chunk of the same part (split or per-head interleaved fused keys): one pair, not
@@ -208,7 +113,7 @@ class RuntimePath:
             pairs[-1][1].append(term)
             return
         rank = term.down.shape[0]
-        down = term.down.reshape(rank, *_kernel_dims(self.module)) if self.conv else term.down.flatten(1)
+        down = term.down.reshape(rank, *kernel_dims(self.module)) if self.conv else term.down.flatten(1)
         pairs.append((down, [term]))
         self.owners.append(RankSpan(pp, term.up.shape[1]))
 
@@ -251,12 +156,12 @@ class RuntimePath:
     def rebind(self, mapping: dict[int, PlannedPart]) -> None:
         """Point contributions at new planned parts of identical structure (a switch): strengths follow
         them."""
-        self.owners = _rebound(self.owners, mapping)
+        self.owners = rebound(self.owners, mapping)
         self.contributions = [
             Contribution(mapping.get(id(pp), pp), piece) for pp, piece in self.contributions
         ]
-        self.dense, self.biases = _rebound(self.dense, mapping), _rebound(self.biases, mapping)
-        self.fns, self.base_fns = _rebound(self.fns, mapping), _rebound(self.base_fns, mapping)
+        self.dense, self.biases = rebound(self.dense, mapping), rebound(self.biases, mapping)
+        self.fns, self.base_fns = rebound(self.fns, mapping), rebound(self.base_fns, mapping)
         records: list[RankSpan | CachedRows | FnRows] = [
             *self.owners,
             *self.dense,
