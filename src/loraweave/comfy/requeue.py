@@ -9,14 +9,12 @@ swap back to a file read before finds its build here: nothing is parsed, planned
 from __future__ import annotations
 
 import atexit
-import copy
 import dataclasses
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..families.base import CastCache
 from ..mechanisms.runtime.path import RuntimePath
 from ..resolve.planner import Plan, PlannedPart
 
@@ -106,11 +104,4 @@ def _restrengthened_plan(plan: Plan, strength: float) -> Plan:
 
 def _restrengthened_path(rp: RuntimePath, mapping: dict[int, PlannedPart]) -> RuntimePath:
     """A copy of `rp` sharing its factor tensors, with its own scales, casts and hook, bound to `mapping`."""
-    path = copy.copy(rp)
-    path.gates, path.hook, path.active, path.mix = dict(rp.gates), None, False, None
-    path._factor_cast = CastCache(rp.down, rp.up) if rp.down is not None and rp.up is not None else None
-    path._scale_cast = CastCache(rp.scale.clone())
-    path.dense = [dataclasses.replace(e, cache=CastCache(*e.cache.tensors)) for e in rp.dense]
-    path.biases = [dataclasses.replace(e, cache=CastCache(*e.cache.tensors)) for e in rp.biases]
-    path.rebind(mapping)  # writes the new strengths into the copy's scale vector
-    return path
+    return rp.rebound_copy(mapping)

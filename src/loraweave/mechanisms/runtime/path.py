@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -152,6 +154,19 @@ class RuntimePath:
         """Whether adapter `name`'s terms here are all zero at strength 0, so gating it equals removing it
         (DoRA's magnitude, OFT's rescale are not: those layers are rebuilt without it)."""
         return all(t.linear for t in (*self.fns, *self.base_fns) if t.part.adapter.name == name)
+
+    def rebound_copy(self, mapping: dict[int, PlannedPart]) -> RuntimePath:
+        """A copy sharing this path's factor tensors, with its own scales, casts and no hook, bound to
+        `mapping` (a re-queue at another strength: the copy's scale vector holds the new strengths)."""
+        path = copy.copy(self)
+        path.gates, path.hook, path.active, path.mix = dict(self.gates), None, False, None
+        down, up = self.down, self.up
+        path._factor_cast = CastCache(down, up) if down is not None and up is not None else None
+        path._scale_cast = CastCache(self.scale.clone())
+        path.dense = [dataclasses.replace(e, cache=CastCache(*e.cache.tensors)) for e in self.dense]
+        path.biases = [dataclasses.replace(e, cache=CastCache(*e.cache.tensors)) for e in self.biases]
+        path.rebind(mapping)
+        return path
 
     def rebind(self, mapping: dict[int, PlannedPart]) -> None:
         """Point contributions at new planned parts of identical structure (a switch): strengths follow
