@@ -55,6 +55,7 @@ class BoundedCache(Generic[K, V]):
     def __init__(self, count: int, max_bytes: int = BYTES_KEPT) -> None:
         self.count, self.max_bytes = count, max_bytes
         self.entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self.held = 0  # the sizes of the kept entries, kept as a running total
 
     def __contains__(self, key: object) -> bool:
         return key in self.entries
@@ -71,12 +72,14 @@ class BoundedCache(Generic[K, V]):
         return hit[0]
 
     def put(self, key: K, value: V, size: int = 0) -> None:
+        old = self.entries.get(key)
+        self.held += size - (old[1] if old is not None else 0)
         self.entries[key] = (value, size)
         self.entries.move_to_end(key)
         self._bound()
 
     def held_bytes(self) -> int:
-        return sum(size for _, size in self.entries.values())
+        return self.held
 
     def _bound(self) -> None:
         """Drop the least recently used entries beyond `count`, or beyond `max_bytes`, never the newest."""
@@ -84,6 +87,7 @@ class BoundedCache(Generic[K, V]):
             len(self.entries) > 1 and self.held_bytes() > self.max_bytes
         ):
             key, (_, size) = self.entries.popitem(last=False)
+            self.held -= size
             log.debug("file_cache=drop key=%s bytes=%d", key, size)
 
 
