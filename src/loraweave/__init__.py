@@ -36,6 +36,7 @@ from .errors import (
     UnsafeFormatError,
     UnsupportedError,
     WriteError,
+    WrongArchitectureError,
 )
 from .request.prompt import parse_prompt
 from .request.spec import AdapterSpec
@@ -129,6 +130,7 @@ __all__ = [
     "UnsafeFormatError",
     "UnsupportedError",
     "WriteError",
+    "WrongArchitectureError",
     "apply",
     "load_adapter",
     "parse_prompt",

@@ -16,7 +16,18 @@ from collections.abc import Mapping
 
 import torch
 
-from ..engine.decide import WholeModelMode, check_mode, check_strengths, chosen_mode, refuse
+from ..arch.fit import ModelArch, model_arch
+from ..engine.decide import (
+    COMFY,
+    OtherArch,
+    WholeModelMode,
+    check_arch,
+    check_mode,
+    check_strengths,
+    chosen_mode,
+    note_other_arch,
+    refuse,
+)
 from ..engine.install import make_report
 from ..errors import ArgumentTypeError
 from ..formats.adapter import Adapter, load_adapter
@@ -28,7 +39,7 @@ from ..report.report import Report
 from ..resolve.planner import Plan
 from .host import diffusion_patcher
 from .patches import add_to_clone
-from .targets import TEXT_ENCODER_NAMES, plan_for_clip, plan_for_patcher
+from .targets import TEXT_ENCODER_NAMES, comfy_arch, plan_for_clip, plan_for_patcher
 
 log = logging.getLogger("loraweave")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -70,6 +81,18 @@ def choose_mode(patcher, mode: ApplyMode) -> WholeModelMode:
     return chosen_mode(mode, mode == "auto" and quantized_base(patcher))
 
 
+def comfy_model_arch(patcher) -> ModelArch | None:
+    """ComfyUI's fact about a MODEL's architecture: its supported_models class (targets.comfy_arch)."""
+    return model_arch(comfy_arch(patcher))
+
+
+def check_file_arch(
+    patcher, adapters: list[Adapter], allow_other_arch: bool, opt_ins=COMFY
+) -> list[OtherArch]:
+    """The engine's refusal of files of another architecture (engine/decide.py `check_arch`) on this MODEL."""
+    return check_arch(adapters, comfy_model_arch(patcher), allow_other_arch, opt_ins)
+
+
 def _clip_side(clip, adapter: Adapter) -> tuple[Plan | None, list[Unmatched]]:
     if clip is not None:
         plan = plan_for_clip(clip, adapter)
@@ -102,7 +125,7 @@ def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: f
     """(model clone, clip clone or None, report): loraweave's ΔW added through ComfyUI's patch lists."""
     t0 = time.perf_counter()
     model_plan, clip_plan, both, unmatched = _plans(model, clip, adapter)
-    refuse(make_report(both, "merge", [], unmatched, t0), strict)
+    refuse(make_report(both, "merge", [], unmatched, t0), strict, opt_ins=COMFY)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
     new_clip = None
     if clip_plan is not None:  # planned exactly when a CLIP is given
@@ -110,7 +133,7 @@ def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: f
         new_clip.patcher, clip_applied, clip_refused = add_to_clone(clip.patcher, clip_plan, strength_clip)
         applied, refused = applied + clip_applied, refused + clip_refused
     report = make_report(both, "merge", applied, unmatched + refused, t0)
-    refuse(report, strict)
+    refuse(report, strict, opt_ins=COMFY)
     report.log()
     warn_incomplete(report)
     return new_model, new_clip, report
@@ -124,22 +147,31 @@ def load_lora_for_models(
     strength_clip: float,
     mode: ApplyMode = "auto",
     strict: bool = False,
+    allow_other_arch: bool = False,
 ):
     """(model, clip, report) as `comfy.sd.load_lora_for_models`: `lora` is a path or a state dict (or a
     loraweave Adapter), `clip` may be None (then None comes back). New clones come back; the inputs are never
     modified.
 
-    Errors are typed loraweave errors: a missing or broken file, a file of which no key lands on this model
-    (NoKeysLandedError: a file for another architecture), `strict` with keys that miss (StrictApplyError)."""
+    Errors are typed loraweave errors, raised before anything is cloned: a missing or broken file, a file
+    whose keys and shapes say it is for another architecture than this model's (WrongArchitectureError; with
+    `allow_other_arch=True` it is applied and the report and a WARNING say so), a file of which no key lands
+    (NoKeysLandedError), `strict` with keys that miss (StrictApplyError)."""
     diffusion_patcher(model)
     strength_model, strength_clip = check_strengths(
         strength_model, strength_clip, labels=("strength_model", "strength_clip")
     )
     chosen = choose_mode(model, mode)
     adapter = read_lora(lora)
+    other = check_file_arch(model, [adapter], allow_other_arch)
     log.info("comfy load adapter=%s mode=%s chosen=%s", adapter.name, mode, chosen)
     if chosen == "runtime":
         from .runtime import apply_runtime
 
-        return apply_runtime(model, clip, adapter, strength_model, strength_clip, strict)
-    return merge(model, clip, adapter, strength_model, strength_clip, strict)
+        new_model, new_clip, report = apply_runtime(
+            model, clip, adapter, strength_model, strength_clip, strict
+        )
+    else:
+        new_model, new_clip, report = merge(model, clip, adapter, strength_model, strength_clip, strict)
+    note_other_arch(report, other)
+    return new_model, new_clip, report

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.decide import refuse
+from ..engine.decide import COMFY, refuse
 from ..engine.install import make_report
 from ..mechanisms.runtime.host import runtime_blocker
 from ..mechanisms.runtime.path import RuntimePath
@@ -327,7 +327,7 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
         assert new_clip is not None  # a second state is the CLIP's
         new_clip.patcher, _ = stacked_clone(clip.patcher, [], states[1])
     report = entry_report(plans, states, t0)
-    refuse(report, strict)
+    refuse(report, strict, opt_ins=COMFY)
     if kept is None:
         keep(Build(weakref.ref(model), weak(clip), adapter, strict, plans, states))
     log.info("comfy runtime adapter=%s reused=%s", adapter.name, kept is not None)

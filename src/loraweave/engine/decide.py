@@ -3,20 +3,60 @@ result refused. `api.apply`, the diffusers drop-in, Ray Serve and the ComfyUI lo
 supplies only the facts that are its own (ComfyUI: whether it holds the base weights quantized) and how a
 change is written (its patch list, its injections).
 
-request -> check_mode, check_strengths -> resolve, plan -> chosen_mode (given the face's fact) -> refuse
-(strict, nothing landed) -> the face installs -> refuse again on what was installed -> report."""
+request -> check_mode, check_strengths -> read -> check_arch (given the face's fact: the model's architecture)
+-> resolve, plan -> chosen_mode (given the face's fact) -> refuse (strict, nothing landed) -> the face
+installs -> refuse again on what was installed -> report (note_other_arch: what was let through, said
+loudly)."""
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import ArgumentError, StrictApplyError
+from ..arch.fit import ModelArch, file_arch, label, with_article
+from ..errors import ArgumentError, ArgumentTypeError, StrictApplyError, WrongArchitectureError
+from ..formats.adapter import Adapter
 from ..modes import APPLY_MODES, ApplyMode
-from ..report.coverage import refuse_empty
+from ..report.coverage import EMPTY_OPT_IN, refuse_empty
 from ..report.report import Report, failures
 from ..request.spec import finite_strength
 
+log = logging.getLogger("loraweave")
 WholeModelMode = Literal["merge", "runtime"]
+# How the Python faces offer allow_other_arch; the ComfyUI nodes and the CLI say it in their own words.
+OTHER_ARCH_OPT_IN = "pass allow_other_arch=True to apply it anyway"
+
+
+@dataclass(frozen=True)
+class OptIns:
+    """How a face offers the refusals' opt-ins, for their messages (None: the face has no such opt-in)."""
+
+    allow_empty: str | None = EMPTY_OPT_IN
+    allow_other_arch: str = OTHER_ARCH_OPT_IN
+
+
+PYTHON = OptIns()  # apply: allow_empty=True, allow_other_arch=True
+COMFY = OptIns(allow_empty=None)  # loraweave.comfy and its nodes: no allow_empty
+
+
+@dataclass(frozen=True)
+class OtherArch:
+    """A file whose keys and shapes say it is for `file_arch`, applied to a model of `model_arch`."""
+
+    adapter: str  # the file's name (the adapter's name for a state dict)
+    file_arch: str
+    model_arch: str
+
+    def words(self) -> str:
+        """In users' terms: "an SD2 LoRA on an SD1.5 model"."""
+        file, model = with_article(label(self.file_arch)), with_article(label(self.model_arch))
+        return f"{file} LoRA on {model} model"
+
+    def to_dict(self) -> dict:
+        return {**vars(self), "words": self.words()}
 
 
 def check_mode(mode: object) -> ApplyMode:
@@ -62,8 +102,70 @@ def refuse_strict(report: Report, strict: bool, where: str = "") -> None:
         raise StrictApplyError(strict_message(report, where), report)
 
 
-def refuse(report: Report, strict: bool, allow_empty: bool = False, where: str = "") -> None:
+def refuse(
+    report: Report, strict: bool, allow_empty: bool = False, where: str = "", opt_ins: OptIns = PYTHON
+) -> None:
     """Refuse a result before (or instead of) keeping it: `refuse_strict`, then NoKeysLandedError when an
-    adapter landed no key, unless `allow_empty`. Both carry `report`."""
+    adapter landed no key, unless `allow_empty`. Both carry `report`; `opt_ins`: how the face offers them."""
     refuse_strict(report, strict, where)
-    refuse_empty(report, allow_empty)
+    refuse_empty(report, allow_empty, opt_ins.allow_empty)
+
+
+def _file_name(adapter: Adapter) -> str:
+    return os.path.basename(str(adapter.path)) if adapter.path else adapter.name
+
+
+def other_archs(adapters: Iterable[Adapter], model: ModelArch | None) -> list[OtherArch]:
+    """The adapters whose files' keys and shapes name an architecture the model does not take as its own.
+    None is said where either side is unsure: a model loraweave maps no architecture onto (`model` None), a
+    file whose detection names no one model (arch/fit.py)."""
+    if model is None:
+        return []
+    out = []
+    for adapter in adapters:
+        found = file_arch(adapter)
+        if found is not None and not found.possible & model.takes:
+            out.append(OtherArch(_file_name(adapter), found.name, model.name))
+    return out
+
+
+def other_arch_message(found: list[OtherArch], opt_in: str = OTHER_ARCH_OPT_IN) -> str:
+    """The one wording of the refusal: each file in users' terms, then what to do (`opt_in`: the face's)."""
+    said = "; ".join(f"{o.adapter}: {o.words()}" for o in found)
+    return (
+        f"{said}. Its keys and shapes say so (`loraweave inspect` shows the evidence); only the layers whose "
+        f"shapes happen to fit would change, so nothing was changed. Load the model it was trained for, or "
+        f"{opt_in}."
+    )
+
+
+def check_arch(
+    adapters: Iterable[Adapter], model: ModelArch | None, allow_other_arch: bool, opt_ins: OptIns = PYTHON
+) -> list[OtherArch]:
+    """Refuse files of another architecture than the model's (WrongArchitectureError, before anything
+    changes) unless `allow_other_arch`; then return them, for `note_other_arch` to say on the result. The face
+    supplies `model` (its own fact: ComfyUI's model class, a diffusers module); the files' side is detected
+    here, as `inspect` detects it."""
+    if not isinstance(allow_other_arch, bool):
+        raise ArgumentTypeError(f"allow_other_arch must be True or False, got {allow_other_arch!r}")
+    found = other_archs(adapters, model)
+    if found and not allow_other_arch:
+        raise WrongArchitectureError(
+            other_arch_message(found, opt_ins.allow_other_arch), [o.to_dict() for o in found]
+        )
+    return found
+
+
+def note_other_arch(report: Report, found: list[OtherArch]) -> None:
+    """Say loudly what `check_arch` let through: in the report (its summary, its dict, the lines a node
+    shows) and one WARNING per file."""
+    report.other_arch = [o.to_dict() for o in found]
+    for o in found:
+        log.warning(
+            "loraweave other_arch adapter=%r file_arch=%s model_arch=%s: %s, applied anyway "
+            "(allow_other_arch)",
+            o.adapter,
+            o.file_arch,
+            o.model_arch,
+            o.words(),
+        )
