@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from .arch.fit import ModelArch, module_arch
-from .engine.decide import OtherArch, check_arch, note_other_arch, refuse
+from .engine.decide import ArchCheck, arch_check, note_other_arch, refuse
 from .engine.handle import Handle
 from .engine.install import (
     AdapterSource,
@@ -145,8 +145,8 @@ def apply(
     with model_lock(components.modules.values()):
         options.undo_with = undo_settings(undo, components.modules, undo_source, undo_on_device)
         p, settings = resolve_set(components, adapters, strength)
-        other = check_arch(p.adapters, model_arch_of(components), allow_other_arch)
-        return _install_plan(p, settings, options, strict, allow_empty, progress, t0, other)
+        arch = arch_check(p.adapters, model_arch_of(components), allow_other_arch)
+        return _install_plan(p, settings, options, strict, allow_empty, progress, t0, arch)
 
 
 def model_arch_of(components: Components) -> ModelArch | None:
@@ -187,18 +187,19 @@ def _install_plan(
     allow_empty: bool,
     progress: bool | None,
     t0: float,
-    other: list[OtherArch] | None = None,
+    arch: ArchCheck | None = None,
 ) -> Handle:
-    """apply's second half, under the model's lock: a mechanism per layer, installed all or nothing. `other`:
-    files of another architecture let through (said on the report)."""
+    """apply's second half, under the model's lock: a mechanism per layer, installed all or nothing. `arch`:
+    the files of another architecture (refused, or let through and said on the report)."""
+    arch = arch or ArchCheck()
     mode = options.layer_mode(len(p.adapters))
     wp, unmatched = plan_layers(p, options, mode)
-    refuse(make_report(p, mode, [], unmatched, t0), strict, allow_empty)
+    refuse(make_report(p, mode, [], unmatched, t0), strict, allow_empty, arch=arch)
     journal = Journal()
     with journal.transaction():
         applied = install(journal, p, wp, mode, options, progress)
     report = finish_report(p, mode, applied, unmatched, wp, t0)
-    note_other_arch(report, other or [])
+    note_other_arch(report, arch)
     report.log()
     warn_incomplete(report)
     handle = Handle(p, report, journal, settings, options)

@@ -2,10 +2,11 @@
 architecture's file compares (engine/decide.py `check_arch`), read from the registry's records.
 
 The file's side is detection (arch/detect.py, what `inspect` shows), kept only where it names one concrete
-model (a record with a catalog skeleton): "unknown", a family detection could not narrow ("unet" without a
-cross-attention key, "sd3-or-flux", "cross-dit"), and a Flux-named file that Flux.1 and Flux.2 releases both
-fit, name none. A file whose names another architecture shares (that record's `owners`) may be that one's
-too: an attention-only Qwen-Image LoRA reads as Flux by its width.
+model (a record with a catalog skeleton): "unknown" and a family detection could not narrow ("unet" without a
+cross-attention key, "sd3-or-flux", "cross-dit") name none. What else the file may be is kept beside the name:
+the architectures that own names it matched (an attention-only Qwen-Image LoRA reads as Flux by its width),
+every release of a family whose width no part showed (a tiny or pruned model's file gets the family's
+default), Flux.1 and Flux.2 for BFL names unless block counts and widths tell them apart.
 
 The model's side is a record (ComfyUI: its supported_models class; diffusers: its class, the SD UNets told
 apart by the cross-attention width read off the module) and the files it takes as its own: its own, those of
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from ..formats.adapter import Adapter
 from . import registry
 from .detect import detect_architecture
-from .record import Architecture
+from .record import Architecture, Widths
 from .variants import variant_fit, variants
 
 SPELLED = "FHLMNRSX"  # initials read as a letter name starting with a vowel sound: "an SD1.5", "an LTX-2"
@@ -58,24 +59,38 @@ def with_article(words: str) -> str:
 def file_arch(adapter: Adapter) -> FileArch | None:
     """The architecture `adapter` was trained for, where its keys and shapes name one; None otherwise."""
     detection = detect_architecture(adapter)
-    name: str | None = detection.architecture
-    if name == "flux":  # BFL names Flux.2 shares: its block counts and widths may name Flux.2
-        name = _bfl_release(adapter)
+    name = detection.architecture
+    possible = {name}
+    if name == "flux":  # BFL names Flux.2 shares: its block counts and widths may name either
+        possible = _bfl_releases(adapter)
+        name = possible.pop() if len(possible) == 1 else name
+        possible.add(name)
     by_name = registry.by_name()
-    record = by_name.get(name) if name is not None else None
+    record = by_name.get(name)
     if record is None or record.skeleton is None:
         return None
-    owners = {o for m in (*detection.matched, record.name) if m in by_name for o in by_name[m].owners}
-    return FileArch(record.name, frozenset({record.name, *owners}))
+    for matched in (by_name[m] for m in (*detection.matched, name) if m in by_name):
+        possible |= set(matched.owners)
+        if matched.widths is not None and not _width_found(adapter, matched.widths):
+            possible |= set(matched.widths.names.values())  # no width spoke: a default named it
+    return FileArch(name, frozenset(possible))
 
 
-def _bfl_release(adapter: Adapter) -> str | None:
-    """flux or flux2 by the releases the file's block counts and widths fit (None: releases of both)."""
+def _bfl_releases(adapter: Adapter) -> set[str]:
+    """{flux}, {flux2} or both, by the releases the file's block counts and widths fit (both: none fits)."""
     fits = set(variant_fit(adapter, "flux")["fits"])
-    archs = {v.arch for v in variants() if v.name in fits}
-    if len(archs) > 1:
-        return None
-    return archs.pop() if archs else "flux"
+    return {v.arch for v in variants() if v.name in fits} or {"flux", "flux2"}
+
+
+def _width_found(adapter: Adapter, widths: Widths) -> bool:
+    """Whether some part the family's width pattern names has a `down` factor of one of its known widths."""
+    pattern = re.compile(widths.pattern)
+    for part in adapter.parts:
+        if "down" in part.roles and pattern.search(part.path.replace(".", "_")):
+            shape = adapter.shape(part.roles["down"])
+            if len(shape) == 2 and shape[1] in widths.names:
+                return True
+    return False
 
 
 def model_arch(name: str | None) -> ModelArch | None:

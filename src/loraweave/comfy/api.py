@@ -19,9 +19,10 @@ import torch
 from ..arch.fit import ModelArch, model_arch
 from ..engine.decide import (
     COMFY,
-    OtherArch,
+    NO_ARCH_CHECK,
+    ArchCheck,
     WholeModelMode,
-    check_arch,
+    arch_check,
     check_mode,
     check_strengths,
     chosen_mode,
@@ -86,11 +87,9 @@ def comfy_model_arch(patcher) -> ModelArch | None:
     return model_arch(comfy_arch(patcher))
 
 
-def check_file_arch(
-    patcher, adapters: list[Adapter], allow_other_arch: bool, opt_ins=COMFY
-) -> list[OtherArch]:
-    """The engine's refusal of files of another architecture (engine/decide.py `check_arch`) on this MODEL."""
-    return check_arch(adapters, comfy_model_arch(patcher), allow_other_arch, opt_ins)
+def file_arch_check(patcher, adapters: list[Adapter], allow_other_arch: bool) -> ArchCheck:
+    """The files of another architecture than this MODEL's, for the engine's refusal (engine/decide.py)."""
+    return arch_check(adapters, comfy_model_arch(patcher), allow_other_arch)
 
 
 def _clip_side(clip, adapter: Adapter) -> tuple[Plan | None, list[Unmatched]]:
@@ -121,11 +120,19 @@ def judge(model, lora, clip=None) -> Report:
     return make_report(both, "plan", [], unmatched, t0)
 
 
-def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: float, strict: bool = False):
+def merge(
+    model,
+    clip,
+    adapter: Adapter,
+    strength_model: float,
+    strength_clip: float,
+    strict: bool = False,
+    arch: ArchCheck = NO_ARCH_CHECK,
+):
     """(model clone, clip clone or None, report): loraweave's ΔW added through ComfyUI's patch lists."""
     t0 = time.perf_counter()
     model_plan, clip_plan, both, unmatched = _plans(model, clip, adapter)
-    refuse(make_report(both, "merge", [], unmatched, t0), strict, opt_ins=COMFY)
+    refuse(make_report(both, "merge", [], unmatched, t0), strict, opt_ins=COMFY, arch=arch)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
     new_clip = None
     if clip_plan is not None:  # planned exactly when a CLIP is given
@@ -133,7 +140,8 @@ def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: f
         new_clip.patcher, clip_applied, clip_refused = add_to_clone(clip.patcher, clip_plan, strength_clip)
         applied, refused = applied + clip_applied, refused + clip_refused
     report = make_report(both, "merge", applied, unmatched + refused, t0)
-    refuse(report, strict, opt_ins=COMFY)
+    refuse(report, strict, opt_ins=COMFY, arch=arch)
+    note_other_arch(report, arch)
     report.log()
     warn_incomplete(report)
     return new_model, new_clip, report
@@ -163,15 +171,10 @@ def load_lora_for_models(
     )
     chosen = choose_mode(model, mode)
     adapter = read_lora(lora)
-    other = check_file_arch(model, [adapter], allow_other_arch)
+    arch = file_arch_check(model, [adapter], allow_other_arch)
     log.info("comfy load adapter=%s mode=%s chosen=%s", adapter.name, mode, chosen)
     if chosen == "runtime":
         from .runtime import apply_runtime
 
-        new_model, new_clip, report = apply_runtime(
-            model, clip, adapter, strength_model, strength_clip, strict
-        )
-    else:
-        new_model, new_clip, report = merge(model, clip, adapter, strength_model, strength_clip, strict)
-    note_other_arch(report, other)
-    return new_model, new_clip, report
+        return apply_runtime(model, clip, adapter, strength_model, strength_clip, strict, arch)
+    return merge(model, clip, adapter, strength_model, strength_clip, strict, arch)

@@ -91,7 +91,7 @@ def apply_step_window(
     Stacks with runtime loaders on the same model (one injection key); the input model is never modified. A
     file for another architecture is refused unless `allow_other_arch`, as `load_lora_for_models` refuses
     it."""
-    from .api import check_file_arch, read_lora
+    from .api import file_arch_check, read_lora
     from .host import diffusion_patcher
     from .targets import plan_for_patcher
 
@@ -100,12 +100,12 @@ def apply_step_window(
     window = check_window(start_percent, end_percent, ramp)
     (strength,) = check_strengths(strength)
     adapter = read_lora(lora)
-    other = check_file_arch(model, [adapter], allow_other_arch)
+    arch = file_arch_check(model, [adapter], allow_other_arch)
     adapter = renamed(adapter, unique_name(adapter.name, taken_names(model)))
     plan = plan_for_patcher(model, adapter, strength, False)
     clone, state = stacked_clone(model, [RuntimeEntry(adapter.name, plan, window)])
     report = entry_report([plan], [state], t0)
-    refuse(report, False, opt_ins=COMFY)
-    note_other_arch(report, other)
+    refuse(report, False, opt_ins=COMFY, arch=arch)
+    note_other_arch(report, arch)
     report.log()
     return clone, report

@@ -49,6 +49,8 @@ class OtherArch:
     adapter: str  # the file's name (the adapter's name for a state dict)
     file_arch: str
     model_arch: str
+    name: str = ""  # the adapter's name and path, as the report's adapter entries hold them
+    path: str | None = None
 
     def words(self) -> str:
         """In users' terms: "an SD2 LoRA on an SD1.5 model"."""
@@ -56,7 +58,42 @@ class OtherArch:
         return f"{file} LoRA on {model} model"
 
     def to_dict(self) -> dict:
-        return {**vars(self), "words": self.words()}
+        return {
+            "adapter": self.adapter,
+            "file_arch": self.file_arch,
+            "model_arch": self.model_arch,
+            "words": self.words(),
+        }
+
+
+# Misses that say nothing about the file's fit: keys a sibling variant takes, a component not given (no CLIP).
+NOT_A_MISFIT = ("expected_absent", "no_such_component")
+
+
+@dataclass(frozen=True)
+class ArchCheck:
+    """The files of a request whose detected architecture the model does not take (`suspects`), and whether
+    the caller opted in to apply them anyway. A suspect every key of which lands is no other architecture's
+    in fact (its shapes fit this model, whatever its names resemble), so only the others are refused."""
+
+    suspects: tuple[OtherArch, ...] = ()
+    allowed: bool = False
+
+    def against(self, report: Report) -> list[OtherArch]:
+        """The suspects that did not land whole in `report`."""
+        whole: set[str] = set()
+        for summary in report.adapters:
+            misfits = [
+                u
+                for u in report.unmatched
+                if u["adapter"] == summary["name"] and u["kind"] not in NOT_A_MISFIT
+            ]
+            if summary["keys_applied"] and not misfits:
+                whole |= {str(summary["name"]), str(summary["path"])}
+        return [o for o in self.suspects if o.name not in whole and str(o.path) not in whole]
+
+
+NO_ARCH_CHECK = ArchCheck()
 
 
 def check_mode(mode: object) -> ApplyMode:
@@ -103,10 +140,22 @@ def refuse_strict(report: Report, strict: bool, where: str = "") -> None:
 
 
 def refuse(
-    report: Report, strict: bool, allow_empty: bool = False, where: str = "", opt_ins: OptIns = PYTHON
+    report: Report,
+    strict: bool,
+    allow_empty: bool = False,
+    where: str = "",
+    opt_ins: OptIns = PYTHON,
+    arch: ArchCheck = NO_ARCH_CHECK,
 ) -> None:
-    """Refuse a result before (or instead of) keeping it: `refuse_strict`, then NoKeysLandedError when an
-    adapter landed no key, unless `allow_empty`. Both carry `report`; `opt_ins`: how the face offers them."""
+    """Refuse a result before (or instead of) keeping it: files of another architecture than the model's
+    (`arch`, from `arch_check`) unless the caller opted in, `refuse_strict`, then NoKeysLandedError when an
+    adapter landed no key, unless `allow_empty`. Each carries `report`; `opt_ins`: how the face offers
+    them."""
+    found = arch.against(report)
+    if found and not arch.allowed:
+        raise WrongArchitectureError(
+            other_arch_message(found, opt_ins.allow_other_arch), [o.to_dict() for o in found], report
+        )
     refuse_strict(report, strict, where)
     refuse_empty(report, allow_empty, opt_ins.allow_empty)
 
@@ -115,50 +164,39 @@ def _file_name(adapter: Adapter) -> str:
     return os.path.basename(str(adapter.path)) if adapter.path else adapter.name
 
 
-def other_archs(adapters: Iterable[Adapter], model: ModelArch | None) -> list[OtherArch]:
-    """The adapters whose files' keys and shapes name an architecture the model does not take as its own.
-    None is said where either side is unsure: a model loraweave maps no architecture onto (`model` None), a
-    file whose detection names no one model (arch/fit.py)."""
+def arch_check(adapters: Iterable[Adapter], model: ModelArch | None, allow_other_arch: bool) -> ArchCheck:
+    """The adapters whose files' keys and shapes name an architecture the model does not take as its own, for
+    `refuse` and `note_other_arch`. The face supplies `model` (its own fact: ComfyUI's model class, a
+    diffusers module); the files' side is detected here, as `inspect` detects it. Nothing is said where either
+    side is unsure: a model loraweave maps no architecture onto (`model` None), a file whose detection names
+    no one model (arch/fit.py)."""
+    if not isinstance(allow_other_arch, bool):
+        raise ArgumentTypeError(f"allow_other_arch must be True or False, got {allow_other_arch!r}")
     if model is None:
-        return []
-    out = []
+        return ArchCheck(allowed=allow_other_arch)
+    suspects = []
     for adapter in adapters:
         found = file_arch(adapter)
         if found is not None and not found.possible & model.takes:
-            out.append(OtherArch(_file_name(adapter), found.name, model.name))
-    return out
+            path = str(adapter.path) if adapter.path else None
+            suspects.append(OtherArch(_file_name(adapter), found.name, model.name, adapter.name, path))
+    return ArchCheck(tuple(suspects), allow_other_arch)
 
 
 def other_arch_message(found: list[OtherArch], opt_in: str = OTHER_ARCH_OPT_IN) -> str:
     """The one wording of the refusal: each file in users' terms, then what to do (`opt_in`: the face's)."""
     said = "; ".join(f"{o.adapter}: {o.words()}" for o in found)
     return (
-        f"{said}. Its keys and shapes say so (`loraweave inspect` shows the evidence); only the layers whose "
-        f"shapes happen to fit would change, so nothing was changed. Load the model it was trained for, or "
-        f"{opt_in}."
+        f"{said}. Its keys and shapes say so (`loraweave inspect` shows the evidence) and only the layers "
+        f"whose shapes happen to fit would change, so nothing was changed. Load the model it was trained "
+        f"for, or {opt_in}."
     )
 
 
-def check_arch(
-    adapters: Iterable[Adapter], model: ModelArch | None, allow_other_arch: bool, opt_ins: OptIns = PYTHON
-) -> list[OtherArch]:
-    """Refuse files of another architecture than the model's (WrongArchitectureError, before anything
-    changes) unless `allow_other_arch`; then return them, for `note_other_arch` to say on the result. The face
-    supplies `model` (its own fact: ComfyUI's model class, a diffusers module); the files' side is detected
-    here, as `inspect` detects it."""
-    if not isinstance(allow_other_arch, bool):
-        raise ArgumentTypeError(f"allow_other_arch must be True or False, got {allow_other_arch!r}")
-    found = other_archs(adapters, model)
-    if found and not allow_other_arch:
-        raise WrongArchitectureError(
-            other_arch_message(found, opt_ins.allow_other_arch), [o.to_dict() for o in found]
-        )
-    return found
-
-
-def note_other_arch(report: Report, found: list[OtherArch]) -> None:
-    """Say loudly what `check_arch` let through: in the report (its summary, its dict, the lines a node
-    shows) and one WARNING per file."""
+def note_other_arch(report: Report, arch: ArchCheck) -> None:
+    """Say loudly what `refuse` let through on the caller's opt-in: in the report (its summary, its dict,
+    the lines a node shows) and one WARNING per file."""
+    found = arch.against(report)
     report.other_arch = [o.to_dict() for o in found]
     for o in found:
         log.warning(
