@@ -225,5 +225,5 @@ def test_unet_models_are_told_apart_by_their_cross_attention_width(realdata):
 def test_nothing_landed_of_an_unplaced_file_stays_the_empty_refusal(sd15):
     """A file whose architecture detection cannot name still gets NoKeysLandedError, with apply's opt-in."""
     with pytest.raises(NoKeysLandedError) as caught:
-        loraweave.apply(sd15, _lora("lora_unet_double_blocks_0_img_attn_proj", 3072, 3072))
+        loraweave.apply(sd15, _lora("lora_unet_no_such_layer", 8, 8))
     assert "Pass allow_empty=True to apply anyway" in str(caught.value)
