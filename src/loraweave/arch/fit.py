@@ -16,6 +16,8 @@ and flux2), and its record's `takes` (derived models: Chroma takes Flux)."""
 from __future__ import annotations
 
 import re
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..formats.adapter import Adapter
@@ -56,8 +58,28 @@ def with_article(words: str) -> str:
     return f"{'an' if words[0] in 'AEIOU' or spelled else 'a'} {words}"
 
 
+# file_arch per Adapter object (a ComfyUI re-queue passes the same one again): the registry's names it was
+# computed under, a weak reference to the object (an id is reused once it is gone), the answer.
+FILE_ARCHS_KEPT = 16
+_file_archs: OrderedDict[int, tuple[tuple[str, ...], weakref.ref, FileArch | None]] = OrderedDict()
+
+
 def file_arch(adapter: Adapter) -> FileArch | None:
-    """The architecture `adapter` was trained for, where its keys and shapes name one; None otherwise."""
+    """The architecture `adapter` was trained for, where its keys and shapes name one; None otherwise. Kept
+    per Adapter object: a re-queue of the same file asks again without reading its keys."""
+    names = tuple(a.name for a in registry.ARCHITECTURES)
+    kept = _file_archs.get(id(adapter))
+    if kept is not None and kept[0] == names and kept[1]() is adapter:
+        _file_archs.move_to_end(id(adapter))
+        return kept[2]
+    found = _file_arch(adapter)
+    _file_archs[id(adapter)] = (names, weakref.ref(adapter), found)
+    while len(_file_archs) > FILE_ARCHS_KEPT:
+        _file_archs.popitem(last=False)
+    return found
+
+
+def _file_arch(adapter: Adapter) -> FileArch | None:
     detection = detect_architecture(adapter)
     name = detection.architecture
     possible = {name}

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from ..arch.blocks import block_weights as slot_weights
 from ..arch.blocks import chain_lengths, detect_block_arch, weights_for_modules
 from ..arguments import number
-from ..engine.decide import COMFY, NO_ARCH_CHECK, ArchCheck, check_strengths, note_other_arch, refuse
+from ..engine.decide import COMFY, NO_ARCH_CHECK, check_strengths, note_other_arch, refuse
 from ..errors import ArgumentError
 from ..modes import SELECT_MODES, STACK_MODES, StackMode
 from ..report.report import Report
@@ -222,7 +222,7 @@ def _runtime_side(patcher, plans: Sequence[Plan], stack_mode, density):
     return stacked_clone(patcher, [entry])
 
 
-def _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0, arch: ArchCheck = NO_ARCH_CHECK):
+def _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0, arch=NO_ARCH_CHECK):
     new_model, state = _runtime_side(model, model_plans, stack_mode, density)
     states, new_clip = [state], clip.clone() if clip is not None else None
     # a CLIP nothing lands on keeps no state of ours

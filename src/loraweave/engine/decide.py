@@ -57,7 +57,7 @@ class OtherArch:
         file, model = with_article(label(self.file_arch)), with_article(label(self.model_arch))
         return f"{file} LoRA on {model} model"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str]:
         return {
             "adapter": self.adapter,
             "file_arch": self.file_arch,
@@ -81,6 +81,8 @@ class ArchCheck:
 
     def against(self, report: Report) -> list[OtherArch]:
         """The suspects that did not land whole in `report`."""
+        if not self.suspects:
+            return []
         whole: set[str] = set()
         for summary in report.adapters:
             misfits = [
