@@ -9,6 +9,7 @@ Chroma, Flux.2 klein, LTX-2/2.3 in one ComfyUI class) are not refused."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +228,12 @@ def test_nothing_landed_of_an_unplaced_file_stays_the_empty_refusal(sd15):
     with pytest.raises(NoKeysLandedError) as caught:
         loraweave.apply(sd15, _lora("lora_unet_no_such_layer", 8, 8))
     assert "Pass allow_empty=True to apply anyway" in str(caught.value)
+
+
+def test_the_readme_says_when_the_pack_refuses_a_wrong_file():
+    """Item E: the README called a wrong-architecture file an error at queue time; it fails when the node
+    runs (ComfyUI validates only the inputs at queue time), and the node's opt-in is named."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "(a wrong-architecture LoRA) is an error at queue time" not in readme
+    comfy = readme[readme.index("Queue time (before anything runs)") :][:900]
+    assert "is an error when the node runs" in comfy and "`allow_other_arch` input" in comfy, comfy
