@@ -8,12 +8,15 @@ is about."""
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 
 import pytest
+import torch
 from helpers.comfy_home import comfy_home_fixture, run_prompt  # noqa: F401  (fixture)
 from helpers.comfy_pack import FLUX_FILE
 from helpers.comfy_sampling import StubServer, register_test_nodes
+from safetensors.torch import save_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NODE = "2"  # the LoraWeave node under test in every prompt
@@ -117,3 +120,52 @@ def test_step_window_range_error_names_only_the_range(comfy_home):
     window["inputs"] |= {"start_percent": 0.2, "end_percent": 0.6, "lora_name": "missing.safetensors"}
     valid, errors, _, _ = run_prompt(prompt)
     assert not valid and [e["extra_info"]["input_name"] for e in errors["2"]["errors"]] == ["lora_name"]
+
+
+def flux_single_linear2() -> dict[str, torch.Tensor]:
+    """A kohya Flux.1 LoRA on the 38 single blocks' linear2 (5 x 3072 inputs), rank 1: its `down` width alone
+    fits no variant; every key landing on the full-size Flux skeleton names flux1."""
+    sd = {}
+    for i in range(38):
+        stem = f"lora_unet_single_blocks_{i}_linear2"
+        sd[f"{stem}.lora_down.weight"] = torch.zeros(1, 5 * 3072, dtype=torch.float16)
+        sd[f"{stem}.lora_up.weight"] = torch.zeros(3072, 1, dtype=torch.float16)
+        sd[f"{stem}.alpha"] = torch.tensor(1.0)
+    return sd
+
+
+def table_rows(text: str) -> dict[str, str]:
+    """inspect's table as {row name: value} (the first row of a name; key lines under a row are skipped)."""
+    rows: dict[str, str] = {}
+    for line in text.splitlines():
+        if row := re.match(r"\s*(\S+(?: \S+)*)\s{2,}(\S.*)$", line):
+            rows.setdefault(row[1], row[2])
+    return rows
+
+
+def test_inspect_with_a_model_names_the_files_architecture_and_variant(comfy_home, tmp_path):
+    """LoraWeave Inspect with a MODEL connected (the tiny Flux): coverage is the MODEL's, but the file is
+    described as without one (an SD1 UNet by the shapes that fit, not "unet"; Flux.1 by every key landing on
+    its skeleton, not "no known variant"); the file is named as the node names it, and no CLI flag shows."""
+    import nodes
+
+    from loraweave.tools.inspect import format_table, inspect_adapter
+
+    loras = comfy_home["base"] / "models" / "loras"
+    save_file(flux_single_linear2(), loras / "flux_linear2.safetensors")
+    model = nodes.UNETLoader().load_unet(FLUX_FILE, "default")[0]
+    inspect = nodes.NODE_CLASS_MAPPINGS["LoraWeaveInspect"]
+    rows = {}
+    for name in ("sd1.safetensors", "flux_linear2.safetensors"):
+        text = inspect.execute(name, model=model).args[0]
+        rows[name] = table_rows(text)
+        assert rows[name]["file"] == name and str(comfy_home["base"]) not in text, text
+        assert "--" not in text and "connected MODEL (flux" in rows[name]["coverage"], text
+        # the file part is the CLI's, row for row
+        cli = table_rows(format_table(inspect_adapter(loras / name)))
+        assert all(cli.get(key) == rows[name].get(key) for key in ("layout", "architecture", "variant")), text
+    assert rows["sd1.safetensors"]["architecture"] == "sd1", rows
+    variant = rows["flux_linear2.safetensors"]["variant"]
+    assert variant.startswith("flux1 (dev, schnell, Fill, Kontext) (file: 38 single blocks"), variant
+    flux_text = inspect.execute("flux_linear2.safetensors", model=model).args[0]
+    assert "... 94 more" in flux_text and flux_text.splitlines()[-1].strip() == "... 94 more", flux_text
