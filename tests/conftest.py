@@ -92,6 +92,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),
     "test_comfy_model_input": ("comfy",),
+    "test_comfy_model_only": ("comfy", "realdata"),
     "test_comfy_nodes": ("comfy",),
     "test_comfy_pack_entry": ("comfy",),
     "test_comfy_realdata": ("comfy", "realdata"),
