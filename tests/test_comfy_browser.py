@@ -95,11 +95,12 @@ def _base_directory(base) -> None:
 
 
 def _wait_history(url: str, prompt_id: str, timeout: float = 60.0) -> dict:
-    """The /history entry of `prompt_id` once its run finished."""
+    """The /history entry of `prompt_id` once its run finished (completed, or failed)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         entry = get_json(f"{url}/history/{prompt_id}").get(prompt_id)
-        if entry and entry.get("status", {}).get("completed"):
+        status = (entry or {}).get("status", {})
+        if status.get("completed") or status.get("status_str") == "error":
             return entry
         time.sleep(0.5)
     raise TimeoutError(f"the queued run {prompt_id} did not complete within {timeout} s")
@@ -222,12 +223,12 @@ async def _evidence(page: Page, path) -> None:
     path.with_suffix(".console.txt").write_text("\n".join(page.console))
 
 
-SET_LORA = f"""(() => {{
+# Set a widget of the loader as the canvas does when the user picks a value.
+SET_WIDGET = f"""((name, value) => {{
   const node = app.graph.getNodeById({LOADER});
-  const widget = node.widgets.find(w => w.name === 'lora_name');
-  widget.setValue('partial.safetensors', {{node, canvas: app.canvas}});
+  node.widgets.find(w => w.name === name).setValue(value, {{node, canvas: app.canvas}});
   return true;
-}})()"""
+}})"""
 BYPASS = f"""(async () => {{
   app.canvas.deselectAll();
   app.canvas.selectNode(app.graph.getNodeById({LOADER}));
@@ -269,16 +270,26 @@ async def _classic(page: Page, url: str, shot) -> dict:
     await _open(page, url)
     rerun = await _run(page, url, workflow())
     reloaded = await _report(page, "flux.safetensors: ")
-    await page.evaluate(SET_LORA)
+    await page.evaluate(f"{SET_WIDGET}('lora_name', 'partial.safetensors')")
     cleared = await page.evaluate(REPORT)
     changed_run = await _queue(page, url)
     changed = await _report(page, "WARNING: partial.safetensors")
     await page.screenshot(shot.with_name("comfy_browser_changed.png"))
     await page.evaluate(BYPASS)
     bypassed = await page.wait_for(f"(() => {{ const r = {REPORT}; return r.mode === 4 && r; }})()", 10)
+    await page.evaluate(BYPASS)  # on again: the next run (the loader cached) shows the report again
+    await _queue(page, url)
+    await _report(page, "WARNING: partial.safetensors")
+    # strict on that partial file: the run fails at the loader, and the report of the last good run goes
+    await page.evaluate(f"{SET_WIDGET}('strict', true)")
+    _, failed_run = await _queue(page, url)
+    failed = await page.wait_for(
+        f"(() => {{ const r = {REPORT}; return r.value === '' && r; }})()", 10, "no report after the failure"
+    )
     return {"registered": registered, "run": run, "shown": shown, "inspect": inspect, "library": library,
             "rerun": rerun, "reloaded": reloaded, "cleared": cleared, "changed_run": changed_run,
-            "changed": changed, "bypassed": bypassed}  # fmt: skip
+            "changed": changed, "failed_run": failed_run, "failed": failed,
+            "bypassed": bypassed}  # fmt: skip
 
 
 async def _steps(page: Page, url: str, shot) -> dict:
@@ -370,6 +381,9 @@ def test_pack_in_a_real_browser(tmp_path):
     changed = changed_run["outputs"][str(LOADER)]["text"][0]
     assert changed.startswith("WARNING: partial.safetensors: 6 of 9 keys landed"), changed
     assert seen["changed"]["value"] == changed and _fits(seen["changed"]), seen["changed"]
+    failed_run = seen["failed_run"]
+    assert failed_run["status"]["status_str"] == "error" and str(LOADER) not in failed_run["outputs"]
+    assert seen["failed"]["value"] == "", seen["failed"]
     assert seen["bypassed"]["value"] == "", "a bypassed node kept its report"
     # the shim and the clone: the server log says so once; the page ran the script three times (the shim's
     # folder, the clone's folder and the clone's pyproject name), and registered the first only
