@@ -223,7 +223,8 @@ def add_to_clone(patcher, plan: Plan, strength: float) -> tuple[object, list[App
     clone = patcher.clone()
     if strength == 0.0:  # as ComfyUI's loader: a zero strength adds nothing
         return clone, [], misses
-    clone.add_patches(grow_patches(grown))  # control adapters: the wider input first, then their ΔW
+    if grown:  # control adapters: the wider input first, then their ΔW
+        clone.add_patches(grow_patches(grown))
     every: dict[PatchKey, object] = {**patches}
     every.update(params.items())
     accepted = set(clone.add_patches(every, strength))

@@ -324,7 +324,8 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     )
     grown = grown_inputs(plans[0])  # a width ComfyUI cannot feed raises here, before anything changes
     new_model, _ = stacked_clone(model, [], states[0])
-    new_model.add_patches(grow_patches(grown))  # a control adapter's paths run on the wider input
+    if grown:  # a control adapter's paths run on the wider input (add_patches re-rolls patches_uuid)
+        new_model.add_patches(grow_patches(grown))
     new_clip = clip.clone() if clip is not None else None
     if len(states) > 1:  # a CLIP nothing lands on keeps no state of ours
         assert new_clip is not None  # a second state is the CLIP's
