@@ -65,7 +65,9 @@ def grown_inputs(plan: Plan) -> dict[str, GrownWeight]:
     found: dict[str, GrownWeight] = {}
     for component, module, width, _ in growth(plan):
         live = plan.components.modules[component].get_submodule(module)
-        rows, columns = LOADED.setdefault(live, (int(live.weight.shape[0]), int(live.weight.shape[1])))
+        weight = live.weight
+        assert isinstance(weight, torch.Tensor)  # a growable input is a Linear (the planner's growth)
+        rows, columns = LOADED.setdefault(live, (int(weight.shape[0]), int(weight.shape[1])))
         if width != FED_LATENTS * columns:
             raise TargetError(_unfed(plan, component, module, columns, width))
         found[f"{component}.{module}.weight"] = GrownWeight((rows, columns), (rows, width))
