@@ -38,6 +38,17 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     return found
 
 
+def _options(command: str) -> set[str]:
+    """The options of a command and of the commands under it (`comfy`'s table covers install, demo, ...)."""
+    return {
+        o
+        for name, parser in _parsers().items()
+        if name == command or name.startswith(f"{command} ")
+        for action in parser._actions
+        for o in action.option_strings
+    }
+
+
 def _codes(text: str) -> set[int]:
     return {int(m) for m in re.findall(r"^\s*\|?\s*(\d+)\s", text, re.M)}
 
@@ -68,7 +79,7 @@ def test_the_top_help_shows_the_whole_table(capsys):
 def test_every_help_shows_the_table(command, capsys):
     out = _help(command.split(), capsys)
     table = out[out.index(STATUS_TITLE) :]
-    own = {o for action in _parsers()[command]._actions for o in action.option_strings}
+    own = _options(command)
     # 1 only where an option can make it (--strict, or a refused empty output without --allow-empty)
     assert _codes(table) == {0, 2, 3, 4, 130} | ({1} if own & {"--strict", "--allow-empty"} else set())
     for line in EXIT_STATUS.splitlines():  # the lines that name no option, as in the whole table
@@ -80,8 +91,7 @@ def test_every_help_shows_the_table(command, capsys):
 def test_no_help_names_an_option_its_command_lacks(command, capsys):
     """`comfy install --help` said "with --strict ..." and "--allow-empty was not given" (it has neither)."""
     said = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _help(command.split(), capsys)))
-    own = {o for action in _parsers()[command]._actions for o in action.option_strings}
-    assert said - own == set()
+    assert said - _options(command) == set()
 
 
 # One invalid argument per command, with the code the table gives it (2: bad input or usage).
