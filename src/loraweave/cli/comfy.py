@@ -47,7 +47,7 @@ def add(sub) -> None:
         "in ComfyUI without a real checkpoint"
     )
     d = actions.add_parser("demo", help=text, description=f"{text}. Nothing is downloaded.")
-    d.add_argument("folder", metavar="DIR", help="folder for the files (created if its parent exists)")
+    d.add_argument("out", metavar="DIR", help="folder for the files (created if its parent exists)")
     d.add_argument("--force", action="store_true", help="replace the demo's files already in DIR (no other)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     with_exit_status(p, actions)  # the nested install/uninstall/demo --help end with the table too
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from ..comfy.demo import write_demo
 
-    files = write_demo(args.folder, overwrite=args.force)
+    files = write_demo(args.out, overwrite=args.force)
     if args.json:
         print(json.dumps(files.to_dict(), indent=2))
         return 0

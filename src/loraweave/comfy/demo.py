@@ -149,9 +149,9 @@ def write_demo(folder: str | Path, overwrite: bool = False) -> DemoFiles:
         raise WriteError(f"output {folder}: its folder does not exist (create it first)")
     if root.exists() and not root.is_dir():
         raise WriteError(f"output {folder} is a file; the demo writes a folder there (name another output)")
-    there = [str(name) for name in names if (root / name).exists()]
+    there = [name for name in names if (root / name).exists()]
     if there and not overwrite:
-        raise WriteError(f"output {folder} already holds {', '.join(there)} (pass --force to replace them)")
+        raise WriteError(f"output {Path(folder) / there[0]} exists (pass --force to replace it)")
     with atomic_path(root, folder=True) as tmp:
         for name in names:
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
