@@ -1,7 +1,7 @@
-// Shows each LoraWeave node's report (its "text" ui output) in a read-only text box on the node, sized to its
-// lines up to a cap, in the node's own width. A standard STRING widget, so it renders under the classic canvas
-// and under Nodes 2.0 alike. The report describes the last run of the file the node names: it is cleared when
-// lora_name changes, when the node is bypassed or muted, and when the node fails.
+// Shows each LoraWeave node's report (its "text" ui output) in a read-only text box on the node, sized to
+// its lines up to a cap, in the node's own width. A standard STRING widget, so it renders under the classic
+// canvas and under Nodes 2.0 alike. The report describes the last run of the file the node names: it is
+// cleared when lora_name changes, when the node is bypassed or muted, and when the node fails.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { ComfyWidgets } from "../../scripts/widgets.js";
@@ -166,7 +166,8 @@ const extension = {
 // ComfyUI serves one web folder under several names: a clone's folder name and its pyproject name, or the
 // shim's beside a clone (the server log says when two installs are loaded). The first copy registers.
 if (globalThis[LOADED]) {
-  console.info(`[loraweave] ${EXTENSION}: ${import.meta.url} not registered again (${globalThis[LOADED]} was)`);
+  const first = globalThis[LOADED];
+  console.info(`[loraweave] ${EXTENSION}: ${import.meta.url} not registered again (${first} was)`);
 } else {
   globalThis[LOADED] = import.meta.url;
   app.registerExtension(extension);
