@@ -40,8 +40,9 @@ NODE_OTHER_ARCH_OPT_IN = "turn on this node's allow_other_arch to apply it anywa
 
 
 def report_text(report, lora: str) -> str:
-    """What the node shows: loraweave's one-line summary, then the misses by kind; a partial load says so
-    first."""
+    """What the node shows: a file of another architecture applied anyway first, loraweave's one-line
+    summary, then the misses by kind and the keys skipped on purpose (a model-only node: text encoders); a
+    partial load says so first."""
     lines = [f"WARNING: {line}" for line in report.other_arch_lines()]
     if report.keys_total and report.keys_applied < report.keys_total:
         lines.append(f"WARNING: {lora}: {report.keys_applied} of {report.keys_total} keys landed")
@@ -51,6 +52,9 @@ def report_text(report, lora: str) -> str:
     for kind, count in sorted(report.kinds().items()):
         keys = [u.key for u in report.unmatched if u.kind == kind][:3]
         lines.append(f"  missed {kind}: {count} ({', '.join(keys)}{', ...' if count > len(keys) else ''})")
+    for component, count in report.skipped_by_component().items():
+        why = ", ".join(sorted({s.why for s in report.skipped if s.component == component}))
+        lines.append(f"  skipped {component}={count} ({why})")
     return "\n".join(lines)
 
 
@@ -72,6 +76,12 @@ def schema(node_id: str, display_name: str, description: str, **fields) -> io.Sc
     return io.Schema(
         node_id=node_id, display_name=display_name, category=CATEGORY, description=description, **fields
     )
+
+
+def reporting_schema(node_id: str, display_name: str, description: str, **fields) -> io.Schema:
+    """The schema of a node that shows its report on itself: an intermediate output, so ComfyUI re-sends the
+    report of a cached run (a reloaded page, a changed seed) instead of leaving the node without one."""
+    return schema(node_id, display_name, description, has_intermediate_output=True, **fields)
 
 
 @contextmanager
@@ -148,15 +158,9 @@ def load_one(
     from .api import load_lora_for_models
 
     with named_errors(lora_name):
+        path = lora_path(lora_name)
         model, clip, report = load_lora_for_models(
-            model,
-            clip,
-            lora_path(lora_name),
-            strength_model,
-            strength_clip,
-            mode=mode,
-            strict=strict,
-            allow_other_arch=allow_other_arch,
+            model, clip, path, strength_model, strength_clip, mode, strict, allow_other_arch
         )
         return model, clip, report_text(checked(report, lora_name), lora_name)
 
@@ -164,7 +168,7 @@ def load_one(
 class LoraWeaveLoader(LoraFileNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveLoader",
             "LoraWeave Loader",
             "Apply a LoRA/LyCORIS file of any layout to MODEL and CLIP; shows what landed.",
@@ -194,7 +198,7 @@ class LoraWeaveLoader(LoraFileNode):
 class LoraWeaveLoaderModelOnly(LoraFileNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveLoaderModelOnly",
             "LoraWeave Loader (model only)",
             "Apply a LoRA/LyCORIS file of any layout to MODEL; shows what landed.",
@@ -250,7 +254,7 @@ class LoraWeaveStack(io.ComfyNode):
 class LoraWeaveApplyStack(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveApplyStack",
             "LoraWeave Apply Stack",
             "Apply a LORA_STACK (ours or another pack's) with a stack mode and block weights.",
@@ -299,7 +303,7 @@ class LoraWeaveApplyStack(io.ComfyNode):
 class LoraWeaveStepWindow(LoraFileNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveStepWindow",
             "LoraWeave Step Window",
             "A LoRA active only from start_percent to end_percent of the sampling, with an optional "
@@ -317,13 +321,12 @@ class LoraWeaveStepWindow(LoraFileNode):
         )
 
     @classmethod
-    # ComfyUI passes each node the inputs its own signature names: the override narrows by design
-    def validate_inputs(  # type: ignore[override]
-        cls, lora_name: str, start_percent: float, end_percent: float
-    ) -> bool | str:
+    # ComfyUI flags every input this signature names with its message, and checks the others itself
+    # (lora_name: one of the listed files); the override narrows by design
+    def validate_inputs(cls, start_percent: float, end_percent: float) -> bool | str:  # type: ignore[override]
         if start_percent > end_percent:
             return f"start_percent {start_percent} is after end_percent {end_percent}"
-        return validation_message(lora_name)
+        return True
 
     @classmethod
     def execute(
@@ -358,6 +361,12 @@ class LoraWeaveInspect(LoraFileNode):
                     tooltip="connected: coverage is judged on this model's own modules (a pruned, distilled "
                     "or tiny model); unconnected: on the full-size model of the file's architecture",
                 ),
+                io.Clip.Input(
+                    "clip",
+                    optional=True,
+                    tooltip="with a MODEL: the text-encoder keys are judged on this CLIP; a MODEL alone: "
+                    "they are skipped, as the model-only loader skips them",
+                ),
             ],
             outputs=[
                 io.String.Output(display_name="report"),
@@ -367,11 +376,11 @@ class LoraWeaveInspect(LoraFileNode):
         )
 
     @classmethod
-    def execute(cls, lora_name, model=None) -> io.NodeOutput:
+    def execute(cls, lora_name, model=None, clip=None) -> io.NodeOutput:
         path = lora_path(lora_name)
         try:
             with named_errors(lora_name):
-                text, triggers = inspect_text(path, model), trigger_text(path)
+                text, triggers = inspect_text(path, lora_name, model, clip), trigger_text(path)
                 heatmap, why_none = heatmap_image(path)
                 text += f"\n{why_none}" if why_none else ""
         except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does
