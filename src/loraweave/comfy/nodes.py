@@ -27,6 +27,7 @@ from .lora_files import (
     trigger_text,
     validation_message,
 )
+from .tooltips import fill_tooltips
 
 log = logging.getLogger("loraweave")
 
@@ -66,7 +67,9 @@ def checked(report, lora: str):
 
 
 def schema(node_id: str, display_name: str, description: str, **fields) -> io.Schema:
-    """A node's schema in the pack's category."""
+    """A node's schema in the pack's category; every input and named output with its tooltip
+    (comfy/tooltips.py where the input sets none)."""
+    fill_tooltips(node_id, fields.get("inputs", ()), fields.get("outputs", ()))
     return io.Schema(
         node_id=node_id, display_name=display_name, category=CATEGORY, description=description, **fields
     )
