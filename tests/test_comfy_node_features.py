@@ -4,8 +4,15 @@ tooltip on every widget, the loader's trigger words, block-weight presets."""
 
 from __future__ import annotations
 
-from helpers.comfy_home import comfy_home_fixture  # noqa: F401  (fixture)
-from helpers.comfy_pack import NODE_IDS
+import json
+
+import pytest
+from helpers.comfy_home import comfy_home_fixture, execution_error, run_prompt  # noqa: F401  (fixture)
+from helpers.comfy_pack import FLUX_FILE, NODE_IDS
+
+UNET = {"class_type": "UNETLoader", "inputs": {"unet_name": FLUX_FILE, "weight_dtype": "default"}}
+FALCON = "KohakuBlueleaf__LyCORIS__smart_falcon_4_lokr.safetensors"  # ss_tag_frequency of a kohya training
+YEW = "leighwoods__public-loras__lora.safetensors"  # ai-toolkit Flux LoRA, one training tag: YEW
 
 
 def info_inputs(inputs: dict) -> dict[str, dict]:
@@ -37,3 +44,80 @@ def test_every_input_of_every_node_has_a_tooltip(comfy_home):
             t for t, name in zip(info["output_tooltips"], info["output_name"], strict=True) if name.islower()
         ]
         assert all(named), f"{node_id}: a named output without a tooltip: {info['output_name']}"
+
+
+def _loader(class_type: str, lora_name: str, model: list, **inputs) -> dict:
+    strengths = {"strength_model": 0.7} | ({"strength_clip": 1.0} if class_type == "LoraWeaveLoader" else {})
+    return {
+        "class_type": class_type,
+        "inputs": {"model": model, "lora_name": lora_name, **strengths, "mode": "merge", "strict": False},
+    }
+
+
+@pytest.mark.parametrize(
+    ("class_type", "report", "triggers"), [("LoraWeaveLoader", 2, 3), ("LoraWeaveLoaderModelOnly", 1, 2)]
+)
+def test_loaders_output_the_trigger_words_after_their_old_outputs(comfy_home, class_type, report, triggers):
+    """The loaders' outputs keep the slots a saved workflow links to (MODEL 0, then report), the trigger
+    words come last: what Inspect reads from the same file, through ComfyUI's executor."""
+    import nodes
+
+    info = nodes.NODE_CLASS_MAPPINGS[class_type].GET_NODE_INFO_V1()
+    assert info["output_name"][report:] == ["report", "trigger_words"], info["output_name"]
+    prompt = {
+        "1": UNET,
+        "2": _loader(class_type, "flux.safetensors", ["1", 0]),
+        "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", report]}},  # as a saved workflow links
+        "4": {"class_type": "PreviewAny", "inputs": {"source": ["2", triggers]}},
+        "5": {"class_type": "LoraWeaveInspect", "inputs": {"lora_name": "flux.safetensors"}},
+    }
+    valid, errors, ex, out = run_prompt(prompt, ("2", "5"))
+    assert valid and ex.success, errors or execution_error(ex)
+    outputs = ex.history_result["outputs"]
+    assert "keys_applied=6/6" in outputs["3"]["text"][0]
+    assert outputs["4"]["text"][0] == out["2"][triggers] == out["5"][1] == "sks cat, sitting, outdoors"
+
+
+def most_frequent_tags(path, top: int = 10) -> str:
+    """kohya's ss_tag_frequency ({dataset: {tag: count}}) summed over datasets, most frequent first, ties by
+    name: read with safetensors' own reader, independent of loraweave."""
+    from collections import Counter
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        datasets = json.loads(f.metadata()["ss_tag_frequency"])
+    counts = sum((Counter(tags) for tags in datasets.values()), Counter())
+    return ", ".join(t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
+
+
+@pytest.mark.realdata
+@pytest.mark.parametrize(("name", "arch"), [(FALCON, "sd15"), (YEW, "flux")])
+def test_trigger_words_of_real_files(comfy_home, realdata, monkeypatch, name, arch):
+    """Real files through the model-only loader on ComfyUI's own model of their architecture (full size, on
+    `meta`): the trigger words output is the file's training tags, most frequent first."""
+    import folder_paths
+    from helpers.comfy_env import import_comfy
+    from helpers.comfy_full import FLUX_DEV, SD15_UNET, meta_patcher
+    from helpers.comfy_sampling import REGISTRY, register_test_nodes
+
+    models = import_comfy().supported_models
+    config = {"sd15": (models.SD15, SD15_UNET), "flux": (models.Flux, FLUX_DEV)}[arch]
+    register_test_nodes(monkeypatch)
+    monkeypatch.setitem(REGISTRY, arch, meta_patcher(*config))
+    folders, extensions = folder_paths.folder_names_and_paths["loras"]
+    monkeypatch.setitem(
+        folder_paths.folder_names_and_paths, "loras", ([*folders, str(realdata / "lora")], extensions)
+    )
+    prompt = {
+        "1": {"class_type": "LWTestModelSource", "inputs": {"name": arch}},
+        "2": _loader("LoraWeaveLoaderModelOnly", name, ["1", 0]),
+        "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 2]}},
+    }
+    valid, errors, ex, out = run_prompt(prompt)
+    assert valid, errors
+    assert ex.success, execution_error(ex)
+    want = most_frequent_tags(realdata / "lora" / name)
+    assert out["2"][2] == want and want.startswith(
+        {FALCON: r"smart falcon \(umamusume\), ", YEW: "YEW"}[name]
+    )

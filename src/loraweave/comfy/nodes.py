@@ -95,6 +95,12 @@ def _lora_input(optional: bool = False) -> io.Combo.Input:
     )
 
 
+def _trigger_words_output() -> io.String.Output:
+    """The file's trigger words (comma-joined): a loader's last output, so the slots saved workflows link to
+    stay where they were."""
+    return io.String.Output(display_name="trigger_words")
+
+
 def _mode_input() -> io.Combo.Input:
     return io.Combo.Input(
         "mode",
@@ -152,7 +158,12 @@ class LoraWeaveLoader(LoraFileNode):
                 _mode_input(),
                 _strict_input(),
             ],
-            outputs=[io.Model.Output(), io.Clip.Output(), io.String.Output(display_name="report")],
+            outputs=[
+                io.Model.Output(),
+                io.Clip.Output(),
+                io.String.Output(display_name="report"),
+                _trigger_words_output(),
+            ],
         )
 
     @classmethod
@@ -160,7 +171,8 @@ class LoraWeaveLoader(LoraFileNode):
         cls, model, lora_name, strength_model, strength_clip, mode, strict, clip=None
     ) -> io.NodeOutput:
         model, clip, text = load_one(model, clip, lora_name, strength_model, strength_clip, mode, strict)
-        return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
+        triggers = trigger_text(lora_path(lora_name))
+        return io.NodeOutput(model, clip, text, triggers, ui=ui.PreviewText(text))
 
 
 class LoraWeaveLoaderModelOnly(LoraFileNode):
@@ -177,13 +189,14 @@ class LoraWeaveLoaderModelOnly(LoraFileNode):
                 _mode_input(),
                 _strict_input(),
             ],
-            outputs=[io.Model.Output(), io.String.Output(display_name="report")],
+            outputs=[io.Model.Output(), io.String.Output(display_name="report"), _trigger_words_output()],
         )
 
     @classmethod
     def execute(cls, model, lora_name, strength_model, mode, strict) -> io.NodeOutput:
         model, _, text = load_one(model, None, lora_name, strength_model, 0.0, mode, strict)
-        return io.NodeOutput(model, text, ui=ui.PreviewText(text))
+        triggers = trigger_text(lora_path(lora_name))
+        return io.NodeOutput(model, text, triggers, ui=ui.PreviewText(text))
 
 
 class LoraWeaveStack(io.ComfyNode):
