@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from helpers.comfy_home import comfy_home_fixture, execution_error, run_prompt  # noqa: F401  (fixture)
 from helpers.comfy_pack import FLUX_FILE, NODE_IDS
 
@@ -121,3 +122,71 @@ def test_trigger_words_of_real_files(comfy_home, realdata, monkeypatch, name, ar
     assert out["2"][2] == want and want.startswith(
         {FALCON: r"smart falcon \(umamusume\), ", YEW: "YEW"}[name]
     )
+
+
+BOTH_CHAINS = "both_chains.safetensors"  # a kohya LoRA on both blocks of the tiny Flux: D00 and S00
+
+
+@pytest.fixture(scope="module")
+def both_chains(comfy_home):
+    from helpers.comfy_models import tiny_flux
+    from helpers.comfy_sampling import kohya_flux_lora
+    from safetensors.torch import save_file
+
+    save_file(
+        kohya_flux_lora(tiny_flux().patcher, seed=41), comfy_home["base"] / "models/loras" / BOTH_CHAINS
+    )
+    return BOTH_CHAINS
+
+
+def applied_weights(lora_name: str, block_weights: str, block_preset: str | None) -> dict:
+    """The tiny Flux's targeted weights as ComfyUI loads them after LoraWeave Apply Stack (one row, merge)
+    with these block-weight widgets (no block_preset input at all for None: an older saved prompt)."""
+    from helpers.comfy_sampling import FLUX_TARGETS
+
+    preset = {} if block_preset is None else {"block_preset": block_preset}
+    stack = {"class_type": "LoraWeaveApplyStack", "inputs": {"model": ["1", 0], "lora_stack": ["4", 0],
+             "stack_mode": "sum", "block_weights": block_weights, "mode": "merge", **preset}}  # fmt: skip
+    prompt = {
+        "1": UNET,
+        "4": {
+            "class_type": "LoraWeaveStack",
+            "inputs": {"lora_name": lora_name, "model_strength": 0.9, "clip_strength": 1.0, "enabled": True},
+        },  # fmt: skip
+        "2": stack,
+        "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 2]}},
+    }
+    valid, errors, ex, out = run_prompt(prompt)
+    assert valid, errors
+    assert ex.success, execution_error(ex)
+    keys = [f"diffusion_model.{t}.weight" for t in FLUX_TARGETS]
+    return {k: out["2"][0].patch_weight_to_device(k, return_weight=True) for k in keys}
+
+
+# preset -> the same weights as a vector over the tiny Flux's slots (BASE, D00, S00): DOUBLE/SINGLE keep one
+# stream; LBW presets stretch their 17 values over the blocks in order (D00 takes entry 1, an input block;
+# S00 entry 9, an output block); ALL0.5 halves every slot
+PRESET_VECTORS = {
+    "DOUBLE": "1,1,0",
+    "SINGLE": "1,0,1",
+    "OUTALL": "1,0,1",
+    "INALL": "1,1,0",
+    "ALL0.5": "0.5,0.5,0.5",
+}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("preset", "vector"), sorted(PRESET_VECTORS.items()))
+def test_a_block_preset_is_its_vector(comfy_home, both_chains, preset, vector):
+    by_preset = applied_weights(both_chains, "", preset)
+    assert same(by_preset, applied_weights(both_chains, vector, None))
+    assert not same(by_preset, applied_weights(both_chains, "", "custom")), "the preset changed nothing"
+
+
+def test_the_block_weights_text_wins_over_the_preset(comfy_home, both_chains):
+    text = applied_weights(both_chains, "1,1,0", "SINGLE")
+    assert same(text, applied_weights(both_chains, "1,1,0", None))
+    assert not same(text, applied_weights(both_chains, "", "SINGLE"))

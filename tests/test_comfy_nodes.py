@@ -40,7 +40,7 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
         ("LORA_STACK",),
     ),
     "LoraWeaveApplyStack": (
-        {"model", "clip", "lora_stack", "stack_mode", "block_weights", "mode"},
+        {"model", "clip", "lora_stack", "stack_mode", "block_weights", "mode", "block_preset"},
         ("MODEL", "CLIP", "STRING"),
     ),
     "LoraWeaveStepWindow": (

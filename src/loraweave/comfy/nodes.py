@@ -115,6 +115,22 @@ def _strict_input() -> io.Boolean.Input:
     return io.Boolean.Input("strict", default=False, tooltip="fail when some key of the file does not land")
 
 
+def block_preset_input() -> io.Combo.Input:
+    from ..arch.blocks import preset_names
+    from .stack import CUSTOM_BLOCKS
+
+    return io.Combo.Input(
+        "block_preset",
+        options=[CUSTOM_BLOCKS, *preset_names()],
+        default=CUSTOM_BLOCKS,
+        optional=True,
+        tooltip=f"Block weights by name, used when block_weights is empty ({CUSTOM_BLOCKS}: every block at "
+        "1). ALL, NONE and ALL0.5 weigh every block alike; INS/IND keep the shallow/deep input blocks, MIDD "
+        "the deep blocks and the middle, OUTD/OUTS the deep/shallow output blocks, INALL/OUTALL one side "
+        "(on DiTs these follow the block order); DOUBLE/SINGLE keep one stream of Flux-like models.",
+    )
+
+
 class LoraFileNode(io.ComfyNode):
     """A node that reads one file of the loras folders: refused at queue time when the name is bad or the file
     is missing or broken; re-run when the file changes."""
@@ -250,13 +266,16 @@ class LoraWeaveApplyStack(io.ComfyNode):
                     "comma-separated vector on the detected architecture's block map",
                 ),
                 _mode_input(),
+                block_preset_input(),  # last and optional: saved workflows and prompts load as they were
             ],
             outputs=[io.Model.Output(), io.Clip.Output(), io.String.Output(display_name="report")],
         )
 
     @classmethod
-    def execute(cls, model, lora_stack, stack_mode, block_weights, mode, clip=None) -> io.NodeOutput:
-        from .stack import apply_stack, stack_rows
+    def execute(
+        cls, model, lora_stack, stack_mode, block_weights, mode, clip=None, block_preset=None
+    ) -> io.NodeOutput:
+        from .stack import apply_stack, chosen_block_weights, stack_rows
 
         rows = stack_rows(lora_stack, lora_path)
         if not rows:
@@ -269,7 +288,7 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 clip,
                 rows,
                 stack_mode=stack_mode,
-                block_weights=block_weights.strip() or None,
+                block_weights=chosen_block_weights(block_weights, block_preset),
                 mode=mode,
             )
             text = report_text(checked(report, names), names)
