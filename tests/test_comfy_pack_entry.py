@@ -48,6 +48,7 @@ def test_repository_root_loads_as_a_custom_node():
     assert got["ok"] and not got["loraweave_before"], got
     # this clone's source, not another install of loraweave in the environment
     assert Path(got["loraweave_file"]).resolve() == REPO_ROOT / "src" / "loraweave" / "__init__.py"
-    assert got["nodes"] == dict.fromkeys(NODE_IDS, "loraweave.comfy.nodes")
+    modules = {"LoraWeaveMultiLoader": "loraweave.comfy.multi_loader"}  # the others: comfy/nodes.py
+    assert got["nodes"] == {n: modules.get(n, "loraweave.comfy.nodes") for n in NODE_IDS}
     # [tool.comfy] web, read by ComfyUI's comfy_config parser relative to the clone
     assert got["web"] == str(REPO_ROOT / "src" / "loraweave" / "comfy" / "web")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 FLUX_FILE = "tiny_flux.safetensors"
-# The pack's six nodes, as ComfyUI registers them.
+# The pack's nodes, as ComfyUI registers them.
 NODE_IDS = frozenset(
     {
         "LoraWeaveLoader",
@@ -20,6 +20,7 @@ NODE_IDS = frozenset(
         "LoraWeaveApplyStack",
         "LoraWeaveStepWindow",
         "LoraWeaveInspect",
+        "LoraWeaveMultiLoader",
     }
 )
 # Flux modules of ComfyUI's tiny Flux (hidden 128) a kohya Flux LoRA names: (kohya stem, ComfyUI state-dict

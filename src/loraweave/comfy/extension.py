@@ -13,11 +13,12 @@ WEB_DIRECTORY = str(Path(__file__).parent / "web")
 def _extension_class():
     from comfy_api.latest import ComfyExtension
 
+    from .multi_loader import LoraWeaveMultiLoader
     from .nodes import NODES
 
     class LoraWeaveExtension(ComfyExtension):
         async def get_node_list(self) -> list:
-            return list(NODES)
+            return [*NODES, LoraWeaveMultiLoader]
 
     return LoraWeaveExtension
 
