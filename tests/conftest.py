@@ -89,9 +89,11 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_arch_video": ("comfy",),
     "test_comfy_arch_weights": ("comfy",),
     "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium
+    "test_comfy_browser_multi": ("comfy", "slow"),
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),
     "test_comfy_model_input": ("comfy",),
+    "test_comfy_node_features": ("comfy",),
     "test_comfy_nodes": ("comfy",),
     "test_comfy_pack_entry": ("comfy",),
     "test_comfy_realdata": ("comfy", "realdata"),
