@@ -47,7 +47,7 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
         {"model", "lora_name", "strength", "start_percent", "end_percent", "ramp"},
         ("MODEL", "STRING"),
     ),
-    "LoraWeaveInspect": ({"lora_name", "model"}, ("STRING", "STRING", "IMAGE")),
+    "LoraWeaveInspect": ({"lora_name", "model", "clip"}, ("STRING", "STRING", "IMAGE")),
 }
 
 

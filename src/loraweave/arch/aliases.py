@@ -116,16 +116,22 @@ def _live_fusions(every: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, .
     return out
 
 
-# Child registration order of diffusers releases that cloneofsimo-era files enumerated (ff came before attn2).
-LEGACY_CHILD_ORDER: dict[str, tuple[str, ...]] = {"BasicTransformerBlock": ("attn1", "ff", "attn2")}
+# cloneofsimo positions count Linears in the child order of the diffusers and transformers classes its
+# trainer walked, by class name; a host that registers the same children in another order is walked in
+# this one, so a position names the same layer on every tree.
+CANONICAL_CHILD_ORDER: dict[str, tuple[str, ...]] = {
+    "BasicTransformerBlock": ("attn1", "ff", "attn2"),  # diffusers releases of the time: ff before attn2
+    "CLIPAttention": ("k_proj", "v_proj", "q_proj", "out_proj"),  # transformers; ComfyUI's holds q, k, v
+    "UNetModel": ("input_blocks", "output_blocks", "middle_block"),  # ldm's UNet: diffusers' down, up, mid
+}
 
 
-def _legacy_named_modules(module: torch.nn.Module, prefix: str = ""):
+def _canonical_named_modules(module: torch.nn.Module, prefix: str = ""):
     yield prefix, module
     children = dict(module.named_children())
-    first = [c for c in LEGACY_CHILD_ORDER.get(type(module).__name__, ()) if c in children]
+    first = [c for c in CANONICAL_CHILD_ORDER.get(type(module).__name__, ()) if c in children]
     for name in (*first, *(c for c in children if c not in first)):
-        yield from _legacy_named_modules(children[name], f"{prefix}.{name}" if prefix else name)
+        yield from _canonical_named_modules(children[name], f"{prefix}.{name}" if prefix else name)
 
 
 def metadata_alpha_of(module: torch.nn.Module) -> str | None:
@@ -189,12 +195,12 @@ class AliasTable:
 
     def positional(self, ancestor_classes: tuple[str, ...]) -> list[str]:
         """Linear layers in cloneofsimo's enumeration order: each ancestor of the named classes, then its
-        Linears."""
+        Linears, children walked in CANONICAL_CHILD_ORDER whatever order this tree registered them in."""
         if ancestor_classes not in self._positional:
             found = []
-            for name, ancestor in _legacy_named_modules(self.root):
+            for name, ancestor in _canonical_named_modules(self.root):
                 if type(ancestor).__name__ in ancestor_classes:
-                    for sub, mod in ancestor.named_modules():
+                    for sub, mod in _canonical_named_modules(ancestor):
                         if isinstance(mod, torch.nn.Linear):
                             found.append(f"{name}.{sub}" if name else sub)
             self._positional[ancestor_classes] = found

@@ -39,8 +39,8 @@ STRENGTH = {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01}
 
 
 def report_text(report, lora: str) -> str:
-    """What the node shows: loraweave's one-line summary, then the misses by kind; a partial load says so
-    first."""
+    """What the node shows: loraweave's one-line summary, then the misses by kind and the keys skipped on
+    purpose (a model-only node: text encoders); a partial load says so first."""
     lines = []
     if report.keys_total and report.keys_applied < report.keys_total:
         lines.append(f"WARNING: {lora}: {report.keys_applied} of {report.keys_total} keys landed")
@@ -50,6 +50,9 @@ def report_text(report, lora: str) -> str:
     for kind, count in sorted(report.kinds().items()):
         keys = [u.key for u in report.unmatched if u.kind == kind][:3]
         lines.append(f"  missed {kind}: {count} ({', '.join(keys)}{', ...' if count > len(keys) else ''})")
+    for component, count in report.skipped_by_component().items():
+        why = ", ".join(sorted({s.why for s in report.skipped if s.component == component}))
+        lines.append(f"  skipped {component}={count} ({why})")
     return "\n".join(lines)
 
 
@@ -352,6 +355,12 @@ class LoraWeaveInspect(LoraFileNode):
                     tooltip="connected: coverage is judged on this model's own modules (a pruned, distilled "
                     "or tiny model); unconnected: on the full-size model of the file's architecture",
                 ),
+                io.Clip.Input(
+                    "clip",
+                    optional=True,
+                    tooltip="with a MODEL: the text-encoder keys are judged on this CLIP; a MODEL alone: "
+                    "they are skipped, as the model-only loader skips them",
+                ),
             ],
             outputs=[
                 io.String.Output(display_name="report"),
@@ -361,11 +370,11 @@ class LoraWeaveInspect(LoraFileNode):
         )
 
     @classmethod
-    def execute(cls, lora_name, model=None) -> io.NodeOutput:
+    def execute(cls, lora_name, model=None, clip=None) -> io.NodeOutput:
         path = lora_path(lora_name)
         try:
             with named_errors(lora_name):
-                text, triggers = inspect_text(path, model), trigger_text(path)
+                text, triggers = inspect_text(path, model, clip), trigger_text(path)
                 heatmap, why_none = heatmap_image(path)
                 text += f"\n{why_none}" if why_none else ""
         except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does

@@ -213,7 +213,7 @@ def apply_stack(
             clip.patcher, clip_plans, stack_mode, density
         )
         applied, refused = applied + clip_applied, refused + clip_refused
-    report = joint_report([*model_plans, *clip_plans], "merge", applied, refused, t0)
+    report = joint_report([*model_plans, *clip_plans], "merge", applied, refused, t0, model_only=clip is None)
     refuse(report, False)
     report.log()
     return new_model, new_clip, report
@@ -235,7 +235,7 @@ def _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0):
     if clip is not None and any(p.planned for p in clip_plans):
         new_clip.patcher, clip_state = _runtime_side(clip.patcher, clip_plans, stack_mode, density)
         states.append(clip_state)
-    report = entry_report([*model_plans, *clip_plans], states, t0)
+    report = entry_report([*model_plans, *clip_plans], states, t0, model_only=clip is None)
     refuse(report, False)
     report.log()
     return new_model, new_clip, report

@@ -25,7 +25,7 @@ from ..engine.decide import refuse_strict
 from ..engine.install import make_report
 from ..errors import TargetError
 from ..formats.adapter import Adapter
-from ..formats.keys import DENOISER_NAMES
+from ..formats.keys import DENOISER_NAMES, TEXT_ENCODER_NAMES
 from ..report.miss import Miss, Unmatched
 from ..report.report import failures
 from ..resolve.params import PlannedParam
@@ -45,7 +45,6 @@ INNER_COMPONENTS: dict[str, str] = {"text_conditioner": "llm_adapter"}
 # ComfyUI text encoder attributes in kohya's order (lora_te1_, lora_te2_, lora_te3_); others follow in tree
 # order.
 ENCODER_ORDER = ("clip_l", "clip_g", "t5xxl")
-TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def comfy_arch(patcher) -> str | None:

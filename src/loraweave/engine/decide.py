@@ -3,20 +3,26 @@ result refused. `api.apply`, the diffusers drop-in, Ray Serve and the ComfyUI lo
 supplies only the facts that are its own (ComfyUI: whether it holds the base weights quantized) and how a
 change is written (its patch list, its injections).
 
-request -> check_mode, check_strengths -> resolve, plan -> chosen_mode (given the face's fact) -> refuse
-(strict, nothing landed) -> the face installs -> refuse again on what was installed -> report."""
+request -> check_mode, check_strengths -> skipped_keys (a model-only request) -> resolve, plan ->
+chosen_mode (given the face's fact) -> refuse (strict, nothing landed) -> the face installs -> refuse again
+on what was installed -> report."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from ..errors import ArgumentError, StrictApplyError
+from ..formats.adapter import Adapter
+from ..formats.keys import TEXT_ENCODER_NAMES
 from ..modes import APPLY_MODES, ApplyMode
 from ..report.coverage import refuse_empty
+from ..report.miss import Skipped
 from ..report.report import Report, failures
 from ..request.spec import finite_strength
 
 WholeModelMode = Literal["merge", "runtime"]
+MODEL_ONLY = "model-only"  # why a text-encoder key was skipped
 
 
 def check_mode(mode: object) -> ApplyMode:
@@ -45,6 +51,21 @@ def chosen_mode(mode: ApplyMode, quantized_base: bool) -> WholeModelMode:
     if mode != "auto":
         return mode
     return "runtime" if quantized_base else "merge"
+
+
+def skipped_keys(adapters: Iterable[Adapter], model_only: bool) -> list[Skipped]:
+    """The keys a request leaves aside on purpose: on a model-only request (no text encoder given to take
+    them), every key of the adapters' text-encoder parts, as ComfyUI's LoraLoaderModelOnly skips them. They
+    are no misses: the report counts them apart (`Report.skipped`) and strict does not refuse them."""
+    if not model_only:
+        return []
+    return [
+        Skipped(adapter.name, key, part.component, MODEL_ONLY)
+        for adapter in adapters
+        for part in adapter.parts
+        if part.component in TEXT_ENCODER_NAMES
+        for key in part.keys
+    ]
 
 
 def strict_message(report: Report, where: str = "") -> str:

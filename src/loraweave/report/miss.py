@@ -65,3 +65,17 @@ class Unmatched:
 
     def to_dict(self) -> dict[str, str]:
         return {"adapter": self.adapter, "key": self.key, "reason": self.reason, "kind": self.kind}
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One key the request left aside on purpose (a model-only loader: text-encoder keys). Not a miss:
+    reports count it apart and strict does not refuse it."""
+
+    adapter: str
+    key: str
+    component: str  # the pipeline component the key addresses (text_encoder, text_encoder_2, ...)
+    why: str  # short, e.g. "model-only"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"adapter": self.adapter, "key": self.key, "component": self.component, "why": self.why}

@@ -291,4 +291,9 @@ def _coverage_rows(cov: dict) -> list[tuple[str, str]]:
     if cov.get("alpha_sources"):
         rows.append(("  alpha from", _tally(cov["alpha_sources"])))
     rows += [("  unmatched", f"{n} x {reason}") for reason, n in cov.get("unmatched_by_kind", {}).items()]
+    # keys left aside on purpose (LoraWeave Inspect on a MODEL without a CLIP: text encoders, model-only)
+    rows += [
+        ("  skipped", f"{component}={n} (model-only)")
+        for component, n in cov.get("skipped_by_component", {}).items()
+    ]
     return rows
