@@ -23,6 +23,11 @@ NODE_IDS = frozenset(
         "LoraWeaveMultiLoader",
     }
 )
+# node id -> the module that defines it (comfy/nodes.py, but for the Multi Loader)
+NODE_MODULES = {
+    node: "loraweave.comfy.multi_loader" if node == "LoraWeaveMultiLoader" else "loraweave.comfy.nodes"
+    for node in NODE_IDS
+}
 # Flux modules of ComfyUI's tiny Flux (hidden 128) a kohya Flux LoRA names: (kohya stem, ComfyUI state-dict
 # key).
 FLUX_TARGETS = {
