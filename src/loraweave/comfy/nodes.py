@@ -94,7 +94,8 @@ def _lora_input(optional: bool = False) -> io.Combo.Input:
     return io.Combo.Input(
         "lora_name",
         options=lora_choices(with_none=optional),
-        tooltip="a file in ComfyUI's loras folder (any trainer's layout)",
+        tooltip="A LoRA or LyCORIS file in ComfyUI's loras folder, from any trainer (kohya, diffusers, "
+        "PEFT, ai-toolkit, LyCORIS, ...).",
     )
 
 
@@ -109,13 +110,19 @@ def _mode_input() -> io.Combo.Input:
         "mode",
         options=list(APPLY_MODES),
         default="auto",
-        tooltip="merge: ComfyUI's patches with loraweave's exact delta; runtime: base weights untouched; "
-        "auto: merge unless the base weights are quantized in a way merge cannot write",
+        tooltip="merge: the LoRA is added into the model's weights, as core's loader does; runtime: the "
+        "weights stay as they are and the LoRA runs beside them, so a strength change or a swap is quick; "
+        "auto: merge, unless the model's weights are quantized in a way merge cannot write.",
     )
 
 
 def _strict_input() -> io.Boolean.Input:
-    return io.Boolean.Input("strict", default=False, tooltip="fail when some key of the file does not land")
+    return io.Boolean.Input(
+        "strict",
+        default=False,
+        tooltip="On: stop with an error when any part of the file finds no layer in the model; off: apply "
+        "what fits and list the rest in the report.",
+    )
 
 
 def block_preset_input() -> io.Combo.Input:
@@ -231,7 +238,9 @@ class LoraWeaveStack(io.ComfyNode):
                 io.Float.Input("model_strength", **STRENGTH),
                 io.Float.Input("clip_strength", **STRENGTH),
                 io.Boolean.Input(
-                    "enabled", default=True, tooltip="off: this row passes the stack on unchanged"
+                    "enabled",
+                    default=True,
+                    tooltip="Off: this row is left out; the stack passes on unchanged.",
                 ),
                 LoraStack.Input("lora_stack", optional=True),
             ],
@@ -265,8 +274,9 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 io.String.Input(
                     "block_weights",
                     default="",
-                    tooltip="empty: every block at 1; a preset name (e.g. INALL, DOUBLE) or a "
-                    "comma-separated vector on the detected architecture's block map",
+                    tooltip="How strongly each block of the model takes the LoRAs: empty for every block "
+                    "at 1 (or the block_preset), a preset name (e.g. INALL, DOUBLE), or comma-separated "
+                    "weights, one per block of the model's architecture.",
                 ),
                 _mode_input(),
                 block_preset_input(),  # last and optional: saved workflows and prompts load as they were
@@ -312,7 +322,15 @@ class LoraWeaveStepWindow(LoraFileNode):
                 io.Float.Input("strength", **STRENGTH),
                 io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01),
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01),
-                io.Float.Input("ramp", default=0.0, min=0.0, max=1.0, step=0.01, tooltip="fade in/out width"),
+                io.Float.Input(
+                    "ramp",
+                    default=0.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.01,
+                    tooltip="How gradually the LoRA fades in after start_percent and out before end_percent, "
+                    "as a fraction of the sampling (0: on and off at once).",
+                ),
             ],
             outputs=[io.Model.Output(), io.String.Output(display_name="report")],
         )
