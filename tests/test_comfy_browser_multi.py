@@ -14,7 +14,8 @@ import json
 import aiohttp
 from helpers.browser import WINDOW, Page, start_chromium
 from helpers.comfy_env import COMFYUI_DIR
-from helpers.comfy_page import base_directory, open_app, prepare, queue
+from helpers.comfy_page import evidence, open_app
+from helpers.comfy_page_runs import base_directory, prepare, queue
 from helpers.comfy_server import start_server, stop
 
 # Builds the graph; returns the Multi Loader's id and its widgets as [name, value] once grown to 3 rows
@@ -67,8 +68,7 @@ async def _drive(ws_url: str, url: str, shots: dict) -> dict:
             nodes2 = await _renderer(page, url, shots["nodes2"], STRENGTHS["nodes2"])
             return {"classic": classic, "nodes2": nodes2}
         except Exception:
-            await page.screenshot(shots["classic"].with_name("failure.png"))
-            shots["classic"].with_name("failure.console.txt").write_text("\n".join(page.console))
+            await evidence(page, shots["classic"].with_name("failure.png"))
             raise
 
 
