@@ -1,7 +1,9 @@
 """Every real cloneofsimo file (positional keys `unet:<i>`, `text_encoder:<i>`) in ../shared/realdata/lora
 through the ComfyUI pack (`loraweave.comfy.load_lora_for_models`, merge) on ComfyUI's own full-size SD1.5
 model and CLIP, equal row by row to `loraweave.apply` on the diffusers twin (UNet2DConditionModel and
-transformers' CLIPTextModel).
+transformers' CLIPTextModel); once called directly, once through ComfyUI's own validate_prompt and
+PromptExecutor (a test-only source node -> the pack's LoraWeave Loader, the file in the loras folder -> a
+test-only capture node).
 
 A position counts Linear layers in the order cloneofsimo's trainer enumerated them on diffusers/transformers
 classes; ComfyUI registers some in another order (its CLIPAttention holds q, k, v where transformers' holds
@@ -14,6 +16,7 @@ failure names the worst ΔW's relative error too)."""
 
 from __future__ import annotations
 
+import shutil
 import zlib
 from contextlib import contextmanager
 
@@ -23,6 +26,7 @@ from conftest import REALDATA
 from helpers.comfy_checks import rel
 from helpers.comfy_env import import_comfy
 from helpers.comfy_full import META, SD15_UNET, meta_patcher
+from helpers.comfy_home import comfy_home_fixture, execution_error, run_prompt  # noqa: F401  (fixture)
 from helpers.common import real_config
 from helpers.realsize import fill_seeded
 
@@ -130,15 +134,11 @@ def twin_merged(path) -> dict[str, torch.Tensor]:
     return merged
 
 
-@pytest.mark.parametrize("name", FILES)
-def test_cloneofsimo_file_through_the_pack_equals_apply_on_the_twin(comfy_sd15, name):
+def assert_equals_twin(comfy_sd15, model, new_clip, path) -> None:
+    """Every weight the patched MODEL and CLIP hold patches for, realized by ComfyUI's own
+    patch_weight_to_device on seeded storage, equals the twin's merge row by row (TOL relative)."""
     c = import_comfy()
-    path = REALDATA / "lora" / name
     patcher, clip = comfy_sd15
-    model, new_clip, report = load_lora_for_models(
-        patcher, clip, path, STRENGTH_MODEL, STRENGTH_CLIP, mode="merge", strict=True
-    )
-    assert report.keys_applied == report.keys_total
     expected = twin_merged(path)
     keys = comfy_names(c)
     want = {keys[n]: n for n in expected}
@@ -159,6 +159,104 @@ def test_cloneofsimo_file_through_the_pack_equals_apply_on_the_twin(comfy_sd15, 
     wrong = sorted(n for n in want.values() if weight_errors[n] > TOL)
     worst = max(delta_errors.items(), key=lambda kv: kv[1])
     assert not wrong, f"{len(wrong)} of {len(want)} weights off (worst ΔW {worst}): {wrong[:4]}"
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_cloneofsimo_file_through_the_pack_equals_apply_on_the_twin(comfy_sd15, name):
+    path = REALDATA / "lora" / name
+    patcher, clip = comfy_sd15
+    model, new_clip, report = load_lora_for_models(
+        patcher, clip, path, STRENGTH_MODEL, STRENGTH_CLIP, mode="merge", strict=True
+    )
+    assert report.keys_applied == report.keys_total
+    assert_equals_twin(comfy_sd15, model, new_clip, path)
+
+
+# ---- through ComfyUI's own executor: a test-only source node -> LoraWeave Loader -> a capture node ---
+
+SOURCE: dict[str, tuple] = {}  # what the source node hands out: (MODEL, CLIP)
+CAPTURED: dict[str, tuple] = {}  # what the capture node received: (MODEL, CLIP, report)
+
+
+class SD15Source:
+    """ComfyUI's full-size SD1.5 MODEL and CLIP on meta (the module fixture's), as a checkpoint loader gives
+    them."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    RETURN_TYPES = ("MODEL", "CLIP")
+    FUNCTION = "run"
+    CATEGORY = "loraweave_test"
+
+    def run(self):
+        return SOURCE["sd15"]
+
+
+class LoaderCapture:
+    """An output node holding the MODEL, CLIP and report it was wired to."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {"model": ("MODEL",), "clip": ("CLIP",), "report": ("STRING", {"forceInput": True})}
+        }
+
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "run"
+    CATEGORY = "loraweave_test"
+
+    def run(self, model, clip, report):
+        CAPTURED["loader"] = (model, clip, report)
+        return {}
+
+
+@pytest.fixture
+def executor_nodes(comfy_sd15, monkeypatch):
+    import nodes
+
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "LWTestSD15Source", SD15Source)
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "LWTestLoaderCapture", LoaderCapture)
+    monkeypatch.setitem(SOURCE, "sd15", comfy_sd15)
+    CAPTURED.clear()
+    yield
+    CAPTURED.clear()
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_cloneofsimo_file_through_comfys_executor_equals_apply_on_the_twin(
+    comfy_sd15, comfy_home, executor_nodes, name
+):
+    """The API-format prompt source -> LoraWeave Loader (merge, strict) -> capture, validated and run by
+    ComfyUI's validate_prompt and PromptExecutor: the MODEL and CLIP it hands on equal the twin's merge."""
+    loader = {"lora_name": name, "strength_model": STRENGTH_MODEL, "strength_clip": STRENGTH_CLIP}
+    prompt = {
+        "1": {"class_type": "LWTestSD15Source", "inputs": {}},
+        "2": {
+            "class_type": "LoraWeaveLoader",
+            "inputs": {"model": ["1", 0], "clip": ["1", 1], **loader, "mode": "merge", "strict": True},
+        },
+        "3": {
+            "class_type": "LWTestLoaderCapture",
+            "inputs": {"model": ["2", 0], "clip": ["2", 1], "report": ["2", 2]},
+        },
+    }
+    in_loras = comfy_home["base"] / "models" / "loras" / name  # the module's temp loras folder
+    shutil.copy(REALDATA / "lora" / name, in_loras)
+    try:
+        valid, errors, ex, _ = run_prompt(prompt)
+    finally:
+        in_loras.unlink()  # later modules list that folder too
+    assert valid and ex.success, errors or execution_error(ex)
+    model, new_clip, report = CAPTURED["loader"]
+    patcher, clip = comfy_sd15
+    assert model is not patcher and new_clip is not clip, "the loader handed on its inputs"
+    assert patcher.patches == {} and clip.patcher.patches == {}, "the source's MODEL or CLIP got patches"
+    total = loraweave.load_adapter(REALDATA / "lora" / name).keys_total
+    assert f"keys_applied={total}/{total}" in report, report
+    assert_equals_twin(comfy_sd15, model, new_clip, REALDATA / "lora" / name)
 
 
 def test_positions_count_in_the_canonical_order_on_comfy_trees(comfy_sd15):

@@ -40,6 +40,7 @@ from ..report.report import AppliedModule, Report
 from ..resolve.params import PlannedParam
 from ..resolve.planner import Plan, PlannedPart
 from ..resolve.stacking import Contribution
+from .grow import add_notes, grow_patches, grown_inputs
 from .holder import FactorHolder
 
 log = logging.getLogger("loraweave")
@@ -332,12 +333,16 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     plans, states = (
         kept.restrengthened(strengths) if kept else _build(model, clip, adapter, strengths, strict)
     )
+    grown = grown_inputs(plans[0])  # a width ComfyUI cannot feed raises here, before anything changes
     new_model, _ = stacked_clone(model, [], states[0])
+    if grown:  # a control adapter's paths run on the wider input (add_patches re-rolls patches_uuid)
+        new_model.add_patches(grow_patches(grown))
     new_clip = clip.clone() if clip is not None else None
     if len(states) > 1:  # a CLIP nothing lands on keeps no state of ours
         assert new_clip is not None  # a second state is the CLIP's
         new_clip.patcher, _ = stacked_clone(clip.patcher, [], states[1])
     report = entry_report(plans, states, t0, model_only=clip is None)
+    add_notes(report.applied, grown)
     refuse(report, strict)
     if kept is None:
         keep(Build(weakref.ref(model), weak(clip), adapter, strict, plans, states))
