@@ -22,7 +22,7 @@ ROWS = "loras"  # the row-count combo; its rows arrive under this name as one di
 class Row(NamedTuple):
     """One row of the node as the user set it."""
 
-    index: int
+    number: int  # 1-based, as the widgets name it
     on: bool
     lora_name: str
     model_strength: float
@@ -35,9 +35,9 @@ class Row(NamedTuple):
     def line(self) -> str:
         """The row as the report lists it."""
         if self.lora_name == NONE:
-            return f"row {self.index}: no file"
+            return f"row {self.number}: no file"
         strengths = f"model {self.model_strength:g}, clip {self.clip_strength:g}"
-        return f"row {self.index}: {self.lora_name} ({strengths})" + ("" if self.on else ": off")
+        return f"row {self.number}: {self.lora_name} ({strengths})" + ("" if self.on else ": off")
 
 
 def row_inputs(index: int) -> list[io.Input]:
