@@ -13,7 +13,7 @@ from typing import NamedTuple
 from comfy_api.latest import io, ui
 
 from .lora_files import NONE, file_fingerprint, lora_choices, lora_path, trigger_text
-from .nodes import STRENGTH, _mode_input, checked, named_errors, report_text, schema
+from .nodes import STRENGTH, _mode_input, checked, named_errors, report_text, reporting_schema
 
 MAX_ROWS = 8  # each count lists its rows in /object_info (with the file list): 36 row sets in all
 ROWS = "loras"  # the row-count combo; its rows arrive under this name as one dict
@@ -85,7 +85,7 @@ class LoraWeaveMultiLoader(io.ComfyNode):
             io.DynamicCombo.Option(str(n), [i for k in range(1, n + 1) for i in row_inputs(k)])
             for n in range(1, MAX_ROWS + 1)
         ]
-        return schema(
+        return reporting_schema(
             "LoraWeaveMultiLoader",
             "LoraWeave Multi Loader",
             "Apply several LoRA/LyCORIS files to MODEL and CLIP, one row each with its own strengths; "

@@ -6,9 +6,11 @@ import { app } from "../../scripts/app.js";
 
 const NODE = "LoraWeaveMultiLoader";
 const ROWS = "loras."; // the row widgets' names: loras.on_1, loras.lora_1, loras.strength_model_1, ...
+const EXTENSION = "loraweave.multiLoader";
+const LOADED = Symbol.for("loraweave.multiLoader.loaded");
 
-app.registerExtension({
-  name: "loraweave.multiLoader",
+const extension = {
+  name: EXTENSION,
   nodeCreated(node) {
     if (node.comfyClass !== NODE) return;
     const kept = new Map(); // row widget name -> its last value
@@ -27,4 +29,10 @@ app.registerExtension({
     };
     node.widgets?.forEach(keep);
   },
-});
+};
+
+// Served under several names when the pack is installed twice (see loraweave.js): the first copy registers.
+if (!globalThis[LOADED]) {
+  globalThis[LOADED] = import.meta.url;
+  app.registerExtension(extension);
+}
