@@ -93,8 +93,8 @@ def refuse_other_inputs(report: Report) -> None:
         f"{files.get(name, name)}: {', '.join(keys)}: {why}" for (name, why), keys in found.items()
     )
     raise OtherInputError(
-        f"{said}. Trained on inputs this model is not fed (a control adapter for another variant); "
-        "nothing was changed",
+        f"{said}. Trained on inputs this model is not fed, so the rest would run without them; nothing "
+        "was changed",
         report,
     )
 

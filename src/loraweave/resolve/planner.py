@@ -177,11 +177,12 @@ def input_relation(table: AliasTable, module: str, have: int, want: int) -> tupl
     if want > have and have == latents:
         if want == grown:
             return "grow", ""
-        feeds = f"only to {grown} (the latents and one control latent)" if grown else "to no control input"
-        return (
-            "other",
-            f"asks {module} to grow from {have} to {want} input columns; this model's grows {feeds}",
+        takes = (
+            f"it grows only to {grown} (latents and a control latent)"
+            if grown
+            else "it takes no control input"
         )
+        return "other", f"asks {module} to grow from {have} to {want} input columns; {takes}"
     if want == latents:
         return "pad", ""
     return "other", (
