@@ -71,21 +71,22 @@ def file_fingerprint(name: str) -> str:
     return f"{name}:" + ":".join(str(v) for v in identity[1:])
 
 
-def inspect_text(path: str, model=None, clip=None) -> str:
-    """loraweave inspect's table of the file (layout, families, ranks, detected architecture, coverage).
-    Coverage is judged against the full-size model of the detected architecture, or, given a ComfyUI MODEL,
-    against that model's own modules by the loader's resolver (a LoRA for a pruned, distilled or tiny model
-    lands there), its text-encoder keys on `clip` when one is given and skipped otherwise (model-only)."""
+def inspect_text(path: str, lora_name: str, model=None, clip=None) -> str:
+    """loraweave inspect's table of the file (layout, families, ranks, detected architecture and variant,
+    coverage), the file named as the node names it (no server path) and without the CLI's flags. Coverage is
+    judged against the full-size model of the detected architecture, or, given a ComfyUI MODEL, against that
+    model's own modules by the loader's resolver (a LoRA for a pruned, distilled or tiny model lands there),
+    its text-encoder keys on `clip` when one is given and skipped otherwise (model-only). The architecture and
+    variant are the file's either way (a UNet named by the shapes that fit)."""
     from ..tools.inspect import format_table, inspect_adapter
 
-    if model is None:
-        info = inspect_adapter(path)
-        if clip is not None:
-            info["coverage"]["note"] = CLIP_WITHOUT_MODEL
-        return format_table(info)
-    info = inspect_adapter(path, coverage=False)  # the file alone; coverage comes from the MODEL below
-    info["coverage"] = model_coverage(model, path, clip)
-    return format_table(info)
+    info = inspect_adapter(path)
+    info["path"] = lora_name
+    if model is not None:
+        info["coverage"] = model_coverage(model, path, clip)
+    elif clip is not None:
+        info["coverage"]["note"] = CLIP_WITHOUT_MODEL
+    return format_table(info, more=None)
 
 
 CLIP_WITHOUT_MODEL = (

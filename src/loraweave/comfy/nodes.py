@@ -75,6 +75,12 @@ def schema(node_id: str, display_name: str, description: str, **fields) -> io.Sc
     )
 
 
+def reporting_schema(node_id: str, display_name: str, description: str, **fields) -> io.Schema:
+    """The schema of a node that shows its report on itself: an intermediate output, so ComfyUI re-sends the
+    report of a cached run (a reloaded page, a changed seed) instead of leaving the node without one."""
+    return schema(node_id, display_name, description, has_intermediate_output=True, **fields)
+
+
 @contextmanager
 def named_errors(lora: str) -> Iterator[None]:
     """A loraweave error raised inside names the file as the user chose it (the library names the adapter by
@@ -139,7 +145,7 @@ def load_one(
 class LoraWeaveLoader(LoraFileNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveLoader",
             "LoraWeave Loader",
             "Apply a LoRA/LyCORIS file of any layout to MODEL and CLIP; shows what landed.",
@@ -166,7 +172,7 @@ class LoraWeaveLoader(LoraFileNode):
 class LoraWeaveLoaderModelOnly(LoraFileNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveLoaderModelOnly",
             "LoraWeave Loader (model only)",
             "Apply a LoRA/LyCORIS file of any layout to MODEL; shows what landed.",
@@ -221,7 +227,7 @@ class LoraWeaveStack(io.ComfyNode):
 class LoraWeaveApplyStack(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveApplyStack",
             "LoraWeave Apply Stack",
             "Apply a LORA_STACK (ours or another pack's) with a stack mode and block weights.",
@@ -266,7 +272,7 @@ class LoraWeaveApplyStack(io.ComfyNode):
 class LoraWeaveStepWindow(LoraFileNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveStepWindow",
             "LoraWeave Step Window",
             "A LoRA active only from start_percent to end_percent of the sampling, with an optional "
@@ -283,13 +289,12 @@ class LoraWeaveStepWindow(LoraFileNode):
         )
 
     @classmethod
-    # ComfyUI passes each node the inputs its own signature names: the override narrows by design
-    def validate_inputs(  # type: ignore[override]
-        cls, lora_name: str, start_percent: float, end_percent: float
-    ) -> bool | str:
+    # ComfyUI flags every input this signature names with its message, and checks the others itself
+    # (lora_name: one of the listed files); the override narrows by design
+    def validate_inputs(cls, start_percent: float, end_percent: float) -> bool | str:  # type: ignore[override]
         if start_percent > end_percent:
             return f"start_percent {start_percent} is after end_percent {end_percent}"
-        return validation_message(lora_name)
+        return True
 
     @classmethod
     def execute(cls, model, lora_name, strength, start_percent, end_percent, ramp) -> io.NodeOutput:
@@ -339,7 +344,7 @@ class LoraWeaveInspect(LoraFileNode):
         path = lora_path(lora_name)
         try:
             with named_errors(lora_name):
-                text, triggers = inspect_text(path, model, clip), trigger_text(path)
+                text, triggers = inspect_text(path, lora_name, model, clip), trigger_text(path)
                 heatmap, why_none = heatmap_image(path)
                 text += f"\n{why_none}" if why_none else ""
         except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does

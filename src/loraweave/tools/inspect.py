@@ -229,8 +229,12 @@ def inspect_adapter(
     return info
 
 
-def format_table(info: dict, limit: int = 20) -> str:
-    """Readable multi-line summary of `inspect_adapter`'s dict."""
+CLI_MORE = "--limit, or --json for all"  # how the CLI shows the unmatched keys past `limit`
+
+
+def format_table(info: dict, limit: int = 20, more: str | None = CLI_MORE) -> str:
+    """Readable multi-line summary of `inspect_adapter`'s dict; `more`: how to see the unmatched keys past
+    `limit` (None: the count alone)."""
     cov = info["coverage"]
     rows = _file_rows(info) + _variant_rows(info) + [(f"  {k}", v) for k, v in info["metadata"].items()]
     rows += _coverage_rows(cov)
@@ -239,7 +243,8 @@ def format_table(info: dict, limit: int = 20) -> str:
     for u in cov["unmatched"][:limit]:
         lines.append(f"    {u['key']}: {u['reason']}")
     if len(cov["unmatched"]) > limit:
-        lines.append(f"    ... {len(cov['unmatched']) - limit} more (--limit, or --json for all)")
+        hint = f" ({more})" if more else ""
+        lines.append(f"    ... {len(cov['unmatched']) - limit} more{hint}")
     return "\n".join(lines)
 
 
