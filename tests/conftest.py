@@ -90,6 +90,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_arch_weights": ("comfy",),
     "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium
     "test_comfy_control_lora": ("comfy",),
+    "test_comfy_control_other_inputs": ("comfy",),
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),
     "test_comfy_model_input": ("comfy",),
