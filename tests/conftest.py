@@ -91,6 +91,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium
     "test_comfy_browser_multi": ("comfy", "slow"),
     "test_comfy_control_lora": ("comfy",),
+    "test_comfy_control_other_inputs": ("comfy",),
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),
     "test_comfy_model_input": ("comfy",),
