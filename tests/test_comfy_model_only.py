@@ -72,7 +72,7 @@ def test_model_only_loader_skips_text_encoder_keys_and_strict_accepts(sd15, lora
 
     model, clip = sd15
     name, te, rest = lora
-    patched, text = node("LoraWeaveLoaderModelOnly").execute(model, name, 1.0, mode, True).args
+    patched, text, _ = node("LoraWeaveLoaderModelOnly").execute(model, name, 1.0, mode, True).args
     assert_skipped_text(text, te, rest)
     _, none, report = load_lora_for_models(model, None, realdata / "lora" / name, 1.0, 0.0, mode, True)
     d = report.to_dict()
@@ -82,7 +82,7 @@ def test_model_only_loader_skips_text_encoder_keys_and_strict_accepts(sd15, lora
     assert d["keys_applied"] == d["keys_total"] == len(rest)
     assert len(report.applied) == core_model_only_targets(model, realdata / "lora" / name)
     if mode == "merge":  # the model side is what the loader with a CLIP patches on the model
-        with_clip, _, both = (
+        with_clip, _, both, _ = (
             node("LoraWeaveLoader").execute(model, name, 1.0, 1.0, mode, True, clip=clip).args
         )
         assert set(patched.patches) == set(with_clip.patches)

@@ -38,18 +38,27 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
             "strict",
             "allow_other_arch",
         },
-        ("MODEL", "CLIP", "STRING"),
+        ("MODEL", "CLIP", "STRING", "STRING"),  # report, then trigger_words (appended: slots kept)
     ),
     "LoraWeaveLoaderModelOnly": (
         {"model", "lora_name", "strength_model", "mode", "strict", "allow_other_arch"},
-        ("MODEL", "STRING"),
+        ("MODEL", "STRING", "STRING"),
     ),
     "LoraWeaveStack": (
         {"lora_name", "model_strength", "clip_strength", "enabled", "lora_stack"},
         ("LORA_STACK",),
     ),
     "LoraWeaveApplyStack": (
-        {"model", "clip", "lora_stack", "stack_mode", "block_weights", "mode", "allow_other_arch"},
+        {
+            "model",
+            "clip",
+            "lora_stack",
+            "stack_mode",
+            "block_weights",
+            "mode",
+            "block_preset",
+            "allow_other_arch",
+        },
         ("MODEL", "CLIP", "STRING"),
     ),
     "LoraWeaveStepWindow": (
@@ -145,7 +154,7 @@ def test_loader_with_clip_patches_both(comfy_home):
         mode="merge",
         strict=False,
     )
-    model, clip, report = result.args
+    model, clip, report, _ = result.args
     te_base = tiny.clip.cond_stage_model.state_dict()[te_key]
     want = merged_reference(te_base, tensors, te_stem, 0.5)
     got = clip.patcher.patch_weight_to_device(te_key, return_weight=True).double()

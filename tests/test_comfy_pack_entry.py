@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers.comfy_env import COMFYUI_DIR, REPO_ROOT
-from helpers.comfy_pack import NODE_IDS
+from helpers.comfy_pack import NODE_MODULES
 
 LOAD_REPO_AS_CUSTOM_NODE = """
 import asyncio, json, sys
@@ -51,7 +51,7 @@ def test_repository_root_loads_as_a_custom_node():
     assert got["ok"] and not got["loraweave_before"], got
     # this clone's source, not another install of loraweave in the environment
     assert Path(got["loraweave_file"]).resolve() == REPO_ROOT / "src" / "loraweave" / "__init__.py"
-    assert got["nodes"] == dict.fromkeys(NODE_IDS, "loraweave.comfy.nodes")
+    assert got["nodes"] == NODE_MODULES
     # [tool.comfy] web, read by ComfyUI's comfy_config parser relative to the clone
     assert got["web"] == str(REPO_ROOT / "src" / "loraweave" / "comfy" / "web")
 
@@ -145,7 +145,7 @@ def test_a_clone_named_loraweave_loads_as_a_custom_node(tree, how, installed, tm
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["ok"] and not got["loraweave_before"], (got, run.stderr[-3000:])
     assert Path(got["loraweave_file"]).resolve() == clone / "src" / "loraweave" / "__init__.py"
-    assert got["nodes"] == dict.fromkeys(NODE_IDS, "loraweave.comfy.nodes")
+    assert got["nodes"] == NODE_MODULES
     assert Path(got["web"]).resolve() == clone / "src" / "loraweave" / "comfy" / "web"
 
 

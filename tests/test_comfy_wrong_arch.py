@@ -33,6 +33,7 @@ NODES = {  # node -> (its inputs besides model and lora_name, the report's outpu
     "LoraWeaveLoaderModelOnly": ({"strength_model": 1.0, **MERGE}, 1),
     "LoraWeaveStepWindow": ({"strength": 1.0, "start_percent": 0.0, "end_percent": 1.0, "ramp": 0.0}, 1),
     "LoraWeaveApplyStack": ({"stack_mode": "sum", "block_weights": "", "mode": "merge"}, 2),
+    "LoraWeaveMultiLoader": ({"mode": "merge"}, 2),
 }
 SAYS = f"{SD2_FILE}: an SD2 LoRA on an SD1.5 model"
 
@@ -61,7 +62,10 @@ def _graph(node: str, lora: str, model: str, **extra) -> dict:
         "2": {"class_type": node, "inputs": {"model": ["1", 0], **inputs, **extra}},
         "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", slot]}},
     }
-    if node == "LoraWeaveApplyStack":
+    if node == "LoraWeaveMultiLoader":  # one row, in the API format the frontend sends
+        row = {"loras.on_1": True, "loras.lora_1": lora, "loras.strength_model_1": 1.0}
+        prompt["2"]["inputs"] |= {"loras": "1", **row, "loras.strength_clip_1": 1.0}
+    elif node == "LoraWeaveApplyStack":
         row = {"lora_name": lora, "model_strength": 1.0, "clip_strength": 1.0, "enabled": True}
         prompt["4"] = {"class_type": "LoraWeaveStack", "inputs": row}
         prompt["2"]["inputs"]["lora_stack"] = ["4", 0]

@@ -8,6 +8,7 @@ from ..formats.keys import underscore_form
 from .registry import arch_tables
 from .spec import (
     ArchTable,
+    ModelInput,
     Piece,
     apply_renames,
     expand_alias,
@@ -154,8 +155,7 @@ class AliasTable:
         tables = _tables_of(module)
         every = dict(module.named_modules())
         self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}
-        self.widened_inputs = {m for t in tables for m in t.widened_inputs}
-        self.growable_inputs = dict(g for t in tables for g in t.growable_inputs)
+        self.model_inputs = {i.module: i for t in tables for i in t.model_inputs}
         self.metadata_alpha = metadata_alpha_of(module)
         self.variant_inputs = {(v.module, v.width): v.why for t in tables for v in t.variant_inputs}
         self.renames = (
@@ -192,6 +192,11 @@ class AliasTable:
         if width is None or live is None or len(live) != 2 or live[1] == width:
             return None
         return self.variant_inputs.get((module, width))
+
+    def latent_width(self, model_input: ModelInput) -> int | None:
+        """The latent width `model_input` starts from (its latents module's output rows); None if absent."""
+        module = self.modules.get(model_input.latents)
+        return out_rows(module) if module is not None else None
 
     def positional(self, ancestor_classes: tuple[str, ...]) -> list[str]:
         """Linear layers in cloneofsimo's enumeration order: each ancestor of the named classes, then its

@@ -18,11 +18,12 @@ _warned_about: set[tuple[str, ...]] = set()  # the sets of pack folders a warnin
 def _extension_class():
     from comfy_api.latest import ComfyExtension
 
+    from .multi_loader import LoraWeaveMultiLoader
     from .nodes import NODES
 
     class LoraWeaveExtension(ComfyExtension):
         async def get_node_list(self) -> list:
-            return list(NODES)
+            return [*NODES, LoraWeaveMultiLoader]
 
     return LoraWeaveExtension
 

@@ -25,8 +25,6 @@ from .host import weight_adapter_base
 
 log = logging.getLogger("loraweave")
 
-# ComfyUI concatenates one control latent of the model's own channels (Flux.concat_cond): twice the width.
-FED_LATENTS = 2
 Shape = tuple[int, int]
 # The weight shape of each module loraweave grows, as loaded: while a grown clone is loaded the live weight is
 # the wider one, and a later plan on the same model (a re-queued strength change) must see it as loaded.
@@ -59,31 +57,18 @@ class GrownWeight:
 
 
 def grown_inputs(plan: Plan) -> dict[str, GrownWeight]:
-    """{ComfyUI weight key: its growth} of every input the plan's control adapters grow. A width ComfyUI does
-    not feed (not the latents plus one control latent) raises a TargetError naming the file and keys, before
-    anything changes."""
+    """{ComfyUI weight key: its growth} of every input the plan's control adapters grow: to the width the
+    architecture declares (arch/spec.py ModelInput: the latents and one control latent, as ComfyUI's
+    Flux.concat_cond feeds it); any other width was refused by the engine before this."""
     found: dict[str, GrownWeight] = {}
     for component, module, width, _ in growth(plan):
         live = plan.components.modules[component].get_submodule(module)
         weight = live.weight
         assert isinstance(weight, torch.Tensor)  # a growable input is a Linear (the planner's growth)
         rows, columns = LOADED.setdefault(live, (int(weight.shape[0]), int(weight.shape[1])))
-        if width != FED_LATENTS * columns:
-            raise TargetError(_unfed(plan, component, module, columns, width))
         found[f"{component}.{module}.weight"] = GrownWeight((rows, columns), (rows, width))
         log.info("comfy grow module=%s.%s in=%d->%d", component, module, columns, width)
     return found
-
-
-def _unfed(plan: Plan, component: str, module: str, columns: int, width: int) -> str:
-    parts = [pp for pp in plan.planned if pp.component == component and module in pp.grow]
-    files = sorted({pp.adapter.path or pp.adapter.name for pp in parts})
-    keys = sorted({k for pp in parts for k in pp.part.keys})
-    return (
-        f"{', '.join(files)}: {', '.join(keys)} ask ComfyUI's {component}.{module} to grow from {columns} to "
-        f"{width} input columns, and ComfyUI feeds it {columns} (the latents) or {FED_LATENTS * columns} "
-        f"(the latents and one control latent): not a control adapter for this model; nothing was changed"
-    )
 
 
 def grow_patches(grown: dict[str, GrownWeight]) -> dict[str, object]:

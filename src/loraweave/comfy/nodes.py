@@ -28,6 +28,7 @@ from .lora_files import (
     trigger_text,
     validation_message,
 )
+from .tooltips import fill_tooltips
 
 log = logging.getLogger("loraweave")
 
@@ -72,7 +73,9 @@ def checked(report, lora: str):
 
 
 def schema(node_id: str, display_name: str, description: str, **fields) -> io.Schema:
-    """A node's schema in the pack's category."""
+    """A node's schema in the pack's category; every input and named output with its tooltip
+    (comfy/tooltips.py where the input sets none)."""
+    fill_tooltips(node_id, fields.get("inputs", ()), fields.get("outputs", ()))
     return io.Schema(
         node_id=node_id, display_name=display_name, category=CATEGORY, description=description, **fields
     )
@@ -102,8 +105,15 @@ def _lora_input(optional: bool = False) -> io.Combo.Input:
     return io.Combo.Input(
         "lora_name",
         options=lora_choices(with_none=optional),
-        tooltip="a file in ComfyUI's loras folder (any trainer's layout)",
+        tooltip="A LoRA or LyCORIS file in ComfyUI's loras folder, from any trainer (kohya, diffusers, "
+        "PEFT, ai-toolkit, LyCORIS, ...).",
     )
+
+
+def _trigger_words_output() -> io.String.Output:
+    """The file's trigger words (comma-joined): a loader's last output, so the slots saved workflows link to
+    stay where they were."""
+    return io.String.Output(display_name="trigger_words")
 
 
 def _mode_input() -> io.Combo.Input:
@@ -111,13 +121,35 @@ def _mode_input() -> io.Combo.Input:
         "mode",
         options=list(APPLY_MODES),
         default="auto",
-        tooltip="merge: ComfyUI's patches with loraweave's exact delta; runtime: base weights untouched; "
-        "auto: merge unless the base weights are quantized in a way merge cannot write",
+        tooltip="merge: the LoRA is added into the model's weights, as core's loader does; runtime: the "
+        "weights stay as they are and the LoRA runs beside them, so a strength change or a swap is quick; "
+        "auto: merge, unless the model's weights are quantized in a way merge cannot write.",
     )
 
 
 def _strict_input() -> io.Boolean.Input:
-    return io.Boolean.Input("strict", default=False, tooltip="fail when some key of the file does not land")
+    return io.Boolean.Input(
+        "strict",
+        default=False,
+        tooltip="On: stop with an error when any part of the file finds no layer in the model; off: apply "
+        "what fits and list the rest in the report.",
+    )
+
+
+def block_preset_input() -> io.Combo.Input:
+    from ..arch.blocks import preset_names
+    from .stack import CUSTOM_BLOCKS
+
+    return io.Combo.Input(
+        "block_preset",
+        options=[CUSTOM_BLOCKS, *preset_names()],
+        default=CUSTOM_BLOCKS,
+        optional=True,
+        tooltip=f"Block weights by name, used when block_weights is empty ({CUSTOM_BLOCKS}: every block at "
+        "1). ALL, NONE and ALL0.5 weigh every block alike; INS/IND keep the shallow/deep input blocks, MIDD "
+        "the deep blocks and the middle, OUTD/OUTS the deep/shallow output blocks, INALL/OUTALL one side "
+        "(on DiTs these follow the block order); DOUBLE/SINGLE keep one stream of Flux-like models.",
+    )
 
 
 def _other_arch_input() -> io.Boolean.Input:
@@ -125,8 +157,8 @@ def _other_arch_input() -> io.Boolean.Input:
         "allow_other_arch",
         default=False,
         optional=True,
-        tooltip="apply a file whose keys say it is for another architecture than the model's (an SD2 LoRA "
-        "on an SD1.5 model); off: the node stops with an error. On: the report says so",
+        tooltip="Apply a file whose keys say it was trained for another architecture than the model's (an "
+        "SD2 LoRA on an SD1.5 model). Off: the node stops with an error; on: the report says so.",
     )
 
 
@@ -182,7 +214,12 @@ class LoraWeaveLoader(LoraFileNode):
                 _strict_input(),
                 _other_arch_input(),
             ],
-            outputs=[io.Model.Output(), io.Clip.Output(), io.String.Output(display_name="report")],
+            outputs=[
+                io.Model.Output(),
+                io.Clip.Output(),
+                io.String.Output(display_name="report"),
+                _trigger_words_output(),
+            ],
         )
 
     @classmethod
@@ -192,7 +229,8 @@ class LoraWeaveLoader(LoraFileNode):
         model, clip, text = load_one(
             model, clip, lora_name, strength_model, strength_clip, mode, strict, allow_other_arch
         )
-        return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
+        triggers = trigger_text(lora_path(lora_name))
+        return io.NodeOutput(model, clip, text, triggers, ui=ui.PreviewText(text))
 
 
 class LoraWeaveLoaderModelOnly(LoraFileNode):
@@ -210,13 +248,14 @@ class LoraWeaveLoaderModelOnly(LoraFileNode):
                 _strict_input(),
                 _other_arch_input(),
             ],
-            outputs=[io.Model.Output(), io.String.Output(display_name="report")],
+            outputs=[io.Model.Output(), io.String.Output(display_name="report"), _trigger_words_output()],
         )
 
     @classmethod
     def execute(cls, model, lora_name, strength_model, mode, strict, allow_other_arch=False) -> io.NodeOutput:
         model, _, text = load_one(model, None, lora_name, strength_model, 0.0, mode, strict, allow_other_arch)
-        return io.NodeOutput(model, text, ui=ui.PreviewText(text))
+        triggers = trigger_text(lora_path(lora_name))
+        return io.NodeOutput(model, text, triggers, ui=ui.PreviewText(text))
 
 
 class LoraWeaveStack(io.ComfyNode):
@@ -232,7 +271,9 @@ class LoraWeaveStack(io.ComfyNode):
                 io.Float.Input("model_strength", **STRENGTH),
                 io.Float.Input("clip_strength", **STRENGTH),
                 io.Boolean.Input(
-                    "enabled", default=True, tooltip="off: this row passes the stack on unchanged"
+                    "enabled",
+                    default=True,
+                    tooltip="Off: this row is left out; the stack passes on unchanged.",
                 ),
                 LoraStack.Input("lora_stack", optional=True),
             ],
@@ -266,10 +307,12 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 io.String.Input(
                     "block_weights",
                     default="",
-                    tooltip="empty: every block at 1; a preset name (e.g. INALL, DOUBLE) or a "
-                    "comma-separated vector on the detected architecture's block map",
+                    tooltip="How strongly each block of the model takes the LoRAs: empty for every block "
+                    "at 1 (or the block_preset), a preset name (e.g. INALL, DOUBLE), or comma-separated "
+                    "weights, one per block of the model's architecture.",
                 ),
                 _mode_input(),
+                block_preset_input(),  # last and optional: saved workflows and prompts load as they were
                 _other_arch_input(),
             ],
             outputs=[io.Model.Output(), io.Clip.Output(), io.String.Output(display_name="report")],
@@ -277,9 +320,17 @@ class LoraWeaveApplyStack(io.ComfyNode):
 
     @classmethod
     def execute(
-        cls, model, lora_stack, stack_mode, block_weights, mode, clip=None, allow_other_arch=False
+        cls,
+        model,
+        lora_stack,
+        stack_mode,
+        block_weights,
+        mode,
+        clip=None,
+        block_preset=None,
+        allow_other_arch=False,
     ) -> io.NodeOutput:
-        from .stack import apply_stack, stack_rows
+        from .stack import apply_stack, chosen_block_weights, stack_rows
 
         rows = stack_rows(lora_stack, lora_path)
         if not rows:
@@ -292,7 +343,7 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 clip,
                 rows,
                 stack_mode=stack_mode,
-                block_weights=block_weights.strip() or None,
+                block_weights=chosen_block_weights(block_weights, block_preset),
                 mode=mode,
                 allow_other_arch=allow_other_arch,
             )
@@ -314,7 +365,15 @@ class LoraWeaveStepWindow(LoraFileNode):
                 io.Float.Input("strength", **STRENGTH),
                 io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01),
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01),
-                io.Float.Input("ramp", default=0.0, min=0.0, max=1.0, step=0.01, tooltip="fade in/out width"),
+                io.Float.Input(
+                    "ramp",
+                    default=0.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.01,
+                    tooltip="How gradually the LoRA fades in after start_percent and out before end_percent, "
+                    "as a fraction of the sampling (0: on and off at once).",
+                ),
                 _other_arch_input(),
             ],
             outputs=[io.Model.Output(), io.String.Output(display_name="report")],

@@ -216,7 +216,7 @@ def _object_patch(clone, key: str, delta: torch.Tensor, strength: float) -> None
 def add_to_clone(patcher, plan: Plan, strength: float) -> tuple[object, list[AppliedModule], list[Unmatched]]:
     """A clone of `patcher` with the plan's patches added at `strength` (the input is untouched), the report
     rows of what ComfyUI accepted, and the misses of what it refused."""
-    grown = grown_inputs(plan)  # a width ComfyUI cannot feed raises here, before anything changes
+    grown = grown_inputs(plan)  # a control adapter's input, at the width the engine allowed
     patches, carried = merge_patches(plan)
     params, objects = param_patches(plan)
     misses: list[Unmatched] = []

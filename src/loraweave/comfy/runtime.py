@@ -341,7 +341,7 @@ def apply_runtime(
     plans, states = (
         kept.restrengthened(strengths) if kept else _build(model, clip, adapter, strengths, strict)
     )
-    grown = grown_inputs(plans[0])  # a width ComfyUI cannot feed raises here, before anything changes
+    grown = grown_inputs(plans[0])  # a control adapter's input, at the width the engine allowed
     new_model, _ = stacked_clone(model, [], states[0])
     if grown:  # a control adapter's paths run on the wider input (add_patches re-rolls patches_uuid)
         new_model.add_patches(grow_patches(grown))

@@ -44,6 +44,7 @@ from .runtime import (
 )
 
 DEFAULT_DENSITY = 0.5  # dense stack modes keep half of each layer's entries unless told otherwise
+CUSTOM_BLOCKS = "custom"  # the block-preset choice that leaves block weights to the text (empty: all at 1)
 
 
 class StackRow(NamedTuple):
@@ -98,6 +99,15 @@ def check_stack_mode(stack_mode: StackMode, density: float | None) -> float | No
     if not 0.0 < value <= 1.0:
         raise ArgumentError(f"density must be in (0, 1], got {value}")
     return value
+
+
+def chosen_block_weights(text: str, preset: str | None) -> str | None:
+    """What a node's two block-weight widgets ask for: the text when it says anything (a preset name or a
+    vector), else the preset picked (None or CUSTOM_BLOCKS: every block at 1)."""
+    text = text.strip()
+    if text:
+        return text
+    return None if preset in (None, CUSTOM_BLOCKS) else preset
 
 
 def comfy_block_weights(patcher, value) -> tuple[dict[str, float], float]:

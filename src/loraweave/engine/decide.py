@@ -5,8 +5,8 @@ change is written (its patch list, its injections).
 
 request -> check_mode, check_strengths -> skipped_keys (a model-only request) -> read -> arch_check (given
 the face's fact: the model's architecture) -> resolve, plan -> chosen_mode (given the face's fact) -> refuse
-(another architecture's file, strict, nothing landed) -> the face installs -> refuse again on what was
-installed -> report (note_other_arch: what was let through, said loudly)."""
+(another architecture's file, trained on other inputs, strict, nothing landed) -> the face installs -> refuse
+again on what was installed -> report (note_other_arch: what was let through, said loudly)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..arch.fit import ModelArch, file_arch, label, with_article
-from ..errors import ArgumentError, ArgumentTypeError, StrictApplyError, WrongArchitectureError
+from ..errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    OtherInputError,
+    StrictApplyError,
+    WrongArchitectureError,
+)
 from ..formats.adapter import Adapter
 from ..formats.keys import TEXT_ENCODER_NAMES
 from ..modes import APPLY_MODES, ApplyMode
@@ -29,6 +35,7 @@ from ..request.spec import finite_strength
 log = logging.getLogger("loraweave")
 WholeModelMode = Literal["merge", "runtime"]
 MODEL_ONLY = "model-only"  # why a text-encoder key was skipped
+OTHER_INPUT = "other_input"  # the miss kind refuse_other_inputs refuses whatever strict
 # How the Python faces offer allow_other_arch; the ComfyUI nodes and the CLI say it in their own words.
 OTHER_ARCH_OPT_IN = "pass allow_other_arch=True to apply it anyway"
 
@@ -152,9 +159,32 @@ def strict_message(report: Report, where: str = "") -> str:
     return f"strict: {len(missed)} keys did not land{on} ({report.kinds()}) of {', '.join(names)}"
 
 
+def refuse_other_inputs(report: Report) -> None:
+    """OtherInputError (carrying `report`) when a key was trained on inputs the model is not fed (miss kind
+    `other_input`: a Flux control LoRA's img_in on Flux Fill or Chroma), whatever `strict`: landing it would
+    feed its columns other inputs, and the rest of its file would run without the input it was trained on.
+    Names each file, its keys and why."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for u in report.unmatched:
+        if u["kind"] == OTHER_INPUT:
+            found.setdefault((u["adapter"], u["reason"]), []).append(u["key"])
+    if not found:
+        return
+    files = {str(a["name"]): str(a.get("path") or a["name"]) for a in report.adapters}
+    said = "; ".join(
+        f"{files.get(name, name)}: {', '.join(keys)}: {why}" for (name, why), keys in found.items()
+    )
+    raise OtherInputError(
+        f"{said}. Trained on inputs this model is not fed, so the rest would run without them; nothing "
+        "was changed",
+        report,
+    )
+
+
 def refuse_strict(report: Report, strict: bool, where: str = "") -> None:
-    """StrictApplyError (carrying `report`) when `strict` and some key missed; `where`: what it was planned
-    on, for the message."""
+    """`refuse_other_inputs`, then StrictApplyError (carrying `report`) when `strict` and some key missed;
+    `where`: what it was planned on, for the message."""
+    refuse_other_inputs(report)
     if strict and failures(report.unmatched):
         raise StrictApplyError(strict_message(report, where), report)
 
@@ -168,9 +198,9 @@ def refuse(
     arch: ArchCheck = NO_ARCH_CHECK,
 ) -> None:
     """Refuse a result before (or instead of) keeping it: files of another architecture than the model's
-    (`arch`, from `arch_check`) unless the caller opted in, `refuse_strict`, then NoKeysLandedError when an
-    adapter landed no key, unless `allow_empty`. Each carries `report`; `opt_ins`: how the face offers
-    them."""
+    (`arch`, from `arch_check`) unless the caller opted in, `refuse_strict` (keys trained on other inputs,
+    then strict), then NoKeysLandedError when an adapter landed no key, unless `allow_empty`. Each carries
+    `report`; `opt_ins`: how the face offers them."""
     found = arch.against(report)
     if found and not arch.allowed:
         raise WrongArchitectureError(

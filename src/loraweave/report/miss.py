@@ -21,6 +21,7 @@ MISS_KINDS = (
     "unsupported",  # a family, form or combination loraweave does not land
     "no_mechanism",  # the layer takes neither merge nor runtime in the requested mode
     "expected_absent",  # the model variant leaves this module out on purpose
+    "other_input",  # trained on inputs the model is not fed (a control LoRA on Flux Fill): refused
     "not_resolved",  # inspect without a model: nothing was resolved
 )
 
