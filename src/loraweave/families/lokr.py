@@ -183,6 +183,23 @@ def bias_delta(f: LokrFactors, src: int, length: int) -> None:
     return None
 
 
+def _row_squares(half: tuple[torch.Tensor, ...], rows: int, cols: int) -> torch.Tensor:
+    """‖row‖² of a full (rows, cols) half, or of a low-rank one A (rows, r) @ B through B's Gram: fp64."""
+    if len(half) == 1:
+        return half[0].reshape(rows, cols).double().square().sum(1)
+    a, b = half[0].double(), half[1].reshape(-1, cols).double()
+    return ((a @ (b @ b.T)) * a).sum(1)
+
+
+def squared_norm(f: LokrFactors, src: int, length: int) -> float:
+    """‖kron(w1, w2)[src:src+length]‖² without the kron: row i·b+k is w1[i] ⊗ w2[k], of squared norm
+    ‖w1[i]‖²·‖w2[k]‖² (fp64; only a Tucker w2 is formed, at w2's own size)."""
+    lo, hi, off = _window(f, src, length)
+    w1 = _row_squares(f.w1, f.a, f.c)[lo:hi]
+    w2 = _row_squares(f.w2, f.b, f.n) if len(f.w2) < 3 else _w2(f, torch.float64).square().sum(1)
+    return float((w1[:, None] * w2[None, :]).flatten()[off : off + length].sum())
+
+
 def _straddle(f: LokrFactors, w2: torch.Tensor, kernel: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat-layout conv LoKr (n not a multiple of the kernel size): w1 column j covers flattened input columns
     [j·n, (j+1)·n), which straddle channels. Gather each group's channel window (c groups of `span` channels)
@@ -259,4 +276,14 @@ def runtime_term(f: LokrFactors, src: int, dst: int, length: int) -> RuntimeTerm
     return RuntimeTerm.structured(dst, length, fn=fn, cost=cost, caches=(cache,))
 
 
-SPEC = Family("lokr", load, check_target, add_delta, bias_delta, runtime_term, settle=settle, roles=ROLES)
+SPEC = Family(
+    "lokr",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    settle=settle,
+    roles=ROLES,
+    squared_norm=squared_norm,
+)
