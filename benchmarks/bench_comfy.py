@@ -27,8 +27,8 @@ heap, never trimmed), which steadies timings. ComfyUI runs under glibc's default
 is a fresh mapping whose page faults are timed; `LORAWEAVE_BENCH_NO_REEXEC=1` runs the cases that way. Quote
 both.
 
-    .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--threads 2]
-        [--repeats 1]
+    .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--family lora|lokr]
+        [--threads N (default: torch's default, printed in the header)] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -91,7 +91,15 @@ def flux_shapes(params: dict) -> dict[str, torch.Size]:
     return {k: v.shape for k, v in model.state_dict().items()}
 
 
-def write_loras(folder: Path, shapes: dict, rank: int) -> None:
+def kron_sides(n: int) -> tuple[int, int]:
+    """(a, b), a·b = n, a the largest divisor <= sqrt(n): LyCORIS's factorization(n, -1) split."""
+    a = max(d for d in range(1, int(n**0.5) + 1) if n % d == 0)
+    return a, n // a
+
+
+def write_loras(folder: Path, shapes: dict, rank: int, family: str = "lora") -> None:
+    """Files A and B (seeds 1, 2) on every block Linear: kohya LoRA, or LoKr with a full w1 (the small side of
+    LyCORIS's split) and a rank-`rank` w2 = w2_a @ w2_b, as LyCORIS writes it by default."""
     from safetensors.torch import save_file
 
     targets = [k[: -len(".weight")] for k, s in shapes.items() if k.endswith(".weight") and len(s) == 2]
@@ -102,8 +110,14 @@ def write_loras(folder: Path, shapes: dict, rank: int) -> None:
         for t in targets:
             rows, cols = shapes[f"{t}.weight"]
             stem = "lora_unet_" + t.replace(".", "_")
-            sd[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.01
-            sd[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.01
+            if family == "lokr":
+                (a, b), (c, n) = kron_sides(rows), kron_sides(cols)
+                sd[f"{stem}.lokr_w1"] = torch.randn(a, c, generator=g) * 0.1
+                sd[f"{stem}.lokr_w2_a"] = torch.randn(b, rank, generator=g) * 0.1
+                sd[f"{stem}.lokr_w2_b"] = torch.randn(rank, n, generator=g) * 0.01
+            else:
+                sd[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.01
+                sd[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.01
             sd[f"{stem}.alpha"] = torch.tensor(float(rank))
         save_file(sd, str(folder / f"{name}.safetensors"))
 
@@ -223,33 +237,30 @@ def main() -> None:
     ap.add_argument("--double", type=int, default=1)
     ap.add_argument("--single", type=int, default=1)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own default)")
+    ap.add_argument("--family", choices=("lora", "lokr"), default="lora", help="the files' family")
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per case (interleaved)")
     ap.add_argument("--child", choices=CASES)
     ap.add_argument("--dir")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     params = flux_params(args.double, args.single)
     if args.child:
         print(json.dumps(child(args.child, Path(args.dir), params)))
         return
     benchutil.header(
-        f"ComfyUI: loraweave vs core LoraLoader, Flux width 3072, {args.double}+{args.single} blocks"
+        f"ComfyUI: loraweave vs core LoraLoader, Flux width 3072, {args.double}+{args.single} blocks, "
+        f"{args.family} rank {args.rank}, load {os.getloadavg()}"
     )
     with tempfile.TemporaryDirectory(prefix="bench-comfy-") as tmp:
-        write_loras(Path(tmp), flux_shapes(params), args.rank)
+        write_loras(Path(tmp), flux_shapes(params), args.rank, args.family)
         results: dict[str, list[dict]] = {case: [] for case in CASES}
         for _ in range(args.repeats):
             for case in CASES:
                 cmd = [sys.executable, __file__, "--child", case, "--dir", tmp, "--double", str(args.double)]
-                cmd += [
-                    "--single",
-                    str(args.single),
-                    "--rank",
-                    str(args.rank),
-                    "--threads",
-                    str(args.threads),
-                ]
+                cmd += ["--single", str(args.single), "--rank", str(args.rank)]
+                cmd += ["--threads", str(torch.get_num_threads())]
                 run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
                 if run.returncode != 0:
                     sys.exit(f"case {case} failed:\n{run.stderr[-4000:]}")

@@ -179,6 +179,19 @@ def add_delta(target_rows: torch.Tensor, f: LokrFactors, src: int, length: int, 
     target_rows.add_(delta[off : off + length], alpha=coeff)
 
 
+def set_delta(target_rows: torch.Tensor, f: LokrFactors, src: int, length: int, coeff: float) -> None:
+    """target_rows = coeff · kron(w1, w2)[src:src+length]: the kron written into the rows themselves where
+    they span whole w1 rows (no temporary, no zero pass), else copied from the window's kron."""
+    lo, hi, off = _window(f, src, length)
+    w1, w2 = _w1(f, target_rows.dtype)[lo:hi], _w2(f, target_rows.dtype)
+    if off == 0 and length == (hi - lo) * f.b and target_rows.is_contiguous():
+        torch.kron(w1, w2, out=target_rows)
+    else:
+        target_rows.copy_(torch.kron(w1, w2)[off : off + length])
+    if coeff != 1.0:
+        target_rows.mul_(coeff)
+
+
 def bias_delta(f: LokrFactors, src: int, length: int) -> None:
     return None
 
@@ -285,5 +298,6 @@ SPEC = Family(
     runtime_term,
     settle=settle,
     roles=ROLES,
+    set_delta=set_delta,
     squared_norm=squared_norm,
 )
