@@ -27,8 +27,12 @@ heap, never trimmed), which steadies timings. ComfyUI runs under glibc's default
 is a fresh mapping whose page faults are timed; `LORAWEAVE_BENCH_NO_REEXEC=1` runs the cases that way. Quote
 both.
 
+`--pair N` adds one process where core and merge re-queue alternately on one base model, N rounds of a
+strength change and a swap: paired ratios, less at the mercy of a shared host's slow spells than medians of
+separate processes (`--repeats 0 --pair N` runs only that).
+
     .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--family lora|lokr]
-        [--threads N (default: torch's default, printed in the header)] [--repeats 1]
+        [--threads N (default: torch's default, printed in the header)] [--repeats 1] [--pair 0]
 """
 
 from __future__ import annotations
@@ -228,6 +232,52 @@ def child(case: str, folder: Path, params: dict) -> dict:
     return out
 
 
+def paired(folder: Path, params: dict, rounds: int) -> dict:
+    """core and merge re-queues alternating on one base model in one process (ComfyUI unpatches one clone
+    when it loads the other): per round a strength change of A and a swap to B and back, each loader first
+    in turn. The host's slow spells then hit both about alike; the ratio is the median of per-round ratios."""
+    from helpers.comfy_env import import_comfy
+
+    import_comfy()
+    base = build_model(params)
+    g = torch.Generator().manual_seed(5)
+    cond = [
+        [
+            torch.randn(1, TOKENS, params["context_in_dim"], generator=g),
+            {"pooled_output": torch.randn(1, params["vec_in_dim"], generator=g), "guidance": 3.5},
+        ]
+    ]
+    base.model.diffusion_model.register_forward_pre_hook(stop_at_first_step)
+    loads = {case: loader(case) for case in ("core", "merge")}
+    paths = {n: str(folder / f"{n}.safetensors") for n in ("a", "b")}
+    for load in loads.values():  # first queues: file reads, imports, reference tree
+        sample(load(base, paths["a"], 1.0), cond, until_first_step=True)
+    cost: dict[str, dict[str, list[float]]] = {c: {"wall": [], "cpu": []} for c in loads}
+    for r in range(rounds):
+        order = list(loads) if r % 2 == 0 else list(loads)[::-1]
+        for name, strength in ((paths["a"], STRENGTHS[r % 5]), (paths["b"], 1.0)):
+            for case in order:
+                t0, c0 = time.perf_counter(), time.process_time()
+                sample(loads[case](base, name, strength), cond, until_first_step=True)
+                cost[case]["cpu"].append(time.process_time() - c0)
+                cost[case]["wall"].append(time.perf_counter() - t0)
+    return {"case": "pair", "cost": cost}
+
+
+def report_pair(out: dict) -> None:
+    cost = out["cost"]
+    print("-- core and merge re-queues alternating in one process (strength change and swap per round)")
+    for clock in ("wall", "cpu"):
+        core, merge = cost["core"][clock], cost["merge"][clock]
+        ratios = [m / c for m, c in zip(merge, core, strict=True)]
+        print(
+            f"{clock}: core {median(core):.3f} s, merge {median(merge):.3f} s (n={len(core)}); merge/core: "
+            f"ratio of medians {median(merge) / median(core):.3f}, median of paired ratios "
+            f"{median(ratios):.3f} (quartiles {sorted(ratios)[len(ratios) // 4]:.3f}-"
+            f"{sorted(ratios)[3 * len(ratios) // 4]:.3f})"
+        )
+
+
 def median(xs) -> float:
     return benchutil.median(list(xs))
 
@@ -240,12 +290,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own default)")
     ap.add_argument("--family", choices=("lora", "lokr"), default="lora", help="the files' family")
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per case (interleaved)")
-    ap.add_argument("--child", choices=CASES)
+    ap.add_argument("--pair", type=int, default=0, help="rounds of core/merge re-queues in one process")
+    ap.add_argument("--child", choices=(*CASES, "pair"))
     ap.add_argument("--dir")
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     params = flux_params(args.double, args.single)
+    if args.child == "pair":
+        print(json.dumps(paired(Path(args.dir), params, args.pair)))
+        return
     if args.child:
         print(json.dumps(child(args.child, Path(args.dir), params)))
         return
@@ -258,17 +312,25 @@ def main() -> None:
         results: dict[str, list[dict]] = {case: [] for case in CASES}
         for _ in range(args.repeats):
             for case in CASES:
-                cmd = [sys.executable, __file__, "--child", case, "--dir", tmp, "--double", str(args.double)]
-                cmd += ["--single", str(args.single), "--rank", str(args.rank)]
-                cmd += ["--threads", str(torch.get_num_threads())]
-                run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-                if run.returncode != 0:
-                    sys.exit(f"case {case} failed:\n{run.stderr[-4000:]}")
-                results[case].append(json.loads(run.stdout.strip().splitlines()[-1]))
-                print(
-                    json.dumps(results[case][-1]), flush=True
-                )  # the raw record first: a report bug loses nothing
-    report(results)
+                results[case].append(run_child(case, tmp, args))
+        pair = run_child("pair", tmp, args) if args.pair else None
+    if args.repeats:
+        report(results)
+    if pair is not None:
+        report_pair(pair)
+
+
+def run_child(case: str, folder: str, args: argparse.Namespace) -> dict:
+    """One case in a fresh process; its raw record is printed first (a report bug loses nothing)."""
+    cmd = [sys.executable, __file__, "--child", case, "--dir", folder, "--double", str(args.double)]
+    cmd += ["--single", str(args.single), "--rank", str(args.rank), "--pair", str(args.pair)]
+    cmd += ["--threads", str(torch.get_num_threads())]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    if run.returncode != 0:
+        sys.exit(f"case {case} failed:\n{run.stderr[-4000:]}")
+    record = json.loads(run.stdout.strip().splitlines()[-1])
+    print(json.dumps(record), flush=True)
+    return record
 
 
 def summary(runs: list[dict], clock: str) -> dict:
