@@ -89,9 +89,14 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_arch_video": ("comfy",),
     "test_comfy_arch_weights": ("comfy",),
     "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium
+    "test_comfy_browser_multi": ("comfy", "slow"),
+    "test_comfy_control_lora": ("comfy",),
+    "test_comfy_control_other_inputs": ("comfy",),
     "test_comfy_errors": ("comfy",),
     "test_comfy_harness": ("comfy",),
     "test_comfy_model_input": ("comfy",),
+    "test_comfy_model_only": ("comfy", "realdata"),
+    "test_comfy_node_features": ("comfy",),
     "test_comfy_nodes": ("comfy",),
     "test_comfy_pack_entry": ("comfy",),
     "test_comfy_realdata": ("comfy", "realdata"),
@@ -113,6 +118,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_realsize_catalog": ("realsize",),
     "test_realsize_comfy": ("realsize", "comfy", "realdata"),  # ComfyUI's full-size Flux on meta
     "test_realsize_comfy_mechanisms": ("realsize", "comfy"),  # runtime borrowing, Flux Fill, full width
+    "test_realsize_comfy_positional": ("realsize", "comfy", "realdata"),  # ComfyUI's full-size SD1.5 on meta
     "test_realsize_mechanisms": ("realsize",),
     "test_realsize_quant": ("realsize",),
     "test_realsize_sd15": ("realdata", "realsize"),  # a full-size SD1.5 UNet in fp16

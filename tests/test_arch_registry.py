@@ -140,6 +140,23 @@ def test_block_map_slots_exist_in_the_skeleton(arch):
     assert set(block_slots(arch.blocks.key, paths).values()) <= slots | {None}
 
 
+WITH_INPUTS = [a for a in RECORDS if a.skeleton and any(t.model_inputs for t in a.tables)]
+
+
+@pytest.mark.parametrize("arch", WITH_INPUTS, ids=[a.name for a in WITH_INPUTS])
+def test_model_inputs_name_the_skeletons_input_and_its_latents(arch):
+    """A declared model input (arch/spec.py ModelInput) is a Linear of the full-size skeleton taking the
+    latents its `latents` module gives back, recorded under its config key: the base every other width of an
+    adapter is told by."""
+    model = build_meta(arch.name, text_encoders=False)[arch.skeleton.denoiser]
+    table = AliasTable(model)
+    assert table.model_inputs, arch.name
+    for declared in table.model_inputs.values():
+        module = model.get_submodule(declared.module)
+        assert isinstance(module, torch.nn.Linear), (arch.name, declared.module)
+        assert table.latent_width(declared) == module.in_features == model.config[declared.config_key]
+
+
 def _support_matrix_rows() -> list[str]:
     spec = importlib.util.spec_from_file_location("support_matrix", ROOT / "scripts" / "support_matrix.py")
     module = importlib.util.module_from_spec(spec)

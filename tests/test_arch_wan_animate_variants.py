@@ -481,10 +481,11 @@ def test_fill_lora_lands_whole_on_fill_and_control_growth_is_unchanged():
     )
 
 
-def test_without_the_fill_row_the_key_would_grow_dev(monkeypatch):
-    """Negative control: with the table's Fill width removed, the same file grows dev's x_embedder to 384."""
+def test_without_the_fill_row_the_key_is_no_longer_expected_absent(monkeypatch):
+    """Negative control: with the table's Fill width removed, the same file is refused as trained on inputs
+    dev is not fed (384 is no control width) instead of applied with its Fill-only key expected absent."""
     patch_tables(monkeypatch, lambda t: dataclasses.replace(t, variant_inputs=()) if t.name == "flux" else t)
-    with pytest.raises(AssertionError):
+    with pytest.raises(loraweave.OtherInputError, match="from 64 to 384"):
         test_fill_x_embedder_is_expected_absent_on_dev("merge")
 
 

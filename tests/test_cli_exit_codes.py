@@ -1,8 +1,10 @@
-"""One exit-status table for every CLI command: each --help prints it, the README holds the same codes, and
-every command exits with the table's code for an invalid argument, a system error, a bug and an interrupt."""
+"""One exit-status table for every CLI command: each --help prints it (with the clauses of the options that
+command has), the README holds the same codes, and every command exits with the table's code for an invalid
+argument, a system error, a bug and an interrupt."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import re
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loraweave.cli import build_parser, main
-from loraweave.cli.support import EXIT_STATUS
+from loraweave.cli.support import EXIT_STATUS, STATUS_TITLE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,8 +23,41 @@ def _commands() -> list[str]:
     return sorted(sub.choices)
 
 
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser by its command line, the nested `comfy install | uninstall` too."""
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(prefix: str, parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action.choices, dict):  # a sub-command action: name -> parser
+                for name, child in action.choices.items():
+                    found[f"{prefix} {name}".strip()] = child
+                    walk(f"{prefix} {name}", child)
+
+    walk("", build_parser())
+    return found
+
+
+def _options(command: str) -> set[str]:
+    """The options of a command and of the commands under it (`comfy`'s table covers install, demo, ...)."""
+    return {
+        o
+        for name, parser in _parsers().items()
+        if name == command or name.startswith(f"{command} ")
+        for action in parser._actions
+        for o in action.option_strings
+    }
+
+
 def _codes(text: str) -> set[int]:
     return {int(m) for m in re.findall(r"^\s*\|?\s*(\d+)\s", text, re.M)}
+
+
+def _help(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
 
 
 def test_table_is_the_same_in_readme_and_code():
@@ -34,16 +69,29 @@ def test_table_is_the_same_in_readme_and_code():
     assert _codes(section) == table
 
 
-@pytest.mark.parametrize("command", [None, *_commands()])
-def test_every_help_shows_the_table(command, capsys):
-    argv = ["--help"] if command is None else [command, "--help"]
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "exit status (the same for every command):" in out
-    for line in EXIT_STATUS.splitlines()[1:]:
+def test_the_top_help_shows_the_whole_table(capsys):
+    out = _help([], capsys)
+    for line in EXIT_STATUS.splitlines():
         assert line.strip() in out
+
+
+@pytest.mark.parametrize("command", sorted(_parsers()))
+def test_every_help_shows_the_table(command, capsys):
+    out = _help(command.split(), capsys)
+    table = out[out.index(STATUS_TITLE) :]
+    own = _options(command)
+    # 1 only where an option can make it (--strict, or a refused empty output without --allow-empty)
+    assert _codes(table) == {0, 2, 3, 4, 130} | ({1} if own & {"--strict", "--allow-empty"} else set())
+    for line in EXIT_STATUS.splitlines():  # the lines that name no option, as in the whole table
+        if line.startswith(("  0 ", "  3 ", "  4 ", "  130 ")):
+            assert line in table
+
+
+@pytest.mark.parametrize("command", sorted(_parsers()))
+def test_no_help_names_an_option_its_command_lacks(command, capsys):
+    """`comfy install --help` said "with --strict ..." and "--allow-empty was not given" (it has neither)."""
+    said = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _help(command.split(), capsys)))
+    assert said - _options(command) == set()
 
 
 # One invalid argument per command, with the code the table gives it (2: bad input or usage).

@@ -82,6 +82,16 @@ CASES = {
         lambda i, o: ["demo", "--json", "--out", o],
         lambda o: [o / "demo_lora_peft.safetensors", o / "demo_lora_kohya.safetensors"],
     ),
+    "comfy demo": Case(
+        "folder",
+        lambda i, o: ["comfy", "demo", o, "--json"],
+        lambda o: [
+            o / "models" / "diffusion_models" / "loraweave_demo_flux.safetensors",
+            o / "models" / "loras" / "loraweave_demo_lora.safetensors",
+            o / "loraweave_demo_workflow.json",
+            o / "extra_model_paths.yaml",
+        ],
+    ),
 }
 OUTPUT_FLAGS = {"output", "plot", "out"}  # dests of the options that name what a command writes
 
@@ -97,11 +107,20 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _commands(parser: argparse.ArgumentParser, prefix: str = ""):
+    """(command line, parser) of every command, nested ones (`comfy demo`) too."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, p in action.choices.items():
+                yield f"{prefix}{name}", p
+                yield from _commands(p, f"{prefix}{name} ")
+
+
 def test_the_walk_covers_every_command_that_writes():
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    writing = {name for name, p in sub.choices.items() if any(a.dest in OUTPUT_FLAGS for a in p._actions)}
-    assert writing == {name.split()[0] for name in CASES}
+    writing = {
+        name for name, p in _commands(build_parser()) if any(a.dest in OUTPUT_FLAGS for a in p._actions)
+    }
+    assert writing == {name.split(" --")[0].split(" (")[0] for name in CASES}
 
 
 @pytest.mark.parametrize("name", list(CASES))

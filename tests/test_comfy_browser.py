@@ -1,12 +1,17 @@
-"""The node pack in a real browser: ComfyUI v0.19.3's main.py --cpu (source in place, comfyui-frontend-package
-1.42.11) serving a temporary base directory into which `loraweave comfy install` wrote the pack, and Debian's
-headless Chromium over the DevTools protocol. The page loads a workflow using our loader on a tiny Flux
-checkpoint and our inspector, queues it, and the test waits for /history to say it completed; then our nodes
-must be in /object_info, in the frontend's node registry and in the node library panel, and the report text
-on the loader node. The screenshot path is printed; on a failure the page's screenshot and console are saved
-beside it (failure.png, failure.console.txt). Every page (re)load waits until the app's own startup workflow
-has loaded (COUNT_LOADS) before the test loads its own, and no process of the server or the browser may
-outlive the test."""
+"""The node pack in a real browser: ComfyUI v0.19.3's main.py --cpu (source in place,
+comfyui-frontend-package 1.42.11) serving a temporary base directory into which `loraweave comfy install`
+wrote the pack, beside a clone of this repository in custom_nodes (both installed: the pack says so once and
+its script registers once), and Debian's headless Chromium over the DevTools protocol. The page loads a
+workflow using our loader on a tiny Flux checkpoint and our inspector, queues it, and the test waits for
+/history to say it completed; then our nodes must be in /object_info, in the frontend's node registry and in
+the node library panel, and the report on the loader node: all of it (no scroll bar), in the node's own
+width, labelled as an output. The page is reloaded and the same workflow queued again (ComfyUI reuses the
+cached loader): the report must be back on the node; a new lora_name clears it until the next run shows the
+new file's; bypassing the node clears it. Under Nodes 2.0 the report shows the same way, and the properties
+panel does not list it under its internal name. The screenshot paths are printed; on a failure the page's
+screenshot and console are saved beside them (failure.png, failure.console.txt). Every page (re)load waits
+until the app's own startup workflow has loaded (COUNT_LOADS) before the test loads its own, and no process of
+the server or the browser may outlive the test."""
 
 from __future__ import annotations
 
@@ -18,13 +23,18 @@ import time
 
 import aiohttp
 from helpers.browser import WINDOW, Page, start_chromium
-from helpers.comfy_env import COMFYUI_DIR
+from helpers.comfy_env import COMFYUI_DIR, REPO_ROOT
 from helpers.comfy_models import flux_state_dict
 from helpers.comfy_pack import FLUX_FILE, NODE_IDS, write_loras
+from helpers.comfy_page import COUNT_LOADS, evidence, open_app, wait_history
 from helpers.comfy_server import get_json, processes_naming, start_server, stop
 from safetensors.torch import save_file
 
 LOADER, INSPECT = 2, 4  # node ids in the workflow
+LOADER_WIDTH = 330  # narrower than the report's lines: the node must keep it
+CLONE = "ComfyUI-LoraWeave"  # this repository as a clone in custom_nodes, beside the installed shim
+REPORT_LABEL = "report (output)"
+REPORT_CAP = 480  # px: loraweave.js MAX_HEIGHT, the tallest report box before it scrolls
 
 
 def _node(node_id: int, kind: str, pos, size, inputs, outputs, widgets) -> dict:
@@ -42,16 +52,17 @@ def workflow(strength: float = 0.7) -> dict:
     nodes = [
         _node(1, "UNETLoader", [20, 60], [320, 90], [], [_slot("MODEL", "MODEL", links=[1])],
               [FLUX_FILE, "default"]),
-        _node(LOADER, "LoraWeaveLoader", [370, 60], [440, 300],
+        _node(LOADER, "LoraWeaveLoader", [370, 60], [LOADER_WIDTH, 230],
               [_slot("model", "MODEL", 1), _slot("clip", "CLIP")],
               [_slot("MODEL", "MODEL", links=[]), _slot("CLIP", "CLIP", links=[]),
                _slot("report", "STRING", links=[2])],
               ["flux.safetensors", strength, 1.0, "merge", False]),
-        _node(3, "PreviewAny", [840, 60], [330, 200], [_slot("source", "*", 2)], [], []),
-        _node(INSPECT, "LoraWeaveInspect", [20, 420], [520, 330], [],
+        _node(3, "PreviewAny", [730, 60], [330, 200], [_slot("source", "*", 2)], [], []),
+        # a row lower than the loader's report needs under Nodes 2.0 (its outputs end with trigger_words)
+        _node(INSPECT, "LoraWeaveInspect", [20, 540], [520, 330], [],
               [_slot("report", "STRING", links=[]), _slot("trigger_words", "STRING", links=[]),
                _slot("heatmap", "IMAGE", links=[3])], ["flux.safetensors"]),
-        _node(5, "PreviewImage", [570, 420], [330, 420], [_slot("images", "IMAGE", 3)], [], []),
+        _node(5, "PreviewImage", [570, 540], [330, 420], [_slot("images", "IMAGE", 3)], [], []),
     ]  # fmt: skip
     links = [[1, 1, 0, LOADER, 0, "MODEL"], [2, LOADER, 2, 3, 0, "STRING"], [3, INSPECT, 2, 5, 0, "IMAGE"]]
     view = {"ds": {"scale": 0.9, "offset": [440, 90]}}  # the canvas right of the node library panel
@@ -82,59 +93,25 @@ def _base_directory(base) -> None:
     ]
     subprocess.run(cli, check=True, capture_output=True)
     assert (base / "custom_nodes" / "loraweave_nodes" / "__init__.py").is_file()
-
-
-def _wait_history(url: str, prompt_id: str, timeout: float = 60.0) -> dict:
-    """The /history entry of `prompt_id` once its run finished."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        entry = get_json(f"{url}/history/{prompt_id}").get(prompt_id)
-        if entry and entry.get("status", {}).get("completed"):
-            return entry
-        time.sleep(0.5)
-    raise TimeoutError(f"the queued run {prompt_id} did not complete within {timeout} s")
-
-
-# Run in every new document before the page's scripts: when the frontend publishes its app (`window.app =
-# app`, right after app.setup and before it loads its startup workflow), wrap app.loadGraphData to count the
-# loads started and settled. With Comfy.Workflow.Persist off, the startup makes exactly one load (the default
-# workflow); a graph the test loads before that one settled would be replaced by it.
-COUNT_LOADS = """(() => {
-  let app;
-  window.__loraweaveLoads = {started: 0, settled: 0};
-  Object.defineProperty(window, 'app', {configurable: true, get: () => app, set: (value) => {
-    app = value;
-    const load = value.loadGraphData.bind(value);
-    value.loadGraphData = async (...args) => {
-      window.__loraweaveLoads.started++;
-      try { return await load(...args); } finally { window.__loraweaveLoads.settled++; }
-    };
-  }});
-})()"""
-STARTUP_LOADED = (
-    "!!(window.app && app.graph && window.LiteGraph) && __loraweaveLoads.settled >= 1"
-    " && __loraweaveLoads.started === __loraweaveLoads.settled"
-)
-
-
-async def _open(page: Page, url: str) -> None:
-    # a mark on the old document: until it is gone, an evaluate may still reach the page being left
-    await page.evaluate("window.__loraweaveOldPage = true")
-    await page.send("Page.navigate", url=url)
-    await page.wait_for(f"!window.__loraweaveOldPage && {STARTUP_LOADED}", 60, "the app's startup workflow")
-    # queued before the app's websocket is open, the run's messages would go to no client
-    await page.wait_for(
-        "!!(app.api?.clientId && app.api.socket?.readyState === 1)", 30, "the app's websocket"
-    )
-    # the queue button's path, with the server's answer (prompt_id, node_errors) kept for the test
-    await page.evaluate(
-        "(() => { const send = app.api.queuePrompt.bind(app.api); window.__loraweaveQueued = []; "
-        "app.api.queuePrompt = async (...args) => { const answer = await send(...args); "
-        "window.__loraweaveQueued.push({answer, prompt: args[1].output}); return answer; }; return true; })()"
-    )
+    (base / "custom_nodes" / CLONE).symlink_to(REPO_ROOT, target_is_directory=True)
 
 
 LOADER_WIDGETS = f"app.graph.getNodeById({LOADER})?.widgets?.map(w => w.value)"
+# The loader's report as the page shows it: the widget's value and label, the node's size, and the textarea
+# that draws it (Nodes 2.0 draws its own; the classic canvas the widget's element) with its label there.
+REPORT = """(() => {
+  const node = app.graph.getNodeById(LOADER);
+  const widget = node?.widgets?.find(w => w.name === 'loraweave_report');
+  if (!widget) return null;
+  const vue = !!LiteGraph.vueNodesMode;
+  const boxes = vue ? [...document.querySelectorAll('[data-node-id="LOADER"] textarea')] : [widget.inputEl];
+  const box = boxes[boxes.length - 1];
+  const label = vue ? document.querySelector(`label[for="${box?.id}"]`)?.textContent.trim() : widget.label;
+  const below = app.graph.getNodeById(INSPECT).pos[1] - LiteGraph.NODE_TITLE_HEIGHT;
+  return {value: widget.value, label, placeholder: box?.placeholder, width: node.size[0], mode: node.mode,
+          bottom: node.pos[1] + node.size[1], below,
+          box: box && {client: box.clientHeight, scroll: box.scrollHeight, shown: box.value}};
+})()""".replace("LOADER", str(LOADER)).replace("INSPECT", str(INSPECT))
 
 
 async def _run(page: Page, url: str, graph: dict) -> tuple[dict, dict]:
@@ -144,13 +121,31 @@ async def _run(page: Page, url: str, graph: dict) -> tuple[dict, dict]:
     wanted = graph["nodes"][1]["widgets_values"]
     widgets = await page.wait_for(LOADER_WIDGETS, 20, "the loader node")
     assert widgets[: len(wanted)] == wanted, f"the loaded loader shows {widgets}, not {wanted}"
+    return await _queue(page, url)
+
+
+async def _queue(page: Page, url: str) -> tuple[dict, dict]:
+    """Queue the graph on the page as the queue button does: (the prompt the server got, its /history
+    entry)."""
+    done = await page.evaluate("window.__loraweaveQueued.length")
     await page.evaluate("app.queuePrompt(0).then(() => true)")
-    (queued,) = await page.wait_for(
-        "window.__loraweaveQueued.length && window.__loraweaveQueued", 30, "the queue"
+    queued = await page.wait_for(
+        f"window.__loraweaveQueued.length > {done} && window.__loraweaveQueued[{done}]", 30, "the queue"
     )
     assert not queued["answer"].get("node_errors"), queued["answer"]
-    entry = await asyncio.to_thread(_wait_history, url, queued["answer"]["prompt_id"])
+    entry = await asyncio.to_thread(wait_history, url, queued["answer"]["prompt_id"])
     return queued["prompt"], entry
+
+
+async def _report(page: Page, starts: str) -> dict:
+    """The loader's report (REPORT) once its value starts with `starts` and the box had time to fit it."""
+    await page.wait_for(
+        f"(() => {{ const r = {REPORT}; return r && r.value.startsWith({json.dumps(starts)}); }})()",
+        20,
+        f"a report starting {starts!r} on the loader node",
+    )
+    await asyncio.sleep(1.0)  # the box is fitted on the next frames
+    return await page.evaluate(REPORT)
 
 
 async def _drive(ws_url: str, url: str, shot) -> dict:
@@ -163,30 +158,40 @@ async def _drive(ws_url: str, url: str, shot) -> dict:
         await page.send("Emulation.setDeviceMetricsOverride", width=WINDOW[0], height=WINDOW[1],
                         deviceScaleFactor=1, mobile=False)  # fmt: skip
         try:
-            return await _steps(page, url, shot)
+            seen = await _steps(page, url, shot)
         except Exception:
-            await _evidence(page, shot.with_name("failure.png"))
+            await evidence(page, shot.with_name("failure.png"))
             raise
+        return seen | {"console": list(page.console)}
 
 
-async def _evidence(page: Page, path) -> None:
-    """On a failure: a screenshot and the page's console beside the screenshots, so the cause can be read."""
-    try:
-        await asyncio.wait_for(page.screenshot(path), 20)
-    except Exception as exc:  # noqa: BLE001  (the page may be gone: the console still helps)
-        page.console.append(f"no failure screenshot: {exc!r}")
-    path.with_suffix(".console.txt").write_text("\n".join(page.console))
+# Set a widget of the loader as the canvas does when the user picks a value.
+SET_WIDGET = f"""((name, value) => {{
+  const node = app.graph.getNodeById({LOADER});
+  node.widgets.find(w => w.name === name).setValue(value, {{node, canvas: app.canvas}});
+  return true;
+}})"""
+BYPASS = f"""(async () => {{
+  app.canvas.deselectAll();
+  app.canvas.selectNode(app.graph.getNodeById({LOADER}));
+  await app.extensionManager.command.execute('Comfy.Canvas.ToggleSelectedNodes.Bypass');
+  return true;
+}})()"""
 
 
-async def _steps(page: Page, url: str, shot) -> dict:
-    """The test's page steps (see _drive)."""
-    await _open(page, url)
+async def _classic(page: Page, url: str, shot) -> dict:
+    """The classic canvas: run, reload and run again (the loader is cached), a new lora_name, a bypass."""
+    await open_app(page, url)
     registered = await page.evaluate(
         "Object.keys(LiteGraph.registered_node_types).filter(k => k.startsWith('LoraWeave'))"
     )
-    prompt, entry = await _run(page, url, workflow())
-    widget = f"app.graph.getNodeById({LOADER}).widgets.find(w => w.name === 'loraweave_report')?.value"
-    shown = await page.wait_for(widget, 20, "the report on the loader node")
+    run = await _run(page, url, workflow())
+    shown = await _report(page, "flux.safetensors: ")
+    inspect = await page.evaluate(
+        f"(() => {{ const w = app.graph.getNodeById({INSPECT}).widgets.find(w => w.name === "
+        "'loraweave_report'); return {value: w.value, client: w.inputEl.clientHeight, "
+        "scroll: w.inputEl.scrollHeight}; })()"
+    )
     await page.evaluate(
         "[...document.querySelectorAll('button')].find(b => b.textContent.trim() === 'Nodes')?.click() ?? "
         "true"
@@ -203,9 +208,38 @@ async def _steps(page: Page, url: str, shot) -> dict:
     )
     await asyncio.sleep(1.0)  # the heatmap preview and the panel finish drawing
     await page.screenshot(shot)
+    # a reloaded page, the same workflow: ComfyUI reuses the cached loader and must re-send its report
+    await open_app(page, url)
+    rerun = await _run(page, url, workflow())
+    reloaded = await _report(page, "flux.safetensors: ")
+    await page.evaluate(f"{SET_WIDGET}('lora_name', 'partial.safetensors')")
+    cleared = await page.evaluate(REPORT)
+    changed_run = await _queue(page, url)
+    changed = await _report(page, "WARNING: partial.safetensors")
+    await page.screenshot(shot.with_name("comfy_browser_changed.png"))
+    await page.evaluate(BYPASS)
+    bypassed = await page.wait_for(f"(() => {{ const r = {REPORT}; return r.mode === 4 && r; }})()", 10)
+    await page.evaluate(BYPASS)  # on again: the next run (the loader cached) shows the report again
+    await _queue(page, url)
+    await _report(page, "WARNING: partial.safetensors")
+    # strict on that partial file: the run fails at the loader, and the report of the last good run goes
+    await page.evaluate(f"{SET_WIDGET}('strict', true)")
+    _, failed_run = await _queue(page, url)
+    failed = await page.wait_for(
+        f"(() => {{ const r = {REPORT}; return r.value === '' && r; }})()", 10, "no report after the failure"
+    )
+    return {"registered": registered, "run": run, "shown": shown, "inspect": inspect, "library": library,
+            "rerun": rerun, "reloaded": reloaded, "cleared": cleared, "changed_run": changed_run,
+            "changed": changed, "failed_run": failed_run, "failed": failed,
+            "bypassed": bypassed}  # fmt: skip
+
+
+async def _steps(page: Page, url: str, shot) -> dict:
+    """The test's page steps (see _drive)."""
+    seen = await _classic(page, url, shot)
     # Nodes 2.0 (the Vue renderer): the same nodes, re-run at another strength, show the report in its DOM
     await page.evaluate("app.extensionManager.setting.set('Comfy.VueNodes.Enabled', true).then(() => true)")
-    await _open(page, url)
+    await open_app(page, url)
     prompt_2, entry_2 = await _run(page, url, workflow(strength=0.5))
     texts = "[...document.querySelectorAll('textarea')].map(t => t.value).join('\\n---\\n')"
     dom = await page.wait_for(
@@ -213,28 +247,43 @@ async def _steps(page: Page, url: str, shot) -> dict:
         20,
         "the report in the Nodes 2.0 DOM",
     )
+    vue = await _report(page, "flux.safetensors: ")
+    # the properties panel of the selected loader: its parameters, where the report must not pose as an input
+    await page.evaluate(
+        f"(() => {{ app.canvas.deselectAll(); app.canvas.selectNode(app.graph.getNodeById({LOADER})); "
+        "document.querySelector('[aria-label=\"Toggle properties panel\"]')?.click(); return true; })()"
+    )
+    panel = await page.wait_for(
+        "(() => { const p = document.querySelector('[data-testid=\"properties-panel\"]') ?? "
+        "[...document.querySelectorAll('aside, [role=complementary]')].at(-1); "
+        "return p && p.innerText.includes('strength_model') && p.innerText; })()",
+        20,
+        "the properties panel with the loader's parameters",
+    )
     await asyncio.sleep(1.0)
     await page.screenshot(shot.with_name("comfy_browser_nodes2.png"))
-    return {
-        "registered": registered,
-        "run": (prompt, entry),
-        "shown": shown,
-        "library": library,
-        "vue": (prompt_2, entry_2, dom),
-    }
+    return seen | {"vue": (prompt_2, entry_2, dom), "vue_report": vue, "panel": panel}
+
+
+def _fits(report: dict) -> bool:
+    """The whole report shows: the box is as tall as its text (no scroll bar), or it reached the cap."""
+    box = report["box"]
+    return box["scroll"] <= box["client"] + 2 or box["client"] >= REPORT_CAP - 8
 
 
 def test_pack_in_a_real_browser(tmp_path):
     base = tmp_path / "comfy_base"
     _base_directory(base)
-    server, url = start_server(COMFYUI_DIR, base, tmp_path / "server.log")
+    log = tmp_path / "server.log"
+    server, url = start_server(COMFYUI_DIR, base, log)
     chromium = None
     try:
         assert NODE_IDS <= set(get_json(f"{url}/object_info")), "our nodes are not in /object_info"
         chromium, ws_url = start_chromium(tmp_path / "profile")
         shot = tmp_path / "comfy_browser.png"
         seen = asyncio.run(_drive(ws_url, url, shot))
-        print(f"screenshots: {shot} {shot.with_name('comfy_browser_nodes2.png')}")
+        names = ("comfy_browser_changed.png", "comfy_browser_nodes2.png")
+        print(f"screenshots: {shot} " + " ".join(str(shot.with_name(n)) for n in names))
     finally:
         for process in (chromium, server):
             if process is not None:
@@ -249,15 +298,48 @@ def test_pack_in_a_real_browser(tmp_path):
     assert entry["status"]["status_str"] == "success", entry["status"]
     report = entry["outputs"][str(LOADER)]["text"][0]
     assert report.startswith("flux.safetensors: ") and "keys_applied=6/6" in report
-    assert seen["shown"] == report, "the loader node does not show its report"
-    assert "kohya" in entry["outputs"][str(INSPECT)]["text"][0]
+    shown = seen["shown"]
+    assert shown["value"] == report and shown["box"]["shown"] == report, "the loader does not show its report"
+    # all of it, in the node's own width, labelled as the output it is
+    assert _fits(shown) and shown["box"]["client"] < REPORT_CAP, shown
+    assert shown["width"] == LOADER_WIDTH, "the report widened the node over its neighbours"
+    assert shown["bottom"] < shown["below"], shown
+    assert shown["label"] == REPORT_LABEL and "loraweave_report" not in shown["placeholder"], shown
+    inspect = seen["inspect"]
+    assert "kohya" in entry["outputs"][str(INSPECT)]["text"][0] and inspect["value"].startswith("file ")
+    assert inspect["scroll"] <= inspect["client"] + 2 or inspect["client"] >= REPORT_CAP - 8, inspect
+    assert str(base) not in inspect["value"] and "--limit" not in inspect["value"], inspect["value"]
     assert {"LoraWeave Loader", "LoraWeave Inspect", "LoraWeave Stack"} <= {
         line.strip() for line in seen["library"].splitlines()
     }
     assert shot.stat().st_size > 10_000
+    # reloaded and queued again: ComfyUI reused the cached loader, and its report is on the node again
+    _, rerun = seen["rerun"]
+    assert rerun["outputs"][str(LOADER)]["text"] == [report], "the cached loader's report was not sent"
+    assert seen["reloaded"]["value"] == report and _fits(seen["reloaded"]), seen["reloaded"]
+    # another file: the old report goes at once; the run shows the new file's
+    assert seen["cleared"]["value"] == "", "the old file's report stayed on the node after lora_name changed"
+    _, changed_run = seen["changed_run"]
+    changed = changed_run["outputs"][str(LOADER)]["text"][0]
+    assert changed.startswith("WARNING: partial.safetensors: 6 of 9 keys landed"), changed
+    assert seen["changed"]["value"] == changed and _fits(seen["changed"]), seen["changed"]
+    failed_run = seen["failed_run"]
+    assert failed_run["status"]["status_str"] == "error" and str(LOADER) not in failed_run["outputs"]
+    assert seen["failed"]["value"] == "", seen["failed"]
+    assert seen["bypassed"]["value"] == "", "a bypassed node kept its report"
+    # the shim and the clone: the server log says so once; the page ran the script three times (the shim's
+    # folder, the clone's folder and the clone's pyproject name), and registered the first only
+    console = "\n".join(seen["console"])
+    # (a second registration throws in the frontend: "[vite:preloadError]" in 1.42.11's console)
+    assert not any(e in console for e in ("preloadError", "Error loading extension")), console
+    assert console.count("loraweave.report: http") == 2 * 3, console  # two copies skipped, three page loads
+    assert log.read_text().count("pack_installed_twice") == 1
     prompt_2, second, dom = seen["vue"]
     assert prompt_2[str(LOADER)]["inputs"]["strength_model"] == 0.5
     assert second["status"]["status_str"] == "success", second["status"]
-    assert second["outputs"][str(LOADER)]["text"][0] in dom.split("\n---\n"), (
-        "Nodes 2.0 does not show the report"
-    )
+    vue_report = second["outputs"][str(LOADER)]["text"][0]
+    assert vue_report in dom.split("\n---\n"), "Nodes 2.0 does not show the report"
+    vue = seen["vue_report"]
+    assert vue["box"]["shown"] == vue_report and _fits(vue) and vue["label"] == REPORT_LABEL, vue
+    assert vue["width"] == LOADER_WIDTH and vue["bottom"] < vue["below"], vue  # and the node below is clear
+    assert "loraweave_report" not in seen["panel"], seen["panel"]

@@ -92,16 +92,21 @@ def test_strict_with_keys_that_miss(models):
     assert model.patches and not m.patcher.patches
 
 
-def test_text_encoder_keys_without_clip_are_named(models):
+def test_text_encoder_keys_without_clip_are_skipped(models):
+    # No CLIP is a model-only request: core's LoraLoaderModelOnly skips text-encoder keys, and so does the
+    # pack, counting them apart (not misses, so strict does not refuse them).
     m = models["sd15"]
     encoder = m.clip.cond_stage_model.clip_l.transformer
     sd = adapter_file(target_linears(encoder), "lora", kohya("lora_te1_"))
-    with pytest.raises(NoKeysLandedError):
+    with pytest.raises(NoKeysLandedError, match=f"skipped={len(sd)}"):  # nothing is left for the model
         load_lora_for_models(m.patcher, None, sd, 1.0, 1.0)
     mixed = {**sd15_file(m), **sd}
-    model, clip, report = load_lora_for_models(m.patcher, None, mixed, 1.0, 1.0)
-    assert clip is None and {u.kind for u in report.unmatched} == {"no_such_component"}
-    assert len(report.unmatched) == len(sd)
+    model, clip, report = load_lora_for_models(m.patcher, None, mixed, 1.0, 1.0, strict=True)
+    assert clip is None and not report.unmatched
+    assert {s.key for s in report.skipped} == set(sd) and report.skipped_by_component() == {
+        "text_encoder": len(sd)
+    }
+    assert report.keys_applied == report.keys_total == len(mixed) - len(sd)
 
 
 def test_bad_arguments(models):

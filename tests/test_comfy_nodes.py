@@ -29,25 +29,25 @@ REL_TOL = 1e-6
 CONTRACT = {  # node id -> input names (required and optional) and output types: the public contract
     "LoraWeaveLoader": (
         {"model", "clip", "lora_name", "strength_model", "strength_clip", "mode", "strict"},
-        ("MODEL", "CLIP", "STRING"),
+        ("MODEL", "CLIP", "STRING", "STRING"),  # report, then trigger_words (appended: slots kept)
     ),
     "LoraWeaveLoaderModelOnly": (
         {"model", "lora_name", "strength_model", "mode", "strict"},
-        ("MODEL", "STRING"),
+        ("MODEL", "STRING", "STRING"),
     ),
     "LoraWeaveStack": (
         {"lora_name", "model_strength", "clip_strength", "enabled", "lora_stack"},
         ("LORA_STACK",),
     ),
     "LoraWeaveApplyStack": (
-        {"model", "clip", "lora_stack", "stack_mode", "block_weights", "mode"},
+        {"model", "clip", "lora_stack", "stack_mode", "block_weights", "mode", "block_preset"},
         ("MODEL", "CLIP", "STRING"),
     ),
     "LoraWeaveStepWindow": (
         {"model", "lora_name", "strength", "start_percent", "end_percent", "ramp"},
         ("MODEL", "STRING"),
     ),
-    "LoraWeaveInspect": ({"lora_name", "model"}, ("STRING", "STRING", "IMAGE")),
+    "LoraWeaveInspect": ({"lora_name", "model", "clip"}, ("STRING", "STRING", "IMAGE")),
 }
 
 
@@ -136,7 +136,7 @@ def test_loader_with_clip_patches_both(comfy_home):
         mode="merge",
         strict=False,
     )
-    model, clip, report = result.args
+    model, clip, report, _ = result.args
     te_base = tiny.clip.cond_stage_model.state_dict()[te_key]
     want = merged_reference(te_base, tensors, te_stem, 0.5)
     got = clip.patcher.patch_weight_to_device(te_key, return_weight=True).double()

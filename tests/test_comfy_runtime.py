@@ -285,7 +285,7 @@ def encode(clip):
     return torch.cat([cond.flatten(), pooled.flatten()])
 
 
-def test_clip_side_runtime_equals_core_and_without_clip_the_keys_are_named(flux, loras):
+def test_clip_side_runtime_equals_core_and_without_clip_the_keys_are_skipped(flux, loras):
     from helpers.comfy_models import tiny_clip
 
     clip = tiny_clip("flux")
@@ -300,9 +300,9 @@ def test_clip_side_runtime_equals_core_and_without_clip_the_keys_are_named(flux,
     assert torch.allclose(ours, encode(core_clip), rtol=0, atol=ATOL)
     assert close(sample(model, STEPS), sample(core_model, STEPS))
     unload_all(flux, clip.patcher)
-    alone, none, report = apply_runtime(flux, None, read_lora(lora), 0.8, 0.6)
-    assert none is None and report.keys_applied == 3 * 8
-    assert {u.kind for u in report.unmatched} == {"no_such_component"} and len(report.unmatched) == 2 * 3 * 4
+    alone, none, report = apply_runtime(flux, None, read_lora(lora), 0.8, 0.6, strict=True)
+    assert none is None and report.keys_applied == report.keys_total == 3 * 8 and not report.unmatched
+    assert report.skipped_by_component() == {"text_encoder": 2 * 3 * 4}  # model-only: skipped, not missed
 
 
 def test_strict_refuses_a_partial_file_and_the_input_is_unchanged(flux, loras):

@@ -298,10 +298,14 @@ def test_flux_fill_widened_x_embedder_takes_a_base_lora():
     x = torch.randn(3, 40, generator=g)
     with torch.no_grad():
         assert rel_err(runtime.x_embedder(x), merged.x_embedder(x)) <= 1e-5
-    # The other direction (a control LoRA wider than the model's x_embedder) grows the model
-    # (test_control_lora.py).
+    # The other direction: a file wider than this variant's x_embedder (60 columns on its 40, 16 of them the
+    # latents) was trained on inputs this model is not fed. Refused, never grown: a control adapter grows only
+    # an input that takes the latents alone (test_control_lora.py).
     wide = {
         k: (v if not k.endswith("down.weight") else torch.randn(4, 60, generator=g)) for k, v in sd.items()
     }
     report = loraweave.plan(fill, wide)
-    assert report.ok and any("input grown 40 -> 60" in n for n in report.applied[0].notes)
+    assert report.keys_applied == 0 and {u["kind"] for u in report.unmatched} == {"other_input"}
+    with pytest.raises(loraweave.OtherInputError, match="lora_unet_img_in.lora_down.weight"):
+        loraweave.apply(merged, wide, mode="merge")
+    assert merged.x_embedder.in_features == 40

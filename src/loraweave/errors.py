@@ -32,6 +32,17 @@ class TargetError(LoraweaveError):
     """The apply target is not something we can resolve modules in."""
 
 
+class OtherInputError(TargetError):
+    """An adapter was trained on inputs the model is not fed: its model-input key (Flux's `img_in`) takes a
+    width the architecture does not relate to the model's (a Flux control LoRA on Flux Fill, whose extra
+    columns would meet the masked image; on Chroma, which takes no control latent). Refused whatever
+    `strict`, before anything changed; the message names each file and key. `.report` holds the report."""
+
+    def __init__(self, message: str, report=None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class StrictApplyError(LoraweaveError):
     """strict=True and some keys did not land; `.report` holds the full report."""
 

@@ -26,10 +26,10 @@ FLUX_DEV = {**FLUX_PARAMS, "hidden_size": 3072, "num_heads": 24, "depth": 19, "d
             "context_in_dim": 4096, "vec_in_dim": 768, "image_model": "flux"}  # fmt: skip
 
 
-def meta_patcher(config_class, unet_config: dict):
+def meta_patcher(config_class, unet_config: dict, dtype: torch.dtype = torch.float16):
     c = import_comfy()
     model_config = config_class(unet_config)
-    model_config.set_inference_dtype(torch.float16, None)
+    model_config.set_inference_dtype(dtype, None)
     model = model_config.get_model({}, "", device=META)
     return c.model_patcher.ModelPatcher(
         model, load_device=torch.device("cpu"), offload_device=torch.device("cpu")

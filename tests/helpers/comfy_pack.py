@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 FLUX_FILE = "tiny_flux.safetensors"
-# The pack's six nodes, as ComfyUI registers them.
+# The pack's nodes, as ComfyUI registers them.
 NODE_IDS = frozenset(
     {
         "LoraWeaveLoader",
@@ -20,8 +20,14 @@ NODE_IDS = frozenset(
         "LoraWeaveApplyStack",
         "LoraWeaveStepWindow",
         "LoraWeaveInspect",
+        "LoraWeaveMultiLoader",
     }
 )
+# node id -> the module that defines it (comfy/nodes.py, but for the Multi Loader)
+NODE_MODULES = {
+    node: "loraweave.comfy.multi_loader" if node == "LoraWeaveMultiLoader" else "loraweave.comfy.nodes"
+    for node in NODE_IDS
+}
 # Flux modules of ComfyUI's tiny Flux (hidden 128) a kohya Flux LoRA names: (kohya stem, ComfyUI state-dict
 # key).
 FLUX_TARGETS = {

@@ -8,6 +8,7 @@ from ..formats.keys import underscore_form
 from .registry import arch_tables
 from .spec import (
     ArchTable,
+    ModelInput,
     Piece,
     apply_renames,
     expand_alias,
@@ -116,16 +117,22 @@ def _live_fusions(every: dict[str, torch.nn.Module]) -> dict[str, tuple[Piece, .
     return out
 
 
-# Child registration order of diffusers releases that cloneofsimo-era files enumerated (ff came before attn2).
-LEGACY_CHILD_ORDER: dict[str, tuple[str, ...]] = {"BasicTransformerBlock": ("attn1", "ff", "attn2")}
+# cloneofsimo positions count Linears in the child order of the diffusers and transformers classes its
+# trainer walked, by class name; a host that registers the same children in another order is walked in
+# this one, so a position names the same layer on every tree.
+CANONICAL_CHILD_ORDER: dict[str, tuple[str, ...]] = {
+    "BasicTransformerBlock": ("attn1", "ff", "attn2"),  # diffusers releases of the time: ff before attn2
+    "CLIPAttention": ("k_proj", "v_proj", "q_proj", "out_proj"),  # transformers; ComfyUI's holds q, k, v
+    "UNetModel": ("input_blocks", "output_blocks", "middle_block"),  # ldm's UNet: diffusers' down, up, mid
+}
 
 
-def _legacy_named_modules(module: torch.nn.Module, prefix: str = ""):
+def _canonical_named_modules(module: torch.nn.Module, prefix: str = ""):
     yield prefix, module
     children = dict(module.named_children())
-    first = [c for c in LEGACY_CHILD_ORDER.get(type(module).__name__, ()) if c in children]
+    first = [c for c in CANONICAL_CHILD_ORDER.get(type(module).__name__, ()) if c in children]
     for name in (*first, *(c for c in children if c not in first)):
-        yield from _legacy_named_modules(children[name], f"{prefix}.{name}" if prefix else name)
+        yield from _canonical_named_modules(children[name], f"{prefix}.{name}" if prefix else name)
 
 
 def metadata_alpha_of(module: torch.nn.Module) -> str | None:
@@ -148,8 +155,7 @@ class AliasTable:
         tables = _tables_of(module)
         every = dict(module.named_modules())
         self.modules = {name: mod for name, mod in every.items() if out_rows(mod) is not None}
-        self.widened_inputs = {m for t in tables for m in t.widened_inputs}
-        self.growable_inputs = dict(g for t in tables for g in t.growable_inputs)
+        self.model_inputs = {i.module: i for t in tables for i in t.model_inputs}
         self.metadata_alpha = metadata_alpha_of(module)
         self.variant_inputs = {(v.module, v.width): v.why for t in tables for v in t.variant_inputs}
         self.renames = (
@@ -187,14 +193,19 @@ class AliasTable:
             return None
         return self.variant_inputs.get((module, width))
 
+    def latent_width(self, model_input: ModelInput) -> int | None:
+        """The latent width `model_input` starts from (its latents module's output rows); None if absent."""
+        module = self.modules.get(model_input.latents)
+        return out_rows(module) if module is not None else None
+
     def positional(self, ancestor_classes: tuple[str, ...]) -> list[str]:
         """Linear layers in cloneofsimo's enumeration order: each ancestor of the named classes, then its
-        Linears."""
+        Linears, children walked in CANONICAL_CHILD_ORDER whatever order this tree registered them in."""
         if ancestor_classes not in self._positional:
             found = []
-            for name, ancestor in _legacy_named_modules(self.root):
+            for name, ancestor in _canonical_named_modules(self.root):
                 if type(ancestor).__name__ in ancestor_classes:
-                    for sub, mod in ancestor.named_modules():
+                    for sub, mod in _canonical_named_modules(ancestor):
                         if isinstance(mod, torch.nn.Linear):
                             found.append(f"{name}.{sub}" if name else sub)
             self._positional[ancestor_classes] = found

@@ -85,6 +85,13 @@ _PRESET_GROUPS: dict[str, tuple[str, ...]] = {
 # Two-chain DiTs only: keep one chain, mute the other.
 _CHAIN_PRESETS = {"DOUBLE": "D", "SINGLE": "S"}
 
+
+def preset_names() -> tuple[str, ...]:
+    """Every preset name `block_weights` takes: the LBW presets (every architecture), then the chain presets
+    (double/single-stream DiTs only)."""
+    return (*LBW_PRESETS_17, *_CHAIN_PRESETS)
+
+
 _COMPONENT_PREFIXES = ("unet.", "transformer.")
 _TEXT_ENCODER = re.compile(r"^(text_encoder(_\d)?|te\d?|lora_te\d?)[._]")
 _UNET_IN = re.compile(r"^down_blocks\.(\d+)\.(resnets|attentions|downsamplers)\.(\d+)(\.|$)")

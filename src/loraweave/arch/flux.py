@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from .encoders import CLIP_L, T5_XXL
 from .record import Architecture, BlockMap, ComfyFacets, Layouts, Release, Skeleton
-from .spec import Alias, ArchTable, Rows, VariantInput, VariantOnly
+from .spec import Alias, ArchTable, ModelInput, Rows, VariantInput, VariantOnly
 
 _D = "transformer_blocks.{i}"
 _S = "single_transformer_blocks.{i}"
+
+FILL_INPUT = VariantInput(
+    "x_embedder",
+    384,
+    "x_embedder takes 384 input channels only in Flux Fill (latents, masked-image latents, mask); this "
+    "model's takes another width",
+)
 
 FLUX = ArchTable(
     name="flux",
@@ -59,19 +66,11 @@ FLUX = ArchTable(
         ),
         Alias("final_layer.linear", ("proj_out",)),
     ),
-    widened_inputs=("x_embedder",),
-    growable_inputs=(("x_embedder", "in_channels"),),
+    # BFL Canny/Depth (128 = latents + control latent) are control adapters: a 64-column x_embedder grows.
+    model_inputs=(ModelInput("x_embedder", "proj_out", "in_channels", control=2),),
     # Flux.1 Fill (in_channels 384: latents | masked-image latents | mask) vs 64 for dev/schnell/Kontext;
-    # Kontext adds no module (its reference image is more tokens). BFL Canny/Depth (128) are control adapters:
-    # they grow.
-    variant_inputs=(
-        VariantInput(
-            "x_embedder",
-            384,
-            "x_embedder takes 384 input channels only in Flux Fill "
-            "(latents, masked-image latents, mask); this model's takes another width",
-        ),
-    ),
+    # Kontext adds no module (its reference image is more tokens).
+    variant_inputs=(FILL_INPUT,),
     variant_only=(
         VariantOnly(
             (
@@ -101,6 +100,10 @@ CHROMA = ArchTable(
             "distilled_guidance_layer.layers.{i}.out_layer", ("distilled_guidance_layer.layers.{i}.linear_2",)
         ),
     ),
+    # No control input: ComfyUI's Chroma never concatenates a control latent (its concat_cond compares
+    # img_in's channels per patch with out_channels counted after patching), nor has diffusers a pipeline.
+    model_inputs=(ModelInput("x_embedder", "proj_out", "in_channels"),),
+    variant_inputs=(FILL_INPUT,),  # a Flux Fill LoRA's x_embedder, as on Flux dev
 )
 
 _FLUX = dict(

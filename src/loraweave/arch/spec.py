@@ -69,6 +69,24 @@ class VariantInput:
 
 
 @dataclass(frozen=True)
+class ModelInput:
+    """A model input whose width says which variant a model or an adapter is for: Flux's `x_embedder` takes
+    the latents (as many columns as `proj_out` gives back: 64), Fill 384 (latents, masked-image latents,
+    mask), a BFL control model 128 (latents and a control latent).
+
+    An adapter trained on another width than the model's lands in the two relations declared here only:
+    trained on the latents alone, on a wider variant (zero columns for the inputs it never saw); or a control
+    adapter on a model that takes the latents alone, grown to `control` latents (zero columns for the control
+    latent until the adapter lands). Any other width was trained on inputs this model is not fed (a control
+    adapter's columns would meet Fill's masked image): miss kind `other_input`, which the engine refuses."""
+
+    module: str
+    latents: str  # the module whose output rows are the latent width (the denoiser's output projection)
+    config_key: str  # the config entry recording the input width (updated when the input grows)
+    control: int | None = None  # latents a control adapter feeds (2: latents + control latent); None: none
+
+
+@dataclass(frozen=True)
 class ParamAlias:
     """An original name of a bare parameter (not a module weight) -> the live parameter `target`
     (`module.name`).
@@ -97,16 +115,12 @@ class ArchTable:
     name: str
     classes: tuple[str, ...]  # model class names this table applies to
     aliases: tuple[Alias, ...]
-    # Modules whose input grows in model variants (Flux Fill/Kontext/control widen `x_embedder`): an adapter
-    # trained on the narrower base gets zero columns for the extra input channels, which it never saw.
-    widened_inputs: tuple[str, ...] = ()
+    # Model inputs whose width tells a variant (Flux's `x_embedder`: 64 latents, Fill 384, a control model
+    # 128): the widths an adapter may land on other than the model's own (ModelInput).
+    model_inputs: tuple[ModelInput, ...] = ()
     # Spellings of projections that runtimes fuse (not checkpoint names): same mechanism, kept apart so the
     # checkpoint-layout oracle can tell them from the original names.
     runtime_fusions: tuple[Alias, ...] = ()
-    # Inputs a control adapter may grow (BFL Canny/Depth: `img_in` 64 -> 128 columns): (module, config key
-    # that records the input width). The module gets zero columns for the new channels before the adapter
-    # lands.
-    growable_inputs: tuple[tuple[str, str], ...] = ()
     # Modules only sibling variants have: their keys are expected absent on this one.
     variant_only: tuple[VariantOnly, ...] = ()
     # Input widths only sibling variants have: keys trained on them are expected absent on this one.

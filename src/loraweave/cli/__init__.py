@@ -3,7 +3,7 @@ place that prints).
 
 One module per command, each with `add(subparsers)` (its parser) and `run(args)` (its body, heavy imports
 inside); this module builds the parser from them and dispatches. Every command shares one exit-code table
-(EXIT_STATUS in `support`, printed in each --help and in the README)."""
+(EXIT_STATUS in `support`, in the README; each --help shows the clauses of its own options)."""
 
 from __future__ import annotations
 

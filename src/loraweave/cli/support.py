@@ -10,8 +10,11 @@ import logging
 import math
 import os
 import sys
+import textwrap
 import traceback
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import arguments
@@ -25,17 +28,83 @@ from ..errors import (
 )
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_INPUT, EXIT_SYSTEM, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
-EXIT_STATUS = """exit status (the same for every command):
-  0    did what was asked
-  1    completed but incomplete: with --strict some key does not land (nothing written), or nothing to do:
-       the output would have no effect (no key lands, no layer differs) and --allow-empty was not given
-  2    bad input or usage: a bad argument (out of range, not finite), an unreadable or malformed file, a
-       pickle without --allow-pickle, an output that exists (no --force), would overwrite an input, lies in a
-       folder that does not exist or is of the other kind (a folder where a file is written); --force replaces
-       only the command's own files
-  3    system error: reading or writing failed (disk full, permission denied)
-  4    internal error: a bug in loraweave (the traceback is printed; please report it)
-  130  interrupted (Ctrl-C); outputs are written atomically, so nothing half-written is left"""
+
+
+@dataclass(frozen=True)
+class StatusLine:
+    """One code of the exit-status table: its meaning, then clauses of which some are about one option."""
+
+    code: int
+    meaning: str
+    clauses: tuple[tuple[str | None, str], ...] = ()  # (the option a clause is about, or None; its text)
+    joiner: str = ", "
+
+    def text(self, has: Callable[[str], bool]) -> str | None:
+        """The line for a command with the options `has` accepts; None when no clause applies to it."""
+        kept = [text for option, text in self.clauses if option is None or has(option)]
+        if self.clauses and not kept:
+            return None
+        return self.meaning + self.joiner.join(kept)
+
+
+STATUS_LINES = (
+    StatusLine(EXIT_OK, "did what was asked"),
+    StatusLine(
+        EXIT_INCOMPLETE,
+        "completed but incomplete: ",
+        (
+            ("--strict", "with --strict some key does not land (nothing written)"),
+            (
+                "--allow-empty",
+                "nothing to do: the output would have no effect (no key lands, no layer differs) and "
+                "--allow-empty was not given",
+            ),
+        ),
+        joiner=", or ",
+    ),
+    StatusLine(
+        EXIT_BAD_INPUT,
+        "bad input or usage: ",
+        (
+            (None, "a bad argument (out of range, not finite), an unreadable or malformed file"),
+            ("--allow-pickle", "a pickle without --allow-pickle"),
+            (
+                "--force",
+                "an output that exists (no --force), would overwrite an input, lies in a folder that does "
+                "not exist or is of the other kind (a folder where a file is written); --force replaces only "
+                "the command's own files",
+            ),
+        ),
+    ),
+    StatusLine(EXIT_SYSTEM, "system error: reading or writing failed (disk full, permission denied)"),
+    StatusLine(EXIT_BUG, "internal error: a bug in loraweave (the traceback is printed; please report it)"),
+    StatusLine(
+        EXIT_INTERRUPTED,
+        "interrupted (Ctrl-C); outputs are written atomically, so nothing half-written is left",
+    ),
+)
+STATUS_TITLE = "exit status (each code means the same for every command):"
+
+
+def exit_status_table(has: Callable[[str], bool] = lambda option: True) -> str:
+    """The table as a command's --help prints it: only the clauses about options it has (all by default)."""
+    lines = [STATUS_TITLE]
+    for status in STATUS_LINES:
+        text = status.text(has)
+        if text is not None:
+            lines += textwrap.wrap(
+                text,
+                width=110,
+                initial_indent=f"  {status.code:<5}",
+                subsequent_indent=" " * 7,
+                break_on_hyphens=False,
+                break_long_words=False,
+            )
+    return "\n".join(lines)
+
+
+EXIT_STATUS = exit_status_table()  # every command's clauses: the top --help and the README's table
+
 # Optional quantization packages (and what imports them) log import-time warnings about kernels this machine
 # lacks; the CLI shows them only under -v.
 NOISY_LOGGERS = (
@@ -64,11 +133,21 @@ class Formatter(argparse.HelpFormatter):
         )
 
 
+def _has_option(p: argparse.ArgumentParser) -> Callable[[str], bool]:
+    """Whether `p` takes a flag option (store_true: its default is False, where an unknown one is None)."""
+    return lambda option: p.get_default(option.lstrip("-").replace("-", "_")) is not None
+
+
 def with_exit_status(parser: argparse.ArgumentParser, sub) -> None:
-    """Every command's --help (and the top one) ends with the exit-status table, whoever added the command."""
-    for p in (parser, *sub.choices.values()):
-        if EXIT_STATUS not in (p.epilog or ""):
-            p.epilog = f"{p.epilog}\n\n{EXIT_STATUS}" if p.epilog else EXIT_STATUS
+    """Every command's --help (and the top one) ends with the exit-status table, whoever added the command:
+    a command's names only its own options, `parser`'s those of any of its commands."""
+    commands = [_has_option(p) for p in sub.choices.values()]
+    own = _has_option(parser)
+    tables = {parser: exit_status_table(lambda option: own(option) or any(c(option) for c in commands))}
+    tables |= {p: exit_status_table(has) for p, has in zip(sub.choices.values(), commands, strict=True)}
+    for p, table in tables.items():
+        if STATUS_TITLE not in (p.epilog or ""):  # a nested command's own call came first
+            p.epilog = f"{p.epilog}\n\n{table}" if p.epilog else table
         p.formatter_class = Formatter
 
 

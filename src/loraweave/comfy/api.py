@@ -16,19 +16,19 @@ from collections.abc import Mapping
 
 import torch
 
-from ..engine.decide import WholeModelMode, check_mode, check_strengths, chosen_mode, refuse
+from ..engine.decide import WholeModelMode, check_mode, check_strengths, chosen_mode, refuse, skipped_keys
 from ..engine.install import make_report
 from ..errors import ArgumentTypeError
 from ..formats.adapter import Adapter, load_adapter
 from ..io.file_cache import BYTES_KEPT, FileCache
 from ..modes import ApplyMode
 from ..report.coverage import warn_incomplete
-from ..report.miss import Miss, Unmatched
+from ..report.miss import Skipped, Unmatched
 from ..report.report import Report
 from ..resolve.planner import Plan
 from .host import diffusion_patcher
 from .patches import add_to_clone
-from .targets import TEXT_ENCODER_NAMES, plan_for_clip, plan_for_patcher
+from .targets import plan_for_clip, plan_for_patcher
 
 log = logging.getLogger("loraweave")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -36,7 +36,6 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # (io.file_cache): each holds its whole file in memory, so the older ones are also bounded by bytes.
 ADAPTERS_KEPT = 4
 ADAPTERS: FileCache[Adapter] = FileCache(ADAPTERS_KEPT, BYTES_KEPT)
-NO_CLIP = Miss("no_such_component", "no such component: the file has text-encoder keys and no CLIP was given")
 
 
 def read_lora(lora) -> Adapter:
@@ -70,46 +69,40 @@ def choose_mode(patcher, mode: ApplyMode) -> WholeModelMode:
     return chosen_mode(mode, mode == "auto" and quantized_base(patcher))
 
 
-def _clip_side(clip, adapter: Adapter) -> tuple[Plan | None, list[Unmatched]]:
-    if clip is not None:
-        plan = plan_for_clip(clip, adapter)
-        return plan, list(plan.unmatched)
-    keys = [k for p in adapter.parts if p.component in TEXT_ENCODER_NAMES for k in p.keys]
-    return None, [Unmatched(adapter.name, k, NO_CLIP) for k in keys]
-
-
-def _plans(model, clip, adapter: Adapter) -> tuple[Plan, Plan | None, Plan, list[Unmatched]]:
-    """(model side, CLIP side or None, both sides as one plan, every miss) of `adapter` on ComfyUI's
-    modules."""
+def _plans(model, clip, adapter: Adapter) -> tuple[Plan, Plan | None, Plan, list[Unmatched], list[Skipped]]:
+    """(model side, CLIP side or None, both sides as one plan, every miss, the keys skipped) of `adapter` on
+    ComfyUI's modules. No CLIP: a model-only request, whose text-encoder keys the engine skips."""
     model_plan = plan_for_patcher(model, adapter)
-    clip_plan, clip_misses = _clip_side(clip, adapter)
+    clip_plan = plan_for_clip(clip, adapter) if clip is not None else None
     both = Plan(model_plan.components, [adapter], {adapter.name: 1.0})
     both.planned = model_plan.planned + (clip_plan.planned if clip_plan else [])
     both.params = model_plan.params + (clip_plan.params if clip_plan else [])
-    return model_plan, clip_plan, both, model_plan.unmatched + clip_misses
+    unmatched = model_plan.unmatched + (clip_plan.unmatched if clip_plan else [])
+    return model_plan, clip_plan, both, unmatched, skipped_keys([adapter], model_only=clip is None)
 
 
 def judge(model, lora, clip=None) -> Report:
     """The loader's plan of `lora` on `model` (and `clip`) as a report of mode "plan": which keys would land
-    on this ComfyUI model's own modules, and why each other one would not. Nothing is cloned or patched."""
+    on this ComfyUI model's own modules, and why each other one would not; without `clip`, the text-encoder
+    keys are skipped as the model-only loader skips them. Nothing is cloned or patched."""
     diffusion_patcher(model)
     t0 = time.perf_counter()
-    *_, both, unmatched = _plans(model, clip, read_lora(lora))
-    return make_report(both, "plan", [], unmatched, t0)
+    *_, both, unmatched, skipped = _plans(model, clip, read_lora(lora))
+    return make_report(both, "plan", [], unmatched, t0, skipped)
 
 
 def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: float, strict: bool = False):
     """(model clone, clip clone or None, report): loraweave's ΔW added through ComfyUI's patch lists."""
     t0 = time.perf_counter()
-    model_plan, clip_plan, both, unmatched = _plans(model, clip, adapter)
-    refuse(make_report(both, "merge", [], unmatched, t0), strict)
+    model_plan, clip_plan, both, unmatched, skipped = _plans(model, clip, adapter)
+    refuse(make_report(both, "merge", [], unmatched, t0, skipped), strict)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
     new_clip = None
     if clip_plan is not None:  # planned exactly when a CLIP is given
         new_clip = clip.clone()
         new_clip.patcher, clip_applied, clip_refused = add_to_clone(clip.patcher, clip_plan, strength_clip)
         applied, refused = applied + clip_applied, refused + clip_refused
-    report = make_report(both, "merge", applied, unmatched + refused, t0)
+    report = make_report(both, "merge", applied, unmatched + refused, t0, skipped)
     refuse(report, strict)
     report.log()
     warn_incomplete(report)
@@ -126,8 +119,9 @@ def load_lora_for_models(
     strict: bool = False,
 ):
     """(model, clip, report) as `comfy.sd.load_lora_for_models`: `lora` is a path or a state dict (or a
-    loraweave Adapter), `clip` may be None (then None comes back). New clones come back; the inputs are never
-    modified.
+    loraweave Adapter), `clip` may be None (then None comes back, and the text-encoder keys are skipped as
+    core's LoraLoaderModelOnly skips them: `report.skipped`, no misses). New clones come back; the inputs are
+    never modified.
 
     Errors are typed loraweave errors: a missing or broken file, a file of which no key lands on this model
     (NoKeysLandedError: a file for another architecture), `strict` with keys that miss (StrictApplyError)."""

@@ -71,38 +71,51 @@ def file_fingerprint(name: str) -> str:
     return f"{name}:" + ":".join(str(v) for v in identity[1:])
 
 
-def inspect_text(path: str, model=None) -> str:
-    """loraweave inspect's table of the file (layout, families, ranks, detected architecture, coverage).
-    Coverage is judged against the full-size model of the detected architecture, or, given a ComfyUI MODEL,
-    against that model's own modules by the loader's resolver (a LoRA for a pruned, distilled or tiny model
-    lands there)."""
+def inspect_text(path: str, lora_name: str, model=None, clip=None) -> str:
+    """loraweave inspect's table of the file (layout, families, ranks, detected architecture and variant,
+    coverage), the file named as the node names it (no server path) and without the CLI's flags. Coverage is
+    judged against the full-size model of the detected architecture, or, given a ComfyUI MODEL, against that
+    model's own modules by the loader's resolver (a LoRA for a pruned, distilled or tiny model lands there),
+    its text-encoder keys on `clip` when one is given and skipped otherwise (model-only). The architecture and
+    variant are the file's either way (a UNet named by the shapes that fit)."""
     from ..tools.inspect import format_table, inspect_adapter
 
-    if model is None:
-        return format_table(inspect_adapter(path))
-    info = inspect_adapter(path, coverage=False)  # the file alone; coverage comes from the MODEL below
-    info["coverage"] = model_coverage(model, path)
-    return format_table(info)
+    info = inspect_adapter(path)
+    info["path"] = lora_name
+    if model is not None:
+        info["coverage"] = model_coverage(model, path, clip)
+    elif clip is not None:
+        info["coverage"]["note"] = CLIP_WITHOUT_MODEL
+    return format_table(info, more=None)
 
 
-def model_coverage(model, path: str) -> dict:
-    """inspect's coverage entry for `path` on a ComfyUI MODEL: the loader's plan (api.judge), diffusion model
-    only (text-encoder keys are named as the model-only loader names them: no CLIP given)."""
+CLIP_WITHOUT_MODEL = (
+    "the CLIP is judged only with a MODEL connected: this coverage is on the full-size model of the file's "
+    "architecture"
+)
+
+
+def model_coverage(model, path: str, clip=None) -> dict:
+    """inspect's coverage entry for `path` on a ComfyUI MODEL (and CLIP): the loader's plan (api.judge).
+    Without `clip` the text-encoder keys are skipped, as the model-only loader skips them, and counted apart
+    (`keys_skipped`, `skipped_by_component`)."""
     from collections import Counter
 
     from ..report.report import failures
     from .api import judge
     from .targets import comfy_arch, comfy_model_name, reference_or_why
 
-    report = judge(model, path)  # a TargetError naming the input where `model` is no diffusion MODEL
+    report = judge(model, path, clip)  # a TargetError naming the input where `model` is no diffusion MODEL
     arch = comfy_arch(model) or comfy_model_name(model)
     unmatched = [{"key": u.key, "reason": u.reason, "kind": u.kind} for u in report.unmatched]
     return {
         "checked": True,
-        "against": f"the connected MODEL ({arch}, its own modules)",
+        "against": f"the connected MODEL ({arch}, its own modules){' and CLIP' if clip is not None else ''}",
         "note": reference_or_why(model)[1],  # why some layouts cannot be judged on this MODEL, or None
         "keys_total": report.keys_total,
         "keys_applied": report.keys_applied,
+        "keys_skipped": report.keys_skipped,
+        "skipped_by_component": report.skipped_by_component(),
         "unmatched": unmatched,
         "unmatched_by_kind": dict(Counter(u["kind"] for u in unmatched)),
         "alpha_sources": report.adapters[0]["alpha_sources"] if report.adapters else {},

@@ -27,6 +27,7 @@ from .lora_files import (
     trigger_text,
     validation_message,
 )
+from .tooltips import fill_tooltips
 
 log = logging.getLogger("loraweave")
 
@@ -38,8 +39,8 @@ STRENGTH = {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01}
 
 
 def report_text(report, lora: str) -> str:
-    """What the node shows: loraweave's one-line summary, then the misses by kind; a partial load says so
-    first."""
+    """What the node shows: loraweave's one-line summary, then the misses by kind and the keys skipped on
+    purpose (a model-only node: text encoders); a partial load says so first."""
     lines = []
     if report.keys_total and report.keys_applied < report.keys_total:
         lines.append(f"WARNING: {lora}: {report.keys_applied} of {report.keys_total} keys landed")
@@ -49,6 +50,9 @@ def report_text(report, lora: str) -> str:
     for kind, count in sorted(report.kinds().items()):
         keys = [u.key for u in report.unmatched if u.kind == kind][:3]
         lines.append(f"  missed {kind}: {count} ({', '.join(keys)}{', ...' if count > len(keys) else ''})")
+    for component, count in report.skipped_by_component().items():
+        why = ", ".join(sorted({s.why for s in report.skipped if s.component == component}))
+        lines.append(f"  skipped {component}={count} ({why})")
     return "\n".join(lines)
 
 
@@ -66,10 +70,18 @@ def checked(report, lora: str):
 
 
 def schema(node_id: str, display_name: str, description: str, **fields) -> io.Schema:
-    """A node's schema in the pack's category."""
+    """A node's schema in the pack's category; every input and named output with its tooltip
+    (comfy/tooltips.py where the input sets none)."""
+    fill_tooltips(node_id, fields.get("inputs", ()), fields.get("outputs", ()))
     return io.Schema(
         node_id=node_id, display_name=display_name, category=CATEGORY, description=description, **fields
     )
+
+
+def reporting_schema(node_id: str, display_name: str, description: str, **fields) -> io.Schema:
+    """The schema of a node that shows its report on itself: an intermediate output, so ComfyUI re-sends the
+    report of a cached run (a reloaded page, a changed seed) instead of leaving the node without one."""
+    return schema(node_id, display_name, description, has_intermediate_output=True, **fields)
 
 
 @contextmanager
@@ -88,8 +100,15 @@ def _lora_input(optional: bool = False) -> io.Combo.Input:
     return io.Combo.Input(
         "lora_name",
         options=lora_choices(with_none=optional),
-        tooltip="a file in ComfyUI's loras folder (any trainer's layout)",
+        tooltip="A LoRA or LyCORIS file in ComfyUI's loras folder, from any trainer (kohya, diffusers, "
+        "PEFT, ai-toolkit, LyCORIS, ...).",
     )
+
+
+def _trigger_words_output() -> io.String.Output:
+    """The file's trigger words (comma-joined): a loader's last output, so the slots saved workflows link to
+    stay where they were."""
+    return io.String.Output(display_name="trigger_words")
 
 
 def _mode_input() -> io.Combo.Input:
@@ -97,13 +116,35 @@ def _mode_input() -> io.Combo.Input:
         "mode",
         options=list(APPLY_MODES),
         default="auto",
-        tooltip="merge: ComfyUI's patches with loraweave's exact delta; runtime: base weights untouched; "
-        "auto: merge unless the base weights are quantized in a way merge cannot write",
+        tooltip="merge: the LoRA is added into the model's weights, as core's loader does; runtime: the "
+        "weights stay as they are and the LoRA runs beside them, so a strength change or a swap is quick; "
+        "auto: merge, unless the model's weights are quantized in a way merge cannot write.",
     )
 
 
 def _strict_input() -> io.Boolean.Input:
-    return io.Boolean.Input("strict", default=False, tooltip="fail when some key of the file does not land")
+    return io.Boolean.Input(
+        "strict",
+        default=False,
+        tooltip="On: stop with an error when any part of the file finds no layer in the model; off: apply "
+        "what fits and list the rest in the report.",
+    )
+
+
+def block_preset_input() -> io.Combo.Input:
+    from ..arch.blocks import preset_names
+    from .stack import CUSTOM_BLOCKS
+
+    return io.Combo.Input(
+        "block_preset",
+        options=[CUSTOM_BLOCKS, *preset_names()],
+        default=CUSTOM_BLOCKS,
+        optional=True,
+        tooltip=f"Block weights by name, used when block_weights is empty ({CUSTOM_BLOCKS}: every block at "
+        "1). ALL, NONE and ALL0.5 weigh every block alike; INS/IND keep the shallow/deep input blocks, MIDD "
+        "the deep blocks and the middle, OUTD/OUTS the deep/shallow output blocks, INALL/OUTALL one side "
+        "(on DiTs these follow the block order); DOUBLE/SINGLE keep one stream of Flux-like models.",
+    )
 
 
 class LoraFileNode(io.ComfyNode):
@@ -136,7 +177,7 @@ def load_one(
 class LoraWeaveLoader(LoraFileNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveLoader",
             "LoraWeave Loader",
             "Apply a LoRA/LyCORIS file of any layout to MODEL and CLIP; shows what landed.",
@@ -149,7 +190,12 @@ class LoraWeaveLoader(LoraFileNode):
                 _mode_input(),
                 _strict_input(),
             ],
-            outputs=[io.Model.Output(), io.Clip.Output(), io.String.Output(display_name="report")],
+            outputs=[
+                io.Model.Output(),
+                io.Clip.Output(),
+                io.String.Output(display_name="report"),
+                _trigger_words_output(),
+            ],
         )
 
     @classmethod
@@ -157,13 +203,14 @@ class LoraWeaveLoader(LoraFileNode):
         cls, model, lora_name, strength_model, strength_clip, mode, strict, clip=None
     ) -> io.NodeOutput:
         model, clip, text = load_one(model, clip, lora_name, strength_model, strength_clip, mode, strict)
-        return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
+        triggers = trigger_text(lora_path(lora_name))
+        return io.NodeOutput(model, clip, text, triggers, ui=ui.PreviewText(text))
 
 
 class LoraWeaveLoaderModelOnly(LoraFileNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveLoaderModelOnly",
             "LoraWeave Loader (model only)",
             "Apply a LoRA/LyCORIS file of any layout to MODEL; shows what landed.",
@@ -174,13 +221,14 @@ class LoraWeaveLoaderModelOnly(LoraFileNode):
                 _mode_input(),
                 _strict_input(),
             ],
-            outputs=[io.Model.Output(), io.String.Output(display_name="report")],
+            outputs=[io.Model.Output(), io.String.Output(display_name="report"), _trigger_words_output()],
         )
 
     @classmethod
     def execute(cls, model, lora_name, strength_model, mode, strict) -> io.NodeOutput:
         model, _, text = load_one(model, None, lora_name, strength_model, 0.0, mode, strict)
-        return io.NodeOutput(model, text, ui=ui.PreviewText(text))
+        triggers = trigger_text(lora_path(lora_name))
+        return io.NodeOutput(model, text, triggers, ui=ui.PreviewText(text))
 
 
 class LoraWeaveStack(io.ComfyNode):
@@ -196,7 +244,9 @@ class LoraWeaveStack(io.ComfyNode):
                 io.Float.Input("model_strength", **STRENGTH),
                 io.Float.Input("clip_strength", **STRENGTH),
                 io.Boolean.Input(
-                    "enabled", default=True, tooltip="off: this row passes the stack on unchanged"
+                    "enabled",
+                    default=True,
+                    tooltip="Off: this row is left out; the stack passes on unchanged.",
                 ),
                 LoraStack.Input("lora_stack", optional=True),
             ],
@@ -218,7 +268,7 @@ class LoraWeaveStack(io.ComfyNode):
 class LoraWeaveApplyStack(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveApplyStack",
             "LoraWeave Apply Stack",
             "Apply a LORA_STACK (ours or another pack's) with a stack mode and block weights.",
@@ -230,17 +280,21 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 io.String.Input(
                     "block_weights",
                     default="",
-                    tooltip="empty: every block at 1; a preset name (e.g. INALL, DOUBLE) or a "
-                    "comma-separated vector on the detected architecture's block map",
+                    tooltip="How strongly each block of the model takes the LoRAs: empty for every block "
+                    "at 1 (or the block_preset), a preset name (e.g. INALL, DOUBLE), or comma-separated "
+                    "weights, one per block of the model's architecture.",
                 ),
                 _mode_input(),
+                block_preset_input(),  # last and optional: saved workflows and prompts load as they were
             ],
             outputs=[io.Model.Output(), io.Clip.Output(), io.String.Output(display_name="report")],
         )
 
     @classmethod
-    def execute(cls, model, lora_stack, stack_mode, block_weights, mode, clip=None) -> io.NodeOutput:
-        from .stack import apply_stack, stack_rows
+    def execute(
+        cls, model, lora_stack, stack_mode, block_weights, mode, clip=None, block_preset=None
+    ) -> io.NodeOutput:
+        from .stack import apply_stack, chosen_block_weights, stack_rows
 
         rows = stack_rows(lora_stack, lora_path)
         if not rows:
@@ -253,7 +307,7 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 clip,
                 rows,
                 stack_mode=stack_mode,
-                block_weights=block_weights.strip() or None,
+                block_weights=chosen_block_weights(block_weights, block_preset),
                 mode=mode,
             )
             text = report_text(checked(report, names), names)
@@ -263,7 +317,7 @@ class LoraWeaveApplyStack(io.ComfyNode):
 class LoraWeaveStepWindow(LoraFileNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return schema(
+        return reporting_schema(
             "LoraWeaveStepWindow",
             "LoraWeave Step Window",
             "A LoRA active only from start_percent to end_percent of the sampling, with an optional "
@@ -274,19 +328,26 @@ class LoraWeaveStepWindow(LoraFileNode):
                 io.Float.Input("strength", **STRENGTH),
                 io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01),
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01),
-                io.Float.Input("ramp", default=0.0, min=0.0, max=1.0, step=0.01, tooltip="fade in/out width"),
+                io.Float.Input(
+                    "ramp",
+                    default=0.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.01,
+                    tooltip="How gradually the LoRA fades in after start_percent and out before end_percent, "
+                    "as a fraction of the sampling (0: on and off at once).",
+                ),
             ],
             outputs=[io.Model.Output(), io.String.Output(display_name="report")],
         )
 
     @classmethod
-    # ComfyUI passes each node the inputs its own signature names: the override narrows by design
-    def validate_inputs(  # type: ignore[override]
-        cls, lora_name: str, start_percent: float, end_percent: float
-    ) -> bool | str:
+    # ComfyUI flags every input this signature names with its message, and checks the others itself
+    # (lora_name: one of the listed files); the override narrows by design
+    def validate_inputs(cls, start_percent: float, end_percent: float) -> bool | str:  # type: ignore[override]
         if start_percent > end_percent:
             return f"start_percent {start_percent} is after end_percent {end_percent}"
-        return validation_message(lora_name)
+        return True
 
     @classmethod
     def execute(cls, model, lora_name, strength, start_percent, end_percent, ramp) -> io.NodeOutput:
@@ -317,6 +378,12 @@ class LoraWeaveInspect(LoraFileNode):
                     tooltip="connected: coverage is judged on this model's own modules (a pruned, distilled "
                     "or tiny model); unconnected: on the full-size model of the file's architecture",
                 ),
+                io.Clip.Input(
+                    "clip",
+                    optional=True,
+                    tooltip="with a MODEL: the text-encoder keys are judged on this CLIP; a MODEL alone: "
+                    "they are skipped, as the model-only loader skips them",
+                ),
             ],
             outputs=[
                 io.String.Output(display_name="report"),
@@ -326,11 +393,11 @@ class LoraWeaveInspect(LoraFileNode):
         )
 
     @classmethod
-    def execute(cls, lora_name, model=None) -> io.NodeOutput:
+    def execute(cls, lora_name, model=None, clip=None) -> io.NodeOutput:
         path = lora_path(lora_name)
         try:
             with named_errors(lora_name):
-                text, triggers = inspect_text(path, model), trigger_text(path)
+                text, triggers = inspect_text(path, lora_name, model, clip), trigger_text(path)
                 heatmap, why_none = heatmap_image(path)
                 text += f"\n{why_none}" if why_none else ""
         except ModuleNotFoundError as exc:  # ComfyUI does not ship diffusers; the comfy extra does

@@ -19,6 +19,7 @@ from ..families.contribution import add_contribution, bias_of
 from ..report.miss import Miss, Unmatched
 from ..report.report import AppliedModule
 from ..resolve.planner import Plan, PlannedPart
+from .grow import add_notes, grow_patches, grown_inputs
 from .host import weight_adapter_base
 
 Term = tuple[PlannedPart, Piece]  # a part and its rows, re-based on the patched slice (dst_start from 0)
@@ -219,12 +220,15 @@ def _object_patch(clone, key: str, delta: torch.Tensor, strength: float) -> None
 def add_to_clone(patcher, plan: Plan, strength: float) -> tuple[object, list[AppliedModule], list[Unmatched]]:
     """A clone of `patcher` with the plan's patches added at `strength` (the input is untouched), the report
     rows of what ComfyUI accepted, and the misses of what it refused."""
+    grown = grown_inputs(plan)  # a control adapter's input, at the width the engine allowed
     patches, carried = merge_patches(plan)
     params, objects = param_patches(plan)
     misses: list[Unmatched] = []
     clone = patcher.clone()
     if strength == 0.0:  # as ComfyUI's loader: a zero strength adds nothing
         return clone, [], misses
+    if grown:  # control adapters: the wider input first, then their ΔW
+        clone.add_patches(grow_patches(grown))
     every: dict[PatchKey, object] = {**patches}
     every.update(params.items())
     accepted = set(clone.add_patches(every, strength))
@@ -246,4 +250,5 @@ def add_to_clone(patcher, plan: Plan, strength: float) -> tuple[object, list[App
         AppliedModule(c, m, "merge", sorted(names), notes=[NON_LEAF] if f"{c}.{m}" in objects else [])
         for (c, m), names in sorted(applied.items())
     ]
+    add_notes(rows, grown)
     return clone, rows, misses

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.decide import refuse
+from ..engine.decide import refuse, skipped_keys
 from ..engine.install import make_report
 from ..mechanisms.runtime.host import runtime_blocker
 from ..mechanisms.runtime.path import RuntimePath
@@ -40,6 +40,7 @@ from ..report.report import AppliedModule, Report
 from ..resolve.params import PlannedParam
 from ..resolve.planner import Plan, PlannedPart
 from ..resolve.stacking import Contribution
+from .grow import add_notes, grow_patches, grown_inputs
 from .holder import FactorHolder
 
 log = logging.getLogger("loraweave")
@@ -256,31 +257,39 @@ def adapter_keys(adapter) -> list[str]:
 
 
 def joint_misses(
-    plans: Sequence[Plan], joint: Plan, landed: set[tuple[str, str]], refused: list[Unmatched]
+    plans: Sequence[Plan], joint: Plan, accounted: set[tuple[str, str]], refused: list[Unmatched]
 ) -> list[Unmatched]:
-    """Every key of the joint plan's adapters that did not land, named once: as refused, as some plan missed
-    it, or as taken by no patcher given."""
+    """Every key of the joint plan's adapters that is not `accounted` for (landed or skipped), named once: as
+    refused, as some plan missed it, or as taken by no patcher given."""
     missed = {(u.adapter, u.key): u for u in refused}
     for u in (u for plan in plans for u in plan.unmatched):
-        if (u.adapter, u.key) not in landed:
+        if (u.adapter, u.key) not in accounted:
             missed.setdefault((u.adapter, u.key), u)
     for adapter in joint.adapters:
         for key in adapter_keys(adapter):
-            if (adapter.name, key) not in landed:
+            if (adapter.name, key) not in accounted:
                 missed.setdefault((adapter.name, key), Unmatched(adapter.name, key, NOT_TAKEN))
     return list(missed.values())
 
 
 def joint_report(
-    plans: Sequence[Plan], mode: ApplyMode, applied: list[AppliedModule], refused: list[Unmatched], t0: float
+    plans: Sequence[Plan],
+    mode: ApplyMode,
+    applied: list[AppliedModule],
+    refused: list[Unmatched],
+    t0: float,
+    model_only: bool,
 ) -> Report:
     """One report for adapters planned on several patchers (model, CLIP): a key landed when some plan placed
-    it and nothing `refused` it afterwards; every other key of each adapter is a miss, named once."""
+    it and nothing `refused` it afterwards; `model_only` (no CLIP given): the engine skips the text-encoder
+    keys (engine/decide.py `skipped_keys`); every other key of each adapter is a miss, named once."""
     joint = joint_plan(plans)
     parts: list[PlannedPart | PlannedParam] = [*joint.planned, *joint.params]
     placed = {(pp.adapter.name, k) for pp in parts for k in pp.part.keys}
     landed = placed - {(u.adapter, u.key) for u in refused}
-    report = make_report(joint, mode, applied, joint_misses(plans, joint, landed, refused), t0)
+    skipped = skipped_keys(joint.adapters, model_only)
+    accounted = landed | {(s.adapter, s.key) for s in skipped}
+    report = make_report(joint, mode, applied, joint_misses(plans, joint, accounted, refused), t0, skipped)
     for summary in report.adapters:
         summary["keys_applied"] = sum(1 for a, _ in landed if a == summary["name"])
     report.keys_applied = sum(s["keys_applied"] for s in report.adapters)
@@ -288,8 +297,11 @@ def joint_report(
     return report
 
 
-def entry_report(plans: Sequence[Plan], states: Sequence[RuntimeState], t0: float) -> Report:
-    """The joint report of runtime entries: layers are the runtime paths that carry the plans' adapters."""
+def entry_report(
+    plans: Sequence[Plan], states: Sequence[RuntimeState], t0: float, model_only: bool
+) -> Report:
+    """The joint report of runtime entries: layers are the runtime paths that carry the plans' adapters;
+    `model_only` as in joint_report."""
     names = {a.name for p in plans for a in p.adapters}
     applied = [
         AppliedModule(*_where(rp), "runtime", sorted(rp.adapters & names), cost="; ".join(sorted(rp.costs)))
@@ -298,7 +310,7 @@ def entry_report(plans: Sequence[Plan], states: Sequence[RuntimeState], t0: floa
         if rp.adapters & names
     ]
     refused = [u for st in states for u in st.blocked if u.adapter in names]
-    return joint_report(plans, "runtime", applied, refused, t0)
+    return joint_report(plans, "runtime", applied, refused, t0, model_only)
 
 
 def _where(rp: RuntimePath) -> tuple[str, str]:
@@ -321,12 +333,16 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
     plans, states = (
         kept.restrengthened(strengths) if kept else _build(model, clip, adapter, strengths, strict)
     )
+    grown = grown_inputs(plans[0])  # a control adapter's input, at the width the engine allowed
     new_model, _ = stacked_clone(model, [], states[0])
+    if grown:  # a control adapter's paths run on the wider input (add_patches re-rolls patches_uuid)
+        new_model.add_patches(grow_patches(grown))
     new_clip = clip.clone() if clip is not None else None
     if len(states) > 1:  # a CLIP nothing lands on keeps no state of ours
         assert new_clip is not None  # a second state is the CLIP's
         new_clip.patcher, _ = stacked_clone(clip.patcher, [], states[1])
-    report = entry_report(plans, states, t0)
+    report = entry_report(plans, states, t0, model_only=clip is None)
+    add_notes(report.applied, grown)
     refuse(report, strict)
     if kept is None:
         keep(Build(weakref.ref(model), weak(clip), adapter, strict, plans, states))

@@ -44,6 +44,7 @@ from .runtime import (
 )
 
 DEFAULT_DENSITY = 0.5  # dense stack modes keep half of each layer's entries unless told otherwise
+CUSTOM_BLOCKS = "custom"  # the block-preset choice that leaves block weights to the text (empty: all at 1)
 
 
 class StackRow(NamedTuple):
@@ -98,6 +99,15 @@ def check_stack_mode(stack_mode: StackMode, density: float | None) -> float | No
     if not 0.0 < value <= 1.0:
         raise ArgumentError(f"density must be in (0, 1], got {value}")
     return value
+
+
+def chosen_block_weights(text: str, preset: str | None) -> str | None:
+    """What a node's two block-weight widgets ask for: the text when it says anything (a preset name or a
+    vector), else the preset picked (None or CUSTOM_BLOCKS: every block at 1)."""
+    text = text.strip()
+    if text:
+        return text
+    return None if preset in (None, CUSTOM_BLOCKS) else preset
 
 
 def comfy_block_weights(patcher, value) -> tuple[dict[str, float], float]:
@@ -203,7 +213,7 @@ def apply_stack(
             clip.patcher, clip_plans, stack_mode, density
         )
         applied, refused = applied + clip_applied, refused + clip_refused
-    report = joint_report([*model_plans, *clip_plans], "merge", applied, refused, t0)
+    report = joint_report([*model_plans, *clip_plans], "merge", applied, refused, t0, model_only=clip is None)
     refuse(report, False)
     report.log()
     return new_model, new_clip, report
@@ -225,7 +235,7 @@ def _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0):
     if clip is not None and any(p.planned for p in clip_plans):
         new_clip.patcher, clip_state = _runtime_side(clip.patcher, clip_plans, stack_mode, density)
         states.append(clip_state)
-    report = entry_report([*model_plans, *clip_plans], states, t0)
+    report = entry_report([*model_plans, *clip_plans], states, t0, model_only=clip is None)
     refuse(report, False)
     report.log()
     return new_model, new_clip, report

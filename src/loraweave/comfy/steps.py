@@ -95,7 +95,7 @@ def apply_step_window(
     adapter = renamed(adapter, unique_name(adapter.name, taken_names(model)))
     plan = plan_for_patcher(model, adapter, strength, False)
     clone, state = stacked_clone(model, [RuntimeEntry(adapter.name, plan, window)])
-    report = entry_report([plan], [state], t0)
+    report = entry_report([plan], [state], t0, model_only=True)  # a MODEL only: text-encoder keys skipped
     refuse(report, False)
     report.log()
     return clone, report

@@ -25,13 +25,14 @@ from ..engine.decide import refuse_strict
 from ..engine.install import make_report
 from ..errors import TargetError
 from ..formats.adapter import Adapter
-from ..formats.keys import DENOISER_NAMES
+from ..formats.keys import DENOISER_NAMES, TEXT_ENCODER_NAMES
 from ..report.miss import Miss, Unmatched
 from ..report.report import failures
 from ..resolve.params import PlannedParam
 from ..resolve.planner import Plan, PlannedPart, resolve
 from ..resolve.target import Components
 from ..tools.remap import Spans, original_fit, translate
+from .grow import loaded_shapes
 from .reference import COMFY_ARCHS, reference_config
 from .skeletons import packaged_tree
 
@@ -45,7 +46,6 @@ INNER_COMPONENTS: dict[str, str] = {"text_conditioner": "llm_adapter"}
 # ComfyUI text encoder attributes in kohya's order (lora_te1_, lora_te2_, lora_te3_); others follow in tree
 # order.
 ENCODER_ORDER = ("clip_l", "clip_g", "t5xxl")
-TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def comfy_arch(patcher) -> str | None:
@@ -139,7 +139,7 @@ def reference_or_why(patcher) -> tuple[tuple[Reference, Spans] | None, str | Non
             f"{exc.name} is not installed (pip install 'loraweave[comfy]' into ComfyUI's Python): "
             f"{ONLY_COMFY_NAMES}"
         )
-    shapes = {k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()}
+    shapes = loaded_shapes(patcher.model.diffusion_model)  # as loaded: a grown clone may be loaded now
     spans = reference.spans_for(shapes)
     if spans is None:
         log.warning("comfy reference arch=%s fits=no (widths differ from loraweave's reference)", arch)
@@ -223,7 +223,12 @@ def _onto_comfy(
             out.unmatched += [Unmatched(pp.adapter.name, key, refused) for key in pp.part.keys]
             continue
         whole = tuple(dataclasses.replace(q, whole=_covers(names[q.module], q)) for q in pieces)
-        out.planned.append(dataclasses.replace(pp, adapter=adapter, component=component, pieces=whole))
+        grow = {
+            q.module: pp.grow[p.module] for p in pp.pieces if p.module in pp.grow for q in translate(p, spans)
+        }  # a control adapter's grown input, under ComfyUI's name for the module
+        out.planned.append(
+            dataclasses.replace(pp, adapter=adapter, component=component, pieces=whole, grow=grow)
+        )
     if originals is None:
         originals = _original_params(plan.components.modules[next(iter(plan.components.modules))])
     for param in plan.params:

@@ -7,7 +7,7 @@ import copy
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -26,7 +26,7 @@ from ..modes import ApplyMode
 from ..progress import PROGRESS_LAYERS, bar, on_terminal
 from ..quant import broken
 from ..quant.backend import QuantBackend
-from ..report.miss import Unmatched
+from ..report.miss import Skipped, Unmatched
 from ..report.report import AppliedModule, Report
 from ..request.adapters import as_specs, check_names
 from ..request.spec import AdapterSpec, finite_strength
@@ -114,8 +114,10 @@ def resolve_set(
     return p, settings
 
 
-def adapter_summaries(plan: Plan) -> list[dict[str, object]]:
+def adapter_summaries(plan: Plan, skipped: Sequence[Skipped] = ()) -> list[dict[str, object]]:
+    """One dict per adapter; `keys_total` counts its keys less the `skipped` ones (`keys_skipped`)."""
     out: list[dict[str, object]] = []
+    left_aside = Counter(s.adapter for s in skipped)
     for adapter in plan.adapters:
         parts: list[PlannedPart | PlannedParam] = [*plan.planned, *plan.params]
         planned = [pp for pp in parts if pp.adapter is adapter]
@@ -127,7 +129,8 @@ def adapter_summaries(plan: Plan) -> list[dict[str, object]]:
                 "families": adapter.families,
                 "alpha_sources": dict(Counter(pp.alpha_source for pp in planned)),
                 "strength": plan.strengths[adapter.name],
-                "keys_total": adapter.keys_total,
+                "keys_total": adapter.keys_total - left_aside[adapter.name],
+                "keys_skipped": left_aside[adapter.name],
                 "keys_applied": sum(
                     len(part.keys) for part in {id(pp.part): pp.part for pp in planned}.values()
                 ),
@@ -150,9 +153,18 @@ def make_report(
     applied: list[AppliedModule],
     unmatched: list[Unmatched],
     t0: float,
+    skipped: Sequence[Skipped] = (),
 ) -> Report:
-    report = Report(mode=mode, adapters=adapter_summaries(plan), applied=applied, unmatched=unmatched)
-    report.keys_total = sum(a.keys_total for a in plan.adapters)
+    """The report of `plan`: what was `applied`, every `unmatched` key, and the keys `skipped` on purpose
+    (engine/decide.py `skipped_keys`: not misses, and not in keys_total)."""
+    report = Report(
+        mode=mode,
+        adapters=adapter_summaries(plan, skipped),
+        applied=applied,
+        unmatched=unmatched,
+        skipped=list(skipped),
+    )
+    report.keys_total = sum(a.keys_total for a in plan.adapters) - len(skipped)
     report.keys_applied = sum(a["keys_applied"] for a in report.adapters)
     report.seconds = time.perf_counter() - t0
     return report

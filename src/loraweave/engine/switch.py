@@ -35,7 +35,17 @@ from ..report.report import AppliedModule, Report
 from ..resolve.planner import Plan, PlannedPart
 from ..resolve.stacking import Contribution
 from ..resolve.weights import AdapterWeights
-from .install import AdapterSet, finish_report, install, install_layer, layer_entry, plan_layers, resolve_set
+from .decide import refuse_other_inputs
+from .install import (
+    AdapterSet,
+    finish_report,
+    install,
+    install_layer,
+    layer_entry,
+    make_report,
+    plan_layers,
+    resolve_set,
+)
 from .options import Options
 from .state import HandleState
 
@@ -187,6 +197,7 @@ def _plan_switch(
     ) in state.merged():  # fused (undo='none') or a changed source file: refused before anything changes
         rec.check_undo(rewrite=True)
     wp, unmatched = plan_layers(p, options, mode)
+    refuse_other_inputs(make_report(p, mode, [], unmatched, t0))  # what apply refuses whatever strict
     return NewSet(p, settings, options, mode, wp, unmatched, t0)
 
 

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 DENOISER = "denoiser"
 # Pipeline component names. MiniMax-H3 pipelines hold a second denoiser partition, `transformer_ref` (ref2va).
 DENOISER_NAMES = ("transformer", "unet", "denoiser", "prior", "transformer_2", "transformer_ref")
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 COMPONENT_NAMES = (
     *DENOISER_NAMES,
-    "text_encoder",
-    "text_encoder_2",
-    "text_encoder_3",
+    *TEXT_ENCODER_NAMES,
     "connectors",
     "text_conditioner",
 )

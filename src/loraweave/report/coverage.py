@@ -32,15 +32,16 @@ def adapter_misses(report, name: str) -> list:
 
 
 def coverage_line(summary: dict, misses: list[dict]) -> str:
-    """`adapter=NAME landed=A/T misses=kind×n,... example=KEY (reason)` for one adapter."""
+    """`adapter=NAME landed=A/T [skipped=S] misses=kind×n,... example=KEY (reason)` for one adapter."""
     kinds = Counter(miss_kind(u) for u in misses).most_common()
     shown = ",".join(f"{k.replace(' ', '_')}x{n}" for k, n in kinds[:TOP_KINDS])
     if len(kinds) > TOP_KINDS:
         shown += f",+{len(kinds) - TOP_KINDS}_more_kinds"
     example = f" example={misses[0]['key']!r} ({misses[0]['reason']})" if misses else ""
+    skipped = summary.get("keys_skipped", 0)  # left aside on purpose (model-only: text encoders)
     return (
         f"adapter={summary['name']!r} landed={summary['keys_applied']}/{summary['keys_total']} "
-        f"misses={shown or '-'}{example}"
+        f"{f'skipped={skipped} ' if skipped else ''}misses={shown or '-'}{example}"
     )
 
 

@@ -21,6 +21,7 @@ MISS_KINDS = (
     "unsupported",  # a family, form or combination loraweave does not land
     "no_mechanism",  # the layer takes neither merge nor runtime in the requested mode
     "expected_absent",  # the model variant leaves this module out on purpose
+    "other_input",  # trained on inputs the model is not fed (a control LoRA on Flux Fill): refused
     "not_resolved",  # inspect without a model: nothing was resolved
 )
 
@@ -65,3 +66,17 @@ class Unmatched:
 
     def to_dict(self) -> dict[str, str]:
         return {"adapter": self.adapter, "key": self.key, "reason": self.reason, "kind": self.kind}
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One key the request left aside on purpose (a model-only loader: text-encoder keys). Not a miss:
+    reports count it apart and strict does not refuse it."""
+
+    adapter: str
+    key: str
+    component: str  # the pipeline component the key addresses (text_encoder, text_encoder_2, ...)
+    why: str  # short, e.g. "model-only"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"adapter": self.adapter, "key": self.key, "component": self.component, "why": self.why}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..modes import REPORT_MECHANISMS, ApplyMode, ReportMechanism
-from .miss import Unmatched
+from .miss import Skipped, Unmatched
 
 log = logging.getLogger("loraweave")
 
@@ -54,7 +54,9 @@ class Report:
     )  # name, layout, families, alpha_sources, keys_total, ...
     applied: list[AppliedModule] = field(default_factory=list)
     unmatched: list[Unmatched] = field(default_factory=list)  # adapter, key, miss (kind + reason)
-    keys_total: int = 0
+    # keys left aside on purpose (model-only: text encoders); keys_total does not count them
+    skipped: list[Skipped] = field(default_factory=list)
+    keys_total: int = 0  # the keys the request covers: the adapters' keys less the skipped ones
     keys_applied: int = 0
     seconds: float = 0.0
     backends_unavailable: dict[str, str] = field(default_factory=dict)  # quant backends that cannot run here
@@ -76,6 +78,14 @@ class Report:
         return dict(Counter(u.kind for u in self.unmatched))
 
     reasons = kinds  # the name reports had before misses were typed
+
+    @property
+    def keys_skipped(self) -> int:
+        return len(self.skipped)
+
+    def skipped_by_component(self) -> dict[str, int]:
+        """Keys left aside on purpose, counted by the component they address."""
+        return dict(sorted(Counter(s.component for s in self.skipped).items()))
 
     def mechanisms(self) -> dict[str, dict]:
         """Per mechanism: layers, and for hosted/requantized layers ρ (and capture) median and min."""
@@ -115,6 +125,9 @@ class Report:
             "applied": [vars(m).copy() for m in self.applied],
             "unmatched": [u.to_dict() for u in self.unmatched],
             "unmatched_by_kind": self.kinds(),
+            "keys_skipped": self.keys_skipped,
+            "skipped_by_component": self.skipped_by_component(),
+            "skipped": [s.to_dict() for s in self.skipped],
             "mechanisms": self.mechanisms(),
             "backends_unavailable": dict(self.backends_unavailable),
             "undo_bytes": self.undo_bytes(),
@@ -131,6 +144,7 @@ class Report:
             f"unmatched={len(self.unmatched)}",
         ]
         parts += [f"miss_{kind}={n}" for kind, n in sorted(self.kinds().items())]
+        parts += [f"skipped_{component}={n}" for component, n in self.skipped_by_component().items()]
         if any(m.undo for m in self.applied):
             parts.append(f"undo_bytes={self.undo_bytes()}")
         parts.append(f"seconds={self.seconds:.3f}")

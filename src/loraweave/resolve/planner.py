@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -160,13 +161,34 @@ def _reshape_target(adapter: Adapter, part: AdapterPart) -> tuple[int, ...] | No
     return tuple(int(v) for v in values)
 
 
-def _growth(
-    family: Family, factors: Factors, shape: Shape, width: int | None, module: str, table: AliasTable
-) -> int | None:
-    """The wider input a control adapter needs, when the module may grow to it and the adapter then fits."""
-    if width is None or len(shape) != 2 or width <= shape[1] or module not in table.growable_inputs:
+InputFit = Literal["grow", "pad", "other"]
+
+
+def input_relation(table: AliasTable, module: str, have: int, want: int) -> tuple[InputFit, str] | None:
+    """(how, why) an adapter trained on `want` input columns lands on `module`, a declared model input taking
+    `have` (arch/spec.py ModelInput): "grow" (a control adapter on an input that takes the latents alone),
+    "pad" (trained on the latents alone, on a wider variant), or "other" and why it was trained on inputs
+    this model is not fed. None when equal, or when the tree has no latents module to tell by."""
+    declared = table.model_inputs[module]
+    latents = table.latent_width(declared)
+    if latents is None or want == have:
         return None
-    return width if family.fit(factors, (shape[0], width))[1] is None else None
+    grown = declared.control * latents if declared.control else None
+    if want > have and have == latents:
+        if want == grown:
+            return "grow", ""
+        takes = (
+            f"it grows only to {grown} (latents and a control latent)"
+            if grown
+            else "it takes no control input"
+        )
+        return "other", f"asks {module} to grow from {have} to {want} input columns; {takes}"
+    if want == latents:
+        return "pad", ""
+    return "other", (
+        f"was trained on {want} input columns; {module} takes {have} here, the latents being the first "
+        f"{latents}: only an adapter trained on the latents alone lands on another width"
+    )
 
 
 def _find_pieces(adapter: Adapter, part: AdapterPart, table: AliasTable, where: str) -> tuple[Piece, ...]:
@@ -245,63 +267,69 @@ class _Fitting:
     grow: dict[str, tuple[int, str]] = field(default_factory=dict)  # module -> (new input width, config key)
 
     def piece(self, factors: Factors, module: str) -> Factors:
-        """The factors fitted to `module`: as they are, grown into a declared model input, or zero-padded."""
+        """The factors fitted to `module`: as they are, or on another width of a declared model input."""
         shape = module_shape(self.table.modules[module])
         assert shape is not None  # AliasTable.modules holds only modules with a weight shape
         factors, reason = self.family.fit(factors, shape)
-        if reason and (why := self.table.variant_input(module, self.family.input_width(factors))):
+        width = self.family.input_width(factors)
+        if reason and (why := self.table.variant_input(module, width)):
             # before growth: not a control input
             raise PartRejected("expected_absent", f"expected absent: {self.where} ({why})")
         self._check_reshape(factors, shape, module)
-        if reason and module in self.table.growable_inputs:
-            factors, reason = self._grow(factors, shape, module, reason)
-        if reason and module in self.table.widened_inputs:
-            factors, reason = self._widen(factors, shape, module, reason)
+        if reason and width is not None and module in self.table.model_inputs:
+            factors, reason = self._other_width(factors, shape, module, width, reason)
         if reason:
             raise PartRejected.of(reason.where(f"{self.comp_name}.{module}"))
         return factors
 
     def _check_reshape(self, factors: Factors, shape: Shape, module: str) -> None:
-        """A `reshape_weight` may only ask a declared model input for more columns the adapter then fits."""
+        """A `reshape_weight` may only ask a declared model input for the control width the adapter fits."""
         if self.reshape is None or self.reshape == shape:
             return
-        width = (
-            _growth(self.family, factors, shape, self.reshape[1], module, self.table)
-            if self.reshape[0] == shape[0]
-            else None
-        )
-        if width is None:
+        relation = None
+        if module in self.table.model_inputs and self.reshape[0] == shape[0]:
+            relation = input_relation(self.table, module, shape[1], self.reshape[1])
+        if relation is not None and relation[0] == "other":
+            raise PartRejected("other_input", f"other input: {self.where} {relation[1]}")
+        grows = relation is not None and relation[0] == "grow"
+        if not grows or self.family.fit(factors, (shape[0], self.reshape[1]))[1] is not None:
             raise PartRejected(
                 "shape_mismatch",
                 f"shape mismatch: reshape_weight asks {self.comp_name}.{module} {shape} to become "
                 f"{self.reshape}; only declared model inputs can grow, and only in columns",
             )
 
-    def _grow(self, factors: Factors, shape: Shape, module: str, reason: Miss) -> tuple[Factors, Miss | None]:
-        """(factors, reason): settled on the wider input a control adapter needs, reason None, when it
-        fits."""
-        width = _growth(self.family, factors, shape, self.family.input_width(factors), module, self.table)
-        if width is None:
-            return factors, reason
-        factors = self.family.settle(factors, (shape[0], width))
-        config_key = self.table.growable_inputs[module]
-        self.grow[module] = (width, config_key)
-        self.notes.append(
-            f"{module} input grown {shape[1]} -> {width} columns (zero weights for the new "
-            f"channels; config {config_key} updated)"
-        )
-        return factors, None
-
-    def _widen(
-        self, factors: Factors, shape: Shape, module: str, reason: Miss
+    def _other_width(
+        self, factors: Factors, shape: Shape, module: str, width: int, reason: Miss
     ) -> tuple[Factors, Miss | None]:
-        """(factors, reason): zero-padded to a wider variant's input, reason None, when that fits."""
-        widened = self.family.widen_input(factors, shape)
-        fitted = self.family.fit(widened, shape) if widened is not None else (None, reason)
-        if fitted[1] is not None:
+        """(factors, reason) of an adapter trained on `width` input columns of a declared model input taking
+        another: grown into or zero-padded to it where the architecture declares the relation (reason None),
+        refused as trained on other inputs where it does not, `reason` kept where the adapter would not fit
+        even at its own width."""
+        if self.family.fit(factors, (shape[0], width))[1] is not None:
             return factors, reason
-        self.notes.append(f"input zero-padded to {shape[1]} columns (model variant with a wider {module})")
-        return fitted[0], None
+        how, why = input_relation(self.table, module, shape[1], width) or (None, "")
+        if how == "grow":
+            factors = self.family.settle(factors, (shape[0], width))
+            config_key = self.table.model_inputs[module].config_key
+            self.grow[module] = (width, config_key)
+            self.notes.append(
+                f"{module} input grown {shape[1]} -> {width} columns (zero weights for the new "
+                f"channels; config {config_key} updated)"
+            )
+            return factors, None
+        if how == "pad":
+            widened = self.family.widen_input(factors, shape)
+            fitted = self.family.fit(widened, shape) if widened is not None else (factors, reason)
+            if fitted[1] is not None:
+                return factors, reason
+            self.notes.append(
+                f"input zero-padded to {shape[1]} columns (model variant with a wider {module})"
+            )
+            return fitted[0], None
+        if how == "other":
+            raise PartRejected("other_input", f"other input: {self.where} {why}")
+        return factors, reason
 
 
 def _check_rows(family: Family, factors: Factors, found: tuple[Piece, ...], comp_name: str) -> None:

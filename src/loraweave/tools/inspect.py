@@ -229,8 +229,12 @@ def inspect_adapter(
     return info
 
 
-def format_table(info: dict, limit: int = 20) -> str:
-    """Readable multi-line summary of `inspect_adapter`'s dict."""
+CLI_MORE = "--limit, or --json for all"  # how the CLI shows the unmatched keys past `limit`
+
+
+def format_table(info: dict, limit: int = 20, more: str | None = CLI_MORE) -> str:
+    """Readable multi-line summary of `inspect_adapter`'s dict; `more`: how to see the unmatched keys past
+    `limit` (None: the count alone)."""
     cov = info["coverage"]
     rows = _file_rows(info) + _variant_rows(info) + [(f"  {k}", v) for k, v in info["metadata"].items()]
     rows += _coverage_rows(cov)
@@ -239,7 +243,8 @@ def format_table(info: dict, limit: int = 20) -> str:
     for u in cov["unmatched"][:limit]:
         lines.append(f"    {u['key']}: {u['reason']}")
     if len(cov["unmatched"]) > limit:
-        lines.append(f"    ... {len(cov['unmatched']) - limit} more (--limit, or --json for all)")
+        hint = f" ({more})" if more else ""
+        lines.append(f"    ... {len(cov['unmatched']) - limit} more{hint}")
     return "\n".join(lines)
 
 
@@ -291,4 +296,9 @@ def _coverage_rows(cov: dict) -> list[tuple[str, str]]:
     if cov.get("alpha_sources"):
         rows.append(("  alpha from", _tally(cov["alpha_sources"])))
     rows += [("  unmatched", f"{n} x {reason}") for reason, n in cov.get("unmatched_by_kind", {}).items()]
+    # keys left aside on purpose (LoraWeave Inspect on a MODEL without a CLIP: text encoders, model-only)
+    rows += [
+        ("  skipped", f"{component}={n} (model-only)")
+        for component, n in cov.get("skipped_by_component", {}).items()
+    ]
     return rows
