@@ -27,8 +27,12 @@ heap, never trimmed), which steadies timings. ComfyUI runs under glibc's default
 is a fresh mapping whose page faults are timed; `LORAWEAVE_BENCH_NO_REEXEC=1` runs the cases that way. Quote
 both.
 
-    .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--threads 2]
-        [--repeats 1]
+`--pair N` adds one process where core and merge re-queue alternately on one base model, N rounds of a
+strength change and a swap: paired ratios, less at the mercy of a shared host's slow spells than medians of
+separate processes (`--repeats 0 --pair N` runs only that).
+
+    .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--family lora|lokr]
+        [--threads N (default: torch's default, printed in the header)] [--repeats 1] [--pair 0]
 """
 
 from __future__ import annotations
@@ -91,7 +95,15 @@ def flux_shapes(params: dict) -> dict[str, torch.Size]:
     return {k: v.shape for k, v in model.state_dict().items()}
 
 
-def write_loras(folder: Path, shapes: dict, rank: int) -> None:
+def kron_sides(n: int) -> tuple[int, int]:
+    """(a, b), a·b = n, a the largest divisor <= sqrt(n): LyCORIS's factorization(n, -1) split."""
+    a = max(d for d in range(1, int(n**0.5) + 1) if n % d == 0)
+    return a, n // a
+
+
+def write_loras(folder: Path, shapes: dict, rank: int, family: str = "lora") -> None:
+    """Files A and B (seeds 1, 2) on every block Linear: kohya LoRA, or LoKr with a full w1 (the small side of
+    LyCORIS's split) and a rank-`rank` w2 = w2_a @ w2_b, as LyCORIS writes it by default."""
     from safetensors.torch import save_file
 
     targets = [k[: -len(".weight")] for k, s in shapes.items() if k.endswith(".weight") and len(s) == 2]
@@ -102,8 +114,14 @@ def write_loras(folder: Path, shapes: dict, rank: int) -> None:
         for t in targets:
             rows, cols = shapes[f"{t}.weight"]
             stem = "lora_unet_" + t.replace(".", "_")
-            sd[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.01
-            sd[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.01
+            if family == "lokr":
+                (a, b), (c, n) = kron_sides(rows), kron_sides(cols)
+                sd[f"{stem}.lokr_w1"] = torch.randn(a, c, generator=g) * 0.1
+                sd[f"{stem}.lokr_w2_a"] = torch.randn(b, rank, generator=g) * 0.1
+                sd[f"{stem}.lokr_w2_b"] = torch.randn(rank, n, generator=g) * 0.01
+            else:
+                sd[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.01
+                sd[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.01
             sd[f"{stem}.alpha"] = torch.tensor(float(rank))
         save_file(sd, str(folder / f"{name}.safetensors"))
 
@@ -214,6 +232,52 @@ def child(case: str, folder: Path, params: dict) -> dict:
     return out
 
 
+def paired(folder: Path, params: dict, rounds: int) -> dict:
+    """core and merge re-queues alternating on one base model in one process (ComfyUI unpatches one clone
+    when it loads the other): per round a strength change of A and a swap to B and back, each loader first
+    in turn. The host's slow spells then hit both about alike; the ratio is the median of per-round ratios."""
+    from helpers.comfy_env import import_comfy
+
+    import_comfy()
+    base = build_model(params)
+    g = torch.Generator().manual_seed(5)
+    cond = [
+        [
+            torch.randn(1, TOKENS, params["context_in_dim"], generator=g),
+            {"pooled_output": torch.randn(1, params["vec_in_dim"], generator=g), "guidance": 3.5},
+        ]
+    ]
+    base.model.diffusion_model.register_forward_pre_hook(stop_at_first_step)
+    loads = {case: loader(case) for case in ("core", "merge")}
+    paths = {n: str(folder / f"{n}.safetensors") for n in ("a", "b")}
+    for load in loads.values():  # first queues: file reads, imports, reference tree
+        sample(load(base, paths["a"], 1.0), cond, until_first_step=True)
+    cost: dict[str, dict[str, list[float]]] = {c: {"wall": [], "cpu": []} for c in loads}
+    for r in range(rounds):
+        order = list(loads) if r % 2 == 0 else list(loads)[::-1]
+        for name, strength in ((paths["a"], STRENGTHS[r % 5]), (paths["b"], 1.0)):
+            for case in order:
+                t0, c0 = time.perf_counter(), time.process_time()
+                sample(loads[case](base, name, strength), cond, until_first_step=True)
+                cost[case]["cpu"].append(time.process_time() - c0)
+                cost[case]["wall"].append(time.perf_counter() - t0)
+    return {"case": "pair", "cost": cost}
+
+
+def report_pair(out: dict) -> None:
+    cost = out["cost"]
+    print("-- core and merge re-queues alternating in one process (strength change and swap per round)")
+    for clock in ("wall", "cpu"):
+        core, merge = cost["core"][clock], cost["merge"][clock]
+        ratios = [m / c for m, c in zip(merge, core, strict=True)]
+        print(
+            f"{clock}: core {median(core):.3f} s, merge {median(merge):.3f} s (n={len(core)}); merge/core: "
+            f"ratio of medians {median(merge) / median(core):.3f}, median of paired ratios "
+            f"{median(ratios):.3f} (quartiles {sorted(ratios)[len(ratios) // 4]:.3f}-"
+            f"{sorted(ratios)[3 * len(ratios) // 4]:.3f})"
+        )
+
+
 def median(xs) -> float:
     return benchutil.median(list(xs))
 
@@ -223,41 +287,50 @@ def main() -> None:
     ap.add_argument("--double", type=int, default=1)
     ap.add_argument("--single", type=int, default=1)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own default)")
+    ap.add_argument("--family", choices=("lora", "lokr"), default="lora", help="the files' family")
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per case (interleaved)")
-    ap.add_argument("--child", choices=CASES)
+    ap.add_argument("--pair", type=int, default=0, help="rounds of core/merge re-queues in one process")
+    ap.add_argument("--child", choices=(*CASES, "pair"))
     ap.add_argument("--dir")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     params = flux_params(args.double, args.single)
+    if args.child == "pair":
+        print(json.dumps(paired(Path(args.dir), params, args.pair)))
+        return
     if args.child:
         print(json.dumps(child(args.child, Path(args.dir), params)))
         return
     benchutil.header(
-        f"ComfyUI: loraweave vs core LoraLoader, Flux width 3072, {args.double}+{args.single} blocks"
+        f"ComfyUI: loraweave vs core LoraLoader, Flux width 3072, {args.double}+{args.single} blocks, "
+        f"{args.family} rank {args.rank}, load {os.getloadavg()}"
     )
     with tempfile.TemporaryDirectory(prefix="bench-comfy-") as tmp:
-        write_loras(Path(tmp), flux_shapes(params), args.rank)
+        write_loras(Path(tmp), flux_shapes(params), args.rank, args.family)
         results: dict[str, list[dict]] = {case: [] for case in CASES}
         for _ in range(args.repeats):
             for case in CASES:
-                cmd = [sys.executable, __file__, "--child", case, "--dir", tmp, "--double", str(args.double)]
-                cmd += [
-                    "--single",
-                    str(args.single),
-                    "--rank",
-                    str(args.rank),
-                    "--threads",
-                    str(args.threads),
-                ]
-                run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-                if run.returncode != 0:
-                    sys.exit(f"case {case} failed:\n{run.stderr[-4000:]}")
-                results[case].append(json.loads(run.stdout.strip().splitlines()[-1]))
-                print(
-                    json.dumps(results[case][-1]), flush=True
-                )  # the raw record first: a report bug loses nothing
-    report(results)
+                results[case].append(run_child(case, tmp, args))
+        pair = run_child("pair", tmp, args) if args.pair else None
+    if args.repeats:
+        report(results)
+    if pair is not None:
+        report_pair(pair)
+
+
+def run_child(case: str, folder: str, args: argparse.Namespace) -> dict:
+    """One case in a fresh process; its raw record is printed first (a report bug loses nothing)."""
+    cmd = [sys.executable, __file__, "--child", case, "--dir", folder, "--double", str(args.double)]
+    cmd += ["--single", str(args.single), "--rank", str(args.rank), "--pair", str(args.pair)]
+    cmd += ["--threads", str(torch.get_num_threads())]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    if run.returncode != 0:
+        sys.exit(f"case {case} failed:\n{run.stderr[-4000:]}")
+    record = json.loads(run.stdout.strip().splitlines()[-1])
+    print(json.dumps(record), flush=True)
+    return record
 
 
 def summary(runs: list[dict], clock: str) -> dict:

@@ -26,8 +26,9 @@ import pytest
 import torch
 from helpers import comfy_bits
 from helpers.comfy_env import import_comfy
-from helpers.comfy_models import tiny_flux
+from helpers.comfy_models import BUILDERS, tiny_flux
 from helpers.comfy_pack import FLUX_TARGETS, flux_lora, lora_pair, merged_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loraweave.comfy import load_lora_for_models
 
@@ -174,3 +175,39 @@ def test_fused_kohya_modules_take_one_patch_each_as_core(flux):
         ref = merged_reference(base, sd, stem, STRENGTH)
         assert ((want.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-6, key
         assert torch.equal(got, want), key
+
+
+class WeightSizedWrites(TorchDispatchMode):
+    """How many ops write a tensor of `numel` elements (a pass over a weight-sized buffer): views and bare
+    allocations write nothing and are not counted."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        bare = func.overloadpacket in (torch.ops.aten.empty_like, torch.ops.aten.empty)
+        sized = isinstance(out, torch.Tensor) and out.numel() == self.numel
+        self.count += int(sized and not view and not bare)
+        return out
+
+
+def test_lokr_merge_writes_no_more_weight_sized_passes_than_core():
+    # Issue 43 H: a LoKr merge re-queue took ~1.2x core's time: its ΔW was a zeroed buffer with the kron
+    # added into it (zeros, kron, add) before the scale and the sum, where core scales the kron itself.
+    # Counted per patched weight in ComfyUI's own patch_weight_to_device; the bits stay core's
+    # (test_core_bits_in_process).
+    m = BUILDERS["sd15"]()
+    sd = comfy_bits.files(m)["lokr"]
+    ours, _, _ = load_lora_for_models(m.patcher, None, sd, STRENGTH, 0.0, mode="merge")
+    core, _ = import_comfy().sd.load_lora_for_models(m.patcher, None, sd, STRENGTH, 0.0)
+    cpu = torch.device("cpu")
+    for key in ours.patches:
+        passes = {}
+        for name, patcher in (("ours", ours), ("core", core)):
+            with WeightSizedWrites(m.patcher.get_model_object(key).numel()) as seen:
+                patcher.patch_weight_to_device(key, device_to=cpu, return_weight=True)
+            passes[name] = seen.count
+        assert passes["ours"] <= passes["core"], (key, passes)

@@ -376,3 +376,18 @@ def test_real_file_layers_match_lycoris(path, realdata):
     for stem in layers:
         assert rel_err(got[stem], merged[stem]) <= TOL, (stem, rel_err(got[stem], merged[stem]))
     handle.remove()
+
+
+@pytest.mark.parametrize("src, length", [(0, 24), (6, 12), (4, 9)])  # whole, w1-aligned rows, straddling
+@pytest.mark.parametrize("coeff", [1.0, -0.7])
+def test_set_delta_writes_the_kron_rows(src, length, coeff):
+    # set_delta (the merge's first term, the ComfyUI patch's ΔW) writes coeff·kron rows without a zero pass:
+    # the kron lands in the rows themselves where they span whole w1 rows. Reference: kron in fp64.
+    g = torch.Generator().manual_seed(3)
+    t = {"lokr_w1": torch.randn(4, 3, generator=g), "lokr_w2_a": torch.randn(6, 2, generator=g)}
+    t["lokr_w2_b"] = torch.randn(2, 5, generator=g)
+    f = FAMILIES["lokr"].load(t, {k: k for k in t})
+    want = coeff * torch.kron(t["lokr_w1"].double(), t["lokr_w2_a"].double() @ t["lokr_w2_b"].double())
+    rows = torch.full((length, 15), float("nan"))  # set, not added: nothing of what was there survives
+    FAMILIES["lokr"].set_delta(rows, f, src, length, coeff)
+    assert rel_err(rows.double(), want[src : src + length]) <= 1e-6

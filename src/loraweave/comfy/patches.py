@@ -48,6 +48,10 @@ def unit_delta(pp: PlannedPart, piece: Piece, window: torch.Tensor) -> torch.Ten
     if pp.family.name == "lora":
         rows = f.up[piece.src_start : piece.src_start + piece.length]
         return torch.mm(rows.to(window.dtype), f.down.flatten(1).to(window.dtype))
+    if pp.family.set_delta is not None:  # written at coefficient 1 (LoKr: the kron itself), no zero pass
+        unit = torch.empty_like(window)
+        pp.family.set_delta(unit, f, piece.src_start, piece.length, 1.0)
+        return unit
     unit = torch.zeros_like(window)
     pp.family.add(unit, f, piece.src_start, piece.length, 1.0)
     return unit

@@ -165,6 +165,10 @@ class DeltaBound(Protocol):
     def __call__(self, f: Factors, src: int, length: int, /) -> float | None: ...
 
 
+class SquaredNorm(Protocol):
+    def __call__(self, f: Factors, src: int, length: int, /) -> float | None: ...
+
+
 def _same(f: Factors, shape: Shape) -> Factors:
     return f
 
@@ -193,6 +197,10 @@ def _no_bias(f: Factors, src: int, length: int) -> None:
     return None
 
 
+def _no_norm(f: Factors, src: int, length: int) -> None:
+    return None
+
+
 @dataclass(eq=False)
 class Family:
     """One adapter family: its functions and what it can do. Defaults describe a plain low-rank family.
@@ -217,6 +225,8 @@ class Family:
     - delta_bound(f, src, length) -> float | None: an upper bound on max |ΔW| (coeff 1) over rows
       [src, src+length), inf/nan for non-finite factors; None where the family declares none. A merge whose
       bound leaves no room to overflow skips its finite check and, with undo="none", its record.
+    - squared_norm(f, src, length) -> float | None: ‖ΔW rows [src, src+length)‖² (coeff 1) from the factors,
+      with ΔW never formed; None where the family declares none (a caller then forms ΔW).
     - set_delta(target_rows, f, src, length, coeff) or None: target_rows = coeff·ΔW, written, not added (the
       same bits as add_delta into zeros, with no zero pass and no read of the block)."""
 
@@ -239,6 +249,7 @@ class Family:
     runtime_refusal: RuntimeRefusal = _runtime_ok
     delta_bound: DeltaBound = _unbounded
     set_delta: DeltaAdder | None = None
+    squared_norm: SquaredNorm = _no_norm
 
     def __post_init__(self) -> None:
         for kinds in (("add_delta", "add_delta_from_base"), ("runtime_term", "host_runtime_term")):

@@ -179,8 +179,38 @@ def add_delta(target_rows: torch.Tensor, f: LokrFactors, src: int, length: int, 
     target_rows.add_(delta[off : off + length], alpha=coeff)
 
 
+def set_delta(target_rows: torch.Tensor, f: LokrFactors, src: int, length: int, coeff: float) -> None:
+    """target_rows = coeff · kron(w1, w2)[src:src+length]: the kron written into the rows themselves where
+    they span whole w1 rows (no temporary, no zero pass), else copied from the window's kron."""
+    lo, hi, off = _window(f, src, length)
+    w1, w2 = _w1(f, target_rows.dtype)[lo:hi], _w2(f, target_rows.dtype)
+    if off == 0 and length == (hi - lo) * f.b and target_rows.is_contiguous():
+        torch.kron(w1, w2, out=target_rows)
+    else:
+        target_rows.copy_(torch.kron(w1, w2)[off : off + length])
+    if coeff != 1.0:
+        target_rows.mul_(coeff)
+
+
 def bias_delta(f: LokrFactors, src: int, length: int) -> None:
     return None
+
+
+def _row_squares(half: tuple[torch.Tensor, ...], rows: int, cols: int) -> torch.Tensor:
+    """‖row‖² of a full (rows, cols) half, or of a low-rank one A (rows, r) @ B through B's Gram: fp64."""
+    if len(half) == 1:
+        return half[0].reshape(rows, cols).double().square().sum(1)
+    a, b = half[0].double(), half[1].reshape(-1, cols).double()
+    return ((a @ (b @ b.T)) * a).sum(1)
+
+
+def squared_norm(f: LokrFactors, src: int, length: int) -> float:
+    """‖kron(w1, w2)[src:src+length]‖² without the kron: row i·b+k is w1[i] ⊗ w2[k], of squared norm
+    ‖w1[i]‖²·‖w2[k]‖² (fp64; only a Tucker w2 is formed, at w2's own size)."""
+    lo, hi, off = _window(f, src, length)
+    w1 = _row_squares(f.w1, f.a, f.c)[lo:hi]
+    w2 = _row_squares(f.w2, f.b, f.n) if len(f.w2) < 3 else _w2(f, torch.float64).square().sum(1)
+    return float((w1[:, None] * w2[None, :]).flatten()[off : off + length].sum())
 
 
 def _straddle(f: LokrFactors, w2: torch.Tensor, kernel: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,4 +289,15 @@ def runtime_term(f: LokrFactors, src: int, dst: int, length: int) -> RuntimeTerm
     return RuntimeTerm.structured(dst, length, fn=fn, cost=cost, caches=(cache,))
 
 
-SPEC = Family("lokr", load, check_target, add_delta, bias_delta, runtime_term, settle=settle, roles=ROLES)
+SPEC = Family(
+    "lokr",
+    load,
+    check_target,
+    add_delta,
+    bias_delta,
+    runtime_term,
+    settle=settle,
+    roles=ROLES,
+    set_delta=set_delta,
+    squared_norm=squared_norm,
+)

@@ -18,6 +18,7 @@ from ..errors import ArgumentError, NoModelToDrawOnError
 log = logging.getLogger("loraweave")
 
 METRICS = ("norm", "energy")
+FORMED_BLOCK = 1 << 22  # ΔW elements formed at once (16 MiB fp32: under glibc's 32 MiB mmap ceiling, reused)
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|block)\.(\d+)\.")
 
 
@@ -60,12 +61,9 @@ def module_kind(path: str) -> str:
 
 
 def _squared_norm(pp, piece, cols: int) -> float:
-    """‖ΔW rows of `piece`‖² at strength 1: LoRA through its factors' Gram matrices (ΔW never formed)."""
-    import torch
-
-    from ..families import FAMILIES
-    from ..families.contribution import add_contribution
-
+    """‖ΔW rows of `piece`‖² at strength 1: from the factors where the family gives the formula (LoRA through
+    its factors' Gram matrices, LoKr through row norms); otherwise ΔW formed a bounded block of rows at a
+    time, so no layer-sized tensor is allocated and freed per module."""
     f = pp.factors
     if pp.part.family == "lora" and getattr(f, "down", None) is not None:
         up = f.up[piece.src_start : piece.src_start + piece.length].double()
@@ -77,11 +75,38 @@ def _squared_norm(pp, piece, cols: int) -> float:
                 * pp.scale**2
             )
         return sq
-    if getattr(FAMILIES[pp.part.family], "NEEDS_BASE", False):
+    from_factors = pp.family.squared_norm(f, piece.src_start, piece.length)
+    if from_factors is not None:
+        return from_factors * pp.scale**2
+    if pp.family.needs_base:
         raise ValueError(f"{pp.part.family} ΔW depends on the base weight")
-    target = torch.zeros(piece.length, cols, dtype=torch.float32)
-    add_contribution(target, pp, piece, None, coeff=pp.scale)
-    return float(target.double().square().sum())
+    return _formed_squared_norm(pp, piece, cols)
+
+
+def _formed_squared_norm(pp, piece, cols: int) -> float:
+    """Σ‖ΔW rows‖² over blocks of at most FORMED_BLOCK elements, formed in one reused fp32 buffer."""
+    import dataclasses
+
+    import torch
+
+    from ..families.contribution import add_contribution
+
+    step = max(1, min(piece.length, FORMED_BLOCK // max(cols, 1)))
+    buffer = torch.empty(step, cols, dtype=torch.float32)
+    sq = 0.0
+    for start in range(0, piece.length, step):
+        n = min(step, piece.length - start)
+        rows = dataclasses.replace(
+            piece,
+            src_start=piece.src_start + start,
+            dst_start=piece.dst_start + start,
+            length=n,
+            whole=piece.whole and n == piece.length,
+        )
+        block = buffer[:n].zero_()
+        add_contribution(block, pp, rows, None, coeff=pp.scale)
+        sq += float(torch.linalg.vector_norm(block, dtype=torch.float64) ** 2)
+    return sq
 
 
 def _cols(module) -> int:
