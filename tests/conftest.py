@@ -106,6 +106,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_swap": ("comfy",),
     "test_comfy_toy_arch": ("comfy",),
     "test_comfy_weights": ("comfy",),
+    "test_comfy_wrong_arch": ("comfy", "realdata"),
     "test_compile": ("slow",),  # inductor codegen: about a minute per whole model
     "test_detect": ("realdata",),
     "test_diffusers_dropin": ("realdata",),
@@ -132,6 +133,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_user_round2_convert": ("realdata", "comfy"),  # ComfyUI's key map, in a subprocess
     "test_user_round2_inspect": ("realdata",),
     "test_user_surface": ("realdata",),
+    "test_wrong_arch": ("realdata",),
 }
 
 

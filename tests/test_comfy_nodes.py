@@ -28,11 +28,20 @@ from loraweave.errors import ArgumentError
 REL_TOL = 1e-6
 CONTRACT = {  # node id -> input names (required and optional) and output types: the public contract
     "LoraWeaveLoader": (
-        {"model", "clip", "lora_name", "strength_model", "strength_clip", "mode", "strict"},
+        {
+            "model",
+            "clip",
+            "lora_name",
+            "strength_model",
+            "strength_clip",
+            "mode",
+            "strict",
+            "allow_other_arch",
+        },
         ("MODEL", "CLIP", "STRING", "STRING"),  # report, then trigger_words (appended: slots kept)
     ),
     "LoraWeaveLoaderModelOnly": (
-        {"model", "lora_name", "strength_model", "mode", "strict"},
+        {"model", "lora_name", "strength_model", "mode", "strict", "allow_other_arch"},
         ("MODEL", "STRING", "STRING"),
     ),
     "LoraWeaveStack": (
@@ -40,11 +49,20 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
         ("LORA_STACK",),
     ),
     "LoraWeaveApplyStack": (
-        {"model", "clip", "lora_stack", "stack_mode", "block_weights", "mode", "block_preset"},
+        {
+            "model",
+            "clip",
+            "lora_stack",
+            "stack_mode",
+            "block_weights",
+            "mode",
+            "block_preset",
+            "allow_other_arch",
+        },
         ("MODEL", "CLIP", "STRING"),
     ),
     "LoraWeaveStepWindow": (
-        {"model", "lora_name", "strength", "start_percent", "end_percent", "ramp"},
+        {"model", "lora_name", "strength", "start_percent", "end_percent", "ramp", "allow_other_arch"},
         ("MODEL", "STRING"),
     ),
     "LoraWeaveInspect": ({"lora_name", "model", "clip"}, ("STRING", "STRING", "IMAGE")),
@@ -86,7 +104,7 @@ def test_schemas_are_the_public_contract(comfy_home):
         assert tuple(cls.RETURN_TYPES) == outputs, node_id
         assert nodes.NODE_DISPLAY_NAME_MAPPINGS[node_id].startswith("LoraWeave")
     loader = nodes.NODE_CLASS_MAPPINGS["LoraWeaveLoader"].INPUT_TYPES()
-    assert set(loader["optional"]) == {"clip"}
+    assert set(loader["optional"]) == {"clip", "allow_other_arch"}  # old workflows run without the opt-in
     assert "flux.safetensors" in loader["required"]["lora_name"][1]["options"]
     assert loader["required"]["mode"][1]["options"] == ["auto", "merge", "runtime"]
     web = nodes.EXTENSION_WEB_DIRS["loraweave_nodes"]

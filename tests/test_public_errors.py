@@ -187,6 +187,12 @@ def _comfy(lora=None, s_model=1.0, s_clip=1.0, **kw):
     return call
 
 
+def sd2_lora() -> dict[str, torch.Tensor]:
+    """A kohya UNet LoRA whose cross-attention factor is 1024 wide: an SD2 file by its shapes."""
+    stem = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn2_to_k"
+    return {f"{stem}.lora_down.weight": torch.zeros(4, 1024), f"{stem}.lora_up.weight": torch.zeros(320, 4)}
+
+
 def _tool(name: str, **kw):
     """A tools body the CLI calls, on a file that does not exist (the argument is refused first)."""
 
@@ -223,7 +229,8 @@ A, T, K, S = errors.ArgumentError, errors.ArgumentTypeError, errors.UnknownNameE
 B, G, D, Q = errors.BatchError, errors.RegionError, errors.DropInError, errors.ServeRequestError
 F, H, R, P = flux_world, with_handle, _removed, with_pipe
 V, TE, KE, RE = ValueError, TypeError, KeyError, RuntimeError
-AF = errors.AdapterFileError
+AF, W = errors.AdapterFileError, errors.WrongArchitectureError
+OTHER = r"an SD2 LoRA on (a Flux|an SD1\.5) model\b.*\ballow_other_arch=True"
 NO, NOFILE = "no.safetensors", r"no\.safetensors"
 ONES = torch.ones(4, 4)
 # fmt: off
@@ -253,6 +260,8 @@ CASES = [
     Case("apply-block-weights-nan", F, _spec(block_weights=[1, NAN, 1, 1, 1]), A, V, r"\bblock_weights\b"),
     Case("apply-missing-file", F, lambda w: loraweave.apply(w.model, w.tmp / NO), AF, None, NOFILE),
     Case("apply-target", F, lambda w: loraweave.apply(42, w.a), errors.TargetError, None, r"\btarget\b"),
+    Case("apply-allow-other-arch", F, _apply(allow_other_arch="yes"), T, TE, r"\ballow_other_arch\b"),
+    Case("apply-other-arch", F, lambda w: loraweave.apply(w.model, sd2_lora()), W, None, OTHER),
     # plan
     Case("plan-strength", F, lambda w: loraweave.plan(w.model, w.a, strength=INF), A, V, r"\bstrength\b"),
     Case("plan-adapters", F, lambda w: loraweave.plan(w.model, 42), A, V, r"\badapters\b"),
@@ -322,6 +331,8 @@ COMFY_CASES = [
     Case("comfy-strength-clip", with_comfy, _comfy(s_clip="1"), A, V, r"\bstrength_clip\b"),
     Case("comfy-lora-kind", with_comfy, _comfy(lora=42), T, TE, r"\blora\b"),
     Case("comfy-missing-file", with_comfy, _comfy(lora="no.safetensors"), AF, None, NOFILE),
+    Case("comfy-allow-other-arch", with_comfy, _comfy(allow_other_arch=1), T, TE, r"\ballow_other_arch\b"),
+    Case("comfy-other-arch", with_comfy, _comfy(lora=sd2_lora()), W, None, OTHER),
 ]
 # fmt: on
 PARAMS = [pytest.param(c, id=c.id) for c in CASES] + [

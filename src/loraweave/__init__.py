@@ -37,6 +37,7 @@ from .errors import (
     UnsafeFormatError,
     UnsupportedError,
     WriteError,
+    WrongArchitectureError,
 )
 from .request.prompt import parse_prompt
 from .request.spec import AdapterSpec
@@ -131,6 +132,7 @@ __all__ = [
     "UnsafeFormatError",
     "UnsupportedError",
     "WriteError",
+    "WrongArchitectureError",
     "apply",
     "load_adapter",
     "parse_prompt",

@@ -7,7 +7,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from .engine.decide import refuse
+from .arch.fit import ModelArch, module_arch
+from .engine.decide import ArchCheck, arch_check, note_other_arch, refuse
 from .engine.handle import Handle
 from .engine.install import (
     AdapterSource,
@@ -29,7 +30,7 @@ from .report.report import AppliedModule, Report
 from .request.spec import finite_strength
 from .resolve.planner import Plan, PlannedPart
 from .resolve.stacking import adapter_names
-from .resolve.target import as_components
+from .resolve.target import Components, as_components
 from .resolve.weights import AdapterWeights, assign
 
 log = logging.getLogger("loraweave")
@@ -76,6 +77,7 @@ def apply(
     allow_empty: bool = False,
     compile_friendly: bool = False,
     rank_buckets: Sequence[int] | None = None,
+    allow_other_arch: bool = False,
 ) -> Handle:
     """Apply adapters to `target` (module, mapping of components, or diffusers pipeline).
 
@@ -110,7 +112,9 @@ def apply(
     Coverage is loud: an adapter whose keys did not all land gets one WARNING line (landed/total, top miss
     kinds, an example key). When not one key of an adapter lands, `NoKeysLandedError` (carrying the report) is
     raised and nothing changes, unless `allow_empty=True`. `strict=True` raises `StrictApplyError` unless
-    every key lands.
+    every key lands. A file whose keys and shapes say it is for another architecture than the model's (an SD2
+    LoRA on an SD1.5 UNet) raises `WrongArchitectureError` before anything changes, unless
+    `allow_other_arch=True`: then it is applied and the report (summary, `other_arch`) and a WARNING say so.
 
     compile_friendly: runtime paths ready for `torch.compile`: ranks zero-padded to `rank_buckets` (default
       8/16/32/64/128; costs the padded FLOPs), strengths in tensors, hooks fixed for the handle's life, so
@@ -141,7 +145,14 @@ def apply(
     with model_lock(components.modules.values()):
         options.undo_with = undo_settings(undo, components.modules, undo_source, undo_on_device)
         p, settings = resolve_set(components, adapters, strength)
-        return _install_plan(p, settings, options, strict, allow_empty, progress, t0)
+        arch = arch_check(p.adapters, model_arch_of(components), allow_other_arch)
+        return _install_plan(p, settings, options, strict, allow_empty, progress, t0, arch)
+
+
+def model_arch_of(components: Components) -> ModelArch | None:
+    """The architecture of the target's denoiser (None: no denoiser, or one loraweave maps no record onto)."""
+    denoiser = components.modules.get(components.denoiser_name) if components.denoiser_name else None
+    return module_arch(denoiser) if denoiser is not None else None
 
 
 def apply_planned(
@@ -176,15 +187,19 @@ def _install_plan(
     allow_empty: bool,
     progress: bool | None,
     t0: float,
+    arch: ArchCheck | None = None,
 ) -> Handle:
-    """apply's second half, under the model's lock: a mechanism per layer, installed all or nothing."""
+    """apply's second half, under the model's lock: a mechanism per layer, installed all or nothing. `arch`:
+    the files of another architecture (refused, or let through and said on the report)."""
+    arch = arch or ArchCheck()
     mode = options.layer_mode(len(p.adapters))
     wp, unmatched = plan_layers(p, options, mode)
-    refuse(make_report(p, mode, [], unmatched, t0), strict, allow_empty)
+    refuse(make_report(p, mode, [], unmatched, t0), strict, allow_empty, arch=arch)
     journal = Journal()
     with journal.transaction():
         applied = install(journal, p, wp, mode, options, progress)
     report = finish_report(p, mode, applied, unmatched, wp, t0)
+    note_other_arch(report, arch)
     report.log()
     warn_incomplete(report)
     handle = Handle(p, report, journal, settings, options)

@@ -74,6 +74,20 @@ class NoKeysLandedError(LoraweaveError):
         self.report = report
 
 
+class WrongArchitectureError(LoraweaveError):
+    """An adapter file's keys and shapes say it was trained for another architecture than the model's (an SD2
+    LoRA on an SD1.5 model) and some of its keys do not land; refused before anything changed. `.found` lists
+    each such file (`adapter`, `file_arch`, `model_arch`, `words`), `.report` the full report.
+
+    The opt-in is `allow_other_arch=True` (`apply`, `loraweave.comfy.load_lora_for_models`), the nodes'
+    `allow_other_arch` input, the CLI's `--allow-other-arch`; the report then says what was applied anyway."""
+
+    def __init__(self, message: str, found: list[dict], report=None) -> None:
+        super().__init__(message)
+        self.found = found
+        self.report = report
+
+
 class EmptyOutputError(LoraweaveError):
     """A tool would write an output with no effect (no key applied, no layer extracted); nothing was written.
 

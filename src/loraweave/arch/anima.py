@@ -84,6 +84,7 @@ def _cosmos_predict2_from_comfy(cfg: dict) -> dict:
 ANIMA_ARCH = Architecture(
     "anima",
     (ANIMA,),
+    label="Anima",
     signature=r"^blocks_\d+_(self_attn|cross_attn)_[qkvo]_proj|^blocks_\d+_mlp_layer",
     skeleton=Skeleton(
         "transformer",

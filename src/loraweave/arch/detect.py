@@ -28,6 +28,9 @@ class Detection:
     evidence: list[str] = field(default_factory=list)
     scores: dict[str, int] = field(default_factory=dict)  # parts matched per architecture
     metadata: dict[str, str] = field(default_factory=dict)
+    # The records whose own signatures some part matched, before shared names were folded: a file whose names
+    # another architecture shares (their `owners`) may be that one's too (arch/fit.py).
+    matched: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         return {
@@ -196,6 +199,7 @@ def detect_architecture(adapter: Adapter) -> Detection:
         return Detection("unet", ["cloneofsimo positional keys (unet:<i>): an SD1.x/SD2.x UNet"], {}, meta)
     if not scores:
         return Detection("unknown", ["no key matched a known architecture signature"], scores, meta)
+    matched = tuple(scores)
     folded = _fold_shared(t, adapter, scores, first)
     if MMDIT in scores:
         folded += _fold_mmdit(t, adapter, scores, first)
@@ -217,4 +221,4 @@ def detect_architecture(adapter: Adapter) -> Detection:
             evidence.append(kind[1])
     if meta:
         evidence.append(_metadata_evidence(meta, arch))
-    return Detection(arch, evidence, scores, meta)
+    return Detection(arch, evidence, scores, meta, matched)

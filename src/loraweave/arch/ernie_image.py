@@ -16,6 +16,7 @@ def _ernie_image_from_comfy(cfg: dict) -> dict:
 
 ERNIE_IMAGE = Architecture(
     "ernie-image",
+    label="ERNIE-Image",
     signature=r"^layers_\d+_(self_attention_(to_[qkv]|to_out_0)|mlp_(gate_proj|up_proj|linear_fc2))$",
     skeleton=Skeleton(
         "transformer",

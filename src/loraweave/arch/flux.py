@@ -175,6 +175,7 @@ _FLUX_WIDTHS = {"in_channels": ("x_embedder", 1, None), "out_channels": ("proj_o
 FLUX_ARCH = Architecture(
     "flux",
     (FLUX,),
+    label="Flux",
     signature=r"^double_blocks_\d+_(img|txt)_|^single_blocks_\d+_linear[12]|^single_transformer_blocks_\d+_",
     owners=("hunyuan-video", "hunyuan-image-2.1"),  # diffusers single-block names; else by MMDiT width
     depth=("flux", {"double": 19, "single": 38}),
@@ -201,6 +202,7 @@ FLUX_ARCH = Architecture(
 )
 FLUX_SCHNELL = Architecture(
     "flux-schnell",
+    label="Flux schnell",
     skeleton=Skeleton(
         "transformer",
         "FluxTransformer2DModel",
@@ -216,6 +218,8 @@ FLUX_SCHNELL = Architecture(
 CHROMA_ARCH = Architecture(
     "chroma",
     (CHROMA,),
+    label="Chroma",
+    takes=("flux",),  # Chroma is a Flux.1-schnell derivative: Flux LoRAs are applied to it
     signature=r"^distilled_guidance_layer",
     skeleton=Skeleton(
         "transformer",

@@ -82,6 +82,7 @@ def _flux2_from_comfy(cfg: dict) -> dict:
 FLUX2_ARCH = Architecture(
     "flux2",
     (FLUX2,),
+    label="Flux.2",
     signature=r"double_stream_modulation|single_stream_modulation|to_qkv_mlp_proj",
     skeleton=Skeleton("transformer", "Flux2Transformer2DModel", {}, {}, "Flux2Transformer2DModel defaults"),
     layouts=Layouts(
@@ -99,6 +100,7 @@ FLUX2_ARCH = Architecture(
 )
 FLUX2_KLEIN_4B = Architecture(
     "flux2-klein-4b",
+    label="Flux.2 klein 4B",
     skeleton=Skeleton(
         "transformer",
         "Flux2Transformer2DModel",
@@ -115,6 +117,7 @@ FLUX2_KLEIN_4B = Architecture(
 )
 FLUX2_KLEIN_9B = Architecture(
     "flux2-klein-9b",
+    label="Flux.2 klein 9B",
     skeleton=Skeleton(
         "transformer",
         "Flux2Transformer2DModel",

@@ -30,6 +30,7 @@ FLUX3 = ArchTable(
 FLUX3_ARCH = Architecture(
     "flux3",
     (FLUX3,),
+    label="Flux.3",
     layouts=Layouts(
         "flux3",
         "BFL names (content_mode_blocks, q/k/v_proj, attn_out, mlp_in/out), kohya-flattened",

@@ -164,6 +164,7 @@ def _hunyuan_video_from_comfy(cfg: dict) -> dict:
 HUNYUAN_VIDEO_ARCH = Architecture(
     "hunyuan-video",
     (HUNYUAN_VIDEO,),
+    label="HunyuanVideo",
     signature=r"^(double|single)_blocks_\d+_.*(mod_linear|modulation_linear|mlp_fc[12])$|individual_token_refiner|token_refiner_refiner_blocks",
     depth=("flux", {"double": 20, "single": 40}),
     skeleton=Skeleton(

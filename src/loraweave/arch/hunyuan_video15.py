@@ -137,6 +137,7 @@ def _hunyuan_image_21_from_comfy(cfg: dict) -> dict:
 HUNYUAN_IMAGE_21 = Architecture(
     "hunyuan-image-2.1",
     (HUNYUAN_IMAGE_21_TABLE,),
+    label="HunyuanImage 2.1",
     skeleton=Skeleton(
         "transformer",
         "HunyuanImageTransformer2DModel",
@@ -162,6 +163,7 @@ HUNYUAN_IMAGE_21 = Architecture(
 HUNYUAN_VIDEO_15 = Architecture(
     "hunyuan-video-1.5",
     (HUNYUAN_VIDEO_15_TABLE,),
+    label="HunyuanVideo 1.5",
     skeleton=Skeleton(
         "transformer",
         "HunyuanVideo15Transformer3DModel",

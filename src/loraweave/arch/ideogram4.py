@@ -29,6 +29,7 @@ IDEOGRAM4 = ArchTable(
 IDEOGRAM4_ARCH = Architecture(
     "ideogram4",
     (IDEOGRAM4,),
+    label="Ideogram 4",
     signature=r"^layers_\d+_(attention_o|adaln_modulation)$",
     skeleton=Skeleton(
         "transformer",

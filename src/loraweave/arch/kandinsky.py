@@ -7,6 +7,7 @@ from .record import Architecture, ComfyFacets, Skeleton
 # Kandinsky 6 (audio tower, `attn.`, FeedForward `net`) shares Kandinsky 5's block names otherwise.
 KANDINSKY6 = Architecture(
     "kandinsky6",
+    label="Kandinsky 6",
     signature=r"^(audio_)?(visual|text)_transformer_blocks_\d+_(attn_|feed_forward_net_)|^audio_text_transformer_blocks_",
 )
 
@@ -36,6 +37,7 @@ def _kandinsky5_from_comfy(cfg: dict) -> dict:
 
 KANDINSKY5 = Architecture(
     "kandinsky5",
+    label="Kandinsky 5",
     signature=r"^(visual|text)_transformer_blocks_\d+_",
     owners=("kandinsky6",),
     skeleton=Skeleton(

@@ -68,6 +68,7 @@ KREA2 = ArchTable(
 KREA2_ARCH = Architecture(
     "krea2",
     (KREA2,),
+    label="Krea 2",
     skeleton=Skeleton("transformer", "Krea2Transformer2DModel", {}, {}, "Krea2Transformer2DModel defaults"),
     cli_names=("krea-2", "krea"),
     layouts=Layouts(

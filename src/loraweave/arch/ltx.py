@@ -45,6 +45,7 @@ LTX2_CONNECTORS = ArchTable(
 # LTX-2.3 adds attention gates and prompt modulation to LTX-2; both add an audio tower to MMDiT-like blocks.
 LTX23_ARCH = Architecture(
     "ltx2.3",
+    label="LTX-2.3",
     signature=r"_to_gate_logits$|^(audio_)?prompt_adaln(_single)?_",
     skeleton=Skeleton(
         "transformer",
@@ -94,6 +95,7 @@ def _ltx_video_from_comfy(cfg: dict) -> dict:
 LTX2_ARCH = Architecture(
     "ltx2",
     (LTX2, LTX2_CONNECTORS),
+    label="LTX-2",
     signature=r"^transformer_blocks_\d+_(audio_(attn[12]|ff)|audio_to_video_attn|video_to_audio_attn)_"
     r"|^audio_adaln_single_|^av_ca_|^av_cross_attn_|^(audio_)?patchify_proj$|^audio_caption_projection_",
     owners=("ltx2.3",),
@@ -128,6 +130,7 @@ LTX_VIDEO_TABLE = ArchTable(
 LTX_VIDEO = Architecture(
     "ltx-video",
     (LTX_VIDEO_TABLE,),
+    label="LTX-Video",
     skeleton=Skeleton(
         "transformer",
         "LTXVideoTransformer3DModel",

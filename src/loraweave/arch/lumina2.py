@@ -67,6 +67,7 @@ def _lumina2_from_comfy(cfg: dict) -> dict:
 LUMINA2_ARCH = Architecture(
     "lumina2",
     (LUMINA2,),
+    label="Lumina 2",
     signature=r"^(layers|noise_refiner|context_refiner)_\d+_(attn_(to_[qkv]|to_out_0)|feed_forward_linear_[123]|norm1_linear)$",
     skeleton=Skeleton(
         "transformer",

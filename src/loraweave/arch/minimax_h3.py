@@ -66,6 +66,7 @@ MINIMAX_H3 = ArchTable(
 MINIMAX_H3_ARCH = Architecture(
     "minimax-h3",
     (MINIMAX_H3,),
+    label="MiniMax-H3",
     signature=r"^(token_refiner_)?blocks_\d+_(attn_(qkv|out)_proj|mlp_fc[12]|adaln_proj_linear)$"
     r"|^(condition_proj|video_patch_proj|audio_patch_proj)$",
     skeleton=Skeleton(

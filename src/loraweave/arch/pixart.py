@@ -69,6 +69,7 @@ def _pixart_from_comfy(cfg: dict) -> dict:
 PIXART = Architecture(
     "pixart",
     (PIXART_TABLE,),
+    label="PixArt",
     skeleton=Skeleton(
         "transformer",
         "PixArtTransformer2DModel",

@@ -25,6 +25,7 @@ QWENIMAGE21 = ArchTable(
 QWEN_IMAGE_21 = Architecture(
     "qwen-image-2.1",
     (QWENIMAGE21,),
+    label="Qwen-Image 2.1",
     signature=r"^transformer_blocks_\d+_img_mlp_(gate_up|gate_layer|proj|out)$",
     skeleton=Skeleton(
         "transformer",
@@ -60,6 +61,7 @@ def _qwen_image_from_comfy(cfg: dict) -> dict:
 # blocks).
 QWEN_IMAGE = Architecture(
     "qwen-image",
+    label="Qwen-Image",
     signature=r"^transformer_blocks_\d+_(img|txt)_(mlp|mod)",
     owners=("qwen-image-2.1",),
     depth=("flux", {"double": 60}),

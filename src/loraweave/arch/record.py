@@ -123,6 +123,10 @@ class Architecture:
     not_mapped: tuple[str, str] | None = None  # (heading, state) in the support matrix's "Not mapped" table
     releases: tuple[Release, ...] = ()  # released variants inspect tells apart (block counts, width)
     comfy: ComfyFacets | None = None  # how ComfyUI's node pack finds and builds its reference tree
+    label: str = ""  # what users call it ("SD1.5", "Flux"), for messages; the name where empty
+    # Architectures whose files a model of this one takes as its own although detection names them apart (a
+    # derived model: Chroma takes Flux LoRAs); arch/fit.py adds class siblings and shared-name owners itself.
+    takes: tuple[str, ...] = ()
 
     @property
     def metadata_alpha(self) -> str | None:

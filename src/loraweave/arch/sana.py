@@ -55,6 +55,7 @@ SANA = ArchTable(
 SANA_ARCH = Architecture(
     "sana",
     (SANA,),
+    label="Sana",
     signature=r"^transformer_blocks_\d+_ff_conv_(inverted|depth|point)$"
     r"|^blocks_\d+_(attn_(qkv|proj)|cross_attn_(q_linear|kv_linear|proj)|mlp_(inverted|depth|point)_conv_conv)$",
     skeleton=Skeleton(

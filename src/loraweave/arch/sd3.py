@@ -79,6 +79,7 @@ def _sd3_from_comfy(cfg: dict) -> dict:
 SD3_ARCH = Architecture(
     "sd3",
     (SD3,),
+    label="SD3",
     signature=r"^joint_blocks_\d+_(x|context)_block",
     skeleton=Skeleton(
         "transformer",

@@ -103,6 +103,7 @@ def _layers_per_block(depths: list[int]) -> int | tuple[int, ...]:
 
 SD1 = Architecture(
     "sd1",
+    label="SD1.5",
     skeleton=Skeleton(
         "unet", "UNet2DConditionModel", _SD15_UNET, {"text_encoder": CLIP_L}, "sd15 unet config"
     ),
@@ -112,6 +113,7 @@ SD1 = Architecture(
 )
 SD2 = Architecture(
     "sd2",
+    label="SD2",
     skeleton=Skeleton(
         "unet",
         "UNet2DConditionModel",
@@ -130,6 +132,7 @@ SD2 = Architecture(
 )
 SDXL = Architecture(
     "sdxl",
+    label="SDXL",
     skeleton=Skeleton(
         "unet",
         "UNet2DConditionModel",
@@ -162,6 +165,7 @@ SDXL = Architecture(
 )
 SDXL_REFINER = Architecture(
     "sdxl-refiner",
+    label="SDXL refiner",
     skeleton=Skeleton(
         "unet",
         "UNet2DConditionModel",

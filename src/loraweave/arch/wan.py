@@ -106,6 +106,7 @@ def wan_from_comfy(cfg: dict) -> dict:
 WAN_ARCH = Architecture(
     "wan",
     (WAN,),
+    label="Wan",
     signature=r"^blocks_\d+_(self_attn|cross_attn|attn1|attn2|ffn)",
     owners=("wan-animate",),
     skeleton=Skeleton(

@@ -131,6 +131,7 @@ def _wan_animate_from_comfy(cfg: dict) -> dict:
 WAN_ANIMATE_ARCH = Architecture(
     "wan-animate",
     (WAN_ANIMATE, WAN_ANIMATE_ONLY),
+    label="Wan Animate",
     signature=r"^face_adapter_(fuser_blocks_)?\d+_|^(motion|face)_encoder_",
     skeleton=Skeleton(
         "transformer",
@@ -162,6 +163,7 @@ WAN_ANIMATE_ARCH = Architecture(
 WAN_ANIMATE_2_ARCH = Architecture(
     "wan-animate-2",
     (WAN_ANIMATE_2,),
+    label="Wan Animate 2",
     signature=r"^blocks_\d+_block_(self_attn|cross_attn|ffn|norm3)",
     skeleton=Skeleton(
         "transformer",

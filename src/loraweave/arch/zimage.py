@@ -84,6 +84,7 @@ def _z_image_from_comfy(cfg: dict) -> dict:
 ZIMAGE_ARCH = Architecture(
     "z-image",
     (ZIMAGE,),
+    label="Z-Image",
     signature=r"^(layers|noise_refiner|context_refiner)_\d+_(attention|feed_forward|adaLN)",
     owners=("ideogram4", "lumina2"),
     widths=Widths(

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.json and not args.quiet and sys.stderr.isatty(),
         overwrite=args.force,
         allow_empty=args.allow_empty,
+        allow_other_arch=args.allow_other_arch,
     )
     try:
         res = generate(req)
@@ -58,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {res.output} (seed {res.seed}, {landed}; sidecar {res.sidecar}) in "
         f"{sum(res.seconds.values()):.2f}s"
     )
+    for other in rep["other_arch"] if rep else []:
+        print(
+            f"loraweave: warning: {other['adapter']}: {other['words']}, applied anyway (--allow-other-arch)",
+            file=sys.stderr,
+        )
     if rep and rep["unmatched"]:
         print(
             f"loraweave: warning: {len(rep['unmatched'])} keys did not land: {rep['unmatched_by_kind']}",
@@ -78,7 +84,8 @@ def add(sub) -> None:
         "a `loraweave` chunk with the full report (JSON), and OUT.json beside it with the request, report "
         "and timings.",
         epilog="for generate: 0 = image written; 1 = --strict and some adapter key does not land, or an "
-        "adapter lands no key without --allow-empty (nothing written); 2 = bad arguments, a missing or "
+        "adapter lands no key without --allow-empty (nothing written); 2 = bad arguments, an adapter for "
+        "another architecture than the model's without --allow-other-arch, a missing or "
         "unreadable model or adapter, an unknown <lora:> name, or an existing output without --force.",
     )
     p.add_argument(
@@ -174,5 +181,11 @@ def add(sub) -> None:
     )
     p.add_argument(
         "--limit", type=limit_arg, default=20, help="keys not applied to list under --strict (default 20)"
+    )
+    p.add_argument(
+        "--allow-other-arch",
+        action="store_true",
+        help="apply an adapter whose keys and shapes say it is for another architecture than the model's "
+        "(default: refuse, exit 2); the output and a warning say so",
     )
     add_common(p, empty=True)

@@ -333,6 +333,7 @@ def exit_code(exc: BaseException, args: argparse.Namespace) -> tuple[int, str]:
 CLI_WORDS = {
     "Pass allow_empty=True to apply anyway": "Pass --allow-empty to go on anyway",
     "allow_empty=True": "--allow-empty",
+    "allow_other_arch=True": "--allow-other-arch",
     "allow_pickle=True": "--allow-pickle",
     "strict=True": "--strict",
 }

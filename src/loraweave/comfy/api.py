@@ -16,7 +16,20 @@ from collections.abc import Mapping
 
 import torch
 
-from ..engine.decide import WholeModelMode, check_mode, check_strengths, chosen_mode, refuse, skipped_keys
+from ..arch.fit import ModelArch, model_arch
+from ..engine.decide import (
+    COMFY,
+    NO_ARCH_CHECK,
+    ArchCheck,
+    WholeModelMode,
+    arch_check,
+    check_mode,
+    check_strengths,
+    chosen_mode,
+    note_other_arch,
+    refuse,
+    skipped_keys,
+)
 from ..engine.install import make_report
 from ..errors import ArgumentTypeError
 from ..formats.adapter import Adapter, load_adapter
@@ -28,7 +41,7 @@ from ..report.report import Report
 from ..resolve.planner import Plan
 from .host import diffusion_patcher
 from .patches import add_to_clone
-from .targets import plan_for_clip, plan_for_patcher
+from .targets import comfy_arch, plan_for_clip, plan_for_patcher
 
 log = logging.getLogger("loraweave")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -69,6 +82,16 @@ def choose_mode(patcher, mode: ApplyMode) -> WholeModelMode:
     return chosen_mode(mode, mode == "auto" and quantized_base(patcher))
 
 
+def comfy_model_arch(patcher) -> ModelArch | None:
+    """ComfyUI's fact about a MODEL's architecture: its supported_models class (targets.comfy_arch)."""
+    return model_arch(comfy_arch(patcher))
+
+
+def file_arch_check(patcher, adapters: list[Adapter], allow_other_arch: bool) -> ArchCheck:
+    """The files of another architecture than this MODEL's, for the engine's refusal (engine/decide.py)."""
+    return arch_check(adapters, comfy_model_arch(patcher), allow_other_arch)
+
+
 def _plans(model, clip, adapter: Adapter) -> tuple[Plan, Plan | None, Plan, list[Unmatched], list[Skipped]]:
     """(model side, CLIP side or None, both sides as one plan, every miss, the keys skipped) of `adapter` on
     ComfyUI's modules. No CLIP: a model-only request, whose text-encoder keys the engine skips."""
@@ -91,11 +114,19 @@ def judge(model, lora, clip=None) -> Report:
     return make_report(both, "plan", [], unmatched, t0, skipped)
 
 
-def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: float, strict: bool = False):
+def merge(
+    model,
+    clip,
+    adapter: Adapter,
+    strength_model: float,
+    strength_clip: float,
+    strict: bool = False,
+    arch: ArchCheck = NO_ARCH_CHECK,
+):
     """(model clone, clip clone or None, report): loraweave's ΔW added through ComfyUI's patch lists."""
     t0 = time.perf_counter()
     model_plan, clip_plan, both, unmatched, skipped = _plans(model, clip, adapter)
-    refuse(make_report(both, "merge", [], unmatched, t0, skipped), strict)
+    refuse(make_report(both, "merge", [], unmatched, t0, skipped), strict, opt_ins=COMFY, arch=arch)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
     new_clip = None
     if clip_plan is not None:  # planned exactly when a CLIP is given
@@ -103,7 +134,8 @@ def merge(model, clip, adapter: Adapter, strength_model: float, strength_clip: f
         new_clip.patcher, clip_applied, clip_refused = add_to_clone(clip.patcher, clip_plan, strength_clip)
         applied, refused = applied + clip_applied, refused + clip_refused
     report = make_report(both, "merge", applied, unmatched + refused, t0, skipped)
-    refuse(report, strict)
+    refuse(report, strict, opt_ins=COMFY, arch=arch)
+    note_other_arch(report, arch)
     report.log()
     warn_incomplete(report)
     return new_model, new_clip, report
@@ -117,23 +149,27 @@ def load_lora_for_models(
     strength_clip: float,
     mode: ApplyMode = "auto",
     strict: bool = False,
+    allow_other_arch: bool = False,
 ):
     """(model, clip, report) as `comfy.sd.load_lora_for_models`: `lora` is a path or a state dict (or a
     loraweave Adapter), `clip` may be None (then None comes back, and the text-encoder keys are skipped as
     core's LoraLoaderModelOnly skips them: `report.skipped`, no misses). New clones come back; the inputs are
     never modified.
 
-    Errors are typed loraweave errors: a missing or broken file, a file of which no key lands on this model
-    (NoKeysLandedError: a file for another architecture), `strict` with keys that miss (StrictApplyError)."""
+    Errors are typed loraweave errors, raised before anything is cloned: a missing or broken file, a file
+    whose keys and shapes say it is for another architecture than this model's (WrongArchitectureError; with
+    `allow_other_arch=True` it is applied and the report and a WARNING say so), a file of which no key lands
+    (NoKeysLandedError), `strict` with keys that miss (StrictApplyError)."""
     diffusion_patcher(model)
     strength_model, strength_clip = check_strengths(
         strength_model, strength_clip, labels=("strength_model", "strength_clip")
     )
     chosen = choose_mode(model, mode)
     adapter = read_lora(lora)
+    arch = file_arch_check(model, [adapter], allow_other_arch)
     log.info("comfy load adapter=%s mode=%s chosen=%s", adapter.name, mode, chosen)
     if chosen == "runtime":
         from .runtime import apply_runtime
 
-        return apply_runtime(model, clip, adapter, strength_model, strength_clip, strict)
-    return merge(model, clip, adapter, strength_model, strength_clip, strict)
+        return apply_runtime(model, clip, adapter, strength_model, strength_clip, strict, arch)
+    return merge(model, clip, adapter, strength_model, strength_clip, strict, arch)

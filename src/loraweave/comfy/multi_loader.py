@@ -13,7 +13,15 @@ from typing import NamedTuple
 from comfy_api.latest import io, ui
 
 from .lora_files import NONE, file_fingerprint, lora_choices, lora_path, trigger_text
-from .nodes import STRENGTH, _mode_input, checked, named_errors, report_text, reporting_schema
+from .nodes import (
+    STRENGTH,
+    _mode_input,
+    _other_arch_input,
+    checked,
+    named_errors,
+    report_text,
+    reporting_schema,
+)
 
 MAX_ROWS = 8  # each count lists its rows in /object_info (with the file list): 36 row sets in all
 ROWS = "loras"  # the row-count combo; its rows arrive under this name as one dict
@@ -97,6 +105,7 @@ class LoraWeaveMultiLoader(io.ComfyNode):
                     ROWS, options=counts, display_name="rows", tooltip="How many LoRA rows the node shows."
                 ),
                 _mode_input(),
+                _other_arch_input(),
             ],
             outputs=[
                 io.Model.Output(),
@@ -112,7 +121,7 @@ class LoraWeaveMultiLoader(io.ComfyNode):
         return "|".join(file_fingerprint(r.lora_name) for r in rows_of(loras) if r.active)
 
     @classmethod
-    def execute(cls, model, loras: dict, mode, clip=None) -> io.NodeOutput:
+    def execute(cls, model, loras: dict, mode, clip=None, allow_other_arch=False) -> io.NodeOutput:
         from .stack import apply_stack, stack_rows
 
         rows = rows_of(loras)
@@ -124,7 +133,9 @@ class LoraWeaveMultiLoader(io.ComfyNode):
         stack = [(r.lora_name, r.model_strength, r.clip_strength) for r in active]
         names = ", ".join(r.lora_name for r in active)
         with named_errors(names):
-            model, clip, report = apply_stack(model, clip, stack_rows(stack, lora_path), mode=mode)
+            model, clip, report = apply_stack(
+                model, clip, stack_rows(stack, lora_path), mode=mode, allow_other_arch=allow_other_arch
+            )
             text = f"{listing}\n{report_text(checked(report, names), names)}"
         triggers = ", ".join(t for t in (trigger_text(lora_path(r.lora_name)) for r in active) if t)
         return io.NodeOutput(model, clip, text, triggers, ui=ui.PreviewText(text))

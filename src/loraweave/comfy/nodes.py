@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 from comfy_api.latest import io, ui
 
+from ..engine.decide import OTHER_ARCH_OPT_IN
 from ..errors import LoraweaveError
 from ..modes import APPLY_MODES, STACK_MODES, ApplyMode
 from .lora_files import (
@@ -36,12 +37,14 @@ LoraStack = io.Custom(
     "LORA_STACK"
 )  # list of (lora_name, model_strength, clip_strength): Efficiency/Easy-Use's
 STRENGTH = {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01}
+NODE_OTHER_ARCH_OPT_IN = "turn on this node's allow_other_arch to apply it anyway"
 
 
 def report_text(report, lora: str) -> str:
-    """What the node shows: loraweave's one-line summary, then the misses by kind and the keys skipped on
-    purpose (a model-only node: text encoders); a partial load says so first."""
-    lines = []
+    """What the node shows: a file of another architecture applied anyway first, loraweave's one-line
+    summary, then the misses by kind and the keys skipped on purpose (a model-only node: text encoders); a
+    partial load says so first."""
+    lines = [f"WARNING: {line}" for line in report.other_arch_lines()]
     if report.keys_total and report.keys_applied < report.keys_total:
         lines.append(f"WARNING: {lora}: {report.keys_applied} of {report.keys_total} keys landed")
     lines.append(f"{lora}: {report.summary()}")
@@ -87,12 +90,14 @@ def reporting_schema(node_id: str, display_name: str, description: str, **fields
 @contextmanager
 def named_errors(lora: str) -> Iterator[None]:
     """A loraweave error raised inside names the file as the user chose it (the library names the adapter by
-    its stem or full path); its type, and `.report` where it has one, stay as they were."""
+    its stem or full path) and the node's own opt-ins; its type, and `.report` where it has one, stay as they
+    were."""
     try:
         yield
     except LoraweaveError as exc:
-        if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(lora):
-            exc.args = (f"{lora}: {exc.args[0]}", *exc.args[1:])
+        if exc.args and isinstance(exc.args[0], str):
+            message = exc.args[0].replace(OTHER_ARCH_OPT_IN, NODE_OTHER_ARCH_OPT_IN)
+            exc.args = (message if message.startswith(lora) else f"{lora}: {message}", *exc.args[1:])
         raise
 
 
@@ -147,6 +152,16 @@ def block_preset_input() -> io.Combo.Input:
     )
 
 
+def _other_arch_input() -> io.Boolean.Input:
+    return io.Boolean.Input(
+        "allow_other_arch",
+        default=False,
+        optional=True,
+        tooltip="Apply a file whose keys say it was trained for another architecture than the model's (an "
+        "SD2 LoRA on an SD1.5 model). Off: the node stops with an error; on: the report says so.",
+    )
+
+
 class LoraFileNode(io.ComfyNode):
     """A node that reads one file of the loras folders: refused at queue time when the name is bad or the file
     is missing or broken; re-run when the file changes."""
@@ -161,15 +176,23 @@ class LoraFileNode(io.ComfyNode):
 
 
 def load_one(
-    model, clip, lora_name: str, strength_model: float, strength_clip: float, mode: ApplyMode, strict: bool
+    model,
+    clip,
+    lora_name: str,
+    strength_model: float,
+    strength_clip: float,
+    mode: ApplyMode,
+    strict: bool,
+    allow_other_arch: bool = False,
 ):
     """(model, clip, report text) from c1's load_lora_for_models on the named file; clones, inputs
     untouched."""
     from .api import load_lora_for_models
 
     with named_errors(lora_name):
+        path = lora_path(lora_name)
         model, clip, report = load_lora_for_models(
-            model, clip, lora_path(lora_name), strength_model, strength_clip, mode=mode, strict=strict
+            model, clip, path, strength_model, strength_clip, mode, strict, allow_other_arch
         )
         return model, clip, report_text(checked(report, lora_name), lora_name)
 
@@ -189,6 +212,7 @@ class LoraWeaveLoader(LoraFileNode):
                 io.Float.Input("strength_clip", **STRENGTH),
                 _mode_input(),
                 _strict_input(),
+                _other_arch_input(),
             ],
             outputs=[
                 io.Model.Output(),
@@ -200,9 +224,11 @@ class LoraWeaveLoader(LoraFileNode):
 
     @classmethod
     def execute(
-        cls, model, lora_name, strength_model, strength_clip, mode, strict, clip=None
+        cls, model, lora_name, strength_model, strength_clip, mode, strict, clip=None, allow_other_arch=False
     ) -> io.NodeOutput:
-        model, clip, text = load_one(model, clip, lora_name, strength_model, strength_clip, mode, strict)
+        model, clip, text = load_one(
+            model, clip, lora_name, strength_model, strength_clip, mode, strict, allow_other_arch
+        )
         triggers = trigger_text(lora_path(lora_name))
         return io.NodeOutput(model, clip, text, triggers, ui=ui.PreviewText(text))
 
@@ -220,13 +246,14 @@ class LoraWeaveLoaderModelOnly(LoraFileNode):
                 io.Float.Input("strength_model", **STRENGTH),
                 _mode_input(),
                 _strict_input(),
+                _other_arch_input(),
             ],
             outputs=[io.Model.Output(), io.String.Output(display_name="report"), _trigger_words_output()],
         )
 
     @classmethod
-    def execute(cls, model, lora_name, strength_model, mode, strict) -> io.NodeOutput:
-        model, _, text = load_one(model, None, lora_name, strength_model, 0.0, mode, strict)
+    def execute(cls, model, lora_name, strength_model, mode, strict, allow_other_arch=False) -> io.NodeOutput:
+        model, _, text = load_one(model, None, lora_name, strength_model, 0.0, mode, strict, allow_other_arch)
         triggers = trigger_text(lora_path(lora_name))
         return io.NodeOutput(model, text, triggers, ui=ui.PreviewText(text))
 
@@ -286,13 +313,22 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 ),
                 _mode_input(),
                 block_preset_input(),  # last and optional: saved workflows and prompts load as they were
+                _other_arch_input(),
             ],
             outputs=[io.Model.Output(), io.Clip.Output(), io.String.Output(display_name="report")],
         )
 
     @classmethod
     def execute(
-        cls, model, lora_stack, stack_mode, block_weights, mode, clip=None, block_preset=None
+        cls,
+        model,
+        lora_stack,
+        stack_mode,
+        block_weights,
+        mode,
+        clip=None,
+        block_preset=None,
+        allow_other_arch=False,
     ) -> io.NodeOutput:
         from .stack import apply_stack, chosen_block_weights, stack_rows
 
@@ -309,6 +345,7 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 stack_mode=stack_mode,
                 block_weights=chosen_block_weights(block_weights, block_preset),
                 mode=mode,
+                allow_other_arch=allow_other_arch,
             )
             text = report_text(checked(report, names), names)
         return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
@@ -337,6 +374,7 @@ class LoraWeaveStepWindow(LoraFileNode):
                     tooltip="How gradually the LoRA fades in after start_percent and out before end_percent, "
                     "as a fraction of the sampling (0: on and off at once).",
                 ),
+                _other_arch_input(),
             ],
             outputs=[io.Model.Output(), io.String.Output(display_name="report")],
         )
@@ -350,12 +388,16 @@ class LoraWeaveStepWindow(LoraFileNode):
         return True
 
     @classmethod
-    def execute(cls, model, lora_name, strength, start_percent, end_percent, ramp) -> io.NodeOutput:
+    def execute(
+        cls, model, lora_name, strength, start_percent, end_percent, ramp, allow_other_arch=False
+    ) -> io.NodeOutput:
         from .steps import apply_step_window
 
         path = lora_path(lora_name)
         with named_errors(lora_name):
-            model, report = apply_step_window(model, path, strength, start_percent, end_percent, ramp=ramp)
+            model, report = apply_step_window(
+                model, path, strength, start_percent, end_percent, ramp, allow_other_arch
+            )
             text = report_text(checked(report, lora_name), lora_name)
         text += f"\n  active from {start_percent:g} to {end_percent:g} of the steps, ramp {ramp:g}"
         return io.NodeOutput(model, text, ui=ui.PreviewText(text))

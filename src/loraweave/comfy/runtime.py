@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.decide import refuse, skipped_keys
+from ..engine.decide import COMFY, NO_ARCH_CHECK, ArchCheck, note_other_arch, refuse, skipped_keys
 from ..engine.install import make_report
 from ..mechanisms.runtime.host import runtime_blocker
 from ..mechanisms.runtime.path import RuntimePath
@@ -319,7 +319,15 @@ def _where(rp: RuntimePath) -> tuple[str, str]:
     return pp.component, piece.module
 
 
-def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: float, strict: bool = False):
+def apply_runtime(
+    model,
+    clip,
+    adapter,
+    strength_model: float,
+    strength_clip: float,
+    strict: bool = False,
+    arch: ArchCheck = NO_ARCH_CHECK,
+):
     """(model, clip, report): clones carrying `adapter` as runtime paths (module docstring); inputs untouched.
 
     `adapter` is what `loraweave.comfy.api.read_lora` returns. `clip` may be None (then None comes back). The
@@ -343,7 +351,8 @@ def apply_runtime(model, clip, adapter, strength_model: float, strength_clip: fl
         new_clip.patcher, _ = stacked_clone(clip.patcher, [], states[1])
     report = entry_report(plans, states, t0, model_only=clip is None)
     add_notes(report.applied, grown)
-    refuse(report, strict)
+    refuse(report, strict, opt_ins=COMFY, arch=arch)
+    note_other_arch(report, arch)
     if kept is None:
         keep(Build(weakref.ref(model), weak(clip), adapter, strict, plans, states))
     log.info("comfy runtime adapter=%s reused=%s", adapter.name, kept is not None)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from ..arch.blocks import block_weights as slot_weights
 from ..arch.blocks import chain_lengths, detect_block_arch, weights_for_modules
 from ..arguments import number
-from ..engine.decide import check_strengths, refuse
+from ..engine.decide import COMFY, NO_ARCH_CHECK, check_strengths, note_other_arch, refuse
 from ..errors import ArgumentError
 from ..modes import SELECT_MODES, STACK_MODES, StackMode
 from ..report.report import Report
@@ -178,10 +178,12 @@ def apply_stack(
     block_weights=None,
     mode="auto",
     density: float | None = None,
+    allow_other_arch: bool = False,
 ) -> tuple[object, object, Report]:
     """(model, clip, report): clones of `model` / `clip` (None stays None) with every row of `stack`
-    applied."""
-    from .api import choose_mode, read_lora
+    applied. A row whose file is for another architecture than the model's is refused (WrongArchitectureError)
+    unless `allow_other_arch`, as `load_lora_for_models` refuses it."""
+    from .api import choose_mode, file_arch_check, read_lora
     from .host import diffusion_patcher
     from .targets import plan_for_clip, plan_for_patcher
 
@@ -193,8 +195,9 @@ def apply_stack(
     weights, base = comfy_block_weights(model, block_weights) if block_weights is not None else ({}, 1.0)
     taken = taken_names(model, clip)
     model_plans, clip_plans = [], []
-    for source, model_strength, clip_strength in rows:
-        adapter = read_lora(source)
+    adapters = [read_lora(row.source) for row in rows]
+    arch = file_arch_check(model, adapters, allow_other_arch)
+    for adapter, (_, model_strength, clip_strength) in zip(adapters, rows, strict=True):
         adapter = renamed(adapter, unique_name(adapter.name, taken))
         taken.append(adapter.name)
         model_plans.append(plan_for_patcher(model, adapter, model_strength, False))
@@ -204,7 +207,7 @@ def apply_stack(
     if not rows:
         return model.clone(), clip.clone() if clip is not None else None, Report(mode=chosen)
     if chosen == "runtime":
-        return _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0)
+        return _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0, arch)
     new_model, applied, refused = _merge_side(model, model_plans, stack_mode, density)
     new_clip = None
     if clip is not None:
@@ -214,7 +217,8 @@ def apply_stack(
         )
         applied, refused = applied + clip_applied, refused + clip_refused
     report = joint_report([*model_plans, *clip_plans], "merge", applied, refused, t0, model_only=clip is None)
-    refuse(report, False)
+    refuse(report, False, opt_ins=COMFY, arch=arch)
+    note_other_arch(report, arch)
     report.log()
     return new_model, new_clip, report
 
@@ -228,7 +232,7 @@ def _runtime_side(patcher, plans: Sequence[Plan], stack_mode, density):
     return stacked_clone(patcher, [entry])
 
 
-def _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0):
+def _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0, arch=NO_ARCH_CHECK):
     new_model, state = _runtime_side(model, model_plans, stack_mode, density)
     states, new_clip = [state], clip.clone() if clip is not None else None
     # a CLIP nothing lands on keeps no state of ours
@@ -236,6 +240,7 @@ def _runtime(model, clip, model_plans, clip_plans, stack_mode, density, t0):
         new_clip.patcher, clip_state = _runtime_side(clip.patcher, clip_plans, stack_mode, density)
         states.append(clip_state)
     report = entry_report([*model_plans, *clip_plans], states, t0, model_only=clip is None)
-    refuse(report, False)
+    refuse(report, False, opt_ins=COMFY, arch=arch)
+    note_other_arch(report, arch)
     report.log()
     return new_model, new_clip, report

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from ..arguments import number
-from ..engine.decide import check_strengths, refuse
+from ..engine.decide import COMFY, check_strengths, note_other_arch, refuse
 from ..errors import ArgumentError
 from .runtime import (
     RuntimeEntry,
@@ -78,12 +78,20 @@ def check_window(start_percent, end_percent, ramp) -> StepWindow:
 
 
 def apply_step_window(
-    model, lora, strength: float, start_percent: float, end_percent: float, ramp: float = 0.0
+    model,
+    lora,
+    strength: float,
+    start_percent: float,
+    end_percent: float,
+    ramp: float = 0.0,
+    allow_other_arch: bool = False,
 ):
     """(model, report): a clone of `model` with `lora` (a path or a state dict) active only inside the window.
 
-    Stacks with runtime loaders on the same model (one injection key); the input model is never modified."""
-    from .api import read_lora
+    Stacks with runtime loaders on the same model (one injection key); the input model is never modified. A
+    file for another architecture is refused unless `allow_other_arch`, as `load_lora_for_models` refuses
+    it."""
+    from .api import file_arch_check, read_lora
     from .host import diffusion_patcher
     from .targets import plan_for_patcher
 
@@ -92,10 +100,12 @@ def apply_step_window(
     window = check_window(start_percent, end_percent, ramp)
     (strength,) = check_strengths(strength)
     adapter = read_lora(lora)
+    arch = file_arch_check(model, [adapter], allow_other_arch)
     adapter = renamed(adapter, unique_name(adapter.name, taken_names(model)))
     plan = plan_for_patcher(model, adapter, strength, False)
     clone, state = stacked_clone(model, [RuntimeEntry(adapter.name, plan, window)])
     report = entry_report([plan], [state], t0, model_only=True)  # a MODEL only: text-encoder keys skipped
-    refuse(report, False)
+    refuse(report, False, opt_ins=COMFY, arch=arch)
+    note_other_arch(report, arch)
     report.log()
     return clone, report

@@ -49,17 +49,22 @@ def _short(summary: dict) -> bool:
     return summary["keys_applied"] < summary["keys_total"] or summary["keys_total"] == 0
 
 
-def refuse_empty(report, allow_empty: bool = False) -> None:
-    """NoKeysLandedError (carrying `report`) when some adapter landed no key, unless `allow_empty`."""
+EMPTY_OPT_IN = "Pass allow_empty=True to apply anyway"
+
+
+def refuse_empty(report, allow_empty: bool = False, opt_in: str | None = EMPTY_OPT_IN) -> None:
+    """NoKeysLandedError (carrying `report`) when some adapter landed no key, unless `allow_empty`. `opt_in`:
+    how the face offers allow_empty, for the message (None: it offers none)."""
     empty = [
         coverage_line(s, adapter_misses(report, s["name"]))
         for s in report.adapters
         if s["keys_applied"] == 0 and not allow_empty
     ]
     if empty:
+        hint = f" {opt_in}" if opt_in else ""
         raise NoKeysLandedError(
             f"no key landed for {len(empty)} adapter(s), nothing was changed: {'; '.join(empty)}. Wrong base "
-            "model? Pass allow_empty=True to apply anyway (the report lists every miss).",
+            f"model?{hint} (the report lists every miss).",
             report,
         )
 

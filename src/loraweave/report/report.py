@@ -60,6 +60,8 @@ class Report:
     keys_applied: int = 0
     seconds: float = 0.0
     backends_unavailable: dict[str, str] = field(default_factory=dict)  # quant backends that cannot run here
+    # Files of another architecture applied anyway (allow_other_arch): adapter, file_arch, model_arch, words.
+    other_arch: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -131,11 +133,17 @@ class Report:
             "mechanisms": self.mechanisms(),
             "backends_unavailable": dict(self.backends_unavailable),
             "undo_bytes": self.undo_bytes(),
+            "other_arch": [dict(o) for o in self.other_arch],
         }
+
+    def other_arch_lines(self) -> list[str]:
+        """One line per file of another architecture applied anyway: what it is, said in users' terms."""
+        return [f"{o['adapter']}: {o['words']}, applied anyway (allow_other_arch)" for o in self.other_arch]
 
     def summary(self) -> str:
         mech = Counter(m.mechanism for m in self.applied)
         parts = [
+            *(f"other_arch={o['file_arch']}_on_{o['model_arch']}" for o in self.other_arch),
             f"mode={self.mode}",
             f"adapters={len(self.adapters)}",
             f"keys_applied={self.keys_applied}/{self.keys_total}",

@@ -83,6 +83,7 @@ class GenerateRequest:
     progress: bool = False
     overwrite: bool = False  # replace an existing PNG and its sidecar
     allow_empty: bool = False  # sample even when an adapter lands no key
+    allow_other_arch: bool = False  # apply a file of another architecture than the model's (said loudly)
 
 
 @dataclass
@@ -413,7 +414,13 @@ def generate(req: GenerateRequest) -> GenerateResult:
         pipe.to(device)
     handle = (
         apply(
-            pipe, specs, mode=req.apply_mode, strict=req.strict, allow_empty=req.allow_empty, progress=False
+            pipe,
+            specs,
+            mode=req.apply_mode,
+            strict=req.strict,
+            allow_empty=req.allow_empty,
+            allow_other_arch=req.allow_other_arch,
+            progress=False,
         )
         if specs
         else None
