@@ -109,6 +109,7 @@ WAN_ARCH = Architecture(
     label="Wan",
     signature=r"^blocks_\d+_(self_attn|cross_attn|attn1|attn2|ffn)",
     owners=("wan-animate",),
+    takes=("wan-animate",),  # Animate LoRAs: block keys are Wan's own, Animate-only keys expected absent
     skeleton=Skeleton(
         "transformer",
         "WanTransformer3DModel",
