@@ -44,6 +44,9 @@ def pack_folders() -> list[str]:
 async def comfy_entrypoint():
     """The ComfyExtension of the LoraWeave nodes (ComfyUI awaits this). Two installs of the pack in one
     ComfyUI are said once in the log (the nodes are the same classes either way)."""
+    from .picker import register_routes
+
+    register_routes()  # the LoRA picker's architecture marks
     folders = tuple(pack_folders())
     if len(folders) > 1 and folders not in _warned_about:
         _warned_about.add(folders)

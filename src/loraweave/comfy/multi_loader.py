@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from comfy_api.latest import io, ui
+from comfy_api.latest import io
 
 from .lora_files import NONE, file_fingerprint, lora_choices, lora_path, trigger_text
 from .nodes import (
     STRENGTH,
+    ReportUI,
     _mode_input,
     _other_arch_input,
     checked,
@@ -129,7 +130,7 @@ class LoraWeaveMultiLoader(io.ComfyNode):
         listing = "\n".join(r.line() for r in rows)
         if not active:
             text = f"{listing}\nno row is on: nothing applied"
-            return io.NodeOutput(model, clip, text, "", ui=ui.PreviewText(text))
+            return io.NodeOutput(model, clip, text, "", ui=ReportUI(text, model))
         stack = [(r.lora_name, r.model_strength, r.clip_strength) for r in active]
         names = ", ".join(r.lora_name for r in active)
         with named_errors(names):
@@ -138,4 +139,4 @@ class LoraWeaveMultiLoader(io.ComfyNode):
             )
             text = f"{listing}\n{report_text(checked(report, names), names)}"
         triggers = ", ".join(t for t in (trigger_text(lora_path(r.lora_name)) for r in active) if t)
-        return io.NodeOutput(model, clip, text, triggers, ui=ui.PreviewText(text))
+        return io.NodeOutput(model, clip, text, triggers, ui=ReportUI(text, model))

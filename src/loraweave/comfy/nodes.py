@@ -28,6 +28,7 @@ from .lora_files import (
     trigger_text,
     validation_message,
 )
+from .picker import MODEL_UI
 from .tooltips import fill_tooltips
 
 log = logging.getLogger("loraweave")
@@ -57,6 +58,20 @@ def report_text(report, lora: str) -> str:
         why = ", ".join(sorted({s.why for s in report.skipped if s.component == component}))
         lines.append(f"  skipped {component}={count} ({why})")
     return "\n".join(lines)
+
+
+class ReportUI(ui.PreviewText):
+    """A node's report for its box, with the architecture of the MODEL it ran on (the LoRA picker's marks,
+    comfy/picker.py MODEL_UI) where loraweave maps one."""
+
+    def __init__(self, text: str, model=None) -> None:
+        from .targets import comfy_arch
+
+        super().__init__(text)
+        self.arch = comfy_arch(model) if model is not None else None
+
+    def as_dict(self) -> dict:
+        return super().as_dict() | ({MODEL_UI: (self.arch,)} if self.arch else {})
 
 
 def checked(report, lora: str):
@@ -230,7 +245,7 @@ class LoraWeaveLoader(LoraFileNode):
             model, clip, lora_name, strength_model, strength_clip, mode, strict, allow_other_arch
         )
         triggers = trigger_text(lora_path(lora_name))
-        return io.NodeOutput(model, clip, text, triggers, ui=ui.PreviewText(text))
+        return io.NodeOutput(model, clip, text, triggers, ui=ReportUI(text, model))
 
 
 class LoraWeaveLoaderModelOnly(LoraFileNode):
@@ -255,7 +270,7 @@ class LoraWeaveLoaderModelOnly(LoraFileNode):
     def execute(cls, model, lora_name, strength_model, mode, strict, allow_other_arch=False) -> io.NodeOutput:
         model, _, text = load_one(model, None, lora_name, strength_model, 0.0, mode, strict, allow_other_arch)
         triggers = trigger_text(lora_path(lora_name))
-        return io.NodeOutput(model, text, triggers, ui=ui.PreviewText(text))
+        return io.NodeOutput(model, text, triggers, ui=ReportUI(text, model))
 
 
 class LoraWeaveStack(io.ComfyNode):
@@ -335,7 +350,7 @@ class LoraWeaveApplyStack(io.ComfyNode):
         rows = stack_rows(lora_stack, lora_path)
         if not rows:
             text = "empty LORA_STACK: nothing applied"
-            return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
+            return io.NodeOutput(model, clip, text, ui=ReportUI(text, model))
         names = ", ".join(str(r[0]) for r in lora_stack)
         with named_errors(names):
             model, clip, report = apply_stack(
@@ -348,7 +363,7 @@ class LoraWeaveApplyStack(io.ComfyNode):
                 allow_other_arch=allow_other_arch,
             )
             text = report_text(checked(report, names), names)
-        return io.NodeOutput(model, clip, text, ui=ui.PreviewText(text))
+        return io.NodeOutput(model, clip, text, ui=ReportUI(text, model))
 
 
 class LoraWeaveStepWindow(LoraFileNode):
@@ -400,7 +415,7 @@ class LoraWeaveStepWindow(LoraFileNode):
             )
             text = report_text(checked(report, lora_name), lora_name)
         text += f"\n  active from {start_percent:g} to {end_percent:g} of the steps, ramp {ramp:g}"
-        return io.NodeOutput(model, text, ui=ui.PreviewText(text))
+        return io.NodeOutput(model, text, ui=ReportUI(text, model))
 
 
 class LoraWeaveInspect(LoraFileNode):
@@ -448,7 +463,7 @@ class LoraWeaveInspect(LoraFileNode):
                 f"from diffusers' classes, and needs {exc.name}: pip install 'loraweave[comfy]' into "
                 f"ComfyUI's Python"
             ) from exc
-        return io.NodeOutput(text, triggers, heatmap, ui=ui.PreviewText(text))
+        return io.NodeOutput(text, triggers, heatmap, ui=ReportUI(text, model))
 
 
 NODES: list[type[io.ComfyNode]] = [

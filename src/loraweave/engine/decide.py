@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from ..arch.fit import ModelArch, file_arch, label, with_article
+from ..arch.fit import FileArch, ModelArch, file_arch, label, with_article
 from ..errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -214,6 +214,15 @@ def _file_name(adapter: Adapter) -> str:
     return os.path.basename(str(adapter.path)) if adapter.path else adapter.name
 
 
+def fits_model(found: FileArch | None, model: ModelArch | None) -> bool | None:
+    """Whether a file detected as `found` (arch/fit.py `file_arch`) is for `model`: False when the model
+    takes none of the architectures it may be; None where either side is unsure (never refused, never
+    marked)."""
+    if found is None or model is None:
+        return None
+    return bool(found.possible & model.takes)
+
+
 def arch_check(adapters: Iterable[Adapter], model: ModelArch | None, allow_other_arch: bool) -> ArchCheck:
     """The adapters whose files' keys and shapes name an architecture the model does not take as its own, for
     `refuse` and `note_other_arch`. The face supplies `model` (its own fact: ComfyUI's model class, a
@@ -227,7 +236,7 @@ def arch_check(adapters: Iterable[Adapter], model: ModelArch | None, allow_other
     suspects = []
     for adapter in adapters:
         found = file_arch(adapter)
-        if found is not None and not found.possible & model.takes:
+        if found is not None and fits_model(found, model) is False:
             path = str(adapter.path) if adapter.path else None
             suspects.append(OtherArch(_file_name(adapter), found.name, model.name, adapter.name, path))
     return ArchCheck(tuple(suspects), allow_other_arch)

@@ -76,6 +76,27 @@ class _DictSource:
         return tuple(self._tensors[key].shape)
 
 
+class HeaderSource:
+    """The names and shapes of a .safetensors file's header, no tensor: what detection reads (the LoRA
+    picker's architecture marks). Asking it for a tensor is an error."""
+
+    def __init__(self, path: Path) -> None:
+        from ..io.safetensors_file import read_safetensors_header
+
+        self.path = path
+        header, self.metadata, _ = read_safetensors_header(path, names=True)
+        self._shapes = {k: e[1] for k, e in header.items()}
+
+    def keys(self) -> list[str]:
+        return list(self._shapes)
+
+    def get(self, key: str) -> torch.Tensor:
+        raise AdapterFileError(f"{self.path}: read for its header only, tensor {key!r} was not read")
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shapes[key]
+
+
 @dataclass
 class AdapterPart:
     """All keys of one adapter that address one module (or one fused group of rows)."""
@@ -133,7 +154,10 @@ class Adapter:
         )
 
 
-def _open_source(path: Path, allow_pickle: bool, read: bool = False):
+def _open_source(path: Path, allow_pickle: bool, read: bool = False, header_only: bool = False):
+    if header_only and path.suffix.lower() == ".safetensors":
+        source = HeaderSource(path)
+        return source, dict(source.metadata)
     if path.suffix.lower() in PICKLE_SUFFIXES:
         from ..io.pickle_file import load_pickle_state_dict
 
@@ -228,9 +252,12 @@ def load_adapter(
     *,
     allow_pickle: bool = False,
     read: bool = False,
+    header_only: bool = False,
 ) -> Adapter:
     """Read an adapter (path to .safetensors, PEFT directory, or state dict); tensors stay lazy, or with
-    `read` a .safetensors file is read whole into memory of its own (io.safetensors_file.SafetensorsFile)."""
+    `read` a .safetensors file is read whole into memory of its own (io.safetensors_file.SafetensorsFile).
+    `header_only`: a .safetensors file's names, shapes and metadata only (HeaderSource), its data never
+    mapped nor read."""
     if isinstance(source, Adapter):
         return source
     if not isinstance(source, (str, os.PathLike, Mapping)):
@@ -242,7 +269,7 @@ def load_adapter(
         metadata: dict[str, str] = {}
     else:
         path, peft_config = _resolve_path(Path(source))
-        tensors, metadata = _open_source(path, allow_pickle, read)
+        tensors, metadata = _open_source(path, allow_pickle, read, header_only)
     parts, unparsed = group_parts(tensors.keys())
     for component in sorted({p.component for p in parts if p.layout == "cloneofsimo"}):
         cloneofsimo_classes(metadata, component, str(path) if path else "adapter")

@@ -1,7 +1,11 @@
 // Shows each LoraWeave node's report (its "text" ui output) in a read-only text box on the node, sized to
 // its lines up to a cap, in the node's own width. A standard STRING widget, so it renders under the classic
 // canvas and under Nodes 2.0 alike. The report describes the last run of the file the node names: it is
-// cleared when lora_name changes, when the node is bypassed or muted, and when the node fails.
+// cleared when its file changes (lora_name, a Multi Loader row's file), when the node is bypassed or muted,
+// and when the node fails.
+// The LoRA picker marks the files whose header says they are for another architecture than the model the
+// node last ran on ("⚠ file.safetensors (SD2)"): the run names the model's architecture (MODEL_UI), the
+// server's ARCH_ROUTE says which files fit it. Only the label changes: the values stay the file names.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { ComfyWidgets } from "../../scripts/widgets.js";
@@ -14,6 +18,9 @@ const MIN_HEIGHT = 24; // px: one line
 const GAP = 10; // px kept free above a node below
 const BYPASS = 4;
 const NEVER = 2; // muted
+const MODEL_UI = "loraweave_model";
+const ARCH_ROUTE = "/loraweave/lora_archs";
+const OTHER_ARCH = "\u26a0"; // ⚠
 // Set by the first copy of this script that runs: another copy registers nothing.
 const LOADED = Symbol.for("loraweave.report.loaded");
 
@@ -132,6 +139,37 @@ function watchMode(node, onChange) {
   });
 }
 
+// A widget that picks a file: lora_name, or a Multi Loader row's file (loras.lora_1, loras.lora_2, ...).
+function isFileWidget(name) {
+  return name === "lora_name" || /^loras\.lora_\d+$/.test(name ?? "");
+}
+
+// How the picker shows file `value`: marked when its architecture does not fit the node's model.
+function fileLabel(node, value) {
+  const file = value == null ? null : node.loraweaveFiles?.[value];
+  return file?.fits === false ? `${OTHER_ARCH} ${value} (${file.label})` : (value ?? "");
+}
+
+// The classic canvas asks getOptionLabel, Nodes 2.0's select its optionLabel: both get the one label.
+function markFiles(node, widget) {
+  if (!isFileWidget(widget?.name) || !widget.options) return widget;
+  widget.options.getOptionLabel = (value) => fileLabel(node, value);
+  widget.options.optionLabel = (value) => fileLabel(node, value);
+  return widget;
+}
+
+// Which files fit the architecture `model` the node ran on (the server reads each file's header only).
+async function learnModel(node, model) {
+  try {
+    const response = await api.fetchApi(`${ARCH_ROUTE}?model=${encodeURIComponent(model)}`);
+    if (!response.ok) return;
+    node.loraweaveFiles = (await response.json()).files ?? {};
+    app.graph?.setDirtyCanvas(true, true);
+  } catch (error) {
+    console.warn(`[loraweave] ${ARCH_ROUTE}: ${error}`);
+  }
+}
+
 const extension = {
   name: EXTENSION,
   async setup() {
@@ -147,15 +185,22 @@ const extension = {
       onExecuted?.apply(this, arguments);
       const text = (message?.text ?? []).join("\n");
       if (text) showReport(this, text);
+      const model = message?.[MODEL_UI]?.[0];
+      if (model) learnModel(this, model);
     };
     const onWidgetChanged = nodeType.prototype.onWidgetChanged;
     nodeType.prototype.onWidgetChanged = function (name, value, oldValue) {
       onWidgetChanged?.apply(this, arguments);
-      if (name === "lora_name" && value !== oldValue) showReport(this, "");
+      if (isFileWidget(name) && value !== oldValue) showReport(this, "");
     };
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       onNodeCreated?.apply(this, arguments);
+      this.widgets?.forEach((widget) => markFiles(this, widget));
+      const addWidget = this.addWidget;
+      this.addWidget = function () {
+        return markFiles(this, addWidget.apply(this, arguments)); // a Multi Loader's rows come and go
+      };
       watchMode(this, (mode) => {
         if (mode === BYPASS || mode === NEVER) showReport(this, "");
       });
