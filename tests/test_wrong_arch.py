@@ -4,7 +4,8 @@ UNet (full size, on `meta`: the refusal comes before anything is computed) lands
 `inspect` says sd2. `allow_other_arch=True` applies it and says so (report, summary, WARNING). Files of the
 model's own architecture, files detection cannot place (LyCORIS LoKr without a cross-attention factor,
 cloneofsimo positions, text-encoder-only files) and the variants of one architecture (Flux dev/schnell,
-Chroma, Flux.2 klein, LTX-2/2.3 in one ComfyUI class) are not refused."""
+Chroma, Flux.2 klein, LTX-2/2.3 in one ComfyUI class) are not refused. `Handle.switch` (how Ray Serve loads
+adapters) refuses as apply does, keeping the handle's set, and takes the same opt-in."""
 
 from __future__ import annotations
 
@@ -237,3 +238,41 @@ def test_the_readme_says_when_the_pack_refuses_a_wrong_file():
     assert "(a wrong-architecture LoRA) is an error at queue time" not in readme
     comfy = readme[readme.index("Queue time (before anything runs)") :][:900]
     assert "is an error when the node runs" in comfy and "`allow_other_arch` input" in comfy, comfy
+
+
+def _params(model: dict) -> list:
+    return [(c, n, p) for c, m in model.items() for n, p in m.named_parameters()]
+
+
+def test_a_switch_to_another_architecture_is_refused_and_keeps_the_set(sd15):
+    """Handle.switch (what Ray Serve loads adapters through) runs apply's architecture check: the SD2 file is
+    refused before anything changes, and the handle keeps its SD1.5 file, usable for a later switch."""
+    sd1, clean = LORA_DIR / SD1_FILES[2], _hooks(sd15)
+    handle = loraweave.apply(sd15, sd1, mode="runtime")
+    try:
+        hooks, params, report = _hooks(sd15), _params(sd15), handle.report.to_dict()
+        with pytest.raises(WrongArchitectureError) as caught:
+            handle.switch([LORA_DIR / SD2_FILE])
+        assert str(caught.value).startswith(f"{SD2_FILE}: an SD2 LoRA on an SD1.5 model."), str(caught.value)
+        assert _hooks(sd15) == hooks and handle.report.to_dict() == report
+        assert all(a is b for (*_, a), (*_, b) in zip(_params(sd15), params, strict=True))
+        assert handle.active and [a["path"] for a in handle.report.adapters] == [str(sd1)]
+        handle.switch([LORA_DIR / SD1_FILES[3]])  # still usable
+        assert handle.report.keys_applied == handle.report.keys_total and handle.report.other_arch == []
+    finally:
+        handle.remove()
+    assert _hooks(sd15) == clean
+
+
+def test_a_switch_with_the_opt_in_applies_and_says_so(sd15):
+    handle = loraweave.apply(sd15, LORA_DIR / SD1_FILES[2], mode="runtime")
+    try:
+        handle.switch([LORA_DIR / SD2_FILE], allow_other_arch=True)
+        report = handle.report
+        assert (report.keys_applied, report.keys_total) == (192, 256)
+        assert [o["words"] for o in report.other_arch] == ["an SD2 LoRA on an SD1.5 model"]
+        assert report.summary().startswith("other_arch=sd2_on_sd1 ")
+        handle.switch([LORA_DIR / SD1_FILES[2]])  # back to its own architecture: nothing to say
+        assert handle.report.other_arch == []
+    finally:
+        handle.remove()

@@ -7,8 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from .arch.fit import ModelArch, module_arch
-from .engine.decide import ArchCheck, arch_check, note_other_arch, refuse
+from .engine.decide import ArchCheck, arch_check, model_arch_of, note_other_arch, refuse
 from .engine.handle import Handle
 from .engine.install import (
     AdapterSource,
@@ -30,7 +29,7 @@ from .report.report import AppliedModule, Report
 from .request.spec import finite_strength
 from .resolve.planner import Plan, PlannedPart
 from .resolve.stacking import adapter_names
-from .resolve.target import Components, as_components
+from .resolve.target import as_components
 from .resolve.weights import AdapterWeights, assign
 
 log = logging.getLogger("loraweave")
@@ -147,12 +146,6 @@ def apply(
         p, settings = resolve_set(components, adapters, strength)
         arch = arch_check(p.adapters, model_arch_of(components), allow_other_arch)
         return _install_plan(p, settings, options, strict, allow_empty, progress, t0, arch)
-
-
-def model_arch_of(components: Components) -> ModelArch | None:
-    """The architecture of the target's denoiser (None: no denoiser, or one loraweave maps no record onto)."""
-    denoiser = components.modules.get(components.denoiser_name) if components.denoiser_name else None
-    return module_arch(denoiser) if denoiser is not None else None
 
 
 def apply_planned(

@@ -79,8 +79,9 @@ class WrongArchitectureError(LoraweaveError):
     LoRA on an SD1.5 model) and some of its keys do not land; refused before anything changed. `.found` lists
     each such file (`adapter`, `file_arch`, `model_arch`, `words`), `.report` the full report.
 
-    The opt-in is `allow_other_arch=True` (`apply`, `loraweave.comfy.load_lora_for_models`), the nodes'
-    `allow_other_arch` input, the CLI's `--allow-other-arch`; the report then says what was applied anyway."""
+    The opt-in is `allow_other_arch=True` (`apply`, `Handle.switch`, `loraweave.comfy.load_lora_for_models`),
+    the nodes' `allow_other_arch` input, the CLI's `--allow-other-arch`; the report then says what was applied
+    anyway."""
 
     def __init__(self, message: str, found: list[dict], report=None) -> None:
         super().__init__(message)

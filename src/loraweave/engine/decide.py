@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from ..arch.fit import FileArch, ModelArch, file_arch, label, with_article
+from ..arch.fit import FileArch, ModelArch, file_arch, label, module_arch, with_article
 from ..errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -31,6 +31,7 @@ from ..report.coverage import EMPTY_OPT_IN, refuse_empty
 from ..report.miss import Skipped
 from ..report.report import Report, failures
 from ..request.spec import finite_strength
+from ..resolve.target import Components
 
 log = logging.getLogger("loraweave")
 WholeModelMode = Literal["merge", "runtime"]
@@ -221,6 +222,12 @@ def fits_model(found: FileArch | None, model: ModelArch | None) -> bool | None:
     if found is None or model is None:
         return None
     return bool(found.possible & model.takes)
+
+
+def model_arch_of(components: Components) -> ModelArch | None:
+    """The architecture of the target's denoiser (None: no denoiser, or one loraweave maps no record onto)."""
+    denoiser = components.modules.get(components.denoiser_name) if components.denoiser_name else None
+    return module_arch(denoiser) if denoiser is not None else None
 
 
 def arch_check(adapters: Iterable[Adapter], model: ModelArch | None, allow_other_arch: bool) -> ArchCheck:

@@ -292,20 +292,23 @@ class Handle:
         strength: float = 1.0,
         stack: StackMode = "sum",
         density: float | None = None,
+        allow_other_arch: bool = False,
     ) -> None:
         """Replace the applied set with a new one, touching only layers whose contributions changed.
 
-        Checked like apply (same options rules, before anything changes). Same structure on a layer:
-        re-pointed (runtime: scale update; merge: rewritten only if a strength changed). Runtime layers that
-        only lose adapters whose terms vanish at strength 0 gate them to 0 (no allocation); others are
-        rebuilt. `last_switch` counts kept / reattached / rebuilt / dropped layers. If it fails midway, every
-        adapter is removed and the error raised."""
+        Checked like apply (same options rules, before anything changes): a file of another architecture
+        than the model's is refused (WrongArchitectureError, the handle keeps its set) unless
+        `allow_other_arch`, and the report's `other_arch` says what was let through. Same structure on a
+        layer: re-pointed (runtime: scale update; merge: rewritten only if a strength changed). Runtime
+        layers that only lose adapters whose terms vanish at strength 0 gate them to 0 (no allocation);
+        others are rebuilt. `last_switch` counts kept / reattached / rebuilt / dropped layers. If it fails
+        midway, every adapter is removed and the error raised."""
         from .switch import switch
 
         state = self._state
         try:
             with self.lock():
-                switch(state, adapters, strength, stack, density)
+                switch(state, adapters, strength, stack, density, allow_other_arch)
         finally:
             if state.mix is not None:  # open batch / regions follow the new paths (or go with them)
                 state.attach_mix() if state.active else state.release_mix()

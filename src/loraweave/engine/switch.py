@@ -35,7 +35,7 @@ from ..report.report import AppliedModule, Report
 from ..resolve.planner import Plan, PlannedPart
 from ..resolve.stacking import Contribution
 from ..resolve.weights import AdapterWeights
-from .decide import refuse_other_inputs
+from .decide import NO_ARCH_CHECK, ArchCheck, arch_check, model_arch_of, note_other_arch, refuse
 from .install import (
     AdapterSet,
     finish_report,
@@ -170,13 +170,19 @@ class NewSet:
     work: WorkPlan
     unmatched: list[Unmatched]
     t0: float
+    arch: ArchCheck = NO_ARCH_CHECK  # the new set's files of another architecture (let through: opted in)
 
     def report(self, applied: list[AppliedModule]) -> Report:
         return finish_report(self.plan, self.mode, applied, self.unmatched, self.work, self.t0)
 
 
 def _plan_switch(
-    state: HandleState, adapters: AdapterSet, strength: float, stack: StackMode, density: float | None
+    state: HandleState,
+    adapters: AdapterSet,
+    strength: float,
+    stack: StackMode,
+    density: float | None,
+    allow_other_arch: bool = False,
 ) -> NewSet:
     """Plan the new set with the handle's settings but the stack (compile buckets and undo settings carried
     over; bucket floors shared); every refusal apply would make, and the undo checks, come before any
@@ -190,6 +196,7 @@ def _plan_switch(
 
         state.resolve_cache = ResolveCache(components)
     p, settings = resolve_set(components, adapters, strength, cache=state.resolve_cache)
+    arch = arch_check(p.adapters, model_arch_of(components), allow_other_arch)
     mode = options.layer_mode(len(p.adapters))  # the same refusals as apply, before anything changes
     state.check_undoable()
     for (
@@ -197,8 +204,10 @@ def _plan_switch(
     ) in state.merged():  # fused (undo='none') or a changed source file: refused before anything changes
         rec.check_undo(rewrite=True)
     wp, unmatched = plan_layers(p, options, mode)
-    refuse_other_inputs(make_report(p, mode, [], unmatched, t0))  # what apply refuses whatever strict
-    return NewSet(p, settings, options, mode, wp, unmatched, t0)
+    # What apply refuses whatever strict: another architecture's file, keys trained on other inputs (a
+    # switch never refused strict or empty sets).
+    refuse(make_report(p, mode, [], unmatched, t0), strict=False, allow_empty=True, arch=arch)
+    return NewSet(p, settings, options, mode, wp, unmatched, t0, arch)
 
 
 def _must_start_over(state: HandleState, new: NewSet) -> bool:
@@ -319,6 +328,7 @@ def _switch_layers(state: HandleState, new: NewSet) -> LayerDiff:
 
 
 def _commit(state: HandleState, new: NewSet, report: Report, counts: dict[str, int]) -> None:
+    note_other_arch(report, new.arch)
     state.adopt(new.plan, new.settings, new.options, report)  # the new set comes with its own strengths
     warn_incomplete(report)
     state.start_selection()  # a select mode starts on the subject; any other mode drops the old selection
@@ -339,12 +349,14 @@ def switch(
     strength: float = 1.0,
     stack: StackMode = "sum",
     density: float | None = None,
+    allow_other_arch: bool = False,
 ) -> None:
     """Make the handle whose state this is represent a new adapter set on the same target (the caller holds
-    the model's lock)."""
+    the model's lock); a file of another architecture is refused as apply refuses it, unless
+    `allow_other_arch`."""
     if not state.active:
         raise StateError("handle was removed")
-    new = _plan_switch(state, adapters, strength, stack, density)
+    new = _plan_switch(state, adapters, strength, stack, density, allow_other_arch)
     if _must_start_over(state, new):
         return _start_over(state, new)
     diff = _switch_layers(state, new)
