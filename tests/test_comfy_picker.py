@@ -72,7 +72,7 @@ def header_reads(monkeypatch):
 
     from loraweave.comfy import picker
     from loraweave.io import safetensors_file
-    from loraweave.io.file_cache import BoundedCache
+    from loraweave.io.file_cache import FileCache
 
     def refuse(*args, **kwargs):
         raise AssertionError("tensor data read")
@@ -86,7 +86,8 @@ def header_reads(monkeypatch):
         (safetensors.torch, "load_file"),
     ):
         monkeypatch.setattr(owner, name, refuse)
-    monkeypatch.setattr(picker, "header_archs", BoundedCache(picker.FILES_KEPT))  # nothing kept yet
+    kept_none: FileCache = FileCache(picker.FILES_KEPT, weigh_files=False)  # nothing kept yet
+    monkeypatch.setattr(picker, "header_archs", kept_none)
     reads: dict[str, int] = {}
     monkeypatch.setattr(
         safetensors_file,

@@ -14,7 +14,7 @@ from ..arch.fit import FileArch, file_arch, label, model_arch
 from ..engine.decide import fits_model
 from ..errors import LoraweaveError
 from ..formats.adapter import load_adapter
-from ..io.file_cache import BoundedCache, FileIdentity, file_identity
+from ..io.file_cache import FileCache
 from .lora_files import FOLDER
 
 log = logging.getLogger("loraweave")
@@ -22,25 +22,24 @@ log = logging.getLogger("loraweave")
 ROUTE = "/loraweave/lora_archs"
 MODEL_UI = "loraweave_model"  # the ui field that names the architecture of the model a loader ran on
 FILES_KEPT = 4096  # header detections kept, by file identity: a rewritten file is read again
-header_archs: BoundedCache[FileIdentity, FileArch | None] = BoundedCache(FILES_KEPT)
+header_archs: FileCache[FileArch | None] = FileCache(FILES_KEPT, weigh_files=False)
 _routes_added = False
 
 
 def header_arch(path: str) -> FileArch | None:
     """The architecture the .safetensors file at `path` was trained for, read from its header only (None:
     its detection names no one model, or it is no readable .safetensors file). Kept by file identity."""
-    key = file_identity(path)
-    if key is not None and key in header_archs:
-        return header_archs.get(key)
-    found = None
-    if path.lower().endswith(".safetensors"):
-        try:
-            found = file_arch(load_adapter(path, header_only=True))
-        except (LoraweaveError, OSError) as exc:
-            log.debug("comfy picker_unread path=%s why=%s", path, exc)
-    if key is not None and file_identity(path) == key:  # unchanged while it was read
-        header_archs.put(key, found)
-    return found
+    return header_archs.read(path, read_header_arch)
+
+
+def read_header_arch(path) -> FileArch | None:
+    if not str(path).lower().endswith(".safetensors"):
+        return None
+    try:
+        return file_arch(load_adapter(path, header_only=True))
+    except (LoraweaveError, OSError) as exc:
+        log.debug("comfy picker_unread path=%s why=%s", path, exc)
+        return None
 
 
 def lora_archs(model: str | None = None) -> dict:

@@ -96,18 +96,17 @@ class FileCache(Generic[V]):
     whose identity changed is read again; a value whose file changed while it was read is returned, not kept;
     what is not one regular file is read every time."""
 
-    def __init__(self, count: int, max_bytes: int = BYTES_KEPT) -> None:
+    def __init__(self, count: int, max_bytes: int = BYTES_KEPT, weigh_files: bool = True) -> None:
         self.kept: BoundedCache[FileIdentity, V] = BoundedCache(count, max_bytes)
+        self.weigh_files = weigh_files  # False: values small beside their files (a header's answer)
 
     def read(self, path: str | os.PathLike, reader: Callable[[str | os.PathLike], V]) -> V:
         key = file_identity(path)
-        if key is not None:
-            hit = self.kept.get(key)
-            if hit is not None:
-                return hit
+        if key is not None and key in self.kept:  # `in`, not get: a kept answer may be None
+            return self.kept.get(key)  # type: ignore[return-value]
         value = reader(path)
         if key is not None and file_identity(path) == key:  # unchanged while it was read
-            self.kept.put(key, value, key.size)
+            self.kept.put(key, value, key.size if self.weigh_files else 0)
         return value
 
     def holds(self, path: str | os.PathLike) -> bool:
