@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 
 import aiohttp
 from helpers.browser import WINDOW, Page, start_chromium
 from helpers.comfy_env import COMFYUI_DIR, REPO_ROOT
-from helpers.comfy_models import flux_state_dict
-from helpers.comfy_pack import FLUX_FILE, NODE_IDS, write_loras
+from helpers.comfy_pack import FLUX_FILE, NODE_IDS
 from helpers.comfy_page import COUNT_LOADS, evidence, open_app, wait_history
+from helpers.comfy_page_runs import base_directory
 from helpers.comfy_server import get_json, processes_naming, start_server, stop
-from safetensors.torch import save_file
 
 LOADER, INSPECT = 2, 4  # node ids in the workflow
 LOADER_WIDTH = 330  # narrower than the report's lines: the node must keep it
@@ -71,27 +68,8 @@ def workflow(strength: float = 0.7) -> dict:
 
 
 def _base_directory(base) -> None:
-    """models (tiny Flux, LoRA files), user settings (no first-run tour), and our pack by `loraweave comfy
-    install`."""
-    write_loras(base / "models" / "loras")
-    (base / "models" / "diffusion_models").mkdir(parents=True)
-    save_file(flux_state_dict(), base / "models" / "diffusion_models" / FLUX_FILE)
-    settings = base / "user" / "default" / "comfy.settings.json"
-    settings.parent.mkdir(parents=True)
-    # no first-run tour; no workflow restored on a page (re)load: the frontend would restore the last open tab
-    # after the app exists, over the workflow the test loads (seen: the Nodes 2.0 run showing strength 0.7)
-    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True, "Comfy.Workflow.Persist": False}))
-    cli = [
-        sys.executable,
-        "-m",
-        "loraweave",
-        "comfy",
-        "install",
-        str(COMFYUI_DIR),
-        "--base-directory",
-        str(base),
-    ]
-    subprocess.run(cli, check=True, capture_output=True)
+    """comfy_page_runs.base_directory, and a clone of this repository beside the installed shim."""
+    base_directory(base)
     assert (base / "custom_nodes" / "loraweave_nodes" / "__init__.py").is_file()
     (base / "custom_nodes" / CLONE).symlink_to(REPO_ROOT, target_is_directory=True)
 

@@ -9,8 +9,9 @@ import json
 import subprocess
 import sys
 
-from helpers.comfy_env import COMFYUI_DIR, REPO_ROOT
+from helpers.comfy_env import REPO_ROOT
 from helpers.comfy_pack import NODE_IDS
+from helpers.comfy_page_runs import install_shim
 
 LOAD = """
 import asyncio, json, logging, sys
@@ -41,19 +42,7 @@ def load(*folders) -> dict:
 
 
 def shim_in(base) -> str:
-    base.mkdir(parents=True, exist_ok=True)
-    cli = [
-        sys.executable,
-        "-m",
-        "loraweave",
-        "comfy",
-        "install",
-        str(COMFYUI_DIR),
-        "--base-directory",
-        str(base),
-    ]
-    subprocess.run(cli, check=True, capture_output=True)
-    return str(base / "custom_nodes" / "loraweave_nodes")
+    return str(install_shim(base))
 
 
 def test_shim_and_clone_together_are_said_once(tmp_path):

@@ -27,7 +27,15 @@ def base_directory(base: Path) -> None:
     save_file(flux_state_dict(), base / "models" / "diffusion_models" / FLUX_FILE)
     settings = base / "user" / "default" / "comfy.settings.json"
     settings.parent.mkdir(parents=True)
+    # no workflow restored on a page (re)load: the frontend would restore the last open tab after the app
+    # exists, over the workflow the test loads (seen: the Nodes 2.0 run showing strength 0.7)
     settings.write_text(json.dumps({"Comfy.TutorialCompleted": True, "Comfy.Workflow.Persist": False}))
+    install_shim(base)
+
+
+def install_shim(base: Path) -> Path:
+    """`loraweave comfy install --base-directory base` run as users run it; the shim's folder."""
+    base.mkdir(parents=True, exist_ok=True)
     cli = [
         sys.executable,
         "-m",
@@ -39,6 +47,7 @@ def base_directory(base: Path) -> None:
         str(base),
     ]
     subprocess.run(cli, check=True, capture_output=True)
+    return base / "custom_nodes" / "loraweave_nodes"
 
 
 async def prepare(page: Page, size: tuple[int, int]) -> None:
