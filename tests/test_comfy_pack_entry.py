@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.comfy_env import COMFYUI_DIR, REPO_ROOT
+from helpers.comfy_env import COMFYUI_TREES, REPO_ROOT
 from helpers.comfy_pack import NODE_MODULES
 
 LOAD_REPO_AS_CUSTOM_NODE = """
@@ -59,10 +59,6 @@ def test_repository_root_loads_as_a_custom_node():
 # A clone named `loraweave` (the repository's name; what ComfyUI-Manager creates). ComfyUI names a custom
 # node's module after its full path, but after the folder alone when custom_nodes is given as a relative path
 # (and in releases before its full-path names): then this repository's root holds the name `loraweave`.
-COMFYUI_TREES = {
-    "v0.19.3": COMFYUI_DIR,
-    "latest": REPO_ROOT.parent / "shared" / "comfyui-latest" / "ComfyUI",
-}
 
 LOAD_CLONE_AS_CUSTOM_NODE = """
 import asyncio, json, os, sys

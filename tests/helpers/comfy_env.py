@@ -1,4 +1,6 @@
-"""Headless, in-process, CPU import of the ComfyUI v0.19.3 source in ../shared/comfyui/ComfyUI.
+"""Headless, in-process, CPU import of a ComfyUI source tree: v0.19.3 (../shared/comfyui/ComfyUI) by default,
+or the newest one (../shared/comfyui-latest/ComfyUI, master of 2026-08-22) when LORAWEAVE_COMFYUI=latest. One
+process imports one tree, so scripts/test.sh runs the comfy tests a second time with the variable set.
 
 `import_comfy()` returns the imported `comfy` package after the recipe of ../shared/comfyui/README.md:
 diffusers and transformers first (they probe torchvision once at import), then a stub `torchvision` (and
@@ -8,12 +10,19 @@ imported. A missing ComfyUI tree is a failure, never a skip."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-COMFYUI_DIR = REPO_ROOT.parent / "shared" / "comfyui" / "ComfyUI"
+COMFYUI_TREES = {
+    "v0.19.3": REPO_ROOT.parent / "shared" / "comfyui" / "ComfyUI",
+    "latest": REPO_ROOT.parent / "shared" / "comfyui-latest" / "ComfyUI",
+}
+COMFYUI_TREE = os.environ.get("LORAWEAVE_COMFYUI", "v0.19.3")
+assert COMFYUI_TREE in COMFYUI_TREES, f"LORAWEAVE_COMFYUI={COMFYUI_TREE!r}: one of {sorted(COMFYUI_TREES)}"
+COMFYUI_DIR = COMFYUI_TREES[COMFYUI_TREE]
 # ComfyUI imports these at module level (cosmos, cascade, audio VAEs); the PyPI wheels would pull a CUDA
 # torch.
 STUBBED = ("torchvision", "torchaudio")
@@ -59,7 +68,7 @@ def _install_stubs() -> None:
 def comfy_dir() -> Path:
     # Loud on purpose: the comfy tests prove nothing without the real ComfyUI tree.
     assert (COMFYUI_DIR / "comfy" / "model_patcher.py").is_file(), (
-        f"missing ComfyUI v0.19.3 source at {COMFYUI_DIR}"
+        f"missing ComfyUI {COMFYUI_TREE} source at {COMFYUI_DIR}"
     )
     return COMFYUI_DIR
 
