@@ -1,17 +1,17 @@
-"""The node pack in a real browser: ComfyUI v0.19.3's main.py --cpu (source in place,
-comfyui-frontend-package 1.42.11) serving a temporary base directory into which `loraweave comfy install`
-wrote the pack, beside a clone of this repository in custom_nodes (both installed: the pack says so once and
-its script registers once), and Debian's headless Chromium over the DevTools protocol. The page loads a
-workflow using our loader on a tiny Flux checkpoint and our inspector, queues it, and the test waits for
-/history to say it completed; then our nodes must be in /object_info, in the frontend's node registry and in
-the node library panel, and the report on the loader node: all of it (no scroll bar), in the node's own
-width, labelled as an output. The page is reloaded and the same workflow queued again (ComfyUI reuses the
-cached loader): the report must be back on the node; a new lora_name clears it until the next run shows the
-new file's; bypassing the node clears it. Under Nodes 2.0 the report shows the same way, and the properties
-panel does not list it under its internal name. The screenshot paths are printed; on a failure the page's
-screenshot and console are saved beside them (failure.png, failure.console.txt). Every page (re)load waits
-until the app's own startup workflow has loaded (COUNT_LOADS) before the test loads its own, and no process of
-the server or the browser may outlive the test."""
+"""The node pack in a real browser: ComfyUI's main.py --cpu (source in place, v0.19.3 with
+comfyui-frontend-package 1.42.11, or the newest tree with 1.49.6: the frontend each pins) serving a temporary
+base directory into which `loraweave comfy install` wrote the pack, beside a clone of this repository in
+custom_nodes (both installed: the pack says so once and its script registers once), and Debian's headless
+Chromium over the DevTools protocol. The page loads a workflow using our loader on a tiny Flux checkpoint and
+our inspector, queues it, and the test waits for /history to say it completed; then our nodes must be in
+/object_info, in the frontend's node registry and in the node library panel, and the report on the loader
+node: all of it (no scroll bar), in the node's own width, labelled as an output. The page is reloaded and the
+same workflow queued again (ComfyUI reuses the cached loader): the report must be back on the node; a new
+lora_name clears it until the next run shows the new file's; bypassing the node clears it. Under Nodes 2.0 the
+report shows the same way, and the properties panel does not list it under its internal name. The screenshot
+paths are printed; on a failure the page's screenshot and console are saved beside them (failure.png,
+failure.console.txt). Every page (re)load waits until the app's own startup workflow has loaded (COUNT_LOADS)
+before the test loads its own, and no process of the server or the browser may outlive the test."""
 
 from __future__ import annotations
 
@@ -310,6 +310,9 @@ def test_pack_in_a_real_browser(tmp_path):
     console = "\n".join(seen["console"])
     # (a second registration throws in the frontend: "[vite:preloadError]" in 1.42.11's console)
     assert not any(e in console for e in ("preloadError", "Error loading extension")), console
+    # the pack imports no module the frontend calls internal (its notice: "... is an internal module, not
+    # part of the public API"; 1.42.11 and 1.49.6 print it for scripts/widgets.js)
+    assert "is an internal module" not in console, console
     assert console.count("loraweave.report: http") == 2 * 3, console  # two copies skipped, three page loads
     assert log.read_text().count("pack_installed_twice") == 1
     prompt_2, second, dom = seen["vue"]

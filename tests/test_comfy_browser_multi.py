@@ -1,6 +1,6 @@
-"""LoraWeave Multi Loader in a real browser: ComfyUI v0.19.3's main.py --cpu (comfyui-frontend-package
-1.42.11) and Debian's headless Chromium, under the classic canvas and under Nodes 2.0 (row 1 at another
-strength there, so the server runs the node again). The page builds Load Diffusion
+"""LoraWeave Multi Loader in a real browser: ComfyUI's main.py --cpu (v0.19.3 with comfyui-frontend-package
+1.42.11, or the newest tree with 1.49.6) and Debian's headless Chromium, under the classic canvas and under
+Nodes 2.0 (row 1 at another strength there, so the server runs the node again). The page builds Load Diffusion
 Model -> Multi Loader -> Preview as Text, sets row 1, grows the node to 3 rows (row 1 keeps its settings: the
 frontend rebuilds a dynamic combo's widgets with their defaults, web/multi_loader.js gives them back), turns
 row 2 off and runs it; then the workflow is saved and loaded back: the same widgets, the same prompt. The

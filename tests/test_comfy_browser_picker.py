@@ -1,10 +1,10 @@
-"""The LoRA picker's marks in a real browser: ComfyUI v0.19.3's main.py --cpu (comfyui-frontend-package
-1.42.11) and Debian's headless Chromium, under the classic canvas and under Nodes 2.0. The loras folder holds
-the node tests' files and the real SD2 file; the page builds Load Diffusion Model (the tiny Flux) -> LoraWeave
-Loader (model only) and -> Multi Loader, and runs it. The run names the model's architecture, the web script
-asks the server which files fit it, and the SD2 file is then shown as "⚠ <file> (SD2)" in both file pickers,
-its value still the plain file name. A Multi Loader row's new file clears the node's report. The
-screenshots' paths are printed."""
+"""The LoRA picker's marks in a real browser: ComfyUI's main.py --cpu (v0.19.3 with comfyui-frontend-package
+1.42.11, or the newest tree with 1.49.6) and Debian's headless Chromium, under the classic canvas and under
+Nodes 2.0. The loras folder holds the node tests' files and the real SD2 file; the page builds Load Diffusion
+Model (the tiny Flux) -> LoraWeave Loader (model only) and -> Multi Loader, and runs it. The run names the
+model's architecture, the web script asks the server which files fit it, and the SD2 file is then shown as "⚠
+<file> (SD2)" in both file pickers, its value still the plain file name. A Multi Loader row's new file clears
+the node's report. The screenshots' paths are printed."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 import torch
+from helpers.comfy_env import prompt_executor
 from helpers.comfy_home import comfy_home_fixture, run_prompt  # noqa: F401  (fixture)
 from helpers.comfy_pack import FLUX_FILE
 from helpers.comfy_sampling import StubServer, register_test_nodes
@@ -77,12 +78,8 @@ def queue(executor, prompt: dict) -> tuple[list[str], dict, list[str]]:
 
 @pytest.fixture
 def executor(comfy_home, monkeypatch):
-    import execution
-
     register_test_nodes(monkeypatch)
-    return execution.PromptExecutor(
-        StubServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0}
-    )
+    return prompt_executor(StubServer())
 
 
 @pytest.mark.parametrize("class_type", list(LOADERS))

@@ -100,3 +100,18 @@ def import_comfy() -> types.ModuleType:
         "ComfyUI did not start on CPU"
     )
     return comfy
+
+
+# The cache_args keys main.py passes on either tree: the newest reads "ram_inactive" by key (v0.19.3 has no
+# such key and reads the others with .get). A classic cache with no RAM headroom, as the tests had.
+CACHE_ARGS = {"lru": 0, "ram": 0, "ram_inactive": 0}
+
+
+def prompt_executor(server):
+    """ComfyUI's PromptExecutor with a classic cache, built as main.py builds it, reporting to `server`."""
+    import_comfy()
+    import execution
+
+    return execution.PromptExecutor(
+        server, cache_type=execution.CacheType.CLASSIC, cache_args=dict(CACHE_ARGS)
+    )

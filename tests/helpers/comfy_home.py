@@ -11,7 +11,7 @@ import asyncio
 import pytest
 from safetensors.torch import save_file
 
-from .comfy_env import COMFYUI_DIR, import_comfy
+from .comfy_env import COMFYUI_DIR, import_comfy, prompt_executor
 from .comfy_models import flux_state_dict
 from .comfy_pack import FLUX_FILE, write_loras
 
@@ -59,9 +59,7 @@ def run_prompt(prompt: dict, node_ids: tuple[str, ...] = ("1", "2")):
     valid, _, outputs, node_errors = asyncio.run(execution.validate_prompt("t", prompt, None))
     if not valid:
         return False, node_errors, None, {}
-    ex = execution.PromptExecutor(
-        _Server(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0}
-    )
+    ex = prompt_executor(_Server())
     ex.execute(
         {k: {key: v for key, v in n.items() if key != "report_slot"} for k, n in prompt.items()},
         "t",

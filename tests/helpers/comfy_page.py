@@ -1,6 +1,6 @@
-"""The ComfyUI web app in a browser page (helpers/browser.Page), for the browser test: (re)open the app and
-wait until its own startup workflow has loaded and its websocket is open, keep what the queue button sends,
-wait for a run's /history entry, and save the evidence of a failure."""
+"""The ComfyUI web app in a browser page (helpers/browser.Page), for the browser test: (re)open the app (the
+frontend the tree pins) and wait until its own startup workflow has loaded and its websocket is open, keep
+what the queue button sends, wait for a run's /history entry, and save the evidence of a failure."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ async def open_app(page: Page, url: str) -> None:
     await page.evaluate("window.__loraweaveOldPage = true")
     await page.send("Page.navigate", url=url)
     await page.wait_for(f"!window.__loraweaveOldPage && {STARTUP_LOADED}", 60, "the app's startup workflow")
+    # the page runs the frontend the server's tree pins (helpers/comfy_server.frontend_root), not another
+    required = get_json(f"{url}/system_stats")["system"]["required_frontend_version"]
+    running = await page.wait_for("window.__COMFYUI_FRONTEND_VERSION__", 20, "the frontend's version")
+    assert running == required, f"the page runs frontend {running}, the tree pins {required}"
     # queued before the app's websocket is open, the run's messages would go to no client
     await page.wait_for(
         "!!(app.api?.clientId && app.api.socket?.readyState === 1)", 30, "the app's websocket"

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from .comfy_env import import_comfy
+from .comfy_env import import_comfy, prompt_executor
 from .comfy_models import flux_state_dict
 
 # Every Linear kind of the tiny Flux: fused qkv, attention out, MLP, modulation, the single block's linear1/2.
@@ -294,12 +294,7 @@ def sampling_prompt(loras: list[tuple[str, float, str]], tag: str, steps: int = 
 
 
 def make_executor():
-    import_comfy()
-    import execution
-
-    return execution.PromptExecutor(
-        StubServer(), cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0}
-    )
+    return prompt_executor(StubServer())
 
 
 def run_prompt(executor, prompt: dict) -> None:

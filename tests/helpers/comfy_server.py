@@ -1,5 +1,5 @@
-"""ComfyUI's own server (main.py) started from the v0.19.3 source in place, headless on CPU, for the browser
-test.
+"""ComfyUI's own server (main.py) started from a source tree in place (helpers/comfy_env: v0.19.3, or the
+newest one), headless on CPU, for the browser tests, with the web frontend that tree's requirements.txt pins.
 
 Run as a script, this file is the server process: it imports diffusers and transformers, stubs torchvision as
 `comfy_env` does (the PyPI wheel would pull a CUDA torch), then runs main.py with the arguments it was given.
@@ -7,6 +7,7 @@ Run as a script, this file is the server process: it imports diffusers and trans
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import runpy
@@ -33,15 +34,41 @@ def get_json(url: str, timeout: float = 10.0):
         return json.loads(response.read())
 
 
+def frontend_pin(comfyui: Path) -> str:
+    """The comfyui-frontend-package version the tree's requirements.txt pins."""
+    for line in (comfyui / "requirements.txt").read_text().splitlines():
+        name, pinned, version = line.partition("==")
+        if pinned and name.strip() == "comfyui-frontend-package":
+            return version.strip()
+    raise AssertionError(f"{comfyui / 'requirements.txt'} pins no comfyui-frontend-package")
+
+
+def frontend_root(comfyui: Path) -> Path | None:
+    """The static folder of the tree's pinned frontend: None where the venv's own package is that version
+    (main.py finds it), else the copy scripts/setup.sh installs beside it (.venv/comfyui-frontend-<pin>)."""
+    pin = frontend_pin(comfyui)
+    if importlib.metadata.version("comfyui-frontend-package") == pin:
+        return None
+    static = Path(sys.prefix) / f"comfyui-frontend-{pin}" / "comfyui_frontend_package" / "static"
+    # loud: an older frontend would test the pack's script against a page the tree's users never get
+    assert (static / "index.html").is_file(), (
+        f"{comfyui} pins comfyui-frontend-package=={pin}: missing {static} (scripts/setup.sh test installs)"
+    )
+    return static
+
+
 def start_server(
     comfyui: Path, base: Path, log_path: Path, timeout: float = 90.0
 ) -> tuple[subprocess.Popen, str]:
     """(process, base URL) of `main.py --cpu` serving `base` (models, custom_nodes, user, ...) on a free
-    port."""
+    port, with the frontend the tree pins (frontend_root)."""
     port = free_port()
     args = [sys.executable, str(HERE), str(comfyui / "main.py"), "--cpu", "--listen", "127.0.0.1",
             "--port", str(port), "--base-directory", str(base), "--disable-api-nodes",
             "--database-url", "sqlite:///:memory:", "--disable-auto-launch"]  # fmt: skip
+    root = frontend_root(comfyui)
+    if root is not None:
+        args += ["--front-end-root", str(root)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "wb") as log:  # the child keeps its own descriptor
         process = subprocess.Popen(

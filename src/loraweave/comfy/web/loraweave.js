@@ -8,7 +8,6 @@
 // server's ARCH_ROUTE says which files fit it. Only the label changes: the values stay the file names.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { ComfyWidgets } from "../../scripts/widgets.js";
 
 const EXTENSION = "loraweave.report";
 const REPORT_WIDGET = "loraweave_report"; // the widget's internal name; users see LABEL
@@ -29,7 +28,8 @@ function reportWidget(node) {
 }
 
 function addReportWidget(node) {
-  const widget = ComfyWidgets["STRING"](node, REPORT_WIDGET, ["STRING", { multiline: true }], app).widget;
+  // app.widgets: the frontend's widget constructors (scripts/widgets.js warns that it is internal)
+  const widget = app.widgets.STRING(node, REPORT_WIDGET, ["STRING", { multiline: true }], app).widget;
   widget.label = LABEL;
   widget.serialize = false; // an output: never saved into the workflow's widget values nor sent as an input
   widget.options.read_only = true;
