@@ -12,4 +12,9 @@ python3 -m venv .venv
 # The comfy tests import ComfyUI in place (../shared/comfyui/ComfyUI); its requirements, torch held at the pin.
 if [ "$extra" = test ]; then
   .venv/bin/pip install -q -r scripts/comfyui-requirements.txt -c <(echo torch==2.13.0)
+  # The newest tree (../shared/comfyui-latest/ComfyUI) pins another web frontend: beside the venv's own, for
+  # its browser tests (tests/helpers/comfy_server.py serves it with --front-end-root).
+  frontend=1.49.6
+  .venv/bin/pip install -q --no-deps --target ".venv/comfyui-frontend-$frontend" \
+    "comfyui-frontend-package==$frontend"
 fi

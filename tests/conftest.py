@@ -90,6 +90,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_arch_weights": ("comfy",),
     "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium
     "test_comfy_browser_multi": ("comfy", "slow"),
+    "test_comfy_browser_picker": ("comfy", "slow"),
     "test_comfy_control_lora": ("comfy",),
     "test_comfy_control_other_inputs": ("comfy",),
     "test_comfy_errors": ("comfy",),
@@ -153,10 +154,17 @@ def _by_case(items) -> None:
             items[i] = item
 
 
+def _markers(module: str) -> tuple[str, ...]:
+    """MODULE_MARKERS' markers, and `comfy` for every module named for the pack (test_comfy_*,
+    test_realsize_comfy_*): scripts/test.sh runs those again on the newest ComfyUI tree, none forgotten."""
+    named = ("comfy",) if "comfy" in module.split("_") else ()
+    return tuple(dict.fromkeys(MODULE_MARKERS.get(module, ()) + named))
+
+
 def pytest_collection_modifyitems(items) -> None:
     _by_case(items)
     for item in items:
-        for name in MODULE_MARKERS.get(item.module.__name__.rpartition(".")[2], ()):
+        for name in _markers(item.module.__name__.rpartition(".")[2]):
             item.add_marker(name)
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "cuda" in callspec.id.split("-"):
