@@ -8,4 +8,4 @@ bash scripts/setup.sh test
 .venv/bin/mypy  # configuration: pyproject.toml [tool.mypy] (strict on engine, families, mechanisms, resolve)
 .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
 # The comfy tests again on the newest ComfyUI tree (tests/helpers/comfy_env.py: one tree per process).
-LORAWEAVE_COMFYUI=latest .venv/bin/python -m pytest tests -m comfy -q -p no:cacheprovider "$@"
+LORAWEAVE_COMFYUI=latest .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@" -m comfy  # -m last: comfy only
