@@ -1,4 +1,4 @@
-"""Bit-identity with ComfyUI v0.19.3's own LoraLoader where core is right, on any CPU, and the verdicts where
+"""Bit-identity with ComfyUI's own LoraLoader where core is right, on any CPU, and the verdicts where
 it is not. References: independent fp64 formulas (helpers.comfy_bits.fp64_delta; kohya's formula in
 helpers.comfy_pack).
 

@@ -1,5 +1,5 @@
 """`loraweave comfy demo DIR`: the pack tried without a real checkpoint. The tiny Flux has exactly the tensors
-of ComfyUI's own Flux class at those widths; the written workflow runs through ComfyUI v0.19.3's own
+of ComfyUI's own Flux class at those widths; the written workflow runs through ComfyUI's own
 validate_prompt and PromptExecutor in a fresh process that finds the files only through the written
 extra_model_paths.yaml (ComfyUI's own parser) and loads the pack from this checkout's clone entry; every
 merged weight equals W + alpha/rank * up @ down (fp64) of the written files. The README says how."""

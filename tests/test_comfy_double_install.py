@@ -1,5 +1,5 @@
 """The pack installed twice in one ComfyUI: the `loraweave comfy install` shim and a clone of this repository
-side by side in custom_nodes, loaded by ComfyUI v0.19.3's own `nodes.load_custom_node` in a fresh process. The
+side by side in custom_nodes, loaded by ComfyUI's own `nodes.load_custom_node` in a fresh process. The
 log must say so once, naming both folders; one install alone (the shim, or the clone, which ComfyUI serves
 under two names) says nothing. The browser side (the web script registers once): test_comfy_browser.py."""
 

@@ -1,4 +1,4 @@
-"""What the LoraWeave nodes offer beyond loading, inside the real ComfyUI v0.19.3 (the pack installed and
+"""What the LoraWeave nodes offer beyond loading, inside the real ComfyUI (the pack installed and
 loaded by ComfyUI's own custom-node loader, workflows run through its validate_prompt and PromptExecutor): a
 tooltip on every widget, the loader's trigger words, block-weight presets."""
 

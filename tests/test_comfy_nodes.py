@@ -1,5 +1,4 @@
-"""The LoraWeave node pack inside the real ComfyUI v0.19.3 (../shared/comfyui/ComfyUI, imported headless on
-CPU).
+"""The LoraWeave node pack inside the real ComfyUI (the tree helpers/comfy_env imports, headless on CPU).
 
 The pack is written by `loraweave comfy install` into a temporary base directory and loaded by ComfyUI's own
 custom-node loader; workflows run through ComfyUI's validate_prompt and PromptExecutor (in process, no

@@ -1,5 +1,5 @@
 """The repository root as a ComfyUI custom node (how the registry and ComfyUI-Manager install a pack: a clone
-in custom_nodes/). Loaded by ComfyUI v0.19.3's own `nodes.load_custom_node` in a fresh process without
+in custom_nodes/). Loaded by ComfyUI's own `nodes.load_custom_node` in a fresh process without
 PYTHONPATH, so the entry itself must put the clone's src/ on sys.path; the reference is the pack's NODES
 list. A clone named `loraweave` loads too, in both ComfyUI trees, under either module name ComfyUI gives
 it, and pytest runs in it."""

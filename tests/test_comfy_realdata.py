@@ -1,5 +1,5 @@
 """Real adapter files (../shared/realdata/lora) planned by loraweave.comfy onto full-size ComfyUI models built
-on `meta` (SD1.5 UNet + CLIP-L, SD2, Flux.1-dev): every key lands, where ComfyUI v0.19.3's own key maps load
+on `meta` (SD1.5 UNet + CLIP-L, SD2, Flux.1-dev): every key lands, where ComfyUI's own key maps load
 some files only in part or not at all (cloneofsimo, diffusers `unet.X.lora.down`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The report each LoraWeave node shows on itself, through ComfyUI v0.19.3's own executor (PromptExecutor in
+"""The report each LoraWeave node shows on itself, through ComfyUI's own executor (PromptExecutor in
 process, one executor as in a running server, a client id as the browser sends): a re-queue with only the
 seed changed reuses the cached node, and the report of that run must still reach the page (an `executed`
 message for the node, and the run's /history outputs), as it does on the first run. A changed lora_name runs

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.comfy_env import import_comfy
+from helpers.comfy_env import COMFYUI_TREE, import_comfy
 from helpers.comfy_files import (
     FAMILIES,
     adapter_file,
@@ -175,7 +175,7 @@ def test_layouts_comfy_drops_land(models, name):
     m = models[name]
     for layout, sd in dropped_files(m).items():
         core, _ = import_comfy().sd.load_lora_for_models(m.patcher, None, sd, STRENGTH_MODEL, 0.0)
-        assert not core.patches, f"{layout}: ComfyUI v0.19.3 loads it now; the test no longer shows a gap"
+        assert not core.patches, f"{layout}: ComfyUI {COMFYUI_TREE} loads it now; the test shows no gap"
         check_against_twin(m, sd, changed_at_least=4)
 
 
@@ -233,7 +233,7 @@ def test_inputs_are_never_modified(models):
 
 @pytest.mark.parametrize("family", ["lora", "lokr", "dora"])
 def test_wan_kohya_and_original(models, family):
-    # ComfyUI v0.19.3 maps no diffusers-named kohya Wan key (lora_transformer_blocks_0_attn1_to_q): it drops
+    # ComfyUI maps no diffusers-named kohya Wan key (lora_transformer_blocks_0_attn1_to_q): it drops
     # them.
     m = models["wan"]
     sd = adapter_file(target_linears(m.diffusers), family, kohya("lora_transformer_"))

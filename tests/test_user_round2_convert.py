@@ -71,7 +71,7 @@ SUFFIXES = (".alpha", ".lora_down.weight", ".lora_up.weight", ".lora_A.weight", 
 
 
 def _comfy_clip_keys() -> set[str]:
-    """What ComfyUI v0.19.3 accepts for SD1.5's CLIP: its key map over the real ldm checkpoint's CLIP names
+    """What ComfyUI accepts for SD1.5's CLIP: its key map over the real ldm checkpoint's CLIP names
     (sd-mecha's key list), which ComfyUI loads as `clip_l.transformer.`."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     ldm = yaml.load((REALDATA / "keys" / "sd-mecha" / "sd1-ldm.yaml").read_text(), Loader=loader)

@@ -43,8 +43,8 @@ class ArchCase:
     build: Callable[[], ComfyModel]
     forward: Callable[[torch.nn.Module], torch.Tensor]  # ComfyUI's diffusion model on fixed inputs
     row_map: Callable[[ComfyModel], Callable[[dict], dict]]  # ComfyUI state (its names) -> the twin's names
-    # ComfyUI v0.19.3's own LoraLoader on a LoRA, by layout (measured): "identical" (lands every key, bit for
-    # bit as ours), "drops" (patches other keys than ours), "off" (lands, wrong rows). Layouts:
+    # ComfyUI's own LoraLoader on a LoRA, by layout (measured on both trees): "identical" (lands every key,
+    # bit for bit as ours), "drops" (patches other keys than ours), "off" (lands, wrong rows). Layouts:
     # "kohya-diffusers" (kohya on the twin's names), "comfy" (kohya on ComfyUI's), "diffusers"
     # (`transformer.`), "peft".
     verdicts: dict[str, str]
@@ -56,7 +56,7 @@ class ArchCase:
     runtime_linears: Callable[[torch.nn.Module], dict] = all_linears
     every_linear: bool = True  # every Linear lands, in ComfyUI's `diffusion_model.` and kohya-on-twin layouts
     every_linear_fp64: bool = False  # ... and the first also against the fp64 formula on ComfyUI's tensors
-    # ComfyUI v0.19.3 on the W-dependent families at strength 0.7 ({(family, layout): verdict}), where
+    # ComfyUI on the W-dependent families at strength 0.7 ({(family, layout): verdict}), where
     # checked.
     weight_verdicts: dict[tuple[str, str], str] = field(default_factory=dict)
     input_axis_dora: bool = False  # input-axis DoRA on fused slices (refused where ComfyUI splits a module)
@@ -225,7 +225,7 @@ _DIT2_ARCHS = {"cosmos-predict2": "anima"}
 
 
 def _cases() -> list[ArchCase]:
-    # ComfyUI v0.19.3 maps Z-Image's original names only; there its fused-qkv and SwiGLU merges are
+    # ComfyUI maps Z-Image's original names only; there its fused-qkv and SwiGLU merges are
     # bit-identical to ours. Qwen-Image keeps the diffusers names: core lands both layouts.
     out = [
         ArchCase(

@@ -1,6 +1,6 @@
 """Seeded adapter files for the tiny ComfyUI models (comfy_models.py), in the layouts trainers write: kohya on
 diffusers names, diffusers, PEFT, original names (ldm / BFL, kohya or `diffusion_model.` spelled), the
-layouts ComfyUI v0.19.3 drops (diffusers `.lora.down`, attention processors, PEFT `base_model.model.` Flux,
+layouts ComfyUI drops (diffusers `.lora.down`, attention processors, PEFT `base_model.model.` Flux,
 XLabs Flux), and kohya text-encoder keys. Factors come from helpers.arch_matrix.factors (one per family)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The real ComfyUI v0.19.3 with the pack installed the way users install it, and a prompt runner: what the
+"""The real ComfyUI with the pack installed the way users install it, and a prompt runner: what the
 node tests share. `comfy_home` (a module fixture: import it by name) makes a temp base holding loras/
 (helpers/ comfy_pack.write_loras) and diffusion_models/ (the tiny Flux), runs `loraweave comfy install
 --base-directory`, and loads the shim with ComfyUI's own custom-node loader; `run_prompt` runs ComfyUI's
