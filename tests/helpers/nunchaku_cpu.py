@@ -246,10 +246,13 @@ def build_svdq_linear(
     w = weight.double()
     s = torch.ones(k, dtype=torch.float64) if smooth is None else smooth.double()
     s = s.to(dtype).double()
-    u, sv, vh = torch.linalg.svd(w * s, full_matrices=False)
-    root = sv[:rank].sqrt()
-    up = (u[:, :rank] * root).to(dtype)
-    down = (root[:, None] * vh[:rank] / s).to(dtype)  # the branch takes the raw x: x·downᵀ = (x/s)·(s·down)ᵀ
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # a sketched SVD (full size would take minutes): any good split will do
+        u, sv, v = torch.svd_lowrank((w * s).float(), q=min(rank + 16, n, k), niter=4)
+    root = sv[:rank].double().sqrt()
+    up = (u[:, :rank].double() * root).to(dtype)
+    # the branch takes the raw x: x·downᵀ = (x/s)·(s·down)ᵀ
+    down = (root[:, None] * v[:, :rank].double().T / s).to(dtype)
     residual = ((w - up.double() @ down.double()) * s).reshape(n, k // GROUP, GROUP)
     scale = (residual.abs().amax(dim=-1) / 7.0).to(dtype)
     safe = torch.where(scale.double() > 0, scale.double(), torch.ones_like(scale, dtype=torch.float64))
@@ -347,3 +350,44 @@ def awq_weight(layer) -> torch.Tensor:
     q = unpack_awq(layer.qweight, n, k).double()
     scale = layer.wscales.T.double().repeat_interleave(g, dim=1)
     return q * scale + layer.wzeros.T.double().repeat_interleave(g, dim=1)
+
+
+def tiny_model(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
+    """Two real SVDQW4A4Linear layers (a: 256 -> 256, b: 256 -> 384, rank 32, smoothed, with bias) and one
+    AWQW4A16Linear (c: 256 -> 128), built from seeded float weights."""
+    g = torch.Generator().manual_seed(seed)
+    root = torch.nn.Module()
+    for name, (out, inp) in {"a": (256, 256), "b": (384, 256)}.items():
+        low = torch.randn(out, 8, generator=g) @ torch.randn(8, inp, generator=g) / 8
+        weight = low + 0.02 * torch.randn(out, inp, generator=g)
+        smooth = torch.exp(0.4 * torch.randn(inp, generator=g))
+        bias = 0.1 * torch.randn(out, generator=g)
+        setattr(root, name, build_svdq_linear(weight, bias=bias, rank=32, dtype=dtype, smooth=smooth))
+    awq = 0.1 * torch.randn(128, 256, generator=g)
+    root.c = build_awq_linear(awq, bias=0.1 * torch.randn(128, generator=g), dtype=dtype)
+    return root
+
+
+def storage(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every parameter/buffer: (the object, a byte copy); removal must put back the same objects, bytes."""
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        out[name] = (t, t.detach().reshape(-1).view(torch.uint8).clone())
+    for name, m in model.named_modules():
+        if hasattr(m, "rank"):
+            out[f"{name}.rank"] = (m.rank, torch.empty(0))
+    return out
+
+
+def assert_storage(model: torch.nn.Module, before: dict) -> None:
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    ranks = {f"{n}.rank": m.rank for n, m in model.named_modules() if hasattr(m, "rank")}
+    assert set(now) | set(ranks) == set(before), sorted(set(now) ^ set(before))
+    for name, (obj, data) in before.items():
+        if name.endswith(".rank"):
+            assert ranks[name] == obj, name
+            continue
+        assert now[name] is obj, f"{name} is not the original object"
+        assert torch.equal(now[name].detach().reshape(-1).view(torch.uint8), data), f"{name} bytes changed"
+    for name, m in model.named_modules():
+        assert not m._forward_hooks and "forward" not in m.__dict__, name
