@@ -16,6 +16,7 @@ imported: layers are recognised by class name."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -64,6 +65,21 @@ def pack_lowrank(weight: torch.Tensor, down: bool) -> torch.Tensor:
     return frags.contiguous().view(channels, rank)
 
 
+@functools.lru_cache(maxsize=16)
+def _pack_order(rows: int, cols: int, down: bool, device: torch.device) -> torch.Tensor:
+    """For a (rows, cols) factor: the flat source index of every packed position (a permutation). Gathering
+    through it packs ~7x faster than a strided copy of the 7-D fragment view (2-element inner runs)."""
+    flat = torch.arange(rows * cols, dtype=torch.int32, device=device).view(rows, cols)
+    return pack_lowrank(flat, down).reshape(-1)
+
+
+def _pack_into(tiles: torch.Tensor, factor: torch.Tensor, down: bool) -> None:
+    """Write `factor` (down (r, in) / up (out, r), any float dtype) packed into `tiles` (in/16 or out/16,
+    r/16, 8, 4, 2, 2, 2), cast to their dtype on the way."""
+    order = _pack_order(factor.shape[0], factor.shape[1], down, factor.device)
+    tiles.copy_(factor.contiguous().view(-1).index_select(0, order).view(tiles.shape))
+
+
 def _rank_tiles(packed: torch.Tensor) -> torch.Tensor:
     """A packed pair's fragments: (channels/16, rank/16, 8, 4, 2, 2, 2), a view."""
     channels, rank = packed.shape
@@ -89,7 +105,7 @@ def _append_rank(packed: torch.Tensor, extra: torch.Tensor, down: bool) -> torch
     joined = packed.new_empty(channels, base + width)
     tiles = _rank_tiles(joined)
     tiles[:, : base // TILE].copy_(_rank_tiles(packed))
-    tiles[:, base // TILE :].copy_(_fragments(extra, down))
+    _pack_into(tiles[:, base // TILE :], extra, down)
     return joined
 
 
@@ -152,8 +168,9 @@ class AppendedRank(FactorSlot):
         if up.shape[1] != width:  # the bucket / tile padding: zero columns
             up = torch.cat([up, up.new_zeros(up.shape[0], width - up.shape[1])], dim=1)
         with torch.no_grad():
-            tiles = _rank_tiles(current.detach())[:, self.base_rank // TILE :]
-            tiles.copy_(_fragments(up.to(current.device), down=False))
+            _pack_into(
+                _rank_tiles(current.detach())[:, self.base_rank // TILE :], up.to(current.device), False
+            )
         return True
 
     def __call__(self) -> None:

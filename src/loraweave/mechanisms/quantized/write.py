@@ -291,7 +291,10 @@ class QuantWrite:
             self.capture = trunc.energy
             downs.append(trunc.down)
             ups.append(trunc.up)
-        down, up = torch.cat(downs), torch.cat(ups, dim=1)
+        if rest:  # a hosted truncation may be a factor cache's own tensors: always a copy
+            down, up = torch.cat(downs), torch.cat(ups, dim=1)
+        else:  # exact_factors made a fresh pair: no second copy
+            down, up = downs[0], ups[0]
         self.rank = down.shape[0]
         pad = rank_bucket(self.rank) - self.rank
         if pad:  # zero rows/columns: same product, fewer distinct shapes under torch.compile
