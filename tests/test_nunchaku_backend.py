@@ -311,3 +311,32 @@ def test_a_rank_that_disagrees_between_proj_down_and_proj_up_is_refused():
     assert "a" in message.split(":")[0] and "proj_down rank 32" in message and "proj_up rank 48" in message
     assert isinstance(caught.value, ValueError)
     nc.assert_storage(model, before)
+
+
+def test_nvfp4_layers_take_the_branch_but_not_hosting():
+    """nvfp4 SVDQW4A4Linear (its forward is not emulated; no forward here): a LoRA is appended exactly; a LoKr
+    cannot be hosted (hosting forms ΔW from W, and nvfp4 dequantize is not implemented): auto with
+    quantized="host" runs it beside the layer instead, and says why."""
+    linear = nc.import_nunchaku("nunchaku.models.linear")
+    root = torch.nn.Module()
+    root.a = linear.SVDQW4A4Linear(256, 256, rank=32, precision="nvfp4", torch_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        root.a.proj_down.copy_(torch.randn(256, 32, generator=g))
+        root.a.proj_up.copy_(torch.randn(256, 32, generator=g))
+    before = nc.storage(root)
+    sd, deltas = _lora({"a": (256, 256)}, seed=4)
+    handle = loraweave.apply(root, sd, mode="auto", strict=True)
+    (row,) = handle.report.applied
+    assert (row.mechanism, row.backend) == ("factor", "nunchaku")
+    down, up, scale = deltas["a"]
+    assert torch.equal(_appended(root.a)[0][:4], down.to(torch.bfloat16).double())
+    assert torch.equal(_appended(root.a)[1][:, :4], (up * scale).to(torch.bfloat16).double())
+    handle.remove()
+    nc.assert_storage(root, before)
+    lokr = _family("lokr", {"a": (256, 256)}, seed=5)
+    handle = loraweave.apply(root, lokr, mode="auto", quantized="host", strict=True)
+    (row,) = handle.report.applied
+    assert row.mechanism == "runtime" and "nvfp4" in row.why, row
+    handle.remove()
+    nc.assert_storage(root, before)

@@ -166,7 +166,7 @@ def route_hook_free(
         )
     if caps.factor_channel and not_factorable is None:
         return Route("factor", "plain LoRA set rides the side channel exactly")
-    can_host = caps.factor_channel and host_rank > 0
+    can_host = caps.factor_channel and caps.dequantize and host_rank > 0  # the delta is formed from W
     if not caps.requantize:
         return (
             Route("hosted", "backend cannot requantize")
