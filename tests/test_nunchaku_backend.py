@@ -107,9 +107,9 @@ def test_fragment_layout_is_nunchakus_packer():
     # appending rank in packed space == the seed loader's unpack, concatenate, repack
     base_down, base_up = torch.randn(32, 384, generator=g).half(), torch.randn(256, 32, generator=g).half()
     new_down, new_up = torch.randn(16, 384, generator=g).half(), torch.randn(256, 16, generator=g).half()
-    packed = lib._append_rank(packer.pack_lowrank_weight(base_down, True), new_down.float(), down=True)
+    packed = lib.append_rank(packer.pack_lowrank_weight(base_down, True), new_down.float(), down=True)
     assert torch.equal(packed, packer.pack_lowrank_weight(torch.cat([base_down, new_down]), down=True))
-    packed = lib._append_rank(packer.pack_lowrank_weight(base_up, False), new_up.float(), down=False)
+    packed = lib.append_rank(packer.pack_lowrank_weight(base_up, False), new_up.float(), down=False)
     assert torch.equal(packed, packer.pack_lowrank_weight(torch.cat([base_up, new_up], 1), down=False))
 
 

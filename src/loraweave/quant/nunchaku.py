@@ -96,7 +96,7 @@ def unpack_lowrank(packed: torch.Tensor, down: bool) -> torch.Tensor:
     return tiles.permute(0, 2, 1, 3).reshape(channels, rank)
 
 
-def _append_rank(packed: torch.Tensor, extra: torch.Tensor, down: bool) -> torch.Tensor:
+def append_rank(packed: torch.Tensor, extra: torch.Tensor, down: bool) -> torch.Tensor:
     """`packed` with the factors `extra` (down (r, in) / up (out, r), any float dtype, r a multiple of 16)
     appended along the rank: per channel tile, the new rank tiles follow the base's. One pass per tensor:
     the base tiles are copied, the new ones packed and cast straight into place."""
@@ -152,8 +152,8 @@ class AppendedRank(FactorSlot):
 
     def install(self, down: torch.Tensor, up: torch.Tensor) -> None:
         old_down, old_up = self.saved["proj_down"], self.saved["proj_up"]
-        new_down = _append_rank(old_down.detach(), down, down=True)
-        new_up = _append_rank(old_up.detach(), up, down=False)
+        new_down = append_rank(old_down.detach(), down, down=True)
+        new_up = append_rank(old_up.detach(), up, down=False)
         self.module.proj_down = torch.nn.Parameter(new_down, requires_grad=old_down.requires_grad)
         self.module.proj_up = torch.nn.Parameter(new_up, requires_grad=old_up.requires_grad)
         self.installed = self.module.proj_up
