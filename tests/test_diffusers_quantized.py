@@ -1,0 +1,259 @@
+"""Adapters on diffusers' quantized Flux (issue 38, item 4): torchao float8 and GGUF, `apply` and the drop-in.
+
+The base: a tiny FluxTransformer2DModel (diffusers' class, seeded, heads of 128) loaded by diffusers itself:
+`from_pretrained(..., quantization_config=TorchAoConfig(Float8WeightOnlyConfig()))` (Float8Tensor weights,
+e4m3 per-row scales) and `from_single_file(file.gguf, quantization_config=GGUFQuantizationConfig(fp32))` on a
+file this test writes with `gguf.GGUFWriter` (Q8_0, Q4_0 from the gguf package's quantizer; Q4_K as
+well-formed random super-blocks, which the gguf package cannot quantize). Q4_K leaves the 64-wide `x_embedder`
+F32 (no 256-block fits), as GGUF files keep narrow layers unquantized: a float layer beside the quantized
+ones.
+
+For LoRA, LoKr, LoHa, DoRA and OFT files, on nine layers of every kind (attention, FFN, AdaLN modulation,
+single-block MLP and output, the image embedder):
+- each layer's output with the adapter equals the quantized base's own output plus the exact fp64 term x·ΔWᵀ,
+  ΔW from the family's formula on the base's own dequantized weight (torchao's `dequantize()`, diffusers'
+  `dequantize_gguf_tensor`). Bound (helpers.diffusers_quant.check_term): 1e-5·max|term| (fp32 arithmetic of
+  the term) + 4·eps32·max|y| (the fp32 rounding of y = base + term);
+- every stored tensor's bytes (float8 data and scales, GGUF blocks, biases) are unchanged while applied (a
+  float layer that `auto` merges is the one exception, and only its weight) and after removal; outputs after
+  removal are bit-equal to the base's;
+- the report names the mechanism per layer: "runtime" on a quantized layer, with the backend's reason.
+The drop-in (`loraweave.diffusers.enable(FluxPipeline(...))`, `load_lora_weights` of a kohya-named file,
+`set_adapters`, `fuse_lora`, `unfuse_lora`, `unload_lora_weights`) holds to the same checks.
+`mode="merge"` requantizes with the layer's own config: its report's retention ρ equals ρ measured here from
+the base's own dequantizer (table in docs/quantized-df.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.common import gen
+from helpers.diffusers_quant import (
+    FAMILIES,
+    TARGETS,
+    adapter,
+    baseline,
+    changed_bytes,
+    check_term,
+    flux_inputs,
+    flux_pipe,
+    kohya_names,
+    own_weight,
+    quantized_flux,
+    retention,
+    rms,
+    storage_bytes,
+    storage_kind,
+)
+from safetensors.torch import save_file
+
+import loraweave
+import loraweave.diffusers as lwd
+from loraweave.quant import backend_for
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+FORMATS = ("torchao-float8", "gguf-Q8_0", "gguf-Q4_0", "gguf-Q4_K")
+STORED = {"torchao-float8": "Float8Tensor", "gguf-Q8_0": "GGUF Q8_0", "gguf-Q4_0": "GGUF Q4_0"}
+STORED["gguf-Q4_K"] = "GGUF Q4_K"
+LINEAR_FAMILIES = ("lora", "lokr", "loha", "oft")  # ΔW linear in strength (DoRA renormalises)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("flux")
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+@pytest.fixture
+def model(request, folder):
+    """The format's model, built once per module: every test leaves it as it found it (asserted)."""
+    fmt = request.param
+    if fmt not in _MODELS:
+        _MODELS[fmt] = quantized_flux(fmt, folder)
+    m = _MODELS[fmt]
+    before = storage_bytes(m)
+    yield m
+    assert changed_bytes(m, before) == [], f"{fmt}: a test left the model changed"
+
+
+def float_layers(model: torch.nn.Module) -> set[str]:
+    return {p for p in TARGETS if backend_for(model.get_submodule(p)) is None}
+
+
+def assert_terms(model, base, deltas, what: str, strength: float = 1.0) -> None:
+    for path, (x, b) in base.items():
+        err, bound = check_term(model.get_submodule(path), x, b, deltas[path], strength)
+        assert err <= bound, (what, path, err, bound)
+
+
+def assert_base_outputs(model, base, what: str) -> None:
+    with torch.no_grad():
+        for path, (x, (y, _)) in base.items():
+            assert torch.equal(model.get_submodule(path)(x), y), (what, path)
+
+
+@pytest.mark.parametrize("model", FORMATS, indirect=True)
+def test_diffusers_loaded_the_quantized_layers(model):
+    """The base really is diffusers' quantized model: its quantizer, every target layer stored in the format
+    (Q4_K: all but the 64-wide x_embedder), each owned by the matching loraweave backend."""
+    fmt = next(f for f, m in _MODELS.items() if m is model)
+    assert type(model.hf_quantizer).__name__ == {"torchao": "TorchAoHfQuantizer"}.get(
+        fmt.split("-")[0], "GGUFQuantizer"
+    )
+    kinds = {p: storage_kind(model.get_submodule(p)) for p in TARGETS}
+    floats = {"x_embedder"} if fmt == "gguf-Q4_K" else set()
+    assert kinds == {p: "float32" if p in floats else STORED[fmt] for p in TARGETS}
+    assert float_layers(model) == floats
+    for p in set(TARGETS) - floats:
+        assert backend_for(model.get_submodule(p)).name == fmt.split("-")[0], p
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("model", FORMATS, indirect=True)
+def test_apply_auto_lands_every_family_exactly(model, family):
+    base, before = baseline(model), storage_bytes(model)
+    sd, deltas = adapter(family, model)
+    handle = loraweave.apply(model, sd, mode="auto", strict=True)
+    rows = {a.module: a for a in handle.report.applied}
+    floats = float_layers(model)
+    assert set(rows) == set(TARGETS)
+    for path, row in rows.items():
+        if path in floats:
+            assert row.mechanism == "merge", (path, row.mechanism)
+        else:  # the layer's backend says why it takes no write: no side branch (and, Q4_K, no quantizer)
+            name = backend_for(model.get_submodule(path)).name
+            assert row.mechanism == "runtime" and row.why.startswith(f"{name}: "), (path, row)
+    assert_terms(model, base, deltas, f"apply {family}")
+    # while applied: the quantized storage untouched; only the weights of merged float layers changed
+    assert set(changed_bytes(model, before)) == {f"{p}.weight" for p in floats}
+    handle.remove()
+    assert changed_bytes(model, before) == []
+    assert_base_outputs(model, base, f"after remove {family}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("model", FORMATS, indirect=True)
+def test_dropin_lands_every_family_exactly(model, family, tmp_path):
+    """pipe.load_lora_weights(kohya-named file) through the drop-in; set_adapters, fuse/unfuse, unload."""
+    base, before = baseline(model), storage_bytes(model)
+    sd, deltas = adapter(family, model, seed=1)
+    path = tmp_path / f"{family}.safetensors"
+    save_file(kohya_names(sd), str(path))
+    pipe = lwd.enable(flux_pipe(model))
+    try:
+        pipe.load_lora_weights(str(path), adapter_name=family)
+        report = pipe.loraweave_reports[family]
+        assert report.keys_applied == report.keys_total == len(sd)
+        assert {a.module: a.mechanism for a in report.applied} == dict.fromkeys(TARGETS, "runtime")
+        assert changed_bytes(model, before) == []
+        assert_terms(model, base, deltas, f"drop-in {family}")
+        if family in LINEAR_FAMILIES:
+            pipe.set_adapters(family, 0.5)
+            assert_terms(model, base, deltas, f"drop-in {family} at 0.5", strength=0.5)
+            pipe.set_adapters(family, 1.0)
+        pipe.disable_lora()
+        assert_base_outputs(model, base, f"drop-in {family} disabled")
+        pipe.enable_lora()
+        # fuse_lora on a quantized base: `auto` keeps quantized layers at runtime, merges float ones
+        pipe.fuse_lora()
+        assert set(changed_bytes(model, before)) == {f"{p}.weight" for p in float_layers(model)}
+        assert_terms(model, base, deltas, f"drop-in {family} fused")
+        pipe.unfuse_lora()
+        assert changed_bytes(model, before) == []
+        assert_terms(model, base, deltas, f"drop-in {family} unfused")
+        pipe.unload_lora_weights()
+        assert changed_bytes(model, before) == []
+        assert_base_outputs(model, base, f"drop-in {family} unloaded")
+    finally:
+        lwd.disable(pipe)
+
+
+@pytest.mark.parametrize("model", ["torchao-float8", "gguf-Q4_0"], indirect=True)
+def test_dropin_per_call_scale_on_the_whole_transformer(model):
+    """The pipeline's per-call `joint_attention_kwargs={"scale": s}` on a quantized transformer's forward: 0
+    gives the base's output bit for bit; 1 gives the loaded adapter's (the same as without the kwarg)."""
+    inputs = flux_inputs()
+    sd, _ = adapter("loha", model, seed=2)
+    with torch.no_grad():
+        plain = model(**inputs, return_dict=False)[0]
+        pipe = lwd.enable(flux_pipe(model))
+        try:
+            pipe.load_lora_weights(kohya_names(sd), adapter_name="loha")
+            on = model(**inputs, return_dict=False)[0]
+            off = model(**inputs, joint_attention_kwargs={"scale": 0.0}, return_dict=False)[0]
+            full = model(**inputs, joint_attention_kwargs={"scale": 1.0}, return_dict=False)[0]
+            pipe.unload_lora_weights()
+        finally:
+            lwd.disable(pipe)
+        assert torch.equal(off, plain) and torch.equal(full, on)
+        assert float((on - plain).abs().max()) > 1e-3 * float(plain.abs().max())
+
+
+# ------------------------------------------------------------------------------------- merge: retention ρ
+
+REL_SIZES = (0.01, 0.03, 0.1)  # ‖ΔW‖_rms / ‖W‖_rms: a LoRA's typical share of a Flux weight is a few percent
+MERGE_TARGETS = ("transformer_blocks.0.ff.net.0.proj", "single_transformer_blocks.0.proj_out")
+
+
+def sized_lora(model, rel: float, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A rank-8 LoRA on MERGE_TARGETS with ‖ΔW‖_rms = rel·‖W‖_rms; ({key: tensor}, {layer: ΔW fp64})."""
+    g = torch.Generator().manual_seed(seed)
+    sd, deltas = {}, {}
+    for path in MERGE_TARGETS:
+        layer = model.get_submodule(path)
+        down = torch.randn(8, layer.in_features, generator=g)
+        up = torch.randn(layer.out_features, 8, generator=g)
+        k = rel * rms(own_weight(layer)) / rms(up.double() @ down.double())
+        sd |= {f"{path}.lora_down.weight": down * k, f"{path}.lora_up.weight": up}
+        sd[f"{path}.alpha"] = torch.tensor(8.0)
+        deltas[path] = up.double() @ (down * k).double()
+    return sd, deltas
+
+
+# ρ a requantize keeps of a ΔW of 1 % of the weight's rms (the smallest size in REL_SIZES), by format: what
+# users see as "the LoRA does almost nothing" (float8: 3 mantissa bits; Q4_0: 4-bit blocks) against Q8_0.
+RHO_AT_1PCT = {"torchao-float8": (0.0, 0.6), "gguf-Q8_0": (0.9, 1.1), "gguf-Q4_0": (0.0, 0.6)}
+
+
+@pytest.mark.parametrize("model", FORMATS, indirect=True)
+def test_merge_reports_the_retention_it_measured(model):
+    """mode="merge" requantizes each layer with its own config: the report's retention equals ρ measured from
+    the base's own dequantizer; runtime keeps ρ = 1 (measured on outputs). Q4_K: the gguf package has no
+    K-quant quantizer, so a merge is refused and nothing changes (the report says why)."""
+    fmt = next(f for f, m in _MODELS.items() if m is model)
+    before = storage_bytes(model)
+    for i, rel in enumerate(REL_SIZES):
+        sd, deltas = sized_lora(model, rel, seed=50 + i)
+        w0 = {p: own_weight(model.get_submodule(p)) for p in MERGE_TARGETS}
+        if fmt == "gguf-Q4_K":
+            handle = loraweave.apply(model, sd, mode="merge", allow_empty=True)
+            assert handle.report.applied == []
+            misses = handle.report.unmatched
+            assert len(misses) == len(sd) and all(u.kind == "no_mechanism" for u in misses)
+            assert all("gguf package cannot quantize Q4_K" in u.reason for u in misses), misses[0].reason
+            handle.remove()
+            continue
+        handle = loraweave.apply(model, sd, mode="merge", strict=True)
+        rows = {a.module: a for a in handle.report.applied}
+        for path in MERGE_TARGETS:
+            assert rows[path].mechanism == "requantize", rows[path]
+            rho = retention(w0[path], own_weight(model.get_submodule(path)), deltas[path])
+            assert abs(rows[path].retention - rho) <= 1e-3, (fmt, rel, path, rows[path].retention, rho)
+            if rel == REL_SIZES[0]:
+                low, high = RHO_AT_1PCT[fmt]
+                assert low <= rho <= high, (fmt, path, rho)
+        handle.remove()
+        assert changed_bytes(model, before) == []
+        xs = {p: torch.randn(4, model.get_submodule(p).in_features, generator=gen(i)) for p in MERGE_TARGETS}
+        with torch.no_grad():
+            plain = {p: model.get_submodule(p)(x).double() for p, x in xs.items()}
+            runtime = loraweave.apply(model, sd, mode="runtime", strict=True)
+            for path, x in xs.items():
+                got = model.get_submodule(path)(x).double() - plain[path]
+                want = x.double() @ deltas[path].T
+                assert abs(float((got * want).sum() / want.pow(2).sum()) - 1) <= 1e-4, (fmt, rel, path)
+        runtime.remove()
+        assert changed_bytes(model, before) == []
