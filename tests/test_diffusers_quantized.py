@@ -257,3 +257,18 @@ def test_merge_reports_the_retention_it_measured(model):
                 assert abs(float((got * want).sum() / want.pow(2).sum()) - 1) <= 1e-4, (fmt, rel, path)
         runtime.remove()
         assert changed_bytes(model, before) == []
+
+
+def test_float8_dynamic_activation_config_is_cuda_only():
+    """docs/quantized-df.md names torchao's Float8DynamicActivationFloat8WeightConfig as CUDA-only (capability
+    >= 8.9): checked here on torchao itself, so the claim fails the day torchao runs it on CPU."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
+
+    if torch.cuda.is_available():
+        pytest.skip(
+            "CUDA present: this test checks the CPU refusal only (the CUDA path is not verified here)"
+        )
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    with pytest.raises(AssertionError, match="CUDA compute capability"):
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig())
+        model(torch.randn(2, 64))
