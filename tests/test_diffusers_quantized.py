@@ -35,6 +35,7 @@ from helpers.diffusers_quant import (
     baseline,
     changed_bytes,
     check_term,
+    float_flux,
     flux_inputs,
     flux_pipe,
     kohya_names,
@@ -42,6 +43,7 @@ from helpers.diffusers_quant import (
     quantized_flux,
     retention,
     rms,
+    saved_flux,
     storage_bytes,
     storage_kind,
 )
@@ -272,3 +274,33 @@ def test_float8_dynamic_activation_config_is_cuda_only():
     with pytest.raises(AssertionError, match="CUDA compute capability"):
         quantize_(model, Float8DynamicActivationFloat8WeightConfig())
         model(torch.randn(2, 64))
+
+
+def test_diffusers_refuses_a_gguf_tensor_of_the_wrong_block_count(folder):
+    """Hostile input on the diffusers path: a GGUF file whose Q8_0 tensor holds 7 blocks per row where its
+    layer takes 256 inputs (8 blocks). diffusers' own loader refuses it, naming the tensor, before a model
+    exists, so no malformed GGUFLinear reaches loraweave through `from_single_file`."""
+    import gguf
+    from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
+
+    if not (folder / "config.json").is_file():
+        saved_flux(folder)
+    bad = "transformer_blocks.0.attn.to_q.weight"
+    writer = gguf.GGUFWriter(str(folder / "bad.gguf"), arch="flux")
+    for key, tensor in float_flux().state_dict().items():
+        data = tensor.float().numpy()
+        if key == bad:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(key, gguf.quants.quantize(data, q8)[:, : 7 * 34], raw_dtype=q8)
+        else:
+            writer.add_tensor(key, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=rf"{bad} has an expected shape of: torch.Size\(\[256, 256\]\)"):
+        FluxTransformer2DModel.from_single_file(
+            str(folder / "bad.gguf"),
+            config=str(folder),
+            quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+        )
