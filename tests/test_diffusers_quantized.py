@@ -72,9 +72,10 @@ _MODELS: dict[str, torch.nn.Module] = {}
 @pytest.fixture
 def model(request, folder):
     """The format's model, built once per module: every test leaves it as it found it (asserted)."""
-    fmt = request.param
+    fmt = request.param  # "<format>" computes in fp32, "<format>@bf16" in bf16
     if fmt not in _MODELS:
-        _MODELS[fmt] = quantized_flux(fmt, folder)
+        name, _, dtype = fmt.partition("@")
+        _MODELS[fmt] = quantized_flux(name, folder, torch.bfloat16 if dtype == "bf16" else torch.float32)
     m = _MODELS[fmt]
     before = storage_bytes(m)
     yield m
@@ -85,15 +86,15 @@ def float_layers(model: torch.nn.Module) -> set[str]:
     return {p for p in TARGETS if backend_for(model.get_submodule(p)) is None}
 
 
-def assert_terms(model, base, deltas, what: str, strength: float = 1.0) -> None:
+def assert_terms(model, base, deltas, what: str, strength: float = 1.0, merged=frozenset()) -> None:
     for path, (x, b) in base.items():
-        err, bound = check_term(model.get_submodule(path), x, b, deltas[path], strength)
+        err, bound = check_term(model.get_submodule(path), x, b, deltas[path], strength, path in merged)
         assert err <= bound, (what, path, err, bound)
 
 
 def assert_base_outputs(model, base, what: str) -> None:
     with torch.no_grad():
-        for path, (x, (y, _)) in base.items():
+        for path, (x, (y, _, _)) in base.items():
             assert torch.equal(model.get_submodule(path)(x), y), (what, path)
 
 
@@ -134,6 +135,28 @@ def test_apply_auto_lands_every_family_exactly(model, family):
     handle.remove()
     assert changed_bytes(model, before) == []
     assert_base_outputs(model, base, f"after remove {family}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("model", [f"{f}@bf16" for f in FORMATS if f != "gguf-Q8_0"], indirect=True)
+def test_apply_in_bf16_lands_within_the_bases_own_rounding(model, family):
+    """What users run: the same models computing in bf16 (TorchAoConfig with torch_dtype=bf16, GGUF
+    compute_dtype=bf16). The error against the fp64 term stays within twice the base's own bf16 rounding
+    (its output against fp64 on its own weight, measured per layer) plus bf16's step on the term; bytes
+    unchanged."""
+    base, before = baseline(model, dtype=torch.bfloat16), storage_bytes(model)
+    assert all(x.dtype == torch.bfloat16 == y.dtype for x, (y, _, _) in base.values())
+    sd, deltas = adapter(family, model)
+    handle = loraweave.apply(model, sd, mode="auto", strict=True)
+    floats = float_layers(model)
+    assert {a.module: a.mechanism for a in handle.report.applied} == {
+        p: "merge" if p in floats else "runtime" for p in TARGETS
+    }
+    assert_terms(model, base, deltas, f"bf16 apply {family}", merged=floats)
+    assert set(changed_bytes(model, before)) == {f"{p}.weight" for p in floats}
+    handle.remove()
+    assert changed_bytes(model, before) == []
+    assert_base_outputs(model, base, f"bf16 after remove {family}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

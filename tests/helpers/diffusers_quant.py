@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ TARGETS = (
     "x_embedder",
 )
 FAMILIES = ("lora", "lokr", "loha", "dora", "oft")
-COMPUTE = torch.float32  # the tiny tier computes in fp32: the base's rounding is fp32's
+COMPUTE = torch.float32  # the default compute dtype; bf16 (what users run) is a parameter
 
 
 def float_flux(seed: int = 0) -> nn.Module:
@@ -64,14 +65,14 @@ def saved_flux(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def torchao_flux(folder: Path) -> nn.Module:
+def torchao_flux(folder: Path, dtype: torch.dtype = COMPUTE) -> nn.Module:
     """diffusers' own torchao path: TorchAoConfig(Float8WeightOnlyConfig()), the float8 config torchao 0.18
     runs on CPU (Float8DynamicActivationFloat8WeightConfig asserts CUDA capability >= 8.9)."""
     from diffusers import FluxTransformer2DModel, TorchAoConfig
     from torchao.quantization import Float8WeightOnlyConfig
 
     return FluxTransformer2DModel.from_pretrained(
-        folder, quantization_config=TorchAoConfig(Float8WeightOnlyConfig()), torch_dtype=COMPUTE
+        folder, quantization_config=TorchAoConfig(Float8WeightOnlyConfig()), torch_dtype=dtype
     ).eval()
 
 
@@ -115,7 +116,9 @@ def write_gguf(model: nn.Module, path: Path, qtype: str) -> dict[str, str]:
     return written
 
 
-def gguf_flux(folder: Path, qtype: str, seed: int = 0) -> tuple[nn.Module, dict[str, str]]:
+def gguf_flux(
+    folder: Path, qtype: str, seed: int = 0, dtype: torch.dtype = COMPUTE
+) -> tuple[nn.Module, dict[str, str]]:
     """diffusers' own GGUF path: from_single_file on a file with diffusers' key names (loaded as is, no
     conversion), the config from the saved folder, GGUFQuantizationConfig(compute_dtype=fp32)."""
     from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
@@ -125,19 +128,20 @@ def gguf_flux(folder: Path, qtype: str, seed: int = 0) -> tuple[nn.Module, dict[
     model = FluxTransformer2DModel.from_single_file(
         str(path),
         config=str(folder),
-        quantization_config=GGUFQuantizationConfig(compute_dtype=COMPUTE),
-        torch_dtype=COMPUTE,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
+        torch_dtype=dtype,
     ).eval()
     return model, written
 
 
-def quantized_flux(fmt: str, folder: Path) -> nn.Module:
-    """ "torchao-float8" or "gguf-<TYPE>", loaded through diffusers from a float model saved in `folder`."""
+def quantized_flux(fmt: str, folder: Path, dtype: torch.dtype = COMPUTE) -> nn.Module:
+    """The format ("torchao-float8" or "gguf-<TYPE>") loaded through diffusers from a float model saved in
+    `folder`, computing in `dtype`."""
     if not (folder / "config.json").is_file():
         saved_flux(folder)
     if fmt == "torchao-float8":
-        return torchao_flux(folder)
-    return gguf_flux(folder, fmt.removeprefix("gguf-"))[0]
+        return torchao_flux(folder, dtype)
+    return gguf_flux(folder, fmt.removeprefix("gguf-"), dtype=dtype)[0]
 
 
 def flux_pipe(transformer: nn.Module):
@@ -213,6 +217,18 @@ def changed_bytes(model: nn.Module, before: dict[str, torch.Tensor]) -> list[str
 Delta = Callable[[torch.Tensor], torch.Tensor]  # fp64 base weight (out, in) -> fp64 ΔW at strength 1
 
 
+@dataclass(frozen=True)
+class Gained:
+    """A ΔW formula whose family also rescales the base's own output (DoRA's row gain, OFT's rotation):
+    `gain(w)` bounds how much that multiplies the base output's rounding (max-abs norm)."""
+
+    delta: Delta
+    gain: Callable[[torch.Tensor], float]
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return self.delta(w)
+
+
 def _lora(o: int, i: int, g: torch.Generator, sd: dict, key: str) -> Delta:
     r, alpha = 4, 2.0
     down, up = torch.randn(r, i, generator=g) * 0.05, torch.randn(o, r, generator=g) * 0.05
@@ -252,7 +268,11 @@ def _dora(o: int, i: int, g: torch.Generator, sd: dict, key: str) -> Delta:
         wc = w + up.double() @ down.double() * (alpha / r)
         return m.double() * wc / wc.norm(dim=1, keepdim=True) - w
 
-    return delta
+    def gain(w: torch.Tensor) -> float:  # each output row of the base is rescaled by m / ‖W + γBA‖
+        wc = w + up.double() @ down.double() * (alpha / r)
+        return float((m.double() / wc.norm(dim=1, keepdim=True)).abs().max())
+
+    return Gained(delta, gain)
 
 
 def _oft(o: int, i: int, g: torch.Generator, sd: dict, key: str) -> Delta:
@@ -267,7 +287,8 @@ def _oft(o: int, i: int, g: torch.Generator, sd: dict, key: str) -> Delta:
     def delta(w: torch.Tensor) -> torch.Tensor:
         return torch.block_diag(*rot.transpose(1, 2)) @ w - w
 
-    return delta
+    # the base's output is rotated: its max-abs error grows by at most ‖Rᵀ‖∞ (largest absolute row sum)
+    return Gained(delta, lambda w: float(rot.transpose(1, 2).abs().sum(-1).max()))
 
 
 BUILDERS = {"lora": _lora, "lokr": _lokr, "loha": _loha, "dora": _dora, "oft": _oft}
@@ -290,26 +311,37 @@ def layer_input(layer: nn.Module, seed: int) -> torch.Tensor:
     return torch.randn(2, 3, layer.in_features, generator=gen(seed))
 
 
+Base = tuple[torch.Tensor, torch.Tensor, float]  # the layer's own output, its own weight, its own rounding
+
+
 def check_term(
-    layer: nn.Module,
-    x: torch.Tensor,
-    base: tuple[torch.Tensor, torch.Tensor],
-    delta: Delta,
-    strength: float = 1.0,
+    layer: nn.Module, x: torch.Tensor, base: Base, delta: Delta, strength: float = 1.0, merged: bool = False
 ) -> tuple[float, float]:
     """(max|y − base_y − x·ΔWᵀ| / max|x·ΔWᵀ|, the bound it must meet): the layer output with the adapter
-    against the quantized base's own output plus the exact fp64 term. `base` = (base_y, w): the layer's output
-    and its own dequantized weight (`own_weight`), both taken before the adapter was applied.
+    against the quantized base's own output plus the exact fp64 term. `base` (from `baseline`): the layer's
+    output, its own dequantized weight and its own rounding, all taken before the adapter was applied.
 
-    The bound: the term's fp32 arithmetic (≤ 1e-5 of its max, as the family tests) plus the fp32 rounding of
-    the sum y = base_y + term, a few ulps of max|y|, which the subtraction base_y − y exposes."""
+    The bound, fp32 compute: the term's fp32 arithmetic (1e-5 of its max, as the family tests) plus the fp32
+    rounding of the sum y = base_y + term, a few ulps of max|y|, which the subtraction y − base_y exposes.
+    bf16 compute: the base's own rounding e_base = max|base_y − (x·Wᵀ + b)| (W its own weight, fp64) once in
+    base_y, times the family's gain on it (1; DoRA's row gain, OFT's ‖Rᵀ‖∞: see `Gained`), and once more in
+    the rounding of the sum to bf16, plus bf16's step on the term (2⁻⁸·max|term|);
+    a float layer that was `merged` also holds W + ΔW rounded to bf16: half an ulp per weight, times |x|."""
+    base_y, w, e_base = base
     with torch.no_grad():
         y = layer(x).double()
-    base_y, w = base
     term = x.double() @ (strength * delta(w)).T
     err = float((y - base_y.double() - term).abs().max())
     scale = float(term.abs().max())
-    bound = 1e-5 * scale + 4 * torch.finfo(COMPUTE).eps * float(y.abs().max())
+    if x.dtype == torch.float32:
+        bound = 1e-5 * scale + 4 * torch.finfo(torch.float32).eps * float(y.abs().max())
+    else:
+        gain = delta.gain(w) if isinstance(delta, Gained) else 1.0
+        bound = (1 + gain) * e_base + torch.finfo(x.dtype).eps * scale
+        if merged:
+            stored = (w + strength * delta(w)).abs()
+            ulp = torch.exp2(torch.floor(torch.log2(stored.clamp_min(1e-30)))) * torch.finfo(x.dtype).eps
+            bound += 0.5 * float((x.double().abs() @ ulp.T).max())
     return err / scale, bound / scale
 
 
@@ -329,15 +361,19 @@ def config_json(folder: Path) -> dict:
 
 
 def baseline(
-    model: nn.Module, targets=TARGETS
-) -> dict[str, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
-    """{layer: (input, (the base layer's own output on it, its own dequantized weight))}, taken before."""
+    model: nn.Module, targets=TARGETS, dtype: torch.dtype = COMPUTE
+) -> dict[str, tuple[torch.Tensor, Base]]:
+    """{layer: (input, (the layer's own output on it, its own dequantized weight, that output's rounding
+    against fp64 on that weight))}, taken before any adapter."""
     out = {}
     for i, path in enumerate(targets):
         layer = model.get_submodule(path)
-        x = layer_input(layer, seed=200 + i)
+        x = layer_input(layer, seed=200 + i).to(dtype)
+        w = own_weight(layer)
         with torch.no_grad():
-            out[path] = (x, (layer(x), own_weight(layer)))
+            y = layer(x)
+        exact = x.double() @ w.T + (0 if layer.bias is None else layer.bias.double())
+        out[path] = (x, (y, w, float((y.double() - exact).abs().max())))
     return out
 
 
