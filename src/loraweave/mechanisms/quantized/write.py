@@ -16,7 +16,7 @@ import torch
 from ...arch.spec import module_shape
 from ...families.contribution import add_contribution
 from ...modes import QuantMechanism
-from ...quant.backend import QuantBackend, Restore
+from ...quant.backend import FactorSlot, QuantBackend, Restore
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution
 from ..merge.checks import needs_bias, refuse_non_finite
@@ -237,6 +237,8 @@ class QuantWrite:
 
     def write(self) -> None:
         """(Re)write from the original tensors, so strength changes never compound requantization error."""
+        if self._undo is not None and self._rescaled():
+            return
         if self._undo is not None:
             self._undo()
             self._undo = None
@@ -245,6 +247,17 @@ class QuantWrite:
         else:
             self._ride()
         self._first = None
+
+    def _rescaled(self) -> bool:
+        """A factor write on top of its layer whose backend rescales in place: only the up factors change
+        with strength (they carry strength·scale), so they are rewritten where they lie."""
+        slot = self._undo
+        if self.mechanism != "factor" or not isinstance(slot, FactorSlot) or not self.is_top():
+            return False
+        shape = module_shape(self.module)
+        assert shape is not None  # a planned quantized layer has a logical weight shape
+        _, up = exact_factors(self.contributions, shape[0])
+        return slot.rescale(up)
 
     def _ride(self) -> None:
         shape = module_shape(self.module)
