@@ -38,6 +38,7 @@ from helpers.diffusers_quant import (
     float_flux,
     flux_inputs,
     flux_pipe,
+    gguf_linear,
     kohya_names,
     own_weight,
     quantized_flux,
@@ -46,6 +47,7 @@ from helpers.diffusers_quant import (
     saved_flux,
     storage_bytes,
     storage_kind,
+    write_gguf_layer,
 )
 from safetensors.torch import save_file
 
@@ -327,3 +329,41 @@ def test_diffusers_refuses_a_gguf_tensor_of_the_wrong_block_count(folder):
             config=str(folder),
             quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
         )
+
+
+@pytest.mark.parametrize(
+    ("mode", "extra", "why"),
+    [
+        ("auto", 0, r"GGUF Q8_0 blocks decode to \(32, 224\), the layer is \(32, 256\)"),
+        ("runtime", 0, r"GGUF Q8_0 blocks decode to \(32, 224\), the layer is \(32, 256\)"),
+        ("merge", 5, r"GGUF Q8_0 rows of 243 bytes are no whole number of 34-byte blocks"),
+        ("auto", -1, r"unknown GGML type 999"),
+    ],
+)
+def test_a_malformed_gguf_layer_is_refused_by_name(tmp_path, mode, extra, why):
+    """A GGUFLinear built by hand (not through diffusers' loader, which refuses it) whose Q8_0 weight holds
+    7 blocks per row for 256 inputs (or 7 blocks and 5 stray bytes): `apply` raises QuantizedWeightError
+    naming the layer and what is wrong, in every mode, and no byte of the model changes. extra = -1: the
+    weight names a GGML type that does not exist."""
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    from loraweave.errors import QuantizedWeightError
+
+    w = torch.randn(32, 256, generator=gen(5)).numpy()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    blocks = gguf.quants.quantize(w, q8)[:, : 7 * 34]
+    write_gguf_layer(tmp_path / "bad.gguf", "proj", blocks, "Q8_0", torch.zeros(32))
+    model = torch.nn.Sequential()
+    model.add_module("proj", gguf_linear(tmp_path / "bad.gguf", "proj", 256, 32))
+    if extra == -1:
+        model.proj.weight.quant_type = 999
+    elif extra:
+        padded = torch.cat([model.proj.weight.as_tensor(), torch.zeros(32, extra, dtype=torch.uint8)], 1)
+        model.proj.weight = GGUFParameter(padded, requires_grad=False, quant_type=q8)
+    sd = {"proj.lora_down.weight": torch.randn(4, 256), "proj.lora_up.weight": torch.randn(32, 4)}
+    before = storage_bytes(model)
+    with pytest.raises(QuantizedWeightError, match=r"proj: malformed gguf layer \(GGUFLinear\): " + why):
+        loraweave.apply(model, sd, mode=mode)
+    assert changed_bytes(model, before) == []
+    assert not model.proj._forward_hooks and not model.proj._forward_pre_hooks
