@@ -157,7 +157,12 @@ def flux_pipe(transformer: nn.Module):
 
 def own_weight(layer: nn.Module) -> torch.Tensor:
     """The weight the layer's own forward computes with, by the base library's own dequantizer (torchao's
-    `dequantize()`, diffusers' `dequantize_gguf_tensor` cast to compute_dtype), in fp64."""
+    `dequantize()`, diffusers' `dequantize_gguf_tensor` cast to compute_dtype; a Nunchaku SVDQW4A4Linear:
+    int4 residual / smooth + up·down, unpacked by the tests' own unpackers), in fp64."""
+    if type(layer).__name__ == "SVDQW4A4Linear":
+        from helpers.nunchaku_cpu import svdq_weight
+
+        return svdq_weight(layer)
     weight = layer.weight
     name = type(weight).__name__
     if name == "GGUFParameter":
@@ -167,6 +172,15 @@ def own_weight(layer: nn.Module) -> torch.Tensor:
     if hasattr(weight, "dequantize"):
         return weight.dequantize().double()
     return weight.detach().double()
+
+
+def own_bias(layer: nn.Module) -> torch.Tensor | float:
+    """The bias the layer adds, in output order, fp64 (Nunchaku stores it packed)."""
+    if type(layer).__name__ == "SVDQW4A4Linear":
+        from helpers.nunchaku_cpu import svdq_parts
+
+        return svdq_parts(layer)["bias"]
+    return 0.0 if layer.bias is None else layer.bias.double()
 
 
 def storage_kind(layer: nn.Module) -> str:
@@ -219,8 +233,8 @@ Delta = Callable[[torch.Tensor], torch.Tensor]  # fp64 base weight (out, in) -> 
 
 @dataclass(frozen=True)
 class Gained:
-    """A ΔW formula whose family also rescales the base's own output (DoRA's row gain, OFT's rotation):
-    `gain(w)` bounds how much that multiplies the base output's rounding (max-abs norm)."""
+    """A ΔW formula whose family also transforms the base's own output y ↦ G·y (DoRA's row gain, OFT's
+    rotation): `gain(w)` = ‖G − I‖∞, how much of the base output's own error the change carries."""
 
     delta: Delta
     gain: Callable[[torch.Tensor], float]
@@ -268,9 +282,9 @@ def _dora(o: int, i: int, g: torch.Generator, sd: dict, key: str) -> Delta:
         wc = w + up.double() @ down.double() * (alpha / r)
         return m.double() * wc / wc.norm(dim=1, keepdim=True) - w
 
-    def gain(w: torch.Tensor) -> float:  # each output row of the base is rescaled by m / ‖W + γBA‖
+    def gain(w: torch.Tensor) -> float:  # each output row of the base is rescaled by g = m / ‖W + γBA‖
         wc = w + up.double() @ down.double() * (alpha / r)
-        return float((m.double() / wc.norm(dim=1, keepdim=True)).abs().max())
+        return float((m.double() / wc.norm(dim=1, keepdim=True) - 1).abs().max())
 
     return Gained(delta, gain)
 
@@ -287,8 +301,8 @@ def _oft(o: int, i: int, g: torch.Generator, sd: dict, key: str) -> Delta:
     def delta(w: torch.Tensor) -> torch.Tensor:
         return torch.block_diag(*rot.transpose(1, 2)) @ w - w
 
-    # the base's output is rotated: its max-abs error grows by at most ‖Rᵀ‖∞ (largest absolute row sum)
-    return Gained(delta, lambda w: float(rot.transpose(1, 2).abs().sum(-1).max()))
+    # the base's output is rotated: the change carries its error times at most ‖Rᵀ − I‖∞ (largest row sum)
+    return Gained(delta, lambda w: float((rot.transpose(1, 2) - eye).abs().sum(-1).max()))
 
 
 BUILDERS = {"lora": _lora, "lokr": _lokr, "loha": _loha, "dora": _dora, "oft": _oft}
@@ -314,35 +328,40 @@ def layer_input(layer: nn.Module, seed: int) -> torch.Tensor:
 Base = tuple[torch.Tensor, torch.Tensor, float]  # the layer's own output, its own weight, its own rounding
 
 
+def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at |t| (fp64)."""
+    tiny = torch.finfo(dtype).tiny
+    return torch.exp2(torch.floor(torch.log2(t.double().abs().clamp_min(tiny)))) * torch.finfo(dtype).eps
+
+
 def check_term(
     layer: nn.Module, x: torch.Tensor, base: Base, delta: Delta, strength: float = 1.0, merged: bool = False
-) -> tuple[float, float]:
-    """(max|y − base_y − x·ΔWᵀ| / max|x·ΔWᵀ|, the bound it must meet): the layer output with the adapter
+) -> float:
+    """The largest ratio of |y − base_y − x·ΔWᵀ| to its bound (≤ 1 passes): the layer output with the adapter
     against the quantized base's own output plus the exact fp64 term. `base` (from `baseline`): the layer's
-    output, its own dequantized weight and its own rounding, all taken before the adapter was applied.
+    output, its own dequantized weight and its own error, all taken before the adapter was applied.
 
-    The bound, fp32 compute: the term's fp32 arithmetic (1e-5 of its max, as the family tests) plus the fp32
-    rounding of the sum y = base_y + term, a few ulps of max|y|, which the subtraction y − base_y exposes.
-    bf16 compute: the base's own rounding e_base = max|base_y − (x·Wᵀ + b)| (W its own weight, fp64) once in
-    base_y, times the family's gain on it (1; DoRA's row gain, OFT's ‖Rᵀ‖∞: see `Gained`), and once more in
-    the rounding of the sum to bf16, plus bf16's step on the term (2⁻⁸·max|term|);
-    a float layer that was `merged` also holds W + ΔW rounded to bf16: half an ulp per weight, times |x|."""
+    fp32 compute: the term's fp32 arithmetic (1e-5 of its max, as the family tests) plus the fp32 rounding of
+    the sum y = base_y + term, a few ulps of max|y|, which the subtraction y − base_y exposes.
+    16-bit compute, per element: the change carries the base's own error e_base = max|base_y − (x·Wᵀ + b)|
+    (W its own weight, fp64) times ‖G − I‖∞ (0 for additive families; DoRA's row gain, OFT's rotation:
+    `Gained`), plus half an ulp of y (the rounding of the sum) and two 16-bit steps of max|term| (the term's
+    own roundings); a float layer that was `merged` also holds W + ΔW rounded to 16 bits: half an ulp per
+    weight, times |x|."""
     base_y, w, e_base = base
     with torch.no_grad():
         y = layer(x).double()
     term = x.double() @ (strength * delta(w)).T
-    err = float((y - base_y.double() - term).abs().max())
+    miss = (y - base_y.double() - term).abs()
     scale = float(term.abs().max())
     if x.dtype == torch.float32:
         bound = 1e-5 * scale + 4 * torch.finfo(torch.float32).eps * float(y.abs().max())
-    else:
-        gain = delta.gain(w) if isinstance(delta, Gained) else 1.0
-        bound = (1 + gain) * e_base + torch.finfo(x.dtype).eps * scale
-        if merged:
-            stored = (w + strength * delta(w)).abs()
-            ulp = torch.exp2(torch.floor(torch.log2(stored.clamp_min(1e-30)))) * torch.finfo(x.dtype).eps
-            bound += 0.5 * float((x.double().abs() @ ulp.T).max())
-    return err / scale, bound / scale
+        return float(miss.max()) / bound
+    gain = delta.gain(w) if isinstance(delta, Gained) else 0.0
+    elementwise = gain * e_base + 0.5 * ulp(y, x.dtype) + 2 * torch.finfo(x.dtype).eps * scale
+    if merged:
+        elementwise = elementwise + 0.5 * x.double().abs() @ ulp(w + strength * delta(w), x.dtype).T
+    return float((miss / elementwise).max())
 
 
 def retention(deq_before: torch.Tensor, deq_after: torch.Tensor, intended: torch.Tensor) -> float:
@@ -372,7 +391,7 @@ def baseline(
         w = own_weight(layer)
         with torch.no_grad():
             y = layer(x)
-        exact = x.double() @ w.T + (0 if layer.bias is None else layer.bias.double())
+        exact = x.double() @ w.T + own_bias(layer)
         out[path] = (x, (y, w, float((y.double() - exact).abs().max())))
     return out
 
@@ -428,3 +447,56 @@ def gguf_linear(path: Path, name: str, in_features: int, out_features: int) -> n
     layer.weight = sd[f"{name}.weight"]
     layer.bias = nn.Parameter(sd[f"{name}.bias"], requires_grad=False)
     return layer.eval()
+
+
+# ------------------------------------------------------------------------------------- Nunchaku Z-Image
+
+ZIMAGE_CONFIG = {  # widths multiples of 128 (Nunchaku's packer): dim 384 = 3 heads of 128, FFN 1024
+    "all_patch_size": (2,),
+    "all_f_patch_size": (1,),
+    "in_channels": 16,
+    "dim": 384,
+    "n_layers": 1,
+    "n_refiner_layers": 1,
+    "n_heads": 3,
+    "n_kv_heads": 3,
+    "cap_feat_dim": 64,
+    "axes_dims": [32, 48, 48],
+    "axes_lens": [64, 32, 32],
+}
+NUNCHAKU_TARGETS = (  # Nunchaku's own names: fused qkv, fused SwiGLU w1/w3 (net.0.proj)
+    "layers.0.attention.to_qkv",
+    "layers.0.attention.to_out.0",
+    "layers.0.feed_forward.net.0.proj",
+    "layers.0.feed_forward.net.2",
+)
+
+
+def nunchaku_zimage(seed: int = 0) -> nn.Module:
+    """Nunchaku's real NunchakuZImageTransformer2DModel (a diffusers ZImageTransformer2DModel patched by its
+    own `_patch_model(precision="int4", rank=32)`, as its `from_pretrained` does), bf16, on the CPU stand-in
+    for `nunchaku._C`; each SVDQW4A4Linear holds a seeded float weight quantized and packed by nunchaku's own
+    packer (helpers.nunchaku_cpu.build_svdq_linear)."""
+    from helpers import nunchaku_cpu
+
+    zimage = nunchaku_cpu.import_nunchaku("nunchaku.models.transformers.transformer_zimage")
+    svdq = nunchaku_cpu.import_nunchaku("nunchaku.models.linear").SVDQW4A4Linear
+    torch.manual_seed(seed)
+    model = zimage.NunchakuZImageTransformer2DModel(**ZIMAGE_CONFIG).to(torch.bfloat16)
+    model._patch_model(skip_refiners=True, precision="int4", rank=32)
+    g = gen(seed + 1)
+    for module in model.modules():
+        if isinstance(module, svdq):
+            w = torch.randn(module.out_features, module.in_features, generator=g) / module.in_features**0.5
+            b = 0.1 * torch.randn(module.out_features, generator=g) if module.bias is not None else None
+            built = nunchaku_cpu.build_svdq_linear(w, bias=b, rank=32, dtype=torch.bfloat16)
+            module.load_state_dict(built.state_dict())
+    return model.eval()
+
+
+def zimage_pipe(transformer: nn.Module):
+    """diffusers' ZImagePipeline holding `transformer` (every other component None)."""
+    from diffusers import ZImagePipeline
+
+    keys = ZImagePipeline._get_signature_keys(ZImagePipeline)[0]
+    return ZImagePipeline(**(dict.fromkeys(keys) | {"transformer": transformer}))
