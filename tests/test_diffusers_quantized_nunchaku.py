@@ -11,10 +11,10 @@ CPU stand-in for `nunchaku._C` (helpers.nunchaku_cpu), in diffusers' ZImagePipel
   base's own W4A4 error, carried by DoRA's gain and OFT's rotation; 0 for additive families) + ½ulp(y) +
   2u·max|term|, u = 2⁻⁸. Bytes of every tensor unchanged while loaded and after unload.
 - `fuse_lora` of a plain LoRA: the factors go into the layer's own low-rank branch (rank 32 → 48, the
-  rank-4 LoRA padded to the kernel's 16-rank tile; no hook;
-  the same `nunchaku._C` calls per forward as without the LoRA); output within the branch's bf16 roundings:
-  ½ulp(y) + ½ulp(y_base) + 3u·(|x|·|A|ᵀ)·|s·B|ᵀ. `unfuse_lora` puts back the same Parameter objects, bit for
-  bit, and rank 32."""
+  rank-4 LoRA padded to the kernel's 16-rank tile; no hook; the same `nunchaku._C` calls per forward as
+  without the LoRA). Stored: exactly bf16(A) and bf16(s·B) (the branch's own precision); output = base + the
+  stored factors' term within ½ulp(y) + ½ulp(y_base) + u·|x·Aᵀ|·|s·B|ᵀ (the branch rounds x·Aᵀ to 16 bits,
+  then y is rounded). `unfuse_lora` puts back the same Parameter objects, bit for bit, and rank 32."""
 
 from __future__ import annotations
 
@@ -89,12 +89,23 @@ def test_fuse_lora_rides_the_low_rank_branch(model, pipe):
     with torch.no_grad():
         for path, (x, (y0, _, _)) in base.items():
             layer = model.get_submodule(path)
+            down = sd[f"{path}.lora_down.weight"]
+            up = sd[f"{path}.lora_up.weight"] * 0.5  # alpha 2 / rank 4
+            # what the branch stores: exactly bf16(A) and bf16(s·B), zero-padded to the 16-rank tile
+            stored_down = nunchaku_cpu.unpack_lowrank(layer.proj_down.detach(), down=True)[32:]
+            stored_up = nunchaku_cpu.unpack_lowrank(layer.proj_up.detach(), down=False)[:, 32:]
+            assert torch.equal(stored_down[:4], down.bfloat16()) and not stored_down[4:].any(), path
+            assert torch.equal(stored_up[:, :4], up.bfloat16()) and not stored_up[:, 4:].any(), path
+            # the output: the stored factors' term, with the branch's one 16-bit rounding of x·Aᵀ and the
+            # final roundings of y and of the base's y0
+            act = x.double() @ stored_down[:4].double().T
+            term = act @ stored_up[:, :4].double().T
             y = layer(x).double()
-            down = sd[f"{path}.lora_down.weight"].double()
-            up = sd[f"{path}.lora_up.weight"].double() * 0.5  # alpha 2 / rank 4
-            term = x.double() @ down.T @ up.T
-            magnitude = x.double().abs() @ down.abs().T @ up.abs().T
-            bound = 0.5 * ulp(y, torch.bfloat16) + 0.5 * ulp(y0, torch.bfloat16) + 3 * U * magnitude
+            bound = (
+                0.5 * ulp(y, torch.bfloat16)
+                + 0.5 * ulp(y0, torch.bfloat16)
+                + U * act.abs() @ stored_up[:, :4].double().abs().T
+            )
             ratio = float(((y - y0.double() - term).abs() / bound).max())
             assert ratio <= 1, (path, ratio)
     pipe.unfuse_lora()
