@@ -32,6 +32,11 @@ class TargetError(LoraweaveError):
     """The apply target is not something we can resolve modules in."""
 
 
+class QuantizedLayoutError(TargetError):
+    """A layer's quantized weight is stored in a layout loraweave cannot read (a ComfyUI `comfy_quant` format
+    whose comfy_kitchen layout is not registered); names the layer and the field. Nothing was changed."""
+
+
 class OtherInputError(TargetError):
     """An adapter was trained on inputs the model is not fed: its model-input key (Flux's `img_in`) takes a
     width the architecture does not relate to the model's (a Flux control LoRA on Flux Fill, whose extra
