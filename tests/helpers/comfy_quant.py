@@ -5,9 +5,7 @@ loaded by ComfyUI's own loader (`comfy.sd.load_diffusion_model`, what UNETLoader
   dict) stored by ComfyUI's own layout class for `fmt` (`QuantizedTensor.from_float(w, QUANT_ALGOS[fmt]
   ["comfy_tensor_layout"])`, the tensors its `state_dict` names: `weight`, `weight_scale`,
   `weight_scale_2`, `weight_s_rel`...) beside a `<layer>.comfy_quant` JSON entry `{"format": fmt}`;
-  embedders, norms and the final layer stay fp32 (the "mixed" of mixed precision). `full_precision=True`
-  adds ComfyUI's own `"full_precision_matrix_mult": true`: the same storage, the forward dequantizes and runs
-  a float GEMM.
+  embedders, norms and the final layer stay fp32 (the "mixed" of mixed precision).
 - An "fp8_scaled" file (the older format): fp8 e4m3fn weights with a per-tensor `<layer>.scale_weight` and the
   `scaled_fp8` marker, which ComfyUI's `convert_old_quants` turns into `comfy_quant` float8_e4m3fn at load.
 
@@ -55,7 +53,7 @@ def layout_of(fmt: str) -> str:
     return quant_algos()["float8_e4m3fn" if fmt == LEGACY else fmt]["comfy_tensor_layout"]
 
 
-def quantized_entry(key: str, weight: torch.Tensor, fmt: str, full_precision: bool = False) -> dict:
+def quantized_entry(key: str, weight: torch.Tensor, fmt: str) -> dict:
     """{key: tensor} of one weight stored by ComfyUI's layout class for `fmt`, with its comfy_quant entry."""
     from comfy_kitchen.tensor import QuantizedTensor
 
@@ -65,8 +63,6 @@ def quantized_entry(key: str, weight: torch.Tensor, fmt: str, full_precision: bo
         kwargs["scale"] = "recalculate"  # a per-tensor scale, as fp8 "scaled" checkpoints carry
     if fmt in ROTATED:
         kwargs["convrot_groupsize"] = conf["convrot_groupsize"] = CONVROT_GROUP
-    if full_precision:
-        conf["full_precision_matrix_mult"] = True
     tensor = QuantizedTensor.from_float(weight, layout_of(fmt), **kwargs)
     out = dict(tensor.state_dict(key))
     stem = key.removesuffix(".weight")
@@ -74,9 +70,10 @@ def quantized_entry(key: str, weight: torch.Tensor, fmt: str, full_precision: bo
     return out
 
 
-def flux_sd(fmt: str, seed: int = 0, full_precision: bool = False) -> dict[str, torch.Tensor]:
-    """The tiny Flux's BFL state dict with every block Linear quantized as `fmt` (module docstring)."""
-    bfl = flux_state_dict(seed)
+def flux_sd(fmt: str, seed: int = 0, **params) -> dict[str, torch.Tensor]:
+    """The tiny Flux's BFL state dict (`params` override comfy_models.FLUX_PARAMS) with every block Linear
+    quantized as `fmt` (module docstring)."""
+    bfl = flux_state_dict(seed, **params)
     out: dict[str, torch.Tensor] = {}
     if fmt == LEGACY:
         out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
@@ -88,13 +85,13 @@ def flux_sd(fmt: str, seed: int = 0, full_precision: bool = False) -> dict[str, 
             out[key] = (value / scale).to(torch.float8_e4m3fn)
             out[key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(1)
         else:
-            out.update(quantized_entry(key, value, fmt, full_precision))
+            out.update(quantized_entry(key, value, fmt))
     return out
 
 
-def write_flux(folder: Path, fmt: str, seed: int = 0, full_precision: bool = False) -> Path:
-    path = folder / f"flux-{fmt}{'-fpmm' if full_precision else ''}.safetensors"
-    save_file(flux_sd(fmt, seed, full_precision), str(path))
+def write_flux(folder: Path, fmt: str, seed: int = 0) -> Path:
+    path = folder / f"flux-{fmt}.safetensors"
+    save_file(flux_sd(fmt, seed), str(path))
     return path
 
 
