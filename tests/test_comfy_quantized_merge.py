@@ -93,3 +93,22 @@ def test_merge_requantizes_through_comfyui_and_reports_retention(models, fmt, fa
         measured = float((applied * intended).sum() / intended.square().sum())
         assert abs(rows[name]["retention"] - measured) <= 1e-5, (name, rows[name]["retention"], measured)
         assert not torch.equal(loaded[name], ref.w_q), f"{name}: the merge changed nothing"
+
+
+def test_retention_that_cannot_be_measured_is_said_not_fatal(models, monkeypatch):
+    # A patcher whose patch path fails here (a kind the measurement never ran on): the merge still lands, the
+    # row says why ρ is missing.
+    patcher = models("float8_e4m3fn")
+    layers = quantized_linears(patcher)
+    sd = adapter_file(layers, "lora", kohya("lora_unet_"))
+    c = import_comfy()
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("no patch path here")
+
+    monkeypatch.setattr(c.model_patcher.ModelPatcher, "patch_weight_to_device", broken)
+    _, _, report = load_lora_for_models(patcher, None, sd, STRENGTH, 0.0, mode="merge")
+    assert report.keys_applied == report.keys_total == len(sd)
+    for row in report.applied:
+        assert row.retention is None and row.backend == "comfy_kitchen"
+        assert row.notes == ["retention not measured: RuntimeError: no patch path here"], row.notes

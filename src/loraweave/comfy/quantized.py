@@ -85,7 +85,12 @@ def with_retention(patcher, rows: list[AppliedModule]) -> None:
         weight, _, _ = model_patcher.get_key_weight(patcher.model, key)
         if not is_quantized(weight):
             continue
-        row.retention = merge_retention(patcher, key)
         row.backend = "comfy_kitchen" if is_quantized_tensor(weight) else ""
         row.why = requantized_why(weight)
+        try:
+            row.retention = merge_retention(patcher, key)
+        except Exception as exc:  # noqa: BLE001 - a patcher kind this was not run on: said, never fatal
+            row.notes.append(f"retention not measured: {type(exc).__name__}: {exc}")
+            log.warning("comfy merge_retention key=%s failed=%r", key, exc)
+            continue
         log.debug("comfy merge_retention key=%s rho=%.6f", key, row.retention)
