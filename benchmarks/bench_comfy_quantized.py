@@ -76,7 +76,8 @@ def rho(applied: torch.Tensor, intended: torch.Tensor) -> tuple[float, float]:
 
 def loaded_weights(c, model, layers: dict) -> dict[str, torch.Tensor]:
     """Each layer's weight dequantized while `model` is loaded (ComfyUI's merge applied), then unloaded."""
-    c.model_management.load_models_gpu([model])
+    with torch.no_grad():  # as ComfyUI loads (its prompts run under inference mode)
+        c.model_management.load_models_gpu([model])
     try:
         return {n: dequantized(m.weight).double() for n, m in layers.items()}
     finally:

@@ -1,7 +1,8 @@
 """loraweave.comfy `merge` on ComfyUI's quantized checkpoints (helpers/comfy_quant.py: every format the
-imported tree registers and the legacy fp8_scaled file, loaded by ComfyUI's own loader), for LoRA, LoKr,
+imported tree registers, the legacy fp8_scaled file and plain float8 weights, loaded by ComfyUI's own
+loader), for LoRA, LoKr,
 LoHa, DoRA and OFT files on every quantized block Linear plus one float layer (`final_layer.linear`, which the
-mixed-precision file keeps fp32): LoRA on every format, every family on NVFP4.
+mixed-precision file keeps fp32; none with weight_dtype): LoRA on every format, every family on NVFP4.
 
 The merge goes through ComfyUI's own requantization (its patch path: dequantize, add, requantize_from_float
 with the scale recalculated and stochastic rounding seeded by the key), and the report gives, per quantized
@@ -19,6 +20,7 @@ import torch
 from helpers.comfy_env import import_comfy
 from helpers.comfy_files import FAMILIES, adapter_file, kohya
 from helpers.comfy_quant import (
+    WEIGHT_DTYPES,
     formats,
     layout_of,
     load_flux,
@@ -59,32 +61,43 @@ def test_merge_requantizes_through_comfyui_and_reports_retention(models, fmt, fa
     c = import_comfy()
     patcher = models(fmt)
     layers = quantized_linears(patcher)
-    float_layer = patcher.model.diffusion_model.get_submodule(FLOAT_LAYER)
-    assert float_layer.weight.dtype == torch.float32 and type(float_layer.weight) is torch.nn.Parameter
-    sd = adapter_file({**layers, FLOAT_LAYER: float_layer}, family, kohya("lora_unet_"))
+    # a float layer beside them (weight_dtype casts every weight: there is none)
+    floats = (
+        {}
+        if fmt in WEIGHT_DTYPES
+        else {FLOAT_LAYER: patcher.model.diffusion_model.get_submodule(FLOAT_LAYER)}
+    )
+    assert all(
+        m.weight.dtype == torch.float32 and type(m.weight) is torch.nn.Parameter for m in floats.values()
+    )
+    sd = adapter_file({**layers, **floats}, family, kohya("lora_unet_"))
     before = storage(patcher)
 
     model, _, report = load_lora_for_models(patcher, None, sd, STRENGTH, 0.0, mode="merge")
     assert report.keys_applied == report.keys_total == len(sd), report.summary()
     rows = {r["module"]: r for r in report.to_dict()["applied"]}
-    assert sorted(rows) == sorted([*layers, FLOAT_LAYER])
-    assert rows[FLOAT_LAYER]["retention"] is None and rows[FLOAT_LAYER]["backend"] == ""
+    assert sorted(rows) == sorted([*layers, *floats])
+    assert all(rows[name]["retention"] is None and rows[name]["backend"] == "" for name in floats)
     for name in layers:
-        assert rows[name]["mechanism"] == "merge" and rows[name]["backend"] == "comfy_kitchen"
+        backend = "" if fmt in WEIGHT_DTYPES else "comfy_kitchen"
+        assert rows[name]["mechanism"] == "merge" and rows[name]["backend"] == backend
         assert layout_of(fmt) in rows[name]["why"], rows[name]["why"]
     assert report.to_dict()["mechanisms"]["merge"]["retention_min"] == min(
         rows[n]["retention"] for n in layers
     )
 
     reference = merged_fp64(patcher, sd, STRENGTH)
-    c.model_management.load_models_gpu([model])
+    with torch.no_grad():  # as ComfyUI loads (its prompts run under inference mode)
+        c.model_management.load_models_gpu([model])
     try:
         loaded = {name: dequantized(m.weight).double() for name, m in layers.items()}
         types = {type(m.weight).__name__ for m in layers.values()}
+        assert all(m.weight.dtype not in (torch.float32, torch.bfloat16) for m in layers.values())
     finally:
         c.model_management.unload_all_models()
         model.detach(unpatch_all=True)
-    assert types == {"QuantizedTensor"}, types  # ComfyUI requantized, the layers stay quantized
+    # ComfyUI requantized, the layers stay quantized
+    assert types == {"Parameter" if fmt in WEIGHT_DTYPES else "QuantizedTensor"}, types
     assert same_bytes(before, storage(patcher)), "a quantized tensor differs after the clone was unloaded"
     for name, ref in reference.items():
         if name == FLOAT_LAYER:

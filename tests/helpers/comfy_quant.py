@@ -34,6 +34,9 @@ ROTATED = ("convrot_w4a4", "asym_w4a8_int8")  # stored in a Hadamard-rotated bas
 # too); the others are disabled for native compute on CPU: dequantize, float GEMM (comfy.ops pick_operations).
 ACTIVATION_QUANTIZED = ("int8_tensorwise", "convrot_w4a4", "asym_w4a8_int8")
 LEGACY = "fp8_scaled"
+# UNETLoader's weight_dtype: an fp32 file loaded with the weights cast to float8 (no scale; ComfyUI's
+# manual_cast ops up-cast per forward): plain tensors, not QuantizedTensors.
+WEIGHT_DTYPES = {"weight_dtype_fp8_e4m3fn": torch.float8_e4m3fn, "weight_dtype_fp8_e5m2": torch.float8_e5m2}
 BLOCK_WEIGHT = re.compile(r"^(double|single)_blocks\.\d+\..*\.weight$")
 
 
@@ -45,11 +48,14 @@ def quant_algos() -> dict:
 
 
 def formats() -> list[str]:
-    """Every format the imported tree registers, then the legacy fp8_scaled file."""
-    return [*quant_algos(), LEGACY]
+    """Every format the imported tree registers, the legacy fp8_scaled file, then plain float8 weights."""
+    return [*quant_algos(), LEGACY, *WEIGHT_DTYPES]
 
 
 def layout_of(fmt: str) -> str:
+    """The comfy_kitchen layout of `fmt`; for the plain float8 weights, their dtype's name."""
+    if fmt in WEIGHT_DTYPES:
+        return str(WEIGHT_DTYPES[fmt]).removeprefix("torch.")
     return quant_algos()["float8_e4m3fn" if fmt == LEGACY else fmt]["comfy_tensor_layout"]
 
 
@@ -78,7 +84,7 @@ def flux_sd(fmt: str, seed: int = 0, **params) -> dict[str, torch.Tensor]:
     if fmt == LEGACY:
         out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     for key, value in bfl.items():
-        if not (BLOCK_WEIGHT.match(key) and value.dim() == 2):
+        if fmt in WEIGHT_DTYPES or not (BLOCK_WEIGHT.match(key) and value.dim() == 2):
             out[key] = value
         elif fmt == LEGACY:
             scale = value.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
@@ -97,34 +103,41 @@ def write_flux(folder: Path, fmt: str, seed: int = 0) -> Path:
 
 def load_flux(path: Path, fmt: str):
     """ComfyUI's own loader on `path`: a ModelPatcher over its Flux whose block Linears hold QuantizedTensors
-    of `fmt`'s layout (asserted)."""
-    from loraweave.quant.comfy_kitchen import layout_name
+    of `fmt`'s layout, or plain float8 weights of a WEIGHT_DTYPES format (asserted)."""
+    from loraweave.quant.comfy_kitchen import is_quantized_tensor, layout_name
 
     c = import_comfy()
-    patcher = c.sd.load_diffusion_model(str(path), disable_dynamic=True)
+    options = {"dtype": WEIGHT_DTYPES[fmt]} if fmt in WEIGHT_DTYPES else {}
+    patcher = c.sd.load_diffusion_model(str(path), model_options=options, disable_dynamic=True)
     assert type(patcher.model.model_config).__name__ == "Flux", "ComfyUI did not detect Flux"
     layers = quantized_linears(patcher)
     assert len(layers) >= 8, sorted(layers)
-    layouts = {f"{type(m.weight).__name__}:{layout_name(m.weight)}" for m in layers.values()}
-    assert layouts == {f"QuantizedTensor:{layout_of(fmt)}"}, layouts
+    layouts = {
+        f"QuantizedTensor:{layout_name(m.weight)}" if is_quantized_tensor(m.weight) else str(m.weight.dtype)
+        for m in layers.values()
+    }
+    want = f"torch.{layout_of(fmt)}" if fmt in WEIGHT_DTYPES else f"QuantizedTensor:{layout_of(fmt)}"
+    assert layouts == {want}, layouts
     return patcher
 
 
 def quantized_linears(patcher) -> dict[str, torch.nn.Module]:
-    """{ComfyUI module name: layer} of the block Linears holding a QuantizedTensor (modulation left out: its
-    6x-wide output only slows the checks)."""
-    from loraweave.quant.comfy_kitchen import is_quantized_tensor
+    """{ComfyUI module name: layer} of the block Linears holding a quantized weight (a QuantizedTensor or a
+    float8 tensor; modulation left out: its 6x-wide output only slows the checks)."""
+    from loraweave.comfy.quantized import is_quantized
 
     return {
         name: m
         for name, m in patcher.model.diffusion_model.named_modules()
-        if is_quantized_tensor(m._parameters.get("weight") if hasattr(m, "_parameters") else None)
+        if isinstance(getattr(m, "in_features", None), int)
+        and is_quantized(m._parameters.get("weight"))
         and re.match(r"^\w+\.\d+\.(?!\w*mod)", name)
     }
 
 
 def storage(patcher) -> dict[str, torch.Tensor]:
     """{layer.tensor: bytes} of every quantized weight of the diffusion model (data and scales), copied."""
+    from loraweave.comfy.quantized import is_quantized
     from loraweave.quant.comfy_kitchen import is_quantized_tensor, stored_tensors
 
     out = {}
@@ -133,6 +146,8 @@ def storage(patcher) -> dict[str, torch.Tensor]:
         if is_quantized_tensor(weight):
             for field, t in stored_tensors(weight).items():
                 out[f"{name}.{field}"] = t.detach().reshape(-1).view(torch.uint8).clone()
+        elif is_quantized(weight):
+            out[f"{name}.weight"] = weight.detach().reshape(-1).view(torch.uint8).clone()
     return out
 
 

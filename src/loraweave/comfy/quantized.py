@@ -54,6 +54,7 @@ def check_layouts(patcher) -> None:
                 )
 
 
+@torch.no_grad()  # as ComfyUI patches (its prompts run under inference mode); its parameters require grad
 def merge_retention(patcher, key: str) -> float | None:
     """ρ of ComfyUI's merge of the patch list on weight `key` (module docstring); None for a float weight."""
     model_patcher = comfy_module("comfy.model_patcher")
@@ -68,11 +69,11 @@ def merge_retention(patcher, key: str) -> float | None:
 
 
 def requantized_why(weight: Any) -> str:
-    what = layout_name(weight) if is_quantized_tensor(weight) else str(weight.dtype).removeprefix("torch.")
-    return (
-        f"ComfyUI requantizes W + ΔW into {what} (its patch path: scale recalculated, stochastic rounding); "
-        "retention measured on that path"
-    )
+    if is_quantized_tensor(weight):
+        how = f"requantizes W + ΔW into {layout_name(weight)} (scale recalculated, stochastic rounding)"
+    else:
+        how = f"rounds W + ΔW to {str(weight.dtype).removeprefix('torch.')} (stochastic rounding)"
+    return f"ComfyUI {how} on its patch path; retention measured on that path"
 
 
 def with_retention(patcher, rows: list[AppliedModule]) -> None:
