@@ -22,7 +22,7 @@ block Linear, up rescaled so that ‖ΔW‖_F = `ratio`·‖W‖_F on each layer
 Medians over the layers (min in brackets).
 
     LORAWEAVE_COMFYUI=latest .venv/bin/python benchmarks/bench_comfy_quantized.py [--hidden 512]
-        [--ratios 0.01,0.03,0.1] [--rank 16] [--seed 0]
+        [--ratios 0.01,0.03,0.1] [--rank 16] [--seed 0] [--formats nvfp4,fp8_scaled,...]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from loraweave.comfy import load_lora_for_models  # noqa: E402
 from loraweave.comfy.quantized import dequantized  # noqa: E402
+from loraweave.quant.comfy_kitchen import is_quantized_tensor  # noqa: E402
 
 STRENGTH = 1.0
 
@@ -53,7 +54,7 @@ def lora_file(layers: dict, ratio: float, rank: int, seed: int) -> tuple[dict, d
     g = torch.Generator().manual_seed(seed)
     sd, deltas = {}, {}
     for name, m in layers.items():
-        w = dequantized(m.weight).double()
+        w = dequantized(m.weight.detach()).double()
         down = torch.randn(rank, m.in_features, generator=g) / m.in_features**0.5
         up = torch.randn(m.out_features, rank, generator=g)
         delta = up.double() @ down.double()
@@ -69,7 +70,7 @@ def lora_file(layers: dict, ratio: float, rank: int, seed: int) -> tuple[dict, d
 
 
 def rho(applied: torch.Tensor, intended: torch.Tensor) -> tuple[float, float]:
-    applied, intended = applied.double(), intended.double()
+    applied, intended = applied.detach().double(), intended.detach().double()
     r = float((applied * intended).sum() / intended.square().sum())
     return r, float((applied - intended).norm() / intended.norm())
 
@@ -104,7 +105,10 @@ def nearest_rho(layers: dict, base: dict, deltas: dict) -> list[float]:
     out = []
     for name, m in layers.items():
         merged = (base[name] + deltas[name]).to(torch.float32)
-        again = m.weight.requantize_from_float(merged, scale="recalculate", stochastic_rounding=0)
+        if is_quantized_tensor(m.weight):
+            again = m.weight.requantize_from_float(merged, scale="recalculate", stochastic_rounding=0)
+        else:  # a plain float8 weight: ComfyUI's rounding without the stochastic part
+            again = merged.to(m.weight.dtype)
         out.append(rho(dequantized(again).double() - base[name], deltas[name])[0])
     return out
 
@@ -147,7 +151,9 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.01,0.03,0.1")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--formats", default="", help="comma-separated subset of the tree's formats")
     args = parser.parse_args()
+    chosen = [f for f in formats() if not args.formats or f in args.formats.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
     from importlib.metadata import version
 
@@ -163,7 +169,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        for fmt in formats():
+        for fmt in chosen:
             for row in measure(fmt, Path(folder), args.hidden, ratios, args.rank, args.seed):
                 print(row.replace(f"| {fmt} |", f"| {fmt} ({layout_of(fmt)}) |", 1), flush=True)
     print(f"\n{time.perf_counter() - t0:.0f} s")

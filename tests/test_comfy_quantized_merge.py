@@ -92,7 +92,6 @@ def test_merge_requantizes_through_comfyui_and_reports_retention(models, fmt, fa
     try:
         loaded = {name: dequantized(m.weight).double() for name, m in layers.items()}
         types = {type(m.weight).__name__ for m in layers.values()}
-        assert all(m.weight.dtype not in (torch.float32, torch.bfloat16) for m in layers.values())
     finally:
         c.model_management.unload_all_models()
         model.detach(unpatch_all=True)
