@@ -38,10 +38,11 @@ def nunchaku_class(arch: str) -> type:
 def meta_model(arch: str):
     """The released config's transformer, patched the way Nunchaku's `from_pretrained` patches it, on meta."""
     cls = nunchaku_class(arch)
-    takes = inspect.signature(cls.__init__).parameters  # the released configs carry a few extra entries
+    # the released configs carry a few extra entries; Nunchaku's __init__ passes *args/**kwargs to diffusers'
+    takes = inspect.signature(cls.__bases__[0].__init__).parameters
     config = {k: v for k, v in real_config(CONFIGS[arch]).items() if k in takes}
     with torch.device("meta"):
-        model = cls.from_config(config)
+        model = cls(**config)  # not from_config: it reads the keywords off Nunchaku's (*args, **kwargs)
         model._patch_model(precision="int4", rank=RANK)
     return model
 
@@ -87,7 +88,7 @@ def tiny_nunchaku_zimage(float_model, rank: int = RANK):
     """Nunchaku's Z-Image holding `float_model`'s weights: its own class and `_patch_model`, each
     SVDQW4A4Linear quantised from the float weight it replaced (bf16), every other module the float one."""
     cls = nunchaku_class("z-image")
-    model = cls.from_config(dict(float_model.config))
+    model = cls(**{k: v for k, v in dict(float_model.config).items() if not k.startswith("_")})
     model.load_state_dict(float_model.state_dict())
     model._patch_model(precision="int4", rank=rank)
     for path, weight in _zimage_pairs(float_model).items():
@@ -138,8 +139,7 @@ def tiny_nunchaku_qwen(float_model, rank: int = RANK):
     """Nunchaku's Qwen-Image holding `float_model`'s weights (its SVDQW4A4Linear layers quantised from them;
     the AWQ modulation left as `_patch_model` makes it: no key lands there)."""
     cls = nunchaku_class("qwen-image")
-    takes = inspect.signature(cls.__init__).parameters
-    model = cls.from_config({k: v for k, v in dict(float_model.config).items() if k in takes})
+    model = cls(**{k: v for k, v in dict(float_model.config).items() if not k.startswith("_")})
     model.load_state_dict(float_model.state_dict())
     model._patch_model(precision="int4", rank=rank)
     for path, weight in _qwen_pairs(float_model).items():
