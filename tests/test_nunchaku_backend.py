@@ -6,8 +6,9 @@ References and bounds:
   rank concatenation equals the packer applied to the unpacked concatenation (the seed loader's method);
 - plain LoRA (`factor`): the appended tiles hold exactly bf16(A) and bf16(strength·scale·B), the base tiles
   are untouched, the forward makes the same `nunchaku._C` calls as without the LoRA, no hook; the output is
-  the base's own output plus the fp64 term s·x·(BA)ᵀ within the branch's bf16 roundings:
-  u·(|base| + |out|) + 3u·(|x|·|A|ᵀ)·|sB|ᵀ (factors, branch input, each rounded once; u = 2^-8);
+  the base's own output plus the stored factors' term x·(B₁₆A₁₆)ᵀ within
+  u·(|base| + |out|) + u·|x·A₁₆ᵀ|·|B₁₆|ᵀ (branch input and output each rounded to bf16 once; u = 2^-8),
+  and that term is the fp64 s·x·(BA)ᵀ within the factors' storage rounding 2u·(|x|·|A|ᵀ)·|sB|ᵀ;
 - other families (runtime or hosted): output = G·(base's own output − b) + b + exact ΔW term, checked as
   |out − (x·W'ᵀ + b)| ≤ |G|·e_base + 8u·(|x'W'| + |x|·|ΔW|ᵀ), where W' is the fp64 merge of the same file
   into the layer's own dequantized weight W, e_base the base's own int4 bound (helpers' svdq_error_bound),
@@ -106,9 +107,9 @@ def test_fragment_layout_is_nunchakus_packer():
     # appending rank in packed space == the seed loader's unpack, concatenate, repack
     base_down, base_up = torch.randn(32, 384, generator=g).half(), torch.randn(256, 32, generator=g).half()
     new_down, new_up = torch.randn(16, 384, generator=g).half(), torch.randn(256, 16, generator=g).half()
-    packed = lib._append_rank(packer.pack_lowrank_weight(base_down, True), lib.pack_lowrank(new_down, True))
+    packed = lib._append_rank(packer.pack_lowrank_weight(base_down, True), new_down.float(), down=True)
     assert torch.equal(packed, packer.pack_lowrank_weight(torch.cat([base_down, new_down]), down=True))
-    packed = lib._append_rank(packer.pack_lowrank_weight(base_up, False), lib.pack_lowrank(new_up, False))
+    packed = lib._append_rank(packer.pack_lowrank_weight(base_up, False), new_up.float(), down=False)
     assert torch.equal(packed, packer.pack_lowrank_weight(torch.cat([base_up, new_up], 1), down=False))
 
 
@@ -163,14 +164,20 @@ def test_lora_rides_the_low_rank_branch_exactly():
     calls1 = nc.CALLS.copy()
     got = _outputs(model, x)
     assert nc.CALLS - calls1 == base_calls  # the appended rank runs inside the same two kernels
+    xd = x.double()
     for name in LAYERS:
         down, up, scale = deltas[name]
-        term = scale * (x.double() @ down.double().T) @ up.double().T
-        bound = U * (base[name].double().abs() + got[name].double().abs())
-        bound += 3 * U * (x.double().abs() @ down.double().abs().T) @ (scale * up.double()).abs().T
-        err = (got[name].double() - base[name].double() - term).abs()
+        a16, b16 = down.to(torch.bfloat16).double(), (up * scale).to(torch.bfloat16).double()
+        stored = (xd @ a16.T) @ b16.T
+        bound = (
+            U * (base[name].double().abs() + got[name].double().abs()) + U * (xd @ a16.T).abs() @ b16.abs().T
+        )
+        err = (got[name].double() - base[name].double() - stored).abs()
         assert (err <= bound + 1e-6).all(), (name, float((err / (bound + 1e-6)).max()))
-        assert float(bound.max()) < 0.2 * float(term.abs().max())  # the bound is tighter than the term
+        assert float((stored.abs() > bound + 1e-6).double().mean()) > 0.5  # the bound cannot hide the term
+        exact = scale * (xd @ down.double().T) @ up.double().T
+        storage_bound = 2.01 * U * (xd.abs() @ down.double().abs().T) @ (scale * up.double()).abs().T
+        assert ((stored - exact).abs() <= storage_bound + 1e-9).all()
     handle.remove()
     nc.assert_storage(model, before)
     after = _outputs(model, x)
@@ -304,3 +311,32 @@ def test_a_rank_that_disagrees_between_proj_down_and_proj_up_is_refused():
     assert "a" in message.split(":")[0] and "proj_down rank 32" in message and "proj_up rank 48" in message
     assert isinstance(caught.value, ValueError)
     nc.assert_storage(model, before)
+
+
+def test_nvfp4_layers_take_the_branch_but_not_hosting():
+    """nvfp4 SVDQW4A4Linear (its forward is not emulated; no forward here): a LoRA is appended exactly; a LoKr
+    cannot be hosted (hosting forms ΔW from W, and nvfp4 dequantize is not implemented): auto with
+    quantized="host" runs it beside the layer instead, and says why."""
+    linear = nc.import_nunchaku("nunchaku.models.linear")
+    root = torch.nn.Module()
+    root.a = linear.SVDQW4A4Linear(256, 256, rank=32, precision="nvfp4", torch_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        root.a.proj_down.copy_(torch.randn(256, 32, generator=g))
+        root.a.proj_up.copy_(torch.randn(256, 32, generator=g))
+    before = nc.storage(root)
+    sd, deltas = _lora({"a": (256, 256)}, seed=4)
+    handle = loraweave.apply(root, sd, mode="auto", strict=True)
+    (row,) = handle.report.applied
+    assert (row.mechanism, row.backend) == ("factor", "nunchaku")
+    down, up, scale = deltas["a"]
+    assert torch.equal(_appended(root.a)[0][:4], down.to(torch.bfloat16).double())
+    assert torch.equal(_appended(root.a)[1][:, :4], (up * scale).to(torch.bfloat16).double())
+    handle.remove()
+    nc.assert_storage(root, before)
+    lokr = _family("lokr", {"a": (256, 256)}, seed=5)
+    handle = loraweave.apply(root, lokr, mode="auto", quantized="host", strict=True)
+    (row,) = handle.report.applied
+    assert row.mechanism == "runtime" and "nvfp4" in row.why, row
+    handle.remove()
+    nc.assert_storage(root, before)

@@ -16,6 +16,7 @@ imported: layers are recognised by class name."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,16 +47,43 @@ def is_awq(module: torch.nn.Module) -> bool:
 # ------------------------------------------------------------------ the low-rank pair's fragment layout
 
 
-def pack_lowrank(weight: torch.Tensor, down: bool) -> torch.Tensor:
-    """down (R, in) -> packed (in, R); up (out, R) -> packed (out, R). Both sizes multiples of 16."""
+def _fragments(weight: torch.Tensor, down: bool) -> torch.Tensor:
+    """A view of down (R, in) / up (out, R) as its packed fragments (in/16 or out/16, R/16, 8, 4, 2, 2, 2)."""
     if down:
         rank, channels = weight.shape
         tiles = weight.reshape(rank // TILE, TILE, channels // TILE, TILE).permute(2, 0, 1, 3)
     else:
         channels, rank = weight.shape
         tiles = weight.reshape(channels // TILE, TILE, rank // TILE, TILE).permute(0, 2, 1, 3)
-    frags = tiles.reshape(channels // TILE, rank // TILE, 2, 8, 2, 4, 2).permute(0, 1, 3, 5, 2, 4, 6)
+    return tiles.reshape(channels // TILE, rank // TILE, 2, 8, 2, 4, 2).permute(0, 1, 3, 5, 2, 4, 6)
+
+
+def pack_lowrank(weight: torch.Tensor, down: bool) -> torch.Tensor:
+    """down (R, in) -> packed (in, R); up (out, R) -> packed (out, R). Both sizes multiples of 16."""
+    frags = _fragments(weight, down)
+    channels, rank = frags.shape[0] * TILE, frags.shape[1] * TILE
     return frags.contiguous().view(channels, rank)
+
+
+@functools.lru_cache(maxsize=16)
+def _pack_order(rows: int, cols: int, down: bool, device: torch.device) -> torch.Tensor:
+    """For a (rows, cols) factor: the flat source index of every packed position (a permutation). Gathering
+    through it packs ~7x faster than a strided copy of the 7-D fragment view (2-element inner runs)."""
+    flat = torch.arange(rows * cols, dtype=torch.int32, device=device).view(rows, cols)
+    return pack_lowrank(flat, down).reshape(-1)
+
+
+def _pack_into(tiles: torch.Tensor, factor: torch.Tensor, down: bool) -> None:
+    """Write `factor` (down (r, in) / up (out, r), any float dtype) packed into `tiles` (in/16 or out/16,
+    r/16, 8, 4, 2, 2, 2), cast to their dtype on the way."""
+    order = _pack_order(factor.shape[0], factor.shape[1], down, factor.device)
+    tiles.copy_(factor.contiguous().view(-1).index_select(0, order).view(tiles.shape))
+
+
+def _rank_tiles(packed: torch.Tensor) -> torch.Tensor:
+    """A packed pair's fragments: (channels/16, rank/16, 8, 4, 2, 2, 2), a view."""
+    channels, rank = packed.shape
+    return packed.view(channels // TILE, rank // TILE, 8, 4, 2, 2, 2)
 
 
 def unpack_lowrank(packed: torch.Tensor, down: bool) -> torch.Tensor:
@@ -68,11 +96,17 @@ def unpack_lowrank(packed: torch.Tensor, down: bool) -> torch.Tensor:
     return tiles.permute(0, 2, 1, 3).reshape(channels, rank)
 
 
-def _append_rank(packed: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-    """Concatenate packed pairs along the rank: per channel tile, the extra rank tiles follow the base's."""
-    channels = packed.shape[0]
-    joined = torch.cat([packed.reshape(channels // TILE, -1), extra.reshape(channels // TILE, -1)], dim=1)
-    return joined.view(channels, packed.shape[1] + extra.shape[1])
+def _append_rank(packed: torch.Tensor, extra: torch.Tensor, down: bool) -> torch.Tensor:
+    """`packed` with the factors `extra` (down (r, in) / up (out, r), any float dtype, r a multiple of 16)
+    appended along the rank: per channel tile, the new rank tiles follow the base's. One pass per tensor:
+    the base tiles are copied, the new ones packed and cast straight into place."""
+    channels, base = packed.shape
+    width = extra.shape[0] if down else extra.shape[1]
+    joined = packed.new_empty(channels, base + width)
+    tiles = _rank_tiles(joined)
+    tiles[:, : base // TILE].copy_(_rank_tiles(packed))
+    _pack_into(tiles[:, base // TILE :], extra, down)
+    return joined
 
 
 # ------------------------------------------------------------------ the int4 path's layouts (for dequantize)
@@ -118,8 +152,8 @@ class AppendedRank(FactorSlot):
 
     def install(self, down: torch.Tensor, up: torch.Tensor) -> None:
         old_down, old_up = self.saved["proj_down"], self.saved["proj_up"]
-        new_down = _append_rank(old_down.detach(), pack_lowrank(down, down=True))
-        new_up = _append_rank(old_up.detach(), pack_lowrank(up, down=False))
+        new_down = _append_rank(old_down.detach(), down, down=True)
+        new_up = _append_rank(old_up.detach(), up, down=False)
         self.module.proj_down = torch.nn.Parameter(new_down, requires_grad=old_down.requires_grad)
         self.module.proj_up = torch.nn.Parameter(new_up, requires_grad=old_up.requires_grad)
         self.installed = self.module.proj_up
@@ -131,12 +165,12 @@ class AppendedRank(FactorSlot):
         if current is None or self.module.proj_up is not current:
             return False  # someone replaced the tensors since: the caller rewrites from the originals
         width = current.shape[1] - self.base_rank
-        padded = up.new_zeros(up.shape[0], width)
-        padded[:, : up.shape[1]] = up
-        packed = pack_lowrank(padded.to(current.device, current.dtype), down=False)
-        tiles = current.detach().view(current.shape[0] // TILE, current.shape[1] // TILE, TILE * TILE)
+        if up.shape[1] != width:  # the bucket / tile padding: zero columns
+            up = torch.cat([up, up.new_zeros(up.shape[0], width - up.shape[1])], dim=1)
         with torch.no_grad():
-            tiles[:, self.base_rank // TILE :].copy_(packed.view(current.shape[0] // TILE, -1, TILE * TILE))
+            _pack_into(
+                _rank_tiles(current.detach())[:, self.base_rank // TILE :], up.to(current.device), False
+            )
         return True
 
     def __call__(self) -> None:
@@ -242,9 +276,9 @@ class NunchakuBackend(QuantBackend):
     def append_factors(self, module: torch.nn.Module, down: torch.Tensor, up: torch.Tensor) -> FactorSlot:
         proj_up = module.proj_up
         slot = AppendedRank(module, int(proj_up.shape[1]))
-        with torch.no_grad():
-            down = _padded_rank(down.detach().to(proj_up.device, proj_up.dtype), 0)
-            up = _padded_rank(up.detach().to(proj_up.device, proj_up.dtype), 1)
+        with torch.no_grad():  # cast to the branch's dtype as they are packed into place
+            down = _padded_rank(down.detach().to(proj_up.device), 0)
+            up = _padded_rank(up.detach().to(proj_up.device), 1)
             slot.install(down, up)
         return slot
 
