@@ -191,3 +191,9 @@ class ServeRequestError(LoraweaveError, ValueError):
 
 class ComfyUnavailableError(TargetError):
     """ComfyUI's modules cannot be imported here (not inside ComfyUI, and its folder is not on sys.path)."""
+
+
+class QuantizedWeightError(TargetError, ValueError):
+    """A quantized weight of the model is malformed: its stored bytes do not hold its declared type and
+    shape (a GGUF tensor whose block count disagrees with its shape). Raised before anything changed; the
+    message names the layer."""

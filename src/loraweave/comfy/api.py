@@ -39,6 +39,7 @@ from ..report.coverage import warn_incomplete
 from ..report.miss import Skipped, Unmatched
 from ..report.report import Report
 from ..resolve.planner import Plan
+from .gguf_weights import check_storage, note_rows
 from .host import diffusion_patcher
 from .patches import add_to_clone
 from .targets import comfy_arch, plan_for_clip, plan_for_patcher
@@ -127,7 +128,9 @@ def merge(
     t0 = time.perf_counter()
     model_plan, clip_plan, both, unmatched, skipped = _plans(model, clip, adapter)
     refuse(make_report(both, "merge", [], unmatched, t0, skipped), strict, opt_ins=COMFY, arch=arch)
+    check_storage(model_plan)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
+    note_rows(applied, model_plan, new_model)
     new_clip = None
     if clip_plan is not None:  # planned exactly when a CLIP is given
         new_clip = clip.clone()
