@@ -200,9 +200,9 @@ def counted_forward(model, steps: int = 2) -> tuple[int, int, torch.Tensor]:
 
 
 def test_no_per_step_repatch_against_core(flux):
-    """Per forward: ComfyUI-GGUF dequantizes each quantized layer (and its bias) once whatever the LoRA; core's LoraLoader
-    also runs calculate_weight on every patched quantized weight, ours on none (the GGML patch list stays
-    empty). The whole model's output: ours equals core's within fp32 rounding."""
+    """Per forward: ComfyUI-GGUF dequantizes each quantized layer (and its bias) once whatever the LoRA;
+    core's LoraLoader also runs calculate_weight on every patched quantized weight, ours on none (the GGML
+    patch list stays empty). The whole model's output: ours equals core's within fp32 rounding."""
     c = import_comfy()
     model, _ = flux
     layers = targets(model)
@@ -226,8 +226,9 @@ def test_no_per_step_repatch_against_core(flux):
 
 def test_merge_goes_through_the_patch_list_exact_and_reports_it(flux):
     """mode=merge on a GGUF model: ComfyUI's patch list, applied by GGMLOps at forward (ComfyUI-GGUF cannot
-    requantize); exact within the same bound, blocks unchanged; each GGML row says so, ρ = 1 in fp32. The F16
-    row is merged by ComfyUI-GGUF as core merges (a patched F16 copy while loaded): its ρ is that rounding's."""
+    requantize); exact within the same bound, blocks unchanged; each GGML row says so, ρ = 1 in fp32. The
+    F16 row is merged by ComfyUI-GGUF as core merges (a patched F16 copy while loaded): its ρ is that
+    rounding's."""
     model, _ = flux
     sd = adapter_file(targets(model), "lokr", dotted("diffusion_model."))
     merged, _, report = load_lora_for_models(model, None, sd, STRENGTH, 0.0, mode="merge")
@@ -291,3 +292,47 @@ def test_wrong_block_size_is_a_typed_error_naming_the_layer(tmp_path):
     assert_bytes_equal(before, cg.storage_bytes(model))
     assert not model.patches and not model.get_attachment("loraweave")
     c.model_management.unload_all_models()
+
+
+def test_diffusers_named_lora_lands_through_the_reference_tree(flux):
+    """A PEFT (diffusers-named) Flux LoRA needs the reference tree at the model's widths, matched by shapes:
+    the GGML layers' logical shapes (not the stand-ins of their storage that ComfyUI-GGUF's state_dict
+    gives) make it fit. to_q lands on the first third of the Q4_K fused qkv, proj_out on the Q5_K linear2;
+    the outputs equal those of the same factors written on ComfyUI's names (q rows of up, the rest zero)."""
+    model, _ = flux
+    g = torch.Generator().manual_seed(9)
+    r = 4
+    a_q, b_q = torch.randn(r, 256, generator=g) * 0.1, torch.randn(256, r, generator=g) * 0.1
+    a_o, b_o = torch.randn(r, 1280, generator=g) * 0.1, torch.randn(256, r, generator=g) * 0.1
+    peft = {
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": a_q,
+        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": b_q,
+        "transformer.single_transformer_blocks.0.proj_out.lora_A.weight": a_o,
+        "transformer.single_transformer_blocks.0.proj_out.lora_B.weight": b_o,
+    }
+    qkv, out = "diffusion_model.double_blocks.0.img_attn.qkv", "diffusion_model.single_blocks.0.linear2"
+    comfy_named = {
+        f"{qkv}.lora_down.weight": a_q,
+        f"{qkv}.lora_up.weight": torch.cat([b_q, torch.zeros(512, r)]),
+        f"{qkv}.alpha": torch.tensor(float(r)),
+        f"{out}.lora_down.weight": a_o,
+        f"{out}.lora_up.weight": b_o,
+        f"{out}.alpha": torch.tensor(float(r)),
+    }
+    c = import_comfy()
+    layers = {n: model.model.diffusion_model.get_submodule(n) for n in (qkv[16:], out[16:])}
+    x = {n: torch.randn(3, m.in_features, generator=g) for n, m in layers.items()}
+    outputs = []
+    for sd in (peft, comfy_named):
+        ours, _, report = load_lora_for_models(model, None, sd, STRENGTH, 0.0)
+        assert report.keys_applied == report.keys_total == len(sd), report.kinds()
+        c.model_management.load_models_gpu([ours])
+        try:
+            outputs.append(layer_outputs(layers, x))
+        finally:
+            c.model_management.unload_all_models()
+            ours.detach(unpatch_all=True)
+    base = layer_outputs(layers, x)
+    for n in layers:
+        assert (outputs[0][n] - base[n]).abs().max() > 1e-3
+        torch.testing.assert_close(outputs[0][n], outputs[1][n], rtol=1e-6, atol=1e-6)

@@ -62,7 +62,7 @@ def _scales_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
 
 
 def pack_k(w: np.ndarray, qtype: str) -> np.ndarray:
-    """(rows, cols/256 · type_size) uint8 blocks of Q4_K or Q5_K for float `w` (rows, cols), cols % 256 == 0."""
+    """(rows, cols/256 · type_size) uint8 Q4_K or Q5_K blocks of float `w` (rows, cols), cols % 256 == 0."""
     bits = {"Q4_K": 4, "Q5_K": 5}[qtype]
     nmax = (1 << bits) - 1
     x = w.astype(np.float32).reshape(-1, 8, 32)
