@@ -8,8 +8,9 @@ and Q5_K through the tests' packer) and loaded by ComfyUI-GGUF's UnetLoaderGGUF.
 rank-16 factors on every block Linear. A step: one forward of the diffusion model (1 x 16 x 32 x 32 latent,
 256 image tokens, 64 text tokens) with the model loaded by ComfyUI's model management. Each case runs in its
 own child process (peak RSS per case); the table shows medians over `--steps` steps after one warm-up, and the
-ratios against the no-LoRA step of the same run. Target (issue 38): ours ≤ 1.10x the no-LoRA step, below
-core's.
+ratios against the no-LoRA step of the same run; then one more process runs the three cases alternating
+step by step on one base model (paired ratios, less at the mercy of a shared host's slow spells).
+Target (issue 38): ours ≤ 1.10x the no-LoRA step, below core's.
 
     .venv/bin/python benchmarks/bench_comfy_gguf.py [--double 1] [--single 1] [--qtype Q4_0] [--steps 5]
         [--threads N]
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch  # noqa: E402
 
 CASES = ("none", "ours", "core")
+INTERLEAVED = "interleaved"
 RANK = 16
 
 
@@ -70,33 +72,62 @@ def lora_for(model) -> dict[str, torch.Tensor]:
     return sd
 
 
+def patched(c, model, case: str):
+    """`model` with one LoRA loaded as `case` says (none, ours = loraweave auto, core = LoraLoader)."""
+    if case == "none":
+        return model
+    sd = lora_for(model)
+    if case == "ours":
+        from loraweave.comfy import load_lora_for_models
+
+        out, _, report = load_lora_for_models(model, None, sd, 1.0, 0.0)
+        assert report.mode == "runtime" and report.keys_applied == report.keys_total
+        return out
+    return c.sd.load_lora_for_models(model, None, sd, 1.0, 0.0)[0]
+
+
+def step(dm) -> float:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 16, 32, 32, generator=g)
+    ctx = torch.randn(1, 64, 4096, generator=g)
+    y = torch.randn(1, 768, generator=g)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        dm(x, torch.tensor([0.7]), ctx, y=y, guidance=torch.tensor([3.5]))
+    return time.perf_counter() - t0
+
+
+def interleaved(path: Path, steps: int) -> dict:
+    """Step times of the three cases on one base model in one process, alternating each round (a shared
+    host's slow spells hit every case alike): {case: [seconds]} after one warm-up round."""
+    from helpers import comfy_gguf as cg
+    from helpers.comfy_env import import_comfy
+
+    c = import_comfy()
+    base = cg.load_gguf(path)
+    models = {case: patched(c, base, case) for case in CASES}
+    times: dict[str, list[float]] = {case: [] for case in CASES}
+    for round_ in range(steps + 1):
+        for case in CASES:
+            c.model_management.load_models_gpu([models[case]])
+            seconds = step(models[case].model.diffusion_model)
+            if round_:
+                times[case].append(seconds)
+    return times
+
+
 def child(case: str, path: Path, steps: int) -> dict:
     from helpers import comfy_gguf as cg
     from helpers.comfy_env import import_comfy
 
     c = import_comfy()
-    model = cg.load_gguf(path)
-    if case != "none":
-        sd = lora_for(model)
-        if case == "ours":
-            from loraweave.comfy import load_lora_for_models
-
-            model, _, report = load_lora_for_models(model, None, sd, 1.0, 0.0)
-            assert report.mode == "runtime" and report.keys_applied == report.keys_total
-        else:
-            model, _ = c.sd.load_lora_for_models(model, None, sd, 1.0, 0.0)
+    model = patched(c, cg.load_gguf(path), case)
     c.model_management.load_models_gpu([model])
     dm = model.model.diffusion_model
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, 16, 32, 32, generator=g)
-    ctx = torch.randn(1, 64, 4096, generator=g)
-    y = torch.randn(1, 768, generator=g)
     times = []
-    with torch.no_grad(), cg.CallCounter() as counter:
+    with cg.CallCounter() as counter:
         for _ in range(steps + 1):
-            t0 = time.perf_counter()
-            dm(x, torch.tensor([0.7]), ctx, y=y, guidance=torch.tensor([3.5]))
-            times.append(time.perf_counter() - t0)
+            times.append(step(dm))
     return {
         "case": case,
         "step_s": statistics.median(times[1:]),
@@ -113,11 +144,14 @@ def main() -> None:
     ap.add_argument("--qtype", default="Q4_0")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--case", choices=CASES)
+    ap.add_argument("--case", choices=(*CASES, INTERLEAVED))
     ap.add_argument("--model")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.case == INTERLEAVED:
+        print(json.dumps(interleaved(Path(args.model), args.steps)))
+        return
     if args.case:
         print(json.dumps(child(args.case, Path(args.model), args.steps)))
         return
@@ -127,11 +161,12 @@ def main() -> None:
         path = write_model(args, Path(tmp))
         print(f"wrote {path.stat().st_size / 2**20:.0f} MiB GGUF in {time.perf_counter() - t0:.0f} s")
         results = {}
-        for case in CASES:
+        for case in (*CASES, INTERLEAVED):
             cmd = [sys.executable, __file__, "--case", case, "--model", str(path), "--steps", str(args.steps)]
             cmd += ["--threads", str(args.threads)] if args.threads else []
             out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, check=True).stdout
             results[case] = json.loads(out.strip().splitlines()[-1])
+    alternating = results.pop(INTERLEAVED)
     base = results["none"]["step_s"]
     rows = [
         [
@@ -145,7 +180,19 @@ def main() -> None:
         for case, r in results.items()
     ]
     headers = ["case", "step ms (median)", "vs no LoRA", "patches/step", "dequantize/step", "peak RSS MiB"]
+    print("one process per case:")
     print(benchutil.table(headers, rows))
+    print("one process, the cases alternating each step (medians of per-round ratios to the no-LoRA step):")
+    rounds = list(zip(*(alternating[case] for case in CASES), strict=True))
+    rows = [
+        [
+            case,
+            f"{statistics.median(alternating[case]) * 1000:.0f}",
+            f"{statistics.median(r[i] / r[0] for r in rounds):.3f}x",
+        ]
+        for i, case in enumerate(CASES)
+    ]
+    print(benchutil.table(["case", "step ms (median)", "vs no LoRA (paired)"], rows))
 
 
 if __name__ == "__main__":
