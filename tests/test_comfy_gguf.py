@@ -336,3 +336,58 @@ def test_diffusers_named_lora_lands_through_the_reference_tree(flux):
     for n in layers:
         assert (outputs[0][n] - base[n]).abs().max() > 1e-3
         torch.testing.assert_close(outputs[0][n], outputs[1][n], rtol=1e-6, atol=1e-6)
+
+
+def test_locon_on_reshaped_q8_convs_of_sd15(sd15):
+    """LoCon on the SD1.5 3x3 convolutions, whose Q8_0 blocks are stored as (n/256, 256) rows under
+    `comfy.gguf.orig_shape` (the runtime path takes the kernel dims from the logical shape): each conv's
+    output equals its own output + conv(x, s·ΔW) in fp64, per element within 2⁻²²·|ref| plus the fp32
+    accumulation bound √(in·k² + r)·2⁻²⁴·s·conv(conv(|x|, |down|), |up|) (the 3x3 convs sum 2880 products,
+    so a bound on max|ref| alone would not hold); bytes unchanged."""
+    c = import_comfy()
+    dm = sd15.model.diffusion_model
+    convs = {
+        n: m
+        for n, m in dm.named_modules()
+        if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3) and cg.is_ggml(m)
+    }
+    assert len(convs) >= 4
+    g = torch.Generator().manual_seed(21)
+    sd: dict[str, torch.Tensor] = {}
+    deltas: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for n, m in convs.items():
+        out, inp, kh, kw = m.weight.shape
+        down, up = torch.randn(2, inp, kh, kw, generator=g) * 0.05, torch.randn(out, 2, 1, 1, generator=g)
+        stem = f"diffusion_model.{n}"
+        sd |= {
+            f"{stem}.lora_down.weight": down,
+            f"{stem}.lora_up.weight": up,
+            f"{stem}.alpha": torch.tensor(1.0),
+        }
+        deltas[n] = (down.double(), up.double())
+    x = {n: torch.randn(1, m.in_channels, 8, 8, generator=g) for n, m in convs.items()}
+    before = cg.storage_bytes(sd15)
+    with torch.no_grad():
+        base = {n: m(x[n]) for n, m in convs.items()}
+    ours, _, report = load_lora_for_models(sd15, None, sd, STRENGTH, 0.0)
+    assert report.mode == "runtime" and report.keys_applied == report.keys_total == len(sd)
+    c.model_management.load_models_gpu([ours])
+    try:
+        with torch.no_grad():
+            got = {n: m(x[n]) for n, m in convs.items()}
+        assert_bytes_equal(before, cg.storage_bytes(sd15))
+    finally:
+        c.model_management.unload_all_models()
+        ours.detach(unpatch_all=True)
+    assert_bytes_equal(before, cg.storage_bytes(sd15))
+    conv = torch.nn.functional.conv2d
+    s = STRENGTH * 1.0 / 2  # strength · alpha / rank
+    for n, m in convs.items():
+        down, up = deltas[n]
+        x64 = x[n].double()
+        term = s * conv(conv(x64, down, None, m.stride, m.padding), up)
+        ref = base[n].double() + term
+        magnitude = s * conv(conv(x64.abs(), down.abs(), None, m.stride, m.padding), up.abs())
+        bound = 2.0**-22 * ref.abs() + (down[0].numel() + 2) ** 0.5 * 2.0**-24 * magnitude
+        assert (got[n].double() - ref).abs().le(bound).all(), n
+        assert (term.abs() > bound).float().mean() > 0.5  # the term exceeds the bound: the check can fail
