@@ -197,3 +197,8 @@ class QuantizedWeightError(TargetError, ValueError):
     """A quantized weight of the model is malformed: its stored bytes do not hold its declared type and
     shape (a GGUF tensor whose block count disagrees with its shape). Raised before anything changed; the
     message names the layer."""
+
+
+class QuantizedLayoutError(QuantizedWeightError):
+    """A layer's quantized weight is stored in a layout loraweave cannot read (a ComfyUI `comfy_quant` format
+    whose comfy_kitchen layout is not registered); names the layer and the field. Nothing was changed."""

@@ -39,9 +39,10 @@ from ..report.coverage import warn_incomplete
 from ..report.miss import Skipped, Unmatched
 from ..report.report import Report
 from ..resolve.planner import Plan
-from .gguf_weights import check_storage, note_rows
+from .gguf_weights import GGUF_BACKEND, check_storage, note_rows
 from .host import diffusion_patcher
 from .patches import add_to_clone
+from .quantized import check_layouts, with_retention
 from .targets import comfy_arch, plan_for_clip, plan_for_patcher
 
 log = logging.getLogger("loraweave")
@@ -130,11 +131,13 @@ def merge(
     refuse(make_report(both, "merge", [], unmatched, t0, skipped), strict, opt_ins=COMFY, arch=arch)
     check_storage(model_plan)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
-    note_rows(applied, model_plan, new_model)
+    note_rows(applied, model_plan, new_model)  # GGUF rows: ComfyUI-GGUF patches them at every forward
+    with_retention(new_model, [r for r in applied if r.backend != GGUF_BACKEND])
     new_clip = None
     if clip_plan is not None:  # planned exactly when a CLIP is given
         new_clip = clip.clone()
         new_clip.patcher, clip_applied, clip_refused = add_to_clone(clip.patcher, clip_plan, strength_clip)
+        with_retention(new_clip.patcher, clip_applied)
         applied, refused = applied + clip_applied, refused + clip_refused
     report = make_report(both, "merge", applied, unmatched + refused, t0, skipped)
     refuse(report, strict, opt_ins=COMFY, arch=arch)
@@ -162,8 +165,13 @@ def load_lora_for_models(
     Errors are typed loraweave errors, raised before anything is cloned: a missing or broken file, a file
     whose keys and shapes say it is for another architecture than this model's (WrongArchitectureError; with
     `allow_other_arch=True` it is applied and the report and a WARNING say so), a file of which no key lands
-    (NoKeysLandedError), `strict` with keys that miss (StrictApplyError)."""
+    (NoKeysLandedError), `strict` with keys that miss (StrictApplyError), a quantized weight in a layout
+    comfy_kitchen does not register (QuantizedLayoutError, naming the layer). On quantized weights
+    (comfy_kitchen QuantizedTensor, float8) `auto` runs at runtime; `merge` goes through ComfyUI's
+    requantization and each such layer's report row carries the ΔW retention ρ it measured
+    (comfy/quantized.py)."""
     diffusion_patcher(model)
+    check_layouts(model)
     strength_model, strength_clip = check_strengths(
         strength_model, strength_clip, labels=("strength_model", "strength_clip")
     )

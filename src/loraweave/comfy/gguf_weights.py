@@ -22,6 +22,7 @@ from ..quant.comfy_gguf import BACKEND
 from ..report.report import AppliedModule
 from ..resolve.planner import Plan
 
+GGUF_BACKEND = BACKEND.name
 RUNTIME_WHY = "GGML blocks untouched: runtime path beside the GGMLOps layer, no per-step patch"
 MERGE_F16_WHY = (
     "ComfyUI-GGUF merges into an F16/F32 GGUF row as core does (a patched copy of the weight's dtype while "
@@ -53,7 +54,7 @@ def check_storage(plan: Plan) -> None:
     """QuantizedWeightError naming the first planned GGML layer whose blocks do not hold its shape."""
     for where, module in planned_layers(plan):
         if is_ggml(module):
-            problem = BACKEND.storage_problem(module)
+            problem = BACKEND.malformed(module)
             if problem is not None:
                 raise QuantizedWeightError(f"{where}.weight: malformed GGUF tensor: {problem}")
 

@@ -285,7 +285,12 @@ def runtime_term(f: DoraFactors, src: int, dst: int, length: int, module: Any = 
         s, c = _coeffs(f, strength, scale, strength * scale)
         if state.get("key") != (s, c):
             w = module.weight.detach()
-            w2d, acc = w.reshape(w.shape[0], -1), torch.promote_types(w.dtype, torch.float32)
+            # float8 weights (ComfyUI's fp8 weight_dtype) do not promote: their norm runs in fp32
+            low = w.element_size() == 1
+            w2d, acc = (
+                w.reshape(w.shape[0], -1),
+                torch.float32 if low else torch.promote_types(w.dtype, torch.float32),
+            )
             inner = _with_tensors(f.inner, inner_cache.to(w.device, acc))
             step, sums = max(1, BLOCK // w2d[0].numel()), []
             for r0 in range(0, length, step):  # W_c in row blocks: bounded temporary memory

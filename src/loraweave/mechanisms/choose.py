@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import QuantizedWeightError
 from ..modes import ApplyMode, Mechanism, QuantizedMode
 from ..quant import QuantBackend, backend_for
 from ..report.miss import Miss, Unmatched
@@ -190,6 +191,11 @@ def plan_work(
     for (comp, path), contribs in groups.items():
         module = p.components.modules[comp].get_submodule(path)
         backend = backend_for(module)
+        if backend is not None and (bad := backend.malformed(module)) is not None:
+            raise QuantizedWeightError(
+                f"{comp}.{path}: malformed {backend.name} layer ({type(module).__name__}): {bad}; "
+                "nothing was changed"
+            )
         if backend is not None:
             mechanism, why, route = choose_quantized(mode, qs, backend, module, contribs, f"{comp}.{path}")
             plan.routes[(comp, path)] = (backend, route)

@@ -14,6 +14,19 @@ import torch
 Restore = Callable[[], None]  # undoes a write bit-exactly (original tensors / class put back)
 
 
+class FactorSlot:
+    """The undo of an `append_factors` that can also rewrite its appended up factors in place: a strength
+    change then costs one (out, r) write instead of a new concatenation."""
+
+    def __call__(self) -> None:
+        raise NotImplementedError
+
+    def rescale(self, up: torch.Tensor) -> bool:
+        """Store `up` (out, r), already scaled, as the appended up factors (the down factors are unchanged);
+        False when the appended tensors are no longer the layer's (the caller rewrites from the originals)."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Capabilities:
     dequantize: bool
@@ -43,6 +56,15 @@ class QuantBackend:
         """The weight's logical shape (out, in, *k) when the storage is packed; None: ask the module."""
         return None
 
+    def malformed(self, module: torch.nn.Module) -> str | None:
+        """Why the layer's stored tensors contradict each other (a hostile or corrupt checkpoint), or None."""
+        return None
+
+    def logical_bias(self, module: torch.nn.Module) -> torch.Tensor | None:
+        """The bias the layer adds, in output order (a backend that packs it unpacks it here)."""
+        bias = getattr(module, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
+
     def has_checkpoint_svd(self, module: torch.nn.Module) -> bool:
         """Whether the layer's side channel already carries a low-rank part from the checkpoint."""
         return False
@@ -60,7 +82,8 @@ class QuantBackend:
         raise NotImplementedError
 
     def append_factors(self, module: torch.nn.Module, down: torch.Tensor, up: torch.Tensor) -> Restore:
-        """Add up @ down (already scaled) to the layer's low-rank side channel; returns the bit-exact undo."""
+        """Add up @ down (already scaled) to the layer's low-rank side channel; returns the bit-exact undo
+        (a `FactorSlot` where the backend can rescale the appended factors in place)."""
         raise NotImplementedError
 
 

@@ -79,7 +79,7 @@ class ComfyGGUFBackend(QuantBackend):
         weight: Any = module.weight
         return tuple(int(d) for d in weight.tensor_shape)
 
-    def storage_problem(self, module: torch.nn.Module) -> str | None:
+    def malformed(self, module: torch.nn.Module) -> str | None:
         return storage_problem(module.weight)
 
     def grid_step(self, module: torch.nn.Module) -> float:

@@ -114,6 +114,27 @@ class GGUFBackend(QuantBackend):
         blocker = _quantize_blocker(qtype)
         return Capabilities(True, blocker is None, False, blocker or "no low-rank side branch")
 
+    def malformed(self, module: torch.nn.Module) -> str | None:
+        """The raw blocks must decode to the layer's (out, in): a hand-built or corrupt GGUFParameter would
+        otherwise reach dequantize/requantize with the wrong shape."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        weight: Any = module.weight  # a diffusers GGUFParameter: quant_type undeclared
+        try:
+            qtype = GGMLQuantizationType(int(weight.quant_type))
+        except ValueError:
+            return f"unknown GGML type {weight.quant_type!r}"
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        raw = weight.as_tensor().view(torch.uint8)
+        row = int(raw.shape[-1]) if raw.dim() else 0
+        if row == 0 or row % type_size:
+            return f"GGUF {qtype.name} rows of {row} bytes are no whole number of {type_size}-byte blocks"
+        decoded = (*raw.shape[:-1], row // type_size * block)
+        want = (getattr(module, "out_features", None), getattr(module, "in_features", None))
+        if decoded != want:
+            return f"GGUF {qtype.name} blocks decode to {decoded}, the layer is {want}"
+        return None
+
     def bits(self, module: torch.nn.Module) -> int:
         name = _type_name(module)
         if name in _BITS:

@@ -16,7 +16,7 @@ import torch
 from ...arch.spec import module_shape
 from ...families.contribution import add_contribution
 from ...modes import QuantMechanism
-from ...quant.backend import QuantBackend, Restore
+from ...quant.backend import FactorSlot, QuantBackend, Restore
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution
 from ..merge.checks import needs_bias, refuse_non_finite
@@ -60,19 +60,29 @@ def factorable_reason(module: torch.nn.Module, contribs: list[Contribution]) -> 
     return f"not a plain LoRA ({', '.join(bad)})" if bad else None
 
 
+def exact_ups(contribs: list[Contribution], out: int, device: torch.device | None = None) -> torch.Tensor:
+    """Rank-concatenated up (out, R) fp32 with strength·scale folded in (a fresh tensor)."""
+    ups = []
+    for pp, piece in contribs:
+        f = pp.factors
+        rows = f.up[piece.src_start : piece.src_start + piece.length]
+        target = device or f.up.device
+        if piece.dst_start == 0 and piece.length == out:  # every row: one pass, no zero fill
+            ups.append(rows.to(target, torch.float32) * _coeff(pp))
+            continue
+        up = torch.zeros(out, f.up.shape[1], dtype=torch.float32, device=target)
+        up[piece.dst_start : piece.dst_start + piece.length] = rows.to(target, torch.float32)
+        ups.append(up.mul_(_coeff(pp)))
+    return ups[0] if len(ups) == 1 else torch.cat(ups, dim=1)
+
+
 def exact_factors(
     contribs: list[Contribution], out: int, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-concatenated (down (R, in), up (out, R)) fp32 with strength·scale folded into up."""
-    downs, ups = [], []
-    for pp, piece in contribs:
-        f = pp.factors
-        up = torch.zeros(out, f.up.shape[1], dtype=torch.float32, device=device or f.up.device)
-        rows = f.up[piece.src_start : piece.src_start + piece.length]
-        up[piece.dst_start : piece.dst_start + piece.length] = rows.to(up.device, torch.float32)
-        downs.append(f.down.flatten(1).to(up.device, torch.float32))
-        ups.append(up * _coeff(pp))
-    return torch.cat(downs), torch.cat(ups, dim=1)
+    up = exact_ups(contribs, out, device)
+    downs = [pp.factors.down.flatten(1).to(up.device, torch.float32) for pp, _ in contribs]
+    return torch.cat(downs), up
 
 
 def intended_delta(
@@ -156,7 +166,7 @@ def route_hook_free(
         )
     if caps.factor_channel and not_factorable is None:
         return Route("factor", "plain LoRA set rides the side channel exactly")
-    can_host = caps.factor_channel and host_rank > 0
+    can_host = caps.factor_channel and caps.dequantize and host_rank > 0  # the delta is formed from W
     if not caps.requantize:
         return (
             Route("hosted", "backend cannot requantize")
@@ -237,6 +247,8 @@ class QuantWrite:
 
     def write(self) -> None:
         """(Re)write from the original tensors, so strength changes never compound requantization error."""
+        if self._undo is not None and self._rescaled():
+            return
         if self._undo is not None:
             self._undo()
             self._undo = None
@@ -245,6 +257,16 @@ class QuantWrite:
         else:
             self._ride()
         self._first = None
+
+    def _rescaled(self) -> bool:
+        """A factor write on top of its layer whose backend rescales in place: only the up factors change
+        with strength (they carry strength·scale), so they are rewritten where they lie."""
+        slot = self._undo
+        if self.mechanism != "factor" or not isinstance(slot, FactorSlot) or not self.is_top():
+            return False
+        shape = module_shape(self.module)
+        assert shape is not None  # a planned quantized layer has a logical weight shape
+        return slot.rescale(exact_ups(self.contributions, shape[0]))
 
     def _ride(self) -> None:
         shape = module_shape(self.module)
@@ -269,7 +291,10 @@ class QuantWrite:
             self.capture = trunc.energy
             downs.append(trunc.down)
             ups.append(trunc.up)
-        down, up = torch.cat(downs), torch.cat(ups, dim=1)
+        if rest:  # a hosted truncation may be a factor cache's own tensors: always a copy
+            down, up = torch.cat(downs), torch.cat(ups, dim=1)
+        else:  # exact_factors made a fresh pair: no second copy
+            down, up = downs[0], ups[0]
         self.rank = down.shape[0]
         pad = rank_bucket(self.rank) - self.rank
         if pad:  # zero rows/columns: same product, fewer distinct shapes under torch.compile

@@ -63,6 +63,15 @@ def runtime_host(module: torch.nn.Module) -> torch.nn.Module | DequantizedView:
     return DequantizedView(module, backend)
 
 
+def host_bias(module: torch.nn.Module) -> torch.Tensor | None:
+    """The bias the layer adds, in output order (a quantized layer may store it packed)."""
+    backend = backend_for(module)
+    if backend is not None:
+        return backend.logical_bias(module)
+    bias = getattr(module, "bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None
+
+
 def kernel_dims(module: torch.nn.Module) -> tuple[int, ...]:
     """(in, *k) of a conv weight; packed quantized storage has its own shape, so ask the backend first."""
     backend = backend_for(module)

@@ -23,6 +23,7 @@ from .host import (
     Pair,
     RankSpan,
     conv_fn,
+    host_bias,
     kernel_dims,
     rebound,
     runtime_host,
@@ -272,8 +273,8 @@ class RuntimePath:
         if not self.base_fns:
             return []
         base = output
-        bias = getattr(self.module, "bias", None)
-        if isinstance(bias, torch.Tensor):
+        bias = host_bias(self.module)
+        if bias is not None:
             b = bias.to(output.device, output.dtype)
             base = output - (b.view(-1, *([1] * (output.dim() - 2))) if self.channels_first else b)
         spec = ConvSpec(self.conv, self.conv_args()) if self.conv else None
