@@ -115,7 +115,9 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_fuzz": ("realdata",),
     "test_inspect_pictures": ("realdata",),
     "test_io_safetensors": ("realdata",),
+    "test_nunchaku_arch": ("realdata",),
     "test_nunchaku_backend_realsize": ("realsize",),  # one Flux-width SVDQW4A4Linear
+    "test_nunchaku_seed_loader": ("comfy", "slow"),  # the seed is a ComfyUI node pack
     "test_realdata": ("realdata",),
     "test_realsize_acceptance": ("realsize", "realdata"),
     "test_realsize_catalog": ("realsize",),

@@ -28,13 +28,15 @@ NAMES = [a.name for a in RECORDS]
 
 
 def _table_names(arch) -> list[str]:
-    """Underscore forms of every name the record's tables map: original sources and live targets, block 0."""
+    """Underscore forms of every name the record's tables map (original sources and live targets) or refuse
+    (unmapped), block 0."""
     out = []
     for table in arch.tables:
         for alias in (*table.aliases, *table.runtime_fusions):
             targets = [t if isinstance(t, str) else t.module for t in alias.targets]
             out += [underscore_form(n.replace("{i}", "0")) for n in (alias.source, *targets)]
         out += [underscore_form(p.source.replace("{i}", "0")) for p in table.parameters]
+        out += [underscore_form(n.replace("{i}", "0")) for u in table.unmapped for n in (*u.names, u.anchor)]
     return out
 
 

@@ -13,6 +13,7 @@ from .spec import (
     apply_renames,
     expand_alias,
     expand_param_alias,
+    expand_unmapped,
     expand_variant_only,
     module_shape,
     out_rows,
@@ -168,6 +169,7 @@ class AliasTable:
         self.by_trait = _trait_names(module, every, tables)
         self.params = _parameter_names(module, self.modules)
         self.absent = _absent_names(module, every, self.exact)
+        self.unmapped = _unmapped_names(tables, every)
         self._positional: dict[tuple[str, ...], list[str]] = {}
 
     def param(self, path: str) -> tuple[str, bool] | None:
@@ -184,6 +186,12 @@ class AliasTable:
         """Why `path` names a module only a sibling variant of this architecture has; None when it does
         not."""
         return self.absent.get(path) or self.absent.get(underscore_form(path))
+
+    def unmapped_why(self, path: str, pieces: tuple[Piece, ...] = ()) -> str | None:
+        """Why `path`, or a module its `pieces` land on, is held in a layout no key maps onto exactly (the
+        table's `unmapped`); None when it is not."""
+        found = self.unmapped.get(path) or self.unmapped.get(underscore_form(path))
+        return found or next((self.unmapped[p.module] for p in pieces if p.module in self.unmapped), None)
 
     def variant_input(self, module: str, width: int | None) -> str | None:
         """Why an adapter trained on `width` input columns of `module` belongs to a sibling variant; None if
@@ -330,6 +338,13 @@ def _parameter_names(
         {underscore_form(k): v for k, v in list(params.items()) if underscore_form(k) not in params}
     )
     return params
+
+
+def _unmapped_names(tables: list[ArchTable], every: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """Names held in a layout no key maps onto exactly -> why, in both spellings."""
+    out = {k: v for t in tables for entry in t.unmapped for k, v in expand_unmapped(entry, every).items()}
+    out.update({underscore_form(k): v for k, v in list(out.items())})
+    return out
 
 
 def _absent_names(

@@ -142,10 +142,17 @@ def _siblings(record: Architecture) -> set[str]:
 
 
 def module_arch(module) -> ModelArch | None:
-    """The model fact of a diffusers denoiser (None: a class no record has, or a UNet whose cross-attention
-    width names no release, such as a tiny test model)."""
+    """The model fact of a diffusers denoiser, or of a runtime's class its record's tables name (Nunchaku's);
+    None: a class no record has, or a UNet whose cross-attention width names no release (a tiny test
+    model)."""
     cls = type(module).__name__
     records = [a for a in registry.ARCHITECTURES if a.skeleton is not None and a.skeleton.cls == cls]
+    # A runtime's own class (Nunchaku's) holding the architecture: the record whose tables name the class.
+    records = records or [
+        a
+        for a in registry.ARCHITECTURES
+        if a.skeleton is not None and any(cls in t.classes for t in a.tables)
+    ]
     if len(records) > 1:
         by_width = _by_width(records, module)
         records = by_width if by_width is not None else _by_config(records, module)

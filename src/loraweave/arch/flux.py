@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from .encoders import CLIP_L, T5_XXL
 from .record import Architecture, BlockMap, ComfyFacets, Layouts, Release, Skeleton
-from .spec import Alias, ArchTable, ModelInput, Rows, VariantInput, VariantOnly
+from .spec import Alias, ArchTable, ModelInput, Rows, Unmapped, VariantInput, VariantOnly
 
 _D = "transformer_blocks.{i}"
 _S = "single_transformer_blocks.{i}"
+NUNCHAKU_FLUX_CLASS = "NunchakuFluxTransformer2DModelV2"
 
 FILL_INPUT = VariantInput(
     "x_embedder",
@@ -18,7 +19,8 @@ FILL_INPUT = VariantInput(
 
 FLUX = ArchTable(
     name="flux",
-    classes=("FluxTransformer2DModel",),
+    # Nunchaku's class keeps the names these aliases reach; its fused and refused ones are NUNCHAKU_FLUX's.
+    classes=("FluxTransformer2DModel", NUNCHAKU_FLUX_CLASS),
     aliases=(
         Alias("double_blocks.{i}.img_attn.qkv", (f"{_D}.attn.to_q", f"{_D}.attn.to_k", f"{_D}.attn.to_v")),
         Alias(
@@ -83,6 +85,54 @@ FLUX = ArchTable(
             "the guidance embedder exists only in guidance-distilled Flux (dev, Fill, Kontext); this one "
             "(schnell) has none",
         ),
+    ),
+)
+
+
+def _thirds(fused: str, parts: tuple[str, ...]) -> tuple[Alias, ...]:
+    """Each of three equal projections onto its third of the live module fusing them (rows in that order)."""
+    return tuple(Alias(p, (Rows(fused, n, 3),)) for n, p in enumerate(parts))
+
+
+# Nunchaku's modulation (AWQ W4A16) stores the six (or three) chunks interleaved per hidden unit: its forward
+# reads row d * 6 + c where diffusers reads c * dim + d. A row permutation is no row range: refused.
+NUNCHAKU_MODULATION = (
+    "Nunchaku interleaves this modulation layer's shift/scale/gate rows per hidden unit; a delta in file "
+    "row order would land on the wrong rows"
+)
+
+# Nunchaku's Flux.1 (transformer_flux_v2): the diffusers tree with q/k/v fused into `attn.to_qkv` (rows
+# q | k | v), the context q/k/v into `attn.add_qkv_proj`, the single block's `proj_mlp` renamed `mlp_fc1` and
+# its `proj_out` split by input columns into `attn.to_out` (attention, 3072) and `mlp_fc2` (MLP, 12288).
+NUNCHAKU_FLUX = ArchTable(
+    name="flux-nunchaku",
+    classes=(NUNCHAKU_FLUX_CLASS,),
+    aliases=(
+        Alias("double_blocks.{i}.img_attn.qkv", (f"{_D}.attn.to_qkv",)),
+        Alias("double_blocks.{i}.txt_attn.qkv", (f"{_D}.attn.add_qkv_proj",)),
+        Alias("single_blocks.{i}.linear1", (f"{_S}.attn.to_qkv", f"{_S}.mlp_fc1")),
+        Alias("single_blocks.{i}.linear1_qkv", (f"{_S}.attn.to_qkv",)),
+    ),
+    runtime_fusions=(
+        *_thirds(f"{_D}.attn.to_qkv", tuple(f"{_D}.attn.to_{p}" for p in "qkv")),
+        *_thirds(f"{_D}.attn.add_qkv_proj", tuple(f"{_D}.attn.add_{p}_proj" for p in "qkv")),
+        *_thirds(f"{_S}.attn.to_qkv", tuple(f"{_S}.attn.to_{p}" for p in "qkv")),
+        Alias(f"{_S}.proj_mlp", (f"{_S}.mlp_fc1",)),
+    ),
+    unmapped=(
+        Unmapped(
+            (f"{_S}.proj_out", "single_blocks.{i}.linear2"),
+            f"{_S}.mlp_fc2",
+            "Nunchaku splits the single block's proj_out by input columns into attn.to_out and mlp_fc2; "
+            "a column split is not mapped",
+        ),
+        Unmapped(
+            (f"{_D}.norm1.linear", f"{_D}.norm1_context.linear"),
+            f"{_D}.norm1.linear",
+            NUNCHAKU_MODULATION,
+            "AWQW4A16Linear",
+        ),
+        Unmapped((f"{_S}.norm.linear",), f"{_S}.norm.linear", NUNCHAKU_MODULATION, "AWQW4A16Linear"),
     ),
 )
 
@@ -174,7 +224,7 @@ _FLUX_WIDTHS = {"in_channels": ("x_embedder", 1, None), "out_channels": ("proj_o
 # Releases (in `releases=`): from the released configs (realdata/configs).
 FLUX_ARCH = Architecture(
     "flux",
-    (FLUX,),
+    (FLUX, NUNCHAKU_FLUX),
     label="Flux",
     signature=r"^double_blocks_\d+_(img|txt)_|^single_blocks_\d+_linear[12]|^single_transformer_blocks_\d+_",
     owners=("hunyuan-video", "hunyuan-image-2.1"),  # diffusers single-block names; else by MMDiT width

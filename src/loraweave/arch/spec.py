@@ -56,6 +56,21 @@ class VariantOnly:
 
 
 @dataclass(frozen=True)
+class Unmapped:
+    """Names a runtime's model holds in a layout no key maps onto exactly: rows it reorders (Nunchaku's
+    modulation interleaves its shift/scale/gate chunks per hidden unit) or one original layer it splits by
+    input columns (Nunchaku's single-block `proj_out`, over `attn.to_out` and `mlp_fc2`).
+
+    A key naming them, or landing on them through an alias, is refused as unsupported with `why`, never
+    applied to the wrong rows. `anchor`: a module every block has, its `{i}` values the blocks named."""
+
+    names: tuple[str, ...]  # patterns with `{i}`: live module names and the file names of the split layer
+    anchor: str
+    why: str
+    anchor_class: str | None = None  # only where the anchor is of this class (the runtime's own layer)
+
+
+@dataclass(frozen=True)
 class VariantInput:
     """An input width only a sibling variant's `module` has (Flux Fill's `x_embedder` takes 384 channels).
 
@@ -125,6 +140,8 @@ class ArchTable:
     variant_only: tuple[VariantOnly, ...] = ()
     # Input widths only sibling variants have: keys trained on them are expected absent on this one.
     variant_inputs: tuple[VariantInput, ...] = ()
+    # Names held in a layout no key maps onto exactly (a runtime's reordered rows, a column split): refused.
+    unmapped: tuple[Unmapped, ...] = ()
     # Original names of bare parameters (modulation tables): full-difference keys can patch them.
     parameters: tuple[ParamAlias, ...] = ()
     # Original names that differ from the live ones by the converter's substring renames, in its order:
@@ -228,6 +245,17 @@ def expand_alias(alias: Alias, modules: dict[str, torch.nn.Module]) -> dict[str,
         if pieces:
             out[alias.source.replace("{i}", i) if i is not None else alias.source] = tuple(pieces)
     return out
+
+
+def expand_unmapped(entry: Unmapped, modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """{name: why} for every name of `entry` at every block whose anchor is of `entry.anchor_class`."""
+    anchor = _pattern_regex(entry.anchor)
+    indices = {
+        m["i"] if "i" in anchor.groupindex else None
+        for name, module in modules.items()
+        if (m := anchor.match(name)) and entry.anchor_class in (None, type(module).__name__)
+    }
+    return {n.replace("{i}", i) if i is not None else n: entry.why for i in indices for n in entry.names}
 
 
 def expand_variant_only(entry: VariantOnly, modules: dict[str, torch.nn.Module]) -> dict[str, str]:

@@ -7,6 +7,10 @@ that fuse the pair do so in either row order, and the order is a fact of the fus
 - a `w13` projection: [w1; w3] (first half gated, as its name says).
 Both directions are declared: w1/w3 keys onto a live fused module, and fused-module keys onto the separate
 w1/w3.
+
+Nunchaku's `NunchakuZImageTransformer2DModel` (SVDQuant W4A4) keeps the diffusers tree with q/k/v fused into
+one `attention.to_qkv` (rows q | k | v) and the feed-forward as diffusers' SwiGLU `net.0.proj` ([w3; w1]);
+its own table maps every spelling onto those.
 """
 
 from __future__ import annotations
@@ -40,9 +44,38 @@ def _ffn_fusions(stack: str) -> tuple[Alias, ...]:
     )
 
 
+NUNCHAKU_ZIMAGE_CLASS = "NunchakuZImageTransformer2DModel"
+
+
+def _nunchaku_fused(stack: str) -> tuple[Alias, ...]:
+    b = f"{stack}.{{i}}.attention"
+    f = f"{stack}.{{i}}.feed_forward"
+    swiglu = f"{f}.net.0.proj"
+    return (
+        *(Alias(f"{b}.to_{p}", (Rows(f"{b}.to_qkv", n, 3),)) for n, p in enumerate("qkv")),
+        # a `w13` file ([w1; w3]) onto the SwiGLU's [w3; w1]
+        Alias(f"{f}.w13", (Rows(swiglu, 1, 2), Rows(swiglu, 0, 2)), when_parent="SwiGLU"),
+    )
+
+
+NUNCHAKU_ZIMAGE = ArchTable(
+    name="z-image-nunchaku",
+    classes=(NUNCHAKU_ZIMAGE_CLASS,),
+    aliases=tuple(
+        Alias(f"{s}.{{i}}.attention.qkv", (f"{s}.{{i}}.attention.to_qkv",))
+        for s in ("layers", "noise_refiner", "context_refiner")
+    ),
+    runtime_fusions=(
+        *_nunchaku_fused("layers"),
+        *_nunchaku_fused("noise_refiner"),
+        *_nunchaku_fused("context_refiner"),
+    ),
+)
+
 ZIMAGE = ArchTable(
     name="z-image",
-    classes=("ZImageTransformer2DModel",),
+    # Nunchaku's class keeps every diffusers name these aliases reach; its fused ones are NUNCHAKU_ZIMAGE's.
+    classes=("ZImageTransformer2DModel", NUNCHAKU_ZIMAGE_CLASS),
     aliases=(
         *_block_aliases("layers"),
         *_block_aliases("noise_refiner"),
@@ -83,7 +116,7 @@ def _z_image_from_comfy(cfg: dict) -> dict:
 # hard-codes), Ideogram4 18 heads x 256 (class defaults). Another width keeps the first owner, z-image.
 ZIMAGE_ARCH = Architecture(
     "z-image",
-    (ZIMAGE,),
+    (ZIMAGE, NUNCHAKU_ZIMAGE),
     label="Z-Image",
     signature=r"^(layers|noise_refiner|context_refiner)_\d+_(attention|feed_forward|adaLN)",
     owners=("ideogram4", "lumina2"),

@@ -198,6 +198,9 @@ def _find_pieces(adapter: Adapter, part: AdapterPart, table: AliasTable, where: 
         if part.layout == "cloneofsimo"
         else table.lookup(part.path, adapter.traits)
     )
+    unmapped = table.unmapped_why(part.path, found if isinstance(found, tuple) else ())
+    if unmapped is not None:  # a runtime's reordered or column-split layout: refused, never mislanded
+        raise PartRejected("unsupported", f"unsupported layout: {where} ({unmapped})")
     if found is None:
         why = table.expected_absent(part.path)
         if why is not None:  # a module only a sibling variant has: not a failure

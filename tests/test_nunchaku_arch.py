@@ -1,0 +1,224 @@
+"""Nunchaku's own module names: every key of the real Z-Image, Qwen-Image and Flux key lists lands on
+Nunchaku's real transformers (full size, on meta), on the modules and rows Nunchaku's forward reads; what no
+key can land on exactly (Flux's column-split `proj_out`, the interleaved AWQ modulation rows) is refused as
+unsupported, naming why, never put on the wrong rows.
+
+Nunchaku fuses q/k/v into `to_qkv` (rows q | k | v) and the context q/k/v into `add_qkv_proj`; Z-Image's
+SwiGLU is diffusers' `net.0.proj` with rows [w3; w1] (value, then gate: diffusers' SwiGLU computes
+`value * silu(gate)` from `proj(x).chunk(2)`), so w1 keys land on its second half. A `w13` file ([w1; w3])
+lands crosswise."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import REALDATA
+from helpers.nunchaku_models import meta_model, nunchaku_class
+
+import loraweave
+from loraweave.arch.aliases import AliasTable
+from loraweave.arch.fit import module_arch
+from loraweave.arch.spec import Piece
+from loraweave.errors import NoKeysLandedError, WrongArchitectureError
+
+KEYS = REALDATA / "keys"
+FLUX_LISTS = (
+    "flux_lora_kohya_format.json",
+    "flux_lora_diffusers_format.json",
+    "flux_lora_aitoolkit_format.json",
+    "flux_lora_diffusers_base_model_format.json",
+    "flux_lora_diffusers_with_norm_out_format.json",
+)
+# Keys that name Nunchaku Flux's split or interleaved layers, in every spelling of the lists above.
+FLUX_REFUSED = re.compile(
+    r"single_blocks[._]\d+[._](linear2|modulation[._]lin)|single_transformer_blocks\.\d+\.(proj_out|norm\.linear)"
+    r"|double_blocks[._]\d+[._](img|txt)[._]mod[._]lin|transformer_blocks\.\d+\.norm1(_context)?\.linear"
+)
+
+
+@pytest.fixture(scope="module")
+def models(realdata):
+    return {arch: meta_model(arch) for arch in ("z-image", "qwen-image", "flux")}
+
+
+def _invoke_keys(name: str) -> dict[str, torch.Tensor]:
+    keys = json.loads((KEYS / "invokeai" / name).read_text())["keys"]
+    return {k: torch.empty(shape, device="meta") for k, shape in keys.items()}
+
+
+def _lora(stems: dict[str, tuple[int, int]], rank: int = 4) -> dict[str, torch.Tensor]:
+    """A meta LoRA: {stem: (out, in)} -> lora_A/lora_B keys (`lora_down`/`lora_up` for kohya stems)."""
+    sd = {}
+    for stem, (n, k) in stems.items():
+        down, up = ("lora_down", "lora_up") if stem.startswith("lora_unet_") else ("lora_A", "lora_B")
+        sd[f"{stem}.{down}.weight"] = torch.empty(rank, k, device="meta")
+        sd[f"{stem}.{up}.weight"] = torch.empty(n, rank, device="meta")
+    return sd
+
+
+def test_the_models_are_nunchakus_own(models):
+    """The modules the tables name are Nunchaku's quantized classes at the released widths."""
+    z, q, f = models["z-image"], models["qwen-image"], models["flux"]
+    assert type(z.get_submodule("layers.29.attention.to_qkv")).__name__ == "SVDQW4A4Linear"
+    assert z.get_submodule("layers.0.feed_forward.net.0.proj").out_features == 2 * 10240
+    assert type(z.get_submodule("layers.0.feed_forward.net.0")).__name__ == "SwiGLU"
+    assert type(q.get_submodule("transformer_blocks.59.attn.add_qkv_proj")).__name__ == "SVDQW4A4Linear"
+    assert type(q.get_submodule("transformer_blocks.0.img_mod.1")).__name__ == "AWQW4A16Linear"
+    assert type(f.get_submodule("single_transformer_blocks.37.mlp_fc2")).__name__ == "SVDQW4A4Linear"
+    assert f.get_submodule("single_transformer_blocks.0.attn.to_out").in_features == 3072
+
+
+def test_zimage_comfy_checkpoint_names_land(models):
+    """A LoRA on every 2-D weight of the real Z-Image ComfyUI checkpoint subset (fused `qkv`, `out`, w1/w2/w3,
+    refiners, embedders) lands on Nunchaku's Z-Image, every key."""
+    keys = json.loads(
+        (KEYS / "invokeai" / "z_image_transformer_comfyui_keys__base_model_subset.json").read_text()
+    )
+    stems = {
+        "diffusion_model." + k.removesuffix(".weight"): tuple(s)
+        for k, s in keys["keys"].items()
+        if k.endswith(".weight") and len(s) == 2
+    }
+    report = loraweave.plan(models["z-image"], _lora(stems))
+    assert report.unmatched == []
+    assert report.keys_applied == report.keys_total == 2 * len(stems) > 40
+    layer0 = {m.module for m in report.applied if m.module.startswith("layers.0.")}
+    assert layer0 == {
+        "layers.0.attention.to_qkv",
+        "layers.0.attention.to_out.0",
+        "layers.0.feed_forward.net.0.proj",
+        "layers.0.feed_forward.net.2",
+        "layers.0.adaLN_modulation.0",
+    }
+
+
+def _rows(pieces) -> list[tuple[str, int, int, int]]:
+    return [(p.module, p.src_start, p.dst_start, p.length) for p in pieces]
+
+
+@pytest.mark.parametrize("stack", ["layers.29", "noise_refiner.1", "context_refiner.0"])
+def test_zimage_fused_rows(models, stack):
+    """Each spelling lands on the rows Nunchaku's forward reads: q | k | v thirds of `to_qkv`; w3 on the
+    SwiGLU's first (value) half, w1 on its second (gate) half; a `w13` file crosswise."""
+    table = AliasTable(models["z-image"])
+    d, h = 3840, 10240
+    att, ff = f"{stack}.attention", f"{stack}.feed_forward"
+    for n, p in enumerate("qkv"):
+        expected = [(f"{att}.to_qkv", 0, n * d, d)]
+        assert _rows(table.lookup(f"{att}.to_{p}")) == expected
+        assert _rows(table.lookup(f"lora_unet_{att}.to_{p}".replace(".", "_")[10:])) == expected
+    assert _rows(table.lookup(f"{att}.qkv")) == [(f"{att}.to_qkv", 0, 0, 3 * d)]
+    assert _rows(table.lookup(f"{att}.out")) == [(f"{att}.to_out.0", 0, 0, d)]
+    proj = f"{ff}.net.0.proj"
+    assert _rows(table.lookup(f"{ff}.w3")) == [(proj, 0, 0, h)]
+    assert _rows(table.lookup(f"{ff}.w1")) == [(proj, 0, h, h)]
+    assert _rows(table.lookup(f"{ff}.w13")) == [(proj, 0, h, h), (proj, h, 0, h)]
+    assert _rows(table.lookup(proj)) == [(proj, 0, 0, 2 * h)]
+    assert _rows(table.lookup(f"{ff}.w2")) == [(f"{ff}.net.2", 0, 0, d)]
+
+
+def test_zimage_spellings_from_users_files(models):
+    """The spellings users' Z-Image files carry (realdata keys/naming_variants_from_issues.md: musubi kohya,
+    PEFT `diffusion_model.`, legacy fused `qkv` with dotted `lora.down`) on every block, plus original
+    w1/w2/w3 and fused `w13` / `net.0.proj`: every key lands."""
+    d, h = 3840, 10240
+    sd: dict[str, torch.Tensor] = {}
+    for i in range(30):
+        att, ff = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+        kohya = {f"lora_unet_{att}.to_{p}".replace(".", "_"): (d, d) for p in "qkv"}
+        kohya[f"lora_unet_{att}.to_out.0".replace(".", "_")] = (d, d)
+        peft = {f"diffusion_model.{att}.to_{p}": (d, d) for p in ("q", "k", "v", "out.0")}
+        ffn = {f"diffusion_model.{ff}.{w}": (h, d) for w in ("w1", "w3")}
+        ffn[f"diffusion_model.{ff}.w2"] = (d, h)
+        sd.update(_lora({**kohya, **peft, **ffn}))
+        # legacy fused qkv, dotted: `layers.6.attention.qkv.lora.down.weight` + `.alpha`
+        sd[f"{att}.qkv.lora.down.weight"] = torch.empty(4, d, device="meta")
+        sd[f"{att}.qkv.lora.up.weight"] = torch.empty(3 * d, 4, device="meta")
+        sd[f"{att}.qkv.alpha"] = torch.empty((), device="meta")
+    fused = {
+        "transformer.layers.0.feed_forward.w13": (2 * h, d),
+        "transformer.layers.1.feed_forward.net.0.proj": (2 * h, d),
+    }
+    for name, adapter in (("users", sd), ("fused", _lora(fused))):
+        report = loraweave.plan(models["z-image"], adapter)
+        assert report.unmatched == [], (name, report.unmatched[:2])
+        assert report.keys_applied == report.keys_total == len(adapter)
+
+
+def test_qwen_image_key_list_lands_on_fused_qkv(models):
+    report = loraweave.plan(models["qwen-image"], _invoke_keys("qwen_image_lora_diffusers_format.json"))
+    assert report.unmatched == [] and report.keys_applied == report.keys_total == 9
+    assert {m.module for m in report.applied} == {f"transformer_blocks.{i}.attn.to_qkv" for i in (0, 1)}
+
+
+def test_qwen_image_every_diffusers_layer(models):
+    """A LoRA on every Linear of the diffusers Qwen-Image (released config) lands on Nunchaku's, fused
+    projections on their thirds; only the AWQ modulation (`img_mod.1` / `txt_mod.1`, rows interleaved per
+    hidden unit) is refused, as unsupported, naming Nunchaku's layout."""
+    import diffusers
+    from helpers.common import real_config
+
+    with torch.device("meta"):
+        ref = diffusers.QwenImageTransformer2DModel.from_config(
+            real_config("qwen-image__transformer_config.json")
+        )
+    stems = {n: tuple(m.weight.shape) for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear)}
+    sd = _lora(stems)
+    report = loraweave.plan(models["qwen-image"], sd)
+    mods = {k for k in stems if re.search(r"\.(img|txt)_mod\.1$", k)}
+    assert {u["key"].rsplit(".", 2)[0] for u in report.unmatched} == mods and len(mods) == 120
+    assert all(u["kind"] == "unsupported" and "Nunchaku interleaves" in u["reason"] for u in report.unmatched)
+    assert report.keys_applied == len(sd) - 2 * len(mods)
+    table = AliasTable(models["qwen-image"])
+    for n, p in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
+        found = table.lookup(f"transformer_blocks.7.attn.{p}")
+        assert found == (Piece("transformer_blocks.7.attn.add_qkv_proj", 0, n * 3072, 3072, False),)
+
+
+@pytest.mark.parametrize("name", FLUX_LISTS)
+def test_flux_key_lists(models, name):
+    """Every key of InvokeAI's real Flux key lists lands on Nunchaku's Flux v2, but those naming the
+    single block's `proj_out` (BFL `linear2`: Nunchaku splits it by input columns) and the AWQ modulation
+    (rows interleaved): those are refused as unsupported, each naming why."""
+    sd = _invoke_keys(name)
+    report = loraweave.plan(models["flux"], sd)
+    refused = {k for k in sd if FLUX_REFUSED.search(k)}
+    assert {u["key"] for u in report.unmatched} == refused
+    for u in report.unmatched:
+        assert u["kind"] == "unsupported"
+        assert ("input columns" if re.search("linear2|proj_out", u["key"]) else "interleaves") in u["reason"]
+    assert report.keys_applied == len(sd) - len(refused) > 300
+
+
+def test_flux_fused_rows(models):
+    table = AliasTable(models["flux"])
+    d, s = "transformer_blocks.3", "single_transformer_blocks.20"
+    assert _rows(table.lookup("double_blocks.3.img_attn.qkv")) == [(f"{d}.attn.to_qkv", 0, 0, 9216)]
+    assert _rows(table.lookup("double_blocks.3.txt_attn.qkv")) == [(f"{d}.attn.add_qkv_proj", 0, 0, 9216)]
+    assert _rows(table.lookup("single_blocks.20.linear1")) == [
+        (f"{s}.attn.to_qkv", 0, 0, 9216),
+        (f"{s}.mlp_fc1", 9216, 0, 12288),
+    ]
+    assert _rows(table.lookup(f"{s}.attn.to_v")) == [(f"{s}.attn.to_qkv", 0, 6144, 3072)]
+    assert _rows(table.lookup(f"{d}.attn.add_k_proj")) == [(f"{d}.attn.add_qkv_proj", 0, 3072, 3072)]
+    assert _rows(table.lookup(f"{s}.proj_mlp")) == [(f"{s}.mlp_fc1", 0, 0, 12288)]
+    assert _rows(table.lookup(f"{d}.ff.net.0.proj")) == [(f"{d}.ff.net.0.proj", 0, 0, 12288)]
+
+
+def test_model_arch_of_nunchaku_classes(models):
+    """The wrong-architecture check knows Nunchaku's classes: each is its architecture's model."""
+    assert {a: module_arch(m).name for a, m in models.items()} == {a: a for a in models}
+    assert nunchaku_class("z-image").__name__ == "NunchakuZImageTransformer2DModel"
+
+
+def test_wrong_architecture_refused_on_nunchaku(models):
+    """A Flux file on Nunchaku's Z-Image is another architecture's: refused before anything changes."""
+    flux_file = REALDATA / "lora" / "leighwoods__public-loras__lora.safetensors"
+    with pytest.raises(WrongArchitectureError):
+        loraweave.apply(models["z-image"], flux_file)
+    # On Nunchaku's Flux it is Flux's own, but its 4 layers are single-block proj_out: none lands (typed).
+    with pytest.raises(NoKeysLandedError):
+        loraweave.apply(models["flux"], flux_file)
