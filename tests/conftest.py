@@ -94,6 +94,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_comfy_control_lora": ("comfy",),
     "test_comfy_control_other_inputs": ("comfy",),
     "test_comfy_errors": ("comfy",),
+    "test_comfy_gguf": ("comfy",),
     "test_comfy_harness": ("comfy",),
     "test_comfy_model_input": ("comfy",),
     "test_comfy_model_only": ("comfy", "realdata"),
@@ -122,6 +123,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_realsize_acceptance": ("realsize", "realdata"),
     "test_realsize_catalog": ("realsize",),
     "test_realsize_comfy": ("realsize", "comfy", "realdata"),  # ComfyUI's full-size Flux on meta
+    "test_realsize_comfy_gguf": ("realsize", "comfy"),  # one full-width Q4_K Flux layer through the pack
     "test_realsize_comfy_mechanisms": ("realsize", "comfy"),  # runtime borrowing, Flux Fill, full width
     "test_realsize_comfy_positional": ("realsize", "comfy", "realdata"),  # ComfyUI's full-size SD1.5 on meta
     "test_realsize_mechanisms": ("realsize",),

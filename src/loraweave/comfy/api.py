@@ -39,6 +39,7 @@ from ..report.coverage import warn_incomplete
 from ..report.miss import Skipped, Unmatched
 from ..report.report import Report
 from ..resolve.planner import Plan
+from .gguf_weights import GGUF_BACKEND, check_storage, note_rows
 from .host import diffusion_patcher
 from .patches import add_to_clone
 from .quantized import check_layouts, with_retention
@@ -128,8 +129,10 @@ def merge(
     t0 = time.perf_counter()
     model_plan, clip_plan, both, unmatched, skipped = _plans(model, clip, adapter)
     refuse(make_report(both, "merge", [], unmatched, t0, skipped), strict, opt_ins=COMFY, arch=arch)
+    check_storage(model_plan)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
-    with_retention(new_model, applied)  # quantized weights: what ComfyUI's requantization keeps (ρ)
+    note_rows(applied, model_plan, new_model)  # GGUF rows: ComfyUI-GGUF patches them at every forward
+    with_retention(new_model, [r for r in applied if r.backend != GGUF_BACKEND])
     new_clip = None
     if clip_plan is not None:  # planned exactly when a CLIP is given
         new_clip = clip.clone()

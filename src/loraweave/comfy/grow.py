@@ -34,6 +34,8 @@ LOADED: weakref.WeakKeyDictionary[torch.nn.Module, Shape] = weakref.WeakKeyDicti
 def loaded_shapes(root: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """{state-dict key: shape} of `root`'s tensors as loaded, whatever growth a loaded clone holds now."""
     shapes = {k: tuple(v.shape) for k, v in root.state_dict().items()}
+    # ComfyUI-GGUF's layers save a stand-in of their GGML storage: a parameter's `shape` is the logical one
+    shapes.update((k, tuple(v.shape)) for k, v in root.named_parameters())
     for name, module in root.named_modules():
         shape = LOADED.get(module)
         if shape is not None:

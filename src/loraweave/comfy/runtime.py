@@ -40,6 +40,7 @@ from ..report.report import AppliedModule, Report
 from ..resolve.params import PlannedParam
 from ..resolve.planner import Plan, PlannedPart
 from ..resolve.stacking import Contribution
+from .gguf_weights import check_storage, note_rows
 from .grow import add_notes, grow_patches, grown_inputs
 from .holder import FactorHolder
 
@@ -350,6 +351,7 @@ def apply_runtime(
         assert new_clip is not None  # a second state is the CLIP's
         new_clip.patcher, _ = stacked_clone(clip.patcher, [], states[1])
     report = entry_report(plans, states, t0, model_only=clip is None)
+    note_rows(report.applied, plans[0])
     add_notes(report.applied, grown)
     refuse(report, strict, opt_ins=COMFY, arch=arch)
     note_other_arch(report, arch)
@@ -368,6 +370,7 @@ def _build(model, clip, adapter, strengths: tuple[float, float], strict: bool):
 
     adapter = renamed(adapter, unique_name(adapter.name, taken_names(model, clip)))
     plans = [plan_for_patcher(model, adapter, strengths[0], strict)]
+    check_storage(plans[0])
     if clip is not None:
         plans.append(plan_for_clip(clip, adapter, strengths[1], strict))
     states = [RuntimeState((*entries_of(model), RuntimeEntry(adapter.name, plans[0])))]

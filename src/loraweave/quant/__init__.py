@@ -13,7 +13,7 @@ from .backend import Capabilities, QuantBackend, Restore
 
 log = logging.getLogger("loraweave")
 
-_MODULES = ("sdnq", "bnb", "torchao", "quanto", "gguf", "nunchaku", "comfy_kitchen")
+_MODULES = ("sdnq", "bnb", "torchao", "quanto", "gguf", "nunchaku", "comfy_kitchen", "comfy_gguf")
 BACKENDS: dict[str, QuantBackend] = {}
 BROKEN: dict[str, str] = {}  # backend module -> why it could not be imported
 
