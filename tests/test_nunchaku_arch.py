@@ -22,7 +22,7 @@ import loraweave
 from loraweave.arch.aliases import AliasTable
 from loraweave.arch.fit import module_arch
 from loraweave.arch.spec import Piece
-from loraweave.errors import NoKeysLandedError, WrongArchitectureError
+from loraweave.errors import WrongArchitectureError
 
 KEYS = REALDATA / "keys"
 FLUX_LISTS = (
@@ -32,11 +32,13 @@ FLUX_LISTS = (
     "flux_lora_diffusers_base_model_format.json",
     "flux_lora_diffusers_with_norm_out_format.json",
 )
-# Keys that name Nunchaku Flux's split or interleaved layers, in every spelling of the lists above.
+# Keys that name Nunchaku Flux's interleaved (AWQ modulation) layers, in every spelling of the lists above.
 FLUX_REFUSED = re.compile(
-    r"single_blocks[._]\d+[._](linear2|modulation[._]lin)|single_transformer_blocks\.\d+\.(proj_out|norm\.linear)"
+    r"single_blocks[._]\d+[._]modulation[._]lin|single_transformer_blocks\.\d+\.norm\.linear"
     r"|double_blocks[._]\d+[._](img|txt)[._]mod[._]lin|transformer_blocks\.\d+\.norm1(_context)?\.linear"
 )
+# Keys of the single block's proj_out (BFL linear2), which Nunchaku splits by input columns.
+FLUX_SPLIT = re.compile(r"single_blocks[._]\d+[._]linear2|single_transformer_blocks\.\d+\.proj_out")
 
 
 @pytest.fixture(scope="module")
@@ -180,17 +182,20 @@ def test_qwen_image_every_diffusers_layer(models):
 
 @pytest.mark.parametrize("name", FLUX_LISTS)
 def test_flux_key_lists(models, name):
-    """Every key of InvokeAI's real Flux key lists lands on Nunchaku's Flux v2, but those naming the
-    single block's `proj_out` (BFL `linear2`: Nunchaku splits it by input columns) and the AWQ modulation
-    (rows interleaved): those are refused as unsupported, each naming why."""
+    """Every key of InvokeAI's real Flux key lists lands on Nunchaku's Flux v2, the single block's
+    `proj_out` (BFL `linear2`) on both modules Nunchaku splits it into by input columns, but the AWQ
+    modulation's (rows interleaved): those are refused as unsupported, naming why."""
     sd = _invoke_keys(name)
     report = loraweave.plan(models["flux"], sd)
     refused = {k for k in sd if FLUX_REFUSED.search(k)}
     assert {u["key"] for u in report.unmatched} == refused
-    for u in report.unmatched:
-        assert u["kind"] == "unsupported"
-        assert ("input columns" if re.search("linear2|proj_out", u["key"]) else "interleaves") in u["reason"]
+    assert all(u["kind"] == "unsupported" and "interleaves" in u["reason"] for u in report.unmatched)
     assert report.keys_applied == len(sd) - len(refused) > 300
+    landed = re.compile(r"single_transformer_blocks\.\d+\.(attn\.to_out|mlp_fc2)$")
+    split = {m.module for m in report.applied if landed.search(m.module)}
+    blocks = {re.search(r"single_[a-z_]*blocks[._](\d+)", k)[1] for k in sd if FLUX_SPLIT.search(k)}
+    want = {f"single_transformer_blocks.{i}.{m}" for i in blocks for m in ("attn.to_out", "mlp_fc2")}
+    assert split == want and len(blocks) >= 1, (name, sorted(split)[:4])
 
 
 def test_flux_fused_rows(models):
@@ -219,6 +224,108 @@ def test_wrong_architecture_refused_on_nunchaku(models):
     flux_file = REALDATA / "lora" / "leighwoods__public-loras__lora.safetensors"
     with pytest.raises(WrongArchitectureError):
         loraweave.apply(models["z-image"], flux_file)
-    # On Nunchaku's Flux it is Flux's own, but its 4 layers are single-block proj_out: none lands (typed).
+    # On Nunchaku's Flux it is Flux's own: its 4 layers, single-block proj_out, land on to_out + mlp_fc2.
+    report = loraweave.plan(models["flux"], flux_file)
+    assert report.unmatched == [] and report.keys_applied == report.keys_total > 0
+    assert {m.module.rsplit(".", 1)[-1] for m in report.applied} == {"to_out", "mlp_fc2"}
+
+
+U = 2.0**-8  # bf16 unit roundoff
+_SINGLE = "single_transformer_blocks.0"
+
+
+def _split_lora(seed: int, rank: int = 4, alpha: float = 2.0) -> tuple[torch.Tensor, torch.Tensor, float]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rank, 1280, generator=g) * 0.3, torch.randn(256, rank, generator=g) * 0.3, alpha / rank
+
+
+@pytest.mark.parametrize("stem", ["single_blocks.0.linear2", f"transformer.{_SINGLE}.proj_out"])
+def test_flux_proj_out_lora_splits_exactly_by_columns(stem):
+    """A LoRA on the single block's proj_out (ΔW = s·B·A over [attention 256 | MLP 1024] input columns, the
+    order diffusers' `proj_out(cat([attn, mlp]))` and Nunchaku's `attn.to_out` / `mlp_fc2` read) lands as
+    (A[:, :256], sB) on to_out and (A[:, 256:], sB) on mlp_fc2, each in its layer's appended low-rank tiles,
+    so Nunchaku's `attn_output + mlp_output` gains x·(sBA)ᵀ: the term the same file merges into the float
+    Flux's proj_out.
+
+    Bound per layer (tests/test_nunchaku_backend.py): |Δout − x_p·(A₁₆ B₁₆)ᵀ| ≤ u·(|base| + |out|) +
+    u·|x_p·A₁₆ᵀ|·|B₁₆|ᵀ, and that stored term is the fp64 one within 2u·(|x_p|·|A_p|ᵀ)·|sB|ᵀ; summed over
+    the two layers."""
+    from helpers import nunchaku_cpu as nc
+    from helpers.nunchaku_models import tiny_float_flux, tiny_nunchaku_flux
+
+    float_model = tiny_float_flux()
+    model = tiny_nunchaku_flux(float_model)
+    down, up, scale = _split_lora(seed=3)
+    key_a, key_b = ("lora_down", "lora_up") if "linear2" in stem else ("lora_A", "lora_B")
+    sd = {f"{stem}.{key_a}.weight": down, f"{stem}.{key_b}.weight": up, f"{stem}.alpha": torch.tensor(2.0)}
+    # The float reference: the same file merged into the float Flux's proj_out.
+    float_before = float_model.get_submodule(f"{_SINGLE}.proj_out").weight.detach().double().clone()
+    with loraweave.apply(float_model, sd, mode="merge", strict=True):
+        float_delta = float_model.get_submodule(f"{_SINGLE}.proj_out").weight.detach().double() - float_before
+    exact_delta = scale * up.double() @ down.double()
+    assert torch.allclose(
+        float_delta, exact_delta, rtol=0, atol=4 * 2.0**-24 * float(float_before.abs().max())
+    )
+
+    layers = {"attn.to_out": slice(0, 256), "mlp_fc2": slice(256, 1280)}
+    x = torch.randn(1, 9, 1280, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    with torch.no_grad():
+        base = {n: model.get_submodule(f"{_SINGLE}.{n}")(x[..., cols]) for n, cols in layers.items()}
+    before = nc.storage(model)
+    handle = loraweave.apply(model, sd, mode="auto", strict=True)
+    rows = {a.module: a.mechanism for a in handle.report.applied}
+    assert rows == {f"{_SINGLE}.{n}": "factor" for n in layers}
+    with torch.no_grad():
+        got = {n: model.get_submodule(f"{_SINGLE}.{n}")(x[..., cols]) for n, cols in layers.items()}
+    xd, err, bound = x.double(), 0.0, 0.0
+    for name, cols in layers.items():
+        layer = model.get_submodule(f"{_SINGLE}.{name}")
+        got_down = nc.unpack_lowrank(layer.proj_down.detach(), down=True)
+        got_up = nc.unpack_lowrank(layer.proj_up.detach(), down=False)
+        assert torch.equal(got_down[32:36], down[:, cols].to(torch.bfloat16))
+        assert torch.equal(got_up[:, 32:36], (up * scale).to(torch.bfloat16))
+        a16, b16 = down[:, cols].to(torch.bfloat16).double(), (up * scale).to(torch.bfloat16).double()
+        xp = xd[..., cols]
+        err = err + (got[name].double() - base[name].double())
+        bound = bound + U * (base[name].double().abs() + got[name].double().abs())
+        bound = bound + U * (xp @ a16.T).abs() @ b16.abs().T
+        bound = bound + 2.01 * U * (xp.abs() @ down[:, cols].double().abs().T) @ (scale * up.double()).abs().T
+    term = xd @ float_delta.T  # the float Flux proj_out's gain on cat([attn, mlp]) = x
+    assert ((err - term).abs() <= bound + 1e-6).all(), float(((err - term).abs() / (bound + 1e-6)).max())
+    assert float((term.abs() > bound + 1e-6).double().mean()) > 0.5  # the bound cannot hide the term
+    handle.remove()
+    nc.assert_storage(model, before)
+
+
+@pytest.mark.parametrize("family", ["dora", "lokr", "oft"])
+def test_flux_proj_out_split_refuses_families_that_do_not_split(family):
+    """DoRA and OFT act on the layer's output (a norm or rotation of the whole proj_out), LoKr's Kronecker
+    factors do not split by columns: refused as unsupported, naming the split, the model's bytes unchanged."""
+    from helpers import nunchaku_cpu as nc
+    from helpers.nunchaku_models import tiny_float_flux, tiny_nunchaku_flux
+
+    from loraweave.errors import NoKeysLandedError
+
+    model = tiny_nunchaku_flux(tiny_float_flux())
+    g, stem = torch.Generator().manual_seed(5), f"{_SINGLE}.proj_out"
+    sd = {
+        "dora": {
+            f"{stem}.lora_down.weight": torch.randn(4, 1280, generator=g),
+            f"{stem}.lora_up.weight": torch.randn(256, 4, generator=g),
+            f"{stem}.dora_scale": torch.rand(256, 1, generator=g) + 1,
+        },
+        "lokr": {f"{stem}.lokr_w1": torch.randn(4, 8, generator=g), f"{stem}.lokr_w2": torch.randn(64, 160)},
+        "oft": {
+            f"{stem}.oft_blocks": torch.randn(8, 32, 32, generator=g) * 0.1,
+            f"{stem}.alpha": torch.tensor(0.0),
+        },
+    }[family]
+    report = loraweave.plan(model, sd)
+    assert report.keys_applied == 0 and {u["kind"] for u in report.unmatched} == {"unsupported"}
+    assert all(
+        "does not split by columns" in u["reason"] and "mlp_fc2" in u["reason"] for u in report.unmatched
+    )
+    before = nc.storage(model)
     with pytest.raises(NoKeysLandedError):
-        loraweave.apply(models["flux"], flux_file)
+        loraweave.apply(model, sd)
+    nc.assert_storage(model, before)

@@ -149,6 +149,57 @@ def tiny_nunchaku_qwen(float_model, rank: int = RANK):
     return model.eval()
 
 
+def tiny_float_flux(seed: int = 0):
+    """A float Flux.1 of one double and one single block, 2 heads x 128 (the single block's proj_out takes
+    256 attention + 1024 MLP columns)."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=128,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        guidance_embeds=False,
+        axes_dims_rope=(16, 56, 56),
+    ).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model
+
+
+def _flux_single_pairs(float_model) -> dict[str, torch.Tensor]:
+    """Nunchaku's single-block layers from the float ones: proj_out split by input columns (attention first,
+    as diffusers' `proj_out(cat([attn, mlp]))` reads them) into `attn.to_out` and `mlp_fc2`."""
+    out = {}
+    for i, block in enumerate(float_model.single_transformer_blocks):
+        a, b, width = block.attn, f"single_transformer_blocks.{i}", block.attn.to_q.weight.shape[0]
+        out[f"{b}.attn.to_qkv"] = torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight])
+        out[f"{b}.mlp_fc1"] = block.proj_mlp.weight
+        out[f"{b}.attn.to_out"] = block.proj_out.weight[:, :width]
+        out[f"{b}.mlp_fc2"] = block.proj_out.weight[:, width:]
+    return out
+
+
+def tiny_nunchaku_flux(float_model, rank: int = RANK):
+    """Nunchaku's Flux v2 holding `float_model`'s single-block weights (its SVDQW4A4Linear layers there
+    quantised from them; the double block's and the AWQ modulation left as `_patch_model` makes them)."""
+    cls = nunchaku_class("flux")
+    model = cls(**{k: v for k, v in dict(float_model.config).items() if not k.startswith("_")})
+    model.load_state_dict(float_model.state_dict())
+    model._patch_model(precision="int4", rank=rank)
+    for path, weight in _flux_single_pairs(float_model).items():
+        parent, _, name = path.rpartition(".")
+        layer = build_svdq_linear(weight.detach().float().contiguous(), rank=rank)
+        model.get_submodule(parent).register_module(name, layer)
+    return model.eval()
+
+
 def svdq_paths(model) -> list[str]:
     return [n for n, m in model.named_modules() if type(m).__name__ == "SVDQW4A4Linear"]
 

@@ -8,10 +8,12 @@ from ..formats.keys import underscore_form
 from .registry import arch_tables
 from .spec import (
     ArchTable,
+    Columns,
     ModelInput,
     Piece,
     apply_renames,
     expand_alias,
+    expand_column_split,
     expand_param_alias,
     expand_unmapped,
     expand_variant_only,
@@ -170,6 +172,7 @@ class AliasTable:
         self.params = _parameter_names(module, self.modules)
         self.absent = _absent_names(module, every, self.exact)
         self.unmapped = _unmapped_names(tables, every)
+        self.column_splits = _column_split_names(tables, every)
         self._positional: dict[tuple[str, ...], list[str]] = {}
 
     def param(self, path: str) -> tuple[str, bool] | None:
@@ -192,6 +195,11 @@ class AliasTable:
         table's `unmapped`); None when it is not."""
         found = self.unmapped.get(path) or self.unmapped.get(underscore_form(path))
         return found or next((self.unmapped[p.module] for p in pieces if p.module in self.unmapped), None)
+
+    def column_split(self, path: str) -> tuple[Columns, ...] | None:
+        """The live modules and input columns of a layer the runtime splits by columns; None when `path` is
+        no such layer."""
+        return self.column_splits.get(path) or self.column_splits.get(underscore_form(path))
 
     def variant_input(self, module: str, width: int | None) -> str | None:
         """Why an adapter trained on `width` input columns of `module` belongs to a sibling variant; None if
@@ -343,6 +351,20 @@ def _parameter_names(
 def _unmapped_names(tables: list[ArchTable], every: dict[str, torch.nn.Module]) -> dict[str, str]:
     """Names held in a layout no key maps onto exactly -> why, in both spellings."""
     out = {k: v for t in tables for entry in t.unmapped for k, v in expand_unmapped(entry, every).items()}
+    out.update({underscore_form(k): v for k, v in list(out.items())})
+    return out
+
+
+def _column_split_names(
+    tables: list[ArchTable], every: dict[str, torch.nn.Module]
+) -> dict[str, tuple[Columns, ...]]:
+    """Layers split by input columns -> their targets' columns, in both spellings."""
+    out = {
+        k: v
+        for t in tables
+        for split in t.column_splits
+        for k, v in expand_column_split(split, every).items()
+    }
     out.update({underscore_form(k): v for k, v in list(out.items())})
     return out
 

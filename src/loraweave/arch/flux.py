@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .encoders import CLIP_L, T5_XXL
 from .record import Architecture, BlockMap, ComfyFacets, Layouts, Release, Skeleton
-from .spec import Alias, ArchTable, ModelInput, Rows, Unmapped, VariantInput, VariantOnly
+from .spec import Alias, ArchTable, ColumnSplit, ModelInput, Rows, Unmapped, VariantInput, VariantOnly
 
 _D = "transformer_blocks.{i}"
 _S = "single_transformer_blocks.{i}"
@@ -119,13 +119,11 @@ NUNCHAKU_FLUX = ArchTable(
         *_thirds(f"{_S}.attn.to_qkv", tuple(f"{_S}.attn.to_{p}" for p in "qkv")),
         Alias(f"{_S}.proj_mlp", (f"{_S}.mlp_fc1",)),
     ),
+    # proj_out(cat(attention, MLP)) = to_out(attention) + mlp_fc2(MLP): Nunchaku's forward sums the two.
+    column_splits=(
+        ColumnSplit((f"{_S}.proj_out", "single_blocks.{i}.linear2"), (f"{_S}.attn.to_out", f"{_S}.mlp_fc2")),
+    ),
     unmapped=(
-        Unmapped(
-            (f"{_S}.proj_out", "single_blocks.{i}.linear2"),
-            f"{_S}.mlp_fc2",
-            "Nunchaku splits the single block's proj_out by input columns into attn.to_out and mlp_fc2; "
-            "a column split is not mapped",
-        ),
         Unmapped(
             (f"{_D}.norm1.linear", f"{_D}.norm1_context.linear"),
             f"{_D}.norm1.linear",

@@ -71,6 +71,27 @@ class Unmapped:
 
 
 @dataclass(frozen=True)
+class ColumnSplit:
+    """One original layer a runtime holds as several live modules, each taking consecutive input columns
+    (Nunchaku's single-block `proj_out`: `attn.to_out` the attention columns, then `mlp_fc2` the MLP ones);
+    the layer's output is the sum of theirs. A key for `sources` lands on each target with its columns.
+
+    Widths are the targets' live input widths; `targets[0]` anchors the blocks (its `{i}` values)."""
+
+    sources: tuple[str, ...]  # patterns with `{i}`: original and diffusers names of the split layer
+    targets: tuple[str, ...]  # live modules, in input-column order
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Input columns [start, start+width) of a split layer's delta go to the whole of `module`."""
+
+    module: str
+    start: int
+    width: int
+
+
+@dataclass(frozen=True)
 class VariantInput:
     """An input width only a sibling variant's `module` has (Flux Fill's `x_embedder` takes 384 channels).
 
@@ -142,6 +163,8 @@ class ArchTable:
     variant_inputs: tuple[VariantInput, ...] = ()
     # Names held in a layout no key maps onto exactly (a runtime's reordered rows, a column split): refused.
     unmapped: tuple[Unmapped, ...] = ()
+    # Original layers a runtime splits by input columns over several live modules.
+    column_splits: tuple[ColumnSplit, ...] = ()
     # Original names of bare parameters (modulation tables): full-difference keys can patch them.
     parameters: tuple[ParamAlias, ...] = ()
     # Original names that differ from the live ones by the converter's substring renames, in its order:
@@ -256,6 +279,27 @@ def expand_unmapped(entry: Unmapped, modules: dict[str, torch.nn.Module]) -> dic
         if (m := anchor.match(name)) and entry.anchor_class in (None, type(module).__name__)
     }
     return {n.replace("{i}", i) if i is not None else n: entry.why for i in indices for n in entry.names}
+
+
+def expand_column_split(
+    split: ColumnSplit, modules: dict[str, torch.nn.Module]
+) -> dict[str, tuple[Columns, ...]]:
+    """{source name: columns of each target} at every block holding all the targets."""
+    anchor = _pattern_regex(split.targets[0])
+    out: dict[str, tuple[Columns, ...]] = {}
+    for name in modules:
+        m = anchor.match(name)
+        if m is None:
+            continue
+        i = m["i"] if "i" in anchor.groupindex else None
+        paths = [t.replace("{i}", i) if i is not None else t for t in split.targets]
+        widths = [module_shape(modules[p]) if p in modules else None for p in paths]
+        if any(w is None or len(w) != 2 for w in widths):
+            continue
+        starts = [sum(w[1] for w in widths[:n]) for n in range(len(widths))]  # type: ignore[index]
+        columns = tuple(Columns(p, s, w[1]) for p, s, w in zip(paths, starts, widths, strict=True))  # type: ignore[index]
+        out.update({src.replace("{i}", i) if i is not None else src: columns for src in split.sources})
+    return out
 
 
 def expand_variant_only(entry: VariantOnly, modules: dict[str, torch.nn.Module]) -> dict[str, str]:

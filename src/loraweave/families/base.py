@@ -161,6 +161,13 @@ class WidenInput(Protocol):
     def __call__(self, f: Factors, shape: Shape, /) -> Factors | None: ...
 
 
+class TakeColumns(Protocol):
+    """The factors of ΔW's input columns [start, start+width) alone (`bias`: keep the output bias term, which
+    one column piece of a split layer carries); None when the family's ΔW does not split by columns."""
+
+    def __call__(self, f: Factors, start: int, width: int, bias: bool, /) -> Factors | None: ...
+
+
 class DeltaBound(Protocol):
     def __call__(self, f: Factors, src: int, length: int, /) -> float | None: ...
 
@@ -182,6 +189,10 @@ def _no_width(f: Factors) -> None:
 
 
 def _no_widening(f: Factors, shape: Shape) -> None:
+    return None
+
+
+def _no_columns(f: Factors, start: int, width: int, bias: bool) -> None:
     return None
 
 
@@ -222,6 +233,7 @@ class Family:
       keys).
     - roles: every role a part may hold (None: load checks); uses_alpha_scale=False: alpha is not alpha/rank
       (the raw `alpha` tensor goes to load). input_width(f) / widen_input(f, shape): control-adapter growth.
+      take_columns(f, start, width, bias): ΔW's input columns alone (a runtime's column-split layer).
     - delta_bound(f, src, length) -> float | None: an upper bound on max |ΔW| (coeff 1) over rows
       [src, src+length), inf/nan for non-finite factors; None where the family declares none. A merge whose
       bound leaves no room to overflow skips its finite check and, with undo="none", its record.
@@ -246,6 +258,7 @@ class Family:
     check_piece: PieceCheck = _any_piece
     input_width: InputWidth = _no_width
     widen_input: WidenInput = _no_widening
+    take_columns: TakeColumns = _no_columns
     runtime_refusal: RuntimeRefusal = _runtime_ok
     delta_bound: DeltaBound = _unbounded
     set_delta: DeltaAdder | None = None

@@ -37,6 +37,13 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> FullFactor
     return FullFactors(diff, diff_b)
 
 
+def take_columns(f: FullFactors, start: int, width: int, bias: bool) -> FullFactors | None:
+    """diff[:, cols] (Linear only), diff_b with the piece that carries the bias."""
+    if f.diff is None or f.diff.dim() != 2 or start + width > f.diff.shape[1]:
+        return None
+    return FullFactors(f.diff[:, start : start + width], f.diff_b if bias else None)
+
+
 def input_width(f: FullFactors) -> int | None:
     return f.diff.shape[1] if f.diff is not None and f.diff.dim() == 2 else None
 
@@ -70,4 +77,5 @@ SPEC = Family(
     runtime_term,
     roles=("diff", "diff_b"),
     input_width=input_width,
+    take_columns=take_columns,
 )

@@ -82,6 +82,13 @@ def widen_input(f: LoraFactors, shape: tuple[int, ...]) -> LoraFactors | None:
     return replace(f, down=torch.nn.functional.pad(f.down, (0, shape[1] - f.down.shape[1])))
 
 
+def take_columns(f: LoraFactors, start: int, width: int, bias: bool) -> LoraFactors | None:
+    """(up, down[:, cols]): up @ down[:, cols] is ΔW[:, cols] exactly (Linear only)."""
+    if f.down.dim() != 2 or start + width > f.down.shape[1]:
+        return None
+    return replace(f, down=f.down[:, start : start + width], up_bias=f.up_bias if bias else None)
+
+
 def input_width(f: LoraFactors) -> int | None:
     """Input columns the adapter was trained on (Linear only): a control LoRA may need the module grown to
     it."""
@@ -147,6 +154,7 @@ SPEC = Family(
     roles=("down", "up", "mid", "up_bias"),
     input_width=input_width,
     widen_input=widen_input,
+    take_columns=take_columns,
     delta_bound=delta_bound,
     set_delta=set_delta,
 )

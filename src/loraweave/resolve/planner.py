@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from ..arch.aliases import AliasTable
-from ..arch.spec import Piece, module_shape
+from ..arch.spec import Columns, Piece, module_shape
 from ..families import family_for
 from ..families.base import Factors, Family, KnownFinite, PartRejected, Shape
 from ..formats.adapter import GENERIC_ROLES, Adapter, AdapterPart
@@ -353,10 +353,14 @@ def _check_rows(family: Family, factors: Factors, found: tuple[Piece, ...], comp
 
 def _plan_part(
     adapter: Adapter, part: AdapterPart, comp_name: str, table: AliasTable, strength: float
-) -> PlannedPart | PlannedParam:
+) -> tuple[PlannedPart | PlannedParam, ...]:
+    """The part planned: one record, or one per live module of a layer the runtime splits by columns."""
     param = param_target(part, table)
     if param is not None:
-        return plan_param(adapter, part, comp_name, table, param, strength)
+        return (plan_param(adapter, part, comp_name, table, param, strength),)
+    split = table.column_split(part.path) if part.layout != "cloneofsimo" else None
+    if split is not None:
+        return _plan_columns(adapter, part, comp_name, table, strength, split)
     where = f"{comp_name}.{part.path}"
     found = _find_pieces(adapter, part, table, where)
     tensors = {role: adapter.tensor(key) for role, key in part.roles.items()}
@@ -370,9 +374,65 @@ def _plan_part(
         factors = fitting.piece(factors, piece.module)
     _check_rows(family, factors, found, comp_name)
     scale, source = part_scale(adapter, part, family, factors, comp_name, table.metadata_alpha)
-    return PlannedPart(
-        adapter, part, family, comp_name, found, factors, scale, source, strength, fitting.notes, fitting.grow
+    return (
+        PlannedPart(
+            adapter,
+            part,
+            family,
+            comp_name,
+            found,
+            factors,
+            scale,
+            source,
+            strength,
+            fitting.notes,
+            fitting.grow,
+        ),
     )
+
+
+def _plan_columns(
+    adapter: Adapter,
+    part: AdapterPart,
+    comp_name: str,
+    table: AliasTable,
+    strength: float,
+    split: tuple[Columns, ...],
+) -> tuple[PlannedPart, ...]:
+    """A layer the runtime holds as several modules over consecutive input columns (Nunchaku's single-block
+    proj_out): each module gets ΔW's columns it reads, whole; the first carries the bias term. Exact for
+    families whose ΔW is additive in its columns; families acting on the layer's output (DoRA, OFT) refuse."""
+    where = f"{comp_name}.{part.path}"
+    names = " + ".join(f"{c.module}[:, {c.start}:{c.start + c.width}]" for c in split)
+    tensors = {role: adapter.tensor(key) for role, key in part.roles.items()}
+    family = _supported_family(part, tensors, f"{comp_name}.{names}")
+    factors = _load_factors(adapter, part, family, tensors)
+    width = family.input_width(factors)
+    total = split[-1].start + split[-1].width
+    if width is not None and width != total:
+        raise PartRejected(
+            "shape_mismatch", f"shape mismatch: {where} has {width} input columns, {names} take {total}"
+        )
+    scale, source = part_scale(adapter, part, family, factors, comp_name, table.metadata_alpha)
+    planned = []
+    for n, columns in enumerate(split):
+        piece_factors = family.take_columns(factors, columns.start, columns.width, n == 0)
+        if piece_factors is None:
+            raise PartRejected(
+                "unsupported",
+                f"unsupported layout: {where} (the runtime splits this layer by input columns over {names}; "
+                f"a {family.name} delta does not split by columns: only additive low-rank or dense terms do)",
+            )
+        fitting = _Fitting(family, table, comp_name, where, None)
+        piece_factors = fitting.piece(piece_factors, columns.module)
+        pieces = (Piece(columns.module, 0, 0, piece_factors.rows, True),)
+        _check_rows(family, piece_factors, pieces, comp_name)
+        planned.append(
+            PlannedPart(
+                adapter, part, family, comp_name, pieces, piece_factors, scale, source, strength, [], {}
+            )
+        )
+    return tuple(planned)
 
 
 def _plan_with_fallback(
@@ -382,7 +442,7 @@ def _plan_with_fallback(
     components: Components,
     tables: dict[str, AliasTable],
     strength: float,
-) -> PlannedPart | PlannedParam:
+) -> tuple[PlannedPart | PlannedParam, ...]:
     try:
         return _plan_part(adapter, part, comp_name, tables[comp_name], strength)
     except PartRejected as first:
@@ -428,10 +488,11 @@ def resolve(
                         planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
                     else:
                         planned = _plan_with_fallback(adapter, part, comp_name, components, tables, strength)
-                    if isinstance(planned, PlannedParam):
-                        plan.params.append(planned)
-                    else:
-                        plan.planned.append(planned)
+                    for one in planned:
+                        if isinstance(one, PlannedParam):
+                            plan.params.append(one)
+                        else:
+                            plan.planned.append(one)
                 except PartRejected as rejected:
                     plan.unmatched += [Unmatched(adapter.name, key, rejected.miss) for key in part.keys]
     return plan
