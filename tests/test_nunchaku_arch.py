@@ -1,7 +1,9 @@
 """Nunchaku's own module names: every key of the real Z-Image, Qwen-Image and Flux key lists lands on
-Nunchaku's real transformers (full size, on meta), on the modules and rows Nunchaku's forward reads; what no
-key can land on exactly (Flux's column-split `proj_out`, the interleaved AWQ modulation rows) is refused as
-unsupported, naming why, never put on the wrong rows.
+Nunchaku's real transformers (full size, on meta), on the modules and rows Nunchaku's forward reads: Flux's
+single-block `proj_out`, which Nunchaku splits by input columns into `attn.to_out` + `mlp_fc2`, lands on both
+with its columns; the AWQ modulation, whose rows Nunchaku interleaves per hidden unit, with its rows gathered
+into that order. A family that cannot be split or reordered so is refused, naming why, never put on the
+wrong rows.
 
 Nunchaku fuses q/k/v into `to_qkv` (rows q | k | v) and the context q/k/v into `add_qkv_proj`; Z-Image's
 SwiGLU is diffusers' `net.0.proj` with rows [w3; w1] (value, then gate: diffusers' SwiGLU computes
@@ -33,7 +35,7 @@ FLUX_LISTS = (
     "flux_lora_diffusers_with_norm_out_format.json",
 )
 # Keys that name Nunchaku Flux's interleaved (AWQ modulation) layers, in every spelling of the lists above.
-FLUX_REFUSED = re.compile(
+FLUX_MODULATION = re.compile(
     r"single_blocks[._]\d+[._]modulation[._]lin|single_transformer_blocks\.\d+\.norm\.linear"
     r"|double_blocks[._]\d+[._](img|txt)[._]mod[._]lin|transformer_blocks\.\d+\.norm1(_context)?\.linear"
 )
@@ -158,8 +160,7 @@ def test_qwen_image_key_list_lands_on_fused_qkv(models):
 
 def test_qwen_image_every_diffusers_layer(models):
     """A LoRA on every Linear of the diffusers Qwen-Image (released config) lands on Nunchaku's, fused
-    projections on their thirds; only the AWQ modulation (`img_mod.1` / `txt_mod.1`, rows interleaved per
-    hidden unit) is refused, as unsupported, naming Nunchaku's layout."""
+    projections on their thirds, the AWQ modulation (`img_mod.1` / `txt_mod.1`) whole (rows gathered)."""
     import diffusers
     from helpers.common import real_config
 
@@ -170,10 +171,9 @@ def test_qwen_image_every_diffusers_layer(models):
     stems = {n: tuple(m.weight.shape) for n, m in ref.named_modules() if isinstance(m, torch.nn.Linear)}
     sd = _lora(stems)
     report = loraweave.plan(models["qwen-image"], sd)
-    mods = {k for k in stems if re.search(r"\.(img|txt)_mod\.1$", k)}
-    assert {u["key"].rsplit(".", 2)[0] for u in report.unmatched} == mods and len(mods) == 120
-    assert all(u["kind"] == "unsupported" and "Nunchaku interleaves" in u["reason"] for u in report.unmatched)
-    assert report.keys_applied == len(sd) - 2 * len(mods)
+    assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd)
+    mods = {m.module for m in report.applied if re.search(r"\.(img|txt)_mod\.1$", m.module)}
+    assert len(mods) == 120
     table = AliasTable(models["qwen-image"])
     for n, p in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
         found = table.lookup(f"transformer_blocks.7.attn.{p}")
@@ -182,15 +182,17 @@ def test_qwen_image_every_diffusers_layer(models):
 
 @pytest.mark.parametrize("name", FLUX_LISTS)
 def test_flux_key_lists(models, name):
-    """Every key of InvokeAI's real Flux key lists lands on Nunchaku's Flux v2, the single block's
-    `proj_out` (BFL `linear2`) on both modules Nunchaku splits it into by input columns, but the AWQ
-    modulation's (rows interleaved): those are refused as unsupported, naming why."""
+    """Every key of InvokeAI's real Flux key lists lands on Nunchaku's Flux v2: the single block's `proj_out`
+    (BFL `linear2`) on both modules Nunchaku splits it into by input columns, the AWQ modulation whole."""
     sd = _invoke_keys(name)
     report = loraweave.plan(models["flux"], sd)
-    refused = {k for k in sd if FLUX_REFUSED.search(k)}
-    assert {u["key"] for u in report.unmatched} == refused
-    assert all(u["kind"] == "unsupported" and "interleaves" in u["reason"] for u in report.unmatched)
-    assert report.keys_applied == len(sd) - len(refused) > 300
+    assert report.unmatched == [] and report.keys_applied == report.keys_total == len(sd) > 400
+    modulation = {
+        m.module for m in report.applied if re.search(r"norm1(_context)?\.linear|norm\.linear", m.module)
+    }
+    assert len(modulation) == len(
+        {re.sub(r"\.(lora|alpha).*", "", k) for k in sd if FLUX_MODULATION.search(k)}
+    )
     landed = re.compile(r"single_transformer_blocks\.\d+\.(attn\.to_out|mlp_fc2)$")
     split = {m.module for m in report.applied if landed.search(m.module)}
     blocks = {re.search(r"single_[a-z_]*blocks[._](\d+)", k)[1] for k in sd if FLUX_SPLIT.search(k)}
@@ -327,5 +329,91 @@ def test_flux_proj_out_split_refuses_families_that_do_not_split(family):
     )
     before = nc.storage(model)
     with pytest.raises(NoKeysLandedError):
+        loraweave.apply(model, sd)
+    nc.assert_storage(model, before)
+
+
+@pytest.mark.parametrize(
+    ("stem", "module", "chunks"),
+    [
+        ("single_blocks.0.modulation.lin", f"{_SINGLE}.norm.linear", 3),
+        ("double_blocks.0.txt_mod.lin", "transformer_blocks.0.norm1_context.linear", 6),
+        ("transformer.transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1.linear", 6),
+    ],
+)
+@pytest.mark.parametrize("family", ["lora", "full"])
+def test_flux_modulation_lands_in_nunchakus_interleaved_rows(stem, module, chunks, family):
+    """A delta on the AWQ modulation, in the file's row order (chunk c, unit d at row c·dim + d), lands with
+    its rows gathered into Nunchaku's (d·chunks + c), so the shift/scale/gate chunks Nunchaku's forward reads
+    (`out.view(-1, chunks).permute`) gain what the same file merged into the float Flux's layer gives each
+    chunk. Bound (a runtime term on the AWQ base, tests/test_nunchaku_backend.py):
+    |Δchunk − x·ΔW_cᵀ| ≤ 8u·(|base| + |out|) + 4u·|x|·|ΔW_c|ᵀ; a delta left in file order misses it."""
+    from helpers import nunchaku_cpu as nc
+    from helpers.nunchaku_models import tiny_float_flux, tiny_nunchaku_flux
+
+    float_model = tiny_float_flux()
+    model = tiny_nunchaku_flux(float_model)
+    rows = float_model.get_submodule(module).weight.shape[0]
+    g = torch.Generator().manual_seed(21)
+    if family == "lora":
+        a, b = torch.randn(4, 256, generator=g) * 0.3, torch.randn(rows, 4, generator=g) * 0.3
+        key_a, key_b = ("lora_down", "lora_up") if "_blocks." in stem[:14] else ("lora_A", "lora_B")
+        sd = {f"{stem}.{key_a}.weight": a, f"{stem}.{key_b}.weight": b}
+    else:
+        sd = {f"{stem}.diff": torch.randn(rows, 256, generator=g) * 0.05}
+        sd[f"{stem}.diff_b"] = torch.randn(rows, generator=g) * 0.05
+    float_layer = float_model.get_submodule(module)
+    w0, b0 = float_layer.weight.detach().double().clone(), float_layer.bias.detach().double().clone()
+    with loraweave.apply(float_model, sd, mode="merge", strict=True):
+        d_w = float_layer.weight.detach().double() - w0
+        d_b = float_layer.bias.detach().double() - b0
+    assert d_w.abs().max() > 0
+
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    layer = model.get_submodule(module)
+    with torch.no_grad():
+        base = layer(x).double()
+    before = nc.storage(model)
+    handle = loraweave.apply(model, sd, mode="auto", strict=True)
+    assert [a.module for a in handle.report.applied] == [module]
+    with torch.no_grad():
+        got = model.get_submodule(module)(x).double()
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # Nunchaku's forward: view(-1, chunks).permute(2, 0, 1)
+        return t.view(t.shape[0], -1, chunks).permute(2, 0, 1)
+
+    xd = x.double()
+    term = (xd @ d_w.T + d_b).view(x.shape[0], chunks, -1).transpose(0, 1)  # diffusers' chunk(chunks)
+    bound = 8 * U * chunked(base.abs() + got.abs()) + 4 * U * (xd.abs() @ d_w.abs().T).view(
+        3, chunks, -1
+    ).transpose(0, 1)
+    err = (chunked(got - base) - term).abs()
+    assert (err <= bound + 1e-6).all(), float((err / (bound + 1e-6)).max())
+    file_order = (got - base).view(x.shape[0], chunks, -1).transpose(0, 1)  # the rows not gathered
+    assert float(((file_order - term).abs() > bound + 1e-6).double().mean()) > 0.5
+    handle.remove()
+    nc.assert_storage(model, before)
+
+
+@pytest.mark.parametrize("family", ["dora", "lokr"])
+def test_flux_modulation_refuses_families_whose_rows_do_not_reorder(family):
+    from helpers import nunchaku_cpu as nc
+    from helpers.nunchaku_models import tiny_float_flux, tiny_nunchaku_flux
+
+    model = tiny_nunchaku_flux(tiny_float_flux())
+    g, stem = torch.Generator().manual_seed(5), f"{_SINGLE}.norm.linear"
+    sd = {
+        "dora": {
+            f"{stem}.lora_down.weight": torch.randn(4, 256, generator=g),
+            f"{stem}.lora_up.weight": torch.randn(768, 4, generator=g),
+            f"{stem}.dora_scale": torch.rand(768, 1, generator=g) + 1,
+        },
+        "lokr": {f"{stem}.lokr_w1": torch.randn(4, 8, generator=g), f"{stem}.lokr_w2": torch.randn(192, 32)},
+    }[family]
+    report = loraweave.plan(model, sd)
+    assert report.keys_applied == 0 and {u["kind"] for u in report.unmatched} == {"unsupported"}
+    assert all("interleaves" in u["reason"] and "do not reorder" in u["reason"] for u in report.unmatched)
+    before = nc.storage(model)
+    with pytest.raises(loraweave.errors.NoKeysLandedError):
         loraweave.apply(model, sd)
     nc.assert_storage(model, before)

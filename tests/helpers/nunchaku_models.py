@@ -15,7 +15,7 @@ import inspect
 import torch
 
 from helpers.common import real_config
-from helpers.nunchaku_cpu import build_svdq_linear, import_nunchaku
+from helpers.nunchaku_cpu import build_awq_linear, build_svdq_linear, import_nunchaku
 
 CLASSES = {
     "z-image": ("transformer_zimage", "NunchakuZImageTransformer2DModel"),
@@ -186,9 +186,26 @@ def _flux_single_pairs(float_model) -> dict[str, torch.Tensor]:
     return out
 
 
+def interleave_rows(t: torch.Tensor, chunks: int) -> torch.Tensor:
+    """A modulation weight (or bias) in Nunchaku's order: its forward reads `out.view(-1, chunks)`, so live
+    row d·chunks + c holds diffusers' row c·dim + d."""
+    return t.reshape(chunks, t.shape[0] // chunks, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _flux_modulation(float_model) -> dict[str, tuple[torch.nn.Linear, int]]:
+    out = {}
+    for i, block in enumerate(float_model.transformer_blocks):
+        out[f"transformer_blocks.{i}.norm1.linear"] = (block.norm1.linear, 6)
+        out[f"transformer_blocks.{i}.norm1_context.linear"] = (block.norm1_context.linear, 6)
+    for i, block in enumerate(float_model.single_transformer_blocks):
+        out[f"single_transformer_blocks.{i}.norm.linear"] = (block.norm.linear, 3)
+    return out
+
+
 def tiny_nunchaku_flux(float_model, rank: int = RANK):
     """Nunchaku's Flux v2 holding `float_model`'s single-block weights (its SVDQW4A4Linear layers there
-    quantised from them; the double block's and the AWQ modulation left as `_patch_model` makes them)."""
+    quantised from them) and modulation (each AWQW4A16Linear quantised from the float weight and bias in
+    Nunchaku's interleaved row order); the double block's SVDQW4A4Linear left as `_patch_model` makes them."""
     cls = nunchaku_class("flux")
     model = cls(**{k: v for k, v in dict(float_model.config).items() if not k.startswith("_")})
     model.load_state_dict(float_model.state_dict())
@@ -197,6 +214,10 @@ def tiny_nunchaku_flux(float_model, rank: int = RANK):
         parent, _, name = path.rpartition(".")
         layer = build_svdq_linear(weight.detach().float().contiguous(), rank=rank)
         model.get_submodule(parent).register_module(name, layer)
+    for path, (linear, chunks) in _flux_modulation(float_model).items():
+        parent, _, name = path.rpartition(".")
+        weight, bias = (interleave_rows(t.detach().float(), chunks) for t in (linear.weight, linear.bias))
+        model.get_submodule(parent).register_module(name, build_awq_linear(weight, bias))
     return model.eval()
 
 

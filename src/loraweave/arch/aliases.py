@@ -14,6 +14,7 @@ from .spec import (
     apply_renames,
     expand_alias,
     expand_column_split,
+    expand_interleaved_rows,
     expand_param_alias,
     expand_unmapped,
     expand_variant_only,
@@ -173,6 +174,12 @@ class AliasTable:
         self.absent = _absent_names(module, every, self.exact)
         self.unmapped = _unmapped_names(tables, every)
         self.column_splits = _column_split_names(tables, every)
+        self.interleaved = {
+            k: v
+            for t in tables
+            for e in t.interleaved_rows
+            for k, v in expand_interleaved_rows(e, every).items()
+        }
         self._positional: dict[tuple[str, ...], list[str]] = {}
 
     def param(self, path: str) -> tuple[str, bool] | None:
@@ -200,6 +207,10 @@ class AliasTable:
         """The live modules and input columns of a layer the runtime splits by columns; None when `path` is
         no such layer."""
         return self.column_splits.get(path) or self.column_splits.get(underscore_form(path))
+
+    def row_chunks(self, module: str) -> int | None:
+        """How many output chunks the runtime interleaves per unit in live `module`; None when it does not."""
+        return self.interleaved.get(module)
 
     def variant_input(self, module: str, width: int | None) -> str | None:
         """Why an adapter trained on `width` input columns of `module` belongs to a sibling variant; None if

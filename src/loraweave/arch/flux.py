@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from .encoders import CLIP_L, T5_XXL
 from .record import Architecture, BlockMap, ComfyFacets, Layouts, Release, Skeleton
-from .spec import Alias, ArchTable, ColumnSplit, ModelInput, Rows, Unmapped, VariantInput, VariantOnly
+from .spec import (
+    Alias,
+    ArchTable,
+    ColumnSplit,
+    InterleavedRows,
+    ModelInput,
+    Rows,
+    VariantInput,
+    VariantOnly,
+)
 
 _D = "transformer_blocks.{i}"
 _S = "single_transformer_blocks.{i}"
@@ -95,11 +104,10 @@ def _thirds(fused: str, parts: tuple[str, ...]) -> tuple[Alias, ...]:
 
 
 # Nunchaku's modulation (AWQ W4A16) stores the six (or three) chunks interleaved per hidden unit: its forward
-# reads row d * 6 + c where diffusers reads c * dim + d. A row permutation is no row range: refused.
-NUNCHAKU_MODULATION = (
-    "Nunchaku interleaves this modulation layer's shift/scale/gate rows per hidden unit; a delta in file "
-    "row order would land on the wrong rows"
-)
+# reads row d * 6 + c where diffusers reads c * dim + d. A delta lands with its rows gathered into that order.
+def nunchaku_modulation(names: tuple[str, ...], chunks: int) -> InterleavedRows:
+    return InterleavedRows(names, chunks, "AWQW4A16Linear")
+
 
 # Nunchaku's Flux.1 (transformer_flux_v2): the diffusers tree with q/k/v fused into `attn.to_qkv` (rows
 # q | k | v), the context q/k/v into `attn.add_qkv_proj`, the single block's `proj_mlp` renamed `mlp_fc1` and
@@ -123,14 +131,9 @@ NUNCHAKU_FLUX = ArchTable(
     column_splits=(
         ColumnSplit((f"{_S}.proj_out", "single_blocks.{i}.linear2"), (f"{_S}.attn.to_out", f"{_S}.mlp_fc2")),
     ),
-    unmapped=(
-        Unmapped(
-            (f"{_D}.norm1.linear", f"{_D}.norm1_context.linear"),
-            f"{_D}.norm1.linear",
-            NUNCHAKU_MODULATION,
-            "AWQW4A16Linear",
-        ),
-        Unmapped((f"{_S}.norm.linear",), f"{_S}.norm.linear", NUNCHAKU_MODULATION, "AWQW4A16Linear"),
+    interleaved_rows=(
+        nunchaku_modulation((f"{_D}.norm1.linear", f"{_D}.norm1_context.linear"), 6),
+        nunchaku_modulation((f"{_S}.norm.linear",), 3),
     ),
 )
 

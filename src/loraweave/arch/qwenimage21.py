@@ -9,9 +9,9 @@ ComfyUI fuses the SwiGLU gate and up projections into one `img_mlp.gate_up`, gat
 
 from __future__ import annotations
 
-from .flux import NUNCHAKU_MODULATION
+from .flux import nunchaku_modulation
 from .record import Architecture, BlockMap, ComfyFacets, Layouts, Skeleton
-from .spec import Alias, ArchTable, Rows, Unmapped
+from .spec import Alias, ArchTable, Rows
 
 _MLP = "transformer_blocks.{i}.img_mlp"
 
@@ -68,7 +68,7 @@ def _thirds(fused: str, parts: tuple[str, ...]) -> tuple[Alias, ...]:
 # Qwen-Image keeps diffusers' names. Nunchaku's (SVDQuant W4A4) fuses q/k/v into `attn.to_qkv` and the text
 # stream's into `attn.add_qkv_proj` (rows q | k | v; diffusers' own `fuse_qkv_projections` gives the same
 # rows) and holds the modulation `img_mod.1` / `txt_mod.1` in AWQ W4A16 with its rows interleaved per hidden
-# unit (refused there, see NUNCHAKU_MODULATION).
+# unit (a delta lands with its rows gathered into that order, see flux.nunchaku_modulation).
 QWEN_IMAGE_TABLE = ArchTable(
     name="qwen-image",
     classes=("QwenImageTransformer2DModel", "NunchakuQwenImageTransformer2DModel"),
@@ -77,11 +77,7 @@ QWEN_IMAGE_TABLE = ArchTable(
         *_thirds("to_qkv", ("to_q", "to_k", "to_v")),
         *_thirds("add_qkv_proj", ("add_q_proj", "add_k_proj", "add_v_proj")),
     ),
-    unmapped=(
-        Unmapped(
-            (f"{_B}.img_mod.1", f"{_B}.txt_mod.1"), f"{_B}.img_mod.1", NUNCHAKU_MODULATION, "AWQW4A16Linear"
-        ),
-    ),
+    interleaved_rows=(nunchaku_modulation((f"{_B}.img_mod.1", f"{_B}.txt_mod.1"), 6),),
 )
 
 # Qwen-Image: diffusers names; its attention names are Flux's, 60 double-stream blocks deep (no single

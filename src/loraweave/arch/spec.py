@@ -92,6 +92,19 @@ class Columns:
 
 
 @dataclass(frozen=True)
+class InterleavedRows:
+    """Live modules a runtime stores with their `chunks` equal output chunks interleaved per unit: live row
+    d·chunks + c holds the original's row c·dim + d (Nunchaku's AWQ modulation: its forward reads
+    `view(-1, chunks)`). A delta in the original order lands with its rows gathered into the live order.
+
+    `anchor_class`: only where the module is of this class (the runtime's own layer)."""
+
+    names: tuple[str, ...]  # live module patterns with `{i}`
+    chunks: int
+    anchor_class: str
+
+
+@dataclass(frozen=True)
 class VariantInput:
     """An input width only a sibling variant's `module` has (Flux Fill's `x_embedder` takes 384 channels).
 
@@ -165,6 +178,8 @@ class ArchTable:
     unmapped: tuple[Unmapped, ...] = ()
     # Original layers a runtime splits by input columns over several live modules.
     column_splits: tuple[ColumnSplit, ...] = ()
+    # Live modules whose output chunks a runtime interleaves per unit.
+    interleaved_rows: tuple[InterleavedRows, ...] = ()
     # Original names of bare parameters (modulation tables): full-difference keys can patch them.
     parameters: tuple[ParamAlias, ...] = ()
     # Original names that differ from the live ones by the converter's substring renames, in its order:
@@ -300,6 +315,16 @@ def expand_column_split(
         columns = tuple(Columns(p, s, w[1]) for p, s, w in zip(paths, starts, widths, strict=True))  # type: ignore[index]
         out.update({src.replace("{i}", i) if i is not None else src: columns for src in split.sources})
     return out
+
+
+def expand_interleaved_rows(entry: InterleavedRows, modules: dict[str, torch.nn.Module]) -> dict[str, int]:
+    """{live module: chunks} for every module `entry` names that is of its class."""
+    patterns = [_pattern_regex(n) for n in entry.names]
+    return {
+        name: entry.chunks
+        for name, module in modules.items()
+        if type(module).__name__ == entry.anchor_class and any(p.match(name) for p in patterns)
+    }
 
 
 def expand_variant_only(entry: VariantOnly, modules: dict[str, torch.nn.Module]) -> dict[str, str]:

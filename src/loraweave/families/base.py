@@ -168,6 +168,13 @@ class TakeColumns(Protocol):
     def __call__(self, f: Factors, start: int, width: int, bias: bool, /) -> Factors | None: ...
 
 
+class GatherRows(Protocol):
+    """The factors of ΔW's rows in the order `index` lists them (row n of the result is row index[n]); None
+    when the family's rows do not reorder on their own."""
+
+    def __call__(self, f: Factors, index: torch.Tensor, /) -> Factors | None: ...
+
+
 class DeltaBound(Protocol):
     def __call__(self, f: Factors, src: int, length: int, /) -> float | None: ...
 
@@ -193,6 +200,10 @@ def _no_widening(f: Factors, shape: Shape) -> None:
 
 
 def _no_columns(f: Factors, start: int, width: int, bias: bool) -> None:
+    return None
+
+
+def _no_gather(f: Factors, index: torch.Tensor) -> None:
     return None
 
 
@@ -233,7 +244,8 @@ class Family:
       keys).
     - roles: every role a part may hold (None: load checks); uses_alpha_scale=False: alpha is not alpha/rank
       (the raw `alpha` tensor goes to load). input_width(f) / widen_input(f, shape): control-adapter growth.
-      take_columns(f, start, width, bias): ΔW's input columns alone (a runtime's column-split layer).
+      take_columns(f, start, width, bias): ΔW's input columns alone (a runtime's column-split layer);
+      gather_rows(f, index): ΔW's rows reordered (a runtime's interleaved layer).
     - delta_bound(f, src, length) -> float | None: an upper bound on max |ΔW| (coeff 1) over rows
       [src, src+length), inf/nan for non-finite factors; None where the family declares none. A merge whose
       bound leaves no room to overflow skips its finite check and, with undo="none", its record.
@@ -259,6 +271,7 @@ class Family:
     input_width: InputWidth = _no_width
     widen_input: WidenInput = _no_widening
     take_columns: TakeColumns = _no_columns
+    gather_rows: GatherRows = _no_gather
     runtime_refusal: RuntimeRefusal = _runtime_ok
     delta_bound: DeltaBound = _unbounded
     set_delta: DeltaAdder | None = None

@@ -44,6 +44,12 @@ def take_columns(f: FullFactors, start: int, width: int, bias: bool) -> FullFact
     return FullFactors(f.diff[:, start : start + width], f.diff_b if bias else None)
 
 
+def gather_rows(f: FullFactors, index: torch.Tensor) -> FullFactors:
+    return FullFactors(
+        None if f.diff is None else f.diff[index], None if f.diff_b is None else f.diff_b[index]
+    )
+
+
 def input_width(f: FullFactors) -> int | None:
     return f.diff.shape[1] if f.diff is not None and f.diff.dim() == 2 else None
 
@@ -78,4 +84,5 @@ SPEC = Family(
     roles=("diff", "diff_b"),
     input_width=input_width,
     take_columns=take_columns,
+    gather_rows=gather_rows,
 )

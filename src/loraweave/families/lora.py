@@ -89,6 +89,11 @@ def take_columns(f: LoraFactors, start: int, width: int, bias: bool) -> LoraFact
     return replace(f, down=f.down[:, start : start + width], up_bias=f.up_bias if bias else None)
 
 
+def gather_rows(f: LoraFactors, index: torch.Tensor) -> LoraFactors:
+    """(up[index], down): the rows of up @ down in `index` order, exactly."""
+    return replace(f, up=f.up[index], up_bias=None if f.up_bias is None else f.up_bias[index])
+
+
 def input_width(f: LoraFactors) -> int | None:
     """Input columns the adapter was trained on (Linear only): a control LoRA may need the module grown to
     it."""
@@ -155,6 +160,7 @@ SPEC = Family(
     input_width=input_width,
     widen_input=widen_input,
     take_columns=take_columns,
+    gather_rows=gather_rows,
     delta_bound=delta_bound,
     set_delta=set_delta,
 )

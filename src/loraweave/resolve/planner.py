@@ -368,6 +368,7 @@ def _plan_part(
     finite = getattr(adapter.source, "finite_keys", lambda: None)()  # proven in bulk by the source, or None
     with KnownFinite(tensors[r] for r, k in part.roles.items() if finite is not None and k in finite):
         factors = _load_factors(adapter, part, family, tensors)
+    factors = _interleave_rows(family, factors, found, table, where)
     fitting = _Fitting(family, table, comp_name, where, _reshape_target(adapter, part))
     # First: a family may settle its layout from the module shape (GLoRA naming, IA3 side).
     for piece in found:
@@ -389,6 +390,29 @@ def _plan_part(
             fitting.grow,
         ),
     )
+
+
+def _interleave_rows(
+    family: Family, factors: Factors, found: tuple[Piece, ...], table: AliasTable, where: str
+) -> Factors:
+    """The factors with their rows gathered into a runtime's interleaved order (Nunchaku's modulation: live
+    row d·chunks + c holds the file's row c·dim + d); as they are where no piece lands on such a module."""
+    chunks = next((c for p in found if (c := table.row_chunks(p.module))), None)
+    if chunks is None:
+        return factors
+    module, rows = found[0].module, factors.rows
+    why = f"the runtime interleaves {module}'s {chunks} output chunks per unit"
+    if len(found) != 1 or not found[0].whole or rows is None or rows % chunks:
+        raise PartRejected("unsupported", f"unsupported layout: {where} ({why}; the delta covers other rows)")
+    index = torch.arange(rows).view(chunks, rows // chunks).T.reshape(-1)
+    gathered = family.gather_rows(factors, index)
+    if gathered is None:
+        raise PartRejected(
+            "unsupported",
+            f"unsupported layout: {where} ({why}; a {family.name} delta's rows do not reorder on their own: "
+            "only LoRA and full diffs do)",
+        )
+    return gathered
 
 
 def _plan_columns(
