@@ -29,7 +29,7 @@ NAMES = [a.name for a in RECORDS]
 
 def _table_names(arch) -> list[str]:
     """Underscore forms of every name the record's tables map (original sources and live targets) or refuse
-    (unmapped), block 0."""
+    (unmapped), split by columns or interleave, block 0."""
     out = []
     for table in arch.tables:
         for alias in (*table.aliases, *table.runtime_fusions):
@@ -37,6 +37,12 @@ def _table_names(arch) -> list[str]:
             out += [underscore_form(n.replace("{i}", "0")) for n in (alias.source, *targets)]
         out += [underscore_form(p.source.replace("{i}", "0")) for p in table.parameters]
         out += [underscore_form(n.replace("{i}", "0")) for u in table.unmapped for n in (*u.names, u.anchor)]
+        out += [
+            underscore_form(n.replace("{i}", "0"))
+            for c in table.column_splits
+            for n in (*c.sources, *c.targets)
+        ]
+        out += [underscore_form(n.replace("{i}", "0")) for e in table.interleaved_rows for n in e.names]
     return out
 
 
