@@ -308,11 +308,12 @@ def expand_column_split(
             continue
         i = m["i"] if "i" in anchor.groupindex else None
         paths = [t.replace("{i}", i) if i is not None else t for t in split.targets]
-        widths = [module_shape(modules[p]) if p in modules else None for p in paths]
-        if any(w is None or len(w) != 2 for w in widths):
+        shapes = [module_shape(modules[p]) if p in modules else None for p in paths]
+        if any(w is None or len(w) != 2 for w in shapes):
             continue
-        starts = [sum(w[1] for w in widths[:n]) for n in range(len(widths))]  # type: ignore[index]
-        columns = tuple(Columns(p, s, w[1]) for p, s, w in zip(paths, starts, widths, strict=True))  # type: ignore[index]
+        widths = [int(w[1]) for w in shapes if w is not None]  # each target's input columns
+        starts = [sum(widths[:n]) for n in range(len(widths))]
+        columns = tuple(Columns(p, s, w) for p, s, w in zip(paths, starts, widths, strict=True))
         out.update({src.replace("{i}", i) if i is not None else src: columns for src in split.sources})
     return out
 
