@@ -94,7 +94,9 @@ class ComfyKitchenBackend(QuantBackend):
         return bits_of(layout) if layout is not None else 8
 
     def logical_shape(self, module: torch.nn.Module) -> tuple[int, ...] | None:
-        return tuple(module.weight.shape)  # the tensor reports its original (unpadded) shape
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        return tuple(weight.shape)  # the tensor reports its original (unpadded) shape
 
     def grid_step(self, module: torch.nn.Module) -> float:
         w = self.dequantize(module)
