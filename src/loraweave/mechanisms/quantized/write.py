@@ -248,12 +248,10 @@ class QuantWrite:
 
     def write(self) -> None:
         """(Re)write from the original tensors, so strength changes never compound requantization error."""
-        if self.mechanism != "factor":
-            return self._write()
         # A factor write is element-wise work on rank x width tensors (no reduction: the same bits on any
         # thread count); OpenMP's fork/join costs more than a second thread saves, and stalls on a busy core.
-        with recorded_threads(1):
-            return self._write()
+        with recorded_threads(1 if self.mechanism == "factor" else torch.get_num_threads()):
+            self._write()
 
     def _write(self) -> None:
         if self._undo is not None and self._rescaled():
