@@ -340,3 +340,53 @@ def test_nvfp4_layers_take_the_branch_but_not_hosting():
     assert row.mechanism == "runtime" and "nvfp4" in row.why, row
     handle.remove()
     nc.assert_storage(root, before)
+
+
+def test_a_switch_refills_the_joined_branch_in_place():
+    """handle.switch between plain LoRAs: a layer whose padded rank stays the same keeps its joined tensors
+    and only the appended tiles are rewritten; a wider rank allocates. Either way the packed pair equals a
+    fresh apply of the new set (and nunchaku's packer of the concatenation); removal is bit-exact."""
+    model = nc.tiny_model()
+    x = _x()
+    base = _outputs(model, x)
+    before = nc.storage(model)
+    packer = nc.packer()
+    files = {
+        "A": _lora(LAYERS, seed=21)[0],
+        "B": _lora(LAYERS, seed=22)[0],
+        "C": _lora(LAYERS, seed=23, rank=20)[0],  # bucket 32: two rank tiles instead of one
+        "D": _lora({"a": LAYERS["a"]}, seed=24)[0],  # layer b is not written by D
+    }
+    handle = loraweave.apply(model, loraweave.AdapterSpec(files["A"], name="A"), mode="auto", strict=True)
+    joined = {n: (model.get_submodule(n).proj_down, model.get_submodule(n).proj_up) for n in LAYERS}
+    steps = [  # (set, {layer: its joined tensors refilled in place}); None: the layer is not written
+        ("B", {"a": True, "b": True}),
+        ("C", {"a": False, "b": False}),  # wider: allocated
+        ("B", {"a": False, "b": False}),  # narrower: allocated
+        ("D", {"a": True, "b": None}),
+        ("B", {"a": True, "b": False}),  # b's spare was released at the end of the switch to D
+    ]
+    for name, in_place in steps:
+        handle.switch(loraweave.AdapterSpec(files[name], name=name))
+        fresh = nc.tiny_model()
+        loraweave.apply(fresh, loraweave.AdapterSpec(files[name], name=name), mode="auto", strict=True)
+        for layer_name in LAYERS:
+            layer, ref = model.get_submodule(layer_name), fresh.get_submodule(layer_name)
+            assert layer.rank == ref.rank, (name, layer_name)
+            assert torch.equal(layer.proj_down, ref.proj_down) and torch.equal(layer.proj_up, ref.proj_up)
+            if in_place[layer_name] is None:  # its original tensors
+                assert layer.proj_up is before[f"{layer_name}.proj_up"][0] and layer.rank == 32
+                continue
+            pair = (layer.proj_down, layer.proj_up)
+            same = all(now is was for now, was in zip(pair, joined[layer_name], strict=True))
+            assert same == in_place[layer_name], (name, layer_name)
+            joined[layer_name] = pair
+            down = nc.unpack_lowrank(layer.proj_down.detach(), down=True)
+            up = nc.unpack_lowrank(layer.proj_up.detach(), down=False)
+            assert torch.equal(layer.proj_down, packer.pack_lowrank_weight(down, down=True))
+            assert torch.equal(layer.proj_up, packer.pack_lowrank_weight(up, down=False))
+        assert _outputs(model, x).keys() == base.keys()
+    handle.remove()
+    nc.assert_storage(model, before)
+    after = _outputs(model, x)
+    assert all(torch.equal(after[n], base[n]) for n in base)

@@ -28,7 +28,7 @@ from ..mechanisms.merge.layer import MergedModule
 from ..mechanisms.merge.undo import reused_buffers
 from ..mechanisms.runtime.path import RuntimePath
 from ..modes import ApplyMode, StackMode
-from ..quant import backend_for
+from ..quant import backend_for, reused_branches
 from ..report.coverage import warn_incomplete
 from ..report.miss import Unmatched
 from ..report.report import AppliedModule, Report
@@ -225,14 +225,15 @@ def _must_start_over(state: HandleState, new: NewSet) -> bool:
 
 def _start_over(state: HandleState, new: NewSet) -> None:
     """Undo everything, then install the new set into the same journal (it is empty in between)."""
-    state.journal.undo()
-    state.detached.clear()
-    try:
-        with state.journal.transaction():
-            applied = install(state.journal, new.plan, new.work, new.mode, new.options)
-    except BaseException:
-        state.active = False
-        raise
+    with reused_branches():  # a layer written before and after refills its joined side channel in place
+        state.journal.undo()
+        state.detached.clear()
+        try:
+            with state.journal.transaction():
+                applied = install(state.journal, new.plan, new.work, new.mode, new.options)
+        except BaseException:
+            state.active = False
+            raise
     _commit(
         state, new, new.report(applied), {"kept": 0, "reattached": 0, "rebuilt": len(applied), "dropped": 0}
     )

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from .backend import Capabilities, QuantBackend, Restore
+from .backend import Capabilities, QuantBackend, Restore, reused_branches
 
 log = logging.getLogger("loraweave")
 
@@ -66,4 +66,13 @@ def unavailable() -> dict[str, str]:
     return out
 
 
-__all__ = ["BACKENDS", "Capabilities", "QuantBackend", "Restore", "backend_for", "broken", "unavailable"]
+__all__ = [
+    "BACKENDS",
+    "Capabilities",
+    "QuantBackend",
+    "Restore",
+    "backend_for",
+    "broken",
+    "reused_branches",
+    "unavailable",
+]

@@ -6,12 +6,32 @@ A backend module defines one `QuantBackend` subclass instance named BACKEND. The
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 Restore = Callable[[], None]  # undoes a write bit-exactly (original tensors / class put back)
+_SPARES: ContextVar[dict[int, object] | None] = ContextVar("loraweave_spare_branches", default=None)
+
+
+@contextmanager
+def reused_branches() -> Iterator[None]:
+    """Within (a switch that undoes every write, then installs the new set): an undone factor write may leave
+    its joined side-channel tensors for the next write on the same layer, which then rewrites only the
+    appended part in place; whatever is left is released on exit (nothing outlives the switch)."""
+    token = _SPARES.set({})
+    try:
+        yield
+    finally:
+        _SPARES.reset(token)
+
+
+def spare_branches() -> dict[int, object] | None:
+    """The pool of `reused_branches` (id(module) -> a backend's own record), or None outside it."""
+    return _SPARES.get()
 
 
 class FactorSlot:

@@ -20,6 +20,7 @@ from ...quant.backend import FactorSlot, QuantBackend, Restore
 from ...resolve.planner import PlannedPart
 from ...resolve.stacking import Contribution
 from ..merge.checks import needs_bias, refuse_non_finite
+from ..merge.undo import recorded_threads
 from .hosted import Truncation, truncate
 
 log = logging.getLogger("loraweave")
@@ -247,6 +248,12 @@ class QuantWrite:
 
     def write(self) -> None:
         """(Re)write from the original tensors, so strength changes never compound requantization error."""
+        # A factor write is element-wise work on rank x width tensors (no reduction: the same bits on any
+        # thread count); OpenMP's fork/join costs more than a second thread saves, and stalls on a busy core.
+        with recorded_threads(1 if self.mechanism == "factor" else torch.get_num_threads()):
+            self._write()
+
+    def _write(self) -> None:
         if self._undo is not None and self._rescaled():
             return
         if self._undo is not None:
