@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -27,6 +27,26 @@ from .backend import Capabilities, FactorSlot, QuantBackend, spare_branches
 TILE = 16  # the low-rank pair's fragment (16 x 16)
 WARP_N = 128  # output channels per warp: qweight tiles and the scale layout
 _QWEIGHT_ORDER = (0, 5, 6, 1, 3, 8, 2, 7, 4, 9)  # packed dims: (n/128, k/64, 1, 8, 8, 4, 2, 2, 1, 8 nibbles)
+
+
+class NunchakuLayer(Protocol):
+    """What the backend reads and writes of Nunchaku's layers (third-party, untyped classes)."""
+
+    in_features: int
+    out_features: int
+    group_size: int
+    rank: int
+    proj_down: torch.Tensor
+    proj_up: torch.Tensor
+    qweight: torch.Tensor
+    wscales: torch.Tensor
+    wzeros: torch.Tensor
+    smooth_factor: torch.Tensor
+
+
+def layer_of(module: torch.nn.Module) -> NunchakuLayer:
+    """`module` read as the Nunchaku layer it is (is_svdq / is_awq checked by the caller)."""
+    return cast(NunchakuLayer, module)
 
 
 def _class_named(module: torch.nn.Module, name: str) -> bool:
@@ -162,8 +182,8 @@ class _Spare:
         joined_down, joined_up = self.joined
         return (
             self.module is module
-            and module.proj_down is base_down
-            and module.proj_up is base_up
+            and layer_of(module).proj_down is base_down
+            and layer_of(module).proj_up is base_up
             and self.versions == self.versions_of(base_down, base_up, joined_down, joined_up)
             and joined_down.shape[1] == base_down.shape[1] + down.shape[0]
             and joined_up.shape[1] == base_up.shape[1] + up.shape[1]
@@ -195,13 +215,13 @@ class AppendedRank(FactorSlot):
             joined_up = append_rank(old_up.detach(), up, down=False)
             new_down = torch.nn.Parameter(joined_down, requires_grad=old_down.requires_grad)
             new_up = torch.nn.Parameter(joined_up, requires_grad=old_up.requires_grad)
-        self.module.proj_down, self.module.proj_up = new_down, new_up
+        layer_of(self.module).proj_down, layer_of(self.module).proj_up = new_down, new_up
         self.installed = (new_down, new_up)
         if isinstance(self.saved_rank, int):
-            self.module.rank = new_up.shape[1]
+            layer_of(self.module).rank = new_up.shape[1]
 
     def rescale(self, up: torch.Tensor) -> bool:
-        if self.installed is None or self.module.proj_up is not self.installed[1]:
+        if self.installed is None or layer_of(self.module).proj_up is not self.installed[1]:
             return False  # someone replaced the tensors since: the caller rewrites from the originals
         current = self.installed[1]
         width = current.shape[1] - self.base_rank
@@ -215,14 +235,14 @@ class AppendedRank(FactorSlot):
 
     def __call__(self) -> None:
         installed, pool = self.installed, spare_branches()
-        if pool is not None and installed is not None and self.module.proj_up is installed[1]:
+        if pool is not None and installed is not None and layer_of(self.module).proj_up is installed[1]:
             originals = (self.saved["proj_down"], self.saved["proj_up"])
             versions = _Spare.versions_of(*originals, *installed)
             pool[id(self.module)] = _Spare(self.module, originals, installed, versions)
         for name, value in self.saved.items():
             setattr(self.module, name, value)
         if isinstance(self.saved_rank, int):
-            self.module.rank = self.saved_rank
+            layer_of(self.module).rank = self.saved_rank
         self.installed = None
 
 
@@ -256,7 +276,7 @@ class NunchakuBackend(QuantBackend):
         return 4
 
     def logical_shape(self, module: torch.nn.Module) -> tuple[int, ...] | None:
-        return (int(module.out_features), int(module.in_features))
+        return (int(layer_of(module).out_features), int(layer_of(module).in_features))
 
     def has_checkpoint_svd(self, module: torch.nn.Module) -> bool:
         return is_svdq(module)
@@ -267,7 +287,7 @@ class NunchakuBackend(QuantBackend):
             return "no integer in_features/out_features"
         if is_awq(module):
             return None
-        down, up = module.proj_down, module.proj_up
+        down, up = layer_of(module).proj_down, layer_of(module).proj_up
         if down.dim() != 2 or up.dim() != 2:
             return f"proj_down {tuple(down.shape)} / proj_up {tuple(up.shape)} are not matrices"
         if down.shape[1] != up.shape[1]:
@@ -290,36 +310,38 @@ class NunchakuBackend(QuantBackend):
         bias = getattr(module, "bias", None)
         if not isinstance(bias, torch.Tensor) or not is_svdq(module):
             return super().logical_bias(module)
-        return unpack_channel_scales(bias.detach(), int(module.out_features))
+        return unpack_channel_scales(bias.detach(), int(layer_of(module).out_features))
 
     def grid_step(self, module: torch.nn.Module) -> float:
+        lay = layer_of(module)
         if is_awq(module):
-            return float(module.wscales.detach().float().abs().mean())
-        scales = unpack_channel_scales(module.wscales.detach(), int(module.out_features)).float()
-        smooth = unpack_channel_scales(module.smooth_factor.detach(), int(module.in_features)).float()
-        group = int(module.in_features) // scales.shape[1]
+            return float(lay.wscales.detach().float().abs().mean())
+        scales = unpack_channel_scales(lay.wscales.detach(), int(lay.out_features)).float()
+        smooth = unpack_channel_scales(lay.smooth_factor.detach(), int(lay.in_features)).float()
+        group = int(lay.in_features) // scales.shape[1]
         return float((scales.repeat_interleave(group, dim=1) / smooth).abs().mean())
 
     def dequantize(self, module: torch.nn.Module) -> torch.Tensor:
-        out, inp = int(module.out_features), int(module.in_features)
+        lay = layer_of(module)
+        out, inp = int(lay.out_features), int(lay.in_features)
         with torch.no_grad():
             if is_awq(module):
-                group = int(module.group_size)
-                scale = module.wscales.detach()[: inp // group].T.float().repeat_interleave(group, dim=1)
-                zero = module.wzeros.detach()[: inp // group].T.float().repeat_interleave(group, dim=1)
-                return unpack_awq(module.qweight.detach(), out, inp).float() * scale + zero
+                group = int(lay.group_size)
+                scale = lay.wscales.detach()[: inp // group].T.float().repeat_interleave(group, dim=1)
+                zero = lay.wzeros.detach()[: inp // group].T.float().repeat_interleave(group, dim=1)
+                return unpack_awq(lay.qweight.detach(), out, inp).float() * scale + zero
             if not self.capabilities(module).dequantize:
                 raise NotImplementedError(self.capabilities(module).reason)
-            scales = unpack_channel_scales(module.wscales.detach(), out).float()
-            smooth = unpack_channel_scales(module.smooth_factor.detach(), inp).float()
+            scales = unpack_channel_scales(lay.wscales.detach(), out).float()
+            smooth = unpack_channel_scales(lay.smooth_factor.detach(), inp).float()
             group = inp // scales.shape[1]
-            residual = unpack_qweight(module.qweight.detach()).float() * scales.repeat_interleave(group, 1)
-            down = unpack_lowrank(module.proj_down.detach(), down=True).float()
-            up = unpack_lowrank(module.proj_up.detach(), down=False).float()
+            residual = unpack_qweight(lay.qweight.detach()).float() * scales.repeat_interleave(group, 1)
+            down = unpack_lowrank(lay.proj_down.detach(), down=True).float()
+            up = unpack_lowrank(lay.proj_up.detach(), down=False).float()
             return residual / smooth + up @ down
 
     def append_factors(self, module: torch.nn.Module, down: torch.Tensor, up: torch.Tensor) -> FactorSlot:
-        proj_up = module.proj_up
+        proj_up = layer_of(module).proj_up
         slot = AppendedRank(module, int(proj_up.shape[1]))
         with torch.no_grad():  # cast to the branch's dtype as they are packed into place
             down = _padded_rank(down.detach().to(proj_up.device), 0)
