@@ -84,7 +84,10 @@ def note_rows(rows: list[AppliedModule], plan: Plan, patcher=None) -> None:
         root = plan.components.modules.get(row.component)
         if root is None:
             continue
-        module = root.get_submodule(row.module)
+        try:
+            module = root.get_submodule(row.module)
+        except AttributeError:  # a parameter patch's row names a parameter (scale_shift_table), not a layer
+            continue
         if not is_ggml(module):
             continue
         row.backend = BACKEND.name
