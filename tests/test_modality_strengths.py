@@ -99,7 +99,7 @@ def test_audio_0_video_1_equals_the_video_keys_alone(arch):
         assert torch.equal(model.state_dict()[key], value), key
     # the report says which modules were scaled by what
     notes = {row.module: row.notes for row in handle.report.applied}
-    for stem, live in stems.items():
+    for live in stems.values():
         want = f"modality {modality_of(live)} x{ {'video': 1, 'audio': 0, 'cross': 0}[modality_of(live)] }"
         assert want in notes[live], (live, notes[live])
 
@@ -159,3 +159,26 @@ def test_prompt_tag_takes_modality_strengths(tmp_path):
     for bad in ("audio=nan", "audio=x", "video=1e9", "audio=1:audio=2"):
         with pytest.raises(PromptAdapterError, match="audio=|video="):
             parse_prompt(f"<lora:av:1:{bad}>", tmp_path)
+
+
+def test_cli_modality_option_and_generate_requests(tmp_path):
+    import argparse
+
+    from loraweave.cli.support import modality_arg
+    from loraweave.tools.generate import GenerateRequest, adapter_specs
+
+    assert modality_arg("Audio=0") == ("audio", 0.0)
+    for bad in ("speech=1", "audio", "audio=nan", "audio=inf", "video=1e9", "cross=x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--modality"):
+            modality_arg(bad)
+    for name in ("av", "own"):
+        (tmp_path / f"{name}.safetensors").write_bytes(b"")
+    req = GenerateRequest(
+        model="m",
+        prompt="<lora:av:1> <lora:own:1:audio=0.5>",
+        lora_dir=str(tmp_path),
+        loras=[(str(tmp_path / "av.safetensors"), 0.7)],
+        modality_strengths={"audio": 0.0},
+    )
+    _, specs = adapter_specs(req)
+    assert [s.modality_strengths for s in specs] == [{"audio": 0.0}, {"audio": 0.5}, {"audio": 0.0}]
