@@ -42,12 +42,14 @@ LTX2_CONNECTORS = ArchTable(
     renames=(("aggregate_embed", "text_proj_in"),),
 )
 
-# The two towers of LTX2VideoTransformer3DModel and the text connectors (`connectors`), by live name: the
-# audio<->video cross-attention and its modulation are cross-modal, `audio_*` is the audio tower, the rest
-# (the video tower, its time and caption embeddings) video; the connectors' shared `text_proj_in` feeds both.
+# The two towers of LTX2VideoTransformer3DModel and the text connectors (`connectors`), by diffusers' and
+# the original (ComfyUI's) names: the audio<->video cross-attention and its modulation are cross-modal,
+# `audio_*` is the audio tower, the rest (the video tower, its time and caption embeddings) video; the
+# connectors' shared `text_proj_in` feeds both.
 LTX2_MODALITIES = Modalities(
     rules=(
         ("cross", r"\.(audio_to_video_attn|video_to_audio_attn)\.|\.av_cross_attn_|_[av]2[av]_cross_attn_"),
+        ("cross", r"\.av_ca_|_a2v_ca_"),
         ("cross", r"^\.text_proj_in$"),
         ("audio", r"\.audio_"),
     ),

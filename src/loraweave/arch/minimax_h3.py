@@ -65,7 +65,10 @@ MINIMAX_H3 = ArchTable(
 # One joint stream: every block attends over the packed video, text and audio rows (diffusers: "no
 # per-modality block weights"), so only the patch projections and output heads belong to one modality.
 MINIMAX_H3_MODALITIES = Modalities(
-    rules=(("audio", r"^\.audio_proj_(in|out)$"), ("video", r"^\.proj_(in|out)$")),
+    rules=(
+        ("audio", r"^\.(audio_proj_(in|out)|audio_patch_proj|final_layer\.audio_out)$"),
+        ("video", r"^\.(proj_(in|out)|video_patch_proj|final_layer\.video_out)$"),
+    ),
     default="cross",
 )
 

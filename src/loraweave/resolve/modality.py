@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 
 from ..arch.record import MODALITIES, Modalities
-from ..arch.registry import of_class
+from ..arch.registry import by_name, of_class
 from ..arguments import strength as check_strength
 from ..errors import ArgumentError
 
@@ -26,6 +26,17 @@ def check_modality_strengths(value: object, label: str) -> dict[str, float] | No
             raise ArgumentError(f"{label}: unknown modality {name!r}; known: {', '.join(MODALITIES)}")
         out[name] = check_strength(scale, f"{label}[{name!r}]")
     return out
+
+
+def modality_request(
+    video: float, audio: float, cross: float, label: str = "{}_strength"
+) -> dict[str, float] | None:
+    """The modality strengths of a face that always holds all three (ComfyUI's widgets, each named
+    `label.format(modality)` in errors): None when every one is 1 (nothing asked, so a model without
+    modalities takes the file), else all three."""
+    given = {"video": video, "audio": audio, "cross": cross}
+    wanted = {m: check_strength(v, label.format(m)) for m, v in given.items()}
+    return None if all(v == 1.0 for v in wanted.values()) else wanted
 
 
 def modalities_of(denoiser: object) -> Modalities | None:
@@ -48,6 +59,18 @@ def modalities_for(denoiser: object, wanted: Mapping[str, float], label: str) ->
             "to audio-video models (LTX-2/2.3, MiniMax-H3)"
         )
     return found
+
+
+def modalities_named(arch: str | None, wanted: Mapping[str, float], label: str) -> Modalities:
+    """The facet of the architecture named `arch` (a host's model, ComfyUI's), as `modalities_for`."""
+    record = by_name().get(arch) if arch is not None else None
+    if record is None or record.modalities is None:
+        what = (record.label or record.name) if record is not None else "not one loraweave maps"
+        raise ArgumentError(
+            f"{label} {dict(wanted)!r}: the model ({what}) has no modalities; they apply to audio-video "
+            "models (LTX-2/2.3, MiniMax-H3)"
+        )
+    return record.modalities
 
 
 def modality_scale(modalities: Modalities, module: str, wanted: Mapping[str, float]) -> tuple[str, float]:

@@ -103,3 +103,18 @@ def _component_weights(plan: Plan, denoiser: str, component: str, value: Any) ->
         return {"": base}
     table = weights_for_modules(arch, names, value, chains=chains)
     return {**{k: (base if v is None else v) for k, v in table.items()}, "": base}
+
+
+def weigh_modalities(
+    parts: list[PlannedPart | PlannedParam], modalities: Modalities, wanted: dict[str, float]
+) -> None:
+    """Multiply each non-text-encoder part's strength by its modality's (for planners that set strengths
+    themselves: ComfyUI's), noting it on the part; folded into `block_weight` too, so a strength set later
+    as strength x block weight keeps it."""
+    for pp in parts:
+        if is_text_encoder(pp.component):
+            continue
+        name, scale = modality_scale(modalities, module_of(pp), wanted)
+        pp.strength *= scale
+        pp.block_weight *= scale
+        pp.notes.append(f"modality {name} x{scale:g}")
