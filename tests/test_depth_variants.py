@@ -79,6 +79,11 @@ def _weights(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _unchanged(model, before) -> bool:
+    after = model.state_dict()
+    return all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def _assert_landed(model, before, sd, where: dict[int, int]) -> None:
     """Block i of the file changed exactly block where[i] of the model; every other weight unchanged."""
     expected = dict(before)
@@ -100,14 +105,15 @@ def test_28_block_file_lands_by_the_inserted_positions_on_40(spelling):
     handle = loraweave.apply(model, sd, mode="merge", strict=True)
     assert all(KEPT_40[i] == j for i, j in SPOT.items())
     _assert_landed(model, before, sd, dict(enumerate(KEPT_40)))
+    after = model.state_dict()
     for j in INSERTED_40:  # the new blocks were never trained by this file
         for name in BLOCK_LINEARS:
             key = f"transformer_blocks.{j}.{_live(name)}.weight"
-            assert torch.equal(model.state_dict()[key], before[key])
+            assert torch.equal(after[key], before[key])
     notes = {n for row in handle.report.applied for n in row.notes}
     assert any(n.startswith("block 14 -> 20 (28-block file on a 40-block model") for n in notes)
     handle.remove()
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert _unchanged(model, before)
 
 
 def test_partial_28_block_file_is_snapped_up_to_28():
@@ -149,7 +155,7 @@ def test_unknown_positions_refuse_naming_both_depths(file_depth, model_depth):
     assert (err.value.file_depth, err.value.model_depth) == (file_depth, model_depth)
     assert f"trained on {file_depth} blocks" in str(err.value)
     assert f"the model has {model_depth}" in str(err.value)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert _unchanged(model, before)
 
 
 def test_metadata_depth_contradicting_the_keys_is_refused(tmp_path):
@@ -172,7 +178,7 @@ def test_hostile_depth_metadata_names_the_field(tmp_path, value):
     )
     with pytest.raises(AdapterMetadataError, match="base_num_blocks"):
         loraweave.apply(model, str(path), mode="merge")
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert _unchanged(model, before)
 
 
 def test_same_depth_and_other_depth_families_are_left_alone():
