@@ -89,7 +89,7 @@ def test_prompt_tags_give_the_same_strength_message(text, tmp_path):
 
 
 def test_a_path_with_a_colon_is_still_a_path(tmp_path):
-    from loraweave.tools.bake import parse_adapter_arg
+    from loraweave.arguments import parse_adapter_arg
 
     odd = tmp_path / "style:v2.safetensors"
     odd.write_bytes(b"")

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
-import numpy as np
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
+import pytest
+from safetensors.numpy import save_file as save_np
+
+import loraweave
+from loraweave.cli import main
+from loraweave.errors import WriteError
+from loraweave.tools.bake import bake
 from loraweave.tools.heatmap import _font, _vertical_label
 
 
@@ -20,9 +32,91 @@ def _dot_runs(text: str) -> int:
         elif not on and start is not None:
             runs.append(ink[:, start:x])
             start = None
-    return sum(1 for r in runs if r.shape[1] <= 2 and np.ptp(np.flatnonzero(r.any(axis=1))) < 3 and r.sum() >= 2)
+    rows = [np.flatnonzero(r.any(axis=1)) for r in runs]
+    return sum(
+        1 for r, y in zip(runs, rows, strict=True) if r.shape[1] <= 2 and np.ptp(y) < 3 and r.sum() >= 2
+    )
 
 
 def test_heatmap_column_labels_keep_their_dots():  # item 21
     for label in ("attn1.to_out.0", "ff.net.0.proj", "attn2.to_k"):
         assert _dot_runs(label) == label.count("."), label
+
+
+SRC = str(Path(loraweave.__file__).resolve().parents[1])
+
+# Each refusal in turn in one child process: its exit status, and whether torch was imported by then.
+REFUSALS_PROBE = """
+import json, sys
+from loraweave.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out.append([code, "torch" in sys.modules])
+print(json.dumps(out))
+"""
+
+
+def _tiny_lora(path: Path) -> Path:
+    stem = "lora_unet_down_blocks_0_attentions_0_proj_in"
+    save_np(
+        {
+            f"{stem}.lora_down.weight": np.ones((2, 320), np.float32),
+            f"{stem}.lora_up.weight": np.ones((320, 2), np.float32),
+        },
+        str(path),
+    )
+    return path
+
+
+def _refusals(cases: list[list[str]], cwd: Path) -> list[list]:
+    proc = subprocess.run(
+        [sys.executable, "-c", REFUSALS_PROBE, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": SRC},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_refusals_come_before_torch_is_imported(tmp_path):  # item 15
+    lora = str(_tiny_lora(tmp_path / "a.safetensors"))
+    for name in ("exists.png", "exists.safetensors"):
+        (tmp_path / name).write_text("the user's file")
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "model_index.json").write_text("{}")
+    cases = [
+        ["inspect", lora, "--plot", "p.jpg"],
+        ["inspect", lora, "--plot", "exists.png"],
+        ["generate", "-m", "pipe", "-p", "x", "--lora", f"{lora}:inf"],
+        ["generate", "-m", "pipe", "-p", "x", "-o", "exists.png"],
+        ["bake", "pipe", lora, "-o", "exists.safetensors"],
+        ["extract", lora, lora, "-o", "exists.safetensors", "--rank", "2"],
+        ["resize", lora, "-o", "exists.safetensors", "--rank", "2"],
+        ["convert", lora, "--to", "kohya", "-o", "exists.safetensors"],
+    ]
+    got = _refusals(cases, tmp_path)
+    assert [code for code, _ in got] == [2] * len(cases)
+    assert [argv[0] for argv, (_, torch_in) in zip(cases, got, strict=True) if torch_in] == []
+    assert (tmp_path / "exists.png").read_text() == "the user's file"
+
+
+def test_bake_of_a_folder_refuses_a_single_file_name(tmp_path):  # item 10
+    lora = str(_tiny_lora(tmp_path / "a.safetensors"))
+    unet = tmp_path / "pipe" / "unet"
+    unet.mkdir(parents=True)
+    (tmp_path / "pipe" / "model_index.json").write_text("{}")
+    (unet / "config.json").write_text('{"_class_name": "UNet2DConditionModel"}')
+    weight = "down_blocks.0.attentions.0.proj_in.weight"
+    save_np({weight: np.zeros((320, 320), np.float32)}, str(unet / "diffusion_pytorch_model.safetensors"))
+    code = main(["bake", str(tmp_path / "pipe"), lora, "-o", str(tmp_path / "bk.safetensors")])
+    assert code == 2 and not (tmp_path / "bk.safetensors").exists()
+    with pytest.raises(WriteError, match=r"bk\.safetensors.*name a folder"):
+        bake(str(tmp_path / "pipe"), [(lora, 1.0)], str(tmp_path / "bk.safetensors"))
+    assert not (tmp_path / "bk.safetensors").exists()

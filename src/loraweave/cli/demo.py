@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_sample_outputs(out_dir: Path, overwrite: bool) -> None:
     """--out DIR: its parent must exist, and the sample files already in it are kept unless --force."""
-    from ..io.write import check_output
+    from ..io.output import check_output
     from ..tools.demo import SAMPLE_FILES
 
     if not out_dir.is_dir():  # a new folder: its parent must exist (a file in its place is refused)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .support import lowrank_options, non_negative_arg, print_lowrank, progress_wanted
+from .support import lowrank_options, non_negative_arg, print_lowrank, progress_wanted, refuse_output
 
 
 def add(sub) -> None:
@@ -32,6 +32,7 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_output(args.output, [args.base, args.tuned], args.force)
     from ..tools.extract import extract
 
     res = extract(

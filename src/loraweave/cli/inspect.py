@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if args.plot:  # refused before the file is read: a bad target, or an existing picture without --force
-        from ..io.write import check_output
+        from ..io.output import check_output
         from ..tools.heatmap import check_plot_target
 
         check_output(args.plot, [args.file], overwrite=args.force)

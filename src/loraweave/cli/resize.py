@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .support import lowrank_options, print_lowrank, progress_wanted
+from .support import lowrank_options, print_lowrank, progress_wanted, refuse_output
 
 
 def add(sub) -> None:
@@ -30,6 +30,7 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_output(args.output, [args.file], args.force)
     from ..tools.resize import resize
 
     res = resize(

@@ -231,7 +231,7 @@ limit_arg = integer_arg("--limit", 0)
 def adapter_arg(text: str) -> tuple[str, float]:
     """`FILE[:STRENGTH]` as an argparse type: a bad strength is a usage error with the one strength
     message."""
-    from ..tools.bake import parse_adapter_arg
+    from ..arguments import parse_adapter_arg
 
     try:
         return parse_adapter_arg(text)
@@ -243,6 +243,13 @@ FORCE_HELP = (
     "replace an existing output: only the files this command writes (a folder's other files stay); "
     "never an input"
 )
+
+
+def refuse_output(output: str, inputs: list[str], force: bool, folder: bool = False) -> None:
+    """The output check the library makes again, here before torch is imported: a refusal comes at once."""
+    from ..io.output import check_output
+
+    check_output(output, inputs, overwrite=force, folder=folder)
 
 
 def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:

@@ -19,8 +19,9 @@ import torch
 
 from ..arguments import fraction, non_negative, positive_int
 from ..errors import ArgumentError, EmptyOutputError
+from ..io.output import check_output
 from ..io.safetensors_file import read_safetensors_header
-from ..io.write import check_output, save_file
+from ..io.write import save_file
 from ..progress import bar
 from .bake import _read
 from .checkpoint import open_checkpoint

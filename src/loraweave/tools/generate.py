@@ -124,7 +124,7 @@ def check_png(output: str | os.PathLike) -> None:
 
 def check_outputs(req: GenerateRequest) -> None:
     """The PNG and its sidecar: refused before anything loads when one exists (no --force) or is an input."""
-    from ..io.write import check_output
+    from ..io.output import check_output
 
     inputs = [req.model, *(path for path, _ in req.loras)]
     for target in (Path(req.output), Path(req.output).with_suffix(".json")):
@@ -398,9 +398,9 @@ def _sample_maybe_streamed(pipe, req: GenerateRequest, prompt: str, seed: int, d
 def generate(req: GenerateRequest) -> GenerateResult:
     """Run one request end to end. Raises GenerateError (bad input), PromptAdapterError (unknown tag name) or
     StrictApplyError (--strict and some key did not land: nothing is written)."""
+    validate(req)  # before the heavy imports: a refusal comes at once
     from ..api import apply
 
-    validate(req)
     device = _device(req.device)
     budget = parse_budget(req.budget)
     clean, specs = adapter_specs(req)
