@@ -14,8 +14,9 @@ from safetensors.numpy import save_file as save_np
 
 import loraweave
 from loraweave.cli import main
-from loraweave.errors import WriteError
+from loraweave.errors import CheckpointError, WriteError
 from loraweave.tools.bake import bake
+from loraweave.tools.checkpoint import open_checkpoint
 from loraweave.tools.heatmap import _font, _vertical_label
 
 
@@ -120,3 +121,33 @@ def test_bake_of_a_folder_refuses_a_single_file_name(tmp_path):  # item 10
     with pytest.raises(WriteError, match=r"bk\.safetensors.*name a folder"):
         bake(str(tmp_path / "pipe"), [(lora, 1.0)], str(tmp_path / "bk.safetensors"))
     assert not (tmp_path / "bk.safetensors").exists()
+
+
+def test_inspect_refuses_an_adapter_given_as_the_model(tmp_path, capsys):  # item 12
+    lora = str(_tiny_lora(tmp_path / "a.safetensors"))
+    assert main(["inspect", lora, "--model", lora]) == 2
+    err = capsys.readouterr().err
+    assert "a.safetensors: an adapter file" in err and "not a model checkpoint" in err
+    with pytest.raises(CheckpointError, match="not a model checkpoint"):
+        open_checkpoint(lora)
+    model = tmp_path / "model.safetensors"  # a model file is still read as one
+    save_np({"down_blocks.0.attentions.0.proj_in.weight": np.zeros((320, 320), np.float32)}, str(model))
+    assert main(["inspect", lora, "--model", str(model), "--strict"]) == 0
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("a pickle ran code",))
+
+
+def test_pickle_refusal_never_relays_torchs_advice(tmp_path, capsys):  # item 19
+    import torch
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"fc.lora_down.weight": torch.zeros(2, 4), "payload": _Evil()}, evil)
+    assert main(["inspect", str(evil), "--allow-pickle"]) == 2
+    out = capsys.readouterr()
+    assert "a pickle ran code" not in out.out + out.err
+    assert "evil.pt" in out.err and "Unsupported global" in out.err
+    for advice in ("weights_only` set to `False", "weights_only=False", "safe_globals", "allowlist", "\x1b["):
+        assert advice not in out.err, advice
