@@ -13,17 +13,18 @@ import pytest
 from safetensors.numpy import save_file as save_np
 
 import loraweave
+from loraweave.arch.catalog import CATALOG, aliases, canonical
 from loraweave.cli import main
-from loraweave.errors import CheckpointError, WriteError
+from loraweave.errors import ArgumentError, CheckpointError, WriteError
 from loraweave.tools.bake import bake
 from loraweave.tools.checkpoint import open_checkpoint
-from loraweave.tools.heatmap import _font, _vertical_label
+from loraweave.tools.heatmap import default_font, vertical_label
 
 
 def _dot_runs(text: str) -> int:
     """Runs of ink columns in `text`'s column label (turned back to horizontal) that are a dot: set apart by
     blank columns, at most 2 wide and 3 tall (an underscore is wider)."""
-    strip = np.asarray(_vertical_label(text, _font(10), 400).rotate(-90, expand=True))[:, :, 3]
+    strip = np.asarray(vertical_label(text, default_font(10), 400).rotate(-90, expand=True))[:, :, 3]
     ink = strip > 128
     cols = ink.any(axis=0)
     runs, start = [], None
@@ -151,3 +152,20 @@ def test_pickle_refusal_never_relays_torchs_advice(tmp_path, capsys):  # item 19
     assert "evil.pt" in out.err and "Unsupported global" in out.err
     for advice in ("weights_only` set to `False", "weights_only=False", "safe_globals", "allowlist", "\x1b["):
         assert advice not in out.err, advice
+
+
+def test_inspect_help_lists_every_accepted_arch(monkeypatch, capsys):  # item 17
+    monkeypatch.setenv("COLUMNS", "2000")  # one line per option: no name broken at a hyphen
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.lstrip().startswith("--arch"))
+    listed = {n.strip() for n in line.split("detected one:")[1].replace("; aliases:", ",").split(",")}
+    accepted = set(CATALOG) | {alias for alias, name in aliases().items() if name in CATALOG}
+    assert listed == accepted and len(accepted) > 14
+    assert all(canonical(n) in CATALOG for n in listed)
+    readme = (Path(SRC).parent / "README.md").read_text()
+    if "HiDream" in readme:  # the README lists it: --arch takes it, or the README says it does not
+        try:
+            canonical("hidream")
+        except ArgumentError:
+            assert "HiDream (no built-in skeleton: `inspect --model`, not\n  `--arch`)" in readme

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import LoraweaveError
-from .support import add_common, error_message, limit_arg, progress_wanted
+from .support import ARCH_NAMES, add_common, error_message, limit_arg, progress_wanted
 
 
 def add(sub) -> None:
@@ -40,9 +40,7 @@ def add(sub) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--arch",
-        help="resolve against this architecture instead of the detected one "
-        "(sd1, sd2, sdxl, sdxl-refiner, flux, flux-schnell, chroma, flux2, sd3, z-image, qwen-image, "
-        "wan, hunyuan-video, krea2)",
+        help=f"resolve against this architecture instead of the detected one: {ARCH_NAMES}",
     )
     where.add_argument(
         "--model",

@@ -121,8 +121,26 @@ NOISY_LOGGERS = (
 QUIET_ENV = {"DIFFUSERS_VERBOSITY": "error", "TRANSFORMERS_VERBOSITY": "error"}
 
 
+ARCH_NAMES = "{architecture names}"  # in a help text: filled from the registry only when --help is shown
+
+
+def arch_names() -> str:
+    """Every name `--arch` accepts (each architecture with a skeleton, then its aliases): the registry."""
+    from ..arch import registry
+
+    known = [a for a in registry.ARCHITECTURES if a.skeleton is not None]
+    names = sorted(a.name for a in known)
+    aliases = sorted(alias for a in known for alias in a.cli_names if alias not in names)
+    return ", ".join(names) + (f"; aliases: {', '.join(aliases)}" if aliases else "")
+
+
 class Formatter(argparse.HelpFormatter):
-    """Wraps paragraphs as usual but keeps a paragraph with line breaks (the exit-status table) as written."""
+    """Wraps paragraphs as usual but keeps a paragraph with line breaks (the exit-status table) as written;
+    fills ARCH_NAMES in option help (the registry is read for --help, not on every run)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        return text.replace(ARCH_NAMES, arch_names()) if text and ARCH_NAMES in text else text
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "\n\n".join(

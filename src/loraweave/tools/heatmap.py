@@ -27,7 +27,7 @@ def colour(t: float) -> tuple[int, int, int]:
     return r, g, b
 
 
-def _font(size: int):
+def default_font(size: int):
     from PIL import ImageFont
 
     try:
@@ -98,7 +98,7 @@ def _draw_dotted(draw, xy: tuple[int, int], text: str, font) -> None:
         x += _text_size(draw, part, font)[0]
 
 
-def _vertical_label(text: str, font, height: int):
+def vertical_label(text: str, font, height: int):
     """`text` rotated 90° (reads bottom to top), on a transparent strip `height` tall."""
     from PIL import Image, ImageDraw
 
@@ -131,7 +131,7 @@ def render(grid: BlockGrid, out: str | Path) -> dict:
     from PIL import Image, ImageDraw
     from PIL.PngImagePlugin import PngInfo
 
-    font, small = _font(11), _font(10)
+    font, small = default_font(11), default_font(10)
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     label_w = max([_text_size(probe, r, font)[0] for r in grid.rows] + [40]) + PAD
     head_h = max([_dotted_width(probe, c, small) for c in grid.columns] + [40]) + PAD
@@ -158,7 +158,7 @@ def render(grid: BlockGrid, out: str | Path) -> dict:
     for k, (text, f) in enumerate(titles):
         _draw_words(draw, (PAD, 4 + 15 * k), text, f)
     for j, name in enumerate(grid.columns):
-        label = _vertical_label(name, small, head_h - 4)
+        label = vertical_label(name, small, head_h - 4)
         img.paste(label, (x0 + CELL_W * j + (CELL_W - label.width) // 2, y0 - 4 - label.height), label)
     for i, name in enumerate(grid.rows):
         y = y0 + CELL_H * i
