@@ -18,12 +18,13 @@ from loraweave.cli import main
 from loraweave.errors import ArgumentError, CheckpointError, WriteError
 from loraweave.tools.bake import bake
 from loraweave.tools.checkpoint import open_checkpoint
-from loraweave.tools.heatmap import default_font, vertical_label
 
 
 def _dot_runs(text: str) -> int:
     """Runs of ink columns in `text`'s column label (turned back to horizontal) that are a dot: set apart by
     blank columns, at most 2 wide and 3 tall (an underscore is wider)."""
+    from loraweave.tools.heatmap import default_font, vertical_label
+
     strip = np.asarray(vertical_label(text, default_font(10), 400).rotate(-90, expand=True))[:, :, 3]
     ink = strip > 128
     cols = ink.any(axis=0)
@@ -169,3 +170,20 @@ def test_inspect_help_lists_every_accepted_arch(monkeypatch, capsys):  # item 17
             canonical("hidream")
         except ArgumentError:
             assert "HiDream (no built-in skeleton: `inspect --model`, not\n  `--arch`)" in readme
+
+
+def test_inspect_takes_several_paths(tmp_path, capsys):  # item 18
+    a = str(_tiny_lora(tmp_path / "a.safetensors"))
+    b = tmp_path / "b.safetensors"
+    save_np({"no_such_module.lora_down.weight": np.ones((2, 8), np.float32)}, str(b))
+    assert main(["inspect", a, str(b), "--json", "--arch", "sd1"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["file"] for r in rows] == [a, str(b)]
+    for row in rows:
+        assert main(["inspect", row["path"], "--json", "--arch", "sd1"]) == 0
+        alone = json.loads(capsys.readouterr().out)
+        assert row["coverage"]["keys_applied"] == alone["coverage"]["keys_applied"]
+        assert row["coverage"]["unmatched"] == alone["coverage"]["unmatched"]
+    assert rows[0]["coverage"]["complete"] and not rows[1]["coverage"]["complete"]
+    assert main(["inspect", a, str(b), "--strict", "--arch", "sd1"]) == 1
+    assert main(["inspect", a, str(b), "--plot", str(tmp_path / "p.png")]) == 2

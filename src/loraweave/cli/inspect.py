@@ -25,7 +25,10 @@ def add(sub) -> None:
         "coverage {keys_total, keys_applied, unmatched}.",
     )
     p.add_argument(
-        "file", help=".safetensors adapter file, PEFT directory, or a folder of adapters (one row each)"
+        "file",
+        nargs="+",
+        help=".safetensors adapter file, PEFT directory, or a folder of adapters (one row each); several "
+        "files (a shell glob) give one row each too",
     )
     p.add_argument("--plot", metavar="OUT.png", help="also draw a heatmap of ‖ΔW‖ per block × module kind")
     p.add_argument(
@@ -71,6 +74,9 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if len(args.file) > 1:
+        return inspect_several(args)
+    args.file = args.file[0]
     if Path(args.file).is_dir() and not (Path(args.file) / "adapter_config.json").is_file():
         return inspect_folder(args)
     from ..tools.inspect import format_table, inspect_adapter
@@ -140,7 +146,6 @@ def plot_into(args: argparse.Namespace) -> dict:
 def inspect_folder(args: argparse.Namespace) -> int:
     """One row per adapter below the folder. Exit 2 if some file is unreadable, 1 if the folder holds no
     adapter or (--strict) some adapter's keys do not all land, else 0."""
-    from ..tools.inspect_dir import format_folder
     from ..tools.inspect_dir import inspect_folder as inspect_dir
 
     if args.plot:
@@ -154,6 +159,35 @@ def inspect_folder(args: argparse.Namespace) -> int:
         text_encoders=not args.no_text_encoders,
         check_values=args.check_values,
     )
+    return print_rows(args, rows, left_out, f"in {args.file}")
+
+
+def inspect_several(args: argparse.Namespace) -> int:
+    """`inspect a.safetensors b.safetensors ...`: one row each, as for a folder (the same exit statuses)."""
+    from ..tools.inspect_dir import inspect_paths
+
+    if args.plot:
+        raise LoraweaveError("--plot draws one adapter: pass one file")
+    folders = [f for f in args.file if Path(f).is_dir() and not (Path(f) / "adapter_config.json").is_file()]
+    if folders:
+        raise LoraweaveError(f"{folders[0]}: a folder among several paths; pass adapter files, or one folder")
+    rows = inspect_paths(
+        args.file,
+        progress=progress_wanted(args),
+        arch=args.arch,
+        model=args.model,
+        allow_pickle=args.allow_pickle,
+        text_encoders=not args.no_text_encoders,
+        check_values=args.check_values,
+    )
+    return print_rows(args, rows, [], "given")
+
+
+def print_rows(args: argparse.Namespace, rows: list[dict], left_out: list[dict], where: str) -> int:
+    """The table (or JSON list) of one row per adapter; exit 2 if some is unreadable, 1 if none is given or
+    (--strict) some adapter's keys do not all land, else 0."""
+    from ..tools.inspect_dir import format_folder
+
     print(json.dumps(rows, indent=2) if args.json else format_folder(rows, left_out))
     if left_out and args.json:
         for x in left_out:
@@ -165,6 +199,6 @@ def inspect_folder(args: argparse.Namespace) -> int:
                 print(f"loraweave: error: {'' if named else r['path'] + ': '}{r['error']}", file=sys.stderr)
         return 2
     if not rows:
-        print(f"loraweave: no adapter files in {args.file}", file=sys.stderr)
+        print(f"loraweave: no adapter files {where}", file=sys.stderr)
         return 1
     return 1 if args.strict and not all(r["coverage"]["complete"] for r in rows) else 0

@@ -185,11 +185,11 @@ def bake(
     adapters = [(a, check_strength(s, f"strength of {a}")) for a, s in adapters]
     warn_repeated(adapters)
     ckpt = open_checkpoint(model)
-    if ckpt.kind != "file":
-        check_folder_name(output, f"{model} is a {ckpt.kind} folder, so the baked model is a folder")
     out = check_output(
         output, [model, *(a for a, _ in adapters)], overwrite=overwrite, folder=ckpt.kind != "file"
     )
+    if ckpt.kind != "file":
+        check_folder_name(output, f"{model} is a folder, so the baked model is a folder")
     try:
         plan, spans = plan_adapters(ckpt, adapters, allow_pickle)
         work = tensor_plan(ckpt, plan, spans)
