@@ -187,3 +187,22 @@ def test_inspect_takes_several_paths(tmp_path, capsys):  # item 18
     assert rows[0]["coverage"]["complete"] and not rows[1]["coverage"]["complete"]
     assert main(["inspect", a, str(b), "--strict", "--arch", "sd1"]) == 1
     assert main(["inspect", a, str(b), "--plot", str(tmp_path / "p.png")]) == 2
+
+
+def test_json_failure_is_one_error_object_for_every_command(tmp_path, capsys):  # item 16
+    lora = str(_tiny_lora(tmp_path / "a.safetensors"))
+    missing = str(tmp_path / "missing")
+    cases = [
+        ["bake", missing, lora, "-o", str(tmp_path / "o.safetensors")],
+        ["generate", "-m", missing, "-p", "x", "-o", str(tmp_path / "o.png")],
+        ["inspect", missing + ".safetensors"],
+        ["extract", missing, lora, "--rank", "1", "-o", str(tmp_path / "o.safetensors")],
+        ["resize", missing + ".safetensors", "--rank", "1", "-o", str(tmp_path / "o.safetensors")],
+    ]
+    for argv in cases:
+        code = main([*argv, "--json"])
+        out = capsys.readouterr()
+        assert code == 2, argv
+        obj = json.loads(out.out)
+        assert obj["exit_status"] == code and out.err.strip() == f"loraweave: error: {obj['error']}", argv
+        assert "missing" in obj["error"], argv

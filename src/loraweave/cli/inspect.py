@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import LoraweaveError
-from .support import ARCH_NAMES, add_common, error_message, limit_arg, progress_wanted
+from .support import ARCH_NAMES, add_common, limit_arg, progress_wanted
 
 
 def add(sub) -> None:
@@ -96,23 +96,15 @@ def run(args: argparse.Namespace) -> int:
 
         check_output(args.plot, [args.file], overwrite=args.force)
         check_plot_target(args.plot)
-    try:
-        info = inspect_adapter(
-            args.file,
-            arch=args.arch,
-            model=args.model,
-            allow_pickle=args.allow_pickle,
-            text_encoders=not args.no_text_encoders,
-            check_values=args.check_values,
-            coverage=not args.no_coverage,
-        )
-    except (LoraweaveError, ValueError, OSError) as exc:
-        if (
-            args.json
-        ):  # the same error object a folder's row gets; stderr and the exit status as for any error
-            path = Path(args.file)
-            print(json.dumps({"file": path.name, "path": str(path), "error": error_message(exc)}, indent=2))
-        raise
+    info = inspect_adapter(
+        args.file,
+        arch=args.arch,
+        model=args.model,
+        allow_pickle=args.allow_pickle,
+        text_encoders=not args.no_text_encoders,
+        check_values=args.check_values,
+        coverage=not args.no_coverage,
+    )
     if args.plot:
         info["plot"] = plot_into(args)
     print(json.dumps(info, indent=2) if args.json else format_table(info, args.limit))

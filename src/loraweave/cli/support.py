@@ -371,6 +371,15 @@ def cli_words(message: str) -> str:
     return message
 
 
+def print_json_error(args: argparse.Namespace, message: str, code: int, **extra: object) -> None:
+    """A failure under --json: `{"error", "exit_status"}` on stdout (plus the adapter's `file` and `path` for
+    `inspect FILE`, as a folder's row has them, and what the caller adds), the same for every command."""
+    where: dict[str, object] = {}
+    if args.command == "inspect" and isinstance(args.file, str):
+        where = {"file": Path(args.file).name, "path": args.file}
+    print(json.dumps({**where, "error": message, "exit_status": code, **extra}, indent=2))
+
+
 def error_message(exc: BaseException) -> str:
     """One line for an error: an OS error as 'PATH: reason' (no class name, no '[Errno N]'), a library message
     with flags for API keywords."""

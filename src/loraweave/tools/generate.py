@@ -95,6 +95,7 @@ class GenerateResult:
     parameters: str  # the infotext written into the PNG
     report: dict | None  # loraweave apply report (None: no adapter)
     seconds: dict[str, float]
+    quantized_layers: int | None = None  # with --quantize: layers SDNQ quantized (0: all under its floor)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -345,7 +346,9 @@ def parameters(req: GenerateRequest, pipe, seed: int, specs: list[AdapterSpec], 
         "Loraweave": report.summary() if report is not None else None,
         "Version": f"loraweave {__version__}",
     }
-    return it.infotext(req.prompt, req.negative, params)
+    # --lora files as the tags A1111 reads back (its "Lora hashes" alone applies nothing on re-use)
+    flagged = [f"<lora:{Path(path).stem}:{strength:g}>" for path, strength in req.loras]
+    return it.infotext(" ".join([req.prompt, *flagged]).strip(), req.negative, params)
 
 
 def write_outputs(image, out: Path, text: str, sidecar: dict) -> Path:
@@ -454,4 +457,5 @@ def generate(req: GenerateRequest) -> GenerateResult:
     side = write_outputs(image, out, text, sidecar)
     seconds["write"] = round(time.perf_counter() - t["sample"], 4)
     log.info("generate output=%s seed=%d adapters=%d seconds=%s", out, seed, len(specs), seconds)
-    return GenerateResult(str(out), str(side), seed, clean, text, sidecar["report"], seconds)
+    layers = quantized if req.quantize else None
+    return GenerateResult(str(out), str(side), seed, clean, text, sidecar["report"], seconds, layers)
