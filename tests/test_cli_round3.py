@@ -206,3 +206,21 @@ def test_json_failure_is_one_error_object_for_every_command(tmp_path, capsys):  
         obj = json.loads(out.out)
         assert obj["exit_status"] == code and out.err.strip() == f"loraweave: error: {obj['error']}", argv
         assert "missing" in obj["error"], argv
+
+
+def test_extract_warns_of_layers_that_differ_only_by_fp16_rounding(tmp_path, capsys):  # item 11
+    g = np.random.default_rng(0)
+    base = {f"blocks.{i}.proj.weight": g.standard_normal((16, 16)).astype(np.float32) for i in range(3)}
+    tuned = {k: v.astype(np.float16) for k, v in base.items()}  # fp16 copies: only rounding differs
+    tuned["blocks.1.proj.weight"] = (base["blocks.1.proj.weight"] + 0.1).astype(np.float16)  # fine-tuned
+    save_np(base, str(tmp_path / "base.safetensors"))
+    save_np(tuned, str(tmp_path / "tuned.safetensors"))
+    argv = ["extract", str(tmp_path / "base.safetensors"), str(tmp_path / "tuned.safetensors"), "--rank", "2"]
+    assert main([*argv, "-o", str(tmp_path / "all.safetensors"), "--json"]) == 0
+    out = capsys.readouterr()
+    assert len(json.loads(out.out)["layers"]) == 3  # written as before, and said
+    assert "rounding_only=2 layers=3" in out.err and "float16" in out.err and "--skip-rounding" in out.err
+    assert main([*argv, "-o", str(tmp_path / "tuned_only.safetensors"), "--skip-rounding", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [la["name"] for la in res["layers"]] == ["diffusion_model.blocks.1.proj"]
+    assert res["skipped"] == {"differs only by rounding to float16": 2}
