@@ -125,7 +125,7 @@ def unet_fit(adapter: Adapter, detection, text_encoders: bool):
         return detection, None
     detection.architecture = best
     detection.evidence.append(f"shapes fit {landed} -> {best}")
-    if detection.metadata:  # what the metadata says, against the UNet the shapes chose
-        detection.evidence[:] = [e for e in detection.evidence if not e.startswith("metadata ")]
-        detection.evidence.append(metadata_evidence(detection.metadata, best))
+    said = metadata_evidence(detection.metadata, best) if detection.metadata else ""
+    # what the metadata says, judged against the UNet the shapes chose, where detection put its line
+    detection.evidence[:] = [said if e.startswith("metadata ") else e for e in detection.evidence]
     return detection, reports[best]
