@@ -277,9 +277,12 @@ def _variant_rows(info: dict) -> list[tuple[str, str]]:
     varied = variant.get("fits") or any(info["architecture"]["name"].startswith(v.arch) for v in variants())
     if not (variant.get("blocks") and varied):
         return []
-    blocks = ", ".join(
-        _chain_words(c, n, variant.get("named", {}).get(c)) for c, n in variant["blocks"].items()
-    )
+    named = variant.get("named", {})
+    words = [_chain_words(c, n, named.get(c)) for c, n in variant["blocks"].items()]
+    if all(w.startswith(f"{n} ") for w, n in zip(words, variant["blocks"].values(), strict=True)):
+        blocks = ", ".join(w.removesuffix(" blocks") for w in words) + " blocks"  # 8 double, 24 single blocks
+    else:
+        blocks = ", ".join(words)
     fits = variant["likely"] or (", ".join(variant["fits"]) if variant["fits"] else "no known variant")
     landed = f"; every key lands on the {variant['landed']} skeleton" if variant.get("landed") else ""
     return [("  variant", f"{fits} (file: {blocks}, width {variant['hidden']}{landed})")]
