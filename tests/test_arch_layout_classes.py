@@ -404,14 +404,15 @@ def test_krea2_magnitude_full_size_lands():
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_ai_toolkit_magnitude_on_every_architecture(arch):
     """`.magnitude` is a family suffix, not an architecture's: on every architecture of the support matrix
-    (diffusers names under `transformer.`, three Linears each) it is PEFT's DoRA, exactly."""
+    (diffusers names under `transformer.`, three Linears each) it is PEFT's DoRA, exactly; at strength 0.5,
+    where PEFT's convention (strength inside the norm) and LyCORIS's `dora_scale` part."""
     model = ARCHS[arch]()
     if any(p.dtype != torch.float32 for p in model.parameters()):
         model = model.float()
     live = [n for n, m in linears(model).items() if m.in_features > 1][:3]
     wrapped, ref = peft_dora(model, live)
     sd = ai_toolkit(ref, lambda n: n, "transformer.")
-    assert_dora_matches_peft(model, sd, wrapped, live, strengths=(1.0,))
+    assert_dora_matches_peft(model, sd, wrapped, live, strengths=(0.5,))  # 0.5: the convention shows
 
 
 def _one_layer_dora(magnitude: torch.Tensor):

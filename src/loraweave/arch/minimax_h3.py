@@ -11,9 +11,10 @@ Source: diffusers `_convert_non_diffusers_minimax_h3_lora_to_diffusers` and
 - `mlp.fc1` is the SwiGLU [gate; value]; diffusers' `ff.net.0.proj` is [value; gate]: the halves swap, rows
   only (the converter swaps the `lora_B` halves; `lora_A` is shared).
 - The refiner's `token_refiner.blocks.N` is `token_refiner.refiner_blocks.N` (no AdaLN projection there).
-  Two trainers name the refiner with split projections: lightx2v's `token_refiner.refiner_blocks.N.attn.k_proj`
-  (Wan2GP #2101) and Fizgig's `token_refiner_blocks.N.attn.q_proj` (Wan2GP #2126); `q/k/v_proj` are the
-  separate `to_q/to_k/to_v`, and lightx2v's `refiner_blocks` spelling takes the fused names too.
+  Two trainers name the refiner with split projections: lightx2v's
+  `token_refiner.refiner_blocks.N.attn.k_proj` (Wan2GP #2101) and Fizgig's
+  `token_refiner_blocks.N.attn.q_proj` (Wan2GP #2126); `q/k/v_proj` are the separate `to_q/to_k/to_v`,
+  and lightx2v's `refiner_blocks` spelling takes the fused names too.
 
 Alpha: per-module `.alpha` tensors are alpha / rank (the converter's fold); without any in the file, a numeric
 `__metadata__["alpha"]` is one network alpha for every module, else α = rank (scale 1). Unlike diffusers, a
@@ -94,8 +95,9 @@ MINIMAX_H3_ARCH = Architecture(
         "minimax-h3",
         "MiniMaxAI/ComfyUI names (bare, diffusion_model.), musubi-tuner (lora_unet_), DiffSynth-Studio "
         "(.default., per-head interleaved QKV); fc1 halves swapped; .alpha, __metadata__ alpha; "
-        "transformer_ref partition",
+        "transformer_ref partition; refiner split q/k/v_proj (lightx2v refiner_blocks., Fizgig "
+        "token_refiner_blocks.)",
         "_convert_non_diffusers_minimax_h3_lora_to_diffusers, MiniMaxH3LoraLoaderMixin.lora_state_dict",
-        "test_arch_minimax_ideogram_qwen21.py::test_minimax_h3_*",
+        "test_arch_minimax_ideogram_qwen21.py::test_minimax_h3_*, test_arch_layout_classes.py::test_h3_*",
     ),
 )

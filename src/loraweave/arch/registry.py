@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import ArgumentError
+from .ace_step import ACE_STEP_ARCH
 from .anima import ANIMA_ARCH
 from .ernie_image import ERNIE_IMAGE
 from .flux import CHROMA_ARCH, FLUX_ARCH, FLUX_SCHNELL
@@ -74,6 +75,7 @@ ARCHITECTURES: list[Architecture] = [
     PIXART,
     KREA2_ARCH,
     FLUX3_ARCH,
+    ACE_STEP_ARCH,
 ]
 
 
