@@ -169,12 +169,14 @@ def test_h3_refiner_split_names_full_size(spelling, quoted):
     model = _diffusers("MiniMaxH3Transformer3DModel", True)
     sd, where, _ = h3_refiner_file(model, spelling, meta=True)
     assert set(quoted) <= set(sd), sorted(set(quoted) - set(sd))
-    if spelling == "lightx2v":  # its main blocks under the released names (Wan2GP expected those): two
+    whole = dict(sd)
+    if spelling == "lightx2v":  # its main blocks under the released names (Wan2GP expected those)
         for stem, (rows, inp) in h3_lora_names(model).items():
-            if stem.startswith(("blocks.0.", "blocks.49.")):
-                sd.update(_pair(stem, rows, inp, None, *PEFT, meta=True))
-    assert_lands_on(model, sd, where)
-    assert detect_architecture(loraweave.load_adapter(sd)).architecture == "minimax-h3"
+            if not stem.startswith("token_refiner."):
+                whole.update(_pair(stem, rows, inp, None, *PEFT, meta=True))
+        sd.update({k: v for k, v in whole.items() if k.startswith(("blocks.0.", "blocks.49."))})
+    assert_lands_on(model, sd, where)  # two main blocks: planning every block adds ~10 s
+    assert detect_architecture(loraweave.load_adapter(whole)).architecture == "minimax-h3"
 
 
 @pytest.mark.parametrize("spelling", ["lightx2v", "fizgig"])
@@ -458,6 +460,29 @@ def test_magnitude_without_its_pair_is_refused():
     assert report.keys_applied == 0 and all(u["kind"] == "incomplete" for u in report.unmatched), (
         report.unmatched
     )
+
+
+# --- 4. HiDream-O1: named, not mapped ----------------------------------------------------------------------
+
+WAN2GP_1831 = (  # bare names (Kijai's Dev-Distill LoRAs, a CivitAI LoRA)
+    "final_layer2.linear.lora_A.weight",
+    "final_layer2.linear.lora_B.weight",
+    "language_model.layers.0.mlp.down_proj.lora_A.weight",
+    "language_model.layers.0.mlp.down_proj.lora_B.weight",
+)
+
+
+@pytest.mark.parametrize("prefix", ["", "model."], ids=["wan2gp_1831", "modelscope_comfyui_14767"])
+def test_hidream_o1_is_named_and_refused_elsewhere(prefix):
+    """No diffusers class to land on: detection names the file (ModelScope's trainer writes `model.` in front,
+    ComfyUI PR #14767), and a model of another architecture refuses it (no key lands), unchanged."""
+    sd = {prefix + k: torch.zeros(2, 8) if "lora_A" in k else torch.zeros(8, 2) for k in WAN2GP_1831}
+    assert detect_architecture(loraweave.load_adapter(sd)).architecture == "hidream-o1"
+    model = ARCHS["qwen-image"]()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(loraweave.NoKeysLandedError, match="final_layer2.linear"):
+        loraweave.apply(model, sd, mode="merge")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 # --- 5. Mixed ranks without alpha keys ---------------------------------------------------------------------
