@@ -82,6 +82,14 @@ def _honour_umask(path: Path, folder: bool) -> None:
     os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
 
 
+def honour_umask_under(folder: Path) -> None:
+    """Every file under `folder` gets the mode open() gives under the umask (safetensors writes 0600)."""
+    mode = 0o666 & ~_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def _fsync_dir(folder: Path) -> None:
     with contextlib.suppress(
         OSError

@@ -211,7 +211,7 @@ def _device(name: str):
 
 
 @contextlib.contextmanager
-def _loading_bars(show: bool):
+def loading_bars(show: bool):
     """diffusers' and transformers' loading bars follow `show` (they ignore whether stderr is a terminal)."""
     from diffusers.utils import logging as dlog
     from transformers.utils import logging as tlog
@@ -232,7 +232,7 @@ def load_pipeline(req: GenerateRequest):
 
     dtype = _torch_dtype(req.dtype)
     try:
-        with _loading_bars(req.progress), warnings.catch_warnings():
+        with loading_bars(req.progress), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated", category=FutureWarning)
             if Path(req.model).is_dir():
                 return diffusers.DiffusionPipeline.from_pretrained(
