@@ -8,6 +8,7 @@ behind."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -263,6 +264,15 @@ class StreamingWriter:
 
     def abort(self) -> None:
         self._file.close()
+
+
+def data_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of the bytes `save_file` writes after the header: the AddNet hash A1111 and kohya
+    (`sshs_model_hash`) give the file, known before the header that may carry it is written."""
+    digest = hashlib.sha256()
+    for tensor in tensors.values():
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 def save_file(
