@@ -77,6 +77,7 @@ class GenerateRequest:
     height: int = 512
     device: str = "cpu"
     dtype: str = "fp32"
+    threads: int | None = None  # torch threads while sampling (None: torch's default; serve's replicas' too)
     arch: str | None = None
     config: str | None = None
     strict: bool = False
@@ -148,6 +149,7 @@ def validate(req: GenerateRequest) -> None:
             f"-H must be a positive multiple of 8 up to {MAX_SIDE}, got {req.height}",
         ),
         (req.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {req.dtype!r}"),
+        (req.threads is None or req.threads >= 1, f"--threads must be at least 1, got {req.threads}"),
         (
             req.apply_mode in APPLY_MODES,
             f"--lora-apply-mode must be one of {APPLY_MODES}, got {req.apply_mode!r}",
@@ -398,9 +400,28 @@ def _sample_maybe_streamed(pipe, req: GenerateRequest, prompt: str, seed: int, d
 def generate(req: GenerateRequest) -> GenerateResult:
     """Run one request end to end. Raises GenerateError (bad input), PromptAdapterError (unknown tag name) or
     StrictApplyError (--strict and some key did not land: nothing is written)."""
+    validate(req)
+    with _torch_threads(req.threads):
+        return _generate(req)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
+    """torch's thread count for one request, put back after (CPU kernels round by thread count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _generate(req: GenerateRequest) -> GenerateResult:
     from ..api import apply
 
-    validate(req)
     device = _device(req.device)
     budget = parse_budget(req.budget)
     clean, specs = adapter_specs(req)
