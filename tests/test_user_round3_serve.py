@@ -55,6 +55,6 @@ def test_a_served_image_is_generates_at_the_default_thread_count(tmp_path, two_t
     threads = replica_threads(ServeOptions(str(pipe_dir), str(loras)).threads)  # serve's default
     assert threads == torch.get_num_threads() == 2
     assert np.array_equal(_served(engine, threads), generated)
-    # the cause, kept visible: one replica thread (the old default) against generate's two
-    one = _served(engine, 1)
-    assert 0 < np.abs(one - generated).max() <= 1, np.abs(one - generated).max()
+    # The cause: one replica thread (the old default) against generate's two is at most one level off (on
+    # the AVX-512 host of this fix: 1 level on some pixels; whether any differ depends on the CPU's kernels).
+    assert np.abs(_served(engine, 1) - generated).max() <= 1
