@@ -23,7 +23,8 @@ from ..resolve.target import Components
 from .extract import truncate
 
 if TYPE_CHECKING:  # convert imports this module
-    from .convert import Pair, Span
+    from .convert import Pair
+    from .layout_names import Span
 
 LYCORIS_AS_IS = ("lokr", "loha")  # families whose kohya/comfy keys differ from the source's only by stem
 KOHYA_NAMED = ("kohya", "comfy")  # layouts with lora_down / lora_up / alpha keys (and no LoRA bias)
