@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .support import FORCE_HELP, adapter_arg, add_common, progress_wanted, rank_arg
+from .support import FORCE_HELP, adapter_arg, add_common, limit_arg, progress_wanted, rank_arg
 
 
 def add(sub) -> None:
@@ -50,7 +50,7 @@ def add(sub) -> None:
     )
     p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print sources, per-module ranks and energies as JSON")
-    p.add_argument("--limit", type=int, default=5, help="lowest-energy modules to list (default 5)")
+    p.add_argument("--limit", type=limit_arg, default=5, help="lowest-energy modules to list (default 5)")
     add_common(p, pickle=True)
 
 
