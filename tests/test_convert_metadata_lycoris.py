@@ -178,3 +178,23 @@ def test_lokr_loha_to_lora_at_a_rank_report_the_captured_energy(model, tmp_path,
     exact = _deltas(model, full)
     for name, ref in reference.items():
         assert float((exact[name] - ref).abs().max() / ref.abs().max()) <= 1e-5, name
+
+
+def test_real_lokr_file_as_it_is_with_its_metadata(realdata, tmp_path, capsys):
+    """A real LyCORIS LoKr (SD1, conv layers, trained with kohya): comfy names, the same tensors, the
+    training metadata (tag frequencies, the comment naming the trigger word) carried over."""
+    src = realdata / "lora" / "KohakuBlueleaf__LyCORIS__smart_falcon_4_lokr.safetensors"
+    out = tmp_path / "falcon_comfy.safetensors"
+    assert main(["convert", str(src), "--to", "comfy", "-o", str(out), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["as_is"] == res["targets"] == 350 and res["keys_out"] == res["keys_in"] == 1750
+    assert set(res["metadata_rewritten"]) == {"sshs_model_hash", "sshs_legacy_hash"}
+    before, after = _metadata(src), _metadata(out)
+    assert {k: after[k] for k in before if not k.startswith("sshs_")} == {
+        k: v for k, v in before.items() if not k.startswith("sshs_")
+    }
+    with safe_open(src, "pt") as f, safe_open(out, "pt") as g:
+        originals = sorted(f.get_tensor(k).flatten()[:4].tolist() for k in f.keys() if ".alpha" not in k)
+        converted = sorted(g.get_tensor(k).flatten()[:4].tolist() for k in g.keys() if ".alpha" not in k)
+        assert all(k.startswith(("diffusion_model.", "text_encoders.")) for k in g.keys())
+    assert originals == converted

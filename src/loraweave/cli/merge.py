@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from .support import FORCE_HELP, adapter_arg, add_common, limit_arg, progress_wanted, rank_arg
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res.to_dict(), indent=2))
         return 0
     ranks = sorted({la["rank"] for la in res.layers})
-    named = ", ".join(f"{s['file']}:{s['strength']:g}" for s in res.sources)
+    named = ", ".join(f"{Path(s['file']).name}:{s['strength']:g}" for s in res.sources)
     print(
         f"merged {named} into {res.targets} modules ({res.layout} layout, ranks {ranks[0]}...{ranks[-1]}) "
         f"-> {res.output}"

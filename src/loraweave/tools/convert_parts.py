@@ -1,12 +1,11 @@
 """What `convert` and `merge` add to the LoRA regrouping of `tools/convert`: the source's metadata carried
 over (only what the rewrite changes is rewritten, and the result says which), LoKr/LoHa parts written as they
-are under another layout's names, and any family's part as a truncated SVD of its full ΔW (captured energy
+are under another layout's names, and any family's part as a truncated SVD of its ΔW (captured energy
 reported)."""
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +19,6 @@ from ..formats.keys import TEXTUAL_INVERSION
 from ..io.write import atomic_path, check_output, save_file
 from ..resolve.planner import PlannedPart, resolve
 from ..resolve.target import Components
-from .extract import truncate
 
 if TYPE_CHECKING:  # convert imports this module
     from .convert import Pair
@@ -63,13 +61,6 @@ def carried_metadata(source: dict[str, str], ranks_changed: bool, to_lora: bool)
     return kept, why
 
 
-def part_delta(pp: PlannedPart, in_shape: tuple[int, ...], coeff: float) -> torch.Tensor:
-    """coeff·ΔW of one whole part as (rows, in·k) fp32 (the family's own assembly)."""
-    delta = torch.zeros(pp.factors.rows, math.prod(in_shape), dtype=torch.float32)
-    pp.family.add(delta, pp.factors, 0, pp.factors.rows, coeff)
-    return delta
-
-
 def in_shape_of(plan, pp: PlannedPart) -> tuple[int, ...]:
     """(in, *kernel) of the module the part's first piece lands on."""
     module = plan.components.modules[pp.component].get_submodule(pp.pieces[0].module)
@@ -78,11 +69,14 @@ def in_shape_of(plan, pp: PlannedPart) -> tuple[int, ...]:
 
 def svd_pair(plan, pp: PlannedPart, coeff: float, rank: int | None) -> tuple[Pair, float]:
     """((down (r, in, *k), up (rows, r), alpha = r), captured energy): the part's coeff·ΔW truncated to
-    `rank` by SVD (every singular value when None: exact to fp32 rounding)."""
+    `rank` by SVD (all of its energy when None: exact to rounding). LoKr and non-Tucker LoHa go through their
+    exact low-rank structure (resize's: two small SVDs, or the r1·r2 LoRA), the rest through the dense ΔW."""
+    from .resize import _low_rank  # same package: resize's structured truncation
+
     in_shape = in_shape_of(plan, pp)
-    up, down, captured = truncate(part_delta(pp, in_shape, coeff), rank, None)
+    up, down, _, captured = _low_rank(pp.part, pp.factors, coeff, rank, None if rank else 1.0)
     r = down.shape[0]
-    return (down.reshape(r, *in_shape), up, float(r)), captured
+    return (down.float().reshape(r, *in_shape), up.float(), float(r)), captured
 
 
 def as_is_tensors(spans: list[Span], pp: PlannedPart, stem: str) -> dict[str, torch.Tensor]:
