@@ -74,7 +74,8 @@ def svd_pair(plan, pp: PlannedPart, coeff: float, rank: int | None) -> tuple[Pai
     from .resize import _low_rank  # same package: resize's structured truncation
 
     in_shape = in_shape_of(plan, pp)
-    up, down, _, captured = _low_rank(pp.part, pp.factors, coeff, rank, None if rank else 1.0)
+    # without a rank: all the energy but rounding noise (1e-14 of Σσ², far below fp32 rounding)
+    up, down, _, captured = _low_rank(pp.part, pp.factors, coeff, rank, None if rank else 1 - 1e-14)
     r = down.shape[0]
     return (down.float().reshape(r, *in_shape), up.float(), float(r)), captured
 
@@ -168,13 +169,23 @@ def self_check(tensors, metadata, config, components: Components, out: Path, pla
         (pp.component, p.module)
         for pp in plan.planned
         for p in pp.pieces
-        if pp.part.family != "lora" or bool(pp.factors.up[p.src_start : p.src_start + p.length].any())
+        if _changes(pp, p)
     }
     after = {(pp.component, p.module) for pp in check.planned for p in pp.pieces}
     if not before <= after:
         raise ConvertError(
             f"converted keys would miss {sorted(before - after)[:3]}; nothing written to {out}"
         )
+
+
+def _changes(pp: PlannedPart, piece) -> bool:
+    """Whether the part changes the piece's rows: a LoRA's up rows, or every factor of a product family
+    nonzero (a zero factor, as some trainers leave untrained layers, makes ΔW zero and nothing is written)."""
+    if pp.part.family == "lora":
+        return bool(pp.factors.up[piece.src_start : piece.src_start + piece.length].any())
+    fields = vars(pp.factors).values()
+    values = [v for value in fields for v in (value if isinstance(value, tuple) else (value,))]
+    return all(bool(t.any()) for t in values if isinstance(t, torch.Tensor))
 
 
 def write_peft(tensors, config, out: Path, inputs, overwrite: bool, metadata: dict[str, str]) -> None:
