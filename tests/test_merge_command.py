@@ -183,3 +183,20 @@ def test_cli_refusals_and_help(tmp_path, capsys):
         main(["merge", "--help"])
     text = capsys.readouterr().out
     assert "FILE[:STRENGTH]" in text and "--rank" in text and "captured" in text and "exit status" in text
+
+
+def test_real_files_merge_by_detection_and_refuse_another_architecture(realdata, tmp_path, capsys):
+    lora = realdata / "lora"
+    sd15 = lora / "catundchat__stable-diffusion-v1.5-lora__pytorch_lora_weights.safetensors"
+    haseebae = "Haseebae__Synthetic_dataset_generator_with_stable_diffusion"
+    sd1 = lora / f"{haseebae}__pytorch_lora_weights.safetensors"
+    sd2 = lora / "JustinJiangNext__lora-2.0__pytorch_lora_weights.safetensors"
+    out = tmp_path / "m.safetensors"
+    assert main(["merge", f"{sd15}:0.7", f"{sd1}:0.5", "-o", str(out), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["exact"] and res["targets"] == 128 and {la["rank"] for la in res["layers"]} == {8}  # 4 + 4
+    assert [s["strength"] for s in res["sources"]] == [0.7, 0.5]
+    bad = tmp_path / "bad.safetensors"
+    with pytest.raises(MergeError, match="different architectures.*JustinJiangNext.*sd2"):
+        merge([(sd15, 0.7), (sd2, 0.5)], bad)
+    assert not bad.exists()
