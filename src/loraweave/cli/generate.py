@@ -8,7 +8,15 @@ import sys
 
 from ..arguments import MAX_CFG, MAX_SIDE, MAX_STEPS, SEED_RANGE
 from ..errors import StrictApplyError
-from .support import adapter_arg, add_common, cli_words, integer_arg, limit_arg, number_arg
+from .support import (
+    adapter_arg,
+    add_common,
+    cli_words,
+    integer_arg,
+    limit_arg,
+    number_arg,
+    print_json_error,
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         height=args.height,
         device=args.device,
         dtype=args.dtype,
+        threads=args.threads,
         arch=args.arch,
         config=args.config,
         strict=args.strict,
@@ -45,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"loraweave: {cli_words(str(exc))}; nothing written", file=sys.stderr)
         for u in exc.report.unmatched[: args.limit]:
             print(f"  not applied: {u['key']}: {u['reason']}", file=sys.stderr)
+        if args.json:
+            unmatched = [{"key": u["key"], "reason": u["reason"]} for u in exc.report.unmatched]
+            print_json_error(args, f"{cli_words(str(exc))}; nothing written", 1, unmatched=unmatched)
         return 1
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
@@ -56,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
         else "no adapter"
     )
     print(
-        f"wrote {res.output} (seed {res.seed}, {landed}; sidecar {res.sidecar}) in "
-        f"{sum(res.seconds.values()):.2f}s"
+        f"wrote {res.output} (seed {res.seed}, {landed}{quantized(args.quantize, res.quantized_layers)}; "
+        f"sidecar {res.sidecar}) in {sum(res.seconds.values()):.2f}s"
     )
     for other in rep["other_arch"] if rep else []:
         print(
@@ -70,6 +82,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def quantized(kind: str | None, layers: int | None) -> str:
+    """The summary line's word on --quantize: how many layers, or that none was (the model ran in float)."""
+    if kind is None:
+        return ""
+    if not layers:
+        return f"; {kind}: no layer quantized (SDNQ leaves layers under 16384 weights in float)"
+    return f"; {kind}: {layers} layers quantized"
 
 
 def add(sub) -> None:
@@ -154,6 +175,12 @@ def add(sub) -> None:
             help=f"{side} in pixels, a multiple of 8 (default 512)",
         )
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument(
+        "--threads",
+        type=integer_arg("--threads", 1, 1024),
+        help="torch threads (default: torch's; CPU kernels round by thread count: give serve's --threads "
+        "to get its image bit for bit)",
+    )
     p.add_argument(
         "--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights dtype (default fp32)"
     )

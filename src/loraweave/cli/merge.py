@@ -7,7 +7,15 @@ import argparse
 import json
 from pathlib import Path
 
-from .support import FORCE_HELP, adapter_arg, add_common, limit_arg, progress_wanted, rank_arg
+from .support import (
+    FORCE_HELP,
+    adapter_arg,
+    add_common,
+    limit_arg,
+    progress_wanted,
+    rank_arg,
+    refuse_output,
+)
 
 
 def add(sub) -> None:
@@ -56,6 +64,7 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_output(args.output, [path for path, _ in args.adapters], args.force)
     from ..tools.merge import merge
 
     res = merge(

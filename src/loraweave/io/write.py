@@ -8,6 +8,7 @@ behind."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import WriteError
+from .output import check_output
 
 log = logging.getLogger("loraweave")
 
@@ -46,31 +48,6 @@ for _attr, _name in (
 COPY_CHUNK = 64 * 1024 * 1024  # bytes per read/write when copying raw tensor data between files
 
 
-def check_output(
-    target: str | os.PathLike,
-    inputs: Sequence[str | os.PathLike],
-    overwrite: bool = False,
-    folder: bool = False,
-) -> Path:
-    """Refuse a target that is (or lies inside, or contains) an input, whose folder does not exist, of the
-    other kind (a file where a folder is written, or the reverse), or that exists unless overwrite."""
-    out = Path(target).resolve()
-    for item in inputs:
-        src = Path(item).resolve()
-        if out == src or src.is_relative_to(out) or out.is_relative_to(src):
-            raise WriteError(f"output {target} would overwrite input {item}")
-    if not out.parent.is_dir():  # never create folders the user did not ask for (a typo can name '/')
-        raise WriteError(f"output {target}: its folder does not exist (create it first)")
-    if out.exists() and out.is_dir() != folder:
-        want, found = ("a folder", "a file") if folder else ("a file", "a folder")
-        raise WriteError(
-            f"output {target} is {found}; this command writes {want} there (name another output)"
-        )
-    if out.exists() and not overwrite:
-        raise WriteError(f"output {target} exists (pass --force to replace it)")
-    return out
-
-
 def _umask() -> int:
     mask = os.umask(0o022)  # the only portable read of the umask is to set it and put it back
     os.umask(mask)
@@ -80,6 +57,14 @@ def _umask() -> int:
 def _honour_umask(path: Path, folder: bool) -> None:
     """mkstemp/mkdtemp create 0600/0700; an output gets what open()/mkdir() would give it under the umask."""
     os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
+
+
+def honour_umask_under(folder: Path) -> None:
+    """Every file under `folder` gets the mode open() gives under the umask (safetensors writes 0600)."""
+    mode = 0o666 & ~_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -255,6 +240,15 @@ class StreamingWriter:
 
     def abort(self) -> None:
         self._file.close()
+
+
+def data_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of the bytes `save_file` writes after the header: the AddNet hash A1111 and kohya
+    (`sshs_model_hash`) give the file, known before the header that may carry it is written."""
+    digest = hashlib.sha256()
+    for tensor in tensors.values():
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 def save_file(

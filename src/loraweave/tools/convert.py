@@ -18,7 +18,8 @@ import torch
 from ..arguments import positive_int
 from ..errors import ArgumentError, ConvertError, EmptyOutputError
 from ..formats.adapter import load_adapter
-from ..io.write import check_output, save_file
+from ..io.output import check_output
+from ..io.write import save_file
 from ..progress import bar
 from ..resolve.planner import PlannedPart, resolve
 from .convert_parts import (

@@ -16,7 +16,8 @@ from ..errors import ConvertError
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
 from ..formats.keys import TEXTUAL_INVERSION
-from ..io.write import atomic_path, check_output, save_file
+from ..io.output import check_output
+from ..io.write import atomic_path, save_file
 from ..resolve.planner import PlannedPart, resolve
 from ..resolve.target import Components
 
@@ -165,12 +166,7 @@ def self_check(tensors, metadata, config, components: Components, out: Path, pla
             f"converted keys would not land ({check.unmatched[0]['key']}: "
             f"{check.unmatched[0]['reason']}); nothing written to {out}"
         )
-    before = {
-        (pp.component, p.module)
-        for pp in plan.planned
-        for p in pp.pieces
-        if _changes(pp, p)
-    }
+    before = {(pp.component, p.module) for pp in plan.planned for p in pp.pieces if _changes(pp, p)}
     after = {(pp.component, p.module) for pp in check.planned for p in pp.pieces}
     if not before <= after:
         raise ConvertError(

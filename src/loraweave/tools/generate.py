@@ -77,6 +77,7 @@ class GenerateRequest:
     height: int = 512
     device: str = "cpu"
     dtype: str = "fp32"
+    threads: int | None = None  # torch threads while sampling (None: torch's default; serve's replicas' too)
     arch: str | None = None
     config: str | None = None
     strict: bool = False
@@ -95,6 +96,7 @@ class GenerateResult:
     parameters: str  # the infotext written into the PNG
     report: dict | None  # loraweave apply report (None: no adapter)
     seconds: dict[str, float]
+    quantized_layers: int | None = None  # with --quantize: layers SDNQ quantized (0: all under its floor)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,7 +126,7 @@ def check_png(output: str | os.PathLike) -> None:
 
 def check_outputs(req: GenerateRequest) -> None:
     """The PNG and its sidecar: refused before anything loads when one exists (no --force) or is an input."""
-    from ..io.write import check_output
+    from ..io.output import check_output
 
     inputs = [req.model, *(path for path, _ in req.loras)]
     for target in (Path(req.output), Path(req.output).with_suffix(".json")):
@@ -148,6 +150,7 @@ def validate(req: GenerateRequest) -> None:
             f"-H must be a positive multiple of 8 up to {MAX_SIDE}, got {req.height}",
         ),
         (req.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {req.dtype!r}"),
+        (req.threads is None or req.threads >= 1, f"--threads must be at least 1, got {req.threads}"),
         (
             req.apply_mode in APPLY_MODES,
             f"--lora-apply-mode must be one of {APPLY_MODES}, got {req.apply_mode!r}",
@@ -211,7 +214,7 @@ def _device(name: str):
 
 
 @contextlib.contextmanager
-def _loading_bars(show: bool):
+def loading_bars(show: bool):
     """diffusers' and transformers' loading bars follow `show` (they ignore whether stderr is a terminal)."""
     from diffusers.utils import logging as dlog
     from transformers.utils import logging as tlog
@@ -232,7 +235,7 @@ def load_pipeline(req: GenerateRequest):
 
     dtype = _torch_dtype(req.dtype)
     try:
-        with _loading_bars(req.progress), warnings.catch_warnings():
+        with loading_bars(req.progress), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated", category=FutureWarning)
             if Path(req.model).is_dir():
                 return diffusers.DiffusionPipeline.from_pretrained(
@@ -345,7 +348,9 @@ def parameters(req: GenerateRequest, pipe, seed: int, specs: list[AdapterSpec], 
         "Loraweave": report.summary() if report is not None else None,
         "Version": f"loraweave {__version__}",
     }
-    return it.infotext(req.prompt, req.negative, params)
+    # --lora files as the tags A1111 reads back (its "Lora hashes" alone applies nothing on re-use)
+    flagged = [f"<lora:{Path(path).stem}:{strength:g}>" for path, strength in req.loras]
+    return it.infotext(" ".join([req.prompt, *flagged]).strip(), req.negative, params)
 
 
 def write_outputs(image, out: Path, text: str, sidecar: dict) -> Path:
@@ -398,9 +403,28 @@ def _sample_maybe_streamed(pipe, req: GenerateRequest, prompt: str, seed: int, d
 def generate(req: GenerateRequest) -> GenerateResult:
     """Run one request end to end. Raises GenerateError (bad input), PromptAdapterError (unknown tag name) or
     StrictApplyError (--strict and some key did not land: nothing is written)."""
+    validate(req)
+    with _torch_threads(req.threads):
+        return _generate(req)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
+    """torch's thread count for one request, put back after (CPU kernels round by thread count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _generate(req: GenerateRequest) -> GenerateResult:
     from ..api import apply
 
-    validate(req)
     device = _device(req.device)
     budget = parse_budget(req.budget)
     clean, specs = adapter_specs(req)
@@ -454,4 +478,5 @@ def generate(req: GenerateRequest) -> GenerateResult:
     side = write_outputs(image, out, text, sidecar)
     seconds["write"] = round(time.perf_counter() - t["sample"], 4)
     log.info("generate output=%s seed=%d adapters=%d seconds=%s", out, seed, len(specs), seconds)
-    return GenerateResult(str(out), str(side), seed, clean, text, sidecar["report"], seconds)
+    layers = quantized if req.quantize else None
+    return GenerateResult(str(out), str(side), seed, clean, text, sidecar["report"], seconds, layers)

@@ -23,7 +23,8 @@ import torch
 from ..arguments import positive_int, strength
 from ..errors import ArgumentError, EmptyOutputError, MergeError
 from ..formats.adapter import Adapter, load_adapter
-from ..io.write import check_output, save_file
+from ..io.output import check_output
+from ..io.write import save_file
 from ..progress import bar
 from ..resolve.planner import PlannedPart, resolve
 from ..resolve.target import Components, as_components
