@@ -22,15 +22,17 @@ def add(sub) -> None:
     p = sub.add_parser(
         "merge",
         help="merge several adapters at their strengths into one LoRA file",
-        description="Write A at strength 0.7 plus B at 0.5 (and so on) as one LoRA, as kohya's merge_lora.py "
-        "and svd_merge_lora.py do. Every file is resolved against the model (detected, or --arch/--model), "
-        "so files of different layouts meet on the same modules. LoRA parts are concatenated along the rank "
-        "with strength·alpha/rank folded into their up factors (alpha = rank): applying the result equals "
-        "applying the sources at their strengths, to fp32 rounding. LoKr/LoHa/full parts join as the SVD of "
-        "their ΔW and need --rank. With --rank R, every module whose concatenated rank is above R is "
-        "truncated by SVD and its captured share of Σσ² reported. The output records its sources and "
-        "strengths, keeps trigger phrases and tag counts of all, and is written atomically (nothing on "
-        "failure).",
+        description="Example: loraweave merge A.safetensors:0.7 B.safetensors:0.5 -o AB.safetensors "
+        "[--rank 32]. "
+        "Writes A at strength 0.7 plus B at 0.5 (and so on) as one LoRA, as kohya's merge_lora.py and "
+        "svd_merge_lora.py do. Every file is resolved against the model (detected, or --arch/--model), so"
+        " files of different layouts meet on the same modules. LoRA parts are concatenated along the rank"
+        " with strength·alpha/rank folded into their up factors (alpha = rank): applying the result "
+        "equals applying the sources at their strengths, to fp32 rounding. LoKr/LoHa/full parts join as "
+        "the SVD of their ΔW and need --rank. With --rank R, every module whose concatenated rank is "
+        "above R is truncated by SVD and its captured share of Σσ² reported. The output records its "
+        "sources and strengths, keeps trigger phrases and tag counts of all, and is written atomically "
+        "(nothing on failure).",
     )
     p.add_argument(
         "adapters",
