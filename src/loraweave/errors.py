@@ -179,6 +179,11 @@ class ConvertError(LoraweaveError):
     """The target layout cannot express this adapter (or part of it); nothing was written."""
 
 
+class MergeError(LoraweaveError):
+    """Adapters that cannot be merged into one file (different architectures, incompatible shapes, a family
+    that needs the base weight); the message names the file and key. Nothing is written."""
+
+
 class GenerateError(LoraweaveError, ValueError):
     """A generate request that cannot run: bad argument, missing or unreadable model, failed sampling."""
 
