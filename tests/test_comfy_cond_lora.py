@@ -20,7 +20,7 @@ import torch
 from helpers.comfy_env import import_comfy, prompt_executor
 from helpers.comfy_hooks import STEPS, ForwardCounter, HookPatchCounter, build_case, publish, register_nodes
 from helpers.comfy_hooks import workflow as make_workflow
-from helpers.comfy_sampling import CAPTURED, CallCounter, StubServer, unload_all
+from helpers.comfy_sampling import CAPTURED, CallCounter, StubServer, kohya_flux_lora, unload_all
 
 from loraweave.comfy.conditioning import COND_KEY, KEY
 
@@ -143,3 +143,21 @@ def test_errors_name_the_file_and_change_nothing(cases, lora, strength, node, wo
         assert lora in error["exception_message"], error
     assert snapshot(case.patcher) == before
     assert COND_KEY not in cond[0][1] and KEY not in case.patcher.attachments
+
+
+def test_script_api_takes_a_state_dict_and_leaves_the_input(cases):
+    from loraweave.comfy import conditioning_lora
+    from loraweave.errors import ArgumentError, ArgumentTypeError
+
+    case = cases["flux"]
+    cond = case.conds["pos"]
+    sd = kohya_flux_lora(case.patcher, seed=21)
+    out = conditioning_lora(conditioning_lora(cond, sd, 0.5), sd, 0.8, 0.25, 0.75)
+    first, second = out[0][1][COND_KEY]
+    assert (first.strength, first.window, second.strength) == (0.5, None, 0.8)
+    assert (second.window.start, second.window.end) == (0.25, 0.75)
+    assert out[0][0] is cond[0][0] and COND_KEY not in cond[0][1]
+    with pytest.raises(ArgumentError):
+        conditioning_lora(cond, sd, 1.0, 0.6, 0.4)
+    with pytest.raises(ArgumentTypeError):
+        conditioning_lora(case.patcher, sd)
