@@ -7,11 +7,10 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
-from helpers.common import gen
+from helpers.common import gen, random_q4k_blocks
 from loraweave.quant.bnb import BACKEND as BNB
 from loraweave.quant.gguf import BACKEND as GGUF
 from loraweave.quant.quanto import BACKEND as QUANTO
@@ -79,17 +78,6 @@ def _quanto(kind: str):
     return build
 
 
-def _q4k_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random but well-formed Q4_K super-blocks (the gguf package cannot quantize K-quants): small f16 d/dmin,
-    random 6-bit scales/mins and 4-bit codes."""
-    rng = np.random.default_rng(seed)
-    n = rows * cols // 256
-    blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
-    blocks[:, 0:2] = np.full(n, 2e-4, dtype=np.float16).view(np.uint8).reshape(n, 2)
-    blocks[:, 2:4] = np.full(n, 1e-4, dtype=np.float16).view(np.uint8).reshape(n, 2)
-    return blocks.reshape(rows, cols // 256 * 144)
-
-
 def _gguf(kind: str):
     def build(model: nn.Module) -> nn.Module:
         import gguf
@@ -103,7 +91,8 @@ def _gguf(kind: str):
             for i, name in enumerate(LAYERS):
                 lin = model.get_submodule(name)
                 if kind == "Q4_K":
-                    blocks = _q4k_blocks(lin.out_features, lin.in_features, seed=10 + i)
+                    rows, cols = lin.out_features, lin.in_features
+                    blocks = random_q4k_blocks(rows, cols, seed=10 + i, d=2e-4, dmin=1e-4)
                 else:
                     blocks = gguf.quants.quantize(lin.weight.detach().numpy(), qtype)
                 writer.add_tensor(f"{name}.weight", blocks, raw_dtype=qtype)
