@@ -69,7 +69,7 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
         {"conditioning", "lora_name", "strength", "start_percent", "end_percent"},
         ("CONDITIONING",),
     ),
-    "LoraWeaveConditioningRuntime": ({"model"}, ("MODEL",)),
+    "LoraWeaveConditioningRuntime": ({"model", "core_lora_hooks"}, ("MODEL",)),
 }
 
 

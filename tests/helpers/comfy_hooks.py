@@ -122,7 +122,8 @@ class Graph:
 
 
 def lora_on(g: Graph, how: str, cond: list, lora: str, strength: float, window=(0.0, 1.0)) -> list:
-    """`cond` with `lora` on it, the core hook way or ours."""
+    """`cond` with `lora` on it, ours or the core hook way (also for "accelerated": core hooks run by our
+    model node)."""
     if how == "ours":
         return g.add(
             "LoraWeaveConditioningLoRA",
@@ -146,11 +147,12 @@ def lora_on(g: Graph, how: str, cond: list, lora: str, strength: float, window=(
 def workflow(case: Case, kind: str, how: str, tag: str) -> dict:
     """kind: "positive" (a LoRA on the positive only), "regions" (two masked prompts, a LoRA each, the
     second's from WINDOW[0] to WINDOW[1] of the steps), "window" (the positive's LoRA in WINDOW); how:
-    "core", "ours" or "none"."""
+    "core", "ours", "accelerated" (the core graph, its MODEL through our node with core_lora_hooks on) or
+    "none"."""
     g = Graph()
     model = g.add("LWTestModelSource", name=f"{case.name}_model")
-    if how == "ours":
-        model = g.add("LoraWeaveConditioningRuntime", model=model)
+    if how in ("ours", "accelerated"):
+        model = g.add("LoraWeaveConditioningRuntime", model=model, core_lora_hooks=how == "accelerated")
     c = {k: g.add("LWTestCond", name=f"{case.name}_{k}") for k in ("pos", "neg", "a", "b")}
     a, b = case.loras
     if kind == "regions":

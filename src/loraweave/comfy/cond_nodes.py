@@ -73,7 +73,16 @@ class LoraWeaveConditioningRuntime(io.ComfyNode):
             NEEDS_RUNTIME,
             "Runs the LoRAs that LoraWeave Conditioning LoRA nodes put on the conditionings sampled with "
             "this MODEL: each sample of ComfyUI's usual batch with its own LoRAs, in one forward.",
-            inputs=[io.Model.Input("model")],
+            inputs=[
+                io.Model.Input("model"),
+                io.Boolean.Input(
+                    "core_lora_hooks",
+                    default=False,
+                    optional=True,
+                    tooltip="Also run ComfyUI's own LoRA hooks (Create Hook LoRA, with keyframes) this way: "
+                    "one batch, no weight re-patched per hook group. Other hook kinds stay with ComfyUI.",
+                ),
+            ],
             outputs=[
                 io.Model.Output(
                     tooltip="The model, ready for conditionings that carry LoRAs (unchanged else)."
@@ -82,8 +91,8 @@ class LoraWeaveConditioningRuntime(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model) -> io.NodeOutput:
-        return io.NodeOutput(conditioning_runtime(model))
+    def execute(cls, model, core_lora_hooks=False) -> io.NodeOutput:
+        return io.NodeOutput(conditioning_runtime(model, core_lora_hooks))
 
 
 COND_NODES: list[type[io.ComfyNode]] = [LoraWeaveConditioningLoRA, LoraWeaveConditioningRuntime]

@@ -171,9 +171,14 @@ class ConditioningRuntime:
     """The model side's attachment (shared by the clones of the MODEL it is on): the last build and the run
     in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, core_hooks: bool = False) -> None:
         self.built: Built | None = None
         self.running: Batching | None = None
+        self.hooks = None
+        if core_hooks:  # opt-in: core LoRA hooks run through this path too (comfy/core_hooks.py)
+            from .core_hooks import HookRecords
+
+            self.hooks = HookRecords()
 
     def on_model_patcher_clone(self) -> ConditioningRuntime:
         return self
@@ -219,6 +224,9 @@ class ConditioningRuntime:
     def outer_sample(self, executor, *args, **kwargs):
         """OUTER_SAMPLE wrapper: sample with the clone carrying the conds' LoRAs, then the base again."""
         guider = executor.class_obj
+        if self.hooks is not None:
+            converted = self.hooks.convert((guider.conds or {}).values())
+            log.debug("comfy core_lora_hooks converted=%d", converted)
         requests = requests_in(guider.conds)
         if not requests:
             return executor(*args, **kwargs)
@@ -242,17 +250,17 @@ class ConditioningRuntime:
         return executor(x, t, *args, **kwargs)
 
 
-def conditioning_runtime(model):
+def conditioning_runtime(model, core_lora_hooks: bool = False):
     """A clone of `model` that runs the LoRAs its conditionings carry (`conditioning_lora`) in one batched
-    forward at sampling. The input is not modified."""
+    forward at sampling; `core_lora_hooks`: also the conds' core LoRA hooks (comfy/core_hooks.py). The input
+    is not modified."""
     from comfy.patcher_extension import WrappersMP
 
     from .host import diffusion_patcher
 
     diffusion_patcher(model)
     clone = model.clone()
-    found = clone.get_attachment(KEY) if hasattr(clone, "get_attachment") else None
-    runtime = found if isinstance(found, ConditioningRuntime) else ConditioningRuntime()
+    runtime = ConditioningRuntime(bool(core_lora_hooks))
     clone.set_attachments(KEY, runtime)
     wrappers = (
         (WrappersMP.OUTER_SAMPLE, runtime.outer_sample),
