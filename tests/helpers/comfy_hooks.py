@@ -18,10 +18,10 @@ from .comfy_env import COMFYUI_DIR, import_comfy
 from .comfy_models import tiny_sd_unet
 from .comfy_sampling import REGISTRY, TEST_NODES, kohya_flux_lora, source_node, tiny_flux_patcher
 
-STEPS = 4
+STEPS = 3
 CFG = 2.0  # above 1: the negative runs too (cfg 1 skips it)
 MASK_INPUTS = {"strength": 1.0, "set_cond_area": "default"}  # ConditioningSetMask's widgets
-WINDOW = (0.3, 0.8)  # start/end percent: steps 0 and 3 of 4 off (no keyframe ties at the step sigmas)
+WINDOW = (0.3, 0.6)  # start/end percent: only step 1 of 3 (at ~0.33) on; no keyframe ties at step sigmas
 
 
 @dataclass
