@@ -78,6 +78,11 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
         ("MODEL", "STRING"),
     ),
     "LoraWeaveInspect": ({"lora_name", "model", "clip"}, ("STRING", "STRING", "IMAGE")),
+    "LoraWeaveConditioningLoRA": (
+        {"conditioning", "lora_name", "strength", "start_percent", "end_percent"},
+        ("CONDITIONING",),
+    ),
+    "LoraWeaveConditioningRuntime": ({"model", "core_lora_hooks"}, ("MODEL",)),
 }
 
 
