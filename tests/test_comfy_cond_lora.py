@@ -163,3 +163,35 @@ def test_script_api_takes_a_state_dict_and_leaves_the_input(cases):
         conditioning_lora(cond, sd, 1.0, 0.6, 0.4)
     with pytest.raises(ArgumentTypeError):
         conditioning_lora(case.patcher, sd)
+
+
+def test_a_lora_stack_equals_chaining_the_node(cases, monkeypatch):
+    """lora_stack rows (each at its model_strength) then lora_name: the LATENT of the node chained once per
+    LoRA; without the stack row's LoRA the LATENT differs (the row was applied, at its strength)."""
+    import nodes
+
+    from loraweave.comfy.nodes import LoraWeaveStack
+
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "LoraWeaveStack", LoraWeaveStack)
+    case = cases["flux"]
+    publish(case, monkeypatch)
+    a, b = case.loras
+    latents = {}
+    for how in ("stack", "chain", "b only"):
+        prompt = make_workflow(case, "positive", "ours", how)
+        ours = next(n for n in prompt.values() if n["class_type"] == "LoraWeaveConditioningLoRA")
+        ours["inputs"] |= {"lora_name": b, "strength": 1.2}
+        if how == "stack":
+            row = {"lora_name": a, "model_strength": 0.9, "clip_strength": 0.0, "enabled": True}
+            prompt["stack"] = {"class_type": "LoraWeaveStack", "inputs": row}
+            ours["inputs"]["lora_stack"] = ["stack", 0]
+        elif how == "chain":
+            first = {**ours["inputs"], "lora_name": a, "strength": 0.9}
+            prompt["first"] = {"class_type": "LoraWeaveConditioningLoRA", "inputs": first}
+            ours["inputs"]["conditioning"] = ["first", 0]
+        node_errors, ex = execute(prompt)
+        assert ex is not None and ex.success, node_errors or ex.status_messages
+        latents[how] = CAPTURED[how]
+    unload_all(case.patcher)
+    assert rel(latents["stack"], latents["chain"]) < REL_TOL, rel(latents["stack"], latents["chain"])
+    assert rel(latents["b only"], latents["chain"]) > 20 * REL_TOL, "the stack row changed nothing"
