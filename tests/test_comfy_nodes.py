@@ -82,6 +82,10 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
         {"conditioning", "lora_name", "strength", "start_percent", "end_percent", "lora_stack"},
         ("CONDITIONING",),
     ),
+    "LoraWeaveConditioningTextEncode": (
+        {"clip", "text", "lora_name", "strength", "strength_clip", "start_percent", "end_percent"},
+        ("CONDITIONING",),
+    ),
     "LoraWeaveConditioningRuntime": ({"model", "core_lora_hooks"}, ("MODEL",)),
 }
 
