@@ -1,0 +1,296 @@
+"""The differential against ComfyUI's newest key maps (tests/test_comfy_key_differential.py): on each tiny
+ComfyUI model (helpers.comfy_arch_cases, helpers.comfy_models), ComfyUI's own `model_lora_keys_unet` /
+`model_lora_keys_clip` (comfy/lora.py) on the real module tree give every key prefix it lands and where (a
+weight, and for a fused key its rows); a LoRA file per layout (prefix family) over every such prefix then goes
+through loraweave's ComfyUI planner (`plan_for_patcher` / `plan_for_clip`, nothing is written), and each key
+must land on the same weight and rows. Misses that stay are named here with their reason (NAMED_MISSES) and
+printed in docs/support-matrix.md (`table_lines`, written by scripts/support_matrix.py)."""
+
+from __future__ import annotations
+
+import collections
+import re
+import textwrap
+from dataclasses import dataclass, field
+
+import torch
+
+# Key prefixes of the layouts ComfyUI's maps write, longest first; a prefix none of these starts is "bare".
+PREFIXES = (
+    "unet.base_model.model.",
+    "base_model.model.",
+    "lora_transformer_",
+    "lora_prior_unet_",
+    "diffusion_model.",
+    "text_encoders.",
+    "text_encoder_2.",
+    "text_encoder.",
+    "transformer.",
+    "lora_prior_te_",
+    "lora_unet_",
+    "lycoris_",
+    "lora_te1_",
+    "lora_te2_",
+    "lora_te3_",
+    "lora_te_",
+    "unet.",
+)
+# The LoRA spellings ComfyUI's LoRAAdapter.load reads after a prefix (up, down), in its order.
+SUFFIXES = (
+    (".lora_up.weight", ".lora_down.weight"),
+    ("_lora.up.weight", "_lora.down.weight"),
+    (".lora_B.weight", ".lora_A.weight"),
+    (".lora.up.weight", ".lora.down.weight"),
+    (".lora_B", ".lora_A"),
+    (".lora_linear_layer.up.weight", ".lora_linear_layer.down.weight"),
+    (".lora_B.default.weight", ".lora_A.default.weight"),
+)
+# Cases whose every layout is checked in every spelling (the others in the first, kohya's).
+EVERY_SPELLING = ("sd15", "flux")
+# ComfyUI CLIPs checked with `model_lora_keys_clip` (tiny_clip kinds) and the case that carries each.
+CLIPS = {"sd15": "sd1", "sdxl": "sdxl", "flux": "flux"}
+
+Where = tuple[str, int, int]  # (weight key without `.weight`, first row, rows)
+
+
+@dataclass(frozen=True)
+class NamedMiss:
+    pattern: str  # regex over the file key prefix
+    why: str
+
+
+# Keys ComfyUI lands that loraweave does not, by case: each with its reason (also in the support matrix).
+_FLUX_ON_FLUX2 = NamedMiss(
+    r"(transformer\.|lycoris_|lora_transformer_)?(transformer_blocks_?\.?\d+.?ff(_context)?.?net"
+    r"|single_transformer_blocks_?\.?\d+.?(attn.?to_[qkv]|proj_mlp|proj_out)|time_text_embed).*",
+    "Flux.1's diffusers names on a Flux.2 model: ComfyUI's one Flux key map (comfy.utils.flux_to_diffusers) "
+    "serves both; Flux.2 files use Flux.2's names (ff.linear_in, attn.to_qkv_mlp_proj), which land",
+)
+_FLUX2_ON_FLUX = NamedMiss(
+    r".*(ff(_context)?.?linear_(in|out)|attn.?to_qkv_mlp_proj|single_transformer_blocks.?\d+.?attn.?to_out)$",
+    "Flux.2's diffusers names on a Flux.1 model (the same shared map, the other way round)",
+)
+NAMED_MISSES: dict[str, tuple[NamedMiss, ...]] = {
+    "flux2": (
+        _FLUX_ON_FLUX2,
+        NamedMiss(
+            r"diffusion_model\.single_blocks\.\d+\.linear1_qkv",
+            "USO's single-block `linear1_qkv` (Flux.1's q, k, v rows of linear1) on Flux.2: USO is a Flux.1 "
+            "LoRA; Flux.2's fused `to_qkv_mlp_proj` has no table row range for it",
+        ),
+    ),
+    "flux": (_FLUX2_ON_FLUX,),
+    "chroma": (_FLUX2_ON_FLUX,),
+    "lumina2": (
+        NamedMiss(
+            r".*(attention.?to_(q|k|v|out.?0)|all_final_layer.?2-1.*|all_x_embedder.?2-1)$",
+            "Z-Image's diffusers names on a Lumina 2 model: ComfyUI's one NextDiT map "
+            "(comfy.utils.z_image_to_diffusers) serves both; they are another architecture's file",
+        ),
+    ),
+    "sdxl": (
+        NamedMiss(
+            r"(lora_unet_|lycoris_|unet\.)?class_embedding.?linear_[12]",
+            "diffusers' name of unCLIP's class embedding on SDXL, whose diffusers name is add_embedding "
+            "(lands); no SDXL file spells it so",
+        ),
+    ),
+    "sdxl-clip": (
+        NamedMiss(
+            r"lora_prior_te_text_projection",
+            "Stable Cascade's prior text-projection key on clip_g (no Stable Cascade architecture)",
+        ),
+    ),
+    "flux-clip": (
+        NamedMiss(
+            r"text_encoders\.(t5xxl\.)?transformer\..*",
+            "ComfyUI's generic `text_encoders.` spelling of T5 (its LoRA extract node writes it): the "
+            "encoder's component depends on the model (Flux's 2nd, SD3's 3rd); clip_l / clip_g land",
+        ),
+    ),
+}
+
+
+@dataclass
+class LayoutResult:
+    case: str
+    layout: str
+    comfy: int  # keys ComfyUI's map lands
+    ours: int  # of those, keys loraweave lands on the same weight and rows
+    missed: list[str] = field(default_factory=list)
+    wrong: list[tuple[str, list[Where], list[Where]]] = field(default_factory=list)
+    spellings: int = 1
+    model_class: str = ""  # ComfyUI's supported_models class
+
+
+def layout_of(prefix: str) -> str:
+    return next((p for p in PREFIXES if prefix.startswith(p)), "bare")
+
+
+def _grouped(key_map: dict, state: dict[str, torch.Tensor], strip: str) -> dict[str, dict[str, tuple]]:
+    """{layout: {file prefix: (weight, first row, rows, input width)}} of the 2-D weights the map names."""
+    out: dict[str, dict[str, tuple]] = collections.defaultdict(dict)
+    for prefix, value in key_map.items():
+        value = value if isinstance(value, tuple) else (value,)
+        weight, rows = value[0], (value[1] if len(value) > 1 else None)
+        if len(value) > 2 and value[2] is not None:
+            continue  # a row function (SD3's swap_scale_shift): reorders rows, no plain landing to compare
+        if not weight.endswith(".weight") or weight not in state or state[weight].ndim != 2:
+            continue  # a weight this model lacks never lands; 1-D weights take no LoRA
+        out_rows, width = state[weight].shape
+        start, count = (rows[1], rows[2]) if rows else (0, out_rows)
+        out[layout_of(prefix)][prefix] = (
+            weight.removeprefix(strip).removesuffix(".weight"),
+            start,
+            count,
+            width,
+        )
+    return out
+
+
+def _lora_file(entries: dict[str, tuple], up: str, down: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for prefix, (_, _, rows, width) in entries.items():
+        sd[prefix + down] = torch.randn(2, width, generator=g)
+        sd[prefix + up] = torch.randn(rows, 2, generator=g)
+    return sd
+
+
+def _landed(plan, prefix_of_component) -> dict[str, list[Where]]:
+    """{file key: [(weight, first row, rows)]}, contiguous pieces on one module joined."""
+    out: dict[str, list[Where]] = {}
+    for pp in plan.planned:
+        pieces = sorted(
+            (prefix_of_component(pp.component) + p.module, p.dst_start, p.length) for p in pp.pieces
+        )
+        joined: list[Where] = []
+        for module, start, rows in pieces:
+            if joined and joined[-1][0] == module and joined[-1][1] + joined[-1][2] == start:
+                joined[-1] = (module, joined[-1][1], joined[-1][2] + rows)
+            else:
+                joined.append((module, start, rows))
+        out.update({key: joined for key in pp.part.keys})
+    return out
+
+
+def _compare(case: str, layout: str, entries: dict, landed: dict, up: str) -> LayoutResult:
+    result = LayoutResult(case, layout, len(entries), 0)
+    for prefix, (weight, start, rows, _) in entries.items():
+        got, want = landed.get(prefix + up), [(weight, start, rows)]
+        if got is None:
+            result.missed.append(prefix)
+        elif got != want:
+            result.wrong.append((prefix, got, want))
+        else:
+            result.ours += 1
+    return result
+
+
+def unet_results(case: str, patcher) -> list[LayoutResult]:
+    """Every layout of ComfyUI's diffusion-model key map on `patcher`'s real module tree."""
+    import comfy.lora
+
+    from loraweave.comfy.api import read_lora
+    from loraweave.comfy.targets import plan_for_patcher
+
+    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
+    groups = _grouped(key_map, patcher.model.state_dict(), "diffusion_model.")
+    results = []
+    spellings = SUFFIXES if case in EVERY_SPELLING else SUFFIXES[:1]
+    for layout, entries in sorted(groups.items()):
+        per_spelling = []
+        for up, down in spellings:
+            plan = plan_for_patcher(patcher, read_lora(_lora_file(entries, up, down)))
+            per_spelling.append(_compare(case, layout, entries, _landed(plan, lambda _: ""), up))
+        first = per_spelling[0]
+        for other in per_spelling[1:]:  # every spelling lands what the first does, nothing else
+            first.missed += [k for k in other.missed if k not in first.missed]
+            first.wrong += other.wrong
+        first.spellings = len(spellings)
+        first.model_class = type(patcher.model.model_config).__name__
+        results.append(first)
+    return results
+
+
+def clip_results(case: str, clip) -> list[LayoutResult]:
+    """Every layout of ComfyUI's text-encoder key map on a ComfyUI CLIP."""
+    import comfy.lora
+
+    from loraweave.comfy.api import read_lora
+    from loraweave.comfy.targets import plan_for_clip
+
+    key_map = comfy.lora.model_lora_keys_clip(clip.cond_stage_model, {})
+    groups = _grouped(key_map, clip.cond_stage_model.state_dict(), "")
+    up, down = SUFFIXES[0]
+    results = []
+    for layout, entries in sorted(groups.items()):
+        plan = plan_for_clip(clip, read_lora(_lora_file(entries, up, down)))
+        landed = _landed(plan, lambda component: f"{component}.")
+        results.append(_compare(f"{case}-clip", layout, entries, landed, up))
+        results[-1].model_class = type(clip.cond_stage_model).__name__
+    return results
+
+
+def unnamed(result: LayoutResult) -> list[str]:
+    """The result's misses no NAMED_MISSES entry of its case explains."""
+    named = NAMED_MISSES.get(result.case, ())
+    return [k for k in result.missed if not any(re.fullmatch(n.pattern, k) for n in named)]
+
+
+def named_reasons(results: list[LayoutResult]) -> dict[tuple[str, str], int]:
+    """{(case, reason): keys} of the named misses that occur."""
+    out: dict[tuple[str, str], int] = collections.Counter()
+    for r in results:
+        for key in r.missed:
+            hit = next((n for n in NAMED_MISSES.get(r.case, ()) if re.fullmatch(n.pattern, key)), None)
+            if hit is not None:
+                out[r.case, hit.why] += 1
+    return out
+
+
+TABLE_HEADING = "## Keys ComfyUI's newest key maps land"
+_PREAMBLE = (
+    "Generated from tests/test_comfy_key_differential.py (ComfyUI 0.33, master of 2026-08-22): on a tiny "
+    "ComfyUI model of each class, `comfy.lora.model_lora_keys_unet` / `model_lora_keys_clip` give every key "
+    "ComfyUI lands (2-D weights; rows for fused keys); a LoRA over them per layout goes through loraweave's "
+    "ComfyUI planner. `loraweave`: keys landing on the same weight and rows; `missed`: keys ComfyUI lands "
+    "and loraweave does not, each named below. Cases sd15 and flux run every LoRA spelling ComfyUI reads. "
+    "Not in it yet: Krea 2, MiniMax-H3, Ideogram 4 and Wan Animate 2 (classes of the newest tree only, with "
+    "no tiny ComfyUI build here and no ComfyUI facets in their records: the pack plans their keys on "
+    "ComfyUI's own module names only, so Krea 2's diffusers-named keys, which ComfyUI maps, do not land)."
+)
+
+
+def table_lines(results: list[LayoutResult]) -> list[str]:
+    """The support matrix's section: one row per case and layout, then the named misses."""
+    lines = [
+        TABLE_HEADING,
+        "",
+        *textwrap.wrap(_PREAMBLE, 108),
+        "",
+        "| case (ComfyUI class) | layout | ComfyUI | loraweave | missed |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        case = f"{r.case} ({r.model_class})"
+        lines.append(f"| {case} | `{r.layout}` | {r.comfy} | {r.ours} | {len(r.missed) + len(r.wrong)} |")
+    lines += ["", "| case | keys | why loraweave does not land them |", "|---|---|---|"]
+    lines += [f"| {case} | {n} | {why} |" for (case, why), n in sorted(named_reasons(results).items())]
+    return lines
+
+
+def all_results() -> list[LayoutResult]:
+    """Every case's results on the imported ComfyUI tree (builds each tiny model once, one at a time)."""
+    from .comfy_arch_cases import CASES
+    from .comfy_models import BUILDERS
+
+    builders = {name: case.build for name, case in CASES.items()}
+    builders |= {name: build for name, build in BUILDERS.items() if name not in builders}
+    results: list[LayoutResult] = []
+    for name, build in builders.items():
+        m = build()
+        results += unet_results(name, m.patcher)
+        if name in CLIPS:
+            results += clip_results(name, m.clip)
+    return results
