@@ -249,7 +249,16 @@ def named_reasons(results: list[LayoutResult]) -> dict[tuple[str, str], int]:
     return out
 
 
-TABLE_HEADING = "## Keys ComfyUI's newest key maps land"
+TABLE_HEADING = "## Keys ComfyUI's newest key maps and diffusers' converters land"
+_CONVERTERS = (
+    "diffusers 0.42.1's converters (lora_conversion_utils), run on a LoRA over every Linear of the same "
+    "ComfyUI model under its original names, one module at a time (`modules`): `diffusers` counts the keys a "
+    "converter turns into modules of the case's diffusers twin; `loraweave` those loraweave lands on the "
+    "twin on the same rows (row for row, swapped halves included); `loraweave, all`: of all `modules`, the "
+    "keys loraweave lands on the twin (a converter refuses some modules alone). Not run: converters that "
+    "read a whole file at once (Flux.2, Lumina 2, Z-Image, Anima, Qwen-Image; their layouts are checked in "
+    "tests/test_arch_*.py)."
+)
 _PREAMBLE = (
     "Generated from tests/test_comfy_key_differential.py (ComfyUI 0.33, master of 2026-08-22): on a tiny "
     "ComfyUI model of each class, `comfy.lora.model_lora_keys_unet` / `model_lora_keys_clip` give every key "
@@ -262,8 +271,10 @@ _PREAMBLE = (
 )
 
 
-def table_lines(results: list[LayoutResult]) -> list[str]:
-    """The support matrix's section: one row per case and layout, then the named misses."""
+def table_lines(all_: Results) -> list[str]:
+    """The support matrix's section: one row per case and layout, the named misses, then diffusers'
+    converters."""
+    results = all_.comfy
     lines = [
         TABLE_HEADING,
         "",
@@ -277,20 +288,140 @@ def table_lines(results: list[LayoutResult]) -> list[str]:
         lines.append(f"| {case} | `{r.layout}` | {r.comfy} | {r.ours} | {len(r.missed) + len(r.wrong)} |")
     lines += ["", "| case | keys | why loraweave does not land them |", "|---|---|---|"]
     lines += [f"| {case} | {n} | {why} |" for (case, why), n in sorted(named_reasons(results).items())]
+    lines += ["", *textwrap.wrap(_CONVERTERS, 108), ""]
+    lines += ["| case | converter | modules | diffusers | loraweave | missed | loraweave, all |"]
+    lines += ["|---|---|---|---|---|---|---|"]
+    for r in all_.diffusers:
+        missed = len(r.missed) + len(r.wrong)
+        row = f"| {r.case} | `{r.converter}` | {r.modules} | {r.lands} | {r.ours} | {missed} | {r.ours_all} |"
+        lines.append(row)
     return lines
 
 
-def all_results() -> list[LayoutResult]:
+# diffusers 0.42.1 converters (diffusers.loaders.lora_conversion_utils), by case: (converter, the layout it
+# reads: key stem of an original module name, LoRA spelling). Fed one module's keys at a time (alpha = rank,
+# so no scale moves values), each converts the module or raises; what it converts names modules and rows of
+# the case's diffusers twin (found by the values of the up rows).
+def _kohya(name: str) -> str:
+    return "lora_unet_" + name.replace(".", "_")
+
+
+def _comfy(name: str) -> str:
+    return "diffusion_model." + name
+
+
+_DOWN_UP = (".lora_up.weight", ".lora_down.weight")
+_A_B = (".lora_B.weight", ".lora_A.weight")
+CONVERTERS = {
+    "flux": ("_convert_kohya_flux_lora_to_diffusers", _kohya, _DOWN_UP),
+    "hunyuan-video": ("_convert_hunyuan_video_lora_to_diffusers", _comfy, _A_B),
+    "wan22-5b": ("_convert_non_diffusers_wan_lora_to_diffusers", _comfy, _A_B),
+    "wan": ("_convert_non_diffusers_wan_lora_to_diffusers", _comfy, _A_B),
+    "ltx-video": ("_convert_non_diffusers_ltxv_lora_to_diffusers", _comfy, _A_B),
+    "ltx2": ("_convert_non_diffusers_ltx2_lora_to_diffusers", _comfy, _A_B),
+    "hidream": ("_convert_non_diffusers_hidream_lora_to_diffusers", _comfy, _A_B),
+}
+
+Rows = dict[tuple[str, int], int]  # (twin module, its row) -> row of the file's up
+
+
+@dataclass
+class ConverterResult:
+    case: str
+    converter: str
+    modules: int  # modules of ComfyUI's model written in the converter's layout
+    lands: int  # keys the converter turns into modules of the twin
+    ours: int  # of those, keys loraweave lands on the same twin rows
+    ours_all: int = 0  # of the `modules`, keys loraweave lands on the twin
+    missed: list[str] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)
+
+
+def _original_file(m, stem_of, up: str, down: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{stem: a rank-2 LoRA (alpha 2)} on every 2-D Linear weight of ComfyUI's model, by its original name."""
+    originals = getattr(m, "originals", None) or {}
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, mod in m.patcher.model.diffusion_model.named_modules():
+        weight = getattr(mod, "weight", None)
+        if not isinstance(mod, torch.nn.Linear) or weight is None or weight.ndim != 2:
+            continue
+        stem = stem_of(originals.get(f"{name}.weight", f"{name}.weight").removesuffix(".weight"))
+        rows, width = weight.shape
+        out[stem] = {
+            stem + down: torch.randn(2, width, generator=g),
+            stem + up: torch.randn(rows, 2, generator=g),
+            stem + ".alpha": torch.tensor(2.0),
+        }
+    return out
+
+
+def _converted_rows(converter, part: dict[str, torch.Tensor], up_key: str, twin: dict) -> Rows | None:
+    try:
+        out = converter({k: v.clone() for k, v in part.items()})
+    except Exception:  # the converter does not take this module alone: it lands nothing here
+        return None
+    index = {tuple(row.tolist()): i for i, row in enumerate(part[up_key])}
+    rows: Rows = {}
+    for key, tensor in out.items():
+        if not key.endswith("lora_B.weight"):
+            continue
+        module = key.removeprefix("transformer.").removesuffix(".lora_B.weight")
+        if getattr(twin.get(module), "weight", None) is None:
+            return None
+        for j, row in enumerate(tensor):
+            if (i := index.get(tuple(row.tolist()))) is None:
+                return None
+            rows[module, j] = i
+    return rows or None
+
+
+def converter_result(case: str, m) -> ConverterResult:
+    """diffusers' converter for the case, module by module, against loraweave on the diffusers twin."""
+    from diffusers.loaders import lora_conversion_utils
+
+    from loraweave.engine.install import resolve_set
+
+    name, stem_of, (up, down) = CONVERTERS[case]
+    converter = getattr(lora_conversion_utils, name)
+    twin = dict(m.diffusers.named_modules())
+    parts = _original_file(m, stem_of, up, down)
+    theirs = {s: r for s, p in parts.items() if (r := _converted_rows(converter, p, s + up, twin))}
+    plan, _ = resolve_set(m.diffusers, {k: v for p in parts.values() for k, v in p.items()}, 1.0)
+    ours: dict[str, Rows] = {}
+    for pp in plan.planned:
+        rows = {(p.module, p.dst_start + t): p.src_start + t for p in pp.pieces for t in range(p.length)}
+        ours.update({k.removesuffix(up): rows for k in pp.part.keys if k.endswith(up)})
+    result = ConverterResult(case, name, len(parts), len(theirs), 0, len(ours))
+    for stem, rows in theirs.items():
+        if stem not in ours:
+            result.missed.append(stem)
+        elif ours[stem] != rows:
+            result.wrong.append(stem)
+        else:
+            result.ours += 1
+    return result
+
+
+@dataclass
+class Results:
+    comfy: list[LayoutResult]
+    diffusers: list[ConverterResult]
+
+
+def all_results() -> Results:
     """Every case's results on the imported ComfyUI tree (builds each tiny model once, one at a time)."""
     from .comfy_arch_cases import CASES
     from .comfy_models import BUILDERS
 
     builders = {name: case.build for name, case in CASES.items()}
     builders |= {name: build for name, build in BUILDERS.items() if name not in builders}
-    results: list[LayoutResult] = []
+    out = Results([], [])
     for name, build in builders.items():
         m = build()
-        results += unet_results(name, m.patcher)
+        out.comfy += unet_results(name, m.patcher)
         if name in CLIPS:
-            results += clip_results(name, m.clip)
-    return results
+            out.comfy += clip_results(name, m.clip)
+        if name in CONVERTERS:
+            out.diffusers.append(converter_result(name, m))
+    return out
