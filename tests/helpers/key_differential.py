@@ -265,9 +265,9 @@ _PREAMBLE = (
     "ComfyUI lands (2-D weights; rows for fused keys); a LoRA over them per layout goes through loraweave's "
     "ComfyUI planner. `loraweave`: keys landing on the same weight and rows; `missed`: keys ComfyUI lands "
     "and loraweave does not, each named below. Cases sd15 and flux run every LoRA spelling ComfyUI reads. "
-    "Not in it yet: Krea 2, MiniMax-H3, Ideogram 4 and Wan Animate 2 (classes of the newest tree only, with "
-    "no tiny ComfyUI build here and no ComfyUI facets in their records: the pack plans their keys on "
-    "ComfyUI's own module names only, so Krea 2's diffusers-named keys, which ComfyUI maps, do not land)."
+    "Krea 2, MiniMax-H3 and Ideogram 4 (classes of the newest tree only) are built from ComfyUI's class at "
+    "tiny widths. Not in it yet: Wan Animate 2 (WAN_Animate2), HiDream-O1 and ACE-Step 1.5 (no loraweave "
+    "architecture yet: issue 41 item 2)."
 )
 
 
@@ -403,6 +403,37 @@ def converter_result(case: str, m) -> ConverterResult:
     return result
 
 
+# Classes of the newest tree only (no tiny build in helpers.comfy_arch_cases, which runs on v0.19.3 too):
+# built from ComfyUI's supported_models class at tiny widths (ComfyUI's ops leave the weights empty:
+# planning reads names and shapes only).
+NEWEST_ONLY = {
+    "krea2": ("Krea2", {"features": 256, "channels": 16, "patch": 2, "layers": 2, "heads": 2, "kvheads": 1,
+                        "txtlayers": 4, "txtdim": 64}),
+    "minimax-h3": ("MiniMaxH3", {"num_layers": 2, "token_refiner_num_layers": 1, "hidden_size": 128,
+                                 "latents_dim": 8, "audio_latents_dim": 8, "attention_head_dim": 64,
+                                 "num_attention_heads": 2, "ffn_hidden_size": 256, "text_dim": 64,
+                                 "time_embed_hidden_size": 128, "time_embed_dim": 64}),
+    "ideogram4": ("Ideogram4", {"in_channels": 32, "num_layers": 2, "num_attention_heads": 2,
+                                "attention_head_dim": 64, "intermediate_size": 256, "adaln_dim": 32,
+                                "llm_features_dim": 64, "mrope_section": [12, 10, 10]}),
+}  # fmt: skip
+
+
+def newest_only_patcher(name: str):
+    """A ModelPatcher of ComfyUI's own class for a NEWEST_ONLY case."""
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    cls, config = NEWEST_ONLY[name]
+    model_config = getattr(comfy.supported_models, cls)(dict(config))
+    model_config.unet_config.update(config)  # over the class's full-size unet_extra_config
+    model_config.set_inference_dtype(torch.float32, None)
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(
+        model_config.get_model({}, ""), load_device=cpu, offload_device=cpu
+    )
+
+
 @dataclass
 class Results:
     comfy: list[LayoutResult]
@@ -424,4 +455,6 @@ def all_results() -> Results:
             out.comfy += clip_results(name, m.clip)
         if name in CONVERTERS:
             out.diffusers.append(converter_result(name, m))
+    for name in NEWEST_ONLY:
+        out.comfy += unet_results(name, newest_only_patcher(name))
     return out
