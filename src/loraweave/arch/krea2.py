@@ -68,7 +68,10 @@ KREA2 = ArchTable(
 
 def _inverted(table: ArchTable) -> tuple[Alias, ...]:
     """The table's one-to-one and fused aliases the other way: diffusers names onto the original modules."""
-    out = [Alias(a.targets[0], (a.source,)) for a in table.aliases if len(a.targets) == 1]
+    whole = [
+        (a.source, t) for a in table.aliases if len(a.targets) == 1 and isinstance(t := a.targets[0], str)
+    ]
+    out = [Alias(target, (source,)) for source, target in whole]
     out += [
         Alias(
             a.source,
