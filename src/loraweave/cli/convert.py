@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .support import FORCE_HELP, add_common, progress_wanted
+from .support import FORCE_HELP, add_common, progress_wanted, refuse_output
 
 
 def add(sub) -> None:
@@ -43,6 +43,7 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_output(args.output, [args.file], args.force, folder=args.to == "peft")
     from ..tools.convert import convert
 
     res = convert(

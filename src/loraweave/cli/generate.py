@@ -8,7 +8,15 @@ import sys
 
 from ..arguments import MAX_CFG, MAX_SIDE, MAX_STEPS, SEED_RANGE
 from ..errors import StrictApplyError
-from .support import adapter_arg, add_common, cli_words, integer_arg, limit_arg, number_arg
+from .support import (
+    adapter_arg,
+    add_common,
+    cli_words,
+    integer_arg,
+    limit_arg,
+    number_arg,
+    print_json_error,
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"loraweave: {cli_words(str(exc))}; nothing written", file=sys.stderr)
         for u in exc.report.unmatched[: args.limit]:
             print(f"  not applied: {u['key']}: {u['reason']}", file=sys.stderr)
+        if args.json:
+            unmatched = [{"key": u["key"], "reason": u["reason"]} for u in exc.report.unmatched]
+            print_json_error(args, f"{cli_words(str(exc))}; nothing written", 1, unmatched=unmatched)
         return 1
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
@@ -57,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
         else "no adapter"
     )
     print(
-        f"wrote {res.output} (seed {res.seed}, {landed}; sidecar {res.sidecar}) in "
-        f"{sum(res.seconds.values()):.2f}s"
+        f"wrote {res.output} (seed {res.seed}, {landed}{quantized(args.quantize, res.quantized_layers)}; "
+        f"sidecar {res.sidecar}) in {sum(res.seconds.values()):.2f}s"
     )
     for other in rep["other_arch"] if rep else []:
         print(
@@ -71,6 +82,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def quantized(kind: str | None, layers: int | None) -> str:
+    """The summary line's word on --quantize: how many layers, or that none was (the model ran in float)."""
+    if kind is None:
+        return ""
+    if not layers:
+        return f"; {kind}: no layer quantized (SDNQ leaves layers under 16384 weights in float)"
+    return f"; {kind}: {layers} layers quantized"
 
 
 def add(sub) -> None:

@@ -21,7 +21,8 @@ from ..errors import ArgumentError, ConvertError, EmptyOutputError
 from ..formats.adapter import Adapter, load_adapter
 from ..formats.alpha import read_metadata_alpha
 from ..formats.keys import TEXTUAL_INVERSION, component_prefix
-from ..io.write import check_output, save_file
+from ..io.output import check_output
+from ..io.write import save_file
 from ..progress import bar
 from ..resolve.planner import PlannedPart, resolve
 from ..resolve.target import Components, as_components
@@ -407,7 +408,8 @@ def _self_check(tensors, metadata, config, components: Components, out: Path, pl
 
 
 def _write_peft(tensors, config, out: Path, inputs, overwrite: bool) -> None:
-    from ..io.write import atomic_path, check_output
+    from ..io.output import check_output
+    from ..io.write import atomic_path
 
     check_output(out, inputs, overwrite=overwrite, folder=True)
     with atomic_path(out, folder=True) as tmp:

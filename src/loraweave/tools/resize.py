@@ -18,7 +18,8 @@ from ..families import FAMILIES
 from ..families.base import PartRejected
 from ..formats.adapter import load_adapter
 from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
-from ..io.write import check_output, data_sha256, save_file
+from ..io.output import check_output
+from ..io.write import data_sha256, save_file
 from ..progress import bar
 from ..resolve.planner import part_scale
 from .extract import LowRankResult, check_lowrank_args, finish, kept_rank, refuse_empty, truncate, write_pair
