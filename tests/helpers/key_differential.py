@@ -95,6 +95,13 @@ NAMED_MISSES: dict[str, tuple[NamedMiss, ...]] = {
             "(lands); no SDXL file spells it so",
         ),
     ),
+    "ace-step": (
+        NamedMiss(
+            r"(base_model\.model\.|lycoris_).*",
+            "ACE-Step 1.5's official (`base_model.model.`) and LyCORIS names, which ComfyUI maps under its "
+            "model's `decoder.`: the pack has no ComfyUI facets for ACE-Step yet (issue 41 item 2's class)",
+        ),
+    ),
     "sdxl-clip": (
         NamedMiss(
             r"lora_prior_te_text_projection",
@@ -265,9 +272,9 @@ _PREAMBLE = (
     "ComfyUI lands (2-D weights; rows for fused keys); a LoRA over them per layout goes through loraweave's "
     "ComfyUI planner. `loraweave`: keys landing on the same weight and rows; `missed`: keys ComfyUI lands "
     "and loraweave does not, each named below. Cases sd15 and flux run every LoRA spelling ComfyUI reads. "
-    "Krea 2, MiniMax-H3 and Ideogram 4 (classes of the newest tree only) are built from ComfyUI's class at "
-    "tiny widths. Not in it yet: Wan Animate 2 (WAN_Animate2), HiDream-O1 and ACE-Step 1.5 (no loraweave "
-    "architecture yet: issue 41 item 2)."
+    "Krea 2, MiniMax-H3, Ideogram 4 and ACE-Step 1.5 (classes of the newest tree only) are built from "
+    "ComfyUI's class at tiny widths. Not in it yet: Wan Animate 2 (WAN_Animate2; no tiny build) and "
+    "HiDream-O1 (no loraweave architecture: not mapped)."
 )
 
 
@@ -416,6 +423,11 @@ NEWEST_ONLY = {
     "ideogram4": ("Ideogram4", {"in_channels": 32, "num_layers": 2, "num_attention_heads": 2,
                                 "attention_head_dim": 64, "intermediate_size": 256, "adaln_dim": 32,
                                 "llm_features_dim": 64, "mrope_section": [12, 10, 10]}),
+    "ace-step": ("ACEStep15", {"hidden_size": 256, "num_heads": 2, "num_kv_heads": 1, "head_dim": 128,
+                               "intermediate_size": 512, "num_dit_layers": 2, "num_lyric_layers": 1,
+                               "num_timbre_layers": 1, "num_tokenizer_layers": 1, "text_hidden_dim": 64,
+                               "encoder_hidden_size": 256, "encoder_intermediate_size": 512,
+                               "encoder_num_heads": 2, "fsq_dim": 256}),
 }  # fmt: skip
 
 
