@@ -103,6 +103,8 @@ def test_refusals_come_before_torch_is_imported(tmp_path):  # item 15
         ["extract", lora, lora, "-o", "exists.safetensors", "--rank", "2"],
         ["resize", lora, "-o", "exists.safetensors", "--rank", "2"],
         ["convert", lora, "--to", "kohya", "-o", "exists.safetensors"],
+        ["merge", lora, f"{lora}:inf", "-o", "o.safetensors"],
+        ["merge", f"{lora}:0.7", lora, "-o", "exists.safetensors"],
     ]
     got = _refusals(cases, tmp_path)
     assert [code for code, _ in got] == [2] * len(cases)
@@ -198,6 +200,7 @@ def test_json_failure_is_one_error_object_for_every_command(tmp_path, capsys):  
         ["inspect", missing + ".safetensors"],
         ["extract", missing, lora, "--rank", "1", "-o", str(tmp_path / "o.safetensors")],
         ["resize", missing + ".safetensors", "--rank", "1", "-o", str(tmp_path / "o.safetensors")],
+        ["merge", f"{lora}:0.7", missing + ".safetensors", "-o", str(tmp_path / "o.safetensors")],
     ]
     for argv in cases:
         code = main([*argv, "--json"])

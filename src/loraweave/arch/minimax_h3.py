@@ -27,7 +27,7 @@ Partitions: the file's keys go to the pipeline's `transformer` (every published 
 
 from __future__ import annotations
 
-from .record import Architecture, Layouts, Skeleton
+from .record import Architecture, Layouts, Modalities, Skeleton
 from .spec import Alias, ArchTable, Rows
 
 HEAD_ROWS = (
@@ -75,6 +75,16 @@ MINIMAX_H3 = ArchTable(
     metadata_alpha="alpha",
 )
 
+# One joint stream: every block attends over the packed video, text and audio rows (diffusers: "no
+# per-modality block weights"), so only the patch projections and output heads belong to one modality.
+MINIMAX_H3_MODALITIES = Modalities(
+    rules=(
+        ("audio", r"^\.(audio_proj_(in|out)|audio_patch_proj|final_layer\.audio_out)$"),
+        ("video", r"^\.(proj_(in|out)|video_patch_proj|final_layer\.video_out)$"),
+    ),
+    default="cross",
+)
+
 # Original names: fused `attn.qkv_proj`, `mlp.fc1/2`, a refiner under `token_refiner.blocks`.
 MINIMAX_H3_ARCH = Architecture(
     "minimax-h3",
@@ -100,4 +110,5 @@ MINIMAX_H3_ARCH = Architecture(
         "_convert_non_diffusers_minimax_h3_lora_to_diffusers, MiniMaxH3LoraLoaderMixin.lora_state_dict",
         "test_arch_minimax_ideogram_qwen21.py::test_minimax_h3_*, test_arch_layout_classes.py::test_h3_*",
     ),
+    modalities=MINIMAX_H3_MODALITIES,
 )

@@ -85,6 +85,16 @@ def by_name() -> dict[str, Architecture]:
     return {a.name: a for a in ARCHITECTURES}
 
 
+def of_class(cls_name: str) -> list[Architecture]:
+    """The records whose model class is `cls_name` (their own table's or their skeleton's), registry
+    order."""
+    return [
+        a
+        for a in ARCHITECTURES
+        if (a.tables and cls_name in a.tables[0].classes) or (a.skeleton and a.skeleton.cls == cls_name)
+    ]
+
+
 # arch_tables()'s cache: (the list it was read from, its generation, the tables); registered() moves the
 # generation, and a list replaced whole (tests' monkeypatch) is another list.
 _generation = 0

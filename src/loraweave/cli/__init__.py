@@ -1,5 +1,5 @@
-"""Command line: `loraweave demo | inspect | bake | convert | extract | resize | generate | serve` (the only
-place that prints).
+"""Command line: `loraweave demo | inspect | bake | convert | merge | extract | resize | generate | serve`
+(the only place that prints).
 
 One module per command, each with `add(subparsers)` (its parser) and `run(args)` (its body, heavy imports
 inside); this module builds the parser from them and dispatches. Every command shares one exit-code table
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bake, comfy, convert, demo, extract, generate, inspect, resize, serve
+from . import bake, comfy, convert, demo, extract, generate, inspect, merge, resize, serve
 from .support import (
     EXIT_OK,
     configure_logging,
@@ -26,6 +26,7 @@ COMMANDS = {
     "inspect": inspect,
     "bake": bake,
     "convert": convert,
+    "merge": merge,
     "extract": extract,
     "resize": resize,
     "generate": generate,

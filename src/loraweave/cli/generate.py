@@ -14,6 +14,7 @@ from .support import (
     cli_words,
     integer_arg,
     limit_arg,
+    modality_arg,
     number_arg,
     print_json_error,
 )
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         negative=args.negative,
         lora_dir=args.lora_dir,
         loras=args.lora,
+        modality_strengths=dict(args.modality) or None,
         apply_mode=args.lora_apply_mode,
         quantize=args.quantize,
         budget=args.budget,
@@ -132,6 +134,17 @@ def add(sub) -> None:
         type=adapter_arg,
         metavar="FILE[:S]",
         help="adapter file with an optional strength (default 1.0); repeatable",
+    )
+    p.add_argument(
+        "--modality",
+        action="append",
+        default=[],
+        type=modality_arg,
+        metavar="NAME=S",
+        help="per-modality strength of audio-video models (LTX-2/2.3, MiniMax-H3): NAME video, audio or "
+        "cross (cross-modal and joint modules), e.g. --modality audio=0; repeatable; applies to every "
+        "adapter whose <lora:> tag sets none (tag items video=/audio=/cross=); refused on a model "
+        "without modalities",
     )
     p.add_argument(
         "--lora-apply-mode",

@@ -257,6 +257,23 @@ def adapter_arg(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def modality_arg(text: str) -> tuple[str, float]:
+    """`NAME=STRENGTH` (--modality) as an argparse type: NAME one of video, audio, cross; the strength by
+    the one strength rule."""
+    from ..arch.record import MODALITIES
+
+    name, eq, value = text.partition("=")
+    name = name.strip().lower()
+    if not eq or name not in MODALITIES:
+        raise argparse.ArgumentTypeError(
+            f"--modality {text!r}: write NAME=STRENGTH with NAME one of {', '.join(MODALITIES)}"
+        )
+    try:
+        return name, arguments.strength_text(value.strip(), f"--modality {name}")
+    except ArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 FORCE_HELP = (
     "replace an existing output: only the files this command writes (a folder's other files stay); "
     "never an input"

@@ -17,7 +17,7 @@ import random
 import re
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..arguments import MAX_CFG, MAX_SIDE, MAX_STEPS
@@ -67,6 +67,8 @@ class GenerateRequest:
     negative: str = ""
     lora_dir: str | None = None
     loras: list[tuple[str, float]] = field(default_factory=list)
+    # per-modality strengths (audio-video models) of every adapter that sets none of its own
+    modality_strengths: dict[str, float] | None = None
     apply_mode: ApplyMode = "auto"
     quantize: str | None = None
     budget: str | None = None
@@ -263,6 +265,11 @@ def adapter_specs(req: GenerateRequest) -> tuple[str, list[AdapterSpec]]:
     else:
         clean, specs = req.prompt, []
     specs += [AdapterSpec(source=Path(p).resolve(), strength=s, name=Path(p).stem) for p, s in req.loras]
+    if req.modality_strengths:
+        specs = [
+            s if s.modality_strengths else replace(s, modality_strengths=req.modality_strengths)
+            for s in specs
+        ]
     return clean, specs
 
 
