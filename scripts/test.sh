@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Install everything from scratch and run the whole test suite plus ruff and mypy.
+# --quick: no set-up where .venv exists, no ruff/mypy, one pytest process without the slow, realsize and comfy
+# tiers (the rest of the arguments go to pytest). CI runs the script without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  [ -x .venv/bin/python ] || bash scripts/setup.sh test
+  exec .venv/bin/python -m pytest tests -q -p no:cacheprovider -m "not slow and not realsize and not comfy" "$@"
+fi
 bash scripts/setup.sh test
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

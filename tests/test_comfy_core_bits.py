@@ -5,7 +5,8 @@ helpers.comfy_pack).
 - fp32 merges (ComfyUI's CPU merge and every fp32 lowvram patch): core is right on LoRA, LoCon and Tucker
   LoCon (`lora_mid`) (within 1e-6 of fp64) and on LoHa and LoKr (within 1e-6 of ours, itself checked against
   loraweave.apply on diffusers twins), so ours equals core bit for bit, in process and under each ATen CPU
-  dispatch (default, AVX2, AVX-512, in subprocesses). Tucker LoCon missed on 1 of 20 weights before: the
+  dispatch this CPU has (default, AVX2, AVX-512, in subprocesses; one it lacks is skipped with the missing
+  flags named, never started: it died of SIGILL). Tucker LoCon missed on 1 of 20 weights before: the
   Tucker core folded by an einsum rounds differently from core's mm of the transposes.
 - a patch `function` (ComfyUI applies it to each patch's ΔW before the add): core is right; ours has its bits.
 - fp16 / bf16 weights (ComfyUI's LowVramPatch on a cast weight, intermediate_dtype = the weight's dtype; or a
@@ -28,13 +29,19 @@ from helpers import comfy_bits
 from helpers.comfy_env import import_comfy
 from helpers.comfy_models import BUILDERS, tiny_flux
 from helpers.comfy_pack import FLUX_TARGETS, flux_lora, lora_pair, merged_reference
+from helpers.cpu_dispatch import DISPATCHES, cpu_flags, plan
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loraweave.comfy import load_lora_for_models
 
 TESTS = Path(__file__).parent
-CAPABILITIES = ("default", "avx2", "avx512")
 STRENGTH = 0.7
+HERE = plan(cpu_flags(), torch.backends.cpu.get_cpu_capability())
+RAN = ", ".join(d for d, why in HERE.items() if why is None)
+DISPATCH_CASES = [
+    pytest.param(d, marks=pytest.mark.skip(reason=f"{d}: {why}; ran here: {RAN}")) if why else d
+    for d, why in HERE.items()
+]
 
 
 def _check(result: dict) -> None:
@@ -47,7 +54,22 @@ def test_core_bits_in_process():
     _check(comfy_bits.run())
 
 
-@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_dispatch_plan_of_a_cpu_without_avx512():
+    # A 2-core AMD EPYC of issue 42 (Zen 2: AVX2, no AVX-512), as its /proc/cpuinfo flags say, and the same
+    # CPU's torch pick; this machine's own flags with ATEN_CPU_CAPABILITY=avx2 (torch then picks AVX2).
+    zen2 = frozenset("fpu sse2 ssse3 sse4_1 sse4_2 avx fma avx2 bmi2 sha_ni".split())
+    assert plan(zen2, "AVX2") == {
+        "default": None,
+        "avx2": None,
+        "avx512": "this CPU lacks avx512f, avx512bw, avx512vl, avx512dq (/proc/cpuinfo flags)",
+    }
+    assert plan(cpu_flags(), "AVX2")["avx512"] is not None
+    for flags, picked in ((frozenset(), "DEFAULT"), (frozenset(), "SVE256"), (zen2 | {"avx512f"}, "AVX2")):
+        runs = [d for d, why in plan(flags, picked).items() if why is None]
+        assert runs == list(DISPATCHES[: 2 if "avx2" in flags else 1]), (flags, picked, runs)
+
+
+@pytest.mark.parametrize("capability", DISPATCH_CASES)
 def test_core_bits_under_each_cpu_dispatch(capability):
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
     paths = [str(TESTS.parent / "src"), str(TESTS), env.get("PYTHONPATH", "")]

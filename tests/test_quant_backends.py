@@ -234,6 +234,8 @@ def test_dequantize_requantize_restore(case):
         w2 = backend.dequantize(layer)
         if exact_rt:
             assert torch.equal(w2, w), float((w2 - w).abs().max())
+        elif case[0] == "bitsandbytes" and bits == 4:  # nested statistics (CASES): the absmax drifts
+            assert float((w2 - w).abs().max()) <= _nested_drift(layer, w) * 1.001
         else:  # a new scale from the rounded absmax: every value moves at most half a step of its block
             assert float((w2 - w).abs().max()) <= 0.5 * _max_step(case, layer, w) * 1.001
         # never wrap twice: a second requantize stacks and undoes in reverse order
@@ -244,6 +246,19 @@ def test_dequantize_requantize_restore(case):
         assert_same(snapshot(model), before)
         with torch.no_grad():
             assert torch.equal(layer(x), y)
+
+
+def _nested_drift(layer, w) -> float:
+    """How far a bnb 4-bit requantize may move a value when the absmax is double-quantized: one step of the
+    8-bit dynamic code (its widest gap) scaled by that code's block absmax (<= max |w|), and where bnb
+    repacked for its AVX512-BF16 kernel (bf16 absmax and weight) one bf16 rounding step of max |w| more."""
+    import bitsandbytes.functional as bf
+
+    levels = torch.unique(bf.create_dynamic_map(signed=True).float())
+    bound = float((levels[1:] - levels[:-1]).max()) * float(w.abs().max())
+    if getattr(layer.weight.quant_state, "packing_format_for_cpu", False):
+        bound += 2**-8 * float(w.abs().max())
+    return bound
 
 
 def _max_step(case, layer, w) -> float:

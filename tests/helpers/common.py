@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from conftest import REALDATA
@@ -152,3 +153,15 @@ def fail_on_call(n: int, exc: type[BaseException], real, after: bool = False):
 
     wrapper.calls = calls
     return wrapper
+
+
+def random_q4k_blocks(rows: int, cols: int, seed: int, d: float, dmin: float) -> np.ndarray:
+    """Random but well-formed Q4_K super-blocks of a (rows, cols) weight (the gguf package cannot quantize
+    K-quants): f16 `d` and `dmin`, random 6-bit scales/mins and 4-bit codes. The one random Q4_K builder
+    of the tests; helpers/comfy_gguf.pack_k is the real quantizer."""
+    n = rows * cols // 256
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.full(n, d, dtype=np.float16).view(np.uint8).reshape(n, 2)
+    blocks[:, 2:4] = np.full(n, dmin, dtype=np.float16).view(np.uint8).reshape(n, 2)
+    return blocks.reshape(rows, cols // 256 * 144)

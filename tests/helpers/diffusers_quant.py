@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from helpers.common import gen
+from helpers.common import gen, random_q4k_blocks
 
 FLUX_CONFIG = {
     "patch_size": 1,
@@ -77,15 +77,9 @@ def torchao_flux(folder: Path, dtype: torch.dtype = COMPUTE) -> nn.Module:
 
 
 def q4k_blocks(rows: int, cols: int, absmax: float, seed: int) -> np.ndarray:
-    """Well-formed Q4_K super-blocks of a (rows, cols) weight reaching about `absmax` (the gguf package cannot
-    quantize K-quants): f16 d and dmin, random 6-bit scales/mins and 4-bit codes."""
-    n = rows * cols // 256
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    """Well-formed random Q4_K super-blocks of a (rows, cols) weight reaching about `absmax`."""
     step = absmax / (15 * 32)  # mid-range 6-bit scales reach absmax
-    blocks[:, 0:2] = np.full(n, step, dtype=np.float16).view(np.uint8).reshape(n, 2)
-    blocks[:, 2:4] = np.full(n, step * 8, dtype=np.float16).view(np.uint8).reshape(n, 2)
-    return blocks.reshape(rows, cols // 256 * 144)
+    return random_q4k_blocks(rows, cols, seed, d=step, dmin=step * 8)
 
 
 def write_gguf(model: nn.Module, path: Path, qtype: str) -> dict[str, str]:

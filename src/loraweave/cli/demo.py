@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,15 +23,19 @@ def add(sub) -> None:
         "--out", help="directory for the sample LoRA files (default: a temp directory, removed at the end)"
     )
     p.add_argument(
-        "--force", action="store_true", help="with --out: replace sample files already there (no other file)"
+        "--force",
+        action="store_true",
+        help="replace the demo's own files already there (--out's sample files, --generate's PNG, sidecar, "
+        "pipeline and LoRA); no other file",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument(
         "--generate",
         metavar="PNG",
         help="instead: build a tiny SD1.5 pipeline offline (seeded, 64x64) and a sample LoRA, and run "
-        "`generate` with <lora:demo:1> to write PNG (the pipeline and LoRA go to --out, else a temp "
-        "directory)",
+        "`generate` with <lora:demo:1> to write PNG and its .json sidecar (the pipeline and LoRA go to "
+        "--out DIR as DIR/pipeline and DIR/loras/demo.safetensors, else a temp directory; existing ones, "
+        "and an existing PNG, are replaced only with --force)",
     )
 
 
@@ -107,15 +112,37 @@ def _print_differences(res: dict) -> None:
     print(f"total {res['total_seconds']:.2f}s")
 
 
+def check_generate_outputs(png: Path, out_dir: Path | None, overwrite: bool) -> None:
+    """--generate PNG [--out DIR]: the PNG, its sidecar and DIR's pipeline folder and sample LoRA, checked
+    before anything is built; what exists is replaced only with --force (DIR's other files never)."""
+    from ..io.write import check_output
+    from ..tools.demo import GENERATE_LORA, GENERATE_PIPELINE
+    from ..tools.generate import check_png
+
+    check_png(png)
+    for target in (png, png.with_suffix(".json")):
+        check_output(target, [], overwrite=overwrite)
+    if out_dir is None:
+        return
+    if not out_dir.is_dir():  # a new folder: its parent must exist (a file in its place is refused)
+        check_output(out_dir, [], folder=True)
+        return
+    for rel, folder in ((GENERATE_PIPELINE, True), (GENERATE_LORA.parent, True), (GENERATE_LORA, False)):
+        if (out_dir / rel).exists():  # of the other kind: refused even with --force
+            check_output(out_dir / rel, [], overwrite=overwrite or rel == GENERATE_LORA.parent, folder=folder)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
+    png = Path(args.generate)
+    check_generate_outputs(png, Path(args.out) if args.out else None, args.force)
     from ..tools.demo import generate_demo
 
-    png = Path(args.generate)
+    bars = sys.stderr.isatty() and not args.json  # diffusers' bars only to a terminal
     if args.out:
-        res = generate_demo(png, Path(args.out))
+        res = generate_demo(png, Path(args.out), overwrite=args.force, progress=bars)
     else:  # the pipeline and LoRA live only for the run
         with tempfile.TemporaryDirectory(prefix="loraweave-demo-") as tmp:
-            res = generate_demo(png, Path(tmp))
+            res = generate_demo(png, Path(tmp), overwrite=args.force, progress=bars)
         res["pipeline"] += " (temporary, removed; --out DIR keeps it)"
         res["lora"] += " (temporary, removed)"
     if args.json:

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         height=args.height,
         device=args.device,
         dtype=args.dtype,
+        threads=args.threads,
         arch=args.arch,
         config=args.config,
         strict=args.strict,
@@ -154,6 +155,12 @@ def add(sub) -> None:
             help=f"{side} in pixels, a multiple of 8 (default 512)",
         )
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument(
+        "--threads",
+        type=integer_arg("--threads", 1, 1024),
+        help="torch threads (default: torch's; CPU kernels round by thread count: give serve's --threads "
+        "to get its image bit for bit)",
+    )
     p.add_argument(
         "--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights dtype (default fp32)"
     )

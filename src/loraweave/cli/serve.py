@@ -96,8 +96,8 @@ def add(sub) -> None:
     p.add_argument(
         "--threads",
         type=integer_arg("--threads", 1, 1024),
-        default=1,
-        help="torch threads per replica (default 1)",
+        help="torch threads per replica (default: torch's count here, what `generate` uses: equal counts "
+        "give images equal to generate's; with several replicas on one machine give each a share)",
     )
     p.add_argument(
         "--address", help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting one"

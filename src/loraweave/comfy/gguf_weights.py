@@ -80,15 +80,10 @@ def patched_retention(module: torch.nn.Module, patches: list, key: str, dtype: t
 def note_rows(rows: list[AppliedModule], plan: Plan, patcher=None) -> None:
     """Name the backend on the report rows of GGML layers; merge rows (`patcher`: the clone carrying the
     patches) also say how the patch list runs there and the ρ it keeps in the compute dtype."""
+    layers = dict(planned_layers(plan))  # parameter patches' rows (scale_shift_table) name no layer: absent
     for row in rows:
-        root = plan.components.modules.get(row.component)
-        if root is None:
-            continue
-        try:
-            module = root.get_submodule(row.module)
-        except AttributeError:  # a parameter patch's row names a parameter (scale_shift_table), not a layer
-            continue
-        if not is_ggml(module):
+        module = layers.get(f"{row.component}.{row.module}")
+        if module is None or not is_ggml(module):
             continue
         row.backend = BACKEND.name
         if row.mechanism == "runtime":

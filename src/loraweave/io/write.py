@@ -8,6 +8,7 @@ behind."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -80,6 +81,14 @@ def _umask() -> int:
 def _honour_umask(path: Path, folder: bool) -> None:
     """mkstemp/mkdtemp create 0600/0700; an output gets what open()/mkdir() would give it under the umask."""
     os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
+
+
+def honour_umask_under(folder: Path) -> None:
+    """Every file under `folder` gets the mode open() gives under the umask (safetensors writes 0600)."""
+    mode = 0o666 & ~_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -255,6 +264,15 @@ class StreamingWriter:
 
     def abort(self) -> None:
         self._file.close()
+
+
+def data_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of the bytes `save_file` writes after the header: the AddNet hash A1111 and kohya
+    (`sshs_model_hash`) give the file, known before the header that may carry it is written."""
+    digest = hashlib.sha256()
+    for tensor in tensors.values():
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 def save_file(

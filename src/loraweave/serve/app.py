@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..errors import ServeRequestError
-from .engine import AdapterFolder, Engine, ServeRequest, parse_request
+from .engine import AdapterFolder, Engine, ServeRequest, parse_request, replica_threads
 
 log = logging.getLogger("loraweave")
 RENDER_ATTEMPTS = 2  # a replica that dies mid-render: once more on another, then HTTP 503
@@ -38,7 +38,7 @@ class ServeOptions:
     max_adapters_per_replica: int = 8
     max_batch: int = 8
     batch_wait_s: float = 0.05
-    threads: int = 1  # torch threads per replica
+    threads: int | None = None  # torch threads per replica (None: this process's, as `generate` uses)
     cpus_per_replica: float = 1.0
     engine: str = (
         "loraweave.serve.engine:Engine"  # "module:Class" replicas build (an Engine subclass of yours)
@@ -50,7 +50,7 @@ class Renderer:
     def __init__(self, options: ServeOptions) -> None:
         import torch
 
-        torch.set_num_threads(options.threads)
+        torch.set_num_threads(replica_threads(options.threads))  # resolved by application() already
         self.engine = engine_class(options.engine)(
             options.model, options.lora_dir, options.max_adapters_per_replica
         )
@@ -208,6 +208,8 @@ def application(options: ServeOptions):
     """The bound application (ingress + renderers) for `serve.run`."""
     # Serve's default of 5 ongoing requests per replica would cap every batch below a larger max_batch.
     # ray's hints for @serve.deployment on a class return the class, not the Deployment it builds (twice here)
+    # Resolved here, in the process that starts serving: Ray sets a replica's own default to 1 thread.
+    options = dataclasses.replace(options, threads=replica_threads(options.threads))
     renderer = Renderer.options(  # type: ignore[attr-defined]
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.cpus_per_replica},

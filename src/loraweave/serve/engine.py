@@ -232,6 +232,14 @@ class AdapterStore(AdapterFolder):
         log.info("serve adapters_resident=%d names=%s", len(self.resident), list(self.resident))
 
 
+def replica_threads(threads: int | None) -> int:
+    """The torch threads a replica renders with: `threads`, else this process's count (the one `generate`
+    uses here). CPU kernels split their sums by thread count, so only equal counts give equal images."""
+    import torch
+
+    return threads if threads is not None else torch.get_num_threads()
+
+
 def png_bytes(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")

@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..api import apply
+from ..io.write import save_file
 
 SAMPLE_FILES = {"peft": "demo_lora_peft.safetensors", "kohya": "demo_lora_kohya.safetensors"}  # in --out
+# What `demo --generate` writes in its folder (--out DIR): the pipeline folder and the sample LoRA.
+GENERATE_PIPELINE, GENERATE_LORA = Path("pipeline"), Path("loras") / "demo.safetensors"
 RANK = 8
 ALPHA = 4.0
 
@@ -83,7 +85,7 @@ def write_sample_loras(model: torch.nn.Module, out_dir: Path, seed: int = 7) -> 
         kohya[f"{key}.alpha"] = torch.tensor(alpha)
     out_dir.mkdir(exist_ok=True)  # the CLI checked that its parent exists
     paths = {layout: out_dir / name for layout, name in SAMPLE_FILES.items()}
-    save_file(peft, paths["peft"], metadata=meta)
+    save_file(peft, paths["peft"], metadata=meta)  # atomic, mode under the umask
     save_file(kohya, paths["kohya"], metadata={"ss_network_dim": str(RANK), "ss_network_alpha": str(ALPHA)})
     return paths
 
@@ -132,37 +134,41 @@ def run_demo(out_dir: Path) -> dict:
 DEMO_PROMPT = "a cat <lora:demo:1>"
 
 
-def generate_demo(png: Path, work: Path) -> dict:
+def generate_demo(png: Path, work: Path, overwrite: bool = False, progress: bool = False) -> dict:
     """Build the tiny SD1.5 pipeline (tools.tiny_pipeline: offline tokenizer, seeded weights) and a sample
-    LoRA under `work`, then run `generate` with a prompt tag to write `png` (and its JSON sidecar)."""
-    from diffusers import StableDiffusionPipeline
+    LoRA under `work`, then run `generate` with a prompt tag to write `png` (and its JSON sidecar).
 
-    from ..io.write import WriteError
-    from .generate import GenerateRequest, check_png, generate
+    `overwrite`: replace an existing PNG and sidecar (the CLI has checked `work`'s files before calling);
+    `progress`: diffusers' and transformers' loading and saving bars (off when stderr is not a terminal)."""
+    from .generate import GenerateRequest, check_outputs, check_png, generate, loading_bars
     from .tiny_pipeline import sample_lora, tiny_sd15
 
     check_png(png)
-    if png.exists():
-        raise WriteError(f"output {png} exists; name another file for the demo image")
-    t0 = time.perf_counter()
-    pipe_dir = tiny_sd15(work / "pipeline")
-    lora = sample_lora(
-        StableDiffusionPipeline.from_pretrained(pipe_dir, local_files_only=True),
-        work / "loras" / "demo.safetensors",
-    )
-    build_s = time.perf_counter() - t0
     request = GenerateRequest(
-        model=str(pipe_dir),
+        model=str(work / GENERATE_PIPELINE),
         prompt=DEMO_PROMPT,
         output=str(png),
         negative="blurry",
-        lora_dir=str(lora.parent),
+        lora_dir=str((work / GENERATE_LORA).parent),
         steps=8,
         cfg=5.0,
         seed=7,
         width=64,
         height=64,
+        progress=progress,
+        overwrite=overwrite,
     )
+    check_outputs(request)  # an existing PNG or sidecar is refused before anything is built
+    from diffusers import StableDiffusionPipeline
+
+    t0 = time.perf_counter()
+    work.mkdir(exist_ok=True)  # the CLI checked that its parent exists
+    with loading_bars(progress):
+        pipe_dir = tiny_sd15(work / GENERATE_PIPELINE)
+        lora = sample_lora(
+            StableDiffusionPipeline.from_pretrained(pipe_dir, local_files_only=True), work / GENERATE_LORA
+        )
+    build_s = time.perf_counter() - t0
     result = generate(request)
     return {
         "pipeline": str(pipe_dir),

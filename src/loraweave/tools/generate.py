@@ -77,6 +77,7 @@ class GenerateRequest:
     height: int = 512
     device: str = "cpu"
     dtype: str = "fp32"
+    threads: int | None = None  # torch threads while sampling (None: torch's default; serve's replicas' too)
     arch: str | None = None
     config: str | None = None
     strict: bool = False
@@ -148,6 +149,7 @@ def validate(req: GenerateRequest) -> None:
             f"-H must be a positive multiple of 8 up to {MAX_SIDE}, got {req.height}",
         ),
         (req.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {req.dtype!r}"),
+        (req.threads is None or req.threads >= 1, f"--threads must be at least 1, got {req.threads}"),
         (
             req.apply_mode in APPLY_MODES,
             f"--lora-apply-mode must be one of {APPLY_MODES}, got {req.apply_mode!r}",
@@ -211,7 +213,7 @@ def _device(name: str):
 
 
 @contextlib.contextmanager
-def _loading_bars(show: bool):
+def loading_bars(show: bool):
     """diffusers' and transformers' loading bars follow `show` (they ignore whether stderr is a terminal)."""
     from diffusers.utils import logging as dlog
     from transformers.utils import logging as tlog
@@ -232,7 +234,7 @@ def load_pipeline(req: GenerateRequest):
 
     dtype = _torch_dtype(req.dtype)
     try:
-        with _loading_bars(req.progress), warnings.catch_warnings():
+        with loading_bars(req.progress), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*deprecated", category=FutureWarning)
             if Path(req.model).is_dir():
                 return diffusers.DiffusionPipeline.from_pretrained(
@@ -398,9 +400,28 @@ def _sample_maybe_streamed(pipe, req: GenerateRequest, prompt: str, seed: int, d
 def generate(req: GenerateRequest) -> GenerateResult:
     """Run one request end to end. Raises GenerateError (bad input), PromptAdapterError (unknown tag name) or
     StrictApplyError (--strict and some key did not land: nothing is written)."""
+    validate(req)
+    with _torch_threads(req.threads):
+        return _generate(req)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
+    """torch's thread count for one request, put back after (CPU kernels round by thread count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _generate(req: GenerateRequest) -> GenerateResult:
     from ..api import apply
 
-    validate(req)
     device = _device(req.device)
     budget = parse_budget(req.budget)
     clean, specs = adapter_specs(req)

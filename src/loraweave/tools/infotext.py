@@ -3,19 +3,22 @@
 Layout: `{prompt}\\nNegative prompt: {negative}\\n{K: V, K: V, ...}`; the prompt keeps its `<lora:...>` tags,
 the negative line only when non-empty, None values skipped, a value holding `,`, `:` or a newline JSON-quoted.
 `Model hash` is the first 10 hex of the checkpoint's sha256 (a folder model: of its denoiser's weight files
-end to end); `Lora hashes` the first 12 hex of each adapter's
-AddNet hash (sha256 of the bytes after the safetensors header) or of its `sshs_model_hash` metadata."""
+end to end); `Lora hashes` the first 12 hex of each adapter's AddNet hash (sha256 of the bytes after the
+safetensors header), computed from the file: a `sshs_model_hash` in its metadata may be a stale copy from the
+file it was made from (a resize, a merge) and would link the image to that file."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
 
+log = logging.getLogger("loraweave")
 CHUNK = 1 << 20
 
 
@@ -82,10 +85,9 @@ def model_hash(path: str | Path) -> str | None:
 
 
 def addnet_hash(path: str | Path, metadata: Mapping[str, str] | None = None) -> str | None:
-    """First 12 hex of the AddNet hash of a .safetensors adapter (or its `sshs_model_hash`); None
-    otherwise."""
-    if metadata and isinstance(metadata.get("sshs_model_hash"), str) and metadata["sshs_model_hash"]:
-        return metadata["sshs_model_hash"][:12]
+    """First 12 hex of the AddNet hash of a .safetensors adapter, from its bytes; None for another file.
+
+    A `sshs_model_hash` in `metadata` that disagrees is logged and not used (a stale copy of a source's)."""
     path = Path(path)
     if not path.is_file() or path.suffix.lower() != ".safetensors":
         return None
@@ -93,7 +95,11 @@ def addnet_hash(path: str | Path, metadata: Mapping[str, str] | None = None) -> 
         head = f.read(8)
     if len(head) < 8:
         return None
-    return _sha256(path, skip=8 + struct.unpack("<Q", head)[0])[:12]
+    own = _sha256(path, skip=8 + struct.unpack("<Q", head)[0])[:12]
+    claimed = str((metadata or {}).get("sshs_model_hash") or "")[:12]
+    if claimed and claimed != own:
+        log.info("lora_hash path=%s sshs_model_hash=%s file=%s used=file", path, claimed, own)
+    return own
 
 
 def lora_hashes(named: list[tuple[str, str | None]]) -> str | None:

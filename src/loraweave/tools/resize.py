@@ -18,7 +18,7 @@ from ..families import FAMILIES
 from ..families.base import PartRejected
 from ..formats.adapter import load_adapter
 from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
-from ..io.write import check_output, save_file
+from ..io.write import check_output, data_sha256, save_file
 from ..progress import bar
 from ..resolve.planner import part_scale
 from .extract import LowRankResult, check_lowrank_args, finish, kept_rank, refuse_empty, truncate, write_pair
@@ -162,9 +162,8 @@ def resize(
             skipped[why] += len(part.keys)
     result.skipped = dict(skipped)
     refuse_empty(result, f"resize {path}", allow_empty)
-    save_file(
-        tensors, out, _metadata(adapter, path, rank, energy, result), inputs=[path], overwrite=overwrite
-    )
+    metadata = _metadata(adapter, path, rank, energy, result, tensors)
+    save_file(tensors, out, metadata, inputs=[path], overwrite=overwrite)
     return finish(result, "resize", t0)
 
 
@@ -233,14 +232,30 @@ def _low_rank(
     return up, down, in_shape, captured
 
 
-def _metadata(adapter, path, rank: int | None, energy: float | None, result: LowRankResult) -> dict[str, str]:
-    """The source's metadata (less its alpha records: alpha = rank now) and a `loraweave.resized` record."""
-    meta = {
-        k: v for k, v in adapter.metadata.items() if k not in ("ss_network_alpha", "lora_adapter_metadata")
-    }
+# What names the source file or its network, not the resized one: dropped (hashes are recomputed).
+SOURCE_IDENTITY = ("sshs_model_hash", "sshs_legacy_hash", "modelspec.hash_sha256")
+SOURCE_NETWORK = ("ss_network_alpha", "ss_network_args", "ss_network_dim", "lora_adapter_metadata")
+
+
+def _metadata(
+    adapter, path, rank: int | None, energy: float | None, result: LowRankResult, tensors: dict
+) -> dict[str, str]:
+    """The source's metadata less what no longer describes the file, and a `loraweave.resized` record.
+
+    Every part is a plain LoRA with alpha = its rank now: the network module becomes kohya's `networks.lora`,
+    the source's alpha, dim and network args (LyCORIS `algo`, conv dims, factors) go; `ss_network_dim` is
+    the rank when every layer has it. A source that carried kohya's `sshs_model_hash` gets the output's own
+    (A1111's AddNet hash: sha256 of the bytes after the header); its legacy hash and modelspec hash go."""
+    source = adapter.metadata
+    meta = {k: v for k, v in source.items() if k not in SOURCE_IDENTITY + SOURCE_NETWORK}
+    if "ss_network_module" in source:
+        meta["ss_network_module"] = "networks.lora"
+    ranks = {layer["rank"] for layer in result.layers}
+    if len(ranks) == 1:
+        meta["ss_network_dim"] = str(ranks.pop())
+    if "sshs_model_hash" in source or "sshs_legacy_hash" in source:
+        meta["sshs_model_hash"] = data_sha256(tensors)
     meta["loraweave.resized"] = json.dumps(
         {"source": Path(path).name, "rank": rank, "energy": energy, "layers": len(result.layers)}
     )
-    if rank is not None:
-        meta["ss_network_dim"] = str(rank)
     return meta

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+
+from ..io.write import atomic_path, honour_umask_under, save_file
 
 
 def _byte_chars() -> list[str]:
@@ -42,7 +43,15 @@ def write_clip_tokenizer(folder: Path) -> None:
 
 def tiny_sd15(folder: Path, seed: int = 0) -> Path:
     """StableDiffusionPipeline with a 2-level UNet (cross-attention 32), 2-level VAE and a 2-layer CLIP: 64x64
-    images in ~0.05 s per step on one CPU core. Saved with save_pretrained; loads offline."""
+    images in ~0.05 s per step on one CPU core. Saved with save_pretrained (atomically, modes under the umask:
+    an existing folder keeps its other files); loads offline. The folder's parent must exist."""
+    with atomic_path(folder, folder=True) as tmp:
+        _save_tiny_sd15(tmp, seed)
+        honour_umask_under(tmp)
+    return folder
+
+
+def _save_tiny_sd15(folder: Path, seed: int) -> None:
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
@@ -101,7 +110,6 @@ def tiny_sd15(folder: Path, seed: int = 0) -> Path:
     )
     # a type checker reads diffusers' __init__ through its placeholder classes (no save_pretrained)
     pipe.save_pretrained(folder)  # type: ignore[attr-defined]
-    return folder
 
 
 def sample_lora(pipe, path: Path, seed: int = 3, text_encoder: bool = True) -> Path:
@@ -126,5 +134,5 @@ def sample_lora(pipe, path: Path, seed: int = 3, text_encoder: bool = True) -> P
         tensors[f"{stem}.lora_up.weight"] = torch.randn(module.out_features, 4, generator=g) * 0.3
         tensors[f"{stem}.alpha"] = torch.tensor(2.0)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path, metadata={"ss_network_module": "networks.lora"})
+    save_file(tensors, path, metadata={"ss_network_module": "networks.lora"})  # atomic, mode under the umask
     return path
