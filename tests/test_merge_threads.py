@@ -123,7 +123,20 @@ def test_mostly_missing_layer_keeps_a_copy_after_one_block(monkeypatch, small_bl
     assert_same_bits(model, state_bits(net(dtype)))
 
 
-def test_strength_change_to_mostly_missing_keeps_a_copy(small_blocks):
+def counted_stops(monkeypatch) -> list[bool]:
+    """The results of inplace.copy_is_smaller from now on."""
+    out: list[bool] = []
+    real = inplace_mod.copy_is_smaller
+
+    def spied(rows, misses, written):
+        out.append(real(rows, misses, written))
+        return out[-1]
+
+    monkeypatch.setattr(inplace_mod, "copy_is_smaller", spied)
+    return out
+
+
+def test_strength_change_to_mostly_missing_keeps_a_copy(monkeypatch, small_blocks):
     """A compact merge changed to a strength where most elements miss: a copy is kept, the weight equals a
     fresh copy merge at that strength, and undo is exact; back at the low strength it is compact again."""
     dtype = torch.bfloat16
@@ -136,6 +149,12 @@ def test_strength_change_to_mostly_missing_keeps_a_copy(small_blocks):
     loraweave.apply(ref, (sd, 1.0), mode="merge", undo="copy")
     assert_same_bits(model, state_bits(ref))
     assert kinds_of(handle) == {"copy"}
+    stops = counted_stops(monkeypatch)
+    handle.set_strength(name, 2.0)  # over a copy: merged in place again, stopped early again
+    assert kinds_of(handle) == {"copy"} and stops == [True, True], stops
+    ref2 = net(dtype)
+    loraweave.apply(ref2, (sd, 2.0), mode="merge", undo="copy")
+    assert_same_bits(model, state_bits(ref2))
     handle.set_strength(name, 1e-6)
     assert kinds_of(handle) == {"compact"}
     handle.remove()

@@ -136,6 +136,9 @@ class MergedModule:
                 else weight.reshape(weight.shape[0], -1)
             )
             terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
+            if not fresh and isinstance(self.record, CopyRecord) and self._in_place_kind(rows) == "auto":
+                self._restore_weight()  # W back from its copy, then merged as a fresh layer (a copy kept
+                fresh = True  # again only where most elements miss: inplace.copy_is_smaller)
             in_place = self._in_place_kind(rows) if fresh else None
             if in_place == "transient" and self._overflow_free(rows, terms):
                 self.pending, self.terms = terms, terms  # no record, no finite check: fuse() writes it
