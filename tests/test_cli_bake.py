@@ -15,9 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import loraweave
+from loraweave.arguments import parse_adapter_arg
 from loraweave.cli import main
 from loraweave.tools import bake as bake_mod
-from loraweave.tools.bake import bake, parse_adapter_arg
+from loraweave.tools.bake import bake
 from loraweave.tools.bake_record import file_sha256
 
 sys.path.insert(0, str(Path(__file__).parent))

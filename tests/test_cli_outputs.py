@@ -59,6 +59,11 @@ CASES = {
         lambda i, o: ["convert", i.lora, "--to", "peft", "--model", i.folder, "-o", o],
         lambda o: [o / "adapter_model.safetensors", o / "adapter_config.json"],
     ),
+    "merge": Case(
+        "file",
+        lambda i, o: ["merge", f"{i.lora}:0.7", f"{i.lora}:0.5", "--model", i.folder, "-o", o],
+        lambda o: [o],
+    ),
     "bake": Case("file", lambda i, o: ["bake", i.single, f"{i.lora}:0.5", "-o", o], lambda o: [o]),
     "bake (folder)": Case(
         "folder",

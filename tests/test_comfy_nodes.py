@@ -36,11 +36,24 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
             "mode",
             "strict",
             "allow_other_arch",
+            "video_strength",  # optional, last: per-modality strengths (issue 41.4)
+            "audio_strength",
+            "cross_strength",
         },
         ("MODEL", "CLIP", "STRING", "STRING"),  # report, then trigger_words (appended: slots kept)
     ),
     "LoraWeaveLoaderModelOnly": (
-        {"model", "lora_name", "strength_model", "mode", "strict", "allow_other_arch"},
+        {
+            "model",
+            "lora_name",
+            "strength_model",
+            "mode",
+            "strict",
+            "allow_other_arch",
+            "video_strength",
+            "audio_strength",
+            "cross_strength",
+        },
         ("MODEL", "STRING", "STRING"),
     ),
     "LoraWeaveStack": (
@@ -65,6 +78,11 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
         ("MODEL", "STRING"),
     ),
     "LoraWeaveInspect": ({"lora_name", "model", "clip"}, ("STRING", "STRING", "IMAGE")),
+    "LoraWeaveConditioningLoRA": (
+        {"conditioning", "lora_name", "strength", "start_percent", "end_percent"},
+        ("CONDITIONING",),
+    ),
+    "LoraWeaveConditioningRuntime": ({"model", "core_lora_hooks"}, ("MODEL",)),
 }
 
 
@@ -103,7 +121,9 @@ def test_schemas_are_the_public_contract(comfy_home):
         assert tuple(cls.RETURN_TYPES) == outputs, node_id
         assert nodes.NODE_DISPLAY_NAME_MAPPINGS[node_id].startswith("LoraWeave")
     loader = nodes.NODE_CLASS_MAPPINGS["LoraWeaveLoader"].INPUT_TYPES()
-    assert set(loader["optional"]) == {"clip", "allow_other_arch"}  # old workflows run without the opt-in
+    # old workflows run without the opt-in and the modality strengths
+    modalities = {"video_strength", "audio_strength", "cross_strength"}
+    assert set(loader["optional"]) == {"clip", "allow_other_arch", *modalities}
     assert "flux.safetensors" in loader["required"]["lora_name"][1]["options"]
     assert loader["required"]["mode"][1]["options"] == ["auto", "merge", "runtime"]
     web = nodes.EXTENSION_WEB_DIRS["loraweave_nodes"]

@@ -106,6 +106,8 @@ def test_strengths_from_tag_and_flag(tmp_path, pipe_dir, lora_dir):
     rc, flag = _generate(tmp_path, pipe_dir, "flag", "-p", "a cat", "--lora", f"{path}:0.5")
     assert rc == 0
     assert np.array_equal(_pixels(flag), _by_hand(pipe_dir, [(path, 0.5)]))
+    got_prompt, _, params = parse_infotext(Image.open(flag).text["parameters"])  # issue 42 item 20
+    assert got_prompt == "a cat <lora:x:0.5>" and params["Lora hashes"].startswith("x: ")
     assert not np.array_equal(_pixels(flag), _pixels(te_off))  # the TE strength matters
 
 
@@ -268,6 +270,16 @@ def test_strict_refuses_when_keys_miss(tmp_path, pipe_dir, capsys):
     assert rc == 0 and out.exists() and "2 keys did not land" in capsys.readouterr().err
 
 
+def test_quantize_with_nothing_to_quantize_says_so(tmp_path, pipe_dir, capsys):  # issue 42 item 8
+    """Every tiny layer is under SDNQ's floor: the summary line says nothing was quantized."""
+    capsys.readouterr()
+    rc, out = _generate(tmp_path, pipe_dir, "q0", "-p", "a cat", "--quantize", "sdnq-int8")
+    assert rc == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"wrote {out} ") and "sdnq-int8: no layer quantized" in line
+    assert json.loads(out.with_suffix(".json").read_text())["quantized_layers"] == 0
+
+
 def test_runtime_streamed_and_quantized(tmp_path, pipe_dir, lora_dir, monkeypatch, capsys):
     """Runtime mode and a streamed denoiser (CPU simulation) give the merged image; SDNQ int8 runs the
     LoRA."""
@@ -292,7 +304,7 @@ def test_runtime_streamed_and_quantized(tmp_path, pipe_dir, lora_dir, monkeypatc
     assert printed["output"] == str(quant) and printed["seed"] == 7 and printed["prompt"] == "a cat"
     side = json.loads(quant.with_suffix(".json").read_text())
     report = side["report"]
-    assert side["quantized_layers"] > 20
+    assert side["quantized_layers"] > 20 and printed["quantized_layers"] == side["quantized_layers"]
     assert report["keys_applied"] == report["keys_total"]
     assert report["counts"]["unet"].get("factor", 0) > 0  # LoRA rides SDNQ's low-rank channel
     assert np.abs(_pixels(quant) - _pixels(merged)).mean() < 8  # int8 base: close to the float image

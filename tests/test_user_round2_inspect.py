@@ -46,7 +46,8 @@ def test_flux_ai_toolkit_file_that_lands_names_flux1(realdata):
     table = format_table(info)
     assert "no known variant" not in table
     assert (
-        "flux1 (dev, schnell, Fill, Kontext) (file: 21 single blocks, width 15360; every key lands" in table
+        "flux1 (dev, schnell, Fill, Kontext) (file: single blocks 7-20 (4 of them), width 15360; every key "
+        "lands" in table  # the blocks it names, not "21 single blocks" (issue 42 item 9)
     )
     # without the coverage check nothing vouches for the width: no release is named, and none of Flux.2's
     assert inspect_adapter(FLUX_AI_TOOLKIT, coverage=False)["variant"]["fits"] == []

@@ -19,9 +19,10 @@ from conftest import REALDATA
 from safetensors.torch import load_file, save_file
 
 import loraweave
+from loraweave.arguments import parse_adapter_arg
 from loraweave.cli import main
 from loraweave.errors import ArgumentError, EmptyOutputError, NoKeysLandedError, StrictApplyError
-from loraweave.tools.bake import bake, parse_adapter_arg
+from loraweave.tools.bake import bake
 from loraweave.tools.extract import extract
 from loraweave.tools.resize import resize
 

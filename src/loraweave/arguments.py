@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from numbers import Integral, Real
+from pathlib import Path
 
 from .errors import ArgumentError
 
@@ -63,6 +64,21 @@ def strength_text(text: str, where: str, what: str = "strength") -> float:
             f"{where}: {what} {text!r} is out of range (absolute value at most {MAX_STRENGTH:g})"
         )
     return value
+
+
+def parse_adapter_arg(spec: str) -> tuple[str, float]:
+    """`FILE[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':' elsewhere). The strength
+    follows AdapterSpec's rule (finite, |s| <= 1e4) with `arguments.strength_text`'s messages; a tail that is
+    no number after an existing FILE (`lora.safetensors:abc`) is a bad strength, not part of the name."""
+    head, sep, tail = spec.rpartition(":")
+    if not (sep and head):
+        return spec, 1.0
+    try:
+        float(tail)
+    except ValueError:
+        if Path(spec).exists() or not Path(head).exists():
+            return spec, 1.0
+    return head, strength_text(tail, head)
 
 
 def integer_text(text: str, label: str, minimum: int = 1, maximum: int | None = None) -> int:

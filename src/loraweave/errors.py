@@ -43,6 +43,24 @@ class OtherInputError(TargetError):
         self.report = report
 
 
+class DepthMismatchError(TargetError, ValueError):
+    """An adapter was trained on another depth of the model's block chain (an Anima 28-block LoRA on a
+    52-block Anima-3.8B) and the architecture does not declare where that depth's blocks were inserted:
+    they would land on the wrong ones. Refused whatever `strict`, before anything changed; `.adapter`,
+    `.file_depth`, `.model_depth` and `.how` (where the file's depth was read) say which."""
+
+    def __init__(
+        self, adapter: str, file_depth: int, model_depth: int, how: str, known: list[tuple[int, int]]
+    ) -> None:
+        pairs = ", ".join(f"{a} -> {b}" for a, b in known) or "none"
+        super().__init__(
+            f"{adapter}: trained on {file_depth} blocks ({how}), the model has {model_depth}; where the "
+            f"blocks of a {file_depth}-block file sit in a {model_depth}-block model is not known "
+            f"(known: {pairs}), so it is refused rather than landed on the wrong blocks; nothing was changed"
+        )
+        self.adapter, self.file_depth, self.model_depth, self.how = adapter, file_depth, model_depth, how
+
+
 class StrictApplyError(LoraweaveError):
     """strict=True and some keys did not land; `.report` holds the full report."""
 
@@ -159,6 +177,11 @@ class CheckpointError(LoraweaveError):
 
 class ConvertError(LoraweaveError):
     """The target layout cannot express this adapter (or part of it); nothing was written."""
+
+
+class MergeError(LoraweaveError):
+    """Adapters that cannot be merged into one file (different architectures, incompatible shapes, a family
+    that needs the base weight); the message names the file and key. Nothing is written."""
 
 
 class GenerateError(LoraweaveError, ValueError):

@@ -21,11 +21,17 @@ NODE_IDS = frozenset(
         "LoraWeaveStepWindow",
         "LoraWeaveInspect",
         "LoraWeaveMultiLoader",
+        "LoraWeaveConditioningLoRA",
+        "LoraWeaveConditioningRuntime",
     }
 )
-# node id -> the module that defines it (comfy/nodes.py, but for the Multi Loader)
+# node id -> the module that defines it (comfy/nodes.py, but for the Multi Loader and the conditioning nodes)
 NODE_MODULES = {
-    node: "loraweave.comfy.multi_loader" if node == "LoraWeaveMultiLoader" else "loraweave.comfy.nodes"
+    node: "loraweave.comfy.multi_loader"
+    if node == "LoraWeaveMultiLoader"
+    else "loraweave.comfy.cond_nodes"
+    if node.startswith("LoraWeaveConditioning")
+    else "loraweave.comfy.nodes"
     for node in NODE_IDS
 }
 # Flux modules of ComfyUI's tiny Flux (hidden 128) a kohya Flux LoRA names: (kohya stem, ComfyUI state-dict

@@ -11,7 +11,7 @@ files name the Qwen3 text encoder under `lora_te_` with Qwen3Model's own module 
 from __future__ import annotations
 
 from .encoders import QWEN3_06B
-from .record import Architecture, ComfyFacets, Layouts, Skeleton
+from .record import Architecture, ComfyFacets, Depths, Layouts, Skeleton
 from .spec import ArchTable
 
 ANIMA = ArchTable(
@@ -81,6 +81,19 @@ def _cosmos_predict2_from_comfy(cfg: dict) -> dict:
     }
 
 
+# Anima-2.9B (Gazingstars123) is a LLaMA-Pro block expansion of Anima's 28 blocks to 40: its
+# expand_manifest.json lists the new blocks (quoted in sd-webui-forge-classic #1401; the converter of
+# AUTOMATIC1111/stable-diffusion-webui-extensions #437 maps 0->0, 2->3, 14->20, 27->39). Anima-3.8B's 52
+# blocks have no published manifest (ComfyUI-Lora-Manager #1104 reconstructed one by cosine similarity), so
+# files of another depth than a 52-block model's are refused.
+ANIMA_DEPTHS = Depths(
+    chain="transformer_blocks",
+    path=r"^(?:net[._])?(?:transformer_)?blocks[._](?P<index>\d+)(?=[._])",
+    known=(28, 40, 52),
+    inserted={(28, 40): (2, 5, 8, 11, 14, 17, 21, 24, 27, 30, 33, 36)},
+    source="Anima-2.9B expand_manifest.json (sd-webui-forge-classic #1401, #1453)",
+)
+
 ANIMA_ARCH = Architecture(
     "anima",
     (ANIMA,),
@@ -107,4 +120,5 @@ ANIMA_ARCH = Architecture(
         _cosmos_predict2_from_comfy,
         skeleton="anima",
     ),
+    depths=ANIMA_DEPTHS,
 )

@@ -185,10 +185,33 @@ def _fold_mmdit(
     return _fold_shared(t, adapter, scores, first)  # owners the width named
 
 
-def _metadata_evidence(meta: dict[str, str], arch: str) -> str:
+# What kohya / modelspec metadata values name (`sd_v1`, `v1-5-pruned-emaonly`, `sdxl_base_v1-0`,
+# `stable-diffusion-xl-v1-base/lora`, `flux-1-dev/lora`), most specific first: `sdxl_base_v1-0` holds a `v1`.
+METADATA_NAMES: tuple[tuple[str, str], ...] = (
+    ("sdxl", r"sdxl|stable-diffusion-xl|\bxl[_-]"),
+    ("sd3", r"sd3|stable-diffusion-3"),
+    ("flux2", r"flux[._-]?2"),
+    ("flux", r"flux"),
+    ("sd2", r"sd[ _-]?v?2|stable-diffusion-v?2|\bv2[-_.]?[01]"),
+    ("sd1", r"sd[ _-]?v?1|stable-diffusion-v?1|\bv1[-_.]?[45]"),
+)
+
+
+def metadata_architecture(meta: dict[str, str]) -> str | None:
+    """The architecture the metadata values name (METADATA_NAMES), or None when they name none we know."""
     said = " ".join(meta.values()).lower()
-    agrees = arch.split("-")[0] in said.replace("_", "").replace(".", "").replace("sd1.5", "sd1")
-    return f"metadata {meta} {'agrees' if agrees else 'disagrees; keys win'}"
+    return next((arch for arch, rx in METADATA_NAMES if re.search(rx, said)), None)
+
+
+def metadata_evidence(meta: dict[str, str], arch: str) -> str:
+    """The evidence line for what the metadata says, against the architecture the keys and shapes found."""
+    named = metadata_architecture(meta)
+    if named is None:
+        return f"metadata {meta} names no architecture loraweave reads from it"
+    if arch == UNET:  # shapes decide which UNet (inspect's fit); the metadata line is redone then
+        return f"metadata {meta} names {named}"
+    agrees = arch == named or arch.startswith(named) or named.startswith(arch)
+    return f"metadata {meta} names {named}: {'agrees' if agrees else 'disagrees; keys win'}"
 
 
 def detect_architecture(adapter: Adapter) -> Detection:
@@ -220,5 +243,5 @@ def detect_architecture(adapter: Adapter) -> Detection:
             arch = kind[0]
             evidence.append(kind[1])
     if meta:
-        evidence.append(_metadata_evidence(meta, arch))
+        evidence.append(metadata_evidence(meta, arch))
     return Detection(arch, evidence, scores, meta, matched)

@@ -11,7 +11,7 @@ strips). The text connectors are a pipeline component of their own (`connectors`
 
 from __future__ import annotations
 
-from .record import Architecture, ComfyFacets, Layouts, Skeleton
+from .record import Architecture, ComfyFacets, Layouts, Modalities, Skeleton
 from .spec import ArchTable
 
 LTX2 = ArchTable(
@@ -42,6 +42,20 @@ LTX2_CONNECTORS = ArchTable(
     renames=(("aggregate_embed", "text_proj_in"),),
 )
 
+# The two towers of LTX2VideoTransformer3DModel and the text connectors (`connectors`), by diffusers' and
+# the original (ComfyUI's) names: the audio<->video cross-attention and its modulation are cross-modal,
+# `audio_*` is the audio tower, the rest (the video tower, its time and caption embeddings) video; the
+# connectors' shared `text_proj_in` feeds both.
+LTX2_MODALITIES = Modalities(
+    rules=(
+        ("cross", r"\.(audio_to_video_attn|video_to_audio_attn)\.|\.av_cross_attn_|_[av]2[av]_cross_attn_"),
+        ("cross", r"\.av_ca_|_a2v_ca_"),
+        ("cross", r"^\.text_proj_in$"),
+        ("audio", r"\.audio_"),
+    ),
+    default="video",
+)
+
 # LTX-2.3 adds attention gates and prompt modulation to LTX-2; both add an audio tower to MMDiT-like blocks.
 LTX23_ARCH = Architecture(
     "ltx2.3",
@@ -55,6 +69,7 @@ LTX23_ARCH = Architecture(
         "LTX2VideoTransformer3DModel defaults plus LTX-2.3's attention gates and cross-attention modulation",
     ),
     cli_names=("ltx-2.3",),
+    modalities=LTX2_MODALITIES,
 )
 # ComfyUI's LTXAVModel keyword defaults (LTX-2), for what its detection does not write.
 _LTXAV = {
@@ -115,6 +130,7 @@ LTX2_ARCH = Architecture(
         "test_arch_ltx_layouts.py::test_ltx2_*",
     ),
     comfy=ComfyFacets(("LTXAV",), _ltx2_from_comfy, skeleton="ltx2"),
+    modalities=LTX2_MODALITIES,
 )
 # LTX-Video's original (Lightricks, ComfyUI) names differ from diffusers' by the renames of diffusers'
 # `convert_ltx_transformer_checkpoint_to_diffusers` (LTX-2's first four); its LoRA files use the diffusers

@@ -100,6 +100,35 @@ class ComfyFacets:
 
 
 @dataclass(frozen=True)
+class Depths:
+    """Depth-expanded variants of one block chain (Anima 28 -> 40: a LLaMA-Pro block expansion that inserts
+    new blocks between the trained ones). `path`: a regex over a denoiser part's path whose group `index` is
+    its block index; `chain`: the live chain the model's depth is counted on; `known`: the released depths a
+    file's highest block index is snapped up to; `inserted`: (file depth, model depth) -> the model's block
+    indices that are new (a file's block i lands on the i-th index not listed). A pair not listed is
+    refused."""
+
+    chain: str
+    path: str
+    known: tuple[int, ...]
+    inserted: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    source: str = ""  # where the inserted positions were read
+
+
+MODALITIES = ("video", "audio", "cross")  # the modality names a request may scale
+
+
+@dataclass(frozen=True)
+class Modalities:
+    """Which modules serve which modality of an audio-video model, for per-modality strengths: `rules`,
+    (modality, regex matched at the start of `component.module` of the live tree), first match wins; a
+    denoiser module no rule names takes `default`; text encoders are never scaled by modality."""
+
+    rules: tuple[tuple[str, str], ...]
+    default: str = "video"
+
+
+@dataclass(frozen=True)
 class Architecture:
     name: str  # the name detection answers and the catalog keys
     # Alias tables (original names -> live modules); the first is the architecture's own, any others (text
@@ -127,6 +156,8 @@ class Architecture:
     # Architectures whose files a model of this one takes as its own although detection names them apart (a
     # derived model: Chroma takes Flux LoRAs); arch/fit.py adds class siblings and shared-name owners itself.
     takes: tuple[str, ...] = ()
+    depths: Depths | None = None  # depth-expanded variants and where their blocks were inserted
+    modalities: Modalities | None = None  # audio-video models: which modules are audio, video, cross-modal
 
     @property
     def metadata_alpha(self) -> str | None:

@@ -11,11 +11,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import ArgumentError
+from .ace_step import ACE_STEP_ARCH
 from .anima import ANIMA_ARCH
 from .ernie_image import ERNIE_IMAGE
 from .flux import CHROMA_ARCH, FLUX_ARCH, FLUX_SCHNELL
 from .flux2 import FLUX2_ARCH, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B
 from .flux3 import FLUX3_ARCH
+from .hidream_o1 import HIDREAM_O1
 from .hunyuan_video import HUNYUAN_VIDEO_ARCH
 from .hunyuan_video15 import HUNYUAN_IMAGE_21, HUNYUAN_VIDEO_15
 from .ideogram4 import IDEOGRAM4_ARCH
@@ -74,11 +76,23 @@ ARCHITECTURES: list[Architecture] = [
     PIXART,
     KREA2_ARCH,
     FLUX3_ARCH,
+    ACE_STEP_ARCH,
+    HIDREAM_O1,
 ]
 
 
 def by_name() -> dict[str, Architecture]:
     return {a.name: a for a in ARCHITECTURES}
+
+
+def of_class(cls_name: str) -> list[Architecture]:
+    """The records whose model class is `cls_name` (their own table's or their skeleton's), registry
+    order."""
+    return [
+        a
+        for a in ARCHITECTURES
+        if (a.tables and cls_name in a.tables[0].classes) or (a.skeleton and a.skeleton.cls == cls_name)
+    ]
 
 
 # arch_tables()'s cache: (the list it was read from, its generation, the tables); registered() moves the

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..formats.adapter import Adapter
-from ..formats.blocks import block_counts
+from ..formats.blocks import block_counts, block_indices
 from . import registry
 from .record import Release
 
@@ -99,8 +99,10 @@ def variant_fit(adapter: Adapter, arch: str | None = None, landed: str | None = 
     ratio = _single_rows(adapter, hidden, {v.single_rows for v in releases})
     fits = [v for v in releases if _takes(v, counts, hidden, ratio, landed)]
     likely = _likely(fits, counts)
+    named = block_indices([p.path for p in adapter.parts])
     return {
         "blocks": counts,
+        "named": {c: [found[0], found[-1], len(found)] for c, found in named.items()},  # [first, last, count]
         "hidden": hidden,
         "fits": [v.name for v in fits],
         "likely": likely.name if likely else None,

@@ -1,23 +1,32 @@
-"""Command line: `loraweave demo | inspect | bake | convert | extract | resize | generate | serve` (the only
-place that prints).
+"""Command line: `loraweave demo | inspect | bake | convert | merge | extract | resize | generate | serve`
+(the only place that prints).
 
 One module per command, each with `add(subparsers)` (its parser) and `run(args)` (its body, heavy imports
 inside); this module builds the parser from them and dispatches. Every command shares one exit-code table
-(EXIT_STATUS in `support`, in the README; each --help shows the clauses of its own options)."""
+(EXIT_STATUS in `support`, in the README; each --help shows the clauses of its own options), and one rule
+for a failure under --json: the error line on stderr, an error object on stdout, the table's status."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import bake, comfy, convert, demo, extract, generate, inspect, resize, serve
-from .support import EXIT_OK, configure_logging, exit_code, silence_stdout, with_exit_status
+from . import bake, comfy, convert, demo, extract, generate, inspect, merge, resize, serve
+from .support import (
+    EXIT_OK,
+    configure_logging,
+    exit_code,
+    print_json_error,
+    silence_stdout,
+    with_exit_status,
+)
 
 COMMANDS = {
     "demo": demo,
     "inspect": inspect,
     "bake": bake,
     "convert": convert,
+    "merge": merge,
     "extract": extract,
     "resize": resize,
     "generate": generate,
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # every failure: one line (a traceback only for bugs), the table's code
         code, message = exit_code(exc, args)
         print(f"loraweave: error: {message}", file=sys.stderr)
+        if getattr(args, "json", False):  # one rule for --json: a failure is an error object on stdout too
+            print_json_error(args, message, code)
         return code
     finally:
         restore()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from .support import FORCE_HELP, adapter_arg, add_common, limit_arg, progress_wanted
+from ..io.output import check_folder_name
+from .support import FORCE_HELP, adapter_arg, add_common, limit_arg, progress_wanted, refuse_output
 
 
 def add(sub) -> None:
@@ -41,6 +43,10 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    folder = Path(args.model).is_dir()  # a folder bakes into a folder of the same shape
+    refuse_output(args.output, [args.model, *(a for a, _ in args.lora)], args.force, folder=folder)
+    if folder:
+        check_folder_name(args.output, f"{args.model} is a folder, so the baked model is a folder")
     from ..tools.bake import bake
 
     res = bake(

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_sample_outputs(out_dir: Path, overwrite: bool) -> None:
     """--out DIR: its parent must exist, and the sample files already in it are kept unless --force."""
-    from ..io.write import check_output
+    from ..io.output import check_output
     from ..tools.demo import SAMPLE_FILES
 
     if not out_dir.is_dir():  # a new folder: its parent must exist (a file in its place is refused)
@@ -115,7 +115,7 @@ def _print_differences(res: dict) -> None:
 def check_generate_outputs(png: Path, out_dir: Path | None, overwrite: bool) -> None:
     """--generate PNG [--out DIR]: the PNG, its sidecar and DIR's pipeline folder and sample LoRA, checked
     before anything is built; what exists is replaced only with --force (DIR's other files never)."""
-    from ..io.write import check_output
+    from ..io.output import check_output
     from ..tools.demo import GENERATE_LORA, GENERATE_PIPELINE
     from ..tools.generate import check_png
 

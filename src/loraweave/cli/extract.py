@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .support import lowrank_options, non_negative_arg, print_lowrank, progress_wanted
+from .support import lowrank_options, non_negative_arg, print_lowrank, progress_wanted, refuse_output
 
 
 def add(sub) -> None:
@@ -28,10 +28,17 @@ def add(sub) -> None:
         default=0.0,
         help="skip layers whose |ΔW|/|W| is below this (>= 0)",
     )
+    p.add_argument(
+        "--skip-rounding",
+        action="store_true",
+        help="leave out layers whose difference is only the rounding of BASE's wider dtype to TUNED's "
+        "(fp32 base, fp16 tuned: no fine-tuning in them; counted in a warning otherwise)",
+    )
     lowrank_options(p, pickle=False)
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_output(args.output, [args.base, args.tuned], args.force)
     from ..tools.extract import extract
 
     res = extract(
@@ -42,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         energy=args.energy,
         dtype=args.dtype,
         min_rel_diff=args.min_diff,
+        skip_rounding=args.skip_rounding,
         overwrite=args.force,
         allow_empty=args.allow_empty,
         progress=progress_wanted(args),

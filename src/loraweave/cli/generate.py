@@ -8,7 +8,16 @@ import sys
 
 from ..arguments import MAX_CFG, MAX_SIDE, MAX_STEPS, SEED_RANGE
 from ..errors import StrictApplyError
-from .support import adapter_arg, add_common, cli_words, integer_arg, limit_arg, number_arg
+from .support import (
+    adapter_arg,
+    add_common,
+    cli_words,
+    integer_arg,
+    limit_arg,
+    modality_arg,
+    number_arg,
+    print_json_error,
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         negative=args.negative,
         lora_dir=args.lora_dir,
         loras=args.lora,
+        modality_strengths=dict(args.modality) or None,
         apply_mode=args.lora_apply_mode,
         quantize=args.quantize,
         budget=args.budget,
@@ -46,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"loraweave: {cli_words(str(exc))}; nothing written", file=sys.stderr)
         for u in exc.report.unmatched[: args.limit]:
             print(f"  not applied: {u['key']}: {u['reason']}", file=sys.stderr)
+        if args.json:
+            unmatched = [{"key": u["key"], "reason": u["reason"]} for u in exc.report.unmatched]
+            print_json_error(args, f"{cli_words(str(exc))}; nothing written", 1, unmatched=unmatched)
         return 1
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
@@ -57,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
         else "no adapter"
     )
     print(
-        f"wrote {res.output} (seed {res.seed}, {landed}; sidecar {res.sidecar}) in "
-        f"{sum(res.seconds.values()):.2f}s"
+        f"wrote {res.output} (seed {res.seed}, {landed}{quantized(args.quantize, res.quantized_layers)}; "
+        f"sidecar {res.sidecar}) in {sum(res.seconds.values()):.2f}s"
     )
     for other in rep["other_arch"] if rep else []:
         print(
@@ -71,6 +84,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def quantized(kind: str | None, layers: int | None) -> str:
+    """The summary line's word on --quantize: how many layers, or that none was (the model ran in float)."""
+    if kind is None:
+        return ""
+    if not layers:
+        return f"; {kind}: no layer quantized (SDNQ leaves layers under 16384 weights in float)"
+    return f"; {kind}: {layers} layers quantized"
 
 
 def add(sub) -> None:
@@ -112,6 +134,17 @@ def add(sub) -> None:
         type=adapter_arg,
         metavar="FILE[:S]",
         help="adapter file with an optional strength (default 1.0); repeatable",
+    )
+    p.add_argument(
+        "--modality",
+        action="append",
+        default=[],
+        type=modality_arg,
+        metavar="NAME=S",
+        help="per-modality strength of audio-video models (LTX-2/2.3, MiniMax-H3): NAME video, audio or "
+        "cross (cross-modal and joint modules), e.g. --modality audio=0; repeatable; applies to every "
+        "adapter whose <lora:> tag sets none (tag items video=/audio=/cross=); refused on a model "
+        "without modalities",
     )
     p.add_argument(
         "--lora-apply-mode",

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import LoraweaveError
-from .support import add_common, error_message, limit_arg, progress_wanted
+from .support import ARCH_NAMES, add_common, limit_arg, progress_wanted
 
 
 def add(sub) -> None:
@@ -25,7 +25,10 @@ def add(sub) -> None:
         "coverage {keys_total, keys_applied, unmatched}.",
     )
     p.add_argument(
-        "file", help=".safetensors adapter file, PEFT directory, or a folder of adapters (one row each)"
+        "file",
+        nargs="+",
+        help=".safetensors adapter file, PEFT directory, or a folder of adapters (one row each); several "
+        "files (a shell glob) give one row each too",
     )
     p.add_argument("--plot", metavar="OUT.png", help="also draw a heatmap of ‖ΔW‖ per block × module kind")
     p.add_argument(
@@ -40,9 +43,7 @@ def add(sub) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--arch",
-        help="resolve against this architecture instead of the detected one "
-        "(sd1, sd2, sdxl, sdxl-refiner, flux, flux-schnell, chroma, flux2, sd3, z-image, qwen-image, "
-        "wan, hunyuan-video, krea2)",
+        help=f"resolve against this architecture instead of the detected one: {ARCH_NAMES}",
     )
     where.add_argument(
         "--model",
@@ -73,6 +74,9 @@ def add(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if len(args.file) > 1:
+        return inspect_several(args)
+    args.file = args.file[0]
     if Path(args.file).is_dir() and not (Path(args.file) / "adapter_config.json").is_file():
         return inspect_folder(args)
     from ..tools.inspect import format_table, inspect_adapter
@@ -87,28 +91,20 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if args.plot:  # refused before the file is read: a bad target, or an existing picture without --force
-        from ..io.write import check_output
+        from ..io.output import check_output
         from ..tools.heatmap import check_plot_target
 
         check_output(args.plot, [args.file], overwrite=args.force)
         check_plot_target(args.plot)
-    try:
-        info = inspect_adapter(
-            args.file,
-            arch=args.arch,
-            model=args.model,
-            allow_pickle=args.allow_pickle,
-            text_encoders=not args.no_text_encoders,
-            check_values=args.check_values,
-            coverage=not args.no_coverage,
-        )
-    except (LoraweaveError, ValueError, OSError) as exc:
-        if (
-            args.json
-        ):  # the same error object a folder's row gets; stderr and the exit status as for any error
-            path = Path(args.file)
-            print(json.dumps({"file": path.name, "path": str(path), "error": error_message(exc)}, indent=2))
-        raise
+    info = inspect_adapter(
+        args.file,
+        arch=args.arch,
+        model=args.model,
+        allow_pickle=args.allow_pickle,
+        text_encoders=not args.no_text_encoders,
+        check_values=args.check_values,
+        coverage=not args.no_coverage,
+    )
     if args.plot:
         info["plot"] = plot_into(args)
     print(json.dumps(info, indent=2) if args.json else format_table(info, args.limit))
@@ -142,7 +138,6 @@ def plot_into(args: argparse.Namespace) -> dict:
 def inspect_folder(args: argparse.Namespace) -> int:
     """One row per adapter below the folder. Exit 2 if some file is unreadable, 1 if the folder holds no
     adapter or (--strict) some adapter's keys do not all land, else 0."""
-    from ..tools.inspect_dir import format_folder
     from ..tools.inspect_dir import inspect_folder as inspect_dir
 
     if args.plot:
@@ -156,6 +151,35 @@ def inspect_folder(args: argparse.Namespace) -> int:
         text_encoders=not args.no_text_encoders,
         check_values=args.check_values,
     )
+    return print_rows(args, rows, left_out, f"in {args.file}")
+
+
+def inspect_several(args: argparse.Namespace) -> int:
+    """`inspect a.safetensors b.safetensors ...`: one row each, as for a folder (the same exit statuses)."""
+    from ..tools.inspect_dir import inspect_paths
+
+    if args.plot:
+        raise LoraweaveError("--plot draws one adapter: pass one file")
+    folders = [f for f in args.file if Path(f).is_dir() and not (Path(f) / "adapter_config.json").is_file()]
+    if folders:
+        raise LoraweaveError(f"{folders[0]}: a folder among several paths; pass adapter files, or one folder")
+    rows = inspect_paths(
+        args.file,
+        progress=progress_wanted(args),
+        arch=args.arch,
+        model=args.model,
+        allow_pickle=args.allow_pickle,
+        text_encoders=not args.no_text_encoders,
+        check_values=args.check_values,
+    )
+    return print_rows(args, rows, [], "given")
+
+
+def print_rows(args: argparse.Namespace, rows: list[dict], left_out: list[dict], where: str) -> int:
+    """The table (or JSON list) of one row per adapter; exit 2 if some is unreadable, 1 if none is given or
+    (--strict) some adapter's keys do not all land, else 0."""
+    from ..tools.inspect_dir import format_folder
+
     print(json.dumps(rows, indent=2) if args.json else format_folder(rows, left_out))
     if left_out and args.json:
         for x in left_out:
@@ -167,6 +191,6 @@ def inspect_folder(args: argparse.Namespace) -> int:
                 print(f"loraweave: error: {'' if named else r['path'] + ': '}{r['error']}", file=sys.stderr)
         return 2
     if not rows:
-        print(f"loraweave: no adapter files in {args.file}", file=sys.stderr)
+        print(f"loraweave: no adapter files {where}", file=sys.stderr)
         return 1
     return 1 if args.strict and not all(r["coverage"]["complete"] for r in rows) else 0

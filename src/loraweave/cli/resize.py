@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .support import lowrank_options, print_lowrank, progress_wanted
+from .support import ARCH_NAMES, lowrank_options, print_lowrank, progress_wanted, refuse_output
 
 
 def add(sub) -> None:
@@ -23,13 +23,15 @@ def add(sub) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--arch",
-        help="architecture that gives conv kernel shapes flat-stored factors lack (default: detected)",
+        help=f"architecture that gives conv kernel shapes flat-stored factors lack (default: detected): "
+        f"{ARCH_NAMES}",
     )
     where.add_argument("--model", help="checkpoint that gives those shapes instead")
     lowrank_options(p, pickle=True)
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_output(args.output, [args.file], args.force)
     from ..tools.resize import resize
 
     res = resize(

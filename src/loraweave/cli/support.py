@@ -121,8 +121,26 @@ NOISY_LOGGERS = (
 QUIET_ENV = {"DIFFUSERS_VERBOSITY": "error", "TRANSFORMERS_VERBOSITY": "error"}
 
 
+ARCH_NAMES = "{architecture names}"  # in a help text: filled from the registry only when --help is shown
+
+
+def arch_names() -> str:
+    """Every name `--arch` accepts (each architecture with a skeleton, then its aliases): the registry."""
+    from ..arch import registry
+
+    known = [a for a in registry.ARCHITECTURES if a.skeleton is not None]
+    names = sorted(a.name for a in known)
+    aliases = sorted(alias for a in known for alias in a.cli_names if alias not in names)
+    return ", ".join(names) + (f"; aliases: {', '.join(aliases)}" if aliases else "")
+
+
 class Formatter(argparse.HelpFormatter):
-    """Wraps paragraphs as usual but keeps a paragraph with line breaks (the exit-status table) as written."""
+    """Wraps paragraphs as usual but keeps a paragraph with line breaks (the exit-status table) as written;
+    fills ARCH_NAMES in option help (the registry is read for --help, not on every run)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        return text.replace(ARCH_NAMES, arch_names()) if text and ARCH_NAMES in text else text
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "\n\n".join(
@@ -231,10 +249,27 @@ limit_arg = integer_arg("--limit", 0)
 def adapter_arg(text: str) -> tuple[str, float]:
     """`FILE[:STRENGTH]` as an argparse type: a bad strength is a usage error with the one strength
     message."""
-    from ..tools.bake import parse_adapter_arg
+    from ..arguments import parse_adapter_arg
 
     try:
         return parse_adapter_arg(text)
+    except ArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def modality_arg(text: str) -> tuple[str, float]:
+    """`NAME=STRENGTH` (--modality) as an argparse type: NAME one of video, audio, cross; the strength by
+    the one strength rule."""
+    from ..arch.record import MODALITIES
+
+    name, eq, value = text.partition("=")
+    name = name.strip().lower()
+    if not eq or name not in MODALITIES:
+        raise argparse.ArgumentTypeError(
+            f"--modality {text!r}: write NAME=STRENGTH with NAME one of {', '.join(MODALITIES)}"
+        )
+    try:
+        return name, arguments.strength_text(value.strip(), f"--modality {name}")
     except ArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -243,6 +278,13 @@ FORCE_HELP = (
     "replace an existing output: only the files this command writes (a folder's other files stay); "
     "never an input"
 )
+
+
+def refuse_output(output: str, inputs: list[str], force: bool, folder: bool = False) -> None:
+    """The output check the library makes again, here before torch is imported: a refusal comes at once."""
+    from ..io.output import check_output
+
+    check_output(output, inputs, overwrite=force, folder=folder)
 
 
 def add_common(p: argparse.ArgumentParser, pickle: bool = False, empty: bool = False) -> None:
@@ -344,6 +386,15 @@ def cli_words(message: str) -> str:
     for api, flag in CLI_WORDS.items():
         message = message.replace(api, flag)
     return message
+
+
+def print_json_error(args: argparse.Namespace, message: str, code: int, **extra: object) -> None:
+    """A failure under --json: `{"error", "exit_status"}` on stdout (plus the adapter's `file` and `path` for
+    `inspect FILE`, as a folder's row has them, and what the caller adds), the same for every command."""
+    where: dict[str, object] = {}
+    if args.command == "inspect" and isinstance(args.file, str):
+        where = {"file": Path(args.file).name, "path": args.file}
+    print(json.dumps({**where, "error": message, "exit_status": code, **extra}, indent=2))
 
 
 def error_message(exc: BaseException) -> str:

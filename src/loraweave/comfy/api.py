@@ -38,8 +38,10 @@ from ..modes import ApplyMode
 from ..report.coverage import warn_incomplete
 from ..report.miss import Skipped, Unmatched
 from ..report.report import Report
+from ..resolve.modality import check_modality_strengths
 from ..resolve.planner import Plan
 from .gguf_weights import GGUF_BACKEND, check_storage, note_rows
+from .grow import plan_notes
 from .host import diffusion_patcher
 from .patches import add_to_clone
 from .quantized import check_layouts, with_retention
@@ -94,10 +96,12 @@ def file_arch_check(patcher, adapters: list[Adapter], allow_other_arch: bool) ->
     return arch_check(adapters, comfy_model_arch(patcher), allow_other_arch)
 
 
-def _plans(model, clip, adapter: Adapter) -> tuple[Plan, Plan | None, Plan, list[Unmatched], list[Skipped]]:
+def _plans(
+    model, clip, adapter: Adapter, modality_strengths: dict[str, float] | None = None
+) -> tuple[Plan, Plan | None, Plan, list[Unmatched], list[Skipped]]:
     """(model side, CLIP side or None, both sides as one plan, every miss, the keys skipped) of `adapter` on
     ComfyUI's modules. No CLIP: a model-only request, whose text-encoder keys the engine skips."""
-    model_plan = plan_for_patcher(model, adapter)
+    model_plan = plan_for_patcher(model, adapter, modality_strengths=modality_strengths)
     clip_plan = plan_for_clip(clip, adapter) if clip is not None else None
     both = Plan(model_plan.components, [adapter], {adapter.name: 1.0})
     both.planned = model_plan.planned + (clip_plan.planned if clip_plan else [])
@@ -124,13 +128,15 @@ def merge(
     strength_clip: float,
     strict: bool = False,
     arch: ArchCheck = NO_ARCH_CHECK,
+    modality_strengths: dict[str, float] | None = None,
 ):
     """(model clone, clip clone or None, report): loraweave's ΔW added through ComfyUI's patch lists."""
     t0 = time.perf_counter()
-    model_plan, clip_plan, both, unmatched, skipped = _plans(model, clip, adapter)
+    model_plan, clip_plan, both, unmatched, skipped = _plans(model, clip, adapter, modality_strengths)
     refuse(make_report(both, "merge", [], unmatched, t0, skipped), strict, opt_ins=COMFY, arch=arch)
     check_storage(model_plan)
     new_model, applied, refused = add_to_clone(model, model_plan, strength_model)
+    plan_notes(applied, model_plan)
     note_rows(applied, model_plan, new_model)  # GGUF rows: ComfyUI-GGUF patches them at every forward
     with_retention(new_model, [r for r in applied if r.backend != GGUF_BACKEND])
     new_clip = None
@@ -156,6 +162,7 @@ def load_lora_for_models(
     mode: ApplyMode = "auto",
     strict: bool = False,
     allow_other_arch: bool = False,
+    modality_strengths: Mapping[str, float] | None = None,
 ):
     """(model, clip, report) as `comfy.sd.load_lora_for_models`: `lora` is a path or a state dict (or a
     loraweave Adapter), `clip` may be None (then None comes back, and the text-encoder keys are skipped as
@@ -169,8 +176,11 @@ def load_lora_for_models(
     comfy_kitchen does not register (QuantizedLayoutError, naming the layer). On quantized weights
     (comfy_kitchen QuantizedTensor, float8) `auto` runs at runtime; `merge` goes through ComfyUI's
     requantization and each such layer's report row carries the ΔW retention ρ it measured
-    (comfy/quantized.py)."""
+    (comfy/quantized.py). `modality_strengths` ({"video", "audio", "cross": strength}) scales an
+    audio-video model's modules by modality (AdapterSpec.modality_strengths; ArgumentError on a model
+    without modalities)."""
     diffusion_patcher(model)
+    modalities = check_modality_strengths(modality_strengths, "modality_strengths")
     check_layouts(model)
     strength_model, strength_clip = check_strengths(
         strength_model, strength_clip, labels=("strength_model", "strength_clip")
@@ -182,5 +192,5 @@ def load_lora_for_models(
     if chosen == "runtime":
         from .runtime import apply_runtime
 
-        return apply_runtime(model, clip, adapter, strength_model, strength_clip, strict, arch)
-    return merge(model, clip, adapter, strength_model, strength_clip, strict, arch)
+        return apply_runtime(model, clip, adapter, strength_model, strength_clip, strict, arch, modalities)
+    return merge(model, clip, adapter, strength_model, strength_clip, strict, arch, modalities)

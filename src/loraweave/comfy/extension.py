@@ -18,12 +18,13 @@ _warned_about: set[tuple[str, ...]] = set()  # the sets of pack folders a warnin
 def _extension_class():
     from comfy_api.latest import ComfyExtension
 
+    from .cond_nodes import COND_NODES
     from .multi_loader import LoraWeaveMultiLoader
     from .nodes import NODES
 
     class LoraWeaveExtension(ComfyExtension):
         async def get_node_list(self) -> list:
-            return [*NODES, LoraWeaveMultiLoader]
+            return [*NODES, LoraWeaveMultiLoader, *COND_NODES]
 
     return LoraWeaveExtension
 

@@ -87,6 +87,19 @@ def add_notes(rows: list[AppliedModule], grown: dict[str, GrownWeight]) -> None:
             row.notes.append(g.note)
 
 
+def plan_notes(rows: list[AppliedModule], plan: Plan) -> None:
+    """Each report row of the model side carries the notes its planned parts hold (a modality's strength,
+    a block moved to another depth)."""
+    notes: dict[str, set[str]] = {}
+    for pp in plan.planned:
+        for piece in pp.pieces:
+            notes.setdefault(piece.module, set()).update(pp.notes)
+    for param in plan.params:
+        notes.setdefault(param.path, set()).update(param.notes)
+    for row in rows:
+        row.notes += [n for n in sorted(notes.get(row.module, ())) if n not in row.notes]
+
+
 def padded(weight: torch.Tensor, shape: Shape) -> torch.Tensor:
     """`weight` zero-padded on the right to `shape` (a new tensor), or `weight` itself at that shape."""
     if tuple(weight.shape) == shape:

@@ -177,6 +177,11 @@ def _other_arch_input() -> io.Boolean.Input:
     )
 
 
+def _modality_inputs() -> list[io.Float.Input]:
+    # last and optional: saved workflows load as they were
+    return [io.Float.Input(f"{m}_strength", optional=True, **STRENGTH) for m in ("video", "audio", "cross")]
+
+
 class LoraFileNode(io.ComfyNode):
     """A node that reads one file of the loras folders: refused at queue time when the name is bad or the file
     is missing or broken; re-run when the file changes."""
@@ -199,15 +204,18 @@ def load_one(
     mode: ApplyMode,
     strict: bool,
     allow_other_arch: bool = False,
+    modalities: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ):
     """(model, clip, report text) from c1's load_lora_for_models on the named file; clones, inputs
-    untouched."""
+    untouched. `modalities`: the video, audio and cross-modal strength widgets."""
+    from ..resolve.modality import modality_request
     from .api import load_lora_for_models
 
     with named_errors(lora_name):
+        wanted = modality_request(*modalities)
         path = lora_path(lora_name)
         model, clip, report = load_lora_for_models(
-            model, clip, path, strength_model, strength_clip, mode, strict, allow_other_arch
+            model, clip, path, strength_model, strength_clip, mode, strict, allow_other_arch, wanted
         )
         return model, clip, report_text(checked(report, lora_name), lora_name)
 
@@ -228,6 +236,7 @@ class LoraWeaveLoader(LoraFileNode):
                 _mode_input(),
                 _strict_input(),
                 _other_arch_input(),
+                *_modality_inputs(),
             ],
             outputs=[
                 io.Model.Output(),
@@ -239,10 +248,22 @@ class LoraWeaveLoader(LoraFileNode):
 
     @classmethod
     def execute(
-        cls, model, lora_name, strength_model, strength_clip, mode, strict, clip=None, allow_other_arch=False
+        cls,
+        model,
+        lora_name,
+        strength_model,
+        strength_clip,
+        mode,
+        strict,
+        clip=None,
+        allow_other_arch=False,
+        video_strength=1.0,
+        audio_strength=1.0,
+        cross_strength=1.0,
     ) -> io.NodeOutput:
+        modalities = (video_strength, audio_strength, cross_strength)
         model, clip, text = load_one(
-            model, clip, lora_name, strength_model, strength_clip, mode, strict, allow_other_arch
+            model, clip, lora_name, strength_model, strength_clip, mode, strict, allow_other_arch, modalities
         )
         triggers = trigger_text(lora_path(lora_name))
         return io.NodeOutput(model, clip, text, triggers, ui=ReportUI(text, model))
@@ -262,13 +283,28 @@ class LoraWeaveLoaderModelOnly(LoraFileNode):
                 _mode_input(),
                 _strict_input(),
                 _other_arch_input(),
+                *_modality_inputs(),
             ],
             outputs=[io.Model.Output(), io.String.Output(display_name="report"), _trigger_words_output()],
         )
 
     @classmethod
-    def execute(cls, model, lora_name, strength_model, mode, strict, allow_other_arch=False) -> io.NodeOutput:
-        model, _, text = load_one(model, None, lora_name, strength_model, 0.0, mode, strict, allow_other_arch)
+    def execute(
+        cls,
+        model,
+        lora_name,
+        strength_model,
+        mode,
+        strict,
+        allow_other_arch=False,
+        video_strength=1.0,
+        audio_strength=1.0,
+        cross_strength=1.0,
+    ) -> io.NodeOutput:
+        modalities = (video_strength, audio_strength, cross_strength)
+        model, _, text = load_one(
+            model, None, lora_name, strength_model, 0.0, mode, strict, allow_other_arch, modalities
+        )
         triggers = trigger_text(lora_path(lora_name))
         return io.NodeOutput(model, text, triggers, ui=ReportUI(text, model))
 

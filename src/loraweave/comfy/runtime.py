@@ -41,7 +41,7 @@ from ..resolve.params import PlannedParam
 from ..resolve.planner import Plan, PlannedPart
 from ..resolve.stacking import Contribution
 from .gguf_weights import check_storage, note_rows
-from .grow import add_notes, grow_patches, grown_inputs
+from .grow import add_notes, grow_patches, grown_inputs, plan_notes
 from .holder import FactorHolder
 
 log = logging.getLogger("loraweave")
@@ -328,6 +328,7 @@ def apply_runtime(
     strength_clip: float,
     strict: bool = False,
     arch: ArchCheck = NO_ARCH_CHECK,
+    modality_strengths: dict[str, float] | None = None,
 ):
     """(model, clip, report): clones carrying `adapter` as runtime paths (module docstring); inputs untouched.
 
@@ -338,9 +339,12 @@ def apply_runtime(
 
     t0 = time.perf_counter()
     strengths = (float(strength_model), float(strength_clip))
-    kept = kept_build(model, clip, adapter, strict, entries_of)
+    # a build with modality strengths is neither kept nor reused: its key does not hold them
+    kept = None if modality_strengths else kept_build(model, clip, adapter, strict, entries_of)
     plans, states = (
-        kept.restrengthened(strengths) if kept else _build(model, clip, adapter, strengths, strict)
+        kept.restrengthened(strengths)
+        if kept
+        else _build(model, clip, adapter, strengths, strict, modality_strengths)
     )
     grown = grown_inputs(plans[0])  # a control adapter's input, at the width the engine allowed
     new_model, _ = stacked_clone(model, [], states[0])
@@ -351,11 +355,12 @@ def apply_runtime(
         assert new_clip is not None  # a second state is the CLIP's
         new_clip.patcher, _ = stacked_clone(clip.patcher, [], states[1])
     report = entry_report(plans, states, t0, model_only=clip is None)
+    plan_notes(report.applied, plans[0])
     note_rows(report.applied, plans[0])
     add_notes(report.applied, grown)
     refuse(report, strict, opt_ins=COMFY, arch=arch)
     note_other_arch(report, arch)
-    if kept is None:
+    if kept is None and not modality_strengths:
         keep(Build(weakref.ref(model), weak(clip), adapter, strict, plans, states))
     log.info("comfy runtime adapter=%s reused=%s", adapter.name, kept is not None)
     report.log()
@@ -363,13 +368,13 @@ def apply_runtime(
     return new_model, new_clip, report
 
 
-def _build(model, clip, adapter, strengths: tuple[float, float], strict: bool):
+def _build(model, clip, adapter, strengths: tuple[float, float], strict: bool, modality_strengths=None):
     """(plans, states) planned and built anew: the model side, then the CLIP side when anything lands
     there."""
     from .targets import plan_for_clip, plan_for_patcher
 
     adapter = renamed(adapter, unique_name(adapter.name, taken_names(model, clip)))
-    plans = [plan_for_patcher(model, adapter, strengths[0], strict)]
+    plans = [plan_for_patcher(model, adapter, strengths[0], strict, modality_strengths)]
     check_storage(plans[0])
     if clip is not None:
         plans.append(plan_for_clip(clip, adapter, strengths[1], strict))

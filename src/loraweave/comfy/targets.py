@@ -28,9 +28,11 @@ from ..formats.adapter import Adapter
 from ..formats.keys import DENOISER_NAMES, TEXT_ENCODER_NAMES
 from ..report.miss import Miss, Unmatched
 from ..report.report import failures
+from ..resolve.modality import modalities_named
 from ..resolve.params import PlannedParam
 from ..resolve.planner import Plan, PlannedPart, resolve
 from ..resolve.target import Components
+from ..resolve.weights import weigh_modalities
 from ..tools.remap import Spans, original_fit, translate
 from .grow import loaded_shapes
 from .reference import COMFY_ARCHS, reference_config
@@ -316,10 +318,18 @@ def _refuse_strict(plan: Plan, strict: bool, what: str) -> None:
         refuse_strict(make_report(plan, "merge", [], plan.unmatched, 0.0), strict, f"ComfyUI's {what}")
 
 
-def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: bool = False) -> Plan:
+def plan_for_patcher(
+    patcher,
+    adapter: Adapter,
+    strength: float = 1.0,
+    strict: bool = False,
+    modality_strengths: dict[str, float] | None = None,
+) -> Plan:
     """A loraweave Plan of `adapter`'s denoiser keys on ComfyUI's diffusion model (component
     `diffusion_model`: pieces name its modules and rows). Text-encoder keys are left to `plan_for_clip`.
-    Nothing is modified."""
+    `modality_strengths` (checked by the caller) scales each part by its module's modality, as the
+    architecture declares them on ComfyUI's names (ArgumentError where it declares none). Nothing is
+    modified."""
     side = _side(adapter, text_encoders=False)
     live = patcher.model.diffusion_model
     arch = comfy_arch(patcher)
@@ -335,6 +345,9 @@ def plan_for_patcher(patcher, adapter: Adapter, strength: float = 1.0, strict: b
         plan = _onto_comfy(plan, DENOISER_PREFIX, live, spans, adapter, ref.originals)
         plan = _by_comfy_names(plan, side, live, strength, adapter)
     plan = _inner_components(plan, side, live, strength, adapter)
+    if modality_strengths:
+        facet = modalities_named(arch, modality_strengths, "modality_strengths")
+        weigh_modalities([*plan.planned, *plan.params], facet, modality_strengths)
     log.info(
         "comfy plan side=model arch=%s planned=%d params=%d unmatched=%d",
         arch,

@@ -25,6 +25,12 @@ INPUTS: dict[str, str] = {
     "start_percent": "When the LoRA switches on, as a fraction of the sampling: 0 from the first step, 0.5 "
     "from halfway.",
     "end_percent": "When the LoRA switches off, as a fraction of the sampling: 1 at the last step.",
+    "video_strength": "Audio-video models (LTX-2, MiniMax-H3): how strongly the LoRA changes the video "
+    "modules, times strength_model. Leave all three at 1 on other models.",
+    "audio_strength": "Audio-video models (LTX-2, MiniMax-H3): how strongly the LoRA changes the audio "
+    "modules, times strength_model; 0 keeps the sound as the model makes it.",
+    "cross_strength": "Audio-video models (LTX-2, MiniMax-H3): how strongly the LoRA changes the modules "
+    "that join audio and video (LTX-2's cross-attention, MiniMax-H3's joint blocks).",
 }
 
 # (node id, input id) -> tooltip, where one node means something of its own by a shared name

@@ -68,6 +68,7 @@ def _specs(adapters: AdapterSet, strength: float) -> list[tuple[AdapterSpec, Ada
                     spec.block_weights,
                     spec.component_strengths,
                     window,
+                    spec.modality_strengths,
                 ),
             )
         )

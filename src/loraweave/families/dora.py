@@ -7,8 +7,9 @@ W is always the ORIGINAL weight (never a partly patched one). The magnitude key 
   Input axis `(1, in, 1, …)`: the norm is per input channel over (out, *k). It needs every row of the
   adapter, so a piece holding only some of them (a fused-key adapter split over modules) is refused.
   A 1-D `dora_scale` is read as the output axis.
-- `lora_magnitude_vector` (PEFT; `(out,)`, conv `(1, out, 1, …)`; always the output axis): c = s·γ and
-  a = d / ‖W_c‖ with no eps. PEFT's `set_scale` puts the strength inside the norm.
+- `lora_magnitude_vector` (PEFT) and `.magnitude` (ai-toolkit's copy of PEFT's vector; `(out,)`, conv
+  `(1, out, 1, …)`; always the output axis): c = s·γ and a = d / ‖W_c‖ with no eps. PEFT's `set_scale`
+  puts the strength inside the norm.
 Runtime: y += (a−1)⊙(Wx) + a·c⊙(ΔW x), with ΔW x on the inner family's structured path. The output
 axis is row-local, so fused slices are exact. a is computed from module.weight in row blocks, once per
 (s, c), into a held tensor (RuntimeTerm.caches) that each forward reads cast."""
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..formats.keys import peft_magnitude
 from ..report.miss import Miss
 from . import loha, lokr, lora
 from .base import CastCache, ConvSpec, Factors, Family, PartRejected, RuntimeTerm, Shape, check_factor
@@ -89,7 +91,7 @@ def load(tensors: dict[str, torch.Tensor], key_of: dict[str, str]) -> DoraFactor
         )
     check_factor(key_of["dora_scale"], d)
     inner = _INNER[kind].load({r: t for r, t in tensors.items() if r != "dora_scale"}, key_of)
-    peft = "lora_magnitude_vector" in key_of["dora_scale"]
+    peft = peft_magnitude(key_of["dora_scale"])
     on_out = _on_out(d, inner.rows, peft, key_of["dora_scale"])
     return DoraFactors(kind, inner, d.reshape(-1), on_out, peft)
 

@@ -30,3 +30,15 @@ def highest_blocks(paths: list[str]) -> dict[str, tuple[int, int]]:
 def block_counts(paths: list[str]) -> dict[str, int]:
     """{chain: highest block index named + 1} over module paths as written in a file."""
     return {chain: top + 1 for chain, (top, _) in highest_blocks(paths).items()}
+
+
+def block_indices(paths: list[str]) -> dict[str, list[int]]:
+    """{chain: the block indices named, sorted}: a file touching blocks 7-20 is not a 21-block file."""
+    out: dict[str, set[int]] = {}
+    for path in paths:
+        for chain, rx in CHAINS.items():
+            m = rx.search(path)
+            if m:
+                out.setdefault(chain, set()).add(int(m[1]))
+                break
+    return {chain: sorted(found) for chain, found in out.items()}

@@ -38,6 +38,10 @@ _PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("text_encoder_3.", "text_encoder_3", "diffusers"),
     ("connectors.", "connectors", "diffusers"),  # LTX-2 text connectors
     ("text_embedding_projection.", "connectors", "comfyui"),  # LTX-2 original name of the connectors
+    # SimpleTuner's ComfyUI export of LTX-2 (SimpleTuner #2349): the connectors' diffusers names behind the
+    # denoiser's prefix; and the original projection there.
+    ("diffusion_model.connectors.", "connectors", "comfyui"),
+    ("diffusion_model.text_embedding_projection.", "connectors", "comfyui"),
     # Anima: the DiT's `llm_adapter` is the pipeline's `text_conditioner` (same module names below the
     # prefix).
     ("text_conditioner.", "text_conditioner", "diffusers"),
@@ -81,6 +85,8 @@ _SUFFIXES: tuple[tuple[str, str, str | None, str | None], ...] = (
     (r"\.diff_m", "full", "diff_m", None),  # lightx2v Wan: delta of the module's `modulation` parameter
     (r"\.dora_scale", "dora", "dora_scale", None),
     (r"\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?", "dora", "dora_scale", "peft"),
+    # ai-toolkit's DoRA magnitude (InvokeAI #9517, #9558): PEFT's vector under a bare `.magnitude`.
+    (r"\.magnitude", "dora", "dora_scale", None),
     (r"\.hada_(?:w[12]_[ab]|t[12])", "loha", None, None),
     (r"\.lokr_(?:w[12](?:_[ab])?|t2)", "lokr", None, None),
     (r"\.oft_(?:blocks(?:\.\d+)?|diag)", "oft", None, None),  # kohya Flux OFT: oft_blocks.<split>
@@ -194,6 +200,12 @@ def split_stem(stem: str) -> StemTarget:
         if stem.startswith(prefix):
             return StemTarget(component, stem[len(prefix) :], layout, True)
     return StemTarget(DENOISER, stem, "bare", False)
+
+
+def peft_magnitude(key: str) -> bool:
+    """Whether a DoRA magnitude key follows PEFT's convention (output axis, strength inside the norm):
+    PEFT's `lora_magnitude_vector` and ai-toolkit's `.magnitude`; else LyCORIS's `dora_scale`."""
+    return "lora_magnitude_vector" in key or key.endswith(".magnitude")
 
 
 def underscore_form(path: str) -> str:

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 
 import torch
 
 from loraweave.errors import AdapterFileError, AdapterFormatError, UnsafeFormatError
+
+
+def unpickler_reason(exc: Exception) -> str:
+    """What torch's weights-only unpickler objected to, without the advice around it (re-run with
+    weights_only=False, allowlist the global): both would run the code the refusal kept out."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    m = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\.\s|\.$|\n|$)", text)
+    if m:
+        return m.group(1).strip()
+    if "weights_only" in text or "safe_globals" in text:
+        return "it holds objects the weights-only unpickler does not allow"
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def load_pickle_state_dict(path: str | os.PathLike, allow_pickle: bool) -> dict[str, torch.Tensor]:
@@ -29,11 +42,13 @@ def load_pickle_state_dict(path: str | os.PathLike, allow_pickle: bool) -> dict[
     except pickle.UnpicklingError as e:
         raise AdapterFileError(
             f"{path}: torch.load(weights_only=True) refused it (it holds objects other than "
-            f"tensors and plain containers, or is not a torch pickle): {e}"
+            f"tensors and plain containers, or is not a torch pickle): {unpickler_reason(e)}"
         ) from e
     except Exception as e:
         # torch.load surfaces corrupt archives as RuntimeError/EOFError/etc.; give one typed error.
-        raise AdapterFileError(f"{path}: could not be read by torch.load: {type(e).__name__}: {e}") from e
+        raise AdapterFileError(
+            f"{path}: could not be read by torch.load: {type(e).__name__}: {unpickler_reason(e)}"
+        ) from e
 
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]

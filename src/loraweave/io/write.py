@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import WriteError
+from .output import check_output
 
 log = logging.getLogger("loraweave")
 
@@ -45,31 +46,6 @@ for _attr, _name in (
     if hasattr(torch, _attr):
         DTYPE_NAMES[getattr(torch, _attr)] = _name
 COPY_CHUNK = 64 * 1024 * 1024  # bytes per read/write when copying raw tensor data between files
-
-
-def check_output(
-    target: str | os.PathLike,
-    inputs: Sequence[str | os.PathLike],
-    overwrite: bool = False,
-    folder: bool = False,
-) -> Path:
-    """Refuse a target that is (or lies inside, or contains) an input, whose folder does not exist, of the
-    other kind (a file where a folder is written, or the reverse), or that exists unless overwrite."""
-    out = Path(target).resolve()
-    for item in inputs:
-        src = Path(item).resolve()
-        if out == src or src.is_relative_to(out) or out.is_relative_to(src):
-            raise WriteError(f"output {target} would overwrite input {item}")
-    if not out.parent.is_dir():  # never create folders the user did not ask for (a typo can name '/')
-        raise WriteError(f"output {target}: its folder does not exist (create it first)")
-    if out.exists() and out.is_dir() != folder:
-        want, found = ("a folder", "a file") if folder else ("a file", "a folder")
-        raise WriteError(
-            f"output {target} is {found}; this command writes {want} there (name another output)"
-        )
-    if out.exists() and not overwrite:
-        raise WriteError(f"output {target} exists (pass --force to replace it)")
-    return out
 
 
 def _umask() -> int:

@@ -3,7 +3,8 @@
 Positional numbers are the denoiser strength, then the text-encoder strength (default: the denoiser's).
 Named items: `te=`, `unet=` / `dit=` / `model=` (denoiser), `lbw=` (block weights: a preset name or a
 comma-separated vector), `start=` / `end=` (the step window as fractions of the schedule, `AdapterSpec.steps`;
-a missing end is 1, a missing start 0). Names resolve to `.safetensors` files inside `lora_dir` only: by
+a missing end is 1, a missing start 0), `video=` / `audio=` / `cross=` (per-modality strengths of audio-video
+models, `AdapterSpec.modality_strengths`). Names resolve to `.safetensors` files inside `lora_dir` only: by
 relative path (`styles/ink`) or by file stem anywhere below it. `..`, absolute paths, NUL bytes, and symlinks
 whose target leaves the folder are refused."""
 
@@ -23,6 +24,7 @@ log = logging.getLogger("loraweave")
 
 _TAG = re.compile(r"<(lora|lyco):([^<>]*)>", re.IGNORECASE)
 _DENOISER_KEYS = ("unet", "dit", "model")
+_MODALITY_KEYS = ("video", "audio", "cross")
 _SUFFIX = ".safetensors"
 
 
@@ -124,9 +126,16 @@ def _parse_tag(kind: str, body: str, lora_dir: str | os.PathLike) -> AdapterSpec
     strength, te = _strengths(positional, named, tag)
     lbw = _block_weights(named, tag)
     steps = _window(named, tag)
+    modalities = {k: _strength(named[k], tag, f"{k}= strength") for k in _MODALITY_KEYS if k in named}
     path = resolve_adapter_name(name, lora_dir)
     return AdapterSpec(
-        source=path, strength=strength, te_strength=te, block_weights=lbw, name=name, steps=steps
+        source=path,
+        strength=strength,
+        te_strength=te,
+        block_weights=lbw,
+        name=name,
+        steps=steps,
+        modality_strengths=modalities or None,
     )
 
 
@@ -139,9 +148,10 @@ def _items(items: list[str], tag: str) -> tuple[list[float], dict[str, str]]:
         if "=" in item:
             key, _, value = item.partition("=")
             key = key.strip().lower()
-            if key not in ("te", "lbw", "start", "end", *_DENOISER_KEYS):
+            if key not in ("te", "lbw", "start", "end", *_DENOISER_KEYS, *_MODALITY_KEYS):
                 raise PromptAdapterError(
-                    f"{tag}: unknown item {key!r}; known: te=, unet=/dit=/model=, lbw=, start=, end="
+                    f"{tag}: unknown item {key!r}; known: te=, unet=/dit=/model=, lbw=, start=, end=, "
+                    "video=/audio=/cross="
                 )
             if key in named or (key in _DENOISER_KEYS and any(k in named for k in _DENOISER_KEYS)):
                 raise PromptAdapterError(f"{tag}: {key}= given twice")

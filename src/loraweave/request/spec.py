@@ -9,6 +9,7 @@ from typing import Any
 
 from ..arguments import strength as check_strength
 from ..errors import ArgumentError
+from ..resolve.modality import check_modality_strengths
 from ..resolve.schedule import check_window
 
 
@@ -26,7 +27,12 @@ class AdapterSpec:
     `steps=(start, end)`: the adapter acts on the denoiser only on sampling steps i with start <= i/N < end
     (fractions of the N steps; `Handle.step_schedule`). `ramp="linear"` with `ramp_strengths=(first, last)`:
     the strength goes linearly from `first` on the window's first step to `last` on its last
-    (mode="runtime")."""
+    (mode="runtime").
+
+    `modality_strengths` multiplies the strength per modality of an audio-video model (LTX-2/2.3,
+    MiniMax-H3), e.g. {"video": 1.0, "audio": 0.0}: names "video", "audio", "cross" (cross-modal and joint
+    modules); a modality left out stays at 1. Which module is which is declared by the architecture; on a
+    model without modalities the request is refused (ArgumentError)."""
 
     source: str | os.PathLike | Any
     strength: float = 1.0
@@ -37,9 +43,13 @@ class AdapterSpec:
     steps: tuple[float, float] | None = None
     ramp: str | None = None
     ramp_strengths: tuple[float, float] | None = None
+    modality_strengths: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         check_window(self.steps, self.ramp, self.ramp_strengths)
+        self.modality_strengths = check_modality_strengths(
+            self.modality_strengths, "AdapterSpec modality_strengths"
+        )
         for label, value in (("strength", self.strength), ("te_strength", self.te_strength)):
             if value is None and label == "te_strength":
                 continue

@@ -17,6 +17,7 @@ from ..formats.alpha import resolve_scale
 from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
 from ..formats.metadata import cloneofsimo_classes, kohya_number
 from ..report.miss import Miss, Unmatched
+from .depth import map_depth
 from .params import PlannedParam, param_target, plan_param
 from .target import Components
 
@@ -480,6 +481,16 @@ def _plan_with_fallback(
         raise first from None
 
 
+def _depth_mapped(
+    adapter: Adapter, components: Components, tables: dict[str, AliasTable]
+) -> tuple[Adapter, dict[int, str]]:
+    """The adapter with its blocks at the model's depth (resolve/depth.py); as it is without a denoiser."""
+    denoiser = components.denoiser_name
+    if denoiser is None:
+        return adapter, {}
+    return map_depth(adapter, components.modules[denoiser], tables[denoiser])
+
+
 def resolve(
     components: Components,
     adapters: list[tuple[Adapter, float]],
@@ -498,7 +509,8 @@ def resolve(
                 Unmatched(adapter.name, item["key"], Miss("not_parsed", f"not parsed: {item['reason']}"))
             )
         fan = (experts or {}).get(adapter.name)
-        for part in adapter.parts:
+        moved, depth_notes = _depth_mapped(adapter, components, tables)
+        for part in moved.parts:
             names = fan if fan and part.component == DENOISER else (components.resolve_name(part.component),)
             for comp_name in names:
                 try:
@@ -509,10 +521,13 @@ def resolve(
                             f"(target has {', '.join(components.modules)})",
                         )
                     if fan and part.component == DENOISER:  # each expert gets the part, none is a fallback
-                        planned = _plan_part(adapter, part, comp_name, tables[comp_name], strength)
+                        planned = _plan_part(moved, part, comp_name, tables[comp_name], strength)
                     else:
-                        planned = _plan_with_fallback(adapter, part, comp_name, components, tables, strength)
+                        planned = _plan_with_fallback(moved, part, comp_name, components, tables, strength)
                     for one in planned:
+                        one.adapter = adapter  # the caller's object: reports address it by identity
+                        if id(part) in depth_notes:
+                            one.notes.append(depth_notes[id(part)])
                         if isinstance(one, PlannedParam):
                             plan.params.append(one)
                         else:

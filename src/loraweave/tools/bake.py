@@ -20,11 +20,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..arguments import strength as check_strength
-from ..arguments import strength_text
 from ..errors import ArgumentError, EmptyOutputError
 from ..families.contribution import add_contribution, bias_of, coefficient
+from ..io.output import check_folder_name, check_output
 from ..io.safetensors_file import read_safetensors_header
-from ..io.write import StreamingWriter, atomic_path, check_output
+from ..io.write import StreamingWriter, atomic_path
 from ..report.coverage import miss_kind
 from ..report.miss import Unmatched
 from ..request.adapters import warn_repeated
@@ -69,21 +69,6 @@ class BakeResult:
         out["output"] = str(self.output)
         out["unmatched"] = [u.to_dict() for u in self.unmatched]
         return out
-
-
-def parse_adapter_arg(spec: str) -> tuple[str, float]:
-    """`FILE[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':' elsewhere). The strength
-    follows AdapterSpec's rule (finite, |s| <= 1e4) with `arguments.strength_text`'s messages; a tail that is
-    no number after an existing FILE (`lora.safetensors:abc`) is a bad strength, not part of the name."""
-    head, sep, tail = spec.rpartition(":")
-    if not (sep and head):
-        return spec, 1.0
-    try:
-        float(tail)
-    except ValueError:
-        if Path(spec).exists() or not Path(head).exists():
-            return spec, 1.0
-    return head, strength_text(tail, head)
 
 
 def _reasons(unmatched: list) -> str:
@@ -203,6 +188,8 @@ def bake(
     out = check_output(
         output, [model, *(a for a, _ in adapters)], overwrite=overwrite, folder=ckpt.kind != "file"
     )
+    if ckpt.kind != "file":
+        check_folder_name(output, f"{model} is a folder, so the baked model is a folder")
     try:
         plan, spans = plan_adapters(ckpt, adapters, allow_pickle)
         work = tensor_plan(ckpt, plan, spans)

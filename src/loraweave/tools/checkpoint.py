@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,7 +93,27 @@ def _folder_component(folder: Path, in_pipeline: bool = False) -> Component | No
         for shard in sorted(folder.glob("*.safetensors")):
             for name in SafetensorsFile(shard).keys():
                 comp.tensors[name] = shard
+    refuse_adapter(folder, comp.tensors)
     return comp if comp.tensors else None
+
+
+def refuse_adapter(where: Path, names: Iterable[str]) -> None:
+    """CheckpointError when every tensor name is an adapter's (LoRA factors, alphas, LyCORIS weights): an
+    adapter given where a model is read would resolve no key ("no such module" for each) and exit 0."""
+    from ..formats.keys import ParsedKey, parse_key
+
+    factor = None
+    for name in names:
+        parsed = parse_key(name)
+        if not isinstance(parsed, ParsedKey):
+            return  # a model weight: stop at the first (cheap on a real checkpoint)
+        if factor is None and parsed.role not in ("alpha", "scale"):
+            factor = name
+    if factor is not None:
+        raise CheckpointError(
+            f"{where}: an adapter file (tensors such as {factor!r}), not a model checkpoint; give the "
+            "model's checkpoint here (the adapter goes in its own argument)"
+        )
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -115,6 +136,7 @@ def _open_file(root: Path) -> Checkpoint:
     if root.suffix != ".safetensors":
         raise CheckpointError(f"{root}: only .safetensors checkpoints are read")
     names = SafetensorsFile(root).keys()
+    refuse_adapter(root, names)
     comps: dict[str, Component] = {}
     passthrough: dict[str, Path] = {}
     class_name = _config_class(root.parent) if root.parent.joinpath("config.json").exists() else None

@@ -7,32 +7,41 @@ conversion."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from ..arch.aliases import missing_file_prefix
+from ..arguments import positive_int
 from ..errors import ArgumentError, ConvertError, EmptyOutputError
-from ..formats.adapter import Adapter, load_adapter
-from ..formats.alpha import read_metadata_alpha
-from ..formats.keys import TEXTUAL_INVERSION, component_prefix
-from ..io.write import check_output, save_file
+from ..formats.adapter import load_adapter
+from ..io.output import check_output
+from ..io.write import save_file
 from ..progress import bar
 from ..resolve.planner import PlannedPart, resolve
-from ..resolve.target import Components, as_components
-from .remap import Spans, original_spans
+from .convert_parts import (
+    AS_IS_LAYOUTS,
+    KOHYA_NAMED,
+    LYCORIS_AS_IS,
+    alpha_metadata,
+    as_is_tensors,
+    carried_metadata,
+    self_check,
+    svd_pair,
+    take_embeddings,
+    write_peft,
+)
+from .layout_names import target_components, target_spans, target_stem
 
 log = logging.getLogger("loraweave")
 LAYOUTS = ("kohya", "peft", "diffusers", "comfy")
 
 
 @dataclass
-class _Piece:
+class TargetPiece:
     """Rows [row, row+length) of a target name receive up_rows @ down, scaled by alpha/rank."""
 
     row: int
@@ -41,6 +50,9 @@ class _Piece:
     up: torch.Tensor  # (length, r)
     alpha: float
     pp: PlannedPart
+
+
+Groups = dict[tuple[str, str], tuple[int, list[TargetPiece]]]  # (component, target name): (rows, pieces)
 
 
 @dataclass
@@ -54,9 +66,16 @@ class ConvertResult:
     joins: int = 0
     notes: list[str] = field(default_factory=list)
     dropped_embeddings: list[str] = field(default_factory=list)  # textual-inversion tokens left out
+    metadata_kept: int = 0  # the source's metadata fields carried over unchanged
+    metadata_rewritten: dict[str, str] = field(default_factory=dict)  # field -> why it was rewritten/dropped
+    as_is: int = 0  # LoKr/LoHa parts written in their own family under the layout's names
+    lowrank: list[dict] = field(default_factory=list)  # {name, family, rank, energy}: parts made LoRAs
+    written: set[tuple[int, float]] = field(default_factory=set, repr=False)  # (rank, alpha) per module
 
     def to_dict(self) -> dict:
-        return {**vars(self), "output": str(self.output)}
+        out = {k: v for k, v in vars(self).items() if k != "written"}
+        energies = [la["energy"] for la in self.lowrank]
+        return {**out, "output": str(self.output), "energy_min": min(energies, default=None)}
 
 
 def _alpha(pp: PlannedPart, rank: int) -> float:
@@ -73,52 +92,41 @@ def _alpha(pp: PlannedPart, rank: int) -> float:
     return pp.scale * rank
 
 
-def _uses_original_names(layout: str, component: str, module: torch.nn.Module) -> bool:
-    if layout == "comfy":
-        return component == "denoiser"
-    if layout != "kohya" or component != "denoiser":
-        return False
-    # kohya: SD1/SD2 UNets in diffusers names, SDXL in sgm names, DiTs in their original (BFL, Wan) names.
-    if type(module).__name__ == "UNet2DConditionModel":
-        return getattr(getattr(module, "config", None), "addition_embed_type", None) == "text_time"
-    return True
+Pair = tuple[torch.Tensor, torch.Tensor, float]  # (down (r, in, *k), up (rows, r), alpha) of one part
 
 
-def _naming(layout: str, comp: str, module: torch.nn.Module, denoiser: bool) -> tuple[Spans, dict[str, int]]:
-    """Spans to original names where the layout writes them for this component; empty: live names."""
-    if not _uses_original_names(layout, "denoiser" if denoiser else comp, module):
-        return {}, {}
-    return original_spans(module)
+class PairOf(Protocol):
+    """The LoRA factors a planned part is written with (its own, or a low-rank form of another family)."""
+
+    def __call__(self, pp: PlannedPart) -> Pair: ...
 
 
-def _regroup(plan, layout: str) -> dict[tuple[str, str], tuple[int, list[_Piece]]]:
-    """{(component, target name): (rows, pieces)} for every LoRA part of the plan."""
-    groups: dict[tuple[str, str], tuple[int, list[_Piece]]] = {}
-    namings = {c: _naming(layout, c, m, c == plan.components.denoiser_name) for c, m in plan.components}
-    # CLIP layers under `text_model.` as every trainer writes them, even where this tree lacks it
-    prefixes = {c: missing_file_prefix(m) for c, m in plan.components}
-    for pp in plan.planned:
-        f = pp.factors
-        for piece in pp.pieces:
-            module = plan.components.modules[pp.component].get_submodule(piece.module)
-            rows = module.weight.shape[0]
-            named, totals = namings[pp.component]
-            spans = named.get(piece.module) or [(prefixes[pp.component] + piece.module, 0, 0, rows)]
-            for name, t_start, m_start, length in spans:
-                lo = max(piece.dst_start, m_start)
-                hi = min(piece.dst_start + piece.length, m_start + length)
-                if lo >= hi:
-                    continue
-                total = totals.get(name, rows)
-                src = piece.src_start + (lo - piece.dst_start)
-                up = f.up[src : src + hi - lo]
-                if not bool(up.any()) and (
-                    f.up_bias is None or not bool(f.up_bias[src : src + hi - lo].any())
-                ):
-                    # rows this part leaves untouched (a zero block of a joined LoRA): nothing to write
-                    continue
-                entry = groups.setdefault((pp.component, name), (total, []))
-                entry[1].append(_Piece(t_start + lo - m_start, hi - lo, f.down, up, _alpha(pp, f.rank), pp))
+def lora_pair(pp: PlannedPart) -> Pair:
+    """A LoRA part's own factors and the alpha that keeps its γ."""
+    f = pp.factors
+    return f.down, f.up, _alpha(pp, f.rank)
+
+
+def regroup(plan, layout: str, pair_of: PairOf = lora_pair, skip=frozenset()) -> Groups:
+    """{(component, target name): (rows, pieces)} for every part of the plan but those in `skip` (ids)."""
+    groups: Groups = {}
+    pairs: dict[int, Pair] = {}
+    for span in target_spans(plan, layout):
+        pp = span.pp
+        if id(pp) in skip:
+            continue
+        if id(pp) not in pairs:
+            pairs[id(pp)] = pair_of(pp)
+        down, full_up, alpha = pairs[id(pp)]
+        up = full_up[span.src : span.src + span.length]
+        up_bias = getattr(pp.factors, "up_bias", None)
+        if not bool(up.any()) and (
+            up_bias is None or not bool(up_bias[span.src : span.src + span.length].any())
+        ):
+            # rows this part leaves untouched (a zero block of a joined LoRA): nothing to write
+            continue
+        entry = groups.setdefault((span.component, span.name), (span.total, []))
+        entry[1].append(TargetPiece(span.row, span.length, down, up, alpha, pp))
     return groups
 
 
@@ -134,7 +142,7 @@ def _prune(down: torch.Tensor, up: torch.Tensor, alpha: float) -> tuple[torch.Te
 Assembled = tuple[torch.Tensor, torch.Tensor, float]  # (down, up, alpha) of one target module
 
 
-def _assemble(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembled:
+def _assemble(rows: int, pieces: list[TargetPiece], result: ConvertResult) -> Assembled:
     """One (down, up, alpha) for a target of `rows` rows from its pieces."""
     first = pieces[0]
     shared = all(
@@ -148,7 +156,7 @@ def _assemble(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembl
     return _assemble_stacked(rows, pieces, result)
 
 
-def _assemble_shared(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembled:
+def _assemble_shared(rows: int, pieces: list[TargetPiece], result: ConvertResult) -> Assembled:
     """Pieces with one down and alpha: their up rows placed in one up (ranks never used by any row pruned)."""
     first = pieces[0]
     up = first.up.new_zeros(rows, first.down.shape[0])
@@ -161,7 +169,7 @@ def _assemble_shared(rows: int, pieces: list[_Piece], result: ConvertResult) -> 
     return _prune(first.down, up, first.alpha)
 
 
-def _assemble_stacked(rows: int, pieces: list[_Piece], result: ConvertResult) -> Assembled:
+def _assemble_stacked(rows: int, pieces: list[TargetPiece], result: ConvertResult) -> Assembled:
     """Pieces with their own downs: ranks stacked, each piece's up in its own columns (block diagonal)."""
     first = pieces[0]
     result.joins += 1
@@ -180,73 +188,35 @@ def _assemble_stacked(rows: int, pieces: list[_Piece], result: ConvertResult) ->
     return down, up, (gammas.pop() * total_rank) if len(gammas) == 1 else float(total_rank)
 
 
-def _stem(
-    layout: str, comp: str, name: str, denoiser: bool, components: Components, source: object = ""
-) -> str:
-    if layout == "kohya":
-        prefix: str | None  # component_prefix knows no prefix for some components
-        if denoiser:
-            prefix = "lora_unet_"
-        elif comp == "text_encoder":
-            prefix = "lora_te1_" if "text_encoder_2" in components.modules else "lora_te_"
-        # the parser's own table: lora_te2_, lora_te3_; Anima's text_conditioner -> lora_unet_llm_adapter_
-        else:
-            prefix = component_prefix(comp, "kohya")
-        if prefix is None:
-            raise ConvertError(f"{source}: kohya layout has no prefix for component {comp}; nothing written")
-        return prefix + name.replace(".", "_")
-    if layout == "comfy":
-        if denoiser:
-            return "diffusion_model." + name
-        prefix = component_prefix(
-            comp, "comfyui"
-        )  # text_encoders.clip_l/clip_g.transformer., llm_adapter, ...
-        if prefix is None:
-            raise ConvertError(f"{source}: comfy layout has no prefix for component {comp}; nothing written")
-        return prefix + name
-    if layout == "peft":
-        return "base_model.model." + name
-    return f"{comp}.{name}"
-
-
-def _target_components(adapter: Adapter, target, arch: str | None, model: str | None) -> Components:
-    if target is not None:
-        return as_components(target)
-    from .target import adapter_target
-
-    components, why, detected = adapter_target(adapter, arch, model)
-    if components is None and arch is None and model is None and detected == "unknown":
-        raise ConvertError(
-            f"{adapter.path or 'adapter'}: its keys name no known architecture; pass --arch NAME or --model "
-            "CHECKPOINT to say what it was trained on"
-        )
-    if components is None:
-        raise ConvertError(f"cannot convert without a model: {why}")
-    return Components(components)
-
-
-KOHYA_NAMED = ("kohya", "comfy")  # layouts with lora_down / lora_up / alpha keys (and no LoRA bias)
-
-
-def _refuse_unconvertible(plan, to: str) -> None:
-    """Refuse keys that resolve to no target name, non-LoRA parts, and a LoRA bias the layout cannot hold."""
+def _refuse_unconvertible(plan, to: str, rank: int | None) -> None:
+    """Refuse keys that resolve to no target name, parts of families other than LoRA, LoKr and LoHa (LoKr and
+    LoHa as they are only where the layout names their factors), and a LoRA bias the layout cannot hold."""
     if plan.unmatched:
         reasons = sorted({u["reason"] for u in plan.unmatched})[:5]
         raise ConvertError(
             f"{len(plan.unmatched)} keys do not resolve against the model, so their target names are "
             f"unknown: {'; '.join(reasons)}"
         )
-    other = sorted({pp.part.family for pp in plan.planned if pp.part.family != "lora"})
+    families = {pp.part.family for pp in plan.planned}
+    other = sorted(families - {"lora", *LYCORIS_AS_IS})
     if other:
         raise ConvertError(
-            f"convert handles the LoRA family; this file also holds {', '.join(other)} parts "
-            "(their factor layouts differ per trainer, so no lossless rename is offered)"
+            "convert handles the LoRA, LoKr and LoHa families; this file also holds "
+            f"{', '.join(other)} parts (their factor layouts differ per trainer, so no lossless rename is "
+            "offered)"
         )
-    if any(pp.factors.up_bias is not None for pp in plan.planned) and to in KOHYA_NAMED:
+    lycoris = sorted(families & set(LYCORIS_AS_IS))
+    if lycoris and rank is None and to not in AS_IS_LAYOUTS:
+        raise ConvertError(
+            f"{', '.join(lycoris)} parts keep their family only in the "
+            f"{' and '.join(AS_IS_LAYOUTS)} layouts; "
+            f"pass --rank R to write them as LoRAs in the {to} layout (truncated SVD, energy reported)"
+        )
+    if any(getattr(pp.factors, "up_bias", None) is not None for pp in plan.planned) and to in KOHYA_NAMED:
         raise ConvertError(f"{to} layout has no LoRA bias (lora_B.bias) keys")
 
 
-def _module_tensors(
+def module_tensors(
     to: str, stem: str, down: torch.Tensor, up: torch.Tensor, alpha: float, rows: int, pieces
 ) -> dict[str, torch.Tensor]:
     """One module's keys in layout `to`: down, up (shaped as down's kernel), kohya's alpha, the LoRA bias."""
@@ -259,7 +229,8 @@ def _module_tensors(
         }
     else:
         out = {stem + ".lora_A.weight": down.contiguous(), stem + ".lora_B.weight": up.contiguous()}
-    bias = [(p.row, p.length, p.pp.factors.up_bias) for p in pieces if p.pp.factors.up_bias is not None]
+    biases = [(p, getattr(p.pp.factors, "up_bias", None)) for p in pieces]
+    bias = [(p.row, p.length, ub) for p, ub in biases if ub is not None]
     if bias:
         b = up.new_zeros(rows)
         for row, length, ub in bias:
@@ -280,48 +251,49 @@ def convert(
     progress: bool = False,
     allow_pickle: bool = False,
     drop_embeddings: bool = False,
+    rank: int | None = None,
 ) -> ConvertResult:
     """Write the adapter at `path` in layout `to`; `target` (module / mapping) overrides `arch` / `model`.
+
+    LoKr and LoHa parts keep their family in the kohya and comfy layouts; with `rank` they become LoRAs of
+    rank <= `rank` (truncated SVD of each part's ΔW, captured energy in `result.lowrank`). The source's
+    metadata is carried over; what the conversion changes is rewritten or dropped (`metadata_rewritten`).
 
     An adapter with no key is refused (EmptyOutputError, nothing written) unless `allow_empty`.
     Textual-inversion tokens, which no adapter layout carries, are refused (ConvertError) unless
     `drop_embeddings` leaves them out; the result names them."""
     if to not in LAYOUTS:
         raise ArgumentError(f"--to must be one of {LAYOUTS}")
+    if rank is not None:
+        positive_int(rank, "rank")
     inputs = [path] if isinstance(path, (str, os.PathLike)) else []
     out = check_output(output, inputs, overwrite=overwrite, folder=to == "peft")
     adapter = load_adapter(path, allow_pickle=allow_pickle)
-    dropped = _embeddings(adapter, path if inputs else adapter.name, drop_embeddings)
+    dropped = take_embeddings(adapter, path if inputs else adapter.name, drop_embeddings)
     if not adapter.keys_total and not allow_empty:
         raise EmptyOutputError(
             f"{path}: the adapter holds no key; the output would be empty; nothing written "
             "(--allow-empty writes it anyway)"
         )
-    components = _target_components(adapter, target, arch, model)
+    components = target_components(adapter, target, arch, model)
     plan = resolve(components, [(adapter, 1.0)])
-    _refuse_unconvertible(plan, to)
+    _refuse_unconvertible(plan, to, rank)
     result = ConvertResult(out, to, keys_in=adapter.keys_total, dropped_embeddings=dropped)
     if dropped:
         result.notes.append(f"dropped textual-inversion token embeddings: {', '.join(dropped)}")
-    tensors: dict[str, torch.Tensor] = {}
-    patterns: dict[str, dict] = {}
-    groups = _regroup(plan, to)
-    for (comp, name), (rows, pieces) in bar(
-        groups.items(), total=len(groups), desc="convert", unit="module", enabled=progress
-    ):
-        down, up, alpha = _assemble(rows, pieces, result)
-        denoiser = comp == components.denoiser_name
-        stem = _stem(to, comp, name, denoiser, components, source=path if inputs else adapter.name)
-        tensors.update(_module_tensors(to, stem, down, up, alpha, rows, pieces))
-        if to not in KOHYA_NAMED:
-            patterns.setdefault(comp, {})[name] = (down.shape[0], alpha)
-        result.targets += 1
-    metadata, config = _alpha_metadata(to, patterns, components)
+    source = path if inputs else adapter.name
+    tensors, patterns = _write_parts(plan, to, rank, result, source, progress)
+    metadata, config = alpha_metadata(to, patterns, components)
+    carried, result.metadata_rewritten = carried_metadata(
+        adapter.metadata, _ranks_changed(plan, result), bool(result.lowrank)
+    )
+    metadata = {**carried, **metadata}
+    result.metadata_kept = len(carried)
     result.notes = sorted(set(result.notes))
-    _self_check(tensors, metadata, config, components, out, plan)
+    self_check(tensors, metadata, config, components, out, plan)
     result.keys_out = len(tensors)
     if to == "peft":
-        _write_peft(tensors, config, out, inputs, overwrite)
+        write_peft(tensors, config, out, inputs, overwrite, metadata)
     else:
         save_file(tensors, out, metadata, inputs=inputs, overwrite=overwrite)
     log.info(
@@ -336,80 +308,47 @@ def convert(
     return result
 
 
-def _embeddings(adapter: Adapter, source: object, drop: bool) -> list[str]:
-    """The file's textual-inversion tokens, taken out of `adapter` when `drop`; refused when not."""
-    tokens = [u["key"] for u in adapter.unparsed if u["reason"] == TEXTUAL_INVERSION]
-    if tokens and not drop:
-        raise ConvertError(
-            f"{source}: holds textual-inversion token embeddings ({', '.join(tokens)}), which no adapter "
-            f"layout "
-            "carries; --drop-embeddings converts the adapter without them (keep this file for the tokens); "
-            "nothing written"
+def _write_parts(plan, to: str, rank: int | None, result: ConvertResult, source: object, progress: bool):
+    """(every output tensor, {component: {target name: (rank, alpha)}} for the PEFT config)."""
+    components = plan.components
+    spans = target_spans(plan, to)
+    as_is = [] if rank is not None else [pp for pp in plan.planned if pp.part.family != "lora"]
+    tensors: dict[str, torch.Tensor] = {}
+    for pp in as_is:
+        span = next(s for s in spans if s.pp is pp)
+        denoiser = span.component == components.denoiser_name
+        stem = target_stem(to, span.component, span.name, denoiser, components, source=source)
+        tensors.update(as_is_tensors(spans, pp, stem))
+        result.as_is += 1
+        result.targets += 1
+
+    def pair_of(pp: PlannedPart) -> Pair:
+        if pp.part.family == "lora":
+            return lora_pair(pp)
+        pair, captured = svd_pair(plan, pp, pp.scale, rank)
+        result.lowrank.append(
+            {"name": pp.part.stem, "family": pp.part.family, "rank": pair[0].shape[0], "energy": captured}
         )
-    adapter.unparsed = [u for u in adapter.unparsed if u["reason"] != TEXTUAL_INVERSION]
-    return tokens
+        return pair
+
+    patterns: dict[str, dict] = {}
+    groups = regroup(plan, to, pair_of, skip={id(pp) for pp in as_is})
+    for (comp, name), (rows, pieces) in bar(
+        groups.items(), total=len(groups), desc="convert", unit="module", enabled=progress
+    ):
+        down, up, alpha = _assemble(rows, pieces, result)
+        stem = target_stem(to, comp, name, comp == components.denoiser_name, components, source=source)
+        tensors.update(module_tensors(to, stem, down, up, alpha, rows, pieces))
+        if to not in KOHYA_NAMED:
+            patterns.setdefault(comp, {})[name] = (down.shape[0], alpha)
+        result.written.add((down.shape[0], alpha))
+        result.targets += 1
+    return tensors, patterns
 
 
-def _alpha_metadata(to: str, patterns: dict[str, dict], components: Components) -> tuple[dict, dict | None]:
-    """kohya/comfy carry alpha tensors; peft/diffusers carry r, lora_alpha and per-module patterns (PEFT
-    config)."""
-    if to in KOHYA_NAMED:
-        return {"loraweave.converted": to}, None
-    config: dict = {}
-    for comp, mods in patterns.items():
-        common = max(set(mods.values()), key=list(mods.values()).count)
-        # Pattern keys match any module whose name ends in `.key`: once one module deviates, every module gets
-        # an exact, escaped entry, longest names first, so a short name never captures a longer one's setting.
-        uniform = len(set(mods.values())) == 1
-        ordered = sorted(mods, key=lambda m: (-len(m), m))
-        cfg = {
-            "r": common[0],
-            "lora_alpha": common[1],
-            "rank_pattern": {} if uniform else {re.escape(m): mods[m][0] for m in ordered},
-            "alpha_pattern": {} if uniform else {re.escape(m): mods[m][1] for m in ordered},
-            "target_modules": sorted(mods),
-        }
-        if to == "peft":
-            if len(patterns) > 1:
-                raise ConvertError(
-                    f"peft layout holds one model; this adapter spans {', '.join(sorted(patterns))} "
-                    "(use --to diffusers)"
-                )
-            return {}, {"peft_type": "LORA", **cfg}
-        config.update({f"{comp}.{k}": v for k, v in cfg.items()})
-    return {"lora_adapter_metadata": json.dumps(config), "loraweave.converted": to}, config
-
-
-def _self_check(tensors, metadata, config, components: Components, out: Path, plan) -> None:
-    """Resolve the converted keys against the same model; same modules hit and every key lands, or no
-    output."""
-    probe = load_adapter(tensors, name="converted")
-    probe.metadata = dict(metadata)
-    peft_file = config is not None and "peft_type" in config
-    probe.meta_alpha = read_metadata_alpha({}, config) if peft_file else read_metadata_alpha(probe.metadata)
-    check = resolve(components, [(probe, 1.0)])
-    if check.unmatched:
-        raise ConvertError(
-            f"converted keys would not land ({check.unmatched[0]['key']}: "
-            f"{check.unmatched[0]['reason']}); nothing written to {out}"
-        )
-    before = {
-        (pp.component, p.module)
-        for pp in plan.planned
-        for p in pp.pieces
-        if bool(pp.factors.up[p.src_start : p.src_start + p.length].any())
+def _ranks_changed(plan, result: ConvertResult) -> bool:
+    """Whether a written LoRA module has a (rank, alpha) no source LoRA part had."""
+    source = {
+        (pp.factors.rank, _alpha(pp, pp.factors.rank)) for pp in plan.planned if pp.part.family == "lora"
     }
-    after = {(pp.component, p.module) for pp in check.planned for p in pp.pieces}
-    if not before <= after:
-        raise ConvertError(
-            f"converted keys would miss {sorted(before - after)[:3]}; nothing written to {out}"
-        )
-
-
-def _write_peft(tensors, config, out: Path, inputs, overwrite: bool) -> None:
-    from ..io.write import atomic_path, check_output
-
-    check_output(out, inputs, overwrite=overwrite, folder=True)
-    with atomic_path(out, folder=True) as tmp:
-        save_file(tensors, tmp / "adapter_model.safetensors")
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return bool(result.lowrank) or not result.written <= source

@@ -19,8 +19,9 @@ import torch
 
 from ..arguments import fraction, non_negative, positive_int
 from ..errors import ArgumentError, EmptyOutputError
+from ..io.output import check_output
 from ..io.safetensors_file import read_safetensors_header
-from ..io.write import check_output, save_file
+from ..io.write import save_file
 from ..progress import bar
 from .bake import _read
 from .checkpoint import open_checkpoint
@@ -134,6 +135,16 @@ def finish(result: LowRankResult, verb: str, t0: float) -> LowRankResult:
     return result
 
 
+def narrower_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype | None:
+    """The one of two float dtypes whose values the other holds exactly (fp16 or bf16 in fp32/fp64, fp32 in
+    fp64); None when equal or neither holds the other (fp16 and bf16)."""
+    wide = (torch.float64, torch.float32)
+    for x, y in ((a, b), (b, a)):
+        if x in wide and y.is_floating_point and torch.finfo(y).bits < torch.finfo(x).bits:
+            return y
+    return None
+
+
 def _component_prefix(comp) -> str:
     """Output key prefix: diffusers' component names for diffusers-named weights (its loader reads them),
     ComfyUI's `diffusion_model.` for original (ldm/BFL) names and for models that are neither."""
@@ -161,9 +172,12 @@ def extract(
     overwrite: bool = False,
     allow_empty: bool = False,
     progress: bool = False,
+    skip_rounding: bool = False,
 ) -> LowRankResult:
     """LoRA of TUNED - BASE for every ≥2-D floating weight whose shapes agree; 1-D differences are reported.
 
+    A layer whose difference is only the rounding of one side's wider dtype to the other's (fp32 BASE, fp16
+    TUNED) holds no fine-tuning: a WARNING counts them, `skip_rounding` leaves them out.
     Refuses (EmptyOutputError, nothing written) when no layer differs, unless `allow_empty`."""
     check_lowrank_args(rank, energy)
     non_negative(min_rel_diff, "min_diff")
@@ -182,6 +196,7 @@ def extract(
 
     result = LowRankResult(out)
     skipped: Counter = Counter()
+    rounding: Counter = Counter()  # layers whose ΔW is only a dtype's rounding, by the narrower dtype
     tensors: dict[str, torch.Tensor] = {}
     steps = bar(
         total=sum(len(c.tensors) for c in b_ckpt.components), desc="extract", unit="tensor", enabled=progress
@@ -212,6 +227,12 @@ def extract(
                 if wb.dim() < 2 or not name.endswith(".weight"):
                     skipped["1-D or non-weight tensor differs (not expressible as LoRA)"] += 1
                     continue
+                narrow = narrower_dtype(wb.dtype, wt.dtype)
+                if narrow is not None and torch.equal(wb.to(narrow), wt.to(narrow)):
+                    rounding[str(narrow).removeprefix("torch.")] += 1
+                    if skip_rounding:
+                        skipped[f"differs only by rounding to {str(narrow).removeprefix('torch.')}"] += 1
+                        continue
                 if min_rel_diff and float(delta.norm() / wb.float().norm().clamp_min(1e-30)) < min_rel_diff:
                     skipped["below --min-diff"] += 1
                     continue
@@ -240,6 +261,15 @@ def extract(
         b_ckpt.close()
         t_ckpt.close()
     result.skipped = dict(skipped)
+    if rounding and not skip_rounding:
+        log.warning(
+            "extract rounding_only=%d layers=%d: %d written layers differ from BASE only by rounding to %s "
+            "(no fine-tuning in them); skip_rounding=True (--skip-rounding) leaves them out",
+            sum(rounding.values()),
+            len(result.layers),
+            sum(rounding.values()),
+            "/".join(rounding),
+        )
     refuse_empty(result, f"extract {base} -> {tuned}", allow_empty)
     meta = {
         "loraweave.extracted": json.dumps(

@@ -17,7 +17,7 @@ import random
 import re
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..arguments import MAX_CFG, MAX_SIDE, MAX_STEPS
@@ -67,6 +67,8 @@ class GenerateRequest:
     negative: str = ""
     lora_dir: str | None = None
     loras: list[tuple[str, float]] = field(default_factory=list)
+    # per-modality strengths (audio-video models) of every adapter that sets none of its own
+    modality_strengths: dict[str, float] | None = None
     apply_mode: ApplyMode = "auto"
     quantize: str | None = None
     budget: str | None = None
@@ -96,6 +98,7 @@ class GenerateResult:
     parameters: str  # the infotext written into the PNG
     report: dict | None  # loraweave apply report (None: no adapter)
     seconds: dict[str, float]
+    quantized_layers: int | None = None  # with --quantize: layers SDNQ quantized (0: all under its floor)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,7 +128,7 @@ def check_png(output: str | os.PathLike) -> None:
 
 def check_outputs(req: GenerateRequest) -> None:
     """The PNG and its sidecar: refused before anything loads when one exists (no --force) or is an input."""
-    from ..io.write import check_output
+    from ..io.output import check_output
 
     inputs = [req.model, *(path for path, _ in req.loras)]
     for target in (Path(req.output), Path(req.output).with_suffix(".json")):
@@ -262,6 +265,11 @@ def adapter_specs(req: GenerateRequest) -> tuple[str, list[AdapterSpec]]:
     else:
         clean, specs = req.prompt, []
     specs += [AdapterSpec(source=Path(p).resolve(), strength=s, name=Path(p).stem) for p, s in req.loras]
+    if req.modality_strengths:
+        specs = [
+            s if s.modality_strengths else replace(s, modality_strengths=req.modality_strengths)
+            for s in specs
+        ]
     return clean, specs
 
 
@@ -347,7 +355,9 @@ def parameters(req: GenerateRequest, pipe, seed: int, specs: list[AdapterSpec], 
         "Loraweave": report.summary() if report is not None else None,
         "Version": f"loraweave {__version__}",
     }
-    return it.infotext(req.prompt, req.negative, params)
+    # --lora files as the tags A1111 reads back (its "Lora hashes" alone applies nothing on re-use)
+    flagged = [f"<lora:{Path(path).stem}:{strength:g}>" for path, strength in req.loras]
+    return it.infotext(" ".join([req.prompt, *flagged]).strip(), req.negative, params)
 
 
 def write_outputs(image, out: Path, text: str, sidecar: dict) -> Path:
@@ -475,4 +485,5 @@ def _generate(req: GenerateRequest) -> GenerateResult:
     side = write_outputs(image, out, text, sidecar)
     seconds["write"] = round(time.perf_counter() - t["sample"], 4)
     log.info("generate output=%s seed=%d adapters=%d seconds=%s", out, seed, len(specs), seconds)
-    return GenerateResult(str(out), str(side), seed, clean, text, sidecar["report"], seconds)
+    layers = quantized if req.quantize else None
+    return GenerateResult(str(out), str(side), seed, clean, text, sidecar["report"], seconds, layers)

@@ -27,7 +27,7 @@ def colour(t: float) -> tuple[int, int, int]:
     return r, g, b
 
 
-def _font(size: int):
+def default_font(size: int):
     from PIL import ImageFont
 
     try:
@@ -75,14 +75,37 @@ def nice_ticks(vmax: float, most: int = 6) -> list[float]:
     return [0.0, vmax]
 
 
-def _vertical_label(text: str, font, height: int):
+DOT, DOT_GAP = 2, 2  # a module path's dots: a square this wide, blank columns this wide either side
+
+
+def _dotted_width(draw, text: str, font) -> int:
+    parts = text.split(".")
+    return sum(_text_size(draw, p, font)[0] for p in parts) + (DOT + 2 * DOT_GAP) * (len(parts) - 1)
+
+
+def _draw_dotted(draw, xy: tuple[int, int], text: str, font) -> None:
+    """`text` with each dot drawn as a DOT-wide square between blank gaps: the font's 1-pixel dot touches
+    its neighbours at 10 px, so `to_out.0` read as `to_out0`."""
+    x, y = xy
+    baseline = y + draw.textbbox((0, 0), "x", font=font)[3]
+    for k, part in enumerate(text.split(".")):
+        if k:
+            x += DOT_GAP
+            draw.rectangle((x, baseline - DOT, x + DOT - 1, baseline - 1), fill=INK)
+            x += DOT + DOT_GAP
+        left = draw.textbbox((0, 0), part, font=font)[0] if part else 0
+        draw.text((x - left, y), part, fill=INK, font=font)
+        x += _text_size(draw, part, font)[0]
+
+
+def vertical_label(text: str, font, height: int):
     """`text` rotated 90° (reads bottom to top), on a transparent strip `height` tall."""
     from PIL import Image, ImageDraw
 
     probe = ImageDraw.Draw(Image.new("L", (1, 1)))
-    w, h = _text_size(probe, text, font)
+    w, h = _dotted_width(probe, text, font), _text_size(probe, text, font)[1]
     strip = Image.new("RGBA", (max(w, 1) + 2, h + 6), (0, 0, 0, 0))
-    ImageDraw.Draw(strip).text((1, 0), text, fill=INK, font=font)
+    _draw_dotted(ImageDraw.Draw(strip), (1, 0), text, font)
     return strip.rotate(90, expand=True).crop((0, 0, h + 6, min(height, w + 2)))
 
 
@@ -108,10 +131,10 @@ def render(grid: BlockGrid, out: str | Path) -> dict:
     from PIL import Image, ImageDraw
     from PIL.PngImagePlugin import PngInfo
 
-    font, small = _font(11), _font(10)
+    font, small = default_font(11), default_font(10)
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     label_w = max([_text_size(probe, r, font)[0] for r in grid.rows] + [40]) + PAD
-    head_h = max([_text_size(probe, c, small)[0] for c in grid.columns] + [40]) + PAD
+    head_h = max([_dotted_width(probe, c, small) for c in grid.columns] + [40]) + PAD
     title_h = 36
     x0, y0 = PAD + label_w, title_h + head_h
     vmax = max((v for row in grid.values for v in row if v is not None), default=0.0)
@@ -135,7 +158,7 @@ def render(grid: BlockGrid, out: str | Path) -> dict:
     for k, (text, f) in enumerate(titles):
         _draw_words(draw, (PAD, 4 + 15 * k), text, f)
     for j, name in enumerate(grid.columns):
-        label = _vertical_label(name, small, head_h - 4)
+        label = vertical_label(name, small, head_h - 4)
         img.paste(label, (x0 + CELL_W * j + (CELL_W - label.width) // 2, y0 - 4 - label.height), label)
     for i, name in enumerate(grid.rows):
         y = y0 + CELL_H * i

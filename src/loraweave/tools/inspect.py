@@ -277,10 +277,25 @@ def _variant_rows(info: dict) -> list[tuple[str, str]]:
     varied = variant.get("fits") or any(info["architecture"]["name"].startswith(v.arch) for v in variants())
     if not (variant.get("blocks") and varied):
         return []
-    blocks = ", ".join(f"{n} {c}" for c, n in variant["blocks"].items())
+    named = variant.get("named", {})
+    words = [_chain_words(c, n, named.get(c)) for c, n in variant["blocks"].items()]
+    if all(w.startswith(f"{n} ") for w, n in zip(words, variant["blocks"].values(), strict=True)):
+        blocks = ", ".join(w.removesuffix(" blocks") for w in words) + " blocks"  # 8 double, 24 single blocks
+    else:
+        blocks = ", ".join(words)
     fits = variant["likely"] or (", ".join(variant["fits"]) if variant["fits"] else "no known variant")
     landed = f"; every key lands on the {variant['landed']} skeleton" if variant.get("landed") else ""
-    return [("  variant", f"{fits} (file: {blocks} blocks, width {variant['hidden']}{landed})")]
+    return [("  variant", f"{fits} (file: {blocks}, width {variant['hidden']}{landed})")]
+
+
+def _chain_words(chain: str, count: int, named: list[int] | None) -> str:
+    """`38 single blocks` when the file names blocks 0..37, else which it names (`single blocks 7-20`): blocks
+    7-20 do not make a 21-block file."""
+    if named is None or (named[0] == 0 and named[2] == count):
+        return f"{count} {chain} blocks"
+    first, last, n = named
+    span = f"{chain} blocks {first}-{last}" if first != last else f"{chain} block {first}"
+    return span if n == last - first + 1 else f"{span} ({n} of them)"
 
 
 def _coverage_rows(cov: dict) -> list[tuple[str, str]]:

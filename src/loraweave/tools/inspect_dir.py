@@ -150,6 +150,21 @@ def inspect_folder(folder: str | Path, progress: bool = False, **kwargs) -> tupl
     return rows, left_out
 
 
+def inspect_paths(paths: list[str], progress: bool = False, **kwargs) -> list[dict]:
+    """One object per adapter path as a shell glob gives them (files or PEFT folders), each named as given;
+    kwargs go to `inspect_adapter`."""
+    from tqdm.auto import tqdm
+
+    from .skeleton import reuse
+
+    rows = []
+    with reuse():  # as for a folder: each skeleton built once
+        for text in tqdm(paths, desc="inspect", unit="file", disable=not progress):
+            path = Path(text)
+            rows.append({**inspect_one(path, path.parent, **kwargs), "file": text})
+    return rows
+
+
 def _families(row: dict) -> str:
     return ",".join(sorted(row["families"])) or "-"
 

@@ -18,7 +18,8 @@ from ..families import FAMILIES
 from ..families.base import PartRejected
 from ..formats.adapter import load_adapter
 from ..formats.keys import CLONEOFSIMO_STEM_RE, DENOISER
-from ..io.write import check_output, data_sha256, save_file
+from ..io.output import check_output
+from ..io.write import data_sha256, save_file
 from ..progress import bar
 from ..resolve.planner import part_scale
 from .extract import LowRankResult, check_lowrank_args, finish, kept_rank, refuse_empty, truncate, write_pair
@@ -186,7 +187,7 @@ def _resize_part(
         return f"unreadable part: {exc}"
     if part.family == "lora" and getattr(factors, "up_bias", None) is not None:
         return "LoRA with a bias delta (not expressible as a plain LoRA)"
-    up, down, in_shape, captured = _low_rank(part, factors, scale, rank, energy)
+    up, down, in_shape, captured = low_rank(part, factors, scale, rank, energy)
     want = targets.get(part.stem)
     if want is not None and math.prod(want) == math.prod(in_shape) and want != in_shape:
         in_shape = want  # same columns, kernel known from the module
@@ -212,7 +213,7 @@ def _read_part(adapter, part, metadata_field: str | None) -> tuple[dict[str, tor
     return roles, factors, scale
 
 
-def _low_rank(
+def low_rank(
     part, factors, scale: float, rank: int | None, energy: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], float]:
     """(up, down, (in, *kernel), captured energy) of one part's scaled ΔW, without forming ΔW where the

@@ -8,7 +8,7 @@ import copy
 import math
 from typing import TYPE_CHECKING
 
-from ..arch.detect import detect_architecture
+from ..arch.detect import UNET, detect_architecture, metadata_evidence
 from ..arch.variants import BFL_NAMED, variant_fit
 from ..formats.adapter import Adapter
 
@@ -60,6 +60,8 @@ def model_target(arch: str | None, model: str | None, detected: str, text_encode
     from ..arch.catalog import canonical
     from .skeleton import skeleton
 
+    if arch is None and detected == UNET:  # the shape fit found no UNet that takes the file
+        return None, "no UNet (sd1, sd2, sdxl) takes its shapes; pass --arch or --model"
     name = arch or detected
     try:
         name = canonical(name)
@@ -77,7 +79,7 @@ def adapter_target(adapter: Adapter, arch: str | None, model: str | None, text_e
     """(components or None, what they are or why none, detected architecture) as `inspect` chooses them: the
     architecture the file names, a UNet file told apart by fit, unless `arch` or `model` says otherwise."""
     detection = detect_architecture(adapter)
-    if detection.architecture == "unet" and arch is None and model is None:
+    if detection.architecture == UNET and arch is None and model is None:
         detection = _unet_by_fit(adapter, detection, text_encoders)
     detection = by_variant(detection, variant_fit(adapter), arch, model)
     components, against = model_target(arch, model, detection.architecture, text_encoders)
@@ -117,10 +119,13 @@ def unet_fit(adapter: Adapter, detection, text_encoders: bool):
         reports[name] = plan(skel, probe, tables=alias_tables(skel))
     fits = {name: r.keys_applied for name, r in reports.items()}
     best = max(fits, key=lambda n: fits[n])  # ties keep the earlier (older, more common) UNet
+    landed = ", ".join(f"{n}: {k}/{adapter.keys_total} keys land" for n, k in fits.items())
+    if fits[best] == 0:  # nothing fits: no UNet is named (model_target then resolves against none)
+        detection.evidence.append(f"shapes fit {landed} -> none of them")
+        return detection, None
     detection.architecture = best
-    detection.evidence.append(
-        "shapes fit "
-        + ", ".join(f"{n}: {k}/{adapter.keys_total} keys land" for n, k in fits.items())
-        + f" -> {best}"
-    )
+    detection.evidence.append(f"shapes fit {landed} -> {best}")
+    said = metadata_evidence(detection.metadata, best) if detection.metadata else ""
+    # what the metadata says, judged against the UNet the shapes chose, where detection put its line
+    detection.evidence[:] = [said if e.startswith("metadata ") else e for e in detection.evidence]
     return detection, reports[best]
