@@ -53,9 +53,7 @@ ensure_malloc_env()
 
 import torch  # noqa: E402  (after the re-exec: glibc reads the malloc settings at process start)
 
-DEFAULT_THREADS = (
-    torch.get_num_threads()
-)  # torch's default (a thread a core), before any script sets one
+DEFAULT_THREADS = torch.get_num_threads()  # torch's default (a thread a core), before any script sets one
 LOAD_SECONDS = 4 * 3600  # a background load process ends by itself after this, whatever happens to its parent
 _BUSY = """
 import os, sys, time
