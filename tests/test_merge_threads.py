@@ -44,11 +44,12 @@ def merged_at(n: int, dtype: torch.dtype, sd: dict, strength: float, threads) ->
     return state_bits(model), model, handle
 
 
+@pytest.mark.parametrize("n", [2, 5], ids=["2threads", "5threads"])  # 5: four blocks ahead, a ring of buffers
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_two_threads_write_the_bits_of_one(small_blocks, threads, dtype):
+def test_two_threads_write_the_bits_of_one(small_blocks, threads, dtype, n):
     sd = lora_sd(net(dtype), rel=0.3)
     one, _, h1 = merged_at(1, dtype, sd, 2.0, threads)
-    two, model, h2 = merged_at(2, dtype, sd, 2.0, threads)
+    two, model, h2 = merged_at(n, dtype, sd, 2.0, threads)
     assert_same_bits(model, one)
     assert kinds_of(h1) == kinds_of(h2) == {"compact"}
     assert [m.undo_bytes for m in h1.report.applied] == [m.undo_bytes for m in h2.report.applied]
@@ -82,7 +83,12 @@ def test_delta_ahead_runs_on_one_intra_op_thread(monkeypatch, small_blocks, thre
     _, _, handle = merged_at(2, torch.float32, sd, 1.0, threads)
     handle.remove()
     helpers = {name for name, _ in seen if name.startswith("loraweave-delta")}
-    assert helpers and {n for _, n in seen} == {1}, seen
+    assert len(helpers) == 1 and {n for _, n in seen} == {1}, seen
+    seen.clear()  # at 4 threads, more than one helper computes ΔW ahead, each at one intra-op thread
+    _, _, handle = merged_at(4, torch.float32, sd, 1.0, threads)
+    handle.remove()
+    helpers = {name for name, _ in seen if name.startswith("loraweave-delta")}
+    assert len(helpers) > 1 and {n for _, n in seen} == {1}, seen  # up to min(3, blocks - 1) threads
     seen.clear()
     merged_at(1, torch.float32, sd, 1.0, threads)
     assert seen and all(name == threading.current_thread().name for name, _ in seen)

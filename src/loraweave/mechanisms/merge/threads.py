@@ -19,6 +19,7 @@ import torch
 # (rows ΔW reads, r0, r1, out) -> ΔW of rows [r0, r1) (undo.DeltaFn)
 DeltaFn = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], torch.Tensor]
 _SPARE: ContextVar[int] = ContextVar("loraweave_spare_threads", default=0)
+MAX_AHEAD = 7  # blocks whose ΔW is computed ahead at most (a block buffer each)
 
 
 def pass_threads(device: torch.device) -> int:
@@ -47,29 +48,34 @@ def block_deltas(
     delta_fn: DeltaFn, base: torch.Tensor, spans: list[tuple[int, int]], buffers: tuple[torch.Tensor, ...]
 ) -> Iterator[Iterator[tuple[int, int, torch.Tensor]]]:
     """(r0, r1, ΔW of rows [r0, r1)) for each span in turn, ΔW written into buffers[0] (flat, a block's
-    size); with a spare thread (recorded_threads) and two buffers, the next span's ΔW is computed ahead into
-    the other one. The caller must be done with a ΔW before it asks for the next but one. On exit (an
-    exception included) nothing is left running."""
+    size); with k spare threads (recorded_threads) and two buffers or more, the next min(k, MAX_AHEAD) spans'
+    ΔW are computed ahead, each on one thread into a buffer of a ring (made like the last where too few are
+    given). The caller must be done with a ΔW before it asks for the next but one. On exit (an exception
+    included) nothing is left running."""
     cols = base[0].numel() if base.shape[0] else 0
+    depth = min(_SPARE.get(), MAX_AHEAD, len(spans) - 1) if base.device.type == "cpu" else 0
+    if depth < 1 or len(buffers) < 2:
+        yield ((r0, r1, delta_fn(base, r0, r1, buffers[0][: (r1 - r0) * cols])) for r0, r1 in spans)
+        return
+    # a ring of depth + 1 buffers: span i + depth is submitted once the caller is done with span i - 1's
+    ring = (*buffers, *(torch.empty_like(buffers[-1]) for _ in range(depth + 1 - len(buffers))))
 
     def compute(i: int) -> torch.Tensor:
         r0, r1 = spans[i]
-        return delta_fn(base, r0, r1, buffers[i % len(buffers)][: (r1 - r0) * cols])
+        return delta_fn(base, r0, r1, ring[i % (depth + 1)][: (r1 - r0) * cols])
 
-    if _SPARE.get() < 1 or len(buffers) < 2 or len(spans) < 2 or base.device.type != "cpu":
-        yield ((r0, r1, delta_fn(base, r0, r1, buffers[0][: (r1 - r0) * cols])) for r0, r1 in spans)
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="loraweave-delta") as pool:
-        state = {"ahead": pool.submit(compute, 0)}
+    with ThreadPoolExecutor(depth, thread_name_prefix="loraweave-delta") as pool:
+        futures = {i: pool.submit(compute, i) for i in range(depth)}
 
         def ahead() -> Iterator[tuple[int, int, torch.Tensor]]:
             for i, (r0, r1) in enumerate(spans):
-                delta = state["ahead"].result()
-                if i + 1 < len(spans):
-                    state["ahead"] = pool.submit(compute, i + 1)
+                if i + depth < len(spans):
+                    futures[i + depth] = pool.submit(compute, i + depth)
+                delta = futures.pop(i).result()
                 yield r0, r1, delta
 
         try:
             yield ahead()
         finally:
-            state["ahead"].cancel()  # the pool's exit waits for one already running
+            for future in futures.values():
+                future.cancel()  # the pool's exit waits for those already running
