@@ -32,7 +32,7 @@ strength change and a swap: paired ratios, less at the mercy of a shared host's 
 separate processes (`--repeats 0 --pair N` runs only that).
 
     .venv/bin/python benchmarks/bench_comfy.py [--double 1] [--single 1] [--rank 16] [--family lora|lokr]
-        [--threads N (default: torch's default, printed in the header)] [--repeats 1] [--pair 0]
+        [--threads 1,default (thread counts timed in turn)] [--load N] [--repeats 1] [--pair 0]
 """
 
 from __future__ import annotations
@@ -287,15 +287,21 @@ def main() -> None:
     ap.add_argument("--double", type=int, default=1)
     ap.add_argument("--single", type=int, default=1)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own default)")
+    ap.add_argument(
+        "--threads",
+        type=benchutil.thread_counts,
+        default="1,default",
+        help="torch thread counts, each timed in turn (default: 1 and torch's default)",
+    )
+    benchutil.add_load_arg(ap)
     ap.add_argument("--family", choices=("lora", "lokr"), default="lora", help="the files' family")
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per case (interleaved)")
     ap.add_argument("--pair", type=int, default=0, help="rounds of core/merge re-queues in one process")
     ap.add_argument("--child", choices=(*CASES, "pair"))
     ap.add_argument("--dir")
     args = ap.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.child:
+        torch.set_num_threads(args.threads[0])
     params = flux_params(args.double, args.single)
     if args.child == "pair":
         print(json.dumps(paired(Path(args.dir), params, args.pair)))
@@ -303,6 +309,15 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, Path(args.dir), params)))
         return
+    with benchutil.BackgroundLoad(args.load) as load:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            print(f"\n-- torch threads {threads}; {load.line()}")
+            compare(args, params)
+
+
+def compare(args: argparse.Namespace, params) -> None:
+    """Every case in fresh processes at torch's current thread count; the tables."""
     benchutil.header(
         f"ComfyUI: loraweave vs core LoraLoader, Flux width 3072, {args.double}+{args.single} blocks, "
         f"{args.family} rank {args.rank}, load {os.getloadavg()}"

@@ -23,18 +23,20 @@ Targets (issue 28): lw_auto <= 1.0x peft_file, lw_none <= 1.0x peft_merge, str_c
 the median of the per-round paired ratios of one run. Also printed: the undo record's size relative to the
 touched bytes (target <= 10 %), the peak RSS growth of loraweave's first merge, bit-exact remove().
 
-Timed by default on one thread in CPU seconds (`--threads 1 --clock cpu`): on the shared host, wall time with
-two threads swings by far more than the targets' margins (an oversubscribed OpenMP barrier stalls every small
-op).
+Timed by default twice in one run: on one thread in CPU seconds (steady on a shared host) and at torch's
+default thread count in wall seconds (what users run with; issue 39), each with its own targets and a summary
+side by side. `--threads N --clock C` times one setting only; `--load N` runs N busy processes beside the
+whole run (benchutil.BackgroundLoad).
 
-    .venv/bin/python benchmarks/bench_merge.py [--quick] [--rounds N] [--layers N] [--threads N]
-        [--clock cpu|wall]
+    .venv/bin/python benchmarks/bench_merge.py [--quick] [--rounds N] [--layers N] [--load N]
+        [--threads N --clock cpu|wall]
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
 import torch
@@ -82,15 +84,36 @@ def make_lora(n: int, path: str, peft_path: str) -> tuple[list[torch.Tensor], li
 def main() -> None:
     def options(ap):
         ap.add_argument("--layers", type=int, default=24)
-        benchutil.add_clock_args(ap)
+        ap.add_argument("--threads", type=benchutil.positive_int, default=None, help="one setting only")
+        ap.add_argument("--clock", choices=("cpu", "wall"), default=None, help="with --threads")
+        benchutil.add_load_arg(ap)
 
     args = benchutil.parse_args(__doc__, quick=3, full=9, extra=options)
-    rounds, n = args.rounds, args.layers
     benchutil.setup_torch()
-    clock = benchutil.use_clock_args(args)
+    if args.threads is not None:
+        settings = [(args.threads, args.clock or ("cpu" if args.threads == 1 else "wall"))]
+    else:
+        settings = [(1, "cpu"), (benchutil.DEFAULT_THREADS, "wall")]
     benchutil.header(
-        f"bench_merge: {n} x Linear({D}, {D}) fp32, rank-{RANK} LoRA file, merge, clock={args.clock}"
+        f"bench_merge: {args.layers} x Linear({D}, {D}) fp32, rank-{RANK} LoRA file, merge; "
+        f"settings {settings}, --load {args.load}"
     )
+    summary = []
+    with benchutil.BackgroundLoad(args.load) as load:
+        for threads, clock in settings:
+            torch.set_num_threads(threads)
+            print(f"\n-- torch threads {threads}, clock {clock}; {load.line()}")
+            summary.append((threads, clock, run(args.rounds, args.layers, clock)))
+            print(f"-- done; {load.line()}")
+    print()
+    print(f"summary (cpu={benchutil.cpu_model()!r}, --load {args.load}): median of paired ratios")
+    rows = [[f"{t} ({c})", *(f"{r:.3f}x" for r in ratios)] for t, c, ratios in summary]
+    print(table(["threads (clock)", *(f"{a} / {b}" for a, b, _ in TARGETS)], rows))
+
+
+def run(rounds: int, n: int, clock_name: str) -> list[float]:
+    """One timed setting (torch's thread count already set): the tables; the targets' ratios."""
+    clock = time.process_time if clock_name == "cpu" else time.perf_counter
 
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -212,8 +235,10 @@ def main() -> None:
     benchutil.print_legend(rounds, res, ref="roofline", extra=f"; weights touched {touched / 2**30:.2f} GiB")
     print(table(["variant", "median ms", "IQR/2", "ratio", "ratio all", "quiet"], rows))
     print()
+    ratios = []
     for name, ref, limit in TARGETS:
         r = ratio_median(res.times[name], res.times[ref])
+        ratios.append(r)
         print(
             f"target: {name} <= {limit}x {ref} (median of paired ratios): {r:.3f}x -> "
             f"{'PASS' if r <= limit else 'FAIL'}"
@@ -234,6 +259,7 @@ def main() -> None:
         )
     )
     tmp.cleanup()
+    return ratios
 
 
 if __name__ == "__main__":

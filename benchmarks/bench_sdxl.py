@@ -25,7 +25,9 @@ built and trimmed (reset through /proc/self/clear_refs); "kept" is the resident 
 malloc_trim(0). Ratios are each variant's median over peft's. A child is killed past --max-rss-gib.
 
     .venv/bin/python benchmarks/bench_sdxl.py [--rounds 3] [--repeats 2] [--json out.json]
-        [--variants peft,dropin,merge,runtime] [--threads 2] [--width-divisor 2]
+        [--variants peft,dropin,merge,runtime] [--threads 1,default] [--load N] [--width-divisor 2]
+`--threads` lists the torch thread counts timed in turn (default: 1 and torch's default); `--load N` runs N
+busy processes beside the whole run (benchutil.BackgroundLoad).
 """
 
 from __future__ import annotations
@@ -226,7 +228,7 @@ def run_child(variant: str, a: str, b: str, args) -> dict:
         "--rounds",
         str(args.rounds),
         "--threads",
-        str(args.threads),
+        str(args.threads[0]),
         "--config",
         args.config,
     ]
@@ -253,7 +255,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=benchutil.positive_int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--threads", type=benchutil.positive_int, default=2)
+    ap.add_argument("--threads", type=benchutil.thread_counts, default="1,default")
+    benchutil.add_load_arg(ap)
     ap.add_argument("--max-rss-gib", type=float, default=9.0)
     ap.add_argument(
         "--config", default=CONFIG, help="a UNet config (a small one: a quick check of the script)"
@@ -277,9 +280,19 @@ def main() -> None:
     ap.add_argument("--a")
     ap.add_argument("--b")
     args = ap.parse_args()
+    thread_list = args.threads
     if args.child:
-        print(json.dumps(child(args.child, args.a, args.b, args.rounds, args.threads, args.config)))
+        print(json.dumps(child(args.child, args.a, args.b, args.rounds, args.threads[0], args.config)))
         return
+    with benchutil.BackgroundLoad(args.load) as load:
+        for threads in thread_list:
+            args.threads = [threads]
+            print(f"\n-- torch threads {threads}; {load.line()}")
+            compare(args)
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Every variant in its own process at the thread count args.threads[0]; the tables."""
     size = "full-size" if args.width_divisor == 1 else f"channels / {args.width_divisor}"
     print(f"== bench_sdxl: SDXL UNet fp16 ({size}), rank-{RANK} LoRA on every Linear and Conv2d")
     print(

@@ -11,7 +11,7 @@ Timed per round (round-robin, medians):
   re-apply            handle.remove() + loraweave.apply(model, B): what a loader without switching does
 Target: runtime-mode strength change < 5 ms for 500 layers.
 
-    .venv/bin/python benchmarks/bench_switch.py [--quick]
+    .venv/bin/python benchmarks/bench_switch.py [--quick] [--threads 1,default] [--load N]
 """
 
 from __future__ import annotations
@@ -48,9 +48,26 @@ def lora(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 rounds instead of 10")
-    rounds = 3 if ap.parse_args().quick else 10
+    ap.add_argument(
+        "--threads",
+        type=benchutil.thread_counts,
+        default="1,default",
+        help="torch thread counts, each timed in turn (default: 1 and torch's default)",
+    )
+    benchutil.add_load_arg(ap)
+    args = ap.parse_args()
+    rounds = 3 if args.quick else 10
     benchutil.setup_torch()
     benchutil.header(f"bench_switch: {BLOCKS * PER_BLOCK} layers {WIDTH}x{WIDTH}, rank {RANK}")
+    with benchutil.BackgroundLoad(args.load) as load:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            print(f"\n-- torch threads {threads} (wall ms); {load.line()}")
+            run(rounds)
+
+
+def run(rounds: int) -> None:
+    """Every operation in runtime and merge mode at the thread count set, one table."""
     import loraweave
     from loraweave.request.spec import AdapterSpec
 

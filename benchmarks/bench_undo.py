@@ -13,7 +13,7 @@ with undo="auto" (per layer the smaller of compact and copy; here every layer is
 Undo bytes are printed too. Target: a merge-mode strength change with compact records no slower than with
 full copies. Memory: two models and one set of copies (~6 GiB).
 
-    .venv/bin/python benchmarks/bench_undo.py [--quick] [--threads N]
+    .venv/bin/python benchmarks/bench_undo.py [--quick] [--threads 1,default] [--load N]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 import benchutil  # first: re-execs with the malloc settings before torch is loaded
+import torch
 from bench_switch import BLOCKS, PER_BLOCK, WIDTH, build, lora
 from benchutil import Variant, interleaved, median, table
 
@@ -32,17 +33,26 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 rounds instead of 9")
     ap.add_argument(
         "--threads",
-        type=int,
-        default=benchutil.THREADS,
-        help="torch threads (on a host with more runnable processes than cores, 1 is steadier)",
+        type=benchutil.thread_counts,
+        default="1,default",
+        help="torch thread counts, each timed in turn (default: 1 and torch's default)",
     )
+    benchutil.add_load_arg(ap)
     args = ap.parse_args()
     rounds = 3 if args.quick else 9
-    benchutil.THREADS = args.threads
     benchutil.setup_torch()
     benchutil.header(
         f"bench_undo: {BLOCKS * PER_BLOCK} layers {WIDTH}x{WIDTH} fp32, rank-16 LoRA, merge mode"
     )
+    with benchutil.BackgroundLoad(args.load) as load:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            print(f"\n-- torch threads {threads}; {load.line()}")
+            run(rounds)
+
+
+def run(rounds: int) -> None:
+    """Apply, strength changes and remove per undo kind at the thread count set, one table."""
     import time
 
     import loraweave
@@ -102,7 +112,7 @@ def main() -> None:
                 ]
             )
     print(benchutil.noise_line())
-    print(f"torch threads: {args.threads}")
+    print(f"torch threads: {torch.get_num_threads()}")
     print(
         table(["operation", "undo", "wall ms (strength: median)", "vs copy", "cpu ms", "cpu vs copy"], rows)
     )

@@ -53,6 +53,16 @@ ensure_malloc_env()
 
 import torch  # noqa: E402  (after the re-exec: glibc reads the malloc settings at process start)
 
+DEFAULT_THREADS = torch.get_num_threads()  # torch's default (a thread a core), before any script sets one
+LOAD_SECONDS = 4 * 3600  # a background load process ends by itself after this, whatever happens to its parent
+_BUSY = """
+import os, sys, time
+parent, end = os.getppid(), time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end and os.getppid() == parent:
+    for _ in range(200000):
+        pass
+"""
+
 
 def malloc_env_line() -> str:
     state = "set" if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()) else "NOT set"
@@ -95,6 +105,57 @@ def use_clock_args(args: argparse.Namespace) -> Callable[[], float]:
     """Set torch's thread count from `add_clock_args`' options and return the clock they name."""
     torch.set_num_threads(args.threads)
     return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
+def thread_counts(text: str) -> list[int]:
+    """argparse `type` of --threads lists: "1,default" -> [1, DEFAULT_THREADS] (duplicates dropped)."""
+    out: list[int] = []
+    for part in text.split(","):
+        n = DEFAULT_THREADS if part.strip() == "default" else positive_int(part.strip())
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def add_load_arg(ap: argparse.ArgumentParser) -> None:
+    """--load N: N busy processes run beside the benchmark for its duration (a reproducible busy host)."""
+    ap.add_argument(
+        "--load",
+        type=int,
+        choices=range(0, 4 * (os.cpu_count() or 1) + 1),
+        default=0,
+        metavar="N",
+        help="N busy background processes for the whole run, started and stopped by the benchmark",
+    )
+
+
+class BackgroundLoad:
+    """`with BackgroundLoad(n):` n processes spinning on a core each; stopped on exit, and each one ends by
+    itself when its parent is gone or after LOAD_SECONDS (a killed benchmark leaves no spinner behind)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> BackgroundLoad:
+        cmd = [sys.executable, "-c", _BUSY, str(LOAD_SECONDS)]
+        self.procs = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL) for _ in range(self.n)]
+        if self.n:
+            time.sleep(0.5)  # the spinners are running before the first sample
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+
+    def line(self) -> str:
+        return f"background load: {self.n} busy processes; loadavg {os.getloadavg()[0]:.2f}"
 
 
 def cpu_model() -> str:

@@ -1,9 +1,12 @@
 """Render docs/support-matrix.md from the results of tests/test_support_matrix.py (never typed by hand).
 
-Usage: .venv/bin/python scripts/support_matrix.py   (runs the tests, then writes the table)"""
+Usage: .venv/bin/python scripts/support_matrix.py   (runs the tests, then writes the table)
+       .venv/bin/python scripts/support_matrix.py --differential   (rewrites only the section of the
+       differential against ComfyUI's newest key maps, tests/test_comfy_key_differential.py)"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,7 +18,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def differential_lines() -> list[str]:
+    """The key-differential section, computed on the newest ComfyUI tree in a process of its own (one tree
+    per process: tests/helpers/comfy_env.py)."""
+    code = (
+        "import json, sys; sys.path.insert(0, 'tests'); from helpers.comfy_env import import_comfy; "
+        "import_comfy(); from helpers.key_differential import all_results, table_lines; "
+        "print('\\nJSON' + json.dumps(table_lines(all_results())))"
+    )
+    env = {**os.environ, "LORAWEAVE_COMFYUI": "latest", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True, text=True
+    )
+    return json.loads(out.stdout.rsplit("\nJSON", 1)[1])
+
+
+def replace_differential(text: str, section: list[str]) -> str:
+    """`text` with the differential's section (from its heading to the next `## ` or the end) replaced, or
+    appended."""
+    lines = text.rstrip("\n").splitlines()
+    if section[0] in lines:
+        start = lines.index(section[0])
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines[start:end] = [*section, ""] if end < len(lines) else section
+    else:
+        lines += ["", *section]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
+    out = ROOT / "docs" / "support-matrix.md"
+    if "--differential" in sys.argv[1:]:
+        out.write_text(replace_differential(out.read_text(), differential_lines()))
+        print(f"wrote the key differential into {out}")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "results.xml"
         subprocess.run(
@@ -70,9 +106,8 @@ def main() -> int:
                 + " |"
             )
     lines += original_layouts()
-    out = ROOT / "docs" / "support-matrix.md"
     out.parent.mkdir(exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    out.write_text(replace_differential("\n".join(lines) + "\n", differential_lines()))
     bad = sum(v != "ok" for v in cells.values())
     print(f"wrote {out} ({len(cells)} cells, {bad} not ok)")
     return 1 if bad or not cells else 0

@@ -86,6 +86,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_cli_extract": ("realdata",),
     "test_cli_inspect": ("realdata",),
     "test_comfy_arch_names": ("comfy",),
+    "test_comfy_key_differential": ("comfy",),
     "test_comfy_arch_video": ("comfy",),
     "test_comfy_arch_weights": ("comfy",),
     "test_comfy_browser": ("comfy", "slow"),  # ComfyUI's server and headless Chromium

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from loraweave.cli import build_parser, main
-from loraweave.cli.support import adapter_arg
+from loraweave.cli.support import adapter_arg, modality_arg
 
 BAD_VALUES = ("abc", "nan", "inf", "-inf", "1e400", "1e9", "2.5", "-1", "99999999999999999999999")
 # (flag, value) pairs that are right: a negative seed asks for a random one; a 1e9 threshold is a number
@@ -45,7 +45,8 @@ def _numeric_actions() -> list[tuple[str, argparse.Action]]:
     found = []
     for command, parser in sub.choices.items():
         for action in parser._actions:
-            if action.type is not None and action.type is not adapter_arg and action.option_strings:
+            # FILE:S and NAME=S carry a strength by the one strength rule (tested below), not a bare number
+            if action.type not in (None, adapter_arg, modality_arg) and action.option_strings:
                 found.append((command, action))
     return found
 
@@ -66,6 +67,17 @@ def test_the_walk_finds_every_numeric_flag():
     plain = [(c, a.option_strings) for c, a in _numeric_actions() if a.type in (int, float)]
     assert not plain, f"argparse's own int/float types say 'invalid int value': {plain}"
     assert {_long(action) for _, action in _numeric_actions()} == INTEGER_FLAGS | NUMBER_FLAGS
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_a_bad_modality_strength_names_the_flag(value):
+    if value in ("2.5", "-1", "1e9"):  # a strength may be negative or above 1 (<= 1e4): 1e9 is out of range
+        if value != "1e9":
+            assert modality_arg(f"audio={value}") == ("audio", float(value))
+            return
+    with pytest.raises(argparse.ArgumentTypeError) as caught:
+        modality_arg(f"audio={value}")
+    assert "--modality audio" in str(caught.value) and value in str(caught.value), str(caught.value)
 
 
 @pytest.mark.parametrize("action, value", CASES)

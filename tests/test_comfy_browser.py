@@ -56,11 +56,11 @@ def workflow(strength: float = 0.7) -> dict:
                _slot("report", "STRING", links=[2])],
               ["flux.safetensors", strength, 1.0, "merge", False]),
         _node(3, "PreviewAny", [730, 60], [330, 200], [_slot("source", "*", 2)], [], []),
-        # below the loader's report under Nodes 2.0 (it has trigger_words and allow_other_arch rows)
-        _node(INSPECT, "LoraWeaveInspect", [20, 600], [520, 330], [],
+        # below the loader's report under Nodes 2.0 (trigger_words, allow_other_arch, the 3 modality rows)
+        _node(INSPECT, "LoraWeaveInspect", [20, 720], [520, 330], [],
               [_slot("report", "STRING", links=[]), _slot("trigger_words", "STRING", links=[]),
                _slot("heatmap", "IMAGE", links=[3])], ["flux.safetensors"]),
-        _node(5, "PreviewImage", [570, 600], [330, 420], [_slot("images", "IMAGE", 3)], [], []),
+        _node(5, "PreviewImage", [570, 720], [330, 420], [_slot("images", "IMAGE", 3)], [], []),
     ]  # fmt: skip
     links = [[1, 1, 0, LOADER, 0, "MODEL"], [2, LOADER, 2, 3, 0, "STRING"], [3, INSPECT, 2, 5, 0, "IMAGE"]]
     view = {"ds": {"scale": 0.9, "offset": [440, 90]}}  # the canvas right of the node library panel

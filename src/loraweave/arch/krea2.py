@@ -65,9 +65,39 @@ KREA2 = ArchTable(
     ),
 )
 
+
+def _inverted(table: ArchTable) -> tuple[Alias, ...]:
+    """The table's one-to-one and fused aliases the other way: diffusers names onto the original modules."""
+    whole = [
+        (a.source, t) for a in table.aliases if len(a.targets) == 1 and isinstance(t := a.targets[0], str)
+    ]
+    out = [Alias(target, (source,)) for source, target in whole]
+    out += [
+        Alias(
+            a.source,
+            tuple(n for t in a.targets for b in table.aliases if b.targets == (t,) for n in [b.source]),
+        )
+        for a in table.aliases
+        if len(a.targets) > 1
+    ]
+    # comfy.utils.krea2_to_diffusers also reads `attn.to_out` without its `.0`.
+    out += [Alias(f"{d}.attn.to_out", (f"{s}.attn.wo",)) for s, d in _CHAINS]
+    return tuple(out)
+
+
+_CHAINS = (
+    ("blocks.{i}", "transformer_blocks.{i}"),
+    ("txtfusion.layerwise_blocks.{i}", "text_fusion.layerwise_blocks.{i}"),
+    ("txtfusion.refiner_blocks.{i}", "text_fusion.refiner_blocks.{i}"),
+)
+# ComfyUI's Krea 2 (comfy.ldm.krea2.SingleStreamDiT) keeps the original names; the diffusers names its key map
+# lands (comfy.utils.krea2_to_diffusers: `transformer.`, `lycoris_`, bare, `diffusion_model.`) resolve on it
+# through the table inverted.
+KREA2_COMFY = ArchTable(name="krea2-comfyui", classes=("SingleStreamDiT",), aliases=_inverted(KREA2))
+
 KREA2_ARCH = Architecture(
     "krea2",
-    (KREA2,),
+    (KREA2, KREA2_COMFY),
     label="Krea 2",
     skeleton=Skeleton("transformer", "Krea2Transformer2DModel", {}, {}, "Krea2Transformer2DModel defaults"),
     cli_names=("krea-2", "krea"),

@@ -78,6 +78,9 @@ _SUFFIXES: tuple[tuple[str, str, str | None, str | None], ...] = (
     (r"\.lora_linear_layer\.up\.weight", "lora", "up", "lora_linear_layer"),
     (r"\.lora\.down\.weight", "lora", "down", "diffusers_lora_layer"),
     (r"\.lora\.up\.weight", "lora", "up", "diffusers_lora_layer"),
+    # Old diffusers files write the role after an underscore (`to_q_lora.down.weight`); ComfyUI reads it.
+    (r"_lora\.down\.weight", "lora", "down", "diffusers_lora_suffix"),
+    (r"_lora\.up\.weight", "lora", "up", "diffusers_lora_suffix"),
     (r"\.alpha", "lora", "alpha", None),
     (r"\.scale", "lora", "scale", None),
     (r"\.diff", "full", "diff", None),
@@ -115,6 +118,8 @@ _SUFFIX_RE = [
 _PROCESSOR_RE = re.compile(
     r"^(?P<stem>.+)\.processor\.(?P<proj>to_q|to_k|to_v|to_out)_lora\.(?P<role>down|up)\.weight$"
 )
+# The same processor names with any other LoRA suffix (ComfyUI's SD key map reads `<...>.processor.to_q`).
+_PROCESSOR_STEM_RE = re.compile(r"^(?P<stem>.+)\.processor\.(?P<proj>to_q|to_k|to_v|to_out)$")
 # XLabs Flux: attention-processor LoRAs named by block; lora1 is the image stream, lora2 the text stream
 # (diffusers' `_convert_xlabs_flux_lora_to_diffusers`). The stem becomes the BFL module name the Flux table
 # knows.
@@ -173,7 +178,11 @@ def parse_key(key: str) -> ParsedKey | str:
     for rx, family, role, hint in _SUFFIX_RE:
         m = rx.match(key)
         if m:
-            return ParsedKey(key, m["stem"], family, role or m["suffix"][1:].removesuffix(".weight"), hint)
+            stem = m["stem"]
+            if (processor := _PROCESSOR_STEM_RE.match(stem)) is not None:
+                proj = "to_out.0" if processor["proj"] == "to_out" else processor["proj"]
+                stem = f"{processor['stem']}.{proj}"
+            return ParsedKey(key, stem, family, role or m["suffix"][1:].removesuffix(".weight"), hint)
     if "<" in key and ">" in key:
         return TEXTUAL_INVERSION
     return "no known adapter suffix (not a LoRA/LyCORIS key)"

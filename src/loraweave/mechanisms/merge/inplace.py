@@ -19,6 +19,7 @@ from ...errors import NonFiniteResultError
 from .bitscan import differ, take
 from .native import Kernel
 from .native import kernel_for as kernel_for  # re-exported: layer.py calls it here (tests patch it)
+from .threads import block_deltas
 from .undo import (
     GAP_ENCODINGS,
     GUARDS,
@@ -78,9 +79,10 @@ def merge_in_place(
     on_device: bool,
     adapters: set[str],
     keep: Callable[[CompactRecord | CopyRecord], None],
-) -> None:
+) -> bool:
     """Merge into `rows` (the weight's contiguous (out, in·k) view) in place; ΔW must not read W (no
-    needs_base).
+    needs_base). Returns False, with the weight unchanged and nothing kept, where kind "auto" or "transient"
+    finds early that most elements miss (see `copy_is_smaller`): the caller merges with a copy instead.
 
     kind: "compact", "auto" (a copy where that is smaller, rebuilt from W' and the misses) or "transient"
     (undo="none": the misses kept unencoded, only until apply has finished; encoded as "auto" when that raw
@@ -93,11 +95,12 @@ def merge_in_place(
     witness = wb[witness_positions(wb.numel()).to(wb.device)]  # W's bits, before any block is written
     kernel = kernel_for(rows.dtype) if rows.device.type == "cpu" else None
     done = _Progress()
+    early = kind != "compact"
     try:
         if kernel is not None:
-            _blocks_native(rows, delta_fn, chunk_rows, kernel, done, adapters)
+            _blocks_native(rows, delta_fn, chunk_rows, kernel, done, adapters, early)
         else:
-            _blocks_torch(rows, delta_fn, chunk_rows, done, adapters)
+            _blocks_torch(rows, delta_fn, chunk_rows, done, adapters, early)
         raw = _raw(rows, done, witness, chunk_rows)
         if done.encoding == "gaps8":
             record = _native_record(rows, raw, done, on_device, kind)
@@ -106,15 +109,36 @@ def merge_in_place(
             if record is None:
                 record = compact_record(rows, raw, on_device, kind == "compact")
         keep(record if record is not None else _copy_of_original(rows, raw, delta_fn, on_device))
-    except BaseException:
+        return True
+    except BaseException as exc:
         done.settle()
         if done.written:
             _raw(rows, done, witness, chunk_rows).rebuild_rows(rows, rows, delta_fn, done.written)
+        if isinstance(exc, CopySmaller):
+            return False
         raise
     finally:
         # settle closes over `done` and the block buffers: left in place, that cycle would keep each layer's
         # buffers and miss lists alive until Python's cyclic collector happens to run
         done.settle = _settled
+
+
+class CopySmaller(Exception):
+    """Raised inside merge_in_place (and handled there) when a copy is the smaller record."""
+
+
+def copy_is_smaller(rows: torch.Tensor, misses: int, written: int) -> bool:
+    """True when `misses` misses in the first `written` rows, extrapolated to every row, make a compact
+    record at least as large as a copy of `rows` (its least size: a byte of position and W's bits a miss).
+    Checked after every block: a 65504-valued factor makes most elements miss, and their record costs more
+    to write than the copy it would replace (issue 39)."""
+    expected = misses * rows.shape[0] / max(1, written)
+    least = min(rows.numel() / 8, expected) + expected * rows.element_size()
+    return least >= tensor_bytes(rows)
+
+
+def _spans(total: int, chunk_rows: int) -> list[tuple[int, int]]:
+    return [(r0, min(total, r0 + chunk_rows)) for r0 in range(0, total, chunk_rows)]
 
 
 def _refuse(bad: int, adapters: set[str], r0: int, r1: int, rows: torch.Tensor) -> None:
@@ -126,14 +150,20 @@ def _refuse(bad: int, adapters: set[str], r0: int, r1: int, rows: torch.Tensor) 
 
 
 def _blocks_torch(
-    rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int, done: _Progress, adapters: set[str]
+    rows: torch.Tensor,
+    delta_fn: DeltaFn,
+    chunk_rows: int,
+    done: _Progress,
+    adapters: set[str],
+    early: bool,
 ) -> None:
     """Each block of W copied to a cache-sized buffer, W' added over the weight's lines just read, and the
     block's misses found while it is hot (compare and scan through numpy)."""
     cols, total = rows[0].numel(), rows.shape[0]
-    wb = bits(rows).view(-1)
     block = min(total, chunk_rows) * cols
-    dbuf, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
+    dbuf, ahead, acc = (
+        scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "delta_ahead", "acc")
+    )
     saved, gbuf = (scratch(n, block, rows.dtype, rows.device) for n in ("original", "guess"))
     mask = scratch("miss", block, torch.bool, rows.device)
 
@@ -142,33 +172,50 @@ def _blocks_torch(
             done.flight.copy_(saved[: done.flight.numel()].view(done.flight.shape))
 
     done.settle = put_back
-    for r0 in range(0, total, chunk_rows):
-        r1 = min(total, r0 + chunk_rows)
-        n = (r1 - r0) * cols
-        w, merged_bits = rows[r0:r1], wb[r0 * cols : r1 * cols]
-        delta = delta_fn(rows, r0, r1, dbuf[:n])
-        original = saved[:n].view(w.shape)
-        original.copy_(w)  # W's block stays in cache; W' is added in place over lines already read
-        done.flight = w
-        combine_into(w, w, delta, 1, acc[:n].view(delta.shape))
-        wflat = bits(original).view(-1)
-        have = sum(g.numel() for g in done.guards[0])
-        if have < GUARDS:  # they tell a written weight from one never written
-            at = differ(merged_bits, wflat, mask[:n])[: GUARDS - have]
-            for dst, src in zip(done.guards, (at + r0 * cols, wflat[at], merged_bits[at]), strict=True):
-                dst.append(src)
-        guess = gbuf[:n].view(w.shape)
-        combine_into(guess, w, delta, -1, acc[:n].view(delta.shape))
-        miss = differ(bits(guess).view(-1), wflat, mask[:n])
-        if miss.numel():
-            was = take(wflat, miss)
-            # a new non-finite W' is always a miss (inf - ΔW or NaN never gives a finite W back): check only
-            # these
-            bad = new_non_finite(take(merged_bits, miss).view(rows.dtype), was.view(rows.dtype))
-            if bad:
-                _refuse(bad, adapters, r0, r1, rows)
-            done.values, done.found = [*done.values, was], [*done.found, miss + r0 * cols]
-        done.flight, done.written = None, r1  # one step for signals: no call or jump between the two stores
+    with block_deltas(delta_fn, rows, _spans(total, chunk_rows), (dbuf, ahead)) as deltas:
+        for r0, r1, delta in deltas:
+            _block_torch(rows, r0, r1, delta, done, adapters, (saved, gbuf, mask, acc))
+            if early and copy_is_smaller(rows, sum(v.numel() for v in done.values), r1):
+                raise CopySmaller
+
+
+def _block_torch(
+    rows: torch.Tensor,
+    r0: int,
+    r1: int,
+    delta: torch.Tensor,
+    done: _Progress,
+    adapters: set[str],
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """One block of _blocks_torch: W saved, W' written, the block's misses (and guards) kept."""
+    saved, gbuf, mask, acc = buffers
+    cols = rows[0].numel()
+    wb = bits(rows).view(-1)
+    n = (r1 - r0) * cols
+    w, merged_bits = rows[r0:r1], wb[r0 * cols : r1 * cols]
+    original = saved[:n].view(w.shape)
+    original.copy_(w)  # W's block stays in cache; W' is added in place over lines already read
+    done.flight = w
+    combine_into(w, w, delta, 1, acc[:n].view(delta.shape))
+    wflat = bits(original).view(-1)
+    have = sum(g.numel() for g in done.guards[0])
+    if have < GUARDS:  # they tell a written weight from one never written
+        at = differ(merged_bits, wflat, mask[:n])[: GUARDS - have]
+        for dst, src in zip(done.guards, (at + r0 * cols, wflat[at], merged_bits[at]), strict=True):
+            dst.append(src)
+    guess = gbuf[:n].view(w.shape)
+    combine_into(guess, w, delta, -1, acc[:n].view(delta.shape))
+    miss = differ(bits(guess).view(-1), wflat, mask[:n])
+    if miss.numel():
+        was = take(wflat, miss)
+        # a new non-finite W' is always a miss (inf - ΔW or NaN never gives a finite W back): check only
+        # these
+        bad = new_non_finite(take(merged_bits, miss).view(rows.dtype), was.view(rows.dtype))
+        if bad:
+            _refuse(bad, adapters, r0, r1, rows)
+        done.values, done.found = [*done.values, was], [*done.found, miss + r0 * cols]
+    done.flight, done.written = None, r1  # one step for signals: no call or jump between the two stores
 
 
 def _blocks_native(
@@ -178,6 +225,7 @@ def _blocks_native(
     kernel: Kernel,
     done: _Progress,
     adapters: set[str],
+    early: bool,
 ) -> None:
     """Each block in one kernel call: W' written, misses (as "gaps8" entries) and guards found in the same
     pass (native.py). A call cannot be interrupted: a block is untouched or written with its misses in the
@@ -185,7 +233,7 @@ def _blocks_native(
     cols, total = rows[0].numel(), rows.shape[0]
     wb = bits(rows).view(-1)
     block = min(total, chunk_rows) * cols
-    dbuf = scratch("delta", block, torch.float32, rows.device)
+    dbuf, ahead = (scratch(n, block, torch.float32, rows.device) for n in ("delta", "delta_ahead"))
     vals = scratch("miss_was", block, wb.dtype, rows.device)
     guard = torch.zeros(1 + GUARDS, dtype=torch.int64)
     guard_w, guard_m = wb.new_zeros(GUARDS), wb.new_zeros(GUARDS)
@@ -216,29 +264,30 @@ def _blocks_native(
         )
 
     done.settle = keep_finished
-    for r0 in range(0, total, chunk_rows):
-        r1 = min(total, r0 + chunk_rows)
-        n = (r1 - r0) * cols
-        delta = delta_fn(rows, r0, r1, dbuf[:n])
-        room = n + (r1 * cols - int(state[2])) // 255 + 2  # every miss plus the fillers of the longest gap
-        gaps = scratch("miss_gaps", room, torch.uint8, rows.device)
-        state[0] = -1
-        done.flight = r1
-        kernel.fn(
-            wb[r0 * cols :].data_ptr(),
-            delta.data_ptr(),
-            n,
-            r0 * cols,
-            gaps.data_ptr(),
-            vals.data_ptr(),
-            guard.data_ptr(),
-            guard_w.data_ptr(),
-            guard_m.data_ptr(),
-            state.data_ptr(),
-        )
-        keep_finished()
-        if int(state[1]):
-            _refuse(int(state[1]), adapters, r0, r1, rows)
+    with block_deltas(delta_fn, rows, _spans(total, chunk_rows), (dbuf, ahead)) as deltas:
+        for r0, r1, delta in deltas:
+            n = (r1 - r0) * cols
+            room = n + (r1 * cols - int(state[2])) // 255 + 2  # every miss plus the longest gap's fillers
+            gaps = scratch("miss_gaps", room, torch.uint8, rows.device)
+            state[0] = -1
+            done.flight = r1
+            kernel.fn(
+                wb[r0 * cols :].data_ptr(),
+                delta.data_ptr(),
+                n,
+                r0 * cols,
+                gaps.data_ptr(),
+                vals.data_ptr(),
+                guard.data_ptr(),
+                guard_w.data_ptr(),
+                guard_m.data_ptr(),
+                state.data_ptr(),
+            )
+            keep_finished()
+            if int(state[1]):
+                _refuse(int(state[1]), adapters, r0, r1, rows)
+            if early and copy_is_smaller(rows, misses[0], r1):
+                raise CopySmaller
 
 
 def _native_record(
@@ -290,16 +339,17 @@ def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None
     (checks.overflow_headroom), run once apply can no longer fail. The same blocks and arithmetic as
     merge_in_place, so the same bits."""
     cols, total = rows[0].numel(), rows.shape[0]
-    dbuf, acc = direct_scratch(rows, chunk_rows)
-    for r0 in range(0, total, chunk_rows):
-        r1 = min(total, r0 + chunk_rows)
-        n = (r1 - r0) * cols
-        delta = delta_fn(rows, r0, r1, dbuf[:n])
-        combine_into(rows[r0:r1], rows[r0:r1], delta, 1, acc[:n].view(delta.shape))
+    dbuf, ahead, acc = direct_scratch(rows, chunk_rows)
+    with block_deltas(delta_fn, rows, _spans(total, chunk_rows), (dbuf, ahead)) as deltas:
+        for r0, r1, delta in deltas:
+            n = (r1 - r0) * cols
+            combine_into(rows[r0:r1], rows[r0:r1], delta, 1, acc[:n].view(delta.shape))
 
 
-def direct_scratch(rows: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """merge_direct's two block buffers (ΔW and the sum), from the pool: called early, it reserves them."""
+def direct_scratch(rows: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """merge_direct's block buffers (ΔW, the next block's ΔW and the sum), from the pool: called early, it
+    reserves them."""
     block = min(rows.shape[0], chunk_rows) * rows[0].numel()
-    delta, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in ("delta", "acc"))
-    return delta, acc
+    names = ("delta", "delta_ahead", "acc")
+    delta, ahead, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in names)
+    return delta, ahead, acc

@@ -17,6 +17,7 @@ from .checks import UndoSettings, needs_bias, overflow_headroom, refuse_non_fini
 from .delta import Term, delta_fn
 from .inplace import direct_scratch, merge_direct, merge_in_place
 from .native import NATIVE_BLOCKS
+from .threads import pass_threads
 from .undo import (
     CHUNK_ELEMENTS,
     CompactRecord,
@@ -107,7 +108,7 @@ class MergedModule:
         if self.pending is not None:
             weight = _tensor(self.module, "weight").data
             rows = weight.view(weight.shape[0], -1)
-            with torch.no_grad():
+            with torch.no_grad(), recorded_threads(pass_threads(rows.device)):
                 merge_direct(rows, delta_fn(self.pending), self._chunk_rows(rows))
             self.pending = None
         self.record, self.bias_backup = FusedRecord(), None
@@ -128,21 +129,23 @@ class MergedModule:
         if isinstance(self.record, FusedRecord):
             raise UndoError("this merge was fused permanently (undo='none'): it cannot be rewritten")
         weight = _tensor(self.module, "weight").data
-        with torch.no_grad():
+        with torch.no_grad(), recorded_threads(pass_threads(weight.device)):  # threads.py: why one
             rows = (
                 weight.view(weight.shape[0], -1)
                 if weight.is_contiguous()
                 else weight.reshape(weight.shape[0], -1)
             )
             terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
+            if not fresh and isinstance(self.record, CopyRecord) and self._in_place_kind(rows) == "auto":
+                self._restore_weight()  # W back from its copy, then merged as a fresh layer (a copy kept
+                fresh = True  # again only where most elements miss: inplace.copy_is_smaller)
             in_place = self._in_place_kind(rows) if fresh else None
             if in_place == "transient" and self._overflow_free(rows, terms):
                 self.pending, self.terms = terms, terms  # no record, no finite check: fuse() writes it
                 self._write_bias()
                 self._report()
                 return
-            if in_place is not None:
-                self._merge_in_place(rows, terms, in_place)
+            if in_place is not None and self._merge_in_place(rows, terms, in_place):
                 self._write_bias()
                 self._report()
                 return
@@ -153,7 +156,9 @@ class MergedModule:
                     self._write_bias()
                     self._report()
                     return
-            record, merged, original = self._merge(rows, terms, None if fresh else self.record)
+            # a fresh merge here whose in-place pass found a copy smaller: the weight holds W, kept whole
+            copy = "copy" if in_place is not None else None
+            record, merged, original = self._merge(rows, terms, None if fresh else self.record, copy)
             refuse_non_finite(merged, original, self.adapters)  # before the weight is touched
             del original
             self.record, self.terms = record, terms
@@ -182,7 +187,7 @@ class MergedModule:
             old.rebuild_rows(rows, base, delta_fn(self.terms))
         old.verify(base)
         made: list[Record] = []
-        merge_in_place(
+        if not merge_in_place(
             base,
             delta_fn(terms),
             kind,
@@ -190,7 +195,12 @@ class MergedModule:
             self.undo_with.on_device,
             self.adapters,
             made.append,
-        )
+        ):  # most elements miss: W (in `base`) kept whole, W' beside it
+            chunk = max(1, CHUNK_ELEMENTS // max(1, base.shape[1]))
+            merged, _ = merge_with_record(base, delta_fn(terms), "none", chunk)
+            refuse_non_finite(merged, base, self.adapters)
+            made.append(CopyRecord(host_copy(base, self.undo_with.on_device)))
+            base = merged
         rows.copy_(base)
         self.record, self.terms = made[0], terms
 
@@ -212,11 +222,13 @@ class MergedModule:
         native = rows.device.type == "cpu" and inplace.kernel_for(rows.dtype) is not None  # the path it takes
         return max(1, CHUNK_ELEMENTS * (NATIVE_BLOCKS if native else 1) // max(1, rows.shape[1]))
 
-    def _merge_in_place(self, rows: torch.Tensor, terms: list[Term], kind: str) -> None:
+    def _merge_in_place(self, rows: torch.Tensor, terms: list[Term], kind: str) -> bool:
+        """False where the pass found a copy smaller (the weight unchanged): the caller merges with a copy."""
+
         def keep(record: Record) -> None:
             self.record, self.terms = record, terms
 
-        merge_in_place(
+        return merge_in_place(
             rows,
             delta_fn(terms),
             kind,
@@ -231,12 +243,13 @@ class MergedModule:
         rows: torch.Tensor,
         terms: list[Term],
         old: Record | None,
+        kind: str | None = None,
     ) -> tuple[Record, torch.Tensor, torch.Tensor]:
-        """W', its record and W; `old` (a rewrite): the record W comes back from first (the weight holds
-        W')."""
+        """W', its record (of `kind`, by default the one the settings ask) and W; `old` (a rewrite): the
+        record W comes back from first (the weight holds W')."""
         if any(pp.part.family == "set" for pp, _ in self.contributions):
             return self._merge_over(rows, terms, old)
-        kind = self._record_kind()
+        kind = kind or self._record_kind()
         needs_base = any(pp.family.needs_base for pp, _ in self.contributions)
         chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
         prior: tuple[CompactRecord, torch.Tensor, DeltaFn] | None = None

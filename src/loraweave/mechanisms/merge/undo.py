@@ -22,6 +22,8 @@ import torch
 
 from ...errors import UndoError
 from .bitscan import differ, insert_zeros, pack_positions, put, unpack_positions
+from .threads import block_deltas
+from .threads import recorded_threads as recorded_threads  # re-exported: quantized/write.py uses it
 
 # gap encodings: entry dtype and the largest step one entry holds (a longer gap takes valueless filler
 # entries)
@@ -123,6 +125,17 @@ def witness_positions(numel: int) -> torch.Tensor:
     return (steps * (numel - 1) + (count - 1) // 2) // (count - 1)
 
 
+@dataclass(frozen=True)
+class _Fill:
+    """CompactRecord.rebuild's fill(r0, r1, delta=None) and the buffer it computes ΔW into."""
+
+    fill: Callable[[int, int, torch.Tensor | None], None]
+    buffer: torch.Tensor
+
+    def __call__(self, r0: int, r1: int, delta: torch.Tensor | None = None) -> None:
+        self.fill(r0, r1, delta)
+
+
 @dataclass(eq=False)
 class CompactRecord:
     """W = round(W' - ΔW) corrected at the stored positions; see the module docstring."""
@@ -174,17 +187,20 @@ class CompactRecord:
     def rebuild_rows(
         self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn, rows: int | None = None
     ) -> None:
-        """W's first `rows` rows (all by default) written into `out` from W' (`merged`), block by block."""
+        """W's first `rows` rows (all by default) written into `out` from W' (`merged`), block by block (the
+        next block's ΔW computed ahead where a thread is spare: threads.block_deltas)."""
         end = out.shape[0] if rows is None else rows
         fill = self.rebuild(merged, out, delta_fn)
-        for r0 in range(0, end, self.chunk_rows):
-            fill(r0, min(end, r0 + self.chunk_rows))
+        spans = [(r0, min(end, r0 + self.chunk_rows)) for r0 in range(0, end, self.chunk_rows)]
+        block = min(out.shape[0], self.chunk_rows) * out[0].numel()
+        ahead = scratch("undo_delta_ahead", block, acc_dtype(out.dtype), out.device)
+        with block_deltas(delta_fn, merged, spans, (fill.buffer, ahead)) as deltas:
+            for r0, r1, delta in deltas:
+                fill(r0, r1, delta)
 
-    def rebuild(
-        self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn
-    ) -> Callable[[int, int], None]:
-        """fill(r0, r1) writes W's rows [r0, r1) into `out` (which may be `merged` itself), from W' and ΔW;
-        blocks of `chunk_rows`, under the recorded thread count."""
+    def rebuild(self, merged: torch.Tensor, out: torch.Tensor, delta_fn: DeltaFn) -> _Fill:
+        """fill(r0, r1) writes W's rows [r0, r1) into `out` (which may be `merged` itself), from W' and ΔW
+        (computed here unless given); blocks of `chunk_rows`, under the recorded thread count."""
         pos = self.decoded_positions(out.numel(), out.device)
         values = self.values.to(out.device)
         ob, cols = bits(out).view(-1), out[0].numel()
@@ -197,14 +213,15 @@ class CompactRecord:
         edges = torch.arange(0, rows + chunk, chunk, device=pos.device).clamp_(max=rows) * cols
         bounds = torch.searchsorted(pos, edges).tolist()
 
-        def fill(r0: int, r1: int) -> None:
+        def fill(r0: int, r1: int, delta: torch.Tensor | None = None) -> None:
             n = (r1 - r0) * cols
-            delta = delta_fn(merged, r0, r1, dbuf[:n])
+            if delta is None:
+                delta = delta_fn(merged, r0, r1, dbuf[:n])
             combine_into(out[r0:r1], merged[r0:r1], delta, -1, acc[:n].view(delta.shape))
             lo, hi = bounds[r0 // chunk], bounds[-(-r1 // chunk)]
             put(ob, pos[lo:hi], values[lo:hi])
 
-        return fill
+        return _Fill(fill, dbuf)
 
     def verify(self, out: torch.Tensor) -> None:
         ob = bits(out).reshape(-1)
@@ -250,19 +267,6 @@ def combine_into(
         dst.copy_(acc)
     else:
         torch.add(w, delta, alpha=sign, out=dst)
-
-
-@contextmanager
-def recorded_threads(n: int) -> Iterator[None]:
-    """Run with the thread count a record was made with: ΔW must be recomputed exactly as it was."""
-    before = torch.get_num_threads()
-    if n != before:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n != before:
-            torch.set_num_threads(before)
 
 
 def compact_sizes(numel: int, steps: torch.Tensor, itemsize: int) -> dict[str, int]:

@@ -1,0 +1,194 @@
+"""Thread use of the merge passes (mechanisms/merge/threads.py) and the early copy of a compact pass whose
+elements mostly miss (inplace.copy_is_smaller); issue 39.
+
+A merge, strength change and remove at torch's 2 threads must write the same bits and keep the same record
+as at 1 thread (the passes' ops run on one intra-op thread, ΔW of the next block on a helper thread), and put
+the thread count back. A layer whose delta makes most elements miss must end its compact pass early and keep
+a copy, with the weight as the buffered (undo="copy") path writes it and an exact undo."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers.undo_models import assert_same_bits, kinds_of, lora_sd, net, state_bits
+
+import loraweave
+import loraweave.mechanisms.merge.layer as layer_mod
+from loraweave.mechanisms.merge import inplace as inplace_mod
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of a few rows: every layer is written in many blocks, so ΔW is computed ahead."""
+    monkeypatch.setattr(layer_mod, "CHUNK_ELEMENTS", 600)
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count inside a test; the count before is put back after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def merged_at(n: int, dtype: torch.dtype, sd: dict, strength: float, threads) -> tuple[dict, object, object]:
+    """The state after a default merge at `n` torch threads, the model and its handle."""
+    threads(n)
+    model = net(dtype)
+    handle = loraweave.apply(model, (sd, strength), mode="merge", strict=True)
+    assert torch.get_num_threads() == n  # the pass's own count was put back
+    return state_bits(model), model, handle
+
+
+@pytest.mark.parametrize("n", [2, 5], ids=["2threads", "5threads"])  # 5: four blocks ahead, a ring of buffers
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_two_threads_write_the_bits_of_one(small_blocks, threads, dtype, n):
+    sd = lora_sd(net(dtype), rel=0.3)
+    one, _, h1 = merged_at(1, dtype, sd, 2.0, threads)
+    two, model, h2 = merged_at(n, dtype, sd, 2.0, threads)
+    assert_same_bits(model, one)
+    assert kinds_of(h1) == kinds_of(h2) == {"compact"}
+    assert [m.undo_bytes for m in h1.report.applied] == [m.undo_bytes for m in h2.report.applied]
+    h2.set_strength(h2.report.adapters[0]["name"], -0.7)  # rebuilt and merged again at 2 threads
+    h1.set_strength(h1.report.adapters[0]["name"], -0.7)
+    # (h1's model is another instance) the strength change at 2 threads equals a fresh merge at 1 thread
+    fresh, _, _ = merged_at(1, dtype, sd, -0.7, threads)
+    assert_same_bits(model, fresh)
+    threads(1)  # a record made at 2 threads is undone at 1
+    h2.remove()
+    assert_same_bits(model, state_bits(net(dtype)))
+
+
+def test_delta_ahead_runs_on_one_intra_op_thread(monkeypatch, small_blocks, threads):
+    """At 2 threads, ΔW of the next block is computed on the helper thread with torch at one thread, and
+    the caller's ops run at one thread too; at 1 thread no helper thread is started."""
+    seen: list[tuple[str, int]] = []
+    real = layer_mod.delta_fn
+
+    def spied(terms):
+        fn = real(terms)
+
+        def delta(*args):
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            return fn(*args)
+
+        return delta
+
+    monkeypatch.setattr(layer_mod, "delta_fn", spied)
+    sd = lora_sd(net(torch.float32), rel=0.3)
+    _, _, handle = merged_at(2, torch.float32, sd, 1.0, threads)
+    handle.remove()
+    helpers = {name for name, _ in seen if name.startswith("loraweave-delta")}
+    assert len(helpers) == 1 and {n for _, n in seen} == {1}, seen
+    seen.clear()  # at 4 threads, more than one helper computes ΔW ahead, each at one intra-op thread
+    _, _, handle = merged_at(4, torch.float32, sd, 1.0, threads)
+    handle.remove()
+    helpers = {name for name, _ in seen if name.startswith("loraweave-delta")}
+    assert len(helpers) > 1 and {n for _, n in seen} == {1}, seen  # up to min(3, blocks - 1) threads
+    seen.clear()
+    merged_at(1, torch.float32, sd, 1.0, threads)
+    assert seen and all(name == threading.current_thread().name for name, _ in seen)
+
+
+def huge_sd(dtype: torch.dtype) -> dict:
+    """A legal LoRA whose up factor holds 65504 (fp16's largest) in one column: every row's ΔW dwarfs W, so
+    round(W' - ΔW) misses W almost everywhere (a fuzzed file of issue 39)."""
+    sd = lora_sd(net(dtype), rel=0.02)
+    for key in [k for k in sd if k.endswith("lora_B.weight")]:
+        sd[key] = sd[key].clone()
+        sd[key][:, 0] = 65504.0
+    return sd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # fp16 overflows
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_mostly_missing_layer_keeps_a_copy_after_one_block(monkeypatch, small_blocks, dtype, native):
+    if not native:
+        monkeypatch.setattr(inplace_mod, "kernel_for", lambda dtype: None)
+    checks: list[tuple[int, bool]] = []
+    real = inplace_mod.copy_is_smaller
+
+    def spied(rows, misses, written):
+        checks.append((written, real(rows, misses, written)))
+        return checks[-1][1]
+
+    monkeypatch.setattr(inplace_mod, "copy_is_smaller", spied)
+    sd = huge_sd(dtype)
+    model, ref = net(dtype), net(dtype)
+    handle = loraweave.apply(model, (sd, 1.0), mode="merge", strict=True)
+    loraweave.apply(ref, (sd, 1.0), mode="merge", undo="copy")
+    assert_same_bits(model, state_bits(ref))  # the weight the buffered path writes
+    assert kinds_of(handle) == {"copy"}
+    # each layer's pass stopped at its first block (no compact record of the rest written, then dropped)
+    assert [ok for _, ok in checks] == [True, True], checks
+    handle.remove()
+    assert_same_bits(model, state_bits(net(dtype)))
+
+
+def counted_stops(monkeypatch) -> list[bool]:
+    """The results of inplace.copy_is_smaller from now on."""
+    out: list[bool] = []
+    real = inplace_mod.copy_is_smaller
+
+    def spied(rows, misses, written):
+        out.append(real(rows, misses, written))
+        return out[-1]
+
+    monkeypatch.setattr(inplace_mod, "copy_is_smaller", spied)
+    return out
+
+
+def test_strength_change_to_mostly_missing_keeps_a_copy(monkeypatch, small_blocks):
+    """A compact merge changed to a strength where most elements miss: a copy is kept, the weight equals a
+    fresh copy merge at that strength, and undo is exact; back at the low strength it is compact again."""
+    dtype = torch.bfloat16
+    sd = huge_sd(dtype)
+    model, ref = net(dtype), net(dtype)
+    handle = loraweave.apply(model, (sd, 1e-6), mode="merge", strict=True)
+    assert kinds_of(handle) == {"compact"}
+    name = handle.report.adapters[0]["name"]
+    handle.set_strength(name, 1.0)
+    loraweave.apply(ref, (sd, 1.0), mode="merge", undo="copy")
+    assert_same_bits(model, state_bits(ref))
+    assert kinds_of(handle) == {"copy"}
+    stops = counted_stops(monkeypatch)
+    handle.set_strength(name, 2.0)  # over a copy: merged in place again, stopped early again
+    assert kinds_of(handle) == {"copy"} and stops == [True, True], stops
+    ref2 = net(dtype)
+    loraweave.apply(ref2, (sd, 2.0), mode="merge", undo="copy")
+    assert_same_bits(model, state_bits(ref2))
+    handle.set_strength(name, 1e-6)
+    assert kinds_of(handle) == {"compact"}
+    handle.remove()
+    assert_same_bits(model, state_bits(net(dtype)))
+
+
+def test_forced_compact_keeps_its_record_of_misses(small_blocks):
+    """undo="compact" asks for the record whatever its size: no early copy."""
+    sd = huge_sd(torch.bfloat16)
+    model = net(torch.bfloat16)
+    handle = loraweave.apply(model, (sd, 1.0), mode="merge", undo="compact", strict=True)
+    assert kinds_of(handle) == {"compact"}
+    handle.remove()
+    assert_same_bits(model, state_bits(net(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_small_factor_check_reads_the_exponent_bits(dtype, bad):
+    """The numpy check of small factors (families/base.py) refuses what aminmax refused, keeps the largest
+    finite values and subnormals."""
+    from loraweave.families.base import PartRejected, check_factor
+
+    info = torch.finfo(dtype)
+    ok = torch.tensor([info.max, -info.max, info.tiny / 4, -0.0, 1.0], dtype=dtype).repeat(10)
+    check_factor("lora_up.weight", ok)
+    broken = ok.clone()
+    broken[17] = bad
+    with pytest.raises(PartRejected, match="NaN or Inf"):
+        check_factor("lora_up.weight", broken)
+    check_factor("lora_up.weight", broken[:17])
