@@ -8,7 +8,9 @@ our inspector, queues it, and the test waits for /history to say it completed; t
 node: all of it (no scroll bar), in the node's own width, labelled as an output. The page is reloaded and the
 same workflow queued again (ComfyUI reuses the cached loader): the report must be back on the node; a new
 lora_name clears it until the next run shows the new file's; bypassing the node clears it. Under Nodes 2.0 the
-report shows the same way, and the properties panel does not list it under its internal name. The screenshot
+report shows the same way, and the properties panel does not list it under its internal name; then a
+workflow with a positive-only LoRA (LoraWeave Conditioning LoRA + Runtime, helpers/comfy_page_cond) loads,
+queues and completes, the server log saying the LoRA ran. The screenshot
 paths are printed; on a failure the page's screenshot and console are saved beside them (failure.png,
 failure.console.txt). Every page (re)load waits until the app's own startup workflow has loaded (COUNT_LOADS)
 before the test loads its own, and no process of the server or the browser may outlive the test."""
