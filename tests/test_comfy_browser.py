@@ -8,7 +8,9 @@ our inspector, queues it, and the test waits for /history to say it completed; t
 node: all of it (no scroll bar), in the node's own width, labelled as an output. The page is reloaded and the
 same workflow queued again (ComfyUI reuses the cached loader): the report must be back on the node; a new
 lora_name clears it until the next run shows the new file's; bypassing the node clears it. Under Nodes 2.0 the
-report shows the same way, and the properties panel does not list it under its internal name. The screenshot
+report shows the same way, and the properties panel does not list it under its internal name; then a
+workflow with a positive-only LoRA (LoraWeave Conditioning LoRA + Runtime, helpers/comfy_page_cond) loads,
+queues and completes, the server log saying the LoRA ran. The screenshot
 paths are printed; on a failure the page's screenshot and console are saved beside them (failure.png,
 failure.console.txt). Every page (re)load waits until the app's own startup workflow has loaded (COUNT_LOADS)
 before the test loads its own, and no process of the server or the browser may outlive the test."""
@@ -24,6 +26,7 @@ from helpers.browser import WINDOW, Page, start_chromium
 from helpers.comfy_env import COMFYUI_DIR, REPO_ROOT
 from helpers.comfy_pack import FLUX_FILE, NODE_IDS
 from helpers.comfy_page import COUNT_LOADS, evidence, open_app, wait_history
+from helpers.comfy_page_cond import COND_LORA, SAMPLER, SAVE, STRENGTH, cond_workflow, write_cond_source
 from helpers.comfy_page_runs import base_directory
 from helpers.comfy_server import get_json, processes_naming, start_server, stop
 
@@ -70,6 +73,7 @@ def workflow(strength: float = 0.7) -> dict:
 def _base_directory(base) -> None:
     """comfy_page_runs.base_directory, and a clone of this repository beside the installed shim."""
     base_directory(base)
+    write_cond_source(base)
     assert (base / "custom_nodes" / "loraweave_nodes" / "__init__.py").is_file()
     (base / "custom_nodes" / CLONE).symlink_to(REPO_ROOT, target_is_directory=True)
 
@@ -212,6 +216,20 @@ async def _classic(page: Page, url: str, shot) -> dict:
             "bypassed": bypassed}  # fmt: skip
 
 
+async def _cond_lora(page: Page, url: str, shot) -> dict:
+    """The positive-only conditioning LoRA workflow (helpers/comfy_page_cond) on the open page: it loads,
+    queues and completes."""
+    graph = cond_workflow()
+    await page.evaluate(f"app.loadGraphData({json.dumps(graph)}).then(() => true)")
+    loaded = await page.wait_for(
+        f"app.graph.getNodeById({COND_LORA})?.widgets?.map(w => w.value)", 20, "the conditioning LoRA node"
+    )
+    cond_run = await _queue(page, url)
+    await asyncio.sleep(1.0)  # the canvas finishes drawing the run's end
+    await page.screenshot(shot.with_name("comfy_browser_cond.png"))
+    return {"cond_loaded": loaded, "cond_run": cond_run}
+
+
 async def _steps(page: Page, url: str, shot) -> dict:
     """The test's page steps (see _drive)."""
     seen = await _classic(page, url, shot)
@@ -240,6 +258,10 @@ async def _steps(page: Page, url: str, shot) -> dict:
     )
     await asyncio.sleep(1.0)
     await page.screenshot(shot.with_name("comfy_browser_nodes2.png"))
+    await page.evaluate(  # the properties panel closed again: the next workflow in the whole window
+        "document.querySelector('[aria-label=\"Toggle properties panel\"]')?.click() ?? true"
+    )
+    seen |= await _cond_lora(page, url, shot)  # last: under Nodes 2.0, its run leaves the steps above alone
     return seen | {"vue": (prompt_2, entry_2, dom), "vue_report": vue, "panel": panel}
 
 
@@ -260,7 +282,7 @@ def test_pack_in_a_real_browser(tmp_path):
         chromium, ws_url = start_chromium(tmp_path / "profile")
         shot = tmp_path / "comfy_browser.png"
         seen = asyncio.run(_drive(ws_url, url, shot))
-        names = ("comfy_browser_changed.png", "comfy_browser_nodes2.png")
+        names = ("comfy_browser_changed.png", "comfy_browser_cond.png", "comfy_browser_nodes2.png")
         print(f"screenshots: {shot} " + " ".join(str(shot.with_name(n)) for n in names))
     finally:
         for process in (chromium, server):
@@ -315,6 +337,14 @@ def test_pack_in_a_real_browser(tmp_path):
     assert "is an internal module" not in console, console
     assert console.count("loraweave.report: http") == 2 * 3, console  # two copies skipped, three page loads
     assert log.read_text().count("pack_installed_twice") == 1
+    # the positive-only conditioning LoRA: loaded as saved, queued with the LoRA on the positive, completed
+    assert seen["cond_loaded"][:2] == ["flux.safetensors", STRENGTH], seen["cond_loaded"]
+    cond_prompt, cond_entry = seen["cond_run"]
+    assert cond_prompt[str(COND_LORA)]["inputs"]["strength"] == STRENGTH
+    assert cond_prompt[str(SAMPLER)]["inputs"]["positive"] == [str(COND_LORA), 0], cond_prompt
+    assert cond_entry["status"]["status_str"] == "success", cond_entry["status"]
+    assert cond_entry["outputs"][str(SAVE)]["latents"], cond_entry["outputs"]
+    assert log.read_text().count("comfy conditioning_loras=1 entries=1") == 1, "the LoRA was not run"
     prompt_2, second, dom = seen["vue"]
     assert prompt_2[str(LOADER)]["inputs"]["strength_model"] == 0.5
     assert second["status"]["status_str"] == "success", second["status"]

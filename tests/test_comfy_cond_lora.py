@@ -15,13 +15,24 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 from helpers.comfy_env import import_comfy, prompt_executor
-from helpers.comfy_hooks import STEPS, ForwardCounter, HookPatchCounter, build_case, publish, register_nodes
+from helpers.comfy_hooks import (
+    CONDS,
+    STEPS,
+    ForwardCounter,
+    Graph,
+    HookPatchCounter,
+    build_case,
+    publish,
+    register_nodes,
+    te_lora,
+)
 from helpers.comfy_hooks import workflow as make_workflow
-from helpers.comfy_sampling import CAPTURED, CallCounter, StubServer, kohya_flux_lora, unload_all
+from helpers.comfy_sampling import CAPTURED, REGISTRY, CallCounter, StubServer, kohya_flux_lora, unload_all
 
 from loraweave.comfy.conditioning import COND_KEY, KEY
 
@@ -163,3 +174,88 @@ def test_script_api_takes_a_state_dict_and_leaves_the_input(cases):
         conditioning_lora(cond, sd, 1.0, 0.6, 0.4)
     with pytest.raises(ArgumentTypeError):
         conditioning_lora(case.patcher, sd)
+
+
+def test_a_lora_stack_equals_chaining_the_node(cases, monkeypatch):
+    """lora_stack rows (each at its model_strength) then lora_name: the LATENT of the node chained once per
+    LoRA; without the stack row's LoRA the LATENT differs (the row was applied, at its strength)."""
+    import nodes
+
+    from loraweave.comfy.nodes import LoraWeaveStack
+
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "LoraWeaveStack", LoraWeaveStack)
+    case = cases["flux"]
+    publish(case, monkeypatch)
+    a, b = case.loras
+    latents = {}
+    for how in ("stack", "chain", "b only"):
+        prompt = make_workflow(case, "positive", "ours", how)
+        ours = next(n for n in prompt.values() if n["class_type"] == "LoraWeaveConditioningLoRA")
+        ours["inputs"] |= {"lora_name": b, "strength": 1.2}
+        if how == "stack":
+            row = {"lora_name": a, "model_strength": 0.9, "clip_strength": 0.0, "enabled": True}
+            prompt["stack"] = {"class_type": "LoraWeaveStack", "inputs": row}
+            ours["inputs"]["lora_stack"] = ["stack", 0]
+        elif how == "chain":
+            first = {**ours["inputs"], "lora_name": a, "strength": 0.9}
+            prompt["first"] = {"class_type": "LoraWeaveConditioningLoRA", "inputs": first}
+            ours["inputs"]["conditioning"] = ["first", 0]
+        node_errors, ex = execute(prompt)
+        assert ex is not None and ex.success, node_errors or ex.status_messages
+        latents[how] = CAPTURED[how]
+    unload_all(case.patcher)
+    assert rel(latents["stack"], latents["chain"]) < REL_TOL, rel(latents["stack"], latents["chain"])
+    assert rel(latents["b only"], latents["chain"]) > 20 * REL_TOL, "the stack row changed nothing"
+
+
+def test_text_encode_puts_the_te_part_on_its_prompt_only(cases, monkeypatch):
+    """LoraWeaveConditioningTextEncode (positive) beside core's CLIPTextEncode (negative) on the same CLIP in
+    one prompt: the positive equals the encode of core's LoRA-patched CLIP (comfy.sd.load_lora_for_models,
+    strength_model 0) and carries the denoiser part at its strength; the negative equals the plain CLIP's; the
+    input CLIP is unchanged."""
+    import folder_paths
+    from helpers.comfy_models import tiny_clip
+    from safetensors.torch import save_file
+
+    case = cases["flux"]
+    clip = tiny_clip("flux")
+    lora = {**kohya_flux_lora(case.patcher, seed=23), **te_lora(clip, seed=41)}
+    name = "cond_flux_te.safetensors"
+    folder = Path(folder_paths.get_full_path("loras", case.loras[0])).parent
+    save_file(lora, folder / name)
+    monkeypatch.setitem(REGISTRY, "te_clip", clip)
+    before = snapshot(clip.patcher)
+    texts = {"pos": "a tiny test prompt", "neg": "blurry"}
+    g = Graph()
+    source = g.add("LWTestClip", name="te_clip")
+    pos = g.add(
+        "LoraWeaveConditioningTextEncode",
+        clip=source,
+        text=texts["pos"],
+        lora_name=name,
+        strength=0.8,
+        strength_clip=0.6,
+        start_percent=0.0,
+        end_percent=1.0,
+    )
+    neg = g.add("CLIPTextEncode", clip=source, text=texts["neg"])
+    g.add("LWTestCondCapture", conditioning=pos, tag="pos")
+    g.add("LWTestCondCapture", conditioning=neg, tag="neg")
+    node_errors, ex = execute(g.nodes)
+    assert ex is not None and ex.success, node_errors or ex.status_messages
+    assert snapshot(clip.patcher) == before, "the input CLIP was modified"
+    _, core_clip = import_comfy().sd.load_lora_for_models(case.patcher, clip, lora, 0.0, 0.6)
+
+    def encoded(c, text):
+        ((cond, extra),) = c.encode_from_tokens_scheduled(c.tokenize(text))
+        return torch.cat([cond.flatten(), extra["pooled_output"].flatten()])
+
+    got = {k: torch.cat([CONDS[k][0][0].flatten(), CONDS[k][0][1]["pooled_output"].flatten()]) for k in texts}
+    plain = encoded(clip, texts["pos"])
+    assert (got["pos"] - plain).abs().max() > 1e-2, "the text-encoder part changed nothing"
+    assert torch.allclose(got["pos"], encoded(core_clip, texts["pos"]), rtol=0, atol=1e-6)
+    assert torch.equal(got["neg"], encoded(clip, texts["neg"]))
+    (item,) = CONDS["pos"][0][1][COND_KEY]
+    assert (item.strength, item.window, item.label) == (0.8, None, name)
+    assert COND_KEY not in CONDS["neg"][0][1]
+    unload_all(clip.patcher, core_clip.patcher)

@@ -79,7 +79,11 @@ CONTRACT = {  # node id -> input names (required and optional) and output types:
     ),
     "LoraWeaveInspect": ({"lora_name", "model", "clip"}, ("STRING", "STRING", "IMAGE")),
     "LoraWeaveConditioningLoRA": (
-        {"conditioning", "lora_name", "strength", "start_percent", "end_percent"},
+        {"conditioning", "lora_name", "strength", "start_percent", "end_percent", "lora_stack"},
+        ("CONDITIONING",),
+    ),
+    "LoraWeaveConditioningTextEncode": (
+        {"clip", "text", "lora_name", "strength", "strength_clip", "start_percent", "end_percent"},
         ("CONDITIONING",),
     ),
     "LoraWeaveConditioningRuntime": ({"model", "core_lora_hooks"}, ("MODEL",)),
@@ -124,6 +128,8 @@ def test_schemas_are_the_public_contract(comfy_home):
     # old workflows run without the opt-in and the modality strengths
     modalities = {"video_strength", "audio_strength", "cross_strength"}
     assert set(loader["optional"]) == {"clip", "allow_other_arch", *modalities}
+    cond_lora = nodes.NODE_CLASS_MAPPINGS["LoraWeaveConditioningLoRA"].INPUT_TYPES()
+    assert set(cond_lora["optional"]) == {"lora_stack"}  # old workflows load without it
     assert "flux.safetensors" in loader["required"]["lora_name"][1]["options"]
     assert loader["required"]["mode"][1]["options"] == ["auto", "merge", "runtime"]
     web = nodes.EXTENSION_WEB_DIRS["loraweave_nodes"]

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 from helpers.comfy_env import import_comfy
+from helpers.comfy_hooks import te_lora
 from helpers.comfy_sampling import (  # noqa: F401  (pytest fixtures)
     CallCounter,
     core_lora,
@@ -264,20 +265,6 @@ def test_step_window_stacks_with_a_runtime_loader(flux, loras):
 def test_step_window_bad_arguments(flux, loras, start, end, ramp):
     with pytest.raises(ArgumentError):
         apply_step_window(flux, loras[0], 1.0, start, end, ramp)
-
-
-def te_lora(clip, seed: int, rank: int = 4) -> dict:
-    """kohya text-encoder keys (lora_te1_ = CLIP-L) on every attention projection of the tiny CLIP-L."""
-    g = torch.Generator().manual_seed(seed)
-    layers = clip.cond_stage_model.clip_l.transformer.text_model.encoder.layers
-    out = {}
-    for i, layer in enumerate(layers):
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            rows, cols = getattr(layer.self_attn, proj).weight.shape
-            stem = f"lora_te1_text_model_encoder_layers_{i}_self_attn_{proj}"
-            out[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.3
-            out[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.3
-    return out
 
 
 def encode(clip):

@@ -86,6 +86,37 @@ def masks(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 TEST_COND = source_node("name", ("STRING", {"default": ""}), "CONDITIONING", lambda name: REGISTRY[name])
 TEST_MASK = source_node("name", ("STRING", {"default": ""}), "MASK", lambda name: REGISTRY[name])
 TEST_LATENT = source_node("name", ("STRING", {"default": ""}), "LATENT", lambda name: REGISTRY[name])
+TEST_CLIP = source_node("name", ("STRING", {"default": ""}), "CLIP", lambda name: REGISTRY[name])
+CONDS: dict[str, list] = {}  # tag -> the CONDITIONING the capture node saw
+
+
+class CondCapture:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"conditioning": ("CONDITIONING",), "tag": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "run"
+    CATEGORY = "loraweave_test"
+
+    def run(self, conditioning, tag):
+        CONDS[tag] = conditioning
+        return {}
+
+
+def te_lora(clip, seed: int, rank: int = 4) -> dict:
+    """kohya text-encoder keys (lora_te1_ = CLIP-L) on every attention projection of the tiny CLIP-L."""
+    g = torch.Generator().manual_seed(seed)
+    layers = clip.cond_stage_model.clip_l.transformer.text_model.encoder.layers
+    out = {}
+    for i, layer in enumerate(layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            rows, cols = getattr(layer.self_attn, proj).weight.shape
+            stem = f"lora_te1_text_model_encoder_layers_{i}_self_attn_{proj}"
+            out[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.3
+            out[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.3
+    return out
 
 
 def register_nodes(monkeypatch) -> None:
@@ -98,6 +129,8 @@ def register_nodes(monkeypatch) -> None:
         "LWTestCond": TEST_COND,
         "LWTestMask": TEST_MASK,
         "LWTestLatent": TEST_LATENT,
+        "LWTestClip": TEST_CLIP,
+        "LWTestCondCapture": CondCapture,
     }.items():
         monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, name, cls)
     from loraweave.comfy.cond_nodes import COND_NODES

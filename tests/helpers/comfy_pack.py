@@ -22,6 +22,7 @@ NODE_IDS = frozenset(
         "LoraWeaveInspect",
         "LoraWeaveMultiLoader",
         "LoraWeaveConditioningLoRA",
+        "LoraWeaveConditioningTextEncode",
         "LoraWeaveConditioningRuntime",
     }
 )

@@ -4,7 +4,7 @@ the nodes, the runtime path and the stack. Importing this package imports neithe
 
 from __future__ import annotations
 
-__all__ = ["conditioning_lora", "conditioning_runtime", "load_lora_for_models"]
+__all__ = ["conditioning_lora", "conditioning_runtime", "load_lora_for_models", "text_encode_lora"]
 
 
 def __getattr__(name: str):
@@ -12,7 +12,7 @@ def __getattr__(name: str):
         from .api import load_lora_for_models
 
         return load_lora_for_models
-    if name in ("conditioning_lora", "conditioning_runtime"):
+    if name in ("conditioning_lora", "conditioning_runtime", "text_encode_lora"):
         from . import conditioning
 
         return getattr(conditioning, name)

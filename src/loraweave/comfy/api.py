@@ -194,3 +194,22 @@ def load_lora_for_models(
 
         return apply_runtime(model, clip, adapter, strength_model, strength_clip, strict, arch, modalities)
     return merge(model, clip, adapter, strength_model, strength_clip, strict, arch, modalities)
+
+
+def merge_clip(clip, lora, strength_clip: float):
+    """(clip, report or None): a clone of `clip` with the text-encoder keys of `lora` (a path, a state dict or
+    an Adapter) merged at `strength_clip` as the loader merges them (strength_model 0: the denoiser keys are
+    the caller's); a file without text-encoder keys gives back `clip` itself and no report. The input is not
+    modified."""
+    t0 = time.perf_counter()
+    (strength_clip,) = check_strengths(strength_clip, labels=("strength_clip",))
+    adapter = read_lora(lora)
+    plan = plan_for_clip(clip, adapter)
+    if not plan.planned:
+        return clip, None
+    new_clip = clip.clone()
+    new_clip.patcher, applied, refused = add_to_clone(clip.patcher, plan, strength_clip)
+    with_retention(new_clip.patcher, applied)
+    report = make_report(plan, "merge", applied, plan.unmatched + refused, t0, [])
+    report.log()
+    return new_clip, report

@@ -88,6 +88,23 @@ def conditioning_lora(
     return [[t, {**d, COND_KEY: (*d.get(COND_KEY, ()), item)}] for t, d in conditioning]
 
 
+def text_encode_lora(
+    clip, text: str, lora, strength=1.0, strength_clip=1.0, start_percent=0.0, end_percent=1.0, label=None
+) -> list:
+    """`text` encoded as CLIPTextEncode encodes it, by a clone of `clip` with the text-encoder keys of `lora`
+    merged at `strength_clip` (api.merge_clip), the result carrying `lora`'s denoiser part at `strength` as
+    `conditioning_lora` attaches it: the LoRA acts on this conditioning's encode and samples only. The
+    inputs are not modified."""
+    from .api import merge_clip, read_lora
+
+    check_strengths(strength)  # the denoiser part's checks before the encode
+    check_window(start_percent, end_percent, 0.0)
+    adapter = read_lora(lora)
+    encoder, _ = merge_clip(clip, adapter, strength_clip)
+    encoded = encoder.encode_from_tokens_scheduled(encoder.tokenize(text))
+    return conditioning_lora(encoded, adapter, strength, start_percent, end_percent, label)
+
+
 def requests_in(conds: Mapping[str, Iterable[Mapping]] | None) -> tuple[CondLora, ...]:
     """Every CondLora the guider's conds carry, once each, in the order met (positive first)."""
     found: dict[int, CondLora] = {}
