@@ -19,7 +19,7 @@ import json
 import math
 import warnings
 
-import peft  # noqa: F401  the reference must be installed: a missing package fails here, it is never skipped
+import peft  # the reference must be installed: a missing package fails here, it is never skipped
 import pytest
 import torch
 import torch.nn.functional as F
@@ -295,8 +295,10 @@ def test_strength_interpolates_the_rotation(tmp_path, strength):
         handle.remove()
 
 
-def test_peft_conv_forward_disagrees_with_its_merge():
-    """Why k×k convolutions follow PEFT's merge: PEFT 0.21's Conv2d forward is not the identity at R = I."""
+def test_peft_conv_forward_against_its_merge():
+    """Why k×k convolutions follow PEFT's merge: PEFT 0.21's Conv2d forward is not the identity at R = I; from
+    0.22 its forward is, and it equals the merge at any R (so following the merge follows both)."""
+    from packaging.version import Version
     from peft import OFTConfig, get_peft_model
 
     pristine = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1))
@@ -307,8 +309,17 @@ def test_peft_conv_forward_disagrees_with_its_merge():
             copy.deepcopy(pristine), OFTConfig(target_modules=["0"], oft_block_size=4, r=0)
         )
     with torch.no_grad():
-        assert rel_err(model(x), pristine(x)) > 0.5  # identity init, yet the output changes
         assert rel_err(copy.deepcopy(model).merge_and_unload()(x), pristine(x)) <= TOL
+        if Version(peft.__version__) < Version("0.22"):
+            assert rel_err(model(x), pristine(x)) > 0.5  # identity init, yet the output changes
+            return
+        assert rel_err(model(x), pristine(x)) <= TOL
+        for name, param in model.named_parameters():
+            if "oft_R" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+        merged = copy.deepcopy(model).merge_and_unload()
+        assert rel_err(model(x), pristine(x)) > 0.05  # R moved the output
+        assert rel_err(model(x), merged(x)) <= TOL
 
 
 def test_legacy_neumann_series_before_peft_018():

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 from ..engine.decide import COMFY, check_strengths, note_other_arch, refuse
 from ..errors import ArgumentTypeError, LoraweaveError
-from ..formats.adapter import Adapter
 from ..mechanisms.sampling.mix import Mix, mix_for, release
 from ..mechanisms.sampling.persample import SampleKey
 from ..report.report import Report
 from ..resolve.weights import AdapterWeights
+from .cond_lora import COND_KEY, CondLora
 from .runtime import (
     RuntimeEntry,
     RuntimeState,
@@ -43,19 +43,7 @@ from .runtime import (
 from .steps import StepWindow, check_window
 
 log = logging.getLogger("loraweave")
-COND_KEY = "loraweave_loras"  # in a conditioning entry's dict: the CondLora records attached to it
 KEY = "loraweave_conditioning"  # on a ModelPatcher: the attachment and the wrappers of the model side
-
-
-@dataclass(frozen=True, eq=False)
-class CondLora:
-    """One LoRA attached to a conditioning: the parsed file, its strength, its step window (None: every
-    step) and the name messages use. Compared by identity: a re-queued graph hands the same record."""
-
-    adapter: Adapter
-    strength: float
-    window: StepWindow | None
-    label: str
 
 
 def check_conditioning(conditioning: object) -> None:

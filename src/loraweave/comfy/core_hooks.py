@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, MutableMapping
 
-from .conditioning import COND_KEY, CondLora
+from .cond_lora import COND_KEY, CondLora
 from .steps import StepWindow
 
 

@@ -34,7 +34,7 @@ from .convert_parts import (
     take_embeddings,
     write_peft,
 )
-from .layout_names import target_components, target_spans, target_stem
+from .layout_names import Pair, target_components, target_spans, target_stem
 
 log = logging.getLogger("loraweave")
 LAYOUTS = ("kohya", "peft", "diffusers", "comfy")
@@ -90,9 +90,6 @@ def _alpha(pp: PlannedPart, rank: int) -> float:
     if pp.alpha_source == "default:1":
         return float(rank)
     return pp.scale * rank
-
-
-Pair = tuple[torch.Tensor, torch.Tensor, float]  # (down (r, in, *k), up (rows, r), alpha) of one part
 
 
 class PairOf(Protocol):

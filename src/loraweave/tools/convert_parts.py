@@ -21,9 +21,8 @@ from ..io.write import atomic_path, save_file
 from ..resolve.planner import PlannedPart, resolve
 from ..resolve.target import Components
 
-if TYPE_CHECKING:  # convert imports this module
-    from .convert import Pair
-    from .layout_names import Span
+if TYPE_CHECKING:
+    from .layout_names import Pair, Span
 
 LYCORIS_AS_IS = ("lokr", "loha")  # families whose kohya/comfy keys differ from the source's only by stem
 KOHYA_NAMED = ("kohya", "comfy")  # layouts with lora_down / lora_up / alpha keys (and no LoRA bias)

@@ -15,6 +15,8 @@ from ..resolve.planner import PlannedPart
 from ..resolve.target import Components, as_components
 from .remap import Spans, original_spans
 
+Pair = tuple[torch.Tensor, torch.Tensor, float]  # (down (r, in, *k), up (rows, r), alpha) of one part
+
 
 def uses_original_names(layout: str, component: str, module: torch.nn.Module) -> bool:
     if layout == "comfy":

@@ -28,10 +28,10 @@ from ..io.write import save_file
 from ..progress import bar
 from ..resolve.planner import PlannedPart, resolve
 from ..resolve.target import Components, as_components
-from .convert import Pair, TargetPiece, regroup
+from .convert import TargetPiece, regroup
 from .convert_parts import self_check, svd_pair
 from .extract import write_pair
-from .layout_names import target_components, target_stem
+from .layout_names import Pair, target_components, target_stem
 from .resize import lora_truncate
 
 log = logging.getLogger("loraweave")
