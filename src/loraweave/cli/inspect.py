@@ -142,16 +142,20 @@ def inspect_folder(args: argparse.Namespace) -> int:
 
     if args.plot:
         raise LoraweaveError("--plot draws one adapter: pass a file, not a folder")
-    rows, left_out = inspect_dir(
-        args.file,
-        progress=progress_wanted(args),
-        arch=args.arch,
-        model=args.model,
-        allow_pickle=args.allow_pickle,
-        text_encoders=not args.no_text_encoders,
-        check_values=args.check_values,
-    )
+    rows, left_out = inspect_dir(args.file, **row_options(args))
     return print_rows(args, rows, left_out, f"in {args.file}")
+
+
+def row_options(args: argparse.Namespace) -> dict:
+    """The options a folder's and several paths' rows are inspected with (the same for both)."""
+    return {
+        "progress": progress_wanted(args),
+        "arch": args.arch,
+        "model": args.model,
+        "allow_pickle": args.allow_pickle,
+        "text_encoders": not args.no_text_encoders,
+        "check_values": args.check_values,
+    }
 
 
 def inspect_several(args: argparse.Namespace) -> int:
@@ -163,15 +167,7 @@ def inspect_several(args: argparse.Namespace) -> int:
     folders = [f for f in args.file if Path(f).is_dir() and not (Path(f) / "adapter_config.json").is_file()]
     if folders:
         raise LoraweaveError(f"{folders[0]}: a folder among several paths; pass adapter files, or one folder")
-    rows = inspect_paths(
-        args.file,
-        progress=progress_wanted(args),
-        arch=args.arch,
-        model=args.model,
-        allow_pickle=args.allow_pickle,
-        text_encoders=not args.no_text_encoders,
-        check_values=args.check_values,
-    )
+    rows = inspect_paths(args.file, **row_options(args))
     return print_rows(args, rows, [], "given")
 
 
