@@ -167,6 +167,42 @@ def _markers(module: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(MODULE_MARKERS.get(module, ()) + named))
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--module-share",
+        default=None,
+        metavar="K/N",
+        help="run only the K-th of N shares of the selected test modules (helpers/module_share.py)",
+    )
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(ModuleShare(), "loraweave-module-share")
+
+
+class ModuleShare:
+    """--module-share: its hook runs after -m and -k have deselected (and after the markers above were added),
+    so the shares split what is left."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        value = config.getoption("--module-share")
+        if value is None:
+            return
+        from helpers.module_share import share_of
+
+        try:
+            keep = share_of([_module(item) for item in items], value)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+        config.hook.pytest_deselected(items=[item for item in items if _module(item) not in keep])
+        items[:] = [item for item in items if _module(item) in keep]
+
+
+def _module(item) -> str:
+    return item.module.__name__.rpartition(".")[2]
+
+
 def pytest_collection_modifyitems(items) -> None:
     _by_case(items)
     for item in items:
