@@ -109,7 +109,7 @@ def huge_sd(dtype: torch.dtype) -> dict:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # fp16 overflows
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
-def test_mostly_missing_layer_keeps_a_copy_after_one_block(monkeypatch, small_blocks, dtype, native):
+def test_mostly_missing_layer_keeps_a_copy_before_any_block(monkeypatch, small_blocks, dtype, native):
     if not native:
         monkeypatch.setattr(inplace_mod, "kernel_for", lambda dtype: None)
     checks: list[tuple[int, bool]] = []
@@ -120,14 +120,18 @@ def test_mostly_missing_layer_keeps_a_copy_after_one_block(monkeypatch, small_bl
         return checks[-1][1]
 
     monkeypatch.setattr(inplace_mod, "copy_is_smaller", spied)
+    passes: list[str] = []
+    for name in ("_blocks_native", "_blocks_torch"):
+        real_pass = getattr(inplace_mod, name)
+        monkeypatch.setattr(inplace_mod, name, lambda *a, _f=real_pass, _n=name: passes.append(_n) or _f(*a))
     sd = huge_sd(dtype)
     model, ref = net(dtype), net(dtype)
     handle = loraweave.apply(model, (sd, 1.0), mode="merge", strict=True)
     loraweave.apply(ref, (sd, 1.0), mode="merge", undo="copy")
     assert_same_bits(model, state_bits(ref))  # the weight the buffered path writes
     assert kinds_of(handle) == {"copy"}
-    # each layer's pass stopped at its first block (no compact record of the rest written, then dropped)
-    assert [ok for _, ok in checks] == [True, True], checks
+    # each layer decided once, from its sampled rows, before a block was written (sampled_misses)
+    assert [ok for _, ok in checks] == [True, True] and not passes, (checks, passes)
     handle.remove()
     assert_same_bits(model, state_bits(net(dtype)))
 
@@ -145,6 +149,11 @@ def counted_stops(monkeypatch) -> list[bool]:
     return out
 
 
+def records_of(model) -> list:
+    """The undo records of the merges on `model`'s layers, in module order."""
+    return [m.record for mod in model.modules() for m in getattr(mod, layer_mod.STACK_ATTR, [])]
+
+
 def test_strength_change_to_mostly_missing_keeps_a_copy(monkeypatch, small_blocks):
     """A compact merge changed to a strength where most elements miss: a copy is kept, the weight equals a
     fresh copy merge at that strength, and undo is exact; back at the low strength it is compact again."""
@@ -159,8 +168,10 @@ def test_strength_change_to_mostly_missing_keeps_a_copy(monkeypatch, small_block
     assert_same_bits(model, state_bits(ref))
     assert kinds_of(handle) == {"copy"}
     stops = counted_stops(monkeypatch)
-    handle.set_strength(name, 2.0)  # over a copy: merged in place again, stopped early again
+    copies = records_of(model)
+    handle.set_strength(name, 2.0)  # over a copy: a sample finds most elements miss again
     assert kinds_of(handle) == {"copy"} and stops == [True, True], stops
+    assert all(a is b for a, b in zip(records_of(model), copies, strict=True))  # that copy kept, no new one
     ref2 = net(dtype)
     loraweave.apply(ref2, (sd, 2.0), mode="merge", undo="copy")
     assert_same_bits(model, state_bits(ref2))
@@ -195,3 +206,70 @@ def test_small_factor_check_reads_the_exponent_bits(dtype, bad):
     with pytest.raises(PartRejected, match="NaN or Inf"):
         check_factor("lora_up.weight", broken)
     check_factor("lora_up.weight", broken[:17])
+
+
+def spans_of(n: int, rows: int = 2) -> list[tuple[int, int]]:
+    return [(i * rows, (i + 1) * rows) for i in range(n)]
+
+
+def ramp_delta(calls: list[tuple[str, int, float, float]], stall: float):
+    """A ΔW of rows [r0, r1) that holds r0..r1-1 in its rows; each helper thread stalls `stall` seconds on its
+    first span (descheduled on a busy host). Calls are logged as (thread, r0, start, end)."""
+    stalled: set[str] = set()
+
+    def delta(base, r0, r1, out):
+        name, start = threading.current_thread().name, time.perf_counter()
+        if name.startswith("loraweave-delta") and name not in stalled:
+            stalled.add(name)
+            time.sleep(stall)
+        out = out.view(r1 - r0, base.shape[1])
+        out.copy_(torch.arange(r0, r1, dtype=torch.float32)[:, None].expand(-1, base.shape[1]))
+        calls.append((name, r0, start, time.perf_counter()))
+        return out
+
+    return delta
+
+
+@pytest.mark.parametrize("spare", [1, 3])
+def test_a_stalled_helper_does_not_stall_the_caller(threads, spare):
+    """While a helper stalls on the span it claimed, the caller computes the next spans the ring has room for
+    itself instead of waiting; each span is computed once and every ΔW is its own rows'."""
+    from loraweave.mechanisms.merge.threads import block_deltas, recorded_threads
+
+    calls: list[tuple[str, int, float, float]] = []
+    seen = []
+    threads(spare + 1)
+    with recorded_threads(1):  # `spare` threads lent to block_deltas
+        buffers = (torch.empty(6), torch.empty(6))
+        with block_deltas(ramp_delta(calls, 0.3), torch.zeros(40, 3), spans_of(20), buffers) as deltas:
+            for r0, r1, d in deltas:
+                assert torch.equal(d[:, 0], torch.arange(r0, r1, dtype=torch.float32)), (r0, d)
+                seen.append(r0)
+    assert seen == [r0 for r0, _ in spans_of(20)]
+    assert sorted(r0 for _, r0, _, _ in calls) == seen  # each span computed once
+    stall_end = min(end for name, _, _, end in calls if name.startswith("loraweave-delta"))
+    caller = threading.current_thread().name
+    during = [r0 for name, r0, start, _ in calls if name == caller and start < stall_end]
+    assert during, calls  # with one future per span (before), the caller only waited
+
+
+def test_a_helper_error_is_raised_at_its_span_and_nothing_is_left_running(threads):
+    """A ΔW that fails on a helper is raised where the caller asks for that span, after the spans before it;
+    on leaving the block (the error included) no helper thread is left running."""
+    from loraweave.mechanisms.merge.threads import block_deltas, recorded_threads
+
+    def delta(base, r0, r1, out):
+        if r0 == 8:
+            raise ValueError("span 4")
+        return out
+
+    seen = []
+    threads(4)
+    with recorded_threads(1), pytest.raises(ValueError, match="span 4"):
+        with block_deltas(
+            delta, torch.zeros(40, 3), spans_of(20), (torch.empty(6), torch.empty(6))
+        ) as deltas:
+            for r0, _, _ in deltas:
+                seen.append(r0)
+    assert seen == [0, 2, 4, 6]
+    assert not [t for t in threading.enumerate() if t.name.startswith("loraweave-delta")]

@@ -136,9 +136,10 @@ class MergedModule:
                 else weight.reshape(weight.shape[0], -1)
             )
             terms = [(pp, piece, pp.strength, pp.scale) for pp, piece in self.contributions]
+            kept_copy = None
             if not fresh and isinstance(self.record, CopyRecord) and self._in_place_kind(rows) == "auto":
-                self._restore_weight()  # W back from its copy, then merged as a fresh layer (a copy kept
-                fresh = True  # again only where most elements miss: inplace.copy_is_smaller)
+                self._restore_weight()  # W back from its copy, then merged as a fresh layer (that copy kept
+                kept_copy, fresh = self.record, True  # again where most elements miss: copy_is_smaller)
             in_place = self._in_place_kind(rows) if fresh else None
             if in_place == "transient" and self._overflow_free(rows, terms):
                 self.pending, self.terms = terms, terms  # no record, no finite check: fuse() writes it
@@ -158,7 +159,8 @@ class MergedModule:
                     return
             # a fresh merge here whose in-place pass found a copy smaller: the weight holds W, kept whole
             copy = "copy" if in_place is not None else None
-            record, merged, original = self._merge(rows, terms, None if fresh else self.record, copy)
+            old = None if fresh else self.record
+            record, merged, original = self._merge(rows, terms, old, copy, kept_copy)
             refuse_non_finite(merged, original, self.adapters)  # before the weight is touched
             del original
             self.record, self.terms = record, terms
@@ -244,16 +246,19 @@ class MergedModule:
         terms: list[Term],
         old: Record | None,
         kind: str | None = None,
+        kept: CopyRecord | None = None,
     ) -> tuple[Record, torch.Tensor, torch.Tensor]:
         """W', its record (of `kind`, by default the one the settings ask) and W; `old` (a rewrite): the
-        record W comes back from first (the weight holds W')."""
+        record W comes back from first (the weight holds W'); `kept`: a copy of W (the weight holds W) kept as
+        the record instead of a new one."""
         if any(pp.part.family == "set" for pp, _ in self.contributions):
             return self._merge_over(rows, terms, old)
         kind = kind or self._record_kind()
         needs_base = any(pp.family.needs_base for pp, _ in self.contributions)
         chunk = rows.shape[0] if needs_base else max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
         prior: tuple[CompactRecord, torch.Tensor, DeltaFn] | None = None
-        base, keep = rows, None
+        base = rows
+        keep: CopyRecord | SourceRecord | None = kept
         if isinstance(old, CompactRecord) and rows.is_contiguous():  # W rebuilt block by block beside W'
             prior = (old, rows, delta_fn(self.terms))
             base = scratch("base", rows.numel(), rows.dtype, rows.device).view(rows.shape)

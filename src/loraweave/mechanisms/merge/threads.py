@@ -9,6 +9,7 @@ depend on the thread count then: a record made at any count is recomputed exactl
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -49,33 +50,100 @@ def block_deltas(
 ) -> Iterator[Iterator[tuple[int, int, torch.Tensor]]]:
     """(r0, r1, ΔW of rows [r0, r1)) for each span in turn, ΔW written into buffers[0] (flat, a block's
     size); with k spare threads (recorded_threads) and two buffers or more, the next min(k, MAX_AHEAD) spans'
-    ΔW are computed ahead, each on one thread into a buffer of a ring (made like the last where too few are
-    given). The caller must be done with a ΔW before it asks for the next but one. On exit (an exception
-    included) nothing is left running."""
+    ΔW are computed ahead into a ring of buffers (made like the last where too few are given). Each span's ΔW
+    is computed once, on one thread at one intra-op thread: by a helper, or by the caller where no helper has
+    claimed it yet. The caller must be done with a ΔW before it asks for the next but one. On exit (an
+    exception included) nothing is left running."""
     cols = base[0].numel() if base.shape[0] else 0
     depth = min(_SPARE.get(), MAX_AHEAD, len(spans) - 1) if base.device.type == "cpu" else 0
     if depth < 1 or len(buffers) < 2:
         yield ((r0, r1, delta_fn(base, r0, r1, buffers[0][: (r1 - r0) * cols])) for r0, r1 in spans)
         return
-    # a ring of depth + 1 buffers: span i + depth is submitted once the caller is done with span i - 1's
+    # a ring of depth + 1 buffers: span j may be computed once the caller is done with span j - depth - 1
     ring = (*buffers, *(torch.empty_like(buffers[-1]) for _ in range(depth + 1 - len(buffers))))
 
     def compute(i: int) -> torch.Tensor:
         r0, r1 = spans[i]
         return delta_fn(base, r0, r1, ring[i % (depth + 1)][: (r1 - r0) * cols])
 
+    claims = _Claims(len(spans), depth, compute)
     with ThreadPoolExecutor(depth, thread_name_prefix="loraweave-delta") as pool:
-        futures = {i: pool.submit(compute, i) for i in range(depth)}
-
-        def ahead() -> Iterator[tuple[int, int, torch.Tensor]]:
-            for i, (r0, r1) in enumerate(spans):
-                if i + depth < len(spans):
-                    futures[i + depth] = pool.submit(compute, i + depth)
-                delta = futures.pop(i).result()
-                yield r0, r1, delta
-
+        for _ in range(depth):
+            pool.submit(claims.help)
         try:
-            yield ahead()
+            yield ((r0, r1, claims.take(i)) for i, (r0, r1) in enumerate(spans))
         finally:
-            for future in futures.values():
-                future.cancel()  # the pool's exit waits for those already running
+            claims.stop()  # the pool's exit waits for a helper's span in flight
+
+
+class _Claims:
+    """Which spans' ΔW is claimed and done: helpers claim the next span the ring has room for; the caller,
+    waiting for span i, computes span i itself where no helper has claimed it, else the next unclaimed span in
+    the window, and waits only where none is left (a descheduled helper costs one span's wait at most)."""
+
+    def __init__(self, count: int, depth: int, compute: Callable[[int], torch.Tensor]) -> None:
+        self.count, self.depth, self.compute = count, depth, compute
+        self.claimed = 0  # spans [0, claimed) are claimed; claims go in order
+        self.taken = 0  # the caller has asked for spans [0, taken): span taken - 1 is in its hands
+        self.done: dict[int, torch.Tensor | BaseException] = {}
+        self.stopped = False
+        self.changed = threading.Condition()
+
+    def _claim(self) -> int | None:
+        """The next span the ring has room for, claimed (call with the lock held); None where none is."""
+        limit = min(self.count, self.taken + self.depth)  # the caller holds span taken - 1's buffer
+        if self.stopped or self.claimed >= limit:
+            return None
+        self.claimed += 1
+        return self.claimed - 1
+
+    def _run(self, i: int, kept: type[BaseException] = Exception) -> None:
+        try:
+            result: torch.Tensor | BaseException = self.compute(i)
+        except (
+            kept
+        ) as exc:  # handed to the caller when it asks for span i (an interrupt of its own propagates)
+            result = exc
+        with self.changed:
+            self.done[i] = result
+            self.changed.notify_all()
+
+    def help(self) -> None:
+        """A helper's loop: claim, compute, until stopped or every span is claimed."""
+        while True:
+            with self.changed:
+                i = self._claim()
+                while i is None and not self.stopped and self.claimed < self.count:
+                    self.changed.wait()
+                    i = self._claim()
+                if i is None:
+                    return
+            self._run(i, BaseException)
+
+    def take(self, i: int) -> torch.Tensor:
+        """Span i's ΔW (the caller is done with span i - 1's)."""
+        with self.changed:
+            self.taken = i + 1
+            self.changed.notify_all()  # the window moved: a helper may claim one more
+        mine: int | None
+        while True:
+            with self.changed:
+                if i in self.done:
+                    result = self.done.pop(i)
+                    break
+                if self.claimed == i:  # no helper has claimed it: the caller computes it
+                    self.claimed, mine = i + 1, i
+                else:
+                    mine = self._claim()  # a later span, while a helper computes span i
+                if mine is None:
+                    self.changed.wait()
+                    continue
+            self._run(mine)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def stop(self) -> None:
+        with self.changed:
+            self.stopped = True
+            self.changed.notify_all()
