@@ -157,8 +157,8 @@ def test_lora_delta_bound_holds_and_is_tight_on_rank_one():
 
 
 def test_lora_set_delta_writes_what_add_delta_adds_to_zeros():
-    """The first term of a block is written (beta=0), not added to a zeroed block: the same bits but the sign of
-    a zero (a zero row times a negative coefficient: MKL on Intel Xeon gives -0.0 with beta=0, on AMD EPYC
+    """The first term of a block is written (beta=0), not added to a zeroed block: the same bits but the sign
+    of a zero (a zero row times a negative coefficient: MKL on Intel Xeon gives -0.0 with beta=0, on AMD EPYC
     +0.0; merge and undo compute ΔW the same way, so that sign never breaks a record); what the block held
     (NaN here) is never read."""
     g = gen(4)
@@ -170,4 +170,5 @@ def test_lora_set_delta_writes_what_add_delta_adds_to_zeros():
     written = torch.full((20, 40), float("nan"))
     lora.set_delta(written, f, 0, 20, -0.7)
     assert not written.isnan().any()
-    assert torch.equal((written + 0.0).view(torch.int32), (added + 0.0).view(torch.int32))  # -0.0 + 0.0 = +0.0
+    # -0.0 + 0.0 = +0.0: the zeros' signs made equal
+    assert torch.equal((written + 0.0).view(torch.int32), (added + 0.0).view(torch.int32))

@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
-from helpers.common import fail_on_call, gen, rel_err
-from helpers.undo_models import assert_same_bits, kinds_of, lora_sd, state_bits
+from helpers.common import fail_on_call, rel_err
+from helpers.undo_models import assert_same_bits, kinds_of, lora_sd, overflowing_model, state_bits
 from torch import nn
 
 import loraweave
@@ -71,20 +71,6 @@ def test_auto_takes_a_copy_rebuilt_from_the_merged_weight(small_blocks):
     assert kinds_of(handle) == {"copy"}
     handle.remove()
     assert_same_bits(model, before)
-
-
-def overflowing_model(dtype: torch.dtype) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """Values near the dtype's largest in the last rows only, and a LoRA that pushes them past it (and barely
-    moves the other rows: their misses are few, so no copy is decided from a sample before the pass)."""
-    model = nn.ModuleDict({"a": nn.Linear(16, 40, bias=False)}).to(dtype)
-    big = torch.finfo(dtype).max
-    with torch.no_grad():
-        model.a.weight.normal_(0, 0.1, generator=gen(2))
-        model.a.weight[-3:] = big * 0.99
-    up = torch.full((40, 1), 1e-3)
-    up[-3:] = 0.05 * big
-    sd = {"a.lora_A.weight": torch.ones(1, 16), "a.lora_B.weight": up}
-    return model, sd
 
 
 @pytest.mark.parametrize("kind", ["auto", "compact", "none"])

@@ -28,6 +28,7 @@ from helpers.realsize import (
     RealLayer,
     assert_merged,
     assert_seeded,
+    fill_seeded,
     forward64,
     holder,
     layer_input,
@@ -184,3 +185,39 @@ def test_runtime_and_per_sample_batch_at_real_size(dtype, layer):
         handle.remove()
         assert torch.equal(root(x), base)
         assert_seeded(root.layer.weight, SEED, "runtime leaves the weight untouched")
+
+
+@pytest.mark.parametrize("undo", ["auto", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_blocks_shared_by_threads_write_one_threads_bits_at_real_size(dtype, undo):
+    """The fused pass (undo="auto") and the direct write (undo="none") with their blocks shared by 3 threads
+    (mechanisms/merge/blocks.py, direct.py) write the bits and keep the record of one thread, at full size."""
+    root = holder(FLUX_PROJ_OUT)
+    lora = lora_for(FLUX_PROJ_OUT, rel=rel_for(dtype))
+    with materialized(root, ["layer"], dtype, SEED):
+        weight = root.layer.weight
+        outcomes = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            try:
+                handle = loraweave.apply(root, lora.state_dict("layer"), mode="merge", undo=undo)
+            finally:
+                torch.set_num_threads(1)
+            merge = root.layer._loraweave_merges[-1]  # (a permanent fuse stays listed)
+            record = merge.record
+            fields = (
+                [getattr(record, f) for f in ("positions", "values", "guard_pos")] if undo == "auto" else []
+            )
+            outcomes.append(
+                (bits(weight.detach()).clone(), [f.clone() for f in fields], handle.report.applied[0])
+            )
+            if undo == "none":
+                with torch.no_grad():  # a permanent fuse: the seeded weight back for the next thread count
+                    fill_seeded(weight, SEED)
+            else:
+                handle.remove()
+                assert_seeded(weight, SEED, f"{dtype} after remove() at {threads} threads")
+        (one, one_fields, one_row), (three, three_fields, three_row) = outcomes
+        assert torch.equal(one, three), f"{dtype} undo={undo}: 3 threads wrote other bits"
+        assert one_row.undo == three_row.undo and one_row.undo_bytes == three_row.undo_bytes
+        assert all(torch.equal(a, b) for a, b in zip(one_fields, three_fields, strict=True))

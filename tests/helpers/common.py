@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -141,13 +142,16 @@ def fail_on_call(n: int, exc: type[BaseException], real, after: bool = False):
     """`real` wrapped to raise `exc` on its n-th call (before it runs, or after with `after`): fault
     injection."""
     calls = {"n": 0}
+    lock = threading.Lock()  # calls from several threads (the merge's shared blocks) count each once
 
     def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n and not after:
+        with lock:
+            calls["n"] += 1
+            mine = calls["n"]
+        if mine == n and not after:
             raise exc(f"injected failure on call {n}")
         out = real(*args, **kwargs)
-        if calls["n"] == n and after:
+        if mine == n and after:
             raise exc(f"injected failure after call {n}")
         return out
 

@@ -45,3 +45,16 @@ def lora_sd(model: nn.Module, rel: float = 0.02, seed: int = 1, rank: int = 4) -
 
 def kinds_of(handle) -> set[str]:
     return {m.undo for m in handle.report.applied if m.mechanism == "merge"}
+
+
+def overflowing_model(dtype: torch.dtype, rows: int = 40, cols: int = 16) -> tuple[nn.Module, dict]:
+    """Values near the dtype's largest in the last rows only, and a LoRA that pushes them past it (and barely
+    moves the other rows: their misses are few, so no copy is decided from a sample before the pass)."""
+    model = nn.ModuleDict({"a": nn.Linear(cols, rows, bias=False)}).to(dtype)
+    big = torch.finfo(dtype).max
+    with torch.no_grad():
+        model.a.weight.normal_(0, 0.1, generator=gen(2))
+        model.a.weight[-3:] = big * 0.99
+    up = torch.full((rows, 1), 1e-3)
+    up[-3:] = 0.05 * big
+    return model, {"a.lora_A.weight": torch.ones(1, cols), "a.lora_B.weight": up}

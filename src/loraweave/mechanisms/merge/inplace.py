@@ -17,9 +17,12 @@ import torch
 
 from ...errors import NonFiniteResultError
 from .bitscan import differ, take
+from .blocks import parallel_blocks, restep
+from .direct import direct_scratch as direct_scratch  # re-exported: layer.py's names for them
+from .direct import merge_direct as merge_direct
 from .native import Kernel
 from .native import kernel_for as kernel_for  # re-exported: layer.py calls it here (tests patch it)
-from .threads import block_deltas
+from .threads import MAX_AHEAD, block_deltas, spare_threads
 from .undo import (
     GAP_ENCODINGS,
     GUARDS,
@@ -99,7 +102,11 @@ def merge_in_place(
     kernel = kernel_for(rows.dtype) if rows.device.type == "cpu" else None
     done = _Progress()
     try:
-        if kernel is not None:
+        spans = _spans(rows.shape[0], chunk_rows)
+        helpers = min(spare_threads(), MAX_AHEAD, len(spans) - 1)
+        if kernel is not None and helpers > 0:
+            _blocks_shared(rows, delta_fn, spans, kernel, helpers, done, adapters, early)
+        elif kernel is not None:
             _blocks_native(rows, delta_fn, chunk_rows, kernel, done, adapters, early)
         else:
             _blocks_torch(rows, delta_fn, chunk_rows, done, adapters, early)
@@ -316,6 +323,47 @@ def _blocks_native(
                 raise CopySmaller
 
 
+def _blocks_shared(
+    rows: torch.Tensor,
+    delta_fn: DeltaFn,
+    spans: list[tuple[int, int]],
+    kernel: Kernel,
+    helpers: int,
+    done: _Progress,
+    adapters: set[str],
+    early: bool,
+) -> None:
+    """_blocks_native with the blocks merged on the caller and `helpers` spare threads (blocks.py), joined
+    into the record in order: the same bits and the same record as one thread writes."""
+    cols = rows[0].numel()
+    done.encoding, done.fillers = "gaps8", {name: 0 for name in GAP_ENCODINGS}
+    previous, misses = -1, 0
+    with parallel_blocks(rows, delta_fn, spans, kernel, helpers, lambda: done.written) as records:
+        for record in records:
+            gaps, wide = restep(record, previous, cols)
+            have = sum(g.numel() for g in done.guards[0])
+            guards = [
+                [*kept, new[: GUARDS - have]] for kept, new in zip(done.guards, record.guards, strict=True)
+            ]
+            fillers = {
+                "gaps8": done.fillers["gaps8"] + gaps.numel() - record.misses,
+                "gaps": done.fillers["gaps"] + record.wide_fillers + wide,
+            }
+            done.found, done.values, done.guards, done.fillers, done.written = (
+                [*done.found, gaps],
+                [*done.values, record.vals],
+                guards,
+                fillers,
+                record.r1,
+            )
+            previous = record.last if record.misses else previous
+            misses += record.misses
+            if record.bad:
+                _refuse(record.bad, adapters, record.r0, record.r1, rows)
+            if early and copy_is_smaller(rows, misses, record.r1):
+                raise CopySmaller
+
+
 def _native_record(
     rows: torch.Tensor, raw: CompactRecord, done: _Progress, on_device: bool, kind: str
 ) -> CompactRecord | None:
@@ -357,25 +405,3 @@ def _copy_of_original(
         raw.rebuild_rows(rows, original, delta_fn)
     raw.verify(original)
     return CopyRecord(original if original.device.type == "cpu" or on_device else host_copy(original))
-
-
-def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None:
-    """W' = round(W + ΔW) written into `rows` block by block, with no record and no finite check: only for
-    undo="none" merges whose ΔW was bounded below the dtype's overflow headroom
-    (checks.overflow_headroom), run once apply can no longer fail. The same blocks and arithmetic as
-    merge_in_place, so the same bits."""
-    cols, total = rows[0].numel(), rows.shape[0]
-    dbuf, ahead, acc = direct_scratch(rows, chunk_rows)
-    with block_deltas(delta_fn, rows, _spans(total, chunk_rows), (dbuf, ahead)) as deltas:
-        for r0, r1, delta in deltas:
-            n = (r1 - r0) * cols
-            combine_into(rows[r0:r1], rows[r0:r1], delta, 1, acc[:n].view(delta.shape))
-
-
-def direct_scratch(rows: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """merge_direct's block buffers (ΔW, the next block's ΔW and the sum), from the pool: called early, it
-    reserves them."""
-    block = min(rows.shape[0], chunk_rows) * rows[0].numel()
-    names = ("delta", "delta_ahead", "acc")
-    delta, ahead, acc = (scratch(n, block, acc_dtype(rows.dtype), rows.device) for n in names)
-    return delta, ahead, acc

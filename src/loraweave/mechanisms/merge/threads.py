@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Generic, TypeVar
 
 import torch
 
+T = TypeVar("T")
 # (rows ΔW reads, r0, r1, out) -> ΔW of rows [r0, r1) (undo.DeltaFn)
 DeltaFn = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], torch.Tensor]
 _SPARE: ContextVar[int] = ContextVar("loraweave_spare_threads", default=0)
@@ -66,26 +68,21 @@ def block_deltas(
         r0, r1 = spans[i]
         return delta_fn(base, r0, r1, ring[i % (depth + 1)][: (r1 - r0) * cols])
 
-    claims = _Claims(len(spans), depth, compute)
-    with ThreadPoolExecutor(depth, thread_name_prefix="loraweave-delta") as pool:
-        for _ in range(depth):
-            pool.submit(claims.help)
-        try:
-            yield ((r0, r1, claims.take(i)) for i, (r0, r1) in enumerate(spans))
-        finally:
-            claims.stop()  # the pool's exit waits for a helper's span in flight
+    with claimed(len(spans), depth, compute) as claims:
+        yield ((r0, r1, claims.take(i)) for i, (r0, r1) in enumerate(spans))
 
 
-class _Claims:
-    """Which spans' ΔW is claimed and done: helpers claim the next span the ring has room for; the caller,
-    waiting for span i, computes span i itself where no helper has claimed it, else the next unclaimed span in
-    the window, and waits only where none is left (a descheduled helper costs one span's wait at most)."""
+class Claims(Generic[T]):
+    """Which spans' work (ΔW, or a whole block: blocks.py) is claimed and done: helpers claim the next span
+    the window has room for; the caller, waiting for span i, does span i itself where no helper has claimed
+    it, else the next unclaimed span in the window, and waits only where none is left (a descheduled helper
+    costs one span's wait at most)."""
 
-    def __init__(self, count: int, depth: int, compute: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, count: int, depth: int, compute: Callable[[int], T]) -> None:
         self.count, self.depth, self.compute = count, depth, compute
         self.claimed = 0  # spans [0, claimed) are claimed; claims go in order
         self.taken = 0  # the caller has asked for spans [0, taken): span taken - 1 is in its hands
-        self.done: dict[int, torch.Tensor | BaseException] = {}
+        self.done: dict[int, T | BaseException] = {}
         self.stopped = False
         self.changed = threading.Condition()
 
@@ -99,7 +96,7 @@ class _Claims:
 
     def _run(self, i: int, kept: type[BaseException] = Exception) -> None:
         try:
-            result: torch.Tensor | BaseException = self.compute(i)
+            result: T | BaseException = self.compute(i)
         except (
             kept
         ) as exc:  # handed to the caller when it asks for span i (an interrupt of its own propagates)
@@ -120,8 +117,9 @@ class _Claims:
                     return
             self._run(i, BaseException)
 
-    def take(self, i: int) -> torch.Tensor:
-        """Span i's ΔW (the caller is done with span i - 1's)."""
+    def take(self, i: int, keep: bool = False) -> T:
+        """Span i's result (the caller is done with span i - 1's); `keep`: left in `done` until the caller
+        `forget`s it (a block written but not yet in the caller's record is then still found, to put back)."""
         with self.changed:
             self.taken = i + 1
             self.changed.notify_all()  # the window moved: a helper may claim one more
@@ -129,7 +127,7 @@ class _Claims:
         while True:
             with self.changed:
                 if i in self.done:
-                    result = self.done.pop(i)
+                    result = self.done[i] if keep else self.done.pop(i)
                     break
                 if self.claimed == i:  # no helper has claimed it: the caller computes it
                     self.claimed, mine = i + 1, i
@@ -143,7 +141,33 @@ class _Claims:
             raise result
         return result
 
+    def forget(self, i: int) -> None:
+        with self.changed:
+            self.done.pop(i, None)
+
     def stop(self) -> None:
         with self.changed:
             self.stopped = True
             self.changed.notify_all()
+
+
+@contextmanager
+def claimed(
+    count: int, depth: int, compute: Callable[[int], T], window: int | None = None
+) -> Iterator[Claims[T]]:
+    """Claims of `count` spans with `depth` helper threads (each at torch's one intra-op thread), at most
+    `window` (default `depth`) spans done ahead of the caller; on exit (an exception included) the helpers
+    are stopped and joined: nothing of theirs is left running."""
+    claims = Claims(count, window or depth, compute)
+    with ThreadPoolExecutor(depth, thread_name_prefix="loraweave-delta") as pool:
+        for _ in range(depth):
+            pool.submit(claims.help)
+        try:
+            yield claims
+        finally:
+            claims.stop()  # the pool's exit waits for a helper's span in flight
+
+
+def spare_threads() -> int:
+    """The threads recorded_threads lent to the pass running now (0 outside one)."""
+    return _SPARE.get()
