@@ -176,3 +176,20 @@ def test_direct_write_of_undo_none_is_shared_and_writes_the_bits_of_one(
     bits_n, records, _ = merged(special_weights(dtype, specials=False), sd, n, threads, undo="none")
     assert any(name.startswith("loraweave-delta") for name in names), names
     assert all(torch.equal(bits_n[k], one[k]) for k in one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_rebuild_of_a_compact_record_is_shared_and_exact(monkeypatch, small_blocks, threads, dtype):
+    """remove() of a one-thread compact merge at 3 threads: the record's rebuild (ΔW, W' - ΔW and the block's
+    misses) runs on the caller and the spare threads, and gives W back bit for bit."""
+    from loraweave.mechanisms.merge import undo as undo_mod
+
+    model = special_weights(dtype)
+    before = state_bits(model)
+    sd = lora_sd(special_weights(dtype, specials=False), rel=0.3)
+    _, records, handle = merged(model, sd, 1, threads, undo="compact")
+    names = threads_calling(monkeypatch, undo_mod, "combine_into")
+    threads(3)
+    handle.remove()
+    assert any(name.startswith("loraweave-delta") for name in names), names
+    assert_same_bits(model, before)

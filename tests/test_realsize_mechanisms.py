@@ -190,8 +190,9 @@ def test_runtime_and_per_sample_batch_at_real_size(dtype, layer):
 @pytest.mark.parametrize("undo", ["auto", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_blocks_shared_by_threads_write_one_threads_bits_at_real_size(dtype, undo):
-    """The fused pass (undo="auto") and the direct write (undo="none") with their blocks shared by 3 threads
-    (mechanisms/merge/blocks.py, direct.py) write the bits and keep the record of one thread, at full size."""
+    """The fused pass (undo="auto"), the direct write (undo="none") and the record's rebuild (remove) with
+    their blocks shared by 3 threads (mechanisms/merge/blocks.py, direct.py, undo.py) write the bits and keep
+    the record of one thread, at full size."""
     root = holder(FLUX_PROJ_OUT)
     lora = lora_for(FLUX_PROJ_OUT, rel=rel_for(dtype))
     with materialized(root, ["layer"], dtype, SEED):
@@ -215,7 +216,11 @@ def test_blocks_shared_by_threads_write_one_threads_bits_at_real_size(dtype, und
                 with torch.no_grad():  # a permanent fuse: the seeded weight back for the next thread count
                     fill_seeded(weight, SEED)
             else:
-                handle.remove()
+                torch.set_num_threads(threads)
+                try:
+                    handle.remove()  # at 3 threads the record's rebuild is shared too
+                finally:
+                    torch.set_num_threads(1)
                 assert_seeded(weight, SEED, f"{dtype} after remove() at {threads} threads")
         (one, one_fields, one_row), (three, three_fields, three_row) = outcomes
         assert torch.equal(one, three), f"{dtype} undo={undo}: 3 threads wrote other bits"

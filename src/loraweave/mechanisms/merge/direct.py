@@ -5,11 +5,9 @@ the writes allocate nothing."""
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from .threads import MAX_AHEAD, block_deltas, claimed, spare_threads
+from .threads import MAX_AHEAD, block_deltas, each_span, spare_threads
 from .undo import DeltaFn, acc_dtype, combine_into, scratch
 
 Buffers = tuple[torch.Tensor, torch.Tensor]  # one thread's ΔW and sum, a block each
@@ -34,22 +32,14 @@ def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None
                 n = (r1 - r0) * cols
                 combine_into(rows[r0:r1], rows[r0:r1], delta, 1, acc[:n].view(delta.shape))
         return
-    free = [(dbuf, acc), *helper_scratch(rows, chunk_rows, helpers)]
-    lock, local = threading.Lock(), threading.local()
 
-    def write(i: int) -> None:
-        buffers: Buffers | None = getattr(local, "buffers", None)
-        if buffers is None:
-            with lock:
-                buffers = local.buffers = free.pop()
+    def write(i: int, buffers: Buffers) -> None:
         r0, r1 = spans[i]
         n = (r1 - r0) * cols
         delta = delta_fn(rows, r0, r1, buffers[0][:n])
         combine_into(rows[r0:r1], rows[r0:r1], delta, 1, buffers[1][:n].view(delta.shape))
 
-    with claimed(len(spans), helpers, write, window=2 * (helpers + 1)) as claims:
-        for i in range(len(spans)):
-            claims.take(i)
+    each_span(len(spans), write, [(dbuf, acc), *helper_scratch(rows, chunk_rows, helpers)])
 
 
 def direct_scratch(rows: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 import torch
 
 T = TypeVar("T")
+B = TypeVar("B")
 # (rows ΔW reads, r0, r1, out) -> ΔW of rows [r0, r1) (undo.DeltaFn)
 DeltaFn = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], torch.Tensor]
 _SPARE: ContextVar[int] = ContextVar("loraweave_spare_threads", default=0)
@@ -166,6 +167,29 @@ def claimed(
             yield claims
         finally:
             claims.stop()  # the pool's exit waits for a helper's span in flight
+
+
+def each_span(count: int, work: Callable[[int, B], None], buffers: list[B]) -> None:
+    """work(i, buffers of the thread running it) for every span i < count, on the caller and up to
+    len(buffers) - 1 helper threads (each at one intra-op thread), each span once; returns when all are done,
+    raising the first failure in span order (nothing left running)."""
+    helpers = min(len(buffers) - 1, count - 1)
+    if helpers < 1:
+        for i in range(count):
+            work(i, buffers[0])
+        return
+    free, lock, local = list(buffers), threading.Lock(), threading.local()
+
+    def run(i: int) -> None:
+        mine = getattr(local, "buffers", None)
+        if mine is None:
+            with lock:
+                mine = local.buffers = free.pop()
+        work(i, mine)
+
+    with claimed(count, helpers, run, window=2 * (helpers + 1)) as claims:
+        for i in range(count):
+            claims.take(i)
 
 
 def spare_threads() -> int:

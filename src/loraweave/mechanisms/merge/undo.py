@@ -22,7 +22,7 @@ import torch
 
 from ...errors import UndoError
 from .bitscan import differ, insert_zeros, pack_positions, put, unpack_positions
-from .threads import block_deltas
+from .threads import MAX_AHEAD, block_deltas, each_span, spare_threads
 from .threads import recorded_threads as recorded_threads  # re-exported: quantized/write.py uses it
 
 # gap encodings: entry dtype and the largest step one entry holds (a longer gap takes valueless filler
@@ -129,11 +129,14 @@ def witness_positions(numel: int) -> torch.Tensor:
 class _Fill:
     """CompactRecord.rebuild's fill(r0, r1, delta=None) and the buffer it computes ΔW into."""
 
-    fill: Callable[[int, int, torch.Tensor | None], None]
+    fill: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None]
     buffer: torch.Tensor
+    acc: torch.Tensor  # the sum's buffer (another thread passes its own)
 
-    def __call__(self, r0: int, r1: int, delta: torch.Tensor | None = None) -> None:
-        self.fill(r0, r1, delta)
+    def __call__(
+        self, r0: int, r1: int, delta: torch.Tensor | None = None, acc: torch.Tensor | None = None
+    ) -> None:
+        self.fill(r0, r1, delta, acc)
 
 
 @dataclass(eq=False)
@@ -193,6 +196,17 @@ class CompactRecord:
         fill = self.rebuild(merged, out, delta_fn)
         spans = [(r0, min(end, r0 + self.chunk_rows)) for r0 in range(0, end, self.chunk_rows)]
         block = min(out.shape[0], self.chunk_rows) * out[0].numel()
+        helpers = min(spare_threads(), MAX_AHEAD, len(spans) - 1) if out.device.type == "cpu" else 0
+        if helpers > 0:  # each block whole (ΔW, W' - ΔW, its misses) on whichever thread claims it
+
+            def rebuild_span(i: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+                r0, r1 = spans[i]
+                n = (r1 - r0) * out[0].numel()
+                fill(r0, r1, delta_fn(merged, r0, r1, buffers[0][:n]), buffers[1])
+
+            own = [(torch.empty_like(fill.buffer), torch.empty_like(fill.buffer)) for _ in range(helpers)]
+            each_span(len(spans), rebuild_span, [(fill.buffer, fill.acc), *own])
+            return
         ahead = scratch("undo_delta_ahead", block, acc_dtype(out.dtype), out.device)
         with block_deltas(delta_fn, merged, spans, (fill.buffer, ahead)) as deltas:
             for r0, r1, delta in deltas:
@@ -213,15 +227,19 @@ class CompactRecord:
         edges = torch.arange(0, rows + chunk, chunk, device=pos.device).clamp_(max=rows) * cols
         bounds = torch.searchsorted(pos, edges).tolist()
 
-        def fill(r0: int, r1: int, delta: torch.Tensor | None = None) -> None:
+        def fill(
+            r0: int, r1: int, delta: torch.Tensor | None = None, sums: torch.Tensor | None = None
+        ) -> None:
             n = (r1 - r0) * cols
             if delta is None:
                 delta = delta_fn(merged, r0, r1, dbuf[:n])
-            combine_into(out[r0:r1], merged[r0:r1], delta, -1, acc[:n].view(delta.shape))
+            combine_into(
+                out[r0:r1], merged[r0:r1], delta, -1, (acc if sums is None else sums)[:n].view(delta.shape)
+            )
             lo, hi = bounds[r0 // chunk], bounds[-(-r1 // chunk)]
             put(ob, pos[lo:hi], values[lo:hi])
 
-        return _Fill(fill, dbuf)
+        return _Fill(fill, dbuf, acc)
 
     def verify(self, out: torch.Tensor) -> None:
         ob = bits(out).reshape(-1)
