@@ -197,6 +197,10 @@ class CompactRecord:
         spans = [(r0, min(end, r0 + self.chunk_rows)) for r0 in range(0, end, self.chunk_rows)]
         block = min(out.shape[0], self.chunk_rows) * out[0].numel()
         helpers = min(spare_threads(), MAX_AHEAD, len(spans) - 1) if out.device.type == "cpu" else 0
+        try:  # (a rollback runs this too: where the helpers' buffers do not fit, the caller does it alone)
+            own = [(torch.empty_like(fill.buffer), torch.empty_like(fill.buffer)) for _ in range(helpers)]
+        except (RuntimeError, MemoryError):
+            helpers = 0
         if helpers > 0:  # each block whole (ΔW, W' - ΔW, its misses) on whichever thread claims it
 
             def rebuild_span(i: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -204,7 +208,6 @@ class CompactRecord:
                 n = (r1 - r0) * out[0].numel()
                 fill(r0, r1, delta_fn(merged, r0, r1, buffers[0][:n]), buffers[1])
 
-            own = [(torch.empty_like(fill.buffer), torch.empty_like(fill.buffer)) for _ in range(helpers)]
             each_span(len(spans), rebuild_span, [(fill.buffer, fill.acc), *own])
             return
         ahead = scratch("undo_delta_ahead", block, acc_dtype(out.dtype), out.device)
