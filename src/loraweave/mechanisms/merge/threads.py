@@ -3,9 +3,11 @@
 Each pass runs block by block of rows (a few MiB each). With torch's intra-op threads every op of a block is
 a parallel region of its own, and on a busy host each one waits in an OpenMP barrier for a descheduled thread
 (a merge at 2 threads under load took up to 6x its one-thread time; issue 39). So the passes run their ops on
-one intra-op thread, and where torch had more, one of the spare threads computes the next block's ΔW (into a
-second buffer) while the caller writes this one: one hand-over per block, no barrier per op. ΔW's bits do not
-depend on the thread count then: a record made at any count is recomputed exactly at any other."""
+one intra-op thread, and where torch had more, the spare threads take whole spans: the next blocks' ΔW
+(`block_deltas`) or whole blocks (blocks.py, direct.py, the record's rebuild: `each_span`), claimed span by
+span (`Claims`), so a descheduled thread holds up one span at most. Every span is computed on one thread at
+one intra-op thread: ΔW's bits do not depend on the thread count, and a record made at any count is
+recomputed exactly at any other."""
 
 from __future__ import annotations
 
@@ -96,11 +98,10 @@ class Claims(Generic[T]):
         return self.claimed - 1
 
     def _run(self, i: int, kept: type[BaseException] = Exception) -> None:
+        # a failure is handed to the caller when it asks for span i (the caller's own interrupt propagates)
         try:
             result: T | BaseException = self.compute(i)
-        except (
-            kept
-        ) as exc:  # handed to the caller when it asks for span i (an interrupt of its own propagates)
+        except kept as exc:
             result = exc
         with self.changed:
             self.done[i] = result
