@@ -8,6 +8,7 @@ Every test sets torch's thread count itself: CI runs with OMP_NUM_THREADS=1, whe
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -73,12 +74,15 @@ def assert_same_records(a: list, b: list) -> None:
 
 
 def threads_calling(monkeypatch, module, name: str) -> set[str]:
-    """The names of the threads that call module.name from now on."""
+    """The names of the threads that call module.name from now on (the caller's calls slowed by 5 ms: a
+    helper of the pool then claims a block on any host)."""
     names: set[str] = set()
     real = getattr(module, name)
 
     def spied(*args):
         names.add(threading.current_thread().name)
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.005)
         return real(*args)
 
     monkeypatch.setattr(module, name, spied)
@@ -148,7 +152,8 @@ def test_interrupt_in_any_thread_puts_every_written_block_back(
             model, lora_sd(special_weights(dtype, specials=False), rel=0.3), mode="merge", undo="compact"
         )
     assert_same_bits(model, before)
-    assert not [t for t in threading.enumerate() if t.name.startswith("loraweave-delta")]
+    time.sleep(0.05)
+    assert_same_bits(model, before)  # no helper wrote a block after apply returned
 
 
 @pytest.mark.parametrize("kind", ["compact", "auto"])

@@ -86,7 +86,7 @@ def test_delta_ahead_runs_on_one_intra_op_thread(monkeypatch, small_blocks, thre
     _, _, handle = merged_at(2, torch.float32, sd, 1.0, threads)
     handle.remove()
     helpers = {name for name, _ in seen if name.startswith("loraweave-delta")}
-    assert len(helpers) == 1 and {n for _, n in seen} == {1}, seen
+    assert helpers and {n for _, n in seen} == {1}, seen  # (pool threads: one per pass, any of them)
     seen.clear()  # at 4 threads, more than one helper computes ΔW ahead, each at one intra-op thread
     _, _, handle = merged_at(4, torch.float32, sd, 1.0, threads)
     handle.remove()
@@ -255,10 +255,14 @@ def test_a_stalled_helper_does_not_stall_the_caller(threads, spare):
 
 def test_a_helper_error_is_raised_at_its_span_and_nothing_is_left_running(threads):
     """A ΔW that fails on a helper is raised where the caller asks for that span, after the spans before it;
-    on leaving the block (the error included) no helper thread is left running."""
+    on leaving the block (the error included) no helper computes a span of it any more."""
     from loraweave.mechanisms.merge.threads import block_deltas, recorded_threads
 
+    calls = []
+
     def delta(base, r0, r1, out):
+        calls.append(r0)
+        time.sleep(0.002)  # slow spans: helpers are inside one when the error is raised
         if r0 == 8:
             raise ValueError("span 4")
         return out
@@ -272,4 +276,6 @@ def test_a_helper_error_is_raised_at_its_span_and_nothing_is_left_running(thread
             for r0, _, _ in deltas:
                 seen.append(r0)
     assert seen == [0, 2, 4, 6]
-    assert not [t for t in threading.enumerate() if t.name.startswith("loraweave-delta")]
+    count = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == count, calls  # nothing of the pass ran after it returned
