@@ -198,3 +198,20 @@ def test_rebuild_of_a_compact_record_is_shared_and_exact(monkeypatch, small_bloc
     handle.remove()
     assert any(name.startswith("loraweave-delta") for name in names), names
     assert_same_bits(model, before)
+
+
+@pytest.mark.parametrize("nth", [2, 3])
+def test_interrupt_while_a_block_is_joined_puts_it_back(monkeypatch, small_blocks, threads, nth):
+    """Ctrl-C right after a block's first step was re-counted for joining, before the record holds it: the
+    block is put back from its own record, which the re-count must not have changed."""
+    dtype = torch.bfloat16
+    model = special_weights(dtype)
+    before = state_bits(model)
+    monkeypatch.setattr(
+        inplace_mod, "restep", fail_on_call(nth, KeyboardInterrupt, inplace_mod.restep, after=True)
+    )
+    sd = lora_sd(special_weights(dtype, specials=False), rel=0.01)  # sparse misses: steps re-counted
+    threads(3)
+    with pytest.raises(KeyboardInterrupt):
+        loraweave.apply(model, sd, mode="merge", undo="compact")
+    assert_same_bits(model, before)

@@ -107,7 +107,8 @@ def restep(record: BlockRecord, previous: int, cols: int) -> tuple[torch.Tensor,
     new = old + start - previous
     if new == old:
         return gaps, 0
-    if lead == 0 and new <= STEP:  # the usual case: one entry re-counted in place (the record's own tensor)
+    if lead == 0 and new <= STEP:  # the usual case: one entry re-counted (in a copy: until joined, the
+        gaps = gaps.clone()  # block's own record must still put it back)
         gaps[0] = new
         return gaps, 0
     fillers = (new - 1) // STEP
