@@ -19,10 +19,10 @@ import torch
 
 from .native import Kernel
 from .threads import claimed
-from .undo import GUARDS, DeltaFn, acc_dtype, bits, combine_into
+from .undo import GAP_ENCODINGS, GUARDS, DeltaFn, acc_dtype, bits, combine_into, decode_gaps
 
-STEP = 255  # the largest step a "gaps8" entry holds; a longer gap is preceded by fillers (0) worth 255 each
-WIDE_STEP = 65535  # the same for the 2-byte encoding, counted to size it
+STEP = GAP_ENCODINGS["gaps8"][1]  # the largest step an entry holds; a longer one is preceded by fillers (0)
+WIDE_STEP = GAP_ENCODINGS["gaps"][1]  # the same for the 2-byte encoding, counted to size it
 
 
 @dataclass
@@ -122,9 +122,7 @@ def put_back(rows: torch.Tensor, record: BlockRecord, delta_fn: DeltaFn) -> None
     block = rows[record.r0 : record.r1]
     delta = delta_fn(rows, record.r0, record.r1, None)
     combine_into(block, block, delta, -1, torch.empty_like(delta))
-    steps = record.gaps.to(torch.int64)
-    at = (torch.where(steps == 0, STEP, steps).cumsum(0) - 1)[steps != 0]  # from the block's first element
-    bits(block).view(-1)[at] = record.vals
+    bits(block).view(-1)[decode_gaps(record.gaps, STEP)] = record.vals  # its steps count from the block
 
 
 @contextmanager

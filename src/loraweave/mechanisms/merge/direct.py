@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from .threads import MAX_AHEAD, block_deltas, each_span, spare_threads
+from .threads import MAX_AHEAD, block_deltas, each_span, helpers_for, row_spans
 from .undo import DeltaFn, acc_dtype, combine_into, scratch
 
 Buffers = tuple[torch.Tensor, torch.Tensor]  # one thread's ΔW and sum, a block each
-
-
-def _spans(total: int, chunk_rows: int) -> list[tuple[int, int]]:
-    return [(r0, min(total, r0 + chunk_rows)) for r0 in range(0, total, chunk_rows)]
 
 
 def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None:
@@ -23,9 +19,9 @@ def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None
     (checks.overflow_headroom), run once apply can no longer fail. The same blocks and arithmetic as
     merge_in_place, so the same bits at any thread count."""
     cols = rows[0].numel()
-    spans = _spans(rows.shape[0], chunk_rows)
+    spans = row_spans(rows.shape[0], chunk_rows)
     dbuf, ahead, acc = direct_scratch(rows, chunk_rows)
-    helpers = min(spare_threads(), MAX_AHEAD, len(spans) - 1) if rows.device.type == "cpu" else 0
+    helpers = helpers_for(spans, rows.device)
     if helpers < 1:
         with block_deltas(delta_fn, rows, spans, (dbuf, ahead)) as deltas:
             for r0, r1, delta in deltas:

@@ -22,7 +22,7 @@ from .direct import direct_scratch as direct_scratch  # re-exported: layer.py's 
 from .direct import merge_direct as merge_direct
 from .native import Kernel
 from .native import kernel_for as kernel_for  # re-exported: layer.py calls it here (tests patch it)
-from .threads import MAX_AHEAD, block_deltas, spare_threads
+from .threads import block_deltas, helpers_for, row_spans
 from .undo import (
     GAP_ENCODINGS,
     GUARDS,
@@ -102,8 +102,8 @@ def merge_in_place(
     kernel = kernel_for(rows.dtype) if rows.device.type == "cpu" else None
     done = _Progress()
     try:
-        spans = _spans(rows.shape[0], chunk_rows)
-        helpers = min(spare_threads(), MAX_AHEAD, len(spans) - 1)
+        spans = row_spans(rows.shape[0], chunk_rows)
+        helpers = helpers_for(spans, rows.device)
         if kernel is not None and helpers > 0:
             _blocks_shared(rows, delta_fn, spans, kernel, helpers, done, adapters, early)
         elif kernel is not None:
@@ -154,13 +154,16 @@ def sampled_misses(rows: torch.Tensor, delta_fn: DeltaFn) -> tuple[int, int]:
     arithmetic of the merge itself, nothing written. A layer whose ΔW dwarfs W (a 65504-valued factor) is then
     merged with a copy straight away: trying a first block in place cost ~13 % of the copy path (issue 39)."""
     total = rows.shape[0]
+    if total < SAMPLE_ROWS:
+        return 0, 0
     starts = sorted({min(total - SAMPLE_ROWS, k * total // SAMPLE_SPANS) for k in range(SAMPLE_SPANS)})
     misses = sampled = 0
-    for r0 in starts if total >= SAMPLE_ROWS else ():
+    shape = (SAMPLE_ROWS, *rows.shape[1:])
+    acc = torch.empty(shape, dtype=acc_dtype(rows.dtype), device=rows.device)
+    delta_buf, merged, guess = acc.new_empty(acc.numel()), rows.new_empty(shape), rows.new_empty(shape)
+    for r0 in starts:  # (the buffers are the sample's own: written for every span)
         w = rows[r0 : r0 + SAMPLE_ROWS]
-        delta = delta_fn(rows, r0, r0 + SAMPLE_ROWS, None)
-        acc = torch.empty_like(delta)
-        merged, guess = torch.empty_like(w), torch.empty_like(w)
+        delta = delta_fn(rows, r0, r0 + SAMPLE_ROWS, delta_buf)
         combine_into(merged, w, delta, 1, acc)
         if new_non_finite(merged, w):
             return 0, 0  # no decision: the pass refuses the overflow, naming its rows
@@ -168,10 +171,6 @@ def sampled_misses(rows: torch.Tensor, delta_fn: DeltaFn) -> tuple[int, int]:
         misses += int((bits(guess) != bits(w)).sum())
         sampled += SAMPLE_ROWS
     return misses, sampled
-
-
-def _spans(total: int, chunk_rows: int) -> list[tuple[int, int]]:
-    return [(r0, min(total, r0 + chunk_rows)) for r0 in range(0, total, chunk_rows)]
 
 
 def _refuse(bad: int, adapters: set[str], r0: int, r1: int, rows: torch.Tensor) -> None:
@@ -205,7 +204,7 @@ def _blocks_torch(
             done.flight.copy_(saved[: done.flight.numel()].view(done.flight.shape))
 
     done.settle = put_back
-    with block_deltas(delta_fn, rows, _spans(total, chunk_rows), (dbuf, ahead)) as deltas:
+    with block_deltas(delta_fn, rows, row_spans(total, chunk_rows), (dbuf, ahead)) as deltas:
         for r0, r1, delta in deltas:
             _block_torch(rows, r0, r1, delta, done, adapters, (saved, gbuf, mask, acc))
             if early and copy_is_smaller(rows, sum(v.numel() for v in done.values), r1):
@@ -297,7 +296,7 @@ def _blocks_native(
         )
 
     done.settle = keep_finished
-    with block_deltas(delta_fn, rows, _spans(total, chunk_rows), (dbuf, ahead)) as deltas:
+    with block_deltas(delta_fn, rows, row_spans(total, chunk_rows), (dbuf, ahead)) as deltas:
         for r0, r1, delta in deltas:
             n = (r1 - r0) * cols
             room = n + (r1 * cols - int(state[2])) // 255 + 2  # every miss plus the longest gap's fillers

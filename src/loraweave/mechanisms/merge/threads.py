@@ -60,7 +60,7 @@ def block_deltas(
     claimed it yet. The caller must be done with a ΔW before it asks for the next but one. On exit (an
     exception included) nothing is left running."""
     cols = base[0].numel() if base.shape[0] else 0
-    depth = min(_SPARE.get(), MAX_AHEAD, len(spans) - 1) if base.device.type == "cpu" else 0
+    depth = helpers_for(spans, base.device)
     if depth < 1 or len(buffers) < 2:
         yield ((r0, r1, delta_fn(base, r0, r1, buffers[0][: (r1 - r0) * cols])) for r0, r1 in spans)
         return
@@ -193,6 +193,12 @@ def each_span(count: int, work: Callable[[int, B], None], buffers: list[B]) -> N
             claims.take(i)
 
 
-def spare_threads() -> int:
-    """The threads recorded_threads lent to the pass running now (0 outside one)."""
-    return _SPARE.get()
+def row_spans(total: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """The blocks of rows [0, total) a pass runs: chunk_rows each, the last one shorter."""
+    return [(r0, min(total, r0 + chunk_rows)) for r0 in range(0, total, chunk_rows)]
+
+
+def helpers_for(spans: list[tuple[int, int]], device: torch.device) -> int:
+    """The helper threads a pass over `spans` on `device` takes: the spare threads recorded_threads lent it
+    (CPU only), at most MAX_AHEAD and one fewer than the spans."""
+    return min(_SPARE.get(), MAX_AHEAD, len(spans) - 1) if device.type == "cpu" else 0

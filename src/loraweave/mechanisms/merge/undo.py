@@ -22,7 +22,7 @@ import torch
 
 from ...errors import UndoError
 from .bitscan import differ, insert_zeros, pack_positions, put, unpack_positions
-from .threads import MAX_AHEAD, block_deltas, each_span, spare_threads
+from .threads import block_deltas, each_span, helpers_for, row_spans
 from .threads import recorded_threads as recorded_threads  # re-exported: quantized/write.py uses it
 
 # gap encodings: entry dtype and the largest step one entry holds (a longer gap takes valueless filler
@@ -194,9 +194,9 @@ class CompactRecord:
         next block's ΔW computed ahead where a thread is spare: threads.block_deltas)."""
         end = out.shape[0] if rows is None else rows
         fill = self.rebuild(merged, out, delta_fn)
-        spans = [(r0, min(end, r0 + self.chunk_rows)) for r0 in range(0, end, self.chunk_rows)]
+        spans = row_spans(end, self.chunk_rows)
         block = min(out.shape[0], self.chunk_rows) * out[0].numel()
-        helpers = min(spare_threads(), MAX_AHEAD, len(spans) - 1) if out.device.type == "cpu" else 0
+        helpers = helpers_for(spans, out.device)
         try:  # (a rollback runs this too: where the helpers' buffers do not fit, the caller does it alone)
             own = [(torch.empty_like(fill.buffer), torch.empty_like(fill.buffer)) for _ in range(helpers)]
         except (RuntimeError, MemoryError):
@@ -257,11 +257,17 @@ class CompactRecord:
         if self.encoding == "raw":
             return p
         if self.encoding in GAP_ENCODINGS:
-            steps = p.to(torch.int64)
-            real = steps != 0  # zeros are fillers: a step of the encoding's largest, with no value
-            positions = torch.where(real, steps, GAP_ENCODINGS[self.encoding][1]).cumsum(0) - 1
-            return positions if bool(real.all()) else positions[real]
+            return decode_gaps(p, GAP_ENCODINGS[self.encoding][1])
         return unpack_positions(p, numel)
+
+
+def decode_gaps(entries: torch.Tensor, most: int) -> torch.Tensor:
+    """The positions (from -1) that gap entries step to: each entry is a step, a zero a filler worth `most`
+    with no value of its own."""
+    steps = entries.to(torch.int64)
+    real = steps != 0
+    positions = torch.where(real, steps, most).cumsum(0) - 1
+    return positions if bool(real.all()) else positions[real]
 
 
 def combine(w: torch.Tensor, delta: torch.Tensor, sign: int, out: torch.Tensor) -> torch.Tensor:
