@@ -21,6 +21,7 @@ import loraweave.mechanisms.merge.layer as layer_mod
 from loraweave.engine.interrupts import interrupts_held
 from loraweave.errors import NonFiniteResultError
 from loraweave.families import lora
+from loraweave.mechanisms.merge import direct as direct_mod
 from loraweave.mechanisms.merge import inplace as inplace_mod
 from loraweave.mechanisms.merge.checks import overflow_headroom
 
@@ -172,3 +173,88 @@ def test_lora_set_delta_writes_what_add_delta_adds_to_zeros():
     assert not written.isnan().any()
     # -0.0 + 0.0 = +0.0: the zeros' signs made equal
     assert torch.equal((written + 0.0).view(torch.int32), (added + 0.0).view(torch.int32))
+
+
+def fused_spy(monkeypatch) -> dict:
+    """Counts the blocks delta.fused_adder's adds write (and the adders made, None included)."""
+    calls = {"made": 0, "blocks": 0}
+    real = layer_mod.fused_adder
+
+    def made(*args):
+        calls["made"] += 1
+        fused = real(*args)
+        if fused is None:
+            return None
+
+        def counted_add(*a):
+            wrote = fused(*a)
+            calls["blocks"] += wrote
+            return wrote
+
+        return counted_add
+
+    monkeypatch.setattr(layer_mod, "fused_adder", made)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_fp32_none_merge_adds_each_block_in_one_pass_with_the_checked_bits(monkeypatch, dtype):
+    """fp32/fp64 weights, one LoRA a layer: every block is written by one addmm_ (no ΔW buffer), with the
+    bits of the checked path (ΔW rounded, then one add). Fails if the fused add did not run, or if the BLAS
+    fused its product into the add (then blas_rounds_product must have said so)."""
+    model, ref = two_layers(dtype), two_layers(dtype)
+    sd = lora_sd(model, rel=0.3)
+    fused = fused_spy(monkeypatch)
+    loraweave.apply(model, (sd, 1.7), mode="merge", undo="none", strict=True)
+    loraweave.apply(ref, (sd, 1.7), mode="merge", undo="copy")
+    assert fused["made"] == 2 and fused["blocks"] == 2
+    assert_same_bits(model, state_bits(ref))
+
+
+def test_without_a_rounding_blas_the_none_merge_takes_the_two_step_write(monkeypatch):
+    """Where the probe finds that the BLAS fuses alpha·(up @ down) into the add, no fused add is made and the
+    two-step write (ΔW, then one add) gives the checked bits."""
+    from loraweave.mechanisms.merge import delta as delta_mod
+
+    monkeypatch.setattr(delta_mod, "blas_rounds_product", lambda dtype: False)
+    model, ref = two_layers(torch.float32), two_layers(torch.float32)
+    sd = lora_sd(model, rel=0.3)
+    fused = fused_spy(monkeypatch)
+    combines = counted(monkeypatch, direct_mod, "combine_into")
+    loraweave.apply(model, sd, mode="merge", undo="none", strict=True)
+    loraweave.apply(ref, sd, mode="merge", undo="copy")
+    assert fused == {"made": 2, "blocks": 0} and combines["n"] == 2
+    assert_same_bits(model, state_bits(ref))
+
+
+def test_fused_add_writes_only_the_blocks_its_term_covers():
+    """A LoRA on rows [4, 12) of 16 (a fused layer's middle part): the blocks it covers whole are added in
+    place, the others left to the two-step write, which turns -0.0 into +0.0 there (W + 0) as every other
+    path does. Compared with rows_delta + combine_into block by block."""
+    from types import SimpleNamespace
+
+    from loraweave.arch.spec import Piece
+    from loraweave.families.lora import SPEC, LoraFactors
+    from loraweave.mechanisms.merge.delta import delta_fn, fused_adder
+    from loraweave.mechanisms.merge.undo import combine_into
+
+    g = gen(5)
+    w = torch.randn(16, 24, generator=g)
+    w[0, :3] = -0.0
+    w[13, :3] = -0.0
+    factors = LoraFactors(torch.randn(3, 24, generator=g), torch.randn(8, 3, generator=g), None, 3, False)
+    terms = [(SimpleNamespace(family=SPEC, factors=factors), Piece("m", 0, 4, 8, False), 1.0, 0.6)]
+    fused, delta = fused_adder(terms, w), delta_fn(terms)
+    assert fused is not None
+    got, want = w.clone(), w.clone()
+    written = []
+    for r0 in range(0, 16, 4):
+        written.append(fused(got, r0, r0 + 4))
+        if not written[-1]:
+            combine_into(got[r0 : r0 + 4], got[r0 : r0 + 4], delta(got, r0, r0 + 4), 1, torch.empty(4, 24))
+        block = want[r0 : r0 + 4]
+        combine_into(block, block, delta(want, r0, r0 + 4), 1, torch.empty(4, 24))
+    assert written == [False, True, True, False]
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(got[4:12], w[4:12])  # the covered rows were written
+    assert (got.view(torch.int32)[0, :3] == 0).all() and (got.view(torch.int32)[13, :3] == 0).all()  # +0.0

@@ -253,7 +253,10 @@ class Family:
     - squared_norm(f, src, length) -> float | None: ‖ΔW rows [src, src+length)‖² (coeff 1) from the factors,
       with ΔW never formed; None where the family declares none (a caller then forms ΔW).
     - set_delta(target_rows, f, src, length, coeff) or None: target_rows = coeff·ΔW, written, not added (the
-      same bits as add_delta into zeros, with no zero pass and no read of the block)."""
+      same bits as add_delta into zeros, with no zero pass and no read of the block).
+    - fused_add(target_rows, f, src, length, coeff) or None: target_rows += coeff·ΔW in one pass, ΔW never
+      stored, with set_delta's bits then one add where the BLAS rounds its product before adding it
+      (mechanisms/merge/delta.blas_rounds_product); undo="none" writes fp32 weights with it."""
 
     name: str
     load: Loader
@@ -276,6 +279,7 @@ class Family:
     runtime_refusal: RuntimeRefusal = _runtime_ok
     delta_bound: DeltaBound = _unbounded
     set_delta: DeltaAdder | None = None
+    fused_add: DeltaAdder | None = None
     squared_norm: SquaredNorm = _no_norm
 
     def __post_init__(self) -> None:

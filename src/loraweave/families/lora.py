@@ -163,4 +163,5 @@ SPEC = Family(
     gather_rows=gather_rows,
     delta_bound=delta_bound,
     set_delta=set_delta,
+    fused_add=add_delta,  # one addmm_: the roofline of a merge (issue 39)
 )

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -11,7 +13,9 @@ from ...arch.spec import Piece
 from ...families.base import CastMemo
 from ...families.contribution import add_contribution
 from ...resolve.planner import PlannedPart
-from .undo import DeltaFn, acc_dtype
+from .undo import DeltaFn, acc_dtype, bits
+
+FusedAdd = Callable[[torch.Tensor, int, int], bool]  # (rows, r0, r1) -> whether rows [r0, r1) were written
 
 Term = tuple[PlannedPart, Piece, float, float]  # part, piece, strength, scale
 
@@ -66,3 +70,48 @@ def rows_delta(
     if not filled:
         delta.zero_()
     return delta
+
+
+def fused_adder(terms: list[Term], rows: torch.Tensor) -> FusedAdd | None:
+    """W[r0:r1] += ΔW in one pass with no ΔW buffer (family.fused_add: LoRA's addmm_), for blocks the one
+    term covers whole, with the bits of rows_delta then one add; None where that cannot hold: not one term,
+    a weight of another dtype than ΔW's (fp16/bf16 round the sum once from fp32), a W-reading family, or a
+    BLAS that fuses the product into the add (its bits would differ from the recorded paths')."""
+    if len(terms) != 1 or rows.device.type != "cpu" or rows.dtype != acc_dtype(rows.dtype):
+        return None
+    ((pp, piece, strength, scale),) = terms
+    family = pp.family
+    if family.fused_add is None or family.needs_base or not blas_rounds_product(rows.dtype):
+        return None
+    add, casts = family.fused_add, CastMemo()
+    lo, hi = piece.dst_start, piece.dst_start + piece.length
+
+    def fused(target: torch.Tensor, r0: int, r1: int) -> bool:
+        if r0 < lo or r1 > hi:  # rows the term does not cover get W + 0 (-0.0 becomes +0.0): rows_delta's
+            return False
+        with casts:
+            add(target[r0:r1], pp.factors, piece.src_start + r0 - lo, r1 - r0, strength * scale)
+        return True
+
+    return fused
+
+
+@functools.cache
+def blas_rounds_product(dtype: torch.dtype) -> bool:
+    """Whether the BLAS's in-place addmm_ (beta 1) rounds alpha·(up @ down) before adding it, as addmm with
+    beta 0 then an add does: checked once per process and dtype on the CPU, at one intra-op thread (a pass's
+    count), on block shapes of a rank-16 and a rank-4 LoRA."""
+    g = torch.Generator().manual_seed(39)
+    same = True
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rows, cols, rank in ((341, 3072, 16), (37, 200, 4)):
+            w = torch.randn(rows, cols, generator=g, dtype=dtype)
+            up = torch.randn(rows, rank, generator=g, dtype=dtype)
+            down = torch.randn(rank, cols, generator=g, dtype=dtype)
+            two = w + torch.addmm(torch.empty_like(w), up, down, beta=0, alpha=0.37)
+            same &= torch.equal(bits(w.addmm_(up, down, alpha=0.37)), bits(two))
+    finally:
+        torch.set_num_threads(before)
+    return same

@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import torch
 
+from .delta import FusedAdd
 from .threads import MAX_AHEAD, block_deltas, each_span, helpers_for, row_spans
 from .undo import DeltaFn, acc_dtype, combine_into, scratch
 
 Buffers = tuple[torch.Tensor, torch.Tensor]  # one thread's ΔW and sum, a block each
 
 
-def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None:
+def merge_direct(
+    rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int, fused: FusedAdd | None = None
+) -> None:
     """W' = round(W + ΔW) written into `rows` block by block, with no record and no finite check: only for
     undo="none" merges whose ΔW was bounded below the dtype's overflow headroom
     (checks.overflow_headroom), run once apply can no longer fail. The same blocks and arithmetic as
-    merge_in_place, so the same bits at any thread count."""
+    merge_in_place, so the same bits at any thread count; `fused` (delta.fused_adder) writes a block in one
+    pass with those bits where it can."""
     cols = rows[0].numel()
     spans = row_spans(rows.shape[0], chunk_rows)
     dbuf, ahead, acc = direct_scratch(rows, chunk_rows)
@@ -25,12 +29,16 @@ def merge_direct(rows: torch.Tensor, delta_fn: DeltaFn, chunk_rows: int) -> None
     if helpers < 1:
         with block_deltas(delta_fn, rows, spans, (dbuf, ahead)) as deltas:
             for r0, r1, delta in deltas:
+                if fused is not None and fused(rows, r0, r1):
+                    continue
                 n = (r1 - r0) * cols
                 combine_into(rows[r0:r1], rows[r0:r1], delta, 1, acc[:n].view(delta.shape))
         return
 
     def write(i: int, buffers: Buffers) -> None:
         r0, r1 = spans[i]
+        if fused is not None and fused(rows, r0, r1):
+            return
         n = (r1 - r0) * cols
         delta = delta_fn(rows, r0, r1, buffers[0][:n])
         combine_into(rows[r0:r1], rows[r0:r1], delta, 1, buffers[1][:n].view(delta.shape))

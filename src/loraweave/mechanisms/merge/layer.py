@@ -14,7 +14,7 @@ from ...report.report import AppliedModule
 from ...resolve.stacking import Contribution, adapter_names
 from . import inplace
 from .checks import UndoSettings, needs_bias, overflow_headroom, refuse_non_finite
-from .delta import Term, delta_fn
+from .delta import Term, delta_fn, fused_adder
 from .inplace import direct_scratch, merge_direct, merge_in_place
 from .native import NATIVE_BLOCKS
 from .threads import pass_threads
@@ -109,7 +109,8 @@ class MergedModule:
             weight = _tensor(self.module, "weight").data
             rows = weight.view(weight.shape[0], -1)
             with torch.no_grad(), recorded_threads(pass_threads(rows.device)):
-                merge_direct(rows, delta_fn(self.pending), self._chunk_rows(rows))
+                fused = fused_adder(self.pending, rows)
+                merge_direct(rows, delta_fn(self.pending), self._chunk_rows(rows), fused)
             self.pending = None
         self.record, self.bias_backup = FusedRecord(), None
         self._report()

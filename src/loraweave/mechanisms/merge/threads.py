@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Generic, TypeVar
@@ -25,6 +25,9 @@ B = TypeVar("B")
 # (rows ΔW reads, r0, r1, out) -> ΔW of rows [r0, r1) (undo.DeltaFn)
 DeltaFn = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], torch.Tensor]
 _SPARE: ContextVar[int] = ContextVar("loraweave_spare_threads", default=0)
+# within shared_helpers: [(pool, its thread count)], the one pool the passes lend their helpers from
+HelperPools = list[tuple[ThreadPoolExecutor, int]]
+_HELPERS: ContextVar[HelperPools | None] = ContextVar("loraweave_helpers", default=None)
 MAX_AHEAD = 7  # blocks whose ΔW is computed ahead at most (a block buffer each)
 
 
@@ -161,13 +164,45 @@ def claimed(
     `window` (default `depth`) spans done ahead of the caller; on exit (an exception included) the helpers
     are stopped and joined: nothing of theirs is left running."""
     claims = Claims(count, window or depth, compute)
-    with ThreadPoolExecutor(depth, thread_name_prefix="loraweave-delta") as pool:
-        for _ in range(depth):
-            pool.submit(claims.help)
-        try:
-            yield claims
-        finally:
-            claims.stop()  # the pool's exit waits for a helper's span in flight
+    shared = _HELPERS.get()
+    if shared is None:
+        with ThreadPoolExecutor(depth, thread_name_prefix="loraweave-delta") as pool:
+            for _ in range(depth):
+                pool.submit(claims.help)
+            try:
+                yield claims
+            finally:
+                claims.stop()  # the pool's exit waits for a helper's span in flight
+        return
+    if not shared or shared[0][1] < depth:
+        if shared:
+            shared.pop()[0].shutdown()
+        shared.append((ThreadPoolExecutor(depth, thread_name_prefix="loraweave-delta"), depth))
+    helping = [shared[0][0].submit(claims.help) for _ in range(depth)]
+    try:
+        yield claims
+    finally:
+        claims.stop()
+        for started in helping:
+            started.cancel()  # one not started yet never will (a pass inside a pass cannot wait on it)
+        wait(helping)  # a helper's span in flight ends before the pass returns: nothing of it left running
+
+
+@contextmanager
+def shared_helpers() -> Iterator[None]:
+    """Within: the passes' helper threads are started once and reused pass after pass (a pass over one
+    layer took ~1 ms to start and join its threads, 5-13 % of an apply; issue 39); joined on exit."""
+    if _HELPERS.get() is not None:
+        yield
+        return
+    pools: HelperPools = []
+    token = _HELPERS.set(pools)
+    try:
+        yield
+    finally:
+        _HELPERS.reset(token)
+        for pool, _ in pools:
+            pool.shutdown()
 
 
 def each_span(count: int, work: Callable[[int, B], None], buffers: list[B]) -> None:

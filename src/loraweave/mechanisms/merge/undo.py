@@ -22,7 +22,7 @@ import torch
 
 from ...errors import UndoError
 from .bitscan import differ, insert_zeros, pack_positions, put, unpack_positions
-from .threads import block_deltas, each_span, helpers_for, row_spans
+from .threads import block_deltas, each_span, helpers_for, row_spans, shared_helpers
 from .threads import recorded_threads as recorded_threads  # re-exported: quantized/write.py uses it
 
 # gap encodings: entry dtype and the largest step one entry holds (a longer gap takes valueless filler
@@ -44,10 +44,12 @@ _POOL: ContextVar[dict[tuple[object, ...], torch.Tensor] | None] = ContextVar(
 @contextmanager
 def reused_buffers() -> Iterator[None]:
     """Within: a merge's W' buffer and block temporaries are kept and reused layer after layer (each fresh
-    allocation of the same size costs page faults again); all of it is released on exit."""
+    allocation of the same size costs page faults again), and the passes' helper threads; all of it is
+    released on exit."""
     token = _POOL.set({})
     try:
-        yield
+        with shared_helpers():  # the block passes' helper threads too
+            yield
     finally:
         _POOL.reset(token)
 
