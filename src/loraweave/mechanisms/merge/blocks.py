@@ -43,7 +43,9 @@ class BlockRecord:
 
 class _Buffers:
     """One thread's scratch for its blocks: ΔW, entries, W's bits, guards and the kernel's state (state[0]
-    is -1 until the kernel has written block [r0, r1): then the buffers hold its record)."""
+    is -1 until the kernel has written block [r0, r1): then the buffers hold its record). The counters are
+    read through numpy views and the pointers taken once: a block's Python overhead is paid under the GIL
+    that every thread shares."""
 
     def __init__(self, rows: torch.Tensor, block: int) -> None:
         wb = bits(rows)
@@ -53,17 +55,31 @@ class _Buffers:
         self.guard = torch.zeros(1 + GUARDS, dtype=torch.int64)
         self.guard_w, self.guard_m = wb.new_zeros(GUARDS), wb.new_zeros(GUARDS)
         self.state = torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64)
+        self.counts, self.guarded = self.state.numpy(), self.guard.numpy()  # the same memory
+        self.outputs = tuple(
+            t.data_ptr() for t in (self.gaps, self.vals, self.guard, self.guard_w, self.guard_m, self.state)
+        )
         self.r0 = self.r1 = 0
 
     def written(self) -> BlockRecord | None:
         """The record of the block the kernel wrote last (None before any)."""
-        misses, bad, last, entries, wide = (int(v) for v in self.state)
+        misses, bad, last, entries, wide = self.counts.tolist()
         if misses < 0:
             return None
-        g = int(self.guard[0])
-        guards = (self.guard[1 : 1 + g].clone(), self.guard_w[:g].clone(), self.guard_m[:g].clone())
+        g = int(self.guarded[0])
+        guards = (
+            (self.guard[1 : 1 + g].clone(), self.guard_w[:g].clone(), self.guard_m[:g].clone())
+            if g
+            else NO_GUARDS[self.vals.dtype]
+        )
         gaps, vals = self.gaps[:entries].clone(), self.vals[:misses].clone()
         return BlockRecord(self.r0, self.r1, gaps, vals, guards, misses, bad, last, wide)
+
+
+NO_GUARDS = {
+    dtype: (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=dtype))
+    for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
+}  # shared, never written: a block without a changed element (the usual one after the first)
 
 
 def merge_block(
@@ -71,22 +87,11 @@ def merge_block(
 ) -> BlockRecord:
     """Rows [r0, r1) merged by the kernel (W' written over W), with the block's own record."""
     cols = rows[0].numel()
-    buf.guard.zero_()
-    buf.state.copy_(torch.tensor([-1, 0, r0 * cols - 1, 0, 0]))
+    buf.guarded[0] = 0  # the kernel fills guards from the count on
+    buf.counts[:] = (-1, 0, r0 * cols - 1, 0, 0)
     buf.r0, buf.r1 = r0, r1
-    wb = bits(rows).view(-1)
-    kernel.fn(
-        wb[r0 * cols :].data_ptr(),
-        delta.data_ptr(),
-        (r1 - r0) * cols,
-        r0 * cols,
-        buf.gaps.data_ptr(),
-        buf.vals.data_ptr(),
-        buf.guard.data_ptr(),
-        buf.guard_w.data_ptr(),
-        buf.guard_m.data_ptr(),
-        buf.state.data_ptr(),
-    )
+    at = rows.data_ptr() + r0 * cols * rows.element_size()
+    kernel.fn(at, delta.data_ptr(), (r1 - r0) * cols, r0 * cols, *buf.outputs)
     record = buf.written()
     assert record is not None, "the kernel returned without writing its block"
     return record

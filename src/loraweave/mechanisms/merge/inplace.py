@@ -157,20 +157,22 @@ def sampled_misses(rows: torch.Tensor, delta_fn: DeltaFn) -> tuple[int, int]:
     if total < SAMPLE_ROWS:
         return 0, 0
     starts = sorted({min(total - SAMPLE_ROWS, k * total // SAMPLE_SPANS) for k in range(SAMPLE_SPANS)})
-    misses = sampled = 0
-    shape = (SAMPLE_ROWS, *rows.shape[1:])
-    acc = torch.empty(shape, dtype=acc_dtype(rows.dtype), device=rows.device)
-    delta_buf, merged, guess = acc.new_empty(acc.numel()), rows.new_empty(shape), rows.new_empty(shape)
-    for r0 in starts:  # (the buffers are the sample's own: written for every span)
-        w = rows[r0 : r0 + SAMPLE_ROWS]
-        delta = delta_fn(rows, r0, r0 + SAMPLE_ROWS, delta_buf)
-        combine_into(merged, w, delta, 1, acc)
-        if new_non_finite(merged, w):
-            return 0, 0  # no decision: the pass refuses the overflow, naming its rows
-        combine_into(guess, merged, delta, -1, acc)
-        misses += int((bits(guess) != bits(w)).sum())
-        sampled += SAMPLE_ROWS
-    return misses, sampled
+    sampled = SAMPLE_ROWS * len(starts)
+    shape = (sampled, *rows.shape[1:])
+    delta = torch.empty(shape, dtype=acc_dtype(rows.dtype), device=rows.device)
+    for k, r0 in enumerate(starts):  # ΔW span by span (the blocks' own arithmetic), then one check for all
+        part = delta[k * SAMPLE_ROWS : (k + 1) * SAMPLE_ROWS]
+        got = delta_fn(rows, r0, r0 + SAMPLE_ROWS, part.view(-1))
+        if got.data_ptr() != part.data_ptr():  # a ΔW function that wrote elsewhere
+            part.copy_(got.view_as(part))
+    picked = torch.tensor([r0 + i for r0 in starts for i in range(SAMPLE_ROWS)], device=rows.device)
+    w, acc = rows.index_select(0, picked), torch.empty_like(delta)
+    merged, guess = torch.empty_like(w), torch.empty_like(w)
+    combine_into(merged, w, delta, 1, acc)
+    if new_non_finite(merged, w):
+        return 0, 0  # no decision: the pass refuses the overflow, naming its rows
+    combine_into(guess, merged, delta, -1, acc)
+    return int((bits(guess) != bits(w)).sum()), sampled
 
 
 def _refuse(bad: int, adapters: set[str], r0: int, r1: int, rows: torch.Tensor) -> None:
@@ -341,9 +343,11 @@ def _blocks_shared(
         for record in records:
             gaps, wide = restep(record, previous, cols)
             have = sum(g.numel() for g in done.guards[0])
-            guards = [
-                [*kept, new[: GUARDS - have]] for kept, new in zip(done.guards, record.guards, strict=True)
-            ]
+            guards = (
+                [[*kept, new[: GUARDS - have]] for kept, new in zip(done.guards, record.guards, strict=True)]
+                if have < GUARDS and record.guards[0].numel()
+                else done.guards
+            )
             fillers = {
                 "gaps8": done.fillers["gaps8"] + gaps.numel() - record.misses,
                 "gaps": done.fillers["gaps"] + record.wide_fillers + wide,
