@@ -284,3 +284,36 @@ def test_an_unwritable_cache_folder_builds_in_the_temp_dir(monkeypatch, tmp_path
     monkeypatch.setattr(native, "_cache_dir", lambda: blocker / "native")  # mkdir under a file fails
     lib = native.load(("-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"))
     assert lib is not None and native.bind(lib, torch.float32) is not None
+
+
+PORTABLE = ("-O2", "-march=x86-64", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "changed", [[], [4095], [6149], [1, 2049, 2050, 4100, 6143], list(range(3, 6151, 601))]
+)
+def test_kernel_guards_where_few_elements_change(dtype, changed, build):
+    """ΔW zero except at a few positions (a zero LoRA, rows outside a fused part): the guards are the first 8
+    changed positions with W's and W''s bits, found across slices (2048 elements), in a block's unaligned
+    tail, and none where nothing changes; with and without AVX-512. Against torch's add and round."""
+    kernel = native.kernel_for(dtype) if build == "native" else native.bind(native.load(PORTABLE), dtype)
+    n = 6151  # 3 slices and an unaligned tail
+    w = (torch.rand(n, generator=gen(3)) + 0.5).to(dtype)
+    d = torch.zeros(n)
+    d[changed] = 0.25
+    expect = (w.float() + d).to(dtype)
+    wb = bits(w).clone()
+    gaps = torch.zeros(n + n // 255 + 2, dtype=torch.uint8)
+    vals, guard = wb.new_zeros(n), torch.zeros(9, dtype=torch.int64)
+    gw, gm = wb.new_zeros(8), wb.new_zeros(8)
+    state = torch.tensor([-1, 0, -1, 0, 0], dtype=torch.int64)
+    kernel.fn(wb.data_ptr(), d.data_ptr(), n, 0, gaps.data_ptr(), vals.data_ptr(),
+              guard.data_ptr(), gw.data_ptr(), gm.data_ptr(), state.data_ptr())  # fmt: skip
+    assert torch.equal(wb, bits(expect))
+    differs = (bits(expect) != bits(w)).nonzero().squeeze(1)[:8]
+    assert differs.tolist() == changed[:8]  # the data changes what the test says it does
+    g = int(guard[0])
+    assert torch.equal(guard[1 : 1 + g], differs)
+    assert torch.equal(gw[:g], bits(w)[differs]) and torch.equal(gm[:g], bits(expect)[differs])

@@ -23,6 +23,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define SLICE 2048
 #define GUARDS 8
@@ -75,14 +78,36 @@ static inline int64_t flagged(const uint8_t *miss, int64_t m, int32_t *idx) {
         last = at;                                                                               \
     }
 
+/* The first byte offset where a and b differ (n where none): guards are searched over every slice until 8 are
+   found, and a block whose ΔW rounds away (a zero LoRA, rows outside a fused part) changes no element. */
+static inline int64_t first_diff(const uint8_t *a, const uint8_t *b, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512BW__
+    for (; i + 64 <= n; i += 64) {
+        __mmask64 ne = _mm512_cmpneq_epi8_mask(_mm512_loadu_si512(a + i), _mm512_loadu_si512(b + i));
+        if (ne) return i + __builtin_ctzll(ne);
+    }
+#endif
+    for (; i + 8 <= n; i += 8) {
+        uint64_t x, y;
+        memcpy(&x, a + i, 8);
+        memcpy(&y, b + i, 8);
+        if (x != y) return i + (__builtin_ctzll(x ^ y) >> 3);
+    }
+    for (; i < n; i++)
+        if (a[i] != b[i]) return i;
+    return n;
+}
+
 #define GUARD(TYPE)                                                                              \
-    for (int64_t i = 0; i < m && guard[0] < GUARDS; i++) {                                       \
-        if (ws[i] != out[i]) {                                                                   \
-            int64_t g = guard[0]++;                                                              \
-            guard[1 + g] = base + s + i;                                                         \
-            guard_w[g] = ws[i];                                                                  \
-            guard_m[g] = out[i];                                                                 \
-        }                                                                                        \
+    for (int64_t i = 0; guard[0] < GUARDS; i++) {                                                \
+        i += first_diff((const uint8_t *)(ws + i), (const uint8_t *)(out + i),                   \
+                        (m - i) * (int64_t)sizeof(TYPE)) / (int64_t)sizeof(TYPE);                \
+        if (i >= m) break;                                                                       \
+        int64_t g = guard[0]++;                                                                  \
+        guard[1 + g] = base + s + i;                                                             \
+        guard_w[g] = ws[i];                                                                      \
+        guard_m[g] = out[i];                                                                     \
     }
 
 #define FINISH()                                                                                 \
@@ -94,7 +119,6 @@ static inline int64_t flagged(const uint8_t *miss, int64_t m, int32_t *idx) {
     return k;
 
 #ifdef __AVX512F__
-#include <immintrin.h>
 /* W' of 16 fp32 lanes and the lanes that miss (or are NaN): compress-stored as indices, no branch per lane */
 static inline int64_t slice_f32(const uint32_t *ws, const float *ds, int64_t m, uint32_t *out, int32_t *idx) {
     int64_t c = 0, i = 0;
