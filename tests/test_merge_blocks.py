@@ -169,6 +169,39 @@ def test_interrupt_in_any_thread_puts_every_written_block_back(
     assert_same_bits(model, before)  # no helper wrote a block after apply returned
 
 
+def test_a_helper_block_interrupted_after_its_call_is_not_written_over_by_its_next_block(
+    monkeypatch, small_blocks, threads
+):
+    """A helper's block is written, then Ctrl-C lands on that helper; it goes on to merge another block while
+    the caller is held in its first one. The interrupted block's record (in that helper's arena) must not
+    be overwritten by the next block's: both are put back, bit for bit."""
+    dtype = torch.bfloat16
+    model = special_weights(dtype, rows=300)  # 8 blocks a layer
+    before = state_bits(model)
+    real = native.kernel_for(dtype).fn
+    helper_calls = []
+
+    def scripted(*args):
+        if threading.current_thread() is threading.main_thread():
+            deadline = time.monotonic() + 5
+            while len(helper_calls) < 2 and time.monotonic() < deadline:
+                time.sleep(0.001)  # the helper merges its interrupted block and the next one first
+            return real(*args)
+        helper_calls.append(args[3])
+        out = real(*args)
+        if len(helper_calls) == 1:
+            raise KeyboardInterrupt("injected after a helper's kernel call")
+        return out
+
+    monkeypatch.setattr(inplace_mod, "kernel_for", lambda dt: native.Kernel(dtype, scripted))
+    threads(2)
+    sd = lora_sd(special_weights(dtype, specials=False, rows=300), rel=0.3)
+    with pytest.raises(KeyboardInterrupt):
+        loraweave.apply(model, sd, mode="merge", undo="compact")
+    assert len(helper_calls) >= 2, helper_calls  # the helper did merge a block after its interrupted one
+    assert_same_bits(model, before)
+
+
 @pytest.mark.parametrize("kind", ["compact", "auto"])
 def test_overflow_in_a_late_block_puts_back_the_blocks_of_every_thread(small_blocks, threads, kind):
     model, sd = overflowing_model(torch.float16, rows=400, cols=64)
