@@ -136,6 +136,34 @@ def test_mostly_missing_layer_keeps_a_copy_before_any_block(monkeypatch, small_b
     assert_same_bits(model, state_bits(net(dtype)))
 
 
+@pytest.mark.parametrize("threads_n", [1, 2])
+def test_a_few_block_layer_is_not_sampled_and_still_keeps_a_copy(monkeypatch, threads, threads_n):
+    """Layers of fewer than SAMPLED_FROM blocks skip the sample (it cost them more than their first block's
+    check): a mostly missing one still ends its pass after that block and keeps a copy, with the weight the
+    buffered path writes and an exact undo. Fails if the sample ran, or if the block check let it stay
+    compact."""
+    dtype = torch.bfloat16
+    model, ref = net(dtype), net(dtype)
+    monkeypatch.setattr(layer_mod, "CHUNK_ELEMENTS", 900)  # native blocks of 3600 elements: 3 and 2 a layer
+    block = 900 * layer_mod.NATIVE_BLOCKS
+    blocks = [-(-m.weight.shape[0] // (block // m.weight.shape[1])) for m in model.values()]
+    assert blocks == [3, 2], blocks
+    assert max(blocks) < inplace_mod.SAMPLED_FROM
+    samples = []
+    real = inplace_mod.sampled_misses
+    monkeypatch.setattr(inplace_mod, "sampled_misses", lambda *a: samples.append(1) or real(*a))
+    stops = counted_stops(monkeypatch)
+    threads(threads_n)
+    sd = huge_sd(dtype)
+    handle = loraweave.apply(model, (sd, 1.0), mode="merge", strict=True)
+    loraweave.apply(ref, (sd, 1.0), mode="merge", undo="copy")
+    assert not samples and True in stops, (samples, stops)
+    assert kinds_of(handle) == {"copy"}
+    assert_same_bits(model, state_bits(ref))
+    handle.remove()
+    assert_same_bits(model, state_bits(net(dtype)))
+
+
 def counted_stops(monkeypatch) -> list[bool]:
     """The results of inplace.copy_is_smaller from now on."""
     out: list[bool] = []

@@ -95,14 +95,14 @@ def merge_in_place(
     non-finite. On the CPU the blocks go through the native kernel (native.py) where one was built; the same
     bits."""
     early = kind != "compact"
-    if early and copy_is_smaller(rows, *sampled_misses(rows, delta_fn)):
+    spans = row_spans(rows.shape[0], chunk_rows)
+    if early and len(spans) >= SAMPLED_FROM and copy_is_smaller(rows, *sampled_misses(rows, delta_fn)):
         return False  # decided from a few rows, before any block is written
     wb = bits(rows).view(-1)
     witness = wb[witness_positions(wb.numel()).to(wb.device)]  # W's bits, before any block is written
     kernel = kernel_for(rows.dtype) if rows.device.type == "cpu" else None
     done = _Progress()
     try:
-        spans = row_spans(rows.shape[0], chunk_rows)
         helpers = helpers_for(spans, rows.device)
         if kernel is not None and helpers > 0:
             _blocks_shared(rows, delta_fn, spans, kernel, helpers, done, adapters, early)
@@ -147,6 +147,9 @@ def copy_is_smaller(rows: torch.Tensor, misses: int, written: int) -> bool:
 
 
 SAMPLE_SPANS, SAMPLE_ROWS = 4, 2  # rows read by sampled_misses: 4 evenly spaced spans of 2 rows
+# layers of fewer blocks are not sampled: the check after their first block costs them less than a sample
+# (~0.5 ms a layer: 0.4 s of an SDXL strength change, whose 635 of 794 layers are 1-3 blocks)
+SAMPLED_FROM = 4
 
 
 def sampled_misses(rows: torch.Tensor, delta_fn: DeltaFn) -> tuple[int, int]:
