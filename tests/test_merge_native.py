@@ -7,6 +7,7 @@ for bit, and leave the weight unchanged after any failure, including an interrup
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -317,3 +318,43 @@ def test_kernel_guards_where_few_elements_change(dtype, changed, build):
     g = int(guard[0])
     assert torch.equal(guard[1 : 1 + g], differs)
     assert torch.equal(gw[:g], bits(w)[differs]) and torch.equal(gm[:g], bits(expect)[differs])
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_one_pass_combine_writes_torchs_three_pass_bits(dtype, sign, build):
+    """undo.combine_into for 16-bit weights in one native pass (a record's rebuild, the direct write) against
+    torch's exact upcast, fp32 add and one rounding: the same bits on random values and on signed zeros,
+    subnormals, the largest value, infinities, NaN and an overflow, in place and into another buffer; NaN
+    where torch has NaN (its payload is not compared, as elsewhere)."""
+    from loraweave.mechanisms.merge import undo as undo_mod
+
+    if build == "native":
+        one_pass = native.combine_for(dtype)
+    else:
+        lib = native.load(PORTABLE)
+        one_pass = getattr(lib, {torch.bfloat16: "lw_combine_bf16", torch.float16: "lw_combine_f16"}[dtype])
+        one_pass.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int32]
+    g = gen(17)
+    info = torch.finfo(dtype)
+    w = (torch.randn(4099, generator=g) * 0.05).to(dtype)
+    w[:9] = torch.tensor(
+        [-0.0, 0.0, info.tiny / 4, -info.tiny / 2, info.max, -info.max, *[float("inf")] * 2, 1]
+    )
+    w[9] = float("nan")
+    d = torch.randn(4099, generator=g) * 1e-3
+    d[:4] = torch.tensor([0.0, -0.0, info.tiny / 8, 0.0])
+    d[7] = -sign * float("inf")  # inf - inf: NaN
+    w[8], d[8] = info.max, sign * info.max  # max + max: overflows to inf
+    expect = (w.float() + sign * d).to(dtype)
+    out = torch.empty_like(w)
+    one_pass(w.data_ptr(), d.data_ptr(), out.data_ptr(), w.numel(), sign)
+    same_bits_but_nan({"w": bits(out)}, {"w": bits(expect)}, dtype)
+    inplace = w.clone()
+    one_pass(inplace.data_ptr(), d.data_ptr(), inplace.data_ptr(), w.numel(), sign)
+    same_bits_but_nan({"w": bits(inplace)}, {"w": bits(expect)}, dtype)
+    assert torch.isinf(expect[8].float()) and torch.isnan(expect[7].float())  # the specials did what they say
+    via = torch.empty_like(w)  # and combine_into takes it (CPU, contiguous, fp32 ΔW) where one was built
+    undo_mod.combine_into(via, w, d, sign, torch.empty_like(d))
+    same_bits_but_nan({"w": bits(via)}, {"w": bits(expect)}, dtype)

@@ -551,10 +551,11 @@ def test_merge_keeps_only_its_records():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("sign", [1, -1])
-def test_half_combine_has_the_bits_of_one_mixed_add(dtype, sign):
-    """combine_into runs fp16/bf16 weights as upcast, add, round (three vectorized passes): the same bits as
-    one mixed-dtype torch.add rounded once, specials included (signed zeros, subnormals, inf, NaN,
-    overflow)."""
+def test_half_combine_has_the_bits_of_one_mixed_add(monkeypatch, dtype, sign):
+    """combine_into without the native one-pass kernel runs fp16/bf16 weights as upcast, add, round (three
+    vectorized passes): the same bits as one mixed-dtype torch.add rounded once, specials included (signed
+    zeros, subnormals, inf, NaN with its payload, overflow). The native pass: test_merge_native."""
+    monkeypatch.setattr(undo_mod, "combine_for", lambda dtype: None)
     g = gen(11)
     w = (torch.randn(64, 96, generator=g) * 0.05).to(dtype)
     delta = torch.randn(64, 96, generator=g) * 0.002

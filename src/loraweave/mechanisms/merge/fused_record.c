@@ -231,6 +231,14 @@ static inline int64_t slice_bf16(const uint16_t *ws, const float *ds, int64_t m,
 KERNEL(lw_merge_f32, uint32_t, slice_f32, inf_or_nan32)
 KERNEL(lw_merge_bf16, uint16_t, slice_bf16, inf_or_nan16b)
 
+/* dst = round(w + sign·d), the kernels' arithmetic with no record (undo.combine_into for 16-bit weights: one
+   pass where torch needs three; a record's rebuild, undo="none"'s direct write). sign is +1 or -1: sign·d is
+   exact, the add rounds once in fp32, then once into the weight's dtype. dst may be w. */
+void lw_combine_bf16(const uint16_t *w, const float *d, uint16_t *dst, int64_t n, int32_t sign) {
+    const float s = (float)sign;
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_of(u2f((uint32_t)w[i] << 16) + s * d[i]);
+}
+
 #ifdef __FLT16_MANT_DIG__
 static inline uint16_t h2u(_Float16 h) { uint16_t u; memcpy(&u, &h, 2); return u; }
 static inline _Float16 u2h(uint16_t u) { _Float16 h; memcpy(&h, &u, 2); return h; }
@@ -280,6 +288,21 @@ static inline int64_t slice_f16(const uint16_t *ws, const float *ds, int64_t m, 
 #endif
 
 KERNEL(lw_merge_f16, uint16_t, slice_f16, inf_or_nan16)
+
+void lw_combine_f16(const uint16_t *w, const float *d, uint16_t *dst, int64_t n, int32_t sign) {
+    const float s = (float)sign;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    /* gcc does not vectorize the _Float16 casts: the conversions slice_f16 uses, 16 lanes at a time */
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i)));
+        __m512 y = _mm512_add_ps(x, _mm512_mul_ps(sv, _mm512_loadu_ps(d + i)));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT));
+    }
+#endif
+    for (; i < n; i++) dst[i] = h2u((_Float16)((float)u2h(w[i]) + s * d[i]));
+}
 
 int lw_has_f16(void) { return 1; }
 #else

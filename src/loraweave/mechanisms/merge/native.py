@@ -119,6 +119,23 @@ def bind(lib: ctypes.CDLL, dtype: torch.dtype) -> Kernel | None:
     return Kernel(dtype, fn)
 
 
+_COMBINE = {torch.bfloat16: "lw_combine_bf16", torch.float16: "lw_combine_f16"}
+Combine = Callable[[int, int, int, int, int], None]  # (w, d, dst, n, sign): dst = round(w + sign·d)
+
+
+@functools.cache
+def combine_for(dtype: torch.dtype) -> Combine | None:
+    """dst = round(w + sign·ΔW) in one pass for a 16-bit weight dtype (fp16 only where the compiler has
+    _Float16), or None: torch's three passes then (undo.combine_into), the same bits."""
+    lib = _library()
+    name = _COMBINE.get(dtype)
+    if lib is None or name is None or (dtype == torch.float16 and not lib.lw_has_f16()):
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = [_P, _P, _P, ctypes.c_int64, ctypes.c_int32], None
+    return fn
+
+
 @functools.cache
 def kernel_for(dtype: torch.dtype) -> Kernel | None:
     """The fused kernel for a weight dtype (fp32, bf16, fp16 where the compiler has _Float16), or None."""
