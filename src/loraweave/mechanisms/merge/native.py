@@ -133,7 +133,8 @@ def combine_for(dtype: torch.dtype) -> Combine | None:
         return None
     fn = getattr(lib, name)
     fn.argtypes, fn.restype = [_P, _P, _P, ctypes.c_int64, ctypes.c_int32], None
-    return fn
+    one_pass: Combine = fn
+    return one_pass
 
 
 @functools.cache
