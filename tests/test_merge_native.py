@@ -358,3 +358,32 @@ def test_one_pass_combine_writes_torchs_three_pass_bits(dtype, sign, build):
     via = torch.empty_like(w)  # and combine_into takes it (CPU, contiguous, fp32 ΔW) where one was built
     undo_mod.combine_into(via, w, d, sign, torch.empty_like(d))
     same_bits_but_nan({"w": bits(via)}, {"w": bits(expect)}, dtype)
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("encoding", ["gaps8", "gaps"])
+def test_native_gap_decoding_gives_torchs_positions(monkeypatch, encoding, build):
+    """undo.decode_gaps in one native pass against torch's formula (the steps' cumulative sum from -1, a zero
+    a filler worth the largest step, with no position): random steps with fillers, leading and trailing
+    fillers, all fillers, one entry and none."""
+    from loraweave.mechanisms.merge import undo as undo_mod
+
+    dtype, most = undo_mod.GAP_ENCODINGS[encoding]
+    if build == "portable":
+        lib = native.load(PORTABLE)
+        fn = getattr(lib, {"gaps8": "lw_decode_gaps8", "gaps": "lw_decode_gaps16"}[encoding])
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int64
+        monkeypatch.setattr(undo_mod, "decoder_for", lambda d, m: fn)
+    else:
+        assert native.decoder_for(dtype, most) is not None
+    g = gen(23)
+    steps = torch.randint(0, most + 1, (5000,), generator=g)
+    steps[torch.rand(5000, generator=g) < 0.2] = 0  # fillers
+    cases = [steps, torch.cat([torch.zeros(3, dtype=torch.long), steps, torch.zeros(2, dtype=torch.long)])]
+    cases += [torch.zeros(7, dtype=torch.long), torch.tensor([most]), torch.zeros(0, dtype=torch.long)]
+    for case in cases:
+        entries = case.to(torch.int32).to(dtype)
+        got = undo_mod.decode_gaps(entries, most)
+        real = case != 0
+        expect = (torch.where(real, case, most).cumsum(0) - 1)[real]  # the formula, written out
+        assert got.dtype == torch.int64 and torch.equal(got, expect), (encoding, case[:10])

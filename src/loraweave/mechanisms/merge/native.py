@@ -137,6 +137,23 @@ def combine_for(dtype: torch.dtype) -> Combine | None:
     return one_pass
 
 
+_DECODE = {(torch.uint8, 255): "lw_decode_gaps8", (torch.uint16, 65535): "lw_decode_gaps16"}
+Decode = Callable[[int, int, int], int]  # (entries, n, out int64[n]) -> positions written
+
+
+@functools.cache
+def decoder_for(dtype: torch.dtype, most: int) -> Decode | None:
+    """A record's gap entries of `dtype` (fillers worth `most`) decoded to positions in one pass, or None."""
+    lib = _library()
+    name = _DECODE.get((dtype, most))
+    if lib is None or name is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = [_P, ctypes.c_int64, _P], ctypes.c_int64
+    decode: Decode = fn
+    return decode
+
+
 @functools.cache
 def kernel_for(dtype: torch.dtype) -> Kernel | None:
     """The fused kernel for a weight dtype (fp32, bf16, fp16 where the compiler has _Float16), or None."""

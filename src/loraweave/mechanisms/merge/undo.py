@@ -22,7 +22,7 @@ import torch
 
 from ...errors import UndoError
 from .bitscan import differ, insert_zeros, pack_positions, put, unpack_positions
-from .native import Combine, combine_for
+from .native import Combine, combine_for, decoder_for
 from .threads import block_deltas, each_span, helpers_for, row_spans, shared_helpers
 from .threads import recorded_threads as recorded_threads  # re-exported: quantized/write.py uses it
 
@@ -267,6 +267,10 @@ class CompactRecord:
 def decode_gaps(entries: torch.Tensor, most: int) -> torch.Tensor:
     """The positions (from -1) that gap entries step to: each entry is a step, a zero a filler worth `most`
     with no value of its own."""
+    decode = decoder_for(entries.dtype, most) if entries.device.type == "cpu" else None
+    if decode is not None and entries.is_contiguous():
+        out = torch.empty(entries.numel(), dtype=torch.int64)
+        return out[: decode(entries.data_ptr(), entries.numel(), out.data_ptr())]
     steps = entries.to(torch.int64)
     real = steps != 0
     positions = torch.where(real, steps, most).cumsum(0) - 1
