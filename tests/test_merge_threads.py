@@ -120,8 +120,10 @@ def test_mostly_missing_layer_keeps_a_copy_before_any_block(monkeypatch, small_b
         return checks[-1][1]
 
     monkeypatch.setattr(inplace_mod, "copy_is_smaller", spied)
+    # native blocks of 1600 elements: 5 and 4 a layer (a layer of SAMPLED_FROM blocks or more is sampled)
+    monkeypatch.setattr(layer_mod, "CHUNK_ELEMENTS", 400)
     passes: list[str] = []
-    for name in ("_blocks_native", "_blocks_torch"):
+    for name in ("_blocks_native", "_blocks_torch", "_blocks_shared"):
         real_pass = getattr(inplace_mod, name)
         monkeypatch.setattr(inplace_mod, name, lambda *a, _f=real_pass, _n=name: passes.append(_n) or _f(*a))
     sd = huge_sd(dtype)
