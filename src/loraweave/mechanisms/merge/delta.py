@@ -13,7 +13,7 @@ from ...arch.spec import Piece
 from ...families.base import CastMemo
 from ...families.contribution import add_contribution
 from ...resolve.planner import PlannedPart
-from .undo import DeltaFn, acc_dtype, bits
+from .undo import DeltaFn, acc_dtype, bits, recorded_threads
 
 FusedAdd = Callable[[torch.Tensor, int, int], bool]  # (rows, r0, r1) -> whether rows [r0, r1) were written
 
@@ -103,15 +103,11 @@ def blas_rounds_product(dtype: torch.dtype) -> bool:
     count), on block shapes of a rank-16 and a rank-4 LoRA."""
     g = torch.Generator().manual_seed(39)
     same = True
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with recorded_threads(1):
         for rows, cols, rank in ((341, 3072, 16), (37, 200, 4)):
             w = torch.randn(rows, cols, generator=g, dtype=dtype)
             up = torch.randn(rows, rank, generator=g, dtype=dtype)
             down = torch.randn(rank, cols, generator=g, dtype=dtype)
             two = w + torch.addmm(torch.empty_like(w), up, down, beta=0, alpha=0.37)
             same &= torch.equal(bits(w.addmm_(up, down, alpha=0.37)), bits(two))
-    finally:
-        torch.set_num_threads(before)
     return same

@@ -231,27 +231,20 @@ static inline int64_t slice_bf16(const uint16_t *ws, const float *ds, int64_t m,
 /* The positions (from -1) a record's gap entries step to, written to out; returns how many: each entry is a
    step, a zero a filler worth the encoding's largest step with no position of its own (undo.decode_gaps: one
    pass where torch needs six over 8-byte integers). */
-int64_t lw_decode_gaps8(const uint8_t *e, int64_t n, int64_t *out) {
-    int64_t pos = -1, k = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t step = e[i];
-        pos += step ? step : 255;
-        out[k] = pos;
-        k += step != 0;
+#define DECODE(NAME, TYPE, MOST)                                                                 \
+    int64_t NAME(const TYPE *e, int64_t n, int64_t *out) {                                       \
+        int64_t pos = -1, k = 0;                                                                 \
+        for (int64_t i = 0; i < n; i++) {                                                        \
+            int64_t step = e[i];                                                                 \
+            pos += step ? step : MOST;                                                           \
+            out[k] = pos;                                                                        \
+            k += step != 0;                                                                      \
+        }                                                                                        \
+        return k;                                                                                \
     }
-    return k;
-}
 
-int64_t lw_decode_gaps16(const uint16_t *e, int64_t n, int64_t *out) {
-    int64_t pos = -1, k = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t step = e[i];
-        pos += step ? step : 65535;
-        out[k] = pos;
-        k += step != 0;
-    }
-    return k;
-}
+DECODE(lw_decode_gaps8, uint8_t, 255)
+DECODE(lw_decode_gaps16, uint16_t, 65535)
 
 KERNEL(lw_merge_f32, uint32_t, slice_f32, inf_or_nan32)
 KERNEL(lw_merge_bf16, uint16_t, slice_bf16, inf_or_nan16b)
